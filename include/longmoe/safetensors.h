@@ -1,0 +1,78 @@
+/* safetensors: the one reader and the one writer for tensor files.
+ *
+ * Format: u64 little-endian header length N, N bytes of JSON header, then the
+ * data. The header maps each tensor name to {"dtype", "shape", "data_offsets"}
+ * (offsets relative to the data start) plus an optional "__metadata__" object
+ * of string values. The reader is strict: the header length must fit the file,
+ * the JSON must be valid, every dtype known, every shape x dtype size equal to
+ * its byte range, ranges may not overlap, and together they must cover the
+ * data exactly (no gaps, no trailing bytes). Every violation is an
+ * LM_ERR_FORMAT naming the file and the tensor. */
+#ifndef LONGMOE_SAFETENSORS_H
+#define LONGMOE_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LM_ST_MAX_DIMS 8
+
+typedef struct {
+    const char *name;
+    lm_dtype dtype;
+    int ndim;
+    int64_t shape[LM_ST_MAX_DIMS];
+    int64_t numel;
+    const void *data; /* points into the loaded file; may be unaligned */
+    size_t nbytes;
+} lm_st_tensor;
+
+typedef struct lm_safetensors lm_safetensors;
+
+lm_status lm_safetensors_open(const char *path, lm_safetensors **out);
+/* Parse an in-memory file image (the bytes are copied). `what` names it in errors. */
+lm_status lm_safetensors_parse(const void *bytes, size_t size, const char *what,
+                               lm_safetensors **out);
+void lm_safetensors_close(lm_safetensors *st);
+
+int lm_safetensors_count(const lm_safetensors *st);
+const lm_st_tensor *lm_safetensors_at(const lm_safetensors *st, int i);
+const lm_st_tensor *lm_safetensors_find(const lm_safetensors *st, const char *name);
+/* Value of a "__metadata__" entry, or NULL. */
+const char *lm_safetensors_metadata(const lm_safetensors *st, const char *key);
+
+/* Read tensor `name` converted to float32 into a new malloc'd buffer.
+ * Accepts F32, BF16, F16 and F64. When `expect_ndim` >= 0 the tensor must have
+ * that many dimensions. Missing tensors and wrong dtypes are LM_ERR_FORMAT
+ * errors naming the tensor. `shape` (may be NULL) receives the dimensions. */
+lm_status lm_safetensors_read_f32(const lm_safetensors *st, const char *name, int expect_ndim,
+                                  float **out, int64_t shape[LM_ST_MAX_DIMS]);
+
+/* ---- writer ---- */
+typedef struct lm_st_writer lm_st_writer;
+
+lm_st_writer *lm_st_writer_new(void);
+/* Register a tensor; `data` is not copied and must live until save. Returns
+ * LM_ERR_ARG for duplicate or empty names or bad shapes. */
+lm_status lm_st_writer_add(lm_st_writer *w, const char *name, lm_dtype dtype, int ndim,
+                           const int64_t *shape, const void *data);
+lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char *value);
+/* Write atomically: a temporary file beside `path`, fsync, rename, fsync of
+ * the directory. On any failure the temporary file is removed and an existing
+ * file at `path` is left untouched. */
+lm_status lm_st_writer_save(const lm_st_writer *w, const char *path);
+void lm_st_writer_free(lm_st_writer *w);
+
+/* Write a whole file atomically (used by every writer of the project). */
+lm_status lm_write_file_atomic(const char *path, const void *const *parts, const size_t *sizes,
+                               int nparts);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

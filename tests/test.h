@@ -1,0 +1,85 @@
+/* A minimal test harness. Each test file is one program:
+ *
+ *   static void test_chunked_equals_recurrent(void) { CHECK(...); CHECK_CLOSE(...); }
+ *   int main(void) { RUN(test_chunked_equals_recurrent); return test_summary(); }
+ *
+ * CHECK records a failure (with file, line and message) and carries on, so one
+ * run reports every broken property. The summary's last line reads
+ * "N passed, N failed" and the exit code is non-zero when anything failed. */
+#ifndef LONGMOE_TEST_H
+#define LONGMOE_TEST_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/core.h"
+
+static int test_passed_count, test_failed_count, test_current_failures;
+static const char *test_current_name;
+
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            test_current_failures++;                                                          \
+            fprintf(stderr, "  FAIL %s (%s:%d): %s: ", test_current_name, __FILE__, __LINE__, \
+                    #cond);                                                                   \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fputc('\n', stderr);                                                              \
+        }                                                                                     \
+    } while (0)
+
+/* |got - want| <= atol + rtol * |want| */
+#define CHECK_CLOSE(got, want, atol, rtol, what)                                             \
+    do {                                                                                     \
+        double g_ = (double)(got), w_ = (double)(want);                                      \
+        CHECK(fabs(g_ - w_) <= (atol) + (rtol)*fabs(w_) && !isnan(g_),                       \
+              "%s: got %.9g want %.9g (diff %.3g)", (what), g_, w_, fabs(g_ - w_));          \
+    } while (0)
+
+#define RUN(fn)                                                                      \
+    do {                                                                             \
+        test_current_name = #fn;                                                     \
+        test_current_failures = 0;                                                   \
+        double t0_ = lm_time_seconds();                                              \
+        fn();                                                                        \
+        double dt_ = lm_time_seconds() - t0_;                                        \
+        if (test_current_failures) {                                                 \
+            test_failed_count++;                                                     \
+            printf("FAIL %-60s %7.2fs\n", #fn, dt_);                                 \
+        } else {                                                                     \
+            test_passed_count++;                                                     \
+            printf("ok   %-60s %7.2fs\n", #fn, dt_);                                 \
+        }                                                                            \
+        fflush(stdout);                                                              \
+    } while (0)
+
+static inline int test_summary(void) {
+    printf("%d passed, %d failed\n", test_passed_count, test_failed_count);
+    return test_failed_count ? 1 : 0;
+}
+
+/* Relative error ||a - b|| / ||b|| of two double arrays. */
+static inline double test_rel_error(const double *a, const double *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* Relative error of a float array against a double reference. */
+static inline double test_rel_error_f(const float *a, const double *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += b[i] * b[i];
+        if (isnan(a[i])) return INFINITY;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+#endif

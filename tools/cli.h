@@ -1,0 +1,25 @@
+/* Shared helpers of the longmoe CLI: subcommand table and flag parsing.
+ * Each subcommand is `int cmd_<name>(int argc, char **argv)` (argv[0] is the
+ * subcommand's own name) returning the process exit code. Errors are printed
+ * as "longmoe <cmd>: error: ..." and give exit code 1; bad usage gives 2. */
+#ifndef LONGMOE_CLI_H
+#define LONGMOE_CLI_H
+
+#include <stdint.h>
+
+int cmd_op(int argc, char **argv);
+int cmd_op_kda(int argc, char **argv);
+
+/* Print "longmoe <cmd>: error: <msg>" to stderr; returns 1. */
+int cli_fail(const char *cmd, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+/* Parse a whole-string number for `flag`; on error prints and returns non-zero. */
+int cli_parse_double(const char *cmd, const char *flag, const char *text, double *out);
+int cli_parse_int(const char *cmd, const char *flag, const char *text, long lo, long hi, long *out);
+/* The value following flag argv[*i]; NULL (with a message) if absent. */
+const char *cli_value(const char *cmd, int argc, char **argv, int *i);
+
+#endif
