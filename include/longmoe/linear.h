@@ -1,0 +1,45 @@
+/* Dense building blocks shared by the layers: matrix products, RMSNorm,
+ * activations. fp32, row-major, OpenMP over rows. Backward functions
+ * ACCUMULATE (+=) into every gradient they write (llm.c style); any gradient
+ * pointer may be NULL to skip it. */
+#ifndef LONGMOE_LINEAR_H
+#define LONGMOE_LINEAR_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* out[n,oc] = inp[n,ic] . weight[oc,ic]^T (+ bias[oc] if bias != NULL).
+ * Weight layout is [out, in] like a PyTorch Linear. */
+void lm_matmul_forward(float *out, const float *inp, const float *weight, const float *bias,
+                       int64_t n, int ic, int oc);
+/* dinp[n,ic] += dout . weight;  dweight[oc,ic] += dout^T . inp;  dbias[oc] += sum dout. */
+void lm_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                        const float *inp, const float *weight, int64_t n, int ic, int oc);
+
+/* out[n,d] = x / rms(x) * weight (weight may be NULL: no scale);
+ * rstd[n] (may be NULL) receives 1/rms for the backward. rms = sqrt(mean(x^2) + eps). */
+void lm_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                        int64_t n, int d, float eps);
+/* dinp += ..., dweight += ...; rstd from the forward (recomputed if NULL). */
+void lm_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                         const float *weight, const float *rstd, int64_t n, int d, float eps);
+
+static inline float lm_sigmoidf(float x) {
+    /* stable for any finite x */
+    if (x >= 0) {
+        float e = __builtin_expf(-x);
+        return 1.0f / (1.0f + e);
+    }
+    float e = __builtin_expf(x);
+    return e / (1.0f + e);
+}
+
+static inline float lm_siluf(float x) { return x * lm_sigmoidf(x); }
+
+#ifdef __cplusplus
+}
+#endif
+#endif
