@@ -15,7 +15,7 @@ build: $(BUILD)/CMakeCache.txt
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
-	./tools/demo.sh $(BUILD)
+	./$(BUILD)/longmoe demo
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -L cpu -j $(JOBS)

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+int cmd_demo(int argc, char **argv);
 int cmd_op(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
 

@@ -11,7 +11,8 @@ typedef struct {
 } command;
 
 static const command commands[] = {
-    {"op", cmd_op, "run one operator on tensors from a safetensors file (kda)"},
+    {"demo", cmd_demo, "show the KDA operator at work on random inputs (what `make demo` runs)"},
+    {"op", cmd_op, "run one operator on tensors from a safetensors file"},
 };
 
 static void usage(FILE *f) {
