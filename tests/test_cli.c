@@ -1,0 +1,175 @@
+/* The CLI end to end: `longmoe op kda` reads named tensors, runs the operator
+ * and writes its outputs; bad files and flags give a clear message and a
+ * non-zero exit code, and leave no output file behind. */
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "longmoe/kda.h"
+#include "longmoe/safetensors.h"
+#include "test.h"
+
+static char dir[256];
+
+static const char *path_in(const char *name) {
+    static char buf[4][512];
+    static int slot;
+    slot = (slot + 1) % 4;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
+    return buf[slot];
+}
+
+/* Run the CLI with `args`; return its exit code and leave stderr in err.txt. */
+static int run_cli(const char *args) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, path_in("out.txt"), path_in("err.txt"));
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int stderr_has(const char *phrase) {
+    FILE *f = fopen(path_in("err.txt"), "rb");
+    if (!f) return 0;
+    char buf[4096] = {0};
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    if (!strstr(buf, phrase)) {
+        fprintf(stderr, "  stderr was: %s\n", buf);
+        return 0;
+    }
+    return 1;
+}
+
+enum { B = 2, T = 37, H = 2, K = 16, V = 8 };
+static float q[B * T * H * K], k[B * T * H * K], v[B * T * H * V], z[B * T * H * K];
+static float beta[B * T * H], A_log[H], dt_bias[H * K], d_o[B * T * H * V];
+
+static void make_inputs(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 99);
+    for (int i = 0; i < B * T * H; i++) {
+        float sq = 0, sk = 0;
+        for (int d = 0; d < K; d++) {
+            q[i * K + d] = (float)lm_rng_normal(&r);
+            k[i * K + d] = (float)lm_rng_normal(&r);
+            z[i * K + d] = (float)lm_rng_normal(&r);
+            sq += q[i * K + d] * q[i * K + d];
+            sk += k[i * K + d] * k[i * K + d];
+        }
+        for (int d = 0; d < K; d++) {
+            q[i * K + d] /= sqrtf(sq);
+            k[i * K + d] /= sqrtf(sk);
+        }
+        beta[i] = (float)(0.1 + 0.8 * lm_rng_uniform(&r));
+    }
+    for (int i = 0; i < B * T * H * V; i++) {
+        v[i] = (float)lm_rng_normal(&r);
+        d_o[i] = (float)lm_rng_normal(&r);
+    }
+    for (int i = 0; i < H; i++) A_log[i] = (float)(0.3 * lm_rng_normal(&r));
+    for (int i = 0; i < H * K; i++) dt_bias[i] = (float)(0.5 * lm_rng_normal(&r));
+}
+
+/* Write the inputs, leaving out tensor `skip` and giving `beta` the shape `beta_t`. */
+static void write_inputs(const char *name, const char *skip, int with_do, int64_t beta_t) {
+    lm_st_writer *w = lm_st_writer_new();
+    int64_t sk[4] = {B, T, H, K}, sv[4] = {B, T, H, V}, sb[3] = {B, beta_t, H}, sh[1] = {H}, sd[1] = {H * K};
+    if (strcmp(skip, "q")) lm_st_writer_add(w, "q", LM_DTYPE_F32, 4, sk, q);
+    if (strcmp(skip, "k")) lm_st_writer_add(w, "k", LM_DTYPE_F32, 4, sk, k);
+    if (strcmp(skip, "v")) lm_st_writer_add(w, "v", LM_DTYPE_F32, 4, sv, v);
+    if (strcmp(skip, "z")) lm_st_writer_add(w, "z", LM_DTYPE_F32, 4, sk, z);
+    if (strcmp(skip, "beta")) lm_st_writer_add(w, "beta", LM_DTYPE_F32, 3, sb, beta);
+    if (strcmp(skip, "A_log")) lm_st_writer_add(w, "A_log", LM_DTYPE_F32, 1, sh, A_log);
+    if (strcmp(skip, "dt_bias")) lm_st_writer_add(w, "dt_bias", LM_DTYPE_F32, 1, sd, dt_bias);
+    if (with_do) lm_st_writer_add(w, "do", LM_DTYPE_F32, 4, sv, d_o);
+    if (lm_st_writer_save(w, path_in(name))) fprintf(stderr, "%s\n", lm_last_error());
+    lm_st_writer_free(w);
+}
+
+static void test_op_kda_outputs_equal_the_library_call(void) {
+    write_inputs("in.safetensors", "", 1, T);
+    char args[1024];
+    snprintf(args, sizeof args, "op kda --in %s --out %s --chunk 16", path_in("in.safetensors"),
+             path_in("o.safetensors"));
+    CHECK(run_cli(args) == 0, "exit code");
+    lm_safetensors *st = NULL;
+    CHECK(!lm_safetensors_open(path_in("o.safetensors"), &st), "%s", lm_last_error());
+    if (!st) return;
+    lm_kda_config cfg = lm_kda_config_default(B, T, H, K, V);
+    cfg.chunk = 16;
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, NULL};
+    static float o[B * T * H * V], ht[B * H * K * V], dq[B * T * H * K];
+    CHECK(!lm_kda_chunk_forward(&cfg, &in, o, ht), "%s", lm_last_error());
+    lm_kda_grads g = {0};
+    static float dk[B * T * H * K], dv[B * T * H * V], dz[B * T * H * K], db[B * T * H], dA[H], ddt[H * K];
+    g.dq = dq; g.dk = dk; g.dv = dv; g.dz = dz; g.dbeta = db; g.dA_log = dA; g.ddt_bias = ddt;
+    CHECK(!lm_kda_chunk_backward(&cfg, &in, d_o, NULL, &g), "%s", lm_last_error());
+    const lm_st_tensor *to = lm_safetensors_find(st, "o"), *tq = lm_safetensors_find(st, "dq");
+    const lm_st_tensor *tA = lm_safetensors_find(st, "dA_log");
+    CHECK(to && to->ndim == 4 && to->shape[3] == V && !memcmp(to->data, o, sizeof o), "o identical");
+    CHECK(tq && !memcmp(tq->data, dq, sizeof dq), "dq identical");
+    CHECK(tA && tA->ndim == 1 && tA->shape[0] == H && !memcmp(tA->data, dA, sizeof dA), "dA_log identical");
+    const char *names[] = {"ht", "dk", "dv", "dz", "dbeta", "ddt_bias", "dh0"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        CHECK(lm_safetensors_find(st, names[i]) != NULL, "output %s missing", names[i]);
+    lm_safetensors_close(st);
+
+    /* the recurrent mode computes the same function */
+    snprintf(args, sizeof args, "op kda --in %s --out %s --mode recurrent", path_in("in.safetensors"),
+             path_in("r.safetensors"));
+    CHECK(run_cli(args) == 0, "exit code (recurrent)");
+    CHECK(!lm_safetensors_open(path_in("r.safetensors"), &st), "%s", lm_last_error());
+    if (!st) return;
+    to = lm_safetensors_find(st, "o");
+    double num = 0, den = 0;
+    for (int i = 0; to && i < B * T * H * V; i++) {
+        float x;
+        memcpy(&x, (const char *)to->data + 4 * i, 4);
+        num += (x - o[i]) * (x - o[i]);
+        den += o[i] * o[i];
+    }
+    CHECK(to && sqrt(num / den) < 1e-4, "recurrent vs chunked rel %g", sqrt(num / den));
+    lm_safetensors_close(st);
+}
+
+static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
+    char args[1024];
+    write_inputs("nobeta.safetensors", "beta", 0, T);
+    write_inputs("badbeta.safetensors", "", 0, T + 1);
+    struct { const char *file, *flags, *phrase; int code; } cases[] = {
+        {"nobeta.safetensors", "", "'beta' is missing", 1},
+        {"badbeta.safetensors", "", "tensor 'beta' has shape [2,38,2]", 1},
+        {"in.safetensors", "--chunk 48", "chunk", 1},
+        {"in.safetensors", "--g-min 0.5", "g_min", 1},
+        {"in.safetensors", "--g-min -6", "g_min", 1},
+        {"in.safetensors", "--gate tanh", "--gate must be bounded or softplus", 2},
+        {"in.safetensors", "--scale abc", "--scale expects a finite number", 2},
+        {"in.safetensors", "--frobnicate", "unknown option '--frobnicate'", 2},
+        {"missing.safetensors", "", "cannot open", 1},
+        {"err.txt", "", "header length", 1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        unlink(path_in("bad_out.safetensors"));
+        snprintf(args, sizeof args, "op kda --in %s --out %s %s", path_in(cases[i].file),
+                 path_in("bad_out.safetensors"), cases[i].flags);
+        int rc = run_cli(args);
+        CHECK(rc == cases[i].code, "case %zu (%s): exit %d, want %d", i, cases[i].phrase, rc, cases[i].code);
+        CHECK(stderr_has(cases[i].phrase), "case %zu: message lacks '%s'", i, cases[i].phrase);
+        CHECK(access(path_in("bad_out.safetensors"), F_OK) != 0, "case %zu left an output file", i);
+    }
+    CHECK(run_cli("frobnicate") == 2 && stderr_has("unknown command"), "unknown command");
+    CHECK(run_cli("op kda --help") == 0, "--help exits 0");
+}
+
+int main(void) {
+    snprintf(dir, sizeof dir, "/tmp/longmoe-test-cli-%ld", (long)getpid());
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
+    if (system(cmd) != 0) return 1;
+    make_inputs();
+    RUN(test_op_kda_outputs_equal_the_library_call);
+    RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0) return 1;
+    return test_summary();
+}
