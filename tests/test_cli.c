@@ -136,6 +136,11 @@ static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
     char args[1024];
     write_inputs("nobeta.safetensors", "beta", 0, T);
     write_inputs("badbeta.safetensors", "", 0, T + 1);
+    FILE *f = fopen(path_in("garbage.safetensors"), "wb");
+    if (f) {
+        fputs("this is not a safetensors file at all", f);
+        fclose(f);
+    }
     struct { const char *file, *flags, *phrase; int code; } cases[] = {
         {"nobeta.safetensors", "", "'beta' is missing", 1},
         {"badbeta.safetensors", "", "tensor 'beta' has shape [2,38,2]", 1},
@@ -146,7 +151,7 @@ static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
         {"in.safetensors", "--scale abc", "--scale expects a finite number", 2},
         {"in.safetensors", "--frobnicate", "unknown option '--frobnicate'", 2},
         {"missing.safetensors", "", "cannot open", 1},
-        {"err.txt", "", "header length", 1},
+        {"garbage.safetensors", "", "does not fit the file", 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         unlink(path_in("bad_out.safetensors"));
