@@ -9,6 +9,7 @@
 
 int cmd_demo(int argc, char **argv);
 int cmd_op(int argc, char **argv);
+int cmd_plan(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
 
 /* Print "longmoe <cmd>: error: <msg>" to stderr; returns 1. */

@@ -1,0 +1,99 @@
+/* Model and training configuration: one struct, read from a JSON file whose
+ * keys are documented in docs/config.md. Every key has a type, a range and a
+ * default in one table (src/model/config.c); unknown keys and bad values are
+ * errors that name the key ("model.moe.top_k must lie in [1, 16], got 20"). */
+#ifndef LONGMOE_CONFIG_H
+#define LONGMOE_CONFIG_H
+
+#include <stdint.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LM_MAX_LAYERS 256
+
+typedef enum { LM_MIXER_KDA = 0, LM_MIXER_MLA = 1 } lm_mixer_kind;
+typedef enum { LM_RESIDUAL_STANDARD = 0, LM_RESIDUAL_BLOCK_ATTNRES, LM_RESIDUAL_FULL_ATTNRES } lm_residual_kind;
+typedef enum { LM_BALANCE_QUANTILE = 0, LM_BALANCE_SIGN, LM_BALANCE_AUX, LM_BALANCE_NONE } lm_balance_kind;
+typedef enum { LM_ACT_SWIGLU = 0, LM_ACT_SITU } lm_activation_kind;
+typedef enum { LM_ATTN_MLA = 0, LM_ATTN_GQA } lm_attention_kind;
+typedef enum { LM_SCHEDULE_COSINE = 0, LM_SCHEDULE_WSD } lm_schedule_kind;
+typedef enum { LM_OPTIM_MUON = 0, LM_OPTIM_ADAMW } lm_optimizer_kind;
+
+typedef struct {
+    /* model */
+    int vocab_size, d_model, n_layers;
+    int mla_every;          /* layer l (1-based) is MLA when l % mla_every == 0 or l == n_layers; 0: no MLA */
+    int last_layer_mla;     /* 1: the last layer is MLA whatever mla_every says */
+    char layout[LM_MAX_LAYERS + 1]; /* optional explicit layout, one char a layer: 'k' KDA, 'm' MLA */
+    int first_k_dense, dense_ffn;
+    int tie_embeddings;
+    float norm_eps;
+    /* KDA */
+    int kda_heads, kda_head_dim, kda_chunk, kda_conv_width;
+    int kda_gate_softplus;  /* 0 bounded, 1 softplus */
+    float kda_g_min;
+    /* MLA / GQA */
+    lm_attention_kind attn_kind;
+    int attn_heads, attn_kv_heads, q_lora_rank, kv_lora_rank, qk_head_dim, v_head_dim, rope_dims;
+    /* MoE */
+    int n_routed_experts, top_k, n_shared_experts, expert_ffn, shared_ffn, latent_dim;
+    lm_activation_kind activation;
+    float route_scale;
+    lm_balance_kind balance;
+    int balance_bins;
+    float balance_ema, sign_rate, aux_alpha;
+    /* residual */
+    lm_residual_kind residual;
+    int attnres_block;      /* block size in SUBLAYERS (token mixer and channel mixer count one each) */
+    /* training */
+    int seq_len, batch_size, grad_accum;
+    int64_t steps;
+    lm_optimizer_kind optimizer;
+    float lr, adam_lr, min_lr_ratio, warmup_frac, decay_frac, weight_decay, grad_clip, qk_clip_tau;
+    lm_schedule_kind schedule;
+    uint64_t seed;
+    int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;
+} lm_config;
+
+/* The defaults of every key (a small model). */
+void lm_config_defaults(lm_config *c);
+/* Parse JSON text over the defaults; `what` names the file in messages. */
+lm_status lm_config_parse(const char *text, size_t len, const char *what, lm_config *c);
+lm_status lm_config_load(const char *path, lm_config *c);
+/* Cross-key checks (heads divide, k <= n, layout length, ...). Called by parse. */
+lm_status lm_config_validate(const lm_config *c);
+/* Write the config as JSON (every key), e.g. config.json beside a checkpoint.
+ * Returns a malloc'd NUL-terminated string. */
+char *lm_config_to_json(const lm_config *c);
+
+/* Mixer of layer l (0-based) and whether its channel mixer is a MoE. */
+lm_mixer_kind lm_config_mixer(const lm_config *c, int layer);
+int lm_config_is_moe(const lm_config *c, int layer);
+
+/* Parameter, FLOP and memory accounting by component (for `longmoe plan`). */
+typedef enum {
+    LM_PART_EMBEDDING = 0, LM_PART_KDA, LM_PART_MLA, LM_PART_ROUTER, LM_PART_ROUTED_EXPERTS,
+    LM_PART_SHARED_EXPERTS, LM_PART_DENSE_FFN, LM_PART_ATTNRES_NORMS, LM_PART_LM_HEAD, LM_PART_COUNT
+} lm_part;
+const char *lm_part_name(lm_part p);
+
+typedef struct {
+    double params[LM_PART_COUNT];        /* stored parameters */
+    double active_params[LM_PART_COUNT]; /* used by one token */
+    double flops_per_token[LM_PART_COUNT];       /* forward, at context length `context` */
+    double state_bytes_per_token[LM_PART_COUNT]; /* inference cache per token of context (bf16) */
+    double total_params, total_active, total_flops;
+} lm_plan;
+
+/* Forward FLOPs are 2 per multiply-add; attention FLOPs average over a causal
+ * context of `context` tokens. Training is about 3x the forward. */
+void lm_config_plan(const lm_config *c, int64_t context, lm_plan *p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
