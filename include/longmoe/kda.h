@@ -92,6 +92,11 @@ lm_status lm_kda_recurrent_forward(const lm_kda_config *cfg, const lm_kda_inputs
 lm_status lm_kda_chunk_forward(const lm_kda_config *cfg, const lm_kda_inputs *in, float *o,
                                float *ht);
 
+/* Bytes lm_kda_chunk_backward allocates internally for this config (the
+ * per-chunk incoming states of the pairs in flight and per-thread scratch);
+ * 0 for an invalid config. The forward needs per-thread scratch only. */
+size_t lm_kda_workspace_bytes(const lm_kda_config *cfg);
+
 /* Backward of the chunked form given do [B,T,H,V] and dht [B,H,K,V] (NULL:
  * zero). Recomputes what it needs from the inputs. */
 lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *in,

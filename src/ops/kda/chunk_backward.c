@@ -1,0 +1,277 @@
+/* KDA chunked form, backward (docs/kda.md "Backward").
+ *
+ * Per (batch, head) pair: a forward pass over the chunks stores the state
+ * entering each chunk; then chunks run last to first, recomputing the chunk's
+ * scores, W, U and V' from its stored state, and carrying dS backwards. The
+ * diagonal sub-chunk takes the same FACTORED or PAIRWISE path as the forward.
+ * Gradients of g reach z, A_log and dt_bias through the gate derivative. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kda_internal.h"
+
+/* Backward of one chunk. On entry: w prepared for the chunk (kda_chunk_prepare
+ * and kda_chunk_apply without state update), w->S the incoming state, w->dO
+ * the output gradient, w->dS the gradient of the outgoing state. On exit:
+ * w->dq, dk, dv, dG, dbeta hold the chunk's gradients (dG w.r.t. the cumsum G)
+ * and w->dSn the gradient of the incoming state. */
+static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int factored) {
+    // q, k, G, W, Kd are (L,K); v, U, Vp, dO are (L,V); S, dS, dSn are (K,V); Akk, Aqk are (L,L)
+    const int K = w->K, V = w->V, C = w->C;
+    const float *S = w->S, *dS = w->dS;
+    const float *GL = w->G + (size_t)(L - 1) * K, *eGL = w->eG + (size_t)(L - 1) * K;
+    memset(w->dq, 0, (size_t)L * K * sizeof(float));
+    memset(w->dk, 0, (size_t)L * K * sizeof(float));
+    memset(w->dG, 0, (size_t)L * K * sizeof(float));
+    memset(w->dv, 0, (size_t)L * V * sizeof(float));
+    memset(w->dbeta, 0, (size_t)L * sizeof(float));
+    memset(w->gtmp, 0, (size_t)K * sizeof(float)); /* gradient of G_L through e^{G_L} terms */
+
+    /* dV' = scale Aqk^T dO + (K o e^{G_L - G}) dS_out */
+    for (int j = 0; j < L; j++) {
+        float *dVj = w->dVp + (size_t)j * V;
+        memset(dVj, 0, (size_t)V * sizeof(float));
+        for (int d = 0; d < K; d++) kda_axpy(dVj, w->Kd[(size_t)j * K + d], dS + (size_t)d * V, V);
+        for (int i = j; i < L; i++)
+            kda_axpy(dVj, scale * w->Aqk[(size_t)i * C + j], w->dO + (size_t)i * V, V);
+    }
+    /* dS_in = Diag(e^{G_L}) dS_out + scale (Q o e^G)^T dO - W^T dV' */
+    for (int d = 0; d < K; d++) {
+        float *dSd = w->dSn + (size_t)d * V;
+        const float *dSo = dS + (size_t)d * V;
+        for (int c = 0; c < V; c++) dSd[c] = eGL[d] * dSo[c];
+        for (int i = 0; i < L; i++) {
+            kda_axpy(dSd, scale * w->q[(size_t)i * K + d] * w->eG[(size_t)i * K + d],
+                     w->dO + (size_t)i * V, V);
+            kda_axpy(dSd, -w->W[(size_t)i * K + d], w->dVp + (size_t)i * V, V);
+        }
+    }
+    for (int i = 0; i < L; i++) {
+        const float *qi = w->q + (size_t)i * K;
+        const float *Gi = w->G + (size_t)i * K, *eG = w->eG + (size_t)i * K;
+        const float *dOi = w->dO + (size_t)i * V, *Vi = w->Vp + (size_t)i * V;
+        const float *dVi = w->dVp + (size_t)i * V;
+        float *dq = w->dq + (size_t)i * K, *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
+        float *Rw = w->Rw + (size_t)i * K;
+        for (int d = 0; d < K; d++) {
+            const float *Sd = S + (size_t)d * V, *dSd = dS + (size_t)d * V;
+            /* O <- scale (Q o e^G) S */
+            float dQg = scale * kda_dot(dOi, Sd, V);
+            dq[d] += dQg * eG[d];
+            dG[d] += dQg * qi[d] * eG[d];
+            /* S_out <- (K o e^{G_L - G})^T V' */
+            float dKd = kda_dot(Vi, dSd, V), Kd = w->Kd[(size_t)i * K + d];
+            dk[d] += dKd * expf(GL[d] - Gi[d]);
+            dG[d] -= dKd * Kd;
+            w->gtmp[d] += dKd * Kd;
+            /* V' = U - W S: dW = -dV' S^T */
+            Rw[d] = -kda_dot(dVi, Sd, V);
+        }
+    }
+    /* S_out <- Diag(e^{G_L}) S */
+    for (int d = 0; d < K; d++)
+        w->gtmp[d] += eGL[d] * kda_dot(S + (size_t)d * V, dS + (size_t)d * V, V);
+    for (int d = 0; d < K; d++) w->dG[(size_t)(L - 1) * K + d] += w->gtmp[d];
+
+    /* W = (I + Akk)^{-1} Diag(beta) (K o e^G), U likewise with V: R = (I + Akk)^{-T} dW,
+     * by back substitution */
+    memcpy(w->Ru, w->dVp, (size_t)L * V * sizeof(float));
+    for (int i = L - 1; i >= 0; i--) {
+        float *Rwi = w->Rw + (size_t)i * K, *Rui = w->Ru + (size_t)i * V;
+        for (int j = i + 1; j < L; j++) {
+            const float a = w->Akk[(size_t)j * C + i];
+            kda_axpy(Rwi, -a, w->Rw + (size_t)j * K, K);
+            kda_axpy(Rui, -a, w->Ru + (size_t)j * V, V);
+        }
+    }
+    for (int i = 0; i < L; i++) {
+        const float bi = w->beta[i];
+        const float *ki = w->k + (size_t)i * K, *eG = w->eG + (size_t)i * K, *vi = w->v + (size_t)i * V;
+        const float *Rwi = w->Rw + (size_t)i * K, *Rui = w->Ru + (size_t)i * V;
+        float *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
+        /* right-hand sides Diag(beta) (K o e^G) and Diag(beta) V */
+        float db = kda_dot(Rui, vi, V);
+        for (int d = 0; d < K; d++) {
+            const float kg = ki[d] * eG[d];
+            db += Rwi[d] * kg;
+            dk[d] += bi * Rwi[d] * eG[d];
+            dG[d] += bi * Rwi[d] * kg;
+        }
+        kda_axpy(w->dv + (size_t)i * V, bi, Rui, V);
+        /* Akk through the inverse: dAkk = -(Rw W^T + Ru U^T), strictly lower */
+        float *dBi = w->dB + (size_t)i * C;
+        for (int j = 0; j < i; j++) {
+            float dA = -(kda_dot(Rwi, w->W + (size_t)j * K, K) + kda_dot(Rui, w->U + (size_t)j * V, V));
+            db += dA * w->Bkk[(size_t)i * C + j];
+            dBi[j] = bi * dA;
+        }
+        w->dbeta[i] += db;
+        /* O <- scale Aqk V': dAqk = scale dO V'^T, lower with diagonal */
+        float *dQi = w->dAqk + (size_t)i * C;
+        for (int j = 0; j <= i; j++)
+            dQi[j] = scale * kda_dot(w->dO + (size_t)i * V, w->Vp + (size_t)j * V, V);
+    }
+
+    /* Scores: per row block anchored on its first row n; the gradients of the
+     * anchor's own exponent cancel exactly between row and column operands. */
+    for (int a0 = 0; a0 < L; a0 += LM_KDA_SUBCHUNK) {
+        const int a1 = a0 + LM_KDA_SUBCHUNK < L ? a0 + LM_KDA_SUBCHUNK : L;
+        const int jend = factored ? a1 : a0;
+        kda_chunk_columns(w, a0, jend);
+        memset(w->dKc, 0, (size_t)jend * K * sizeof(float));
+        for (int i = a0; i < a1; i++) {
+            const float *Kr = w->Kr + (size_t)i * K, *Qr = w->Qr + (size_t)i * K;
+            const float *Er = w->Er + (size_t)i * K;
+            const float *dBi = w->dB + (size_t)i * C, *dQi = w->dAqk + (size_t)i * C;
+            memset(w->dKr, 0, (size_t)K * sizeof(float));
+            memset(w->dQr, 0, (size_t)K * sizeof(float));
+            const int jlim = jend < i + 1 ? jend : i + 1; /* columns j <= i with an operand */
+            for (int j = 0; j < jlim; j++) {
+                const float *Kc = w->Kc + (size_t)j * K;
+                float *dKc = w->dKc + (size_t)j * K;
+                if (j < i) {
+                    kda_axpy(w->dKr, dBi[j], Kc, K);
+                    kda_axpy(dKc, dBi[j], Kr, K);
+                }
+                kda_axpy(w->dQr, dQi[j], Kc, K);
+                kda_axpy(dKc, dQi[j], Qr, K);
+            }
+            float *dq = w->dq + (size_t)i * K, *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
+            for (int d = 0; d < K; d++) {
+                dk[d] += w->dKr[d] * Er[d];
+                dq[d] += w->dQr[d] * Er[d];
+                dG[d] += w->dKr[d] * Kr[d] + w->dQr[d] * Qr[d];
+            }
+            if (!factored) {
+                /* diagonal sub-chunk per position pair, e^{G_i - G_j} with j <= i */
+                const float *qi = w->q + (size_t)i * K, *ki = w->k + (size_t)i * K;
+                const float *Gi = w->G + (size_t)i * K;
+                for (int j = a0; j <= i; j++) {
+                    const float db = j < i ? dBi[j] : 0.0f, da = dQi[j];
+                    const float *kj = w->k + (size_t)j * K, *Gj = w->G + (size_t)j * K;
+                    float *dkj = w->dk + (size_t)j * K, *dGj = w->dG + (size_t)j * K;
+                    for (int d = 0; d < K; d++) {
+                        const float e = expf(Gi[d] - Gj[d]);
+                        const float row = (db * ki[d] + da * qi[d]) * e; /* d score / d k_j */
+                        const float col = kj[d] * e;
+                        dk[d] += db * col;
+                        dq[d] += da * col;
+                        dkj[d] += row;
+                        dG[d] += row * kj[d];
+                        dGj[d] -= row * kj[d];
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < jend; j++) {
+            const float *dKc = w->dKc + (size_t)j * K, *Kc = w->Kc + (size_t)j * K;
+            const float *Ec = w->Ec + (size_t)j * K;
+            float *dk = w->dk + (size_t)j * K, *dG = w->dG + (size_t)j * K;
+            for (int d = 0; d < K; d++) {
+                dk[d] += dKc[d] * Ec[d];
+                dG[d] -= dKc[d] * Kc[d];
+            }
+        }
+    }
+}
+
+lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *in,
+                                const float *d_o, const float *dht, lm_kda_grads *grads) {
+    // q, k, z, dq, dk, dz are (B,T,H,K); v, d_o, dv are (B,T,H,V); beta, dbeta are (B,T,H);
+    // A_log, dA_log are (H); dt_bias, ddt_bias are (H,K); h0, dht, dh0 are (B,H,K,V)
+    lm_status st = kda_check_inputs(cfg, in, 1);
+    if (st) return st;
+    if (!d_o) return lm_error(LM_ERR_ARG, "kda chunk backward: d_o is NULL");
+    if (!grads) return lm_error(LM_ERR_ARG, "kda chunk backward: grads struct is NULL");
+    const char *missing = !grads->dq ? "dq" : !grads->dk ? "dk" : !grads->dv ? "dv"
+                        : !grads->dz ? "dz" : !grads->dbeta ? "dbeta" : !grads->dA_log ? "dA_log"
+                        : !grads->ddt_bias ? "ddt_bias" : NULL;
+    if (missing) return lm_error(LM_ERR_ARG, "kda chunk backward: gradient %s is NULL", missing);
+    const int B = cfg->B, T = cfg->T, H = cfg->H, K = cfg->K, V = cfg->V, C = cfg->chunk;
+    const float scale = kda_scale(cfg);
+    const int factored = lm_kda_diag_path(cfg) == LM_KDA_DIAG_FACTORED;
+    const int nchunks = (T + C - 1) / C;
+    const size_t kv = (size_t)K * V;
+    const int nthreads = omp_get_max_threads();
+    const size_t per_thread = kda_ws_floats(C, K, V, 1) + (size_t)nchunks * kv;
+    const size_t npairs = (size_t)B * H;
+    float *scratch;
+    const size_t bytes = ((size_t)nthreads * per_thread + npairs * (1 + (size_t)K)) * sizeof(float);
+    LM_TRY_ALLOC(scratch, bytes);
+    float *dA_part = scratch + (size_t)nthreads * per_thread; /* [B*H] */
+    float *ddt_part = dA_part + npairs;                        /* [B*H][K] */
+    memset(dA_part, 0, npairs * (1 + (size_t)K) * sizeof(float));
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int p = 0; p < B * H; p++) {
+        const int b = p / H, h = p % H;
+        float *base = scratch + (size_t)omp_get_thread_num() * per_thread;
+        kda_chunk_ws w;
+        kda_ws_carve(&w, base, C, K, V, 1);
+        float *states = base + kda_ws_floats(C, K, V, 1); /* [nchunks][K][V] */
+        const float eA = expf(in->A_log[h]);
+        /* forward over the chunks: the state entering each chunk */
+        if (in->h0) memcpy(w.S, in->h0 + (size_t)p * kv, kv * sizeof(float));
+        else memset(w.S, 0, kv * sizeof(float));
+        for (int c = 0; c < nchunks; c++) {
+            const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
+            memcpy(states + (size_t)c * kv, w.S, kv * sizeof(float));
+            if (c == nchunks - 1) break; /* the last outgoing state is not needed */
+            kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);
+            kda_chunk_prepare(&w, L, factored);
+            kda_chunk_apply(&w, L, scale, NULL, 0, 1);
+        }
+        /* backward over the chunks, carrying dS */
+        if (dht) memcpy(w.dS, dht + (size_t)p * kv, kv * sizeof(float));
+        else memset(w.dS, 0, kv * sizeof(float));
+        for (int c = nchunks - 1; c >= 0; c--) {
+            const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
+            memcpy(w.S, states + (size_t)c * kv, kv * sizeof(float));
+            kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);
+            kda_chunk_prepare(&w, L, factored);
+            kda_chunk_apply(&w, L, scale, NULL, 0, 0);
+            for (int i = 0; i < L; i++) {
+                const size_t row = ((size_t)b * T + t0 + i) * H + h;
+                memcpy(w.dO + (size_t)i * V, d_o + row * V, (size_t)V * sizeof(float));
+            }
+            kda_chunk_backward_one(&w, L, scale, factored);
+            /* G = inclusive cumsum of g: dg_t = sum_{i >= t} dG_i */
+            for (int i = L - 2; i >= 0; i--)
+                kda_axpy(w.dG + (size_t)i * K, 1.0f, w.dG + (size_t)(i + 1) * K, K);
+            float dA = 0.0f;
+            for (int i = 0; i < L; i++) {
+                const size_t row = ((size_t)b * T + t0 + i) * H + h;
+                const float *dg = w.dG + (size_t)i * K, *u = w.u + (size_t)i * K;
+                float *dz = grads->dz + row * K, *ddt = ddt_part + (size_t)p * K;
+                for (int d = 0; d < K; d++) {
+                    float dg_du, dg_dA;
+                    kda_gate_grad(cfg->gate, cfg->g_min, eA, u[d], &dg_du, &dg_dA);
+                    dz[d] += dg[d] * dg_du;
+                    ddt[d] += dg[d] * dg_du;
+                    dA += dg[d] * dg_dA;
+                }
+                kda_axpy(grads->dq + row * K, 1.0f, w.dq + (size_t)i * K, K);
+                kda_axpy(grads->dk + row * K, 1.0f, w.dk + (size_t)i * K, K);
+                kda_axpy(grads->dv + row * V, 1.0f, w.dv + (size_t)i * V, V);
+                grads->dbeta[row] += w.dbeta[i];
+            }
+            dA_part[p] += dA;
+            float *tmp = w.dS;
+            w.dS = w.dSn;
+            w.dSn = tmp;
+        }
+        if (grads->dh0) kda_axpy(grads->dh0 + (size_t)p * kv, 1.0f, w.dS, (int)kv);
+    }
+    /* per-head parameters: sum the pairs' partial gradients in a fixed order */
+    for (int h = 0; h < H; h++)
+        for (int b = 0; b < B; b++) {
+            const size_t p = (size_t)b * H + h;
+            grads->dA_log[h] += dA_part[p];
+            kda_axpy(grads->ddt_bias + (size_t)h * K, 1.0f, ddt_part + p * K, K);
+        }
+    free(scratch);
+    return LM_OK;
+}
