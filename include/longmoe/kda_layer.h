@@ -1,0 +1,74 @@
+/* The KDA token mixer (SPEC §2, layer):
+ *   q = L2Norm(SiLU(ShortConv(W_q x))),  k = L2Norm(SiLU(ShortConv(W_k x))),
+ *   v = SiLU(ShortConv(W_v x)),  beta = sigmoid(W_beta x),  z = W_z x (full rank),
+ *   o = KDA(q, k, v, z, beta; A_log, dt_bias)            (include/longmoe/kda.h)
+ *   y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) )
+ * ShortConv is a causal depthwise convolution of width conv_width per channel
+ * (zero history at each sequence start). Heads H, K = V = head_dim. */
+#ifndef LONGMOE_KDA_LAYER_H
+#define LONGMOE_KDA_LAYER_H
+
+#include <stddef.h>
+
+#include "longmoe/core.h"
+#include "longmoe/kda.h"
+#include "longmoe/tensor_spec.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int d_model, heads, head_dim, conv_width, chunk;
+    lm_kda_gate gate;
+    float g_min, eps;
+} lm_kda_layer_config;
+
+/* Parameters, in this order (lm_kda_layer_specs):
+ * W_q, W_k, W_v [HK,d]; conv_q, conv_k, conv_v [HK,W]; W_z [HK,d]; W_beta [H,d];
+ * A_log [H]; dt_bias [HK]; W_g [HK,d]; o_norm [K]; W_o [d,HK]. */
+typedef struct {
+    float *W_q, *W_k, *W_v, *conv_q, *conv_k, *conv_v, *W_z, *W_beta, *A_log, *dt_bias, *W_g,
+        *o_norm, *W_o;
+} lm_kda_layer_params;
+
+#define LM_KDA_LAYER_NPARAMS 13
+/* Fill `specs` (LM_KDA_LAYER_NPARAMS entries); returns the total float count. */
+size_t lm_kda_layer_specs(const lm_kda_layer_config *c, lm_tensor_spec *specs);
+/* Point `p` into `base`, which holds the tensors contiguously in spec order. */
+void lm_kda_layer_params_map(const lm_kda_layer_config *c, float *base, lm_kda_layer_params *p);
+
+/* Activations the backward needs, for N = B*T tokens. */
+typedef struct {
+    float *qp, *kp, *vp;   /* projections before the conv [N,HK] */
+    float *qc, *kc, *vc;   /* conv outputs before SiLU [N,HK] */
+    float *q, *k, *v;      /* operator inputs [N,HK] */
+    float *z;              /* [N,HK] */
+    float *beta;           /* sigmoid(W_beta x) [N,H] */
+    float *o;              /* operator output [N,HK] */
+    float *o_rstd;         /* head RMSNorm 1/rms [N*H] */
+    float *gate;           /* sigmoid(W_g x) [N,HK] */
+    float *gated;          /* gate ⊙ RMSNorm(o) [N,HK] */
+    float *qk_rnorm;       /* 1/||SiLU(conv)|| for q then k [2*N*H] */
+} lm_kda_layer_acts;
+
+size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T);
+void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *base,
+                           lm_kda_layer_acts *a);
+/* Scratch the backward needs (floats), shared between layers by the caller. */
+size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T);
+
+/* x [B,T,d] -> y [B,T,d]; fills `a`. */
+lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                               lm_kda_layer_acts *a, const float *x, int B, int T, float *y);
+/* Given dy [B,T,d], ACCUMULATES into the gradients `g` (same layout as the
+ * params) and dx [B,T,d]. `scratch` holds lm_kda_layer_scratch_floats floats. */
+lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                const lm_kda_layer_params *g, const lm_kda_layer_acts *a,
+                                const float *x, const float *dy, int B, int T, float *dx,
+                                float *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

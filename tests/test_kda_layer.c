@@ -1,0 +1,116 @@
+/* The KDA token mixer: gradients of every parameter and of the input against
+ * central finite differences; causality of the whole layer. */
+#include "longmoe/kda_layer.h"
+#include "test.h"
+
+enum { B = 2, T = 21, D = 8, H = 2, KD = 4, W = 4 };
+
+static lm_kda_layer_config config(lm_kda_gate gate) {
+    lm_kda_layer_config c = {D, H, KD, W, 16, gate, -5.0f, 1e-6f};
+    return c;
+}
+
+static double loss(const lm_kda_layer_config *c, const lm_kda_layer_params *p, float *acts,
+                   const float *x, const float *r, float *y) {
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(c, B, T, acts, &a);
+    if (lm_kda_layer_forward(c, p, &a, x, B, T, y)) return NAN;
+    double L = 0;
+    for (int i = 0; i < B * T * D; i++) L += (double)y[i] * r[i];
+    return L;
+}
+
+static void check_gate(lm_kda_gate gate) {
+    lm_kda_layer_config c = config(gate);
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    size_t np = lm_kda_layer_specs(&c, specs);
+    float *params = malloc(np * 4), *grads = calloc(np, 4);
+    lm_rng rng;
+    lm_rng_seed(&rng, 40 + gate);
+    /* larger weights than the init so gradients stand well above rounding */
+    size_t off = 0;
+    for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
+        size_t n = (size_t)(specs[s].rows * specs[s].cols);
+        for (size_t i = 0; i < n; i++)
+            params[off + i] = specs[s].init_value + (specs[s].role == LM_ROLE_MATRIX ? 0.4f : 0.3f) *
+                              (float)lm_rng_normal(&rng);
+        off += n;
+    }
+    lm_kda_layer_params p, g;
+    lm_kda_layer_params_map(&c, params, &p);
+    lm_kda_layer_params_map(&c, grads, &g);
+    float x[B * T * D], r[B * T * D], y[B * T * D], dx[B * T * D] = {0};
+    for (int i = 0; i < B * T * D; i++) {
+        x[i] = (float)lm_rng_normal(&rng);
+        r[i] = (float)lm_rng_normal(&rng);
+    }
+    float *acts = malloc(lm_kda_layer_act_floats(&c, B, T) * 4);
+    float *scratch = malloc(lm_kda_layer_scratch_floats(&c, B, T) * 4);
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&c, B, T, acts, &a);
+    CHECK(!lm_kda_layer_forward(&c, &p, &a, x, B, T, y), "%s", lm_last_error());
+    CHECK(!lm_kda_layer_backward(&c, &p, &g, &a, x, r, B, T, dx, scratch), "%s", lm_last_error());
+    /* every parameter tensor, then the input */
+    off = 0;
+    for (int s = 0; s <= LM_KDA_LAYER_NPARAMS; s++) {
+        float *base = s < LM_KDA_LAYER_NPARAMS ? params + off : x;
+        float *gbase = s < LM_KDA_LAYER_NPARAMS ? grads + off : dx;
+        size_t n = s < LM_KDA_LAYER_NPARAMS ? (size_t)(specs[s].rows * specs[s].cols) : (size_t)(B * T * D);
+        double num = 0, den = 0;
+        size_t stride = n > 40 ? n / 40 : 1; /* a spread subset of entries */
+        for (size_t i = 0; i < n; i += stride) {
+            float keep = base[i], h = 2e-3f;
+            base[i] = keep + h;
+            double lp = loss(&c, &p, acts, x, r, y);
+            base[i] = keep - h;
+            double lm = loss(&c, &p, acts, x, r, y);
+            base[i] = keep;
+            double fd = (lp - lm) / (2 * h);
+            num += (fd - gbase[i]) * (fd - gbase[i]);
+            den += fd * fd;
+        }
+        double rel = sqrt(num / (den > 0 ? den : 1));
+        CHECK(rel < 1e-2 && den > 0, "%s gate: %s rel error %.3g (|fd| %.3g)", gate ? "softplus" : "bounded",
+              s < LM_KDA_LAYER_NPARAMS ? specs[s].name : "x", rel, sqrt(den));
+        if (s < LM_KDA_LAYER_NPARAMS) off += n;
+    }
+    free(params); free(grads); free(acts); free(scratch);
+}
+
+static void test_layer_gradients_match_finite_differences_bounded(void) { check_gate(LM_KDA_GATE_BOUNDED); }
+static void test_layer_gradients_match_finite_differences_softplus(void) { check_gate(LM_KDA_GATE_SOFTPLUS); }
+
+static void test_layer_is_causal(void) {
+    lm_kda_layer_config c = config(LM_KDA_GATE_BOUNDED);
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    size_t np = lm_kda_layer_specs(&c, specs);
+    float *params = malloc(np * 4);
+    lm_rng rng;
+    lm_rng_seed(&rng, 77);
+    for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
+    lm_kda_layer_params p;
+    lm_kda_layer_params_map(&c, params, &p);
+    float x[B * T * D], y1[B * T * D], y2[B * T * D];
+    for (int i = 0; i < B * T * D; i++) x[i] = (float)lm_rng_normal(&rng);
+    float *acts = malloc(lm_kda_layer_act_floats(&c, B, T) * 4);
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&c, B, T, acts, &a);
+    lm_kda_layer_forward(&c, &p, &a, x, B, T, y1);
+    int P = 13;
+    for (int b = 0; b < B; b++)
+        for (int t = P; t < T; t++)
+            for (int i = 0; i < D; i++) x[(b * T + t) * D + i] += 5.0f * (float)lm_rng_normal(&rng);
+    lm_kda_layer_forward(&c, &p, &a, x, B, T, y2);
+    for (int b = 0; b < B; b++) {
+        CHECK(!memcmp(y1 + b * T * D, y2 + b * T * D, (size_t)P * D * 4), "outputs before %d changed (seq %d)", P, b);
+        CHECK(memcmp(y1 + (b * T + P) * D, y2 + (b * T + P) * D, D * 4), "output at %d did not change", P);
+    }
+    free(params); free(acts);
+}
+
+int main(void) {
+    RUN(test_layer_gradients_match_finite_differences_bounded);
+    RUN(test_layer_gradients_match_finite_differences_softplus);
+    RUN(test_layer_is_causal);
+    return test_summary();
+}
