@@ -40,7 +40,7 @@ static void test_unknown_keys_and_bad_values_are_named(void) {
         {"{\"moe\":{\"top_k\":20}}", "moe.top_k must lie in [1, 16], got 20"},
         {"{\"moe\":{\"top_k\":2.5}}", "moe.top_k must be an integer"},
         {"{\"moe\":{\"top_k\":\"two\"}}", "moe.top_k must be a number"},
-        {"{\"moe\":{\"balance\":\"magic\"}}", "moe.balance must be one of quantile|sign|aux|none"},
+        {"{\"moe\":{\"balance\":\"magic\"}}", "moe.balance must be one of none|quantile|sign|aux"},
         {"{\"kda\":{\"g_min\":-6}}", "kda.g_min must lie in"},
         {"{\"kda\":{\"chunk\":48}}", "kda.chunk must be 16, 32 or 64"},
         {"{\"model\":{\"tie_embeddings\":1}}", "model.tie_embeddings must be true or false"},

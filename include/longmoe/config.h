@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 
+#include "longmoe/balance.h"
 #include "longmoe/core.h"
 
 #ifdef __cplusplus
@@ -17,7 +18,6 @@ extern "C" {
 
 typedef enum { LM_MIXER_KDA = 0, LM_MIXER_MLA = 1 } lm_mixer_kind;
 typedef enum { LM_RESIDUAL_STANDARD = 0, LM_RESIDUAL_BLOCK_ATTNRES, LM_RESIDUAL_FULL_ATTNRES } lm_residual_kind;
-typedef enum { LM_BALANCE_QUANTILE = 0, LM_BALANCE_SIGN, LM_BALANCE_AUX, LM_BALANCE_NONE } lm_balance_kind;
 typedef enum { LM_ACT_SWIGLU = 0, LM_ACT_SITU } lm_activation_kind;
 typedef enum { LM_ATTN_MLA = 0, LM_ATTN_GQA } lm_attention_kind;
 typedef enum { LM_SCHEDULE_COSINE = 0, LM_SCHEDULE_WSD } lm_schedule_kind;
@@ -43,7 +43,7 @@ typedef struct {
     int n_routed_experts, top_k, n_shared_experts, expert_ffn, shared_ffn, latent_dim;
     lm_activation_kind activation;
     float route_scale;
-    lm_balance_kind balance;
+    lm_balance_mode balance;
     int balance_bins;
     float balance_ema, sign_rate, aux_alpha;
     /* residual */

@@ -54,7 +54,7 @@ static const key_spec keys[] = {
     K_("moe", "latent_dim", KEY_INT, latent_dim, 0, 65536, NULL),
     K_("moe", "activation", KEY_ENUM, activation, 0, 0, "swiglu|situ"),
     K_("moe", "route_scale", KEY_FLOAT, route_scale, 1e-3, 1e3, NULL),
-    K_("moe", "balance", KEY_ENUM, balance, 0, 0, "quantile|sign|aux|none"),
+    K_("moe", "balance", KEY_ENUM, balance, 0, 0, "none|quantile|sign|aux"),
     K_("moe", "balance_bins", KEY_INT, balance_bins, 8, 1 << 16, NULL),
     K_("moe", "balance_ema", KEY_FLOAT, balance_ema, 0, 0.999, NULL),
     K_("moe", "sign_rate", KEY_FLOAT, sign_rate, 0, 1, NULL),
