@@ -334,9 +334,296 @@ static void test_backward_equals_finite_differences_softplus_gate(void) {
     check_backward(LM_KDA_GATE_SOFTPLUS, 32, 0, 0, 303);
 }
 
+/* ---- 3. causality: outputs before P do not depend on inputs at t >= P ---- */
+
+static void perturb_from(problem *p, int P, uint64_t seed) {
+    const lm_kda_config *c = &p->cfg;
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (int b = 0; b < c->B; b++)
+        for (int t = P; t < c->T; t++)
+            for (int h = 0; h < c->H; h++) {
+                const size_t row = ((size_t)b * c->T + t) * c->H + h;
+                for (int d = 0; d < c->K; d++) {
+                    p->q[row * c->K + d] = (float)lm_rng_normal(&r);
+                    p->k[row * c->K + d] = (float)(0.3 * lm_rng_normal(&r));
+                    /* extreme gates too: z far in both tails */
+                    p->z[row * c->K + d] = (float)(40.0 * lm_rng_normal(&r));
+                }
+                for (int j = 0; j < c->V; j++) p->v[row * c->V + j] = (float)(10.0 * lm_rng_normal(&r));
+                p->beta[row] = (float)lm_rng_uniform(&r);
+            }
+}
+
+static void test_outputs_before_P_are_bit_identical_when_inputs_from_P_change(void) {
+    lm_kda_config base = lm_kda_config_default(2, 100, 2, 16, 16);
+    const int Ps[] = {1, 15, 16, 40, 64, 80, 96, 97, 99};
+    const int chunks[] = {16, 32, 64};
+    /* (gate, diag): bounded factored, bounded pairwise, softplus pairwise; -1 = recurrent */
+    const int paths[][2] = {{0, LM_KDA_DIAG_AUTO}, {0, LM_KDA_DIAG_PAIRWISE}, {1, LM_KDA_DIAG_AUTO}, {0, -1},
+                            {1, -1}};
+    int compared = 0;
+    for (size_t pi = 0; pi < sizeof paths / sizeof paths[0]; pi++)
+        for (size_t ci = 0; ci < 3; ci++) {
+            if (paths[pi][1] < 0 && ci > 0) continue;
+            lm_kda_config c = base;
+            c.gate = (lm_kda_gate)paths[pi][0];
+            c.chunk = chunks[ci];
+            if (paths[pi][1] >= 0) c.diag = (lm_kda_diag)paths[pi][1];
+            problem p = problem_new(c, 400 + pi * 3 + ci, 1);
+            lm_kda_inputs in = problem_inputs(&p);
+            float *o0 = falloc(n_v(&c)), *o1 = falloc(n_v(&c));
+            fill_nan(o0, n_v(&c));
+            lm_status st = paths[pi][1] < 0 ? lm_kda_recurrent_forward(&c, &in, o0, NULL)
+                                            : lm_kda_chunk_forward(&c, &in, o0, NULL);
+            CHECK(st == LM_OK, "forward: %s", lm_last_error());
+            for (size_t k = 0; k < sizeof Ps / sizeof Ps[0]; k++) {
+                problem q = problem_new(c, 400 + pi * 3 + ci, 1); /* same inputs ... */
+                perturb_from(&q, Ps[k], 900 + k);                 /* ... changed from P on */
+                lm_kda_inputs qin = problem_inputs(&q);
+                fill_nan(o1, n_v(&c));
+                st = paths[pi][1] < 0 ? lm_kda_recurrent_forward(&c, &qin, o1, NULL)
+                                      : lm_kda_chunk_forward(&c, &qin, o1, NULL);
+                CHECK(st == LM_OK, "forward: %s", lm_last_error());
+                for (int b = 0; b < c.B; b++) {
+                    const size_t off = (size_t)b * c.T * c.H * c.V, len = (size_t)Ps[k] * c.H * c.V;
+                    CHECK(!memcmp(o0 + off, o1 + off, len * sizeof(float)),
+                          "outputs before P=%d changed (b=%d gate=%d chunk=%d diag=%d)", Ps[k], b, c.gate,
+                          paths[pi][1] < 0 ? 0 : c.chunk, paths[pi][1]);
+                    /* and the perturbation did reach the outputs from P on */
+                    CHECK(memcmp(o0 + off + len, o1 + off + len, sizeof(float) * c.V),
+                          "output at P=%d did not change", Ps[k]);
+                    compared++;
+                }
+                problem_free(&q);
+            }
+            free(o0);
+            free(o1);
+            problem_free(&p);
+        }
+    CHECK(compared == 2 * 9 * 11, "compared %d prefixes", compared);
+}
+
+/* ---- 4. the reciprocal bound of the factored diagonal path ---- */
+
+static int f32_finite_normal(float x) { return isfinite(x) && isnormal(x); }
+
+static void test_factored_path_is_safe_exactly_when_reciprocals_fit_the_format(void) {
+    /* with every g = g_min = -5 the diagonal sub-chunk multiplies factors e^{+-75} */
+    const float up = expf(75.0f), down = expf(-75.0f);
+    CHECK(f32_finite_normal(up) && f32_finite_normal(down), "e^{+-75} in F32: %g %g", up, down);
+    float ub = lm_bf16_to_f32(lm_f32_to_bf16(up)), db = lm_bf16_to_f32(lm_f32_to_bf16(down));
+    CHECK(f32_finite_normal(ub) && f32_finite_normal(db), "e^{+-75} in BF16: %g %g", ub, db);
+    float uh = lm_f16_to_f32(lm_f32_to_f16(up)), dh = lm_f16_to_f32(lm_f32_to_f16(down));
+    CHECK(!isfinite(uh) && !(dh >= 6.103515625e-05f), "e^{+-75} fit F16: %g %g", uh, dh);
+    const int chunks[] = {16, 32, 64};
+    for (int ci = 0; ci < 3; ci++) {
+        /* the bound does not depend on the chunk: the diagonal block is always 16 rows */
+        CHECK(lm_kda_factored_safe(-5.0f, LM_DTYPE_F32), "F32 at g_min -5 (chunk %d)", chunks[ci]);
+        CHECK(lm_kda_factored_safe(-5.0f, LM_DTYPE_BF16), "BF16 at g_min -5 (chunk %d)", chunks[ci]);
+        CHECK(!lm_kda_factored_safe(-5.0f, LM_DTYPE_F16), "F16 at g_min -5 (chunk %d)", chunks[ci]);
+    }
+    /* the edges of the table in docs/kda.md: span = 15 |g_min| against ln(min normal) */
+    CHECK(lm_kda_factored_safe(-5.8f, LM_DTYPE_F32) && !lm_kda_factored_safe(-5.9f, LM_DTYPE_F32),
+          "F32 edge is g_min ~ -5.82");
+    CHECK(lm_kda_factored_safe(-0.6f, LM_DTYPE_F16) && !lm_kda_factored_safe(-0.7f, LM_DTYPE_F16),
+          "F16 edge is g_min ~ -0.647");
+    CHECK(!lm_kda_factored_safe(-8.0f, LM_DTYPE_F32) && !lm_kda_factored_safe(-8.0f, LM_DTYPE_BF16),
+          "a step of -8 (span 120) must leave the fp32 range");
+
+    /* bounded gate saturated at g_min: the factored operator is finite and exact */
+    lm_kda_config c = lm_kda_config_default(1, 70, 2, 16, 16);
+    CHECK(lm_kda_diag_path(&c) == LM_KDA_DIAG_FACTORED, "AUTO with the bounded gate is factored");
+    problem p = problem_new(c, 500, 1);
+    for (size_t i = 0; i < n_qk(&c); i++) p.z[i] = 1e30f; /* sigmoid = 1: g = g_min */
+    dproblem d = dproblem_from(&p);
+    double *ro = dalloc(n_v(&c)), *rht = dalloc(n_s(&c));
+    ref_forward(&c, &d, ro, rht);
+    for (int ci = 0; ci < 3; ci++) {
+        double e = forward_error(&p, ro, rht, chunks[ci], LM_KDA_DIAG_FACTORED, 0);
+        CHECK(e < 2e-5, "factored at g = g_min everywhere: rel err %.3g (chunk %d)", e, chunks[ci]);
+    }
+    free(ro); free(rht); dproblem_free(&d); problem_free(&p);
+
+    /* the unbounded gate at -8 per step: AUTO is pairwise and exact, forced factored is not */
+    c.gate = LM_KDA_GATE_SOFTPLUS;
+    CHECK(lm_kda_diag_path(&c) == LM_KDA_DIAG_PAIRWISE, "AUTO with the softplus gate is pairwise");
+    c.diag = LM_KDA_DIAG_FACTORED;
+    CHECK(lm_kda_diag_path(&c) == LM_KDA_DIAG_FACTORED, "an explicit factored path is honoured");
+    c.diag = LM_KDA_DIAG_AUTO;
+    p = problem_new(c, 501, 1);
+    for (int h = 0; h < c.H; h++) p.A_log[h] = 0.0f;
+    for (int i = 0; i < c.H * c.K; i++) p.dt_bias[i] = 0.0f;
+    for (size_t i = 0; i < n_qk(&c); i++) p.z[i] = (float)log(expm1(8.0)); /* softplus = 8 */
+    d = dproblem_from(&p);
+    ro = dalloc(n_v(&c));
+    rht = dalloc(n_s(&c));
+    ref_forward(&c, &d, ro, rht);
+    for (int ci = 0; ci < 3; ci++) {
+        double e = forward_error(&p, ro, rht, chunks[ci], LM_KDA_DIAG_AUTO, 0);
+        CHECK(e < 2e-5, "softplus at -8 per step, pairwise: rel err %.3g (chunk %d)", e, chunks[ci]);
+        e = forward_error(&p, ro, rht, chunks[ci], LM_KDA_DIAG_FACTORED, 0);
+        CHECK(!(e < 1e-2), "softplus at -8 per step, forced factored should break: rel err %.3g", e);
+        if (ci == 0) printf("     forced factored with span 120: relative error %g\n", e);
+    }
+    free(ro); free(rht); dproblem_free(&d); problem_free(&p);
+}
+
+/* ---- 5. the bounded gate stays in [g_min, 0] and finite ---- */
+
+static void test_bounded_gate_lies_in_gmin_0_for_any_finite_input(void) {
+    const float zs[] = {0.0f, 1e-30f, -1e-30f, 1.0f, -1.0f, 10.0f, -10.0f, 88.0f, -88.0f, 1e4f, -1e4f,
+                        1e30f, -1e30f, 3e38f, -3e38f};
+    const float As[] = {-80.0f, -20.0f, 0.0f, 3.0f, 20.0f, 80.0f};
+    const float bs[] = {0.0f, 0.5f, -2.0f};
+    const float gmins[] = {-5.0f, -1.0f, -1e-3f};
+    const int nz = 15, nA = 6, nb = 3;
+    lm_kda_config c = lm_kda_config_default(1, nz, nA, nb, 4);
+    float z[15 * 6 * 3], A[6], bias[6 * 3], g[15 * 6 * 3];
+    for (int t = 0; t < nz; t++)
+        for (int h = 0; h < nA; h++)
+            for (int d = 0; d < nb; d++) z[(t * nA + h) * nb + d] = zs[t];
+    for (int h = 0; h < nA; h++) {
+        A[h] = As[h];
+        for (int d = 0; d < nb; d++) bias[h * nb + d] = bs[d];
+    }
+    int zeros = 0;
+    for (int gi = 0; gi < 3; gi++)
+        for (int gate = 0; gate < 2; gate++) {
+            c.gate = (lm_kda_gate)gate;
+            c.g_min = gmins[gi];
+            fill_nan(g, 15 * 6 * 3);
+            lm_status st = lm_kda_gate_forward(&c, z, A, bias, g);
+            CHECK(st == LM_OK, "gate: %s", lm_last_error());
+            for (int i = 0; i < nz * nA * nb; i++) {
+                const int t = i / (nA * nb), h = (i / nb) % nA, d = i % nb;
+                CHECK(isfinite(g[i]), "g not finite at z=%g A_log=%g b=%g: %g", zs[t], As[h], bs[d], g[i]);
+                if (gate == LM_KDA_GATE_BOUNDED) {
+                    CHECK(g[i] >= c.g_min && g[i] <= 0.0f, "g=%g outside [%g, 0] at z=%g A_log=%g b=%g",
+                          g[i], c.g_min, zs[t], As[h], bs[d]);
+                    zeros += g[i] == 0.0f;
+                    double want = ref_gate(&c, As[h], (double)(zs[t] + bs[d]));
+                    CHECK_CLOSE(g[i], want, 1e-6 * fabs(c.g_min), 1e-5, "bounded gate vs float64");
+                } else {
+                    /* softplus: g <= 0, clamped at -1e4 where e^g underflows anyway */
+                    CHECK(g[i] <= 0.0f && g[i] >= -1.0e4f, "softplus g=%g at z=%g A_log=%g", g[i], zs[t],
+                          As[h]);
+                }
+            }
+        }
+    /* g = 0 exactly (no decay) happens only where the sigmoid underflows: the
+     * documented closed end of [g_min, 0] */
+    CHECK(zeros > 0, "the extreme inputs should reach the sigmoid's underflow (g = 0)");
+
+    /* the operator with such gates stays finite and exact */
+    lm_kda_config oc = lm_kda_config_default(1, 40, 2, 16, 16);
+    problem p = problem_new(oc, 600, 1);
+    lm_rng r;
+    lm_rng_seed(&r, 601);
+    for (size_t i = 0; i < n_qk(&oc); i++) p.z[i] = zs[lm_rng_u64(&r) % 15];
+    p.A_log[0] = 80.0f;
+    p.A_log[1] = -80.0f;
+    dproblem d = dproblem_from(&p);
+    double *ro = dalloc(n_v(&oc)), *rht = dalloc(n_s(&oc));
+    ref_forward(&oc, &d, ro, rht);
+    double e = forward_error(&p, ro, rht, 16, LM_KDA_DIAG_AUTO, 0);
+    CHECK(e < 2e-5, "operator with extreme gate inputs: rel err %.3g", e);
+    free(ro); free(rht); dproblem_free(&d); problem_free(&p);
+}
+
+/* ---- 6. bad configurations are rejected with a message naming the problem ---- */
+
+static void expect_error(lm_status got, lm_status want, const char *needle, const char *what) {
+    CHECK(got == want, "%s: status %d, want %d (%s)", what, (int)got, (int)want, lm_last_error());
+    CHECK(strstr(lm_last_error(), needle) != NULL, "%s: message '%s' lacks '%s'", what, lm_last_error(),
+          needle);
+}
+
+static void test_bad_configs_are_rejected_with_clear_messages(void) {
+    lm_kda_config good = lm_kda_config_default(1, 20, 2, 8, 8);
+    problem p = problem_new(good, 700, 1);
+    lm_kda_inputs in = problem_inputs(&p);
+    float *o = falloc(n_v(&good)), *d_o = falloc(n_v(&good)), *gbuf = falloc(4 * n_v(&good) + 64);
+    for (size_t i = 0; i < n_v(&good); i++) d_o[i] = 1.0f;
+    memset(gbuf, 0, (4 * n_v(&good) + 64) * sizeof(float));
+    lm_kda_grads gr = {gbuf, gbuf + n_v(&good), gbuf + 2 * n_v(&good), gbuf + 3 * n_v(&good),
+                       gbuf + 4 * n_v(&good), gbuf + 4 * n_v(&good) + 40, gbuf + 4 * n_v(&good) + 42, NULL};
+    CHECK(lm_kda_check(&good, &in) == LM_OK, "good config rejected: %s", lm_last_error());
+    CHECK(lm_kda_workspace_bytes(&good) > 0, "workspace bytes of a good config");
+    CHECK(lm_kda_chunk_backward(&good, &in, d_o, NULL, &gr) == LM_OK, "good backward: %s", lm_last_error());
+
+    lm_kda_config c;
+    c = good; c.B = 0;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "B = 0", "B = 0");
+    CHECK(lm_kda_workspace_bytes(&c) == 0, "workspace bytes of a bad config");
+    c = good; c.T = -3;
+    expect_error(lm_kda_chunk_forward(&c, &in, o, NULL), LM_ERR_ARG, "T = -3", "T < 0");
+    c = good; c.H = 0;
+    expect_error(lm_kda_recurrent_forward(&c, &in, o, NULL), LM_ERR_ARG, "H = 0", "H = 0");
+    c = good; c.K = 1 << 20;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "K = 1048576 is absurdly large", "huge K");
+    c = good; c.V = -1;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "V = -1", "V < 0");
+    c = good; c.B = 1 << 20; c.T = 1 << 27;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "absurdly large", "huge B*T");
+    c = good; c.chunk = 48;
+    expect_error(lm_kda_chunk_forward(&c, &in, o, NULL), LM_ERR_ARG, "chunk = 48 must be 16, 32 or 64",
+                 "chunk 48");
+    c = good; c.chunk = 128;
+    expect_error(lm_kda_chunk_backward(&c, &in, d_o, NULL, &gr), LM_ERR_ARG, "chunk = 128", "chunk 128");
+    c = good; c.g_min = -6.0f;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "g_min = -6 must lie in [-5, 0)", "g_min -6");
+    c = good; c.g_min = 0.0f;
+    expect_error(lm_kda_gate_forward(&c, p.z, p.A_log, p.dt_bias, o), LM_ERR_ARG, "g_min = 0", "g_min 0");
+    c = good; c.g_min = NAN;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "g_min = nan", "g_min nan");
+    c = good; c.g_min = -9.0f; c.gate = LM_KDA_GATE_SOFTPLUS; /* g_min unused by softplus */
+    CHECK(lm_kda_check(&c, &in) == LM_OK, "softplus ignores g_min: %s", lm_last_error());
+    c = good; c.gate = (lm_kda_gate)7;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "gate = 7", "gate 7");
+    c = good; c.diag = (lm_kda_diag)5;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "diag = 5", "diag 5");
+    c = good; c.scale = INFINITY;
+    expect_error(lm_kda_check(&c, &in), LM_ERR_ARG, "scale = inf", "scale inf");
+
+    float keep = p.A_log[1];
+    p.A_log[1] = NAN;
+    expect_error(lm_kda_chunk_forward(&good, &in, o, NULL), LM_ERR_NUMERIC, "A_log[1] = nan", "A_log nan");
+    p.A_log[1] = keep;
+    keep = p.dt_bias[5];
+    p.dt_bias[5] = -INFINITY;
+    expect_error(lm_kda_recurrent_forward(&good, &in, o, NULL), LM_ERR_NUMERIC, "dt_bias[5] = -inf",
+                 "dt_bias inf");
+    expect_error(lm_kda_gate_forward(&good, p.z, p.A_log, p.dt_bias, o), LM_ERR_NUMERIC, "dt_bias[5]",
+                 "gate dt_bias inf");
+    p.dt_bias[5] = keep;
+
+    lm_kda_inputs bad = in;
+    bad.k = NULL;
+    expect_error(lm_kda_chunk_forward(&good, &bad, o, NULL), LM_ERR_ARG, "input k is NULL", "k NULL");
+    bad = in;
+    bad.beta = NULL;
+    expect_error(lm_kda_recurrent_forward(&good, &bad, o, NULL), LM_ERR_ARG, "input beta is NULL", "beta NULL");
+    expect_error(lm_kda_chunk_forward(&good, &in, NULL, NULL), LM_ERR_ARG, "output o is NULL", "o NULL");
+    expect_error(lm_kda_chunk_forward(NULL, &in, o, NULL), LM_ERR_ARG, "config is NULL", "cfg NULL");
+    expect_error(lm_kda_check(&good, NULL), LM_ERR_ARG, "inputs struct is NULL", "inputs NULL");
+    expect_error(lm_kda_chunk_backward(&good, &in, NULL, NULL, &gr), LM_ERR_ARG, "d_o is NULL", "d_o NULL");
+    lm_kda_grads gbad = gr;
+    gbad.dA_log = NULL;
+    expect_error(lm_kda_chunk_backward(&good, &in, d_o, NULL, &gbad), LM_ERR_ARG, "gradient dA_log is NULL",
+                 "dA_log NULL");
+    expect_error(lm_kda_gate_forward(&good, p.z, p.A_log, p.dt_bias, NULL), LM_ERR_ARG, "g is NULL", "g NULL");
+    free(o); free(d_o); free(gbuf);
+    problem_free(&p);
+}
+
 int main(void) {
     RUN(test_chunked_equals_recurrent_equals_float64_reference);
     RUN(test_backward_equals_finite_differences_bounded_gate);
     RUN(test_backward_equals_finite_differences_softplus_gate);
+    RUN(test_outputs_before_P_are_bit_identical_when_inputs_from_P_change);
+    RUN(test_factored_path_is_safe_exactly_when_reciprocals_fit_the_format);
+    RUN(test_bounded_gate_lies_in_gmin_0_for_any_finite_input);
+    RUN(test_bad_configs_are_rejected_with_clear_messages);
     return test_summary();
 }
