@@ -9,6 +9,7 @@
 
 #include "longmoe/balance.h"
 #include "longmoe/core.h"
+#include "longmoe/mla.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -19,9 +20,8 @@ extern "C" {
 typedef enum { LM_MIXER_KDA = 0, LM_MIXER_MLA = 1 } lm_mixer_kind;
 typedef enum { LM_RESIDUAL_STANDARD = 0, LM_RESIDUAL_BLOCK_ATTNRES, LM_RESIDUAL_FULL_ATTNRES } lm_residual_kind;
 typedef enum { LM_ACT_SWIGLU = 0, LM_ACT_SITU } lm_activation_kind;
-typedef enum { LM_ATTN_MLA = 0, LM_ATTN_GQA } lm_attention_kind;
 typedef enum { LM_SCHEDULE_COSINE = 0, LM_SCHEDULE_WSD } lm_schedule_kind;
-typedef enum { LM_OPTIM_MUON = 0, LM_OPTIM_ADAMW } lm_optimizer_kind;
+typedef enum { LM_TRAIN_MUON = 0, LM_TRAIN_ADAMW } lm_train_optimizer;
 
 typedef struct {
     /* model */
@@ -37,7 +37,7 @@ typedef struct {
     int kda_gate_softplus;  /* 0 bounded, 1 softplus */
     float kda_g_min;
     /* MLA / GQA */
-    lm_attention_kind attn_kind;
+    lm_attn_kind attn_kind;
     int attn_heads, attn_kv_heads, q_lora_rank, kv_lora_rank, qk_head_dim, v_head_dim, rope_dims;
     /* MoE */
     int n_routed_experts, top_k, n_shared_experts, expert_ffn, shared_ffn, latent_dim;
@@ -52,7 +52,7 @@ typedef struct {
     /* training */
     int seq_len, batch_size, grad_accum;
     int64_t steps;
-    lm_optimizer_kind optimizer;
+    lm_train_optimizer optimizer;
     float lr, adam_lr, min_lr_ratio, warmup_frac, decay_frac, weight_decay, grad_clip, qk_clip_tau;
     lm_schedule_kind schedule;
     uint64_t seed;

@@ -126,7 +126,7 @@ void lm_config_defaults(lm_config *c) {
     c->batch_size = 8;
     c->grad_accum = 1;
     c->steps = 1000;
-    c->optimizer = LM_OPTIM_MUON;
+    c->optimizer = LM_TRAIN_MUON;
     c->lr = 2e-2f;
     c->adam_lr = 3e-3f;
     c->min_lr_ratio = 0.1f;
