@@ -1,0 +1,125 @@
+/* The gated full-attention layer: MLA (multi-head latent attention) or GQA,
+ * NoPE by default (docs/attention.md; SPEC §3).
+ *
+ * x, y [B,T,d] (d = d_model); H heads of key dim Dk and value dim Dv; N = B*T.
+ *
+ * MLA (kind LM_ATTN_MLA), with r = rope_dims and Dn = Dk - r:
+ *   q   = W_uq RMSNorm(W_dq x; q_norm)          W_dq [q_lora,d], W_uq [H*Dk,q_lora]
+ *   c   = RMSNorm(W_dkv x; kv_norm)             W_dkv [kv_lora,d]   (the latent: cached)
+ *   k_h = [W_uk,h c ; kr]                       W_uk [H*Dn,kv_lora]
+ *   v_h = W_uv,h c                              W_uv [H*Dv,kv_lora]
+ *   kr  = RoPE(W_kr x), one r-dim key shared by all heads (only when r > 0), W_kr [r,d]
+ * GQA (kind LM_ATTN_GQA), n_kv_heads = Hkv:
+ *   q = W_q x [H*Dk,d];  k = W_k x [Hkv*Dk,d];  v = W_v x [Hkv*Dv,d]
+ * Both: RoPE on the last r dims of every q and k head (r = 0: NoPE, the
+ * default), o = causal softmax attention (scale Dk^-1/2 unless set), and
+ *   y = W_o (sigmoid(W_g x) * o)                W_g [H*Dv,d], W_o [d,H*Dv]
+ *
+ * Memory is planned by the caller (llm.c style): parameters and gradients are
+ * lm_mla_params structs of pointers into caller memory (lm_mla_params_map);
+ * the forward saves its activations in a caller buffer of
+ * lm_mla_acts_floats() floats; the backward needs lm_mla_scratch_floats()
+ * floats of scratch; decode needs a cache of lm_mla_cache_floats() and a step
+ * scratch of lm_mla_decode_scratch_floats(). The only allocation inside is the
+ * attention core's small per-thread workspace (include/longmoe/attention.h).
+ *
+ * Decode caches the latent [c ; kr] per token (MLA: kv_lora + r floats per
+ * token for all heads) or k and v (GQA: Hkv*(Dk+Dv) floats per token). The MLA
+ * step attends in the latent space ("absorbed" form): per head the query
+ * becomes [W_uk,h^T q_h,nope ; q_h,rope] and the value W_uv,h (sum_s p_s c_s),
+ * equal to the forward up to fp32 rounding. */
+#ifndef LONGMOE_MLA_H
+#define LONGMOE_MLA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { LM_ATTN_MLA = 0, LM_ATTN_GQA = 1 } lm_attn_kind;
+
+typedef struct {
+    lm_attn_kind kind;
+    int d_model;
+    int n_heads;    /* H */
+    int n_kv_heads; /* Hkv (GQA only; H a multiple of it) */
+    int head_dim_qk; /* Dk, including the rope_dims */
+    int head_dim_v;  /* Dv */
+    int q_lora;      /* MLA query latent rank */
+    int kv_lora;     /* MLA key/value latent rank */
+    int rope_dims;   /* r: rotary dims at the end of each q/k head; 0 = NoPE (default) */
+    float rope_base; /* RoPE base (default 10000) */
+    float norm_eps;  /* RMSNorm epsilon (default 1e-6) */
+    float scale;     /* attention scale; 0 = Dk^-1/2 */
+} lm_mla_config;
+
+/* Parameter tensors (also used for their gradients). Unused ones are NULL:
+ * MLA uses W_dq q_norm W_uq W_dkv kv_norm W_uk W_uv (W_kr when rope_dims > 0),
+ * GQA uses W_q W_k W_v; both use W_g W_o. */
+typedef struct {
+    float *W_dq, *q_norm, *W_uq;
+    float *W_dkv, *kv_norm, *W_uk, *W_uv, *W_kr;
+    float *W_q, *W_k, *W_v;
+    float *W_g, *W_o;
+} lm_mla_params;
+
+/* MLA config with the defaults (NoPE, eps 1e-6, base 10000, default scale). */
+lm_mla_config lm_mla_config_mla(int d_model, int n_heads, int head_dim_qk, int head_dim_v,
+                                int q_lora, int kv_lora);
+/* GQA config with the same defaults. */
+lm_mla_config lm_mla_config_gqa(int d_model, int n_heads, int n_kv_heads, int head_dim_qk,
+                                int head_dim_v);
+
+lm_status lm_mla_check(const lm_mla_config *cfg);
+
+/* Number of parameters (floats), and the carving of `mem` (that many floats)
+ * into the tensors in the order listed above. */
+size_t lm_mla_param_count(const lm_mla_config *cfg);
+lm_status lm_mla_params_map(const lm_mla_config *cfg, float *mem, lm_mla_params *p);
+/* Fill a parameter block: matrices N(0, 1/fan_in), norm weights 1. */
+void lm_mla_params_init(const lm_mla_config *cfg, const lm_mla_params *p, lm_rng *rng);
+
+/* Floats of saved activations for B sequences of T tokens, and of backward scratch. */
+size_t lm_mla_acts_floats(const lm_mla_config *cfg, int B, int T);
+size_t lm_mla_scratch_floats(const lm_mla_config *cfg, int B, int T);
+
+/* y [B,T,d] from x [B,T,d]; acts receives what the backward needs. */
+lm_status lm_mla_forward(const lm_mla_config *cfg, const lm_mla_params *p, const float *x, int B,
+                         int T, float *y, float *acts);
+
+/* Given dy [B,T,d], ACCUMULATE (+=) into dx [B,T,d] (may be NULL) and every
+ * gradient in g (pointers from lm_mla_params_map over a gradient block).
+ * x and acts must be those of the forward; scratch is overwritten. */
+lm_status lm_mla_backward(const lm_mla_config *cfg, const lm_mla_params *p, const float *x,
+                          const float *acts, const float *dy, int B, int T, float *dx,
+                          const lm_mla_params *g, float *scratch);
+
+/* ---- decode ---- */
+typedef struct {
+    int B, max_T, len; /* len tokens cached per sequence */
+    int row;           /* floats per token in `kv` (MLA: kv_lora + r; GQA: Hkv*Dk) */
+    float *kv;         /* MLA: [B,max_T,kv_lora+r] = [c ; RoPE(kr)]; GQA: k [B,max_T,Hkv,Dk] */
+    float *v;          /* GQA: v [B,max_T,Hkv,Dv]; MLA: NULL */
+} lm_mla_cache;
+
+size_t lm_mla_cache_floats(const lm_mla_config *cfg, int B, int max_T);
+lm_status lm_mla_cache_init(const lm_mla_config *cfg, lm_mla_cache *cache, int B, int max_T,
+                            float *mem);
+size_t lm_mla_decode_scratch_floats(const lm_mla_config *cfg, int B, int max_T);
+
+/* Run the forward on a prompt x [B,T,d] (y [B,T,d], acts as for the forward)
+ * into an empty cache, which then holds T tokens. */
+lm_status lm_mla_prefill(const lm_mla_config *cfg, const lm_mla_params *p, lm_mla_cache *cache,
+                         const float *x, int T, float *y, float *acts);
+/* One token per sequence: x [B,d] at position cache->len -> y [B,d]; appends to the cache. */
+lm_status lm_mla_decode_step(const lm_mla_config *cfg, const lm_mla_params *p,
+                             lm_mla_cache *cache, const float *x, float *y, float *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,585 @@
+/* The gated full-attention layer, MLA or GQA, NoPE by default
+ * (include/longmoe/mla.h, docs/attention.md, SPEC §3). */
+#include "longmoe/mla.h"
+
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+#include "longmoe/attention.h"
+#include "longmoe/linear.h"
+
+lm_mla_config lm_mla_config_mla(int d_model, int n_heads, int head_dim_qk, int head_dim_v,
+                                int q_lora, int kv_lora) {
+    lm_mla_config c;
+    memset(&c, 0, sizeof c);
+    c.kind = LM_ATTN_MLA;
+    c.d_model = d_model, c.n_heads = n_heads, c.n_kv_heads = n_heads;
+    c.head_dim_qk = head_dim_qk, c.head_dim_v = head_dim_v;
+    c.q_lora = q_lora, c.kv_lora = kv_lora;
+    c.rope_base = 10000.0f, c.norm_eps = 1e-6f;
+    return c;
+}
+
+lm_mla_config lm_mla_config_gqa(int d_model, int n_heads, int n_kv_heads, int head_dim_qk,
+                                int head_dim_v) {
+    lm_mla_config c = lm_mla_config_mla(d_model, n_heads, head_dim_qk, head_dim_v, 0, 0);
+    c.kind = LM_ATTN_GQA;
+    c.n_kv_heads = n_kv_heads;
+    return c;
+}
+
+lm_status lm_mla_check(const lm_mla_config *c) {
+    if (!c) return lm_error(LM_ERR_ARG, "mla: config is NULL");
+    if (c->kind != LM_ATTN_MLA && c->kind != LM_ATTN_GQA)
+        return lm_error(LM_ERR_ARG, "mla: kind must be MLA (0) or GQA (1), got %d", (int)c->kind);
+    if (c->d_model < 1 || c->n_heads < 1 || c->head_dim_qk < 1 || c->head_dim_v < 1)
+        return lm_error(LM_ERR_ARG, "mla: d_model=%d n_heads=%d head_dim_qk=%d head_dim_v=%d must be >= 1",
+                        c->d_model, c->n_heads, c->head_dim_qk, c->head_dim_v);
+    if (c->kind == LM_ATTN_MLA && (c->q_lora < 1 || c->kv_lora < 1))
+        return lm_error(LM_ERR_ARG, "mla: q_lora=%d and kv_lora=%d must be >= 1 for MLA", c->q_lora,
+                        c->kv_lora);
+    if (c->kind == LM_ATTN_GQA && (c->n_kv_heads < 1 || c->n_heads % c->n_kv_heads))
+        return lm_error(LM_ERR_ARG, "mla: GQA needs n_heads=%d to be a multiple of n_kv_heads=%d >= 1",
+                        c->n_heads, c->n_kv_heads);
+    const int rmax = c->kind == LM_ATTN_MLA ? c->head_dim_qk - 1 : c->head_dim_qk;
+    if (c->rope_dims < 0 || c->rope_dims % 2 || c->rope_dims > rmax)
+        return lm_error(LM_ERR_ARG,
+                        "mla: rope_dims=%d must be even and in [0, %d] (head_dim_qk=%d%s)",
+                        c->rope_dims, rmax, c->head_dim_qk,
+                        c->kind == LM_ATTN_MLA ? "; MLA keeps at least one latent key dim" : "");
+    if (c->rope_dims > 0 && !(c->rope_base > 1.0f && isfinite(c->rope_base)))
+        return lm_error(LM_ERR_ARG, "mla: rope_base must be finite and > 1, got %g", (double)c->rope_base);
+    if (!(c->norm_eps > 0 && isfinite(c->norm_eps)))
+        return lm_error(LM_ERR_ARG, "mla: norm_eps must be finite and > 0, got %g", (double)c->norm_eps);
+    if (!isfinite(c->scale) || c->scale < 0)
+        return lm_error(LM_ERR_ARG, "mla: scale must be finite and >= 0 (0 = Dk^-1/2), got %g",
+                        (double)c->scale);
+    return LM_OK;
+}
+
+/* Heads of k and v as the attention core sees them: MLA expands the latent per head. */
+static int kv_heads(const lm_mla_config *c) { return c->kind == LM_ATTN_MLA ? c->n_heads : c->n_kv_heads; }
+
+/* ---------------------------------------------------------------- parameters */
+
+typedef struct {
+    size_t W_dq, q_norm, W_uq, W_dkv, kv_norm, W_uk, W_uv, W_kr, W_q, W_k, W_v, W_g, W_o;
+} param_sizes;
+
+static param_sizes sizes_of(const lm_mla_config *c) {
+    param_sizes s;
+    memset(&s, 0, sizeof s);
+    const size_t d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v,
+                 r = c->rope_dims;
+    if (c->kind == LM_ATTN_MLA) {
+        const size_t ql = c->q_lora, kl = c->kv_lora;
+        s.W_dq = ql * d, s.q_norm = ql, s.W_uq = H * Dk * ql;
+        s.W_dkv = kl * d, s.kv_norm = kl, s.W_uk = H * (Dk - r) * kl, s.W_uv = H * Dv * kl;
+        s.W_kr = r * d;
+    } else {
+        const size_t Hkv = c->n_kv_heads;
+        s.W_q = H * Dk * d, s.W_k = Hkv * Dk * d, s.W_v = Hkv * Dv * d;
+    }
+    s.W_g = H * Dv * d, s.W_o = d * H * Dv;
+    return s;
+}
+
+size_t lm_mla_param_count(const lm_mla_config *c) {
+    param_sizes s = sizes_of(c);
+    return s.W_dq + s.q_norm + s.W_uq + s.W_dkv + s.kv_norm + s.W_uk + s.W_uv + s.W_kr + s.W_q +
+           s.W_k + s.W_v + s.W_g + s.W_o;
+}
+
+lm_status lm_mla_params_map(const lm_mla_config *c, float *mem, lm_mla_params *p) {
+    lm_status st = lm_mla_check(c);
+    if (st) return st;
+    if (!mem || !p) return lm_error(LM_ERR_ARG, "mla params_map: memory and params are required");
+    param_sizes s = sizes_of(c);
+    memset(p, 0, sizeof *p);
+    float *m = mem;
+#define TAKE(f) (p->f = s.f ? m : NULL, m += s.f)
+    TAKE(W_dq), TAKE(q_norm), TAKE(W_uq), TAKE(W_dkv), TAKE(kv_norm), TAKE(W_uk), TAKE(W_uv);
+    TAKE(W_kr), TAKE(W_q), TAKE(W_k), TAKE(W_v), TAKE(W_g), TAKE(W_o);
+#undef TAKE
+    return LM_OK;
+}
+
+static void fill_normal(float *w, size_t n, int fan_in, lm_rng *rng) {
+    const double sd = 1.0 / sqrt((double)fan_in);
+    for (size_t i = 0; i < n; i++) w[i] = (float)(sd * lm_rng_normal(rng));
+}
+
+void lm_mla_params_init(const lm_mla_config *c, const lm_mla_params *p, lm_rng *rng) {
+    param_sizes s = sizes_of(c);
+    const int d = c->d_model, HDv = c->n_heads * c->head_dim_v;
+    if (c->kind == LM_ATTN_MLA) {
+        fill_normal(p->W_dq, s.W_dq, d, rng);
+        for (size_t i = 0; i < s.q_norm; i++) p->q_norm[i] = 1.0f;
+        fill_normal(p->W_uq, s.W_uq, c->q_lora, rng);
+        fill_normal(p->W_dkv, s.W_dkv, d, rng);
+        for (size_t i = 0; i < s.kv_norm; i++) p->kv_norm[i] = 1.0f;
+        fill_normal(p->W_uk, s.W_uk, c->kv_lora, rng);
+        fill_normal(p->W_uv, s.W_uv, c->kv_lora, rng);
+        if (s.W_kr) fill_normal(p->W_kr, s.W_kr, d, rng);
+    } else {
+        fill_normal(p->W_q, s.W_q, d, rng);
+        fill_normal(p->W_k, s.W_k, d, rng);
+        fill_normal(p->W_v, s.W_v, d, rng);
+    }
+    fill_normal(p->W_g, s.W_g, d, rng);
+    fill_normal(p->W_o, s.W_o, HDv, rng);
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* Offsets (in floats) of the saved activations; absent ones have size 0. */
+typedef struct {
+    size_t ql, qn, q_rstd, kvl, c, kv_rstd, kn, kr, q, k, v, o, lse, gp, gated, total;
+} acts_layout;
+
+static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
+    const size_t N = (size_t)B * T, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
+    const size_t Hk = kv_heads(c), r = c->rope_dims;
+    const int mla = c->kind == LM_ATTN_MLA;
+    acts_layout a;
+    size_t off = 0;
+#define PLACE(f, n) (a.f = off, off += (n))
+    PLACE(ql, mla ? N * c->q_lora : 0);
+    PLACE(qn, mla ? N * c->q_lora : 0);
+    PLACE(q_rstd, mla ? N : 0);
+    PLACE(kvl, mla ? N * c->kv_lora : 0);
+    PLACE(c, mla ? N * c->kv_lora : 0);
+    PLACE(kv_rstd, mla ? N : 0);
+    PLACE(kn, mla && r ? N * H * (Dk - r) : 0); /* per-head latent keys before assembly */
+    PLACE(kr, mla ? N * r : 0);                 /* shared rotary key (after RoPE) */
+    PLACE(q, N * H * Dk);
+    PLACE(k, N * Hk * Dk);
+    PLACE(v, N * Hk * Dv);
+    PLACE(o, N * H * Dv);
+    PLACE(lse, N * H);
+    PLACE(gp, N * H * Dv);
+    PLACE(gated, N * H * Dv);
+#undef PLACE
+    a.total = off;
+    return a;
+}
+
+size_t lm_mla_acts_floats(const lm_mla_config *c, int B, int T) { return layout_acts(c, B, T).total; }
+
+typedef struct {
+    size_t dgated, dgp, d_o, dq, dk, dv, dkn, dkr, dc, dkvl, dqn, dql, total;
+} scratch_layout;
+
+static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
+    const size_t N = (size_t)B * T, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
+    const size_t Hk = kv_heads(c), r = c->rope_dims;
+    const int mla = c->kind == LM_ATTN_MLA;
+    scratch_layout s;
+    size_t off = 0;
+#define PLACE(f, n) (s.f = off, off += (n))
+    PLACE(dgated, N * H * Dv);
+    PLACE(dgp, N * H * Dv);
+    PLACE(d_o, N * H * Dv);
+    PLACE(dq, N * H * Dk);
+    PLACE(dk, N * Hk * Dk);
+    PLACE(dv, N * Hk * Dv);
+    PLACE(dkn, mla && r ? N * H * (Dk - r) : 0);
+    PLACE(dkr, mla ? N * r : 0);
+    PLACE(dc, mla ? N * c->kv_lora : 0);
+    PLACE(dkvl, mla ? N * c->kv_lora : 0);
+    PLACE(dqn, mla ? N * c->q_lora : 0);
+    PLACE(dql, mla ? N * c->q_lora : 0);
+#undef PLACE
+    s.total = off;
+    return s;
+}
+
+size_t lm_mla_scratch_floats(const lm_mla_config *c, int B, int T) {
+    return layout_scratch(c, B, T).total;
+}
+
+/* ---------------------------------------------------------------- RoPE */
+
+/* Rotate the last r dims of each of the `heads` head vectors (head_dim floats)
+ * in each of the n rows of x; row i sits at position pos0 + i % T. Pairs are
+ * (j, j + r/2) with angle pos * base^(-2j/r) (rotate-half convention);
+ * inverse = 1 applies the transpose (rotation by -angle): the backward. */
+static void rope_apply(float *x, int64_t n, int T, int heads, int head_dim, int r, float base,
+                       int64_t pos0, int inverse) {
+    if (r == 0) return;
+    const int half = r / 2, off = head_dim - r;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const double pos = (double)(pos0 + i % T);
+        for (int j = 0; j < half; j++) {
+            const double ang = pos * pow((double)base, -2.0 * j / r);
+            const float cs = (float)cos(ang), sn = inverse ? -(float)sin(ang) : (float)sin(ang);
+            for (int h = 0; h < heads; h++) {
+                float *v = x + ((size_t)i * heads + h) * head_dim + off;
+                const float a = v[j], b = v[j + half];
+                v[j] = a * cs - b * sn;
+                v[j + half] = a * sn + b * cs;
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- forward */
+
+static lm_status check_run(const lm_mla_config *c, const lm_mla_params *p, int B, int T) {
+    lm_status st = lm_mla_check(c);
+    if (st) return st;
+    if (!p) return lm_error(LM_ERR_ARG, "mla: params are NULL");
+    if (B < 1 || T < 1) return lm_error(LM_ERR_ARG, "mla: B=%d and T=%d must be >= 1", B, T);
+    const int mla = c->kind == LM_ATTN_MLA;
+    if (!p->W_g || !p->W_o || (mla && (!p->W_dq || !p->q_norm || !p->W_uq || !p->W_dkv ||
+                                       !p->kv_norm || !p->W_uk || !p->W_uv ||
+                                       (c->rope_dims && !p->W_kr))) ||
+        (!mla && (!p->W_q || !p->W_k || !p->W_v)))
+        return lm_error(LM_ERR_ARG, "mla: a parameter tensor of the %s layer is NULL (use lm_mla_params_map)",
+                        mla ? "MLA" : "GQA");
+    return LM_OK;
+}
+
+static lm_attention_config core_config(const lm_mla_config *c, int B, int T) {
+    lm_attention_config a = lm_attention_config_default(B, T, c->n_heads, kv_heads(c),
+                                                        c->head_dim_qk, c->head_dim_v);
+    a.scale = c->scale;
+    return a;
+}
+
+lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
+                         int T, float *y, float *acts) {
+    // x (B,T,d) -> y (B,T,d); acts (lm_mla_acts_floats)
+    lm_status st = check_run(c, p, B, T);
+    if (st) return st;
+    if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "mla forward: x, y and acts are required");
+    const int64_t N = (int64_t)B * T;
+    const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
+    const int r = c->rope_dims, Dn = Dk - r, Hk = kv_heads(c);
+    const float eps = c->norm_eps;
+    acts_layout L = layout_acts(c, B, T);
+    float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v;
+    if (c->kind == LM_ATTN_MLA) {
+        float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
+        // q = W_uq RMSNorm(W_dq x); c = RMSNorm(W_dkv x)   (SPEC §3)
+        lm_matmul_forward(ql, x, p->W_dq, NULL, N, d, c->q_lora);
+        lm_rmsnorm_forward(qn, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora, eps);
+        lm_matmul_forward(q, qn, p->W_uq, NULL, N, c->q_lora, H * Dk);
+        lm_matmul_forward(kvl, x, p->W_dkv, NULL, N, d, c->kv_lora);
+        lm_rmsnorm_forward(lat, acts + L.kv_rstd, kvl, p->kv_norm, N, c->kv_lora, eps);
+        // k_h = W_uk,h c (+ the shared rotary key kr), v_h = W_uv,h c
+        if (r == 0) {
+            lm_matmul_forward(k, lat, p->W_uk, NULL, N, c->kv_lora, H * Dk);
+        } else {
+            float *kn = acts + L.kn, *kr = acts + L.kr;
+            lm_matmul_forward(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
+            lm_matmul_forward(kr, x, p->W_kr, NULL, N, d, r);
+            rope_apply(kr, N, T, 1, r, r, c->rope_base, 0, 0);
+            rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < N; i++)
+                for (int h = 0; h < H; h++) {
+                    float *kh = k + ((size_t)i * H + h) * Dk;
+                    memcpy(kh, kn + ((size_t)i * H + h) * Dn, (size_t)Dn * sizeof(float));
+                    memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
+                }
+        }
+        lm_matmul_forward(v, lat, p->W_uv, NULL, N, c->kv_lora, H * Dv);
+    } else {
+        lm_matmul_forward(q, x, p->W_q, NULL, N, d, H * Dk);
+        lm_matmul_forward(k, x, p->W_k, NULL, N, d, Hk * Dk);
+        lm_matmul_forward(v, x, p->W_v, NULL, N, d, Hk * Dv);
+        rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
+        rope_apply(k, N, T, Hk, Dk, r, c->rope_base, 0, 0);
+    }
+    float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
+    lm_attention_config ac = core_config(c, B, T);
+    st = lm_attention_forward(&ac, q, k, v, o, acts + L.lse);
+    if (st) return st;
+    // y = W_o (sigmoid(W_g x) * o)
+    lm_matmul_forward(gp, x, p->W_g, NULL, N, d, H * Dv);
+    const int64_t n_out = N * H * Dv;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n_out; i++) gated[i] = lm_sigmoidf(gp[i]) * o[i];
+    lm_matmul_forward(y, gated, p->W_o, NULL, N, H * Dv, d);
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- backward */
+
+lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x,
+                          const float *acts, const float *dy, int B, int T, float *dx,
+                          const lm_mla_params *g, float *scratch) {
+    // x, dy, dx (B,T,d); acts from lm_mla_forward; gradients accumulate (+=)
+    lm_status st = check_run(c, p, B, T);
+    if (st) return st;
+    if (!x || !acts || !dy || !scratch)
+        return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy and scratch are required");
+    lm_mla_params none;
+    memset(&none, 0, sizeof none);
+    if (!g) g = &none;
+    const int64_t N = (int64_t)B * T;
+    const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
+    const int r = c->rope_dims, Dn = Dk - r, Hk = kv_heads(c);
+    const float eps = c->norm_eps;
+    acts_layout L = layout_acts(c, B, T);
+    scratch_layout S = layout_scratch(c, B, T);
+    memset(scratch, 0, S.total * sizeof(float));
+    const float *o = acts + L.o, *gp = acts + L.gp;
+    float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
+    float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv;
+    // through y = W_o (sigmoid(gp) * o)
+    lm_matmul_backward(dgated, g->W_o, NULL, dy, acts + L.gated, p->W_o, N, H * Dv, d);
+    const int64_t n_out = N * H * Dv;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n_out; i++) {
+        const float s = lm_sigmoidf(gp[i]);
+        d_o[i] = dgated[i] * s;
+        dgp[i] = dgated[i] * o[i] * s * (1.0f - s);
+    }
+    lm_matmul_backward(dx, g->W_g, NULL, dgp, x, p->W_g, N, d, H * Dv);
+    lm_attention_config ac = core_config(c, B, T);
+    st = lm_attention_backward(&ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq,
+                               dk, dv);
+    if (st) return st;
+    if (c->kind == LM_ATTN_MLA) {
+        const float *lat = acts + L.c;
+        float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,
+              *dql = scratch + S.dql;
+        lm_matmul_backward(dc, g->W_uv, NULL, dv, lat, p->W_uv, N, c->kv_lora, H * Dv);
+        if (r == 0) {
+            lm_matmul_backward(dc, g->W_uk, NULL, dk, lat, p->W_uk, N, c->kv_lora, H * Dk);
+        } else {
+            float *dkn = scratch + S.dkn, *dkr = scratch + S.dkr;
+            // split dk into the per-head latent part and the shared rotary key (summed over heads)
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < N; i++)
+                for (int h = 0; h < H; h++) {
+                    const float *dkh = dk + ((size_t)i * H + h) * Dk;
+                    memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
+                    for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
+                }
+            lm_matmul_backward(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
+            rope_apply(dkr, N, T, 1, r, r, c->rope_base, 0, 1);
+            lm_matmul_backward(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
+            rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
+        }
+        lm_rmsnorm_backward(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
+                            c->kv_lora, eps);
+        lm_matmul_backward(dx, g->W_dkv, NULL, dkvl, x, p->W_dkv, N, d, c->kv_lora);
+        lm_matmul_backward(dqn, g->W_uq, NULL, dq, acts + L.qn, p->W_uq, N, c->q_lora, H * Dk);
+        lm_rmsnorm_backward(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
+                            c->q_lora, eps);
+        lm_matmul_backward(dx, g->W_dq, NULL, dql, x, p->W_dq, N, d, c->q_lora);
+    } else {
+        rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
+        rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, 0, 1);
+        lm_matmul_backward(dx, g->W_q, NULL, dq, x, p->W_q, N, d, H * Dk);
+        lm_matmul_backward(dx, g->W_k, NULL, dk, x, p->W_k, N, d, Hk * Dk);
+        lm_matmul_backward(dx, g->W_v, NULL, dv, x, p->W_v, N, d, Hk * Dv);
+    }
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------- decode */
+
+size_t lm_mla_cache_floats(const lm_mla_config *c, int B, int max_T) {
+    const size_t n = (size_t)B * max_T;
+    if (c->kind == LM_ATTN_MLA) return n * (c->kv_lora + c->rope_dims);
+    return n * c->n_kv_heads * (c->head_dim_qk + c->head_dim_v);
+}
+
+lm_status lm_mla_cache_init(const lm_mla_config *c, lm_mla_cache *cache, int B, int max_T,
+                            float *mem) {
+    lm_status st = lm_mla_check(c);
+    if (st) return st;
+    if (!cache || !mem) return lm_error(LM_ERR_ARG, "mla cache_init: cache and memory are required");
+    if (B < 1 || max_T < 1)
+        return lm_error(LM_ERR_ARG, "mla cache_init: B=%d and max_T=%d must be >= 1", B, max_T);
+    cache->B = B, cache->max_T = max_T, cache->len = 0;
+    if (c->kind == LM_ATTN_MLA) {
+        cache->row = c->kv_lora + c->rope_dims;
+        cache->kv = mem, cache->v = NULL;
+    } else {
+        cache->row = c->n_kv_heads * c->head_dim_qk;
+        cache->kv = mem;
+        cache->v = mem + (size_t)B * max_T * cache->row;
+    }
+    return LM_OK;
+}
+
+typedef struct {
+    size_t ql, qn, q, kvl, lat, kr, k, v, gp, o, qa, ob, scores, total;
+} decode_layout;
+
+static decode_layout layout_decode(const lm_mla_config *c, int B, int max_T) {
+    const size_t H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v, r = c->rope_dims;
+    const int mla = c->kind == LM_ATTN_MLA;
+    const size_t ql = mla ? c->q_lora : 0, kl = mla ? c->kv_lora : 0;
+    const size_t Hkv = mla ? 0 : c->n_kv_heads;
+    decode_layout s;
+    size_t off = 0;
+#define PLACE(f, n) (s.f = off, off += (n))
+    PLACE(ql, B * ql);
+    PLACE(qn, B * ql);
+    PLACE(q, B * H * Dk);
+    PLACE(kvl, B * kl);
+    PLACE(lat, B * kl);
+    PLACE(kr, mla ? B * r : 0);
+    PLACE(k, B * Hkv * Dk);
+    PLACE(v, B * Hkv * Dv);
+    PLACE(gp, B * H * Dv);
+    PLACE(o, B * H * Dv);
+    PLACE(qa, mla ? B * H * (kl + r) : 0); /* absorbed queries */
+    PLACE(ob, B * H * kl);                 /* per-head outputs in the latent space */
+    PLACE(scores, (size_t)B * H * max_T);
+#undef PLACE
+    s.total = off;
+    return s;
+}
+
+size_t lm_mla_decode_scratch_floats(const lm_mla_config *c, int B, int max_T) {
+    return layout_decode(c, B, max_T).total;
+}
+
+lm_status lm_mla_prefill(const lm_mla_config *c, const lm_mla_params *p, lm_mla_cache *cache,
+                         const float *x, int T, float *y, float *acts) {
+    // x (B,T,d) -> y (B,T,d); the cache receives T tokens per sequence
+    if (!cache) return lm_error(LM_ERR_ARG, "mla prefill: cache is NULL");
+    if (cache->len != 0) return lm_error(LM_ERR_ARG, "mla prefill: cache already holds %d tokens", cache->len);
+    if (T > cache->max_T)
+        return lm_error(LM_ERR_ARG, "mla prefill: T=%d exceeds the cache's max_T=%d", T, cache->max_T);
+    const int B = cache->B;
+    lm_status st = lm_mla_forward(c, p, x, B, T, y, acts);
+    if (st) return st;
+    acts_layout L = layout_acts(c, B, T);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const size_t i = (size_t)b * T + t, slot = (size_t)b * cache->max_T + t;
+            if (c->kind == LM_ATTN_MLA) {
+                float *row = cache->kv + slot * cache->row;
+                memcpy(row, acts + L.c + i * c->kv_lora, (size_t)c->kv_lora * sizeof(float));
+                if (c->rope_dims)
+                    memcpy(row + c->kv_lora, acts + L.kr + i * c->rope_dims,
+                           (size_t)c->rope_dims * sizeof(float));
+            } else {
+                const size_t kw = (size_t)c->n_kv_heads * c->head_dim_qk;
+                const size_t vw = (size_t)c->n_kv_heads * c->head_dim_v;
+                memcpy(cache->kv + slot * kw, acts + L.k + i * kw, kw * sizeof(float));
+                memcpy(cache->v + slot * vw, acts + L.v + i * vw, vw * sizeof(float));
+            }
+        }
+    cache->len = T;
+    return LM_OK;
+}
+
+/* One query against n cached rows: out[0:dv] = softmax(scale q.keys) vals, fp32. */
+static void decode_attend(float *out, const float *qv, int dk, const float *keys, size_t kstride,
+                          const float *vals, size_t vstride, int dv, int n, float scale,
+                          float *scores) {
+    float mx = -INFINITY;
+    for (int s = 0; s < n; s++) {
+        const float *kr = keys + (size_t)s * kstride;
+        float dot = 0.0f;
+        for (int i = 0; i < dk; i++) dot += qv[i] * kr[i];
+        scores[s] = scale * dot;
+        mx = scores[s] > mx ? scores[s] : mx;
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < n; s++) sum += (scores[s] = expf(scores[s] - mx));
+    for (int e = 0; e < dv; e++) out[e] = 0.0f;
+    for (int s = 0; s < n; s++) {
+        const float pr = scores[s] / sum, *vr = vals + (size_t)s * vstride;
+        for (int e = 0; e < dv; e++) out[e] += pr * vr[e];
+    }
+}
+
+lm_status lm_mla_decode_step(const lm_mla_config *c, const lm_mla_params *p,
+                             lm_mla_cache *cache, const float *x, float *y, float *scratch) {
+    // x (B,d) -> y (B,d) at position cache->len; scratch (lm_mla_decode_scratch_floats)
+    if (!cache) return lm_error(LM_ERR_ARG, "mla decode: cache is NULL");
+    const int B = cache->B;
+    lm_status st = check_run(c, p, B, 1);
+    if (st) return st;
+    if (!x || !y || !scratch) return lm_error(LM_ERR_ARG, "mla decode: x, y and scratch are required");
+    if (cache->len >= cache->max_T)
+        return lm_error(LM_ERR_ARG, "mla decode: cache is full (max_T=%d)", cache->max_T);
+    const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
+    const int r = c->rope_dims, Dn = Dk - r, pos = cache->len, n = pos + 1;
+    const float scale = c->scale > 0 ? c->scale : 1.0f / sqrtf((float)Dk);
+    decode_layout S = layout_decode(c, B, cache->max_T);
+    float *q = scratch + S.q, *gp = scratch + S.gp, *o = scratch + S.o, *scores = scratch + S.scores;
+    if (c->kind == LM_ATTN_MLA) {
+        const int kl = c->kv_lora, row = cache->row;
+        float *ql = scratch + S.ql, *qn = scratch + S.qn, *kvl = scratch + S.kvl;
+        float *lat = scratch + S.lat, *kr = scratch + S.kr, *qa = scratch + S.qa, *ob = scratch + S.ob;
+        lm_matmul_forward(ql, x, p->W_dq, NULL, B, d, c->q_lora);
+        lm_rmsnorm_forward(qn, NULL, ql, p->q_norm, B, c->q_lora, c->norm_eps);
+        lm_matmul_forward(q, qn, p->W_uq, NULL, B, c->q_lora, H * Dk);
+        lm_matmul_forward(kvl, x, p->W_dkv, NULL, B, d, kl);
+        lm_rmsnorm_forward(lat, NULL, kvl, p->kv_norm, B, kl, c->norm_eps);
+        if (r) {
+            lm_matmul_forward(kr, x, p->W_kr, NULL, B, d, r);
+            rope_apply(kr, B, 1, 1, r, r, c->rope_base, pos, 0);
+            rope_apply(q, B, 1, H, Dk, r, c->rope_base, pos, 0);
+        }
+        for (int b = 0; b < B; b++) {
+            float *dst = cache->kv + ((size_t)b * cache->max_T + pos) * row;
+            memcpy(dst, lat + (size_t)b * kl, (size_t)kl * sizeof(float));
+            if (r) memcpy(dst + kl, kr + (size_t)b * r, (size_t)r * sizeof(float));
+        }
+        // absorbed attention in the latent space: score = [W_uk,h^T q_nope ; q_rope] . [c ; kr]
+#pragma omp parallel for schedule(static)
+        for (int bh = 0; bh < B * H; bh++) {
+            const int b = bh / H, h = bh % H;
+            const float *qh = q + (size_t)bh * Dk;
+            float *qah = qa + (size_t)bh * row, *obh = ob + (size_t)bh * kl;
+            for (int l = 0; l < kl; l++) qah[l] = 0.0f;
+            for (int i = 0; i < Dn; i++) {
+                const float *w = p->W_uk + ((size_t)h * Dn + i) * kl;
+                for (int l = 0; l < kl; l++) qah[l] += qh[i] * w[l];
+            }
+            for (int i = 0; i < r; i++) qah[kl + i] = qh[Dn + i];
+            const float *base = cache->kv + (size_t)b * cache->max_T * row;
+            decode_attend(obh, qah, row, base, row, base, row, kl, n, scale,
+                          scores + (size_t)bh * cache->max_T);
+            // o_h = W_uv,h (sum_s p_s c_s)
+            float *oh = o + (size_t)bh * Dv;
+            for (int e = 0; e < Dv; e++) {
+                const float *w = p->W_uv + ((size_t)h * Dv + e) * kl;
+                float s = 0.0f;
+                for (int l = 0; l < kl; l++) s += w[l] * obh[l];
+                oh[e] = s;
+            }
+        }
+    } else {
+        const int Hkv = c->n_kv_heads, G = H / Hkv;
+        float *k = scratch + S.k, *v = scratch + S.v;
+        lm_matmul_forward(q, x, p->W_q, NULL, B, d, H * Dk);
+        lm_matmul_forward(k, x, p->W_k, NULL, B, d, Hkv * Dk);
+        lm_matmul_forward(v, x, p->W_v, NULL, B, d, Hkv * Dv);
+        rope_apply(q, B, 1, H, Dk, r, c->rope_base, pos, 0);
+        rope_apply(k, B, 1, Hkv, Dk, r, c->rope_base, pos, 0);
+        const size_t kw = (size_t)Hkv * Dk, vw = (size_t)Hkv * Dv;
+        for (int b = 0; b < B; b++) {
+            memcpy(cache->kv + ((size_t)b * cache->max_T + pos) * kw, k + b * kw, kw * sizeof(float));
+            memcpy(cache->v + ((size_t)b * cache->max_T + pos) * vw, v + b * vw, vw * sizeof(float));
+        }
+#pragma omp parallel for schedule(static)
+        for (int bh = 0; bh < B * H; bh++) {
+            const int b = bh / H, hk = (bh % H) / G;
+            const float *keys = cache->kv + (size_t)b * cache->max_T * kw + (size_t)hk * Dk;
+            const float *vals = cache->v + (size_t)b * cache->max_T * vw + (size_t)hk * Dv;
+            decode_attend(o + (size_t)bh * Dv, q + (size_t)bh * Dk, Dk, keys, kw, vals, vw, Dv, n,
+                          scale, scores + (size_t)bh * cache->max_T);
+        }
+    }
+    // y = W_o (sigmoid(W_g x) * o)
+    lm_matmul_forward(gp, x, p->W_g, NULL, B, d, H * Dv);
+    for (size_t i = 0; i < (size_t)B * H * Dv; i++) o[i] *= lm_sigmoidf(gp[i]);
+    lm_matmul_forward(y, o, p->W_o, NULL, B, H * Dv, d);
+    cache->len++;
+    return LM_OK;
+}
