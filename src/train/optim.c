@@ -1,0 +1,550 @@
+/* AdamW, Muon with Newton–Schulz, gradient clipping and QK-Clip
+ * (include/longmoe/optim.h; docs/optim.md; SPEC §6).
+ *
+ * Determinism: reductions (norms) are split into a fixed number of fixed-size
+ * blocks, each summed in order in double, then the block sums added in order;
+ * matrix products give each output row to one thread and accumulate it in a
+ * fixed order. No result depends on the thread count or scheduling. */
+#include "longmoe/optim.h"
+
+#include <math.h>
+#include <string.h>
+
+/* Quintic Newton–Schulz coefficients (Keller Jordan's Muon; docs/optim.md). */
+#define LM_NS_A 3.4445f
+#define LM_NS_B (-4.7750f)
+#define LM_NS_C 2.0315f
+
+/* Number of fixed blocks a sum of squares is split into. */
+#define LM_REDUCE_BLOCKS 64
+/* Below this many elements, loops run on one thread (OpenMP overhead). */
+#define LM_PARALLEL_MIN 16384
+
+static const char *param_name(const lm_param *p) { return p->name ? p->name : "(unnamed)"; }
+
+/* ---------------------------------------------------------------------------
+ * Parameters
+ * ------------------------------------------------------------------------- */
+
+int lm_param_default_weight_decay(lm_param_kind kind) {
+    return kind == LM_PARAM_MATRIX || kind == LM_PARAM_EMBEDDING;
+}
+
+lm_param lm_param_matrix(const char *name, float *data, float *grad, int64_t rows, int64_t cols,
+                         lm_param_kind kind) {
+    lm_param p;
+    memset(&p, 0, sizeof p);
+    p.name = name;
+    p.data = data;
+    p.grad = grad;
+    p.ndim = 2;
+    p.rows = rows;
+    p.cols = cols;
+    p.n_blocks = 1;
+    p.kind = kind;
+    p.optimizer = LM_OPT_AUTO;
+    p.weight_decay = lm_param_default_weight_decay(kind);
+    return p;
+}
+
+lm_param lm_param_vector(const char *name, float *data, float *grad, int64_t n,
+                         lm_param_kind kind) {
+    lm_param p = lm_param_matrix(name, data, grad, n, 1, kind);
+    p.ndim = n == 1 && kind == LM_PARAM_SCALAR ? 0 : 1;
+    return p;
+}
+
+int64_t lm_param_numel(const lm_param *p) { return p->rows * p->cols; }
+
+static int param_blocks(const lm_param *p) { return p->n_blocks > 1 ? p->n_blocks : 1; }
+
+lm_optimizer_kind lm_param_optimizer(const lm_param *p) {
+    if (p->optimizer != LM_OPT_AUTO) return p->optimizer;
+    // the split rule: Muon for hidden 2-D matrices whose blocks are at least 2x2
+    if (p->kind == LM_PARAM_MATRIX && p->ndim == 2 && p->rows / param_blocks(p) >= 2 &&
+        p->cols >= 2)
+        return LM_OPT_MUON;
+    return LM_OPT_ADAMW;
+}
+
+lm_status lm_param_check(const lm_param *p) {
+    if (!p) return lm_error(LM_ERR_ARG, "parameter descriptor is NULL");
+    const char *nm = param_name(p);
+    if (!p->data || !p->grad)
+        return lm_error(LM_ERR_ARG, "parameter %s: data and grad must not be NULL", nm);
+    if (p->data == p->grad)
+        return lm_error(LM_ERR_ARG, "parameter %s: data and grad are the same buffer", nm);
+    if (p->ndim < 0 || p->ndim > 2)
+        return lm_error(LM_ERR_ARG, "parameter %s: ndim %d, want 0, 1 or 2", nm, p->ndim);
+    if (p->rows < 1 || p->cols < 1)
+        return lm_error(LM_ERR_ARG, "parameter %s: shape [%lld, %lld], dims must be >= 1", nm,
+                        (long long)p->rows, (long long)p->cols);
+    if (p->ndim == 0 && (p->rows != 1 || p->cols != 1))
+        return lm_error(LM_ERR_ARG, "parameter %s: scalar with shape [%lld, %lld], want [1, 1]",
+                        nm, (long long)p->rows, (long long)p->cols);
+    if (p->ndim == 1 && p->cols != 1)
+        return lm_error(LM_ERR_ARG, "parameter %s: vector with cols %lld, want 1", nm,
+                        (long long)p->cols);
+    if ((int)p->kind < 0 || p->kind >= LM_PARAM_KIND_COUNT)
+        return lm_error(LM_ERR_ARG, "parameter %s: unknown kind %d", nm, (int)p->kind);
+    if ((int)p->optimizer < LM_OPT_AUTO || p->optimizer > LM_OPT_MUON)
+        return lm_error(LM_ERR_ARG, "parameter %s: unknown optimizer %d", nm, (int)p->optimizer);
+    if (p->weight_decay != 0 && p->weight_decay != 1)
+        return lm_error(LM_ERR_ARG, "parameter %s: weight_decay flag %d, want 0 or 1", nm,
+                        p->weight_decay);
+    if (p->n_blocks < 0)
+        return lm_error(LM_ERR_ARG, "parameter %s: n_blocks %d must be >= 0", nm, p->n_blocks);
+    if (p->n_blocks > 1) {
+        if (p->ndim != 2)
+            return lm_error(LM_ERR_ARG, "parameter %s: n_blocks %d needs a 2-D tensor", nm,
+                            p->n_blocks);
+        if (p->rows % p->n_blocks != 0)
+            return lm_error(LM_ERR_ARG,
+                            "parameter %s: rows %lld not divisible into n_blocks %d (heads)", nm,
+                            (long long)p->rows, p->n_blocks);
+    }
+    if (p->optimizer == LM_OPT_MUON && p->ndim != 2)
+        return lm_error(LM_ERR_ARG, "parameter %s: Muon needs a 2-D matrix, got ndim %d", nm,
+                        p->ndim);
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Planning
+ * ------------------------------------------------------------------------- */
+
+size_t lm_param_state_floats(const lm_param *p) {
+    size_t n = (size_t)lm_param_numel(p);
+    return lm_param_optimizer(p) == LM_OPT_MUON ? n : 2 * n;
+}
+
+size_t lm_optim_state_floats(const lm_param *params, int n_params) {
+    size_t s = 0;
+    for (int i = 0; i < n_params; i++) s += lm_param_state_floats(&params[i]);
+    return s;
+}
+
+size_t lm_newton_schulz_scratch_floats(int64_t rows, int64_t cols) {
+    size_t m = (size_t)(rows < cols ? rows : cols), n = (size_t)(rows < cols ? cols : rows);
+    // X and its next iterate (m x n), A = X X^T and B (m x m)
+    return 2 * m * n + 2 * m * m;
+}
+
+size_t lm_optim_scratch_floats(const lm_param *params, int n_params) {
+    size_t s = 0;
+    for (int i = 0; i < n_params; i++) {
+        const lm_param *p = &params[i];
+        if (lm_param_optimizer(p) != LM_OPT_MUON) continue;
+        size_t need = lm_newton_schulz_scratch_floats(p->rows / param_blocks(p), p->cols);
+        if (need > s) s = need;
+    }
+    return s;
+}
+
+/* ---------------------------------------------------------------------------
+ * Config
+ * ------------------------------------------------------------------------- */
+
+lm_optim_config lm_optim_config_default(void) {
+    lm_optim_config c;
+    c.weight_decay = 0.1f;
+    c.adam_beta1 = 0.9f;
+    c.adam_beta2 = 0.95f;
+    c.adam_eps = 1e-8f;
+    c.muon_momentum = 0.95f;
+    c.muon_nesterov = 1;
+    c.muon_ns_steps = 5;
+    c.muon_rms_scale = 0.2f;
+    c.muon_ns_eps = 1e-7f;
+    return c;
+}
+
+lm_status lm_optim_config_check(const lm_optim_config *c) {
+    if (!c) return lm_error(LM_ERR_ARG, "optimizer config is NULL");
+    if (!(c->weight_decay >= 0.0f) || !isfinite(c->weight_decay))
+        return lm_error(LM_ERR_ARG, "weight_decay %g must be finite and >= 0",
+                        (double)c->weight_decay);
+    if (!(c->adam_beta1 >= 0.0f && c->adam_beta1 < 1.0f))
+        return lm_error(LM_ERR_ARG, "adam_beta1 %g must be in [0, 1)", (double)c->adam_beta1);
+    if (!(c->adam_beta2 >= 0.0f && c->adam_beta2 < 1.0f))
+        return lm_error(LM_ERR_ARG, "adam_beta2 %g must be in [0, 1)", (double)c->adam_beta2);
+    if (!(c->adam_eps > 0.0f) || !isfinite(c->adam_eps))
+        return lm_error(LM_ERR_ARG, "adam_eps %g must be finite and > 0", (double)c->adam_eps);
+    if (!(c->muon_momentum >= 0.0f && c->muon_momentum < 1.0f))
+        return lm_error(LM_ERR_ARG, "muon_momentum %g must be in [0, 1)",
+                        (double)c->muon_momentum);
+    if (c->muon_nesterov != 0 && c->muon_nesterov != 1)
+        return lm_error(LM_ERR_ARG, "muon_nesterov %d must be 0 or 1", c->muon_nesterov);
+    if (c->muon_ns_steps < 1 || c->muon_ns_steps > 100)
+        return lm_error(LM_ERR_ARG, "muon_ns_steps %d must be in [1, 100]", c->muon_ns_steps);
+    if (!(c->muon_rms_scale > 0.0f) || !isfinite(c->muon_rms_scale))
+        return lm_error(LM_ERR_ARG, "muon_rms_scale %g must be finite and > 0",
+                        (double)c->muon_rms_scale);
+    if (!(c->muon_ns_eps > 0.0f) || !isfinite(c->muon_ns_eps))
+        return lm_error(LM_ERR_ARG, "muon_ns_eps %g must be finite and > 0",
+                        (double)c->muon_ns_eps);
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Deterministic reductions and small products
+ * ------------------------------------------------------------------------- */
+
+/* sum x[i]^2 in double: LM_REDUCE_BLOCKS fixed blocks, each summed in order,
+ * then the block sums in order. Same bits for any thread count. */
+static double sum_squares_fixed(const float *x, int64_t n) {
+    double part[LM_REDUCE_BLOCKS];
+    int64_t bs = (n + LM_REDUCE_BLOCKS - 1) / LM_REDUCE_BLOCKS;
+#pragma omp parallel for schedule(static) if (n >= LM_PARALLEL_MIN)
+    for (int b = 0; b < LM_REDUCE_BLOCKS; b++) {
+        int64_t lo = (int64_t)b * bs, hi = lo + bs < n ? lo + bs : n;
+        double s = 0.0;
+        for (int64_t i = lo; i < hi; i++) s += (double)x[i] * (double)x[i];
+        part[b] = s;
+    }
+    double s = 0.0;
+    for (int b = 0; b < LM_REDUCE_BLOCKS; b++) s += part[b];
+    return s;
+}
+
+/* fp32 dot product with four interleaved accumulators, combined in a fixed order. */
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += a[i] * b[i];
+        s1 += a[i + 1] * b[i + 1];
+        s2 += a[i + 2] * b[i + 2];
+        s3 += a[i + 3] * b[i + 3];
+    }
+    for (; i < n; i++) s0 += a[i] * b[i];
+    return (s0 + s1) + (s2 + s3);
+}
+
+/* Run `steps` quintic Newton–Schulz iterations on X = scratch[0, m*n) (m <= n),
+ * which holds the already normalised input. Returns the buffer holding the result
+ * (scratch or scratch + m*n). */
+static const float *ns_iterate(float *scratch, int64_t m, int64_t n, int steps) {
+    float *X = scratch, *Y = scratch + m * n, *A = Y + m * n, *B = A + m * m;
+    int par = m * n >= LM_PARALLEL_MIN;
+    for (int s = 0; s < steps; s++) {
+        // A = X X^T  (m x m, symmetric: a*b == b*a in IEEE arithmetic)
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < m; j++) A[i * m + j] = dot_f32(X + i * n, X + j * n, n);
+        // B = b A + c A A  (A symmetric, so (A A)_ij = A_i . A_j)
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < m; j++)
+                B[i * m + j] = LM_NS_B * A[i * m + j] + LM_NS_C * dot_f32(A + i * m, A + j * m, m);
+        // Y = a X + B X
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t i = 0; i < m; i++) {
+            float *y = Y + i * n;
+            const float *x = X + i * n;
+            for (int64_t c = 0; c < n; c++) y[c] = LM_NS_A * x[c];
+            for (int64_t k = 0; k < m; k++) {
+                float bik = B[i * m + k];
+                const float *xk = X + k * n;
+                for (int64_t c = 0; c < n; c++) y[c] += bik * xk[c];
+            }
+        }
+        float *t = X;
+        X = Y;
+        Y = t;
+    }
+    return X;
+}
+
+/* X = X / (||X||_F + eps) in place on count floats. */
+static void ns_normalise(float *X, int64_t count, float eps) {
+    double norm = sqrt(sum_squares_fixed(X, count));
+    float inv = (float)(1.0 / (norm + (double)eps));
+#pragma omp parallel for schedule(static) if (count >= LM_PARALLEL_MIN)
+    for (int64_t i = 0; i < count; i++) X[i] *= inv;
+}
+
+lm_status lm_newton_schulz(float *out, const float *g, int64_t rows, int64_t cols, int steps,
+                           float eps, float *scratch) {
+    // g, out are (rows, cols); scratch holds lm_newton_schulz_scratch_floats(rows, cols)
+    if (!out || !g || !scratch)
+        return lm_error(LM_ERR_ARG, "newton_schulz: out, g and scratch must not be NULL");
+    if (rows < 1 || cols < 1)
+        return lm_error(LM_ERR_ARG, "newton_schulz: shape [%lld, %lld], dims must be >= 1",
+                        (long long)rows, (long long)cols);
+    if (steps < 1) return lm_error(LM_ERR_ARG, "newton_schulz: steps %d must be >= 1", steps);
+    if (!(eps > 0.0f)) return lm_error(LM_ERR_ARG, "newton_schulz: eps %g must be > 0", (double)eps);
+    int tr = rows > cols;
+    int64_t m = tr ? cols : rows, n = tr ? rows : cols;
+    float *X = scratch;
+    // work on the wide orientation so the Gram matrix X X^T is the smaller side
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) X[tr ? c * n + r : r * n + c] = g[r * cols + c];
+    ns_normalise(X, m * n, eps);
+    const float *R = ns_iterate(scratch, m, n, steps);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) out[r * cols + c] = R[tr ? c * n + r : r * n + c];
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * AdamW
+ * ------------------------------------------------------------------------- */
+
+void lm_adamw_update(float *w, const float *g, float *m, float *v, int64_t n, float lr,
+                     float beta1, float beta2, float eps, float wd, int64_t t) {
+    // w, g, m, v are (n); t >= 1 is the step count after increment
+    float bc1 = (float)(1.0 - pow((double)beta1, (double)t));
+    float bc2 = (float)(1.0 - pow((double)beta2, (double)t));
+    float omb1 = 1.0f - beta1, omb2 = 1.0f - beta2;
+#pragma omp parallel for schedule(static) if (n >= LM_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i];
+        float mi = beta1 * m[i] + omb1 * gi;
+        float vi = beta2 * v[i] + omb2 * gi * gi;
+        m[i] = mi;
+        v[i] = vi;
+        float mhat = mi / bc1, vhat = vi / bc2;
+        // decoupled weight decay: the decay term uses the weight before the step
+        w[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * w[i]);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Muon
+ * ------------------------------------------------------------------------- */
+
+lm_status lm_muon_update(float *w, const float *g, float *momentum, int64_t rows, int64_t cols,
+                         int n_blocks, float lr, float wd, const lm_optim_config *cfg,
+                         float *scratch) {
+    // w, g, momentum are (rows, cols), split into n_blocks slices of (rows/n_blocks, cols)
+    if (!w || !g || !momentum || !scratch || !cfg)
+        return lm_error(LM_ERR_ARG, "muon: w, g, momentum, scratch and cfg must not be NULL");
+    if (n_blocks < 1) n_blocks = 1;
+    if (rows < 1 || cols < 1 || rows % n_blocks != 0)
+        return lm_error(LM_ERR_ARG, "muon: shape [%lld, %lld] with %d blocks is invalid",
+                        (long long)rows, (long long)cols, n_blocks);
+    int64_t rb = rows / n_blocks;
+    int tr = rb > cols;
+    int64_t m = tr ? cols : rb, n = tr ? rb : cols;
+    float mu = cfg->muon_momentum;
+    // update RMS matched to AdamW [MUON]: 0.2 * sqrt(max(rows, cols)) of the block
+    float scale = (float)((double)cfg->muon_rms_scale * sqrt((double)(rb > cols ? rb : cols)));
+    int par = m * n >= LM_PARALLEL_MIN;
+    for (int b = 0; b < n_blocks; b++) {
+        float *wb = w + (size_t)b * rb * cols, *mb = momentum + (size_t)b * rb * cols;
+        const float *gb = g + (size_t)b * rb * cols;
+        float *X = scratch;
+        // momentum buf = mu buf + g; Nesterov look-ahead u = g + mu buf (docs/optim.md)
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t r = 0; r < rb; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                int64_t i = r * cols + c;
+                float buf = mu * mb[i] + gb[i];
+                mb[i] = buf;
+                X[tr ? c * n + r : r * n + c] = cfg->muon_nesterov ? gb[i] + mu * buf : buf;
+            }
+        ns_normalise(X, m * n, cfg->muon_ns_eps);
+        const float *O = ns_iterate(scratch, m, n, cfg->muon_ns_steps);
+        // w -= lr * (scale * O + wd * w)   (decoupled weight decay)
+#pragma omp parallel for schedule(static) if (par)
+        for (int64_t r = 0; r < rb; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                float o = O[tr ? c * n + r : r * n + c];
+                float *wi = wb + r * cols + c;
+                *wi -= lr * (scale * o + wd * *wi);
+            }
+    }
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * The optimizer
+ * ------------------------------------------------------------------------- */
+
+lm_status lm_optimizer_init(lm_optimizer *opt, const lm_optim_config *cfg, lm_param *params,
+                            int n_params, float *state, size_t state_floats, float *scratch,
+                            size_t scratch_floats) {
+    if (!opt) return lm_error(LM_ERR_ARG, "optimizer is NULL");
+    lm_status st = lm_optim_config_check(cfg);
+    if (st) return st;
+    if (n_params < 0 || (n_params > 0 && !params))
+        return lm_error(LM_ERR_ARG, "optimizer: %d parameters with params %s", n_params,
+                        params ? "set" : "NULL");
+    for (int i = 0; i < n_params; i++) {
+        st = lm_param_check(&params[i]);
+        if (st) return st;
+    }
+    size_t need_state = lm_optim_state_floats(params, n_params);
+    size_t need_scratch = lm_optim_scratch_floats(params, n_params);
+    if (state_floats < need_state || (need_state && !state))
+        return lm_error(LM_ERR_ARG, "optimizer state buffer has %zu floats, needs %zu",
+                        state ? state_floats : (size_t)0, need_state);
+    if (scratch_floats < need_scratch || (need_scratch && !scratch))
+        return lm_error(LM_ERR_ARG, "optimizer scratch buffer has %zu floats, needs %zu",
+                        scratch ? scratch_floats : (size_t)0, need_scratch);
+    opt->cfg = *cfg;
+    opt->params = params;
+    opt->n_params = n_params;
+    opt->state = state;
+    opt->scratch = scratch;
+    opt->step = 0;
+    if (need_state) memset(state, 0, need_state * sizeof(float));
+    return LM_OK;
+}
+
+lm_status lm_optimizer_step(lm_optimizer *opt, float lr) {
+    if (!opt) return lm_error(LM_ERR_ARG, "optimizer is NULL");
+    if (!(lr >= 0.0f) || !isfinite(lr))
+        return lm_error(LM_ERR_ARG, "learning rate %g must be finite and >= 0", (double)lr);
+    const lm_optim_config *c = &opt->cfg;
+    opt->step++;
+    size_t off = 0;
+    for (int i = 0; i < opt->n_params; i++) {
+        lm_param *p = &opt->params[i];
+        int64_t n = lm_param_numel(p);
+        float wd = p->weight_decay ? c->weight_decay : 0.0f;
+        if (lm_param_optimizer(p) == LM_OPT_MUON) {
+            lm_status st = lm_muon_update(p->data, p->grad, opt->state + off, p->rows, p->cols,
+                                          param_blocks(p), lr, wd, c, opt->scratch);
+            if (st) return st;
+        } else {
+            lm_adamw_update(p->data, p->grad, opt->state + off, opt->state + off + n, n, lr,
+                            c->adam_beta1, c->adam_beta2, c->adam_eps, wd, opt->step);
+        }
+        off += lm_param_state_floats(p);
+    }
+    return LM_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Gradients
+ * ------------------------------------------------------------------------- */
+
+double lm_grad_global_norm(const lm_param *params, int n_params) {
+    double s = 0.0;
+    for (int i = 0; i < n_params; i++)
+        s += sum_squares_fixed(params[i].grad, lm_param_numel(&params[i]));
+    return sqrt(s);
+}
+
+lm_status lm_grad_clip(lm_param *params, int n_params, float max_norm, double *norm_out) {
+    if (n_params < 0 || (n_params > 0 && !params))
+        return lm_error(LM_ERR_ARG, "grad_clip: %d parameters with params NULL", n_params);
+    if (!(max_norm >= 0.0f) || !isfinite(max_norm))
+        return lm_error(LM_ERR_ARG, "grad_clip: max_norm %g must be finite and >= 0 (0: off)",
+                        (double)max_norm);
+    double norm = lm_grad_global_norm(params, n_params);
+    if (norm_out) *norm_out = norm;
+    if (!isfinite(norm))
+        return lm_error(LM_ERR_NUMERIC, "gradient global norm is %g (non-finite gradients)",
+                        norm);
+    if (max_norm > 0.0f && norm > (double)max_norm) lm_grads_scale(params, n_params, (float)(max_norm / norm));
+    return LM_OK;
+}
+
+void lm_grads_zero(lm_param *params, int n_params) {
+    for (int i = 0; i < n_params; i++)
+        memset(params[i].grad, 0, (size_t)lm_param_numel(&params[i]) * sizeof(float));
+}
+
+void lm_grads_scale(lm_param *params, int n_params, float s) {
+    for (int i = 0; i < n_params; i++) {
+        float *g = params[i].grad;
+        int64_t n = lm_param_numel(&params[i]);
+#pragma omp parallel for schedule(static) if (n >= LM_PARALLEL_MIN)
+        for (int64_t j = 0; j < n; j++) g[j] *= s;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * QK-Clip
+ * ------------------------------------------------------------------------- */
+
+static void scale_rows(float *x, int64_t count, double f) {
+    for (int64_t i = 0; i < count; i++) x[i] = (float)((double)x[i] * f);
+}
+
+lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_max, float tau,
+                     float *scale_out, int *n_clipped) {
+    if (n_heads < 0 || (n_heads > 0 && (!heads || !s_max)))
+        return lm_error(LM_ERR_ARG, "qk_clip: %d heads with heads or s_max NULL", n_heads);
+    if (!(tau > 0.0f) || !isfinite(tau))
+        return lm_error(LM_ERR_ARG, "qk_clip: tau %g must be finite and > 0", (double)tau);
+    // validate everything first so a bad head leaves all weights untouched
+    for (int h = 0; h < n_heads; h++) {
+        const lm_qk_clip_head *hd = &heads[h];
+        if (!isfinite(s_max[h]))
+            return lm_error(LM_ERR_NUMERIC, "qk_clip: head %d has S_max %g (non-finite)", h,
+                            (double)s_max[h]);
+        if (!hd->q_rows || hd->q_nrows < 1 || hd->q_cols < 1)
+            return lm_error(LM_ERR_ARG, "qk_clip: head %d query rows NULL or shape [%lld, %lld]",
+                            h, (long long)hd->q_nrows, (long long)hd->q_cols);
+        if (hd->k_rows && (hd->k_nrows < 1 || hd->k_cols < 1))
+            return lm_error(LM_ERR_ARG, "qk_clip: head %d key rows shape [%lld, %lld]", h,
+                            (long long)hd->k_nrows, (long long)hd->k_cols);
+    }
+    int clipped = 0;
+    for (int h = 0; h < n_heads; h++) {
+        const lm_qk_clip_head *hd = &heads[h];
+        double gamma = 1.0;
+        if (s_max[h] > tau) {
+            // QK-Clip [K2]: eta = tau / S_max; q and k rows each scaled by sqrt(eta)
+            gamma = (double)tau / (double)s_max[h];
+            if (hd->k_rows) {
+                double f = sqrt(gamma);
+                scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, f);
+                scale_rows(hd->k_rows, hd->k_nrows * hd->k_cols, f);
+            } else {
+                // keys shared between query heads: the query rows take all of eta
+                scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, gamma);
+            }
+            clipped++;
+        }
+        if (scale_out) scale_out[h] = (float)gamma;
+    }
+    if (n_clipped) *n_clipped = clipped;
+    return LM_OK;
+}
+
+/* Heads on the stack per call of lm_qk_clip_mla (more are processed in batches). */
+#define LM_QK_CLIP_BATCH 64
+
+lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int d_qk, int q_lora,
+                         int kv_lora, const float *s_max, float tau, float *scale_out,
+                         int *n_clipped) {
+    // w_uq is (n_heads*d_qk, q_lora), w_uk is (n_heads*d_qk, kv_lora); head h owns rows
+    // [h*d_qk, (h+1)*d_qk) of each
+    if (!w_uq || !w_uk || !s_max)
+        return lm_error(LM_ERR_ARG, "qk_clip_mla: w_uq, w_uk and s_max must not be NULL");
+    if (n_heads < 1 || d_qk < 1 || q_lora < 1 || kv_lora < 1)
+        return lm_error(LM_ERR_ARG,
+                        "qk_clip_mla: n_heads %d, d_qk %d, q_lora %d, kv_lora %d must be >= 1",
+                        n_heads, d_qk, q_lora, kv_lora);
+    if (!(tau > 0.0f) || !isfinite(tau))
+        return lm_error(LM_ERR_ARG, "qk_clip_mla: tau %g must be finite and > 0", (double)tau);
+    for (int h = 0; h < n_heads; h++)
+        if (!isfinite(s_max[h]))
+            return lm_error(LM_ERR_NUMERIC, "qk_clip_mla: head %d has S_max %g (non-finite)", h,
+                            (double)s_max[h]);
+    int total = 0;
+    for (int h0 = 0; h0 < n_heads; h0 += LM_QK_CLIP_BATCH) {
+        int nb = n_heads - h0 < LM_QK_CLIP_BATCH ? n_heads - h0 : LM_QK_CLIP_BATCH;
+        lm_qk_clip_head hs[LM_QK_CLIP_BATCH];
+        for (int i = 0; i < nb; i++) {
+            int64_t r0 = (int64_t)(h0 + i) * d_qk;
+            hs[i].q_rows = w_uq + r0 * q_lora;
+            hs[i].q_nrows = d_qk;
+            hs[i].q_cols = q_lora;
+            hs[i].k_rows = w_uk + r0 * kv_lora;
+            hs[i].k_nrows = d_qk;
+            hs[i].k_cols = kv_lora;
+        }
+        int c = 0;
+        lm_status st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
+        if (st) return st;
+        total += c;
+    }
+    if (n_clipped) *n_clipped = total;
+    return LM_OK;
+}
