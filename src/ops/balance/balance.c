@@ -190,13 +190,13 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
         const float *si = sc + i * n;
         int32_t idx[LM_MOE_MAX_TOPK + 1];
         float val[LM_MOE_MAX_TOPK + 1];
-        double sum = 0.0, slog = 0.0;
+        float sum = 0.0f, slog = 0.0f;
         int ok = 1;
         for (int j = 0; j < n; j++) {
             float v = si[j];
             ok &= v > 0.0f && v <= 1.0f;
             sum += v;
-            slog += v > 0.0f ? (double)v * log((double)v) : 0.0;
+            slog += v > 0.0f ? v * logf(v) : 0.0f;
         }
         if (!ok) {
 #pragma omp critical(lm_balance_bad)
@@ -204,7 +204,7 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
             continue;
         }
         /* entropy of pi = s / sum s: log S - sum s log s / S */
-        ent += log(sum) - slog / sum;
+        ent += (double)(logf(sum) - slog / sum);
         lm_topk_row(idx, val, si, b, n, kk);
         memcpy(s->scratch_topk + i * k, idx, (size_t)k * sizeof *idx);
         s->alpha[i] = kk > k ? val[k] : -INFINITY;
@@ -380,32 +380,29 @@ lm_status lm_balance_step_end(lm_balance_state *s, int training, lm_balance_stat
         float bmin, bmax;
         bias_range(s->bias, n, &bmin, &bmax);
         float hw_max = 1.0f + (bmax - bmin);
+        /* the bins are a function of b, unchanged since the step began */
+        if (c->estimator != LM_QB_EXACT) set_bins(s);
         double sum = 0.0;
         /* 4. per expert, the k/n quantile of r_{:,j}: target q = m k / n tokens below b_j */
-        int ok = 1;
+        /* every expert's histogram counts every training token: one row total tells */
+        int64_t seen = 0;
+        if (c->estimator == LM_QB_EXACT) seen = s->n_residuals;
+        else
+            for (int l = 0; l < B; l++) seen += s->counts[l];
+        int ok = seen > 0;
+        int64_t cap = c->max_step_tokens ? c->max_step_tokens : c->max_tokens;
+        double q = (double)seen * k / n;
+#pragma omp parallel for schedule(dynamic, 8) if (ok)
         for (int j = 0; j < n; j++) {
+            if (!ok) continue;
             float v;
-            if (c->estimator == LM_QB_EXACT) {
-                int64_t len = s->n_residuals;
-                if (!len) {
-                    ok = 0;
-                    break;
-                }
-                v = exact_quantile(s->residuals + (int64_t)j * (c->max_step_tokens ? c->max_step_tokens
-                                                                                     : c->max_tokens),
-                                   len, (double)len * k / n);
-            } else {
-                const int32_t *cj = s->counts + (int64_t)j * B;
-                int64_t rows = 0;
-                for (int l = 0; l < B; l++) rows += cj[l];
-                if (!rows) {
-                    ok = 0;
-                    break;
-                }
-                double q = (double)rows * k / n;
-                if (c->estimator == LM_QB_ZOOM) v = zoom_quantile(s, j, q, hw_max);
-                else v = (float)lm_qb_histogram_quantile(cj, B, s->bin_lo[j], s->bin_width[j], q);
-            }
+            if (c->estimator == LM_QB_EXACT)
+                v = exact_quantile(s->residuals + (int64_t)j * cap, seen, q);
+            else if (c->estimator == LM_QB_ZOOM)
+                v = zoom_quantile(s, j, q, hw_max);
+            else
+                v = (float)lm_qb_histogram_quantile(s->counts + (int64_t)j * B, B, s->bin_lo[j],
+                                                    s->bin_width[j], q);
             /* bin_lo is free once expert j's estimate is taken: keep the new b there */
             s->bin_lo[j] = v;
         }
