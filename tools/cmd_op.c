@@ -12,6 +12,7 @@ typedef struct {
 
 static const op_command ops[] = {
     {"kda", cmd_op_kda, "Kimi Delta Attention, chunked or recurrent, forward and backward"},
+    {"attention", cmd_op_attention, "causal softmax attention (tiled, GQA), forward and backward"},
 };
 
 int cmd_op(int argc, char **argv) {
