@@ -3,6 +3,7 @@
  * backward against float64 central differences (free sublayer outputs, and a
  * chain of real sublayers y_l = tanh(M_l h_l)); the special cases (zero
  * queries, standard, full); the memory plan; call order and bad configs. */
+#include <omp.h>
 #include <stdint.h>
 
 #include "longmoe/attnres.h"
@@ -593,6 +594,46 @@ static void test_bad_configs_are_refused_by_name(void) {
     CHECK(lm_attnres_mode_from_name("block", &mode) != 0, "unknown name 'block' accepted");
 }
 
+/* Large enough for the parallel paths (n d >= 32768): matches float64, and
+ * every output and gradient is bit-identical with 1 and 2 threads. */
+static void test_parallel_paths_match_reference_and_thread_count(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 801);
+    lm_attnres_config c = make_cfg(LM_ATTNRES_BLOCK, 6, 4, 64, 640, 1);
+    const int L = c.n_sublayers, d = c.d;
+    const size_t nd = (size_t)c.n_tokens * d, np = (size_t)(L + 1) * d;
+    problem pr = make_problem(&r, &c, 1.0);
+    lm_attnres_params p = {pr.w, pr.g};
+    float *G = malloc((L + 1) * nd * 4);
+    fill(&r, G, (L + 1) * nd, 1, 0);
+    float *h[2], *dy[2], *de[2], *dw[2], *dg[2];
+    lm_attnres_state st;
+    void *ws = make_state(&st, &c);
+    const int threads_before = omp_get_max_threads();
+    for (int k = 0; k < 2; k++) {
+        omp_set_num_threads(k + 1);
+        h[k] = malloc((L + 1) * nd * 4);
+        dy[k] = calloc(L * nd, 4), de[k] = calloc(nd, 4), dw[k] = calloc(np, 4), dg[k] = calloc(np, 4);
+        lm_attnres_grads g = {dw[k], dg[k]};
+        module_forward(&st, pr.emb, pr.ys, &p, h[k]);
+        module_backward(&st, &p, G, dy[k], de[k], &g);
+    }
+    omp_set_num_threads(threads_before);
+    double *emb = to_double(pr.emb, nd), *ys = to_double(pr.ys, L * nd);
+    double *w = to_double(pr.w, np), *g = to_double(pr.g, np), *hr = malloc((L + 1) * nd * 8);
+    ref_forward(&c, emb, ys, w, g, hr);
+    double e = test_rel_error_f(h[1], hr, (L + 1) * nd);
+    CHECK(e < 3e-6, "2 threads: rel error %.3g vs float64", e);
+    CHECK(!memcmp(h[0], h[1], (L + 1) * nd * 4), "outputs depend on the thread count");
+    CHECK(!memcmp(dy[0], dy[1], L * nd * 4) && !memcmp(de[0], de[1], nd * 4),
+          "input gradients depend on the thread count");
+    CHECK(!memcmp(dw[0], dw[1], np * 4) && !memcmp(dg[0], dg[1], np * 4),
+          "parameter gradients depend on the thread count");
+    for (int k = 0; k < 2; k++) free(h[k]), free(dy[k]), free(de[k]), free(dw[k]), free(dg[k]);
+    free(emb), free(ys), free(w), free(g), free(hr), free(G), free(ws);
+    free_problem(&pr);
+}
+
 int main(void) {
     RUN(test_two_phase_equals_direct);
     RUN(test_forward_matches_float64_reference);
@@ -601,6 +642,7 @@ int main(void) {
     RUN(test_zero_queries_give_uniform_average_of_sources);
     RUN(test_standard_mode_is_the_plain_residual_sum);
     RUN(test_full_equals_block_size_one);
+    RUN(test_parallel_paths_match_reference_and_thread_count);
     RUN(test_history_grows_with_blocks_not_layers);
     RUN(test_calls_out_of_order_are_refused);
     RUN(test_bad_configs_are_refused_by_name);

@@ -24,6 +24,10 @@
 
 #define ALIGN_BYTES 64
 
+/* parallel regions only pay off above this many floats of work */
+#define PAR_MIN_WORK 32768
+#define PARALLEL_IF(work) ((int64_t)(work) >= PAR_MIN_WORK)
+
 static size_t align_up(size_t b) { return (b + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
 
 int lm_attnres_mode_from_name(const char *name, lm_attnres_mode *out) {
@@ -229,7 +233,7 @@ lm_status lm_attnres_begin(lm_attnres_state *st, const float *embedding) {
     const int d = st->cfg.d;
     memcpy(st->hist, embedding, (size_t)n * d * sizeof(float));
     if (st->cfg.mode != LM_ATTNRES_STANDARD) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
         for (int64_t t = 0; t < n; t++) st->hist_rstd[t] = rstd_row(st->hist + t * d, d, st->cfg.eps);
     }
     st->step = 0;
@@ -244,7 +248,7 @@ static void direct_forward(lm_attnres_state *st, const float *u, int C, const fl
     // hist is (1+N,n,d), P is (n,d), logits is (n,Ns), lse is (n), h is (n,d)
     const int64_t n = st->cfg.n_tokens;
     const int d = st->cfg.d, Ns = C + (P != NULL);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
         float *s = logits + t * Ns;
         /* s_i = r_i (u . v_i)  (SPEC §5) */
@@ -280,7 +284,7 @@ static void phase1_forward(lm_attnres_state *st, int l0, int Q, int C) {
         off[q] = logits_offset(l0 + q, S, L, n);
         Ns[q] = n_sources_of(l0 + q, S, L);
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
         /* scores of every (query, source) pair, each source row read once */
         for (int i = 0; i < C; i++) {
@@ -318,7 +322,7 @@ static void phase2_forward(lm_attnres_state *st, int q, const float *u, int C, c
     // acc is (S,n,d); P is (n,d); logits is (n,C+1); h is (n,d)
     const int64_t n = st->cfg.n_tokens;
     const int d = st->cfg.d, Ns = C + (P != NULL);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
         const float *A = st->acc + ((size_t)q * n + t) * d;
         float m = st->acc_max[q * n + t], Z = st->acc_sum[q * n + t];
@@ -363,7 +367,7 @@ lm_status lm_attnres_input(lm_attnres_state *st, int l, const lm_attnres_params 
         float *saved = st->partials + (size_t)(l - k - 1) * n * d, *r = st->partial_rstd + (size_t)l * n;
         const float *open = st->hist + (size_t)(1 + k) * n * d;
         memcpy(saved, open, (size_t)n * d * sizeof(float));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
         for (int64_t t = 0; t < n; t++) r[t] = rstd_row(saved + t * d, d, st->cfg.eps);
         P = saved;
         Pr = r;
@@ -406,7 +410,7 @@ lm_status lm_attnres_add_output(lm_attnres_state *st, int l, const float *y) {
     if (pos == S - 1 || l == L - 1) {
         /* the block closes: b_{k+1} becomes a source of every later layer */
         float *r = st->hist_rstd + (size_t)(1 + k) * n;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
         for (int64_t t = 0; t < n; t++) r[t] = rstd_row(open + t * d, d, st->cfg.eps);
     }
     st->step++;
@@ -468,7 +472,7 @@ static void layer_backward(lm_attnres_state *st, const lm_attnres_params *p, lm_
     const int d = st->cfg.d, Ns = C + (P != NULL);
     float *u = st->u;
     effective_query(u, p, l, d);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
         float *s = logits + t * Ns;
         const float *dht = dh + t * d;
@@ -494,9 +498,9 @@ static void layer_backward(lm_attnres_state *st, const lm_attnres_params *p, lm_
     const float *w = p->query + (size_t)l * d, *kg = p->key_norm + (size_t)l * d;
     float *dw = g->query ? g->query + (size_t)l * d : NULL, *dg = g->key_norm ? g->key_norm + (size_t)l * d : NULL;
     /* q[c] = sum over tokens and sources of ds_i r_i v_i[c]; channel chunks in parallel, fixed token order */
-    enum { CHUNK = 64 };
+    enum { CHUNK = 16 }; /* one cache line of each row per thread */
     const int n_chunks = (d + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d * Ns))
     for (int ch = 0; ch < n_chunks; ch++) {
         const int c0 = ch * CHUNK, c1 = c0 + CHUNK < d ? c0 + CHUNK : d;
         float q[CHUNK] = {0};
