@@ -1,0 +1,133 @@
+/* KDA CPU operator timing: chunked form with the bounded gate (factored
+ * diagonal sub-chunk) against the softplus gate (pairwise diagonal), the
+ * bounded gate forced onto the pairwise path, and the recurrent form.
+ * Forward and forward+backward, median of several runs; prints a markdown
+ * table and the ratios. Usage: bench_kda [runs] (default 5). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "check.h"
+#include "longmoe/kda.h"
+
+typedef struct {
+    const char *name;
+    lm_kda_gate gate;
+    lm_kda_diag diag;
+    int recurrent;
+} variant;
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *t, int n) {
+    qsort(t, n, sizeof(double), cmp_double);
+    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
+}
+
+static void fill_normal(lm_rng *r, float *x, size_t n, double s) {
+    for (size_t i = 0; i < n; i++) x[i] = (float)(s * lm_rng_normal(r));
+}
+
+static void l2norm_rows(float *x, size_t rows, int K) {
+    for (size_t i = 0; i < rows; i++) {
+        double n = 0;
+        for (int d = 0; d < K; d++) n += (double)x[i * K + d] * x[i * K + d];
+        for (int d = 0; d < K; d++) x[i * K + d] = (float)(x[i * K + d] / sqrt(n));
+    }
+}
+
+static void bench_shape(int B, int T, int H, int K, int V, int runs) {
+    const size_t nqk = (size_t)B * T * H * K, nv = (size_t)B * T * H * V, nbt = (size_t)B * T * H;
+    const size_t ns = (size_t)B * H * K * V;
+    lm_rng r;
+    lm_rng_seed(&r, 42);
+    float *q = mallocCheck(nqk * sizeof(float)), *k = mallocCheck(nqk * sizeof(float));
+    float *z = mallocCheck(nqk * sizeof(float)), *v = mallocCheck(nv * sizeof(float));
+    float *beta = mallocCheck(nbt * sizeof(float)), *A_log = mallocCheck(H * sizeof(float));
+    float *dt_bias = mallocCheck((size_t)H * K * sizeof(float)), *h0 = mallocCheck(ns * sizeof(float));
+    float *o = mallocCheck(nv * sizeof(float)), *ht = mallocCheck(ns * sizeof(float));
+    float *d_o = mallocCheck(nv * sizeof(float)), *dht = mallocCheck(ns * sizeof(float));
+    float *gq = callocCheck(nqk, sizeof(float)), *gk = callocCheck(nqk, sizeof(float));
+    float *gz = callocCheck(nqk, sizeof(float)), *gv = callocCheck(nv, sizeof(float));
+    float *gb = callocCheck(nbt, sizeof(float)), *gA = callocCheck(H, sizeof(float));
+    float *gdt = callocCheck((size_t)H * K, sizeof(float)), *gh0 = callocCheck(ns, sizeof(float));
+    fill_normal(&r, q, nqk, 1);
+    fill_normal(&r, k, nqk, 1);
+    l2norm_rows(q, nbt, K);
+    l2norm_rows(k, nbt, K);
+    fill_normal(&r, z, nqk, 1);
+    fill_normal(&r, v, nv, 1);
+    for (size_t i = 0; i < nbt; i++) beta[i] = (float)(1 / (1 + exp(-lm_rng_normal(&r))));
+    fill_normal(&r, A_log, H, 0.3);
+    fill_normal(&r, dt_bias, (size_t)H * K, 0.5);
+    fill_normal(&r, h0, ns, 0.5);
+    fill_normal(&r, d_o, nv, 1);
+    fill_normal(&r, dht, ns, 1);
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, h0};
+    lm_kda_grads g = {gq, gk, gv, gz, gb, gA, gdt, gh0};
+
+    const variant vs[] = {
+        {"chunked, bounded gate (factored diag)", LM_KDA_GATE_BOUNDED, LM_KDA_DIAG_AUTO, 0},
+        {"chunked, softplus gate (pairwise diag)", LM_KDA_GATE_SOFTPLUS, LM_KDA_DIAG_AUTO, 0},
+        {"chunked, bounded gate forced pairwise", LM_KDA_GATE_BOUNDED, LM_KDA_DIAG_PAIRWISE, 0},
+        {"recurrent, bounded gate", LM_KDA_GATE_BOUNDED, LM_KDA_DIAG_AUTO, 1},
+    };
+    const int nvar = sizeof vs / sizeof vs[0];
+    double fwd[4], fb[4];
+    double *t = mallocCheck(runs * sizeof(double));
+    printf("\nB=%d T=%d H=%d K=%d V=%d, chunk 64, %d threads, median of %d runs\n\n", B, T, H, K, V,
+           omp_get_max_threads(), runs);
+    printf("| variant | forward ms | fwd+bwd ms | forward Mtok/s |\n|---|---:|---:|---:|\n");
+    for (int vi = 0; vi < nvar; vi++) {
+        lm_kda_config c = lm_kda_config_default(B, T, H, K, V);
+        c.gate = vs[vi].gate;
+        c.diag = vs[vi].diag;
+        for (int rep = -1; rep < runs; rep++) { /* rep -1: warm-up */
+            double t0 = lm_time_seconds();
+            lm_status st = vs[vi].recurrent ? lm_kda_recurrent_forward(&c, &in, o, ht)
+                                            : lm_kda_chunk_forward(&c, &in, o, ht);
+            if (st) dieAt("kda forward: %s", lm_last_error());
+            if (rep >= 0) t[rep] = lm_time_seconds() - t0;
+        }
+        fwd[vi] = median(t, runs);
+        fb[vi] = NAN;
+        if (!vs[vi].recurrent) {
+            for (int rep = -1; rep < runs; rep++) {
+                double t0 = lm_time_seconds();
+                lm_status st = lm_kda_chunk_forward(&c, &in, o, ht);
+                if (!st) st = lm_kda_chunk_backward(&c, &in, d_o, dht, &g);
+                if (st) dieAt("kda forward+backward: %s", lm_last_error());
+                if (rep >= 0) t[rep] = lm_time_seconds() - t0;
+            }
+            fb[vi] = median(t, runs);
+        }
+        char fbs[32];
+        if (isnan(fb[vi])) snprintf(fbs, sizeof fbs, "n/a");
+        else snprintf(fbs, sizeof fbs, "%.2f", 1e3 * fb[vi]);
+        printf("| %s | %.2f | %s | %.3f |\n", vs[vi].name, 1e3 * fwd[vi], fbs, (double)B * T / fwd[vi] / 1e6);
+    }
+    printf("\nratios: softplus/bounded forward %.2fx, fwd+bwd %.2fx; forced-pairwise/factored (same gate) "
+           "forward %.2fx, fwd+bwd %.2fx; recurrent/chunked-bounded forward %.2fx\n",
+           fwd[1] / fwd[0], fb[1] / fb[0], fwd[2] / fwd[0], fb[2] / fb[0], fwd[3] / fwd[0]);
+    free(t);
+    free(q); free(k); free(z); free(v); free(beta); free(A_log); free(dt_bias); free(h0);
+    free(o); free(ht); free(d_o); free(dht);
+    free(gq); free(gk); free(gz); free(gv); free(gb); free(gA); free(gdt); free(gh0);
+}
+
+int main(int argc, char **argv) {
+    int runs = argc > 1 ? atoi(argv[1]) : 5;
+    if (runs < 1 || runs > 1000) {
+        fprintf(stderr, "usage: bench_kda [runs (1..1000, default 5)]\n");
+        return 2;
+    }
+    bench_shape(1, 4096, 4, 64, 64, runs);
+    bench_shape(1, 2048, 2, 128, 128, runs);
+    return 0;
+}
