@@ -541,7 +541,7 @@ static void test_qk_clip_scales_only_heads_above_tau(void) {
     const float tau = 100.0f;
     float smax[H] = {50.0f, 100.0f, 250.0f, 1e4f}, scale[H];
     int nclip = -1;
-    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, QL, KL, smax, tau, scale, &nclip) == LM_OK, "%s",
+    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, 0, QL, KL, smax, tau, scale, &nclip) == LM_OK, "%s",
           lm_last_error());
     CHECK(nclip == 2, "two heads above tau clipped (got %d)", nclip);
     for (int h = 0; h < H; h++) {
@@ -574,18 +574,111 @@ static void test_qk_clip_scales_only_heads_above_tau(void) {
     float q[6], q0s[6];
     fill(&r, q, 6, 1.0);
     memcpy(q0s, q, sizeof q);
-    lm_qk_clip_head gh = {q, 2, 3, NULL, 0, 0};
+    lm_qk_clip_head gh = {.q_rows = q, .q_nrows = 2, .q_cols = 3};
     float s1 = 400.0f;
     CHECK(lm_qk_clip(&gh, 1, &s1, tau, NULL, NULL) == LM_OK, "%s", lm_last_error());
     for (int i = 0; i < 6; i++) CHECK(q[i] == (float)((double)q0s[i] * 0.25), "GQA: q scaled by tau/S_max");
     /* NaN S_max: rejected, nothing touched */
     memcpy(wq0, wq, sizeof wq);
     float bad[H] = {500.0f, NAN, 1.0f, 1.0f};
-    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, QL, KL, bad, tau, NULL, NULL) == LM_ERR_NUMERIC,
+    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, 0, QL, KL, bad, tau, NULL, NULL) == LM_ERR_NUMERIC,
           "NaN S_max rejected");
     CHECK(memcmp(wq, wq0, sizeof wq) == 0, "a rejected call leaves every head untouched");
-    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, QL, KL, smax, 0.0f, NULL, NULL) == LM_ERR_ARG,
+    CHECK(lm_qk_clip_mla(wq, wk, H, DQK, 0, QL, KL, smax, 0.0f, NULL, NULL) == LM_ERR_ARG,
           "tau 0 rejected");
+}
+
+/* MLA with a rotary part (rope_dims r > 0): head h's query is W_uq rows
+ * [h*Dk, (h+1)*Dk) = [nope (Dn) ; rope (r)], its key [W_uk,h c ; kr] with kr shared
+ * by all heads. After the clip every logit q.k of a clipped head is eta times the
+ * old one, the shared kr is untouched and unclipped heads keep their bits. */
+static void test_qk_clip_mla_with_rope_scales_logits_by_eta(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 708);
+    enum { H = 3, DK = 10, RD = 4, DN = DK - RD, QL = 9, KL = 7 };
+    static float wq[H * DK * QL], wk[H * DN * KL], wq0[H * DK * QL], wk0[H * DN * KL];
+    float x[QL], c[KL], kr[RD];
+    fill(&r, wq, H * DK * QL, 0.4);
+    fill(&r, wk, H * DN * KL, 0.4);
+    fill(&r, x, QL, 1.0);
+    fill(&r, c, KL, 1.0);
+    fill(&r, kr, RD, 1.0);
+    memcpy(wq0, wq, sizeof wq);
+    memcpy(wk0, wk, sizeof wk);
+    const float tau = 100.0f;
+    float smax[H] = {120.0f, 99.5f, 400.0f};
+    CHECK(lm_qk_clip_mla(wq, wk, H, DK, RD, QL, KL, smax, tau, NULL, NULL) == LM_OK, "%s",
+          lm_last_error());
+    for (int h = 0; h < H; h++) {
+        double l[2];
+        for (int pass = 0; pass < 2; pass++) {
+            const float *q = (pass ? wq : wq0) + h * DK * QL, *k = (pass ? wk : wk0) + h * DN * KL;
+            double s = 0;
+            for (int d = 0; d < DK; d++) {
+                double qd = 0, kd = 0;
+                for (int j = 0; j < QL; j++) qd += (double)q[d * QL + j] * x[j];
+                if (d < DN)
+                    for (int j = 0; j < KL; j++) kd += (double)k[d * KL + j] * c[j];
+                else
+                    kd = kr[d - DN];
+                s += qd * kd;
+            }
+            l[pass] = s;
+        }
+        double want = smax[h] > tau ? (double)tau / smax[h] : 1.0;
+        CHECK_CLOSE(l[1] / l[0], want, 0, 1e-5, "MLA+RoPE logit ratio");
+        if (smax[h] <= tau)
+            CHECK(memcmp(wq + h * DK * QL, wq0 + h * DK * QL, DK * QL * 4) == 0 &&
+                      memcmp(wk + h * DN * KL, wk0 + h * DN * KL, DN * KL * 4) == 0,
+                  "unclipped head untouched");
+        else {
+            double eta = (double)tau / smax[h];
+            int ok = 1;
+            for (int i = 0; i < DK * QL; i++) {
+                int rope_row = (i / QL) >= DN;
+                double f = rope_row ? eta : sqrt(eta);
+                ok &= wq[h * DK * QL + i] == (float)((double)wq0[h * DK * QL + i] * f);
+            }
+            CHECK(ok, "head %d: nope rows x sqrt(eta), rope rows x eta", h);
+        }
+    }
+}
+
+/* GQA: with one key head per query head both sides take sqrt(eta); with shared
+ * key heads only the query rows change (by eta) and W_k keeps its bits. */
+static void test_qk_clip_gqa_shared_keys_untouched(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 709);
+    enum { H = 4, DK = 5, D = 6 };
+    static float wq[H * DK * D], wk[H * DK * D], wq0[H * DK * D], wk0[H * DK * D];
+    float smax[H] = {10.0f, 200.0f, 100.0f, 300.0f};
+    const float tau = 100.0f;
+    for (int hkv = H; hkv >= 2; hkv /= 2) {
+        fill(&r, wq, H * DK * D, 0.5);
+        fill(&r, wk, hkv * DK * D, 0.5);
+        memcpy(wq0, wq, sizeof wq);
+        memcpy(wk0, wk, sizeof wk);
+        int n = 0;
+        CHECK(lm_qk_clip_gqa(wq, wk, H, hkv, DK, D, smax, tau, NULL, &n) == LM_OK, "%s",
+              lm_last_error());
+        CHECK(n == 2, "two heads clipped");
+        for (int h = 0; h < H; h++) {
+            double eta = smax[h] > tau ? (double)tau / smax[h] : 1.0;
+            double fq = hkv == H ? sqrt(eta) : eta;
+            int ok = 1;
+            for (int i = 0; i < DK * D; i++)
+                ok &= wq[h * DK * D + i] == (float)((double)wq0[h * DK * D + i] * fq);
+            CHECK(ok, "Hkv %d head %d query rows x %g", hkv, h, fq);
+            if (hkv == H) {
+                for (int i = 0; i < DK * D; i++)
+                    ok &= wk[h * DK * D + i] == (float)((double)wk0[h * DK * D + i] * sqrt(eta));
+                CHECK(ok, "own key rows x sqrt(eta)");
+            }
+        }
+        if (hkv < H) CHECK(memcmp(wk, wk0, hkv * DK * D * 4) == 0, "shared keys untouched");
+    }
+    CHECK(lm_qk_clip_gqa(wq, wk, H, 3, DK, D, smax, tau, NULL, NULL) == LM_ERR_ARG,
+          "H not a multiple of Hkv rejected");
 }
 
 /* ---------------------------------------------------------------------------
@@ -800,6 +893,8 @@ int main(void) {
     RUN(test_muon_per_head_equals_separate_slices_and_differs_from_whole);
     RUN(test_grad_clip_norm_and_clipped_norm);
     RUN(test_qk_clip_scales_only_heads_above_tau);
+    RUN(test_qk_clip_mla_with_rope_scales_logits_by_eta);
+    RUN(test_qk_clip_gqa_shared_keys_untouched);
     RUN(test_cosine_schedule_key_points);
     RUN(test_wsd_schedule_shape);
     RUN(test_adamw_and_muon_both_reduce_least_squares_loss);

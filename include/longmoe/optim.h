@@ -178,33 +178,53 @@ void lm_grads_scale(lm_param *params, int n_params, float s);
  * QK-Clip (Kimi K2)
  * ------------------------------------------------------------------------- */
 
-/* One attention head's query and key weight rows. Row-major, contiguous rows:
- * q_rows points at the first of q_nrows rows of q_cols floats, likewise k. For
- * MLA (SPEC §3, NoPE) these are the head's d_qk rows of W_uq ([H*d_qk, q_lora])
- * and its d_qk rows of W_uk ([H*d_qk, kv_lora]). k_rows may be NULL when keys are
- * shared between query heads (GQA): the query rows then take the whole factor
- * tau / S_max. */
+/* One attention head's query and key weight rows (row-major, each range
+ * contiguous). With eta = tau / S_max [K2]:
+ *   q_rows      [q_nrows, q_cols]       scaled by sqrt(eta) (by eta when k_rows is NULL)
+ *   k_rows      [k_nrows, k_cols]       scaled by sqrt(eta); NULL when the key head is
+ *                                       shared by several query heads (GQA groups)
+ *   q_rope_rows [q_rope_nrows, q_cols]  rows of q whose key is shared by all heads (the
+ *                                       rotary part of MLA with rope_dims > 0): scaled by
+ *                                       eta; may be NULL
+ * so every q.k logit of the head scales by eta. Which rows these are for the
+ * layer of include/longmoe/mla.h: lm_qk_clip_mla / lm_qk_clip_gqa, docs/optim.md. */
 typedef struct {
     float *q_rows;
     int64_t q_nrows, q_cols;
     float *k_rows;
     int64_t k_nrows, k_cols;
+    float *q_rope_rows;
+    int64_t q_rope_nrows;
 } lm_qk_clip_head;
 
 /* For each head h with s_max[h] > tau (s_max: the largest pre-softmax logit,
- * scale included, seen in the step's forward), multiply its query rows and key
- * rows by sqrt(tau / s_max[h]) each, so every q.k logit of the head scales by
- * tau / s_max[h]. Heads with s_max <= tau are not touched. scale_out[h] (may be
- * NULL) receives the factor applied to the logits (1 when untouched);
- * *n_clipped (may be NULL) the number of heads clipped. tau > 0; a NaN s_max is
- * an error. */
+ * attention scale included, seen in the step's forward over the whole batch),
+ * scale the head's rows as above with eta = tau / s_max[h]. Heads with
+ * s_max <= tau are not touched. Each scaled weight is the exact product with the
+ * double factor, rounded once. scale_out[h] (may be NULL) receives eta (1 when
+ * untouched); *n_clipped (may be NULL) the number of heads clipped. tau must be
+ * finite and > 0; a non-finite s_max is LM_ERR_NUMERIC, checked before any
+ * weight changes. */
 lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_max, float tau,
                      float *scale_out, int *n_clipped);
 
-/* Convenience for the MLA layout: W_uq [n_heads*d_qk, q_lora] and W_uk
- * [n_heads*d_qk, kv_lora], head h owning rows [h*d_qk, (h+1)*d_qk) of each. */
-lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int d_qk, int q_lora,
-                         int kv_lora, const float *s_max, float tau, float *scale_out,
+/* The MLA layer (include/longmoe/mla.h), Dk = head_dim_qk, r = rope_dims,
+ * Dn = Dk - r: W_uq [H*Dk, q_lora], W_uk [H*Dn, kv_lora]. Head h's rows:
+ *   W_uq rows [h*Dk, h*Dk+Dn)      (no-position part)  x sqrt(eta)
+ *   W_uq rows [h*Dk+Dn, (h+1)*Dk)  (rotary part)        x eta   (only when r > 0)
+ *   W_uk rows [h*Dn, (h+1)*Dn)                          x sqrt(eta)
+ * The shared rotary key W_kr, W_dq, W_dkv and the norms are never touched.
+ * NoPE (r = 0, the default) is the plain sqrt/sqrt split. */
+lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk, int rope_dims,
+                         int q_lora, int kv_lora, const float *s_max, float tau, float *scale_out,
+                         int *n_clipped);
+
+/* The GQA layer: W_q [H*Dk, d_model], W_k [Hkv*Dk, d_model]. With Hkv == H,
+ * query head h's rows [h*Dk, (h+1)*Dk) of W_q and of W_k each x sqrt(eta); with
+ * shared key heads (Hkv < H) only the query head's rows of W_q, x eta, so one
+ * query head's clip does not change its group's other heads. */
+lm_status lm_qk_clip_gqa(float *w_q, float *w_k, int n_heads, int n_kv_heads, int head_dim_qk,
+                         int d_model, const float *s_max, float tau, float *scale_out,
                          int *n_clipped);
 
 /* ---------------------------------------------------------------------------

@@ -465,83 +465,142 @@ static void scale_rows(float *x, int64_t count, double f) {
     for (int64_t i = 0; i < count; i++) x[i] = (float)((double)x[i] * f);
 }
 
+static lm_status check_tau(const char *fn, float tau) {
+    if (!(tau > 0.0f) || !isfinite(tau))
+        return lm_error(LM_ERR_ARG, "%s: tau %g must be finite and > 0", fn, (double)tau);
+    return LM_OK;
+}
+
+static lm_status check_s_max(const char *fn, const float *s_max, int n_heads) {
+    for (int h = 0; h < n_heads; h++)
+        if (!isfinite(s_max[h]))
+            return lm_error(LM_ERR_NUMERIC, "%s: head %d has S_max %g (non-finite)", fn, h,
+                            (double)s_max[h]);
+    return LM_OK;
+}
+
 lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_max, float tau,
                      float *scale_out, int *n_clipped) {
     if (n_heads < 0 || (n_heads > 0 && (!heads || !s_max)))
         return lm_error(LM_ERR_ARG, "qk_clip: %d heads with heads or s_max NULL", n_heads);
-    if (!(tau > 0.0f) || !isfinite(tau))
-        return lm_error(LM_ERR_ARG, "qk_clip: tau %g must be finite and > 0", (double)tau);
+    lm_status st = check_tau("qk_clip", tau);
+    if (st) return st;
     // validate everything first so a bad head leaves all weights untouched
+    st = check_s_max("qk_clip", s_max, n_heads);
+    if (st) return st;
     for (int h = 0; h < n_heads; h++) {
         const lm_qk_clip_head *hd = &heads[h];
-        if (!isfinite(s_max[h]))
-            return lm_error(LM_ERR_NUMERIC, "qk_clip: head %d has S_max %g (non-finite)", h,
-                            (double)s_max[h]);
         if (!hd->q_rows || hd->q_nrows < 1 || hd->q_cols < 1)
             return lm_error(LM_ERR_ARG, "qk_clip: head %d query rows NULL or shape [%lld, %lld]",
                             h, (long long)hd->q_nrows, (long long)hd->q_cols);
         if (hd->k_rows && (hd->k_nrows < 1 || hd->k_cols < 1))
             return lm_error(LM_ERR_ARG, "qk_clip: head %d key rows shape [%lld, %lld]", h,
                             (long long)hd->k_nrows, (long long)hd->k_cols);
+        if (hd->q_rope_rows && hd->q_rope_nrows < 1)
+            return lm_error(LM_ERR_ARG, "qk_clip: head %d rotary query rows %lld", h,
+                            (long long)hd->q_rope_nrows);
     }
     int clipped = 0;
     for (int h = 0; h < n_heads; h++) {
         const lm_qk_clip_head *hd = &heads[h];
-        double gamma = 1.0;
+        double eta = 1.0;
         if (s_max[h] > tau) {
-            // QK-Clip [K2]: eta = tau / S_max; q and k rows each scaled by sqrt(eta)
-            gamma = (double)tau / (double)s_max[h];
-            if (hd->k_rows) {
-                double f = sqrt(gamma);
-                scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, f);
-                scale_rows(hd->k_rows, hd->k_nrows * hd->k_cols, f);
-            } else {
-                // keys shared between query heads: the query rows take all of eta
-                scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, gamma);
-            }
+            // QK-Clip [K2]: eta = tau / S_max; q and k rows each scaled by sqrt(eta), so
+            // q.k scales by eta; rows meeting a shared key (GQA group, rotary key) take eta
+            eta = (double)tau / (double)s_max[h];
+            double f = sqrt(eta);
+            scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, hd->k_rows ? f : eta);
+            if (hd->k_rows) scale_rows(hd->k_rows, hd->k_nrows * hd->k_cols, f);
+            if (hd->q_rope_rows) scale_rows(hd->q_rope_rows, hd->q_rope_nrows * hd->q_cols, eta);
             clipped++;
         }
-        if (scale_out) scale_out[h] = (float)gamma;
+        if (scale_out) scale_out[h] = (float)eta;
     }
     if (n_clipped) *n_clipped = clipped;
     return LM_OK;
 }
 
-/* Heads on the stack per call of lm_qk_clip_mla (more are processed in batches). */
+/* Heads described on the stack per lm_qk_clip call (more go in batches). */
 #define LM_QK_CLIP_BATCH 64
 
-lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int d_qk, int q_lora,
-                         int kv_lora, const float *s_max, float tau, float *scale_out,
+lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk, int rope_dims,
+                         int q_lora, int kv_lora, const float *s_max, float tau, float *scale_out,
                          int *n_clipped) {
-    // w_uq is (n_heads*d_qk, q_lora), w_uk is (n_heads*d_qk, kv_lora); head h owns rows
-    // [h*d_qk, (h+1)*d_qk) of each
+    // w_uq is (H*Dk, q_lora), w_uk is (H*Dn, kv_lora), Dn = Dk - rope_dims
     if (!w_uq || !w_uk || !s_max)
         return lm_error(LM_ERR_ARG, "qk_clip_mla: w_uq, w_uk and s_max must not be NULL");
-    if (n_heads < 1 || d_qk < 1 || q_lora < 1 || kv_lora < 1)
+    if (n_heads < 1 || head_dim_qk < 1 || q_lora < 1 || kv_lora < 1)
         return lm_error(LM_ERR_ARG,
-                        "qk_clip_mla: n_heads %d, d_qk %d, q_lora %d, kv_lora %d must be >= 1",
-                        n_heads, d_qk, q_lora, kv_lora);
-    if (!(tau > 0.0f) || !isfinite(tau))
-        return lm_error(LM_ERR_ARG, "qk_clip_mla: tau %g must be finite and > 0", (double)tau);
-    for (int h = 0; h < n_heads; h++)
-        if (!isfinite(s_max[h]))
-            return lm_error(LM_ERR_NUMERIC, "qk_clip_mla: head %d has S_max %g (non-finite)", h,
-                            (double)s_max[h]);
+                        "qk_clip_mla: n_heads %d, head_dim_qk %d, q_lora %d, kv_lora %d must "
+                        "be >= 1",
+                        n_heads, head_dim_qk, q_lora, kv_lora);
+    if (rope_dims < 0 || rope_dims >= head_dim_qk)
+        return lm_error(LM_ERR_ARG, "qk_clip_mla: rope_dims %d must be in [0, head_dim_qk %d)",
+                        rope_dims, head_dim_qk);
+    lm_status st = check_tau("qk_clip_mla", tau);
+    if (st) return st;
+    st = check_s_max("qk_clip_mla", s_max, n_heads);
+    if (st) return st;
+    int64_t dk = head_dim_qk, dn = head_dim_qk - rope_dims;
     int total = 0;
     for (int h0 = 0; h0 < n_heads; h0 += LM_QK_CLIP_BATCH) {
         int nb = n_heads - h0 < LM_QK_CLIP_BATCH ? n_heads - h0 : LM_QK_CLIP_BATCH;
         lm_qk_clip_head hs[LM_QK_CLIP_BATCH];
         for (int i = 0; i < nb; i++) {
-            int64_t r0 = (int64_t)(h0 + i) * d_qk;
-            hs[i].q_rows = w_uq + r0 * q_lora;
-            hs[i].q_nrows = d_qk;
+            int64_t h = h0 + i;
+            hs[i].q_rows = w_uq + h * dk * q_lora;
+            hs[i].q_nrows = dn;
             hs[i].q_cols = q_lora;
-            hs[i].k_rows = w_uk + r0 * kv_lora;
-            hs[i].k_nrows = d_qk;
+            hs[i].k_rows = w_uk + h * dn * kv_lora;
+            hs[i].k_nrows = dn;
             hs[i].k_cols = kv_lora;
+            hs[i].q_rope_rows = rope_dims ? w_uq + (h * dk + dn) * q_lora : NULL;
+            hs[i].q_rope_nrows = rope_dims;
         }
         int c = 0;
-        lm_status st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
+        st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
+        if (st) return st;
+        total += c;
+    }
+    if (n_clipped) *n_clipped = total;
+    return LM_OK;
+}
+
+lm_status lm_qk_clip_gqa(float *w_q, float *w_k, int n_heads, int n_kv_heads, int head_dim_qk,
+                         int d_model, const float *s_max, float tau, float *scale_out,
+                         int *n_clipped) {
+    // w_q is (H*Dk, d_model), w_k is (Hkv*Dk, d_model)
+    if (!w_q || !w_k || !s_max)
+        return lm_error(LM_ERR_ARG, "qk_clip_gqa: w_q, w_k and s_max must not be NULL");
+    if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim_qk < 1 ||
+        d_model < 1)
+        return lm_error(LM_ERR_ARG,
+                        "qk_clip_gqa: n_heads %d (a multiple of n_kv_heads %d), head_dim_qk %d, "
+                        "d_model %d must be >= 1",
+                        n_heads, n_kv_heads, head_dim_qk, d_model);
+    lm_status st = check_tau("qk_clip_gqa", tau);
+    if (st) return st;
+    st = check_s_max("qk_clip_gqa", s_max, n_heads);
+    if (st) return st;
+    int64_t dk = head_dim_qk;
+    int own_keys = n_kv_heads == n_heads;
+    int total = 0;
+    for (int h0 = 0; h0 < n_heads; h0 += LM_QK_CLIP_BATCH) {
+        int nb = n_heads - h0 < LM_QK_CLIP_BATCH ? n_heads - h0 : LM_QK_CLIP_BATCH;
+        lm_qk_clip_head hs[LM_QK_CLIP_BATCH];
+        for (int i = 0; i < nb; i++) {
+            int64_t h = h0 + i;
+            hs[i].q_rows = w_q + h * dk * d_model;
+            hs[i].q_nrows = dk;
+            hs[i].q_cols = d_model;
+            hs[i].k_rows = own_keys ? w_k + h * dk * d_model : NULL;
+            hs[i].k_nrows = dk;
+            hs[i].k_cols = d_model;
+            hs[i].q_rope_rows = NULL;
+            hs[i].q_rope_nrows = 0;
+        }
+        int c = 0;
+        st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
         if (st) return st;
         total += c;
     }
