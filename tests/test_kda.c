@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "longmoe/kda.h"
 #include "test.h"
 
@@ -617,6 +619,46 @@ static void test_bad_configs_are_rejected_with_clear_messages(void) {
     problem_free(&p);
 }
 
+/* ---- results do not depend on the number of threads ---- */
+
+static void test_outputs_and_gradients_are_identical_for_1_and_3_threads(void) {
+    lm_kda_config c = lm_kda_config_default(2, 50, 3, 16, 8);
+    c.chunk = 32;
+    problem p = problem_new(c, 800, 1);
+    lm_kda_inputs in = problem_inputs(&p);
+    float *d_o = falloc(n_v(&c));
+    lm_rng r;
+    lm_rng_seed(&r, 801);
+    for (size_t i = 0; i < n_v(&c); i++) d_o[i] = (float)lm_rng_normal(&r);
+    const size_t sizes[8] = {n_qk(&c), n_qk(&c), n_v(&c), n_qk(&c), n_bt(&c), (size_t)c.H,
+                             (size_t)c.H * c.K, n_s(&c)};
+    float *o[2], *g[2][8];
+    const int threads[2] = {1, 3};
+    const int saved = omp_get_max_threads();
+    for (int run = 0; run < 2; run++) {
+        omp_set_num_threads(threads[run]);
+        o[run] = falloc(n_v(&c));
+        for (int m = 0; m < 8; m++) {
+            g[run][m] = falloc(sizes[m]);
+            memset(g[run][m], 0, sizes[m] * sizeof(float));
+        }
+        lm_kda_grads gr = {g[run][0], g[run][1], g[run][2], g[run][3], g[run][4], g[run][5], g[run][6],
+                           g[run][7]};
+        CHECK(lm_kda_chunk_forward(&c, &in, o[run], NULL) == LM_OK, "forward: %s", lm_last_error());
+        CHECK(lm_kda_chunk_backward(&c, &in, d_o, NULL, &gr) == LM_OK, "backward: %s", lm_last_error());
+    }
+    omp_set_num_threads(saved);
+    CHECK(!memcmp(o[0], o[1], n_v(&c) * sizeof(float)), "outputs differ between 1 and 3 threads");
+    for (int m = 0; m < 8; m++)
+        CHECK(!memcmp(g[0][m], g[1][m], sizes[m] * sizeof(float)), "gradient %d differs between 1 and 3 threads", m);
+    for (int run = 0; run < 2; run++) {
+        free(o[run]);
+        for (int m = 0; m < 8; m++) free(g[run][m]);
+    }
+    free(d_o);
+    problem_free(&p);
+}
+
 int main(void) {
     RUN(test_chunked_equals_recurrent_equals_float64_reference);
     RUN(test_backward_equals_finite_differences_bounded_gate);
@@ -625,5 +667,6 @@ int main(void) {
     RUN(test_factored_path_is_safe_exactly_when_reciprocals_fit_the_format);
     RUN(test_bounded_gate_lies_in_gmin_0_for_any_finite_input);
     RUN(test_bad_configs_are_rejected_with_clear_messages);
+    RUN(test_outputs_and_gradients_are_identical_for_1_and_3_threads);
     return test_summary();
 }
