@@ -12,6 +12,8 @@ int cmd_op(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
 int cmd_op_attention(int argc, char **argv);
+int cmd_op_moe(int argc, char **argv);
+int cmd_op_route(int argc, char **argv);
 
 /* Print "longmoe <cmd>: error: <msg>" to stderr; returns 1. */
 int cli_fail(const char *cmd, const char *fmt, ...)

@@ -13,6 +13,8 @@ typedef struct {
 static const op_command ops[] = {
     {"kda", cmd_op_kda, "Kimi Delta Attention, chunked or recurrent, forward and backward"},
     {"attention", cmd_op_attention, "causal softmax attention (tiled, GQA), forward and backward"},
+    {"moe", cmd_op_moe, "MoE layer: router, grouped GLU experts, LatentMoE, shared; forward and backward"},
+    {"route", cmd_op_route, "router top-k with bias, loads, and one quantile or sign update of b"},
 };
 
 int cmd_op(int argc, char **argv) {
