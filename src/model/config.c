@@ -367,7 +367,10 @@ void lm_config_plan(const lm_config *c, int64_t context, lm_plan *p) {
     p->active_params[LM_PART_LM_HEAD] = V * d;
     p->flops_per_token[LM_PART_LM_HEAD] = 2 * V * d;
     int n_sub = 2 * c->n_layers;
-    p->params[LM_PART_ATTNRES_NORMS] = (double)(n_sub + 1) * 2 * d; /* norm weight + pseudo-query each */
+    /* a pre-norm weight per sublayer; with AttnRes a pseudo-query and a key-norm weight
+     * per sublayer and for the final AttnRes */
+    p->params[LM_PART_ATTNRES_NORMS] = (double)n_sub * d;
+    if (c->residual != LM_RESIDUAL_STANDARD) p->params[LM_PART_ATTNRES_NORMS] += (double)(n_sub + 1) * 2 * d;
     for (int l = 0; l < c->n_layers; l++) {
         if (lm_config_mixer(c, l) == LM_MIXER_KDA) {
             double hk = (double)c->kda_heads * c->kda_head_dim; /* K = V = head_dim */

@@ -1,0 +1,95 @@
+/* The whole K3-style model (SPEC §1): token embedding, L layers of a token
+ * mixer (KDA or gated MLA) and a channel mixer (dense SwiGLU FFN for the
+ * first `first_k_dense` layers, MoE after), every sublayer pre-norm and joined
+ * by the residual of the config (standard, Block or Full AttnRes), a final
+ * RMSNorm and the LM head with a chunked cross-entropy.
+ *
+ * Memory is planned at creation from the config and the batch shape: one block
+ * of parameters, one of gradients (same layout), one of activations and
+ * scratch; the only other allocations are made once there too (MoE routing
+ * buffers, balancing state). Nothing is allocated inside a step.
+ *
+ * Parameter names (checkpoints, docs/model.md):
+ *   embed [V,d]; lm_head [V,d] (absent when tied); final_norm [d];
+ *   attnres.query, attnres.key_norm [2L+1, d] (absent for the standard residual);
+ *   layers.<l>.mixer_norm, layers.<l>.ffn_norm [d];
+ *   layers.<l>.kda.<W_q|W_k|W_v|conv_q|conv_k|conv_v|W_z|W_beta|A_log|dt_bias|W_g|o_norm|W_o>;
+ *   layers.<l>.mla.<W_dq|q_norm|W_uq|W_dkv|kv_norm|W_uk|W_uv|W_kr|W_q|W_k|W_v|W_g|W_o>;
+ *   layers.<l>.ffn.<W_gate|W_up|W_down>;
+ *   layers.<l>.moe.<router|gate|up|down|lat_down|lat_norm|lat_up|shared_gate|shared_up|shared_down>;
+ * and, not trained, the balancing bias layers.<l>.moe.bias [n] (trainer state). */
+#ifndef LONGMOE_MODEL_H
+#define LONGMOE_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/balance.h"
+#include "longmoe/config.h"
+#include "longmoe/core.h"
+#include "longmoe/optim.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    char name[96];
+    int ndim;
+    int64_t shape[3];
+    size_t offset, numel;  /* in floats, within the parameter (and gradient) block */
+    lm_param_kind kind;    /* decides Muon or AdamW and weight decay */
+    int n_blocks;          /* Muon's row blocks (heads, experts) */
+    float init_mean, init_std;
+} lm_model_tensor;
+
+typedef struct lm_model lm_model;
+
+/* Plan and allocate a model for micro-batches of B sequences of T tokens. */
+lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out);
+void lm_model_free(lm_model *m);
+
+/* Initialise every parameter from `seed` (reproducible) and reset the balancing. */
+void lm_model_init(lm_model *m, uint64_t seed);
+
+const lm_config *lm_model_config(const lm_model *m);
+int lm_model_num_tensors(const lm_model *m);
+const lm_model_tensor *lm_model_tensor_at(const lm_model *m, int i);
+const lm_model_tensor *lm_model_find(const lm_model *m, const char *name);
+size_t lm_model_num_params(const lm_model *m);
+float *lm_model_params(lm_model *m);
+float *lm_model_grads(lm_model *m);
+size_t lm_model_activation_bytes(const lm_model *m);
+
+/* Forward over tokens [B,T] (ids < vocab_size). With targets [B,T] it returns
+ * the mean cross-entropy in *loss and keeps what the backward needs; in
+ * training mode it also feeds the MoE balancers. */
+lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
+                           float *loss);
+/* Backward of the last forward with targets: ACCUMULATES into the gradients,
+ * scaled by `loss_scale` (1 / micro-batches for gradient accumulation). */
+lm_status lm_model_backward(lm_model *m, float loss_scale);
+void lm_model_zero_grads(lm_model *m);
+
+/* Logits [B,T,V] of the last forward's positions (for evaluation and tests;
+ * allocates nothing: `logits` is the caller's). Runs its own forward. */
+lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits);
+
+/* MoE balancing: number of MoE layers, their states (bias, histograms). */
+int lm_model_num_moe_layers(const lm_model *m);
+int lm_model_moe_layer_index(const lm_model *m, int i); /* model layer of the i-th MoE layer */
+lm_balance_state *lm_model_balance(lm_model *m, int i);
+/* End the training step for every MoE layer (updates b when training = 1);
+ * stats (may be NULL) receives lm_model_num_moe_layers entries. */
+lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats *stats);
+/* Auxiliary balance loss of the last forward (0 unless balance = aux). */
+float lm_model_aux_loss(const lm_model *m);
+
+/* The optimizer's view of the parameters: one lm_param per tensor, pointing
+ * into the model's blocks (n = lm_model_num_tensors). */
+void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,696 @@
+/* The whole model: planning, initialisation, forward, backward
+ * (include/longmoe/model.h, docs/model.md). */
+#include "longmoe/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "longmoe/attnres.h"
+#include "longmoe/kda_layer.h"
+#include "longmoe/linear.h"
+#include "longmoe/mla.h"
+#include "longmoe/moe.h"
+
+#define CE_CHUNK 32 /* rows of logits held at once by the chunked cross-entropy */
+
+typedef struct {
+    lm_mixer_kind mixer;
+    int moe;
+    size_t mixer_norm_off, ffn_norm_off, mixer_off, ffn_off;
+    /* KDA */
+    lm_kda_layer_config kda_cfg;
+    lm_kda_layer_params kda_p, kda_g;
+    lm_kda_layer_acts kda_a;
+    /* MLA */
+    lm_mla_config mla_cfg;
+    lm_mla_params mla_p, mla_g;
+    float *mla_acts;
+    /* dense FFN: W_gate [f,d], W_up [f,d], W_down [d,f]; activations [N,f] */
+    float *ffn_a, *ffn_u, *ffn_h;
+    /* MoE */
+    lm_moe_config moe_cfg;
+    lm_moe_params moe_p, moe_g;
+    lm_moe_acts moe_a;
+    lm_balance_state bal;
+    int bal_ready;
+    float *dscores; /* aux loss gradient [N,n] (balance = aux) */
+} layer_state;
+
+struct lm_model {
+    lm_config cfg;
+    int B, T, L2; /* L2 = 2 * n_layers sublayers */
+    int64_t N;
+    int d;
+    lm_model_tensor *tensors;
+    int n_tensors, cap_tensors;
+    size_t n_params;
+    float *params, *grads;
+    layer_state *layers;
+    /* named parameters outside the layers */
+    size_t embed_off, head_off, final_norm_off, ar_query_off, ar_key_off;
+    int has_attnres_params;
+    /* activations */
+    float *act_block;
+    size_t act_floats;
+    float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows;
+    float *y, *dy, *dxn, *dh, *dx0, *dhn, *dhf, *logits, *scratch;
+    size_t scratch_floats;
+    int32_t *tokens, *targets;
+    int have_targets;
+    float aux_loss;
+    /* residual stream */
+    lm_attnres_state ar;
+    void *ar_workspace;
+};
+
+/* ---- tensor table ---- */
+
+static lm_status add_tensor(lm_model *m, const char *name, int ndim, int64_t s0, int64_t s1, int64_t s2,
+                            lm_param_kind kind, int n_blocks, float mean, float std, size_t *offset) {
+    if (m->n_tensors == m->cap_tensors) {
+        int cap = m->cap_tensors ? 2 * m->cap_tensors : 64;
+        lm_model_tensor *t = realloc(m->tensors, (size_t)cap * sizeof *t);
+        if (!t) return lm_error(LM_ERR_MEMORY, "out of memory planning the model");
+        m->tensors = t;
+        m->cap_tensors = cap;
+    }
+    lm_model_tensor *t = &m->tensors[m->n_tensors++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->ndim = ndim;
+    t->shape[0] = s0;
+    t->shape[1] = s1;
+    t->shape[2] = s2;
+    t->numel = (size_t)s0 * (size_t)(ndim > 1 ? s1 : 1) * (size_t)(ndim > 2 ? s2 : 1);
+    t->offset = m->n_params;
+    t->kind = kind;
+    t->n_blocks = n_blocks;
+    t->init_mean = mean;
+    t->init_std = std;
+    m->n_params += t->numel;
+    if (offset) *offset = t->offset;
+    return LM_OK;
+}
+
+#define TRY(x)                 \
+    do {                       \
+        lm_status s_ = (x);    \
+        if (s_) return s_;     \
+    } while (0)
+
+static float fan_in_std(int64_t fan_in) { return (float)(1.0 / sqrt((double)fan_in)); }
+
+static lm_status plan_kda(lm_model *m, int l, layer_state *ls) {
+    const lm_config *c = &m->cfg;
+    lm_kda_layer_config kc = {c->d_model, c->kda_heads, c->kda_head_dim, c->kda_conv_width, c->kda_chunk,
+                              c->kda_gate_softplus ? LM_KDA_GATE_SOFTPLUS : LM_KDA_GATE_BOUNDED,
+                              c->kda_g_min, c->norm_eps};
+    ls->kda_cfg = kc;
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    lm_kda_layer_specs(&kc, specs);
+    ls->mixer_off = m->n_params;
+    for (int i = 0; i < LM_KDA_LAYER_NPARAMS; i++) {
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.kda.%s", l, specs[i].name);
+        int matrix = specs[i].role == LM_ROLE_MATRIX;
+        int is_vec = specs[i].cols == 1;
+        float std = matrix ? fan_in_std(specs[i].cols) : specs[i].init_std;
+        if (matrix && !strcmp(specs[i].name, "W_o")) std /= sqrtf(2.0f * c->n_layers);
+        TRY(add_tensor(m, name, is_vec ? 1 : 2, specs[i].rows, specs[i].cols, 0,
+                       matrix ? LM_PARAM_MATRIX : (strcmp(specs[i].name, "o_norm") ? LM_PARAM_VECTOR : LM_PARAM_NORM),
+                       specs[i].heads, specs[i].init_value, std, NULL));
+    }
+    return LM_OK;
+}
+
+static lm_status plan_mla(lm_model *m, int l, layer_state *ls) {
+    const lm_config *c = &m->cfg;
+    lm_mla_config mc = c->attn_kind == LM_ATTN_MLA
+                           ? lm_mla_config_mla(c->d_model, c->attn_heads, c->qk_head_dim, c->v_head_dim,
+                                               c->q_lora_rank, c->kv_lora_rank)
+                           : lm_mla_config_gqa(c->d_model, c->attn_heads, c->attn_kv_heads, c->qk_head_dim,
+                                               c->v_head_dim);
+    mc.rope_dims = c->rope_dims;
+    mc.norm_eps = c->norm_eps;
+    TRY(lm_mla_check(&mc));
+    ls->mla_cfg = mc;
+    ls->mixer_off = m->n_params;
+    int64_t d = c->d_model, H = c->attn_heads, Dk = c->qk_head_dim, Dv = c->v_head_dim, r = c->rope_dims;
+    int64_t ql = c->q_lora_rank, kl = c->kv_lora_rank, Hkv = c->attn_kv_heads;
+    struct { const char *name; int64_t rows, cols; lm_param_kind kind; int heads; } t[13];
+    int n = 0;
+#define T_(nm, R, C, K, Hh) (t[n].name = nm, t[n].rows = R, t[n].cols = C, t[n].kind = K, t[n].heads = Hh, n++)
+    if (mc.kind == LM_ATTN_MLA) {
+        T_("W_dq", ql, d, LM_PARAM_MATRIX, 1);
+        T_("q_norm", ql, 1, LM_PARAM_NORM, 1);
+        T_("W_uq", H * Dk, ql, LM_PARAM_MATRIX, (int)H);
+        T_("W_dkv", kl, d, LM_PARAM_MATRIX, 1);
+        T_("kv_norm", kl, 1, LM_PARAM_NORM, 1);
+        T_("W_uk", H * (Dk - r), kl, LM_PARAM_MATRIX, (int)H);
+        T_("W_uv", H * Dv, kl, LM_PARAM_MATRIX, (int)H);
+        if (r) T_("W_kr", r, d, LM_PARAM_MATRIX, 1);
+    } else {
+        T_("W_q", H * Dk, d, LM_PARAM_MATRIX, (int)H);
+        T_("W_k", Hkv * Dk, d, LM_PARAM_MATRIX, (int)Hkv);
+        T_("W_v", Hkv * Dv, d, LM_PARAM_MATRIX, (int)Hkv);
+    }
+    T_("W_g", H * Dv, d, LM_PARAM_MATRIX, 1);
+    T_("W_o", d, H * Dv, LM_PARAM_MATRIX, 1);
+#undef T_
+    for (int i = 0; i < n; i++) {
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.mla.%s", l, t[i].name);
+        int norm = t[i].kind == LM_PARAM_NORM;
+        float std = norm ? 0 : fan_in_std(t[i].cols);
+        if (!strcmp(t[i].name, "W_o")) std /= sqrtf(2.0f * c->n_layers);
+        TRY(add_tensor(m, name, norm ? 1 : 2, t[i].rows, t[i].cols, 0, t[i].kind, t[i].heads,
+                       norm ? 1.0f : 0.0f, std, NULL));
+    }
+    if (m->n_params - ls->mixer_off != lm_mla_param_count(&mc))
+        return lm_error(LM_ERR_ARG, "internal: MLA parameter table disagrees with lm_mla_param_count");
+    return LM_OK;
+}
+
+static lm_status plan_ffn(lm_model *m, int l, layer_state *ls) {
+    const lm_config *c = &m->cfg;
+    int64_t d = c->d_model;
+    char name[96];
+    ls->ffn_off = m->n_params;
+    if (!ls->moe) {
+        int64_t f = c->dense_ffn;
+        snprintf(name, sizeof name, "layers.%d.ffn.W_gate", l);
+        TRY(add_tensor(m, name, 2, f, d, 0, LM_PARAM_MATRIX, 1, 0, fan_in_std(d), NULL));
+        snprintf(name, sizeof name, "layers.%d.ffn.W_up", l);
+        TRY(add_tensor(m, name, 2, f, d, 0, LM_PARAM_MATRIX, 1, 0, fan_in_std(d), NULL));
+        snprintf(name, sizeof name, "layers.%d.ffn.W_down", l);
+        TRY(add_tensor(m, name, 2, d, f, 0, LM_PARAM_MATRIX, 1, 0,
+                       fan_in_std(f) / sqrtf(2.0f * c->n_layers), NULL));
+        return LM_OK;
+    }
+    lm_moe_config mc = lm_moe_config_default(c->d_model, c->n_routed_experts, c->top_k, c->expert_ffn);
+    mc.d_latent = c->latent_dim;
+    mc.n_shared = c->n_shared_experts;
+    mc.d_ff_shared = c->shared_ffn;
+    mc.act = c->activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
+    mc.route_scale = c->route_scale;
+    mc.norm_eps = c->norm_eps;
+    TRY(lm_moe_check(&mc));
+    ls->moe_cfg = mc;
+    int64_t n = mc.n_experts, f = mc.d_ff, de = mc.d_latent ? mc.d_latent : d, dl = mc.d_latent;
+    int64_t ns = mc.n_shared, fs = mc.d_ff_shared;
+    float down_scale = 1.0f / sqrtf(2.0f * c->n_layers);
+#define ADD(nm, nd, a, b, cc, kind, blocks, mean, std)                                  \
+    do {                                                                                \
+        snprintf(name, sizeof name, "layers.%d.moe.%s", l, nm);                         \
+        TRY(add_tensor(m, name, nd, a, b, cc, kind, blocks, mean, std, NULL));         \
+    } while (0)
+    ADD("router", 2, n, d, 0, LM_PARAM_MATRIX, 1, 0, fan_in_std(d));
+    ADD("gate", 3, n, f, de, LM_PARAM_MATRIX, (int)n, 0, fan_in_std(de));
+    ADD("up", 3, n, f, de, LM_PARAM_MATRIX, (int)n, 0, fan_in_std(de));
+    ADD("down", 3, n, de, f, LM_PARAM_MATRIX, (int)n, 0, fan_in_std(f) * down_scale);
+    if (dl) {
+        ADD("lat_down", 2, dl, d, 0, LM_PARAM_MATRIX, 1, 0, fan_in_std(d));
+        ADD("lat_norm", 1, dl, 0, 0, LM_PARAM_NORM, 1, 1.0f, 0);
+        ADD("lat_up", 2, d, dl, 0, LM_PARAM_MATRIX, 1, 0, fan_in_std(dl) * down_scale);
+    }
+    if (ns) {
+        ADD("shared_gate", 3, ns, fs, d, LM_PARAM_MATRIX, (int)ns, 0, fan_in_std(d));
+        ADD("shared_up", 3, ns, fs, d, LM_PARAM_MATRIX, (int)ns, 0, fan_in_std(d));
+        ADD("shared_down", 3, ns, d, fs, LM_PARAM_MATRIX, (int)ns, 0, fan_in_std(fs) * down_scale);
+    }
+#undef ADD
+    if (m->n_params - ls->ffn_off != lm_moe_param_count(&mc))
+        return lm_error(LM_ERR_ARG, "internal: MoE parameter table disagrees with lm_moe_param_count");
+    return LM_OK;
+}
+
+static size_t dense_ffn_scratch(const lm_config *c, int64_t N) { return 3 * (size_t)N * (size_t)c->dense_ffn; }
+
+lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
+    *out = NULL;
+    TRY(lm_config_validate(cfg));
+    if (B < 1 || T < 1 || (int64_t)B * T > (1 << 26))
+        return lm_error(LM_ERR_ARG, "model: batch %d x sequence %d tokens is out of range", B, T);
+    lm_model *m = calloc(1, sizeof *m);
+    if (!m) return lm_error(LM_ERR_MEMORY, "out of memory creating the model");
+    lm_status st = LM_OK;
+    m->cfg = *cfg;
+    m->B = B;
+    m->T = T;
+    m->N = (int64_t)B * T;
+    m->d = cfg->d_model;
+    m->L2 = 2 * cfg->n_layers;
+    const int64_t d = cfg->d_model, V = cfg->vocab_size, N = m->N;
+    m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers);
+    if (!m->layers) {
+        st = lm_error(LM_ERR_MEMORY, "out of memory creating the model");
+        goto fail;
+    }
+    /* the parameter table (order = layout of the parameter block) */
+    if ((st = add_tensor(m, "embed", 2, V, d, 0, LM_PARAM_EMBEDDING, 1, 0, 1.0f, &m->embed_off))) goto fail;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        char name[96];
+        ls->mixer = lm_config_mixer(cfg, l);
+        ls->moe = lm_config_is_moe(cfg, l);
+        snprintf(name, sizeof name, "layers.%d.mixer_norm", l);
+        if ((st = add_tensor(m, name, 1, d, 0, 0, LM_PARAM_NORM, 1, 1.0f, 0, &ls->mixer_norm_off))) goto fail;
+        if ((st = ls->mixer == LM_MIXER_KDA ? plan_kda(m, l, ls) : plan_mla(m, l, ls))) goto fail;
+        snprintf(name, sizeof name, "layers.%d.ffn_norm", l);
+        if ((st = add_tensor(m, name, 1, d, 0, 0, LM_PARAM_NORM, 1, 1.0f, 0, &ls->ffn_norm_off))) goto fail;
+        if ((st = plan_ffn(m, l, ls))) goto fail;
+    }
+    m->has_attnres_params = cfg->residual != LM_RESIDUAL_STANDARD;
+    if (m->has_attnres_params) {
+        if ((st = add_tensor(m, "attnres.query", 2, m->L2 + 1, d, 0, LM_PARAM_VECTOR, 1, 0, 0, &m->ar_query_off)))
+            goto fail;
+        if ((st = add_tensor(m, "attnres.key_norm", 2, m->L2 + 1, d, 0, LM_PARAM_NORM, 1, 1.0f, 0, &m->ar_key_off)))
+            goto fail;
+    }
+    if ((st = add_tensor(m, "final_norm", 1, d, 0, 0, LM_PARAM_NORM, 1, 1.0f, 0, &m->final_norm_off))) goto fail;
+    if (!cfg->tie_embeddings &&
+        (st = add_tensor(m, "lm_head", 2, V, d, 0, LM_PARAM_EMBEDDING, 1, 0, fan_in_std(d), &m->head_off)))
+        goto fail;
+    if (cfg->tie_embeddings) m->head_off = m->embed_off;
+
+    m->params = calloc(m->n_params, sizeof(float));
+    m->grads = calloc(m->n_params, sizeof(float));
+    if (!m->params || !m->grads) {
+        st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
+        goto fail;
+    }
+
+    /* activations and scratch: sizes first, one block after */
+    size_t act = 0, scratch = 0;
+    act += (size_t)N * d;                           /* x0 */
+    act += 2 * (size_t)m->L2 * N * d;               /* hin, xn per sublayer */
+    act += (size_t)m->L2 * N;                       /* rstd per sublayer */
+    act += 2 * (size_t)N * d + 2 * (size_t)N;       /* hf, hn, rstd_final, lse_rows */
+    act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
+    act += (size_t)CE_CHUNK * V;                    /* logits of one chunk */
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            act += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+            size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
+            if (s > scratch) scratch = s;
+        } else {
+            act += lm_mla_acts_floats(&ls->mla_cfg, B, T);
+            size_t s = lm_mla_scratch_floats(&ls->mla_cfg, B, T);
+            if (s > scratch) scratch = s;
+        }
+        if (!ls->moe) {
+            act += 3 * (size_t)N * cfg->dense_ffn;
+            if (dense_ffn_scratch(cfg, N) > scratch) scratch = dense_ffn_scratch(cfg, N);
+        } else if (cfg->balance == LM_BALANCE_AUX) {
+            act += (size_t)N * cfg->n_routed_experts;
+        }
+    }
+    act += scratch;
+    m->act_floats = act;
+    m->scratch_floats = scratch;
+    m->act_block = calloc(act, sizeof(float));
+    m->tokens = calloc((size_t)N, sizeof(int32_t));
+    m->targets = calloc((size_t)N, sizeof(int32_t));
+    if (!m->act_block || !m->tokens || !m->targets) {
+        st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats; hint: smaller batch or "
+                      "sequence length", act);
+        goto fail;
+    }
+    float *p = m->act_block;
+#define CARVE(ptr, n) (ptr = p, p += (n))
+    CARVE(m->x0, (size_t)N * d);
+    CARVE(m->hin, (size_t)m->L2 * N * d);
+    CARVE(m->xn, (size_t)m->L2 * N * d);
+    CARVE(m->rstd, (size_t)m->L2 * N);
+    CARVE(m->hf, (size_t)N * d);
+    CARVE(m->hn, (size_t)N * d);
+    CARVE(m->rstd_final, (size_t)N);
+    CARVE(m->lse_rows, (size_t)N);
+    CARVE(m->y, (size_t)N * d);
+    CARVE(m->dy, (size_t)N * d);
+    CARVE(m->dxn, (size_t)N * d);
+    CARVE(m->dh, (size_t)N * d);
+    CARVE(m->dx0, (size_t)N * d);
+    CARVE(m->dhn, (size_t)N * d);
+    CARVE(m->dhf, (size_t)N * d);
+    CARVE(m->logits, (size_t)CE_CHUNK * V);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        float *pp = m->params + ls->mixer_off, *gg = m->grads + ls->mixer_off;
+        if (ls->mixer == LM_MIXER_KDA) {
+            lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
+            lm_kda_layer_params_map(&ls->kda_cfg, gg, &ls->kda_g);
+            lm_kda_layer_acts_map(&ls->kda_cfg, B, T, p, &ls->kda_a);
+            p += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+        } else {
+            if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
+                (st = lm_mla_params_map(&ls->mla_cfg, gg, &ls->mla_g)))
+                goto fail;
+            CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T));
+        }
+        if (!ls->moe) {
+            CARVE(ls->ffn_a, (size_t)N * cfg->dense_ffn);
+            CARVE(ls->ffn_u, (size_t)N * cfg->dense_ffn);
+            CARVE(ls->ffn_h, (size_t)N * cfg->dense_ffn);
+        } else {
+            lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
+            lm_moe_params_carve(&ls->moe_cfg, m->grads + ls->ffn_off, &ls->moe_g);
+            if ((st = lm_moe_acts_alloc(&ls->moe_a, &ls->moe_cfg, N))) goto fail;
+            if (cfg->balance == LM_BALANCE_AUX) CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
+            lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
+            bc.bins = cfg->balance_bins;
+            bc.ema = cfg->balance_ema;
+            bc.sign_rate = cfg->sign_rate;
+            bc.aux_alpha = cfg->aux_alpha;
+            if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
+            ls->bal_ready = 1;
+        }
+    }
+    CARVE(m->scratch, scratch);
+#undef CARVE
+
+    /* the residual stream */
+    lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
+                            cfg->norm_eps, 1};
+    lm_attnres_memory_plan plan;
+    if ((st = lm_attnres_memory(&ac, &plan))) goto fail;
+    size_t bytes = (plan.total + 63) / 64 * 64;
+    m->ar_workspace = aligned_alloc(64, bytes ? bytes : 64);
+    if (!m->ar_workspace) {
+        st = lm_error(LM_ERR_MEMORY, "out of memory for the residual history (%zu bytes)", bytes);
+        goto fail;
+    }
+    if ((st = lm_attnres_init(&m->ar, &ac, m->ar_workspace, bytes))) goto fail;
+    *out = m;
+    return LM_OK;
+fail:
+    lm_model_free(m);
+    return st;
+}
+
+void lm_model_free(lm_model *m) {
+    if (!m) return;
+    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
+        lm_moe_acts_free(&m->layers[l].moe_a);
+        if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
+    }
+    free(m->layers);
+    free(m->tensors);
+    free(m->params);
+    free(m->grads);
+    free(m->act_block);
+    free(m->tokens);
+    free(m->targets);
+    free(m->ar_workspace);
+    free(m);
+}
+
+void lm_model_init(lm_model *m, uint64_t seed) {
+    lm_rng rng;
+    lm_rng_seed(&rng, seed);
+    for (int i = 0; i < m->n_tensors; i++) {
+        const lm_model_tensor *t = &m->tensors[i];
+        float *w = m->params + t->offset;
+        for (size_t j = 0; j < t->numel; j++)
+            w[j] = t->init_mean + (t->init_std > 0 ? t->init_std * (float)lm_rng_normal(&rng) : 0.0f);
+    }
+    memset(m->grads, 0, m->n_params * sizeof(float));
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].bal_ready) {
+            lm_balance_config bc = m->layers[l].bal.cfg;
+            lm_balance_free(&m->layers[l].bal);
+            lm_balance_init(&m->layers[l].bal, &bc);
+        }
+}
+
+const lm_config *lm_model_config(const lm_model *m) { return &m->cfg; }
+int lm_model_num_tensors(const lm_model *m) { return m->n_tensors; }
+const lm_model_tensor *lm_model_tensor_at(const lm_model *m, int i) {
+    return i >= 0 && i < m->n_tensors ? &m->tensors[i] : NULL;
+}
+const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
+    for (int i = 0; i < m->n_tensors; i++)
+        if (!strcmp(m->tensors[i].name, name)) return &m->tensors[i];
+    return NULL;
+}
+size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
+float *lm_model_params(lm_model *m) { return m->params; }
+float *lm_model_grads(lm_model *m) { return m->grads; }
+size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
+void lm_model_zero_grads(lm_model *m) { memset(m->grads, 0, m->n_params * sizeof(float)); }
+float lm_model_aux_loss(const lm_model *m) { return m->aux_loss; }
+
+int lm_model_num_moe_layers(const lm_model *m) {
+    int n = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) n += m->layers[l].moe;
+    return n;
+}
+int lm_model_moe_layer_index(const lm_model *m, int i) {
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].moe && i-- == 0) return l;
+    return -1;
+}
+lm_balance_state *lm_model_balance(lm_model *m, int i) {
+    int l = lm_model_moe_layer_index(m, i);
+    return l < 0 ? NULL : &m->layers[l].bal;
+}
+
+lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats *stats) {
+    int i = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].moe) {
+            TRY(lm_balance_step_end(&m->layers[l].bal, training, stats ? &stats[i] : NULL));
+            i++;
+        }
+    return LM_OK;
+}
+
+void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which) {
+    for (int i = 0; i < m->n_tensors; i++) {
+        const lm_model_tensor *t = &m->tensors[i];
+        float *w = m->params + t->offset, *g = m->grads + t->offset;
+        lm_param p;
+        if (t->ndim >= 2) {
+            int64_t rows = t->ndim == 3 ? t->shape[0] * t->shape[1] : t->shape[0];
+            int64_t cols = t->ndim == 3 ? t->shape[2] : t->shape[1];
+            p = lm_param_matrix(t->name, w, g, rows, cols, t->kind);
+            p.n_blocks = t->n_blocks > 1 ? t->n_blocks : 1;
+        } else {
+            p = lm_param_vector(t->name, w, g, t->shape[0], t->kind);
+        }
+        if (which == LM_TRAIN_ADAMW) p.optimizer = LM_OPT_ADAMW;
+        params[i] = p;
+    }
+}
+
+/* ---- the dense FFN ---- */
+
+static void dense_ffn_forward(const lm_model *m, layer_state *ls, const float *x, float *y) {
+    int d = m->d, f = m->cfg.dense_ffn;
+    const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
+    lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
+    lm_matmul_forward(ls->ffn_a, x, Wg, NULL, m->N, d, f);
+    lm_matmul_forward(ls->ffn_u, x, Wu, NULL, m->N, d, f);
+    for (size_t i = 0; i < (size_t)m->N * f; i++) ls->ffn_h[i] = lm_expert_act_forward(act, ls->ffn_a[i], ls->ffn_u[i]);
+    lm_matmul_forward(y, ls->ffn_h, Wd, NULL, m->N, f, d);
+}
+
+static void dense_ffn_backward(lm_model *m, layer_state *ls, const float *x, const float *dy, float *dx) {
+    int d = m->d, f = m->cfg.dense_ffn;
+    size_t nf = (size_t)m->N * f;
+    const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
+    float *gWg = m->grads + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
+    float *dh = m->scratch, *da = dh + nf, *du = da + nf;
+    lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
+    memset(dh, 0, nf * sizeof(float));
+    lm_matmul_backward(dh, gWd, NULL, dy, ls->ffn_h, Wd, m->N, f, d);
+    for (size_t i = 0; i < nf; i++) {
+        float ha, hu;
+        lm_expert_act_backward(act, ls->ffn_a[i], ls->ffn_u[i], &ha, &hu);
+        da[i] = dh[i] * ha;
+        du[i] = dh[i] * hu;
+    }
+    lm_matmul_backward(dx, gWg, NULL, da, x, Wg, m->N, d, f);
+    lm_matmul_backward(dx, gWu, NULL, du, x, Wu, m->N, d, f);
+}
+
+/* ---- forward and backward ---- */
+
+static lm_attnres_params attnres_params(const lm_model *m) {
+    lm_attnres_params p = {NULL, NULL};
+    if (m->has_attnres_params) {
+        p.query = m->params + m->ar_query_off;
+        p.key_norm = m->params + m->ar_key_off;
+    }
+    return p;
+}
+
+static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    for (int64_t i = 0; i < N; i++)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
+                            tokens[i], (long long)i, V);
+    const float *E = m->params + m->embed_off;
+    for (int64_t i = 0; i < N; i++) memcpy(m->x0 + i * d, E + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
+    lm_attnres_params arp = attnres_params(m);
+    TRY(lm_attnres_begin(&m->ar, m->x0));
+    m->aux_loss = 0;
+    for (int idx = 0; idx < m->L2; idx++) {
+        layer_state *ls = &m->layers[idx / 2];
+        float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
+        TRY(lm_attnres_input(&m->ar, idx, &arp, hin));
+        const float *w = m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        lm_rmsnorm_forward(xn, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps);
+        if (idx % 2 == 0) {
+            if (ls->mixer == LM_MIXER_KDA)
+                TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, m->y));
+            else
+                TRY(lm_mla_forward(&ls->mla_cfg, &ls->mla_p, xn, m->B, m->T, m->y, ls->mla_acts));
+        } else if (!ls->moe) {
+            dense_ffn_forward(m, ls, xn, m->y);
+        } else {
+            TRY(lm_moe_forward(m->y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
+            if (training) TRY(lm_balance_observe(&ls->bal, ls->moe_a.s, N, 1));
+            if (m->cfg.balance == LM_BALANCE_AUX) {
+                float aux = 0;
+                memset(ls->dscores, 0, (size_t)N * m->cfg.n_routed_experts * sizeof(float));
+                TRY(lm_balance_aux_loss(&aux, ls->dscores, ls->moe_a.s, ls->moe_a.topk, N,
+                                        m->cfg.n_routed_experts, m->cfg.top_k, m->cfg.aux_alpha));
+                m->aux_loss += aux;
+            }
+        }
+        for (int64_t i = 0; i < N * d; i++)
+            if (!isfinite(m->y[i]))
+                return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx,
+                                idx / 2, idx % 2 ? "channel mixer" : "token mixer");
+        TRY(lm_attnres_add_output(&m->ar, idx, m->y));
+    }
+    TRY(lm_attnres_final(&m->ar, &arp, m->hf));
+    lm_rmsnorm_forward(m->hn, m->rstd_final, m->hf, m->params + m->final_norm_off, N, d, m->cfg.norm_eps);
+    return LM_OK;
+}
+
+lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
+                           float *loss) {
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    m->have_targets = 0;
+    if (targets)
+        for (int64_t i = 0; i < N; i++)
+            if (targets[i] < 0 || targets[i] >= V)
+                return lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)",
+                                targets[i], (long long)i, V);
+    TRY(run_layers_forward(m, tokens, training));
+    memcpy(m->tokens, tokens, (size_t)N * sizeof(int32_t));
+    if (!targets) return LM_OK;
+    memcpy(m->targets, targets, (size_t)N * sizeof(int32_t));
+    /* chunked cross-entropy: CE_CHUNK rows of logits at a time, log-sum-exp in fp32 */
+    const float *W = m->params + m->head_off;
+    double total = 0;
+    for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
+        int rows = (int)(N - r0 < CE_CHUNK ? N - r0 : CE_CHUNK);
+        lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
+        for (int r = 0; r < rows; r++) {
+            const float *z = m->logits + (size_t)r * V;
+            float mx = z[0];
+            for (int v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+            float s = 0;
+            for (int v = 0; v < V; v++) s += expf(z[v] - mx);
+            float lse = mx + logf(s);
+            m->lse_rows[r0 + r] = lse;
+            total += (double)(lse - z[targets[r0 + r]]);
+        }
+    }
+    float ce = (float)(total / (double)N);
+    if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
+    m->have_targets = 1;
+    if (loss) *loss = ce;
+    return LM_OK;
+}
+
+lm_status lm_model_backward(lm_model *m, float loss_scale) {
+    if (!m->have_targets) return lm_error(LM_ERR_ARG, "backward needs a forward with targets first");
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    const float eps = m->cfg.norm_eps;
+    /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * scale / N */
+    const float *W = m->params + m->head_off;
+    float *dW = m->grads + m->head_off;
+    memset(m->dhn, 0, (size_t)N * d * sizeof(float));
+    float s = loss_scale / (float)N;
+    for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
+        int rows = (int)(N - r0 < CE_CHUNK ? N - r0 : CE_CHUNK);
+        lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
+        for (int r = 0; r < rows; r++) {
+            float *z = m->logits + (size_t)r * V, lse = m->lse_rows[r0 + r];
+            for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * s;
+            z[m->targets[r0 + r]] -= s;
+        }
+        lm_matmul_backward(m->dhn + r0 * d, dW, NULL, m->logits, m->hn + r0 * d, W, rows, d, V);
+    }
+    memset(m->dhf, 0, (size_t)N * d * sizeof(float));
+    lm_rmsnorm_backward(m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
+                        m->rstd_final, N, d, eps);
+    lm_attnres_params arp = attnres_params(m);
+    lm_attnres_grads arg = {NULL, NULL};
+    if (m->has_attnres_params) {
+        arg.query = m->grads + m->ar_query_off;
+        arg.key_norm = m->grads + m->ar_key_off;
+    }
+    TRY(lm_attnres_final_backward(&m->ar, &arp, m->dhf, &arg));
+    for (int idx = m->L2 - 1; idx >= 0; idx--) {
+        layer_state *ls = &m->layers[idx / 2];
+        float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
+        memset(m->dy, 0, (size_t)N * d * sizeof(float));
+        TRY(lm_attnres_output_backward(&m->ar, idx, m->dy));
+        memset(m->dxn, 0, (size_t)N * d * sizeof(float));
+        if (idx % 2 == 0) {
+            if (ls->mixer == LM_MIXER_KDA)
+                TRY(lm_kda_layer_backward(&ls->kda_cfg, &ls->kda_p, &ls->kda_g, &ls->kda_a, xn, m->dy, m->B,
+                                          m->T, m->dxn, m->scratch));
+            else
+                TRY(lm_mla_backward(&ls->mla_cfg, &ls->mla_p, xn, ls->mla_acts, m->dy, m->B, m->T, m->dxn,
+                                    &ls->mla_g, m->scratch));
+        } else if (!ls->moe) {
+            dense_ffn_backward(m, ls, xn, m->dy, m->dxn);
+        } else {
+            /* the MoE's saved routing is that of its last forward: this micro-batch's */
+            float *extra = NULL;
+            if (m->cfg.balance == LM_BALANCE_AUX) {
+                size_t n = (size_t)N * m->cfg.n_routed_experts;
+                for (size_t i = 0; i < n; i++) ls->dscores[i] *= loss_scale;
+                extra = ls->dscores;
+            }
+            TRY(lm_moe_backward(m->dxn, &ls->moe_g, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_p, &ls->moe_a));
+        }
+        memset(m->dh, 0, (size_t)N * d * sizeof(float));
+        size_t off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
+        lm_rmsnorm_backward(m->dh, m->grads + off, m->dxn, hin, m->params + off, m->rstd + (size_t)idx * N, N, d,
+                            eps);
+        TRY(lm_attnres_input_backward(&m->ar, idx, &arp, m->dh, &arg));
+    }
+    memset(m->dx0, 0, (size_t)N * d * sizeof(float));
+    TRY(lm_attnres_embedding_backward(&m->ar, m->dx0));
+    /* scatter into the embedding rows, in token order (deterministic) */
+    float *dE = m->grads + m->embed_off;
+    for (int64_t i = 0; i < N; i++) {
+        float *row = dE + (size_t)m->tokens[i] * d;
+        const float *g = m->dx0 + i * d;
+        for (int j = 0; j < d; j++) row[j] += g[j];
+    }
+    m->have_targets = 0;
+    return LM_OK;
+}
+
+lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
+    TRY(run_layers_forward(m, tokens, 0));
+    m->have_targets = 0;
+    lm_matmul_forward(logits, m->hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
+    return LM_OK;
+}

@@ -1,0 +1,188 @@
+/* The whole model: every parameter kind's gradient against central finite
+ * differences, the chunked cross-entropy against full logits, reproducible
+ * initialisation, and parameter counts that agree with `longmoe plan`. */
+#include "longmoe/model.h"
+#include "test.h"
+
+static lm_config micro_config(lm_residual_kind residual) {
+    lm_config c;
+    lm_config_defaults(&c);
+    c.vocab_size = 16;
+    c.d_model = 8;
+    c.n_layers = 3;
+    strcpy(c.layout, "kmk");
+    c.first_k_dense = 1;
+    c.dense_ffn = 12;
+    c.kda_heads = 2;
+    c.kda_head_dim = 4;
+    c.kda_chunk = 16;
+    c.attn_heads = 2;
+    c.q_lora_rank = 6;
+    c.kv_lora_rank = 5;
+    c.qk_head_dim = 4;
+    c.v_head_dim = 4;
+    c.n_routed_experts = 4;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 6;
+    c.shared_ffn = 6;
+    c.latent_dim = 6;
+    c.balance = LM_BALANCE_NONE;
+    c.residual = residual;
+    c.attnres_block = 2;
+    return c;
+}
+
+enum { B = 2, T = 19 };
+
+static void random_tokens(lm_rng *r, int32_t *x, int n, int V) {
+    for (int i = 0; i < n; i++) x[i] = (int32_t)(lm_rng_u64(r) % (uint64_t)V);
+}
+
+static void check_gradients(lm_residual_kind residual) {
+    lm_config c = micro_config(residual);
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 5);
+    lm_rng r;
+    lm_rng_seed(&r, 6 + residual);
+    float *w = lm_model_params(m);
+    /* perturb the init so that zero-initialised tensors (AttnRes queries) have gradients of every kind */
+    for (size_t i = 0; i < lm_model_num_params(m); i++) w[i] += 0.2f * (float)lm_rng_normal(&r);
+    int32_t tok[B * T], tgt[B * T];
+    random_tokens(&r, tok, B * T, c.vocab_size);
+    random_tokens(&r, tgt, B * T, c.vocab_size);
+    float loss;
+    lm_model_zero_grads(m);
+    CHECK(!lm_model_forward(m, tok, tgt, 0, &loss), "%s", lm_last_error());
+    CHECK(!lm_model_backward(m, 1.0f), "%s", lm_last_error());
+    const float *g = lm_model_grads(m);
+    int skipped = 0, checked = 0;
+    for (int ti = 0; ti < lm_model_num_tensors(m); ti++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, ti);
+        double num = 0, den = 0;
+        size_t stride = t->numel > 5 ? t->numel / 5 : 1;
+        for (size_t j = (size_t)ti % stride; j < t->numel; j += stride) {
+            float *p = w + t->offset + j, keep = *p;
+            double fd[2];
+            for (int k = 0; k < 2; k++) {
+                float h = k ? 1.5e-3f : 3e-3f, lp, lm;
+                *p = keep + h;
+                lm_model_forward(m, tok, tgt, 0, &lp);
+                *p = keep - h;
+                lm_model_forward(m, tok, tgt, 0, &lm);
+                *p = keep;
+                fd[k] = ((double)lp - lm) / (2.0 * h);
+            }
+            /* routing is piecewise constant: a step that flips an expert choice shows
+             * as disagreement between the two step sizes; such entries are skipped */
+            if (fabs(fd[0] - fd[1]) > 0.05 * fabs(fd[1]) + 2e-3) {
+                skipped++;
+                continue;
+            }
+            checked++;
+            double fr = (4.0 * fd[1] - fd[0]) / 3.0; /* Richardson: cancels the h^2 term */
+            num += (fr - g[t->offset + j]) * (fr - g[t->offset + j]);
+            den += fr * fr;
+        }
+        double rel = sqrt(num / (den > 1e-12 ? den : 1e-12));
+        CHECK(rel < 3e-2 || sqrt(num) < 2e-3, "residual %d: %s rel error %.3g (|g| %.3g)", residual, t->name, rel,
+              sqrt(den));
+    }
+    CHECK(skipped * 10 < checked, "too many non-smooth entries skipped: %d of %d", skipped, checked + skipped);
+    lm_model_free(m);
+}
+
+static void test_gradients_block_attnres(void) { check_gradients(LM_RESIDUAL_BLOCK_ATTNRES); }
+static void test_gradients_standard_residual(void) { check_gradients(LM_RESIDUAL_STANDARD); }
+static void test_gradients_full_attnres(void) { check_gradients(LM_RESIDUAL_FULL_ATTNRES); }
+
+static void test_chunked_cross_entropy_equals_full_logits(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    c.vocab_size = 50;
+    lm_model *m = NULL;
+    /* B*T = 2*19 = 38 rows: one full chunk of 32 and a partial one */
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 9);
+    lm_rng r;
+    lm_rng_seed(&r, 10);
+    int32_t tok[B * T], tgt[B * T];
+    random_tokens(&r, tok, B * T, c.vocab_size);
+    random_tokens(&r, tgt, B * T, c.vocab_size);
+    float loss, *logits = malloc(sizeof(float) * B * T * 50);
+    CHECK(!lm_model_forward(m, tok, tgt, 0, &loss), "%s", lm_last_error());
+    CHECK(!lm_model_logits(m, tok, logits), "%s", lm_last_error());
+    double ref = 0;
+    for (int i = 0; i < B * T; i++) {
+        double mx = -1e30, s = 0;
+        for (int v = 0; v < 50; v++) mx = fmax(mx, logits[i * 50 + v]);
+        for (int v = 0; v < 50; v++) s += exp(logits[i * 50 + v] - mx);
+        ref += mx + log(s) - logits[i * 50 + tgt[i]];
+    }
+    CHECK_CLOSE(loss, ref / (B * T), 1e-5, 1e-5, "cross-entropy");
+    free(logits);
+    lm_model_free(m);
+}
+
+static void test_initialisation_is_reproducible_and_seeded(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create(&c, B, T, &a) && !lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+    if (!a || !b) return;
+    lm_model_init(a, 1);
+    lm_model_init(b, 1);
+    size_t n = lm_model_num_params(a);
+    CHECK(!memcmp(lm_model_params(a), lm_model_params(b), n * 4), "same seed, same weights");
+    lm_model_init(b, 2);
+    CHECK(memcmp(lm_model_params(a), lm_model_params(b), n * 4), "another seed, other weights");
+    /* zero-initialised pseudo-queries, unit norms, A_log = 0 */
+    const lm_model_tensor *q = lm_model_find(a, "attnres.query"), *A = lm_model_find(a, "layers.0.kda.A_log");
+    CHECK(q && A, "named tensors exist");
+    for (size_t i = 0; q && i < q->numel; i++) CHECK(lm_model_params(a)[q->offset + i] == 0.0f, "query %zu", i);
+    for (size_t i = 0; A && i < A->numel; i++) CHECK(lm_model_params(a)[A->offset + i] == 0.0f, "A_log %zu", i);
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
+static void test_parameter_count_agrees_with_the_plan(void) {
+    const char *presets[] = {"configs/tiny.json", "configs/small.json"};
+    for (int i = 0; i < 2; i++) {
+        lm_config c;
+        CHECK(!lm_config_load(presets[i], &c), "%s", lm_last_error());
+        lm_model *m = NULL;
+        CHECK(!lm_model_create(&c, 1, 64, &m), "%s", lm_last_error());
+        if (!m) continue;
+        lm_plan p;
+        lm_config_plan(&c, 64, &p);
+        CHECK(fabs((double)lm_model_num_params(m) - p.total_params) < 1e-6 * p.total_params + 1,
+              "%s: model %zu vs plan %.0f", presets[i], lm_model_num_params(m), p.total_params);
+        lm_model_free(m);
+    }
+}
+
+static void test_bad_tokens_are_rejected_by_position(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 3);
+    int32_t tok[B * T] = {0}, tgt[B * T] = {0};
+    tok[7] = 16;
+    float loss;
+    CHECK(lm_model_forward(m, tok, tgt, 0, &loss) == LM_ERR_ARG && strstr(lm_last_error(), "position 7"),
+          "%s", lm_last_error());
+    lm_model_free(m);
+}
+
+int main(void) {
+    RUN(test_gradients_block_attnres);
+    RUN(test_gradients_standard_residual);
+    RUN(test_gradients_full_attnres);
+    RUN(test_chunked_cross_entropy_equals_full_logits);
+    RUN(test_initialisation_is_reproducible_and_seeded);
+    RUN(test_parameter_count_agrees_with_the_plan);
+    RUN(test_bad_tokens_are_rejected_by_position);
+    return test_summary();
+}
