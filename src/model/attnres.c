@@ -207,14 +207,23 @@ static lm_status check_params(const lm_attnres_state *st, const lm_attnres_param
 static float rstd_row(const float *x, int d, float eps) {
     /* 1/rms with rms = sqrt(mean(x^2) + eps), the RMSNorm of linear.h */
     float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
     for (int c = 0; c < d; c++) ss += x[c] * x[c];
     return 1.0f / sqrtf(ss / (float)d + eps);
 }
 
-static float dot_row(const float *a, const float *b, int d) {
+/* SIMD reductions: a fixed summation order for a given build, whatever the thread count */
+static float dot_row(const float *restrict a, const float *restrict b, int d) {
     float s = 0.0f;
+#pragma omp simd reduction(+ : s)
     for (int c = 0; c < d; c++) s += a[c] * b[c];
     return s;
+}
+
+/* y += a x */
+static void axpy_row(float *restrict y, float a, const float *restrict x, int d) {
+#pragma omp simd
+    for (int c = 0; c < d; c++) y[c] += a * x[c];
 }
 
 static void effective_query(float *u, const lm_attnres_params *p, int l, int d) {
@@ -263,8 +272,7 @@ static void direct_forward(lm_attnres_state *st, const float *u, int C, const fl
         for (int c = 0; c < d; c++) ht[c] = 0.0f;
         for (int i = 0; i < Ns; i++) {
             float a = expf(s[i] - m) / Z;
-            const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
-            for (int c = 0; c < d; c++) ht[c] += a * v[c];
+            axpy_row(ht, a, i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d, d);
         }
         lse[t] = m + logf(Z);
     }
@@ -308,8 +316,7 @@ static void phase1_forward(lm_attnres_state *st, int l0, int Q, int C) {
             for (int q = 0; q < Q; q++) {
                 float e = expf(st->logits[off[q] + t * Ns[q] + i] - st->acc_max[q * n + t]);
                 st->acc_sum[q * n + t] += e;
-                float *a = st->acc + ((size_t)q * n + t) * d;
-                for (int c = 0; c < d; c++) a[c] += e * v[c];
+                axpy_row(st->acc + ((size_t)q * n + t) * d, e, v, d);
             }
         }
     }
@@ -490,7 +497,9 @@ static void layer_backward(lm_attnres_state *st, const lm_attnres_params *p, lm_
             float r = i < C ? st->hist_rstd[i * n + t] : Pr[t];
             float ds = a[i] * (da[i] - c0);
             float k1 = ds * r, k2 = ds * r * r * s[i] / (float)d;
-            for (int c = 0; c < d; c++) dv[c] += a[i] * dht[c] + k1 * u[c] - k2 * v[c];
+            const float ai = a[i];
+#pragma omp simd
+            for (int c = 0; c < d; c++) dv[c] += ai * dht[c] + k1 * u[c] - k2 * v[c];
             s[i] = ds;
         }
     }
@@ -509,6 +518,7 @@ static void layer_backward(lm_attnres_state *st, const lm_attnres_params *p, lm_
             for (int i = 0; i < Ns; i++) {
                 const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
                 float k1 = ds[i] * (i < C ? st->hist_rstd[i * n + t] : Pr[t]);
+#pragma omp simd
                 for (int c = c0; c < c1; c++) q[c - c0] += k1 * v[c];
             }
         }
