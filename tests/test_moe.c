@@ -3,6 +3,8 @@
  * with the routing held fixed (SPEC §4; include/longmoe/moe.h). */
 #include <math.h>
 #include <stdint.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +12,7 @@
 #include "check.h"
 #include "longmoe/balance.h"
 #include "longmoe/moe.h"
+#include "longmoe/safetensors.h"
 #include "test.h"
 
 static void fill_normal(float *v, size_t len, double scale, lm_rng *r) {
@@ -491,6 +494,195 @@ static void test_config_errors_name_the_bad_value(void) {
           "NaN score named");
 }
 
+/* ---- the CLI round trip: `longmoe op moe` and `longmoe op route` ---- */
+
+static char tmpdir[256];
+
+static const char *tmp_path(const char *name) {
+    static char buf[4][512];
+    static int slot;
+    slot = (slot + 1) % 4;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", tmpdir, name);
+    return buf[slot];
+}
+
+static int run_cli(const char *args) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, tmp_path("out.txt"), tmp_path("err.txt"));
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static int file_has(const char *name, const char *phrase) {
+    FILE *f = fopen(tmp_path(name), "rb");
+    if (!f) return 0;
+    char buf[4096] = {0};
+    size_t got = fread(buf, 1, sizeof buf - 1, f);
+    buf[got] = 0;
+    fclose(f);
+    return strstr(buf, phrase) != NULL;
+}
+
+/* max |a - b| of a float tensor in a file against a buffer (INFINITY if absent or misshapen) */
+static double tensor_diff(const lm_safetensors *st, const char *name, const float *want, size_t len) {
+    const lm_st_tensor *t = lm_safetensors_find(st, name);
+    if (!t || t->dtype != LM_DTYPE_F32 || (size_t)t->numel != len) return INFINITY;
+    double worst = 0;
+    for (size_t i = 0; i < len; i++) {
+        float v;
+        memcpy(&v, (const char *)t->data + i * 4, 4);
+        worst = fmax(worst, fabs((double)v - want[i]));
+        if (isnan(v)) return INFINITY;
+    }
+    return worst;
+}
+
+static int tensor_equal_i32(const lm_safetensors *st, const char *name, const int32_t *want, size_t len) {
+    const lm_st_tensor *t = lm_safetensors_find(st, name);
+    return t && t->dtype == LM_DTYPE_I32 && (size_t)t->numel == len && !memcmp(t->data, want, len * 4);
+}
+
+static void test_op_moe_cli_equals_the_library_call(void) {
+    lm_moe_config c = small_config(LM_EXPERT_SITU_GLU, 1, 2);
+    layer L;
+    layer_init(&L, &c, 300);
+    lm_rng r;
+    lm_rng_seed(&r, 301);
+    int64_t m = 20;
+    int d = c.d, n = c.n_experts, k = c.top_k, f = c.d_ff, dl = c.d_latent, fs = c.d_ff_shared;
+    float x[20 * 12], dy[20 * 12], y[20 * 12], dx[20 * 12] = {0}, b[8];
+    fill_normal(x, sizeof x / 4, 1.0, &r);
+    fill_normal(dy, sizeof dy / 4, 1.0, &r);
+    fill_normal(b, 8, 0.05, &r);
+    lm_moe_acts acts;
+    lm_moe_acts_alloc(&acts, &c, m);
+    lm_moe_forward(y, x, b, &c, &L.p, &acts, m);
+    lm_moe_backward(dx, &L.g, dy, x, NULL, &c, &L.p, &acts);
+
+    lm_st_writer *w = lm_st_writer_new();
+    int64_t sx[2] = {m, d}, sr[2] = {n, d}, sg[3] = {n, f, dl}, sd[3] = {n, dl, f}, sld[2] = {dl, d};
+    int64_t sln[1] = {dl}, slu[2] = {d, dl}, ssg[3] = {2, fs, d}, ssd[3] = {2, d, fs}, sb[1] = {n};
+    lm_st_writer_add(w, "x", LM_DTYPE_F32, 2, sx, x);
+    lm_st_writer_add(w, "dy", LM_DTYPE_F32, 2, sx, dy);
+    lm_st_writer_add(w, "b", LM_DTYPE_F32, 1, sb, b);
+    lm_st_writer_add(w, "router", LM_DTYPE_F32, 2, sr, L.p.router);
+    lm_st_writer_add(w, "gate", LM_DTYPE_F32, 3, sg, L.p.gate);
+    lm_st_writer_add(w, "up", LM_DTYPE_F32, 3, sg, L.p.up);
+    lm_st_writer_add(w, "down", LM_DTYPE_F32, 3, sd, L.p.down);
+    lm_st_writer_add(w, "lat_down", LM_DTYPE_F32, 2, sld, L.p.lat_down);
+    lm_st_writer_add(w, "lat_norm", LM_DTYPE_F32, 1, sln, L.p.lat_norm);
+    lm_st_writer_add(w, "lat_up", LM_DTYPE_F32, 2, slu, L.p.lat_up);
+    lm_st_writer_add(w, "shared_gate", LM_DTYPE_F32, 3, ssg, L.p.shared_gate);
+    lm_st_writer_add(w, "shared_up", LM_DTYPE_F32, 3, ssg, L.p.shared_up);
+    lm_st_writer_add(w, "shared_down", LM_DTYPE_F32, 3, ssd, L.p.shared_down);
+    lm_st_writer_set_metadata(w, "top_k", "3");
+    lm_st_writer_set_metadata(w, "act", "situ");
+    CHECK(lm_st_writer_save(w, tmp_path("moe_in.safetensors")) == LM_OK, "%s", lm_last_error());
+    lm_st_writer_free(w);
+
+    char args[1024];
+    snprintf(args, sizeof args, "op moe --in %s --out %s --backward --route-scale 2.5",
+             tmp_path("moe_in.safetensors"), tmp_path("moe_out.safetensors"));
+    CHECK(run_cli(args) == 0, "op moe exit code");
+    lm_safetensors *st = NULL;
+    CHECK(lm_safetensors_open(tmp_path("moe_out.safetensors"), &st) == LM_OK, "%s", lm_last_error());
+    if (st) {
+        CHECK(tensor_diff(st, "y", y, (size_t)(m * d)) <= 1e-6, "y differs");
+        CHECK(tensor_diff(st, "weights", acts.weights, (size_t)(m * k)) <= 1e-6, "weights differ");
+        CHECK(tensor_equal_i32(st, "topk", acts.topk, (size_t)(m * k)), "topk differs");
+        CHECK(tensor_diff(st, "dx", dx, (size_t)(m * d)) <= 1e-5, "dx differs");
+        CHECK(tensor_diff(st, "drouter", L.g.router, (size_t)(n * d)) <= 1e-5, "drouter differs");
+        CHECK(tensor_diff(st, "dgate", L.g.gate, (size_t)(n * f * dl)) <= 1e-5, "dgate differs");
+        CHECK(tensor_diff(st, "dlat_norm", L.g.lat_norm, (size_t)dl) <= 1e-5, "dlat_norm differs");
+        CHECK(tensor_diff(st, "dshared_down", L.g.shared_down, (size_t)(2 * d * fs)) <= 1e-5,
+              "dshared_down differs");
+        lm_safetensors_close(st);
+    }
+    /* a missing dy with --backward, and a bad activation, fail with a clear message */
+    lm_st_writer *w2 = lm_st_writer_new();
+    lm_st_writer_add(w2, "x", LM_DTYPE_F32, 2, sx, x);
+    lm_st_writer_add(w2, "router", LM_DTYPE_F32, 2, sr, L.p.router);
+    int64_t sg2[3] = {n, f, d}, sd2[3] = {n, d, f};
+    lm_st_writer_add(w2, "gate", LM_DTYPE_F32, 3, sg2, L.p.gate);
+    lm_st_writer_add(w2, "up", LM_DTYPE_F32, 3, sg2, L.p.up);
+    lm_st_writer_add(w2, "down", LM_DTYPE_F32, 3, sd2, L.p.down);
+    lm_st_writer_save(w2, tmp_path("moe_plain.safetensors"));
+    lm_st_writer_free(w2);
+    snprintf(args, sizeof args, "op moe --in %s --out %s --k 2 --backward", tmp_path("moe_plain.safetensors"),
+             tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 1 && file_has("err.txt", "'dy'"), "missing dy named");
+    snprintf(args, sizeof args, "op moe --in %s --out %s --k 2 --act relu", tmp_path("moe_plain.safetensors"),
+             tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 1 && file_has("err.txt", "relu"), "bad activation named");
+    snprintf(args, sizeof args, "op moe --in %s --out %s", tmp_path("moe_plain.safetensors"),
+             tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 1 && file_has("err.txt", "--k"), "missing k named");
+    CHECK(access(tmp_path("bad.safetensors"), F_OK) != 0, "a failed run wrote no output");
+    lm_moe_acts_free(&acts);
+    layer_free(&L);
+}
+
+static void test_op_route_cli_equals_the_library_update(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 310);
+    int64_t m = 500;
+    int n = 16, k = 3;
+    float *s = mallocCheck((size_t)(m * n) * 4), b[16];
+    for (int64_t q = 0; q < m * n; q++) s[q] = (float)(1.0 / (1.0 + exp(-(lm_rng_normal(&r) + (q % n == 5)))));
+    fill_normal(b, 16, 0.05, &r);
+    lm_st_writer *w = lm_st_writer_new();
+    int64_t ss[2] = {m, n}, sb[1] = {n};
+    lm_st_writer_add(w, "s", LM_DTYPE_F32, 2, ss, s);
+    lm_st_writer_add(w, "b", LM_DTYPE_F32, 1, sb, b);
+    lm_st_writer_save(w, tmp_path("route_in.safetensors"));
+    lm_st_writer_free(w);
+    const char *variants[3] = {"--bias-update quantile", "--bias-update quantile --exact --bins 64",
+                               "--bias-update sign"};
+    for (int v = 0; v < 3; v++) {
+        lm_balance_config bc = lm_balance_config_default(v == 2 ? LM_BALANCE_SIGN : LM_BALANCE_QUANTILE, n, k, m);
+        if (v == 1) bc.estimator = LM_QB_EXACT;
+        lm_balance_state bal;
+        lm_balance_init(&bal, &bc);
+        memcpy(bal.bias, b, sizeof b);
+        int32_t *topk = mallocCheck((size_t)(m * k) * 4);
+        float *wts = mallocCheck((size_t)(m * k) * 4);
+        lm_router_select(topk, wts, s, bal.bias, m, n, k, 1.0f);
+        lm_balance_stats stats;
+        lm_balance_observe(&bal, s, m, 1);
+        lm_balance_step_end(&bal, 1, &stats);
+        char args[1024];
+        snprintf(args, sizeof args, "op route --in %s --out %s --k 3 %s", tmp_path("route_in.safetensors"),
+                 tmp_path("route_out.safetensors"), variants[v]);
+        CHECK(run_cli(args) == 0, "op route %s: exit code", variants[v]);
+        CHECK(file_has("out.txt", "maxvio_batch"), "summary line printed");
+        lm_safetensors *st = NULL;
+        CHECK(lm_safetensors_open(tmp_path("route_out.safetensors"), &st) == LM_OK, "%s", lm_last_error());
+        if (st) {
+            CHECK(tensor_equal_i32(st, "topk", topk, (size_t)(m * k)), "%s: topk", variants[v]);
+            CHECK(tensor_diff(st, "weights", wts, (size_t)(m * k)) == 0.0, "%s: weights", variants[v]);
+            CHECK(tensor_equal_i32(st, "load", stats.load, (size_t)n), "%s: load", variants[v]);
+            CHECK(tensor_diff(st, "b", bal.bias, (size_t)n) == 0.0, "%s: updated b", variants[v]);
+            CHECK(tensor_diff(st, "b", b, (size_t)n) > 0.0, "%s: b moved", variants[v]);
+            lm_safetensors_close(st);
+        }
+        lm_balance_free(&bal);
+        free(topk);
+        free(wts);
+    }
+    char args[1024];
+    snprintf(args, sizeof args, "op route --in %s --out %s --k 0", tmp_path("route_in.safetensors"),
+             tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 2 && file_has("err.txt", "--k"), "k = 0 rejected");
+    snprintf(args, sizeof args, "op route --in %s --out %s --k 16 --bias-update quantile",
+             tmp_path("route_in.safetensors"), tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 1 && file_has("err.txt", "top_k"), "k = n rejected for quantile");
+    snprintf(args, sizeof args, "op route --in %s --out %s --k 2 --bias-update median",
+             tmp_path("route_in.safetensors"), tmp_path("bad.safetensors"));
+    CHECK(run_cli(args) == 2 && file_has("err.txt", "median"), "unknown update rule named");
+    CHECK(access(tmp_path("bad.safetensors"), F_OK) != 0, "a failed run wrote no output");
+    free(s);
+}
+
 int main(void) {
     RUN(test_router_picks_k_distinct_experts_by_score_plus_bias);
     RUN(test_grouping_is_a_stable_permutation_by_expert);
@@ -501,5 +693,13 @@ int main(void) {
     RUN(test_situ_glu_is_bounded_and_its_derivative_is_right);
     RUN(test_layer_routes_every_token_to_k_experts_at_1024);
     RUN(test_config_errors_name_the_bad_value);
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/longmoe-test-moe-%ld", (long)getpid());
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s", tmpdir);
+    if (system(cmd) != 0) return 1;
+    RUN(test_op_moe_cli_equals_the_library_call);
+    RUN(test_op_route_cli_equals_the_library_update);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
+    if (system(cmd) != 0) return 1;
     return test_summary();
 }
