@@ -378,12 +378,15 @@ static void test_muon_matches_float64_nesterov_reference(void) {
     lm_rng r;
     lm_rng_seed(&r, 404);
     const int shapes[2][2] = {{12, 20}, {20, 12}};
+    double worst = 0;
     for (int nest = 1; nest >= 0; nest--)
         for (int si = 0; si < 2; si++) {
             int rows = shapes[si][0], cols = shapes[si][1], n = rows * cols;
             float w[240], g[240], st[240];
             double wr[240], buf[240], u[240], o[240];
+            float w_init[240];
             fill(&r, w, n, 0.2);
+            memcpy(w_init, w, sizeof w);
             for (int i = 0; i < n; i++) wr[i] = w[i], buf[i] = 0;
             lm_param p = lm_param_matrix("w", w, g, rows, cols, LM_PARAM_MATRIX);
             size_t ns = lm_optim_scratch_floats(&p, 1);
@@ -406,12 +409,16 @@ static void test_muon_matches_float64_nesterov_reference(void) {
                 ns_ref(o, u, rows, cols, 5, 1e-7);
                 for (int i = 0; i < n; i++) wr[i] -= lr * (scale * o[i] + wd * wr[i]);
             }
-            double werr = test_rel_error_f(w, wr, n), berr = test_rel_error_f(st, buf, n);
-            CHECK(werr < 1e-6, "nesterov %d %dx%d weights rel error %g", nest, rows, cols, werr);
+            /* compare the weight change, not just the weights (the change is ~100x smaller) */
+            double dw[240], dr[240];
+            for (int i = 0; i < n; i++) dw[i] = (double)w[i] - w_init[i], dr[i] = wr[i] - w_init[i];
+            double derr = test_rel_error(dw, dr, n), berr = test_rel_error_f(st, buf, n);
+            CHECK(derr < 2e-5, "nesterov %d %dx%d weight change rel error %g", nest, rows, cols, derr);
             CHECK(berr < 1e-6, "nesterov %d %dx%d momentum rel error %g", nest, rows, cols, berr);
-            /* the weight change must match to fp32 precision, not just the weights */
+            if (derr > worst) worst = derr;
             free(scr);
         }
+    printf("  Muon vs float64: worst relative error of the 3-step weight change %.3g\n", worst);
 }
 
 /* Per-head Muon on a [H*hd, d_in] projection equals Muon run on each head's
