@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: build the CUDA targets, check
+# the SASS for tensor-core instructions, run the CUDA tests, time our kernels
+# and fla-core's chunk_kda, and print the comparison table last.
+#
+#   bench/cuda_device.sh [build] [sass] [test] [bench] [fla]   (default: all)
+#
+# Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
+# (pip download --no-deps fla-core; the machine has no network), installed
+# into /tmp/site. BUILD (default build-cuda) names the build directory.
+set -uo pipefail
+OUT=${OUT:-out}
+BUILD=${BUILD:-build-cuda}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$OUT"
+steps=${*:-build sass test bench fla}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
+    2>&1 | tee "$OUT/gpu.txt"
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 400 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 400 cmake --build "$BUILD" -j "$JOBS" --target test_cuda_kda bench_cuda_kda \
+            >>"$OUT/build.log" 2>&1
+    rc=$?
+    grep -E "registers|spill|error" "$OUT/build.log" | grep -B1 -E "spill|error" | head -40
+    [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+if has sass; then
+    echo "== SASS: tensor-core instructions per kernel"
+    cuobjdump --dump-sass "$BUILD/test_cuda_kda" >"$OUT/sass_full.txt" 2>&1
+    awk '/Function :/ {f=$3} /HMMA/ {h[f]++} /HGMMA/ {g[f]++}
+         END {for (k in h) printf "%-70s HMMA %5d HGMMA %d\n", k, h[k], g[k]}' \
+        "$OUT/sass_full.txt" | sort | tee "$OUT/sass_summary.txt"
+    rm -f "$OUT/sass_full.txt"
+fi
+
+if has test; then
+    echo "== CUDA tests"
+    (cd "$BUILD" && timeout 300 ctest -L cuda -R test_cuda_kda --output-on-failure) \
+        >"$OUT/test.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    # the per-case errors are printed by the test itself
+    timeout 300 "$BUILD/test_cuda_kda" >"$OUT/test_detail.log" 2>&1
+    tail -45 "$OUT/test_detail.log"
+    echo "ctest rc $rc"
+fi
+
+if has bench; then
+    echo "== our kernels"
+    timeout 300 "$BUILD/bench_cuda_kda" --out "$OUT/ours.json" --reps 20 2>&1 | tee "$OUT/bench_ours.log"
+fi
+
+if has fla; then
+    echo "== fla-core chunk_kda"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    ours=()
+    [ -f "$OUT/ours.json" ] && ours=(--ours "$OUT/ours.json")
+    PYTHONUNBUFFERED=1 timeout 420 python3 bench/kda_vs_fla.py "${ours[@]}" --out "$OUT/fla.json" \
+        --reps 20 2>&1 | tee "$OUT/bench_fla.log"
+fi
+exit $status

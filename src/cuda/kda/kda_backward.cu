@@ -1,0 +1,498 @@
+// KDA backward on Hopper: the reverse state kernel (dS recurrence, dV') and
+// the intra-chunk gradient kernel (dq, dk, dv, dbeta, dz, dA_log, ddt_bias).
+// Derivation in docs/cuda.md; forward equations in SPEC §2 "Chunked form".
+#include "kda_common.cuh"
+
+namespace lmkda {
+
+// One block per (value tile, sequence*head), chunks in reverse. With
+// dO' = scale dO and dS the gradient of the chunk's outgoing state:
+//   dV' = Kd dS + Aqk^T dO'
+//   dS_in = e^{G_C} dS + Qg^T dO' - W^T dV'
+// Stores dS per chunk (dh), dV' (dvn) and the gradient of h0.
+template <int D>
+__global__ void __launch_bounds__(128) kda_bwd_state_kernel(Params p) {
+    // dS [D][VT] fp32 in shared memory; d_o [B,T,H,D]
+    constexpr int NT = 128, LDS = VT + 4, LDB = VT + 8, TJ = VT / 16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *sdS = reinterpret_cast<float *>(smem);            // [D][LDS]
+    bf16 *sdSb = reinterpret_cast<bf16 *>(sdS + D * LDS);    // [D][LDB]
+    float *sdVn = reinterpret_cast<float *>(sdSb + D * LDB); // [64][LDS]
+    bf16 *sdVnb = reinterpret_cast<bf16 *>(sdVn + CH * LDS); // [64][LDB]
+    bf16 *sdO = sdVnb + CH * LDB;                            // [64][LDB]
+    float *sGe = reinterpret_cast<float *>(sdO + CH * LDB);
+    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const size_t rs = (size_t)p.H * D;
+
+    for (int idx = tid; idx < D * VT; idx += NT) {
+        int d = idx / VT, j = idx % VT;
+        sdS[d * LDS + j] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+    }
+    __syncthreads();
+    for (int n = p.N - 1; n >= 0; n--) {
+        const size_t c = (size_t)bh * p.N + n;
+        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+        const bf16 *w = p.w + c * CH * D, *qg = p.qg + c * CH * D, *kd = p.kd + c * CH * D;
+        const bf16 *aqk = p.aqk + c * CH * CH;
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            bf16 sb = __float2bfloat16(sdS[d * LDS + j]);
+            sdSb[d * LDB + j] = sb;
+            p.dh[c * D * D + (size_t)d * D + v0 + j] = sb;
+        }
+        for (int d = tid; d < D; d += NT) sGe[d] = p.gexp[c * D + d];
+        for (int idx = tid; idx < CH * VT; idx += NT) {
+            int i = idx / VT, j = idx % VT;
+            float g = i < nvalid ? __bfloat162float(
+                                       p.d_o[((size_t)b * p.T + t0 + i) * rs + (size_t)h * D + v0 + j])
+                                 : 0.f;
+            sdO[i * LDB + j] = __float2bfloat16(p.scale * g);
+        }
+        __syncthreads();
+
+        // dV' = Kd dS + Aqk^T dO'
+#pragma unroll
+        for (int q = 0; q < TJ; q++) {
+            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, RM>(acc, kd + i0 * D, D, sdSb + j0, LDB, D / 16);
+            mma_tile<CM, RM>(acc, aqk + i0, CH, sdO + j0, LDB, CH / 16);
+            wmma::store_matrix_sync(sdVn + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        }
+        __syncthreads();
+        for (int idx = tid; idx < CH * VT; idx += NT) {
+            int i = idx / VT, j = idx % VT;
+            bf16 vb = __float2bfloat16(sdVn[i * LDS + j]);
+            sdVnb[i * LDB + j] = vb;
+            p.dvn[c * CH * D + (size_t)i * D + v0 + j] = vb;
+        }
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            sdS[d * LDS + j] *= sGe[d];
+        }
+        __syncthreads();
+
+        // dS_in = e^{G_C} dS + Qg^T dO' - W^T dV'
+        for (int ts = warp; ts < (D / 16) * TJ; ts += NT / 32) {
+            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
+            FragC acc, accW;
+            wmma::load_matrix_sync(acc, sdS + d0 * LDS + j0, LDS, wmma::mem_row_major);
+            mma_tile<CM, RM>(acc, qg + d0, D, sdO + j0, LDB, CH / 16);
+            wmma::fill_fragment(accW, 0.f);
+            mma_tile<CM, RM>(accW, w + d0, D, sdVnb + j0, LDB, CH / 16);
+#pragma unroll
+            for (int e = 0; e < acc.num_elements; e++) acc.x[e] -= accW.x[e];
+            wmma::store_matrix_sync(sdS + d0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        }
+        __syncthreads();
+    }
+    if (p.dh0)
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            p.dh0[((size_t)bh * D + d) * D + v0 + j] = sdS[d * LDS + j];
+        }
+}
+
+// Shared memory of the intra-chunk gradient kernel, in bytes: persistent
+// buffers, then six regions of RSZ bytes and one of [64][72] bf16, reused
+// across phases (see the region comments in the kernel).
+template <int D> __host__ __device__ constexpr size_t bwd_region() {
+    return (size_t)CH * (D + 8) * 2 > (size_t)CH * (CH + 4) * 4 ? (size_t)CH * (D + 8) * 2
+                                                                 : (size_t)CH * (CH + 4) * 4;
+}
+template <int D> __host__ __device__ constexpr size_t bwd_intra_smem() {
+    return (size_t)CH * D * 4 + (size_t)CH * (D + 4) * 4 + (size_t)2 * CH * (D + 8) * 2 +
+           (size_t)(2 * CH + D + 32) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2;
+}
+
+// One block per (chunk, sequence*head). Each thread owns column d = tid % D
+// of rows r0 + RSTEP*i and accumulates dq, dk and dG there in registers.
+template <int D, bool FACTORED>
+__global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
+    // q, k, v, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn, dvn [c][64][D]; X [c][64][64]
+    constexpr int NT = 256, LD = D + 8, LDA = CH + 4, LDM = CH + 8, LDS = D + 4;
+    constexpr int RSTEP = NT / D, RPT = CH / RSTEP, IPB = SUB / RSTEP, TD = D / 16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *sG = reinterpret_cast<float *>(smem);          // [64][D]
+    float *sStage = sG + CH * D;                          // [64][LDS]
+    bf16 *sQ = reinterpret_cast<bf16 *>(sStage + CH * LDS); // [64][LD]
+    bf16 *sK = sQ + CH * LD;
+    float *sBeta = reinterpret_cast<float *>(sK + CH * LD); // [64]
+    float *sdBeta = sBeta + CH;                             // [64]
+    float *sdGC = sdBeta + CH;                              // [D] gradient of G_C
+    unsigned char *R = reinterpret_cast<unsigned char *>(sdGC + D + 32);
+    constexpr size_t RSZ = bwd_region<D>();
+    // Regions (phase 1-2 use / phase 3-4 reuse):
+    bf16 *sdO = reinterpret_cast<bf16 *>(R);               // R0: dO' -> dM -> key operand
+    float *sdM = reinterpret_cast<float *>(R);
+    bf16 *sKbOp = reinterpret_cast<bf16 *>(R);
+    bf16 *sV = reinterpret_cast<bf16 *>(R + RSZ);          // R1: v -> dAkk (fp32)
+    float *sdAkk = reinterpret_cast<float *>(R + RSZ);
+    bf16 *sdW = reinterpret_cast<bf16 *>(R + 2 * RSZ);     // R2: dW -> query operand
+    bf16 *sQaOp = sdW;
+    bf16 *sKgp = reinterpret_cast<bf16 *>(R + 3 * RSZ);    // R3: k e^G -> dAkk, beta dAkk (bf16)
+    bf16 *sdAkkb = sKgp, *sdAkkBb = sKgp + CH * CH;
+    float *sX = reinterpret_cast<float *>(R + 4 * RSZ);    // R4: X -> key-side k operand
+    bf16 *sKaOp = reinterpret_cast<bf16 *>(R + 4 * RSZ);
+    bf16 *sMb = reinterpret_cast<bf16 *>(R + 5 * RSZ);     // R5: M (bf16) -> dAqk (bf16)
+    bf16 *sdAqkb = sMb;
+    float *sdAqk = reinterpret_cast<float *>(R + 5 * RSZ + (size_t)CH * LDM * 2); // R6: dAqk -> T1
+    float *sT1 = sdAqk;
+
+    const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+    const size_t c = (size_t)bh * p.N + n;
+    const size_t rs = (size_t)p.H * D;
+    const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const bf16 *hc = p.h + c * D * D, *dhc = p.dh + c * D * D;
+    const bf16 *vnc = p.vn + c * CH * D, *dvnc = p.dvn + c * CH * D;
+
+    // ---- load: q, k, v, dO' = scale dO, g -> G, beta, X ----
+    load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
+    load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
+    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    const float a_exp = __expf(p.A_log[h]);
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        float g = 0.f, go = 0.f;
+        if (r < nvalid) {
+            g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, p.dt_bias[h * D + d],
+                         p.bounded, p.g_min);
+            go = __bfloat162float(p.d_o[base + r * rs + d]);
+        }
+        sG[idx] = g;
+        sdO[r * LD + d] = __float2bfloat16(p.scale * go);
+    }
+    for (int idx = tid; idx < CH * CH; idx += NT)
+        sX[(idx / CH) * LDA + idx % CH] = p.X[c * CH * CH + idx];
+    if (tid < CH) {
+        sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
+        sdBeta[tid] = 0.f;
+    }
+    for (int d = tid; d < D; d += NT) sdGC[d] = 0.f;
+    __syncthreads();
+    for (int d = tid; d < D; d += NT) {
+        float acc = 0.f;
+        for (int r = 0; r < CH; r++) {
+            acc += sG[r * D + d];
+            sG[r * D + d] = acc;
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        sMb[i * LDM + j] = __float2bfloat16(sX[i * LDA + j] * sBeta[j]);
+    }
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        sKgp[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
+    }
+    __syncthreads();
+
+    const int d = tid % D, r0 = tid / D;
+    float dq[RPT], dk[RPT], dG[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; i++) dq[i] = dk[i] = dG[i] = 0.f;
+
+    // ---- phase 1: products with the chunk's state h and its gradient dh ----
+    // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, hc + (size_t)j0 * D, D, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        float val = sStage[r * LDS + d] * __expf(sG[r * D + d]);
+        dq[i] += val;
+        dG[i] += val * __bfloat162float(sQ[r * LD + d]);
+    }
+    __syncthreads();
+    // dW = -dV' S^T (bf16 operand for phase 2)
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, hc + (size_t)j0 * D, D, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, dd = idx % D;
+        sdW[r * LD + dd] = __float2bfloat16(-sStage[r * LDS + dd]);
+    }
+    __syncthreads();
+    // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, vnc + i0 * D, D, dhc + (size_t)j0 * D, D, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+    {
+        float gc = 0.f;
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            int r = r0 + RSTEP * i;
+            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * D + d] - sG[r * D + d]);
+            dk[i] += val;
+            float t = val * __bfloat162float(sK[r * LD + d]);
+            dG[i] -= t;
+            gc += t;
+        }
+        atomicAdd(&sdGC[d], gc);
+    }
+    // dAqk = Lower(dO' V'^T) (tiles above the diagonal are never read)
+    for (int tt = warp; tt < 16; tt += NT / 32) {
+        int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        if (j0 > i0) continue;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, vnc + (size_t)j0 * D, D, D / 16);
+        wmma::store_matrix_sync(sdAqk + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+    }
+    __syncthreads();
+    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v]
+    for (int dd = tid; dd < D; dd += NT) {
+        float acc = 0.f;
+        for (int v = 0; v < D; v++)
+            acc += __bfloat162float(dhc[(size_t)dd * D + v]) * __bfloat162float(hc[(size_t)dd * D + v]);
+        sdGC[dd] += __expf(sG[(CH - 1) * D + dd]) * acc;
+    }
+
+    // ---- phase 2: W = M (k e^G), U = M v ----
+    // dM = dW (k e^G)^T + dV' v^T into R0 (dO' no longer needed)
+    for (int tt = warp; tt < 16; tt += NT / 32) {
+        int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, sdW + i0 * LD, LD, sKgp + j0 * LD, LD, D / 16);
+        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, sV + j0 * LD, LD, D / 16);
+        wmma::store_matrix_sync(sdM + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+    }
+    // d(k e^G) = M^T dW
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<CM, RM>(acc, sMb + i0, LDM, sdW + j0, LD, CH / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        float val = sStage[r * LDS + d] * __expf(sG[r * D + d]);
+        dk[i] += val;
+        dG[i] += val * __bfloat162float(sK[r * LD + d]);
+    }
+    __syncthreads();
+    // dv = M^T dV'
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<CM, RM>(acc, sMb + i0, LDM, dvnc + j0, D, CH / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        if (r < nvalid) p.dv[base + r * rs + d] = __float2bfloat16(sStage[r * LDS + d]);
+    }
+    // dAqk to bf16 (R5; M is dead), lower triangle selected
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        sdAqkb[i * LDM + j] = __float2bfloat16(j <= i ? sdAqk[i * LDA + j] : 0.f);
+    }
+    // M = X Diag(beta): dbeta_j += sum_i dM_ij X_ij; dX = dM Diag(beta) in place
+    if (tid < CH) {
+        int j = tid;
+        float acc = 0.f;
+        for (int i = 0; i < CH; i++) {
+            float dm = sdM[i * LDA + j];
+            acc += dm * sX[i * LDA + j];
+            sdM[i * LDA + j] = dm * sBeta[j];
+        }
+        sdBeta[j] += acc;
+    }
+    __syncthreads();
+
+    // ---- phase 3: X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower ----
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        float acc = 0.f;
+        for (int k = i; k < CH; k++) acc += sX[k * LDA + i] * sdM[k * LDA + j];
+        sT1[i * LDA + j] = acc;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        float acc = 0.f;
+        if (j < i)
+            for (int k = 0; k <= j; k++) acc += sT1[i * LDA + k] * sX[j * LDA + k];
+        sdAkk[i * LDA + j] = -acc;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH;
+        float v = sdAkk[(idx / CH) * LDA + idx % CH];
+        sdAkkb[idx] = __float2bfloat16(v);
+        sdAkkBb[idx] = __float2bfloat16(sBeta[i] * v);
+    }
+    __syncthreads();
+
+    // ---- phase 4: gradients through Aqk = Lower(q e^G (k e^-G)^T) and
+    // Akk = StrictLower(Diag(beta) k e^G (k e^-G)^T), by sub-chunks.
+    // Query side of block p anchored at its first row n0 (as the forward);
+    // key side anchored at its last row m (exponents <= 0 off the diagonal).
+#pragma unroll
+    for (int pb = 0; pb < CH / SUB; pb++) {
+        const int n0 = pb * SUB, m = n0 + SUB - 1;
+        const int kb_rows = FACTORED ? n0 + SUB : n0;
+        const int qa_from = FACTORED ? n0 : n0 + SUB;
+        for (int idx = tid; idx < kb_rows * D; idx += NT) {
+            int j = idx / D, dd = idx % D;
+            sKbOp[j * LD + dd] = __float2bfloat16(__bfloat162float(sK[j * LD + dd]) *
+                                                  __expf(sG[n0 * D + dd] - sG[j * D + dd]));
+        }
+        for (int idx = qa_from * D + tid; idx < CH * D; idx += NT) {
+            int i = idx / D, dd = idx % D;
+            float e = __expf(sG[i * D + dd] - sG[m * D + dd]);
+            sQaOp[i * LD + dd] = __float2bfloat16(__bfloat162float(sQ[i * LD + dd]) * e);
+            sKaOp[i * LD + dd] = __float2bfloat16(__bfloat162float(sK[i * LD + dd]) * e);
+        }
+        __syncthreads();
+        const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
+        const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
+        for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+            int o = tt / TD, j0 = (tt % TD) * 16;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            if (o == 0)
+                mma_tile<RM, RM>(acc, sdAqkb + n0 * LDM, LDM, sKbOp + j0, LD, nq);
+            else if (o == 1)
+                mma_tile<RM, RM>(acc, sdAkkb + n0 * CH, CH, sKbOp + j0, LD, nq);
+            else if (o == 2)
+                mma_tile<CM, RM>(acc, sdAqkb + s0 * SUB * LDM + n0, LDM,
+                                 sQaOp + s0 * SUB * LD + j0, LD, CH / SUB - s0);
+            else
+                mma_tile<CM, RM>(acc, sdAkkBb + s0 * SUB * CH + n0, CH,
+                                 sKaOp + s0 * SUB * LD + j0, LD, CH / SUB - s0);
+            wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            if (i / IPB != pb) continue;
+            const int r = r0 + RSTEP * i, rl = r - n0;
+            const float Gr = sG[r * D + d];
+            float rq = sStage[rl * LDS + d] * __expf(Gr - sG[n0 * D + d]);
+            float rk = sStage[(SUB + rl) * LDS + d] * __expf(Gr - sG[n0 * D + d]);
+            float cq = sStage[(2 * SUB + rl) * LDS + d] * __expf(sG[m * D + d] - Gr);
+            float ck = sStage[(3 * SUB + rl) * LDS + d] * __expf(sG[m * D + d] - Gr);
+            if (!FACTORED) {
+                // Softplus fallback: the diagonal block per position pair
+                for (int jj = 0; jj < SUB; jj++) {
+                    const int j = n0 + jj;
+                    if (j <= r) {
+                        float e = __expf(Gr - sG[j * D + d]);
+                        float kj = __bfloat162float(sK[j * LD + d]) * e;
+                        rq += __bfloat162float(sdAqkb[r * LDM + j]) * kj;
+                        if (j < r) rk += __bfloat162float(sdAkkb[r * CH + j]) * kj;
+                    }
+                    if (j >= r) {
+                        float e = __expf(sG[j * D + d] - Gr);
+                        cq += __bfloat162float(sdAqkb[j * LDM + r]) *
+                              __bfloat162float(sQ[j * LD + d]) * e;
+                        if (j > r)
+                            ck += __bfloat162float(sdAkkBb[j * CH + r]) *
+                                  __bfloat162float(sK[j * LD + d]) * e;
+                    }
+                }
+            }
+            const float qv = __bfloat162float(sQ[r * LD + d]);
+            const float kv = __bfloat162float(sK[r * LD + d]);
+            const float br = sBeta[r];
+            dq[i] += rq;
+            dG[i] += qv * rq;
+            dk[i] += br * rk + cq + ck;
+            dG[i] += br * kv * rk - kv * (cq + ck);
+            // one row per warp and iteration: reduce dbeta over the warp's columns
+            float part = kv * rk;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+            if (lane == 0) atomicAdd(&sdBeta[r], part);
+        }
+        __syncthreads();
+    }
+
+    // ---- G = cumsum(g): dg_t = dG_C + sum_{i >= t} dG_i; then the gate ----
+#pragma unroll
+    for (int i = 0; i < RPT; i++) sStage[(r0 + RSTEP * i) * LDS + d] = dG[i];
+    __syncthreads();
+    for (int dd = tid; dd < D; dd += NT) {
+        float acc = sdGC[dd];
+        for (int r = CH - 1; r >= 0; r--) {
+            acc += sStage[r * LDS + dd];
+            sStage[r * LDS + dd] = acc;
+        }
+    }
+    __syncthreads();
+    float dbias = 0.f, dA = 0.f;
+    const float bias = p.dt_bias[h * D + d];
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        if (r < nvalid) {
+            float dg = sStage[r * LDS + d];
+            float gz, gA;
+            kda_gate_grad(__bfloat162float(p.z[base + r * rs + d]), a_exp, bias, p.bounded,
+                          p.g_min, &gz, &gA);
+            float dzv = dg * gz;
+            p.dz[base + r * rs + d] = __float2bfloat16(dzv);
+            p.dq[base + r * rs + d] = __float2bfloat16(dq[i]);
+            p.dk[base + r * rs + d] = __float2bfloat16(dk[i]);
+            dbias += dzv;
+            dA += dg * gA;
+        }
+    }
+    atomicAdd(&p.ddt_bias[h * D + d], dbias);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
+    if (lane == 0) atomicAdd(&p.dA_log[h], dA);
+    if (tid < nvalid) p.dbeta[((size_t)b * p.T + t0 + tid) * p.H + h] = sdBeta[tid];
+}
+
+cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s) {
+    dim3 grid(D / VT, p.B * p.H);
+    size_t sm128 = state_smem<128>() + (size_t)CH * (VT + 8) * 2;
+    size_t sm64 = state_smem<64>() + (size_t)CH * (VT + 8) * 2;
+    if (D == 128) return launch_with_smem(kda_bwd_state_kernel<128>, grid, 128, sm128, s, p);
+    return launch_with_smem(kda_bwd_state_kernel<64>, grid, 128, sm64, s, p);
+}
+
+cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {
+    dim3 grid(p.N, p.B * p.H);
+    if (D == 128)
+        return factored ? launch_with_smem(kda_bwd_intra_kernel<128, true>, grid, 256,
+                                           bwd_intra_smem<128>(), s, p)
+                        : launch_with_smem(kda_bwd_intra_kernel<128, false>, grid, 256,
+                                           bwd_intra_smem<128>(), s, p);
+    return factored ? launch_with_smem(kda_bwd_intra_kernel<64, true>, grid, 256,
+                                       bwd_intra_smem<64>(), s, p)
+                    : launch_with_smem(kda_bwd_intra_kernel<64, false>, grid, 256,
+                                       bwd_intra_smem<64>(), s, p);
+}
+
+} // namespace lmkda

@@ -1,0 +1,152 @@
+// Shared pieces of the KDA CUDA kernels (docs/cuda.md): parameters, the gate,
+// tile loads and the tensor-core tile product (wmma: HMMA in SASS).
+#ifndef LONGMOE_KDA_COMMON_CUH
+#define LONGMOE_KDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <type_traits>
+
+namespace lmkda {
+
+using bf16 = __nv_bfloat16;
+using namespace nvcuda;
+
+constexpr int CH = 64;  // chunk length
+constexpr int SUB = 16; // sub-chunk length (one tensor-core tile)
+
+// Everything the kernels read. Per-chunk workspace tensors are indexed by
+// c = (b*H + h)*N + n, the chunk's rows first (padded to 64 rows with zeros).
+struct Params {
+    int B, T, H, N;
+    int bounded;   // 1: bounded gate, 0: softplus
+    float g_min;   // bounded gate's lower bound
+    float scale;   // output scale
+    // inputs
+    const bf16 *q, *k, *v, *z;
+    const float *beta, *A_log, *dt_bias, *h0;
+    // outputs of the forward
+    bf16 *o;
+    float *ht;
+    // workspace, forward
+    bf16 *w, *u, *qg, *kd, *aqk; // [c][64][D], [c][64][D], [c][64][D], [c][64][D], [c][64][64]
+    float *gexp;                 // [c][D]     e^{G_C}
+    // workspace, backward
+    float *X;          // [c][64][64] (I + Akk)^{-1}
+    bf16 *h, *vn;      // [c][D][D] state at chunk start, [c][64][D] V'
+    bf16 *dh, *dvn;    // [c][D][D] gradient of the state at chunk end, [c][64][D] dV'
+    // backward inputs and outputs
+    const bf16 *d_o;
+    const float *dht;
+    bf16 *dq, *dk, *dv, *dz;
+    float *dbeta, *dA_log, *ddt_bias, *dh0;
+};
+
+// Gate of SPEC §2 for one (token, head, channel), fp32.
+__device__ __forceinline__ float kda_gate(float z, float a_exp, float bias, int bounded,
+                                          float g_min) {
+    float x = z + bias;
+    if (bounded) return g_min / (1.f + __expf(-a_exp * x));
+    float sp = x > 20.f ? x : log1pf(__expf(x));
+    return -a_exp * sp;
+}
+
+// d g / d z and d g / d A_log of the gate above.
+__device__ __forceinline__ void kda_gate_grad(float z, float a_exp, float bias, int bounded,
+                                              float g_min, float *dg_dz, float *dg_dA) {
+    float x = z + bias;
+    if (bounded) {
+        float s = 1.f / (1.f + __expf(-a_exp * x));
+        float d = g_min * s * (1.f - s) * a_exp;
+        *dg_dz = d;
+        *dg_dA = d * x;
+    } else {
+        float s = 1.f / (1.f + __expf(-x));
+        float sp = x > 20.f ? x : log1pf(__expf(x));
+        *dg_dz = -a_exp * s;
+        *dg_dA = -a_exp * sp;
+    }
+}
+
+// Copy `rows` x D bf16 rows (row stride `gstride` elements) to shared memory
+// (row stride `ld`), zero-filling rows >= nvalid. 16-byte accesses.
+template <int D, int NT>
+__device__ __forceinline__ void load_rows(bf16 *dst, int ld, const bf16 *src, size_t gstride,
+                                          int rows, int nvalid) {
+    constexpr int VPR = D / 8; // 16-byte vectors per row
+    for (int idx = threadIdx.x; idx < rows * VPR; idx += NT) {
+        int r = idx / VPR, c = (idx % VPR) * 8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < nvalid) val = *reinterpret_cast<const uint4 *>(src + (size_t)r * gstride + c);
+        *reinterpret_cast<uint4 *>(dst + r * ld + c) = val;
+    }
+}
+
+// c += A(16 x 16*ksteps) * B(16*ksteps x 16) on tensor cores, bf16 operands.
+// A points at the tile's first row: row-major A(i,k) = A[i*lda + k]; col-major
+// A(i,k) = A[k*lda + i]. B likewise at the tile's first column: row-major
+// B(k,j) = B[k*ldb + j]; col-major B(k,j) = B[j*ldb + k].
+template <typename LA, typename LB>
+__device__ __forceinline__ void mma_tile(wmma::fragment<wmma::accumulator, 16, 16, 16, float> &c,
+                                         const bf16 *A, int lda, const bf16 *B, int ldb,
+                                         int ksteps) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LB> b;
+    for (int kk = 0; kk < ksteps; kk++) {
+        const bf16 *pa = std::is_same<LA, wmma::row_major>::value ? A + 16 * kk
+                                                                  : A + (size_t)16 * kk * lda;
+        const bf16 *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)16 * kk * ldb
+                                                                  : B + 16 * kk;
+        wmma::load_matrix_sync(a, pa, lda);
+        wmma::load_matrix_sync(b, pb, ldb);
+        wmma::mma_sync(c, a, b, c);
+    }
+}
+
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+using RM = wmma::row_major;
+using CM = wmma::col_major;
+
+// A warp writes a 16x16 fp32 tile staged at `st` (row stride ld) as bf16 into
+// global rows (row stride gstride), rows >= nvalid skipped, times `mul`.
+__device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const float *st,
+                                                int ld, int nvalid, float mul) {
+    int lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 8;
+    if (r >= nvalid) return;
+    __align__(16) bf16 tmp[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) tmp[i] = __float2bfloat16(st[r * ld + c0 + i] * mul);
+    *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(tmp);
+}
+
+// Raise a kernel's dynamic shared-memory limit, then launch it with (p).
+template <typename Kern>
+static cudaError_t launch_with_smem(Kern kern, dim3 grid, dim3 block, size_t smem,
+                                    cudaStream_t s, const Params &p) {
+    cudaError_t e =
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    kern<<<grid, block, smem, s>>>(p);
+    return cudaGetLastError();
+}
+
+// Shared memory of the state kernels (one block per 32 value columns) (forward and backward), in bytes.
+constexpr int VT = 32; // value columns per block
+template <int D> constexpr size_t state_smem() {
+    return (size_t)D * (VT + 4) * 4 + (size_t)D * (VT + 8) * 2 + (size_t)CH * (VT + 4) * 4 +
+           (size_t)2 * CH * (VT + 8) * 2 + (size_t)D * 4;
+}
+
+// Launchers (kda_forward.cu, kda_backward.cu). They return the launch error.
+cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
+                             cudaStream_t s);
+cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s);
+cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s);
+cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s);
+cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s);
+
+} // namespace lmkda
+
+#endif

@@ -1,0 +1,374 @@
+// KDA forward on Hopper: the intra-chunk kernel (gate, cumulative sums,
+// sub-chunk products, triangular inverse, W and U), the inter-chunk state
+// kernel (state recurrence and output) and the one-token decode step.
+// SPEC §2 "Chunked form"; docs/cuda.md has the data flow.
+#include "kda_common.cuh"
+
+namespace lmkda {
+
+// Shared memory of the intra-chunk kernel, in bytes.
+template <int D> constexpr size_t fwd_intra_smem() {
+    return (size_t)CH * D * 4                 // G
+           + (size_t)4 * CH * (D + 8) * 2     // q, k, v, key operand
+           + (size_t)2 * SUB * (D + 8) * 2    // query-side operands
+           + (size_t)3 * CH * (CH + 4) * 4    // Aqk, Akk, X
+           + (size_t)CH * (CH + 8) * 2        // M in bf16
+           + (size_t)8 * 16 * 20 * 4          // per-warp staging
+           + (size_t)CH * 4;                  // beta
+}
+
+// One block per (chunk, sequence*head). Writes qg = q e^G, kd = k e^{G_C-G},
+// gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
+// backward, X = (I + Akk)^{-1}.
+template <int D, bool FACTORED>
+__global__ void __launch_bounds__(256) kda_fwd_intra_kernel(Params p, int save_x) {
+    // q, k, v, z are [B,T,H,D]; beta [B,T,H]; this block owns chunk n of (b, h)
+    constexpr int NT = 256, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *sG = reinterpret_cast<float *>(smem);      // [64][D]
+    bf16 *sQ = reinterpret_cast<bf16 *>(sG + CH * D); // [64][LD]
+    bf16 *sK = sQ + CH * LD;
+    bf16 *sV = sK + CH * LD;
+    bf16 *sKb = sV + CH * LD;  // key operand [64][LD]
+    bf16 *sQa = sKb + CH * LD; // [16][LD]
+    bf16 *sKa = sQa + SUB * LD;
+    float *sAqk = reinterpret_cast<float *>(sKa + SUB * LD); // [64][LDA]
+    float *sAkk = sAqk + CH * LDA;
+    float *sX = sAkk + CH * LDA;
+    bf16 *sMb = reinterpret_cast<bf16 *>(sX + CH * LDA); // [64][LDM]
+    float *sStage = reinterpret_cast<float *>(sMb + CH * LDM);
+    float *sBeta = sStage + 8 * 16 * 20;
+
+    const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+    const size_t c = (size_t)bh * p.N + n;
+    const size_t rs = (size_t)p.H * D;
+    const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
+    const int tid = threadIdx.x, warp = tid >> 5;
+
+    load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
+    load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
+    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    const float a_exp = __expf(p.A_log[h]);
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        float g = 0.f; // padded rows: g = 0 keeps G constant past T
+        if (r < nvalid)
+            g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, p.dt_bias[h * D + d],
+                         p.bounded, p.g_min);
+        sG[idx] = g;
+    }
+    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
+    __syncthreads();
+
+    // G_i = sum_{t <= i in chunk} g_t, fp32
+    for (int d = tid; d < D; d += NT) {
+        float acc = 0.f;
+        for (int r = 0; r < CH; r++) {
+            acc += sG[r * D + d];
+            sG[r * D + d] = acc;
+        }
+    }
+    __syncthreads();
+
+    // Inter-chunk operands: qg = q e^G, kd = k e^{G_C - G}, gexp = e^{G_C}
+    const float *GC = sG + (CH - 1) * D;
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        float G = sG[idx];
+        p.qg[c * CH * D + idx] = __float2bfloat16(__bfloat162float(sQ[r * LD + d]) * __expf(G));
+        p.kd[c * CH * D + idx] =
+            __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(GC[d] - G));
+    }
+    for (int d = tid; d < D; d += NT) p.gexp[c * D + d] = __expf(GC[d]);
+
+    // Aqk and Akk by sub-chunks of 16 rows anchored at the sub-chunk's first
+    // row n0 (a row <= i: causal): (x_i e^{G_i-G_n0}) . (k_j e^{G_n0-G_j}).
+    // Off-diagonal blocks: both exponents <= 0. Diagonal block (factored,
+    // bounded gate only): e^{G_n0-G_j} <= e^{15|g_min|}, finite in bf16/fp32.
+    for (int s = 0; s < CH / SUB; s++) {
+        const int n0 = s * SUB;
+        const int kb_rows = FACTORED ? n0 + SUB : n0;
+        for (int idx = tid; idx < kb_rows * D; idx += NT) {
+            int j = idx / D, d = idx % D;
+            sKb[j * LD + d] = __float2bfloat16(__bfloat162float(sK[j * LD + d]) *
+                                               __expf(sG[n0 * D + d] - sG[j * D + d]));
+        }
+        for (int idx = tid; idx < SUB * D; idx += NT) {
+            int i = idx / D, d = idx % D;
+            float e = __expf(sG[(n0 + i) * D + d] - sG[n0 * D + d]);
+            sQa[i * LD + d] = __float2bfloat16(__bfloat162float(sQ[(n0 + i) * LD + d]) * e);
+            sKa[i * LD + d] = __float2bfloat16(__bfloat162float(sK[(n0 + i) * LD + d]) * e);
+        }
+        __syncthreads();
+        const int nt = FACTORED ? s + 1 : s; // key sub-chunks on tensor cores
+        for (int tt = warp; tt < 2 * nt; tt += NT / 32) {
+            int mat = tt / nt, t = tt % nt;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, CM>(acc, mat ? sKa : sQa, LD, sKb + t * SUB * LD, LD, D / 16);
+            wmma::store_matrix_sync((mat ? sAkk : sAqk) + n0 * LDA + t * SUB, acc, LDA,
+                                    wmma::mem_row_major);
+        }
+        if (!FACTORED) {
+            // Softplus fallback: the diagonal block per position pair, e^{G_i-G_j} <= 1
+            int i = tid / SUB, j = tid % SUB;
+            float aq = 0.f, ak = 0.f;
+            if (j <= i) {
+                for (int d = 0; d < D; d++) {
+                    float e = __expf(sG[(n0 + i) * D + d] - sG[(n0 + j) * D + d]);
+                    float kj = __bfloat162float(sK[(n0 + j) * LD + d]) * e;
+                    aq += __bfloat162float(sQ[(n0 + i) * LD + d]) * kj;
+                    ak += __bfloat162float(sK[(n0 + i) * LD + d]) * kj;
+                }
+            }
+            sAqk[(n0 + i) * LDA + n0 + j] = aq;
+            sAkk[(n0 + i) * LDA + n0 + j] = ak;
+        }
+        __syncthreads();
+    }
+
+    // Masks are selections (never a product with a possibly huge value):
+    // Aqk lower with diagonal; Akk strictly lower, rows times beta_i.
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        float aq = j <= i ? sAqk[i * LDA + j] : 0.f;
+        p.aqk[c * CH * CH + idx] = __float2bfloat16(aq);
+        sAkk[i * LDA + j] = j < i ? sBeta[i] * sAkk[i * LDA + j] : 0.f;
+        if (j / SUB > i / SUB) sX[i * LDA + j] = 0.f;
+    }
+    __syncthreads();
+
+    // X = (I + Akk)^{-1}: the four diagonal 16x16 blocks by forward
+    // substitution, one column per thread (columns are independent).
+    if (tid < CH) {
+        const int o0 = (tid / SUB) * SUB, col = tid % SUB;
+        float x[SUB];
+#pragma unroll
+        for (int i = 0; i < SUB; i++) {
+            float acc = i == col ? 1.f : 0.f;
+#pragma unroll
+            for (int j = 0; j < i; j++) acc -= sAkk[(o0 + i) * LDA + o0 + j] * x[j];
+            x[i] = acc;
+        }
+#pragma unroll
+        for (int i = 0; i < SUB; i++) sX[(o0 + i) * LDA + o0 + col] = x[i];
+    }
+    __syncthreads();
+    // Off-diagonal blocks, one block row s at a time:
+    // X_st = -X_ss sum_{r=t}^{s-1} A_sr X_rt
+    float *sY = sAqk; // [16][LDA] scratch; Aqk is already in global memory
+    for (int s = 1; s < CH / SUB; s++) {
+        const int ncol = s * SUB;
+        for (int idx = tid; idx < SUB * ncol; idx += NT) {
+            int i = idx / ncol, col = idx % ncol, t = col / SUB;
+            float acc = 0.f;
+            for (int r = t * SUB; r < s * SUB; r++)
+                acc += sAkk[(s * SUB + i) * LDA + r] * sX[r * LDA + col];
+            sY[i * LDA + col] = acc;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < SUB * ncol; idx += NT) {
+            int i = idx / ncol, col = idx % ncol;
+            float acc = 0.f;
+#pragma unroll
+            for (int m = 0; m < SUB; m++)
+                acc += sX[(s * SUB + i) * LDA + s * SUB + m] * sY[m * LDA + col];
+            sX[(s * SUB + i) * LDA + col] = -acc;
+        }
+        __syncthreads();
+    }
+
+    // M = X Diag(beta) in bf16; k e^G into the key operand buffer
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        float x = sX[i * LDA + j];
+        sMb[i * LDM + j] = __float2bfloat16(x * sBeta[j]);
+        if (save_x) p.X[c * CH * CH + idx] = x;
+    }
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        sKb[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
+    }
+    __syncthreads();
+
+    // W = M (K e^G), U = M V on tensor cores (64 x D each)
+    constexpr int TPM = (CH / 16) * (D / 16);
+    float *st = sStage + warp * 16 * 20;
+    for (int tt = warp; tt < 2 * TPM; tt += NT / 32) {
+        int mat = tt / TPM, t = tt % TPM, i0 = (t / (D / 16)) * 16, j0 = (t % (D / 16)) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, (mat ? sV : sKb) + j0, LD, CH / 16);
+        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        __syncwarp();
+        store_tile_bf16((mat ? p.u : p.w) + c * CH * D + i0 * D + j0, D, st, 20, CH, 1.f);
+        __syncwarp();
+    }
+}
+
+
+// One block per (value tile of 32 columns, sequence*head), sequential over
+// chunks: V' = U - W S; O = scale (Qg S + Aqk V'); S = e^{G_C} S + Kd^T V'.
+// SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
+template <int D, bool SAVE>
+__global__ void __launch_bounds__(128) kda_fwd_state_kernel(Params p) {
+    // state S [D][VT] fp32 in shared memory; w, qg, kd [c][64][D]; aqk [c][64][64]
+    constexpr int NT = 128, LDS = VT + 4, LDB = VT + 8, TJ = VT / 16;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *sS = reinterpret_cast<float *>(smem);          // [D][LDS]
+    bf16 *sSb = reinterpret_cast<bf16 *>(sS + D * LDS);   // [D][LDB]
+    float *sVn = reinterpret_cast<float *>(sSb + D * LDB); // [64][LDS]
+    bf16 *sVnb = reinterpret_cast<bf16 *>(sVn + CH * LDS); // [64][LDB]
+    float *sGe = reinterpret_cast<float *>(sVnb + 2 * CH * LDB);
+    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int tid = threadIdx.x, warp = tid >> 5;
+    const size_t rs = (size_t)p.H * D;
+
+    for (int idx = tid; idx < D * VT; idx += NT) {
+        int d = idx / VT, j = idx % VT;
+        sS[d * LDS + j] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+    }
+    __syncthreads();
+    for (int n = 0; n < p.N; n++) {
+        const size_t c = (size_t)bh * p.N + n;
+        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+        const bf16 *w = p.w + c * CH * D, *qg = p.qg + c * CH * D, *kd = p.kd + c * CH * D;
+        const bf16 *u = p.u + c * CH * D, *aqk = p.aqk + c * CH * CH;
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            bf16 sb = __float2bfloat16(sS[d * LDS + j]);
+            sSb[d * LDB + j] = sb;
+            if (SAVE) p.h[c * D * D + (size_t)d * D + v0 + j] = sb;
+        }
+        for (int d = tid; d < D; d += NT) sGe[d] = p.gexp[c * D + d];
+        __syncthreads();
+
+        // W S into staging; Qg S kept in registers
+        FragC accO[4 * TJ / 4];
+#pragma unroll
+        for (int q = 0; q < TJ; q++) {
+            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
+            FragC accW;
+            wmma::fill_fragment(accW, 0.f);
+            mma_tile<RM, RM>(accW, w + i0 * D, D, sSb + j0, LDB, D / 16);
+            wmma::store_matrix_sync(sVn + i0 * LDS + j0, accW, LDS, wmma::mem_row_major);
+            wmma::fill_fragment(accO[q], 0.f);
+            mma_tile<RM, RM>(accO[q], qg + i0 * D, D, sSb + j0, LDB, D / 16);
+        }
+        __syncthreads();
+
+        // V' = U - W S (values not yet explained by the state); S = e^{G_C} S
+        for (int idx = tid; idx < CH * VT; idx += NT) {
+            int i = idx / VT, j = idx % VT;
+            bf16 vb = __float2bfloat16(__bfloat162float(u[i * D + v0 + j]) - sVn[i * LDS + j]);
+            sVnb[i * LDB + j] = vb;
+            if (SAVE) p.vn[c * CH * D + (size_t)i * D + v0 + j] = vb;
+        }
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            sS[d * LDS + j] *= sGe[d];
+        }
+        __syncthreads();
+
+        // O = scale (Qg S + Aqk V')
+#pragma unroll
+        for (int q = 0; q < TJ; q++) {
+            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
+            mma_tile<RM, RM>(accO[q], aqk + i0 * CH, CH, sVnb + j0, LDB, CH / 16);
+            if (p.o) {
+                wmma::store_matrix_sync(sVn + i0 * LDS + j0, accO[q], LDS, wmma::mem_row_major);
+                __syncwarp();
+                bf16 *dst = p.o + ((size_t)b * p.T + t0 + i0) * rs + (size_t)h * D + v0 + j0;
+                store_tile_bf16(dst, rs, sVn + i0 * LDS + j0, LDS, nvalid - i0, p.scale);
+            }
+        }
+        // S += (K e^{G_C - G})^T V'
+        for (int ts = warp; ts < (D / 16) * TJ; ts += NT / 32) {
+            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
+            FragC accS;
+            wmma::load_matrix_sync(accS, sS + d0 * LDS + j0, LDS, wmma::mem_row_major);
+            mma_tile<CM, RM>(accS, kd + d0, D, sVnb + j0, LDB, CH / 16);
+            wmma::store_matrix_sync(sS + d0 * LDS + j0, accS, LDS, wmma::mem_row_major);
+        }
+        __syncthreads();
+    }
+    if (p.ht)
+        for (int idx = tid; idx < D * VT; idx += NT) {
+            int d = idx / VT, j = idx % VT;
+            p.ht[((size_t)bh * D + d) * D + v0 + j] = sS[d * LDS + j];
+        }
+}
+
+// One decode token: one block per (sequence, head), one thread per value
+// column. S = e^g S; S += beta k (v - S^T k)^T; o = scale S^T q (SPEC §2).
+template <int D> __global__ void kda_decode_kernel(Params p, float *state) {
+    // q, k, z [B,H,D]; v, o [B,H,D]; beta [B,H]; state [B,H,D,D] fp32
+    __shared__ float sq[D], sk[D], sa[D];
+    const int bh = blockIdx.x, h = bh % p.H, v = threadIdx.x;
+    const size_t base = (size_t)bh * D;
+    const float a_exp = __expf(p.A_log[h]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        sq[d] = __bfloat162float(p.q[base + d]);
+        sk[d] = __bfloat162float(p.k[base + d]);
+        sa[d] = __expf(kda_gate(__bfloat162float(p.z[base + d]), a_exp, p.dt_bias[h * D + d],
+                                p.bounded, p.g_min));
+    }
+    __syncthreads();
+    float *S = state + (size_t)bh * D * D;
+    float kv = 0.f;
+    for (int d = 0; d < D; d++) kv += sa[d] * S[d * D + v] * sk[d];
+    const float delta = p.beta[bh] * (__bfloat162float(p.v[base + v]) - kv);
+    float o = 0.f;
+    for (int d = 0; d < D; d++) {
+        float s = sa[d] * S[d * D + v] + sk[d] * delta;
+        S[d * D + v] = s;
+        o += s * sq[d];
+    }
+    p.o[base + v] = __float2bfloat16(p.scale * o);
+}
+
+cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
+                             cudaStream_t s) {
+    dim3 grid(p.N, p.B * p.H);
+    int sx = save_x ? 1 : 0;
+#define LM_INTRA(DD, FF)                                                                    \
+    {                                                                                       \
+        auto kern = kda_fwd_intra_kernel<DD, FF>;                                           \
+        size_t sm = fwd_intra_smem<DD>();                                                   \
+        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
+                                             (int)sm);                                      \
+        if (e != cudaSuccess) return e;                                                     \
+        kern<<<grid, 256, sm, s>>>(p, sx);                                                  \
+        return cudaGetLastError();                                                          \
+    }
+    if (D == 128) {
+        if (factored) LM_INTRA(128, true) else LM_INTRA(128, false)
+    } else {
+        if (factored) LM_INTRA(64, true) else LM_INTRA(64, false)
+    }
+#undef LM_INTRA
+}
+
+cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s) {
+    dim3 grid(D / VT, p.B * p.H);
+    if (D == 128)
+        return save ? launch_with_smem(kda_fwd_state_kernel<128, true>, grid, 128,
+                                       state_smem<128>(), s, p)
+                    : launch_with_smem(kda_fwd_state_kernel<128, false>, grid, 128,
+                                       state_smem<128>(), s, p);
+    return save ? launch_with_smem(kda_fwd_state_kernel<64, true>, grid, 128, state_smem<64>(),
+                                   s, p)
+                : launch_with_smem(kda_fwd_state_kernel<64, false>, grid, 128, state_smem<64>(),
+                                   s, p);
+}
+
+cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s) {
+    if (D == 128)
+        kda_decode_kernel<128><<<p.B * p.H, 128, 0, s>>>(p, state);
+    else
+        kda_decode_kernel<64><<<p.B * p.H, 64, 0, s>>>(p, state);
+    return cudaGetLastError();
+}
+
+} // namespace lmkda

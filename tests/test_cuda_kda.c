@@ -1,0 +1,359 @@
+/* KDA CUDA kernels against the CPU operator (include/longmoe/kda.h).
+ *
+ * Both sides see identical inputs: q, k, v, z and d_o are rounded to bf16
+ * first (the kernels' input format); the CPU operator then runs in fp32.
+ * Tolerances: relative error (||got - want|| / ||want||) <= 1e-2 for the
+ * bf16 outputs and gradients and for the chunked path's state (its tensor-
+ * core operands are bf16); <= 1e-4 for the decode step's state, which is
+ * computed in fp32 throughout. Needs a CUDA GPU (ctest label cuda). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "longmoe/kda.h"
+#include "longmoe/kda_cuda.h"
+#include "test.h"
+
+typedef struct {
+    lm_kda_config cfg;
+    float *q, *k, *v, *z, *beta, *A_log, *dt_bias, *h0;
+} problem;
+
+static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
+
+/* Fresh random inputs: q, k L2-normalised per token and head (as the layer
+ * does), v and z normal, beta in (0, 1), all rounded to bf16 where the kernels
+ * take bf16. z_shift moves every gate input (extreme gates). */
+static problem make_problem(int B, int T, int H, int D, lm_kda_gate gate, int with_h0,
+                            float z_shift, uint64_t seed) {
+    problem p;
+    p.cfg = lm_kda_config_default(B, T, H, D, D);
+    p.cfg.gate = gate;
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    size_t n = (size_t)B * T * H * D;
+    p.q = mallocCheck(n * 4);
+    p.k = mallocCheck(n * 4);
+    p.v = mallocCheck(n * 4);
+    p.z = mallocCheck(n * 4);
+    p.beta = mallocCheck((size_t)B * T * H * 4);
+    p.A_log = mallocCheck((size_t)H * 4);
+    p.dt_bias = mallocCheck((size_t)H * D * 4);
+    p.h0 = with_h0 ? mallocCheck((size_t)B * H * D * D * 4) : NULL;
+    for (size_t row = 0; row < (size_t)B * T * H; row++) {
+        double nq = 0, nk = 0;
+        for (int d = 0; d < D; d++) {
+            p.q[row * D + d] = (float)lm_rng_normal(&r);
+            p.k[row * D + d] = (float)lm_rng_normal(&r);
+            nq += p.q[row * D + d] * p.q[row * D + d];
+            nk += p.k[row * D + d] * p.k[row * D + d];
+        }
+        for (int d = 0; d < D; d++) {
+            p.q[row * D + d] = bf16_round((float)(p.q[row * D + d] / sqrt(nq)));
+            p.k[row * D + d] = bf16_round((float)(p.k[row * D + d] / sqrt(nk)));
+            p.v[row * D + d] = bf16_round((float)lm_rng_normal(&r));
+            p.z[row * D + d] = bf16_round((float)lm_rng_normal(&r) + z_shift);
+        }
+        p.beta[row] = (float)(1.0 / (1.0 + exp(-lm_rng_normal(&r))));
+    }
+    for (int h = 0; h < H; h++) p.A_log[h] = (float)(0.5 * lm_rng_normal(&r));
+    for (int i = 0; i < H * D; i++) p.dt_bias[i] = (float)(0.5 * lm_rng_normal(&r));
+    if (p.h0)
+        for (size_t i = 0; i < (size_t)B * H * D * D; i++) p.h0[i] = (float)(0.3 * lm_rng_normal(&r));
+    return p;
+}
+
+static void free_problem(problem *p) {
+    free(p->q);
+    free(p->k);
+    free(p->v);
+    free(p->z);
+    free(p->beta);
+    free(p->A_log);
+    free(p->dt_bias);
+    free(p->h0);
+}
+
+static lm_kda_inputs inputs_of(const problem *p) {
+    lm_kda_inputs in = {p->q, p->k, p->v, p->z, p->beta, p->A_log, p->dt_bias, p->h0};
+    return in;
+}
+
+/* ||a - b|| / ||b||; infinite when a has a NaN or an infinity. */
+static double rel_err(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static int all_finite(const float *a, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(a[i])) return 0;
+    return 1;
+}
+
+/* Forward: o and the final state of the GPU against the CPU chunked operator. */
+static void check_forward(const problem *p, double tol_o, double tol_state, const char *what) {
+    const lm_kda_config *c = &p->cfg;
+    size_t no = (size_t)c->B * c->T * c->H * c->V, ns = (size_t)c->B * c->H * c->K * c->V;
+    float *o_gpu = mallocCheck(no * 4), *o_cpu = mallocCheck(no * 4);
+    float *s_gpu = mallocCheck(ns * 4), *s_cpu = mallocCheck(ns * 4);
+    for (size_t i = 0; i < no; i++) o_gpu[i] = NAN; /* poison: every element must be written */
+    lm_kda_inputs in = inputs_of(p);
+    lm_status st = lm_kda_chunk_forward(c, &in, o_cpu, s_cpu);
+    CHECK(st == LM_OK, "%s: cpu forward: %s", what, lm_last_error());
+    st = lm_kda_cuda_forward_host(c, &in, o_gpu, s_gpu);
+    CHECK(st == LM_OK, "%s: cuda forward: %s", what, lm_last_error());
+    double eo = rel_err(o_gpu, o_cpu, no), es = rel_err(s_gpu, s_cpu, ns);
+    printf("    %-44s o %.2e  state %.2e\n", what, eo, es);
+    CHECK(eo <= tol_o, "%s: o relative error %.3g > %.3g", what, eo, tol_o);
+    CHECK(es <= tol_state, "%s: state relative error %.3g > %.3g", what, es, tol_state);
+    free(o_gpu);
+    free(o_cpu);
+    free(s_gpu);
+    free(s_cpu);
+}
+
+static void test_forward_matches_cpu_chunked_operator(void) {
+    /* odd T (partial chunks and sub-chunks), T = 1, multiples of 64, both D */
+    const int shapes[][4] = {{2, 100, 3, 64}, {1, 130, 2, 128}, {1, 1, 2, 128},
+                             {2, 192, 2, 64}, {1, 77, 1, 128}};
+    for (int s = 0; s < 5; s++)
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
+                                     (lm_kda_gate)gate, s % 2 == 0, 0.f, 1000 + 10 * s + gate);
+            char what[96];
+            snprintf(what, sizeof what, "B%d T%d H%d D%d %s%s", shapes[s][0], shapes[s][1],
+                     shapes[s][2], shapes[s][3], gate ? "softplus" : "bounded",
+                     p.h0 ? " h0" : "");
+            check_forward(&p, 1e-2, 1e-2, what);
+            free_problem(&p);
+        }
+}
+
+/* Gradients of the GPU backward against lm_kda_chunk_backward. */
+static void check_backward(const problem *p, double tol, const char *what) {
+    const lm_kda_config *c = &p->cfg;
+    size_t nqk = (size_t)c->B * c->T * c->H * c->K, nv = (size_t)c->B * c->T * c->H * c->V;
+    size_t nb = (size_t)c->B * c->T * c->H, ns = (size_t)c->B * c->H * c->K * c->V;
+    lm_rng r;
+    lm_rng_seed(&r, 77 + c->T);
+    float *d_o = mallocCheck(nv * 4), *dht = mallocCheck(ns * 4);
+    for (size_t i = 0; i < nv; i++) d_o[i] = bf16_round((float)lm_rng_normal(&r));
+    for (size_t i = 0; i < ns; i++) dht[i] = (float)(0.1 * lm_rng_normal(&r));
+    lm_kda_grads g[2];
+    for (int s = 0; s < 2; s++) {
+        g[s].dq = callocCheck(nqk, 4);
+        g[s].dk = callocCheck(nqk, 4);
+        g[s].dv = callocCheck(nv, 4);
+        g[s].dz = callocCheck(nqk, 4);
+        g[s].dbeta = callocCheck(nb, 4);
+        g[s].dA_log = callocCheck((size_t)c->H, 4);
+        g[s].ddt_bias = callocCheck((size_t)c->H * c->K, 4);
+        g[s].dh0 = callocCheck(ns, 4);
+    }
+    lm_kda_inputs in = inputs_of(p);
+    lm_status st = lm_kda_chunk_backward(c, &in, d_o, dht, &g[0]);
+    CHECK(st == LM_OK, "%s: cpu backward: %s", what, lm_last_error());
+    st = lm_kda_cuda_backward_host(c, &in, d_o, dht, &g[1]);
+    CHECK(st == LM_OK, "%s: cuda backward: %s", what, lm_last_error());
+    struct {
+        const char *name;
+        float *gpu, *cpu;
+        size_t n;
+    } t[] = {{"dq", g[1].dq, g[0].dq, nqk},          {"dk", g[1].dk, g[0].dk, nqk},
+             {"dv", g[1].dv, g[0].dv, nv},           {"dz", g[1].dz, g[0].dz, nqk},
+             {"dbeta", g[1].dbeta, g[0].dbeta, nb},  {"dA_log", g[1].dA_log, g[0].dA_log, c->H},
+             {"ddt_bias", g[1].ddt_bias, g[0].ddt_bias, (size_t)c->H * c->K},
+             {"dh0", g[1].dh0, g[0].dh0, ns}};
+    printf("    %-44s", what);
+    for (int i = 0; i < 8; i++) {
+        double e = rel_err(t[i].gpu, t[i].cpu, t[i].n);
+        printf(" %s %.1e", t[i].name, e);
+        CHECK(e <= tol, "%s: %s relative error %.3g > %.3g", what, t[i].name, e, tol);
+    }
+    printf("\n");
+    for (int s = 0; s < 2; s++) {
+        free(g[s].dq);
+        free(g[s].dk);
+        free(g[s].dv);
+        free(g[s].dz);
+        free(g[s].dbeta);
+        free(g[s].dA_log);
+        free(g[s].ddt_bias);
+        free(g[s].dh0);
+    }
+    free(d_o);
+    free(dht);
+}
+
+static void test_backward_matches_cpu_chunked_operator(void) {
+    const int shapes[][4] = {{2, 100, 2, 64}, {1, 130, 2, 128}, {1, 1, 1, 64}, {1, 128, 2, 128}};
+    for (int s = 0; s < 4; s++)
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
+                                     (lm_kda_gate)gate, 1, 0.f, 2000 + 10 * s + gate);
+            char what[96];
+            snprintf(what, sizeof what, "B%d T%d H%d D%d %s", shapes[s][0], shapes[s][1],
+                     shapes[s][2], shapes[s][3], gate ? "softplus" : "bounded");
+            check_backward(&p, 1e-2, what);
+            free_problem(&p);
+        }
+}
+
+/* The bounded gate's factored (tensor-core) diagonal equals the pairwise
+ * fallback on the same inputs. */
+static void test_factored_diagonal_equals_pairwise(void) {
+    problem p = make_problem(1, 150, 2, 128, LM_KDA_GATE_BOUNDED, 0, 0.f, 31);
+    size_t no = (size_t)150 * 2 * 128;
+    float *o_fac = mallocCheck(no * 4), *o_pair = mallocCheck(no * 4);
+    lm_kda_inputs in = inputs_of(&p);
+    CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_fac, NULL) == LM_OK, "%s", lm_last_error());
+    p.cfg.diag = LM_KDA_DIAG_PAIRWISE;
+    CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_pair, NULL) == LM_OK, "%s", lm_last_error());
+    double e = rel_err(o_fac, o_pair, no);
+    printf("    factored vs pairwise: o %.2e\n", e);
+    CHECK(e <= 1e-2, "factored vs pairwise relative error %.3g", e);
+    free(o_fac);
+    free(o_pair);
+    free_problem(&p);
+}
+
+/* Outputs before position t0 are bit-identical when everything from t0 on is
+ * replaced, extreme gates included ([FLA #1240]: no anchor in the future). */
+static void test_causality(void) {
+    const int T = 100, H = 2, D = 128, t0s[] = {70, 65, 99, 17};
+    for (int gate = 0; gate < 2; gate++)
+        for (int ti = 0; ti < 4; ti++) {
+            int t0 = t0s[ti];
+            problem a = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 500 + ti);
+            problem b = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 600 + ti);
+            memcpy(b.A_log, a.A_log, H * 4);
+            memcpy(b.dt_bias, a.dt_bias, (size_t)H * D * 4);
+            memcpy(b.h0, a.h0, (size_t)H * D * D * 4);
+            size_t pre = (size_t)t0 * H * D;
+            memcpy(b.q, a.q, pre * 4);
+            memcpy(b.k, a.k, pre * 4);
+            memcpy(b.v, a.v, pre * 4);
+            memcpy(b.z, a.z, pre * 4);
+            memcpy(b.beta, a.beta, (size_t)t0 * H * 4);
+            for (size_t i = pre; i < (size_t)T * H * D; i++) b.z[i] = (i % 2) ? 60.f : -60.f;
+            size_t no = (size_t)T * H * D;
+            float *oa = mallocCheck(no * 4), *ob = mallocCheck(no * 4);
+            lm_kda_inputs ia = inputs_of(&a), ib = inputs_of(&b);
+            CHECK(lm_kda_cuda_forward_host(&a.cfg, &ia, oa, NULL) == LM_OK, "%s", lm_last_error());
+            CHECK(lm_kda_cuda_forward_host(&b.cfg, &ib, ob, NULL) == LM_OK, "%s", lm_last_error());
+            CHECK(memcmp(oa, ob, pre * 4) == 0, "%s gate, t0 %d: an output before t0 changed",
+                  gate ? "softplus" : "bounded", t0);
+            CHECK(memcmp(oa + pre, ob + pre, (no - pre) * 4) != 0,
+                  "the change after t0 must change later outputs (test is live)");
+            free(oa);
+            free(ob);
+            free_problem(&a);
+            free_problem(&b);
+        }
+}
+
+/* Gates pinned at the bound (z -> +inf gives g = g_min every step) and
+ * near zero, and a steep softplus gate: finite and equal to the CPU. */
+static void test_extreme_gates_no_nan(void) {
+    const float shifts[] = {40.f, -40.f, 8.f};
+    for (int s = 0; s < 3; s++)
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(1, 150, 2, 128, (lm_kda_gate)gate, 1, shifts[s], 900 + s);
+            char what[96];
+            snprintf(what, sizeof what, "%s z%+g", gate ? "softplus" : "bounded", shifts[s]);
+            check_forward(&p, 1e-2, 1e-2, what);
+            check_backward(&p, 1e-2, what);
+            free_problem(&p);
+        }
+}
+
+/* Decode: T steps of the one-token kernel equal the CPU recurrence (o and
+ * the fp32 state). */
+static void test_decode_matches_cpu_recurrence(void) {
+    const int B = 2, T = 12, H = 3;
+    for (int D = 64; D <= 128; D *= 2)
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(B, T, H, D, (lm_kda_gate)gate, 1, 0.f, 4000 + D + gate);
+            size_t ns = (size_t)B * H * D * D, no = (size_t)B * T * H * D;
+            float *o_cpu = mallocCheck(no * 4), *s_cpu = mallocCheck(ns * 4);
+            float *o_gpu = mallocCheck(no * 4), *state = mallocCheck(ns * 4);
+            lm_kda_inputs in = inputs_of(&p);
+            CHECK(lm_kda_recurrent_forward(&p.cfg, &in, o_cpu, s_cpu) == LM_OK, "%s",
+                  lm_last_error());
+            memcpy(state, p.h0, ns * 4);
+            size_t tok = (size_t)H * D;
+            float *q1 = mallocCheck(B * tok * 4), *k1 = mallocCheck(B * tok * 4);
+            float *v1 = mallocCheck(B * tok * 4), *z1 = mallocCheck(B * tok * 4);
+            float *b1 = mallocCheck((size_t)B * H * 4), *o1 = mallocCheck(B * tok * 4);
+            for (int t = 0; t < T; t++) {
+                for (int b = 0; b < B; b++) {
+                    size_t src = ((size_t)b * T + t) * tok;
+                    memcpy(q1 + b * tok, p.q + src, tok * 4);
+                    memcpy(k1 + b * tok, p.k + src, tok * 4);
+                    memcpy(v1 + b * tok, p.v + src, tok * 4);
+                    memcpy(z1 + b * tok, p.z + src, tok * 4);
+                    memcpy(b1 + b * H, p.beta + ((size_t)b * T + t) * H, (size_t)H * 4);
+                }
+                lm_kda_inputs step = {q1, k1, v1, z1, b1, p.A_log, p.dt_bias, NULL};
+                lm_kda_config c1 = p.cfg;
+                c1.T = 1;
+                CHECK(lm_kda_cuda_decode_host(&c1, &step, state, o1) == LM_OK, "%s",
+                      lm_last_error());
+                for (int b = 0; b < B; b++)
+                    memcpy(o_gpu + ((size_t)b * T + t) * tok, o1 + b * tok, tok * 4);
+            }
+            double eo = rel_err(o_gpu, o_cpu, no), es = rel_err(state, s_cpu, ns);
+            printf("    decode D%d %-8s o %.2e  state %.2e\n", D, gate ? "softplus" : "bounded",
+                   eo, es);
+            CHECK(eo <= 1e-2, "decode o relative error %.3g", eo);
+            CHECK(es <= 1e-4, "decode state relative error %.3g", es);
+            CHECK(all_finite(state, ns), "decode state has a non-finite value");
+            free(q1);
+            free(k1);
+            free(v1);
+            free(z1);
+            free(b1);
+            free(o1);
+            free(o_cpu);
+            free(s_cpu);
+            free(o_gpu);
+            free(state);
+            free_problem(&p);
+        }
+}
+
+/* Bad configurations are refused with a message. */
+static void test_rejects_unsupported_shapes(void) {
+    lm_kda_config c = lm_kda_config_default(1, 10, 1, 96, 96);
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K = 96 must be refused");
+    c = lm_kda_config_default(1, 10, 1, 128, 64);
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K != V must be refused");
+    c = lm_kda_config_default(1, 10, 1, 128, 128);
+    c.chunk = 32;
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "chunk 32 must be refused");
+    c.chunk = 64;
+    c.T = 0;
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "T = 0 must be refused");
+    c.T = 5;
+    CHECK(lm_kda_cuda_check(&c) == LM_OK, "a valid config must pass: %s", lm_last_error());
+}
+
+int main(void) {
+    RUN(test_rejects_unsupported_shapes);
+    RUN(test_forward_matches_cpu_chunked_operator);
+    RUN(test_backward_matches_cpu_chunked_operator);
+    RUN(test_factored_diagonal_equals_pairwise);
+    RUN(test_causality);
+    RUN(test_extreme_gates_no_nan);
+    RUN(test_decode_matches_cpu_recurrence);
+    return test_summary();
+}
