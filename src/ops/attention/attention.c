@@ -131,15 +131,17 @@ static void load_transposed(const attn_args *a, const float *base, int width, in
 
 /* out[i, 0:TK] = rows[i, :] . colsT[:, 0:TK] for n_i rows (rows have `width` floats
  * at stride `stride`): a tile of scores written as row-times-matrix axpys. */
-static void tile_product(float *out, const float *rows, size_t stride, int n_i, const float *colsT,
-                         int width) {
+static void tile_product(float *restrict out, const float *restrict rows, size_t stride, int n_i,
+                         const float *restrict colsT, int width) {
     for (int i = 0; i < n_i; i++) {
-        float *srow = out + (size_t)i * TK;
+        float *restrict srow = out + (size_t)i * TK;
         const float *r = rows + (size_t)i * stride;
+#pragma omp simd
         for (int j = 0; j < TK; j++) srow[j] = 0.0f;
         for (int d = 0; d < width; d++) {
-            float x = r[d];
-            const float *c = colsT + (size_t)d * TK;
+            const float x = r[d];
+            const float *restrict c = colsT + (size_t)d * TK;
+#pragma omp simd
             for (int j = 0; j < TK; j++) srow[j] += x * c[j];
         }
     }
