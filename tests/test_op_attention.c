@@ -156,7 +156,7 @@ static void test_bad_inputs_fail_clearly_and_write_nothing(void) {
     write_inputs("k", 1, 0, T);
     CHECK(run_cli(args) == 1 && stderr_has("'k'"), "missing k");
     write_inputs("", 1, 0, T - 1);
-    CHECK(run_cli(args) == 1 && stderr_has("tensor 'v' has shape [2,69,2,8], expected [B,T,Hkv,Dv] = [2,70,2"),
+    CHECK(run_cli(args) == 1 && stderr_has("tensor 'v' has shape [2,69,2,8], expected [B,T,Hkv,Dv] = [2,70,2,*]"),
           "v with the wrong T");
     CHECK(access(path_in("bad.safetensors"), F_OK) != 0, "an output file was written after an error");
     snprintf(args, sizeof args, "op attention --in %s --out %s --scale -1", path_in("in.safetensors"), path_in("bad.safetensors"));

@@ -25,12 +25,14 @@ static const char *const attention_usage =
     "  --scale X    score scale, > 0 (default Dk^-1/2)\n"
     "  --naive      use the O(T^2)-memory reference instead of the tiled core\n";
 
-/* "[a,b,c]" of the first n dims. */
+/* "[a,b,c]" of the first n dims; a negative (free) dim prints as '*'. */
 static void dims_text(char *buf, size_t size, const int64_t *d, int n) {
     size_t len = 0;
     buf[0] = 0;
-    for (int i = 0; i < n && len < size; i++)
-        len += (size_t)snprintf(buf + len, size - len, "%s%lld", i ? "," : "[", (long long)d[i]);
+    for (int i = 0; i < n && len < size; i++) {
+        if (d[i] < 0) len += (size_t)snprintf(buf + len, size - len, "%s*", i ? "," : "[");
+        else len += (size_t)snprintf(buf + len, size - len, "%s%lld", i ? "," : "[", (long long)d[i]);
+    }
     if (len < size) snprintf(buf + len, size - len, "]");
 }
 
