@@ -207,18 +207,44 @@ static double sum_squares_fixed(const float *x, int64_t n) {
     return s;
 }
 
-/* fp32 dot product with four interleaved accumulators, combined in a fixed order. */
-static float dot_f32(const float *a, const float *b, int64_t n) {
-    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        s0 += a[i] * b[i];
-        s1 += a[i + 1] * b[i + 1];
-        s2 += a[i + 2] * b[i + 2];
-        s3 += a[i + 3] * b[i + 3];
+/* Rows of C per task of rows_gemm: they share each loaded row of the right factor. */
+#define LM_GEMM_ROWS 4
+
+/* C[r, :] += sum_k L[r, k] * R[k, :] for r < nr: C (nr, nc), L (nr, nk), R (nk, nc),
+ * row-major. Each output row belongs to one thread and is accumulated over k in
+ * ascending order, so the result does not depend on the thread count. */
+static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int64_t nk,
+                      int64_t nc, int par) {
+    int64_t ntask = (nr + LM_GEMM_ROWS - 1) / LM_GEMM_ROWS;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t t = 0; t < ntask; t++) {
+        int64_t r0 = t * LM_GEMM_ROWS, nrow = nr - r0 < LM_GEMM_ROWS ? nr - r0 : LM_GEMM_ROWS;
+        if (nrow == LM_GEMM_ROWS) {
+            float *c0 = C + r0 * nc, *c1 = c0 + nc, *c2 = c1 + nc, *c3 = c2 + nc;
+            const float *l0 = L + r0 * nk, *l1 = l0 + nk, *l2 = l1 + nk, *l3 = l2 + nk;
+            for (int64_t k = 0; k < nk; k++) {
+                const float *rk = R + k * nc;
+                float a0 = l0[k], a1 = l1[k], a2 = l2[k], a3 = l3[k];
+#pragma omp simd
+                for (int64_t j = 0; j < nc; j++) {
+                    float x = rk[j];
+                    c0[j] += a0 * x;
+                    c1[j] += a1 * x;
+                    c2[j] += a2 * x;
+                    c3[j] += a3 * x;
+                }
+            }
+        } else {
+            for (int64_t r = r0; r < r0 + nrow; r++)
+                for (int64_t k = 0; k < nk; k++) {
+                    const float *rk = R + k * nc;
+                    float a = L[r * nk + k];
+                    float *c = C + r * nc;
+#pragma omp simd
+                    for (int64_t j = 0; j < nc; j++) c[j] += a * rk[j];
+                }
+        }
     }
-    for (; i < n; i++) s0 += a[i] * b[i];
-    return (s0 + s1) + (s2 + s3);
 }
 
 /* Run `steps` quintic Newton–Schulz iterations on X = scratch[0, m*n) (m <= n),
@@ -228,27 +254,19 @@ static const float *ns_iterate(float *scratch, int64_t m, int64_t n, int steps) 
     float *X = scratch, *Y = scratch + m * n, *A = Y + m * n, *B = A + m * m;
     int par = m * n >= LM_PARALLEL_MIN;
     for (int s = 0; s < steps; s++) {
-        // A = X X^T  (m x m, symmetric: a*b == b*a in IEEE arithmetic)
+        // A = X X^T (m x m): Y holds X^T (n x m) for the row-times-matrix form
 #pragma omp parallel for schedule(static) if (par)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < m; j++) A[i * m + j] = dot_f32(X + i * n, X + j * n, n);
-        // B = b A + c A A  (A symmetric, so (A A)_ij = A_i . A_j)
-#pragma omp parallel for schedule(static) if (par)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t j = 0; j < m; j++)
-                B[i * m + j] = LM_NS_B * A[i * m + j] + LM_NS_C * dot_f32(A + i * m, A + j * m, m);
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t i = 0; i < m; i++) Y[c * m + i] = X[i * n + c];
+        memset(A, 0, (size_t)(m * m) * sizeof(float));
+        rows_gemm(A, X, Y, m, n, m, par);
+        // B = b A + c A A
+        memset(B, 0, (size_t)(m * m) * sizeof(float));
+        rows_gemm(B, A, A, m, m, m, par);
+        for (int64_t i = 0; i < m * m; i++) B[i] = LM_NS_B * A[i] + LM_NS_C * B[i];
         // Y = a X + B X
-#pragma omp parallel for schedule(static) if (par)
-        for (int64_t i = 0; i < m; i++) {
-            float *y = Y + i * n;
-            const float *x = X + i * n;
-            for (int64_t c = 0; c < n; c++) y[c] = LM_NS_A * x[c];
-            for (int64_t k = 0; k < m; k++) {
-                float bik = B[i * m + k];
-                const float *xk = X + k * n;
-                for (int64_t c = 0; c < n; c++) y[c] += bik * xk[c];
-            }
-        }
+        for (int64_t i = 0; i < m * n; i++) Y[i] = LM_NS_A * X[i];
+        rows_gemm(Y, B, X, m, m, n, par);
         float *t = X;
         X = Y;
         Y = t;
