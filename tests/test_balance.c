@@ -350,9 +350,9 @@ static void test_zoom_removes_the_histogram_floor_on_init_like_scores(void) {
     /* scores concentrated as at initialisation (logits ~ 0.02 N(0,1)): the K3
      * histogram's bins are coarse against the spread; the zoom windows are not */
     int64_t m = 16384;
-    int n = 256, k = 8, steps = 12;
+    int n = 256, k = 8, steps = 10;
     float *s = make_scores(m, n, 0.02, 0.01, 0.0, 61);
-    double hist[13], zoom[13], exact[13];
+    double hist[11], zoom[11], exact[11];
     fixed_batch_curve(s, m, n, k, LM_QB_HISTOGRAM, steps, 0, hist);
     fixed_batch_curve(s, m, n, k, LM_QB_ZOOM, steps, 0, zoom);
     fixed_batch_curve(s, m, n, k, LM_QB_EXACT, steps, 0, exact);

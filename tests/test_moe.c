@@ -489,7 +489,7 @@ static void test_config_errors_name_the_bad_value(void) {
     c.n_shared = 1;
     CHECK(lm_moe_check(&c) == LM_ERR_ARG && strstr(lm_last_error(), "d_ff_shared"), "shared width 0");
     float s[8] = {0.1f, 0.2f, NAN, 0.4f, 0.5f, 0.6f, 0.7f, 0.8f};
-    int32_t t[2];
+    int32_t t[2 * 2];
     CHECK(lm_router_select(t, NULL, s, NULL, 2, 4, 2, 1.0f) == LM_ERR_NUMERIC && strstr(lm_last_error(), "token 0"),
           "NaN score named");
 }
