@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <omp.h>
 
@@ -19,6 +20,14 @@ typedef struct {
     lm_kda_diag diag;
     int recurrent;
 } variant;
+
+/* CPU seconds of the whole process (all threads): stable on a shared machine
+ * where wall time includes waiting for a core. */
+static double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -79,43 +88,48 @@ static void bench_shape(int B, int T, int H, int K, int V, int runs) {
         {"recurrent, bounded gate", LM_KDA_GATE_BOUNDED, LM_KDA_DIAG_AUTO, 1},
     };
     const int nvar = sizeof vs / sizeof vs[0];
-    double fwd[4], fb[4];
-    double *t = mallocCheck(runs * sizeof(double));
+    double fwd[4], fb[4], fwdc[4], fbc[4];
+    double *t = mallocCheck(runs * sizeof(double)), *tc = mallocCheck(runs * sizeof(double));
     printf("\nB=%d T=%d H=%d K=%d V=%d, chunk 64, %d threads, median of %d runs\n\n", B, T, H, K, V,
            omp_get_max_threads(), runs);
-    printf("| variant | forward ms | fwd+bwd ms | forward Mtok/s |\n|---|---:|---:|---:|\n");
+    printf("| variant | forward ms | fwd+bwd ms | forward CPU ms | fwd+bwd CPU ms |\n"
+           "|---|---:|---:|---:|---:|\n");
     for (int vi = 0; vi < nvar; vi++) {
         lm_kda_config c = lm_kda_config_default(B, T, H, K, V);
         c.gate = vs[vi].gate;
         c.diag = vs[vi].diag;
         for (int rep = -1; rep < runs; rep++) { /* rep -1: warm-up */
-            double t0 = lm_time_seconds();
+            double t0 = lm_time_seconds(), c0 = cpu_seconds();
             lm_status st = vs[vi].recurrent ? lm_kda_recurrent_forward(&c, &in, o, ht)
                                             : lm_kda_chunk_forward(&c, &in, o, ht);
             if (st) dieAt("kda forward: %s", lm_last_error());
-            if (rep >= 0) t[rep] = lm_time_seconds() - t0;
+            if (rep >= 0) t[rep] = lm_time_seconds() - t0, tc[rep] = cpu_seconds() - c0;
         }
         fwd[vi] = median(t, runs);
-        fb[vi] = NAN;
+        fwdc[vi] = median(tc, runs);
+        fb[vi] = fbc[vi] = NAN;
         if (!vs[vi].recurrent) {
             for (int rep = -1; rep < runs; rep++) {
-                double t0 = lm_time_seconds();
+                double t0 = lm_time_seconds(), c0 = cpu_seconds();
                 lm_status st = lm_kda_chunk_forward(&c, &in, o, ht);
                 if (!st) st = lm_kda_chunk_backward(&c, &in, d_o, dht, &g);
                 if (st) dieAt("kda forward+backward: %s", lm_last_error());
-                if (rep >= 0) t[rep] = lm_time_seconds() - t0;
+                if (rep >= 0) t[rep] = lm_time_seconds() - t0, tc[rep] = cpu_seconds() - c0;
             }
             fb[vi] = median(t, runs);
+            fbc[vi] = median(tc, runs);
         }
-        char fbs[32];
-        if (isnan(fb[vi])) snprintf(fbs, sizeof fbs, "n/a");
-        else snprintf(fbs, sizeof fbs, "%.2f", 1e3 * fb[vi]);
-        printf("| %s | %.2f | %s | %.3f |\n", vs[vi].name, 1e3 * fwd[vi], fbs, (double)B * T / fwd[vi] / 1e6);
+        char fbs[32], fbcs[32];
+        if (isnan(fb[vi])) snprintf(fbs, sizeof fbs, "n/a"), snprintf(fbcs, sizeof fbcs, "n/a");
+        else snprintf(fbs, sizeof fbs, "%.1f", 1e3 * fb[vi]), snprintf(fbcs, sizeof fbcs, "%.1f", 1e3 * fbc[vi]);
+        printf("| %s | %.1f | %s | %.1f | %s |\n", vs[vi].name, 1e3 * fwd[vi], fbs, 1e3 * fwdc[vi], fbcs);
     }
-    printf("\nratios: softplus/bounded forward %.2fx, fwd+bwd %.2fx; forced-pairwise/factored (same gate) "
-           "forward %.2fx, fwd+bwd %.2fx; recurrent/chunked-bounded forward %.2fx\n",
-           fwd[1] / fwd[0], fb[1] / fb[0], fwd[2] / fwd[0], fb[2] / fb[0], fwd[3] / fwd[0]);
+    printf("\nratios of CPU time: softplus(pairwise)/bounded(factored) forward %.2fx, fwd+bwd %.2fx; "
+           "bounded forced pairwise/factored forward %.2fx, fwd+bwd %.2fx; recurrent/chunked-bounded "
+           "forward %.2fx\n",
+           fwdc[1] / fwdc[0], fbc[1] / fbc[0], fwdc[2] / fwdc[0], fbc[2] / fbc[0], fwdc[3] / fwdc[0]);
     free(t);
+    free(tc);
     free(q); free(k); free(z); free(v); free(beta); free(A_log); free(dt_bias); free(h0);
     free(o); free(ht); free(d_o); free(dht);
     free(gq); free(gk); free(gz); free(gv); free(gb); free(gA); free(gdt); free(gh0);
