@@ -634,12 +634,59 @@ static void test_parallel_paths_match_reference_and_thread_count(void) {
     free_problem(&pr);
 }
 
+/* Activation recomputation: the input of every layer rebuilt from the saved
+ * scores during the backward equals the forward's, and is refused once that
+ * layer's backward has consumed the scores. */
+static void test_recomputed_input_equals_forward_input(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 901);
+    for (int tp = 0; tp < 2; tp++) {
+        lm_attnres_config c = make_cfg(tp ? LM_ATTNRES_BLOCK : LM_ATTNRES_FULL, 7, 3, 16, 6, tp);
+        const int L = c.n_sublayers;
+        const size_t nd = (size_t)c.n_tokens * c.d;
+        problem pr = make_problem(&r, &c, 1.5);
+        lm_attnres_params p = {pr.w, pr.g};
+        float *h = malloc((L + 1) * nd * 4), *G = malloc((L + 1) * nd * 4), *hr = malloc(nd * 4);
+        float *dy = calloc(nd, 4), *de = calloc(nd, 4);
+        fill(&r, G, (L + 1) * nd, 1, 0);
+        lm_attnres_state st;
+        void *ws = make_state(&st, &c);
+        module_forward(&st, pr.emb, pr.ys, &p, h);
+        double *hd = to_double(h, (L + 1) * nd);
+        CHECK(lm_attnres_recompute_input(&st, L, hr) == LM_OK, "%s", lm_last_error());
+        CHECK(test_rel_error_f(hr, hd + L * nd, nd) < 1e-6, "final: recomputed input differs");
+        CHECK(lm_attnres_final_backward(&st, &p, G + L * nd, NULL) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_attnres_recompute_input(&st, L, hr) == LM_ERR_ARG, "final recomputed after its backward");
+        for (int l = L - 1; l >= 0; l--) {
+            CHECK(lm_attnres_output_backward(&st, l, dy) == LM_OK, "%s", lm_last_error());
+            CHECK(lm_attnres_recompute_input(&st, l, hr) == LM_OK, "%s", lm_last_error());
+            double e = test_rel_error_f(hr, hd + l * nd, nd);
+            CHECK(e < 1e-6, "%s layer %d: recomputed input rel error %.3g", lm_attnres_mode_name(c.mode), l, e);
+            CHECK(lm_attnres_input_backward(&st, l, &p, G + l * nd, NULL) == LM_OK, "%s", lm_last_error());
+            CHECK(lm_attnres_recompute_input(&st, l, hr) == LM_ERR_ARG, "layer %d recomputed after its backward", l);
+            if (l > 0) CHECK(lm_attnres_recompute_input(&st, l - 1, hr) == LM_OK, "%s", lm_last_error());
+        }
+        CHECK(lm_attnres_embedding_backward(&st, de) == LM_OK, "%s", lm_last_error());
+        free(hd), free(h), free(G), free(hr), free(dy), free(de), free(ws);
+        free_problem(&pr);
+    }
+    /* the standard residual keeps only the running sum: nothing to recompute from */
+    lm_attnres_config c = make_cfg(LM_ATTNRES_STANDARD, 3, 0, 4, 2, 0);
+    lm_attnres_state st;
+    void *ws = make_state(&st, &c);
+    float emb[8] = {1, 2, 3, 4, 5, 6, 7, 8}, h[8];
+    CHECK(lm_attnres_begin(&st, emb) == LM_OK && lm_attnres_input(&st, 0, NULL, h) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_attnres_recompute_input(&st, 0, h) == LM_ERR_ARG, "standard mode recomputed an input");
+    free(ws);
+}
+
 int main(void) {
     RUN(test_two_phase_equals_direct);
     RUN(test_forward_matches_float64_reference);
     RUN(test_backward_matches_finite_differences);
     RUN(test_chained_sublayers_gradient_matches_finite_differences);
     RUN(test_zero_queries_give_uniform_average_of_sources);
+    RUN(test_recomputed_input_equals_forward_input);
     RUN(test_standard_mode_is_the_plain_residual_sum);
     RUN(test_full_equals_block_size_one);
     RUN(test_parallel_paths_match_reference_and_thread_count);

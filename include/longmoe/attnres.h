@@ -137,10 +137,16 @@ lm_status lm_attnres_input(lm_attnres_state *st, int l, const lm_attnres_params 
 lm_status lm_attnres_add_output(lm_attnres_state *st, int l, const float *y);
 /* h [n,d] = the final AttnRes over the embedding and every block (query row L). */
 lm_status lm_attnres_final(lm_attnres_state *st, const lm_attnres_params *p, float *h);
-/* weights [n, n_sources_l] = softmax weights sublayer l (L: final) gave each
- * source in the last forward (diagnostics; uniform 1 / n_sources when w_l = 0).
- * STANDARD mode has no weights (error). */
+/* Both below read what the forward saved for layer l (L: final); they are
+ * available from that layer's forward until its backward (input_backward(l),
+ * or final_backward for L) and not in STANDARD mode (errors otherwise). */
+/* weights [n, n_sources_l] = softmax weights of each source (diagnostics of
+ * depth routing; uniform 1 / n_sources when w_l = 0). */
 lm_status lm_attnres_weights(const lm_attnres_state *st, int l, float *weights);
+/* h [n,d] = the input of layer l again, from the saved scores (for activation
+ * recomputation: the model need not keep h_l). Equal to the forward's h_l up
+ * to fp32 rounding (the softmax is evaluated as exp(s - lse)). */
+lm_status lm_attnres_recompute_input(const lm_attnres_state *st, int l, float *h);
 
 /* ---- backward (after lm_attnres_final, in reverse order) ---- */
 lm_status lm_attnres_final_backward(lm_attnres_state *st, const lm_attnres_params *p,

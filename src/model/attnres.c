@@ -446,19 +446,58 @@ lm_status lm_attnres_final(lm_attnres_state *st, const lm_attnres_params *p, flo
     return LM_OK;
 }
 
-lm_status lm_attnres_weights(const lm_attnres_state *st, int l, float *weights) {
-    if (!st || !weights) return lm_error(LM_ERR_ARG, "attnres: lm_attnres_weights: NULL argument");
+/* The saved logits of layer l (L: final) are intact: its forward ran and its
+ * backward (which overwrites them with ds) has not. */
+static int scores_intact(const lm_attnres_state *st, int l) {
+    const int L = st->cfg.n_sublayers;
+    if (l == L) return st->step == 2 * L + 1;
+    return st->step > 2 * l && st->step <= 2 * L + 3 + 2 * (L - 1 - l);
+}
+
+static lm_status check_saved_layer(const lm_attnres_state *st, int l, const char *call) {
     const int L = st->cfg.n_sublayers;
     if (st->cfg.mode == LM_ATTNRES_STANDARD)
-        return lm_error(LM_ERR_ARG, "attnres: standard residual mode has no attention weights");
-    if (l < 0 || l > L) return lm_error(LM_ERR_ARG, "attnres: layer %d outside [0, L = %d]", l, L);
-    if (!(st->step > 2 * l && st->step <= 2 * L + 1))
-        return lm_error(LM_ERR_ARG, "attnres: weights of layer %d exist between its forward and the backward", l);
+        return lm_error(LM_ERR_ARG, "attnres: %s: standard residual mode keeps no per-sublayer state", call);
+    if (l < 0 || l > L) return lm_error(LM_ERR_ARG, "attnres: %s: layer %d outside [0, L = %d]", call, l, L);
+    if (!scores_intact(st, l))
+        return lm_error(LM_ERR_ARG, "attnres: %s(l = %d) is available from that layer's forward until its backward",
+                        call, l);
+    return LM_OK;
+}
+
+lm_status lm_attnres_weights(const lm_attnres_state *st, int l, float *weights) {
+    if (!st || !weights) return lm_error(LM_ERR_ARG, "attnres: lm_attnres_weights: NULL argument");
+    lm_status s = check_saved_layer(st, l, "lm_attnres_weights");
+    if (s) return s;
+    // weights is (n,Ns)
+    const int L = st->cfg.n_sublayers;
     const int64_t n = st->cfg.n_tokens;
     const int Ns = n_sources_of(l, st->S, L);
-    const float *s = st->logits + logits_offset(l, st->S, L, n), *lse = st->lse + (size_t)l * n;
+    const float *sc = st->logits + logits_offset(l, st->S, L, n), *lse = st->lse + (size_t)l * n;
     for (int64_t t = 0; t < n; t++)
-        for (int i = 0; i < Ns; i++) weights[t * Ns + i] = expf(s[t * Ns + i] - lse[t]);
+        for (int i = 0; i < Ns; i++) weights[t * Ns + i] = expf(sc[t * Ns + i] - lse[t]);
+    return LM_OK;
+}
+
+lm_status lm_attnres_recompute_input(const lm_attnres_state *st, int l, float *h) {
+    if (!st || !h) return lm_error(LM_ERR_ARG, "attnres: lm_attnres_recompute_input: NULL argument");
+    lm_status s = check_saved_layer(st, l, "lm_attnres_recompute_input");
+    if (s) return s;
+    // h is (n,d)
+    const int L = st->cfg.n_sublayers, S = st->S, d = st->cfg.d;
+    const int64_t n = st->cfg.n_tokens;
+    const int C = l == L ? 1 + st->n_blocks : 1 + l / S, has_P = l < L && l % S > 0;
+    const int Ns = C + has_P;
+    const float *P = has_P ? st->partials + (size_t)(l - l / S - 1) * n * d : NULL;
+    const float *sc = st->logits + logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
+    /* h_l = sum_i exp(s_i - lse) v_i from the saved scores: no dot products */
+#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
+    for (int64_t t = 0; t < n; t++) {
+        float *ht = h + t * d;
+        for (int c = 0; c < d; c++) ht[c] = 0.0f;
+        for (int i = 0; i < Ns; i++)
+            axpy_row(ht, expf(sc[t * Ns + i] - lse[t]), i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d, d);
+    }
     return LM_OK;
 }
 
