@@ -241,7 +241,7 @@ static double ref_loss(const lm_kda_config *c, const dproblem *d, const double *
 }
 
 static void check_backward(lm_kda_gate gate, int chunk, int with_h0, int with_dht, uint64_t seed) {
-    lm_kda_config c = lm_kda_config_default(2, 37, 2, 8, 8);
+    lm_kda_config c = lm_kda_config_default(2, 37, 2, 8, 12);
     c.gate = gate;
     c.chunk = chunk;
     problem p = problem_new(c, seed, with_h0);
