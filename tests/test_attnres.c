@@ -507,6 +507,19 @@ static void test_history_grows_with_blocks_not_layers(void) {
         CHECK(m.total == m.history + m.history_grad + m.saved_partials + m.saved_scores + m.phase1 + m.queries,
               "total is not the sum of the parts");
     }
+    /* the per-token figures are the plan for n tokens divided by n, without padding */
+    {
+        lm_attnres_config c = make_cfg(LM_ATTNRES_BLOCK, 10, 4, 64, 128, 1);
+        lm_attnres_memory_plan m1, m2;
+        CHECK(lm_attnres_memory(&c, &m1) == LM_OK, "%s", lm_last_error());
+        c.n_tokens = 256;
+        CHECK(lm_attnres_memory(&c, &m2) == LM_OK, "%s", lm_last_error());
+        double slope = (double)(m2.total - m1.total) / 128.0;
+        CHECK(fabs(slope - m1.total_bytes_per_token) < 1e-9 * slope, "per token %.1f, plan slope %.1f",
+              m1.total_bytes_per_token, slope);
+        CHECK(m1.history_bytes_per_token == 4.0 * 4 * 65, "history per token %.1f, want 4 sources x 65 floats",
+              m1.history_bytes_per_token);
+    }
     /* Full AttnRes keeps every output: the history grows with L */
     size_t prev = 0;
     for (int L = 2; L <= 24; L += 11) {

@@ -95,6 +95,8 @@ typedef struct {
     size_t phase1;         /* two-phase: per-query running (max, sum, value accumulator) of a block */
     size_t queries;        /* S effective query vectors w (.) g, d floats each */
     size_t total;
+    double history_bytes_per_token; /* the same without the 64-byte rounding, per token */
+    double total_bytes_per_token;   /* (for planners; excludes the n-independent queries) */
     int n_blocks;          /* N = ceil(L/S) (L for FULL, 0 for STANDARD) */
     int n_history_sources; /* 1 + N: the embedding and the block sums (1 for STANDARD) */
 } lm_attnres_memory_plan;

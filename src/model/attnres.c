@@ -101,6 +101,8 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
         plan->n_history_sources = 1;
         plan->history = align_up(n * d * f);
         plan->history_grad = align_up(n * d * f);
+        plan->history_bytes_per_token = (double)(d * f);
+        plan->total_bytes_per_token = (double)(2 * d * f);
     } else {
         int S = effective_block(c);
         size_t N = (L + (size_t)S - 1) / (size_t)S, H = 1 + N;
@@ -114,6 +116,12 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
                              align_up((L + 1) * n * f);
         plan->phase1 = c->two_phase ? align_up(Sq * n * d * f) + 2 * align_up(Sq * n * f) : 0;
         plan->queries = align_up(Sq * d * f);
+        /* per token: every [n, ...] buffer divided by n */
+        double scores = (double)logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
+        plan->history_bytes_per_token = (double)(H * (d + 1) * f);
+        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
+                                                   (double)L + scores +
+                                                   (c->two_phase ? (double)Sq * (d + 2) : 0.0));
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores +
                   plan->phase1 + plan->queries;
