@@ -49,26 +49,37 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
             kda_axpy(dSd, -w->W[(size_t)i * K + d], w->dVp + (size_t)i * V, V);
         }
     }
+    /* S^T and dS_out^T [V][K], so the row products below run over K without reductions */
+    float *ST = w->ST, *dST = w->dST;
+    for (int d = 0; d < K; d++)
+        for (int c = 0; c < V; c++) {
+            ST[(size_t)c * K + d] = S[(size_t)d * V + c];
+            dST[(size_t)c * K + d] = dS[(size_t)d * V + c];
+        }
     for (int i = 0; i < L; i++) {
         const float *qi = w->q + (size_t)i * K;
         const float *Gi = w->G + (size_t)i * K, *eG = w->eG + (size_t)i * K;
         const float *dOi = w->dO + (size_t)i * V, *Vi = w->Vp + (size_t)i * V;
         const float *dVi = w->dVp + (size_t)i * V;
         float *dq = w->dq + (size_t)i * K, *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
-        float *Rw = w->Rw + (size_t)i * K;
+        float *Rw = w->Rw + (size_t)i * K, *dQg = w->dKr, *dKd = w->dQr;
+        /* O <- scale (Q o e^G) S: dQg = scale dO S^T; S_out <- (K o e^{G_L - G})^T V':
+         * dKd = V' dS_out^T; V' = U - W S: dW = -dV' S^T */
+        memset(dQg, 0, (size_t)K * sizeof(float));
+        memset(dKd, 0, (size_t)K * sizeof(float));
+        memset(Rw, 0, (size_t)K * sizeof(float));
+        for (int c = 0; c < V; c++) {
+            kda_axpy(dQg, scale * dOi[c], ST + (size_t)c * K, K);
+            kda_axpy(dKd, Vi[c], dST + (size_t)c * K, K);
+            kda_axpy(Rw, -dVi[c], ST + (size_t)c * K, K);
+        }
+        const float *Kdi = w->Kd + (size_t)i * K;
         for (int d = 0; d < K; d++) {
-            const float *Sd = S + (size_t)d * V, *dSd = dS + (size_t)d * V;
-            /* O <- scale (Q o e^G) S */
-            float dQg = scale * kda_dot(dOi, Sd, V);
-            dq[d] += dQg * eG[d];
-            dG[d] += dQg * qi[d] * eG[d];
-            /* S_out <- (K o e^{G_L - G})^T V' */
-            float dKd = kda_dot(Vi, dSd, V), Kd = w->Kd[(size_t)i * K + d];
-            dk[d] += dKd * expf(GL[d] - Gi[d]);
-            dG[d] -= dKd * Kd;
-            w->gtmp[d] += dKd * Kd;
-            /* V' = U - W S: dW = -dV' S^T */
-            Rw[d] = -kda_dot(dVi, Sd, V);
+            dq[d] += dQg[d] * eG[d];
+            dG[d] += dQg[d] * qi[d] * eG[d];
+            dk[d] += dKd[d] * expf(GL[d] - Gi[d]);
+            dG[d] -= dKd[d] * Kdi[d];
+            w->gtmp[d] += dKd[d] * Kdi[d];
         }
     }
     /* S_out <- Diag(e^{G_L}) S */

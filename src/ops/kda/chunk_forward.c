@@ -37,7 +37,7 @@ static size_t kda_ws_layout(kda_chunk_ws *w, float *base, int C, int K, int V, i
         TAKE(dq, ck); TAKE(dk, ck); TAKE(dG, ck); TAKE(Rw, ck); TAKE(dKc, ck);
         TAKE(dB, cc); TAKE(dAqk, cc);
         TAKE(dbeta, C);
-        TAKE(dS, kv); TAKE(dSn, kv);
+        TAKE(dS, kv); TAKE(dSn, kv); TAKE(ST, kv); TAKE(dST, kv);
         TAKE(gtmp, K); TAKE(dKr, K); TAKE(dQr, K);
     }
 #undef TAKE

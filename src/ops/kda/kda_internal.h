@@ -130,6 +130,7 @@ typedef struct {
     float *dB, *dAqk;                   /* [C][C] */
     float *dbeta;                       /* [C] */
     float *dS, *dSn;                    /* [K][V] */
+    float *ST, *dST;                    /* [V][K] transposes of S and dS */
     float *gtmp, *dKr, *dQr;            /* [K] */
 } kda_chunk_ws;
 
