@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "longmoe/attnres.h"
+#include "longmoe/linear.h"
 #include "test.h"
 
 static void fill(lm_rng *r, float *x, size_t n, double scale, double shift) {
@@ -693,12 +694,58 @@ static void test_recomputed_input_equals_forward_input(void) {
     free(ws);
 }
 
+/* The keys are linear.h's RMSNorm with weight g_l: softmax(w_l . lm_rmsnorm(v_i))
+ * computed through lm_rmsnorm_forward gives the weights the module reports. */
+static void test_keys_are_the_rmsnorm_of_linear_h(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 1001);
+    lm_attnres_config c = make_cfg(LM_ATTNRES_BLOCK, 5, 2, 20, 4, 1);
+    c.eps = 1e-2f; /* large enough that its placement matters */
+    const int L = c.n_sublayers, d = c.d;
+    const int64_t n = c.n_tokens;
+    const size_t nd = (size_t)n * d;
+    problem pr = make_problem(&r, &c, 1.0);
+    for (size_t i = 0; i < nd; i++) pr.emb[i] *= 0.05f; /* rms comparable to sqrt(eps) */
+    lm_attnres_params p = {pr.w, pr.g};
+    float *h = malloc((L + 1) * nd * 4);
+    lm_attnres_state st;
+    void *ws = make_state(&st, &c);
+    module_forward(&st, pr.emb, pr.ys, &p, h);
+    double *emb = to_double(pr.emb, nd), *ys = to_double(pr.ys, L * nd), *src = malloc(sizeof(double) * (L + 2) * d);
+    float *v = malloc((size_t)n * (L + 2) * d * 4), *key = malloc((size_t)n * (L + 2) * d * 4);
+    for (int l = 0; l <= L; l++) {
+        int ns = lm_attnres_n_sources(&st, l);
+        float *a = malloc(n * ns * 4);
+        CHECK(lm_attnres_weights(&st, l, a) == LM_OK, "%s", lm_last_error());
+        /* every (token, source) row through one lm_rmsnorm_forward call */
+        for (int64_t t = 0; t < n; t++) {
+            CHECK(ref_sources(&c, l, t, emb, ys, src) == ns, "source count");
+            for (size_t k = 0; k < (size_t)ns * d; k++) v[(size_t)t * ns * d + k] = (float)src[k];
+        }
+        lm_rmsnorm_forward(key, NULL, v, pr.g + (size_t)l * d, n * ns, d, c.eps);
+        for (int64_t t = 0; t < n; t++) {
+            double s[16], m = -INFINITY, Z = 0;
+            for (int i = 0; i < ns; i++) {
+                s[i] = 0;
+                for (int k = 0; k < d; k++) s[i] += (double)pr.w[(size_t)l * d + k] * key[((size_t)t * ns + i) * d + k];
+                m = fmax(m, s[i]);
+            }
+            for (int i = 0; i < ns; i++) Z += exp(s[i] - m);
+            for (int i = 0; i < ns; i++) CHECK_CLOSE(a[t * ns + i], exp(s[i] - m) / Z, 1e-6, 1e-5, "weight");
+        }
+        free(a);
+    }
+    free(emb), free(ys), free(src), free(v), free(key), free(h), free(ws);
+    free_problem(&pr);
+}
+
 int main(void) {
     RUN(test_two_phase_equals_direct);
     RUN(test_forward_matches_float64_reference);
     RUN(test_backward_matches_finite_differences);
     RUN(test_chained_sublayers_gradient_matches_finite_differences);
     RUN(test_zero_queries_give_uniform_average_of_sources);
+    RUN(test_keys_are_the_rmsnorm_of_linear_h);
     RUN(test_recomputed_input_equals_forward_input);
     RUN(test_standard_mode_is_the_plain_residual_sum);
     RUN(test_full_equals_block_size_one);
