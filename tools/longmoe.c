@@ -12,6 +12,7 @@ typedef struct {
 
 static const command commands[] = {
     {"demo", cmd_demo, "show the KDA operator at work on random inputs (what `make demo` runs)"},
+    {"train", cmd_train, "train a model from a config (checkpoints, metrics, resume)"},
     {"plan", cmd_plan, "parameters, FLOPs and memory of a config, by component"},
     {"op", cmd_op, "run one operator on tensors from a safetensors file"},
 };

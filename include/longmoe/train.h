@@ -1,0 +1,65 @@
+/* Training: the loop, progress and metrics, validation, checkpoints and
+ * bit-exact resume (docs/training.md).
+ *
+ * A run directory holds:
+ *   metrics.jsonl            one JSON object per line: {"type":"train",...} every
+ *                            step, {"type":"eval",...}, {"type":"skip",...}, {"type":"checkpoint",...}
+ *   checkpoint-<step>/       model.safetensors (parameters, F32, names in docs/model.md),
+ *                            config.json, trainer.safetensors (optimizer moments,
+ *                            balancing biases and counters) and trainer.json (step,
+ *                            data position, seeds)
+ *   latest                   the name of the newest complete checkpoint
+ * A checkpoint directory is written under a temporary name, every file fsynced,
+ * then renamed; `latest` is replaced atomically after it; the oldest beyond
+ * train.keep_checkpoints are removed. */
+#ifndef LONGMOE_TRAIN_H
+#define LONGMOE_TRAIN_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "longmoe/config.h"
+#include "longmoe/core.h"
+#include "longmoe/model.h"
+#include "longmoe/tasks.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const char *out_dir;  /* run directory (created if absent) */
+    int resume;           /* continue from out_dir/latest */
+    int64_t steps;        /* stop after this many steps in total (0: config's train.steps) */
+    lm_task_kind task;    /* built-in data */
+    int val_batches;      /* batches of held-out data per evaluation */
+    FILE *progress;       /* progress lines (NULL: none) */
+    int max_bad_steps;    /* consecutive skipped steps that stop the run */
+    /* fault injection for tests: make the loss of this step non-finite (-1: off) */
+    int64_t inject_nan_step;
+} lm_train_options;
+
+lm_train_options lm_train_options_default(const char *out_dir);
+
+typedef struct {
+    int64_t step;          /* steps completed */
+    float last_loss;       /* training loss of the last step */
+    float val_loss;        /* last evaluation (NaN if none) */
+    float val_answer_acc;  /* accuracy at the task's answer positions */
+    int64_t skipped;       /* steps skipped for non-finite values */
+} lm_train_result;
+
+lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);
+
+/* Evaluate a model on `n_batches` held-out batches of the task. */
+lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batches, float *loss,
+                      float *answer_acc);
+
+/* Load the parameters of checkpoint directory `dir` into a model created with
+ * the config in `dir`/config.json (*out, *cfg receive them). */
+lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

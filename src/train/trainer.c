@@ -1,0 +1,554 @@
+/* The training loop (include/longmoe/train.h, docs/training.md). */
+#define _POSIX_C_SOURCE 200809L
+#include "longmoe/train.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "json.h"
+#include "longmoe/optim.h"
+#include "longmoe/safetensors.h"
+
+typedef struct {
+    lm_config cfg;
+    lm_train_options opt;
+    lm_model *model;
+    int B, T;
+    lm_param *all, *muon_p, *adam_p;
+    int n_all, n_muon, n_adam;
+    lm_optimizer muon, adam;
+    float *muon_state, *adam_state, *scratch;
+    size_t muon_state_n, adam_state_n, scratch_n;
+    int32_t *seq, *inp, *tgt;
+    uint8_t *answer;
+    float *logits;
+    lm_balance_stats *stats;
+    int n_moe;
+    int64_t step, data_pos, skipped;
+    FILE *metrics;
+} trainer;
+
+#define TRY(x)              \
+    do {                    \
+        lm_status s_ = (x); \
+        if (s_) return s_;  \
+    } while (0)
+
+lm_train_options lm_train_options_default(const char *out_dir) {
+    lm_train_options o;
+    memset(&o, 0, sizeof o);
+    o.out_dir = out_dir;
+    o.task = LM_TASK_COPY;
+    o.val_batches = 4;
+    o.progress = stdout;
+    o.max_bad_steps = 10;
+    o.inject_nan_step = -1;
+    return o;
+}
+
+static void trainer_free(trainer *t) {
+    lm_model_free(t->model);
+    free(t->all);
+    free(t->muon_p);
+    free(t->adam_p);
+    free(t->muon_state);
+    free(t->adam_state);
+    free(t->scratch);
+    free(t->seq);
+    free(t->inp);
+    free(t->tgt);
+    free(t->answer);
+    free(t->logits);
+    free(t->stats);
+    if (t->metrics) fclose(t->metrics);
+}
+
+static lm_status trainer_setup(trainer *t) {
+    const lm_config *c = &t->cfg;
+    t->B = c->batch_size;
+    t->T = c->seq_len;
+    TRY(lm_model_create(c, t->B, t->T, &t->model));
+    t->n_all = lm_model_num_tensors(t->model);
+    t->all = calloc((size_t)t->n_all, sizeof *t->all);
+    t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
+    t->adam_p = calloc((size_t)t->n_all, sizeof *t->adam_p);
+    if (!t->all || !t->muon_p || !t->adam_p) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
+    lm_model_optimizer_params(t->model, t->all, c->optimizer);
+    for (int i = 0; i < t->n_all; i++) {
+        if (lm_param_optimizer(&t->all[i]) == LM_OPT_MUON) t->muon_p[t->n_muon++] = t->all[i];
+        else t->adam_p[t->n_adam++] = t->all[i];
+    }
+    lm_optim_config oc = lm_optim_config_default();
+    oc.weight_decay = c->weight_decay;
+    t->muon_state_n = lm_optim_state_floats(t->muon_p, t->n_muon);
+    t->adam_state_n = lm_optim_state_floats(t->adam_p, t->n_adam);
+    t->scratch_n = lm_optim_scratch_floats(t->muon_p, t->n_muon);
+    t->muon_state = calloc(t->muon_state_n + 1, sizeof(float));
+    t->adam_state = calloc(t->adam_state_n + 1, sizeof(float));
+    t->scratch = calloc(t->scratch_n + 1, sizeof(float));
+    size_t N = (size_t)t->B * t->T;
+    t->seq = calloc((size_t)t->B * (t->T + 1), sizeof(int32_t));
+    t->inp = calloc(N, sizeof(int32_t));
+    t->tgt = calloc(N, sizeof(int32_t));
+    t->answer = calloc(N, 1);
+    t->logits = calloc(N * (size_t)c->vocab_size, sizeof(float));
+    t->n_moe = lm_model_num_moe_layers(t->model);
+    t->stats = calloc((size_t)(t->n_moe ? t->n_moe : 1), sizeof *t->stats);
+    if (!t->muon_state || !t->adam_state || !t->scratch || !t->seq || !t->inp || !t->tgt || !t->answer ||
+        !t->logits || !t->stats)
+        return lm_error(LM_ERR_MEMORY, "out of memory (trainer buffers)");
+    TRY(lm_optimizer_init(&t->muon, &oc, t->muon_p, t->n_muon, t->muon_state, t->muon_state_n, t->scratch,
+                          t->scratch_n));
+    TRY(lm_optimizer_init(&t->adam, &oc, t->adam_p, t->n_adam, t->adam_state, t->adam_state_n, t->scratch,
+                          t->scratch_n));
+    return LM_OK;
+}
+
+/* Split a [B, T+1] batch into inputs and targets. */
+static void split_batch(const int32_t *seq, int B, int T, int32_t *inp, int32_t *tgt) {
+    for (int b = 0; b < B; b++) {
+        memcpy(inp + (size_t)b * T, seq + (size_t)b * (T + 1), (size_t)T * sizeof(int32_t));
+        memcpy(tgt + (size_t)b * T, seq + (size_t)b * (T + 1) + 1, (size_t)T * sizeof(int32_t));
+    }
+}
+
+lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batches, float *loss,
+                      float *answer_acc) {
+    const lm_config *c = lm_model_config(m);
+    /* the model's own batch shape */
+    const int mb = c->batch_size, mt = c->seq_len, V = c->vocab_size;
+    lm_status st = LM_OK;
+    size_t N = (size_t)mb * mt;
+    int32_t *seq = malloc((size_t)mb * (mt + 1) * sizeof(int32_t)), *inp = malloc(N * 4), *tgt = malloc(N * 4);
+    uint8_t *ans = malloc(N);
+    float *logits = malloc(N * (size_t)V * sizeof(float));
+    if (!seq || !inp || !tgt || !ans || !logits) {
+        st = lm_error(LM_ERR_MEMORY, "out of memory (evaluation)");
+        goto done;
+    }
+    double total = 0;
+    int64_t n_ans = 0, n_right = 0;
+    for (int bi = 0; bi < n_batches; bi++) {
+        /* held-out data: a separate stream of the task */
+        lm_task_batch(task, seed ^ 0x7e57da7a5eedull, bi, mb, mt, seq, ans);
+        split_batch(seq, mb, mt, inp, tgt);
+        if ((st = lm_model_logits(m, inp, logits))) goto done;
+        for (size_t i = 0; i < N; i++) {
+            const float *z = logits + i * V;
+            float mx = z[0];
+            int arg = 0;
+            for (int v = 1; v < V; v++)
+                if (z[v] > mx) {
+                    mx = z[v];
+                    arg = v;
+                }
+            double s = 0;
+            for (int v = 0; v < V; v++) s += exp((double)z[v] - mx);
+            total += mx + log(s) - z[tgt[i]];
+            if (ans[i]) {
+                n_ans++;
+                n_right += arg == tgt[i];
+            }
+        }
+    }
+    *loss = (float)(total / ((double)N * n_batches));
+    *answer_acc = n_ans ? (float)n_right / (float)n_ans : NAN;
+done:
+    free(seq);
+    free(inp);
+    free(tgt);
+    free(ans);
+    free(logits);
+    return st;
+}
+
+/* ---- checkpoints ---- */
+
+static lm_status save_checkpoint(trainer *t) {
+    char tmp[4096], path[4200];
+    TRY(lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
+    lm_status s = LM_OK;
+    /* model.safetensors: every parameter by name */
+    lm_st_writer *w = lm_st_writer_new();
+    float *params = lm_model_params(t->model);
+    for (int i = 0; i < lm_model_num_tensors(t->model) && !s; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, params + mt->offset);
+    }
+    if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
+    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
+    if (!s) s = lm_st_writer_save(w, path);
+    lm_st_writer_free(w);
+    if (s) return s;
+    /* config.json */
+    char *json = lm_config_to_json(&t->cfg);
+    if (!json) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
+    snprintf(path, sizeof path, "%s/config.json", tmp);
+    s = lm_write_text_atomic(path, json);
+    free(json);
+    if (s) return s;
+    /* trainer.safetensors: optimizer moments and balancing state */
+    w = lm_st_writer_new();
+    int64_t n_m[1] = {(int64_t)t->muon_state_n}, n_a[1] = {(int64_t)t->adam_state_n};
+    s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, t->muon_state);
+    if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, t->adam_state);
+    for (int i = 0; i < t->n_moe && !s; i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        int l = lm_model_moe_layer_index(t->model, i);
+        int64_t n[1] = {b->cfg.n_experts};
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
+        s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->bias);
+        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
+        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->halfwidth);
+        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
+        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_I32, 1, n, b->last_load);
+        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
+        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_I64, 1, n, b->interval_load);
+    }
+    snprintf(path, sizeof path, "%s/trainer.safetensors", tmp);
+    if (!s) s = lm_st_writer_save(w, path);
+    lm_st_writer_free(w);
+    if (s) return s;
+    /* trainer.json: counters */
+    char text[8192];
+    int k = snprintf(text, sizeof text,
+                     "{\"step\": %lld, \"data_position\": %lld, \"skipped\": %lld, \"muon_step\": %lld, "
+                     "\"adam_step\": %lld, \"balance\": [",
+                     (long long)t->step, (long long)t->data_pos, (long long)t->skipped, (long long)t->muon.step,
+                     (long long)t->adam.step);
+    for (int i = 0; i < t->n_moe && k < (int)sizeof text - 100; i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        k += snprintf(text + k, sizeof text - (size_t)k, "%s{\"step\": %lld, \"interval_steps\": %d}", i ? ", " : "",
+                      (long long)b->step, b->interval_steps);
+    }
+    snprintf(text + k, sizeof text - (size_t)k, "]}\n");
+    snprintf(path, sizeof path, "%s/trainer.json", tmp);
+    TRY(lm_write_text_atomic(path, text));
+    if (t->metrics) fflush(t->metrics);
+    TRY(lm_checkpoint_commit(t->opt.out_dir, t->step, tmp, t->cfg.keep_checkpoints));
+    if (t->metrics) fprintf(t->metrics, "{\"type\": \"checkpoint\", \"step\": %lld}\n", (long long)t->step);
+    return LM_OK;
+}
+
+/* Copy tensor `name` of `st` into dst (numel floats or ints), checking its size. */
+static lm_status load_exact(const lm_safetensors *st, const char *file, const char *name, lm_dtype dtype,
+                            void *dst, size_t numel) {
+    const lm_st_tensor *t = lm_safetensors_find(st, name);
+    if (!t) return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is missing", file, name);
+    if (t->dtype != dtype || (size_t)t->numel != numel)
+        return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is %s with %lld elements, expected %s with %zu", file, name,
+                        lm_dtype_name(t->dtype), (long long)t->numel, lm_dtype_name(dtype), numel);
+    memcpy(dst, t->data, t->nbytes);
+    return LM_OK;
+}
+
+static lm_status load_params(lm_model *m, const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    lm_safetensors *st;
+    TRY(lm_safetensors_open(path, &st));
+    lm_status s = LM_OK;
+    float *p = lm_model_params(m);
+    for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(m, i);
+        s = load_exact(st, path, mt->name, LM_DTYPE_F32, p + mt->offset, mt->numel);
+        for (size_t j = 0; j < mt->numel && !s; j++)
+            if (!isfinite(p[mt->offset + j]))
+                s = lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value", path, mt->name);
+    }
+    if (!s && lm_safetensors_count(st) != lm_model_num_tensors(m))
+        s = lm_error(LM_ERR_FORMAT, "%s: holds %d tensors, the model has %d", path, lm_safetensors_count(st),
+                     lm_model_num_tensors(m));
+    lm_safetensors_close(st);
+    return s;
+}
+
+lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out) {
+    char path[4200];
+    *out = NULL;
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    TRY(lm_config_load(path, cfg));
+    if (B > 0) cfg->batch_size = B;
+    if (T > 0) cfg->seq_len = T;
+    TRY(lm_model_create(cfg, cfg->batch_size, cfg->seq_len, out));
+    lm_status s = load_params(*out, dir);
+    if (s) {
+        lm_model_free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+static int64_t json_int(const lm_json *o, const char *key, int *ok) {
+    const lm_json *v = lm_json_get(o, key);
+    if (!v || v->kind != LM_JSON_NUMBER || !v->number_is_integer) {
+        *ok = 0;
+        return 0;
+    }
+    return v->integer;
+}
+
+static lm_status load_checkpoint(trainer *t, const char *dir) {
+    char path[4200];
+    TRY(load_params(t->model, dir));
+    snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
+    lm_safetensors *st;
+    TRY(lm_safetensors_open(path, &st));
+    lm_status s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n);
+    if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n);
+    for (int i = 0; i < t->n_moe && !s; i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        int l = lm_model_moe_layer_index(t->model, i);
+        size_t n = (size_t)b->cfg.n_experts;
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
+        s = load_exact(st, path, name, LM_DTYPE_F32, b->bias, n);
+        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_F32, b->halfwidth, n);
+        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I32, b->last_load, n);
+        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I64, b->interval_load, n);
+    }
+    lm_safetensors_close(st);
+    if (s) return s;
+    snprintf(path, sizeof path, "%s/trainer.json", dir);
+    char *text;
+    size_t len;
+    TRY(lm_read_text_file(path, &text, &len));
+    lm_json_doc *doc;
+    s = lm_json_parse(text, len, path, &doc);
+    free(text);
+    if (s) return s;
+    const lm_json *r = lm_json_root(doc);
+    int ok = 1;
+    t->step = json_int(r, "step", &ok);
+    t->data_pos = json_int(r, "data_position", &ok);
+    t->skipped = json_int(r, "skipped", &ok);
+    t->muon.step = json_int(r, "muon_step", &ok);
+    t->adam.step = json_int(r, "adam_step", &ok);
+    const lm_json *bal = lm_json_get(r, "balance");
+    if (!bal || bal->kind != LM_JSON_ARRAY || (int)bal->count != t->n_moe) ok = 0;
+    int i = 0;
+    for (const lm_json *e = bal ? bal->child : NULL; e && ok; e = e->next, i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        b->step = json_int(e, "step", &ok);
+        b->interval_steps = (int)json_int(e, "interval_steps", &ok);
+    }
+    lm_json_free(doc);
+    if (!ok || t->step < 0 || t->data_pos < 0)
+        return lm_error(LM_ERR_FORMAT, "%s: missing or bad counters (step, data_position, skipped, "
+                        "muon_step, adam_step, balance)", path);
+    return LM_OK;
+}
+
+/* Keep the metrics lines of steps <= `step` (a resumed run rewrites what came after). */
+static lm_status truncate_metrics(const char *path, int64_t step) {
+    char *text;
+    size_t len;
+    if (lm_read_text_file(path, &text, &len)) return LM_OK; /* no metrics yet */
+    char *out = malloc(len + 1);
+    if (!out) {
+        free(text);
+        return lm_error(LM_ERR_MEMORY, "out of memory rewriting '%s'", path);
+    }
+    size_t n = 0;
+    for (char *line = text; *line;) {
+        char *nl = strchr(line, '\n');
+        if (!nl) break; /* a torn last line */
+        const char *sp = strstr(line, "\"step\": ");
+        long long s = sp && sp < nl ? atoll(sp + 8) : 0;
+        if (s <= step) {
+            memcpy(out + n, line, (size_t)(nl - line + 1));
+            n += (size_t)(nl - line + 1);
+        }
+        line = nl + 1;
+    }
+    out[n] = 0;
+    lm_status st = lm_write_text_atomic(path, out);
+    free(out);
+    free(text);
+    return st;
+}
+
+/* ---- the loop ---- */
+
+static void format_eta(char *buf, size_t n, double seconds) {
+    if (!isfinite(seconds) || seconds < 0) seconds = 0;
+    long s = (long)(seconds + 0.5);
+    if (s >= 3600) snprintf(buf, n, "%ldh%02ldm", s / 3600, (s / 60) % 60);
+    else snprintf(buf, n, "%ldm%02lds", s / 60, s % 60);
+}
+
+static void log_eval(trainer *t, float loss, float acc) {
+    if (t->metrics)
+        fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n",
+                (long long)t->step, loss, acc);
+    if (t->opt.progress)
+        fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s answer accuracy %.1f%%\n", (long long)t->step,
+                loss, lm_task_name(t->opt.task), 100.0 * acc);
+}
+
+lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_train_result *result) {
+    trainer t;
+    memset(&t, 0, sizeof t);
+    t.cfg = *cfg_in;
+    t.opt = *opt;
+    lm_status s = lm_ensure_dir(opt->out_dir);
+    char path[4200], ckpt[4096];
+    if (s) goto done;
+    if (opt->resume) {
+        if ((s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt))) goto done;
+        snprintf(path, sizeof path, "%s/config.json", ckpt);
+        lm_config saved;
+        if ((s = lm_config_load(path, &saved))) goto done;
+        saved.steps = t.cfg.steps; /* the run may be extended */
+        t.cfg = saved;
+    }
+    if (opt->steps > 0) t.cfg.steps = opt->steps;
+    if ((s = trainer_setup(&t))) goto done;
+    lm_model_init(t.model, t.cfg.seed);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
+    if (opt->resume) {
+        if ((s = load_checkpoint(&t, ckpt))) goto done;
+        if ((s = truncate_metrics(path, t.step))) goto done;
+        if (opt->progress)
+            fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
+    } else {
+        /* a fresh run starts a fresh log and writes its config */
+        char *json = lm_config_to_json(&t.cfg);
+        char cpath[4200];
+        snprintf(cpath, sizeof cpath, "%s/config.json", opt->out_dir);
+        s = json ? lm_write_text_atomic(cpath, json) : lm_error(LM_ERR_MEMORY, "out of memory");
+        free(json);
+        if (s) goto done;
+        if ((s = lm_write_text_atomic(path, ""))) goto done;
+    }
+    t.metrics = fopen(path, "ab");
+    if (!t.metrics) {
+        s = lm_error(LM_ERR_IO, "cannot open '%s' for appending", path);
+        goto done;
+    }
+    const lm_config *c = &t.cfg;
+    lm_lr_schedule sched = lm_lr_schedule_default(1.0f);
+    sched.kind = c->schedule == LM_SCHEDULE_WSD ? LM_LR_WSD : LM_LR_COSINE;
+    sched.warmup_frac = c->warmup_frac;
+    sched.min_lr_ratio = c->min_lr_ratio;
+    sched.decay_frac = c->decay_frac;
+    if ((s = lm_lr_schedule_check(&sched))) goto done;
+    float muon_lr = c->lr, adam_lr = c->optimizer == LM_TRAIN_ADAMW ? c->adam_lr : c->adam_lr;
+    int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
+    double ema_step = 0, t_start = lm_time_seconds();
+    int bad_in_row = 0;
+    float last_loss = NAN, val_loss = NAN, val_acc = NAN;
+    if (opt->progress && !opt->resume)
+        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld tokens per step, %lld steps, task %s\n",
+                lm_model_num_params(t.model), t.n_all, (long long)tokens_per_step, (long long)c->steps,
+                lm_task_name(opt->task));
+    while (t.step < c->steps) {
+        double t0 = lm_time_seconds();
+        lm_model_zero_grads(t.model);
+        float loss = 0, aux = 0;
+        int bad = 0;
+        for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
+            lm_task_batch(opt->task, c->seed, t.data_pos++, t.B, t.T, t.seq, NULL);
+            split_batch(t.seq, t.B, t.T, t.inp, t.tgt);
+            float l;
+            lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
+            if (fs == LM_ERR_NUMERIC) {
+                bad = 1;
+                break;
+            }
+            if (fs) {
+                s = fs;
+                goto done;
+            }
+            if ((s = lm_model_backward(t.model, 1.0f / (float)c->grad_accum))) goto done;
+            loss += l / (float)c->grad_accum;
+            aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
+        }
+        if (t.step == opt->inject_nan_step) {
+            loss = NAN;
+            lm_model_grads(t.model)[0] = NAN;
+        }
+        double gnorm = NAN;
+        if (!bad && isfinite(loss)) bad = lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm) != LM_OK;
+        else bad = 1;
+        if (bad) {
+            /* skip: no update, b kept, the batch is consumed */
+            lm_model_balance_step_end(t.model, 0, NULL);
+            t.skipped++;
+            fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
+                    (long long)t.step);
+            if (opt->progress)
+                fprintf(opt->progress, "step %lld skipped: non-finite loss or gradient\n", (long long)t.step);
+            if (++bad_in_row >= opt->max_bad_steps) {
+                s = lm_error(LM_ERR_NUMERIC, "%d consecutive steps had non-finite loss or gradients (last at step "
+                             "%lld); stopping. Hint: lower train.lr or check the data", bad_in_row, (long long)t.step);
+                goto done;
+            }
+            t.step++;
+            continue;
+        }
+        bad_in_row = 0;
+        float f = lm_lr_at(&sched, t.step, c->steps);
+        if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
+        if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
+        t.step++;
+        last_loss = loss;
+        double dt = lm_time_seconds() - t0;
+        ema_step = ema_step > 0 ? 0.9 * ema_step + 0.1 * dt : dt;
+        double worst = 0;
+        for (int i = 0; i < t.n_moe; i++) worst = t.stats[i].maxvio_batch > worst ? t.stats[i].maxvio_batch : worst;
+        /* metrics: every number of the step */
+        fprintf(t.metrics,
+                "{\"type\": \"train\", \"step\": %lld, \"loss\": %.9g, \"aux_loss\": %.9g, \"lr\": %.9g, "
+                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, \"moe\": [",
+                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
+        for (int i = 0; i < t.n_moe; i++) {
+            const lm_balance_stats *b = &t.stats[i];
+            fprintf(t.metrics,
+                    "%s{\"layer\": %d, \"maxvio_batch\": %.6g, \"maxvio_global\": %.6g, \"cv\": %.6g, \"min\": %d, "
+                    "\"max\": %d, \"dead\": %d, \"entropy\": %.6g, \"bias_min\": %.6g, \"bias_max\": %.6g, \"load\": [",
+                    i ? ", " : "", lm_model_moe_layer_index(t.model, i), b->maxvio_batch, b->maxvio_global, b->cv,
+                    b->min_load, b->max_load, b->dead, b->router_entropy, b->bias_min, b->bias_max);
+            for (int j = 0; j < c->n_routed_experts; j++) fprintf(t.metrics, "%s%d", j ? ", " : "", b->load[j]);
+            fprintf(t.metrics, "]}");
+        }
+        fprintf(t.metrics, "]}\n");
+        if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == c->steps)) {
+            char eta[32];
+            format_eta(eta, sizeof eta, ema_step * (double)(c->steps - t.step));
+            fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | ETA %s | "
+                    "maxvio %.3f\n", (long long)t.step, (long long)c->steps, loss, muon_lr * f, gnorm,
+                    tokens_per_step / dt, eta, worst);
+            fflush(opt->progress);
+        }
+        if (c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < c->steps) {
+            if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
+            log_eval(&t, val_loss, val_acc);
+        }
+        if (c->ckpt_every > 0 && t.step % c->ckpt_every == 0 && t.step < c->steps)
+            if ((s = save_checkpoint(&t))) goto done;
+    }
+    if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
+    log_eval(&t, val_loss, val_acc);
+    if ((s = save_checkpoint(&t))) goto done;
+    if (opt->progress)
+        fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
+                lm_time_seconds() - t_start, opt->out_dir);
+    if (result) {
+        result->step = t.step;
+        result->last_loss = last_loss;
+        result->val_loss = val_loss;
+        result->val_answer_acc = val_acc;
+        result->skipped = t.skipped;
+    }
+done:
+    trainer_free(&t);
+    return s;
+}
