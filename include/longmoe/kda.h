@@ -12,8 +12,10 @@
  *   o        [B,T,H,V]
  *
  * Gate per head h and key channel d (fp32):
- *   bounded:  g = g_min * sigmoid(exp(A_h) * (z + dt_bias)),  g in [g_min, 0)
- *   softplus: g = -exp(A_h) * softplus(z + dt_bias)
+ *   bounded:  g = g_min * sigmoid(exp(A_h) * (z + dt_bias)),  g in [g_min, 0]
+ *             (0 only where the fp32 sigmoid underflows, exp(A_h)(z+dt_bias) < ~-104)
+ *   softplus: g = -exp(A_h) * softplus(z + dt_bias), clamped below at -1e4 (where
+ *             e^g is already 0 in fp32; docs/kda.md)
  * Recurrence: S_t = Diag(e^{g_t}) S_{t-1};  S_t += beta_t k_t (v_t - S_t^T k_t)^T;
  *             o_t = scale * S_t^T q_t.
  *
@@ -50,7 +52,7 @@ typedef enum {
 typedef struct {
     int B, T, H, K, V;
     lm_kda_gate gate;
-    float g_min;      /* bounded gate's lower bound; [-5, 0) for the fast path */
+    float g_min;      /* bounded gate's lower bound, in [-5, 0) (checked) */
     float scale;      /* output scale; 0 means K^-1/2 */
     int chunk;        /* 16, 32 or 64 (chunked form only) */
     lm_kda_diag diag; /* LM_KDA_DIAG_AUTO unless testing a path */
