@@ -505,7 +505,8 @@ static void test_history_grows_with_blocks_not_layers(void) {
               first.history);
         /* the saved partial sums are the per-sublayer cost, L - N of them */
         CHECK(m.saved_partials >= (size_t)(4 * S - 4) * n * d * 4, "saved partials %zu", m.saved_partials);
-        CHECK(m.total == m.history + m.history_grad + m.saved_partials + m.saved_scores + m.phase1 + m.queries,
+        CHECK(m.total == m.history + m.history_grad + m.saved_partials + m.saved_scores + m.phase1 + m.queries +
+                                 m.param_grad,
               "total is not the sum of the parts");
     }
     /* the per-token figures are the plan for n tokens divided by n, without padding */
@@ -643,6 +644,23 @@ static void test_parallel_paths_match_reference_and_thread_count(void) {
           "input gradients depend on the thread count");
     CHECK(!memcmp(dw[0], dw[1], np * 4) && !memcmp(dg[0], dg[1], np * 4),
           "parameter gradients depend on the thread count");
+    /* parameter gradients sum over many token blocks: spot-check against central differences */
+    for (int trial = 0; trial < 8; trial++) {
+        double *x = trial % 2 ? g : w;
+        size_t i = (size_t)(lm_rng_uniform(&r) * (double)np);
+        const double keep = x[i], eps = 1e-4;
+        double lp = 0, lm = 0;
+        x[i] = keep + eps;
+        ref_forward(&c, emb, ys, w, g, hr);
+        for (size_t j = 0; j < (L + 1) * nd; j++) lp += hr[j] * G[j];
+        x[i] = keep - eps;
+        ref_forward(&c, emb, ys, w, g, hr);
+        for (size_t j = 0; j < (L + 1) * nd; j++) lm += hr[j] * G[j];
+        x[i] = keep;
+        double fd = (lp - lm) / (2 * eps), got = trial % 2 ? dg[1][i] : dw[1][i];
+        CHECK(fabs(got - fd) <= 2e-3 + 2e-3 * fabs(fd), "%s[%zu] = %.7g, finite differences %.7g",
+              trial % 2 ? "d key-norm weight" : "d query", i, got, fd);
+    }
     for (int k = 0; k < 2; k++) free(h[k]), free(dy[k]), free(de[k]), free(dw[k]), free(dg[k]);
     free(emb), free(ys), free(w), free(g), free(hr), free(G), free(ws);
     free_problem(&pr);

@@ -94,6 +94,7 @@ typedef struct {
     size_t saved_scores;   /* logits [n, n_sources_l] and log-sum-exp [n] of every AttnRes layer */
     size_t phase1;         /* two-phase: per-query running (max, sum, value accumulator) of a block */
     size_t queries;        /* S effective query vectors w (.) g, d floats each */
+    size_t param_grad;     /* partial sums of the query/key-norm gradients, d per 64 tokens */
     size_t total;
     double history_bytes_per_token; /* the same without the 64-byte rounding, per token */
     double total_bytes_per_token;   /* (for planners; excludes the n-independent queries) */
@@ -119,6 +120,7 @@ typedef struct {
     float *acc;              /* [S, n, d] two-phase value accumulators */
     float *acc_max, *acc_sum;/* [S, n] */
     float *u;                /* [S, d] w_l (.) g_l for the queries of the open block */
+    float *qpart;            /* [ceil(n/64), d] parameter-gradient partial sums */
     int step;                /* position in the call sequence (see attnres.c) */
 } lm_attnres_state;
 

@@ -27,6 +27,8 @@
 /* parallel regions only pay off above this many floats of work */
 #define PAR_MIN_WORK 32768
 #define PARALLEL_IF(work) ((int64_t)(work) >= PAR_MIN_WORK)
+/* tokens per partial sum of the parameter gradients */
+#define TOKEN_BLOCK 64
 
 static size_t align_up(size_t b) { return (b + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
 
@@ -116,15 +118,17 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
                              align_up((L + 1) * n * f);
         plan->phase1 = c->two_phase ? align_up(Sq * n * d * f) + 2 * align_up(Sq * n * f) : 0;
         plan->queries = align_up(Sq * d * f);
+        plan->param_grad = align_up((n + TOKEN_BLOCK - 1) / TOKEN_BLOCK * d * f);
         /* per token: every [n, ...] buffer divided by n */
         double scores = (double)logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
         plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
                                                    (double)L + scores +
-                                                   (c->two_phase ? (double)Sq * (d + 2) : 0.0));
+                                                   (c->two_phase ? (double)Sq * (d + 2) : 0.0) +
+                                                   (double)d / TOKEN_BLOCK);
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores +
-                  plan->phase1 + plan->queries;
+                  plan->phase1 + plan->queries + plan->param_grad;
     return LM_OK;
 }
 
@@ -170,6 +174,7 @@ lm_status lm_attnres_init(lm_attnres_state *st, const lm_attnres_config *c, void
             CARVE(st->acc_sum, Sq * n * f);
         }
         CARVE(st->u, Sq * d * f);
+        CARVE(st->qpart, (n + TOKEN_BLOCK - 1) / TOKEN_BLOCK * d * f);
     }
 #undef CARVE
     st->step = -1;
@@ -526,53 +531,52 @@ static void layer_backward(lm_attnres_state *st, const lm_attnres_params *p, lm_
     const int d = st->cfg.d, Ns = C + (P != NULL);
     float *u = st->u;
     effective_query(u, p, l, d);
+    const int want_q = g && (g->query || g->key_norm);
+    /* token blocks of fixed size: each keeps its own q partial sum, so the
+     * result does not depend on how blocks are spread over threads */
+    const int64_t n_tb = (n + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
-    for (int64_t t = 0; t < n; t++) {
-        float *s = logits + t * Ns;
-        const float *dht = dh + t * d;
-        float a[Ns], da[Ns];
-        float c0 = 0.0f;
-        for (int i = 0; i < Ns; i++) {
-            const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
-            a[i] = expf(s[i] - lse[t]);
-            da[i] = dot_row(dht, v, d);
-            c0 += a[i] * da[i];
-        }
-        for (int i = 0; i < Ns; i++) {
-            const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
-            float *dv = i < C ? st->dhist + ((size_t)i * n + t) * d : dP + t * d;
-            float r = i < C ? st->hist_rstd[i * n + t] : Pr[t];
-            float ds = a[i] * (da[i] - c0);
-            float k1 = ds * r, k2 = ds * r * r * s[i] / (float)d;
-            const float ai = a[i];
-#pragma omp simd
-            for (int c = 0; c < d; c++) dv[c] += ai * dht[c] + k1 * u[c] - k2 * v[c];
-            s[i] = ds;
-        }
-    }
-    if (!g || (!g->query && !g->key_norm)) return;
-    const float *w = p->query + (size_t)l * d, *kg = p->key_norm + (size_t)l * d;
-    float *dw = g->query ? g->query + (size_t)l * d : NULL, *dg = g->key_norm ? g->key_norm + (size_t)l * d : NULL;
-    /* q[c] = sum over tokens and sources of ds_i r_i v_i[c]; channel chunks in parallel, fixed token order */
-    enum { CHUNK = 16 }; /* one cache line of each row per thread */
-    const int n_chunks = (d + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d * Ns))
-    for (int ch = 0; ch < n_chunks; ch++) {
-        const int c0 = ch * CHUNK, c1 = c0 + CHUNK < d ? c0 + CHUNK : d;
-        float q[CHUNK] = {0};
-        for (int64_t t = 0; t < n; t++) {
-            const float *ds = logits + t * Ns;
+    for (int64_t b = 0; b < n_tb; b++) {
+        float *qb = st->qpart + b * d;
+        if (want_q)
+            for (int c = 0; c < d; c++) qb[c] = 0.0f;
+        const int64_t t1 = (b + 1) * TOKEN_BLOCK < n ? (b + 1) * TOKEN_BLOCK : n;
+        for (int64_t t = b * TOKEN_BLOCK; t < t1; t++) {
+            float *s = logits + t * Ns;
+            const float *dht = dh + t * d;
+            float a[Ns], da[Ns];
+            float c0 = 0.0f;
             for (int i = 0; i < Ns; i++) {
                 const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
-                float k1 = ds[i] * (i < C ? st->hist_rstd[i * n + t] : Pr[t]);
+                a[i] = expf(s[i] - lse[t]);
+                da[i] = dot_row(dht, v, d);
+                c0 += a[i] * da[i];
+            }
+            for (int i = 0; i < Ns; i++) {
+                const float *v = i < C ? st->hist + ((size_t)i * n + t) * d : P + t * d;
+                float *dv = i < C ? st->dhist + ((size_t)i * n + t) * d : dP + t * d;
+                float r = i < C ? st->hist_rstd[i * n + t] : Pr[t];
+                float ds = a[i] * (da[i] - c0);
+                float k1 = ds * r, k2 = ds * r * r * s[i] / (float)d;
+                const float ai = a[i];
 #pragma omp simd
-                for (int c = c0; c < c1; c++) q[c - c0] += k1 * v[c];
+                for (int c = 0; c < d; c++) dv[c] += ai * dht[c] + k1 * u[c] - k2 * v[c];
+                /* q += ds_i xhat_i, while the row is in cache */
+                if (want_q) axpy_row(qb, k1, v, d);
+                s[i] = ds;
             }
         }
-        for (int c = c0; c < c1; c++) {
-            if (dw) dw[c] += kg[c] * q[c - c0];
-            if (dg) dg[c] += w[c] * q[c - c0];
-        }
+    }
+    if (!want_q) return;
+    const float *w = p->query + (size_t)l * d, *kg = p->key_norm + (size_t)l * d;
+    float *dw = g->query ? g->query + (size_t)l * d : NULL, *dg = g->key_norm ? g->key_norm + (size_t)l * d : NULL;
+    /* q = sum of the block partial sums in block order; dw += g (.) q, dg += w (.) q */
+#pragma omp parallel for schedule(static) if (PARALLEL_IF(n_tb * d))
+    for (int c = 0; c < d; c++) {
+        float q = 0.0f;
+        for (int64_t b = 0; b < n_tb; b++) q += st->qpart[b * d + c];
+        if (dw) dw[c] += kg[c] * q;
+        if (dg) dg[c] += w[c] * q;
     }
 }
 
