@@ -34,20 +34,17 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
     for (int j = 0; j < L; j++) {
         float *dVj = w->dVp + (size_t)j * V;
         memset(dVj, 0, (size_t)V * sizeof(float));
-        for (int d = 0; d < K; d++) kda_axpy(dVj, w->Kd[(size_t)j * K + d], dS + (size_t)d * V, V);
-        for (int i = j; i < L; i++)
-            kda_axpy(dVj, scale * w->Aqk[(size_t)i * C + j], w->dO + (size_t)i * V, V);
+        kda_axpy_rows(dVj, 1.0f, w->Kd + (size_t)j * K, 1, dS, V, K, V);
+        kda_axpy_rows(dVj, scale, w->Aqk + (size_t)j * C + j, C, w->dO + (size_t)j * V, V, L - j, V);
     }
     /* dS_in = Diag(e^{G_L}) dS_out + scale (Q o e^G)^T dO - W^T dV' */
     for (int d = 0; d < K; d++) {
         float *dSd = w->dSn + (size_t)d * V;
         const float *dSo = dS + (size_t)d * V;
         for (int c = 0; c < V; c++) dSd[c] = eGL[d] * dSo[c];
-        for (int i = 0; i < L; i++) {
-            kda_axpy(dSd, scale * w->q[(size_t)i * K + d] * w->eG[(size_t)i * K + d],
-                     w->dO + (size_t)i * V, V);
-            kda_axpy(dSd, -w->W[(size_t)i * K + d], w->dVp + (size_t)i * V, V);
-        }
+        for (int i = 0; i < L; i++) w->tmp[i] = w->q[(size_t)i * K + d] * w->eG[(size_t)i * K + d];
+        kda_axpy_rows(dSd, scale, w->tmp, 1, w->dO, V, L, V);
+        kda_axpy_rows(dSd, -1.0f, w->W + d, K, w->dVp, V, L, V);
     }
     /* S^T and dS_out^T [V][K], so the row products below run over K without reductions */
     float *ST = w->ST, *dST = w->dST;
@@ -68,11 +65,9 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
         memset(dQg, 0, (size_t)K * sizeof(float));
         memset(dKd, 0, (size_t)K * sizeof(float));
         memset(Rw, 0, (size_t)K * sizeof(float));
-        for (int c = 0; c < V; c++) {
-            kda_axpy(dQg, scale * dOi[c], ST + (size_t)c * K, K);
-            kda_axpy(dKd, Vi[c], dST + (size_t)c * K, K);
-            kda_axpy(Rw, -dVi[c], ST + (size_t)c * K, K);
-        }
+        kda_axpy_rows(dQg, scale, dOi, 1, ST, K, V, K);
+        kda_axpy_rows(dKd, 1.0f, Vi, 1, dST, K, V, K);
+        kda_axpy_rows(Rw, -1.0f, dVi, 1, ST, K, V, K);
         const float *Kdi = w->Kd + (size_t)i * K;
         for (int d = 0; d < K; d++) {
             dq[d] += dQg[d] * eG[d];
@@ -92,11 +87,9 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
     memcpy(w->Ru, w->dVp, (size_t)L * V * sizeof(float));
     for (int i = L - 1; i >= 0; i--) {
         float *Rwi = w->Rw + (size_t)i * K, *Rui = w->Ru + (size_t)i * V;
-        for (int j = i + 1; j < L; j++) {
-            const float a = w->Akk[(size_t)j * C + i];
-            kda_axpy(Rwi, -a, w->Rw + (size_t)j * K, K);
-            kda_axpy(Rui, -a, w->Ru + (size_t)j * V, V);
-        }
+        const float *Acol = w->Akk + (size_t)(i + 1) * C + i; /* Akk[j][i], j > i */
+        kda_axpy_rows(Rwi, -1.0f, Acol, C, w->Rw + (size_t)(i + 1) * K, K, L - 1 - i, K);
+        kda_axpy_rows(Rui, -1.0f, Acol, C, w->Ru + (size_t)(i + 1) * V, V, L - 1 - i, V);
     }
     for (int i = 0; i < L; i++) {
         const float bi = w->beta[i];
@@ -139,17 +132,9 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
             const float *dBi = w->dB + (size_t)i * C, *dQi = w->dAqk + (size_t)i * C;
             memset(w->dKr, 0, (size_t)K * sizeof(float));
             memset(w->dQr, 0, (size_t)K * sizeof(float));
-            const int jlim = jend < i + 1 ? jend : i + 1; /* columns j <= i with an operand */
-            for (int j = 0; j < jlim; j++) {
-                const float *Kc = w->Kc + (size_t)j * K;
-                float *dKc = w->dKc + (size_t)j * K;
-                if (j < i) {
-                    kda_axpy(w->dKr, dBi[j], Kc, K);
-                    kda_axpy(dKc, dBi[j], Kr, K);
-                }
-                kda_axpy(w->dQr, dQi[j], Kc, K);
-                kda_axpy(dKc, dQi[j], Qr, K);
-            }
+            /* columns with an operand: j < jend, j < i (Akk) and j <= i (Aqk) */
+            kda_axpy_rows(w->dKr, 1.0f, dBi, 1, w->Kc, K, jend < i ? jend : i, K);
+            kda_axpy_rows(w->dQr, 1.0f, dQi, 1, w->Kc, K, jend < i + 1 ? jend : i + 1, K);
             float *dq = w->dq + (size_t)i * K, *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
             for (int d = 0; d < K; d++) {
                 dk[d] += w->dKr[d] * Er[d];
@@ -176,6 +161,13 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
                     }
                 }
             }
+        }
+        /* column operands: dKc_j = sum_{i in block, i > j} dB_ij Kr_i + sum_{i >= j} dAqk_ij Qr_i */
+        for (int j = 0; j < jend; j++) {
+            float *dKcj = w->dKc + (size_t)j * K;
+            const int ib = j + 1 > a0 ? j + 1 : a0, iq = j > a0 ? j : a0;
+            kda_axpy_rows(dKcj, 1.0f, w->dB + (size_t)ib * C + j, C, w->Kr + (size_t)ib * K, K, a1 - ib, K);
+            kda_axpy_rows(dKcj, 1.0f, w->dAqk + (size_t)iq * C + j, C, w->Qr + (size_t)iq * K, K, a1 - iq, K);
         }
         for (int j = 0; j < jend; j++) {
             const float *dKc = w->dKc + (size_t)j * K, *Kc = w->Kc + (size_t)j * K;

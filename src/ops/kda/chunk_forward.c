@@ -32,6 +32,7 @@ static size_t kda_ws_layout(kda_chunk_ws *w, float *base, int C, int K, int V, i
     TAKE(beta, C);
     TAKE(Bkk, cc); TAKE(Akk, cc); TAKE(Aqk, cc);
     TAKE(S, kv);
+    TAKE(tmp, (size_t)(C > K ? C : K));
     if (backward) {
         TAKE(dO, cv); TAKE(dVp, cv); TAKE(Ru, cv); TAKE(dv, cv);
         TAKE(dq, ck); TAKE(dk, ck); TAKE(dG, ck); TAKE(Rw, ck); TAKE(dKc, ck);
@@ -158,11 +159,9 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
         const float *ki = w->k + (size_t)i * K, *eG = w->eG + (size_t)i * K, *vi = w->v + (size_t)i * V;
         for (int d = 0; d < K; d++) Wi[d] = bi * ki[d] * eG[d];
         for (int c = 0; c < V; c++) Ui[c] = bi * vi[c];
-        for (int j = 0; j < i; j++) {
-            Ai[j] = bi * w->Bkk[(size_t)i * C + j];
-            kda_axpy(Wi, -Ai[j], w->W + (size_t)j * K, K);
-            kda_axpy(Ui, -Ai[j], w->U + (size_t)j * V, V);
-        }
+        for (int j = 0; j < i; j++) Ai[j] = bi * w->Bkk[(size_t)i * C + j];
+        kda_axpy_rows(Wi, -1.0f, Ai, 1, w->W, K, i, K);
+        kda_axpy_rows(Ui, -1.0f, Ai, 1, w->U, V, i, V);
     }
 }
 
@@ -176,7 +175,7 @@ void kda_chunk_apply(kda_chunk_ws *w, int L, float scale, float *o, size_t ostri
         float *Vi = w->Vp + (size_t)i * V;
         const float *Wi = w->W + (size_t)i * K;
         memcpy(Vi, w->U + (size_t)i * V, (size_t)V * sizeof(float));
-        for (int d = 0; d < K; d++) kda_axpy(Vi, -Wi[d], S + (size_t)d * V, V);
+        kda_axpy_rows(Vi, -1.0f, Wi, 1, S, V, K, V);
     }
     /* O = scale ((Q o e^G) S + Aqk V'), Aqk lower with diagonal */
     if (o) {
@@ -184,9 +183,9 @@ void kda_chunk_apply(kda_chunk_ws *w, int L, float scale, float *o, size_t ostri
             float *oi = o + (size_t)i * ostride;
             const float *qi = w->q + (size_t)i * K, *eG = w->eG + (size_t)i * K;
             memset(oi, 0, (size_t)V * sizeof(float));
-            for (int d = 0; d < K; d++) kda_axpy(oi, qi[d] * eG[d], S + (size_t)d * V, V);
-            const float *Ai = w->Aqk + (size_t)i * C;
-            for (int j = 0; j <= i; j++) kda_axpy(oi, Ai[j], w->Vp + (size_t)j * V, V);
+            for (int d = 0; d < K; d++) w->tmp[d] = qi[d] * eG[d];
+            kda_axpy_rows(oi, 1.0f, w->tmp, 1, S, V, K, V);
+            kda_axpy_rows(oi, 1.0f, w->Aqk + (size_t)i * C, 1, w->Vp, V, i + 1, V);
             for (int c = 0; c < V; c++) oi[c] *= scale;
         }
     }
@@ -196,7 +195,7 @@ void kda_chunk_apply(kda_chunk_ws *w, int L, float scale, float *o, size_t ostri
     for (int d = 0; d < K; d++) {
         float *Sd = S + (size_t)d * V;
         for (int c = 0; c < V; c++) Sd[c] *= eGL[d];
-        for (int i = 0; i < L; i++) kda_axpy(Sd, w->Kd[(size_t)i * K + d], w->Vp + (size_t)i * V, V);
+        kda_axpy_rows(Sd, 1.0f, w->Kd + d, K, w->Vp, V, L, V);
     }
 }
 

@@ -107,6 +107,22 @@ static inline void kda_axpy(float *restrict y, float a, const float *restrict x,
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* y += alpha * sum_{r < m} a[r * astride] * X[r * ldx + 0 .. n): a chain of
+ * axpys that reads and writes y once per four rows. The grouping depends only
+ * on m, never on the data, so results stay deterministic and causal. */
+static inline void kda_axpy_rows(float *restrict y, float alpha, const float *a, size_t astride,
+                                 const float *restrict X, size_t ldx, int m, int n) {
+    int r = 0;
+    for (; r + 4 <= m; r += 4) {
+        const float a0 = alpha * a[(size_t)r * astride], a1 = alpha * a[(size_t)(r + 1) * astride];
+        const float a2 = alpha * a[(size_t)(r + 2) * astride], a3 = alpha * a[(size_t)(r + 3) * astride];
+        const float *x0 = X + (size_t)r * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+#pragma omp simd
+        for (int i = 0; i < n; i++) y[i] += (a0 * x0[i] + a1 * x1[i]) + (a2 * x2[i] + a3 * x3[i]);
+    }
+    for (; r < m; r++) kda_axpy(y, alpha * a[(size_t)r * astride], X + (size_t)r * ldx, n);
+}
+
 /* ---- per-chunk workspace (one per thread) ----
  * Rows are chunk positions i < L <= C; K-rows and V-rows are contiguous. */
 typedef struct {
@@ -124,6 +140,7 @@ typedef struct {
     float *W;            /* [C][K] M (K o e^G) */
     float *U, *Vp;       /* [C][V] M V and V' = U - W S */
     float *S;            /* [K][V] state entering the chunk */
+    float *tmp;          /* [max(C,K)] row of coefficients */
     /* backward only */
     float *dO, *dVp, *Ru, *dv;          /* [C][V] */
     float *dq, *dk, *dG, *Rw, *dKc;     /* [C][K] */

@@ -38,20 +38,19 @@ lm_status lm_kda_recurrent_forward(const lm_kda_config *cfg, const lm_kda_inputs
             for (int d = 0; d < K; d++)
                 decay[d] = expf(kda_gate_value(cfg->gate, cfg->g_min, eA, z[d] + in->dt_bias[h * K + d]));
             /* S = Diag(e^g) S; kS = S^T k */
-            memset(kS, 0, (size_t)V * sizeof(float));
             for (int d = 0; d < K; d++) {
                 float *Sd = S + (size_t)d * V;
                 for (int j = 0; j < V; j++) Sd[j] *= decay[d];
-                kda_axpy(kS, k[d], Sd, V);
             }
+            memset(kS, 0, (size_t)V * sizeof(float));
+            kda_axpy_rows(kS, 1.0f, k, 1, S, V, K, V);
             /* S += beta k (v - S^T k)^T */
             for (int j = 0; j < V; j++) delta[j] = beta * (v[j] - kS[j]);
             for (int d = 0; d < K; d++) kda_axpy(S + (size_t)d * V, k[d], delta, V);
             /* o = scale S^T q */
             float *out = o + row * V;
             memset(out, 0, (size_t)V * sizeof(float));
-            for (int d = 0; d < K; d++) kda_axpy(out, q[d], S + (size_t)d * V, V);
-            for (int j = 0; j < V; j++) out[j] *= scale;
+            kda_axpy_rows(out, scale, q, 1, S, V, K, V);
         }
         if (ht) memcpy(ht + (size_t)p * K * V, S, (size_t)K * V * sizeof(float));
     }
