@@ -47,6 +47,8 @@ static void make_scores(float *s, const float *w, const float *c, int64_t m, int
     }
 }
 
+/* the columns, in print order */
+static const lm_qb_estimator est_order[3] = {LM_QB_EXACT, LM_QB_HISTOGRAM, LM_QB_ZOOM};
 static const char *est_name[3] = {"exact", "histogram (K3)", "zoom (ours)"};
 
 /* curve[t] = MaxVio_batch after t updates; *ms = mean milliseconds per update. */
@@ -106,7 +108,7 @@ int main(int argc, char **argv) {
         make_router(w, c, n, cases[ci].sigma, 17 + (uint64_t)ci);
         for (int e = 0; e < 3; e++) {
             if (!cases[ci].fresh) make_scores(s, w, c, m, n, 99);
-            run(s, m, n, k, (lm_qb_estimator)e, updates, cases[ci].fresh, w, c, curves[ci][e], &ms[ci][e]);
+            run(s, m, n, k, est_order[e], updates, cases[ci].fresh, w, c, curves[ci][e], &ms[ci][e]);
         }
         printf("\n### %s batch, m = %lld, n = %d, k = %d, logit scale sigma = %g\n\n",
                cases[ci].fresh ? "fresh" : "fixed", (long long)m, n, k, cases[ci].sigma);
