@@ -72,7 +72,7 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
         for (int d = 0; d < K; d++) {
             dq[d] += dQg[d] * eG[d];
             dG[d] += dQg[d] * qi[d] * eG[d];
-            dk[d] += dKd[d] * expf(GL[d] - Gi[d]);
+            dk[d] += dKd[d] * kda_expf(GL[d] - Gi[d]);
             dG[d] -= dKd[d] * Kdi[d];
             w->gtmp[d] += dKd[d] * Kdi[d];
         }
@@ -150,7 +150,7 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
                     const float *kj = w->k + (size_t)j * K, *Gj = w->G + (size_t)j * K;
                     float *dkj = w->dk + (size_t)j * K, *dGj = w->dG + (size_t)j * K;
                     for (int d = 0; d < K; d++) {
-                        const float e = expf(Gi[d] - Gj[d]);
+                        const float e = kda_expf(Gi[d] - Gj[d]);
                         const float row = (db * ki[d] + da * qi[d]) * e; /* d score / d k_j */
                         const float col = kj[d] * e;
                         dk[d] += db * col;
@@ -215,7 +215,7 @@ lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *i
         kda_chunk_ws w;
         kda_ws_carve(&w, base, C, K, V, 1);
         float *states = base + kda_ws_floats(C, K, V, 1); /* [nchunks][K][V] */
-        const float eA = expf(in->A_log[h]);
+        const float eA = kda_expf(in->A_log[h]);
         /* forward over the chunks: the state entering each chunk */
         if (in->h0) memcpy(w.S, in->h0 + (size_t)p * kv, kv * sizeof(float));
         else memset(w.S, 0, kv * sizeof(float));

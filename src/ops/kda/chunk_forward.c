@@ -84,7 +84,7 @@ void kda_chunk_columns(kda_chunk_ws *w, int a0, int jend) {
         const float *Gj = w->G + (size_t)j * K, *kj = w->k + (size_t)j * K;
         float *Ec = w->Ec + (size_t)j * K, *Kc = w->Kc + (size_t)j * K;
         for (int d = 0; d < K; d++) {
-            Ec[d] = expf(Gn[d] - Gj[d]);
+            Ec[d] = kda_expf(Gn[d] - Gj[d]);
             Kc[d] = kj[d] * Ec[d];
         }
     }
@@ -98,8 +98,8 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
         const float *Gi = w->G + (size_t)i * K, *ki = w->k + (size_t)i * K;
         float *eG = w->eG + (size_t)i * K, *Kd = w->Kd + (size_t)i * K;
         for (int d = 0; d < K; d++) {
-            eG[d] = expf(Gi[d]);
-            Kd[d] = ki[d] * expf(GL[d] - Gi[d]);
+            eG[d] = kda_expf(Gi[d]);
+            Kd[d] = ki[d] * kda_expf(GL[d] - Gi[d]);
         }
     }
     for (int a0 = 0; a0 < L; a0 += LM_KDA_SUBCHUNK) {
@@ -110,7 +110,7 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
             const float *Gi = w->G + (size_t)i * K;
             float *Er = w->Er + (size_t)i * K, *Kr = w->Kr + (size_t)i * K, *Qr = w->Qr + (size_t)i * K;
             for (int d = 0; d < K; d++) {
-                Er[d] = expf(Gi[d] - Gn[d]);
+                Er[d] = kda_expf(Gi[d] - Gn[d]);
                 Kr[d] = w->k[(size_t)i * K + d] * Er[d];
                 Qr[d] = w->q[(size_t)i * K + d] * Er[d];
             }
@@ -140,7 +140,7 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
                     const float *Gj = w->G + (size_t)j * K, *kj = w->k + (size_t)j * K;
                     float sb = 0.0f, sq = 0.0f;
                     for (int d = 0; d < K; d++) {
-                        float e = kj[d] * expf(Gi[d] - Gj[d]);
+                        float e = kj[d] * kda_expf(Gi[d] - Gj[d]);
                         sb += ki[d] * e;
                         sq += qi[d] * e;
                     }
@@ -221,7 +221,7 @@ lm_status lm_kda_chunk_forward(const lm_kda_config *cfg, const lm_kda_inputs *in
         kda_ws_carve(&w, scratch + (size_t)omp_get_thread_num() * per_thread, C, K, V, 0);
         if (in->h0) memcpy(w.S, in->h0 + (size_t)p * K * V, (size_t)K * V * sizeof(float));
         else memset(w.S, 0, (size_t)K * V * sizeof(float));
-        const float eA = expf(in->A_log[h]);
+        const float eA = kda_expf(in->A_log[h]);
         for (int t0 = 0; t0 < T; t0 += C) {
             const int L = T - t0 < C ? T - t0 : C;
             kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);

@@ -24,7 +24,7 @@ lm_status lm_kda_gate_forward(const lm_kda_config *cfg, const float *z, const fl
 #pragma omp parallel for schedule(static)
     for (size_t r = 0; r < rows; r++) {
         for (int h = 0; h < H; h++) {
-            const float eA = expf(A_log[h]);
+            const float eA = kda_expf(A_log[h]);
             const size_t base = (r * H + h) * K;
             for (int d = 0; d < K; d++)
                 g[base + d] = kda_gate_value(cfg->gate, cfg->g_min, eA, z[base + d] + dt_bias[h * K + d]);

@@ -26,14 +26,18 @@ float kda_scale(const lm_kda_config *cfg);
 
 /* ---- the gate, per channel: u = z + dt_bias, eA = e^{A_log[h]} ---- */
 
+/* expf without glibc's underflow slow path: e^x < 7e-46 (half the smallest
+ * subnormal) for x < -104, so expf returns exactly 0 there too. */
+static inline float kda_expf(float x) { return x < -104.0f ? 0.0f : expf(x); }
+
 /* Stable logistic function split into s = sigmoid(x) and 1 - s, both accurate. */
 static inline void kda_sigmoid2(float x, float *s, float *one_minus_s) {
     if (x >= 0.0f) {
-        float e = expf(-x); /* in [0, 1] */
+        float e = kda_expf(-x); /* in [0, 1] */
         *s = 1.0f / (1.0f + e);
         *one_minus_s = e / (1.0f + e);
     } else {
-        float e = expf(x);
+        float e = kda_expf(x);
         *s = e / (1.0f + e);
         *one_minus_s = 1.0f / (1.0f + e);
     }
@@ -46,7 +50,7 @@ static inline float kda_gate_arg(float eA, float u) {
 
 /* softplus(u) = log(1 + e^u), without overflow for large |u|. */
 static inline float kda_softplus(float u) {
-    return u > 0.0f ? u + log1pf(expf(-u)) : log1pf(expf(u));
+    return u > 0.0f ? u + log1pf(kda_expf(-u)) : log1pf(kda_expf(u));
 }
 
 /* g for one channel. Bounded: g_min * sigmoid(eA * u), in [g_min, 0] (0 only

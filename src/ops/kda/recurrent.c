@@ -29,14 +29,14 @@ lm_status lm_kda_recurrent_forward(const lm_kda_config *cfg, const lm_kda_inputs
         float *kS = S + (size_t)K * V, *delta = kS + V, *decay = delta + V;
         if (in->h0) memcpy(S, in->h0 + (size_t)p * K * V, (size_t)K * V * sizeof(float));
         else memset(S, 0, (size_t)K * V * sizeof(float));
-        const float eA = expf(in->A_log[h]);
+        const float eA = kda_expf(in->A_log[h]);
         for (int t = 0; t < T; t++) {
             const size_t row = ((size_t)b * T + t) * H + h;
             const float *q = in->q + row * K, *k = in->k + row * K, *z = in->z + row * K;
             const float *v = in->v + row * V;
             const float beta = in->beta[row];
             for (int d = 0; d < K; d++)
-                decay[d] = expf(kda_gate_value(cfg->gate, cfg->g_min, eA, z[d] + in->dt_bias[h * K + d]));
+                decay[d] = kda_expf(kda_gate_value(cfg->gate, cfg->g_min, eA, z[d] + in->dt_bias[h * K + d]));
             /* S = Diag(e^g) S; kS = S^T k */
             for (int d = 0; d < K; d++) {
                 float *Sd = S + (size_t)d * V;
