@@ -18,13 +18,15 @@ static const char *const train_usage =
     "  --data TASK   built-in data: copy (default; docs/training.md)\n"
     "  --resume      continue from DIR/latest, bit-identically to an uninterrupted run\n"
     "  --steps N     total steps (overrides train.steps)\n"
+    "  --stop-after N  stop with a checkpoint once N steps are done (the schedule still\n"
+    "                spans all steps; --resume continues)\n"
     "  --seed S      seed of initialisation and data (overrides train.seed)\n"
     "  --quiet       no progress lines\n";
 
 int cmd_train(int argc, char **argv) {
     const char *cmd = "train", *config = NULL, *out = NULL, *data = "copy";
     int resume = 0, quiet = 0, have_seed = 0;
-    long steps = 0;
+    long steps = 0, stop_after = 0;
     double seed = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
@@ -43,6 +45,8 @@ int cmd_train(int argc, char **argv) {
             quiet = 1;
         } else if (!strcmp(a, "--steps")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 1, 1L << 40, &steps)) return 2;
+        } else if (!strcmp(a, "--stop-after")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 1, 1L << 40, &stop_after)) return 2;
         } else if (!strcmp(a, "--seed")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, a, v, &seed)) return 2;
             if (seed < 0 || seed != (double)(long long)seed) return cli_fail(cmd, "--seed must be a non-negative integer") + 1;
@@ -60,6 +64,7 @@ int cmd_train(int argc, char **argv) {
     if (lm_task_from_name(data, &opt.task)) return cli_fail(cmd, "unknown --data '%s' (known: copy)", data) + 1;
     opt.resume = resume;
     opt.steps = steps;
+    opt.stop_after = stop_after;
     opt.progress = quiet ? NULL : stdout;
     lm_config cfg;
     lm_config_defaults(&cfg);

@@ -30,7 +30,8 @@ extern "C" {
 typedef struct {
     const char *out_dir;  /* run directory (created if absent) */
     int resume;           /* continue from out_dir/latest */
-    int64_t steps;        /* stop after this many steps in total (0: config's train.steps) */
+    int64_t steps;        /* total steps of the run (0: config's train.steps); the schedule spans them */
+    int64_t stop_after;   /* stop (with a checkpoint) once this many steps are done (0: at the end) */
     lm_task_kind task;    /* built-in data */
     int val_batches;      /* batches of held-out data per evaluation */
     FILE *progress;       /* progress lines (NULL: none) */

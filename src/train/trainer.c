@@ -449,7 +449,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld tokens per step, %lld steps, task %s\n",
                 lm_model_num_params(t.model), t.n_all, (long long)tokens_per_step, (long long)c->steps,
                 lm_task_name(opt->task));
-    while (t.step < c->steps) {
+    int64_t stop = opt->stop_after > 0 && opt->stop_after < c->steps ? opt->stop_after : c->steps;
+    while (t.step < stop) {
         double t0 = lm_time_seconds();
         lm_model_zero_grads(t.model);
         float loss = 0, aux = 0;
@@ -528,11 +529,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
                     tokens_per_step / dt, eta, worst);
             fflush(opt->progress);
         }
-        if (c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < c->steps) {
+        if (c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < stop) {
             if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
             log_eval(&t, val_loss, val_acc);
         }
-        if (c->ckpt_every > 0 && t.step % c->ckpt_every == 0 && t.step < c->steps)
+        if (c->ckpt_every > 0 && t.step % c->ckpt_every == 0 && t.step < stop)
             if ((s = save_checkpoint(&t))) goto done;
     }
     if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
