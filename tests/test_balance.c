@@ -391,6 +391,46 @@ static void test_config_errors_name_the_bad_value(void) {
     CHECK(lm_balance_mode_from_name("quantiles", &mode) != 0, "bad name rejected");
 }
 
+static void test_ema_blends_old_and_new_bias(void) {
+    /* from b = 0, EMA e gives (1 - e) times the plain update (centring is linear) */
+    int64_t m = 1024;
+    int n = 32, k = 4;
+    float *s = make_scores(m, n, 1.0, 1.0, 0.0, 71);
+    lm_balance_config cfg = lm_balance_config_default(LM_BALANCE_QUANTILE, n, k, m);
+    lm_balance_state plain, ema;
+    lm_balance_init(&plain, &cfg);
+    cfg.ema = 0.75f;
+    lm_balance_init(&ema, &cfg);
+    lm_balance_observe(&plain, s, m, 1);
+    lm_balance_step_end(&plain, 1, NULL);
+    lm_balance_observe(&ema, s, m, 1);
+    lm_balance_step_end(&ema, 1, NULL);
+    double worst = 0, size = 0;
+    for (int j = 0; j < n; j++) {
+        worst = fmax(worst, fabs(ema.bias[j] - 0.25 * plain.bias[j]));
+        size = fmax(size, fabs(plain.bias[j]));
+    }
+    CHECK(size > 0.01 && worst < 1e-6, "EMA 0.75: max |b_ema - b/4| = %.3g (|b| up to %.3g)", worst, size);
+    lm_balance_free(&plain);
+    lm_balance_free(&ema);
+    free(s);
+}
+
+static void test_zero_scores_from_sigmoid_underflow_are_accepted(void) {
+    /* sigmoid of a very negative logit is exactly 0 in fp32: a valid score */
+    int n = 4, k = 1;
+    float s[2 * 4] = {0.0f, 0.9f, 0.2f, 0.1f, 0.0f, 0.0f, 0.0f, 0.0f};
+    lm_balance_config cfg = lm_balance_config_default(LM_BALANCE_QUANTILE, n, k, 2);
+    lm_balance_state st;
+    lm_balance_init(&st, &cfg);
+    lm_balance_stats stats;
+    CHECK(lm_balance_observe(&st, s, 2, 1) == LM_OK, "%s", lm_last_error());
+    lm_balance_step_end(&st, 1, &stats);
+    CHECK(isfinite(stats.router_entropy) && stats.tokens == 2, "entropy %g", stats.router_entropy);
+    for (int j = 0; j < n; j++) CHECK(isfinite(st.bias[j]), "b[%d] finite", j);
+    lm_balance_free(&st);
+}
+
 int main(void) {
     RUN(test_hand_histograms_give_the_spec_bias);
     RUN(test_monitoring_numbers);
@@ -399,6 +439,8 @@ int main(void) {
     RUN(test_microbatches_and_rank_sum_equal_one_batch);
     RUN(test_aux_loss_gradient_matches_finite_differences);
     RUN(test_config_errors_name_the_bad_value);
+    RUN(test_ema_blends_old_and_new_bias);
+    RUN(test_zero_scores_from_sigmoid_underflow_are_accepted);
     RUN(test_quantile_beats_sign_on_fresh_adversarial_batches);
     RUN(test_exact_quantile_settles_mild_fixed_batch);
     RUN(test_zoom_removes_the_histogram_floor_on_init_like_scores);

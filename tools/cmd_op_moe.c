@@ -34,7 +34,7 @@ static const char *const moe_usage =
 static const char *const route_usage =
     "usage: longmoe op route --in SCORES.safetensors --out OUT.safetensors --k K [options]\n"
     "\n"
-    "Routes router scores s [m,n] (in (0,1]) with an optional bias b [n]:\n"
+    "Routes router scores s [m,n] (in [0,1]) with an optional bias b [n]:\n"
     "topk = argtop_k(s + b), weights = s renormalised over the chosen set, and\n"
     "optionally one balancing update of b on this batch (as at a step's end).\n"
     "Outputs: topk [m,k] I32, weights [m,k] F32, load [n] I32 (tokens per expert,\n"

@@ -111,7 +111,7 @@ void lm_balance_free(lm_balance_state *state);
 int lm_balance_mode_from_name(const char *name, lm_balance_mode *out);
 const char *lm_balance_mode_name(lm_balance_mode mode);
 
-/* Accumulate one micro-batch of router scores s [m, n] (fp32, in (0,1)),
+/* Accumulate one micro-batch of router scores s [m, n] (fp32, in [0,1]),
  * routed with the current b. Always counts the load and the entropy; with
  * training = 1 in quantile mode also the histograms (or residuals). */
 lm_status lm_balance_observe(lm_balance_state *state, const float *s, int64_t m, int training);

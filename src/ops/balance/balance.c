@@ -194,7 +194,7 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
         int ok = 1;
         for (int j = 0; j < n; j++) {
             float v = si[j];
-            ok &= v > 0.0f && v <= 1.0f;
+            ok &= v >= 0.0f && v <= 1.0f; /* sigmoid may underflow to 0 */
             sum += v;
             slog += v > 0.0f ? v * logf(v) : 0.0f;
         }
@@ -204,13 +204,13 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
             continue;
         }
         /* entropy of pi = s / sum s: log S - sum s log s / S */
-        ent += (double)(logf(sum) - slog / sum);
+        if (sum > 0.0f) ent += (double)(logf(sum) - slog / sum);
         lm_topk_row(idx, val, si, b, n, kk);
         memcpy(s->scratch_topk + i * k, idx, (size_t)k * sizeof *idx);
         s->alpha[i] = kk > k ? val[k] : -INFINITY;
     }
     if (bad >= 0)
-        return lm_error(LM_ERR_NUMERIC, "balance: token %lld has a score outside (0, 1] or not finite",
+        return lm_error(LM_ERR_NUMERIC, "balance: token %lld has a score outside [0, 1] or not finite",
                         (long long)bad);
     for (int64_t g = 0; g < m * k; g++) s->load[s->scratch_topk[g]]++;
     s->entropy_sum += ent;
@@ -491,7 +491,8 @@ lm_status lm_balance_aux_loss(float *loss, float *dscores, const float *s, const
         const float *si = s + i * n;
         double S = 0.0;
         for (int j = 0; j < n; j++) S += si[j];
-        for (int j = 0; j < n; j++) P[j] += si[j] / S;
+        if (S > 0.0)
+            for (int j = 0; j < n; j++) P[j] += si[j] / S;
     }
     double L = 0.0;
     for (int j = 0; j < n; j++) L += f[j] * P[j] / (double)m;
@@ -505,6 +506,7 @@ lm_status lm_balance_aux_loss(float *loss, float *dscores, const float *s, const
             const float *si = s + i * n;
             double S = 0.0, fp = 0.0;
             for (int j = 0; j < n; j++) S += si[j];
+            if (!(S > 0.0)) continue;
             for (int j = 0; j < n; j++) fp += f[j] * si[j] / S;
             for (int j = 0; j < n; j++) dscores[i * n + j] += (float)(scale * (f[j] - fp) / S);
         }
