@@ -178,7 +178,8 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
         return lm_error(LM_ERR_ARG, "balance: exact estimator holds %lld tokens per step, got %lld",
                         (long long)cap, (long long)(s->n_residuals + m));
     if (m == 0) return LM_OK;
-    if (quantile && !exact && s->tokens == 0) set_bins(s);
+    /* the bins are a function of b and the windows, fixed for the whole step */
+    if (quantile && !exact) set_bins(s);
 
     /* 1. route with the old b; 2. alpha_i = (k+1)-th largest s_i + b */
     int kk = k < n ? k + 1 : k;
