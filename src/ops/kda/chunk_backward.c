@@ -1,8 +1,8 @@
 /* KDA chunked form, backward (docs/kda.md "Backward").
  *
  * Per (batch, head) pair: a forward pass over the chunks stores the state
- * entering each chunk; then chunks run last to first, recomputing the chunk's
- * scores, W, U and V' from its stored state, and carrying dS backwards. The
+ * entering each chunk and the chunk's scores, W, U and V'; then chunks run last
+ * to first, recomputing only the exponent operands, and carrying dS backwards. The
  * diagonal sub-chunk takes the same FACTORED or PAIRWISE path as the forward.
  * Gradients of g reach z, A_log and dt_bias through the gate derivative. */
 #include <math.h>
@@ -181,6 +181,16 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
     }
 }
 
+/* Point the chunk's cached arrays (Bkk, Aqk, W, U, V') at one cache slot. */
+static void kda_point_cache(kda_chunk_ws *w, float *slot) {
+    const size_t cc = (size_t)w->C * w->C;
+    w->Bkk = slot;
+    w->Aqk = slot + cc;
+    w->W = slot + 2 * cc;
+    w->U = w->W + (size_t)w->C * w->K;
+    w->Vp = w->U + (size_t)w->C * w->V;
+}
+
 lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *in,
                                 const float *d_o, const float *dht, lm_kda_grads *grads) {
     // q, k, z, dq, dk, dz are (B,T,H,K); v, d_o, dv are (B,T,H,V); beta, dbeta are (B,T,H);
@@ -199,7 +209,8 @@ lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *i
     const int nchunks = (T + C - 1) / C;
     const size_t kv = (size_t)K * V;
     const int nthreads = omp_get_max_threads();
-    const size_t per_thread = kda_ws_floats(C, K, V, 1) + (size_t)nchunks * kv;
+    const size_t cache = kda_chunk_cache_floats(C, K, V);
+    const size_t per_thread = kda_ws_floats(C, K, V, 1) + (size_t)nchunks * (kv + cache);
     const size_t npairs = (size_t)B * H;
     float *scratch;
     const size_t bytes = ((size_t)nthreads * per_thread + npairs * (1 + (size_t)K)) * sizeof(float);
@@ -215,27 +226,31 @@ lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *i
         kda_chunk_ws w;
         kda_ws_carve(&w, base, C, K, V, 1);
         float *states = base + kda_ws_floats(C, K, V, 1); /* [nchunks][K][V] */
+        float *cached = states + (size_t)nchunks * kv;     /* [nchunks][cache] */
         const float eA = kda_expf(in->A_log[h]);
-        /* forward over the chunks: the state entering each chunk */
+        /* forward over the chunks: the state entering each chunk, and each chunk's
+         * scores, W, U and V' written straight into its cache slot */
         if (in->h0) memcpy(w.S, in->h0 + (size_t)p * kv, kv * sizeof(float));
         else memset(w.S, 0, kv * sizeof(float));
         for (int c = 0; c < nchunks; c++) {
             const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
             memcpy(states + (size_t)c * kv, w.S, kv * sizeof(float));
-            if (c == nchunks - 1) break; /* the last outgoing state is not needed */
+            kda_point_cache(&w, cached + (size_t)c * cache);
             kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);
             kda_chunk_prepare(&w, L, factored);
-            kda_chunk_apply(&w, L, scale, NULL, 0, 1);
+            kda_chunk_apply(&w, L, scale, NULL, 0, c < nchunks - 1);
         }
-        /* backward over the chunks, carrying dS */
+        /* backward over the chunks, carrying dS; only the exponent operands are recomputed */
         if (dht) memcpy(w.dS, dht + (size_t)p * kv, kv * sizeof(float));
         else memset(w.dS, 0, kv * sizeof(float));
         for (int c = nchunks - 1; c >= 0; c--) {
             const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
             memcpy(w.S, states + (size_t)c * kv, kv * sizeof(float));
+            kda_point_cache(&w, cached + (size_t)c * cache);
             kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);
-            kda_chunk_prepare(&w, L, factored);
-            kda_chunk_apply(&w, L, scale, NULL, 0, 0);
+            kda_chunk_operands(&w, L);
+            for (int i = 0; i < L; i++)
+                for (int j = 0; j < i; j++) w.Akk[(size_t)i * C + j] = w.beta[i] * w.Bkk[(size_t)i * C + j];
             for (int i = 0; i < L; i++) {
                 const size_t row = ((size_t)b * T + t0 + i) * H + h;
                 memcpy(w.dO + (size_t)i * V, d_o + row * V, (size_t)V * sizeof(float));

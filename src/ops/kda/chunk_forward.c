@@ -90,9 +90,9 @@ void kda_chunk_columns(kda_chunk_ws *w, int a0, int jend) {
     }
 }
 
-void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
-    // q, k, G are (L,K); Bkk, Akk, Aqk are (L,L); W is (L,K); U is (L,V)
-    const int K = w->K, V = w->V, C = w->C;
+void kda_chunk_operands(kda_chunk_ws *w, int L) {
+    // G, q, k are (L,K); eG, Kd, Er, Kr, Qr are (L,K)
+    const int K = w->K;
     const float *GL = w->G + (size_t)(L - 1) * K;
     for (int i = 0; i < L; i++) {
         const float *Gi = w->G + (size_t)i * K, *ki = w->k + (size_t)i * K;
@@ -102,10 +102,10 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
             Kd[d] = ki[d] * kda_expf(GL[d] - Gi[d]);
         }
     }
+    /* row operands, anchored on the first row n of each sub-chunk: n <= i, exponents <= 0 */
     for (int a0 = 0; a0 < L; a0 += LM_KDA_SUBCHUNK) {
         const int a1 = a0 + LM_KDA_SUBCHUNK < L ? a0 + LM_KDA_SUBCHUNK : L;
         const float *Gn = w->G + (size_t)a0 * K;
-        /* row operands, anchored on the block's first row n = a0 <= i (exponents <= 0) */
         for (int i = a0; i < a1; i++) {
             const float *Gi = w->G + (size_t)i * K;
             float *Er = w->Er + (size_t)i * K, *Kr = w->Kr + (size_t)i * K, *Qr = w->Qr + (size_t)i * K;
@@ -115,6 +115,15 @@ void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
                 Qr[d] = w->q[(size_t)i * K + d] * Er[d];
             }
         }
+    }
+}
+
+void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored) {
+    // q, k, G are (L,K); Bkk, Akk, Aqk are (L,L); W is (L,K); U is (L,V)
+    const int K = w->K, V = w->V, C = w->C;
+    kda_chunk_operands(w, L);
+    for (int a0 = 0; a0 < L; a0 += LM_KDA_SUBCHUNK) {
+        const int a1 = a0 + LM_KDA_SUBCHUNK < L ? a0 + LM_KDA_SUBCHUNK : L;
         /* column operands: j < n always; j in [n, a1) too on the factored path
          * (exponents in [0, 15|g_min|], finite for g_min >= -5) */
         kda_chunk_columns(w, a0, factored ? a1 : a0);

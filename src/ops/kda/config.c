@@ -108,7 +108,7 @@ size_t lm_kda_workspace_bytes(const lm_kda_config *cfg) {
     if (kda_check_config(cfg, 1)) return 0;
     size_t nchunks = ((size_t)cfg->T + cfg->chunk - 1) / cfg->chunk;
     size_t per_thread = kda_ws_floats(cfg->chunk, cfg->K, cfg->V, 1) +
-                        nchunks * (size_t)cfg->K * cfg->V;
+                        nchunks * ((size_t)cfg->K * cfg->V + kda_chunk_cache_floats(cfg->chunk, cfg->K, cfg->V));
     size_t partial = (size_t)cfg->B * cfg->H * (1 + (size_t)cfg->K);
     return ((size_t)omp_get_max_threads() * per_thread + partial) * sizeof(float);
 }

@@ -155,6 +155,12 @@ typedef struct {
     float *gtmp, *dKr, *dQr;            /* [K] */
 } kda_chunk_ws;
 
+/* Floats the backward keeps per chunk from its forward pass: Bkk, Aqk [C][C],
+ * W [C][K], U and V' [C][V] (the state entering the chunk comes on top). */
+static inline size_t kda_chunk_cache_floats(int C, int K, int V) {
+    return 2 * (size_t)C * C + (size_t)C * K + 2 * (size_t)C * V;
+}
+
 /* Floats needed by one thread's workspace. */
 size_t kda_ws_floats(int C, int K, int V, int backward);
 /* Point the workspace's arrays into base (kda_ws_floats(...) floats). */
@@ -163,7 +169,9 @@ void kda_ws_carve(kda_chunk_ws *w, float *base, int C, int K, int V, int backwar
 /* Load rows t0 .. t0+L-1 of the pair (b, h): q, k, v, beta, u, and G. */
 void kda_chunk_load(const lm_kda_config *cfg, const lm_kda_inputs *in, int b, int h, int t0,
                     int L, float eA, kda_chunk_ws *w);
-/* Intra-chunk scores, WY/UT transform: Er, Kr, Qr, Bkk, Akk, Aqk, W, U, eG, Kd. */
+/* The exponent operands of a loaded chunk: eG, Kd and the anchored row operands Er, Kr, Qr. */
+void kda_chunk_operands(kda_chunk_ws *w, int L);
+/* Operands, intra-chunk scores and the WY/UT transform: also Bkk, Akk, Aqk, W, U. */
 void kda_chunk_prepare(kda_chunk_ws *w, int L, int factored);
 /* V' = U - W S; if o != NULL: o rows (stride ostride) = scale (Qg S + Aqk V');
  * then, if update_state, S <- Diag(e^{G_L}) S + Kd^T V'. */
