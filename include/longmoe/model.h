@@ -85,6 +85,15 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 /* Auxiliary balance loss of the last forward (0 unless balance = aux). */
 float lm_model_aux_loss(const lm_model *m);
 
+/* Wall time spent by component since the last reset (forward + backward). */
+typedef enum {
+    LM_TIME_KDA = 0, LM_TIME_ATTENTION, LM_TIME_MOE, LM_TIME_DENSE_FFN, LM_TIME_ATTNRES, LM_TIME_NORMS,
+    LM_TIME_LM_HEAD, LM_TIME_COUNT
+} lm_time_part;
+const char *lm_time_part_name(lm_time_part p);
+void lm_model_timings(const lm_model *m, double seconds[LM_TIME_COUNT]);
+void lm_model_reset_timings(lm_model *m);
+
 /* The optimizer's view of the parameters: one lm_param per tensor, pointing
  * into the model's blocks (n = lm_model_num_tensors). */
 void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which);

@@ -48,6 +48,10 @@ typedef struct {
     float val_loss;        /* last evaluation (NaN if none) */
     float val_answer_acc;  /* accuracy at the task's answer positions */
     int64_t skipped;       /* steps skipped for non-finite values */
+    /* timing of the steps of this call (evaluation and checkpoints excluded) */
+    double step_seconds, optimizer_seconds;
+    double component_seconds[LM_TIME_COUNT]; /* forward + backward by component */
+    int64_t tokens;
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);

@@ -61,6 +61,7 @@ struct lm_model {
     int32_t *tokens, *targets;
     int have_targets;
     float aux_loss;
+    double seconds[LM_TIME_COUNT];
     /* residual stream */
     lm_attnres_state ar;
     void *ar_workspace;
@@ -487,6 +488,26 @@ void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer
     }
 }
 
+static const char *const time_names[LM_TIME_COUNT] = {"kda", "attention", "moe", "dense ffn", "attnres",
+                                                      "embedding + norms", "lm head"};
+const char *lm_time_part_name(lm_time_part p) { return (unsigned)p < LM_TIME_COUNT ? time_names[p] : "?"; }
+void lm_model_timings(const lm_model *m, double seconds[LM_TIME_COUNT]) {
+    memcpy(seconds, m->seconds, sizeof m->seconds);
+}
+void lm_model_reset_timings(lm_model *m) { memset(m->seconds, 0, sizeof m->seconds); }
+
+/* Charge the time since *t0 to `part` and restart the clock. */
+static void charge(lm_model *m, lm_time_part part, double *t0) {
+    double t = lm_time_seconds();
+    m->seconds[part] += t - *t0;
+    *t0 = t;
+}
+
+static lm_time_part sublayer_part(const layer_state *ls, int idx) {
+    if (idx % 2 == 0) return ls->mixer == LM_MIXER_KDA ? LM_TIME_KDA : LM_TIME_ATTENTION;
+    return ls->moe ? LM_TIME_MOE : LM_TIME_DENSE_FFN;
+}
+
 /* ---- the dense FFN ---- */
 
 static void dense_ffn_forward(const lm_model *m, layer_state *ls, const float *x, float *y) {
@@ -536,8 +557,10 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         if (tokens[i] < 0 || tokens[i] >= V)
             return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
                             tokens[i], (long long)i, V);
+    double t0 = lm_time_seconds();
     const float *E = m->params + m->embed_off;
     for (int64_t i = 0; i < N; i++) memcpy(m->x0 + i * d, E + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
+    charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     TRY(lm_attnres_begin(&m->ar, m->x0));
     m->aux_loss = 0;
@@ -545,8 +568,10 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         layer_state *ls = &m->layers[idx / 2];
         float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
         TRY(lm_attnres_input(&m->ar, idx, &arp, hin));
+        charge(m, LM_TIME_ATTNRES, &t0);
         const float *w = m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
         lm_rmsnorm_forward(xn, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps);
+        charge(m, LM_TIME_NORMS, &t0);
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, m->y));
@@ -569,10 +594,14 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
             if (!isfinite(m->y[i]))
                 return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx,
                                 idx / 2, idx % 2 ? "channel mixer" : "token mixer");
+        charge(m, sublayer_part(ls, idx), &t0);
         TRY(lm_attnres_add_output(&m->ar, idx, m->y));
+        charge(m, LM_TIME_ATTNRES, &t0);
     }
     TRY(lm_attnres_final(&m->ar, &arp, m->hf));
+    charge(m, LM_TIME_ATTNRES, &t0);
     lm_rmsnorm_forward(m->hn, m->rstd_final, m->hf, m->params + m->final_norm_off, N, d, m->cfg.norm_eps);
+    charge(m, LM_TIME_NORMS, &t0);
     return LM_OK;
 }
 
@@ -592,7 +621,7 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     memcpy(m->targets, targets, (size_t)N * sizeof(int32_t));
     /* chunked cross-entropy: CE_CHUNK rows of logits at a time, log-sum-exp in fp32 */
     const float *W = m->params + m->head_off;
-    double total = 0;
+    double total = 0, t0 = lm_time_seconds();
     for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
         int rows = (int)(N - r0 < CE_CHUNK ? N - r0 : CE_CHUNK);
         lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
@@ -607,6 +636,7 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
             total += (double)(lse - z[targets[r0 + r]]);
         }
     }
+    charge(m, LM_TIME_LM_HEAD, &t0);
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
     m->have_targets = 1;
@@ -622,6 +652,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
     /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * scale / N */
     const float *W = m->params + m->head_off;
     float *dW = m->grads + m->head_off;
+    double t0 = lm_time_seconds();
     memset(m->dhn, 0, (size_t)N * d * sizeof(float));
     float s = loss_scale / (float)N;
     for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
@@ -634,9 +665,11 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         }
         lm_matmul_backward(m->dhn + r0 * d, dW, NULL, m->logits, m->hn + r0 * d, W, rows, d, V);
     }
+    charge(m, LM_TIME_LM_HEAD, &t0);
     memset(m->dhf, 0, (size_t)N * d * sizeof(float));
     lm_rmsnorm_backward(m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
                         m->rstd_final, N, d, eps);
+    charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     lm_attnres_grads arg = {NULL, NULL};
     if (m->has_attnres_params) {
@@ -644,11 +677,13 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         arg.key_norm = m->grads + m->ar_key_off;
     }
     TRY(lm_attnres_final_backward(&m->ar, &arp, m->dhf, &arg));
+    charge(m, LM_TIME_ATTNRES, &t0);
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
         memset(m->dy, 0, (size_t)N * d * sizeof(float));
         TRY(lm_attnres_output_backward(&m->ar, idx, m->dy));
+        charge(m, LM_TIME_ATTNRES, &t0);
         memset(m->dxn, 0, (size_t)N * d * sizeof(float));
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
@@ -669,14 +704,18 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
             }
             TRY(lm_moe_backward(m->dxn, &ls->moe_g, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_p, &ls->moe_a));
         }
+        charge(m, sublayer_part(ls, idx), &t0);
         memset(m->dh, 0, (size_t)N * d * sizeof(float));
         size_t off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
         lm_rmsnorm_backward(m->dh, m->grads + off, m->dxn, hin, m->params + off, m->rstd + (size_t)idx * N, N, d,
                             eps);
+        charge(m, LM_TIME_NORMS, &t0);
         TRY(lm_attnres_input_backward(&m->ar, idx, &arp, m->dh, &arg));
+        charge(m, LM_TIME_ATTNRES, &t0);
     }
     memset(m->dx0, 0, (size_t)N * d * sizeof(float));
     TRY(lm_attnres_embedding_backward(&m->ar, m->dx0));
+    charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
     float *dE = m->grads + m->embed_off;
     for (int64_t i = 0; i < N; i++) {
@@ -684,6 +723,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         const float *g = m->dx0 + i * d;
         for (int j = 0; j < d; j++) row[j] += g[j];
     }
+    charge(m, LM_TIME_NORMS, &t0);
     m->have_targets = 0;
     return LM_OK;
 }

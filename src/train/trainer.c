@@ -28,6 +28,7 @@ typedef struct {
     lm_balance_stats *stats;
     int n_moe;
     int64_t step, data_pos, skipped;
+    double eval_seconds[LM_TIME_COUNT]; /* component time spent in evaluations */
     FILE *metrics;
 } trainer;
 
@@ -384,6 +385,16 @@ static void format_eta(char *buf, size_t n, double seconds) {
     else snprintf(buf, n, "%ldm%02lds", s / 60, s % 60);
 }
 
+/* Evaluate without charging the time to the training components. */
+static lm_status evaluate(trainer *t, float *loss, float *acc) {
+    double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
+    lm_model_timings(t->model, before);
+    lm_status s = lm_evaluate(t->model, t->opt.task, t->cfg.seed, t->opt.val_batches, loss, acc);
+    lm_model_timings(t->model, after);
+    for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
+    return s;
+}
+
 static void log_eval(trainer *t, float loss, float acc) {
     if (t->metrics)
         fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n",
@@ -444,6 +455,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
     double ema_step = 0, t_start = lm_time_seconds();
     int bad_in_row = 0;
+    double opt_seconds = 0, step_seconds = 0;
+    int64_t tokens_done = 0;
+    lm_model_reset_timings(t.model);
     float last_loss = NAN, val_loss = NAN, val_acc = NAN;
     if (opt->progress && !opt->resume)
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld tokens per step, %lld steps, task %s\n",
@@ -497,11 +511,15 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         }
         bad_in_row = 0;
         float f = lm_lr_at(&sched, t.step, c->steps);
+        double t_opt = lm_time_seconds();
         if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
+        opt_seconds += lm_time_seconds() - t_opt;
         if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
         t.step++;
         last_loss = loss;
         double dt = lm_time_seconds() - t0;
+        step_seconds += dt;
+        tokens_done += tokens_per_step;
         ema_step = ema_step > 0 ? 0.9 * ema_step + 0.1 * dt : dt;
         double worst = 0;
         for (int i = 0; i < t.n_moe; i++) worst = t.stats[i].maxvio_batch > worst ? t.stats[i].maxvio_batch : worst;
@@ -530,13 +548,13 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             fflush(opt->progress);
         }
         if (c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < stop) {
-            if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
+            if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
             log_eval(&t, val_loss, val_acc);
         }
         if (c->ckpt_every > 0 && t.step % c->ckpt_every == 0 && t.step < stop)
             if ((s = save_checkpoint(&t))) goto done;
     }
-    if ((s = lm_evaluate(t.model, opt->task, c->seed, opt->val_batches, &val_loss, &val_acc))) goto done;
+    if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
     log_eval(&t, val_loss, val_acc);
     if ((s = save_checkpoint(&t))) goto done;
     if (opt->progress)
@@ -548,6 +566,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->val_loss = val_loss;
         result->val_answer_acc = val_acc;
         result->skipped = t.skipped;
+        result->step_seconds = step_seconds;
+        result->optimizer_seconds = opt_seconds;
+        result->tokens = tokens_done;
+        lm_model_timings(t.model, result->component_seconds);
+        for (int i = 0; i < LM_TIME_COUNT; i++) result->component_seconds[i] -= t.eval_seconds[i];
     }
 done:
     trainer_free(&t);
