@@ -680,6 +680,9 @@ static void test_op_route_cli_equals_the_library_update(void) {
              tmp_path("route_in.safetensors"), tmp_path("bad.safetensors"));
     CHECK(run_cli(args) == 2 && file_has("err.txt", "median"), "unknown update rule named");
     CHECK(access(tmp_path("bad.safetensors"), F_OK) != 0, "a failed run wrote no output");
+    /* without --out: the summary only */
+    snprintf(args, sizeof args, "op route --in %s --k 2 --bias-update sign", tmp_path("route_in.safetensors"));
+    CHECK(run_cli(args) == 0 && file_has("out.txt", "maxvio_batch"), "summary without --out");
     free(s);
 }
 

@@ -32,14 +32,15 @@ static const char *const moe_usage =
     "  --backward         also run the backward with dy\n";
 
 static const char *const route_usage =
-    "usage: longmoe op route --in SCORES.safetensors --out OUT.safetensors --k K [options]\n"
+    "usage: longmoe op route --in SCORES.safetensors --k K [--out OUT.safetensors] [options]\n"
     "\n"
     "Routes router scores s [m,n] (in [0,1]) with an optional bias b [n]:\n"
     "topk = argtop_k(s + b), weights = s renormalised over the chosen set, and\n"
     "optionally one balancing update of b on this batch (as at a step's end).\n"
     "Outputs: topk [m,k] I32, weights [m,k] F32, load [n] I32 (tokens per expert,\n"
     "routed with the input b), b [n] F32 (updated, or the input b without\n"
-    "--bias-update); metadata maxvio_batch. A summary line goes to stdout.\n"
+    "--bias-update); metadata maxvio_batch. A summary line goes to stdout; without\n"
+    "--out nothing is written.\n"
     "\n"
     "options:\n"
     "  --k K                         experts per token, 1..16\n"
@@ -322,8 +323,8 @@ int cmd_op_route(int argc, char **argv) {
             return 2;
         }
     }
-    if (!in_path || !out_path || !k) {
-        fprintf(stderr, "longmoe %s: --in, --out and --k are required\n%s", cmd, route_usage);
+    if (!in_path || !k) {
+        fprintf(stderr, "longmoe %s: --in and --k are required\n%s", cmd, route_usage);
         return 2;
     }
     if (exact && zoom) return cli_fail(cmd, "--exact and --zoom are two estimators: pick one") + 1;
@@ -379,7 +380,7 @@ int cmd_op_route(int argc, char **argv) {
     if (!e) e = lm_st_writer_add(w, "load", LM_DTYPE_I32, 1, sn, stats.load);
     if (!e) e = lm_st_writer_add(w, "b", LM_DTYPE_F32, 1, sn, bal.bias);
     if (!e) e = lm_st_writer_set_metadata(w, "maxvio_batch", mv);
-    if (!e) e = lm_st_writer_save(w, out_path);
+    if (!e && out_path) e = lm_st_writer_save(w, out_path);
     if (e) {
         cli_fail(cmd, "%s", lm_last_error());
         goto done;
