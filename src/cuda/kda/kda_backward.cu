@@ -1,99 +1,8 @@
-// KDA backward on Hopper: the reverse state kernel (dS recurrence, dV') and
-// the intra-chunk gradient kernel (dq, dk, dv, dbeta, dz, dA_log, ddt_bias).
+// KDA backward on Hopper: the intra-chunk gradient kernel (dq, dk, dv, dbeta, dz, dA_log, ddt_bias).
 // Derivation in docs/cuda.md; forward equations in SPEC §2 "Chunked form".
 #include "kda_common.cuh"
 
 namespace lmkda {
-
-// One block per (value tile, sequence*head), chunks in reverse. With
-// dO' = scale dO and dS the gradient of the chunk's outgoing state:
-//   dV' = Kd dS + Aqk^T dO'
-//   dS_in = e^{G_C} dS + Qg^T dO' - W^T dV'
-// Stores dS per chunk (dh), dV' (dvn) and the gradient of h0.
-template <int D>
-__global__ void __launch_bounds__(128) kda_bwd_state_kernel(Params p) {
-    // dS [D][VT] fp32 in shared memory; d_o [B,T,H,D]
-    constexpr int NT = 128, LDS = VT + 4, LDB = VT + 8, TJ = VT / 16;
-    extern __shared__ __align__(128) unsigned char smem[];
-    float *sdS = reinterpret_cast<float *>(smem);            // [D][LDS]
-    bf16 *sdSb = reinterpret_cast<bf16 *>(sdS + D * LDS);    // [D][LDB]
-    float *sdVn = reinterpret_cast<float *>(sdSb + D * LDB); // [64][LDS]
-    bf16 *sdVnb = reinterpret_cast<bf16 *>(sdVn + CH * LDS); // [64][LDB]
-    bf16 *sdO = sdVnb + CH * LDB;                            // [64][LDB]
-    float *sGe = reinterpret_cast<float *>(sdO + CH * LDB);
-    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-    const int tid = threadIdx.x, warp = tid >> 5;
-    const size_t rs = (size_t)p.H * D;
-
-    for (int idx = tid; idx < D * VT; idx += NT) {
-        int d = idx / VT, j = idx % VT;
-        sdS[d * LDS + j] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-    }
-    __syncthreads();
-    for (int n = p.N - 1; n >= 0; n--) {
-        const size_t c = (size_t)bh * p.N + n;
-        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        const bf16 *w = p.w + c * CH * D, *qg = p.qg + c * CH * D, *kd = p.kd + c * CH * D;
-        const bf16 *aqk = p.aqk + c * CH * CH;
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            bf16 sb = __float2bfloat16(sdS[d * LDS + j]);
-            sdSb[d * LDB + j] = sb;
-            p.dh[c * D * D + (size_t)d * D + v0 + j] = sb;
-        }
-        for (int d = tid; d < D; d += NT) sGe[d] = p.gexp[c * D + d];
-        for (int idx = tid; idx < CH * VT; idx += NT) {
-            int i = idx / VT, j = idx % VT;
-            float g = i < nvalid ? __bfloat162float(
-                                       p.d_o[((size_t)b * p.T + t0 + i) * rs + (size_t)h * D + v0 + j])
-                                 : 0.f;
-            sdO[i * LDB + j] = __float2bfloat16(p.scale * g);
-        }
-        __syncthreads();
-
-        // dV' = Kd dS + Aqk^T dO'
-#pragma unroll
-        for (int q = 0; q < TJ; q++) {
-            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            FragC acc;
-            wmma::fill_fragment(acc, 0.f);
-            mma_tile<RM, RM>(acc, kd + i0 * D, D, sdSb + j0, LDB, D / 16);
-            mma_tile<CM, RM>(acc, aqk + i0, CH, sdO + j0, LDB, CH / 16);
-            wmma::store_matrix_sync(sdVn + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-        }
-        __syncthreads();
-        for (int idx = tid; idx < CH * VT; idx += NT) {
-            int i = idx / VT, j = idx % VT;
-            bf16 vb = __float2bfloat16(sdVn[i * LDS + j]);
-            sdVnb[i * LDB + j] = vb;
-            p.dvn[c * CH * D + (size_t)i * D + v0 + j] = vb;
-        }
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            sdS[d * LDS + j] *= sGe[d];
-        }
-        __syncthreads();
-
-        // dS_in = e^{G_C} dS + Qg^T dO' - W^T dV'
-        for (int ts = warp; ts < (D / 16) * TJ; ts += NT / 32) {
-            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
-            FragC acc, accW;
-            wmma::load_matrix_sync(acc, sdS + d0 * LDS + j0, LDS, wmma::mem_row_major);
-            mma_tile<CM, RM>(acc, qg + d0, D, sdO + j0, LDB, CH / 16);
-            wmma::fill_fragment(accW, 0.f);
-            mma_tile<CM, RM>(accW, w + d0, D, sdVnb + j0, LDB, CH / 16);
-#pragma unroll
-            for (int e = 0; e < acc.num_elements; e++) acc.x[e] -= accW.x[e];
-            wmma::store_matrix_sync(sdS + d0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-        }
-        __syncthreads();
-    }
-    if (p.dh0)
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            p.dh0[((size_t)bh * D + d) * D + v0 + j] = sdS[d * LDS + j];
-        }
-}
 
 // Shared memory of the intra-chunk gradient kernel, in bytes: persistent
 // buffers, then six regions of RSZ bytes and one of [64][72] bf16, reused
@@ -104,7 +13,7 @@ template <int D> __host__ __device__ constexpr size_t bwd_region() {
 }
 template <int D> __host__ __device__ constexpr size_t bwd_intra_smem() {
     return (size_t)CH * D * 4 + (size_t)CH * (D + 4) * 4 + (size_t)2 * CH * (D + 8) * 2 +
-           (size_t)(2 * CH + D + 32) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2;
+           (size_t)(3 * CH + D) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2;
 }
 
 // One block per (chunk, sequence*head). Each thread owns column d = tid % D
@@ -122,7 +31,8 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     float *sBeta = reinterpret_cast<float *>(sK + CH * LD); // [64]
     float *sdBeta = sBeta + CH;                             // [64]
     float *sdGC = sdBeta + CH;                              // [D] gradient of G_C
-    unsigned char *R = reinterpret_cast<unsigned char *>(sdGC + D + 32);
+    float *sdAqkDiag = sdGC + D;                            // [64] diagonal of dAqk
+    unsigned char *R = reinterpret_cast<unsigned char *>(sdAqkDiag + CH);
     constexpr size_t RSZ = bwd_region<D>();
     // Regions (phase 1-2 use / phase 3-4 reuse):
     bf16 *sdO = reinterpret_cast<bf16 *>(R);               // R0: dO' -> dM -> key operand
@@ -310,10 +220,13 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
         int r = r0 + RSTEP * i;
         if (r < nvalid) p.dv[base + r * rs + d] = __float2bfloat16(sStage[r * LDS + d]);
     }
-    // dAqk to bf16 (R5; M is dead), lower triangle selected
+    // dAqk to bf16 (R5; M is dead), strictly lower triangle selected; the
+    // diagonal (e^{G_i-G_i} = 1) stays fp32 and is applied exactly in phase 4,
+    // where its dG terms q_i dA_ii k_i - k_i dA_ii q_i cancel exactly.
     for (int idx = tid; idx < CH * CH; idx += NT) {
         int i = idx / CH, j = idx % CH;
-        sdAqkb[i * LDM + j] = __float2bfloat16(j <= i ? sdAqk[i * LDA + j] : 0.f);
+        sdAqkb[i * LDM + j] = __float2bfloat16(j < i ? sdAqk[i * LDA + j] : 0.f);
+        if (i == j) sdAqkDiag[i] = sdAqk[i * LDA + i];
     }
     // M = X Diag(beta): dbeta_j += sum_i dM_ij X_ij; dX = dM Diag(beta) in place
     if (tid < CH) {
@@ -405,28 +318,28 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
                 // Softplus fallback: the diagonal block per position pair
                 for (int jj = 0; jj < SUB; jj++) {
                     const int j = n0 + jj;
-                    if (j <= r) {
+                    if (j < r) {
                         float e = __expf(Gr - sG[j * D + d]);
                         float kj = __bfloat162float(sK[j * LD + d]) * e;
                         rq += __bfloat162float(sdAqkb[r * LDM + j]) * kj;
-                        if (j < r) rk += __bfloat162float(sdAkkb[r * CH + j]) * kj;
+                        rk += __bfloat162float(sdAkkb[r * CH + j]) * kj;
                     }
-                    if (j >= r) {
+                    if (j > r) {
                         float e = __expf(sG[j * D + d] - Gr);
                         cq += __bfloat162float(sdAqkb[j * LDM + r]) *
                               __bfloat162float(sQ[j * LD + d]) * e;
-                        if (j > r)
-                            ck += __bfloat162float(sdAkkBb[j * CH + r]) *
-                                  __bfloat162float(sK[j * LD + d]) * e;
+                        ck += __bfloat162float(sdAkkBb[j * CH + r]) *
+                              __bfloat162float(sK[j * LD + d]) * e;
                     }
                 }
             }
             const float qv = __bfloat162float(sQ[r * LD + d]);
             const float kv = __bfloat162float(sK[r * LD + d]);
             const float br = sBeta[r];
-            dq[i] += rq;
+            const float dii = sdAqkDiag[r];
+            dq[i] += rq + dii * kv;
             dG[i] += qv * rq;
-            dk[i] += br * rk + cq + ck;
+            dk[i] += br * rk + cq + ck + dii * qv;
             dG[i] += br * kv * rk - kv * (cq + ck);
             // one row per warp and iteration: reduce dbeta over the warp's columns
             float part = kv * rk;
@@ -472,14 +385,6 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
     if (lane == 0) atomicAdd(&p.dA_log[h], dA);
     if (tid < nvalid) p.dbeta[((size_t)b * p.T + t0 + tid) * p.H + h] = sdBeta[tid];
-}
-
-cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s) {
-    dim3 grid(D / VT, p.B * p.H);
-    size_t sm128 = state_smem<128>() + (size_t)CH * (VT + 8) * 2;
-    size_t sm64 = state_smem<64>() + (size_t)CH * (VT + 8) * 2;
-    if (D == 128) return launch_with_smem(kda_bwd_state_kernel<128>, grid, 128, sm128, s, p);
-    return launch_with_smem(kda_bwd_state_kernel<64>, grid, 128, sm64, s, p);
 }
 
 cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {

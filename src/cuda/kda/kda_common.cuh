@@ -58,8 +58,9 @@ __device__ __forceinline__ void kda_gate_grad(float z, float a_exp, float bias, 
                                               float g_min, float *dg_dz, float *dg_dA) {
     float x = z + bias;
     if (bounded) {
-        float s = 1.f / (1.f + __expf(-a_exp * x));
-        float d = g_min * s * (1.f - s) * a_exp;
+        // sigma(y) sigma(-y) = e^{-|y|} / (1 + e^{-|y|})^2: no 1 - sigma cancellation
+        float e = __expf(-fabsf(a_exp * x)), s = 1.f / (1.f + e);
+        float d = g_min * e * s * s * a_exp;
         *dg_dz = d;
         *dg_dA = d * x;
     } else {
@@ -132,14 +133,7 @@ static cudaError_t launch_with_smem(Kern kern, dim3 grid, dim3 block, size_t sme
     return cudaGetLastError();
 }
 
-// Shared memory of the state kernels (one block per 32 value columns) (forward and backward), in bytes.
-constexpr int VT = 32; // value columns per block
-template <int D> constexpr size_t state_smem() {
-    return (size_t)D * (VT + 4) * 4 + (size_t)D * (VT + 8) * 2 + (size_t)CH * (VT + 4) * 4 +
-           (size_t)2 * CH * (VT + 8) * 2 + (size_t)D * 4;
-}
-
-// Launchers (kda_forward.cu, kda_backward.cu). They return the launch error.
+// Launchers (kda_forward.cu, kda_state.cu, kda_backward.cu). They return the launch error.
 cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
                              cudaStream_t s);
 cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s);

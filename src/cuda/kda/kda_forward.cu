@@ -1,6 +1,6 @@
 // KDA forward on Hopper: the intra-chunk kernel (gate, cumulative sums,
-// sub-chunk products, triangular inverse, W and U), the inter-chunk state
-// kernel (state recurrence and output) and the one-token decode step.
+// sub-chunk products, triangular inverse, W and U) and the one-token decode
+// step. The inter-chunk state kernels are in kda_state.cu.
 // SPEC §2 "Chunked form"; docs/cuda.md has the data flow.
 #include "kda_common.cuh"
 
@@ -13,7 +13,7 @@ template <int D> constexpr size_t fwd_intra_smem() {
            + (size_t)2 * SUB * (D + 8) * 2    // query-side operands
            + (size_t)3 * CH * (CH + 4) * 4    // Aqk, Akk, X
            + (size_t)CH * (CH + 8) * 2        // M in bf16
-           + (size_t)8 * 16 * 20 * 4          // per-warp staging
+           + (size_t)16 * 16 * 20 * 4         // per-warp staging (16 warps)
            + (size_t)CH * 4;                  // beta
 }
 
@@ -21,9 +21,9 @@ template <int D> constexpr size_t fwd_intra_smem() {
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
 // backward, X = (I + Akk)^{-1}.
 template <int D, bool FACTORED>
-__global__ void __launch_bounds__(256) kda_fwd_intra_kernel(Params p, int save_x) {
+__global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x) {
     // q, k, v, z are [B,T,H,D]; beta [B,T,H]; this block owns chunk n of (b, h)
-    constexpr int NT = 256, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
+    constexpr int NT = 512, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
     extern __shared__ __align__(128) unsigned char smem[];
     float *sG = reinterpret_cast<float *>(smem);      // [64][D]
     bf16 *sQ = reinterpret_cast<bf16 *>(sG + CH * D); // [64][LD]
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(256) kda_fwd_intra_kernel(Params p, int save_x
     float *sX = sAkk + CH * LDA;
     bf16 *sMb = reinterpret_cast<bf16 *>(sX + CH * LDA); // [64][LDM]
     float *sStage = reinterpret_cast<float *>(sMb + CH * LDM);
-    float *sBeta = sStage + 8 * 16 * 20;
+    float *sBeta = sStage + (NT / 32) * 16 * 20;
 
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(256) kda_fwd_intra_kernel(Params p, int save_x
             wmma::store_matrix_sync((mat ? sAkk : sAqk) + n0 * LDA + t * SUB, acc, LDA,
                                     wmma::mem_row_major);
         }
-        if (!FACTORED) {
+        if (!FACTORED && tid < SUB * SUB) {
             // Softplus fallback: the diagonal block per position pair, e^{G_i-G_j} <= 1
             int i = tid / SUB, j = tid % SUB;
             float aq = 0.f, ak = 0.f;
@@ -208,98 +208,6 @@ __global__ void __launch_bounds__(256) kda_fwd_intra_kernel(Params p, int save_x
 }
 
 
-// One block per (value tile of 32 columns, sequence*head), sequential over
-// chunks: V' = U - W S; O = scale (Qg S + Aqk V'); S = e^{G_C} S + Kd^T V'.
-// SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
-template <int D, bool SAVE>
-__global__ void __launch_bounds__(128) kda_fwd_state_kernel(Params p) {
-    // state S [D][VT] fp32 in shared memory; w, qg, kd [c][64][D]; aqk [c][64][64]
-    constexpr int NT = 128, LDS = VT + 4, LDB = VT + 8, TJ = VT / 16;
-    extern __shared__ __align__(128) unsigned char smem[];
-    float *sS = reinterpret_cast<float *>(smem);          // [D][LDS]
-    bf16 *sSb = reinterpret_cast<bf16 *>(sS + D * LDS);   // [D][LDB]
-    float *sVn = reinterpret_cast<float *>(sSb + D * LDB); // [64][LDS]
-    bf16 *sVnb = reinterpret_cast<bf16 *>(sVn + CH * LDS); // [64][LDB]
-    float *sGe = reinterpret_cast<float *>(sVnb + 2 * CH * LDB);
-    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-    const int tid = threadIdx.x, warp = tid >> 5;
-    const size_t rs = (size_t)p.H * D;
-
-    for (int idx = tid; idx < D * VT; idx += NT) {
-        int d = idx / VT, j = idx % VT;
-        sS[d * LDS + j] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-    }
-    __syncthreads();
-    for (int n = 0; n < p.N; n++) {
-        const size_t c = (size_t)bh * p.N + n;
-        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        const bf16 *w = p.w + c * CH * D, *qg = p.qg + c * CH * D, *kd = p.kd + c * CH * D;
-        const bf16 *u = p.u + c * CH * D, *aqk = p.aqk + c * CH * CH;
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            bf16 sb = __float2bfloat16(sS[d * LDS + j]);
-            sSb[d * LDB + j] = sb;
-            if (SAVE) p.h[c * D * D + (size_t)d * D + v0 + j] = sb;
-        }
-        for (int d = tid; d < D; d += NT) sGe[d] = p.gexp[c * D + d];
-        __syncthreads();
-
-        // W S into staging; Qg S kept in registers
-        FragC accO[4 * TJ / 4];
-#pragma unroll
-        for (int q = 0; q < TJ; q++) {
-            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            FragC accW;
-            wmma::fill_fragment(accW, 0.f);
-            mma_tile<RM, RM>(accW, w + i0 * D, D, sSb + j0, LDB, D / 16);
-            wmma::store_matrix_sync(sVn + i0 * LDS + j0, accW, LDS, wmma::mem_row_major);
-            wmma::fill_fragment(accO[q], 0.f);
-            mma_tile<RM, RM>(accO[q], qg + i0 * D, D, sSb + j0, LDB, D / 16);
-        }
-        __syncthreads();
-
-        // V' = U - W S (values not yet explained by the state); S = e^{G_C} S
-        for (int idx = tid; idx < CH * VT; idx += NT) {
-            int i = idx / VT, j = idx % VT;
-            bf16 vb = __float2bfloat16(__bfloat162float(u[i * D + v0 + j]) - sVn[i * LDS + j]);
-            sVnb[i * LDB + j] = vb;
-            if (SAVE) p.vn[c * CH * D + (size_t)i * D + v0 + j] = vb;
-        }
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            sS[d * LDS + j] *= sGe[d];
-        }
-        __syncthreads();
-
-        // O = scale (Qg S + Aqk V')
-#pragma unroll
-        for (int q = 0; q < TJ; q++) {
-            int tv = warp + 4 * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            mma_tile<RM, RM>(accO[q], aqk + i0 * CH, CH, sVnb + j0, LDB, CH / 16);
-            if (p.o) {
-                wmma::store_matrix_sync(sVn + i0 * LDS + j0, accO[q], LDS, wmma::mem_row_major);
-                __syncwarp();
-                bf16 *dst = p.o + ((size_t)b * p.T + t0 + i0) * rs + (size_t)h * D + v0 + j0;
-                store_tile_bf16(dst, rs, sVn + i0 * LDS + j0, LDS, nvalid - i0, p.scale);
-            }
-        }
-        // S += (K e^{G_C - G})^T V'
-        for (int ts = warp; ts < (D / 16) * TJ; ts += NT / 32) {
-            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
-            FragC accS;
-            wmma::load_matrix_sync(accS, sS + d0 * LDS + j0, LDS, wmma::mem_row_major);
-            mma_tile<CM, RM>(accS, kd + d0, D, sVnb + j0, LDB, CH / 16);
-            wmma::store_matrix_sync(sS + d0 * LDS + j0, accS, LDS, wmma::mem_row_major);
-        }
-        __syncthreads();
-    }
-    if (p.ht)
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            p.ht[((size_t)bh * D + d) * D + v0 + j] = sS[d * LDS + j];
-        }
-}
-
 // One decode token: one block per (sequence, head), one thread per value
 // column. S = e^g S; S += beta k (v - S^T k)^T; o = scale S^T q (SPEC §2).
 template <int D> __global__ void kda_decode_kernel(Params p, float *state) {
@@ -339,7 +247,7 @@ cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
         cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                              (int)sm);                                      \
         if (e != cudaSuccess) return e;                                                     \
-        kern<<<grid, 256, sm, s>>>(p, sx);                                                  \
+        kern<<<grid, 512, sm, s>>>(p, sx);                                                  \
         return cudaGetLastError();                                                          \
     }
     if (D == 128) {
@@ -348,19 +256,6 @@ cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
         if (factored) LM_INTRA(64, true) else LM_INTRA(64, false)
     }
 #undef LM_INTRA
-}
-
-cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s) {
-    dim3 grid(D / VT, p.B * p.H);
-    if (D == 128)
-        return save ? launch_with_smem(kda_fwd_state_kernel<128, true>, grid, 128,
-                                       state_smem<128>(), s, p)
-                    : launch_with_smem(kda_fwd_state_kernel<128, false>, grid, 128,
-                                       state_smem<128>(), s, p);
-    return save ? launch_with_smem(kda_fwd_state_kernel<64, true>, grid, 128, state_smem<64>(),
-                                   s, p)
-                : launch_with_smem(kda_fwd_state_kernel<64, false>, grid, 128, state_smem<64>(),
-                                   s, p);
 }
 
 cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s) {
