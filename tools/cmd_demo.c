@@ -1,7 +1,8 @@
-/* `longmoe demo`: what `make demo` shows. Until the model trains, it runs the
- * KDA operator on random inputs: the chunked form equals the recurrent
- * definition, and the bounded gate's factored diagonal path is timed against
- * the per-pair fallback of the softplus gate. */
+/* `longmoe demo`: what `make demo` shows. First the KDA operator on random
+ * inputs (the chunked form equals the recurrent definition; the bounded gate's
+ * factored diagonal path timed against the softplus fallback), then the tiny
+ * preset trained on the built-in copy task, ending with a checkpoint and the
+ * model copying a string it never saw. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include "check.h"
 #include "cli.h"
 #include "longmoe/kda.h"
+#include "longmoe/train.h"
 
 static void fill_normal(lm_rng *r, float *x, size_t n, float s) {
     for (size_t i = 0; i < n; i++) x[i] = s * (float)lm_rng_normal(r);
@@ -43,13 +45,7 @@ static int die_status(const char *what) {
     return cli_fail("demo", "%s: %s", what, lm_last_error());
 }
 
-int cmd_demo(int argc, char **argv) {
-    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))) {
-        printf("usage: longmoe demo\n\nRuns the KDA operator on random inputs: chunked = recurrent, "
-               "and the cost of the bounded gate's\nfast path against the softplus fallback.\n");
-        return 0;
-    }
-    if (argc > 1) return cli_fail("demo", "unknown option '%s'", argv[1]) + 1;
+static int demo_kda(void) {
     const int B = 1, T = 2048, H = 4, K = 64, V = 64;
     size_t nk = (size_t)B * T * H * K, nv = (size_t)B * T * H * V, ns = (size_t)B * H * K * V;
     lm_rng rng;
@@ -125,11 +121,80 @@ int cmd_demo(int argc, char **argv) {
         if (variant < 2) printf("%-44s %12.1f %14.1f\n", names[variant], f[variant], fb[variant]);
         else printf("%-44s %12.1f %14s\n", names[variant], f[variant], "-");
     }
-    printf("\nsoftplus fallback / bounded fast path: forward %.2fx, forward+backward %.2fx\n",
+    printf("\nsoftplus fallback / bounded fast path: forward %.2fx, forward+backward %.2fx\n\n",
            f[1] / f[0], fb[1] / fb[0]);
     free(q); free(k); free(v); free(z); free(beta); free(A_log); free(dt_bias); free(h0); free(d_o);
     free(o_rec); free(o_chunk); free(ht_rec); free(ht_chunk);
     free(g.dq); free(g.dk); free(g.dv); free(g.dz); free(g.dbeta); free(g.dA_log); free(g.ddt_bias);
     free(g.dh0);
     return worst_ok ? 0 : 1;
+}
+
+/* Greedy continuation of `prompt` by the model (B = 1) until a newline. */
+static int complete(lm_model *m, const char *prompt, char *out, size_t n) {
+    const lm_config *c = lm_model_config(m);
+    int T = c->seq_len, V = c->vocab_size, len = (int)strlen(prompt);
+    int32_t *tok = callocCheck((size_t)T, sizeof *tok);
+    float *logits = mallocCheck((size_t)T * V * sizeof *logits);
+    for (int i = 0; i < T; i++) tok[i] = i < len ? (unsigned char)prompt[i] : '\n';
+    size_t k = 0;
+    int rc = 0;
+    while (len < T && k + 1 < n) {
+        /* causal: the logits at len-1 depend only on the first len tokens */
+        if (lm_model_logits(m, tok, logits)) {
+            rc = 1;
+            break;
+        }
+        const float *z = logits + (size_t)(len - 1) * V;
+        int arg = 0;
+        for (int v = 1; v < V; v++) arg = z[v] > z[arg] ? v : arg;
+        if (arg == '\n') break;
+        out[k++] = (char)(arg >= 32 && arg < 127 ? arg : '?');
+        tok[len++] = arg;
+    }
+    out[k] = 0;
+    free(tok);
+    free(logits);
+    return rc;
+}
+
+int cmd_demo(int argc, char **argv) {
+    const char *config = "configs/tiny.json", *out = "out/demo";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: longmoe demo [--config C] [--out DIR]\n\n"
+                   "1. runs the KDA operator on random inputs: chunked = recurrent, and the cost of the\n"
+                   "   bounded gate's fast path against the softplus fallback;\n"
+                   "2. trains C (default configs/tiny.json) on the built-in copy task into DIR (default\n"
+                   "   out/demo) and shows the model copying a string it never saw.\n");
+            return 0;
+        } else if (!strcmp(argv[i], "--config") && i + 1 < argc) {
+            config = argv[++i];
+        } else if (!strcmp(argv[i], "--out") && i + 1 < argc) {
+            out = argv[++i];
+        } else {
+            return cli_fail("demo", "unknown option '%s' (see --help)", argv[i]) + 1;
+        }
+    }
+    if (demo_kda()) return 1;
+    lm_config cfg;
+    if (lm_config_load(config, &cfg)) return cli_fail("demo", "%s", lm_last_error());
+    printf("training %s on the copy task (\"<letters>|<the same letters>\\n\", repeated); the second copy\n"
+           "is predictable only by looking back: its accuracy shows what the model learned\n\n", config);
+    lm_train_options opt = lm_train_options_default(out);
+    lm_train_result r;
+    if (lm_train(&cfg, &opt, &r)) return cli_fail("demo", "%s", lm_last_error());
+    char dir[1100], got[64];
+    snprintf(dir, sizeof dir, "%s/checkpoint-%08lld", out, (long long)r.step);
+    lm_model *m = NULL;
+    lm_config saved;
+    if (lm_checkpoint_load_model(dir, 1, 0, &saved, &m)) return cli_fail("demo", "%s", lm_last_error());
+    const char *prompt = "kimi|kimi\nlongmoe|";
+    int rc = complete(m, prompt, got, sizeof got);
+    lm_model_free(m);
+    if (rc) return cli_fail("demo", "%s", lm_last_error());
+    printf("\nwhat the model learned: held-out copy accuracy %.1f%% (chance: 1/26 = 3.8%%); given\n"
+           "  \"kimi|kimi\\nlongmoe|\"  it writes  \"%s\"  (a string it never saw)\n", 100.0 * r.val_answer_acc, got);
+    printf("checkpoint: %s (model.safetensors, config.json, trainer state); metrics: %s/metrics.jsonl\n", dir, out);
+    return 0;
 }

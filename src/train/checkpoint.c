@@ -74,13 +74,22 @@ static int remove_tree(const char *dir) {
     return rmdir(dir);
 }
 
+/* mkdir -p */
 lm_status lm_ensure_dir(const char *dir) {
     struct stat sb;
     if (stat(dir, &sb) == 0) {
         if (!S_ISDIR(sb.st_mode)) return lm_error(LM_ERR_IO, "'%s' exists and is not a directory", dir);
         return LM_OK;
     }
-    if (mkdir(dir, 0755) != 0)
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", dir);
+    char *slash = strrchr(parent, '/');
+    if (slash && slash != parent) {
+        *slash = 0;
+        lm_status s = lm_ensure_dir(parent);
+        if (s) return s;
+    }
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return lm_error(LM_ERR_IO, "cannot create directory '%s': %s", dir, strerror(errno));
     return LM_OK;
 }

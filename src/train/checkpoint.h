@@ -9,7 +9,7 @@
 
 lm_status lm_read_text_file(const char *path, char **out, size_t *len);
 lm_status lm_write_text_atomic(const char *path, const char *text);
-lm_status lm_ensure_dir(const char *dir);
+lm_status lm_ensure_dir(const char *dir); /* mkdir -p */
 /* Create run_dir/checkpoint-<step>.tmp (removing a torn one); its path goes to tmp_dir. */
 lm_status lm_checkpoint_begin(const char *run_dir, int64_t step, char *tmp_dir, size_t n);
 /* Rename it to checkpoint-<step>, point `latest` at it, keep the newest `keep`. */
