@@ -176,6 +176,33 @@ static void test_bad_tokens_are_rejected_by_position(void) {
     lm_model_free(m);
 }
 
+static void test_qk_clip_bounds_the_largest_logit(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 21);
+    /* blow up the query up-projection so logits exceed tau */
+    const lm_model_tensor *uq = lm_model_find(m, "layers.1.mla.W_uq");
+    CHECK(uq != NULL, "W_uq");
+    if (!uq) return;
+    for (size_t i = 0; i < uq->numel; i++) lm_model_params(m)[uq->offset + i] *= 400.0f;
+    lm_rng r;
+    lm_rng_seed(&r, 22);
+    int32_t tok[B * T], tgt[B * T];
+    random_tokens(&r, tok, B * T, c.vocab_size);
+    random_tokens(&r, tgt, B * T, c.vocab_size);
+    float loss, before, after;
+    int clipped;
+    CHECK(!lm_model_forward(m, tok, tgt, 1, &loss), "%s", lm_last_error());
+    CHECK(!lm_model_qk_clip(m, 20.0f, &before, &clipped), "%s", lm_last_error());
+    CHECK(before > 20.0f && clipped >= 1, "max logit %g, clipped %d", before, clipped);
+    CHECK(!lm_model_forward(m, tok, tgt, 1, &loss), "%s", lm_last_error());
+    CHECK(!lm_model_qk_clip(m, 0.0f, &after, &clipped), "%s", lm_last_error());
+    CHECK(after <= 20.0f * 1.0001f && after > 19.0f && clipped == 0, "after the clip: %g (clipped %d)", after, clipped);
+    lm_model_free(m);
+}
+
 int main(void) {
     RUN(test_gradients_block_attnres);
     RUN(test_gradients_standard_residual);
@@ -184,5 +211,6 @@ int main(void) {
     RUN(test_initialisation_is_reproducible_and_seeded);
     RUN(test_parameter_count_agrees_with_the_plan);
     RUN(test_bad_tokens_are_rejected_by_position);
+    RUN(test_qk_clip_bounds_the_largest_logit);
     return test_summary();
 }

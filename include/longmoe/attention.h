@@ -58,6 +58,11 @@ size_t lm_attention_backward_workspace_bytes(const lm_attention_config *cfg, int
 lm_status lm_attention_forward(const lm_attention_config *cfg, const float *q, const float *k,
                                const float *v, float *o, float *lse);
 
+/* The same, also writing rowmax [B,H,T] (may be NULL): each query's largest
+ * scaled score, the per-head maximum logit that QK-Clip watches. */
+lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const float *q, const float *k,
+                                      const float *v, float *o, float *lse, float *rowmax);
+
 /* Tiled backward given d_o [B,T,H,Dv] and the forward's o and lse. ACCUMULATES
  * (+=) into dq [B,T,H,Dk], dk [B,T,Hkv,Dk], dv [B,T,Hkv,Dv]; any may be NULL. */
 lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, const float *k,

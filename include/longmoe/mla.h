@@ -98,6 +98,10 @@ lm_status lm_mla_backward(const lm_mla_config *cfg, const lm_mla_params *p, cons
                           const float *acts, const float *dy, int B, int T, float *dx,
                           const lm_mla_params *g, float *scratch);
 
+/* smax [H] = each head's largest scaled pre-softmax logit in the forward that
+ * filled `acts` (for QK-Clip, include/longmoe/optim.h). */
+lm_status lm_mla_max_logits(const lm_mla_config *cfg, const float *acts, int B, int T, float *smax);
+
 /* ---- decode ---- */
 typedef struct {
     int B, max_T, len; /* len tokens cached per sequence */

@@ -85,6 +85,12 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 /* Auxiliary balance loss of the last forward (0 unless balance = aux). */
 float lm_model_aux_loss(const lm_model *m);
 
+/* QK-Clip (SPEC §6): apply to every attention layer the largest logit per
+ * head seen by the training forwards since the last call (tau <= 0: only
+ * measure), then reset. *max_logit receives the largest over all heads (-inf
+ * without attention layers), *n_clipped the heads scaled. */
+lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clipped);
+
 /* Wall time spent by component since the last reset (forward + backward). */
 typedef enum {
     LM_TIME_KDA = 0, LM_TIME_ATTENTION, LM_TIME_MOE, LM_TIME_DENSE_FFN, LM_TIME_ATTNRES, LM_TIME_NORMS,

@@ -135,7 +135,7 @@ void lm_mla_params_init(const lm_mla_config *c, const lm_mla_params *p, lm_rng *
 
 /* Offsets (in floats) of the saved activations; absent ones have size 0. */
 typedef struct {
-    size_t ql, qn, q_rstd, kvl, c, kv_rstd, kn, kr, q, k, v, o, lse, gp, gated, total;
+    size_t ql, qn, q_rstd, kvl, c, kv_rstd, kn, kr, q, k, v, o, lse, rowmax, gp, gated, total;
 } acts_layout;
 
 static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
@@ -158,6 +158,7 @@ static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     PLACE(v, N * Hk * Dv);
     PLACE(o, N * H * Dv);
     PLACE(lse, N * H);
+    PLACE(rowmax, N * H);
     PLACE(gp, N * H * Dv);
     PLACE(gated, N * H * Dv);
 #undef PLACE
@@ -296,7 +297,7 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
     }
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    st = lm_attention_forward(&ac, q, k, v, o, acts + L.lse);
+    st = lm_attention_forward_rowmax(&ac, q, k, v, o, acts + L.lse, acts + L.rowmax);
     if (st) return st;
     // y = W_o (sigmoid(W_g x) * o)
     lm_matmul_forward(gp, x, p->W_g, NULL, N, d, H * Dv);
@@ -581,5 +582,24 @@ lm_status lm_mla_decode_step(const lm_mla_config *c, const lm_mla_params *p,
     for (size_t i = 0; i < (size_t)B * H * Dv; i++) o[i] *= lm_sigmoidf(gp[i]);
     lm_matmul_forward(y, o, p->W_o, NULL, B, H * Dv, d);
     cache->len++;
+    return LM_OK;
+}
+
+lm_status lm_mla_max_logits(const lm_mla_config *c, const float *acts, int B, int T, float *smax) {
+    // acts from lm_mla_forward -> smax (H): the largest scaled q.k logit of each head
+    lm_status st = lm_mla_check(c);
+    if (st) return st;
+    const acts_layout L = layout_acts(c, B, T);
+    const int H = c->n_heads;
+    const float *rm = acts + L.rowmax; /* [B,H,T] */
+    for (int h = 0; h < H; h++) {
+        float mx = -INFINITY;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++) {
+                float v = rm[((size_t)b * H + h) * T + t];
+                mx = v > mx ? v : mx;
+            }
+        smax[h] = mx;
+    }
     return LM_OK;
 }

@@ -28,6 +28,7 @@ typedef struct {
     lm_mla_config mla_cfg;
     lm_mla_params mla_p, mla_g;
     float *mla_acts;
+    float *smax, *smax_tmp; /* [H] largest logit per head over the step, and of one forward */
     /* dense FFN: W_gate [f,d], W_up [f,d], W_down [d,f]; activations [N,f] */
     float *ffn_a, *ffn_u, *ffn_h;
     /* MoE */
@@ -342,6 +343,15 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
         float *pp = m->params + ls->mixer_off, *gg = m->grads + ls->mixer_off;
+        if (ls->mixer == LM_MIXER_MLA) {
+            ls->smax = malloc(2 * (size_t)cfg->attn_heads * sizeof(float));
+            if (!ls->smax) {
+                st = lm_error(LM_ERR_MEMORY, "out of memory creating the model");
+                goto fail;
+            }
+            ls->smax_tmp = ls->smax + cfg->attn_heads;
+            for (int h = 0; h < cfg->attn_heads; h++) ls->smax[h] = -INFINITY;
+        }
         if (ls->mixer == LM_MIXER_KDA) {
             lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
             lm_kda_layer_params_map(&ls->kda_cfg, gg, &ls->kda_g);
@@ -397,6 +407,7 @@ void lm_model_free(lm_model *m) {
     if (!m) return;
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         lm_moe_acts_free(&m->layers[l].moe_a);
+        free(m->layers[l].smax);
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
     }
     free(m->layers);
@@ -575,8 +586,14 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, m->y));
-            else
+            else {
                 TRY(lm_mla_forward(&ls->mla_cfg, &ls->mla_p, xn, m->B, m->T, m->y, ls->mla_acts));
+                if (training) {
+                    TRY(lm_mla_max_logits(&ls->mla_cfg, ls->mla_acts, m->B, m->T, ls->smax_tmp));
+                    for (int h = 0; h < m->cfg.attn_heads; h++)
+                        ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
+                }
+            }
         } else if (!ls->moe) {
             dense_ffn_forward(m, ls, xn, m->y);
         } else {
@@ -732,5 +749,33 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0;
     lm_matmul_forward(logits, m->hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
+    return LM_OK;
+}
+
+lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clipped) {
+    float mx = -INFINITY;
+    int clipped = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer != LM_MIXER_MLA) continue;
+        const lm_mla_config *c = &ls->mla_cfg;
+        int H = c->n_heads, seen = 1, k = 0;
+        for (int h = 0; h < H; h++) {
+            mx = ls->smax[h] > mx ? ls->smax[h] : mx;
+            seen &= isfinite(ls->smax[h]);
+        }
+        if (tau > 0 && seen) {
+            if (c->kind == LM_ATTN_MLA)
+                TRY(lm_qk_clip_mla(ls->mla_p.W_uq, ls->mla_p.W_uk, H, c->head_dim_qk, c->rope_dims, c->q_lora,
+                                   c->kv_lora, ls->smax, tau, NULL, &k));
+            else
+                TRY(lm_qk_clip_gqa(ls->mla_p.W_q, ls->mla_p.W_k, H, c->n_kv_heads, c->head_dim_qk, c->d_model,
+                                   ls->smax, tau, NULL, &k));
+            clipped += k;
+        }
+        for (int h = 0; h < H; h++) ls->smax[h] = -INFINITY;
+    }
+    if (max_logit) *max_logit = mx;
+    if (n_clipped) *n_clipped = clipped;
     return LM_OK;
 }

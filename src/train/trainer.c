@@ -494,8 +494,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         if (!bad && isfinite(loss)) bad = lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm) != LM_OK;
         else bad = 1;
         if (bad) {
-            /* skip: no update, b kept, the batch is consumed */
+            /* skip: no update, b kept, logit maxima dropped, the batch is consumed */
             lm_model_balance_step_end(t.model, 0, NULL);
+            lm_model_qk_clip(t.model, 0, NULL, NULL);
             t.skipped++;
             fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
                     (long long)t.step);
@@ -513,6 +514,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         float f = lm_lr_at(&sched, t.step, c->steps);
         double t_opt = lm_time_seconds();
         if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
+        float max_logit;
+        int n_clipped;
+        if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
         opt_seconds += lm_time_seconds() - t_opt;
         if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
         t.step++;
@@ -526,8 +530,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         /* metrics: every number of the step */
         fprintf(t.metrics,
                 "{\"type\": \"train\", \"step\": %lld, \"loss\": %.9g, \"aux_loss\": %.9g, \"lr\": %.9g, "
-                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, \"moe\": [",
-                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
+                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, \"max_logit\": %.6g, "
+                "\"qk_clipped_heads\": %d, \"moe\": [",
+                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt,
+                isfinite(max_logit) ? max_logit : 0.0, n_clipped);
         for (int i = 0; i < t.n_moe; i++) {
             const lm_balance_stats *b = &t.stats[i];
             fprintf(t.metrics,

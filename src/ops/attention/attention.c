@@ -153,7 +153,7 @@ static inline int causal_limit(int query, int j0, int n_j) {
     return lim < 0 ? 0 : (lim > n_j ? n_j : lim);
 }
 
-static void forward_tile(const attn_args *a, float *o, float *lse, int b, int h, int i0,
+static void forward_tile(const attn_args *a, float *o, float *lse, float *rowmax, int b, int h, int i0,
                          float *w) {
     // one query tile: rows i0..i0+n_i-1 of head h against keys 0..i0+n_i-1 of head h/group
     const int Dk = a->Dk, Dv = a->Dv, hk = h / a->group;
@@ -202,12 +202,18 @@ static void forward_tile(const attn_args *a, float *o, float *lse, int b, int h,
         const float *arow = acc + (size_t)i * Dv;
         for (int e = 0; e < Dv; e++) orow[e] = arow[e] * inv;
         if (lse) lse[((size_t)b * a->H + h) * a->T + i0 + i] = m[i] + logf(l[i]);
+        if (rowmax) rowmax[((size_t)b * a->H + h) * a->T + i0 + i] = m[i];
     }
 }
 
 lm_status lm_attention_forward(const lm_attention_config *cfg, const float *q, const float *k,
                                const float *v, float *o, float *lse) {
-    // q (B,T,H,Dk), k (B,T,Hkv,Dk), v (B,T,Hkv,Dv) -> o (B,T,H,Dv), lse (B,H,T)
+    return lm_attention_forward_rowmax(cfg, q, k, v, o, lse, NULL);
+}
+
+lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const float *q, const float *k,
+                                      const float *v, float *o, float *lse, float *rowmax) {
+    // q (B,T,H,Dk), k (B,T,Hkv,Dk), v (B,T,Hkv,Dv) -> o (B,T,H,Dv), lse, rowmax (B,H,T)
     lm_status st = lm_attention_check(cfg);
     if (st) return st;
     if (!q || !k || !v || !o) return lm_error(LM_ERR_ARG, "attention forward: q, k, v and o are required");
@@ -227,7 +233,7 @@ lm_status lm_attention_forward(const lm_attention_config *cfg, const float *q, c
         for (int64_t it = 0; it < items; it++) {
             const int qt = nq - 1 - (int)(it % nq);
             const int64_t bh = it / nq;
-            forward_tile(&a, o, lse, (int)(bh / a.H), (int)(bh % a.H), qt * TQ, w);
+            forward_tile(&a, o, lse, rowmax, (int)(bh / a.H), (int)(bh % a.H), qt * TQ, w);
         }
     }
     free(ws);
