@@ -203,6 +203,35 @@ static void test_qk_clip_bounds_the_largest_logit(void) {
     lm_model_free(m);
 }
 
+static void test_recompute_gives_identical_gradients_with_less_memory(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    c.balance = LM_BALANCE_AUX; /* the aux-loss gradient must survive the recompute too */
+    strcpy(c.layout, "kmkm");
+    c.n_layers = 4;
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create(&c, B, T, &a), "%s", lm_last_error());
+    c.recompute = 1;
+    CHECK(!lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+    if (!a || !b) return;
+    lm_model_init(a, 31);
+    lm_model_init(b, 31);
+    lm_rng r;
+    lm_rng_seed(&r, 32);
+    int32_t tok[B * T], tgt[B * T];
+    random_tokens(&r, tok, B * T, c.vocab_size);
+    random_tokens(&r, tgt, B * T, c.vocab_size);
+    float la, lb;
+    CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && !lm_model_backward(a, 1.0f), "%s", lm_last_error());
+    CHECK(!lm_model_forward(b, tok, tgt, 1, &lb) && !lm_model_backward(b, 1.0f), "%s", lm_last_error());
+    CHECK(la == lb && lm_model_aux_loss(a) == lm_model_aux_loss(b), "loss %g vs %g", la, lb);
+    CHECK(!memcmp(lm_model_grads(a), lm_model_grads(b), lm_model_num_params(a) * sizeof(float)),
+          "gradients differ with recompute");
+    CHECK(lm_model_activation_bytes(b) < lm_model_activation_bytes(a), "activations %zu vs %zu",
+          lm_model_activation_bytes(b), lm_model_activation_bytes(a));
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
 int main(void) {
     RUN(test_gradients_block_attnres);
     RUN(test_gradients_standard_residual);
@@ -212,5 +241,6 @@ int main(void) {
     RUN(test_parameter_count_agrees_with_the_plan);
     RUN(test_bad_tokens_are_rejected_by_position);
     RUN(test_qk_clip_bounds_the_largest_logit);
+    RUN(test_recompute_gives_identical_gradients_with_less_memory);
     return test_summary();
 }

@@ -36,7 +36,7 @@ typedef struct {
     lm_moe_params moe_p, moe_g;
     lm_moe_acts moe_a;
     lm_balance_state bal;
-    int bal_ready;
+    int bal_ready, owns_moe_acts;
     float *dscores; /* aux loss gradient [N,n] (balance = aux) */
 } layer_state;
 
@@ -293,19 +293,23 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     act += 2 * (size_t)N * d + 2 * (size_t)N;       /* hf, hn, rstd_final, lse_rows */
     act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
     act += (size_t)CE_CHUNK * V;                    /* logits of one chunk */
+    /* with recompute, the sublayers of one kind share one activation buffer:
+     * the backward recomputes each sublayer's forward from its saved input */
+    int shared_kda = 0, shared_mla = 0, shared_ffn = 0;
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
+        int share = cfg->recompute;
         if (ls->mixer == LM_MIXER_KDA) {
-            act += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+            if (!(share && shared_kda++)) act += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
             size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
             if (s > scratch) scratch = s;
         } else {
-            act += lm_mla_acts_floats(&ls->mla_cfg, B, T);
+            if (!(share && shared_mla++)) act += lm_mla_acts_floats(&ls->mla_cfg, B, T);
             size_t s = lm_mla_scratch_floats(&ls->mla_cfg, B, T);
             if (s > scratch) scratch = s;
         }
         if (!ls->moe) {
-            act += 3 * (size_t)N * cfg->dense_ffn;
+            if (!(share && shared_ffn++)) act += 3 * (size_t)N * cfg->dense_ffn;
             if (dense_ffn_scratch(cfg, N) > scratch) scratch = dense_ffn_scratch(cfg, N);
         } else if (cfg->balance == LM_BALANCE_AUX) {
             act += (size_t)N * cfg->n_routed_experts;
@@ -323,6 +327,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         goto fail;
     }
     float *p = m->act_block;
+    layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL, *first_moe = NULL;
 #define CARVE(ptr, n) (ptr = p, p += (n))
     CARVE(m->x0, (size_t)N * d);
     CARVE(m->hin, (size_t)m->L2 * N * d);
@@ -355,22 +360,45 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         if (ls->mixer == LM_MIXER_KDA) {
             lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
             lm_kda_layer_params_map(&ls->kda_cfg, gg, &ls->kda_g);
-            lm_kda_layer_acts_map(&ls->kda_cfg, B, T, p, &ls->kda_a);
-            p += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+            if (first_kda && cfg->recompute) {
+                ls->kda_a = first_kda->kda_a;
+            } else {
+                lm_kda_layer_acts_map(&ls->kda_cfg, B, T, p, &ls->kda_a);
+                p += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+                first_kda = ls;
+            }
         } else {
             if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
                 (st = lm_mla_params_map(&ls->mla_cfg, gg, &ls->mla_g)))
                 goto fail;
-            CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T));
+            if (first_mla && cfg->recompute) {
+                ls->mla_acts = first_mla->mla_acts;
+            } else {
+                CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T));
+                first_mla = ls;
+            }
         }
         if (!ls->moe) {
-            CARVE(ls->ffn_a, (size_t)N * cfg->dense_ffn);
-            CARVE(ls->ffn_u, (size_t)N * cfg->dense_ffn);
-            CARVE(ls->ffn_h, (size_t)N * cfg->dense_ffn);
+            if (first_ffn && cfg->recompute) {
+                ls->ffn_a = first_ffn->ffn_a;
+                ls->ffn_u = first_ffn->ffn_u;
+                ls->ffn_h = first_ffn->ffn_h;
+            } else {
+                CARVE(ls->ffn_a, (size_t)N * cfg->dense_ffn);
+                CARVE(ls->ffn_u, (size_t)N * cfg->dense_ffn);
+                CARVE(ls->ffn_h, (size_t)N * cfg->dense_ffn);
+                first_ffn = ls;
+            }
         } else {
             lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
             lm_moe_params_carve(&ls->moe_cfg, m->grads + ls->ffn_off, &ls->moe_g);
-            if ((st = lm_moe_acts_alloc(&ls->moe_a, &ls->moe_cfg, N))) goto fail;
+            if (first_moe && cfg->recompute) {
+                ls->moe_a = first_moe->moe_a; /* owned by first_moe */
+            } else {
+                if ((st = lm_moe_acts_alloc(&ls->moe_a, &ls->moe_cfg, N))) goto fail;
+                ls->owns_moe_acts = 1;
+                first_moe = ls;
+            }
             if (cfg->balance == LM_BALANCE_AUX) CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
             lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
             bc.bins = cfg->balance_bins;
@@ -406,7 +434,7 @@ fail:
 void lm_model_free(lm_model *m) {
     if (!m) return;
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
-        lm_moe_acts_free(&m->layers[l].moe_a);
+        if (m->layers[l].owns_moe_acts) lm_moe_acts_free(&m->layers[l].moe_a);
         free(m->layers[l].smax);
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
     }
@@ -561,6 +589,38 @@ static lm_attnres_params attnres_params(const lm_model *m) {
     return p;
 }
 
+/* Sublayer idx on its normalised input xn -> y; fills the sublayer's
+ * activations. `training` feeds the balancer and the logit maxima;
+ * `recompute` marks the backward's second forward, which repeats the
+ * activations only (the same routing: b changes only at the step's end). */
+static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const float *xn, float *y, int training,
+                                  int recompute) {
+    const int64_t N = m->N;
+    if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
+        TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, y));
+    } else if (idx % 2 == 0) {
+        TRY(lm_mla_forward(&ls->mla_cfg, &ls->mla_p, xn, m->B, m->T, y, ls->mla_acts));
+        if (training && !recompute) {
+            TRY(lm_mla_max_logits(&ls->mla_cfg, ls->mla_acts, m->B, m->T, ls->smax_tmp));
+            for (int h = 0; h < m->cfg.attn_heads; h++)
+                ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
+        }
+    } else if (!ls->moe) {
+        dense_ffn_forward(m, ls, xn, y);
+    } else {
+        TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
+        if (training && !recompute) TRY(lm_balance_observe(&ls->bal, ls->moe_a.s, N, 1));
+        if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
+            float aux = 0;
+            memset(ls->dscores, 0, (size_t)N * m->cfg.n_routed_experts * sizeof(float));
+            TRY(lm_balance_aux_loss(&aux, ls->dscores, ls->moe_a.s, ls->moe_a.topk, N, m->cfg.n_routed_experts,
+                                    m->cfg.top_k, m->cfg.aux_alpha));
+            m->aux_loss += aux;
+        }
+    }
+    return LM_OK;
+}
+
 static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
@@ -583,30 +643,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         const float *w = m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
         lm_rmsnorm_forward(xn, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps);
         charge(m, LM_TIME_NORMS, &t0);
-        if (idx % 2 == 0) {
-            if (ls->mixer == LM_MIXER_KDA)
-                TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, m->y));
-            else {
-                TRY(lm_mla_forward(&ls->mla_cfg, &ls->mla_p, xn, m->B, m->T, m->y, ls->mla_acts));
-                if (training) {
-                    TRY(lm_mla_max_logits(&ls->mla_cfg, ls->mla_acts, m->B, m->T, ls->smax_tmp));
-                    for (int h = 0; h < m->cfg.attn_heads; h++)
-                        ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
-                }
-            }
-        } else if (!ls->moe) {
-            dense_ffn_forward(m, ls, xn, m->y);
-        } else {
-            TRY(lm_moe_forward(m->y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
-            if (training) TRY(lm_balance_observe(&ls->bal, ls->moe_a.s, N, 1));
-            if (m->cfg.balance == LM_BALANCE_AUX) {
-                float aux = 0;
-                memset(ls->dscores, 0, (size_t)N * m->cfg.n_routed_experts * sizeof(float));
-                TRY(lm_balance_aux_loss(&aux, ls->dscores, ls->moe_a.s, ls->moe_a.topk, N,
-                                        m->cfg.n_routed_experts, m->cfg.top_k, m->cfg.aux_alpha));
-                m->aux_loss += aux;
-            }
-        }
+        TRY(sublayer_forward(m, ls, idx, xn, m->y, training, 0));
         for (int64_t i = 0; i < N * d; i++)
             if (!isfinite(m->y[i]))
                 return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx,
@@ -701,6 +738,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         memset(m->dy, 0, (size_t)N * d * sizeof(float));
         TRY(lm_attnres_output_backward(&m->ar, idx, m->dy));
         charge(m, LM_TIME_ATTNRES, &t0);
+        if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, m->dxn, 0, 1));
         memset(m->dxn, 0, (size_t)N * d * sizeof(float));
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
