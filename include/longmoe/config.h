@@ -44,6 +44,7 @@ typedef struct {
     lm_activation_kind activation;
     float route_scale;
     lm_balance_mode balance;
+    lm_qb_estimator balance_estimator;
     int balance_bins;
     float balance_ema, sign_rate, aux_alpha;
     /* residual */

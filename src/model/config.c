@@ -55,6 +55,7 @@ static const key_spec keys[] = {
     K_("moe", "activation", KEY_ENUM, activation, 0, 0, "swiglu|situ"),
     K_("moe", "route_scale", KEY_FLOAT, route_scale, 1e-3, 1e3, NULL),
     K_("moe", "balance", KEY_ENUM, balance, 0, 0, "none|quantile|sign|aux"),
+    K_("moe", "balance_estimator", KEY_ENUM, balance_estimator, 0, 0, "histogram|exact|zoom"),
     K_("moe", "balance_bins", KEY_INT, balance_bins, 8, 1 << 16, NULL),
     K_("moe", "balance_ema", KEY_FLOAT, balance_ema, 0, 0.999, NULL),
     K_("moe", "sign_rate", KEY_FLOAT, sign_rate, 0, 1, NULL),
@@ -117,6 +118,7 @@ void lm_config_defaults(lm_config *c) {
     c->activation = LM_ACT_SWIGLU;
     c->route_scale = 1.0f;
     c->balance = LM_BALANCE_QUANTILE;
+    c->balance_estimator = LM_QB_ZOOM;
     c->balance_bins = 1000;
     c->sign_rate = 1e-3f;
     c->aux_alpha = 1e-2f;

@@ -402,6 +402,8 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
             if (cfg->balance == LM_BALANCE_AUX) CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
             lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
             bc.bins = cfg->balance_bins;
+            bc.estimator = cfg->balance_estimator;
+            bc.max_step_tokens = N * cfg->grad_accum; /* the exact estimator keeps a step's residuals */
             bc.ema = cfg->balance_ema;
             bc.sign_rate = cfg->sign_rate;
             bc.aux_alpha = cfg->aux_alpha;
