@@ -42,7 +42,7 @@ static int stderr_has(const char *phrase) {
 
 enum { B = 2, T = 37, H = 2, K = 16, V = 8 };
 static float q[B * T * H * K], k[B * T * H * K], v[B * T * H * V], z[B * T * H * K];
-static float beta[B * T * H], A_log[H], dt_bias[H * K], d_o[B * T * H * V];
+static float beta[B * (T + 1) * H], A_log[H], dt_bias[H * K], d_o[B * T * H * V];
 
 static void make_inputs(void) {
     lm_rng r;
