@@ -11,7 +11,7 @@ typedef struct {
 } command;
 
 static const command commands[] = {
-    {"demo", cmd_demo, "show the KDA operator at work on random inputs (what `make demo` runs)"},
+    {"demo", cmd_demo, "what `make demo` runs: the KDA operator, then the tiny model learning to copy"},
     {"train", cmd_train, "train a model from a config (checkpoints, metrics, resume)"},
     {"plan", cmd_plan, "parameters, FLOPs and memory of a config, by component"},
     {"op", cmd_op, "run one operator on tensors from a safetensors file"},
