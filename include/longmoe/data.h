@@ -1,0 +1,53 @@
+/* Data sources: streams of training sequences that are pure functions of a
+ * batch index, so that a run resumes exactly from a position (one integer)
+ * and data-parallel ranks read disjoint data by offsetting the index.
+ *
+ * A source fills seq [B, T+1] (inputs seq[:, :T], targets seq[:, 1:]) and,
+ * optionally, answer [B, T]: 1 where the target is determined by the context
+ * (the positions a task's accuracy is measured on; all 0 for plain text).
+ * Built-in tasks (include/longmoe/tasks.h) and token shards are sources; a
+ * mix draws each batch from one of several sources by weight. */
+#ifndef LONGMOE_DATA_H
+#define LONGMOE_DATA_H
+
+#include <stdint.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lm_data_source lm_data_source;
+struct lm_data_source {
+    char name[64];
+    int vocab_size;  /* every token is < vocab_size */
+    /* Fill batch `index` (>= 0). Must be deterministic in (source, index, B, T). */
+    lm_status (*batch)(lm_data_source *self, int64_t index, int B, int T, int32_t *seq, uint8_t *answer);
+    void (*destroy)(lm_data_source *self);
+    void *state;
+};
+
+/* Open a source by its spec: a built-in task name ("copy", ...; see
+ * lm_task_from_name) or "shards:DIR" (token shards, include/longmoe/shards.h
+ * when present). `seed` separates training from validation streams. */
+lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out);
+void lm_data_close(lm_data_source *src);
+
+#define LM_DATA_MAX_MIX 8
+
+/* A weighted mix of sources: batch i comes from source j with probability
+ * weights[j] / sum(weights), chosen by a hash of (seed, i). */
+typedef struct {
+    int n;
+    lm_data_source *sources[LM_DATA_MAX_MIX];
+    double weights[LM_DATA_MAX_MIX];
+    uint64_t seed;
+} lm_data_mix;
+
+lm_status lm_data_mix_batch(const lm_data_mix *mix, int64_t index, int B, int T, int32_t *seq, uint8_t *answer);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
