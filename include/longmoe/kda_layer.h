@@ -68,6 +68,36 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                                 const float *x, const float *dy, int B, int T, float *dx,
                                 float *scratch);
 
+/* ---- decode (docs/sampling.md) ----
+ * The layer's whole memory of the past is a fixed-size state per sequence:
+ * the last W-1 projections of q, k, v before the short convolution (its
+ * causal history) and the operator's recurrent state S [H,K,V] (fp32).
+ * Prefill runs the chunked forward on a prompt and captures both; each step
+ * then takes one token per sequence through the recurrent form (T = 1). */
+typedef struct {
+    int B, len;                     /* sequences; tokens seen per sequence */
+    float *tail_q, *tail_k, *tail_v; /* [B,W-1,HK]: projections of the last W-1 tokens, oldest first */
+    float *S;                       /* [B,H,K,K] recurrent state */
+} lm_kda_layer_cache;
+
+/* Floats of the cache for B sequences (independent of the length). */
+size_t lm_kda_layer_cache_floats(const lm_kda_layer_config *c, int B);
+/* Carve the cache out of `mem` (lm_kda_layer_cache_floats floats) and zero it:
+ * an empty history (what the forward assumes at each sequence start). */
+lm_status lm_kda_layer_cache_init(const lm_kda_layer_config *c, lm_kda_layer_cache *cache, int B,
+                                  float *mem);
+/* Scratch floats of one step for B sequences. */
+size_t lm_kda_layer_step_scratch_floats(const lm_kda_layer_config *c, int B);
+
+/* The forward on a prompt x [B,T,d] -> y [B,T,d] (acts as for the forward, for
+ * B and T) into an empty cache, which then holds the state after T tokens. */
+lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                               lm_kda_layer_acts *a, lm_kda_layer_cache *cache, const float *x,
+                               int T, float *y);
+/* One token per sequence: x [B,d] -> y [B,d]; advances the cache. */
+lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                            lm_kda_layer_cache *cache, const float *x, float *y, float *scratch);
+
 #ifdef __cplusplus
 }
 #endif

@@ -242,3 +242,135 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     }
     return LM_OK;
 }
+
+/* ---- decode ---- */
+
+size_t lm_kda_layer_cache_floats(const lm_kda_layer_config *c, int B) {
+    size_t H = (size_t)c->heads, K = (size_t)c->head_dim, HK = H * K, W1 = (size_t)(c->conv_width - 1);
+    return 3 * (size_t)B * W1 * HK + (size_t)B * H * K * K;
+}
+
+lm_status lm_kda_layer_cache_init(const lm_kda_layer_config *c, lm_kda_layer_cache *cache, int B,
+                                  float *mem) {
+    if (!cache || !mem) return lm_error(LM_ERR_ARG, "kda layer cache_init: cache and memory are required");
+    if (B < 1) return lm_error(LM_ERR_ARG, "kda layer cache_init: B=%d must be >= 1", B);
+    if (c->conv_width < 1) return lm_error(LM_ERR_ARG, "kda layer cache_init: conv_width=%d must be >= 1", c->conv_width);
+    size_t HK = (size_t)c->heads * c->head_dim, tail = (size_t)B * (c->conv_width - 1) * HK;
+    memset(mem, 0, lm_kda_layer_cache_floats(c, B) * sizeof(float));
+    cache->B = B;
+    cache->len = 0;
+    cache->tail_q = mem;
+    cache->tail_k = mem + tail;
+    cache->tail_v = mem + 2 * tail;
+    cache->S = mem + 3 * tail;
+    return LM_OK;
+}
+
+size_t lm_kda_layer_step_scratch_floats(const lm_kda_layer_config *c, int B) {
+    size_t H = (size_t)c->heads, K = (size_t)c->head_dim, HK = H * K;
+    return 10 * (size_t)B * HK + 4 * (size_t)B * H + (size_t)B * H * K * K;
+}
+
+lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                               lm_kda_layer_acts *a, lm_kda_layer_cache *cache, const float *x,
+                               int T, float *y) {
+    // x is (B,T,d), y is (B,T,d); the cache receives the state after T tokens
+    if (!cache) return lm_error(LM_ERR_ARG, "kda layer prefill: cache is NULL");
+    if (cache->len != 0) return lm_error(LM_ERR_ARG, "kda layer prefill: cache already holds %d tokens", cache->len);
+    if (T < 1) return lm_error(LM_ERR_ARG, "kda layer prefill: T=%d must be >= 1", T);
+    const int B = cache->B, d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
+    size_t N = (size_t)B * T;
+    /* the forward of lm_kda_layer_forward, keeping the operator's final state */
+    lm_matmul_forward(a->qp, x, p->W_q, NULL, (int64_t)N, d, HK);
+    lm_matmul_forward(a->kp, x, p->W_k, NULL, (int64_t)N, d, HK);
+    lm_matmul_forward(a->vp, x, p->W_v, NULL, (int64_t)N, d, HK);
+    short_conv_forward(a->qc, a->qp, p->conv_q, B, T, HK, W);
+    short_conv_forward(a->kc, a->kp, p->conv_k, B, T, HK, W);
+    short_conv_forward(a->vc, a->vp, p->conv_v, B, T, HK, W);
+    silu_l2_forward(a->q, a->qk_rnorm, a->qc, N * H, K);
+    silu_l2_forward(a->k, a->qk_rnorm + N * H, a->kc, N * H, K);
+    silu_l2_forward(a->v, NULL, a->vc, N * H, K);
+    lm_matmul_forward(a->z, x, p->W_z, NULL, (int64_t)N, d, HK);
+    lm_matmul_forward(a->beta, x, p->W_beta, NULL, (int64_t)N, d, H);
+    for (size_t i = 0; i < N * H; i++) a->beta[i] = lm_sigmoidf(a->beta[i]);
+    lm_kda_config kc = op_config(c, B, T);
+    lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
+    lm_status s = lm_kda_chunk_forward(&kc, &in, a->o, cache->S);
+    if (s) return s;
+    lm_rmsnorm_forward(a->gated, a->o_rstd, a->o, p->o_norm, (int64_t)(N * H), K, c->eps);
+    lm_matmul_forward(a->gate, x, p->W_g, NULL, (int64_t)N, d, HK);
+    for (size_t i = 0; i < N * HK; i++) {
+        a->gate[i] = lm_sigmoidf(a->gate[i]);
+        a->gated[i] *= a->gate[i];
+    }
+    lm_matmul_forward(y, a->gated, p->W_o, NULL, (int64_t)N, HK, d);
+    /* the conv history: projections of the last W-1 tokens (zero before the start) */
+    const float *proj[3] = {a->qp, a->kp, a->vp};
+    float *tails[3] = {cache->tail_q, cache->tail_k, cache->tail_v};
+    for (int j = 0; j < 3; j++)
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < W - 1; i++) {
+                int src = T - (W - 1) + i;
+                float *dst = tails[j] + ((size_t)b * (W - 1) + i) * HK;
+                if (src < 0) memset(dst, 0, (size_t)HK * sizeof(float));
+                else memcpy(dst, proj[j] + ((size_t)b * T + src) * HK, (size_t)HK * sizeof(float));
+            }
+    cache->len = T;
+    return LM_OK;
+}
+
+/* One step of the causal conv: out = sum_i w[:,i] [tail ; cur]_i, then the
+ * tail shifts by one and takes cur (short_conv_forward at the last position). */
+static void short_conv_step(float *out, float *tail, const float *cur, const float *w, int B, int C, int W) {
+    // cur, out are (B,C); tail is (B,W-1,C); w is (C,W)
+    for (int b = 0; b < B; b++) {
+        float *o = out + (size_t)b * C, *tb = tail + (size_t)b * (W - 1) * C;
+        const float *xc = cur + (size_t)b * C;
+        for (int ch = 0; ch < C; ch++) o[ch] = 0.0f;
+        for (int i = 0; i < W; i++) {
+            const float *xi = i < W - 1 ? tb + (size_t)i * C : xc;
+            for (int ch = 0; ch < C; ch++) o[ch] += w[(size_t)ch * W + i] * xi[ch];
+        }
+        if (W > 1) {
+            memmove(tb, tb + C, (size_t)(W - 2) * C * sizeof(float));
+            memcpy(tb + (size_t)(W - 2) * C, xc, (size_t)C * sizeof(float));
+        }
+    }
+}
+
+lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                            lm_kda_layer_cache *cache, const float *x, float *y, float *scratch) {
+    // x is (B,d), y is (B,d); scratch holds lm_kda_layer_step_scratch_floats floats
+    if (!cache || !x || !y || !scratch) return lm_error(LM_ERR_ARG, "kda layer step: cache, x, y and scratch are required");
+    const int B = cache->B, d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
+    const size_t BHK = (size_t)B * HK, BH = (size_t)B * H;
+    float *qp = scratch, *kp = qp + BHK, *vp = kp + BHK, *cq = vp + BHK, *q = cq + BHK, *k = q + BHK,
+          *v = k + BHK, *z = v + BHK, *o = z + BHK, *gated = o + BHK, *beta = gated + BHK,
+          *rnorm = beta + BH, *rstd = rnorm + 2 * BH, *ht = rstd + BH;
+    lm_matmul_forward(qp, x, p->W_q, NULL, B, d, HK);
+    lm_matmul_forward(kp, x, p->W_k, NULL, B, d, HK);
+    lm_matmul_forward(vp, x, p->W_v, NULL, B, d, HK);
+    /* q, k: L2Norm(SiLU(ShortConv(.))); v: SiLU(ShortConv(.)) */
+    short_conv_step(cq, cache->tail_q, qp, p->conv_q, B, HK, W);
+    silu_l2_forward(q, rnorm, cq, BH, K);
+    short_conv_step(cq, cache->tail_k, kp, p->conv_k, B, HK, W);
+    silu_l2_forward(k, rnorm + BH, cq, BH, K);
+    short_conv_step(cq, cache->tail_v, vp, p->conv_v, B, HK, W);
+    silu_l2_forward(v, NULL, cq, BH, K);
+    lm_matmul_forward(z, x, p->W_z, NULL, B, d, HK);
+    lm_matmul_forward(beta, x, p->W_beta, NULL, B, d, H);
+    for (size_t i = 0; i < BH; i++) beta[i] = lm_sigmoidf(beta[i]);
+    /* the recurrent form with T = 1: S_{t-1} -> S_t, o_t */
+    lm_kda_config kc = op_config(c, B, 1);
+    lm_kda_inputs in = {q, k, v, z, beta, p->A_log, p->dt_bias, cache->S};
+    lm_status s = lm_kda_recurrent_forward(&kc, &in, o, ht);
+    if (s) return s;
+    memcpy(cache->S, ht, BH * (size_t)K * K * sizeof(float));
+    /* head RMSNorm, output gate sigmoid(W_g x), W_o */
+    lm_rmsnorm_forward(gated, rstd, o, p->o_norm, (int64_t)BH, K, c->eps);
+    lm_matmul_forward(cq, x, p->W_g, NULL, B, d, HK);
+    for (size_t i = 0; i < BHK; i++) gated[i] *= lm_sigmoidf(cq[i]);
+    lm_matmul_forward(y, gated, p->W_o, NULL, B, HK, d);
+    cache->len++;
+    return LM_OK;
+}
