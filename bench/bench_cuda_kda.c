@@ -1,8 +1,10 @@
 /* Timings of the KDA CUDA kernels (include/longmoe/kda_cuda.h) on the shapes
  * of SPEC §7, both gates: forward, and forward + backward (the backward call
- * recomputes its forward intermediates, as a training step would run it).
+ * reuses what the training forward kept in the workspace).
  *
- *   bench_cuda_kda [--out results.json] [--reps N] [--shape B,T,H,D]...
+ *   bench_cuda_kda [--out results.json] [--reps N] [--shape B,T,H,D]... [--profile]
+ *
+ * --profile runs one forward and one backward per gate, untimed, for ncu.
  *
  * Median of N timed repetitions (CUDA events) after 3 warm-ups, on random
  * bf16 data (never zeros). Prints a table; writes JSON to --out. The memory
@@ -66,11 +68,15 @@ typedef struct {
     int backward;
 } run_args;
 
+/* Forward alone: the inference workspace (nothing kept for a backward).
+ * Forward + backward: the training workspace; the forward keeps what the
+ * backward needs and the backward reuses it (forward_saved = 1). */
 static void run_once(const run_args *a) {
-    lm_status st = lm_kda_cuda_chunk_forward(a->cfg, a->in, a->o, NULL, a->ws, a->wsb, NULL);
+    size_t wsb = a->backward ? a->wsb : lm_kda_cuda_workspace_bytes(a->cfg, 0);
+    lm_status st = lm_kda_cuda_chunk_forward(a->cfg, a->in, a->o, NULL, a->ws, wsb, NULL);
     if (st) dieAt("forward: %s", lm_last_error());
     if (a->backward) {
-        st = lm_kda_cuda_chunk_backward(a->cfg, a->in, a->d_o, NULL, a->g, a->ws, a->wsb, NULL);
+        st = lm_kda_cuda_chunk_backward(a->cfg, a->in, a->d_o, NULL, a->g, a->ws, a->wsb, 1, NULL);
         if (st) dieAt("backward: %s", lm_last_error());
     }
 }
@@ -101,7 +107,7 @@ static float time_median(const run_args *a, int reps) {
 
 int main(int argc, char **argv) {
     const char *out_path = NULL;
-    int reps = 20;
+    int reps = 20, profile = 0;
     shape shapes[8];
     int nshape = 0;
     for (int i = 1; i < argc; i++) {
@@ -110,13 +116,16 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
             reps = atoi(argv[++i]);
             if (reps < 1) dieAt("--reps must be >= 1 (got %s)", argv[i]);
+        } else if (!strcmp(argv[i], "--profile")) {
+            profile = 1; /* one forward and one backward per gate, untimed (for ncu) */
         } else if (!strcmp(argv[i], "--shape") && i + 1 < argc && nshape < 8) {
             shape s;
             if (sscanf(argv[++i], "%d,%d,%d,%d", &s.B, &s.T, &s.H, &s.D) != 4)
                 dieAt("--shape wants B,T,H,D (got %s)", argv[i]);
             shapes[nshape++] = s;
         } else {
-            fprintf(stderr, "usage: %s [--out results.json] [--reps N] [--shape B,T,H,D]...\n",
+            fprintf(stderr, "usage: %s [--out results.json] [--reps N] [--shape B,T,H,D]... "
+                            "[--profile]\n",
                     argv[0]);
             return 2;
         }
@@ -169,6 +178,12 @@ int main(int argc, char **argv) {
         for (int gate = 0; gate < 2; gate++) {
             cfg.gate = gate ? LM_KDA_GATE_SOFTPLUS : LM_KDA_GATE_BOUNDED;
             run_args a = {&cfg, &in, o, d_o, &g, ws, wsb, 0};
+            if (profile) {
+                a.backward = 1;
+                run_once(&a);
+                cudaCheck(cudaDeviceSynchronize());
+                continue;
+            }
             fwd[gate] = time_median(&a, reps);
             a.backward = 1;
             fb[gate] = time_median(&a, reps);
@@ -187,8 +202,9 @@ int main(int argc, char **argv) {
                 first = 0;
             }
         }
-        printf("%-22s softplus/bounded: fwd %.2fx, fwd+bwd %.2fx\n", "", fwd[1] / fwd[0],
-               fb[1] / fb[0]);
+        if (!profile)
+            printf("%-22s softplus/bounded: fwd %.2fx, fwd+bwd %.2fx\n", "", fwd[1] / fwd[0],
+                   fb[1] / fb[0]);
         cudaFree(q);
         cudaFree(k);
         cudaFree(v);

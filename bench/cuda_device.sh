@@ -3,7 +3,8 @@
 # the SASS for tensor-core instructions, run the CUDA tests, time our kernels
 # and fla-core's chunk_kda, and print the comparison table last.
 #
-#   bench/cuda_device.sh [build] [sass] [test] [bench] [fla]   (default: all)
+#   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [fla]
+#   (default: build sass test bench fla)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
 # (pip download --no-deps fla-core; the machine has no network), installed
@@ -54,6 +55,22 @@ fi
 if has bench; then
     echo "== our kernels"
     timeout 300 "$BUILD/bench_cuda_kda" --out "$OUT/ours.json" --reps 20 2>&1 | tee "$OUT/bench_ours.log"
+fi
+
+if has ncu; then
+    echo "== ncu: time and throughput per kernel, shape (1,8192,64,128), bounded then softplus"
+    timeout 240 ncu --clock-control none --section SpeedOfLight -k regex:kda_ \
+        "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu.log" 2>&1
+    grep -E "kda_[a-z_]+kernel|Duration|Memory Throughput|Compute \(SM\) Throughput" "$OUT/ncu.log" |
+        sed -E 's/\(Params.*//; s/ +/ /g' | head -60
+fi
+
+if has stalls; then
+    echo "== ncu: warp stall reasons of the backward intra-chunk kernel (bounded)"
+    timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats \
+        -k regex:kda_bwd_intra --launch-count 1 \
+        "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu_stalls.log" 2>&1
+    grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -40
 fi
 
 if has fla; then

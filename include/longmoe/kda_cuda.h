@@ -54,17 +54,24 @@ lm_status lm_kda_cuda_check(const lm_kda_config *cfg);
  * (for_backward = 1) needs; the caller allocates it (cudaMalloc) once. */
 size_t lm_kda_cuda_workspace_bytes(const lm_kda_config *cfg, int for_backward);
 
-/* Chunked forward: o [B,T,H,V] bf16, ht [B,H,K,V] fp32 (NULL: not written). */
+/* Chunked forward: o [B,T,H,V] bf16, ht [B,H,K,V] fp32 (NULL: not written).
+ * Given a workspace of at least lm_kda_cuda_workspace_bytes(cfg, 1) bytes
+ * (training), it also keeps there what the backward needs (the triangular
+ * inverse, the chunk states, V'), so that a backward on the same inputs and
+ * workspace can skip its recomputation (forward_saved = 1 below). */
 lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
                                     uint16_t *o, float *ht, void *workspace,
                                     size_t workspace_bytes, void *stream);
 
 /* Chunked backward given d_o [B,T,H,V] bf16 and dht [B,H,K,V] fp32 (NULL:
- * zero). Recomputes the forward intermediates in the workspace. */
+ * zero). forward_saved = 0: recompute the forward intermediates in the
+ * workspace first; 1: the workspace still holds them from the last
+ * lm_kda_cuda_chunk_forward on the same cfg, inputs and (backward-sized)
+ * workspace, which saves about a forward's time. */
 lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
                                      const uint16_t *d_o, const float *dht,
                                      const lm_kda_cuda_grads *grads, void *workspace,
-                                     size_t workspace_bytes, void *stream);
+                                     size_t workspace_bytes, int forward_saved, void *stream);
 
 /* One decode token (cfg->T is ignored): q, k, z [B,H,K] bf16, v [B,H,V] bf16,
  * beta [B,H] fp32; state [B,H,K,V] fp32 is read and updated in place by the

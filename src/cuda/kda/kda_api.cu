@@ -151,21 +151,25 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
     if (!workspace || workspace_bytes < pl.total)
         return lm_error(LM_ERR_ARG, "kda cuda forward: workspace of %zu bytes, need %zu",
                         workspace_bytes, pl.total);
+    // a backward-sized workspace: keep X, h and V' for the backward
+    const int train = workspace_bytes >= make_plan(cfg, 1).total;
+    if (train) pl = make_plan(cfg, 1);
     Params p = make_params(cfg, in);
-    carve(&p, pl, workspace, 0);
+    carve(&p, pl, workspace, train);
     p.o = reinterpret_cast<bf16 *>(o);
     p.ht = ht;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if ((st = launched(launch_fwd_intra(p, cfg->K, use_factored(cfg), false, s), "fwd_intra")))
+    if ((st = launched(launch_fwd_intra(p, cfg->K, use_factored(cfg), train, s), "fwd_intra")))
         return st;
-    return launched(launch_fwd_state(p, cfg->K, false, s), "fwd_state");
+    return launched(launch_fwd_state(p, cfg->K, train, s), "fwd_state");
 }
 
 extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
                                                 const lm_kda_cuda_inputs *in,
                                                 const uint16_t *d_o, const float *dht,
                                                 const lm_kda_cuda_grads *grads, void *workspace,
-                                                size_t workspace_bytes, void *stream) {
+                                                size_t workspace_bytes, int forward_saved,
+                                                void *stream) {
     lm_status st = lm_kda_cuda_check(cfg);
     if (st) return st;
     if ((st = check_inputs(cfg, in, 1))) return st;
@@ -191,10 +195,13 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
     p.dh0 = grads->dh0;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const bool fac = use_factored(cfg);
-    // Recompute the forward intermediates (X, the chunk states h and V'),
-    // then the reverse state pass, then the per-chunk gradients.
-    if ((st = launched(launch_fwd_intra(p, cfg->K, fac, true, s), "fwd_intra"))) return st;
-    if ((st = launched(launch_fwd_state(p, cfg->K, true, s), "fwd_state (save)"))) return st;
+    // Recompute the forward intermediates (X, the chunk states h and V')
+    // unless the forward kept them, then the reverse state pass, then the
+    // per-chunk gradients.
+    if (!forward_saved) {
+        if ((st = launched(launch_fwd_intra(p, cfg->K, fac, true, s), "fwd_intra"))) return st;
+        if ((st = launched(launch_fwd_state(p, cfg->K, true, s), "fwd_state (save)"))) return st;
+    }
     if ((st = launched(launch_bwd_state(p, cfg->K, s), "bwd_state"))) return st;
     return launched(launch_bwd_intra(p, cfg->K, fac, s), "bwd_intra");
 }
@@ -388,7 +395,7 @@ extern "C" lm_status lm_kda_cuda_backward_host(const lm_kda_config *cfg, const l
             st = lm_error(LM_ERR_MEMORY, "kda cuda backward: cudaMalloc failed: %s",
                           cudaGetErrorString(e));
     }
-    if (!st) st = lm_kda_cuda_chunk_backward(cfg, &di, ddo, ddht, &g, ws, wsb, NULL);
+    if (!st) st = lm_kda_cuda_chunk_backward(cfg, &di, ddo, ddht, &g, ws, wsb, 0, NULL);
     if (!st) {
         e = cudaDeviceSynchronize();
         if (e != cudaSuccess)

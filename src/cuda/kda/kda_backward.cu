@@ -13,7 +13,8 @@ template <int D> __host__ __device__ constexpr size_t bwd_region() {
 }
 template <int D> __host__ __device__ constexpr size_t bwd_intra_smem() {
     return (size_t)CH * D * 4 + (size_t)CH * (D + 4) * 4 + (size_t)2 * CH * (D + 8) * 2 +
-           (size_t)(3 * CH + D) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2;
+           (size_t)(3 * CH + D) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2 +
+           (size_t)3 * SUB * (D + 8) * 2;
 }
 
 // One block per (chunk, sequence*head). Each thread owns column d = tid % D
@@ -50,6 +51,9 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     bf16 *sdAqkb = sMb;
     float *sdAqk = reinterpret_cast<float *>(R + 5 * RSZ + (size_t)CH * LDM * 2); // R6: dAqk -> T1
     float *sT1 = sdAqk;
+    // low bf16 parts of the diagonal block's operands (factored path): [16][LD] each
+    bf16 *sKbLo = reinterpret_cast<bf16 *>(R + 6 * RSZ + (size_t)CH * LDM * 2);
+    bf16 *sQaLo = sKbLo + SUB * LD, *sKaLo = sQaLo + SUB * LD;
 
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -64,25 +68,45 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
     load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
     load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    load_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
+    bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
+    load_rows<D, NT>(sZ, LD, p.z + base, rs, CH, nvalid);
+    for (int idx = tid; idx < CH * CH / 4; idx += NT) {
+        float4 x4 = reinterpret_cast<const float4 *>(p.X + c * CH * CH)[idx];
+        int i = (4 * idx) / CH, j = (4 * idx) % CH;
+        *reinterpret_cast<float4 *>(sX + i * LDA + j) = x4;
+    }
+    __syncthreads();
     const float a_exp = __expf(p.A_log[h]);
     for (int idx = tid; idx < CH * D; idx += NT) {
         int r = idx / D, d = idx % D;
-        float g = 0.f, go = 0.f;
-        if (r < nvalid) {
-            g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, p.dt_bias[h * D + d],
-                         p.bounded, p.g_min);
-            go = __bfloat162float(p.d_o[base + r * rs + d]);
-        }
+        float g = 0.f;
+        if (r < nvalid)
+            g = kda_gate(__bfloat162float(sZ[r * LD + d]), a_exp, p.dt_bias[h * D + d], p.bounded,
+                         p.g_min);
         sG[idx] = g;
-        sdO[r * LD + d] = __float2bfloat16(p.scale * go);
+        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
     }
-    for (int idx = tid; idx < CH * CH; idx += NT)
-        sX[(idx / CH) * LDA + idx % CH] = p.X[c * CH * CH + idx];
     if (tid < CH) {
         sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
         sdBeta[tid] = 0.f;
     }
     for (int d = tid; d < D; d += NT) sdGC[d] = 0.f;
+    // The state products read h and dh [D][D] from shared memory: rows < 64
+    // in R2, rows >= 64 in R6 (both free until phase 1 writes dW and dAqk).
+    // dh first; h replaces it after dKd.
+    bf16 *sH0 = sdW, *sH1 = reinterpret_cast<bf16 *>(sdAqk);
+    auto stage_state = [&](const bf16 *src) {
+        for (int idx = tid; idx < D * (D / 8); idx += NT) {
+            int r = idx / (D / 8), cc = (idx % (D / 8)) * 8;
+            bf16 *dst = r < CH ? sH0 + r * LD + cc : sH1 + (r - CH) * LD + cc;
+            cp_async16(dst, src + (size_t)r * D + cc, true);
+        }
+        cp_async_commit();
+    };
+    // B operand for output columns j0..j0+15: rows j0.. of the staged matrix
+    auto state_rows = [&](int j0) { return j0 < CH ? sH0 + j0 * LD : sH1 + (j0 - CH) * LD; };
+    stage_state(dhc);
     __syncthreads();
     for (int d = tid; d < D; d += NT) {
         float acc = 0.f;
@@ -100,6 +124,7 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
         int r = idx / D, d = idx % D;
         sKgp[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
     }
+    cp_async_wait<0>(); // dh has landed
     __syncthreads();
 
     const int d = tid % D, r0 = tid / D;
@@ -108,12 +133,37 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     for (int i = 0; i < RPT; i++) dq[i] = dk[i] = dG[i] = 0.f;
 
     // ---- phase 1: products with the chunk's state h and its gradient dh ----
+    // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, vnc + i0 * D, D, state_rows(j0), LD, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+    stage_state(hc); // h replaces dh while dKd is consumed
+    {
+        float gc = 0.f;
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            int r = r0 + RSTEP * i;
+            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * D + d] - sG[r * D + d]);
+            dk[i] += val;
+            float t = val * __bfloat162float(sK[r * LD + d]);
+            dG[i] -= t;
+            gc += t;
+        }
+        atomicAdd(&sdGC[d], gc);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
     // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
     for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, hc + (size_t)j0 * D, D, D / 16);
+        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, state_rows(j0), LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
     __syncthreads();
@@ -130,36 +180,13 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, hc + (size_t)j0 * D, D, D / 16);
+        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, state_rows(j0), LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    __syncthreads();
+    __syncthreads(); // h is dead: R2 takes dW, R6 takes dAqk
     for (int idx = tid; idx < CH * D; idx += NT) {
         int r = idx / D, dd = idx % D;
         sdW[r * LD + dd] = __float2bfloat16(-sStage[r * LDS + dd]);
-    }
-    __syncthreads();
-    // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
-    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, vnc + i0 * D, D, dhc + (size_t)j0 * D, D, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-    }
-    __syncthreads();
-    {
-        float gc = 0.f;
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            int r = r0 + RSTEP * i;
-            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * D + d] - sG[r * D + d]);
-            dk[i] += val;
-            float t = val * __bfloat162float(sK[r * LD + d]);
-            dG[i] -= t;
-            gc += t;
-        }
-        atomicAdd(&sdGC[d], gc);
     }
     // dAqk = Lower(dO' V'^T) (tiles above the diagonal are never read)
     for (int tt = warp; tt < 16; tt += NT / 32) {
@@ -171,12 +198,14 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
         wmma::store_matrix_sync(sdAqk + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
     }
     __syncthreads();
-    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v]
-    for (int dd = tid; dd < D; dd += NT) {
+    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (a warp per row)
+    for (int dd = warp; dd < D; dd += NT / 32) {
         float acc = 0.f;
-        for (int v = 0; v < D; v++)
+        for (int v = lane; v < D; v += 32)
             acc += __bfloat162float(dhc[(size_t)dd * D + v]) * __bfloat162float(hc[(size_t)dd * D + v]);
-        sdGC[dd] += __expf(sG[(CH - 1) * D + dd]) * acc;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) sdGC[dd] += __expf(sG[(CH - 1) * D + dd]) * acc;
     }
 
     // ---- phase 2: W = M (k e^G), U = M v ----
@@ -242,24 +271,28 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     __syncthreads();
 
     // ---- phase 3: X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower ----
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        float acc = 0.f;
-        for (int k = i; k < CH; k++) acc += sX[k * LDA + i] * sdM[k * LDA + j];
-        sT1[i * LDA + j] = acc;
+    // tf32 tensor cores; X is lower triangular, so T1 = X^T dX needs k >= i
+    // and T1 X^T needs k <= j: the known-zero k-steps are skipped.
+    for (int tt = warp; tt < 16; tt += NT / 32) {
+        int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        FragC8 acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile_tf32<CM, RM>(acc, sX + i0, LDA, sdM + j0, LDA, i0 / 8, CH / 8);
+        wmma::store_matrix_sync(sT1 + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+    }
+    __syncthreads();
+    for (int tt = warp; tt < 16; tt += NT / 32) {
+        int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        if (j0 > i0) continue;
+        FragC8 acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile_tf32<RM, CM>(acc, sT1 + i0 * LDA, LDA, sX + j0 * LDA, LDA, 0, (j0 + 16) / 8);
+        wmma::store_matrix_sync(sdAkk + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
     }
     __syncthreads();
     for (int idx = tid; idx < CH * CH; idx += NT) {
         int i = idx / CH, j = idx % CH;
-        float acc = 0.f;
-        if (j < i)
-            for (int k = 0; k <= j; k++) acc += sT1[i * LDA + k] * sX[j * LDA + k];
-        sdAkk[i * LDA + j] = -acc;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH;
-        float v = sdAkk[(idx / CH) * LDA + idx % CH];
+        float v = j < i ? -sdAkk[i * LDA + j] : 0.f;
         sdAkkb[idx] = __float2bfloat16(v);
         sdAkkBb[idx] = __float2bfloat16(sBeta[i] * v);
     }
@@ -274,16 +307,30 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
         const int n0 = pb * SUB, m = n0 + SUB - 1;
         const int kb_rows = FACTORED ? n0 + SUB : n0;
         const int qa_from = FACTORED ? n0 : n0 + SUB;
+        // Diagonal-block rows (factored path) keep a second, low bf16 part
+        // (x = hi + lo): near-diagonal pairs enter dG_i and dG_j with opposite
+        // signs, and the reverse cumsum cancels them; hi + lo makes both sides
+        // round alike to about 2^-16, as the pairwise path does in fp32.
         for (int idx = tid; idx < kb_rows * D; idx += NT) {
             int j = idx / D, dd = idx % D;
-            sKbOp[j * LD + dd] = __float2bfloat16(__bfloat162float(sK[j * LD + dd]) *
-                                                  __expf(sG[n0 * D + dd] - sG[j * D + dd]));
+            float x = __bfloat162float(sK[j * LD + dd]) * __expf(sG[n0 * D + dd] - sG[j * D + dd]);
+            bf16 hi = __float2bfloat16(x);
+            sKbOp[j * LD + dd] = hi;
+            if (FACTORED && j >= n0)
+                sKbLo[(j - n0) * LD + dd] = __float2bfloat16(x - __bfloat162float(hi));
         }
         for (int idx = qa_from * D + tid; idx < CH * D; idx += NT) {
             int i = idx / D, dd = idx % D;
             float e = __expf(sG[i * D + dd] - sG[m * D + dd]);
-            sQaOp[i * LD + dd] = __float2bfloat16(__bfloat162float(sQ[i * LD + dd]) * e);
-            sKaOp[i * LD + dd] = __float2bfloat16(__bfloat162float(sK[i * LD + dd]) * e);
+            float xq = __bfloat162float(sQ[i * LD + dd]) * e;
+            float xk = __bfloat162float(sK[i * LD + dd]) * e;
+            bf16 hq = __float2bfloat16(xq), hk = __float2bfloat16(xk);
+            sQaOp[i * LD + dd] = hq;
+            sKaOp[i * LD + dd] = hk;
+            if (FACTORED && i <= m) {
+                sQaLo[(i - n0) * LD + dd] = __float2bfloat16(xq - __bfloat162float(hq));
+                sKaLo[(i - n0) * LD + dd] = __float2bfloat16(xk - __bfloat162float(hk));
+            }
         }
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
@@ -302,6 +349,16 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
             else
                 mma_tile<CM, RM>(acc, sdAkkBb + s0 * SUB * CH + n0, CH,
                                  sKaOp + s0 * SUB * LD + j0, LD, CH / SUB - s0);
+            if (FACTORED) { // the diagonal block's low parts
+                if (o == 0)
+                    mma_tile<RM, RM>(acc, sdAqkb + n0 * LDM + n0, LDM, sKbLo + j0, LD, 1);
+                else if (o == 1)
+                    mma_tile<RM, RM>(acc, sdAkkb + n0 * CH + n0, CH, sKbLo + j0, LD, 1);
+                else if (o == 2)
+                    mma_tile<CM, RM>(acc, sdAqkb + n0 * LDM + n0, LDM, sQaLo + j0, LD, 1);
+                else
+                    mma_tile<CM, RM>(acc, sdAkkBb + n0 * CH + n0, CH, sKaLo + j0, LD, 1);
+            }
             wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
         }
         __syncthreads();

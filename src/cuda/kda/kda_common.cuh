@@ -107,6 +107,30 @@ __device__ __forceinline__ void mma_tile(wmma::fragment<wmma::accumulator, 16, 1
 }
 
 using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+using FragC8 = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+
+// c += A(16 x 8*ksteps) * B(8*ksteps x 16) on tensor cores in tf32 (fp32
+// operands rounded to 10 mantissa bits), for the fp32 triangular algebra.
+// Layout conventions as mma_tile; kfirst skips leading k-steps known zero.
+template <typename LA, typename LB>
+__device__ __forceinline__ void mma_tile_tf32(FragC8 &c, const float *A, int lda, const float *B,
+                                              int ldb, int kfirst, int kend) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LA> a;
+    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LB> b;
+    for (int kk = kfirst; kk < kend; kk++) {
+        const float *pa = std::is_same<LA, wmma::row_major>::value ? A + 8 * kk
+                                                                   : A + (size_t)8 * kk * lda;
+        const float *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)8 * kk * ldb
+                                                                   : B + 8 * kk;
+        wmma::load_matrix_sync(a, pa, lda);
+        wmma::load_matrix_sync(b, pb, ldb);
+#pragma unroll
+        for (int e = 0; e < a.num_elements; e++) a.x[e] = wmma::__float_to_tf32(a.x[e]);
+#pragma unroll
+        for (int e = 0; e < b.num_elements; e++) b.x[e] = wmma::__float_to_tf32(b.x[e]);
+        wmma::mma_sync(c, a, b, c);
+    }
+}
 using RM = wmma::row_major;
 using CM = wmma::col_major;
 
@@ -120,6 +144,17 @@ __device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const
 #pragma unroll
     for (int i = 0; i < 8; i++) tmp[i] = __float2bfloat16(st[r * ld + c0 + i] * mul);
     *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(tmp);
+}
+
+// 16-byte asynchronous copies global -> shared (sm_80+), completed by groups.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    int n = valid ? 16 : 0; // 0: fill the 16 bytes with zeros
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Raise a kernel's dynamic shared-memory limit, then launch it with (p).

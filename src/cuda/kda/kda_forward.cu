@@ -49,16 +49,18 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
     load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
     load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
     load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    load_rows<D, NT>(sKb, LD, p.z + base, rs, CH, nvalid); // z, staged in the key buffer
+    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
+    __syncthreads();
     const float a_exp = __expf(p.A_log[h]);
     for (int idx = tid; idx < CH * D; idx += NT) {
         int r = idx / D, d = idx % D;
         float g = 0.f; // padded rows: g = 0 keeps G constant past T
         if (r < nvalid)
-            g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, p.dt_bias[h * D + d],
+            g = kda_gate(__bfloat162float(sKb[r * LD + d]), a_exp, p.dt_bias[h * D + d],
                          p.bounded, p.g_min);
         sG[idx] = g;
     }
-    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     __syncthreads();
 
     // G_i = sum_{t <= i in chunk} g_t, fp32

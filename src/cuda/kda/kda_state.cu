@@ -9,16 +9,6 @@
 
 namespace lmkda {
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    int n = valid ? 16 : 0; // 0: fill the 16 bytes with zeros
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 // Copy rows x cols bf16 (cols a multiple of 8) from global (row stride gs)
 // into shared memory (row stride ld); rows >= nvalid become zeros.
 template <int NT>
