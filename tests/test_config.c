@@ -50,6 +50,11 @@ static void test_unknown_keys_and_bad_values_are_named(void) {
         {"{\"attention\":{\"kind\":\"gqa\",\"heads\":6,\"kv_heads\":4}}", "multiple of attention.kv_heads"},
         {"{\"model\":{\"d_model\":64}", "invalid JSON"},
         {"[1]", "must be a JSON object"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64}]}}", "train.stages[0] needs seq_len and steps"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"batch_tokens\":100}]}}",
+         "batch_tokens (100) must be a multiple of seq_len (64)"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"colour\":1}]}}", "unknown key 'train.stages[0].colour'"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":-1}}]}}", "needs a positive weight"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         lm_config c;
@@ -68,6 +73,12 @@ static void test_written_config_reads_back_identically(void) {
     a.seed = 987654321987ull;
     a.kda_gate_softplus = 1;
     strcpy(a.layout, "kkmkkkkm");
+    const char *staged = "{\"train\":{\"stages\":[{\"name\":\"short\",\"seq_len\":64,\"steps\":5,"
+                         "\"data\":{\"copy\":2,\"mqar\":1}},{\"seq_len\":256,\"steps\":3,\"batch_tokens\":512,"
+                         "\"lr_scale\":0.5}]}}";
+    CHECK(!lm_config_parse(staged, strlen(staged), "staged.json", &a), "%s", lm_last_error());
+    CHECK(a.n_stages == 2 && a.stages[0].n_data == 2 && a.stages[1].lr_scale == 0.5f &&
+          lm_config_total_steps(&a) == 8, "stages parsed");
     char *json = lm_config_to_json(&a);
     CHECK(json != NULL, "to_json");
     if (!json) return;

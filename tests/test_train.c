@@ -186,6 +186,63 @@ static void test_resume_without_checkpoint_fails_clearly(void) {
     CHECK(lm_train(&c, &o, &r) == LM_ERR_IO && strstr(lm_last_error(), "no checkpoint"), "%s", lm_last_error());
 }
 
+static int count_lines(const char *run, const char *needle) {
+    char path[600], line[65536];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", run);
+    FILE *f = fopen(path, "r");
+    int n = 0;
+    while (f && fgets(line, sizeof line, f)) n += strstr(line, needle) != NULL;
+    if (f) fclose(f);
+    return n;
+}
+
+static lm_config staged(void) {
+    lm_config c = micro();
+    c.ckpt_every = 0;
+    c.keep_checkpoints = 5;
+    const char *json = "{\"train\": {\"stages\": ["
+                       "{\"name\": \"short\", \"seq_len\": 16, \"steps\": 3, \"batch_tokens\": 64},"
+                       "{\"name\": \"long\", \"seq_len\": 32, \"steps\": 4, \"batch_tokens\": 64, "
+                       "\"lr_scale\": 0.5, \"data\": {\"copy\": 1}}]}}";
+    if (lm_config_parse(json, strlen(json), "staged", &c)) fprintf(stderr, "%s\n", lm_last_error());
+    return c;
+}
+
+static void test_stages_change_length_checkpoint_and_resume_mid_stage(void) {
+    lm_config c = staged();
+    lm_train_options o = lm_train_options_default(dir("staged"));
+    o.progress = NULL;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    CHECK(r.step == 7, "7 steps over two stages, got %lld", (long long)r.step);
+    CHECK(count_lines(dir("staged"), "\"type\": \"stage\"") == 2, "two stage records");
+    CHECK(count_lines(dir("staged"), "\"seq_len\": 32") == 1, "the second stage runs at 32 tokens");
+    char p[600];
+    struct stat sb;
+    snprintf(p, sizeof p, "%s/checkpoint-00000003/model.safetensors", dir("staged"));
+    CHECK(stat(p, &sb) == 0, "a checkpoint at the stage end");
+    /* stop in the middle of the second stage, resume, compare */
+    o.out_dir = dir("staged2");
+    o.stop_after = 5;
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    o.stop_after = 0;
+    o.resume = 1;
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    char a[16][32], b[16][32];
+    int na = read_losses(dir("staged"), a, 16), nb = read_losses(dir("staged2"), b, 16);
+    CHECK(na == 7 && nb == 7, "train lines: %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(!strcmp(a[i], b[i]), "step %d: loss %s vs %s", i + 1, a[i], b[i]);
+    char pa[600], pb[600];
+    snprintf(pa, sizeof pa, "%s/checkpoint-00000007/model.safetensors", dir("staged"));
+    snprintf(pb, sizeof pb, "%s/checkpoint-00000007/model.safetensors", dir("staged2"));
+    CHECK(same_file_tensors(pa, pb), "final parameters identical");
+    /* --steps cannot rewrite a staged schedule */
+    o.resume = 0;
+    o.out_dir = dir("staged3");
+    o.steps = 10;
+    CHECK(lm_train(&c, &o, &r) == LM_ERR_ARG && strstr(lm_last_error(), "train.stages"), "%s", lm_last_error());
+}
+
 int main(void) {
     snprintf(root, sizeof root, "/tmp/longmoe-test-train-%ld", (long)getpid());
     char cmd[600];
@@ -195,6 +252,7 @@ int main(void) {
     RUN(test_loss_falls_on_the_copy_task);
     RUN(test_non_finite_step_is_skipped_and_never_saved);
     RUN(test_resume_without_checkpoint_fails_clearly);
+    RUN(test_stages_change_length_checkpoint_and_resume_mid_stage);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0) return 1;
     return test_summary();

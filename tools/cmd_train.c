@@ -15,7 +15,8 @@ static const char *const train_usage =
     "learning rate, gradient norm, tokens/s, ETA and the worst MoE MaxVio of the step.\n"
     "\n"
     "options:\n"
-    "  --data TASK   built-in data: copy (default; docs/training.md)\n"
+    "  --data SPEC   data of stages that name none (overrides train.data): a built-in\n"
+    "                task (docs/training.md) or shards:DIR when shards are supported\n"
     "  --resume      continue from DIR/latest, bit-identically to an uninterrupted run\n"
     "  --steps N     total steps (overrides train.steps)\n"
     "  --stop-after N  stop with a checkpoint once N steps are done (the schedule still\n"
@@ -24,7 +25,7 @@ static const char *const train_usage =
     "  --quiet       no progress lines\n";
 
 int cmd_train(int argc, char **argv) {
-    const char *cmd = "train", *config = NULL, *out = NULL, *data = "copy";
+    const char *cmd = "train", *config = NULL, *out = NULL, *data = NULL;
     int resume = 0, quiet = 0, have_seed = 0;
     long steps = 0, stop_after = 0;
     double seed = 0;
@@ -61,7 +62,6 @@ int cmd_train(int argc, char **argv) {
         return 2;
     }
     lm_train_options opt = lm_train_options_default(out);
-    if (lm_task_from_name(data, &opt.task)) return cli_fail(cmd, "unknown --data '%s' (known: copy)", data) + 1;
     opt.resume = resume;
     opt.steps = steps;
     opt.stop_after = stop_after;
@@ -70,6 +70,13 @@ int cmd_train(int argc, char **argv) {
     lm_config_defaults(&cfg);
     if (config && lm_config_load(config, &cfg)) return cli_fail(cmd, "%s", lm_last_error());
     if (have_seed) cfg.seed = (uint64_t)seed;
+    if (data) {
+        lm_data_source *probe;
+        if (lm_data_open(data, 0, &probe)) return cli_fail(cmd, "--data: %s", lm_last_error()) + 1;
+        lm_data_close(probe);
+        if (strlen(data) >= sizeof cfg.data) return cli_fail(cmd, "--data: name too long") + 1;
+        strcpy(cfg.data, data);
+    }
     lm_train_result r;
     if (lm_train(&cfg, &opt, &r)) return cli_fail(cmd, "%s", lm_last_error());
     return 0;

@@ -23,6 +23,21 @@ typedef enum { LM_ACT_SWIGLU = 0, LM_ACT_SITU } lm_activation_kind;
 typedef enum { LM_SCHEDULE_COSINE = 0, LM_SCHEDULE_WSD } lm_schedule_kind;
 typedef enum { LM_TRAIN_MUON = 0, LM_TRAIN_ADAMW } lm_train_optimizer;
 
+#define LM_MAX_STAGES 8
+#define LM_MAX_STAGE_DATA 8
+
+/* One stage of staged context extension (docs/config.md, SPEC §6). */
+typedef struct {
+    char name[32];
+    int seq_len;            /* tokens per sequence in this stage */
+    int64_t steps;          /* optimizer steps of the stage */
+    int64_t batch_tokens;   /* tokens per micro-batch: batch size = batch_tokens / seq_len */
+    float lr_scale;         /* multiplies the run's schedule during the stage */
+    int n_data;             /* data mix: sources and weights (0: train.data) */
+    char data[LM_MAX_STAGE_DATA][64];
+    float weights[LM_MAX_STAGE_DATA];
+} lm_stage;
+
 typedef struct {
     /* model */
     int vocab_size, d_model, n_layers;
@@ -58,7 +73,16 @@ typedef struct {
     lm_schedule_kind schedule;
     uint64_t seed;
     int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;
+    char data[64];          /* default data source: a built-in task or shards:DIR */
+    int n_stages;           /* 0: one stage of train.seq_len, train.batch_size, train.steps */
+    lm_stage stages[LM_MAX_STAGES];
 } lm_config;
+
+/* The stages of a run: the configured ones, or one stage made of the train.*
+ * keys. Returns the number of stages written to `out` (LM_MAX_STAGES room). */
+int lm_config_stages(const lm_config *c, lm_stage *out);
+/* Total steps over all stages. */
+int64_t lm_config_total_steps(const lm_config *c);
 
 /* The defaults of every key (a small model). */
 void lm_config_defaults(lm_config *c);

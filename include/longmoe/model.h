@@ -53,6 +53,12 @@ void lm_model_free(lm_model *m);
 void lm_model_init(lm_model *m, uint64_t seed);
 
 const lm_config *lm_model_config(const lm_model *m);
+/* The micro-batch shape the model was planned for. */
+void lm_model_shape(const lm_model *m, int *B, int *T);
+/* Copy the parameters and the balancing state (biases, windows, counters) of
+ * `src` into `dst`, a model of the same config planned for another shape (a
+ * new stage of context extension). */
+lm_status lm_model_copy_state(lm_model *dst, const lm_model *src);
 int lm_model_num_tensors(const lm_model *m);
 const lm_model_tensor *lm_model_tensor_at(const lm_model *m, int i);
 const lm_model_tensor *lm_model_find(const lm_model *m, const char *name);
@@ -103,6 +109,42 @@ void lm_model_reset_timings(lm_model *m);
 /* The optimizer's view of the parameters: one lm_param per tensor, pointing
  * into the model's blocks (n = lm_model_num_tensors). */
 void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which);
+
+/* ---- decoding (docs/sampling.md) ----
+ * A decoder runs a model token by token for B sequences of at most max_T
+ * tokens. It borrows the model's parameters and frozen MoE balancing bias (the
+ * model must outlive it; nothing of the model is changed) and owns its caches:
+ * per KDA layer the short-conv history and the recurrent state (a fixed size
+ * per sequence), per attention layer the latent (MLA) or key/value (GQA) cache
+ * (a fixed size per token). All memory is planned at creation; a step
+ * allocates nothing beyond the operators' small per-thread scratch. */
+typedef struct lm_decoder lm_decoder;
+
+lm_status lm_decoder_create(lm_model *m, int B, int max_T, lm_decoder **out);
+void lm_decoder_free(lm_decoder *dec);
+
+/* Start B new sequences with prompts tokens [B,T] (1 <= T <= max_T): the
+ * chunked forward over the prompts fills the caches; logits_last [B,V] (may be
+ * NULL) receives the logits of each prompt's last position. */
+lm_status lm_decoder_prefill(lm_decoder *dec, const int32_t *tokens, int T, float *logits_last);
+/* Empty the caches: the next step is each sequence's first token. */
+void lm_decoder_reset(lm_decoder *dec);
+/* One token per sequence, tokens [B], at position lm_decoder_length -> logits [B,V]. */
+lm_status lm_decoder_step(lm_decoder *dec, const int32_t *tokens, float *logits);
+/* Tokens held per sequence. */
+int lm_decoder_length(const lm_decoder *dec);
+/* Cache memory for all B sequences: *fixed_bytes (KDA states and conv tails,
+ * independent of the length) and *bytes_per_token (attention caches per
+ * token of every sequence). */
+void lm_decoder_cache_bytes(const lm_decoder *dec, size_t *fixed_bytes, size_t *bytes_per_token);
+
+/* Sampling from logits [V]: temperature 0 is greedy (the lowest index among
+ * equal maxima); otherwise softmax(logits / temperature) restricted to the
+ * smallest set of most likely tokens whose mass reaches top_p (0 < top_p <= 1),
+ * renormalised, drawn with `rng`. `work` holds lm_sample_work_bytes(V) bytes. */
+size_t lm_sample_work_bytes(int V);
+lm_status lm_sample_token(const float *logits, int V, float temperature, float top_p, lm_rng *rng,
+                          void *work, int32_t *token);
 
 #ifdef __cplusplus
 }

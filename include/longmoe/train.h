@@ -4,6 +4,10 @@
  * A run directory holds:
  *   metrics.jsonl            one JSON object per line: {"type":"train",...} every
  *                            step, {"type":"eval",...}, {"type":"skip",...}, {"type":"checkpoint",...}
+ * Training runs through the stages of train.stages (staged context extension:
+ * each stage its sequence length, batch tokens, data mix and learning-rate
+ * scale); a stage change is logged ({"type": "stage"}), evaluated and
+ * checkpointed, and resume works in the middle of a stage.
  *   checkpoint-<step>/       model.safetensors (parameters, F32, names in docs/model.md),
  *                            config.json, trainer.safetensors (optimizer moments,
  *                            balancing biases and counters) and trainer.json (step,
@@ -19,6 +23,7 @@
 #include <stdio.h>
 
 #include "longmoe/config.h"
+#include "longmoe/data.h"
 #include "longmoe/core.h"
 #include "longmoe/model.h"
 #include "longmoe/tasks.h"
@@ -32,7 +37,6 @@ typedef struct {
     int resume;           /* continue from out_dir/latest */
     int64_t steps;        /* total steps of the run (0: config's train.steps); the schedule spans them */
     int64_t stop_after;   /* stop (with a checkpoint) once this many steps are done (0: at the end) */
-    lm_task_kind task;    /* built-in data */
     int val_batches;      /* batches of held-out data per evaluation */
     FILE *progress;       /* progress lines (NULL: none) */
     int max_bad_steps;    /* consecutive skipped steps that stop the run */
@@ -56,9 +60,9 @@ typedef struct {
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);
 
-/* Evaluate a model on `n_batches` held-out batches of the task. */
-lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batches, float *loss,
-                      float *answer_acc);
+/* Mean loss and accuracy at the answer positions over batches 0..n_batches-1
+ * of `src` (a held-out stream), at the model's batch shape. */
+lm_status lm_evaluate(lm_model *m, lm_data_source *src, int n_batches, float *loss, float *answer_acc);
 
 /* Load the parameters of checkpoint directory `dir` into a model created with
  * the config in `dir`/config.json (*out, *cfg receive them). */

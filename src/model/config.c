@@ -10,7 +10,7 @@
 
 #include "json.h"
 
-typedef enum { KEY_INT, KEY_INT64, KEY_U64, KEY_FLOAT, KEY_BOOL, KEY_ENUM, KEY_LAYOUT } key_type;
+typedef enum { KEY_INT, KEY_INT64, KEY_U64, KEY_FLOAT, KEY_BOOL, KEY_ENUM, KEY_LAYOUT, KEY_STRING, KEY_STAGES } key_type;
 
 typedef struct {
     const char *section, *name;
@@ -82,6 +82,8 @@ static const key_spec keys[] = {
     K_("train", "ckpt_every", KEY_INT, ckpt_every, 0, 1 << 30, NULL),
     K_("train", "keep_checkpoints", KEY_INT, keep_checkpoints, 1, 1000, NULL),
     K_("train", "recompute", KEY_BOOL, recompute, 0, 1, NULL),
+    K_("train", "data", KEY_STRING, data, 0, 0, NULL),
+    K_("train", "stages", KEY_STAGES, stages, 0, 0, NULL),
 };
 #undef K_
 static const int n_keys = (int)(sizeof keys / sizeof keys[0]);
@@ -143,6 +145,7 @@ void lm_config_defaults(lm_config *c) {
     c->eval_every = 100;
     c->ckpt_every = 0;
     c->keep_checkpoints = 3;
+    strcpy(c->data, "copy");
 }
 
 static int enum_index(const char *names, const char *value) {
@@ -156,6 +159,71 @@ static int enum_index(const char *names, const char *value) {
         p = bar + 1;
     }
     return -1;
+}
+
+/* train.stages: [{"name", "seq_len", "steps", "batch_tokens", "lr_scale", "data": {source: weight}}] */
+static lm_status parse_stages(lm_config *c, const lm_json *v, const char *what) {
+    if (v->kind != LM_JSON_ARRAY || v->count > LM_MAX_STAGES)
+        return lm_error(LM_ERR_ARG, "%s: train.stages must be an array of at most %d stage objects", what, LM_MAX_STAGES);
+    memset(c->stages, 0, sizeof c->stages);
+    c->n_stages = 0; /* []: one stage from the train.* keys */
+    int i = 0;
+    for (const lm_json *e = v->child; e; e = e->next, i++) {
+        lm_stage *st = &c->stages[i];
+        snprintf(st->name, sizeof st->name, "stage%d", i + 1);
+        st->lr_scale = 1.0f;
+        if (e->kind != LM_JSON_OBJECT) return lm_error(LM_ERR_ARG, "%s: train.stages[%d] must be an object", what, i);
+        for (const lm_json *m = e->child; m; m = m->next) {
+            int is_int = m->kind == LM_JSON_NUMBER && m->number_is_integer;
+            if (!strcmp(m->key, "name")) {
+                if (m->kind != LM_JSON_STRING || m->string_length == 0 || m->string_length >= sizeof st->name ||
+                    strlen(m->string) != m->string_length)
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].name must be a string of 1 to 31 bytes", what, i);
+                for (size_t j = 0; j < m->string_length; j++)
+                    if (m->string[j] == '"' || m->string[j] == '\\' || (unsigned char)m->string[j] < 0x20)
+                        return lm_error(LM_ERR_ARG, "%s: train.stages[%d].name has a character that needs escaping",
+                                        what, i);
+                memcpy(st->name, m->string, m->string_length + 1);
+            } else if (!strcmp(m->key, "seq_len")) {
+                if (!is_int || m->integer < 1 || m->integer > (1 << 24))
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].seq_len must be an integer in [1, 16777216]", what, i);
+                st->seq_len = (int)m->integer;
+            } else if (!strcmp(m->key, "steps")) {
+                if (!is_int || m->integer < 1)
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].steps must be a positive integer", what, i);
+                st->steps = m->integer;
+            } else if (!strcmp(m->key, "batch_tokens")) {
+                if (!is_int || m->integer < 1 || m->integer > (1 << 26))
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].batch_tokens must be an integer in [1, 2^26]", what, i);
+                st->batch_tokens = m->integer;
+            } else if (!strcmp(m->key, "lr_scale")) {
+                if (m->kind != LM_JSON_NUMBER || !(m->number > 0 && m->number <= 10))
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].lr_scale must be a number in (0, 10]", what, i);
+                st->lr_scale = (float)m->number;
+            } else if (!strcmp(m->key, "data")) {
+                if (m->kind != LM_JSON_OBJECT || m->count < 1 || m->count > LM_MAX_STAGE_DATA)
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data must be an object of 1 to %d "
+                                    "\"source\": weight pairs", what, i, LM_MAX_STAGE_DATA);
+                for (const lm_json *d = m->child; d; d = d->next) {
+                    if (d->kind != LM_JSON_NUMBER || !(d->number > 0) || strlen(d->key) >= 64 || !d->key[0])
+                        return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: '%s' needs a positive weight and a "
+                                        "name under 64 bytes", what, i, d->key);
+                    for (const char *q = d->key; *q; q++)
+                        if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20)
+                            return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: a source name needs escaping", what, i);
+                    snprintf(st->data[st->n_data], sizeof st->data[0], "%s", d->key);
+                    st->weights[st->n_data++] = (float)d->number;
+                }
+            } else if (strcmp(m->key, "comment")) {
+                return lm_error(LM_ERR_ARG, "%s: unknown key 'train.stages[%d].%s' (name, seq_len, steps, "
+                                "batch_tokens, lr_scale, data)", what, i, m->key);
+            }
+        }
+        if (!st->seq_len || !st->steps)
+            return lm_error(LM_ERR_ARG, "%s: train.stages[%d] needs seq_len and steps", what, i);
+    }
+    c->n_stages = i;
+    return LM_OK;
 }
 
 static lm_status set_key(lm_config *c, const key_spec *k, const lm_json *v, const char *what) {
@@ -179,6 +247,15 @@ static lm_status set_key(lm_config *c, const key_spec *k, const lm_json *v, cons
         memcpy(field, v->string, v->string_length + 1);
         return LM_OK;
     }
+    if (k->type == KEY_STRING) {
+        if (v->kind != LM_JSON_STRING || v->string_length == 0 || v->string_length >= 64 ||
+            strlen(v->string) != v->string_length)
+            return lm_error(LM_ERR_ARG, "%s: %s.%s must be a non-empty string of at most 63 bytes", what,
+                            k->section, k->name);
+        memcpy(field, v->string, v->string_length + 1);
+        return LM_OK;
+    }
+    if (k->type == KEY_STAGES) return parse_stages(c, v, what);
     if (k->type == KEY_BOOL) {
         if (v->kind != LM_JSON_BOOL)
             return lm_error(LM_ERR_ARG, "%s: %s.%s must be true or false", what, k->section, k->name);
@@ -303,6 +380,12 @@ lm_status lm_config_validate(const lm_config *c) {
     if (c->latent_dim > c->d_model)
         return lm_error(LM_ERR_ARG, "moe.latent_dim (%d) must not exceed model.d_model (%d)",
                         c->latent_dim, c->d_model);
+    lm_stage st[LM_MAX_STAGES];
+    int ns = lm_config_stages(c, st);
+    for (int i = 0; i < ns; i++)
+        if (st[i].batch_tokens % st[i].seq_len)
+            return lm_error(LM_ERR_ARG, "train.stages[%d]: batch_tokens (%lld) must be a multiple of seq_len (%d)", i,
+                            (long long)st[i].batch_tokens, st[i].seq_len);
     if (c->warmup_frac + (c->schedule == LM_SCHEDULE_WSD ? c->decay_frac : 0) > 1)
         return lm_error(LM_ERR_ARG, "train.warmup_frac + train.decay_frac must not exceed 1");
     return LM_OK;
@@ -328,7 +411,39 @@ char *lm_config_to_json(const lm_config *c) {
             case KEY_U64: { uint64_t x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%llu", (unsigned long long)x); break; }
             case KEY_FLOAT: { float x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%.9g", (double)x); break; }
             case KEY_BOOL: { int x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%s", x ? "true" : "false"); break; }
-            case KEY_LAYOUT: n += (size_t)snprintf(out + n, cap - n, "\"%s\"", field); break;
+            case KEY_LAYOUT:
+            case KEY_STRING: n += (size_t)snprintf(out + n, cap - n, "\"%s\"", field); break;
+            case KEY_STAGES: {
+                if (!c->n_stages) {
+                    n += (size_t)snprintf(out + n, cap - n, "[]");
+                    break;
+                }
+                n += (size_t)snprintf(out + n, cap - n, "[");
+                for (int si = 0; si < c->n_stages; si++) {
+                    const lm_stage *st = &c->stages[si];
+                    if (n + 2048 > cap) {
+                        cap *= 2;
+                        char *o2 = realloc(out, cap);
+                        if (!o2) { free(out); return NULL; }
+                        out = o2;
+                    }
+                    n += (size_t)snprintf(out + n, cap - n, "%s\n      {\"name\": \"%s\", \"seq_len\": %d, \"steps\": %lld, "
+                                          "\"lr_scale\": %.9g", si ? "," : "", st->name, st->seq_len,
+                                          (long long)st->steps, (double)st->lr_scale);
+                    if (st->batch_tokens)
+                        n += (size_t)snprintf(out + n, cap - n, ", \"batch_tokens\": %lld", (long long)st->batch_tokens);
+                    if (st->n_data) {
+                        n += (size_t)snprintf(out + n, cap - n, ", \"data\": {");
+                        for (int j = 0; j < st->n_data; j++)
+                            n += (size_t)snprintf(out + n, cap - n, "%s\"%s\": %.9g", j ? ", " : "", st->data[j],
+                                                  (double)st->weights[j]);
+                        n += (size_t)snprintf(out + n, cap - n, "}");
+                    }
+                    n += (size_t)snprintf(out + n, cap - n, "}");
+                }
+                n += (size_t)snprintf(out + n, cap - n, "]");
+                break;
+            }
             case KEY_ENUM: {
                 int x;
                 memcpy(&x, field, sizeof x);
@@ -429,4 +544,30 @@ void lm_config_plan(const lm_config *c, int64_t context, lm_plan *p) {
         p->total_active += p->active_params[i];
         p->total_flops += p->flops_per_token[i];
     }
+}
+
+int lm_config_stages(const lm_config *c, lm_stage *out) {
+    int64_t default_tokens = (int64_t)c->batch_size * c->seq_len;
+    if (!c->n_stages) {
+        memset(out, 0, sizeof *out);
+        snprintf(out->name, sizeof out->name, "main");
+        out->seq_len = c->seq_len;
+        out->steps = c->steps;
+        out->batch_tokens = default_tokens;
+        out->lr_scale = 1.0f;
+        return 1;
+    }
+    for (int i = 0; i < c->n_stages; i++) {
+        out[i] = c->stages[i];
+        if (!out[i].batch_tokens) out[i].batch_tokens = default_tokens;
+    }
+    return c->n_stages;
+}
+
+int64_t lm_config_total_steps(const lm_config *c) {
+    lm_stage st[LM_MAX_STAGES];
+    int n = lm_config_stages(c, st);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += st[i].steps;
+    return total;
 }

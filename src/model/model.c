@@ -767,3 +767,28 @@ lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clip
     if (n_clipped) *n_clipped = clipped;
     return LM_OK;
 }
+
+void lm_model_shape(const lm_model *m, int *B, int *T) {
+    *B = m->B;
+    *T = m->T;
+}
+
+lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
+    if (dst->n_params != src->n_params || dst->n_tensors != src->n_tensors)
+        return lm_error(LM_ERR_ARG, "copying model state between different architectures (%zu vs %zu parameters)",
+                        dst->n_params, src->n_params);
+    memcpy(dst->params, src->params, src->n_params * sizeof(float));
+    for (int l = 0; l < src->cfg.n_layers; l++) {
+        const lm_balance_state *a = &src->layers[l].bal;
+        lm_balance_state *b = &dst->layers[l].bal;
+        if (!src->layers[l].bal_ready || !dst->layers[l].bal_ready) continue;
+        size_t n = (size_t)a->cfg.n_experts;
+        memcpy(b->bias, a->bias, n * sizeof *b->bias);
+        memcpy(b->halfwidth, a->halfwidth, n * sizeof *b->halfwidth);
+        memcpy(b->last_load, a->last_load, n * sizeof *b->last_load);
+        memcpy(b->interval_load, a->interval_load, n * sizeof *b->interval_load);
+        b->interval_steps = a->interval_steps;
+        b->step = a->step;
+    }
+    return LM_OK;
+}

@@ -9,6 +9,7 @@
 
 #include "checkpoint.h"
 #include "json.h"
+#include "longmoe/data.h"
 #include "longmoe/optim.h"
 #include "longmoe/safetensors.h"
 
@@ -24,11 +25,15 @@ typedef struct {
     size_t muon_state_n, adam_state_n, scratch_n;
     int32_t *seq, *inp, *tgt;
     uint8_t *answer;
-    float *logits;
     lm_balance_stats *stats;
     int n_moe;
     int64_t step, data_pos, skipped;
     double eval_seconds[LM_TIME_COUNT]; /* component time spent in evaluations */
+    lm_stage stages[LM_MAX_STAGES];
+    int n_stages, stage;                /* the stages, the current one */
+    int64_t total_steps;
+    lm_data_mix mix;                    /* the current stage's training data */
+    lm_data_source *val;                /* its validation stream (the first source, held-out seed) */
     FILE *metrics;
 } trainer;
 
@@ -42,7 +47,6 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     lm_train_options o;
     memset(&o, 0, sizeof o);
     o.out_dir = out_dir;
-    o.task = LM_TASK_COPY;
     o.val_batches = 4;
     o.progress = stdout;
     o.max_bad_steps = 10;
@@ -50,7 +54,10 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     return o;
 }
 
+static void close_data(trainer *t);
+
 static void trainer_free(trainer *t) {
+    close_data(t);
     lm_model_free(t->model);
     free(t->all);
     free(t->muon_p);
@@ -62,26 +69,37 @@ static void trainer_free(trainer *t) {
     free(t->inp);
     free(t->tgt);
     free(t->answer);
-    free(t->logits);
     free(t->stats);
     if (t->metrics) fclose(t->metrics);
 }
 
-static lm_status trainer_setup(trainer *t) {
+/* Micro-batch shape of stage i. */
+static void stage_shape(const trainer *t, int i, int *B, int *T) {
+    *T = t->stages[i].seq_len;
+    *B = (int)(t->stages[i].batch_tokens / t->stages[i].seq_len);
+}
+
+/* Point the optimizers' parameter descriptors at the current model's blocks. */
+static void bind_params(trainer *t) {
+    lm_model_optimizer_params(t->model, t->all, t->cfg.optimizer);
+    t->n_muon = t->n_adam = 0;
+    for (int i = 0; i < t->n_all; i++) {
+        if (lm_param_optimizer(&t->all[i]) == LM_OPT_MUON) t->muon_p[t->n_muon++] = t->all[i];
+        else t->adam_p[t->n_adam++] = t->all[i];
+    }
+}
+
+static lm_status trainer_setup(trainer *t, int stage) {
     const lm_config *c = &t->cfg;
-    t->B = c->batch_size;
-    t->T = c->seq_len;
+    t->stage = stage;
+    stage_shape(t, stage, &t->B, &t->T);
     TRY(lm_model_create(c, t->B, t->T, &t->model));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
     t->adam_p = calloc((size_t)t->n_all, sizeof *t->adam_p);
     if (!t->all || !t->muon_p || !t->adam_p) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
-    lm_model_optimizer_params(t->model, t->all, c->optimizer);
-    for (int i = 0; i < t->n_all; i++) {
-        if (lm_param_optimizer(&t->all[i]) == LM_OPT_MUON) t->muon_p[t->n_muon++] = t->all[i];
-        else t->adam_p[t->n_adam++] = t->all[i];
-    }
+    bind_params(t);
     lm_optim_config oc = lm_optim_config_default();
     oc.weight_decay = c->weight_decay;
     t->muon_state_n = lm_optim_state_floats(t->muon_p, t->n_muon);
@@ -90,22 +108,89 @@ static lm_status trainer_setup(trainer *t) {
     t->muon_state = calloc(t->muon_state_n + 1, sizeof(float));
     t->adam_state = calloc(t->adam_state_n + 1, sizeof(float));
     t->scratch = calloc(t->scratch_n + 1, sizeof(float));
-    size_t N = (size_t)t->B * t->T;
-    t->seq = calloc((size_t)t->B * (t->T + 1), sizeof(int32_t));
-    t->inp = calloc(N, sizeof(int32_t));
-    t->tgt = calloc(N, sizeof(int32_t));
-    t->answer = calloc(N, 1);
-    t->logits = calloc(N * (size_t)c->vocab_size, sizeof(float));
+    /* batch buffers for the largest stage */
+    size_t most = 0;
+    for (int i = 0; i < t->n_stages; i++) {
+        int B, T;
+        stage_shape(t, i, &B, &T);
+        size_t n = (size_t)B * (T + 1);
+        most = n > most ? n : most;
+    }
+    t->seq = calloc(most, sizeof(int32_t));
+    t->inp = calloc(most, sizeof(int32_t));
+    t->tgt = calloc(most, sizeof(int32_t));
+    t->answer = calloc(most, 1);
     t->n_moe = lm_model_num_moe_layers(t->model);
     t->stats = calloc((size_t)(t->n_moe ? t->n_moe : 1), sizeof *t->stats);
-    if (!t->muon_state || !t->adam_state || !t->scratch || !t->seq || !t->inp || !t->tgt || !t->answer ||
-        !t->logits || !t->stats)
+    if (!t->muon_state || !t->adam_state || !t->scratch || !t->seq || !t->inp || !t->tgt || !t->answer || !t->stats)
         return lm_error(LM_ERR_MEMORY, "out of memory (trainer buffers)");
     TRY(lm_optimizer_init(&t->muon, &oc, t->muon_p, t->n_muon, t->muon_state, t->muon_state_n, t->scratch,
                           t->scratch_n));
     TRY(lm_optimizer_init(&t->adam, &oc, t->adam_p, t->n_adam, t->adam_state, t->adam_state_n, t->scratch,
                           t->scratch_n));
     return LM_OK;
+}
+
+static void close_data(trainer *t) {
+    for (int i = 0; i < t->mix.n; i++) lm_data_close(t->mix.sources[i]);
+    t->mix.n = 0;
+    lm_data_close(t->val);
+    t->val = NULL;
+}
+
+/* Open the training mix and the validation stream of stage i. */
+static lm_status open_data(trainer *t, int i) {
+    close_data(t);
+    const lm_stage *st = &t->stages[i];
+    int n = st->n_data ? st->n_data : 1;
+    t->mix.seed = t->cfg.seed ^ 0x6d69787365656421ull;
+    for (int j = 0; j < n; j++) {
+        const char *spec = st->n_data ? st->data[j] : t->cfg.data;
+        TRY(lm_data_open(spec, t->cfg.seed, &t->mix.sources[j]));
+        t->mix.weights[j] = st->n_data ? st->weights[j] : 1.0;
+        t->mix.n = j + 1;
+        if (t->mix.sources[j]->vocab_size > t->cfg.vocab_size)
+            return lm_error(LM_ERR_ARG, "data '%s' has tokens up to %d but model.vocab_size is %d", spec,
+                            t->mix.sources[j]->vocab_size - 1, t->cfg.vocab_size);
+    }
+    return lm_data_open(st->n_data ? st->data[0] : t->cfg.data, t->cfg.seed ^ 0x7e57da7a5eedull, &t->val);
+}
+
+/* Stage of a step: the first stage whose cumulative steps exceed it (the last at the end). */
+static int stage_of(const trainer *t, int64_t step) {
+    int64_t end = 0;
+    for (int i = 0; i < t->n_stages; i++) {
+        end += t->stages[i].steps;
+        if (step < end) return i;
+    }
+    return t->n_stages - 1;
+}
+
+static int64_t stage_end(const trainer *t, int i) {
+    int64_t end = 0;
+    for (int j = 0; j <= i; j++) end += t->stages[j].steps;
+    return end;
+}
+
+/* Move to stage i: a model planned for its shape that carries the parameters and
+ * the balancing state over; the optimizer state stays (same parameter layout). */
+static lm_status switch_stage(trainer *t, int i) {
+    int B, T;
+    stage_shape(t, i, &B, &T);
+    lm_model *next;
+    TRY(lm_model_create(&t->cfg, B, T, &next));
+    lm_status s = lm_model_copy_state(next, t->model);
+    if (s) {
+        lm_model_free(next);
+        return s;
+    }
+    lm_model_free(t->model);
+    t->model = next;
+    t->B = B;
+    t->T = T;
+    t->stage = i;
+    bind_params(t);
+    return open_data(t, i);
 }
 
 /* Split a [B, T+1] batch into inputs and targets. */
@@ -116,11 +201,12 @@ static void split_batch(const int32_t *seq, int B, int T, int32_t *inp, int32_t 
     }
 }
 
-lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batches, float *loss,
-                      float *answer_acc) {
+lm_status lm_evaluate(lm_model *m, lm_data_source *src, int n_batches, float *loss, float *answer_acc) {
     const lm_config *c = lm_model_config(m);
     /* the model's own batch shape */
-    const int mb = c->batch_size, mt = c->seq_len, V = c->vocab_size;
+    int mb, mt;
+    lm_model_shape(m, &mb, &mt);
+    const int V = c->vocab_size;
     lm_status st = LM_OK;
     size_t N = (size_t)mb * mt;
     int32_t *seq = malloc((size_t)mb * (mt + 1) * sizeof(int32_t)), *inp = malloc(N * 4), *tgt = malloc(N * 4);
@@ -133,8 +219,7 @@ lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batch
     double total = 0;
     int64_t n_ans = 0, n_right = 0;
     for (int bi = 0; bi < n_batches; bi++) {
-        /* held-out data: a separate stream of the task */
-        lm_task_batch(task, seed ^ 0x7e57da7a5eedull, bi, mb, mt, seq, ans);
+        if ((st = src->batch(src, bi, mb, mt, seq, ans))) goto done;
         split_batch(seq, mb, mt, inp, tgt);
         if ((st = lm_model_logits(m, inp, logits))) goto done;
         for (size_t i = 0; i < N; i++) {
@@ -146,9 +231,9 @@ lm_status lm_evaluate(lm_model *m, lm_task_kind task, uint64_t seed, int n_batch
                     mx = z[v];
                     arg = v;
                 }
-            double s = 0;
-            for (int v = 0; v < V; v++) s += exp((double)z[v] - mx);
-            total += mx + log(s) - z[tgt[i]];
+            double sum = 0;
+            for (int v = 0; v < V; v++) sum += exp((double)z[v] - mx);
+            total += mx + log(sum) - z[tgt[i]];
             if (ans[i]) {
                 n_ans++;
                 n_right += arg == tgt[i];
@@ -389,7 +474,7 @@ static void format_eta(char *buf, size_t n, double seconds) {
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
     lm_model_timings(t->model, before);
-    lm_status s = lm_evaluate(t->model, t->opt.task, t->cfg.seed, t->opt.val_batches, loss, acc);
+    lm_status s = lm_evaluate(t->model, t->val, t->opt.val_batches, loss, acc);
     lm_model_timings(t->model, after);
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
     return s;
@@ -401,7 +486,27 @@ static void log_eval(trainer *t, float loss, float acc) {
                 (long long)t->step, loss, acc);
     if (t->opt.progress)
         fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s answer accuracy %.1f%%\n", (long long)t->step,
-                loss, lm_task_name(t->opt.task), 100.0 * acc);
+                loss, t->val->name, 100.0 * acc);
+}
+
+/* Fold the model's component timings (less evaluations) into the run's totals. */
+static void bank_timings(trainer *t, double *acc) {
+    double now[LM_TIME_COUNT];
+    lm_model_timings(t->model, now);
+    for (int i = 0; i < LM_TIME_COUNT; i++) acc[i] += now[i] - t->eval_seconds[i];
+    memset(t->eval_seconds, 0, sizeof t->eval_seconds);
+    lm_model_reset_timings(t->model);
+}
+
+static void log_stage(trainer *t) {
+    const lm_stage *st = &t->stages[t->stage];
+    fprintf(t->metrics, "{\"type\": \"stage\", \"step\": %lld, \"stage\": %d, \"name\": \"%s\", \"seq_len\": %d, "
+            "\"batch_size\": %d, \"steps\": %lld, \"lr_scale\": %.6g}\n", (long long)t->step, t->stage, st->name,
+            st->seq_len, t->B, (long long)st->steps, st->lr_scale);
+    if (t->opt.progress)
+        fprintf(t->opt.progress, "stage %d/%d '%s': %lld steps of %d x %d tokens, data %s%s\n", t->stage + 1,
+                t->n_stages, st->name, (long long)st->steps, t->B, t->T, st->n_data ? st->data[0] : t->cfg.data,
+                st->n_data > 1 ? " (+ mix)" : "");
 }
 
 lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_train_result *result) {
@@ -411,24 +516,31 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     t.opt = *opt;
     lm_status s = lm_ensure_dir(opt->out_dir);
     char path[4200], ckpt[4096];
+    double comp[LM_TIME_COUNT] = {0};
     if (s) goto done;
     if (opt->resume) {
         if ((s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt))) goto done;
         snprintf(path, sizeof path, "%s/config.json", ckpt);
         lm_config saved;
         if ((s = lm_config_load(path, &saved))) goto done;
-        saved.steps = t.cfg.steps; /* the run may be extended */
         t.cfg = saved;
     }
-    if (opt->steps > 0) t.cfg.steps = opt->steps;
-    if ((s = trainer_setup(&t))) goto done;
+    if (opt->steps > 0) {
+        if (t.cfg.n_stages) {
+            s = lm_error(LM_ERR_ARG, "--steps cannot change a staged run: edit the steps of train.stages");
+            goto done;
+        }
+        t.cfg.steps = opt->steps;
+    }
+    t.n_stages = lm_config_stages(&t.cfg, t.stages);
+    t.total_steps = lm_config_total_steps(&t.cfg);
+    if ((s = trainer_setup(&t, 0))) goto done;
     lm_model_init(t.model, t.cfg.seed);
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {
         if ((s = load_checkpoint(&t, ckpt))) goto done;
         if ((s = truncate_metrics(path, t.step))) goto done;
-        if (opt->progress)
-            fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
+        if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
     } else {
         /* a fresh run starts a fresh log and writes its config */
         char *json = lm_config_to_json(&t.cfg);
@@ -444,6 +556,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         s = lm_error(LM_ERR_IO, "cannot open '%s' for appending", path);
         goto done;
     }
+    /* the stage of the (resumed) step, and its data */
+    int first = stage_of(&t, t.step);
+    if ((s = first ? switch_stage(&t, first) : open_data(&t, 0))) goto done;
     const lm_config *c = &t.cfg;
     lm_lr_schedule sched = lm_lr_schedule_default(1.0f);
     sched.kind = c->schedule == LM_SCHEDULE_WSD ? LM_LR_WSD : LM_LR_COSINE;
@@ -451,8 +566,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     sched.min_lr_ratio = c->min_lr_ratio;
     sched.decay_frac = c->decay_frac;
     if ((s = lm_lr_schedule_check(&sched))) goto done;
-    float muon_lr = c->lr, adam_lr = c->optimizer == LM_TRAIN_ADAMW ? c->adam_lr : c->adam_lr;
-    int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
+    const float muon_lr = c->lr, adam_lr = c->adam_lr;
     double ema_step = 0, t_start = lm_time_seconds();
     int bad_in_row = 0;
     double opt_seconds = 0, step_seconds = 0;
@@ -460,17 +574,18 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     lm_model_reset_timings(t.model);
     float last_loss = NAN, val_loss = NAN, val_acc = NAN;
     if (opt->progress && !opt->resume)
-        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld tokens per step, %lld steps, task %s\n",
-                lm_model_num_params(t.model), t.n_all, (long long)tokens_per_step, (long long)c->steps,
-                lm_task_name(opt->task));
-    int64_t stop = opt->stop_after > 0 && opt->stop_after < c->steps ? opt->stop_after : c->steps;
+        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s\n",
+                lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "");
+    if (!opt->resume) log_stage(&t);
+    int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
     while (t.step < stop) {
+        int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
         double t0 = lm_time_seconds();
         lm_model_zero_grads(t.model);
         float loss = 0, aux = 0;
         int bad = 0;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
-            lm_task_batch(opt->task, c->seed, t.data_pos++, t.B, t.T, t.seq, NULL);
+            if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
             split_batch(t.seq, t.B, t.T, t.inp, t.tgt);
             float l;
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
@@ -508,10 +623,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
                 goto done;
             }
             t.step++;
-            continue;
-        }
+        } else {
         bad_in_row = 0;
-        float f = lm_lr_at(&sched, t.step, c->steps);
+        float f = lm_lr_at(&sched, t.step, t.total_steps) * t.stages[t.stage].lr_scale;
         double t_opt = lm_time_seconds();
         if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
         float max_logit;
@@ -545,20 +659,28 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             fprintf(t.metrics, "]}");
         }
         fprintf(t.metrics, "]}\n");
-        if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == c->steps)) {
+        if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
-            format_eta(eta, sizeof eta, ema_step * (double)(c->steps - t.step));
+            format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
             fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | ETA %s | "
-                    "maxvio %.3f\n", (long long)t.step, (long long)c->steps, loss, muon_lr * f, gnorm,
+                    "maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f, gnorm,
                     tokens_per_step / dt, eta, worst);
             fflush(opt->progress);
         }
-        if (c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < stop) {
+        }
+        /* the end of a stage: evaluate, checkpoint, move to the next stage's shape and data */
+        int stage_done = t.step == stage_end(&t, t.stage) && t.step < t.total_steps;
+        if ((c->eval_every > 0 && t.step % c->eval_every == 0 && t.step < stop) || (stage_done && t.step < stop)) {
             if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
             log_eval(&t, val_loss, val_acc);
         }
-        if (c->ckpt_every > 0 && t.step % c->ckpt_every == 0 && t.step < stop)
+        if (((c->ckpt_every > 0 && t.step % c->ckpt_every == 0) || stage_done) && t.step < stop)
             if ((s = save_checkpoint(&t))) goto done;
+        if (stage_done) {
+            bank_timings(&t, comp);
+            if ((s = switch_stage(&t, t.stage + 1))) goto done;
+            log_stage(&t);
+        }
     }
     if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
     log_eval(&t, val_loss, val_acc);
@@ -575,8 +697,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->step_seconds = step_seconds;
         result->optimizer_seconds = opt_seconds;
         result->tokens = tokens_done;
-        lm_model_timings(t.model, result->component_seconds);
-        for (int i = 0; i < LM_TIME_COUNT; i++) result->component_seconds[i] -= t.eval_seconds[i];
+        bank_timings(&t, comp);
+        memcpy(result->component_seconds, comp, sizeof comp);
     }
 done:
     trainer_free(&t);
