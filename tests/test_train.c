@@ -134,45 +134,62 @@ static void test_loss_falls_on_the_copy_task(void) {
 }
 
 static void test_non_finite_step_is_skipped_and_never_saved(void) {
-    lm_config c = micro();
-    c.ckpt_every = 1;
-    lm_train_options o = lm_train_options_default(dir("nan"));
-    o.progress = NULL;
-    o.steps = 4;
-    o.inject_nan_step = 1;
-    lm_train_result r;
-    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 4, "skipped %lld, steps %lld", (long long)r.skipped, (long long)r.step);
-    char path[600];
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir("nan"));
-    FILE *f = fopen(path, "r");
-    char line[65536];
-    int skips = 0;
-    while (f && fgets(line, sizeof line, f)) skips += strstr(line, "\"type\": \"skip\"") != NULL;
-    if (f) fclose(f);
-    CHECK(skips == 1, "one skip logged, got %d", skips);
-    /* every checkpoint kept holds finite values only */
-    for (int s = 3; s <= 4; s++) {
-        snprintf(path, sizeof path, "%s/checkpoint-%08d/model.safetensors", dir("nan"), s);
-        lm_safetensors *st = NULL;
-        CHECK(!lm_safetensors_open(path, &st), "%s", lm_last_error());
-        for (int i = 0; st && i < lm_safetensors_count(st); i++) {
-            const lm_st_tensor *t = lm_safetensors_at(st, i);
-            for (int64_t j = 0; j < t->numel; j++) {
-                float v;
-                memcpy(&v, (const char *)t->data + 4 * j, 4);
-                if (!isfinite(v)) {
-                    CHECK(0, "%s: non-finite value in %s", path, t->name);
-                    break;
+    const lm_fault faults[] = {LM_FAULT_LOSS, LM_FAULT_BATCH, LM_FAULT_ROUTER, LM_FAULT_GRADIENT};
+    const char *names[] = {"loss", "batch", "router", "gradient"};
+    for (int f = 0; f < 4; f++) {
+        lm_config c = micro();
+        c.ckpt_every = 1;
+        c.keep_checkpoints = 5;
+        char run[64];
+        snprintf(run, sizeof run, "nan-%s", names[f]);
+        lm_train_options o = lm_train_options_default(dir(run));
+        o.progress = NULL;
+        o.steps = 4;
+        o.inject_fault_step = 1;
+        o.inject_fault = faults[f];
+        lm_train_result r;
+        CHECK(!lm_train(&c, &o, &r), "%s: %s", names[f], lm_last_error());
+        CHECK(r.skipped == 1 && r.step == 4, "%s: skipped %lld, steps %lld", names[f], (long long)r.skipped,
+              (long long)r.step);
+        char path[600];
+        snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+        FILE *fp = fopen(path, "r");
+        char line[65536];
+        int skips = 0;
+        while (fp && fgets(line, sizeof line, fp)) skips += strstr(line, "\"type\": \"skip\"") != NULL;
+        if (fp) fclose(fp);
+        CHECK(skips == 1, "%s: one skip logged, got %d", names[f], skips);
+        /* every checkpoint kept holds finite values only, the trainer state too */
+        for (int st = 1; st <= 4; st++) {
+            const char *files[2] = {"model.safetensors", "trainer.safetensors"};
+            for (int k = 0; k < 2; k++) {
+                snprintf(path, sizeof path, "%s/checkpoint-%08d/%s", dir(run), st, files[k]);
+                lm_safetensors *sf = NULL;
+                CHECK(!lm_safetensors_open(path, &sf), "%s", lm_last_error());
+                for (int i = 0; sf && i < lm_safetensors_count(sf); i++) {
+                    const lm_st_tensor *t = lm_safetensors_at(sf, i);
+                    if (t->dtype != LM_DTYPE_F32) continue;
+                    for (int64_t j = 0; j < t->numel; j++) {
+                        float v;
+                        memcpy(&v, (const char *)t->data + 4 * j, 4);
+                        if (!isfinite(v)) {
+                            CHECK(0, "%s: non-finite value in %s", path, t->name);
+                            break;
+                        }
+                    }
                 }
+                lm_safetensors_close(sf);
             }
         }
-        lm_safetensors_close(st);
     }
     /* a run whose every step is bad stops with a clear message */
-    o.out_dir = dir("nan2");
+    lm_config c = micro();
+    lm_train_options o = lm_train_options_default(dir("nan-stop"));
+    o.progress = NULL;
+    o.steps = 4;
     o.max_bad_steps = 1;
-    o.inject_nan_step = 0;
+    o.inject_fault_step = 0;
+    lm_train_result r;
     CHECK(lm_train(&c, &o, &r) == LM_ERR_NUMERIC && strstr(lm_last_error(), "consecutive"), "%s", lm_last_error());
 }
 

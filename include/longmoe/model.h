@@ -91,6 +91,15 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 /* Auxiliary balance loss of the last forward (0 unless balance = aux). */
 float lm_model_aux_loss(const lm_model *m);
 
+/* Fault injection (tests of the trainer's handling of non-finite values):
+ * the next forward puts a NaN into the embedded batch (LM_FAULT_BATCH) or into
+ * a router score of the first MoE layer (LM_FAULT_ROUTER); the next backward
+ * leaves a NaN in a gradient (LM_FAULT_GRADIENT); LM_FAULT_LOSS is the
+ * trainer's own (a non-finite loss). Forwards report non-finite sublayer
+ * outputs and router scores as LM_ERR_NUMERIC. */
+typedef enum { LM_FAULT_NONE = 0, LM_FAULT_BATCH, LM_FAULT_ROUTER, LM_FAULT_GRADIENT, LM_FAULT_LOSS } lm_fault;
+void lm_model_inject_fault(lm_model *m, lm_fault fault);
+
 /* QK-Clip (SPEC §6): apply to every attention layer the largest logit per
  * head seen by the training forwards since the last call (tau <= 0: only
  * measure), then reset. *max_logit receives the largest over all heads (-inf

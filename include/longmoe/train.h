@@ -40,8 +40,11 @@ typedef struct {
     int val_batches;      /* batches of held-out data per evaluation */
     FILE *progress;       /* progress lines (NULL: none) */
     int max_bad_steps;    /* consecutive skipped steps that stop the run */
-    /* fault injection for tests: make the loss of this step non-finite (-1: off) */
-    int64_t inject_nan_step;
+    /* fault injection for tests: at step inject_fault_step (-1: off) inject
+     * inject_fault (include/longmoe/model.h: NaN in the batch, a router score,
+     * a gradient, or the loss) */
+    int64_t inject_fault_step;
+    lm_fault inject_fault;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

@@ -559,6 +559,15 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         dense_ffn_forward(m, ls, xn, y);
     } else {
         TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
+        if (m->fault == LM_FAULT_ROUTER && !recompute) {
+            ls->moe_a.s[0] = NAN;
+            m->fault = LM_FAULT_NONE;
+        }
+        /* a non-finite score would poison the balancer's statistics: refuse it first */
+        for (int64_t i = 0; i < N * m->cfg.n_routed_experts; i++)
+            if (!isfinite(ls->moe_a.s[i]))
+                return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
+                                (long long)(i / m->cfg.n_routed_experts));
         if (training && !recompute) TRY(lm_balance_observe(&ls->bal, ls->moe_a.s, N, 1));
         if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
             float aux = 0;
@@ -581,6 +590,10 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     double t0 = lm_time_seconds();
     const float *E = m->params + m->embed_off;
     for (int64_t i = 0; i < N; i++) memcpy(m->x0 + i * d, E + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
+    if (m->fault == LM_FAULT_BATCH) {
+        m->x0[0] = NAN;
+        m->fault = LM_FAULT_NONE;
+    }
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     TRY(lm_attnres_begin(&m->ar, m->x0));
@@ -728,6 +741,10 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         const float *g = m->dx0 + i * d;
         for (int j = 0; j < d; j++) row[j] += g[j];
     }
+    if (m->fault == LM_FAULT_GRADIENT) {
+        m->grads[m->n_params / 2] = NAN;
+        m->fault = LM_FAULT_NONE;
+    }
     charge(m, LM_TIME_NORMS, &t0);
     m->have_targets = 0;
     return LM_OK;
@@ -792,3 +809,5 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
     }
     return LM_OK;
 }
+
+void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }

@@ -59,6 +59,7 @@ struct lm_model {
     int have_targets;
     float aux_loss;
     double seconds[LM_TIME_COUNT];
+    lm_fault fault; /* one-shot fault injection */
     /* residual stream */
     lm_attnres_state ar;
     void *ar_workspace;

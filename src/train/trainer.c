@@ -50,7 +50,8 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     o.val_batches = 4;
     o.progress = stdout;
     o.max_bad_steps = 10;
-    o.inject_nan_step = -1;
+    o.inject_fault_step = -1;
+    o.inject_fault = LM_FAULT_LOSS;
     return o;
 }
 
@@ -584,6 +585,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         lm_model_zero_grads(t.model);
         float loss = 0, aux = 0;
         int bad = 0;
+        if (t.step == opt->inject_fault_step && opt->inject_fault != LM_FAULT_LOSS)
+            lm_model_inject_fault(t.model, opt->inject_fault);
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
             if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
             split_batch(t.seq, t.B, t.T, t.inp, t.tgt);
@@ -601,10 +604,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
-        if (t.step == opt->inject_nan_step) {
-            loss = NAN;
-            lm_model_grads(t.model)[0] = NAN;
-        }
+        if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
         double gnorm = NAN;
         if (!bad && isfinite(loss)) bad = lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm) != LM_OK;
         else bad = 1;
