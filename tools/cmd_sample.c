@@ -1,0 +1,192 @@
+/* `longmoe sample`: continue a prompt with a trained checkpoint: chunked
+ * prefill of the prompt, then one token per step with the KDA recurrent
+ * states and the attention caches (docs/sampling.md). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+
+static const char *const sample_usage =
+    "usage: longmoe sample --checkpoint DIR --prompt TEXT [--max-tokens N] [--temperature X]\n"
+    "                      [--top-p P] [--seed S] [--quiet]\n"
+    "\n"
+    "Continues TEXT with the model of DIR (a checkpoint-<step> directory, or a run directory:\n"
+    "its `latest` checkpoint) and prints the continuation on stdout. The prompt is run once\n"
+    "through the chunked forward (prefill); each new token is then one decode step with the\n"
+    "KDA recurrent states and the MLA latent (or GQA key/value) cache. Tokens are bytes: the\n"
+    "checkpoint's vocabulary must be 256.\n"
+    "\n"
+    "options:\n"
+    "  --max-tokens N   tokens to generate (default 64)\n"
+    "  --temperature X  0 (default): greedy; otherwise sample from softmax(logits / X)\n"
+    "  --top-p P        nucleus sampling: only the most likely tokens of total mass >= P\n"
+    "                   (0 < P <= 1, default 1: all)\n"
+    "  --seed S         seed of the sampler (default 1); the same seed gives the same text\n"
+    "  --quiet          no statistics line on stderr\n";
+
+static int is_file(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* DIR itself when it holds model.safetensors, else DIR/<the name in DIR/latest>. */
+static int resolve_checkpoint(const char *cmd, const char *dir, char *out, size_t n) {
+    char path[4400];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (is_file(path)) {
+        snprintf(out, n, "%s", dir);
+        return 0;
+    }
+    snprintf(path, sizeof path, "%s/latest", dir);
+    FILE *f = fopen(path, "r");
+    char name[256] = {0};
+    int ok = f && fscanf(f, "%255s", name) == 1;
+    if (f) fclose(f);
+    if (!ok)
+        return cli_fail(cmd, "no checkpoint at '%s': neither %s/model.safetensors nor %s/latest exists (pass a "
+                        "checkpoint-<step> directory or a run directory)", dir, dir, dir);
+    snprintf(out, n, "%s/%s", dir, name);
+    snprintf(path, sizeof path, "%s/model.safetensors", out);
+    if (!is_file(path)) return cli_fail(cmd, "'%s/latest' names '%s', which has no model.safetensors", dir, name);
+    return 0;
+}
+
+/* The balancing biases of the MoE layers (trainer.safetensors); they take part
+ * in routing. Without the file the biases stay zero (with a warning). */
+static int load_biases(const char *cmd, lm_model *m, const char *ckpt, int quiet) {
+    char path[4400];
+    snprintf(path, sizeof path, "%s/trainer.safetensors", ckpt);
+    if (lm_model_num_moe_layers(m) == 0) return 0;
+    if (!is_file(path)) {
+        if (!quiet) fprintf(stderr, "longmoe %s: warning: %s is missing; MoE balancing biases are zero\n", cmd, path);
+        return 0;
+    }
+    lm_safetensors *st = NULL;
+    if (lm_safetensors_open(path, &st)) return cli_fail(cmd, "%s", lm_last_error());
+    int rc = 0;
+    for (int i = 0; i < lm_model_num_moe_layers(m) && !rc; i++) {
+        lm_balance_state *bal = lm_model_balance(m, i);
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.moe.bias", lm_model_moe_layer_index(m, i));
+        const lm_st_tensor *t = lm_safetensors_find(st, name);
+        if (!t || t->dtype != LM_DTYPE_F32 || t->numel != bal->cfg.n_experts)
+            rc = cli_fail(cmd, "%s: tensor %s is missing or not F32 [%d]", path, name, bal->cfg.n_experts);
+        else
+            memcpy(bal->bias, t->data, (size_t)t->numel * sizeof(float));
+    }
+    lm_safetensors_close(st);
+    return rc;
+}
+
+int cmd_sample(int argc, char **argv) {
+    const char *cmd = "sample", *dir = NULL, *prompt = NULL, *v;
+    long max_tokens = 64, seed = 1;
+    double temperature = 0, top_p = 1;
+    int quiet = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            fputs(sample_usage, stdout);
+            return 0;
+        } else if (!strcmp(a, "--checkpoint")) {
+            if (!(dir = cli_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--prompt")) {
+            if (!(prompt = cli_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--max-tokens")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 1, 1L << 20, &max_tokens)) return 2;
+        } else if (!strcmp(a, "--temperature")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, a, v, &temperature)) return 2;
+            if (temperature < 0) return cli_fail(cmd, "--temperature must be >= 0, got %g", temperature) + 1;
+        } else if (!strcmp(a, "--top-p")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, a, v, &top_p)) return 2;
+            if (!(top_p > 0 && top_p <= 1)) return cli_fail(cmd, "--top-p must lie in (0, 1], got %g", top_p) + 1;
+        } else if (!strcmp(a, "--seed")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 0x7fffffffL, &seed)) return 2;
+        } else if (!strcmp(a, "--quiet")) {
+            quiet = 1;
+        } else {
+            cli_fail(cmd, "unknown option '%s' (see --help)", a);
+            return 2;
+        }
+    }
+    if (!dir || !prompt) {
+        cli_fail(cmd, "--checkpoint and --prompt are required (see --help)");
+        return 2;
+    }
+    size_t n_prompt = strlen(prompt);
+    if (n_prompt == 0) {
+        cli_fail(cmd, "--prompt is empty: the model needs at least one token to continue");
+        return 2;
+    }
+    char ckpt[4200], path[4300];
+    if (resolve_checkpoint(cmd, dir, ckpt, sizeof ckpt)) return 1;
+    lm_config cfg;
+    lm_config_defaults(&cfg);
+    snprintf(path, sizeof path, "%s/config.json", ckpt);
+    if (lm_config_load(path, &cfg)) return cli_fail(cmd, "%s", lm_last_error());
+    if (cfg.vocab_size != 256)
+        return cli_fail(cmd, "the checkpoint's vocabulary has %d tokens, not the 256 bytes this command encodes; "
+                        "a model trained on tokenizer ids needs that tokenizer, which `sample` does not take yet",
+                        cfg.vocab_size);
+    const int64_t max_T = (int64_t)n_prompt + max_tokens;
+    if (max_T > (1 << 26)) return cli_fail(cmd, "prompt (%zu bytes) + --max-tokens is too long", n_prompt);
+
+    /* the model for one token (the decoder plans its own buffers), its biases, the decoder */
+    lm_model *m = NULL;
+    if (lm_checkpoint_load_model(ckpt, 1, 1, &cfg, &m)) return cli_fail(cmd, "%s", lm_last_error());
+    int rc = load_biases(cmd, m, ckpt, quiet);
+    lm_decoder *dec = NULL;
+    float *logits = malloc((size_t)cfg.vocab_size * sizeof(float));
+    void *work = malloc(lm_sample_work_bytes(cfg.vocab_size));
+    int32_t *ids = malloc(n_prompt * sizeof(int32_t));
+    if (!rc && (!logits || !work || !ids)) rc = cli_fail(cmd, "out of memory");
+    if (!rc && lm_decoder_create(m, 1, (int)max_T, &dec)) rc = cli_fail(cmd, "%s", lm_last_error());
+    if (rc) goto done;
+    for (size_t i = 0; i < n_prompt; i++) ids[i] = (unsigned char)prompt[i];
+
+    lm_rng rng;
+    lm_rng_seed(&rng, (uint64_t)seed);
+    double t0 = lm_time_seconds();
+    if (lm_decoder_prefill(dec, ids, (int)n_prompt, logits)) {
+        rc = cli_fail(cmd, "%s", lm_last_error());
+        goto done;
+    }
+    double t1 = lm_time_seconds();
+    long produced = 0;
+    for (; produced < max_tokens; produced++) {
+        int32_t tok;
+        if (lm_sample_token(logits, cfg.vocab_size, (float)temperature, (float)top_p, &rng, work, &tok)) {
+            rc = cli_fail(cmd, "%s", lm_last_error());
+            break;
+        }
+        putchar((unsigned char)tok);
+        fflush(stdout);
+        if (produced + 1 < max_tokens && lm_decoder_step(dec, &tok, logits)) {
+            rc = cli_fail(cmd, "%s", lm_last_error());
+            break;
+        }
+    }
+    putchar('\n');
+    double t2 = lm_time_seconds();
+    if (!quiet && !rc) {
+        size_t fixed, per_token;
+        lm_decoder_cache_bytes(dec, &fixed, &per_token);
+        fprintf(stderr,
+                "longmoe sample: %zu prompt tokens (prefill %.1f ms), %ld generated (%.1f tokens/s); cache %.1f KiB "
+                "fixed + %zu bytes per token\n",
+                n_prompt, 1e3 * (t1 - t0), produced, produced > 1 ? (produced - 1) / (t2 - t1) : 0.0,
+                fixed / 1024.0, per_token);
+    }
+done:
+    lm_decoder_free(dec);
+    lm_model_free(m);
+    free(logits);
+    free(work);
+    free(ids);
+    return rc;
+}
