@@ -107,7 +107,19 @@ lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tm
     snprintf(name, sizeof name, "checkpoint-%08lld", (long long)step);
     snprintf(final_dir, sizeof final_dir, "%s/%s", run_dir, name);
     fsync_dir(tmp_dir);
-    remove_tree(final_dir);
+    /* A checkpoint of this step may exist already (a resumed run saving the step
+     * it resumed at) and `latest` may name it: move it aside rather than delete
+     * it, so that a crash at any moment leaves a complete copy under the name
+     * or, between the two renames, under <name>.old (lm_checkpoint_latest
+     * moves it back). */
+    char old[4200];
+    snprintf(old, sizeof old, "%s.old", final_dir);
+    struct stat sb;
+    if (stat(final_dir, &sb) == 0) {
+        remove_tree(old);
+        if (rename(final_dir, old) != 0)
+            return lm_error(LM_ERR_IO, "cannot rename '%s' to '%s': %s", final_dir, old, strerror(errno));
+    }
     if (rename(tmp_dir, final_dir) != 0)
         return lm_error(LM_ERR_IO, "cannot rename '%s' to '%s': %s", tmp_dir, final_dir, strerror(errno));
     fsync_dir(run_dir);
@@ -116,6 +128,7 @@ lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tm
     snprintf(text, sizeof text, "%s\n", name);
     lm_status s = lm_write_text_atomic(latest, text);
     if (s) return s;
+    remove_tree(old);
     /* keep the newest `keep` complete checkpoints */
     DIR *d = opendir(run_dir);
     if (!d) return LM_OK;
@@ -155,5 +168,12 @@ lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n) {
     }
     snprintf(dir, n, "%s/%s", run_dir, text);
     free(text);
+    /* a crash while a checkpoint of the same step was replaced (lm_checkpoint_commit)
+     * leaves the complete previous copy as <name>.old: move it back */
+    char old[4200];
+    struct stat sb;
+    snprintf(old, sizeof old, "%s.old", dir);
+    if (stat(dir, &sb) != 0 && stat(old, &sb) == 0 && rename(old, dir) != 0)
+        return lm_error(LM_ERR_IO, "cannot move '%s' back to '%s': %s", old, dir, strerror(errno));
     return LM_OK;
 }

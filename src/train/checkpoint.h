@@ -14,7 +14,8 @@ lm_status lm_ensure_dir(const char *dir); /* mkdir -p */
 lm_status lm_checkpoint_begin(const char *run_dir, int64_t step, char *tmp_dir, size_t n);
 /* Rename it to checkpoint-<step>, point `latest` at it, keep the newest `keep`. */
 lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tmp_dir, int keep);
-/* The directory `latest` names. */
+/* The directory `latest` names (moving back the copy a crash inside
+ * lm_checkpoint_commit may have left as <name>.old). */
 lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n);
 
 #endif
