@@ -10,6 +10,7 @@
 int cmd_demo(int argc, char **argv);
 int cmd_op(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
+int cmd_report(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
