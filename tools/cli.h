@@ -13,6 +13,7 @@ int cmd_plan(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
 int cmd_op_attention(int argc, char **argv);
 int cmd_op_moe(int argc, char **argv);

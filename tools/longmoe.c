@@ -14,6 +14,7 @@ static const command commands[] = {
     {"demo", cmd_demo, "what `make demo` runs: the KDA operator, then the tiny model learning to copy"},
     {"train", cmd_train, "train a model from a config (checkpoints, metrics, resume)"},
     {"report", cmd_report, "one self-contained HTML report of a run directory (curves, expert load, grids)"},
+    {"eval", cmd_eval, "long-context evaluation of a checkpoint: validation loss by position, passkey, MQAR"},
     {"sample", cmd_sample, "continue a prompt with a checkpoint (prefill, then recurrent decode)"},
     {"plan", cmd_plan, "parameters, FLOPs and memory of a config, by component"},
     {"op", cmd_op, "run one operator on tensors from a safetensors file"},
