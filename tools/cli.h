@@ -10,8 +10,10 @@
 int cmd_demo(int argc, char **argv);
 int cmd_op(int argc, char **argv);
 int cmd_plan(int argc, char **argv);
+int cmd_experiment(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_tokenizer(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);
