@@ -6,6 +6,9 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/safetensors.h"
 
 int cli_fail(const char *cmd, const char *fmt, ...) {
     va_list ap;
@@ -44,4 +47,36 @@ const char *cli_value(const char *cmd, int argc, char **argv, int *i) {
         return NULL;
     }
     return argv[++*i];
+}
+
+/* "[2,38,*]" for a shape with free (-1) dimensions */
+static void dims_text(char *buf, size_t size, const int64_t *d, int n) {
+    size_t len = 0;
+    buf[0] = 0;
+    for (int i = 0; i < n && len < size; i++) {
+        if (d[i] < 0) len += (size_t)snprintf(buf + len, size - len, "%s*", i ? "," : "[");
+        else len += (size_t)snprintf(buf + len, size - len, "%s%lld", i ? "," : "[", (long long)d[i]);
+    }
+    if (len < size) snprintf(buf + len, size - len, "]");
+}
+
+int cli_read_tensor(const char *cmd, const struct lm_safetensors *st, const char *name, int ndim, const char *dims,
+                    const int64_t *want, float **out, int64_t *shape) {
+    int64_t got[LM_ST_MAX_DIMS];
+    if (lm_safetensors_read_f32(st, name, ndim, out, got)) {
+        if (dims) return cli_fail(cmd, "%s (expected %s)", lm_last_error(), dims);
+        return cli_fail(cmd, "%s", lm_last_error());
+    }
+    for (int d = 0; want && d < ndim; d++)
+        if (want[d] >= 0 && got[d] != want[d]) {
+            char g[128], w[128];
+            dims_text(g, sizeof g, got, ndim);
+            dims_text(w, sizeof w, want, ndim);
+            free(*out);
+            *out = NULL;
+            if (dims) return cli_fail(cmd, "tensor '%s' has shape %s, expected %s = %s", name, g, dims, w);
+            return cli_fail(cmd, "tensor '%s' has shape %s, expected %s", name, g, w);
+        }
+    if (shape) memcpy(shape, got, (size_t)ndim * sizeof *shape);
+    return 0;
 }

@@ -30,6 +30,14 @@ int cli_fail(const char *cmd, const char *fmt, ...)
 /* Parse a whole-string number for `flag`; on error prints and returns non-zero. */
 int cli_parse_double(const char *cmd, const char *flag, const char *text, double *out);
 int cli_parse_int(const char *cmd, const char *flag, const char *text, long lo, long hi, long *out);
+/* Read tensor `name` of `st` as float32 with `ndim` dimensions; where want[d]
+ * >= 0 (want may be NULL) dimension d must equal it. `dims` names the layout
+ * in messages ("[B,T,H,K]"; may be NULL). shape (may be NULL, may alias want)
+ * receives the dimensions. Prints the error and returns 1 on failure. */
+struct lm_safetensors;
+int cli_read_tensor(const char *cmd, const struct lm_safetensors *st, const char *name, int ndim, const char *dims,
+                    const int64_t *want, float **out, int64_t *shape);
+
 /* The value following flag argv[*i]; NULL (with a message) if absent. */
 const char *cli_value(const char *cmd, int argc, char **argv, int *i);
 

@@ -26,30 +26,6 @@ static const char *const attention_usage =
     "  --naive      use the O(T^2)-memory reference instead of the tiled core\n";
 
 /* "[a,b,c]" of the first n dims; a negative (free) dim prints as '*'. */
-static void dims_text(char *buf, size_t size, const int64_t *d, int n) {
-    size_t len = 0;
-    buf[0] = 0;
-    for (int i = 0; i < n && len < size; i++) {
-        if (d[i] < 0) len += (size_t)snprintf(buf + len, size - len, "%s*", i ? "," : "[");
-        else len += (size_t)snprintf(buf + len, size - len, "%s%lld", i ? "," : "[", (long long)d[i]);
-    }
-    if (len < size) snprintf(buf + len, size - len, "]");
-}
-
-/* Read `name` (4 dimensions) and check each dim against `want` (-1: free). */
-static int read_4d(const char *cmd, const lm_safetensors *st, const char *name, const char *dims,
-                   const int64_t want[4], float **out, int64_t shape[LM_ST_MAX_DIMS]) {
-    if (lm_safetensors_read_f32(st, name, 4, out, shape))
-        return cli_fail(cmd, "%s (expected %s)", lm_last_error(), dims);
-    for (int d = 0; d < 4; d++)
-        if (want[d] >= 0 && shape[d] != want[d]) {
-            char got[96], w[96];
-            dims_text(got, sizeof got, shape, 4);
-            dims_text(w, sizeof w, want, 4);
-            return cli_fail(cmd, "tensor '%s' has shape %s, expected %s = %s", name, got, dims, w);
-        }
-    return 0;
-}
 
 int cmd_op_attention(int argc, char **argv) {
     const char *cmd = "op attention";
@@ -91,13 +67,13 @@ int cmd_op_attention(int argc, char **argv) {
 
     /* dims come from q [B,T,H,Dk], k's Hkv and v's Dv; everything else must agree */
     const int64_t free4[4] = {-1, -1, -1, -1};
-    if (read_4d(cmd, st, "q", "[B,T,H,Dk]", free4, &q, sq)) goto done;
+    if (cli_read_tensor(cmd, st, "q", 4, "[B,T,H,Dk]", free4, &q, sq)) goto done;
     const int64_t B = sq[0], T = sq[1], H = sq[2], Dk = sq[3];
     const int64_t want_k[4] = {B, T, -1, Dk};
-    if (read_4d(cmd, st, "k", "[B,T,Hkv,Dk]", want_k, &k, sk)) goto done;
+    if (cli_read_tensor(cmd, st, "k", 4, "[B,T,Hkv,Dk]", want_k, &k, sk)) goto done;
     const int64_t Hkv = sk[2];
     const int64_t want_v[4] = {B, T, Hkv, -1};
-    if (read_4d(cmd, st, "v", "[B,T,Hkv,Dv]", want_v, &v, sv)) goto done;
+    if (cli_read_tensor(cmd, st, "v", 4, "[B,T,Hkv,Dv]", want_v, &v, sv)) goto done;
     const int64_t Dv = sv[3];
     const int64_t lim = (int64_t)1 << 31;
     if (B < 1 || T < 1 || H < 1 || Hkv < 1 || Dk < 1 || Dv < 1 || B * T * H * (Dk > Dv ? Dk : Dv) >= lim) {
@@ -113,7 +89,7 @@ int cmd_op_attention(int argc, char **argv) {
     }
     const int64_t s_o[4] = {B, T, H, Dv}, s_lse[3] = {B, H, T};
     if (lm_safetensors_find(st, "do")) {
-        if (read_4d(cmd, st, "do", "[B,T,H,Dv]", s_o, &d_o, sdo)) goto done;
+        if (cli_read_tensor(cmd, st, "do", 4, "[B,T,H,Dv]", s_o, &d_o, sdo)) goto done;
         backward = 1;
     }
     lm_attention_config cfg =

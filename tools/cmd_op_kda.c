@@ -38,25 +38,6 @@ static void kda_tensors_free(kda_tensors *t) {
     }
 }
 
-/* Read `name` and check its shape equals `want` (ndim entries). */
-static int read_checked(const char *cmd, const lm_safetensors *st, const char *name, int ndim,
-                        const int64_t *want, const char *dims, float **out) {
-    int64_t shape[LM_ST_MAX_DIMS];
-    if (lm_safetensors_read_f32(st, name, ndim, out, shape))
-        return cli_fail(cmd, "%s (expected %s)", lm_last_error(), dims);
-    for (int d = 0; d < ndim; d++)
-        if (shape[d] != want[d]) {
-            char got[128] = "", w[128] = "";
-            for (int e = 0; e < ndim; e++) {
-                size_t n1 = strlen(got), n2 = strlen(w);
-                snprintf(got + n1, sizeof got - n1, "%s%lld", e ? "," : "", (long long)shape[e]);
-                snprintf(w + n2, sizeof w - n2, "%s%lld", e ? "," : "", (long long)want[e]);
-            }
-            return cli_fail(cmd, "tensor '%s' has shape [%s], expected %s = [%s]", name, got, dims, w);
-        }
-    return 0;
-}
-
 int cmd_op_kda(int argc, char **argv) {
     const char *cmd = "op kda";
     const char *in_path = NULL, *out_path = NULL;
@@ -120,24 +101,24 @@ int cmd_op_kda(int argc, char **argv) {
     }
     int64_t s_btHK[4] = {B, T, H, K}, s_btHV[4] = {B, T, H, V}, s_bth[3] = {B, T, H}, s_h[1] = {H},
             s_hk[1] = {H * K}, s_state[4] = {B, H, K, V};
-    if (read_checked(cmd, st, "q", 4, s_btHK, "[B,T,H,K]", &t.q) ||
-        read_checked(cmd, st, "k", 4, s_btHK, "[B,T,H,K]", &t.k) ||
-        read_checked(cmd, st, "v", 4, s_btHV, "[B,T,H,V]", &t.v) ||
-        read_checked(cmd, st, "z", 4, s_btHK, "[B,T,H,K]", &t.z) ||
-        read_checked(cmd, st, "beta", 3, s_bth, "[B,T,H]", &t.beta) ||
-        read_checked(cmd, st, "A_log", 1, s_h, "[H]", &t.A_log) ||
-        read_checked(cmd, st, "dt_bias", 1, s_hk, "[H*K]", &t.dt_bias))
+    if (cli_read_tensor(cmd, st, "q", 4, "[B,T,H,K]", s_btHK, &t.q, NULL) ||
+        cli_read_tensor(cmd, st, "k", 4, "[B,T,H,K]", s_btHK, &t.k, NULL) ||
+        cli_read_tensor(cmd, st, "v", 4, "[B,T,H,V]", s_btHV, &t.v, NULL) ||
+        cli_read_tensor(cmd, st, "z", 4, "[B,T,H,K]", s_btHK, &t.z, NULL) ||
+        cli_read_tensor(cmd, st, "beta", 3, "[B,T,H]", s_bth, &t.beta, NULL) ||
+        cli_read_tensor(cmd, st, "A_log", 1, "[H]", s_h, &t.A_log, NULL) ||
+        cli_read_tensor(cmd, st, "dt_bias", 1, "[H*K]", s_hk, &t.dt_bias, NULL))
         goto done;
-    if (lm_safetensors_find(st, "h0") && read_checked(cmd, st, "h0", 4, s_state, "[B,H,K,V]", &t.h0))
+    if (lm_safetensors_find(st, "h0") && cli_read_tensor(cmd, st, "h0", 4, "[B,H,K,V]", s_state, &t.h0, NULL))
         goto done;
-    if (lm_safetensors_find(st, "do") && read_checked(cmd, st, "do", 4, s_btHV, "[B,T,H,V]", &t.d_o))
+    if (lm_safetensors_find(st, "do") && cli_read_tensor(cmd, st, "do", 4, "[B,T,H,V]", s_btHV, &t.d_o, NULL))
         goto done;
     if (lm_safetensors_find(st, "dht")) {
         if (!t.d_o) {
             cli_fail(cmd, "%s: dht is given but do is not; the backward needs do", in_path);
             goto done;
         }
-        if (read_checked(cmd, st, "dht", 4, s_state, "[B,H,K,V]", &t.dht)) goto done;
+        if (cli_read_tensor(cmd, st, "dht", 4, "[B,H,K,V]", s_state, &t.dht, NULL)) goto done;
     }
 
     lm_kda_config cfg = lm_kda_config_default((int)B, (int)T, (int)H, (int)K, (int)V);

@@ -52,18 +52,6 @@ static const char *const route_usage =
     "  --route-scale X               scale of the weights (default 1)\n";
 
 /* Read `name` as F32 with exactly `ndim` dims equal to want (want[d] < 0: any). */
-static int read_shaped(const char *cmd, const lm_safetensors *st, const char *name, int ndim, int64_t *want,
-                       float **out) {
-    int64_t shape[LM_ST_MAX_DIMS];
-    if (lm_safetensors_read_f32(st, name, ndim, out, shape)) return cli_fail(cmd, "%s", lm_last_error());
-    for (int d = 0; d < ndim; d++) {
-        if (want[d] >= 0 && shape[d] != want[d])
-            return cli_fail(cmd, "tensor '%s' dimension %d is %lld, expected %lld", name, d,
-                            (long long)shape[d], (long long)want[d]);
-        want[d] = shape[d];
-    }
-    return 0;
-}
 
 static int dims_fit_int(const char *cmd, const char *name, const int64_t *shape, int ndim) {
     for (int d = 0; d < ndim; d++)
@@ -149,7 +137,7 @@ int cmd_op_moe(int argc, char **argv) {
     }
     /* shapes: x fixes m, d; router fixes n; gate fixes f and d_e */
     int64_t xs[2] = {-1, -1};
-    if (read_shaped(cmd, st, "x", 2, xs, &x) || dims_fit_int(cmd, "x", xs, 2)) goto done;
+    if (cli_read_tensor(cmd, st, "x", 2, NULL, xs, &x, xs) || dims_fit_int(cmd, "x", xs, 2)) goto done;
     const lm_st_tensor *tr = lm_safetensors_find(st, "router"), *tg = lm_safetensors_find(st, "gate");
     if (!tr || tr->ndim != 2 || !tg || tg->ndim != 3) {
         cli_fail(cmd, "need tensors 'router' [n,d] and 'gate' [n,f,d_e] in %s", in_path);
@@ -223,7 +211,7 @@ int cmd_op_moe(int argc, char **argv) {
         }
         float *tmp;
         int64_t want[3] = {prm[i].shape[0], prm[i].shape[1], prm[i].shape[2]};
-        if (read_shaped(cmd, st, prm[i].name, prm[i].ndim, want, &tmp)) goto done;
+        if (cli_read_tensor(cmd, st, prm[i].name, prm[i].ndim, NULL, want, &tmp, want)) goto done;
         size_t len = 1;
         for (int e = 0; e < prm[i].ndim; e++) len *= (size_t)prm[i].shape[e];
         memcpy(prm[i].dst, tmp, len * sizeof *tmp);
@@ -231,7 +219,7 @@ int cmd_op_moe(int argc, char **argv) {
     }
     if (lm_safetensors_find(st, "b")) {
         int64_t bs[1] = {n};
-        if (read_shaped(cmd, st, "b", 1, bs, &b)) goto done;
+        if (cli_read_tensor(cmd, st, "b", 1, NULL, bs, &b, bs)) goto done;
     }
     if (backward) {
         int64_t ds[2] = {m, d};
@@ -239,7 +227,7 @@ int cmd_op_moe(int argc, char **argv) {
             cli_fail(cmd, "--backward needs the tensor 'dy' [m,d] = [%lld,%d] in %s", (long long)m, d, in_path);
             goto done;
         }
-        if (read_shaped(cmd, st, "dy", 2, ds, &dy)) goto done;
+        if (cli_read_tensor(cmd, st, "dy", 2, NULL, ds, &dy, ds)) goto done;
     }
     y = malloc((size_t)(m * d) * sizeof *y);
     dx = calloc((size_t)(m * d), sizeof *dx);
@@ -339,12 +327,12 @@ int cmd_op_route(int argc, char **argv) {
     memset(&bal, 0, sizeof bal);
     lm_st_writer *w = NULL;
     int64_t ss[2] = {-1, -1};
-    if (read_shaped(cmd, st, "s", 2, ss, &s) || dims_fit_int(cmd, "s", ss, 2)) goto done;
+    if (cli_read_tensor(cmd, st, "s", 2, NULL, ss, &s, ss) || dims_fit_int(cmd, "s", ss, 2)) goto done;
     int64_t m = ss[0];
     int n = (int)ss[1];
     if (lm_safetensors_find(st, "b")) {
         int64_t bs[1] = {n};
-        if (read_shaped(cmd, st, "b", 1, bs, &b)) goto done;
+        if (cli_read_tensor(cmd, st, "b", 1, NULL, bs, &b, bs)) goto done;
     }
     lm_balance_mode mode = !update ? LM_BALANCE_NONE : !strcmp(update, "sign") ? LM_BALANCE_SIGN : LM_BALANCE_QUANTILE;
     lm_balance_config bc = lm_balance_config_default(mode, n, (int)k, m);
