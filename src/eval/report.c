@@ -517,7 +517,7 @@ static void format_number(char *buf, size_t n, double v) {
     else if (a >= 1e6 && fmod(a, 1e5) == 0) snprintf(buf, n, "%gM", v / 1e6);
     else if (a >= 1e4 && fmod(a, 1e3) == 0) snprintf(buf, n, "%gk", v / 1e3);
     else if (a >= 1e-3 && a < 1e5) snprintf(buf, n, "%.4g", v);
-    else snprintf(buf, n, "%.2e", v);
+    else snprintf(buf, n, "%.3g", v);
 }
 
 /* Context lengths: 1024 -> 1K, 1048576 -> 1M. */
@@ -526,6 +526,9 @@ static void format_length(char *buf, size_t n, double v) {
     else if (v >= 1024 && fmod(v, 1024) == 0) snprintf(buf, n, "%gK", v / 1024);
     else snprintf(buf, n, "%g", v);
 }
+
+/* x of every plot's left edge, so that an expert heatmap and its MaxVio chart line up */
+#define PLOT_LEFT 72
 
 typedef struct {
     double lo, hi;
@@ -693,7 +696,7 @@ static void draw_stage_lines(text_buf *b, const report *r, const axis *ax, doubl
         tb_printf(b, "<text class=\"stage-label\" x=\"%.1f\" y=\"%.1f\">", x + 3, top + 10 + 11 * level);
         if (s->name[0]) tb_escape(b, s->name);
         else tb_printf(b, "stage %d", s->stage);
-        if (len[0]) tb_printf(b, " \xc2\xb7 %s", len);
+        if (len[0] && strcmp(len, s->name)) tb_printf(b, " \xc2\xb7 %s", len);
         tb_puts(b, "</text>");
     }
 }
@@ -724,14 +727,14 @@ static void draw_y_axis(text_buf *b, const axis *ay, double left, double right, 
     }
     if (label && label[0]) {
         tb_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" "
-                  "text-anchor=\"middle\">", left - 48, (top + bottom) / 2);
+                  "text-anchor=\"middle\">", left - 56, (top + bottom) / 2);
         tb_escape(b, label);
         tb_puts(b, "</text>");
     }
 }
 
 static void render_line_chart(text_buf *b, report *r, const chart_spec *c, const plot_line *lines, int n_lines) {
-    const double left = 64, right = c->width - c->margin_right, top = 40, bottom = c->height - 40;
+    const double left = PLOT_LEFT, right = c->width - c->margin_right, top = 40, bottom = c->height - 40;
     plot_points pts[8];
     if (n_lines > 8) n_lines = 8;
     double lo = INFINITY, hi = -INFINITY;
@@ -1006,7 +1009,7 @@ static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
     const moe_columns *m = &r->moe;
     int cols = m->used, E = m->experts;
     int hh = E * 14 < 84 ? 84 : E * 14 > 336 ? 336 : E * 14;
-    const double left = 64, right = width - 96, top = 40, bottom = top + hh;
+    const double left = PLOT_LEFT, right = width - 96, top = 40, bottom = top + hh;
     int height = (int)bottom + 44;
     uint8_t *pixels = malloc((size_t)cols * E);
     if (!pixels) {
@@ -1066,7 +1069,7 @@ static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
         tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%d</text>", left - 5,
                   top + (e + 0.5) * row + 4, e);
     tb_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">"
-              "expert</text>", left - 40, (top + bottom) / 2);
+              "expert</text>", left - 48, (top + bottom) / 2);
     static const double at[] = {0, 0.25, 0.5, 0.75, 1};
     static const char *const labels[] = {"\xe2\x89\xa4" "1/4", "1/2", "1", "2", "\xe2\x89\xa5" "4"};
     draw_colour_bar(b, load_colours, 5, right + 14, top + 8, bottom, at, labels, 5, "load/mean");
