@@ -507,8 +507,10 @@ static void test_screenshot_in_headless_chromium(void) {
         char cwd[400];
         if (getcwd(cwd, sizeof cwd)) snprintf(html, sizeof html, "%s/%s/run/report.html", cwd, root);
     }
-    snprintf(cmd, sizeof cmd, "%s --headless --no-sandbox --disable-gpu --hide-scrollbars --screenshot=%s "
-             "--window-size=1200,3000 file://%s > /dev/null 2>&1", browser, png, html);
+    /* a profile of its own inside the test directory; a minute at most where `timeout` exists */
+    const char *limit = system("command -v timeout > /dev/null 2>&1") == 0 ? "timeout 60 " : "";
+    snprintf(cmd, sizeof cmd, "%s%s --headless --no-sandbox --disable-gpu --hide-scrollbars --user-data-dir=%s/profile "
+             "--screenshot=%s --window-size=1200,3000 file://%s > /dev/null 2>&1", limit, browser, root, png, html);
     CHECK(system(cmd) == 0, "%s rendered the report", browser);
     size_t n = 0;
     uint8_t *p = (uint8_t *)read_all(png, &n);
