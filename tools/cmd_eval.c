@@ -9,7 +9,7 @@
 
 static const char *const eval_usage =
     "usage: longmoe eval --checkpoint DIR [--tasks val,passkey,mqar] [--lengths 256,1024,4096]\n"
-    "                    [--depths 0,0.25,0.5,0.75,1] [--queries 2,8,32] [--batches N] [--out FILE.jsonl]\n"
+    "                    [--depths 0,0.25,0.5,0.75,1] [--queries 2,8,16] [--batches N] [--out FILE.jsonl]\n"
     "\n"
     "Evaluates a checkpoint (DIR/model.safetensors; a run directory means its latest\n"
     "checkpoint): validation loss and loss by position bucket on the data the checkpoint\n"
@@ -23,7 +23,7 @@ static const char *const eval_usage =
     "  --tasks LIST       any of val, passkey, mqar (default: all)\n"
     "  --lengths LIST     context lengths of the passkey and MQAR grids (default 256,1024,4096)\n"
     "  --depths LIST      passkey needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)\n"
-    "  --queries LIST     MQAR queries per row (default 2,8,32)\n"
+    "  --queries LIST     MQAR queries per row (default 2,8,16)\n"
     "  --pairs N          MQAR pairs per row: 0 as many as the queries (default), -1 as many as fit\n"
     "  --batches N        batches per grid cell and for the validation loss (default 2)\n"
     "  --batch-size B     rows per batch (default 4)\n"

@@ -53,7 +53,7 @@ typedef struct {
 } lm_eval_options;
 
 /* Defaults: all three tasks, lengths 256, 1024, 4096, depths 0, 0.25, 0.5,
- * 0.75, 1, queries 2, 8, 32 with as many pairs, 2 batches of 4 rows,
+ * 0.75, 1, queries 2, 8, 16 with as many pairs, 2 batches of 4 rows,
  * 8 buckets, the checkpoint's data and length for the validation loss. */
 lm_eval_options lm_eval_options_default(void);
 /* Ranges and sizes of every field, with messages naming the bad value. */

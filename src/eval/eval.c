@@ -30,7 +30,7 @@ lm_eval_options lm_eval_options_default(void) {
     o.n_depths = 5;
     for (int i = 0; i < 5; i++) o.depths[i] = 0.25 * i;
     o.n_queries = 3;
-    o.queries[0] = 2, o.queries[1] = 8, o.queries[2] = 32;
+    o.queries[0] = 2, o.queries[1] = 8, o.queries[2] = 16; /* 16 + 16 items fit 256 */
     o.mqar_pairs = 0;
     o.batches = 2;
     o.batch_size = 4;
@@ -481,14 +481,18 @@ void lm_eval_write_table(const lm_eval_result *r, const lm_eval_options *opt, FI
     if (opt->tasks & LM_EVAL_PASSKEY) {
         fputs("passkey accuracy %, all five digits right (digits right), by length and needle depth\n", f);
         fprintf(f, "  %8s", "length");
-        for (int j = 0; j < opt->n_depths; j++) fprintf(f, "  depth %-6.2f", opt->depths[j]);
+        for (int j = 0; j < opt->n_depths; j++) {
+            char label[32];
+            snprintf(label, sizeof label, "depth %.2f", opt->depths[j]);
+            fprintf(f, "%15s", label);
+        }
         fputc('\n', f);
         for (int i = 0; i < opt->n_lengths; i++) {
             fprintf(f, "  %8d", opt->lengths[i]);
             for (int j = 0; j < opt->n_depths; j++) {
                 put_percent(f, r->passkey_accuracy[i][j], 7);
                 fputs(" (", f);
-                put_percent(f, r->passkey_digit_accuracy[i][j], 3);
+                put_percent(f, r->passkey_digit_accuracy[i][j], 5);
                 fputs(")", f);
             }
             fputc('\n', f);
@@ -498,15 +502,15 @@ void lm_eval_write_table(const lm_eval_result *r, const lm_eval_options *opt, FI
         fprintf(f, "mqar accuracy %% of value digits, by length and queries (pairs: %s)\n",
                 opt->mqar_pairs == 0 ? "as many as queries" : opt->mqar_pairs < 0 ? "as many as fit" : "fixed");
         fprintf(f, "  %8s", "length");
-        for (int j = 0; j < opt->n_queries; j++) fprintf(f, "  q=%-5d", opt->queries[j]);
+        for (int j = 0; j < opt->n_queries; j++) {
+            char label[32];
+            snprintf(label, sizeof label, "q=%d", opt->queries[j]);
+            fprintf(f, "%9s", label);
+        }
         fputc('\n', f);
         for (int i = 0; i < opt->n_lengths; i++) {
             fprintf(f, "  %8d", opt->lengths[i]);
-            for (int j = 0; j < opt->n_queries; j++) {
-                fputs(" ", f);
-                put_percent(f, r->mqar_accuracy[i][j], 7);
-                fputs(" ", f);
-            }
+            for (int j = 0; j < opt->n_queries; j++) put_percent(f, r->mqar_accuracy[i][j], 9);
             fputc('\n', f);
         }
     }
