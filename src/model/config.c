@@ -2,6 +2,7 @@
  * validation and writing (include/longmoe/config.h, docs/config.md). */
 #include "longmoe/config.h"
 
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -268,7 +269,13 @@ static lm_status set_key(lm_config *c, const key_spec *k, const lm_json *v, cons
     if (k->type != KEY_FLOAT && !v->number_is_integer)
         return lm_error(LM_ERR_ARG, "%s: %s.%s must be an integer, got %g", what, k->section, k->name,
                         v->number);
-    if (!(v->number >= k->lo && v->number <= k->hi))
+    /* float keys are checked as stored (float), so that the value written back to a
+     * checkpoint's config.json reads back (1e-12 rounds to a float below 1e-12) */
+    int in_range = k->type == KEY_FLOAT
+                       ? (fabs(v->number) <= FLT_MAX && (float)v->number >= (float)k->lo &&
+                          (float)v->number <= (float)k->hi)
+                       : (v->number >= k->lo && v->number <= k->hi);
+    if (!in_range)
         return lm_error(LM_ERR_ARG, "%s: %s.%s must lie in [%g, %g], got %g", what, k->section,
                         k->name, k->lo, k->hi, v->number);
     switch (k->type) {
