@@ -462,6 +462,52 @@ static void test_missing_sections_are_left_out(void) {
     free(html);
 }
 
+static void test_malformed_records_are_counted_not_fatal(void) {
+    char dir[600], path[700];
+    snprintf(dir, sizeof dir, "%s/odd", root);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+    FILE *f = fopen(path, "wb");
+    static const char *const bad[] = {
+        "{\"type\": \"train\", \"step\": \"5\", \"loss\": 1}",             /* step not a number */
+        "{\"type\": \"train\", \"step\": -1, \"loss\": 1}",                /* negative step */
+        "{\"type\": \"train\", \"step\": 1e20, \"loss\": 1}",              /* not an integer */
+        "{\"type\": \"train\", \"step\": 99999999999999999999, \"loss\": 1}",
+        "{\"type\": \"passkey\", \"lengths\": [1, 2], \"depths\": [0], \"accuracy\": [[1]]}", /* 1 row of 2 */
+        "{\"type\": \"mqar\", \"lengths\": [1], \"queries\": [4], \"accuracy\": [[\"x\"]]}",
+        "[]",
+        "{\"type\": \"train\", \"type\": \"eval\"}", /* duplicate key: invalid for the strict parser */
+        "{\"type\": \"eval\", \"step\": 1, } ",
+    };
+    int n_bad = (int)(sizeof bad / sizeof bad[0]);
+    lm_rng r;
+    lm_rng_seed(&r, 15);
+    for (int i = 0; i < n_bad; i++) {
+        fprintf(f, "%s\n", bad[i]);
+        fprintf(f, "{\"type\": \"train\", \"step\": %d, \"loss\": %.6g, \"moe\": [{\"layer\": 1, \"load\": [%d, %d, "
+                "%d, %d]}]}\n", i + 1, 2 + lm_rng_uniform(&r), 1 + i, 2, 3, 4);
+    }
+    fprintf(f, "{\"type\": \"train\", \"step\": %d, \"loss\": 1.5, \"moe\": [{\"layer\": 1, \"load\": [1, 2]}]}\n",
+            n_bad + 1);
+    fprintf(f, "{\"type\": \"future_kind\", \"step\": 3}\n");
+    fclose(f);
+    lm_report_options o = lm_report_options_default(dir);
+    lm_report_summary sum;
+    CHECK(lm_report_write(&o, &sum) == LM_OK, "a log with bad lines still gives a report: %s", lm_last_error());
+    CHECK(sum.malformed == n_bad, "every bad line counted (%lld of %d)", (long long)sum.malformed, n_bad);
+    CHECK(sum.records == n_bad + 2 && sum.train_records == n_bad + 1, "every good line used (%lld records)",
+          (long long)sum.records);
+    CHECK(sum.passkey_records == 0 && sum.mqar_records == 0, "mis-shaped grids not drawn");
+    CHECK(sum.moe_layers == 1 && sum.experts == 4, "heatmap shape from the first record");
+    snprintf(path, sizeof path, "%s/report.html", dir);
+    char *html = read_all(path, NULL);
+    CHECK(html && strstr(html, "9 malformed lines skipped (line 1, 3, 5, 7, 9, 11, 13, 15, ..."),
+          "the page lists the first bad line numbers");
+    CHECK(html && strstr(html, "1 train record had a list of MoE layers or experts of another shape"),
+          "the mis-shaped MoE record is named");
+    free(html);
+}
+
 static void test_bad_run_directories_fail_clearly(void) {
     char args[800], dir[600];
     snprintf(args, sizeof args, "report %s/no-such-run", root);
@@ -533,6 +579,7 @@ int main(void) {
     RUN(test_heatmap_colour_is_load_over_mean_load);
     RUN(test_long_runs_are_averaged_into_a_bounded_page);
     RUN(test_missing_sections_are_left_out);
+    RUN(test_malformed_records_are_counted_not_fatal);
     RUN(test_bad_run_directories_fail_clearly);
     RUN(test_screenshot_in_headless_chromium);
     char cmd[400];

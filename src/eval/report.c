@@ -110,7 +110,8 @@ typedef struct {
  * When a step falls beyond the last column, neighbouring columns are merged pairwise
  * and the width doubles, so the columns stay between cap/2 and cap. */
 typedef struct {
-    int layers, experts, cap, width, used;
+    int layers, experts, cap, used;
+    int64_t width;                   /* steps per column */
     int *layer_index;                /* [layers] model layer of each MoE layer */
     double *load;                    /* [layers][cap][experts] sums of load */
     double *vio_batch, *vio_global;  /* [layers][cap] sums */
@@ -181,7 +182,7 @@ static int get_number(const lm_json *o, const char *key, double *out) {
 /* A record's step: a non-negative integer. */
 static int get_step(const lm_json *o, int64_t *out) {
     const lm_json *v = lm_json_get(o, "step");
-    if (!v || v->kind != LM_JSON_NUMBER || !v->number_is_integer || v->integer < 0) return 0;
+    if (!v || v->kind != LM_JSON_NUMBER || !v->number_is_integer || !(v->number >= 0 && v->number < 1e15)) return 0;
     *out = v->integer;
     return 1;
 }
@@ -1059,8 +1060,8 @@ static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
         tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>", x, bottom + 16,
                   num);
     }
-    tb_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step (%d column%s of %d "
-              "step%s)</text>", (left + right) / 2, bottom + 32, cols, cols == 1 ? "" : "s", m->width,
+    tb_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step (%d column%s of %lld "
+              "step%s)</text>", (left + right) / 2, bottom + 32, cols, cols == 1 ? "" : "s", (long long)m->width,
               m->width == 1 ? "" : "s");
     /* y: experts, 0 at the top */
     int every = E <= 16 ? 1 : (int)nice_step(E / 8.0);
@@ -1370,10 +1371,10 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
     /* ---- experts ---- */
     if (r->moe_started && r->moe.used > 0) {
         tb_printf(b, "<h2>Expert load (%d MoE layers \xc3\x97 %d experts)</h2>\n<p class=\"sub\">Each column averages "
-                  "%d step%s; colour is the expert's share of the routed tokens over the mean share (white: "
+                  "%lld step%s; colour is the expert's share of the routed tokens over the mean share (white: "
                   "balanced, blue: under-used, red: over-used, grey: no record). MaxVio_batch is the step's "
                   "max load / mean load - 1; MaxVio_global the same over the run so far.</p>\n",
-                  r->moe.layers, r->moe.experts, r->moe.width, r->moe.width == 1 ? "" : "s");
+                  r->moe.layers, r->moe.experts, (long long)r->moe.width, r->moe.width == 1 ? "" : "s");
         for (int l = 0; l < r->moe.layers && !b->failed; l++) {
             render_expert_heatmap(b, r, l, full);
             render_maxvio(b, r, l, full);
