@@ -92,7 +92,8 @@ static void make_run(const char *dir, int steps, int with_extras, synthetic_run 
     run->val_acc = calloc((size_t)steps, sizeof(double));
     run->load = calloc((size_t)steps * LAYERS * EXPERTS, sizeof(int));
     run->n_eval = 0;
-    if (with_extras) fprintf(f, "{\"type\": \"stage\", \"step\": 0, \"stage\": 0, \"seq_len\": 64, \"name\": \"short\"}\n");
+    if (with_extras)
+        fprintf(f, "{\"type\": \"stage\", \"step\": 0, \"stage\": 0, \"seq_len\": 64, \"name\": \"short\"}\n");
     for (int s = 1; s <= steps; s++) {
         double loss = 2.0 + 3.0 * exp(-s / (0.2 * steps)) + 0.1 * lm_rng_normal(&r);
         double tokps = 1000 + 400 * lm_rng_uniform(&r);
@@ -120,7 +121,8 @@ static void make_run(const char *dir, int steps, int with_extras, synthetic_run 
             double vl = loss + 0.05 * lm_rng_normal(&r), acc = lm_rng_uniform(&r);
             run->val_loss[run->n_eval] = vl;
             run->val_acc[run->n_eval++] = acc;
-            fprintf(f, "{\"type\": \"eval\", \"step\": %d, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n", s, vl, acc);
+            fprintf(f, "{\"type\": \"eval\", \"step\": %d, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n", s, vl,
+                    acc);
             fprintf(f, "{\"type\": \"checkpoint\", \"step\": %d}\n", s);
         }
         if (with_extras && s == steps / 2) {
@@ -158,7 +160,9 @@ static uint32_t crc32_bitwise(const uint8_t *p, size_t n) {
     return ~c;
 }
 
-static uint32_t be32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+static uint32_t be32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
 
 static uint8_t *base64_decode(const char *s, size_t *n) {
     size_t len = strcspn(s, "\"");
@@ -301,7 +305,8 @@ static void test_report_is_one_self_contained_page_with_every_section(void) {
     CHECK(!strstr(html, "<script") && !strstr(html, "<SCRIPT"), "no scripts");
     CHECK(!strstr(html, "http"), "nothing referenced by URL");
     CHECK(!strstr(html, "url(") && !strstr(html, "@import") && !strstr(html, "<link"), "no external CSS");
-    static const char *const titles[] = {">Summary<", ">Loss", ">Learning rate", ">Gradient norm", ">Max attention logit",
+    static const char *const titles[] = {">Summary<", ">Loss", ">Learning rate", ">Gradient norm",
+                                         ">Max attention logit",
                                          ">Answer accuracy", "Expert load, layer 1 ", "Expert load, layer 3 ",
                                          "MaxVio, layer 1 ", "MaxVio, layer 3 ", "Passkey retrieval accuracy",
                                          "MQAR accuracy", "MaxVio_batch", "MaxVio_global"};
@@ -311,7 +316,8 @@ static void test_report_is_one_self_contained_page_with_every_section(void) {
           count_of(html, "class=\"chart heatmap expert-load\""));
     CHECK(count_of(html, "data:image/png;base64,") == LAYERS, "each heatmap is one embedded image");
     CHECK(count_of(html, "class=\"stage\"") >= 2 * 5, "both stage boundaries drawn on every step chart");
-    CHECK(strstr(html, "short \xc2\xb7 64") && strstr(html, "long \xc2\xb7 256"), "stages labelled with name and length");
+    CHECK(strstr(html, "short \xc2\xb7 64") && strstr(html, "long \xc2\xb7 256"),
+          "stages labelled with name and length");
     CHECK(strstr(html, "2 malformed lines skipped") != NULL, "the page names the malformed lines");
     /* the summary says what the log says (float64 references) */
     char want[128];
@@ -345,7 +351,8 @@ static void test_report_is_one_self_contained_page_with_every_section(void) {
     CHECK(strstr(html, "checkpoints</th><td>none in the directory (4 written") != NULL,
           "checkpoint list (none kept on disk, 4 logged)");
     /* passkey: 3 lengths x 3 depths, MQAR: 2 x 2, cells labelled in percent */
-    CHECK(count_of(html, "</title></rect>") == 9 + 4, "one cell per grid entry (%d)", count_of(html, "</title></rect>"));
+    CHECK(count_of(html, "</title></rect>") == 9 + 4, "one cell per grid entry (%d)",
+          count_of(html, "</title></rect>"));
     CHECK(strstr(html, ">1K</text>") && strstr(html, ">50%</text>"), "grid axes: lengths and depths");
     free(html);
     free_run(&run);

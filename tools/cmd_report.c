@@ -66,7 +66,8 @@ int cmd_report(int argc, char **argv) {
            sum.html_bytes / 1024.0, (long long)sum.records);
     if (sum.moe_layers) printf(", %d MoE layers x %d experts in %d columns", sum.moe_layers, sum.experts,
                                sum.heatmap_columns);
-    if (sum.malformed) printf("; %lld malformed line%s skipped", (long long)sum.malformed, sum.malformed == 1 ? "" : "s");
+    if (sum.malformed)
+        printf("; %lld malformed line%s skipped", (long long)sum.malformed, sum.malformed == 1 ? "" : "s");
     printf("\n");
     return 0;
 }
