@@ -248,7 +248,7 @@ static lm_status run_sublayers(lm_decoder *dec, lm_attnres_state *ar, float *x0,
         } else if (!ls->moe) {
             dense_ffn(dec, ls, xn, y, n);
         } else {
-            /* routing with the model's balancing bias, read only */
+            /* SPEC §4.6: route with the model's balancing bias, frozen at inference */
             TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &dec->moe_a, n));
         }
         TRY(lm_attnres_add_output(ar, idx, y));

@@ -360,7 +360,7 @@ lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_par
     lm_matmul_forward(z, x, p->W_z, NULL, B, d, HK);
     lm_matmul_forward(beta, x, p->W_beta, NULL, B, d, H);
     for (size_t i = 0; i < BH; i++) beta[i] = lm_sigmoidf(beta[i]);
-    /* the recurrent form with T = 1: S_{t-1} -> S_t, o_t */
+    /* SPEC §2 recurrence, one token: S_{t-1} -> S_t, o_t (T = 1, h0 = S) */
     lm_kda_config kc = op_config(c, B, 1);
     lm_kda_inputs in = {q, k, v, z, beta, p->A_log, p->dt_bias, cache->S};
     lm_status s = lm_kda_recurrent_forward(&kc, &in, o, ht);
