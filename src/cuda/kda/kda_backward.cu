@@ -4,6 +4,10 @@
 
 namespace lmkda {
 
+// Threads of the intra-chunk gradient kernel (16 warps: two per scheduler
+// were too few to hide the latency of one block per SM).
+constexpr int BWD_NT = 512;
+
 // Shared memory of the intra-chunk gradient kernel, in bytes: persistent
 // buffers, then six regions of RSZ bytes and one of [64][72] bf16, reused
 // across phases (see the region comments in the kernel).
@@ -20,9 +24,9 @@ template <int D> __host__ __device__ constexpr size_t bwd_intra_smem() {
 // One block per (chunk, sequence*head). Each thread owns column d = tid % D
 // of rows r0 + RSTEP*i and accumulates dq, dk and dG there in registers.
 template <int D, bool FACTORED>
-__global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
+__global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
     // q, k, v, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn, dvn [c][64][D]; X [c][64][64]
-    constexpr int NT = 256, LD = D + 8, LDA = CH + 4, LDM = CH + 8, LDS = D + 4;
+    constexpr int NT = BWD_NT, LD = D + 8, LDA = CH + 4, LDM = CH + 8, LDS = D + 4;
     constexpr int RSTEP = NT / D, RPT = CH / RSTEP, IPB = SUB / RSTEP, TD = D / 16;
     extern __shared__ __align__(128) unsigned char smem[];
     float *sG = reinterpret_cast<float *>(smem);          // [64][D]
@@ -54,6 +58,11 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
     // low bf16 parts of the diagonal block's operands (factored path): [16][LD] each
     bf16 *sKbLo = reinterpret_cast<bf16 *>(R + 6 * RSZ + (size_t)CH * LDM * 2);
     bf16 *sQaLo = sKbLo + SUB * LD, *sKaLo = sQaLo + SUB * LD;
+    // partial sums, summed in a fixed order (no float atomics: the same
+    // inputs give the same bits): dG_C by row group in phase 1 (in the
+    // low-part buffers, idle until phase 4) and dbeta by warp in phase 4 (in R1)
+    float *sGcPart = reinterpret_cast<float *>(sKbLo);          // [RSTEP][D]
+    float *sBetaPart = reinterpret_cast<float *>(R + RSZ);      // [64][D/32]
 
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -154,10 +163,15 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
             dG[i] -= t;
             gc += t;
         }
-        atomicAdd(&sdGC[d], gc);
+        sGcPart[r0 * D + d] = gc; // summed in a fixed order below: deterministic
     }
     cp_async_wait<0>();
     __syncthreads();
+    for (int dd = tid; dd < D; dd += NT) {
+        float acc = 0.f;
+        for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * D + dd];
+        sdGC[dd] += acc;
+    }
     // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
     for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
@@ -402,11 +416,16 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
             float part = kv * rk;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            if (lane == 0) atomicAdd(&sdBeta[r], part);
+            if (lane == 0) sBetaPart[r * (D / 32) + d / 32] = part;
         }
         __syncthreads();
     }
 
+    if (tid < CH) {
+        float acc = 0.f;
+        for (int w = 0; w < D / 32; w++) acc += sBetaPart[tid * (D / 32) + w];
+        sdBeta[tid] += acc;
+    }
     // ---- G = cumsum(g): dg_t = dG_C + sum_{i >= t} dG_i; then the gate ----
 #pragma unroll
     for (int i = 0; i < RPT; i++) sStage[(r0 + RSTEP * i) * LDS + d] = dG[i];
@@ -447,13 +466,13 @@ __global__ void __launch_bounds__(256, 1) kda_bwd_intra_kernel(Params p) {
 cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {
     dim3 grid(p.N, p.B * p.H);
     if (D == 128)
-        return factored ? launch_with_smem(kda_bwd_intra_kernel<128, true>, grid, 256,
+        return factored ? launch_with_smem(kda_bwd_intra_kernel<128, true>, grid, BWD_NT,
                                            bwd_intra_smem<128>(), s, p)
-                        : launch_with_smem(kda_bwd_intra_kernel<128, false>, grid, 256,
+                        : launch_with_smem(kda_bwd_intra_kernel<128, false>, grid, BWD_NT,
                                            bwd_intra_smem<128>(), s, p);
-    return factored ? launch_with_smem(kda_bwd_intra_kernel<64, true>, grid, 256,
+    return factored ? launch_with_smem(kda_bwd_intra_kernel<64, true>, grid, BWD_NT,
                                        bwd_intra_smem<64>(), s, p)
-                    : launch_with_smem(kda_bwd_intra_kernel<64, false>, grid, 256,
+                    : launch_with_smem(kda_bwd_intra_kernel<64, false>, grid, BWD_NT,
                                        bwd_intra_smem<64>(), s, p);
 }
 
