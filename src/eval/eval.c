@@ -37,7 +37,7 @@ lm_eval_options lm_eval_options_default(void) {
     o.n_buckets = 8;
     o.val_length = 0;
     o.val_data = NULL;
-    o.seed = 0x65766131; /* one fixed evaluation set for every checkpoint */
+    o.seed = 0x5eed; /* one fixed evaluation set for every checkpoint */
     return o;
 }
 
