@@ -1,13 +1,15 @@
 /* `longmoe sample` end to end on a checkpoint of a micro model trained a few
  * steps: greedy output equals the library's greedy decode (with the
  * checkpoint's balancing biases), a run directory resolves to its latest
- * checkpoint, sampling is reproducible by seed, and bad flags, a missing
- * checkpoint and a non-byte vocabulary give clear errors. */
+ * checkpoint, sampling is reproducible by seed, a BPE tokenizer encodes the
+ * prompt and decodes the output, and bad flags, a missing checkpoint and a
+ * non-byte vocabulary without a tokenizer give clear errors. */
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/tokenizer.h"
 #include "longmoe/train.h"
 #include "test.h"
 
@@ -91,8 +93,10 @@ static int train(const lm_config *c, const char *run) {
     return s == LM_OK;
 }
 
-/* The library's greedy continuation of `prompt` (the checkpoint's biases loaded). */
-static void greedy_reference(const char *ckpt, const char *prompt, int n, char *out) {
+/* The library's greedy continuation of `prompt` (the checkpoint's biases
+ * loaded): n tokens as bytes, or with a tokenizer (may be NULL) its decoded
+ * ids, never an id beyond the tokenizer, stopping at end-of-text. */
+static void greedy_reference(const char *ckpt, const char *prompt, int n, const lm_tokenizer *tk, char *out) {
     lm_config cfg;
     lm_model *m = NULL;
     out[0] = 0;
@@ -114,20 +118,37 @@ static void greedy_reference(const char *ckpt, const char *prompt, int n, char *
     }
     CHECK(bias_size > 0, "the trained biases are not all zero");
     lm_safetensors_close(st);
-    int P = (int)strlen(prompt);
+    int P = (int)strlen(prompt), V = cfg.vocab_size, tv = tk ? lm_tokenizer_vocab_size(tk) : 256;
+    int32_t ids[256], *enc = NULL;
+    size_t n_enc = 0;
+    for (int i = 0; i < P; i++) ids[i] = (unsigned char)prompt[i];
+    if (tk) {
+        CHECK(!lm_tokenizer_encode(tk, prompt, (size_t)P, &enc, &n_enc), "%s", lm_last_error());
+        P = (int)n_enc;
+        memcpy(ids, enc, n_enc * sizeof(int32_t));
+        free(enc);
+    }
     lm_decoder *dec = NULL;
     CHECK(!lm_decoder_create(m, 1, P + n, &dec), "%s", lm_last_error());
-    int32_t ids[256];
-    float logits[256];
-    for (int i = 0; i < P; i++) ids[i] = (unsigned char)prompt[i];
+    float logits[512];
     CHECK(!lm_decoder_prefill(dec, ids, P, logits), "%s", lm_last_error());
+    size_t len = 0;
     for (int i = 0; i < n; i++) {
         int32_t tok;
-        lm_sample_token(logits, 256, 0.0f, 1.0f, NULL, NULL, &tok);
-        out[i] = (char)tok;
+        for (int j = tv; j < V; j++) logits[j] = -INFINITY;
+        lm_sample_token(logits, V, 0.0f, 1.0f, NULL, NULL, &tok);
+        if (tk && tok == lm_tokenizer_eot_id(tk)) break;
+        if (tk) {
+            size_t k;
+            const uint8_t *b = lm_tokenizer_token(tk, tok, &k);
+            memcpy(out + len, b, k);
+            len += k;
+        } else {
+            out[len++] = (char)tok;
+        }
         if (i + 1 < n) CHECK(!lm_decoder_step(dec, &tok, logits), "%s", lm_last_error());
     }
-    out[n] = 0;
+    out[len] = 0;
     lm_decoder_free(dec);
     lm_model_free(m);
 }
@@ -140,7 +161,7 @@ static void test_greedy_equals_library_and_run_dir_resolves(void) {
     CHECK(f && fscanf(f, "%63s", latest) == 1, "latest");
     if (f) fclose(f);
     snprintf(ckpt, sizeof ckpt, "%s/%s", path_in("run"), latest);
-    greedy_reference(ckpt, "ab", 20, want);
+    greedy_reference(ckpt, "ab", 20, NULL, want);
     /* greedy bytes can be anything; compare those that survive the shell: all of them via the file */
     snprintf(args, sizeof args, "sample --checkpoint %s --prompt ab --max-tokens 20 --quiet", ckpt);
     CHECK(run_cli(args, out, sizeof out) == 0, "exit code");
@@ -185,7 +206,41 @@ static void test_errors_are_clear(void) {
     lm_config c = micro(300);
     if (!train(&c, path_in("run300"))) return;
     snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi", path_in("run300"));
-    CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("has 300 tokens, not the 256 bytes"), "vocab 300");
+    CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("has 300 tokens, not the 256 bytes") &&
+          stderr_has("pass --tokenizer"), "vocab 300");
+}
+
+/* With --tokenizer: the prompt is encoded, ids beyond the tokenizer are never
+ * drawn, tokens are printed as their bytes: equal to the library's greedy
+ * decode; a tokenizer larger than the model's vocabulary is refused. */
+static void test_tokenizer(void) {
+    const char *text = "the cat sat on the mat. the dog sat on the log. a cat and a dog met on the mat. ";
+    const void *texts[1] = {text};
+    size_t lens[1] = {strlen(text)};
+    lm_tokenizer *tk = NULL;
+    CHECK(!lm_tokenizer_train(texts, lens, 1, 280, 1, &tk), "%s", lm_last_error());
+    if (!tk) return;
+    CHECK(lm_tokenizer_vocab_size(tk) > 257 && lm_tokenizer_vocab_size(tk) <= 280, "vocab %d",
+          lm_tokenizer_vocab_size(tk));
+    CHECK(!lm_tokenizer_save(tk, path_in("tok.json")), "%s", lm_last_error());
+    char args[1200], out[1024], want[1024], ckpt[600], latest[64] = {0};
+    FILE *f = fopen(path_in("run300/latest"), "r");
+    CHECK(f && fscanf(f, "%63s", latest) == 1, "latest");
+    if (f) fclose(f);
+    snprintf(ckpt, sizeof ckpt, "%s/%s", path_in("run300"), latest);
+    greedy_reference(ckpt, "the cat sat", 12, tk, want);
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt 'the cat sat' --max-tokens 12 --tokenizer %s --quiet",
+             ckpt, path_in("tok.json"));
+    CHECK(run_cli(args, out, sizeof out) == 0, "exit code");
+    size_t n = strlen(want);
+    CHECK(n > 0, "the greedy continuation is empty");
+    CHECK(strlen(out) == n + 1 && !memcmp(out, want, n) && out[n] == '\n', "CLI '%s' vs library '%s'", out, want);
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi --tokenizer %s", path_in("run"), path_in("tok.json"));
+    CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("only 256"), "tokenizer larger than the model");
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi --tokenizer %s", path_in("run300"),
+             path_in("missing.json"));
+    CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("missing.json"), "missing tokenizer");
+    lm_tokenizer_free(tk);
 }
 
 int main(void) {
@@ -195,6 +250,7 @@ int main(void) {
     if (system(cmd)) return 1;
     RUN(test_greedy_equals_library_and_run_dir_resolves);
     RUN(test_errors_are_clear);
+    RUN(test_tokenizer);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd)) return 1;
     return test_summary();

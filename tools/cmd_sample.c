@@ -1,6 +1,7 @@
 /* `longmoe sample`: continue a prompt with a trained checkpoint: chunked
  * prefill of the prompt, then one token per step with the KDA recurrent
  * states and the attention caches (docs/sampling.md). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,17 +10,18 @@
 #include "cli.h"
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/tokenizer.h"
 #include "longmoe/train.h"
 
 static const char *const sample_usage =
     "usage: longmoe sample --checkpoint DIR --prompt TEXT [--max-tokens N] [--temperature X]\n"
-    "                      [--top-p P] [--seed S] [--quiet]\n"
+    "                      [--top-p P] [--seed S] [--tokenizer TOK.json] [--quiet]\n"
     "\n"
     "Continues TEXT with the model of DIR (a checkpoint-<step> directory, or a run directory:\n"
     "its `latest` checkpoint) and prints the continuation on stdout. The prompt is run once\n"
     "through the chunked forward (prefill); each new token is then one decode step with the\n"
-    "KDA recurrent states and the MLA latent (or GQA key/value) cache. Tokens are bytes: the\n"
-    "checkpoint's vocabulary must be 256.\n"
+    "KDA recurrent states and the MLA latent (or GQA key/value) cache. Without --tokenizer the\n"
+    "tokens are bytes (the checkpoint's vocabulary must be 256).\n"
     "\n"
     "options:\n"
     "  --max-tokens N   tokens to generate (default 64)\n"
@@ -27,6 +29,8 @@ static const char *const sample_usage =
     "  --top-p P        nucleus sampling: only the most likely tokens of total mass >= P\n"
     "                   (0 < P <= 1, default 1: all)\n"
     "  --seed S         seed of the sampler (default 1); the same seed gives the same text\n"
+    "  --tokenizer F    the byte-level BPE tokenizer (`longmoe tokenizer train`) of the model's\n"
+    "                   training data; generation stops at its end-of-text token\n"
     "  --quiet          no statistics line on stderr\n";
 
 static int is_file(const char *path) {
@@ -84,7 +88,7 @@ static int load_biases(const char *cmd, lm_model *m, const char *ckpt, int quiet
 }
 
 int cmd_sample(int argc, char **argv) {
-    const char *cmd = "sample", *dir = NULL, *prompt = NULL, *v;
+    const char *cmd = "sample", *dir = NULL, *prompt = NULL, *tok_path = NULL, *v;
     long max_tokens = 64, seed = 1;
     double temperature = 0, top_p = 1;
     int quiet = 0;
@@ -107,6 +111,8 @@ int cmd_sample(int argc, char **argv) {
             if (!(top_p > 0 && top_p <= 1)) return cli_fail(cmd, "--top-p must lie in (0, 1], got %g", top_p) + 1;
         } else if (!strcmp(a, "--seed")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 0x7fffffffL, &seed)) return 2;
+        } else if (!strcmp(a, "--tokenizer")) {
+            if (!(tok_path = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--quiet")) {
             quiet = 1;
         } else {
@@ -129,25 +135,49 @@ int cmd_sample(int argc, char **argv) {
     lm_config_defaults(&cfg);
     snprintf(path, sizeof path, "%s/config.json", ckpt);
     if (lm_config_load(path, &cfg)) return cli_fail(cmd, "%s", lm_last_error());
-    if (cfg.vocab_size != 256)
-        return cli_fail(cmd, "the checkpoint's vocabulary has %d tokens, not the 256 bytes this command encodes; "
-                        "a model trained on tokenizer ids needs that tokenizer, which `sample` does not take yet",
+    if (!tok_path && cfg.vocab_size != 256)
+        return cli_fail(cmd, "the checkpoint's vocabulary has %d tokens, not the 256 bytes this command encodes "
+                        "without a tokenizer: pass --tokenizer TOK.json, the tokenizer of its training data",
                         cfg.vocab_size);
+    /* the prompt's ids: its bytes, or its BPE encoding */
+    lm_tokenizer *tok = NULL;
+    int32_t *ids = NULL;
+    int tok_vocab = 256, eot = -1;
+    if (tok_path) {
+        if (lm_tokenizer_load(tok_path, &tok)) return cli_fail(cmd, "%s", lm_last_error());
+        tok_vocab = lm_tokenizer_vocab_size(tok);
+        eot = lm_tokenizer_eot_id(tok);
+        if (tok_vocab > cfg.vocab_size) {
+            lm_tokenizer_free(tok);
+            return cli_fail(cmd, "the tokenizer %s has %d ids but the checkpoint's vocabulary has only %d", tok_path,
+                            tok_vocab, cfg.vocab_size);
+        }
+        if (lm_tokenizer_encode(tok, prompt, n_prompt, &ids, &n_prompt)) {
+            lm_tokenizer_free(tok);
+            return cli_fail(cmd, "%s", lm_last_error());
+        }
+    } else {
+        ids = malloc(n_prompt * sizeof(int32_t));
+        for (size_t i = 0; ids && i < n_prompt; i++) ids[i] = (unsigned char)prompt[i];
+    }
     const int64_t max_T = (int64_t)n_prompt + max_tokens;
-    if (max_T > (1 << 26)) return cli_fail(cmd, "prompt (%zu bytes) + --max-tokens is too long", n_prompt);
+    if (max_T > (1 << 26)) {
+        lm_tokenizer_free(tok);
+        free(ids);
+        return cli_fail(cmd, "prompt (%zu tokens) + --max-tokens is too long", n_prompt);
+    }
 
     /* the model for one token (the decoder plans its own buffers), its biases, the decoder */
     lm_model *m = NULL;
-    if (lm_checkpoint_load_model(ckpt, 1, 1, &cfg, &m)) return cli_fail(cmd, "%s", lm_last_error());
-    int rc = load_biases(cmd, m, ckpt, quiet);
+    int rc = 0;
+    if (lm_checkpoint_load_model(ckpt, 1, 1, &cfg, &m)) rc = cli_fail(cmd, "%s", lm_last_error());
+    if (!rc) rc = load_biases(cmd, m, ckpt, quiet);
     lm_decoder *dec = NULL;
     float *logits = malloc((size_t)cfg.vocab_size * sizeof(float));
     void *work = malloc(lm_sample_work_bytes(cfg.vocab_size));
-    int32_t *ids = malloc(n_prompt * sizeof(int32_t));
     if (!rc && (!logits || !work || !ids)) rc = cli_fail(cmd, "out of memory");
     if (!rc && lm_decoder_create(m, 1, (int)max_T, &dec)) rc = cli_fail(cmd, "%s", lm_last_error());
     if (rc) goto done;
-    for (size_t i = 0; i < n_prompt; i++) ids[i] = (unsigned char)prompt[i];
 
     lm_rng rng;
     lm_rng_seed(&rng, (uint64_t)seed);
@@ -159,14 +189,23 @@ int cmd_sample(int argc, char **argv) {
     double t1 = lm_time_seconds();
     long produced = 0;
     for (; produced < max_tokens; produced++) {
-        int32_t tok;
-        if (lm_sample_token(logits, cfg.vocab_size, (float)temperature, (float)top_p, &rng, work, &tok)) {
+        int32_t id;
+        /* ids the tokenizer cannot decode (a vocabulary padded beyond it) are never drawn */
+        for (int j = tok_vocab; j < cfg.vocab_size; j++) logits[j] = -INFINITY;
+        if (lm_sample_token(logits, cfg.vocab_size, (float)temperature, (float)top_p, &rng, work, &id)) {
             rc = cli_fail(cmd, "%s", lm_last_error());
             break;
         }
-        putchar((unsigned char)tok);
+        if (id == eot) break;
+        if (tok) {
+            size_t len;
+            const uint8_t *bytes = lm_tokenizer_token(tok, id, &len);
+            if (bytes) fwrite(bytes, 1, len, stdout);
+        } else {
+            putchar((unsigned char)id);
+        }
         fflush(stdout);
-        if (produced + 1 < max_tokens && lm_decoder_step(dec, &tok, logits)) {
+        if (produced + 1 < max_tokens && lm_decoder_step(dec, &id, logits)) {
             rc = cli_fail(cmd, "%s", lm_last_error());
             break;
         }
@@ -188,5 +227,6 @@ done:
     free(logits);
     free(work);
     free(ids);
+    lm_tokenizer_free(tok);
     return rc;
 }
