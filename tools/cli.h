@@ -14,6 +14,7 @@ int cmd_experiment(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_tokenizer(int argc, char **argv);
+int cmd_data(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_op_kda(int argc, char **argv);

@@ -16,6 +16,7 @@ static const command commands[] = {
     {"report", cmd_report, "one self-contained HTML report of a run directory (curves, expert load, grids)"},
     {"eval", cmd_eval, "long-context evaluation of a checkpoint: validation loss by position, passkey, MQAR"},
     {"sample", cmd_sample, "continue a prompt with a checkpoint (prefill, then recurrent decode)"},
+    {"data", cmd_data, "tokenize text files into llm.c-format token shards (train and val)"},
     {"tokenizer", cmd_tokenizer, "byte-level BPE: train a tokenizer, encode and decode (Hugging Face JSON)"},
     {"experiment", cmd_experiment, "train the variants of one technique with the same budget, tabulated"},
     {"plan", cmd_plan, "parameters, FLOPs and memory of a config, by component"},

@@ -29,8 +29,10 @@ struct lm_data_source {
 };
 
 /* Open a source by its spec: a built-in task name ("copy", ...; see
- * lm_task_from_name) or "shards:DIR" (token shards, include/longmoe/shards.h
- * when present). `seed` separates training from validation streams. */
+ * lm_task_from_name), "shards:DIR" (the train shards of DIR) or
+ * "shards-val:DIR" (its val shards; include/longmoe/shards.h, rank 0 of 1,
+ * vocab_size from the shard headers). `seed` separates training from
+ * validation streams. */
 lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out);
 void lm_data_close(lm_data_source *src);
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "longmoe/shards.h"
 #include "longmoe/tasks.h"
 
 typedef struct {
@@ -41,6 +42,10 @@ lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out) {
         *out = src;
         return LM_OK;
     }
+    /* token shards (include/longmoe/shards.h): the vocabulary comes from the
+     * shard headers; rank 0 of 1 */
+    if (!strncmp(spec, "shards:", 7)) return lm_data_open_shards(spec + 7, "train", 0, seed, 0, 1, out);
+    if (!strncmp(spec, "shards-val:", 11)) return lm_data_open_shards(spec + 11, "val", 0, seed, 0, 1, out);
     return lm_error(LM_ERR_ARG, "unknown data '%s' (a built-in task: copy)", spec);
 }
 
