@@ -229,7 +229,8 @@ static void test_decoder_reuse_and_errors(void) {
     size_t fixed = 0, per_token = 0;
     lm_decoder_cache_bytes(dec, &fixed, &per_token);
     size_t HK = (size_t)c.kda_heads * c.kda_head_dim;
-    size_t want_fixed = 2 * B * (3 * (c.kda_conv_width - 1) * HK + (size_t)c.kda_heads * c.kda_head_dim * c.kda_head_dim) * 4;
+    size_t state = (size_t)c.kda_heads * c.kda_head_dim * c.kda_head_dim;
+    size_t want_fixed = 2 * B * (3 * (c.kda_conv_width - 1) * HK + state) * 4;
     CHECK(fixed == want_fixed, "fixed cache %zu bytes, want %zu", fixed, want_fixed);
     CHECK(per_token == (size_t)B * (c.kv_lora_rank + c.rope_dims) * 4, "per token %zu bytes", per_token);
     lm_decoder_free(dec);

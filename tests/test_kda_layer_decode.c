@@ -115,7 +115,8 @@ static void test_sequences_keep_separate_states(void) {
             CHECK(!lm_kda_layer_step(&c, &p, &cache, x[t], ys, scratch), "%s", lm_last_error());
             if (!pass) memcpy(y0[t], ys, sizeof y0[t]);
             else
-                for (int i = 0; i < D; i++) CHECK(ys[i] == y0[t][i], "t %d channel %d: %g vs %g", t, i, ys[i], y0[t][i]);
+                for (int i = 0; i < D; i++)
+                    CHECK(ys[i] == y0[t][i], "t %d channel %d: %g vs %g", t, i, ys[i], y0[t][i]);
         }
     }
     free(params); free(cache_mem); free(scratch);

@@ -175,11 +175,12 @@ static void test_greedy_equals_library_and_run_dir_resolves(void) {
     CHECK(stderr_has("2 prompt tokens") && stderr_has("20 generated"), "statistics line");
     /* sampling: the same seed gives the same bytes; 40 bytes of another seed differ */
     char s1[512], s2[512], s3[512];
-    snprintf(args, sizeof args, "sample --checkpoint %s --prompt xyz --max-tokens 40 --temperature 1.5 --top-p 0.95 --seed 3 --quiet", ckpt);
+    const char *flags = "--prompt xyz --max-tokens 40 --temperature 1.5 --top-p 0.95 --quiet";
+    snprintf(args, sizeof args, "sample --checkpoint %s %s --seed 3", ckpt, flags);
     CHECK(run_cli(args, s1, sizeof s1) == 0, "exit code");
     CHECK(run_cli(args, s2, sizeof s2) == 0, "exit code");
     CHECK(!memcmp(s1, s2, 41), "same seed, different bytes");
-    snprintf(args, sizeof args, "sample --checkpoint %s --prompt xyz --max-tokens 40 --temperature 1.5 --top-p 0.95 --seed 4 --quiet", ckpt);
+    snprintf(args, sizeof args, "sample --checkpoint %s %s --seed 4", ckpt, flags);
     CHECK(run_cli(args, s3, sizeof s3) == 0, "exit code");
     CHECK(memcmp(s1, s3, 40) != 0, "seeds 3 and 4 gave the same 40 bytes");
 }
@@ -235,7 +236,8 @@ static void test_tokenizer(void) {
     size_t n = strlen(want);
     CHECK(n > 0, "the greedy continuation is empty");
     CHECK(strlen(out) == n + 1 && !memcmp(out, want, n) && out[n] == '\n', "CLI '%s' vs library '%s'", out, want);
-    snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi --tokenizer %s", path_in("run"), path_in("tok.json"));
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi --tokenizer %s", path_in("run"),
+             path_in("tok.json"));
     CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("only 256"), "tokenizer larger than the model");
     snprintf(args, sizeof args, "sample --checkpoint %s --prompt hi --tokenizer %s", path_in("run300"),
              path_in("missing.json"));

@@ -297,7 +297,8 @@ lm_status lm_decoder_prefill(lm_decoder *dec, const int32_t *tokens, int T, floa
 
 lm_status lm_decoder_step(lm_decoder *dec, const int32_t *tokens, float *logits) {
     // tokens is (B), logits (B,V)
-    if (!dec || !tokens || !logits) return lm_error(LM_ERR_ARG, "decoder step: decoder, tokens and logits are required");
+    if (!dec || !tokens || !logits)
+        return lm_error(LM_ERR_ARG, "decoder step: decoder, tokens and logits are required");
     if (dec->len >= dec->max_T)
         return lm_error(LM_ERR_ARG, "decoder step: the sequences already hold max_T=%d tokens", dec->max_T);
     lm_model *m = dec->m;

@@ -254,7 +254,8 @@ lm_status lm_kda_layer_cache_init(const lm_kda_layer_config *c, lm_kda_layer_cac
                                   float *mem) {
     if (!cache || !mem) return lm_error(LM_ERR_ARG, "kda layer cache_init: cache and memory are required");
     if (B < 1) return lm_error(LM_ERR_ARG, "kda layer cache_init: B=%d must be >= 1", B);
-    if (c->conv_width < 1) return lm_error(LM_ERR_ARG, "kda layer cache_init: conv_width=%d must be >= 1", c->conv_width);
+    if (c->conv_width < 1)
+        return lm_error(LM_ERR_ARG, "kda layer cache_init: conv_width=%d must be >= 1", c->conv_width);
     size_t HK = (size_t)c->heads * c->head_dim, tail = (size_t)B * (c->conv_width - 1) * HK;
     memset(mem, 0, lm_kda_layer_cache_floats(c, B) * sizeof(float));
     cache->B = B;
@@ -341,7 +342,8 @@ static void short_conv_step(float *out, float *tail, const float *cur, const flo
 lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                             lm_kda_layer_cache *cache, const float *x, float *y, float *scratch) {
     // x is (B,d), y is (B,d); scratch holds lm_kda_layer_step_scratch_floats floats
-    if (!cache || !x || !y || !scratch) return lm_error(LM_ERR_ARG, "kda layer step: cache, x, y and scratch are required");
+    if (!cache || !x || !y || !scratch)
+        return lm_error(LM_ERR_ARG, "kda layer step: cache, x, y and scratch are required");
     const int B = cache->B, d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     const size_t BHK = (size_t)B * HK, BH = (size_t)B * H;
     float *qp = scratch, *kp = qp + BHK, *vp = kp + BHK, *cq = vp + BHK, *q = cq + BHK, *k = q + BHK,
