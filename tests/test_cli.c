@@ -163,6 +163,14 @@ static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
         CHECK(access(path_in("bad_out.safetensors"), F_OK) != 0, "case %zu left an output file", i);
     }
     CHECK(run_cli("frobnicate") == 2 && stderr_has("unknown command"), "unknown command");
+#ifndef LONGMOE_HAVE_CUDA
+    snprintf(args, sizeof args, "op kda --in %s --out %s --device cuda", path_in("in.safetensors"),
+             path_in("bad_out.safetensors"));
+    CHECK(run_cli(args) == 1 && stderr_has("this build has no CUDA kernels"), "--device cuda without CUDA");
+#endif
+    snprintf(args, sizeof args, "op kda --in %s --out %s --device tpu", path_in("in.safetensors"),
+             path_in("bad_out.safetensors"));
+    CHECK(run_cli(args) == 2 && stderr_has("--device must be cpu or cuda"), "--device tpu");
     CHECK(run_cli("op kda --help") == 0, "--help exits 0");
 }
 

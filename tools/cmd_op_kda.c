@@ -7,6 +7,9 @@
 #include "cli.h"
 #include "longmoe/kda.h"
 #include "longmoe/safetensors.h"
+#ifdef LONGMOE_HAVE_CUDA
+#include "longmoe/kda_cuda.h"
+#endif
 
 static const char *const kda_usage =
     "usage: longmoe op kda --in IN.safetensors --out OUT.safetensors [options]\n"
@@ -24,7 +27,9 @@ static const char *const kda_usage =
     "  --gate bounded|softplus  decay gate (default bounded)\n"
     "  --g-min X                lower bound of the bounded gate, in [-5, 0) (default -5)\n"
     "  --chunk N                chunk size 16, 32 or 64 (default 64)\n"
-    "  --scale X                output scale (default K^-1/2)\n";
+    "  --scale X                output scale (default K^-1/2)\n"
+    "  --device cpu|cuda        where to run (default cpu); cuda runs the Hopper kernels\n"
+    "                           (bf16 tensors, fp32 state; chunk form, chunk 64, K = V = 64 or 128)\n";
 
 typedef struct {
     float *q, *k, *v, *z, *beta, *A_log, *dt_bias, *h0, *d_o, *dht;
@@ -45,6 +50,7 @@ int cmd_op_kda(int argc, char **argv) {
     lm_kda_gate gate = LM_KDA_GATE_BOUNDED;
     double g_min = LM_KDA_G_MIN_DEFAULT, scale = 0;
     long chunk = 64;
+    int cuda = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -68,6 +74,11 @@ int cmd_op_kda(int argc, char **argv) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, a, v, &g_min)) return 2;
         } else if (!strcmp(a, "--chunk")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 16, 64, &chunk)) return 2;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (!strcmp(v, "cpu")) cuda = 0;
+            else if (!strcmp(v, "cuda")) cuda = 1;
+            else return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", v) + 1;
         } else if (!strcmp(a, "--scale")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, a, v, &scale)) return 2;
         } else {
@@ -79,6 +90,11 @@ int cmd_op_kda(int argc, char **argv) {
         cli_fail(cmd, "--in and --out are required (see --help)");
         return 2;
     }
+#ifndef LONGMOE_HAVE_CUDA
+    if (cuda) return cli_fail(cmd, "--device cuda: this build has no CUDA kernels (nvcc was not found when it "
+                                   "was configured)");
+#endif
+    if (cuda && recurrent) return cli_fail(cmd, "--device cuda runs the chunked form: drop --mode recurrent");
 
     lm_safetensors *st = NULL;
     if (lm_safetensors_open(in_path, &st)) return cli_fail(cmd, "%s", lm_last_error());
@@ -134,8 +150,12 @@ int cmd_op_kda(int argc, char **argv) {
         cli_fail(cmd, "out of memory for the outputs (%zu floats)", n_o + n_s);
         goto done;
     }
-    lm_status s = recurrent ? lm_kda_recurrent_forward(&cfg, &in, o, ht)
-                            : lm_kda_chunk_forward(&cfg, &in, o, ht);
+    lm_status s;
+#ifdef LONGMOE_HAVE_CUDA
+    if (cuda) s = lm_kda_cuda_forward_host(&cfg, &in, o, ht);
+    else
+#endif
+        s = recurrent ? lm_kda_recurrent_forward(&cfg, &in, o, ht) : lm_kda_chunk_forward(&cfg, &in, o, ht);
     if (s) {
         cli_fail(cmd, "%s", lm_last_error());
         goto done;
@@ -157,7 +177,13 @@ int cmd_op_kda(int argc, char **argv) {
             cli_fail(cmd, "out of memory for the gradients");
             goto done;
         }
-        if (lm_kda_chunk_backward(&cfg, &in, t.d_o, t.dht, &g)) {
+        lm_status bs;
+#ifdef LONGMOE_HAVE_CUDA
+        if (cuda) bs = lm_kda_cuda_backward_host(&cfg, &in, t.d_o, t.dht, &g);
+        else
+#endif
+            bs = lm_kda_chunk_backward(&cfg, &in, t.d_o, t.dht, &g);
+        if (bs) {
             lm_st_writer_free(w);
             cli_fail(cmd, "%s", lm_last_error());
             goto done;
@@ -172,6 +198,7 @@ int cmd_op_kda(int argc, char **argv) {
         lm_st_writer_add(w, "dh0", LM_DTYPE_F32, 4, s_state, g.dh0);
     }
     lm_st_writer_set_metadata(w, "producer", "longmoe op kda");
+    lm_st_writer_set_metadata(w, "device", cuda ? "cuda" : "cpu");
     lm_st_writer_set_metadata(w, "diag_path",
                               lm_kda_diag_path(&cfg) == LM_KDA_DIAG_FACTORED ? "factored" : "pairwise");
     s = lm_st_writer_save(w, out_path);
