@@ -62,30 +62,6 @@ static int resolve_checkpoint(const char *cmd, const char *dir, char *out, size_
 
 /* The balancing biases of the MoE layers (trainer.safetensors); they take part
  * in routing. Without the file the biases stay zero (with a warning). */
-static int load_biases(const char *cmd, lm_model *m, const char *ckpt, int quiet) {
-    char path[4400];
-    snprintf(path, sizeof path, "%s/trainer.safetensors", ckpt);
-    if (lm_model_num_moe_layers(m) == 0) return 0;
-    if (!is_file(path)) {
-        if (!quiet) fprintf(stderr, "longmoe %s: warning: %s is missing; MoE balancing biases are zero\n", cmd, path);
-        return 0;
-    }
-    lm_safetensors *st = NULL;
-    if (lm_safetensors_open(path, &st)) return cli_fail(cmd, "%s", lm_last_error());
-    int rc = 0;
-    for (int i = 0; i < lm_model_num_moe_layers(m) && !rc; i++) {
-        lm_balance_state *bal = lm_model_balance(m, i);
-        char name[96];
-        snprintf(name, sizeof name, "layers.%d.moe.bias", lm_model_moe_layer_index(m, i));
-        const lm_st_tensor *t = lm_safetensors_find(st, name);
-        if (!t || t->dtype != LM_DTYPE_F32 || t->numel != bal->cfg.n_experts)
-            rc = cli_fail(cmd, "%s: tensor %s is missing or not F32 [%d]", path, name, bal->cfg.n_experts);
-        else
-            memcpy(bal->bias, t->data, (size_t)t->numel * sizeof(float));
-    }
-    lm_safetensors_close(st);
-    return rc;
-}
 
 int cmd_sample(int argc, char **argv) {
     const char *cmd = "sample", *dir = NULL, *prompt = NULL, *tok_path = NULL, *v;
@@ -171,7 +147,6 @@ int cmd_sample(int argc, char **argv) {
     lm_model *m = NULL;
     int rc = 0;
     if (lm_checkpoint_load_model(ckpt, 1, 1, &cfg, &m)) rc = cli_fail(cmd, "%s", lm_last_error());
-    if (!rc) rc = load_biases(cmd, m, ckpt, quiet);
     lm_decoder *dec = NULL;
     float *logits = malloc((size_t)cfg.vocab_size * sizeof(float));
     void *work = malloc(lm_sample_work_bytes(cfg.vocab_size));

@@ -67,8 +67,10 @@ lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_r
  * of `src` (a held-out stream), at the model's batch shape. */
 lm_status lm_evaluate(lm_model *m, lm_data_source *src, int n_batches, float *loss, float *answer_acc);
 
-/* Load the parameters of checkpoint directory `dir` into a model created with
- * the config in `dir`/config.json (*out, *cfg receive them). */
+/* Load the parameters of checkpoint directory `dir`, and the balancing biases
+ * of its MoE layers (trainer.safetensors; they route, frozen, at evaluation and
+ * inference), into a model created with the config in `dir`/config.json for B
+ * sequences of T tokens (<= 0: the config's). *out and *cfg receive them. */
 lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out);
 
 #ifdef __cplusplus

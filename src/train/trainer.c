@@ -354,6 +354,28 @@ static lm_status load_params(lm_model *m, const char *dir) {
     return s;
 }
 
+/* The balancing state of every MoE layer from an open trainer.safetensors. */
+static lm_status load_balance(lm_model *m, const lm_safetensors *st, const char *path) {
+    lm_status s = LM_OK;
+    for (int i = 0; i < lm_model_num_moe_layers(m) && !s; i++) {
+        lm_balance_state *b = lm_model_balance(m, i);
+        int l = lm_model_moe_layer_index(m, i);
+        size_t n = (size_t)b->cfg.n_experts;
+        char name[96];
+        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
+        s = load_exact(st, path, name, LM_DTYPE_F32, b->bias, n);
+        for (size_t j = 0; j < n && !s; j++)
+            if (!isfinite(b->bias[j])) s = lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value", path, name);
+        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_F32, b->halfwidth, n);
+        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I32, b->last_load, n);
+        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I64, b->interval_load, n);
+    }
+    return s;
+}
+
 lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out) {
     char path[4200];
     *out = NULL;
@@ -363,6 +385,16 @@ lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg
     if (T > 0) cfg->seq_len = T;
     TRY(lm_model_create(cfg, cfg->batch_size, cfg->seq_len, out));
     lm_status s = load_params(*out, dir);
+    if (!s && lm_model_num_moe_layers(*out)) {
+        /* the trained balancing biases route at evaluation and inference (frozen) */
+        snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
+        lm_safetensors *st;
+        s = lm_safetensors_open(path, &st);
+        if (!s) {
+            s = load_balance(*out, st, path);
+            lm_safetensors_close(st);
+        }
+    }
     if (s) {
         lm_model_free(*out);
         *out = NULL;
@@ -387,20 +419,7 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     TRY(lm_safetensors_open(path, &st));
     lm_status s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n);
     if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n);
-    for (int i = 0; i < t->n_moe && !s; i++) {
-        lm_balance_state *b = lm_model_balance(t->model, i);
-        int l = lm_model_moe_layer_index(t->model, i);
-        size_t n = (size_t)b->cfg.n_experts;
-        char name[96];
-        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
-        s = load_exact(st, path, name, LM_DTYPE_F32, b->bias, n);
-        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_F32, b->halfwidth, n);
-        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_I32, b->last_load, n);
-        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_I64, b->interval_load, n);
-    }
+    if (!s) s = load_balance(t->model, st, path);
     lm_safetensors_close(st);
     if (s) return s;
     snprintf(path, sizeof path, "%s/trainer.json", dir);
