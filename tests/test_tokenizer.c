@@ -166,7 +166,26 @@ static void test_pretokenizer_splits_like_its_regex(void) {
         chunks_of(cases[c][0], got);
         CHECK(!strcmp(got, cases[c][1]), "'%s' splits into '%s', want '%s'", cases[c][0], got, cases[c][1]);
     }
-    /* the chunks tile any input: contiguous, non-empty, within bounds */
+    /* runs stop at 32 characters (UTF-8 characters for letters) */
+    char in[256], want[300], got[300];
+    memset(in, 'a', 70);
+    in[70] = 0;
+    snprintf(want, sizeof want, "%.32s|%.32s|%.6s", in, in, in);
+    chunks_of(in, got);
+    CHECK(!strcmp(got, want), "70 letters split into '%s'", got);
+    memset(in, ' ', 40);
+    snprintf(in + 40, 3, "x");
+    snprintf(want, sizeof want, "%.32s|%.7s| x", in, in);
+    chunks_of(in, got);
+    CHECK(!strcmp(got, want), "40 spaces and x split into '%s'", got);
+    for (int i = 0; i < 40; i++) memcpy(in + 3 * i, "\xe4\xb8\xad", 3);
+    in[120] = 0;
+    snprintf(want, sizeof want, "%.96s|%.24s", in, in);
+    chunks_of(in, got);
+    CHECK(!strcmp(got, want), "40 CJK characters: chunks of %zu and %zu bytes", strcspn(got, "|"),
+          strlen(got) - strcspn(got, "|") - 1);
+    /* the chunks tile any input: contiguous, non-empty, within bounds, at
+     * most 1 + 4 * 32 bytes */
     lm_rng r;
     lm_rng_seed(&r, 5);
     uint8_t b[500];
@@ -175,7 +194,7 @@ static void test_pretokenizer_splits_like_its_regex(void) {
         fill_random_bytes(&r, b, sizeof b);
         for (size_t i = 0; i < sizeof b;) {
             size_t j = lm_pretokenize_next(b, sizeof b, i);
-            ok &= j > i && j <= sizeof b;
+            ok &= j > i && j <= sizeof b && j - i <= 1 + 4 * LM_PRETOKENIZE_MAX_RUN;
             i = j > i ? j : sizeof b;
         }
     }
@@ -227,7 +246,15 @@ static void test_encoder_equals_reference_bpe(void) {
     lm_rng r;
     lm_rng_seed(&r, 9);
     char *word = malloc(2001);
-    for (int i = 0; i < 2000; i++) word[i] = "theandofin"[lm_rng_u64(&r) % 10];
+    /* letters and 3-byte characters: chunks of 32 characters, up to 96 bytes (past the cache) */
+    for (int i = 0; i < 2000;) {
+        if (lm_rng_u64(&r) % 3 == 0 && i + 3 <= 2000) {
+            memcpy(word + i, "\xe4\xb8\xad", 3);
+            i += 3;
+        } else {
+            word[i++] = "theandofin"[lm_rng_u64(&r) % 10];
+        }
+    }
     free(ids);
     CHECK(lm_tokenizer_encode(tok, word, 2000, &ids, &n_ids) == LM_OK, "%s", lm_last_error());
     n_ref = reference_encode(tok, (const uint8_t *)word, 2000, ref);
@@ -384,7 +411,7 @@ static void test_malformed_files_are_rejected(void) {
     static const char *const cases[][3] = {
         {"\"type\": \"BPE\"", "\"type\": \"WordPiece\"", "model.type must be \"BPE\""},
         {"\"use_regex\": false}\n  ]}", "\"use_regex\": true}\n  ]}", "use_regex must be false"},
-        {"0-9]+|", "0-9]*|", "Split pattern"},
+        {"0-9]{1,32}|", "0-9]{1,33}|", "Split pattern"},
         {"\"normalizer\": null", "\"normalizer\": {\"type\": \"NFC\"}", "normalizer must be null"},
         {"\"padding\": null", "\"padding\": null, \"extra\": 1", "unexpected key \"extra\""},
         {"\"dropout\": null", "\"dropout\": 0.1", "dropout must be null"},
@@ -480,7 +507,14 @@ static size_t random_unicode(lm_rng *r, char *out, size_t n_pieces) {
     static const char *const pieces[] = {"a", "Z", "the", " the", "ing", " ", "  ", "\t", "\n", "\x0b", "\x0c", "\r",
                                          "\r\n", "1", "42", "2024", ".", "!", "\"", "\\", "'s", "<|endoftext|>",
                                          "<|end", "\x7f", "\x1f", "\xc3\xa9", "\xe4\xb8\xad", "\xf0\x9f\x98\x80",
-                                         "\xc2\xa0", "\xe2\x80\xa8", "\xe3\x80\x80", "\xc2\x85", "\xcc\x81"};
+                                         "\xc2\xa0", "\xe2\x80\xa8", "\xe3\x80\x80", "\xc2\x85", "\xcc\x81",
+                                         /* runs longer than the 32-character limit */
+                                         "abcdefghijklmnopqrstuvwxyzabcdefghijklmn",
+                                         "                                        ",
+                                         "\xe4\xb8\xad\xe6\x96\x87\xe4\xb8\xad\xe6\x96\x87\xe4\xb8\xad\xe6\x96\x87"
+                                         "\xe4\xb8\xad\xe6\x96\x87\xe4\xb8\xad\xe6\x96\x87\xe4\xb8\xad\xe6\x96\x87",
+                                         "........................................",
+                                         "1234567890123456789012345678901234567890"};
     const size_t np = sizeof pieces / sizeof pieces[0];
     size_t o = 0;
     for (size_t i = 0; i < n_pieces; i++) {
@@ -516,7 +550,7 @@ static void test_python_tokenizers_gives_the_same_ids(void) {
     int o = snprintf(cmd, sizeof cmd, "python3 %s %s", script, tmp_path("interop.json"));
     lm_rng r;
     lm_rng_seed(&r, 13);
-    char *text = malloc(20 * 4000 + 100000);
+    char *text = malloc(41 * 4000 + 100000);
     for (int t = 0; t < 12; t++) {
         size_t n;
         if (t < 10) {

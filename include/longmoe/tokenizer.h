@@ -14,7 +14,8 @@
  *      is an optional leading space followed by a run of letters (ASCII
  *      letters and every byte >= 0x80), digits or other symbols, or a run of
  *      whitespace (of which the last character is left to the next chunk when
- *      a non-space follows);
+ *      a non-space follows); a run holds at most LM_PRETOKENIZE_MAX_RUN
+ *      characters (UTF-8 characters for letters), the rest starts a new chunk;
  *   3. within each chunk, the adjacent pair with the lowest merge rank is
  *      merged (the leftmost when a rank occurs twice) until no pair has a
  *      merge.
@@ -36,6 +37,7 @@ extern "C" {
 #define LM_TOKENIZER_EOT "<|endoftext|>"
 #define LM_TOKENIZER_MIN_VOCAB 257        /* 256 bytes + the end-of-text token */
 #define LM_TOKENIZER_MAX_VOCAB (1 << 22)
+#define LM_PRETOKENIZE_MAX_RUN 32         /* characters per run in a chunk */
 
 typedef struct lm_tokenizer lm_tokenizer;
 

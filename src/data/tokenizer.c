@@ -17,10 +17,15 @@
  * syntax, as the Hugging Face Split pre-tokenizer runs it). Alternatives in
  * order: letters (ASCII letters and every non-ASCII character), digits, other
  * symbols, each with an optional leading space; a whitespace run that is not
- * followed by a non-space; a whitespace run. */
+ * followed by a non-space; a whitespace run. Every run is at most
+ * LM_PRETOKENIZE_MAX_RUN (32) characters, which bounds a chunk to 129 bytes. */
+#define STRINGIFY_(x) #x
+#define STRINGIFY(x) STRINGIFY_(x)
+#define RUN_MAX STRINGIFY(LM_PRETOKENIZE_MAX_RUN)
 static const char pretokenizer_regex[] =
-    " ?[A-Za-z\\x{80}-\\x{10FFFF}]+| ?[0-9]+| ?[^\\x09-\\x0D A-Za-z0-9\\x{80}-\\x{10FFFF}]+"
-    "|[\\x09-\\x0D ]+(?![^\\x09-\\x0D ])|[\\x09-\\x0D ]+";
+    " ?[A-Za-z\\x{80}-\\x{10FFFF}]{1," RUN_MAX "}| ?[0-9]{1," RUN_MAX "}"
+    "| ?[^\\x09-\\x0D A-Za-z0-9\\x{80}-\\x{10FFFF}]{1," RUN_MAX "}"
+    "|[\\x09-\\x0D ]{1," RUN_MAX "}(?![^\\x09-\\x0D ])|[\\x09-\\x0D ]{1," RUN_MAX "}";
 
 /* ------------------------------------------------------------------------ */
 /* GPT-2's byte <-> character map: printable bytes stand for themselves, the
@@ -47,20 +52,32 @@ static int byte_class(uint8_t c) {
 }
 
 size_t lm_pretokenize_next(const uint8_t *s, size_t n, size_t i) {
+    const int max_run = LM_PRETOKENIZE_MAX_RUN;
     int c = byte_class(s[i]);
     size_t j;
     if (c != CLASS_SPACE || (s[i] == ' ' && i + 1 < n && byte_class(s[i + 1]) != CLASS_SPACE)) {
-        /* " ?X+" for the class X of the first non-space */
+        /* " ?X{1,32}" for the class X of the first non-space; letters count
+         * characters: a UTF-8 continuation byte (0x80-0xBF) extends the
+         * current character unless it already has 4 bytes */
         j = c == CLASS_SPACE ? i + 1 : i;
-        int k = byte_class(s[j++]);
-        while (j < n && byte_class(s[j]) == k) j++;
+        int k = byte_class(s[j++]), chars = 1, bytes_in_char = 1;
+        while (j < n && byte_class(s[j]) == k) {
+            if (k == CLASS_LETTER && (s[j] & 0xc0) == 0x80 && bytes_in_char < 4) {
+                bytes_in_char++;
+            } else {
+                if (chars == max_run) break;
+                chars++;
+                bytes_in_char = 1;
+            }
+            j++;
+        }
         return j;
     }
-    /* "\s+(?!\S)": the run, less its last character when a non-space follows
-     * and the run is longer than one; otherwise "\s+" takes the whole run */
+    /* "\s{1,32}(?!\S)": the run (at most 32), less its last character when a
+     * non-space follows and it is longer than one; otherwise "\s{1,32}" */
     j = i + 1;
-    while (j < n && byte_class(s[j]) == CLASS_SPACE) j++;
-    if (j < n && j - 1 > i) j--;
+    while (j < n && byte_class(s[j]) == CLASS_SPACE && j - i < (size_t)max_run) j++;
+    if (j < n && byte_class(s[j]) != CLASS_SPACE && j - 1 > i) j--;
     return j;
 }
 
