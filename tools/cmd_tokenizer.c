@@ -14,7 +14,7 @@ static const char *const tokenizer_usage =
     "\n"
     "Byte-level BPE (docs/data.md). Ids 0..255 are bytes, 256.. are merges, the last id is\n"
     "<|endoftext|>. Any bytes round-trip. TOK.json is in the Hugging Face `tokenizers` format:\n"
-    "tokenizers.Tokenizer.from_file(\"TOK.json\") gives the same ids.\n"
+    "tokenizers.Tokenizer.from_file(\"TOK.json\") gives the same ids for any UTF-8 text.\n"
     "\n"
     "train    learn merges from the files (each read whole) until the vocabulary has N entries\n"
     "         (257 = bytes only) or no pair occurs F times (default 2); prints the size reached\n"
