@@ -154,7 +154,12 @@ static lm_status open_data(trainer *t, int i) {
             return lm_error(LM_ERR_ARG, "data '%s' has tokens up to %d but model.vocab_size is %d", spec,
                             t->mix.sources[j]->vocab_size - 1, t->cfg.vocab_size);
     }
-    return lm_data_open(st->n_data ? st->data[0] : t->cfg.data, t->cfg.seed ^ 0x7e57da7a5eedull, &t->val);
+    /* validation: a token corpus's held-out split, or a task's held-out stream */
+    const char *first = st->n_data ? st->data[0] : t->cfg.data;
+    char val_spec[80];
+    if (!strncmp(first, "shards:", 7)) snprintf(val_spec, sizeof val_spec, "shards-val:%s", first + 7);
+    else snprintf(val_spec, sizeof val_spec, "%s", first);
+    return lm_data_open(val_spec, t->cfg.seed ^ 0x7e57da7a5eedull, &t->val);
 }
 
 /* Stage of a step: the first stage whose cumulative steps exceed it (the last at the end). */
@@ -501,12 +506,17 @@ static lm_status evaluate(trainer *t, float *loss, float *acc) {
 }
 
 static void log_eval(trainer *t, float loss, float acc) {
-    if (t->metrics)
+    if (t->metrics && isfinite(acc))
         fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n",
                 (long long)t->step, loss, acc);
-    if (t->opt.progress)
+    else if (t->metrics) /* plain text has no answer positions */
+        fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": null}\n",
+                (long long)t->step, loss);
+    if (t->opt.progress && isfinite(acc))
         fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s answer accuracy %.1f%%\n", (long long)t->step,
                 loss, t->val->name, 100.0 * acc);
+    else if (t->opt.progress)
+        fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s\n", (long long)t->step, loss, t->val->name);
 }
 
 /* Fold the model's component timings (less evaluations) into the run's totals. */
