@@ -109,7 +109,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    int which = data[0] % 4; /* 0..2: files[which]; 3: latest */
+    int which = data[0] % 5; /* 0..2: files[which]; 3: latest; 4: metrics.jsonl */
     data++;
     size--;
     char dir[400], path[500];
@@ -124,6 +124,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     snprintf(path, sizeof path, "%s/latest", work);
     if (which == 3) write_file(path, data, size);
     else write_file(path, CKPT "\n", strlen(CKPT) + 1);
+    if (which == 4) {
+        snprintf(path, sizeof path, "%s/metrics.jsonl", work);
+        write_file(path, data, size);
+    }
 
     if (which == 2) {
         /* the model alone, as `longmoe` commands that read a checkpoint do */
