@@ -132,7 +132,7 @@ void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FI
 void lm_eval_write_table(const lm_eval_result *r, const lm_eval_options *opt, FILE *table);
 
 /* lm_eval_run, then its JSON lines to `jsonl` and its table to `table`
- * (either may be NULL). The trainer calls this at each stage end with the
+ * (either may be NULL). Meant for the trainer at each stage end, with the
  * stage's checkpoint, its metrics.jsonl and its progress stream. */
 lm_status lm_eval_checkpoint(const char *checkpoint_dir, const lm_eval_options *opt, FILE *jsonl, FILE *table);
 
