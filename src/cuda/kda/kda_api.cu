@@ -23,7 +23,8 @@ size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 // The workspace plan: one block, pointers carved out of it in this order.
 struct Plan {
-    size_t w, u, qg, kd, aqk, gexp, X, h, vn, dh, dvn, total;
+    size_t w, u, qg, kd, aqk, gexp, X, h, vn, dh, dvn;
+    size_t dW, M, dAqk, dAkk, dAkkB, dAqkDiag, dbeta_part, total;
 };
 
 Plan make_plan(const lm_kda_config *cfg, int for_backward) {
@@ -43,12 +44,20 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
     pl.aqk = take(nc * CH * CH * 2);
     pl.gexp = take(nc * D * 4);
     pl.X = pl.h = pl.vn = pl.dh = pl.dvn = 0;
+    pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAkkB = pl.dAqkDiag = pl.dbeta_part = 0;
     if (for_backward) {
         pl.X = take(nc * CH * CH * 4);
         pl.h = take(nc * D * D * 2);
         pl.vn = take(nc * CH * D * 2);
         pl.dh = take(nc * D * D * 2);
         pl.dvn = take(nc * CH * D * 2);
+        pl.dW = take(nc * CH * D * 2);
+        pl.M = take(nc * CH * CH * 2);
+        pl.dAqk = take(nc * CH * CH * 2);
+        pl.dAkk = take(nc * CH * CH * 2);
+        pl.dAkkB = take(nc * CH * CH * 2);
+        pl.dAqkDiag = take(nc * CH * 4);
+        pl.dbeta_part = take(nc * (1 + D / 64) * CH * 4);
     }
     pl.total = off;
     return pl;
@@ -89,6 +98,13 @@ void carve(Params *p, const Plan &pl, void *workspace, int for_backward) {
         p->vn = reinterpret_cast<bf16 *>(ws + pl.vn);
         p->dh = reinterpret_cast<bf16 *>(ws + pl.dh);
         p->dvn = reinterpret_cast<bf16 *>(ws + pl.dvn);
+        p->dWb = reinterpret_cast<bf16 *>(ws + pl.dW);
+        p->Mb = reinterpret_cast<bf16 *>(ws + pl.M);
+        p->dAqkb = reinterpret_cast<bf16 *>(ws + pl.dAqk);
+        p->dAkkb = reinterpret_cast<bf16 *>(ws + pl.dAkk);
+        p->dAkkBb = reinterpret_cast<bf16 *>(ws + pl.dAkkB);
+        p->dAqkDiag = reinterpret_cast<float *>(ws + pl.dAqkDiag);
+        p->dbeta_part = reinterpret_cast<float *>(ws + pl.dbeta_part);
     }
 }
 

@@ -1,68 +1,78 @@
-// KDA backward on Hopper: the intra-chunk gradient kernel (dq, dk, dv, dbeta, dz, dA_log, ddt_bias).
-// Derivation in docs/cuda.md; forward equations in SPEC §2 "Chunked form".
+// KDA backward on Hopper: the intra-chunk gradient (dq, dk, dv, dbeta, dz, dA_log, ddt_bias),
+// in three launches so that each kernel fits two blocks per SM (docs/cuda.md).
+// Forward equations in SPEC §2 "Chunked form".
 #include "kda_common.cuh"
 
 namespace lmkda {
 
-// Threads of the intra-chunk gradient kernel (16 warps: two per scheduler
-// were too few to hide the latency of one block per SM).
-constexpr int BWD_NT = 512;
+// Threads of the two intra-chunk gradient kernels (8 warps each, two blocks per SM).
+constexpr int BWD_NT = 256;
+// Columns of the per-column kernel's block: D = 128 runs as two column halves.
+constexpr int DC = 64;
 
-// Shared memory of the intra-chunk gradient kernel, in bytes: persistent
-// buffers, then six regions of RSZ bytes and one of [64][72] bf16, reused
-// across phases (see the region comments in the kernel).
+// Copy `rows` rows of COLS elements of T from global memory (row stride
+// gstride elements) to shared memory (row stride ld) with cp.async, rows >=
+// nvalid zero-filled. 16-byte copies; the caller commits and waits.
+template <int COLS, int NT, typename T>
+__device__ __forceinline__ void cp_rows(T *dst, int ld, const T *src, size_t gstride, int rows,
+                                        int nvalid) {
+    constexpr int EPV = 16 / (int)sizeof(T), VPR = COLS / EPV;
+    for (int idx = threadIdx.x; idx < rows * VPR; idx += NT) {
+        int r = idx / VPR, c = (idx % VPR) * EPV;
+        bool ok = r < nvalid;
+        cp_async16(dst + r * ld + c, ok ? src + (size_t)r * gstride + c : src, ok);
+    }
+}
+
+// A warp's 16x16 fp32 tile, staged at `st` (row stride 20), read back by lane:
+// row lane/2, columns 8*(lane%2) .. +7.
+__device__ __forceinline__ void tile_row8(const float *st, float x[8]) {
+    int lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; e++) x[e] = st[r * 20 + c0 + e];
+}
+__device__ __forceinline__ uint4 pack_bf16x8(const float x[8]) {
+    __align__(16) bf16 t[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) t[e] = __float2bfloat16(x[e]);
+    return *reinterpret_cast<uint4 *>(t);
+}
+
+// ---- kernel A: the triangular gradients ----
+// Shared memory: five regions of RSZ bytes, M (bf16), per-warp staging, beta.
 template <int D> __host__ __device__ constexpr size_t bwd_region() {
     return (size_t)CH * (D + 8) * 2 > (size_t)CH * (CH + 4) * 4 ? (size_t)CH * (D + 8) * 2
                                                                  : (size_t)CH * (CH + 4) * 4;
 }
-template <int D> __host__ __device__ constexpr size_t bwd_intra_smem() {
-    return (size_t)CH * D * 4 + (size_t)CH * (D + 4) * 4 + (size_t)2 * CH * (D + 8) * 2 +
-           (size_t)(3 * CH + D) * 4 + 6 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2 +
-           (size_t)3 * SUB * (D + 8) * 2;
+template <int D> __host__ __device__ constexpr size_t bwd_tri_smem() {
+    return 5 * bwd_region<D>() + (size_t)CH * (CH + 8) * 2 + (size_t)(BWD_NT / 32) * 16 * 20 * 4 +
+           (size_t)CH * 4;
 }
 
-// One block per (chunk, sequence*head). Each thread owns column d = tid % D
-// of rows r0 + RSTEP*i and accumulates dq, dk and dG there in registers.
-template <int D, bool FACTORED>
-__global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
-    // q, k, v, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn, dvn [c][64][D]; X [c][64][64]
-    constexpr int NT = BWD_NT, LD = D + 8, LDA = CH + 4, LDM = CH + 8, LDS = D + 4;
-    constexpr int RSTEP = NT / D, RPT = CH / RSTEP, IPB = SUB / RSTEP, TD = D / 16;
-    extern __shared__ __align__(128) unsigned char smem[];
-    float *sG = reinterpret_cast<float *>(smem);          // [64][D]
-    float *sStage = sG + CH * D;                          // [64][LDS]
-    bf16 *sQ = reinterpret_cast<bf16 *>(sStage + CH * LDS); // [64][LD]
-    bf16 *sK = sQ + CH * LD;
-    float *sBeta = reinterpret_cast<float *>(sK + CH * LD); // [64]
-    float *sdBeta = sBeta + CH;                             // [64]
-    float *sdGC = sdBeta + CH;                              // [D] gradient of G_C
-    float *sdAqkDiag = sdGC + D;                            // [64] diagonal of dAqk
-    unsigned char *R = reinterpret_cast<unsigned char *>(sdAqkDiag + CH);
+// One block per (chunk, sequence*head). From the chunk state h and dV':
+// dW = -dV' S^T, dAqk = Lower(dO' V'^T), dM = dW (k e^G)^T + dV' v^T,
+// dv = M^T dV', the dbeta term of M = X Diag(beta), and dAkk = -StrictLower(X^T dX X^T).
+// Writes dv, and dW, M, dAqk, dAkk, Diag(beta) dAkk, the dbeta term into the
+// workspace for kernel B.
+template <int D>
+__global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
+    // d_o, v, z, k [B,T,H,D]; h [c][D][D]; vn, dvn [c][64][D]; X [c][64][64]
+    constexpr int NT = BWD_NT, LD = D + 8, LDA = CH + 4, LDM = CH + 8, TD = D / 16;
     constexpr size_t RSZ = bwd_region<D>();
-    // Regions (phase 1-2 use / phase 3-4 reuse):
-    bf16 *sdO = reinterpret_cast<bf16 *>(R);               // R0: dO' -> dM -> key operand
-    float *sdM = reinterpret_cast<float *>(R);
-    bf16 *sKbOp = reinterpret_cast<bf16 *>(R);
-    bf16 *sV = reinterpret_cast<bf16 *>(R + RSZ);          // R1: v -> dAkk (fp32)
-    float *sdAkk = reinterpret_cast<float *>(R + RSZ);
-    bf16 *sdW = reinterpret_cast<bf16 *>(R + 2 * RSZ);     // R2: dW -> query operand
-    bf16 *sQaOp = sdW;
-    bf16 *sKgp = reinterpret_cast<bf16 *>(R + 3 * RSZ);    // R3: k e^G -> dAkk, beta dAkk (bf16)
-    bf16 *sdAkkb = sKgp, *sdAkkBb = sKgp + CH * CH;
-    float *sX = reinterpret_cast<float *>(R + 4 * RSZ);    // R4: X -> key-side k operand
-    bf16 *sKaOp = reinterpret_cast<bf16 *>(R + 4 * RSZ);
-    bf16 *sMb = reinterpret_cast<bf16 *>(R + 5 * RSZ);     // R5: M (bf16) -> dAqk (bf16)
-    bf16 *sdAqkb = sMb;
-    float *sdAqk = reinterpret_cast<float *>(R + 5 * RSZ + (size_t)CH * LDM * 2); // R6: dAqk -> T1
-    float *sT1 = sdAqk;
-    // low bf16 parts of the diagonal block's operands (factored path): [16][LD] each
-    bf16 *sKbLo = reinterpret_cast<bf16 *>(R + 6 * RSZ + (size_t)CH * LDM * 2);
-    bf16 *sQaLo = sKbLo + SUB * LD, *sKaLo = sQaLo + SUB * LD;
-    // partial sums, summed in a fixed order (no float atomics: the same
-    // inputs give the same bits): dG_C by row group in phase 1 (in the
-    // low-part buffers, idle until phase 4) and dbeta by warp in phase 4 (in R1)
-    float *sGcPart = reinterpret_cast<float *>(sKbLo);          // [RSTEP][D]
-    float *sBetaPart = reinterpret_cast<float *>(R + RSZ);      // [64][D/32]
+    extern __shared__ __align__(128) unsigned char smem[];
+    // Regions: R0-R1 h [D][LD] -> R0 dM (fp32), R1 k e^G (bf16) -> T1 (fp32);
+    // R2 dO' -> dW; R3 v; R4 X.
+    bf16 *sH = reinterpret_cast<bf16 *>(smem);
+    float *sdM = reinterpret_cast<float *>(smem);
+    bf16 *sKgp = reinterpret_cast<bf16 *>(smem + RSZ);
+    float *sT1 = reinterpret_cast<float *>(smem + RSZ);
+    bf16 *sdO = reinterpret_cast<bf16 *>(smem + 2 * RSZ);
+    bf16 *sdW = sdO;
+    bf16 *sV = reinterpret_cast<bf16 *>(smem + 3 * RSZ);
+    float *sX = reinterpret_cast<float *>(smem + 4 * RSZ);
+    bf16 *sMb = reinterpret_cast<bf16 *>(smem + 5 * RSZ);      // [64][LDM]
+    float *sWarp = reinterpret_cast<float *>(sMb + CH * LDM);  // [8][16][20]
+    float *sBeta = sWarp + (NT / 32) * 16 * 20;                // [64]
 
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -70,160 +80,114 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
     const size_t rs = (size_t)p.H * D;
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const bf16 *hc = p.h + c * D * D, *dhc = p.dh + c * D * D;
     const bf16 *vnc = p.vn + c * CH * D, *dvnc = p.dvn + c * CH * D;
+    float *st = sWarp + warp * 16 * 20;
+    const int lr = lane >> 1, lc = (lane & 1) * 8; // this lane's row and columns of a staged tile
 
-    // ---- load: q, k, v, dO' = scale dO, g -> G, beta, X ----
-    load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
-    load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
-    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
-    load_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
-    bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
-    load_rows<D, NT>(sZ, LD, p.z + base, rs, CH, nvalid);
-    for (int idx = tid; idx < CH * CH / 4; idx += NT) {
-        float4 x4 = reinterpret_cast<const float4 *>(p.X + c * CH * CH)[idx];
-        int i = (4 * idx) / CH, j = (4 * idx) % CH;
-        *reinterpret_cast<float4 *>(sX + i * LDA + j) = x4;
-    }
-    __syncthreads();
-    const float a_exp = __expf(p.A_log[h]);
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        float g = 0.f;
-        if (r < nvalid)
-            g = kda_gate(__bfloat162float(sZ[r * LD + d]), a_exp, p.dt_bias[h * D + d], p.bounded,
-                         p.g_min);
-        sG[idx] = g;
-        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
-    }
-    if (tid < CH) {
-        sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
-        sdBeta[tid] = 0.f;
-    }
-    for (int d = tid; d < D; d += NT) sdGC[d] = 0.f;
-    // The state products read h and dh [D][D] from shared memory: rows < 64
-    // in R2, rows >= 64 in R6 (both free until phase 1 writes dW and dAqk).
-    // dh first; h replaces it after dKd.
-    bf16 *sH0 = sdW, *sH1 = reinterpret_cast<bf16 *>(sdAqk);
-    auto stage_state = [&](const bf16 *src) {
-        for (int idx = tid; idx < D * (D / 8); idx += NT) {
-            int r = idx / (D / 8), cc = (idx % (D / 8)) * 8;
-            bf16 *dst = r < CH ? sH0 + r * LD + cc : sH1 + (r - CH) * LD + cc;
-            cp_async16(dst, src + (size_t)r * D + cc, true);
-        }
-        cp_async_commit();
-    };
-    // B operand for output columns j0..j0+15: rows j0.. of the staged matrix
-    auto state_rows = [&](int j0) { return j0 < CH ? sH0 + j0 * LD : sH1 + (j0 - CH) * LD; };
-    stage_state(dhc);
-    __syncthreads();
-    for (int d = tid; d < D; d += NT) {
-        float acc = 0.f;
-        for (int r = 0; r < CH; r++) {
-            acc += sG[r * D + d];
-            sG[r * D + d] = acc;
-        }
-    }
-    __syncthreads();
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        sMb[i * LDM + j] = __float2bfloat16(sX[i * LDA + j] * sBeta[j]);
-    }
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        sKgp[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
-    }
-    cp_async_wait<0>(); // dh has landed
-    __syncthreads();
-
-    const int d = tid % D, r0 = tid / D;
-    float dq[RPT], dk[RPT], dG[RPT];
-#pragma unroll
-    for (int i = 0; i < RPT; i++) dq[i] = dk[i] = dG[i] = 0.f;
-
-    // ---- phase 1: products with the chunk's state h and its gradient dh ----
-    // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
-    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, vnc + i0 * D, D, state_rows(j0), LD, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-    }
-    __syncthreads();
-    stage_state(hc); // h replaces dh while dKd is consumed
-    {
-        float gc = 0.f;
-#pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            int r = r0 + RSTEP * i;
-            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * D + d] - sG[r * D + d]);
-            dk[i] += val;
-            float t = val * __bfloat162float(sK[r * LD + d]);
-            dG[i] -= t;
-            gc += t;
-        }
-        sGcPart[r0 * D + d] = gc; // summed in a fixed order below: deterministic
-    }
+    // ---- load: h, dO, v, X (cp.async), beta ----
+    cp_rows<D, NT>(sH, LD, p.h + c * D * D, D, D, D);
+    cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
+    cp_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    cp_rows<CH, NT>(sX, LDA, p.X + c * CH * CH, CH, CH, CH);
+    cp_async_commit();
+    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     cp_async_wait<0>();
     __syncthreads();
-    for (int dd = tid; dd < D; dd += NT) {
-        float acc = 0.f;
-        for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * D + dd];
-        sdGC[dd] += acc;
+    // M = X Diag(beta) (bf16, kept for kernel B too); dO' = scale dO
+    bf16 *Mg = p.Mb + c * CH * CH;
+    for (int idx = tid; idx < CH * CH; idx += NT) {
+        int i = idx / CH, j = idx % CH;
+        bf16 m = __float2bfloat16(sX[i * LDA + j] * sBeta[j]);
+        sMb[i * LDM + j] = m;
+        Mg[idx] = m;
     }
-    // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
-    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, state_rows(j0), LD, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        int r = r0 + RSTEP * i;
-        float val = sStage[r * LDS + d] * __expf(sG[r * D + d]);
-        dq[i] += val;
-        dG[i] += val * __bfloat162float(sQ[r * LD + d]);
-    }
-    __syncthreads();
-    // dW = -dV' S^T (bf16 operand for phase 2)
-    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, state_rows(j0), LD, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-    }
-    __syncthreads(); // h is dead: R2 takes dW, R6 takes dAqk
     for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, dd = idx % D;
-        sdW[r * LD + dd] = __float2bfloat16(-sStage[r * LDS + dd]);
+        int r = idx / D, d = idx % D;
+        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
     }
-    // dAqk = Lower(dO' V'^T) (tiles above the diagonal are never read)
+    __syncthreads();
+
+    // dAqk = Lower(dO' V'^T): the strictly lower part in bf16 for kernel B, the
+    // diagonal (e^0 = 1, applied exactly there) in fp32; tiles above it are zero.
+    bf16 *dAqkg = p.dAqkb + c * CH * CH;
     for (int tt = warp; tt < 16; tt += NT / 32) {
         int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
-        if (j0 > i0) continue;
+        float x[8];
+        if (j0 <= i0) {
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, vnc + (size_t)j0 * D, D, D / 16);
+            wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+            __syncwarp();
+            tile_row8(st, x);
+            __syncwarp();
+            const int i = i0 + lr;
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const int j = j0 + lc + e;
+                if (j == i) p.dAqkDiag[c * CH + i] = x[e];
+                x[e] = j < i ? x[e] : 0.f;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) x[e] = 0.f;
+        }
+        *reinterpret_cast<uint4 *>(dAqkg + (i0 + lr) * CH + j0 + lc) = pack_bf16x8(x);
+    }
+    __syncthreads(); // dO' is dead: R2 takes dW
+
+    // dW = -dV' S^T (bf16: kernel A's operand and kernel B's input)
+    bf16 *dWg = p.dWb + c * CH * D;
+    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
+        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, vnc + (size_t)j0 * D, D, D / 16);
-        wmma::store_matrix_sync(sdAqk + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, sH + j0 * LD, LD, D / 16);
+        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        __syncwarp();
+        float x[8];
+        tile_row8(st, x);
+        __syncwarp();
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = -x[e];
+        uint4 v8 = pack_bf16x8(x);
+        *reinterpret_cast<uint4 *>(sdW + (i0 + lr) * LD + j0 + lc) = v8;
+        *reinterpret_cast<uint4 *>(dWg + (size_t)(i0 + lr) * D + j0 + lc) = v8;
+    }
+    __syncthreads(); // h is dead: R1 takes k e^G, R0 dM
+
+    // k e^G with G = cumsum(g): the gate, then a prefix over NT/D row parts
+    // (each thread sums its part, then adds the parts before it in order)
+    {
+        constexpr int P = NT / D, RP = CH / P;
+        const int d = tid % D, pt = tid / D;
+        const float a_exp = __expf(p.A_log[h]), bias = p.dt_bias[h * D + d];
+        float G[RP], acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < RP; i++) {
+            const int r = pt * RP + i;
+            float g = 0.f; // padded rows: g = 0 keeps G constant past T
+            if (r < nvalid)
+                g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, bias, p.bounded,
+                             p.g_min);
+            acc += g;
+            G[i] = acc;
+        }
+        float *sPart = sWarp; // [P][D] part sums (staging is idle here)
+        sPart[pt * D + d] = acc;
+        __syncthreads();
+        float pre = 0.f;
+        for (int q = 0; q < pt; q++) pre += sPart[q * D + d];
+#pragma unroll
+        for (int i = 0; i < RP; i++) {
+            const int r = pt * RP + i;
+            float kv = r < nvalid ? __bfloat162float(p.k[base + r * rs + d]) : 0.f;
+            sKgp[r * LD + d] = __float2bfloat16(kv * __expf(pre + G[i]));
+        }
     }
     __syncthreads();
-    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (a warp per row)
-    for (int dd = warp; dd < D; dd += NT / 32) {
-        float acc = 0.f;
-        for (int v = lane; v < D; v += 32)
-            acc += __bfloat162float(dhc[(size_t)dd * D + v]) * __bfloat162float(hc[(size_t)dd * D + v]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) sdGC[dd] += __expf(sG[(CH - 1) * D + dd]) * acc;
-    }
 
-    // ---- phase 2: W = M (k e^G), U = M v ----
-    // dM = dW (k e^G)^T + dV' v^T into R0 (dO' no longer needed)
+    // dM = dW (k e^G)^T + dV' v^T (W = M k e^G, U = M v)
     for (int tt = warp; tt < 16; tt += NT / 32) {
         int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
         FragC acc;
@@ -232,46 +196,23 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
         mma_tile<RM, CM>(acc, dvnc + i0 * D, D, sV + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(sdM + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
     }
-    // d(k e^G) = M^T dW
-    for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-        int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<CM, RM>(acc, sMb + i0, LDM, sdW + j0, LD, CH / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-    }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        int r = r0 + RSTEP * i;
-        float val = sStage[r * LDS + d] * __expf(sG[r * D + d]);
-        dk[i] += val;
-        dG[i] += val * __bfloat162float(sK[r * LD + d]);
-    }
-    __syncthreads();
     // dv = M^T dV'
     for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<CM, RM>(acc, sMb + i0, LDM, dvnc + j0, D, CH / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        __syncwarp();
+        float x[8];
+        tile_row8(st, x);
+        __syncwarp();
+        if (i0 + lr < nvalid)
+            *reinterpret_cast<uint4 *>(p.dv + base + (size_t)(i0 + lr) * rs + j0 + lc) =
+                pack_bf16x8(x);
     }
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        int r = r0 + RSTEP * i;
-        if (r < nvalid) p.dv[base + r * rs + d] = __float2bfloat16(sStage[r * LDS + d]);
-    }
-    // dAqk to bf16 (R5; M is dead), strictly lower triangle selected; the
-    // diagonal (e^{G_i-G_i} = 1) stays fp32 and is applied exactly in phase 4,
-    // where its dG terms q_i dA_ii k_i - k_i dA_ii q_i cancel exactly.
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        sdAqkb[i * LDM + j] = __float2bfloat16(j < i ? sdAqk[i * LDA + j] : 0.f);
-        if (i == j) sdAqkDiag[i] = sdAqk[i * LDA + i];
-    }
-    // M = X Diag(beta): dbeta_j += sum_i dM_ij X_ij; dX = dM Diag(beta) in place
+    // M = X Diag(beta): dbeta_j = sum_i dM_ij X_ij; dX = dM Diag(beta) in place
     if (tid < CH) {
         int j = tid;
         float acc = 0.f;
@@ -280,13 +221,13 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
             acc += dm * sX[i * LDA + j];
             sdM[i * LDA + j] = dm * sBeta[j];
         }
-        sdBeta[j] += acc;
+        p.dbeta_part[c * (1 + D / DC) * CH + j] = acc;
     }
     __syncthreads();
 
-    // ---- phase 3: X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower ----
-    // tf32 tensor cores; X is lower triangular, so T1 = X^T dX needs k >= i
-    // and T1 X^T needs k <= j: the known-zero k-steps are skipped.
+    // X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower, tf32 tensor
+    // cores; X is lower triangular, so T1 = X^T dX needs k >= i and T1 X^T
+    // needs k <= j: the known-zero k-steps are skipped.
     for (int tt = warp; tt < 16; tt += NT / 32) {
         int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
         FragC8 acc;
@@ -295,20 +236,209 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
         wmma::store_matrix_sync(sT1 + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
     }
     __syncthreads();
+    bf16 *dAkkg = p.dAkkb + c * CH * CH, *dAkkBg = p.dAkkBb + c * CH * CH;
     for (int tt = warp; tt < 16; tt += NT / 32) {
         int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
-        if (j0 > i0) continue;
-        FragC8 acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile_tf32<RM, CM>(acc, sT1 + i0 * LDA, LDA, sX + j0 * LDA, LDA, 0, (j0 + 16) / 8);
-        wmma::store_matrix_sync(sdAkk + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+        const int i = i0 + lr;
+        float x[8], xb[8];
+        if (j0 <= i0) {
+            FragC8 acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile_tf32<RM, CM>(acc, sT1 + i0 * LDA, LDA, sX + j0 * LDA, LDA, 0, (j0 + 16) / 8);
+            wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+            __syncwarp();
+            tile_row8(st, x);
+            __syncwarp();
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                x[e] = j0 + lc + e < i ? -x[e] : 0.f;
+                xb[e] = sBeta[i] * x[e];
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) x[e] = xb[e] = 0.f;
+        }
+        *reinterpret_cast<uint4 *>(dAkkg + i * CH + j0 + lc) = pack_bf16x8(x);
+        *reinterpret_cast<uint4 *>(dAkkBg + i * CH + j0 + lc) = pack_bf16x8(xb);
+    }
+}
+
+// ---- kernel B: the per-column gradients ----
+// Rows of the block's threads: thread t owns column t % DC of rows t / DC + RSTEP i.
+constexpr int COL_RSTEP = BWD_NT / DC;
+template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
+    // h and dh rows of the block's columns [DC][D+8] each, then (phase 4) the
+    // three sub-chunk operands [64][DC+8] and their low parts [16][DC+8]
+    return (size_t)2 * DC * (D + 8) * 2 > (size_t)3 * (CH + SUB) * (DC + 8) * 2
+               ? (size_t)2 * DC * (D + 8) * 2
+               : (size_t)3 * (CH + SUB) * (DC + 8) * 2;
+}
+template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
+    return (size_t)CH * DC * 4                // G
+           + (size_t)CH * (DC + 4) * 4        // product staging
+           + (size_t)2 * CH * (DC + 8) * 2    // q, k
+           + (size_t)CH * (D + 8) * 2         // dO'
+           + bwd_col_state_bytes<D>()         // h, dh -> sub-chunk operands
+           + (size_t)(2 * CH + DC + COL_RSTEP * DC + CH * (DC / 32)) * 4; // small
+}
+
+// One block per (chunk, sequence*head, DC columns of k). Each thread owns one
+// column of RPT rows and accumulates dq, dk and dG there in registers:
+// - state terms: dKd = V' dS^T (-> dk, dG, dG_C), dQg = dO' S^T (-> dq, dG),
+//   d(k e^G) = M^T dW (-> dk, dG), the decay e^{G_C} sum_v dS S (-> dG_C);
+// - the sub-chunk gradients through Aqk and Akk (dAqk, dAkk from kernel A);
+// - dg = reverse cumsum of dG (+ dG_C), then the gate: dz, dA_log, ddt_bias.
+template <int D, bool FACTORED>
+__global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
+    // q, k, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn [c][64][D]; dW [c][64][D];
+    // M, dAqk, dAkk, dAkkB [c][64][64]; this block: columns cb*DC .. +DC-1
+    constexpr int NT = BWD_NT, LD = D + 8, LDC = DC + 8, LDS = DC + 4, TDC = DC / 16;
+    constexpr int RSTEP = COL_RSTEP, RPT = CH / RSTEP, IPB = SUB / RSTEP;
+    extern __shared__ __align__(128) unsigned char smem[];
+    float *sG = reinterpret_cast<float *>(smem);              // [64][DC]
+    float *sStage = sG + CH * DC;                             // [64][LDS]
+    bf16 *sQ = reinterpret_cast<bf16 *>(sStage + CH * LDS);   // [64][LDC]
+    bf16 *sK = sQ + CH * LDC;                                 // [64][LDC]
+    bf16 *sdO = sK + CH * LDC;                                // [64][LD]
+    unsigned char *RS = reinterpret_cast<unsigned char *>(sdO + CH * LD);
+    // phase 1: h and dh rows of the block's columns; phase 4: operands
+    bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
+    bf16 *sKbOp = reinterpret_cast<bf16 *>(RS), *sQaOp = sKbOp + CH * LDC;
+    bf16 *sKaOp = sQaOp + CH * LDC;
+    bf16 *sKbLo = sKaOp + CH * LDC, *sQaLo = sKbLo + SUB * LDC, *sKaLo = sQaLo + SUB * LDC;
+    float *sBeta = reinterpret_cast<float *>(RS + bwd_col_state_bytes<D>()); // [64]
+    float *sdAqkDiag = sBeta + CH;                            // [64]
+    float *sdGC = sdAqkDiag + CH;                             // [DC] gradient of G_C
+    float *sGcPart = sdGC + DC;                               // [RSTEP][DC]
+    float *sBetaPart = sGcPart + RSTEP * DC;                  // [64][DC/32]
+
+    const int n = blockIdx.x, bh = blockIdx.y, cb = blockIdx.z, b = bh / p.H, h = bh % p.H;
+    const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+    const size_t c = (size_t)bh * p.N + n;
+    const size_t rs = (size_t)p.H * D;
+    const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
+    const size_t cbase = base + (size_t)cb * DC; // the block's first column
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const bf16 *vnc = p.vn + c * CH * D;
+    const bf16 *Mg = p.Mb + c * CH * CH, *dWg = p.dWb + c * CH * D + cb * DC;
+    const bf16 *dAqkg = p.dAqkb + c * CH * CH, *dAkkg = p.dAkkb + c * CH * CH;
+    const bf16 *dAkkBg = p.dAkkBb + c * CH * CH;
+
+    // ---- load (cp.async): h and dh rows of the columns, q, k, z of the
+    // columns, dO (all columns); beta, the diagonal of dAqk ----
+    bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
+    cp_rows<D, NT>(sHs, LD, p.h + c * D * D + (size_t)cb * DC * D, D, DC, DC);
+    cp_rows<D, NT>(sDh, LD, p.dh + c * D * D + (size_t)cb * DC * D, D, DC, DC);
+    cp_rows<DC, NT>(sQ, LDC, p.q + cbase, rs, CH, nvalid);
+    cp_rows<DC, NT>(sK, LDC, p.k + cbase, rs, CH, nvalid);
+    cp_rows<DC, NT>(sZ, LDC, p.z + cbase, rs, CH, nvalid);
+    cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
+    cp_async_commit();
+    if (tid < CH) {
+        sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
+        sdAqkDiag[tid] = p.dAqkDiag[c * CH + tid];
+    }
+    for (int d = tid; d < DC; d += NT) sdGC[d] = 0.f;
+    cp_async_wait<0>();
+    __syncthreads();
+    const float a_exp = __expf(p.A_log[h]);
+    for (int idx = tid; idx < CH * DC; idx += NT) {
+        int r = idx / DC, d = idx % DC;
+        float g = 0.f; // padded rows: g = 0 keeps G constant past T
+        if (r < nvalid)
+            g = kda_gate(__bfloat162float(sZ[r * LDC + d]), a_exp, p.dt_bias[h * D + cb * DC + d],
+                         p.bounded, p.g_min);
+        sG[idx] = g;
+    }
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
     }
     __syncthreads();
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        float v = j < i ? -sdAkk[i * LDA + j] : 0.f;
-        sdAkkb[idx] = __float2bfloat16(v);
-        sdAkkBb[idx] = __float2bfloat16(sBeta[i] * v);
+    for (int d = tid; d < DC; d += NT) {
+        float acc = 0.f;
+        for (int r = 0; r < CH; r++) {
+            acc += sG[r * DC + d];
+            sG[r * DC + d] = acc;
+        }
+    }
+    __syncthreads();
+
+    const int d = tid % DC, r0 = tid / DC;
+    float dq[RPT], dk[RPT], dG[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; i++) dq[i] = dk[i] = dG[i] = 0.f;
+
+    // ---- phase 1: products with the chunk's state h and its gradient dh ----
+    // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
+    for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+        int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, vnc + i0 * D, D, sDh + j0 * LD, LD, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+    {
+        float gc = 0.f;
+#pragma unroll
+        for (int i = 0; i < RPT; i++) {
+            int r = r0 + RSTEP * i;
+            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * DC + d] - sG[r * DC + d]);
+            dk[i] += val;
+            float t = val * __bfloat162float(sK[r * LDC + d]);
+            dG[i] -= t;
+            gc += t;
+        }
+        sGcPart[r0 * DC + d] = gc; // summed in a fixed order below: deterministic
+    }
+    __syncthreads();
+    for (int dd = tid; dd < DC; dd += NT) {
+        float acc = 0.f;
+        for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * DC + dd];
+        sdGC[dd] += acc;
+    }
+    // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
+    for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+        int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+        dq[i] += val;
+        dG[i] += val * __bfloat162float(sQ[r * LDC + d]);
+    }
+    __syncthreads();
+    // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
+    for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+        int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
+        FragC acc;
+        wmma::fill_fragment(acc, 0.f);
+        mma_tile<CM, RM>(acc, Mg + i0, CH, dWg + j0, D, CH / 16);
+        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+    }
+    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (a warp per row)
+    for (int dd = warp; dd < DC; dd += NT / 32) {
+        float acc = 0.f;
+        for (int v = lane; v < D; v += 32)
+            acc += __bfloat162float(sDh[dd * LD + v]) * __bfloat162float(sHs[dd * LD + v]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
+    }
+    __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+        dk[i] += val;
+        dG[i] += val * __bfloat162float(sK[r * LDC + d]);
     }
     __syncthreads();
 
@@ -325,53 +455,53 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
         // (x = hi + lo): near-diagonal pairs enter dG_i and dG_j with opposite
         // signs, and the reverse cumsum cancels them; hi + lo makes both sides
         // round alike to about 2^-16, as the pairwise path does in fp32.
-        for (int idx = tid; idx < kb_rows * D; idx += NT) {
-            int j = idx / D, dd = idx % D;
-            float x = __bfloat162float(sK[j * LD + dd]) * __expf(sG[n0 * D + dd] - sG[j * D + dd]);
+        for (int idx = tid; idx < kb_rows * DC; idx += NT) {
+            int j = idx / DC, dd = idx % DC;
+            float x = __bfloat162float(sK[j * LDC + dd]) * __expf(sG[n0 * DC + dd] - sG[j * DC + dd]);
             bf16 hi = __float2bfloat16(x);
-            sKbOp[j * LD + dd] = hi;
+            sKbOp[j * LDC + dd] = hi;
             if (FACTORED && j >= n0)
-                sKbLo[(j - n0) * LD + dd] = __float2bfloat16(x - __bfloat162float(hi));
+                sKbLo[(j - n0) * LDC + dd] = __float2bfloat16(x - __bfloat162float(hi));
         }
-        for (int idx = qa_from * D + tid; idx < CH * D; idx += NT) {
-            int i = idx / D, dd = idx % D;
-            float e = __expf(sG[i * D + dd] - sG[m * D + dd]);
-            float xq = __bfloat162float(sQ[i * LD + dd]) * e;
-            float xk = __bfloat162float(sK[i * LD + dd]) * e;
+        for (int idx = qa_from * DC + tid; idx < CH * DC; idx += NT) {
+            int i = idx / DC, dd = idx % DC;
+            float e = __expf(sG[i * DC + dd] - sG[m * DC + dd]);
+            float xq = __bfloat162float(sQ[i * LDC + dd]) * e;
+            float xk = __bfloat162float(sK[i * LDC + dd]) * e;
             bf16 hq = __float2bfloat16(xq), hk = __float2bfloat16(xk);
-            sQaOp[i * LD + dd] = hq;
-            sKaOp[i * LD + dd] = hk;
+            sQaOp[i * LDC + dd] = hq;
+            sKaOp[i * LDC + dd] = hk;
             if (FACTORED && i <= m) {
-                sQaLo[(i - n0) * LD + dd] = __float2bfloat16(xq - __bfloat162float(hq));
-                sKaLo[(i - n0) * LD + dd] = __float2bfloat16(xk - __bfloat162float(hk));
+                sQaLo[(i - n0) * LDC + dd] = __float2bfloat16(xq - __bfloat162float(hq));
+                sKaLo[(i - n0) * LDC + dd] = __float2bfloat16(xk - __bfloat162float(hk));
             }
         }
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
         const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
-        for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
-            int o = tt / TD, j0 = (tt % TD) * 16;
+        for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+            int o = tt / TDC, j0 = (tt % TDC) * 16;
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
             if (o == 0)
-                mma_tile<RM, RM>(acc, sdAqkb + n0 * LDM, LDM, sKbOp + j0, LD, nq);
+                mma_tile<RM, RM>(acc, dAqkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
             else if (o == 1)
-                mma_tile<RM, RM>(acc, sdAkkb + n0 * CH, CH, sKbOp + j0, LD, nq);
+                mma_tile<RM, RM>(acc, dAkkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
             else if (o == 2)
-                mma_tile<CM, RM>(acc, sdAqkb + s0 * SUB * LDM + n0, LDM,
-                                 sQaOp + s0 * SUB * LD + j0, LD, CH / SUB - s0);
+                mma_tile<CM, RM>(acc, dAqkg + s0 * SUB * CH + n0, CH,
+                                 sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             else
-                mma_tile<CM, RM>(acc, sdAkkBb + s0 * SUB * CH + n0, CH,
-                                 sKaOp + s0 * SUB * LD + j0, LD, CH / SUB - s0);
+                mma_tile<CM, RM>(acc, dAkkBg + s0 * SUB * CH + n0, CH,
+                                 sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             if (FACTORED) { // the diagonal block's low parts
                 if (o == 0)
-                    mma_tile<RM, RM>(acc, sdAqkb + n0 * LDM + n0, LDM, sKbLo + j0, LD, 1);
+                    mma_tile<RM, RM>(acc, dAqkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
                 else if (o == 1)
-                    mma_tile<RM, RM>(acc, sdAkkb + n0 * CH + n0, CH, sKbLo + j0, LD, 1);
+                    mma_tile<RM, RM>(acc, dAkkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
                 else if (o == 2)
-                    mma_tile<CM, RM>(acc, sdAqkb + n0 * LDM + n0, LDM, sQaLo + j0, LD, 1);
+                    mma_tile<CM, RM>(acc, dAqkg + n0 * CH + n0, CH, sQaLo + j0, LDC, 1);
                 else
-                    mma_tile<CM, RM>(acc, sdAkkBb + n0 * CH + n0, CH, sKaLo + j0, LD, 1);
+                    mma_tile<CM, RM>(acc, dAkkBg + n0 * CH + n0, CH, sKaLo + j0, LDC, 1);
             }
             wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
         }
@@ -380,32 +510,32 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
         for (int i = 0; i < RPT; i++) {
             if (i / IPB != pb) continue;
             const int r = r0 + RSTEP * i, rl = r - n0;
-            const float Gr = sG[r * D + d];
-            float rq = sStage[rl * LDS + d] * __expf(Gr - sG[n0 * D + d]);
-            float rk = sStage[(SUB + rl) * LDS + d] * __expf(Gr - sG[n0 * D + d]);
-            float cq = sStage[(2 * SUB + rl) * LDS + d] * __expf(sG[m * D + d] - Gr);
-            float ck = sStage[(3 * SUB + rl) * LDS + d] * __expf(sG[m * D + d] - Gr);
+            const float Gr = sG[r * DC + d];
+            float rq = sStage[rl * LDS + d] * __expf(Gr - sG[n0 * DC + d]);
+            float rk = sStage[(SUB + rl) * LDS + d] * __expf(Gr - sG[n0 * DC + d]);
+            float cq = sStage[(2 * SUB + rl) * LDS + d] * __expf(sG[m * DC + d] - Gr);
+            float ck = sStage[(3 * SUB + rl) * LDS + d] * __expf(sG[m * DC + d] - Gr);
             if (!FACTORED) {
                 // Softplus fallback: the diagonal block per position pair
                 for (int jj = 0; jj < SUB; jj++) {
                     const int j = n0 + jj;
                     if (j < r) {
-                        float e = __expf(Gr - sG[j * D + d]);
-                        float kj = __bfloat162float(sK[j * LD + d]) * e;
-                        rq += __bfloat162float(sdAqkb[r * LDM + j]) * kj;
-                        rk += __bfloat162float(sdAkkb[r * CH + j]) * kj;
+                        float e = __expf(Gr - sG[j * DC + d]);
+                        float kj = __bfloat162float(sK[j * LDC + d]) * e;
+                        rq += __bfloat162float(dAqkg[r * CH + j]) * kj;
+                        rk += __bfloat162float(dAkkg[r * CH + j]) * kj;
                     }
                     if (j > r) {
-                        float e = __expf(sG[j * D + d] - Gr);
-                        cq += __bfloat162float(sdAqkb[j * LDM + r]) *
-                              __bfloat162float(sQ[j * LD + d]) * e;
-                        ck += __bfloat162float(sdAkkBb[j * CH + r]) *
-                              __bfloat162float(sK[j * LD + d]) * e;
+                        float e = __expf(sG[j * DC + d] - Gr);
+                        cq += __bfloat162float(dAqkg[j * CH + r]) *
+                              __bfloat162float(sQ[j * LDC + d]) * e;
+                        ck += __bfloat162float(dAkkBg[j * CH + r]) *
+                              __bfloat162float(sK[j * LDC + d]) * e;
                     }
                 }
             }
-            const float qv = __bfloat162float(sQ[r * LD + d]);
-            const float kv = __bfloat162float(sK[r * LD + d]);
+            const float qv = __bfloat162float(sQ[r * LDC + d]);
+            const float kv = __bfloat162float(sK[r * LDC + d]);
             const float br = sBeta[r];
             const float dii = sdAqkDiag[r];
             dq[i] += rq + dii * kv;
@@ -416,21 +546,21 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
             float part = kv * rk;
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            if (lane == 0) sBetaPart[r * (D / 32) + d / 32] = part;
+            if (lane == 0) sBetaPart[r * (DC / 32) + d / 32] = part;
         }
         __syncthreads();
     }
 
     if (tid < CH) {
         float acc = 0.f;
-        for (int w = 0; w < D / 32; w++) acc += sBetaPart[tid * (D / 32) + w];
-        sdBeta[tid] += acc;
+        for (int w = 0; w < DC / 32; w++) acc += sBetaPart[tid * (DC / 32) + w];
+        p.dbeta_part[(c * (1 + D / DC) + 1 + cb) * CH + tid] = acc;
     }
     // ---- G = cumsum(g): dg_t = dG_C + sum_{i >= t} dG_i; then the gate ----
 #pragma unroll
     for (int i = 0; i < RPT; i++) sStage[(r0 + RSTEP * i) * LDS + d] = dG[i];
     __syncthreads();
-    for (int dd = tid; dd < D; dd += NT) {
+    for (int dd = tid; dd < DC; dd += NT) {
         float acc = sdGC[dd];
         for (int r = CH - 1; r >= 0; r--) {
             acc += sStage[r * LDS + dd];
@@ -439,41 +569,77 @@ __global__ void __launch_bounds__(BWD_NT, 1) kda_bwd_intra_kernel(Params p) {
     }
     __syncthreads();
     float dbias = 0.f, dA = 0.f;
-    const float bias = p.dt_bias[h * D + d];
+    const float bias = p.dt_bias[h * D + cb * DC + d];
 #pragma unroll
     for (int i = 0; i < RPT; i++) {
         int r = r0 + RSTEP * i;
         if (r < nvalid) {
             float dg = sStage[r * LDS + d];
             float gz, gA;
-            kda_gate_grad(__bfloat162float(p.z[base + r * rs + d]), a_exp, bias, p.bounded,
+            kda_gate_grad(__bfloat162float(p.z[cbase + r * rs + d]), a_exp, bias, p.bounded,
                           p.g_min, &gz, &gA);
             float dzv = dg * gz;
-            p.dz[base + r * rs + d] = __float2bfloat16(dzv);
-            p.dq[base + r * rs + d] = __float2bfloat16(dq[i]);
-            p.dk[base + r * rs + d] = __float2bfloat16(dk[i]);
+            p.dz[cbase + r * rs + d] = __float2bfloat16(dzv);
+            p.dq[cbase + r * rs + d] = __float2bfloat16(dq[i]);
+            p.dk[cbase + r * rs + d] = __float2bfloat16(dk[i]);
             dbias += dzv;
             dA += dg * gA;
         }
     }
-    atomicAdd(&p.ddt_bias[h * D + d], dbias);
+    atomicAdd(&p.ddt_bias[h * D + cb * DC + d], dbias);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
     if (lane == 0) atomicAdd(&p.dA_log[h], dA);
-    if (tid < nvalid) p.dbeta[((size_t)b * p.T + t0 + tid) * p.H + h] = sdBeta[tid];
+}
+
+// dbeta = the kernel-A term + the kernel-B term of each column block, added
+// in this order (deterministic). One thread per (b, t, h).
+template <int D> __global__ void kda_bwd_dbeta_kernel(Params p) {
+    // dbeta [B,T,H]; dbeta_part [c][1 + D/DC][64]
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)p.B * p.T * p.H) return;
+    const int h = (int)(idx % p.H);
+    const size_t bt = idx / p.H;
+    const int t = (int)(bt % p.T), b = (int)(bt / p.T);
+    const size_t c = ((size_t)b * p.H + h) * p.N + t / CH;
+    const float *part = p.dbeta_part + c * (1 + D / DC) * CH + t % CH;
+    float acc = part[0];
+#pragma unroll
+    for (int k = 1; k <= D / DC; k++) acc += part[k * CH];
+    p.dbeta[idx] = acc;
+}
+
+// Two blocks per SM: 228 KB of shared memory per SM, 1 KB of it reserved per block.
+static_assert(bwd_tri_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel A: two blocks per SM");
+static_assert(bwd_col_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel B: two blocks per SM");
+
+// Launch with the largest shared-memory carveout, so that two blocks fit.
+template <typename Kern>
+static cudaError_t launch_two_per_sm(Kern kern, dim3 grid, size_t smem, cudaStream_t s,
+                                     const Params &p) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         (int)cudaSharedmemCarveoutMaxShared);
+    if (e != cudaSuccess) return e;
+    return launch_with_smem(kern, grid, BWD_NT, smem, s, p);
+}
+
+template <int D>
+static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream_t s) {
+    cudaError_t e =
+        launch_two_per_sm(kda_bwd_tri_kernel<D>, dim3(p.N, p.B * p.H), bwd_tri_smem<D>(), s, p);
+    if (e != cudaSuccess) return e;
+    dim3 grid(p.N, p.B * p.H, D / DC);
+    e = factored ? launch_two_per_sm(kda_bwd_col_kernel<D, true>, grid, bwd_col_smem<D>(), s, p)
+                 : launch_two_per_sm(kda_bwd_col_kernel<D, false>, grid, bwd_col_smem<D>(), s, p);
+    if (e != cudaSuccess) return e;
+    const size_t ntok = (size_t)p.B * p.T * p.H;
+    kda_bwd_dbeta_kernel<D><<<(unsigned)((ntok + 255) / 256), 256, 0, s>>>(p);
+    return cudaGetLastError();
 }
 
 cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {
-    dim3 grid(p.N, p.B * p.H);
-    if (D == 128)
-        return factored ? launch_with_smem(kda_bwd_intra_kernel<128, true>, grid, BWD_NT,
-                                           bwd_intra_smem<128>(), s, p)
-                        : launch_with_smem(kda_bwd_intra_kernel<128, false>, grid, BWD_NT,
-                                           bwd_intra_smem<128>(), s, p);
-    return factored ? launch_with_smem(kda_bwd_intra_kernel<64, true>, grid, BWD_NT,
-                                       bwd_intra_smem<64>(), s, p)
-                    : launch_with_smem(kda_bwd_intra_kernel<64, false>, grid, BWD_NT,
-                                       bwd_intra_smem<64>(), s, p);
+    return D == 128 ? launch_bwd_intra_d<128>(p, factored, s)
+                    : launch_bwd_intra_d<64>(p, factored, s);
 }
 
 } // namespace lmkda

@@ -37,6 +37,12 @@ struct Params {
     float *X;          // [c][64][64] (I + Akk)^{-1}
     bf16 *h, *vn;      // [c][D][D] state at chunk start, [c][64][D] V'
     bf16 *dh, *dvn;    // [c][D][D] gradient of the state at chunk end, [c][64][D] dV'
+    // workspace, between the two backward intra-chunk kernels
+    bf16 *dWb;                   // [c][64][D]  dW = -dV' S^T
+    bf16 *Mb, *dAqkb;            // [c][64][64] M = X Diag(beta); dAqk, strictly lower
+    bf16 *dAkkb, *dAkkBb;        // [c][64][64] dAkk, Diag(beta) dAkk (strictly lower)
+    float *dAqkDiag;             // [c][64]     diagonal of dAqk
+    float *dbeta_part;           // [c][1 + D/64][64] dbeta terms, summed in a fixed order
     // backward inputs and outputs
     const bf16 *d_o;
     const float *dht;
@@ -174,6 +180,7 @@ cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
 cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s);
 cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s);
 cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s);
+// The intra-chunk gradient: three launches (kda_backward.cu).
 cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s);
 
 } // namespace lmkda
