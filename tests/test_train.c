@@ -233,7 +233,10 @@ static void test_stages_change_length_checkpoint_and_resume_mid_stage(void) {
     CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
     CHECK(r.step == 7, "7 steps over two stages, got %lld", (long long)r.step);
     CHECK(count_lines(dir("staged"), "\"type\": \"stage\"") == 2, "two stage records");
-    CHECK(count_lines(dir("staged"), "\"seq_len\": 32") == 1, "the second stage runs at 32 tokens");
+    CHECK(count_lines(dir("staged"), "\"type\": \"stage\", \"step\": 3") == 1, "the second stage starts at step 3");
+    /* the long-context grids after each stage: lengths 16, then 16 and 32 */
+    CHECK(count_lines(dir("staged"), "\"type\": \"passkey\"") == 2, "passkey grids after both stages");
+    CHECK(count_lines(dir("staged"), "\"lengths\": [16, 32]") == 2, "the last grids span both lengths");
     char p[600];
     struct stat sb;
     snprintf(p, sizeof p, "%s/checkpoint-00000003/model.safetensors", dir("staged"));

@@ -10,6 +10,7 @@
 #include "checkpoint.h"
 #include "json.h"
 #include "longmoe/data.h"
+#include "longmoe/eval.h"
 #include "longmoe/optim.h"
 #include "longmoe/safetensors.h"
 
@@ -51,6 +52,7 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     o.progress = stdout;
     o.max_bad_steps = 10;
     o.inject_fault_step = -1;
+    o.stage_eval_batches = 2;
     o.inject_fault = LM_FAULT_LOSS;
     return o;
 }
@@ -519,6 +521,30 @@ static void log_eval(trainer *t, float loss, float acc) {
         fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s\n", (long long)t->step, loss, t->val->name);
 }
 
+/* Long-context evaluation of the checkpoint just written at a stage end:
+ * passkey (length x depth) and MQAR at the lengths of the stages so far, into
+ * the metrics log (docs/eval.md). Their rows are bytes: byte-vocabulary
+ * models only. */
+static lm_status stage_evaluation(trainer *t) {
+    if (t->cfg.vocab_size != 256 || t->opt.stage_eval_batches <= 0) return LM_OK;
+    lm_eval_options eo = lm_eval_options_default();
+    eo.tasks = LM_EVAL_PASSKEY | LM_EVAL_MQAR;
+    eo.n_lengths = 0;
+    for (int i = 0; i <= t->stage && eo.n_lengths < LM_EVAL_MAX_GRID; i++) {
+        int seen = 0;
+        for (int j = 0; j < eo.n_lengths; j++) seen |= eo.lengths[j] == t->stages[i].seq_len;
+        if (!seen) eo.lengths[eo.n_lengths++] = t->stages[i].seq_len;
+    }
+    eo.batches = t->opt.stage_eval_batches;
+    eo.batch_size = 2;
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/checkpoint-%08lld", t->opt.out_dir, (long long)t->step);
+    fflush(t->metrics);
+    lm_status s = lm_eval_checkpoint(dir, &eo, t->metrics, t->opt.progress);
+    fflush(t->metrics);
+    return s;
+}
+
 /* Fold the model's component timings (less evaluations) into the run's totals. */
 static void bank_timings(trainer *t, double *acc) {
     double now[LM_TIME_COUNT];
@@ -706,6 +732,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         if (((c->ckpt_every > 0 && t.step % c->ckpt_every == 0) || stage_done) && t.step < stop)
             if ((s = save_checkpoint(&t))) goto done;
         if (stage_done) {
+            if (t.step < stop && (s = stage_evaluation(&t))) goto done;
             bank_timings(&t, comp);
             if ((s = switch_stage(&t, t.stage + 1))) goto done;
             log_stage(&t);
@@ -714,6 +741,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
     log_eval(&t, val_loss, val_acc);
     if ((s = save_checkpoint(&t))) goto done;
+    if (t.step == t.total_steps && (s = stage_evaluation(&t))) goto done;
     if (opt->progress)
         fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
                 lm_time_seconds() - t_start, opt->out_dir);
