@@ -136,7 +136,7 @@ static void make_run(const char *dir, int steps, int with_extras, synthetic_run 
         fprintf(f, "{\"type\": \"passkey\", \"step\": %d, \"lengths\": [64, 256, 1024], \"depths\": [0, 0.5, 1], "
                 "\"accuracy\": [[1, 0.9, 1], [0.8, 0.5, 0.7], [0.2, 0.1, 0.4]]}\n", steps);
         fprintf(f, "{\"type\": \"mqar\", \"step\": %d, \"lengths\": [64, 256], \"queries\": [4, 16], "
-                "\"accuracy\": [[1, 0.75], [0.5, 0.25]]}\n", steps);
+                "\"accuracy\": [[1, null], [0.5, 0.25]]}\n", steps);
     }
     fclose(f);
 }
@@ -354,6 +354,7 @@ static void test_report_is_one_self_contained_page_with_every_section(void) {
     CHECK(count_of(html, "</title></rect>") == 9 + 4, "one cell per grid entry (%d)",
           count_of(html, "</title></rect>"));
     CHECK(strstr(html, ">1K</text>") && strstr(html, ">50%</text>"), "grid axes: lengths and depths");
+    CHECK(count_of(html, "<title>does not fit</title>") == 1, "a null cell is drawn as not fitting");
     free(html);
     free_run(&run);
 }

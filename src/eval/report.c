@@ -333,11 +333,12 @@ static int read_grid(report *r, const lm_json *o, const char *second, grid *g) {
         }
         int j = 0;
         for (const lm_json *v = row->child; v; v = v->next, j++) {
-            if (v->kind != LM_JSON_NUMBER) {
+            /* null: a cell that does not fit its length (drawn as n/a) */
+            if (v->kind != LM_JSON_NUMBER && v->kind != LM_JSON_NULL) {
                 grid_free(&n);
                 return 0;
             }
-            n.acc[(size_t)i * n.ny + j] = v->number;
+            n.acc[(size_t)i * n.ny + j] = v->kind == LM_JSON_NULL ? NAN : v->number;
         }
     }
     n.present = 1;
@@ -1115,9 +1116,17 @@ static void render_accuracy_grid(text_buf *b, const grid *g, const char *title, 
     for (int i = 0; i < g->nx; i++)
         for (int j = 0; j < g->ny; j++) {
             double v = g->acc[(size_t)i * g->ny + j];
+            double x = left + (double)i * cell_w, y = top + (double)j * cell_h;
+            if (!isfinite(v)) {
+                tb_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#dddddd\" "
+                          "stroke=\"#fff\"><title>does not fit</title></rect>", x, y, cell_w, cell_h);
+                if (cell_w >= 36 && cell_h >= 18)
+                    tb_printf(b, "<text class=\"cell\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">n/a</text>",
+                              x + cell_w / 2.0, y + cell_h / 2.0 + 4);
+                continue;
+            }
             uint8_t rgb[3];
             colour_at(accuracy_colours, 5, v, rgb);
-            double x = left + (double)i * cell_w, y = top + (double)j * cell_h;
             tb_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#%02x%02x%02x\" "
                       "stroke=\"#fff\"><title>%.1f%%</title></rect>", x, y, cell_w, cell_h, rgb[0], rgb[1], rgb[2],
                       100 * v);
