@@ -60,15 +60,17 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     constexpr int NT = BWD_NT, LD = D + 8, LDA = CH + 4, LDM = CH + 8, TD = D / 16;
     constexpr size_t RSZ = bwd_region<D>();
     extern __shared__ __align__(128) unsigned char smem[];
-    // Regions: R0-R1 h [D][LD] -> R0 dM (fp32), R1 k e^G (bf16) -> T1 (fp32);
-    // R2 dO' -> dW; R3 v; R4 X.
+    // Regions: R0-R1 h [D][LD] -> R0 k e^G (bf16) -> dM (fp32), R1 v (bf16) ->
+    // T1 (fp32); R2 dO' -> dW; R3 dV' (read by three products: staged once);
+    // R4 X.
     bf16 *sH = reinterpret_cast<bf16 *>(smem);
+    bf16 *sKgp = reinterpret_cast<bf16 *>(smem);
     float *sdM = reinterpret_cast<float *>(smem);
-    bf16 *sKgp = reinterpret_cast<bf16 *>(smem + RSZ);
+    bf16 *sV = reinterpret_cast<bf16 *>(smem + RSZ);
     float *sT1 = reinterpret_cast<float *>(smem + RSZ);
     bf16 *sdO = reinterpret_cast<bf16 *>(smem + 2 * RSZ);
     bf16 *sdW = sdO;
-    bf16 *sV = reinterpret_cast<bf16 *>(smem + 3 * RSZ);
+    bf16 *sdVn = reinterpret_cast<bf16 *>(smem + 3 * RSZ);
     float *sX = reinterpret_cast<float *>(smem + 4 * RSZ);
     bf16 *sMb = reinterpret_cast<bf16 *>(smem + 5 * RSZ);      // [64][LDM]
     float *sWarp = reinterpret_cast<float *>(sMb + CH * LDM);  // [8][16][20]
@@ -80,14 +82,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     const size_t rs = (size_t)p.H * D;
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const bf16 *vnc = p.vn + c * CH * D, *dvnc = p.dvn + c * CH * D;
+    const bf16 *vnc = p.vn + c * CH * D;
     float *st = sWarp + warp * 16 * 20;
     const int lr = lane >> 1, lc = (lane & 1) * 8; // this lane's row and columns of a staged tile
 
-    // ---- load: h, dO, v, X (cp.async), beta ----
+    // ---- load: h, dO, dV', X (cp.async), beta ----
     cp_rows<D, NT>(sH, LD, p.h + c * D * D, D, D, D);
     cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
-    cp_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    cp_rows<D, NT>(sdVn, LD, p.dvn + c * CH * D, D, CH, CH);
     cp_rows<CH, NT>(sX, LDA, p.X + c * CH * CH, CH, CH, CH);
     cp_async_commit();
     if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, sH + j0 * LD, LD, D / 16);
+        mma_tile<RM, CM>(acc, sdVn + i0 * LD, LD, sH + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
         __syncwarp();
         float x[8];
@@ -154,7 +156,9 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         *reinterpret_cast<uint4 *>(sdW + (i0 + lr) * LD + j0 + lc) = v8;
         *reinterpret_cast<uint4 *>(dWg + (size_t)(i0 + lr) * D + j0 + lc) = v8;
     }
-    __syncthreads(); // h is dead: R1 takes k e^G, R0 dM
+    __syncthreads(); // h is dead: R1 takes v (loaded while k e^G is computed), R0 k e^G
+    cp_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
+    cp_async_commit();
 
     // k e^G with G = cumsum(g): the gate, then a prefix over NT/D row parts
     // (each thread sums its part, then adds the parts before it in order)
@@ -185,23 +189,26 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
             sKgp[r * LD + d] = __float2bfloat16(kv * __expf(pre + G[i]));
         }
     }
+    cp_async_wait<0>(); // v has landed
     __syncthreads();
 
-    // dM = dW (k e^G)^T + dV' v^T (W = M k e^G, U = M v)
-    for (int tt = warp; tt < 16; tt += NT / 32) {
-        int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sdW + i0 * LD, LD, sKgp + j0 * LD, LD, D / 16);
-        mma_tile<RM, CM>(acc, dvnc + i0 * D, D, sV + j0 * LD, LD, D / 16);
-        wmma::store_matrix_sync(sdM + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+    // dM = dW (k e^G)^T + dV' v^T (W = M k e^G, U = M v): two 16x16 tiles per
+    // warp, held in registers until k e^G and v are dead (dM replaces them)
+    static_assert(16 == 2 * (NT / 32), "dM: two tiles per warp");
+    FragC accM[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        int tt = warp + k * (NT / 32), i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        wmma::fill_fragment(accM[k], 0.f);
+        mma_tile<RM, CM>(accM[k], sdW + i0 * LD, LD, sKgp + j0 * LD, LD, D / 16);
+        mma_tile<RM, CM>(accM[k], sdVn + i0 * LD, LD, sV + j0 * LD, LD, D / 16);
     }
     // dv = M^T dV'
     for (int tt = warp; tt < 4 * TD; tt += NT / 32) {
         int i0 = (tt / TD) * 16, j0 = (tt % TD) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<CM, RM>(acc, sMb + i0, LDM, dvnc + j0, D, CH / 16);
+        mma_tile<CM, RM>(acc, sMb + i0, LDM, sdVn + j0, LD, CH / 16);
         wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
         __syncwarp();
         float x[8];
@@ -210,6 +217,12 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         if (i0 + lr < nvalid)
             *reinterpret_cast<uint4 *>(p.dv + base + (size_t)(i0 + lr) * rs + j0 + lc) =
                 pack_bf16x8(x);
+    }
+    __syncthreads(); // k e^G and v are dead: R0 takes dM
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        int tt = warp + k * (NT / 32), i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
+        wmma::store_matrix_sync(sdM + i0 * LDA + j0, accM[k], LDA, wmma::mem_row_major);
     }
     __syncthreads();
     // M = X Diag(beta): dbeta_j = sum_i dM_ij X_ij; dX = dM Diag(beta) in place
@@ -299,7 +312,8 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     float *sStage = sG + CH * DC;                             // [64][LDS]
     bf16 *sQ = reinterpret_cast<bf16 *>(sStage + CH * LDS);   // [64][LDC]
     bf16 *sK = sQ + CH * LDC;                                 // [64][LDC]
-    bf16 *sdO = sK + CH * LDC;                                // [64][LD]
+    bf16 *sdO = sK + CH * LDC;                                // [64][LD] V', then dO'
+    bf16 *sVn = sdO;
     unsigned char *RS = reinterpret_cast<unsigned char *>(sdO + CH * LD);
     // phase 1: h and dh rows of the block's columns; phase 4: operands
     bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
@@ -319,20 +333,20 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const size_t cbase = base + (size_t)cb * DC; // the block's first column
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const bf16 *vnc = p.vn + c * CH * D;
     const bf16 *Mg = p.Mb + c * CH * CH, *dWg = p.dWb + c * CH * D + cb * DC;
     const bf16 *dAqkg = p.dAqkb + c * CH * CH, *dAkkg = p.dAkkb + c * CH * CH;
     const bf16 *dAkkBg = p.dAkkBb + c * CH * CH;
 
     // ---- load (cp.async): h and dh rows of the columns, q, k, z of the
-    // columns, dO (all columns); beta, the diagonal of dAqk ----
+    // columns, V' (all columns; dO replaces it after dKd); beta, the diagonal
+    // of dAqk ----
     bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
     cp_rows<D, NT>(sHs, LD, p.h + c * D * D + (size_t)cb * DC * D, D, DC, DC);
     cp_rows<D, NT>(sDh, LD, p.dh + c * D * D + (size_t)cb * DC * D, D, DC, DC);
     cp_rows<DC, NT>(sQ, LDC, p.q + cbase, rs, CH, nvalid);
     cp_rows<DC, NT>(sK, LDC, p.k + cbase, rs, CH, nvalid);
     cp_rows<DC, NT>(sZ, LDC, p.z + cbase, rs, CH, nvalid);
-    cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
+    cp_rows<D, NT>(sVn, LD, p.vn + c * CH * D, D, CH, CH);
     cp_async_commit();
     if (tid < CH) {
         sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
@@ -349,10 +363,6 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             g = kda_gate(__bfloat162float(sZ[r * LDC + d]), a_exp, p.dt_bias[h * D + cb * DC + d],
                          p.bounded, p.g_min);
         sG[idx] = g;
-    }
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
     }
     __syncthreads();
     for (int d = tid; d < DC; d += NT) {
@@ -375,10 +385,12 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, vnc + i0 * D, D, sDh + j0 * LD, LD, D / 16);
+        mma_tile<RM, CM>(acc, sVn + i0 * LD, LD, sDh + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    __syncthreads();
+    __syncthreads(); // V' is dead: dO replaces it while dKd is consumed
+    cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
+    cp_async_commit();
     {
         float gc = 0.f;
 #pragma unroll
@@ -392,12 +404,18 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         }
         sGcPart[r0 * DC + d] = gc; // summed in a fixed order below: deterministic
     }
+    cp_async_wait<0>(); // dO has landed
     __syncthreads();
     for (int dd = tid; dd < DC; dd += NT) {
         float acc = 0.f;
         for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * DC + dd];
         sdGC[dd] += acc;
     }
+    for (int idx = tid; idx < CH * D; idx += NT) { // dO' = scale dO
+        int r = idx / D, dd = idx % D;
+        sdO[r * LD + dd] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + dd]));
+    }
+    __syncthreads();
     // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
     for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
         int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
