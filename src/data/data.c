@@ -46,7 +46,8 @@ lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out) {
      * shard headers; rank 0 of 1 */
     if (!strncmp(spec, "shards:", 7)) return lm_data_open_shards(spec + 7, "train", 0, seed, 0, 1, out);
     if (!strncmp(spec, "shards-val:", 11)) return lm_data_open_shards(spec + 11, "val", 0, seed, 0, 1, out);
-    return lm_error(LM_ERR_ARG, "unknown data '%s' (a built-in task: copy)", spec);
+    return lm_error(LM_ERR_ARG, "unknown data '%s' (a built-in task: %s; or shards:DIR, shards-val:DIR)", spec,
+                    lm_task_names());
 }
 
 void lm_data_close(lm_data_source *src) {
