@@ -65,9 +65,9 @@ if has ncu; then
 fi
 
 if has stalls; then
-    echo "== ncu: warp stall reasons of the backward intra-chunk kernel (bounded)"
+    echo "== ncu: warp stall reasons of the backward per-column kernel (bounded)"
     timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats \
-        -k regex:kda_bwd_intra --launch-count 1 \
+        -k regex:kda_bwd_col --launch-count 1 \
         "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu_stalls.log" 2>&1
     grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -40
 fi
