@@ -1250,7 +1250,11 @@ static lm_status parse_doc(const lm_json *root, const char *what, lm_tokenizer *
         }
     }
     st = tokenizer_build(n_merges, ml, mr, out);
-    if (st) st = BAD("%s: %s", what, lm_last_error());
+    if (st) {
+        char msg[1024]; /* lm_error writes the buffer lm_last_error reads: copy first */
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        st = BAD("%s: %s", what, msg);
+    }
 done:
     free(key_of);
     free(ml);

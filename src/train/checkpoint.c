@@ -157,7 +157,11 @@ lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n) {
     char latest[4096], *text = NULL;
     snprintf(latest, sizeof latest, "%s/latest", run_dir);
     lm_status s = lm_read_text_file(latest, &text, NULL);
-    if (s) return lm_error(LM_ERR_IO, "no checkpoint to resume from in '%s' (%s)", run_dir, lm_last_error());
+    if (s) {
+        char msg[1024]; /* lm_error writes the buffer lm_last_error reads: copy first */
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        return lm_error(LM_ERR_IO, "no checkpoint to resume from in '%s' (%s)", run_dir, msg);
+    }
     char *nl = strchr(text, '\n');
     if (nl) *nl = 0;
     long long step;
