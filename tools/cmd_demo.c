@@ -11,6 +11,8 @@
 #include "check.h"
 #include "cli.h"
 #include "longmoe/kda.h"
+#include "longmoe/model.h"
+#include "longmoe/report.h"
 #include "longmoe/train.h"
 
 static void fill_normal(lm_rng *r, float *x, size_t n, float s) {
@@ -130,32 +132,29 @@ static int demo_kda(void) {
     return worst_ok ? 0 : 1;
 }
 
-/* Greedy continuation of `prompt` by the model (B = 1) until a newline. */
-static int complete(lm_model *m, const char *prompt, char *out, size_t n) {
-    const lm_config *c = lm_model_config(m);
-    int T = c->seq_len, V = c->vocab_size, len = (int)strlen(prompt);
-    int32_t *tok = callocCheck((size_t)T, sizeof *tok);
-    float *logits = mallocCheck((size_t)T * V * sizeof *logits);
-    for (int i = 0; i < T; i++) tok[i] = i < len ? (unsigned char)prompt[i] : '\n';
+/* Greedy continuation of `prompt` until a newline: chunked prefill, then one
+ * token at a time through the recurrent KDA state and the MLA latent cache. */
+static lm_status complete(lm_model *m, const char *prompt, char *out, size_t n) {
+    const int V = lm_model_config(m)->vocab_size, len = (int)strlen(prompt);
+    lm_decoder *dec = NULL;
+    int32_t *tok = mallocCheck((size_t)len * sizeof *tok);
+    float *logits = mallocCheck((size_t)V * sizeof *logits);
+    for (int i = 0; i < len; i++) tok[i] = (unsigned char)prompt[i];
     size_t k = 0;
-    int rc = 0;
-    while (len < T && k + 1 < n) {
-        /* causal: the logits at len-1 depend only on the first len tokens */
-        if (lm_model_logits(m, tok, logits)) {
-            rc = 1;
-            break;
-        }
-        const float *z = logits + (size_t)(len - 1) * V;
-        int arg = 0;
-        for (int v = 1; v < V; v++) arg = z[v] > z[arg] ? v : arg;
-        if (arg == '\n') break;
-        out[k++] = (char)(arg >= 32 && arg < 127 ? arg : '?');
-        tok[len++] = arg;
+    lm_status s = lm_decoder_create(m, 1, len + (int)n, &dec);
+    if (!s) s = lm_decoder_prefill(dec, tok, len, logits);
+    while (!s && k + 1 < n) {
+        int32_t next = 0;
+        for (int v = 1; v < V; v++) next = logits[v] > logits[next] ? v : next;
+        if (next == '\n') break;
+        out[k++] = (char)(next >= 32 && next < 127 ? next : '?');
+        s = lm_decoder_step(dec, &next, logits);
     }
     out[k] = 0;
+    lm_decoder_free(dec);
     free(tok);
     free(logits);
-    return rc;
+    return s;
 }
 
 int cmd_demo(int argc, char **argv) {
@@ -165,8 +164,10 @@ int cmd_demo(int argc, char **argv) {
             printf("usage: longmoe demo [--config C] [--out DIR]\n\n"
                    "1. runs the KDA operator on random inputs: chunked = recurrent, and the cost of the\n"
                    "   bounded gate's fast path against the softplus fallback;\n"
-                   "2. trains C (default configs/tiny.json) on the built-in copy task into DIR (default\n"
-                   "   out/demo) and shows the model copying a string it never saw.\n");
+                   "2. trains C (default configs/tiny.json) through its stages of context extension on\n"
+                   "   built-in tasks into DIR (default out/demo), evaluating after each stage;\n"
+                   "3. writes DIR/report.html and shows the model copying a string it never saw, decoded\n"
+                   "   token by token with the recurrent KDA state and the MLA latent cache.\n");
             return 0;
         } else if (!strcmp(argv[i], "--config") && i + 1 < argc) {
             config = argv[++i];
@@ -179,22 +180,26 @@ int cmd_demo(int argc, char **argv) {
     if (demo_kda()) return 1;
     lm_config cfg;
     if (lm_config_load(config, &cfg)) return cli_fail("demo", "%s", lm_last_error());
-    printf("training %s on the copy task (\"<letters>|<the same letters>\\n\", repeated); the second copy\n"
-           "is predictable only by looking back: its accuracy shows what the model learned\n\n", config);
+    printf("training %s on built-in tasks: copy (\"<letters>|<the same letters>\\n\", repeated) and\n"
+           "vcopy (the same across a gap). The second copy is predictable only by looking back: its\n"
+           "accuracy shows what the model learned. After each stage: passkey and MQAR grids.\n\n", config);
     lm_train_options opt = lm_train_options_default(out);
     lm_train_result r;
     if (lm_train(&cfg, &opt, &r)) return cli_fail("demo", "%s", lm_last_error());
+    lm_report_options ro = lm_report_options_default(out);
+    if (lm_report_write(&ro, NULL)) return cli_fail("demo", "%s", lm_last_error());
     char dir[1100], got[64];
     snprintf(dir, sizeof dir, "%s/checkpoint-%08lld", out, (long long)r.step);
     lm_model *m = NULL;
     lm_config saved;
     if (lm_checkpoint_load_model(dir, 1, 0, &saved, &m)) return cli_fail("demo", "%s", lm_last_error());
-    const char *prompt = "kimi|kimi\nlongmoe|";
-    int rc = complete(m, prompt, got, sizeof got);
+    lm_status s = complete(m, "kimi|kimi\nlongmoe|", got, sizeof got);
     lm_model_free(m);
-    if (rc) return cli_fail("demo", "%s", lm_last_error());
-    printf("\nwhat the model learned: held-out copy accuracy %.1f%% (chance: 1/26 = 3.8%%); given\n"
-           "  \"kimi|kimi\\nlongmoe|\"  it writes  \"%s\"  (a string it never saw)\n", 100.0 * r.val_answer_acc, got);
-    printf("checkpoint: %s (model.safetensors, config.json, trainer state); metrics: %s/metrics.jsonl\n", dir, out);
+    if (s) return cli_fail("demo", "%s", lm_last_error());
+    printf("\nwhat the model learned: held-out %s accuracy %.1f%% (chance: 1/26 = 3.8%%); given\n"
+           "  \"kimi|kimi\\nlongmoe|\"  it writes  \"%s\"  (a string it never saw; decoded token by token)\n",
+           cfg.n_stages ? cfg.stages[cfg.n_stages - 1].data[0] : cfg.data, 100.0 * r.val_answer_acc, got);
+    printf("checkpoint: %s (model.safetensors, config.json, trainer state)\n", dir);
+    printf("metrics: %s/metrics.jsonl   report: %s/report.html\n", out, out);
     return 0;
 }
