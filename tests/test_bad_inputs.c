@@ -233,6 +233,24 @@ static void st_size_mismatch(const char *d) {
     st_bytes(d, buf, 8 + n + 8);
 }
 
+/* A shard directory @/shards holding one train shard: `magic`, 4 uint16 tokens of which the
+ * third is `token`, header vocabulary 256; `truncate` keeps only 4 bytes of it. */
+static void put_shard(const char *d, int32_t magic, uint16_t token, int truncate) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/shards", d);
+    mkdir(path, 0755);
+    snprintf(path, sizeof path, "%s/shards/train_000000.bin", d);
+    int32_t header[256] = {magic, 1, 4, 256};
+    uint16_t tokens[4] = {1, 2, token, 4};
+    char bytes[sizeof header + sizeof tokens];
+    memcpy(bytes, header, sizeof header); /* little-endian machines, as the format */
+    memcpy(bytes + sizeof header, tokens, sizeof tokens);
+    spit(path, bytes, truncate ? 4 : sizeof bytes);
+}
+static void shard_short(const char *d) { put_config(d), put_shard(d, 20240520, 3, 1); }
+static void shard_magic(const char *d) { put_config(d), put_shard(d, 12345, 3, 0); }
+static void shard_token(const char *d) { put_config(d), put_shard(d, 20240520, 300, 0); }
+
 /* ---- the catalogue ---- */
 
 typedef struct {
@@ -330,6 +348,21 @@ static const bad_input rows[] = {
      "op kda --in @/in.safetensors --out @/o.safetensors", 1, "has dtype I32; expected F32, BF16, F16 or F64"},
     {"safetensors (op --out)", "directory not writable (parent is a file)", NULL, kda_good,
      "op kda --in @/in.safetensors --out @/in.safetensors/o.safetensors", 1, "cannot create"},
+    /* tokenizer JSON */
+    {"tokenizer JSON (--tokenizer)", "file missing", NULL, NULL, "tokenizer encode --tokenizer @/none.json", 1,
+     "cannot open"},
+    {"tokenizer JSON (--tokenizer)", "not a tokenizer file", "{\"model\": 1}", NULL,
+     "tokenizer encode --tokenizer @/cfg.json --input @/cfg.json", 1, "pre_tokenizer must be an object"},
+    {"tokenizer train flags", "--vocab below 257", NULL, NULL, "tokenizer train --input @ --vocab 100 --out @/t.json",
+     2, "--vocab must lie in [257,"},
+    /* token shards (train --data shards:DIR) */
+    {"token shard (--data shards:DIR)", "shorter than its header", NULL, shard_short,
+     "train --config @/micro.json --out @/r --data shards:@/shards", 2, "shorter than the 1024-byte shard header"},
+    {"token shard (--data shards:DIR)", "wrong magic", NULL, shard_magic,
+     "train --config @/micro.json --out @/r --data shards:@/shards", 2, "magic 12345 is not a token shard's"},
+    {"token shard (--data shards:DIR)", "token outside the header's vocabulary", NULL, shard_token,
+     "train --config @/micro.json --out @/r --data shards:@/shards", 2,
+     "token 300 at position 2 is outside the vocabulary [0, 256)"},
     /* checkpoints (train --resume) */
     {"checkpoint (train --resume)", "no `latest`", NULL, run_without_latest, "train --out @/run --resume", 1,
      "no checkpoint to resume from"},
