@@ -242,6 +242,7 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     CHECK(file_contains(in_root("log.txt"), "longmoe train: error: writing"), "no clear message");
     CHECK(file_contains(in_root("log.txt"), "File too large"), "the cause is not named");
     CHECK(unchanged(run, "checkpoint-00000002", in_root("saved2")), "the previous checkpoint was touched");
+    CHECK(temp_files_in(run) == 0, "the failed save left a partial checkpoint behind");
     /* with room again, the run resumes from it and ends as the run that never failed */
     CHECK(run_train(args, 0) == 0, "resuming after the failure failed");
     char a[800], b[800];

@@ -94,6 +94,8 @@ lm_status lm_ensure_dir(const char *dir) {
     return LM_OK;
 }
 
+void lm_checkpoint_abort(const char *tmp_dir) { remove_tree(tmp_dir); }
+
 lm_status lm_checkpoint_begin(const char *run_dir, int64_t step, char *tmp_dir, size_t n) {
     snprintf(tmp_dir, n, "%s/checkpoint-%08lld.tmp", run_dir, (long long)step);
     remove_tree(tmp_dir); /* a torn attempt from a crash */

@@ -261,9 +261,9 @@ done:
 
 /* ---- checkpoints ---- */
 
-static lm_status save_checkpoint(trainer *t) {
-    char tmp[4096], path[4200];
-    TRY(lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
+/* The files of a checkpoint into directory `tmp`. */
+static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
+    char path[4200];
     lm_status s = LM_OK;
     /* model.safetensors: every parameter by name */
     lm_st_writer *w = lm_st_writer_new();
@@ -322,6 +322,21 @@ static lm_status save_checkpoint(trainer *t) {
     snprintf(text + k, sizeof text - (size_t)k, "]}\n");
     snprintf(path, sizeof path, "%s/trainer.json", tmp);
     TRY(lm_write_text_atomic(path, text));
+    return LM_OK;
+}
+
+/* A checkpoint: files under a temporary name, then committed; a failure leaves
+ * no partial directory behind (and the previous checkpoint untouched). */
+static lm_status save_checkpoint(trainer *t) {
+    char tmp[4096];
+    TRY(lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
+    lm_status s = write_checkpoint_files(t, tmp);
+    if (s) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        lm_checkpoint_abort(tmp);
+        return lm_error(s, "%s", msg);
+    }
     if (t->metrics) fflush(t->metrics);
     TRY(lm_checkpoint_commit(t->opt.out_dir, t->step, tmp, t->cfg.keep_checkpoints));
     if (t->metrics) fprintf(t->metrics, "{\"type\": \"checkpoint\", \"step\": %lld}\n", (long long)t->step);
