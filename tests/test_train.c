@@ -115,6 +115,14 @@ static void test_resume_is_bit_exact(void) {
     CHECK(stat(pa, &sb) != 0, "old checkpoint pruned");
     snprintf(pa, sizeof pa, "%s/checkpoint-00000006/config.json", dir("straight"));
     CHECK(stat(pa, &sb) == 0, "checkpoint 6 kept");
+    /* Python's safetensors opens the checkpoint (when numpy and safetensors are installed) */
+    if (system("python3 -c 'import safetensors.numpy, numpy' > /dev/null 2>&1") == 0) {
+        char cmd[800];
+        snprintf(cmd, sizeof cmd, "python3 tests/interop/check_checkpoint.py %s/checkpoint-00000008", dir("straight"));
+        CHECK(system(cmd) == 0, "Python's safetensors could not read the checkpoint: %s", cmd);
+    } else {
+        printf("skipped: python safetensors/numpy not installed (checkpoint interop check)\n");
+    }
 }
 
 static void test_loss_falls_on_the_copy_task(void) {
