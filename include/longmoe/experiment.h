@@ -8,7 +8,8 @@
  *   hybrid    all-KDA / 3:1 / 7:1 / all-MLA layouts (8 layers)
  *   context   staged context extension vs training directly at the final length
  *
- * Each variant trains into DIR/<variant>/ (metrics.jsonl, checkpoint); the
+ * Each variant trains into DIR/<variant>/ (metrics.jsonl, checkpoint,
+ * report.html); the
  * table goes to DIR/results.md and one JSON line per variant to
  * DIR/results.jsonl. */
 #ifndef LONGMOE_EXPERIMENT_H

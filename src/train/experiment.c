@@ -10,6 +10,7 @@
 #include "checkpoint.h"
 #include "json.h"
 #include "longmoe/attnres.h"
+#include "longmoe/report.h"
 #include "longmoe/train.h"
 
 #define MAX_VARIANTS 12
@@ -211,6 +212,9 @@ lm_status lm_experiment_run(const char *name, const lm_config *base_in, int64_t 
         if ((s = lm_train(&v[i].cfg, &o, &r))) break;
         run_summary sm;
         if ((s = summarise(run, &sm))) break;
+        /* the variant's curves and expert-load heatmaps: DIR/<variant>/report.html */
+        lm_report_options ro = lm_report_options_default(run);
+        if ((s = lm_report_write(&ro, NULL))) break;
         /* memory of the residual history per token (the AttnRes block sources) */
         lm_attnres_config ac = {(lm_attnres_mode)v[i].cfg.residual, 2 * v[i].cfg.n_layers, v[i].cfg.attnres_block,
                                 v[i].cfg.d_model, 1, v[i].cfg.norm_eps, 1};
