@@ -164,8 +164,9 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     return k;
 }
 
-lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                               lm_kda_layer_acts *a, const float *x, int B, int T, float *y) {
+/* The layer's forward; ht (may be NULL) receives the operator's final state [B,H,K,K]. */
+static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p, lm_kda_layer_acts *a,
+                               const float *x, int B, int T, float *y, float *ht) {
     // x is (B,T,d), y is (B,T,d)
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T;
@@ -183,7 +184,7 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     for (size_t i = 0; i < N * H; i++) a->beta[i] = lm_sigmoidf(a->beta[i]);
     lm_kda_config kc = op_config(c, B, T);
     lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-    lm_status s = lm_kda_chunk_forward(&kc, &in, a->o, NULL);
+    lm_status s = lm_kda_chunk_forward(&kc, &in, a->o, ht);
     if (s) return s;
     /* head RMSNorm into `gated`, then the output gate */
     lm_rmsnorm_forward(a->gated, a->o_rstd, a->o, p->o_norm, (int64_t)(N * H), K, c->eps);
@@ -194,6 +195,11 @@ lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     }
     lm_matmul_forward(y, a->gated, p->W_o, NULL, (int64_t)N, HK, d);
     return LM_OK;
+}
+
+lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                               lm_kda_layer_acts *a, const float *x, int B, int T, float *y) {
+    return layer_forward(c, p, a, x, B, T, y, NULL);
 }
 
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -279,32 +285,10 @@ lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_
     if (!cache) return lm_error(LM_ERR_ARG, "kda layer prefill: cache is NULL");
     if (cache->len != 0) return lm_error(LM_ERR_ARG, "kda layer prefill: cache already holds %d tokens", cache->len);
     if (T < 1) return lm_error(LM_ERR_ARG, "kda layer prefill: T=%d must be >= 1", T);
-    const int B = cache->B, d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
-    size_t N = (size_t)B * T;
-    /* the forward of lm_kda_layer_forward, keeping the operator's final state */
-    lm_matmul_forward(a->qp, x, p->W_q, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->kp, x, p->W_k, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->vp, x, p->W_v, NULL, (int64_t)N, d, HK);
-    short_conv_forward(a->qc, a->qp, p->conv_q, B, T, HK, W);
-    short_conv_forward(a->kc, a->kp, p->conv_k, B, T, HK, W);
-    short_conv_forward(a->vc, a->vp, p->conv_v, B, T, HK, W);
-    silu_l2_forward(a->q, a->qk_rnorm, a->qc, N * H, K);
-    silu_l2_forward(a->k, a->qk_rnorm + N * H, a->kc, N * H, K);
-    silu_l2_forward(a->v, NULL, a->vc, N * H, K);
-    lm_matmul_forward(a->z, x, p->W_z, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->beta, x, p->W_beta, NULL, (int64_t)N, d, H);
-    for (size_t i = 0; i < N * H; i++) a->beta[i] = lm_sigmoidf(a->beta[i]);
-    lm_kda_config kc = op_config(c, B, T);
-    lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-    lm_status s = lm_kda_chunk_forward(&kc, &in, a->o, cache->S);
+    const int B = cache->B, HK = c->heads * c->head_dim, W = c->conv_width;
+    /* the layer's forward, keeping the operator's final state */
+    lm_status s = layer_forward(c, p, a, x, B, T, y, cache->S);
     if (s) return s;
-    lm_rmsnorm_forward(a->gated, a->o_rstd, a->o, p->o_norm, (int64_t)(N * H), K, c->eps);
-    lm_matmul_forward(a->gate, x, p->W_g, NULL, (int64_t)N, d, HK);
-    for (size_t i = 0; i < N * HK; i++) {
-        a->gate[i] = lm_sigmoidf(a->gate[i]);
-        a->gated[i] *= a->gate[i];
-    }
-    lm_matmul_forward(y, a->gated, p->W_o, NULL, (int64_t)N, HK, d);
     /* the conv history: projections of the last W-1 tokens (zero before the start) */
     const float *proj[3] = {a->qp, a->kp, a->vp};
     float *tails[3] = {cache->tail_q, cache->tail_k, cache->tail_v};
