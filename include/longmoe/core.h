@@ -59,6 +59,7 @@ void lm_rng_seed(lm_rng *r, uint64_t seed);
 uint64_t lm_rng_u64(lm_rng *r);
 double lm_rng_uniform(lm_rng *r);          /* [0, 1) */
 double lm_rng_normal(lm_rng *r);           /* standard normal (Box-Muller) */
+uint64_t lm_mix64(uint64_t x);             /* a bijective 64-bit mixer (murmur3 finaliser) */
 
 /* ---- wall clock in seconds (monotonic) ---- */
 double lm_time_seconds(void);

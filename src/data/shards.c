@@ -151,14 +151,6 @@ fail:
 
 /* ---- the seeded shuffle ---- */
 
-static uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
 
 /* A 4-round Feistel network on 2h-bit numbers (a bijection of [0, 4^h)),
  * applied until the value falls below n again (cycle walking keeps it a
@@ -168,11 +160,11 @@ uint64_t lm_shuffle_index(uint64_t x, uint64_t n, uint64_t seed, uint64_t epoch)
     int bits = 64 - __builtin_clzll(n - 1);
     int h = (bits + 1) / 2;
     uint64_t mask = (1ull << h) - 1, key[4];
-    for (int r = 0; r < 4; r++) key[r] = mix64(seed ^ mix64(epoch * 4 + (uint64_t)r + 0x9e3779b97f4a7c15ull));
+    for (int r = 0; r < 4; r++) key[r] = lm_mix64(seed ^ lm_mix64(epoch * 4 + (uint64_t)r + 0x9e3779b97f4a7c15ull));
     do {
         uint64_t left = x >> h, right = x & mask;
         for (int r = 0; r < 4; r++) {
-            uint64_t next = left ^ (mix64(right ^ key[r]) & mask);
+            uint64_t next = left ^ (lm_mix64(right ^ key[r]) & mask);
             left = right;
             right = next;
         }

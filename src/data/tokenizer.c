@@ -96,14 +96,6 @@ static size_t find_eot(const uint8_t *s, size_t n, size_t i) {
 /* ------------------------------------------------------------------------ */
 /* Small containers. */
 
-static uint64_t mix64(uint64_t x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return x;
-}
 
 static uint64_t hash_bytes(const uint8_t *p, size_t n) {
     uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
@@ -111,11 +103,11 @@ static uint64_t hash_bytes(const uint8_t *p, size_t n) {
     for (; i + 8 <= n; i += 8) {
         uint64_t w;
         memcpy(&w, p + i, 8);
-        h = mix64(h ^ w) + 0x9e3779b97f4a7c15ull;
+        h = lm_mix64(h ^ w) + 0x9e3779b97f4a7c15ull;
     }
     uint64_t w = 0;
     for (size_t k = 0; i < n; i++, k++) w |= (uint64_t)p[i] << (8 * k);
-    return mix64(h ^ w);
+    return lm_mix64(h ^ w);
 }
 
 static int grow(void **p, size_t *cap, size_t need, size_t elem) {
@@ -260,7 +252,7 @@ void lm_tokenizer_free(lm_tokenizer *tok) {
 
 static int32_t pair_rank_of(const lm_tokenizer *tok, int32_t left, int32_t right) {
     uint64_t key = (uint64_t)(uint32_t)left << 32 | (uint32_t)right;
-    for (size_t s = mix64(key) & (tok->pair_slots - 1);; s = (s + 1) & (tok->pair_slots - 1)) {
+    for (size_t s = lm_mix64(key) & (tok->pair_slots - 1);; s = (s + 1) & (tok->pair_slots - 1)) {
         if (tok->pair_key[s] == key) return tok->pair_rank[s];
         if (tok->pair_key[s] == EMPTY_KEY) return -1;
     }
@@ -309,7 +301,7 @@ static lm_status tokenizer_build(int n_merges, const int32_t *left, const int32_
         memcpy(dst, tok->token_bytes + tok->token_off[left[k]], a);
         memcpy(dst + a, tok->token_bytes + tok->token_off[right[k]], b);
         uint64_t key = (uint64_t)(uint32_t)left[k] << 32 | (uint32_t)right[k];
-        size_t s = mix64(key) & (tok->pair_slots - 1);
+        size_t s = lm_mix64(key) & (tok->pair_slots - 1);
         while (tok->pair_key[s] != EMPTY_KEY && tok->pair_key[s] != key) s = (s + 1) & (tok->pair_slots - 1);
         if (tok->pair_key[s] == key) {
             lm_tokenizer_free(tok);
@@ -599,7 +591,7 @@ typedef struct {
 } pair_table;
 
 static int64_t pairs_find(const pair_table *p, uint64_t key) {
-    for (size_t s = mix64(key) & (p->n_slots - 1);; s = (s + 1) & (p->n_slots - 1)) {
+    for (size_t s = lm_mix64(key) & (p->n_slots - 1);; s = (s + 1) & (p->n_slots - 1)) {
         int64_t k = p->slots[s];
         if (k < 0 || p->rec[k].key == key) return k;
     }
@@ -612,7 +604,7 @@ static int64_t pairs_get(pair_table *p, uint64_t key) {
         if (!slots) return -1;
         for (size_t s = 0; s < ns; s++) slots[s] = -1;
         for (size_t k = 0; k < p->n; k++) {
-            size_t s = mix64(p->rec[k].key) & (ns - 1);
+            size_t s = lm_mix64(p->rec[k].key) & (ns - 1);
             while (slots[s] >= 0) s = (s + 1) & (ns - 1);
             slots[s] = (int64_t)k;
         }
@@ -620,7 +612,7 @@ static int64_t pairs_get(pair_table *p, uint64_t key) {
         p->slots = slots;
         p->n_slots = ns;
     }
-    size_t s = mix64(key) & (p->n_slots - 1);
+    size_t s = lm_mix64(key) & (p->n_slots - 1);
     while (p->slots[s] >= 0) {
         if (p->rec[p->slots[s]].key == key) return p->slots[s];
         s = (s + 1) & (p->n_slots - 1);
