@@ -103,7 +103,7 @@ static long long latest_step(const char *run) {
  * parses and holds the same step as the directory name. -1 when there is no
  * `latest` yet; -2 (with a failed CHECK) when it names a torn checkpoint. */
 static long long check_latest(const char *run) {
-    char path[1024], dir[1100];
+    char path[800], dir[600];
     snprintf(path, sizeof path, "%s/latest", run);
     char *text = slurp(path, NULL);
     if (!text) return -1;
