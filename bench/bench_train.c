@@ -22,12 +22,14 @@ int main(int argc, char **argv) {
         }
         c.eval_every = 0;
         c.ckpt_every = 0;
+        c.n_stages = 0; /* the preset's base shape: train.batch_size x train.seq_len */
         c.steps = steps + 1;
         char dir[256];
         snprintf(dir, sizeof dir, "/tmp/longmoe-bench-train-%ld-%d", (long)getpid(), i);
         lm_train_options o = lm_train_options_default(dir);
         o.progress = NULL;
         o.val_batches = 1;
+        o.stage_eval_batches = 0;
         lm_train_result r;
         if (lm_train(&c, &o, &r)) {
             fprintf(stderr, "%s\n", lm_last_error());
