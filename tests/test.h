@@ -82,4 +82,43 @@ static inline double test_rel_error_f(const float *a, const double *b, size_t n)
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
+/* The whole file at `path`, NUL-terminated, in a new malloc'd buffer (NULL
+ * if it cannot be read); *n (may be NULL) receives its length. */
+static inline char *test_slurp(const char *path, size_t *n) {
+    if (n) *n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = len >= 0 ? malloc((size_t)len + 1) : NULL;
+    if (b && fread(b, 1, (size_t)len, f) != (size_t)len) {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    if (b) b[len] = 0;
+    if (n) *n = b ? (size_t)len : 0;
+    return b;
+}
+
+/* 1 when both files can be read and hold the same bytes. */
+static inline int test_same_file(const char *a, const char *b) {
+    size_t na, nb;
+    char *x = test_slurp(a, &na), *y = test_slurp(b, &nb);
+    int same = x && y && na == nb && !memcmp(x, y, na);
+    free(x);
+    free(y);
+    return same;
+}
+
+/* `dir`/`name` in one of 8 rotating buffers (valid for the next 7 calls). */
+static inline const char *test_path(const char *dir, const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
+    return buf[slot];
+}
+
 #endif

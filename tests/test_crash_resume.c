@@ -29,30 +29,8 @@ static const char micro_config[] =
     " \"train\": {\"seq_len\": 16, \"batch_size\": 2, \"steps\": 40, \"eval_every\": 0, \"log_every\": 1000,\n"
     "           \"ckpt_every\": 1, \"keep_checkpoints\": 2}}\n";
 
-static const char *in_root(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
-}
+static const char *in_root(const char *name) { return test_path(root, name); }
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)len + 1);
-    if (b && fread(b, 1, (size_t)len, f) != (size_t)len) {
-        free(b);
-        b = NULL;
-    }
-    fclose(f);
-    if (b) b[len] = 0;
-    if (n) *n = (size_t)len;
-    return b;
-}
 
 /* Start `longmoe train` on run directory `out` (resuming when asked); output to run.log. */
 static pid_t start_train(const char *out, int resume) {
@@ -91,7 +69,7 @@ static int writing_checkpoint(const char *run) {
 static long long latest_step(const char *run) {
     char path[600];
     snprintf(path, sizeof path, "%s/latest", run);
-    char *text = slurp(path, NULL);
+    char *text = test_slurp(path, NULL);
     long long step = -1;
     if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
     free(text);
@@ -105,7 +83,7 @@ static long long latest_step(const char *run) {
 static long long check_latest(const char *run) {
     char path[800], dir[600];
     snprintf(path, sizeof path, "%s/latest", run);
-    char *text = slurp(path, NULL);
+    char *text = test_slurp(path, NULL);
     if (!text) return -1;
     long long step = -1;
     char name[64] = "";
@@ -136,7 +114,7 @@ static long long check_latest(const char *run) {
     if (ok) {
         size_t n;
         snprintf(path, sizeof path, "%s/trainer.json", dir);
-        char *json = slurp(path, &n);
+        char *json = test_slurp(path, &n);
         lm_json_doc *doc = NULL;
         ok = json && lm_json_parse(json, n, path, &doc) == LM_OK;
         CHECK(ok, "torn checkpoint: %s", json ? lm_last_error() : "trainer.json missing");
@@ -169,14 +147,6 @@ static int read_losses(const char *run, char losses[][32], int max) {
     return n;
 }
 
-static int same_bytes(const char *a, const char *b) {
-    size_t na, nb;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
-    int same = x && y && na == nb && !memcmp(x, y, na);
-    free(x);
-    free(y);
-    return same;
-}
 
 static void test_sigkill_and_resume_is_bit_identical(void) {
     FILE *f = fopen(in_root("micro.json"), "wb");
@@ -252,7 +222,7 @@ static void test_sigkill_and_resume_is_bit_identical(void) {
     for (int i = 0; i < 3; i++) {
         snprintf(a, sizeof a, "%s/checkpoint-%08d/%s", ref, STEPS, files[i]);
         snprintf(b, sizeof b, "%s/checkpoint-%08d/%s", run, STEPS, files[i]);
-        CHECK(same_bytes(a, b), "the final %s differs from the uninterrupted run's", files[i]);
+        CHECK(test_same_file(a, b), "the final %s differs from the uninterrupted run's", files[i]);
     }
 }
 
@@ -284,7 +254,7 @@ static void test_crash_between_renames_resumes_from_the_old_copy(void) {
     CHECK(stat(tmp, &sb) != 0, "%s is left behind", tmp);
     snprintf(a, sizeof a, "%s/checkpoint-%08d/model.safetensors", ref, STEPS);
     snprintf(path, sizeof path, "%s/model.safetensors", final);
-    CHECK(same_bytes(a, path), "the re-saved model differs from the uninterrupted run's");
+    CHECK(test_same_file(a, path), "the re-saved model differs from the uninterrupted run's");
 }
 
 int main(void) {

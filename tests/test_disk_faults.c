@@ -28,30 +28,8 @@ static const char micro_config[] =
     " \"train\": {\"seq_len\": 16, \"batch_size\": 2, \"steps\": 4, \"eval_every\": 0, \"log_every\": 1000,\n"
     "           \"ckpt_every\": 1, \"keep_checkpoints\": 2}}\n";
 
-static const char *in_root(const char *name) {
-    static char buf[8][512];
-    static int slot;
-    slot = (slot + 1) % 8;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
-}
+static const char *in_root(const char *name) { return test_path(root, name); }
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)len + 1);
-    if (b && fread(b, 1, (size_t)len, f) != (size_t)len) {
-        free(b);
-        b = NULL;
-    }
-    fclose(f);
-    if (b) b[len] = 0;
-    if (n) *n = (size_t)len;
-    return b;
-}
 
 static void spit(const char *path, const char *text) {
     FILE *f = fopen(path, "wb");
@@ -60,14 +38,6 @@ static void spit(const char *path, const char *text) {
     fclose(f);
 }
 
-static int same_bytes(const char *a, const char *b) {
-    size_t na, nb;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
-    int same = x && y && na == nb && !memcmp(x, y, na);
-    free(x);
-    free(y);
-    return same;
-}
 
 /* Files in `dir` whose name contains ".tmp". */
 static int temp_files_in(const char *dir) {
@@ -81,7 +51,7 @@ static int temp_files_in(const char *dir) {
 }
 
 static int file_contains(const char *path, const char *phrase) {
-    char *text = slurp(path, NULL);
+    char *text = test_slurp(path, NULL);
     int has = text && strstr(text, phrase);
     if (!has) fprintf(stderr, "  %s does not contain '%s'; it holds: %s\n", path, phrase, text ? text : "(nothing)");
     free(text);
@@ -126,13 +96,13 @@ static void test_atomic_write_failures_keep_the_old_file(void) {
     CHECK(write_bytes(target, 1000) == LM_OK, "%s", lm_last_error());
     /* the old content, off the heap (a forked child inherits no allocation to account for) */
     char before[1024] = "";
-    char *b0 = slurp(target, NULL);
+    char *b0 = test_slurp(target, NULL);
     if (b0) snprintf(before, sizeof before, "%s", b0);
     free(b0);
 
     /* a file larger than the disk allows */
     CHECK(child_write_over_limit(target, 1 << 20, 64 << 10) == 0, "over the size limit: wrong status or message");
-    char *after = slurp(target, NULL);
+    char *after = test_slurp(target, NULL);
     CHECK(before[0] && after && !strcmp(before, after), "the old file changed");
     free(after);
     CHECK(temp_files_in(dir) == 0, "a temporary file is left behind");
@@ -156,7 +126,7 @@ static void test_atomic_write_failures_keep_the_old_file(void) {
     CHECK(s == LM_ERR_IO && strstr(lm_last_error(), "renaming"), "directory in the way: status %d, message %s", (int)s,
           lm_last_error());
     CHECK(temp_files_in(dir) == 0, "a temporary file is left behind after the failed rename");
-    after = slurp(target, NULL);
+    after = test_slurp(target, NULL);
     CHECK(before[0] && after && !strcmp(before, after), "the old file changed");
     free(after);
 }
@@ -194,7 +164,7 @@ static void snapshot(const char *run, const char *ckpt, const char *to) {
         else snprintf(a, sizeof a, "%s/latest", run);
         snprintf(b, sizeof b, "%s/%s", to, i < 4 ? ckpt_files[i] : "latest");
         size_t n;
-        char *bytes = slurp(a, &n);
+        char *bytes = test_slurp(a, &n);
         FILE *f = bytes ? fopen(b, "wb") : NULL;
         if (f) {
             fwrite(bytes, 1, n, f);
@@ -213,7 +183,7 @@ static int unchanged(const char *run, const char *ckpt, const char *from) {
         if (i < 4) snprintf(a, sizeof a, "%s/%s/%s", run, ckpt, ckpt_files[i]);
         else snprintf(a, sizeof a, "%s/latest", run);
         snprintf(b, sizeof b, "%s/%s", from, i < 4 ? ckpt_files[i] : "latest");
-        int eq = same_bytes(a, b);
+        int eq = test_same_file(a, b);
         if (!eq) fprintf(stderr, "  %s changed or is missing\n", a);
         same &= eq;
         if (i < 2) {
@@ -248,7 +218,7 @@ static void test_failed_save_keeps_the_previous_checkpoint(void) {
     char a[800], b[800];
     snprintf(a, sizeof a, "%s/checkpoint-00000004/model.safetensors", in_root("ref"));
     snprintf(b, sizeof b, "%s/checkpoint-00000004/model.safetensors", run);
-    CHECK(same_bytes(a, b), "the final model differs from the run that never failed");
+    CHECK(test_same_file(a, b), "the final model differs from the run that never failed");
 }
 
 static void test_full_tmpfs_keeps_the_previous_checkpoint(void) {
@@ -257,7 +227,7 @@ static void test_full_tmpfs_keeps_the_previous_checkpoint(void) {
     char path[800];
     for (int i = 0; i < 4; i++) {
         snprintf(path, sizeof path, "%s/checkpoint-00000004/%s", in_root("ref"), ckpt_files[i]);
-        char *b = slurp(path, &n);
+        char *b = test_slurp(path, &n);
         CHECK(b != NULL, "no reference checkpoint");
         total += b ? n : 0;
         free(b);
@@ -281,7 +251,7 @@ static void test_full_tmpfs_keeps_the_previous_checkpoint(void) {
     CHECK(file_contains(in_root("log.txt"), "No space left on device"), "the cause is not named");
     char latest[900];
     snprintf(latest, sizeof latest, "%s/latest", path);
-    char *text = slurp(latest, NULL);
+    char *text = test_slurp(latest, NULL);
     CHECK(text && !strcmp(text, "checkpoint-00000001\n"), "latest is '%s', want checkpoint-00000001",
           text ? text : "(missing)");
     free(text);
