@@ -12,6 +12,7 @@
 #include "longmoe/tasks.h"
 #include "longmoe/train.h"
 #include "test.h"
+#include "test_models.h"
 
 static char root[256];
 
@@ -24,33 +25,10 @@ static const char *dir(const char *name) {
 }
 
 static lm_config micro(void) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.d_model = 16;
-    c.n_layers = 2;
-    strcpy(c.layout, "km");
-    c.first_k_dense = 1;
-    c.dense_ffn = 24;
-    c.kda_heads = 2;
-    c.kda_head_dim = 8;
-    c.kda_chunk = 16;
-    c.attn_heads = 2;
-    c.q_lora_rank = 8;
-    c.kv_lora_rank = 8;
-    c.qk_head_dim = 8;
-    c.v_head_dim = 8;
-    c.n_routed_experts = 4;
-    c.top_k = 2;
-    c.expert_ffn = 8;
-    c.shared_ffn = 8;
+    lm_config c = test_micro_config();
     c.seq_len = 48;
-    c.batch_size = 2;
-    c.grad_accum = 1;
     c.steps = 4;
-    c.eval_every = 0;
-    c.ckpt_every = 0;
     c.keep_checkpoints = 8;
-    c.log_every = 1000;
     strcpy(c.data, "mix");
     return c;
 }

@@ -6,28 +6,13 @@
 
 #include "longmoe/experiment.h"
 #include "test.h"
+#include "test_models.h"
 
 static void test_gate_experiment_writes_table_lines_and_reports(void) {
     char dir[256], path[512];
     snprintf(dir, sizeof dir, "/tmp/longmoe-test-experiment-%ld", (long)getpid());
-    lm_config c;
-    lm_config_defaults(&c);
-    c.d_model = 16;
-    c.n_layers = 2;
-    strcpy(c.layout, "km");
-    c.kda_heads = 2;
-    c.kda_head_dim = 8;
-    c.attn_heads = 2;
-    c.q_lora_rank = 8;
-    c.kv_lora_rank = 8;
-    c.qk_head_dim = 8;
-    c.v_head_dim = 8;
-    c.n_routed_experts = 4;
-    c.dense_ffn = 16;
-    c.expert_ffn = 8;
-    c.shared_ffn = 8;
+    lm_config c = test_micro_config();
     c.seq_len = 24;
-    c.batch_size = 2;
     CHECK(!lm_experiment_run("gate", &c, 3, dir, NULL), "%s", lm_last_error());
     const char *files[] = {"results.md", "results.jsonl", "bounded/report.html", "softplus/report.html",
                            "softplus/checkpoint-00000003/model.safetensors"};
