@@ -1247,7 +1247,7 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
     /* ---- summary ---- */
     tb_puts(b, "<h2>Summary</h2><table class=\"summary\">\n");
     snprintf(v, sizeof v, "%lld", (long long)r->sum.last_step);
-    if (have_cfg) snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)cfg->steps);
+    if (have_cfg) snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
     row_text(b, "steps", v);
     if (r->loss.n) {
         snprintf(v, sizeof v, "%.4f", r->loss.y[r->loss.n - 1]);
