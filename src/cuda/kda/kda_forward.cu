@@ -6,14 +6,14 @@
 
 namespace lmkda {
 
-// Shared memory of the intra-chunk kernel, in bytes.
+// Shared memory of the intra-chunk kernel, in bytes: regions reused across
+// phases so that two blocks fit on an SM (108.75 KB for D = 128). q is read
+// from global memory (twice: qg, then the query side of its sub-chunk).
 template <int D> constexpr size_t fwd_intra_smem() {
-    return (size_t)CH * D * 4                 // G
-           + (size_t)4 * CH * (D + 8) * 2     // q, k, v, key operand
+    return (size_t)CH * (D > CH + 4 ? D : CH + 4) * 4 // G; then X
+           + (size_t)2 * CH * (D + 8) * 2     // k, then v; key operand
            + (size_t)2 * SUB * (D + 8) * 2    // query-side operands
-           + (size_t)3 * CH * (CH + 4) * 4    // Aqk, Akk, X
-           + (size_t)CH * (CH + 8) * 2        // M in bf16
-           + (size_t)16 * 16 * 20 * 4         // per-warp staging (16 warps)
+           + (size_t)2 * CH * (CH + 4) * 4    // Aqk, Akk; then M (bf16) + staging
            + (size_t)CH * 4;                  // beta
 }
 
@@ -21,23 +21,26 @@ template <int D> constexpr size_t fwd_intra_smem() {
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
 // backward, X = (I + Akk)^{-1}.
 template <int D, bool FACTORED>
-__global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x) {
+__global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int save_x) {
     // q, k, v, z are [B,T,H,D]; beta [B,T,H]; this block owns chunk n of (b, h)
     constexpr int NT = 512, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
     extern __shared__ __align__(128) unsigned char smem[];
-    float *sG = reinterpret_cast<float *>(smem);      // [64][D]
-    bf16 *sQ = reinterpret_cast<bf16 *>(sG + CH * D); // [64][LD]
-    bf16 *sK = sQ + CH * LD;
-    bf16 *sV = sK + CH * LD;
-    bf16 *sKb = sV + CH * LD;  // key operand [64][LD]
+    constexpr int GREG = CH * (D > LDA ? D : LDA);    // floats: G [64][D], then X [64][LDA]
+    float *sG = reinterpret_cast<float *>(smem);
+    float *sX = sG;                                   // once G is done
+    bf16 *sK = reinterpret_cast<bf16 *>(sG + GREG);   // [64][LD]
+    bf16 *sV = sK;                                    // [64][LD], once k is done
+    bf16 *sKb = sK + CH * LD;  // key operand [64][LD]
     bf16 *sQa = sKb + CH * LD; // [16][LD]
     bf16 *sKa = sQa + SUB * LD;
     float *sAqk = reinterpret_cast<float *>(sKa + SUB * LD); // [64][LDA]
     float *sAkk = sAqk + CH * LDA;
-    float *sX = sAkk + CH * LDA;
-    bf16 *sMb = reinterpret_cast<bf16 *>(sX + CH * LDA); // [64][LDM]
-    float *sStage = reinterpret_cast<float *>(sMb + CH * LDM);
-    float *sBeta = sStage + (NT / 32) * 16 * 20;
+    bf16 *sMb = reinterpret_cast<bf16 *>(sAqk);              // [64][LDM], after the inverse
+    float *sStage = reinterpret_cast<float *>(sMb + CH * LDM); // 16 warps x [16][20]
+    float *sBeta = sAkk + CH * LDA;
+    static_assert((size_t)CH * LDM * 2 + (size_t)(NT / 32) * 16 * 20 * 4 <=
+                      (size_t)2 * CH * LDA * 4,
+                  "M and the staging tiles fit in the Aqk, Akk region");
 
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -46,9 +49,7 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const int tid = threadIdx.x, warp = tid >> 5;
 
-    load_rows<D, NT>(sQ, LD, p.q + base, rs, CH, nvalid);
     load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
-    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
     load_rows<D, NT>(sKb, LD, p.z + base, rs, CH, nvalid); // z, staged in the key buffer
     if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     __syncthreads();
@@ -78,7 +79,8 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
     for (int idx = tid; idx < CH * D; idx += NT) {
         int r = idx / D, d = idx % D;
         float G = sG[idx];
-        p.qg[c * CH * D + idx] = __float2bfloat16(__bfloat162float(sQ[r * LD + d]) * __expf(G));
+        float q = r < nvalid ? __bfloat162float(p.q[base + r * rs + d]) : 0.f;
+        p.qg[c * CH * D + idx] = __float2bfloat16(q * __expf(G));
         p.kd[c * CH * D + idx] =
             __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(GC[d] - G));
     }
@@ -99,7 +101,8 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
         for (int idx = tid; idx < SUB * D; idx += NT) {
             int i = idx / D, d = idx % D;
             float e = __expf(sG[(n0 + i) * D + d] - sG[n0 * D + d]);
-            sQa[i * LD + d] = __float2bfloat16(__bfloat162float(sQ[(n0 + i) * LD + d]) * e);
+            float q = n0 + i < nvalid ? __bfloat162float(p.q[base + (n0 + i) * rs + d]) : 0.f;
+            sQa[i * LD + d] = __float2bfloat16(q * e);
             sKa[i * LD + d] = __float2bfloat16(__bfloat162float(sK[(n0 + i) * LD + d]) * e);
         }
         __syncthreads();
@@ -120,7 +123,8 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
                 for (int d = 0; d < D; d++) {
                     float e = __expf(sG[(n0 + i) * D + d] - sG[(n0 + j) * D + d]);
                     float kj = __bfloat162float(sK[(n0 + j) * LD + d]) * e;
-                    aq += __bfloat162float(sQ[(n0 + i) * LD + d]) * kj;
+                    float q = n0 + i < nvalid ? __bfloat162float(p.q[base + (n0 + i) * rs + d]) : 0.f;
+                    aq += q * kj;
                     ak += __bfloat162float(sK[(n0 + i) * LD + d]) * kj;
                 }
             }
@@ -129,6 +133,14 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
         }
         __syncthreads();
     }
+
+    // k e^G into the key operand buffer (W's operand); G and k are done after this
+    for (int idx = tid; idx < CH * D; idx += NT) {
+        int r = idx / D, d = idx % D;
+        sKb[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
+    }
+    __syncthreads();
+    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid); // v into k's place
 
     // Masks are selections (never a product with a possibly huge value):
     // Aqk lower with diagonal; Akk strictly lower, rows times beta_i.
@@ -181,16 +193,12 @@ __global__ void __launch_bounds__(512) kda_fwd_intra_kernel(Params p, int save_x
         __syncthreads();
     }
 
-    // M = X Diag(beta) in bf16; k e^G into the key operand buffer
+    // M = X Diag(beta) in bf16 (into the Aqk, Akk region: both are done)
     for (int idx = tid; idx < CH * CH; idx += NT) {
         int i = idx / CH, j = idx % CH;
         float x = sX[i * LDA + j];
         sMb[i * LDM + j] = __float2bfloat16(x * sBeta[j]);
         if (save_x) p.X[c * CH * CH + idx] = x;
-    }
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        sKb[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
     }
     __syncthreads();
 
