@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 
 #include "longmoe/core.h"
 
@@ -110,6 +111,26 @@ static inline int test_same_file(const char *a, const char *b) {
     free(x);
     free(y);
     return same;
+}
+
+#ifdef LONGMOE_CLI
+/* Run the longmoe CLI with `args`, stdout into out_path and stderr into
+ * err_path; returns its exit code (-1 when it did not exit normally). */
+static inline int test_run_cli(const char *args, const char *out_path, const char *err_path) {
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, out_path, err_path);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+#endif
+
+/* 1 when the file at `path` contains `phrase`; otherwise prints the file. */
+static inline int test_file_has(const char *path, const char *phrase) {
+    char *text = test_slurp(path, NULL);
+    int found = text && strstr(text, phrase) != NULL;
+    if (!found) fprintf(stderr, "  %s was: %s\n", path, text ? text : "(unreadable)");
+    free(text);
+    return found;
 }
 
 /* `dir`/`name` in one of 8 rotating buffers (valid for the next 7 calls). */

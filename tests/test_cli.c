@@ -19,26 +19,9 @@ static const char *path_in(const char *name) {
 }
 
 /* Run the CLI with `args`; return its exit code and leave stderr in err.txt. */
-static int run_cli(const char *args) {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, path_in("out.txt"), path_in("err.txt"));
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
 
-static int stderr_has(const char *phrase) {
-    FILE *f = fopen(path_in("err.txt"), "rb");
-    if (!f) return 0;
-    char buf[4096] = {0};
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    buf[n] = 0;
-    fclose(f);
-    if (!strstr(buf, phrase)) {
-        fprintf(stderr, "  stderr was: %s\n", buf);
-        return 0;
-    }
-    return 1;
-}
+static int stderr_has(const char *phrase) { return test_file_has(path_in("err.txt"), phrase); }
 
 enum { B = 2, T = 37, H = 2, K = 16, V = 8 };
 static float q[B * T * H * K], k[B * T * H * K], v[B * T * H * V], z[B * T * H * K];

@@ -293,12 +293,7 @@ static void test_validation_follows_the_data_and_length_of_the_checkpoints_stage
     free(r);
 }
 
-static int run_cli(const char *args) {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, dir("out.txt"), dir("err.txt"));
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_cli(const char *args) { return test_run_cli(args, dir("out.txt"), dir("err.txt")); }
 
 static int file_has(const char *path, const char *phrase) {
     FILE *f = fopen(path, "rb");

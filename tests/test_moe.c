@@ -506,12 +506,7 @@ static const char *tmp_path(const char *name) {
     return buf[slot];
 }
 
-static int run_cli(const char *args) {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, tmp_path("out.txt"), tmp_path("err.txt"));
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_cli(const char *args) { return test_run_cli(args, tmp_path("out.txt"), tmp_path("err.txt")); }
 
 static int file_has(const char *name, const char *phrase) {
     FILE *f = fopen(tmp_path(name), "rb");

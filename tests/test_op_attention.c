@@ -18,26 +18,9 @@ static const char *path_in(const char *name) {
     return buf[slot];
 }
 
-static int run_cli(const char *args) {
-    char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, path_in("out.txt"), path_in("err.txt"));
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
 
-static int stderr_has(const char *phrase) {
-    FILE *f = fopen(path_in("err.txt"), "rb");
-    if (!f) return 0;
-    char buf[4096] = {0};
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    if (!strstr(buf, phrase)) {
-        fprintf(stderr, "  stderr was: %s\n", buf);
-        return 0;
-    }
-    return 1;
-}
+static int stderr_has(const char *phrase) { return test_file_has(path_in("err.txt"), phrase); }
 
 enum { B = 2, T = 70, H = 4, HKV = 2, DK = 16, DV = 8 };
 static float q[B * T * H * DK], k[B * T * HKV * DK], v[B * T * HKV * DV], d_o[B * T * H * DV];

@@ -22,12 +22,7 @@ static const char *path_in(const char *name) {
     return buf[slot];
 }
 
-static int run_cli(const char *args) {
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, path_in("out.txt"), path_in("err.txt"));
-    int st = system(cmd);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
 
 static char *read_all(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");

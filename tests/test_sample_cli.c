@@ -12,6 +12,7 @@
 #include "longmoe/tokenizer.h"
 #include "longmoe/train.h"
 #include "test.h"
+#include "test_models.h"
 
 static char root[256];
 
@@ -25,60 +26,22 @@ static const char *path_in(const char *name) {
 
 /* Run the CLI with `args`; stdout into *out (NUL-terminated), stderr into err.txt. */
 static int run_cli(const char *args, char *out, size_t cap) {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s > %s 2> %s", LONGMOE_CLI, args, path_in("out.txt"), path_in("err.txt"));
-    int st = system(cmd);
+    int rc = test_run_cli(args, path_in("out.txt"), path_in("err.txt"));
     if (out) {
-        out[0] = 0;
-        FILE *f = fopen(path_in("out.txt"), "rb");
-        if (f) {
-            size_t n = fread(out, 1, cap - 1, f);
-            out[n] = 0;
-            fclose(f);
-        }
+        char *text = test_slurp(path_in("out.txt"), NULL);
+        snprintf(out, cap, "%s", text ? text : "");
+        free(text);
     }
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return rc;
 }
 
-static int stderr_has(const char *phrase) {
-    FILE *f = fopen(path_in("err.txt"), "rb");
-    if (!f) return 0;
-    char buf[4096] = {0};
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    buf[n] = 0;
-    fclose(f);
-    if (!strstr(buf, phrase)) {
-        fprintf(stderr, "  stderr was: %s\n", buf);
-        return 0;
-    }
-    return 1;
-}
+static int stderr_has(const char *phrase) { return test_file_has(path_in("err.txt"), phrase); }
 
 static lm_config micro(int vocab) {
-    lm_config c;
-    lm_config_defaults(&c);
+    lm_config c = test_micro_config();
     c.vocab_size = vocab;
-    c.d_model = 16;
-    c.n_layers = 2;
-    strcpy(c.layout, "km");
     c.first_k_dense = 0;
-    c.kda_heads = 2;
-    c.kda_head_dim = 8;
-    c.kda_chunk = 16;
-    c.attn_heads = 2;
-    c.q_lora_rank = 8;
-    c.kv_lora_rank = 8;
-    c.qk_head_dim = 8;
-    c.v_head_dim = 8;
-    c.n_routed_experts = 4;
-    c.top_k = 2;
-    c.expert_ffn = 8;
-    c.shared_ffn = 8;
     c.seq_len = 32;
-    c.batch_size = 2;
-    c.eval_every = 0;
-    c.ckpt_every = 0;
-    c.log_every = 1000;
     c.sign_rate = 0.05f; /* biases visibly away from zero after a few steps */
     return c;
 }
