@@ -37,6 +37,10 @@ extern "C" {
 typedef struct {
     int B, T, H, Hkv, Dk, Dv;
     float scale; /* score scale; 0 means Dk^-1/2 */
+    /* Caller-planned scratch (NULL: allocated per call), used when large enough
+     * for the call (lm_attention_{forward,backward}_workspace_bytes). */
+    void *workspace;
+    size_t workspace_bytes;
 } lm_attention_config;
 
 /* A config with scale 0 (= Dk^-1/2). */

@@ -56,6 +56,11 @@ typedef struct {
     float scale;      /* output scale; 0 means K^-1/2 */
     int chunk;        /* 16, 32 or 64 (chunked form only) */
     lm_kda_diag diag; /* LM_KDA_DIAG_AUTO unless testing a path */
+    /* Caller-planned scratch (NULL: the operator allocates its own per call).
+     * Used when workspace_bytes >= lm_kda_workspace_bytes(cfg) (which covers
+     * the forward too); otherwise the operator allocates. */
+    void *workspace;
+    size_t workspace_bytes;
 } lm_kda_config;
 
 typedef struct {

@@ -22,6 +22,8 @@ typedef struct {
     int d_model, heads, head_dim, conv_width, chunk;
     lm_kda_gate gate;
     float g_min, eps;
+    void *workspace;        /* the operator's scratch, planned by the caller (NULL: per call) */
+    size_t workspace_bytes;
 } lm_kda_layer_config;
 
 /* Parameters, in this order (lm_kda_layer_specs):

@@ -55,6 +55,8 @@ typedef struct {
     float rope_base; /* RoPE base (default 10000) */
     float norm_eps;  /* RMSNorm epsilon (default 1e-6) */
     float scale;     /* attention scale; 0 = Dk^-1/2 */
+    void *workspace; /* the attention core's scratch, planned by the caller (NULL: per call) */
+    size_t workspace_bytes;
 } lm_mla_config;
 
 /* Parameter tensors (also used for their gradients). Unused ones are NULL:

@@ -7,8 +7,9 @@
  * Memory is planned at creation from the config and the batch shape: one block
  * of parameters, one of gradients (same layout), one of activations and
  * scratch; the only other allocations are made once there too (MoE routing
- * buffers, balancing state). Inside a step only the KDA and attention
- * operators allocate their per-call scratch (docs/model.md).
+ * buffers, balancing state), including one scratch that the KDA and attention
+ * operators share. The project allocates nothing inside a step (the OpenMP
+ * runtime keeps its own small per-region bookkeeping).
  *
  * Parameter names (checkpoints, docs/model.md):
  *   embed [V,d]; lm_head [V,d] (absent when tied); final_norm [d];

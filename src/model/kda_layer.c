@@ -161,6 +161,8 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     k.gate = c->gate;
     k.g_min = c->g_min;
     k.chunk = c->chunk;
+    k.workspace = c->workspace;
+    k.workspace_bytes = c->workspace_bytes;
     return k;
 }
 

@@ -247,6 +247,8 @@ static lm_attention_config core_config(const lm_mla_config *c, int B, int T) {
     lm_attention_config a = lm_attention_config_default(B, T, c->n_heads, kv_heads(c),
                                                         c->head_dim_qk, c->head_dim_v);
     a.scale = c->scale;
+    a.workspace = c->workspace;
+    a.workspace_bytes = c->workspace_bytes;
     return a;
 }
 

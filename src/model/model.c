@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "longmoe/attention.h"
 #include "longmoe/attnres.h"
 #include "longmoe/kda_layer.h"
 #include "longmoe/linear.h"
@@ -57,7 +58,7 @@ static lm_status plan_kda(lm_model *m, int l, layer_state *ls) {
     const lm_config *c = &m->cfg;
     lm_kda_layer_config kc = {c->d_model, c->kda_heads, c->kda_head_dim, c->kda_conv_width, c->kda_chunk,
                               c->kda_gate_softplus ? LM_KDA_GATE_SOFTPLUS : LM_KDA_GATE_BOUNDED,
-                              c->kda_g_min, c->norm_eps};
+                              c->kda_g_min, c->norm_eps, NULL, 0};
     ls->kda_cfg = kc;
     lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
     lm_kda_layer_specs(&kc, specs);
@@ -264,6 +265,28 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         }
     }
     act += scratch;
+    /* one scratch for the KDA and attention operators (they run one at a time),
+     * sized for this process's OpenMP thread count */
+    size_t op_bytes = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            lm_kda_config kc = lm_kda_config_default(B, T, cfg->kda_heads, cfg->kda_head_dim, cfg->kda_head_dim);
+            kc.chunk = cfg->kda_chunk;
+            size_t b = lm_kda_workspace_bytes(&kc);
+            op_bytes = b > op_bytes ? b : op_bytes;
+        } else {
+            const lm_mla_config *mc = &ls->mla_cfg;
+            lm_attention_config ac = lm_attention_config_default(
+                B, T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
+                mc->head_dim_v);
+            size_t f = lm_attention_forward_workspace_bytes(&ac, 0), b = lm_attention_backward_workspace_bytes(&ac, 0);
+            op_bytes = f > op_bytes ? f : op_bytes;
+            op_bytes = b > op_bytes ? b : op_bytes;
+        }
+    }
+    size_t op_floats = (op_bytes + sizeof(float) - 1) / sizeof(float);
+    act += op_floats;
     m->act_floats = act;
     m->scratch_floats = scratch;
     m->act_block = calloc(act, sizeof(float));
@@ -360,6 +383,12 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         }
     }
     CARVE(m->scratch, scratch);
+    float *op_ws;
+    CARVE(op_ws, op_floats);
+    for (int l = 0; l < cfg->n_layers; l++) {
+        m->layers[l].kda_cfg.workspace = m->layers[l].mla_cfg.workspace = op_ws;
+        m->layers[l].kda_cfg.workspace_bytes = m->layers[l].mla_cfg.workspace_bytes = op_floats * sizeof(float);
+    }
 #undef CARVE
 
     /* the residual stream */

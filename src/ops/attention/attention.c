@@ -26,7 +26,7 @@
 #define TK LM_ATTN_TILE_K
 
 lm_attention_config lm_attention_config_default(int B, int T, int H, int Hkv, int Dk, int Dv) {
-    lm_attention_config c = {B, T, H, Hkv, Dk, Dv, 0.0f};
+    lm_attention_config c = {B, T, H, Hkv, Dk, Dv, 0.0f, NULL, 0};
     return c;
 }
 
@@ -222,7 +222,10 @@ lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const floa
     const int nthreads = omp_get_max_threads();
     const size_t per = forward_floats_per_thread(cfg);
     float *ws;
-    LM_TRY_ALLOC(ws, lm_attention_forward_workspace_bytes(cfg, nthreads));
+    const size_t bytes = lm_attention_forward_workspace_bytes(cfg, nthreads);
+    const int own = !(cfg->workspace && cfg->workspace_bytes >= bytes);
+    if (own) LM_TRY_ALLOC(ws, bytes);
+    else ws = cfg->workspace;
     const int nq = (a.T + TQ - 1) / TQ;
     const int64_t items = (int64_t)a.B * a.H * nq;
 #pragma omp parallel num_threads(nthreads)
@@ -236,7 +239,7 @@ lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const floa
             forward_tile(&a, o, lse, rowmax, (int)(bh / a.H), (int)(bh % a.H), qt * TQ, w);
         }
     }
-    free(ws);
+    if (own) free(ws);
     return LM_OK;
 }
 
@@ -346,7 +349,10 @@ lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, 
     const size_t per = backward_floats_per_thread(cfg);
     const size_t rows = (size_t)a.B * a.H * a.T;
     float *ws;
-    LM_TRY_ALLOC(ws, lm_attention_backward_workspace_bytes(cfg, nthreads));
+    const size_t bytes = lm_attention_backward_workspace_bytes(cfg, nthreads);
+    const int own = !(cfg->workspace && cfg->workspace_bytes >= bytes);
+    if (own) LM_TRY_ALLOC(ws, bytes);
+    else ws = cfg->workspace;
     float *D = ws, *thread_ws = ws + round16(rows);
     a.D = D;
     // D_i = rowsum(dO_i * O_i), laid out like lse (B,H,T)
@@ -380,6 +386,6 @@ lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, 
             }
         }
     }
-    free(ws);
+    if (own) free(ws);
     return LM_OK;
 }

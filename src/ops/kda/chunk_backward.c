@@ -214,7 +214,9 @@ lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *i
     const size_t npairs = (size_t)B * H;
     float *scratch;
     const size_t bytes = ((size_t)nthreads * per_thread + npairs * (1 + (size_t)K)) * sizeof(float);
-    LM_TRY_ALLOC(scratch, bytes);
+    const int own = !(cfg->workspace && cfg->workspace_bytes >= bytes);
+    if (own) LM_TRY_ALLOC(scratch, bytes);
+    else scratch = cfg->workspace;
     float *dA_part = scratch + (size_t)nthreads * per_thread; /* [B*H] */
     float *ddt_part = dA_part + npairs;                        /* [B*H][K] */
     memset(dA_part, 0, npairs * (1 + (size_t)K) * sizeof(float));
@@ -290,6 +292,6 @@ lm_status lm_kda_chunk_backward(const lm_kda_config *cfg, const lm_kda_inputs *i
             grads->dA_log[h] += dA_part[p];
             kda_axpy(grads->ddt_bias + (size_t)h * K, 1.0f, ddt_part + p * K, K);
         }
-    free(scratch);
+    if (own) free(scratch);
     return LM_OK;
 }

@@ -221,7 +221,9 @@ lm_status lm_kda_chunk_forward(const lm_kda_config *cfg, const lm_kda_inputs *in
     const size_t per_thread = kda_ws_floats(C, K, V, 0);
     float *scratch;
     const size_t bytes = (size_t)nthreads * per_thread * sizeof(float);
-    LM_TRY_ALLOC(scratch, bytes);
+    const int own = !(cfg->workspace && cfg->workspace_bytes >= bytes);
+    if (own) LM_TRY_ALLOC(scratch, bytes);
+    else scratch = cfg->workspace;
 
 #pragma omp parallel for schedule(dynamic, 1)
     for (int p = 0; p < B * H; p++) {
@@ -239,6 +241,6 @@ lm_status lm_kda_chunk_forward(const lm_kda_config *cfg, const lm_kda_inputs *in
         }
         if (ht) memcpy(ht + (size_t)p * K * V, w.S, (size_t)K * V * sizeof(float));
     }
-    free(scratch);
+    if (own) free(scratch);
     return LM_OK;
 }

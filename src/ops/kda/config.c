@@ -1,5 +1,6 @@
 /* KDA configuration: defaults, validation, the choice of the diagonal path and
  * the reciprocal-bound condition of the factored path (docs/kda.md). */
+#include <string.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -8,6 +9,7 @@
 
 lm_kda_config lm_kda_config_default(int B, int T, int H, int K, int V) {
     lm_kda_config c;
+    memset(&c, 0, sizeof c);
     c.B = B;
     c.T = T;
     c.H = H;
