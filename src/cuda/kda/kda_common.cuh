@@ -152,6 +152,56 @@ __device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const
     *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(tmp);
 }
 
+// Raw tensor-core fragments (PTX mma.sync m16n8k16, bf16 in, fp32 out) for
+// kernels that keep operands in registers. Layouts (lane = thread % 32):
+// A 16x16: {a0,a1}=(r, c..c+1), a2..a3 row r+8, a4..a5 col c+8, a6..a7 both,
+// with r = lane/4, c = 2*(lane%4); B 16x8: b0..b1 = (k = c..c+1, n = r),
+// b2..b3 = k + 8; C 16x8: c0..c1 = (r, c..c+1), c2..c3 = (r + 8, c..c+1).
+// So the C tiles of two neighbouring 8-column blocks, rounded to bf16, are
+// the A fragment of the 16 columns they cover (no data movement).
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+// Four 8x8 bf16 matrices from shared memory: lane l gives the address of row
+// l % 8 of matrix l / 8; r[m] then holds (row lane/4, cols 2*(lane%4)..+1) of
+// matrix m, or with .trans (rows 2*(lane%4)..+1, col lane/4).
+__device__ __forceinline__ void ldsm_x4(unsigned r[4], const bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned r[4], const bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+// Two matrices: lanes 0..15 give the addresses (the others' are ignored).
+__device__ __forceinline__ void ldsm_x2(unsigned r[2], const bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p)));
+}
+// c += a * b (16x16 times 16x8).
+__device__ __forceinline__ void mma16816(float c[4], const unsigned a[4], unsigned b0,
+                                         unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two floats rounded to bf16 (nearest even), `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned *>(&v);
+}
+// The A fragment of the 16 columns covered by C tiles c0 (columns 0..7) and c1 (8..15).
+__device__ __forceinline__ void c_to_a(unsigned a[4], const float c0[4], const float c1[4]) {
+    a[0] = pack_bf16x2(c0[0], c0[1]);
+    a[1] = pack_bf16x2(c0[2], c0[3]);
+    a[2] = pack_bf16x2(c1[0], c1[1]);
+    a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
 // 16-byte asynchronous copies global -> shared (sm_80+), completed by groups.
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
     unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

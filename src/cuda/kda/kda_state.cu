@@ -25,15 +25,20 @@ template <int NT> __device__ __forceinline__ void async_f32(float *dst, const fl
     for (int idx = threadIdx.x; idx < n / 4; idx += NT) cp_async16(dst + 4 * idx, src + 4 * idx, true);
 }
 
-// Shared-memory plan of both state kernels (element counts per buffer).
+// Shared-memory plan of both state kernels (bytes). Four warps per block: the
+// block's VT value columns form VT/16 row groups of the transposed state, and
+// each group's D channels are split over DS = 64/VT warps (DW = D/DS each).
 template <int D, int VT> struct StatePlan {
-    static constexpr int LD = D + 8, LDA = CH + 8, LDS = VT + 4, LDB = VT + 8;
-    static constexpr size_t S = (size_t)D * LDS * 4, Sb = (size_t)D * LDB * 2;
-    static constexpr size_t Vn = (size_t)CH * LDS * 4, Vnb = (size_t)CH * LDB * 2;
-    // one stage: three [64][LD] operands, aqk [64][LDA], one [64][LDB] tile, e^{G_C}
+    static constexpr int DS = 64 / VT, JG = VT / 16, NW = 4, DW = D / DS;
+    static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8, RLD = CH + 8;
+    // one stage: w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}
     static constexpr size_t stage = (size_t)3 * CH * LD * 2 + (size_t)CH * LDA * 2 +
                                     (size_t)CH * LDB * 2 + (size_t)D * 4;
-    static constexpr size_t total = S + Sb + Vn + Vnb + 2 * stage;
+    // output staging: the state (h or dh) [D][LDB], V' or dV' [64][LDB], O [64][LDB]
+    static constexpr size_t sh = (size_t)D * LDB * 2, sv = (size_t)CH * LDB * 2;
+    // partial sums over the DS channel slices: two [DS][VT][RLD] fp32 sets
+    static constexpr size_t red = DS > 1 ? (size_t)2 * DS * VT * RLD * 4 : 0;
+    static constexpr size_t total = 2 * stage + sh + 2 * sv + red;
 };
 
 template <int D, int VT> struct StageView {
@@ -50,22 +55,43 @@ template <int D, int VT> struct StageView {
     }
 };
 
-// Forward: V' = U - W S; O = scale (Qg S + Aqk V'); S = e^{G_C} S + Kd^T V'.
+// Copy staged rows of VT bf16 (row stride LDB) to global rows (stride gs), rows < nvalid.
+template <int VT, int NT>
+__device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src, int ldb,
+                                           int rows, int nvalid) {
+    constexpr int VPR = VT / 8;
+    for (int idx = threadIdx.x; idx < rows * VPR; idx += NT) {
+        int r = idx / VPR, c = (idx % VPR) * 8;
+        if (r < nvalid)
+            *reinterpret_cast<uint4 *>(dst + (size_t)r * gs + c) =
+                *reinterpret_cast<const uint4 *>(src + r * ldb + c);
+    }
+}
+
+// The state lives in registers, transposed: warp (jg, ds) holds S^T rows
+// jg*16 .. +15 (value columns of the tile) and channels ds*DW .. +DW-1 as
+// DW/8 C tiles of mma.m16n8k16, in fp32. Every product is written transposed
+// so that S^T (and V'^T) are A operands taken straight from those tiles:
+//   V'^T = U^T - S^T W^T,  O^T = scale (S^T Qg^T + V'^T Aqk^T),
+//   S^T <- S^T Diag(e^{G_C}) + V'^T Kd.
+// With DS > 1 the two products over channels are summed across the slice's
+// warps through shared memory, in slice order (deterministic).
 // SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
-template <int D, int VT, int NW, bool SAVE>
-__global__ void __launch_bounds__(NW * 32, 1) kda_fwd_state_kernel(Params p) {
-    // S [D][VT] fp32 in shared memory; w, qg, kd, u [c][64][D]; aqk [c][64][64]
+template <int D, int VT, bool SAVE>
+__global__ void __launch_bounds__(128, 1) kda_fwd_state_kernel(Params p) {
     using P = StatePlan<D, VT>;
-    constexpr int NT = NW * 32, TJ = VT / 16, TPW = 4 * TJ / NW;
-    constexpr int LD = P::LD, LDA = P::LDA, LDS = P::LDS, LDB = P::LDB;
+    constexpr int NT = 128, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
     extern __shared__ __align__(128) unsigned char smem[];
-    float *sS = reinterpret_cast<float *>(smem);
-    bf16 *sSb = reinterpret_cast<bf16 *>(smem + P::S);
-    float *sVn = reinterpret_cast<float *>(smem + P::S + P::Sb);
-    bf16 *sVnb = reinterpret_cast<bf16 *>(smem + P::S + P::Sb + P::Vn);
-    unsigned char *stage0 = smem + P::S + P::Sb + P::Vn + P::Vnb;
+    unsigned char *stage0 = smem;
+    bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage);
+    bf16 *sV = sH + D * LDB, *sO = sV + CH * LDB;
+    float *red = reinterpret_cast<float *>(sO + CH * LDB); // [2][DS][VT][RLD]
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-    const int tid = threadIdx.x, warp = tid >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int jg = warp % JG, ds = warp / JG;
+    const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW;
+    const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
@@ -80,10 +106,14 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_fwd_state_kernel(Params p) {
         cp_async_commit();
     };
     issue(0);
-    for (int idx = tid; idx < D * VT; idx += NT) {
-        int d = idx / VT, j = idx % VT;
-        sS[d * LDS + j] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-    }
+    float S[NDT][4];
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+            S[t][e] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+        }
     for (int n = 0; n < p.N; n++) {
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -93,91 +123,185 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_fwd_state_kernel(Params p) {
         } else {
             cp_async_wait<0>();
         }
-        __syncthreads(); // chunk n's stage has landed; S is up to date
+        __syncthreads(); // chunk n's stage has landed; the staging buffers are free
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            bf16 sb = __float2bfloat16(sS[d * LDS + j]);
-            sSb[d * LDB + j] = sb;
-            if (SAVE) p.h[c * D * D + (size_t)d * D + v0 + j] = sb;
-        }
-        __syncthreads();
-
-        // W S into staging; Qg S kept in registers
-        FragC accO[TPW];
+        if (SAVE) {
 #pragma unroll
-        for (int q = 0; q < TPW; q++) {
-            int tv = warp + NW * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            FragC accW;
-            wmma::fill_fragment(accW, 0.f);
-            mma_tile<RM, RM>(accW, st.a + i0 * LD, LD, sSb + j0, LDB, D / 16);
-            wmma::store_matrix_sync(sVn + i0 * LDS + j0, accW, LDS, wmma::mem_row_major);
-            wmma::fill_fragment(accO[q], 0.f);
-            mma_tile<RM, RM>(accO[q], st.b + i0 * LD, LD, sSb + j0, LDB, D / 16);
-        }
-        __syncthreads();
-
-        // V' = U - W S (values not yet explained by the state); S = e^{G_C} S
-        for (int idx = tid; idx < CH * VT; idx += NT) {
-            int i = idx / VT, j = idx % VT;
-            bf16 vb = __float2bfloat16(__bfloat162float(st.tile[i * LDB + j]) - sVn[i * LDS + j]);
-            sVnb[i * LDB + j] = vb;
-            if (SAVE) p.vn[c * CH * D + (size_t)i * D + v0 + j] = vb;
-        }
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            sS[d * LDS + j] *= st.ge[d];
-        }
-        __syncthreads();
-
-        // O = scale (Qg S + Aqk V')
+            for (int t = 0; t < NDT; t++)
 #pragma unroll
-        for (int q = 0; q < TPW; q++) {
-            int tv = warp + NW * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            mma_tile<RM, RM>(accO[q], st.aqk + i0 * LDA, LDA, sVnb + j0, LDB, CH / 16);
-            if (p.o) {
-                wmma::store_matrix_sync(sVn + i0 * LDS + j0, accO[q], LDS, wmma::mem_row_major);
-                __syncwarp();
-                bf16 *dst = p.o + ((size_t)b * p.T + t0 + i0) * rs + (size_t)h * D + v0 + j0;
-                store_tile_bf16(dst, rs, sVn + i0 * LDS + j0, LDS, nvalid - i0, p.scale);
+                for (int e = 0; e < 4; e++)
+                    sH[(d0w + 8 * t + ic + (e & 1)) * LDB + jr + (e >> 1) * 8] =
+                        __float2bfloat16(S[t][e]);
+        }
+
+        // S^T W^T and S^T Qg^T over this warp's channels (k), all 64 rows (n)
+        float pv[8][4], po[8][4];
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pv[nt][e] = po[nt][e] = 0.f;
+#pragma unroll
+        for (int s = 0; s < DW / 16; s++) {
+            unsigned a[4];
+            c_to_a(a, S[2 * s], S[2 * s + 1]);
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                const int off = (16 * np + (lm >> 1) * 8 + lr) * LD + d0w + 16 * s + (lm & 1) * 8;
+                unsigned bw[4], bq[4];
+                ldsm_x4(bw, st.a + off);
+                ldsm_x4(bq, st.b + off);
+                mma16816(pv[2 * np], a, bw[0], bw[1]);
+                mma16816(pv[2 * np + 1], a, bw[2], bw[3]);
+                mma16816(po[2 * np], a, bq[0], bq[1]);
+                mma16816(po[2 * np + 1], a, bq[2], bq[3]);
             }
         }
-        // S += (K e^{G_C - G})^T V'
-        for (int ts = warp; ts < (D / 16) * TJ; ts += NW) {
-            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
-            FragC accS;
-            wmma::load_matrix_sync(accS, sS + d0 * LDS + j0, LDS, wmma::mem_row_major);
-            mma_tile<CM, RM>(accS, st.c + d0, LD, sVnb + j0, LDB, CH / 16);
-            wmma::store_matrix_sync(sS + d0 * LDS + j0, accS, LDS, wmma::mem_row_major);
+        float oa[NIT][4];
+        if (DS > 1) {
+            float *rV = red + (size_t)ds * VT * RLD, *rO = red + (size_t)(DS + ds) * VT * RLD;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
+                    *reinterpret_cast<float2 *>(rV + off) =
+                        make_float2(pv[nt][2 * hf], pv[nt][2 * hf + 1]);
+                    *reinterpret_cast<float2 *>(rO + off) =
+                        make_float2(po[nt][2 * hf], po[nt][2 * hf + 1]);
+                }
+            __syncthreads(); // every slice's partial sums are in
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
+                    float2 sv = make_float2(0.f, 0.f), so = make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int k = 0; k < DS; k++) {
+                        float2 x = *reinterpret_cast<const float2 *>(red + (size_t)k * VT * RLD + off);
+                        sv.x += x.x;
+                        sv.y += x.y;
+                        if (nt / NIT == ds) {
+                            float2 y = *reinterpret_cast<const float2 *>(
+                                red + (size_t)(DS + k) * VT * RLD + off);
+                            so.x += y.x;
+                            so.y += y.y;
+                        }
+                    }
+                    pv[nt][2 * hf] = sv.x;
+                    pv[nt][2 * hf + 1] = sv.y;
+                    if (nt / NIT == ds) {
+                        oa[nt % NIT][2 * hf] = so.x;
+                        oa[nt % NIT][2 * hf + 1] = so.y;
+                    }
+                }
+        } else {
+#pragma unroll
+            for (int it = 0; it < NIT; it++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) oa[it][e] = po[it][e];
         }
-        __syncthreads(); // stage n & 1 is free for chunk n + 2
+        // V'^T = U^T - S^T W^T, rounded to bf16 once: the A fragments below and vn
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
+                pv[nt][e] = __bfloat162float(st.tile[i * LDB + j]) - pv[nt][e];
+            }
+        unsigned aV[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        if (SAVE) {
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++) {
+                if (DS > 1 && nt / NIT != ds) continue; // the warp's rows of the chunk
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
+                    sV[i * LDB + j] = __float2bfloat16(pv[nt][e]);
+                }
+            }
+        }
+        // O^T += V'^T Aqk^T for this warp's rows of the chunk (Aqk is lower triangular)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            if (DS > 1 && nt / NIT != ds) continue;
+            const int it = nt % NIT;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                if (16 * s > 8 * nt + 7) continue;
+                unsigned bb[2];
+                ldsm_x2(bb, st.aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
+                mma16816(oa[it], aV[s], bb[0], bb[1]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
+                sO[i * LDB + j] = __float2bfloat16(p.scale * oa[it][e]);
+            }
+        }
+        // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
+#pragma unroll
+        for (int t = 0; t < NDT; t++) {
+            const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
+            S[t][0] *= g0;
+            S[t][1] *= g1;
+            S[t][2] *= g0;
+            S[t][3] *= g1;
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int tp = 0; tp < NDT / 2; tp++) {
+                unsigned bk[4];
+                ldsm_x4_t(bk, st.c + (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8);
+                mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
+                mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
+            }
+        __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
+        if (SAVE) {
+            store_rows<VT, NT>(p.h + c * D * D + v0, D, sH, LDB, D, D);
+            store_rows<VT, NT>(p.vn + c * CH * D + v0, D, sV, LDB, CH, CH);
+        }
+        if (p.o)
+            store_rows<VT, NT>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, sO, LDB,
+                               CH, nvalid);
     }
-    if (p.ht)
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            p.ht[((size_t)bh * D + d) * D + v0 + j] = sS[d * LDS + j];
-        }
+    if (p.ht) {
+#pragma unroll
+        for (int t = 0; t < NDT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+                p.ht[((size_t)bh * D + d) * D + v0 + j] = S[t][e];
+            }
+    }
 }
 
 // Backward, chunks in reverse. With dS the gradient of the chunk's outgoing
 // state and dO the output gradient:
 //   dV' = Kd dS + scale Aqk^T dO
 //   dS_in = e^{G_C} dS + scale Qg^T dO - W^T dV'
-// Stores dS per chunk (dh), dV' (dvn) and the gradient of h0.
-template <int D, int VT, int NW>
-__global__ void __launch_bounds__(NW * 32, 1) kda_bwd_state_kernel(Params p) {
-    // dS [D][VT] fp32 in shared memory; d_o [B,T,H,D]
+// Stores dS per chunk (dh), dV' (dvn) and the gradient of h0. Register layout
+// and transposed products as the forward:
+//   dV'^T = dS^T Kd^T + scale dO^T Aqk,
+//   dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W.
+template <int D, int VT>
+__global__ void __launch_bounds__(128, 1) kda_bwd_state_kernel(Params p) {
     using P = StatePlan<D, VT>;
-    constexpr int NT = NW * 32, TJ = VT / 16, TPW = 4 * TJ / NW;
-    constexpr int LD = P::LD, LDA = P::LDA, LDS = P::LDS, LDB = P::LDB;
+    constexpr int NT = 128, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
     extern __shared__ __align__(128) unsigned char smem[];
-    float *sdS = reinterpret_cast<float *>(smem);
-    bf16 *sdSb = reinterpret_cast<bf16 *>(smem + P::S);
-    float *sdVn = reinterpret_cast<float *>(smem + P::S + P::Sb);
-    bf16 *sdVnb = reinterpret_cast<bf16 *>(smem + P::S + P::Sb + P::Vn);
-    unsigned char *stage0 = smem + P::S + P::Sb + P::Vn + P::Vnb;
+    unsigned char *stage0 = smem;
+    bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage);
+    bf16 *sV = sH + D * LDB;
+    float *red = reinterpret_cast<float *>(sV + 2 * CH * LDB); // [DS][VT][RLD]
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
-    const int tid = threadIdx.x, warp = tid >> 5;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int jg = warp % JG, ds = warp / JG;
+    const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW;
+    const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
@@ -194,10 +318,14 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_bwd_state_kernel(Params p) {
         cp_async_commit();
     };
     issue(p.N - 1);
-    for (int idx = tid; idx < D * VT; idx += NT) {
-        int d = idx / VT, j = idx % VT;
-        sdS[d * LDS + j] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-    }
+    float dS[NDT][4];
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+            dS[t][e] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+        }
     for (int n = p.N - 1; n >= 0; n--) {
         const size_t c = (size_t)bh * p.N + n;
         if (n > 0) {
@@ -208,61 +336,130 @@ __global__ void __launch_bounds__(NW * 32, 1) kda_bwd_state_kernel(Params p) {
         }
         __syncthreads();
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            bf16 sb = __float2bfloat16(sdS[d * LDS + j]);
-            sdSb[d * LDB + j] = sb;
-            p.dh[c * D * D + (size_t)d * D + v0 + j] = sb;
-        }
-        __syncthreads();
+#pragma unroll
+        for (int t = 0; t < NDT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                sH[(d0w + 8 * t + ic + (e & 1)) * LDB + jr + (e >> 1) * 8] =
+                    __float2bfloat16(dS[t][e]);
+        // dO^T as A fragments (k = the chunk's rows), from the [64][VT] tile
+        unsigned aO[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+            ldsm_x4_t(aO[s], st.tile + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
 
-        // dV' = Kd dS + scale Aqk^T dO
+        // dS^T Kd^T over this warp's channels, plus scale dO^T Aqk on its row tiles
+        float pv[8][4];
 #pragma unroll
-        for (int q = 0; q < TPW; q++) {
-            int tv = warp + NW * q, i0 = (tv / TJ) * 16, j0 = (tv % TJ) * 16;
-            FragC acc, acc2;
-            wmma::fill_fragment(acc, 0.f);
-            mma_tile<RM, RM>(acc, st.c + i0 * LD, LD, sdSb + j0, LDB, D / 16);
-            wmma::fill_fragment(acc2, 0.f);
-            mma_tile<CM, RM>(acc2, st.aqk + i0, LDA, st.tile + j0, LDB, CH / 16);
+        for (int nt = 0; nt < 8; nt++)
 #pragma unroll
-            for (int e = 0; e < acc.num_elements; e++) acc.x[e] += p.scale * acc2.x[e];
-            wmma::store_matrix_sync(sdVn + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
-        }
-        __syncthreads();
-        for (int idx = tid; idx < CH * VT; idx += NT) {
-            int i = idx / VT, j = idx % VT;
-            bf16 vb = __float2bfloat16(sdVn[i * LDS + j]);
-            sdVnb[i * LDB + j] = vb;
-            p.dvn[c * CH * D + (size_t)i * D + v0 + j] = vb;
-        }
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            sdS[d * LDS + j] *= st.ge[d];
-        }
-        __syncthreads();
-
-        // dS_in = e^{G_C} dS + scale Qg^T dO - W^T dV'
-        for (int ts = warp; ts < (D / 16) * TJ; ts += NW) {
-            int d0 = (ts / TJ) * 16, j0 = (ts % TJ) * 16;
-            FragC acc, accQ, accW;
-            wmma::load_matrix_sync(acc, sdS + d0 * LDS + j0, LDS, wmma::mem_row_major);
-            wmma::fill_fragment(accQ, 0.f);
-            mma_tile<CM, RM>(accQ, st.b + d0, LD, st.tile + j0, LDB, CH / 16);
-            wmma::fill_fragment(accW, 0.f);
-            mma_tile<CM, RM>(accW, st.a + d0, LD, sdVnb + j0, LDB, CH / 16);
+            for (int e = 0; e < 4; e++) pv[nt][e] = 0.f;
 #pragma unroll
-            for (int e = 0; e < acc.num_elements; e++)
-                acc.x[e] += p.scale * accQ.x[e] - accW.x[e];
-            wmma::store_matrix_sync(sdS + d0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        for (int s = 0; s < DW / 16; s++) {
+            unsigned a[4];
+            c_to_a(a, dS[2 * s], dS[2 * s + 1]);
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                unsigned bk[4];
+                ldsm_x4(bk, st.c + (16 * np + (lm >> 1) * 8 + lr) * LD + d0w + 16 * s + (lm & 1) * 8);
+                mma16816(pv[2 * np], a, bk[0], bk[1]);
+                mma16816(pv[2 * np + 1], a, bk[2], bk[3]);
+            }
         }
-        __syncthreads();
+#pragma unroll
+        for (int nt = 0; nt < 8; nt += 2) { // pairs of row tiles: they share the nonzero k-steps
+            if (DS > 1 && nt / NIT != ds) continue;
+            float qa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                if (16 * s + 15 < 8 * nt) continue; // Aqk(i', i) = 0 for i' < i
+                unsigned bb[4];
+                ldsm_x4_t(bb, st.aqk + (16 * s + (lm & 1) * 8 + lr) * LDA + 8 * nt + (lm >> 1) * 8);
+                mma16816(qa[0], aO[s], bb[0], bb[1]);
+                mma16816(qa[1], aO[s], bb[2], bb[3]);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                pv[nt][e] += p.scale * qa[0][e];
+                pv[nt + 1][e] += p.scale * qa[1][e];
+            }
+        }
+        if (DS > 1) {
+            float *rV = red + (size_t)ds * VT * RLD;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    *reinterpret_cast<float2 *>(rV + (jr + 8 * hf) * RLD + 8 * nt + ic) =
+                        make_float2(pv[nt][2 * hf], pv[nt][2 * hf + 1]);
+            __syncthreads();
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
+                    float2 sv = make_float2(0.f, 0.f);
+#pragma unroll
+                    for (int k = 0; k < DS; k++) {
+                        float2 x = *reinterpret_cast<const float2 *>(red + (size_t)k * VT * RLD + off);
+                        sv.x += x.x;
+                        sv.y += x.y;
+                    }
+                    pv[nt][2 * hf] = sv.x;
+                    pv[nt][2 * hf + 1] = sv.y;
+                }
+        }
+        unsigned aV[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++) {
+            if (DS > 1 && nt / NIT != ds) continue;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
+                sV[i * LDB + j] = __float2bfloat16(pv[nt][e]);
+            }
+        }
+        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
+#pragma unroll
+        for (int tp = 0; tp < NDT / 2; tp++) {
+            float qa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float wa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
+                unsigned bq[4], bw[4];
+                ldsm_x4_t(bq, st.b + off);
+                ldsm_x4_t(bw, st.a + off);
+                mma16816(qa[0], aO[s], bq[0], bq[1]);
+                mma16816(qa[1], aO[s], bq[2], bq[3]);
+                mma16816(wa[0], aV[s], bw[0], bw[1]);
+                mma16816(wa[1], aV[s], bw[2], bw[3]);
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int t = 2 * tp + u;
+                const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
+                dS[t][0] = dS[t][0] * g0 + p.scale * qa[u][0] - wa[u][0];
+                dS[t][1] = dS[t][1] * g1 + p.scale * qa[u][1] - wa[u][1];
+                dS[t][2] = dS[t][2] * g0 + p.scale * qa[u][2] - wa[u][2];
+                dS[t][3] = dS[t][3] * g1 + p.scale * qa[u][3] - wa[u][3];
+            }
+        }
+        __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
+        store_rows<VT, NT>(p.dh + c * D * D + v0, D, sH, LDB, D, D);
+        store_rows<VT, NT>(p.dvn + c * CH * D + v0, D, sV, LDB, CH, CH);
     }
-    if (p.dh0)
-        for (int idx = tid; idx < D * VT; idx += NT) {
-            int d = idx / VT, j = idx % VT;
-            p.dh0[((size_t)bh * D + d) * D + v0 + j] = sdS[d * LDS + j];
-        }
+    if (p.dh0) {
+#pragma unroll
+        for (int t = 0; t < NDT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+                p.dh0[((size_t)bh * D + d) * D + v0 + j] = dS[t][e];
+            }
+    }
 }
 
 // Value-tile width: the narrowest of 16, 32, 64 whose blocks still fit in one
@@ -280,13 +477,11 @@ int state_tile_width(int BH, int D) {
 
 template <int D, int VT>
 static cudaError_t launch_state(const Params &p, bool backward, bool save, cudaStream_t s) {
-    constexpr int NW = VT == 64 ? 8 : 4;
     dim3 grid(D / VT, p.B * p.H);
     size_t sm = StatePlan<D, VT>::total;
-    if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT, NW>, grid, NW * 32, sm, s, p);
-    if (save)
-        return launch_with_smem(kda_fwd_state_kernel<D, VT, NW, true>, grid, NW * 32, sm, s, p);
-    return launch_with_smem(kda_fwd_state_kernel<D, VT, NW, false>, grid, NW * 32, sm, s, p);
+    if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, 128, sm, s, p);
+    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true>, grid, 128, sm, s, p);
+    return launch_with_smem(kda_fwd_state_kernel<D, VT, false>, grid, 128, sm, s, p);
 }
 
 static cudaError_t launch_state_any(const Params &p, int D, bool backward, bool save,
