@@ -4,7 +4,9 @@
 # and fla-core's chunk_kda, and print the comparison table last.
 #
 #   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [fla]
-#   (default: build sass test bench fla; NCU_KERNELS: regex of the kernels ncu profiles)
+#   (default: build sass test bench fla; NCU_KERNELS: regex of the kernels ncu profiles;
+#   FLA_AUTOTUNE_MS=W,R: shorter Triton autotuning for fla, FLA_TIMEOUT: seconds for fla;
+#   STALL_KERNELS, STALL_COUNT: the kernels (regex) and launches whose stalls are shown)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
 # (pip download --no-deps fla-core; the machine has no network), installed
@@ -65,11 +67,11 @@ if has ncu; then
 fi
 
 if has stalls; then
-    echo "== ncu: warp stall reasons of the backward per-column kernel (bounded)"
+    echo "== ncu: warp stall reasons of ${STALL_KERNELS:-kda_bwd_col} (bounded)"
     timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats \
-        -k regex:kda_bwd_col --launch-count 1 \
+        -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count "${STALL_COUNT:-1}" \
         "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu_stalls.log" 2>&1
-    grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -40
+    grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -"${STALL_LINES:-40}"
 fi
 
 if has fla; then
@@ -81,7 +83,8 @@ if has fla; then
     fi
     ours=()
     [ -f "$OUT/ours.json" ] && ours=(--ours "$OUT/ours.json")
-    PYTHONUNBUFFERED=1 timeout 420 python3 bench/kda_vs_fla.py "${ours[@]}" --out "$OUT/fla.json" \
+    PYTHONUNBUFFERED=1 timeout "${FLA_TIMEOUT:-420}" python3 bench/kda_vs_fla.py "${ours[@]}" --out "$OUT/fla.json" \
+        ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} \
         --reps 20 2>&1 | tee "$OUT/bench_fla.log"
 fi
 exit $status
