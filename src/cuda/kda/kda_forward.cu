@@ -54,13 +54,18 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     __syncthreads();
     const float a_exp = __expf(p.A_log[h]);
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        float g = 0.f; // padded rows: g = 0 keeps G constant past T
-        if (r < nvalid)
-            g = kda_gate(__bfloat162float(sKb[r * LD + d]), a_exp, p.dt_bias[h * D + d],
-                         p.bounded, p.g_min);
-        sG[idx] = g;
+    // Elementwise phases: eight consecutive channels a thread (16-byte accesses)
+    constexpr int V8 = D / 8;
+    for (int idx = tid; idx < CH * V8; idx += NT) {
+        int r = idx / V8, d = (idx % V8) * 8;
+        float zz[8], g[8];
+        ld8(sKb + r * LD + d, zz);
+#pragma unroll
+        for (int e = 0; e < 8; e++) // padded rows: g = 0 keeps G constant past T
+            g[e] = r < nvalid ? kda_gate(zz[e], a_exp, p.dt_bias[h * D + d + e], p.bounded, p.g_min)
+                              : 0.f;
+        *reinterpret_cast<float4 *>(sG + r * D + d) = make_float4(g[0], g[1], g[2], g[3]);
+        *reinterpret_cast<float4 *>(sG + r * D + d + 4) = make_float4(g[4], g[5], g[6], g[7]);
     }
     __syncthreads();
 
@@ -76,13 +81,21 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
 
     // Inter-chunk operands: qg = q e^G, kd = k e^{G_C - G}, gexp = e^{G_C}
     const float *GC = sG + (CH - 1) * D;
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        float G = sG[idx];
-        float q = r < nvalid ? __bfloat162float(p.q[base + r * rs + d]) : 0.f;
-        p.qg[c * CH * D + idx] = __float2bfloat16(q * __expf(G));
-        p.kd[c * CH * D + idx] =
-            __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(GC[d] - G));
+    for (int idx = tid; idx < CH * V8; idx += NT) {
+        int r = idx / V8, d = (idx % V8) * 8;
+        float G[8], gc[8], q[8], k[8], xq[8], xk[8];
+        ldf8(sG + r * D + d, G);
+        ldf8(GC + d, gc);
+        ld8(sK + r * LD + d, k);
+        if (r < nvalid) ld8(p.q + base + r * rs + d, q);
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (r >= nvalid) q[e] = 0.f;
+            xq[e] = q[e] * __expf(G[e]);
+            xk[e] = k[e] * __expf(gc[e] - G[e]);
+        }
+        st8(p.qg + c * CH * D + r * D + d, xq);
+        st8(p.kd + c * CH * D + r * D + d, xk);
     }
     for (int d = tid; d < D; d += NT) p.gexp[c * D + d] = __expf(GC[d]);
 
@@ -93,17 +106,32 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     for (int s = 0; s < CH / SUB; s++) {
         const int n0 = s * SUB;
         const int kb_rows = FACTORED ? n0 + SUB : n0;
-        for (int idx = tid; idx < kb_rows * D; idx += NT) {
-            int j = idx / D, d = idx % D;
-            sKb[j * LD + d] = __float2bfloat16(__bfloat162float(sK[j * LD + d]) *
-                                               __expf(sG[n0 * D + d] - sG[j * D + d]));
+        for (int idx = tid; idx < kb_rows * V8; idx += NT) {
+            int j = idx / V8, d = (idx % V8) * 8;
+            float k[8], ga[8], gj[8];
+            ld8(sK + j * LD + d, k);
+            ldf8(sG + n0 * D + d, ga);
+            ldf8(sG + j * D + d, gj);
+#pragma unroll
+            for (int e = 0; e < 8; e++) k[e] *= __expf(ga[e] - gj[e]);
+            st8(sKb + j * LD + d, k);
         }
-        for (int idx = tid; idx < SUB * D; idx += NT) {
-            int i = idx / D, d = idx % D;
-            float e = __expf(sG[(n0 + i) * D + d] - sG[n0 * D + d]);
-            float q = n0 + i < nvalid ? __bfloat162float(p.q[base + (n0 + i) * rs + d]) : 0.f;
-            sQa[i * LD + d] = __float2bfloat16(q * e);
-            sKa[i * LD + d] = __float2bfloat16(__bfloat162float(sK[(n0 + i) * LD + d]) * e);
+        for (int idx = tid; idx < SUB * V8; idx += NT) {
+            int i = idx / V8, d = (idx % V8) * 8;
+            float gi[8], ga[8], q[8], k[8];
+            ldf8(sG + (n0 + i) * D + d, gi);
+            ldf8(sG + n0 * D + d, ga);
+            ld8(sK + (n0 + i) * LD + d, k);
+            if (n0 + i < nvalid) ld8(p.q + base + (n0 + i) * rs + d, q);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float x = __expf(gi[e] - ga[e]);
+                if (n0 + i >= nvalid) q[e] = 0.f;
+                q[e] *= x;
+                k[e] *= x;
+            }
+            st8(sQa + i * LD + d, q);
+            st8(sKa + i * LD + d, k);
         }
         __syncthreads();
         const int nt = FACTORED ? s + 1 : s; // key sub-chunks on tensor cores
@@ -120,12 +148,19 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
             int i = tid / SUB, j = tid % SUB;
             float aq = 0.f, ak = 0.f;
             if (j <= i) {
-                for (int d = 0; d < D; d++) {
-                    float e = __expf(sG[(n0 + i) * D + d] - sG[(n0 + j) * D + d]);
-                    float kj = __bfloat162float(sK[(n0 + j) * LD + d]) * e;
-                    float q = n0 + i < nvalid ? __bfloat162float(p.q[base + (n0 + i) * rs + d]) : 0.f;
-                    aq += q * kj;
-                    ak += __bfloat162float(sK[(n0 + i) * LD + d]) * kj;
+                for (int d = 0; d < D; d += 8) {
+                    float gi[8], gj[8], kj[8], ki[8], q[8];
+                    ldf8(sG + (n0 + i) * D + d, gi);
+                    ldf8(sG + (n0 + j) * D + d, gj);
+                    ld8(sK + (n0 + j) * LD + d, kj);
+                    ld8(sK + (n0 + i) * LD + d, ki);
+                    if (n0 + i < nvalid) ld8(p.q + base + (n0 + i) * rs + d, q);
+#pragma unroll
+                    for (int e = 0; e < 8; e++) {
+                        float x = kj[e] * __expf(gi[e] - gj[e]);
+                        aq += (n0 + i < nvalid ? q[e] : 0.f) * x;
+                        ak += ki[e] * x;
+                    }
                 }
             }
             sAqk[(n0 + i) * LDA + n0 + j] = aq;
@@ -135,21 +170,31 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     }
 
     // k e^G into the key operand buffer (W's operand); G and k are done after this
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        sKb[r * LD + d] = __float2bfloat16(__bfloat162float(sK[r * LD + d]) * __expf(sG[idx]));
+    for (int idx = tid; idx < CH * V8; idx += NT) {
+        int r = idx / V8, d = (idx % V8) * 8;
+        float k[8], G[8];
+        ld8(sK + r * LD + d, k);
+        ldf8(sG + r * D + d, G);
+#pragma unroll
+        for (int e = 0; e < 8; e++) k[e] *= __expf(G[e]);
+        st8(sKb + r * LD + d, k);
     }
     __syncthreads();
     load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid); // v into k's place
 
     // Masks are selections (never a product with a possibly huge value):
     // Aqk lower with diagonal; Akk strictly lower, rows times beta_i.
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        float aq = j <= i ? sAqk[i * LDA + j] : 0.f;
-        p.aqk[c * CH * CH + idx] = __float2bfloat16(aq);
-        sAkk[i * LDA + j] = j < i ? sBeta[i] * sAkk[i * LDA + j] : 0.f;
-        if (j / SUB > i / SUB) sX[i * LDA + j] = 0.f;
+    for (int idx = tid; idx < CH * CH / 8; idx += NT) {
+        int i = idx / (CH / 8), j0 = (idx % (CH / 8)) * 8;
+        float aq[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            int j = j0 + e;
+            aq[e] = j <= i ? sAqk[i * LDA + j] : 0.f;
+            sAkk[i * LDA + j] = j < i ? sBeta[i] * sAkk[i * LDA + j] : 0.f;
+            if (j / SUB > i / SUB) sX[i * LDA + j] = 0.f;
+        }
+        st8(p.aqk + c * CH * CH + i * CH + j0, aq);
     }
     __syncthreads();
 
@@ -194,11 +239,14 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     }
 
     // M = X Diag(beta) in bf16 (into the Aqk, Akk region: both are done)
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        float x = sX[i * LDA + j];
-        sMb[i * LDM + j] = __float2bfloat16(x * sBeta[j]);
-        if (save_x) p.X[c * CH * CH + idx] = x;
+    for (int idx = tid; idx < CH * CH / 4; idx += NT) {
+        int i = idx / (CH / 4), j0 = (idx % (CH / 4)) * 4;
+        float4 x = *reinterpret_cast<const float4 *>(sX + i * LDA + j0);
+        sMb[i * LDM + j0] = __float2bfloat16(x.x * sBeta[j0]);
+        sMb[i * LDM + j0 + 1] = __float2bfloat16(x.y * sBeta[j0 + 1]);
+        sMb[i * LDM + j0 + 2] = __float2bfloat16(x.z * sBeta[j0 + 2]);
+        sMb[i * LDM + j0 + 3] = __float2bfloat16(x.w * sBeta[j0 + 3]);
+        if (save_x) *reinterpret_cast<float4 *>(p.X + c * CH * CH + i * CH + j0) = x;
     }
     __syncthreads();
 
