@@ -152,6 +152,33 @@ __device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const
     *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(tmp);
 }
 
+// Eight consecutive bf16 (16-byte aligned, shared or global) to floats and back;
+// eight floats (16-byte aligned) from shared memory.
+__device__ __forceinline__ void ld8(const bf16 *src, float x[8]) {
+    uint4 u = *reinterpret_cast<const uint4 *>(src);
+    const __nv_bfloat162 *h2 = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float2 f = __bfloat1622float2(h2[e]);
+        x[2 * e] = f.x;
+        x[2 * e + 1] = f.y;
+    }
+}
+__device__ __forceinline__ void st8(bf16 *dst, const float x[8]) {
+    uint4 u;
+    unsigned *w = reinterpret_cast<unsigned *>(&u);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
+        w[e] = *reinterpret_cast<unsigned *>(&v);
+    }
+    *reinterpret_cast<uint4 *>(dst) = u;
+}
+__device__ __forceinline__ void ldf8(const float *src, float x[8]) {
+    float4 a = *reinterpret_cast<const float4 *>(src), b = *reinterpret_cast<const float4 *>(src + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
 // Raw tensor-core fragments (PTX mma.sync m16n8k16, bf16 in, fp32 out) for
 // kernels that keep operands in registers. Layouts (lane = thread % 32):
 // A 16x16: {a0,a1}=(r, c..c+1), a2..a3 row r+8, a4..a5 col c+8, a6..a7 both,
