@@ -6,7 +6,8 @@
 #   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [fla]
 #   (default: build sass test bench fla; NCU_KERNELS: regex of the kernels ncu profiles;
 #   FLA_AUTOTUNE_MS=W,R: shorter Triton autotuning for fla, FLA_TIMEOUT: seconds for fla;
-#   STALL_KERNELS, STALL_COUNT: the kernels (regex) and launches whose stalls are shown)
+#   STALL_KERNELS, STALL_COUNT: the kernels (regex) and launches whose stalls are shown;
+#   NCU_FLAGS: more ncu options, e.g. --cache-control none to keep L2 between kernels)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
 # (pip download --no-deps fla-core; the machine has no network), installed
@@ -59,7 +60,7 @@ fi
 
 if has ncu; then
     echo "== ncu: time, throughput and occupancy per kernel, shape (1,8192,64,128), bounded then softplus"
-    timeout 240 ncu --clock-control none --section SpeedOfLight --section Occupancy \
+    timeout 240 ncu --clock-control none ${NCU_FLAGS:-} --section SpeedOfLight --section Occupancy \
         -k "regex:${NCU_KERNELS:-kda_}" "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 \
         >"$OUT/ncu.log" 2>&1
     grep -E "kda_[a-z_]+kernel|Duration|Memory Throughput|Compute \(SM\) Throughput|Theoretical Occ|Achieved Occ|Block Limit (Shared|Reg)" \

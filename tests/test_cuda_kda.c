@@ -264,6 +264,31 @@ static void test_backward_matches_cpu_chunked_operator(void) {
         }
 }
 
+/* Every value-tile width of the state kernels (the launch picks one from the
+ * device's SM count and B*H, so the small shapes above only meet 16):
+ * forward and backward against the CPU with each width forced. */
+static void test_state_tile_widths(void) {
+    const int widths[] = {16, 32, 64, 128};
+    for (int w = 0; w < 4; w++)
+        for (int D = 64; D <= 128; D *= 2) {
+            if (widths[w] > D) continue;
+            char val[8];
+            snprintf(val, sizeof val, "%d", widths[w]);
+            CHECK(setenv("LONGMOE_KDA_STATE_VT", val, 1) == 0, "setenv failed");
+            for (int gate = 0; gate < 2; gate++) {
+                problem p = make_problem(1, 200, 2, D, (lm_kda_gate)gate, 1, 0.f,
+                                         3000 + 10 * w + D + gate);
+                char what[96];
+                snprintf(what, sizeof what, "VT%d B1 T200 H2 D%d %s h0", widths[w], D,
+                         gate ? "softplus" : "bounded");
+                check_forward(&p, 1e-2, 1e-2, what);
+                check_backward(&p, 1e-2, what);
+                free_problem(&p);
+            }
+        }
+    unsetenv("LONGMOE_KDA_STATE_VT");
+}
+
 /* The bounded gate's factored (tensor-core) diagonal equals the pairwise
  * fallback on the same inputs. */
 static void test_factored_diagonal_equals_pairwise(void) {
@@ -525,6 +550,7 @@ int main(void) {
     RUN(test_rejects_unsupported_shapes);
     RUN(test_forward_matches_cpu_chunked_operator);
     RUN(test_backward_matches_cpu_chunked_operator);
+    RUN(test_state_tile_widths);
     RUN(test_factored_diagonal_equals_pairwise);
     RUN(test_saved_forward_equals_recompute);
     RUN(test_causality);

@@ -118,10 +118,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     cp_async_wait<1>(); // dO and V' have landed
     __syncthreads();
-    // dO' = scale dO
-    for (int idx = tid; idx < CH * D; idx += NT) {
-        int r = idx / D, d = idx % D;
-        sdO[r * LD + d] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + d]));
+    // dO' = scale dO (eight channels a thread, 16-byte accesses)
+    for (int idx = tid; idx < CH * D / 8; idx += NT) {
+        int r = idx / (D / 8), d = (idx % (D / 8)) * 8;
+        float x[8];
+        ld8(sdO + r * LD + d, x);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] *= p.scale;
+        st8(sdO + r * LD + d, x);
     }
     __syncthreads();
 
@@ -156,11 +160,13 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     __syncthreads(); // dO' and V' are dead: R2 takes dW, M replaces V'
     // M = X Diag(beta) (bf16, kept for kernel B too)
     bf16 *Mg = p.Mb + c * CH * CH;
-    for (int idx = tid; idx < CH * CH; idx += NT) {
-        int i = idx / CH, j = idx % CH;
-        bf16 m = __float2bfloat16(sX[i * LDA + j] * sBeta[j]);
-        sMb[i * LDM + j] = m;
-        Mg[idx] = m;
+    for (int idx = tid; idx < CH * CH / 8; idx += NT) {
+        int i = idx / (CH / 8), j0 = (idx % (CH / 8)) * 8;
+        float x[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = sX[i * LDA + j0 + e] * sBeta[j0 + e];
+        st8(sMb + i * LDM + j0, x);
+        st8(Mg + i * CH + j0, x);
     }
 
     // dW = -dV' S^T (bf16: kernel A's operand and kernel B's input)
@@ -304,55 +310,21 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
 // ---- kernel B: the per-column gradients ----
 // Rows of the block's threads: thread t owns column t % DC of rows t / DC + RSTEP i.
 constexpr int COL_RSTEP = BWD_NT / DC;
-static_assert(DC == CH, "kernel B: V', dO' (CH rows) and h, dh (DC rows) share one region size");
-
-// Phase 4's dAqk, dAkk and Diag(beta) dAkk in shared memory. They are zero above
-// the diagonal, so only their 16x16 blocks on and below it are kept, by row block:
-// row block s (rows 16s .. 16s+15, columns 0 .. 16s+15) starts at element
-// trib_off(s) with row stride trib_ld(s) (16s + 16 columns, padded by 8: no bank
-// conflicts in the tile loads).
-__host__ __device__ constexpr int trib_off(int s) { return 128 * s * (s + 2); }
-__host__ __device__ constexpr int trib_ld(int s) { return 16 * s + 24; }
-constexpr int TRIB_ELEMS = trib_off(CH / SUB); // elements of one matrix
-
-// Copy the blocks on and below the diagonal of a 64x64 bf16 matrix (row stride
-// CH) into that layout with cp.async; the caller commits and waits.
-template <int NT>
-__device__ __forceinline__ void cp_lower_blocks(bf16 *dst, const bf16 *src) {
-    constexpr int VPR = CH / 8; // 16-byte vectors per row
-    for (int idx = threadIdx.x; idx < CH * VPR; idx += NT) {
-        const int r = idx / VPR, c = (idx % VPR) * 8, s = r / SUB;
-        if (c < SUB * (s + 1))
-            cp_async16(dst + trib_off(s) + (r % SUB) * trib_ld(s) + c, src + (size_t)r * CH + c,
-                       true);
-    }
-}
-
-// Kernel B's shared memory: G, the product staging, q and k, then a region reused
-// across phases (byte offsets; VB = 64 rows of D + 8 bf16):
-//   [0, VB) V', then dO'    [VB, 2VB) h rows    [2VB, 3VB) dh rows   (load .. dQg)
-//   [2VB, 2VB + MWB) M and the block's dW columns (issued after dKd, when dh is
-//                    dead; read by M^T dW)
-//   [0, TRB) dAqk, dAkk, Diag(beta) dAkk, lower blocks (issued after dQg, when
-//                    dO' and h are dead; read by phase 4)
-//   [TRB, TRB + OPB) phase 4's sub-chunk operands (after M^T dW)
-// then the small arrays.
-template <int D> __host__ __device__ constexpr size_t col_vb() { return (size_t)CH * (D + 8) * 2; }
-constexpr size_t COL_MWB = (size_t)2 * CH * (CH + 8) * 2;         // M, dW: [64][72] each
-constexpr size_t COL_TRB = (size_t)3 * TRIB_ELEMS * 2;             // dAqk, dAkk, dAkkB
-constexpr size_t COL_OPB = (size_t)3 * (CH + SUB) * (DC + 8) * 2;  // operands, low parts
-template <int D> __host__ __device__ constexpr size_t bwd_col_region() {
-    return 3 * col_vb<D>() > 2 * col_vb<D>() + COL_MWB
-               ? (3 * col_vb<D>() > COL_TRB + COL_OPB ? 3 * col_vb<D>() : COL_TRB + COL_OPB)
-               : (2 * col_vb<D>() + COL_MWB > COL_TRB + COL_OPB ? 2 * col_vb<D>() + COL_MWB
-                                                                : COL_TRB + COL_OPB);
+template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
+    // h and dh rows of the block's columns [DC][D+8] each, then (phase 4) the
+    // three sub-chunk operands [64][DC+8] and their low parts [16][DC+8]
+    return (size_t)2 * DC * (D + 8) * 2 > (size_t)3 * (CH + SUB) * (DC + 8) * 2
+               ? (size_t)2 * DC * (D + 8) * 2
+               : (size_t)3 * (CH + SUB) * (DC + 8) * 2;
 }
 template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
     return (size_t)CH * DC * 4                // G
            + (size_t)CH * (DC + 4) * 4        // product staging
            + (size_t)2 * CH * (DC + 8) * 2    // q, k
-           + bwd_col_region<D>()              // the reused region above
-           + (size_t)(2 * CH + 2 * DC + COL_RSTEP * DC + CH * (DC / 32)) * 4; // small
+           + (size_t)CH * (D + 8) * 2         // dO'
+           + bwd_col_state_bytes<D>()         // h, dh -> sub-chunk operands
+           + (size_t)(2 * CH + DC + COL_RSTEP * DC + CH * (DC / 32)) * 4 // small
+           + (size_t)3 * (CH / SUB) * SUB * SUB * 2; // diagonal blocks (per-pair loop)
 }
 
 // One block per (chunk, sequence*head, DC columns of k). Each thread owns one
@@ -361,45 +333,33 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
 //   d(k e^G) = M^T dW (-> dk, dG), the decay e^{G_C} sum_v dS S (-> dG_C);
 // - the sub-chunk gradients through Aqk and Akk (dAqk, dAkk from kernel A);
 // - dg = reverse cumsum of dG (+ dG_C), then the gate: dz, dA_log, ddt_bias.
-// Every tensor-core operand is read from shared memory; the copies of dO, M, dW
-// and the phase-4 matrices are issued early (cp.async) and overlap earlier phases.
 template <int D, bool FACTORED>
 __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // q, k, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn [c][64][D]; dW [c][64][D];
     // M, dAqk, dAkk, dAkkB [c][64][64]; this block: columns cb*DC .. +DC-1
     constexpr int NT = BWD_NT, LD = D + 8, LDC = DC + 8, LDS = DC + 4, TDC = DC / 16;
-    constexpr int LDM = CH + 8;
     constexpr int RSTEP = COL_RSTEP, RPT = CH / RSTEP, IPB = SUB / RSTEP;
-    constexpr size_t VB = col_vb<D>();
-    static_assert(COL_TRB <= 2 * VB, "kernel B: phase-4 matrices clear of M and dW");
-    static_assert(VB % 128 == 0 && COL_TRB % 128 == 0, "kernel B: aligned regions");
     extern __shared__ __align__(128) unsigned char smem[];
     float *sG = reinterpret_cast<float *>(smem);              // [64][DC]
     float *sStage = sG + CH * DC;                             // [64][LDS]
     bf16 *sQ = reinterpret_cast<bf16 *>(sStage + CH * LDS);   // [64][LDC]
     bf16 *sK = sQ + CH * LDC;                                 // [64][LDC]
-    unsigned char *RS = reinterpret_cast<unsigned char *>(sK + CH * LDC);
-    // the reused region (bwd_col_region): load .. dQg
-    bf16 *sVn = reinterpret_cast<bf16 *>(RS);                 // [64][LD] V', then dO'
-    bf16 *sdO = sVn;
-    bf16 *sHs = reinterpret_cast<bf16 *>(RS + VB);            // [DC][LD] h rows
-    bf16 *sDh = reinterpret_cast<bf16 *>(RS + 2 * VB);        // [DC][LD] dh rows
-    // after dKd .. M^T dW (dh dead)
-    bf16 *sM = reinterpret_cast<bf16 *>(RS + 2 * VB);         // [64][LDM] M
-    bf16 *sdW = sM + CH * LDM;                                // [64][LDC] dW columns
-    // after dQg .. phase 4 (dO', h dead): the lower blocks, layout trib_off/trib_ld
-    bf16 *sdAqk = reinterpret_cast<bf16 *>(RS);
-    bf16 *sdAkk = sdAqk + TRIB_ELEMS, *sdAkkB = sdAkk + TRIB_ELEMS;
-    // after M^T dW (M, dW dead): phase 4's operands
-    bf16 *sKbOp = reinterpret_cast<bf16 *>(RS + COL_TRB), *sQaOp = sKbOp + CH * LDC;
+    bf16 *sdO = sK + CH * LDC;                                // [64][LD] V', then dO'
+    bf16 *sVn = sdO;
+    unsigned char *RS = reinterpret_cast<unsigned char *>(sdO + CH * LD);
+    // phase 1: h and dh rows of the block's columns; phase 4: operands
+    bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
+    bf16 *sKbOp = reinterpret_cast<bf16 *>(RS), *sQaOp = sKbOp + CH * LDC;
     bf16 *sKaOp = sQaOp + CH * LDC;
     bf16 *sKbLo = sKaOp + CH * LDC, *sQaLo = sKbLo + SUB * LDC, *sKaLo = sQaLo + SUB * LDC;
-    float *sBeta = reinterpret_cast<float *>(RS + bwd_col_region<D>()); // [64]
+    float *sBeta = reinterpret_cast<float *>(RS + bwd_col_state_bytes<D>()); // [64]
     float *sdAqkDiag = sBeta + CH;                            // [64]
     float *sdGC = sdAqkDiag + CH;                             // [DC] gradient of G_C
-    float *sDecay = sdGC + DC;                                // [DC] sum_v dS S per row
-    float *sGcPart = sDecay + DC;                             // [RSTEP][DC]
+    float *sGcPart = sdGC + DC;                               // [RSTEP][DC]
     float *sBetaPart = sGcPart + RSTEP * DC;                  // [64][DC/32]
+    // softplus: the 16x16 diagonal blocks of dAqk, dAkk, Diag(beta) dAkk [3][4][16][16],
+    // read element by element by the per-pair loop (the factored path reads none)
+    bf16 *sDiag = reinterpret_cast<bf16 *>(sBetaPart + CH * (DC / 32));
 
     const int n = blockIdx.x, bh = blockIdx.y, cb = blockIdx.z, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -422,6 +382,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_rows<DC, NT>(sK, LDC, p.k + cbase, rs, CH, nvalid);
     cp_rows<DC, NT>(sZ, LDC, p.z + cbase, rs, CH, nvalid);
     cp_rows<D, NT>(sVn, LD, p.vn + c * CH * D, D, CH, CH);
+    if (!FACTORED) {
+        for (int idx = tid; idx < 3 * CH * 2; idx += NT) { // 16-byte halves of block rows
+            const int mat = idx / (CH * 2), r = (idx / 2) % CH, half = idx % 2, blk = r / SUB;
+            const bf16 *src = mat == 0 ? dAqkg : mat == 1 ? dAkkg : dAkkBg;
+            cp_async16(sDiag + ((mat * (CH / SUB) + blk) * SUB + r % SUB) * SUB + half * 8,
+                       src + (size_t)r * CH + blk * SUB + half * 8, true);
+        }
+    }
     cp_async_commit();
     if (tid < CH) {
         sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
@@ -463,21 +431,8 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         mma_tile<RM, CM>(acc, sVn + i0 * LD, LD, sDh + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    // decay of the state: sum_v dS[d,v] S[d,v] (a warp per row; added to dG_C
-    // below, after the dKd part, as e^{G_C} times this sum)
-    for (int dd = warp; dd < DC; dd += NT / 32) {
-        float acc = 0.f;
-        for (int v = lane; v < D; v += 32)
-            acc += __bfloat162float(sDh[dd * LD + v]) * __bfloat162float(sHs[dd * LD + v]);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) sDecay[dd] = acc;
-    }
-    __syncthreads(); // V' and dh are dead: dO replaces V', M and dW take dh's place
+    __syncthreads(); // V' is dead: dO replaces it while dKd is consumed
     cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
-    cp_async_commit();
-    cp_rows<CH, NT>(sM, LDM, Mg, CH, CH, CH);
-    cp_rows<DC, NT>(sdW, LDC, dWg, D, CH, CH);
     cp_async_commit();
     {
         float gc = 0.f;
@@ -492,13 +447,12 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         }
         sGcPart[r0 * DC + d] = gc; // summed in a fixed order below: deterministic
     }
-    cp_async_wait<1>(); // dO has landed (M and dW may still be in flight)
+    cp_async_wait<0>(); // dO has landed
     __syncthreads();
     for (int dd = tid; dd < DC; dd += NT) {
         float acc = 0.f;
         for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * DC + dd];
         sdGC[dd] += acc;
-        sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * sDecay[dd];
     }
     for (int idx = tid; idx < CH * D; idx += NT) { // dO' = scale dO
         int r = idx / D, dd = idx % D;
@@ -513,11 +467,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    __syncthreads(); // dO' and h are dead: the phase-4 matrices take their place
-    cp_lower_blocks<NT>(sdAqk, dAqkg);
-    cp_lower_blocks<NT>(sdAkk, dAkkg);
-    cp_lower_blocks<NT>(sdAkkB, dAkkBg);
-    cp_async_commit();
+    __syncthreads();
 #pragma unroll
     for (int i = 0; i < RPT; i++) {
         int r = r0 + RSTEP * i;
@@ -525,17 +475,25 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         dq[i] += val;
         dG[i] += val * __bfloat162float(sQ[r * LDC + d]);
     }
-    cp_async_wait<1>(); // M and dW have landed (the phase-4 matrices may be in flight)
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
     for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
         int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<CM, RM>(acc, sM + i0, LDM, sdW + j0, LDC, CH / 16);
+        mma_tile<CM, RM>(acc, Mg + i0, CH, dWg + j0, D, CH / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    __syncthreads(); // M and dW are dead: the region takes the sub-chunk operands
+    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (a warp per row)
+    for (int dd = warp; dd < DC; dd += NT / 32) {
+        float acc = 0.f;
+        for (int v = lane; v < D; v += 32)
+            acc += __bfloat162float(sDh[dd * LD + v]) * __bfloat162float(sHs[dd * LD + v]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
+    }
+    __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
 #pragma unroll
     for (int i = 0; i < RPT; i++) {
         int r = r0 + RSTEP * i;
@@ -579,40 +537,32 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
                 sKaLo[(i - n0) * LDC + dd] = __float2bfloat16(xk - __bfloat162float(hk));
             }
         }
-        if (pb == 0) cp_async_wait<0>(); // the phase-4 matrices have landed
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
         const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
-        // row block p of dAqk, dAkk, Diag(beta) dAkk: blocks (p, t), t <= p
-        const bf16 *rAqk = sdAqk + trib_off(pb), *rAkk = sdAkk + trib_off(pb);
-        const bf16 *rAkkB = sdAkkB + trib_off(pb);
-        const int ldp = trib_ld(pb);
         for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
             int o = tt / TDC, j0 = (tt % TDC) * 16;
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
-            if (o == 0) {
-                mma_tile<RM, RM>(acc, rAqk, ldp, sKbOp + j0, LDC, nq);
-            } else if (o == 1) {
-                mma_tile<RM, RM>(acc, rAkk, ldp, sKbOp + j0, LDC, nq);
-            } else if (o == 2) { // blocks (s, p), s >= s0, transposed
-                for (int s = s0; s < CH / SUB; s++)
-                    mma_tile<CM, RM>(acc, sdAqk + trib_off(s) + n0, trib_ld(s),
-                                     sQaOp + s * SUB * LDC + j0, LDC, 1);
-            } else {
-                for (int s = s0; s < CH / SUB; s++)
-                    mma_tile<CM, RM>(acc, sdAkkB + trib_off(s) + n0, trib_ld(s),
-                                     sKaOp + s * SUB * LDC + j0, LDC, 1);
-            }
+            if (o == 0)
+                mma_tile<RM, RM>(acc, dAqkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+            else if (o == 1)
+                mma_tile<RM, RM>(acc, dAkkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+            else if (o == 2)
+                mma_tile<CM, RM>(acc, dAqkg + s0 * SUB * CH + n0, CH,
+                                 sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
+            else
+                mma_tile<CM, RM>(acc, dAkkBg + s0 * SUB * CH + n0, CH,
+                                 sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             if (FACTORED) { // the diagonal block's low parts
                 if (o == 0)
-                    mma_tile<RM, RM>(acc, rAqk + n0, ldp, sKbLo + j0, LDC, 1);
+                    mma_tile<RM, RM>(acc, dAqkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
                 else if (o == 1)
-                    mma_tile<RM, RM>(acc, rAkk + n0, ldp, sKbLo + j0, LDC, 1);
+                    mma_tile<RM, RM>(acc, dAkkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
                 else if (o == 2)
-                    mma_tile<CM, RM>(acc, rAqk + n0, ldp, sQaLo + j0, LDC, 1);
+                    mma_tile<CM, RM>(acc, dAqkg + n0 * CH + n0, CH, sQaLo + j0, LDC, 1);
                 else
-                    mma_tile<CM, RM>(acc, rAkkB + n0, ldp, sKaLo + j0, LDC, 1);
+                    mma_tile<CM, RM>(acc, dAkkBg + n0 * CH + n0, CH, sKaLo + j0, LDC, 1);
             }
             wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
         }
@@ -627,21 +577,23 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             float cq = sStage[(2 * SUB + rl) * LDS + d] * __expf(sG[m * DC + d] - Gr);
             float ck = sStage[(3 * SUB + rl) * LDS + d] * __expf(sG[m * DC + d] - Gr);
             if (!FACTORED) {
-                // Softplus fallback: the diagonal block per position pair
-                // (dAqk, dAkk, dAkkB of the diagonal block: row block p, columns n0 ..)
+                // Softplus fallback: the diagonal block per position pair, its
+                // dAqk, dAkk, Diag(beta) dAkk entries from the staged blocks
+                const bf16 *bq = sDiag + pb * SUB * SUB, *bk = bq + CH / SUB * SUB * SUB;
+                const bf16 *bkb = bk + CH / SUB * SUB * SUB;
                 for (int jj = 0; jj < SUB; jj++) {
                     const int j = n0 + jj;
                     if (j < r) {
                         float e = __expf(Gr - sG[j * DC + d]);
                         float kj = __bfloat162float(sK[j * LDC + d]) * e;
-                        rq += __bfloat162float(rAqk[rl * ldp + j]) * kj;
-                        rk += __bfloat162float(rAkk[rl * ldp + j]) * kj;
+                        rq += __bfloat162float(bq[rl * SUB + jj]) * kj;
+                        rk += __bfloat162float(bk[rl * SUB + jj]) * kj;
                     }
                     if (j > r) {
                         float e = __expf(sG[j * DC + d] - Gr);
-                        cq += __bfloat162float(rAqk[jj * ldp + r]) *
+                        cq += __bfloat162float(bq[jj * SUB + rl]) *
                               __bfloat162float(sQ[j * LDC + d]) * e;
-                        ck += __bfloat162float(rAkkB[jj * ldp + r]) *
+                        ck += __bfloat162float(bkb[jj * SUB + rl]) *
                               __bfloat162float(sK[j * LDC + d]) * e;
                     }
                 }
@@ -724,8 +676,6 @@ template <int D> __global__ void kda_bwd_dbeta_kernel(Params p) {
 // Two blocks per SM: 228 KB of shared memory per SM, 1 KB of it reserved per block.
 static_assert(bwd_tri_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel A: two blocks per SM");
 static_assert(bwd_col_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel B: two blocks per SM");
-static_assert(bwd_tri_smem<64>() + 1024 <= 228 * 1024 / 2, "kernel A: two blocks per SM");
-static_assert(bwd_col_smem<64>() + 1024 <= 228 * 1024 / 2, "kernel B: two blocks per SM");
 
 // Launch with the largest shared-memory carveout, so that two blocks fit.
 template <typename Kern>

@@ -5,6 +5,9 @@
 // The next chunk's operands (w, qg, kd, aqk, the U or dO tile, e^{G_C}) are
 // copied to shared memory with cp.async while the current chunk computes
 // (two stages). SPEC §2 "Chunked form"; docs/cuda.md.
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "kda_common.cuh"
 
 namespace lmkda {
@@ -25,11 +28,12 @@ template <int NT> __device__ __forceinline__ void async_f32(float *dst, const fl
     for (int idx = threadIdx.x; idx < n / 4; idx += NT) cp_async16(dst + 4 * idx, src + 4 * idx, true);
 }
 
-// Shared-memory plan of both state kernels (bytes). Four warps per block: the
-// block's VT value columns form VT/16 row groups of the transposed state, and
-// each group's D channels are split over DS = 64/VT warps (DW = D/DS each).
+// Shared-memory plan of both state kernels (bytes). The block's VT value
+// columns form JG = VT/16 row groups of the transposed state, and each group's
+// D channels are split over DS = 64/VT warps (DW = D/DS each; one for VT >=
+// 64): four warps for VT <= 64, eight for VT = 128.
 template <int D, int VT> struct StatePlan {
-    static constexpr int DS = 64 / VT, JG = VT / 16, NW = 4, DW = D / DS;
+    static constexpr int DS = VT >= 64 ? 1 : 64 / VT, JG = VT / 16, NW = JG * DS, DW = D / DS;
     static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8, RLD = CH + 8;
     // one stage: w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}
     static constexpr size_t stage = (size_t)3 * CH * LD * 2 + (size_t)CH * LDA * 2 +
@@ -78,9 +82,9 @@ __device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src
 // warps through shared memory, in slice order (deterministic).
 // SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
 template <int D, int VT, bool SAVE>
-__global__ void __launch_bounds__(128, 1) kda_fwd_state_kernel(Params p) {
+__global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_kernel(Params p) {
     using P = StatePlan<D, VT>;
-    constexpr int NT = 128, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
+    constexpr int NT = P::NW * 32, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
     constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *stage0 = smem;
@@ -288,9 +292,9 @@ __global__ void __launch_bounds__(128, 1) kda_fwd_state_kernel(Params p) {
 //   dV'^T = dS^T Kd^T + scale dO^T Aqk,
 //   dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W.
 template <int D, int VT>
-__global__ void __launch_bounds__(128, 1) kda_bwd_state_kernel(Params p) {
+__global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_kernel(Params p) {
     using P = StatePlan<D, VT>;
-    constexpr int NT = 128, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
+    constexpr int NT = P::NW * 32, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
     constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *stage0 = smem;
@@ -462,35 +466,54 @@ __global__ void __launch_bounds__(128, 1) kda_bwd_state_kernel(Params p) {
     }
 }
 
-// Value-tile width: the narrowest of 16, 32, 64 whose blocks still fit in one
-// wave on the device (one block per SM: the two stages fill shared memory);
-// 64 when even that needs several waves. Narrow tiles shorten each chunk's
-// step on the sequential path when there are few sequences and heads.
+// Value-tile width: the narrowest of 16, 32, 64 and 128 (at most D) whose
+// blocks still fit in one wave on the device (one block per SM: the two stages
+// fill shared memory); D when even that needs several waves. Narrow tiles
+// shorten each chunk's step on the sequential path when there are few
+// sequences and heads; wide ones read each chunk's operands fewer times.
 int state_tile_width(int BH, int D) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess)
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    for (int vt = 16; vt <= 64 && vt <= D; vt *= 2)
+    for (int vt = 16; vt <= D; vt *= 2)
         if ((long long)BH * (D / vt) <= sms) return vt;
-    return 64;
+    return D;
 }
 
 template <int D, int VT>
 static cudaError_t launch_state(const Params &p, bool backward, bool save, cudaStream_t s) {
+    constexpr int NT = StatePlan<D, VT>::NW * 32;
     dim3 grid(D / VT, p.B * p.H);
     size_t sm = StatePlan<D, VT>::total;
-    if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, 128, sm, s, p);
-    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true>, grid, 128, sm, s, p);
-    return launch_with_smem(kda_fwd_state_kernel<D, VT, false>, grid, 128, sm, s, p);
+    if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, NT, sm, s, p);
+    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true>, grid, NT, sm, s, p);
+    return launch_with_smem(kda_fwd_state_kernel<D, VT, false>, grid, NT, sm, s, p);
+}
+
+// LONGMOE_KDA_STATE_VT=16|32|64|128 (at most D) forces the width: for tests
+// and tuning. Any other value is reported once and ignored.
+static int state_tile_override(int D) {
+    const char *e = getenv("LONGMOE_KDA_STATE_VT");
+    if (!e || !*e) return 0;
+    int v = atoi(e);
+    if ((v == 16 || v == 32 || v == 64 || v == 128) && v <= D) return v;
+    static bool warned = false;
+    if (!warned)
+        fprintf(stderr, "longmoe: LONGMOE_KDA_STATE_VT=%s ignored: use 16, 32, 64 or 128, at most "
+                        "the head dimension %d\n", e, D);
+    warned = true;
+    return 0;
 }
 
 static cudaError_t launch_state_any(const Params &p, int D, bool backward, bool save,
                                     cudaStream_t s) {
-    int vt = state_tile_width(p.B * p.H, D);
+    int vt = state_tile_override(D);
+    if (!vt) vt = state_tile_width(p.B * p.H, D);
     if (D == 128) {
         if (vt == 16) return launch_state<128, 16>(p, backward, save, s);
         if (vt == 32) return launch_state<128, 32>(p, backward, save, s);
-        return launch_state<128, 64>(p, backward, save, s);
+        if (vt == 64) return launch_state<128, 64>(p, backward, save, s);
+        return launch_state<128, 128>(p, backward, save, s);
     }
     if (vt == 16) return launch_state<64, 16>(p, backward, save, s);
     if (vt == 32) return launch_state<64, 32>(p, backward, save, s);
