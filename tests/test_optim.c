@@ -421,6 +421,42 @@ static void test_muon_matches_float64_nesterov_reference(void) {
     printf("  Muon vs float64: worst relative error of the 3-step weight change %.3g\n", worst);
 }
 
+/* Blocks (heads, experts) updated on several threads at once, each in its own scratch
+ * area, give the same weights and momentum, bit for bit, as one after the other. */
+static void test_muon_blocks_in_parallel_equal_sequential(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 909);
+    enum { NB = 7, RB = 12, COLS = 40, N = NB * RB * COLS };
+    static float w1[N], w2[N], m1[N], m2[N], g[N];
+    fill(&r, w1, N, 0.1);
+    memcpy(w2, w1, sizeof w1);
+    memset(m1, 0, sizeof m1);
+    memset(m2, 0, sizeof m2);
+    const size_t per = lm_newton_schulz_scratch_floats(RB, COLS);
+    float *s1 = alloc_f(per), *s2 = alloc_f(NB * per);
+    lm_optim_config cfg = lm_optim_config_default();
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(4);
+    CHECK(lm_muon_scratch_floats(NB * RB, COLS, NB) == 4 * per, "one area per thread (%zu)",
+          lm_muon_scratch_floats(NB * RB, COLS, NB));
+    for (int t = 0; t < 3; t++) {
+        fill(&r, g, N, 1.0);
+        CHECK(lm_muon_update(w1, g, m1, NB * RB, COLS, NB, 0.02f, 0.1f, &cfg, s1, per) == LM_OK,
+              "%s", lm_last_error());
+        CHECK(lm_muon_update(w2, g, m2, NB * RB, COLS, NB, 0.02f, 0.1f, &cfg, s2, NB * per) ==
+                  LM_OK,
+              "%s", lm_last_error());
+    }
+    omp_set_num_threads(saved);
+    CHECK(memcmp(w1, w2, sizeof w1) == 0, "weights differ between 1 and 4 threads");
+    CHECK(memcmp(m1, m2, sizeof m1) == 0, "momentum differs between 1 and 4 threads");
+    CHECK(lm_muon_update(w1, g, m1, NB * RB, COLS, NB, 0.02f, 0.1f, &cfg, s1, per - 1) ==
+              LM_ERR_ARG,
+          "a scratch smaller than one block must be refused");
+    free(s1);
+    free(s2);
+}
+
 /* Per-head Muon on a [H*hd, d_in] projection equals Muon run on each head's
  * slice as its own parameter (bit for bit), and differs from whole-matrix Muon. */
 static void test_muon_per_head_equals_separate_slices_and_differs_from_whole(void) {
@@ -441,7 +477,10 @@ static void test_muon_per_head_equals_separate_slices_and_differs_from_whole(voi
     lm_param pc = lm_param_matrix("wq", wc, g, H * HD, DIN, LM_PARAM_MATRIX);
     size_t nsa = lm_optim_scratch_floats(&pa, 1), nsb = lm_optim_scratch_floats(pb, H),
            nsc = lm_optim_scratch_floats(&pc, 1);
-    CHECK(nsa == nsb && nsa == lm_newton_schulz_scratch_floats(HD, DIN), "per-head scratch");
+    CHECK(nsb == lm_newton_schulz_scratch_floats(HD, DIN) &&
+              nsa == lm_muon_scratch_floats(H * HD, DIN, H) && nsa >= nsb &&
+              nsa % nsb == 0,
+          "per-head scratch: one Newton-Schulz area per head that can run at once");
     CHECK(nsc > nsa, "whole-matrix scratch is larger");
     float *scr = alloc_f(nsc);
     lm_optim_config cfg = lm_optim_config_default();
@@ -898,6 +937,7 @@ int main(void) {
     RUN(test_muon_update_has_documented_rms_scale);
     RUN(test_muon_matches_float64_nesterov_reference);
     RUN(test_muon_per_head_equals_separate_slices_and_differs_from_whole);
+    RUN(test_muon_blocks_in_parallel_equal_sequential);
     RUN(test_grad_clip_norm_and_clipped_norm);
     RUN(test_qk_clip_scales_only_heads_above_tau);
     RUN(test_qk_clip_mla_with_rope_scales_logits_by_eta);

@@ -107,8 +107,9 @@ lm_status lm_optim_config_check(const lm_optim_config *cfg);
  * parameters 0..i-1; AdamW's m comes before its v. */
 size_t lm_param_state_floats(const lm_param *p);
 size_t lm_optim_state_floats(const lm_param *params, int n_params);
-/* Floats of Newton–Schulz scratch: the largest 2*m*n + 2*m*m over the Muon blocks
- * (m = min, n = max of the block's dims); 0 when no parameter uses Muon. */
+/* Floats of Newton–Schulz scratch: the largest lm_muon_scratch_floats over the Muon
+ * parameters (2*m*n + 2*m*m per block, m = min, n = max of the block's dims, times
+ * the blocks that can run at once); 0 when no parameter uses Muon. */
 size_t lm_optim_scratch_floats(const lm_param *params, int n_params);
 
 typedef struct {
@@ -117,6 +118,7 @@ typedef struct {
     int n_params;
     float *state;          /* borrowed, lm_optim_state_floats() floats */
     float *scratch;        /* borrowed, lm_optim_scratch_floats() floats */
+    size_t scratch_floats; /* its size as given to lm_optimizer_init */
     int64_t step;          /* steps taken; AdamW's bias correction uses step after increment */
 } lm_optimizer;
 
@@ -142,10 +144,16 @@ void lm_adamw_update(float *w, const float *g, float *m, float *v, int64_t n, fl
 /* Muon on a [rows, cols] matrix split into n_blocks row slices:
  *   buf = mu buf + g;  u = g + mu buf (Nesterov) or u = buf
  *   O = NS5(u_block) per block;  w -= lr * (0.2 sqrt(max(rb, cols)) O + wd w)
- * where rb = rows / n_blocks. `scratch` holds lm_newton_schulz_scratch_floats(rb, cols). */
+ * where rb = rows / n_blocks. `scratch` holds `scratch_floats` floats, at least
+ * lm_newton_schulz_scratch_floats(rb, cols); with room for k such areas, up to k
+ * blocks run at once on OpenMP threads (lm_muon_scratch_floats gives room for one per
+ * thread). The result is the same, bit for bit, for any k and thread count. */
 lm_status lm_muon_update(float *w, const float *g, float *momentum, int64_t rows, int64_t cols,
                          int n_blocks, float lr, float wd, const lm_optim_config *cfg,
-                         float *scratch);
+                         float *scratch, size_t scratch_floats);
+/* Floats of scratch for lm_muon_update on [rows, cols] in n_blocks blocks: one
+ * Newton–Schulz area per block that can run at once (min(n_blocks, OpenMP threads)). */
+size_t lm_muon_scratch_floats(int64_t rows, int64_t cols, int n_blocks);
 
 /* Floats of scratch lm_newton_schulz needs for a [rows, cols] input. */
 size_t lm_newton_schulz_scratch_floats(int64_t rows, int64_t cols);

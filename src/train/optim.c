@@ -8,6 +8,7 @@
 #include "longmoe/optim.h"
 
 #include <math.h>
+#include <omp.h>
 #include <string.h>
 
 /* Quintic Newton–Schulz coefficients (Keller Jordan's Muon; docs/optim.md). */
@@ -130,12 +131,20 @@ size_t lm_newton_schulz_scratch_floats(int64_t rows, int64_t cols) {
     return 2 * m * n + 2 * m * m;
 }
 
+size_t lm_muon_scratch_floats(int64_t rows, int64_t cols, int n_blocks) {
+    if (n_blocks < 1) n_blocks = 1;
+    int slots = omp_get_max_threads();
+    if (slots > n_blocks) slots = n_blocks;
+    if (slots < 1) slots = 1;
+    return (size_t)slots * lm_newton_schulz_scratch_floats(rows / n_blocks, cols);
+}
+
 size_t lm_optim_scratch_floats(const lm_param *params, int n_params) {
     size_t s = 0;
     for (int i = 0; i < n_params; i++) {
         const lm_param *p = &params[i];
         if (lm_param_optimizer(p) != LM_OPT_MUON) continue;
-        size_t need = lm_newton_schulz_scratch_floats(p->rows / param_blocks(p), p->cols);
+        size_t need = lm_muon_scratch_floats(p->rows, p->cols, param_blocks(p));
         if (need > s) s = need;
     }
     return s;
@@ -212,13 +221,19 @@ static double sum_squares_fixed(const float *x, int64_t n) {
 
 /* C[r, :] += sum_k L[r, k] * R[k, :] for r < nr: C (nr, nc), L (nr, nk), R (nk, nc),
  * row-major. Each output row belongs to one thread and is accumulated over k in
- * ascending order, so the result does not depend on the thread count. */
-static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int64_t nk,
-                      int64_t nc, int par) {
+ * ascending order, so the result does not depend on the thread count.
+ * lower = 1 (square C, symmetric result): a task of rows r0.. computes only the
+ * columns j < r0 + LM_GEMM_ROWS, then the strict upper triangle is copied from the
+ * lower. Each C[i][j] and C[j][i] sum the same products in the same order, so the
+ * copy equals what the full product would have computed, bit for bit. */
+static void rows_gemm_part(float *C, const float *L, const float *R, int64_t nr, int64_t nk,
+                           int64_t nc_all, int par, int lower) {
     int64_t ntask = (nr + LM_GEMM_ROWS - 1) / LM_GEMM_ROWS;
 #pragma omp parallel for schedule(static) if (par)
     for (int64_t t = 0; t < ntask; t++) {
         int64_t r0 = t * LM_GEMM_ROWS, nrow = nr - r0 < LM_GEMM_ROWS ? nr - r0 : LM_GEMM_ROWS;
+        const int64_t nc = nc_all;
+        const int64_t ncol = lower && r0 + nrow < nc ? r0 + nrow : nc; // columns computed
         if (nrow == LM_GEMM_ROWS) {
             float *c0 = C + r0 * nc, *c1 = c0 + nc, *c2 = c1 + nc, *c3 = c2 + nc;
             const float *l0 = L + r0 * nk, *l1 = l0 + nk, *l2 = l1 + nk, *l3 = l2 + nk;
@@ -226,7 +241,7 @@ static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int6
                 const float *rk = R + k * nc;
                 float a0 = l0[k], a1 = l1[k], a2 = l2[k], a3 = l3[k];
 #pragma omp simd
-                for (int64_t j = 0; j < nc; j++) {
+                for (int64_t j = 0; j < ncol; j++) {
                     float x = rk[j];
                     c0[j] += a0 * x;
                     c1[j] += a1 * x;
@@ -241,10 +256,18 @@ static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int6
                     float a = L[r * nk + k];
                     float *c = C + r * nc;
 #pragma omp simd
-                    for (int64_t j = 0; j < nc; j++) c[j] += a * rk[j];
+                    for (int64_t j = 0; j < ncol; j++) c[j] += a * rk[j];
                 }
         }
     }
+    if (lower)
+        for (int64_t i = 0; i < nr; i++)
+            for (int64_t j = i + 1; j < nc_all; j++) C[i * nc_all + j] = C[j * nc_all + i];
+}
+
+static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int64_t nk,
+                      int64_t nc, int par) {
+    rows_gemm_part(C, L, R, nr, nk, nc, par, 0);
 }
 
 /* Run `steps` quintic Newton–Schulz iterations on X = scratch[0, m*n) (m <= n),
@@ -258,11 +281,12 @@ static const float *ns_iterate(float *scratch, int64_t m, int64_t n, int steps) 
 #pragma omp parallel for schedule(static) if (par)
         for (int64_t c = 0; c < n; c++)
             for (int64_t i = 0; i < m; i++) Y[c * m + i] = X[i * n + c];
+        // (A and A A are symmetric: their lower triangles are computed, then copied)
         memset(A, 0, (size_t)(m * m) * sizeof(float));
-        rows_gemm(A, X, Y, m, n, m, par);
+        rows_gemm_part(A, X, Y, m, n, m, par, 1);
         // B = b A + c A A
         memset(B, 0, (size_t)(m * m) * sizeof(float));
-        rows_gemm(B, A, A, m, m, m, par);
+        rows_gemm_part(B, A, A, m, m, m, par, 1);
         for (int64_t i = 0; i < m * m; i++) B[i] = LM_NS_B * A[i] + LM_NS_C * B[i];
         // Y = a X + B X
         for (int64_t i = 0; i < m * n; i++) Y[i] = LM_NS_A * X[i];
@@ -334,7 +358,7 @@ void lm_adamw_update(float *w, const float *g, float *m, float *v, int64_t n, fl
 
 lm_status lm_muon_update(float *w, const float *g, float *momentum, int64_t rows, int64_t cols,
                          int n_blocks, float lr, float wd, const lm_optim_config *cfg,
-                         float *scratch) {
+                         float *scratch, size_t scratch_floats) {
     // w, g, momentum are (rows, cols), split into n_blocks slices of (rows/n_blocks, cols)
     if (!w || !g || !momentum || !scratch || !cfg)
         return lm_error(LM_ERR_ARG, "muon: w, g, momentum, scratch and cfg must not be NULL");
@@ -343,16 +367,28 @@ lm_status lm_muon_update(float *w, const float *g, float *momentum, int64_t rows
         return lm_error(LM_ERR_ARG, "muon: shape [%lld, %lld] with %d blocks is invalid",
                         (long long)rows, (long long)cols, n_blocks);
     int64_t rb = rows / n_blocks;
+    const size_t per = lm_newton_schulz_scratch_floats(rb, cols);
+    if (scratch_floats < per)
+        return lm_error(LM_ERR_ARG, "muon: scratch has %zu floats, a [%lld, %lld] block needs %zu",
+                        scratch_floats, (long long)rb, (long long)cols, per);
+    // Blocks (heads, experts) are independent: with room for several scratch areas they
+    // run on separate threads, one area each. Every block computes the same thing
+    // whichever thread takes it, so the result does not depend on the thread count.
+    int slots = (int)(scratch_floats / per < (size_t)n_blocks ? scratch_floats / per
+                                                                : (size_t)n_blocks);
+    if (slots > omp_get_max_threads()) slots = omp_get_max_threads();
+    if (slots < 1) slots = 1;
     int tr = rb > cols;
     int64_t m = tr ? cols : rb, n = tr ? rb : cols;
     float mu = cfg->muon_momentum;
     // update RMS matched to AdamW [MUON]: 0.2 * sqrt(max(rows, cols)) of the block
     float scale = (float)((double)cfg->muon_rms_scale * sqrt((double)(rb > cols ? rb : cols)));
     int par = m * n >= LM_PARALLEL_MIN;
+#pragma omp parallel for schedule(static) num_threads(slots) if (slots > 1)
     for (int b = 0; b < n_blocks; b++) {
         float *wb = w + (size_t)b * rb * cols, *mb = momentum + (size_t)b * rb * cols;
         const float *gb = g + (size_t)b * rb * cols;
-        float *X = scratch;
+        float *X = scratch + (size_t)omp_get_thread_num() * per;
         // momentum buf = mu buf + g; Nesterov look-ahead u = g + mu buf (docs/optim.md)
 #pragma omp parallel for schedule(static) if (par)
         for (int64_t r = 0; r < rb; r++)
@@ -363,7 +399,7 @@ lm_status lm_muon_update(float *w, const float *g, float *momentum, int64_t rows
                 X[tr ? c * n + r : r * n + c] = cfg->muon_nesterov ? gb[i] + mu * buf : buf;
             }
         ns_normalise(X, m * n, cfg->muon_ns_eps);
-        const float *O = ns_iterate(scratch, m, n, cfg->muon_ns_steps);
+        const float *O = ns_iterate(X, m, n, cfg->muon_ns_steps);
         // w -= lr * (scale * O + wd * w)   (decoupled weight decay)
 #pragma omp parallel for schedule(static) if (par)
         for (int64_t r = 0; r < rb; r++)
@@ -406,6 +442,7 @@ lm_status lm_optimizer_init(lm_optimizer *opt, const lm_optim_config *cfg, lm_pa
     opt->n_params = n_params;
     opt->state = state;
     opt->scratch = scratch;
+    opt->scratch_floats = scratch ? scratch_floats : 0;
     opt->step = 0;
     if (need_state) memset(state, 0, need_state * sizeof(float));
     return LM_OK;
@@ -424,7 +461,8 @@ lm_status lm_optimizer_step(lm_optimizer *opt, float lr) {
         float wd = p->weight_decay ? c->weight_decay : 0.0f;
         if (lm_param_optimizer(p) == LM_OPT_MUON) {
             lm_status st = lm_muon_update(p->data, p->grad, opt->state + off, p->rows, p->cols,
-                                          param_blocks(p), lr, wd, c, opt->scratch);
+                                          param_blocks(p), lr, wd, c, opt->scratch,
+                                          opt->scratch_floats);
             if (st) return st;
         } else {
             lm_adamw_update(p->data, p->grad, opt->state + off, opt->state + off + n, n, lr,
