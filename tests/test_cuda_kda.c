@@ -544,6 +544,13 @@ static void test_rejects_unsupported_shapes(void) {
     CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "T = 0 must be refused");
     c.T = 5;
     CHECK(lm_kda_cuda_check(&c) == LM_OK, "a valid config must pass: %s", lm_last_error());
+    c.B = 2048;
+    c.H = 64; /* B*H = 131072: more than a grid's y dimension holds */
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "B*H > 65535 must be refused");
+    c.B = 1024; /* 65536 */
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "B*H = 65536 must be refused");
+    c.B = 1;
+    CHECK(lm_kda_cuda_check(&c) == LM_OK, "B 1, H 64 must pass: %s", lm_last_error());
 }
 
 int main(void) {

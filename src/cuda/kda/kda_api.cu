@@ -134,6 +134,10 @@ extern "C" lm_status lm_kda_cuda_check(const lm_kda_config *cfg) {
     if (cfg->K != cfg->V || (cfg->K != 64 && cfg->K != 128))
         return lm_error(LM_ERR_ARG, "kda cuda: supports K = V = 64 or 128 (got K=%d V=%d)",
                         cfg->K, cfg->V);
+    if ((long long)cfg->B * cfg->H > 65535)
+        return lm_error(LM_ERR_ARG, "kda cuda: B*H = %lld exceeds 65535 (the kernels' grid "
+                                    "y dimension); split the batch",
+                        (long long)cfg->B * cfg->H);
     if (cfg->chunk != 0 && cfg->chunk != CH)
         return lm_error(LM_ERR_ARG, "kda cuda: chunk must be 64 (got %d)", cfg->chunk);
     if (cfg->gate != LM_KDA_GATE_BOUNDED && cfg->gate != LM_KDA_GATE_SOFTPLUS)
