@@ -182,7 +182,8 @@ int cmd_demo(int argc, char **argv) {
     if (lm_config_load(config, &cfg)) return cli_fail("demo", "%s", lm_last_error());
     printf("training %s on built-in tasks: copy (\"<letters>|<the same letters>\\n\", repeated) and\n"
            "vcopy (the same across a gap). The second copy is predictable only by looking back: its\n"
-           "accuracy shows what the model learned. After each stage: passkey and MQAR grids.\n\n", config);
+           "accuracy shows what the model learned. After each stage: passkey and MQAR grids, retrieval\n"
+           "probes (docs/eval.md) that this preset does not train on: they stay at 0 here.\n\n", config);
     lm_train_options opt = lm_train_options_default(out);
     lm_train_result r;
     if (lm_train(&cfg, &opt, &r)) return cli_fail("demo", "%s", lm_last_error());
