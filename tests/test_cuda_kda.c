@@ -551,6 +551,35 @@ static void test_rejects_unsupported_shapes(void) {
     CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "B*H = 65536 must be refused");
     c.B = 1;
     CHECK(lm_kda_cuda_check(&c) == LM_OK, "B 1, H 64 must pass: %s", lm_last_error());
+    /* pointers that the 16-byte accesses cannot use: refused before any launch */
+    c = lm_kda_config_default(1, 70, 2, 64, 64);
+    const size_t n = (size_t)70 * 2 * 64, nf = 70 * 2 + 2 + 2 * 64;
+    const size_t wsb = lm_kda_cuda_workspace_bytes(&c, 1);
+    uint16_t *buf = NULL, *o = NULL;
+    float *f32 = NULL;
+    void *ws = NULL;
+    cudaCheck(cudaMalloc((void **)&buf, (4 * n + 8) * 2));
+    cudaCheck(cudaMalloc((void **)&o, (n + 8) * 2));
+    cudaCheck(cudaMalloc((void **)&f32, nf * 4));
+    cudaCheck(cudaMemset(buf, 0, (4 * n + 8) * 2));
+    cudaCheck(cudaMemset(f32, 0, nf * 4));
+    cudaCheck(cudaMalloc(&ws, wsb));
+    lm_kda_cuda_inputs in = {buf, buf + n, buf + 2 * n, buf + 3 * n, f32, f32 + 140, f32 + 142, NULL};
+    CHECK(lm_kda_cuda_chunk_forward(&c, &in, o, NULL, ws, wsb, NULL) == LM_OK, "aligned: %s",
+          lm_last_error());
+    in.k = buf + n + 1; /* 2 bytes off */
+    CHECK(lm_kda_cuda_chunk_forward(&c, &in, o, NULL, ws, wsb, NULL) == LM_ERR_ARG &&
+              strstr(lm_last_error(), "k must be 16-byte aligned"),
+          "a misaligned k must be refused by name: %s", lm_last_error());
+    in.k = buf + n;
+    CHECK(lm_kda_cuda_chunk_forward(&c, &in, o + 4, NULL, ws, wsb, NULL) == LM_ERR_ARG &&
+              strstr(lm_last_error(), "o must be 16-byte aligned"),
+          "a misaligned o must be refused by name: %s", lm_last_error());
+    cudaCheck(cudaDeviceSynchronize());
+    cudaCheck(cudaFree(buf));
+    cudaCheck(cudaFree(o));
+    cudaCheck(cudaFree(f32));
+    cudaCheck(cudaFree(ws));
 }
 
 int main(void) {

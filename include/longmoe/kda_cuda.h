@@ -58,7 +58,11 @@ size_t lm_kda_cuda_workspace_bytes(const lm_kda_config *cfg, int for_backward);
  * Given a workspace of at least lm_kda_cuda_workspace_bytes(cfg, 1) bytes
  * (training), it also keeps there what the backward needs (the triangular
  * inverse, the chunk states, V'), so that a backward on the same inputs and
- * workspace can skip its recomputation (forward_saved = 1 below). */
+ * workspace can skip its recomputation (forward_saved = 1 below).
+ * q, k, v, z, o, the workspace (and, for the backward, d_o, dq, dk, dv, dz)
+ * must be 16-byte aligned, as cudaMalloc's pointers are: the kernels move
+ * them in 16-byte pieces (misaligned pointers are refused with LM_ERR_ARG).
+ * B*H must be at most 65535. */
 lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
                                     uint16_t *o, float *ht, void *workspace,
                                     size_t workspace_bytes, void *stream);

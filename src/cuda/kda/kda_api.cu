@@ -1,6 +1,7 @@
 // The extern "C" API of the KDA CUDA kernels (include/longmoe/kda_cuda.h):
 // validation, the workspace plan, the launch sequences and host wrappers.
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -116,6 +117,20 @@ lm_status check_inputs(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, i
     return LM_OK;
 }
 
+// The chunked kernels move bf16 rows and workspace tiles in 16-byte pieces.
+bool misaligned(const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) != 0; }
+
+lm_status check_aligned(const char *what, const void *const *ptrs, const char *const *names,
+                        int n) {
+    for (int i = 0; i < n; i++)
+        if (ptrs[i] && misaligned(ptrs[i]))
+            return lm_error(LM_ERR_ARG, "kda cuda %s: %s must be 16-byte aligned (got %p); "
+                                        "cudaMalloc returns such pointers, offsets into a "
+                                        "buffer must be multiples of 8 bf16 elements",
+                            what, names[i], ptrs[i]);
+    return LM_OK;
+}
+
 lm_status launched(cudaError_t e, const char *what) {
     if (e != cudaSuccess)
         return lm_error(e == cudaErrorMemoryAllocation ? LM_ERR_MEMORY : LM_ERR_IO,
@@ -167,6 +182,11 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
     if (st) return st;
     if ((st = check_inputs(cfg, in, 1))) return st;
     if (!o) return lm_error(LM_ERR_ARG, "kda cuda forward: o is NULL");
+    {
+        const void *ptrs[] = {in->q, in->k, in->v, in->z, o, workspace};
+        const char *names[] = {"q", "k", "v", "z", "o", "the workspace"};
+        if ((st = check_aligned("forward", ptrs, names, 6))) return st;
+    }
     Plan pl = make_plan(cfg, 0);
     if (!workspace || workspace_bytes < pl.total)
         return lm_error(LM_ERR_ARG, "kda cuda forward: workspace of %zu bytes, need %zu",
@@ -197,6 +217,12 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
         !grads->dbeta || !grads->dA_log || !grads->ddt_bias)
         return lm_error(LM_ERR_ARG, "kda cuda backward: d_o and every gradient except dh0 are "
                                     "required (one is NULL)");
+    {
+        const void *ptrs[] = {in->q,     in->k,     in->v,     in->z,     d_o,
+                              grads->dq, grads->dk, grads->dv, grads->dz, workspace};
+        const char *names[] = {"q", "k", "v", "z", "d_o", "dq", "dk", "dv", "dz", "the workspace"};
+        if ((st = check_aligned("backward", ptrs, names, 10))) return st;
+    }
     Plan pl = make_plan(cfg, 1);
     if (!workspace || workspace_bytes < pl.total)
         return lm_error(LM_ERR_ARG, "kda cuda backward: workspace of %zu bytes, need %zu",
