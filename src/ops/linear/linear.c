@@ -71,36 +71,82 @@ void lm_matmul_forward(float *out, const float *inp, const float *weight, const 
     }
 }
 
+static inline void store8(float *p, v8f v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* C[r][i..i+32) += sum over k of a[r][k] * B[k][i..i+32), for 4 rows r and k
+ * ascending (a[r][k] = A[r * as + k * ak]; B rows at stride bs). The 16 vector
+ * sums stay in registers across k: each B vector loaded once serves 4 rows.
+ * Every element is updated in the same order as the one-row loop
+ * c[i] += a * b[i] over k, so the result is the same bit for bit. */
+static inline void axpy_block4x32(float *C, int64_t cs, const float *A, int64_t as, int64_t ak,
+                                  const float *B, int64_t bs, int64_t nk) {
+    v8f acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = load8(C + r * cs + 8 * v);
+    for (int64_t k = 0; k < nk; k++) {
+        const float *b = B + k * bs;
+        v8f b0 = load8(b), b1 = load8(b + 8), b2 = load8(b + 16), b3 = load8(b + 24);
+        for (int r = 0; r < 4; r++) {
+            float a = A[r * as + k * ak];
+            acc[r][0] += a * b0;
+            acc[r][1] += a * b1;
+            acc[r][2] += a * b2;
+            acc[r][3] += a * b3;
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < 4; v++) store8(C + r * cs + 8 * v, acc[r][v]);
+}
+
+/* The same for one row and columns [i0, i1) (the remainders). */
+static inline void axpy_row(float *c, const float *A, int64_t ak, const float *B, int64_t bs,
+                            int64_t nk, int64_t i0, int64_t i1) {
+    for (int64_t k = 0; k < nk; k++) {
+        float a = A[k * ak];
+        const float *b = B + k * bs;
+        for (int64_t i = i0; i < i1; i++) c[i] += a * b[i];
+    }
+}
+
 void lm_matmul_backward(float *dinp, float *dweight, float *dbias, const float *dout,
                         const float *inp, const float *weight, int64_t n, int ic, int oc) {
-    // dout is (n,oc); dinp (n,ic) += dout . weight; dweight (oc,ic) += dout^T . inp
+    // dout is (n,oc); dinp (n,ic) += dout . weight; dweight (oc,ic) += dout^T . inp.
+    // Each element of dinp sums over o ascending, each of dweight over r ascending
+    // (register blocks of 4 rows x 32 columns; the remainders one row at a time).
+    const int64_t ic32 = (int64_t)ic / 32 * 32;
     if (dinp) {
+        int64_t row_blocks = (n + 3) / 4;
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            const float *g = dout + r * oc;
-            float *dx = dinp + r * ic;
-            for (int o = 0; o < oc; o++) {
-                const float *w = weight + (size_t)o * ic;
-                float go = g[o];
-                for (int i = 0; i < ic; i++) dx[i] += go * w[i];
-            }
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            int64_t r0 = rb * 4, R = n - r0 < 4 ? n - r0 : 4;
+            const float *g = dout + r0 * oc;
+            float *dx = dinp + r0 * ic;
+            if (R == 4)
+                for (int64_t i = 0; i < ic32; i += 32)
+                    axpy_block4x32(dx + i, ic, g, oc, 1, weight + i, ic, oc);
+            for (int64_t r = 0; r < R; r++)
+                axpy_row(dx + r * ic, g + r * oc, 1, weight, ic, oc, R == 4 ? ic32 : 0, ic);
         }
     }
     if (dweight || dbias) {
         /* parallel over output rows: each thread owns whole rows of dweight */
+        int64_t o_blocks = ((int64_t)oc + 3) / 4;
 #pragma omp parallel for schedule(static)
-        for (int o = 0; o < oc; o++) {
-            float *dw = dweight ? dweight + (size_t)o * ic : NULL;
-            float db = 0.0f;
-            for (int64_t r = 0; r < n; r++) {
-                float go = dout[r * oc + o];
-                db += go;
-                if (dw) {
-                    const float *x = inp + r * ic;
-                    for (int i = 0; i < ic; i++) dw[i] += go * x[i];
+        for (int64_t ob = 0; ob < o_blocks; ob++) {
+            int64_t o0 = ob * 4, O = oc - o0 < 4 ? oc - o0 : 4;
+            if (dbias)
+                for (int64_t o = o0; o < o0 + O; o++) {
+                    float db = 0.0f;
+                    for (int64_t r = 0; r < n; r++) db += dout[r * oc + o];
+                    dbias[o] += db;
                 }
-            }
-            if (dbias) dbias[o] += db;
+            if (!dweight) continue;
+            float *dw = dweight + o0 * ic;
+            if (O == 4)
+                for (int64_t i = 0; i < ic32; i += 32)
+                    axpy_block4x32(dw + i, ic, dout + o0, 1, oc, inp + i, ic, n);
+            for (int64_t o = 0; o < O; o++)
+                axpy_row(dw + o * ic, dout + o0 + o, oc, inp, ic, n, O == 4 ? ic32 : 0, ic);
         }
     }
 }
