@@ -38,7 +38,38 @@ static void test_gate_experiment_writes_table_lines_and_reports(void) {
     CHECK(system(cmd) == 0, "cleanup");
 }
 
+/* --seed reaches every variant's run; a bad seed is refused by name. */
+static void test_cli_seed_overrides_the_preset(void) {
+    char dir[256];
+    snprintf(dir, sizeof dir, "/tmp/longmoe-test-experiment-seed-%ld", (long)getpid());
+    CHECK(mkdir(dir, 0755) == 0, "mkdir %s", dir);
+    lm_config c = test_micro_config();
+    c.seq_len = 24;
+    char *json = lm_config_to_json(&c);
+    CHECK(json != NULL, "%s", lm_last_error());
+    FILE *f = fopen(test_path(dir, "micro.json"), "w");
+    CHECK(f && fputs(json, f) >= 0 && fclose(f) == 0, "write micro.json");
+    free(json);
+    char args[1200];
+    snprintf(args, sizeof args, "experiment gate --preset %s --steps 2 --seed 77 --out %s",
+             test_path(dir, "micro.json"), test_path(dir, "runs"));
+    CHECK(test_run_cli(args, test_path(dir, "out.txt"), test_path(dir, "err.txt")) == 0,
+          "experiment with --seed ran");
+    CHECK(test_file_has(test_path(dir, "runs/bounded/config.json"), "\"seed\": 77") &&
+              test_file_has(test_path(dir, "runs/softplus/config.json"), "\"seed\": 77"),
+          "both variants trained with seed 77");
+    snprintf(args, sizeof args, "experiment gate --preset %s --steps 2 --seed -1 --out %s",
+             test_path(dir, "micro.json"), test_path(dir, "bad"));
+    CHECK(test_run_cli(args, test_path(dir, "out.txt"), test_path(dir, "err.txt")) == 2 &&
+              test_file_has(test_path(dir, "err.txt"), "--seed"),
+          "a negative seed is refused, naming --seed");
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0, "cleanup");
+}
+
 int main(void) {
     RUN(test_gate_experiment_writes_table_lines_and_reports);
+    RUN(test_cli_seed_overrides_the_preset);
     return test_summary();
 }
