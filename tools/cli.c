@@ -80,3 +80,16 @@ int cli_read_tensor(const char *cmd, const struct lm_safetensors *st, const char
     if (shape) memcpy(shape, got, (size_t)ndim * sizeof *shape);
     return 0;
 }
+
+int cli_group_help(int argc, char **argv, const char *usage) {
+    if (argc < 2) {
+        fputs(usage, stderr);
+        return 2;
+    }
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            fputs(usage, stdout);
+            return 0;
+        }
+    return -1;
+}

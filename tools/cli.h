@@ -39,6 +39,11 @@ struct lm_safetensors;
 int cli_read_tensor(const char *cmd, const struct lm_safetensors *st, const char *name, int ndim, const char *dims,
                     const int64_t *want, float **out, int64_t *shape);
 
+/* A command with subcommands (`longmoe data prepare ...`): with no subcommand
+ * prints `usage` to stderr and returns 2; with --help/-h anywhere prints it to
+ * stdout and returns 0; otherwise returns -1 (run the subcommand). */
+int cli_group_help(int argc, char **argv, const char *usage);
+
 /* The value following flag argv[*i]; NULL (with a message) if absent. */
 const char *cli_value(const char *cmd, int argc, char **argv, int *i);
 

@@ -78,15 +78,8 @@ done:
 }
 
 int cmd_data(int argc, char **argv) {
-    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-        fputs(data_usage, argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
-    }
-    for (int i = 2; i < argc; i++)
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            fputs(data_usage, stdout);
-            return 0;
-        }
+    int rc = cli_group_help(argc, argv, data_usage);
+    if (rc >= 0) return rc;
     if (!strcmp(argv[1], "prepare")) return data_prepare(argc - 1, argv + 1);
     cli_fail("data", "unknown subcommand '%s' (prepare)", argv[1]);
     return 2;

@@ -142,15 +142,8 @@ static int tokenizer_encode_decode(int argc, char **argv, int encode) {
 }
 
 int cmd_tokenizer(int argc, char **argv) {
-    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-        fputs(tokenizer_usage, argc < 2 ? stderr : stdout);
-        return argc < 2 ? 2 : 0;
-    }
-    for (int i = 2; i < argc; i++)
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            fputs(tokenizer_usage, stdout);
-            return 0;
-        }
+    int rc = cli_group_help(argc, argv, tokenizer_usage);
+    if (rc >= 0) return rc;
     if (!strcmp(argv[1], "train")) return tokenizer_train(argc - 1, argv + 1);
     if (!strcmp(argv[1], "encode")) return tokenizer_encode_decode(argc - 1, argv + 1, 1);
     if (!strcmp(argv[1], "decode")) return tokenizer_encode_decode(argc - 1, argv + 1, 0);
