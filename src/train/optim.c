@@ -216,7 +216,7 @@ static double sum_squares_fixed(const float *x, int64_t n) {
     return s;
 }
 
-/* Rows of C per task of rows_gemm: they share each loaded row of the right factor. */
+/* Rows of C per task of rows_gemm_part: they share each loaded row of the right factor. */
 #define LM_GEMM_ROWS 4
 
 /* C[r, :] += sum_k L[r, k] * R[k, :] for r < nr: C (nr, nc), L (nr, nk), R (nk, nc),
@@ -265,11 +265,6 @@ static void rows_gemm_part(float *C, const float *L, const float *R, int64_t nr,
             for (int64_t j = i + 1; j < nc_all; j++) C[i * nc_all + j] = C[j * nc_all + i];
 }
 
-static void rows_gemm(float *C, const float *L, const float *R, int64_t nr, int64_t nk,
-                      int64_t nc, int par) {
-    rows_gemm_part(C, L, R, nr, nk, nc, par, 0);
-}
-
 /* Run `steps` quintic Newton–Schulz iterations on X = scratch[0, m*n) (m <= n),
  * which holds the already normalised input. Returns the buffer holding the result
  * (scratch or scratch + m*n). */
@@ -290,7 +285,7 @@ static const float *ns_iterate(float *scratch, int64_t m, int64_t n, int steps) 
         for (int64_t i = 0; i < m * m; i++) B[i] = LM_NS_B * A[i] + LM_NS_C * B[i];
         // Y = a X + B X
         for (int64_t i = 0; i < m * n; i++) Y[i] = LM_NS_A * X[i];
-        rows_gemm(Y, B, X, m, m, n, par);
+        rows_gemm_part(Y, B, X, m, m, n, par, 0);
         float *t = X;
         X = Y;
         Y = t;
