@@ -327,6 +327,40 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
            + (size_t)3 * (CH / SUB) * SUB * SUB * 2; // diagonal blocks (per-pair loop)
 }
 
+// x <- x shifted left by S entries, the first S moved to the end (registers:
+// every index is a compile-time constant).
+template <int S, int N> __device__ __forceinline__ void rotate_left(float (&x)[N]) {
+    float t[S];
+#pragma unroll
+    for (int i = 0; i < S; i++) t[i] = x[i];
+#pragma unroll
+    for (int i = 0; i < N - S; i++) x[i] = x[i + S];
+#pragma unroll
+    for (int i = 0; i < S; i++) x[N - S + i] = t[i];
+}
+
+// c += A(16 x 16 ksteps) B(16 ksteps x 16) for a run-time ksteps <= 4; A from
+// global memory (layout LA, leading dimension lda), B row-major. Unrolled to
+// four predicated steps, so that every A load is issued before the first product.
+template <typename LA>
+__device__ __forceinline__ void mma_tile_upto4(FragC &c, const bf16 *A, int lda, const bf16 *B,
+                                               int ldb, int ksteps) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a[4];
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, RM> b;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        if (kk < ksteps)
+            wmma::load_matrix_sync(a[kk], std::is_same<LA, RM>::value ? A + 16 * kk
+                                                                      : A + (size_t)16 * kk * lda,
+                                   lda);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        if (kk < ksteps) {
+            wmma::load_matrix_sync(b, B + (size_t)16 * kk * ldb, ldb);
+            wmma::mma_sync(c, a[kk], b, c);
+        }
+}
+
 // One block per (chunk, sequence*head, DC columns of k). Each thread owns one
 // column of RPT rows and accumulates dq, dk and dG there in registers:
 // - state terms: dKd = V' dS^T (-> dk, dG, dG_C), dQg = dO' S^T (-> dq, dG),
@@ -376,6 +410,16 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // columns, V' (all columns; dO replaces it after dKd); beta, the diagonal
     // of dAqk ----
     bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
+    // What the later phases read from global memory (written by the triangular
+    // kernel, mostly no longer in L2): ask for it now, so that those reads find it in L2.
+    if (tid == 0) {
+        prefetch_l2_bulk(Mg, CH * CH * sizeof(bf16));
+        prefetch_l2_bulk(p.dWb + c * CH * D, CH * D * sizeof(bf16));
+        prefetch_l2_bulk(dAqkg, CH * CH * sizeof(bf16));
+        prefetch_l2_bulk(dAkkg, CH * CH * sizeof(bf16));
+        prefetch_l2_bulk(dAkkBg, CH * CH * sizeof(bf16));
+    }
+    if (tid < nvalid) prefetch_l2_bulk(p.d_o + base + tid * rs, D * sizeof(bf16));
     cp_rows<D, NT>(sHs, LD, p.h + c * D * D + (size_t)cb * DC * D, D, DC, DC);
     cp_rows<D, NT>(sDh, LD, p.dh + c * D * D + (size_t)cb * DC * D, D, DC, DC);
     cp_rows<DC, NT>(sQ, LDC, p.q + cbase, rs, CH, nvalid);
@@ -399,6 +443,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_async_wait<0>();
     __syncthreads();
     const float a_exp = __expf(p.A_log[h]);
+#pragma unroll 1
     for (int idx = tid; idx < CH * DC; idx += NT) {
         int r = idx / DC, d = idx % DC;
         float g = 0.f; // padded rows: g = 0 keeps G constant past T
@@ -436,14 +481,19 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_async_commit();
     {
         float gc = 0.f;
+#pragma unroll 1
+        for (int g = 0; g < RPT / IPB; g++) { // rows in groups of IPB, arrays rotated
 #pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            int r = r0 + RSTEP * i;
-            float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * DC + d] - sG[r * DC + d]);
-            dk[i] += val;
-            float t = val * __bfloat162float(sK[r * LDC + d]);
-            dG[i] -= t;
-            gc += t;
+            for (int i = 0; i < IPB; i++) {
+                int r = r0 + RSTEP * (g * IPB + i);
+                float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * DC + d] - sG[r * DC + d]);
+                dk[i] += val;
+                float t = val * __bfloat162float(sK[r * LDC + d]);
+                dG[i] -= t;
+                gc += t;
+            }
+            rotate_left<IPB, RPT>(dk);
+            rotate_left<IPB, RPT>(dG);
         }
         sGcPart[r0 * DC + d] = gc; // summed in a fixed order below: deterministic
     }
@@ -454,9 +504,13 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         for (int k = 0; k < RSTEP; k++) acc += sGcPart[k * DC + dd];
         sdGC[dd] += acc;
     }
-    for (int idx = tid; idx < CH * D; idx += NT) { // dO' = scale dO
-        int r = idx / D, dd = idx % D;
-        sdO[r * LD + dd] = __float2bfloat16(p.scale * __bfloat162float(sdO[r * LD + dd]));
+    for (int idx = tid; idx < CH * D / 8; idx += NT) { // dO' = scale dO, 8 per thread
+        const int r = idx / (D / 8), dd = (idx % (D / 8)) * 8;
+        float x[8];
+        ld8(sdO + r * LD + dd, x);
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] *= p.scale;
+        st8(sdO + r * LD + dd, x);
     }
     __syncthreads();
     // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
@@ -468,12 +522,17 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
     __syncthreads();
+#pragma unroll 1
+    for (int g = 0; g < RPT / IPB; g++) {
 #pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        int r = r0 + RSTEP * i;
-        float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
-        dq[i] += val;
-        dG[i] += val * __bfloat162float(sQ[r * LDC + d]);
+        for (int i = 0; i < IPB; i++) {
+            int r = r0 + RSTEP * (g * IPB + i);
+            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+            dq[i] += val;
+            dG[i] += val * __bfloat162float(sQ[r * LDC + d]);
+        }
+        rotate_left<IPB, RPT>(dq);
+        rotate_left<IPB, RPT>(dG);
     }
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
@@ -484,22 +543,36 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         mma_tile<CM, RM>(acc, Mg + i0, CH, dWg + j0, D, CH / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (a warp per row)
-    for (int dd = warp; dd < DC; dd += NT / 32) {
+    // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (four threads per
+    // row, D/4 consecutive values each, 16-byte reads)
+    {
+        static_assert(NT == 4 * DC, "decay: four threads per row");
+        const int dd = tid / 4, v0 = (tid % 4) * (D / 4);
         float acc = 0.f;
-        for (int v = lane; v < D; v += 32)
-            acc += __bfloat162float(sDh[dd * LD + v]) * __bfloat162float(sHs[dd * LD + v]);
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        if (lane == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
+        for (int v = v0; v < v0 + D / 4; v += 8) {
+            float x[8], y[8];
+            ld8(sDh + dd * LD + v, x);
+            ld8(sHs + dd * LD + v, y);
+#pragma unroll
+            for (int e = 0; e < 8; e++) acc += x[e] * y[e];
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        if (tid % 4 == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
     }
     __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
+#pragma unroll 1
+    for (int g = 0; g < RPT / IPB; g++) {
 #pragma unroll
-    for (int i = 0; i < RPT; i++) {
-        int r = r0 + RSTEP * i;
-        float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
-        dk[i] += val;
-        dG[i] += val * __bfloat162float(sK[r * LDC + d]);
+        for (int i = 0; i < IPB; i++) {
+            int r = r0 + RSTEP * (g * IPB + i);
+            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+            dk[i] += val;
+            dG[i] += val * __bfloat162float(sK[r * LDC + d]);
+        }
+        rotate_left<IPB, RPT>(dk);
+        rotate_left<IPB, RPT>(dG);
     }
     __syncthreads();
 
@@ -507,7 +580,10 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // Akk = StrictLower(Diag(beta) k e^G (k e^-G)^T), by sub-chunks.
     // Query side of block p anchored at its first row n0 (as the forward);
     // key side anchored at its last row m (exponents <= 0 off the diagonal).
-#pragma unroll
+    // The loop is not unrolled (the kernel's code size matters: see docs/cuda.md);
+    // the rows of sub-chunk pb are the first IPB entries of dq, dk, dG, which
+    // rotate by IPB after each sub-chunk (back in place after the last).
+#pragma unroll 1
     for (int pb = 0; pb < CH / SUB; pb++) {
         const int n0 = pb * SUB, m = n0 + SUB - 1;
         const int kb_rows = FACTORED ? n0 + SUB : n0;
@@ -516,25 +592,46 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         // (x = hi + lo): near-diagonal pairs enter dG_i and dG_j with opposite
         // signs, and the reverse cumsum cancels them; hi + lo makes both sides
         // round alike to about 2^-16, as the pairwise path does in fp32.
-        for (int idx = tid; idx < kb_rows * DC; idx += NT) {
-            int j = idx / DC, dd = idx % DC;
-            float x = __bfloat162float(sK[j * LDC + dd]) * __expf(sG[n0 * DC + dd] - sG[j * DC + dd]);
-            bf16 hi = __float2bfloat16(x);
-            sKbOp[j * LDC + dd] = hi;
-            if (FACTORED && j >= n0)
-                sKbLo[(j - n0) * LDC + dd] = __float2bfloat16(x - __bfloat162float(hi));
+        // eight consecutive columns a thread, 16-byte accesses
+        constexpr int VPR = DC / 8;
+        for (int idx = tid; idx < kb_rows * VPR; idx += NT) {
+            const int j = idx / VPR, dd = (idx % VPR) * 8;
+            float x[8], ga[8], gj[8];
+            ld8(sK + j * LDC + dd, x);
+            ldf8(sG + n0 * DC + dd, ga);
+            ldf8(sG + j * DC + dd, gj);
+#pragma unroll
+            for (int e = 0; e < 8; e++) x[e] *= __expf(ga[e] - gj[e]);
+            st8(sKbOp + j * LDC + dd, x);
+            if (FACTORED && j >= n0) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) x[e] -= __bfloat162float(__float2bfloat16(x[e]));
+                st8(sKbLo + (j - n0) * LDC + dd, x);
+            }
         }
-        for (int idx = qa_from * DC + tid; idx < CH * DC; idx += NT) {
-            int i = idx / DC, dd = idx % DC;
-            float e = __expf(sG[i * DC + dd] - sG[m * DC + dd]);
-            float xq = __bfloat162float(sQ[i * LDC + dd]) * e;
-            float xk = __bfloat162float(sK[i * LDC + dd]) * e;
-            bf16 hq = __float2bfloat16(xq), hk = __float2bfloat16(xk);
-            sQaOp[i * LDC + dd] = hq;
-            sKaOp[i * LDC + dd] = hk;
+        for (int idx = qa_from * VPR + tid; idx < CH * VPR; idx += NT) {
+            const int i = idx / VPR, dd = (idx % VPR) * 8;
+            float xq[8], xk[8], gi[8], gm[8];
+            ld8(sQ + i * LDC + dd, xq);
+            ld8(sK + i * LDC + dd, xk);
+            ldf8(sG + i * DC + dd, gi);
+            ldf8(sG + m * DC + dd, gm);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                const float ex = __expf(gi[e] - gm[e]);
+                xq[e] *= ex;
+                xk[e] *= ex;
+            }
+            st8(sQaOp + i * LDC + dd, xq);
+            st8(sKaOp + i * LDC + dd, xk);
             if (FACTORED && i <= m) {
-                sQaLo[(i - n0) * LDC + dd] = __float2bfloat16(xq - __bfloat162float(hq));
-                sKaLo[(i - n0) * LDC + dd] = __float2bfloat16(xk - __bfloat162float(hk));
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    xq[e] -= __bfloat162float(__float2bfloat16(xq[e]));
+                    xk[e] -= __bfloat162float(__float2bfloat16(xk[e]));
+                }
+                st8(sQaLo + (i - n0) * LDC + dd, xq);
+                st8(sKaLo + (i - n0) * LDC + dd, xk);
             }
         }
         __syncthreads();
@@ -545,15 +642,15 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
             if (o == 0)
-                mma_tile<RM, RM>(acc, dAqkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+                mma_tile_upto4<RM>(acc, dAqkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
             else if (o == 1)
-                mma_tile<RM, RM>(acc, dAkkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+                mma_tile_upto4<RM>(acc, dAkkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
             else if (o == 2)
-                mma_tile<CM, RM>(acc, dAqkg + s0 * SUB * CH + n0, CH,
-                                 sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
+                mma_tile_upto4<CM>(acc, dAqkg + s0 * SUB * CH + n0, CH,
+                                   sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             else
-                mma_tile<CM, RM>(acc, dAkkBg + s0 * SUB * CH + n0, CH,
-                                 sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
+                mma_tile_upto4<CM>(acc, dAkkBg + s0 * SUB * CH + n0, CH,
+                                   sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             if (FACTORED) { // the diagonal block's low parts
                 if (o == 0)
                     mma_tile<RM, RM>(acc, dAqkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
@@ -568,9 +665,8 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         }
         __syncthreads();
 #pragma unroll
-        for (int i = 0; i < RPT; i++) {
-            if (i / IPB != pb) continue;
-            const int r = r0 + RSTEP * i, rl = r - n0;
+        for (int i = 0; i < IPB; i++) {
+            const int r = n0 + r0 + RSTEP * i, rl = r - n0;
             const float Gr = sG[r * DC + d];
             float rq = sStage[rl * LDS + d] * __expf(Gr - sG[n0 * DC + d]);
             float rk = sStage[(SUB + rl) * LDS + d] * __expf(Gr - sG[n0 * DC + d]);
@@ -612,6 +708,9 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
             if (lane == 0) sBetaPart[r * (DC / 32) + d / 32] = part;
         }
+        rotate_left<IPB, RPT>(dq);
+        rotate_left<IPB, RPT>(dk);
+        rotate_left<IPB, RPT>(dG);
         __syncthreads();
     }
 
@@ -621,6 +720,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         p.dbeta_part[(c * (1 + D / DC) + 1 + cb) * CH + tid] = acc;
     }
     // ---- G = cumsum(g): dg_t = dG_C + sum_{i >= t} dG_i; then the gate ----
+    // z again, for the gate's derivative: into the (now free) operand region,
+    // in flight during the sums below
+    bf16 *sZ2 = reinterpret_cast<bf16 *>(RS);
+    cp_rows<DC, NT>(sZ2, LDC, p.z + cbase, rs, CH, nvalid);
+    cp_async_commit();
 #pragma unroll
     for (int i = 0; i < RPT; i++) sStage[(r0 + RSTEP * i) * LDS + d] = dG[i];
     __syncthreads();
@@ -631,21 +735,28 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             sStage[r * LDS + dd] = acc;
         }
     }
+#pragma unroll
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        if (r < nvalid) {
+            p.dq[cbase + r * rs + d] = __float2bfloat16(dq[i]);
+            p.dk[cbase + r * rs + d] = __float2bfloat16(dk[i]);
+        }
+    }
+    cp_async_wait<0>(); // z has landed
     __syncthreads();
     float dbias = 0.f, dA = 0.f;
     const float bias = p.dt_bias[h * D + cb * DC + d];
-#pragma unroll
+#pragma unroll 1
     for (int i = 0; i < RPT; i++) {
         int r = r0 + RSTEP * i;
         if (r < nvalid) {
             float dg = sStage[r * LDS + d];
             float gz, gA;
-            kda_gate_grad(__bfloat162float(p.z[cbase + r * rs + d]), a_exp, bias, p.bounded,
-                          p.g_min, &gz, &gA);
+            kda_gate_grad(__bfloat162float(sZ2[r * LDC + d]), a_exp, bias, p.bounded, p.g_min,
+                          &gz, &gA);
             float dzv = dg * gz;
             p.dz[cbase + r * rs + d] = __float2bfloat16(dzv);
-            p.dq[cbase + r * rs + d] = __float2bfloat16(dq[i]);
-            p.dk[cbase + r * rs + d] = __float2bfloat16(dk[i]);
             dbias += dzv;
             dA += dg * gA;
         }

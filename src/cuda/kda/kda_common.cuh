@@ -240,6 +240,13 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Ask the bulk-copy unit to bring a contiguous range into L2 (sm_90; bytes and
+// address multiples of 16): a hint, with no registers and nothing to wait for.
+__device__ __forceinline__ void prefetch_l2_bulk(const void *gmem, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes)
+                 : "memory");
+}
+
 // Raise a kernel's dynamic shared-memory limit, then launch it with (p).
 template <typename Kern>
 static cudaError_t launch_with_smem(Kern kern, dim3 grid, dim3 block, size_t smem,
