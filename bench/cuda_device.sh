@@ -3,10 +3,12 @@
 # the SASS for tensor-core instructions, run the CUDA tests, time our kernels
 # and fla-core's chunk_kda, and print the comparison table last.
 #
-#   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [fla]
+#   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [srcstalls] [fla]
 #   (default: build sass test bench fla; NCU_KERNELS: regex of the kernels ncu profiles;
 #   FLA_AUTOTUNE_MS=W,R: shorter Triton autotuning for fla, FLA_TIMEOUT: seconds for fla;
 #   STALL_KERNELS, STALL_COUNT: the kernels (regex) and launches whose stalls are shown;
+#   srcstalls: stall samples per SASS instruction of the first STALL_KERNELS launch, summarised
+#   by bench/ncu_source_summary.py;
 #   NCU_FLAGS: more ncu options, e.g. --cache-control none to keep L2 between kernels)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
@@ -73,6 +75,16 @@ if has stalls; then
         -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count "${STALL_COUNT:-1}" \
         "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu_stalls.log" 2>&1
     grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -"${STALL_LINES:-40}"
+fi
+
+if has srcstalls; then
+    echo "== ncu: stall samples per SASS instruction of ${STALL_KERNELS:-kda_bwd_col} (first launch: bounded)"
+    timeout 240 ncu --clock-control none --section SourceCounters --section WarpStateStats \
+        -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count 1 --page source --csv \
+        --print-source sass "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 \
+        >"$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
+    python3 bench/ncu_source_summary.py "$OUT/ncu_source.csv" --top "${STALL_LINES:-20}" ||
+        { status=1; tail -5 "$OUT/ncu_source.err"; }
 fi
 
 if has fla; then
