@@ -115,6 +115,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     cp_rows<D, NT>(sdVn, LD, p.dvn + c * CH * D, D, CH, CH);
     cp_rows<CH, NT>(sX, LDA, p.X + c * CH * CH, CH, CH, CH);
     cp_async_commit();
+    // z, k and v are read later (k e^G, then v): ask for their rows in L2 now
+    if (tid < 3 * CH && tid % CH < nvalid) {
+        const bf16 *src = tid < CH ? p.z : tid < 2 * CH ? p.k : p.v;
+        prefetch_l2_bulk(src + base + (size_t)(tid % CH) * rs, D * sizeof(bf16));
+    }
     if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
     cp_async_wait<1>(); // dO and V' have landed
     __syncthreads();
