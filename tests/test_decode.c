@@ -13,39 +13,21 @@
 #include "longmoe/model.h"
 #include "longmoe/train.h"
 #include "test.h"
+#include "test_models.h"
 
 static char root[256];
 
 enum { B = 2, T = 40 };
 
-/* A micro model: layout with KDA and attention layers, MoE after the first
- * `dense` layers, trained a few steps by lm_train. */
+/* The shared micro model (test_models.h) with another layout: KDA and
+ * attention layers, MoE after the first `dense` layers, batches of B x T. */
 static lm_config micro(const char *layout, int dense) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.d_model = 16;
+    lm_config c = test_micro_config();
     c.n_layers = (int)strlen(layout);
     strcpy(c.layout, layout);
     c.first_k_dense = dense;
-    c.dense_ffn = 24;
-    c.kda_heads = 2;
-    c.kda_head_dim = 8;
-    c.kda_chunk = 16;
-    c.attn_heads = 2;
-    c.q_lora_rank = 8;
-    c.kv_lora_rank = 8;
-    c.qk_head_dim = 8;
-    c.v_head_dim = 8;
-    c.n_routed_experts = 4;
-    c.top_k = 2;
-    c.expert_ffn = 8;
-    c.shared_ffn = 8;
     c.seq_len = T;
     c.batch_size = B;
-    c.grad_accum = 1;
-    c.eval_every = 0;
-    c.ckpt_every = 0;
-    c.log_every = 1000;
     return c;
 }
 
