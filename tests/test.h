@@ -133,13 +133,30 @@ static inline int test_file_has(const char *path, const char *phrase) {
     return found;
 }
 
-/* `dir`/`name` in one of 8 rotating buffers (valid for the next 7 calls). */
+/* `dir`/`name` in one of 16 rotating buffers (valid for the next 15 calls). */
 static inline const char *test_path(const char *dir, const char *name) {
-    static char buf[8][512];
+    static char buf[16][512];
     static int slot;
-    slot = (slot + 1) % 8;
+    slot = (slot + 1) % 16;
     snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
     return buf[slot];
+}
+
+/* A new, empty directory $TMPDIR/longmoe-test-<tag>-XXXXXX (/tmp without
+ * TMPDIR), its path in dir[n]; 0 on success, else -1 (reason printed). */
+static inline int test_make_tmpdir(char *dir, size_t n, const char *tag) {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(dir, n, "%s/longmoe-test-%s-XXXXXX", tmp && *tmp ? tmp : "/tmp", tag);
+    if (mkdtemp(dir)) return 0;
+    perror("mkdtemp");
+    return -1;
+}
+
+/* Remove a test's directory and everything in it (a warning if that fails). */
+static inline void test_remove_tree(const char *dir) {
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
 }
 
 #endif

@@ -472,17 +472,10 @@ int main(int argc, char **argv) {
         print_markdown();
         return 0;
     }
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/longmoe-bad-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (test_make_tmpdir(root, sizeof root, "bad")) return 1;
     RUN(test_every_bad_input_gives_its_message_and_exit_code);
     int rc = test_summary();
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
-    if (rc == 0 && system(cmd) != 0) fprintf(stderr, "could not remove %s\n", root);
-    if (rc) fprintf(stderr, "files kept in %s\n", root);
+    if (rc == 0) test_remove_tree(root);
+    else fprintf(stderr, "files kept in %s\n", root);
     return rc;
 }

@@ -498,13 +498,7 @@ static void test_config_errors_name_the_bad_value(void) {
 
 static char tmpdir[256];
 
-static const char *tmp_path(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", tmpdir, name);
-    return buf[slot];
-}
+static const char *tmp_path(const char *name) { return test_path(tmpdir, name); }
 
 static int run_cli(const char *args) { return test_run_cli(args, tmp_path("out.txt"), tmp_path("err.txt")); }
 
@@ -691,13 +685,9 @@ int main(void) {
     RUN(test_situ_glu_is_bounded_and_its_derivative_is_right);
     RUN(test_layer_routes_every_token_to_k_experts_at_1024);
     RUN(test_config_errors_name_the_bad_value);
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/longmoe-test-moe-%ld", (long)getpid());
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "mkdir -p %s", tmpdir);
-    if (system(cmd) != 0) return 1;
+    if (test_make_tmpdir(tmpdir, sizeof tmpdir, "moe")) return 1;
     RUN(test_op_moe_cli_equals_the_library_call);
     RUN(test_op_route_cli_equals_the_library_update);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (system(cmd) != 0) return 1;
+    test_remove_tree(tmpdir);
     return test_summary();
 }

@@ -572,12 +572,7 @@ static void test_screenshot_in_headless_chromium(void) {
 }
 
 int main(void) {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(root, sizeof root, "%s/longmoe-test-report-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(root)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (test_make_tmpdir(root, sizeof root, "report")) return 1;
     RUN(test_report_is_one_self_contained_page_with_every_section);
     RUN(test_heatmap_colour_is_load_over_mean_load);
     RUN(test_long_runs_are_averaged_into_a_bounded_page);
@@ -585,8 +580,6 @@ int main(void) {
     RUN(test_malformed_records_are_counted_not_fatal);
     RUN(test_bad_run_directories_fail_clearly);
     RUN(test_screenshot_in_headless_chromium);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", root);
+    test_remove_tree(root);
     return test_summary();
 }

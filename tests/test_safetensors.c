@@ -8,11 +8,7 @@
 
 static char tmp_dir[256];
 
-static const char *tmp_path(const char *name) {
-    static char buf[512];
-    snprintf(buf, sizeof buf, "%s/%s", tmp_dir, name);
-    return buf;
-}
+static const char *tmp_path(const char *name) { return test_path(tmp_dir, name); }
 
 /* Build a file image from a header string and `data_len` data bytes. */
 static size_t make_image(unsigned char *out, const char *header, size_t data_len) {
@@ -174,17 +170,13 @@ static void test_failed_save_keeps_the_previous_file(void) {
 }
 
 int main(void) {
-    snprintf(tmp_dir, sizeof tmp_dir, "/tmp/longmoe-test-st-%ld", (long)getpid());
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "mkdir -p %s", tmp_dir);
-    if (system(cmd) != 0) return 1;
+    if (test_make_tmpdir(tmp_dir, sizeof tmp_dir, "st")) return 1;
     RUN(test_round_trip_preserves_names_shapes_dtypes_and_bytes);
     RUN(test_header_is_padded_to_eight_bytes);
     RUN(test_malformed_files_are_rejected_with_clear_messages);
     RUN(test_valid_image_parses);
     RUN(test_missing_file_is_an_io_error);
     RUN(test_failed_save_keeps_the_previous_file);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmp_dir);
-    if (system(cmd) != 0) return 1;
+    test_remove_tree(tmp_dir);
     return test_summary();
 }

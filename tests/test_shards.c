@@ -15,13 +15,7 @@
 
 static char tmpdir[256];
 
-static const char *tmp_path(const char *name) {
-    static char buf[16][512];
-    static int slot;
-    slot = (slot + 1) % 16;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", tmpdir, name);
-    return buf[slot];
-}
+static const char *tmp_path(const char *name) { return test_path(tmpdir, name); }
 
 static void write_raw(const char *path, const int32_t *header, const void *body, size_t nbody) {
     FILE *f = fopen(path, "wb");
@@ -436,11 +430,7 @@ static void test_prepare_writes_what_the_tokenizer_encodes(void) {
 }
 
 int main(void) {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/longmoe-test-shards-XXXXXX");
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (test_make_tmpdir(tmpdir, sizeof tmpdir, "shards")) return 1;
     RUN(test_write_read_roundtrip_uint16_and_uint32);
     RUN(test_bad_shards_are_rejected_naming_file_and_problem);
     RUN(test_shuffle_is_a_bijection_per_epoch);
@@ -449,8 +439,6 @@ int main(void) {
     RUN(test_ranks_read_disjoint_windows);
     RUN(test_directory_errors_are_clear);
     RUN(test_prepare_writes_what_the_tokenizer_encodes);
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    test_remove_tree(tmpdir);
     return test_summary();
 }

@@ -13,13 +13,7 @@
 
 static char tmpdir[256];
 
-static const char *tmp_path(const char *name) {
-    static char buf[16][512];
-    static int slot;
-    slot = (slot + 1) % 16;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", tmpdir, name);
-    return buf[slot];
-}
+static const char *tmp_path(const char *name) { return test_path(tmpdir, name); }
 
 /* Pseudo-English: words from a fixed list, spaces, punctuation, digits, newlines. */
 static char *make_text(uint64_t seed, size_t n, size_t *len) {
@@ -600,11 +594,7 @@ static void test_cli_train_encode_decode(void) {
 }
 
 int main(void) {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/longmoe-test-tokenizer-XXXXXX");
-    if (!mkdtemp(tmpdir)) {
-        perror("mkdtemp");
-        return 1;
-    }
+    if (test_make_tmpdir(tmpdir, sizeof tmpdir, "tokenizer")) return 1;
     RUN(test_roundtrip_on_random_bytes);
     RUN(test_pretokenizer_splits_like_its_regex);
     RUN(test_encoder_equals_reference_bpe);
@@ -615,8 +605,6 @@ int main(void) {
     RUN(test_malformed_files_are_rejected);
     RUN(test_python_tokenizers_gives_the_same_ids);
     RUN(test_cli_train_encode_decode);
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", tmpdir);
-    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", tmpdir);
+    test_remove_tree(tmpdir);
     return test_summary();
 }
