@@ -10,13 +10,7 @@
 
 static char dir[256];
 
-static const char *path_in(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
-    return buf[slot];
-}
+static const char *path_in(const char *name) { return test_path(dir, name); }
 
 /* Run the CLI with `args`; return its exit code and leave stderr in err.txt. */
 static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
@@ -158,14 +152,10 @@ static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
 }
 
 int main(void) {
-    snprintf(dir, sizeof dir, "/tmp/longmoe-test-cli-%ld", (long)getpid());
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (test_make_tmpdir(dir, sizeof dir, "cli")) return 1;
     make_inputs();
     RUN(test_op_kda_outputs_equal_the_library_call);
     RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    test_remove_tree(dir);
     return test_summary();
 }

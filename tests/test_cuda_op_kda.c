@@ -9,13 +9,7 @@
 enum { B = 1, T = 150, H = 2, K = 64, V = 64 };
 static char dir[256];
 
-static const char *at(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
-    return buf[slot];
-}
+static const char *at(const char *name) { return test_path(dir, name); }
 
 static double rel(const lm_st_tensor *a, const lm_st_tensor *b) {
     double num = 0, den = 0;
@@ -90,12 +84,8 @@ static void test_cuda_device_matches_the_cpu(void) {
 }
 
 int main(void) {
-    snprintf(dir, sizeof dir, "/tmp/longmoe-test-cuda-op-%ld", (long)getpid());
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "mkdir -p %s", dir);
-    if (system(cmd) != 0) return 1;
+    if (test_make_tmpdir(dir, sizeof dir, "cuda-op")) return 1;
     RUN(test_cuda_device_matches_the_cpu);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    test_remove_tree(dir);
     return test_summary();
 }

@@ -10,13 +10,7 @@
 
 static char dir[128];
 
-static const char *path_in(const char *name) {
-    static char buf[4][256];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", dir, name);
-    return buf[slot];
-}
+static const char *path_in(const char *name) { return test_path(dir, name); }
 
 static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
 
@@ -162,14 +156,11 @@ static void test_bad_inputs_fail_clearly_and_write_nothing(void) {
 }
 
 int main(void) {
-    snprintf(dir, sizeof dir, "/tmp/longmoe-test-op-attention-XXXXXX");
-    if (!mkdtemp(dir)) return 1;
+    if (test_make_tmpdir(dir, sizeof dir, "op-attention")) return 1;
     make_inputs();
     RUN(test_op_attention_outputs_equal_the_library_call);
     RUN(test_op_attention_naive_path_agrees);
     RUN(test_bad_inputs_fail_clearly_and_write_nothing);
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0) return 1;
+    test_remove_tree(dir);
     return test_summary();
 }

@@ -14,13 +14,7 @@
 
 static char root[256];
 
-static const char *path_in(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
-}
+static const char *path_in(const char *name) { return test_path(root, name); }
 
 static int run_cli(const char *args) { return test_run_cli(args, path_in("out.txt"), path_in("err.txt")); }
 

@@ -16,13 +16,7 @@
 
 static char root[256];
 
-static const char *path_in(const char *name) {
-    static char buf[4][512];
-    static int slot;
-    slot = (slot + 1) % 4;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
-}
+static const char *path_in(const char *name) { return test_path(root, name); }
 
 /* Run the CLI with `args`; stdout into *out (NUL-terminated), stderr into err.txt. */
 static int run_cli(const char *args, char *out, size_t cap) {
@@ -209,14 +203,10 @@ static void test_tokenizer(void) {
 }
 
 int main(void) {
-    snprintf(root, sizeof root, "/tmp/longmoe-test-sample-%ld", (long)getpid());
-    char cmd[600];
-    snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", root, root);
-    if (system(cmd)) return 1;
+    if (test_make_tmpdir(root, sizeof root, "sample")) return 1;
     RUN(test_greedy_equals_library_and_run_dir_resolves);
     RUN(test_errors_are_clear);
     RUN(test_tokenizer);
-    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-    if (system(cmd)) return 1;
+    test_remove_tree(root);
     return test_summary();
 }
