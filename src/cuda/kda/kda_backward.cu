@@ -196,33 +196,59 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     cp_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid);
     cp_async_commit();
 
-    // k e^G with G = cumsum(g): the gate, then a prefix over NT/D row parts
-    // (each thread sums its part, then adds the parts before it in order)
+    // k e^G with G = cumsum(g): eight channels and RP rows a thread (16-byte
+    // loads of z and k), the gate, a prefix within the thread's rows, then
+    // the part sums before it added in order
     {
-        constexpr int P = NT / D, RP = CH / P;
-        const int d = tid % D, pt = tid / D;
-        const float a_exp = __expf(p.A_log[h]), bias = p.dt_bias[h * D + d];
-        float G[RP], acc = 0.f;
+        constexpr int CG = D / 8, P = NT / CG, RP = CH / P;
+        static_assert(P * CG == NT && RP * P == CH, "k e^G: thread layout");
+        const int d0 = (tid % CG) * 8, pt = tid / CG;
+        const float a_exp = __expf(p.A_log[h]);
+        float z8[RP][8], k8[RP][8], acc[8];
 #pragma unroll
         for (int i = 0; i < RP; i++) {
             const int r = pt * RP + i;
-            float g = 0.f; // padded rows: g = 0 keeps G constant past T
-            if (r < nvalid)
-                g = kda_gate(__bfloat162float(p.z[base + r * rs + d]), a_exp, bias, p.bounded,
-                             p.g_min);
-            acc += g;
-            G[i] = acc;
+            if (r < nvalid) {
+                ld8(p.z + base + r * rs + d0, z8[i]);
+                ld8(p.k + base + r * rs + d0, k8[i]);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[e] = 0.f;
+#pragma unroll
+        for (int i = 0; i < RP; i++) {
+            const int r = pt * RP + i;
+#pragma unroll
+            for (int e = 0; e < 8; e++) { // padded rows: g = 0 keeps G constant past T
+                float g = r < nvalid ? kda_gate(z8[i][e], a_exp, p.dt_bias[h * D + d0 + e],
+                                                p.bounded, p.g_min)
+                                     : 0.f;
+                acc[e] += g;
+                z8[i][e] = acc[e]; // G within the part
+            }
         }
         float *sPart = sWarp; // [P][D] part sums (staging is idle here)
-        sPart[pt * D + d] = acc;
+        static_assert(P * D <= (NT / 32) * 16 * 20, "k e^G: part sums fit the staging tiles");
+        *reinterpret_cast<float4 *>(sPart + pt * D + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        *reinterpret_cast<float4 *>(sPart + pt * D + d0 + 4) =
+            make_float4(acc[4], acc[5], acc[6], acc[7]);
         __syncthreads();
-        float pre = 0.f;
-        for (int q = 0; q < pt; q++) pre += sPart[q * D + d];
+        float pre[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) pre[e] = 0.f;
+        for (int q = 0; q < pt; q++) {
+            float x[8];
+            ldf8(sPart + q * D + d0, x);
+#pragma unroll
+            for (int e = 0; e < 8; e++) pre[e] += x[e];
+        }
 #pragma unroll
         for (int i = 0; i < RP; i++) {
             const int r = pt * RP + i;
-            float kv = r < nvalid ? __bfloat162float(p.k[base + r * rs + d]) : 0.f;
-            sKgp[r * LD + d] = __float2bfloat16(kv * __expf(pre + G[i]));
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                k8[i][e] = r < nvalid ? k8[i][e] * __expf(pre[e] + z8[i][e]) : 0.f;
+            st8(sKgp + r * LD + d0, k8[i]);
         }
     }
     cp_async_wait<0>(); // v has landed
