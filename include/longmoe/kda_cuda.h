@@ -55,6 +55,11 @@ lm_status lm_kda_cuda_check(const lm_kda_config *cfg);
 size_t lm_kda_cuda_workspace_bytes(const lm_kda_config *cfg, int for_backward);
 
 /* Chunked forward: o [B,T,H,V] bf16, ht [B,H,K,V] fp32 (NULL: not written).
+ * Asking for ht selects the precise state path: U and Kd carry their bf16
+ * rounding residues and the state update runs as three bf16 products, so ht
+ * matches the fp32 recurrence to about 1e-5 instead of 1e-3 (docs/cuda.md,
+ * Precision); it costs a little more forward time and, in the forward-only
+ * workspace, two more [B,H,N,64,K] bf16 arrays.
  * Given a workspace of at least lm_kda_cuda_workspace_bytes(cfg, 1) bytes
  * (training), it also keeps there what the backward needs (the triangular
  * inverse, the chunk states, V'), so that a backward on the same inputs and

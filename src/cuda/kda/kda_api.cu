@@ -24,7 +24,7 @@ size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 
 // The workspace plan: one block, pointers carved out of it in this order.
 struct Plan {
-    size_t w, u, qg, kd, aqk, gexp, X, h, vn, dh, dvn;
+    size_t w, u, qg, kd, aqk, gexp, w_lo, u_lo, kd_lo, X, h, vn, dh, dvn;
     size_t dW, M, dAqk, dAkk, dAkkB, dAqkDiag, dbeta_part, total;
 };
 
@@ -46,6 +46,12 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
     pl.gexp = take(nc * D * 4);
     pl.X = pl.h = pl.vn = pl.dh = pl.dvn = 0;
     pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAkkB = pl.dAqkDiag = pl.dbeta_part = 0;
+    if (!for_backward) {
+        // the residues for a precise final state (written only when ht is asked for)
+        pl.w_lo = take(nc * CH * D * 2);
+        pl.u_lo = take(nc * CH * D * 2);
+        pl.kd_lo = take(nc * CH * D * 2);
+    }
     if (for_backward) {
         pl.X = take(nc * CH * CH * 4);
         pl.h = take(nc * D * D * 2);
@@ -59,6 +65,10 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
         pl.dAkkB = take(nc * CH * CH * 2);
         pl.dAqkDiag = take(nc * CH * 4);
         pl.dbeta_part = take(nc * (1 + D / 64) * CH * 4);
+        // the forward's residues live where only the backward writes later
+        pl.w_lo = pl.dh;
+        pl.u_lo = pl.dW;
+        pl.kd_lo = pl.dvn;
     }
     pl.total = off;
     return pl;
@@ -85,8 +95,13 @@ Params make_params(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in) {
     return p;
 }
 
-void carve(Params *p, const Plan &pl, void *workspace, int for_backward) {
+void carve(Params *p, const Plan &pl, void *workspace, int for_backward, int precise) {
     unsigned char *ws = static_cast<unsigned char *>(workspace);
+    if (precise) {
+        p->w_lo = reinterpret_cast<bf16 *>(ws + pl.w_lo);
+        p->u_lo = reinterpret_cast<bf16 *>(ws + pl.u_lo);
+        p->kd_lo = reinterpret_cast<bf16 *>(ws + pl.kd_lo);
+    }
     p->w = reinterpret_cast<bf16 *>(ws + pl.w);
     p->u = reinterpret_cast<bf16 *>(ws + pl.u);
     p->qg = reinterpret_cast<bf16 *>(ws + pl.qg);
@@ -194,14 +209,27 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
     // a backward-sized workspace: keep X, h and V' for the backward
     const int train = workspace_bytes >= make_plan(cfg, 1).total;
     if (train) pl = make_plan(cfg, 1);
+    // asking for the final state selects the precise state path (docs/cuda.md Precision)
+    const bool precise = ht != NULL;
     Params p = make_params(cfg, in);
-    carve(&p, pl, workspace, train);
+    carve(&p, pl, workspace, train, precise);
     p.o = reinterpret_cast<bf16 *>(o);
     p.ht = ht;
     cudaStream_t s = static_cast<cudaStream_t>(stream);
-    if ((st = launched(launch_fwd_intra(p, cfg->K, use_factored(cfg), train, s), "fwd_intra")))
+    if ((st = launched(launch_fwd_intra(p, cfg->K, use_factored(cfg), train, precise, s),
+                       "fwd_intra")))
         return st;
-    return launched(launch_fwd_state(p, cfg->K, train, s), "fwd_state");
+    if (!(train && precise))
+        return launched(launch_fwd_state(p, cfg->K, train, precise, s), "fwd_state");
+    // A training forward that also returns the state: o, h and V' from the
+    // saving pass, then ht from a precise pass (the two do not fit one kernel's
+    // shared memory).
+    Params ps = p;
+    ps.ht = NULL;
+    if ((st = launched(launch_fwd_state(ps, cfg->K, true, false, s), "fwd_state (save)"))) return st;
+    Params pp = p;
+    pp.o = NULL;
+    return launched(launch_fwd_state(pp, cfg->K, false, true, s), "fwd_state (precise)");
 }
 
 extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
@@ -228,7 +256,7 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
         return lm_error(LM_ERR_ARG, "kda cuda backward: workspace of %zu bytes, need %zu",
                         workspace_bytes, pl.total);
     Params p = make_params(cfg, in);
-    carve(&p, pl, workspace, 1);
+    carve(&p, pl, workspace, 1, 0);
     p.d_o = reinterpret_cast<const bf16 *>(d_o);
     p.dht = dht;
     p.dq = reinterpret_cast<bf16 *>(grads->dq);
@@ -245,8 +273,10 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
     // unless the forward kept them, then the reverse state pass, then the
     // per-chunk gradients.
     if (!forward_saved) {
-        if ((st = launched(launch_fwd_intra(p, cfg->K, fac, true, s), "fwd_intra"))) return st;
-        if ((st = launched(launch_fwd_state(p, cfg->K, true, s), "fwd_state (save)"))) return st;
+        if ((st = launched(launch_fwd_intra(p, cfg->K, fac, true, false, s), "fwd_intra")))
+            return st;
+        if ((st = launched(launch_fwd_state(p, cfg->K, true, false, s), "fwd_state (save)")))
+            return st;
     }
     if ((st = launched(launch_bwd_state(p, cfg->K, s), "bwd_state"))) return st;
     return launched(launch_bwd_intra(p, cfg->K, fac, s), "bwd_intra");

@@ -33,6 +33,10 @@ struct Params {
     // workspace, forward
     bf16 *w, *u, *qg, *kd, *aqk; // [c][64][D], [c][64][D], [c][64][D], [c][64][D], [c][64][64]
     float *gexp;                 // [c][D]     e^{G_C}
+    // workspace, forward with the final state (precise state, docs/cuda.md
+    // Precision): the bf16 rounding residues of W, U and Kd, so that w + w_lo
+    // etc. carry them to about 16 mantissa bits; NULL otherwise
+    bf16 *w_lo, *u_lo, *kd_lo;   // [c][64][D]
     // workspace, backward
     float *X;          // [c][64][64] (I + Akk)^{-1}
     bf16 *h, *vn;      // [c][D][D] state at chunk start, [c][64][D] V'
@@ -152,6 +156,21 @@ __device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const
     *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(tmp);
 }
 
+// The same for a tile that carries its bf16 rounding residue: hi = bf16(x)
+// into `dst`, lo = bf16(x - hi) into `dst_lo` (all rows).
+__device__ __forceinline__ void store_tile_split(bf16 *dst, bf16 *dst_lo, size_t gstride,
+                                                 const float *st, int ld) {
+    int lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 8;
+    __align__(16) bf16 hi[8], lo[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        float x = st[r * ld + c0 + i];
+        hi[i] = __float2bfloat16(x);
+        lo[i] = __float2bfloat16(x - __bfloat162float(hi[i]));
+    }
+    *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(hi);
+    *reinterpret_cast<uint4 *>(dst_lo + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(lo);
+}
 // Eight consecutive bf16 (16-byte aligned, shared or global) to floats and back;
 // eight floats (16-byte aligned) from shared memory.
 __device__ __forceinline__ void ld8(const bf16 *src, float x[8]) {
@@ -221,6 +240,11 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned *>(&v);
 }
+// The bf16 rounding residue of x: x - bf16(x) (exact in fp32), itself rounded
+// to bf16 when used as an operand: hi + lo carries x to about 16 bits.
+__device__ __forceinline__ float bf16_residue(float x) {
+    return x - __bfloat162float(__float2bfloat16(x));
+}
 // The A fragment of the 16 columns covered by C tiles c0 (columns 0..7) and c1 (8..15).
 __device__ __forceinline__ void c_to_a(unsigned a[4], const float c0[4], const float c1[4]) {
     a[0] = pack_bf16x2(c0[0], c0[1]);
@@ -259,9 +283,10 @@ static cudaError_t launch_with_smem(Kern kern, dim3 grid, dim3 block, size_t sme
 }
 
 // Launchers (kda_forward.cu, kda_state.cu, kda_backward.cu). They return the launch error.
-cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
+// precise: write / use the residues u_lo and kd_lo (p.u_lo, p.kd_lo set).
+cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x, bool precise,
                              cudaStream_t s);
-cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s);
+cudaError_t launch_fwd_state(const Params &p, int D, bool save, bool precise, cudaStream_t s);
 cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s);
 cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s);
 // The intra-chunk gradient: three launches (kda_backward.cu).

@@ -9,19 +9,24 @@ namespace lmkda {
 // Shared memory of the intra-chunk kernel, in bytes: regions reused across
 // phases so that two blocks fit on an SM (108.75 KB for D = 128). q is read
 // from global memory (twice: qg, then the query side of its sub-chunk).
-template <int D> constexpr size_t fwd_intra_smem() {
+// PREC adds the residues of M and k e^G (one block per SM then).
+template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
     return (size_t)CH * (D > CH + 4 ? D : CH + 4) * 4 // G; then X
            + (size_t)2 * CH * (D + 8) * 2     // k, then v; key operand
            + (size_t)2 * SUB * (D + 8) * 2    // query-side operands
            + (size_t)2 * CH * (CH + 4) * 4    // Aqk, Akk; then M (bf16) + staging
-           + (size_t)CH * 4;                  // beta
+           + (size_t)CH * 4                   // beta
+           + (PREC ? (size_t)CH * (CH + 8) * 2 + (size_t)CH * (D + 8) * 2 : 0); // M, k e^G residues
 }
 
 // One block per (chunk, sequence*head). Writes qg = q e^G, kd = k e^{G_C-G},
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
-// backward, X = (I + Akk)^{-1}.
-template <int D, bool FACTORED>
-__global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int save_x) {
+// backward, X = (I + Akk)^{-1}. PREC (the final state is asked for): each of
+// Kd, W and U also as its bf16 rounding residue (kd_lo, w_lo, u_lo), with
+// M = Mh + Ml and k e^G = Kh + Kl in two bf16 parts: W = Mh Kh + Ml Kh + Mh Kl,
+// U = Mh v + Ml v (v is a bf16 input). docs/cuda.md Precision.
+template <int D, bool FACTORED, bool PREC>
+__global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params p, int save_x) {
     // q, k, v, z are [B,T,H,D]; beta [B,T,H]; this block owns chunk n of (b, h)
     constexpr int NT = 512, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -38,6 +43,8 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     bf16 *sMb = reinterpret_cast<bf16 *>(sAqk);              // [64][LDM], after the inverse
     float *sStage = reinterpret_cast<float *>(sMb + CH * LDM); // 16 warps x [16][20]
     float *sBeta = sAkk + CH * LDA;
+    bf16 *sMl = reinterpret_cast<bf16 *>(sBeta + CH); // PREC: [64][LDM] M's residue
+    bf16 *sKgl = sMl + CH * LDM;                        // PREC: [64][LD] k e^G's residue
     static_assert((size_t)CH * LDM * 2 + (size_t)(NT / 32) * 16 * 20 * 4 <=
                       (size_t)2 * CH * LDA * 4,
                   "M and the staging tiles fit in the Aqk, Akk region");
@@ -96,6 +103,11 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
         }
         st8(p.qg + c * CH * D + r * D + d, xq);
         st8(p.kd + c * CH * D + r * D + d, xk);
+        if (PREC) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) xk[e] = bf16_residue(xk[e]);
+            st8(p.kd_lo + c * CH * D + r * D + d, xk);
+        }
     }
     for (int d = tid; d < D; d += NT) p.gexp[c * D + d] = __expf(GC[d]);
 
@@ -178,6 +190,11 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
 #pragma unroll
         for (int e = 0; e < 8; e++) k[e] *= __expf(G[e]);
         st8(sKb + r * LD + d, k);
+        if (PREC) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) k[e] = bf16_residue(k[e]);
+            st8(sKgl + r * LD + d, k);
+        }
     }
     __syncthreads();
     load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid); // v into k's place
@@ -246,6 +263,12 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
         sMb[i * LDM + j0 + 1] = __float2bfloat16(x.y * sBeta[j0 + 1]);
         sMb[i * LDM + j0 + 2] = __float2bfloat16(x.z * sBeta[j0 + 2]);
         sMb[i * LDM + j0 + 3] = __float2bfloat16(x.w * sBeta[j0 + 3]);
+        if (PREC) {
+            sMl[i * LDM + j0] = __float2bfloat16(bf16_residue(x.x * sBeta[j0]));
+            sMl[i * LDM + j0 + 1] = __float2bfloat16(bf16_residue(x.y * sBeta[j0 + 1]));
+            sMl[i * LDM + j0 + 2] = __float2bfloat16(bf16_residue(x.z * sBeta[j0 + 2]));
+            sMl[i * LDM + j0 + 3] = __float2bfloat16(bf16_residue(x.w * sBeta[j0 + 3]));
+        }
         if (save_x) *reinterpret_cast<float4 *>(p.X + c * CH * CH + i * CH + j0) = x;
     }
     __syncthreads();
@@ -255,12 +278,21 @@ __global__ void __launch_bounds__(512, 2) kda_fwd_intra_kernel(Params p, int sav
     float *st = sStage + warp * 16 * 20;
     for (int tt = warp; tt < 2 * TPM; tt += NT / 32) {
         int mat = tt / TPM, t = tt % TPM, i0 = (t / (D / 16)) * 16, j0 = (t % (D / 16)) * 16;
+        const bf16 *rhs = (mat ? sV : sKb) + j0;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, (mat ? sV : sKb) + j0, LD, CH / 16);
+        if (PREC) { // the small terms first
+            if (!mat) mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, sKgl + j0, LD, CH / 16);
+            mma_tile<RM, RM>(acc, sMl + i0 * LDM, LDM, rhs, LD, CH / 16);
+        }
+        mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, rhs, LD, CH / 16);
         wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
         __syncwarp();
-        store_tile_bf16((mat ? p.u : p.w) + c * CH * D + i0 * D + j0, D, st, 20, CH, 1.f);
+        const size_t off = c * CH * D + i0 * D + j0;
+        if (PREC)
+            store_tile_split((mat ? p.u : p.w) + off, (mat ? p.u_lo : p.w_lo) + off, D, st, 20);
+        else
+            store_tile_bf16((mat ? p.u : p.w) + off, D, st, 20, CH, 1.f);
         __syncwarp();
     }
 }
@@ -294,14 +326,15 @@ template <int D> __global__ void kda_decode_kernel(Params p, float *state) {
     p.o[base + v] = __float2bfloat16(p.scale * o);
 }
 
-cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
+cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x, bool precise,
                              cudaStream_t s) {
     dim3 grid(p.N, p.B * p.H);
     int sx = save_x ? 1 : 0;
 #define LM_INTRA(DD, FF)                                                                    \
     {                                                                                       \
-        auto kern = kda_fwd_intra_kernel<DD, FF>;                                           \
-        size_t sm = fwd_intra_smem<DD>();                                                   \
+        auto kern = precise ? kda_fwd_intra_kernel<DD, FF, true>                            \
+                            : kda_fwd_intra_kernel<DD, FF, false>;                          \
+        size_t sm = precise ? fwd_intra_smem<DD, true>() : fwd_intra_smem<DD, false>();     \
         cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                              (int)sm);                                      \
         if (e != cudaSuccess) return e;                                                     \

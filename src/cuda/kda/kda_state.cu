@@ -32,21 +32,27 @@ template <int NT> __device__ __forceinline__ void async_f32(float *dst, const fl
 // columns form JG = VT/16 row groups of the transposed state, and each group's
 // D channels are split over DS = 64/VT warps (DW = D/DS each; one for VT >=
 // 64): four warps for VT <= 64, eight for VT = 128.
-template <int D, int VT> struct StatePlan {
+// PREC (forward with the precise state): a stage also holds w_lo [64][LD]
+// and the u_lo tile [64][LDB]; kd_lo [64][LD] has one buffer (loaded at the
+// chunk's start, used at its end), and there is no h or V' staging (the
+// precise pass does not save them). That fits for VT = 16 and 64.
+template <int D, int VT, bool PREC = false> struct StatePlan {
     static constexpr int DS = VT >= 64 ? 1 : 64 / VT, JG = VT / 16, NW = JG * DS, DW = D / DS;
     static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8, RLD = CH + 8;
     // one stage: w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}
     static constexpr size_t stage = (size_t)3 * CH * LD * 2 + (size_t)CH * LDA * 2 +
-                                    (size_t)CH * LDB * 2 + (size_t)D * 4;
+                                    (size_t)CH * LDB * 2 + (size_t)D * 4 +
+                                    (PREC ? (size_t)CH * LD * 2 + (size_t)CH * LDB * 2 : 0);
     // output staging: the state (h or dh) [D][LDB], V' or dV' [64][LDB], O [64][LDB]
     static constexpr size_t sh = (size_t)D * LDB * 2, sv = (size_t)CH * LDB * 2;
     // partial sums over the DS channel slices: two [DS][VT][RLD] fp32 sets
     static constexpr size_t red = DS > 1 ? (size_t)2 * DS * VT * RLD * 4 : 0;
-    static constexpr size_t total = 2 * stage + sh + 2 * sv + red;
+    static constexpr size_t total =
+        2 * stage + (PREC ? sv + (size_t)CH * LD * 2 : sh + 2 * sv) + red;
 };
 
 template <int D, int VT> struct StageView {
-    bf16 *a, *b, *c, *aqk, *tile;
+    bf16 *a, *b, *c, *aqk, *tile, *a_lo, *tile_lo;
     float *ge;
     __device__ StageView(unsigned char *base) {
         using P = StatePlan<D, VT>;
@@ -56,6 +62,8 @@ template <int D, int VT> struct StageView {
         aqk = c + CH * P::LD;
         tile = aqk + CH * P::LDA;
         ge = reinterpret_cast<float *>(tile + CH * P::LDB);
+        a_lo = reinterpret_cast<bf16 *>(ge + D); // PREC only: w_lo, then the u_lo tile
+        tile_lo = a_lo + CH * P::LD;
     }
 };
 
@@ -81,16 +89,24 @@ __device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src
 // With DS > 1 the two products over channels are summed across the slice's
 // warps through shared memory, in slice order (deterministic).
 // SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
-template <int D, int VT, bool SAVE>
+// PREC (the final state is asked for; no SAVE): every operand of the two
+// products that carry the state in two bf16 parts, x = hi(x) + lo(x) with
+// lo(x) = bf16(x - hi(x)), and each product as three (hi hi + lo hi + hi lo):
+// S^T W^T with W = w + w_lo, then V'^T Kd with Kd = kd + kd_lo; U = u + u_lo.
+// O keeps the bf16 operands (a bf16 output). docs/cuda.md Precision.
+template <int D, int VT, bool SAVE, bool PREC>
 __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_kernel(Params p) {
-    using P = StatePlan<D, VT>;
+    using P = StatePlan<D, VT, PREC>;
     constexpr int NT = P::NW * 32, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
     constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
     extern __shared__ __align__(128) unsigned char smem[];
+    static_assert(!(SAVE && PREC), "the precise pass does not save h and V'");
     unsigned char *stage0 = smem;
-    bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage);
-    bf16 *sV = sH + D * LDB, *sO = sV + CH * LDB;
-    float *red = reinterpret_cast<float *>(sO + CH * LDB); // [2][DS][VT][RLD]
+    bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage); // SAVE: [D][LDB]
+    bf16 *sV = sH + D * LDB;                                    // SAVE: [64][LDB]
+    bf16 *sO = PREC ? sH : sV + CH * LDB;                       // [64][LDB]
+    bf16 *sKdl = sO + CH * LDB;                                 // PREC: [64][LD] kd_lo
+    float *red = reinterpret_cast<float *>(PREC ? sKdl + CH * LD : sO + CH * LDB); // [2][DS][VT][RLD]
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int jg = warp % JG, ds = warp / JG;
@@ -107,6 +123,10 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
         async_tile<NT>(st.aqk, LDA, p.aqk + c * CH * CH, CH, CH, CH, CH);
         async_tile<NT>(st.tile, LDB, p.u + c * CH * D + v0, D, CH, VT, CH);
         async_f32<NT>(st.ge, p.gexp + c * D, D);
+        if (PREC) {
+            async_tile<NT>(st.a_lo, LD, p.w_lo + c * CH * D, D, CH, D, CH);
+            async_tile<NT>(st.tile_lo, LDB, p.u_lo + c * CH * D + v0, D, CH, VT, CH);
+        }
         cp_async_commit();
     };
     issue(0);
@@ -121,11 +141,15 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
     for (int n = 0; n < p.N; n++) {
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+        if (PREC) { // kd_lo, used by the update at the chunk's end (its buffer is free)
+            async_tile<NT>(sKdl, LD, p.kd_lo + c * CH * D, D, CH, D, CH);
+            cp_async_commit();
+        }
         if (n + 1 < p.N) {
             issue(n + 1);
-            cp_async_wait<1>();
+            cp_async_wait<PREC ? 2 : 1>();
         } else {
-            cp_async_wait<0>();
+            cp_async_wait<PREC ? 1 : 0>();
         }
         __syncthreads(); // chunk n's stage has landed; the staging buffers are free
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
@@ -146,14 +170,31 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             for (int e = 0; e < 4; e++) pv[nt][e] = po[nt][e] = 0.f;
 #pragma unroll
         for (int s = 0; s < DW / 16; s++) {
-            unsigned a[4];
+            unsigned a[4], al[4];
             c_to_a(a, S[2 * s], S[2 * s + 1]);
+            if (PREC) {
+                float r0[4], r1[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    r0[e] = bf16_residue(S[2 * s][e]);
+                    r1[e] = bf16_residue(S[2 * s + 1][e]);
+                }
+                c_to_a(al, r0, r1);
+            }
 #pragma unroll
             for (int np = 0; np < 4; np++) {
                 const int off = (16 * np + (lm >> 1) * 8 + lr) * LD + d0w + 16 * s + (lm & 1) * 8;
                 unsigned bw[4], bq[4];
                 ldsm_x4(bw, st.a + off);
                 ldsm_x4(bq, st.b + off);
+                if (PREC) { // lo(S) hi(W) + hi(S) lo(W)
+                    unsigned bl[4];
+                    ldsm_x4(bl, st.a_lo + off);
+                    mma16816(pv[2 * np], al, bw[0], bw[1]);
+                    mma16816(pv[2 * np + 1], al, bw[2], bw[3]);
+                    mma16816(pv[2 * np], a, bl[0], bl[1]);
+                    mma16816(pv[2 * np + 1], a, bl[2], bl[3]);
+                }
                 mma16816(pv[2 * np], a, bw[0], bw[1]);
                 mma16816(pv[2 * np + 1], a, bw[2], bw[3]);
                 mma16816(po[2 * np], a, bq[0], bq[1]);
@@ -211,11 +252,25 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
-                pv[nt][e] = __bfloat162float(st.tile[i * LDB + j]) - pv[nt][e];
+                float u = __bfloat162float(st.tile[i * LDB + j]);
+                if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
+                pv[nt][e] = u - pv[nt][e];
             }
-        unsigned aV[4][4];
+        unsigned aV[4][4], aL[PREC ? 4 : 1][4];
 #pragma unroll
         for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        if (PREC) {
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                float r0[4], r1[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    r0[e] = bf16_residue(pv[2 * s][e]);
+                    r1[e] = bf16_residue(pv[2 * s + 1][e]);
+                }
+                c_to_a(aL[PREC ? s : 0], r0, r1);
+            }
+        }
         if (SAVE) {
 #pragma unroll
             for (int nt = 0; nt < 8; nt++) {
@@ -246,6 +301,13 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             }
         }
         // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
+        if (PREC) { // kd_lo has landed (the next stage may still be in flight)
+            if (n + 1 < p.N)
+                cp_async_wait<1>();
+            else
+                cp_async_wait<0>();
+            __syncthreads();
+        }
 #pragma unroll
         for (int t = 0; t < NDT; t++) {
             const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
@@ -259,7 +321,17 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
 #pragma unroll
             for (int tp = 0; tp < NDT / 2; tp++) {
                 unsigned bk[4];
-                ldsm_x4_t(bk, st.c + (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8);
+                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
+                ldsm_x4_t(bk, st.c + off);
+                if (PREC) {
+                    unsigned bl[4];
+                    ldsm_x4_t(bl, sKdl + off);
+                    const unsigned *al = aL[PREC ? s : 0];
+                    mma16816(S[2 * tp], al, bk[0], bk[1]);
+                    mma16816(S[2 * tp + 1], al, bk[2], bk[3]);
+                    mma16816(S[2 * tp], aV[s], bl[0], bl[1]);
+                    mma16816(S[2 * tp + 1], aV[s], bl[2], bl[3]);
+                }
                 mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
                 mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
             }
@@ -471,27 +543,47 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
 // fill shared memory); D when even that needs several waves. Narrow tiles
 // shorten each chunk's step on the sequential path when there are few
 // sequences and heads; wide ones read each chunk's operands fewer times.
-int state_tile_width(int BH, int D) {
+// The precise forward (larger stages) runs 16 or 64 only: the narrowest of
+// those that fits one wave, else 64.
+int state_tile_width(int BH, int D, bool precise) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess)
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    for (int vt = 16; vt <= D; vt *= 2)
+    for (int vt = 16; vt <= D; vt *= 2) {
+        if (precise && vt != 16 && vt != 64) continue;
         if ((long long)BH * (D / vt) <= sms) return vt;
-    return D;
+    }
+    return precise ? 64 : D;
 }
 
+// The H200's (and H100's) limit of dynamic shared memory for one block.
+constexpr size_t SMEM_OPTIN = 227 * 1024;
+
 template <int D, int VT>
-static cudaError_t launch_state(const Params &p, bool backward, bool save, cudaStream_t s) {
+static cudaError_t launch_state(const Params &p, bool backward, bool save, bool precise,
+                                cudaStream_t s) {
     constexpr int NT = StatePlan<D, VT>::NW * 32;
     dim3 grid(D / VT, p.B * p.H);
     size_t sm = StatePlan<D, VT>::total;
+    static_assert(StatePlan<D, VT>::total <= SMEM_OPTIN, "state kernels: shared memory");
     if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, NT, sm, s, p);
-    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true>, grid, NT, sm, s, p);
-    return launch_with_smem(kda_fwd_state_kernel<D, VT, false>, grid, NT, sm, s, p);
+    if (precise) { // never with save: the API runs a separate saving pass
+        if constexpr (VT == 16 || VT == 64) {
+            static_assert(StatePlan<D, VT, true>::total <= SMEM_OPTIN, "precise state: smem");
+            if (save) return cudaErrorInvalidValue;
+            return launch_with_smem(kda_fwd_state_kernel<D, VT, false, true>, grid, NT,
+                                    StatePlan<D, VT, true>::total, s, p);
+        } else {
+            return cudaErrorInvalidValue; // state_tile_width never picks it
+        }
+    }
+    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true, false>, grid, NT, sm, s, p);
+    return launch_with_smem(kda_fwd_state_kernel<D, VT, false, false>, grid, NT, sm, s, p);
 }
 
 // LONGMOE_KDA_STATE_VT=16|32|64|128 (at most D) forces the width: for tests
-// and tuning. Any other value is reported once and ignored.
+// and tuning (the precise forward takes 32 as 16 and 128 as 64). Any other
+// value is reported once and ignored.
 static int state_tile_override(int D) {
     const char *e = getenv("LONGMOE_KDA_STATE_VT");
     if (!e || !*e) return 0;
@@ -506,26 +598,27 @@ static int state_tile_override(int D) {
 }
 
 static cudaError_t launch_state_any(const Params &p, int D, bool backward, bool save,
-                                    cudaStream_t s) {
+                                    bool precise, cudaStream_t s) {
     int vt = state_tile_override(D);
-    if (!vt) vt = state_tile_width(p.B * p.H, D);
+    if (vt && precise) vt = vt <= 32 ? 16 : 64;
+    if (!vt) vt = state_tile_width(p.B * p.H, D, precise);
     if (D == 128) {
-        if (vt == 16) return launch_state<128, 16>(p, backward, save, s);
-        if (vt == 32) return launch_state<128, 32>(p, backward, save, s);
-        if (vt == 64) return launch_state<128, 64>(p, backward, save, s);
-        return launch_state<128, 128>(p, backward, save, s);
+        if (vt == 16) return launch_state<128, 16>(p, backward, save, precise, s);
+        if (vt == 32) return launch_state<128, 32>(p, backward, save, precise, s);
+        if (vt == 64) return launch_state<128, 64>(p, backward, save, precise, s);
+        return launch_state<128, 128>(p, backward, save, precise, s);
     }
-    if (vt == 16) return launch_state<64, 16>(p, backward, save, s);
-    if (vt == 32) return launch_state<64, 32>(p, backward, save, s);
-    return launch_state<64, 64>(p, backward, save, s);
+    if (vt == 16) return launch_state<64, 16>(p, backward, save, precise, s);
+    if (vt == 32) return launch_state<64, 32>(p, backward, save, precise, s);
+    return launch_state<64, 64>(p, backward, save, precise, s);
 }
 
-cudaError_t launch_fwd_state(const Params &p, int D, bool save, cudaStream_t s) {
-    return launch_state_any(p, D, false, save, s);
+cudaError_t launch_fwd_state(const Params &p, int D, bool save, bool precise, cudaStream_t s) {
+    return launch_state_any(p, D, false, save, precise, s);
 }
 
 cudaError_t launch_bwd_state(const Params &p, int D, cudaStream_t s) {
-    return launch_state_any(p, D, true, false, s);
+    return launch_state_any(p, D, true, false, false, s);
 }
 
 } // namespace lmkda
