@@ -411,6 +411,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     bf16 *sK = sQ + CH * LDC;                                 // [64][LDC]
     bf16 *sdO = sK + CH * LDC;                                // [64][LD] V', then dO'
     bf16 *sVn = sdO;
+    // phase 4, in dO's place: the sub-chunk's row blocks of dAqk and dAkk
+    // [16][LAR] and column blocks of dAqk and Diag(beta) dAkk [64][LAC]
+    constexpr int LAR = D == 128 ? CH + 8 : CH, LAC = D == 128 ? SUB + 8 : SUB;
+    static_assert((size_t)2 * SUB * LAR + 2 * CH * LAC <= (size_t)CH * LD, "A tiles fit dO's place");
+    bf16 *sAqR = sdO, *sAkR = sAqR + SUB * LAR, *sAqC = sAkR + SUB * LAR, *sAkC = sAqC + CH * LAC;
     unsigned char *RS = reinterpret_cast<unsigned char *>(sdO + CH * LD);
     // phase 1: h and dh rows of the block's columns; phase 4: operands
     bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
@@ -614,6 +619,25 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // The loop is not unrolled (the kernel's code size matters: see docs/cuda.md);
     // the rows of sub-chunk pb are the first IPB entries of dq, dk, dG, which
     // rotate by IPB after each sub-chunk (back in place after the last).
+    // the sub-chunk's blocks of dAqk, dAkk, Diag(beta) dAkk (written by the
+    // triangular kernel) into shared memory, in flight while operands are built
+    auto issue_tiles = [&](int pb) {
+        const int n0 = pb * SUB;
+        const int nr = SUB * 2 * (pb + 1); // 16-byte pieces of a row block (pb + 1 blocks)
+        for (int idx = tid; idx < 2 * nr; idx += NT) {
+            const int mat = idx / nr, q = idx % nr, r = q / (2 * (pb + 1)), cc = (q % (2 * (pb + 1))) * 8;
+            cp_async16((mat ? sAkR : sAqR) + r * LAR + cc,
+                       (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + cc, true);
+        }
+        const int ncol = 2 * (CH - n0); // 16-byte pieces of a column block (rows n0..63)
+        for (int idx = tid; idx < 2 * ncol; idx += NT) {
+            const int mat = idx / ncol, q = idx % ncol, r = q / 2, cc = (q % 2) * 8;
+            cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
+                       (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+        }
+        cp_async_commit();
+    };
+    issue_tiles(0);
 #pragma unroll 1
     for (int pb = 0; pb < CH / SUB; pb++) {
         const int n0 = pb * SUB, m = n0 + SUB - 1;
@@ -665,6 +689,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
                 st8(sKaLo + (i - n0) * LDC + dd, xk);
             }
         }
+        cp_async_wait<0>(); // the sub-chunk's blocks of dAqk, dAkk, Diag(beta) dAkk
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
         const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
@@ -673,28 +698,29 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
             if (o == 0)
-                mma_tile_upto4<RM>(acc, dAqkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+                mma_tile_upto4<RM>(acc, sAqR, LAR, sKbOp + j0, LDC, nq);
             else if (o == 1)
-                mma_tile_upto4<RM>(acc, dAkkg + n0 * CH, CH, sKbOp + j0, LDC, nq);
+                mma_tile_upto4<RM>(acc, sAkR, LAR, sKbOp + j0, LDC, nq);
             else if (o == 2)
-                mma_tile_upto4<CM>(acc, dAqkg + s0 * SUB * CH + n0, CH,
+                mma_tile_upto4<CM>(acc, sAqC + (s0 - pb) * SUB * LAC, LAC,
                                    sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             else
-                mma_tile_upto4<CM>(acc, dAkkBg + s0 * SUB * CH + n0, CH,
+                mma_tile_upto4<CM>(acc, sAkC + (s0 - pb) * SUB * LAC, LAC,
                                    sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
             if (FACTORED) { // the diagonal block's low parts
                 if (o == 0)
-                    mma_tile<RM, RM>(acc, dAqkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
+                    mma_tile<RM, RM>(acc, sAqR + n0, LAR, sKbLo + j0, LDC, 1);
                 else if (o == 1)
-                    mma_tile<RM, RM>(acc, dAkkg + n0 * CH + n0, CH, sKbLo + j0, LDC, 1);
+                    mma_tile<RM, RM>(acc, sAkR + n0, LAR, sKbLo + j0, LDC, 1);
                 else if (o == 2)
-                    mma_tile<CM, RM>(acc, dAqkg + n0 * CH + n0, CH, sQaLo + j0, LDC, 1);
+                    mma_tile<CM, RM>(acc, sAqC, LAC, sQaLo + j0, LDC, 1);
                 else
-                    mma_tile<CM, RM>(acc, dAkkBg + n0 * CH + n0, CH, sKaLo + j0, LDC, 1);
+                    mma_tile<CM, RM>(acc, sAkC, LAC, sKaLo + j0, LDC, 1);
             }
             wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
         }
         __syncthreads();
+        if (pb + 1 < CH / SUB) issue_tiles(pb + 1); // the tiles' buffer is free again
 #pragma unroll
         for (int i = 0; i < IPB; i++) {
             const int r = n0 + r0 + RSTEP * i, rl = r - n0;
