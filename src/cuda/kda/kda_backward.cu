@@ -348,11 +348,17 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
                ? (size_t)2 * DC * (D + 8) * 2
                : (size_t)3 * (CH + SUB) * (DC + 8) * 2;
 }
+template <int D> __host__ __device__ constexpr size_t bwd_col_do_bytes() {
+    // V', then dO' [64][D+8]; then M [64][CH+8] and the block's dW columns [64][DC+8]
+    return (size_t)CH * (D + 8) * 2 > (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2
+               ? (size_t)CH * (D + 8) * 2
+               : (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2;
+}
 template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
     return (size_t)CH * DC * 4                // G
            + (size_t)CH * (DC + 4) * 4        // product staging
            + (size_t)2 * CH * (DC + 8) * 2    // q, k
-           + (size_t)CH * (D + 8) * 2         // dO'
+           + bwd_col_do_bytes<D>()            // dO'; then M and dW; then dAqk, dAkk blocks
            + bwd_col_state_bytes<D>()         // h, dh -> sub-chunk operands
            + (size_t)(2 * CH + DC + COL_RSTEP * DC + CH * (DC / 32)) * 4 // small
            + (size_t)3 * (CH / SUB) * SUB * SUB * 2; // diagonal blocks (per-pair loop)
@@ -413,10 +419,12 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     bf16 *sVn = sdO;
     // phase 4, in dO's place: the sub-chunk's row blocks of dAqk and dAkk
     // [16][LAR] and column blocks of dAqk and Diag(beta) dAkk [64][LAC]
-    constexpr int LAR = D == 128 ? CH + 8 : CH, LAC = D == 128 ? SUB + 8 : SUB;
-    static_assert((size_t)2 * SUB * LAR + 2 * CH * LAC <= (size_t)CH * LD, "A tiles fit dO's place");
+    constexpr int LAR = CH + 8, LAC = SUB + 8;
+    static_assert((size_t)2 * SUB * LAR * 2 + (size_t)2 * CH * LAC * 2 <= bwd_col_do_bytes<D>(),
+                  "the blocks of dAqk, dAkk fit dO's place");
     bf16 *sAqR = sdO, *sAkR = sAqR + SUB * LAR, *sAqC = sAkR + SUB * LAR, *sAkC = sAqC + CH * LAC;
-    unsigned char *RS = reinterpret_cast<unsigned char *>(sdO + CH * LD);
+    bf16 *sM = sdO, *sdW = sM + CH * (CH + 8); // M [64][CH+8], dW [64][LDC], once dO' is dead
+    unsigned char *RS = reinterpret_cast<unsigned char *>(sdO) + bwd_col_do_bytes<D>();
     // phase 1: h and dh rows of the block's columns; phase 4: operands
     bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
     bf16 *sKbOp = reinterpret_cast<bf16 *>(RS), *sQaOp = sKbOp + CH * LDC;
@@ -557,7 +565,10 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
-    __syncthreads();
+    __syncthreads(); // dO' is dead: M and the block's dW columns take its place
+    cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
+    cp_rows<DC, NT>(sdW, LDC, dWg, D, CH, CH);
+    cp_async_commit();
 #pragma unroll 1
     for (int g = 0; g < RPT / IPB; g++) {
 #pragma unroll
@@ -570,13 +581,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         rotate_left<IPB, RPT>(dq);
         rotate_left<IPB, RPT>(dG);
     }
+    cp_async_wait<0>(); // M and dW have landed
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
     for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
         int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
-        mma_tile<CM, RM>(acc, Mg + i0, CH, dWg + j0, D, CH / 16);
+        mma_tile<CM, RM>(acc, sM + i0, CH + 8, sdW + j0, LDC, CH / 16);
         wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
     }
     // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (four threads per
@@ -844,6 +856,7 @@ template <int D> __global__ void kda_bwd_dbeta_kernel(Params p) {
 // Two blocks per SM: 228 KB of shared memory per SM, 1 KB of it reserved per block.
 static_assert(bwd_tri_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel A: two blocks per SM");
 static_assert(bwd_col_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel B: two blocks per SM");
+static_assert(bwd_col_smem<64>() + 1024 <= 228 * 1024 / 2, "kernel B (D 64): two blocks per SM");
 
 // Launch with the largest shared-memory carveout, so that two blocks fit.
 template <typename Kern>
