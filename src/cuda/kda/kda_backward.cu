@@ -47,8 +47,8 @@ __device__ __forceinline__ void mma_tile_rc4(FragC &c, const bf16 *A, int lda, c
     wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, CM> b;
 #pragma unroll 4
     for (int kk = 0; kk < ksteps; kk++) {
-        wmma::load_matrix_sync(a, A + 16 * kk, lda);
-        wmma::load_matrix_sync(b, B + 16 * kk, ldb);
+        ld_s(a, A + 16 * kk, lda);
+        ld_s(b, B + 16 * kk, ldb);
         wmma::mma_sync(c, a, b, c);
     }
 }
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
             mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sVn + j0 * LD, LD, D / 16);
-            wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+            st_s(st, acc, 20);
             __syncwarp();
             tile_row8(st, x);
             __syncwarp();
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<RM, CM>(acc, sdVn + i0 * LD, LD, sH + j0 * LD, LD, D / 16);
-        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        st_s(st, acc, 20);
         __syncwarp();
         float x[8];
         tile_row8(st, x);
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<CM, RM>(acc, sMb + i0, LDM, sdVn + j0, LD, CH / 16);
-        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        st_s(st, acc, 20);
         __syncwarp();
         float x[8];
         tile_row8(st, x);
@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         int tt = warp + k * (NT / 32), i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
-        wmma::store_matrix_sync(sdM + i0 * LDA + j0, accM[k], LDA, wmma::mem_row_major);
+        st_s(sdM + i0 * LDA + j0, accM[k], LDA);
     }
     __syncthreads();
     // M = X Diag(beta): dbeta_j = sum_i dM_ij X_ij; dX = dM Diag(beta) in place
@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         FragC8 acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile_tf32<CM, RM>(acc, sX + i0, LDA, sdM + j0, LDA, i0 / 8, CH / 8);
-        wmma::store_matrix_sync(sT1 + i0 * LDA + j0, acc, LDA, wmma::mem_row_major);
+        st_s(sT1 + i0 * LDA + j0, acc, LDA);
     }
     __syncthreads();
     bf16 *dAkkg = p.dAkkb + c * CH * CH, *dAkkBg = p.dAkkBb + c * CH * CH;
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
             FragC8 acc;
             wmma::fill_fragment(acc, 0.f);
             mma_tile_tf32<RM, CM>(acc, sT1 + i0 * LDA, LDA, sX + j0 * LDA, LDA, 0, (j0 + 16) / 8);
-            wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+            st_s(st, acc, 20);
             __syncwarp();
             tile_row8(st, x);
             __syncwarp();
@@ -387,13 +387,13 @@ __device__ __forceinline__ void mma_tile_upto4(FragC &c, const bf16 *A, int lda,
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
         if (kk < ksteps)
-            wmma::load_matrix_sync(a[kk], std::is_same<LA, RM>::value ? A + 16 * kk
+            ld_s(a[kk], std::is_same<LA, RM>::value ? A + 16 * kk
                                                                       : A + (size_t)16 * kk * lda,
                                    lda);
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
         if (kk < ksteps) {
-            wmma::load_matrix_sync(b, B + (size_t)16 * kk * ldb, ldb);
+            ld_s(b, B + (size_t)16 * kk * ldb, ldb);
             wmma::mma_sync(c, a[kk], b, c);
         }
 }
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<RM, CM>(acc, sVn + i0 * LD, LD, sDh + j0 * LD, LD, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        st_s(sStage + i0 * LDS + j0, acc, LDS);
     }
     __syncthreads(); // V' is dead: dO replaces it while dKd is consumed
     cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        st_s(sStage + i0 * LDS + j0, acc, LDS);
     }
     __syncthreads(); // dO' is dead: M and the block's dW columns take its place
     cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
@@ -589,7 +589,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         FragC acc;
         wmma::fill_fragment(acc, 0.f);
         mma_tile<CM, RM>(acc, sM + i0, CH + 8, sdW + j0, LDC, CH / 16);
-        wmma::store_matrix_sync(sStage + i0 * LDS + j0, acc, LDS, wmma::mem_row_major);
+        st_s(sStage + i0 * LDS + j0, acc, LDS);
     }
     // decay of the state: dG_C += e^{G_C} sum_v dS[d,v] S[d,v] (four threads per
     // row, D/4 consecutive values each, 16-byte reads)
@@ -729,7 +729,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
                 else
                     mma_tile<CM, RM>(acc, sAkC, LAC, sKaLo + j0, LDC, 1);
             }
-            wmma::store_matrix_sync(sStage + o * SUB * LDS + j0, acc, LDS, wmma::mem_row_major);
+            st_s(sStage + o * SUB * LDS + j0, acc, LDS);
         }
         __syncthreads();
         if (pb + 1 < CH / SUB) issue_tiles(pb + 1); // the tiles' buffer is free again

@@ -95,6 +95,58 @@ __device__ __forceinline__ void load_rows(bf16 *dst, int ld, const bf16 *src, si
     }
 }
 
+// wmma fragments loaded from and stored to shared memory with the state
+// space written in the PTX (every operand tile of these kernels is in shared
+// memory). wmma::load_matrix_sync on a pointer that the compiler cannot prove
+// to be shared compiles to generic loads (LD) plus transposes (MOVM).
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+#define LM_WMMA_LD4(FRAG, T, PTX)                                                          \
+    __device__ __forceinline__ void ld_s(FRAG &f, const T *p, unsigned ld) {              \
+        int *r = reinterpret_cast<int *>(&f);                                              \
+        asm volatile(PTX " {%0,%1,%2,%3}, [%4], %5;\n"                                     \
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                      \
+                     : "r"(smem_u32(p)), "r"(ld)                                           \
+                     : "memory");                                                          \
+    }
+using FragAr = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
+using FragAc = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::col_major>;
+using FragBr = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
+using FragBc = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
+using Frag8Ar = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using Frag8Ac = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+using Frag8Br = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+using Frag8Bc = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major>;
+LM_WMMA_LD4(FragAr, bf16, "wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16")
+LM_WMMA_LD4(FragAc, bf16, "wmma.load.a.sync.aligned.col.m16n16k16.shared.bf16")
+LM_WMMA_LD4(FragBr, bf16, "wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16")
+LM_WMMA_LD4(FragBc, bf16, "wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16")
+LM_WMMA_LD4(Frag8Ar, float, "wmma.load.a.sync.aligned.row.m16n16k8.shared.tf32")
+LM_WMMA_LD4(Frag8Ac, float, "wmma.load.a.sync.aligned.col.m16n16k8.shared.tf32")
+LM_WMMA_LD4(Frag8Br, float, "wmma.load.b.sync.aligned.row.m16n16k8.shared.tf32")
+LM_WMMA_LD4(Frag8Bc, float, "wmma.load.b.sync.aligned.col.m16n16k8.shared.tf32")
+#undef LM_WMMA_LD4
+// An fp32 accumulator tile (16x16, of the k16 or the tf32 k8 shape) to shared
+// memory, row-major with row stride ld.
+template <int K>
+__device__ __forceinline__ void st_s(float *p, const wmma::fragment<wmma::accumulator, 16, 16, K, float> &f,
+                                     unsigned ld) {
+    static_assert(K == 16 || K == 8, "m16n16k16 or m16n16k8");
+    if (K == 16)
+        asm volatile("wmma.store.d.sync.aligned.row.m16n16k16.shared.f32 [%0], "
+                     "{%1,%2,%3,%4,%5,%6,%7,%8}, %9;\n" ::"r"(smem_u32(p)),
+                     "f"(f.x[0]), "f"(f.x[1]), "f"(f.x[2]), "f"(f.x[3]), "f"(f.x[4]), "f"(f.x[5]),
+                     "f"(f.x[6]), "f"(f.x[7]), "r"(ld)
+                     : "memory");
+    else
+        asm volatile("wmma.store.d.sync.aligned.row.m16n16k8.shared.f32 [%0], "
+                     "{%1,%2,%3,%4,%5,%6,%7,%8}, %9;\n" ::"r"(smem_u32(p)),
+                     "f"(f.x[0]), "f"(f.x[1]), "f"(f.x[2]), "f"(f.x[3]), "f"(f.x[4]), "f"(f.x[5]),
+                     "f"(f.x[6]), "f"(f.x[7]), "r"(ld)
+                     : "memory");
+}
+
 // c += A(16 x 16*ksteps) * B(16*ksteps x 16) on tensor cores, bf16 operands.
 // A points at the tile's first row: row-major A(i,k) = A[i*lda + k]; col-major
 // A(i,k) = A[k*lda + i]. B likewise at the tile's first column: row-major
@@ -110,8 +162,8 @@ __device__ __forceinline__ void mma_tile(wmma::fragment<wmma::accumulator, 16, 1
                                                                   : A + (size_t)16 * kk * lda;
         const bf16 *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)16 * kk * ldb
                                                                   : B + 16 * kk;
-        wmma::load_matrix_sync(a, pa, lda);
-        wmma::load_matrix_sync(b, pb, ldb);
+        ld_s(a, pa, lda);
+        ld_s(b, pb, ldb);
         wmma::mma_sync(c, a, b, c);
     }
 }
@@ -132,8 +184,8 @@ __device__ __forceinline__ void mma_tile_tf32(FragC8 &c, const float *A, int lda
                                                                    : A + (size_t)8 * kk * lda;
         const float *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)8 * kk * ldb
                                                                    : B + 8 * kk;
-        wmma::load_matrix_sync(a, pa, lda);
-        wmma::load_matrix_sync(b, pb, ldb);
+        ld_s(a, pa, lda);
+        ld_s(b, pb, ldb);
 #pragma unroll
         for (int e = 0; e < a.num_elements; e++) a.x[e] = wmma::__float_to_tf32(a.x[e]);
 #pragma unroll

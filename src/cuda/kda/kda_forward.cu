@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
             FragC acc;
             wmma::fill_fragment(acc, 0.f);
             mma_tile<RM, CM>(acc, mat ? sKa : sQa, LD, sKb + t * SUB * LD, LD, D / 16);
-            wmma::store_matrix_sync((mat ? sAkk : sAqk) + n0 * LDA + t * SUB, acc, LDA,
-                                    wmma::mem_row_major);
+            st_s((mat ? sAkk : sAqk) + n0 * LDA + t * SUB, acc, LDA);
         }
         if (!FACTORED && tid < SUB * SUB) {
             // Softplus fallback: the diagonal block per position pair, e^{G_i-G_j} <= 1
@@ -286,7 +285,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
             mma_tile<RM, RM>(acc, sMl + i0 * LDM, LDM, rhs, LD, CH / 16);
         }
         mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, rhs, LD, CH / 16);
-        wmma::store_matrix_sync(st, acc, 20, wmma::mem_row_major);
+        st_s(st, acc, 20);
         __syncwarp();
         const size_t off = c * CH * D + i0 * D + j0;
         if (PREC)
