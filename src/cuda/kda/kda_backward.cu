@@ -204,7 +204,9 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         static_assert(P * CG == NT && RP * P == CH, "k e^G: thread layout");
         const int d0 = (tid % CG) * 8, pt = tid / CG;
         const float a_exp = __expf(p.A_log[h]);
-        float z8[RP][8], k8[RP][8], acc[8];
+        float z8[RP][8], k8[RP][8], acc[8], bias[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) bias[e] = p.dt_bias[h * D + d0 + e];
 #pragma unroll
         for (int i = 0; i < RP; i++) {
             const int r = pt * RP + i;
@@ -220,9 +222,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
             const int r = pt * RP + i;
 #pragma unroll
             for (int e = 0; e < 8; e++) { // padded rows: g = 0 keeps G constant past T
-                float g = r < nvalid ? kda_gate(z8[i][e], a_exp, p.dt_bias[h * D + d0 + e],
-                                                p.bounded, p.g_min)
-                                     : 0.f;
+                float g = r < nvalid ? kda_gate(z8[i][e], a_exp, bias[e], p.bounded, p.g_min) : 0.f;
                 acc[e] += g;
                 z8[i][e] = acc[e]; // G within the part
             }
@@ -484,16 +484,17 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         sdAqkDiag[tid] = p.dAqkDiag[c * CH + tid];
     }
     for (int d = tid; d < DC; d += NT) sdGC[d] = 0.f;
+    // the thread's column is the same in every row below (NT is a multiple of DC)
+    static_assert(NT % DC == 0, "one column a thread");
+    const float a_exp = __expf(p.A_log[h]), bias = p.dt_bias[h * D + cb * DC + tid % DC];
     cp_async_wait<0>();
     __syncthreads();
-    const float a_exp = __expf(p.A_log[h]);
 #pragma unroll 1
     for (int idx = tid; idx < CH * DC; idx += NT) {
         int r = idx / DC, d = idx % DC;
         float g = 0.f; // padded rows: g = 0 keeps G constant past T
         if (r < nvalid)
-            g = kda_gate(__bfloat162float(sZ[r * LDC + d]), a_exp, p.dt_bias[h * D + cb * DC + d],
-                         p.bounded, p.g_min);
+            g = kda_gate(__bfloat162float(sZ[r * LDC + d]), a_exp, bias, p.bounded, p.g_min);
         sG[idx] = g;
     }
     __syncthreads();
@@ -637,7 +638,8 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         const int n0 = pb * SUB;
         const int nr = SUB * 2 * (pb + 1); // 16-byte pieces of a row block (pb + 1 blocks)
         for (int idx = tid; idx < 2 * nr; idx += NT) {
-            const int mat = idx / nr, q = idx % nr, r = q / (2 * (pb + 1)), cc = (q % (2 * (pb + 1))) * 8;
+            const int mat = idx / nr, q = idx % nr, r = q / (2 * (pb + 1));
+            const int cc = (q % (2 * (pb + 1))) * 8;
             cp_async16((mat ? sAkR : sAqR) + r * LAR + cc,
                        (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + cc, true);
         }
@@ -733,6 +735,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         }
         __syncthreads();
         if (pb + 1 < CH / SUB) issue_tiles(pb + 1); // the tiles' buffer is free again
+        float part[IPB]; // the dbeta term of each row, this thread's column
 #pragma unroll
         for (int i = 0; i < IPB; i++) {
             const int r = n0 + r0 + RSTEP * i, rl = r - n0;
@@ -771,11 +774,24 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             dG[i] += qv * rq;
             dk[i] += br * rk + cq + ck + dii * qv;
             dG[i] += br * kv * rk - kv * (cq + ck);
-            // one row per warp and iteration: reduce dbeta over the warp's columns
-            float part = kv * rk;
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-            if (lane == 0) sBetaPart[r * (DC / 32) + d / 32] = part;
+            part[i] = kv * rk;
+        }
+        { // the dbeta terms of the warp's IPB = 4 rows, summed over its 32 columns:
+          // halve the rows held per lane twice, then a 3-step butterfly (6 shuffles)
+            static_assert(IPB == 4, "four rows a thread per sub-chunk");
+            const bool hi16 = lane & 16, hi8 = lane & 8;
+            float k0 = hi16 ? part[2] : part[0], k1 = hi16 ? part[3] : part[1];
+            k0 += __shfl_xor_sync(0xffffffffu, hi16 ? part[0] : part[2], 16);
+            k1 += __shfl_xor_sync(0xffffffffu, hi16 ? part[1] : part[3], 16);
+            float k = hi8 ? k1 : k0;
+            k += __shfl_xor_sync(0xffffffffu, hi8 ? k0 : k1, 8);
+            k += __shfl_xor_sync(0xffffffffu, k, 4);
+            k += __shfl_xor_sync(0xffffffffu, k, 2);
+            k += __shfl_xor_sync(0xffffffffu, k, 1);
+            if ((lane & 7) == 0) { // lane 8 i holds row i
+                const int r = n0 + r0 + RSTEP * (lane >> 3);
+                sBetaPart[r * (DC / 32) + d / 32] = k;
+            }
         }
         rotate_left<IPB, RPT>(dq);
         rotate_left<IPB, RPT>(dk);
@@ -815,7 +831,6 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_async_wait<0>(); // z has landed
     __syncthreads();
     float dbias = 0.f, dA = 0.f;
-    const float bias = p.dt_bias[h * D + cb * DC + d];
 #pragma unroll 1
     for (int i = 0; i < RPT; i++) {
         int r = r0 + RSTEP * i;
