@@ -432,6 +432,53 @@ static void *dev_copy_back(const void *d, size_t bytes) {
     return h;
 }
 
+/* A problem's inputs on the device (bf16 q, k, v, z; fp32 the rest), and back. */
+static lm_kda_cuda_inputs dev_inputs(const problem *p) {
+    const lm_kda_config *c = &p->cfg;
+    size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
+    size_t ns = (size_t)c->B * c->H * c->K * c->V;
+    lm_kda_cuda_inputs in = {dev_bf16(p->q, n), dev_bf16(p->k, n), dev_bf16(p->v, n),
+                             dev_bf16(p->z, n), dev_f32(p->beta, nb), dev_f32(p->A_log, c->H),
+                             dev_f32(p->dt_bias, (size_t)c->H * c->K),
+                             p->h0 ? dev_f32(p->h0, ns) : NULL};
+    return in;
+}
+static void free_dev_inputs(lm_kda_cuda_inputs *in) {
+    cudaFree((void *)in->q);
+    cudaFree((void *)in->k);
+    cudaFree((void *)in->v);
+    cudaFree((void *)in->z);
+    cudaFree((void *)in->beta);
+    cudaFree((void *)in->A_log);
+    cudaFree((void *)in->dt_bias);
+    cudaFree((void *)in->h0);
+}
+
+/* Device gradient buffers for a problem, dA_log and ddt_bias zeroed (the
+ * backward accumulates into them); dh0 not asked for. */
+static void dev_grads(const lm_kda_config *c, lm_kda_cuda_grads *g) {
+    size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
+    memset(g, 0, sizeof *g);
+    cudaCheck(cudaMalloc((void **)&g->dq, n * 2));
+    cudaCheck(cudaMalloc((void **)&g->dk, n * 2));
+    cudaCheck(cudaMalloc((void **)&g->dv, n * 2));
+    cudaCheck(cudaMalloc((void **)&g->dz, n * 2));
+    cudaCheck(cudaMalloc((void **)&g->dbeta, nb * 4));
+    cudaCheck(cudaMalloc((void **)&g->dA_log, (size_t)c->H * 4));
+    cudaCheck(cudaMalloc((void **)&g->ddt_bias, (size_t)c->H * c->K * 4));
+    cudaCheck(cudaMemset(g->dA_log, 0, (size_t)c->H * 4));
+    cudaCheck(cudaMemset(g->ddt_bias, 0, (size_t)c->H * c->K * 4));
+}
+static void free_dev_grads(lm_kda_cuda_grads *g) {
+    cudaFree(g->dq);
+    cudaFree(g->dk);
+    cudaFree(g->dv);
+    cudaFree(g->dz);
+    cudaFree(g->dbeta);
+    cudaFree(g->dA_log);
+    cudaFree(g->ddt_bias);
+}
+
 /* The device API: a training forward (backward-sized workspace) writes the
  * same o as an inference forward, and the backward that reuses its saved
  * intermediates (forward_saved = 1) gives the same gradients as the one that
@@ -441,14 +488,11 @@ static void test_saved_forward_equals_recompute(void) {
         problem p = make_problem(2, 150, 2, 128, (lm_kda_gate)gate, 1, 0.f, 7100 + gate);
         const lm_kda_config *c = &p.cfg;
         size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
-        size_t ns = (size_t)c->B * c->H * c->K * c->V;
         float *d_o_h = mallocCheck(n * 4);
         lm_rng r;
         lm_rng_seed(&r, 7200 + gate);
         for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
-        lm_kda_cuda_inputs in = {dev_bf16(p.q, n), dev_bf16(p.k, n), dev_bf16(p.v, n),
-                                 dev_bf16(p.z, n), dev_f32(p.beta, nb), dev_f32(p.A_log, c->H),
-                                 dev_f32(p.dt_bias, (size_t)c->H * c->K), dev_f32(p.h0, ns)};
+        lm_kda_cuda_inputs in = dev_inputs(&p);
         uint16_t *d_o = dev_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
         cudaCheck(cudaMalloc((void **)&o1, n * 2));
         cudaCheck(cudaMalloc((void **)&o2, n * 2));
@@ -457,18 +501,7 @@ static void test_saved_forward_equals_recompute(void) {
         cudaCheck(cudaMalloc(&ws, wsb));
         lm_kda_cuda_grads g[2];
         void *host[2][7];
-        for (int s = 0; s < 2; s++) {
-            memset(&g[s], 0, sizeof g[s]);
-            cudaCheck(cudaMalloc((void **)&g[s].dq, n * 2));
-            cudaCheck(cudaMalloc((void **)&g[s].dk, n * 2));
-            cudaCheck(cudaMalloc((void **)&g[s].dv, n * 2));
-            cudaCheck(cudaMalloc((void **)&g[s].dz, n * 2));
-            cudaCheck(cudaMalloc((void **)&g[s].dbeta, nb * 4));
-            cudaCheck(cudaMalloc((void **)&g[s].dA_log, (size_t)c->H * 4));
-            cudaCheck(cudaMalloc((void **)&g[s].ddt_bias, (size_t)c->H * c->K * 4));
-            cudaCheck(cudaMemset(g[s].dA_log, 0, (size_t)c->H * 4));
-            cudaCheck(cudaMemset(g[s].ddt_bias, 0, (size_t)c->H * c->K * 4));
-        }
+        for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
         CHECK(lm_kda_cuda_chunk_forward(c, &in, o1, NULL, ws, lm_kda_cuda_workspace_bytes(c, 0),
                                         NULL) == LM_OK, "%s", lm_last_error());
         CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 0, NULL) == LM_OK,
@@ -505,22 +538,9 @@ static void test_saved_forward_equals_recompute(void) {
         CHECK(eA <= 1e-5 && eb <= 1e-5, "dA_log %.3g, ddt_bias %.3g", eA, eb);
         for (int s = 0; s < 2; s++) {
             for (int i = 0; i < 7; i++) free(host[s][i]);
-            cudaFree(g[s].dq);
-            cudaFree(g[s].dk);
-            cudaFree(g[s].dv);
-            cudaFree(g[s].dz);
-            cudaFree(g[s].dbeta);
-            cudaFree(g[s].dA_log);
-            cudaFree(g[s].ddt_bias);
+            free_dev_grads(&g[s]);
         }
-        cudaFree((void *)in.q);
-        cudaFree((void *)in.k);
-        cudaFree((void *)in.v);
-        cudaFree((void *)in.z);
-        cudaFree((void *)in.beta);
-        cudaFree((void *)in.A_log);
-        cudaFree((void *)in.dt_bias);
-        cudaFree((void *)in.h0);
+        free_dev_inputs(&in);
         cudaFree(d_o);
         cudaFree(o1);
         cudaFree(o2);
@@ -545,19 +565,18 @@ static void test_precise_state_training_forward(void) {
             snprintf(val, sizeof val, "%d", widths[w]);
             CHECK(setenv("LONGMOE_KDA_STATE_VT", val, 1) == 0, "setenv failed");
             snprintf(what, sizeof what, "VT%d %s", widths[w], gate ? "softplus" : "bounded");
-            problem p = make_problem(1, 300, 2, 128, (lm_kda_gate)gate, 1, 0.f, 7300 + 10 * w + gate);
+            problem p =
+                make_problem(1, 300, 2, 128, (lm_kda_gate)gate, 1, 0.f, 7300 + 10 * w + gate);
             const lm_kda_config *c = &p.cfg;
-            size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
-            size_t ns = (size_t)c->B * c->H * c->K * c->V;
-            float *d_o_h = mallocCheck(n * 4), *s_cpu = mallocCheck(ns * 4), *o_cpu = mallocCheck(n * 4);
+            size_t n = (size_t)c->B * c->T * c->H * c->K, ns = (size_t)c->B * c->H * c->K * c->V;
+            float *d_o_h = mallocCheck(n * 4), *s_cpu = mallocCheck(ns * 4);
+            float *o_cpu = mallocCheck(n * 4);
             lm_rng r;
             lm_rng_seed(&r, 7400 + gate);
             for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
             lm_kda_inputs hin = inputs_of(&p);
             CHECK(lm_kda_chunk_forward(c, &hin, o_cpu, s_cpu) == LM_OK, "%s", lm_last_error());
-            lm_kda_cuda_inputs in = {dev_bf16(p.q, n), dev_bf16(p.k, n), dev_bf16(p.v, n),
-                                     dev_bf16(p.z, n), dev_f32(p.beta, nb), dev_f32(p.A_log, c->H),
-                                     dev_f32(p.dt_bias, (size_t)c->H * c->K), dev_f32(p.h0, ns)};
+            lm_kda_cuda_inputs in = dev_inputs(&p);
             uint16_t *d_o = dev_bf16(d_o_h, n), *o = NULL;
             float *ht = NULL;
             cudaCheck(cudaMalloc((void **)&o, n * 2));
@@ -566,18 +585,7 @@ static void test_precise_state_training_forward(void) {
             void *ws = NULL;
             cudaCheck(cudaMalloc(&ws, wsb));
             lm_kda_cuda_grads g[2];
-            for (int s = 0; s < 2; s++) {
-                memset(&g[s], 0, sizeof g[s]);
-                cudaCheck(cudaMalloc((void **)&g[s].dq, n * 2));
-                cudaCheck(cudaMalloc((void **)&g[s].dk, n * 2));
-                cudaCheck(cudaMalloc((void **)&g[s].dv, n * 2));
-                cudaCheck(cudaMalloc((void **)&g[s].dz, n * 2));
-                cudaCheck(cudaMalloc((void **)&g[s].dbeta, nb * 4));
-                cudaCheck(cudaMalloc((void **)&g[s].dA_log, (size_t)c->H * 4));
-                cudaCheck(cudaMalloc((void **)&g[s].ddt_bias, (size_t)c->H * c->K * 4));
-                cudaCheck(cudaMemset(g[s].dA_log, 0, (size_t)c->H * 4));
-                cudaCheck(cudaMemset(g[s].ddt_bias, 0, (size_t)c->H * c->K * 4));
-            }
+            for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
             CHECK(lm_kda_cuda_chunk_forward(c, &in, o, ht, ws, wsb, NULL) == LM_OK, "%s",
                   lm_last_error());
             CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 1, NULL) == LM_OK,
@@ -615,22 +623,9 @@ static void test_precise_state_training_forward(void) {
             free(b);
             for (int s = 0; s < 2; s++) {
                 for (int i = 0; i < 4; i++) free(dx[s][i]);
-                cudaFree(g[s].dq);
-                cudaFree(g[s].dk);
-                cudaFree(g[s].dv);
-                cudaFree(g[s].dz);
-                cudaFree(g[s].dbeta);
-                cudaFree(g[s].dA_log);
-                cudaFree(g[s].ddt_bias);
+                free_dev_grads(&g[s]);
             }
-            cudaFree((void *)in.q);
-            cudaFree((void *)in.k);
-            cudaFree((void *)in.v);
-            cudaFree((void *)in.z);
-            cudaFree((void *)in.beta);
-            cudaFree((void *)in.A_log);
-            cudaFree((void *)in.dt_bias);
-            cudaFree((void *)in.h0);
+            free_dev_inputs(&in);
             cudaFree(d_o);
             cudaFree(o);
             cudaFree(ht);
