@@ -226,7 +226,8 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
     // shared memory).
     Params ps = p;
     ps.ht = NULL;
-    if ((st = launched(launch_fwd_state(ps, cfg->K, true, false, s), "fwd_state (save)"))) return st;
+    if ((st = launched(launch_fwd_state(ps, cfg->K, true, false, s), "fwd_state (save)")))
+        return st;
     Params pp = p;
     pp.o = NULL;
     return launched(launch_fwd_state(pp, cfg->K, false, true, s), "fwd_state (precise)");

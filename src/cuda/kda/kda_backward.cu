@@ -229,7 +229,8 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         }
         float *sPart = sWarp; // [P][D] part sums (staging is idle here)
         static_assert(P * D <= (NT / 32) * 16 * 20, "k e^G: part sums fit the staging tiles");
-        *reinterpret_cast<float4 *>(sPart + pt * D + d0) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        *reinterpret_cast<float4 *>(sPart + pt * D + d0) =
+            make_float4(acc[0], acc[1], acc[2], acc[3]);
         *reinterpret_cast<float4 *>(sPart + pt * D + d0 + 4) =
             make_float4(acc[4], acc[5], acc[6], acc[7]);
         __syncthreads();

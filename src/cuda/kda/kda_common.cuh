@@ -130,7 +130,8 @@ LM_WMMA_LD4(Frag8Bc, float, "wmma.load.b.sync.aligned.col.m16n16k8.shared.tf32")
 // An fp32 accumulator tile (16x16, of the k16 or the tf32 k8 shape) to shared
 // memory, row-major with row stride ld.
 template <int K>
-__device__ __forceinline__ void st_s(float *p, const wmma::fragment<wmma::accumulator, 16, 16, K, float> &f,
+__device__ __forceinline__ void st_s(float *p,
+                                     const wmma::fragment<wmma::accumulator, 16, 16, K, float> &f,
                                      unsigned ld) {
     static_assert(K == 16 || K == 8, "m16n16k16 or m16n16k8");
     if (K == 16)

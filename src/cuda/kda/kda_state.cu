@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
     bf16 *sV = sH + D * LDB;                                    // SAVE: [64][LDB]
     bf16 *sO = PREC ? sH : sV + CH * LDB;                       // [64][LDB]
     bf16 *sKdl = sO + CH * LDB;                                 // PREC: [64][LD] kd_lo
-    float *red = reinterpret_cast<float *>(PREC ? sKdl + CH * LD : sO + CH * LDB); // [2][DS][VT][RLD]
+    // [2][DS][VT][RLD]
+    float *red = reinterpret_cast<float *>(PREC ? sKdl + CH * LD : sO + CH * LDB);
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int jg = warp % JG, ds = warp / JG;
