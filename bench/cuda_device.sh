@@ -3,12 +3,14 @@
 # the SASS for tensor-core instructions, run the CUDA tests, time our kernels
 # and fla-core's chunk_kda, and print the comparison table last.
 #
-#   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [srcstalls] [fla]
+#   bench/cuda_device.sh [build] [sass] [test] [bench] [ncu] [stalls] [srcstalls] [srclines] [fla]
 #   (default: build sass test bench fla; NCU_KERNELS: regex of the kernels ncu profiles;
 #   FLA_AUTOTUNE_MS=W,R: shorter Triton autotuning for fla, FLA_TIMEOUT: seconds for fla;
 #   STALL_KERNELS, STALL_COUNT: the kernels (regex) and launches whose stalls are shown;
 #   srcstalls: stall samples per SASS instruction of the first STALL_KERNELS launch, summarised
-#   by bench/ncu_source_summary.py;
+#   by bench/ncu_source_summary.py; srclines: the same per CUDA source line (a -lineinfo build);
+#   FLA_SHAPES="B,T,H,D ...": fla's shapes (default all three); FLA_PRIOR: fla JSON files of an
+#   earlier call of this session, merged into the table;
 #   NCU_FLAGS: more ncu options, e.g. --cache-control none to keep L2 between kernels)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
@@ -87,6 +89,26 @@ if has srcstalls; then
         { status=1; tail -5 "$OUT/ncu_source.err"; }
 fi
 
+if has srclines; then
+    # the same samples per CUDA source line: a second build with -lineinfo in $BUILD-lineinfo
+    echo "== ncu: stall samples per source line of ${STALL_KERNELS:-kda_bwd_col} (first launch: bounded)"
+    LB="$BUILD-lineinfo"
+    if timeout 400 cmake -S . -B "$LB" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-lineinfo \
+            >"$OUT/build_lineinfo.log" 2>&1 &&
+        timeout 400 cmake --build "$LB" -j "$JOBS" --target bench_cuda_kda \
+            >>"$OUT/build_lineinfo.log" 2>&1; then
+        timeout 240 ncu --clock-control none --section SourceCounters --section WarpStateStats \
+            -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count 1 --page source --csv \
+            --print-source cuda,sass "$LB/bench_cuda_kda" --profile --shape 1,8192,64,128 \
+            >"$OUT/ncu_lines.csv" 2>"$OUT/ncu_lines.err"
+        python3 bench/ncu_source_summary.py "$OUT/ncu_lines.csv" --top "${STALL_LINES:-20}" ||
+            { status=1; tail -5 "$OUT/ncu_lines.err"; }
+    else
+        echo "lineinfo build failed: $OUT/build_lineinfo.log"
+        status=1
+    fi
+fi
+
 if has fla; then
     echo "== fla-core chunk_kda"
     if ls .whl/*.whl >/dev/null 2>&1; then
@@ -96,8 +118,11 @@ if has fla; then
     fi
     ours=()
     [ -f "$OUT/ours.json" ] && ours=(--ours "$OUT/ours.json")
+    extra=()
+    for sh in ${FLA_SHAPES:-}; do extra+=(--shape "$sh"); done
+    for f in ${FLA_PRIOR:-}; do extra+=(--prior "$f"); done
     PYTHONUNBUFFERED=1 timeout "${FLA_TIMEOUT:-420}" python3 bench/kda_vs_fla.py "${ours[@]}" --out "$OUT/fla.json" \
-        ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} \
+        ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} "${extra[@]}" \
         --reps 20 2>&1 | tee "$OUT/bench_fla.log"
 fi
 exit $status

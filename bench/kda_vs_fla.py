@@ -2,6 +2,7 @@
 """The peer: fla-core's chunk_kda (Triton) on the shapes of bench_cuda_kda.
 
     python3 bench/kda_vs_fla.py [--ours ours.json] [--out fla.json] [--reps N]
+                                [--shape B,T,H,D]... [--prior fla.json]... [--autotune-ms W,R]
 
 Same inputs as ours: q, k, v and the raw gate input g (= our z) in bf16, the
 gate fused in the kernel (use_gate_in_kernel=True with A_log [H] and dt_bias
@@ -16,7 +17,13 @@ With --ours, prints the comparison table (medians, ratios, bandwidth).
 --autotune-ms W,R sets the warm-up and measuring time (ms) of each candidate
 in Triton's autotuning (Triton's default 25,100). A smaller budget lets all
 three shapes finish in one call; every candidate is still timed over many
-runs (fla's kernels take 0.01-2 ms each)."""
+runs (fla's kernels take 0.01-2 ms each).
+
+--shape (repeatable) times fla on those shapes only (default: the three of
+SPEC §7). --prior (repeatable) merges fla results written earlier by --out,
+on the same machine, into the table and into --out: the first shape's
+autotuning can fill a whole call, and the other shapes then run in a second
+one (Triton's cache of compiled kernels makes it short)."""
 import argparse
 import json
 import statistics
@@ -128,7 +135,26 @@ def main():
     ap.add_argument("--out", help="write fla's timings as JSON")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--autotune-ms", help="W,R: Triton autotuning warm-up and timing budget (ms)")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="B,T,H,D: time fla on this shape (repeatable; default the three)")
+    ap.add_argument("--prior", action="append", default=[],
+                    help="fla JSON written by --out in an earlier run (repeatable)")
     args = ap.parse_args()
+    if args.shape:
+        try:
+            shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shape]
+            if any(len(sh) != 4 or min(sh) < 1 for sh in shapes):
+                raise ValueError
+        except ValueError:
+            ap.error(f"--shape wants four positive integers B,T,H,D (got {args.shape})")
+        SHAPES[:] = shapes
+    prior = []
+    for path in args.prior:
+        try:
+            with open(path) as f:
+                prior += json.load(f)["results"]
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--prior {path}: not an fla JSON written by --out ({type(e).__name__}: {e})")
     if args.autotune_ms:
         try:
             w, r = (int(x) for x in args.autotune_ms.split(","))
@@ -142,6 +168,8 @@ def main():
     except Exception as e:  # the table still shows our numbers
         print(f"fla benchmark failed: {type(e).__name__}: {e}", file=sys.stderr)
         fla = []
+    measured = {(r["B"], r["T"], r["H"], r["D"], r["gate"]) for r in fla}
+    fla += [r for r in prior if (r["B"], r["T"], r["H"], r["D"], r["gate"]) not in measured]
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), results=fla), f, indent=1)

@@ -12,6 +12,12 @@ block barriers (BAR.SYNC) or an EXIT, its share of the executed instructions and
 warp-stall samples; the instruction mix; and the instructions with the most stall samples.
 A stretch that holds many more stall samples than instructions waits on something (memory,
 a barrier, a dependency); the top instructions say what.
+
+With `--print-source cuda,sass` and a program built with -lineinfo (bench/cuda_device.sh
+srclines), the page holds one section per source file, each source line followed by its SASS;
+the summary is then per source line: its share of the stall samples and of the executed
+instructions, and its three largest stall reasons (a barrier stall is counted at the line
+after the barrier).
 """
 import argparse
 import collections
@@ -49,13 +55,57 @@ def num(x):
         return 0.0
 
 
+def source_lines(path):
+    """Rows of the source lines of a `--print-source cuda,sass` page: (file, line, text,
+    samples, executed, {stall reason: samples}); None if the page has no such sections."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    heads = [i for i, l in enumerate(lines) if l.startswith('"Line No"')]
+    if not heads:
+        return None
+    out = []
+    for k, h in enumerate(heads):
+        fpath = next((l for l in reversed(lines[max(0, h - 3):h]) if l.startswith('"File Path"')),
+                     '"File Path","?"')
+        fname = next(csv.reader([fpath]))[-1].rsplit("/", 1)[-1]
+        end = heads[k + 1] - 3 if k + 1 < len(heads) else len(lines)
+        rows = list(csv.reader(lines[h:end]))
+        header = rows[0]
+        smp, exe = header.index(SAMPLES), header.index(EXECUTED)
+        reasons = [(j, c[6:]) for j, c in enumerate(header)
+                   if c.startswith("stall_") and "Not Issued" not in c]
+        for r in rows[1:]:
+            if len(r) != len(header) or not r[0]:
+                continue  # a SASS row under its source line
+            out.append((fname, r[0], r[1].strip(), num(r[smp]), num(r[exe]),
+                        {name: num(r[j]) for j, name in reasons}))
+    return out
+
+
+def print_source_lines(rows, top):
+    total_smp = sum(r[3] for r in rows) or 1.0
+    total_exe = sum(r[4] for r in rows) or 1.0
+    print(f"{total_exe:.4g} warp instructions executed; {total_smp:.0f} stall samples")
+    print(f"\nthe {top} source lines with the most stall samples:")
+    print(f"{'stalls %':>8s} {'instr %':>8s}  {'file:line':28s} top stall reasons   source")
+    for fname, line, text, smp, exe, why in sorted(rows, key=lambda r: -r[3])[:top]:
+        best = sorted(why.items(), key=lambda kv: -kv[1])[:3]
+        reasons = " ".join(f"{n} {100 * v / smp:.0f}%" for n, v in best if smp and v)
+        print(f"{100 * smp / total_smp:8.1f} {100 * exe / total_exe:8.1f}  "
+              f"{fname + ':' + line:28s} {reasons:30s} {text[:70]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
-    ap.add_argument("--top", type=int, default=20, help="stalled instructions to list")
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass (or cuda,sass) output")
+    ap.add_argument("--top", type=int, default=20, help="stalled instructions (or lines) to list")
     ap.add_argument("--blocks", type=int, default=0,
                     help="thread blocks of the launch (prints instructions per block)")
     args = ap.parse_args()
+    per_line = source_lines(args.csv)
+    if per_line is not None:
+        print_source_lines(per_line, args.top)
+        return
     data, idx = read_rows(args.csv)
     src, smp, exe = idx[SRC], idx[SAMPLES], idx[EXECUTED]
     nis = idx.get(NOT_ISSUED)
