@@ -51,7 +51,9 @@ typedef struct {
 lm_status lm_kda_cuda_check(const lm_kda_config *cfg);
 
 /* Bytes of device workspace the forward (for_backward = 0) or the backward
- * (for_backward = 1) needs; the caller allocates it (cudaMalloc) once. */
+ * (for_backward = 1) needs; the caller allocates it (cudaMalloc) once. The
+ * forward's count includes the residue arrays of the precise state path
+ * (used when ht is asked for); a backward-sized workspace serves both. */
 size_t lm_kda_cuda_workspace_bytes(const lm_kda_config *cfg, int for_backward);
 
 /* Chunked forward: o [B,T,H,V] bf16, ht [B,H,K,V] fp32 (NULL: not written).
