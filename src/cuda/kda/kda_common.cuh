@@ -274,6 +274,16 @@ __device__ __forceinline__ void ldsm_x4_t(unsigned r[4], const bf16 *p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_addr(p)));
 }
+// Four 8x8 bf16 matrices to shared memory, transposed (sm_90 stmatrix): r[m]
+// holds (row lane/4, cols 2*(lane%4)..+1) of matrix m, as an A fragment or two
+// packed C tiles do; lane l gives the address of row l % 8 of the stored
+// (transposed) matrix l / 8, i.e. of column l % 8 of the fragment's matrix.
+__device__ __forceinline__ void stsm_x4_t(bf16 *p, const unsigned r[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
+                     smem_addr(p)),
+                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 // Two matrices: lanes 0..15 give the addresses (the others' are ignored).
 __device__ __forceinline__ void ldsm_x2(unsigned r[2], const bf16 *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"

@@ -154,13 +154,13 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
         }
         __syncthreads(); // chunk n's stage has landed; the staging buffers are free
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        if (SAVE) {
+        if (SAVE) { // S (as S^T C tiles) into sH [d][j], transposed by stmatrix
 #pragma unroll
-            for (int t = 0; t < NDT; t++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    sH[(d0w + 8 * t + ic + (e & 1)) * LDB + jr + (e >> 1) * 8] =
-                        __float2bfloat16(S[t][e]);
+            for (int s = 0; s < DW / 16; s++) {
+                unsigned a[4];
+                c_to_a(a, S[2 * s], S[2 * s + 1]);
+                stsm_x4_t(sH + (d0w + 16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, a);
+            }
         }
 
         // S^T W^T and S^T Qg^T over this warp's channels (k), all 64 rows (n)
@@ -272,15 +272,11 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 c_to_a(aL[PREC ? s : 0], r0, r1);
             }
         }
-        if (SAVE) {
+        if (SAVE) { // the warp's rows of V' (pairs of row tiles: NIT >= 2), transposed
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++) {
-                if (DS > 1 && nt / NIT != ds) continue; // the warp's rows of the chunk
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
-                    sV[i * LDB + j] = __float2bfloat16(pv[nt][e]);
-                }
+            for (int s = 0; s < 4; s++) {
+                if (DS > 1 && (2 * s) / NIT != ds) continue;
+                stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
             }
         }
         // O^T += V'^T Aqk^T for this warp's rows of the chunk (Aqk is lower triangular)
@@ -295,11 +291,16 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 ldsm_x2(bb, st.aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
                 mma16816(oa[it], aV[s], bb[0], bb[1]);
             }
+        }
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
-                sO[i * LDB + j] = __float2bfloat16(p.scale * oa[it][e]);
-            }
+        for (int it = 0; it < NIT; it += 2) { // O, two row tiles at a time, transposed
+            const int nt = (DS > 1 ? ds * NIT : 0) + it;
+            unsigned a[4];
+            a[0] = pack_bf16x2(p.scale * oa[it][0], p.scale * oa[it][1]);
+            a[1] = pack_bf16x2(p.scale * oa[it][2], p.scale * oa[it][3]);
+            a[2] = pack_bf16x2(p.scale * oa[it + 1][0], p.scale * oa[it + 1][1]);
+            a[3] = pack_bf16x2(p.scale * oa[it + 1][2], p.scale * oa[it + 1][3]);
+            stsm_x4_t(sO + (8 * nt + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, a);
         }
         // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
         if (PREC) { // kd_lo has landed (the next stage may still be in flight)
@@ -414,11 +415,11 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
         __syncthreads();
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
 #pragma unroll
-        for (int t = 0; t < NDT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                sH[(d0w + 8 * t + ic + (e & 1)) * LDB + jr + (e >> 1) * 8] =
-                    __float2bfloat16(dS[t][e]);
+        for (int s = 0; s < DW / 16; s++) { // dS into sH [d][j], transposed by stmatrix
+            unsigned a[4];
+            c_to_a(a, dS[2 * s], dS[2 * s + 1]);
+            stsm_x4_t(sH + (d0w + 16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, a);
+        }
         // dO^T as A fragments (k = the chunk's rows), from the [64][VT] tile
         unsigned aO[4][4];
 #pragma unroll
@@ -490,13 +491,9 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
 #pragma unroll
         for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            if (DS > 1 && nt / NIT != ds) continue;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
-                sV[i * LDB + j] = __float2bfloat16(pv[nt][e]);
-            }
+        for (int s = 0; s < 4; s++) { // the warp's rows of dV', transposed
+            if (DS > 1 && (2 * s) / NIT != ds) continue;
+            stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
         }
         // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
 #pragma unroll
