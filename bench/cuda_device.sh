@@ -11,7 +11,8 @@
 #   by bench/ncu_source_summary.py; srclines: the same per CUDA source line (a -lineinfo build);
 #   FLA_SHAPES="B,T,H,D ...": fla's shapes (default all three); FLA_PRIOR: fla JSON files of an
 #   earlier call of this session, merged into the table;
-#   NCU_FLAGS: more ncu options, e.g. --cache-control none to keep L2 between kernels)
+#   NCU_FLAGS: more ncu options, e.g. --cache-control none to keep L2 between kernels;
+#   NCU_SHAPE=B,T,H,D: the shape of every ncu step, default 1,8192,64,128)
 #
 # Logs and JSON go to $OUT (default ./out). fla-core comes from wheels in .whl/
 # (pip download --no-deps fla-core; the machine has no network), installed
@@ -20,6 +21,7 @@ set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
 JOBS=${JOBS:-$(nproc)}
+NCU_SHAPE=${NCU_SHAPE:-1,8192,64,128}
 mkdir -p "$OUT"
 steps=${*:-build sass test bench fla}
 has() { [[ " $steps " == *" $1 "* ]]; }
@@ -63,9 +65,9 @@ if has bench; then
 fi
 
 if has ncu; then
-    echo "== ncu: time, throughput and occupancy per kernel, shape (1,8192,64,128), bounded then softplus"
+    echo "== ncu: time, throughput and occupancy per kernel, shape ($NCU_SHAPE), bounded then softplus"
     timeout 240 ncu --clock-control none ${NCU_FLAGS:-} --section SpeedOfLight --section Occupancy \
-        -k "regex:${NCU_KERNELS:-kda_}" "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 \
+        -k "regex:${NCU_KERNELS:-kda_}" "$BUILD/bench_cuda_kda" --profile --shape "$NCU_SHAPE" \
         >"$OUT/ncu.log" 2>&1
     grep -E "kda_[a-z_]+kernel|Duration|Memory Throughput|Compute \(SM\) Throughput|Theoretical Occ|Achieved Occ|Block Limit (Shared|Reg)" \
         "$OUT/ncu.log" | sed -E 's/\(Params.*//; s/ +/ /g' | head -90
@@ -75,7 +77,7 @@ if has stalls; then
     echo "== ncu: warp stall reasons of ${STALL_KERNELS:-kda_bwd_col} (bounded)"
     timeout 240 ncu --clock-control none --section WarpStateStats --section SchedulerStats \
         -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count "${STALL_COUNT:-1}" \
-        "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 >"$OUT/ncu_stalls.log" 2>&1
+        "$BUILD/bench_cuda_kda" --profile --shape "$NCU_SHAPE" >"$OUT/ncu_stalls.log" 2>&1
     grep -vE "^==PROF==|^ *$|----" "$OUT/ncu_stalls.log" | tail -"${STALL_LINES:-40}"
 fi
 
@@ -83,7 +85,7 @@ if has srcstalls; then
     echo "== ncu: stall samples per SASS instruction of ${STALL_KERNELS:-kda_bwd_col} (first launch: bounded)"
     timeout 240 ncu --clock-control none --section SourceCounters --section WarpStateStats \
         -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count 1 --page source --csv \
-        --print-source sass "$BUILD/bench_cuda_kda" --profile --shape 1,8192,64,128 \
+        --print-source sass "$BUILD/bench_cuda_kda" --profile --shape "$NCU_SHAPE" \
         >"$OUT/ncu_source.csv" 2>"$OUT/ncu_source.err"
     python3 bench/ncu_source_summary.py "$OUT/ncu_source.csv" --top "${STALL_LINES:-20}" ||
         { status=1; tail -5 "$OUT/ncu_source.err"; }
@@ -99,7 +101,7 @@ if has srclines; then
             >>"$OUT/build_lineinfo.log" 2>&1; then
         timeout 240 ncu --clock-control none --section SourceCounters --section WarpStateStats \
             -k "regex:${STALL_KERNELS:-kda_bwd_col}" --launch-count 1 --page source --csv \
-            --print-source cuda,sass "$LB/bench_cuda_kda" --profile --shape 1,8192,64,128 \
+            --print-source cuda,sass "$LB/bench_cuda_kda" --profile --shape "$NCU_SHAPE" \
             >"$OUT/ncu_lines.csv" 2>"$OUT/ncu_lines.err"
         python3 bench/ncu_source_summary.py "$OUT/ncu_lines.csv" --top "${STALL_LINES:-20}" ||
             { status=1; tail -5 "$OUT/ncu_lines.err"; }

@@ -12,20 +12,43 @@
 
 namespace lmkda {
 
-// Copy rows x cols bf16 (cols a multiple of 8) from global (row stride gs)
-// into shared memory (row stride ld); rows >= nvalid become zeros.
-template <int NT>
-__device__ __forceinline__ void async_tile(bf16 *dst, int ld, const bf16 *src, size_t gs,
-                                           int rows, int cols, int nvalid) {
-    const int vpr = cols / 8;
-    for (int idx = threadIdx.x; idx < rows * vpr; idx += NT) {
-        int r = idx / vpr, c = (idx % vpr) * 8;
-        bool ok = r < nvalid;
-        cp_async16(dst + r * ld + c, src + (ok ? (size_t)r * gs + c : 0), ok);
+// Copy a ROWS x COLS bf16 tile (COLS a multiple of 8) from global (row stride
+// GS elements) into shared memory (row stride LDS) with 16-byte cp.async.
+// Every extent is a compile-time constant and NT a multiple of COLS/8, so each
+// thread keeps one column and its rows step by a constant: the addresses are
+// computed once and the copies take immediate offsets.
+template <int NT, int ROWS, int COLS, int LDS, int GS>
+__device__ __forceinline__ void async_tile(bf16 *dst, const bf16 *src) {
+    constexpr int VPR = COLS / 8, RSTEP = NT / VPR;
+    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "async_tile: thread layout");
+    const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
+    const unsigned s = smem_addr(dst + r * LDS + col);
+    const bf16 *g = src + (size_t)r * GS + col;
+#pragma unroll
+    for (int k = 0; k < ROWS / RSTEP; k++)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s + k * RSTEP * LDS * 2),
+                     "l"(g + (size_t)k * RSTEP * GS));
+}
+// The same with a run-time global row stride; rows >= nvalid become zeros.
+template <int NT, int ROWS, int COLS, int LDS>
+__device__ __forceinline__ void async_tile_rows(bf16 *dst, const bf16 *src, size_t gs, int nvalid) {
+    constexpr int VPR = COLS / 8, RSTEP = NT / VPR;
+    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "async_tile_rows: thread layout");
+    const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
+    const unsigned s = smem_addr(dst + r * LDS + col);
+    const bf16 *g = src + (size_t)r * gs + col;
+    const size_t gstep = (size_t)RSTEP * gs;
+#pragma unroll
+    for (int k = 0; k < ROWS / RSTEP; k++) {
+        const bool ok = r + k * RSTEP < nvalid;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                         s + k * RSTEP * LDS * 2),
+                     "l"(ok ? g + k * gstep : src), "r"(ok ? 16 : 0));
     }
 }
-template <int NT> __device__ __forceinline__ void async_f32(float *dst, const float *src, int n) {
-    for (int idx = threadIdx.x; idx < n / 4; idx += NT) cp_async16(dst + 4 * idx, src + 4 * idx, true);
+template <int NT, int N> __device__ __forceinline__ void async_f32(float *dst, const float *src) {
+    static_assert(N % 4 == 0 && N / 4 <= NT, "async_f32: one vector a thread");
+    if (threadIdx.x < N / 4) cp_async16(dst + 4 * threadIdx.x, src + 4 * threadIdx.x, true);
 }
 
 // Shared-memory plan of both state kernels (bytes). The block's VT value
@@ -67,17 +90,20 @@ template <int D, int VT> struct StageView {
     }
 };
 
-// Copy staged rows of VT bf16 (row stride LDB) to global rows (stride gs), rows < nvalid.
-template <int VT, int NT>
-__device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src, int ldb,
-                                           int rows, int nvalid) {
-    constexpr int VPR = VT / 8;
-    for (int idx = threadIdx.x; idx < rows * VPR; idx += NT) {
-        int r = idx / VPR, c = (idx % VPR) * 8;
-        if (r < nvalid)
-            *reinterpret_cast<uint4 *>(dst + (size_t)r * gs + c) =
-                *reinterpret_cast<const uint4 *>(src + r * ldb + c);
-    }
+// Copy ROWS staged rows of VT bf16 (row stride LDB) to global rows (stride
+// gs), rows < nvalid; each thread keeps one 16-byte column.
+template <int VT, int NT, int ROWS, int LDB>
+__device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src, int nvalid) {
+    constexpr int VPR = VT / 8, RSTEP = NT / VPR;
+    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "store_rows: thread layout");
+    const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
+    const bf16 *s = src + r * LDB + col;
+    bf16 *g = dst + (size_t)r * gs + col;
+#pragma unroll
+    for (int k = 0; k < ROWS / RSTEP; k++)
+        if (r + k * RSTEP < nvalid)
+            *reinterpret_cast<uint4 *>(g + (size_t)k * RSTEP * gs) =
+                *reinterpret_cast<const uint4 *>(s + k * RSTEP * LDB);
 }
 
 // The state lives in registers, transposed: warp (jg, ds) holds S^T rows
@@ -118,15 +144,15 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
     auto issue = [&](int n) {
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         const size_t c = (size_t)bh * p.N + n;
-        async_tile<NT>(st.a, LD, p.w + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.b, LD, p.qg + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.c, LD, p.kd + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.aqk, LDA, p.aqk + c * CH * CH, CH, CH, CH, CH);
-        async_tile<NT>(st.tile, LDB, p.u + c * CH * D + v0, D, CH, VT, CH);
-        async_f32<NT>(st.ge, p.gexp + c * D, D);
+        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+        async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
+        async_f32<NT, D>(st.ge, p.gexp + c * D);
         if (PREC) {
-            async_tile<NT>(st.a_lo, LD, p.w_lo + c * CH * D, D, CH, D, CH);
-            async_tile<NT>(st.tile_lo, LDB, p.u_lo + c * CH * D + v0, D, CH, VT, CH);
+            async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
+            async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
         }
         cp_async_commit();
     };
@@ -143,7 +169,7 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
         if (PREC) { // kd_lo, used by the update at the chunk's end (its buffer is free)
-            async_tile<NT>(sKdl, LD, p.kd_lo + c * CH * D, D, CH, D, CH);
+            async_tile<NT, CH, D, LD, D>(sKdl, p.kd_lo + c * CH * D);
             cp_async_commit();
         }
         if (n + 1 < p.N) {
@@ -202,6 +228,10 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 mma16816(po[2 * np + 1], a, bq[2], bq[3]);
             }
         }
+        // With DS > 1 (and the bf16 path), each warp sums the slices' partial
+        // products only for its own rows of the chunk and shares its rows of V'
+        // through sV; the precise path needs every row's fp32 V' for the residues.
+        constexpr bool OWN = DS > 1 && !PREC;
         float oa[NIT][4];
         if (DS > 1) {
             float *rV = red + (size_t)ds * VT * RLD, *rO = red + (size_t)(DS + ds) * VT * RLD;
@@ -220,6 +250,7 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             for (int nt = 0; nt < 8; nt++)
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
+                    if (OWN && nt / NIT != ds) continue;
                     int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
                     float2 sv = make_float2(0.f, 0.f), so = make_float2(0.f, 0.f);
 #pragma unroll
@@ -252,6 +283,7 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
+                if (OWN && nt / NIT != ds) continue;
                 int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
                 float u = __bfloat162float(st.tile[i * LDB + j]);
                 if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
@@ -259,7 +291,8 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             }
         unsigned aV[4][4], aL[PREC ? 4 : 1][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        for (int s = 0; s < 4; s++)
+            if (!OWN || (2 * s) / NIT == ds) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
         if (PREC) {
 #pragma unroll
             for (int s = 0; s < 4; s++) {
@@ -272,12 +305,19 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 c_to_a(aL[PREC ? s : 0], r0, r1);
             }
         }
-        if (SAVE) { // the warp's rows of V' (pairs of row tiles: NIT >= 2), transposed
+        if (SAVE || OWN) { // the warp's rows of V' (pairs of row tiles: NIT >= 2), transposed
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 if (DS > 1 && (2 * s) / NIT != ds) continue;
                 stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
             }
+        }
+        if (OWN) { // the other warps' rows of V' as A fragments
+            __syncthreads();
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+                if ((2 * s) / NIT != ds)
+                    ldsm_x4_t(aV[s], sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
         }
         // O^T += V'^T Aqk^T for this warp's rows of the chunk (Aqk is lower triangular)
 #pragma unroll
@@ -339,12 +379,12 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             }
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
         if (SAVE) {
-            store_rows<VT, NT>(p.h + c * D * D + v0, D, sH, LDB, D, D);
-            store_rows<VT, NT>(p.vn + c * CH * D + v0, D, sV, LDB, CH, CH);
+            store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
+            store_rows<VT, NT, CH, LDB>(p.vn + c * CH * D + v0, D, sV, CH);
         }
         if (p.o)
-            store_rows<VT, NT>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, sO, LDB,
-                               CH, nvalid);
+            store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
+                                        sO, nvalid);
     }
     if (p.ht) {
 #pragma unroll
@@ -386,13 +426,13 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        async_tile<NT>(st.a, LD, p.w + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.b, LD, p.qg + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.c, LD, p.kd + c * CH * D, D, CH, D, CH);
-        async_tile<NT>(st.aqk, LDA, p.aqk + c * CH * CH, CH, CH, CH, CH);
-        async_tile<NT>(st.tile, LDB, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
-                       CH, VT, nvalid);
-        async_f32<NT>(st.ge, p.gexp + c * D, D);
+        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+        async_tile_rows<NT, CH, VT, LDB>(
+            st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
+        async_f32<NT, D>(st.ge, p.gexp + c * D);
         cp_async_commit();
     };
     issue(p.N - 1);
@@ -472,9 +512,10 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
                         make_float2(pv[nt][2 * hf], pv[nt][2 * hf + 1]);
             __syncthreads();
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
+            for (int nt = 0; nt < 8; nt++) // the warp's own rows; the others' come through sV
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
+                    if (nt / NIT != ds) continue;
                     int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
                     float2 sv = make_float2(0.f, 0.f);
 #pragma unroll
@@ -489,11 +530,19 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
         }
         unsigned aV[4][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        for (int s = 0; s < 4; s++)
+            if (DS == 1 || (2 * s) / NIT == ds) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
 #pragma unroll
         for (int s = 0; s < 4; s++) { // the warp's rows of dV', transposed
             if (DS > 1 && (2 * s) / NIT != ds) continue;
             stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
+        }
+        if (DS > 1) { // the other warps' rows of dV' as A fragments
+            __syncthreads();
+#pragma unroll
+            for (int s = 0; s < 4; s++)
+                if ((2 * s) / NIT != ds)
+                    ldsm_x4_t(aV[s], sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
         }
         // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
 #pragma unroll
@@ -522,8 +571,8 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
             }
         }
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
-        store_rows<VT, NT>(p.dh + c * D * D + v0, D, sH, LDB, D, D);
-        store_rows<VT, NT>(p.dvn + c * CH * D + v0, D, sV, LDB, CH, CH);
+        store_rows<VT, NT, D, LDB>(p.dh + c * D * D + v0, D, sH, D);
+        store_rows<VT, NT, CH, LDB>(p.dvn + c * CH * D + v0, D, sV, CH);
     }
     if (p.dh0) {
 #pragma unroll
