@@ -284,6 +284,18 @@ __device__ __forceinline__ void stsm_x4_t(bf16 *p, const unsigned r[4]) {
                  "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
                  : "memory");
 }
+// Two matrices, transposed, to shared memory: lanes 0..15 give the addresses.
+__device__ __forceinline__ void stsm_x2_t(bf16 *p, unsigned r0, unsigned r1) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1,%2};\n" ::"r"(
+                     smem_addr(p)),
+                 "r"(r0), "r"(r1)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x2_t(unsigned r[2], const bf16 *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(smem_addr(p)));
+}
 // Two matrices: lanes 0..15 give the addresses (the others' are ignored).
 __device__ __forceinline__ void ldsm_x2(unsigned r[2], const bf16 *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"

@@ -2,9 +2,13 @@
 // recurrence with the output, and the reverse recurrence of its gradient.
 // One block per (value tile of VT columns, sequence*head); the value columns
 // of the state are independent, so VT splits the sequential work across SMs.
-// The next chunk's operands (w, qg, kd, aqk, the U or dO tile, e^{G_C}) are
-// copied to shared memory with cp.async while the current chunk computes
-// (two stages). SPEC §2 "Chunked form"; docs/cuda.md.
+// Two kinds: column kernels for VT = 64, 128 (a warp holds all channels of 16
+// value columns) and row kernels for VT = 16, 32 (several warps share 16
+// value columns, splitting the chunk's rows for the products over channels
+// and the channels for the update). The next chunk's operands (w, qg, kd,
+// aqk, the U or dO tile, e^{G_C}) are copied to shared memory with cp.async
+// while the current chunk computes (two stages). SPEC §2 "Chunked form";
+// docs/cuda.md.
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -14,32 +18,35 @@ namespace lmkda {
 
 // Copy a ROWS x COLS bf16 tile (COLS a multiple of 8) from global (row stride
 // GS elements) into shared memory (row stride LDS) with 16-byte cp.async.
-// Every extent is a compile-time constant and NT a multiple of COLS/8, so each
-// thread keeps one column and its rows step by a constant: the addresses are
-// computed once and the copies take immediate offsets.
+// Every extent is a compile-time constant, so each thread keeps one column and
+// its rows step by a constant: the addresses are computed once and the copies
+// take immediate offsets (threads beyond the tile's vectors idle).
 template <int NT, int ROWS, int COLS, int LDS, int GS>
 __device__ __forceinline__ void async_tile(bf16 *dst, const bf16 *src) {
-    constexpr int VPR = COLS / 8, RSTEP = NT / VPR;
-    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "async_tile: thread layout");
+    constexpr int VPR = COLS / 8, RSTEP = NT / VPR, K = (ROWS + RSTEP - 1) / RSTEP;
+    static_assert(NT % VPR == 0, "async_tile: thread layout");
     const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
     const unsigned s = smem_addr(dst + r * LDS + col);
     const bf16 *g = src + (size_t)r * GS + col;
 #pragma unroll
-    for (int k = 0; k < ROWS / RSTEP; k++)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s + k * RSTEP * LDS * 2),
-                     "l"(g + (size_t)k * RSTEP * GS));
+    for (int k = 0; k < K; k++)
+        if (ROWS % RSTEP == 0 || r + k * RSTEP < ROWS)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                             s + k * RSTEP * LDS * 2),
+                         "l"(g + (size_t)k * RSTEP * GS));
 }
 // The same with a run-time global row stride; rows >= nvalid become zeros.
 template <int NT, int ROWS, int COLS, int LDS>
 __device__ __forceinline__ void async_tile_rows(bf16 *dst, const bf16 *src, size_t gs, int nvalid) {
-    constexpr int VPR = COLS / 8, RSTEP = NT / VPR;
-    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "async_tile_rows: thread layout");
+    constexpr int VPR = COLS / 8, RSTEP = NT / VPR, K = (ROWS + RSTEP - 1) / RSTEP;
+    static_assert(NT % VPR == 0, "async_tile_rows: thread layout");
     const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
     const unsigned s = smem_addr(dst + r * LDS + col);
     const bf16 *g = src + (size_t)r * gs + col;
     const size_t gstep = (size_t)RSTEP * gs;
 #pragma unroll
-    for (int k = 0; k < ROWS / RSTEP; k++) {
+    for (int k = 0; k < K; k++) {
+        if (ROWS % RSTEP != 0 && r + k * RSTEP >= ROWS) continue;
         const bool ok = r + k * RSTEP < nvalid;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                          s + k * RSTEP * LDS * 2),
@@ -51,34 +58,56 @@ template <int NT, int N> __device__ __forceinline__ void async_f32(float *dst, c
     if (threadIdx.x < N / 4) cp_async16(dst + 4 * threadIdx.x, src + 4 * threadIdx.x, true);
 }
 
-// Shared-memory plan of both state kernels (bytes). The block's VT value
-// columns form JG = VT/16 row groups of the transposed state, and each group's
-// D channels are split over DS = 64/VT warps (DW = D/DS each; one for VT >=
-// 64): four warps for VT <= 64, eight for VT = 128.
-// PREC (forward with the precise state): a stage also holds w_lo [64][LD]
-// and the u_lo tile [64][LDB]; kd_lo [64][LD] has one buffer (loaded at the
-// chunk's start, used at its end), and there is no h or V' staging (the
-// precise pass does not save them). That fits for VT = 16 and 64.
-template <int D, int VT, bool PREC = false> struct StatePlan {
-    static constexpr int DS = VT >= 64 ? 1 : 64 / VT, JG = VT / 16, NW = JG * DS, DW = D / DS;
-    static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8, RLD = CH + 8;
-    // one stage: w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}
+// Shared-memory layout of a stage, common to both kinds of state kernel:
+// w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}; the
+// precise forward (PREC) adds w_lo [64][LD] and the u_lo tile [64][LDB].
+template <int D, int VT, bool PREC = false> struct StageLayout {
+    static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
     static constexpr size_t stage = (size_t)3 * CH * LD * 2 + (size_t)CH * LDA * 2 +
                                     (size_t)CH * LDB * 2 + (size_t)D * 4 +
                                     (PREC ? (size_t)CH * LD * 2 + (size_t)CH * LDB * 2 : 0);
-    // output staging: the state (h or dh) [D][LDB], V' or dV' [64][LDB], O [64][LDB]
+    // a bf16 state [D][LDB] and a chunk tile [64][LDB]
     static constexpr size_t sh = (size_t)D * LDB * 2, sv = (size_t)CH * LDB * 2;
-    // partial sums over the DS channel slices: two [DS][VT][RLD] fp32 sets
-    static constexpr size_t red = DS > 1 ? (size_t)2 * DS * VT * RLD * 4 : 0;
+};
+
+// Column kernels (VT = 64 and 128): one warp per 16 value columns holds all D
+// channels of its rows of S^T in registers (JG = VT/16 warps: 4 or 8).
+// Shared memory: two stages, the output staging (h or dh [D][LDB], V' or dV'
+// [64][LDB], O [64][LDB]); the precise forward (PREC) has no h or V' staging
+// (it does not save them) but kd_lo [64][LD], one buffer (loaded at the
+// chunk's start, used at its end).
+template <int D, int VT, bool PREC = false> struct ColPlan : StageLayout<D, VT, PREC> {
+    using L = StageLayout<D, VT, PREC>;
+    static constexpr int JG = VT / 16, NW = JG;
     static constexpr size_t total =
-        2 * stage + (PREC ? sv + (size_t)CH * LD * 2 : sh + 2 * sv) + red;
+        2 * L::stage + (PREC ? L::sv + (size_t)CH * L::LD * 2 : L::sh + 2 * L::sv);
+};
+
+// Row kernels (VT = 16 and 32): the block's VT value columns form JG = VT/16
+// groups (the 16 rows of an mma A operand of the transposed state), and DS
+// warps share a group (8 for VT = 16, 4 for VT = 32; at most D/16). For the
+// products over channels (S^T W^T, S^T Qg^T, dS^T Kd^T) they split the
+// chunk's 64 rows, RW = 64/DS each, and read the group's whole bf16 state from
+// shared memory; for the state update they split the D channels, DW = D/DS
+// each, which they hold in registers. Shared memory: two stages, O [64][LDB]
+// (forward), the bf16 state [D][LDB] (also the staging of h or dh) and V' or
+// dV' [64][LDB] (each warp's rows for the others, also the staging of vn or
+// dvn); PREC adds kd_lo [64][LD] and the residues of the state and of V'.
+template <int D, int VT, bool PREC = false> struct RowPlan : StageLayout<D, VT, PREC> {
+    using L = StageLayout<D, VT, PREC>;
+    static_assert(VT == 16 || VT == 32, "row kernels: VT 16 or 32");
+    static constexpr int JG = VT / 16, want = VT == 16 ? 8 : 4;
+    static constexpr int DS = want < D / 16 ? want : D / 16; // DW >= 16: pairs of channel tiles
+    static constexpr int NW = JG * DS, RW = CH / DS, NRT = RW / 8, DW = D / DS, NDT = DW / 8;
+    static constexpr size_t total = 2 * L::stage + 2 * L::sv + L::sh +
+                                    (PREC ? (size_t)CH * L::LD * 2 + L::sh + L::sv : 0);
 };
 
 template <int D, int VT> struct StageView {
     bf16 *a, *b, *c, *aqk, *tile, *a_lo, *tile_lo;
     float *ge;
     __device__ StageView(unsigned char *base) {
-        using P = StatePlan<D, VT>;
+        using P = StageLayout<D, VT>;
         a = reinterpret_cast<bf16 *>(base);
         b = a + CH * P::LD;
         c = b + CH * P::LD;
@@ -94,26 +123,84 @@ template <int D, int VT> struct StageView {
 // gs), rows < nvalid; each thread keeps one 16-byte column.
 template <int VT, int NT, int ROWS, int LDB>
 __device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src, int nvalid) {
-    constexpr int VPR = VT / 8, RSTEP = NT / VPR;
-    static_assert(NT % VPR == 0 && ROWS % RSTEP == 0, "store_rows: thread layout");
+    constexpr int VPR = VT / 8, RSTEP = NT / VPR, K = (ROWS + RSTEP - 1) / RSTEP;
+    static_assert(NT % VPR == 0, "store_rows: thread layout");
     const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
     const bf16 *s = src + r * LDB + col;
     bf16 *g = dst + (size_t)r * gs + col;
 #pragma unroll
-    for (int k = 0; k < ROWS / RSTEP; k++)
-        if (r + k * RSTEP < nvalid)
+    for (int k = 0; k < K; k++)
+        if (r + k * RSTEP < nvalid && (ROWS % RSTEP == 0 || r + k * RSTEP < ROWS))
             *reinterpret_cast<uint4 *>(g + (size_t)k * RSTEP * gs) =
                 *reinterpret_cast<const uint4 *>(s + k * RSTEP * LDB);
 }
 
-// The state lives in registers, transposed: warp (jg, ds) holds S^T rows
-// jg*16 .. +15 (value columns of the tile) and channels ds*DW .. +DW-1 as
-// DW/8 C tiles of mma.m16n8k16, in fp32. Every product is written transposed
-// so that S^T (and V'^T) are A operands taken straight from those tiles:
+// Transposed C tiles <-> shared memory. A warp's C tiles of a transposed
+// product cover its group's 16 value columns (j) and 8 chunk rows or channels
+// (i) each; stored transposed, [i][j] with row stride LDB, they are what the
+// other warps load as A fragments (ldmatrix.trans). NT8 tiles from row i0.
+template <int NT8, int LDB>
+__device__ __forceinline__ void store_ct(bf16 *base, int i0, int jg, int lane, const float (*c)[4],
+                                         float scale = 1.f) {
+    const int lm = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int t = 0; t + 1 < NT8; t += 2) {
+        unsigned a[4];
+        a[0] = pack_bf16x2(scale * c[t][0], scale * c[t][1]);
+        a[1] = pack_bf16x2(scale * c[t][2], scale * c[t][3]);
+        a[2] = pack_bf16x2(scale * c[t + 1][0], scale * c[t + 1][1]);
+        a[3] = pack_bf16x2(scale * c[t + 1][2], scale * c[t + 1][3]);
+        stsm_x4_t(base + (i0 + 8 * t + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, a);
+    }
+    if (NT8 & 1) {
+        const int t = NT8 - 1;
+        stsm_x2_t(base + (i0 + 8 * t + lr) * LDB + jg * 16 + (lm & 1) * 8,
+                  pack_bf16x2(scale * c[t][0], scale * c[t][1]),
+                  pack_bf16x2(scale * c[t][2], scale * c[t][3]));
+    }
+}
+// The same for the bf16 residues x - bf16(x) of the tiles (the precise path).
+template <int NT8, int LDB>
+__device__ __forceinline__ void store_ct_lo(bf16 *base, int i0, int jg, int lane,
+                                            const float (*c)[4]) {
+    float r[NT8][4];
+#pragma unroll
+    for (int t = 0; t < NT8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) r[t][e] = bf16_residue(c[t][e]);
+    store_ct<NT8, LDB>(base, i0, jg, lane, r);
+}
+// The A fragment (16 j x 16 i, i from i0) of a transposed tile stored by store_ct.
+template <int LDB>
+__device__ __forceinline__ void load_at(unsigned a[4], const bf16 *base, int i0, int jg, int lane) {
+    const int lm = lane >> 3, lr = lane & 7;
+    ldsm_x4_t(a, base + (i0 + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
+}
+// B fragments of NT8 n-tiles (rows n0 .. n0 + 8 NT8 - 1 of a row-major [n][k]
+// tile, row stride LD), k from k0: b[t][0..1].
+template <int NT8, int LD>
+__device__ __forceinline__ void load_b_rows(unsigned (*b)[2], const bf16 *base, int n0, int k0,
+                                            int lane) {
+    const int lm = lane >> 3, lr = lane & 7;
+#pragma unroll
+    for (int t = 0; t + 1 < NT8; t += 2) {
+        unsigned r[4];
+        ldsm_x4(r, base + (n0 + 8 * t + (lm >> 1) * 8 + lr) * LD + k0 + (lm & 1) * 8);
+        b[t][0] = r[0];
+        b[t][1] = r[1];
+        b[t + 1][0] = r[2];
+        b[t + 1][1] = r[3];
+    }
+    if (NT8 & 1) ldsm_x2(b[NT8 - 1], base + (n0 + 8 * (NT8 - 1) + lr) * LD + k0 + (lm & 1) * 8);
+}
+
+// The column forward. The state lives in registers, transposed: warp jg
+// holds S^T rows jg*16 .. +15 (value columns of the tile) and all D channels
+// as D/8 C tiles of mma.m16n8k16, in fp32. Every product is written
+// transposed so that S^T (and V'^T) are A operands taken straight from those
+// tiles:
 //   V'^T = U^T - S^T W^T,  O^T = scale (S^T Qg^T + V'^T Aqk^T),
 //   S^T <- S^T Diag(e^{G_C}) + V'^T Kd.
-// With DS > 1 the two products over channels are summed across the slice's
-// warps through shared memory, in slice order (deterministic).
 // SAVE: also store S at each chunk start (h) and V' (vn) for the backward.
 // PREC (the final state is asked for; no SAVE): every operand of the two
 // products that carry the state in two bf16 parts, x = hi(x) + lo(x) with
@@ -121,10 +208,10 @@ __device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src
 // S^T W^T with W = w + w_lo, then V'^T Kd with Kd = kd + kd_lo; U = u + u_lo.
 // O keeps the bf16 operands (a bf16 output). docs/cuda.md Precision.
 template <int D, int VT, bool SAVE, bool PREC>
-__global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_kernel(Params p) {
-    using P = StatePlan<D, VT, PREC>;
-    constexpr int NT = P::NW * 32, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
-    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
+__global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kernel(Params p) {
+    using P = ColPlan<D, VT, PREC>;
+    constexpr int NT = P::NW * 32, JG = P::JG, DW = D, NDT = DW / 8, NIT = 8;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB;
     extern __shared__ __align__(128) unsigned char smem[];
     static_assert(!(SAVE && PREC), "the precise pass does not save h and V'");
     unsigned char *stage0 = smem;
@@ -132,11 +219,9 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
     bf16 *sV = sH + D * LDB;                                    // SAVE: [64][LDB]
     bf16 *sO = PREC ? sH : sV + CH * LDB;                       // [64][LDB]
     bf16 *sKdl = sO + CH * LDB;                                 // PREC: [64][LD] kd_lo
-    // [2][DS][VT][RLD]
-    float *red = reinterpret_cast<float *>(PREC ? sKdl + CH * LD : sO + CH * LDB);
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int jg = warp % JG, ds = warp / JG;
+    const int jg = warp % JG, ds = warp / JG; // ds = 0
     const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW;
     const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
@@ -228,62 +313,16 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 mma16816(po[2 * np + 1], a, bq[2], bq[3]);
             }
         }
-        // With DS > 1 (and the bf16 path), each warp sums the slices' partial
-        // products only for its own rows of the chunk and shares its rows of V'
-        // through sV; the precise path needs every row's fp32 V' for the residues.
-        constexpr bool OWN = DS > 1 && !PREC;
         float oa[NIT][4];
-        if (DS > 1) {
-            float *rV = red + (size_t)ds * VT * RLD, *rO = red + (size_t)(DS + ds) * VT * RLD;
 #pragma unroll
-            for (int nt = 0; nt < 8; nt++)
+        for (int it = 0; it < NIT; it++)
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
-                    *reinterpret_cast<float2 *>(rV + off) =
-                        make_float2(pv[nt][2 * hf], pv[nt][2 * hf + 1]);
-                    *reinterpret_cast<float2 *>(rO + off) =
-                        make_float2(po[nt][2 * hf], po[nt][2 * hf + 1]);
-                }
-            __syncthreads(); // every slice's partial sums are in
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    if (OWN && nt / NIT != ds) continue;
-                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
-                    float2 sv = make_float2(0.f, 0.f), so = make_float2(0.f, 0.f);
-#pragma unroll
-                    for (int k = 0; k < DS; k++) {
-                        float2 x = *reinterpret_cast<const float2 *>(red + (size_t)k * VT * RLD + off);
-                        sv.x += x.x;
-                        sv.y += x.y;
-                        if (nt / NIT == ds) {
-                            float2 y = *reinterpret_cast<const float2 *>(
-                                red + (size_t)(DS + k) * VT * RLD + off);
-                            so.x += y.x;
-                            so.y += y.y;
-                        }
-                    }
-                    pv[nt][2 * hf] = sv.x;
-                    pv[nt][2 * hf + 1] = sv.y;
-                    if (nt / NIT == ds) {
-                        oa[nt % NIT][2 * hf] = so.x;
-                        oa[nt % NIT][2 * hf + 1] = so.y;
-                    }
-                }
-        } else {
-#pragma unroll
-            for (int it = 0; it < NIT; it++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) oa[it][e] = po[it][e];
-        }
+            for (int e = 0; e < 4; e++) oa[it][e] = po[it][e];
         // V'^T = U^T - S^T W^T, rounded to bf16 once: the A fragments below and vn
 #pragma unroll
         for (int nt = 0; nt < 8; nt++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                if (OWN && nt / NIT != ds) continue;
                 int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
                 float u = __bfloat162float(st.tile[i * LDB + j]);
                 if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
@@ -291,8 +330,7 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
             }
         unsigned aV[4][4], aL[PREC ? 4 : 1][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++)
-            if (!OWN || (2 * s) / NIT == ds) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
         if (PREC) {
 #pragma unroll
             for (int s = 0; s < 4; s++) {
@@ -305,25 +343,15 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
                 c_to_a(aL[PREC ? s : 0], r0, r1);
             }
         }
-        if (SAVE || OWN) { // the warp's rows of V' (pairs of row tiles: NIT >= 2), transposed
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                if (DS > 1 && (2 * s) / NIT != ds) continue;
-                stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
-            }
-        }
-        if (OWN) { // the other warps' rows of V' as A fragments
-            __syncthreads();
+        if (SAVE) { // V', transposed
 #pragma unroll
             for (int s = 0; s < 4; s++)
-                if ((2 * s) / NIT != ds)
-                    ldsm_x4_t(aV[s], sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
+                stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
         }
         // O^T += V'^T Aqk^T for this warp's rows of the chunk (Aqk is lower triangular)
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
-            if (DS > 1 && nt / NIT != ds) continue;
-            const int it = nt % NIT;
+            const int it = nt;
 #pragma unroll
             for (int s = 0; s < 4; s++) {
                 if (16 * s > 8 * nt + 7) continue;
@@ -334,7 +362,7 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
         }
 #pragma unroll
         for (int it = 0; it < NIT; it += 2) { // O, two row tiles at a time, transposed
-            const int nt = (DS > 1 ? ds * NIT : 0) + it;
+            const int nt = it;
             unsigned a[4];
             a[0] = pack_bf16x2(p.scale * oa[it][0], p.scale * oa[it][1]);
             a[1] = pack_bf16x2(p.scale * oa[it][2], p.scale * oa[it][3]);
@@ -406,18 +434,17 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_fwd_state_ke
 //   dV'^T = dS^T Kd^T + scale dO^T Aqk,
 //   dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W.
 template <int D, int VT>
-__global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_kernel(Params p) {
-    using P = StatePlan<D, VT>;
-    constexpr int NT = P::NW * 32, DS = P::DS, JG = P::JG, DW = P::DW, NDT = DW / 8, NIT = 8 / DS;
-    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB, RLD = P::RLD;
+__global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kernel(Params p) {
+    using P = ColPlan<D, VT>;
+    constexpr int NT = P::NW * 32, JG = P::JG, DW = D, NDT = DW / 8;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB;
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char *stage0 = smem;
     bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage);
     bf16 *sV = sH + D * LDB;
-    float *red = reinterpret_cast<float *>(sV + 2 * CH * LDB); // [DS][VT][RLD]
     const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int jg = warp % JG, ds = warp / JG;
+    const int jg = warp % JG, ds = warp / JG; // ds = 0
     const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW;
     const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
@@ -486,7 +513,6 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
         }
 #pragma unroll
         for (int nt = 0; nt < 8; nt += 2) { // pairs of row tiles: they share the nonzero k-steps
-            if (DS > 1 && nt / NIT != ds) continue;
             float qa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int s = 0; s < 4; s++) {
@@ -502,48 +528,12 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
                 pv[nt + 1][e] += p.scale * qa[1][e];
             }
         }
-        if (DS > 1) {
-            float *rV = red + (size_t)ds * VT * RLD;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    *reinterpret_cast<float2 *>(rV + (jr + 8 * hf) * RLD + 8 * nt + ic) =
-                        make_float2(pv[nt][2 * hf], pv[nt][2 * hf + 1]);
-            __syncthreads();
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++) // the warp's own rows; the others' come through sV
-#pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    if (nt / NIT != ds) continue;
-                    int off = (jr + 8 * hf) * RLD + 8 * nt + ic;
-                    float2 sv = make_float2(0.f, 0.f);
-#pragma unroll
-                    for (int k = 0; k < DS; k++) {
-                        float2 x = *reinterpret_cast<const float2 *>(red + (size_t)k * VT * RLD + off);
-                        sv.x += x.x;
-                        sv.y += x.y;
-                    }
-                    pv[nt][2 * hf] = sv.x;
-                    pv[nt][2 * hf + 1] = sv.y;
-                }
-        }
         unsigned aV[4][4];
 #pragma unroll
-        for (int s = 0; s < 4; s++)
-            if (DS == 1 || (2 * s) / NIT == ds) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
+        for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
 #pragma unroll
-        for (int s = 0; s < 4; s++) { // the warp's rows of dV', transposed
-            if (DS > 1 && (2 * s) / NIT != ds) continue;
+        for (int s = 0; s < 4; s++) // dV', transposed
             stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
-        }
-        if (DS > 1) { // the other warps' rows of dV' as A fragments
-            __syncthreads();
-#pragma unroll
-            for (int s = 0; s < 4; s++)
-                if ((2 * s) / NIT != ds)
-                    ldsm_x4_t(aV[s], sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8);
-        }
         // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
 #pragma unroll
         for (int tp = 0; tp < NDT / 2; tp++) {
@@ -585,6 +575,344 @@ __global__ void __launch_bounds__(StatePlan<D, VT>::NW * 32, 1) kda_bwd_state_ke
     }
 }
 
+// The row forward (VT = 16, 32): products as the column forward, warps as
+// RowPlan. Warp (jg, ds) holds S^T rows jg*16 .. +15 and channels ds*DW ..
+// +DW-1 in registers. Per chunk: the bf16 state is in shared memory (sH,
+// written at the end of the previous chunk); each warp computes V' and O for
+// its RW rows over all channels, writes its rows of V' to sV, and after a
+// barrier takes all of V' as A fragments for the update of its channels. The
+// sums over channels stay inside one warp's mma chain (deterministic). SAVE
+// and PREC as the column forward; with PREC the residues of S and V' travel
+// through shared memory beside them.
+template <int D, int VT, bool SAVE, bool PREC>
+__global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
+    kda_fwd_state_rows_kernel(Params p) {
+    using P = RowPlan<D, VT, PREC>;
+    constexpr int NT = P::NW * 32, JG = P::JG, DW = P::DW, NDT = P::NDT;
+    constexpr int RW = P::RW, NRT = P::NRT;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB;
+    extern __shared__ __align__(128) unsigned char smem[];
+    static_assert(!(SAVE && PREC), "the precise pass does not save h and V'");
+    unsigned char *stage0 = smem;
+    bf16 *sO = reinterpret_cast<bf16 *>(smem + 2 * P::stage); // [64][LDB]
+    bf16 *sH = sO + CH * LDB;                                   // [D][LDB]
+    bf16 *sV = sH + D * LDB;                                    // [64][LDB]
+    bf16 *sKdl = sV + CH * LDB;                                 // PREC: [64][LD] kd_lo
+    bf16 *sHl = sKdl + CH * LD;                                 // PREC: [D][LDB]
+    bf16 *sVl = sHl + D * LDB;                                  // PREC: [64][LDB]
+    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int jg = warp % JG, ds = warp / JG;
+    const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW, i0 = ds * RW;
+    const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
+    const size_t rs = (size_t)p.H * D;
+
+    auto issue = [&](int n) {
+        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
+        const size_t c = (size_t)bh * p.N + n;
+        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+        async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
+        async_f32<NT, D>(st.ge, p.gexp + c * D);
+        if (PREC) {
+            async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
+            async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
+        }
+        cp_async_commit();
+    };
+    issue(0);
+    float S[NDT][4];
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+            S[t][e] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+        }
+    store_ct<NDT, LDB>(sH, d0w, jg, lane, S); // for every warp's products, and h of chunk 0
+    if (PREC) store_ct_lo<NDT, LDB>(sHl, d0w, jg, lane, S);
+    for (int n = 0; n < p.N; n++) {
+        const size_t c = (size_t)bh * p.N + n;
+        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+        if (PREC) { // kd_lo, used by the update at the chunk's end (its buffer is free)
+            async_tile<NT, CH, D, LD, D>(sKdl, p.kd_lo + c * CH * D);
+            cp_async_commit();
+        }
+        if (n + 1 < p.N) {
+            issue(n + 1);
+            cp_async_wait<PREC ? 2 : 1>();
+        } else {
+            cp_async_wait<PREC ? 1 : 0>();
+        }
+        __syncthreads(); // chunk n's stage and the state S_n in sH are in
+        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
+        if (SAVE) store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
+
+        // S^T W^T and S^T Qg^T over all channels (k), for this warp's rows (n)
+        float pv[NRT][4], po[NRT][4];
+#pragma unroll
+        for (int t = 0; t < NRT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pv[t][e] = po[t][e] = 0.f;
+#pragma unroll
+        for (int s = 0; s < D / 16; s++) {
+            unsigned a[4], al[4];
+            load_at<LDB>(a, sH, 16 * s, jg, lane);
+            if (PREC) load_at<LDB>(al, sHl, 16 * s, jg, lane);
+            unsigned bw[NRT][2], bq[NRT][2];
+            load_b_rows<NRT, LD>(bw, st.a, i0, 16 * s, lane);
+            load_b_rows<NRT, LD>(bq, st.b, i0, 16 * s, lane);
+            if (PREC) { // lo(S) hi(W) + hi(S) lo(W)
+                unsigned bl[NRT][2];
+                load_b_rows<NRT, LD>(bl, st.a_lo, i0, 16 * s, lane);
+#pragma unroll
+                for (int t = 0; t < NRT; t++) {
+                    mma16816(pv[t], al, bw[t][0], bw[t][1]);
+                    mma16816(pv[t], a, bl[t][0], bl[t][1]);
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < NRT; t++) {
+                mma16816(pv[t], a, bw[t][0], bw[t][1]);
+                mma16816(po[t], a, bq[t][0], bq[t][1]);
+            }
+        }
+        // V'^T = U^T - S^T W^T on this warp's rows, rounded to bf16 once (A fragments and vn)
+#pragma unroll
+        for (int t = 0; t < NRT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int i = i0 + 8 * t + ic + (e & 1), j = jr + (e >> 1) * 8;
+                float u = __bfloat162float(st.tile[i * LDB + j]);
+                if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
+                pv[t][e] = u - pv[t][e];
+            }
+        // V'^T as A fragments over all 64 rows (k): each warp's rows through sV
+        // (and its residues through sVl)
+        unsigned aV[4][4], aL[PREC ? 4 : 1][4];
+        store_ct<NRT, LDB>(sV, i0, jg, lane, pv);
+        if (PREC) store_ct_lo<NRT, LDB>(sVl, i0, jg, lane, pv);
+        __syncthreads(); // every warp's rows of V' are in, and every read of sH is done
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            load_at<LDB>(aV[s], sV, 16 * s, jg, lane);
+            if (PREC) load_at<LDB>(aL[PREC ? s : 0], sVl, 16 * s, jg, lane);
+        }
+        // O^T += V'^T Aqk^T for this warp's rows (Aqk is lower triangular)
+#pragma unroll
+        for (int t = 0; t < NRT; t++) {
+            const int nt = i0 / 8 + t;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                if (16 * s > 8 * nt + 7) continue;
+                unsigned bb[2];
+                ldsm_x2(bb, st.aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
+                mma16816(po[t], aV[s], bb[0], bb[1]);
+            }
+        }
+        store_ct<NRT, LDB>(sO, i0, jg, lane, po, p.scale);
+        // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
+        if (PREC) { // kd_lo has landed (the next stage may still be in flight)
+            if (n + 1 < p.N)
+                cp_async_wait<1>();
+            else
+                cp_async_wait<0>();
+            __syncthreads();
+        }
+#pragma unroll
+        for (int t = 0; t < NDT; t++) {
+            const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
+            S[t][0] *= g0;
+            S[t][1] *= g1;
+            S[t][2] *= g0;
+            S[t][3] *= g1;
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++)
+#pragma unroll
+            for (int tp = 0; tp < NDT / 2; tp++) {
+                unsigned bk[4];
+                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
+                ldsm_x4_t(bk, st.c + off);
+                if (PREC) {
+                    unsigned bl[4];
+                    ldsm_x4_t(bl, sKdl + off);
+                    const unsigned *al = aL[PREC ? s : 0];
+                    mma16816(S[2 * tp], al, bk[0], bk[1]);
+                    mma16816(S[2 * tp + 1], al, bk[2], bk[3]);
+                    mma16816(S[2 * tp], aV[s], bl[0], bl[1]);
+                    mma16816(S[2 * tp + 1], aV[s], bl[2], bl[3]);
+                }
+                mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
+                mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
+            }
+        // S_{n+1} for the next chunk (every read of sH was before the V' barrier)
+        store_ct<NDT, LDB>(sH, d0w, jg, lane, S);
+        if (PREC) store_ct_lo<NDT, LDB>(sHl, d0w, jg, lane, S);
+        __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
+        if (SAVE) store_rows<VT, NT, CH, LDB>(p.vn + c * CH * D + v0, D, sV, CH);
+        if (p.o)
+            store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
+                                        sO, nvalid);
+    }
+    if (p.ht) {
+#pragma unroll
+        for (int t = 0; t < NDT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+                p.ht[((size_t)bh * D + d) * D + v0 + j] = S[t][e];
+            }
+    }
+}
+
+// Backward, chunks in reverse. With dS the gradient of the chunk's outgoing
+// state and dO the output gradient:
+//   dV' = Kd dS + scale Aqk^T dO
+//   dS_in = e^{G_C} dS + scale Qg^T dO - W^T dV'
+// Stores dS per chunk (dh), dV' (dvn) and the gradient of h0. Register layout,
+// warps and transposed products as the row forward:
+//   dV'^T = dS^T Kd^T + scale dO^T Aqk   (each warp its rows, dS from sH),
+//   dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W   (each warp its channels).
+template <int D, int VT>
+__global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
+    kda_bwd_state_rows_kernel(Params p) {
+    using P = RowPlan<D, VT>;
+    constexpr int NT = P::NW * 32, JG = P::JG, DW = P::DW, NDT = P::NDT;
+    constexpr int RW = P::RW, NRT = P::NRT;
+    constexpr int LD = P::LD, LDA = P::LDA, LDB = P::LDB;
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned char *stage0 = smem;
+    bf16 *sH = reinterpret_cast<bf16 *>(smem + 2 * P::stage + P::sv); // the forward's layout
+    bf16 *sV = sH + D * LDB;
+    const int v0 = blockIdx.x * VT, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int jg = warp % JG, ds = warp / JG;
+    const int jr = jg * 16 + (lane >> 2), ic = (lane & 3) * 2, d0w = ds * DW, i0 = ds * RW;
+    const int lm = lane >> 3, lr = lane & 7;
+    const size_t rs = (size_t)p.H * D;
+
+    auto issue = [&](int n) {
+        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
+        const size_t c = (size_t)bh * p.N + n;
+        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+        async_tile_rows<NT, CH, VT, LDB>(
+            st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
+        async_f32<NT, D>(st.ge, p.gexp + c * D);
+        cp_async_commit();
+    };
+    issue(p.N - 1);
+    float dS[NDT][4];
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+            dS[t][e] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+        }
+    store_ct<NDT, LDB>(sH, d0w, jg, lane, dS);
+    for (int n = p.N - 1; n >= 0; n--) {
+        const size_t c = (size_t)bh * p.N + n;
+        if (n > 0) {
+            issue(n - 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads(); // chunk n's stage and dS (bf16, sH) are in
+        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
+        store_rows<VT, NT, D, LDB>(p.dh + c * D * D + v0, D, sH, D);
+        // dO^T as A fragments (k = the chunk's rows), from the [64][VT] tile
+        unsigned aO[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) load_at<LDB>(aO[s], st.tile, 16 * s, jg, lane);
+
+        // dS^T Kd^T over all channels, plus scale dO^T Aqk, on this warp's rows
+        float pv[NRT][4], qa[NRT][4];
+#pragma unroll
+        for (int t = 0; t < NRT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pv[t][e] = qa[t][e] = 0.f;
+#pragma unroll
+        for (int s = 0; s < D / 16; s++) {
+            unsigned a[4], bk[NRT][2];
+            load_at<LDB>(a, sH, 16 * s, jg, lane);
+            load_b_rows<NRT, LD>(bk, st.c, i0, 16 * s, lane);
+#pragma unroll
+            for (int t = 0; t < NRT; t++) mma16816(pv[t], a, bk[t][0], bk[t][1]);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            if (16 * s + 15 < i0) continue; // Aqk(i', i) = 0 for i' < i
+#pragma unroll
+            for (int t = 0; t + 1 < NRT; t += 2) {
+                unsigned bb[4];
+                ldsm_x4_t(bb, st.aqk + (16 * s + (lm & 1) * 8 + lr) * LDA + i0 + 8 * t + (lm >> 1) * 8);
+                mma16816(qa[t], aO[s], bb[0], bb[1]);
+                mma16816(qa[t + 1], aO[s], bb[2], bb[3]);
+            }
+            if (NRT & 1) {
+                unsigned bb[2];
+                ldsm_x2_t(bb, st.aqk + (16 * s + (lm & 1) * 8 + lr) * LDA + i0 + 8 * (NRT - 1));
+                mma16816(qa[NRT - 1], aO[s], bb[0], bb[1]);
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < NRT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) pv[t][e] += p.scale * qa[t][e];
+        store_ct<NRT, LDB>(sV, i0, jg, lane, pv);
+        __syncthreads(); // every warp's rows of dV' are in; every read of sH is done
+        unsigned aV[4][4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) load_at<LDB>(aV[s], sV, 16 * s, jg, lane);
+        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
+#pragma unroll
+        for (int tp = 0; tp < NDT / 2; tp++) {
+            float qg[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+            float wa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
+                unsigned bq[4], bw[4];
+                ldsm_x4_t(bq, st.b + off);
+                ldsm_x4_t(bw, st.a + off);
+                mma16816(qg[0], aO[s], bq[0], bq[1]);
+                mma16816(qg[1], aO[s], bq[2], bq[3]);
+                mma16816(wa[0], aV[s], bw[0], bw[1]);
+                mma16816(wa[1], aV[s], bw[2], bw[3]);
+            }
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const int t = 2 * tp + u;
+                const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
+                dS[t][0] = dS[t][0] * g0 + p.scale * qg[u][0] - wa[u][0];
+                dS[t][1] = dS[t][1] * g1 + p.scale * qg[u][1] - wa[u][1];
+                dS[t][2] = dS[t][2] * g0 + p.scale * qg[u][2] - wa[u][2];
+                dS[t][3] = dS[t][3] * g1 + p.scale * qg[u][3] - wa[u][3];
+            }
+        }
+        store_ct<NDT, LDB>(sH, d0w, jg, lane, dS); // dS of chunk n - 1
+        __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
+        store_rows<VT, NT, CH, LDB>(p.dvn + c * CH * D + v0, D, sV, CH);
+    }
+    if (p.dh0) {
+#pragma unroll
+        for (int t = 0; t < NDT; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
+                p.dh0[((size_t)bh * D + d) * D + v0 + j] = dS[t][e];
+            }
+    }
+}
+
 // Value-tile width: the narrowest of 16, 32, 64 and 128 (at most D) whose
 // blocks still fit in one wave on the device (one block per SM: the two stages
 // fill shared memory); D when even that needs several waves. Narrow tiles
@@ -609,23 +937,51 @@ constexpr size_t SMEM_OPTIN = 227 * 1024;
 template <int D, int VT>
 static cudaError_t launch_state(const Params &p, bool backward, bool save, bool precise,
                                 cudaStream_t s) {
-    constexpr int NT = StatePlan<D, VT>::NW * 32;
     dim3 grid(D / VT, p.B * p.H);
-    size_t sm = StatePlan<D, VT>::total;
-    static_assert(StatePlan<D, VT>::total <= SMEM_OPTIN, "state kernels: shared memory");
-    if (backward) return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, NT, sm, s, p);
-    if (precise) { // never with save: the API runs a separate saving pass
-        if constexpr (VT == 16 || VT == 64) {
-            static_assert(StatePlan<D, VT, true>::total <= SMEM_OPTIN, "precise state: smem");
-            if (save) return cudaErrorInvalidValue;
-            return launch_with_smem(kda_fwd_state_kernel<D, VT, false, true>, grid, NT,
-                                    StatePlan<D, VT, true>::total, s, p);
-        } else {
-            return cudaErrorInvalidValue; // state_tile_width never picks it
+    if constexpr (VT <= 32) { // row kernels
+        using R = RowPlan<D, VT>;
+        static_assert(R::total <= SMEM_OPTIN, "state kernels: shared memory");
+        constexpr int NT = R::NW * 32;
+        if (backward)
+            return launch_with_smem(kda_bwd_state_rows_kernel<D, VT>, grid, NT, R::total, s, p);
+        if (precise) { // never with save: the API runs a separate saving pass
+            if constexpr (VT == 16) {
+                using RP = RowPlan<D, VT, true>;
+                static_assert(RP::total <= SMEM_OPTIN, "precise state: smem");
+                if (save) return cudaErrorInvalidValue;
+                return launch_with_smem(kda_fwd_state_rows_kernel<D, VT, false, true>, grid,
+                                        RP::NW * 32, RP::total, s, p);
+            } else {
+                return cudaErrorInvalidValue; // state_tile_width never picks it
+            }
         }
+        if (save)
+            return launch_with_smem(kda_fwd_state_rows_kernel<D, VT, true, false>, grid, NT,
+                                    R::total, s, p);
+        return launch_with_smem(kda_fwd_state_rows_kernel<D, VT, false, false>, grid, NT,
+                                R::total, s, p);
+    } else { // column kernels
+        using C = ColPlan<D, VT>;
+        static_assert(C::total <= SMEM_OPTIN, "state kernels: shared memory");
+        constexpr int NT = C::NW * 32;
+        if (backward)
+            return launch_with_smem(kda_bwd_state_kernel<D, VT>, grid, NT, C::total, s, p);
+        if (precise) {
+            if constexpr (VT == 64) {
+                static_assert(ColPlan<D, VT, true>::total <= SMEM_OPTIN, "precise state: smem");
+                if (save) return cudaErrorInvalidValue;
+                return launch_with_smem(kda_fwd_state_kernel<D, VT, false, true>, grid, NT,
+                                        ColPlan<D, VT, true>::total, s, p);
+            } else {
+                return cudaErrorInvalidValue; // state_tile_width never picks it
+            }
+        }
+        if (save)
+            return launch_with_smem(kda_fwd_state_kernel<D, VT, true, false>, grid, NT, C::total,
+                                    s, p);
+        return launch_with_smem(kda_fwd_state_kernel<D, VT, false, false>, grid, NT, C::total, s,
+                                p);
     }
-    if (save) return launch_with_smem(kda_fwd_state_kernel<D, VT, true, false>, grid, NT, sm, s, p);
-    return launch_with_smem(kda_fwd_state_kernel<D, VT, false, false>, grid, NT, sm, s, p);
 }
 
 // LONGMOE_KDA_STATE_VT=16|32|64|128 (at most D) forces the width: for tests
