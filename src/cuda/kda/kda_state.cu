@@ -194,6 +194,162 @@ __device__ __forceinline__ void load_b_rows(unsigned (*b)[2], const bf16 *base, 
     if (NT8 & 1) ldsm_x2(b[NT8 - 1], base + (n0 + 8 * (NT8 - 1) + lr) * LD + k0 + (lm & 1) * 8);
 }
 
+// Pieces common to the column and row kernels.
+
+// The forward's stage of chunk c: w, qg, kd, aqk, the U tile and e^{G_C}
+// (PREC: w_lo and the u_lo tile), one cp.async group.
+template <int NT, int D, int VT, bool PREC>
+__device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const Params &p,
+                                               size_t c, int v0) {
+    constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
+    async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+    async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+    async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+    async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+    async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
+    async_f32<NT, D>(st.ge, p.gexp + c * D);
+    if (PREC) {
+        async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
+        async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
+    }
+    cp_async_commit();
+}
+// The backward's stage of chunk n (index c): w, qg, kd, aqk, the dO tile
+// (rows past T zero) and e^{G_C}, one cp.async group.
+template <int NT, int D, int VT>
+__device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const Params &p,
+                                               size_t c, int n, int b, int h, int v0, size_t rs) {
+    constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
+    const int t0 = n * CH, nvalid = min(CH, p.T - t0);
+    async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
+    async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
+    async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
+    async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+    async_tile_rows<NT, CH, VT, LDB>(
+        st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
+    async_f32<NT, D>(st.ge, p.gexp + c * D);
+    cp_async_commit();
+}
+// A warp's state tiles (S^T C tiles: value columns jr, jr + 8; channels from
+// d0) into an fp32 [D][D] state of sequence*head bh.
+template <int D, int NDT>
+__device__ __forceinline__ void state_store(const float (*S)[4], float *x, int bh, int v0, int jr,
+                                            int d0, int ic) {
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0 + 8 * t + ic + (e & 1);
+            x[((size_t)bh * D + d) * D + v0 + j] = S[t][e];
+        }
+}
+// V'^T = U^T - S^T W^T on NT8 row tiles from chunk row i0 (pv holds S^T W^T;
+// PREC: U = u + u_lo).
+template <int NT8, int LDB, bool PREC, typename SV>
+__device__ __forceinline__ void vprime(float (*pv)[4], const SV &st, int i0, int jr, int ic) {
+#pragma unroll
+    for (int t = 0; t < NT8; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int i = i0 + 8 * t + ic + (e & 1), j = jr + (e >> 1) * 8;
+            float u = __bfloat162float(st.tile[i * LDB + j]);
+            if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
+            pv[t][e] = u - pv[t][e];
+        }
+}
+// O^T += V'^T Aqk^T on NT8 row tiles from chunk row i0 (Aqk is lower triangular).
+template <int NT8, int LDA>
+__device__ __forceinline__ void o_aqk(float (*o)[4], const unsigned (*aV)[4], const bf16 *aqk,
+                                      int i0, int lm, int lr) {
+#pragma unroll
+    for (int t = 0; t < NT8; t++) {
+        const int nt = i0 / 8 + t;
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            if (16 * s > 8 * nt + 7) continue;
+            unsigned bb[2];
+            ldsm_x2(bb, aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
+            mma16816(o[t], aV[s], bb[0], bb[1]);
+        }
+    }
+}
+// S^T <- S^T Diag(e^{G_C}) + V'^T Kd on the warp's channels from d0; PREC
+// adds lo(V') hi(Kd) + hi(V') lo(Kd) once kd_lo has landed (the next stage
+// may still be in flight: `more`).
+template <int NDT, int LD, bool PREC>
+__device__ __forceinline__ void fwd_update(float (*S)[4], const unsigned (*aV)[4],
+                                           const unsigned (*aL)[4], const bf16 *kd,
+                                           const bf16 *kd_lo, const float *ge, int d0, int ic,
+                                           int lm, int lr, bool more) {
+    if (PREC) {
+        if (more)
+            cp_async_wait<1>();
+        else
+            cp_async_wait<0>();
+        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < NDT; t++) {
+        const float g0 = ge[d0 + 8 * t + ic], g1 = ge[d0 + 8 * t + ic + 1];
+        S[t][0] *= g0;
+        S[t][1] *= g1;
+        S[t][2] *= g0;
+        S[t][3] *= g1;
+    }
+#pragma unroll
+    for (int s = 0; s < 4; s++)
+#pragma unroll
+        for (int tp = 0; tp < NDT / 2; tp++) {
+            unsigned bk[4];
+            const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0 + 16 * tp + (lm >> 1) * 8;
+            ldsm_x4_t(bk, kd + off);
+            if (PREC) {
+                unsigned bl[4];
+                ldsm_x4_t(bl, kd_lo + off);
+                const unsigned *al = aL[PREC ? s : 0];
+                mma16816(S[2 * tp], al, bk[0], bk[1]);
+                mma16816(S[2 * tp + 1], al, bk[2], bk[3]);
+                mma16816(S[2 * tp], aV[s], bl[0], bl[1]);
+                mma16816(S[2 * tp + 1], aV[s], bl[2], bl[3]);
+            }
+            mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
+            mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
+        }
+}
+// dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W on the warp's channels
+// from d0, two channel tiles at a time.
+template <int NDT, int LD>
+__device__ __forceinline__ void bwd_update(float (*dS)[4], const unsigned (*aO)[4],
+                                           const unsigned (*aV)[4], const bf16 *qg,
+                                           const bf16 *w, const float *ge, float scale, int d0,
+                                           int ic, int lm, int lr) {
+#pragma unroll
+    for (int tp = 0; tp < NDT / 2; tp++) {
+        float qa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float wa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0 + 16 * tp + (lm >> 1) * 8;
+            unsigned bq[4], bw[4];
+            ldsm_x4_t(bq, qg + off);
+            ldsm_x4_t(bw, w + off);
+            mma16816(qa[0], aO[s], bq[0], bq[1]);
+            mma16816(qa[1], aO[s], bq[2], bq[3]);
+            mma16816(wa[0], aV[s], bw[0], bw[1]);
+            mma16816(wa[1], aV[s], bw[2], bw[3]);
+        }
+#pragma unroll
+        for (int u = 0; u < 2; u++) {
+            const int t = 2 * tp + u;
+            const float g0 = ge[d0 + 8 * t + ic], g1 = ge[d0 + 8 * t + ic + 1];
+            dS[t][0] = dS[t][0] * g0 + scale * qa[u][0] - wa[u][0];
+            dS[t][1] = dS[t][1] * g1 + scale * qa[u][1] - wa[u][1];
+            dS[t][2] = dS[t][2] * g0 + scale * qa[u][2] - wa[u][2];
+            dS[t][3] = dS[t][3] * g1 + scale * qa[u][3] - wa[u][3];
+        }
+    }
+}
+
 // The column forward. The state lives in registers, transposed: warp jg
 // holds S^T rows jg*16 .. +15 (value columns of the tile) and all D channels
 // as D/8 C tiles of mma.m16n8k16, in fp32. Every product is written
@@ -227,19 +383,8 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
-        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        const size_t c = (size_t)bh * p.N + n;
-        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
-        async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
-        async_f32<NT, D>(st.ge, p.gexp + c * D);
-        if (PREC) {
-            async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
-            async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
-        }
-        cp_async_commit();
+        fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
+                                        (size_t)bh * p.N + n, v0);
     };
     issue(0);
     float S[NDT][4];
@@ -319,15 +464,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
 #pragma unroll
             for (int e = 0; e < 4; e++) oa[it][e] = po[it][e];
         // V'^T = U^T - S^T W^T, rounded to bf16 once: the A fragments below and vn
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = 8 * nt + ic + (e & 1), j = jr + (e >> 1) * 8;
-                float u = __bfloat162float(st.tile[i * LDB + j]);
-                if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
-                pv[nt][e] = u - pv[nt][e];
-            }
+        vprime<8, LDB, PREC>(pv, st, 0, jr, ic);
         unsigned aV[4][4], aL[PREC ? 4 : 1][4];
 #pragma unroll
         for (int s = 0; s < 4; s++) c_to_a(aV[s], pv[2 * s], pv[2 * s + 1]);
@@ -348,18 +485,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
             for (int s = 0; s < 4; s++)
                 stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
         }
-        // O^T += V'^T Aqk^T for this warp's rows of the chunk (Aqk is lower triangular)
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-            const int it = nt;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                if (16 * s > 8 * nt + 7) continue;
-                unsigned bb[2];
-                ldsm_x2(bb, st.aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
-                mma16816(oa[it], aV[s], bb[0], bb[1]);
-            }
-        }
+        o_aqk<8, LDA>(oa, aV, st.aqk, 0, lm, lr); // O^T += V'^T Aqk^T
 #pragma unroll
         for (int it = 0; it < NIT; it += 2) { // O, two row tiles at a time, transposed
             const int nt = it;
@@ -371,40 +497,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
             stsm_x4_t(sO + (8 * nt + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, a);
         }
         // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
-        if (PREC) { // kd_lo has landed (the next stage may still be in flight)
-            if (n + 1 < p.N)
-                cp_async_wait<1>();
-            else
-                cp_async_wait<0>();
-            __syncthreads();
-        }
-#pragma unroll
-        for (int t = 0; t < NDT; t++) {
-            const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
-            S[t][0] *= g0;
-            S[t][1] *= g1;
-            S[t][2] *= g0;
-            S[t][3] *= g1;
-        }
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int tp = 0; tp < NDT / 2; tp++) {
-                unsigned bk[4];
-                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
-                ldsm_x4_t(bk, st.c + off);
-                if (PREC) {
-                    unsigned bl[4];
-                    ldsm_x4_t(bl, sKdl + off);
-                    const unsigned *al = aL[PREC ? s : 0];
-                    mma16816(S[2 * tp], al, bk[0], bk[1]);
-                    mma16816(S[2 * tp + 1], al, bk[2], bk[3]);
-                    mma16816(S[2 * tp], aV[s], bl[0], bl[1]);
-                    mma16816(S[2 * tp + 1], aV[s], bl[2], bl[3]);
-                }
-                mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
-                mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
-            }
+        fwd_update<NDT, LD, PREC>(S, aV, aL, st.c, sKdl, st.ge, d0w, ic, lm, lr, n + 1 < p.N);
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
         if (SAVE) {
             store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
@@ -414,15 +507,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
             store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
                                         sO, nvalid);
     }
-    if (p.ht) {
-#pragma unroll
-        for (int t = 0; t < NDT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-                p.ht[((size_t)bh * D + d) * D + v0 + j] = S[t][e];
-            }
-    }
+    if (p.ht) state_store<D, NDT>(S, p.ht, bh, v0, jr, d0w, ic);
 }
 
 // Backward, chunks in reverse. With dS the gradient of the chunk's outgoing
@@ -450,17 +535,8 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
-        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        const size_t c = (size_t)bh * p.N + n;
-        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
-        async_tile_rows<NT, CH, VT, LDB>(
-            st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
-        async_f32<NT, D>(st.ge, p.gexp + c * D);
-        cp_async_commit();
+        bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
+                                  (size_t)bh * p.N + n, n, b, h, v0, rs);
     };
     issue(p.N - 1);
     float dS[NDT][4];
@@ -534,45 +610,13 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
 #pragma unroll
         for (int s = 0; s < 4; s++) // dV', transposed
             stsm_x4_t(sV + (16 * s + (lm >> 1) * 8 + lr) * LDB + jg * 16 + (lm & 1) * 8, aV[s]);
-        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
-#pragma unroll
-        for (int tp = 0; tp < NDT / 2; tp++) {
-            float qa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            float wa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
-                unsigned bq[4], bw[4];
-                ldsm_x4_t(bq, st.b + off);
-                ldsm_x4_t(bw, st.a + off);
-                mma16816(qa[0], aO[s], bq[0], bq[1]);
-                mma16816(qa[1], aO[s], bq[2], bq[3]);
-                mma16816(wa[0], aV[s], bw[0], bw[1]);
-                mma16816(wa[1], aV[s], bw[2], bw[3]);
-            }
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int t = 2 * tp + u;
-                const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
-                dS[t][0] = dS[t][0] * g0 + p.scale * qa[u][0] - wa[u][0];
-                dS[t][1] = dS[t][1] * g1 + p.scale * qa[u][1] - wa[u][1];
-                dS[t][2] = dS[t][2] * g0 + p.scale * qa[u][2] - wa[u][2];
-                dS[t][3] = dS[t][3] * g1 + p.scale * qa[u][3] - wa[u][3];
-            }
-        }
+        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W
+        bwd_update<NDT, LD>(dS, aO, aV, st.b, st.a, st.ge, p.scale, d0w, ic, lm, lr);
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
         store_rows<VT, NT, D, LDB>(p.dh + c * D * D + v0, D, sH, D);
         store_rows<VT, NT, CH, LDB>(p.dvn + c * CH * D + v0, D, sV, CH);
     }
-    if (p.dh0) {
-#pragma unroll
-        for (int t = 0; t < NDT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-                p.dh0[((size_t)bh * D + d) * D + v0 + j] = dS[t][e];
-            }
-    }
+    if (p.dh0) state_store<D, NDT>(dS, p.dh0, bh, v0, jr, d0w, ic);
 }
 
 // The row forward (VT = 16, 32): products as the column forward, warps as
@@ -608,19 +652,8 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
-        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        const size_t c = (size_t)bh * p.N + n;
-        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
-        async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
-        async_f32<NT, D>(st.ge, p.gexp + c * D);
-        if (PREC) {
-            async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
-            async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
-        }
-        cp_async_commit();
+        fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
+                                        (size_t)bh * p.N + n, v0);
     };
     issue(0);
     float S[NDT][4];
@@ -680,15 +713,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
             }
         }
         // V'^T = U^T - S^T W^T on this warp's rows, rounded to bf16 once (A fragments and vn)
-#pragma unroll
-        for (int t = 0; t < NRT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int i = i0 + 8 * t + ic + (e & 1), j = jr + (e >> 1) * 8;
-                float u = __bfloat162float(st.tile[i * LDB + j]);
-                if (PREC) u += __bfloat162float(st.tile_lo[i * LDB + j]);
-                pv[t][e] = u - pv[t][e];
-            }
+        vprime<NRT, LDB, PREC>(pv, st, i0, jr, ic);
         // V'^T as A fragments over all 64 rows (k): each warp's rows through sV
         // (and its residues through sVl)
         unsigned aV[4][4], aL[PREC ? 4 : 1][4];
@@ -700,54 +725,10 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
             load_at<LDB>(aV[s], sV, 16 * s, jg, lane);
             if (PREC) load_at<LDB>(aL[PREC ? s : 0], sVl, 16 * s, jg, lane);
         }
-        // O^T += V'^T Aqk^T for this warp's rows (Aqk is lower triangular)
-#pragma unroll
-        for (int t = 0; t < NRT; t++) {
-            const int nt = i0 / 8 + t;
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                if (16 * s > 8 * nt + 7) continue;
-                unsigned bb[2];
-                ldsm_x2(bb, st.aqk + (8 * nt + lr) * LDA + 16 * s + (lm & 1) * 8);
-                mma16816(po[t], aV[s], bb[0], bb[1]);
-            }
-        }
+        o_aqk<NRT, LDA>(po, aV, st.aqk, i0, lm, lr); // O^T += V'^T Aqk^T, this warp's rows
         store_ct<NRT, LDB>(sO, i0, jg, lane, po, p.scale);
         // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
-        if (PREC) { // kd_lo has landed (the next stage may still be in flight)
-            if (n + 1 < p.N)
-                cp_async_wait<1>();
-            else
-                cp_async_wait<0>();
-            __syncthreads();
-        }
-#pragma unroll
-        for (int t = 0; t < NDT; t++) {
-            const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
-            S[t][0] *= g0;
-            S[t][1] *= g1;
-            S[t][2] *= g0;
-            S[t][3] *= g1;
-        }
-#pragma unroll
-        for (int s = 0; s < 4; s++)
-#pragma unroll
-            for (int tp = 0; tp < NDT / 2; tp++) {
-                unsigned bk[4];
-                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
-                ldsm_x4_t(bk, st.c + off);
-                if (PREC) {
-                    unsigned bl[4];
-                    ldsm_x4_t(bl, sKdl + off);
-                    const unsigned *al = aL[PREC ? s : 0];
-                    mma16816(S[2 * tp], al, bk[0], bk[1]);
-                    mma16816(S[2 * tp + 1], al, bk[2], bk[3]);
-                    mma16816(S[2 * tp], aV[s], bl[0], bl[1]);
-                    mma16816(S[2 * tp + 1], aV[s], bl[2], bl[3]);
-                }
-                mma16816(S[2 * tp], aV[s], bk[0], bk[1]);
-                mma16816(S[2 * tp + 1], aV[s], bk[2], bk[3]);
-            }
+        fwd_update<NDT, LD, PREC>(S, aV, aL, st.c, sKdl, st.ge, d0w, ic, lm, lr, n + 1 < p.N);
         // S_{n+1} for the next chunk (every read of sH was before the V' barrier)
         store_ct<NDT, LDB>(sH, d0w, jg, lane, S);
         if (PREC) store_ct_lo<NDT, LDB>(sHl, d0w, jg, lane, S);
@@ -757,15 +738,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
             store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
                                         sO, nvalid);
     }
-    if (p.ht) {
-#pragma unroll
-        for (int t = 0; t < NDT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-                p.ht[((size_t)bh * D + d) * D + v0 + j] = S[t][e];
-            }
-    }
+    if (p.ht) state_store<D, NDT>(S, p.ht, bh, v0, jr, d0w, ic);
 }
 
 // Backward, chunks in reverse. With dS the gradient of the chunk's outgoing
@@ -795,17 +768,8 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
     const size_t rs = (size_t)p.H * D;
 
     auto issue = [&](int n) {
-        StageView<D, VT> st(stage0 + (n & 1) * P::stage);
-        const size_t c = (size_t)bh * p.N + n;
-        const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-        async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-        async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
-        async_tile_rows<NT, CH, VT, LDB>(
-            st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
-        async_f32<NT, D>(st.ge, p.gexp + c * D);
-        cp_async_commit();
+        bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
+                                  (size_t)bh * p.N + n, n, b, h, v0, rs);
     };
     issue(p.N - 1);
     float dS[NDT][4];
@@ -872,45 +836,13 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
         unsigned aV[4][4];
 #pragma unroll
         for (int s = 0; s < 4; s++) load_at<LDB>(aV[s], sV, 16 * s, jg, lane);
-        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W, two channel tiles at a time
-#pragma unroll
-        for (int tp = 0; tp < NDT / 2; tp++) {
-            float qg[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-            float wa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-            for (int s = 0; s < 4; s++) {
-                const int off = (16 * s + (lm & 1) * 8 + lr) * LD + d0w + 16 * tp + (lm >> 1) * 8;
-                unsigned bq[4], bw[4];
-                ldsm_x4_t(bq, st.b + off);
-                ldsm_x4_t(bw, st.a + off);
-                mma16816(qg[0], aO[s], bq[0], bq[1]);
-                mma16816(qg[1], aO[s], bq[2], bq[3]);
-                mma16816(wa[0], aV[s], bw[0], bw[1]);
-                mma16816(wa[1], aV[s], bw[2], bw[3]);
-            }
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const int t = 2 * tp + u;
-                const float g0 = st.ge[d0w + 8 * t + ic], g1 = st.ge[d0w + 8 * t + ic + 1];
-                dS[t][0] = dS[t][0] * g0 + p.scale * qg[u][0] - wa[u][0];
-                dS[t][1] = dS[t][1] * g1 + p.scale * qg[u][1] - wa[u][1];
-                dS[t][2] = dS[t][2] * g0 + p.scale * qg[u][2] - wa[u][2];
-                dS[t][3] = dS[t][3] * g1 + p.scale * qg[u][3] - wa[u][3];
-            }
-        }
+        // dS^T <- dS^T Diag(e^{G_C}) + scale dO^T Qg - dV'^T W
+        bwd_update<NDT, LD>(dS, aO, aV, st.b, st.a, st.ge, p.scale, d0w, ic, lm, lr);
         store_ct<NDT, LDB>(sH, d0w, jg, lane, dS); // dS of chunk n - 1
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
         store_rows<VT, NT, CH, LDB>(p.dvn + c * CH * D + v0, D, sV, CH);
     }
-    if (p.dh0) {
-#pragma unroll
-        for (int t = 0; t < NDT; t++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-                p.dh0[((size_t)bh * D + d) * D + v0 + j] = dS[t][e];
-            }
-    }
+    if (p.dh0) state_store<D, NDT>(dS, p.dh0, bh, v0, jr, d0w, ic);
 }
 
 // Value-tile width: the narrowest of 16, 32, 64 and 128 (at most D) whose
