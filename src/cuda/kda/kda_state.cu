@@ -232,6 +232,20 @@ __device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const
 }
 // A warp's state tiles (S^T C tiles: value columns jr, jr + 8; channels from
 // d0) into an fp32 [D][D] state of sequence*head bh.
+// ... and from the initial state h0 (GRAD = false) or the final state's
+// gradient dht (GRAD = true), zeros without one.
+template <int D, int NDT, bool GRAD>
+__device__ __forceinline__ void state_load(float (*S)[4], const Params &p, int bh, int v0, int jr,
+                                           int d0, int ic) {
+#pragma unroll
+    for (int t = 0; t < NDT; t++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int j = jr + (e >> 1) * 8, d = d0 + 8 * t + ic + (e & 1);
+            const float *x = GRAD ? p.dht : p.h0;
+            S[t][e] = x ? x[((size_t)bh * D + d) * D + v0 + j] : 0.f;
+        }
+}
 template <int D, int NDT>
 __device__ __forceinline__ void state_store(const float (*S)[4], float *x, int bh, int v0, int jr,
                                             int d0, int ic) {
@@ -350,6 +364,17 @@ __device__ __forceinline__ void bwd_update(float (*dS)[4], const unsigned (*aO)[
     }
 }
 
+// The forward's staged outputs of a chunk: V' (SAVE) and O (rows < nvalid).
+template <int D, int VT, int NT, bool SAVE>
+__device__ __forceinline__ void fwd_chunk_stores(const Params &p, const bf16 *sV, const bf16 *sO,
+                                                 size_t c, int v0, int b, int h, int t0,
+                                                 int nvalid, size_t rs) {
+    constexpr int LDB = VT + 8;
+    if (SAVE) store_rows<VT, NT, CH, LDB>(p.vn + c * CH * D + v0, D, sV, CH);
+    if (p.o)
+        store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
+                                    sO, nvalid);
+}
 // The column forward. The state lives in registers, transposed: warp jg
 // holds S^T rows jg*16 .. +15 (value columns of the tile) and all D channels
 // as D/8 C tiles of mma.m16n8k16, in fp32. Every product is written
@@ -388,13 +413,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
     };
     issue(0);
     float S[NDT][4];
-#pragma unroll
-    for (int t = 0; t < NDT; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-            S[t][e] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-        }
+    state_load<D, NDT, false>(S, p, bh, v0, jr, d0w, ic);
     for (int n = 0; n < p.N; n++) {
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
@@ -499,13 +518,8 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
         // S^T <- S^T Diag(e^{G_C}) + V'^T Kd on this warp's channels
         fwd_update<NDT, LD, PREC>(S, aV, aL, st.c, sKdl, st.ge, d0w, ic, lm, lr, n + 1 < p.N);
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
-        if (SAVE) {
-            store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
-            store_rows<VT, NT, CH, LDB>(p.vn + c * CH * D + v0, D, sV, CH);
-        }
-        if (p.o)
-            store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
-                                        sO, nvalid);
+        if (SAVE) store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
+        fwd_chunk_stores<D, VT, NT, SAVE>(p, sV, sO, c, v0, b, h, t0, nvalid, rs);
     }
     if (p.ht) state_store<D, NDT>(S, p.ht, bh, v0, jr, d0w, ic);
 }
@@ -540,13 +554,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
     };
     issue(p.N - 1);
     float dS[NDT][4];
-#pragma unroll
-    for (int t = 0; t < NDT; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-            dS[t][e] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-        }
+    state_load<D, NDT, true>(dS, p, bh, v0, jr, d0w, ic);
     for (int n = p.N - 1; n >= 0; n--) {
         const size_t c = (size_t)bh * p.N + n;
         if (n > 0) {
@@ -657,13 +665,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
     };
     issue(0);
     float S[NDT][4];
-#pragma unroll
-    for (int t = 0; t < NDT; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-            S[t][e] = p.h0 ? p.h0[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-        }
+    state_load<D, NDT, false>(S, p, bh, v0, jr, d0w, ic);
     store_ct<NDT, LDB>(sH, d0w, jg, lane, S); // for every warp's products, and h of chunk 0
     if (PREC) store_ct_lo<NDT, LDB>(sHl, d0w, jg, lane, S);
     for (int n = 0; n < p.N; n++) {
@@ -733,10 +735,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
         store_ct<NDT, LDB>(sH, d0w, jg, lane, S);
         if (PREC) store_ct_lo<NDT, LDB>(sHl, d0w, jg, lane, S);
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n + 2
-        if (SAVE) store_rows<VT, NT, CH, LDB>(p.vn + c * CH * D + v0, D, sV, CH);
-        if (p.o)
-            store_rows<VT, NT, CH, LDB>(p.o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs,
-                                        sO, nvalid);
+        fwd_chunk_stores<D, VT, NT, SAVE>(p, sV, sO, c, v0, b, h, t0, nvalid, rs);
     }
     if (p.ht) state_store<D, NDT>(S, p.ht, bh, v0, jr, d0w, ic);
 }
@@ -773,13 +772,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
     };
     issue(p.N - 1);
     float dS[NDT][4];
-#pragma unroll
-    for (int t = 0; t < NDT; t++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int j = jr + (e >> 1) * 8, d = d0w + 8 * t + ic + (e & 1);
-            dS[t][e] = p.dht ? p.dht[((size_t)bh * D + d) * D + v0 + j] : 0.f;
-        }
+    state_load<D, NDT, true>(dS, p, bh, v0, jr, d0w, ic);
     store_ct<NDT, LDB>(sH, d0w, jg, lane, dS);
     for (int n = p.N - 1; n >= 0; n--) {
         const size_t c = (size_t)bh * p.N + n;
