@@ -9,8 +9,9 @@
 # ($BUILD_PREFIX-<name>, default build-ab-<name>), then `bench_cuda_kda --reps 20`
 # times them alternately (ROUNDS rounds, default 2) on SHAPES (default the first
 # two shapes of SPEC §7). TEST=1 runs the CUDA tests (ctest -L cuda) of every
-# version; NCU=1 adds ncu's duration of every kernel at (1,8192,64,128). The
-# tree's own sources are restored at the end, also on failure. Output in $OUT.
+# version; NCU=1 adds ncu's duration of every kernel at NCU_SHAPE (default
+# 1,8192,64,128). The tree's own sources are restored at the end, also on
+# failure. Output in $OUT (ab.log: the test counts and the timed lines).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bench/cuda_ab.sh DIR... (the first is the base)" >&2; exit 2; }
 OUT=${OUT:-out}
@@ -19,6 +20,7 @@ SHAPES=${SHAPES:-"1,8192,64,128 8,4096,16,128"}
 ROUNDS=${ROUNDS:-2}
 SRC=src/cuda/kda
 mkdir -p "$OUT"
+: >"$OUT/ab.log"
 for d in "$@"; do
     [ -d "$d" ] || { echo "cuda_ab: $d is not a directory" >&2; exit 2; }
     for f in "$d"/*; do
@@ -49,14 +51,14 @@ for d in "$@"; do
     if [ "${TEST:-0}" = 1 ]; then
         (cd "$b" && timeout 300 ctest -L cuda -V) >"$OUT/test-$name.log" 2>&1
         echo "tests of $name: rc $? ($(grep -cE '^[0-9]+: ok ' "$OUT/test-$name.log") ok," \
-            "$(grep -cE '^[0-9]+: +FAIL' "$OUT/test-$name.log") failed)"
+            "$(grep -cE '^[0-9]+: +FAIL' "$OUT/test-$name.log") failed)" | tee -a "$OUT/ab.log"
     fi
 done
 echo "== fwd / fwd+bwd ms (b: bounded, s: softplus), $ROUNDS rounds"
 for r in $(seq "$ROUNDS"); do
     for name in "${names[@]}"; do
         b="${BUILD_PREFIX:-build-ab}-$name"
-        line=$(timeout 120 "$b/bench_cuda_kda" --reps 20 "${shape_args[@]}" | grep -E '^\(' |
+        line=$(timeout 120 "$b/bench_cuda_kda" --reps 20 "${shape_args[@]}" | grep -E '^\([0-9]' |
             awk '{printf "%s %s %s/%s  ", $1, substr($2, 1, 1), $3, $5}')
         echo "$name: $line" | tee -a "$OUT/ab.log"
     done
@@ -66,7 +68,7 @@ if [ "${NCU:-0}" = 1 ]; then
         b="${BUILD_PREFIX:-build-ab}-$name"
         echo "== ncu $name"
         timeout 200 ncu --clock-control none -k regex:kda_ "$b/bench_cuda_kda" --profile \
-            --shape 1,8192,64,128 2>&1 | grep -E "^  [a-z_ ]*kda_|Duration" |
+            --shape "${NCU_SHAPE:-1,8192,64,128}" 2>&1 | grep -E "^  [a-z_ ]*kda_|Duration" |
             sed -E 's/\(lmkda::Params.*//; s/ +/ /g' | paste - -
     done
 fi
