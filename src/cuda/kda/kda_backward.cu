@@ -377,6 +377,27 @@ template <int S, int N> __device__ __forceinline__ void rotate_left(float (&x)[N
     for (int i = 0; i < S; i++) x[N - S + i] = t[i];
 }
 
+// Over the thread's rows r (of column d; the arrays rotated by IPB per group):
+// x[r] += P[r] e^{G[r]} and dG[r] += P[r] e^{G[r]} op[r], with P the staged
+// product [64][LDS] and op the staged q or k [64][LDC].
+template <int IPB, int RSTEP, int LDS, int LDC, int RPT>
+__device__ __forceinline__ void add_staged_rows(float (&x)[RPT], float (&dG)[RPT],
+                                                const float *sStage, const float *sG,
+                                                const bf16 *op, int r0, int d) {
+#pragma unroll 1
+    for (int g = 0; g < RPT / IPB; g++) {
+#pragma unroll
+        for (int i = 0; i < IPB; i++) {
+            int r = r0 + RSTEP * (g * IPB + i);
+            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+            x[i] += val;
+            dG[i] += val * __bfloat162float(op[r * LDC + d]);
+        }
+        rotate_left<IPB, RPT>(x);
+        rotate_left<IPB, RPT>(dG);
+    }
+}
+
 // c += A(16 x 16 ksteps) B(16 ksteps x 16) for a run-time ksteps <= 4; A from
 // global memory (layout LA, leading dimension lda), B row-major. Unrolled to
 // four predicated steps, so that every A load is issued before the first product.
@@ -571,18 +592,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
     cp_rows<DC, NT>(sdW, LDC, dWg, D, CH, CH);
     cp_async_commit();
-#pragma unroll 1
-    for (int g = 0; g < RPT / IPB; g++) {
-#pragma unroll
-        for (int i = 0; i < IPB; i++) {
-            int r = r0 + RSTEP * (g * IPB + i);
-            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
-            dq[i] += val;
-            dG[i] += val * __bfloat162float(sQ[r * LDC + d]);
-        }
-        rotate_left<IPB, RPT>(dq);
-        rotate_left<IPB, RPT>(dG);
-    }
+    add_staged_rows<IPB, RSTEP, LDS, LDC>(dq, dG, sStage, sG, sQ, r0, d);
     cp_async_wait<0>(); // M and dW have landed
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
@@ -612,18 +622,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         if (tid % 4 == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
     }
     __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
-#pragma unroll 1
-    for (int g = 0; g < RPT / IPB; g++) {
-#pragma unroll
-        for (int i = 0; i < IPB; i++) {
-            int r = r0 + RSTEP * (g * IPB + i);
-            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
-            dk[i] += val;
-            dG[i] += val * __bfloat162float(sK[r * LDC + d]);
-        }
-        rotate_left<IPB, RPT>(dk);
-        rotate_left<IPB, RPT>(dG);
-    }
+    add_staged_rows<IPB, RSTEP, LDS, LDC>(dk, dG, sStage, sG, sK, r0, d);
     __syncthreads();
 
     // ---- phase 4: gradients through Aqk = Lower(q e^G (k e^-G)^T) and
