@@ -38,11 +38,12 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
         off += align256(bytes);
         return o;
     };
-    pl.w = take(nc * CH * D * 2);
+    // w, qg, kd and aqk with the state kernels' padded rows (kda_common.cuh)
+    pl.w = take(nc * CH * (D + 8) * 2);
     pl.u = take(nc * CH * D * 2);
-    pl.qg = take(nc * CH * D * 2);
-    pl.kd = take(nc * CH * D * 2);
-    pl.aqk = take(nc * CH * CH * 2);
+    pl.qg = take(nc * CH * (D + 8) * 2);
+    pl.kd = take(nc * CH * (D + 8) * 2);
+    pl.aqk = take(nc * CH * ALD * 2);
     pl.gexp = take(nc * D * 4);
     pl.X = pl.h = pl.vn = pl.dh = pl.dvn = 0;
     pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAkkB = pl.dAqkDiag = pl.dbeta_part = 0;

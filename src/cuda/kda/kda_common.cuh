@@ -16,6 +16,13 @@ using namespace nvcuda;
 
 constexpr int CH = 64;  // chunk length
 constexpr int SUB = 16; // sub-chunk length (one tensor-core tile)
+// Row strides of the workspace tiles w, qg, kd (D + 8) and aqk (64 + 8): the
+// state kernels' shared-memory layout (rows padded against bank conflicts).
+// Measured on the H200, the forward intra kernel that writes them and the
+// state kernels that copy them run 9-14% faster with these rows than with
+// rows of D and 64 (bench/RESULTS.md, v25).
+template <int D> __host__ __device__ constexpr int wld() { return D + 8; }
+constexpr int ALD = CH + 8;
 
 // Everything the kernels read. Per-chunk workspace tensors are indexed by
 // c = (b*H + h)*N + n, the chunk's rows first (padded to 64 rows with zeros).
@@ -31,7 +38,7 @@ struct Params {
     bf16 *o;
     float *ht;
     // workspace, forward
-    bf16 *w, *u, *qg, *kd, *aqk; // [c][64][D], [c][64][D], [c][64][D], [c][64][D], [c][64][64]
+    bf16 *w, *u, *qg, *kd, *aqk; // [c][64][D+8], [c][64][D], [c][64][D+8], [c][64][D+8], [c][64][72]
     float *gexp;                 // [c][D]     e^{G_C}
     // workspace, forward with the final state (precise state, docs/cuda.md
     // Precision): the bf16 rounding residues of W, U and Kd, so that w + w_lo
@@ -210,9 +217,10 @@ __device__ __forceinline__ void store_tile_bf16(bf16 *dst, size_t gstride, const
 }
 
 // The same for a tile that carries its bf16 rounding residue: hi = bf16(x)
-// into `dst`, lo = bf16(x - hi) into `dst_lo` (all rows).
-__device__ __forceinline__ void store_tile_split(bf16 *dst, bf16 *dst_lo, size_t gstride,
-                                                 const float *st, int ld) {
+// into `dst` (row stride gstride), lo = bf16(x - hi) into `dst_lo` (row stride
+// lstride; all rows).
+__device__ __forceinline__ void store_tile_split(bf16 *dst, size_t gstride, bf16 *dst_lo,
+                                                 size_t lstride, const float *st, int ld) {
     int lane = threadIdx.x & 31, r = lane >> 1, c0 = (lane & 1) * 8;
     __align__(16) bf16 hi[8], lo[8];
 #pragma unroll
@@ -222,7 +230,7 @@ __device__ __forceinline__ void store_tile_split(bf16 *dst, bf16 *dst_lo, size_t
         lo[i] = __float2bfloat16(x - __bfloat162float(hi[i]));
     }
     *reinterpret_cast<uint4 *>(dst + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(hi);
-    *reinterpret_cast<uint4 *>(dst_lo + (size_t)r * gstride + c0) = *reinterpret_cast<uint4 *>(lo);
+    *reinterpret_cast<uint4 *>(dst_lo + (size_t)r * lstride + c0) = *reinterpret_cast<uint4 *>(lo);
 }
 // Eight consecutive bf16 (16-byte aligned, shared or global) to floats and back;
 // eight floats (16-byte aligned) from shared memory.

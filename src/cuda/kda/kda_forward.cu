@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
             xq[e] = q[e] * __expf(G[e]);
             xk[e] = k[e] * __expf(gc[e] - G[e]);
         }
-        st8(p.qg + c * CH * D + r * D + d, xq);
-        st8(p.kd + c * CH * D + r * D + d, xk);
+        st8(p.qg + (c * CH + r) * wld<D>() + d, xq);
+        st8(p.kd + (c * CH + r) * wld<D>() + d, xk);
         if (PREC) {
 #pragma unroll
             for (int e = 0; e < 8; e++) xk[e] = bf16_residue(xk[e]);
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
             sAkk[i * LDA + j] = j < i ? sBeta[i] * sAkk[i * LDA + j] : 0.f;
             if (j / SUB > i / SUB) sX[i * LDA + j] = 0.f;
         }
-        st8(p.aqk + c * CH * CH + i * CH + j0, aq);
+        st8(p.aqk + (c * CH + i) * ALD + j0, aq);
     }
     __syncthreads();
 
@@ -287,11 +287,14 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, rhs, LD, CH / 16);
         st_s(st, acc, 20);
         __syncwarp();
-        const size_t off = c * CH * D + i0 * D + j0;
+        const size_t off = (c * CH + i0) * D + j0;           // u and the residues
+        const size_t offw = (c * CH + i0) * wld<D>() + j0;   // w (padded rows)
+        bf16 *dst = mat ? p.u + off : p.w + offw;
+        const size_t gs = mat ? (size_t)D : (size_t)wld<D>();
         if (PREC)
-            store_tile_split((mat ? p.u : p.w) + off, (mat ? p.u_lo : p.w_lo) + off, D, st, 20);
+            store_tile_split(dst, gs, (mat ? p.u_lo : p.w_lo) + off, D, st, 20);
         else
-            store_tile_bf16((mat ? p.u : p.w) + off, D, st, 20, CH, 1.f);
+            store_tile_bf16(dst, gs, st, 20, CH, 1.f);
         __syncwarp();
     }
 }

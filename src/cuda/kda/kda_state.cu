@@ -202,10 +202,10 @@ template <int NT, int D, int VT, bool PREC>
 __device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const Params &p,
                                                size_t c, int v0) {
     constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
-    async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-    async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-    async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-    async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+    async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
+    async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
+    async_tile<NT, CH, D, LD, LD>(st.c, p.kd + c * CH * LD);
+    async_tile<NT, CH, CH, LDA, LDA>(st.aqk, p.aqk + c * CH * LDA);
     async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
     async_f32<NT, D>(st.ge, p.gexp + c * D);
     if (PREC) {
@@ -221,10 +221,10 @@ __device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const
                                                size_t c, int n, int b, int h, int v0, size_t rs) {
     constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-    async_tile<NT, CH, D, LD, D>(st.a, p.w + c * CH * D);
-    async_tile<NT, CH, D, LD, D>(st.b, p.qg + c * CH * D);
-    async_tile<NT, CH, D, LD, D>(st.c, p.kd + c * CH * D);
-    async_tile<NT, CH, CH, LDA, CH>(st.aqk, p.aqk + c * CH * CH);
+    async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
+    async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
+    async_tile<NT, CH, D, LD, LD>(st.c, p.kd + c * CH * LD);
+    async_tile<NT, CH, CH, LDA, LDA>(st.aqk, p.aqk + c * CH * LDA);
     async_tile_rows<NT, CH, VT, LDB>(
         st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
     async_f32<NT, D>(st.ge, p.gexp + c * D);
