@@ -19,7 +19,7 @@ constexpr int SUB = 16; // sub-chunk length (one tensor-core tile)
 // Row strides of the workspace tiles w, qg, kd (D + 8) and aqk (64 + 8): the
 // state kernels' shared-memory layout (rows padded against bank conflicts).
 // Measured on the H200, the forward intra kernel that writes them and the
-// state kernels that copy them run 9-14% faster with these rows than with
+// state kernels that copy them run 9-12% faster with these rows than with
 // rows of D and 64 (bench/RESULTS.md, v25).
 template <int D> __host__ __device__ constexpr int wld() { return D + 8; }
 constexpr int ALD = CH + 8;

@@ -62,7 +62,7 @@ template <int NT, int N> __device__ __forceinline__ void async_f32(float *dst, c
 // w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}; the
 // precise forward (PREC) adds w_lo [64][LD] and the u_lo tile [64][LDB].
 template <int D, int VT, bool PREC = false> struct StageLayout {
-    static constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
+    static constexpr int LD = wld<D>(), LDA = ALD, LDB = VT + 8; // the workspace's rows
     static constexpr size_t stage = (size_t)3 * CH * LD * 2 + (size_t)CH * LDA * 2 +
                                     (size_t)CH * LDB * 2 + (size_t)D * 4 +
                                     (PREC ? (size_t)CH * LD * 2 + (size_t)CH * LDB * 2 : 0);
@@ -201,7 +201,7 @@ __device__ __forceinline__ void load_b_rows(unsigned (*b)[2], const bf16 *base, 
 template <int NT, int D, int VT, bool PREC>
 __device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const Params &p,
                                                size_t c, int v0) {
-    constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
+    constexpr int LD = StageLayout<D, VT>::LD, LDA = ALD, LDB = VT + 8;
     async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
     async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
     async_tile<NT, CH, D, LD, LD>(st.c, p.kd + c * CH * LD);
@@ -219,7 +219,7 @@ __device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const
 template <int NT, int D, int VT>
 __device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const Params &p,
                                                size_t c, int n, int b, int h, int v0, size_t rs) {
-    constexpr int LD = D + 8, LDA = CH + 8, LDB = VT + 8;
+    constexpr int LD = StageLayout<D, VT>::LD, LDA = ALD, LDB = VT + 8;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
     async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
     async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
