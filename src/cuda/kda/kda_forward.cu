@@ -19,6 +19,38 @@ template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
            + (PREC ? (size_t)CH * (CH + 8) * 2 + (size_t)CH * (D + 8) * 2 : 0); // M, k e^G residues
 }
 
+// c += A B as mma_tile_tf32, each operand split x = hi + lo in tf32 and the
+// product taken as hi hi + hi lo + lo hi: about fp32 accuracy on tensor cores.
+template <typename LA, typename LB>
+__device__ __forceinline__ void mma_tile_3xtf32(FragC8 &c, const float *A, int lda,
+                                                const float *B, int ldb, int kfirst, int kend) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LA> a, al;
+    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LB> b, bl;
+    for (int kk = kfirst; kk < kend; kk++) {
+        const float *pa = std::is_same<LA, wmma::row_major>::value ? A + 8 * kk
+                                                                   : A + (size_t)8 * kk * lda;
+        const float *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)8 * kk * ldb
+                                                                   : B + 8 * kk;
+        ld_s(a, pa, lda);
+        ld_s(b, pb, ldb);
+#pragma unroll
+        for (int e = 0; e < a.num_elements; e++) {
+            const float x = a.x[e], hi = wmma::__float_to_tf32(x);
+            a.x[e] = hi;
+            al.x[e] = wmma::__float_to_tf32(x - hi);
+        }
+#pragma unroll
+        for (int e = 0; e < b.num_elements; e++) {
+            const float x = b.x[e], hi = wmma::__float_to_tf32(x);
+            b.x[e] = hi;
+            bl.x[e] = wmma::__float_to_tf32(x - hi);
+        }
+        wmma::mma_sync(c, al, b, c);
+        wmma::mma_sync(c, a, bl, c);
+        wmma::mma_sync(c, a, b, c);
+    }
+}
+
 // One block per (chunk, sequence*head). Writes qg = q e^G, kd = k e^{G_C-G},
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
 // backward, X = (I + Akk)^{-1}. PREC (the final state is asked for): each of
@@ -230,26 +262,24 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         for (int i = 0; i < SUB; i++) sX[(o0 + i) * LDA + o0 + col] = x[i];
     }
     __syncthreads();
-    // Off-diagonal blocks, one block row s at a time:
-    // X_st = -X_ss sum_{r=t}^{s-1} A_sr X_rt
+    // Off-diagonal blocks, one block row s at a time, on tensor cores: warp t
+    // of the first s forms Y_t = sum_{r=t}^{s-1} A_sr X_rt, then
+    // X_st = -X_ss Y_t, each product in three tf32 parts (about fp32 accuracy).
     float *sY = sAqk; // [16][LDA] scratch; Aqk is already in global memory
     for (int s = 1; s < CH / SUB; s++) {
-        const int ncol = s * SUB;
-        for (int idx = tid; idx < SUB * ncol; idx += NT) {
-            int i = idx / ncol, col = idx % ncol, t = col / SUB;
-            float acc = 0.f;
-            for (int r = t * SUB; r < s * SUB; r++)
-                acc += sAkk[(s * SUB + i) * LDA + r] * sX[r * LDA + col];
-            sY[i * LDA + col] = acc;
-        }
-        __syncthreads();
-        for (int idx = tid; idx < SUB * ncol; idx += NT) {
-            int i = idx / ncol, col = idx % ncol;
-            float acc = 0.f;
+        if (warp < s) {
+            const int t = warp;
+            FragC8 y;
+            wmma::fill_fragment(y, 0.f);
+            mma_tile_3xtf32<RM, RM>(y, sAkk + s * SUB * LDA, LDA, sX + t * SUB, LDA, 2 * t, 2 * s);
+            st_s(sY + t * SUB, y, LDA);
+            __syncwarp();
+            FragC8 x;
+            wmma::fill_fragment(x, 0.f);
+            mma_tile_3xtf32<RM, RM>(x, sX + s * SUB * LDA + s * SUB, LDA, sY + t * SUB, LDA, 0, 2);
 #pragma unroll
-            for (int m = 0; m < SUB; m++)
-                acc += sX[(s * SUB + i) * LDA + s * SUB + m] * sY[m * LDA + col];
-            sX[(s * SUB + i) * LDA + col] = -acc;
+            for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
+            st_s(sX + s * SUB * LDA + t * SUB, x, LDA);
         }
         __syncthreads();
     }
