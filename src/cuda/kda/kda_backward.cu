@@ -476,6 +476,10 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // columns, V' (all columns; dO replaces it after dKd); beta, the diagonal
     // of dAqk ----
     bf16 *sZ = reinterpret_cast<bf16 *>(sStage); // z staged in the (still free) staging buffer
+    // the thread's column is the same in every row below (NT is a multiple of DC);
+    // the gate's parameters are read first, their latency hidden by the copies
+    static_assert(NT % DC == 0, "one column a thread");
+    const float A_log = p.A_log[h], bias = p.dt_bias[h * D + cb * DC + tid % DC];
     // What the later phases read from global memory (written by the triangular
     // kernel, mostly no longer in L2): ask for it now, so that those reads find it in L2.
     if (tid == 0) {
@@ -506,9 +510,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         sdAqkDiag[tid] = p.dAqkDiag[c * CH + tid];
     }
     for (int d = tid; d < DC; d += NT) sdGC[d] = 0.f;
-    // the thread's column is the same in every row below (NT is a multiple of DC)
-    static_assert(NT % DC == 0, "one column a thread");
-    const float a_exp = __expf(p.A_log[h]), bias = p.dt_bias[h * D + cb * DC + tid % DC];
+    const float a_exp = __expf(A_log);
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll 1

@@ -88,20 +88,6 @@ __device__ __forceinline__ void kda_gate_grad(float z, float a_exp, float bias, 
     }
 }
 
-// Copy `rows` x D bf16 rows (row stride `gstride` elements) to shared memory
-// (row stride `ld`), zero-filling rows >= nvalid. 16-byte accesses.
-template <int D, int NT>
-__device__ __forceinline__ void load_rows(bf16 *dst, int ld, const bf16 *src, size_t gstride,
-                                          int rows, int nvalid) {
-    constexpr int VPR = D / 8; // 16-byte vectors per row
-    for (int idx = threadIdx.x; idx < rows * VPR; idx += NT) {
-        int r = idx / VPR, c = (idx % VPR) * 8;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < nvalid) val = *reinterpret_cast<const uint4 *>(src + (size_t)r * gstride + c);
-        *reinterpret_cast<uint4 *>(dst + r * ld + c) = val;
-    }
-}
-
 // wmma fragments loaded from and stored to shared memory with the state
 // space written in the PTX (every operand tile of these kernels is in shared
 // memory). wmma::load_matrix_sync on a pointer that the compiler cannot prove

@@ -88,21 +88,36 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const int tid = threadIdx.x, warp = tid >> 5;
 
-    load_rows<D, NT>(sK, LD, p.k + base, rs, CH, nvalid);
-    load_rows<D, NT>(sKb, LD, p.z + base, rs, CH, nvalid); // z, staged in the key buffer
-    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
-    __syncthreads();
-    const float a_exp = __expf(p.A_log[h]);
-    // Elementwise phases: eight consecutive channels a thread (16-byte accesses)
+    // k and z in flight together (cp.async, rows past T zero-filled); q and v,
+    // read later from global memory, asked for in L2 meanwhile
     constexpr int V8 = D / 8;
+    for (int idx = tid; idx < CH * V8; idx += NT) {
+        const int r = idx / V8, d = (idx % V8) * 8;
+        const bool ok = r < nvalid;
+        const size_t off = ok ? base + (size_t)r * rs + d : 0;
+        cp_async16(sK + r * LD + d, p.k + off, ok);
+        cp_async16(sKb + r * LD + d, p.z + off, ok); // z, staged in the key buffer
+    }
+    cp_async_commit();
+    if (tid < 2 * CH && tid % CH < nvalid)
+        prefetch_l2_bulk((tid < CH ? p.q : p.v) + base + (size_t)(tid % CH) * rs, D * sizeof(bf16));
+    if (tid < CH) sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
+    const float a_exp = __expf(p.A_log[h]);
+    // Elementwise phases: eight consecutive channels a thread (16-byte accesses);
+    // a thread's channels are the same in every row (NT is a multiple of V8)
+    static_assert(NT % V8 == 0, "elementwise phases: fixed channels a thread");
+    float bias8[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) bias8[e] = p.dt_bias[h * D + (tid % V8) * 8 + e];
+    cp_async_wait<0>();
+    __syncthreads();
     for (int idx = tid; idx < CH * V8; idx += NT) {
         int r = idx / V8, d = (idx % V8) * 8;
         float zz[8], g[8];
         ld8(sKb + r * LD + d, zz);
 #pragma unroll
         for (int e = 0; e < 8; e++) // padded rows: g = 0 keeps G constant past T
-            g[e] = r < nvalid ? kda_gate(zz[e], a_exp, p.dt_bias[h * D + d + e], p.bounded, p.g_min)
-                              : 0.f;
+            g[e] = r < nvalid ? kda_gate(zz[e], a_exp, bias8[e], p.bounded, p.g_min) : 0.f;
         *reinterpret_cast<float4 *>(sG + r * D + d) = make_float4(g[0], g[1], g[2], g[3]);
         *reinterpret_cast<float4 *>(sG + r * D + d + 4) = make_float4(g[4], g[5], g[6], g[7]);
     }
@@ -228,7 +243,13 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         }
     }
     __syncthreads();
-    load_rows<D, NT>(sV, LD, p.v + base, rs, CH, nvalid); // v into k's place
+    // v into k's place, in flight until the products W, U
+    for (int idx = tid; idx < CH * V8; idx += NT) {
+        const int r = idx / V8, d = (idx % V8) * 8;
+        const bool ok = r < nvalid;
+        cp_async16(sV + r * LD + d, p.v + (ok ? base + (size_t)r * rs + d : 0), ok);
+    }
+    cp_async_commit();
 
     // Masks are selections (never a product with a possibly huge value):
     // Aqk lower with diagonal; Akk strictly lower, rows times beta_i.
@@ -300,6 +321,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         }
         if (save_x) *reinterpret_cast<float4 *>(p.X + c * CH * CH + i * CH + j0) = x;
     }
+    cp_async_wait<0>(); // v has landed
     __syncthreads();
 
     // W = M (K e^G), U = M V on tensor cores (64 x D each)
