@@ -289,17 +289,24 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     }
     __syncthreads();
     // M = X Diag(beta): dbeta_j = sum_i dM_ij X_ij; dX = dM Diag(beta) in place
-    if (tid < CH) {
-        int j = tid;
+    // (four threads a column, a quarter of the rows each; the parts added in order)
+    float *sPart = sWarp; // [4][64] (the staging tiles are idle here)
+    {
+        static_assert(NT == 4 * CH, "dbeta: four threads a column");
+        const int j = tid % CH, q = tid / CH;
         float acc = 0.f;
-        for (int i = 0; i < CH; i++) {
+#pragma unroll 4
+        for (int i = q * (CH / 4); i < (q + 1) * (CH / 4); i++) {
             float dm = sdM[i * LDA + j];
             acc += dm * sX[i * LDA + j];
             sdM[i * LDA + j] = dm * sBeta[j];
         }
-        p.dbeta_part[c * (1 + D / DC) * CH + j] = acc;
+        sPart[q * CH + j] = acc;
     }
     __syncthreads();
+    if (tid < CH)
+        p.dbeta_part[c * (1 + D / DC) * CH + tid] =
+            ((sPart[tid] + sPart[CH + tid]) + sPart[2 * CH + tid]) + sPart[3 * CH + tid];
 
     // X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower, tf32 tensor
     // cores; X is lower triangular, so T1 = X^T dX needs k >= i and T1 X^T

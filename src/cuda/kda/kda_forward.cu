@@ -123,12 +123,26 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
     }
     __syncthreads();
 
-    // G_i = sum_{t <= i in chunk} g_t, fp32
-    for (int d = tid; d < D; d += NT) {
+    // G_i = sum_{t <= i in chunk} g_t, fp32: NT / D threads a channel, each a
+    // prefix over its CH D / NT rows; then the part sums before it, added in order
+    {
+        constexpr int P = NT / D, RP = CH / P;
+        static_assert(P * D == NT && P * RP == CH, "cumsum: thread layout");
+        float *sPart = reinterpret_cast<float *>(sKb); // [P][D]; z is dead
+        const int d = tid % D, q = tid / D;
         float acc = 0.f;
-        for (int r = 0; r < CH; r++) {
+#pragma unroll
+        for (int r = q * RP; r < q * RP + RP; r++) {
             acc += sG[r * D + d];
             sG[r * D + d] = acc;
+        }
+        sPart[q * D + d] = acc;
+        __syncthreads();
+        float pre = 0.f;
+        for (int k = 0; k < q; k++) pre += sPart[k * D + d];
+        if (q > 0) {
+#pragma unroll
+            for (int r = q * RP; r < q * RP + RP; r++) sG[r * D + d] += pre;
         }
     }
     __syncthreads();
@@ -283,27 +297,48 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         for (int i = 0; i < SUB; i++) sX[(o0 + i) * LDA + o0 + col] = x[i];
     }
     __syncthreads();
-    // Off-diagonal blocks, one block row s at a time, on tensor cores: warp t
-    // of the first s forms Y_t = sum_{r=t}^{s-1} A_sr X_rt, then
-    // X_st = -X_ss Y_t, each product in three tf32 parts (about fp32 accuracy).
-    float *sY = sAqk; // [16][LDA] scratch; Aqk is already in global memory
-    for (int s = 1; s < CH / SUB; s++) {
-        if (warp < s) {
-            const int t = warp;
-            FragC8 y;
-            wmma::fill_fragment(y, 0.f);
-            mma_tile_3xtf32<RM, RM>(y, sAkk + s * SUB * LDA, LDA, sX + t * SUB, LDA, 2 * t, 2 * s);
-            st_s(sY + t * SUB, y, LDA);
-            __syncwarp();
-            FragC8 x;
-            wmma::fill_fragment(x, 0.f);
-            mma_tile_3xtf32<RM, RM>(x, sX + s * SUB * LDA + s * SUB, LDA, sY + t * SUB, LDA, 0, 2);
+    // Off-diagonal blocks on tensor cores, each product in three tf32 parts
+    // (about fp32 accuracy), by halves: (1) X_10 = -X_11 (A_10 X_00) and
+    // X_32 = -X_33 (A_32 X_22), a warp each; (2) P = A_[23][01] X_[01][01],
+    // four tiles; (3) X_[23][01] = -X_[23][23] P, four tiles. A is Akk
+    // (strictly lower, rows times beta); P and the first step's products go
+    // to the Aqk region (Aqk is already in global memory) at their own
+    // block positions, so that each product's operands are plain block ranges.
+    static_assert(CH == 4 * SUB, "the inverse by halves: four diagonal blocks");
+    float *sP = sAqk;
+    if (warp < 2) {
+        const int o = warp * 2 * SUB; // the diagonal 32 x 32 block of this warp
+        FragC8 y;
+        wmma::fill_fragment(y, 0.f);
+        mma_tile_3xtf32<RM, RM>(y, sAkk + (o + SUB) * LDA, LDA, sX + o, LDA, o / 8, o / 8 + 2);
+        st_s(sP + (o + SUB) * LDA + o, y, LDA);
+        __syncwarp();
+        FragC8 x;
+        wmma::fill_fragment(x, 0.f);
+        mma_tile_3xtf32<RM, RM>(x, sX + (o + SUB) * LDA, LDA, sP + o, LDA, o / 8 + 2, o / 8 + 4);
 #pragma unroll
-            for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
-            st_s(sX + s * SUB * LDA + t * SUB, x, LDA);
-        }
-        __syncthreads();
+        for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
+        st_s(sX + (o + SUB) * LDA + o, x, LDA);
     }
+    __syncthreads();
+    if (warp < 4) { // P_st, s in {2, 3}, t in {0, 1}: k over the nonzero rows of X_[01],t
+        const int s = 2 + warp / 2, t = warp % 2;
+        FragC8 y;
+        wmma::fill_fragment(y, 0.f);
+        mma_tile_3xtf32<RM, RM>(y, sAkk + s * SUB * LDA, LDA, sX + t * SUB, LDA, 2 * t, 4);
+        st_s(sP + s * SUB * LDA + t * SUB, y, LDA);
+    }
+    __syncthreads();
+    if (warp < 4) { // X_st = -sum_{r=2}^{s} X_sr P_rt
+        const int s = 2 + warp / 2, t = warp % 2;
+        FragC8 x;
+        wmma::fill_fragment(x, 0.f);
+        mma_tile_3xtf32<RM, RM>(x, sX + s * SUB * LDA, LDA, sP + t * SUB, LDA, 4, 2 * s + 2);
+#pragma unroll
+        for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
+        st_s(sX + s * SUB * LDA + t * SUB, x, LDA);
+    }
+    __syncthreads();
 
     // M = X Diag(beta) in bf16 (into the Aqk, Akk region: both are done)
     for (int idx = tid; idx < CH * CH / 4; idx += NT) {
