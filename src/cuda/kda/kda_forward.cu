@@ -123,26 +123,12 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
     }
     __syncthreads();
 
-    // G_i = sum_{t <= i in chunk} g_t, fp32: NT / D threads a channel, each a
-    // prefix over its CH D / NT rows; then the part sums before it, added in order
-    {
-        constexpr int P = NT / D, RP = CH / P;
-        static_assert(P * D == NT && P * RP == CH, "cumsum: thread layout");
-        float *sPart = reinterpret_cast<float *>(sKb); // [P][D]; z is dead
-        const int d = tid % D, q = tid / D;
+    // G_i = sum_{t <= i in chunk} g_t, fp32
+    for (int d = tid; d < D; d += NT) {
         float acc = 0.f;
-#pragma unroll
-        for (int r = q * RP; r < q * RP + RP; r++) {
+        for (int r = 0; r < CH; r++) {
             acc += sG[r * D + d];
             sG[r * D + d] = acc;
-        }
-        sPart[q * D + d] = acc;
-        __syncthreads();
-        float pre = 0.f;
-        for (int k = 0; k < q; k++) pre += sPart[k * D + d];
-        if (q > 0) {
-#pragma unroll
-            for (int r = q * RP; r < q * RP + RP; r++) sG[r * D + d] += pre;
         }
     }
     __syncthreads();

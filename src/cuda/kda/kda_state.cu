@@ -53,10 +53,6 @@ __device__ __forceinline__ void async_tile_rows(bf16 *dst, const bf16 *src, size
                      "l"(ok ? g + k * gstep : src), "r"(ok ? 16 : 0));
     }
 }
-template <int NT, int N> __device__ __forceinline__ void async_f32(float *dst, const float *src) {
-    static_assert(N % 4 == 0 && N / 4 <= NT, "async_f32: one vector a thread");
-    if (threadIdx.x < N / 4) cp_async16(dst + 4 * threadIdx.x, src + 4 * threadIdx.x, true);
-}
 
 // Shared-memory layout of a stage, common to both kinds of state kernel:
 // w, qg, kd [64][LD], aqk [64][LDA], the U or dO tile [64][LDB], e^{G_C}; the
@@ -68,6 +64,10 @@ template <int D, int VT, bool PREC = false> struct StageLayout {
                                     (PREC ? (size_t)CH * LD * 2 + (size_t)CH * LDB * 2 : 0);
     // a bf16 state [D][LDB] and a chunk tile [64][LDB]
     static constexpr size_t sh = (size_t)D * LDB * 2, sv = (size_t)CH * LDB * 2;
+    // the stages' two mbarriers, the last 16 bytes of every plan's shared memory
+    static constexpr size_t bars = 16;
+    // bytes of a stage that the bulk-copy unit brings: w, qg, kd, aqk, e^{G_C}
+    static constexpr unsigned bulk_bytes = 3u * CH * LD * 2 + (unsigned)CH * LDA * 2 + D * 4;
 };
 
 // Column kernels (VT = 64 and 128): one warp per 16 value columns holds all D
@@ -80,7 +80,7 @@ template <int D, int VT, bool PREC = false> struct ColPlan : StageLayout<D, VT, 
     using L = StageLayout<D, VT, PREC>;
     static constexpr int JG = VT / 16, NW = JG;
     static constexpr size_t total =
-        2 * L::stage + (PREC ? L::sv + (size_t)CH * L::LD * 2 : L::sh + 2 * L::sv);
+        2 * L::stage + (PREC ? L::sv + (size_t)CH * L::LD * 2 : L::sh + 2 * L::sv) + L::bars;
 };
 
 // Row kernels (VT = 16 and 32): the block's VT value columns form JG = VT/16
@@ -100,7 +100,7 @@ template <int D, int VT, bool PREC = false> struct RowPlan : StageLayout<D, VT, 
     static constexpr int DS = want < D / 16 ? want : D / 16; // DW >= 16: pairs of channel tiles
     static constexpr int NW = JG * DS, RW = CH / DS, NRT = RW / 8, DW = D / DS, NDT = DW / 8;
     static constexpr size_t total = 2 * L::stage + 2 * L::sv + L::sh +
-                                    (PREC ? (size_t)CH * L::LD * 2 + L::sh + L::sv : 0);
+                                    (PREC ? (size_t)CH * L::LD * 2 + L::sh + L::sv : 0) + L::bars;
 };
 
 template <int D, int VT> struct StageView {
@@ -196,38 +196,51 @@ __device__ __forceinline__ void load_b_rows(unsigned (*b)[2], const bf16 *base, 
 
 // Pieces common to the column and row kernels.
 
-// The forward's stage of chunk c: w, qg, kd, aqk, the U tile and e^{G_C}
-// (PREC: w_lo and the u_lo tile), one cp.async group.
+// The parts of chunk c's stage that are whole tiles in the workspace (w, qg,
+// kd and aqk have the stage's padded rows; e^{G_C}): five bulk copies issued
+// by thread 0, counted by the stage's barrier.
+template <int D, int VT>
+__device__ __forceinline__ void stage_bulk(const StageView<D, VT> &st, const Params &p, size_t c,
+                                           unsigned long long *bar) {
+    using L = StageLayout<D, VT>;
+    constexpr unsigned TB = CH * L::LD * 2, AB = CH * L::LDA * 2;
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(bar, L::bulk_bytes);
+        bulk_g2s(st.a, p.w + c * CH * L::LD, TB, bar);
+        bulk_g2s(st.b, p.qg + c * CH * L::LD, TB, bar);
+        bulk_g2s(st.c, p.kd + c * CH * L::LD, TB, bar);
+        bulk_g2s(st.aqk, p.aqk + c * CH * L::LDA, AB, bar);
+        bulk_g2s(st.ge, p.gexp + c * D, D * 4, bar);
+    }
+}
+// The forward's stage of chunk c: w, qg, kd, aqk and e^{G_C} by the bulk-copy
+// unit (barrier `bar`), the U tile (PREC: and w_lo, the u_lo tile) as one
+// cp.async group.
 template <int NT, int D, int VT, bool PREC>
 __device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const Params &p,
-                                               size_t c, int v0) {
-    constexpr int LD = StageLayout<D, VT>::LD, LDA = ALD, LDB = VT + 8;
-    async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
-    async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
-    async_tile<NT, CH, D, LD, LD>(st.c, p.kd + c * CH * LD);
-    async_tile<NT, CH, CH, LDA, LDA>(st.aqk, p.aqk + c * CH * LDA);
+                                               size_t c, int v0, unsigned long long *bar) {
+    constexpr int LDB = VT + 8;
+    stage_bulk<D, VT>(st, p, c, bar);
     async_tile<NT, CH, VT, LDB, D>(st.tile, p.u + c * CH * D + v0);
-    async_f32<NT, D>(st.ge, p.gexp + c * D);
     if (PREC) {
+        constexpr int LD = StageLayout<D, VT>::LD;
         async_tile<NT, CH, D, LD, D>(st.a_lo, p.w_lo + c * CH * D);
         async_tile<NT, CH, VT, LDB, D>(st.tile_lo, p.u_lo + c * CH * D + v0);
     }
     cp_async_commit();
 }
-// The backward's stage of chunk n (index c): w, qg, kd, aqk, the dO tile
-// (rows past T zero) and e^{G_C}, one cp.async group.
+// The backward's stage of chunk n (index c): w, qg, kd, aqk and e^{G_C} by the
+// bulk-copy unit (barrier `bar`), the dO tile (rows past T zero) as one
+// cp.async group.
 template <int NT, int D, int VT>
 __device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const Params &p,
-                                               size_t c, int n, int b, int h, int v0, size_t rs) {
-    constexpr int LD = StageLayout<D, VT>::LD, LDA = ALD, LDB = VT + 8;
+                                               size_t c, int n, int b, int h, int v0, size_t rs,
+                                               unsigned long long *bar) {
+    constexpr int LDB = VT + 8;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-    async_tile<NT, CH, D, LD, LD>(st.a, p.w + c * CH * LD);
-    async_tile<NT, CH, D, LD, LD>(st.b, p.qg + c * CH * LD);
-    async_tile<NT, CH, D, LD, LD>(st.c, p.kd + c * CH * LD);
-    async_tile<NT, CH, CH, LDA, LDA>(st.aqk, p.aqk + c * CH * LDA);
+    stage_bulk<D, VT>(st, p, c, bar);
     async_tile_rows<NT, CH, VT, LDB>(
         st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
-    async_f32<NT, D>(st.ge, p.gexp + c * D);
     cp_async_commit();
 }
 // A warp's state tiles (S^T C tiles: value columns jr, jr + 8; channels from
@@ -407,9 +420,16 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
     const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
 
+    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
+    if (tid == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        mbar_init_fence();
+    }
+    __syncthreads();
     auto issue = [&](int n) {
         fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
-                                        (size_t)bh * p.N + n, v0);
+                                        (size_t)bh * p.N + n, v0, &bars[n & 1]);
     };
     issue(0);
     float S[NDT][4];
@@ -427,6 +447,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
         } else {
             cp_async_wait<PREC ? 1 : 0>();
         }
+        mbar_wait(&bars[n & 1], (n >> 1) & 1); // stage n's bulk copies (its (n/2)-th use)
         __syncthreads(); // chunk n's stage has landed; the staging buffers are free
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         if (SAVE) { // S (as S^T C tiles) into sH [d][j], transposed by stmatrix
@@ -548,9 +569,16 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
     const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
 
+    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
+    if (tid == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        mbar_init_fence();
+    }
+    __syncthreads();
     auto issue = [&](int n) {
         bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
-                                  (size_t)bh * p.N + n, n, b, h, v0, rs);
+                                  (size_t)bh * p.N + n, n, b, h, v0, rs, &bars[n & 1]);
     };
     issue(p.N - 1);
     float dS[NDT][4];
@@ -563,6 +591,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
         } else {
             cp_async_wait<0>();
         }
+        mbar_wait(&bars[n & 1], ((p.N - 1 - n) >> 1) & 1); // stage n's bulk copies
         __syncthreads();
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
 #pragma unroll
@@ -659,9 +688,16 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
     const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
 
+    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
+    if (tid == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        mbar_init_fence();
+    }
+    __syncthreads();
     auto issue = [&](int n) {
         fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
-                                        (size_t)bh * p.N + n, v0);
+                                        (size_t)bh * p.N + n, v0, &bars[n & 1]);
     };
     issue(0);
     float S[NDT][4];
@@ -681,6 +717,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
         } else {
             cp_async_wait<PREC ? 1 : 0>();
         }
+        mbar_wait(&bars[n & 1], (n >> 1) & 1); // stage n's bulk copies (its (n/2)-th use)
         __syncthreads(); // chunk n's stage and the state S_n in sH are in
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         if (SAVE) store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
@@ -766,9 +803,16 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
     const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
 
+    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
+    if (tid == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        mbar_init_fence();
+    }
+    __syncthreads();
     auto issue = [&](int n) {
         bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
-                                  (size_t)bh * p.N + n, n, b, h, v0, rs);
+                                  (size_t)bh * p.N + n, n, b, h, v0, rs, &bars[n & 1]);
     };
     issue(p.N - 1);
     float dS[NDT][4];
@@ -782,6 +826,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
         } else {
             cp_async_wait<0>();
         }
+        mbar_wait(&bars[n & 1], ((p.N - 1 - n) >> 1) & 1); // stage n's bulk copies
         __syncthreads(); // chunk n's stage and dS (bf16, sH) are in
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         store_rows<VT, NT, D, LDB>(p.dh + c * D * D + v0, D, sH, D);
