@@ -36,11 +36,14 @@ __device__ __forceinline__ void async_tile(bf16 *dst, const bf16 *src) {
                          "l"(g + (size_t)k * RSTEP * GS));
 }
 // The same with a run-time global row stride; rows >= nvalid become zeros.
-template <int NT, int ROWS, int COLS, int LDS>
+// TOFF: the threads' numbering starts at thread TOFF (mod NT), so that a copy
+// of fewer vectors than threads can be left to the block's last warps.
+template <int NT, int ROWS, int COLS, int LDS, int TOFF = 0>
 __device__ __forceinline__ void async_tile_rows(bf16 *dst, const bf16 *src, size_t gs, int nvalid) {
     constexpr int VPR = COLS / 8, RSTEP = NT / VPR, K = (ROWS + RSTEP - 1) / RSTEP;
     static_assert(NT % VPR == 0, "async_tile_rows: thread layout");
-    const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
+    const unsigned ti = TOFF == 0 ? threadIdx.x : (threadIdx.x + TOFF) % NT;
+    const int r = ti / VPR, col = (ti % VPR) * 8;
     const unsigned s = smem_addr(dst + r * LDS + col);
     const bf16 *g = src + (size_t)r * gs + col;
     const size_t gstep = (size_t)RSTEP * gs;
@@ -121,11 +124,12 @@ template <int D, int VT> struct StageView {
 
 // Copy ROWS staged rows of VT bf16 (row stride LDB) to global rows (stride
 // gs), rows < nvalid; each thread keeps one 16-byte column.
-template <int VT, int NT, int ROWS, int LDB>
+template <int VT, int NT, int ROWS, int LDB, int TOFF = 0>
 __device__ __forceinline__ void store_rows(bf16 *dst, size_t gs, const bf16 *src, int nvalid) {
     constexpr int VPR = VT / 8, RSTEP = NT / VPR, K = (ROWS + RSTEP - 1) / RSTEP;
     static_assert(NT % VPR == 0, "store_rows: thread layout");
-    const int r = threadIdx.x / VPR, col = (threadIdx.x % VPR) * 8;
+    const unsigned ti = TOFF == 0 ? threadIdx.x : (threadIdx.x + TOFF) % NT;
+    const int r = ti / VPR, col = (ti % VPR) * 8;
     const bf16 *s = src + r * LDB + col;
     bf16 *g = dst + (size_t)r * gs + col;
 #pragma unroll
@@ -232,14 +236,14 @@ __device__ __forceinline__ void fwd_stage_copy(const StageView<D, VT> &st, const
 // The backward's stage of chunk n (index c): w, qg, kd, aqk and e^{G_C} by the
 // bulk-copy unit (barrier `bar`), the dO tile (rows past T zero) as one
 // cp.async group.
-template <int NT, int D, int VT>
+template <int NT, int D, int VT, int TOFF = 0>
 __device__ __forceinline__ void bwd_stage_copy(const StageView<D, VT> &st, const Params &p,
                                                size_t c, int n, int b, int h, int v0, size_t rs,
                                                unsigned long long *bar) {
     constexpr int LDB = VT + 8;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
     stage_bulk<D, VT>(st, p, c, bar);
-    async_tile_rows<NT, CH, VT, LDB>(
+    async_tile_rows<NT, CH, VT, LDB, TOFF>(
         st.tile, p.d_o + ((size_t)b * p.T + t0) * rs + (size_t)h * D + v0, rs, nvalid);
     cp_async_commit();
 }
@@ -811,7 +815,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
     }
     __syncthreads();
     auto issue = [&](int n) {
-        bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
+        bwd_stage_copy<NT, D, VT, NT / 2>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
                                   (size_t)bh * p.N + n, n, b, h, v0, rs, &bars[n & 1]);
     };
     issue(p.N - 1);
@@ -878,7 +882,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
         bwd_update<NDT, LD>(dS, aO, aV, st.b, st.a, st.ge, p.scale, d0w, ic, lm, lr);
         store_ct<NDT, LDB>(sH, d0w, jg, lane, dS); // dS of chunk n - 1
         __syncthreads(); // staging complete; stage n & 1 is free for chunk n - 2
-        store_rows<VT, NT, CH, LDB>(p.dvn + c * CH * D + v0, D, sV, CH);
+        store_rows<VT, NT, CH, LDB, NT / 2>(p.dvn + c * CH * D + v0, D, sV, CH);
     }
     if (p.dh0) state_store<D, NDT>(dS, p.dh0, bh, v0, jr, d0w, ic);
 }
