@@ -9,9 +9,10 @@
 # ($BUILD_PREFIX-<name>, default build-ab-<name>), then `bench_cuda_kda --reps 20`
 # times them alternately (ROUNDS rounds, default 2) on SHAPES (default the first
 # two shapes of SPEC §7). TEST=1 runs the CUDA tests (ctest -L cuda) of every
-# version; NCU=1 adds ncu's duration of every kernel at NCU_SHAPE (default
-# 1,8192,64,128). The tree's own sources are restored at the end, also on
-# failure. Output in $OUT (ab.log: the test counts and the timed lines).
+# version; NCU=1 adds ncu's duration of every kernel (NCU_KERNELS: a regex, default
+# kda_) at NCU_SHAPE (default 1,8192,64,128). The tree's own sources are restored at
+# the end, also on failure. Output in $OUT (ab.log: the test counts, the timed lines,
+# the mean of the rounds with the softplus/bounded ratios (also ab_mean.txt), ncu).
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: bench/cuda_ab.sh DIR... (the first is the base)" >&2; exit 2; }
 OUT=${OUT:-out}
@@ -63,12 +64,38 @@ for r in $(seq "$ROUNDS"); do
         echo "$name: $line" | tee -a "$OUT/ab.log"
     done
 done
+# The mean of the rounds per version and shape, and softplus/bounded (the
+# fwd and fwd+bwd ratios), from the timed lines above.
+echo "== mean of $ROUNDS rounds: bounded fwd/fwd+bwd, softplus fwd/fwd+bwd, softplus/bounded fwd, fwd+bwd" |
+    tee -a "$OUT/ab.log"
+awk '/^[^ ]+: \(/ {
+        name = substr($1, 1, length($1) - 1)
+        if (!(name in seen)) { seen[name] = 1; order[++nv] = name }
+        for (i = 2; i + 2 <= NF; i += 3) {
+            split($(i + 2), t, "/"); k = name SUBSEP $i SUBSEP $(i + 1)
+            if (!(k in n)) { if (!((name SUBSEP $i) in shseen)) { shseen[name SUBSEP $i] = 1; shapes[name, ++ns[name]] = $i } }
+            f[k] += t[1]; fb[k] += t[2]; n[k]++
+        }
+    }
+    END {
+        for (v = 1; v <= nv; v++) {
+            name = order[v]
+            for (j = 1; j <= ns[name]; j++) {
+                sh = shapes[name, j]; kb = name SUBSEP sh SUBSEP "b"; ks = name SUBSEP sh SUBSEP "s"
+                if (!(kb in n) || !(ks in n)) continue
+                bf = f[kb] / n[kb]; bfb = fb[kb] / n[kb]; sf = f[ks] / n[ks]; sfb = fb[ks] / n[ks]
+                printf "%s: %s b %.3f/%.3f s %.3f/%.3f  ratio %.3f, %.3f\n", name, sh, bf, bfb, sf, sfb,
+                    sf / bf, sfb / bfb
+            }
+        }
+    }' "$OUT/ab.log" | tee "$OUT/ab_mean.txt"
+cat "$OUT/ab_mean.txt" >>"$OUT/ab.log"
 if [ "${NCU:-0}" = 1 ]; then
     for name in "${names[@]}"; do
         b="${BUILD_PREFIX:-build-ab}-$name"
-        echo "== ncu $name"
-        timeout 200 ncu --clock-control none -k regex:kda_ "$b/bench_cuda_kda" --profile \
+        echo "== ncu $name" | tee -a "$OUT/ab.log"
+        timeout 200 ncu --clock-control none -k "regex:${NCU_KERNELS:-kda_}" "$b/bench_cuda_kda" --profile \
             --shape "${NCU_SHAPE:-1,8192,64,128}" 2>&1 | grep -E "^  [a-z_ ]*kda_|Duration" |
-            sed -E 's/\(lmkda::Params.*//; s/ +/ /g' | paste - -
+            sed -E 's/\(lmkda::Params.*//; s/ +/ /g' | paste - - | tee -a "$OUT/ab.log"
     done
 fi
