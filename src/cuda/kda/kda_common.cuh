@@ -168,11 +168,13 @@ using FragC8 = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
 // c += A(16 x 8*ksteps) * B(8*ksteps x 16) on tensor cores in tf32 (fp32
 // operands rounded to 10 mantissa bits), for the fp32 triangular algebra.
 // Layout conventions as mma_tile; kfirst skips leading k-steps known zero.
-template <typename LA, typename LB>
+// SPLIT: each operand as x = hi + lo in tf32 and the product taken as
+// hi hi + hi lo + lo hi, about fp32 accuracy.
+template <typename LA, typename LB, bool SPLIT = false>
 __device__ __forceinline__ void mma_tile_tf32(FragC8 &c, const float *A, int lda, const float *B,
                                               int ldb, int kfirst, int kend) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LA> a;
-    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LB> b;
+    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LA> a, al;
+    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LB> b, bl;
     for (int kk = kfirst; kk < kend; kk++) {
         const float *pa = std::is_same<LA, wmma::row_major>::value ? A + 8 * kk
                                                                    : A + (size_t)8 * kk * lda;
@@ -181,9 +183,21 @@ __device__ __forceinline__ void mma_tile_tf32(FragC8 &c, const float *A, int lda
         ld_s(a, pa, lda);
         ld_s(b, pb, ldb);
 #pragma unroll
-        for (int e = 0; e < a.num_elements; e++) a.x[e] = wmma::__float_to_tf32(a.x[e]);
+        for (int e = 0; e < a.num_elements; e++) {
+            const float x = a.x[e], hi = wmma::__float_to_tf32(x);
+            a.x[e] = hi;
+            if (SPLIT) al.x[e] = wmma::__float_to_tf32(x - hi);
+        }
 #pragma unroll
-        for (int e = 0; e < b.num_elements; e++) b.x[e] = wmma::__float_to_tf32(b.x[e]);
+        for (int e = 0; e < b.num_elements; e++) {
+            const float x = b.x[e], hi = wmma::__float_to_tf32(x);
+            b.x[e] = hi;
+            if (SPLIT) bl.x[e] = wmma::__float_to_tf32(x - hi);
+        }
+        if (SPLIT) {
+            wmma::mma_sync(c, al, b, c);
+            wmma::mma_sync(c, a, bl, c);
+        }
         wmma::mma_sync(c, a, b, c);
     }
 }

@@ -19,38 +19,6 @@ template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
            + (PREC ? (size_t)CH * (CH + 8) * 2 + (size_t)CH * (D + 8) * 2 : 0); // M, k e^G residues
 }
 
-// c += A B as mma_tile_tf32, each operand split x = hi + lo in tf32 and the
-// product taken as hi hi + hi lo + lo hi: about fp32 accuracy on tensor cores.
-template <typename LA, typename LB>
-__device__ __forceinline__ void mma_tile_3xtf32(FragC8 &c, const float *A, int lda,
-                                                const float *B, int ldb, int kfirst, int kend) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LA> a, al;
-    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LB> b, bl;
-    for (int kk = kfirst; kk < kend; kk++) {
-        const float *pa = std::is_same<LA, wmma::row_major>::value ? A + 8 * kk
-                                                                   : A + (size_t)8 * kk * lda;
-        const float *pb = std::is_same<LB, wmma::row_major>::value ? B + (size_t)8 * kk * ldb
-                                                                   : B + 8 * kk;
-        ld_s(a, pa, lda);
-        ld_s(b, pb, ldb);
-#pragma unroll
-        for (int e = 0; e < a.num_elements; e++) {
-            const float x = a.x[e], hi = wmma::__float_to_tf32(x);
-            a.x[e] = hi;
-            al.x[e] = wmma::__float_to_tf32(x - hi);
-        }
-#pragma unroll
-        for (int e = 0; e < b.num_elements; e++) {
-            const float x = b.x[e], hi = wmma::__float_to_tf32(x);
-            b.x[e] = hi;
-            bl.x[e] = wmma::__float_to_tf32(x - hi);
-        }
-        wmma::mma_sync(c, al, b, c);
-        wmma::mma_sync(c, a, bl, c);
-        wmma::mma_sync(c, a, b, c);
-    }
-}
-
 // One block per (chunk, sequence*head). Writes qg = q e^G, kd = k e^{G_C-G},
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
 // backward, X = (I + Akk)^{-1}. PREC (the final state is asked for): each of
@@ -296,12 +264,12 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         const int o = warp * 2 * SUB; // the diagonal 32 x 32 block of this warp
         FragC8 y;
         wmma::fill_fragment(y, 0.f);
-        mma_tile_3xtf32<RM, RM>(y, sAkk + (o + SUB) * LDA, LDA, sX + o, LDA, o / 8, o / 8 + 2);
+        mma_tile_tf32<RM, RM, true>(y, sAkk + (o + SUB) * LDA, LDA, sX + o, LDA, o / 8, o / 8 + 2);
         st_s(sP + (o + SUB) * LDA + o, y, LDA);
         __syncwarp();
         FragC8 x;
         wmma::fill_fragment(x, 0.f);
-        mma_tile_3xtf32<RM, RM>(x, sX + (o + SUB) * LDA, LDA, sP + o, LDA, o / 8 + 2, o / 8 + 4);
+        mma_tile_tf32<RM, RM, true>(x, sX + (o + SUB) * LDA, LDA, sP + o, LDA, o / 8 + 2, o / 8 + 4);
 #pragma unroll
         for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
         st_s(sX + (o + SUB) * LDA + o, x, LDA);
@@ -311,7 +279,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         const int s = 2 + warp / 2, t = warp % 2;
         FragC8 y;
         wmma::fill_fragment(y, 0.f);
-        mma_tile_3xtf32<RM, RM>(y, sAkk + s * SUB * LDA, LDA, sX + t * SUB, LDA, 2 * t, 4);
+        mma_tile_tf32<RM, RM, true>(y, sAkk + s * SUB * LDA, LDA, sX + t * SUB, LDA, 2 * t, 4);
         st_s(sP + s * SUB * LDA + t * SUB, y, LDA);
     }
     __syncthreads();
@@ -319,7 +287,7 @@ __global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params
         const int s = 2 + warp / 2, t = warp % 2;
         FragC8 x;
         wmma::fill_fragment(x, 0.f);
-        mma_tile_3xtf32<RM, RM>(x, sX + s * SUB * LDA, LDA, sP + t * SUB, LDA, 4, 2 * s + 2);
+        mma_tile_tf32<RM, RM, true>(x, sX + s * SUB * LDA, LDA, sP + t * SUB, LDA, 4, 2 * s + 2);
 #pragma unroll
         for (int e = 0; e < x.num_elements; e++) x.x[e] = -x.x[e];
         st_s(sX + s * SUB * LDA + t * SUB, x, LDA);

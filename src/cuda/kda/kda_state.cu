@@ -217,6 +217,18 @@ __device__ __forceinline__ void stage_bulk(const StageView<D, VT> &st, const Par
         bulk_g2s(st.ge, p.gexp + c * D, D * 4, bar);
     }
 }
+// The stages' two mbarriers, in the last bytes of plan P's shared memory,
+// initialised before any copy is issued (a block barrier follows).
+template <typename P> __device__ __forceinline__ unsigned long long *stage_bars(unsigned char *smem) {
+    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
+    if (threadIdx.x == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    return bars;
+}
 // The forward's stage of chunk c: w, qg, kd, aqk and e^{G_C} by the bulk-copy
 // unit (barrier `bar`), the U tile (PREC: and w_lo, the u_lo tile) as one
 // cp.async group.
@@ -424,13 +436,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
     const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
 
-    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
-    if (tid == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    unsigned long long *bars = stage_bars<P>(smem);
     auto issue = [&](int n) {
         fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
                                         (size_t)bh * p.N + n, v0, &bars[n & 1]);
@@ -573,13 +579,7 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_bwd_state_kern
     const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
 
-    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
-    if (tid == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    unsigned long long *bars = stage_bars<P>(smem);
     auto issue = [&](int n) {
         bwd_stage_copy<NT, D, VT>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
                                   (size_t)bh * p.N + n, n, b, h, v0, rs, &bars[n & 1]);
@@ -692,13 +692,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
     const int lm = lane >> 3, lr = lane & 7; // ldmatrix: matrix and row of this lane's address
     const size_t rs = (size_t)p.H * D;
 
-    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
-    if (tid == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    unsigned long long *bars = stage_bars<P>(smem);
     auto issue = [&](int n) {
         fwd_stage_copy<NT, D, VT, PREC>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
                                         (size_t)bh * p.N + n, v0, &bars[n & 1]);
@@ -807,13 +801,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
     const int lm = lane >> 3, lr = lane & 7;
     const size_t rs = (size_t)p.H * D;
 
-    unsigned long long *bars = reinterpret_cast<unsigned long long *>(smem + P::total - P::bars);
-    if (tid == 0) {
-        mbar_init(&bars[0]);
-        mbar_init(&bars[1]);
-        mbar_init_fence();
-    }
-    __syncthreads();
+    unsigned long long *bars = stage_bars<P>(smem);
     auto issue = [&](int n) {
         bwd_stage_copy<NT, D, VT, NT / 2>(StageView<D, VT>(stage0 + (n & 1) * P::stage), p,
                                   (size_t)bh * p.N + n, n, b, h, v0, rs, &bars[n & 1]);
