@@ -229,6 +229,28 @@ template <typename P> __device__ __forceinline__ unsigned long long *stage_bars(
     __syncthreads();
     return bars;
 }
+// The start of forward chunk n (0 .. N-1): PREC copies chunk n's kd_lo into
+// its one buffer, the next chunk's stage is issued, then chunk n's stage is
+// awaited (its cp.async group, issued a chunk earlier, and its bulk copies,
+// the (n/2)-th use of barrier n & 1) and the block meets. `issue(m)` issues
+// chunk m's stage (one cp.async group and the bulk copies).
+template <int NT, int D, bool PREC, typename Issue>
+__device__ __forceinline__ void fwd_chunk_begin(int n, int N, Issue &issue,
+                                                unsigned long long *bars, bf16 *sKdl,
+                                                const bf16 *kd_lo) {
+    if (PREC) { // used by the update at the chunk's end (its buffer is free)
+        async_tile<NT, CH, D, wld<D>(), D>(sKdl, kd_lo);
+        cp_async_commit();
+    }
+    if (n + 1 < N) {
+        issue(n + 1);
+        cp_async_wait<PREC ? 2 : 1>();
+    } else {
+        cp_async_wait<PREC ? 1 : 0>();
+    }
+    mbar_wait(&bars[n & 1], (n >> 1) & 1);
+    __syncthreads();
+}
 // The forward's stage of chunk c: w, qg, kd, aqk and e^{G_C} by the bulk-copy
 // unit (barrier `bar`), the U tile (PREC: and w_lo, the u_lo tile) as one
 // cp.async group.
@@ -447,18 +469,8 @@ __global__ void __launch_bounds__(ColPlan<D, VT>::NW * 32, 1) kda_fwd_state_kern
     for (int n = 0; n < p.N; n++) {
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        if (PREC) { // kd_lo, used by the update at the chunk's end (its buffer is free)
-            async_tile<NT, CH, D, LD, D>(sKdl, p.kd_lo + c * CH * D);
-            cp_async_commit();
-        }
-        if (n + 1 < p.N) {
-            issue(n + 1);
-            cp_async_wait<PREC ? 2 : 1>();
-        } else {
-            cp_async_wait<PREC ? 1 : 0>();
-        }
-        mbar_wait(&bars[n & 1], (n >> 1) & 1); // stage n's bulk copies (its (n/2)-th use)
-        __syncthreads(); // chunk n's stage has landed; the staging buffers are free
+        // afterwards chunk n's stage is in and the staging buffers are free
+        fwd_chunk_begin<NT, D, PREC>(n, p.N, issue, bars, sKdl, p.kd_lo + c * CH * D);
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         if (SAVE) { // S (as S^T C tiles) into sH [d][j], transposed by stmatrix
 #pragma unroll
@@ -705,18 +717,8 @@ __global__ void __launch_bounds__(RowPlan<D, VT, PREC>::NW * 32, 1)
     for (int n = 0; n < p.N; n++) {
         const size_t c = (size_t)bh * p.N + n;
         const int t0 = n * CH, nvalid = min(CH, p.T - t0);
-        if (PREC) { // kd_lo, used by the update at the chunk's end (its buffer is free)
-            async_tile<NT, CH, D, LD, D>(sKdl, p.kd_lo + c * CH * D);
-            cp_async_commit();
-        }
-        if (n + 1 < p.N) {
-            issue(n + 1);
-            cp_async_wait<PREC ? 2 : 1>();
-        } else {
-            cp_async_wait<PREC ? 1 : 0>();
-        }
-        mbar_wait(&bars[n & 1], (n >> 1) & 1); // stage n's bulk copies (its (n/2)-th use)
-        __syncthreads(); // chunk n's stage and the state S_n in sH are in
+        // afterwards chunk n's stage and the state S_n in sH are in
+        fwd_chunk_begin<NT, D, PREC>(n, p.N, issue, bars, sKdl, p.kd_lo + c * CH * D);
         StageView<D, VT> st(stage0 + (n & 1) * P::stage);
         if (SAVE) store_rows<VT, NT, D, LDB>(p.h + c * D * D + v0, D, sH, D);
 
