@@ -391,17 +391,12 @@ template <int IPB, int RSTEP, int LDS, int LDC, int RPT>
 __device__ __forceinline__ void add_staged_rows(float (&x)[RPT], float (&dG)[RPT],
                                                 const float *sStage, const float *sG,
                                                 const bf16 *op, int r0, int d) {
-#pragma unroll 1
-    for (int g = 0; g < RPT / IPB; g++) {
 #pragma unroll
-        for (int i = 0; i < IPB; i++) {
-            int r = r0 + RSTEP * (g * IPB + i);
-            float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
-            x[i] += val;
-            dG[i] += val * __bfloat162float(op[r * LDC + d]);
-        }
-        rotate_left<IPB, RPT>(x);
-        rotate_left<IPB, RPT>(dG);
+    for (int i = 0; i < RPT; i++) {
+        int r = r0 + RSTEP * i;
+        float val = sStage[r * LDS + d] * __expf(sG[r * DC + d]);
+        x[i] += val;
+        dG[i] += val * __bfloat162float(op[r * LDC + d]);
     }
 }
 
@@ -557,19 +552,15 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_async_commit();
     {
         float gc = 0.f;
-#pragma unroll 1
-        for (int g = 0; g < RPT / IPB; g++) { // rows in groups of IPB, arrays rotated
+        const float gC = sG[(CH - 1) * DC + d];
 #pragma unroll
-            for (int i = 0; i < IPB; i++) {
-                int r = r0 + RSTEP * (g * IPB + i);
-                float val = sStage[r * LDS + d] * __expf(sG[(CH - 1) * DC + d] - sG[r * DC + d]);
-                dk[i] += val;
-                float t = val * __bfloat162float(sK[r * LDC + d]);
-                dG[i] -= t;
-                gc += t;
-            }
-            rotate_left<IPB, RPT>(dk);
-            rotate_left<IPB, RPT>(dG);
+        for (int i = 0; i < RPT; i++) {
+            int r = r0 + RSTEP * i;
+            float val = sStage[r * LDS + d] * __expf(gC - sG[r * DC + d]);
+            dk[i] += val;
+            float t = val * __bfloat162float(sK[r * LDC + d]);
+            dG[i] -= t;
+            gc += t;
         }
         sGcPart[r0 * DC + d] = gc; // summed in a fixed order below: deterministic
     }
@@ -805,8 +796,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         rotate_left<IPB, RPT>(dq);
         rotate_left<IPB, RPT>(dk);
         rotate_left<IPB, RPT>(dG);
-        __syncthreads();
+        // no barrier here: the next sub-chunk writes only the operand region (read by
+        // the products above, before the last barrier) until its own first barrier,
+        // which every thread reaches after its reads of sStage
     }
+    __syncthreads(); // every row's dbeta part and every read of sStage are done
 
     if (tid < CH) {
         float acc = 0.f;
