@@ -161,6 +161,22 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         }
         *reinterpret_cast<uint4 *>(dAqkg + (i0 + lr) * CH + j0 + lc) = pack_bf16x8(x);
     }
+    // z and k of this thread's rows and channels for k e^G below (RP rows, eight
+    // channels each): in flight in registers during M and dW
+    constexpr int CG = D / 8, P = NT / CG, RP = CH / P;
+    static_assert(P * CG == NT && RP * P == CH, "k e^G: thread layout");
+    const int d0 = (tid % CG) * 8, pt = tid / CG;
+    uint4 zraw[RP], kraw[RP];
+#pragma unroll
+    for (int i = 0; i < RP; i++) {
+        const int r = pt * RP + i;
+        if (r < nvalid) {
+            zraw[i] = *reinterpret_cast<const uint4 *>(p.z + base + r * rs + d0);
+            kraw[i] = *reinterpret_cast<const uint4 *>(p.k + base + r * rs + d0);
+        } else {
+            zraw[i] = kraw[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
     cp_async_wait<0>(); // h, dV', X have landed
     __syncthreads(); // dO' and V' are dead: R2 takes dW, M replaces V'
     // M = X Diag(beta) (bf16, kept for kernel B too)
@@ -200,20 +216,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     // loads of z and k), the gate, a prefix within the thread's rows, then
     // the part sums before it added in order
     {
-        constexpr int CG = D / 8, P = NT / CG, RP = CH / P;
-        static_assert(P * CG == NT && RP * P == CH, "k e^G: thread layout");
-        const int d0 = (tid % CG) * 8, pt = tid / CG;
         const float a_exp = __expf(p.A_log[h]);
         float z8[RP][8], k8[RP][8], acc[8], bias[8];
 #pragma unroll
         for (int e = 0; e < 8; e++) bias[e] = p.dt_bias[h * D + d0 + e];
 #pragma unroll
         for (int i = 0; i < RP; i++) {
-            const int r = pt * RP + i;
-            if (r < nvalid) {
-                ld8(p.z + base + r * rs + d0, z8[i]);
-                ld8(p.k + base + r * rs + d0, k8[i]);
-            }
+            ld8(reinterpret_cast<const bf16 *>(&zraw[i]), z8[i]);
+            ld8(reinterpret_cast<const bf16 *>(&kraw[i]), k8[i]);
         }
 #pragma unroll
         for (int e = 0; e < 8; e++) acc[e] = 0.f;
@@ -506,15 +516,17 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
                        src + (size_t)r * CH + blk * SUB + half * 8, true);
         }
     }
+    // beta (rows past T: zeros) and the diagonal of dAqk in the same group
+    if (tid < CH)
+        cp_async4(sBeta + tid, p.beta + ((size_t)b * p.T + t0 + min(tid, nvalid - 1)) * p.H + h,
+                  tid < nvalid);
+    else if (tid < CH + CH / 4)
+        cp_async16(sdAqkDiag + 4 * (tid - CH), p.dAqkDiag + c * CH + 4 * (tid - CH), true);
     cp_async_commit();
-    if (tid < CH) {
-        sBeta[tid] = tid < nvalid ? p.beta[((size_t)b * p.T + t0 + tid) * p.H + h] : 0.f;
-        sdAqkDiag[tid] = p.dAqkDiag[c * CH + tid];
-    }
     for (int d = tid; d < DC; d += NT) sdGC[d] = 0.f;
-    const float a_exp = __expf(A_log);
     cp_async_wait<0>();
     __syncthreads();
+    const float a_exp = __expf(A_log); // A_log has long landed
 #pragma unroll 1
     for (int idx = tid; idx < CH * DC; idx += NT) {
         int r = idx / DC, d = idx % DC;
