@@ -394,10 +394,10 @@ template <int S, int N> __device__ __forceinline__ void rotate_left(float (&x)[N
     for (int i = 0; i < S; i++) x[N - S + i] = t[i];
 }
 
-// Over the thread's rows r (of column d; the arrays rotated by IPB per group):
-// x[r] += P[r] e^{G[r]} and dG[r] += P[r] e^{G[r]} op[r], with P the staged
+// Over the thread's rows r = r0 + RSTEP i (of column d; unrolled, no rotation):
+// x[i] += P[r] e^{G[r]} and dG[i] += P[r] e^{G[r]} op[r], with P the staged
 // product [64][LDS] and op the staged q or k [64][LDC].
-template <int IPB, int RSTEP, int LDS, int LDC, int RPT>
+template <int RSTEP, int LDS, int LDC, int RPT>
 __device__ __forceinline__ void add_staged_rows(float (&x)[RPT], float (&dG)[RPT],
                                                 const float *sStage, const float *sG,
                                                 const bf16 *op, int r0, int d) {
@@ -604,7 +604,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
     cp_rows<DC, NT>(sdW, LDC, dWg, D, CH, CH);
     cp_async_commit();
-    add_staged_rows<IPB, RSTEP, LDS, LDC>(dq, dG, sStage, sG, sQ, r0, d);
+    add_staged_rows<RSTEP, LDS, LDC>(dq, dG, sStage, sG, sQ, r0, d);
     cp_async_wait<0>(); // M and dW have landed
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
@@ -634,7 +634,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         if (tid % 4 == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
     }
     __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
-    add_staged_rows<IPB, RSTEP, LDS, LDC>(dk, dG, sStage, sG, sK, r0, d);
+    add_staged_rows<RSTEP, LDS, LDC>(dk, dG, sStage, sG, sK, r0, d);
     __syncthreads();
 
     // ---- phase 4: gradients through Aqk = Lower(q e^G (k e^-G)^T) and
