@@ -473,7 +473,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // read element by element by the per-pair loop (the factored path reads none)
     bf16 *sDiag = reinterpret_cast<bf16 *>(sBetaPart + CH * (DC / 32));
 
-    const int n = blockIdx.x, bh = blockIdx.y, cb = blockIdx.z, b = bh / p.H, h = bh % p.H;
+    // the column blocks of a chunk are launched one after another, so that the
+    // chunk's shared operands (V', dO, M, dAqk, dAkk) are read from memory once
+    // and found in L2 by the other blocks
+    const int cb = blockIdx.x % (D / DC), n = blockIdx.x / (D / DC);
+    const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
     const int t0 = n * CH, nvalid = min(CH, p.T - t0);
     const size_t c = (size_t)bh * p.N + n;
     const size_t rs = (size_t)p.H * D;
@@ -903,7 +907,7 @@ static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream
     cudaError_t e =
         launch_two_per_sm(kda_bwd_tri_kernel<D>, dim3(p.N, p.B * p.H), bwd_tri_smem<D>(), s, p);
     if (e != cudaSuccess) return e;
-    dim3 grid(p.N, p.B * p.H, D / DC);
+    dim3 grid(p.N * (D / DC), p.B * p.H); // a chunk's column blocks adjacent
     e = factored ? launch_two_per_sm(kda_bwd_col_kernel<D, true>, grid, bwd_col_smem<D>(), s, p)
                  : launch_two_per_sm(kda_bwd_col_kernel<D, false>, grid, bwd_col_smem<D>(), s, p);
     if (e != cudaSuccess) return e;

@@ -25,10 +25,16 @@ template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
 // Kd, W and U also as its bf16 rounding residue (kd_lo, w_lo, u_lo), with
 // M = Mh + Ml and k e^G = Kh + Kl in two bf16 parts: W = Mh Kh + Ml Kh + Mh Kl,
 // U = Mh v + Ml v (v is a bf16 input). docs/cuda.md Precision.
+// Threads of the intra kernel: 256 for the bounded gate's fast path (128 registers
+// a thread at two blocks per SM), 512 otherwise (the per-pair loop wants them).
+template <bool FACTORED, bool PREC> __host__ __device__ constexpr int fwd_intra_threads() {
+    return FACTORED && !PREC ? 256 : 512;
+}
 template <int D, bool FACTORED, bool PREC>
-__global__ void __launch_bounds__(512, PREC ? 1 : 2) kda_fwd_intra_kernel(Params p, int save_x) {
+__global__ void __launch_bounds__(fwd_intra_threads<FACTORED, PREC>(), PREC ? 1 : 2)
+    kda_fwd_intra_kernel(Params p, int save_x) {
     // q, k, v, z are [B,T,H,D]; beta [B,T,H]; this block owns chunk n of (b, h)
-    constexpr int NT = 512, LD = D + 8, LDA = CH + 4, LDM = CH + 8;
+    constexpr int NT = fwd_intra_threads<FACTORED, PREC>(), LD = D + 8, LDA = CH + 4, LDM = CH + 8;
     extern __shared__ __align__(128) unsigned char smem[];
     constexpr int GREG = CH * (D > LDA ? D : LDA);    // floats: G [64][D], then X [64][LDA]
     float *sG = reinterpret_cast<float *>(smem);
@@ -381,7 +387,8 @@ cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
         cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, \
                                              (int)sm);                                      \
         if (e != cudaSuccess) return e;                                                     \
-        kern<<<grid, 512, sm, s>>>(p, sx);                                                  \
+        kern<<<grid, precise ? fwd_intra_threads<FF, true>() : fwd_intra_threads<FF, false>(), \
+               sm, s>>>(p, sx);                                                             \
         return cudaGetLastError();                                                          \
     }
     if (D == 128) {
