@@ -136,19 +136,22 @@ __global__ void __launch_bounds__(fwd_intra_threads<FACTORED, PREC>(), PREC ? 1 
     // row n0 (a row <= i: causal): (x_i e^{G_i-G_n0}) . (k_j e^{G_n0-G_j}).
     // Off-diagonal blocks: both exponents <= 0. Diagonal block (factored,
     // bounded gate only): e^{G_n0-G_j} <= e^{15|g_min|}, finite in bf16/fp32.
-    for (int s = 0; s < CH / SUB; s++) {
-        const int n0 = s * SUB;
-        const int kb_rows = FACTORED ? n0 + SUB : n0;
-        for (int idx = tid; idx < kb_rows * V8; idx += NT) {
+    // Key rows [0, rows) anchored at row a, into dst [rows][LD]
+    auto build_keys = [&](bf16 *dst, int rows, int a) {
+        for (int idx = tid; idx < rows * V8; idx += NT) {
             int j = idx / V8, d = (idx % V8) * 8;
             float k[8], ga[8], gj[8];
             ld8(sK + j * LD + d, k);
-            ldf8(sG + n0 * D + d, ga);
+            ldf8(sG + a * D + d, ga);
             ldf8(sG + j * D + d, gj);
 #pragma unroll
             for (int e = 0; e < 8; e++) k[e] *= __expf(ga[e] - gj[e]);
-            st8(sKb + j * LD + d, k);
+            st8(dst + j * LD + d, k);
         }
+    };
+    // Query-side rows of sub-chunk s (q and k), anchored at its first row
+    auto build_queries = [&](bf16 *dq, bf16 *dk, int s) {
+        const int n0 = s * SUB;
         for (int idx = tid; idx < SUB * V8; idx += NT) {
             int i = idx / V8, d = (idx % V8) * 8;
             float gi[8], ga[8], q[8], k[8];
@@ -163,9 +166,40 @@ __global__ void __launch_bounds__(fwd_intra_threads<FACTORED, PREC>(), PREC ? 1 
                 q[e] *= x;
                 k[e] *= x;
             }
-            st8(sQa + i * LD + d, q);
-            st8(sKa + i * LD + d, k);
+            st8(dq + i * LD + d, q);
+            st8(dk + i * LD + d, k);
         }
+    };
+    int s_first = 0;
+    if (FACTORED) {
+        // Sub-chunks 0 and 1 in one round: their key operands (16 and 32 rows) and
+        // sub-chunk 0's query side share the key buffer; sub-chunk 0's k side goes
+        // to rows 32..47 of Aqk, which only sub-chunk 2 writes
+        bf16 *sKb0 = sKb, *sKb1 = sKb + SUB * LD, *sQa0 = sKb + 3 * SUB * LD;
+        bf16 *sKa0 = reinterpret_cast<bf16 *>(sAqk + 2 * SUB * LDA);
+        static_assert((size_t)SUB * LD * 2 <= (size_t)SUB * LDA * 4, "k side of sub-chunk 0");
+        build_keys(sKb0, SUB, 0);
+        build_keys(sKb1, 2 * SUB, SUB);
+        build_queries(sQa0, sKa0, 0);
+        build_queries(sQa, sKa, 1);
+        __syncthreads();
+        if (warp < 6) { // (mat, sub-chunk, key block): 0-1 sub-chunk 0, 2-5 sub-chunk 1
+            const int mat = warp < 2 ? warp : (warp - 2) / 2, s = warp < 2 ? 0 : 1;
+            const int t = warp < 2 ? 0 : (warp - 2) % 2;
+            const bf16 *qa = s ? (mat ? sKa : sQa) : (mat ? sKa0 : sQa0);
+            const bf16 *kb = (s ? sKb1 : sKb0) + t * SUB * LD;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, CM>(acc, qa, LD, kb, LD, D / 16);
+            st_s((mat ? sAkk : sAqk) + s * SUB * LDA + t * SUB, acc, LDA);
+        }
+        __syncthreads();
+        s_first = 2;
+    }
+    for (int s = s_first; s < CH / SUB; s++) {
+        const int n0 = s * SUB;
+        build_keys(sKb, FACTORED ? n0 + SUB : n0, n0);
+        build_queries(sQa, sKa, s);
         __syncthreads();
         const int nt = FACTORED ? s + 1 : s; // key sub-chunks on tensor cores
         for (int tt = warp; tt < 2 * nt; tt += NT / 32) {
