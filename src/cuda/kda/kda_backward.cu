@@ -496,6 +496,10 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // the gate's parameters are read first, their latency hidden by the copies
     static_assert(NT % DC == 0, "one column a thread");
     const float A_log = p.A_log[h], bias = p.dt_bias[h * D + cb * DC + tid % DC];
+    static_assert(NT % (DC / 8) == 0, "the gate: eight fixed columns a thread");
+    float bias8[8]; // dt_bias of the thread's eight columns in the gate phase
+#pragma unroll
+    for (int e = 0; e < 8; e++) bias8[e] = p.dt_bias[h * D + cb * DC + (tid % (DC / 8)) * 8 + e];
     // What the later phases read from global memory (written by the triangular
     // kernel, mostly no longer in L2): ask for it now, so that those reads find it in L2.
     if (tid == 0) {
@@ -531,13 +535,17 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_async_wait<0>();
     __syncthreads();
     const float a_exp = __expf(A_log); // A_log has long landed
+    // eight consecutive columns a thread (16-byte reads), their gates independent
 #pragma unroll 1
-    for (int idx = tid; idx < CH * DC; idx += NT) {
-        int r = idx / DC, d = idx % DC;
-        float g = 0.f; // padded rows: g = 0 keeps G constant past T
-        if (r < nvalid)
-            g = kda_gate(__bfloat162float(sZ[r * LDC + d]), a_exp, bias, p.bounded, p.g_min);
-        sG[idx] = g;
+    for (int idx = tid; idx < CH * (DC / 8); idx += NT) {
+        const int r = idx / (DC / 8), d8 = (idx % (DC / 8)) * 8;
+        float zz[8], g[8];
+        ld8(sZ + r * LDC + d8, zz);
+#pragma unroll
+        for (int e = 0; e < 8; e++) // padded rows: g = 0 keeps G constant past T
+            g[e] = r < nvalid ? kda_gate(zz[e], a_exp, bias8[e], p.bounded, p.g_min) : 0.f;
+        *reinterpret_cast<float4 *>(sG + r * DC + d8) = make_float4(g[0], g[1], g[2], g[3]);
+        *reinterpret_cast<float4 *>(sG + r * DC + d8 + 4) = make_float4(g[4], g[5], g[6], g[7]);
     }
     __syncthreads();
     for (int d = tid; d < DC; d += NT) {
@@ -652,18 +660,38 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     // triangular kernel) into shared memory, in flight while operands are built
     auto issue_tiles = [&](int pb) {
         const int n0 = pb * SUB;
-        const int nr = SUB * 2 * (pb + 1); // 16-byte pieces of a row block (pb + 1 blocks)
-        for (int idx = tid; idx < 2 * nr; idx += NT) {
-            const int mat = idx / nr, q = idx % nr, r = q / (2 * (pb + 1));
-            const int cc = (q % (2 * (pb + 1))) * 8;
-            cp_async16((mat ? sAkR : sAqR) + r * LAR + cc,
-                       (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + cc, true);
-        }
-        const int ncol = 2 * (CH - n0); // 16-byte pieces of a column block (rows n0..63)
-        for (int idx = tid; idx < 2 * ncol; idx += NT) {
-            const int mat = idx / ncol, q = idx % ncol, r = q / 2, cc = (q % 2) * 8;
-            cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
-                       (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+        if (FACTORED) {
+            // Each loop runs over a fixed (matrix, row, 16-byte piece) range, so that its
+            // indices come from shifts, and skips the pieces outside the blocks (in the
+            // softplus variant this form measured slower: it keeps the one below).
+            // row blocks: pb + 1 tiles
+            for (int idx = tid; idx < 2 * SUB * (CH / 8); idx += NT) {
+                const int mat = idx / (SUB * (CH / 8)), r = (idx / (CH / 8)) % SUB;
+                const int cc = (idx % (CH / 8)) * 8;
+                if (cc < (pb + 1) * SUB)
+                    cp_async16((mat ? sAkR : sAqR) + r * LAR + cc,
+                               (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + cc, true);
+            }
+            for (int idx = tid; idx < 2 * CH * 2; idx += NT) { // column blocks: rows n0..63
+                const int mat = idx / (2 * CH), r = (idx / 2) % CH, cc = (idx % 2) * 8;
+                if (r < CH - n0)
+                    cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
+                               (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+            }
+        } else {
+            const int nr = SUB * 2 * (pb + 1); // 16-byte pieces of a row block (pb + 1 blocks)
+            for (int idx = tid; idx < 2 * nr; idx += NT) {
+                const int mat = idx / nr, q = idx % nr, r = q / (2 * (pb + 1));
+                const int cc = (q % (2 * (pb + 1))) * 8;
+                cp_async16((mat ? sAkR : sAqR) + r * LAR + cc,
+                           (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + cc, true);
+            }
+            const int ncol = 2 * (CH - n0); // 16-byte pieces of a column block (rows n0..63)
+            for (int idx = tid; idx < 2 * ncol; idx += NT) {
+                const int mat = idx / ncol, q = idx % ncol, r = q / 2, cc = (q % 2) * 8;
+                cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
+                           (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+            }
         }
         cp_async_commit();
     };
