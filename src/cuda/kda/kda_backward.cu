@@ -432,6 +432,29 @@ __device__ __forceinline__ void mma_tile_upto4(FragC &c, const bf16 *A, int lda,
         }
 }
 
+// c[0] += A0 B0 and c[1] += A1 B1 (16 x 16 ksteps times 16 ksteps x 16, ksteps <= 4
+// at run time), A of layout LA from shared memory (leading dimension lda), B
+// row-major (ldb); SAME_B: B0 = B1, loaded once. The two products interleaved,
+// each in the k order of mma_tile_upto4.
+template <typename LA, bool SAME_B>
+__device__ __forceinline__ void mma_pair_upto4(FragC (&c)[2], const bf16 *A0, const bf16 *A1,
+                                               int lda, const bf16 *B0, const bf16 *B1, int ldb,
+                                               int ksteps) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a0, a1;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, RM> b0, b1;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+        if (kk < ksteps) {
+            const size_t ao = std::is_same<LA, RM>::value ? 16 * kk : (size_t)16 * kk * lda;
+            ld_s(a0, A0 + ao, lda);
+            ld_s(a1, A1 + ao, lda);
+            ld_s(b0, B0 + (size_t)16 * kk * ldb, ldb);
+            if (!SAME_B) ld_s(b1, B1 + (size_t)16 * kk * ldb, ldb);
+            wmma::mma_sync(c[0], a0, b0, c[0]);
+            wmma::mma_sync(c[1], a1, SAME_B ? b0 : b1, c[1]);
+        }
+}
+
 // One block per (chunk, sequence*head, DC columns of k). Each thread owns one
 // column of RPT rows and accumulates dq, dk and dG there in registers:
 // - state terms: dKd = V' dS^T (-> dk, dG, dG_C), dQg = dO' S^T (-> dq, dG),
@@ -751,31 +774,32 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
         const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
-        for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
-            int o = tt / TDC, j0 = (tt % TDC) * 16;
-            FragC acc;
-            wmma::fill_fragment(acc, 0.f);
-            if (o == 0)
-                mma_tile_upto4<RM>(acc, sAqR, LAR, sKbOp + j0, LDC, nq);
-            else if (o == 1)
-                mma_tile_upto4<RM>(acc, sAkR, LAR, sKbOp + j0, LDC, nq);
-            else if (o == 2)
-                mma_tile_upto4<CM>(acc, sAqC + (s0 - pb) * SUB * LAC, LAC,
-                                   sQaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
-            else
-                mma_tile_upto4<CM>(acc, sAkC + (s0 - pb) * SUB * LAC, LAC,
-                                   sKaOp + s0 * SUB * LDC + j0, LDC, CH / SUB - s0);
-            if (FACTORED) { // the diagonal block's low parts
-                if (o == 0)
-                    mma_tile<RM, RM>(acc, sAqR + n0, LAR, sKbLo + j0, LDC, 1);
-                else if (o == 1)
-                    mma_tile<RM, RM>(acc, sAkR + n0, LAR, sKbLo + j0, LDC, 1);
-                else if (o == 2)
-                    mma_tile<CM, RM>(acc, sAqC, LAC, sQaLo + j0, LDC, 1);
-                else
-                    mma_tile<CM, RM>(acc, sAkC, LAC, sKaLo + j0, LDC, 1);
+        // a warp a pair of tiles with the same k-steps: (dAqk, dAkk) rows times the key
+        // operand (one B fragment for both), or (dAqk, Diag(beta) dAkk) columns times the
+        // query-side q and k; the two products interleaved
+        static_assert(NT / 32 == 2 * TDC, "one pair of tiles a warp");
+        {
+            const int pair = warp / TDC, j0 = (warp % TDC) * 16;
+            FragC acc[2];
+            wmma::fill_fragment(acc[0], 0.f);
+            wmma::fill_fragment(acc[1], 0.f);
+            if (pair == 0) {
+                mma_pair_upto4<RM, true>(acc, sAqR, sAkR, LAR, sKbOp + j0, sKbOp + j0, LDC, nq);
+                if (FACTORED) { // the diagonal block's low parts
+                    mma_tile<RM, RM>(acc[0], sAqR + n0, LAR, sKbLo + j0, LDC, 1);
+                    mma_tile<RM, RM>(acc[1], sAkR + n0, LAR, sKbLo + j0, LDC, 1);
+                }
+            } else {
+                const int ao = (s0 - pb) * SUB * LAC, bo = s0 * SUB * LDC + j0;
+                mma_pair_upto4<CM, false>(acc, sAqC + ao, sAkC + ao, LAC, sQaOp + bo, sKaOp + bo,
+                                          LDC, CH / SUB - s0);
+                if (FACTORED) {
+                    mma_tile<CM, RM>(acc[0], sAqC, LAC, sQaLo + j0, LDC, 1);
+                    mma_tile<CM, RM>(acc[1], sAkC, LAC, sKaLo + j0, LDC, 1);
+                }
             }
-            st_s(sStage + o * SUB * LDS + j0, acc, LDS);
+            st_s(sStage + 2 * pair * SUB * LDS + j0, acc[0], LDS);
+            st_s(sStage + (2 * pair + 1) * SUB * LDS + j0, acc[1], LDS);
         }
         __syncthreads();
         if (pb + 1 < CH / SUB) issue_tiles(pb + 1); // the tiles' buffer is free again

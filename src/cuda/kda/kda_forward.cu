@@ -19,6 +19,22 @@ template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
            + (PREC ? (size_t)CH * (CH + 8) * 2 + (size_t)CH * (D + 8) * 2 : 0); // M, k e^G residues
 }
 
+// c[u] += A(16 x 16 ksteps) B(16 ksteps x 16), B's tile u at B + 16 u: N neighbouring
+// output tiles of the same rows, both operands row-major; one A fragment load a k-step.
+template <int N>
+__device__ __forceinline__ void mma_tiles_rr(FragC (&c)[N], const bf16 *A, int lda, const bf16 *B,
+                                             int ldb, int ksteps) {
+    FragAr a;
+    FragBr b[N];
+    for (int kk = 0; kk < ksteps; kk++) {
+        ld_s(a, A + 16 * kk, lda);
+#pragma unroll
+        for (int u = 0; u < N; u++) ld_s(b[u], B + (size_t)16 * kk * ldb + 16 * u, ldb);
+#pragma unroll
+        for (int u = 0; u < N; u++) wmma::mma_sync(c[u], a, b[u], c[u]);
+    }
+}
+
 // One block per (chunk, sequence*head). Writes qg = q e^G, kd = k e^{G_C-G},
 // gexp = e^{G_C}, aqk = Lower(Aqk), w = M (k e^G), u = M v and, for the
 // backward, X = (I + Akk)^{-1}. PREC (the final state is asked for): each of
@@ -47,11 +63,14 @@ __global__ void __launch_bounds__(fwd_intra_threads<FACTORED, PREC>(), PREC ? 1 
     float *sAqk = reinterpret_cast<float *>(sKa + SUB * LD); // [64][LDA]
     float *sAkk = sAqk + CH * LDA;
     bf16 *sMb = reinterpret_cast<bf16 *>(sAqk);              // [64][LDM], after the inverse
-    float *sStage = reinterpret_cast<float *>(sMb + CH * LDM); // 16 warps x [16][20]
+    // W and U: a warp takes TPW neighbouring tiles a step (two at 256 threads, where
+    // the staging space sized for 512 threads holds both)
+    constexpr int TPW = NT == 256 ? 2 : 1;
+    float *sStage = reinterpret_cast<float *>(sMb + CH * LDM); // NT/32 warps x TPW x [16][20]
     float *sBeta = sAkk + CH * LDA;
     bf16 *sMl = reinterpret_cast<bf16 *>(sBeta + CH); // PREC: [64][LDM] M's residue
     bf16 *sKgl = sMl + CH * LDM;                        // PREC: [64][LD] k e^G's residue
-    static_assert((size_t)CH * LDM * 2 + (size_t)(NT / 32) * 16 * 20 * 4 <=
+    static_assert((size_t)CH * LDM * 2 + (size_t)(NT / 32) * TPW * 16 * 20 * 4 <=
                       (size_t)2 * CH * LDA * 4,
                   "M and the staging tiles fit in the Aqk, Akk region");
 
@@ -355,27 +374,33 @@ __global__ void __launch_bounds__(fwd_intra_threads<FACTORED, PREC>(), PREC ? 1 
 
     // W = M (K e^G), U = M V on tensor cores (64 x D each)
     constexpr int TPM = (CH / 16) * (D / 16);
-    float *st = sStage + warp * 16 * 20;
-    for (int tt = warp; tt < 2 * TPM; tt += NT / 32) {
+    float *st = sStage + warp * TPW * 16 * 20;
+    static_assert(TPM % TPW == 0 && (D / 16) % TPW == 0, "a warp's tiles share their rows");
+    for (int tt = warp * TPW; tt < 2 * TPM; tt += (NT / 32) * TPW) {
         int mat = tt / TPM, t = tt % TPM, i0 = (t / (D / 16)) * 16, j0 = (t % (D / 16)) * 16;
         const bf16 *rhs = (mat ? sV : sKb) + j0;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        if (PREC) { // the small terms first
-            if (!mat) mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, sKgl + j0, LD, CH / 16);
-            mma_tile<RM, RM>(acc, sMl + i0 * LDM, LDM, rhs, LD, CH / 16);
+        FragC acc[TPW];
+#pragma unroll
+        for (int u = 0; u < TPW; u++) wmma::fill_fragment(acc[u], 0.f);
+        if (PREC) { // the small terms first (TPW = 1 here)
+            if (!mat) mma_tile<RM, RM>(acc[0], sMb + i0 * LDM, LDM, sKgl + j0, LD, CH / 16);
+            mma_tile<RM, RM>(acc[0], sMl + i0 * LDM, LDM, rhs, LD, CH / 16);
         }
-        mma_tile<RM, RM>(acc, sMb + i0 * LDM, LDM, rhs, LD, CH / 16);
-        st_s(st, acc, 20);
+        mma_tiles_rr<TPW>(acc, sMb + i0 * LDM, LDM, rhs, LD, CH / 16);
+#pragma unroll
+        for (int u = 0; u < TPW; u++) st_s(st + u * 16 * 20, acc[u], 20);
         __syncwarp();
-        const size_t off = (c * CH + i0) * D + j0;           // u and the residues
-        const size_t offw = (c * CH + i0) * wld<D>() + j0;   // w (padded rows)
-        bf16 *dst = mat ? p.u + off : p.w + offw;
-        const size_t gs = mat ? (size_t)D : (size_t)wld<D>();
-        if (PREC)
-            store_tile_split(dst, gs, (mat ? p.u_lo : p.w_lo) + off, D, st, 20);
-        else
-            store_tile_bf16(dst, gs, st, 20, CH, 1.f);
+#pragma unroll
+        for (int u = 0; u < TPW; u++) {
+            const size_t off = (c * CH + i0) * D + j0 + 16 * u;         // u and the residues
+            const size_t offw = (c * CH + i0) * wld<D>() + j0 + 16 * u; // w (padded rows)
+            bf16 *dst = mat ? p.u + off : p.w + offw;
+            const size_t gs = mat ? (size_t)D : (size_t)wld<D>();
+            if (PREC)
+                store_tile_split(dst, gs, (mat ? p.u_lo : p.w_lo) + off, D, st, 20);
+            else
+                store_tile_bf16(dst, gs, st + u * 16 * 20, 20, CH, 1.f);
+        }
         __syncwarp();
     }
 }
