@@ -432,6 +432,24 @@ __device__ __forceinline__ void mma_tile_upto4(FragC &c, const bf16 *A, int lda,
         }
 }
 
+// c[0] += A0 B and c[1] += A1 B (16 x 16 ksteps times 16 ksteps x 16), layouts and
+// offsets as mma_tile; the two products interleaved, each in mma_tile's k order.
+template <typename LA, typename LB>
+__device__ __forceinline__ void mma_pair_same_b(FragC (&c)[2], const bf16 *A0, const bf16 *A1,
+                                                int lda, const bf16 *B, int ldb, int ksteps) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a0, a1;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, LB> b;
+    for (int kk = 0; kk < ksteps; kk++) {
+        const size_t ao = std::is_same<LA, RM>::value ? 16 * kk : (size_t)16 * kk * lda;
+        const size_t bo = std::is_same<LB, RM>::value ? (size_t)16 * kk * ldb : 16 * kk;
+        ld_s(a0, A0 + ao, lda);
+        ld_s(a1, A1 + ao, lda);
+        ld_s(b, B + bo, ldb);
+        wmma::mma_sync(c[0], a0, b, c[0]);
+        wmma::mma_sync(c[1], a1, b, c[1]);
+    }
+}
+
 // c[0] += A0 B0 and c[1] += A1 B1 (16 x 16 ksteps times 16 ksteps x 16, ksteps <= 4
 // at run time), A of layout LA from shared memory (leading dimension lda), B
 // row-major (ldb); SAME_B: B0 = B1, loaded once. The two products interleaved,
@@ -587,12 +605,26 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
 
     // ---- phase 1: products with the chunk's state h and its gradient dh ----
     // dKd = V' dS^T with Kd = k e^{G_C - G}: dk, dG, and dG_C
-    for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
-        int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sVn + i0 * LD, LD, sDh + j0 * LD, LD, D / 16);
-        st_s(sStage + i0 * LDS + j0, acc, LDS);
+    static_assert(4 * TDC == 2 * (NT / 32), "the state terms: two tiles a warp");
+    // bounded: a tile at a time; softplus: a pair of tiles a warp (each measured the
+    // faster for its variant)
+    if (FACTORED) {
+        for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+            int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, CM>(acc, sVn + i0 * LD, LD, sDh + j0 * LD, LD, D / 16);
+            st_s(sStage + i0 * LDS + j0, acc, LDS);
+        }
+    } else { // rows i0 and i0 + 32 of the warp's column tile: two tiles, one B fragment a k-step
+        const int i0 = (warp / TDC) * 16, j0 = (warp % TDC) * 16;
+        FragC acc[2];
+        wmma::fill_fragment(acc[0], 0.f);
+        wmma::fill_fragment(acc[1], 0.f);
+        mma_pair_same_b<RM, CM>(acc, sVn + i0 * LD, sVn + (i0 + CH / 2) * LD, LD, sDh + j0 * LD,
+                                LD, D / 16);
+        st_s(sStage + i0 * LDS + j0, acc[0], LDS);
+        st_s(sStage + (i0 + CH / 2) * LDS + j0, acc[1], LDS);
     }
     __syncthreads(); // V' is dead: dO replaces it while dKd is consumed
     cp_rows<D, NT>(sdO, LD, p.d_o + base, rs, CH, nvalid);
@@ -628,12 +660,25 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     }
     __syncthreads();
     // dQg = dO' S^T: dq += dQg e^G, dG += dQg q e^G
-    for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
-        int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
-        FragC acc;
-        wmma::fill_fragment(acc, 0.f);
-        mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
-        st_s(sStage + i0 * LDS + j0, acc, LDS);
+    // bounded: a tile at a time; softplus: a pair of tiles a warp (each measured the
+    // faster for its variant)
+    if (FACTORED) {
+        for (int tt = warp; tt < 4 * TDC; tt += NT / 32) {
+            int i0 = (tt / TDC) * 16, j0 = (tt % TDC) * 16;
+            FragC acc;
+            wmma::fill_fragment(acc, 0.f);
+            mma_tile<RM, CM>(acc, sdO + i0 * LD, LD, sHs + j0 * LD, LD, D / 16);
+            st_s(sStage + i0 * LDS + j0, acc, LDS);
+        }
+    } else { // rows i0 and i0 + 32 of the warp's column tile: two tiles, one B fragment a k-step
+        const int i0 = (warp / TDC) * 16, j0 = (warp % TDC) * 16;
+        FragC acc[2];
+        wmma::fill_fragment(acc[0], 0.f);
+        wmma::fill_fragment(acc[1], 0.f);
+        mma_pair_same_b<RM, CM>(acc, sdO + i0 * LD, sdO + (i0 + CH / 2) * LD, LD, sHs + j0 * LD,
+                                LD, D / 16);
+        st_s(sStage + i0 * LDS + j0, acc[0], LDS);
+        st_s(sStage + (i0 + CH / 2) * LDS + j0, acc[1], LDS);
     }
     __syncthreads(); // dO' is dead: M and the block's dW columns take its place
     cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
