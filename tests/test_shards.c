@@ -128,6 +128,11 @@ static void test_bad_shards_are_rejected_naming_file_and_problem(void) {
     write_raw(tmp_path("huge.bin"), h, big, sizeof big);
     CHECK(lm_shard_open(tmp_path("huge.bin"), 0, &s) == LM_ERR_FORMAT && strstr(lm_last_error(), "position 1"),
           "a token >= 2^31 accepted: %s", lm_last_error());
+    /* 2^31 - 1 fits the file but not the vocabulary it implies (2^31 tokens) */
+    uint32_t top[2] = {7, 0x7fffffffu};
+    write_raw(tmp_path("top.bin"), h, top, sizeof top);
+    CHECK(lm_shard_open(tmp_path("top.bin"), 0, &s) == LM_ERR_FORMAT && strstr(lm_last_error(), "token 2147483647"),
+          "token 2^31-1 accepted: %s", lm_last_error());
 }
 
 static void test_shuffle_is_a_bijection_per_epoch(void) {

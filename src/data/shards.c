@@ -122,8 +122,9 @@ lm_status lm_shard_open(const char *path, int vocab_size, lm_shard *out) {
         goto fail;
     }
     out->tokens = (const uint8_t *)map + LM_SHARD_HEADER_BYTES;
-    /* every token in range: the bound is the given vocabulary, else the header's */
-    int64_t bound = vocab_size > 0 ? vocab_size : h[3] > 0 ? h[3] : (int64_t)INT32_MAX + 1;
+    /* every token in range: the bound is the given vocabulary, else the header's,
+     * else one that leaves the implied vocabulary (largest token + 1) an int */
+    int64_t bound = vocab_size > 0 ? vocab_size : h[3] > 0 ? h[3] : INT32_MAX;
     int64_t max = -1;
     if (out->token_bytes == 2) {
         const uint16_t *t = (const uint16_t *)(const void *)out->tokens;
@@ -139,7 +140,7 @@ lm_status lm_shard_open(const char *path, int vocab_size, lm_shard *out) {
         while (lm_shard_token(out, at) >= 0 && lm_shard_token(out, at) < bound) at++;
         s = lm_error(LM_ERR_FORMAT, "%s: token %lld at position %lld is outside the vocabulary [0, %lld) %s", path,
                      (long long)(uint32_t)lm_shard_token(out, at), (long long)at, (long long)bound,
-                     vocab_size > 0 ? "expected" : h[3] > 0 ? "the header records" : "of int32 tokens");
+                     vocab_size > 0 ? "expected" : h[3] > 0 ? "the header records" : "an int32 vocabulary allows");
         goto fail;
     }
     out->max_token = (int)max;
