@@ -3,7 +3,9 @@
 # the seeds and every regression input; new inputs the fuzzer finds go to a
 # scratch copy, not the repository). Usage: fuzz/run.sh [SECONDS] [BUILD_DIR] [NAMES...]
 # (default 30 s each, build-fuzz, every harness built there). Crashing inputs are
-# kept in BUILD_DIR/crashes/<name>/. Exit status: non-zero if any harness failed.
+# kept in BUILD_DIR/crashes/<name>/. FUZZ_SEED fixes libFuzzer's random seed (the
+# same inputs are tried in the same order on the same code; default: a new seed
+# each run). Exit status: non-zero if any harness failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-30}
@@ -24,7 +26,7 @@ for name in "${names[@]}"; do
     mkdir -p "$scratch" "$OUT/crashes/$name"
     log="$OUT/fuzz_$name.log"
     # replay the committed corpus (seeds and regression inputs), then explore
-    "$bin" -max_total_time="$SECONDS_EACH" -timeout=25 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+    "$bin" ${FUZZ_SEED:+-seed="$FUZZ_SEED"} -max_total_time="$SECONDS_EACH" -timeout=25 -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
         -artifact_prefix="$OUT/crashes/$name/" "$scratch" "fuzz/corpus/$name" > "$log" 2>&1
     rc=$?
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -n 1)
