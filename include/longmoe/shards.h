@@ -51,7 +51,8 @@ typedef struct {
 
 /* Open and validate a shard: header size, magic, version, token count
  * against the file size, and every token < vocab_size. vocab_size 0 means
- * the header's vocabulary (no bound when it is 0 too). A header vocabulary
+ * the header's vocabulary (tokens below 2^31 - 1 when it is 0 too, so that the
+ * implied vocabulary, the largest token + 1, is an int). A header vocabulary
  * larger than a given vocab_size is an error. Errors are LM_ERR_FORMAT (or
  * LM_ERR_IO) naming the file and the problem. */
 lm_status lm_shard_open(const char *path, int vocab_size, lm_shard *out);
