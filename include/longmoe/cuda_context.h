@@ -1,0 +1,55 @@
+/* The state every CUDA operator of the model shares: one stream, one
+ * cuBLASLt handle and its workspace (docs/cuda.md). Operators take a
+ * `const lm_cuda_context *` first and enqueue their kernels on its stream;
+ * none of them synchronises or allocates, unless its header says so.
+ *
+ * Conventions of the CUDA operators (src/cuda/<op>, headers <op>_cuda.h):
+ * - device pointers only; bf16 tensors are uint16_t bit patterns (as in
+ *   kda_cuda.h), everything else fp32 unless named otherwise;
+ * - matrix products take bf16 operands and accumulate in fp32;
+ * - backward functions ACCUMULATE (+=) into fp32 gradients, as on the CPU;
+ *   gradients reduced over tokens (norm weights, per-channel vectors) are
+ *   summed in a fixed order (no atomics), so results are bit-identical from
+ *   run to run on the same GPU;
+ * - errors come back as lm_status with a message naming the argument or the
+ *   CUDA error (LM_CUDA_TRY in src/cuda/cuda_check.h). */
+#ifndef LONGMOE_CUDA_CONTEXT_H
+#define LONGMOE_CUDA_CONTEXT_H
+
+#include <stddef.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    void *stream;          /* cudaStream_t */
+    void *cublaslt;        /* cublasLtHandle_t */
+    void *lt_workspace;    /* cuBLASLt workspace (device) */
+    size_t lt_workspace_bytes;
+    int device;            /* CUDA device ordinal */
+    int sm_count;          /* multiprocessors of that device */
+} lm_cuda_context;
+
+/* Create a stream, a cuBLASLt handle and a 32 MiB cuBLASLt workspace on the
+ * current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
+lm_status lm_cuda_context_create(lm_cuda_context *ctx);
+void lm_cuda_context_destroy(lm_cuda_context *ctx);
+/* Wait for the context's stream; report an error a kernel left behind. */
+lm_status lm_cuda_context_sync(const lm_cuda_context *ctx);
+
+/* Host <-> device helpers for tests and tools (they synchronise). */
+lm_status lm_cuda_alloc(void **ptr, size_t bytes);   /* zeroed */
+void lm_cuda_free(void *ptr);
+lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes);
+lm_status lm_cuda_download(void *dst, const void *src, size_t bytes);
+/* Upload fp32 host values as bf16 (round to nearest even), and back. */
+lm_status lm_cuda_upload_bf16(uint16_t *dst, const float *src, size_t n);
+lm_status lm_cuda_download_bf16(float *dst, const uint16_t *src, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

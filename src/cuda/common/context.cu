@@ -1,0 +1,92 @@
+/* The shared CUDA context (include/longmoe/cuda_context.h). */
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "longmoe/cuda_context.h"
+
+#define LT_WORKSPACE_BYTES ((size_t)32 << 20)
+
+#define LT_TRY(call)                                                                                      \
+    do {                                                                                                  \
+        cublasStatus_t s_ = (call);                                                                       \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
+            return lm_error(LM_ERR_IO, "%s:%d: cuBLASLt error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
+    } while (0)
+
+extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
+    if (!ctx) return lm_error(LM_ERR_ARG, "cuda context: NULL");
+    memset(ctx, 0, sizeof *ctx);
+    LM_CUDA_TRY(cudaGetDevice(&ctx->device));
+    LM_CUDA_TRY(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, ctx->device));
+    cudaStream_t s;
+    LM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    ctx->stream = s;
+    cublasLtHandle_t h;
+    LT_TRY(cublasLtCreate(&h));
+    ctx->cublaslt = h;
+    LM_CUDA_TRY(cudaMalloc(&ctx->lt_workspace, LT_WORKSPACE_BYTES));
+    ctx->lt_workspace_bytes = LT_WORKSPACE_BYTES;
+    return LM_OK;
+}
+
+extern "C" void lm_cuda_context_destroy(lm_cuda_context *ctx) {
+    if (!ctx) return;
+    if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
+    if (ctx->lt_workspace) cudaFree(ctx->lt_workspace);
+    if (ctx->cublaslt) cublasLtDestroy((cublasLtHandle_t)ctx->cublaslt);
+    if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
+    memset(ctx, 0, sizeof *ctx);
+}
+
+extern "C" lm_status lm_cuda_context_sync(const lm_cuda_context *ctx) {
+    LM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)ctx->stream));
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_alloc(void **ptr, size_t bytes) {
+    *ptr = NULL;
+    if (bytes == 0) bytes = 16;
+    LM_CUDA_TRY(cudaMalloc(ptr, bytes));
+    LM_CUDA_TRY(cudaMemset(*ptr, 0, bytes));
+    return LM_OK;
+}
+
+extern "C" void lm_cuda_free(void *ptr) {
+    if (ptr) cudaFree(ptr);
+}
+
+extern "C" lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes) {
+    LM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_download(void *dst, const void *src, size_t bytes) {
+    LM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_upload_bf16(uint16_t *dst, const float *src, size_t n) {
+    uint16_t *h = (uint16_t *)malloc((n ? n : 1) * sizeof(uint16_t));
+    if (!h) return lm_error(LM_ERR_MEMORY, "upload_bf16: out of host memory for %zu values", n);
+    for (size_t i = 0; i < n; i++) h[i] = lm_f32_to_bf16(src[i]);
+    cudaError_t e = cudaMemcpy(dst, h, n * sizeof(uint16_t), cudaMemcpyHostToDevice);
+    free(h);
+    LM_CUDA_TRY(e);
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_download_bf16(float *dst, const uint16_t *src, size_t n) {
+    uint16_t *h = (uint16_t *)malloc((n ? n : 1) * sizeof(uint16_t));
+    if (!h) return lm_error(LM_ERR_MEMORY, "download_bf16: out of host memory for %zu values", n);
+    cudaError_t e = cudaMemcpy(h, src, n * sizeof(uint16_t), cudaMemcpyDeviceToHost);
+    if (e == cudaSuccess)
+        for (size_t i = 0; i < n; i++) dst[i] = lm_bf16_to_f32(h[i]);
+    free(h);
+    LM_CUDA_TRY(e);
+    return LM_OK;
+}
