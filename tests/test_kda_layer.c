@@ -6,7 +6,7 @@
 enum { B = 2, T = 21, D = 8, H = 2, KD = 4, W = 4 };
 
 static lm_kda_layer_config config(lm_kda_gate gate) {
-    lm_kda_layer_config c = {D, H, KD, W, 16, gate, -5.0f, 1e-6f, NULL, 0};
+    lm_kda_layer_config c = {D, H, KD, W, 16, gate, -5.0f, 1e-6f, NULL, 0, NULL};
     return c;
 }
 

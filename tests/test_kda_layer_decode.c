@@ -36,7 +36,7 @@ static double rel_max_diff(const float *a, const float *b, size_t n) {
 }
 
 static void check_decode(lm_kda_gate gate, int W, int chunk, uint64_t seed) {
-    lm_kda_layer_config c = {D, H, KD, W, chunk, gate, -5.0f, 1e-6f, NULL, 0};
+    lm_kda_layer_config c = {D, H, KD, W, chunk, gate, -5.0f, 1e-6f, NULL, 0, NULL};
     lm_rng rng;
     lm_rng_seed(&rng, seed);
     float *params = random_params(&c, &rng);
@@ -94,7 +94,7 @@ static void check_decode(lm_kda_gate gate, int W, int chunk, uint64_t seed) {
 /* Sequences are independent: changing sequence 1's tokens leaves sequence 0's
  * decoded outputs unchanged (the state and conv tails are per sequence). */
 static void test_sequences_keep_separate_states(void) {
-    lm_kda_layer_config c = {D, H, KD, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0};
+    lm_kda_layer_config c = {D, H, KD, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, NULL};
     lm_rng rng;
     lm_rng_seed(&rng, 77);
     float *params = random_params(&c, &rng);

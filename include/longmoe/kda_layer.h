@@ -24,6 +24,7 @@ typedef struct {
     float g_min, eps;
     void *workspace;        /* the operator's scratch, planned by the caller (NULL: per call) */
     size_t workspace_bytes;
+    struct lm_backend *backend; /* whose ops compute the layer (NULL: the CPU's; backend.h) */
 } lm_kda_layer_config;
 
 /* Parameters, in this order (lm_kda_layer_specs):

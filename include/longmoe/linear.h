@@ -5,6 +5,7 @@
 #ifndef LONGMOE_LINEAR_H
 #define LONGMOE_LINEAR_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -26,6 +27,22 @@ void lm_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *
 /* dinp += ..., dweight += ...; rstd from the forward (recomputed if NULL). */
 void lm_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
                          const float *weight, const float *rstd, int64_t n, int d, float eps);
+
+/* The KDA layer's causal depthwise convolution (src/ops/linear/short_conv.c):
+ * out[t,c] = sum_i w[c,i] in[t-(W-1)+i, c], zero history at each sequence
+ * start; in, out [B,T,C], w [C,W]. */
+void lm_short_conv_forward(float *out, const float *in, const float *w, int B, int T, int C, int W);
+/* din[t,c] = sum_i w[c,i] dout[t+(W-1)-i, c] (WRITTEN);
+ * dw[c,i] += sum_t in[t-(W-1)+i, c] dout[t,c] (fixed order per channel). */
+void lm_short_conv_backward(float *din, float *dw, const float *dout, const float *in, const float *w, int B,
+                            int T, int C, int W);
+/* out = SiLU(in), then per row of K channels L2-normalised when rnorm != NULL
+ * (rnorm[r] = 1/sqrt(||SiLU(in_r)||^2 + 1e-6)); rows of K floats. */
+void lm_silu_l2_forward(float *out, float *rnorm, const float *in, size_t rows, int K);
+/* din (WRITTEN) = dSiLU(in) * (the L2 normalisation's backward of dout); out
+ * is the forward's output. */
+void lm_silu_l2_backward(float *din, const float *dout, const float *in, const float *out, const float *rnorm,
+                         size_t rows, int K);
 
 static inline float lm_sigmoidf(float x) {
     /* stable for any finite x */

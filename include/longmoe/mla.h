@@ -57,6 +57,7 @@ typedef struct {
     float scale;     /* attention scale; 0 = Dk^-1/2 */
     void *workspace; /* the attention core's scratch, planned by the caller (NULL: per call) */
     size_t workspace_bytes;
+    struct lm_backend *backend; /* whose ops compute the layer (NULL: the CPU's; backend.h) */
 } lm_mla_config;
 
 /* Parameter tensors (also used for their gradients). Unused ones are NULL:

@@ -5,9 +5,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/linear.h"
-
-#define L2_EPS 1e-6f
 
 size_t lm_kda_layer_specs(const lm_kda_layer_config *c, lm_tensor_spec *s) {
     int64_t d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
@@ -74,88 +73,6 @@ size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) {
     return 7 * N * HK + N * H;
 }
 
-/* Causal depthwise convolution: out[t,c] = sum_i w[c,i] in[t-(W-1)+i, c]. */
-static void short_conv_forward(float *out, const float *in, const float *w, int B, int T, int C, int W) {
-    // in, out are (B,T,C); w is (C,W)
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            float *o = out + ((size_t)b * T + t) * C;
-            for (int ch = 0; ch < C; ch++) o[ch] = 0.0f;
-            for (int i = 0; i < W; i++) {
-                int src = t - (W - 1) + i;
-                if (src < 0) continue;
-                const float *x = in + ((size_t)b * T + src) * C;
-                for (int ch = 0; ch < C; ch++) o[ch] += w[(size_t)ch * W + i] * x[ch];
-            }
-        }
-}
-
-/* din[t,c] = sum_i w[c,i] dout[t+(W-1)-i, c] (written, not accumulated);
- * dw[c,i] += sum_t in[t-(W-1)+i, c] dout[t,c]. */
-static void short_conv_backward(float *din, float *dw, const float *dout, const float *in,
-                                const float *w, int B, int T, int C, int W) {
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            float *dx = din + ((size_t)b * T + t) * C;
-            for (int ch = 0; ch < C; ch++) dx[ch] = 0.0f;
-            for (int i = 0; i < W; i++) {
-                int dst = t + (W - 1) - i;
-                if (dst >= T) continue;
-                const float *g = dout + ((size_t)b * T + dst) * C;
-                for (int ch = 0; ch < C; ch++) dx[ch] += w[(size_t)ch * W + i] * g[ch];
-            }
-        }
-    /* each thread owns whole channels: a fixed summation order */
-#pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < C; ch++)
-        for (int i = 0; i < W; i++) {
-            float s = 0.0f;
-            for (int b = 0; b < B; b++)
-                for (int t = W - 1 - i; t < T; t++)
-                    s += in[((size_t)b * T + t - (W - 1) + i) * C + ch] * dout[((size_t)b * T + t) * C + ch];
-            dw[(size_t)ch * W + i] += s;
-        }
-}
-
-/* SiLU then (optionally) L2 normalisation per head of K channels. */
-static void silu_l2_forward(float *out, float *rnorm, const float *in, size_t rows, int K) {
-#pragma omp parallel for schedule(static)
-    for (size_t r = 0; r < rows; r++) {
-        const float *x = in + r * K;
-        float *y = out + r * K, ss = 0.0f;
-        for (int d = 0; d < K; d++) {
-            y[d] = lm_siluf(x[d]);
-            ss += y[d] * y[d];
-        }
-        if (rnorm) {
-            float s = 1.0f / sqrtf(ss + L2_EPS);
-            rnorm[r] = s;
-            for (int d = 0; d < K; d++) y[d] *= s;
-        }
-    }
-}
-
-/* Backward of silu_l2_forward: din = dSiLU(in) * (L2 backward of dout). */
-static void silu_l2_backward(float *din, const float *dout, const float *in, const float *out,
-                             const float *rnorm, size_t rows, int K) {
-#pragma omp parallel for schedule(static)
-    for (size_t r = 0; r < rows; r++) {
-        const float *x = in + r * K, *g = dout + r * K, *y = out + r * K;
-        float *dx = din + r * K;
-        float dot = 0.0f, s = rnorm ? rnorm[r] : 1.0f;
-        if (rnorm)
-            for (int d = 0; d < K; d++) dot += y[d] * g[d];
-        for (int d = 0; d < K; d++) {
-            /* y = u s with u = silu(x): du = s (g - y (y.g)) */
-            float du = rnorm ? s * (g[d] - y[d] * dot) : g[d];
-            float sg = lm_sigmoidf(x[d]);
-            dx[d] = du * sg * (1.0f + x[d] * (1.0f - sg));
-        }
-    }
-}
-
 static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     lm_kda_config k = lm_kda_config_default(B, T, c->heads, c->head_dim, c->head_dim);
     k.gate = c->gate;
@@ -166,36 +83,46 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     return k;
 }
 
-/* The layer's forward; ht (may be NULL) receives the operator's final state [B,H,K,K]. */
+static lm_backend *backend_of(const lm_kda_layer_config *c) { return c->backend ? c->backend : lm_backend_cpu(); }
+
+#define TRY_OP(x)              \
+    do {                       \
+        lm_status s_ = (x);    \
+        if (s_) return s_;     \
+    } while (0)
+
+/* The layer's forward through the backend's ops; ht (may be NULL, CPU only)
+ * receives the operator's final state [B,H,K,K]. */
 static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p, lm_kda_layer_acts *a,
                                const float *x, int B, int T, float *y, float *ht) {
     // x is (B,T,d), y is (B,T,d)
+    lm_backend *be = backend_of(c);
+    const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T;
-    lm_matmul_forward(a->qp, x, p->W_q, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->kp, x, p->W_k, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->vp, x, p->W_v, NULL, (int64_t)N, d, HK);
-    short_conv_forward(a->qc, a->qp, p->conv_q, B, T, HK, W);
-    short_conv_forward(a->kc, a->kp, p->conv_k, B, T, HK, W);
-    short_conv_forward(a->vc, a->vp, p->conv_v, B, T, HK, W);
-    silu_l2_forward(a->q, a->qk_rnorm, a->qc, N * H, K);
-    silu_l2_forward(a->k, a->qk_rnorm + N * H, a->kc, N * H, K);
-    silu_l2_forward(a->v, NULL, a->vc, N * H, K);
-    lm_matmul_forward(a->z, x, p->W_z, NULL, (int64_t)N, d, HK);
-    lm_matmul_forward(a->beta, x, p->W_beta, NULL, (int64_t)N, d, H);
-    for (size_t i = 0; i < N * H; i++) a->beta[i] = lm_sigmoidf(a->beta[i]);
+    TRY_OP(op->matmul_forward(be, a->qp, x, p->W_q, (int64_t)N, d, HK));
+    TRY_OP(op->matmul_forward(be, a->kp, x, p->W_k, (int64_t)N, d, HK));
+    TRY_OP(op->matmul_forward(be, a->vp, x, p->W_v, (int64_t)N, d, HK));
+    /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
+    TRY_OP(op->conv_silu_forward(be, a->qc, a->q, a->qk_rnorm, a->qp, p->conv_q, B, T, HK, W, K));
+    TRY_OP(op->conv_silu_forward(be, a->kc, a->k, a->qk_rnorm + N * H, a->kp, p->conv_k, B, T, HK, W, K));
+    TRY_OP(op->conv_silu_forward(be, a->vc, a->v, NULL, a->vp, p->conv_v, B, T, HK, W, K));
+    TRY_OP(op->matmul_forward(be, a->z, x, p->W_z, (int64_t)N, d, HK));
+    TRY_OP(op->matmul_forward(be, a->beta, x, p->W_beta, (int64_t)N, d, H));
+    TRY_OP(op->sigmoid_forward(be, a->beta, a->beta, N * H));
     lm_kda_config kc = op_config(c, B, T);
-    lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-    lm_status s = lm_kda_chunk_forward(&kc, &in, a->o, ht);
-    if (s) return s;
-    /* head RMSNorm into `gated`, then the output gate */
-    lm_rmsnorm_forward(a->gated, a->o_rstd, a->o, p->o_norm, (int64_t)(N * H), K, c->eps);
-    lm_matmul_forward(a->gate, x, p->W_g, NULL, (int64_t)N, d, HK);
-    for (size_t i = 0; i < N * HK; i++) {
-        a->gate[i] = lm_sigmoidf(a->gate[i]);
-        a->gated[i] *= a->gate[i];
+    if (ht) {
+        if (be->device != LM_DEVICE_CPU) return lm_error(LM_ERR_ARG, "kda layer: the final state is a CPU feature");
+        lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
+        TRY_OP(lm_kda_chunk_forward(&kc, &in, a->o, ht));
+    } else {
+        TRY_OP(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, a->o));
     }
-    lm_matmul_forward(y, a->gated, p->W_o, NULL, (int64_t)N, HK, d);
+    /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
+    TRY_OP(op->matmul_forward(be, a->gate, x, p->W_g, (int64_t)N, d, HK));
+    TRY_OP(op->kda_output_forward(be, a->gated, a->gated, a->o_rstd, a->gate, a->gate, a->o, p->o_norm, (int64_t)N,
+                                  H, K, c->eps));
+    TRY_OP(op->matmul_forward(be, y, a->gated, p->W_o, (int64_t)N, HK, d));
     return LM_OK;
 }
 
@@ -209,33 +136,26 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                                 const float *x, const float *dy, int B, int T, float *dx,
                                 float *scratch) {
     // dy is (B,T,d); dx (B,T,d) and g accumulate
+    lm_backend *be = backend_of(c);
+    const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T, NHK = N * HK;
     float *d_gated = scratch, *d_o = scratch + NHK, *dq = scratch + 2 * NHK, *dk = scratch + 3 * NHK,
           *dv = scratch + 4 * NHK, *dz = scratch + 5 * NHK, *tmp = scratch + 6 * NHK,
           *dbeta = scratch + 7 * NHK;
-    memset(d_gated, 0, NHK * sizeof(float));
-    lm_matmul_backward(d_gated, g->W_o, NULL, dy, a->gated, p->W_o, (int64_t)N, HK, d);
-    /* gated = gate ⊙ n with n = RMSNorm(o): d gate-logit = d_gated n gate (1 - gate) */
-    for (size_t i = 0; i < NHK; i++) {
-        float gt = a->gate[i], n = a->o[i] * a->o_rstd[i / K] * p->o_norm[i % K];
-        tmp[i] = d_gated[i] * n * gt * (1.0f - gt);
-        d_gated[i] *= gt; /* now d n */
-    }
-    lm_matmul_backward(dx, g->W_g, NULL, tmp, x, p->W_g, (int64_t)N, d, HK);
-    memset(d_o, 0, NHK * sizeof(float));
-    lm_rmsnorm_backward(d_o, g->o_norm, d_gated, a->o, p->o_norm, a->o_rstd, (int64_t)(N * H), K, c->eps);
+    TRY_OP(be->zero(be, d_gated, NHK * sizeof(float)));
+    TRY_OP(op->matmul_backward(be, d_gated, g->W_o, dy, a->gated, p->W_o, (int64_t)N, HK, d));
+    /* the output gate and head norm: dgate-logits into dz (free until the operator), d_o */
+    TRY_OP(op->kda_output_backward(be, d_o, dz, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
+                                   H, K, c->eps, tmp));
+    TRY_OP(op->matmul_backward(be, dx, g->W_g, dz, x, p->W_g, (int64_t)N, d, HK));
     /* the operator */
-    memset(dq, 0, 5 * NHK * sizeof(float));
-    memset(dbeta, 0, N * H * sizeof(float));
     lm_kda_config kc = op_config(c, B, T);
-    lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-    lm_kda_grads kg = {dq, dk, dv, dz, dbeta, g->A_log, g->dt_bias, NULL};
-    lm_status s = lm_kda_chunk_backward(&kc, &in, d_o, NULL, &kg);
-    if (s) return s;
-    lm_matmul_backward(dx, g->W_z, NULL, dz, x, p->W_z, (int64_t)N, d, HK);
-    for (size_t i = 0; i < N * H; i++) dbeta[i] *= a->beta[i] * (1.0f - a->beta[i]);
-    lm_matmul_backward(dx, g->W_beta, NULL, dbeta, x, p->W_beta, (int64_t)N, d, H);
+    TRY_OP(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
+                            dbeta, g->A_log, g->dt_bias));
+    TRY_OP(op->matmul_backward(be, dx, g->W_z, dz, x, p->W_z, (int64_t)N, d, HK));
+    TRY_OP(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
+    TRY_OP(op->matmul_backward(be, dx, g->W_beta, dbeta, x, p->W_beta, (int64_t)N, d, H));
     /* q, k, v: normalisation and SiLU, the short convolution, the projections */
     float *const douts[3] = {dq, dk, dv};
     const float *const pre[3] = {a->qc, a->kc, a->vc}, *const post[3] = {a->q, a->k, a->v},
@@ -244,9 +164,10 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v}, *const Wm[3] = {p->W_q, p->W_k, p->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     for (int j = 0; j < 3; j++) {
-        silu_l2_backward(tmp, douts[j], pre[j], post[j], rn[j], N * H, K);
-        short_conv_backward(douts[j], conv_g[j], tmp, proj[j], conv_w[j], B, T, HK, W);
-        lm_matmul_backward(dx, Wg[j], NULL, douts[j], x, Wm[j], (int64_t)N, d, HK);
+        /* the projection's gradient overwrites the operator's (douts[j]) */
+        TRY_OP(op->conv_silu_backward(be, douts[j], conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
+                                      B, T, HK, W, K, tmp));
+        TRY_OP(op->matmul_backward(be, dx, Wg[j], douts[j], x, Wm[j], (int64_t)N, d, HK));
     }
     return LM_OK;
 }
@@ -340,11 +261,11 @@ lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_par
     lm_matmul_forward(vp, x, p->W_v, NULL, B, d, HK);
     /* q, k: L2Norm(SiLU(ShortConv(.))); v: SiLU(ShortConv(.)) */
     short_conv_step(cq, cache->tail_q, qp, p->conv_q, B, HK, W);
-    silu_l2_forward(q, rnorm, cq, BH, K);
+    lm_silu_l2_forward(q, rnorm, cq, BH, K);
     short_conv_step(cq, cache->tail_k, kp, p->conv_k, B, HK, W);
-    silu_l2_forward(k, rnorm + BH, cq, BH, K);
+    lm_silu_l2_forward(k, rnorm + BH, cq, BH, K);
     short_conv_step(cq, cache->tail_v, vp, p->conv_v, B, HK, W);
-    silu_l2_forward(v, NULL, cq, BH, K);
+    lm_silu_l2_forward(v, NULL, cq, BH, K);
     lm_matmul_forward(z, x, p->W_z, NULL, B, d, HK);
     lm_matmul_forward(beta, x, p->W_beta, NULL, B, d, H);
     for (size_t i = 0; i < BH; i++) beta[i] = lm_sigmoidf(beta[i]);

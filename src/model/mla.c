@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "longmoe/attention.h"
+#include "longmoe/backend.h"
 #include "longmoe/linear.h"
 
 lm_mla_config lm_mla_config_mla(int d_model, int n_heads, int head_dim_qk, int head_dim_v,
@@ -252,12 +253,28 @@ static lm_attention_config core_config(const lm_mla_config *c, int B, int T) {
     return a;
 }
 
+/* The products and norms of the layer, through the backend's ops (backend.h). */
+#define TRY_OP(x)           \
+    do {                    \
+        lm_status s_ = (x); \
+        if (s_) return s_;  \
+    } while (0)
+#define MM_F(out, inp, w, bias, n, ic, oc) TRY_OP(op->matmul_forward(be, out, inp, w, n, ic, oc))
+#define MM_B(dinp, dw, dbias, dout, inp, w, n, ic, oc) TRY_OP(op->matmul_backward(be, dinp, dw, dout, inp, w, n, ic, oc))
+#define RMS_F(out, rstd, inp, w, n, d, eps) TRY_OP(op->rmsnorm_forward(be, out, NULL, rstd, inp, w, n, d, eps))
+#define RMS_B(dinp, dw, dout, inp, w, rstd, n, d, eps) TRY_OP(op->rmsnorm_backward(be, dinp, dw, dout, inp, w, rstd, n, d, eps))
+
 lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
                          int T, float *y, float *acts) {
     // x (B,T,d) -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
     if (st) return st;
     if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "mla forward: x, y and acts are required");
+    lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
+    const lm_ops *op = be->ops;
+    if (c->rope_dims && be->device != LM_DEVICE_CPU)
+        return lm_error(LM_ERR_ARG, "mla: rope_dims=%d: RoPE runs on the CPU only (the recipe's MLA is NoPE)",
+                        c->rope_dims);
     const int64_t N = (int64_t)B * T;
     const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
     const int r = c->rope_dims, Dn = Dk - r, Hk = kv_heads(c);
@@ -267,18 +284,18 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
     if (c->kind == LM_ATTN_MLA) {
         float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
         // q = W_uq RMSNorm(W_dq x); c = RMSNorm(W_dkv x)   (SPEC §3)
-        lm_matmul_forward(ql, x, p->W_dq, NULL, N, d, c->q_lora);
-        lm_rmsnorm_forward(qn, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora, eps);
-        lm_matmul_forward(q, qn, p->W_uq, NULL, N, c->q_lora, H * Dk);
-        lm_matmul_forward(kvl, x, p->W_dkv, NULL, N, d, c->kv_lora);
-        lm_rmsnorm_forward(lat, acts + L.kv_rstd, kvl, p->kv_norm, N, c->kv_lora, eps);
+        MM_F(ql, x, p->W_dq, NULL, N, d, c->q_lora);
+        RMS_F(qn, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora, eps);
+        MM_F(q, qn, p->W_uq, NULL, N, c->q_lora, H * Dk);
+        MM_F(kvl, x, p->W_dkv, NULL, N, d, c->kv_lora);
+        RMS_F(lat, acts + L.kv_rstd, kvl, p->kv_norm, N, c->kv_lora, eps);
         // k_h = W_uk,h c (+ the shared rotary key kr), v_h = W_uv,h c
         if (r == 0) {
-            lm_matmul_forward(k, lat, p->W_uk, NULL, N, c->kv_lora, H * Dk);
+            MM_F(k, lat, p->W_uk, NULL, N, c->kv_lora, H * Dk);
         } else {
             float *kn = acts + L.kn, *kr = acts + L.kr;
-            lm_matmul_forward(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
-            lm_matmul_forward(kr, x, p->W_kr, NULL, N, d, r);
+            MM_F(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
+            MM_F(kr, x, p->W_kr, NULL, N, d, r);
             rope_apply(kr, N, T, 1, r, r, c->rope_base, 0, 0);
             rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
 #pragma omp parallel for schedule(static)
@@ -289,24 +306,21 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
                     memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
                 }
         }
-        lm_matmul_forward(v, lat, p->W_uv, NULL, N, c->kv_lora, H * Dv);
+        MM_F(v, lat, p->W_uv, NULL, N, c->kv_lora, H * Dv);
     } else {
-        lm_matmul_forward(q, x, p->W_q, NULL, N, d, H * Dk);
-        lm_matmul_forward(k, x, p->W_k, NULL, N, d, Hk * Dk);
-        lm_matmul_forward(v, x, p->W_v, NULL, N, d, Hk * Dv);
+        MM_F(q, x, p->W_q, NULL, N, d, H * Dk);
+        MM_F(k, x, p->W_k, NULL, N, d, Hk * Dk);
+        MM_F(v, x, p->W_v, NULL, N, d, Hk * Dv);
         rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
         rope_apply(k, N, T, Hk, Dk, r, c->rope_base, 0, 0);
     }
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    st = lm_attention_forward_rowmax(&ac, q, k, v, o, acts + L.lse, acts + L.rowmax);
-    if (st) return st;
+    TRY_OP(op->attention_forward(be, &ac, q, k, v, o, acts + L.lse, acts + L.rowmax));
     // y = W_o (sigmoid(W_g x) * o)
-    lm_matmul_forward(gp, x, p->W_g, NULL, N, d, H * Dv);
-    const int64_t n_out = N * H * Dv;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n_out; i++) gated[i] = lm_sigmoidf(gp[i]) * o[i];
-    lm_matmul_forward(y, gated, p->W_o, NULL, N, H * Dv, d);
+    MM_F(gp, x, p->W_g, NULL, N, d, H * Dv);
+    TRY_OP(op->gate_forward(be, gated, gated, gp, o, (size_t)N * H * Dv));
+    MM_F(y, gated, p->W_o, NULL, N, H * Dv, d);
     return LM_OK;
 }
 
@@ -320,6 +334,8 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
     if (st) return st;
     if (!x || !acts || !dy || !scratch)
         return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy and scratch are required");
+    lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
+    const lm_ops *op = be->ops;
     lm_mla_params none;
     memset(&none, 0, sizeof none);
     if (!g) g = &none;
@@ -329,31 +345,23 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
     scratch_layout S = layout_scratch(c, B, T);
-    memset(scratch, 0, S.total * sizeof(float));
+    TRY_OP(be->zero(be, scratch, S.total * sizeof(float)));
     const float *o = acts + L.o, *gp = acts + L.gp;
     float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
     float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv;
     // through y = W_o (sigmoid(gp) * o)
-    lm_matmul_backward(dgated, g->W_o, NULL, dy, acts + L.gated, p->W_o, N, H * Dv, d);
-    const int64_t n_out = N * H * Dv;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n_out; i++) {
-        const float s = lm_sigmoidf(gp[i]);
-        d_o[i] = dgated[i] * s;
-        dgp[i] = dgated[i] * o[i] * s * (1.0f - s);
-    }
-    lm_matmul_backward(dx, g->W_g, NULL, dgp, x, p->W_g, N, d, H * Dv);
+    MM_B(dgated, g->W_o, NULL, dy, acts + L.gated, p->W_o, N, H * Dv, d);
+    TRY_OP(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
+    MM_B(dx, g->W_g, NULL, dgp, x, p->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
-    st = lm_attention_backward(&ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq,
-                               dk, dv);
-    if (st) return st;
+    TRY_OP(op->attention_backward(be, &ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq, dk, dv));
     if (c->kind == LM_ATTN_MLA) {
         const float *lat = acts + L.c;
         float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,
               *dql = scratch + S.dql;
-        lm_matmul_backward(dc, g->W_uv, NULL, dv, lat, p->W_uv, N, c->kv_lora, H * Dv);
+        MM_B(dc, g->W_uv, NULL, dv, lat, p->W_uv, N, c->kv_lora, H * Dv);
         if (r == 0) {
-            lm_matmul_backward(dc, g->W_uk, NULL, dk, lat, p->W_uk, N, c->kv_lora, H * Dk);
+            MM_B(dc, g->W_uk, NULL, dk, lat, p->W_uk, N, c->kv_lora, H * Dk);
         } else {
             float *dkn = scratch + S.dkn, *dkr = scratch + S.dkr;
             // split dk into the per-head latent part and the shared rotary key (summed over heads)
@@ -364,27 +372,32 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
                     memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
                     for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
                 }
-            lm_matmul_backward(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
+            MM_B(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
             rope_apply(dkr, N, T, 1, r, r, c->rope_base, 0, 1);
-            lm_matmul_backward(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
+            MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
             rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
         }
-        lm_rmsnorm_backward(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
+        RMS_B(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
                             c->kv_lora, eps);
-        lm_matmul_backward(dx, g->W_dkv, NULL, dkvl, x, p->W_dkv, N, d, c->kv_lora);
-        lm_matmul_backward(dqn, g->W_uq, NULL, dq, acts + L.qn, p->W_uq, N, c->q_lora, H * Dk);
-        lm_rmsnorm_backward(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
+        MM_B(dx, g->W_dkv, NULL, dkvl, x, p->W_dkv, N, d, c->kv_lora);
+        MM_B(dqn, g->W_uq, NULL, dq, acts + L.qn, p->W_uq, N, c->q_lora, H * Dk);
+        RMS_B(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
                             c->q_lora, eps);
-        lm_matmul_backward(dx, g->W_dq, NULL, dql, x, p->W_dq, N, d, c->q_lora);
+        MM_B(dx, g->W_dq, NULL, dql, x, p->W_dq, N, d, c->q_lora);
     } else {
         rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
         rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, 0, 1);
-        lm_matmul_backward(dx, g->W_q, NULL, dq, x, p->W_q, N, d, H * Dk);
-        lm_matmul_backward(dx, g->W_k, NULL, dk, x, p->W_k, N, d, Hk * Dk);
-        lm_matmul_backward(dx, g->W_v, NULL, dv, x, p->W_v, N, d, Hk * Dv);
+        MM_B(dx, g->W_q, NULL, dq, x, p->W_q, N, d, H * Dk);
+        MM_B(dx, g->W_k, NULL, dk, x, p->W_k, N, d, Hk * Dk);
+        MM_B(dx, g->W_v, NULL, dv, x, p->W_v, N, d, Hk * Dv);
     }
     return LM_OK;
 }
+
+#undef MM_F
+#undef MM_B
+#undef RMS_F
+#undef RMS_B
 
 /* ---------------------------------------------------------------- decode */
 

@@ -58,7 +58,7 @@ static lm_status plan_kda(lm_model *m, int l, layer_state *ls) {
     const lm_config *c = &m->cfg;
     lm_kda_layer_config kc = {c->d_model, c->kda_heads, c->kda_head_dim, c->kda_conv_width, c->kda_chunk,
                               c->kda_gate_softplus ? LM_KDA_GATE_SOFTPLUS : LM_KDA_GATE_BOUNDED,
-                              c->kda_g_min, c->norm_eps, NULL, 0};
+                              c->kda_g_min, c->norm_eps, NULL, 0, NULL};
     ls->kda_cfg = kc;
     lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
     lm_kda_layer_specs(&kc, specs);
@@ -189,6 +189,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     if (!m) return lm_error(LM_ERR_MEMORY, "out of memory creating the model");
     lm_status st = LM_OK;
     m->cfg = *cfg;
+    m->be = lm_backend_cpu();
     m->B = B;
     m->T = T;
     m->N = (int64_t)B * T;
@@ -241,7 +242,9 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     act += (size_t)m->L2 * N;                       /* rstd per sublayer */
     act += 2 * (size_t)N * d + 2 * (size_t)N;       /* hf, hn, rstd_final, lse_rows */
     act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
-    act += (size_t)CE_CHUNK * V;                    /* logits of one chunk */
+    size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
+                       sizeof(float);
+    act += ce_floats;                               /* the chunked cross-entropy's logits */
     /* with recompute, the sublayers of one kind share one activation buffer:
      * the backward recomputes each sublayer's forward from its saved input */
     int shared_kda = 0, shared_mla = 0, shared_ffn = 0;
@@ -315,7 +318,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     CARVE(m->dx0, (size_t)N * d);
     CARVE(m->dhn, (size_t)N * d);
     CARVE(m->dhf, (size_t)N * d);
-    CARVE(m->logits, (size_t)CE_CHUNK * V);
+    CARVE(m->logits, ce_floats);
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
         float *pp = m->params + ls->mixer_off, *gg = m->grads + ls->mixer_off;
@@ -388,6 +391,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     for (int l = 0; l < cfg->n_layers; l++) {
         m->layers[l].kda_cfg.workspace = m->layers[l].mla_cfg.workspace = op_ws;
         m->layers[l].kda_cfg.workspace_bytes = m->layers[l].mla_cfg.workspace_bytes = op_floats * sizeof(float);
+        m->layers[l].kda_cfg.backend = m->layers[l].mla_cfg.backend = m->be;
     }
 #undef CARVE
 
@@ -528,33 +532,34 @@ static lm_time_part sublayer_part(const layer_state *ls, int idx) {
 
 /* ---- the dense FFN ---- */
 
-static void dense_ffn_forward(const lm_model *m, layer_state *ls, const float *x, float *y) {
+static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const float *x, float *y) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
     const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
-    lm_matmul_forward(ls->ffn_a, x, Wg, NULL, m->N, d, f);
-    lm_matmul_forward(ls->ffn_u, x, Wu, NULL, m->N, d, f);
-    for (size_t i = 0; i < (size_t)m->N * f; i++) ls->ffn_h[i] = lm_expert_act_forward(act, ls->ffn_a[i], ls->ffn_u[i]);
-    lm_matmul_forward(y, ls->ffn_h, Wd, NULL, m->N, f, d);
+    TRY(op->matmul_forward(be, ls->ffn_a, x, Wg, m->N, d, f));
+    TRY(op->matmul_forward(be, ls->ffn_u, x, Wu, m->N, d, f));
+    TRY(op->glu_forward(be, act, ls->ffn_h, ls->ffn_h, ls->ffn_a, ls->ffn_u, (size_t)m->N * f));
+    TRY(op->matmul_forward(be, y, ls->ffn_h, Wd, m->N, f, d));
+    return LM_OK;
 }
 
-static void dense_ffn_backward(lm_model *m, layer_state *ls, const float *x, const float *dy, float *dx) {
+static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const float *x, const float *dy, float *dx) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
     size_t nf = (size_t)m->N * f;
     const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
     float *gWg = m->grads + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
     float *dh = m->scratch, *da = dh + nf, *du = da + nf;
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
-    memset(dh, 0, nf * sizeof(float));
-    lm_matmul_backward(dh, gWd, NULL, dy, ls->ffn_h, Wd, m->N, f, d);
-    for (size_t i = 0; i < nf; i++) {
-        float ha, hu;
-        lm_expert_act_backward(act, ls->ffn_a[i], ls->ffn_u[i], &ha, &hu);
-        da[i] = dh[i] * ha;
-        du[i] = dh[i] * hu;
-    }
-    lm_matmul_backward(dx, gWg, NULL, da, x, Wg, m->N, d, f);
-    lm_matmul_backward(dx, gWu, NULL, du, x, Wu, m->N, d, f);
+    TRY(be->zero(be, dh, nf * sizeof(float)));
+    TRY(op->matmul_backward(be, dh, gWd, dy, ls->ffn_h, Wd, m->N, f, d));
+    TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
+    TRY(op->matmul_backward(be, dx, gWg, da, x, Wg, m->N, d, f));
+    TRY(op->matmul_backward(be, dx, gWu, du, x, Wu, m->N, d, f));
+    return LM_OK;
 }
 
 /* ---- forward and backward ---- */
@@ -585,7 +590,7 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
                 ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
         }
     } else if (!ls->moe) {
-        dense_ffn_forward(m, ls, xn, y);
+        TRY(dense_ffn_forward(m, ls, xn, y));
     } else {
         TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
         if (m->fault == LM_FAULT_ROUTER && !recompute) {
@@ -617,8 +622,9 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
             return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
                             tokens[i], (long long)i, V);
     double t0 = lm_time_seconds();
-    const float *E = m->params + m->embed_off;
-    for (int64_t i = 0; i < N; i++) memcpy(m->x0 + i * d, E + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    TRY(op->embedding_forward(be, m->x0, m->params + m->embed_off, tokens, N, d));
     if (m->fault == LM_FAULT_BATCH) {
         m->x0[0] = NAN;
         m->fault = LM_FAULT_NONE;
@@ -633,7 +639,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         TRY(lm_attnres_input(&m->ar, idx, &arp, hin));
         charge(m, LM_TIME_ATTNRES, &t0);
         const float *w = m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
-        lm_rmsnorm_forward(xn, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps);
+        TRY(op->rmsnorm_forward(be, xn, NULL, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps));
         charge(m, LM_TIME_NORMS, &t0);
         TRY(sublayer_forward(m, ls, idx, xn, m->y, training, 0));
         for (int64_t i = 0; i < N * d; i++)
@@ -646,7 +652,8 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     }
     TRY(lm_attnres_final(&m->ar, &arp, m->hf));
     charge(m, LM_TIME_ATTNRES, &t0);
-    lm_rmsnorm_forward(m->hn, m->rstd_final, m->hf, m->params + m->final_norm_off, N, d, m->cfg.norm_eps);
+    TRY(op->rmsnorm_forward(be, m->hn, NULL, m->rstd_final, m->hf, m->params + m->final_norm_off, N, d,
+                            m->cfg.norm_eps));
     charge(m, LM_TIME_NORMS, &t0);
     return LM_OK;
 }
@@ -665,23 +672,11 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     memcpy(m->tokens, tokens, (size_t)N * sizeof(int32_t));
     if (!targets) return LM_OK;
     memcpy(m->targets, targets, (size_t)N * sizeof(int32_t));
-    /* chunked cross-entropy: CE_CHUNK rows of logits at a time, log-sum-exp in fp32 */
-    const float *W = m->params + m->head_off;
+    /* the LM head and the chunked cross-entropy (log-sum-exp in fp32) */
+    lm_backend *be = m->be;
     double total = 0, t0 = lm_time_seconds();
-    for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
-        int rows = (int)(N - r0 < CE_CHUNK ? N - r0 : CE_CHUNK);
-        lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
-        for (int r = 0; r < rows; r++) {
-            const float *z = m->logits + (size_t)r * V;
-            float mx = z[0];
-            for (int v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
-            float s = 0;
-            for (int v = 0; v < V; v++) s += expf(z[v] - mx);
-            float lse = mx + logf(s);
-            m->lse_rows[r0 + r] = lse;
-            total += (double)(lse - z[targets[r0 + r]]);
-        }
-    }
+    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, &total, m->hn, m->params + m->head_off, targets, N, d, V,
+                                       m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
@@ -696,25 +691,16 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
     const int d = m->d, V = m->cfg.vocab_size;
     const float eps = m->cfg.norm_eps;
     /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * scale / N */
-    const float *W = m->params + m->head_off;
-    float *dW = m->grads + m->head_off;
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
     double t0 = lm_time_seconds();
-    memset(m->dhn, 0, (size_t)N * d * sizeof(float));
-    float s = loss_scale / (float)N;
-    for (int64_t r0 = 0; r0 < N; r0 += CE_CHUNK) {
-        int rows = (int)(N - r0 < CE_CHUNK ? N - r0 : CE_CHUNK);
-        lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
-        for (int r = 0; r < rows; r++) {
-            float *z = m->logits + (size_t)r * V, lse = m->lse_rows[r0 + r];
-            for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * s;
-            z[m->targets[r0 + r]] -= s;
-        }
-        lm_matmul_backward(m->dhn + r0 * d, dW, NULL, m->logits, m->hn + r0 * d, W, rows, d, V);
-    }
+    TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
+    TRY(op->cross_entropy_backward(be, m->dhn, m->grads + m->head_off, m->hn, m->params + m->head_off, m->targets,
+                                   m->lse_rows, loss_scale / (float)N, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
-    memset(m->dhf, 0, (size_t)N * d * sizeof(float));
-    lm_rmsnorm_backward(m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
-                        m->rstd_final, N, d, eps);
+    TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
+    TRY(op->rmsnorm_backward(be, m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
+                             m->rstd_final, N, d, eps));
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     lm_attnres_grads arg = {NULL, NULL};
@@ -727,11 +713,11 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
-        memset(m->dy, 0, (size_t)N * d * sizeof(float));
+        TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
         TRY(lm_attnres_output_backward(&m->ar, idx, m->dy));
         charge(m, LM_TIME_ATTNRES, &t0);
         if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, m->dxn, 0, 1));
-        memset(m->dxn, 0, (size_t)N * d * sizeof(float));
+        TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward(&ls->kda_cfg, &ls->kda_p, &ls->kda_g, &ls->kda_a, xn, m->dy, m->B,
@@ -740,7 +726,7 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
                 TRY(lm_mla_backward(&ls->mla_cfg, &ls->mla_p, xn, ls->mla_acts, m->dy, m->B, m->T, m->dxn,
                                     &ls->mla_g, m->scratch));
         } else if (!ls->moe) {
-            dense_ffn_backward(m, ls, xn, m->dy, m->dxn);
+            TRY(dense_ffn_backward(m, ls, xn, m->dy, m->dxn));
         } else {
             /* the MoE's saved routing is that of its last forward: this micro-batch's */
             float *extra = NULL;
@@ -752,24 +738,19 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
             TRY(lm_moe_backward(m->dxn, &ls->moe_g, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_p, &ls->moe_a));
         }
         charge(m, sublayer_part(ls, idx), &t0);
-        memset(m->dh, 0, (size_t)N * d * sizeof(float));
+        TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
         size_t off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
-        lm_rmsnorm_backward(m->dh, m->grads + off, m->dxn, hin, m->params + off, m->rstd + (size_t)idx * N, N, d,
-                            eps);
+        TRY(op->rmsnorm_backward(be, m->dh, m->grads + off, m->dxn, hin, m->params + off, m->rstd + (size_t)idx * N,
+                                 N, d, eps));
         charge(m, LM_TIME_NORMS, &t0);
         TRY(lm_attnres_input_backward(&m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);
     }
-    memset(m->dx0, 0, (size_t)N * d * sizeof(float));
+    TRY(be->zero(be, m->dx0, (size_t)N * d * sizeof(float)));
     TRY(lm_attnres_embedding_backward(&m->ar, m->dx0));
     charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
-    float *dE = m->grads + m->embed_off;
-    for (int64_t i = 0; i < N; i++) {
-        float *row = dE + (size_t)m->tokens[i] * d;
-        const float *g = m->dx0 + i * d;
-        for (int j = 0; j < d; j++) row[j] += g[j];
-    }
+    TRY(op->embedding_backward(be, m->grads + m->embed_off, m->dx0, m->tokens, N, d));
     if (m->fault == LM_FAULT_GRADIENT) {
         m->grads[m->n_params / 2] = NAN;
         m->fault = LM_FAULT_NONE;

@@ -5,12 +5,12 @@
 #define LONGMOE_MODEL_INTERNAL_H
 
 #include "longmoe/attnres.h"
+#include "longmoe/backend.h"
 #include "longmoe/kda_layer.h"
 #include "longmoe/mla.h"
 #include "longmoe/model.h"
 #include "longmoe/moe.h"
 
-#define CE_CHUNK 32 /* rows of logits held at once by the chunked cross-entropy */
 
 typedef struct {
     lm_mixer_kind mixer;
@@ -38,6 +38,7 @@ typedef struct {
 
 struct lm_model {
     lm_config cfg;
+    lm_backend *be; /* where the tensors live and whose ops compute the layers */
     int B, T, L2; /* L2 = 2 * n_layers sublayers */
     int64_t N;
     int d;

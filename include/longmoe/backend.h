@@ -1,0 +1,162 @@
+/* A backend: where the model's tensors live and which kernels compute its
+ * layers (docs/model.md, "Backends"). One description of the model (the
+ * parameter table, the layer order, the residual stream, routing and
+ * balancing) runs on every backend; a backend supplies memory and the ops
+ * below, nothing else.
+ *
+ *   lm_backend_cpu()   fp32 everywhere, OpenMP; the exact reference
+ *   (CUDA)             device memory, bf16 products (src/cuda, later)
+ *
+ * Tensors are plain pointers into the backend's memory. Every op takes the
+ * backend first. Shapes are row-major, N = tokens of the micro-batch.
+ *
+ * The product format ("lp", low precision). A matrix product reads its two
+ * operands in the backend's product format: fp32 on the CPU (lp_bytes = 4),
+ * bf16 on the GPU (lp_bytes = 2). Layers keep an lp view of each tensor
+ * that feeds a product; on the CPU the view IS the fp32 tensor (to_lp with
+ * dst == src does nothing), so the CPU path computes exactly what it always
+ * did. Everything else (gates, beta, state, norms' statistics, softmax
+ * statistics, the router, the residual stream, gradients) stays fp32.
+ *
+ * Backward ops ACCUMULATE (+=) into fp32 parameter gradients; an op says
+ * when it writes (=) an activation gradient instead. Gradient pointers may be
+ * NULL to skip them. */
+#ifndef LONGMOE_BACKEND_H
+#define LONGMOE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+#include "longmoe/attention.h"
+#include "longmoe/kda.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { LM_DEVICE_CPU = 0, LM_DEVICE_CUDA = 1 } lm_device;
+/* "cpu" | "cuda" */
+const char *lm_device_name(lm_device d);
+int lm_device_from_name(const char *name, lm_device *out); /* 0 on success */
+
+typedef struct lm_backend lm_backend;
+
+/* The expert activation of the GLU layers (moe.h's lm_expert_act values). */
+typedef int lm_glu_kind;
+
+typedef struct {
+    /* ---- products ---- */
+    /* out[n,oc] = inp[n,ic] . w[oc,ic]^T (written) */
+    lm_status (*matmul_forward)(lm_backend *be, float *out, const void *inp_lp, const void *w_lp, int64_t n,
+                                int ic, int oc);
+    /* dinp[n,ic] += dout . w;  dw[oc,ic] += dout^T . inp */
+    lm_status (*matmul_backward)(lm_backend *be, float *dinp, float *dw, const void *dout_lp, const void *inp_lp,
+                                 const void *w_lp, int64_t n, int ic, int oc);
+    /* dst (product format) = src; on the CPU dst == src is allowed and free */
+    lm_status (*to_lp)(lm_backend *be, void *dst_lp, const float *src, size_t n);
+
+    /* ---- norms, embedding, activations ---- */
+    /* out = inp / rms(inp) * w (w may be NULL), rstd[n] = 1/rms; out_lp (may be
+     * NULL) receives out in the product format too */
+    lm_status (*rmsnorm_forward)(lm_backend *be, float *out, void *out_lp, float *rstd, const float *inp,
+                                 const float *w, int64_t n, int d, float eps);
+    lm_status (*rmsnorm_backward)(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                  const float *w, const float *rstd, int64_t n, int d, float eps);
+    /* out[n,d] = table[tokens[i]] (=); dtable[tokens[i]] += dout[i] in token order */
+    lm_status (*embedding_forward)(lm_backend *be, float *out, const float *table, const int32_t *tokens,
+                                   int64_t n, int d);
+    lm_status (*embedding_backward)(lm_backend *be, float *dtable, const float *dout, const int32_t *tokens,
+                                    int64_t n, int d);
+    /* h = act(a, u) elementwise, h also in the product format (h_lp may equal h on the CPU) */
+    lm_status (*glu_forward)(lm_backend *be, lm_glu_kind act, float *h, void *h_lp, const float *a, const float *u,
+                             size_t n);
+    /* da = dh * dact/da, du = dh * dact/du (written) */
+    lm_status (*glu_backward)(lm_backend *be, lm_glu_kind act, float *da, float *du, const float *dh,
+                              const float *a, const float *u, size_t n);
+    /* out = sigmoid(in) (in-place allowed) */
+    lm_status (*sigmoid_forward)(lm_backend *be, float *out, const float *in, size_t n);
+    /* dlogit = dout * y * (1 - y), y = sigmoid output (written; dlogit may equal dout) */
+    lm_status (*sigmoid_backward)(lm_backend *be, float *dlogit, const float *dout, const float *y, size_t n);
+
+    /* ---- the LM head with a chunked cross-entropy (never [N, V] logits) ---- */
+    /* bytes of `work` the two calls below need */
+    size_t (*cross_entropy_work_bytes)(lm_backend *be, int64_t n, int d, int vocab);
+    /* lse[n] (fp32) and *loss_sum = sum over rows of lse - logit[target] (host double) */
+    lm_status (*cross_entropy_forward)(lm_backend *be, float *lse, double *loss_sum, const void *hn_lp,
+                                       const void *head_lp, const int32_t *targets, int64_t n, int d, int vocab,
+                                       void *work);
+    /* dlogits = (softmax - onehot(target)) * scale; dhn += dlogits . head, dhead += dlogits^T . hn */
+    lm_status (*cross_entropy_backward)(lm_backend *be, float *dhn, float *dhead, const void *hn_lp,
+                                        const void *head_lp, const int32_t *targets, const float *lse, float scale,
+                                        int64_t n, int d, int vocab, void *work);
+
+    /* ---- gated attention (src/model/mla.c) ---- */
+    /* causal softmax attention (attention.h's shapes): o (lp), lse [B,H,T],
+     * rowmax [B,H,T] (each query's largest scaled score, may be NULL) */
+    lm_status (*attention_forward)(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
+                                   const void *v, void *o, float *lse, float *rowmax);
+    /* dq, dk, dv (lp) WRITTEN */
+    lm_status (*attention_backward)(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
+                                    const void *v, const void *o, const float *lse, const void *d_o, void *dq,
+                                    void *dk, void *dv);
+    /* gated = sigmoid(gate_logits) ⊙ o (fp32, and gated_lp for W_o) */
+    lm_status (*gate_forward)(lm_backend *be, float *gated, void *gated_lp, const float *gate_logits,
+                              const void *o_lp, size_t n);
+    /* d_o (lp) and dgate_logits WRITTEN from d_gated */
+    lm_status (*gate_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, const float *d_gated,
+                               const float *gate_logits, const void *o_lp, size_t n);
+
+    /* ---- the KDA token mixer's pieces (src/model/kda_layer.c) ---- */
+    /* conv_out = ShortConv(in) (causal, depthwise, width W, zero history per
+     * sequence), out = SiLU(conv_out), L2-normalised per head of head_dim
+     * channels when rnorm != NULL (rnorm[rows] = 1/||SiLU(conv)||). in [B,T,C];
+     * out in the KDA operator's input format (lp). */
+    lm_status (*conv_silu_forward)(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
+                                   const float *w, int B, int T, int C, int W, int head_dim);
+    /* din (written) and dw += from dout (the operator's gradient, lp); out is
+     * the forward's output; tmp holds B*T*C floats of scratch */
+    lm_status (*conv_silu_backward)(lm_backend *be, float *din, float *dw, const void *dout_lp,
+                                    const float *conv_out, const void *out_lp, const float *rnorm, const float *in,
+                                    const float *w, int B, int T, int C, int W, int head_dim, float *tmp);
+    /* the operator (SPEC §2): o (lp) from q, k, v, z (lp), beta, A_log, dt_bias (fp32) */
+    lm_status (*kda_forward)(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k, const void *v,
+                             const void *z, const float *beta, const float *A_log, const float *dt_bias, void *o);
+    /* dq, dk, dv, dz (lp), dbeta WRITTEN; dA_log, ddt_bias ACCUMULATED */
+    lm_status (*kda_backward)(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
+                              const void *v, const void *z, const float *beta, const float *A_log,
+                              const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
+                              float *dbeta, float *dA_log, float *ddt_bias);
+    /* gate = sigmoid(gate_logits) (in place: gate may equal gate_logits),
+     * gated = gate ⊙ RMSNorm_head(o; o_norm) (fp32, and gated_lp for W_o), o_rstd [N*H] */
+    lm_status (*kda_output_forward)(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
+                                    const float *gate_logits, const void *o_lp, const float *o_norm, int64_t N, int H,
+                                    int K, float eps);
+    /* from d_gated: dgate_logits (written), d_o (lp, written), do_norm += */
+    lm_status (*kda_output_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
+                                     const float *d_gated, const void *o_lp, const float *o_rstd, const float *gate,
+                                     const float *o_norm, int64_t N, int H, int K, float eps, float *tmp);
+} lm_ops;
+
+struct lm_backend {
+    lm_device device;
+    size_t lp_bytes;     /* bytes of one product-format element: 4 (CPU) or 2 (bf16, GPU) */
+    const lm_ops *ops;
+    void *ctx;           /* the backend's own state (the CUDA context) */
+    /* memory: alloc returns zeroed memory aligned to 64 bytes */
+    lm_status (*alloc)(lm_backend *be, size_t bytes, void **out);
+    void (*release)(lm_backend *be, void *ptr);
+    lm_status (*zero)(lm_backend *be, void *ptr, size_t bytes);
+    lm_status (*copy)(lm_backend *be, void *dst, const void *src, size_t bytes);         /* within the backend */
+    lm_status (*upload)(lm_backend *be, void *dst, const void *host_src, size_t bytes);  /* host -> backend */
+    lm_status (*download)(lm_backend *be, void *host_dst, const void *src, size_t bytes);/* backend -> host */
+    lm_status (*sync)(lm_backend *be);
+};
+
+/* The CPU backend (a process-wide constant: stateless, thread-safe). */
+lm_backend *lm_backend_cpu(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,368 @@
+/* The CPU backend (include/longmoe/backend.h): host memory and the fp32
+ * operators of src/ops. The product format is fp32, so every lp view is the
+ * fp32 tensor itself and the model computes exactly what the CPU operators
+ * compute when called directly. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/attention.h"
+#include "longmoe/backend.h"
+#include "longmoe/kda.h"
+#include "longmoe/linear.h"
+#include "longmoe/moe.h"
+
+/* rows of logits the chunked cross-entropy holds at once */
+#define CE_CHUNK 32
+
+static const char *const device_names[] = {"cpu", "cuda"};
+
+const char *lm_device_name(lm_device d) { return (unsigned)d < 2 ? device_names[d] : "?"; }
+
+int lm_device_from_name(const char *name, lm_device *out) {
+    for (int i = 0; i < 2; i++)
+        if (name && !strcmp(name, device_names[i])) {
+            *out = (lm_device)i;
+            return 0;
+        }
+    return -1;
+}
+
+/* ---- memory ---- */
+
+static lm_status cpu_alloc(lm_backend *be, size_t bytes, void **out) {
+    (void)be;
+    size_t n = (bytes + 63) / 64 * 64;
+    *out = aligned_alloc(64, n ? n : 64);
+    if (!*out) return lm_error(LM_ERR_MEMORY, "out of host memory for %zu bytes", bytes);
+    memset(*out, 0, n ? n : 64);
+    return LM_OK;
+}
+
+static void cpu_release(lm_backend *be, void *ptr) {
+    (void)be;
+    free(ptr);
+}
+
+static lm_status cpu_zero(lm_backend *be, void *ptr, size_t bytes) {
+    (void)be;
+    if (bytes) memset(ptr, 0, bytes);
+    return LM_OK;
+}
+
+static lm_status cpu_copy(lm_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be;
+    if (bytes && dst != src) memmove(dst, src, bytes);
+    return LM_OK;
+}
+
+static lm_status cpu_sync(lm_backend *be) {
+    (void)be;
+    return LM_OK;
+}
+
+/* ---- products ---- */
+
+static lm_status cpu_matmul_forward(lm_backend *be, float *out, const void *inp, const void *w, int64_t n, int ic,
+                                    int oc) {
+    (void)be;
+    lm_matmul_forward(out, (const float *)inp, (const float *)w, NULL, n, ic, oc);
+    return LM_OK;
+}
+
+static lm_status cpu_matmul_backward(lm_backend *be, float *dinp, float *dw, const void *dout, const void *inp,
+                                     const void *w, int64_t n, int ic, int oc) {
+    (void)be;
+    lm_matmul_backward(dinp, dw, NULL, (const float *)dout, (const float *)inp, (const float *)w, n, ic, oc);
+    return LM_OK;
+}
+
+static lm_status cpu_to_lp(lm_backend *be, void *dst, const float *src, size_t n) {
+    (void)be;
+    if (dst != (const void *)src) memcpy(dst, src, n * sizeof(float));
+    return LM_OK;
+}
+
+/* ---- norms, embedding, activations ---- */
+
+static lm_status cpu_rmsnorm_forward(lm_backend *be, float *out, void *out_lp, float *rstd, const float *inp,
+                                     const float *w, int64_t n, int d, float eps) {
+    (void)be;
+    lm_rmsnorm_forward(out, rstd, inp, w, n, d, eps);
+    if (out_lp && out_lp != (void *)out) memcpy(out_lp, out, (size_t)n * d * sizeof(float));
+    return LM_OK;
+}
+
+static lm_status cpu_rmsnorm_backward(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                      const float *w, const float *rstd, int64_t n, int d, float eps) {
+    (void)be;
+    lm_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, n, d, eps);
+    return LM_OK;
+}
+
+static lm_status cpu_embedding_forward(lm_backend *be, float *out, const float *table, const int32_t *tokens,
+                                       int64_t n, int d) {
+    (void)be;
+    for (int64_t i = 0; i < n; i++) memcpy(out + i * d, table + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
+    return LM_OK;
+}
+
+static lm_status cpu_embedding_backward(lm_backend *be, float *dtable, const float *dout, const int32_t *tokens,
+                                        int64_t n, int d) {
+    (void)be;
+    /* in token order: deterministic */
+    for (int64_t i = 0; i < n; i++) {
+        float *row = dtable + (size_t)tokens[i] * d;
+        const float *g = dout + i * d;
+        for (int j = 0; j < d; j++) row[j] += g[j];
+    }
+    return LM_OK;
+}
+
+static lm_status cpu_glu_forward(lm_backend *be, lm_glu_kind act, float *h, void *h_lp, const float *a,
+                                 const float *u, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) h[i] = lm_expert_act_forward((lm_expert_act)act, a[i], u[i]);
+    if (h_lp && h_lp != (void *)h) memcpy(h_lp, h, n * sizeof(float));
+    return LM_OK;
+}
+
+static lm_status cpu_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, const float *dh,
+                                  const float *a, const float *u, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) {
+        float ha, hu;
+        lm_expert_act_backward((lm_expert_act)act, a[i], u[i], &ha, &hu);
+        da[i] = dh[i] * ha;
+        du[i] = dh[i] * hu;
+    }
+    return LM_OK;
+}
+
+static lm_status cpu_sigmoid_forward(lm_backend *be, float *out, const float *in, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) out[i] = lm_sigmoidf(in[i]);
+    return LM_OK;
+}
+
+static lm_status cpu_sigmoid_backward(lm_backend *be, float *dlogit, const float *dout, const float *y, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) dlogit[i] = dout[i] * (y[i] * (1.0f - y[i]));
+    return LM_OK;
+}
+
+/* ---- the LM head with a chunked cross-entropy ---- */
+
+static size_t cpu_ce_work_bytes(lm_backend *be, int64_t n, int d, int vocab) {
+    (void)be;
+    (void)d;
+    return (size_t)(n < CE_CHUNK ? n : CE_CHUNK) * (size_t)vocab * sizeof(float);
+}
+
+static lm_status cpu_ce_forward(lm_backend *be, float *lse_rows, double *loss_sum, const void *hn_lp,
+                                const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+    (void)be;
+    const float *hn = hn_lp, *W = head_lp;
+    float *logits = work;
+    double total = 0;
+    /* CE_CHUNK rows of logits at a time, log-sum-exp in fp32 */
+    for (int64_t r0 = 0; r0 < n; r0 += CE_CHUNK) {
+        int rows = (int)(n - r0 < CE_CHUNK ? n - r0 : CE_CHUNK);
+        lm_matmul_forward(logits, hn + r0 * d, W, NULL, rows, d, V);
+        for (int r = 0; r < rows; r++) {
+            const float *z = logits + (size_t)r * V;
+            float mx = z[0];
+            for (int v = 1; v < V; v++) mx = z[v] > mx ? z[v] : mx;
+            float s = 0;
+            for (int v = 0; v < V; v++) s += expf(z[v] - mx);
+            float lse = mx + logf(s);
+            lse_rows[r0 + r] = lse;
+            total += (double)(lse - z[targets[r0 + r]]);
+        }
+    }
+    *loss_sum = total;
+    return LM_OK;
+}
+
+static lm_status cpu_ce_backward(lm_backend *be, float *dhn, float *dhead, const void *hn_lp, const void *head_lp,
+                                 const int32_t *targets, const float *lse_rows, float s, int64_t n, int d, int V,
+                                 void *work) {
+    (void)be;
+    const float *hn = hn_lp, *W = head_lp;
+    float *logits = work;
+    /* recompute each chunk's logits, dlogits = (softmax - onehot) * s */
+    for (int64_t r0 = 0; r0 < n; r0 += CE_CHUNK) {
+        int rows = (int)(n - r0 < CE_CHUNK ? n - r0 : CE_CHUNK);
+        lm_matmul_forward(logits, hn + r0 * d, W, NULL, rows, d, V);
+        for (int r = 0; r < rows; r++) {
+            float *z = logits + (size_t)r * V, lse = lse_rows[r0 + r];
+            for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * s;
+            z[targets[r0 + r]] -= s;
+        }
+        lm_matmul_backward(dhn + r0 * d, dhead, NULL, logits, hn + r0 * d, W, rows, d, V);
+    }
+    return LM_OK;
+}
+
+/* ---- the KDA token mixer's pieces ---- */
+
+static lm_status cpu_conv_silu_forward(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
+                                       const float *w, int B, int T, int C, int W, int head_dim) {
+    (void)be;
+    lm_short_conv_forward(conv_out, in, w, B, T, C, W);
+    lm_silu_l2_forward(out_lp, rnorm, conv_out, (size_t)B * T * C / (size_t)head_dim, head_dim);
+    return LM_OK;
+}
+
+static lm_status cpu_conv_silu_backward(lm_backend *be, float *din, float *dw, const void *dout_lp,
+                                        const float *conv_out, const void *out_lp, const float *rnorm,
+                                        const float *in, const float *w, int B, int T, int C, int W, int head_dim,
+                                        float *tmp) {
+    (void)be;
+    lm_silu_l2_backward(tmp, dout_lp, conv_out, out_lp, rnorm, (size_t)B * T * C / (size_t)head_dim, head_dim);
+    lm_short_conv_backward(din, dw, tmp, in, w, B, T, C, W);
+    return LM_OK;
+}
+
+static lm_status cpu_kda_forward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
+                                 const void *v, const void *z, const float *beta, const float *A_log,
+                                 const float *dt_bias, void *o) {
+    (void)be;
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, NULL};
+    return lm_kda_chunk_forward(cfg, &in, o, NULL);
+}
+
+static lm_status cpu_kda_backward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
+                                  const void *v, const void *z, const float *beta, const float *A_log,
+                                  const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
+                                  float *dbeta, float *dA_log, float *ddt_bias) {
+    (void)be;
+    size_t n = (size_t)cfg->B * cfg->T * cfg->H;
+    memset(dq, 0, n * cfg->K * sizeof(float));
+    memset(dk, 0, n * cfg->K * sizeof(float));
+    memset(dv, 0, n * cfg->V * sizeof(float));
+    memset(dz, 0, n * cfg->K * sizeof(float));
+    memset(dbeta, 0, n * sizeof(float));
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, NULL};
+    lm_kda_grads g = {dq, dk, dv, dz, dbeta, dA_log, ddt_bias, NULL};
+    return lm_kda_chunk_backward(cfg, &in, d_o, NULL, &g);
+}
+
+static lm_status cpu_kda_output_forward(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
+                                        const float *gate_logits, const void *o_lp, const float *o_norm, int64_t N,
+                                        int H, int K, float eps) {
+    (void)be;
+    /* head RMSNorm into `gated`, then the output gate */
+    lm_rmsnorm_forward(gated, o_rstd, o_lp, o_norm, N * H, K, eps);
+    size_t n = (size_t)N * H * K;
+    for (size_t i = 0; i < n; i++) {
+        gate[i] = lm_sigmoidf(gate_logits[i]);
+        gated[i] *= gate[i];
+    }
+    if (gated_lp && gated_lp != (void *)gated) memcpy(gated_lp, gated, n * sizeof(float));
+    return LM_OK;
+}
+
+static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
+                                         const float *d_gated, const void *o_lp, const float *o_rstd,
+                                         const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
+                                         float *tmp) {
+    (void)be;
+    const float *o = o_lp;
+    size_t n = (size_t)N * H * K;
+    /* gated = gate ⊙ nrm with nrm = RMSNorm(o): d gate-logit = d_gated nrm gate (1 - gate); d nrm = d_gated gate */
+    for (size_t i = 0; i < n; i++) {
+        float gt = gate[i], nrm = o[i] * o_rstd[i / K] * o_norm[i % K];
+        dgate_logits[i] = d_gated[i] * nrm * gt * (1.0f - gt);
+        tmp[i] = d_gated[i] * gt;
+    }
+    memset(d_o_lp, 0, n * sizeof(float));
+    lm_rmsnorm_backward(d_o_lp, do_norm, tmp, o, o_norm, o_rstd, N * H, K, eps);
+    return LM_OK;
+}
+
+/* ---- gated attention ---- */
+
+static lm_status cpu_attention_forward(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
+                                       const void *v, void *o, float *lse, float *rowmax) {
+    (void)be;
+    return lm_attention_forward_rowmax(cfg, q, k, v, o, lse, rowmax);
+}
+
+static lm_status cpu_attention_backward(lm_backend *be, const lm_attention_config *c, const void *q, const void *k,
+                                        const void *v, const void *o, const float *lse, const void *d_o, void *dq,
+                                        void *dk, void *dv) {
+    (void)be;
+    size_t nq = (size_t)c->B * c->T * c->H, nk = (size_t)c->B * c->T * c->Hkv;
+    memset(dq, 0, nq * c->Dk * sizeof(float));
+    memset(dk, 0, nk * c->Dk * sizeof(float));
+    memset(dv, 0, nk * c->Dv * sizeof(float));
+    return lm_attention_backward(c, q, k, v, o, lse, d_o, dq, dk, dv);
+}
+
+static lm_status cpu_gate_forward(lm_backend *be, float *gated, void *gated_lp, const float *gp, const void *o_lp,
+                                  size_t n) {
+    (void)be;
+    const float *o = o_lp;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (int64_t)n; i++) gated[i] = lm_sigmoidf(gp[i]) * o[i];
+    if (gated_lp && gated_lp != (void *)gated) memcpy(gated_lp, gated, n * sizeof(float));
+    return LM_OK;
+}
+
+static lm_status cpu_gate_backward(lm_backend *be, void *d_o_lp, float *dgp, const float *dgated, const float *gp,
+                                   const void *o_lp, size_t n) {
+    (void)be;
+    const float *o = o_lp;
+    float *d_o = d_o_lp;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < (int64_t)n; i++) {
+        const float s = lm_sigmoidf(gp[i]);
+        d_o[i] = dgated[i] * s;
+        dgp[i] = dgated[i] * o[i] * s * (1.0f - s);
+    }
+    return LM_OK;
+}
+
+static const lm_ops cpu_ops = {
+    .matmul_forward = cpu_matmul_forward,
+    .matmul_backward = cpu_matmul_backward,
+    .to_lp = cpu_to_lp,
+    .rmsnorm_forward = cpu_rmsnorm_forward,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
+    .embedding_forward = cpu_embedding_forward,
+    .embedding_backward = cpu_embedding_backward,
+    .glu_forward = cpu_glu_forward,
+    .glu_backward = cpu_glu_backward,
+    .sigmoid_forward = cpu_sigmoid_forward,
+    .sigmoid_backward = cpu_sigmoid_backward,
+    .cross_entropy_work_bytes = cpu_ce_work_bytes,
+    .cross_entropy_forward = cpu_ce_forward,
+    .cross_entropy_backward = cpu_ce_backward,
+    .conv_silu_forward = cpu_conv_silu_forward,
+    .conv_silu_backward = cpu_conv_silu_backward,
+    .kda_forward = cpu_kda_forward,
+    .kda_backward = cpu_kda_backward,
+    .kda_output_forward = cpu_kda_output_forward,
+    .kda_output_backward = cpu_kda_output_backward,
+    .attention_forward = cpu_attention_forward,
+    .attention_backward = cpu_attention_backward,
+    .gate_forward = cpu_gate_forward,
+    .gate_backward = cpu_gate_backward,
+};
+
+static lm_backend cpu_backend = {
+    .device = LM_DEVICE_CPU,
+    .lp_bytes = sizeof(float),
+    .ops = &cpu_ops,
+    .ctx = NULL,
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .zero = cpu_zero,
+    .copy = cpu_copy,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .sync = cpu_sync,
+};
+
+lm_backend *lm_backend_cpu(void) { return &cpu_backend; }
