@@ -40,7 +40,9 @@ void lm_cuda_context_destroy(lm_cuda_context *ctx);
 /* Wait for the context's stream; report an error a kernel left behind. */
 lm_status lm_cuda_context_sync(const lm_cuda_context *ctx);
 
-/* Host <-> device helpers for tests and tools (they synchronise). */
+/* Host <-> device helpers for tests and tools: they synchronise the whole
+ * device before returning, so kernels then enqueued on a context stream see
+ * the data (and downloads see every kernel enqueued before). */
 lm_status lm_cuda_alloc(void **ptr, size_t bytes);   /* zeroed */
 void lm_cuda_free(void *ptr);
 lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes);

@@ -53,6 +53,8 @@ extern "C" lm_status lm_cuda_alloc(void **ptr, size_t bytes) {
     if (bytes == 0) bytes = 16;
     LM_CUDA_TRY(cudaMalloc(ptr, bytes));
     LM_CUDA_TRY(cudaMemset(*ptr, 0, bytes));
+    /* the context's stream does not wait for the legacy default stream */
+    LM_CUDA_TRY(cudaDeviceSynchronize());
     return LM_OK;
 }
 
@@ -62,10 +64,13 @@ extern "C" void lm_cuda_free(void *ptr) {
 
 extern "C" lm_status lm_cuda_upload(void *dst, const void *src, size_t bytes) {
     LM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    /* a pageable copy may return before its DMA lands; the context's stream does not wait for it */
+    LM_CUDA_TRY(cudaDeviceSynchronize());
     return LM_OK;
 }
 
 extern "C" lm_status lm_cuda_download(void *dst, const void *src, size_t bytes) {
+    LM_CUDA_TRY(cudaDeviceSynchronize());
     LM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
     return LM_OK;
 }
@@ -75,6 +80,7 @@ extern "C" lm_status lm_cuda_upload_bf16(uint16_t *dst, const float *src, size_t
     if (!h) return lm_error(LM_ERR_MEMORY, "upload_bf16: out of host memory for %zu values", n);
     for (size_t i = 0; i < n; i++) h[i] = lm_f32_to_bf16(src[i]);
     cudaError_t e = cudaMemcpy(dst, h, n * sizeof(uint16_t), cudaMemcpyHostToDevice);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
     free(h);
     LM_CUDA_TRY(e);
     return LM_OK;
@@ -83,7 +89,8 @@ extern "C" lm_status lm_cuda_upload_bf16(uint16_t *dst, const float *src, size_t
 extern "C" lm_status lm_cuda_download_bf16(float *dst, const uint16_t *src, size_t n) {
     uint16_t *h = (uint16_t *)malloc((n ? n : 1) * sizeof(uint16_t));
     if (!h) return lm_error(LM_ERR_MEMORY, "download_bf16: out of host memory for %zu values", n);
-    cudaError_t e = cudaMemcpy(h, src, n * sizeof(uint16_t), cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaMemcpy(h, src, n * sizeof(uint16_t), cudaMemcpyDeviceToHost);
     if (e == cudaSuccess)
         for (size_t i = 0; i < n; i++) dst[i] = lm_bf16_to_f32(h[i]);
     free(h);
