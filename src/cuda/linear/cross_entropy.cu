@@ -1,0 +1,184 @@
+/* Cross-entropy with the LM head on the GPU (include/longmoe/linear_cuda.h),
+ * the CUDA twin of the chunked loop of lm_model_forward / lm_model_backward:
+ * the [n, V] logits never exist at once; a chunk of R rows is computed (fp32,
+ * cuBLASLt), reduced to its log-sum-exp, and, in the backward, turned into
+ * dlogits = (softmax - onehot) * scale (* row_scale[r]) rounded to bf16 for
+ * the two products dhn += dlogits . head and dhead += dlogits^T . hn.
+ *
+ * Determinism: each row's max and sum of exponentials are fixed trees over a
+ * block; the loss is the sum of per-row losses by one block (a fixed stride
+ * over rows, then a fixed tree, in fp64); dhead sums over chunks in order
+ * (cuBLASLt with beta = 1, one chunk after another). */
+#include <stdint.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/linear/linear_common.cuh"
+#include "longmoe/linear_cuda.h"
+
+#define CE_THREADS 256
+#define CE_SUM_THREADS 1024
+
+static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+static size_t ce_bytes(int64_t n, int vocab, int64_t rows) {
+    return align256((size_t)n * sizeof(float)) + align256((size_t)rows * (size_t)vocab * sizeof(float)) +
+           align256((size_t)rows * (size_t)vocab * sizeof(uint16_t));
+}
+
+extern "C" size_t lm_cuda_cross_entropy_workspace_bytes(int64_t n, int d, int vocab, int64_t rows_per_chunk) {
+    if (n <= 0 || vocab <= 0) return 0;
+    if (rows_per_chunk < 1) rows_per_chunk = 1;
+    if (rows_per_chunk > n) rows_per_chunk = n;
+    return ce_bytes(n, vocab, rows_per_chunk);
+}
+
+/* The most rows a chunk can have in `bytes` of workspace (0: too small). */
+static int64_t ce_chunk_rows(int64_t n, int vocab, size_t bytes) {
+    size_t fixed = align256((size_t)n * sizeof(float));
+    if (bytes <= fixed) return 0;
+    int64_t rows = (int64_t)((bytes - fixed) / ((size_t)vocab * 6));
+    if (rows > n) rows = n;
+    while (rows > 0 && ce_bytes(n, vocab, rows) > bytes) rows--;
+    return rows;
+}
+
+typedef struct {
+    float *row_loss; /* [n] */
+    float *logits;   /* [R, V] */
+    uint16_t *dlogits; /* [R, V] bf16 */
+} ce_workspace;
+
+static ce_workspace ce_carve(void *base, int64_t n, int vocab, int64_t rows) {
+    ce_workspace w;
+    char *p = (char *)base;
+    w.row_loss = (float *)p;
+    p += align256((size_t)n * sizeof(float));
+    w.logits = (float *)p;
+    p += align256((size_t)rows * (size_t)vocab * sizeof(float));
+    w.dlogits = (uint16_t *)p;
+    return w;
+}
+
+/* Reduce v over the block (CE_THREADS) in a fixed tree; every thread gets it. */
+template <bool IsMax>
+__device__ __forceinline__ float ce_block_reduce(float v, float *shared) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = IsMax ? lin_warp_max(v) : lin_warp_sum(v);
+    __syncthreads(); /* shared may still be read from a previous call */
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < CE_THREADS / 32 ? shared[lane] : (IsMax ? -INFINITY : 0.0f);
+    return IsMax ? lin_warp_max(v) : lin_warp_sum(v);
+}
+
+/* One block per row of the chunk: lse[r] and row_loss[r] = lse[r] - z[target]. */
+__global__ void ce_lse_kernel(float *lse, float *row_loss, const float *logits, const int32_t *targets, int vocab) {
+    __shared__ float shared[CE_THREADS / 32];
+    const float *z = logits + (int64_t)blockIdx.x * vocab;
+    float mx = -INFINITY;
+    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) mx = fmaxf(mx, z[v]);
+    mx = ce_block_reduce<true>(mx, shared);
+    float s = 0.0f;
+    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) s += expf(z[v] - mx);
+    s = ce_block_reduce<false>(s, shared);
+    if (threadIdx.x == 0) {
+        float l = mx + logf(s);
+        lse[blockIdx.x] = l;
+        row_loss[blockIdx.x] = l - z[targets[blockIdx.x]];
+    }
+}
+
+/* *out = sum of x[0, n): thread t adds rows t, t + T, ... (fp64), then a fixed tree. */
+__global__ void ce_sum_kernel(float *out, const float *x, int64_t n) {
+    __shared__ double part[CE_SUM_THREADS];
+    double acc = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += CE_SUM_THREADS) acc += (double)x[i];
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    for (int half = CE_SUM_THREADS / 2; half > 0; half >>= 1) {
+        if ((int)threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = (float)part[0];
+}
+
+/* dlogits[r, v] = bf16((exp(z - lse[r]) - [v == target]) * scale * row_scale[r]) */
+__global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const float *lse, const int32_t *targets,
+                                  const float *row_scale, float scale, int vocab) {
+    int64_t r = blockIdx.x;
+    const float *z = logits + r * vocab;
+    uint16_t *g = dlogits + r * vocab;
+    float l = lse[r], s = scale * (row_scale ? row_scale[r] : 1.0f);
+    int t = targets[r];
+    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) {
+        float p = expf(z[v] - l);
+        g[v] = lin_f32_to_bf16((p - (v == t ? 1.0f : 0.0f)) * s);
+    }
+}
+
+static lm_status check_args(const lm_cuda_context *ctx, const uint16_t *hn, const uint16_t *head,
+                            const int32_t *targets, int64_t n, int d, int vocab, void *workspace,
+                            size_t workspace_bytes, int64_t *rows, const char *fn) {
+    if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
+    if (n < 0 || n > INT32_MAX) return lm_error(LM_ERR_ARG, "%s: n = %lld out of range", fn, (long long)n);
+    if (d < 1) return lm_error(LM_ERR_ARG, "%s: d = %d must be >= 1", fn, d);
+    if (vocab < 1) return lm_error(LM_ERR_ARG, "%s: vocab = %d must be >= 1", fn, vocab);
+    if (n == 0) return LM_OK;
+    if (!hn || !head || !targets) return lm_error(LM_ERR_ARG, "%s: hn, head or targets is NULL", fn);
+    if (!workspace) return lm_error(LM_ERR_ARG, "%s: workspace is NULL", fn);
+    *rows = ce_chunk_rows(n, vocab, workspace_bytes);
+    if (*rows < 1)
+        return lm_error(LM_ERR_ARG, "%s: workspace_bytes = %zu is below one row's (%zu bytes)", fn, workspace_bytes,
+                        ce_bytes(n, vocab, 1));
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_cross_entropy_forward(const lm_cuda_context *ctx, float *lse, float *loss_sum_device,
+                                                   const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                                                   int64_t n, int d, int vocab, void *workspace,
+                                                   size_t workspace_bytes) {
+    const char *fn = "lm_cuda_cross_entropy_forward";
+    int64_t rows = 0;
+    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
+    if (st) return st;
+    if (!lse || !loss_sum_device) return lm_error(LM_ERR_ARG, "%s: lse or loss_sum_device is NULL", fn);
+    cudaStream_t s = lin_stream(ctx);
+    if (n == 0) {
+        LM_CUDA_TRY(cudaMemsetAsync(loss_sum_device, 0, sizeof(float), s));
+        return LM_OK;
+    }
+    ce_workspace w = ce_carve(workspace, n, vocab, rows);
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+        int64_t R = n - r0 < rows ? n - r0 : rows;
+        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
+        ce_lse_kernel<<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0, vocab);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, float *dhn, float *dhead,
+                                                    const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                                                    const float *lse, const float *row_scale, float scale, int64_t n,
+                                                    int d, int vocab, void *workspace, size_t workspace_bytes) {
+    const char *fn = "lm_cuda_cross_entropy_backward";
+    int64_t rows = 0;
+    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
+    if (st || n == 0 || (!dhn && !dhead)) return st;
+    if (!lse) return lm_error(LM_ERR_ARG, "%s: lse is NULL", fn);
+    cudaStream_t s = lin_stream(ctx);
+    ce_workspace w = ce_carve(workspace, n, vocab, rows);
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+        int64_t R = n - r0 < rows ? n - r0 : rows;
+        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
+        ce_dlogits_kernel<<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
+                                                            row_scale ? row_scale + r0 : NULL, scale, vocab);
+        LM_CUDA_TRY(cudaGetLastError());
+        if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
+                                          vocab)))
+            return st;
+    }
+    return LM_OK;
+}
