@@ -148,6 +148,7 @@ int main(int argc, char **argv) {
         size_t wsb = lm_cuda_attention_backward_workspace_bytes(&cfg);
         void *ws = NULL;
         cudaCheck(cudaMalloc(&ws, wsb));
+        cudaCheck(cudaDeviceSynchronize()); /* the context's stream is non-blocking */
         run_args a = {&ctx, &cfg, q, k, v, d_o, o, dq, dk, dv, lse, ws, wsb, 0};
         const float fwd = time_median(&a, reps);
         a.backward = 1;

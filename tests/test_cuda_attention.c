@@ -44,8 +44,10 @@ static void fill_normal(float *x, size_t n, lm_rng *r, float sd) {
     for (size_t i = 0; i < n; i++) x[i] = bf16_round((float)(sd * lm_rng_normal(r)));
 }
 
+/* The context's stream does not wait for the legacy stream: finish the copy first. */
 static void upload(uint16_t *d, const float *h, size_t n) {
     if (lm_cuda_upload_bf16(d, h, n)) dieAt("upload: %s", lm_last_error());
+    cudaCheck(cudaDeviceSynchronize());
 }
 
 /* Fresh random bf16 inputs (q and k normal: scores about N(0, 1) at the
