@@ -1,0 +1,185 @@
+/* Timings of causal flash attention on the GPU (include/longmoe/attention_cuda.h):
+ * forward, and forward + backward, at (B,T,H,D) with Hkv = H and Dk = Dv = D.
+ *
+ *   bench_cuda_attention [--out results.json] [--reps N] [--shape B,T,H,D]...
+ *
+ * Median of N timed repetitions (CUDA events on the context's stream) after 3
+ * warm-ups, on random bf16 data (never zeros). Causal FLOPs, as flash
+ * attention reports them: the forward's two products over the lower triangle,
+ * 4 * B * H * (T^2 / 2) * D; the backward 2.5 times that (five products; the
+ * score recomputation is not counted). forward + backward TFLOP/s divide 3.5x
+ * the forward's FLOPs by the combined time. Prints a table; writes JSON to --out. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "check.h"
+#include "cuda/cuda_check.h"
+#include "longmoe/attention_cuda.h"
+
+typedef struct {
+    int B, T, H, D;
+} shape;
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static inline uint32_t next_u32(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+/* uniform in [-a, a) */
+static inline float uni(float a) { return a * ((float)(next_u32() & 0xffffff) / 8388608.f - 1.f); }
+
+static uint16_t *device_bf16_random(size_t n, float a) {
+    uint16_t *h = mallocCheck(n * 2), *d = NULL;
+    for (size_t i = 0; i < n; i++) h[i] = lm_f32_to_bf16(uni(a));
+    cudaCheck(cudaMalloc((void **)&d, n * 2));
+    cudaCheck(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
+    free(h);
+    return d;
+}
+
+static int cmp_float(const void *a, const void *b) {
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct {
+    const lm_cuda_context *ctx;
+    const lm_attention_config *cfg;
+    const uint16_t *q, *k, *v, *d_o;
+    uint16_t *o, *dq, *dk, *dv;
+    float *lse;
+    void *ws;
+    size_t wsb;
+    int backward;
+} run_args;
+
+static void run_once(const run_args *a) {
+    lm_status st = lm_cuda_attention_forward(a->ctx, a->cfg, a->q, a->k, a->v, a->o, a->lse, NULL);
+    if (st) dieAt("forward: %s", lm_last_error());
+    if (a->backward) {
+        st = lm_cuda_attention_backward(a->ctx, a->cfg, a->q, a->k, a->v, a->o, a->d_o, a->lse,
+                                        a->dq, a->dk, a->dv, a->ws, a->wsb);
+        if (st) dieAt("backward: %s", lm_last_error());
+    }
+}
+
+/* Median milliseconds of `reps` runs after 3 warm-ups. */
+static float time_median(const run_args *a, int reps) {
+    cudaStream_t stream = (cudaStream_t)a->ctx->stream;
+    cudaEvent_t e0, e1;
+    cudaCheck(cudaEventCreate(&e0));
+    cudaCheck(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; i++) run_once(a);
+    cudaCheck(cudaStreamSynchronize(stream));
+    float *ms = mallocCheck((size_t)reps * sizeof(float));
+    for (int i = 0; i < reps; i++) {
+        cudaCheck(cudaEventRecord(e0, stream));
+        run_once(a);
+        cudaCheck(cudaEventRecord(e1, stream));
+        cudaCheck(cudaEventSynchronize(e1));
+        cudaCheck(cudaGetLastError());
+        cudaCheck(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    qsort(ms, (size_t)reps, sizeof(float), cmp_float);
+    float med = ms[reps / 2];
+    free(ms);
+    cudaCheck(cudaEventDestroy(e0));
+    cudaCheck(cudaEventDestroy(e1));
+    return med;
+}
+
+int main(int argc, char **argv) {
+    const char *out_path = NULL;
+    int reps = 20;
+    shape shapes[8];
+    int nshape = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--out") && i + 1 < argc) {
+            out_path = argv[++i];
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+            reps = atoi(argv[++i]);
+            if (reps < 1) dieAt("--reps must be >= 1 (got %s)", argv[i]);
+        } else if (!strcmp(argv[i], "--shape") && i + 1 < argc && nshape < 8) {
+            shape s;
+            if (sscanf(argv[++i], "%d,%d,%d,%d", &s.B, &s.T, &s.H, &s.D) != 4)
+                dieAt("--shape wants B,T,H,D (got %s)", argv[i]);
+            shapes[nshape++] = s;
+        } else {
+            fprintf(stderr, "usage: %s [--out results.json] [--reps N] [--shape B,T,H,D]...\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (nshape == 0) {
+        shape def[3] = {{1, 8192, 8, 128}, {1, 32768, 8, 128}, {8, 4096, 8, 128}};
+        memcpy(shapes, def, sizeof def);
+        nshape = 3;
+    }
+    lm_cuda_context ctx;
+    if (lm_cuda_context_create(&ctx)) dieAt("%s", lm_last_error());
+    struct cudaDeviceProp prop;
+    cudaCheck(cudaGetDeviceProperties(&prop, ctx.device));
+    printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+
+    FILE *js = out_path ? fopenCheck(out_path, "w") : NULL;
+    if (js) fprintf(js, "{\"device\": \"%s\", \"reps\": %d, \"results\": [\n", prop.name, reps);
+    printf("\n%-22s %10s %10s %12s %12s %10s\n", "shape (B,T,H,D)", "fwd ms", "fwd TF/s",
+           "fwd+bwd ms", "f+b TF/s", "bwd ms");
+    for (int s = 0; s < nshape; s++) {
+        const shape sh = shapes[s];
+        const size_t n = (size_t)sh.B * sh.T * sh.H * sh.D, nl = (size_t)sh.B * sh.H * sh.T;
+        const float qa = 1.7320508f; /* uniform in [-a, a): unit variance */
+        uint16_t *q = device_bf16_random(n, qa), *k = device_bf16_random(n, qa);
+        uint16_t *v = device_bf16_random(n, qa), *d_o = device_bf16_random(n, qa);
+        uint16_t *o = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
+        float *lse = NULL;
+        cudaCheck(cudaMalloc((void **)&o, n * 2));
+        cudaCheck(cudaMalloc((void **)&dq, n * 2));
+        cudaCheck(cudaMalloc((void **)&dk, n * 2));
+        cudaCheck(cudaMalloc((void **)&dv, n * 2));
+        cudaCheck(cudaMalloc((void **)&lse, nl * 4));
+        lm_attention_config cfg = lm_attention_config_default(sh.B, sh.T, sh.H, sh.H, sh.D, sh.D);
+        size_t wsb = lm_cuda_attention_backward_workspace_bytes(&cfg);
+        void *ws = NULL;
+        cudaCheck(cudaMalloc(&ws, wsb));
+        cudaCheck(cudaDeviceSynchronize()); /* the context's stream is non-blocking */
+        run_args a = {&ctx, &cfg, q, k, v, d_o, o, dq, dk, dv, lse, ws, wsb, 0};
+        const float fwd = time_median(&a, reps);
+        a.backward = 1;
+        const float fb = time_median(&a, reps);
+        const double flop_f = 4.0 * sh.B * sh.H * ((double)sh.T * sh.T / 2) * sh.D;
+        const double flop_fb = flop_f * 3.5; /* forward + 2.5x for the backward */
+        const double tf_f = flop_f / (fwd * 1e-3) / 1e12, tf_fb = flop_fb / (fb * 1e-3) / 1e12;
+        char name[64];
+        snprintf(name, sizeof name, "(%d,%d,%d,%d)", sh.B, sh.T, sh.H, sh.D);
+        printf("%-22s %10.3f %10.1f %12.3f %12.1f %10.3f\n", name, fwd, tf_f, fb, tf_fb, fb - fwd);
+        if (js)
+            fprintf(js,
+                    "%s  {\"B\": %d, \"T\": %d, \"H\": %d, \"D\": %d, \"forward_ms\": %.4f, "
+                    "\"forward_tflops\": %.2f, \"forward_backward_ms\": %.4f, "
+                    "\"forward_backward_tflops\": %.2f}",
+                    s ? ",\n" : "", sh.B, sh.T, sh.H, sh.D, fwd, tf_f, fb, tf_fb);
+        cudaFree(q);
+        cudaFree(k);
+        cudaFree(v);
+        cudaFree(d_o);
+        cudaFree(o);
+        cudaFree(dq);
+        cudaFree(dk);
+        cudaFree(dv);
+        cudaFree(lse);
+        cudaFree(ws);
+    }
+    if (js) {
+        fprintf(js, "\n]}\n");
+        fclose(js);
+    }
+    lm_cuda_context_destroy(&ctx);
+    return 0;
+}

@@ -1,0 +1,362 @@
+/* Causal flash attention on the GPU (include/longmoe/attention_cuda.h)
+ * against the CPU operator (include/longmoe/attention.h).
+ *
+ * Both sides see identical inputs: q, k, v and d_o are rounded to bf16 first
+ * (the kernels' input format); the CPU operator then runs in fp32. The CPU
+ * backward gets its own fp32 o and lse, the GPU backward the GPU's bf16 o and
+ * fp32 lse (as in training). Tolerances: relative error ||got - want|| /
+ * ||want|| <= 1e-2 for the bf16 outputs (o, dq, dk, dv), <= 1e-3 for lse and
+ * the per-head maximum logit. Output buffers are filled with bf16 NaN before
+ * each call, so every element must be written. Needs a CUDA GPU (label cuda). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "check.h"
+#include "cuda/cuda_check.h"
+#include "longmoe/attention.h"
+#include "longmoe/attention_cuda.h"
+#include "test.h"
+
+static lm_cuda_context ctx;
+
+typedef struct {
+    lm_attention_config cfg;
+    size_t nq, nk, nv, no, nl; /* element counts of q, k, v, o (= d_o), lse */
+    float *q, *k, *v, *d_o;    /* host, bf16-rounded */
+    uint16_t *q_dev, *k_dev, *v_dev, *do_dev, *o_gpu, *dq_gpu, *dk_gpu, *dv_gpu; /* device bf16 */
+    float *lse_gpu, *hmax_gpu, *ws;                                      /* device fp32 */
+    size_t ws_bytes;
+} problem;
+
+static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    if (lm_cuda_alloc(&p, bytes ? bytes : 16)) dieAt("cuda alloc: %s", lm_last_error());
+    return p;
+}
+
+static void fill_normal(float *x, size_t n, lm_rng *r, float sd) {
+    for (size_t i = 0; i < n; i++) x[i] = bf16_round((float)(sd * lm_rng_normal(r)));
+}
+
+/* The context's stream does not wait for the legacy stream: finish the copy first. */
+static void upload(uint16_t *d, const float *h, size_t n) {
+    if (lm_cuda_upload_bf16(d, h, n)) dieAt("upload: %s", lm_last_error());
+    cudaCheck(cudaDeviceSynchronize());
+}
+
+/* Fresh random bf16 inputs (q and k normal: scores about N(0, 1) at the
+ * default scale), device buffers for everything. */
+static problem make_problem(int B, int T, int H, int Hkv, int Dk, int Dv, uint64_t seed) {
+    problem p;
+    memset(&p, 0, sizeof p);
+    p.cfg = lm_attention_config_default(B, T, H, Hkv, Dk, Dv);
+    p.nq = (size_t)B * T * H * Dk;
+    p.nk = (size_t)B * T * Hkv * Dk;
+    p.nv = (size_t)B * T * Hkv * Dv;
+    p.no = (size_t)B * T * H * Dv;
+    p.nl = (size_t)B * H * T;
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    p.q = mallocCheck(p.nq * 4);
+    p.k = mallocCheck(p.nk * 4);
+    p.v = mallocCheck(p.nv * 4);
+    p.d_o = mallocCheck(p.no * 4);
+    fill_normal(p.q, p.nq, &r, 1.f);
+    fill_normal(p.k, p.nk, &r, 1.f);
+    fill_normal(p.v, p.nv, &r, 1.f);
+    fill_normal(p.d_o, p.no, &r, 1.f);
+    p.q_dev = dalloc(p.nq * 2);
+    p.k_dev = dalloc(p.nk * 2);
+    p.v_dev = dalloc(p.nv * 2);
+    p.do_dev = dalloc(p.no * 2);
+    p.o_gpu = dalloc(p.no * 2);
+    p.dq_gpu = dalloc(p.nq * 2);
+    p.dk_gpu = dalloc(p.nk * 2);
+    p.dv_gpu = dalloc(p.nv * 2);
+    p.lse_gpu = dalloc(p.nl * 4);
+    p.hmax_gpu = dalloc((size_t)H * 4);
+    p.ws_bytes = lm_cuda_attention_backward_workspace_bytes(&p.cfg);
+    p.ws = dalloc(p.ws_bytes);
+    upload(p.q_dev, p.q, p.nq);
+    upload(p.k_dev, p.k, p.nk);
+    upload(p.v_dev, p.v, p.nv);
+    upload(p.do_dev, p.d_o, p.no);
+    return p;
+}
+
+static void free_problem(problem *p) {
+    free(p->q);
+    free(p->k);
+    free(p->v);
+    free(p->d_o);
+    uint16_t *d16[] = {p->q_dev, p->k_dev, p->v_dev, p->do_dev, p->o_gpu, p->dq_gpu, p->dk_gpu, p->dv_gpu};
+    for (int i = 0; i < 8; i++) lm_cuda_free(d16[i]);
+    lm_cuda_free(p->lse_gpu);
+    lm_cuda_free(p->hmax_gpu);
+    lm_cuda_free(p->ws);
+}
+
+/* bf16 NaN (0xFFFF) everywhere in the outputs, fp32 NaN in lse. */
+static void poison_outputs(problem *p) {
+    cudaCheck(cudaMemset(p->o_gpu, 0xFF, p->no * 2));
+    cudaCheck(cudaMemset(p->dq_gpu, 0xFF, p->nq * 2));
+    cudaCheck(cudaMemset(p->dk_gpu, 0xFF, p->nk * 2));
+    cudaCheck(cudaMemset(p->dv_gpu, 0xFF, p->nv * 2));
+    cudaCheck(cudaMemset(p->lse_gpu, 0xFF, p->nl * 4));
+    cudaCheck(cudaMemset(p->hmax_gpu, 0xFF, (size_t)p->cfg.H * 4));
+    cudaCheck(cudaDeviceSynchronize());
+}
+
+static lm_status gpu_forward(problem *p) {
+    lm_status st = lm_cuda_attention_forward(&ctx, &p->cfg, p->q_dev, p->k_dev, p->v_dev, p->o_gpu,
+                                             p->lse_gpu, p->hmax_gpu);
+    return st ? st : lm_cuda_context_sync(&ctx);
+}
+
+static lm_status gpu_backward(problem *p) {
+    lm_status st = lm_cuda_attention_backward(&ctx, &p->cfg, p->q_dev, p->k_dev, p->v_dev, p->o_gpu,
+                                              p->do_dev, p->lse_gpu, p->dq_gpu, p->dk_gpu,
+                                              p->dv_gpu, p->ws, p->ws_bytes);
+    return st ? st : lm_cuda_context_sync(&ctx);
+}
+
+/* ||a - b|| / ||b||; infinite when a has a NaN or an infinity. */
+static double rel_err(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static float *download_bf16(const uint16_t *d, size_t n) {
+    float *h = mallocCheck(n * 4);
+    if (lm_cuda_download_bf16(h, d, n)) dieAt("download: %s", lm_last_error());
+    return h;
+}
+
+static float *download_f32(const float *d, size_t n) {
+    float *h = mallocCheck(n * 4);
+    if (lm_cuda_download(h, d, n * 4)) dieAt("download: %s", lm_last_error());
+    return h;
+}
+
+/* Forward (o, lse, per-head max logit) and backward (dq, dk, dv) of the GPU
+ * against the CPU operator on one shape. */
+static void check_shape(int B, int T, int H, int Hkv, int Dk, int Dv, uint64_t seed) {
+    problem p = make_problem(B, T, H, Hkv, Dk, Dv, seed);
+    char what[96];
+    snprintf(what, sizeof what, "B%d T%d H%d Hkv%d Dk%d Dv%d", B, T, H, Hkv, Dk, Dv);
+    const lm_attention_config *c = &p.cfg;
+
+    float *o_cpu = mallocCheck(p.no * 4), *lse_cpu = mallocCheck(p.nl * 4);
+    float *rowmax = mallocCheck(p.nl * 4);
+    lm_status st = lm_attention_forward_rowmax(c, p.q, p.k, p.v, o_cpu, lse_cpu, rowmax);
+    CHECK(st == LM_OK, "%s: cpu forward: %s", what, lm_last_error());
+    float *hmax_cpu = mallocCheck((size_t)H * 4);
+    for (int h = 0; h < H; h++) {
+        hmax_cpu[h] = -INFINITY;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++)
+                hmax_cpu[h] = fmaxf(hmax_cpu[h], rowmax[((size_t)b * H + h) * T + t]);
+    }
+
+    poison_outputs(&p);
+    st = gpu_forward(&p);
+    CHECK(st == LM_OK, "%s: cuda forward: %s", what, lm_last_error());
+    float *o_gpu = download_bf16(p.o_gpu, p.no), *lse_gpu = download_f32(p.lse_gpu, p.nl);
+    float *hmax_gpu = download_f32(p.hmax_gpu, (size_t)H);
+    double eo = rel_err(o_gpu, o_cpu, p.no), el = rel_err(lse_gpu, lse_cpu, p.nl);
+    double eh = rel_err(hmax_gpu, hmax_cpu, (size_t)H);
+
+    float *dq_cpu = calloc(p.nq, 4), *dk_cpu = calloc(p.nk, 4), *dv_cpu = calloc(p.nv, 4);
+    if (!dq_cpu || !dk_cpu || !dv_cpu) dieAt("out of memory");
+    st = lm_attention_backward(c, p.q, p.k, p.v, o_cpu, lse_cpu, p.d_o, dq_cpu, dk_cpu, dv_cpu);
+    CHECK(st == LM_OK, "%s: cpu backward: %s", what, lm_last_error());
+    st = gpu_backward(&p);
+    CHECK(st == LM_OK, "%s: cuda backward: %s", what, lm_last_error());
+    float *dq_gpu = download_bf16(p.dq_gpu, p.nq), *dk_gpu = download_bf16(p.dk_gpu, p.nk);
+    float *dv_gpu = download_bf16(p.dv_gpu, p.nv);
+    double eq = rel_err(dq_gpu, dq_cpu, p.nq), ek = rel_err(dk_gpu, dk_cpu, p.nk);
+    double ev = rel_err(dv_gpu, dv_cpu, p.nv);
+    printf("    %-30s o %.1e lse %.1e hmax %.1e | dq %.1e dk %.1e dv %.1e\n", what, eo, el, eh, eq,
+           ek, ev);
+    CHECK(eo <= 1e-2, "%s: o relative error %.3g", what, eo);
+    CHECK(el <= 1e-3, "%s: lse relative error %.3g", what, el);
+    CHECK(eh <= 1e-3, "%s: head max logit relative error %.3g", what, eh);
+    CHECK(eq <= 1e-2, "%s: dq relative error %.3g", what, eq);
+    CHECK(ek <= 1e-2, "%s: dk relative error %.3g", what, ek);
+    CHECK(ev <= 1e-2, "%s: dv relative error %.3g", what, ev);
+
+    free(o_cpu);
+    free(lse_cpu);
+    free(rowmax);
+    free(hmax_cpu);
+    free(o_gpu);
+    free(lse_gpu);
+    free(hmax_gpu);
+    free(dq_cpu);
+    free(dk_cpu);
+    free(dv_cpu);
+    free(dq_gpu);
+    free(dk_gpu);
+    free(dv_gpu);
+    free_problem(&p);
+}
+
+static void test_forward_and_backward_match_cpu_operator(void) {
+    /* T = 1, odd T (partial tiles), T past several tiles, GQA, every head dim */
+    const int shapes[][6] = {{1, 1, 2, 2, 64, 64},     {2, 37, 4, 2, 64, 64},
+                             {1, 200, 2, 2, 128, 128}, {1, 300, 2, 2, 32, 32},
+                             {2, 130, 8, 8, 128, 128}, {1, 256, 4, 1, 64, 64},
+                             {1, 333, 6, 2, 128, 128}};
+    for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
+        check_shape(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], shapes[s][4],
+                    shapes[s][5], 100 + s);
+}
+
+static void test_key_and_value_dims_may_differ(void) {
+    check_shape(1, 150, 4, 1, 64, 128, 201);
+    check_shape(2, 97, 2, 2, 128, 32, 202);
+    check_shape(1, 70, 2, 1, 32, 64, 203);
+}
+
+/* Changing token t0's q, k and v (every head) leaves the outputs and lse of
+ * every earlier token bit-identical, and does change token t0's. */
+static void test_future_tokens_do_not_change_earlier_outputs(void) {
+    const int B = 2, T = 211, H = 4, Hkv = 2, D = 64, t0 = 150;
+    problem p = make_problem(B, T, H, Hkv, D, D, 301);
+    CHECK(gpu_forward(&p) == LM_OK, "forward: %s", lm_last_error());
+    uint16_t *o1 = mallocCheck(p.no * 2), *o2 = mallocCheck(p.no * 2);
+    float *l1 = mallocCheck(p.nl * 4), *l2 = mallocCheck(p.nl * 4);
+    lm_cuda_download(o1, p.o_gpu, p.no * 2);
+    lm_cuda_download(l1, p.lse_gpu, p.nl * 4);
+    lm_rng r;
+    lm_rng_seed(&r, 302);
+    for (int b = 0; b < B; b++) {
+        fill_normal(p.q + ((size_t)b * T + t0) * H * D, (size_t)H * D, &r, 1.f);
+        fill_normal(p.k + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.f);
+        fill_normal(p.v + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.f);
+    }
+    upload(p.q_dev, p.q, p.nq);
+    upload(p.k_dev, p.k, p.nk);
+    upload(p.v_dev, p.v, p.nv);
+    CHECK(gpu_forward(&p) == LM_OK, "forward: %s", lm_last_error());
+    lm_cuda_download(o2, p.o_gpu, p.no * 2);
+    lm_cuda_download(l2, p.lse_gpu, p.nl * 4);
+    int earlier_same = 1, later_changed = 1;
+    for (int b = 0; b < B; b++) {
+        const size_t row = (size_t)H * D, at = (size_t)b * T * row;
+        if (memcmp(o1 + at, o2 + at, (size_t)t0 * row * 2)) earlier_same = 0;
+        if (!memcmp(o1 + at + (size_t)t0 * row, o2 + at + (size_t)t0 * row, row * 2)) later_changed = 0;
+        for (int h = 0; h < H; h++) {
+            const size_t l = ((size_t)b * H + h) * T;
+            if (memcmp(l1 + l, l2 + l, (size_t)t0 * 4)) earlier_same = 0;
+            if (l1[l + t0] == l2[l + t0]) later_changed = 0;
+        }
+    }
+    CHECK(earlier_same, "outputs of tokens < %d changed when token %d changed", t0, t0);
+    CHECK(later_changed, "token %d's outputs did not change with its inputs", t0);
+    free(o1);
+    free(o2);
+    free(l1);
+    free(l2);
+    free_problem(&p);
+}
+
+static int same_device_bytes(const void *a, const void *b_host, size_t bytes) {
+    void *h = mallocCheck(bytes ? bytes : 1);
+    lm_cuda_download(h, a, bytes);
+    int same = !memcmp(h, b_host, bytes);
+    free(h);
+    return same;
+}
+
+static void *copy_device(const void *d, size_t bytes) {
+    void *h = mallocCheck(bytes ? bytes : 1);
+    lm_cuda_download(h, d, bytes);
+    return h;
+}
+
+/* Two runs on the same inputs give bit-identical o, lse, head max, dq, dk, dv
+ * (GQA, so dk and dv sum over a group of query heads). */
+static void test_runs_are_bit_identical(void) {
+    problem p = make_problem(2, 300, 8, 2, 128, 128, 401);
+    CHECK(gpu_forward(&p) == LM_OK, "forward: %s", lm_last_error());
+    CHECK(gpu_backward(&p) == LM_OK, "backward: %s", lm_last_error());
+    void *o = copy_device(p.o_gpu, p.no * 2), *l = copy_device(p.lse_gpu, p.nl * 4);
+    void *hm = copy_device(p.hmax_gpu, (size_t)p.cfg.H * 4);
+    void *dq = copy_device(p.dq_gpu, p.nq * 2), *dk = copy_device(p.dk_gpu, p.nk * 2);
+    void *dv = copy_device(p.dv_gpu, p.nv * 2);
+    for (int rep = 0; rep < 3; rep++) {
+        poison_outputs(&p);
+        CHECK(gpu_forward(&p) == LM_OK, "forward: %s", lm_last_error());
+        CHECK(gpu_backward(&p) == LM_OK, "backward: %s", lm_last_error());
+        CHECK(same_device_bytes(p.o_gpu, o, p.no * 2), "o differs in run %d", rep + 2);
+        CHECK(same_device_bytes(p.lse_gpu, l, p.nl * 4), "lse differs in run %d", rep + 2);
+        CHECK(same_device_bytes(p.hmax_gpu, hm, (size_t)p.cfg.H * 4), "head max differs in run %d",
+              rep + 2);
+        CHECK(same_device_bytes(p.dq_gpu, dq, p.nq * 2), "dq differs in run %d", rep + 2);
+        CHECK(same_device_bytes(p.dk_gpu, dk, p.nk * 2), "dk differs in run %d", rep + 2);
+        CHECK(same_device_bytes(p.dv_gpu, dv, p.nv * 2), "dv differs in run %d", rep + 2);
+    }
+    free(o);
+    free(l);
+    free(hm);
+    free(dq);
+    free(dk);
+    free(dv);
+    free_problem(&p);
+}
+
+/* Head dims outside {32, 64, 128}, H not a multiple of Hkv, a missing or
+ * small workspace and NULL tensors are refused with LM_ERR_ARG. */
+static void test_bad_arguments_are_refused(void) {
+    problem p = make_problem(1, 20, 2, 2, 64, 64, 501);
+    lm_attention_config bad = p.cfg;
+    bad.Dk = 96;
+    CHECK(lm_cuda_attention_forward(&ctx, &bad, p.q_dev, p.k_dev, p.v_dev, p.o_gpu, p.lse_gpu, NULL) ==
+              LM_ERR_ARG, "Dk = 96 accepted");
+    bad = p.cfg;
+    bad.Dv = 16;
+    CHECK(lm_cuda_attention_forward(&ctx, &bad, p.q_dev, p.k_dev, p.v_dev, p.o_gpu, p.lse_gpu, NULL) ==
+              LM_ERR_ARG, "Dv = 16 accepted");
+    bad = p.cfg;
+    bad.H = 3;
+    CHECK(lm_cuda_attention_forward(&ctx, &bad, p.q_dev, p.k_dev, p.v_dev, p.o_gpu, p.lse_gpu, NULL) ==
+              LM_ERR_ARG, "H = 3 with Hkv = 2 accepted");
+    CHECK(lm_cuda_attention_forward(&ctx, &p.cfg, NULL, p.k_dev, p.v_dev, p.o_gpu, p.lse_gpu, NULL) ==
+              LM_ERR_ARG, "q = NULL accepted");
+    CHECK(lm_cuda_attention_backward(&ctx, &p.cfg, p.q_dev, p.k_dev, p.v_dev, p.o_gpu, p.do_dev, p.lse_gpu,
+                                     p.dq_gpu, p.dk_gpu, p.dv_gpu, p.ws, p.ws_bytes - 4) ==
+              LM_ERR_ARG, "a workspace 4 bytes short accepted");
+    CHECK(lm_cuda_attention_backward(&ctx, &p.cfg, p.q_dev, p.k_dev, p.v_dev, p.o_gpu, p.do_dev, NULL,
+                                     p.dq_gpu, p.dk_gpu, p.dv_gpu, p.ws, p.ws_bytes) == LM_ERR_ARG,
+          "lse = NULL accepted");
+    CHECK(lm_cuda_attention_backward_workspace_bytes(&p.cfg) >= (size_t)1 * 2 * 20 * 4,
+          "workspace smaller than B*H*T floats");
+    free_problem(&p);
+}
+
+int main(void) {
+    if (lm_cuda_context_create(&ctx)) {
+        fprintf(stderr, "no usable CUDA device: %s\n", lm_last_error());
+        return 1;
+    }
+    RUN(test_forward_and_backward_match_cpu_operator);
+    RUN(test_key_and_value_dims_may_differ);
+    RUN(test_future_tokens_do_not_change_earlier_outputs);
+    RUN(test_runs_are_bit_identical);
+    RUN(test_bad_arguments_are_refused);
+    lm_cuda_context_destroy(&ctx);
+    return test_summary();
+}
