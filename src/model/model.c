@@ -239,7 +239,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     act += (size_t)N * d;                           /* x0 */
     act += 2 * (size_t)m->L2 * N * d;               /* hin, xn per sublayer */
     act += (size_t)m->L2 * N;                       /* rstd per sublayer */
-    act += 2 * (size_t)N * d + 2 * (size_t)N;       /* hf, hn, rstd_final, lse_rows */
+    act += 2 * (size_t)N * d + 3 * (size_t)N;       /* hf, hn, rstd_final, lse_rows, target_logit */
     act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
     act += (size_t)CE_CHUNK * V;                    /* logits of one chunk */
     /* with recompute, the sublayers of one kind share one activation buffer:
@@ -308,6 +308,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     CARVE(m->hn, (size_t)N * d);
     CARVE(m->rstd_final, (size_t)N);
     CARVE(m->lse_rows, (size_t)N);
+    CARVE(m->target_logit, (size_t)N);
     CARVE(m->y, (size_t)N * d);
     CARVE(m->dy, (size_t)N * d);
     CARVE(m->dxn, (size_t)N * d);
@@ -679,6 +680,7 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
             for (int v = 0; v < V; v++) s += expf(z[v] - mx);
             float lse = mx + logf(s);
             m->lse_rows[r0 + r] = lse;
+            m->target_logit[r0 + r] = z[targets[r0 + r]];
             total += (double)(lse - z[targets[r0 + r]]);
         }
     }
@@ -690,12 +692,23 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     return LM_OK;
 }
 
-lm_status lm_model_backward(lm_model *m, float loss_scale) {
+lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
+    if (!m->have_targets) return lm_error(LM_ERR_ARG, "token log-probabilities need a forward with targets first");
+    if (!logp) return lm_error(LM_ERR_ARG, "logp is NULL");
+    for (int64_t i = 0; i < m->N; i++) logp[i] = m->target_logit[i] - m->lse_rows[i];
+    return LM_OK;
+}
+
+/* dlogp NULL: the mean cross-entropy scaled by loss_scale, i.e. dLoss/dlog p
+ * = -loss_scale / N at every position; else dlogp[i] per position. loss_scale
+ * also scales the auxiliary balance loss. */
+static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scale) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "backward needs a forward with targets first");
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     const float eps = m->cfg.norm_eps;
-    /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * scale / N */
+    /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * g with
+     * g = -dLoss/dlog p(target) (scale / N for the mean cross-entropy) */
     const float *W = m->params + m->head_off;
     float *dW = m->grads + m->head_off;
     double t0 = lm_time_seconds();
@@ -706,8 +719,9 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
         lm_matmul_forward(m->logits, m->hn + r0 * d, W, NULL, rows, d, V);
         for (int r = 0; r < rows; r++) {
             float *z = m->logits + (size_t)r * V, lse = m->lse_rows[r0 + r];
-            for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * s;
-            z[m->targets[r0 + r]] -= s;
+            float g = dlogp ? -dlogp[r0 + r] : s;
+            for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * g;
+            z[m->targets[r0 + r]] -= g;
         }
         lm_matmul_backward(m->dhn + r0 * d, dW, NULL, m->logits, m->hn + r0 * d, W, rows, d, V);
     }
@@ -777,6 +791,15 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
     charge(m, LM_TIME_NORMS, &t0);
     m->have_targets = 0;
     return LM_OK;
+}
+
+lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backward(m, NULL, loss_scale); }
+
+lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
+    if (!dlogp) return lm_error(LM_ERR_ARG, "dlogp is NULL");
+    for (int64_t i = 0; i < m->N; i++)
+        if (!isfinite(dlogp[i])) return lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    return model_backward(m, dlogp, 1.0f);
 }
 
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
