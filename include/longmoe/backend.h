@@ -82,14 +82,17 @@ typedef struct {
     /* ---- the LM head with a chunked cross-entropy (never [N, V] logits) ---- */
     /* bytes of `work` the two calls below need */
     size_t (*cross_entropy_work_bytes)(lm_backend *be, int64_t n, int d, int vocab);
-    /* lse[n] (fp32) and *loss_sum = sum over rows of lse - logit[target] (host double) */
-    lm_status (*cross_entropy_forward)(lm_backend *be, float *lse, double *loss_sum, const void *hn_lp,
-                                       const void *head_lp, const int32_t *targets, int64_t n, int d, int vocab,
-                                       void *work);
-    /* dlogits = (softmax - onehot(target)) * scale; dhn += dlogits . head, dhead += dlogits^T . hn */
+    /* lse[n] (fp32), target_logit[n] (may be NULL) and *loss_sum = sum over
+     * rows of lse - logit[target] (host double) */
+    lm_status (*cross_entropy_forward)(lm_backend *be, float *lse, float *target_logit, double *loss_sum,
+                                       const void *hn_lp, const void *head_lp, const int32_t *targets, int64_t n,
+                                       int d, int vocab, void *work);
+    /* dlogits = (softmax - onehot(target)) * g_r with g_r = scale * row_scale[r]
+     * (row_scale NULL: scale); dhn += dlogits . head, dhead += dlogits^T . hn */
     lm_status (*cross_entropy_backward)(lm_backend *be, float *dhn, float *dhead, const void *hn_lp,
-                                        const void *head_lp, const int32_t *targets, const float *lse, float scale,
-                                        int64_t n, int d, int vocab, void *work);
+                                        const void *head_lp, const int32_t *targets, const float *lse,
+                                        const float *row_scale, float scale, int64_t n, int d, int vocab,
+                                        void *work);
 
     /* ---- gated attention (src/model/mla.c) ---- */
     /* causal softmax attention (attention.h's shapes): o (lp), lse [B,H,T],

@@ -77,6 +77,14 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
 /* Backward of the last forward with targets: ACCUMULATES into the gradients,
  * scaled by `loss_scale` (1 / micro-batches for gradient accumulation). */
 lm_status lm_model_backward(lm_model *m, float loss_scale);
+/* Log-probabilities of the targets of the last forward with targets (before
+ * its backward): logp [B,T], log p(target_i) = z_i[target_i] - logsumexp(z_i). */
+lm_status lm_model_token_logprobs(const lm_model *m, float *logp);
+/* Backward of a loss given per position as dlogp [B,T] = dLoss / dlog p(target_i)
+ * (policy-gradient objectives; a zero weight takes nothing from that
+ * position's target). ACCUMULATES like lm_model_backward, which is the case
+ * dlogp[i] = -loss_scale / (B T); the auxiliary balance loss enters with scale 1. */
+lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp);
 void lm_model_zero_grads(lm_model *m);
 
 /* Logits [B,T,V] of the last forward's positions (for evaluation and tests;

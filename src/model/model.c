@@ -240,7 +240,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     act += (size_t)N * d;                           /* x0 */
     act += 2 * (size_t)m->L2 * N * d;               /* hin, xn per sublayer */
     act += (size_t)m->L2 * N;                       /* rstd per sublayer */
-    act += 2 * (size_t)N * d + 2 * (size_t)N;       /* hf, hn, rstd_final, lse_rows */
+    act += 2 * (size_t)N * d + 3 * (size_t)N;       /* hf, hn, rstd_final, lse_rows, target_logit */
     act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
     size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
                        sizeof(float);
@@ -311,6 +311,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     CARVE(m->hn, (size_t)N * d);
     CARVE(m->rstd_final, (size_t)N);
     CARVE(m->lse_rows, (size_t)N);
+    CARVE(m->target_logit, (size_t)N);
     CARVE(m->y, (size_t)N * d);
     CARVE(m->dy, (size_t)N * d);
     CARVE(m->dxn, (size_t)N * d);
@@ -675,8 +676,8 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     /* the LM head and the chunked cross-entropy (log-sum-exp in fp32) */
     lm_backend *be = m->be;
     double total = 0, t0 = lm_time_seconds();
-    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, &total, m->hn, m->params + m->head_off, targets, N, d, V,
-                                       m->logits));
+    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, m->hn, m->params + m->head_off,
+                                       targets, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
@@ -685,18 +686,29 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     return LM_OK;
 }
 
-lm_status lm_model_backward(lm_model *m, float loss_scale) {
+lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
+    if (!m->have_targets) return lm_error(LM_ERR_ARG, "token log-probabilities need a forward with targets first");
+    if (!logp) return lm_error(LM_ERR_ARG, "logp is NULL");
+    for (int64_t i = 0; i < m->N; i++) logp[i] = m->target_logit[i] - m->lse_rows[i];
+    return LM_OK;
+}
+
+/* dlogp NULL: the mean cross-entropy scaled by loss_scale, i.e. dLoss/dlog p
+ * = -loss_scale / N at every position; else dlogp[i] per position. loss_scale
+ * also scales the auxiliary balance loss. */
+static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scale) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "backward needs a forward with targets first");
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     const float eps = m->cfg.norm_eps;
-    /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * scale / N */
+    /* LM head: recompute each chunk's logits, dlogits = (softmax - onehot) * g with
+     * g = -dLoss/dlog p(target) (scale / N for the mean cross-entropy) */
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     double t0 = lm_time_seconds();
     TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
     TRY(op->cross_entropy_backward(be, m->dhn, m->grads + m->head_off, m->hn, m->params + m->head_off, m->targets,
-                                   m->lse_rows, loss_scale / (float)N, N, d, V, m->logits));
+                                   m->lse_rows, dlogp, dlogp ? -1.0f : loss_scale / (float)N, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
     TRY(op->rmsnorm_backward(be, m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
@@ -758,6 +770,15 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) {
     charge(m, LM_TIME_NORMS, &t0);
     m->have_targets = 0;
     return LM_OK;
+}
+
+lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backward(m, NULL, loss_scale); }
+
+lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
+    if (!dlogp) return lm_error(LM_ERR_ARG, "dlogp is NULL");
+    for (int64_t i = 0; i < m->N; i++)
+        if (!isfinite(dlogp[i])) return lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    return model_backward(m, dlogp, 1.0f);
 }
 
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {

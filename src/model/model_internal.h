@@ -53,7 +53,7 @@ struct lm_model {
     /* activations */
     float *act_block;
     size_t act_floats;
-    float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows;
+    float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows, *target_logit;
     float *y, *dy, *dxn, *dh, *dx0, *dhn, *dhf, *logits, *scratch;
     size_t scratch_floats;
     int32_t *tokens, *targets;

@@ -159,8 +159,9 @@ static size_t cpu_ce_work_bytes(lm_backend *be, int64_t n, int d, int vocab) {
     return (size_t)(n < CE_CHUNK ? n : CE_CHUNK) * (size_t)vocab * sizeof(float);
 }
 
-static lm_status cpu_ce_forward(lm_backend *be, float *lse_rows, double *loss_sum, const void *hn_lp,
-                                const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+static lm_status cpu_ce_forward(lm_backend *be, float *lse_rows, float *target_logit, double *loss_sum,
+                                const void *hn_lp, const void *head_lp, const int32_t *targets, int64_t n, int d,
+                                int V, void *work) {
     (void)be;
     const float *hn = hn_lp, *W = head_lp;
     float *logits = work;
@@ -177,6 +178,7 @@ static lm_status cpu_ce_forward(lm_backend *be, float *lse_rows, double *loss_su
             for (int v = 0; v < V; v++) s += expf(z[v] - mx);
             float lse = mx + logf(s);
             lse_rows[r0 + r] = lse;
+            if (target_logit) target_logit[r0 + r] = z[targets[r0 + r]];
             total += (double)(lse - z[targets[r0 + r]]);
         }
     }
@@ -185,8 +187,8 @@ static lm_status cpu_ce_forward(lm_backend *be, float *lse_rows, double *loss_su
 }
 
 static lm_status cpu_ce_backward(lm_backend *be, float *dhn, float *dhead, const void *hn_lp, const void *head_lp,
-                                 const int32_t *targets, const float *lse_rows, float s, int64_t n, int d, int V,
-                                 void *work) {
+                                 const int32_t *targets, const float *lse_rows, const float *row_scale, float scale,
+                                 int64_t n, int d, int V, void *work) {
     (void)be;
     const float *hn = hn_lp, *W = head_lp;
     float *logits = work;
@@ -196,6 +198,7 @@ static lm_status cpu_ce_backward(lm_backend *be, float *dhn, float *dhead, const
         lm_matmul_forward(logits, hn + r0 * d, W, NULL, rows, d, V);
         for (int r = 0; r < rows; r++) {
             float *z = logits + (size_t)r * V, lse = lse_rows[r0 + r];
+            float s = row_scale ? scale * row_scale[r0 + r] : scale;
             for (int v = 0; v < V; v++) z[v] = expf(z[v] - lse) * s;
             z[targets[r0 + r]] -= s;
         }
