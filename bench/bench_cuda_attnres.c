@@ -111,6 +111,8 @@ int main(int argc, char **argv) {
     float *gq = device_random(pd, 0, 0.01, &r), *gk = device_random(pd, 0, 0.01, &r);
     float *h = NULL;
     cudaCheck(cudaMalloc((void **)&h, nd * 4));
+    /* the uploads ran on the legacy stream; the context's stream does not wait for it */
+    cudaCheck(cudaDeviceSynchronize());
     lm_attnres_params prm = {query, key_norm};
     lm_attnres_grads g = {gq, gk};
 

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "check.h"
 #include "longmoe/attnres.h"
 #include "longmoe/attnres_cuda.h"
@@ -197,6 +199,8 @@ static int run_gpu(const problem *p, outputs *o) {
     float *h_rec = dev_upload(NULL, (size_t)(L + 1) * nd);
     lm_attnres_params prm = {query, key_norm};
     lm_attnres_grads g = {gq, gk};
+    /* the uploads ran on the legacy stream; the context's stream does not wait for it */
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
     STEP_OK(lm_cuda_attnres_begin(&ctx, &st, emb));
     for (int l = 0; l < L; l++) {
         STEP_OK(lm_cuda_attnres_input(&ctx, &st, l, &prm, h + (size_t)l * nd));
@@ -362,6 +366,7 @@ static void test_calls_out_of_order_are_refused(void) {
     lm_cuda_attnres_state st;
     CHECK(lm_cuda_attnres_init(&st, &c, ws, plan.total - 64) == LM_ERR_ARG, "short workspace accepted");
     CHECK(lm_cuda_attnres_init(&st, &c, ws, plan.total) == LM_OK, "init: %s", lm_last_error());
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "allocations");
     float *x = (float *)buf;
     lm_attnres_params p = {(float *)prm, (float *)prm + 5 * 64}, none = {NULL, NULL};
     CHECK(lm_cuda_attnres_input(&ctx, &st, 0, &p, x) == LM_ERR_ARG, "input before begin");
