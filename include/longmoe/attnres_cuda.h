@@ -1,0 +1,114 @@
+/* Block / Full Attention Residuals on the GPU (docs/attnres.md, "AttnRes on
+ * the GPU"; SPEC §5): the mirror of longmoe/attnres.h with device tensors.
+ *
+ * Same modes, same configuration (lm_attnres_config), same call sequence and
+ * the same meaning as the CPU state; the order checks (which call is expected
+ * next) run on the host, and every call only enqueues kernels on ctx's stream:
+ *
+ *   forward:   lm_cuda_attnres_begin(ctx, st, embedding)
+ *              for l in 0..L-1:
+ *                  lm_cuda_attnres_input(ctx, st, l, &params, h)
+ *                  y = sublayer_l(h)
+ *                  lm_cuda_attnres_add_output(ctx, st, l, y)
+ *              lm_cuda_attnres_final(ctx, st, &params, h_final)
+ *   backward:  lm_cuda_attnres_final_backward(ctx, st, &params, dh_final, &grads)
+ *              for l in L-1..0:
+ *                  lm_cuda_attnres_output_backward(ctx, st, l, dy)
+ *                  dh = sublayer_l_backward(dy)
+ *                  lm_cuda_attnres_input_backward(ctx, st, l, &params, dh, &grads)
+ *              lm_cuda_attnres_embedding_backward(ctx, st, dembedding)
+ *
+ * Device tensors, all fp32, row-major:
+ *   embedding, h, y, dh, dy, dembedding   [n, d]
+ *   params.query, params.key_norm         [L+1, d]   (unused in STANDARD mode)
+ *   grads.query, grads.key_norm           [L+1, d]   (each may be NULL)
+ * Backward functions ACCUMULATE (+=) into dy, dembedding and the parameter
+ * gradients, as on the CPU. The parameter gradients are reduced over tokens
+ * in a fixed order (per-block partial sums over fixed ranges of tokens, then
+ * a fixed-order sum): results are bit-identical from run to run on one GPU.
+ *
+ * Every sublayer's softmax over its sources is computed directly, in one
+ * kernel per AttnRes layer (cfg->two_phase is accepted and ignored: both CPU
+ * forms give the same result to fp32 rounding; docs/attnres.md says why the
+ * GPU does not use the two-phase form). Statistics, scores, softmax and the
+ * block history are fp32.
+ *
+ * Memory: lm_cuda_attnres_memory() plans the device workspace (the CPU plan's
+ * buffers without the two-phase accumulators and the query vectors);
+ * lm_cuda_attnres_init() carves it out of one device allocation of
+ * plan.total bytes that the caller owns. Nothing is allocated afterwards. */
+#ifndef LONGMOE_ATTNRES_CUDA_H
+#define LONGMOE_ATTNRES_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/attnres.h"
+#include "longmoe/core.h"
+#include "longmoe/cuda_context.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tokens per partial sum of the parameter gradients (one thread block each). */
+#define LM_CUDA_ATTNRES_TOKEN_BLOCK 32
+
+/* The state of one sequence batch on the device. Fields are private. */
+typedef struct {
+    lm_attnres_config cfg;
+    int S;               /* effective block size (1 for FULL, L for STANDARD) */
+    int n_blocks;        /* N = ceil(L/S) (0 for STANDARD) */
+    float *hist;         /* [1+N, n, d]: v_0 then b_1..b_N (STANDARD: the running sum) */
+    float *hist_rstd;    /* [1+N, n] */
+    float *dhist;        /* [1+N, n, d] gradient accumulators of the sources */
+    float *partials;     /* [L-N, n, d] saved partial sums of the mid-block sublayers */
+    float *partial_rstd; /* [L, n] */
+    float *logits;       /* sum over layers of [n, n_sources_l] */
+    float *lse;          /* [L+1, n] */
+    float *qpart;        /* [ceil(n / TOKEN_BLOCK), d] parameter-gradient partial sums */
+    int step;            /* position in the call sequence (as in the CPU state) */
+} lm_cuda_attnres_state;
+
+/* Device bytes of every buffer (each rounded up to 64 bytes); phase1 and
+ * queries are 0. LM_ERR_ARG for a bad config (the same checks as the CPU). */
+lm_status lm_cuda_attnres_memory(const lm_attnres_config *cfg, lm_attnres_memory_plan *plan);
+
+/* Carve the buffers out of `device_workspace` (at least plan.total bytes,
+ * 64-byte aligned, as cudaMalloc returns). */
+lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_attnres_config *cfg,
+                               void *device_workspace, size_t workspace_bytes);
+
+/* Number of sources sublayer l reads (l = L: the final AttnRes). */
+int lm_cuda_attnres_n_sources(const lm_cuda_attnres_state *st, int l);
+
+/* ---- forward ---- */
+lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, const float *embedding);
+lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                const lm_attnres_params *p, float *h);
+lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                     const float *y);
+lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                const lm_attnres_params *p, float *h);
+/* h [n,d] = the input of layer l (L: final) again from the saved scores,
+ * h = sum_i exp(s_i - lse) v_i, for activation recomputation; available from
+ * that layer's forward until its backward, not in STANDARD mode. */
+lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx, const lm_cuda_attnres_state *st, int l,
+                                          float *h);
+
+/* ---- backward (after lm_cuda_attnres_final, in reverse order) ---- */
+lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                         const lm_attnres_params *p, const float *dh, lm_attnres_grads *g);
+/* dy [n,d] += dLoss/dy_l, complete once every later sublayer's input backward ran. */
+lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                          float *dy);
+lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                         const lm_attnres_params *p, const float *dh, lm_attnres_grads *g);
+/* dembedding [n,d] += dLoss/dv_0. Ends the backward. */
+lm_status lm_cuda_attnres_embedding_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                             float *dembedding);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,434 @@
+/* Block Attention Residuals on the GPU: the state, its memory plan and the
+ * call-order checks (include/longmoe/attnres_cuda.h). The host walks the same
+ * call sequence as src/model/attnres.c and enqueues the kernels of
+ * attnres_kernels.cu on the context's stream.
+ *
+ * Sources of sublayer l in block k = l / S, position p = l % S (as on the CPU):
+ *   completed: hist[0] = v_0, hist[1..k] = b_1..b_k       (C = 1 + k of them)
+ *   partial:   hist[1+k] while block k is open, when p > 0 (copied to the
+ *              saved partials, slot l - k - 1, for the backward)
+ *
+ * st->step counts the calls exactly as the CPU state does:
+ *   -1 nothing yet; 2l, 2l+1 input(l), add_output(l); 2L final; 2L+1 forward
+ *   done; 2L+2+2k, +1 output_backward(l), input_backward(l) for l = L-1-k;
+ *   4L+2 embedding_backward; 4L+3 backward done. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+#include "cuda/attnres/attnres_internal.cuh"
+#include "cuda/cuda_check.h"
+#include "longmoe/attnres_cuda.h"
+
+#define ALIGN_BYTES 64
+
+static size_t align_up(size_t b) { return (b + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
+
+static cudaStream_t stream_of(const lm_cuda_context *ctx) { return (cudaStream_t)ctx->stream; }
+
+/* ---- geometry (the CPU module's, src/model/attnres.c) ---- */
+
+static int effective_block(const lm_attnres_config *c) {
+    if (c->mode == LM_ATTNRES_FULL) return 1;
+    if (c->mode == LM_ATTNRES_STANDARD) return c->n_sublayers;
+    return c->block_size;
+}
+
+static int n_sources_of(int l, int S, int L) {
+    if (l == L) return 1 + (L + S - 1) / S;
+    return 1 + l / S + (l % S > 0);
+}
+
+/* offset (in floats) of sublayer l's logits: sum over j < l of n_sources_j * n */
+static size_t logits_offset(int l, int S, int L, int64_t n) {
+    size_t o = 0;
+    for (int j = 0; j < l; j++) o += (size_t)n_sources_of(j, S, L);
+    return o * (size_t)n;
+}
+
+static lm_status check_config(const lm_attnres_config *c) {
+    if (!c) return lm_error(LM_ERR_ARG, "attnres cuda: config is NULL");
+    if (c->mode != LM_ATTNRES_STANDARD && c->mode != LM_ATTNRES_BLOCK && c->mode != LM_ATTNRES_FULL)
+        return lm_error(LM_ERR_ARG, "attnres cuda: mode must be standard, block_attnres or full_attnres, got %d",
+                        (int)c->mode);
+    if (c->n_sublayers < 1)
+        return lm_error(LM_ERR_ARG, "attnres cuda: n_sublayers must be >= 1, got %d", c->n_sublayers);
+    if (c->d < 1) return lm_error(LM_ERR_ARG, "attnres cuda: d must be >= 1, got %d", c->d);
+    if (c->n_tokens < 1)
+        return lm_error(LM_ERR_ARG, "attnres cuda: n_tokens must be >= 1, got %lld", (long long)c->n_tokens);
+    if (c->n_tokens > (int64_t)INT32_MAX * LM_CUDA_ATTNRES_TOKEN_BLOCK)
+        return lm_error(LM_ERR_ARG, "attnres cuda: n_tokens %lld exceeds the grid", (long long)c->n_tokens);
+    if (c->mode == LM_ATTNRES_BLOCK && c->block_size < 1)
+        return lm_error(LM_ERR_ARG, "attnres cuda: block_size (in sublayers) must be >= 1, got %d", c->block_size);
+    if (!(c->eps > 0.0f) || !isfinite(c->eps))
+        return lm_error(LM_ERR_ARG, "attnres cuda: eps must be finite and > 0, got %g", (double)c->eps);
+    if (c->two_phase != 0 && c->two_phase != 1)
+        return lm_error(LM_ERR_ARG, "attnres cuda: two_phase must be 0 or 1, got %d", c->two_phase);
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *plan) {
+    lm_status s = check_config(c);
+    if (s) return s;
+    if (!plan) return lm_error(LM_ERR_ARG, "attnres cuda: memory plan pointer is NULL");
+    memset(plan, 0, sizeof *plan);
+    const size_t n = (size_t)c->n_tokens, d = (size_t)c->d, L = (size_t)c->n_sublayers, f = sizeof(float);
+    if (c->mode == LM_ATTNRES_STANDARD) {
+        /* the running sum and its gradient */
+        plan->n_blocks = 0;
+        plan->n_history_sources = 1;
+        plan->history = align_up(n * d * f);
+        plan->history_grad = align_up(n * d * f);
+        plan->history_bytes_per_token = (double)(d * f);
+        plan->total_bytes_per_token = (double)(2 * d * f);
+    } else {
+        const int S = effective_block(c);
+        const size_t N = (L + (size_t)S - 1) / (size_t)S, H = 1 + N;
+        const size_t n_tb = (n + LM_CUDA_ATTNRES_TOKEN_BLOCK - 1) / LM_CUDA_ATTNRES_TOKEN_BLOCK;
+        plan->n_blocks = (int)N;
+        plan->n_history_sources = (int)H;
+        plan->history = align_up(H * n * d * f) + align_up(H * n * f);
+        plan->history_grad = align_up(H * n * d * f);
+        plan->saved_partials = align_up((L - N) * n * d * f) + align_up(L * n * f);
+        plan->saved_scores = align_up(logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) + align_up((L + 1) * n * f);
+        plan->phase1 = 0;  /* direct softmax per sublayer: no accumulators */
+        plan->queries = 0; /* u = w (.) g is formed inside the kernels */
+        plan->param_grad = align_up(n_tb * d * f);
+        const double scores = (double)logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
+        plan->history_bytes_per_token = (double)(H * (d + 1) * f);
+        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
+                                                   (double)L + scores + (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
+    }
+    plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores + plan->phase1 +
+                  plan->queries + plan->param_grad;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_attnres_config *c,
+                                          void *workspace, size_t workspace_bytes) {
+    lm_attnres_memory_plan plan;
+    lm_status s = lm_cuda_attnres_memory(c, &plan);
+    if (s) return s;
+    if (!st) return lm_error(LM_ERR_ARG, "attnres cuda: state pointer is NULL");
+    if (!workspace) return lm_error(LM_ERR_ARG, "attnres cuda: device_workspace is NULL");
+    if ((uintptr_t)workspace % ALIGN_BYTES)
+        return lm_error(LM_ERR_ARG, "attnres cuda: device_workspace must be aligned to 64 bytes");
+    if (workspace_bytes < plan.total)
+        return lm_error(LM_ERR_ARG, "attnres cuda: workspace of %zu bytes is too small, lm_cuda_attnres_memory "
+                        "asks %zu", workspace_bytes, plan.total);
+    memset(st, 0, sizeof *st);
+    st->cfg = *c;
+    st->S = effective_block(c);
+    st->n_blocks = plan.n_blocks;
+    const size_t n = (size_t)c->n_tokens, d = (size_t)c->d, L = (size_t)c->n_sublayers, f = sizeof(float);
+    char *w = (char *)workspace;
+#define CARVE(ptr, bytes)           \
+    do {                            \
+        (ptr) = (float *)(void *)w; \
+        w += align_up(bytes);       \
+    } while (0)
+    if (c->mode == LM_ATTNRES_STANDARD) {
+        CARVE(st->hist, n * d * f);
+        CARVE(st->dhist, n * d * f);
+    } else {
+        const size_t H = (size_t)plan.n_history_sources, N = (size_t)plan.n_blocks;
+        const size_t n_tb = (n + LM_CUDA_ATTNRES_TOKEN_BLOCK - 1) / LM_CUDA_ATTNRES_TOKEN_BLOCK;
+        CARVE(st->hist, H * n * d * f);
+        CARVE(st->hist_rstd, H * n * f);
+        CARVE(st->dhist, H * n * d * f);
+        CARVE(st->partials, (L - N) * n * d * f);
+        CARVE(st->partial_rstd, L * n * f);
+        CARVE(st->logits, logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
+        CARVE(st->lse, (L + 1) * n * f);
+        CARVE(st->qpart, n_tb * d * f);
+    }
+#undef CARVE
+    st->step = -1;
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_attnres_n_sources(const lm_cuda_attnres_state *st, int l) {
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) return 1 + l;
+    return n_sources_of(l, st->S, st->cfg.n_sublayers);
+}
+
+/* ---- call-order and argument checks (host) ---- */
+
+static lm_status expect(const lm_cuda_attnres_state *st, int step, const char *call, int l) {
+    if (st->step == step) return LM_OK;
+    const int L = st->cfg.n_sublayers, cur = st->step;
+    char want[112];
+    if (cur < 0) snprintf(want, sizeof want, "lm_cuda_attnres_begin");
+    else if (cur < 2 * L)
+        snprintf(want, sizeof want, "%s(l = %d)", cur % 2 ? "lm_cuda_attnres_add_output" : "lm_cuda_attnres_input",
+                 cur / 2);
+    else if (cur == 2 * L) snprintf(want, sizeof want, "lm_cuda_attnres_final");
+    else if (cur == 2 * L + 1) snprintf(want, sizeof want, "lm_cuda_attnres_final_backward or lm_cuda_attnres_begin");
+    else if (cur < 4 * L + 2) {
+        const int k = (cur - 2 * L - 2) / 2;
+        snprintf(want, sizeof want, "%s(l = %d)",
+                 (cur - 2 * L - 2) % 2 ? "lm_cuda_attnres_input_backward" : "lm_cuda_attnres_output_backward",
+                 L - 1 - k);
+    } else if (cur == 4 * L + 2) snprintf(want, sizeof want, "lm_cuda_attnres_embedding_backward");
+    else snprintf(want, sizeof want, "lm_cuda_attnres_begin (the backward is complete)");
+    if (l >= 0)
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d) called out of order; the next call must be %s", call, l,
+                        want);
+    return lm_error(LM_ERR_ARG, "attnres cuda: %s called out of order; the next call must be %s", call, want);
+}
+
+static lm_status check_common(const lm_cuda_context *ctx, const lm_cuda_attnres_state *st, const char *call) {
+    if (!ctx) return lm_error(LM_ERR_ARG, "attnres cuda: %s: ctx is NULL", call);
+    if (!st || !st->hist) return lm_error(LM_ERR_ARG, "attnres cuda: %s on an uninitialised state", call);
+    return LM_OK;
+}
+
+static lm_status check_params(const lm_cuda_attnres_state *st, const lm_attnres_params *p, const char *call) {
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) return LM_OK;
+    if (!p || !p->query || !p->key_norm)
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s needs params with device query and key_norm [L+1 = %d, d = %d]",
+                        call, st->cfg.n_sublayers + 1, st->cfg.d);
+    return LM_OK;
+}
+
+static size_t nd_of(const lm_cuda_attnres_state *st) { return (size_t)st->cfg.n_tokens * (size_t)st->cfg.d; }
+
+/* the sources of layer l (L: final); P is the open block's sum in the
+ * forward, the saved copy otherwise */
+static attnres_sources sources_of(const lm_cuda_attnres_state *st, int l, int saved) {
+    const int L = st->cfg.n_sublayers, S = st->S;
+    const size_t n = (size_t)st->cfg.n_tokens, nd = nd_of(st);
+    attnres_sources src;
+    src.hist = st->hist;
+    src.hist_rstd = st->hist_rstd;
+    src.P = NULL;
+    src.P_rstd = NULL;
+    if (l == L) {
+        src.C = 1 + st->n_blocks;
+        src.has_partial = 0;
+        return src;
+    }
+    const int k = l / S, pos = l % S;
+    src.C = 1 + k;
+    src.has_partial = pos > 0;
+    if (pos > 0) {
+        src.P = saved ? st->partials + (size_t)(l - k - 1) * nd : st->hist + (size_t)(1 + k) * nd;
+        src.P_rstd = st->partial_rstd + (size_t)l * n;
+    }
+    return src;
+}
+
+/* ---- forward ---- */
+
+extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                           const float *embedding) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_begin");
+    if (s) return s;
+    if (!embedding) return lm_error(LM_ERR_ARG, "attnres cuda: begin: embedding is NULL");
+    // embedding is (n,d): v_0 = embedding and its 1/rms in one pass
+    const int standard = st->cfg.mode == LM_ATTNRES_STANDARD;
+    if ((s = attnres_launch_accumulate_rows(stream_of(ctx), st->hist, embedding, standard ? NULL : st->hist_rstd, 1,
+                                            st->cfg.n_tokens, st->cfg.d, st->cfg.eps)))
+        return s;
+    st->step = 0;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                           const lm_attnres_params *p, float *h) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input");
+    if (s) return s;
+    if ((s = expect(st, 2 * l, "lm_cuda_attnres_input", l))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_input"))) return s;
+    if (!h) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input(l = %d): h is NULL", l);
+    // h is (n,d)
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d, L = st->cfg.n_sublayers;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) {
+        /* h_l = v_0 + sum_{j<l} y_j */
+        LM_CUDA_TRY(cudaMemcpyAsync(h, st->hist, nd_of(st) * sizeof(float), cudaMemcpyDeviceToDevice, stream_of(ctx)));
+    } else {
+        const int S = st->S, k = l / S, pos = l % S;
+        const attnres_sources src = sources_of(st, l, 0);
+        float *P_save = pos > 0 ? st->partials + (size_t)(l - k - 1) * nd_of(st) : NULL;
+        if ((s = attnres_launch_forward(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
+                                        p->key_norm + (size_t)l * d, st->logits + logits_offset(l, S, L, n),
+                                        st->lse + (size_t)l * n, h, 0, n, d, st->cfg.eps)))
+            return s;
+    }
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                const float *y) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_add_output");
+    if (s) return s;
+    if ((s = expect(st, 2 * l + 1, "lm_cuda_attnres_add_output", l))) return s;
+    if (!y) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_add_output(l = %d): y is NULL", l);
+    // y is (n,d)
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d, L = st->cfg.n_sublayers;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) {
+        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), st->hist, y, NULL, 0, n, d, st->cfg.eps))) return s;
+    } else {
+        const int S = st->S, k = l / S, pos = l % S;
+        float *open = st->hist + (size_t)(1 + k) * nd_of(st);
+        /* the block closes at its last sublayer (or the model's): b_{k+1}'s 1/rms, same pass */
+        float *rstd = (pos == S - 1 || l == L - 1) ? st->hist_rstd + (size_t)(1 + k) * n : NULL;
+        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), open, y, rstd, pos == 0, n, d, st->cfg.eps)))
+            return s;
+    }
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                           const lm_attnres_params *p, float *h) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_final");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L, "lm_cuda_attnres_final", -1))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_final"))) return s;
+    if (!h) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_final: h is NULL");
+    // h is (n,d)
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) {
+        LM_CUDA_TRY(cudaMemcpyAsync(h, st->hist, nd_of(st) * sizeof(float), cudaMemcpyDeviceToDevice, stream_of(ctx)));
+    } else {
+        /* every block is closed: one softmax over v_0, b_1..b_N with query row L */
+        const attnres_sources src = sources_of(st, L, 0);
+        if ((s = attnres_launch_forward(stream_of(ctx), &src, NULL, p->query + (size_t)L * d,
+                                        p->key_norm + (size_t)L * d, st->logits + logits_offset(L, st->S, L, n),
+                                        st->lse + (size_t)L * n, h, 0, n, d, st->cfg.eps)))
+            return s;
+    }
+    st->step++;
+    return LM_OK;
+}
+
+/* layer l's saved scores are intact: its forward ran, its backward not yet
+ * (the CPU state's rule; the GPU does not overwrite them, but keeps the rule) */
+static int scores_intact(const lm_cuda_attnres_state *st, int l) {
+    const int L = st->cfg.n_sublayers;
+    if (l == L) return st->step == 2 * L + 1;
+    return st->step > 2 * l && st->step <= 2 * L + 3 + 2 * (L - 1 - l);
+}
+
+extern "C" lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx, const lm_cuda_attnres_state *st,
+                                                     int l, float *h) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_recompute_input");
+    if (s) return s;
+    if (!h) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input: h is NULL");
+    const int L = st->cfg.n_sublayers;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input: standard residual mode keeps no "
+                        "per-sublayer state");
+    if (l < 0 || l > L)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input: layer %d outside [0, L = %d]", l,
+                        L);
+    if (!scores_intact(st, l))
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input(l = %d) is available from that "
+                        "layer's forward until its backward", l);
+    // h is (n,d): h_l = sum_i exp(s_i - lse) v_i from the saved scores
+    const int64_t n = st->cfg.n_tokens;
+    const attnres_sources src = sources_of(st, l, 1);
+    return attnres_launch_forward(stream_of(ctx), &src, NULL, NULL, NULL,
+                                  st->logits + logits_offset(l, st->S, L, n), st->lse + (size_t)l * n, h, 1, n,
+                                  st->cfg.d, st->cfg.eps);
+}
+
+/* ---- backward ---- */
+
+extern "C" lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                                    const lm_attnres_params *p, const float *dh,
+                                                    lm_attnres_grads *g) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_final_backward");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L + 1, "lm_cuda_attnres_final_backward", -1))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_final_backward"))) return s;
+    if (!dh) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_final_backward: dh is NULL");
+    // dh is (n,d)
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) {
+        LM_CUDA_TRY(cudaMemcpyAsync(st->dhist, dh, nd_of(st) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                    stream_of(ctx)));
+    } else {
+        /* the final reads every source: its dv initialise G_0..G_N (assign) */
+        const attnres_sources src = sources_of(st, L, 1);
+        if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, NULL, 1, p->query + (size_t)L * d,
+                                         p->key_norm + (size_t)L * d, st->logits + logits_offset(L, st->S, L, n),
+                                         st->lse + (size_t)L * n, dh, st->qpart,
+                                         g && g->query ? g->query + (size_t)L * d : NULL,
+                                         g && g->key_norm ? g->key_norm + (size_t)L * d : NULL, n, d)))
+            return s;
+    }
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                     float *dy) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_output_backward");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L + 2 + 2 * (L - 1 - l), "lm_cuda_attnres_output_backward", l))) return s;
+    if (!dy) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_output_backward(l = %d): dy is NULL", l);
+    // dy is (n,d): y_l enters its block's sum and the later partial sums of the
+    // block, whose gradients the open block's accumulator holds now
+    const size_t nd = nd_of(st);
+    const float *G = st->cfg.mode == LM_ATTNRES_STANDARD ? st->dhist : st->dhist + (size_t)(1 + l / st->S) * nd;
+    if ((s = attnres_launch_add(stream_of(ctx), dy, G, nd))) return s;
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                    const lm_attnres_params *p, const float *dh,
+                                                    lm_attnres_grads *g) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_backward");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L + 3 + 2 * (L - 1 - l), "lm_cuda_attnres_input_backward", l))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_input_backward"))) return s;
+    if (!dh) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_backward(l = %d): dh is NULL", l);
+    // dh is (n,d)
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d;
+    const size_t nd = nd_of(st);
+    if (st->cfg.mode == LM_ATTNRES_STANDARD) {
+        if ((s = attnres_launch_add(stream_of(ctx), st->dhist, dh, nd))) return s;
+    } else {
+        const int S = st->S, k = l / S;
+        const attnres_sources src = sources_of(st, l, 1);
+        /* dP goes to G_{k+1}, the accumulator of the open block */
+        if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd, 0,
+                                         p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
+                                         st->logits + logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh,
+                                         st->qpart, g && g->query ? g->query + (size_t)l * d : NULL,
+                                         g && g->key_norm ? g->key_norm + (size_t)l * d : NULL, n, d)))
+            return s;
+    }
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_embedding_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                                        float *dembedding) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_embedding_backward");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 4 * L + 2, "lm_cuda_attnres_embedding_backward", -1))) return s;
+    if (!dembedding)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_embedding_backward: dembedding is NULL");
+    // dembedding is (n,d)
+    if ((s = attnres_launch_add(stream_of(ctx), dembedding, st->dhist, nd_of(st)))) return s;
+    st->step++;
+    return LM_OK;
+}

@@ -1,0 +1,52 @@
+/* Launchers of the AttnRes kernels (attnres_kernels.cu), called by the state
+ * functions of attnres_api.cu. Every launcher enqueues on `stream` and returns
+ * the launch error as an lm_status. Shapes in the comments; all fp32. */
+#ifndef LONGMOE_CUDA_ATTNRES_INTERNAL_CUH
+#define LONGMOE_CUDA_ATTNRES_INTERNAL_CUH
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#include "longmoe/core.h"
+
+/* One AttnRes layer's sources: closed sources hist[0..C-1] (each [n,d], with
+ * 1/rms hist_rstd[i*n + t]) and, when has_partial, the partial sum P. */
+struct attnres_sources {
+    const float *hist;      /* [>=C, n, d] */
+    const float *hist_rstd; /* [>=C, n] */
+    int C;
+    int has_partial;
+    const float *P;         /* [n, d] (forward: the open block's sum; recompute/backward: the saved copy) */
+    float *P_rstd;          /* [n] 1/rms of P (written by the forward, read otherwise) */
+};
+
+/* rows [n,d]: dst = src (assign) or dst += src; rstd [n] (may be NULL) = 1/rms of the new rows. */
+lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
+                                         int assign, int64_t n, int d, float eps);
+
+/* dst[i] += src[i] for i < count. */
+lm_status attnres_launch_add(cudaStream_t stream, float *dst, const float *src, size_t count);
+
+/* Forward of one AttnRes layer with query row w, key-norm row g (d each):
+ * scores, softmax, h = sum_i a_i v_i; writes logits [n, Ns], lse [n], h [n,d],
+ * and (has_partial) P_rstd and the copy P_save [n,d] of P (may be NULL).
+ * from_saved = 1: recomputation; the scores are read from logits and lse
+ * instead (w, g, P_save unused) and only h is written. */
+lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src, float *P_save, const float *w,
+                                 const float *g, float *logits, float *lse, float *h, int from_saved, int64_t n,
+                                 int d, float eps);
+
+/* Backward of one AttnRes layer: dv of every source into dhist[i] (i < C)
+ * and dP (has_partial); assign = 1 writes dhist[0..C-1] instead of adding
+ * (the final layer, which reads every source, initialises the accumulators).
+ * Parameter gradients: dw += g (.) q, dg += w (.) q with q = sum over tokens
+ * and sources of ds_i r_i v_i, reduced through qpart [ceil(n/TOKEN_BLOCK), d];
+ * dw, dg may be NULL. */
+lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
+                                  int assign, const float *w, const float *g, const float *logits,
+                                  const float *lse, const float *dh, float *qpart, float *dw, float *dg,
+                                  int64_t n, int d);
+
+#endif

@@ -1,0 +1,458 @@
+/* AttnRes kernels (include/longmoe/attnres_cuda.h, docs/attnres.md).
+ *
+ * Every kernel is memory-bound and works on token rows: a row group of
+ * `tpr` threads (a multiple of 32: whole warps) owns one token row of d
+ * floats, VEC (1 or 4) consecutive floats a thread per step; a block of 256
+ * threads holds 256 / tpr row groups (several rows when d is small).
+ *
+ * Forward of one AttnRes layer with Ns sources (one kernel, one pass over
+ * DRAM): pass 1 reads each source row once and reduces its dot product with
+ * u = w (.) g (and, for the partial sum, its sum of squares); one thread per
+ * row forms the scores s_i = r_i (u . v_i), the softmax in fp32 and lse;
+ * pass 2 forms h = sum_i a_i v_i, re-reading the row's sources while they are
+ * in L1/L2 (a row's Ns sources are Ns * 4 KiB at d = 1024).
+ *
+ * Backward likewise: pass 1 reduces da_i = dh . v_i, one thread forms
+ * ds_i = a_i (da_i - sum_j a_j da_j), pass 2 updates every dv_i and the
+ * per-channel q = sum ds_i r_i v_i of its block's fixed token range; a
+ * second kernel adds the blocks' q in block order (no float atomics). */
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+#include "cuda/attnres/attnres_internal.cuh"
+#include "cuda/cuda_check.h"
+#include "longmoe/attnres_cuda.h"
+
+#define THREADS 256
+#define WARPS (THREADS / 32)
+#define TOKEN_BLOCK LM_CUDA_ATTNRES_TOKEN_BLOCK
+/* opt-in shared memory limit of sm_90 (227 KiB) */
+#define MAX_SHARED_BYTES (227 * 1024)
+
+__device__ __forceinline__ float warp_sum(float x) {
+    /* butterfly: every lane ends with the same sum, in a fixed order */
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+template <int VEC> struct vec;
+template <> struct vec<1> {
+    static __device__ __forceinline__ void load(float (&x)[1], const float *p) { x[0] = *p; }
+    static __device__ __forceinline__ void store(float *p, const float (&x)[1]) { *p = x[0]; }
+};
+template <> struct vec<4> {
+    static __device__ __forceinline__ void load(float (&x)[4], const float *p) {
+        const float4 t = *reinterpret_cast<const float4 *>(p);
+        x[0] = t.x;
+        x[1] = t.y;
+        x[2] = t.z;
+        x[3] = t.w;
+    }
+    static __device__ __forceinline__ void store(float *p, const float (&x)[4]) {
+        *reinterpret_cast<float4 *>(p) = make_float4(x[0], x[1], x[2], x[3]);
+    }
+};
+
+/* ---- rows: dst = src or dst += src, then 1/rms of the new rows ---- */
+
+template <int VEC>
+__global__ void __launch_bounds__(THREADS, 4)
+accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, int64_t n, int d, float eps, int tpr) {
+    // dst, src are (n,d); rstd is (n); shared: one float per warp
+    __shared__ float red[WARPS];
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const bool active = t < n;
+    float ss = 0.0f;
+    if (active) {
+        float *dr = dst + (size_t)t * d;
+        const float *sr = src + (size_t)t * d;
+        for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
+            float x[VEC], y[VEC];
+            vec<VEC>::load(y, sr + c);
+            if (assign) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) x[j] = y[j];
+            } else {
+                vec<VEC>::load(x, dr + c);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) x[j] += y[j];
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; j++) ss += x[j] * x[j];
+            vec<VEC>::store(dr + c, x);
+        }
+    }
+    if (!rstd) return; /* uniform over the grid */
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (active && lane_g == 0) {
+        const int wpg = tpr >> 5;
+        float tot = 0.0f;
+        for (int k = 0; k < wpg; k++) tot += red[group * wpg + k];
+        /* rms = sqrt(mean(x^2) + eps), the RMSNorm of linear.h */
+        rstd[t] = 1.0f / sqrtf(tot / (float)d + eps);
+    }
+}
+
+/* ---- forward of one AttnRes layer ---- */
+
+template <int VEC>
+__global__ void __launch_bounds__(THREADS)
+forward_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
+               float *h, int from_saved, int64_t n, int d, float eps, int tpr) {
+    // sources are (n,d) rows; logits is (n,Ns); lse is (n); h is (n,d)
+    // shared: red [WARPS][Ns+1] (dots, then P's sum of squares), coef [rows][Ns]
+    extern __shared__ float smem[];
+    const int C = src.C, Ns = C + src.has_partial;
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
+    float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
+    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const bool active = t < n;
+    const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
+
+    if (!from_saved) {
+        /* pass 1: u . v_i for every source (u = w (.) g, SPEC §5), and sum P^2 */
+        for (int i = 0; i < Ns; i++) {
+            const bool is_P = i == C;
+            const float *v = is_P ? src.P + row : src.hist + (size_t)i * nd + row;
+            float dot = 0.0f, ss = 0.0f;
+            if (active) {
+                for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
+                    float x[VEC], wv[VEC], gv[VEC];
+                    vec<VEC>::load(x, v + c);
+                    vec<VEC>::load(wv, w + c);
+                    vec<VEC>::load(gv, g + c);
+#pragma unroll
+                    for (int j = 0; j < VEC; j++) {
+                        dot += (wv[j] * gv[j]) * x[j];
+                        ss += x[j] * x[j];
+                    }
+                    if (is_P && P_save) vec<VEC>::store(P_save + row + c, x);
+                }
+            }
+            dot = warp_sum(dot);
+            if (is_P) ss = warp_sum(ss);
+            if (lane == 0) {
+                red[warp * (Ns + 1) + i] = dot;
+                if (is_P) red[warp * (Ns + 1) + Ns] = ss;
+            }
+        }
+        __syncthreads();
+    }
+    if (active && lane_g == 0) {
+        float *lrow = logits + (size_t)t * Ns;
+        if (from_saved) {
+            /* a_i = exp(s_i - lse): the weights the forward used */
+            const float m = lse[t];
+            for (int i = 0; i < Ns; i++) coef[i] = expf(lrow[i] - m);
+        } else {
+            const float *r0 = red + (size_t)group * wpg * (Ns + 1);
+            float m = -INFINITY;
+            for (int i = 0; i < Ns; i++) {
+                float dot = 0.0f;
+                for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
+                float r;
+                if (i < C) {
+                    r = src.hist_rstd[(size_t)i * n + t];
+                } else {
+                    float ss = 0.0f;
+                    for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
+                    r = 1.0f / sqrtf(ss / (float)d + eps);
+                    src.P_rstd[t] = r;
+                }
+                /* s_i = r_i (u . v_i) */
+                const float s = r * dot;
+                lrow[i] = s;
+                coef[i] = s;
+                m = fmaxf(m, s);
+            }
+            /* softmax over the sources, fp32 statistics */
+            float Z = 0.0f;
+            for (int i = 0; i < Ns; i++) Z += expf(coef[i] - m);
+            for (int i = 0; i < Ns; i++) coef[i] = expf(coef[i] - m) / Z;
+            lse[t] = m + logf(Z);
+        }
+    }
+    __syncthreads();
+    if (!active) return;
+    /* pass 2: h = sum_i a_i v_i (values are not normalised) */
+    for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
+        float acc[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+        for (int i = 0; i < Ns; i++) {
+            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+            float x[VEC];
+            vec<VEC>::load(x, v + c);
+            const float a = coef[i];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) acc[j] += a * x[j];
+        }
+        vec<VEC>::store(h + row + c, acc);
+    }
+}
+
+/* ---- backward of one AttnRes layer ---- */
+
+template <int VEC>
+__global__ void __launch_bounds__(THREADS)
+backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
+                const float *logits, const float *lse, const float *dh, float *qpart, int64_t n, int d, int tpr) {
+    // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d)
+    // shared: red [WARPS][Ns], coef [rows][Ns][3], q [rows][d] (when qpart)
+    extern __shared__ float smem[];
+    const int C = src.C, Ns = C + src.has_partial;
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
+    float *red = smem, *coef = smem + WARPS * Ns + group * Ns * 3;
+    float *q_all = smem + WARPS * Ns + rows * Ns * 3, *q = q_all + (size_t)group * d;
+    const size_t nd = (size_t)n * d;
+    const int64_t t0 = (int64_t)blockIdx.x * TOKEN_BLOCK;
+    const int64_t t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n;
+    if (qpart)
+        for (int c = threadIdx.x; c < rows * d; c += THREADS) q_all[c] = 0.0f;
+
+    /* the block's fixed token range, `rows` tokens a round (uniform over the block) */
+    for (int64_t base = t0; base < t1; base += rows) {
+        const int64_t t = base + group;
+        const bool active = t < t1;
+        const size_t row = active ? (size_t)t * d : 0;
+        /* pass 1: da_i = dh . v_i */
+        for (int i = 0; i < Ns; i++) {
+            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+            float dot = 0.0f;
+            if (active) {
+                for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
+                    float x[VEC], y[VEC];
+                    vec<VEC>::load(x, v + c);
+                    vec<VEC>::load(y, dh + row + c);
+#pragma unroll
+                    for (int j = 0; j < VEC; j++) dot += y[j] * x[j];
+                }
+            }
+            dot = warp_sum(dot);
+            if (lane == 0) red[warp * Ns + i] = dot;
+        }
+        __syncthreads();
+        if (active && lane_g == 0) {
+            /* softmax backward: ds_i = a_i (da_i - sum_j a_j da_j); then the
+             * coefficients of dv_i = a_i dh + k1_i u - k2_i v_i (docs/attnres.md) */
+            const float *lrow = logits + (size_t)t * Ns, *r0 = red + (size_t)group * wpg * Ns;
+            const float l_t = lse[t];
+            float c0 = 0.0f;
+            for (int i = 0; i < Ns; i++) {
+                float da = 0.0f;
+                for (int k = 0; k < wpg; k++) da += r0[k * Ns + i];
+                const float a = expf(lrow[i] - l_t);
+                coef[3 * i] = a;
+                coef[3 * i + 1] = da;
+                c0 += a * da;
+            }
+            for (int i = 0; i < Ns; i++) {
+                const float a = coef[3 * i], da = coef[3 * i + 1], s = lrow[i];
+                const float r = i < C ? src.hist_rstd[(size_t)i * n + t] : src.P_rstd[t];
+                const float ds = a * (da - c0);
+                coef[3 * i + 1] = ds * r;
+                coef[3 * i + 2] = ds * r * r * s / (float)d;
+            }
+        }
+        __syncthreads();
+        /* pass 2 (no barrier needed after it: the next round writes red only
+         * after this round's second barrier and coef only after its own first) */
+        if (active) {
+            for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
+                float y[VEC], u[VEC], wv[VEC], gv[VEC];
+                vec<VEC>::load(y, dh + row + c);
+                vec<VEC>::load(wv, w + c);
+                vec<VEC>::load(gv, g + c);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) u[j] = wv[j] * gv[j];
+                for (int i = 0; i < Ns; i++) {
+                    const bool is_P = i == C;
+                    const float *v = is_P ? src.P + row : src.hist + (size_t)i * nd + row;
+                    float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
+                    const float a = coef[3 * i], k1 = coef[3 * i + 1], k2 = coef[3 * i + 2];
+                    float x[VEC], o[VEC];
+                    vec<VEC>::load(x, v + c);
+                    if (assign && !is_P) {
+#pragma unroll
+                        for (int j = 0; j < VEC; j++) o[j] = 0.0f;
+                    } else {
+                        vec<VEC>::load(o, dv + c);
+                    }
+#pragma unroll
+                    for (int j = 0; j < VEC; j++) o[j] += a * y[j] + k1 * u[j] - k2 * x[j];
+                    vec<VEC>::store(dv + c, o);
+                    /* q += ds_i xhat_i = k1_i v_i, while the row is loaded */
+                    if (qpart) {
+#pragma unroll
+                        for (int j = 0; j < VEC; j++) q[c + j] += k1 * x[j];
+                    }
+                }
+            }
+        }
+    }
+    if (!qpart) return; /* uniform over the grid */
+    __syncthreads();
+    /* this block's partial sum of q: its row groups in order */
+    for (int c = threadIdx.x; c < d; c += THREADS) {
+        float s = 0.0f;
+        for (int k = 0; k < rows; k++) s += q_all[(size_t)k * d + c];
+        qpart[(size_t)blockIdx.x * d + c] = s;
+    }
+}
+
+/* q[c] = sum over blocks b (fixed order: b = ty mod 8, then the 8 in order)
+ * of qpart[b][c]; dw += g (.) q, dg += w (.) q. 32 channels a block. */
+__global__ void __launch_bounds__(THREADS)
+param_grad_kernel(const float *qpart, int64_t n_tb, int d, const float *w, const float *g, float *dw, float *dg) {
+    __shared__ float part[WARPS][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + tx;
+    float s = 0.0f;
+    if (c < d)
+        for (int64_t b = ty; b < n_tb; b += WARPS) s += qpart[(size_t)b * d + c];
+    part[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && c < d) {
+        float q = 0.0f;
+        for (int k = 0; k < WARPS; k++) q += part[k][tx];
+        if (dw) dw[c] += g[c] * q;
+        if (dg) dg[c] += w[c] * q;
+    }
+}
+
+__global__ void add_kernel(float *dst, const float *src, size_t count) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] += src[i];
+}
+
+__global__ void add4_kernel(float4 *dst, const float4 *src, size_t count4) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < count4;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float4 a = dst[i];
+        const float4 b = src[i];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+        dst[i] = a;
+    }
+}
+
+/* ---- launchers ---- */
+
+static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* VEC = 4 when d allows it and every row pointer is 16-byte aligned */
+static int pick_vec(int d, const void *const *ptrs, int count) {
+    if (d % 4) return 1;
+    for (int i = 0; i < count; i++)
+        if (ptrs[i] && !aligned16(ptrs[i])) return 1;
+    return 4;
+}
+
+/* threads a row: a power of two from 32 to 256, the first >= d / VEC */
+static int threads_per_row(int d, int vec) {
+    const int chunks = d / vec;
+    int tpr = 32;
+    while (tpr < chunks && tpr < THREADS) tpr *= 2;
+    return tpr;
+}
+
+static lm_status allow_shared(const void *kernel, size_t bytes) {
+    if (bytes > MAX_SHARED_BYTES)
+        return lm_error(LM_ERR_ARG, "attnres cuda: %zu bytes of shared memory needed (too many sources or too "
+                        "wide a model; at most %d)", bytes, MAX_SHARED_BYTES);
+    if (bytes > 48 * 1024)
+        LM_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    return LM_OK;
+}
+
+static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
+
+lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
+                                         int assign, int64_t n, int d, float eps) {
+    const void *ptrs[2] = {dst, src};
+    const int VEC = pick_vec(d, ptrs, 2), tpr = threads_per_row(d, VEC);
+    const unsigned grid = grid_of(n, THREADS / tpr);
+    if (VEC == 4)
+        accumulate_rows_kernel<4><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+    else
+        accumulate_rows_kernel<1><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status attnres_launch_add(cudaStream_t stream, float *dst, const float *src, size_t count) {
+    const size_t max_blocks = 8192;
+    if (count % 4 == 0 && aligned16(dst) && aligned16(src)) {
+        size_t blocks = (count / 4 + THREADS - 1) / THREADS;
+        if (blocks > max_blocks) blocks = max_blocks;
+        if (blocks == 0) return LM_OK;
+        add4_kernel<<<(unsigned)blocks, THREADS, 0, stream>>>((float4 *)dst, (const float4 *)src, count / 4);
+    } else {
+        size_t blocks = (count + THREADS - 1) / THREADS;
+        if (blocks > max_blocks) blocks = max_blocks;
+        if (blocks == 0) return LM_OK;
+        add_kernel<<<(unsigned)blocks, THREADS, 0, stream>>>(dst, src, count);
+    }
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src, float *P_save, const float *w,
+                                 const float *g, float *logits, float *lse, float *h, int from_saved, int64_t n,
+                                 int d, float eps) {
+    const void *ptrs[6] = {src->hist, src->P, P_save, w, g, h};
+    const int VEC = pick_vec(d, ptrs, 6), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
+    const int Ns = src->C + src->has_partial;
+    const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns) * sizeof(float);
+    const unsigned grid = grid_of(n, rows);
+    lm_status s;
+    if (VEC == 4) {
+        if ((s = allow_shared((const void *)forward_kernel<4>, shared))) return s;
+        forward_kernel<4><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, h, from_saved, n, d,
+                                                             eps, tpr);
+    } else {
+        if ((s = allow_shared((const void *)forward_kernel<1>, shared))) return s;
+        forward_kernel<1><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, h, from_saved, n, d,
+                                                             eps, tpr);
+    }
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
+                                  int assign, const float *w, const float *g, const float *logits,
+                                  const float *lse, const float *dh, float *qpart, float *dw, float *dg,
+                                  int64_t n, int d) {
+    const void *ptrs[7] = {src->hist, src->P, dhist, dP, w, g, dh};
+    const int VEC = pick_vec(d, ptrs, 7), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
+    const int Ns = src->C + src->has_partial;
+    const int want_q = dw || dg;
+    float *qp = want_q ? qpart : NULL;
+    const size_t shared = (size_t)(WARPS * Ns + rows * Ns * 3 + (want_q ? rows * d : 0)) * sizeof(float);
+    const int64_t n_tb = (n + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    lm_status s;
+    if (VEC == 4) {
+        if ((s = allow_shared((const void *)backward_kernel<4>, shared))) return s;
+        backward_kernel<4><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
+                                                                        dh, qp, n, d, tpr);
+    } else {
+        if ((s = allow_shared((const void *)backward_kernel<1>, shared))) return s;
+        backward_kernel<1><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
+                                                                        dh, qp, n, d, tpr);
+    }
+    LM_CUDA_TRY(cudaGetLastError());
+    if (want_q) {
+        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(qpart, n_tb, d, w, g, dw, dg);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    return LM_OK;
+}

@@ -1,0 +1,402 @@
+/* Block / Full Attention Residuals on the GPU (include/longmoe/attnres_cuda.h)
+ * against the CPU module (include/longmoe/attnres.h) with the same config.
+ *
+ * One whole sequence on both sides: random embedding, random sublayer
+ * outputs y_l fed in, random dh for every input and for the final; random
+ * non-zero query and key_norm parameters; gradients (dy, dembedding, dquery,
+ * dkey_norm) start from random non-zero values, so accumulation is checked
+ * (the increments are compared). Every h_l, the final h, every dy_l, the
+ * embedding gradient and the parameter gradients must agree to a relative
+ * error ||gpu - cpu|| / ||cpu|| <= 1e-5 (all fp32), for BLOCK (S = 1..4 with
+ * L = 8: S = 3 leaves an incomplete last block), FULL and STANDARD, n = 1, 37,
+ * 1000 tokens, d = 64 and 1024. The GPU's recomputed inputs must equal the
+ * CPU's forward inputs to the same bound, and two GPU runs must be
+ * bit-identical. Needs a CUDA GPU (ctest label cuda). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "check.h"
+#include "longmoe/attnres.h"
+#include "longmoe/attnres_cuda.h"
+#include "longmoe/cuda_context.h"
+#include "test.h"
+
+#define TOL 1e-5
+
+static lm_cuda_context ctx;
+
+typedef struct {
+    lm_attnres_config cfg;
+    size_t nd, pd; /* n*d, (L+1)*d */
+    float *emb, *y, *dh, *dh_final; /* y, dh: [L][n,d] */
+    float *query, *key_norm;        /* [L+1, d] */
+    float *dy0, *demb0, *gq0, *gk0; /* initial gradient values */
+} problem;
+
+typedef struct {
+    float *h, *h_final, *h_rec; /* h: [L][n,d]; h_rec: [L+1][n,d] (GPU only) */
+    float *dy, *demb, *gq, *gk;
+} outputs;
+
+static void fill_normal(float *x, size_t n, double scale, lm_rng *r) {
+    for (size_t i = 0; i < n; i++) x[i] = (float)(scale * lm_rng_normal(r));
+}
+
+static problem make_problem(lm_attnres_mode mode, int S, int L, int64_t n, int d, uint64_t seed) {
+    problem p;
+    memset(&p, 0, sizeof p);
+    p.cfg.mode = mode;
+    p.cfg.n_sublayers = L;
+    p.cfg.block_size = S;
+    p.cfg.d = d;
+    p.cfg.n_tokens = n;
+    p.cfg.eps = 1e-6f;
+    p.cfg.two_phase = 0;
+    p.nd = (size_t)n * d;
+    p.pd = (size_t)(L + 1) * d;
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    p.emb = mallocCheck(p.nd * 4);
+    p.y = mallocCheck((size_t)L * p.nd * 4);
+    p.dh = mallocCheck((size_t)L * p.nd * 4);
+    p.dh_final = mallocCheck(p.nd * 4);
+    p.dy0 = mallocCheck((size_t)L * p.nd * 4);
+    p.demb0 = mallocCheck(p.nd * 4);
+    p.query = mallocCheck(p.pd * 4);
+    p.key_norm = mallocCheck(p.pd * 4);
+    p.gq0 = mallocCheck(p.pd * 4);
+    p.gk0 = mallocCheck(p.pd * 4);
+    fill_normal(p.emb, p.nd, 1.0, &r);
+    /* sublayer outputs of different scales, so the sources' rms differ */
+    for (int l = 0; l < L; l++) fill_normal(p.y + (size_t)l * p.nd, p.nd, 0.3 + 1.7 * lm_rng_uniform(&r), &r);
+    fill_normal(p.dh, (size_t)L * p.nd, 1.0, &r);
+    fill_normal(p.dh_final, p.nd, 1.0, &r);
+    fill_normal(p.dy0, (size_t)L * p.nd, 0.01, &r);
+    fill_normal(p.demb0, p.nd, 0.01, &r);
+    /* scores of order one: |w (.) g| ~ 1, keys of unit rms */
+    fill_normal(p.query, p.pd, 1.0 / sqrt((double)d), &r);
+    for (size_t i = 0; i < p.pd; i++) p.key_norm[i] = (float)(1.0 + 0.3 * lm_rng_normal(&r));
+    fill_normal(p.gq0, p.pd, 0.01, &r);
+    fill_normal(p.gk0, p.pd, 0.01, &r);
+    return p;
+}
+
+static void free_problem(problem *p) {
+    free(p->emb);
+    free(p->y);
+    free(p->dh);
+    free(p->dh_final);
+    free(p->dy0);
+    free(p->demb0);
+    free(p->query);
+    free(p->key_norm);
+    free(p->gq0);
+    free(p->gk0);
+}
+
+static outputs make_outputs(const problem *p) {
+    outputs o;
+    const int L = p->cfg.n_sublayers;
+    o.h = mallocCheck((size_t)L * p->nd * 4);
+    o.h_final = mallocCheck(p->nd * 4);
+    o.h_rec = callocCheck((size_t)(L + 1) * p->nd, 4);
+    o.dy = mallocCheck((size_t)L * p->nd * 4);
+    o.demb = mallocCheck(p->nd * 4);
+    o.gq = mallocCheck(p->pd * 4);
+    o.gk = mallocCheck(p->pd * 4);
+    return o;
+}
+
+static void free_outputs(outputs *o) {
+    free(o->h);
+    free(o->h_final);
+    free(o->h_rec);
+    free(o->dy);
+    free(o->demb);
+    free(o->gq);
+    free(o->gk);
+}
+
+#define STEP_OK(call)                                                                         \
+    do {                                                                                      \
+        lm_status s_ = (call);                                                                \
+        CHECK(s_ == LM_OK, "%s: %s", #call, lm_last_error());                                 \
+        if (s_ != LM_OK) ok = 0;                                                              \
+    } while (0)
+
+/* the CPU module, direct form (the GPU computes each softmax directly) */
+static int run_cpu(const problem *p, outputs *o) {
+    int ok = 1;
+    const int L = p->cfg.n_sublayers;
+    const size_t nd = p->nd;
+    lm_attnres_memory_plan plan;
+    STEP_OK(lm_attnres_memory(&p->cfg, &plan));
+    if (!ok) return 0;
+    void *ws = aligned_alloc(64, (plan.total + 63) / 64 * 64);
+    lm_attnres_state st;
+    STEP_OK(lm_attnres_init(&st, &p->cfg, ws, plan.total));
+    lm_attnres_params prm = {p->query, p->key_norm};
+    memcpy(o->gq, p->gq0, p->pd * 4);
+    memcpy(o->gk, p->gk0, p->pd * 4);
+    memcpy(o->dy, p->dy0, (size_t)L * nd * 4);
+    memcpy(o->demb, p->demb0, nd * 4);
+    lm_attnres_grads g = {o->gq, o->gk};
+    STEP_OK(lm_attnres_begin(&st, p->emb));
+    for (int l = 0; l < L; l++) {
+        STEP_OK(lm_attnres_input(&st, l, &prm, o->h + (size_t)l * nd));
+        STEP_OK(lm_attnres_add_output(&st, l, p->y + (size_t)l * nd));
+    }
+    STEP_OK(lm_attnres_final(&st, &prm, o->h_final));
+    STEP_OK(lm_attnres_final_backward(&st, &prm, p->dh_final, &g));
+    for (int l = L - 1; l >= 0; l--) {
+        STEP_OK(lm_attnres_output_backward(&st, l, o->dy + (size_t)l * nd));
+        STEP_OK(lm_attnres_input_backward(&st, l, &prm, p->dh + (size_t)l * nd, &g));
+    }
+    STEP_OK(lm_attnres_embedding_backward(&st, o->demb));
+    free(ws);
+    return ok;
+}
+
+static float *dev_upload(const float *x, size_t count) {
+    void *d = NULL;
+    if (lm_cuda_alloc(&d, count * 4) != LM_OK) dieAt("device allocation of %zu floats: %s", count, lm_last_error());
+    if (x && lm_cuda_upload(d, x, count * 4) != LM_OK) dieAt("upload: %s", lm_last_error());
+    return (float *)d;
+}
+
+static void dev_download(float *x, const float *d, size_t count) {
+    if (lm_cuda_download(x, d, count * 4) != LM_OK) dieAt("download: %s", lm_last_error());
+}
+
+/* the same sequence on the GPU; recomputes every input after its output backward */
+static int run_gpu(const problem *p, outputs *o) {
+    int ok = 1;
+    const int L = p->cfg.n_sublayers;
+    const size_t nd = p->nd;
+    const int attn = p->cfg.mode != LM_ATTNRES_STANDARD;
+    lm_attnres_memory_plan plan;
+    STEP_OK(lm_cuda_attnres_memory(&p->cfg, &plan));
+    if (!ok) return 0;
+    void *ws = NULL;
+    STEP_OK(lm_cuda_alloc(&ws, plan.total));
+    /* poison the workspace: nothing may depend on it being zero */
+    float *junk = mallocCheck(plan.total);
+    for (size_t i = 0; i < plan.total / 4; i++) junk[i] = 1e30f;
+    STEP_OK(lm_cuda_upload(ws, junk, plan.total / 4 * 4));
+    free(junk);
+    lm_cuda_attnres_state st;
+    STEP_OK(lm_cuda_attnres_init(&st, &p->cfg, ws, plan.total));
+    float *emb = dev_upload(p->emb, nd), *y = dev_upload(p->y, (size_t)L * nd), *dh = dev_upload(p->dh, (size_t)L * nd);
+    float *dh_final = dev_upload(p->dh_final, nd), *dy = dev_upload(p->dy0, (size_t)L * nd);
+    float *demb = dev_upload(p->demb0, nd), *query = dev_upload(p->query, p->pd);
+    float *key_norm = dev_upload(p->key_norm, p->pd), *gq = dev_upload(p->gq0, p->pd), *gk = dev_upload(p->gk0, p->pd);
+    float *h = dev_upload(NULL, (size_t)L * nd), *h_final = dev_upload(NULL, nd);
+    float *h_rec = dev_upload(NULL, (size_t)(L + 1) * nd);
+    lm_attnres_params prm = {query, key_norm};
+    lm_attnres_grads g = {gq, gk};
+    /* the uploads ran on the legacy stream; the context's stream does not wait for it */
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
+    STEP_OK(lm_cuda_attnres_begin(&ctx, &st, emb));
+    for (int l = 0; l < L; l++) {
+        STEP_OK(lm_cuda_attnres_input(&ctx, &st, l, &prm, h + (size_t)l * nd));
+        STEP_OK(lm_cuda_attnres_add_output(&ctx, &st, l, y + (size_t)l * nd));
+    }
+    STEP_OK(lm_cuda_attnres_final(&ctx, &st, &prm, h_final));
+    if (attn) STEP_OK(lm_cuda_attnres_recompute_input(&ctx, &st, L, h_rec + (size_t)L * nd));
+    STEP_OK(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh_final, &g));
+    for (int l = L - 1; l >= 0; l--) {
+        STEP_OK(lm_cuda_attnres_output_backward(&ctx, &st, l, dy + (size_t)l * nd));
+        if (attn) STEP_OK(lm_cuda_attnres_recompute_input(&ctx, &st, l, h_rec + (size_t)l * nd));
+        STEP_OK(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh + (size_t)l * nd, &g));
+    }
+    STEP_OK(lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
+    STEP_OK(lm_cuda_context_sync(&ctx));
+    dev_download(o->h, h, (size_t)L * nd);
+    dev_download(o->h_final, h_final, nd);
+    dev_download(o->h_rec, h_rec, (size_t)(L + 1) * nd);
+    dev_download(o->dy, dy, (size_t)L * nd);
+    dev_download(o->demb, demb, nd);
+    dev_download(o->gq, gq, p->pd);
+    dev_download(o->gk, gk, p->pd);
+    float *bufs[] = {emb, y, dh, dh_final, dy, demb, query, key_norm, gq, gk, h, h_final, h_rec};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) lm_cuda_free(bufs[i]);
+    lm_cuda_free(ws);
+    return ok;
+}
+
+/* relative error of got - base against want - base (the accumulated increments), in double */
+static double increment_error(const float *got, const float *want, const float *base, size_t count) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < count; i++) {
+        const double b = base ? (double)base[i] : 0.0;
+        const double e = (double)got[i] - (double)want[i], w = (double)want[i] - b;
+        if (isnan(got[i])) return INFINITY;
+        num += e * e;
+        den += w * w;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static const char *case_name(const lm_attnres_config *c, char *buf, size_t size) {
+    snprintf(buf, size, "%s S=%d n=%lld d=%d", lm_attnres_mode_name(c->mode), c->block_size, (long long)c->n_tokens,
+             c->d);
+    return buf;
+}
+
+static double worst_error;
+
+static void check_case(lm_attnres_mode mode, int S, int64_t n, int d, uint64_t seed) {
+    const int L = 8;
+    problem p = make_problem(mode, S, L, n, d, seed);
+    outputs cpu = make_outputs(&p), gpu = make_outputs(&p), again = make_outputs(&p);
+    char name[96];
+    case_name(&p.cfg, name, sizeof name);
+    const size_t nd = p.nd;
+    if (!run_cpu(&p, &cpu) || !run_gpu(&p, &gpu) || !run_gpu(&p, &again)) {
+        CHECK(0, "%s: a call failed", name);
+        goto done;
+    }
+    double e, worst = 0;
+    for (int l = 0; l < L; l++) {
+        e = increment_error(gpu.h + l * nd, cpu.h + l * nd, NULL, nd);
+        CHECK(e <= TOL, "%s: h_%d relative error %.3g", name, l, e);
+        worst = fmax(worst, e);
+        e = increment_error(gpu.dy + l * nd, cpu.dy + l * nd, p.dy0 + l * nd, nd);
+        CHECK(e <= TOL, "%s: dy_%d relative error %.3g", name, l, e);
+        worst = fmax(worst, e);
+        if (mode != LM_ATTNRES_STANDARD) {
+            e = increment_error(gpu.h_rec + l * nd, cpu.h + l * nd, NULL, nd);
+            CHECK(e <= TOL, "%s: recomputed h_%d relative error %.3g", name, l, e);
+            worst = fmax(worst, e);
+        }
+    }
+    e = increment_error(gpu.h_final, cpu.h_final, NULL, nd);
+    CHECK(e <= TOL, "%s: final h relative error %.3g", name, e);
+    worst = fmax(worst, e);
+    if (mode != LM_ATTNRES_STANDARD) {
+        e = increment_error(gpu.h_rec + L * nd, cpu.h_final, NULL, nd);
+        CHECK(e <= TOL, "%s: recomputed final h relative error %.3g", name, e);
+        worst = fmax(worst, e);
+    }
+    e = increment_error(gpu.demb, cpu.demb, p.demb0, nd);
+    CHECK(e <= TOL, "%s: d embedding relative error %.3g", name, e);
+    worst = fmax(worst, e);
+    e = increment_error(gpu.gq, cpu.gq, p.gq0, p.pd);
+    CHECK(e <= TOL, "%s: d query relative error %.3g", name, e);
+    worst = fmax(worst, e);
+    e = increment_error(gpu.gk, cpu.gk, p.gk0, p.pd);
+    CHECK(e <= TOL, "%s: d key_norm relative error %.3g", name, e);
+    worst = fmax(worst, e);
+    if (mode != LM_ATTNRES_STANDARD) {
+        /* the parameter gradients moved: a non-trivial comparison */
+        CHECK(increment_error(cpu.gq, p.gq0, NULL, p.pd) > 0, "%s: d query did not change", name);
+        CHECK(increment_error(cpu.gk, p.gk0, NULL, p.pd) > 0, "%s: d key_norm did not change", name);
+    }
+    /* run-to-run bit identity */
+    CHECK(!memcmp(gpu.h, again.h, (size_t)L * nd * 4) && !memcmp(gpu.h_final, again.h_final, nd * 4) &&
+              !memcmp(gpu.h_rec, again.h_rec, (size_t)(L + 1) * nd * 4),
+          "%s: forward differs between two runs", name);
+    CHECK(!memcmp(gpu.dy, again.dy, (size_t)L * nd * 4) && !memcmp(gpu.demb, again.demb, nd * 4) &&
+              !memcmp(gpu.gq, again.gq, p.pd * 4) && !memcmp(gpu.gk, again.gk, p.pd * 4),
+          "%s: backward differs between two runs", name);
+    if (worst > worst_error) worst_error = worst;
+done:
+    free_outputs(&cpu);
+    free_outputs(&gpu);
+    free_outputs(&again);
+    free_problem(&p);
+}
+
+static void run_shapes(lm_attnres_mode mode, int S, uint64_t seed) {
+    const int64_t ns[] = {1, 37, 1000};
+    const int ds[] = {64, 1024};
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 2; b++) check_case(mode, S, ns[a], ds[b], seed + 10 * a + b);
+}
+
+static void test_block_modes_match_cpu_and_repeat_bitwise(void) {
+    /* L = 8: S = 3 leaves a last block of 2 sublayers */
+    for (int S = 1; S <= 4; S++) run_shapes(LM_ATTNRES_BLOCK, S, 100 + 1000 * (uint64_t)S);
+    printf("  worst relative error so far %.3g\n", worst_error);
+}
+
+static void test_full_mode_matches_cpu_and_repeats_bitwise(void) {
+    run_shapes(LM_ATTNRES_FULL, 1, 7000);
+    printf("  worst relative error so far %.3g\n", worst_error);
+}
+
+static void test_standard_mode_matches_cpu_and_repeats_bitwise(void) {
+    run_shapes(LM_ATTNRES_STANDARD, 1, 9000);
+    printf("  worst relative error so far %.3g\n", worst_error);
+}
+
+static void test_memory_plan_matches_cpu_buffers(void) {
+    /* the GPU keeps the CPU's history, gradients, partials and scores; no two-phase buffers */
+    const lm_attnres_mode modes[] = {LM_ATTNRES_STANDARD, LM_ATTNRES_BLOCK, LM_ATTNRES_FULL};
+    for (int m = 0; m < 3; m++)
+        for (int S = 1; S <= 5; S++) {
+            lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1};
+            lm_attnres_memory_plan a, b;
+            CHECK(lm_attnres_memory(&c, &a) == LM_OK && lm_cuda_attnres_memory(&c, &b) == LM_OK, "plans");
+            CHECK(a.history == b.history && a.history_grad == b.history_grad &&
+                      a.saved_partials == b.saved_partials && a.saved_scores == b.saved_scores &&
+                      a.n_blocks == b.n_blocks && a.n_history_sources == b.n_history_sources,
+                  "mode %d S %d: shared buffers differ", (int)modes[m], S);
+            CHECK(b.phase1 == 0 && b.queries == 0, "mode %d S %d: two-phase buffers planned", (int)modes[m], S);
+        }
+    lm_attnres_config bad = {LM_ATTNRES_BLOCK, 8, 0, 64, 10, 1e-6f, 0};
+    lm_attnres_memory_plan pl;
+    CHECK(lm_cuda_attnres_memory(&bad, &pl) == LM_ERR_ARG, "block_size 0 accepted");
+    CHECK(strstr(lm_last_error(), "block_size") != NULL, "message: %s", lm_last_error());
+}
+
+static void test_calls_out_of_order_are_refused(void) {
+    lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0};
+    lm_attnres_memory_plan plan;
+    CHECK(lm_cuda_attnres_memory(&c, &plan) == LM_OK, "plan");
+    void *ws = NULL, *buf = NULL, *prm = NULL;
+    CHECK(lm_cuda_alloc(&ws, plan.total) == LM_OK && lm_cuda_alloc(&buf, 5 * 64 * 4) == LM_OK &&
+              lm_cuda_alloc(&prm, 2 * 5 * 64 * 4) == LM_OK,
+          "alloc");
+    lm_cuda_attnres_state st;
+    CHECK(lm_cuda_attnres_init(&st, &c, ws, plan.total - 64) == LM_ERR_ARG, "short workspace accepted");
+    CHECK(lm_cuda_attnres_init(&st, &c, ws, plan.total) == LM_OK, "init: %s", lm_last_error());
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "allocations");
+    float *x = (float *)buf;
+    lm_attnres_params p = {(float *)prm, (float *)prm + 5 * 64}, none = {NULL, NULL};
+    CHECK(lm_cuda_attnres_input(&ctx, &st, 0, &p, x) == LM_ERR_ARG, "input before begin");
+    CHECK(strstr(lm_last_error(), "lm_cuda_attnres_begin") != NULL, "message: %s", lm_last_error());
+    CHECK(lm_cuda_attnres_begin(&ctx, &st, x) == LM_OK, "begin");
+    CHECK(lm_cuda_attnres_add_output(&ctx, &st, 0, x) == LM_ERR_ARG, "add_output before input");
+    CHECK(strstr(lm_last_error(), "lm_cuda_attnres_input(l = 0)") != NULL, "message: %s", lm_last_error());
+    CHECK(lm_cuda_attnres_input(&ctx, &st, 0, &none, x) == LM_ERR_ARG, "NULL params");
+    CHECK(lm_cuda_attnres_input(&ctx, &st, 0, &p, x) == LM_OK, "input 0");
+    CHECK(lm_cuda_attnres_final(&ctx, &st, &p, x) == LM_ERR_ARG, "final too early");
+    CHECK(lm_cuda_attnres_final_backward(&ctx, &st, &p, x, NULL) == LM_ERR_ARG, "backward too early");
+    CHECK(lm_cuda_attnres_recompute_input(&ctx, &st, 1, x) == LM_ERR_ARG, "recompute of a layer not run yet");
+    CHECK(lm_cuda_attnres_recompute_input(&ctx, &st, 0, x) == LM_OK, "recompute of layer 0");
+    CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+    lm_cuda_free(ws);
+    lm_cuda_free(buf);
+    lm_cuda_free(prm);
+}
+
+int main(void) {
+    if (lm_cuda_context_create(&ctx) != LM_OK) {
+        fprintf(stderr, "no usable CUDA device: %s\n", lm_last_error());
+        return 1;
+    }
+    RUN(test_memory_plan_matches_cpu_buffers);
+    RUN(test_calls_out_of_order_are_refused);
+    RUN(test_block_modes_match_cpu_and_repeat_bitwise);
+    RUN(test_full_mode_matches_cpu_and_repeats_bitwise);
+    RUN(test_standard_mode_matches_cpu_and_repeats_bitwise);
+    printf("worst relative error over all cases: %.3g (bound %.0e)\n", worst_error, TOL);
+    lm_cuda_context_destroy(&ctx);
+    return test_summary();
+}
