@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "longmoe/linear.h"
+#include "model/kda_layer_internal.h"
 
 #define L2_EPS 1e-6f
 
@@ -75,7 +76,7 @@ size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) {
 }
 
 /* Causal depthwise convolution: out[t,c] = sum_i w[c,i] in[t-(W-1)+i, c]. */
-static void short_conv_forward(float *out, const float *in, const float *w, int B, int T, int C, int W) {
+void lm_kda_short_conv_forward(float *out, const float *in, const float *w, int B, int T, int C, int W) {
     // in, out are (B,T,C); w is (C,W)
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
@@ -93,7 +94,7 @@ static void short_conv_forward(float *out, const float *in, const float *w, int 
 
 /* din[t,c] = sum_i w[c,i] dout[t+(W-1)-i, c] (written, not accumulated);
  * dw[c,i] += sum_t in[t-(W-1)+i, c] dout[t,c]. */
-static void short_conv_backward(float *din, float *dw, const float *dout, const float *in,
+void lm_kda_short_conv_backward(float *din, float *dw, const float *dout, const float *in,
                                 const float *w, int B, int T, int C, int W) {
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
@@ -120,7 +121,7 @@ static void short_conv_backward(float *din, float *dw, const float *dout, const 
 }
 
 /* SiLU then (optionally) L2 normalisation per head of K channels. */
-static void silu_l2_forward(float *out, float *rnorm, const float *in, size_t rows, int K) {
+void lm_kda_silu_l2_forward(float *out, float *rnorm, const float *in, size_t rows, int K) {
 #pragma omp parallel for schedule(static)
     for (size_t r = 0; r < rows; r++) {
         const float *x = in + r * K;
@@ -138,7 +139,7 @@ static void silu_l2_forward(float *out, float *rnorm, const float *in, size_t ro
 }
 
 /* Backward of silu_l2_forward: din = dSiLU(in) * (L2 backward of dout). */
-static void silu_l2_backward(float *din, const float *dout, const float *in, const float *out,
+void lm_kda_silu_l2_backward(float *din, const float *dout, const float *in, const float *out,
                              const float *rnorm, size_t rows, int K) {
 #pragma omp parallel for schedule(static)
     for (size_t r = 0; r < rows; r++) {
@@ -175,12 +176,12 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     lm_matmul_forward(a->qp, x, p->W_q, NULL, (int64_t)N, d, HK);
     lm_matmul_forward(a->kp, x, p->W_k, NULL, (int64_t)N, d, HK);
     lm_matmul_forward(a->vp, x, p->W_v, NULL, (int64_t)N, d, HK);
-    short_conv_forward(a->qc, a->qp, p->conv_q, B, T, HK, W);
-    short_conv_forward(a->kc, a->kp, p->conv_k, B, T, HK, W);
-    short_conv_forward(a->vc, a->vp, p->conv_v, B, T, HK, W);
-    silu_l2_forward(a->q, a->qk_rnorm, a->qc, N * H, K);
-    silu_l2_forward(a->k, a->qk_rnorm + N * H, a->kc, N * H, K);
-    silu_l2_forward(a->v, NULL, a->vc, N * H, K);
+    lm_kda_short_conv_forward(a->qc, a->qp, p->conv_q, B, T, HK, W);
+    lm_kda_short_conv_forward(a->kc, a->kp, p->conv_k, B, T, HK, W);
+    lm_kda_short_conv_forward(a->vc, a->vp, p->conv_v, B, T, HK, W);
+    lm_kda_silu_l2_forward(a->q, a->qk_rnorm, a->qc, N * H, K);
+    lm_kda_silu_l2_forward(a->k, a->qk_rnorm + N * H, a->kc, N * H, K);
+    lm_kda_silu_l2_forward(a->v, NULL, a->vc, N * H, K);
     lm_matmul_forward(a->z, x, p->W_z, NULL, (int64_t)N, d, HK);
     lm_matmul_forward(a->beta, x, p->W_beta, NULL, (int64_t)N, d, H);
     for (size_t i = 0; i < N * H; i++) a->beta[i] = lm_sigmoidf(a->beta[i]);
@@ -244,8 +245,8 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v}, *const Wm[3] = {p->W_q, p->W_k, p->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     for (int j = 0; j < 3; j++) {
-        silu_l2_backward(tmp, douts[j], pre[j], post[j], rn[j], N * H, K);
-        short_conv_backward(douts[j], conv_g[j], tmp, proj[j], conv_w[j], B, T, HK, W);
+        lm_kda_silu_l2_backward(tmp, douts[j], pre[j], post[j], rn[j], N * H, K);
+        lm_kda_short_conv_backward(douts[j], conv_g[j], tmp, proj[j], conv_w[j], B, T, HK, W);
         lm_matmul_backward(dx, Wg[j], NULL, douts[j], x, Wm[j], (int64_t)N, d, HK);
     }
     return LM_OK;
@@ -340,11 +341,11 @@ lm_status lm_kda_layer_step(const lm_kda_layer_config *c, const lm_kda_layer_par
     lm_matmul_forward(vp, x, p->W_v, NULL, B, d, HK);
     /* q, k: L2Norm(SiLU(ShortConv(.))); v: SiLU(ShortConv(.)) */
     short_conv_step(cq, cache->tail_q, qp, p->conv_q, B, HK, W);
-    silu_l2_forward(q, rnorm, cq, BH, K);
+    lm_kda_silu_l2_forward(q, rnorm, cq, BH, K);
     short_conv_step(cq, cache->tail_k, kp, p->conv_k, B, HK, W);
-    silu_l2_forward(k, rnorm + BH, cq, BH, K);
+    lm_kda_silu_l2_forward(k, rnorm + BH, cq, BH, K);
     short_conv_step(cq, cache->tail_v, vp, p->conv_v, B, HK, W);
-    silu_l2_forward(v, NULL, cq, BH, K);
+    lm_kda_silu_l2_forward(v, NULL, cq, BH, K);
     lm_matmul_forward(z, x, p->W_z, NULL, B, d, HK);
     lm_matmul_forward(beta, x, p->W_beta, NULL, B, d, H);
     for (size_t i = 0; i < BH; i++) beta[i] = lm_sigmoidf(beta[i]);
