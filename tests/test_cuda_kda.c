@@ -270,6 +270,55 @@ static void test_backward_matches_cpu_chunked_operator(void) {
         }
 }
 
+/* dA_log and ddt_bias are sums over chunks (and sequences): each chunk's
+ * terms go to the workspace and one kernel adds them in a fixed order, so two
+ * backward runs on the same inputs give the same bits (float atomics would
+ * not). Many chunks, several sequences, both head sizes and both gates. */
+static void test_gate_param_grads_bit_identical(void) {
+    const int shapes[][4] = {{2, 1000, 2, 64}, {3, 700, 2, 128}};
+    for (int s = 0; s < 2; s++)
+        for (int gate = 0; gate < 2; gate++) {
+            const int B = shapes[s][0], T = shapes[s][1], H = shapes[s][2], D = shapes[s][3];
+            problem p = make_problem(B, T, H, D, (lm_kda_gate)gate, 0, 0.f, 5000 + 10 * s + gate);
+            size_t nqk = (size_t)B * T * H * D, nb = (size_t)B * T * H;
+            lm_rng r;
+            lm_rng_seed(&r, 6000 + s);
+            float *d_o = mallocCheck(nqk * 4);
+            for (size_t i = 0; i < nqk; i++) d_o[i] = bf16_round((float)lm_rng_normal(&r));
+            lm_kda_grads g[2];
+            for (int k = 0; k < 2; k++) {
+                g[k].dq = callocCheck(nqk, 4);
+                g[k].dk = callocCheck(nqk, 4);
+                g[k].dv = callocCheck(nqk, 4);
+                g[k].dz = callocCheck(nqk, 4);
+                g[k].dbeta = callocCheck(nb, 4);
+                g[k].dA_log = callocCheck((size_t)H, 4);
+                g[k].ddt_bias = callocCheck((size_t)H * D, 4);
+                g[k].dh0 = NULL;
+                lm_kda_inputs in = inputs_of(&p);
+                CHECK(lm_kda_cuda_backward_host(&p.cfg, &in, d_o, NULL, &g[k]) == LM_OK,
+                      "cuda backward: %s", lm_last_error());
+            }
+            CHECK(all_finite(g[0].dA_log, (size_t)H) && all_finite(g[0].ddt_bias, (size_t)H * D),
+                  "B%d T%d D%d gate %d: non-finite gate gradients", B, T, D, gate);
+            CHECK(memcmp(g[0].dA_log, g[1].dA_log, (size_t)H * 4) == 0,
+                  "B%d T%d D%d gate %d: dA_log differs between two runs", B, T, D, gate);
+            CHECK(memcmp(g[0].ddt_bias, g[1].ddt_bias, (size_t)H * D * 4) == 0,
+                  "B%d T%d D%d gate %d: ddt_bias differs between two runs", B, T, D, gate);
+            for (int k = 0; k < 2; k++) {
+                free(g[k].dq);
+                free(g[k].dk);
+                free(g[k].dv);
+                free(g[k].dz);
+                free(g[k].dbeta);
+                free(g[k].dA_log);
+                free(g[k].ddt_bias);
+            }
+            free(d_o);
+            free_problem(&p);
+        }
+}
+
 /* Every value-tile width of the state kernels (the launch picks one from the
  * device's SM count and B*H, so the small shapes above only meet 16):
  * forward and backward against the CPU with each width forced, on 4 chunks
@@ -533,17 +582,13 @@ static void test_saved_forward_equals_recompute(void) {
             host[s][5] = dev_copy_back(g[s].dA_log, (size_t)c->H * 4);
             host[s][6] = dev_copy_back(g[s].ddt_bias, (size_t)c->H * c->K * 4);
         }
-        /* per-token gradients are summed in a fixed order: bit-identical */
-        const char *names[] = {"dq", "dk", "dv", "dz", "dbeta"};
-        size_t bytes[] = {n * 2, n * 2, n * 2, n * 2, nb * 4};
-        for (int i = 0; i < 5; i++)
+        /* every gradient is summed in a fixed order (the parameter sums over
+         * chunks too): bit-identical */
+        const char *names[] = {"dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias"};
+        size_t bytes[] = {n * 2, n * 2, n * 2, n * 2, nb * 4, (size_t)c->H * 4, (size_t)c->H * c->K * 4};
+        for (int i = 0; i < 7; i++)
             CHECK(memcmp(host[0][i], host[1][i], bytes[i]) == 0, "%s: %s differs",
                   gate ? "softplus" : "bounded", names[i]);
-        /* the parameter sums add across chunks with atomics (in any order):
-         * equal to rounding */
-        double eA = rel_err(host[1][5], host[0][5], (size_t)c->H);
-        double eb = rel_err(host[1][6], host[0][6], (size_t)c->H * c->K);
-        CHECK(eA <= 1e-5 && eb <= 1e-5, "dA_log %.3g, ddt_bias %.3g", eA, eb);
         for (int s = 0; s < 2; s++) {
             for (int i = 0; i < 7; i++) free(host[s][i]);
             free_dev_grads(&g[s]);
@@ -705,6 +750,7 @@ int main(void) {
     RUN(test_rejects_unsupported_shapes);
     RUN(test_forward_matches_cpu_chunked_operator);
     RUN(test_backward_matches_cpu_chunked_operator);
+    RUN(test_gate_param_grads_bit_identical);
     RUN(test_state_tile_widths);
     RUN(test_factored_diagonal_equals_pairwise);
     RUN(test_saved_forward_equals_recompute);

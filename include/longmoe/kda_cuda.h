@@ -40,8 +40,10 @@ typedef struct {
 } lm_kda_cuda_inputs;
 
 /* Device gradients. dq, dk, dv, dz and dbeta are WRITTEN (=), one value per
- * token; dA_log and ddt_bias are ACCUMULATED (+=) across chunks with atomics,
- * so the caller zeroes them first; dh0 (may be NULL) is written. */
+ * token; dA_log and ddt_bias are ACCUMULATED (+=): each chunk's terms go to
+ * the workspace and one kernel adds their sum over chunks and sequences, in a
+ * fixed order (in double), so they are bit-identical from run to run; dh0
+ * (may be NULL) is written. */
 typedef struct {
     uint16_t *dq, *dk, *dv, *dz; /* bf16 */
     float *dbeta, *dA_log, *ddt_bias, *dh0;

@@ -25,7 +25,7 @@ size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 // The workspace plan: one block, pointers carved out of it in this order.
 struct Plan {
     size_t w, u, qg, kd, aqk, gexp, w_lo, u_lo, kd_lo, X, h, vn, dh, dvn;
-    size_t dW, M, dAqk, dAkk, dAkkB, dAqkDiag, dbeta_part, total;
+    size_t dW, M, dAqk, dAkk, dAkkB, dAqkDiag, dbeta_part, ddt_part, dA_part, total;
 };
 
 Plan make_plan(const lm_kda_config *cfg, int for_backward) {
@@ -47,6 +47,7 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
     pl.gexp = take(nc * D * 4);
     pl.X = pl.h = pl.vn = pl.dh = pl.dvn = 0;
     pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAkkB = pl.dAqkDiag = pl.dbeta_part = 0;
+    pl.ddt_part = pl.dA_part = 0;
     if (!for_backward) {
         // the residues for a precise final state (written only when ht is asked for)
         pl.w_lo = take(nc * CH * D * 2);
@@ -66,6 +67,9 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
         pl.dAkkB = take(nc * CH * CH * 2);
         pl.dAqkDiag = take(nc * CH * 4);
         pl.dbeta_part = take(nc * (1 + D / 64) * CH * 4);
+        // per-chunk terms of ddt_bias and dA_log (kda_backward.cu, kernel B)
+        pl.ddt_part = take(nc * BWD_GATE_ROW_GROUPS * D * 4);
+        pl.dA_part = take(nc * (D / 64) * BWD_GATE_WARPS * 4);
         // the forward's residues live where only the backward writes later
         pl.w_lo = pl.dh;
         pl.u_lo = pl.dW;
@@ -122,6 +126,8 @@ void carve(Params *p, const Plan &pl, void *workspace, int for_backward, int pre
         p->dAkkBb = reinterpret_cast<bf16 *>(ws + pl.dAkkB);
         p->dAqkDiag = reinterpret_cast<float *>(ws + pl.dAqkDiag);
         p->dbeta_part = reinterpret_cast<float *>(ws + pl.dbeta_part);
+        p->ddt_part = reinterpret_cast<float *>(ws + pl.ddt_part);
+        p->dA_part = reinterpret_cast<float *>(ws + pl.dA_part);
     }
 }
 

@@ -961,10 +961,60 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
             dA += dg * gA;
         }
     }
-    atomicAdd(&p.ddt_bias[h * D + cb * DC + d], dbias);
+    // the chunk's terms of ddt_bias and dA_log, summed over chunks by kda_bwd_gate_param_kernel
+    p.ddt_part[(c * BWD_GATE_ROW_GROUPS + r0) * D + cb * DC + d] = dbias;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
-    if (lane == 0) atomicAdd(&p.dA_log[h], dA);
+    if (lane == 0) p.dA_part[(c * (D / DC) + cb) * BWD_GATE_WARPS + warp] = dA;
+}
+static_assert(COL_RSTEP == BWD_GATE_ROW_GROUPS && BWD_NT / 32 == BWD_GATE_WARPS && DC == 64,
+              "the workspace plan's gate partials (kda_common.cuh) match kernel B");
+
+// ddt_bias and dA_log += the sums of kernel B's per-chunk terms, in a fixed
+// order (deterministic, unlike float atomics), accumulated in double. Grid
+// (D/32 + 1, H), block (32, GATE_SLICES): blocks x < D/32 own 32 columns of
+// ddt_bias of head h, block x = D/32 owns dA_log[h]. Each of the GATE_SLICES
+// thread rows sums every GATE_SLICES-th term; the slices are then added by a
+// fixed tree.
+constexpr int GATE_SLICES = 32;
+template <int D> __global__ void __launch_bounds__(32 * GATE_SLICES) kda_bwd_gate_param_kernel(Params p) {
+    // ddt_part [B*H*N][4][D]; dA_part [B*H*N][D/64][8]
+    __shared__ double part[GATE_SLICES][32];
+    const int h = blockIdx.y, x = threadIdx.x, y = threadIdx.y;
+    const bool is_dA = blockIdx.x == D / 32;
+    // terms per (b, h): a contiguous run of `run` values (stride `step`) for each b
+    const size_t run = is_dA ? (size_t)p.N * (D / DC) * BWD_GATE_WARPS : (size_t)p.N * BWD_GATE_ROW_GROUPS;
+    const size_t m = (size_t)p.B * run;
+    double acc = 0.0;
+    if (is_dA) {
+        // one value per term: the 32 lanes and the slices split the terms
+        for (size_t j = (size_t)y * 32 + x; j < m; j += 32 * GATE_SLICES) {
+            const size_t b = j / run, i = j % run;
+            acc += (double)p.dA_part[(b * p.H + h) * run + i];
+        }
+    } else {
+        const int col = blockIdx.x * 32 + x;
+        for (size_t j = y; j < m; j += GATE_SLICES) {
+            const size_t b = j / run, i = j % run;
+            acc += (double)p.ddt_part[((b * p.H + h) * run + i) * D + col];
+        }
+    }
+    part[y][x] = acc;
+    __syncthreads();
+    for (int half = GATE_SLICES / 2; half > 0; half >>= 1) {
+        if (y < half) part[y][x] += part[y + half][x];
+        __syncthreads();
+    }
+    if (y != 0) return;
+    if (is_dA) {
+        // the 32 lanes' sums, by a fixed tree
+        double v = part[0][x];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (x == 0) p.dA_log[h] += (float)v;
+    } else {
+        p.ddt_bias[(size_t)h * D + blockIdx.x * 32 + x] += (float)part[0][x];
+    }
 }
 
 // dbeta = the kernel-A term + the kernel-B term of each column block, added
@@ -1010,6 +1060,9 @@ static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream
     if (e != cudaSuccess) return e;
     const size_t ntok = (size_t)p.B * p.T * p.H;
     kda_bwd_dbeta_kernel<D><<<(unsigned)((ntok + 255) / 256), 256, 0, s>>>(p);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    kda_bwd_gate_param_kernel<D><<<dim3(D / 32 + 1, p.H), dim3(32, GATE_SLICES), 0, s>>>(p);
     return cudaGetLastError();
 }
 

@@ -16,6 +16,11 @@ using namespace nvcuda;
 
 constexpr int CH = 64;  // chunk length
 constexpr int SUB = 16; // sub-chunk length (one tensor-core tile)
+// Backward kernel B's partial sums of the gate parameters per (chunk, column
+// block of 64): ddt_bias one per column and row group (its 256 threads are 4
+// row groups of 64 columns), dA_log one per warp; kda_backward.cu checks these.
+constexpr int BWD_GATE_ROW_GROUPS = 4;
+constexpr int BWD_GATE_WARPS = 8;
 // Row strides of the workspace tiles w, qg, kd (D + 8) and aqk (64 + 8): the
 // state kernels' shared-memory layout (rows padded against bank conflicts).
 // Measured on the H200, the forward intra kernel that writes them and the
@@ -54,6 +59,9 @@ struct Params {
     bf16 *dAkkb, *dAkkBb;        // [c][64][64] dAkk, Diag(beta) dAkk (strictly lower)
     float *dAqkDiag;             // [c][64]     diagonal of dAqk
     float *dbeta_part;           // [c][1 + D/64][64] dbeta terms, summed in a fixed order
+    // the gate parameters' per-chunk terms, summed over chunks in a fixed order
+    float *ddt_part;             // [c][4][D]      one per column and row group of kernel B
+    float *dA_part;              // [c][D/64][8]   one per warp of kernel B
     // backward inputs and outputs
     const bf16 *d_o;
     const float *dht;
