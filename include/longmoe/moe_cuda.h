@@ -81,8 +81,8 @@ typedef struct {
     float *dh;              /* [P, f] */
     uint16_t *da, *du;      /* [P, f] */
     float *dxg;             /* [P, d_e] */
-    float *dxe;             /* [m, d_e] fp32 (no latent) */
-    uint16_t *dxe_bf16;     /* [m, d_lat] bf16 (LatentMoE only) */
+    uint16_t *dxe_bf16;     /* [m, d_lat] bf16 latent input gradient (LatentMoE only;
+                               without it the slots are summed straight into dx) */
     float *dr;              /* [m, n] router logit gradient */
     float *dsh;             /* [m, f_s] */
     uint16_t *dsa, *dsu;    /* [m, f_s] */

@@ -81,7 +81,7 @@ static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int
         {(void **)&s->dgout, P * de * 2},         {(void **)&s->dp, mk * 4},
         {(void **)&s->dh, P * f * 4},             {(void **)&s->da, P * f * 2},
         {(void **)&s->du, P * f * 2},             {(void **)&s->dxg, P * de * 4},
-        {(void **)&s->dxe, dl ? 0 : m * de * 4},  {(void **)&s->dxe_bf16, m * dl * 2},
+        {(void **)&s->dxe_bf16, m * dl * 2},
         {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 4 : 0},
         {(void **)&s->dsa, ns ? m * fs * 2 : 0},  {(void **)&s->dsu, ns ? m * fs * 2 : 0},
     };
