@@ -116,6 +116,18 @@ const char *lm_balance_mode_name(lm_balance_mode mode);
  * training = 1 in quantile mode also the histograms (or residuals). */
 lm_status lm_balance_observe(lm_balance_state *state, const float *s, int64_t m, int training);
 
+/* Counting done elsewhere (lm_cuda_balance_histogram, lm_cuda_expert_load on
+ * the GPU). lm_balance_bin_geometry gives this step's bins, lo[n] and
+ * width[n] (quantile mode with the histogram or zoom estimator; fixed by b
+ * for the whole step), exactly as lm_balance_observe bins r.
+ * lm_balance_observe_counts then ADDS one micro-batch of m tokens: load [n]
+ * (tokens per expert, k per token) and, with training = 1 in those modes,
+ * counts [n, B] (NULL otherwise); entropy_sum is the sum over the m tokens of
+ * the router entropy (0 when not measured: the stat then reads low). */
+lm_status lm_balance_bin_geometry(lm_balance_state *state, float *lo, float *width);
+lm_status lm_balance_observe_counts(lm_balance_state *state, const int32_t *counts, const int32_t *load, int64_t m,
+                                    int training, double entropy_sum);
+
 /* The buffer to SUM across data-parallel ranks before lm_balance_step_end. */
 int32_t *lm_balance_reduce_buffer(lm_balance_state *state, size_t *count);
 

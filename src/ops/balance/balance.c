@@ -256,6 +256,50 @@ lm_status lm_balance_observe(lm_balance_state *s, const float *sc, int64_t m, in
     return LM_OK;
 }
 
+lm_status lm_balance_bin_geometry(lm_balance_state *s, float *lo, float *width) {
+    if (!uses_histogram(&s->cfg))
+        return lm_error(LM_ERR_ARG, "balance: bin geometry needs quantile mode with the histogram or zoom estimator");
+    set_bins(s);
+    memcpy(lo, s->bin_lo, (size_t)s->cfg.n_experts * sizeof *lo);
+    memcpy(width, s->bin_width, (size_t)s->cfg.n_experts * sizeof *width);
+    return LM_OK;
+}
+
+lm_status lm_balance_observe_counts(lm_balance_state *s, const int32_t *counts, const int32_t *load, int64_t m,
+                                    int training, double entropy_sum) {
+    // counts is (n,B) or NULL; load (n)
+    const lm_balance_config *c = &s->cfg;
+    int n = c->n_experts, k = c->top_k;
+    if (m < 0 || m > c->max_tokens)
+        return lm_error(LM_ERR_ARG, "balance: micro-batch of %lld tokens exceeds max_tokens %lld", (long long)m,
+                        (long long)c->max_tokens);
+    if (s->tokens + m > INT32_MAX / k)
+        return lm_error(LM_ERR_ARG, "balance: %lld tokens in one step overflow the int32 counts",
+                        (long long)(s->tokens + m));
+    int histogram = training && uses_histogram(c);
+    if (training && c->mode == LM_BALANCE_QUANTILE && !histogram)
+        return lm_error(LM_ERR_ARG, "balance: the exact estimator cannot take counts made elsewhere");
+    if (histogram != (counts != NULL))
+        return lm_error(LM_ERR_ARG, "balance: counts must be given exactly when training with a histogram estimator");
+    if (!load) return lm_error(LM_ERR_ARG, "balance: load must not be NULL");
+    int64_t sum = 0;
+    for (int j = 0; j < n; j++) {
+        if (load[j] < 0) return lm_error(LM_ERR_ARG, "balance: load[%d] = %d is negative", j, load[j]);
+        sum += load[j];
+    }
+    if (sum != m * k)
+        return lm_error(LM_ERR_ARG, "balance: loads sum to %lld, expected m k = %lld", (long long)sum,
+                        (long long)(m * k));
+    for (int j = 0; j < n; j++) s->load[j] += load[j];
+    if (histogram) {
+        size_t nb = (size_t)n * (size_t)c->bins;
+        for (size_t q = 0; q < nb; q++) s->counts[q] += counts[q];
+    }
+    s->entropy_sum += entropy_sum;
+    s->tokens += m;
+    return LM_OK;
+}
+
 double lm_qb_histogram_quantile(const int32_t *counts, int bins, double lo, double width, double q) {
     /* SPEC §4 step 4: first bin l with cumulative count >= ceil(q), h its count,
      * c' the count before it: b = lo + (l + clip((q - c') / h, 0, 1)) w */

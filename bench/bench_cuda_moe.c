@@ -1,0 +1,153 @@
+/* Speed of the MoE layer on the GPU (include/longmoe/moe_cuda.h): the
+ * k3-mini MoE layer (d 1024, 128 experts top-8, expert ffn 512, LatentMoE
+ * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
+ *
+ *   bench_cuda_moe [--tokens M] [--reps N] [--out results.json]
+ *
+ * Prints forward and forward+backward milliseconds (median of N) and the
+ * grouped products' TFLOP/s: their FLOPs (routed experts only: 6 m k f d_e
+ * forward, twice that backward) over the whole layer's time, so a lower
+ * bound of the grouped kernels' own rate. Random weights (never zeros); the
+ * routing is whatever the random router gives (no balancing bias). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/cuda_context.h"
+#include "longmoe/moe.h"
+#include "longmoe/moe_cuda.h"
+
+static void ok(lm_status st, const char *what) {
+    if (st) {
+        fprintf(stderr, "%s: %s\n", what, lm_last_error());
+        exit(1);
+    }
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    int64_t m = 32768;
+    int reps = 10;
+    const char *out_path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--tokens") && i + 1 < argc) m = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--out results.json]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (m < 1 || reps < 1 || reps > 1000) {
+        fprintf(stderr, "--tokens must be >= 1 and --reps in [1, 1000]\n");
+        return 2;
+    }
+    lm_moe_config c = lm_moe_config_default(1024, 128, 8, 512);
+    c.d_latent = 512;
+    c.n_shared = 1;
+    c.d_ff_shared = 1024;
+    c.act = LM_EXPERT_SITU_GLU;
+    ok(lm_moe_check(&c), "config");
+
+    lm_cuda_context ctx;
+    ok(lm_cuda_context_create(&ctx), "cuda context");
+    size_t count = lm_moe_param_count(&c);
+    float *hp = malloc(count * sizeof(float));
+    float *hx = malloc((size_t)m * c.d * sizeof(float));
+    if (!hp || !hx) {
+        fprintf(stderr, "out of host memory\n");
+        return 1;
+    }
+    lm_rng r;
+    lm_rng_seed(&r, 1);
+    for (size_t i = 0; i < count; i++) hp[i] = (float)(0.03 * lm_rng_normal(&r));
+    lm_moe_params host;
+    lm_moe_params_carve(&c, hp, &host);
+    for (int i = 0; i < c.d_latent; i++) host.lat_norm[i] = 1.0f;
+    for (int64_t i = 0; i < m * c.d; i++) hx[i] = (float)lm_rng_normal(&r);
+
+    void *pf_block, *pb_block, *g_block, *x, *y, *dy, *dx, *acts_block, *scratch_block;
+    size_t ab = lm_cuda_moe_acts_bytes(&c, m), sb = lm_cuda_moe_scratch_bytes(&c, m);
+    if (!ab || !sb) ok(LM_ERR_ARG, "planning (tokens too many?)");
+    ok(lm_cuda_alloc(&pf_block, count * 4), "alloc params");
+    ok(lm_cuda_alloc(&pb_block, count * 2), "alloc bf16 params");
+    ok(lm_cuda_alloc(&g_block, count * 4), "alloc grads");
+    ok(lm_cuda_alloc(&x, (size_t)m * c.d * 4), "alloc x");
+    ok(lm_cuda_alloc(&y, (size_t)m * c.d * 4), "alloc y");
+    ok(lm_cuda_alloc(&dy, (size_t)m * c.d * 4), "alloc dy");
+    ok(lm_cuda_alloc(&dx, (size_t)m * c.d * 4), "alloc dx");
+    ok(lm_cuda_alloc(&acts_block, ab), "alloc acts");
+    ok(lm_cuda_alloc(&scratch_block, sb), "alloc scratch");
+    ok(lm_cuda_upload(pf_block, hp, count * 4), "upload params");
+    ok(lm_cuda_upload_bf16(pb_block, hp, count), "upload bf16 params");
+    ok(lm_cuda_upload(x, hx, (size_t)m * c.d * 4), "upload x");
+    ok(lm_cuda_upload(dy, hx, (size_t)m * c.d * 4), "upload dy");
+
+    lm_moe_params pf, grads;
+    lm_moe_params_bf16 pb;
+    lm_moe_params_carve(&c, (float *)pf_block, &pf);
+    lm_moe_params_carve(&c, (float *)g_block, &grads);
+    float *const *src = &host.router;
+    uint16_t **dst = &pb.router;
+    for (int i = 0; i < 10; i++) dst[i] = src[i] ? (uint16_t *)pb_block + (src[i] - hp) : NULL;
+    lm_cuda_moe_acts acts;
+    lm_cuda_moe_scratch scratch;
+    ok(lm_cuda_moe_acts_carve(&acts, &c, m, acts_block, ab), "carve acts");
+    ok(lm_cuda_moe_scratch_carve(&scratch, &c, m, scratch_block, sb), "carve scratch");
+
+    double *t_fwd = malloc((size_t)reps * sizeof(double)), *t_all = malloc((size_t)reps * sizeof(double));
+    for (int rep = -2; rep < reps; rep++) {
+        double t0 = lm_time_seconds();
+        ok(lm_cuda_moe_forward(&ctx, y, x, NULL, &c, &pf, &pb, &acts, m), "forward");
+        ok(lm_cuda_context_sync(&ctx), "forward sync");
+        double t1 = lm_time_seconds();
+        ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
+        ok(lm_cuda_context_sync(&ctx), "backward sync");
+        double t2 = lm_time_seconds();
+        if (rep >= 0) {
+            t_fwd[rep] = (t1 - t0) * 1e3;
+            t_all[rep] = (t2 - t0) * 1e3;
+        }
+    }
+    qsort(t_fwd, (size_t)reps, sizeof(double), cmp_double);
+    qsort(t_all, (size_t)reps, sizeof(double), cmp_double);
+    double fwd_ms = t_fwd[reps / 2], all_ms = t_all[reps / 2];
+    double grouped_fwd = 6.0 * (double)m * c.top_k * c.d_ff * c.d_latent;
+    double tf_fwd = grouped_fwd / (fwd_ms * 1e-3) / 1e12, tf_all = 3.0 * grouped_fwd / (all_ms * 1e-3) / 1e12;
+    int32_t *load = calloc((size_t)c.n_experts + 1, sizeof(int32_t));
+    ok(lm_cuda_download(load, acts.offsets, (size_t)(c.n_experts + 1) * 4), "download offsets");
+    int32_t maxload = 0;
+    for (int j = 0; j < c.n_experts; j++)
+        maxload = load[j + 1] - load[j] > maxload ? load[j + 1] - load[j] : maxload;
+    printf("moe layer d %d, %d experts top-%d, ffn %d, latent %d, %d shared ffn %d, %s, %lld tokens\n", c.d,
+           c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
+           c.act == LM_EXPERT_SITU_GLU ? "SiTU-GLU" : "SwiGLU", (long long)m);
+    printf("  busiest expert %d rows (mean %lld)\n", maxload, (long long)(m * c.top_k / c.n_experts));
+    printf("  forward          %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", fwd_ms, tf_fwd);
+    printf("  forward+backward %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", all_ms, tf_all);
+    if (out_path) {
+        FILE *f = fopen(out_path, "w");
+        if (!f) {
+            fprintf(stderr, "cannot write %s\n", out_path);
+            return 1;
+        }
+        fprintf(f,
+                "{\"bench\": \"cuda_moe\", \"tokens\": %lld, \"d\": %d, \"experts\": %d, \"top_k\": %d, "
+                "\"d_ff\": %d, \"d_latent\": %d, \"n_shared\": %d, \"d_ff_shared\": %d, \"act\": \"%s\", "
+                "\"reps\": %d, \"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
+                "\"grouped_gemm_tflops_forward\": %.2f, \"grouped_gemm_tflops_forward_backward\": %.2f, "
+                "\"busiest_expert_rows\": %d}\n",
+                (long long)m, c.d, c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
+                c.act == LM_EXPERT_SITU_GLU ? "situ_glu" : "swiglu", reps, fwd_ms, all_ms, tf_fwd, tf_all, maxload);
+        fclose(f);
+    }
+    free(load), free(t_fwd), free(t_all), free(hp), free(hx);
+    lm_cuda_free(pf_block), lm_cuda_free(pb_block), lm_cuda_free(g_block), lm_cuda_free(x), lm_cuda_free(y);
+    lm_cuda_free(dy), lm_cuda_free(dx), lm_cuda_free(acts_block), lm_cuda_free(scratch_block);
+    lm_cuda_context_destroy(&ctx);
+    return 0;
+}

@@ -1,0 +1,141 @@
+/* The MoE layer on the GPU: the mirror of lm_moe_forward / lm_moe_backward
+ * (include/longmoe/moe.h; docs/moe.md, "MoE on the GPU"), and the device side
+ * of the quantile balancer's histogram (include/longmoe/balance.h).
+ *
+ * Conventions of lm_cuda_context.h: device pointers only, bf16 tensors are
+ * uint16_t bit patterns, backward ACCUMULATES into fp32 gradients, nothing is
+ * allocated and nothing synchronises with the host inside these calls.
+ *
+ * Precision: the router (W_r x, sigmoid, top-k, weights p, its gradient) and
+ * the latent RMSNorm (statistics and weight) are fp32 and read the fp32 master
+ * parameters; every other product reads the bf16 copy of the parameters and
+ * bf16 activations, accumulating in fp32.
+ *
+ * Grouped layout: the m*k (token, slot) pairs are sorted by expert (stable:
+ * token order within an expert) and each expert's rows are padded to a
+ * multiple of LM_MOE_CUDA_ROW_TILE, so a row tile of the grouped products
+ * never straddles two experts. padded_offsets[j] .. padded_offsets[j+1]-1 are
+ * expert j's rows; the first offsets[j+1]-offsets[j] of them are real, the rest
+ * are zero rows (order[row] = -1). Row counts live only on the device: the
+ * grouped products run over a grid sized for rows_max and each tile looks up
+ * its expert; dropless at any load (one expert may receive all m*k rows). */
+#ifndef LONGMOE_MOE_CUDA_H
+#define LONGMOE_MOE_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+#include "longmoe/cuda_context.h"
+#include "longmoe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Rows of one tile of the grouped products; each expert's rows are padded to it. */
+#define LM_MOE_CUDA_ROW_TILE 128
+
+/* bf16 copy of the parameters, same layout as lm_moe_params. router and
+ * lat_norm are not read (the fp32 masters are) and may be NULL. */
+typedef struct {
+    uint16_t *router;
+    uint16_t *gate, *up, *down;
+    uint16_t *lat_down, *lat_norm, *lat_up;
+    uint16_t *shared_gate, *shared_up, *shared_down;
+} lm_moe_params_bf16;
+
+/* Activations of the forward (device), saved for the backward. P = rows_max. */
+typedef struct {
+    int64_t m_max, m;       /* capacity in tokens; tokens of the last forward */
+    int64_t rows_max;       /* P: grouped rows incl. padding, >= m k + n (TILE - 1) */
+    float *s;               /* [m, n] fp32 router scores sigmoid(W_r x) */
+    int32_t *topk;          /* [m, k] chosen experts, by decreasing s + b */
+    float *weights;         /* [m, k] fp32 p (route scale included) */
+    int32_t *offsets;       /* [n + 1] unpadded: expert j has offsets[j+1]-offsets[j] rows */
+    int32_t *padded_offsets;/* [n + 1] expert j owns grouped rows padded_offsets[j].. */
+    int32_t *order;         /* [P] grouped row -> slot i*k + t, -1 on padding rows */
+    int32_t *slot_row;      /* [m k] slot -> grouped (padded) row */
+    int32_t *block_counts;  /* [ceil(m k / 256), n] per-block expert counts of the sort */
+    uint16_t *x_bf16;       /* [m, d] bf16 x (input of lat_down and the shared experts) */
+    uint16_t *x_lat;        /* [m, d_lat] bf16 W_down_lat x (LatentMoE only) */
+    uint16_t *xg;           /* [P, d_e] bf16 expert inputs, grouped */
+    float *ga, *gu;         /* [P, f] fp32 gate / up pre-activations */
+    uint16_t *gh;           /* [P, f] bf16 hidden act(a, u) */
+    float *gout;            /* [P, d_e] fp32 expert outputs */
+    float *z;               /* [m, d_e] fp32 sum_t p_it E(x) (LatentMoE only) */
+    float *rstd;            /* [m] fp32 1/rms(z) (LatentMoE only) */
+    uint16_t *zn;           /* [m, d_lat] bf16 RMSNorm(z) (LatentMoE only) */
+    float *sa, *su;         /* [n_shared, m, f_s] fp32 shared experts' a, u */
+    uint16_t *sh;           /* [n_shared, m, f_s] bf16 shared experts' h */
+} lm_cuda_moe_acts;
+
+/* Scratch of the backward (device). */
+typedef struct {
+    int64_t m_max, rows_max;
+    uint16_t *dy_bf16;      /* [m, d] */
+    float *dzn, *dz;        /* [m, d_lat] (LatentMoE only) */
+    float *norm_partial;    /* [ceil(m / 256), d_lat] per-block lat_norm gradient partials */
+    uint16_t *dgout;        /* [P, d_e] bf16 p dz, grouped */
+    float *dp;              /* [m k] dL/dp, then dL/dr of the chosen experts */
+    float *dh;              /* [P, f] */
+    uint16_t *da, *du;      /* [P, f] */
+    float *dxg;             /* [P, d_e] */
+    uint16_t *dxe_bf16;     /* [m, d_lat] bf16 latent input gradient (LatentMoE only;
+                               without it the slots are summed straight into dx) */
+    float *dr;              /* [m, n] router logit gradient */
+    float *dsh;             /* [m, f_s] */
+    uint16_t *dsa, *dsu;    /* [m, f_s] */
+} lm_cuda_moe_scratch;
+
+/* Bytes of the one device block holding the activations (resp. the backward
+ * scratch) for up to m_max tokens; 0 when cfg or m_max is invalid
+ * (m_max in [1, 2^31 / top_k] and the padded rows must fit an int32). */
+size_t lm_cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max);
+size_t lm_cuda_moe_scratch_bytes(const lm_moe_config *cfg, int64_t m_max);
+/* Carve the buffers out of a caller-allocated device block of at least that
+ * many bytes (256-byte aligned). */
+lm_status lm_cuda_moe_acts_carve(lm_cuda_moe_acts *acts, const lm_moe_config *cfg, int64_t m_max,
+                                 void *block, size_t bytes);
+lm_status lm_cuda_moe_scratch_carve(lm_cuda_moe_scratch *scratch, const lm_moe_config *cfg,
+                                    int64_t m_max, void *block, size_t bytes);
+
+/* Forward: y[m,d] fp32 from x[m,d] fp32 with the balancing bias b[n] (device,
+ * NULL: zero). Routing, grouping and all the backward needs go to acts
+ * (m <= acts->m_max). params_f32: router and lat_norm are read; params_bf16:
+ * every other weight. */
+lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x, const float *bias,
+                              const lm_moe_config *cfg, const lm_moe_params *params_f32,
+                              const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m);
+
+/* Backward of the last forward (same x, params, acts). ACCUMULATES (+=) into
+ * dx[m,d] (may be NULL) and every non-NULL pointer of grads (fp32, the
+ * lm_moe_params layout). The routing is held fixed; the router gradient flows
+ * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward. */
+lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *grads,
+                               const float *dy, const float *x, const float *dscores_extra,
+                               const lm_moe_config *cfg, const lm_moe_params *params_f32,
+                               const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
+                               lm_cuda_moe_scratch *scratch);
+
+/* Quantile balancing, the per-micro-batch pass of lm_balance_observe on the
+ * device: for each token i, alpha_i = the (k+1)-th largest s_i + b (-inf when
+ * k == n), and for each expert j, r_ij = alpha_i - s_ij falls into bin
+ *   x = ((alpha_i - s_ij) - lo_j) * (1 / width_j),
+ *   K3 (zoom = 0):  x < 0 -> 0, x >= B -> B-1, else floor(x);
+ *   zoom (zoom = 1): x < 0 -> 0, x >= B-2 -> B-1, else 1 + floor(x),
+ * with fp32 arithmetic rounded exactly as on the CPU, so the integer counts
+ * [n, bins] (ACCUMULATED) equal lm_balance_observe's. lo, width: [n] device,
+ * from lm_balance_bin_geometry. scores [m,n], bias [n] (NULL: zero). */
+lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32_t *counts, const float *scores,
+                                    const float *bias, const float *lo, const float *width, int64_t m,
+                                    int n, int k, int bins, int zoom);
+
+/* Tokens per expert of a routing topk [m,k]: load[j] += #{(i,t): topk = j}. */
+lm_status lm_cuda_expert_load(const lm_cuda_context *ctx, int32_t *load, const int32_t *topk, int64_t m,
+                              int n, int k);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,465 @@
+/* The MoE layer on the GPU: planning of the device buffers, the expert
+ * activations and the latent RMSNorm, forward and backward
+ * (include/longmoe/moe_cuda.h; the CPU mirror is src/ops/moe/moe.c). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/moe/moe_internal.cuh"
+#include "longmoe/moe.h"
+#include "longmoe/moe_cuda.h"
+
+#define ALIGN_BYTES 256
+/* tokens per block of the lat_norm gradient's partial sums */
+#define NORM_CHUNK 256
+
+static unsigned blocks_for(int64_t count, int threads) { return (unsigned)((count + threads - 1) / threads); }
+
+static int expert_width(const lm_moe_config *c) { return c->d_latent > 0 ? c->d_latent : c->d; }
+
+static int64_t rows_capacity(const lm_moe_config *c, int64_t m_max) {
+    int64_t mk = m_max * c->top_k;
+    return (mk + LM_MOE_CUDA_ROW_TILE - 1) / LM_MOE_CUDA_ROW_TILE * LM_MOE_CUDA_ROW_TILE +
+           (int64_t)c->n_experts * LM_MOE_CUDA_ROW_TILE;
+}
+
+static lm_status check_capacity(const lm_moe_config *c, int64_t m_max) {
+    lm_status st = lm_moe_check(c);
+    if (st) return st;
+    if (m_max < 1 || m_max * c->top_k > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "moe cuda: m_max must lie in [1, 2^31 / top_k], got %lld", (long long)m_max);
+    int64_t rows = rows_capacity(c, m_max);
+    if (rows > INT32_MAX || rows / LM_MOE_CUDA_ROW_TILE > 65535 || (m_max + 63) / 64 > 65535)
+        return lm_error(LM_ERR_ARG, "moe cuda: m_max = %lld gives %lld grouped rows, more than the grid holds",
+                        (long long)m_max, (long long)rows);
+    return LM_OK;
+}
+
+/* The buffer tables: pointer, bytes. One place defines the layout. */
+typedef struct { void **ptr; size_t bytes; } buffer_entry;
+
+static size_t layout_buffers(buffer_entry *t, size_t count, char *base) {
+    size_t off = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (base) *t[i].ptr = t[i].bytes ? base + off : NULL;
+        off += (t[i].bytes + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES;
+    }
+    return off;
+}
+
+static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m_max, char *base) {
+    size_t m = (size_t)m_max, n = (size_t)c->n_experts, k = (size_t)c->top_k, f = (size_t)c->d_ff;
+    size_t d = (size_t)c->d, de = (size_t)expert_width(c), dl = (size_t)c->d_latent;
+    size_t ns = (size_t)c->n_shared, fs = (size_t)c->d_ff_shared, mk = m * k;
+    size_t P = (size_t)rows_capacity(c, m_max), nblk = (mk + LM_MOE_SORT_BLOCK - 1) / LM_MOE_SORT_BLOCK;
+    buffer_entry t[] = {
+        {(void **)&a->s, m * n * 4},          {(void **)&a->topk, mk * 4},
+        {(void **)&a->weights, mk * 4},       {(void **)&a->offsets, (n + 1) * 4},
+        {(void **)&a->padded_offsets, (n + 1) * 4}, {(void **)&a->order, P * 4},
+        {(void **)&a->slot_row, mk * 4},      {(void **)&a->block_counts, nblk * n * 4},
+        {(void **)&a->x_bf16, (dl || ns) ? m * d * 2 : 0}, {(void **)&a->x_lat, m * dl * 2},
+        {(void **)&a->xg, P * de * 2},        {(void **)&a->ga, P * f * 4},
+        {(void **)&a->gu, P * f * 4},         {(void **)&a->gh, P * f * 2},
+        {(void **)&a->gout, P * de * 4},      {(void **)&a->z, dl ? m * de * 4 : 0},
+        {(void **)&a->rstd, dl ? m * 4 : 0},  {(void **)&a->zn, m * dl * 2},
+        {(void **)&a->sa, ns * m * fs * 4},   {(void **)&a->su, ns * m * fs * 4},
+        {(void **)&a->sh, ns * m * fs * 2},
+    };
+    return layout_buffers(t, sizeof t / sizeof t[0], base);
+}
+
+static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int64_t m_max, char *base) {
+    size_t m = (size_t)m_max, n = (size_t)c->n_experts, k = (size_t)c->top_k, f = (size_t)c->d_ff;
+    size_t d = (size_t)c->d, de = (size_t)expert_width(c), dl = (size_t)c->d_latent;
+    size_t ns = (size_t)c->n_shared, fs = (size_t)c->d_ff_shared, mk = m * k;
+    size_t P = (size_t)rows_capacity(c, m_max), nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
+    buffer_entry t[] = {
+        {(void **)&s->dy_bf16, (dl || ns) ? m * d * 2 : 0},
+        {(void **)&s->dzn, m * dl * 4},           {(void **)&s->dz, m * dl * 4},
+        {(void **)&s->norm_partial, nchunk * dl * 4},
+        {(void **)&s->dgout, P * de * 2},         {(void **)&s->dp, mk * 4},
+        {(void **)&s->dh, P * f * 4},             {(void **)&s->da, P * f * 2},
+        {(void **)&s->du, P * f * 2},             {(void **)&s->dxg, P * de * 4},
+        {(void **)&s->dxe_bf16, m * dl * 2},
+        {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 4 : 0},
+        {(void **)&s->dsa, ns ? m * fs * 2 : 0},  {(void **)&s->dsu, ns ? m * fs * 2 : 0},
+    };
+    return layout_buffers(t, sizeof t / sizeof t[0], base);
+}
+
+extern "C" size_t lm_cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) {
+    if (!cfg || check_capacity(cfg, m_max)) return 0;
+    lm_cuda_moe_acts a;
+    return acts_layout(&a, cfg, m_max, NULL);
+}
+
+extern "C" size_t lm_cuda_moe_scratch_bytes(const lm_moe_config *cfg, int64_t m_max) {
+    if (!cfg || check_capacity(cfg, m_max)) return 0;
+    lm_cuda_moe_scratch s;
+    return scratch_layout(&s, cfg, m_max, NULL);
+}
+
+extern "C" lm_status lm_cuda_moe_acts_carve(lm_cuda_moe_acts *acts, const lm_moe_config *cfg, int64_t m_max,
+                                            void *block, size_t bytes) {
+    if (!acts || !cfg) return lm_error(LM_ERR_ARG, "moe cuda: acts and cfg must not be NULL");
+    memset(acts, 0, sizeof *acts);
+    lm_status st = check_capacity(cfg, m_max);
+    if (st) return st;
+    if (!block || ((uintptr_t)block % ALIGN_BYTES))
+        return lm_error(LM_ERR_ARG, "moe cuda: acts block must be a %d-byte aligned device pointer", ALIGN_BYTES);
+    size_t need = acts_layout(acts, cfg, m_max, NULL);
+    if (bytes < need)
+        return lm_error(LM_ERR_ARG, "moe cuda: acts block of %zu bytes, need %zu", bytes, need);
+    acts_layout(acts, cfg, m_max, (char *)block);
+    acts->m_max = m_max;
+    acts->rows_max = rows_capacity(cfg, m_max);
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_moe_scratch_carve(lm_cuda_moe_scratch *scratch, const lm_moe_config *cfg,
+                                               int64_t m_max, void *block, size_t bytes) {
+    if (!scratch || !cfg) return lm_error(LM_ERR_ARG, "moe cuda: scratch and cfg must not be NULL");
+    memset(scratch, 0, sizeof *scratch);
+    lm_status st = check_capacity(cfg, m_max);
+    if (st) return st;
+    if (!block || ((uintptr_t)block % ALIGN_BYTES))
+        return lm_error(LM_ERR_ARG, "moe cuda: scratch block must be a %d-byte aligned device pointer", ALIGN_BYTES);
+    size_t need = scratch_layout(scratch, cfg, m_max, NULL);
+    if (bytes < need)
+        return lm_error(LM_ERR_ARG, "moe cuda: scratch block of %zu bytes, need %zu", bytes, need);
+    scratch_layout(scratch, cfg, m_max, (char *)block);
+    scratch->m_max = m_max;
+    scratch->rows_max = rows_capacity(cfg, m_max);
+    return LM_OK;
+}
+
+/* ---- elementwise kernels ---- */
+
+__device__ __forceinline__ float sigmoid_dev(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x);
+    return e / (1.0f + e);
+}
+
+/* h = act(a, u) (lm_expert_act_forward) */
+__device__ __forceinline__ float act_forward(int act, float a, float u) {
+    if (act == LM_EXPERT_SITU_GLU) return 4.0f * tanhf(0.25f * a) * sigmoid_dev(a) * 25.0f * tanhf(u / 25.0f);
+    return a * sigmoid_dev(a) * u;
+}
+
+/* dh/da, dh/du (lm_expert_act_backward) */
+__device__ __forceinline__ void act_backward(int act, float a, float u, float *ga, float *gu) {
+    float sg = sigmoid_dev(a);
+    if (act == LM_EXPERT_SITU_GLU) {
+        float ta = tanhf(0.25f * a), tu = tanhf(u / 25.0f);
+        float fa = 4.0f * ta * sg, g = 25.0f * tu;
+        *ga = ((1.0f - ta * ta) * sg + fa * (1.0f - sg)) * g;
+        *gu = fa * (1.0f - tu * tu);
+        return;
+    }
+    *ga = u * sg * (1.0f + a * (1.0f - sg));
+    *gu = a * sg;
+}
+
+__global__ void to_bf16_kernel(bf16 *dst, const float *src, int64_t count) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q < count) dst[q] = __float2bfloat16_rn(src[q]);
+}
+
+/* Rows r < min(rows, *row_limit) (row_limit may be NULL) of width f. */
+__global__ void glu_forward_kernel(bf16 *h, const float *a, const float *u, const int32_t *row_limit, int64_t rows,
+                                   int f, int act) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= rows * f || (row_limit && q / f >= (int64_t)*row_limit)) return;
+    h[q] = __float2bfloat16_rn(act_forward(act, a[q], u[q]));
+}
+
+__global__ void glu_backward_kernel(bf16 *da, bf16 *du, const float *dh, const float *a, const float *u,
+                                    const int32_t *row_limit, int64_t rows, int f, int act) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= rows * f || (row_limit && q / f >= (int64_t)*row_limit)) return;
+    float ga, gu;
+    act_backward(act, a[q], u[q], &ga, &gu);
+    da[q] = __float2bfloat16_rn(dh[q] * ga);
+    du[q] = __float2bfloat16_rn(dh[q] * gu);
+}
+
+/* RMSNorm of the latent sum, one warp a token: rstd = 1/sqrt(mean z^2 + eps),
+ * zn = z rstd w (bf16: the operand of W_up_lat). */
+__global__ void rmsnorm_forward_kernel(bf16 *zn, float *rstd, const float *z, const float *w, int64_t m, int dl,
+                                       float eps) {
+    int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (i >= m) return;
+    const float *zi = z + i * dl;
+    float ss = 0.0f;
+    for (int e = lane; e < dl; e += 32) ss += zi[e] * zi[e];
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    float s = 1.0f / sqrtf(ss / (float)dl + eps);
+    if (lane == 0) rstd[i] = s;
+    for (int e = lane; e < dl; e += 32) zn[i * dl + e] = __float2bfloat16_rn(zi[e] * s * w[e]);
+}
+
+/* dz = s w g - z s^3 / d sum_j w_j g_j z_j (lm_rmsnorm_backward), one warp a token. */
+__global__ void rmsnorm_backward_kernel(float *dz, const float *g, const float *z, const float *w,
+                                        const float *rstd, int64_t m, int dl) {
+    int64_t i = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (i >= m) return;
+    const float *zi = z + i * dl, *gi = g + i * dl;
+    float dot = 0.0f;
+    for (int e = lane; e < dl; e += 32) dot += gi[e] * w[e] * zi[e];
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    float s = rstd[i], c = dot * s * s * s / (float)dl;
+    for (int e = lane; e < dl; e += 32) dz[i * dl + e] = s * gi[e] * w[e] - c * zi[e];
+}
+
+/* lat_norm gradient, sum over tokens of g z rstd: per-chunk partials ... */
+__global__ void norm_weight_partial_kernel(float *partial, const float *g, const float *z, const float *rstd,
+                                           int64_t m, int dl) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= dl) return;
+    int64_t i0 = (int64_t)blockIdx.y * NORM_CHUNK, i1 = i0 + NORM_CHUNK < m ? i0 + NORM_CHUNK : m;
+    float acc = 0.0f;
+    for (int64_t i = i0; i < i1; i++) acc += g[i * dl + e] * z[i * dl + e] * rstd[i];
+    partial[(int64_t)blockIdx.y * dl + e] = acc;
+}
+
+/* ... then summed in chunk order */
+__global__ void norm_weight_final_kernel(float *dw, const float *partial, int64_t nchunk, int dl) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= dl) return;
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nchunk; b++) acc += partial[b * dl + e];
+    dw[e] += acc;
+}
+
+/* ---- the layer ---- */
+
+static lm_status gemm(cudaStream_t st, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
+                      int64_t ldb, float *c, void *cb, int64_t ldc, int accumulate, int64_t M, int64_t N,
+                      int64_t K) {
+    lm_gemm_bf16_args g;
+    memset(&g, 0, sizeof g);
+    g.layout = layout;
+    g.a = (const bf16 *)a;
+    g.lda = lda;
+    g.b = (const bf16 *)b;
+    g.ldb = ldb;
+    g.c = c;
+    g.cb = (bf16 *)cb;
+    g.ldc = ldc;
+    g.accumulate = accumulate;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    return lm_moe_gemm_bf16(st, &g);
+}
+
+/* The grouped products: rows mode (NT, NN) over rows_max grouped rows with
+ * expert j's weight at b + j b_stride, or weight mode (TN) with expert j's
+ * gradient at c + j c_stride. */
+static lm_status gemm_grouped(cudaStream_t st, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
+                              int64_t ldb, int64_t b_stride, float *c, int64_t ldc, int64_t c_stride, int accumulate,
+                              int64_t M, int64_t N, int64_t K, const lm_cuda_moe_acts *acts, int n) {
+    lm_gemm_bf16_args g;
+    memset(&g, 0, sizeof g);
+    g.layout = layout;
+    g.a = (const bf16 *)a;
+    g.lda = lda;
+    g.b = (const bf16 *)b;
+    g.ldb = ldb;
+    g.b_group_stride = b_stride;
+    g.c = c;
+    g.ldc = ldc;
+    g.c_group_stride = c_stride;
+    g.accumulate = accumulate;
+    g.M = M;
+    g.N = N;
+    g.K = K;
+    g.group_offsets = acts->padded_offsets;
+    g.groups = n;
+    return lm_moe_gemm_bf16(st, &g);
+}
+
+#define TRY(call)                  \
+    do {                           \
+        lm_status s_ = (call);     \
+        if (s_) return s_;         \
+    } while (0)
+
+static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, const lm_moe_params_bf16 *pb) {
+    if (!pf || !pb) return lm_error(LM_ERR_ARG, "moe cuda: params_f32 and params_bf16 must not be NULL");
+    if (!pf->router) return lm_error(LM_ERR_ARG, "moe cuda: params_f32->router is NULL");
+    if (!pb->gate || !pb->up || !pb->down) return lm_error(LM_ERR_ARG, "moe cuda: params_bf16 gate/up/down NULL");
+    if (c->d_latent > 0 && (!pb->lat_down || !pb->lat_up || !pf->lat_norm))
+        return lm_error(LM_ERR_ARG, "moe cuda: LatentMoE needs params_bf16 lat_down, lat_up and params_f32 lat_norm");
+    if (c->n_shared > 0 && (!pb->shared_gate || !pb->shared_up || !pb->shared_down))
+        return lm_error(LM_ERR_ARG, "moe cuda: params_bf16 shared_gate/up/down NULL with %d shared experts",
+                        c->n_shared);
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x, const float *bias,
+                                         const lm_moe_config *c, const lm_moe_params *pf,
+                                         const lm_moe_params_bf16 *pb, lm_cuda_moe_acts *a, int64_t m) {
+    // x, y are (m,d) fp32; bias (n); everything the backward needs goes to acts
+    if (!ctx || !c || !a) return lm_error(LM_ERR_ARG, "moe cuda forward: ctx, cfg and acts must not be NULL");
+    TRY(lm_moe_check(c));
+    TRY(check_params(c, pf, pb));
+    if (m < 0 || m > a->m_max)
+        return lm_error(LM_ERR_ARG, "moe cuda forward: m = %lld outside [0, m_max = %lld]", (long long)m,
+                        (long long)a->m_max);
+    if (m > 0 && (!y || !x)) return lm_error(LM_ERR_ARG, "moe cuda forward: y and x must not be NULL");
+    a->m = m;
+    if (m == 0) return LM_OK;
+    cudaStream_t st = (cudaStream_t)ctx->stream;
+    int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
+    int ns = c->n_shared, fs = c->d_ff_shared;
+    const int64_t P = a->rows_max;
+    const int32_t *rows_used = a->padded_offsets + n;
+
+    if (a->x_bf16) {
+        to_bf16_kernel<<<blocks_for(m * d, 256), 256, 0, st>>>((bf16 *)a->x_bf16, x, m * d);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
+    TRY(lm_moe_gemm_f32(st, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
+    TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
+
+    /* expert inputs, grouped: x or (LatentMoE) W_down_lat x */
+    if (dl > 0) {
+        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
+        TRY(lm_moe_gather(st, (bf16 *)a->xg, NULL, (const bf16 *)a->x_lat, a, n, k, de));
+    } else {
+        TRY(lm_moe_gather(st, (bf16 *)a->xg, x, NULL, a, n, k, de));
+    }
+    /* experts: a = x W_gate^T, u = x W_up^T, h = act(a, u), out = h W_down^T */
+    TRY(gemm_grouped(st, LM_GEMM_NT, a->xg, de, pb->gate, de, (int64_t)f * de, a->ga, f, 0, 0, P, f, de, a, n));
+    TRY(gemm_grouped(st, LM_GEMM_NT, a->xg, de, pb->up, de, (int64_t)f * de, a->gu, f, 0, 0, P, f, de, a, n));
+    glu_forward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)a->gh, a->ga, a->gu, rows_used, P, f, (int)c->act);
+    LM_CUDA_TRY(cudaGetLastError());
+    TRY(gemm_grouped(st, LM_GEMM_NT, a->gh, f, pb->down, f, (int64_t)de * f, a->gout, de, 0, 0, P, de, f, a, n));
+
+    /* z_i = sum_t p_it E(x_i); y = z, or W_up_lat RMSNorm(z) */
+    if (dl > 0) {
+        TRY(lm_moe_combine(st, a->z, a, m, k, de));
+        rmsnorm_forward_kernel<<<blocks_for(m, 8), 256, 0, st>>>((bf16 *)a->zn, a->rstd, a->z, pf->lat_norm, m, dl,
+                                                                c->norm_eps);
+        LM_CUDA_TRY(cudaGetLastError());
+        TRY(gemm(st, LM_GEMM_NT, a->zn, dl, pb->lat_up, dl, y, NULL, d, 0, m, d, dl));
+    } else {
+        TRY(lm_moe_combine(st, y, a, m, k, de));
+    }
+
+    /* shared experts, added to every token */
+    for (int e = 0; e < ns; e++) {
+        size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
+        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->shared_gate + wo, d, a->sa + ao, NULL, fs, 0, m, fs, d));
+        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->shared_up + wo, d, a->su + ao, NULL, fs, 0, m, fs, d));
+        glu_forward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)a->sh + ao, a->sa + ao, a->su + ao, NULL, m,
+                                                                   fs, (int)c->act);
+        LM_CUDA_TRY(cudaGetLastError());
+        TRY(gemm(st, LM_GEMM_NT, a->sh + ao, fs, pb->shared_down + wo, fs, y, NULL, d, 1, m, d, fs));
+    }
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
+                                          const float *dy, const float *x, const float *dscores_extra,
+                                          const lm_moe_config *c, const lm_moe_params *pf,
+                                          const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
+                                          lm_cuda_moe_scratch *s) {
+    // dy, x, dx are (m,d) fp32; dscores_extra (m,n); grads fp32 with the parameters' shapes
+    if (!ctx || !c || !a || !s || !g)
+        return lm_error(LM_ERR_ARG, "moe cuda backward: ctx, grads, cfg, acts and scratch must not be NULL");
+    TRY(lm_moe_check(c));
+    TRY(check_params(c, pf, pb));
+    int64_t m = a->m;
+    if (s->m_max < m || s->rows_max < a->rows_max)
+        return lm_error(LM_ERR_ARG, "moe cuda backward: scratch planned for %lld tokens, the forward had %lld",
+                        (long long)s->m_max, (long long)m);
+    if (m == 0) return LM_OK;
+    if (!dy || !x) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
+    cudaStream_t st = (cudaStream_t)ctx->stream;
+    int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
+    int ns = c->n_shared, fs = c->d_ff_shared;
+    const int64_t P = a->rows_max;
+    const int32_t *rows_used = a->padded_offsets + n;
+
+    if (s->dy_bf16) {
+        to_bf16_kernel<<<blocks_for(m * d, 256), 256, 0, st>>>((bf16 *)s->dy_bf16, dy, m * d);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    /* shared experts */
+    for (int e = 0; e < ns; e++) {
+        size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
+        TRY(gemm(st, LM_GEMM_NN, s->dy_bf16, d, pb->shared_down + wo, fs, s->dsh, NULL, fs, 0, m, fs, d));
+        if (g->shared_down)
+            TRY(gemm(st, LM_GEMM_TN, s->dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
+        glu_backward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)s->dsa, (bf16 *)s->dsu, s->dsh,
+                                                                    a->sa + ao, a->su + ao, NULL, m, fs, (int)c->act);
+        LM_CUDA_TRY(cudaGetLastError());
+        if (dx) {
+            TRY(gemm(st, LM_GEMM_NN, s->dsa, fs, pb->shared_gate + wo, d, dx, NULL, d, 1, m, d, fs));
+            TRY(gemm(st, LM_GEMM_NN, s->dsu, fs, pb->shared_up + wo, d, dx, NULL, d, 1, m, d, fs));
+        }
+        if (g->shared_gate)
+            TRY(gemm(st, LM_GEMM_TN, s->dsa, fs, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
+        if (g->shared_up)
+            TRY(gemm(st, LM_GEMM_TN, s->dsu, fs, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
+    }
+
+    /* gradient of z */
+    const float *dz = dy;
+    if (dl > 0) {
+        TRY(gemm(st, LM_GEMM_NN, s->dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
+        if (g->lat_up) TRY(gemm(st, LM_GEMM_TN, s->dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
+        rmsnorm_backward_kernel<<<blocks_for(m, 8), 256, 0, st>>>(s->dz, s->dzn, a->z, pf->lat_norm, a->rstd, m, dl);
+        LM_CUDA_TRY(cudaGetLastError());
+        if (g->lat_norm) {
+            int64_t nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
+            if (nchunk > 65535) return lm_error(LM_ERR_ARG, "moe cuda backward: %lld tokens", (long long)m);
+            dim3 grid(blocks_for(dl, 128), (unsigned)nchunk);
+            norm_weight_partial_kernel<<<grid, 128, 0, st>>>(s->norm_partial, s->dzn, a->z, a->rstd, m, dl);
+            LM_CUDA_TRY(cudaGetLastError());
+            norm_weight_final_kernel<<<blocks_for(dl, 128), 128, 0, st>>>(g->lat_norm, s->norm_partial, nchunk, dl);
+            LM_CUDA_TRY(cudaGetLastError());
+        }
+        dz = s->dz;
+    }
+
+    /* per grouped row: d out = p dz_i, and dp = <dz_i, E(x_i)> */
+    TRY(lm_moe_combine_backward(st, (bf16 *)s->dgout, s->dp, dz, a, n, k, de));
+    /* experts: dh = dout W_down, dW_down += dout^T h, da/du, dxg = da W_gate + du W_up */
+    TRY(gemm_grouped(st, LM_GEMM_NN, s->dgout, de, pb->down, f, (int64_t)de * f, s->dh, f, 0, 0, P, f, de, a, n));
+    if (g->down)
+        TRY(gemm_grouped(st, LM_GEMM_TN, s->dgout, de, a->gh, f, 0, g->down, f, (int64_t)de * f, 1, de, f, 0, a, n));
+    glu_backward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)s->da, (bf16 *)s->du, s->dh, a->ga, a->gu,
+                                                               rows_used, P, f, (int)c->act);
+    LM_CUDA_TRY(cudaGetLastError());
+    TRY(gemm_grouped(st, LM_GEMM_NN, s->da, f, pb->gate, de, (int64_t)f * de, s->dxg, de, 0, 0, P, de, f, a, n));
+    TRY(gemm_grouped(st, LM_GEMM_NN, s->du, f, pb->up, de, (int64_t)f * de, s->dxg, de, 0, 1, P, de, f, a, n));
+    if (g->gate)
+        TRY(gemm_grouped(st, LM_GEMM_TN, s->da, f, a->xg, de, 0, g->gate, de, (int64_t)f * de, 1, f, de, 0, a, n));
+    if (g->up)
+        TRY(gemm_grouped(st, LM_GEMM_TN, s->du, f, a->xg, de, 0, g->up, de, (int64_t)f * de, 1, f, de, 0, a, n));
+
+    /* grouped input gradients back to tokens (slot order: deterministic) */
+    if (dl > 0) {
+        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, s->dxg, a, m, k, de));
+        if (dx) TRY(gemm(st, LM_GEMM_NN, s->dxe_bf16, dl, pb->lat_down, d, dx, NULL, d, 1, m, d, dl));
+        if (g->lat_down)
+            TRY(gemm(st, LM_GEMM_TN, s->dxe_bf16, dl, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
+    } else if (dx) {
+        TRY(lm_moe_scatter(st, dx, NULL, s->dxg, a, m, k, de));
+    }
+
+    /* router in fp32: dr over all n logits (zero off the chosen set without
+     * dscores_extra), dx += dr W_r, dW_r += dr^T x */
+    TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
+    if (dx) TRY(lm_moe_gemm_f32(st, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    if (g->router) TRY(lm_moe_gemm_f32(st, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    return LM_OK;
+}

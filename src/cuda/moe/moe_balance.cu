@@ -1,0 +1,95 @@
+/* The quantile balancer's per-micro-batch histogram and the expert loads on
+ * the GPU (include/longmoe/moe_cuda.h; the CPU pass is lm_balance_observe in
+ * src/ops/balance/balance.c). Integer counts: the result is exact and
+ * independent of the order of the atomic increments. */
+#include <math.h>
+#include <stdint.h>
+
+#include "cuda/cuda_check.h"
+#include "longmoe/moe.h"
+#include "longmoe/moe_cuda.h"
+
+#define HIST_TOKENS 128
+
+/* One block: HIST_TOKENS tokens. Each thread finds its token's threshold
+ * alpha = the (k+1)-th largest s + b (the value only, so ties do not matter;
+ * -inf when k == n), then the block bins every (token, expert) pair. All
+ * arithmetic is rounded like the CPU's: x = ((alpha - s) - lo) * (1 / w). */
+__global__ void balance_histogram_kernel(int32_t *counts, const float *scores, const float *bias, const float *lo,
+                                         const float *width, int64_t m, int n, int k, int bins, int zoom) {
+    __shared__ float alpha[HIST_TOKENS];
+    int64_t i0 = (int64_t)blockIdx.x * HIST_TOKENS;
+    int64_t i = i0 + threadIdx.x;
+    int kk = k < n ? k + 1 : k;
+    if (threadIdx.x < HIST_TOKENS && i < m) {
+        const float *si = scores + i * n;
+        float val[LM_MOE_MAX_TOPK + 1];
+        int have = 0;
+        for (int j = 0; j < n; j++) {
+            float v = __fadd_rn(si[j], bias ? bias[j] : 0.0f);
+            if (have == kk && !(v > val[kk - 1])) continue;
+            int pos = have < kk ? have : kk - 1;
+            while (pos > 0 && val[pos - 1] < v) {
+                val[pos] = val[pos - 1];
+                pos--;
+            }
+            val[pos] = v;
+            if (have < kk) have++;
+        }
+        alpha[threadIdx.x] = kk > k ? val[k] : -INFINITY;
+    }
+    __syncthreads();
+    int64_t tokens = m - i0 < HIST_TOKENS ? m - i0 : HIST_TOKENS;
+    int64_t pairs = tokens * n;
+    const float fb = (float)bins, fb2 = (float)(bins - 2);
+    for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) {
+        int64_t t = q / n;
+        int j = (int)(q % n);
+        float inv = __fdiv_rn(1.0f, width[j]);
+        float x = __fmul_rn(__fsub_rn(__fsub_rn(alpha[t], scores[(i0 + t) * n + j]), lo[j]), inv);
+        int bin;
+        if (zoom) bin = x < 0.0f ? 0 : x >= fb2 ? bins - 1 : 1 + (int)x;
+        else bin = x < 0.0f ? 0 : x >= fb ? bins - 1 : (int)x;
+        atomicAdd(&counts[(int64_t)j * bins + bin], 1);
+    }
+}
+
+extern "C" lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32_t *counts, const float *scores,
+                                               const float *bias, const float *lo, const float *width, int64_t m,
+                                               int n, int k, int bins, int zoom) {
+    // scores is (m,n); bias, lo, width (n); counts (n,bins) +=
+    if (!ctx || !counts || !lo || !width || (m > 0 && !scores))
+        return lm_error(LM_ERR_ARG, "balance histogram: ctx, counts, scores, lo and width must not be NULL");
+    if (m < 0) return lm_error(LM_ERR_ARG, "balance histogram: m must be >= 0, got %lld", (long long)m);
+    if (n < 2 || n > LM_MOE_MAX_EXPERTS)
+        return lm_error(LM_ERR_ARG, "balance histogram: n must lie in [2, %d], got %d", LM_MOE_MAX_EXPERTS, n);
+    if (k < 1 || k > n || k > LM_MOE_MAX_TOPK)
+        return lm_error(LM_ERR_ARG, "balance histogram: k must lie in [1, min(%d, n)], got %d", LM_MOE_MAX_TOPK, k);
+    if (bins < 4) return lm_error(LM_ERR_ARG, "balance histogram: bins must be >= 4, got %d", bins);
+    if (m == 0) return LM_OK;
+    unsigned grid = (unsigned)((m + HIST_TOKENS - 1) / HIST_TOKENS);
+    balance_histogram_kernel<<<grid, 256, 0, (cudaStream_t)ctx->stream>>>(counts, scores, bias, lo, width, m, n, k,
+                                                                         bins, zoom ? 1 : 0);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+__global__ void expert_load_kernel(int32_t *load, const int32_t *topk, int64_t mk) {
+    int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g < mk) atomicAdd(&load[topk[g]], 1);
+}
+
+extern "C" lm_status lm_cuda_expert_load(const lm_cuda_context *ctx, int32_t *load, const int32_t *topk, int64_t m,
+                                         int n, int k) {
+    // topk is (m,k); load (n) +=
+    if (!ctx || !load || (m > 0 && !topk))
+        return lm_error(LM_ERR_ARG, "expert load: ctx, load and topk must not be NULL");
+    if (m < 0 || n < 1 || k < 1 || k > n)
+        return lm_error(LM_ERR_ARG, "expert load: need m >= 0 and 1 <= k <= n; got m %lld n %d k %d", (long long)m,
+                        n, k);
+    if (m == 0) return LM_OK;
+    int64_t mk = m * k;
+    expert_load_kernel<<<(unsigned)((mk + 255) / 256), 256, 0, (cudaStream_t)ctx->stream>>>(load, topk, mk);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}

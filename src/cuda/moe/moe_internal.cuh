@@ -1,0 +1,76 @@
+/* Kernels of the MoE layer on the GPU shared by its .cu files (not public). */
+#ifndef LONGMOE_CUDA_MOE_INTERNAL_CUH
+#define LONGMOE_CUDA_MOE_INTERNAL_CUH
+
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "longmoe/core.h"
+
+typedef __nv_bfloat16 bf16;
+
+/* One bf16 product C (+)= A B with fp32 accumulation, in one of three layouts:
+ *   NT: A(i,kk) = a[i lda + kk],  B(kk,c) = b[c ldb + kk]   (x W^T)
+ *   NN: A(i,kk) = a[i lda + kk],  B(kk,c) = b[kk ldb + c]   (dy W)
+ *   TN: A(i,kk) = a[kk lda + i],  B(kk,c) = b[kk ldb + c]   (dy^T x: weight gradients)
+ * Grouping (group_offsets != NULL, groups experts, offsets multiples of the
+ * row tile):
+ *   NT, NN: rows are grouped rows; the tile of rows starting at r uses the
+ *           weight b + j b_group_stride of the expert j owning r; tiles at or
+ *           past group_offsets[groups] do nothing. K is the contraction.
+ *   TN:     one grid layer per expert j: the contraction runs over the rows
+ *           group_offsets[j] .. group_offsets[j+1]-1 and C is c + j c_group_stride.
+ * Without grouping the contraction of TN runs over 0 .. K-1.
+ * Output: fp32 c (accumulate: +=) or bf16 cb (store). Each output element is
+ * written by one thread: deterministic. */
+typedef enum { LM_GEMM_NT = 0, LM_GEMM_NN = 1, LM_GEMM_TN = 2 } lm_gemm_layout;
+
+typedef struct {
+    lm_gemm_layout layout;
+    const bf16 *a;
+    int64_t lda;
+    const bf16 *b;
+    int64_t ldb, b_group_stride;
+    float *c;
+    bf16 *cb;
+    int64_t ldc, c_group_stride;
+    int accumulate;
+    int64_t M, N, K;
+    const int32_t *group_offsets;
+    int groups;
+} lm_gemm_bf16_args;
+
+lm_status lm_moe_gemm_bf16(cudaStream_t stream, const lm_gemm_bf16_args *g);
+
+/* fp32 product of the router: C (+)= A B in the same three layouts, no grouping. */
+lm_status lm_moe_gemm_f32(cudaStream_t stream, lm_gemm_layout layout, const float *a, int64_t lda,
+                          const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M,
+                          int64_t N, int64_t K);
+
+/* Slots a block of the counting sort handles. */
+#define LM_MOE_SORT_BLOCK 256
+
+#include "longmoe/moe_cuda.h"
+
+/* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
+ * the padded grouped layout (acts: s holds the logits W_r x on entry). */
+lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
+                       float route_scale);
+/* xg[P, width] bf16 <- the token rows of src (one of src_f32, src_bf16). */
+lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
+                        const lm_cuda_moe_acts *a, int n, int k, int width);
+/* out[m, width] = sum_t p_it gout[row(i,t)] */
+lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a, int64_t m, int k, int width);
+/* dgout = p dz (bf16, grouped), dp = <dz, gout> */
+lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
+                                  const lm_cuda_moe_acts *a, int n, int k, int width);
+/* dx_f32 += or dx_bf16 = sum_t dxg[row(i,t)] */
+lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const float *dxg, const lm_cuda_moe_acts *a,
+                         int64_t m, int k, int width);
+/* dr[m, n] = extra s (1 - s) (or 0) + the chosen experts' ds s (1 - s) */
+lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const float *extra,
+                             const lm_cuda_moe_acts *a, int64_t m, int n, int k, float route_scale);
+
+#endif

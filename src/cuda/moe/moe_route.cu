@@ -1,0 +1,270 @@
+/* Routing of the MoE layer on the GPU: the fp32 top-k, the stable counting
+ * sort by expert into the padded grouped layout, gathering and combining the
+ * expert rows, and the router's gradient (include/longmoe/moe_cuda.h). */
+#include <stdint.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/moe/moe_internal.cuh"
+#include "longmoe/moe.h"
+#include "longmoe/moe_cuda.h"
+
+static unsigned blocks_for(int64_t count, int threads) { return (unsigned)((count + threads - 1) / threads); }
+
+__device__ __forceinline__ float sigmoid_f32(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x);
+    return e / (1.0f + e);
+}
+
+/* One token a thread: s = sigmoid(r) in place, T = the k largest s + b (ties
+ * to the lower index, decreasing), p = scale s_T / sum_T s (lm_router_select). */
+__global__ void router_topk_kernel(float *s, int32_t *topk, float *weights, const float *bias, int64_t m, int n,
+                                   int k, float route_scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m) return;
+    float *si = s + i * n;
+    float val[LM_MOE_MAX_TOPK];
+    int32_t idx[LM_MOE_MAX_TOPK];
+    int have = 0;
+    for (int j = 0; j < n; j++) {
+        float sj = sigmoid_f32(si[j]);
+        si[j] = sj;
+        float v = __fadd_rn(sj, bias ? bias[j] : 0.0f);
+        if (have == k && !(v > val[k - 1])) continue;
+        /* insertion after every kept value >= v: equal values keep index order */
+        int pos = have < k ? have : k - 1;
+        while (pos > 0 && val[pos - 1] < v) {
+            val[pos] = val[pos - 1];
+            idx[pos] = idx[pos - 1];
+            pos--;
+        }
+        val[pos] = v;
+        idx[pos] = j;
+        if (have < k) have++;
+    }
+    float sum = 0.0f;
+    for (int t = 0; t < k; t++) sum += si[idx[t]];
+    float inv = sum > 0.0f ? route_scale / sum : 0.0f;
+    for (int t = 0; t < k; t++) {
+        topk[i * k + t] = idx[t];
+        weights[i * k + t] = si[idx[t]] * inv;
+    }
+}
+
+/* Counting sort, pass 1: expert counts of each block of SORT_BLOCK slots. */
+__global__ void sort_count_kernel(int32_t *block_counts, const int32_t *topk, int64_t mk, int n) {
+    extern __shared__ int32_t hist[];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) hist[j] = 0;
+    __syncthreads();
+    int64_t g = (int64_t)blockIdx.x * LM_MOE_SORT_BLOCK + threadIdx.x;
+    if (g < mk) atomicAdd(&hist[topk[g]], 1);
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += blockDim.x) block_counts[(int64_t)blockIdx.x * n + j] = hist[j];
+}
+
+/* Pass 2 (one block): expert totals, unpadded and padded offsets, and each
+ * block's first grouped row per expert (replacing its count). */
+__global__ void sort_scan_kernel(int32_t *block_counts, int32_t *offsets, int32_t *padded_offsets, int nblocks,
+                                 int n) {
+    extern __shared__ int32_t tot[];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        int32_t sum = 0;
+        for (int b = 0; b < nblocks; b++) sum += block_counts[(int64_t)b * n + j];
+        tot[j] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t o = 0, po = 0;
+        for (int j = 0; j < n; j++) {
+            offsets[j] = o;
+            padded_offsets[j] = po;
+            o += tot[j];
+            po += (tot[j] + LM_MOE_CUDA_ROW_TILE - 1) / LM_MOE_CUDA_ROW_TILE * LM_MOE_CUDA_ROW_TILE;
+        }
+        offsets[n] = o;
+        padded_offsets[n] = po;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        int32_t row = padded_offsets[j];
+        for (int b = 0; b < nblocks; b++) {
+            int32_t c = block_counts[(int64_t)b * n + j];
+            block_counts[(int64_t)b * n + j] = row;
+            row += c;
+        }
+    }
+}
+
+/* Pass 3: each slot's row = its block's first row for the expert + the
+ * number of earlier slots of the block with the same expert (stable). */
+__global__ void sort_place_kernel(int32_t *order, int32_t *slot_row, const int32_t *block_counts,
+                                  const int32_t *topk, int64_t mk, int n) {
+    __shared__ int32_t e[LM_MOE_SORT_BLOCK];
+    int64_t g = (int64_t)blockIdx.x * LM_MOE_SORT_BLOCK + threadIdx.x;
+    e[threadIdx.x] = g < mk ? topk[g] : -1;
+    __syncthreads();
+    if (g >= mk) return;
+    int32_t mine = e[threadIdx.x], rank = 0;
+    for (int q = 0; q < (int)threadIdx.x; q++) rank += e[q] == mine;
+    int32_t row = block_counts[(int64_t)blockIdx.x * n + mine] + rank;
+    order[row] = (int32_t)g;
+    slot_row[g] = row;
+}
+
+lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
+                       float route_scale) {
+    int64_t mk = m * k;
+    router_topk_kernel<<<blocks_for(m, 128), 128, 0, st>>>(a->s, a->topk, a->weights, bias, m, n, k, route_scale);
+    LM_CUDA_TRY(cudaGetLastError());
+    int nblocks = (int)((mk + LM_MOE_SORT_BLOCK - 1) / LM_MOE_SORT_BLOCK);
+    size_t hist_bytes = (size_t)n * sizeof(int32_t);
+    sort_count_kernel<<<nblocks, LM_MOE_SORT_BLOCK, hist_bytes, st>>>(a->block_counts, a->topk, mk, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    sort_scan_kernel<<<1, 1024, hist_bytes, st>>>(a->block_counts, a->offsets, a->padded_offsets, nblocks, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    /* padding rows of the grouped layout hold slot -1 */
+    LM_CUDA_TRY(cudaMemsetAsync(a->order, 0xff, (size_t)a->rows_max * sizeof(int32_t), st));
+    sort_place_kernel<<<nblocks, LM_MOE_SORT_BLOCK, 0, st>>>(a->order, a->slot_row, a->block_counts, a->topk, mk, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* Grouped expert inputs: row r < padded_offsets[n] copies token order[r] / k
+ * of src (fp32 or bf16), padding rows are zero. One warp a row. */
+template <typename T>
+__global__ void gather_rows_kernel(bf16 *xg, const T *src, const int32_t *order, const int32_t *padded_offsets,
+                                   int64_t rows_max, int n, int k, int width) {
+    int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (r >= rows_max || r >= padded_offsets[n]) return;
+    int32_t g = order[r];
+    bf16 *dst = xg + r * width;
+    if (g < 0) {
+        for (int e = lane; e < width; e += 32) dst[e] = __float2bfloat16_rn(0.0f);
+        return;
+    }
+    const T *row = src + (int64_t)(g / k) * width;
+    for (int e = lane; e < width; e += 32) {
+        if constexpr (sizeof(T) == 4) dst[e] = __float2bfloat16_rn((float)row[e]);
+        else dst[e] = row[e];
+    }
+}
+
+lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
+                        const lm_cuda_moe_acts *a, int n, int k, int width) {
+    unsigned grid = blocks_for(a->rows_max, 8);
+    if (src_bf16)
+        gather_rows_kernel<bf16><<<grid, 256, 0, st>>>(xg, src_bf16, a->order, a->padded_offsets, a->rows_max, n, k, width);
+    else
+        gather_rows_kernel<float><<<grid, 256, 0, st>>>(xg, src_f32, a->order, a->padded_offsets, a->rows_max, n, k, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* z_i = sum_t p_it gout[slot_row(i,t)], in slot order. out[m, width] fp32. */
+__global__ void combine_kernel(float *out, const float *gout, const float *weights, const int32_t *slot_row,
+                               int64_t m, int k, int width) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= m * width) return;
+    int64_t i = q / width;
+    int e = (int)(q % width);
+    float z = 0.0f;
+    for (int t = 0; t < k; t++) z += weights[i * k + t] * gout[(int64_t)slot_row[i * k + t] * width + e];
+    out[q] = z;
+}
+
+lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a, int64_t m, int k, int width) {
+    combine_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(out, a->gout, a->weights, a->slot_row, m, k, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* Backward of the combination, one warp a grouped row: dgout = p dz_i (bf16,
+ * zero on padding rows), dp_slot = <dz_i, gout_row> (fp32, fixed warp order). */
+__global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz, const float *gout,
+                                        const float *weights, const int32_t *order, const int32_t *padded_offsets,
+                                        int64_t rows_max, int n, int k, int width) {
+    int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (r >= rows_max || r >= padded_offsets[n]) return;
+    int32_t g = order[r];
+    bf16 *dst = dgout + r * width;
+    if (g < 0) {
+        for (int e = lane; e < width; e += 32) dst[e] = __float2bfloat16_rn(0.0f);
+        return;
+    }
+    const float *dzi = dz + (int64_t)(g / k) * width, *go = gout + r * width;
+    float w = weights[g], dot = 0.0f;
+    for (int e = lane; e < width; e += 32) {
+        dst[e] = __float2bfloat16_rn(w * dzi[e]);
+        dot += dzi[e] * go[e];
+    }
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (lane == 0) dp[g] = dot;
+}
+
+lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
+                                  const lm_cuda_moe_acts *a, int n, int k, int width) {
+    combine_backward_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(dgout, dp, dz, a->gout, a->weights, a->order,
+                                                                       a->padded_offsets, a->rows_max, n, k, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* Grouped input gradients back to tokens, in slot order: v_i = sum_t dxg[row(i,t)];
+ * into dx_f32 (+=) or dx_bf16 (store). */
+__global__ void scatter_kernel(float *dx_f32, bf16 *dx_bf16, const float *dxg, const int32_t *slot_row, int64_t m,
+                               int k, int width, int64_t ld_f32) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= m * width) return;
+    int64_t i = q / width;
+    int e = (int)(q % width);
+    float v = 0.0f;
+    for (int t = 0; t < k; t++) v += dxg[(int64_t)slot_row[i * k + t] * width + e];
+    if (dx_bf16) dx_bf16[q] = __float2bfloat16_rn(v);
+    else dx_f32[i * ld_f32 + e] += v;
+}
+
+lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const float *dxg, const lm_cuda_moe_acts *a,
+                         int64_t m, int k, int width) {
+    scatter_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k, width, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* Router gradient, dense part: dr = extra s (1 - s), or 0. */
+__global__ void router_dense_grad_kernel(float *dr, const float *extra, const float *s, int64_t mn) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (q >= mn) return;
+    dr[q] = extra ? extra[q] * s[q] * (1.0f - s[q]) : 0.0f;
+}
+
+/* Chosen experts, one token a thread: p_t = c s_t / S, so
+ * ds_t = (c dp_t - sum_u dp_u p_u) / S and dr_t += ds_t s_t (1 - s_t). */
+__global__ void router_chosen_grad_kernel(float *dr, const float *dp, const float *s, const int32_t *topk,
+                                          const float *weights, int64_t m, int n, int k, float route_scale) {
+    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m) return;
+    const float *si = s + i * n;
+    const int32_t *ti = topk + i * k;
+    float sum = 0.0f, dot = 0.0f;
+    for (int t = 0; t < k; t++) {
+        sum += si[ti[t]];
+        dot += dp[i * k + t] * weights[i * k + t];
+    }
+    for (int t = 0; t < k; t++) {
+        float sv = si[ti[t]];
+        float ds = sum > 0.0f ? (route_scale * dp[i * k + t] - dot) / sum : 0.0f;
+        dr[i * n + ti[t]] += ds * sv * (1.0f - sv);
+    }
+}
+
+lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const float *extra,
+                             const lm_cuda_moe_acts *a, int64_t m, int n, int k, float route_scale) {
+    router_dense_grad_kernel<<<blocks_for(m * n, 256), 256, 0, st>>>(dr, extra, a->s, m * n);
+    LM_CUDA_TRY(cudaGetLastError());
+    router_chosen_grad_kernel<<<blocks_for(m, 128), 128, 0, st>>>(dr, dp, a->s, a->topk, a->weights, m, n, k,
+                                                                 route_scale);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}

@@ -1,0 +1,417 @@
+/* The MoE layer on the GPU against the CPU layer (lm_moe_forward/backward) on
+ * the same bf16-representable weights and inputs: routing identical, y, dx
+ * and every parameter gradient within bf16 tolerance; run-to-run bit
+ * identity; the balance histogram's integer counts equal the CPU's. */
+#include "longmoe/balance.h"
+#include "longmoe/cuda_context.h"
+#include "longmoe/moe.h"
+#include "longmoe/moe_cuda.h"
+#include "test.h"
+
+static lm_cuda_context ctx;
+
+#define GPU_OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
+
+static float bf16_round(float v) { return lm_bf16_to_f32(lm_f32_to_bf16(v)); }
+
+/* relative error of the increments (got - base) against (want - base) */
+static double rel_increment(const float *got, const float *want, const float *base, size_t count) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < count; i++) {
+        double b = base ? base[i] : 0.0, w = (double)want[i] - b, g = (double)got[i] - b;
+        num += (g - w) * (g - w);
+        den += w * w;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+typedef struct {
+    lm_moe_config cfg;
+    size_t count;           /* parameter floats */
+    float *params;          /* host, bf16-representable */
+    void *d_params, *d_params_bf16, *d_grads;
+    lm_moe_params pf, grads;
+    lm_moe_params_bf16 pb;
+} model;
+
+static void model_init(model *md, const lm_moe_config *cfg, uint64_t seed) {
+    memset(md, 0, sizeof *md);
+    md->cfg = *cfg;
+    md->count = lm_moe_param_count(cfg);
+    md->params = malloc(md->count * sizeof(float));
+    lm_moe_params hp;
+    lm_moe_params_carve(cfg, md->params, &hp);
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (size_t i = 0; i < md->count; i++) md->params[i] = bf16_round((float)(0.08 * lm_rng_normal(&r)));
+    /* router rows spread so that the scores of one token are well apart */
+    for (size_t i = 0; i < (size_t)cfg->n_experts * cfg->d; i++) hp.router[i] = bf16_round((float)(0.3 * lm_rng_normal(&r)));
+    if (hp.lat_norm)
+        for (int i = 0; i < cfg->d_latent; i++) hp.lat_norm[i] = bf16_round((float)(1.0 + 0.2 * lm_rng_normal(&r)));
+    GPU_OK(lm_cuda_alloc(&md->d_params, md->count * 4));
+    GPU_OK(lm_cuda_alloc(&md->d_params_bf16, md->count * 2));
+    GPU_OK(lm_cuda_alloc(&md->d_grads, md->count * 4));
+    GPU_OK(lm_cuda_upload(md->d_params, md->params, md->count * 4));
+    GPU_OK(lm_cuda_upload_bf16(md->d_params_bf16, md->params, md->count));
+    lm_moe_params_carve(cfg, (float *)md->d_params, &md->pf);
+    lm_moe_params_carve(cfg, (float *)md->d_grads, &md->grads);
+    /* the bf16 copy: the same offsets in elements */
+    float *const *src = &hp.router;
+    uint16_t **dst = &md->pb.router;
+    for (int i = 0; i < 10; i++)
+        dst[i] = src[i] ? (uint16_t *)md->d_params_bf16 + (src[i] - md->params) : NULL;
+}
+
+static void model_free(model *md) {
+    free(md->params);
+    lm_cuda_free(md->d_params);
+    lm_cuda_free(md->d_params_bf16);
+    lm_cuda_free(md->d_grads);
+}
+
+static const char *const param_names[10] = {"router", "gate", "up", "down", "lat_down",
+                                            "lat_norm", "lat_up", "shared_gate", "shared_up", "shared_down"};
+
+/* One comparison: CPU forward + backward (accumulating onto a random base)
+ * against the GPU on the same inputs. bias may be NULL. */
+static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias, int with_extra, uint64_t seed,
+                         const char *what) {
+    model md;
+    model_init(&md, cfg, seed);
+    int d = cfg->d, n = cfg->n_experts, k = cfg->top_k;
+    size_t md_ = (size_t)m * d, mn = (size_t)m * n;
+    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4), *extra = malloc(mn * 4);
+    float *y_cpu = malloc(md_ * 4), *y_gpu = malloc(md_ * 4);
+    float *dx_base = malloc(md_ * 4), *dx_cpu = malloc(md_ * 4), *dx_gpu = malloc(md_ * 4);
+    float *g_base = malloc(md.count * 4), *g_cpu = malloc(md.count * 4), *g_gpu = malloc(md.count * 4);
+    lm_rng r;
+    lm_rng_seed(&r, seed * 7 + 1);
+    for (size_t i = 0; i < md_; i++) {
+        x[i] = bf16_round((float)lm_rng_normal(&r));
+        dy[i] = bf16_round((float)lm_rng_normal(&r));
+        dx_base[i] = (float)(0.1 * lm_rng_normal(&r));
+    }
+    for (size_t i = 0; i < mn; i++) extra[i] = (float)(0.5 * lm_rng_normal(&r));
+    for (size_t i = 0; i < md.count; i++) g_base[i] = (float)(0.01 * lm_rng_normal(&r));
+
+    /* CPU reference */
+    lm_moe_params hp, hg;
+    lm_moe_params_carve(cfg, md.params, &hp);
+    memcpy(g_cpu, g_base, md.count * 4);
+    memcpy(dx_cpu, dx_base, md_ * 4);
+    lm_moe_params_carve(cfg, g_cpu, &hg);
+    lm_moe_acts ca;
+    CHECK(!lm_moe_acts_alloc(&ca, cfg, m), "%s", lm_last_error());
+    CHECK(!lm_moe_forward(y_cpu, x, bias, cfg, &hp, &ca, m), "%s", lm_last_error());
+    CHECK(!lm_moe_backward(dx_cpu, &hg, dy, x, with_extra ? extra : NULL, cfg, &hp, &ca), "%s", lm_last_error());
+
+    /* GPU */
+    size_t ab = lm_cuda_moe_acts_bytes(cfg, m), sb = lm_cuda_moe_scratch_bytes(cfg, m);
+    CHECK(ab > 0 && sb > 0, "planned bytes");
+    void *ablock = NULL, *sblock = NULL, *dxd = NULL, *dyd = NULL, *yd = NULL, *xd = NULL, *bd = NULL, *ed = NULL;
+    GPU_OK(lm_cuda_alloc(&ablock, ab));
+    GPU_OK(lm_cuda_alloc(&sblock, sb));
+    GPU_OK(lm_cuda_alloc(&xd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&yd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dyd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dxd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&ed, mn * 4));
+    GPU_OK(lm_cuda_alloc(&bd, (size_t)n * 4));
+    GPU_OK(lm_cuda_upload(xd, x, md_ * 4));
+    GPU_OK(lm_cuda_upload(dyd, dy, md_ * 4));
+    GPU_OK(lm_cuda_upload(dxd, dx_base, md_ * 4));
+    GPU_OK(lm_cuda_upload(ed, extra, mn * 4));
+    if (bias) GPU_OK(lm_cuda_upload(bd, bias, (size_t)n * 4));
+    GPU_OK(lm_cuda_upload(md.d_grads, g_base, md.count * 4));
+    lm_cuda_moe_acts ga;
+    lm_cuda_moe_scratch gs;
+    GPU_OK(lm_cuda_moe_acts_carve(&ga, cfg, m, ablock, ab));
+    GPU_OK(lm_cuda_moe_scratch_carve(&gs, cfg, m, sblock, sb));
+    GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
+                                &gs));
+    GPU_OK(lm_cuda_context_sync(&ctx));
+    GPU_OK(lm_cuda_download(y_gpu, yd, md_ * 4));
+    GPU_OK(lm_cuda_download(dx_gpu, dxd, md_ * 4));
+    GPU_OK(lm_cuda_download(g_gpu, md.d_grads, md.count * 4));
+    int32_t *topk = malloc((size_t)m * k * 4);
+    float *s_gpu = malloc(mn * 4);
+    int32_t *offs = malloc((size_t)(n + 1) * 4);
+    GPU_OK(lm_cuda_download(topk, ga.topk, (size_t)m * k * 4));
+    GPU_OK(lm_cuda_download(s_gpu, ga.s, mn * 4));
+    GPU_OK(lm_cuda_download(offs, ga.offsets, (size_t)(n + 1) * 4));
+
+    /* routing: identical wherever the CPU's order of s + b is clear */
+    int64_t unclear = 0, differ = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int32_t idx[LM_MOE_MAX_TOPK + 1];
+        float val[LM_MOE_MAX_TOPK + 1];
+        int kk = k < n ? k + 1 : k;
+        lm_topk_row(idx, val, ca.s + i * n, bias, n, kk);
+        int clear = 1;
+        for (int t = 0; t + 1 < kk; t++) clear &= val[t] - val[t + 1] > 1e-5f;
+        if (!clear) {
+            unclear++;
+            continue;
+        }
+        differ += memcmp(topk + i * k, ca.topk + i * k, (size_t)k * 4) != 0;
+    }
+    CHECK(differ == 0, "%s: %lld of %lld tokens routed differently", what, (long long)differ, (long long)m);
+    CHECK(unclear <= m / 50, "%s: %lld tokens with near-ties (inputs should avoid them)", what, (long long)unclear);
+    for (int j = 0; j <= n; j++)
+        CHECK(offs[j] == (int32_t)ca.offsets[j], "%s: offsets[%d] %d vs %lld", what, j, offs[j], (long long)ca.offsets[j]);
+    double e;
+    CHECK((e = rel_increment(s_gpu, ca.s, NULL, mn)) < 1e-5, "%s: scores rel err %.3g", what, e);
+    CHECK((e = rel_increment(y_gpu, y_cpu, NULL, md_)) < 1e-2, "%s: y rel err %.3g", what, e);
+    CHECK((e = rel_increment(dx_gpu, dx_cpu, dx_base, md_)) < 1e-2, "%s: dx rel err %.3g", what, e);
+    lm_moe_params pc, pg, pbase;
+    lm_moe_params_carve(cfg, g_cpu, &pc);
+    lm_moe_params_carve(cfg, g_gpu, &pg);
+    lm_moe_params_carve(cfg, g_base, &pbase);
+    size_t sizes[10];
+    {
+        /* sizes from consecutive offsets of the carve */
+        float *const *pp = &pc.router;
+        size_t off[11];
+        for (int i = 0; i < 10; i++) off[i] = pp[i] ? (size_t)(pp[i] - g_cpu) : (size_t)-1;
+        off[10] = md.count;
+        for (int i = 0; i < 10; i++) {
+            sizes[i] = 0;
+            if (off[i] == (size_t)-1) continue;
+            size_t next = md.count;
+            for (int j = i + 1; j < 10; j++)
+                if (off[j] != (size_t)-1) {
+                    next = off[j];
+                    break;
+                }
+            sizes[i] = next - off[i];
+        }
+    }
+    float *const *cp = &pc.router, *const *gp = &pg.router, *const *bp = &pbase.router;
+    for (int i = 0; i < 10; i++) {
+        if (!cp[i]) continue;
+        e = rel_increment(gp[i], cp[i], bp[i], sizes[i]);
+        CHECK(e < 1e-2, "%s: d%s rel err %.3g", what, param_names[i], e);
+    }
+    printf("  %-44s y %.2e dx %.2e unclear %lld\n", what, rel_increment(y_gpu, y_cpu, NULL, md_),
+           rel_increment(dx_gpu, dx_cpu, dx_base, md_), (long long)unclear);
+
+    lm_moe_acts_free(&ca);
+    free(topk);
+    free(s_gpu);
+    free(offs);
+    lm_cuda_free(ablock);
+    lm_cuda_free(sblock);
+    lm_cuda_free(xd);
+    lm_cuda_free(yd);
+    lm_cuda_free(dyd);
+    lm_cuda_free(dxd);
+    lm_cuda_free(ed);
+    lm_cuda_free(bd);
+    free(x), free(dy), free(extra), free(y_cpu), free(y_gpu), free(dx_base), free(dx_cpu), free(dx_gpu);
+    free(g_base), free(g_cpu), free(g_gpu);
+    model_free(&md);
+}
+
+/* no LatentMoE, no shared expert; d not a multiple of 8 (the loaders' scalar path) */
+static lm_moe_config plain_config(lm_expert_act act) {
+    lm_moe_config c = lm_moe_config_default(100, 16, 4, 72);
+    c.act = act;
+    c.route_scale = 2.5f;
+    return c;
+}
+
+/* the k3-mini shape scaled down: LatentMoE and one shared expert */
+static lm_moe_config latent_config(lm_expert_act act) {
+    lm_moe_config c = lm_moe_config_default(128, 16, 4, 64);
+    c.d_latent = 64;
+    c.n_shared = 1;
+    c.d_ff_shared = 96;
+    c.act = act;
+    return c;
+}
+
+static void test_forward_backward_match_the_cpu_without_latent(void) {
+    const int64_t ms[3] = {1, 37, 513};
+    char what[96];
+    for (int a = 0; a < 2; a++)
+        for (int i = 0; i < 3; i++) {
+            lm_moe_config c = plain_config((lm_expert_act)a);
+            snprintf(what, sizeof what, "plain %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
+            compare_case(&c, ms[i], NULL, 0, 100 + 10 * a + i, what);
+        }
+}
+
+static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
+    const int64_t ms[3] = {1, 37, 513};
+    char what[96];
+    for (int a = 0; a < 2; a++)
+        for (int i = 0; i < 3; i++) {
+            lm_moe_config c = latent_config((lm_expert_act)a);
+            snprintf(what, sizeof what, "latent+shared %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
+            compare_case(&c, ms[i], NULL, 0, 200 + 10 * a + i, what);
+        }
+}
+
+static void test_bias_and_extra_score_gradient_match_the_cpu(void) {
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    float bias[16];
+    lm_rng r;
+    lm_rng_seed(&r, 9);
+    for (int j = 0; j < 16; j++) bias[j] = (float)(0.1 * lm_rng_normal(&r));
+    compare_case(&c, 200, bias, 1, 300, "latent+shared biased, dscores_extra");
+    lm_moe_config p = plain_config(LM_EXPERT_SWIGLU);
+    compare_case(&p, 77, bias, 1, 301, "plain biased, dscores_extra");
+}
+
+static void test_all_tokens_to_the_same_experts_is_dropless(void) {
+    /* a bias that sends every token to experts 3, 7, 11, 15: 513 rows each */
+    float bias[16] = {0};
+    for (int j = 3; j < 16; j += 4) bias[j] = 5.0f;
+    lm_moe_config c = latent_config(LM_EXPERT_SWIGLU);
+    compare_case(&c, 513, bias, 0, 400, "latent+shared all tokens to 4 experts");
+    lm_moe_config p = plain_config(LM_EXPERT_SITU_GLU);
+    compare_case(&p, 513, bias, 0, 401, "plain all tokens to 4 experts");
+}
+
+static void test_runs_are_bit_identical(void) {
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    int64_t m = 513;
+    model md;
+    model_init(&md, &c, 500);
+    size_t md_ = (size_t)m * c.d;
+    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4);
+    lm_rng r;
+    lm_rng_seed(&r, 501);
+    for (size_t i = 0; i < md_; i++) {
+        x[i] = (float)lm_rng_normal(&r);
+        dy[i] = (float)lm_rng_normal(&r);
+    }
+    size_t ab = lm_cuda_moe_acts_bytes(&c, m), sb = lm_cuda_moe_scratch_bytes(&c, m);
+    void *ablock, *sblock, *xd, *yd, *dyd, *dxd;
+    GPU_OK(lm_cuda_alloc(&ablock, ab));
+    GPU_OK(lm_cuda_alloc(&sblock, sb));
+    GPU_OK(lm_cuda_alloc(&xd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&yd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dyd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dxd, md_ * 4));
+    GPU_OK(lm_cuda_upload(xd, x, md_ * 4));
+    GPU_OK(lm_cuda_upload(dyd, dy, md_ * 4));
+    lm_cuda_moe_acts ga;
+    lm_cuda_moe_scratch gs;
+    GPU_OK(lm_cuda_moe_acts_carve(&ga, &c, m, ablock, ab));
+    GPU_OK(lm_cuda_moe_scratch_carve(&gs, &c, m, sblock, sb));
+    float *out[2][3];
+    for (int run = 0; run < 2; run++) {
+        float *zero = calloc(md.count > md_ ? md.count : md_, 4);
+        GPU_OK(lm_cuda_upload(md.d_grads, zero, md.count * 4));
+        GPU_OK(lm_cuda_upload(dxd, zero, md_ * 4));
+        free(zero);
+        GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, &c, &md.pf, &md.pb, &ga, m));
+        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, NULL, &c, &md.pf, &md.pb, &ga, &gs));
+        GPU_OK(lm_cuda_context_sync(&ctx));
+        out[run][0] = malloc(md_ * 4);
+        out[run][1] = malloc(md_ * 4);
+        out[run][2] = malloc(md.count * 4);
+        GPU_OK(lm_cuda_download(out[run][0], yd, md_ * 4));
+        GPU_OK(lm_cuda_download(out[run][1], dxd, md_ * 4));
+        GPU_OK(lm_cuda_download(out[run][2], md.d_grads, md.count * 4));
+    }
+    CHECK(!memcmp(out[0][0], out[1][0], md_ * 4), "y bit-identical");
+    CHECK(!memcmp(out[0][1], out[1][1], md_ * 4), "dx bit-identical");
+    CHECK(!memcmp(out[0][2], out[1][2], md.count * 4), "parameter gradients bit-identical");
+    for (int run = 0; run < 2; run++)
+        for (int q = 0; q < 3; q++) free(out[run][q]);
+    free(x), free(dy);
+    lm_cuda_free(ablock), lm_cuda_free(sblock), lm_cuda_free(xd), lm_cuda_free(yd), lm_cuda_free(dyd),
+        lm_cuda_free(dxd);
+    model_free(&md);
+}
+
+/* The GPU histogram and loads of one micro-batch equal lm_balance_observe's
+ * after two CPU steps have moved b (and, for zoom, narrowed the windows so
+ * that residuals fall outside them and are clamped into the tail bins). */
+static void check_histogram(lm_qb_estimator est) {
+    enum { M = 1000, N = 32, K = 4, BINS = 64 };
+    lm_balance_config c = lm_balance_config_default(LM_BALANCE_QUANTILE, N, K, M);
+    c.estimator = est;
+    c.bins = BINS;
+    lm_balance_state st;
+    CHECK(!lm_balance_init(&st, &c), "%s", lm_last_error());
+    static float s[M * N], lo[N], w[N];
+    static int32_t counts[N * BINS], load[N], topk[M * K];
+    lm_rng r;
+    lm_rng_seed(&r, 600 + est);
+    for (int step = 0; step < 3; step++) {
+        for (int q = 0; q < M * N; q++) s[q] = (float)lm_rng_uniform(&r) * (float)lm_rng_uniform(&r);
+        if (step < 2) {
+            CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
+            CHECK(!lm_balance_step_end(&st, 1, NULL), "%s", lm_last_error());
+        }
+    }
+    CHECK(!lm_balance_bin_geometry(&st, lo, w), "%s", lm_last_error());
+    CHECK(!lm_router_select(topk, NULL, s, st.bias, M, N, K, 1.0f), "%s", lm_last_error());
+    void *sd, *bd, *lod, *wd, *cd, *ld, *td;
+    GPU_OK(lm_cuda_alloc(&sd, sizeof s));
+    GPU_OK(lm_cuda_alloc(&bd, N * 4));
+    GPU_OK(lm_cuda_alloc(&lod, N * 4));
+    GPU_OK(lm_cuda_alloc(&wd, N * 4));
+    GPU_OK(lm_cuda_alloc(&cd, sizeof counts));
+    GPU_OK(lm_cuda_alloc(&ld, sizeof load));
+    GPU_OK(lm_cuda_alloc(&td, sizeof topk));
+    GPU_OK(lm_cuda_upload(sd, s, sizeof s));
+    GPU_OK(lm_cuda_upload(bd, st.bias, N * 4));
+    GPU_OK(lm_cuda_upload(lod, lo, N * 4));
+    GPU_OK(lm_cuda_upload(wd, w, N * 4));
+    GPU_OK(lm_cuda_upload(td, topk, sizeof topk));
+    /* accumulated: the same batch twice gives twice the counts */
+    for (int rep = 0; rep < 2; rep++) {
+        GPU_OK(lm_cuda_balance_histogram(&ctx, cd, sd, bd, lod, wd, M, N, K, BINS, est == LM_QB_ZOOM));
+        GPU_OK(lm_cuda_expert_load(&ctx, ld, td, M, N, K));
+    }
+    GPU_OK(lm_cuda_context_sync(&ctx));
+    GPU_OK(lm_cuda_download(counts, cd, sizeof counts));
+    GPU_OK(lm_cuda_download(load, ld, sizeof load));
+    CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
+    CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
+    int64_t bad = 0, tails = 0;
+    for (int q = 0; q < N * BINS; q++) bad += counts[q] != st.counts[q];
+    for (int j = 0; j < N; j++) tails += st.counts[j * BINS] + st.counts[j * BINS + BINS - 1];
+    CHECK(bad == 0, "%s: %lld histogram cells differ from the CPU's", est == LM_QB_ZOOM ? "zoom" : "k3",
+          (long long)bad);
+    CHECK(!memcmp(load, st.load, sizeof load), "expert loads equal the CPU's");
+    if (est == LM_QB_ZOOM) CHECK(tails > 0, "zoom: some residuals clamped into the tail bins");
+    lm_cuda_free(sd), lm_cuda_free(bd), lm_cuda_free(lod), lm_cuda_free(wd), lm_cuda_free(cd), lm_cuda_free(ld),
+        lm_cuda_free(td);
+    lm_balance_free(&st);
+}
+
+static void test_balance_histogram_equals_the_cpu_k3(void) { check_histogram(LM_QB_HISTOGRAM); }
+static void test_balance_histogram_equals_the_cpu_zoom(void) { check_histogram(LM_QB_ZOOM); }
+
+static void test_bad_arguments_are_refused(void) {
+    lm_moe_config c = plain_config(LM_EXPERT_SWIGLU);
+    CHECK(lm_cuda_moe_acts_bytes(&c, 0) == 0, "m_max 0 refused");
+    lm_cuda_moe_acts a;
+    char dummy[16];
+    CHECK(lm_cuda_moe_acts_carve(&a, &c, 10, dummy + 1, 1 << 20) == LM_ERR_ARG, "unaligned block refused");
+    c.top_k = 0;
+    CHECK(lm_cuda_moe_acts_bytes(&c, 10) == 0, "bad config refused");
+}
+
+int main(void) {
+    if (lm_cuda_context_create(&ctx)) {
+        fprintf(stderr, "no GPU: %s\n", lm_last_error());
+        return 1;
+    }
+    RUN(test_forward_backward_match_the_cpu_without_latent);
+    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
+    RUN(test_all_tokens_to_the_same_experts_is_dropless);
+    RUN(test_runs_are_bit_identical);
+    RUN(test_balance_histogram_equals_the_cpu_k3);
+    RUN(test_balance_histogram_equals_the_cpu_zoom);
+    RUN(test_bad_arguments_are_refused);
+    lm_cuda_context_destroy(&ctx);
+    return test_summary();
+}
