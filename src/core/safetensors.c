@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "check.h"
+#include "files.h"
 #include "json.h"
 
 #define LM_ST_MAX_HEADER (100u * 1024u * 1024u)
@@ -169,30 +171,18 @@ lm_status lm_safetensors_parse(const void *bytes, size_t size, const char *what,
 
 lm_status lm_safetensors_open(const char *path, lm_safetensors **out) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        fclose(f);
-        return lm_error(LM_ERR_IO, "'%s' is not a regular file", path);
-    }
-    size_t size = (size_t)sb.st_size;
+    if (stat(path, &sb) != 0) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return lm_error(LM_ERR_IO, "'%s' is not a regular file", path);
+    char *bytes;
+    size_t size;
+    TRY(lm_read_file(path, 0, &bytes, &size));
     lm_safetensors *st = calloc(1, sizeof *st);
-    unsigned char *bytes = malloc(size ? size : 1);
-    if (!st || !bytes) {
-        free(st);
+    if (!st) {
         free(bytes);
-        fclose(f);
-        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s' (%zu bytes)", path, size);
+        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
     }
-    size_t got = fread(bytes, 1, size, f);
-    fclose(f);
-    if (got != size) {
-        free(st);
-        free(bytes);
-        return lm_error(LM_ERR_IO, "short read of '%s': %zu of %zu bytes", path, got, size);
-    }
-    st->bytes = bytes;
+    st->bytes = (unsigned char *)bytes;
     st->size = size;
     lm_status s = parse_owned(st, path);
     if (s) {

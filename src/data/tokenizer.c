@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "files.h"
 #include "json.h"
 #include "longmoe/safetensors.h"
 
@@ -1270,43 +1271,10 @@ lm_status lm_tokenizer_load(const char *path, lm_tokenizer **out) {
     *out = NULL;
     char *text;
     size_t len;
-    lm_status st = lm_read_whole_file(path, &text, &len);
+    lm_status st = lm_read_file(path, 0, &text, &len);
     if (st) return st;
     st = lm_tokenizer_parse(text, len, path, out);
     free(text);
     return st;
 }
 
-lm_status lm_read_whole_file(const char *path, char **bytes, size_t *len) {
-    *bytes = NULL;
-    *len = 0;
-    int is_stdin = !strcmp(path, "-");
-    FILE *f = is_stdin ? stdin : fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *b = malloc(cap + 1);
-    while (b) {
-        size_t k = fread(b + n, 1, cap - n, f);
-        n += k;
-        if (n < cap) break;
-        cap *= 2;
-        char *q = realloc(b, cap + 1);
-        if (!q) {
-            free(b);
-            b = NULL;
-        } else {
-            b = q;
-        }
-    }
-    int err = ferror(f);
-    if (!is_stdin) fclose(f);
-    if (!b) return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
-    if (err) {
-        free(b);
-        return lm_error(LM_ERR_IO, "reading '%s' failed", path);
-    }
-    b[n] = 0;
-    *bytes = b;
-    *len = n;
-    return LM_OK;
-}

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include "check.h"
+#include "files.h"
 #include "json.h"
 #include "longmoe/config.h"
 #include "longmoe/tasks.h"
@@ -303,7 +304,7 @@ static lm_status checkpoint_step(const char *dir, int64_t *step) {
     *step = 0;
     snprintf(path, sizeof path, "%s/trainer.json", dir);
     if (!is_file(path)) return LM_OK;
-    TRY(lm_read_text_file(path, &text, &len));
+    TRY(lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len));
     lm_json_doc *doc;
     lm_status s = lm_json_parse(text, len, path, &doc);
     free(text);

@@ -9,6 +9,7 @@
 
 #include "check.h"
 #include "checkpoint.h"
+#include "files.h"
 #include "json.h"
 #include "longmoe/data.h"
 #include "longmoe/eval.h"
@@ -394,7 +395,7 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/trainer.json", dir);
     char *text;
     size_t len;
-    TRY(lm_read_text_file(path, &text, &len));
+    TRY(lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len));
     lm_json_doc *doc;
     s = lm_json_parse(text, len, path, &doc);
     free(text);
@@ -425,7 +426,7 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
 static lm_status truncate_metrics(const char *path, int64_t step) {
     char *text;
     size_t len;
-    if (lm_read_text_file(path, &text, &len)) return LM_OK; /* no metrics yet */
+    if (lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len)) return LM_OK; /* no metrics yet */
     char *out = malloc(len + 1);
     if (!out) {
         free(text);
