@@ -44,7 +44,7 @@ lm_status lm_read_file(const char *path, size_t max_bytes, char **bytes, size_t 
     return LM_OK;
 }
 
-static int text_reserve(lm_text *t, size_t extra) {
+int lm_text_reserve(lm_text *t, size_t extra) {
     if (t->failed) return 0;
     if (t->n + extra + 1 <= t->cap) return 1;
     size_t cap = t->cap ? t->cap : 256;
@@ -60,7 +60,7 @@ static int text_reserve(lm_text *t, size_t extra) {
 }
 
 void lm_text_put(lm_text *t, const char *s, size_t n) {
-    if (!text_reserve(t, n)) return;
+    if (!lm_text_reserve(t, n)) return;
     memcpy(t->s + t->n, s, n);
     t->n += n;
     t->s[t->n] = 0;
@@ -78,7 +78,7 @@ void lm_text_printf(lm_text *t, const char *fmt, ...) {
         t->failed = 1;
         return;
     }
-    if (!text_reserve(t, (size_t)k)) return;
+    if (!lm_text_reserve(t, (size_t)k)) return;
     va_start(ap, fmt);
     vsnprintf(t->s + t->n, (size_t)k + 1, fmt, ap);
     va_end(ap);

@@ -26,6 +26,8 @@ typedef struct {
     int failed;    /* an allocation failed: the text is incomplete */
 } lm_text;
 
+/* Room for `extra` more bytes and the NUL after them: 1, or 0 after a failure. */
+int lm_text_reserve(lm_text *t, size_t extra);
 void lm_text_put(lm_text *t, const char *s, size_t n);
 void lm_text_puts(lm_text *t, const char *s);
 void lm_text_printf(lm_text *t, const char *fmt, ...)
