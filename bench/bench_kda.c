@@ -90,7 +90,8 @@ static void bench_shape(int B, int T, int H, int K, int V, int runs) {
     const int nvar = sizeof vs / sizeof vs[0];
     double fwd[4], fb[4], fwdc[4], fbc[4];
     double *t = mallocCheck(runs * sizeof(double)), *tc = mallocCheck(runs * sizeof(double));
-    printf("\nB=%d T=%d H=%d K=%d V=%d, chunk 64, %d threads, median of %d runs\n\n", B, T, H, K, V,
+    printf("\nbuild: %s\n", lm_build_cpu_target());
+    printf("B=%d T=%d H=%d K=%d V=%d, chunk 64, %d threads, median of %d runs\n\n", B, T, H, K, V,
            omp_get_max_threads(), runs);
     printf("| variant | forward ms | fwd+bwd ms | forward CPU ms | fwd+bwd CPU ms |\n"
            "|---|---:|---:|---:|---:|\n");

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "files.h"
 #include "longmoe/shards.h"
 #include "longmoe/tokenizer.h"
 
@@ -43,7 +44,7 @@ int main(int argc, char **argv) {
         for (int i = 1; i < argc; i++) {
             char *b;
             size_t n;
-            if (lm_read_whole_file(argv[i], &b, &n)) {
+            if (lm_read_file(argv[i], 0, &b, &n)) {
                 fprintf(stderr, "%s\n", lm_last_error());
                 return 1;
             }

@@ -12,6 +12,7 @@ int main(int argc, char **argv) {
     const char *defaults[] = {"configs/tiny.json", "configs/small.json"};
     const char **presets = argc > 2 ? (const char **)argv + 2 : defaults;
     int n = argc > 2 ? argc - 2 : 2;
+    printf("build: %s\n\n", lm_build_cpu_target());
     printf("| preset | tokens/step | tokens/s | step ms | kda | attention | moe | dense ffn | attnres | "
            "norms+embed | lm head | optimizer |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++) {

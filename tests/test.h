@@ -4,8 +4,12 @@
  *   int main(void) { RUN(test_chunked_equals_recurrent); return test_summary(); }
  *
  * CHECK records a failure (with file, line and message) and carries on, so one
- * run reports every broken property. The summary's last line reads
- * "N passed, N failed" and the exit code is non-zero when anything failed. */
+ * run reports every broken property. SKIP("reason", ...) ends a case that
+ * cannot run here (no Chromium, no Python package, no GPU): it is printed as
+ * "skip" with its reason and counted apart, never as passed. The summary's
+ * last line reads "N passed, N failed, N skipped"; the exit code is 1 when
+ * anything failed, TEST_SKIP_CODE when every case skipped (ctest then shows
+ * the program as skipped: SKIP_RETURN_CODE in CMakeLists.txt), else 0. */
 #ifndef LONGMOE_TEST_H
 #define LONGMOE_TEST_H
 
@@ -17,8 +21,25 @@
 
 #include "longmoe/core.h"
 
-static int test_passed_count, test_failed_count, test_current_failures;
+/* The exit code of a program whose every case skipped (ctest's SKIP_RETURN_CODE). */
+#define TEST_SKIP_CODE 77
+
+static int test_passed_count, test_failed_count, test_skipped_count, test_current_failures, test_current_skipped;
 static const char *test_current_name;
+static char test_current_skip_reason[512];
+static const char *test_skip_all_reason; /* set: RUN skips every case with this reason */
+
+/* End the current case as skipped, with a printf-style reason. */
+#define SKIP(...)                                                                                  \
+    do {                                                                                           \
+        test_current_skipped = 1;                                                                  \
+        snprintf(test_current_skip_reason, sizeof test_current_skip_reason, __VA_ARGS__);          \
+        return;                                                                                    \
+    } while (0)
+
+/* Skip every case that RUN runs from now on (a program that needs a device
+ * this machine lacks); `reason` must outlive the program's cases. */
+static inline void test_skip_all(const char *reason) { test_skip_all_reason = reason; }
 
 #define CHECK(cond, ...)                                                                      \
     do {                                                                                      \
@@ -39,27 +60,54 @@ static const char *test_current_name;
               "%s: got %.9g want %.9g (diff %.3g)", (what), g_, w_, fabs(g_ - w_));          \
     } while (0)
 
-#define RUN(fn)                                                                      \
-    do {                                                                             \
-        test_current_name = #fn;                                                     \
-        test_current_failures = 0;                                                   \
-        double t0_ = lm_time_seconds();                                              \
-        fn();                                                                        \
-        double dt_ = lm_time_seconds() - t0_;                                        \
-        if (test_current_failures) {                                                 \
-            test_failed_count++;                                                     \
-            printf("FAIL %-60s %7.2fs\n", #fn, dt_);                                 \
-        } else {                                                                     \
-            test_passed_count++;                                                     \
-            printf("ok   %-60s %7.2fs\n", #fn, dt_);                                 \
-        }                                                                            \
-        fflush(stdout);                                                              \
+#define RUN(fn)                                                                               \
+    do {                                                                                      \
+        test_current_name = #fn;                                                              \
+        test_current_failures = 0;                                                            \
+        test_current_skipped = 0;                                                             \
+        double t0_ = lm_time_seconds();                                                       \
+        if (test_skip_all_reason) {                                                           \
+            test_current_skipped = 1;                                                         \
+            snprintf(test_current_skip_reason, sizeof test_current_skip_reason, "%s",         \
+                     test_skip_all_reason);                                                   \
+        } else {                                                                              \
+            fn();                                                                             \
+        }                                                                                     \
+        double dt_ = lm_time_seconds() - t0_;                                                 \
+        if (test_current_failures) {                                                          \
+            test_failed_count++;                                                              \
+            printf("FAIL %-60s %7.2fs\n", #fn, dt_);                                          \
+        } else if (test_current_skipped) {                                                    \
+            test_skipped_count++;                                                             \
+            printf("skip %-60s %7.2fs: %s\n", #fn, dt_, test_current_skip_reason);            \
+        } else {                                                                              \
+            test_passed_count++;                                                              \
+            printf("ok   %-60s %7.2fs\n", #fn, dt_);                                          \
+        }                                                                                     \
+        fflush(stdout);                                                                       \
     } while (0)
 
 static inline int test_summary(void) {
-    printf("%d passed, %d failed\n", test_passed_count, test_failed_count);
-    return test_failed_count ? 1 : 0;
+    printf("%d passed, %d failed, %d skipped\n", test_passed_count, test_failed_count, test_skipped_count);
+    fflush(stdout);
+    if (test_failed_count) return 1;
+    return test_skipped_count && !test_passed_count ? TEST_SKIP_CODE : 0;
 }
+
+#ifdef LONGMOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+/* For tests/test_cuda_*.c: skip every case (test_skip_all) when no CUDA device
+ * is visible; any other error of the CUDA runtime is left to fail the cases. */
+static inline void test_skip_without_cuda(void) {
+    static char why[256];
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver || (e == cudaSuccess && n == 0)) {
+        snprintf(why, sizeof why, "no CUDA device visible (%s)", e == cudaSuccess ? "0 devices" : cudaGetErrorString(e));
+        test_skip_all(why);
+    }
+}
+#endif
 
 /* Relative error ||a - b|| / ||b|| of two double arrays. */
 static inline double test_rel_error(const double *a, const double *b, size_t n) {

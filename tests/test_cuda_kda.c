@@ -747,6 +747,7 @@ static void test_rejects_unsupported_shapes(void) {
 }
 
 int main(void) {
+    test_skip_without_cuda();
     RUN(test_rejects_unsupported_shapes);
     RUN(test_forward_matches_cpu_chunked_operator);
     RUN(test_backward_matches_cpu_chunked_operator);

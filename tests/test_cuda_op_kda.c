@@ -84,6 +84,7 @@ static void test_cuda_device_matches_the_cpu(void) {
 }
 
 int main(void) {
+    test_skip_without_cuda();
     if (test_make_tmpdir(dir, sizeof dir, "cuda-op")) return 1;
     RUN(test_cuda_device_matches_the_cpu);
     test_remove_tree(dir);

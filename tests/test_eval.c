@@ -3,12 +3,15 @@
  * equals a float64 reference; a checkpoint of a micro model trained for a few
  * steps evaluates to well-formed JSON lines with the documented fields, grid
  * shapes and accuracies in [0, 1]; validation follows the data and length of
- * the checkpoint's stage; bad options and paths fail clearly. */
+ * the checkpoint's stage; on token shards, `longmoe eval` of a run scores the
+ * same held-out split as the trainer's own evaluation (the same number); bad
+ * options and paths fail clearly. */
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "json.h"
 #include "longmoe/eval.h"
+#include "longmoe/shards.h"
 #include "longmoe/tasks.h"
 #include "longmoe/train.h"
 #include "test.h"
@@ -31,6 +34,21 @@ static lm_config micro(void) {
     c.keep_checkpoints = 8;
     strcpy(c.data, "mix");
     return c;
+}
+
+/* The micro run at dir("run") (4 steps on mix), trained by the first test that
+ * needs it; 0 when it is there. */
+static int trained_run(void) {
+    static int state; /* 0 not yet, 1 trained, -1 failed */
+    if (!state) {
+        lm_config c = micro();
+        lm_train_options to = lm_train_options_default(dir("run"));
+        to.progress = NULL;
+        lm_train_result tr;
+        state = lm_train(&c, &to, &tr) ? -1 : 1;
+        CHECK(state == 1, "training the micro run: %s", lm_last_error());
+    }
+    return state == 1 ? 0 : -1;
 }
 
 /* ---- scoring on oracle logits ---- */
@@ -200,11 +218,7 @@ static lm_eval_options small_options(void) {
 }
 
 static void test_eval_of_a_trained_checkpoint_writes_the_documented_lines(void) {
-    lm_config c = micro();
-    lm_train_options to = lm_train_options_default(dir("run"));
-    to.progress = NULL;
-    lm_train_result tr;
-    CHECK(!lm_train(&c, &to, &tr), "%s", lm_last_error());
+    if (trained_run()) return;
     lm_eval_options o = small_options();
     const char *log = dir("eval.jsonl");
     FILE *f = fopen(log, "wb"), *table = fopen(dir("table.txt"), "wb");
@@ -295,6 +309,87 @@ static void test_validation_follows_the_data_and_length_of_the_checkpoints_stage
 
 static int run_cli(const char *args) { return test_run_cli(args, dir("out.txt"), dir("err.txt")); }
 
+/* val_loss of the last {"type": "eval"} line of a JSON-lines file (NaN if none). */
+static double last_val_loss(const char *path) {
+    lm_json_doc *docs[64];
+    int n = read_lines(path, 0, docs, 64);
+    double v = NAN;
+    for (int i = 0; i < n; i++) {
+        const lm_json *o = lm_json_root(docs[i]);
+        if (!strcmp(str(o, "type"), "eval")) v = num(o, "val_loss");
+        lm_json_free(docs[i]);
+    }
+    return v;
+}
+
+static void test_eval_of_a_shards_run_scores_the_split_the_trainer_validated_on(void) {
+    /* train and val shards of different byte statistics: scoring the wrong
+     * split gives a visibly different loss */
+    char shards[600], args[1600];
+    snprintf(shards, sizeof shards, "%s", dir("shards"));
+    snprintf(args, sizeof args, "mkdir -p %s", shards);
+    CHECK(system(args) == 0, "mkdir %s", shards);
+    lm_rng r;
+    lm_rng_seed(&r, 0x5a4d);
+    enum { N = 6000 };
+    int32_t *tok = malloc(N * sizeof *tok);
+    for (int split = 0; split < 2; split++) {
+        /* train: 8 byte values; val: any byte of the high half */
+        for (int i = 0; i < N; i++) tok[i] = split ? (int32_t)(128 + lm_rng_u64(&r) % 128) : (int32_t)(lm_rng_u64(&r) % 8);
+        char p[700];
+        snprintf(p, sizeof p, "%s/%s_000000.bin", shards, split ? "val" : "train");
+        CHECK(lm_shard_write(p, tok, N, 256) == LM_OK, "%s", lm_last_error());
+    }
+    free(tok);
+    lm_config c = micro();
+    snprintf(c.data, sizeof c.data, "shards:%s", shards);
+    CHECK(strlen(shards) + 7 < sizeof c.data, "the shard path does not fit train.data");
+    c.steps = 6;
+    lm_train_options to = lm_train_options_default(dir("shards-run"));
+    to.progress = NULL;
+    to.val_batches = 3;
+    lm_train_result tr;
+    CHECK(!lm_train(&c, &to, &tr), "%s", lm_last_error());
+    char metrics[700];
+    snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", dir("shards-run"));
+    double trainer_loss = last_val_loss(metrics);
+    CHECK(isfinite(trainer_loss) && fabs(trainer_loss - tr.val_loss) <= 1e-6 * tr.val_loss,
+          "the trainer's log says %.9g, its result %.9g", trainer_loss, tr.val_loss);
+    /* the CLI on the run directory, with the trainer's batches x rows */
+    snprintf(args, sizeof args, "eval --checkpoint %s --tasks val --batches %d --batch-size %d --out %s --quiet",
+             dir("shards-run"), to.val_batches, c.batch_size, dir("shards-eval.jsonl"));
+    CHECK(run_cli(args) == 0, "eval of the shards run failed");
+    double eval_loss = last_val_loss(dir("shards-eval.jsonl"));
+    CHECK_CLOSE(eval_loss, trainer_loss, 0, 1e-6, "longmoe eval's val_loss against the trainer's");
+    /* and it is the val split's loss: the train split scores differently */
+    lm_eval_options o = small_options();
+    o.tasks = LM_EVAL_VAL;
+    o.batches = to.val_batches;
+    o.batch_size = c.batch_size;
+    lm_eval_result *res = malloc(sizeof *res);
+    char spec[700];
+    snprintf(spec, sizeof spec, "shards-val:%s", shards);
+    o.val_data = spec;
+    CHECK(!lm_eval_run(dir("shards-run"), &o, res), "%s", lm_last_error());
+    CHECK_CLOSE(res->val_loss, trainer_loss, 0, 1e-6, "val split given explicitly");
+    lm_data_source *train_split = NULL;
+    snprintf(spec, sizeof spec, "shards:%s", shards);
+    CHECK(lm_data_open(spec, c.seed, &train_split) == LM_OK, "%s", lm_last_error());
+    lm_model *m = NULL;
+    lm_config lc;
+    CHECK(lm_checkpoint_load_model(dir("shards-run/checkpoint-00000006"), c.batch_size, c.seq_len, &lc, &m) == LM_OK,
+          "%s", lm_last_error());
+    lm_eval_tally t;
+    if (m && train_split) {
+        CHECK(lm_eval_loss(m, train_split, to.val_batches, 4, &t) == LM_OK, "%s", lm_last_error());
+        CHECK(fabs(lm_eval_tally_loss(&t) - trainer_loss) > 1e-2, "the train split scores %.9g, the same as val",
+              lm_eval_tally_loss(&t));
+    }
+    lm_model_free(m);
+    lm_data_close(train_split);
+    free(res);
+}
+
 static int file_has(const char *path, const char *phrase) {
     FILE *f = fopen(path, "rb");
     if (!f) return 0;
@@ -307,7 +402,7 @@ static int file_has(const char *path, const char *phrase) {
 }
 
 static void test_cli_appends_to_the_run_log_and_prints_a_table(void) {
-    /* needs the run of the first checkpoint test */
+    if (trained_run()) return;
     char metrics[600], args[1400];
     snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", dir("run"));
     int before = count_lines(metrics);
@@ -331,6 +426,7 @@ static void test_cli_appends_to_the_run_log_and_prints_a_table(void) {
 }
 
 static void test_bad_options_and_paths_fail_clearly(void) {
+    if (trained_run()) return;
     lm_eval_options o = small_options();
     o.depths[1] = 1.5;
     CHECK(lm_eval_options_check(&o) == LM_ERR_ARG && strstr(lm_last_error(), "1.5"), "depth 1.5: %s",
@@ -374,6 +470,7 @@ int main(void) {
     RUN(test_eval_of_a_trained_checkpoint_writes_the_documented_lines);
     RUN(test_validation_follows_the_data_and_length_of_the_checkpoints_stage);
     RUN(test_cli_appends_to_the_run_log_and_prints_a_table);
+    RUN(test_eval_of_a_shards_run_scores_the_split_the_trainer_validated_on);
     RUN(test_bad_options_and_paths_fail_clearly);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0) return 1;

@@ -1,5 +1,8 @@
-/* The whole model: every parameter kind's gradient against central finite
- * differences, the chunked cross-entropy against full logits, reproducible
+/* The whole model: every parameter kind's gradient against finite differences
+ * (central; where a step flips an expert choice, the one-sided difference of
+ * the side that flips nothing, or a 4x smaller step; an entry where all of
+ * them cross a routing kink is printed with its estimates and at most 1 in
+ * 100 may be left so), the chunked cross-entropy against full logits, reproducible
  * initialisation, and parameter counts that agree with `longmoe plan`. */
 #include "longmoe/model.h"
 #include "test.h"
@@ -39,6 +42,59 @@ static void random_tokens(lm_rng *r, int32_t *x, int n, int V) {
     for (int i = 0; i < n; i++) x[i] = (int32_t)(lm_rng_u64(r) % (uint64_t)V);
 }
 
+/* Two estimates of one derivative from steps h and h/2 agree: neither step
+ * crossed a kink of the loss (a flipped expert choice). */
+static int agree(double at_h, double at_half) { return fabs(at_h - at_half) <= 0.05 * fabs(at_half) + 2e-3; }
+
+static float loss_at(lm_model *m, const int32_t *tok, const int32_t *tgt, float *p, float value) {
+    float keep = *p, l = NAN;
+    *p = value;
+    lm_model_forward(m, tok, tgt, 0, &l);
+    *p = keep;
+    return l;
+}
+
+/* The derivative of the loss along parameter *p by finite differences. Routing
+ * is piecewise constant, so a step may cross a point where an expert choice
+ * flips; such a crossing shows as disagreement between the estimates at steps
+ * h and h/2. In order: central differences (Richardson, error O(h^4)); the
+ * one-sided differences of the side that crosses nothing (Richardson, O(h^2));
+ * then the same at a 4x smaller h. Returns the method used (1 central, 2
+ * forward, 3 backward; +3 at the smaller step) with *d, or 0 when every
+ * estimate crosses a kink (*why then says what disagreed). */
+static int fd_derivative(lm_model *m, const int32_t *tok, const int32_t *tgt, float *p, double *d, char *why,
+                         size_t why_n) {
+    const float x = *p;
+    const double f0 = loss_at(m, tok, tgt, p, x);
+    float h = 3e-3f;
+    for (int scale = 0; scale < 2; scale++, h *= 0.25f) {
+        const float hh = 0.5f * h;
+        /* the steps actually taken, after rounding x +- h to float */
+        const double up = (double)(float)(x + h) - x, dn = x - (double)(float)(x - h);
+        const double up2 = (double)(float)(x + hh) - x, dn2 = x - (double)(float)(x - hh);
+        const double fp = loss_at(m, tok, tgt, p, x + h), fm = loss_at(m, tok, tgt, p, x - h);
+        const double fp2 = loss_at(m, tok, tgt, p, x + hh), fm2 = loss_at(m, tok, tgt, p, x - hh);
+        const double central = (fp - fm) / (up + dn), central2 = (fp2 - fm2) / (up2 + dn2);
+        const double fwd = (fp - f0) / up, fwd2 = (fp2 - f0) / up2;
+        const double bwd = (f0 - fm) / dn, bwd2 = (f0 - fm2) / dn2;
+        if (agree(central, central2)) {
+            *d = (4.0 * central2 - central) / 3.0;
+            return 1 + 3 * scale;
+        }
+        if (agree(fwd, fwd2)) {
+            *d = 2.0 * fwd2 - fwd;
+            return 2 + 3 * scale;
+        }
+        if (agree(bwd, bwd2)) {
+            *d = 2.0 * bwd2 - bwd;
+            return 3 + 3 * scale;
+        }
+        snprintf(why, why_n, "h %.2g: central %.4g vs %.4g, forward %.4g vs %.4g, backward %.4g vs %.4g", h, central,
+                 central2, fwd, fwd2, bwd, bwd2);
+    }
+    return 0;
+}
+
 static void check_gradients(lm_residual_kind residual) {
     lm_config c = micro_config(residual);
     lm_model *m = NULL;
@@ -58,31 +114,24 @@ static void check_gradients(lm_residual_kind residual) {
     CHECK(!lm_model_forward(m, tok, tgt, 0, &loss), "%s", lm_last_error());
     CHECK(!lm_model_backward(m, 1.0f), "%s", lm_last_error());
     const float *g = lm_model_grads(m);
-    int skipped = 0, checked = 0;
+    int unchecked = 0, checked = 0, by_method[7] = {0};
     for (int ti = 0; ti < lm_model_num_tensors(m); ti++) {
         const lm_model_tensor *t = lm_model_tensor_at(m, ti);
         double num = 0, den = 0;
         size_t stride = t->numel > 5 ? t->numel / 5 : 1;
         for (size_t j = (size_t)ti % stride; j < t->numel; j += stride) {
-            float *p = w + t->offset + j, keep = *p;
-            double fd[2];
-            for (int k = 0; k < 2; k++) {
-                float h = k ? 1.5e-3f : 3e-3f, lp, lm;
-                *p = keep + h;
-                lm_model_forward(m, tok, tgt, 0, &lp);
-                *p = keep - h;
-                lm_model_forward(m, tok, tgt, 0, &lm);
-                *p = keep;
-                fd[k] = ((double)lp - lm) / (2.0 * h);
-            }
-            /* routing is piecewise constant: a step that flips an expert choice shows
-             * as disagreement between the two step sizes; such entries are skipped */
-            if (fabs(fd[0] - fd[1]) > 0.05 * fabs(fd[1]) + 2e-3) {
-                skipped++;
+            double fr;
+            char why[256];
+            int method = fd_derivative(m, tok, tgt, w + t->offset + j, &fr, why, sizeof why);
+            if (!method) {
+                /* every step, on both sides and at both sizes, flips an expert choice */
+                unchecked++;
+                printf("    unchecked: residual %d, %s[%zu]: a routing kink within 0.75e-3 on both sides (%s)\n",
+                       residual, t->name, j, why);
                 continue;
             }
+            by_method[method]++;
             checked++;
-            double fr = (4.0 * fd[1] - fd[0]) / 3.0; /* Richardson: cancels the h^2 term */
             num += (fr - g[t->offset + j]) * (fr - g[t->offset + j]);
             den += fr * fr;
         }
@@ -90,10 +139,13 @@ static void check_gradients(lm_residual_kind residual) {
         CHECK(rel < 3e-2 || sqrt(num) < 2e-3, "residual %d: %s rel error %.3g (|g| %.3g)", residual, t->name, rel,
               sqrt(den));
     }
-    CHECK(skipped * 10 < checked, "too many non-smooth entries skipped: %d of %d", skipped, checked + skipped);
+    printf("    residual %d: %d entries checked (central %d, one-sided %d, at the smaller step %d), %d unchecked\n",
+           residual, checked, by_method[1], by_method[2] + by_method[3], by_method[4] + by_method[5] + by_method[6],
+           unchecked);
+    /* at most 1 entry in 100 left unchecked (each named above) */
+    CHECK(unchecked * 100 <= checked, "%d of %d entries unchecked", unchecked, checked + unchecked);
     lm_model_free(m);
 }
-
 static void test_gradients_block_attnres(void) { check_gradients(LM_RESIDUAL_BLOCK_ATTNRES); }
 static void test_gradients_standard_residual(void) { check_gradients(LM_RESIDUAL_STANDARD); }
 static void test_gradients_full_attnres(void) { check_gradients(LM_RESIDUAL_FULL_ATTNRES); }

@@ -539,10 +539,7 @@ static void test_screenshot_in_headless_chromium(void) {
     const char *browser = NULL;
     if (system("command -v chromium > /dev/null 2>&1") == 0) browser = "chromium";
     else if (system("command -v chromium-browser > /dev/null 2>&1") == 0) browser = "chromium-browser";
-    if (!browser) {
-        printf("     skipped: chromium not installed\n");
-        return;
-    }
+    if (!browser) SKIP("chromium not installed");
     char html[700], png[700], cmd[3000];
     snprintf(html, sizeof html, "%s/run/report.html", root);
     snprintf(png, sizeof png, "%s/shot.png", root);

@@ -526,10 +526,7 @@ static size_t random_unicode(lm_rng *r, char *out, size_t n_pieces) {
 }
 
 static void test_python_tokenizers_gives_the_same_ids(void) {
-    if (system("python3 -c 'import tokenizers' > /dev/null 2>&1") != 0) {
-        printf("     skipped: python tokenizers not installed\n");
-        return;
-    }
+    if (system("python3 -c 'import tokenizers' > /dev/null 2>&1") != 0) SKIP("python tokenizers not installed");
     lm_tokenizer *tok = train_on(10, 200000, 2000);
     if (!tok) return;
     CHECK(lm_tokenizer_save(tok, tmp_path("interop.json")) == LM_OK, "%s", lm_last_error());

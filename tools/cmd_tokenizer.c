@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/tokenizer.h"
 
 static const char *const tokenizer_usage =
@@ -53,7 +54,7 @@ static int tokenizer_train(int argc, char **argv) {
     size_t *lens = calloc((size_t)n_inputs, sizeof *lens), total = 0;
     lm_status st = texts && lens ? LM_OK : lm_error(LM_ERR_MEMORY, "out of memory");
     for (int k = 0; k < n_inputs && !st; k++) {
-        st = lm_read_whole_file(inputs[k], &texts[k], &lens[k]);
+        st = lm_read_file(inputs[k], 0, &texts[k], &lens[k]);
         total += lens[k];
     }
     lm_tokenizer *tok = NULL;
@@ -100,7 +101,7 @@ static int tokenizer_encode_decode(int argc, char **argv, int encode) {
     size_t len = 0, n = 0, cap = 0;
     int32_t *ids = NULL;
     lm_status st = lm_tokenizer_load(path, &tok);
-    if (!st) st = lm_read_whole_file(input, &text, &len);
+    if (!st) st = lm_read_file(input, 0, &text, &len);
     if (!st && encode) {
         st = lm_tokenizer_encode(tok, text, len, &ids, &n);
         for (size_t i = 0; !st && i < n; i++) printf(i ? " %d" : "%d", (int)ids[i]);

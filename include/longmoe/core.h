@@ -63,6 +63,9 @@ uint64_t lm_mix64(uint64_t x);             /* a bijective 64-bit mixer (murmur3 
 
 /* ---- wall clock in seconds (monotonic) ---- */
 double lm_time_seconds(void);
+/* How the C code of this build targets the processor: "native (-march=native)"
+ * (CMake -DLONGMOE_NATIVE=ON; may not run on another machine) or "portable". */
+const char *lm_build_cpu_target(void);
 
 #ifdef __cplusplus
 }

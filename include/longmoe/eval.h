@@ -59,6 +59,13 @@ lm_eval_options lm_eval_options_default(void);
 /* Ranges and sizes of every field, with messages naming the bad value. */
 lm_status lm_eval_options_check(const lm_eval_options *opt);
 
+/* The held-out stream of training data `spec` in a run seeded `run_seed`: a
+ * token corpus "shards:DIR" reads its val split ("shards-val:DIR"), a task its
+ * stream under the seed run_seed xor a fixed constant. The trainer's
+ * evaluations and lm_eval_run both open their validation data here, so they
+ * score the same tokens. */
+lm_status lm_eval_open_validation(const char *spec, uint64_t run_seed, lm_data_source **out);
+
 /* ---- scoring logits (the accuracy definitions) ---- */
 
 /* Running sums over batches of one length T. */
@@ -126,6 +133,11 @@ lm_status lm_eval_resolve_checkpoint(const char *dir, char *out, size_t n);
  * opt->batch_size. */
 lm_status lm_eval_run(const char *checkpoint_dir, const lm_eval_options *opt, lm_eval_result *result);
 
+/* The validation fields of r (val_loss, answer_accuracy, buckets) from a tally. */
+void lm_eval_result_set_validation(lm_eval_result *r, const lm_eval_tally *t);
+/* The {"type": "eval"} line of r's step and validation fields: the one writer
+ * of that line (lm_eval_write_jsonl and the trainer's evaluations). */
+void lm_eval_write_validation(const lm_eval_result *r, FILE *f);
 /* Write the result's JSON lines (those of opt->tasks) to `jsonl`. */
 void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FILE *jsonl);
 /* Write a readable table of the result to `table`. */

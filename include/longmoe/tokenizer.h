@@ -82,10 +82,6 @@ lm_status lm_tokenizer_save(const lm_tokenizer *tok, const char *path);
 lm_status lm_tokenizer_parse(const char *json, size_t len, const char *what, lm_tokenizer **out);
 lm_status lm_tokenizer_load(const char *path, lm_tokenizer **out);
 
-/* Read a whole file into a new malloc'd buffer (NUL-terminated; *len
- * excludes the NUL). "-" reads standard input. */
-lm_status lm_read_whole_file(const char *path, char **bytes, size_t *len);
-
 #ifdef __cplusplus
 }
 #endif

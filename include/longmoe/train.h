@@ -65,10 +65,6 @@ typedef struct {
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);
 
-/* Mean loss and accuracy at the answer positions over batches 0..n_batches-1
- * of `src` (a held-out stream), at the model's batch shape. */
-lm_status lm_evaluate(lm_model *m, lm_data_source *src, int n_batches, float *loss, float *answer_acc);
-
 /* Load the parameters of checkpoint directory `dir`, and the balancing biases
  * of its MoE layers (trainer.safetensors; they route, frozen, at evaluation and
  * inference), into a model created with the config in `dir`/config.json for B

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "longmoe/core.h"
+
 void *lm_malloc_check(size_t size, const char *file, int line);
 void *lm_calloc_check(size_t n, size_t size, const char *file, int line);
 FILE *lm_fopen_check(const char *path, const char *mode, const char *file, int line);
@@ -21,6 +23,13 @@ void lm_die_at(const char *file, int line, const char *fmt, ...)
 #define callocCheck(n, size) lm_calloc_check((n), (size), __FILE__, __LINE__)
 #define fopenCheck(path, mode) lm_fopen_check((path), (mode), __FILE__, __LINE__)
 #define dieAt(...) lm_die_at(__FILE__, __LINE__, __VA_ARGS__)
+
+/* For library code: return the lm_status of x when it is an error. */
+#define TRY(x)                 \
+    do {                       \
+        lm_status s_ = (x);    \
+        if (s_) return s_;     \
+    } while (0)
 
 /* For library code: allocate or return LM_ERR_MEMORY with a message. */
 #define LM_TRY_ALLOC(ptr, size)                                                        \

@@ -178,3 +178,11 @@ double lm_time_seconds(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+const char *lm_build_cpu_target(void) {
+#ifdef LONGMOE_MARCH_NATIVE
+    return "native (-march=native)";
+#else
+    return "portable (no -march)";
+#endif
+}

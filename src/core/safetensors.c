@@ -12,6 +12,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "check.h"
+#include "files.h"
 #include "json.h"
 
 #define LM_ST_MAX_HEADER (100u * 1024u * 1024u)
@@ -169,30 +171,18 @@ lm_status lm_safetensors_parse(const void *bytes, size_t size, const char *what,
 
 lm_status lm_safetensors_open(const char *path, lm_safetensors **out) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fileno(f), &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        fclose(f);
-        return lm_error(LM_ERR_IO, "'%s' is not a regular file", path);
-    }
-    size_t size = (size_t)sb.st_size;
+    if (stat(path, &sb) != 0) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return lm_error(LM_ERR_IO, "'%s' is not a regular file", path);
+    char *bytes;
+    size_t size;
+    TRY(lm_read_file(path, 0, &bytes, &size));
     lm_safetensors *st = calloc(1, sizeof *st);
-    unsigned char *bytes = malloc(size ? size : 1);
-    if (!st || !bytes) {
-        free(st);
+    if (!st) {
         free(bytes);
-        fclose(f);
-        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s' (%zu bytes)", path, size);
+        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
     }
-    size_t got = fread(bytes, 1, size, f);
-    fclose(f);
-    if (got != size) {
-        free(st);
-        free(bytes);
-        return lm_error(LM_ERR_IO, "short read of '%s': %zu of %zu bytes", path, got, size);
-    }
-    st->bytes = bytes;
+    st->bytes = (unsigned char *)bytes;
     st->size = size;
     lm_status s = parse_owned(st, path);
     if (s) {
@@ -350,52 +340,27 @@ lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char
     return LM_OK;
 }
 
-/* growable text buffer for the header */
-typedef struct { char *s; size_t n, cap; int oom; } text_buf;
-
-static void tb_printf(text_buf *b, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-static void tb_printf(text_buf *b, const char *fmt, ...) {
-    if (b->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(b->s ? b->s + b->n : NULL, b->s ? b->cap - b->n : 0, fmt, ap);
-        va_end(ap);
-        if (k < 0) { b->oom = 1; return; }
-        if (b->s && b->n + (size_t)k < b->cap) { b->n += (size_t)k; return; }
-        size_t cap = (b->cap + (size_t)k + 256) * 2;
-        char *s = realloc(b->s, cap);
-        if (!s) { b->oom = 1; return; }
-        b->s = s;
-        b->cap = cap;
-    }
-}
-
 lm_status lm_st_writer_save(const lm_st_writer *w, const char *path) {
-    text_buf h = {0};
-    tb_printf(&h, "{");
+    lm_text h = {0};
+    lm_text_printf(&h, "{");
     if (w->meta_count) {
-        tb_printf(&h, "\"__metadata__\":{");
+        lm_text_printf(&h, "\"__metadata__\":{");
         for (int i = 0; i < w->meta_count; i++)
-            tb_printf(&h, "%s\"%s\":\"%s\"", i ? "," : "", w->meta_keys[i], w->meta_values[i]);
-        tb_printf(&h, "}%s", w->count ? "," : "");
+            lm_text_printf(&h, "%s\"%s\":\"%s\"", i ? "," : "", w->meta_keys[i], w->meta_values[i]);
+        lm_text_printf(&h, "}%s", w->count ? "," : "");
     }
     size_t offset = 0;
     for (int i = 0; i < w->count; i++) {
         const writer_entry *e = &w->entries[i];
-        tb_printf(&h, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "", e->name,
+        lm_text_printf(&h, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "", e->name,
                   lm_dtype_name(e->dtype));
-        for (int d = 0; d < e->ndim; d++) tb_printf(&h, "%s%lld", d ? "," : "", (long long)e->shape[d]);
-        tb_printf(&h, "],\"data_offsets\":[%zu,%zu]}", offset, offset + e->nbytes);
+        for (int d = 0; d < e->ndim; d++) lm_text_printf(&h, "%s%lld", d ? "," : "", (long long)e->shape[d]);
+        lm_text_printf(&h, "],\"data_offsets\":[%zu,%zu]}", offset, offset + e->nbytes);
         offset += e->nbytes;
     }
-    tb_printf(&h, "}");
-    while (!h.oom && h.n % 8) tb_printf(&h, " ");
-    if (h.oom) {
+    lm_text_printf(&h, "}");
+    while (!h.failed && h.n % 8) lm_text_printf(&h, " ");
+    if (h.failed) {
         free(h.s);
         return lm_error(LM_ERR_MEMORY, "out of memory writing '%s'", path);
     }

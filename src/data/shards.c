@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "files.h"
 #include "longmoe/safetensors.h"
 
 /* ---- writer ---- */
@@ -419,7 +420,7 @@ lm_status lm_shards_prepare(const char *const *inputs, int n_inputs, const lm_to
         size_t len;
         int32_t *ids;
         size_t n_ids;
-        if ((s = lm_read_whole_file(inputs[f], &text, &len))) break;
+        if ((s = lm_read_file(inputs[f], 0, &text, &len))) break;
         s = lm_tokenizer_encode(tok, text, len, &ids, &n_ids);
         free(text);
         if (s) break;

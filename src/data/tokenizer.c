@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "files.h"
 #include "json.h"
 #include "longmoe/safetensors.h"
 
@@ -878,35 +879,7 @@ done:
 /* ------------------------------------------------------------------------ */
 /* The writer. */
 
-typedef struct {
-    char *s;
-    size_t n, cap;
-    int failed;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *p, size_t n) {
-    if (b->failed) return;
-    if (grow((void **)&b->s, &b->cap, b->n + n + 1, 1)) {
-        b->failed = 1;
-        return;
-    }
-    memcpy(b->s + b->n, p, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-
-static void sb_printf(sbuf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (k < 0 || (size_t)k >= sizeof tmp) {
-        b->failed = 1;
-        return;
-    }
-    sb_put(b, tmp, (size_t)k);
-}
+typedef lm_text sbuf; /* src/core/files.h */
 
 static size_t put_utf8(char *o, unsigned cp) {
     if (cp < 0x80) {
@@ -920,14 +893,14 @@ static size_t put_utf8(char *o, unsigned cp) {
 
 /* A token as a JSON string of byte-level characters. */
 static void sb_token(sbuf *b, const uint8_t *p, size_t n) {
-    sb_put(b, "\"", 1);
+    lm_text_put(b, "\"", 1);
     for (size_t i = 0; i < n; i++) {
         char u[4];
         unsigned cp = byte_to_codepoint(p[i]);
-        if (cp == '"' || cp == '\\') sb_put(b, "\\", 1);
-        sb_put(b, u, put_utf8(u, cp));
+        if (cp == '"' || cp == '\\') lm_text_put(b, "\\", 1);
+        lm_text_put(b, u, put_utf8(u, cp));
     }
-    sb_put(b, "\"", 1);
+    lm_text_put(b, "\"", 1);
 }
 
 lm_status lm_tokenizer_to_json(const lm_tokenizer *tok, char **json, size_t *len) {
@@ -935,36 +908,36 @@ lm_status lm_tokenizer_to_json(const lm_tokenizer *tok, char **json, size_t *len
     *len = 0;
     sbuf b = {0};
     int V = lm_tokenizer_vocab_size(tok), eot = lm_tokenizer_eot_id(tok);
-    sb_printf(&b, "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n");
-    sb_printf(&b, "  \"added_tokens\": [\n    {\"id\": %d, \"content\": \"%s\", \"single_word\": false, "
+    lm_text_printf(&b, "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n");
+    lm_text_printf(&b, "  \"added_tokens\": [\n    {\"id\": %d, \"content\": \"%s\", \"single_word\": false, "
                   "\"lstrip\": false, \"rstrip\": false, \"normalized\": false, \"special\": true}\n  ],\n",
               eot, LM_TOKENIZER_EOT);
-    sb_printf(&b, "  \"normalizer\": null,\n");
-    sb_printf(&b, "  \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [\n");
-    sb_printf(&b, "    {\"type\": \"Split\", \"pattern\": {\"Regex\": \"");
+    lm_text_printf(&b, "  \"normalizer\": null,\n");
+    lm_text_printf(&b, "  \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [\n");
+    lm_text_printf(&b, "    {\"type\": \"Split\", \"pattern\": {\"Regex\": \"");
     for (const char *p = pretokenizer_regex; *p; p++) {
-        if (*p == '\\' || *p == '"') sb_put(&b, "\\", 1);
-        sb_put(&b, p, 1);
+        if (*p == '\\' || *p == '"') lm_text_put(&b, "\\", 1);
+        lm_text_put(&b, p, 1);
     }
-    sb_printf(&b, "\"}, \"behavior\": \"Isolated\", \"invert\": false},\n");
-    sb_printf(&b, "    {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, "
+    lm_text_printf(&b, "\"}, \"behavior\": \"Isolated\", \"invert\": false},\n");
+    lm_text_printf(&b, "    {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, "
                   "\"use_regex\": false}\n  ]},\n");
-    sb_printf(&b, "  \"post_processor\": null,\n");
-    sb_printf(&b, "  \"decoder\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, "
+    lm_text_printf(&b, "  \"post_processor\": null,\n");
+    lm_text_printf(&b, "  \"decoder\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, "
                   "\"use_regex\": false},\n");
-    sb_printf(&b, "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": null,\n"
+    lm_text_printf(&b, "  \"model\": {\n    \"type\": \"BPE\",\n    \"dropout\": null,\n    \"unk_token\": null,\n"
                   "    \"continuing_subword_prefix\": null,\n    \"end_of_word_suffix\": null,\n"
                   "    \"fuse_unk\": false,\n    \"byte_fallback\": false,\n    \"ignore_merges\": false,\n");
-    sb_printf(&b, "    \"vocab\": {\n");
+    lm_text_printf(&b, "    \"vocab\": {\n");
     for (int id = 0; id < V; id++) {
         size_t n = 0;
         const uint8_t *p = lm_tokenizer_token(tok, id, &n);
-        sb_put(&b, "      ", 6);
-        if (id == eot) sb_printf(&b, "\"%s\"", LM_TOKENIZER_EOT);
+        lm_text_put(&b, "      ", 6);
+        if (id == eot) lm_text_printf(&b, "\"%s\"", LM_TOKENIZER_EOT);
         else sb_token(&b, p, n);
-        sb_printf(&b, ": %d%s\n", id, id + 1 < V ? "," : "");
+        lm_text_printf(&b, ": %d%s\n", id, id + 1 < V ? "," : "");
     }
-    sb_printf(&b, "    },\n    \"merges\": [\n");
+    lm_text_printf(&b, "    },\n    \"merges\": [\n");
     for (int k = 0; k < tok->n_merges; k++) {
         size_t na = 0, nb = 0;
         const uint8_t *pa = lm_tokenizer_token(tok, tok->merge_left[k], &na);
@@ -972,18 +945,18 @@ lm_status lm_tokenizer_to_json(const lm_tokenizer *tok, char **json, size_t *len
         /* "A B": the byte-level alphabet has no space, so one space separates */
         sbuf both = {0};
         sb_token(&both, pa, na);
-        sb_put(&b, "      ", 6);
-        if (!both.failed) sb_put(&b, both.s, both.n - 1);
-        sb_put(&b, " ", 1);
+        lm_text_put(&b, "      ", 6);
+        if (!both.failed) lm_text_put(&b, both.s, both.n - 1);
+        lm_text_put(&b, " ", 1);
         free(both.s);
         memset(&both, 0, sizeof both);
         sb_token(&both, pb, nb);
-        if (!both.failed) sb_put(&b, both.s + 1, both.n - 1);
+        if (!both.failed) lm_text_put(&b, both.s + 1, both.n - 1);
         b.failed |= both.failed;
         free(both.s);
-        sb_printf(&b, "%s\n", k + 1 < tok->n_merges ? "," : "");
+        lm_text_printf(&b, "%s\n", k + 1 < tok->n_merges ? "," : "");
     }
-    sb_printf(&b, "    ]\n  }\n}\n");
+    lm_text_printf(&b, "    ]\n  }\n}\n");
     if (b.failed) {
         free(b.s);
         return lm_error(LM_ERR_MEMORY, "out of memory writing the tokenizer JSON");
@@ -1270,43 +1243,10 @@ lm_status lm_tokenizer_load(const char *path, lm_tokenizer **out) {
     *out = NULL;
     char *text;
     size_t len;
-    lm_status st = lm_read_whole_file(path, &text, &len);
+    lm_status st = lm_read_file(path, 0, &text, &len);
     if (st) return st;
     st = lm_tokenizer_parse(text, len, path, out);
     free(text);
     return st;
 }
 
-lm_status lm_read_whole_file(const char *path, char **bytes, size_t *len) {
-    *bytes = NULL;
-    *len = 0;
-    int is_stdin = !strcmp(path, "-");
-    FILE *f = is_stdin ? stdin : fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *b = malloc(cap + 1);
-    while (b) {
-        size_t k = fread(b + n, 1, cap - n, f);
-        n += k;
-        if (n < cap) break;
-        cap *= 2;
-        char *q = realloc(b, cap + 1);
-        if (!q) {
-            free(b);
-            b = NULL;
-        } else {
-            b = q;
-        }
-    }
-    int err = ferror(f);
-    if (!is_stdin) fclose(f);
-    if (!b) return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
-    if (err) {
-        free(b);
-        return lm_error(LM_ERR_IO, "reading '%s' failed", path);
-    }
-    b[n] = 0;
-    *bytes = b;
-    *len = n;
-    return LM_OK;
-}

@@ -6,20 +6,29 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "check.h"
+#include "files.h"
 #include "json.h"
 #include "longmoe/config.h"
 #include "longmoe/tasks.h"
 #include "longmoe/train.h"
 #include "train/checkpoint.h"
 
-#define TRY(x)              \
-    do {                    \
-        lm_status s_ = (x); \
-        if (s_) return s_;  \
-    } while (0)
-
-/* The trainer's held-out stream: the validation loss matches its evaluations. */
+/* The held-out stream's seed is the run's seed xor this constant. */
 #define VAL_SEED_SALT 0x7e57da7a5eedull
+
+lm_status lm_eval_open_validation(const char *spec, uint64_t run_seed, lm_data_source **out) {
+    *out = NULL;
+    if (strncmp(spec, "shards:", 7)) return lm_data_open(spec, run_seed ^ VAL_SEED_SALT, out);
+    /* a token corpus: its val split, never the training split */
+    size_t n = strlen(spec) + 8;
+    char *val = malloc(n);
+    if (!val) return lm_error(LM_ERR_MEMORY, "out of memory opening the validation split of '%s'", spec);
+    snprintf(val, n, "shards-val:%s", spec + 7);
+    lm_status s = lm_data_open(val, run_seed ^ VAL_SEED_SALT, out);
+    free(val);
+    return s;
+}
 
 lm_eval_options lm_eval_options_default(void) {
     lm_eval_options o;
@@ -295,7 +304,7 @@ static lm_status checkpoint_step(const char *dir, int64_t *step) {
     *step = 0;
     snprintf(path, sizeof path, "%s/trainer.json", dir);
     if (!is_file(path)) return LM_OK;
-    TRY(lm_read_text_file(path, &text, &len));
+    TRY(lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len));
     lm_json_doc *doc;
     lm_status s = lm_json_parse(text, len, path, &doc);
     free(text);
@@ -334,13 +343,7 @@ static lm_status eval_length(const char *ckpt, const lm_eval_options *opt, int L
     if (val && L == r->val_length) {
         lm_eval_tally t;
         s = lm_eval_loss(m, val, opt->batches, opt->n_buckets, &t);
-        if (!s) {
-            r->val_loss = lm_eval_tally_loss(&t);
-            r->answer_accuracy = lm_eval_tally_answer_accuracy(&t);
-            r->n_buckets = t.n_buckets;
-            for (int i = 0; i <= t.n_buckets; i++) r->bucket_edges[i] = lm_eval_bucket_edge(&t, i);
-            for (int i = 0; i < t.n_buckets; i++) r->loss_by_position[i] = lm_eval_tally_bucket_loss(&t, i);
-        }
+        if (!s) lm_eval_result_set_validation(r, &t);
     }
     if (!s && li >= 0 && (opt->tasks & LM_EVAL_PASSKEY))
         s = lm_eval_passkey(m, opt->depths, opt->n_depths, opt->batches, opt->seed, r->passkey_accuracy[li],
@@ -370,11 +373,11 @@ lm_status lm_eval_run(const char *checkpoint_dir, const lm_eval_options *opt, lm
     lm_stage stages[LM_MAX_STAGES];
     int n_stages = lm_config_stages(&cfg, stages);
     const lm_stage *st = stage_of_step(stages, n_stages, r->step);
-    snprintf(r->val_data, sizeof r->val_data, "%s",
-             opt->val_data ? opt->val_data : st->n_data ? st->data[0] : cfg.data);
+    const char *val_spec = opt->val_data ? opt->val_data : st->n_data ? st->data[0] : cfg.data;
+    snprintf(r->val_data, sizeof r->val_data, "%s", val_spec);
     r->val_length = opt->val_length ? opt->val_length : st->seq_len;
     lm_data_source *val = NULL;
-    if (opt->tasks & LM_EVAL_VAL) TRY(lm_data_open(r->val_data, cfg.seed ^ VAL_SEED_SALT, &val));
+    if (opt->tasks & LM_EVAL_VAL) TRY(lm_eval_open_validation(val_spec, cfg.seed, &val));
     /* one model per distinct length */
     int todo[LM_EVAL_MAX_GRID + 1], n_todo = 0;
     if (val) todo[n_todo++] = r->val_length;
@@ -419,23 +422,35 @@ static void put_json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FILE *f) {
-    if (opt->tasks & LM_EVAL_VAL) {
-        fprintf(f, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": ", (long long)r->step);
-        put_number(f, r->val_loss);
-        fputs(", \"answer_accuracy\": ", f);
-        put_number(f, r->answer_accuracy);
-        fputs(", \"bucket_edges\": [", f);
-        for (int i = 0; i <= r->n_buckets; i++) fprintf(f, "%s%d", i ? ", " : "", r->bucket_edges[i]);
-        fputs("], \"loss_by_position\": [", f);
-        for (int i = 0; i < r->n_buckets; i++) {
-            if (i) fputs(", ", f);
-            put_number(f, r->loss_by_position[i]);
-        }
-        fputs("], \"data\": ", f);
-        put_json_string(f, r->val_data);
-        fprintf(f, ", \"seq_len\": %d}\n", r->val_length);
+void lm_eval_result_set_validation(lm_eval_result *r, const lm_eval_tally *t) {
+    r->val_loss = lm_eval_tally_loss(t);
+    r->answer_accuracy = lm_eval_tally_answer_accuracy(t);
+    r->n_buckets = t->n_buckets;
+    for (int i = 0; i <= t->n_buckets; i++) r->bucket_edges[i] = lm_eval_bucket_edge(t, i);
+    for (int i = 0; i < t->n_buckets; i++) r->loss_by_position[i] = lm_eval_tally_bucket_loss(t, i);
+}
+
+void lm_eval_write_validation(const lm_eval_result *r, FILE *f) {
+    /* val_loss with 9 digits: a float's value survives the round trip */
+    fprintf(f, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": ", (long long)r->step);
+    if (isfinite(r->val_loss)) fprintf(f, "%.9g", r->val_loss);
+    else fputs("null", f);
+    fputs(", \"answer_accuracy\": ", f);
+    put_number(f, r->answer_accuracy);
+    fputs(", \"bucket_edges\": [", f);
+    for (int i = 0; i <= r->n_buckets; i++) fprintf(f, "%s%d", i ? ", " : "", r->bucket_edges[i]);
+    fputs("], \"loss_by_position\": [", f);
+    for (int i = 0; i < r->n_buckets; i++) {
+        if (i) fputs(", ", f);
+        put_number(f, r->loss_by_position[i]);
     }
+    fputs("], \"data\": ", f);
+    put_json_string(f, r->val_data);
+    fprintf(f, ", \"seq_len\": %d}\n", r->val_length);
+}
+
+void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FILE *f) {
+    if (opt->tasks & LM_EVAL_VAL) lm_eval_write_validation(r, f);
     if (opt->tasks & LM_EVAL_PASSKEY) {
         fprintf(f, "{\"type\": \"passkey\", \"step\": %lld, \"lengths\": [", (long long)r->step);
         for (int i = 0; i < opt->n_lengths; i++) fprintf(f, "%s%d", i ? ", " : "", opt->lengths[i]);

@@ -12,74 +12,24 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "files.h"
 #include "json.h"
 #include "longmoe/config.h"
 #include "longmoe/safetensors.h"
 
-/* ------------------------------------------------------------------------- */
-/* growable text                                                              */
-
-typedef struct {
-    char *p;
-    size_t n, cap;
-    int failed; /* an allocation failed: the text is incomplete */
-} text_buf;
-
-static int tb_reserve(text_buf *b, size_t extra) {
-    if (b->failed) return 0;
-    if (b->n + extra + 1 <= b->cap) return 1;
-    size_t cap = b->cap ? b->cap : 1 << 16;
-    while (cap < b->n + extra + 1) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        b->failed = 1;
-        return 0;
-    }
-    b->p = p;
-    b->cap = cap;
-    return 1;
-}
-
-static void tb_put(text_buf *b, const char *s, size_t n) {
-    if (!tb_reserve(b, n)) return;
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-static void tb_puts(text_buf *b, const char *s) { tb_put(b, s, strlen(s)); }
-
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static void tb_printf(text_buf *b, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char small[256];
-    int n = vsnprintf(small, sizeof small, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n < sizeof small) {
-        tb_put(b, small, (size_t)n);
-        return;
-    }
-    if (!tb_reserve(b, (size_t)n)) return;
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->n, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->n += (size_t)n;
-}
+/* growable text: lm_text (src/core/files.h) */
+typedef lm_text text_buf;
 
 /* Text for HTML content and attribute values. */
 static void tb_escape(text_buf *b, const char *s) {
     for (; *s; s++) {
         switch (*s) {
-        case '<': tb_puts(b, "&lt;"); break;
-        case '>': tb_puts(b, "&gt;"); break;
-        case '&': tb_puts(b, "&amp;"); break;
-        case '"': tb_puts(b, "&quot;"); break;
-        case '\'': tb_puts(b, "&#39;"); break;
-        default: tb_put(b, s, 1);
+        case '<': lm_text_puts(b, "&lt;"); break;
+        case '>': lm_text_puts(b, "&gt;"); break;
+        case '&': lm_text_puts(b, "&amp;"); break;
+        case '"': lm_text_puts(b, "&quot;"); break;
+        case '\'': lm_text_puts(b, "&#39;"); break;
+        default: lm_text_put(b, s, 1);
         }
     }
 }
@@ -689,17 +639,17 @@ static void draw_stage_lines(text_buf *b, const report *r, const axis *ax, doubl
         const stage_mark *s = &r->stages[i];
         if (s->step < ax->lo || s->step > ax->hi) continue;
         double x = axis_map(ax, (double)s->step, left, right);
-        tb_printf(b, "<line class=\"stage\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, top, x, bottom);
+        lm_text_printf(b, "<line class=\"stage\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, top, x, bottom);
         char len[32] = "";
         if (s->seq_len > 0) format_length(len, sizeof len, (double)s->seq_len);
         /* labels that would overlap the previous one go one line lower */
         level = x + 3 < last_end ? (level + 1) % 4 : 0;
         last_end = x + 3 + 6.0 * ((double)strlen(s->name) + strlen(len) + 4);
-        tb_printf(b, "<text class=\"stage-label\" x=\"%.1f\" y=\"%.1f\">", x + 3, top + 10 + 11 * level);
+        lm_text_printf(b, "<text class=\"stage-label\" x=\"%.1f\" y=\"%.1f\">", x + 3, top + 10 + 11 * level);
         if (s->name[0]) tb_escape(b, s->name);
-        else tb_printf(b, "stage %d", s->stage);
-        if (len[0] && strcmp(len, s->name)) tb_printf(b, " \xc2\xb7 %s", len);
-        tb_puts(b, "</text>");
+        else lm_text_printf(b, "stage %d", s->stage);
+        if (len[0] && strcmp(len, s->name)) lm_text_printf(b, " \xc2\xb7 %s", len);
+        lm_text_puts(b, "</text>");
     }
 }
 
@@ -709,11 +659,11 @@ static void draw_x_axis(text_buf *b, const axis *ax, double left, double right, 
     for (int i = 0; i < ax->n_ticks; i++) {
         double x = axis_map(ax, ax->ticks[i], left, right);
         format_number(num, sizeof num, ax->ticks[i]);
-        tb_printf(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, top, x, bottom);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>", x, bottom + 14,
+        lm_text_printf(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, top, x, bottom);
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>", x, bottom + 14,
                   num);
     }
-    tb_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>",
+    lm_text_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>",
               (left + right) / 2, bottom + 30, label);
 }
 
@@ -723,15 +673,15 @@ static void draw_y_axis(text_buf *b, const axis *ay, double left, double right, 
     for (int i = 0; i < ay->n_ticks; i++) {
         double y = axis_map(ay, ay->ticks[i], bottom, top);
         format_number(num, sizeof num, ay->ticks[i]);
-        tb_printf(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", left, y, right, y);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>", left - 5, y + 4,
+        lm_text_printf(b, "<line class=\"grid\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", left, y, right, y);
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>", left - 5, y + 4,
                   num);
     }
     if (label && label[0]) {
-        tb_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" "
+        lm_text_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" "
                   "text-anchor=\"middle\">", left - 56, (top + bottom) / 2);
         tb_escape(b, label);
-        tb_puts(b, "</text>");
+        lm_text_puts(b, "</text>");
     }
 }
 
@@ -767,61 +717,61 @@ static void render_line_chart(text_buf *b, report *r, const chart_spec *c, const
     if (c->log_y) axis_log(&ay, lo, hi);
     else axis_linear(&ay, lo, hi, 5, 1);
 
-    tb_printf(b, "<figure class=\"chart\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" height=\"%d\" role=\"img\">",
+    lm_text_printf(b, "<figure class=\"chart\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" height=\"%d\" role=\"img\">",
               c->width, c->height, c->width, c->height);
-    tb_puts(b, "<text class=\"title\" x=\"8\" y=\"18\">");
+    lm_text_puts(b, "<text class=\"title\" x=\"8\" y=\"18\">");
     tb_escape(b, c->title);
-    if (c->log_y) tb_puts(b, " (log scale)");
+    if (c->log_y) lm_text_puts(b, " (log scale)");
     if (isfinite(c->hline) && !show_hline && c->hline_label) {
-        tb_puts(b, "<tspan class=\"axis-label\"> \xc2\xb7 ");
+        lm_text_puts(b, "<tspan class=\"axis-label\"> \xc2\xb7 ");
         tb_escape(b, c->hline_label);
-        tb_puts(b, " (off the scale)</tspan>");
+        lm_text_puts(b, " (off the scale)</tspan>");
     }
-    tb_puts(b, "</text>");
+    lm_text_puts(b, "</text>");
     draw_x_axis(b, &ax, left, right, top, bottom, "step");
     draw_y_axis(b, &ay, left, right, top, bottom, c->y_label);
-    tb_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>", left, top,
+    lm_text_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>", left, top,
               right - left, bottom - top);
     draw_stage_lines(b, r, &ax, left, right, top, bottom);
     if (show_hline) {
         double y = axis_map(&ay, c->hline, bottom, top);
-        tb_printf(b, "<line class=\"ref\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", left, y, right, y);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">", right - 4, y - 4);
+        lm_text_printf(b, "<line class=\"ref\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", left, y, right, y);
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">", right - 4, y - 4);
         tb_escape(b, c->hline_label ? c->hline_label : "");
-        tb_puts(b, "</text>");
+        lm_text_puts(b, "</text>");
     }
     for (int i = 0; i < n_lines; i++) {
         const plot_points *p = &pts[i];
         if (p->n == 0) continue;
         /* the min-max band of averaged buckets, then the mean line */
         if (p->averaged) {
-            tb_printf(b, "<polygon class=\"band\" fill=\"%s\" points=\"", lines[i].color);
+            lm_text_printf(b, "<polygon class=\"band\" fill=\"%s\" points=\"", lines[i].color);
             for (int k = 0; k < p->n; k++)
-                tb_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->hi[k], bottom, top));
+                lm_text_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->hi[k], bottom, top));
             for (int k = p->n - 1; k >= 0; k--)
-                tb_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->lo[k], bottom, top));
-            tb_puts(b, "\"/>");
+                lm_text_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->lo[k], bottom, top));
+            lm_text_puts(b, "\"/>");
         }
-        tb_printf(b, "<polyline class=\"line\" stroke=\"%s\" points=\"", lines[i].color);
+        lm_text_printf(b, "<polyline class=\"line\" stroke=\"%s\" points=\"", lines[i].color);
         for (int k = 0; k < p->n; k++)
-            tb_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->y[k], bottom, top));
-        tb_puts(b, "\"/>");
+            lm_text_printf(b, "%.1f,%.1f ", axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->y[k], bottom, top));
+        lm_text_puts(b, "\"/>");
         if (lines[i].markers)
             for (int k = 0; k < p->n; k++)
-                tb_printf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>",
+                lm_text_printf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>",
                           axis_map(&ax, p->x[k], left, right), axis_map(&ay, p->y[k], bottom, top), lines[i].color);
     }
     /* legend, right-aligned above the plot */
     double x = right;
     for (int i = n_lines - 1; i >= 0; i--) {
         x -= 12 + 7.0 * (double)strlen(lines[i].name) + 18;
-        tb_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"4\" fill=\"%s\"/>", x, top - 14,
+        lm_text_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"14\" height=\"4\" fill=\"%s\"/>", x, top - 14,
                   lines[i].color);
-        tb_printf(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", x + 18, top - 9);
+        lm_text_printf(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", x + 18, top - 9);
         tb_escape(b, lines[i].name);
-        tb_puts(b, "</text>");
+        lm_text_puts(b, "</text>");
     }
-    tb_puts(b, "</svg></figure>\n");
+    lm_text_puts(b, "</svg></figure>\n");
     for (int i = 0; i < n_lines; i++) points_free(&pts[i]);
 }
 
@@ -927,8 +877,8 @@ static uint8_t *png_indexed(const uint8_t *pixels, int w, int h, const uint8_t (
 
 static void tb_base64(text_buf *b, const uint8_t *p, size_t n) {
     static const char digits[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    if (!tb_reserve(b, (n + 2) / 3 * 4)) return;
-    char *o = b->p + b->n;
+    if (!lm_text_reserve(b, (n + 2) / 3 * 4)) return;
+    char *o = b->s + b->n;
     size_t i = 0;
     for (; i + 2 < n; i += 3) {
         uint32_t v = (uint32_t)p[i] << 16 | (uint32_t)p[i + 1] << 8 | p[i + 2];
@@ -944,8 +894,8 @@ static void tb_base64(text_buf *b, const uint8_t *p, size_t n) {
         *o++ = i + 1 < n ? digits[(v >> 6) & 63] : '=';
         *o++ = '=';
     }
-    b->n = (size_t)(o - b->p);
-    b->p[b->n] = 0;
+    b->n = (size_t)(o - b->s);
+    b->s[b->n] = 0;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -996,15 +946,15 @@ static void draw_colour_bar(text_buf *b, const colour_stop *stops, int n_stops, 
     for (int i = 0; i < steps; i++) {
         uint8_t rgb[3];
         colour_at(stops, n_stops, 1 - (i + 0.5) / steps, rgb);
-        tb_printf(b, "<rect x=\"%.1f\" y=\"%.2f\" width=\"12\" height=\"%.2f\" fill=\"#%02x%02x%02x\"/>", x,
+        lm_text_printf(b, "<rect x=\"%.1f\" y=\"%.2f\" width=\"12\" height=\"%.2f\" fill=\"#%02x%02x%02x\"/>", x,
                   top + i * h, h + 0.3, rgb[0], rgb[1], rgb[2]);
     }
-    tb_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"%.1f\"/>", x, top, bottom - top);
+    lm_text_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"12\" height=\"%.1f\"/>", x, top, bottom - top);
     for (int i = 0; i < n_labels; i++) {
         double y = bottom - label_at[i] * (bottom - top);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">%s</text>", x + 16, y + 4, labels[i]);
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">%s</text>", x + 16, y + 4, labels[i]);
     }
-    tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">%s</text>", x - 2, top - 8, title);
+    lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">%s</text>", x - 2, top - 8, title);
 }
 
 static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
@@ -1037,17 +987,17 @@ static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
         r->out_of_memory = 1;
         return;
     }
-    tb_printf(b, "<figure class=\"chart heatmap expert-load\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" height=\"%d\" "
+    lm_text_printf(b, "<figure class=\"chart heatmap expert-load\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" height=\"%d\" "
               "role=\"img\">", width, height, width, height);
-    tb_printf(b, "<text class=\"title\" x=\"8\" y=\"18\">Expert load, layer %d (MoE layer %d of %d): load / mean "
+    lm_text_printf(b, "<text class=\"title\" x=\"8\" y=\"18\">Expert load, layer %d (MoE layer %d of %d): load / mean "
               "load per step column</text>", m->layer_index[l], l + 1, m->layers);
-    tb_printf(b, "<image x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" preserveAspectRatio=\"none\" "
+    lm_text_printf(b, "<image x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" preserveAspectRatio=\"none\" "
               "style=\"image-rendering:pixelated\" href=\"data:image/png;base64,", left, top, right - left,
               bottom - top);
     tb_base64(b, png, png_size);
-    tb_puts(b, "\"/>");
+    lm_text_puts(b, "\"/>");
     free(png);
-    tb_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>", left, top,
+    lm_text_printf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>", left, top,
               right - left, bottom - top);
     /* x: steps (column c spans steps (c*width, (c+1)*width]) */
     axis ax;
@@ -1056,26 +1006,26 @@ static void render_expert_heatmap(text_buf *b, report *r, int l, int width) {
     for (int i = 0; i < ax.n_ticks; i++) {
         double x = axis_map(&ax, ax.ticks[i], left, right);
         format_number(num, sizeof num, ax.ticks[i]);
-        tb_printf(b, "<line class=\"tickmark\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, bottom, x,
+        lm_text_printf(b, "<line class=\"tickmark\" x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\"/>", x, bottom, x,
                   bottom + 4);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>", x, bottom + 16,
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>", x, bottom + 16,
                   num);
     }
-    tb_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step (%d column%s of %lld "
+    lm_text_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">step (%d column%s of %lld "
               "step%s)</text>", (left + right) / 2, bottom + 32, cols, cols == 1 ? "" : "s", (long long)m->width,
               m->width == 1 ? "" : "s");
     /* y: experts, 0 at the top */
     int every = E <= 16 ? 1 : (int)nice_step(E / 8.0);
     double row = (bottom - top) / E;
     for (int e = 0; e < E; e += every)
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%d</text>", left - 5,
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%d</text>", left - 5,
                   top + (e + 0.5) * row + 4, e);
-    tb_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">"
+    lm_text_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">"
               "expert</text>", left - 48, (top + bottom) / 2);
     static const double at[] = {0, 0.25, 0.5, 0.75, 1};
     static const char *const labels[] = {"\xe2\x89\xa4" "1/4", "1/2", "1", "2", "\xe2\x89\xa5" "4"};
     draw_colour_bar(b, load_colours, 5, right + 14, top + 8, bottom, at, labels, 5, "load/mean");
-    tb_puts(b, "</svg></figure>\n");
+    lm_text_puts(b, "</svg></figure>\n");
 }
 
 /* MaxVio of one MoE layer, averaged over the heatmap's step columns (aligned with it). */
@@ -1106,56 +1056,56 @@ static void render_accuracy_grid(text_buf *b, const grid *g, const char *title, 
     double right = left + (double)g->nx * cell_w, bottom = top + (double)g->ny * cell_h;
     int width = (int)right + 110, height = (int)bottom + 48;
     if (width < 420) width = 420;
-    tb_printf(b, "<figure class=\"chart heatmap accuracy-grid\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" "
+    lm_text_printf(b, "<figure class=\"chart heatmap accuracy-grid\"><svg viewBox=\"0 0 %d %d\" width=\"%d\" "
               "height=\"%d\" role=\"img\">", width, height, width, height);
-    tb_puts(b, "<text class=\"title\" x=\"8\" y=\"18\">");
+    lm_text_puts(b, "<text class=\"title\" x=\"8\" y=\"18\">");
     tb_escape(b, title);
-    if (g->step >= 0) tb_printf(b, " at step %lld", (long long)g->step);
-    tb_puts(b, "</text>");
+    if (g->step >= 0) lm_text_printf(b, " at step %lld", (long long)g->step);
+    lm_text_puts(b, "</text>");
     char label[32];
     for (int i = 0; i < g->nx; i++)
         for (int j = 0; j < g->ny; j++) {
             double v = g->acc[(size_t)i * g->ny + j];
             double x = left + (double)i * cell_w, y = top + (double)j * cell_h;
             if (!isfinite(v)) {
-                tb_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#dddddd\" "
+                lm_text_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#dddddd\" "
                           "stroke=\"#fff\"><title>does not fit</title></rect>", x, y, cell_w, cell_h);
                 if (cell_w >= 36 && cell_h >= 18)
-                    tb_printf(b, "<text class=\"cell\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">n/a</text>",
+                    lm_text_printf(b, "<text class=\"cell\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">n/a</text>",
                               x + cell_w / 2.0, y + cell_h / 2.0 + 4);
                 continue;
             }
             uint8_t rgb[3];
             colour_at(accuracy_colours, 5, v, rgb);
-            tb_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#%02x%02x%02x\" "
+            lm_text_printf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"#%02x%02x%02x\" "
                       "stroke=\"#fff\"><title>%.1f%%</title></rect>", x, y, cell_w, cell_h, rgb[0], rgb[1], rgb[2],
                       100 * v);
             if (cell_w >= 36 && cell_h >= 18)
-                tb_printf(b, "<text class=\"cell\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.0f</text>",
+                lm_text_printf(b, "<text class=\"cell\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.0f</text>",
                           x + cell_w / 2.0, y + cell_h / 2.0 + 4, 100 * v);
         }
     for (int i = 0; i < g->nx; i++) {
         format_length(label, sizeof label, g->xs[i]);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>",
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%s</text>",
                   left + (i + 0.5) * cell_w, bottom + 14, label);
     }
-    tb_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">context length "
+    lm_text_printf(b, "<text class=\"axis-label\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">context length "
               "(tokens)</text>", (left + right) / 2, bottom + 32);
     for (int j = 0; j < g->ny; j++) {
         if (y_is_fraction) snprintf(label, sizeof label, "%.0f%%", 100 * g->ys[j]);
         else snprintf(label, sizeof label, "%g", g->ys[j]);
-        tb_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>", left - 5,
+        lm_text_printf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%s</text>", left - 5,
                   top + (j + 0.5) * cell_h + 4, label);
     }
-    tb_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">",
+    lm_text_printf(b, "<text class=\"axis-label\" transform=\"translate(%.1f %.1f) rotate(-90)\" text-anchor=\"middle\">",
               left - 58, (top + bottom) / 2);
     tb_escape(b, y_label);
-    tb_puts(b, "</text>");
+    lm_text_puts(b, "</text>");
     static const double at[] = {0, 0.5, 1};
     static const char *const labels[] = {"0%", "50%", "100%"};
     double bar_bottom = bottom > top + 80 ? bottom : top + 80;
     draw_colour_bar(b, accuracy_colours, 5, right + 24, top + 8, bar_bottom, at, labels, 3, "accuracy");
-    tb_puts(b, "</svg></figure>\n");
+    lm_text_puts(b, "</svg></figure>\n");
 }
 
 /* ------------------------------------------------------------------------- */
@@ -1172,11 +1122,11 @@ static int compare_i64(const void *a, const void *b) {
 }
 
 static void row_text(text_buf *b, const char *name, const char *value) {
-    tb_puts(b, "<tr><th>");
+    lm_text_puts(b, "<tr><th>");
     tb_escape(b, name);
-    tb_puts(b, "</th><td>");
+    lm_text_puts(b, "</th><td>");
     tb_escape(b, value);
-    tb_puts(b, "</td></tr>\n");
+    lm_text_puts(b, "</td></tr>\n");
 }
 
 /* checkpoint-<step> directories of the run (complete ones: no suffix). */
@@ -1217,35 +1167,35 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
                         const char *cfg_error) {
     const int full = 1120, half = 552, pts = opt->max_points > 0 ? opt->max_points : 600;
     char v[256];
-    tb_puts(b, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    lm_text_puts(b, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
                "<meta name=\"viewport\" content=\"width=device-width\"><title>longmoe report: ");
     tb_escape(b, opt->run_dir);
-    tb_printf(b, "</title><style>%s</style></head><body>\n<h1>Training report</h1><p class=\"sub\">run ",
+    lm_text_printf(b, "</title><style>%s</style></head><body>\n<h1>Training report</h1><p class=\"sub\">run ",
               page_style);
     tb_escape(b, opt->run_dir);
-    tb_printf(b, " \xc2\xb7 %lld records from %lld lines of metrics.jsonl</p>\n", (long long)r->sum.records,
+    lm_text_printf(b, " \xc2\xb7 %lld records from %lld lines of metrics.jsonl</p>\n", (long long)r->sum.records,
               (long long)r->sum.lines);
     if (r->sum.malformed) {
-        tb_printf(b, "<p class=\"note\">%lld malformed line%s skipped (line", (long long)r->sum.malformed,
+        lm_text_printf(b, "<p class=\"note\">%lld malformed line%s skipped (line", (long long)r->sum.malformed,
                   r->sum.malformed == 1 ? "" : "s");
-        for (int i = 0; i < r->n_bad_listed; i++) tb_printf(b, "%s %lld", i ? "," : "", (long long)r->bad_lines[i]);
-        if (r->sum.malformed > r->n_bad_listed) tb_puts(b, ", ...");
-        tb_puts(b, "; first: ");
+        for (int i = 0; i < r->n_bad_listed; i++) lm_text_printf(b, "%s %lld", i ? "," : "", (long long)r->bad_lines[i]);
+        if (r->sum.malformed > r->n_bad_listed) lm_text_puts(b, ", ...");
+        lm_text_puts(b, "; first: ");
         tb_escape(b, r->first_bad_reason);
-        tb_puts(b, ").</p>\n");
+        lm_text_puts(b, ").</p>\n");
     }
     if (r->moe_mismatch)
-        tb_printf(b, "<p class=\"note\">%lld train record%s had a list of MoE layers or experts of another shape "
+        lm_text_printf(b, "<p class=\"note\">%lld train record%s had a list of MoE layers or experts of another shape "
                   "than the first and %s left out of the expert heatmaps.</p>\n", (long long)r->moe_mismatch,
                   r->moe_mismatch == 1 ? "" : "s", r->moe_mismatch == 1 ? "was" : "were");
     if (cfg_error) {
-        tb_puts(b, "<p class=\"note\">config.json could not be read: ");
+        lm_text_puts(b, "<p class=\"note\">config.json could not be read: ");
         tb_escape(b, cfg_error);
-        tb_puts(b, "</p>\n");
+        lm_text_puts(b, "</p>\n");
     }
 
     /* ---- summary ---- */
-    tb_puts(b, "<h2>Summary</h2><table class=\"summary\">\n");
+    lm_text_puts(b, "<h2>Summary</h2><table class=\"summary\">\n");
     snprintf(v, sizeof v, "%lld", (long long)r->sum.last_step);
     if (have_cfg) snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
     row_text(b, "steps", v);
@@ -1300,34 +1250,34 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
         row_text(b, "model", v);
     }
     if (r->n_stages) {
-        tb_puts(b, "<tr><th>stages</th><td>");
+        lm_text_puts(b, "<tr><th>stages</th><td>");
         for (int i = 0; i < r->n_stages; i++) {
             const stage_mark *s = &r->stages[i];
-            tb_printf(b, "%s%d", i ? "; " : "", s->stage);
+            lm_text_printf(b, "%s%d", i ? "; " : "", s->stage);
             if (s->name[0]) {
-                tb_puts(b, " ");
+                lm_text_puts(b, " ");
                 tb_escape(b, s->name);
             }
             char len[32];
             format_length(len, sizeof len, (double)s->seq_len);
-            if (s->seq_len > 0) tb_printf(b, " (%s tokens)", len);
-            tb_printf(b, " from step %lld", (long long)s->step);
+            if (s->seq_len > 0) lm_text_printf(b, " (%s tokens)", len);
+            lm_text_printf(b, " from step %lld", (long long)s->step);
         }
-        tb_puts(b, "</td></tr>\n");
+        lm_text_puts(b, "</td></tr>\n");
     }
     int64_t ck[512];
     int n_ck = list_checkpoints(opt->run_dir, ck, 512);
-    tb_puts(b, "<tr><th>checkpoints</th><td>");
-    if (!n_ck) tb_puts(b, "none in the directory");
-    for (int i = 0; i < n_ck; i++) tb_printf(b, "%scheckpoint-%08lld", i ? ", " : "", (long long)ck[i]);
+    lm_text_puts(b, "<tr><th>checkpoints</th><td>");
+    if (!n_ck) lm_text_puts(b, "none in the directory");
+    for (int i = 0; i < n_ck; i++) lm_text_printf(b, "%scheckpoint-%08lld", i ? ", " : "", (long long)ck[i]);
     if (r->sum.checkpoint_records > n_ck)
-        tb_printf(b, " (%lld written during the run)", (long long)r->sum.checkpoint_records);
-    tb_puts(b, "</td></tr>\n</table>\n");
+        lm_text_printf(b, " (%lld written during the run)", (long long)r->sum.checkpoint_records);
+    lm_text_puts(b, "</td></tr>\n</table>\n");
 
     /* ---- curves ---- */
     double x_lo = (double)r->x_lo, x_hi = (double)r->x_hi;
     if (r->loss.n || r->val_loss.n || r->lr.n) {
-        tb_puts(b, "<h2>Loss and learning rate</h2><div class=\"row\">\n");
+        lm_text_puts(b, "<h2>Loss and learning rate</h2><div class=\"row\">\n");
         chart_spec c = chart_default("Loss", "loss (nats / token)", half, 300, x_lo, x_hi, pts);
         c.log_y = opt->log_loss;
         plot_line lines[2] = {{"train", &r->loss, "#1f77b4", 0}, {"validation", &r->val_loss, "#d62728", 1}};
@@ -1337,10 +1287,10 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
             plot_line l1 = {"lr", &r->lr, "#2ca02c", 0};
             render_line_chart(b, r, &cl, &l1, 1);
         }
-        tb_puts(b, "</div>\n");
+        lm_text_puts(b, "</div>\n");
     }
     if (r->grad.n || r->has_max_logit || r->val_acc.n || r->tokps.n) {
-        tb_puts(b, "<h2>Optimisation</h2><div class=\"row\">\n");
+        lm_text_puts(b, "<h2>Optimisation</h2><div class=\"row\">\n");
         if (r->grad.n) {
             chart_spec c = chart_default("Gradient norm (before clipping)", "global L2 norm", half, 280, x_lo, x_hi,
                                          pts);
@@ -1374,12 +1324,12 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
             plot_line l1 = {"tokens/s", &r->tokps, "#7f7f7f", 0};
             render_line_chart(b, r, &c, &l1, 1);
         }
-        tb_puts(b, "</div>\n");
+        lm_text_puts(b, "</div>\n");
     }
 
     /* ---- experts ---- */
     if (r->moe_started && r->moe.used > 0) {
-        tb_printf(b, "<h2>Expert load (%d MoE layers \xc3\x97 %d experts)</h2>\n<p class=\"sub\">Each column averages "
+        lm_text_printf(b, "<h2>Expert load (%d MoE layers \xc3\x97 %d experts)</h2>\n<p class=\"sub\">Each column averages "
                   "%lld step%s; colour is the expert's share of the routed tokens over the mean share (white: "
                   "balanced, blue: under-used, red: over-used, grey: no record). MaxVio_batch is the step's "
                   "max load / mean load - 1; MaxVio_global the same over the run so far.</p>\n",
@@ -1392,13 +1342,13 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
 
     /* ---- long-context evaluations ---- */
     if (r->passkey.present || r->mqar.present) {
-        tb_puts(b, "<h2>Long-context evaluation</h2><div class=\"row\">\n");
+        lm_text_puts(b, "<h2>Long-context evaluation</h2><div class=\"row\">\n");
         if (r->passkey.present)
             render_accuracy_grid(b, &r->passkey, "Passkey retrieval accuracy (%)", "needle depth", 1);
         if (r->mqar.present) render_accuracy_grid(b, &r->mqar, "MQAR accuracy (%)", "queries", 0);
-        tb_puts(b, "</div>\n");
+        lm_text_puts(b, "</div>\n");
     }
-    tb_puts(b, "</body></html>\n");
+    lm_text_puts(b, "</body></html>\n");
 }
 
 /* ------------------------------------------------------------------------- */
@@ -1470,7 +1420,7 @@ lm_status lm_report_write(const lm_report_options *opt, lm_report_summary *summa
         }
         snprintf(out, dn, "%s/report.html", opt->run_dir);
     }
-    const void *parts[1] = {b.p};
+    const void *parts[1] = {b.s};
     size_t sizes[1] = {b.n};
     if ((s = lm_write_file_atomic(out ? out : opt->out_path, parts, sizes, 1))) goto done;
     r->sum.moe_layers = r->moe_started ? r->moe.layers : 0;
@@ -1481,7 +1431,7 @@ lm_status lm_report_write(const lm_report_options *opt, lm_report_summary *summa
 done:
     if (r) report_free(r);
     free(r);
-    free(b.p);
+    free(b.s);
     free(metrics);
     free(cfg_path);
     free(out);

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "files.h"
 #include "json.h"
 
 typedef enum { KEY_INT, KEY_INT64, KEY_U64, KEY_FLOAT, KEY_BOOL, KEY_ENUM, KEY_LAYOUT, KEY_STRING, KEY_STAGES } key_type;
@@ -334,25 +335,16 @@ lm_status lm_config_parse(const char *text, size_t len, const char *what, lm_con
 }
 
 lm_status lm_config_load(const char *path, lm_config *c) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open config '%s'", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (n < 0 || n > (1 << 24)) {
-        fclose(f);
-        return lm_error(LM_ERR_IO, "config '%s' is not a readable file under 16 MiB", path);
+    char *buf;
+    size_t n;
+    lm_status s = lm_read_file(path, (size_t)1 << 24, &buf, &n);
+    if (s) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        return lm_error(s, "cannot open config (%s)", msg);
     }
-    char *buf = malloc((size_t)n + 1);
-    if (!buf) {
-        fclose(f);
-        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
-    }
-    size_t got = fread(buf, 1, (size_t)n, f);
-    fclose(f);
     lm_config_defaults(c);
-    lm_status s = got == (size_t)n ? lm_config_parse(buf, got, path, c)
-                                   : lm_error(LM_ERR_IO, "short read of config '%s'", path);
+    s = lm_config_parse(buf, n, path, c);
     free(buf);
     return s;
 }

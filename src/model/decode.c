@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "longmoe/attnres.h"
 #include "longmoe/kda_layer.h"
 #include "longmoe/linear.h"
@@ -15,12 +16,6 @@
 #include "longmoe/model.h"
 #include "longmoe/moe.h"
 #include "model_internal.h"
-
-#define TRY(x)              \
-    do {                    \
-        lm_status s_ = (x); \
-        if (s_) return s_;  \
-    } while (0)
 
 struct lm_decoder {
     lm_model *m;

@@ -12,39 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "files.h"
 #include "json.h"
 #include "longmoe/safetensors.h"
-
-lm_status lm_read_text_file(const char *path, char **out, size_t *len) {
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
-    if (fseek(f, 0, SEEK_END) != 0) {
-        fclose(f);
-        return lm_error(LM_ERR_IO, "cannot read '%s'", path);
-    }
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    if (n < 0 || n > (1L << 30)) {
-        fclose(f);
-        return lm_error(LM_ERR_IO, "'%s' is not a readable file under 1 GiB", path);
-    }
-    char *buf = malloc((size_t)n + 1);
-    if (!buf) {
-        fclose(f);
-        return lm_error(LM_ERR_MEMORY, "out of memory reading '%s'", path);
-    }
-    size_t got = fread(buf, 1, (size_t)n, f);
-    fclose(f);
-    if (got != (size_t)n) {
-        free(buf);
-        return lm_error(LM_ERR_IO, "short read of '%s'", path);
-    }
-    buf[n] = 0;
-    *out = buf;
-    if (len) *len = (size_t)n;
-    return LM_OK;
-}
 
 lm_status lm_write_text_atomic(const char *path, const char *text) {
     const void *parts[1] = {text};
@@ -158,7 +128,7 @@ lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tm
 lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n) {
     char latest[4096], *text = NULL;
     snprintf(latest, sizeof latest, "%s/latest", run_dir);
-    lm_status s = lm_read_text_file(latest, &text, NULL);
+    lm_status s = lm_read_file(latest, LM_TEXT_FILE_MAX, &text, NULL);
     if (s) {
         char msg[1024]; /* lm_error writes the buffer lm_last_error reads: copy first */
         snprintf(msg, sizeof msg, "%s", lm_last_error());

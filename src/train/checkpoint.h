@@ -7,7 +7,6 @@
 
 #include "longmoe/core.h"
 
-lm_status lm_read_text_file(const char *path, char **out, size_t *len);
 lm_status lm_write_text_atomic(const char *path, const char *text);
 lm_status lm_ensure_dir(const char *dir); /* mkdir -p */
 /* Create run_dir/checkpoint-<step>.tmp (removing a torn one); its path goes to tmp_dir. */

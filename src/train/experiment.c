@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "checkpoint.h"
+#include "files.h"
 #include "json.h"
 #include "longmoe/attnres.h"
 #include "longmoe/report.h"
@@ -49,7 +50,7 @@ static lm_status summarise(const char *run_dir, run_summary *r) {
     char path[4400], *text;
     size_t len;
     snprintf(path, sizeof path, "%s/metrics.jsonl", run_dir);
-    lm_status s = lm_read_text_file(path, &text, &len);
+    lm_status s = lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len);
     if (s) return s;
     double *vio = NULL, ema = NAN;
     int cap = 0, n = 0, saw_moe = 0;

@@ -7,7 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "checkpoint.h"
+#include "files.h"
 #include "json.h"
 #include "longmoe/data.h"
 #include "longmoe/eval.h"
@@ -34,15 +36,9 @@ typedef struct {
     int n_stages, stage;                /* the stages, the current one */
     int64_t total_steps;
     lm_data_mix mix;                    /* the current stage's training data */
-    lm_data_source *val;                /* its validation stream (the first source, held-out seed) */
+    lm_data_source *val;                /* its validation stream (lm_eval_open_validation of the first source) */
     FILE *metrics;
 } trainer;
-
-#define TRY(x)              \
-    do {                    \
-        lm_status s_ = (x); \
-        if (s_) return s_;  \
-    } while (0)
 
 lm_train_options lm_train_options_default(const char *out_dir) {
     lm_train_options o;
@@ -141,6 +137,12 @@ static void close_data(trainer *t) {
     t->val = NULL;
 }
 
+/* The data whose held-out stream validates stage i: its first source. */
+static const char *val_spec_of(const trainer *t, int i) {
+    const lm_stage *st = &t->stages[i];
+    return st->n_data ? st->data[0] : t->cfg.data;
+}
+
 /* Open the training mix and the validation stream of stage i. */
 static lm_status open_data(trainer *t, int i) {
     close_data(t);
@@ -156,12 +158,8 @@ static lm_status open_data(trainer *t, int i) {
             return lm_error(LM_ERR_ARG, "data '%s' has tokens up to %d but model.vocab_size is %d", spec,
                             t->mix.sources[j]->vocab_size - 1, t->cfg.vocab_size);
     }
-    /* validation: a token corpus's held-out split, or a task's held-out stream */
-    const char *first = st->n_data ? st->data[0] : t->cfg.data;
-    char val_spec[80];
-    if (!strncmp(first, "shards:", 7)) snprintf(val_spec, sizeof val_spec, "shards-val:%s", first + 7);
-    else snprintf(val_spec, sizeof val_spec, "%s", first);
-    return lm_data_open(val_spec, t->cfg.seed ^ 0x7e57da7a5eedull, &t->val);
+    /* validation: the same held-out data as `longmoe eval` of the stage's checkpoints */
+    return lm_eval_open_validation(val_spec_of(t, i), t->cfg.seed, &t->val);
 }
 
 /* Stage of a step: the first stage whose cumulative steps exceed it (the last at the end). */
@@ -207,56 +205,6 @@ static void split_batch(const int32_t *seq, int B, int T, int32_t *inp, int32_t 
         memcpy(inp + (size_t)b * T, seq + (size_t)b * (T + 1), (size_t)T * sizeof(int32_t));
         memcpy(tgt + (size_t)b * T, seq + (size_t)b * (T + 1) + 1, (size_t)T * sizeof(int32_t));
     }
-}
-
-lm_status lm_evaluate(lm_model *m, lm_data_source *src, int n_batches, float *loss, float *answer_acc) {
-    const lm_config *c = lm_model_config(m);
-    /* the model's own batch shape */
-    int mb, mt;
-    lm_model_shape(m, &mb, &mt);
-    const int V = c->vocab_size;
-    lm_status st = LM_OK;
-    size_t N = (size_t)mb * mt;
-    int32_t *seq = malloc((size_t)mb * (mt + 1) * sizeof(int32_t)), *inp = malloc(N * 4), *tgt = malloc(N * 4);
-    uint8_t *ans = malloc(N);
-    float *logits = malloc(N * (size_t)V * sizeof(float));
-    if (!seq || !inp || !tgt || !ans || !logits) {
-        st = lm_error(LM_ERR_MEMORY, "out of memory (evaluation)");
-        goto done;
-    }
-    double total = 0;
-    int64_t n_ans = 0, n_right = 0;
-    for (int bi = 0; bi < n_batches; bi++) {
-        if ((st = src->batch(src, bi, mb, mt, seq, ans))) goto done;
-        split_batch(seq, mb, mt, inp, tgt);
-        if ((st = lm_model_logits(m, inp, logits))) goto done;
-        for (size_t i = 0; i < N; i++) {
-            const float *z = logits + i * V;
-            float mx = z[0];
-            int arg = 0;
-            for (int v = 1; v < V; v++)
-                if (z[v] > mx) {
-                    mx = z[v];
-                    arg = v;
-                }
-            double sum = 0;
-            for (int v = 0; v < V; v++) sum += exp((double)z[v] - mx);
-            total += mx + log(sum) - z[tgt[i]];
-            if (ans[i]) {
-                n_ans++;
-                n_right += arg == tgt[i];
-            }
-        }
-    }
-    *loss = (float)(total / ((double)N * n_batches));
-    *answer_acc = n_ans ? (float)n_right / (float)n_ans : NAN;
-done:
-    free(seq);
-    free(inp);
-    free(tgt);
-    free(ans);
-    free(logits);
-    return st;
 }
 
 /* ---- checkpoints ---- */
@@ -447,7 +395,7 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/trainer.json", dir);
     char *text;
     size_t len;
-    TRY(lm_read_text_file(path, &text, &len));
+    TRY(lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len));
     lm_json_doc *doc;
     s = lm_json_parse(text, len, path, &doc);
     free(text);
@@ -478,7 +426,7 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
 static lm_status truncate_metrics(const char *path, int64_t step) {
     char *text;
     size_t len;
-    if (lm_read_text_file(path, &text, &len)) return LM_OK; /* no metrics yet */
+    if (lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len)) return LM_OK; /* no metrics yet */
     char *out = malloc(len + 1);
     if (!out) {
         free(text);
@@ -502,7 +450,6 @@ static lm_status truncate_metrics(const char *path, int64_t step) {
     free(text);
     return st;
 }
-
 /* ---- the loop ---- */
 
 static void format_eta(char *buf, size_t n, double seconds) {
@@ -512,27 +459,35 @@ static void format_eta(char *buf, size_t n, double seconds) {
     else snprintf(buf, n, "%ldm%02lds", s / 60, s % 60);
 }
 
-/* Evaluate without charging the time to the training components. */
+/* Validation loss and answer accuracy on val_batches held-out batches at the
+ * model's shape (the eval module's scoring), without charging the time to the
+ * training components; the {"type": "eval"} line goes to the metrics log. */
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
     lm_model_timings(t->model, before);
-    lm_status s = lm_evaluate(t->model, t->val, t->opt.val_batches, loss, acc);
+    lm_eval_tally tally;
+    lm_status s = lm_eval_loss(t->model, t->val, t->opt.val_batches, lm_eval_options_default().n_buckets, &tally);
     lm_model_timings(t->model, after);
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
-    return s;
+    if (s) return s;
+    lm_eval_result *r = calloc(1, sizeof *r);
+    if (!r) return lm_error(LM_ERR_MEMORY, "out of memory (evaluation result)");
+    r->step = t->step;
+    snprintf(r->val_data, sizeof r->val_data, "%s", val_spec_of(t, t->stage));
+    r->val_length = t->T;
+    lm_eval_result_set_validation(r, &tally);
+    *loss = (float)r->val_loss;
+    *acc = (float)r->answer_accuracy;
+    if (t->metrics) lm_eval_write_validation(r, t->metrics);
+    free(r);
+    return LM_OK;
 }
 
 static void log_eval(trainer *t, float loss, float acc) {
-    if (t->metrics && isfinite(acc))
-        fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": %.6g}\n",
-                (long long)t->step, loss, acc);
-    else if (t->metrics) /* plain text has no answer positions */
-        fprintf(t->metrics, "{\"type\": \"eval\", \"step\": %lld, \"val_loss\": %.9g, \"answer_accuracy\": null}\n",
-                (long long)t->step, loss);
     if (t->opt.progress && isfinite(acc))
         fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s answer accuracy %.1f%%\n", (long long)t->step,
                 loss, t->val->name, 100.0 * acc);
-    else if (t->opt.progress)
+    else if (t->opt.progress) /* plain text has no answer positions */
         fprintf(t->opt.progress, "eval  step %lld | val loss %.4f | %s\n", (long long)t->step, loss, t->val->name);
 }
 
