@@ -348,7 +348,8 @@ static void test_bad_arguments_are_refused(void) {
 }
 
 int main(void) {
-    if (lm_cuda_context_create(&ctx)) {
+    test_skip_without_cuda();
+    if (!test_skip_all_reason && lm_cuda_context_create(&ctx)) {
         fprintf(stderr, "no usable CUDA device: %s\n", lm_last_error());
         return 1;
     }

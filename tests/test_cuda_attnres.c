@@ -387,7 +387,8 @@ static void test_calls_out_of_order_are_refused(void) {
 }
 
 int main(void) {
-    if (lm_cuda_context_create(&ctx) != LM_OK) {
+    test_skip_without_cuda();
+    if (!test_skip_all_reason && lm_cuda_context_create(&ctx) != LM_OK) {
         fprintf(stderr, "no usable CUDA device: %s\n", lm_last_error());
         return 1;
     }

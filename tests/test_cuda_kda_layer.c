@@ -393,7 +393,8 @@ static void test_rejects_bad_arguments(void) {
 }
 
 int main(void) {
-    if (lm_cuda_context_create(&ctx) != LM_OK) {
+    test_skip_without_cuda();
+    if (!test_skip_all_reason && lm_cuda_context_create(&ctx) != LM_OK) {
         fprintf(stderr, "no CUDA context: %s\n", lm_last_error());
         return 1;
     }

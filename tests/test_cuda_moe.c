@@ -157,7 +157,9 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
         differ += memcmp(topk + i * k, ca.topk + i * k, (size_t)k * 4) != 0;
     }
     CHECK(differ == 0, "%s: %lld of %lld tokens routed differently", what, (long long)differ, (long long)m);
-    CHECK(unclear <= m / 50, "%s: %lld tokens with near-ties (inputs should avoid them)", what, (long long)unclear);
+    /* tokens whose top-k order is closer than 1e-5 (the fp32 router products differ in
+     * summation order) are not compared; random inputs leave few of them */
+    CHECK(unclear <= 1 + m / 50, "%s: %lld tokens with near-ties (inputs should avoid them)", what, (long long)unclear);
     for (int j = 0; j <= n; j++)
         CHECK(offs[j] == (int32_t)ca.offsets[j], "%s: offsets[%d] %d vs %lld", what, j, offs[j], (long long)ca.offsets[j]);
     double e;
@@ -400,7 +402,8 @@ static void test_bad_arguments_are_refused(void) {
 }
 
 int main(void) {
-    if (lm_cuda_context_create(&ctx)) {
+    test_skip_without_cuda();
+    if (!test_skip_all_reason && lm_cuda_context_create(&ctx)) {
         fprintf(stderr, "no GPU: %s\n", lm_last_error());
         return 1;
     }

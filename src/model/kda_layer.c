@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "check.h"
 #include "longmoe/backend.h"
 #include "longmoe/linear.h"
 
@@ -85,11 +86,6 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
 
 static lm_backend *backend_of(const lm_kda_layer_config *c) { return c->backend ? c->backend : lm_backend_cpu(); }
 
-#define TRY_OP(x)              \
-    do {                       \
-        lm_status s_ = (x);    \
-        if (s_) return s_;     \
-    } while (0)
 
 /* The layer's forward through the backend's ops; ht (may be NULL, CPU only)
  * receives the operator's final state [B,H,K,K]. */
@@ -100,29 +96,29 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T;
-    TRY_OP(op->matmul_forward(be, a->qp, x, p->W_q, (int64_t)N, d, HK));
-    TRY_OP(op->matmul_forward(be, a->kp, x, p->W_k, (int64_t)N, d, HK));
-    TRY_OP(op->matmul_forward(be, a->vp, x, p->W_v, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->qp, x, p->W_q, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->kp, x, p->W_k, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->vp, x, p->W_v, (int64_t)N, d, HK));
     /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
-    TRY_OP(op->conv_silu_forward(be, a->qc, a->q, a->qk_rnorm, a->qp, p->conv_q, B, T, HK, W, K));
-    TRY_OP(op->conv_silu_forward(be, a->kc, a->k, a->qk_rnorm + N * H, a->kp, p->conv_k, B, T, HK, W, K));
-    TRY_OP(op->conv_silu_forward(be, a->vc, a->v, NULL, a->vp, p->conv_v, B, T, HK, W, K));
-    TRY_OP(op->matmul_forward(be, a->z, x, p->W_z, (int64_t)N, d, HK));
-    TRY_OP(op->matmul_forward(be, a->beta, x, p->W_beta, (int64_t)N, d, H));
-    TRY_OP(op->sigmoid_forward(be, a->beta, a->beta, N * H));
+    TRY(op->conv_silu_forward(be, a->qc, a->q, a->qk_rnorm, a->qp, p->conv_q, B, T, HK, W, K));
+    TRY(op->conv_silu_forward(be, a->kc, a->k, a->qk_rnorm + N * H, a->kp, p->conv_k, B, T, HK, W, K));
+    TRY(op->conv_silu_forward(be, a->vc, a->v, NULL, a->vp, p->conv_v, B, T, HK, W, K));
+    TRY(op->matmul_forward(be, a->z, x, p->W_z, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->beta, x, p->W_beta, (int64_t)N, d, H));
+    TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
     lm_kda_config kc = op_config(c, B, T);
     if (ht) {
         if (be->device != LM_DEVICE_CPU) return lm_error(LM_ERR_ARG, "kda layer: the final state is a CPU feature");
         lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-        TRY_OP(lm_kda_chunk_forward(&kc, &in, a->o, ht));
+        TRY(lm_kda_chunk_forward(&kc, &in, a->o, ht));
     } else {
-        TRY_OP(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, a->o));
+        TRY(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, a->o));
     }
     /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
-    TRY_OP(op->matmul_forward(be, a->gate, x, p->W_g, (int64_t)N, d, HK));
-    TRY_OP(op->kda_output_forward(be, a->gated, a->gated, a->o_rstd, a->gate, a->gate, a->o, p->o_norm, (int64_t)N,
+    TRY(op->matmul_forward(be, a->gate, x, p->W_g, (int64_t)N, d, HK));
+    TRY(op->kda_output_forward(be, a->gated, a->gated, a->o_rstd, a->gate, a->gate, a->o, p->o_norm, (int64_t)N,
                                   H, K, c->eps));
-    TRY_OP(op->matmul_forward(be, y, a->gated, p->W_o, (int64_t)N, HK, d));
+    TRY(op->matmul_forward(be, y, a->gated, p->W_o, (int64_t)N, HK, d));
     return LM_OK;
 }
 
@@ -143,19 +139,19 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     float *d_gated = scratch, *d_o = scratch + NHK, *dq = scratch + 2 * NHK, *dk = scratch + 3 * NHK,
           *dv = scratch + 4 * NHK, *dz = scratch + 5 * NHK, *tmp = scratch + 6 * NHK,
           *dbeta = scratch + 7 * NHK;
-    TRY_OP(be->zero(be, d_gated, NHK * sizeof(float)));
-    TRY_OP(op->matmul_backward(be, d_gated, g->W_o, dy, a->gated, p->W_o, (int64_t)N, HK, d));
+    TRY(be->zero(be, d_gated, NHK * sizeof(float)));
+    TRY(op->matmul_backward(be, d_gated, g->W_o, dy, a->gated, p->W_o, (int64_t)N, HK, d));
     /* the output gate and head norm: dgate-logits into dz (free until the operator), d_o */
-    TRY_OP(op->kda_output_backward(be, d_o, dz, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
+    TRY(op->kda_output_backward(be, d_o, dz, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
                                    H, K, c->eps, tmp));
-    TRY_OP(op->matmul_backward(be, dx, g->W_g, dz, x, p->W_g, (int64_t)N, d, HK));
+    TRY(op->matmul_backward(be, dx, g->W_g, dz, x, p->W_g, (int64_t)N, d, HK));
     /* the operator */
     lm_kda_config kc = op_config(c, B, T);
-    TRY_OP(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
+    TRY(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
                             dbeta, g->A_log, g->dt_bias));
-    TRY_OP(op->matmul_backward(be, dx, g->W_z, dz, x, p->W_z, (int64_t)N, d, HK));
-    TRY_OP(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
-    TRY_OP(op->matmul_backward(be, dx, g->W_beta, dbeta, x, p->W_beta, (int64_t)N, d, H));
+    TRY(op->matmul_backward(be, dx, g->W_z, dz, x, p->W_z, (int64_t)N, d, HK));
+    TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
+    TRY(op->matmul_backward(be, dx, g->W_beta, dbeta, x, p->W_beta, (int64_t)N, d, H));
     /* q, k, v: normalisation and SiLU, the short convolution, the projections */
     float *const douts[3] = {dq, dk, dv};
     const float *const pre[3] = {a->qc, a->kc, a->vc}, *const post[3] = {a->q, a->k, a->v},
@@ -165,9 +161,9 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     for (int j = 0; j < 3; j++) {
         /* the projection's gradient overwrites the operator's (douts[j]) */
-        TRY_OP(op->conv_silu_backward(be, douts[j], conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
+        TRY(op->conv_silu_backward(be, douts[j], conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
                                       B, T, HK, W, K, tmp));
-        TRY_OP(op->matmul_backward(be, dx, Wg[j], douts[j], x, Wm[j], (int64_t)N, d, HK));
+        TRY(op->matmul_backward(be, dx, Wg[j], douts[j], x, Wm[j], (int64_t)N, d, HK));
     }
     return LM_OK;
 }

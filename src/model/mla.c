@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "longmoe/attention.h"
+#include "check.h"
 #include "longmoe/backend.h"
 #include "longmoe/linear.h"
 
@@ -254,15 +255,10 @@ static lm_attention_config core_config(const lm_mla_config *c, int B, int T) {
 }
 
 /* The products and norms of the layer, through the backend's ops (backend.h). */
-#define TRY_OP(x)           \
-    do {                    \
-        lm_status s_ = (x); \
-        if (s_) return s_;  \
-    } while (0)
-#define MM_F(out, inp, w, bias, n, ic, oc) TRY_OP(op->matmul_forward(be, out, inp, w, n, ic, oc))
-#define MM_B(dinp, dw, dbias, dout, inp, w, n, ic, oc) TRY_OP(op->matmul_backward(be, dinp, dw, dout, inp, w, n, ic, oc))
-#define RMS_F(out, rstd, inp, w, n, d, eps) TRY_OP(op->rmsnorm_forward(be, out, NULL, rstd, inp, w, n, d, eps))
-#define RMS_B(dinp, dw, dout, inp, w, rstd, n, d, eps) TRY_OP(op->rmsnorm_backward(be, dinp, dw, dout, inp, w, rstd, n, d, eps))
+#define MM_F(out, inp, w, bias, n, ic, oc) TRY(op->matmul_forward(be, out, inp, w, n, ic, oc))
+#define MM_B(dinp, dw, dbias, dout, inp, w, n, ic, oc) TRY(op->matmul_backward(be, dinp, dw, dout, inp, w, n, ic, oc))
+#define RMS_F(out, rstd, inp, w, n, d, eps) TRY(op->rmsnorm_forward(be, out, NULL, rstd, inp, w, n, d, eps))
+#define RMS_B(dinp, dw, dout, inp, w, rstd, n, d, eps) TRY(op->rmsnorm_backward(be, dinp, dw, dout, inp, w, rstd, n, d, eps))
 
 lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
                          int T, float *y, float *acts) {
@@ -316,10 +312,10 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
     }
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    TRY_OP(op->attention_forward(be, &ac, q, k, v, o, acts + L.lse, acts + L.rowmax));
+    TRY(op->attention_forward(be, &ac, q, k, v, o, acts + L.lse, acts + L.rowmax));
     // y = W_o (sigmoid(W_g x) * o)
     MM_F(gp, x, p->W_g, NULL, N, d, H * Dv);
-    TRY_OP(op->gate_forward(be, gated, gated, gp, o, (size_t)N * H * Dv));
+    TRY(op->gate_forward(be, gated, gated, gp, o, (size_t)N * H * Dv));
     MM_F(y, gated, p->W_o, NULL, N, H * Dv, d);
     return LM_OK;
 }
@@ -345,16 +341,16 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
     scratch_layout S = layout_scratch(c, B, T);
-    TRY_OP(be->zero(be, scratch, S.total * sizeof(float)));
+    TRY(be->zero(be, scratch, S.total * sizeof(float)));
     const float *o = acts + L.o, *gp = acts + L.gp;
     float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
     float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv;
     // through y = W_o (sigmoid(gp) * o)
     MM_B(dgated, g->W_o, NULL, dy, acts + L.gated, p->W_o, N, H * Dv, d);
-    TRY_OP(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
+    TRY(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
     MM_B(dx, g->W_g, NULL, dgp, x, p->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
-    TRY_OP(op->attention_backward(be, &ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq, dk, dv));
+    TRY(op->attention_backward(be, &ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq, dk, dv));
     if (c->kind == LM_ATTN_MLA) {
         const float *lat = acts + L.c;
         float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,

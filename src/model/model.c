@@ -46,12 +46,6 @@ static lm_status add_tensor(lm_model *m, const char *name, int ndim, int64_t s0,
     return LM_OK;
 }
 
-#define TRY(x)                 \
-    do {                       \
-        lm_status s_ = (x);    \
-        if (s_) return s_;     \
-    } while (0)
-
 static float fan_in_std(int64_t fan_in) { return (float)(1.0 / sqrt((double)fan_in)); }
 
 static lm_status plan_kda(lm_model *m, int l, layer_state *ls) {
