@@ -20,7 +20,13 @@
  *
  * Backward ops ACCUMULATE (+=) into fp32 parameter gradients; an op says
  * when it writes (=) an activation gradient instead. Gradient pointers may be
- * NULL to skip them. */
+ * NULL to skip them.
+ *
+ * Token ids (int32) live in the backend's memory too. Ops enqueue their work
+ * in order (a GPU backend on one stream); results that come back to the host
+ * (a loss sum, a head maximum, a non-finite index) synchronise. Scratch that
+ * an op needs beyond its arguments is the backend's own (planned once per
+ * size: the CUDA backend grows one arena on first use and keeps it). */
 #ifndef LONGMOE_BACKEND_H
 #define LONGMOE_BACKEND_H
 
@@ -29,7 +35,10 @@
 
 #include "longmoe/core.h"
 #include "longmoe/attention.h"
+#include "longmoe/attnres.h"
+#include "longmoe/balance.h"
 #include "longmoe/kda.h"
+#include "longmoe/moe.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -67,7 +76,7 @@ typedef struct {
     lm_status (*embedding_forward)(lm_backend *be, float *out, const float *table, const int32_t *tokens,
                                    int64_t n, int d);
     lm_status (*embedding_backward)(lm_backend *be, float *dtable, const float *dout, const int32_t *tokens,
-                                    int64_t n, int d);
+                                    int64_t n, int d, int vocab);
     /* h = act(a, u) elementwise, h also in the product format (h_lp may equal h on the CPU) */
     lm_status (*glu_forward)(lm_backend *be, lm_glu_kind act, float *h, void *h_lp, const float *a, const float *u,
                              size_t n);
@@ -103,6 +112,11 @@ typedef struct {
     lm_status (*attention_backward)(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
                                     const void *v, const void *o, const float *lse, const void *d_o, void *dq,
                                     void *dk, void *dv);
+    /* the largest scaled score per head over the batch, head_max [H] on the
+     * host, from the `rowmax` buffer that attention_forward filled (its
+     * contents are the backend's own: per query on the CPU) */
+    lm_status (*attention_head_max)(lm_backend *be, const lm_attention_config *cfg, const float *rowmax,
+                                    float *head_max);
     /* gated = sigmoid(gate_logits) ⊙ o (fp32, and gated_lp for W_o) */
     lm_status (*gate_forward)(lm_backend *be, float *gated, void *gated_lp, const float *gate_logits,
                               const void *o_lp, size_t n);
@@ -131,7 +145,8 @@ typedef struct {
                               const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
                               float *dbeta, float *dA_log, float *ddt_bias);
     /* gate = sigmoid(gate_logits) (in place: gate may equal gate_logits),
-     * gated = gate ⊙ RMSNorm_head(o; o_norm) (fp32, and gated_lp for W_o), o_rstd [N*H] */
+     * gated = gate ⊙ RMSNorm_head(o; o_norm) into gated_lp (the input of W_o)
+     * and, when gated != NULL, in fp32; o_rstd [N*H] */
     lm_status (*kda_output_forward)(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
                                     const float *gate_logits, const void *o_lp, const float *o_norm, int64_t N, int H,
                                     int K, float eps);
@@ -139,6 +154,46 @@ typedef struct {
     lm_status (*kda_output_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
                                      const float *d_gated, const void *o_lp, const float *o_rstd, const float *gate,
                                      const float *o_norm, int64_t N, int H, int K, float eps, float *tmp);
+
+    /* ---- the MoE layer (moe.h) and its balancing (balance.h) ---- */
+    /* the backend's activations for up to m_max tokens (opaque to the model) */
+    lm_status (*moe_acts_create)(lm_backend *be, const lm_moe_config *cfg, int64_t m_max, void **acts);
+    void (*moe_acts_free)(lm_backend *be, void *acts);
+    /* y[m,d] = MoE(x) (written); bias_host [n] (host, may be NULL) selects, as
+     * in moe.h; p (fp32) and p_lp (the same layout in the product format) */
+    lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const float *bias_host,
+                             const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                             void *acts, int64_t m);
+    /* dx += ..., g += ... for the last forward; dscores_extra [m,n] may be NULL */
+    lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
+                              const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
+                              const lm_moe_params *p_lp, void *acts);
+    /* the router scores s [m,n] of the last forward, in the backend's memory */
+    float *(*moe_scores)(lm_backend *be, void *acts);
+    /* feed the balancer (a host state) with the last forward's scores */
+    lm_status (*moe_balance_observe)(lm_backend *be, lm_balance_state *bal, void *acts, int64_t m);
+    /* the auxiliary balance loss of the last forward (balance = aux): *loss and
+     * dscores [m,n] (backend memory, written) */
+    lm_status (*moe_aux_loss)(lm_backend *be, float *loss, float *dscores, void *acts, int64_t m, int n, int k,
+                              float alpha);
+
+    /* ---- the residual stream over depth (attnres.h): the same calls, a backend state ---- */
+    lm_status (*attnres_create)(lm_backend *be, const lm_attnres_config *cfg, void **state);
+    void (*attnres_free)(lm_backend *be, void *state);
+    lm_status (*attnres_begin)(lm_backend *be, void *state, const float *embedding);
+    lm_status (*attnres_input)(lm_backend *be, void *state, int l, const lm_attnres_params *p, float *h);
+    lm_status (*attnres_add_output)(lm_backend *be, void *state, int l, const float *y);
+    lm_status (*attnres_final)(lm_backend *be, void *state, const lm_attnres_params *p, float *h);
+    lm_status (*attnres_final_backward)(lm_backend *be, void *state, const lm_attnres_params *p, const float *dh,
+                                        lm_attnres_grads *g);
+    lm_status (*attnres_output_backward)(lm_backend *be, void *state, int l, float *dy);
+    lm_status (*attnres_input_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
+                                        const float *dh, lm_attnres_grads *g);
+    lm_status (*attnres_embedding_backward)(lm_backend *be, void *state, float *dembedding);
+
+    /* ---- checks ---- */
+    /* *first = the index of the first non-finite value of x[n], or -1 */
+    lm_status (*find_nonfinite)(lm_backend *be, const float *x, size_t n, int64_t *first);
 } lm_ops;
 
 struct lm_backend {
@@ -154,10 +209,18 @@ struct lm_backend {
     lm_status (*upload)(lm_backend *be, void *dst, const void *host_src, size_t bytes);  /* host -> backend */
     lm_status (*download)(lm_backend *be, void *host_dst, const void *src, size_t bytes);/* backend -> host */
     lm_status (*sync)(lm_backend *be);
+    void (*destroy)(lm_backend *be); /* NULL for the CPU backend */
 };
 
 /* The CPU backend (a process-wide constant: stateless, thread-safe). */
 lm_backend *lm_backend_cpu(void);
+
+/* The CUDA backend on the current device (src/cuda/backend): its own stream,
+ * cuBLASLt handle and scratch arena. LM_ERR_ARG in a build without
+ * CUDA, LM_ERR_IO when no GPU can be used. Free with lm_backend_free. */
+lm_status lm_backend_cuda_create(lm_backend **out);
+/* Free a backend made by a *_create call (the CPU backend is left alone). */
+void lm_backend_free(lm_backend *be);
 
 #ifdef __cplusplus
 }

@@ -756,7 +756,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     TRY(lm_attnres_embedding_backward(&m->ar, m->dx0));
     charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
-    TRY(op->embedding_backward(be, m->grads + m->embed_off, m->dx0, m->tokens, N, d));
+    TRY(op->embedding_backward(be, m->grads + m->embed_off, m->dx0, m->tokens, N, d, V));
     if (m->fault == LM_FAULT_GRADIENT) {
         m->grads[m->n_params / 2] = NAN;
         m->fault = LM_FAULT_NONE;

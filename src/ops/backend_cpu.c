@@ -7,6 +7,8 @@
 #include <string.h>
 
 #include "longmoe/attention.h"
+#include "longmoe/attnres.h"
+#include "longmoe/balance.h"
 #include "longmoe/backend.h"
 #include "longmoe/kda.h"
 #include "longmoe/linear.h"
@@ -108,8 +110,9 @@ static lm_status cpu_embedding_forward(lm_backend *be, float *out, const float *
 }
 
 static lm_status cpu_embedding_backward(lm_backend *be, float *dtable, const float *dout, const int32_t *tokens,
-                                        int64_t n, int d) {
+                                        int64_t n, int d, int vocab) {
     (void)be;
+    (void)vocab;
     /* in token order: deterministic */
     for (int64_t i = 0; i < n; i++) {
         float *row = dtable + (size_t)tokens[i] * d;
@@ -327,6 +330,159 @@ static lm_status cpu_gate_backward(lm_backend *be, void *d_o_lp, float *dgp, con
     return LM_OK;
 }
 
+static lm_status cpu_attention_head_max(lm_backend *be, const lm_attention_config *c, const float *rm,
+                                        float *head_max) {
+    (void)be;
+    for (int h = 0; h < c->H; h++) {
+        float mx = -INFINITY;
+        for (int b = 0; b < c->B; b++)
+            for (int t = 0; t < c->T; t++) {
+                float v = rm[((size_t)b * c->H + h) * c->T + t];
+                mx = v > mx ? v : mx;
+            }
+        head_max[h] = mx;
+    }
+    return LM_OK;
+}
+
+/* ---- the MoE layer and its balancing ---- */
+
+static lm_status cpu_moe_acts_create(lm_backend *be, const lm_moe_config *cfg, int64_t m_max, void **out) {
+    (void)be;
+    *out = NULL;
+    lm_moe_acts *a = calloc(1, sizeof *a);
+    if (!a) return lm_error(LM_ERR_MEMORY, "out of memory for the MoE activations");
+    lm_status st = lm_moe_acts_alloc(a, cfg, m_max);
+    if (st) {
+        free(a);
+        return st;
+    }
+    *out = a;
+    return LM_OK;
+}
+
+static void cpu_moe_acts_free(lm_backend *be, void *acts) {
+    (void)be;
+    if (!acts) return;
+    lm_moe_acts_free(acts);
+    free(acts);
+}
+
+static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const float *bias, const lm_moe_config *cfg,
+                                 const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, int64_t m) {
+    (void)be;
+    (void)p_lp;
+    return lm_moe_forward(y, x, bias, cfg, p, acts, m);
+}
+
+static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
+                                  const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
+                                  const lm_moe_params *p_lp, void *acts) {
+    (void)be;
+    (void)p_lp;
+    return lm_moe_backward(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts);
+}
+
+static float *cpu_moe_scores(lm_backend *be, void *acts) {
+    (void)be;
+    return ((lm_moe_acts *)acts)->s;
+}
+
+static lm_status cpu_moe_balance_observe(lm_backend *be, lm_balance_state *bal, void *acts, int64_t m) {
+    (void)be;
+    return lm_balance_observe(bal, ((lm_moe_acts *)acts)->s, m, 1);
+}
+
+static lm_status cpu_moe_aux_loss(lm_backend *be, float *loss, float *dscores, void *acts, int64_t m, int n, int k,
+                                  float alpha) {
+    (void)be;
+    const lm_moe_acts *a = acts;
+    memset(dscores, 0, (size_t)m * n * sizeof(float));
+    return lm_balance_aux_loss(loss, dscores, a->s, a->topk, m, n, k, alpha);
+}
+
+/* ---- the residual stream over depth ---- */
+
+typedef struct {
+    lm_attnres_state st;
+    void *workspace;
+} cpu_attnres;
+
+static lm_status cpu_attnres_create(lm_backend *be, const lm_attnres_config *cfg, void **out) {
+    (void)be;
+    *out = NULL;
+    lm_attnres_memory_plan plan;
+    lm_status st = lm_attnres_memory(cfg, &plan);
+    if (st) return st;
+    cpu_attnres *a = calloc(1, sizeof *a);
+    size_t bytes = (plan.total + 63) / 64 * 64;
+    if (a) a->workspace = aligned_alloc(64, bytes ? bytes : 64);
+    if (!a || !a->workspace) {
+        free(a);
+        return lm_error(LM_ERR_MEMORY, "out of memory for the residual history (%zu bytes)", bytes);
+    }
+    if ((st = lm_attnres_init(&a->st, cfg, a->workspace, bytes))) {
+        free(a->workspace);
+        free(a);
+        return st;
+    }
+    *out = a;
+    return LM_OK;
+}
+
+static void cpu_attnres_free(lm_backend *be, void *state) {
+    (void)be;
+    cpu_attnres *a = state;
+    if (!a) return;
+    free(a->workspace);
+    free(a);
+}
+
+#define AR(state) (&((cpu_attnres *)(state))->st)
+static lm_status cpu_ar_begin(lm_backend *be, void *s, const float *e) { (void)be; return lm_attnres_begin(AR(s), e); }
+static lm_status cpu_ar_input(lm_backend *be, void *s, int l, const lm_attnres_params *p, float *h) {
+    (void)be;
+    return lm_attnres_input(AR(s), l, p, h);
+}
+static lm_status cpu_ar_add_output(lm_backend *be, void *s, int l, const float *y) {
+    (void)be;
+    return lm_attnres_add_output(AR(s), l, y);
+}
+static lm_status cpu_ar_final(lm_backend *be, void *s, const lm_attnres_params *p, float *h) {
+    (void)be;
+    return lm_attnres_final(AR(s), p, h);
+}
+static lm_status cpu_ar_final_backward(lm_backend *be, void *s, const lm_attnres_params *p, const float *dh,
+                                       lm_attnres_grads *g) {
+    (void)be;
+    return lm_attnres_final_backward(AR(s), p, dh, g);
+}
+static lm_status cpu_ar_output_backward(lm_backend *be, void *s, int l, float *dy) {
+    (void)be;
+    return lm_attnres_output_backward(AR(s), l, dy);
+}
+static lm_status cpu_ar_input_backward(lm_backend *be, void *s, int l, const lm_attnres_params *p, const float *dh,
+                                       lm_attnres_grads *g) {
+    (void)be;
+    return lm_attnres_input_backward(AR(s), l, p, dh, g);
+}
+static lm_status cpu_ar_embedding_backward(lm_backend *be, void *s, float *de) {
+    (void)be;
+    return lm_attnres_embedding_backward(AR(s), de);
+}
+#undef AR
+
+static lm_status cpu_find_nonfinite(lm_backend *be, const float *x, size_t n, int64_t *first) {
+    (void)be;
+    *first = -1;
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) {
+            *first = (int64_t)i;
+            break;
+        }
+    return LM_OK;
+}
+
 static const lm_ops cpu_ops = {
     .matmul_forward = cpu_matmul_forward,
     .matmul_backward = cpu_matmul_backward,
@@ -352,6 +508,25 @@ static const lm_ops cpu_ops = {
     .attention_backward = cpu_attention_backward,
     .gate_forward = cpu_gate_forward,
     .gate_backward = cpu_gate_backward,
+    .attention_head_max = cpu_attention_head_max,
+    .moe_acts_create = cpu_moe_acts_create,
+    .moe_acts_free = cpu_moe_acts_free,
+    .moe_forward = cpu_moe_forward,
+    .moe_backward = cpu_moe_backward,
+    .moe_scores = cpu_moe_scores,
+    .moe_balance_observe = cpu_moe_balance_observe,
+    .moe_aux_loss = cpu_moe_aux_loss,
+    .attnres_create = cpu_attnres_create,
+    .attnres_free = cpu_attnres_free,
+    .attnres_begin = cpu_ar_begin,
+    .attnres_input = cpu_ar_input,
+    .attnres_add_output = cpu_ar_add_output,
+    .attnres_final = cpu_ar_final,
+    .attnres_final_backward = cpu_ar_final_backward,
+    .attnres_output_backward = cpu_ar_output_backward,
+    .attnres_input_backward = cpu_ar_input_backward,
+    .attnres_embedding_backward = cpu_ar_embedding_backward,
+    .find_nonfinite = cpu_find_nonfinite,
 };
 
 static lm_backend cpu_backend = {
@@ -369,3 +544,15 @@ static lm_backend cpu_backend = {
 };
 
 lm_backend *lm_backend_cpu(void) { return &cpu_backend; }
+
+void lm_backend_free(lm_backend *be) {
+    if (be && be != &cpu_backend && be->destroy) be->destroy(be);
+}
+
+#ifndef LONGMOE_HAVE_CUDA
+lm_status lm_backend_cuda_create(lm_backend **out) {
+    *out = NULL;
+    return lm_error(LM_ERR_ARG, "this build has no CUDA backend (nvcc was not found when it was "
+                                        "configured; see README)");
+}
+#endif
