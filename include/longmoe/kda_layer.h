@@ -45,13 +45,14 @@ void lm_kda_layer_params_map(const lm_kda_layer_config *c, float *base, lm_kda_l
 typedef struct {
     float *qp, *kp, *vp;   /* projections before the conv [N,HK] */
     float *qc, *kc, *vc;   /* conv outputs before SiLU [N,HK] */
-    float *q, *k, *v;      /* operator inputs [N,HK] */
-    float *z;              /* [N,HK] */
+    void *q, *k, *v;       /* operator inputs [N,HK], in the backend's product format */
+    float *z;              /* W_z x [N,HK] */
+    void *z_lp;            /* z in the product format (z itself on the CPU) */
     float *beta;           /* sigmoid(W_beta x) [N,H] */
-    float *o;              /* operator output [N,HK] */
+    void *o;               /* operator output [N,HK], product format */
     float *o_rstd;         /* head RMSNorm 1/rms [N*H] */
     float *gate;           /* sigmoid(W_g x) [N,HK] */
-    float *gated;          /* gate ⊙ RMSNorm(o) [N,HK] */
+    void *gated;           /* gate ⊙ RMSNorm(o) [N,HK], product format (the input of W_o) */
     float *qk_rnorm;       /* 1/||SiLU(conv)|| for q then k [2*N*H] */
 } lm_kda_layer_acts;
 
@@ -61,7 +62,8 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
 /* Scratch the backward needs (floats), shared between layers by the caller. */
 size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T);
 
-/* x [B,T,d] -> y [B,T,d]; fills `a`. */
+/* x [B,T,d] -> y [B,T,d]; fills `a`. The CPU's form (fp32 operands); a
+ * backend with a separate product format (config.backend) needs the _lp forms. */
 lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                lm_kda_layer_acts *a, const float *x, int B, int T, float *y);
 /* Given dy [B,T,d], ACCUMULATES into the gradients `g` (same layout as the
@@ -70,6 +72,17 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                                 const lm_kda_layer_params *g, const lm_kda_layer_acts *a,
                                 const float *x, const float *dy, int B, int T, float *dx,
                                 float *scratch);
+
+/* The same on any backend: p_lp holds the parameters in the backend's product
+ * format (on the CPU: p), x_lp the input (on the CPU: x). The backward reads
+ * only x_lp of the input. */
+lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                  const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
+                                  int T, float *y);
+lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                   const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int T,
+                                   float *dx, float *scratch);
 
 /* ---- decode (docs/sampling.md) ----
  * The layer's whole memory of the past is a fixed-size state per sequence:

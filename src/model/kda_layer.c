@@ -48,31 +48,75 @@ void lm_kda_layer_params_map(const lm_kda_layer_config *c, float *base, lm_kda_l
     }
 }
 
+static lm_backend *backend_of(const lm_kda_layer_config *c) { return c->backend ? c->backend : lm_backend_cpu(); }
+
+/* Whether the backend's product format is a separate (bf16) copy: then the
+ * layer keeps lp buffers of its own; on the CPU every lp view is the fp32
+ * tensor itself (backend.h). */
+static int lp_separate(const lm_kda_layer_config *c) { return backend_of(c)->lp_bytes != sizeof(float); }
+
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    return 13 * N * HK + N * H /* beta */ + N * H /* o_rstd */ + 2 * N * H /* qk_rnorm */;
+    return 13 * N * HK + N * H /* beta */ + N * H /* o_rstd */ + 2 * N * H /* qk_rnorm */ +
+           (lp_separate(c) ? N * HK : 0) /* z_lp */;
 }
 
 void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *base,
                            lm_kda_layer_acts *a) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    float **big[] = {&a->qp, &a->kp, &a->vp, &a->qc, &a->kc, &a->vc, &a->q, &a->k,
-                     &a->v, &a->z, &a->o, &a->gate, &a->gated};
+    /* lp buffers are sized in floats: big enough for any product format */
+    float *q, *k, *v, *o, *gated;
+    float **big[] = {&a->qp, &a->kp, &a->vp, &a->qc, &a->kc, &a->vc, &q, &k,
+                     &v, &a->z, &o, &a->gate, &gated};
     for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
         *big[i] = base;
         base += N * HK;
     }
+    a->q = q;
+    a->k = k;
+    a->v = v;
+    a->o = o;
+    a->gated = gated;
     a->beta = base;
     base += N * H;
     a->o_rstd = base;
     base += N * H;
     a->qk_rnorm = base;
+    base += 2 * N * H;
+    a->z_lp = a->z;
+    if (lp_separate(c)) a->z_lp = base;
 }
 
-size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) {
-    size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    return 7 * N * HK + N * H;
+/* Backward scratch: fp32 slots, then (separate product format only) lp slots. */
+typedef struct {
+    size_t d_gated, d_o, dq, dk, dv, dz, tmp, dbeta, dgate, din, dy_lp, dgate_lp, din_lp, dbeta_lp, total;
+} scratch_layout;
+
+static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T) {
+    size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim, sep = lp_separate(c);
+    scratch_layout s;
+    size_t off = 0;
+#define PLACE(f, n) (s.f = off, off += (n))
+    PLACE(d_gated, N * HK);
+    PLACE(d_o, N * HK);
+    PLACE(dq, N * HK);
+    PLACE(dk, N * HK);
+    PLACE(dv, N * HK);
+    PLACE(dz, N * HK);
+    PLACE(tmp, N * HK);
+    PLACE(dbeta, N * H);
+    PLACE(dgate, N * HK);
+    PLACE(din, N * HK);
+    PLACE(dy_lp, sep ? N * (size_t)c->d_model : 0);
+    PLACE(dgate_lp, sep ? N * HK : 0);
+    PLACE(din_lp, sep ? N * HK : 0);
+    PLACE(dbeta_lp, sep ? N * H : 0);
+#undef PLACE
+    s.total = off;
+    return s;
 }
+
+size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) { return layout_scratch(c, B, T).total; }
 
 static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     lm_kda_config k = lm_kda_config_default(B, T, c->heads, c->head_dim, c->head_dim);
@@ -84,27 +128,36 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     return k;
 }
 
-static lm_backend *backend_of(const lm_kda_layer_config *c) { return c->backend ? c->backend : lm_backend_cpu(); }
-
+/* The lp view of fp32 `x`: x itself on the CPU, else `buf` filled by to_lp. */
+static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, const void **out) {
+    if (be->lp_bytes == sizeof(float)) {
+        *out = x;
+        return LM_OK;
+    }
+    *out = buf;
+    return be->ops->to_lp(be, buf, x, n);
+}
 
 /* The layer's forward through the backend's ops; ht (may be NULL, CPU only)
  * receives the operator's final state [B,H,K,K]. */
-static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p, lm_kda_layer_acts *a,
-                               const float *x, int B, int T, float *y, float *ht) {
-    // x is (B,T,d), y is (B,T,d)
+static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                               const lm_kda_layer_params *pl, lm_kda_layer_acts *a, const void *x, int B, int T,
+                               float *y, float *ht) {
+    // x is (B,T,d) in the product format, y is (B,T,d)
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T;
-    TRY(op->matmul_forward(be, a->qp, x, p->W_q, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->kp, x, p->W_k, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->vp, x, p->W_v, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->qp, x, pl->W_q, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->kp, x, pl->W_k, (int64_t)N, d, HK));
+    TRY(op->matmul_forward(be, a->vp, x, pl->W_v, (int64_t)N, d, HK));
     /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
     TRY(op->conv_silu_forward(be, a->qc, a->q, a->qk_rnorm, a->qp, p->conv_q, B, T, HK, W, K));
     TRY(op->conv_silu_forward(be, a->kc, a->k, a->qk_rnorm + N * H, a->kp, p->conv_k, B, T, HK, W, K));
     TRY(op->conv_silu_forward(be, a->vc, a->v, NULL, a->vp, p->conv_v, B, T, HK, W, K));
-    TRY(op->matmul_forward(be, a->z, x, p->W_z, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->beta, x, p->W_beta, (int64_t)N, d, H));
+    TRY(op->matmul_forward(be, a->z, x, pl->W_z, (int64_t)N, d, HK));
+    if (a->z_lp != (void *)a->z) TRY(op->to_lp(be, a->z_lp, a->z, N * HK));
+    TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
     TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
     lm_kda_config kc = op_config(c, B, T);
     if (ht) {
@@ -112,60 +165,82 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
         lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
         TRY(lm_kda_chunk_forward(&kc, &in, a->o, ht));
     } else {
-        TRY(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, a->o));
+        TRY(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z_lp, a->beta, p->A_log, p->dt_bias, a->o));
     }
     /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
-    TRY(op->matmul_forward(be, a->gate, x, p->W_g, (int64_t)N, d, HK));
-    TRY(op->kda_output_forward(be, a->gated, a->gated, a->o_rstd, a->gate, a->gate, a->o, p->o_norm, (int64_t)N,
-                                  H, K, c->eps));
-    TRY(op->matmul_forward(be, y, a->gated, p->W_o, (int64_t)N, HK, d));
+    TRY(op->matmul_forward(be, a->gate, x, pl->W_g, (int64_t)N, d, HK));
+    TRY(op->kda_output_forward(be, lp_separate(c) ? NULL : (float *)a->gated, a->gated, a->o_rstd, a->gate, a->gate,
+                               a->o, p->o_norm, (int64_t)N, H, K, c->eps));
+    TRY(op->matmul_forward(be, y, a->gated, pl->W_o, (int64_t)N, HK, d));
     return LM_OK;
 }
 
 lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                lm_kda_layer_acts *a, const float *x, int B, int T, float *y) {
-    return layer_forward(c, p, a, x, B, T, y, NULL);
+    if (lp_separate(c)) return lm_error(LM_ERR_ARG, "kda layer: this backend needs lm_kda_layer_forward_lp");
+    return layer_forward(c, p, p, a, x, B, T, y, NULL);
+}
+
+lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                  const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
+                                  int T, float *y) {
+    return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL);
+}
+
+lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
+                                   const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T,
+                                   float *dx, float *scratch) {
+    // x is (B,T,d) in the product format; dy is (B,T,d); dx (B,T,d) and g accumulate
+    lm_backend *be = backend_of(c);
+    const lm_ops *op = be->ops;
+    int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
+    size_t N = (size_t)B * T, NHK = N * HK;
+    scratch_layout S = layout_scratch(c, B, T);
+    float *d_gated = scratch + S.d_gated, *tmp = scratch + S.tmp, *dbeta = scratch + S.dbeta,
+          *dgate = scratch + S.dgate, *din = scratch + S.din;
+    void *d_o = scratch + S.d_o, *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv,
+         *dz = scratch + S.dz;
+    const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
+    TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
+    TRY(be->zero(be, d_gated, NHK * sizeof(float)));
+    TRY(op->matmul_backward(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
+    /* the output gate and head norm: d gate-logits, d_o */
+    TRY(op->kda_output_backward(be, d_o, dgate, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
+                                H, K, c->eps, tmp));
+    TRY(lp_view(be, dgate, scratch + S.dgate_lp, NHK, &dgate_lp));
+    TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+    /* the operator */
+    lm_kda_config kc = op_config(c, B, T);
+    TRY(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z_lp, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
+                         dbeta, g->A_log, g->dt_bias));
+    TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
+    TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
+    TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
+    TRY(op->matmul_backward(be, dx, g->W_beta, dbeta_lp, x, pl->W_beta, (int64_t)N, d, H));
+    /* q, k, v: normalisation and SiLU, the short convolution, the projections */
+    void *const douts[3] = {dq, dk, dv};
+    const float *const pre[3] = {a->qc, a->kc, a->vc}, *const proj[3] = {a->qp, a->kp, a->vp};
+    const void *const post[3] = {a->q, a->k, a->v};
+    const float *const rn[3] = {a->qk_rnorm, a->qk_rnorm + N * H, NULL};
+    const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
+    const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
+    float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
+    for (int j = 0; j < 3; j++) {
+        TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j], B, T,
+                                   HK, W, K, tmp));
+        TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
+        TRY(op->matmul_backward(be, dx, Wg[j], din_lp, x, Wm[j], (int64_t)N, d, HK));
+    }
+    return LM_OK;
 }
 
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *g, const lm_kda_layer_acts *a,
                                 const float *x, const float *dy, int B, int T, float *dx,
                                 float *scratch) {
-    // dy is (B,T,d); dx (B,T,d) and g accumulate
-    lm_backend *be = backend_of(c);
-    const lm_ops *op = be->ops;
-    int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
-    size_t N = (size_t)B * T, NHK = N * HK;
-    float *d_gated = scratch, *d_o = scratch + NHK, *dq = scratch + 2 * NHK, *dk = scratch + 3 * NHK,
-          *dv = scratch + 4 * NHK, *dz = scratch + 5 * NHK, *tmp = scratch + 6 * NHK,
-          *dbeta = scratch + 7 * NHK;
-    TRY(be->zero(be, d_gated, NHK * sizeof(float)));
-    TRY(op->matmul_backward(be, d_gated, g->W_o, dy, a->gated, p->W_o, (int64_t)N, HK, d));
-    /* the output gate and head norm: dgate-logits into dz (free until the operator), d_o */
-    TRY(op->kda_output_backward(be, d_o, dz, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
-                                   H, K, c->eps, tmp));
-    TRY(op->matmul_backward(be, dx, g->W_g, dz, x, p->W_g, (int64_t)N, d, HK));
-    /* the operator */
-    lm_kda_config kc = op_config(c, B, T);
-    TRY(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
-                            dbeta, g->A_log, g->dt_bias));
-    TRY(op->matmul_backward(be, dx, g->W_z, dz, x, p->W_z, (int64_t)N, d, HK));
-    TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
-    TRY(op->matmul_backward(be, dx, g->W_beta, dbeta, x, p->W_beta, (int64_t)N, d, H));
-    /* q, k, v: normalisation and SiLU, the short convolution, the projections */
-    float *const douts[3] = {dq, dk, dv};
-    const float *const pre[3] = {a->qc, a->kc, a->vc}, *const post[3] = {a->q, a->k, a->v},
-                       *const proj[3] = {a->qp, a->kp, a->vp};
-    const float *const rn[3] = {a->qk_rnorm, a->qk_rnorm + N * H, NULL};
-    const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v}, *const Wm[3] = {p->W_q, p->W_k, p->W_v};
-    float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
-    for (int j = 0; j < 3; j++) {
-        /* the projection's gradient overwrites the operator's (douts[j]) */
-        TRY(op->conv_silu_backward(be, douts[j], conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
-                                      B, T, HK, W, K, tmp));
-        TRY(op->matmul_backward(be, dx, Wg[j], douts[j], x, Wm[j], (int64_t)N, d, HK));
-    }
-    return LM_OK;
+    if (lp_separate(c)) return lm_error(LM_ERR_ARG, "kda layer: this backend needs lm_kda_layer_backward_lp");
+    return lm_kda_layer_backward_lp(c, p, p, g, a, x, dy, B, T, dx, scratch);
 }
 
 /* ---- decode ---- */
@@ -206,7 +281,7 @@ lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_
     if (T < 1) return lm_error(LM_ERR_ARG, "kda layer prefill: T=%d must be >= 1", T);
     const int B = cache->B, HK = c->heads * c->head_dim, W = c->conv_width;
     /* the layer's forward, keeping the operator's final state */
-    lm_status s = layer_forward(c, p, a, x, B, T, y, cache->S);
+    lm_status s = layer_forward(c, p, p, a, x, B, T, y, cache->S);
     if (s) return s;
     /* the conv history: projections of the last W-1 tokens (zero before the start) */
     const float *proj[3] = {a->qp, a->kp, a->vp};
