@@ -1,17 +1,34 @@
-/* `longmoe plan --config C [--context N]`: parameters (total and active per
- * token), forward FLOPs per token and memory per token, by component. */
+/* `longmoe plan --config C [--context N] [--layout DP,EP,CP,PP[,TP] ...]`:
+ * parameters (total and active per token), forward FLOPs per token and memory
+ * per token, by component; with --layout, the memory, FLOPs, collective bytes
+ * and time per GPU and step of that parallel layout (docs/scaleout.md). */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
 #include "longmoe/config.h"
+#include "longmoe/layout_plan.h"
 
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
-    "inference cache per token of context (bf16). Training costs about 3x the forward.\n";
+    "inference cache per token of context (bf16). Training costs about 3x the forward.\n"
+    "\n"
+    "With --layout DP,EP,CP,PP[,TP] it sizes that layout on DP*CP*PP*TP GPUs (EP divides\n"
+    "DP*CP): memory per GPU, FLOPs, the bytes one GPU sends per step in every collective\n"
+    "and a time estimate (docs/scaleout.md). Options of the layout:\n"
+    "  --global-tokens N     tokens per optimizer step (default: DP x context, times\n"
+    "                        4 x PP micro-batches when PP > 1)\n"
+    "  --gpus-per-node N     GPUs joined by NVLink (default 8)\n"
+    "  --nvlink-gbytes X     NVLink bandwidth per GPU in GB/s (default 900)\n"
+    "  --ib-gbits X          InfiniBand bandwidth per GPU in Gb/s (default 400)\n"
+    "  --peak-tflops X       dense bf16 peak per GPU (default 989)\n"
+    "  --mfu X               fraction of the peak reached (default 0.4)\n";
+
+static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
+                        long context, long long global_tokens);
 
 static void human(char *buf, size_t n, double x, const char *unit) {
     const char *pre[] = {"", "K", "M", "G", "T", "P"};
@@ -24,8 +41,9 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 }
 
 int cmd_plan(int argc, char **argv) {
-    const char *cmd = "plan", *path = NULL;
-    long context = -1;
+    const char *cmd = "plan", *path = NULL, *layout_text = NULL;
+    long context = -1, gpn = 8;
+    double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
         const char *v;
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
@@ -36,6 +54,22 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--context")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--context", v, 1, 1L << 30, &context))
                 return 2;
+        } else if (!strcmp(argv[i], "--layout")) {
+            if (!(layout_text = cli_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(argv[i], "--gpus-per-node")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, argv[i - 1], v, 1, 1 << 20, &gpn)) return 2;
+        } else if (!strcmp(argv[i], "--global-tokens") || !strcmp(argv[i], "--nvlink-gbytes") ||
+                   !strcmp(argv[i], "--ib-gbits") || !strcmp(argv[i], "--peak-tflops") || !strcmp(argv[i], "--mfu")) {
+            const char *flag = argv[i];
+            double x;
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_double(cmd, flag, v, &x)) return 2;
+            if (!(x > 0)) {
+                cli_fail(cmd, "%s must be positive, got %s", flag, v);
+                return 2;
+            }
+            double *dst = !strcmp(flag, "--global-tokens") ? &global_tokens : !strcmp(flag, "--nvlink-gbytes") ? &nvlink
+                          : !strcmp(flag, "--ib-gbits") ? &ib : !strcmp(flag, "--peak-tflops") ? &tflops : &mfu;
+            *dst = x;
         } else {
             cli_fail(cmd, "unknown option '%s' (see --help)", argv[i]);
             return 2;
@@ -48,6 +82,20 @@ int cmd_plan(int argc, char **argv) {
     lm_config c;
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
+    if (layout_text) {
+        lm_layout layout;
+        if (lm_layout_parse(layout_text, &layout)) return cli_fail(cmd, "%s", lm_last_error());
+        lm_cluster k = lm_cluster_default();
+        k.gpus_per_node = (int)gpn;
+        k.nvlink_bytes_per_s = nvlink * 1e9;
+        k.ib_bytes_per_s = ib * 1e9 / 8;
+        k.peak_flops = tflops * 1e12;
+        k.mfu = mfu;
+        /* default: 4 micro-batches a stage keep the pipeline bubble at (PP-1)/(4 PP) */
+        long long gt = global_tokens > 0 ? (long long)global_tokens
+                                         : (long long)layout.dp * context * (layout.pp > 1 ? 4 * layout.pp : 1);
+        return print_layout(cmd, &c, &layout, &k, context, gt);
+    }
     lm_plan p;
     lm_config_plan(&c, context, &p);
     int n_mla = 0;
@@ -82,5 +130,48 @@ int cmd_plan(int argc, char **argv) {
     printf("training memory for weights (bf16) + fp32 master, grads and one optimizer moment: %s\n", m);
     human(f, sizeof f, 3 * p.total_flops, "");
     printf("training FLOPs per token (about 3x forward): %s\n", f);
+    return 0;
+}
+
+static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
+                        long context, long long global_tokens) {
+    lm_layout_plan p;
+    if (lm_layout_plan_compute(c, layout, k, context, global_tokens, &p)) return cli_fail(cmd, "%s", lm_last_error());
+    char a[32], b[32], f[32];
+    printf("layout DP %d x EP %d x CP %d x PP %d x TP %d = %d GPUs (%d a node; NVLink %.0f GB/s, IB %.0f Gb/s)\n",
+           layout->dp, layout->ep, layout->cp, layout->pp, layout->tp, p.n_gpus, k->gpus_per_node,
+           k->nvlink_bytes_per_s / 1e9, k->ib_bytes_per_s * 8 / 1e9);
+    human(a, sizeof a, (double)global_tokens, "");
+    printf("context %ld, %s tokens a step: %d micro-batches of one sequence per DP replica, %lld tokens per GPU "
+           "each\n\n", context, a, p.micro_batches, (long long)p.tokens_per_gpu);
+    printf("pipeline stages (layers) and the Block AttnRes sources crossing each boundary:\n");
+    for (int s = 0; s < layout->pp; s++) {
+        printf("  stage %3d: layers %3d-%3d", s, p.stage_first_layer[s], p.stage_first_layer[s] + p.stage_layers[s] - 1);
+        if (s < layout->pp - 1)
+            printf("   -> %d sources x d_model per token cross to stage %d\n", p.boundary_sources[s], s + 1);
+        else
+            printf("\n");
+    }
+    printf("\nmemory per GPU (busiest stage, %d):\n", p.busiest_stage);
+    human(a, sizeof a, p.dense_params, "");
+    human(b, sizeof b, p.expert_params, "");
+    printf("  parameters held: %s dense + %s of experts\n", a, b);
+    const char *names[5] = {"weights (bf16)", "gradients (fp32)", "optimizer (ZeRO-1)", "activations", "total"};
+    double vals[5] = {p.weight_bytes, p.grad_bytes, p.optimizer_bytes, p.activation_bytes, p.total_bytes};
+    for (int i = 0; i < 5; i++) {
+        printf("  %-20s %10.2f GiB\n", names[i], vals[i] / (1024.0 * 1024 * 1024));
+    }
+    human(f, sizeof f, p.flops_per_gpu, "FLOP");
+    printf("\ncompute per GPU and step: %s, %.3f s at %.0f%% of %.0f TFLOP/s; pipeline bubble %.1f%%\n", f, p.compute_s,
+           100 * k->mfu, k->peak_flops / 1e12, 100 * p.bubble_fraction);
+    printf("\n%-26s %12s %6s %8s %10s\n", "collective (per GPU, step)", "bytes sent", "group", "link", "seconds");
+    for (int i = 0; i < LM_COLL_COUNT; i++) {
+        human(a, sizeof a, p.coll_bytes[i], "B");
+        printf("%-26s %12s %6d %8s %10.4f\n", lm_collective_name((lm_collective)i), a, p.coll_group[i],
+               p.coll_crosses_nodes[i] ? "IB" : "NVLink", p.coll_s[i]);
+    }
+    printf("\nstep estimate: %.3f s (compute with bubble; gradient and weight traffic hidden under it;\n"
+           "the other collectives added) -> %.0f tokens/s on %d GPUs\n", p.step_s, (double)global_tokens / p.step_s,
+           p.n_gpus);
     return 0;
 }

@@ -1,0 +1,109 @@
+/* Collective communication between ranks (docs/scaleout.md; SPEC §9).
+ *
+ * One handle, lm_comm, gives every rank of a job the same collectives:
+ *   all-reduce (sum), reduce-scatter (sum), all-gather (equal or variable
+ *   sizes), all-to-all with variable byte counts, broadcast, barrier.
+ * Engines behind it:
+ *   LM_COMM_SELF  one rank, no dependency (the default of a build without MPI)
+ *   LM_COMM_MPI   CPU ranks started by mpirun (built when CMake finds MPI:
+ *                 LONGMOE_MPI=ON, then LONGMOE_HAVE_MPI is defined)
+ *   LM_COMM_NCCL  GPU ranks (not built yet; the enum value is reserved and
+ *                 lm_comm_open says so)
+ *
+ * Memory. Buffers live where the engine works: host memory for SELF and MPI,
+ * device memory for a device engine, whose calls are ordered on the stream set
+ * by lm_comm_set_stream (host engines ignore the stream). Each handle keeps one
+ * scratch buffer that the reductions use, grown on first need; call
+ * lm_comm_reserve before a step to keep allocation out of it.
+ *
+ * Determinism. Every sum is computed in a fixed order that depends only on
+ * the number of ranks and the count, never on timing or the MPI library's
+ * algorithm: the elements are split into one contiguous chunk per rank
+ * (rank r owns [n r / R, n (r+1) / R)), each owner adds the ranks'
+ * contributions of its chunk in rank order 0, 1, ..., R-1, and the sums are
+ * gathered. So all ranks receive bit-identical results, equal to the serial
+ * loop `acc = x_0; acc += x_1; ...; acc += x_{R-1}` in the element type
+ * (int32 sums wrap modulo 2^32).
+ *
+ * Every collective must be called by all ranks of the handle in the same
+ * order with matching sizes; counts are in elements of `dtype` for the
+ * reductions and in bytes for the data movement. */
+#ifndef LONGMOE_COMM_H
+#define LONGMOE_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { LM_COMM_SELF = 0, LM_COMM_MPI = 1, LM_COMM_NCCL = 2 } lm_comm_engine;
+
+typedef struct lm_comm lm_comm;
+
+/* Name of an engine ("self", "mpi", "nccl"). */
+const char *lm_comm_engine_name(lm_comm_engine engine);
+/* 1 when this build has the engine. */
+int lm_comm_engine_available(lm_comm_engine engine);
+
+/* Open a handle on all ranks of the job. MPI: initialises MPI when nobody has
+ * (then lm_comm_close finalises it) and works on a duplicate of
+ * MPI_COMM_WORLD. An engine this build lacks is an LM_ERR_ARG error. */
+lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out);
+/* Release the handle (NULL is allowed); collective on all ranks. */
+void lm_comm_close(lm_comm *comm);
+
+int lm_comm_rank(const lm_comm *comm);
+int lm_comm_size(const lm_comm *comm);
+lm_comm_engine lm_comm_engine_of(const lm_comm *comm);
+
+/* The stream (a cudaStream_t for a device engine) that later calls are
+ * ordered on; host engines ignore it. */
+void lm_comm_set_stream(lm_comm *comm, void *stream);
+
+/* Grow the handle's scratch to at least the bytes that a sum of `count`
+ * elements of `dtype` needs (all_reduce or reduce_scatter of that count). */
+lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype);
+
+/* Sum over ranks of `count` elements (F32, F64 or I32); send == recv is
+ * allowed (in place). Every rank receives the same bits. */
+lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, size_t count, lm_dtype dtype);
+
+/* send [R][count] on every rank; recv [count] on rank r = sum over ranks of
+ * their send[r] (in rank order). send and recv must not overlap. */
+lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv, size_t count,
+                                     lm_dtype dtype);
+
+/* send [bytes] on every rank; recv [R][bytes] in rank order. */
+lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes);
+
+/* Variable sizes: rank r sends send_bytes (= recv_bytes[r] on every rank),
+ * placed at recv + recv_offsets[r]. */
+lm_status lm_comm_all_gatherv(lm_comm *comm, const void *send, size_t send_bytes, void *recv,
+                              const size_t *recv_bytes, const size_t *recv_offsets);
+
+/* Rank r sends send_bytes[q] bytes from send + send_offsets[q] to rank q,
+ * which receives them at recv + recv_offsets[r] and must have
+ * recv_bytes[r] == that count (lm_comm_exchange_counts gives it). Counts may
+ * be zero. send and recv must not overlap. Arrays have lm_comm_size entries. */
+lm_status lm_comm_all_to_allv(lm_comm *comm, const void *send, const size_t *send_bytes,
+                              const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                              const size_t *recv_offsets);
+
+/* recv_counts[p] = the send_counts[r] of rank p, for this rank r: the counts
+ * an all_to_allv will deliver (one int64 per peer). */
+lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int64_t *recv_counts);
+
+/* Copy `bytes` at buf on rank `root` into buf on every rank. */
+lm_status lm_comm_broadcast(lm_comm *comm, void *buf, size_t bytes, int root);
+
+/* Return when every rank has entered. */
+lm_status lm_comm_barrier(lm_comm *comm);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,331 @@
+/* The communication layer's engine-independent part (docs/scaleout.md): the
+ * handle, argument checks, the deterministic sums built from all-to-all and
+ * all-gather, and the one-rank engine "self". */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "comm_internal.h"
+
+const char *lm_comm_engine_name(lm_comm_engine engine) {
+    switch (engine) {
+    case LM_COMM_SELF: return "self";
+    case LM_COMM_MPI: return "mpi";
+    case LM_COMM_NCCL: return "nccl";
+    }
+    return "?";
+}
+
+int lm_comm_engine_available(lm_comm_engine engine) {
+    if (engine == LM_COMM_SELF) return 1;
+#ifdef LONGMOE_HAVE_MPI
+    if (engine == LM_COMM_MPI) return 1;
+#endif
+    return 0;
+}
+
+/* ---- the self engine: one rank, every collective a copy ---- */
+
+static lm_status self_all_to_allv(lm_comm *c, const void *send, const size_t *send_bytes,
+                                  const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                                  const size_t *recv_offsets) {
+    if (send_bytes[0])
+        memmove((char *)recv + recv_offsets[0], (const char *)send + send_offsets[0], send_bytes[0]);
+    return LM_OK;
+}
+
+static lm_status self_all_gatherv(lm_comm *c, const void *send, size_t send_bytes, void *recv,
+                                  const size_t *recv_bytes, const size_t *recv_offsets) {
+    if (send_bytes) memmove((char *)recv + recv_offsets[0], send, send_bytes);
+    return LM_OK;
+}
+
+static lm_status self_broadcast(lm_comm *c, void *buf, size_t bytes, int root) { return LM_OK; }
+static lm_status self_barrier(lm_comm *c) { return LM_OK; }
+static void self_close(lm_comm *c) {}
+
+static const lm_comm_ops self_ops = {"self", self_all_to_allv, self_all_gatherv, self_broadcast,
+                                     self_barrier, self_close};
+
+/* ---- the handle ---- */
+
+lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
+    if (!out) return lm_error(LM_ERR_ARG, "comm open: out is NULL");
+    *out = NULL;
+    if (!lm_comm_engine_available(engine))
+        return lm_error(LM_ERR_ARG, "comm open: engine '%s' is not in this build%s", lm_comm_engine_name(engine),
+                        engine == LM_COMM_MPI ? " (configure with an MPI library and -DLONGMOE_MPI=ON)"
+                        : engine == LM_COMM_NCCL ? " (the NCCL engine is not written yet)" : "");
+    lm_comm *c = calloc(1, sizeof *c);
+    if (!c) return lm_error(LM_ERR_MEMORY, "comm open: out of memory");
+    c->engine = engine;
+    if (engine == LM_COMM_SELF) {
+        c->ops = &self_ops;
+        c->rank = 0;
+        c->size = 1;
+    }
+#ifdef LONGMOE_HAVE_MPI
+    if (engine == LM_COMM_MPI) {
+        lm_status st = lm_comm_mpi_attach(c);
+        if (st) {
+            free(c);
+            return st;
+        }
+    }
+#endif
+    c->tables = calloc(6 * (size_t)c->size, sizeof(size_t));
+    if (!c->tables) {
+        int size = c->size;
+        c->ops->close(c);
+        free(c);
+        return lm_error(LM_ERR_MEMORY, "comm open: out of memory for %d ranks' tables", size);
+    }
+    *out = c;
+    return LM_OK;
+}
+
+void lm_comm_close(lm_comm *comm) {
+    if (!comm) return;
+    comm->ops->close(comm);
+    free(comm->scratch);
+    free(comm->tables);
+    free(comm);
+}
+
+int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
+int lm_comm_size(const lm_comm *comm) { return comm->size; }
+lm_comm_engine lm_comm_engine_of(const lm_comm *comm) { return comm->engine; }
+void lm_comm_set_stream(lm_comm *comm, void *stream) { comm->stream = stream; }
+
+/* ---- checks ---- */
+
+static lm_status check_sum_dtype(const char *what, lm_dtype dtype) {
+    if (dtype == LM_DTYPE_F32 || dtype == LM_DTYPE_F64 || dtype == LM_DTYPE_I32) return LM_OK;
+    return lm_error(LM_ERR_ARG, "%s: dtype must be F32, F64 or I32, got %s", what,
+                    (unsigned)dtype < LM_DTYPE_COUNT ? lm_dtype_name(dtype) : "invalid");
+}
+
+#define CHECK_COMM(what)                                                        \
+    do {                                                                        \
+        if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", (what));     \
+    } while (0)
+
+#define CHECK_PTR(what, p, needed)                                                          \
+    do {                                                                                    \
+        if ((needed) && !(p)) return lm_error(LM_ERR_ARG, "%s: %s is NULL", (what), #p);    \
+    } while (0)
+
+/* Element range of rank r's chunk when n elements are split over R ranks. */
+static size_t chunk_start(size_t n, int r, int R) { return (size_t)((uint64_t)n * (uint64_t)r / (uint64_t)R); }
+
+static lm_status scratch_grow(lm_comm *c, size_t bytes) {
+    if (bytes <= c->scratch_bytes) return LM_OK;
+    unsigned char *p = realloc(c->scratch, bytes);
+    if (!p) return lm_error(LM_ERR_MEMORY, "comm: out of memory growing the scratch to %zu bytes", bytes);
+    c->scratch = p;
+    c->scratch_bytes = bytes;
+    return LM_OK;
+}
+
+/* Scratch bytes of a sum of n elements: R received copies of the largest
+ * chunk plus the chunk's sum (all-reduce), or R copies of n (reduce-scatter). */
+static size_t sum_scratch_bytes(size_t n, int R, size_t es) {
+    size_t chunk = n / (size_t)R + 1;
+    size_t ar = ((size_t)R + 1) * chunk * es, rs = (size_t)R * n * es;
+    return ar > rs ? ar : rs;
+}
+
+lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype) {
+    CHECK_COMM("comm reserve");
+    TRY(check_sum_dtype("comm reserve", dtype));
+    if (comm->size == 1) return LM_OK;
+    return scratch_grow(comm, sum_scratch_bytes(count, comm->size, lm_dtype_size(dtype)));
+}
+
+/* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
+ * added in rank order; int32 wraps. */
+static void sum_rows_in_rank_order(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
+    if (dtype == LM_DTYPE_F32) {
+        float *a = acc;
+        const float *x = rows;
+        memcpy(a, x, m * sizeof *a);
+        for (int p = 1; p < R; p++)
+            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
+    } else if (dtype == LM_DTYPE_F64) {
+        double *a = acc;
+        const double *x = rows;
+        memcpy(a, x, m * sizeof *a);
+        for (int p = 1; p < R; p++)
+            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
+    } else {
+        uint32_t *a = acc;
+        const uint32_t *x = rows;
+        memcpy(a, x, m * sizeof *a);
+        for (int p = 1; p < R; p++)
+            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
+    }
+}
+
+/* Owner-computes sum. Rank q owns elements [off[q], off[q] + len[q]) of each
+ * rank's `send` (element offsets, len in elements): every rank sends that
+ * range to q, q adds the R copies in rank order into `acc` (len[rank]). */
+static lm_status sum_by_owner(lm_comm *c, const void *send, const size_t *len, const size_t *off, void *acc,
+                              unsigned char *rows, lm_dtype dtype) {
+    const int R = c->size;
+    const size_t es = lm_dtype_size(dtype), m = len[c->rank];
+    size_t *sb = c->tables, *so = sb + R, *rb = so + R, *ro = rb + R;
+    for (int q = 0; q < R; q++) {
+        sb[q] = len[q] * es;
+        so[q] = off[q] * es;
+        rb[q] = m * es;
+        ro[q] = (size_t)q * m * es;
+    }
+    TRY(c->ops->all_to_allv(c, send, sb, so, rows, rb, ro));
+    sum_rows_in_rank_order(acc, rows, m, R, dtype);
+    return LM_OK;
+}
+
+lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, size_t count, lm_dtype dtype) {
+    const char *what = "comm all_reduce_sum";
+    CHECK_COMM(what);
+    TRY(check_sum_dtype(what, dtype));
+    CHECK_PTR(what, send, count);
+    CHECK_PTR(what, recv, count);
+    if (!count) return LM_OK;
+    const int R = comm->size;
+    const size_t es = lm_dtype_size(dtype);
+    if (R == 1) {
+        if (send != recv) memmove(recv, send, count * es);
+        return LM_OK;
+    }
+    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
+    size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
+    for (int q = 0; q < R; q++) {
+        off[q] = chunk_start(count, q, R);
+        len[q] = chunk_start(count, q + 1, R) - off[q];
+    }
+    const size_t m = len[comm->rank];
+    unsigned char *rows = comm->scratch, *acc = rows + (size_t)R * m * es;
+    lm_status st = sum_by_owner(comm, send, len, off, acc, rows, dtype);
+    if (!st) {
+        /* every owner's sum to every rank, at its place */
+        size_t *rb = comm->tables, *ro = rb + R;
+        for (int q = 0; q < R; q++) {
+            rb[q] = len[q] * es;
+            ro[q] = off[q] * es;
+        }
+        st = comm->ops->all_gatherv(comm, acc, m * es, recv, rb, ro);
+    }
+    return st;
+}
+
+lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv, size_t count,
+                                     lm_dtype dtype) {
+    const char *what = "comm reduce_scatter_sum";
+    CHECK_COMM(what);
+    TRY(check_sum_dtype(what, dtype));
+    CHECK_PTR(what, send, count);
+    CHECK_PTR(what, recv, count);
+    if (!count) return LM_OK;
+    const int R = comm->size;
+    const size_t es = lm_dtype_size(dtype);
+    const char *s = send, *r = recv;
+    if (s < r + count * es && r < s + (size_t)R * count * es)
+        return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
+    if (R == 1) {
+        memcpy(recv, send, count * es);
+        return LM_OK;
+    }
+    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
+    size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
+    for (int q = 0; q < R; q++) {
+        len[q] = count;
+        off[q] = (size_t)q * count;
+    }
+    return sum_by_owner(comm, send, len, off, recv, comm->scratch, dtype);
+}
+
+lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes) {
+    const char *what = "comm all_gather";
+    CHECK_COMM(what);
+    CHECK_PTR(what, send, bytes);
+    CHECK_PTR(what, recv, bytes);
+    if (!bytes) return LM_OK;
+    const int R = comm->size;
+    size_t *rb = comm->tables, *ro = rb + R;
+    for (int q = 0; q < R; q++) {
+        rb[q] = bytes;
+        ro[q] = (size_t)q * bytes;
+    }
+    return comm->ops->all_gatherv(comm, send, bytes, recv, rb, ro);
+}
+
+lm_status lm_comm_all_gatherv(lm_comm *comm, const void *send, size_t send_bytes, void *recv,
+                              const size_t *recv_bytes, const size_t *recv_offsets) {
+    const char *what = "comm all_gatherv";
+    CHECK_COMM(what);
+    CHECK_PTR(what, send, send_bytes);
+    CHECK_PTR(what, recv_bytes, 1);
+    CHECK_PTR(what, recv_offsets, 1);
+    if (recv_bytes[comm->rank] != send_bytes)
+        return lm_error(LM_ERR_ARG, "%s: send_bytes %zu differs from recv_bytes[%d] = %zu", what, send_bytes,
+                        comm->rank, recv_bytes[comm->rank]);
+    size_t total = 0;
+    for (int q = 0; q < comm->size; q++) total += recv_bytes[q];
+    CHECK_PTR(what, recv, total);
+    return comm->ops->all_gatherv(comm, send, send_bytes, recv, recv_bytes, recv_offsets);
+}
+
+lm_status lm_comm_all_to_allv(lm_comm *comm, const void *send, const size_t *send_bytes,
+                              const size_t *send_offsets, void *recv, const size_t *recv_bytes,
+                              const size_t *recv_offsets) {
+    const char *what = "comm all_to_allv";
+    CHECK_COMM(what);
+    CHECK_PTR(what, send_bytes, 1);
+    CHECK_PTR(what, send_offsets, 1);
+    CHECK_PTR(what, recv_bytes, 1);
+    CHECK_PTR(what, recv_offsets, 1);
+    size_t ns = 0, nr = 0;
+    for (int q = 0; q < comm->size; q++) {
+        ns += send_bytes[q];
+        nr += recv_bytes[q];
+    }
+    CHECK_PTR(what, send, ns);
+    CHECK_PTR(what, recv, nr);
+    if (comm->size == 1 && send_bytes[0] != recv_bytes[0])
+        return lm_error(LM_ERR_ARG, "%s: send_bytes[0] = %zu but recv_bytes[0] = %zu on one rank", what,
+                        send_bytes[0], recv_bytes[0]);
+    return comm->ops->all_to_allv(comm, send, send_bytes, send_offsets, recv, recv_bytes, recv_offsets);
+}
+
+lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int64_t *recv_counts) {
+    const char *what = "comm exchange_counts";
+    CHECK_COMM(what);
+    CHECK_PTR(what, send_counts, 1);
+    CHECK_PTR(what, recv_counts, 1);
+    if (send_counts == recv_counts) return lm_error(LM_ERR_ARG, "%s: send_counts and recv_counts are one array", what);
+    const int R = comm->size;
+    size_t *sb = comm->tables, *so = sb + R, *rb = so + R, *ro = rb + R;
+    for (int q = 0; q < R; q++) {
+        sb[q] = rb[q] = sizeof(int64_t);
+        so[q] = ro[q] = (size_t)q * sizeof(int64_t);
+    }
+    return comm->ops->all_to_allv(comm, send_counts, sb, so, recv_counts, rb, ro);
+}
+
+lm_status lm_comm_broadcast(lm_comm *comm, void *buf, size_t bytes, int root) {
+    const char *what = "comm broadcast";
+    CHECK_COMM(what);
+    CHECK_PTR(what, buf, bytes);
+    if (root < 0 || root >= comm->size)
+        return lm_error(LM_ERR_ARG, "%s: root %d is not a rank of %d", what, root, comm->size);
+    if (!bytes) return LM_OK;
+    return comm->ops->broadcast(comm, buf, bytes, root);
+}
+
+lm_status lm_comm_barrier(lm_comm *comm) {
+    CHECK_COMM("comm barrier");
+    return comm->ops->barrier(comm);
+}
