@@ -114,7 +114,9 @@ typedef struct {
                                     void *dk, void *dv);
     /* the largest scaled score per head over the batch, head_max [H] on the
      * host, from the `rowmax` buffer that attention_forward filled (its
-     * contents are the backend's own: per query on the CPU) */
+     * contents are the backend's own: per query on the CPU, the maximum of
+     * each query; on the GPU, the per-head maxima themselves in its first H
+     * floats, which this call downloads (synchronising)) */
     lm_status (*attention_head_max)(lm_backend *be, const lm_attention_config *cfg, const float *rowmax,
                                     float *head_max);
     /* gated = sigmoid(gate_logits) ⊙ o (fp32, and gated_lp for W_o) */

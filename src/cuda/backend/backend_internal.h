@@ -1,0 +1,42 @@
+/* The small kernels of the CUDA backend (src/cuda/backend/backend_kernels.cu):
+ * the elementwise ops the operator library has no kernel for yet, the target
+ * logit of the cross-entropy, the router entropy of the balancer's monitoring
+ * and the first non-finite index. Device pointers; each call enqueues on
+ * ctx->stream and returns without waiting. Included by .cu files only. */
+#ifndef LONGMOE_CUDA_BACKEND_INTERNAL_H
+#define LONGMOE_CUDA_BACKEND_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "longmoe/core.h"
+#include "longmoe/cuda_context.h"
+
+/* h = act(a, u) (moe.h's lm_expert_act_forward), into h (fp32, may be NULL)
+ * and h_bf16 (may be NULL). act: LM_EXPERT_SWIGLU or LM_EXPERT_SITU_GLU. */
+lm_status lm_cuda_backend_glu_forward(const lm_cuda_context *ctx, int act, float *h, uint16_t *h_bf16,
+                                      const float *a, const float *u, size_t n);
+/* da = dh * dact/da, du = dh * dact/du (WRITTEN; lm_expert_act_backward). */
+lm_status lm_cuda_backend_glu_backward(const lm_cuda_context *ctx, int act, float *da, float *du, const float *dh,
+                                       const float *a, const float *u, size_t n);
+/* gated = sigmoid(gp) * fp32(o) into gated (may be NULL) and gated_bf16 (may be NULL). */
+lm_status lm_cuda_backend_gate_forward(const lm_cuda_context *ctx, float *gated, uint16_t *gated_bf16,
+                                       const float *gp, const uint16_t *o, size_t n);
+/* s = sigmoid(gp): d_o = bf16(dgated s), dgp = dgated o s (1 - s) (both WRITTEN). */
+lm_status lm_cuda_backend_gate_backward(const lm_cuda_context *ctx, uint16_t *d_o, float *dgp, const float *dgated,
+                                        const float *gp, const uint16_t *o, size_t n);
+/* target_logit[r] = hn[r,:] . head[targets[r],:] (bf16 operands, fp32 sum
+ * in a fixed warp order), r < n. */
+lm_status lm_cuda_backend_target_logit(const lm_cuda_context *ctx, float *target_logit, const uint16_t *hn,
+                                       const uint16_t *head, const int32_t *targets, int64_t n, int d);
+/* ent[i] = log S - sum_j s_ij log s_ij / S with S = sum_j s_ij (0 when S = 0),
+ * the router entropy of token i as lm_balance_observe measures it; NaN when a
+ * score of the token is outside [0, 1] or not finite. scores [m, n]. */
+lm_status lm_cuda_backend_router_entropy(const lm_cuda_context *ctx, float *ent, const float *scores, int64_t m,
+                                         int n);
+/* *first_device (an unsigned long long) = the smallest i < n with x[i] not
+ * finite, or n when there is none (integer atomic minimum: order-free). */
+lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned long long *first_device,
+                                          const float *x, size_t n);
+
+#endif

@@ -1,0 +1,201 @@
+/* The CUDA backend's own small kernels (src/cuda/backend/backend_internal.h):
+ * elementwise GLU and gate ops with the CPU backend's formulas, the LM head's
+ * target logit, the router entropy and the first non-finite index. */
+#include <math.h>
+#include <stdint.h>
+
+#include "cuda/backend/backend_internal.h"
+#include "cuda/cuda_check.h"
+#include "cuda/linear/linear_common.cuh"
+#include "longmoe/moe.h"
+
+#define BK_THREADS 256
+
+/* sigmoid, stable for any finite x (lm_sigmoidf's two branches) */
+__device__ __forceinline__ float bk_sigmoid(float x) {
+    if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+    float e = expf(x);
+    return e / (1.0f + e);
+}
+
+/* h = act(a, u): SwiGLU silu(a) u, or SiTU-GLU 4 tanh(a/4) sigmoid(a) 25 tanh(u/25) */
+__device__ __forceinline__ float bk_act(int act, float a, float u) {
+    if (act == LM_EXPERT_SITU_GLU) return 4.0f * tanhf(0.25f * a) * bk_sigmoid(a) * 25.0f * tanhf(u / 25.0f);
+    return a * bk_sigmoid(a) * u;
+}
+
+__global__ void bk_glu_forward_kernel(int act, float *h, uint16_t *h_bf16, const float *a, const float *u,
+                                      size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = bk_act(act, a[i], u[i]);
+        if (h) h[i] = v;
+        if (h_bf16) h_bf16[i] = lin_f32_to_bf16(v);
+    }
+}
+
+__global__ void bk_glu_backward_kernel(int act, float *da, float *du, const float *dh, const float *a,
+                                       const float *u, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = a[i], y = u[i], sg = bk_sigmoid(x), ha, hu;
+        if (act == LM_EXPERT_SITU_GLU) {
+            float ta = tanhf(0.25f * x), tu = tanhf(y / 25.0f);
+            float fa = 4.0f * ta * sg, gu = 25.0f * tu;
+            /* d/da [4 tanh(a/4) sigma(a)] = (1 - tanh^2) sigma + 4 tanh sigma (1 - sigma) */
+            ha = ((1.0f - ta * ta) * sg + fa * (1.0f - sg)) * gu;
+            hu = fa * (1.0f - tu * tu);
+        } else {
+            ha = y * sg * (1.0f + x * (1.0f - sg));
+            hu = x * sg;
+        }
+        float g = dh[i];
+        da[i] = g * ha;
+        du[i] = g * hu;
+    }
+}
+
+__global__ void bk_gate_forward_kernel(float *gated, uint16_t *gated_bf16, const float *gp, const uint16_t *o,
+                                       size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = bk_sigmoid(gp[i]) * lin_bf16_to_f32(o[i]);
+        if (gated) gated[i] = v;
+        if (gated_bf16) gated_bf16[i] = lin_f32_to_bf16(v);
+    }
+}
+
+__global__ void bk_gate_backward_kernel(uint16_t *d_o, float *dgp, const float *dgated, const float *gp,
+                                        const uint16_t *o, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float s = bk_sigmoid(gp[i]), g = dgated[i];
+        float ov = lin_bf16_to_f32(o[i]);
+        d_o[i] = lin_f32_to_bf16(g * s);
+        dgp[i] = g * ov * s * (1.0f - s);
+    }
+}
+
+/* one warp per row: lane l sums columns l, l + 32, ...; then a fixed butterfly */
+__global__ void bk_target_logit_kernel(float *target_logit, const uint16_t *hn, const uint16_t *head,
+                                       const int32_t *targets, int64_t n, int d) {
+    int64_t r = (int64_t)blockIdx.x * (BK_THREADS / 32) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (r >= n) return; /* the whole warp leaves together */
+    const uint16_t *x = hn + r * d, *w = head + (int64_t)targets[r] * d;
+    float acc = 0.0f;
+    for (int c = lane; c < d; c += 32) acc += lin_bf16_to_f32(x[c]) * lin_bf16_to_f32(w[c]);
+    acc = lin_warp_sum(acc);
+    if (lane == 0) target_logit[r] = acc;
+}
+
+/* one thread per token, experts in order j = 0..n-1 as on the CPU */
+__global__ void bk_router_entropy_kernel(float *ent, const float *scores, int64_t m, int n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
+        const float *si = scores + i * n;
+        float sum = 0.0f, slog = 0.0f;
+        int ok = 1;
+        for (int j = 0; j < n; j++) {
+            float v = si[j];
+            ok &= v >= 0.0f && v <= 1.0f; /* false for NaN too */
+            sum += v;
+            slog += v > 0.0f ? v * logf(v) : 0.0f;
+        }
+        ent[i] = !ok ? __int_as_float(0x7fc00000) : sum > 0.0f ? logf(sum) - slog / sum : 0.0f;
+    }
+}
+
+__global__ void bk_fill_u64_kernel(unsigned long long *p, unsigned long long v) { *p = v; }
+
+__global__ void bk_first_nonfinite_kernel(unsigned long long *first, const float *x, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        if (!isfinite(x[i])) atomicMin(first, (unsigned long long)i);
+}
+
+static lm_status bk_check(const lm_cuda_context *ctx, const char *fn) {
+    if (!ctx || !ctx->stream) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_glu_forward(const lm_cuda_context *ctx, int act, float *h, uint16_t *h_bf16,
+                                                   const float *a, const float *u, size_t n) {
+    lm_status st = bk_check(ctx, "glu_forward");
+    if (st || n == 0) return st;
+    if (act != LM_EXPERT_SWIGLU && act != LM_EXPERT_SITU_GLU)
+        return lm_error(LM_ERR_ARG, "glu_forward: act = %d is not an expert activation", act);
+    if (!a || !u || (!h && !h_bf16)) return lm_error(LM_ERR_ARG, "glu_forward: a, u or both outputs are NULL");
+    bk_glu_forward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(act, h, h_bf16, a,
+                                                                                                 u, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_glu_backward(const lm_cuda_context *ctx, int act, float *da, float *du,
+                                                    const float *dh, const float *a, const float *u, size_t n) {
+    lm_status st = bk_check(ctx, "glu_backward");
+    if (st || n == 0) return st;
+    if (act != LM_EXPERT_SWIGLU && act != LM_EXPERT_SITU_GLU)
+        return lm_error(LM_ERR_ARG, "glu_backward: act = %d is not an expert activation", act);
+    if (!da || !du || !dh || !a || !u) return lm_error(LM_ERR_ARG, "glu_backward: a pointer is NULL");
+    bk_glu_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(act, da, du, dh, a,
+                                                                                                  u, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_gate_forward(const lm_cuda_context *ctx, float *gated, uint16_t *gated_bf16,
+                                                    const float *gp, const uint16_t *o, size_t n) {
+    lm_status st = bk_check(ctx, "gate_forward");
+    if (st || n == 0) return st;
+    if (!gp || !o || (!gated && !gated_bf16))
+        return lm_error(LM_ERR_ARG, "gate_forward: gate_logits, o or both outputs are NULL");
+    bk_gate_forward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(gated, gated_bf16,
+                                                                                                  gp, o, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_gate_backward(const lm_cuda_context *ctx, uint16_t *d_o, float *dgp,
+                                                     const float *dgated, const float *gp, const uint16_t *o,
+                                                     size_t n) {
+    lm_status st = bk_check(ctx, "gate_backward");
+    if (st || n == 0) return st;
+    if (!d_o || !dgp || !dgated || !gp || !o) return lm_error(LM_ERR_ARG, "gate_backward: a pointer is NULL");
+    bk_gate_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(d_o, dgp, dgated,
+                                                                                                   gp, o, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_target_logit(const lm_cuda_context *ctx, float *target_logit,
+                                                    const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                                                    int64_t n, int d) {
+    lm_status st = bk_check(ctx, "target_logit");
+    if (st || n <= 0) return st;
+    const int rows_per_block = BK_THREADS / 32;
+    int64_t blocks = (n + rows_per_block - 1) / rows_per_block;
+    if (blocks > INT32_MAX) return lm_error(LM_ERR_ARG, "target_logit: n = %lld too large", (long long)n);
+    bk_target_logit_kernel<<<(unsigned)blocks, BK_THREADS, 0, lin_stream(ctx)>>>(target_logit, hn, head, targets, n,
+                                                                                  d);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_router_entropy(const lm_cuda_context *ctx, float *ent, const float *scores,
+                                                      int64_t m, int n) {
+    lm_status st = bk_check(ctx, "router_entropy");
+    if (st || m <= 0) return st;
+    bk_router_entropy_kernel<<<lin_grid_for(ctx, (size_t)m, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(ent, scores,
+                                                                                                            m, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned long long *first_device,
+                                                       const float *x, size_t n) {
+    lm_status st = bk_check(ctx, "first_nonfinite");
+    if (st) return st;
+    cudaStream_t s = lin_stream(ctx);
+    bk_fill_u64_kernel<<<1, 1, 0, s>>>(first_device, (unsigned long long)n);
+    LM_CUDA_TRY(cudaGetLastError());
+    if (n == 0) return LM_OK;
+    bk_first_nonfinite_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, s>>>(first_device, x, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
