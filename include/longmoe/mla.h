@@ -101,8 +101,18 @@ lm_status lm_mla_backward(const lm_mla_config *cfg, const lm_mla_params *p, cons
                           const float *acts, const float *dy, int B, int T, float *dx,
                           const lm_mla_params *g, float *scratch);
 
+/* The forward and backward on any backend (config.backend): p_lp holds the
+ * parameters in the backend's product format (on the CPU: p), x_lp the input
+ * (on the CPU: x); the backward reads only x_lp of the input. */
+lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                            const void *x_lp, int B, int T, float *y, float *acts);
+lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                             const void *x_lp, const float *acts, const float *dy, int B, int T, float *dx,
+                             const lm_mla_params *g, float *scratch);
+
 /* smax [H] = each head's largest scaled pre-softmax logit in the forward that
- * filled `acts` (for QK-Clip, include/longmoe/optim.h). */
+ * filled `acts` (for QK-Clip, include/longmoe/optim.h); CPU layers only (any
+ * backend: the backend's attention_head_max). */
 lm_status lm_mla_max_logits(const lm_mla_config *cfg, const float *acts, int B, int T, float *smax);
 
 /* ---- decode ---- */

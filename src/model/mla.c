@@ -137,8 +137,15 @@ void lm_mla_params_init(const lm_mla_config *c, const lm_mla_params *p, lm_rng *
 
 /* Offsets (in floats) of the saved activations; absent ones have size 0. */
 typedef struct {
-    size_t ql, qn, q_rstd, kvl, c, kv_rstd, kn, kr, q, k, v, o, lse, rowmax, gp, gated, total;
+    size_t ql, qn, q_rstd, kvl, c, kv_rstd, kn, kr, q, k, v, o, lse, rowmax, gp, gated;
+    size_t qn_lp, c_lp, q_lp, k_lp, v_lp; /* product-format copies (separate product format only) */
+    size_t total;
 } acts_layout;
+
+static lm_backend *backend_of(const lm_mla_config *c) { return c->backend ? c->backend : lm_backend_cpu(); }
+/* Whether the backend's product format is a separate (bf16) copy (backend.h):
+ * then o and gated hold that format and the lp slots exist. */
+static int lp_separate(const lm_mla_config *c) { return backend_of(c)->lp_bytes != sizeof(float); }
 
 static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     const size_t N = (size_t)B * T, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
@@ -163,15 +170,30 @@ static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     PLACE(rowmax, N * H);
     PLACE(gp, N * H * Dv);
     PLACE(gated, N * H * Dv);
+    const size_t sep = lp_separate(c);
+    PLACE(qn_lp, sep && mla ? N * c->q_lora : 0);
+    PLACE(c_lp, sep && mla ? N * c->kv_lora : 0);
+    PLACE(q_lp, sep ? N * H * Dk : 0);
+    PLACE(k_lp, sep ? N * Hk * Dk : 0);
+    PLACE(v_lp, sep ? N * Hk * Dv : 0);
 #undef PLACE
     a.total = off;
+    if (!sep) {
+        a.qn_lp = a.qn;
+        a.c_lp = a.c;
+        a.q_lp = a.q;
+        a.k_lp = a.k;
+        a.v_lp = a.v;
+    }
     return a;
 }
 
 size_t lm_mla_acts_floats(const lm_mla_config *c, int B, int T) { return layout_acts(c, B, T).total; }
 
 typedef struct {
-    size_t dgated, dgp, d_o, dq, dk, dv, dkn, dkr, dc, dkvl, dqn, dql, total;
+    size_t dgated, dgp, d_o, dq, dk, dv, dkn, dkr, dc, dkvl, dqn, dql;
+    size_t dy_lp, dgp_lp, dkvl_lp, dql_lp; /* separate product format only */
+    size_t total;
 } scratch_layout;
 
 static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
@@ -193,6 +215,11 @@ static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     PLACE(dkvl, mla ? N * c->kv_lora : 0);
     PLACE(dqn, mla ? N * c->q_lora : 0);
     PLACE(dql, mla ? N * c->q_lora : 0);
+    const size_t sep = lp_separate(c);
+    PLACE(dy_lp, sep ? N * (size_t)c->d_model : 0);
+    PLACE(dgp_lp, sep ? N * H * Dv : 0);
+    PLACE(dkvl_lp, sep && mla ? N * c->kv_lora : 0);
+    PLACE(dql_lp, sep && mla ? N * c->q_lora : 0);
 #undef PLACE
     s.total = off;
     return s;
@@ -260,13 +287,24 @@ static lm_attention_config core_config(const lm_mla_config *c, int B, int T) {
 #define RMS_F(out, rstd, inp, w, n, d, eps) TRY(op->rmsnorm_forward(be, out, NULL, rstd, inp, w, n, d, eps))
 #define RMS_B(dinp, dw, dout, inp, w, rstd, n, d, eps) TRY(op->rmsnorm_backward(be, dinp, dw, dout, inp, w, rstd, n, d, eps))
 
-lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
-                         int T, float *y, float *acts) {
-    // x (B,T,d) -> y (B,T,d); acts (lm_mla_acts_floats)
+/* The lp view of fp32 `x` (n floats): x itself on the CPU, else the slot
+ * `buf` filled by to_lp. */
+static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, const void **out) {
+    if (be->lp_bytes == sizeof(float)) {
+        *out = x;
+        return LM_OK;
+    }
+    *out = buf;
+    return be->ops->to_lp(be, buf, x, n);
+}
+
+lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                            int B, int T, float *y, float *acts) {
+    // x (B,T,d) in the product format -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
     if (st) return st;
-    if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "mla forward: x, y and acts are required");
-    lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
+    if (!x || !y || !acts || !pl) return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
+    lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     if (c->rope_dims && be->device != LM_DEVICE_CPU)
         return lm_error(LM_ERR_ARG, "mla: rope_dims=%d: RoPE runs on the CPU only (the recipe's MLA is NoPE)",
@@ -276,18 +314,21 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
     const int r = c->rope_dims, Dn = Dk - r, Hk = kv_heads(c);
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
+    const int sep = lp_separate(c);
     float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v;
     if (c->kind == LM_ATTN_MLA) {
         float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
         // q = W_uq RMSNorm(W_dq x); c = RMSNorm(W_dkv x)   (SPEC §3)
-        MM_F(ql, x, p->W_dq, NULL, N, d, c->q_lora);
-        RMS_F(qn, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora, eps);
-        MM_F(q, qn, p->W_uq, NULL, N, c->q_lora, H * Dk);
-        MM_F(kvl, x, p->W_dkv, NULL, N, d, c->kv_lora);
-        RMS_F(lat, acts + L.kv_rstd, kvl, p->kv_norm, N, c->kv_lora, eps);
+        MM_F(ql, x, pl->W_dq, NULL, N, d, c->q_lora);
+        TRY(op->rmsnorm_forward(be, qn, sep ? acts + L.qn_lp : NULL, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora,
+                                eps));
+        MM_F(q, acts + L.qn_lp, pl->W_uq, NULL, N, c->q_lora, H * Dk);
+        MM_F(kvl, x, pl->W_dkv, NULL, N, d, c->kv_lora);
+        TRY(op->rmsnorm_forward(be, lat, sep ? acts + L.c_lp : NULL, acts + L.kv_rstd, kvl, p->kv_norm, N,
+                                c->kv_lora, eps));
         // k_h = W_uk,h c (+ the shared rotary key kr), v_h = W_uv,h c
         if (r == 0) {
-            MM_F(k, lat, p->W_uk, NULL, N, c->kv_lora, H * Dk);
+            MM_F(k, acts + L.c_lp, pl->W_uk, NULL, N, c->kv_lora, H * Dk);
         } else {
             float *kn = acts + L.kn, *kr = acts + L.kr;
             MM_F(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
@@ -302,35 +343,48 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
                     memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
                 }
         }
-        MM_F(v, lat, p->W_uv, NULL, N, c->kv_lora, H * Dv);
+        MM_F(v, acts + L.c_lp, pl->W_uv, NULL, N, c->kv_lora, H * Dv);
     } else {
-        MM_F(q, x, p->W_q, NULL, N, d, H * Dk);
-        MM_F(k, x, p->W_k, NULL, N, d, Hk * Dk);
-        MM_F(v, x, p->W_v, NULL, N, d, Hk * Dv);
+        MM_F(q, x, pl->W_q, NULL, N, d, H * Dk);
+        MM_F(k, x, pl->W_k, NULL, N, d, Hk * Dk);
+        MM_F(v, x, pl->W_v, NULL, N, d, Hk * Dv);
         rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
         rope_apply(k, N, T, Hk, Dk, r, c->rope_base, 0, 0);
     }
+    if (sep) {
+        TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
+        TRY(op->to_lp(be, acts + L.k_lp, k, (size_t)N * Hk * Dk));
+        TRY(op->to_lp(be, acts + L.v_lp, v, (size_t)N * Hk * Dv));
+    }
+    /* o and gated are in the product format */
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_forward(be, &ac, q, k, v, o, acts + L.lse, acts + L.rowmax));
+    TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
+                              acts + L.rowmax));
     // y = W_o (sigmoid(W_g x) * o)
-    MM_F(gp, x, p->W_g, NULL, N, d, H * Dv);
-    TRY(op->gate_forward(be, gated, gated, gp, o, (size_t)N * H * Dv));
-    MM_F(y, gated, p->W_o, NULL, N, H * Dv, d);
+    MM_F(gp, x, pl->W_g, NULL, N, d, H * Dv);
+    TRY(op->gate_forward(be, sep ? NULL : gated, gated, gp, o, (size_t)N * H * Dv));
+    MM_F(y, gated, pl->W_o, NULL, N, H * Dv, d);
     return LM_OK;
+}
+
+lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const float *x, int B, int T, float *y,
+                         float *acts) {
+    if (lp_separate(c)) return lm_error(LM_ERR_ARG, "mla forward: this backend needs lm_mla_forward_lp");
+    return lm_mla_forward_lp(c, p, p, x, B, T, y, acts);
 }
 
 /* ---------------------------------------------------------------- backward */
 
-lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x,
-                          const float *acts, const float *dy, int B, int T, float *dx,
-                          const lm_mla_params *g, float *scratch) {
-    // x, dy, dx (B,T,d); acts from lm_mla_forward; gradients accumulate (+=)
+lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
+                             const lm_mla_params *g, float *scratch) {
+    // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
     lm_status st = check_run(c, p, B, T);
     if (st) return st;
-    if (!x || !acts || !dy || !scratch)
-        return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy and scratch are required");
-    lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
+    if (!x || !acts || !dy || !scratch || !pl)
+        return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy, scratch and p_lp are required");
+    lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     lm_mla_params none;
     memset(&none, 0, sizeof none);
@@ -343,21 +397,27 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
     scratch_layout S = layout_scratch(c, B, T);
     TRY(be->zero(be, scratch, S.total * sizeof(float)));
     const float *o = acts + L.o, *gp = acts + L.gp;
+    /* d_o, dq, dk, dv are in the product format */
     float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
     float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv;
+    const void *dy_lp, *dgp_lp;
+    TRY(lp_view(be, dy, scratch + S.dy_lp, (size_t)N * d, &dy_lp));
     // through y = W_o (sigmoid(gp) * o)
-    MM_B(dgated, g->W_o, NULL, dy, acts + L.gated, p->W_o, N, H * Dv, d);
+    MM_B(dgated, g->W_o, NULL, dy_lp, acts + L.gated, pl->W_o, N, H * Dv, d);
     TRY(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
-    MM_B(dx, g->W_g, NULL, dgp, x, p->W_g, N, d, H * Dv);
+    TRY(lp_view(be, dgp, scratch + S.dgp_lp, (size_t)N * H * Dv, &dgp_lp));
+    MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_backward(be, &ac, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq, dk, dv));
+    TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq, dk,
+                               dv));
     if (c->kind == LM_ATTN_MLA) {
-        const float *lat = acts + L.c;
+        const float *lat = acts + L.c_lp;
         float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,
               *dql = scratch + S.dql;
-        MM_B(dc, g->W_uv, NULL, dv, lat, p->W_uv, N, c->kv_lora, H * Dv);
+        const void *dkvl_lp, *dql_lp;
+        MM_B(dc, g->W_uv, NULL, dv, lat, pl->W_uv, N, c->kv_lora, H * Dv);
         if (r == 0) {
-            MM_B(dc, g->W_uk, NULL, dk, lat, p->W_uk, N, c->kv_lora, H * Dk);
+            MM_B(dc, g->W_uk, NULL, dk, lat, pl->W_uk, N, c->kv_lora, H * Dk);
         } else {
             float *dkn = scratch + S.dkn, *dkr = scratch + S.dkr;
             // split dk into the per-head latent part and the shared rotary key (summed over heads)
@@ -375,19 +435,27 @@ lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const 
         }
         RMS_B(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
                             c->kv_lora, eps);
-        MM_B(dx, g->W_dkv, NULL, dkvl, x, p->W_dkv, N, d, c->kv_lora);
-        MM_B(dqn, g->W_uq, NULL, dq, acts + L.qn, p->W_uq, N, c->q_lora, H * Dk);
+        TRY(lp_view(be, dkvl, scratch + S.dkvl_lp, (size_t)N * c->kv_lora, &dkvl_lp));
+        MM_B(dx, g->W_dkv, NULL, dkvl_lp, x, pl->W_dkv, N, d, c->kv_lora);
+        MM_B(dqn, g->W_uq, NULL, dq, acts + L.qn_lp, pl->W_uq, N, c->q_lora, H * Dk);
         RMS_B(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
                             c->q_lora, eps);
-        MM_B(dx, g->W_dq, NULL, dql, x, p->W_dq, N, d, c->q_lora);
+        TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * c->q_lora, &dql_lp));
+        MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
     } else {
         rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
         rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, 0, 1);
-        MM_B(dx, g->W_q, NULL, dq, x, p->W_q, N, d, H * Dk);
-        MM_B(dx, g->W_k, NULL, dk, x, p->W_k, N, d, Hk * Dk);
-        MM_B(dx, g->W_v, NULL, dv, x, p->W_v, N, d, Hk * Dv);
+        MM_B(dx, g->W_q, NULL, dq, x, pl->W_q, N, d, H * Dk);
+        MM_B(dx, g->W_k, NULL, dk, x, pl->W_k, N, d, Hk * Dk);
+        MM_B(dx, g->W_v, NULL, dv, x, pl->W_v, N, d, Hk * Dv);
     }
     return LM_OK;
+}
+
+lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x, const float *acts,
+                          const float *dy, int B, int T, float *dx, const lm_mla_params *g, float *scratch) {
+    if (lp_separate(c)) return lm_error(LM_ERR_ARG, "mla backward: this backend needs lm_mla_backward_lp");
+    return lm_mla_backward_lp(c, p, p, x, acts, dy, B, T, dx, g, scratch);
 }
 
 #undef MM_F
