@@ -114,6 +114,9 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
  * filled `acts` (for QK-Clip, include/longmoe/optim.h); CPU layers only (any
  * backend: the backend's attention_head_max). */
 lm_status lm_mla_max_logits(const lm_mla_config *cfg, const float *acts, int B, int T, float *smax);
+/* The attention's row-maximum buffer inside `acts` ([B,H,T] floats; what a
+ * backend's attention_forward leaves there is read by its attention_head_max). */
+float *lm_mla_acts_rowmax(const lm_mla_config *cfg, float *acts, int B, int T);
 
 /* ---- decode ---- */
 typedef struct {

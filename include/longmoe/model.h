@@ -47,8 +47,23 @@ typedef struct {
 
 typedef struct lm_model lm_model;
 
-/* Plan and allocate a model for micro-batches of B sequences of T tokens. */
+/* Plan and allocate a model for micro-batches of B sequences of T tokens, on
+ * the CPU. */
 lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out);
+/* The same on a backend (backend.h; NULL: the CPU). The model keeps the
+ * parameters and gradients of lm_model_params / lm_model_grads on the host
+ * (the optimizer's and the checkpoints'); a backend with memory of its own
+ * also holds fp32 copies and a product-format (bf16) copy of the parameters,
+ * and the gradients, there. lm_model_init and lm_model_copy_state mark the
+ * host parameters newer: the next forward uploads them. After changing host
+ * parameters in any other way (an optimizer step, QK-Clip, loading), call
+ * lm_model_upload_params; after a backward, lm_model_download_grads brings
+ * the gradients to the host. On the CPU both are no-ops. The backend must
+ * outlive the model. */
+lm_status lm_model_create_on(const lm_config *cfg, int B, int T, struct lm_backend *backend, lm_model **out);
+struct lm_backend *lm_model_backend(const lm_model *m);
+lm_status lm_model_upload_params(lm_model *m);
+lm_status lm_model_download_grads(lm_model *m);
 void lm_model_free(lm_model *m);
 
 /* Initialise every parameter from `seed` (reproducible) and reset the balancing. */

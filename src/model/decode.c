@@ -63,6 +63,9 @@ lm_status lm_decoder_create(lm_model *m, int B, int max_T, lm_decoder **out) {
     if (!out) return lm_error(LM_ERR_ARG, "decoder: out is NULL");
     *out = NULL;
     if (!m) return lm_error(LM_ERR_ARG, "decoder: model is NULL");
+    if (m->be->device != LM_DEVICE_CPU)
+        return lm_error(LM_ERR_ARG, "decoding runs on a CPU model; this model is on the %s backend (load its "
+                        "checkpoint into a CPU model to sample)", lm_device_name(m->be->device));
     if (B < 1 || max_T < 1 || (int64_t)B * max_T > (1 << 26))
         return lm_error(LM_ERR_ARG, "decoder: B=%d sequences of max_T=%d tokens is out of range (each >= 1, "
                         "B*max_T <= 2^26)", B, max_T);

@@ -664,6 +664,8 @@ lm_status lm_mla_decode_step(const lm_mla_config *c, const lm_mla_params *p,
     return LM_OK;
 }
 
+float *lm_mla_acts_rowmax(const lm_mla_config *c, float *acts, int B, int T) { return acts + layout_acts(c, B, T).rowmax; }
+
 lm_status lm_mla_max_logits(const lm_mla_config *c, const float *acts, int B, int T, float *smax) {
     // acts from lm_mla_forward -> smax (H): the largest scaled q.k logit of each head
     lm_status st = lm_mla_check(c);

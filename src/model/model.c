@@ -52,7 +52,7 @@ static lm_status plan_kda(lm_model *m, int l, layer_state *ls) {
     const lm_config *c = &m->cfg;
     lm_kda_layer_config kc = {c->d_model, c->kda_heads, c->kda_head_dim, c->kda_conv_width, c->kda_chunk,
                               c->kda_gate_softplus ? LM_KDA_GATE_SOFTPLUS : LM_KDA_GATE_BOUNDED,
-                              c->kda_g_min, c->norm_eps, NULL, 0, NULL};
+                              c->kda_g_min, c->norm_eps, NULL, 0, m->be};
     ls->kda_cfg = kc;
     lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
     lm_kda_layer_specs(&kc, specs);
@@ -80,6 +80,7 @@ static lm_status plan_mla(lm_model *m, int l, layer_state *ls) {
                                                c->v_head_dim);
     mc.rope_dims = c->rope_dims;
     mc.norm_eps = c->norm_eps;
+    mc.backend = m->be;
     TRY(lm_mla_check(&mc));
     ls->mla_cfg = mc;
     ls->mixer_off = m->n_params;
@@ -174,7 +175,30 @@ static lm_status plan_ffn(lm_model *m, int l, layer_state *ls) {
 
 static size_t dense_ffn_scratch(const lm_config *c, int64_t N) { return 3 * (size_t)N * (size_t)c->dense_ffn; }
 
+/* The product-format view of a parameter view into m->P (the same offset in m->PL). */
+static float *lp_param(const lm_model *m, const float *p) {
+    return p ? (float *)((char *)m->PL + (size_t)(p - m->P) * m->be->lp_bytes) : NULL;
+}
+
+/* The gradient view of a parameter view into m->P. */
+static float *grad_param(const lm_model *m, const float *p) { return p ? m->G + (p - m->P) : NULL; }
+
+/* Map every pointer of a params struct (lm_kda_layer_params, lm_mla_params,
+ * lm_moe_params: structs of float pointers only) from m->P to m->PL or m->G. */
+static void map_views(const lm_model *m, const void *src, void *dst, size_t bytes, int grads) {
+    float *const *from = src;
+    float **to = dst;
+    for (size_t i = 0; i < bytes / sizeof(float *); i++) to[i] = grads ? grad_param(m, from[i]) : lp_param(m, from[i]);
+}
+
+/* The lp view of an fp32 buffer: the buffer itself when the product format is fp32. */
+static void *lp_or(const lm_model *m, float *f32, void *lp) { return m->sep ? lp : (void *)f32; }
+
 lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
+    return lm_model_create_on(cfg, B, T, NULL, out);
+}
+
+lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *backend, lm_model **out) {
     *out = NULL;
     TRY(lm_config_validate(cfg));
     if (B < 1 || T < 1 || (int64_t)B * T > (1 << 26))
@@ -183,7 +207,8 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     if (!m) return lm_error(LM_ERR_MEMORY, "out of memory creating the model");
     lm_status st = LM_OK;
     m->cfg = *cfg;
-    m->be = lm_backend_cpu();
+    m->be = backend ? backend : lm_backend_cpu();
+    m->sep = m->be->lp_bytes != sizeof(float);
     m->B = B;
     m->T = T;
     m->N = (int64_t)B * T;
@@ -228,13 +253,29 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
         goto fail;
     }
+    /* what the ops read and write: the host arrays themselves on the CPU; on a
+     * backend of its own memory, fp32 parameters and gradients there and a
+     * product-format copy of the parameters */
+    if (!m->sep && m->be->device == LM_DEVICE_CPU) {
+        m->P = m->params;
+        m->G = m->grads;
+        m->PL = m->params;
+    } else {
+        void *P, *G, *PL;
+        if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &P))) goto fail;
+        m->P = P;
+        if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &G))) goto fail;
+        m->G = G;
+        if ((st = m->be->alloc(m->be, m->n_params * m->be->lp_bytes, &PL))) goto fail;
+        m->PL = PL;
+    }
 
     /* activations and scratch: sizes first, one block after */
     size_t act = 0, scratch = 0;
     act += (size_t)N * d;                           /* x0 */
     act += 2 * (size_t)m->L2 * N * d;               /* hin, xn per sublayer */
     act += (size_t)m->L2 * N;                       /* rstd per sublayer */
-    act += 2 * (size_t)N * d + 3 * (size_t)N;       /* hf, hn, rstd_final, lse_rows, target_logit */
+    act += 2 * (size_t)N * d + 4 * (size_t)N;       /* hf, hn, rstd_final, lse_rows, target_logit, row_scale */
     act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
     size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
                        sizeof(float);
@@ -265,7 +306,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     /* one scratch for the KDA and attention operators (they run one at a time),
      * sized for this process's OpenMP thread count */
     size_t op_bytes = 0;
-    for (int l = 0; l < cfg->n_layers; l++) {
+    for (int l = 0; l < cfg->n_layers && m->be->device == LM_DEVICE_CPU; l++) {
         const layer_state *ls = &m->layers[l];
         if (ls->mixer == LM_MIXER_KDA) {
             lm_kda_config kc = lm_kda_config_default(B, T, cfg->kda_heads, cfg->kda_head_dim, cfg->kda_head_dim);
@@ -286,13 +327,42 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     act += op_floats;
     m->act_floats = act;
     m->scratch_floats = scratch;
-    m->act_block = calloc(act, sizeof(float));
-    m->tokens = calloc((size_t)N, sizeof(int32_t));
-    m->targets = calloc((size_t)N, sizeof(int32_t));
-    if (!m->act_block || !m->tokens || !m->targets) {
-        st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats; hint: smaller batch or "
-                      "sequence length", act);
-        goto fail;
+    {
+        void *ab = NULL, *tk = NULL, *tg = NULL;
+        st = m->be->alloc(m->be, act * sizeof(float), &ab);
+        if (!st) st = m->be->alloc(m->be, (size_t)N * sizeof(int32_t), &tk);
+        if (!st) st = m->be->alloc(m->be, (size_t)N * sizeof(int32_t), &tg);
+        m->act_block = ab;
+        m->tokens = tk;
+        m->targets = tg;
+        if (st) {
+            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats; hint: smaller batch or "
+                          "sequence length", act);
+            goto fail;
+        }
+    }
+    /* the model's own product-format buffers (separate product format only):
+     * every normalised sublayer input, the final norm, the dense FFN's hidden
+     * and its backward's operands */
+    if (m->sep) {
+        size_t f = (size_t)cfg->dense_ffn, lpn = (size_t)m->L2 * N * d + (size_t)N * d /* xn, hn */ +
+                                             3 * (size_t)N * f /* ffn h, da, du */ + (size_t)N * d /* dy */;
+        void *lb;
+        if ((st = m->be->alloc(m->be, lpn * m->be->lp_bytes, &lb))) goto fail;
+        m->lp_block = lb;
+        char *q = lb;
+        size_t e = m->be->lp_bytes;
+        m->xn_lp = q, q += (size_t)m->L2 * N * d * e;
+        m->hn_lp = q, q += (size_t)N * d * e;
+        m->ffn_h_lp = q, q += (size_t)N * f * e;
+        m->ffn_da_lp = q, q += (size_t)N * f * e;
+        m->ffn_du_lp = q, q += (size_t)N * f * e;
+        m->dy_lp = q;
+        m->hn_host = malloc((size_t)N * d * sizeof(float));
+        if (!m->hn_host) {
+            st = lm_error(LM_ERR_MEMORY, "out of memory for the host copy of the final hidden states");
+            goto fail;
+        }
     }
     float *p = m->act_block;
     layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL, *first_moe = NULL;
@@ -306,6 +376,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     CARVE(m->rstd_final, (size_t)N);
     CARVE(m->lse_rows, (size_t)N);
     CARVE(m->target_logit, (size_t)N);
+    CARVE(m->row_scale, (size_t)N);
     CARVE(m->y, (size_t)N * d);
     CARVE(m->dy, (size_t)N * d);
     CARVE(m->dxn, (size_t)N * d);
@@ -316,7 +387,7 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     CARVE(m->logits, ce_floats);
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        float *pp = m->params + ls->mixer_off, *gg = m->grads + ls->mixer_off;
+        float *pp = m->params + ls->mixer_off;
         if (ls->mixer == LM_MIXER_MLA) {
             ls->smax = malloc(2 * (size_t)cfg->attn_heads * sizeof(float));
             if (!ls->smax) {
@@ -328,7 +399,9 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
         }
         if (ls->mixer == LM_MIXER_KDA) {
             lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
-            lm_kda_layer_params_map(&ls->kda_cfg, gg, &ls->kda_g);
+            lm_kda_layer_params_map(&ls->kda_cfg, m->P + ls->mixer_off, &ls->kda_P);
+            map_views(m, &ls->kda_P, &ls->kda_PL, sizeof ls->kda_P, 0);
+            map_views(m, &ls->kda_P, &ls->kda_G, sizeof ls->kda_P, 1);
             if (first_kda && cfg->recompute) {
                 ls->kda_a = first_kda->kda_a;
             } else {
@@ -338,8 +411,10 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
             }
         } else {
             if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
-                (st = lm_mla_params_map(&ls->mla_cfg, gg, &ls->mla_g)))
+                (st = lm_mla_params_map(&ls->mla_cfg, m->P + ls->mixer_off, &ls->mla_P)))
                 goto fail;
+            map_views(m, &ls->mla_P, &ls->mla_PL, sizeof ls->mla_P, 0);
+            map_views(m, &ls->mla_P, &ls->mla_G, sizeof ls->mla_P, 1);
             if (first_mla && cfg->recompute) {
                 ls->mla_acts = first_mla->mla_acts;
             } else {
@@ -360,15 +435,24 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
             }
         } else {
             lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
-            lm_moe_params_carve(&ls->moe_cfg, m->grads + ls->ffn_off, &ls->moe_g);
+            lm_moe_params_carve(&ls->moe_cfg, m->P + ls->ffn_off, &ls->moe_P);
+            map_views(m, &ls->moe_P, &ls->moe_PL, sizeof ls->moe_P, 0);
+            map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
             if (first_moe && cfg->recompute) {
-                ls->moe_a = first_moe->moe_a; /* owned by first_moe */
+                ls->moe_acts = first_moe->moe_acts; /* owned by first_moe */
             } else {
-                if ((st = lm_moe_acts_alloc(&ls->moe_a, &ls->moe_cfg, N))) goto fail;
+                if ((st = m->be->ops->moe_acts_create(m->be, &ls->moe_cfg, N, &ls->moe_acts))) goto fail;
                 ls->owns_moe_acts = 1;
                 first_moe = ls;
             }
-            if (cfg->balance == LM_BALANCE_AUX) CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
+            if (cfg->balance == LM_BALANCE_AUX) {
+                CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
+                if (m->sep && !m->aux_host &&
+                    !(m->aux_host = malloc((size_t)N * cfg->n_routed_experts * sizeof(float)))) {
+                    st = lm_error(LM_ERR_MEMORY, "out of memory for the auxiliary loss's host scores");
+                    goto fail;
+                }
+            }
             lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
             bc.bins = cfg->balance_bins;
             bc.estimator = cfg->balance_estimator;
@@ -386,22 +470,14 @@ lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     for (int l = 0; l < cfg->n_layers; l++) {
         m->layers[l].kda_cfg.workspace = m->layers[l].mla_cfg.workspace = op_ws;
         m->layers[l].kda_cfg.workspace_bytes = m->layers[l].mla_cfg.workspace_bytes = op_floats * sizeof(float);
-        m->layers[l].kda_cfg.backend = m->layers[l].mla_cfg.backend = m->be;
+
     }
 #undef CARVE
 
     /* the residual stream */
     lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
                             cfg->norm_eps, 1};
-    lm_attnres_memory_plan plan;
-    if ((st = lm_attnres_memory(&ac, &plan))) goto fail;
-    size_t bytes = (plan.total + 63) / 64 * 64;
-    m->ar_workspace = aligned_alloc(64, bytes ? bytes : 64);
-    if (!m->ar_workspace) {
-        st = lm_error(LM_ERR_MEMORY, "out of memory for the residual history (%zu bytes)", bytes);
-        goto fail;
-    }
-    if ((st = lm_attnres_init(&m->ar, &ac, m->ar_workspace, bytes))) goto fail;
+    if ((st = m->be->ops->attnres_create(m->be, &ac, &m->ar))) goto fail;
     *out = m;
     return LM_OK;
 fail:
@@ -412,18 +488,24 @@ fail:
 void lm_model_free(lm_model *m) {
     if (!m) return;
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
-        if (m->layers[l].owns_moe_acts) lm_moe_acts_free(&m->layers[l].moe_a);
+        if (m->layers[l].owns_moe_acts) m->be->ops->moe_acts_free(m->be, m->layers[l].moe_acts);
         free(m->layers[l].smax);
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
     }
     free(m->layers);
     free(m->tensors);
+    if (m->ar) m->be->ops->attnres_free(m->be, m->ar);
+    if (m->P && m->P != m->params) m->be->release(m->be, m->P);
+    if (m->G && m->G != m->grads) m->be->release(m->be, m->G);
+    if (m->PL && m->PL != (void *)m->params) m->be->release(m->be, m->PL);
     free(m->params);
     free(m->grads);
-    free(m->act_block);
-    free(m->tokens);
-    free(m->targets);
-    free(m->ar_workspace);
+    if (m->act_block) m->be->release(m->be, m->act_block);
+    if (m->tokens) m->be->release(m->be, m->tokens);
+    if (m->targets) m->be->release(m->be, m->targets);
+    if (m->lp_block) m->be->release(m->be, m->lp_block);
+    free(m->hn_host);
+    free(m->aux_host);
     free(m);
 }
 
@@ -437,6 +519,8 @@ void lm_model_init(lm_model *m, uint64_t seed) {
             w[j] = t->init_mean + (t->init_std > 0 ? t->init_std * (float)lm_rng_normal(&rng) : 0.0f);
     }
     memset(m->grads, 0, m->n_params * sizeof(float));
+    m->params_on_host_newer = 1;
+    m->grads_zero_pending = 1;
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->layers[l].bal_ready) {
             lm_balance_config bc = m->layers[l].bal.cfg;
@@ -459,7 +543,34 @@ size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
-void lm_model_zero_grads(lm_model *m) { memset(m->grads, 0, m->n_params * sizeof(float)); }
+void lm_model_zero_grads(lm_model *m) {
+    memset(m->grads, 0, m->n_params * sizeof(float));
+    if (m->G != m->grads) m->grads_zero_pending = 1;
+}
+
+lm_backend *lm_model_backend(const lm_model *m) { return m->be; }
+
+lm_status lm_model_upload_params(lm_model *m) {
+    if (m->P != m->params) {
+        TRY(m->be->upload(m->be, m->P, m->params, m->n_params * sizeof(float)));
+        if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, m->n_params));
+    }
+    m->params_on_host_newer = 0;
+    return LM_OK;
+}
+
+lm_status lm_model_download_grads(lm_model *m) {
+    if (m->G != m->grads) TRY(m->be->download(m->be, m->grads, m->G, m->n_params * sizeof(float)));
+    return LM_OK;
+}
+
+/* Before a forward: the backend sees the host's latest parameters and zeroed gradients. */
+static lm_status sync_before_forward(lm_model *m) {
+    if (m->params_on_host_newer) TRY(lm_model_upload_params(m));
+    if (m->grads_zero_pending && m->G != m->grads) TRY(m->be->zero(m->be, m->G, m->n_params * sizeof(float)));
+    m->grads_zero_pending = 0;
+    return LM_OK;
+}
 float lm_model_aux_loss(const lm_model *m) { return m->aux_loss; }
 
 int lm_model_num_moe_layers(const lm_model *m) {
@@ -515,6 +626,8 @@ void lm_model_reset_timings(lm_model *m) { memset(m->seconds, 0, sizeof m->secon
 
 /* Charge the time since *t0 to `part` and restart the clock. */
 static void charge(lm_model *m, lm_time_part part, double *t0) {
+    /* on a device, the work enqueued so far must finish to be charged to its part */
+    if (m->be->device != LM_DEVICE_CPU) (void)m->be->sync(m->be);
     double t = lm_time_seconds();
     m->seconds[part] += t - *t0;
     *t0 = t;
@@ -527,33 +640,45 @@ static lm_time_part sublayer_part(const layer_state *ls, int idx) {
 
 /* ---- the dense FFN ---- */
 
-static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const float *x, float *y) {
+static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const void *x, float *y) {
+    // x (N,d) in the product format -> y (N,d)
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
-    const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
+    const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
+                *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
+    void *h_lp = lp_or(m, ls->ffn_h, m->ffn_h_lp);
     TRY(op->matmul_forward(be, ls->ffn_a, x, Wg, m->N, d, f));
     TRY(op->matmul_forward(be, ls->ffn_u, x, Wu, m->N, d, f));
-    TRY(op->glu_forward(be, act, ls->ffn_h, ls->ffn_h, ls->ffn_a, ls->ffn_u, (size_t)m->N * f));
-    TRY(op->matmul_forward(be, y, ls->ffn_h, Wd, m->N, f, d));
+    TRY(op->glu_forward(be, act, ls->ffn_h, h_lp, ls->ffn_a, ls->ffn_u, (size_t)m->N * f));
+    TRY(op->matmul_forward(be, y, h_lp, Wd, m->N, f, d));
     return LM_OK;
 }
 
-static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const float *x, const float *dy, float *dx) {
+static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy, float *dx) {
+    // x (N,d) in the product format; dy (N,d); dx and the gradients accumulate
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
     size_t nf = (size_t)m->N * f;
-    const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
-    float *gWg = m->grads + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
+    const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
+                *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
+    float *gWg = m->G + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
     float *dh = m->scratch, *da = dh + nf, *du = da + nf;
+    void *dy_lp = lp_or(m, (float *)dy, m->dy_lp), *da_lp = lp_or(m, da, m->ffn_da_lp),
+         *du_lp = lp_or(m, du, m->ffn_du_lp);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
+    if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)m->N * d));
     TRY(be->zero(be, dh, nf * sizeof(float)));
-    TRY(op->matmul_backward(be, dh, gWd, dy, ls->ffn_h, Wd, m->N, f, d));
+    TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, m->N, f, d));
     TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
-    TRY(op->matmul_backward(be, dx, gWg, da, x, Wg, m->N, d, f));
-    TRY(op->matmul_backward(be, dx, gWu, du, x, Wu, m->N, d, f));
+    if (m->sep) {
+        TRY(op->to_lp(be, da_lp, da, nf));
+        TRY(op->to_lp(be, du_lp, du, nf));
+    }
+    TRY(op->matmul_backward(be, dx, gWg, da_lp, x, Wg, m->N, d, f));
+    TRY(op->matmul_backward(be, dx, gWu, du_lp, x, Wu, m->N, d, f));
     return LM_OK;
 }
 
@@ -562,8 +687,8 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const float *x
 static lm_attnres_params attnres_params(const lm_model *m) {
     lm_attnres_params p = {NULL, NULL};
     if (m->has_attnres_params) {
-        p.query = m->params + m->ar_query_off;
-        p.key_norm = m->params + m->ar_key_off;
+        p.query = m->P + m->ar_query_off;
+        p.key_norm = m->P + m->ar_key_off;
     }
     return p;
 }
@@ -572,41 +697,55 @@ static lm_attnres_params attnres_params(const lm_model *m) {
  * activations. `training` feeds the balancer and the logit maxima;
  * `recompute` marks the backward's second forward, which repeats the
  * activations only (the same routing: b changes only at the step's end). */
-static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const float *xn, float *y, int training,
-                                  int recompute) {
+static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const float *xn, const void *xn_lp, float *y,
+                                  int training, int recompute) {
     const int64_t N = m->N;
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
     if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
-        TRY(lm_kda_layer_forward(&ls->kda_cfg, &ls->kda_p, &ls->kda_a, xn, m->B, m->T, y));
+        TRY(lm_kda_layer_forward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_a, xn_lp, m->B, m->T, y));
     } else if (idx % 2 == 0) {
-        TRY(lm_mla_forward(&ls->mla_cfg, &ls->mla_p, xn, m->B, m->T, y, ls->mla_acts));
+        const lm_mla_config *mc = &ls->mla_cfg;
+        TRY(lm_mla_forward_lp(mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->T, y, ls->mla_acts));
         if (training && !recompute) {
-            TRY(lm_mla_max_logits(&ls->mla_cfg, ls->mla_acts, m->B, m->T, ls->smax_tmp));
+            lm_attention_config ac = lm_attention_config_default(
+                m->B, m->T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
+                mc->head_dim_v);
+            TRY(op->attention_head_max(be, &ac, lm_mla_acts_rowmax(mc, ls->mla_acts, m->B, m->T), ls->smax_tmp));
             for (int h = 0; h < m->cfg.attn_heads; h++)
                 ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
         }
     } else if (!ls->moe) {
-        TRY(dense_ffn_forward(m, ls, xn, y));
+        TRY(dense_ffn_forward(m, ls, xn_lp, y));
     } else {
-        TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &ls->moe_a, N));
+        const int n = m->cfg.n_routed_experts;
+        TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, N));
+        float *scores = op->moe_scores(be, ls->moe_acts);
         if (m->fault == LM_FAULT_ROUTER && !recompute) {
-            ls->moe_a.s[0] = NAN;
+            const float nan = NAN;
+            TRY(be->upload(be, scores, &nan, sizeof nan));
             m->fault = LM_FAULT_NONE;
         }
         /* a non-finite score would poison the balancer's statistics: refuse it first */
-        for (int64_t i = 0; i < N * m->cfg.n_routed_experts; i++)
-            if (!isfinite(ls->moe_a.s[i]))
-                return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
-                                (long long)(i / m->cfg.n_routed_experts));
-        if (training && !recompute) TRY(lm_balance_observe(&ls->bal, ls->moe_a.s, N, 1));
+        int64_t bad;
+        TRY(op->find_nonfinite(be, scores, (size_t)N * n, &bad));
+        if (bad >= 0)
+            return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
+                            (long long)(bad / n));
+        if (training && !recompute) TRY(op->moe_balance_observe(be, &ls->bal, ls->moe_acts, N));
         if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
             float aux = 0;
-            memset(ls->dscores, 0, (size_t)N * m->cfg.n_routed_experts * sizeof(float));
-            TRY(lm_balance_aux_loss(&aux, ls->dscores, ls->moe_a.s, ls->moe_a.topk, N, m->cfg.n_routed_experts,
-                                    m->cfg.top_k, m->cfg.aux_alpha));
+            TRY(op->moe_aux_loss(be, &aux, ls->dscores, ls->moe_acts, N, n, m->cfg.top_k, m->cfg.aux_alpha));
             m->aux_loss += aux;
         }
     }
     return LM_OK;
+}
+
+/* The lp view of sublayer idx's normalised input. */
+static void *xn_lp_of(const lm_model *m, int idx) {
+    size_t nd = (size_t)m->N * m->d;
+    return m->sep ? (char *)m->xn_lp + (size_t)idx * nd * m->be->lp_bytes : (void *)(m->xn + (size_t)idx * nd);
 }
 
 static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
@@ -616,39 +755,45 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         if (tokens[i] < 0 || tokens[i] >= V)
             return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
                             tokens[i], (long long)i, V);
+    TRY(sync_before_forward(m));
     double t0 = lm_time_seconds();
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
-    TRY(op->embedding_forward(be, m->x0, m->params + m->embed_off, tokens, N, d));
+    TRY(be->upload(be, m->tokens, tokens, (size_t)N * sizeof(int32_t)));
+    TRY(op->embedding_forward(be, m->x0, m->P + m->embed_off, m->tokens, N, d));
     if (m->fault == LM_FAULT_BATCH) {
-        m->x0[0] = NAN;
+        const float nan = NAN;
+        TRY(be->upload(be, m->x0, &nan, sizeof nan));
         m->fault = LM_FAULT_NONE;
     }
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
-    TRY(lm_attnres_begin(&m->ar, m->x0));
+    TRY(op->attnres_begin(be, m->ar, m->x0));
     m->aux_loss = 0;
     for (int idx = 0; idx < m->L2; idx++) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
-        TRY(lm_attnres_input(&m->ar, idx, &arp, hin));
+        void *xn_lp = xn_lp_of(m, idx);
+        TRY(op->attnres_input(be, m->ar, idx, &arp, hin));
         charge(m, LM_TIME_ATTNRES, &t0);
-        const float *w = m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
-        TRY(op->rmsnorm_forward(be, xn, NULL, m->rstd + (size_t)idx * N, hin, w, N, d, m->cfg.norm_eps));
+        const float *w = m->P + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, w, N, d,
+                                m->cfg.norm_eps));
         charge(m, LM_TIME_NORMS, &t0);
-        TRY(sublayer_forward(m, ls, idx, xn, m->y, training, 0));
-        for (int64_t i = 0; i < N * d; i++)
-            if (!isfinite(m->y[i]))
-                return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx,
-                                idx / 2, idx % 2 ? "channel mixer" : "token mixer");
+        TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0));
+        int64_t bad;
+        TRY(op->find_nonfinite(be, m->y, (size_t)N * d, &bad));
+        if (bad >= 0)
+            return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx, idx / 2,
+                            idx % 2 ? "channel mixer" : "token mixer");
         charge(m, sublayer_part(ls, idx), &t0);
-        TRY(lm_attnres_add_output(&m->ar, idx, m->y));
+        TRY(op->attnres_add_output(be, m->ar, idx, m->y));
         charge(m, LM_TIME_ATTNRES, &t0);
     }
-    TRY(lm_attnres_final(&m->ar, &arp, m->hf));
+    TRY(op->attnres_final(be, m->ar, &arp, m->hf));
     charge(m, LM_TIME_ATTNRES, &t0);
-    TRY(op->rmsnorm_forward(be, m->hn, NULL, m->rstd_final, m->hf, m->params + m->final_norm_off, N, d,
-                            m->cfg.norm_eps));
+    TRY(op->rmsnorm_forward(be, m->hn, m->sep ? m->hn_lp : NULL, m->rstd_final, m->hf, m->P + m->final_norm_off, N,
+                            d, m->cfg.norm_eps));
     charge(m, LM_TIME_NORMS, &t0);
     return LM_OK;
 }
@@ -664,14 +809,13 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
                 return lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)",
                                 targets[i], (long long)i, V);
     TRY(run_layers_forward(m, tokens, training));
-    memcpy(m->tokens, tokens, (size_t)N * sizeof(int32_t));
     if (!targets) return LM_OK;
-    memcpy(m->targets, targets, (size_t)N * sizeof(int32_t));
+    TRY(m->be->upload(m->be, m->targets, targets, (size_t)N * sizeof(int32_t)));
     /* the LM head and the chunked cross-entropy (log-sum-exp in fp32) */
     lm_backend *be = m->be;
     double total = 0, t0 = lm_time_seconds();
-    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, m->hn, m->params + m->head_off,
-                                       targets, N, d, V, m->logits));
+    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, lp_or(m, m->hn, m->hn_lp),
+                                       lp_param(m, m->P + m->head_off), m->targets, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
@@ -683,6 +827,16 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
 lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "token log-probabilities need a forward with targets first");
     if (!logp) return lm_error(LM_ERR_ARG, "logp is NULL");
+    if (m->be->device != LM_DEVICE_CPU) {
+        /* both rows come back to the host: logp first holds the target logits */
+        TRY(m->be->download(m->be, logp, m->target_logit, (size_t)m->N * sizeof(float)));
+        for (int64_t i = 0; i < m->N; i++) {
+            float lse;
+            TRY(m->be->download(m->be, &lse, m->lse_rows + i, sizeof lse));
+            logp[i] -= lse;
+        }
+        return LM_OK;
+    }
     for (int64_t i = 0; i < m->N; i++) logp[i] = m->target_logit[i] - m->lse_rows[i];
     return LM_OK;
 }
@@ -701,64 +855,80 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     const lm_ops *op = be->ops;
     double t0 = lm_time_seconds();
     TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
-    TRY(op->cross_entropy_backward(be, m->dhn, m->grads + m->head_off, m->hn, m->params + m->head_off, m->targets,
-                                   m->lse_rows, dlogp, dlogp ? -1.0f : loss_scale / (float)N, N, d, V, m->logits));
+    const float *row_scale = dlogp;
+    if (dlogp && be->device != LM_DEVICE_CPU) {
+        TRY(be->upload(be, m->row_scale, dlogp, (size_t)N * sizeof(float)));
+        row_scale = m->row_scale;
+    }
+    TRY(op->cross_entropy_backward(be, m->dhn, m->G + m->head_off, lp_or(m, m->hn, m->hn_lp),
+                                   lp_param(m, m->P + m->head_off), m->targets, m->lse_rows, row_scale,
+                                   dlogp ? -1.0f : loss_scale / (float)N, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
-    TRY(op->rmsnorm_backward(be, m->dhf, m->grads + m->final_norm_off, m->dhn, m->hf, m->params + m->final_norm_off,
+    TRY(op->rmsnorm_backward(be, m->dhf, m->G + m->final_norm_off, m->dhn, m->hf, m->P + m->final_norm_off,
                              m->rstd_final, N, d, eps));
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     lm_attnres_grads arg = {NULL, NULL};
     if (m->has_attnres_params) {
-        arg.query = m->grads + m->ar_query_off;
-        arg.key_norm = m->grads + m->ar_key_off;
+        arg.query = m->G + m->ar_query_off;
+        arg.key_norm = m->G + m->ar_key_off;
     }
-    TRY(lm_attnres_final_backward(&m->ar, &arp, m->dhf, &arg));
+    TRY(op->attnres_final_backward(be, m->ar, &arp, m->dhf, &arg));
     charge(m, LM_TIME_ATTNRES, &t0);
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
+        void *xn_lp = xn_lp_of(m, idx);
         TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
-        TRY(lm_attnres_output_backward(&m->ar, idx, m->dy));
+        TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
         charge(m, LM_TIME_ATTNRES, &t0);
-        if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, m->dxn, 0, 1));
+        if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->dxn, 0, 1));
         TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
             if (ls->mixer == LM_MIXER_KDA)
-                TRY(lm_kda_layer_backward(&ls->kda_cfg, &ls->kda_p, &ls->kda_g, &ls->kda_a, xn, m->dy, m->B,
-                                          m->T, m->dxn, m->scratch));
+                TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
+                                             m->dy, m->B, m->T, m->dxn, m->scratch));
             else
-                TRY(lm_mla_backward(&ls->mla_cfg, &ls->mla_p, xn, ls->mla_acts, m->dy, m->B, m->T, m->dxn,
-                                    &ls->mla_g, m->scratch));
+                TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy, m->B, m->T,
+                                       m->dxn, &ls->mla_G, m->scratch));
         } else if (!ls->moe) {
-            TRY(dense_ffn_backward(m, ls, xn, m->dy, m->dxn));
+            TRY(dense_ffn_backward(m, ls, xn_lp, m->dy, m->dxn));
         } else {
             /* the MoE's saved routing is that of its last forward: this micro-batch's */
             float *extra = NULL;
             if (m->cfg.balance == LM_BALANCE_AUX) {
                 size_t n = (size_t)N * m->cfg.n_routed_experts;
-                for (size_t i = 0; i < n; i++) ls->dscores[i] *= loss_scale;
+                if (be->device == LM_DEVICE_CPU) {
+                    for (size_t i = 0; i < n; i++) ls->dscores[i] *= loss_scale;
+                } else {
+                    /* the auxiliary loss is a baseline: scaled on the host */
+                    TRY(be->download(be, m->aux_host, ls->dscores, n * sizeof(float)));
+                    for (size_t i = 0; i < n; i++) m->aux_host[i] *= loss_scale;
+                    TRY(be->upload(be, ls->dscores, m->aux_host, n * sizeof(float)));
+                }
                 extra = ls->dscores;
             }
-            TRY(lm_moe_backward(m->dxn, &ls->moe_g, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_p, &ls->moe_a));
+            TRY(op->moe_backward(be, m->dxn, &ls->moe_G, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+                                 ls->moe_acts));
         }
         charge(m, sublayer_part(ls, idx), &t0);
         TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
         size_t off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
-        TRY(op->rmsnorm_backward(be, m->dh, m->grads + off, m->dxn, hin, m->params + off, m->rstd + (size_t)idx * N,
-                                 N, d, eps));
+        TRY(op->rmsnorm_backward(be, m->dh, m->G + off, m->dxn, hin, m->P + off, m->rstd + (size_t)idx * N, N, d,
+                                 eps));
         charge(m, LM_TIME_NORMS, &t0);
-        TRY(lm_attnres_input_backward(&m->ar, idx, &arp, m->dh, &arg));
+        TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);
     }
     TRY(be->zero(be, m->dx0, (size_t)N * d * sizeof(float)));
-    TRY(lm_attnres_embedding_backward(&m->ar, m->dx0));
+    TRY(op->attnres_embedding_backward(be, m->ar, m->dx0));
     charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
-    TRY(op->embedding_backward(be, m->grads + m->embed_off, m->dx0, m->tokens, N, d, V));
+    TRY(op->embedding_backward(be, m->G + m->embed_off, m->dx0, m->tokens, N, d, V));
     if (m->fault == LM_FAULT_GRADIENT) {
-        m->grads[m->n_params / 2] = NAN;
+        const float nan = NAN;
+        TRY(be->upload(be, m->G + m->n_params / 2, &nan, sizeof nan));
         m->fault = LM_FAULT_NONE;
     }
     charge(m, LM_TIME_NORMS, &t0);
@@ -778,7 +948,13 @@ lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0;
-    lm_matmul_forward(logits, m->hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
+    const float *hn = m->hn;
+    if (m->be->device != LM_DEVICE_CPU) {
+        /* evaluation sizes: the final states come back, the head runs on the host */
+        TRY(m->be->download(m->be, m->hn_host, m->hn, (size_t)m->N * m->d * sizeof(float)));
+        hn = m->hn_host;
+    }
+    lm_matmul_forward(logits, hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
     return LM_OK;
 }
 
@@ -820,6 +996,7 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
         return lm_error(LM_ERR_ARG, "copying model state between different architectures (%zu vs %zu parameters)",
                         dst->n_params, src->n_params);
     memcpy(dst->params, src->params, src->n_params * sizeof(float));
+    dst->params_on_host_newer = 1;
     for (int l = 0; l < src->cfg.n_layers; l++) {
         const lm_balance_state *a = &src->layers[l].bal;
         lm_balance_state *b = &dst->layers[l].bal;

@@ -18,34 +18,43 @@ typedef struct {
     size_t mixer_norm_off, ffn_norm_off, mixer_off, ffn_off;
     /* KDA */
     lm_kda_layer_config kda_cfg;
-    lm_kda_layer_params kda_p, kda_g;
+    /* parameter views: *_p into the host parameters (decode, QK-Clip); *_P, *_PL
+     * and *_G into what the backend's ops read (the same pointers on the CPU) */
+    lm_kda_layer_params kda_p, kda_P, kda_PL, kda_G;
     lm_kda_layer_acts kda_a;
     /* MLA */
     lm_mla_config mla_cfg;
-    lm_mla_params mla_p, mla_g;
+    lm_mla_params mla_p, mla_P, mla_PL, mla_G;
     float *mla_acts;
     float *smax, *smax_tmp; /* [H] largest logit per head over the step, and of one forward */
     /* dense FFN: W_gate [f,d], W_up [f,d], W_down [d,f]; activations [N,f] */
     float *ffn_a, *ffn_u, *ffn_h;
     /* MoE */
     lm_moe_config moe_cfg;
-    lm_moe_params moe_p, moe_g;
-    lm_moe_acts moe_a;
+    lm_moe_params moe_p, moe_P, moe_PL, moe_G;
+    void *moe_acts; /* the backend's MoE activations */
     lm_balance_state bal;
     int bal_ready, owns_moe_acts;
-    float *dscores; /* aux loss gradient [N,n] (balance = aux) */
+    float *dscores; /* aux loss gradient [N,n] (balance = aux), backend memory */
 } layer_state;
 
 struct lm_model {
     lm_config cfg;
     lm_backend *be; /* where the tensors live and whose ops compute the layers */
+    int sep;        /* the backend's product format is a separate copy (bf16) */
     int B, T, L2; /* L2 = 2 * n_layers sublayers */
     int64_t N;
     int d;
     lm_model_tensor *tensors;
     int n_tensors, cap_tensors;
     size_t n_params;
-    float *params, *grads;
+    float *params, *grads; /* host: the optimizer's, the checkpoints' */
+    /* what the ops use: params, grads themselves on the CPU; else backend memory
+     * (fp32 parameters P, gradients G, product-format parameters PL) */
+    float *P, *G;
+    void *PL;
+    int params_on_host_newer; /* upload before the next forward */
+    int grads_zero_pending;   /* zero G before the next forward */
     layer_state *layers;
     /* named parameters outside the layers */
     size_t embed_off, head_off, final_norm_off, ar_query_off, ar_key_off;
@@ -53,7 +62,7 @@ struct lm_model {
     /* activations */
     float *act_block;
     size_t act_floats;
-    float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows, *target_logit;
+    float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows, *target_logit, *row_scale;
     float *y, *dy, *dxn, *dh, *dx0, *dhn, *dhf, *logits, *scratch;
     size_t scratch_floats;
     int32_t *tokens, *targets;
@@ -62,8 +71,10 @@ struct lm_model {
     double seconds[LM_TIME_COUNT];
     lm_fault fault; /* one-shot fault injection */
     /* residual stream */
-    lm_attnres_state ar;
-    void *ar_workspace;
+    void *ar; /* the backend's residual-stream state */
+    /* separate product format only: the model's own lp buffers, host copies */
+    void *lp_block, *xn_lp, *hn_lp, *ffn_h_lp, *ffn_da_lp, *ffn_du_lp, *dy_lp;
+    float *hn_host, *aux_host;
 };
 
 #endif
