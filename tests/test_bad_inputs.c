@@ -304,7 +304,7 @@ static const bad_input rows[] = {
     {"demo flags", "unknown option", NULL, NULL, "demo --fast", 2, "unknown option '--fast'"},
     /* config JSON */
     {"config JSON (--config)", "file missing", NULL, NULL, "plan --config @/none.json", 1, "cannot open config"},
-    {"config JSON (--config)", "a directory", NULL, NULL, "plan --config @", 1, "not a readable file"},
+    {"config JSON (--config)", "a directory", NULL, NULL, "plan --config @", 1, "a directory, not a regular file"},
     CFG_ROW("empty file", "", "unexpected end of input"),
     CFG_ROW("not JSON", "{\"model\": {\"d_model\": 64,}}", "invalid JSON at byte 25"),
     CFG_ROW("trailing characters", "{} {}", "trailing characters after the document"),

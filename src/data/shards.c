@@ -13,7 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "files.h"
+
 #include "longmoe/safetensors.h"
 
 /* ---- writer ---- */
@@ -62,14 +64,10 @@ lm_status lm_shard_open(const char *path, int vocab_size, lm_shard *out) {
     memset(out, 0, sizeof *out);
     snprintf(out->path, sizeof out->path, "%s", path);
     if (vocab_size < 0) return lm_error(LM_ERR_ARG, "%s: vocabulary size %d must be >= 0", path, vocab_size);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return lm_error(LM_ERR_IO, "cannot open shard '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        close(fd);
-        return lm_error(LM_ERR_IO, "cannot stat shard '%s': %s", path, strerror(errno));
-    }
-    size_t size = (size_t)sb.st_size;
+    int fd;
+    int64_t file_size;
+    TRY(lm_open_regular(path, &fd, &file_size));
+    size_t size = (size_t)file_size;
     if (size < LM_SHARD_HEADER_BYTES) {
         close(fd);
         return lm_error(LM_ERR_FORMAT, "%s: %zu bytes, shorter than the %d-byte shard header", path, size,

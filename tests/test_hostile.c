@@ -1,0 +1,109 @@
+/* A hostile but realistic user: each case is one class of mistake that used
+ * to lose data, hang or be accepted silently (docs/RELIABILITY.md, "Hostile
+ * use"), and the property that now holds. Every CLI run has a time limit, so
+ * a hang fails the case instead of the suite. */
+#define _POSIX_C_SOURCE 200809L
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "files.h"
+#include "longmoe/safetensors.h"
+#include "test.h"
+
+static char root[256];
+
+static const char micro_config[] =
+    "{\"model\": {\"d_model\": 8, \"n_layers\": 2, \"layout\": \"km\", \"first_k_dense\": 1, \"dense_ffn\": 8},\n"
+    " \"kda\": {\"heads\": 1, \"head_dim\": 8, \"chunk\": 16},\n"
+    " \"attention\": {\"heads\": 1, \"q_lora_rank\": 4, \"kv_lora_rank\": 4, \"qk_head_dim\": 8, \"v_head_dim\": 8},\n"
+    " \"moe\": {\"routed_experts\": 4, \"top_k\": 2, \"expert_ffn\": 4, \"shared_ffn\": 4, \"balance_bins\": 16},\n"
+    " \"train\": {\"seq_len\": 16, \"batch_size\": 2, \"steps\": 4, \"eval_every\": 0, \"log_every\": 1,\n"
+    "           \"ckpt_every\": 1, \"keep_checkpoints\": 2}}\n";
+
+static void spit(const char *path, const char *bytes) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    fwrite(bytes, 1, strlen(bytes), f);
+    fclose(f);
+}
+
+/* A new directory root/<name> with micro.json in it; its path (static, one per name slot). */
+static const char *case_dir(const char *name) {
+    static char dirs[32][400];
+    static int slot;
+    char *d = dirs[slot++ % 32];
+    snprintf(d, 400, "%s/%s", root, name);
+    mkdir(d, 0755);
+    char p[600];
+    snprintf(p, sizeof p, "%s/micro.json", d);
+    spit(p, micro_config);
+    return d;
+}
+
+/* Run `longmoe ARGS` (every %s of fmt filled from the varargs) with a time
+ * limit of `seconds` (then SIGKILL: exit code 137 through timeout), stdout and
+ * stderr into d/out.txt and d/err.txt; the exit code. */
+static int cli(const char *d, int seconds, const char *args) {
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "OMP_NUM_THREADS=1 timeout -s KILL %d %s %s > '%s/out.txt' 2> '%s/err.txt'", seconds,
+             LONGMOE_CLI, args, d, d);
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void sh(const char *cmd) {
+    if (system(cmd) != 0) fprintf(stderr, "  setup command failed: %s\n", cmd);
+}
+
+static int exists(const char *path) {
+    struct stat sb;
+    return lstat(path, &sb) == 0;
+}
+
+/* ---- classes ---- */
+
+/* A FIFO (or directory) where a file is read is refused at once, never waited on. */
+static void test_readers_refuse_non_regular_files_without_blocking(void) {
+    const char *d = case_dir("fifo");
+    char args[2048];
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --quiet", d, d);
+    CHECK(cli(d, 60, args) == 0, "the base run failed");
+    char ck[600];
+    snprintf(ck, sizeof ck, "%s/run/checkpoint-00000004/trainer.json", d);
+    unlink(ck);
+    CHECK(mkfifo(ck, 0644) == 0, "mkfifo: %s", strerror(errno));
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    int code = cli(d, 20, args);
+    CHECK(code == 1, "train --resume with a FIFO as trainer.json: exit %d (137: it hung)", code);
+    CHECK(test_file_has(test_path(d, "err.txt"), "not a regular file"), "no message naming the FIFO");
+    /* the one whole-file reader, directly */
+    char *bytes = NULL;
+    size_t n;
+    alarm(20);
+    lm_status s = lm_read_file(ck, 0, &bytes, &n);
+    alarm(0);
+    CHECK(s == LM_ERR_IO && strstr(lm_last_error(), "FIFO"), "lm_read_file of a FIFO: %d %s", s, lm_last_error());
+    s = lm_read_file(d, 0, &bytes, &n);
+    CHECK(s == LM_ERR_IO && strstr(lm_last_error(), "a directory, not a regular file"), "directory: %s",
+          lm_last_error());
+    int fd;
+    alarm(20);
+    s = lm_open_regular(ck, &fd, NULL);
+    alarm(0);
+    CHECK(s == LM_ERR_IO, "lm_open_regular of a FIFO accepted it");
+}
+
+int main(void) {
+    if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
+    RUN(test_readers_refuse_non_regular_files_without_blocking);
+    int rc = test_summary();
+    if (rc == 0) test_remove_tree(root);
+    else fprintf(stderr, "files kept in %s\n", root);
+    return rc;
+}
