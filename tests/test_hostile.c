@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "files.h"
+#include "train/checkpoint.h"
 #include "longmoe/safetensors.h"
 #include "test.h"
 
@@ -99,9 +100,108 @@ static void test_readers_refuse_non_regular_files_without_blocking(void) {
     CHECK(s == LM_ERR_IO, "lm_open_regular of a FIFO accepted it");
 }
 
+
+/* A fresh `train --out R` into a directory that holds a run is refused and
+ * leaves every byte of the run as it was. */
+static void test_a_fresh_run_never_touches_an_existing_run(void) {
+    const char *d = case_dir("fresh");
+    char args[2048], cmd[2048];
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --quiet", d, d);
+    CHECK(cli(d, 60, args) == 0, "the base run failed");
+    snprintf(cmd, sizeof cmd, "cp -a '%s/run' '%s/before'", d, d);
+    sh(cmd);
+    int code = cli(d, 60, args);
+    CHECK(code == 1, "a second fresh run into the same --out: exit %d", code);
+    CHECK(test_file_has(test_path(d, "err.txt"), "already holds a run"), "no message");
+    CHECK(test_file_has(test_path(d, "err.txt"), "--resume"), "the message does not name --resume");
+    snprintf(cmd, sizeof cmd, "diff -r '%s/run' '%s/before' > /dev/null", d, d);
+    CHECK(system(cmd) == 0, "the existing run changed");
+}
+
+/* Two trainers on one run directory: the second is refused while the first runs. */
+static void test_a_second_trainer_on_one_run_is_refused(void) {
+    const char *d = case_dir("lock");
+    char cfg[600], run[600];
+    snprintf(cfg, sizeof cfg, "%s/long.json", d);
+    snprintf(run, sizeof run, "%s/run", d);
+    /* the micro run with 100000 steps: far more than the test waits */
+    char text[4096];
+    const char *at = strstr(micro_config, "\"steps\": 4");
+    snprintf(text, sizeof text, "%.*s\"steps\": 100000%s", (int)(at - micro_config), micro_config, at + 10);
+    spit(cfg, text);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("OMP_NUM_THREADS", "1", 1);
+        int null = open("/dev/null", O_WRONLY);
+        dup2(null, 1);
+        dup2(null, 2);
+        execl(LONGMOE_CLI, "longmoe", "train", "--config", cfg, "--out", run, "--quiet", (char *)NULL);
+        _exit(127);
+    }
+    /* wait for its first checkpoint */
+    char latest[700];
+    snprintf(latest, sizeof latest, "%s/latest", run);
+    for (int i = 0; i < 600 && !exists(latest); i++) nanosleep(&(struct timespec){0, 50000000}, NULL);
+    CHECK(exists(latest), "the first trainer wrote no checkpoint");
+    char args[2048];
+    snprintf(args, sizeof args, "train --out %s --resume --quiet", run);
+    int code = cli(d, 30, args);
+    CHECK(code == 1, "a second trainer on a running run: exit %d", code);
+    CHECK(test_file_has(test_path(d, "err.txt"), "in use by another trainer"), "no message");
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    /* once the first is gone (its lock with it), the run resumes */
+    snprintf(args, sizeof args, "train --out %s --resume --quiet --stop-after 3", run);
+    code = cli(d, 60, args);
+    CHECK(code == 0, "resuming after the first trainer ended: exit %d", code);
+}
+
+/* Pruning removes only real checkpoint directories of this run older than
+ * the one just written: a link into another run is never followed, a newer
+ * checkpoint is never removed, and `latest` always names a checkpoint. */
+static void test_pruning_never_leaves_the_run_nor_removes_the_newest(void) {
+    const char *d = case_dir("prune");
+    char args[2048], cmd[2400], path[700];
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/other --quiet", d, d);
+    CHECK(cli(d, 60, args) == 0, "the other run failed");
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --quiet --stop-after 1", d, d);
+    CHECK(cli(d, 60, args) == 0, "the first step failed");
+    /* checkpoint-00000000: a link to the other run's checkpoint 3 */
+    snprintf(cmd, sizeof cmd, "ln -s '%s/other/checkpoint-00000003' '%s/run/checkpoint-00000000'", d, d);
+    sh(cmd);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    CHECK(cli(d, 60, args) == 0, "the resumed run failed");
+    snprintf(path, sizeof path, "%s/other/checkpoint-00000003/model.safetensors", d);
+    CHECK(exists(path), "pruning deleted the other run's files through a link");
+    snprintf(path, sizeof path, "%s/run/checkpoint-00000004/model.safetensors", d);
+    CHECK(exists(path), "the newest checkpoint is missing");
+    /* directly: a checkpoint newer than the one just written is kept, as are
+     * the newest keep - 1 before it; a name with a suffix is not a checkpoint */
+    const char *names[] = {"checkpoint-00000001", "checkpoint-00000002", "checkpoint-00000003",
+                           "checkpoint-00000099", "checkpoint-00000001.keep"};
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/direct", d);
+    mkdir(dir, 0755);
+    for (int i = 0; i < 5; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        mkdir(path, 0755);
+        snprintf(path, sizeof path, "%s/%s/f", dir, names[i]);
+        spit(path, "x");
+    }
+    CHECK(lm_checkpoint_prune(dir, 3, 2) == LM_OK, "prune failed");
+    int want[] = {0, 1, 1, 1, 1};
+    for (int i = 0; i < 5; i++) {
+        snprintf(path, sizeof path, "%s/%s/f", dir, names[i]);
+        CHECK(exists(path) == want[i], "%s: exists %d, want %d", names[i], exists(path), want[i]);
+    }
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
+    RUN(test_a_fresh_run_never_touches_an_existing_run);
+    RUN(test_a_second_trainer_on_one_run_is_refused);
+    RUN(test_pruning_never_leaves_the_run_nor_removes_the_newest);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);

@@ -543,7 +543,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     lm_status s = lm_ensure_dir(opt->out_dir);
     char path[4200], ckpt[4096];
     double comp[LM_TIME_COUNT] = {0};
+    int lock = -1;
     if (s) goto done;
+    /* one trainer per run directory; a fresh run only into an empty one */
+    if ((s = lm_run_lock(opt->out_dir, &lock))) goto done;
+    if (!opt->resume && (s = lm_run_check_fresh(opt->out_dir))) goto done;
     if (opt->resume) {
         if ((s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt))) goto done;
         snprintf(path, sizeof path, "%s/config.json", ckpt);
@@ -729,5 +733,6 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     }
 done:
     trainer_free(&t);
+    lm_run_unlock(lock);
     return s;
 }
