@@ -14,7 +14,9 @@
 
 #include "files.h"
 #include "train/checkpoint.h"
+#include "longmoe/config.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/train.h"
 #include "test.h"
 
 static char root[256];
@@ -196,12 +198,145 @@ static void test_pruning_never_leaves_the_run_nor_removes_the_newest(void) {
     }
 }
 
+/* Rewrite run/checkpoint-<step>/FILE of d: tensor `name` gets element 0 set
+ * to `value` (when not NULL) and, when `transpose`, its two dimensions swapped. */
+static void rewrite_tensor(const char *d, int step, const char *file, const char *name, const float *value,
+                           int transpose) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/run/checkpoint-%08d/%s", d, step, file);
+    lm_safetensors *st = NULL;
+    if (lm_safetensors_open(path, &st)) {
+        fprintf(stderr, "  setup: %s\n", lm_last_error());
+        return;
+    }
+    lm_st_writer *w = lm_st_writer_new();
+    int n = lm_safetensors_count(st);
+    void **copies = calloc((size_t)n, sizeof *copies);
+    for (int i = 0; i < n; i++) {
+        const lm_st_tensor *t = lm_safetensors_at(st, i);
+        copies[i] = malloc(t->nbytes + 8);
+        memcpy(copies[i], t->data, t->nbytes);
+        int64_t shape[LM_ST_MAX_DIMS];
+        memcpy(shape, t->shape, sizeof shape);
+        if (!strcmp(t->name, name)) {
+            if (value) memcpy(copies[i], value, 4);
+            if (transpose && t->ndim == 2) shape[0] = t->shape[1], shape[1] = t->shape[0];
+        }
+        lm_st_writer_add(w, t->name, t->dtype, t->ndim, shape, copies[i]);
+    }
+    if (lm_st_writer_save(w, path)) fprintf(stderr, "  setup: %s\n", lm_last_error());
+    lm_st_writer_free(w);
+    for (int i = 0; i < n; i++) free(copies[i]);
+    free(copies);
+    lm_safetensors_close(st);
+}
+
+/* A finished 4-step micro run in d/run; 1 on success. */
+static int base_run(const char *d) {
+    char args[2048];
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --quiet", d, d);
+    return cli(d, 60, args) == 0;
+}
+
+/* Resume d/run to 6 steps; the exit code (stderr in d/err.txt). */
+static int resume(const char *d) {
+    char args[2048];
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet --steps 6", d);
+    return cli(d, 60, args);
+}
+
+/* Everything a resume loads is validated: a NaN or a huge value in the
+ * optimizer state, a tensor of the right size in another shape, a trainer
+ * state whose step disagrees with its directory: each refused, named. */
+static void test_resume_validates_everything_it_loads(void) {
+    const float nan = NAN, huge = 1.7e38f;
+    struct {
+        const char *name, *file, *tensor;
+        const float *value;
+        int transpose;
+        const char *message;
+    } cases[] = {
+        {"adam-nan", "trainer.safetensors", "optim.adam_state", &nan, 0, "'optim.adam_state' holds a non-finite"},
+        {"adam-huge", "trainer.safetensors", "optim.adam_state", &huge, 0, "'optim.adam_state' holds 1.7e+38"},
+        {"muon-huge", "trainer.safetensors", "optim.muon_state", &huge, 0, "'optim.muon_state' holds 1.7e+38"},
+        {"bias-nan", "trainer.safetensors", "layers.1.moe.bias", &nan, 0, "'layers.1.moe.bias' holds a non-finite"},
+        {"embed-transposed", "model.safetensors", "embed", NULL, 1, "tensor 'embed' has shape [8,256], expected [256,8]"},
+    };
+    for (int i = 0; i < (int)(sizeof cases / sizeof cases[0]); i++) {
+        const char *d = case_dir(cases[i].name);
+        CHECK(base_run(d), "%s: base run failed", cases[i].name);
+        rewrite_tensor(d, 4, cases[i].file, cases[i].tensor, cases[i].value, cases[i].transpose);
+        int code = resume(d);
+        CHECK(code == 1, "%s: resume exit %d", cases[i].name, code);
+        CHECK(test_file_has(test_path(d, "err.txt"), cases[i].message), "%s: message", cases[i].name);
+    }
+    /* trainer.json of step 3 inside checkpoint-00000004 */
+    const char *d = case_dir("step-name");
+    CHECK(base_run(d), "base run failed");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "cp '%s/run/checkpoint-00000003/trainer.json' '%s/run/checkpoint-00000004/'", d, d);
+    sh(cmd);
+    CHECK(resume(d) == 1, "a trainer state of another step was accepted");
+    CHECK(test_file_has(test_path(d, "err.txt"), "step 3 disagrees with its checkpoint's name 'checkpoint-00000004'"),
+          "message");
+}
+
+/* A non-finite parameter never reaches a checkpoint, and the good ones stay. */
+static void test_a_non_finite_parameter_is_never_checkpointed(void) {
+    const char *d = case_dir("nan-param");
+    char run[600];
+    snprintf(run, sizeof run, "%s/run", d);
+    lm_config cfg;
+    lm_config_defaults(&cfg);
+    if (lm_config_parse(micro_config, strlen(micro_config), "micro", &cfg)) {
+        CHECK(0, "%s", lm_last_error());
+        return;
+    }
+    lm_train_options o = lm_train_options_default(run);
+    o.progress = NULL;
+    o.inject_nan_param_step = 2; /* the update of the third step */
+    lm_status s = lm_train(&cfg, &o, NULL);
+    CHECK(s == LM_ERR_NUMERIC && strstr(lm_last_error(), "the checkpoint is not written"), "lm_train: %d %s", s,
+          lm_last_error());
+    char *latest = test_slurp(test_path(run, "latest"), NULL);
+    CHECK(latest && !strcmp(latest, "checkpoint-00000002\n"), "latest is %s", latest ? latest : "(none)");
+    free(latest);
+    CHECK(exists(test_path(run, "checkpoint-00000001/model.safetensors")) &&
+              exists(test_path(run, "checkpoint-00000002/model.safetensors")),
+          "the good checkpoints were pruned");
+    CHECK(!exists(test_path(run, "checkpoint-00000003")) && !exists(test_path(run, "checkpoint-00000003.tmp")),
+          "a checkpoint of the bad step exists");
+}
+
+/* A config value that parses but would be saved as something unreadable (a
+ * stage weight of 1e39 is inf as a float) is refused before training, and
+ * nothing is written. */
+static void test_a_config_that_does_not_survive_saving_is_refused(void) {
+    const char *d = case_dir("roundtrip");
+    char cfg[600], text[4096];
+    snprintf(cfg, sizeof cfg, "%s/weights.json", d);
+    const char *at = strstr(micro_config, "\"ckpt_every\"");
+    snprintf(text, sizeof text, "%.*s\"stages\": [{\"name\": \"a\", \"seq_len\": 16, \"steps\": 2, \"data\": "
+             "{\"copy\": 1e39, \"mqar\": 1}}], %s", (int)(at - micro_config), micro_config, at);
+    spit(cfg, text);
+    char args[2048];
+    snprintf(args, sizeof args, "train --config %s --out %s/run --quiet", cfg, d);
+    int code = cli(d, 60, args);
+    CHECK(code == 1, "exit %d", code);
+    CHECK(test_file_has(test_path(d, "err.txt"), "does not survive saving"), "message");
+    CHECK(!exists(test_path(d, "run/checkpoint-00000002")) && !exists(test_path(d, "run/config.json")),
+          "a checkpoint or config was written");
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
     RUN(test_a_fresh_run_never_touches_an_existing_run);
     RUN(test_a_second_trainer_on_one_run_is_refused);
     RUN(test_pruning_never_leaves_the_run_nor_removes_the_newest);
+    RUN(test_resume_validates_everything_it_loads);
+    RUN(test_a_non_finite_parameter_is_never_checkpointed);
+    RUN(test_a_config_that_does_not_survive_saving_is_refused);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);

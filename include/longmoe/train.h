@@ -47,6 +47,9 @@ typedef struct {
      * a gradient, or the loss) */
     int64_t inject_fault_step;
     lm_fault inject_fault;
+    /* for tests: after the update of step inject_nan_param_step (-1: off) the
+     * first parameter becomes NaN (as a broken optimizer state would make it) */
+    int64_t inject_nan_param_step;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
