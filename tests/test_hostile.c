@@ -328,6 +328,124 @@ static void test_a_config_that_does_not_survive_saving_is_refused(void) {
           "a checkpoint or config was written");
 }
 
+/* Count the lines of `path` that contain `a` and `b`. */
+static int count_lines(const char *path, const char *a, const char *b) {
+    char *text = test_slurp(path, NULL);
+    int n = 0;
+    for (char *line = text; line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = 0;
+        n += strstr(line, a) && strstr(line, b);
+        if (!nl) break;
+        line = nl + 1;
+    }
+    free(text);
+    return n;
+}
+
+/* SIGINT, SIGTERM and SIGHUP end the run at the next step boundary with a
+ * checkpoint of that step and a line saying how to resume; the run resumes. */
+static void test_a_signal_ends_the_run_with_a_checkpoint(void) {
+    const int sigs[3] = {SIGINT, SIGTERM, SIGHUP};
+    for (int k = 0; k < 3; k++) {
+        char name[32];
+        snprintf(name, sizeof name, "signal%d", sigs[k]);
+        const char *d = case_dir(name);
+        char cfg[600], run[600], out[600], text[4096];
+        snprintf(cfg, sizeof cfg, "%s/long.json", d);
+        snprintf(run, sizeof run, "%s/run", d);
+        snprintf(out, sizeof out, "%s/train.txt", d);
+        /* checkpoints only every 1000 steps: the signal's checkpoint is the only one */
+        const char *at = strstr(micro_config, "\"steps\": 4");
+        snprintf(text, sizeof text, "%.*s\"steps\": 100000%s", (int)(at - micro_config), micro_config, at + 10);
+        char *ck = strstr(text, "\"ckpt_every\": 1,");
+        memcpy(ck, "\"ckpt_every\": 0,", 16);
+        spit(cfg, text);
+        pid_t pid = fork();
+        if (pid == 0) {
+            setenv("OMP_NUM_THREADS", "1", 1);
+            int fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            dup2(fd, 1);
+            dup2(fd, 2);
+            execl(LONGMOE_CLI, "longmoe", "train", "--config", cfg, "--out", run, (char *)NULL);
+            _exit(127);
+        }
+        /* wait until a few steps are in the log, then signal */
+        const char *metrics = test_path(run, "metrics.jsonl");
+        for (int i = 0; i < 600 && count_lines(metrics, "\"type\": \"train\"", "") < 3; i++)
+            nanosleep(&(struct timespec){0, 20000000}, NULL);
+        kill(pid, sigs[k]);
+        int st = 0;
+        waitpid(pid, &st, 0);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 128 + sigs[k], "signal %d: status %d", sigs[k], st);
+        CHECK(test_file_has(out, "--resume"), "signal %d: no line saying how to resume", sigs[k]);
+        char *latest = test_slurp(test_path(run, "latest"), NULL);
+        long long step = -1;
+        CHECK(latest && sscanf(latest, "checkpoint-%lld", &step) == 1 && step >= 3, "signal %d: latest %s", sigs[k],
+              latest ? latest : "(none)");
+        free(latest);
+        /* the log holds every step up to the checkpoint, once */
+        char want[64];
+        snprintf(want, sizeof want, "\"step\": %lld,", step);
+        CHECK(count_lines(metrics, "\"type\": \"train\"", want) == 1, "signal %d: step %lld logged %d times", sigs[k],
+              step, count_lines(metrics, "\"type\": \"train\"", want));
+        char args[1400];
+        snprintf(args, sizeof args, "train --out %s --resume --quiet --stop-after %lld", run, step + 2);
+        CHECK(cli(d, 60, args) == 0, "signal %d: the resume failed", sigs[k]);
+    }
+}
+
+/* Every step's metrics reach the file at once (a kill loses none), and
+ * resuming a finished run adds no duplicate records. */
+static void test_metrics_survive_kills_and_finished_resumes(void) {
+    const char *d = case_dir("metrics");
+    CHECK(base_run(d), "base run failed");
+    const char *metrics = test_path(d, "run/metrics.jsonl");
+    char *before = test_slurp(metrics, NULL);
+    char args[1400];
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    for (int i = 0; i < 2; i++) CHECK(cli(d, 60, args) == 0, "resume %d of the finished run failed", i);
+    char *after = test_slurp(metrics, NULL);
+    CHECK(before && after && !strcmp(before, after), "resuming a finished run changed its metrics:\n%s\nvs\n%s",
+          before ? before : "", after ? after : "");
+    free(before);
+    free(after);
+    /* a SIGKILL right after a step's progress line: that step is in the log */
+    const char *d2 = case_dir("metrics-kill");
+    char cfg[600], run[600], out[600], text[4096];
+    snprintf(cfg, sizeof cfg, "%s/long.json", d2);
+    snprintf(run, sizeof run, "%s/run", d2);
+    snprintf(out, sizeof out, "%s/train.txt", d2);
+    const char *at = strstr(micro_config, "\"steps\": 4");
+    snprintf(text, sizeof text, "%.*s\"steps\": 100000%s", (int)(at - micro_config), micro_config, at + 10);
+    char *ck = strstr(text, "\"ckpt_every\": 1,");
+    memcpy(ck, "\"ckpt_every\": 0,", 16);
+    spit(cfg, text);
+    int fds[2];
+    CHECK(pipe(fds) == 0, "pipe");
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("OMP_NUM_THREADS", "1", 1);
+        close(fds[0]);
+        dup2(fds[1], 1);
+        execl(LONGMOE_CLI, "longmoe", "train", "--config", cfg, "--out", run, (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    FILE *progress = fdopen(fds[0], "r");
+    char line[1024];
+    long long seen = -1;
+    while (progress && fgets(line, sizeof line, progress))
+        if (sscanf(line, "step %lld/", &seen) == 1 && seen >= 5) break;
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    if (progress) fclose(progress);
+    char want[64];
+    snprintf(want, sizeof want, "\"step\": %lld,", seen);
+    CHECK(seen >= 5 && count_lines(test_path(run, "metrics.jsonl"), "\"type\": \"train\"", want) == 1,
+          "step %lld was printed but is not in metrics.jsonl", seen);
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -337,6 +455,8 @@ int main(void) {
     RUN(test_resume_validates_everything_it_loads);
     RUN(test_a_non_finite_parameter_is_never_checkpointed);
     RUN(test_a_config_that_does_not_survive_saving_is_refused);
+    RUN(test_a_signal_ends_the_run_with_a_checkpoint);
+    RUN(test_metrics_survive_kills_and_finished_resumes);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);

@@ -1,4 +1,6 @@
 /* `longmoe train`: train a model from a config on built-in data. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +26,23 @@ static const char *const train_usage =
     "                spans all steps; --resume continues)\n"
     "  --seed S      seed of initialisation and data (overrides train.seed)\n"
     "  --quiet       no progress lines\n";
+
+/* SIGINT, SIGTERM, SIGHUP: stop at the next step boundary with a checkpoint.
+ * The handler is reset after the first signal, so a second one ends the
+ * process at once. */
+static volatile int stop_signal;
+static void on_stop_signal(int sig) { stop_signal = sig; }
+
+static void catch_stop_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+}
 
 int cmd_train(int argc, char **argv) {
     const char *cmd = "train", *config = NULL, *out = NULL, *data = NULL;
@@ -79,6 +98,9 @@ int cmd_train(int argc, char **argv) {
         strcpy(cfg.data, data);
     }
     lm_train_result r;
+    memset(&r, 0, sizeof r);
+    catch_stop_signals();
+    opt.stop_requested = &stop_signal;
     if (lm_train(&cfg, &opt, &r)) return cli_fail(cmd, "%s", lm_last_error());
-    return 0;
+    return r.interrupted ? 128 + stop_signal : 0; /* the shell's code for death by that signal */
 }

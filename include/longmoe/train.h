@@ -50,6 +50,9 @@ typedef struct {
     /* for tests: after the update of step inject_nan_param_step (-1: off) the
      * first parameter becomes NaN (as a broken optimizer state would make it) */
     int64_t inject_nan_param_step;
+    /* when not NULL and non-zero at a step boundary (a signal handler sets it):
+     * the run stops there with a checkpoint and result->interrupted set */
+    volatile int *stop_requested;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
@@ -64,6 +67,7 @@ typedef struct {
     double step_seconds, optimizer_seconds;
     double component_seconds[LM_TIME_COUNT]; /* forward + backward by component */
     int64_t tokens;
+    int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);

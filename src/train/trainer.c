@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "check.h"
 #include "checkpoint.h"
@@ -506,8 +507,11 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     return LM_OK;
 }
 
-/* Keep the metrics lines of steps <= `step` (a resumed run rewrites what came after). */
-static lm_status truncate_metrics(const char *path, int64_t step) {
+/* Keep the metrics lines of steps <= `step` (a resumed run rewrites what came
+ * after). redo_end: the resumed run trains no step and repeats the end of the
+ * run (evaluation, checkpoint, grids), so the lines of `step` other than its
+ * train, skip and stage lines are dropped too: each record once. */
+static lm_status truncate_metrics(const char *path, int64_t step, int redo_end) {
     char *text;
     size_t len;
     if (lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len)) return LM_OK; /* no metrics yet */
@@ -522,7 +526,10 @@ static lm_status truncate_metrics(const char *path, int64_t step) {
         if (!nl) break; /* a torn last line */
         const char *sp = strstr(line, "\"step\": ");
         long long s = sp && sp < nl ? atoll(sp + 8) : 0;
-        if (s <= step) {
+        static const char *const kept[3] = {"{\"type\": \"train\"", "{\"type\": \"skip\"", "{\"type\": \"stage\""};
+        int kept_type = 0;
+        for (int k = 0; k < 3; k++) kept_type |= !strncmp(line, kept[k], strlen(kept[k]));
+        if (s < step || (s == step && (!redo_end || kept_type))) {
             memcpy(out + n, line, (size_t)(nl - line + 1));
             n += (size_t)(nl - line + 1);
         }
@@ -685,7 +692,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {
         if ((s = load_checkpoint(&t, ckpt))) goto done;
-        if ((s = truncate_metrics(path, t.step))) goto done;
+        int64_t stop_at = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
+        if ((s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
         if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
     } else {
         /* a fresh run starts a fresh log and writes its config */
@@ -724,7 +732,13 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
                 lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "");
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
+    int interrupted = 0;
     while (t.step < stop) {
+        /* a step boundary: a requested stop (SIGINT, SIGTERM, SIGHUP in the CLI) ends here, checkpointed */
+        if (opt->stop_requested && *opt->stop_requested) {
+            interrupted = 1;
+            break;
+        }
         int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
         double t0 = lm_time_seconds();
         lm_model_zero_grads(t.model);
@@ -760,6 +774,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             t.skipped++;
             fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
                     (long long)t.step);
+            fflush(t.metrics);
             if (opt->progress)
                 fprintf(opt->progress, "step %lld skipped: non-finite loss or gradient\n", (long long)t.step);
             if (++bad_in_row >= opt->max_bad_steps) {
@@ -805,6 +820,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             fprintf(t.metrics, "]}");
         }
         fprintf(t.metrics, "]}\n");
+        fflush(t.metrics); /* each step's record reaches the file before its progress line */
         if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
             format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
@@ -829,13 +845,25 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             log_stage(&t);
         }
     }
-    if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
-    log_eval(&t, val_loss, val_acc);
-    if ((s = save_checkpoint(&t))) goto done;
-    if (t.step == t.total_steps && (s = stage_evaluation(&t))) goto done;
-    if (opt->progress)
-        fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
-                lm_time_seconds() - t_start, opt->out_dir);
+    if (interrupted) {
+        /* the last step's checkpoint, unless it was just written */
+        char done_dir[4200];
+        struct stat sb;
+        snprintf(done_dir, sizeof done_dir, "%s/checkpoint-%08lld", opt->out_dir, (long long)t.step);
+        if (t.step > 0 && stat(done_dir, &sb) != 0 && (s = save_checkpoint(&t))) goto done;
+        fprintf(opt->progress ? opt->progress : stderr,
+                "interrupted at step %lld of %lld: %s; continue with: longmoe train --out %s --resume\n",
+                (long long)t.step, (long long)t.total_steps,
+                t.step > 0 ? "checkpoint written" : "no step done, nothing to resume", opt->out_dir);
+    } else {
+        if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
+        log_eval(&t, val_loss, val_acc);
+        if ((s = save_checkpoint(&t))) goto done;
+        if (t.step == t.total_steps && (s = stage_evaluation(&t))) goto done;
+        if (opt->progress)
+            fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
+                    lm_time_seconds() - t_start, opt->out_dir);
+    }
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -845,6 +873,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->step_seconds = step_seconds;
         result->optimizer_seconds = opt_seconds;
         result->tokens = tokens_done;
+        result->interrupted = interrupted;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
     }
