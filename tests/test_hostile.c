@@ -446,6 +446,23 @@ static void test_metrics_survive_kills_and_finished_resumes(void) {
           "step %lld was printed but is not in metrics.jsonl", seen);
 }
 
+/* The CLI makes idle OpenMP threads sleep unless the user chose otherwise
+ * (spinning threads stall a run on a shared machine). */
+static void test_the_cli_chooses_passive_waiting_unless_told(void) {
+    const char *d = case_dir("threads");
+    char args[2048];
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --steps 1", d, d);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "env -u OMP_WAIT_POLICY OMP_NUM_THREADS=2 %s %s > '%s/out.txt' 2>&1", LONGMOE_CLI, args,
+             d);
+    CHECK(system(cmd) == 0, "the run failed");
+    CHECK(test_file_has(test_path(d, "out.txt"), "2 threads (OMP_WAIT_POLICY=passive)"), "not passive by default");
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run2 --steps 1", d, d);
+    snprintf(cmd, sizeof cmd, "OMP_WAIT_POLICY=active OMP_NUM_THREADS=2 %s %s > '%s/out.txt' 2>&1", LONGMOE_CLI, args, d);
+    CHECK(system(cmd) == 0, "the run failed");
+    CHECK(test_file_has(test_path(d, "out.txt"), "(OMP_WAIT_POLICY=active)"), "the user's choice was not kept");
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -457,6 +474,7 @@ int main(void) {
     RUN(test_a_config_that_does_not_survive_saving_is_refused);
     RUN(test_a_signal_ends_the_run_with_a_checkpoint);
     RUN(test_metrics_survive_kills_and_finished_resumes);
+    RUN(test_the_cli_chooses_passive_waiting_unless_told);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);

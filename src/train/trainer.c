@@ -3,6 +3,7 @@
 #include "longmoe/train.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -728,8 +729,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     lm_model_reset_timings(t.model);
     float last_loss = NAN, val_loss = NAN, val_acc = NAN;
     if (opt->progress && !opt->resume)
-        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s\n",
-                lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "");
+        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s; %d threads "
+                "(OMP_WAIT_POLICY=%s)\n", lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages,
+                t.n_stages > 1 ? "s" : "", omp_get_max_threads(),
+                getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "unset: the runtime's default");
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
     int interrupted = 0;
