@@ -463,6 +463,44 @@ static void test_the_cli_chooses_passive_waiting_unless_told(void) {
     CHECK(test_file_has(test_path(d, "out.txt"), "(OMP_WAIT_POLICY=active)"), "the user's choice was not kept");
 }
 
+/* Checkpoints carry a checksum that every reader verifies: one flipped bit
+ * in a weight is refused (before, it loaded as a wrong finite value); a file
+ * without a checksum (another writer) is accepted as it is. */
+static void test_a_flipped_bit_in_a_checkpoint_is_refused(void) {
+    const char *d = case_dir("bitflip");
+    CHECK(base_run(d), "base run failed");
+    const char *path = test_path(d, "run/checkpoint-00000004/model.safetensors");
+    size_t n;
+    char *bytes = test_slurp(path, &n);
+    CHECK(bytes && n > 100, "no model.safetensors");
+    if (!bytes) return;
+    bytes[n - 3] ^= 0x10; /* a mantissa bit of the last weight: still finite */
+    FILE *f = fopen(path, "wb");
+    fwrite(bytes, 1, n, f);
+    fclose(f);
+    CHECK(resume(d) == 1, "a flipped bit was accepted by train --resume");
+    CHECK(test_file_has(test_path(d, "err.txt"), "checksum mismatch"), "message");
+    char args[1400];
+    snprintf(args, sizeof args, "eval --checkpoint %s/run", d);
+    CHECK(cli(d, 60, args) == 1 && test_file_has(test_path(d, "err.txt"), "checksum mismatch"),
+          "eval accepted a flipped bit");
+    /* the checksum is of the data section: the same data hashes the same */
+    lm_safetensors *st = NULL;
+    bytes[n - 3] ^= 0x10;
+    CHECK(lm_safetensors_parse(bytes, n, "restored", &st) == LM_OK, "%s", lm_last_error());
+    CHECK(st && lm_safetensors_metadata(st, LM_ST_CHECKSUM_KEY) != NULL, "no checksum recorded");
+    lm_safetensors_close(st);
+    /* a file without one: accepted */
+    static const char plain[] = "{\"x\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+    unsigned char file[8 + sizeof plain - 1 + 4] = {0};
+    file[0] = (unsigned char)(sizeof plain - 1);
+    memcpy(file + 8, plain, sizeof plain - 1);
+    CHECK(lm_safetensors_parse(file, sizeof file, "plain", &st) == LM_OK, "a file without checksum: %s",
+          lm_last_error());
+    lm_safetensors_close(st);
+    free(bytes);
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -475,6 +513,7 @@ int main(void) {
     RUN(test_a_signal_ends_the_run_with_a_checkpoint);
     RUN(test_metrics_survive_kills_and_finished_resumes);
     RUN(test_the_cli_chooses_passive_waiting_unless_told);
+    RUN(test_a_flipped_bit_in_a_checkpoint_is_refused);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);
