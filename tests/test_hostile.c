@@ -15,6 +15,7 @@
 #include "files.h"
 #include "train/checkpoint.h"
 #include "longmoe/config.h"
+#include "longmoe/data.h"
 #include "longmoe/safetensors.h"
 #include "longmoe/train.h"
 #include "test.h"
@@ -501,6 +502,39 @@ static void test_a_flipped_bit_in_a_checkpoint_is_refused(void) {
     free(bytes);
 }
 
+/* A `data prepare` killed midway leaves a directory that training refuses as
+ * incomplete and that the same `data prepare` then completes. */
+static void test_an_interrupted_data_prepare_is_never_taken_for_complete(void) {
+    const char *d = case_dir("prepare");
+    char text[700], cmd[3000], args[2400];
+    snprintf(text, sizeof text, "%s/text.txt", d);
+    FILE *f = fopen(text, "wb");
+    for (int i = 0; i < 4000; i++) fprintf(f, "the quick brown fox %d jumps over the lazy dog\n", i);
+    fclose(f);
+    snprintf(args, sizeof args, "tokenizer train --input %s --vocab 300 --out %s/tok.json", text, d);
+    CHECK(cli(d, 60, args) == 0, "tokenizer train failed");
+    /* two tokens a shard: tens of thousands of shards, each written atomically */
+    snprintf(cmd, sizeof cmd, "%s data prepare --input %s --tokenizer %s/tok.json --out %s/shards --shard-tokens 2 "
+             "> /dev/null 2>&1 & pid=$!; while [ ! -e %s/shards/train_000100.bin ]; do sleep 0.01; done; "
+             "kill -9 $pid; wait $pid 2>/dev/null; true", LONGMOE_CLI, text, d, d, d);
+    sh(cmd);
+    CHECK(!exists(test_path(d, "shards/tokenizer.json")), "the preparation finished before the kill");
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --data shards:%s/shards", d, d, d);
+    int code = cli(d, 60, args);
+    CHECK(code == 2 && test_file_has(test_path(d, "err.txt"), "did not finish"),
+          "training accepted a partial directory: exit %d", code);
+    snprintf(args, sizeof args, "data prepare --input %s --tokenizer %s/tok.json --out %s/shards --shard-tokens 100000",
+             text, d, d);
+    code = cli(d, 120, args);
+    CHECK(code == 0, "a second data prepare of the interrupted directory: exit %d", code);
+    CHECK(!exists(test_path(d, "shards/train_000100.bin")), "the partial shards were left");
+    char spec[700];
+    snprintf(spec, sizeof spec, "shards:%s/shards", d);
+    lm_data_source *src = NULL;
+    CHECK(lm_data_open(spec, 1, &src) == LM_OK, "the completed directory does not open: %s", lm_last_error());
+    lm_data_close(src);
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -514,6 +548,7 @@ int main(void) {
     RUN(test_metrics_survive_kills_and_finished_resumes);
     RUN(test_the_cli_chooses_passive_waiting_unless_told);
     RUN(test_a_flipped_bit_in_a_checkpoint_is_refused);
+    RUN(test_an_interrupted_data_prepare_is_never_taken_for_complete);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);
