@@ -15,7 +15,12 @@
  *   latest                   the name of the newest complete checkpoint
  * A checkpoint directory is written under a temporary name, every file fsynced,
  * then renamed; `latest` is replaced atomically after it; the oldest beyond
- * train.keep_checkpoints are removed. */
+ * train.keep_checkpoints are removed (real checkpoint directories older than
+ * the one written only; links are never followed).
+ *   lock                     held by the one trainer of the directory
+ * A fresh run (resume = 0) is refused in a directory that holds a run; on
+ * resume everything loaded is validated (shapes, finiteness, bounds, counters
+ * against the directory's step) and every safetensors checksum verified. */
 #ifndef LONGMOE_TRAIN_H
 #define LONGMOE_TRAIN_H
 
