@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/shards.h"
 
 static const char *const data_usage =
@@ -55,6 +56,14 @@ static int data_prepare(int argc, char **argv) {
         cli_fail(cmd, "--input FILE..., --tokenizer TOK.json and --out DIR are required");
         goto done;
     }
+    char tok_out[4200];
+    snprintf(tok_out, sizeof tok_out, "%s/tokenizer.json", out);
+    for (int k = 0; k < n_inputs; k++)
+        if (lm_same_file(inputs[k], tok_out)) {
+            cli_fail(cmd, "--input '%s' is the DIR/tokenizer.json that data prepare writes (choose another --out)",
+                     inputs[k]);
+            goto done;
+        }
     rc = 1;
     lm_tokenizer *tok = NULL;
     lm_prepare_stats st;

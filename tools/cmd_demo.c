@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "check.h"
 #include "cli.h"
@@ -184,6 +185,19 @@ int cmd_demo(int argc, char **argv) {
            "vcopy (the same across a gap). The second copy is predictable only by looking back: its\n"
            "accuracy shows what the model learned. After each stage: passkey and MQAR grids, retrieval\n"
            "probes (docs/eval.md) that this preset does not train on: they stay at 0 here.\n\n", config);
+    /* a fresh run never overwrites one: the previous demo's run is moved aside, not deleted */
+    struct stat sb;
+    char latest[1100];
+    snprintf(latest, sizeof latest, "%s/latest", out);
+    if (stat(latest, &sb) == 0) {
+        char aside[1100];
+        for (int k = 1; k < 10000; k++) {
+            snprintf(aside, sizeof aside, "%s.previous-%d", out, k);
+            if (stat(aside, &sb) != 0) break;
+        }
+        if (rename(out, aside) != 0) return cli_fail("demo", "cannot move the previous run '%s' aside", out);
+        printf("kept the previous demo run as %s\n\n", aside);
+    }
     lm_train_options opt = lm_train_options_default(out);
     lm_train_result r;
     if (lm_train(&cfg, &opt, &r)) return cli_fail("demo", "%s", lm_last_error());

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/attention.h"
 #include "longmoe/safetensors.h"
 
@@ -59,6 +60,9 @@ int cmd_op_attention(int argc, char **argv) {
     }
 
     lm_safetensors *st = NULL;
+    if (out_path && lm_same_file(in_path, out_path))
+        return cli_fail(cmd, "--out '%s' is the --in file: writing it would destroy the input (choose another --out)",
+                        out_path) + 1;
     if (lm_safetensors_open(in_path, &st)) return cli_fail(cmd, "%s", lm_last_error());
     int rc = 1;
     float *q = NULL, *k = NULL, *v = NULL, *d_o = NULL, *o = NULL, *lse = NULL;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/kda.h"
 #include "longmoe/safetensors.h"
 #ifdef LONGMOE_HAVE_CUDA
@@ -97,6 +98,9 @@ int cmd_op_kda(int argc, char **argv) {
     if (cuda && recurrent) return cli_fail(cmd, "--device cuda runs the chunked form: drop --mode recurrent");
 
     lm_safetensors *st = NULL;
+    if (out_path && lm_same_file(in_path, out_path))
+        return cli_fail(cmd, "--out '%s' is the --in file: writing it would destroy the input (choose another --out)",
+                        out_path) + 1;
     if (lm_safetensors_open(in_path, &st)) return cli_fail(cmd, "%s", lm_last_error());
     int rc = 1;
     kda_tensors t = {0};

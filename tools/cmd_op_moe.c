@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/balance.h"
 #include "longmoe/moe.h"
 #include "longmoe/safetensors.h"
@@ -96,6 +97,9 @@ int cmd_op_moe(int argc, char **argv) {
         return 2;
     }
     lm_safetensors *st = NULL;
+    if (out_path && lm_same_file(in_path, out_path))
+        return cli_fail(cmd, "--out '%s' is the --in file: writing it would destroy the input (choose another --out)",
+                        out_path) + 1;
     if (lm_safetensors_open(in_path, &st)) return cli_fail(cmd, "%s", lm_last_error());
     /* flags override the file's metadata */
     const char *meta;
@@ -319,6 +323,9 @@ int cmd_op_route(int argc, char **argv) {
     if ((exact || zoom) && (!update || strcmp(update, "quantile")))
         return cli_fail(cmd, "--exact and --zoom need --bias-update quantile") + 1;
     lm_safetensors *st = NULL;
+    if (out_path && lm_same_file(in_path, out_path))
+        return cli_fail(cmd, "--out '%s' is the --in file: writing it would destroy the input (choose another --out)",
+                        out_path) + 1;
     if (lm_safetensors_open(in_path, &st)) return cli_fail(cmd, "%s", lm_last_error());
     int rc = 1;
     float *s = NULL, *b = NULL, *weights = NULL;

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "files.h"
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
 #include "longmoe/tokenizer.h"
@@ -47,10 +48,9 @@ static int resolve_checkpoint(const char *cmd, const char *dir, char *out, size_
         return 0;
     }
     snprintf(path, sizeof path, "%s/latest", dir);
-    FILE *f = fopen(path, "r");
-    char name[256] = {0};
-    int ok = f && fscanf(f, "%255s", name) == 1;
-    if (f) fclose(f);
+    char name[256] = {0}, *text = NULL;
+    int ok = !lm_read_file(path, LM_TEXT_FILE_MAX, &text, NULL) && sscanf(text, "%255s", name) == 1;
+    free(text);
     if (!ok)
         return cli_fail(cmd, "no checkpoint at '%s': neither %s/model.safetensors nor %s/latest exists (pass a "
                         "checkpoint-<step> directory or a run directory)", dir, dir, dir);

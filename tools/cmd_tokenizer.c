@@ -49,6 +49,12 @@ static int tokenizer_train(int argc, char **argv) {
         cli_fail(cmd, "--input FILE..., --vocab N and --out TOK.json are required");
         goto done;
     }
+    for (int k = 0; k < n_inputs; k++)
+        if (lm_same_file(inputs[k], out)) {
+            cli_fail(cmd, "--out '%s' is also an --input: writing it would destroy the input (choose another --out)",
+                     out);
+            goto done;
+        }
     rc = 1;
     char **texts = calloc((size_t)n_inputs, sizeof *texts);
     size_t *lens = calloc((size_t)n_inputs, sizeof *lens), total = 0;

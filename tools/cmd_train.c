@@ -1,4 +1,6 @@
 /* `longmoe train`: train a model from a config on built-in data. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,12 +20,34 @@ static const char *const train_usage =
     "  --data SPEC   data of stages that name none (overrides train.data): a built-in\n"
     "                task (copy, mqar, passkey, vcopy, mix; docs/eval.md) or shards:DIR\n"
     "                (token shards from `longmoe data prepare`; docs/data.md)\n"
-    "  --resume      continue from DIR/latest, bit-identically to an uninterrupted run\n"
+    "  --resume      continue from DIR/latest, bit-identically to an uninterrupted run, with\n"
+    "                the checkpoint's config (--config, --data and --seed are refused)\n"
     "  --steps N     total steps (overrides train.steps)\n"
     "  --stop-after N  stop with a checkpoint once N steps are done (the schedule still\n"
     "                spans all steps; --resume continues)\n"
     "  --seed S      seed of initialisation and data (overrides train.seed)\n"
-    "  --quiet       no progress lines\n";
+    "  --quiet       no progress lines\n"
+    "\n"
+    "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
+    "(DIR/lock). SIGINT, SIGTERM or SIGHUP stop the run at the next step boundary with a\n"
+    "checkpoint (exit code 128 + the signal); --resume continues it.\n";
+
+/* SIGINT, SIGTERM, SIGHUP: stop at the next step boundary with a checkpoint.
+ * The handler is reset after the first signal, so a second one ends the
+ * process at once. */
+static volatile int stop_signal;
+static void on_stop_signal(int sig) { stop_signal = sig; }
+
+static void catch_stop_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+}
 
 int cmd_train(int argc, char **argv) {
     const char *cmd = "train", *config = NULL, *out = NULL, *data = NULL;
@@ -59,7 +83,14 @@ int cmd_train(int argc, char **argv) {
         }
     }
     if (!out || (!config && !resume)) {
-        cli_fail(cmd, "--out and --config are required (--config may be left out with --resume)");
+        cli_fail(cmd, "--out and --config are required (--config is left out with --resume)");
+        return 2;
+    }
+    /* a resumed run is the run its checkpoint's config.json describes: what
+     * would change it is refused, not ignored (--steps may extend an unstaged run) */
+    if (resume && (config || data || have_seed)) {
+        cli_fail(cmd, "%s cannot be given with --resume: a resumed run uses its checkpoint's config.json (start a "
+                 "new run with another --out to change it)", config ? "--config" : data ? "--data" : "--seed");
         return 2;
     }
     lm_train_options opt = lm_train_options_default(out);
@@ -79,6 +110,9 @@ int cmd_train(int argc, char **argv) {
         strcpy(cfg.data, data);
     }
     lm_train_result r;
+    memset(&r, 0, sizeof r);
+    catch_stop_signals();
+    opt.stop_requested = &stop_signal;
     if (lm_train(&cfg, &opt, &r)) return cli_fail(cmd, "%s", lm_last_error());
-    return 0;
+    return r.interrupted ? 128 + stop_signal : 0; /* the shell's code for death by that signal */
 }

@@ -1,5 +1,8 @@
 /* longmoe: one binary, subcommands. */
+#define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "cli.h"
@@ -30,7 +33,19 @@ static void usage(FILE *f) {
     fprintf(f, "\n`longmoe <command> --help` describes each command.\n");
 }
 
+/* OpenMP threads that wait by spinning stall a run on a shared machine: with
+ * one other busy process on 2 cores a step took 480x longer (docs/RELIABILITY.md,
+ * "Threads on a shared machine"). libgomp reads OMP_WAIT_POLICY before main,
+ * so when the user did not choose, the program starts itself again with
+ * OMP_WAIT_POLICY=passive (idle threads sleep); a failed exec runs on as is. */
+static void choose_wait_policy(char **argv) {
+    if (getenv("OMP_WAIT_POLICY")) return;
+    if (setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    execv("/proc/self/exe", argv);
+}
+
 int main(int argc, char **argv) {
+    choose_wait_policy(argv);
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;

@@ -16,6 +16,8 @@ BIN="$BUILD/longmoe"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1
+# set, so that the CLI does not start itself again (tools/longmoe.c) outside valgrind
+export OMP_WAIT_POLICY=passive
 VG=(valgrind --quiet --leak-check=full --show-leak-kinds=definite,indirect --errors-for-leak-kinds=definite,indirect
     --error-exitcode=1)
 failed=0

@@ -43,6 +43,17 @@ void lm_safetensors_close(lm_safetensors *st);
 int lm_safetensors_count(const lm_safetensors *st);
 const lm_st_tensor *lm_safetensors_at(const lm_safetensors *st, int i);
 const lm_st_tensor *lm_safetensors_find(const lm_safetensors *st, const char *name);
+/* The checksum every file of lm_st_writer_save carries in its __metadata__
+ * under this key: 16 lower-case hex digits of lm_checksum64 of the data
+ * section (the bytes after the header). Every reader verifies it when
+ * present (LM_ERR_FORMAT "checksum mismatch" naming both values); a file
+ * without it (another writer, older checkpoints) is accepted as it is. */
+#define LM_ST_CHECKSUM_KEY "longmoe.checksum"
+/* FNV-1a over the 64-bit little-endian words of bytes[0..n), then the tail
+ * bytes one at a time, then the length: h = (h ^ x) * 0x100000001b3 from h =
+ * 0xcbf29ce484222325 (docs/RELIABILITY.md has a Python version). */
+uint64_t lm_checksum64(const void *bytes, size_t n);
+
 /* Value of a "__metadata__" entry, or NULL. */
 const char *lm_safetensors_metadata(const lm_safetensors *st, const char *key);
 

@@ -15,7 +15,12 @@
  *   latest                   the name of the newest complete checkpoint
  * A checkpoint directory is written under a temporary name, every file fsynced,
  * then renamed; `latest` is replaced atomically after it; the oldest beyond
- * train.keep_checkpoints are removed. */
+ * train.keep_checkpoints are removed (real checkpoint directories older than
+ * the one written only; links are never followed).
+ *   lock                     held by the one trainer of the directory
+ * A fresh run (resume = 0) is refused in a directory that holds a run; on
+ * resume everything loaded is validated (shapes, finiteness, bounds, counters
+ * against the directory's step) and every safetensors checksum verified. */
 #ifndef LONGMOE_TRAIN_H
 #define LONGMOE_TRAIN_H
 
@@ -47,6 +52,12 @@ typedef struct {
      * a gradient, or the loss) */
     int64_t inject_fault_step;
     lm_fault inject_fault;
+    /* for tests: after the update of step inject_nan_param_step (-1: off) the
+     * first parameter becomes NaN (as a broken optimizer state would make it) */
+    int64_t inject_nan_param_step;
+    /* when not NULL and non-zero at a step boundary (a signal handler sets it):
+     * the run stops there with a checkpoint and result->interrupted set */
+    volatile int *stop_requested;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
@@ -61,6 +72,7 @@ typedef struct {
     double step_seconds, optimizer_seconds;
     double component_seconds[LM_TIME_COUNT]; /* forward + backward by component */
     int64_t tokens;
+    int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);

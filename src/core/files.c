@@ -1,18 +1,68 @@
 /* Whole-file reading and growable text (src/core/files.h). */
 #define _POSIX_C_SOURCE 200809L
+#include "check.h"
 #include "files.h"
 
+
 #include <errno.h>
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char *file_kind(mode_t m) {
+    if (S_ISDIR(m)) return "a directory";
+    if (S_ISFIFO(m)) return "a FIFO (named pipe)";
+    if (S_ISCHR(m)) return "a character device";
+    if (S_ISBLK(m)) return "a block device";
+    if (S_ISSOCK(m)) return "a socket";
+    return "not a plain file";
+}
+
+lm_status lm_open_regular(const char *path, int *fd_out, int64_t *size) {
+    *fd_out = -1;
+    /* O_NONBLOCK: opening a FIFO without a writer (or some devices) would block */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return lm_error(LM_ERR_IO, "cannot stat '%s': %s", path, strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return lm_error(LM_ERR_IO, "'%s' is %s, not a regular file", path, file_kind(sb.st_mode));
+    }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0) fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    if (size) *size = (int64_t)sb.st_size;
+    *fd_out = fd;
+    return LM_OK;
+}
+
+int lm_same_file(const char *a, const char *b) {
+    struct stat sa, sb;
+    if (stat(a, &sa) != 0 || stat(b, &sb) != 0) return 0;
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
 
 lm_status lm_read_file(const char *path, size_t max_bytes, char **bytes, size_t *len) {
     *bytes = NULL;
     if (len) *len = 0;
     int is_stdin = !strcmp(path, "-");
-    FILE *f = is_stdin ? stdin : fopen(path, "rb");
-    if (!f) return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    FILE *f = stdin;
+    if (!is_stdin) {
+        int fd;
+        TRY(lm_open_regular(path, &fd, NULL));
+        f = fdopen(fd, "rb");
+        if (!f) {
+            close(fd);
+            return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+        }
+    }
     /* read in doubling pieces: works for pipes and files whose size changes */
     size_t cap = 1 << 16, n = 0;
     char *b = malloc(cap + 1);

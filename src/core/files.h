@@ -4,14 +4,28 @@
 #define LONGMOE_FILES_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "longmoe/core.h"
 
+/* Open `path` for reading if it is a regular file. The open does not block
+ * (a FIFO without a writer, a device) and the type is checked on the opened
+ * descriptor, so nothing that is not a regular file is ever read: a
+ * directory, FIFO, device or socket is LM_ERR_IO "'path' is a FIFO (named
+ * pipe), not a regular file". *fd receives a blocking descriptor, *size (may
+ * be NULL) the file's size. Every reader of an input path opens through
+ * this (lm_read_file, the shard reader). */
+lm_status lm_open_regular(const char *path, int *fd, int64_t *size);
+/* 1 when both paths exist and name the same file (device and inode): an
+ * output that would overwrite an input. */
+int lm_same_file(const char *a, const char *b);
+
 /* The whole of `path` ("-": standard input) in a new malloc'd buffer with a
  * NUL after its last byte; *len (may be NULL) receives the byte count.
  * max_bytes > 0 refuses a larger file (LM_ERR_IO naming the path); 0: no
- * limit. Errors: LM_ERR_IO (open or read failed, message with the cause),
+ * limit. Errors: LM_ERR_IO (open or read failed, not a regular file;
+ * message with the cause),
  * LM_ERR_MEMORY. */
 lm_status lm_read_file(const char *path, size_t max_bytes, char **bytes, size_t *len);
 /* The bound of the run's text files (config.json, trainer.json, latest, metrics.jsonl). */

@@ -84,6 +84,61 @@ static lm_status parse_entry(const lm_json *e, const char *what, const unsigned 
     return LM_OK;
 }
 
+/* FNV-1a over 64-bit little-endian words (then the tail bytes, then the
+ * length): each step is a bijection of the running value, so any change of
+ * one word changes the result. Streamed: the words may straddle pieces. */
+typedef struct {
+    uint64_t h;
+    unsigned char tail[8];
+    int n_tail;
+    size_t n;
+} checksum_state;
+
+#define CHECKSUM_PRIME 0x100000001b3ull
+
+static uint64_t load_le64(const unsigned char *p) {
+    uint64_t w = 0;
+    for (int k = 7; k >= 0; k--) w = (w << 8) | p[k];
+    return w;
+}
+
+static void checksum_begin(checksum_state *c) {
+    memset(c, 0, sizeof *c);
+    c->h = 0xcbf29ce484222325ull;
+}
+
+static void checksum_add(checksum_state *c, const unsigned char *p, size_t n) {
+    c->n += n;
+    while (n && c->n_tail) { /* complete a word begun by the last piece */
+        c->tail[c->n_tail++] = *p++;
+        n--;
+        if (c->n_tail == 8) {
+            c->h = (c->h ^ load_le64(c->tail)) * CHECKSUM_PRIME;
+            c->n_tail = 0;
+        }
+    }
+    for (; n >= 8; p += 8, n -= 8) c->h = (c->h ^ load_le64(p)) * CHECKSUM_PRIME;
+    while (n--) c->tail[c->n_tail++] = *p++;
+}
+
+static uint64_t checksum_end(checksum_state *c) {
+    uint64_t h = c->h;
+    for (int i = 0; i < c->n_tail; i++) h = (h ^ c->tail[i]) * CHECKSUM_PRIME;
+    return (h ^ (uint64_t)c->n) * CHECKSUM_PRIME;
+}
+
+uint64_t lm_checksum64(const void *bytes, size_t n) {
+    checksum_state c;
+    checksum_begin(&c);
+    checksum_add(&c, bytes, n);
+    return checksum_end(&c);
+}
+
+/* "<16 hex digits>" of the data section, the value of LM_ST_CHECKSUM_KEY. */
+static void checksum_text(const unsigned char *data, size_t n, char out[17]) {
+    snprintf(out, 17, "%016llx", (unsigned long long)lm_checksum64(data, n));
+}
+
 static lm_status parse_owned(lm_safetensors *st, const char *what) {
     lm_status s;
     if (st->size < 8)
@@ -145,6 +200,17 @@ static lm_status parse_owned(lm_safetensors *st, const char *what) {
     if (cursor != data + data_size)
         return lm_error(LM_ERR_FORMAT, "%s: %zu trailing data bytes that no tensor references",
                         what, (size_t)(data + data_size - cursor));
+    /* a recorded checksum must match the data section (a file without one,
+     * from another writer, is accepted as it is) */
+    const lm_json *sum = lm_json_get(st->metadata, LM_ST_CHECKSUM_KEY);
+    if (sum) {
+        char got[17];
+        checksum_text(data, data_size, got);
+        if (strcmp(got, sum->string))
+            return lm_error(LM_ERR_FORMAT, "%s: checksum mismatch: the data section (%zu bytes) hashes to %s but the "
+                            "header records %s (a flipped bit or a damaged copy)", what, data_size, got,
+                            sum->string);
+    }
     return LM_OK;
 }
 
@@ -341,14 +407,18 @@ lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char
 }
 
 lm_status lm_st_writer_save(const lm_st_writer *w, const char *path) {
+    /* the checksum of the data section: the tensors' bytes in order */
+    checksum_state c;
+    checksum_begin(&c);
+    for (int i = 0; i < w->count; i++) checksum_add(&c, w->entries[i].data, w->entries[i].nbytes);
+    char sum[17];
+    snprintf(sum, sizeof sum, "%016llx", (unsigned long long)checksum_end(&c));
     lm_text h = {0};
-    lm_text_printf(&h, "{");
-    if (w->meta_count) {
-        lm_text_printf(&h, "\"__metadata__\":{");
-        for (int i = 0; i < w->meta_count; i++)
-            lm_text_printf(&h, "%s\"%s\":\"%s\"", i ? "," : "", w->meta_keys[i], w->meta_values[i]);
-        lm_text_printf(&h, "}%s", w->count ? "," : "");
-    }
+    lm_text_printf(&h, "{\"__metadata__\":{");
+    for (int i = 0; i < w->meta_count; i++)
+        if (strcmp(w->meta_keys[i], LM_ST_CHECKSUM_KEY))
+            lm_text_printf(&h, "\"%s\":\"%s\",", w->meta_keys[i], w->meta_values[i]);
+    lm_text_printf(&h, "\"%s\":\"%s\"}%s", LM_ST_CHECKSUM_KEY, sum, w->count ? "," : "");
     size_t offset = 0;
     for (int i = 0; i < w->count; i++) {
         const writer_entry *e = &w->entries[i];

@@ -13,7 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "files.h"
+
 #include "longmoe/safetensors.h"
 
 /* ---- writer ---- */
@@ -62,14 +64,10 @@ lm_status lm_shard_open(const char *path, int vocab_size, lm_shard *out) {
     memset(out, 0, sizeof *out);
     snprintf(out->path, sizeof out->path, "%s", path);
     if (vocab_size < 0) return lm_error(LM_ERR_ARG, "%s: vocabulary size %d must be >= 0", path, vocab_size);
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return lm_error(LM_ERR_IO, "cannot open shard '%s': %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        close(fd);
-        return lm_error(LM_ERR_IO, "cannot stat shard '%s': %s", path, strerror(errno));
-    }
-    size_t size = (size_t)sb.st_size;
+    int fd;
+    int64_t file_size;
+    TRY(lm_open_regular(path, &fd, &file_size));
+    size_t size = (size_t)file_size;
     if (size < LM_SHARD_HEADER_BYTES) {
         close(fd);
         return lm_error(LM_ERR_FORMAT, "%s: %zu bytes, shorter than the %d-byte shard header", path, size,
@@ -242,6 +240,18 @@ lm_status lm_shards_window(const lm_data_source *src, int64_t sample, int T, int
 }
 
 /* The shard files of a split: split_000000.bin ... numbered without gaps. */
+/* The marker of a directory being prepared: written before the first shard,
+ * removed after the last file, so a `data prepare` killed midway leaves a
+ * directory that no reader takes for complete. */
+#define PREPARING_MARK "PREPARING"
+
+static int being_prepared(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/" PREPARING_MARK, dir);
+    struct stat sb;
+    return lstat(path, &sb) == 0;
+}
+
 static lm_status list_split(const char *dir, const char *split, char ***paths, int *n) {
     *paths = NULL;
     *n = 0;
@@ -311,6 +321,9 @@ lm_status lm_data_open_shards(const char *dir, const char *split, int vocab_size
     if (n_ranks < 1 || rank < 0 || rank >= n_ranks)
         return lm_error(LM_ERR_ARG, "rank %d of %d ranks: need 0 <= rank < n_ranks", rank, n_ranks);
     if (vocab_size < 0) return lm_error(LM_ERR_ARG, "vocabulary size %d must be >= 0", vocab_size);
+    if (being_prepared(dir))
+        return lm_error(LM_ERR_FORMAT, "'%s' is incomplete: a `data prepare` into it did not finish (%s/" PREPARING_MARK
+                        " exists); run the same data prepare again", dir, dir);
     char **paths;
     int n;
     lm_status s = list_split(dir, split, &paths, &n);
@@ -397,6 +410,22 @@ lm_status lm_shards_prepare(const char *const *inputs, int n_inputs, const lm_to
     if (mkdir(dir, 0755) != 0 && errno != EEXIST)
         return lm_error(LM_ERR_IO, "cannot create directory '%s': %s", dir, strerror(errno));
     static const char *const splits[2] = {"train", "val"};
+    char mark[4200];
+    snprintf(mark, sizeof mark, "%s/" PREPARING_MARK, dir);
+    if (being_prepared(dir)) {
+        /* an interrupted preparation: its shards are partial; start again */
+        for (int i = 0; i < 2; i++) {
+            char **p;
+            int n;
+            if (list_split(dir, splits[i], &p, &n) == LM_OK) {
+                for (int k = 0; k < n; k++) {
+                    unlink(p[k]);
+                    free(p[k]);
+                }
+                free(p);
+            }
+        }
+    }
     for (int i = 0; i < 2; i++) {
         char **p;
         int n;
@@ -411,6 +440,7 @@ lm_status lm_shards_prepare(const char *const *inputs, int n_inputs, const lm_to
                             splits[i]);
     }
     lm_clear_error();
+    TRY(lm_write_file_atomic(mark, (const void *const[]){"data prepare in progress\n"}, (const size_t[]){25}, 1));
     /* every file is one document: the end-of-text id, then its tokens */
     int32_t *all = NULL;
     size_t n_all = 0, cap = 0;
@@ -454,6 +484,15 @@ lm_status lm_shards_prepare(const char *const *inputs, int n_inputs, const lm_to
         char path[4200];
         snprintf(path, sizeof path, "%s/tokenizer.json", dir);
         s = lm_tokenizer_save(tok, path);
+    }
+    /* complete: the marker goes last (and durably) */
+    if (!s && unlink(mark) != 0) s = lm_error(LM_ERR_IO, "cannot remove '%s': %s", mark, strerror(errno));
+    if (!s) {
+        int dfd = open(dir, O_RDONLY);
+        if (dfd >= 0) {
+            fsync(dfd);
+            close(dfd);
+        }
     }
     free(all);
     stats->tokens = (int64_t)n_all;

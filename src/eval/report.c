@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "files.h"
 #include "json.h"
@@ -404,10 +405,17 @@ static void note_malformed(report *r, int64_t line, const char *reason) {
 }
 
 static lm_status read_metrics(report *r, const char *path, int max_columns) {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return lm_error(LM_ERR_IO, "cannot open '%s': %s (is the directory a training run? `longmoe train` "
-                        "writes metrics.jsonl)", path, strerror(errno));
+    int fd;
+    if (lm_open_regular(path, &fd, NULL)) {
+        char msg[1024]; /* lm_error writes the buffer lm_last_error reads: copy first */
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        return lm_error(LM_ERR_IO, "%s (is the directory a training run? `longmoe train` writes metrics.jsonl)", msg);
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return lm_error(LM_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    }
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;

@@ -30,15 +30,23 @@ static void fsync_dir(const char *dir) {
     }
 }
 
+/* Remove directory `dir` of a run and the files directly in it. Symbolic
+ * links are removed, never followed (a link to another run's checkpoint
+ * loses the link, not the other run's files); a real subdirectory is left
+ * (rmdir then fails): deleting never leaves `dir`. `dir` itself a link: the
+ * link is removed. */
 static int remove_tree(const char *dir) {
+    struct stat sb;
+    if (lstat(dir, &sb) != 0) return errno == ENOENT ? 0 : -1;
+    if (!S_ISDIR(sb.st_mode)) return unlink(dir);
     DIR *d = opendir(dir);
-    if (!d) return unlink(dir) == 0 || errno == ENOENT ? 0 : -1;
+    if (!d) return -1;
     struct dirent *e;
-    char path[4096];
+    char path[4400];
     while ((e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        unlink(path);
+        if (lstat(path, &sb) == 0 && !S_ISDIR(sb.st_mode)) unlink(path);
     }
     closedir(d);
     return rmdir(dir);
@@ -101,27 +109,95 @@ lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tm
     lm_status s = lm_write_text_atomic(latest, text);
     if (s) return s;
     remove_tree(old);
-    /* keep the newest `keep` complete checkpoints */
+    return lm_checkpoint_prune(run_dir, step, keep);
+}
+
+lm_status lm_checkpoint_prune(const char *run_dir, int64_t step, int keep) {
+    /* keep `step` and the newest keep - 1 checkpoints before it. Only real
+     * directories named exactly checkpoint-<8+ digits> are candidates; a
+     * checkpoint newer than `step` is never removed (it is not older than
+     * what was just written), nor is a link followed. */
     DIR *d = opendir(run_dir);
     if (!d) return LM_OK;
-    long long steps[4096];
+    enum { MAX_SEEN = 4096 };
+    long long *steps = malloc(MAX_SEEN * sizeof *steps);
+    if (!steps) {
+        closedir(d);
+        return LM_OK; /* pruning is housekeeping: nothing is lost by skipping it */
+    }
     int count = 0;
     struct dirent *e;
-    while ((e = readdir(d)) && count < 4096) {
+    char path[4400];
+    while ((e = readdir(d)) && count < MAX_SEEN) {
         long long st;
-        char tail[8];
-        if (sscanf(e->d_name, "checkpoint-%lld%7s", &st, tail) == 1) steps[count++] = st;
+        int end = 0;
+        if (sscanf(e->d_name, "checkpoint-%lld%n", &st, &end) != 1 || e->d_name[end] || end < 19) continue;
+        if (st >= step) continue;
+        snprintf(path, sizeof path, "%s/%s", run_dir, e->d_name);
+        struct stat sb;
+        if (lstat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) continue;
+        steps[count++] = st;
     }
     closedir(d);
     for (int i = 0; i < count; i++) {
-        int newer = 0;
+        int newer = 1; /* the checkpoint at `step` */
         for (int j = 0; j < count; j++) newer += steps[j] > steps[i];
         if (newer >= keep) {
-            char old[4096];
-            snprintf(old, sizeof old, "%s/checkpoint-%08lld", run_dir, steps[i]);
-            remove_tree(old);
+            snprintf(path, sizeof path, "%s/checkpoint-%08lld", run_dir, steps[i]);
+            remove_tree(path);
         }
     }
+    free(steps);
+    return LM_OK;
+}
+
+lm_status lm_run_lock(const char *run_dir, int *fd_out) {
+    *fd_out = -1;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/lock", run_dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return lm_error(LM_ERR_IO, "cannot create the lock file '%s': %s", path, strerror(errno));
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    if (fcntl(fd, F_SETLK, &fl) != 0) {
+        int e = errno;
+        struct flock who = fl;
+        long pid = fcntl(fd, F_GETLK, &who) == 0 && who.l_type != F_UNLCK ? (long)who.l_pid : 0;
+        close(fd);
+        if (e == EACCES || e == EAGAIN) {
+            if (pid > 0)
+                return lm_error(LM_ERR_IO, "'%s' is in use by another trainer (process %ld); wait for it or stop "
+                                "it first: two trainers on one run directory would overwrite each other", run_dir,
+                                pid);
+            return lm_error(LM_ERR_IO, "'%s' is in use by another trainer; wait for it or stop it first", run_dir);
+        }
+        return lm_error(LM_ERR_IO, "cannot lock '%s': %s", path, strerror(e));
+    }
+    *fd_out = fd;
+    return LM_OK;
+}
+
+void lm_run_unlock(int fd) {
+    if (fd >= 0) close(fd);
+}
+
+lm_status lm_run_check_fresh(const char *run_dir) {
+    DIR *d = opendir(run_dir);
+    if (!d) return LM_OK;
+    struct dirent *e;
+    char found[300] = {0};
+    while ((e = readdir(d)) && !found[0]) {
+        const char *n = e->d_name;
+        if (!strcmp(n, "latest") || !strcmp(n, "metrics.jsonl") || !strcmp(n, "config.json") ||
+            !strncmp(n, "checkpoint-", 11))
+            snprintf(found, sizeof found, "%s", n);
+    }
+    closedir(d);
+    if (found[0])
+        return lm_error(LM_ERR_ARG, "'%s' already holds a run ('%s' exists): continue it with --resume, or give "
+                        "another --out (a fresh run never overwrites one)", run_dir, found);
     return LM_OK;
 }
 

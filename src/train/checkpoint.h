@@ -15,6 +15,18 @@ lm_status lm_checkpoint_begin(const char *run_dir, int64_t step, char *tmp_dir, 
 void lm_checkpoint_abort(const char *tmp_dir);
 /* Rename it to checkpoint-<step>, point `latest` at it, keep the newest `keep`. */
 lm_status lm_checkpoint_commit(const char *run_dir, int64_t step, const char *tmp_dir, int keep);
+/* Hold run_dir/lock (an fcntl write lock, released when the process ends or
+ * lm_run_unlock closes *fd): a second trainer on the same directory is
+ * refused with a message naming the process that holds it. */
+lm_status lm_run_lock(const char *run_dir, int *fd);
+void lm_run_unlock(int fd);
+/* LM_OK when run_dir holds no run (no latest, metrics.jsonl, config.json or
+ * checkpoint-*); else LM_ERR_ARG naming what is there: a fresh run never
+ * touches an existing one. */
+lm_status lm_run_check_fresh(const char *run_dir);
+/* Remove the checkpoints of run_dir older than `step` beyond the newest
+ * keep - 1 of them (real directories only; links are never followed). */
+lm_status lm_checkpoint_prune(const char *run_dir, int64_t step, int keep);
 /* The directory `latest` names (moving back the copy a crash inside
  * lm_checkpoint_commit may have left as <name>.old). */
 lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n);

@@ -3,9 +3,11 @@
 #include "longmoe/train.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "check.h"
 #include "checkpoint.h"
@@ -48,6 +50,7 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     o.progress = stdout;
     o.max_bad_steps = 10;
     o.inject_fault_step = -1;
+    o.inject_nan_param_step = -1;
     o.stage_eval_batches = 2;
     o.inject_fault = LM_FAULT_LOSS;
     return o;
@@ -153,6 +156,9 @@ static lm_status open_data(trainer *t, int i) {
         const char *spec = st->n_data ? st->data[j] : t->cfg.data;
         TRY(lm_data_open(spec, t->cfg.seed, &t->mix.sources[j]));
         t->mix.weights[j] = st->n_data ? st->weights[j] : 1.0;
+        if (!(isfinite(t->mix.weights[j]) && t->mix.weights[j] > 0 && t->mix.weights[j] <= 1e30))
+            return lm_error(LM_ERR_ARG, "stage '%s': data '%s' has the weight %g; a weight lies in (0, 1e30]", st->name,
+                            spec, t->mix.weights[j]);
         t->mix.n = j + 1;
         if (t->mix.sources[j]->vocab_size > t->cfg.vocab_size)
             return lm_error(LM_ERR_ARG, "data '%s' has tokens up to %d but model.vocab_size is %d", spec,
@@ -208,6 +214,24 @@ static void split_batch(const int32_t *seq, int B, int T, int32_t *inp, int32_t 
 }
 
 /* ---- checkpoints ---- */
+
+/* The bound of every optimizer moment and balancing value a checkpoint may
+ * hold: far beyond any real run (moments of clipped gradients), far below
+ * where an update overflows. */
+#define STATE_BOUND 1e30f
+
+/* LM_OK when x[0..n) is finite and within +-bound (bound 0: finite only). */
+static lm_status check_floats(const char *file, const char *name, const float *x, size_t n, float bound) {
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(x[i]))
+            return lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value (element %zu)", file, name, i);
+        if (bound > 0 && fabsf(x[i]) > bound)
+            return lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds %g at element %zu, outside [-%g, %g]", file, name,
+                            (double)x[i], i, (double)bound, (double)bound);
+    }
+    return LM_OK;
+}
+
 
 /* The files of a checkpoint into directory `tmp`. */
 static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
@@ -276,6 +300,23 @@ static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
 /* A checkpoint: files under a temporary name, then committed; a failure leaves
  * no partial directory behind (and the previous checkpoint untouched). */
 static lm_status save_checkpoint(trainer *t) {
+    /* a checkpoint with a non-finite parameter or optimizer moment is never
+     * written: it would replace (and prune) the good ones */
+    char what[160];
+    snprintf(what, sizeof what, "step %lld", (long long)t->step);
+    const float *p = lm_model_params(t->model);
+    lm_status bad = LM_OK;
+    for (int i = 0; i < lm_model_num_tensors(t->model) && !bad; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        bad = check_floats(what, mt->name, p + mt->offset, mt->numel, 0);
+    }
+    if (!bad) bad = check_floats(what, "optim.muon_state", t->muon_state, t->muon_state_n, STATE_BOUND);
+    if (!bad) bad = check_floats(what, "optim.adam_state", t->adam_state, t->adam_state_n, STATE_BOUND);
+    if (bad) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        return lm_error(LM_ERR_NUMERIC, "%s; the checkpoint is not written and the earlier ones are kept", msg);
+    }
     char tmp[4096];
     TRY(lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
     lm_status s = write_checkpoint_files(t, tmp);
@@ -291,14 +332,30 @@ static lm_status save_checkpoint(trainer *t) {
     return LM_OK;
 }
 
-/* Copy tensor `name` of `st` into dst (numel floats or ints), checking its size. */
+/* Copy tensor `name` of `st` into dst (numel floats or ints), checking its
+ * dtype and shape: [numel] when ndim is 0, else exactly shape[0..ndim). */
 static lm_status load_exact(const lm_safetensors *st, const char *file, const char *name, lm_dtype dtype,
-                            void *dst, size_t numel) {
+                            void *dst, size_t numel, int ndim, const int64_t *shape) {
     const lm_st_tensor *t = lm_safetensors_find(st, name);
     if (!t) return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is missing", file, name);
     if (t->dtype != dtype || (size_t)t->numel != numel)
         return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is %s with %lld elements, expected %s with %zu", file, name,
                         lm_dtype_name(t->dtype), (long long)t->numel, lm_dtype_name(dtype), numel);
+    int64_t flat[1] = {(int64_t)numel};
+    if (!ndim) ndim = 1, shape = flat;
+    int same = t->ndim == ndim;
+    for (int d = 0; same && d < ndim; d++) same = t->shape[d] == shape[d];
+    if (!same) {
+        char got[160], want[160];
+        int g = 0, w = 0;
+        for (int d = 0; d < t->ndim && g < 140; d++)
+            g += snprintf(got + g, sizeof got - (size_t)g, "%s%lld", d ? "," : "", (long long)t->shape[d]);
+        for (int d = 0; d < ndim && w < 140; d++)
+            w += snprintf(want + w, sizeof want - (size_t)w, "%s%lld", d ? "," : "", (long long)shape[d]);
+        got[g] = want[w] = 0;
+        return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' has shape [%s], expected [%s] (same element count, "
+                        "another layout: refused)", file, name, got, want);
+    }
     memcpy(dst, t->data, t->nbytes);
     return LM_OK;
 }
@@ -312,10 +369,8 @@ static lm_status load_params(lm_model *m, const char *dir) {
     float *p = lm_model_params(m);
     for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
         const lm_model_tensor *mt = lm_model_tensor_at(m, i);
-        s = load_exact(st, path, mt->name, LM_DTYPE_F32, p + mt->offset, mt->numel);
-        for (size_t j = 0; j < mt->numel && !s; j++)
-            if (!isfinite(p[mt->offset + j]))
-                s = lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value", path, mt->name);
+        s = load_exact(st, path, mt->name, LM_DTYPE_F32, p + mt->offset, mt->numel, mt->ndim, mt->shape);
+        if (!s) s = check_floats(path, mt->name, p + mt->offset, mt->numel, 0);
     }
     if (!s && lm_safetensors_count(st) != lm_model_num_tensors(m))
         s = lm_error(LM_ERR_FORMAT, "%s: holds %d tensors, the model has %d", path, lm_safetensors_count(st),
@@ -333,15 +388,26 @@ static lm_status load_balance(lm_model *m, const lm_safetensors *st, const char 
         size_t n = (size_t)b->cfg.n_experts;
         char name[96];
         snprintf(name, sizeof name, "layers.%d.moe.bias", l);
-        s = load_exact(st, path, name, LM_DTYPE_F32, b->bias, n);
-        for (size_t j = 0; j < n && !s; j++)
-            if (!isfinite(b->bias[j])) s = lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value", path, name);
+        s = load_exact(st, path, name, LM_DTYPE_F32, b->bias, n, 0, NULL);
+        if (!s) s = check_floats(path, name, b->bias, n, STATE_BOUND);
         snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_F32, b->halfwidth, n);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_F32, b->halfwidth, n, 0, NULL);
+        if (!s) s = check_floats(path, name, b->halfwidth, n, STATE_BOUND);
+        for (size_t j = 0; j < n && !s; j++)
+            if (b->halfwidth[j] < 0)
+                s = lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds %g at element %zu; a half-width is >= 0", path,
+                             name, (double)b->halfwidth[j], j);
         snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_I32, b->last_load, n);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I32, b->last_load, n, 0, NULL);
+        for (size_t j = 0; j < n && !s; j++)
+            if (b->last_load[j] < 0)
+                s = lm_error(LM_ERR_FORMAT, "%s: tensor '%s' holds the negative load %d", path, name, b->last_load[j]);
         snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
-        if (!s) s = load_exact(st, path, name, LM_DTYPE_I64, b->interval_load, n);
+        if (!s) s = load_exact(st, path, name, LM_DTYPE_I64, b->interval_load, n, 0, NULL);
+        for (size_t j = 0; j < n && !s; j++)
+            if (b->interval_load[j] < 0)
+                s = lm_error(LM_ERR_FORMAT, "%s: tensor '%s' holds the negative load %lld", path, name,
+                             (long long)b->interval_load[j]);
     }
     return s;
 }
@@ -387,8 +453,10 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
     lm_safetensors *st;
     TRY(lm_safetensors_open(path, &st));
-    lm_status s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n);
-    if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n);
+    lm_status s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n, 0, NULL);
+    if (!s) s = check_floats(path, "optim.muon_state", t->muon_state, t->muon_state_n, STATE_BOUND);
+    if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n, 0, NULL);
+    if (!s) s = check_floats(path, "optim.adam_state", t->adam_state, t->adam_state_n, STATE_BOUND);
     if (!s) s = load_balance(t->model, st, path);
     lm_safetensors_close(st);
     if (s) return s;
@@ -419,11 +487,32 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     if (!ok || t->step < 0 || t->data_pos < 0)
         return lm_error(LM_ERR_FORMAT, "%s: missing or bad counters (step, data_position, skipped, "
                         "muon_step, adam_step, balance)", path);
+    /* the counters agree with each other and with the directory's name */
+    const char *base = strrchr(dir, '/');
+    base = base ? base + 1 : dir;
+    long long named = -1;
+    int end = 0;
+    if (sscanf(base, "checkpoint-%lld%n", &named, &end) != 1 || base[end] || named != t->step)
+        return lm_error(LM_ERR_FORMAT, "%s: step %lld disagrees with its checkpoint's name '%s'", path,
+                        (long long)t->step, base);
+    int64_t most_batches = t->step * (int64_t)t->cfg.grad_accum;
+    if (t->data_pos < t->step || t->data_pos > most_batches || t->skipped < 0 || t->skipped > t->step ||
+        t->muon.step < 0 || t->muon.step > t->step || t->adam.step < 0 || t->adam.step > t->step)
+        return lm_error(LM_ERR_FORMAT, "%s: counters disagree with step %lld (data_position %lld must lie in [step, "
+                        "step x grad_accum], skipped, muon_step and adam_step in [0, step])", path,
+                        (long long)t->step, (long long)t->data_pos);
+    for (int j = 0; j < t->n_moe; j++)
+        if (lm_model_balance(t->model, j)->step < 0 || lm_model_balance(t->model, j)->step > t->step)
+            return lm_error(LM_ERR_FORMAT, "%s: balance[%d].step %lld lies outside [0, %lld]", path, j,
+                            (long long)lm_model_balance(t->model, j)->step, (long long)t->step);
     return LM_OK;
 }
 
-/* Keep the metrics lines of steps <= `step` (a resumed run rewrites what came after). */
-static lm_status truncate_metrics(const char *path, int64_t step) {
+/* Keep the metrics lines of steps <= `step` (a resumed run rewrites what came
+ * after). redo_end: the resumed run trains no step and repeats the end of the
+ * run (evaluation, checkpoint, grids), so the lines of `step` other than its
+ * train, skip and stage lines are dropped too: each record once. */
+static lm_status truncate_metrics(const char *path, int64_t step, int redo_end) {
     char *text;
     size_t len;
     if (lm_read_file(path, LM_TEXT_FILE_MAX, &text, &len)) return LM_OK; /* no metrics yet */
@@ -438,7 +527,10 @@ static lm_status truncate_metrics(const char *path, int64_t step) {
         if (!nl) break; /* a torn last line */
         const char *sp = strstr(line, "\"step\": ");
         long long s = sp && sp < nl ? atoll(sp + 8) : 0;
-        if (s <= step) {
+        static const char *const kept[3] = {"{\"type\": \"train\"", "{\"type\": \"skip\"", "{\"type\": \"stage\""};
+        int kept_type = 0;
+        for (int k = 0; k < 3; k++) kept_type |= !strncmp(line, kept[k], strlen(kept[k]));
+        if (s < step || (s == step && (!redo_end || kept_type))) {
             memcpy(out + n, line, (size_t)(nl - line + 1));
             n += (size_t)(nl - line + 1);
         }
@@ -535,6 +627,37 @@ static void log_stage(trainer *t) {
                 st->n_data > 1 ? " (+ mix)" : "");
 }
 
+/* The config as every checkpoint saves it (config.json) must read back to
+ * itself before a step is trained: a value that parses but does not survive
+ * the round trip (a float overflowing to inf, say) would make every
+ * checkpoint of the run unloadable. */
+static lm_status check_config_round_trip(const lm_config *c) {
+    char *saved = lm_config_to_json(c), *again = NULL;
+    if (!saved) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
+    lm_config back;
+    lm_config_defaults(&back);
+    lm_status s = lm_config_parse(saved, strlen(saved), "config.json as saved", &back);
+    if (s) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", lm_last_error());
+        s = lm_error(LM_ERR_ARG, "the config does not survive saving, so no checkpoint of this run could be loaded: "
+                     "%s; nothing was written", msg);
+    } else if (!(again = lm_config_to_json(&back))) {
+        s = lm_error(LM_ERR_MEMORY, "out of memory writing the config");
+    } else if (strcmp(saved, again)) {
+        /* name the first line that changed */
+        const char *a = saved, *b = again;
+        while (*a && *a == *b) a++, b++;
+        while (a > saved && a[-1] != '\n') a--, b--;
+        int la = (int)strcspn(a, "\n"), lb = (int)strcspn(b, "\n");
+        s = lm_error(LM_ERR_ARG, "the config changes when saved and read back ('%.*s' becomes '%.*s'): a value "
+                     "outside what the checkpoint can hold; nothing was written", la, a, lb, b);
+    }
+    free(saved);
+    free(again);
+    return s;
+}
+
 lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_train_result *result) {
     trainer t;
     memset(&t, 0, sizeof t);
@@ -543,7 +666,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     lm_status s = lm_ensure_dir(opt->out_dir);
     char path[4200], ckpt[4096];
     double comp[LM_TIME_COUNT] = {0};
+    int lock = -1;
     if (s) goto done;
+    /* one trainer per run directory; a fresh run only into an empty one */
+    if ((s = lm_run_lock(opt->out_dir, &lock))) goto done;
+    if (!opt->resume && (s = lm_run_check_fresh(opt->out_dir))) goto done;
     if (opt->resume) {
         if ((s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt))) goto done;
         snprintf(path, sizeof path, "%s/config.json", ckpt);
@@ -558,6 +685,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         }
         t.cfg.steps = opt->steps;
     }
+    if ((s = check_config_round_trip(&t.cfg))) goto done;
     t.n_stages = lm_config_stages(&t.cfg, t.stages);
     t.total_steps = lm_config_total_steps(&t.cfg);
     if ((s = trainer_setup(&t, 0))) goto done;
@@ -565,7 +693,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {
         if ((s = load_checkpoint(&t, ckpt))) goto done;
-        if ((s = truncate_metrics(path, t.step))) goto done;
+        int64_t stop_at = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
+        if ((s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
         if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
     } else {
         /* a fresh run starts a fresh log and writes its config */
@@ -600,11 +729,19 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     lm_model_reset_timings(t.model);
     float last_loss = NAN, val_loss = NAN, val_acc = NAN;
     if (opt->progress && !opt->resume)
-        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s\n",
-                lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "");
+        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s; %d threads "
+                "(OMP_WAIT_POLICY=%s)\n", lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages,
+                t.n_stages > 1 ? "s" : "", omp_get_max_threads(),
+                getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "unset: the runtime's default");
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
+    int interrupted = 0;
     while (t.step < stop) {
+        /* a step boundary: a requested stop (SIGINT, SIGTERM, SIGHUP in the CLI) ends here, checkpointed */
+        if (opt->stop_requested && *opt->stop_requested) {
+            interrupted = 1;
+            break;
+        }
         int64_t tokens_per_step = (int64_t)t.B * t.T * c->grad_accum;
         double t0 = lm_time_seconds();
         lm_model_zero_grads(t.model);
@@ -640,6 +777,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             t.skipped++;
             fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
                     (long long)t.step);
+            fflush(t.metrics);
             if (opt->progress)
                 fprintf(opt->progress, "step %lld skipped: non-finite loss or gradient\n", (long long)t.step);
             if (++bad_in_row >= opt->max_bad_steps) {
@@ -653,6 +791,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         float f = lm_lr_at(&sched, t.step, t.total_steps) * t.stages[t.stage].lr_scale;
         double t_opt = lm_time_seconds();
         if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
+        if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
         float max_logit;
         int n_clipped;
         if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
@@ -684,6 +823,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             fprintf(t.metrics, "]}");
         }
         fprintf(t.metrics, "]}\n");
+        fflush(t.metrics); /* each step's record reaches the file before its progress line */
         if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
             format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
@@ -708,13 +848,25 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             log_stage(&t);
         }
     }
-    if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
-    log_eval(&t, val_loss, val_acc);
-    if ((s = save_checkpoint(&t))) goto done;
-    if (t.step == t.total_steps && (s = stage_evaluation(&t))) goto done;
-    if (opt->progress)
-        fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
-                lm_time_seconds() - t_start, opt->out_dir);
+    if (interrupted) {
+        /* the last step's checkpoint, unless it was just written */
+        char done_dir[4200];
+        struct stat sb;
+        snprintf(done_dir, sizeof done_dir, "%s/checkpoint-%08lld", opt->out_dir, (long long)t.step);
+        if (t.step > 0 && stat(done_dir, &sb) != 0 && (s = save_checkpoint(&t))) goto done;
+        fprintf(opt->progress ? opt->progress : stderr,
+                "interrupted at step %lld of %lld: %s; continue with: longmoe train --out %s --resume\n",
+                (long long)t.step, (long long)t.total_steps,
+                t.step > 0 ? "checkpoint written" : "no step done, nothing to resume", opt->out_dir);
+    } else {
+        if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
+        log_eval(&t, val_loss, val_acc);
+        if ((s = save_checkpoint(&t))) goto done;
+        if (t.step == t.total_steps && (s = stage_evaluation(&t))) goto done;
+        if (opt->progress)
+            fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
+                    lm_time_seconds() - t_start, opt->out_dir);
+    }
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -724,10 +876,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->step_seconds = step_seconds;
         result->optimizer_seconds = opt_seconds;
         result->tokens = tokens_done;
+        result->interrupted = interrupted;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
     }
 done:
     trainer_free(&t);
+    lm_run_unlock(lock);
     return s;
 }

@@ -1,13 +1,39 @@
 """Open a longmoe checkpoint with Python's safetensors and check it against
 its config.json: every documented tensor is there with its shape, all values
-are finite. Usage: check_checkpoint.py CHECKPOINT_DIR"""
+are finite, and each file's data section hashes to the checksum in its
+metadata (lm_checksum64, docs/RELIABILITY.md). Usage: check_checkpoint.py CHECKPOINT_DIR"""
 import json
+import struct
 import sys
 
 import numpy as np
 from safetensors.numpy import load_file
 
+
+
+def checksum64(data):
+    """FNV-1a over 64-bit little-endian words, then the tail bytes, then the length."""
+    M, P, h = (1 << 64) - 1, 0x100000001B3, 0xCBF29CE484222325
+    k = len(data) // 8 * 8
+    words = np.frombuffer(data[:k], dtype="<u8")
+    for w in words.tolist():
+        h = ((h ^ w) * P) & M
+    for c in data[k:]:
+        h = ((h ^ c) * P) & M
+    return ((h ^ len(data)) * P) & M
+
+
+def check_checksum(path):
+    raw = open(path, "rb").read()
+    n = struct.unpack("<Q", raw[:8])[0]
+    meta = json.loads(raw[8:8 + n]).get("__metadata__", {})
+    assert "longmoe.checksum" in meta, f"{path}: no checksum"
+    assert meta["longmoe.checksum"] == "%016x" % checksum64(raw[8 + n:]), f"{path}: checksum mismatch"
+
+
 ckpt = sys.argv[1]
+check_checksum(f"{ckpt}/model.safetensors")
+check_checksum(f"{ckpt}/trainer.safetensors")
 cfg = json.load(open(f"{ckpt}/config.json"))
 model = cfg["model"]
 weights = load_file(f"{ckpt}/model.safetensors")
