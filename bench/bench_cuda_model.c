@@ -1,0 +1,125 @@
+/* The whole model's forward and backward on the GPU (CUDA backend): time per
+ * step, tokens/s, MFU and the time by layer kind, for a config and shape.
+ *
+ *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N]
+ *                    [--no-recompute] [--out FILE.json]
+ *
+ * MFU = tokens/s x training FLOPs per token / 989e12 (H200 dense bf16), with
+ * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
+ * the bench's context: 2 per multiply-add, attention averaged over the causal
+ * context; the KDA chunk products counted there). Time by layer kind comes
+ * from lm_model_timings: the model synchronises the device at each part's end
+ * when it runs on a GPU, so the parts add up to the step (a little slower
+ * than an unsynchronised step). The optimizer is not timed here. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "longmoe/backend.h"
+#include "longmoe/config.h"
+#include "longmoe/model.h"
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    const char *cfg_path = "configs/k3-mini.json", *out = NULL;
+    int B = 1, T = 8192, reps = 5, recompute = -1;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
+        else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seq") && i + 1 < argc) T = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--no-recompute")) recompute = 0;
+        else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
+        else {
+            fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
+                            "[--out FILE.json]\n");
+            return 2;
+        }
+    }
+    if (B < 1 || T < 1 || reps < 1) {
+        fprintf(stderr, "bench_cuda_model: --batch, --seq and --reps must be >= 1\n");
+        return 2;
+    }
+    lm_config c;
+    if (lm_config_load(cfg_path, &c)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 1;
+    }
+    if (recompute >= 0) c.recompute = recompute;
+    lm_backend *gpu = NULL;
+    lm_model *m = NULL;
+    if (lm_backend_cuda_create(&gpu) || lm_model_create_on(&c, B, T, gpu, &m)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 1;
+    }
+    lm_model_init(m, 1);
+    size_t N = (size_t)B * T;
+    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
+    lm_rng r;
+    lm_rng_seed(&r, 7);
+    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
+    for (size_t i = 0; i < N; i++) tgt[i] = tok[(i + 1) % N];
+    double *times = malloc((size_t)(reps + 1) * sizeof *times), parts[LM_TIME_COUNT] = {0};
+    float loss = 0;
+    for (int i = 0; i <= reps; i++) {
+        if (i == 1) lm_model_reset_timings(m); /* the first step grows the backend's scratch */
+        lm_model_zero_grads(m);
+        double t0 = lm_time_seconds();
+        if (lm_model_forward(m, tok, tgt, 1, &loss) || lm_model_backward(m, 1.0f) ||
+            gpu->sync(gpu)) {
+            fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+            return 1;
+        }
+        times[i] = lm_time_seconds() - t0;
+        if (lm_model_balance_step_end(m, 1, NULL)) {
+            fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+            return 1;
+        }
+    }
+    lm_model_timings(m, parts);
+    qsort(times + 1, (size_t)reps, sizeof *times, cmp_double);
+    double step = times[1 + reps / 2], toks = (double)N / step;
+    lm_plan plan;
+    lm_config_plan(&c, T, &plan);
+    double mfu = toks * 3.0 * plan.total_flops / 989e12;
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    double used_gib = (double)(total_b - free_b) / (1u << 30);
+    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s\n", cfg_path,
+           plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off");
+    printf("forward+backward: %.1f ms median of %d (first %.1f ms), %.0f tokens/s, MFU %.1f%%, loss %.4f, "
+           "device memory in use %.1f GiB\n",
+           step * 1e3, reps, times[0] * 1e3, toks, 100 * mfu, loss, used_gib);
+    double sum = 0;
+    for (int p = 0; p < LM_TIME_COUNT; p++) sum += parts[p];
+    printf("time by part (forward + backward, per step):\n");
+    for (int p = 0; p < LM_TIME_COUNT; p++)
+        printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3,
+               sum > 0 ? 100 * parts[p] / sum : 0);
+    if (out) {
+        FILE *f = fopen(out, "w");
+        if (!f) {
+            fprintf(stderr, "bench_cuda_model: cannot write %s\n", out);
+            return 1;
+        }
+        fprintf(f, "{\"bench\": \"cuda_model\", \"config\": \"%s\", \"B\": %d, \"T\": %d, \"recompute\": %d, "
+                   "\"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"device_gib\": %.2f, \"parts_ms\": {",
+                cfg_path, B, T, c.recompute, step * 1e3, toks, mfu, used_gib);
+        for (int p = 0; p < LM_TIME_COUNT; p++)
+            fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3);
+        fprintf(f, "}}\n");
+        fclose(f);
+    }
+    free(times);
+    free(tok);
+    free(tgt);
+    lm_model_free(m);
+    lm_backend_free(gpu);
+    return 0;
+}
