@@ -96,7 +96,7 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T)
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim, sep = lp_separate(c);
     scratch_layout s;
     size_t off = 0;
-#define PLACE(f, n) (s.f = off, off += (n))
+#define PLACE(f, n) (s.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
     PLACE(d_gated, N * HK);
     PLACE(d_o, N * HK);
     PLACE(dq, N * HK);

@@ -153,7 +153,7 @@ static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     const int mla = c->kind == LM_ATTN_MLA;
     acts_layout a;
     size_t off = 0;
-#define PLACE(f, n) (a.f = off, off += (n))
+#define PLACE(f, n) (a.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
     PLACE(ql, mla ? N * c->q_lora : 0);
     PLACE(qn, mla ? N * c->q_lora : 0);
     PLACE(q_rstd, mla ? N : 0);
@@ -202,7 +202,7 @@ static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     const int mla = c->kind == LM_ATTN_MLA;
     scratch_layout s;
     size_t off = 0;
-#define PLACE(f, n) (s.f = off, off += (n))
+#define PLACE(f, n) (s.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
     PLACE(dgated, N * H * Dv);
     PLACE(dgp, N * H * Dv);
     PLACE(d_o, N * H * Dv);
@@ -501,7 +501,7 @@ static decode_layout layout_decode(const lm_mla_config *c, int B, int max_T) {
     const size_t Hkv = mla ? 0 : c->n_kv_heads;
     decode_layout s;
     size_t off = 0;
-#define PLACE(f, n) (s.f = off, off += (n))
+#define PLACE(f, n) (s.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
     PLACE(ql, B * ql);
     PLACE(qn, B * ql);
     PLACE(q, B * H * Dk);

@@ -175,6 +175,9 @@ static lm_status plan_ffn(lm_model *m, int l, layer_state *ls) {
 
 static size_t dense_ffn_scratch(const lm_config *c, int64_t N) { return 3 * (size_t)N * (size_t)c->dense_ffn; }
 
+/* n floats rounded up to 16 (64 bytes): the start of every planned buffer */
+#define PAD16(n) (((size_t)(n) + 15) & ~(size_t)15)
+
 /* The product-format view of a parameter view into m->P (the same offset in m->PL). */
 static float *lp_param(const lm_model *m, const float *p) {
     return p ? (float *)((char *)m->PL + (size_t)(p - m->P) * m->be->lp_bytes) : NULL;
@@ -272,14 +275,15 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
 
     /* activations and scratch: sizes first, one block after */
     size_t act = 0, scratch = 0;
-    act += (size_t)N * d;                           /* x0 */
-    act += 2 * (size_t)m->L2 * N * d;               /* hin, xn per sublayer */
-    act += (size_t)m->L2 * N;                       /* rstd per sublayer */
-    act += 2 * (size_t)N * d + 4 * (size_t)N;       /* hf, hn, rstd_final, lse_rows, target_logit, row_scale */
-    act += 7 * (size_t)N * d;                       /* y, dy, dxn, dh, dx0, dhn, dhf */
+    /* every buffer starts on a 64-byte boundary (PAD16 floats): GPU kernels move 16 bytes at a time */
+    act += PAD16((size_t)N * d);                            /* x0 */
+    act += 2 * PAD16((size_t)m->L2 * N * d);                /* hin, xn per sublayer */
+    act += PAD16((size_t)m->L2 * N);                        /* rstd per sublayer */
+    act += 2 * PAD16((size_t)N * d) + 4 * PAD16((size_t)N); /* hf, hn, rstd_final, lse_rows, target_logit, row_scale */
+    act += 7 * PAD16((size_t)N * d);                        /* y, dy, dxn, dh, dx0, dhn, dhf */
     size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
                        sizeof(float);
-    act += ce_floats;                               /* the chunked cross-entropy's logits */
+    act += PAD16(ce_floats);                                /* the chunked cross-entropy's logits */
     /* with recompute, the sublayers of one kind share one activation buffer:
      * the backward recomputes each sublayer's forward from its saved input */
     int shared_kda = 0, shared_mla = 0, shared_ffn = 0;
@@ -287,22 +291,22 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
         layer_state *ls = &m->layers[l];
         int share = cfg->recompute;
         if (ls->mixer == LM_MIXER_KDA) {
-            if (!(share && shared_kda++)) act += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+            if (!(share && shared_kda++)) act += PAD16(lm_kda_layer_act_floats(&ls->kda_cfg, B, T));
             size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
             if (s > scratch) scratch = s;
         } else {
-            if (!(share && shared_mla++)) act += lm_mla_acts_floats(&ls->mla_cfg, B, T);
+            if (!(share && shared_mla++)) act += PAD16(lm_mla_acts_floats(&ls->mla_cfg, B, T));
             size_t s = lm_mla_scratch_floats(&ls->mla_cfg, B, T);
             if (s > scratch) scratch = s;
         }
         if (!ls->moe) {
-            if (!(share && shared_ffn++)) act += 3 * (size_t)N * cfg->dense_ffn;
+            if (!(share && shared_ffn++)) act += 3 * PAD16((size_t)N * cfg->dense_ffn);
             if (dense_ffn_scratch(cfg, N) > scratch) scratch = dense_ffn_scratch(cfg, N);
         } else if (cfg->balance == LM_BALANCE_AUX) {
-            act += (size_t)N * cfg->n_routed_experts;
+            act += PAD16((size_t)N * cfg->n_routed_experts);
         }
     }
-    act += scratch;
+    act += PAD16(scratch);
     /* one scratch for the KDA and attention operators (they run one at a time),
      * sized for this process's OpenMP thread count */
     size_t op_bytes = 0;
@@ -324,7 +328,7 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
         }
     }
     size_t op_floats = (op_bytes + sizeof(float) - 1) / sizeof(float);
-    act += op_floats;
+    act += PAD16(op_floats);
     m->act_floats = act;
     m->scratch_floats = scratch;
     {
@@ -366,7 +370,7 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
     }
     float *p = m->act_block;
     layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL, *first_moe = NULL;
-#define CARVE(ptr, n) (ptr = p, p += (n))
+#define CARVE(ptr, n) (ptr = p, p += PAD16(n))
     CARVE(m->x0, (size_t)N * d);
     CARVE(m->hin, (size_t)m->L2 * N * d);
     CARVE(m->xn, (size_t)m->L2 * N * d);
@@ -406,7 +410,7 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
                 ls->kda_a = first_kda->kda_a;
             } else {
                 lm_kda_layer_acts_map(&ls->kda_cfg, B, T, p, &ls->kda_a);
-                p += lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+                p += PAD16(lm_kda_layer_act_floats(&ls->kda_cfg, B, T));
                 first_kda = ls;
             }
         } else {
