@@ -1,16 +1,18 @@
 /* The whole model on the GPU against the whole model on the CPU: one model
  * description, two backends (include/longmoe/backend.h).
  *
- * The same configuration, weights (one seed) and batch go through
+ * The same configuration, weights (one seed, rounded to values bf16 holds
+ * exactly, so both backends start from identical numbers) and batch go through
  * lm_model_create (CPU, fp32) and lm_model_create_on with the CUDA backend
  * (bf16 products with fp32 accumulation, fp32 statistics). Properties:
  *   - the loss agrees to 1e-2 relative;
  *   - every parameter tensor's gradient points the same way: cosine >= 0.999
- *     (a tensor whose CPU gradient is zero must be zero on the GPU too);
+ *     with the routing pinned (pin_routing), >= 0.97 with free routing
+ *     (names marked *), where near-tied tokens may pick other experts;
  *   - the same model on the same GPU gives bit-identical losses and
  *     gradients from run to run, and after a second, identical step;
  *   - the MoE balancing state that the forwards fed agrees (the biases after
- *     the step's end).
+ *     the step's end), with the routing pinned.
  * Configurations: a small hybrid (3 KDA + 1 MLA layers, MoE with a shared
  * expert, Block AttnRes) and a reduced k3-mini (8 layers, LatentMoE, SiTU-GLU,
  * 16 experts top-4). The CUDA KDA kernels take head dims 64 or 128, so the
@@ -90,6 +92,10 @@ static double cosine(const float *a, const float *b, size_t n, double *na, doubl
     return sa > 0 && sb > 0 ? dot / sqrt(sa * sb) : (sa == 0 && sb == 0 ? 1.0 : 0.0);
 }
 
+static void round_to_bf16(float *p, size_t n) {
+    for (size_t i = 0; i < n; i++) p[i] = lm_bf16_to_f32(lm_f32_to_bf16(p[i]));
+}
+
 /* One forward (training) and backward; the gradients on the host. */
 static int step(lm_model *m, const int32_t *tok, const int32_t *tgt, float *loss) {
     lm_model_zero_grads(m);
@@ -100,7 +106,23 @@ static int step(lm_model *m, const int32_t *tok, const int32_t *tgt, float *loss
     return 0;
 }
 
-static void check_config(const char *what, lm_config c, int B, int T, uint64_t seed) {
+/* pinned: every MoE layer's balancing bias sends each token to experts 0..k-1
+ * by a margin of 10 (scores lie in (0,1)), so both backends route alike and
+ * the gradients must agree to cosine 0.999. Free routing: a token whose
+ * top-k order is within rounding of a tie can pick other experts on the GPU
+ * (bf16 activations) than on the CPU, and that token's gradient then differs
+ * in every layer below; bench/bench_routing_sensitivity.c measures the same
+ * effect on the CPU alone (weights rounded to bf16: worst cosine 0.979 on the
+ * reduced k3-mini), so free routing is held to the loss and to cosine 0.97. */
+static void pin_routing(lm_model *m, int k) {
+    for (int i = 0; i < lm_model_num_moe_layers(m); i++) {
+        lm_balance_state *b = lm_model_balance(m, i);
+        for (int j = 0; j < b->cfg.n_experts; j++) b->bias[j] = j < k ? 10.0f : 0.0f;
+    }
+}
+
+static void check_config(const char *what, lm_config c, int B, int T, uint64_t seed, int pinned) {
+    const double min_cos = pinned ? 0.999 : 0.97;
     lm_model *cpu = NULL, *dev = NULL;
     CHECK(!lm_model_create(&c, B, T, &cpu), "%s: cpu model: %s", what, lm_last_error());
     CHECK(!lm_model_create_on(&c, B, T, gpu, &dev), "%s: gpu model: %s", what, lm_last_error());
@@ -108,6 +130,15 @@ static void check_config(const char *what, lm_config c, int B, int T, uint64_t s
     lm_model_init(cpu, seed);
     lm_model_init(dev, seed);
     size_t n = lm_model_num_params(cpu), N = (size_t)B * T;
+    /* the same weights: values that bf16 holds exactly, so that both backends
+     * start from identical numbers (the GPU's products read bf16 weights; on
+     * the CPU) */
+    round_to_bf16(lm_model_params(cpu), n);
+    round_to_bf16(lm_model_params(dev), n);
+    if (pinned) {
+        pin_routing(cpu, c.top_k);
+        pin_routing(dev, c.top_k);
+    }
     int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
     float *g1 = malloc(n * sizeof *g1);
     lm_rng r;
@@ -126,22 +157,26 @@ static void check_config(const char *what, lm_config c, int B, int T, uint64_t s
     const float *gc = lm_model_grads(cpu), *gg = lm_model_grads(dev);
     double worst = 1;
     const char *worst_name = "";
+    int below = 0;
     for (int i = 0; i < lm_model_num_tensors(cpu); i++) {
         const lm_model_tensor *t = lm_model_tensor_at(cpu, i);
         double nc, ng, cs = cosine(gc + t->offset, gg + t->offset, t->numel, &nc, &ng);
-        CHECK(cs >= 0.999, "%s: %s gradient cosine %.6f (|cpu| %.3e, |gpu| %.3e)", what, t->name, cs, nc, ng);
+        CHECK(cs >= min_cos, "%s: %s gradient cosine %.6f (|cpu| %.3e, |gpu| %.3e)", what, t->name, cs, nc, ng);
+        below += cs < 0.999;
         if (cs < worst) {
             worst = cs;
             worst_name = t->name;
         }
     }
-    printf("    %-16s worst gradient cosine %.6f (%s) over %d tensors\n", what, worst, worst_name,
-           lm_model_num_tensors(cpu));
+    printf("    %-16s worst gradient cosine %.6f (%s), %d of %d tensors below 0.999\n", what, worst, worst_name,
+           below, lm_model_num_tensors(cpu));
 
     /* the balancers saw the same routing statistics */
     CHECK(!lm_model_balance_step_end(cpu, 1, NULL) && !lm_model_balance_step_end(dev, 1, NULL), "%s: step end: %s",
           what, lm_last_error());
-    for (int i = 0; i < lm_model_num_moe_layers(cpu); i++) {
+    /* (with free routing a near-tied token can move one expert's load, and
+     * the quantile moves with it: compared with the routing pinned only) */
+    for (int i = 0; pinned && i < lm_model_num_moe_layers(cpu); i++) {
         const lm_balance_state *a = lm_model_balance(cpu, i), *b = lm_model_balance(dev, i);
         double num = 0, den = 0;
         for (int j = 0; j < a->cfg.n_experts; j++) {
@@ -159,6 +194,8 @@ static void check_config(const char *what, lm_config c, int B, int T, uint64_t s
     CHECK(!lm_model_create_on(&c, B, T, gpu, &dev2), "%s: second gpu model: %s", what, lm_last_error());
     if (dev2) {
         lm_model_init(dev2, seed);
+        round_to_bf16(lm_model_params(dev2), n);
+        if (pinned) pin_routing(dev2, c.top_k);
         CHECK(!step(dev2, tok, tgt, &lg2), "%s: second gpu step", what);
         CHECK(memcmp(&lg, &lg2, sizeof lg) == 0, "%s: losses differ run to run: %.9g vs %.9g", what, lg, lg2);
         CHECK(memcmp(g1, lm_model_grads(dev2), n * sizeof *g1) == 0, "%s: gradients differ run to run", what);
@@ -173,11 +210,13 @@ done:
 }
 
 static void test_small_hybrid_matches_the_cpu_and_repeats_bitwise(void) {
-    check_config("small hybrid", small_hybrid(), 2, 100, 11);
+    check_config("small hybrid", small_hybrid(), 2, 100, 11, 1);
+    check_config("small hybrid*", small_hybrid(), 2, 100, 11, 0);
 }
 
 static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
-    check_config("reduced k3-mini", reduced_k3_mini(), 1, 257, 12);
+    check_config("reduced k3-mini", reduced_k3_mini(), 1, 257, 12, 1);
+    check_config("k3-mini*", reduced_k3_mini(), 1, 257, 12, 0);
 }
 
 static void test_host_parameter_changes_reach_the_gpu(void) {
