@@ -3,11 +3,13 @@
  * or over the group's turns (turn credit) and are zero off the model's bytes;
  * environment bytes get zero gradient through the whole RL objective and the
  * model (changing them as targets changes nothing); a run stopped twice and
- * resumed ends bit-identical to an uninterrupted one. */
+ * resumed ends bit-identical to an uninterrupted one, and the report draws
+ * its curves. */
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "longmoe/model.h"
+#include "longmoe/report.h"
 #include "longmoe/rl_run.h"
 #include "longmoe/train.h"
 #include "test.h"
@@ -289,6 +291,17 @@ static void test_resumed_run_is_bit_identical(void) {
     CHECK(ma && mb && !strcmp(ma, mb), "every metrics line (timings aside) equals the uninterrupted run's");
     free(ma);
     free(mb);
+    /* the report draws the RL curves */
+    lm_report_options ro = lm_report_options_default(a);
+    lm_report_summary sum;
+    CHECK(lm_report_write(&ro, &sum) == LM_OK, "%s", lm_last_error());
+    CHECK(sum.rl_records == 3 + 3 + 2 && sum.malformed == 0, "rl records drawn (%lld)", (long long)sum.rl_records);
+    snprintf(pa, sizeof pa, "%s/report.html", a);
+    size_t n;
+    char *html = slurp(pa, &n);
+    CHECK(html && strstr(html, "Held-out success") && strstr(html, "Clipped fraction") && strstr(html, "Entropy") &&
+          strstr(html, "Trajectory length") && strstr(html, "KL"), "the report has the RL charts");
+    free(html);
     CHECK(system(cmd) == 0, "clean");
 }
 
