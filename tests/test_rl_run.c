@@ -37,7 +37,9 @@ static void test_rl_config_round_trips_and_rejects_unknown_keys(void) {
         CHECK(lm_rl_config_parse(bad[i], strlen(bad[i]), "bad", &d) == LM_ERR_ARG, "rejected: %s", bad[i]);
     }
     /* a file: the model sections go to the model config, rl to the rl config */
-    const char *path = "/tmp/longmoe_test_rl_config.json";
+    char root[256];
+    if (test_make_tmpdir(root, sizeof root, "rl-config")) SKIP("no temporary directory");
+    const char *path = test_path(root, "c.json");
     FILE *f = fopen(path, "w");
     fputs(text, f);
     fclose(f);
@@ -47,6 +49,7 @@ static void test_rl_config_round_trips_and_rejects_unknown_keys(void) {
     CHECK(lm_rl_config_load(path, &mc, &d) == LM_OK, "%s", lm_last_error());
     CHECK(mc.d_model == 32 && d.tasks == 3, "both sections read from one file");
     unlink(path);
+    rmdir(root);
 }
 
 /* A hand-made batch of 2 groups of 3 trajectories of 12 positions. */
@@ -198,15 +201,22 @@ static void test_environment_bytes_get_zero_gradient_through_the_model(void) {
     lm_model_free(m);
 }
 
+/* A run whose RL steps carry signal: a warm start long enough that the micro
+ * model solves some grid episodes, then RL with a KL to the reference. */
 static lm_rl_config small_rl(void) {
     lm_rl_config rc;
     lm_rl_config_defaults(&rc);
+    rc.n_envs = 1;
+    rc.envs[0] = LM_ENV_GRID;
+    rc.difficulty_min = 1;
+    rc.difficulty_max = 3;
     rc.tasks = 2;
-    rc.group = 2;
+    rc.group = 4;
     rc.max_len = 48;
-    rc.warm_steps = 3;
-    rc.steps = 3;
-    rc.eval_episodes = 2;
+    rc.warm_steps = 120;
+    rc.warm_lr = 0.05f;
+    rc.steps = 4;
+    rc.eval_episodes = 4;
     rc.kl_coef = 0.05f;
     rc.epochs = 2;
     rc.keep_checkpoints = 5;
@@ -214,32 +224,10 @@ static lm_rl_config small_rl(void) {
     return rc;
 }
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long k = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)k + 1);
-    *n = fread(b, 1, (size_t)k, f);
-    b[*n] = 0;
-    fclose(f);
-    return b;
-}
-
-static int same_file(const char *a, const char *b) {
-    size_t na = 0, nb = 0;
-    char *x = slurp(a, &na), *y = slurp(b, &nb);
-    int same = x && y && na == nb && !memcmp(x, y, na);
-    free(x);
-    free(y);
-    return same;
-}
-
 /* metrics.jsonl without its timings: every "step_seconds": value removed */
 static char *metrics_without_timings(const char *path) {
     size_t n;
-    char *s = slurp(path, &n);
+    char *s = test_slurp(path, &n);
     if (!s) return NULL;
     char *w = s;
     for (char *p = s; *p;) {
@@ -257,36 +245,45 @@ static char *metrics_without_timings(const char *path) {
 static void test_resumed_run_is_bit_identical(void) {
     lm_config mc = test_micro_config();
     lm_rl_config rc = small_rl();
-    const char *a = "/tmp/longmoe_test_rl_a", *b = "/tmp/longmoe_test_rl_b";
-    char cmd[256];
-    snprintf(cmd, sizeof cmd, "rm -rf %s %s", a, b);
-    CHECK(system(cmd) == 0, "clean");
+    char root[256], cmd[600];
+    if (test_make_tmpdir(root, sizeof root, "rl-resume")) SKIP("no temporary directory");
+    char a[300], b[300];
+    snprintf(a, sizeof a, "%s/a", root);
+    snprintf(b, sizeof b, "%s/b", root);
+    snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     lm_rl_options oa = {a, NULL, 0, 0, NULL};
     lm_rl_result ra;
     CHECK(lm_rl_run(&mc, &rc, &oa, &ra) == LM_OK, "%s", lm_last_error());
-    CHECK(ra.step == 6 && !isnan(ra.warm_success[0]) && !isnan(ra.final_success[0]), "the whole run");
+    CHECK(ra.step == 124 && !isnan(ra.warm_success[0]) && !isnan(ra.final_success[0]), "the whole run");
     /* the same run stopped inside the warm start, then right after RL began, then finished */
-    lm_rl_options ob = {b, NULL, 0, 2, NULL};
+    lm_rl_options ob = {b, NULL, 0, 60, NULL};
     lm_rl_result rb;
-    CHECK(lm_rl_run(&mc, &rc, &ob, &rb) == LM_OK && rb.step == 2, "%s", lm_last_error());
+    CHECK(lm_rl_run(&mc, &rc, &ob, &rb) == LM_OK && rb.step == 60, "%s", lm_last_error());
     ob.resume = 1;
-    ob.stop_after = 4;
-    CHECK(lm_rl_run(NULL, NULL, &ob, &rb) == LM_OK && rb.step == 4, "%s", lm_last_error());
+    ob.stop_after = 122;
+    CHECK(lm_rl_run(NULL, NULL, &ob, &rb) == LM_OK && rb.step == 122, "%s", lm_last_error());
     ob.stop_after = 0;
-    CHECK(lm_rl_run(NULL, NULL, &ob, &rb) == LM_OK && rb.step == 6, "%s", lm_last_error());
+    CHECK(lm_rl_run(NULL, NULL, &ob, &rb) == LM_OK && rb.step == 124, "%s", lm_last_error());
     const char *files[] = {"model.safetensors", "trainer.safetensors", "rl.json", "config.json"};
     for (int i = 0; i < 4; i++) {
         char pa[256], pb[256];
-        snprintf(pa, sizeof pa, "%s/checkpoint-00000006/%s", a, files[i]);
-        snprintf(pb, sizeof pb, "%s/checkpoint-00000006/%s", b, files[i]);
+        snprintf(pa, sizeof pa, "%s/checkpoint-00000124/%s", a, files[i]);
+        snprintf(pb, sizeof pb, "%s/checkpoint-00000124/%s", b, files[i]);
         if (i == 2) continue; /* rl.json holds the metrics' byte count: compared below */
-        CHECK(same_file(pa, pb), "%s is bit-identical after two resumes", files[i]);
+        CHECK(test_same_file(pa, pb), "%s is bit-identical after two resumes", files[i]);
     }
     char pa[256], pb[256];
     snprintf(pa, sizeof pa, "%s/metrics.jsonl", a);
     snprintf(pb, sizeof pb, "%s/metrics.jsonl", b);
     char *ma = metrics_without_timings(pa), *mb = metrics_without_timings(pb);
     CHECK(ma && mb && strstr(ma, "\"type\": \"rl\"") && strstr(ma, "\"type\": \"rl_eval\""), "metrics written");
+    /* the RL steps had something to learn from: a batch with successes and failures */
+    int mixed = 0;
+    for (const char *line = ma; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        const char *v = strstr(line, "\"success\": ");
+        if (!strncmp(line, "{\"type\": \"rl\",", 14) && v) mixed |= atof(v + 11) > 0 && atof(v + 11) < 1;
+    }
+    CHECK(mixed, "some RL batch mixed solved and unsolved episodes");
     /* a resume cuts the log back to its checkpoint: the log is the uninterrupted one's */
     CHECK(ma && mb && !strcmp(ma, mb), "every metrics line (timings aside) equals the uninterrupted run's");
     free(ma);
@@ -295,14 +292,46 @@ static void test_resumed_run_is_bit_identical(void) {
     lm_report_options ro = lm_report_options_default(a);
     lm_report_summary sum;
     CHECK(lm_report_write(&ro, &sum) == LM_OK, "%s", lm_last_error());
-    CHECK(sum.rl_records == 3 + 3 + 2 && sum.malformed == 0, "rl records drawn (%lld)", (long long)sum.rl_records);
+    CHECK(sum.rl_records == 120 + 4 + 2 && sum.malformed == 0, "rl records drawn (%lld)", (long long)sum.rl_records);
     snprintf(pa, sizeof pa, "%s/report.html", a);
     size_t n;
-    char *html = slurp(pa, &n);
+    char *html = test_slurp(pa, &n);
     CHECK(html && strstr(html, "Held-out success") && strstr(html, "Clipped fraction") && strstr(html, "Entropy") &&
           strstr(html, "Trajectory length") && strstr(html, "KL"), "the report has the RL charts");
     free(html);
     CHECK(system(cmd) == 0, "clean");
+}
+
+/* `longmoe rl` end to end on a micro model, and its usage errors. */
+static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
+    char root[256];
+    if (test_make_tmpdir(root, sizeof root, "rl-cli")) SKIP("no temporary directory");
+    lm_config mc = test_micro_config();
+    char *json = lm_config_to_json(&mc);
+    char *end = strrchr(json, '}');
+    *end = 0;
+    FILE *f = fopen(test_path(root, "c.json"), "w");
+    fprintf(f, "%s, \"rl\": {\"tasks\": 2, \"group\": 2, \"max_len\": 48, \"warm_steps\": 2, \"steps\": 2, "
+            "\"eval_episodes\": 2, \"credit\": \"turn\", \"gamma\": 0.9}}\n", json);
+    fclose(f);
+    free(json);
+    char args[2048];
+    const char *out = test_path(root, "out.txt"), *err = test_path(root, "err.txt");
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/run --steps 1", root, root);
+    CHECK(test_run_cli(args, out, err) == 0, "a run");
+    CHECK(test_file_has(out, "held-out greedy success, warm start -> after RL"), "the summary line");
+    snprintf(args, sizeof args, "%s/run/checkpoint-00000003/model.safetensors", root);
+    CHECK(access(args, F_OK) == 0, "its checkpoint (2 warm + 1 RL steps)");
+    snprintf(args, sizeof args, "rl --out %s/run --resume --config %s/c.json", root, root);
+    CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "--resume continues the run"), "--resume with --config");
+    snprintf(args, sizeof args, "rl --config %s/c.json", root);
+    CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "--out and --config are required"), "no --out");
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/x --credit sideways", root, root);
+    CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "--credit must be outcome or turn"), "bad --credit");
+    snprintf(args, sizeof args, "rl --out %s/x --frobnicate", root);
+    CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "unknown option"), "unknown option");
+    snprintf(args, sizeof args, "rm -rf %s", root);
+    CHECK(system(args) == 0, "clean");
 }
 
 int main(void) {
@@ -310,5 +339,6 @@ int main(void) {
     RUN(test_advantages_are_normalised_per_group_and_zero_off_model_bytes);
     RUN(test_environment_bytes_get_zero_gradient_through_the_model);
     RUN(test_resumed_run_is_bit_identical);
+    RUN(test_cli_runs_resumes_and_refuses_bad_usage);
     return test_summary();
 }
