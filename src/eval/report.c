@@ -1236,7 +1236,8 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
     /* ---- summary ---- */
     lm_text_puts(b, "<h2>Summary</h2><table class=\"summary\">\n");
     snprintf(v, sizeof v, "%lld", (long long)r->sum.last_step);
-    if (have_cfg) snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
+    if (have_cfg && !r->sum.rl_records) /* an RL run counts its own steps (rl.json) */
+        snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
     row_text(b, "steps", v);
     if (r->loss.n) {
         snprintf(v, sizeof v, "%.4f", r->loss.y[r->loss.n - 1]);
