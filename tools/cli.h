@@ -13,6 +13,7 @@ int cmd_plan(int argc, char **argv);
 int cmd_experiment(int argc, char **argv);
 int cmd_report(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_rl(int argc, char **argv);
 int cmd_tokenizer(int argc, char **argv);
 int cmd_data(int argc, char **argv);
 int cmd_sample(int argc, char **argv);

@@ -16,6 +16,7 @@ typedef struct {
 static const command commands[] = {
     {"demo", cmd_demo, "what `make demo` runs: the KDA operator, then the tiny model learning to copy"},
     {"train", cmd_train, "train a model from a config (checkpoints, metrics, resume)"},
+    {"rl", cmd_rl, "agentic RL post-training on tool-use environments (warm start, GRPO, resume)"},
     {"report", cmd_report, "one self-contained HTML report of a run directory (curves, expert load, grids)"},
     {"eval", cmd_eval, "long-context evaluation of a checkpoint: validation loss by position, passkey, MQAR"},
     {"sample", cmd_sample, "continue a prompt with a checkpoint (prefill, then recurrent decode)"},

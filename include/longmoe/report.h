@@ -7,7 +7,9 @@
  * the context-extension stages as vertical lines; per MoE layer the expert load
  * over steps as a heatmap (colour = load / mean load) and MaxVio_batch and
  * MaxVio_global; the passkey grid (context length x needle depth) and the MQAR
- * grid (length x queries) of the last evaluation that wrote them.
+ * grid (length x queries) of the last evaluation that wrote them; for an RL run
+ * (`longmoe rl`) held-out success, reward, trajectory length, KL, entropy and
+ * the clipped fraction over steps.
  *
  * The log is read one line at a time with the strict JSON parser; a line that
  * is not a valid record is skipped, counted and named in the report. Memory and
@@ -41,6 +43,7 @@ typedef struct {
     int64_t malformed;       /* lines skipped: invalid JSON or a record missing required fields */
     int64_t train_records, eval_records, stage_records, skip_records, checkpoint_records;
     int64_t passkey_records, mqar_records;
+    int64_t rl_records;      /* rl, rl_warm and rl_eval records (agentic RL, docs/rl.md) */
     int moe_layers, experts; /* shape of the first train record's moe list */
     int heatmap_columns;     /* step columns of the expert heatmaps */
     int64_t last_step;

@@ -71,6 +71,9 @@ typedef struct {
 
 typedef struct {
     series loss, lr, grad, max_logit, tokps, val_loss, val_acc;
+    /* agentic RL (docs/rl.md): per step, the warm start's loss, held-out success per environment */
+    series rl_reward, rl_success, rl_length, rl_kl_ref, rl_kl_old, rl_entropy, rl_clipped, rl_warm_loss;
+    series rl_eval[3];
     int has_max_logit;
     stage_mark *stages;
     int n_stages, cap_stages;
@@ -344,6 +347,42 @@ static int read_record(report *r, const lm_json *o, int max_columns, const char 
         if (get_number(o, "val_loss", &x)) series_add(r, &r->val_loss, (double)step, x);
         if (get_number(o, "answer_accuracy", &x)) series_add(r, &r->val_acc, (double)step, x);
         r->sum.eval_records++;
+    } else if (!strcmp(t, "rl")) {
+        double reward;
+        if (!get_step(o, &step) || !get_number(o, "reward", &reward)) {
+            *reason = "rl record without an integer step and a reward";
+            return 0;
+        }
+        note_step(r, step);
+        series_add(r, &r->rl_reward, (double)step, reward);
+        if (get_number(o, "success", &x)) series_add(r, &r->rl_success, (double)step, x);
+        if (get_number(o, "length", &x)) series_add(r, &r->rl_length, (double)step, x);
+        if (get_number(o, "kl_ref", &x)) series_add(r, &r->rl_kl_ref, (double)step, x);
+        if (get_number(o, "kl_old", &x)) series_add(r, &r->rl_kl_old, (double)step, x);
+        if (get_number(o, "entropy", &x)) series_add(r, &r->rl_entropy, (double)step, x);
+        if (get_number(o, "clipped_frac", &x)) series_add(r, &r->rl_clipped, (double)step, x);
+        if (get_number(o, "grad_norm", &x)) series_add(r, &r->grad, (double)step, x);
+        r->sum.rl_records++;
+        if (step > r->sum.last_step) r->sum.last_step = step;
+    } else if (!strcmp(t, "rl_warm")) {
+        if (!get_step(o, &step) || !get_number(o, "loss", &x)) {
+            *reason = "rl_warm record without an integer step and a loss";
+            return 0;
+        }
+        note_step(r, step);
+        series_add(r, &r->rl_warm_loss, (double)step, x);
+        r->sum.rl_records++;
+        if (step > r->sum.last_step) r->sum.last_step = step;
+    } else if (!strcmp(t, "rl_eval")) {
+        if (!get_step(o, &step)) {
+            *reason = "rl_eval record without an integer step";
+            return 0;
+        }
+        note_step(r, step);
+        static const char *const envs[3] = {"lookup", "calc", "grid"};
+        for (int e = 0; e < 3; e++)
+            if (get_number(o, envs[e], &x)) series_add(r, &r->rl_eval[e], (double)step, x);
+        r->sum.rl_records++;
     } else if (!strcmp(t, "stage")) {
         if (!get_step(o, &step)) {
             *reason = "stage record without an integer step";
@@ -1205,7 +1244,8 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
     /* ---- summary ---- */
     lm_text_puts(b, "<h2>Summary</h2><table class=\"summary\">\n");
     snprintf(v, sizeof v, "%lld", (long long)r->sum.last_step);
-    if (have_cfg) snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
+    if (have_cfg && !r->sum.rl_records) /* an RL run counts its own steps (rl.json) */
+        snprintf(v + strlen(v), sizeof v - strlen(v), " of %lld", (long long)lm_config_total_steps(cfg));
     row_text(b, "steps", v);
     if (r->loss.n) {
         snprintf(v, sizeof v, "%.4f", r->loss.y[r->loss.n - 1]);
@@ -1335,6 +1375,49 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
         lm_text_puts(b, "</div>\n");
     }
 
+    /* ---- agentic RL ---- */
+    if (r->rl_reward.n || r->rl_warm_loss.n) {
+        lm_text_puts(b, "<h2>Agentic RL</h2><p class=\"sub\">Per RL step: the mean reward and success of the "
+                   "step's rollouts, their length in tokens, the KL to the frozen reference and the k3 estimate of "
+                   "KL(\xcf\x80_old \xe2\x80\x96 \xcf\x80_\xce\xb8) after the step's last update, the sampling "
+                   "policy's entropy estimate and the fraction of clipped ratios (docs/rl.md). Held-out success is "
+                   "greedy, on seeds never trained on.</p><div class=\"row\">\n");
+        if (r->rl_eval[0].n || r->rl_eval[1].n || r->rl_eval[2].n) {
+            chart_spec c = chart_default("Held-out success (greedy)", "success rate", half, 280, x_lo, x_hi, pts);
+            c.y_lo = 0;
+            c.y_hi = 1;
+            plot_line l[3] = {{"lookup", &r->rl_eval[0], "#1f77b4", 1}, {"calc", &r->rl_eval[1], "#ff7f0e", 1},
+                              {"grid", &r->rl_eval[2], "#2ca02c", 1}};
+            render_line_chart(b, r, &c, l, 3);
+        }
+        if (r->rl_reward.n) {
+            chart_spec c = chart_default("Reward and success (rollouts)", "mean per trajectory", half, 280, x_lo,
+                                         x_hi, pts);
+            plot_line l[2] = {{"reward", &r->rl_reward, "#1f77b4", 0}, {"success", &r->rl_success, "#d62728", 0}};
+            render_line_chart(b, r, &c, l, 2);
+            chart_spec cl = chart_default("Trajectory length", "tokens", half, 280, x_lo, x_hi, pts);
+            plot_line l1 = {"length", &r->rl_length, "#8c564b", 0};
+            render_line_chart(b, r, &cl, &l1, 1);
+            chart_spec ck = chart_default("KL", "nats / token", half, 280, x_lo, x_hi, pts);
+            plot_line l2[2] = {{"to the reference", &r->rl_kl_ref, "#9467bd", 0},
+                               {"to the sampling policy", &r->rl_kl_old, "#e377c2", 0}};
+            render_line_chart(b, r, &ck, l2, 2);
+            chart_spec ce = chart_default("Entropy (sampling policy)", "nats / token", half, 280, x_lo, x_hi, pts);
+            plot_line l3 = {"entropy", &r->rl_entropy, "#17becf", 0};
+            render_line_chart(b, r, &ce, &l3, 1);
+            chart_spec cc = chart_default("Clipped fraction", "fraction of model tokens", half, 280, x_lo, x_hi, pts);
+            plot_line l4 = {"clipped", &r->rl_clipped, "#7f7f7f", 0};
+            render_line_chart(b, r, &cc, &l4, 1);
+        }
+        if (r->rl_warm_loss.n) {
+            chart_spec c = chart_default("Warm start (demonstrations)", "loss on model bytes", half, 280, x_lo, x_hi,
+                                         pts);
+            plot_line l1 = {"warm-start loss", &r->rl_warm_loss, "#bcbd22", 0};
+            render_line_chart(b, r, &c, &l1, 1);
+        }
+        lm_text_puts(b, "</div>\n");
+    }
+
     /* ---- experts ---- */
     if (r->moe_started && r->moe.used > 0) {
         lm_text_printf(b, "<h2>Expert load (%d MoE layers \xc3\x97 %d experts)</h2>\n<p class=\"sub\">Each column averages "
@@ -1378,6 +1461,15 @@ static void report_free(report *r) {
     series_free(&r->tokps);
     series_free(&r->val_loss);
     series_free(&r->val_acc);
+    series_free(&r->rl_reward);
+    series_free(&r->rl_success);
+    series_free(&r->rl_length);
+    series_free(&r->rl_kl_ref);
+    series_free(&r->rl_kl_old);
+    series_free(&r->rl_entropy);
+    series_free(&r->rl_clipped);
+    series_free(&r->rl_warm_loss);
+    for (int e = 0; e < 3; e++) series_free(&r->rl_eval[e]);
     free(r->stages);
     grid_free(&r->passkey);
     grid_free(&r->mqar);
