@@ -11,18 +11,9 @@
 
 #include <omp.h>
 
+#include "bench_common.h"
 #include "check.h"
 #include "longmoe/attention.h"
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-    qsort(t, n, sizeof(double), cmp_double);
-    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
 
 static void fill_normal(lm_rng *r, float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = (float)lm_rng_normal(r);
@@ -83,7 +74,7 @@ static double time_path(const lm_attention_config *c, buffers *b, int naive, int
         if (s) dieAt("%s", lm_last_error());
         t[i] = lm_time_seconds() - t0;
     }
-    return median(t, runs);
+    return bench_median(t, runs);
 }
 
 /* The table: tiled and naive, forward and forward+backward, at a few lengths. */

@@ -16,6 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "bench_common.h"
 #include "check.h"
 #include "cuda/cuda_check.h"
 #include "longmoe/attention_cuda.h"
@@ -24,29 +25,7 @@ typedef struct {
     int B, T, H, D;
 } shape;
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static inline uint32_t next_u32(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
-/* uniform in [-a, a) */
-static inline float uni(float a) { return a * ((float)(next_u32() & 0xffffff) / 8388608.f - 1.f); }
-
-static uint16_t *device_bf16_random(size_t n, float a) {
-    uint16_t *h = mallocCheck(n * 2), *d = NULL;
-    for (size_t i = 0; i < n; i++) h[i] = lm_f32_to_bf16(uni(a));
-    cudaCheck(cudaMalloc((void **)&d, n * 2));
-    cudaCheck(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
-    free(h);
-    return d;
-}
-
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
+static bench_xorshift rng = {0x9e3779b97f4a7c15ull};
 
 typedef struct {
     const lm_cuda_context *ctx;
@@ -86,7 +65,7 @@ static float time_median(const run_args *a, int reps) {
         cudaCheck(cudaGetLastError());
         cudaCheck(cudaEventElapsedTime(&ms[i], e0, e1));
     }
-    qsort(ms, (size_t)reps, sizeof(float), cmp_float);
+    qsort(ms, (size_t)reps, sizeof(float), bench_cmp_float);
     float med = ms[reps / 2];
     free(ms);
     cudaCheck(cudaEventDestroy(e0));
@@ -135,8 +114,8 @@ int main(int argc, char **argv) {
         const shape sh = shapes[s];
         const size_t n = (size_t)sh.B * sh.T * sh.H * sh.D, nl = (size_t)sh.B * sh.H * sh.T;
         const float qa = 1.7320508f; /* uniform in [-a, a): unit variance */
-        uint16_t *q = device_bf16_random(n, qa), *k = device_bf16_random(n, qa);
-        uint16_t *v = device_bf16_random(n, qa), *d_o = device_bf16_random(n, qa);
+        uint16_t *q = bench_device_bf16_random(&rng, n, qa), *k = bench_device_bf16_random(&rng, n, qa);
+        uint16_t *v = bench_device_bf16_random(&rng, n, qa), *d_o = bench_device_bf16_random(&rng, n, qa);
         uint16_t *o = NULL, *dq = NULL, *dk = NULL, *dv = NULL;
         float *lse = NULL;
         cudaCheck(cudaMalloc((void **)&o, n * 2));

@@ -23,6 +23,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "bench_common.h"
 #include "check.h"
 #include "cuda/cuda_check.h"
 #include "longmoe/attnres.h"
@@ -41,16 +42,6 @@ static float *device_random(size_t count, double mean, double scale, lm_rng *r) 
     cudaCheck(cudaMemcpy(d, h, count * 4, cudaMemcpyHostToDevice));
     free(h);
     return d;
-}
-
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
-
-static float median(float *x, int n) {
-    qsort(x, (size_t)n, sizeof *x, cmp_float);
-    return n % 2 ? x[n / 2] : 0.5f * (x[n / 2 - 1] + x[n / 2]);
 }
 
 /* compulsory [n,d] row traffic of the forward and the backward, in rows */
@@ -143,7 +134,7 @@ int main(int argc, char **argv) {
             cudaCheck(cudaEventElapsedTime(&tb[rep], e1, e2));
         }
     }
-    const float fwd_ms = median(tf, reps), bwd_ms = median(tb, reps);
+    const float fwd_ms = bench_median_f(tf, reps), bwd_ms = bench_median_f(tb, reps);
     double fwd_rows, bwd_rows;
     traffic_rows(&st, &fwd_rows, &bwd_rows);
     const double row_bytes = (double)nd * 4;
@@ -163,7 +154,7 @@ int main(int argc, char **argv) {
         cudaCheck(cudaEventSynchronize(e1));
         if (rep >= 0) cudaCheck(cudaEventElapsedTime(&tc[rep], e0, e1));
     }
-    const double copy_gbs = 2.0 * (double)copy_bytes / (median(tc, 5) * 1e-3) / 1e9;
+    const double copy_gbs = 2.0 * (double)copy_bytes / (bench_median_f(tc, 5) * 1e-3) / 1e9;
 
     printf("Block AttnRes on the GPU: %d layers (L = %d sublayers), block %d (N = %d), n = %lld, d = %d\n", layers, L,
            S, st.n_blocks, (long long)n, d);

@@ -22,21 +22,15 @@
 
 #include <cuda_runtime_api.h>
 
+#include "bench_common.h"
 #include "check.h"
 #include "cuda/cuda_check.h"
 #include "longmoe/linear_cuda.h"
 
 static lm_cuda_context ctx;
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-
-static inline uint32_t next_u32(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return (uint32_t)(rng_state >> 16);
-}
+static bench_xorshift rng = {0x2545f4914f6cdd1dull};
 /* uniform in [-a, a) */
-static inline float uni(float a) { return a * ((float)(next_u32() & 0xffffff) / 8388608.f - 1.f); }
+static inline float uni(float a) { return bench_uniform(&rng, a); }
 
 static void *dev_alloc(size_t bytes) {
     void *p = NULL;
@@ -60,11 +54,6 @@ static float *dev_f32_random(size_t n, float a) {
     return d;
 }
 
-static int cmp_float(const void *a, const void *b) {
-    float x = *(const float *)a, y = *(const float *)b;
-    return x < y ? -1 : x > y;
-}
-
 typedef lm_status (*bench_fn)(void *arg);
 
 /* median milliseconds of `reps` calls after 3 warm-ups */
@@ -83,7 +72,7 @@ static float time_ms(bench_fn fn, void *arg, int reps) {
         cudaCheck(cudaEventSynchronize(b));
         cudaCheck(cudaEventElapsedTime(&ms[r], a, b));
     }
-    qsort(ms, (size_t)reps, sizeof(float), cmp_float);
+    qsort(ms, (size_t)reps, sizeof(float), bench_cmp_float);
     float med = ms[reps / 2];
     free(ms);
     cudaCheck(cudaEventDestroy(a));
@@ -233,7 +222,7 @@ int main(int argc, char **argv) {
     char *seen = callocCheck((size_t)r.vocab, 1);
     int64_t distinct = 0;
     for (int64_t i = 0; i < N; i++) {
-        tok[i] = (int32_t)(next_u32() % (uint32_t)r.vocab);
+        tok[i] = (int32_t)(bench_next_u32(&rng) % (uint32_t)r.vocab);
         distinct += !seen[tok[i]];
         seen[tok[i]] = 1;
     }
@@ -269,7 +258,7 @@ int main(int argc, char **argv) {
     c.hn = dev_bf16_random((size_t)N * c.d, 1.0f);
     c.head = dev_bf16_random((size_t)c.vocab * c.d, 0.05f);
     int32_t *tg = mallocCheck((size_t)N * 4);
-    for (int64_t i = 0; i < N; i++) tg[i] = (int32_t)(next_u32() % (uint32_t)c.vocab);
+    for (int64_t i = 0; i < N; i++) tg[i] = (int32_t)(bench_next_u32(&rng) % (uint32_t)c.vocab);
     c.targets = dev_alloc((size_t)N * 4);
     cudaCheck(cudaMemcpy(c.targets, tg, (size_t)N * 4, cudaMemcpyHostToDevice));
     free(tg);

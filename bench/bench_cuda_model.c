@@ -17,14 +17,10 @@
 
 #include <cuda_runtime_api.h>
 
+#include "bench_common.h"
 #include "longmoe/backend.h"
 #include "longmoe/config.h"
 #include "longmoe/model.h"
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
@@ -83,7 +79,7 @@ int main(int argc, char **argv) {
         }
     }
     lm_model_timings(m, parts);
-    qsort(times + 1, (size_t)reps, sizeof *times, cmp_double);
+    qsort(times + 1, (size_t)reps, sizeof *times, bench_cmp_double);
     double step = times[1 + reps / 2], toks = (double)N / step;
     lm_plan plan;
     lm_config_plan(&c, T, &plan);

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_common.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
@@ -22,11 +23,6 @@ static void ok(lm_status st, const char *what) {
         fprintf(stderr, "%s: %s\n", what, lm_last_error());
         exit(1);
     }
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 int main(int argc, char **argv) {
@@ -113,8 +109,8 @@ int main(int argc, char **argv) {
             t_all[rep] = (t2 - t0) * 1e3;
         }
     }
-    qsort(t_fwd, (size_t)reps, sizeof(double), cmp_double);
-    qsort(t_all, (size_t)reps, sizeof(double), cmp_double);
+    qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
+    qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
     double fwd_ms = t_fwd[reps / 2], all_ms = t_all[reps / 2];
     double grouped_fwd = 6.0 * (double)m * c.top_k * c.d_ff * c.d_latent;
     double tf_fwd = grouped_fwd / (fwd_ms * 1e-3) / 1e12, tf_all = 3.0 * grouped_fwd / (all_ms * 1e-3) / 1e12;

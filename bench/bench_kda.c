@@ -11,6 +11,7 @@
 
 #include <omp.h>
 
+#include "bench_common.h"
 #include "check.h"
 #include "longmoe/kda.h"
 
@@ -27,16 +28,6 @@ static double cpu_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *t, int n) {
-    qsort(t, n, sizeof(double), cmp_double);
-    return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
 }
 
 static void fill_normal(lm_rng *r, float *x, size_t n, double s) {
@@ -106,8 +97,8 @@ static void bench_shape(int B, int T, int H, int K, int V, int runs) {
             if (st) dieAt("kda forward: %s", lm_last_error());
             if (rep >= 0) t[rep] = lm_time_seconds() - t0, tc[rep] = cpu_seconds() - c0;
         }
-        fwd[vi] = median(t, runs);
-        fwdc[vi] = median(tc, runs);
+        fwd[vi] = bench_median(t, runs);
+        fwdc[vi] = bench_median(tc, runs);
         fb[vi] = fbc[vi] = NAN;
         if (!vs[vi].recurrent) {
             for (int rep = -1; rep < runs; rep++) {
@@ -117,8 +108,8 @@ static void bench_shape(int B, int T, int H, int K, int V, int runs) {
                 if (st) dieAt("kda forward+backward: %s", lm_last_error());
                 if (rep >= 0) t[rep] = lm_time_seconds() - t0, tc[rep] = cpu_seconds() - c0;
             }
-            fb[vi] = median(t, runs);
-            fbc[vi] = median(tc, runs);
+            fb[vi] = bench_median(t, runs);
+            fbc[vi] = bench_median(tc, runs);
         }
         char fbs[32], fbcs[32];
         if (isnan(fb[vi])) snprintf(fbs, sizeof fbs, "n/a"), snprintf(fbcs, sizeof fbcs, "n/a");

@@ -12,37 +12,7 @@
 #include <string.h>
 
 #include "longmoe/model.h"
-
-static lm_config reduced_k3_mini(void) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.vocab_size = 256;
-    c.d_model = 256;
-    c.n_layers = 8;
-    strcpy(c.layout, "kkkmkkkm");
-    c.first_k_dense = 1;
-    c.dense_ffn = 512;
-    c.kda_heads = 2;
-    c.kda_head_dim = 128;
-    c.kda_chunk = 64;
-    c.attn_heads = 2;
-    c.q_lora_rank = 96;
-    c.kv_lora_rank = 64;
-    c.qk_head_dim = 128;
-    c.v_head_dim = 128;
-    c.n_routed_experts = 16;
-    c.top_k = 4;
-    c.n_shared_experts = 1;
-    c.expert_ffn = 64;
-    c.shared_ffn = 128;
-    c.latent_dim = 128;
-    c.activation = LM_ACT_SITU;
-    c.balance = LM_BALANCE_QUANTILE;
-    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
-    c.attnres_block = 8;
-    c.recompute = 1;
-    return c;
-}
+#include "../tests/test_models.h"
 
 static void pin(lm_model *m, int k) {
     for (int i = 0; i < lm_model_num_moe_layers(m); i++) {
@@ -52,7 +22,7 @@ static void pin(lm_model *m, int k) {
 }
 
 static int run(int T, int pinned) {
-    lm_config c = reduced_k3_mini();
+    lm_config c = test_reduced_k3_mini_config();
     lm_model *a = NULL, *b = NULL;
     if (lm_model_create(&c, 1, T, &a) || lm_model_create(&c, 1, T, &b)) {
         fprintf(stderr, "bench_routing_sensitivity: %s\n", lm_last_error());

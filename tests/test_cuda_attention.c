@@ -20,6 +20,7 @@
 #include "longmoe/attention.h"
 #include "longmoe/attention_cuda.h"
 #include "test.h"
+#include "test_cuda.h"
 
 static lm_cuda_context ctx;
 
@@ -31,18 +32,6 @@ typedef struct {
     float *lse_gpu, *hmax_gpu, *ws;                                      /* device fp32 */
     size_t ws_bytes;
 } problem;
-
-static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
-
-static void *dalloc(size_t bytes) {
-    void *p = NULL;
-    if (lm_cuda_alloc(&p, bytes ? bytes : 16)) dieAt("cuda alloc: %s", lm_last_error());
-    return p;
-}
-
-static void fill_normal(float *x, size_t n, lm_rng *r, float sd) {
-    for (size_t i = 0; i < n; i++) x[i] = bf16_round((float)(sd * lm_rng_normal(r)));
-}
 
 /* The context's stream does not wait for the legacy stream: finish the copy first. */
 static void upload(uint16_t *d, const float *h, size_t n) {
@@ -67,22 +56,22 @@ static problem make_problem(int B, int T, int H, int Hkv, int Dk, int Dv, uint64
     p.k = mallocCheck(p.nk * 4);
     p.v = mallocCheck(p.nv * 4);
     p.d_o = mallocCheck(p.no * 4);
-    fill_normal(p.q, p.nq, &r, 1.f);
-    fill_normal(p.k, p.nk, &r, 1.f);
-    fill_normal(p.v, p.nv, &r, 1.f);
-    fill_normal(p.d_o, p.no, &r, 1.f);
-    p.q_dev = dalloc(p.nq * 2);
-    p.k_dev = dalloc(p.nk * 2);
-    p.v_dev = dalloc(p.nv * 2);
-    p.do_dev = dalloc(p.no * 2);
-    p.o_gpu = dalloc(p.no * 2);
-    p.dq_gpu = dalloc(p.nq * 2);
-    p.dk_gpu = dalloc(p.nk * 2);
-    p.dv_gpu = dalloc(p.nv * 2);
-    p.lse_gpu = dalloc(p.nl * 4);
-    p.hmax_gpu = dalloc((size_t)H * 4);
+    fill_normal(p.q, p.nq, &r, 1.0, 0.0, 1);
+    fill_normal(p.k, p.nk, &r, 1.0, 0.0, 1);
+    fill_normal(p.v, p.nv, &r, 1.0, 0.0, 1);
+    fill_normal(p.d_o, p.no, &r, 1.0, 0.0, 1);
+    p.q_dev = dev_alloc(p.nq * 2);
+    p.k_dev = dev_alloc(p.nk * 2);
+    p.v_dev = dev_alloc(p.nv * 2);
+    p.do_dev = dev_alloc(p.no * 2);
+    p.o_gpu = dev_alloc(p.no * 2);
+    p.dq_gpu = dev_alloc(p.nq * 2);
+    p.dk_gpu = dev_alloc(p.nk * 2);
+    p.dv_gpu = dev_alloc(p.nv * 2);
+    p.lse_gpu = dev_alloc(p.nl * 4);
+    p.hmax_gpu = dev_alloc((size_t)H * 4);
     p.ws_bytes = lm_cuda_attention_backward_workspace_bytes(&p.cfg);
-    p.ws = dalloc(p.ws_bytes);
+    p.ws = dev_alloc(p.ws_bytes);
     upload(p.q_dev, p.q, p.nq);
     upload(p.k_dev, p.k, p.nk);
     upload(p.v_dev, p.v, p.nv);
@@ -126,30 +115,6 @@ static lm_status gpu_backward(problem *p) {
     return st ? st : lm_cuda_context_sync(&ctx);
 }
 
-/* ||a - b|| / ||b||; infinite when a has a NaN or an infinity. */
-static double rel_err(const float *a, const float *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(a[i])) return INFINITY;
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-static float *download_bf16(const uint16_t *d, size_t n) {
-    float *h = mallocCheck(n * 4);
-    if (lm_cuda_download_bf16(h, d, n)) dieAt("download: %s", lm_last_error());
-    return h;
-}
-
-static float *download_f32(const float *d, size_t n) {
-    float *h = mallocCheck(n * 4);
-    if (lm_cuda_download(h, d, n * 4)) dieAt("download: %s", lm_last_error());
-    return h;
-}
-
 /* Forward (o, lse, per-head max logit) and backward (dq, dk, dv) of the GPU
  * against the CPU operator on one shape. */
 static void check_shape(int B, int T, int H, int Hkv, int Dk, int Dv, uint64_t seed) {
@@ -173,8 +138,8 @@ static void check_shape(int B, int T, int H, int Hkv, int Dk, int Dv, uint64_t s
     poison_outputs(&p);
     st = gpu_forward(&p);
     CHECK(st == LM_OK, "%s: cuda forward: %s", what, lm_last_error());
-    float *o_gpu = download_bf16(p.o_gpu, p.no), *lse_gpu = download_f32(p.lse_gpu, p.nl);
-    float *hmax_gpu = download_f32(p.hmax_gpu, (size_t)H);
+    float *o_gpu = host_download_bf16(p.o_gpu, p.no), *lse_gpu = host_download_f32(p.lse_gpu, p.nl);
+    float *hmax_gpu = host_download_f32(p.hmax_gpu, (size_t)H);
     double eo = rel_err(o_gpu, o_cpu, p.no), el = rel_err(lse_gpu, lse_cpu, p.nl);
     double eh = rel_err(hmax_gpu, hmax_cpu, (size_t)H);
 
@@ -184,8 +149,8 @@ static void check_shape(int B, int T, int H, int Hkv, int Dk, int Dv, uint64_t s
     CHECK(st == LM_OK, "%s: cpu backward: %s", what, lm_last_error());
     st = gpu_backward(&p);
     CHECK(st == LM_OK, "%s: cuda backward: %s", what, lm_last_error());
-    float *dq_gpu = download_bf16(p.dq_gpu, p.nq), *dk_gpu = download_bf16(p.dk_gpu, p.nk);
-    float *dv_gpu = download_bf16(p.dv_gpu, p.nv);
+    float *dq_gpu = host_download_bf16(p.dq_gpu, p.nq), *dk_gpu = host_download_bf16(p.dk_gpu, p.nk);
+    float *dv_gpu = host_download_bf16(p.dv_gpu, p.nv);
     double eq = rel_err(dq_gpu, dq_cpu, p.nq), ek = rel_err(dk_gpu, dk_cpu, p.nk);
     double ev = rel_err(dv_gpu, dv_cpu, p.nv);
     printf("    %-30s o %.1e lse %.1e hmax %.1e | dq %.1e dk %.1e dv %.1e\n", what, eo, el, eh, eq,
@@ -243,9 +208,9 @@ static void test_future_tokens_do_not_change_earlier_outputs(void) {
     lm_rng r;
     lm_rng_seed(&r, 302);
     for (int b = 0; b < B; b++) {
-        fill_normal(p.q + ((size_t)b * T + t0) * H * D, (size_t)H * D, &r, 1.f);
-        fill_normal(p.k + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.f);
-        fill_normal(p.v + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.f);
+        fill_normal(p.q + ((size_t)b * T + t0) * H * D, (size_t)H * D, &r, 1.0, 0.0, 1);
+        fill_normal(p.k + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.0, 0.0, 1);
+        fill_normal(p.v + ((size_t)b * T + t0) * Hkv * D, (size_t)Hkv * D, &r, 1.0, 0.0, 1);
     }
     upload(p.q_dev, p.q, p.nq);
     upload(p.k_dev, p.k, p.nk);

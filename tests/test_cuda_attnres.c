@@ -25,6 +25,7 @@
 #include "longmoe/attnres_cuda.h"
 #include "longmoe/cuda_context.h"
 #include "test.h"
+#include "test_cuda.h"
 
 #define TOL 1e-5
 
@@ -42,10 +43,6 @@ typedef struct {
     float *h, *h_final, *h_rec; /* h: [L][n,d]; h_rec: [L+1][n,d] (GPU only) */
     float *dy, *demb, *gq, *gk;
 } outputs;
-
-static void fill_normal(float *x, size_t n, double scale, lm_rng *r) {
-    for (size_t i = 0; i < n; i++) x[i] = (float)(scale * lm_rng_normal(r));
-}
 
 static problem make_problem(lm_attnres_mode mode, int S, int L, int64_t n, int d, uint64_t seed) {
     problem p;
@@ -71,18 +68,18 @@ static problem make_problem(lm_attnres_mode mode, int S, int L, int64_t n, int d
     p.key_norm = mallocCheck(p.pd * 4);
     p.gq0 = mallocCheck(p.pd * 4);
     p.gk0 = mallocCheck(p.pd * 4);
-    fill_normal(p.emb, p.nd, 1.0, &r);
+    fill_normal(p.emb, p.nd, &r, 1.0, 0.0, 0);
     /* sublayer outputs of different scales, so the sources' rms differ */
-    for (int l = 0; l < L; l++) fill_normal(p.y + (size_t)l * p.nd, p.nd, 0.3 + 1.7 * lm_rng_uniform(&r), &r);
-    fill_normal(p.dh, (size_t)L * p.nd, 1.0, &r);
-    fill_normal(p.dh_final, p.nd, 1.0, &r);
-    fill_normal(p.dy0, (size_t)L * p.nd, 0.01, &r);
-    fill_normal(p.demb0, p.nd, 0.01, &r);
+    for (int l = 0; l < L; l++) fill_normal(p.y + (size_t)l * p.nd, p.nd, &r, 0.3 + 1.7 * lm_rng_uniform(&r), 0.0, 0);
+    fill_normal(p.dh, (size_t)L * p.nd, &r, 1.0, 0.0, 0);
+    fill_normal(p.dh_final, p.nd, &r, 1.0, 0.0, 0);
+    fill_normal(p.dy0, (size_t)L * p.nd, &r, 0.01, 0.0, 0);
+    fill_normal(p.demb0, p.nd, &r, 0.01, 0.0, 0);
     /* scores of order one: |w (.) g| ~ 1, keys of unit rms */
-    fill_normal(p.query, p.pd, 1.0 / sqrt((double)d), &r);
+    fill_normal(p.query, p.pd, &r, 1.0 / sqrt((double)d), 0.0, 0);
     for (size_t i = 0; i < p.pd; i++) p.key_norm[i] = (float)(1.0 + 0.3 * lm_rng_normal(&r));
-    fill_normal(p.gq0, p.pd, 0.01, &r);
-    fill_normal(p.gk0, p.pd, 0.01, &r);
+    fill_normal(p.gq0, p.pd, &r, 0.01, 0.0, 0);
+    fill_normal(p.gk0, p.pd, &r, 0.01, 0.0, 0);
     return p;
 }
 
@@ -163,8 +160,7 @@ static int run_cpu(const problem *p, outputs *o) {
 }
 
 static float *dev_upload(const float *x, size_t count) {
-    void *d = NULL;
-    if (lm_cuda_alloc(&d, count * 4) != LM_OK) dieAt("device allocation of %zu floats: %s", count, lm_last_error());
+    void *d = dev_alloc(count * 4);
     if (x && lm_cuda_upload(d, x, count * 4) != LM_OK) dieAt("upload: %s", lm_last_error());
     return (float *)d;
 }

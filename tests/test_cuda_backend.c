@@ -23,6 +23,7 @@
 #include "longmoe/kda.h"
 #include "longmoe/moe.h"
 #include "test.h"
+#include "test_cuda.h"
 
 static lm_backend *cpu, *gpu;
 
@@ -55,15 +56,10 @@ static void *dalloc(size_t bytes) {
     return p;
 }
 
-static float bf(float v) { return lm_bf16_to_f32(lm_f32_to_bf16(v)); }
-
 /* n normal values * scale (+ shift), rounded to bf16 when round != 0 */
 static float *rnd(lm_rng *r, size_t n, double scale, double shift, int round) {
     float *x = hmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        float v = (float)(shift + scale * lm_rng_normal(r));
-        x[i] = round ? bf(v) : v;
-    }
+    fill_normal(x, n, r, scale, shift, round);
     return x;
 }
 
@@ -107,21 +103,9 @@ static float *down_bf16(const void *d, size_t n) {
     return h;
 }
 
-/* ||(got - base) - (want - base)|| / ||want - base|| (base NULL: 0) */
-static double rel(const float *got, const float *want, const float *base, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double b = base ? base[i] : 0.0, g = (double)got[i] - b, w = (double)want[i] - b;
-        if (isnan(got[i])) return INFINITY;
-        num += (g - w) * (g - w);
-        den += w * w;
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 #define CMP(got, want, base, n, tol, what)                                                          \
     do {                                                                                            \
-        double e_ = rel((got), (want), (base), (n));                                               \
+        double e_ = rel_err_increment((got), (want), (base), (n));                                 \
         CHECK(e_ <= (tol), "%s: relative error %.3g > %.3g", (what), e_, (double)(tol));            \
     } while (0)
 
@@ -177,7 +161,7 @@ static void test_to_lp_and_matmul_match_the_cpu(void) {
     OK(gpu->ops->to_lp(gpu, dlp, dx, n * ic));
     float *lp = down_bf16(dlp, n * ic);
     int same = 1;
-    for (int64_t i = 0; i < n * ic; i++) same &= lp[i] == bf(x[i]);
+    for (int64_t i = 0; i < n * ic; i++) same &= lp[i] == bf16_round(x[i]);
     CHECK(same, "to_lp differs from lm_f32_to_bf16");
     CHECK(gpu->ops->to_lp(gpu, dx, dx, 16) == LM_ERR_ARG, "to_lp with dst == src accepted on the GPU");
 
@@ -420,8 +404,8 @@ static void test_kda_operator_matches_the_cpu(void) {
             sk += tk[c] * tk[c];
         }
         for (int c = 0; c < K; c++) {
-            q[i * K + c] = bf(tq[c] / (float)sqrt(sq));
-            k[i * K + c] = bf(tk[c] / (float)sqrt(sk));
+            q[i * K + c] = bf16_round(tq[c] / (float)sqrt(sq));
+            k[i * K + c] = bf16_round(tk[c] / (float)sqrt(sk));
         }
     }
     float *v = rnd(&r, n, 1.0, 0.0, 1), *z = rnd(&r, n, 1.0, 0.0, 1), *beta = hmalloc(nt * 4);
@@ -533,8 +517,8 @@ static void moe_setup(moe_fixture *f, lm_rng *r, int64_t m) {
     f->params = rnd(r, f->count, 0.08, 0.0, 1);
     lm_moe_params_carve(&c, f->params, &f->hp);
     /* router rows spread so that each token's scores are well apart */
-    for (size_t i = 0; i < (size_t)c.n_experts * c.d; i++) f->hp.router[i] = bf((float)(0.3 * lm_rng_normal(r)));
-    for (int i = 0; i < c.d_latent; i++) f->hp.lat_norm[i] = bf((float)(1.0 + 0.2 * lm_rng_normal(r)));
+    for (size_t i = 0; i < (size_t)c.n_experts * c.d; i++) f->hp.router[i] = bf16_round((float)(0.3 * lm_rng_normal(r)));
+    for (int i = 0; i < c.d_latent; i++) f->hp.lat_norm[i] = bf16_round((float)(1.0 + 0.2 * lm_rng_normal(r)));
     float *g_params = up_f32(f->params, f->count);
     uint16_t *g_bf = up_bf16(f->params, f->count);
     lm_moe_params_carve(&c, g_params, &f->gp);

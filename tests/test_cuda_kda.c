@@ -21,13 +21,12 @@
 #include "longmoe/kda.h"
 #include "longmoe/kda_cuda.h"
 #include "test.h"
+#include "test_cuda.h"
 
 typedef struct {
     lm_kda_config cfg;
     float *q, *k, *v, *z, *beta, *A_log, *dt_bias, *h0;
 } problem;
-
-static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
 
 /* Fresh random inputs: q, k L2-normalised per token and head (as the layer
  * does), v and z normal, beta in (0, 1), all rounded to bf16 where the kernels
@@ -85,18 +84,6 @@ static void free_problem(problem *p) {
 static lm_kda_inputs inputs_of(const problem *p) {
     lm_kda_inputs in = {p->q, p->k, p->v, p->z, p->beta, p->A_log, p->dt_bias, p->h0};
     return in;
-}
-
-/* ||a - b|| / ||b||; infinite when a has a NaN or an infinity. */
-static double rel_err(const float *a, const float *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(a[i])) return INFINITY;
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 static int all_finite(const float *a, size_t n) {
@@ -469,20 +456,6 @@ static void test_decode_matches_cpu_recurrence(void) {
         }
 }
 
-static uint16_t *dev_bf16(const float *x, size_t n) {
-    uint16_t *h = mallocCheck(n * 2), *d = NULL;
-    for (size_t i = 0; i < n; i++) h[i] = lm_f32_to_bf16(x[i]);
-    cudaCheck(cudaMalloc((void **)&d, n * 2));
-    cudaCheck(cudaMemcpy(d, h, n * 2, cudaMemcpyHostToDevice));
-    free(h);
-    return d;
-}
-static float *dev_f32(const float *x, size_t n) {
-    float *d = NULL;
-    cudaCheck(cudaMalloc((void **)&d, n * 4));
-    cudaCheck(cudaMemcpy(d, x, n * 4, cudaMemcpyHostToDevice));
-    return d;
-}
 static void *dev_copy_back(const void *d, size_t bytes) {
     void *h = mallocCheck(bytes);
     cudaCheck(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
@@ -494,10 +467,11 @@ static lm_kda_cuda_inputs dev_inputs(const problem *p) {
     const lm_kda_config *c = &p->cfg;
     size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
     size_t ns = (size_t)c->B * c->H * c->K * c->V;
-    lm_kda_cuda_inputs in = {dev_bf16(p->q, n), dev_bf16(p->k, n), dev_bf16(p->v, n),
-                             dev_bf16(p->z, n), dev_f32(p->beta, nb), dev_f32(p->A_log, c->H),
-                             dev_f32(p->dt_bias, (size_t)c->H * c->K),
-                             p->h0 ? dev_f32(p->h0, ns) : NULL};
+    lm_kda_cuda_inputs in = {dev_upload_bf16(p->q, n),          dev_upload_bf16(p->k, n),
+                             dev_upload_bf16(p->v, n),          dev_upload_bf16(p->z, n),
+                             dev_upload_f32(p->beta, nb),       dev_upload_f32(p->A_log, c->H),
+                             dev_upload_f32(p->dt_bias, (size_t)c->H * c->K),
+                             p->h0 ? dev_upload_f32(p->h0, ns) : NULL};
     return in;
 }
 static void free_dev_inputs(lm_kda_cuda_inputs *in) {
@@ -550,7 +524,7 @@ static void test_saved_forward_equals_recompute(void) {
         lm_rng_seed(&r, 7200 + gate);
         for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
         lm_kda_cuda_inputs in = dev_inputs(&p);
-        uint16_t *d_o = dev_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
+        uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
         cudaCheck(cudaMalloc((void **)&o1, n * 2));
         cudaCheck(cudaMalloc((void **)&o2, n * 2));
         size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
@@ -630,7 +604,7 @@ static void test_precise_state_training_forward(void) {
             lm_kda_inputs hin = inputs_of(&p);
             CHECK(lm_kda_chunk_forward(c, &hin, o_cpu, s_cpu) == LM_OK, "%s", lm_last_error());
             lm_kda_cuda_inputs in = dev_inputs(&p);
-            uint16_t *d_o = dev_bf16(d_o_h, n), *o = NULL;
+            uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o = NULL;
             float *ht = NULL;
             cudaCheck(cudaMalloc((void **)&o, n * 2));
             cudaCheck(cudaMalloc((void **)&ht, ns * 4));

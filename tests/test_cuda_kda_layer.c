@@ -20,8 +20,8 @@
 #include "longmoe/cuda_context.h"
 #include "longmoe/kda_layer_cuda.h"
 #include "longmoe/linear.h"
-#include "longmoe/linear.h"
 #include "test.h"
+#include "test_cuda.h"
 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
@@ -33,29 +33,6 @@ static lm_cuda_context ctx;
 static const int shapes[][5] = {
     {1, 1, 64, 4, 32}, {2, 37, 256, 4, 128}, {1, 300, 128, 3, 64}, {1, 1000, 1024, 4, 128}};
 #define NSHAPES (int)(sizeof shapes / sizeof shapes[0])
-
-static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
-
-/* ||a - b|| / ||b||; infinite when a has a NaN or an infinity. */
-static double rel_err(const float *a, const float *b, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (!isfinite(a[i])) return INFINITY;
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-static float *host_normal(size_t n, double scale, double shift, int round_bf16, lm_rng *r) {
-    float *a = mallocCheck((n ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        a[i] = (float)(shift + scale * lm_rng_normal(r));
-        if (round_bf16) a[i] = bf16_round(a[i]);
-    }
-    return a;
-}
 
 /* The helpers below copy and set memory on the default stream, the kernels
  * run on the context's (non-blocking) stream: wait for both in between. */

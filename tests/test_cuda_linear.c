@@ -24,39 +24,13 @@
 #include "longmoe/linear.h"
 #include "longmoe/linear_cuda.h"
 #include "test.h"
+#include "test_cuda.h"
 
 static lm_cuda_context ctx;
 static lm_rng rng;
 
-static float bf16_round(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
-
 /* n normal values times `scale`, rounded to bf16 when `bf16` */
-static float *host_random(size_t n, float scale, int bf16) {
-    float *x = mallocCheck((n ? n : 1) * sizeof(float));
-    for (size_t i = 0; i < n; i++) {
-        float v = (float)(scale * lm_rng_normal(&rng));
-        x[i] = bf16 ? bf16_round(v) : v;
-    }
-    return x;
-}
-
-static void *dev_alloc(size_t bytes) {
-    void *p = NULL;
-    if (lm_cuda_alloc(&p, bytes)) dieAt("device allocation: %s", lm_last_error());
-    return p;
-}
-
-static float *dev_f32(const float *h, size_t n) {
-    float *d = dev_alloc(n * sizeof(float));
-    if (lm_cuda_upload(d, h, n * sizeof(float))) dieAt("upload: %s", lm_last_error());
-    return d;
-}
-
-static uint16_t *dev_bf16(const float *h, size_t n) {
-    uint16_t *d = dev_alloc(n * sizeof(uint16_t));
-    if (lm_cuda_upload_bf16(d, h, n)) dieAt("upload: %s", lm_last_error());
-    return d;
-}
+static float *host_random(size_t n, float scale, int bf16) { return host_normal(n, scale, 0.0, bf16, &rng); }
 
 static void put_f32(float *d, const float *h, size_t n) {
     if (lm_cuda_upload(d, h, n * sizeof(float))) dieAt("upload: %s", lm_last_error());
@@ -73,16 +47,6 @@ static float *copy_f32(const float *x, size_t n) {
     float *y = mallocCheck((n ? n : 1) * sizeof(float));
     memcpy(y, x, n * sizeof(float));
     return y;
-}
-
-static double rel_err(const float *got, const float *want, size_t n) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (isnan(got[i])) return INFINITY;
-        num += ((double)got[i] - want[i]) * ((double)got[i] - want[i]);
-        den += (double)want[i] * want[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 /* error of an accumulated gradient, relative to the size of what was added */
@@ -110,7 +74,7 @@ static void test_matmul_forward_matches_cpu_and_accumulates(void) {
         float *x = host_random((size_t)n * ic, 1.0f, 1), *w = host_random((size_t)oc * ic, 0.1f, 1);
         float *init = host_random(no, 1.0f, 0), *want = mallocCheck(no * sizeof(float));
         lm_matmul_forward(want, x, w, NULL, n, ic, oc);
-        uint16_t *dx = dev_bf16(x, (size_t)n * ic), *dw = dev_bf16(w, (size_t)oc * ic);
+        uint16_t *dx = dev_upload_bf16(x, (size_t)n * ic), *dw = dev_upload_bf16(w, (size_t)oc * ic);
         float *dout = dev_alloc(no * sizeof(float));
         uint16_t *dout16 = dev_alloc(no * sizeof(uint16_t));
         char what[96];
@@ -161,8 +125,8 @@ static void test_matmul_backward_matches_cpu_and_accumulates(void) {
         float *dx0 = host_random(ni, 1.0f, 0), *dw0 = host_random(nw, 1.0f, 0);
         float *want_dx = copy_f32(dx0, ni), *want_dw = copy_f32(dw0, nw);
         lm_matmul_backward(want_dx, want_dw, NULL, g, x, w, n, ic, oc);
-        uint16_t *d_x = dev_bf16(x, ni), *d_w = dev_bf16(w, nw), *d_g = dev_bf16(g, no);
-        float *d_dx = dev_f32(dx0, ni), *d_dw = dev_f32(dw0, nw);
+        uint16_t *d_x = dev_upload_bf16(x, ni), *d_w = dev_upload_bf16(w, nw), *d_g = dev_upload_bf16(g, no);
+        float *d_dx = dev_upload_f32(dx0, ni), *d_dw = dev_upload_f32(dw0, nw);
         char what[96];
         snprintf(what, sizeof what, "n=%d ic=%d oc=%d", n, ic, oc);
 
@@ -205,7 +169,7 @@ static void test_bf16_conversions_round_like_the_host(void) {
     uint32_t specials[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0x7f800001u, 0x3f808000u,
                            0x3f818000u, 0x00000001u, 0x80000000u, 0x7f7fffffu};
     for (size_t i = 0; i < sizeof specials / sizeof specials[0]; i++) memcpy(&x[i * 7], &specials[i], 4);
-    float *dx = dev_f32(x, n), *back = dev_alloc(n * sizeof(float));
+    float *dx = dev_upload_f32(x, n), *back = dev_alloc(n * sizeof(float));
     uint16_t *d16 = dev_alloc(n * sizeof(uint16_t)), *h16 = mallocCheck(n * sizeof(uint16_t));
     CHECK(lm_cuda_f32_to_bf16(&ctx, d16, dx, n) == LM_OK, "%s", lm_last_error());
     CHECK(lm_cuda_bf16_to_f32(&ctx, back, d16, n) == LM_OK, "%s", lm_last_error());
@@ -235,7 +199,7 @@ static int finite_flag(const float *dx, size_t n) {
 static void test_all_finite_flags_every_nan_and_inf(void) {
     size_t n = 100003;
     float *x = host_random(n, 1e30f, 0);
-    float *dx = dev_f32(x, n);
+    float *dx = dev_upload_f32(x, n);
     CHECK(finite_flag(dx, n) == 1, "finite values flagged");
     CHECK(finite_flag(dx, 0) == 1, "an empty array flagged");
     float bad[] = {INFINITY, -INFINITY, NAN};
@@ -263,7 +227,7 @@ static void test_rmsnorm_forward_matches_cpu(void) {
             float *x = host_random(nx, 2.0f, 0), *w = host_random((size_t)d, 1.0f, 0);
             float *want = mallocCheck(nx * 4), *want_r = mallocCheck((size_t)n * 4);
             lm_rmsnorm_forward(want, want_r, x, with_weight ? w : NULL, n, d, eps);
-            float *dx = dev_f32(x, nx), *dw = dev_f32(w, (size_t)d), *dy = dev_alloc(nx * 4);
+            float *dx = dev_upload_f32(x, nx), *dw = dev_upload_f32(w, (size_t)d), *dy = dev_alloc(nx * 4);
             float *dr = dev_alloc((size_t)n * 4);
             uint16_t *dy16 = dev_alloc(nx * 2);
             char what[64];
@@ -307,8 +271,8 @@ static void test_rmsnorm_backward_matches_cpu_and_accumulates(void) {
             float *want_dx = copy_f32(dx0, nx), *want_dw = copy_f32(dw0, (size_t)d);
             lm_rmsnorm_backward(want_dx, variant == 2 ? NULL : want_dw, g, x, wp, variant == 1 ? NULL : r, n, d,
                                 eps);
-            float *d_x = dev_f32(x, nx), *d_w = dev_f32(w, (size_t)d), *d_g = dev_f32(g, nx);
-            float *d_r = dev_f32(r, (size_t)n), *d_dx = dev_alloc(nx * 4), *d_dw = dev_alloc((size_t)d * 4);
+            float *d_x = dev_upload_f32(x, nx), *d_w = dev_upload_f32(w, (size_t)d), *d_g = dev_upload_f32(g, nx);
+            float *d_r = dev_upload_f32(r, (size_t)n), *d_dx = dev_alloc(nx * 4), *d_dw = dev_alloc((size_t)d * 4);
             float *scratch = dev_alloc(lm_cuda_rmsnorm_scratch_floats(n, d) * 4);
             char what[80];
             snprintf(what, sizeof what, "n=%d d=%d variant=%d", n, d, variant);
@@ -361,7 +325,7 @@ static void test_embedding_forward_gathers_rows(void) {
         int32_t *tok = random_tokens(n, V, 0);
         float *want = mallocCheck((size_t)n * d * 4);
         for (int i = 0; i < n; i++) memcpy(want + (size_t)i * d, table + (size_t)tok[i] * d, (size_t)d * 4);
-        float *d_t = dev_f32(table, (size_t)V * d), *d_o = dev_alloc((size_t)n * d * 4);
+        float *d_t = dev_upload_f32(table, (size_t)V * d), *d_o = dev_alloc((size_t)n * d * 4);
         int32_t *d_tok = dev_alloc((size_t)n * 4);
         CHECK(lm_cuda_upload(d_tok, tok, (size_t)n * 4) == LM_OK, "%s", lm_last_error());
         CHECK(lm_cuda_embedding_forward(&ctx, d_o, d_t, d_tok, n, d) == LM_OK, "%s", lm_last_error());
@@ -383,7 +347,7 @@ static void test_embedding_backward_adds_in_position_order_like_the_cpu(void) {
             float *want = copy_f32(t0, nt);
             for (int i = 0; i < n; i++)
                 for (int j = 0; j < d; j++) want[(size_t)tok[i] * d + j] += g[(size_t)i * d + j];
-            float *d_t = dev_f32(t0, nt), *d_g = dev_f32(g, (size_t)n * d);
+            float *d_t = dev_upload_f32(t0, nt), *d_g = dev_upload_f32(g, (size_t)n * d);
             int32_t *d_tok = dev_alloc((size_t)n * 4);
             void *scratch = dev_alloc(lm_cuda_embedding_scratch_bytes(n, V));
             CHECK(lm_cuda_upload(d_tok, tok, (size_t)n * 4) == LM_OK, "%s", lm_last_error());
@@ -449,10 +413,10 @@ static void test_cross_entropy_matches_float64_reference(void) {
                 }
             }
         }
-        uint16_t *d_hn = dev_bf16(hn, nh), *d_head = dev_bf16(head, nw);
+        uint16_t *d_hn = dev_upload_bf16(hn, nh), *d_head = dev_upload_bf16(head, nw);
         int32_t *d_tg = dev_alloc((size_t)n * 4);
         CHECK(lm_cuda_upload(d_tg, tg, (size_t)n * 4) == LM_OK, "%s", lm_last_error());
-        float *d_rs = dev_f32(rs, (size_t)n), *d_lse = dev_alloc((size_t)n * 4), *d_loss = dev_alloc(4);
+        float *d_rs = dev_upload_f32(rs, (size_t)n), *d_lse = dev_alloc((size_t)n * 4), *d_loss = dev_alloc(4);
         float *d_dh = dev_alloc(nh * 4), *d_dw = dev_alloc(nw * 4);
         size_t wsb = lm_cuda_cross_entropy_workspace_bytes(n, d, V, c.rows_per_chunk);
         void *ws = dev_alloc(wsb);

@@ -25,60 +25,9 @@
 #include "longmoe/backend.h"
 #include "longmoe/model.h"
 #include "test.h"
+#include "test_models.h"
 
 static lm_backend *gpu;
-
-static lm_config small_hybrid(void) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.vocab_size = 256;
-    c.d_model = 128;
-    c.n_layers = 4;
-    strcpy(c.layout, "kkkm");
-    c.first_k_dense = 1;
-    c.dense_ffn = 256;
-    c.kda_heads = 2;
-    c.kda_head_dim = 64;
-    c.kda_chunk = 64;
-    c.attn_heads = 2;
-    c.q_lora_rank = 64;
-    c.kv_lora_rank = 32;
-    c.qk_head_dim = 64;
-    c.v_head_dim = 64;
-    c.n_routed_experts = 8;
-    c.top_k = 2;
-    c.n_shared_experts = 1;
-    c.expert_ffn = 64;
-    c.shared_ffn = 128;
-    c.balance = LM_BALANCE_QUANTILE;
-    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
-    c.attnres_block = 4;
-    return c;
-}
-
-static lm_config reduced_k3_mini(void) {
-    lm_config c = small_hybrid();
-    c.d_model = 256;
-    c.n_layers = 8;
-    strcpy(c.layout, "kkkmkkkm");
-    c.dense_ffn = 512;
-    c.kda_heads = 2;
-    c.kda_head_dim = 128;
-    c.attn_heads = 2;
-    c.q_lora_rank = 96;
-    c.kv_lora_rank = 64;
-    c.qk_head_dim = 128;
-    c.v_head_dim = 128;
-    c.n_routed_experts = 16;
-    c.top_k = 4;
-    c.expert_ffn = 64;
-    c.shared_ffn = 128;
-    c.latent_dim = 128;
-    c.activation = LM_ACT_SITU;
-    c.attnres_block = 8;
-    c.recompute = 1;
-    return c;
-}
 
 static double cosine(const float *a, const float *b, size_t n, double *na, double *nb) {
     double dot = 0, sa = 0, sb = 0;
@@ -210,19 +159,19 @@ done:
 }
 
 static void test_small_hybrid_matches_the_cpu_and_repeats_bitwise(void) {
-    check_config("small hybrid", small_hybrid(), 2, 100, 11, 1);
-    check_config("small hybrid*", small_hybrid(), 2, 100, 11, 0);
+    check_config("small hybrid", test_small_hybrid_config(), 2, 100, 11, 1);
+    check_config("small hybrid*", test_small_hybrid_config(), 2, 100, 11, 0);
 }
 
 static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
-    check_config("reduced k3-mini", reduced_k3_mini(), 1, 257, 12, 1);
-    check_config("k3-mini*", reduced_k3_mini(), 1, 257, 12, 0);
+    check_config("reduced k3-mini", test_reduced_k3_mini_config(), 1, 257, 12, 1);
+    check_config("k3-mini*", test_reduced_k3_mini_config(), 1, 257, 12, 0);
 }
 
 static void test_host_parameter_changes_reach_the_gpu(void) {
     /* the optimizer changes host parameters: after lm_model_upload_params the
      * GPU model computes with them (the loss follows the CPU model's) */
-    lm_config c = small_hybrid();
+    lm_config c = test_small_hybrid_config();
     lm_model *cpu = NULL, *dev = NULL;
     CHECK(!lm_model_create(&c, 1, 64, &cpu) && !lm_model_create_on(&c, 1, 64, gpu, &dev), "%s", lm_last_error());
     if (!cpu || !dev) goto done;

@@ -7,23 +7,11 @@
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
 #include "test.h"
+#include "test_cuda.h"
 
 static lm_cuda_context ctx;
 
 #define GPU_OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
-
-static float bf16_round(float v) { return lm_bf16_to_f32(lm_f32_to_bf16(v)); }
-
-/* relative error of the increments (got - base) against (want - base) */
-static double rel_increment(const float *got, const float *want, const float *base, size_t count) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < count; i++) {
-        double b = base ? base[i] : 0.0, w = (double)want[i] - b, g = (double)got[i] - b;
-        num += (g - w) * (g - w);
-        den += w * w;
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
 
 typedef struct {
     lm_moe_config cfg;
@@ -163,9 +151,9 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     for (int j = 0; j <= n; j++)
         CHECK(offs[j] == (int32_t)ca.offsets[j], "%s: offsets[%d] %d vs %lld", what, j, offs[j], (long long)ca.offsets[j]);
     double e;
-    CHECK((e = rel_increment(s_gpu, ca.s, NULL, mn)) < 1e-5, "%s: scores rel err %.3g", what, e);
-    CHECK((e = rel_increment(y_gpu, y_cpu, NULL, md_)) < 1e-2, "%s: y rel err %.3g", what, e);
-    CHECK((e = rel_increment(dx_gpu, dx_cpu, dx_base, md_)) < 1e-2, "%s: dx rel err %.3g", what, e);
+    CHECK((e = rel_err_increment(s_gpu, ca.s, NULL, mn)) < 1e-5, "%s: scores rel err %.3g", what, e);
+    CHECK((e = rel_err_increment(y_gpu, y_cpu, NULL, md_)) < 1e-2, "%s: y rel err %.3g", what, e);
+    CHECK((e = rel_err_increment(dx_gpu, dx_cpu, dx_base, md_)) < 1e-2, "%s: dx rel err %.3g", what, e);
     lm_moe_params pc, pg, pbase;
     lm_moe_params_carve(cfg, g_cpu, &pc);
     lm_moe_params_carve(cfg, g_gpu, &pg);
@@ -192,11 +180,11 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     float *const *cp = &pc.router, *const *gp = &pg.router, *const *bp = &pbase.router;
     for (int i = 0; i < 10; i++) {
         if (!cp[i]) continue;
-        e = rel_increment(gp[i], cp[i], bp[i], sizes[i]);
+        e = rel_err_increment(gp[i], cp[i], bp[i], sizes[i]);
         CHECK(e < 1e-2, "%s: d%s rel err %.3g", what, param_names[i], e);
     }
-    printf("  %-44s y %.2e dx %.2e unclear %lld\n", what, rel_increment(y_gpu, y_cpu, NULL, md_),
-           rel_increment(dx_gpu, dx_cpu, dx_base, md_), (long long)unclear);
+    printf("  %-44s y %.2e dx %.2e unclear %lld\n", what, rel_err_increment(y_gpu, y_cpu, NULL, md_),
+           rel_err_increment(dx_gpu, dx_cpu, dx_base, md_), (long long)unclear);
 
     lm_moe_acts_free(&ca);
     free(topk);

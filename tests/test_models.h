@@ -38,4 +38,63 @@ static inline lm_config test_micro_config(void) {
     return c;
 }
 
+/* A small hybrid: d = 128, four layers (three KDA, one gated MLA), a dense FFN
+ * then MoE of 8 experts top-2 with a shared expert, quantile balancing, Block
+ * AttnRes of 4 sublayers. */
+static inline lm_config test_small_hybrid_config(void) {
+    lm_config c;
+    lm_config_defaults(&c);
+    c.vocab_size = 256;
+    c.d_model = 128;
+    c.n_layers = 4;
+    strcpy(c.layout, "kkkm");
+    c.first_k_dense = 1;
+    c.dense_ffn = 256;
+    c.kda_heads = 2;
+    c.kda_head_dim = 64;
+    c.kda_chunk = 64;
+    c.attn_heads = 2;
+    c.q_lora_rank = 64;
+    c.kv_lora_rank = 32;
+    c.qk_head_dim = 64;
+    c.v_head_dim = 64;
+    c.n_routed_experts = 8;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 64;
+    c.shared_ffn = 128;
+    c.balance = LM_BALANCE_QUANTILE;
+    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
+    c.attnres_block = 4;
+    return c;
+}
+
+/* k3-mini reduced to test size: its head dimensions (128), latent MoE and
+ * SiTU activation, recompute, d = 256 over eight layers (kkkm twice), 16
+ * experts top-4, Block AttnRes of 8 sublayers. Shared by the whole-model GPU
+ * test and the routing-sensitivity bench. */
+static inline lm_config test_reduced_k3_mini_config(void) {
+    lm_config c = test_small_hybrid_config();
+    c.d_model = 256;
+    c.n_layers = 8;
+    strcpy(c.layout, "kkkmkkkm");
+    c.dense_ffn = 512;
+    c.kda_heads = 2;
+    c.kda_head_dim = 128;
+    c.attn_heads = 2;
+    c.q_lora_rank = 96;
+    c.kv_lora_rank = 64;
+    c.qk_head_dim = 128;
+    c.v_head_dim = 128;
+    c.n_routed_experts = 16;
+    c.top_k = 4;
+    c.expert_ffn = 64;
+    c.shared_ffn = 128;
+    c.latent_dim = 128;
+    c.activation = LM_ACT_SITU;
+    c.attnres_block = 8;
+    c.recompute = 1;
+    return c;
+}
+
 #endif

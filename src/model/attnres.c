@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "longmoe/attnres.h"
+#include "model/attnres_plan.h"
 
 #define ALIGN_BYTES 64
 
@@ -50,49 +51,46 @@ const char *lm_attnres_mode_name(lm_attnres_mode m) {
     return "?";
 }
 
-/* ---- geometry ---- */
+/* ---- geometry (attnres_plan.h: the GPU state plans with the same functions) ---- */
 
-static int effective_block(const lm_attnres_config *c) {
+int attnres_effective_block(const lm_attnres_config *c) {
     if (c->mode == LM_ATTNRES_FULL) return 1;
     if (c->mode == LM_ATTNRES_STANDARD) return c->n_sublayers;
     return c->block_size;
 }
 
-/* sources read by sublayer l (l = L: final) for block size S over L sublayers */
-static int n_sources_of(int l, int S, int L) {
+int attnres_n_sources_of(int l, int S, int L) {
     if (l == L) return 1 + (L + S - 1) / S;
     return 1 + l / S + (l % S > 0);
 }
 
-/* offset (in floats) of sublayer l's logits: sum over j < l of n_sources_j * n */
-static size_t logits_offset(int l, int S, int L, int64_t n) {
+size_t attnres_logits_offset(int l, int S, int L, int64_t n) {
     size_t o = 0;
-    for (int j = 0; j < l; j++) o += (size_t)n_sources_of(j, S, L);
+    for (int j = 0; j < l; j++) o += (size_t)attnres_n_sources_of(j, S, L);
     return o * (size_t)n;
 }
 
-static lm_status check_config(const lm_attnres_config *c) {
-    if (!c) return lm_error(LM_ERR_ARG, "attnres: config is NULL");
+lm_status attnres_check_config(const lm_attnres_config *c, const char *who) {
+    if (!c) return lm_error(LM_ERR_ARG, "%s: config is NULL", who);
     if (c->mode != LM_ATTNRES_STANDARD && c->mode != LM_ATTNRES_BLOCK && c->mode != LM_ATTNRES_FULL)
-        return lm_error(LM_ERR_ARG, "attnres: mode must be standard, block_attnres or full_attnres, got %d",
+        return lm_error(LM_ERR_ARG, "%s: mode must be standard, block_attnres or full_attnres, got %d", who,
                         (int)c->mode);
     if (c->n_sublayers < 1)
-        return lm_error(LM_ERR_ARG, "attnres: n_sublayers must be >= 1, got %d", c->n_sublayers);
-    if (c->d < 1) return lm_error(LM_ERR_ARG, "attnres: d must be >= 1, got %d", c->d);
+        return lm_error(LM_ERR_ARG, "%s: n_sublayers must be >= 1, got %d", who, c->n_sublayers);
+    if (c->d < 1) return lm_error(LM_ERR_ARG, "%s: d must be >= 1, got %d", who, c->d);
     if (c->n_tokens < 1)
-        return lm_error(LM_ERR_ARG, "attnres: n_tokens must be >= 1, got %lld", (long long)c->n_tokens);
+        return lm_error(LM_ERR_ARG, "%s: n_tokens must be >= 1, got %lld", who, (long long)c->n_tokens);
     if (c->mode == LM_ATTNRES_BLOCK && c->block_size < 1)
-        return lm_error(LM_ERR_ARG, "attnres: block_size (in sublayers) must be >= 1, got %d",
-                        c->block_size);
+        return lm_error(LM_ERR_ARG, "%s: block_size (in sublayers) must be >= 1, got %d", who, c->block_size);
     if (!(c->eps > 0.0f) || !isfinite(c->eps))
-        return lm_error(LM_ERR_ARG, "attnres: eps must be finite and > 0, got %g", (double)c->eps);
+        return lm_error(LM_ERR_ARG, "%s: eps must be finite and > 0, got %g", who, (double)c->eps);
     if (c->two_phase != 0 && c->two_phase != 1)
-        return lm_error(LM_ERR_ARG, "attnres: two_phase must be 0 or 1, got %d", c->two_phase);
+        return lm_error(LM_ERR_ARG, "%s: two_phase must be 0 or 1, got %d", who, c->two_phase);
     return LM_OK;
 }
 
 lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *plan) {
-    lm_status s = check_config(c);
+    lm_status s = attnres_check_config(c, "attnres");
     if (s) return s;
     if (!plan) return lm_error(LM_ERR_ARG, "attnres: memory plan pointer is NULL");
     memset(plan, 0, sizeof *plan);
@@ -106,7 +104,7 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
         plan->history_bytes_per_token = (double)(d * f);
         plan->total_bytes_per_token = (double)(2 * d * f);
     } else {
-        int S = effective_block(c);
+        int S = attnres_effective_block(c);
         size_t N = (L + (size_t)S - 1) / (size_t)S, H = 1 + N;
         size_t Sq = (size_t)S < L ? (size_t)S : L;
         plan->n_blocks = (int)N;
@@ -114,13 +112,13 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
         plan->history = align_up(H * n * d * f) + align_up(H * n * f);
         plan->history_grad = align_up(H * n * d * f);
         plan->saved_partials = align_up((L - N) * n * d * f) + align_up(L * n * f);
-        plan->saved_scores = align_up(logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) +
+        plan->saved_scores = align_up(attnres_logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) +
                              align_up((L + 1) * n * f);
         plan->phase1 = c->two_phase ? align_up(Sq * n * d * f) + 2 * align_up(Sq * n * f) : 0;
         plan->queries = align_up(Sq * d * f);
         plan->param_grad = align_up((n + TOKEN_BLOCK - 1) / TOKEN_BLOCK * d * f);
         /* per token: every [n, ...] buffer divided by n */
-        double scores = (double)logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
+        double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
         plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
                                                    (double)L + scores +
@@ -146,7 +144,7 @@ lm_status lm_attnres_init(lm_attnres_state *st, const lm_attnres_config *c, void
                         workspace_bytes, plan.total);
     memset(st, 0, sizeof *st);
     st->cfg = *c;
-    st->S = effective_block(c);
+    st->S = attnres_effective_block(c);
     st->n_blocks = plan.n_blocks;
     const size_t n = (size_t)c->n_tokens, d = (size_t)c->d, L = (size_t)c->n_sublayers, f = sizeof(float);
     char *w = (char *)workspace;
@@ -166,7 +164,7 @@ lm_status lm_attnres_init(lm_attnres_state *st, const lm_attnres_config *c, void
         CARVE(st->dhist, H * n * d * f);
         CARVE(st->partials, (L - N) * n * d * f);
         CARVE(st->partial_rstd, L * n * f);
-        CARVE(st->logits, logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
+        CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
         CARVE(st->lse, (L + 1) * n * f);
         if (c->two_phase) {
             CARVE(st->acc, Sq * n * d * f);
@@ -183,7 +181,7 @@ lm_status lm_attnres_init(lm_attnres_state *st, const lm_attnres_config *c, void
 
 int lm_attnres_n_sources(const lm_attnres_state *st, int l) {
     if (st->cfg.mode == LM_ATTNRES_STANDARD) return 1 + l;
-    return n_sources_of(l, st->S, st->cfg.n_sublayers);
+    return attnres_n_sources_of(l, st->S, st->cfg.n_sublayers);
 }
 
 /* ---- call-order checks ---- */
@@ -302,8 +300,8 @@ static void phase1_forward(lm_attnres_state *st, int l0, int Q, int C) {
     size_t off[Q > 0 ? Q : 1];
     int Ns[Q > 0 ? Q : 1];
     for (int q = 0; q < Q; q++) {
-        off[q] = logits_offset(l0 + q, S, L, n);
-        Ns[q] = n_sources_of(l0 + q, S, L);
+        off[q] = attnres_logits_offset(l0 + q, S, L, n);
+        Ns[q] = attnres_n_sources_of(l0 + q, S, L);
     }
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
@@ -379,7 +377,7 @@ lm_status lm_attnres_input(lm_attnres_state *st, int l, const lm_attnres_params 
         return LM_OK;
     }
     const int S = st->S, k = l / S, pos = l % S, C = 1 + k;
-    float *logits = st->logits + logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
+    float *logits = st->logits + attnres_logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
     const float *P = NULL;
     const float *Pr = NULL;
     if (pos > 0) {
@@ -452,7 +450,7 @@ lm_status lm_attnres_final(lm_attnres_state *st, const lm_attnres_params *p, flo
     } else {
         /* every block is closed: one softmax over v_0, b_1..b_N with query row L */
         effective_query(st->u, p, L, d);
-        direct_forward(st, st->u, 1 + st->n_blocks, NULL, NULL, st->logits + logits_offset(L, st->S, L, n),
+        direct_forward(st, st->u, 1 + st->n_blocks, NULL, NULL, st->logits + attnres_logits_offset(L, st->S, L, n),
                        st->lse + (size_t)L * n, h);
     }
     st->step++;
@@ -485,8 +483,8 @@ lm_status lm_attnres_weights(const lm_attnres_state *st, int l, float *weights) 
     // weights is (n,Ns)
     const int L = st->cfg.n_sublayers;
     const int64_t n = st->cfg.n_tokens;
-    const int Ns = n_sources_of(l, st->S, L);
-    const float *sc = st->logits + logits_offset(l, st->S, L, n), *lse = st->lse + (size_t)l * n;
+    const int Ns = attnres_n_sources_of(l, st->S, L);
+    const float *sc = st->logits + attnres_logits_offset(l, st->S, L, n), *lse = st->lse + (size_t)l * n;
     for (int64_t t = 0; t < n; t++)
         for (int i = 0; i < Ns; i++) weights[t * Ns + i] = expf(sc[t * Ns + i] - lse[t]);
     return LM_OK;
@@ -502,7 +500,7 @@ lm_status lm_attnres_recompute_input(const lm_attnres_state *st, int l, float *h
     const int C = l == L ? 1 + st->n_blocks : 1 + l / S, has_P = l < L && l % S > 0;
     const int Ns = C + has_P;
     const float *P = has_P ? st->partials + (size_t)(l - l / S - 1) * n * d : NULL;
-    const float *sc = st->logits + logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
+    const float *sc = st->logits + attnres_logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
     /* h_l = sum_i exp(s_i - lse) v_i from the saved scores: no dot products */
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
     for (int64_t t = 0; t < n; t++) {
@@ -596,8 +594,8 @@ lm_status lm_attnres_final_backward(lm_attnres_state *st, const lm_attnres_param
         memcpy(st->dhist, dh, nd * sizeof(float));
     } else {
         memset(st->dhist, 0, (size_t)(1 + st->n_blocks) * nd * sizeof(float));
-        layer_backward(st, p, g, L, 1 + st->n_blocks, NULL, NULL, NULL, st->logits + logits_offset(L, st->S, L, n),
-                       st->lse + (size_t)L * n, dh);
+        layer_backward(st, p, g, L, 1 + st->n_blocks, NULL, NULL, NULL,
+                       st->logits + attnres_logits_offset(L, st->S, L, n), st->lse + (size_t)L * n, dh);
     }
     st->step++;
     return LM_OK;
@@ -638,7 +636,7 @@ lm_status lm_attnres_input_backward(lm_attnres_state *st, int l, const lm_attnre
         const float *P = pos > 0 ? st->partials + (size_t)(l - k - 1) * nd : NULL;
         const float *Pr = pos > 0 ? st->partial_rstd + (size_t)l * n : NULL;
         layer_backward(st, p, g, l, 1 + k, P, Pr, st->dhist + (size_t)(1 + k) * nd,
-                       st->logits + logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh);
+                       st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh);
     }
     st->step++;
     return LM_OK;

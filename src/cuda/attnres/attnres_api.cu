@@ -22,6 +22,7 @@
 #include "cuda/attnres/attnres_internal.cuh"
 #include "cuda/cuda_check.h"
 #include "longmoe/attnres_cuda.h"
+#include "model/attnres_plan.h"
 
 #define ALIGN_BYTES 64
 
@@ -29,44 +30,13 @@ static size_t align_up(size_t b) { return (b + ALIGN_BYTES - 1) / ALIGN_BYTES * 
 
 static cudaStream_t stream_of(const lm_cuda_context *ctx) { return (cudaStream_t)ctx->stream; }
 
-/* ---- geometry (the CPU module's, src/model/attnres.c) ---- */
-
-static int effective_block(const lm_attnres_config *c) {
-    if (c->mode == LM_ATTNRES_FULL) return 1;
-    if (c->mode == LM_ATTNRES_STANDARD) return c->n_sublayers;
-    return c->block_size;
-}
-
-static int n_sources_of(int l, int S, int L) {
-    if (l == L) return 1 + (L + S - 1) / S;
-    return 1 + l / S + (l % S > 0);
-}
-
-/* offset (in floats) of sublayer l's logits: sum over j < l of n_sources_j * n */
-static size_t logits_offset(int l, int S, int L, int64_t n) {
-    size_t o = 0;
-    for (int j = 0; j < l; j++) o += (size_t)n_sources_of(j, S, L);
-    return o * (size_t)n;
-}
+/* ---- geometry: the CPU module's functions (src/model/attnres_plan.h) ---- */
 
 static lm_status check_config(const lm_attnres_config *c) {
-    if (!c) return lm_error(LM_ERR_ARG, "attnres cuda: config is NULL");
-    if (c->mode != LM_ATTNRES_STANDARD && c->mode != LM_ATTNRES_BLOCK && c->mode != LM_ATTNRES_FULL)
-        return lm_error(LM_ERR_ARG, "attnres cuda: mode must be standard, block_attnres or full_attnres, got %d",
-                        (int)c->mode);
-    if (c->n_sublayers < 1)
-        return lm_error(LM_ERR_ARG, "attnres cuda: n_sublayers must be >= 1, got %d", c->n_sublayers);
-    if (c->d < 1) return lm_error(LM_ERR_ARG, "attnres cuda: d must be >= 1, got %d", c->d);
-    if (c->n_tokens < 1)
-        return lm_error(LM_ERR_ARG, "attnres cuda: n_tokens must be >= 1, got %lld", (long long)c->n_tokens);
+    lm_status s = attnres_check_config(c, "attnres cuda");
+    if (s) return s;
     if (c->n_tokens > (int64_t)INT32_MAX * LM_CUDA_ATTNRES_TOKEN_BLOCK)
         return lm_error(LM_ERR_ARG, "attnres cuda: n_tokens %lld exceeds the grid", (long long)c->n_tokens);
-    if (c->mode == LM_ATTNRES_BLOCK && c->block_size < 1)
-        return lm_error(LM_ERR_ARG, "attnres cuda: block_size (in sublayers) must be >= 1, got %d", c->block_size);
-    if (!(c->eps > 0.0f) || !isfinite(c->eps))
-        return lm_error(LM_ERR_ARG, "attnres cuda: eps must be finite and > 0, got %g", (double)c->eps);
-    if (c->two_phase != 0 && c->two_phase != 1)
-        return lm_error(LM_ERR_ARG, "attnres cuda: two_phase must be 0 or 1, got %d", c->two_phase);
     return LM_OK;
 }
 
@@ -85,7 +55,7 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->history_bytes_per_token = (double)(d * f);
         plan->total_bytes_per_token = (double)(2 * d * f);
     } else {
-        const int S = effective_block(c);
+        const int S = attnres_effective_block(c);
         const size_t N = (L + (size_t)S - 1) / (size_t)S, H = 1 + N;
         const size_t n_tb = (n + LM_CUDA_ATTNRES_TOKEN_BLOCK - 1) / LM_CUDA_ATTNRES_TOKEN_BLOCK;
         plan->n_blocks = (int)N;
@@ -93,11 +63,12 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->history = align_up(H * n * d * f) + align_up(H * n * f);
         plan->history_grad = align_up(H * n * d * f);
         plan->saved_partials = align_up((L - N) * n * d * f) + align_up(L * n * f);
-        plan->saved_scores = align_up(logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) + align_up((L + 1) * n * f);
+        plan->saved_scores =
+            align_up(attnres_logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) + align_up((L + 1) * n * f);
         plan->phase1 = 0;  /* direct softmax per sublayer: no accumulators */
         plan->queries = 0; /* u = w (.) g is formed inside the kernels */
         plan->param_grad = align_up(n_tb * d * f);
-        const double scores = (double)logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
+        const double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
         plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
                                                    (double)L + scores + (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
@@ -121,7 +92,7 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
                         "asks %zu", workspace_bytes, plan.total);
     memset(st, 0, sizeof *st);
     st->cfg = *c;
-    st->S = effective_block(c);
+    st->S = attnres_effective_block(c);
     st->n_blocks = plan.n_blocks;
     const size_t n = (size_t)c->n_tokens, d = (size_t)c->d, L = (size_t)c->n_sublayers, f = sizeof(float);
     char *w = (char *)workspace;
@@ -141,7 +112,7 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
         CARVE(st->dhist, H * n * d * f);
         CARVE(st->partials, (L - N) * n * d * f);
         CARVE(st->partial_rstd, L * n * f);
-        CARVE(st->logits, logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
+        CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
         CARVE(st->lse, (L + 1) * n * f);
         CARVE(st->qpart, n_tb * d * f);
     }
@@ -152,7 +123,7 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
 
 extern "C" int lm_cuda_attnres_n_sources(const lm_cuda_attnres_state *st, int l) {
     if (st->cfg.mode == LM_ATTNRES_STANDARD) return 1 + l;
-    return n_sources_of(l, st->S, st->cfg.n_sublayers);
+    return attnres_n_sources_of(l, st->S, st->cfg.n_sublayers);
 }
 
 /* ---- call-order and argument checks (host) ---- */
@@ -255,7 +226,7 @@ extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_a
         const attnres_sources src = sources_of(st, l, 0);
         float *P_save = pos > 0 ? st->partials + (size_t)(l - k - 1) * nd_of(st) : NULL;
         if ((s = attnres_launch_forward(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
-                                        p->key_norm + (size_t)l * d, st->logits + logits_offset(l, S, L, n),
+                                        p->key_norm + (size_t)l * d, st->logits + attnres_logits_offset(l, S, L, n),
                                         st->lse + (size_t)l * n, h, 0, n, d, st->cfg.eps)))
             return s;
     }
@@ -303,7 +274,7 @@ extern "C" lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_a
         /* every block is closed: one softmax over v_0, b_1..b_N with query row L */
         const attnres_sources src = sources_of(st, L, 0);
         if ((s = attnres_launch_forward(stream_of(ctx), &src, NULL, p->query + (size_t)L * d,
-                                        p->key_norm + (size_t)L * d, st->logits + logits_offset(L, st->S, L, n),
+                                        p->key_norm + (size_t)L * d, st->logits + attnres_logits_offset(L, st->S, L, n),
                                         st->lse + (size_t)L * n, h, 0, n, d, st->cfg.eps)))
             return s;
     }
@@ -338,7 +309,7 @@ extern "C" lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx,
     const int64_t n = st->cfg.n_tokens;
     const attnres_sources src = sources_of(st, l, 1);
     return attnres_launch_forward(stream_of(ctx), &src, NULL, NULL, NULL,
-                                  st->logits + logits_offset(l, st->S, L, n), st->lse + (size_t)l * n, h, 1, n,
+                                  st->logits + attnres_logits_offset(l, st->S, L, n), st->lse + (size_t)l * n, h, 1, n,
                                   st->cfg.d, st->cfg.eps);
 }
 
@@ -363,7 +334,8 @@ extern "C" lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, 
         /* the final reads every source: its dv initialise G_0..G_N (assign) */
         const attnres_sources src = sources_of(st, L, 1);
         if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, NULL, 1, p->query + (size_t)L * d,
-                                         p->key_norm + (size_t)L * d, st->logits + logits_offset(L, st->S, L, n),
+                                         p->key_norm + (size_t)L * d,
+                                         st->logits + attnres_logits_offset(L, st->S, L, n),
                                          st->lse + (size_t)L * n, dh, st->qpart,
                                          g && g->query ? g->query + (size_t)L * d : NULL,
                                          g && g->key_norm ? g->key_norm + (size_t)L * d : NULL, n, d)))
@@ -410,7 +382,7 @@ extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, 
         /* dP goes to G_{k+1}, the accumulator of the open block */
         if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd, 0,
                                          p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
-                                         st->logits + logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh,
+                                         st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh,
                                          st->qpart, g && g->query ? g->query + (size_t)l * d : NULL,
                                          g && g->key_norm ? g->key_norm + (size_t)l * d : NULL, n, d)))
             return s;

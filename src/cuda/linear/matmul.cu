@@ -120,20 +120,9 @@ static lm_status check_product(const lm_cuda_context *ctx, const void *out, cons
 static lm_status forward(const lm_cuda_context *ctx, void *out, cudaDataType_t out_type, const uint16_t *inp,
                          const uint16_t *weight, int64_t n, int ic, int oc, int accumulate) {
     // inp is (n,ic), weight is (oc,ic), out is (n,oc)
-    lt_product p;
-    p.trans_a = CUBLAS_OP_T;
-    p.trans_b = CUBLAS_OP_N;
-    p.m = (uint64_t)oc;
-    p.n = (uint64_t)n;
-    p.k = (uint64_t)ic;
-    p.a = weight;
-    p.lda = ic;
-    p.b = inp;
-    p.ldb = ic;
-    p.d = out;
-    p.ldd = oc;
-    p.d_type = out_type;
-    p.beta = accumulate ? 1.0f : 0.0f;
+    /* trans_a, trans_b; m, n, k; a, b; lda, ldb; d, ldd; d_type, beta */
+    const lt_product p = {CUBLAS_OP_T, CUBLAS_OP_N, (uint64_t)oc, (uint64_t)n, (uint64_t)ic, weight, inp,
+                          ic, ic, out, oc, out_type, accumulate ? 1.0f : 0.0f};
     return lt_run(ctx, &p);
 }
 
@@ -157,38 +146,15 @@ extern "C" lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *
     // dout is (n,oc); dinp (n,ic) += dout . weight; dweight (oc,ic) += dout^T . inp
     lm_status st = check_product(ctx, dout, inp, weight, n, ic, oc, "lm_cuda_matmul_backward");
     if (st || n == 0) return st;
+    /* trans_a, trans_b; m, n, k; a, b; lda, ldb; d, ldd; d_type, beta */
     if (dinp) {
-        lt_product p;
-        p.trans_a = CUBLAS_OP_N;
-        p.trans_b = CUBLAS_OP_N;
-        p.m = (uint64_t)ic;
-        p.n = (uint64_t)n;
-        p.k = (uint64_t)oc;
-        p.a = weight;
-        p.lda = ic;
-        p.b = dout;
-        p.ldb = oc;
-        p.d = dinp;
-        p.ldd = ic;
-        p.d_type = CUDA_R_32F;
-        p.beta = 1.0f;
+        const lt_product p = {CUBLAS_OP_N, CUBLAS_OP_N, (uint64_t)ic, (uint64_t)n, (uint64_t)oc, weight, dout,
+                              ic, oc, dinp, ic, CUDA_R_32F, 1.0f};
         if ((st = lt_run(ctx, &p))) return st;
     }
     if (dweight) {
-        lt_product p;
-        p.trans_a = CUBLAS_OP_N;
-        p.trans_b = CUBLAS_OP_T;
-        p.m = (uint64_t)ic;
-        p.n = (uint64_t)oc;
-        p.k = (uint64_t)n;
-        p.a = inp;
-        p.lda = ic;
-        p.b = dout;
-        p.ldb = oc;
-        p.d = dweight;
-        p.ldd = ic;
-        p.d_type = CUDA_R_32F;
-        p.beta = 1.0f;
+        const lt_product p = {CUBLAS_OP_N, CUBLAS_OP_T, (uint64_t)ic, (uint64_t)oc, (uint64_t)n, inp, dout,
+                              ic, oc, dweight, ic, CUDA_R_32F, 1.0f};
         if ((st = lt_run(ctx, &p))) return st;
     }
     return LM_OK;
