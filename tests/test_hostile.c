@@ -17,6 +17,7 @@
 #include "longmoe/config.h"
 #include "longmoe/data.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/shards.h"
 #include "longmoe/train.h"
 #include "test.h"
 
@@ -535,6 +536,62 @@ static void test_an_interrupted_data_prepare_is_never_taken_for_complete(void) {
     lm_data_close(src);
 }
 
+/* Shards replaced under a run between resumes are refused, naming the shard;
+ * --accept-data-change continues on them and records the new fingerprint. */
+static void write_shard(const char *d, const char *name, uint64_t seed) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/shards/%s", d, name);
+    int32_t tok[400];
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (int i = 0; i < 400; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % 256);
+    CHECK(lm_shard_write(path, tok, 400, 256) == LM_OK, "%s", lm_last_error());
+}
+
+static void test_shards_replaced_between_resumes_are_refused(void) {
+    const char *d = case_dir("reshard");
+    char args[2400], path[700];
+    snprintf(path, sizeof path, "%s/shards", d);
+    mkdir(path, 0755);
+    write_shard(d, "train_000000.bin", 1);
+    write_shard(d, "train_000001.bin", 2);
+    write_shard(d, "val_000000.bin", 3);
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --data shards:%s/shards --quiet "
+             "--stop-after 2", d, d, d);
+    CHECK(cli(d, 60, args) == 0, "the base run failed");
+    CHECK(test_file_has(test_path(d, "run/checkpoint-00000002/trainer.json"), "train_000001.bin"),
+          "trainer.json records no fingerprint of the shards");
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet --stop-after 3", d);
+    CHECK(cli(d, 60, args) == 0, "an unchanged resume failed");
+    /* the same size, other tokens */
+    write_shard(d, "train_000001.bin", 99);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    int code = cli(d, 60, args);
+    CHECK(code == 1 && test_file_has(test_path(d, "err.txt"), "shard 'train_000001.bin' changed"),
+          "a replaced shard was accepted: exit %d", code);
+    CHECK(exists(test_path(d, "run/checkpoint-00000003")) && !exists(test_path(d, "run/checkpoint-00000004")),
+          "the refused resume trained");
+    /* the shard restored, and a val shard added */
+    write_shard(d, "train_000001.bin", 2);
+    write_shard(d, "val_000001.bin", 3);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    code = cli(d, 60, args);
+    CHECK(code == 1 && test_file_has(test_path(d, "err.txt"), "'val_000001.bin'"), "an added shard was accepted: "
+          "exit %d", code);
+    snprintf(args, sizeof args, "rm %s/shards/val_000001.bin", d);
+    sh(args);
+    /* accepted explicitly: the run goes on and records the new fingerprint */
+    write_shard(d, "train_000001.bin", 99);
+    snprintf(args, sizeof args, "train --out %s/run --resume --accept-data-change", d);
+    code = cli(d, 60, args);
+    CHECK(code == 0 && test_file_has(test_path(d, "out.txt"), "warning: data"), "--accept-data-change: exit %d",
+          code);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    CHECK(cli(d, 60, args) == 0, "the new fingerprint was not recorded");
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run2 --accept-data-change", d, d);
+    CHECK(cli(d, 60, args) == 2, "--accept-data-change without --resume was accepted");
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -549,6 +606,7 @@ int main(void) {
     RUN(test_the_cli_chooses_passive_waiting_unless_told);
     RUN(test_a_flipped_bit_in_a_checkpoint_is_refused);
     RUN(test_an_interrupted_data_prepare_is_never_taken_for_complete);
+    RUN(test_shards_replaced_between_resumes_are_refused);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);
