@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -310,9 +311,10 @@ static void test_a_non_finite_parameter_is_never_checkpointed(void) {
           "a checkpoint of the bad step exists");
 }
 
-/* A config value that parses but would be saved as something unreadable (a
- * stage weight of 1e39 is inf as a float) is refused before training, and
- * nothing is written. */
+/* A config value that would be saved as something unreadable (a stage weight
+ * of 1e39 is inf as a float) is refused where it is read, naming the key; a
+ * config made in code that holds one is refused by the trainer's read-back
+ * before training. Nothing is written either way. */
 static void test_a_config_that_does_not_survive_saving_is_refused(void) {
     const char *d = case_dir("roundtrip");
     char cfg[600], text[4096];
@@ -325,9 +327,32 @@ static void test_a_config_that_does_not_survive_saving_is_refused(void) {
     snprintf(args, sizeof args, "train --config %s --out %s/run --quiet", cfg, d);
     int code = cli(d, 60, args);
     CHECK(code == 1, "exit %d", code);
-    CHECK(test_file_has(test_path(d, "err.txt"), "does not survive saving"), "message");
+    CHECK(test_file_has(test_path(d, "err.txt"), "train.stages[0].data: the weight of 'copy' must be a number in "
+                        "(0, 1e30], got 1e+39"), "message");
     CHECK(!exists(test_path(d, "run/checkpoint-00000002")) && !exists(test_path(d, "run/config.json")),
           "a checkpoint or config was written");
+    /* the second line: the trainer's read-back */
+    lm_config c;
+    CHECK(lm_config_parse(micro_config, strlen(micro_config), "micro", &c) == LM_OK, "%s", lm_last_error());
+    c.n_stages = 1;
+    memset(&c.stages[0], 0, sizeof c.stages[0]);
+    snprintf(c.stages[0].name, sizeof c.stages[0].name, "a");
+    c.stages[0].seq_len = 16;
+    c.stages[0].steps = 2;
+    c.stages[0].lr_scale = 1;
+    c.stages[0].n_data = 2;
+    snprintf(c.stages[0].data[0], sizeof c.stages[0].data[0], "copy");
+    snprintf(c.stages[0].data[1], sizeof c.stages[0].data[1], "mqar");
+    c.stages[0].weights[0] = INFINITY;
+    c.stages[0].weights[1] = 1;
+    char out[700];
+    snprintf(out, sizeof out, "%s/run2", d);
+    lm_train_options opt = lm_train_options_default(out);
+    opt.progress = NULL;
+    lm_train_result res;
+    CHECK(lm_train(&c, &opt, &res) != LM_OK && strstr(lm_last_error(), "does not survive saving"), "read-back: %s",
+          lm_last_error());
+    CHECK(!exists(test_path(d, "run2/config.json")), "the read-back wrote a config");
 }
 
 /* Count the lines of `path` that contain `a` and `b`. */
