@@ -54,7 +54,17 @@ static void test_unknown_keys_and_bad_values_are_named(void) {
         {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"batch_tokens\":100}]}}",
          "batch_tokens (100) must be a multiple of seq_len (64)"},
         {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"colour\":1}]}}", "unknown key 'train.stages[0].colour'"},
-        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":-1}}]}}", "needs a positive weight"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":-1}}]}}",
+         "the weight of 'copy' must be a number in (0, 1e30], got -1"},
+        /* range-checked at parse time, as stored: beyond the float range (inf), and rounding to 0 */
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":1e39}}]}}",
+         "train.stages[0].data: the weight of 'copy' must be a number in (0, 1e30], got 1e+39"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":1e-46}}]}}",
+         "the weight of 'copy' must be a number in (0, 1e30]"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":5,\"data\":{\"copy\":\"x\"}}]}}",
+         "the weight of 'copy' must be a number"},
+        {"{\"train\":{\"stages\":[{\"seq_len\":64,\"steps\":10000000000000001}]}}",
+         "train.stages[0].steps must be an integer in [1, 1e15]"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         lm_config c;

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -17,6 +18,7 @@
 #include "longmoe/config.h"
 #include "longmoe/data.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/shards.h"
 #include "longmoe/train.h"
 #include "test.h"
 
@@ -309,9 +311,10 @@ static void test_a_non_finite_parameter_is_never_checkpointed(void) {
           "a checkpoint of the bad step exists");
 }
 
-/* A config value that parses but would be saved as something unreadable (a
- * stage weight of 1e39 is inf as a float) is refused before training, and
- * nothing is written. */
+/* A config value that would be saved as something unreadable (a stage weight
+ * of 1e39 is inf as a float) is refused where it is read, naming the key; a
+ * config made in code that holds one is refused by the trainer's read-back
+ * before training. Nothing is written either way. */
 static void test_a_config_that_does_not_survive_saving_is_refused(void) {
     const char *d = case_dir("roundtrip");
     char cfg[600], text[4096];
@@ -324,9 +327,32 @@ static void test_a_config_that_does_not_survive_saving_is_refused(void) {
     snprintf(args, sizeof args, "train --config %s --out %s/run --quiet", cfg, d);
     int code = cli(d, 60, args);
     CHECK(code == 1, "exit %d", code);
-    CHECK(test_file_has(test_path(d, "err.txt"), "does not survive saving"), "message");
+    CHECK(test_file_has(test_path(d, "err.txt"), "train.stages[0].data: the weight of 'copy' must be a number in "
+                        "(0, 1e30], got 1e+39"), "message");
     CHECK(!exists(test_path(d, "run/checkpoint-00000002")) && !exists(test_path(d, "run/config.json")),
           "a checkpoint or config was written");
+    /* the second line: the trainer's read-back */
+    lm_config c;
+    CHECK(lm_config_parse(micro_config, strlen(micro_config), "micro", &c) == LM_OK, "%s", lm_last_error());
+    c.n_stages = 1;
+    memset(&c.stages[0], 0, sizeof c.stages[0]);
+    snprintf(c.stages[0].name, sizeof c.stages[0].name, "a");
+    c.stages[0].seq_len = 16;
+    c.stages[0].steps = 2;
+    c.stages[0].lr_scale = 1;
+    c.stages[0].n_data = 2;
+    snprintf(c.stages[0].data[0], sizeof c.stages[0].data[0], "copy");
+    snprintf(c.stages[0].data[1], sizeof c.stages[0].data[1], "mqar");
+    c.stages[0].weights[0] = INFINITY;
+    c.stages[0].weights[1] = 1;
+    char out[700];
+    snprintf(out, sizeof out, "%s/run2", d);
+    lm_train_options opt = lm_train_options_default(out);
+    opt.progress = NULL;
+    lm_train_result res;
+    CHECK(lm_train(&c, &opt, &res) != LM_OK && strstr(lm_last_error(), "does not survive saving"), "read-back: %s",
+          lm_last_error());
+    CHECK(!exists(test_path(d, "run2/config.json")), "the read-back wrote a config");
 }
 
 /* Count the lines of `path` that contain `a` and `b`. */
@@ -535,6 +561,62 @@ static void test_an_interrupted_data_prepare_is_never_taken_for_complete(void) {
     lm_data_close(src);
 }
 
+/* Shards replaced under a run between resumes are refused, naming the shard;
+ * --accept-data-change continues on them and records the new fingerprint. */
+static void write_shard(const char *d, const char *name, uint64_t seed) {
+    char path[700];
+    snprintf(path, sizeof path, "%s/shards/%s", d, name);
+    int32_t tok[400];
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (int i = 0; i < 400; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % 256);
+    CHECK(lm_shard_write(path, tok, 400, 256) == LM_OK, "%s", lm_last_error());
+}
+
+static void test_shards_replaced_between_resumes_are_refused(void) {
+    const char *d = case_dir("reshard");
+    char args[2400], path[700];
+    snprintf(path, sizeof path, "%s/shards", d);
+    mkdir(path, 0755);
+    write_shard(d, "train_000000.bin", 1);
+    write_shard(d, "train_000001.bin", 2);
+    write_shard(d, "val_000000.bin", 3);
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run --data shards:%s/shards --quiet "
+             "--stop-after 2", d, d, d);
+    CHECK(cli(d, 60, args) == 0, "the base run failed");
+    CHECK(test_file_has(test_path(d, "run/checkpoint-00000002/trainer.json"), "train_000001.bin"),
+          "trainer.json records no fingerprint of the shards");
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet --stop-after 3", d);
+    CHECK(cli(d, 60, args) == 0, "an unchanged resume failed");
+    /* the same size, other tokens */
+    write_shard(d, "train_000001.bin", 99);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    int code = cli(d, 60, args);
+    CHECK(code == 1 && test_file_has(test_path(d, "err.txt"), "shard 'train_000001.bin' changed"),
+          "a replaced shard was accepted: exit %d", code);
+    CHECK(exists(test_path(d, "run/checkpoint-00000003")) && !exists(test_path(d, "run/checkpoint-00000004")),
+          "the refused resume trained");
+    /* the shard restored, and a val shard added */
+    write_shard(d, "train_000001.bin", 2);
+    write_shard(d, "val_000001.bin", 3);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    code = cli(d, 60, args);
+    CHECK(code == 1 && test_file_has(test_path(d, "err.txt"), "'val_000001.bin'"), "an added shard was accepted: "
+          "exit %d", code);
+    snprintf(args, sizeof args, "rm %s/shards/val_000001.bin", d);
+    sh(args);
+    /* accepted explicitly: the run goes on and records the new fingerprint */
+    write_shard(d, "train_000001.bin", 99);
+    snprintf(args, sizeof args, "train --out %s/run --resume --accept-data-change", d);
+    code = cli(d, 60, args);
+    CHECK(code == 0 && test_file_has(test_path(d, "out.txt"), "warning: data"), "--accept-data-change: exit %d",
+          code);
+    snprintf(args, sizeof args, "train --out %s/run --resume --quiet", d);
+    CHECK(cli(d, 60, args) == 0, "the new fingerprint was not recorded");
+    snprintf(args, sizeof args, "train --config %s/micro.json --out %s/run2 --accept-data-change", d, d);
+    CHECK(cli(d, 60, args) == 2, "--accept-data-change without --resume was accepted");
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "hostile")) return 1;
     RUN(test_readers_refuse_non_regular_files_without_blocking);
@@ -549,6 +631,7 @@ int main(void) {
     RUN(test_the_cli_chooses_passive_waiting_unless_told);
     RUN(test_a_flipped_bit_in_a_checkpoint_is_refused);
     RUN(test_an_interrupted_data_prepare_is_never_taken_for_complete);
+    RUN(test_shards_replaced_between_resumes_are_refused);
     int rc = test_summary();
     if (rc == 0) test_remove_tree(root);
     else fprintf(stderr, "files kept in %s\n", root);

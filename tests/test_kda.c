@@ -619,6 +619,41 @@ static void test_bad_configs_are_rejected_with_clear_messages(void) {
     problem_free(&p);
 }
 
+/* beta lies in the closed [0, 1]: 0 and 1 (a saturated fp32 sigmoid) are
+ * accepted; anything outside, or not finite, is refused by every entry point
+ * naming the element. */
+static void test_beta_outside_0_1_or_not_finite_is_refused_naming_the_element(void) {
+    lm_kda_config good = lm_kda_config_default(1, 20, 2, 8, 8);
+    problem p = problem_new(good, 701, 1);
+    lm_kda_inputs in = problem_inputs(&p);
+    float *o = falloc(n_v(&good)), *d_o = falloc(n_v(&good)), *gbuf = falloc(4 * n_v(&good) + 64);
+    for (size_t i = 0; i < n_v(&good); i++) d_o[i] = 1.0f;
+    memset(gbuf, 0, (4 * n_v(&good) + 64) * sizeof(float));
+    lm_kda_grads gr = {gbuf, gbuf + n_v(&good), gbuf + 2 * n_v(&good), gbuf + 3 * n_v(&good),
+                       gbuf + 4 * n_v(&good), gbuf + 4 * n_v(&good) + 40, gbuf + 4 * n_v(&good) + 42, NULL};
+    float keep0 = p.beta[0], keep7 = p.beta[7], keep9 = p.beta[9];
+    p.beta[0] = 0.0f;
+    p.beta[9] = 1.0f;
+    CHECK(lm_kda_chunk_forward(&good, &in, o, NULL) == LM_OK, "beta 0 and 1 refused: %s", lm_last_error());
+    for (size_t i = 0; i < n_v(&good); i++) CHECK(isfinite(o[i]), "o[%zu] not finite at beta 0 and 1", i);
+    p.beta[7] = 1.5f; /* B=1, T=20, H=2: flat 7 is t 3, h 1 */
+    expect_error(lm_kda_chunk_forward(&good, &in, o, NULL), LM_ERR_ARG,
+                 "beta[0,3,1] (flat index 7) = 1.5 lies outside [0, 1]", "beta 1.5");
+    p.beta[7] = -0.25f;
+    expect_error(lm_kda_recurrent_forward(&good, &in, o, NULL), LM_ERR_ARG, "= -0.25 lies outside [0, 1]",
+                 "beta -0.25");
+    p.beta[7] = nextafterf(1.0f, 2.0f);
+    expect_error(lm_kda_check(&good, &in), LM_ERR_ARG, "lies outside [0, 1]", "beta just above 1");
+    p.beta[7] = NAN;
+    expect_error(lm_kda_chunk_backward(&good, &in, d_o, NULL, &gr), LM_ERR_NUMERIC,
+                 "beta[0,3,1] (flat index 7) = nan is not finite", "beta nan");
+    p.beta[7] = INFINITY;
+    expect_error(lm_kda_chunk_forward(&good, &in, o, NULL), LM_ERR_NUMERIC, "is not finite", "beta inf");
+    p.beta[0] = keep0, p.beta[7] = keep7, p.beta[9] = keep9;
+    free(o); free(d_o); free(gbuf);
+    problem_free(&p);
+}
+
 /* ---- results do not depend on the number of threads ---- */
 
 static void test_outputs_and_gradients_are_identical_for_1_and_3_threads(void) {
@@ -667,6 +702,7 @@ int main(void) {
     RUN(test_factored_path_is_safe_exactly_when_reciprocals_fit_the_format);
     RUN(test_bounded_gate_lies_in_gmin_0_for_any_finite_input);
     RUN(test_bad_configs_are_rejected_with_clear_messages);
+    RUN(test_beta_outside_0_1_or_not_finite_is_refused_naming_the_element);
     RUN(test_outputs_and_gradients_are_identical_for_1_and_3_threads);
     return test_summary();
 }

@@ -9,7 +9,8 @@
 #include "longmoe/train.h"
 
 static const char *const train_usage =
-    "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume] [--steps N] [--seed S]\n"
+    "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
+    "                     [--steps N] [--seed S]\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -21,7 +22,11 @@ static const char *const train_usage =
     "                task (copy, mqar, passkey, vcopy, mix; docs/eval.md) or shards:DIR\n"
     "                (token shards from `longmoe data prepare`; docs/data.md)\n"
     "  --resume      continue from DIR/latest, bit-identically to an uninterrupted run, with\n"
-    "                the checkpoint's config (--config, --data and --seed are refused)\n"
+    "                the checkpoint's config (--config, --data and --seed are refused); the\n"
+    "                data's files must be the ones the checkpoint recorded (names, sizes,\n"
+    "                checksums)\n"
+    "  --accept-data-change  with --resume: continue although the data's files changed\n"
+    "                (the batches then differ from the uninterrupted run's)\n"
     "  --steps N     total steps (overrides train.steps)\n"
     "  --stop-after N  stop with a checkpoint once N steps are done (the schedule still\n"
     "                spans all steps; --resume continues)\n"
@@ -51,7 +56,7 @@ static void catch_stop_signals(void) {
 
 int cmd_train(int argc, char **argv) {
     const char *cmd = "train", *config = NULL, *out = NULL, *data = NULL;
-    int resume = 0, quiet = 0, have_seed = 0;
+    int resume = 0, quiet = 0, have_seed = 0, accept_data_change = 0;
     long steps = 0, stop_after = 0;
     double seed = 0;
     for (int i = 1; i < argc; i++) {
@@ -67,6 +72,8 @@ int cmd_train(int argc, char **argv) {
             if (!(data = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--resume")) {
             resume = 1;
+        } else if (!strcmp(a, "--accept-data-change")) {
+            accept_data_change = 1;
         } else if (!strcmp(a, "--quiet")) {
             quiet = 1;
         } else if (!strcmp(a, "--steps")) {
@@ -88,6 +95,10 @@ int cmd_train(int argc, char **argv) {
     }
     /* a resumed run is the run its checkpoint's config.json describes: what
      * would change it is refused, not ignored (--steps may extend an unstaged run) */
+    if (accept_data_change && !resume) {
+        cli_fail(cmd, "--accept-data-change is only for --resume");
+        return 2;
+    }
     if (resume && (config || data || have_seed)) {
         cli_fail(cmd, "%s cannot be given with --resume: a resumed run uses its checkpoint's config.json (start a "
                  "new run with another --out to change it)", config ? "--config" : data ? "--data" : "--seed");
@@ -95,6 +106,7 @@ int cmd_train(int argc, char **argv) {
     }
     lm_train_options opt = lm_train_options_default(out);
     opt.resume = resume;
+    opt.accept_data_change = accept_data_change;
     opt.steps = steps;
     opt.stop_after = stop_after;
     opt.progress = quiet ? NULL : stdout;

@@ -36,6 +36,23 @@ struct lm_data_source {
 lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out);
 void lm_data_close(lm_data_source *src);
 
+/* The fingerprint of one file of a data source: its name within the data's
+ * directory, its size and lm_checksum64 (include/longmoe/safetensors.h) of
+ * its whole contents. */
+typedef struct {
+    char name[64];
+    int64_t bytes;
+    uint64_t checksum;
+} lm_data_file;
+
+/* The files the data `spec` reads, each fingerprinted (one pass over each
+ * file's bytes): for "shards:DIR" its train and val shards (the training
+ * stream and its validation stream), for "shards-val:DIR" its val shards, in
+ * order. A built-in task reads no file: *n = 0 and *files = NULL (the spec
+ * itself identifies its data). *files is malloc'd (free()). A resumed run
+ * compares these with the ones its checkpoint recorded (docs/training.md). */
+lm_status lm_data_fingerprint(const char *spec, lm_data_file **files, int *n);
+
 #define LM_DATA_MAX_MIX 8
 
 /* A weighted mix of sources: batch i comes from source j with probability

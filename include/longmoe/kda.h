@@ -5,7 +5,8 @@
  *   q, k, z  [B,T,H,K]   queries, keys, raw gate input (used as given: any
  *                        normalisation of q and k happens in the layer)
  *   v        [B,T,H,V]
- *   beta     [B,T,H]     delta-rule step sizes in (0, 1)
+ *   beta     [B,T,H]     delta-rule step sizes in [0, 1] (a sigmoid; in fp32 it
+ *                        reaches 0 and 1 exactly, so the closed interval)
  *   A_log    [H]         gate scale exponent A_h (initialised to 0)
  *   dt_bias  [H*K]       gate bias per head and key channel
  *   h0, ht   [B,H,K,V]   initial / final recurrent state (optional)
@@ -77,7 +78,10 @@ typedef struct {
 /* A config with the defaults (bounded gate, g_min -5, chunk 64, auto path). */
 lm_kda_config lm_kda_config_default(int B, int T, int H, int K, int V);
 
-/* Validate shapes, chunk size, g_min and that A_log, dt_bias are finite. */
+/* Validate shapes, chunk size, g_min, that A_log, dt_bias are finite and
+ * that every beta lies in [0, 1] (one pass over beta; a non-finite one is
+ * LM_ERR_NUMERIC, a finite one outside LM_ERR_ARG, each naming the element).
+ * Every forward and backward entry point checks this. */
 lm_status lm_kda_check(const lm_kda_config *cfg, const lm_kda_inputs *in);
 
 /* The diagonal path the chunked form takes for this config. */

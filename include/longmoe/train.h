@@ -40,6 +40,11 @@ extern "C" {
 typedef struct {
     const char *out_dir;  /* run directory (created if absent) */
     int resume;           /* continue from out_dir/latest */
+    /* on resume: the data's files differ from the fingerprint the checkpoint
+     * recorded (lm_data_fingerprint); 0 refuses the run naming the first
+     * changed file, 1 says so on progress (stderr when NULL), continues and
+     * records the new fingerprint */
+    int accept_data_change;
     int64_t steps;        /* total steps of the run (0: config's train.steps); the schedule spans them */
     int64_t stop_after;   /* stop (with a checkpoint) once this many steps are done (0: at the end) */
     int val_batches;      /* batches of held-out data per evaluation */

@@ -501,3 +501,66 @@ lm_status lm_shards_prepare(const char *const *inputs, int n_inputs, const lm_to
     stats->seconds = lm_time_seconds() - t0;
     return s;
 }
+
+/* ---- fingerprints (include/longmoe/data.h) ---- */
+
+static lm_status fingerprint_file(const char *path, lm_data_file *f) {
+    const char *base = strrchr(path, '/');
+    snprintf(f->name, sizeof f->name, "%s", base ? base + 1 : path);
+    int fd;
+    int64_t size;
+    TRY(lm_open_regular(path, &fd, &size));
+    f->bytes = size;
+    if (size == 0) {
+        close(fd);
+        f->checksum = lm_checksum64("", 0);
+        return LM_OK;
+    }
+    void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int err = errno;
+    close(fd);
+    if (map == MAP_FAILED) return lm_error(LM_ERR_IO, "cannot map '%s': %s", path, strerror(err));
+    f->checksum = lm_checksum64(map, (size_t)size);
+    munmap(map, (size_t)size);
+    return LM_OK;
+}
+
+/* Append the fingerprints of the `split` shards of dir to *files (*n of them, room *cap). */
+static lm_status fingerprint_split(const char *dir, const char *split, lm_data_file **files, int *n, int *cap) {
+    char **paths;
+    int count;
+    TRY(list_split(dir, split, &paths, &count));
+    lm_status s = LM_OK;
+    if (*n + count > *cap) {
+        int want = *n + count;
+        lm_data_file *q = realloc(*files, (size_t)want * sizeof *q);
+        if (!q) s = lm_error(LM_ERR_MEMORY, "out of memory fingerprinting '%s'", dir);
+        else *files = q, *cap = want;
+    }
+    for (int i = 0; i < count && !s; i++) {
+        s = fingerprint_file(paths[i], &(*files)[*n]);
+        if (!s) (*n)++;
+    }
+    for (int i = 0; i < count; i++) free(paths[i]);
+    free(paths);
+    return s;
+}
+
+lm_status lm_data_fingerprint(const char *spec, lm_data_file **files, int *n) {
+    *files = NULL;
+    *n = 0;
+    int cap = 0;
+    lm_status s = LM_OK;
+    if (!strncmp(spec, "shards:", 7)) {
+        s = fingerprint_split(spec + 7, "train", files, n, &cap);
+        if (!s) s = fingerprint_split(spec + 7, "val", files, n, &cap);
+    } else if (!strncmp(spec, "shards-val:", 11)) {
+        s = fingerprint_split(spec + 11, "val", files, n, &cap);
+    }
+    if (s) {
+        free(*files);
+        *files = NULL;
+        *n = 0;
+    }
+    return s;
+}

@@ -191,8 +191,9 @@ static lm_status parse_stages(lm_config *c, const lm_json *v, const char *what) 
                     return lm_error(LM_ERR_ARG, "%s: train.stages[%d].seq_len must be an integer in [1, 16777216]", what, i);
                 st->seq_len = (int)m->integer;
             } else if (!strcmp(m->key, "steps")) {
-                if (!is_int || m->integer < 1)
-                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].steps must be a positive integer", what, i);
+                if (!is_int || m->integer < 1 || m->integer > (int64_t)1e15)
+                    return lm_error(LM_ERR_ARG, "%s: train.stages[%d].steps must be an integer in [1, 1e15] (as "
+                                    "train.steps)", what, i);
                 st->steps = m->integer;
             } else if (!strcmp(m->key, "batch_tokens")) {
                 if (!is_int || m->integer < 1 || m->integer > (1 << 26))
@@ -207,9 +208,15 @@ static lm_status parse_stages(lm_config *c, const lm_json *v, const char *what) 
                     return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data must be an object of 1 to %d "
                                     "\"source\": weight pairs", what, i, LM_MAX_STAGE_DATA);
                 for (const lm_json *d = m->child; d; d = d->next) {
-                    if (d->kind != LM_JSON_NUMBER || !(d->number > 0) || strlen(d->key) >= 64 || !d->key[0])
-                        return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: '%s' needs a positive weight and a "
-                                        "name under 64 bytes", what, i, d->key);
+                    if (strlen(d->key) >= 64 || !d->key[0])
+                        return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: a source name must have 1 to 63 "
+                                        "bytes", what, i);
+                    /* checked as stored (a float), so that config.json reads back */
+                    if (d->kind != LM_JSON_NUMBER || !(d->number > 0 && d->number <= 1e30 && (float)d->number > 0))
+                        return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: the weight of '%s' must be a number "
+                                        "in (0, 1e30], got %s%g", what, i, d->key,
+                                        d->kind == LM_JSON_NUMBER ? "" : "a non-number ",
+                                        d->kind == LM_JSON_NUMBER ? d->number : 0.0);
                     for (const char *q = d->key; *q; q++)
                         if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20)
                             return lm_error(LM_ERR_ARG, "%s: train.stages[%d].data: a source name needs escaping", what, i);

@@ -40,6 +40,11 @@ typedef struct {
     lm_data_mix mix;                    /* the current stage's training data */
     lm_data_source *val;                /* its validation stream (lm_eval_open_validation of the first source) */
     FILE *metrics;
+    /* the data the run reads, fingerprinted once at the start (trainer.json's "data") */
+    int n_prints;
+    char print_spec[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1][64];
+    lm_data_file *print_files[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
+    int print_n[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
 } trainer;
 
 lm_train_options lm_train_options_default(const char *out_dir) {
@@ -72,6 +77,7 @@ static void trainer_free(trainer *t) {
     free(t->tgt);
     free(t->answer);
     free(t->stats);
+    for (int i = 0; i < t->n_prints; i++) free(t->print_files[i]);
     if (t->metrics) fclose(t->metrics);
 }
 
@@ -144,6 +150,26 @@ static void close_data(trainer *t) {
 static const char *val_spec_of(const trainer *t, int i) {
     const lm_stage *st = &t->stages[i];
     return st->n_data ? st->data[0] : t->cfg.data;
+}
+
+/* Fingerprint every data spec of every stage, each once (lm_data_fingerprint:
+ * one pass over each file). */
+static lm_status fingerprint_data(trainer *t) {
+    for (int i = 0; i < t->n_stages; i++) {
+        const lm_stage *st = &t->stages[i];
+        int n = st->n_data ? st->n_data : 1;
+        for (int j = 0; j < n; j++) {
+            const char *spec = st->n_data ? st->data[j] : t->cfg.data;
+            int seen = 0;
+            for (int k = 0; k < t->n_prints && !seen; k++) seen = !strcmp(t->print_spec[k], spec);
+            if (seen) continue;
+            int k = t->n_prints;
+            snprintf(t->print_spec[k], sizeof t->print_spec[k], "%s", spec);
+            TRY(lm_data_fingerprint(spec, &t->print_files[k], &t->print_n[k]));
+            t->n_prints = k + 1;
+        }
+    }
+    return LM_OK;
 }
 
 /* Open the training mix and the validation stream of stage i. */
@@ -233,6 +259,18 @@ static lm_status check_floats(const char *file, const char *name, const float *x
 }
 
 
+/* A JSON string literal of s. */
+static void put_json_string(lm_text *t, const char *s) {
+    lm_text_puts(t, "\"");
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') lm_text_printf(t, "\\%c", c);
+        else if (c < 0x20) lm_text_printf(t, "\\u%04x", c);
+        else lm_text_put(t, s, 1);
+    }
+    lm_text_puts(t, "\"");
+}
+
 /* The files of a checkpoint into directory `tmp`. */
 static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
     char path[4200];
@@ -279,21 +317,41 @@ static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
     if (!s) s = lm_st_writer_save(w, path);
     lm_st_writer_free(w);
     if (s) return s;
-    /* trainer.json: counters */
-    char text[8192];
-    int k = snprintf(text, sizeof text,
-                     "{\"step\": %lld, \"data_position\": %lld, \"skipped\": %lld, \"muon_step\": %lld, "
-                     "\"adam_step\": %lld, \"balance\": [",
-                     (long long)t->step, (long long)t->data_pos, (long long)t->skipped, (long long)t->muon.step,
-                     (long long)t->adam.step);
-    for (int i = 0; i < t->n_moe && k < (int)sizeof text - 100; i++) {
+    /* trainer.json: counters and the data's fingerprint */
+    lm_text text = {0};
+    lm_text_printf(&text,
+                   "{\"step\": %lld, \"data_position\": %lld, \"skipped\": %lld, \"muon_step\": %lld, "
+                   "\"adam_step\": %lld, \"balance\": [",
+                   (long long)t->step, (long long)t->data_pos, (long long)t->skipped, (long long)t->muon.step,
+                   (long long)t->adam.step);
+    for (int i = 0; i < t->n_moe; i++) {
         lm_balance_state *b = lm_model_balance(t->model, i);
-        k += snprintf(text + k, sizeof text - (size_t)k, "%s{\"step\": %lld, \"interval_steps\": %d}", i ? ", " : "",
-                      (long long)b->step, b->interval_steps);
+        lm_text_printf(&text, "%s{\"step\": %lld, \"interval_steps\": %d}", i ? ", " : "", (long long)b->step,
+                       b->interval_steps);
     }
-    snprintf(text + k, sizeof text - (size_t)k, "]}\n");
+    lm_text_puts(&text, "],\n \"data\": [");
+    for (int i = 0; i < t->n_prints; i++) {
+        lm_text_printf(&text, "%s{\"spec\": ", i ? ",\n  " : "");
+        put_json_string(&text, t->print_spec[i]);
+        lm_text_puts(&text, ", \"files\": [");
+        for (int j = 0; j < t->print_n[i]; j++) {
+            const lm_data_file *f = &t->print_files[i][j];
+            lm_text_printf(&text, "%s{\"name\": ", j ? ",\n   " : "\n   ");
+            put_json_string(&text, f->name);
+            lm_text_printf(&text, ", \"bytes\": %lld, \"checksum\": \"%016llx\"}", (long long)f->bytes,
+                           (unsigned long long)f->checksum);
+        }
+        lm_text_puts(&text, "]}");
+    }
+    lm_text_puts(&text, "]}\n");
+    if (text.failed) {
+        lm_text_free(&text);
+        return lm_error(LM_ERR_MEMORY, "out of memory writing trainer.json");
+    }
     snprintf(path, sizeof path, "%s/trainer.json", tmp);
-    TRY(lm_write_text_atomic(path, text));
+    s = lm_write_text_atomic(path, text.s);
+    lm_text_free(&text);
+    if (s) return s;
     return LM_OK;
 }
 
@@ -447,6 +505,64 @@ static int64_t json_int(const lm_json *o, const char *key, int *ok) {
     return v->integer;
 }
 
+/* The data's fingerprint recorded in trainer.json (`data`, NULL in checkpoints
+ * of earlier versions: accepted unverified) against the one taken at this
+ * start. A difference is refused naming the spec and the file, unless
+ * opt.accept_data_change (then reported and the new fingerprint recorded). */
+static lm_status check_data(trainer *t, const lm_json *data, const char *path) {
+    if (!data) return LM_OK;
+    if (data->kind != LM_JSON_ARRAY) return lm_error(LM_ERR_FORMAT, "%s: 'data' is not an array", path);
+    char why[1024] = "";
+    const char *spec = NULL;
+    for (int i = 0; i < t->n_prints && !why[0]; i++) {
+        spec = t->print_spec[i];
+        const lm_json *rec = NULL;
+        for (const lm_json *e = data->child; e && !rec; e = e->next) {
+            const lm_json *sp = lm_json_get(e, "spec");
+            if (sp && sp->kind == LM_JSON_STRING && !strcmp(sp->string, spec)) rec = e;
+        }
+        const lm_json *files = rec ? lm_json_get(rec, "files") : NULL;
+        if (!files || files->kind != LM_JSON_ARRAY) {
+            snprintf(why, sizeof why, "the checkpoint records no files for it");
+            break;
+        }
+        const lm_json *e = files->child;
+        for (int j = 0; j < t->print_n[i] && !why[0]; j++, e = e ? e->next : NULL) {
+            const lm_data_file *f = &t->print_files[i][j];
+            const lm_json *nm = e ? lm_json_get(e, "name") : NULL, *by = e ? lm_json_get(e, "bytes") : NULL,
+                          *ck = e ? lm_json_get(e, "checksum") : NULL;
+            if (!e) {
+                snprintf(why, sizeof why, "file '%s' (%lld bytes) was added", f->name, (long long)f->bytes);
+            } else if (!nm || nm->kind != LM_JSON_STRING || !by || by->kind != LM_JSON_NUMBER ||
+                       !by->number_is_integer || !ck || ck->kind != LM_JSON_STRING) {
+                return lm_error(LM_ERR_FORMAT, "%s: data[\"%s\"].files[%d] lacks name, bytes or checksum", path, spec,
+                                j);
+            } else if (strcmp(nm->string, f->name)) {
+                snprintf(why, sizeof why, "file '%s' is now '%s'", nm->string, f->name);
+            } else {
+                char now[17];
+                snprintf(now, sizeof now, "%016llx", (unsigned long long)f->checksum);
+                if (by->integer != f->bytes || strcmp(ck->string, now))
+                    snprintf(why, sizeof why, "shard '%s' changed: it has %lld bytes and checksum %s, the checkpoint "
+                             "recorded %lld bytes and checksum %.16s", f->name, (long long)f->bytes, now,
+                             (long long)by->integer, ck->string);
+            }
+        }
+        if (!why[0] && e) {
+            const lm_json *nm = lm_json_get(e, "name");
+            snprintf(why, sizeof why, "file '%s' is gone", nm && nm->kind == LM_JSON_STRING ? nm->string : "?");
+        }
+    }
+    if (!why[0]) return LM_OK;
+    if (!t->opt.accept_data_change)
+        return lm_error(LM_ERR_ARG, "data '%s' differs from what the run trained on (%s): %s; restore it, or "
+                        "continue on the new data with --accept-data-change (the batches then differ from an "
+                        "uninterrupted run's)", spec, path, why);
+    fprintf(t->opt.progress ? t->opt.progress : stderr, "warning: data '%s' changed since the checkpoint: %s; "
+            "continuing on it (--accept-data-change)\n", spec, why);
+    return LM_OK;
+}
+
 static lm_status load_checkpoint(trainer *t, const char *dir) {
     char path[4200];
     TRY(load_params(t->model, dir));
@@ -483,7 +599,9 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
         b->step = json_int(e, "step", &ok);
         b->interval_steps = (int)json_int(e, "interval_steps", &ok);
     }
+    lm_status ds = ok ? check_data(t, lm_json_get(r, "data"), path) : LM_OK;
     lm_json_free(doc);
+    if (ds) return ds;
     if (!ok || t->step < 0 || t->data_pos < 0)
         return lm_error(LM_ERR_FORMAT, "%s: missing or bad counters (step, data_position, skipped, "
                         "muon_step, adam_step, balance)", path);
@@ -689,6 +807,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     t.n_stages = lm_config_stages(&t.cfg, t.stages);
     t.total_steps = lm_config_total_steps(&t.cfg);
     if ((s = trainer_setup(&t, 0))) goto done;
+    if ((s = fingerprint_data(&t))) goto done;
     lm_model_init(t.model, t.cfg.seed);
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {

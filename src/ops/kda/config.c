@@ -73,6 +73,19 @@ lm_status kda_check_inputs(const lm_kda_config *cfg, const lm_kda_inputs *in, in
         if (!isfinite(in->dt_bias[i]))
             return lm_error(LM_ERR_NUMERIC, "kda: dt_bias[%d] = %g is not finite", i,
                             (double)in->dt_bias[i]);
+    /* beta: the closed interval [0, 1] (a sigmoid in fp32 reaches 0 and 1
+     * exactly for large logits; the recurrence is defined there), one pass */
+    size_t n_beta = (size_t)cfg->B * cfg->T * cfg->H;
+    for (size_t i = 0; i < n_beta; i++) {
+        float b = in->beta[i];
+        if (!(b >= 0.0f && b <= 1.0f)) {
+            int h = (int)(i % (size_t)cfg->H), t = (int)(i / (size_t)cfg->H % (size_t)cfg->T);
+            int bb = (int)(i / ((size_t)cfg->H * cfg->T));
+            return lm_error(isfinite(b) ? LM_ERR_ARG : LM_ERR_NUMERIC,
+                            "kda: beta[%d,%d,%d] (flat index %zu) = %g %s", bb, t, h, i, (double)b,
+                            isfinite(b) ? "lies outside [0, 1]" : "is not finite");
+        }
+    }
     return LM_OK;
 }
 
