@@ -30,7 +30,7 @@
 #include "longmoe/attnres_cuda.h"
 #include "longmoe/cuda_context.h"
 
-#define TRY(call)                                                                    \
+#define MUST(call)                                                                    \
     do {                                                                             \
         if ((call) != LM_OK) dieAt("%s failed: %s", #call, lm_last_error());         \
     } while (0)
@@ -83,15 +83,15 @@ int main(int argc, char **argv) {
     }
     const int L = 2 * layers;
     lm_cuda_context ctx;
-    TRY(lm_cuda_context_create(&ctx));
+    MUST(lm_cuda_context_create(&ctx));
     cudaStream_t stream = (cudaStream_t)ctx.stream;
     lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, S, d, n, 1e-6f, 0};
     lm_attnres_memory_plan plan;
-    TRY(lm_cuda_attnres_memory(&cfg, &plan));
+    MUST(lm_cuda_attnres_memory(&cfg, &plan));
     void *ws = NULL;
     cudaCheck(cudaMalloc(&ws, plan.total));
     lm_cuda_attnres_state st;
-    TRY(lm_cuda_attnres_init(&st, &cfg, ws, plan.total));
+    MUST(lm_cuda_attnres_init(&st, &cfg, ws, plan.total));
 
     lm_rng r;
     lm_rng_seed(&r, 42);
@@ -114,21 +114,21 @@ int main(int argc, char **argv) {
     float *tf = mallocCheck((size_t)reps * 4), *tb = mallocCheck((size_t)reps * 4);
     for (int rep = -2; rep < reps; rep++) {
         cudaCheck(cudaEventRecord(e0, stream));
-        TRY(lm_cuda_attnres_begin(&ctx, &st, emb));
+        MUST(lm_cuda_attnres_begin(&ctx, &st, emb));
         for (int l = 0; l < L; l++) {
-            TRY(lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
-            TRY(lm_cuda_attnres_add_output(&ctx, &st, l, y));
+            MUST(lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
+            MUST(lm_cuda_attnres_add_output(&ctx, &st, l, y));
         }
-        TRY(lm_cuda_attnres_final(&ctx, &st, &prm, h));
+        MUST(lm_cuda_attnres_final(&ctx, &st, &prm, h));
         cudaCheck(cudaEventRecord(e1, stream));
-        TRY(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh, &g));
+        MUST(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh, &g));
         for (int l = L - 1; l >= 0; l--) {
-            TRY(lm_cuda_attnres_output_backward(&ctx, &st, l, dy));
-            TRY(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
+            MUST(lm_cuda_attnres_output_backward(&ctx, &st, l, dy));
+            MUST(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
         }
-        TRY(lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
+        MUST(lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
         cudaCheck(cudaEventRecord(e2, stream));
-        TRY(lm_cuda_context_sync(&ctx));
+        MUST(lm_cuda_context_sync(&ctx));
         if (rep >= 0) {
             cudaCheck(cudaEventElapsedTime(&tf[rep], e0, e1));
             cudaCheck(cudaEventElapsedTime(&tb[rep], e1, e2));

@@ -10,6 +10,10 @@
 
 #include "longmoe/core.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 void *lm_malloc_check(size_t size, const char *file, int line);
 void *lm_calloc_check(size_t n, size_t size, const char *file, int line);
 FILE *lm_fopen_check(const char *path, const char *mode, const char *file, int line);
@@ -41,4 +45,7 @@ void lm_die_at(const char *file, int line, const char *fmt, ...)
                             (size_t)(size));                                           \
     } while (0)
 
+#ifdef __cplusplus
+}
+#endif
 #endif

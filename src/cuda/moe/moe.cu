@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/moe/moe_internal.cuh"
+#include "check.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
 
@@ -283,11 +284,6 @@ static lm_status gemm_grouped(cudaStream_t st, lm_gemm_layout layout, const void
     return lm_moe_gemm_bf16(st, &g);
 }
 
-#define TRY(call)                  \
-    do {                           \
-        lm_status s_ = (call);     \
-        if (s_) return s_;         \
-    } while (0)
 
 static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, const lm_moe_params_bf16 *pb) {
     if (!pf || !pb) return lm_error(LM_ERR_ARG, "moe cuda: params_f32 and params_bf16 must not be NULL");
