@@ -648,6 +648,22 @@ def cmd_check(args):
 
 
 def cmd_bench(args):
+    """bench_steps, with an out-of-memory recorded as a result."""
+    try:
+        return bench_steps(args)
+    except torch.cuda.OutOfMemoryError:
+        B, T = parse_shape(args.shape)
+        res = {"config": args.config, "B": B, "T": T, "kda": args.kda, "compile": args.compile,
+               "recompute": args.recompute, "experts": args.experts, "optimizer": args.optimizer,
+               "error": "out of memory"}
+        print(json.dumps(res))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(res) + "\n")
+        return 1
+
+
+def bench_steps(args):
     cfg = Config(args.config)
     dev = torch.device(args.device)
     model = Model(cfg, args.kda).to(dev)
@@ -660,7 +676,13 @@ def cmd_bench(args):
     B, T = parse_shape(args.shape)
     V = cfg.model_vocab_size
     fused = dev.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    opt = None
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+
+    def opt_zero():
+        for p in model.parameters():
+            p.grad = None
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not args.fp32)
     loss_fn = torch.compile(model.loss) if args.compile else model.loss
     moes = [mod for mod in model.modules() if isinstance(mod, MoE)]
@@ -671,8 +693,9 @@ def cmd_bench(args):
         with amp:
             loss = loss_fn(tok[:, :-1], tok[:, 1:])
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt is not None:
+            opt.step()
+        opt_zero()
         if cfg.moe_balance == "quantile":
             for mod in moes:
                 quantile_balance(mod)
@@ -692,7 +715,7 @@ def cmd_bench(args):
     flops_tok, n_active = training_flops_per_token(model, T)
     toks = B * T / dt
     res = {"config": args.config, "B": B, "T": T, "kda": args.kda, "compile": args.compile,
-           "recompute": args.recompute, "experts": args.experts, "device": torch.cuda.get_device_name() if
+           "recompute": args.recompute, "experts": args.experts, "optimizer": args.optimizer, "device": torch.cuda.get_device_name() if
            dev.type == "cuda" else "cpu", "torch": torch.__version__, "step_s": dt, "tokens_per_s": toks,
            "n_active": n_active, "flops_per_token": flops_tok, "mfu": toks * flops_tok / H200_BF16_FLOPS,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if dev.type == "cuda" else None,
@@ -702,6 +725,30 @@ def cmd_bench(args):
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
+    return 0
+
+
+def cmd_compare(args):
+    """Table of bench_cuda_model results (--ours) and peer results (--peer), same
+    config and shape; every MFU with the peer's FLOPs per token."""
+    load = lambda paths: [json.load(open(p)) for p in paths if os.path.exists(p)]
+    ours, peers = load(args.ours), load(args.peer)
+    print("| shape | who | variant | tokens/s | MFU | peak GiB | longmoe / this |")
+    print("|---|---|---|---|---|---|---|")
+    for o in ours:
+        same = [p for p in peers if (p["B"], p["T"]) == (o["B"], o["T"])]
+        fpt = same[0]["flops_per_token"] if same else None
+        mfu = f"{100 * o['tokens_per_s'] * fpt / H200_BF16_FLOPS:.1f}%" if fpt else "-"
+        print(f"| {o['B']}x{o['T']} | longmoe | recompute {o['recompute']} | {o['tokens_per_s']:.0f} | {mfu} | "
+              f"{o['device_gib']:.1f} (in use) | 1 |")
+        for p in same:
+            var = (f"kda {p['kda']}, {'compiled' if p['compile'] else 'eager'}, "
+                   f"recompute {int(p['recompute'])}, experts {p['experts']}, optimizer {p['optimizer']}")
+            if p.get("error"):
+                print(f"| {o['B']}x{o['T']} | peer | {var} | - | - | - | {p['error']} |")
+                continue
+            print(f"| {o['B']}x{o['T']} | peer | {var} | {p['tokens_per_s']:.0f} | {100 * p['mfu']:.1f}% | "
+                  f"{p['peak_mem_gib'] or 0:.1f} | {o['tokens_per_s'] / p['tokens_per_s']:.2f} |")
     return 0
 
 
@@ -724,6 +771,8 @@ def main():
     b.add_argument("--experts", choices=["grouped", "loop"], default="grouped")
     b.add_argument("--compile", action="store_true")
     b.add_argument("--recompute", action="store_true", help="activation checkpointing per sublayer")
+    b.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
+                   help="none: forward + backward only (as bench_cuda_model times longmoe)")
     b.add_argument("--fp32", action="store_true", help="no bf16 autocast (CPU runs)")
     b.add_argument("--ce-chunk", type=int, default=8192, help="rows of logits at a time")
     b.add_argument("--steps", type=int, default=10)
@@ -732,8 +781,11 @@ def main():
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--out")
+    cp = sub.add_parser("compare", help="table of longmoe and peer bench JSON files")
+    cp.add_argument("--ours", nargs="*", default=[], help="bench_cuda_model --out files")
+    cp.add_argument("--peer", nargs="*", default=[], help="model_vs_torch.py bench --out files")
     args = ap.parse_args()
-    return cmd_check(args) if args.mode == "check" else cmd_bench(args)
+    return {"check": cmd_check, "bench": cmd_bench, "compare": cmd_compare}[args.mode](args)
 
 
 if __name__ == "__main__":
