@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: longmoe (bench_cuda_model) and
+# its PyTorch + fla-core peer (bench/model_vs_torch.py) on the same GPU, config
+# and shapes, in one run; then the table (docs/peer.md). Logs and JSON go to
+# $OUT (default ./out).
+#
+#   bench/peer_device.sh [build] [check] [bench] [table]   (default: all four)
+#   CONFIG=configs/k3-mini.json  SHAPES="8,4096 1,32768"  VARIANTS="eager compile compile-recompute"
+#   PEER_STEPS=10 (timed steps after 3 warm-ups), PEER_TIMEOUT=420 (seconds per peer run)
+# fla-core (and einops, if the image lacks it) come from wheels in .whl/
+# (pip download --no-deps fla-core==0.6.0 einops), installed with --no-index.
+set -uo pipefail
+OUT=${OUT:-out}
+BUILD=${BUILD:-build-cuda}
+CONFIG=${CONFIG:-configs/k3-mini.json}
+SHAPES=${SHAPES:-8,4096 1,32768}
+VARIANTS=${VARIANTS:-eager compile compile-recompute}
+mkdir -p "$OUT"
+steps=${*:-build check bench table}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__version__)" 2>&1 | tee "$OUT/peer_versions.txt"
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 500 cmake --build "$BUILD" -j "$(nproc)" --target longmoe bench_checkpoint_loss bench_cuda_model \
+            >>"$OUT/build.log" 2>&1 || { echo "build failed"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+fi
+
+if has check; then
+    # the same weights in both: a short CPU run of longmoe on the tiny preset (KDA head dim 32,
+    # chunk 64: fla accepts it), then the peer's loss with fla's chunk_kda on the GPU (fp32 inputs)
+    echo "== check: the peer's loss with fla on the GPU = longmoe's (CPU, fp32)"
+    python3 - <<'PY'
+import json
+c = json.load(open("configs/tiny.json"))
+c["train"].pop("stages")
+c["train"].update(seq_len=128, batch_size=8, steps=30, ckpt_every=30, log_every=10, data="copy")
+json.dump(c, open("/tmp/peer-tiny.json", "w"))
+PY
+    rm -rf /tmp/peer-tiny-run
+    "$BUILD/longmoe" train --quiet --config /tmp/peer-tiny.json --out /tmp/peer-tiny-run >"$OUT/peer_train.log" 2>&1
+    for kda in naive fla; do
+        python3 bench/model_vs_torch.py check --checkpoint /tmp/peer-tiny-run --kda "$kda" --device cuda \
+            --batch 2,256 --tol 1e-3 --longmoe "$BUILD/bench_checkpoint_loss" 2>&1 | tee -a "$OUT/peer_check.log"
+        [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+    done
+fi
+
+if has bench; then
+    for shape in $SHAPES; do
+        B=${shape%,*}; T=${shape#*,}
+        echo "== longmoe $CONFIG ${B}x${T}"
+        timeout 400 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch "$B" --seq "$T" --reps 5 \
+            --out "$OUT/ours_${B}x${T}.json" 2>&1 | tee "$OUT/ours_${B}x${T}.log"
+        for v in $VARIANTS; do
+            flags=()
+            [[ $v == compile* ]] && flags+=(--compile)
+            [[ $v == *recompute ]] && flags+=(--recompute)
+            echo "== peer $v ${B}x${T}"
+            PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-420}" python3 bench/model_vs_torch.py bench --config "$CONFIG" \
+                --shape "$shape" --kda fla --experts grouped --optimizer none --steps "${PEER_STEPS:-10}" \
+                "${flags[@]}" --out "$OUT/peer_${B}x${T}_$v.json" 2>&1 | tail -20 | tee "$OUT/peer_${B}x${T}_$v.log"
+        done
+    done
+fi
+
+if has table; then
+    python3 bench/model_vs_torch.py compare --ours "$OUT"/ours_*.json --peer "$OUT"/peer_*.json | tee "$OUT/peer_table.md"
+fi
+exit $status
