@@ -371,54 +371,19 @@ static lm_status evaluate(rl_run *r, const char *phase, double *success) {
 
 /* ---- checkpoints ---- */
 
-static lm_status add_balance(lm_st_writer *w, lm_model *m) {
-    for (int i = 0; i < lm_model_num_moe_layers(m); i++) {
-        lm_balance_state *b = lm_model_balance(m, i);
-        int l = lm_model_moe_layer_index(m, i);
-        int64_t n[1] = {b->cfg.n_experts};
-        char name[96];
-        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
-        TRY(lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->bias));
-        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
-        TRY(lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->halfwidth));
-        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
-        TRY(lm_st_writer_add(w, name, LM_DTYPE_I32, 1, n, b->last_load));
-        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
-        TRY(lm_st_writer_add(w, name, LM_DTYPE_I64, 1, n, b->interval_load));
-    }
-    return LM_OK;
-}
-
 static lm_status write_files(rl_run *r, const char *tmp, long long metrics_bytes) {
     char path[4300];
     lm_status s = LM_OK;
-    /* model.safetensors: every parameter by name (the trainer's layout) */
-    lm_st_writer *w = lm_st_writer_new();
-    if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
-    float *params = lm_model_params(r->m);
-    for (int i = 0; i < lm_model_num_tensors(r->m) && !s; i++) {
-        const lm_model_tensor *mt = lm_model_tensor_at(r->m, i);
-        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, params + mt->offset);
-    }
-    if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
-    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    if (!s) s = lm_st_writer_save(w, path);
-    lm_st_writer_free(w);
-    if (s) return s;
-    char *json = lm_config_to_json(&r->cfg);
-    if (!json) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
-    snprintf(path, sizeof path, "%s/config.json", tmp);
-    s = lm_write_text_atomic(path, json);
-    free(json);
-    if (s) return s;
+    /* model.safetensors and config.json: the trainer's writer */
+    if ((s = lm_checkpoint_write_model(r->m, &r->cfg, tmp))) return s;
     /* trainer.safetensors: optimizer moments, balancing state, the reference */
-    w = lm_st_writer_new();
+    lm_st_writer *w = lm_st_writer_new();
     if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
     int64_t n_m[1] = {(int64_t)r->muon_state_n}, n_a[1] = {(int64_t)r->adam_state_n};
     int64_t n_p[1] = {(int64_t)lm_model_num_params(r->m)};
     s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, r->muon_state);
     if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, r->adam_state);
-    if (!s) s = add_balance(w, r->m);
+    if (!s) s = lm_checkpoint_add_balance(w, r->m);
     if (!s && r->ref && r->step > r->rc.warm_steps)
         s = lm_st_writer_add(w, "rl.reference", LM_DTYPE_F32, 1, n_p, lm_model_params(r->ref));
     snprintf(path, sizeof path, "%s/trainer.safetensors", tmp);

@@ -229,3 +229,45 @@ lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n) {
         return lm_error(LM_ERR_IO, "cannot move '%s' back to '%s': %s", old, dir, strerror(errno));
     return LM_OK;
 }
+
+lm_status lm_checkpoint_write_model(lm_model *m, const lm_config *cfg, const char *dir) {
+    char path[4300];
+    lm_status s = LM_OK;
+    lm_st_writer *w = lm_st_writer_new();
+    if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
+    float *params = lm_model_params(m);
+    for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(m, i);
+        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, params + mt->offset);
+    }
+    if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (!s) s = lm_st_writer_save(w, path);
+    lm_st_writer_free(w);
+    if (s) return s;
+    char *json = lm_config_to_json(cfg);
+    if (!json) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    s = lm_write_text_atomic(path, json);
+    free(json);
+    return s;
+}
+
+lm_status lm_checkpoint_add_balance(lm_st_writer *w, lm_model *m) {
+    for (int i = 0; i < lm_model_num_moe_layers(m); i++) {
+        lm_balance_state *b = lm_model_balance(m, i);
+        int l = lm_model_moe_layer_index(m, i);
+        int64_t n[1] = {b->cfg.n_experts};
+        char name[96];
+        lm_status s;
+        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
+        if ((s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->bias))) return s;
+        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
+        if ((s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->halfwidth))) return s;
+        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
+        if ((s = lm_st_writer_add(w, name, LM_DTYPE_I32, 1, n, b->last_load))) return s;
+        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
+        if ((s = lm_st_writer_add(w, name, LM_DTYPE_I64, 1, n, b->interval_load))) return s;
+    }
+    return LM_OK;
+}

@@ -5,9 +5,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "longmoe/config.h"
 #include "longmoe/core.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
 
 lm_status lm_write_text_atomic(const char *path, const char *text);
+/* A checkpoint's model files into `dir`: model.safetensors (every parameter by
+ * name, from the host parameters) and config.json. The one writer of both. */
+lm_status lm_checkpoint_write_model(lm_model *m, const lm_config *cfg, const char *dir);
+/* Add every MoE layer's balancing state to a trainer-state writer:
+ * layers.<l>.moe.bias, .halfwidth, .last_load, .interval_load. */
+lm_status lm_checkpoint_add_balance(lm_st_writer *w, lm_model *m);
 lm_status lm_ensure_dir(const char *dir); /* mkdir -p */
 /* Create run_dir/checkpoint-<step>.tmp (removing a torn one); its path goes to tmp_dir. */
 lm_status lm_checkpoint_begin(const char *run_dir, int64_t step, char *tmp_dir, size_t n);

@@ -275,44 +275,14 @@ static void put_json_string(lm_text *t, const char *s) {
 static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
     char path[4200];
     lm_status s = LM_OK;
-    /* model.safetensors: every parameter by name */
-    lm_st_writer *w = lm_st_writer_new();
-    float *params = lm_model_params(t->model);
-    for (int i = 0; i < lm_model_num_tensors(t->model) && !s; i++) {
-        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, params + mt->offset);
-    }
-    if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
-    snprintf(path, sizeof path, "%s/model.safetensors", tmp);
-    if (!s) s = lm_st_writer_save(w, path);
-    lm_st_writer_free(w);
-    if (s) return s;
-    /* config.json */
-    char *json = lm_config_to_json(&t->cfg);
-    if (!json) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
-    snprintf(path, sizeof path, "%s/config.json", tmp);
-    s = lm_write_text_atomic(path, json);
-    free(json);
-    if (s) return s;
+    /* model.safetensors and config.json */
+    if ((s = lm_checkpoint_write_model(t->model, &t->cfg, tmp))) return s;
     /* trainer.safetensors: optimizer moments and balancing state */
-    w = lm_st_writer_new();
+    lm_st_writer *w = lm_st_writer_new();
     int64_t n_m[1] = {(int64_t)t->muon_state_n}, n_a[1] = {(int64_t)t->adam_state_n};
     s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, t->muon_state);
     if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, t->adam_state);
-    for (int i = 0; i < t->n_moe && !s; i++) {
-        lm_balance_state *b = lm_model_balance(t->model, i);
-        int l = lm_model_moe_layer_index(t->model, i);
-        int64_t n[1] = {b->cfg.n_experts};
-        char name[96];
-        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
-        s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->bias);
-        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
-        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->halfwidth);
-        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
-        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_I32, 1, n, b->last_load);
-        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
-        if (!s) s = lm_st_writer_add(w, name, LM_DTYPE_I64, 1, n, b->interval_load);
-    }
+    if (!s) s = lm_checkpoint_add_balance(w, t->model);
     snprintf(path, sizeof path, "%s/trainer.safetensors", tmp);
     if (!s) s = lm_st_writer_save(w, path);
     lm_st_writer_free(w);
