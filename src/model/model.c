@@ -832,13 +832,10 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "token log-probabilities need a forward with targets first");
     if (!logp) return lm_error(LM_ERR_ARG, "logp is NULL");
     if (m->be->device != LM_DEVICE_CPU) {
-        /* both rows come back to the host: logp first holds the target logits */
+        /* both rows come back to the host in one copy each (hn_host holds N*d >= N floats) */
         TRY(m->be->download(m->be, logp, m->target_logit, (size_t)m->N * sizeof(float)));
-        for (int64_t i = 0; i < m->N; i++) {
-            float lse;
-            TRY(m->be->download(m->be, &lse, m->lse_rows + i, sizeof lse));
-            logp[i] -= lse;
-        }
+        TRY(m->be->download(m->be, m->hn_host, m->lse_rows, (size_t)m->N * sizeof(float)));
+        for (int64_t i = 0; i < m->N; i++) logp[i] -= m->hn_host[i];
         return LM_OK;
     }
     for (int64_t i = 0; i < m->N; i++) logp[i] = m->target_logit[i] - m->lse_rows[i];

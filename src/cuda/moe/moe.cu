@@ -101,17 +101,21 @@ extern "C" size_t lm_cuda_moe_scratch_bytes(const lm_moe_config *cfg, int64_t m_
     return scratch_layout(&s, cfg, m_max, NULL);
 }
 
+/* The block checks both carvings make (after check_capacity) before laying it out. */
+static lm_status check_block(const void *block, size_t bytes, size_t need, const char *what) {
+    if (!block || ((uintptr_t)block % ALIGN_BYTES))
+        return lm_error(LM_ERR_ARG, "moe cuda: %s block must be a %d-byte aligned device pointer", what, ALIGN_BYTES);
+    if (bytes < need) return lm_error(LM_ERR_ARG, "moe cuda: %s block of %zu bytes, need %zu", what, bytes, need);
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_moe_acts_carve(lm_cuda_moe_acts *acts, const lm_moe_config *cfg, int64_t m_max,
                                             void *block, size_t bytes) {
     if (!acts || !cfg) return lm_error(LM_ERR_ARG, "moe cuda: acts and cfg must not be NULL");
     memset(acts, 0, sizeof *acts);
     lm_status st = check_capacity(cfg, m_max);
+    if (!st) st = check_block(block, bytes, acts_layout(acts, cfg, m_max, NULL), "acts");
     if (st) return st;
-    if (!block || ((uintptr_t)block % ALIGN_BYTES))
-        return lm_error(LM_ERR_ARG, "moe cuda: acts block must be a %d-byte aligned device pointer", ALIGN_BYTES);
-    size_t need = acts_layout(acts, cfg, m_max, NULL);
-    if (bytes < need)
-        return lm_error(LM_ERR_ARG, "moe cuda: acts block of %zu bytes, need %zu", bytes, need);
     acts_layout(acts, cfg, m_max, (char *)block);
     acts->m_max = m_max;
     acts->rows_max = rows_capacity(cfg, m_max);
@@ -123,12 +127,8 @@ extern "C" lm_status lm_cuda_moe_scratch_carve(lm_cuda_moe_scratch *scratch, con
     if (!scratch || !cfg) return lm_error(LM_ERR_ARG, "moe cuda: scratch and cfg must not be NULL");
     memset(scratch, 0, sizeof *scratch);
     lm_status st = check_capacity(cfg, m_max);
+    if (!st) st = check_block(block, bytes, scratch_layout(scratch, cfg, m_max, NULL), "scratch");
     if (st) return st;
-    if (!block || ((uintptr_t)block % ALIGN_BYTES))
-        return lm_error(LM_ERR_ARG, "moe cuda: scratch block must be a %d-byte aligned device pointer", ALIGN_BYTES);
-    size_t need = scratch_layout(scratch, cfg, m_max, NULL);
-    if (bytes < need)
-        return lm_error(LM_ERR_ARG, "moe cuda: scratch block of %zu bytes, need %zu", bytes, need);
     scratch_layout(scratch, cfg, m_max, (char *)block);
     scratch->m_max = m_max;
     scratch->rows_max = rows_capacity(cfg, m_max);
