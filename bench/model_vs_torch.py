@@ -752,6 +752,19 @@ def cmd_compare(args):
     return 0
 
 
+def shorten_autotuning(warmup_ms, rep_ms):
+    """Triton's autotuner times each candidate with triton.testing.do_bench
+    (looked up when it benchmarks): give it a shorter budget."""
+    import triton.testing
+
+    full = triton.testing.do_bench
+
+    def do_bench(fn, warmup=25, rep=100, *args, **kwargs):
+        return full(fn, warmup_ms, rep_ms, *args, **kwargs)
+
+    triton.testing.do_bench = do_bench
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -780,11 +793,20 @@ def main():
     b.add_argument("--lr", type=float, default=3e-4)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--autotune-ms", help="W,R: Triton autotuning warm-up and timing budget per candidate (ms)")
     b.add_argument("--out")
     cp = sub.add_parser("compare", help="table of longmoe and peer bench JSON files")
     cp.add_argument("--ours", nargs="*", default=[], help="bench_cuda_model --out files")
     cp.add_argument("--peer", nargs="*", default=[], help="model_vs_torch.py bench --out files")
     args = ap.parse_args()
+    if getattr(args, "autotune_ms", None):
+        try:
+            w, r = (int(x) for x in args.autotune_ms.split(","))
+            if w < 1 or r < 1:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--autotune-ms wants two positive integers W,R (got {args.autotune_ms!r})")
+        shorten_autotuning(w, r)
     return {"check": cmd_check, "bench": cmd_bench, "compare": cmd_compare}[args.mode](args)
 
 

@@ -7,6 +7,7 @@
 #   bench/peer_device.sh [build] [check] [bench] [table]   (default: all four)
 #   CONFIG=configs/k3-mini.json  SHAPES="8,4096 1,32768"  VARIANTS="eager compile compile-recompute"
 #   PEER_STEPS=10 (timed steps after 3 warm-ups), PEER_TIMEOUT=420 (seconds per peer run)
+#   PEER_OPTIMIZER=none|adamw, FLA_AUTOTUNE_MS=W,R (shorter Triton autotuning for fla)
 # fla-core (and einops, if the image lacks it) come from wheels in .whl/
 # (pip download --no-deps fla-core==0.6.0 einops), installed with --no-index.
 set -uo pipefail
@@ -66,7 +67,8 @@ if has bench; then
             [[ $v == *recompute ]] && flags+=(--recompute)
             echo "== peer $v ${B}x${T}"
             PYTHONUNBUFFERED=1 timeout "${PEER_TIMEOUT:-420}" python3 bench/model_vs_torch.py bench --config "$CONFIG" \
-                --shape "$shape" --kda fla --experts grouped --optimizer none --steps "${PEER_STEPS:-10}" \
+                --shape "$shape" --kda fla --experts grouped --optimizer "${PEER_OPTIMIZER:-none}" --steps "${PEER_STEPS:-10}" \
+                ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} \
                 "${flags[@]}" --out "$OUT/peer_${B}x${T}_$v.json" 2>&1 | tail -20 | tee "$OUT/peer_${B}x${T}_$v.log"
         done
     done
