@@ -702,9 +702,12 @@ def bench_steps(args):
         return loss
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    for _ in range(args.warmup):
+    t_start = time.perf_counter()
+    for i in range(args.warmup):
         step()
-    sync()
+        sync()
+        # the first steps compile (Triton autotuning, torch.compile): say how long each took
+        print(f"warm-up step {i + 1}/{args.warmup}: {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
