@@ -26,6 +26,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# fla's Triton autotuning compiles every candidate (about 200 s at k3-mini 8x4096 the first time):
+# keep compiled kernels and the chosen configs in one cache, so only the first peer run pays it
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/longmoe-triton-cache} TRITON_CACHE_AUTOTUNING=1
 python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__version__)" 2>&1 | tee "$OUT/peer_versions.txt"
 
 if has build; then
