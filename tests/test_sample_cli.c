@@ -9,6 +9,7 @@
 
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/shards.h"
 #include "longmoe/tokenizer.h"
 #include "longmoe/train.h"
 #include "test.h"
@@ -202,11 +203,56 @@ static void test_tokenizer(void) {
     lm_tokenizer_free(tk);
 }
 
+/* A tokenizer other than the one the training data was prepared with is
+ * refused, naming both; the right one is accepted, and a vocabulary smaller
+ * than the model's is stated (its extra ids are never drawn). */
+static void test_tokenizer_of_the_training_data(void) {
+    char text[2][4096];
+    const char *base[2] = {"the cat sat on the mat and the dog sat on the log. ", "seven quick zebras jump over lazy wolves. "};
+    for (int d = 0; d < 2; d++) {
+        text[d][0] = 0;
+        while (strlen(text[d]) + strlen(base[d]) < sizeof text[d]) strcat(text[d], base[d]);
+    }
+    lm_tokenizer *tk[2] = {NULL, NULL};
+    for (int d = 0; d < 2; d++) {
+        const void *texts[1] = {text[d]};
+        size_t lens[1] = {strlen(text[d])};
+        CHECK(!lm_tokenizer_train(texts, lens, 1, 270, 1, &tk[d]), "%s", lm_last_error());
+    }
+    if (!tk[0] || !tk[1]) return;
+    CHECK(!lm_tokenizer_save(tk[0], path_in("data_tok.json")) && !lm_tokenizer_save(tk[1], path_in("other_tok.json")),
+          "%s", lm_last_error());
+    FILE *f = fopen(path_in("doc.txt"), "w");
+    CHECK(f != NULL, "doc.txt");
+    if (!f) return;
+    fputs(text[0], f);
+    fclose(f);
+    const char *inputs[1] = {path_in("doc.txt")};
+    lm_prepare_stats st;
+    CHECK(!lm_shards_prepare(inputs, 1, tk[0], path_in("shards"), 4000, 0.1, &st), "%s", lm_last_error());
+    lm_config c = micro(300);
+    snprintf(c.data, sizeof c.data, "shards:%s", path_in("shards"));
+    CHECK(strlen(path_in("shards")) + 7 < sizeof c.data, "the temporary path is too long for a data spec");
+    if (!train(&c, path_in("runshards"))) return;
+    char args[1200];
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt 'the cat' --max-tokens 4 --tokenizer %s",
+             path_in("runshards"), path_in("other_tok.json"));
+    CHECK(run_cli(args, NULL, 0) == 1 && stderr_has("is not the one the checkpoint's training data") &&
+              stderr_has("other_tok.json") && stderr_has("shards/tokenizer.json"),
+          "another tokenizer was accepted");
+    snprintf(args, sizeof args, "sample --checkpoint %s --prompt 'the cat' --max-tokens 4 --tokenizer %s",
+             path_in("runshards"), path_in("data_tok.json"));
+    CHECK(run_cli(args, NULL, 0) == 0 && stderr_has("are never drawn"), "the data's tokenizer: exit or note");
+    lm_tokenizer_free(tk[0]);
+    lm_tokenizer_free(tk[1]);
+}
+
 int main(void) {
     if (test_make_tmpdir(root, sizeof root, "sample")) return 1;
     RUN(test_greedy_equals_library_and_run_dir_resolves);
     RUN(test_errors_are_clear);
     RUN(test_tokenizer);
+    RUN(test_tokenizer_of_the_training_data);
     test_remove_tree(root);
     return test_summary();
 }

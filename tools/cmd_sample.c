@@ -31,12 +31,57 @@ static const char *const sample_usage =
     "                   (0 < P <= 1, default 1: all)\n"
     "  --seed S         seed of the sampler (default 1); the same seed gives the same text\n"
     "  --tokenizer F    the byte-level BPE tokenizer (`longmoe tokenizer train`) of the model's\n"
-    "                   training data; generation stops at its end-of-text token\n"
+    "                   training data; generation stops at its end-of-text token. A tokenizer\n"
+    "                   other than the one in the training data's shards directory (when it is\n"
+    "                   still there) is refused; ids beyond a smaller tokenizer are never drawn\n"
     "  --quiet          no statistics line on stderr\n";
 
 static int is_file(const char *path) {
     struct stat sb;
     return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+/* 1 when a and b are the same tokenizer: the same merges in the same order. */
+static int same_tokenizer(const lm_tokenizer *a, const lm_tokenizer *b) {
+    int V = lm_tokenizer_vocab_size(a);
+    if (V != lm_tokenizer_vocab_size(b)) return 0;
+    for (int k = 0; k + 257 < V; k++) {
+        int32_t al, ar, bl, br;
+        if (lm_tokenizer_merge(a, k, &al, &ar) || lm_tokenizer_merge(b, k, &bl, &br) || al != bl || ar != br) return 0;
+    }
+    return 1;
+}
+
+/* The tokenizer the checkpoint's training data was prepared with (tokenizer.json
+ * of every shards directory its stages read, where that directory is still
+ * there) must be `tok`: a mismatch is refused, naming both files. */
+static int check_data_tokenizer(const char *cmd, const lm_config *cfg, const lm_tokenizer *tok, const char *tok_path) {
+    lm_stage st[LM_MAX_STAGES];
+    int n = lm_config_stages(cfg, st);
+    for (int i = 0; i < n; i++) {
+        int nd = st[i].n_data ? st[i].n_data : 1;
+        for (int j = 0; j < nd; j++) {
+            const char *spec = st[i].n_data ? st[i].data[j] : cfg->data;
+            const char *dir = !strncmp(spec, "shards:", 7)       ? spec + 7
+                              : !strncmp(spec, "shards-val:", 11) ? spec + 11
+                                                                  : NULL;
+            if (!dir) continue;
+            char path[200];
+            snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+            struct stat sb;
+            if (stat(path, &sb) != 0) continue; /* the data is gone: nothing to compare with */
+            lm_tokenizer *data_tok = NULL;
+            if (lm_tokenizer_load(path, &data_tok)) return cli_fail(cmd, "%s", lm_last_error());
+            int same = same_tokenizer(tok, data_tok);
+            int dv = lm_tokenizer_vocab_size(data_tok);
+            lm_tokenizer_free(data_tok);
+            if (!same)
+                return cli_fail(cmd, "the tokenizer %s (%d ids) is not the one the checkpoint's training data %s was "
+                                "prepared with (%s, %d ids): pass --tokenizer %s",
+                                tok_path, lm_tokenizer_vocab_size(tok), spec, path, dv, path);
+        }
+    }
+    return 0;
 }
 
 /* DIR itself when it holds model.safetensors, else DIR/<the name in DIR/latest>. */
@@ -128,6 +173,15 @@ int cmd_sample(int argc, char **argv) {
             return cli_fail(cmd, "the tokenizer %s has %d ids but the checkpoint's vocabulary has only %d", tok_path,
                             tok_vocab, cfg.vocab_size);
         }
+        if (check_data_tokenizer(cmd, &cfg, tok, tok_path)) {
+            lm_tokenizer_free(tok);
+            return 1;
+        }
+        if (tok_vocab < cfg.vocab_size)
+            fprintf(stderr,
+                    "longmoe %s: note: the tokenizer %s has %d ids and the checkpoint's vocabulary %d: ids %d..%d have no "
+                    "bytes and are never drawn\n",
+                    cmd, tok_path, tok_vocab, cfg.vocab_size, tok_vocab, cfg.vocab_size - 1);
         if (lm_tokenizer_encode(tok, prompt, n_prompt, &ids, &n_prompt)) {
             lm_tokenizer_free(tok);
             return cli_fail(cmd, "%s", lm_last_error());
