@@ -55,6 +55,8 @@ static const char *in_root(const char *name) { return test_path(root, name); }
 static pid_t start_train(const char *run, const char *device, int resume, int stop_after) {
     char stop[32];
     snprintf(stop, sizeof stop, "%d", stop_after);
+    fflush(stdout); /* the child's freopen would write the parent's buffered lines again */
+    fflush(stderr);
     pid_t pid = fork();
     if (pid == 0) {
         FILE *log = freopen(in_root("run.log"), "ab", stdout);
