@@ -7,11 +7,16 @@
 #
 #   bench/train_device.sh [build] [test] [train]     (default: all three)
 #
-#   STEPS        steps of the timed run (default 30)
-#   PRESET       the config trained (default configs/k3-mini.json); its first stage only
-#                (or its train.steps when it has no stages), cut to STEPS steps
-#   BATCH_TOKENS tokens per micro-batch of that stage (default: its sequence length, one
-#                sequence per step; k3-mini's own 1M would not fit one GPU's activations)
+#   STEPS        steps of the timed run (default 100)
+#   PRESET       the config trained (default configs/small.json); its first stage only
+#                (or its train.steps when it has no stages), cut to STEPS steps. A KDA head
+#                dimension the CUDA kernels do not take (small's 32) becomes 64 with half
+#                the heads (the same width), and the script says so
+#   BATCH_TOKENS tokens per micro-batch (default: the preset's for an unstaged one; for a
+#                staged one its first stage's sequence length, one sequence per step:
+#                k3-mini's own 1M tokens would not fit one GPU's activations). With
+#                PRESET=configs/k3-mini.json expect the host optimizer (Muon on 1.75B
+#                parameters) to take most of each step
 #   DATA         data of the run (default copy, a built-in task: the machine need not hold
 #                token shards; empty: the preset's own)
 #   LOG_EVERY    steps between progress lines (default 5)
@@ -23,8 +28,8 @@ set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
 JOBS=${JOBS:-$(nproc)}
-STEPS=${STEPS:-30}
-PRESET=${PRESET:-configs/k3-mini.json}
+STEPS=${STEPS:-100}
+PRESET=${PRESET:-configs/small.json}
 BATCH_TOKENS=${BATCH_TOKENS:-}
 DATA=${DATA-copy}
 LOG_EVERY=${LOG_EVERY:-5}
@@ -58,6 +63,11 @@ if has train; then
 import json, sys
 src, dst, steps, log_every, data, batch_tokens = sys.argv[1:7]
 c = json.load(open(src))
+k = c.setdefault("kda", {})
+hd, heads = k.get("head_dim", 32), k.get("heads", 2)
+if hd not in (64, 128):
+    k["head_dim"], k["heads"] = 64, max(1, heads * hd // 64)
+    print("kda: %d heads of %d -> %d heads of 64 (the CUDA KDA kernels take 64 and 128)" % (heads, hd, k["heads"]))
 t = c.setdefault("train", {})
 stages = t.get("stages")
 if stages:
@@ -66,6 +76,7 @@ if stages:
     s["batch_tokens"] = int(batch_tokens) if batch_tokens else s["seq_len"]
     if data:
         s["data"] = {data: 1}
+        t["data"] = data
     t["stages"] = [s]
 else:
     t["steps"] = int(steps)
@@ -77,6 +88,7 @@ t["log_every"] = int(log_every)
 t["eval_every"] = 0
 t["ckpt_every"] = 0
 c["comment"] = "bench/train_device.sh: %s cut to %s steps" % (src, steps)
+print("training %s: %s" % (dst, json.dumps(t)))
 json.dump(c, open(dst, "w"), indent=1)
 EOF
     [ $? -ne 0 ] && { echo "cannot derive the config from $PRESET"; exit 1; }
