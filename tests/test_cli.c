@@ -1,6 +1,9 @@
 /* The CLI end to end: `longmoe op kda` reads named tensors, runs the operator
  * and writes its outputs; bad files and flags give a clear message and a
- * non-zero exit code, and leave no output file behind. */
+ * non-zero exit code, and leave no output file behind. `longmoe train
+ * --device` refuses a bad value, a config the GPU kernels do not run and a
+ * machine without a GPU (or a build without CUDA) clearly, before writing a
+ * run. */
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -151,11 +154,82 @@ static void test_bad_inputs_and_flags_fail_clearly_and_write_nothing(void) {
     CHECK(run_cli("op kda --help") == 0, "--help exits 0");
 }
 
+/* A small model the CUDA kernels run (KDA head dimension 64), two steps. */
+static const char h64_config[] =
+    "{\"model\": {\"vocab_size\": 256, \"d_model\": 64, \"n_layers\": 2, \"layout\": \"km\", \"first_k_dense\": 1,\n"
+    "           \"dense_ffn\": 64},\n"
+    " \"kda\": {\"heads\": 1, \"head_dim\": 64, \"chunk\": 64},\n"
+    " \"attention\": {\"heads\": 1, \"q_lora_rank\": 32, \"kv_lora_rank\": 16, \"qk_head_dim\": 64, \"v_head_dim\": 64},\n"
+    " \"moe\": {\"routed_experts\": 4, \"top_k\": 2, \"expert_ffn\": 16, \"shared_ffn\": 16},\n"
+    " \"train\": {\"seq_len\": 32, \"batch_size\": 2, \"steps\": 2, \"eval_every\": 0, \"data\": \"copy\"}}\n";
+
+static void write_h64_config(void) {
+    FILE *f = fopen(path_in("h64.json"), "wb");
+    CHECK(f != NULL, "cannot write h64.json");
+    if (!f) return;
+    fputs(h64_config, f);
+    fclose(f);
+}
+
+/* 1 when a run directory holds no run: no config.json, metrics.jsonl or latest. */
+static int no_run_in(const char *run) {
+    char p[600];
+    const char *files[3] = {"config.json", "metrics.jsonl", "latest"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(p, sizeof p, "%s/%s", run, files[i]);
+        if (access(p, F_OK) == 0) return 0;
+    }
+    return 1;
+}
+
+static void test_train_device_flag_is_checked(void) {
+    char args[1024];
+    write_h64_config();
+    snprintf(args, sizeof args, "train --config %s --out %s --device tpu", path_in("h64.json"), path_in("run_tpu"));
+    CHECK(run_cli(args) == 2 && stderr_has("--device must be cpu or cuda, got 'tpu'"), "--device tpu");
+    CHECK(access(path_in("run_tpu"), F_OK) != 0, "--device tpu made the run directory");
+    snprintf(args, sizeof args, "train --config %s --out %s --device", path_in("h64.json"), path_in("run_tpu"));
+    CHECK(run_cli(args) == 2, "--device without a value");
+    /* the tiny preset's KDA head dimension (32) is refused on the GPU on every
+     * machine, before a GPU is looked for */
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --device cuda", path_in("run_tiny"));
+    CHECK(run_cli(args) == 1 && stderr_has("kda.head_dim is 32") && stderr_has("64 and 128"),
+          "tiny on --device cuda");
+    CHECK(no_run_in(path_in("run_tiny")), "the refused run wrote a run");
+    CHECK(run_cli("train --help") == 0 && test_file_has(path_in("out.txt"), "--device D"),
+          "train --help names --device");
+}
+
+static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
+    char args[1024];
+#ifdef LONGMOE_HAVE_CUDA
+    int n = 0;
+    if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) SKIP("a GPU is visible (test_cuda_train trains on it)");
+#endif
+    write_h64_config();
+    snprintf(args, sizeof args, "train --config %s --out %s --device cuda", path_in("h64.json"), path_in("run_gpu"));
+    int rc = run_cli(args);
+    CHECK(rc == 1, "exit %d, want 1", rc);
+    char *err = test_slurp(path_in("err.txt"), NULL);
+    CHECK(err && strstr(err, "--device cuda: ") &&
+              (strstr(err, "no GPU can be used") || strstr(err, "this build has no CUDA backend")),
+          "the message names the missing GPU or CUDA build: %s", err ? err : "(no stderr)");
+    free(err);
+    CHECK(no_run_in(path_in("run_gpu")), "the refused run wrote a run");
+    /* the directory is free for the same run on the CPU */
+    snprintf(args, sizeof args, "train --config %s --out %s --device cpu --quiet", path_in("h64.json"),
+             path_in("run_gpu"));
+    CHECK(run_cli(args) == 0, "the CPU run in the refused run's directory failed");
+    CHECK(!no_run_in(path_in("run_gpu")), "the CPU run wrote no run");
+}
+
 int main(void) {
     if (test_make_tmpdir(dir, sizeof dir, "cli")) return 1;
     make_inputs();
     RUN(test_op_kda_outputs_equal_the_library_call);
     RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
+    RUN(test_train_device_flag_is_checked);
+    RUN(test_train_on_cuda_without_a_gpu_fails_clearly);
     test_remove_tree(dir);
     return test_summary();
 }

@@ -459,6 +459,44 @@ static void test_missing_sections_are_left_out(void) {
     free(html);
 }
 
+/* A GPU run's train records carry mfu: the summary gives its median; a CPU
+ * run's (above) have none and get no MFU row. */
+static void test_gpu_runs_report_their_median_mfu(void) {
+    char dir[600], path[700];
+    snprintf(dir, sizeof dir, "%s/gpu", root);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir);
+    FILE *f = fopen(path, "wb");
+    CHECK(f != NULL, "cannot write %s", path);
+    if (!f) return;
+    lm_rng r;
+    lm_rng_seed(&r, 15);
+    double mfu[7];
+    for (int s = 1; s <= 7; s++) {
+        mfu[s - 1] = 0.01 + 0.1 * lm_rng_uniform(&r);
+        fprintf(f, "{\"type\": \"train\", \"step\": %d, \"loss\": %.6g, \"lr\": 0.01, \"grad_norm\": 1, "
+                "\"tokens_per_s\": 1000, \"step_seconds\": 0.1, \"mfu\": %.9g}\n", s, 3 + lm_rng_uniform(&r), mfu[s - 1]);
+    }
+    fclose(f);
+    for (int i = 1; i < 7; i++) /* insertion sort: the median by definition */
+        for (int j = i; j > 0 && mfu[j] < mfu[j - 1]; j--) {
+            double x = mfu[j];
+            mfu[j] = mfu[j - 1];
+            mfu[j - 1] = x;
+        }
+    lm_report_options o = lm_report_options_default(dir);
+    CHECK(lm_report_write(&o, NULL) == LM_OK, "report of a GPU run: %s", lm_last_error());
+    snprintf(path, sizeof path, "%s/report.html", dir);
+    char *html = read_all(path, NULL), want[128];
+    snprintf(want, sizeof want, "%.2f%% of 989 TFLOP/s (median of 7 GPU steps)", 100 * mfu[3]);
+    CHECK(html && strstr(html, want), "MFU row %s", want);
+    free(html);
+    snprintf(path, sizeof path, "%s/dense/elsewhere.html", root);
+    html = read_all(path, NULL);
+    CHECK(html && !strstr(html, "TFLOP/s"), "a run without mfu records has no MFU row");
+    free(html);
+}
+
 static void test_malformed_records_are_counted_not_fatal(void) {
     char dir[600], path[700];
     snprintf(dir, sizeof dir, "%s/odd", root);
@@ -568,6 +606,7 @@ int main(void) {
     RUN(test_heatmap_colour_is_load_over_mean_load);
     RUN(test_long_runs_are_averaged_into_a_bounded_page);
     RUN(test_missing_sections_are_left_out);
+    RUN(test_gpu_runs_report_their_median_mfu);
     RUN(test_malformed_records_are_counted_not_fatal);
     RUN(test_bad_run_directories_fail_clearly);
     RUN(test_screenshot_in_headless_chromium);

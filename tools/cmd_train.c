@@ -6,16 +6,18 @@
 #include <string.h>
 
 #include "cli.h"
+#include "longmoe/backend.h"
 #include "longmoe/train.h"
 
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
-    "                     [--steps N] [--seed S]\n"
+    "                     [--steps N] [--seed S] [--device cpu|cuda]\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
     "trainer state) and `latest`. A progress line every train.log_every steps shows step, loss,\n"
-    "learning rate, gradient norm, tokens/s, ETA and the worst MoE MaxVio of the step.\n"
+    "learning rate, gradient norm, tokens/s (and MFU on the GPU), ETA and the worst MoE\n"
+    "MaxVio of the step.\n"
     "\n"
     "options:\n"
     "  --data SPEC   data of stages that name none (overrides train.data): a built-in\n"
@@ -31,6 +33,12 @@ static const char *const train_usage =
     "  --stop-after N  stop with a checkpoint once N steps are done (the schedule still\n"
     "                spans all steps; --resume continues)\n"
     "  --seed S      seed of initialisation and data (overrides train.seed)\n"
+    "  --device D    where the model's forward and backward run: cpu (default) or cuda\n"
+    "                (one GPU, bf16 products; the optimizer, checkpoints and evaluation\n"
+    "                scoring stay on the host, so checkpoints move freely between devices\n"
+    "                and --resume may change the device; a resume is bit-identical on the\n"
+    "                device the run had). cuda needs a CUDA build, a GPU and kda.head_dim\n"
+    "                64 or 128 (docs/training.md, \"Devices\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -59,6 +67,7 @@ int cmd_train(int argc, char **argv) {
     int resume = 0, quiet = 0, have_seed = 0, accept_data_change = 0;
     long steps = 0, stop_after = 0;
     double seed = 0;
+    lm_device device = LM_DEVICE_CPU;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -74,6 +83,12 @@ int cmd_train(int argc, char **argv) {
             resume = 1;
         } else if (!strcmp(a, "--accept-data-change")) {
             accept_data_change = 1;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (lm_device_from_name(v, &device)) {
+                cli_fail(cmd, "--device must be cpu or cuda, got '%s'", v);
+                return 2;
+            }
         } else if (!strcmp(a, "--quiet")) {
             quiet = 1;
         } else if (!strcmp(a, "--steps")) {
@@ -110,6 +125,7 @@ int cmd_train(int argc, char **argv) {
     opt.steps = steps;
     opt.stop_after = stop_after;
     opt.progress = quiet ? NULL : stdout;
+    opt.device = device;
     lm_config cfg;
     lm_config_defaults(&cfg);
     if (config && lm_config_load(config, &cfg)) return cli_fail(cmd, "%s", lm_last_error());

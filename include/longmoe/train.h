@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/config.h"
 #include "longmoe/data.h"
 #include "longmoe/core.h"
@@ -63,6 +64,11 @@ typedef struct {
     /* when not NULL and non-zero at a step boundary (a signal handler sets it):
      * the run stops there with a checkpoint and result->interrupted set */
     volatile int *stop_requested;
+    /* where the model's forward and backward run (docs/training.md, "Devices"):
+     * LM_DEVICE_CPU (default) or LM_DEVICE_CUDA (one GPU; the parameters, the
+     * optimizer, its state and the checkpoints stay on the host, so a run and
+     * its checkpoints are the same files on either device) */
+    lm_device device;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
@@ -78,9 +84,17 @@ typedef struct {
     double component_seconds[LM_TIME_COUNT]; /* forward + backward by component */
     int64_t tokens;
     int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
+    double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
+                              (lm_train_flops_per_token); reported on the GPU */
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);
+
+/* Training FLOPs per token of a micro-batch of sequences of T tokens: 3x the
+ * forward FLOPs of lm_config_plan = 6 N_active plus the attention and KDA
+ * operators' forward and backward. MFU = tokens/s x this / LM_TRAIN_PEAK_FLOPS. */
+double lm_train_flops_per_token(const lm_config *cfg, int T);
+#define LM_TRAIN_PEAK_FLOPS 989e12 /* dense bf16, one H100/H200 */
 
 /* Load the parameters of checkpoint directory `dir`, and the balancing biases
  * of its MoE layers (trainer.safetensors; they route, frozen, at evaluation and

@@ -71,6 +71,7 @@ typedef struct {
 
 typedef struct {
     series loss, lr, grad, max_logit, tokps, val_loss, val_acc;
+    series mfu; /* GPU runs: model FLOPs utilisation per step */
     /* agentic RL (docs/rl.md): per step, the warm start's loss, held-out success per environment */
     series rl_reward, rl_success, rl_length, rl_kl_ref, rl_kl_old, rl_entropy, rl_clipped, rl_warm_loss;
     series rl_eval[3];
@@ -327,6 +328,7 @@ static int read_record(report *r, const lm_json *o, int max_columns, const char 
         if (get_number(o, "lr", &x)) series_add(r, &r->lr, (double)step, x);
         if (get_number(o, "grad_norm", &x)) series_add(r, &r->grad, (double)step, x);
         if (get_number(o, "tokens_per_s", &x)) series_add(r, &r->tokps, (double)step, x);
+        if (get_number(o, "mfu", &x)) series_add(r, &r->mfu, (double)step, x);
         if (get_number(o, "max_logit", &x)) {
             series_add(r, &r->max_logit, (double)step, x);
             r->has_max_logit = 1;
@@ -1279,6 +1281,20 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
             r->out_of_memory = 1;
         }
     }
+    if (r->mfu.n) {
+        double *sorted = malloc(r->mfu.n * sizeof *sorted);
+        if (sorted) {
+            memcpy(sorted, r->mfu.y, r->mfu.n * sizeof *sorted);
+            qsort(sorted, r->mfu.n, sizeof *sorted, compare_double);
+            size_t n = r->mfu.n;
+            double med = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+            snprintf(v, sizeof v, "%.2f%% of 989 TFLOP/s (median of %zu GPU steps)", 100 * med, n);
+            row_text(b, "MFU", v);
+            free(sorted);
+        } else {
+            r->out_of_memory = 1;
+        }
+    }
     snprintf(v, sizeof v, "%lld", (long long)r->sum.skip_records);
     row_text(b, "skipped steps (non-finite)", v);
     if (have_cfg) {
@@ -1459,6 +1475,7 @@ static void report_free(report *r) {
     series_free(&r->grad);
     series_free(&r->max_logit);
     series_free(&r->tokps);
+    series_free(&r->mfu);
     series_free(&r->val_loss);
     series_free(&r->val_acc);
     series_free(&r->rl_reward);

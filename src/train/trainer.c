@@ -21,6 +21,7 @@
 typedef struct {
     lm_config cfg;
     lm_train_options opt;
+    lm_backend *be;     /* where the model runs: NULL on the CPU, else the CUDA backend (owned) */
     lm_model *model;
     int B, T;
     lm_param *all, *muon_p, *adam_p;
@@ -66,6 +67,7 @@ static void close_data(trainer *t);
 static void trainer_free(trainer *t) {
     close_data(t);
     lm_model_free(t->model);
+    lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
     free(t->adam_p);
@@ -97,11 +99,43 @@ static void bind_params(trainer *t) {
     }
 }
 
+double lm_train_flops_per_token(const lm_config *cfg, int T) {
+    lm_plan plan;
+    lm_config_plan(cfg, T, &plan);
+    return 3.0 * plan.total_flops;
+}
+
+/* The head dimensions the CUDA KDA operator runs (src/cuda/kda). */
+static int cuda_kda_head_dim_ok(int d) { return d == 64 || d == 128; }
+
+/* The device of opt.device for this config: nothing for the CPU; for CUDA a
+ * config the kernels run and a usable GPU, else a clear error before anything
+ * is written. */
+static lm_status open_device(trainer *t) {
+    if (t->opt.device == LM_DEVICE_CPU) return LM_OK;
+    if (t->opt.device != LM_DEVICE_CUDA) return lm_error(LM_ERR_ARG, "unknown training device %d", (int)t->opt.device);
+    const lm_config *c = &t->cfg;
+    int kda = 0;
+    for (int l = 0; l < c->n_layers; l++) kda |= lm_config_mixer(c, l) == LM_MIXER_KDA;
+    if (kda && !cuda_kda_head_dim_ok(c->kda_head_dim))
+        return lm_error(LM_ERR_ARG, "--device cuda: kda.head_dim is %d, but the CUDA KDA kernels run head dimensions "
+                        "64 and 128 only; train this config on the CPU (--device cpu) or use kda.head_dim 64 or 128",
+                        c->kda_head_dim);
+    lm_status s = lm_backend_cuda_create(&t->be);
+    if (s) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", lm_last_error());
+        return lm_error(s, "--device cuda: %s", why);
+    }
+    return LM_OK;
+}
+
 static lm_status trainer_setup(trainer *t, int stage) {
     const lm_config *c = &t->cfg;
     t->stage = stage;
     stage_shape(t, stage, &t->B, &t->T);
-    TRY(lm_model_create(c, t->B, t->T, &t->model));
+    TRY(open_device(t));
+    TRY(lm_model_create_on(c, t->B, t->T, t->be, &t->model));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
@@ -216,7 +250,9 @@ static lm_status switch_stage(trainer *t, int i) {
     int B, T;
     stage_shape(t, i, &B, &T);
     lm_model *next;
-    TRY(lm_model_create(&t->cfg, B, T, &next));
+    /* on the GPU both stages' models are held for the copy (host parameters
+     * and balancing state; the new model uploads them before its first forward) */
+    TRY(lm_model_create_on(&t->cfg, B, T, t->be, &next));
     lm_status s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
@@ -782,6 +818,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {
         if ((s = load_checkpoint(&t, ckpt))) goto done;
+        /* the loaded host parameters to the device (a no-op on the CPU) */
+        if ((s = lm_model_upload_params(t.model))) goto done;
         int64_t stop_at = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
         if ((s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
         if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
@@ -817,11 +855,17 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     int64_t tokens_done = 0;
     lm_model_reset_timings(t.model);
     float last_loss = NAN, val_loss = NAN, val_acc = NAN;
-    if (opt->progress && !opt->resume)
+    const int on_gpu = opt->device == LM_DEVICE_CUDA;
+    if (opt->progress && !opt->resume && !on_gpu)
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s; %d threads "
                 "(OMP_WAIT_POLICY=%s)\n", lm_model_num_params(t.model), t.n_all, (long long)t.total_steps, t.n_stages,
                 t.n_stages > 1 ? "s" : "", omp_get_max_threads(),
                 getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "unset: the runtime's default");
+    if (opt->progress && on_gpu)
+        fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s on the GPU (forward "
+                "and backward; optimizer on the host, %d threads)\n", lm_model_num_params(t.model), t.n_all,
+                (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", omp_get_max_threads());
+    double flops_done = 0;
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
     int interrupted = 0;
@@ -855,6 +899,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
+        /* the micro-batches' summed gradients to the host's optimizer (a no-op on the CPU) */
+        if (!bad && (s = lm_model_download_grads(t.model))) goto done;
         if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
         double gnorm = NAN;
         if (!bad && isfinite(loss)) bad = lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm) != LM_OK;
@@ -884,6 +930,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         float max_logit;
         int n_clipped;
         if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
+        /* the host parameters changed (the update, QK-Clip): the device copy
+         * follows before the next forward or evaluation (a no-op on the CPU);
+         * the balancing biases go with each forward */
+        if ((s = lm_model_upload_params(t.model))) goto done;
         opt_seconds += lm_time_seconds() - t_opt;
         if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
         t.step++;
@@ -891,15 +941,18 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         double dt = lm_time_seconds() - t0;
         step_seconds += dt;
         tokens_done += tokens_per_step;
+        double step_flops = (double)tokens_per_step * lm_train_flops_per_token(c, t.T);
+        flops_done += step_flops;
         ema_step = ema_step > 0 ? 0.9 * ema_step + 0.1 * dt : dt;
         double worst = 0;
         for (int i = 0; i < t.n_moe; i++) worst = t.stats[i].maxvio_batch > worst ? t.stats[i].maxvio_batch : worst;
         /* metrics: every number of the step */
         fprintf(t.metrics,
                 "{\"type\": \"train\", \"step\": %lld, \"loss\": %.9g, \"aux_loss\": %.9g, \"lr\": %.9g, "
-                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, \"max_logit\": %.6g, "
-                "\"qk_clipped_heads\": %d, \"moe\": [",
-                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt,
+                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, ",
+                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
+        if (on_gpu) fprintf(t.metrics, "\"mfu\": %.6g, ", step_flops / dt / LM_TRAIN_PEAK_FLOPS);
+        fprintf(t.metrics, "\"max_logit\": %.6g, \"qk_clipped_heads\": %d, \"moe\": [",
                 isfinite(max_logit) ? max_logit : 0.0, n_clipped);
         for (int i = 0; i < t.n_moe; i++) {
             const lm_balance_stats *b = &t.stats[i];
@@ -916,9 +969,14 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
             format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
-            fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | ETA %s | "
-                    "maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f, gnorm,
-                    tokens_per_step / dt, eta, worst);
+            if (on_gpu)
+                fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | MFU %.1f%% | "
+                        "ETA %s | maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f,
+                        gnorm, tokens_per_step / dt, 100.0 * step_flops / dt / LM_TRAIN_PEAK_FLOPS, eta, worst);
+            else
+                fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | ETA %s | "
+                        "maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f, gnorm,
+                        tokens_per_step / dt, eta, worst);
             fflush(opt->progress);
         }
         }
@@ -965,6 +1023,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->step_seconds = step_seconds;
         result->optimizer_seconds = opt_seconds;
         result->tokens = tokens_done;
+        result->mfu = step_seconds > 0 ? flops_done / step_seconds / LM_TRAIN_PEAK_FLOPS : 0;
         result->interrupted = interrupted;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: build longmoe and test_cuda_train, run the
+# test (GPU against CPU training, two GPU runs bit-identical, SIGKILL and resume, checkpoints
+# moving between the devices), then train a preset with `longmoe train --device cuda` for
+# STEPS steps and print its progress lines (loss, tokens/s, MFU, ETA, MaxVio) and the mean
+# tokens/s and MFU of its steps from metrics.jsonl.
+#
+#   bench/train_device.sh [build] [test] [train]     (default: all three)
+#
+#   STEPS        steps of the timed run (default 100)
+#   PRESET       the config trained (default configs/small.json); its first stage only
+#                (or its train.steps when it has no stages), cut to STEPS steps. A KDA head
+#                dimension the CUDA kernels do not take (small's 32) becomes 64 with half
+#                the heads (the same width), and the script says so
+#   BATCH_TOKENS tokens per micro-batch (default: the preset's for an unstaged one; for a
+#                staged one its first stage's sequence length, one sequence per step:
+#                k3-mini's own 1M tokens would not fit one GPU's activations). With
+#                PRESET=configs/k3-mini.json expect the host optimizer (Muon on 1.75B
+#                parameters) to take most of each step
+#   DATA         data of the run (default copy, a built-in task: the machine need not hold
+#                token shards; empty: the preset's own)
+#   LOG_EVERY    steps between progress lines (default 5)
+#
+# Logs go to $OUT (default ./out): build.log, test.log, train.log, the run directory run/
+# (metrics.jsonl; its checkpoints are removed at the end, they are large) and train.json
+# (the config trained). BUILD (default build-cuda) names the build directory.
+set -uo pipefail
+OUT=${OUT:-out}
+BUILD=${BUILD:-build-cuda}
+JOBS=${JOBS:-$(nproc)}
+STEPS=${STEPS:-100}
+PRESET=${PRESET:-configs/small.json}
+BATCH_TOKENS=${BATCH_TOKENS:-}
+DATA=${DATA-copy}
+LOG_EVERY=${LOG_EVERY:-5}
+mkdir -p "$OUT"
+steps=${*:-build test train}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 500 cmake --build "$BUILD" -j "$JOBS" --target longmoe test_cuda_train >>"$OUT/build.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+if has test; then
+    echo "== test_cuda_train"
+    (cd "$BUILD" && timeout 500 ctest -R '^test_cuda_train$' -V) >"$OUT/test.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    grep -E "^[0-9]+: (ok|FAIL|skip|  )|tests passed|tests failed|\*\*\*" "$OUT/test.log" | cut -c1-200 | tail -40
+    echo "ctest rc $rc"
+fi
+
+if has train; then
+    echo "== train $PRESET on the GPU: $STEPS steps"
+    python3 - "$PRESET" "$OUT/train.json" "$STEPS" "$LOG_EVERY" "$DATA" "$BATCH_TOKENS" <<'EOF'
+import json, sys
+src, dst, steps, log_every, data, batch_tokens = sys.argv[1:7]
+c = json.load(open(src))
+k = c.setdefault("kda", {})
+hd, heads = k.get("head_dim", 32), k.get("heads", 2)
+if hd not in (64, 128):
+    k["head_dim"], k["heads"] = 64, max(1, heads * hd // 64)
+    print("kda: %d heads of %d -> %d heads of 64 (the CUDA KDA kernels take 64 and 128)" % (heads, hd, k["heads"]))
+t = c.setdefault("train", {})
+stages = t.get("stages")
+if stages:
+    s = stages[0]
+    s["steps"] = int(steps)
+    s["batch_tokens"] = int(batch_tokens) if batch_tokens else s["seq_len"]
+    if data:
+        s["data"] = {data: 1}
+        t["data"] = data
+    t["stages"] = [s]
+else:
+    t["steps"] = int(steps)
+    if batch_tokens:
+        t["batch_size"] = max(1, int(batch_tokens) // t.get("seq_len", 512))
+    if data:
+        t["data"] = data
+t["log_every"] = int(log_every)
+t["eval_every"] = 0
+t["ckpt_every"] = 0
+c["comment"] = "bench/train_device.sh: %s cut to %s steps" % (src, steps)
+print("training %s: %s" % (dst, json.dumps(t)))
+json.dump(c, open(dst, "w"), indent=1)
+EOF
+    [ $? -ne 0 ] && { echo "cannot derive the config from $PRESET"; exit 1; }
+    rm -rf "$OUT/run"
+    timeout 560 "$BUILD/longmoe" train --config "$OUT/train.json" --out "$OUT/run" --device cuda 2>&1 |
+        tee "$OUT/train.log"
+    rc=${PIPESTATUS[0]}
+    [ $rc -ne 0 ] && { echo "train rc $rc"; status=1; }
+    # the mean over the steps after the first (which grows the backend's scratch)
+    python3 - "$OUT/run/metrics.jsonl" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"type": "train"')]
+rest = rows[1:] or rows
+if rest:
+    secs = sum(r["step_seconds"] for r in rest)
+    toks = sum(r["tokens_per_s"] * r["step_seconds"] for r in rest)
+    mfu = sum(r.get("mfu", 0) * r["step_seconds"] for r in rest)
+    print("steps 2..%d: %.0f tokens/s, MFU %.2f%%, %.3f s per step, last loss %.4f (first %.4f)"
+          % (len(rows), toks / secs, 100 * mfu / secs, secs / len(rest), rows[-1]["loss"], rows[0]["loss"]))
+EOF
+    rm -rf "$OUT"/run/checkpoint-*
+fi
+exit $status

@@ -1,0 +1,275 @@
+/* `longmoe train --device cuda` end to end, against the CPU trainer, on a
+ * small staged hybrid the CUDA kernels run (KDA and MLA head dimension 64,
+ * MoE with quantile balancing, Block AttnRes, gradient accumulation over two
+ * micro-batches, QK-Clip that scales heads, a stage change 64 -> 128 tokens
+ * that rebuilds the device model, evaluation at step 5, 10 and stage ends):
+ *
+ *   - the GPU's loss curve follows the CPU's: every step's training loss and
+ *     every evaluation loss within 3% relative (bf16 products on the GPU, fp32
+ *     on the CPU; 20 steps);
+ *   - two GPU runs are bit-identical: the same loss text every step and the
+ *     same bytes in the final checkpoint's files;
+ *   - a GPU run killed with SIGKILL (once in each stage) and resumed on the GPU
+ *     ends with the same losses and checkpoint bytes as the uninterrupted run;
+ *   - a GPU checkpoint evaluates on the CPU (`longmoe eval`, the trainer's
+ *     batches) to the GPU run's own final validation loss within 1%;
+ *   - a CPU run stopped half way resumes on the GPU and finishes: its first
+ *     half is the CPU run's, bit for bit, the rest follows the CPU run within 3%.
+ *
+ * Runs go through the real binary (LONGMOE_CLI), as a user starts them. Every
+ * case skips (exit 77) when no CUDA device is visible. */
+#define _POSIX_C_SOURCE 200809L
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "test.h"
+
+enum { STEPS = 20, STAGE1 = 12 };
+#define LOSS_RTOL 3e-2 /* GPU (bf16 products) against CPU (fp32), per step of diverging runs */
+#define EVAL_RTOL 1e-2 /* the same weights and batches scored on both */
+
+static char root[256];
+
+static const char staged_config[] =
+    "{\"model\": {\"vocab_size\": 256, \"d_model\": 128, \"n_layers\": 4, \"layout\": \"kkkm\", \"first_k_dense\": 1,\n"
+    "           \"dense_ffn\": 256},\n"
+    " \"kda\": {\"heads\": 2, \"head_dim\": 64, \"chunk\": 64},\n"
+    " \"attention\": {\"kind\": \"mla\", \"heads\": 2, \"q_lora_rank\": 64, \"kv_lora_rank\": 32, \"qk_head_dim\": 64,\n"
+    "               \"v_head_dim\": 64},\n"
+    " \"moe\": {\"routed_experts\": 8, \"top_k\": 2, \"shared_experts\": 1, \"expert_ffn\": 64, \"shared_ffn\": 128,\n"
+    "         \"balance\": \"quantile\"},\n"
+    " \"residual\": {\"kind\": \"block_attnres\", \"block_sublayers\": 4},\n"
+    " \"train\": {\"lr\": 0.02, \"adam_lr\": 0.003, \"grad_accum\": 2, \"qk_clip_tau\": 4, \"log_every\": 1000,\n"
+    "           \"eval_every\": 5, \"ckpt_every\": 1, \"keep_checkpoints\": 3,\n"
+    "           \"stages\": [{\"name\": \"64\", \"seq_len\": 64, \"steps\": 12, \"batch_tokens\": 256, \"data\": {\"copy\": 1}},\n"
+    "                      {\"name\": \"128\", \"seq_len\": 128, \"steps\": 8, \"batch_tokens\": 256,\n"
+    "                       \"data\": {\"copy\": 3, \"vcopy\": 1}}]}}\n";
+
+static const char *in_root(const char *name) { return test_path(root, name); }
+
+/* Start `longmoe train` on run directory `run` on `device` (fresh from the
+ * config, or resuming; stop_after > 0 adds --stop-after); output to run.log. */
+static pid_t start_train(const char *run, const char *device, int resume, int stop_after) {
+    char stop[32];
+    snprintf(stop, sizeof stop, "%d", stop_after);
+    fflush(stdout); /* the child's freopen would write the parent's buffered lines again */
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        FILE *log = freopen(in_root("run.log"), "ab", stdout);
+        if (log) dup2(fileno(stdout), 2);
+        if (resume && stop_after > 0)
+            execl(LONGMOE_CLI, "longmoe", "train", "--out", run, "--resume", "--device", device, "--stop-after", stop,
+                  (char *)NULL);
+        else if (resume)
+            execl(LONGMOE_CLI, "longmoe", "train", "--out", run, "--resume", "--device", device, (char *)NULL);
+        else if (stop_after > 0)
+            execl(LONGMOE_CLI, "longmoe", "train", "--config", in_root("staged.json"), "--out", run, "--device",
+                  device, "--stop-after", stop, (char *)NULL);
+        else
+            execl(LONGMOE_CLI, "longmoe", "train", "--config", in_root("staged.json"), "--out", run, "--device",
+                  device, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+/* Run to the end; 1 when it exited with 0. */
+static int train(const char *run, const char *device, int resume, int stop_after) {
+    int st = 0;
+    waitpid(start_train(run, device, resume, stop_after), &st, 0);
+    int ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    CHECK(ok, "train %s on %s%s failed (see %s)", run, device, resume ? " (resumed)" : "", in_root("run.log"));
+    return ok;
+}
+
+/* The step `latest` names (-1: none). */
+static long long latest_step(const char *run) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/latest", run);
+    char *text = test_slurp(path, NULL);
+    long long step = -1;
+    if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
+    free(text);
+    return step;
+}
+
+/* The text of field `key` ("loss", "val_loss") of the lines of `type` in the
+ * run's metrics.jsonl, in order; their count (max + 1 when there are more). */
+static int read_field(const char *run, const char *type, const char *key, char vals[][32], int max) {
+    char path[600], tag[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", run);
+    snprintf(tag, sizeof tag, "{\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    static char line[1 << 16];
+    int n = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, tag, strlen(tag))) continue;
+        const char *p = strstr(line, k);
+        if (!p || n >= max) {
+            n = max + 1;
+            break;
+        }
+        sscanf(p + strlen(k), "%31[^,}]", vals[n++]);
+    }
+    fclose(f);
+    return n;
+}
+
+/* Compare the `key` values of two runs from index `from` on: bit-identical
+ * text (rtol < 0) or within rtol relative; the largest relative difference. */
+static double compare_runs(const char *a, const char *b, const char *type, const char *key, int want, int from,
+                           double rtol) {
+    static char va[64][32], vb[64][32];
+    int na = read_field(a, type, key, va, 63), nb = read_field(b, type, key, vb, 63);
+    CHECK(na == want && nb == want, "%s lines with %s: %d and %d, want %d", type, key, na, nb, want);
+    double worst = 0;
+    for (int i = from; i < na && i < nb; i++) {
+        if (rtol < 0) {
+            CHECK(!strcmp(va[i], vb[i]), "%s %d: %s %s in %s, %s in %s", type, i + 1, key, va[i], a, vb[i], b);
+            continue;
+        }
+        double x = atof(va[i]), y = atof(vb[i]), rel = fabs(x - y) / fabs(y);
+        CHECK(isfinite(x) && rel <= rtol, "%s %d: %s %s in %s, %s in %s (%.3g relative, allowed %.3g)", type, i + 1,
+              key, va[i], a, vb[i], b, rel, rtol);
+        worst = rel > worst ? rel : worst;
+    }
+    return worst;
+}
+
+/* The final checkpoint's files of two runs hold the same bytes. */
+static void same_final_checkpoint(const char *a, const char *b) {
+    char pa[700], pb[700];
+    const char *files[4] = {"model.safetensors", "trainer.safetensors", "trainer.json", "config.json"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", a, STEPS, files[i]);
+        snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", b, STEPS, files[i]);
+        CHECK(test_same_file(pa, pb), "%s of %s and %s differ", files[i], a, b);
+    }
+}
+
+static int have_cpu_ref, have_gpu_ref;
+
+static void test_gpu_loss_curve_follows_the_cpu(void) {
+    FILE *f = fopen(in_root("staged.json"), "wb");
+    CHECK(f != NULL, "cannot write the config");
+    if (!f) return;
+    fputs(staged_config, f);
+    fclose(f);
+    have_cpu_ref = train(in_root("cpu"), "cpu", 0, 0);
+    have_gpu_ref = train(in_root("gpu"), "cuda", 0, 0);
+    if (!have_cpu_ref || !have_gpu_ref) return;
+    double w = compare_runs(in_root("gpu"), in_root("cpu"), "train", "loss", STEPS, 0, LOSS_RTOL);
+    double we = compare_runs(in_root("gpu"), in_root("cpu"), "eval", "val_loss", 5, 0, LOSS_RTOL);
+    /* QK-Clip scaled heads on the GPU too (the device saw the clipped weights) */
+    static char clipped[64][32];
+    int n = read_field(in_root("gpu"), "train", "qk_clipped_heads", clipped, 63), any = 0;
+    for (int i = 0; i < n && i <= 63; i++) any |= atoi(clipped[i]) > 0;
+    CHECK(any, "QK-Clip scaled no head in the GPU run: the case lost its coverage");
+    printf("  GPU vs CPU: training loss within %.3g relative (worst step), evaluations within %.3g\n", w, we);
+}
+
+static void test_two_gpu_runs_are_bit_identical(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    if (!train(in_root("gpu2"), "cuda", 0, 0)) return;
+    compare_runs(in_root("gpu2"), in_root("gpu"), "train", "loss", STEPS, 0, -1);
+    compare_runs(in_root("gpu2"), in_root("gpu"), "eval", "val_loss", 5, 0, -1);
+    same_final_checkpoint(in_root("gpu2"), in_root("gpu"));
+}
+
+static void sleep_seconds(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+static void test_gpu_run_killed_and_resumed_is_bit_identical(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    const char *run = in_root("gpu_killed");
+    const int kill_after[2] = {5, STAGE1 + 3}; /* once in each stage */
+    for (int k = 0; k < 2; k++) {
+        pid_t pid = start_train(run, "cuda", k > 0, 0);
+        int status = 0;
+        pid_t got;
+        double give_up = lm_time_seconds() + 300;
+        while ((got = waitpid(pid, &status, WNOHANG)) == 0 && latest_step(run) < kill_after[k] &&
+               lm_time_seconds() < give_up)
+            sleep_seconds(1e-4);
+        CHECK(got == 0, "kill %d: the run ended before step %d (exit %d)", k + 1, kill_after[k],
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        if (got != 0) return;
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        long long at = latest_step(run);
+        CHECK(at >= kill_after[k] && at < STEPS, "kill %d: latest is step %lld", k + 1, at);
+        printf("  kill %d at latest step %lld\n", k + 1, at);
+    }
+    if (!train(run, "cuda", 1, 0)) return;
+    compare_runs(run, in_root("gpu"), "train", "loss", STEPS, 0, -1);
+    same_final_checkpoint(run, in_root("gpu"));
+}
+
+static void test_gpu_checkpoint_evaluates_on_the_cpu(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    char args[2048], vals[8][32];
+    snprintf(args, sizeof args, "eval --checkpoint %s --tasks val --batches 4 --batch-size 2 --out %s --quiet", in_root("gpu"),
+             in_root("cpu_eval.jsonl"));
+    int rc = test_run_cli(args, in_root("eval.out"), in_root("eval.err"));
+    CHECK(rc == 0, "longmoe eval of the GPU checkpoint on the CPU: exit %d (see %s)", rc, in_root("eval.err"));
+    if (rc) return;
+    /* the run's own last evaluation (on the GPU model, at the final step, B = 2
+     * rows of the last stage's 128 tokens, 4 batches: the same rows) */
+    static char gpu_vals[64][32];
+    int ng = read_field(in_root("gpu"), "eval", "val_loss", gpu_vals, 63);
+    char *text = test_slurp(in_root("cpu_eval.jsonl"), NULL);
+    const char *p = text ? strstr(text, "\"val_loss\": ") : NULL;
+    CHECK(p != NULL && ng == 5, "no val_loss in the CPU evaluation (%d GPU evaluations)", ng);
+    if (p && ng == 5) {
+        sscanf(p + 12, "%31[^,}]", vals[0]);
+        double cpu = atof(vals[0]), gpu = atof(gpu_vals[ng - 1]);
+        printf("  val loss of the GPU checkpoint: %.6g on the CPU, %.6g on the GPU\n", cpu, gpu);
+        CHECK_CLOSE(gpu, cpu, 0, EVAL_RTOL, "validation loss, GPU run vs CPU evaluation of its checkpoint");
+    }
+    free(text);
+}
+
+static void test_cpu_checkpoint_resumes_on_the_gpu(void) {
+    if (!have_cpu_ref) SKIP("the CPU run failed");
+    const char *run = in_root("cpu_then_gpu");
+    if (!train(run, "cpu", 0, STAGE1 / 2) || !train(run, "cuda", 1, 0)) return;
+    /* the CPU half is the CPU run's; the GPU half follows it */
+    static char va[64][32], vb[64][32];
+    int na = read_field(run, "train", "loss", va, 63), nb = read_field(in_root("cpu"), "train", "loss", vb, 63);
+    CHECK(na == STEPS && nb == STEPS, "train lines: %d and %d, want %d", na, nb, STEPS);
+    for (int i = 0; i < STAGE1 / 2 && i < na && i < nb; i++)
+        CHECK(!strcmp(va[i], vb[i]), "step %d (CPU): loss %s, the CPU run's %s", i + 1, va[i], vb[i]);
+    double w = compare_runs(run, in_root("cpu"), "train", "loss", STEPS, STAGE1 / 2, LOSS_RTOL);
+    printf("  resumed on the GPU: loss within %.3g of the CPU run\n", w);
+    char path[700];
+    snprintf(path, sizeof path, "%s/checkpoint-%08d/model.safetensors", run, STEPS);
+    struct stat sb;
+    CHECK(stat(path, &sb) == 0, "no final checkpoint %s", path);
+}
+
+int main(void) {
+    test_skip_without_cuda();
+    const char *tmp = getenv("TMPDIR");
+    snprintf(root, sizeof root, "%s/longmoe-cuda-train-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(root)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    RUN(test_gpu_loss_curve_follows_the_cpu);
+    RUN(test_two_gpu_runs_are_bit_identical);
+    RUN(test_gpu_run_killed_and_resumed_is_bit_identical);
+    RUN(test_gpu_checkpoint_evaluates_on_the_cpu);
+    RUN(test_cpu_checkpoint_resumes_on_the_gpu);
+    int rc = test_summary();
+    if (rc == 0 || rc == TEST_SKIP_CODE) test_remove_tree(root);
+    else fprintf(stderr, "run directories kept in %s\n", root);
+    return rc;
+}
