@@ -22,8 +22,10 @@
 
 #include "test.h"
 #include "test_cuda.h"
+#include "test_models.h"
 
 #include "longmoe/backend.h"
+#include "longmoe/model.h"
 #include "longmoe/optim.h"
 #include "longmoe/optim_device.h"
 
@@ -379,6 +381,90 @@ static void test_qk_clip_on_the_device_equals_the_host(void) {
     gpu->release(gpu, dk);
 }
 
+/* A device model trained two ways from the same start: the host optimizer
+ * (gradients down, parameters up) and the device optimizer on the model's
+ * backend blocks (lm_model_backend_params, lm_model_params_changed_on_backend),
+ * with QK-Clip every step (tau small enough that every head clips). AdamW
+ * everywhere, so both paths compute the same numbers: losses, clipped heads
+ * and the final parameters agree to 1e-6. */
+static void test_model_trained_on_the_device_matches_the_host_path(void) {
+    lm_config c = test_micro_config();
+    int B = 2, T = 32;
+    lm_model *a = NULL, *b = NULL;
+    OK(lm_model_create_on(&c, B, T, gpu, &a));
+    OK(lm_model_create_on(&c, B, T, gpu, &b));
+    if (!a || !b) return;
+    lm_model_init(a, 9);
+    lm_model_init(b, 9);
+    int np = lm_model_num_tensors(a);
+    size_t n = lm_model_num_params(a);
+    lm_param *pa = calloc((size_t)np, sizeof *pa), *pb = calloc((size_t)np, sizeof *pb);
+    lm_model_optimizer_params(a, pa, LM_TRAIN_ADAMW);
+    lm_model_backend_params(b, pb, LM_TRAIN_ADAMW);
+    lm_optim_config cfg = lm_optim_config_default();
+    size_t sn = lm_optim_state_floats(pa, np);
+    float *state = calloc(sn + 1, sizeof(float));
+    lm_optimizer host;
+    OK(lm_optimizer_init(&host, &cfg, pa, np, state, sn, NULL, 0));
+    lm_device_optimizer *dev = NULL;
+    OK(lm_optimizer_create_on(gpu, &cfg, pb, np, &dev));
+    void *work = NULL;
+    OK(gpu->alloc(gpu, lm_grad_norm_work_bytes(np), &work));
+    lm_rng r;
+    lm_rng_seed(&r, 99);
+    size_t N = (size_t)B * T;
+    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
+    for (int s = 0; s < 3 && dev; s++) {
+        for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
+        for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+        float la = NAN, lb = NAN, mxa = 0, mxb = 0;
+        int ca = 0, cb = 0;
+        double na = 0, nb = 0;
+        /* host path */
+        lm_model_zero_grads(a);
+        OK(lm_model_forward(a, tok, tgt, 1, &la));
+        OK(lm_model_backward(a, 1.0f));
+        OK(lm_model_download_grads(a));
+        OK(lm_grad_clip(pa, np, 1.0f, &na));
+        OK(lm_optimizer_step(&host, 3e-3f));
+        OK(lm_model_qk_clip(a, 1e-3f, &mxa, &ca));
+        OK(lm_model_upload_params(a));
+        /* device path */
+        lm_model_zero_grads(b);
+        OK(lm_model_forward(b, tok, tgt, 1, &lb));
+        OK(lm_model_backward(b, 1.0f));
+        OK(lm_grad_clip_on(gpu, pb, np, 1.0f, work, &nb));
+        OK(lm_device_optimizer_step(dev, 3e-3f));
+        OK(lm_model_params_changed_on_backend(b));
+        CHECK(lm_model_host_params_stale(b) == 1, "host copy not marked stale");
+        OK(lm_model_qk_clip(b, 1e-3f, &mxb, &cb));
+        printf("  step %d: loss host path %.7f device %.7f, norm %.7g %.7g, clipped %d %d\n", s, la, lb, na, nb, ca,
+               cb);
+        CHECK(fabs(la - lb) <= 1e-5 * fabs(la), "step %d: loss %.7f vs %.7f", s, la, lb);
+        CHECK(fabs(na - nb) <= 1e-6 * na, "step %d: norm %.9g vs %.9g", s, na, nb);
+        CHECK(ca == cb && ca > 0, "step %d: clipped heads %d vs %d", s, ca, cb);
+    }
+    lm_model *c2 = NULL;
+    OK(lm_model_create_on(&c, B, T, gpu, &c2));
+    if (c2) CHECK(lm_model_copy_state(c2, b) == LM_ERR_ARG, "copy_state accepted a stale host copy");
+    OK(lm_model_download_params(b));
+    CHECK(lm_model_host_params_stale(b) == 0, "host copy still stale after the download");
+    if (c2) OK(lm_model_copy_state(c2, b));
+    double e = rel_err(lm_model_params(b), lm_model_params(a), n);
+    printf("  parameters after 3 steps: relative difference %.3g\n", e);
+    CHECK(e <= TOL_ELEM, "parameters differ by %.3g", e);
+    lm_model_free(c2);
+    gpu->release(gpu, work);
+    lm_device_optimizer_free(dev);
+    free(tok);
+    free(tgt);
+    free(state);
+    free(pa);
+    free(pb);
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
 int main(void) {
     test_skip_without_cuda();
     if (test_skip_all_reason) fprintf(stderr, "test_cuda_optim: %s: every case skips\n", test_skip_all_reason);
@@ -394,6 +480,7 @@ int main(void) {
     RUN(test_same_inputs_twice_are_bit_identical);
     RUN(test_state_download_upload_continues_bit_identically);
     RUN(test_qk_clip_on_the_device_equals_the_host);
+    RUN(test_model_trained_on_the_device_matches_the_host_path);
     if (gpu) lm_backend_free(gpu);
     return test_summary();
 }
