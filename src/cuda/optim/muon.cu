@@ -13,7 +13,8 @@
  * Precision: the products take fp32 operands from fp32 memory with TF32
  * tensor-core multiplies (10-bit mantissa) and fp32 accumulation
  * (CUBLAS_COMPUTE_32F_FAST_TF32); cfg->muon_ns_fp32 = 1 selects full fp32
- * products (CUBLAS_COMPUTE_32F). TF32 rather than bf16: the operands stay in
+ * products (CUBLAS_COMPUTE_32F), as does a shape for which cuBLASLt offers no
+ * TF32 kernel. TF32 rather than bf16: the operands stay in
  * fp32 memory (no conversion pass, no second copy of X, A and B), the
  * rounding of each operand is 8x finer than bf16's, and Newton–Schulz is a
  * small share of a training step. Everything outside the products (momentum,
@@ -216,6 +217,12 @@ static lm_status lt_batched_plan(const lm_cuda_context *ctx, lt_batched *p, cubl
                                            1, &best, &found);
     }
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if ((s != CUBLAS_STATUS_SUCCESS || found < 1) && compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+        /* no TF32 kernel for this shape: the full-fp32 product (only more precise) */
+        lt_batched_free(p);
+        return lt_batched_plan(ctx, p, CUBLAS_COMPUTE_32F, ta, tb, M, N, K, lda, sa, ldb, sb, ldc, sc, batch, alpha,
+                               beta);
+    }
     if (s != CUBLAS_STATUS_SUCCESS) {
         lt_batched_free(p);
         return lt_fail(s, what);
