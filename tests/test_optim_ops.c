@@ -4,9 +4,11 @@
 #include <omp.h>
 
 #include "longmoe/backend.h"
+#include "longmoe/model.h"
 #include "longmoe/optim.h"
 #include "longmoe/optim_device.h"
 #include "test.h"
+#include "test_models.h"
 
 #define OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
 
@@ -260,6 +262,36 @@ static void test_qk_clip_on_the_cpu_backend_equals_host(void) {
     free(k2);
 }
 
+/* On a CPU model the backend descriptors are the host ones and the helpers
+ * for backend parameters change nothing. */
+static void test_model_backend_helpers_on_the_cpu(void) {
+    lm_config c = test_micro_config();
+    lm_model *m = NULL;
+    OK(lm_model_create(&c, 2, 16, &m));
+    if (!m) return;
+    lm_model_init(m, 3);
+    int n = lm_model_num_tensors(m);
+    lm_param *a = calloc((size_t)n, sizeof *a), *b = calloc((size_t)n, sizeof *b);
+    lm_model_optimizer_params(m, a, LM_TRAIN_MUON);
+    lm_model_backend_params(m, b, LM_TRAIN_MUON);
+    int same = 1;
+    for (int i = 0; i < n; i++)
+        same &= a[i].data == b[i].data && a[i].grad == b[i].grad && a[i].rows == b[i].rows &&
+                a[i].cols == b[i].cols && a[i].n_blocks == b[i].n_blocks;
+    CHECK(same, "backend descriptors differ from the host ones on the CPU");
+    size_t np = lm_model_num_params(m);
+    float *keep = alloc_f(np);
+    memcpy(keep, lm_model_params(m), np * 4);
+    OK(lm_model_params_changed_on_backend(m));
+    CHECK(lm_model_host_params_stale(m) == 0, "a CPU model's host copy marked stale");
+    OK(lm_model_download_params(m));
+    CHECK(!memcmp(keep, lm_model_params(m), np * 4), "download changed a CPU model's parameters");
+    free(keep);
+    free(a);
+    free(b);
+    lm_model_free(m);
+}
+
 int main(void) {
     RUN(test_ops_equal_the_host_functions);
     RUN(test_backend_optimizer_equals_host_optimizer_one_thread);
@@ -267,5 +299,6 @@ int main(void) {
     RUN(test_state_round_trip_continues_identically);
     RUN(test_non_finite_gradients_are_reported_untouched);
     RUN(test_qk_clip_on_the_cpu_backend_equals_host);
+    RUN(test_model_backend_helpers_on_the_cpu);
     return test_summary();
 }
