@@ -385,8 +385,8 @@ static void test_qk_clip_on_the_device_equals_the_host(void) {
  * (gradients down, parameters up) and the device optimizer on the model's
  * backend blocks (lm_model_backend_params, lm_model_params_changed_on_backend),
  * with QK-Clip every step (tau = 1e-9: far below the logits of a fresh model, so heads clip). AdamW
- * everywhere, so both paths compute the same numbers: losses, clipped heads
- * and the final parameters agree to 1e-6. */
+ * everywhere, so both paths compute the same numbers: the clipped heads agree,
+ * losses and norms to 1e-4, the final parameters to 1e-6. */
 static void test_model_trained_on_the_device_matches_the_host_path(void) {
     lm_config c = test_small_hybrid_config(); /* head sizes the GPU operators take */
     int B = 2, T = 64;
@@ -441,8 +441,10 @@ static void test_model_trained_on_the_device_matches_the_host_path(void) {
         OK(lm_model_qk_clip(b, 1e-9f, &mxb, &cb));
         printf("  step %d: loss host path %.7f device %.7f, norm %.7g %.7g, clipped %d %d\n", s, la, lb, na, nb, ca,
                cb);
-        CHECK(fabs(la - lb) <= 1e-5 * fabs(la), "step %d: loss %.7f vs %.7f", s, la, lb);
-        CHECK(fabs(na - nb) <= 1e-6 * na, "step %d: norm %.9g vs %.9g", s, na, nb);
+        /* 1e-4: a last-bit difference of a weight (CPU FMA contraction) can move a
+         * bf16 copy or a routing tie; a stale bf16 copy would be off by far more */
+        CHECK(fabs(la - lb) <= 1e-4 * fabs(la), "step %d: loss %.7f vs %.7f", s, la, lb);
+        CHECK(fabs(na - nb) <= 1e-4 * na, "step %d: norm %.9g vs %.9g", s, na, nb);
         CHECK(ca == cb, "step %d: clipped heads %d vs %d", s, ca, cb);
         clipped += ca;
     }
