@@ -39,6 +39,7 @@
 #include "longmoe/balance.h"
 #include "longmoe/kda.h"
 #include "longmoe/moe.h"
+#include "longmoe/optim.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -196,6 +197,26 @@ typedef struct {
     /* ---- checks ---- */
     /* *first = the index of the first non-finite value of x[n], or -1 */
     lm_status (*find_nonfinite)(lm_backend *be, const float *x, size_t n, int64_t *first);
+
+    /* ---- the optimizer's pieces (optim.h, optim_device.h; docs/optim.md) ---- */
+    /* *out (backend memory, one double) = sum of x[i]^2 in double in a fixed
+     * order: the same bits on every run; on the CPU exactly lm_sum_squares */
+    lm_status (*sum_squares)(lm_backend *be, const float *x, size_t n, double *out);
+    /* x[i] *= s (one fp32 product each, as lm_grads_scale) */
+    lm_status (*scale)(lm_backend *be, float *x, size_t n, float s);
+    /* x[i] = (float)((double)x[i] * f): the exact product rounded once (QK-Clip) */
+    lm_status (*scale_exact)(lm_backend *be, float *x, size_t n, double f);
+    /* lm_adamw_update on backend memory (t >= 1, the step after increment) */
+    lm_status (*adamw_update)(lm_backend *be, float *w, const float *g, float *m, float *v, int64_t n, float lr,
+                              float beta1, float beta2, float eps, float wd, int64_t t);
+    /* bytes of backend scratch muon_update needs for [rows, cols] in n_blocks row blocks */
+    size_t (*muon_scratch_bytes)(lm_backend *be, int64_t rows, int64_t cols, int n_blocks);
+    /* lm_muon_update on backend memory: momentum buffer, Nesterov, Newton–Schulz
+     * per block, scaled update and decoupled decay; scratch (backend memory, at
+     * least muon_scratch_bytes) is overwritten */
+    lm_status (*muon_update)(lm_backend *be, float *w, const float *g, float *momentum, int64_t rows, int64_t cols,
+                             int n_blocks, float lr, float wd, const lm_optim_config *cfg, void *scratch,
+                             size_t scratch_bytes);
 } lm_ops;
 
 struct lm_backend {

@@ -144,6 +144,23 @@ void lm_model_reset_timings(lm_model *m);
  * into the model's blocks (n = lm_model_num_tensors). */
 void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which);
 
+/* ---- an optimizer on the model's backend (optim_device.h; docs/optim.md) ----
+ * lm_model_backend_params: the same descriptors with data and grad in the
+ * backend's fp32 parameter and gradient blocks (on the CPU, the host blocks).
+ * After the backend's parameters were changed there (lm_device_optimizer_step),
+ * lm_model_params_changed_on_backend refreshes the product-format copy and
+ * marks the host parameters stale: the next forward uses the backend's, and
+ * lm_model_qk_clip then clips the backend's rows. lm_model_download_params
+ * brings them to the host (before a checkpoint, an evaluation through
+ * lm_model_logits, or lm_model_copy_state, which refuses a source whose host
+ * copy is stale); lm_model_upload_params (host -> backend) clears the mark.
+ * On the CPU these calls do nothing. */
+void lm_model_backend_params(lm_model *m, lm_param *params, lm_train_optimizer which);
+lm_status lm_model_params_changed_on_backend(lm_model *m);
+lm_status lm_model_download_params(lm_model *m);
+/* 1 while the host parameters are older than the backend's */
+int lm_model_host_params_stale(const lm_model *m);
+
 /* ---- decoding (docs/sampling.md) ----
  * A decoder runs a model token by token for B sequences of at most max_T
  * tokens. It borrows the model's parameters and frozen MoE balancing bias (the

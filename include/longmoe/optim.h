@@ -97,6 +97,9 @@ typedef struct {
     int muon_ns_steps;    /* 5 */
     float muon_rms_scale; /* 0.2: update = 0.2 * sqrt(max(rows, cols)) * NS(momentum) */
     float muon_ns_eps;    /* 1e-7: NS input is M / (||M||_F + eps) */
+    int muon_ns_fp32;     /* backends with a faster product format (CUDA: TF32): 1 runs the
+                           * Newton–Schulz products in full fp32 instead (checks); 0 (default)
+                           * the backend's choice. The CPU always computes in fp32. */
 } lm_optim_config;
 
 lm_optim_config lm_optim_config_default(void);
@@ -168,7 +171,12 @@ lm_status lm_newton_schulz(float *out, const float *g, int64_t rows, int64_t col
  * Gradients: global norm, clipping, accumulation
  * ------------------------------------------------------------------------- */
 
-/* Global L2 norm of all gradients, accumulated in double in a fixed order. */
+/* sum x[i]^2 in double over 64 fixed blocks, each summed in order, then the
+ * block sums in order: the same bits for any thread count. */
+double lm_sum_squares(const float *x, int64_t n);
+
+/* Global L2 norm of all gradients, accumulated in double in a fixed order:
+ * sqrt of the sum over parameters, in order, of lm_sum_squares(grad). */
 double lm_grad_global_norm(const lm_param *params, int n_params);
 
 /* Measure the global norm (written to *norm_out, before clipping) and, when

@@ -14,6 +14,7 @@
 #include "longmoe/linear.h"
 #include "longmoe/mla.h"
 #include "longmoe/moe.h"
+#include "longmoe/optim_device.h"
 #include "model_internal.h"
 
 
@@ -524,6 +525,7 @@ void lm_model_init(lm_model *m, uint64_t seed) {
     }
     memset(m->grads, 0, m->n_params * sizeof(float));
     m->params_on_host_newer = 1;
+    m->params_on_backend_newer = 0;
     m->grads_zero_pending = 1;
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->layers[l].bal_ready) {
@@ -560,8 +562,26 @@ lm_status lm_model_upload_params(lm_model *m) {
         if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, m->n_params));
     }
     m->params_on_host_newer = 0;
+    m->params_on_backend_newer = 0;
     return LM_OK;
 }
+
+lm_status lm_model_params_changed_on_backend(lm_model *m) {
+    if (m->P == m->params) return LM_OK;
+    if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, m->n_params));
+    m->params_on_host_newer = 0;
+    m->params_on_backend_newer = 1;
+    return LM_OK;
+}
+
+lm_status lm_model_download_params(lm_model *m) {
+    if (m->P != m->params && m->params_on_backend_newer)
+        TRY(m->be->download(m->be, m->params, m->P, m->n_params * sizeof(float)));
+    m->params_on_backend_newer = 0;
+    return LM_OK;
+}
+
+int lm_model_host_params_stale(const lm_model *m) { return m->params_on_backend_newer; }
 
 lm_status lm_model_download_grads(lm_model *m) {
     if (m->G != m->grads) TRY(m->be->download(m->be, m->grads, m->G, m->n_params * sizeof(float)));
@@ -602,10 +622,11 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
     return LM_OK;
 }
 
-void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which) {
+/* The descriptors with data and grad in the blocks P (parameters) and G (gradients). */
+static void optimizer_params_in(lm_model *m, float *P, float *G, lm_param *params, lm_train_optimizer which) {
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
-        float *w = m->params + t->offset, *g = m->grads + t->offset;
+        float *w = P + t->offset, *g = G + t->offset;
         lm_param p;
         if (t->ndim >= 2) {
             int64_t rows = t->ndim == 3 ? t->shape[0] * t->shape[1] : t->shape[0];
@@ -618,6 +639,14 @@ void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer
         if (which == LM_TRAIN_ADAMW) p.optimizer = LM_OPT_ADAMW;
         params[i] = p;
     }
+}
+
+void lm_model_optimizer_params(lm_model *m, lm_param *params, lm_train_optimizer which) {
+    optimizer_params_in(m, m->params, m->grads, params, which);
+}
+
+void lm_model_backend_params(lm_model *m, lm_param *params, lm_train_optimizer which) {
+    optimizer_params_in(m, m->P, m->G, params, which);
 }
 
 static const char *const time_names[LM_TIME_COUNT] = {"kda", "attention", "moe", "dense ffn", "attnres",
@@ -961,7 +990,8 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
 
 lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clipped) {
     float mx = -INFINITY;
-    int clipped = 0;
+    int clipped = 0, changed = 0;
+    const int on_backend = m->params_on_backend_newer && m->P != m->params;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
         if (ls->mixer != LM_MIXER_MLA) continue;
@@ -971,7 +1001,17 @@ lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clip
             mx = ls->smax[h] > mx ? ls->smax[h] : mx;
             seen &= isfinite(ls->smax[h]);
         }
-        if (tau > 0 && seen) {
+        if (tau > 0 && seen && on_backend) {
+            /* the newest parameters are the backend's: clip the same rows there */
+            if (c->kind == LM_ATTN_MLA)
+                TRY(lm_qk_clip_mla_on(m->be, ls->mla_P.W_uq, ls->mla_P.W_uk, H, c->head_dim_qk,
+                                      c->rope_dims, c->q_lora, c->kv_lora, ls->smax, tau, NULL, &k));
+            else
+                TRY(lm_qk_clip_gqa_on(m->be, ls->mla_P.W_q, ls->mla_P.W_k, H, c->n_kv_heads,
+                                      c->head_dim_qk, c->d_model, ls->smax, tau, NULL, &k));
+            clipped += k;
+            changed |= k > 0;
+        } else if (tau > 0 && seen) {
             if (c->kind == LM_ATTN_MLA)
                 TRY(lm_qk_clip_mla(ls->mla_p.W_uq, ls->mla_p.W_uk, H, c->head_dim_qk, c->rope_dims, c->q_lora,
                                    c->kv_lora, ls->smax, tau, NULL, &k));
@@ -982,6 +1022,8 @@ lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clip
         }
         for (int h = 0; h < H; h++) ls->smax[h] = -INFINITY;
     }
+    /* the product-format copy follows the clipped rows */
+    if (on_backend && changed) TRY(lm_model_params_changed_on_backend(m));
     if (max_logit) *max_logit = mx;
     if (n_clipped) *n_clipped = clipped;
     return LM_OK;
@@ -996,8 +1038,12 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
     if (dst->n_params != src->n_params || dst->n_tensors != src->n_tensors)
         return lm_error(LM_ERR_ARG, "copying model state between different architectures (%zu vs %zu parameters)",
                         dst->n_params, src->n_params);
+    if (src->params_on_backend_newer)
+        return lm_error(LM_ERR_ARG, "copying model state: the source's newest parameters are on its backend "
+                                    "(lm_model_download_params first)");
     memcpy(dst->params, src->params, src->n_params * sizeof(float));
     dst->params_on_host_newer = 1;
+    dst->params_on_backend_newer = 0;
     for (int l = 0; l < src->cfg.n_layers; l++) {
         const lm_balance_state *a = &src->layers[l].bal;
         lm_balance_state *b = &dst->layers[l].bal;

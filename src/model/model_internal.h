@@ -54,6 +54,7 @@ struct lm_model {
     float *P, *G;
     void *PL;
     int params_on_host_newer; /* upload before the next forward */
+    int params_on_backend_newer; /* an optimizer on the backend changed P: the host copy is stale */
     int grads_zero_pending;   /* zero G before the next forward */
     layer_state *layers;
     /* named parameters outside the layers */

@@ -483,6 +483,54 @@ static lm_status cpu_find_nonfinite(lm_backend *be, const float *x, size_t n, in
     return LM_OK;
 }
 
+/* ---- the optimizer's pieces: the functions of src/train/optim.c themselves ---- */
+
+static lm_status cpu_sum_squares(lm_backend *be, const float *x, size_t n, double *out) {
+    (void)be;
+    if (!out || (n && !x)) return lm_error(LM_ERR_ARG, "sum_squares: x or out is NULL");
+    *out = lm_sum_squares(x, (int64_t)n);
+    return LM_OK;
+}
+
+static lm_status cpu_scale(lm_backend *be, float *x, size_t n, float s) {
+    (void)be;
+    if (n && !x) return lm_error(LM_ERR_ARG, "scale: x is NULL");
+    /* lm_grads_scale's loop on one tensor */
+    lm_param p = lm_param_vector(NULL, x, x, (int64_t)n, LM_PARAM_VECTOR);
+    if (n) lm_grads_scale(&p, 1, s);
+    return LM_OK;
+}
+
+static lm_status cpu_scale_exact(lm_backend *be, float *x, size_t n, double f) {
+    (void)be;
+    if (n && !x) return lm_error(LM_ERR_ARG, "scale_exact: x is NULL");
+    for (size_t i = 0; i < n; i++) x[i] = (float)((double)x[i] * f);
+    return LM_OK;
+}
+
+static lm_status cpu_adamw_update(lm_backend *be, float *w, const float *g, float *m, float *v, int64_t n, float lr,
+                                  float beta1, float beta2, float eps, float wd, int64_t t) {
+    (void)be;
+    if (n < 0 || (n && (!w || !g || !m || !v)))
+        return lm_error(LM_ERR_ARG, "adamw_update: n %lld with a NULL array", (long long)n);
+    if (t < 1) return lm_error(LM_ERR_ARG, "adamw_update: step %lld must be >= 1", (long long)t);
+    lm_adamw_update(w, g, m, v, n, lr, beta1, beta2, eps, wd, t);
+    return LM_OK;
+}
+
+static size_t cpu_muon_scratch_bytes(lm_backend *be, int64_t rows, int64_t cols, int n_blocks) {
+    (void)be;
+    return lm_muon_scratch_floats(rows, cols, n_blocks) * sizeof(float);
+}
+
+static lm_status cpu_muon_update(lm_backend *be, float *w, const float *g, float *momentum, int64_t rows,
+                                 int64_t cols, int n_blocks, float lr, float wd, const lm_optim_config *cfg,
+                                 void *scratch, size_t scratch_bytes) {
+    (void)be;
+    return lm_muon_update(w, g, momentum, rows, cols, n_blocks, lr, wd, cfg, (float *)scratch,
+                          scratch_bytes / sizeof(float));
+}
+
 static const lm_ops cpu_ops = {
     .matmul_forward = cpu_matmul_forward,
     .matmul_backward = cpu_matmul_backward,
@@ -527,6 +575,12 @@ static const lm_ops cpu_ops = {
     .attnres_input_backward = cpu_ar_input_backward,
     .attnres_embedding_backward = cpu_ar_embedding_backward,
     .find_nonfinite = cpu_find_nonfinite,
+    .sum_squares = cpu_sum_squares,
+    .scale = cpu_scale,
+    .scale_exact = cpu_scale_exact,
+    .adamw_update = cpu_adamw_update,
+    .muon_scratch_bytes = cpu_muon_scratch_bytes,
+    .muon_update = cpu_muon_update,
 };
 
 static lm_backend cpu_backend = {

@@ -6,6 +6,7 @@
  * matrix products give each output row to one thread and accumulate it in a
  * fixed order. No result depends on the thread count or scheduling. */
 #include "longmoe/optim.h"
+#include "longmoe/optim_device.h"
 
 #include <math.h>
 #include <omp.h>
@@ -165,6 +166,7 @@ lm_optim_config lm_optim_config_default(void) {
     c.muon_ns_steps = 5;
     c.muon_rms_scale = 0.2f;
     c.muon_ns_eps = 1e-7f;
+    c.muon_ns_fp32 = 0;
     return c;
 }
 
@@ -192,6 +194,8 @@ lm_status lm_optim_config_check(const lm_optim_config *c) {
     if (!(c->muon_ns_eps > 0.0f) || !isfinite(c->muon_ns_eps))
         return lm_error(LM_ERR_ARG, "muon_ns_eps %g must be finite and > 0",
                         (double)c->muon_ns_eps);
+    if (c->muon_ns_fp32 != 0 && c->muon_ns_fp32 != 1)
+        return lm_error(LM_ERR_ARG, "muon_ns_fp32 %d must be 0 or 1", c->muon_ns_fp32);
     return LM_OK;
 }
 
@@ -215,6 +219,8 @@ static double sum_squares_fixed(const float *x, int64_t n) {
     for (int b = 0; b < LM_REDUCE_BLOCKS; b++) s += part[b];
     return s;
 }
+
+double lm_sum_squares(const float *x, int64_t n) { return n > 0 ? sum_squares_fixed(x, n) : 0.0; }
 
 /* Rows of C per task of rows_gemm_part: they share each loaded row of the right factor. */
 #define LM_GEMM_ROWS 4
@@ -530,8 +536,19 @@ static lm_status check_s_max(const char *fn, const float *s_max, int n_heads) {
     return LM_OK;
 }
 
-lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_max, float tau,
-                     float *scale_out, int *n_clipped) {
+/* Scale count floats of x by f (exact product, one rounding): on the host
+ * (be NULL) or in a backend's memory through its scale_exact op. */
+static lm_status scale_rows_on(lm_backend *be, float *x, int64_t count, double f) {
+    if (!be) {
+        scale_rows(x, count, f);
+        return LM_OK;
+    }
+    return be->ops->scale_exact(be, x, (size_t)count, f);
+}
+
+/* lm_qk_clip on the host (be NULL) or on backend memory. */
+static lm_status qk_clip_on(lm_backend *be, const lm_qk_clip_head *heads, int n_heads, const float *s_max,
+                            float tau, float *scale_out, int *n_clipped) {
     if (n_heads < 0 || (n_heads > 0 && (!heads || !s_max)))
         return lm_error(LM_ERR_ARG, "qk_clip: %d heads with heads or s_max NULL", n_heads);
     lm_status st = check_tau("qk_clip", tau);
@@ -560,9 +577,10 @@ lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_m
             // q.k scales by eta; rows meeting a shared key (GQA group, rotary key) take eta
             eta = (double)tau / (double)s_max[h];
             double f = sqrt(eta);
-            scale_rows(hd->q_rows, hd->q_nrows * hd->q_cols, hd->k_rows ? f : eta);
-            if (hd->k_rows) scale_rows(hd->k_rows, hd->k_nrows * hd->k_cols, f);
-            if (hd->q_rope_rows) scale_rows(hd->q_rope_rows, hd->q_rope_nrows * hd->q_cols, eta);
+            st = scale_rows_on(be, hd->q_rows, hd->q_nrows * hd->q_cols, hd->k_rows ? f : eta);
+            if (!st && hd->k_rows) st = scale_rows_on(be, hd->k_rows, hd->k_nrows * hd->k_cols, f);
+            if (!st && hd->q_rope_rows) st = scale_rows_on(be, hd->q_rope_rows, hd->q_rope_nrows * hd->q_cols, eta);
+            if (st) return st;
             clipped++;
         }
         if (scale_out) scale_out[h] = (float)eta;
@@ -571,12 +589,17 @@ lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_m
     return LM_OK;
 }
 
+lm_status lm_qk_clip(const lm_qk_clip_head *heads, int n_heads, const float *s_max, float tau,
+                     float *scale_out, int *n_clipped) {
+    return qk_clip_on(NULL, heads, n_heads, s_max, tau, scale_out, n_clipped);
+}
+
 /* Heads described on the stack per lm_qk_clip call (more go in batches). */
 #define LM_QK_CLIP_BATCH 64
 
-lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk, int rope_dims,
-                         int q_lora, int kv_lora, const float *s_max, float tau, float *scale_out,
-                         int *n_clipped) {
+static lm_status qk_clip_mla_on(lm_backend *be, float *w_uq, float *w_uk, int n_heads, int head_dim_qk,
+                                int rope_dims, int q_lora, int kv_lora, const float *s_max, float tau,
+                                float *scale_out, int *n_clipped) {
     // w_uq is (H*Dk, q_lora), w_uk is (H*Dn, kv_lora), Dn = Dk - rope_dims
     if (!w_uq || !w_uk || !s_max)
         return lm_error(LM_ERR_ARG, "qk_clip_mla: w_uq, w_uk and s_max must not be NULL");
@@ -609,7 +632,7 @@ lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk,
             hs[i].q_rope_nrows = rope_dims;
         }
         int c = 0;
-        st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
+        st = qk_clip_on(be, hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
         if (st) return st;
         total += c;
     }
@@ -617,9 +640,9 @@ lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk,
     return LM_OK;
 }
 
-lm_status lm_qk_clip_gqa(float *w_q, float *w_k, int n_heads, int n_kv_heads, int head_dim_qk,
-                         int d_model, const float *s_max, float tau, float *scale_out,
-                         int *n_clipped) {
+static lm_status qk_clip_gqa_on(lm_backend *be, float *w_q, float *w_k, int n_heads, int n_kv_heads,
+                                int head_dim_qk, int d_model, const float *s_max, float tau,
+                                float *scale_out, int *n_clipped) {
     // w_q is (H*Dk, d_model), w_k is (Hkv*Dk, d_model)
     if (!w_q || !w_k || !s_max)
         return lm_error(LM_ERR_ARG, "qk_clip_gqa: w_q, w_k and s_max must not be NULL");
@@ -651,10 +674,38 @@ lm_status lm_qk_clip_gqa(float *w_q, float *w_k, int n_heads, int n_kv_heads, in
             hs[i].q_rope_nrows = 0;
         }
         int c = 0;
-        st = lm_qk_clip(hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
+        st = qk_clip_on(be, hs, nb, s_max + h0, tau, scale_out ? scale_out + h0 : NULL, &c);
         if (st) return st;
         total += c;
     }
     if (n_clipped) *n_clipped = total;
     return LM_OK;
+}
+
+lm_status lm_qk_clip_mla(float *w_uq, float *w_uk, int n_heads, int head_dim_qk, int rope_dims,
+                         int q_lora, int kv_lora, const float *s_max, float tau, float *scale_out,
+                         int *n_clipped) {
+    return qk_clip_mla_on(NULL, w_uq, w_uk, n_heads, head_dim_qk, rope_dims, q_lora, kv_lora, s_max, tau,
+                          scale_out, n_clipped);
+}
+
+lm_status lm_qk_clip_gqa(float *w_q, float *w_k, int n_heads, int n_kv_heads, int head_dim_qk,
+                         int d_model, const float *s_max, float tau, float *scale_out,
+                         int *n_clipped) {
+    return qk_clip_gqa_on(NULL, w_q, w_k, n_heads, n_kv_heads, head_dim_qk, d_model, s_max, tau, scale_out,
+                          n_clipped);
+}
+
+lm_status lm_qk_clip_mla_on(lm_backend *be, float *w_uq, float *w_uk, int n_heads, int head_dim_qk, int rope_dims,
+                            int q_lora, int kv_lora, const float *s_max, float tau, float *scale_out, int *n_clipped) {
+    if (!be) be = lm_backend_cpu();
+    return qk_clip_mla_on(be, w_uq, w_uk, n_heads, head_dim_qk, rope_dims, q_lora, kv_lora, s_max, tau,
+                          scale_out, n_clipped);
+}
+
+lm_status lm_qk_clip_gqa_on(lm_backend *be, float *w_q, float *w_k, int n_heads, int n_kv_heads, int head_dim_qk,
+                            int d_model, const float *s_max, float tau, float *scale_out, int *n_clipped) {
+    if (!be) be = lm_backend_cpu();
+    return qk_clip_gqa_on(be, w_q, w_k, n_heads, n_kv_heads, head_dim_qk, d_model, s_max, tau, scale_out,
+                          n_clipped);
 }

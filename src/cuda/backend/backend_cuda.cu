@@ -25,6 +25,7 @@
 
 #include "cuda/backend/backend_internal.h"
 #include "cuda/cuda_check.h"
+#include "cuda/optim/optim_internal.h"
 #include "longmoe/attention_cuda.h"
 #include "longmoe/attnres_cuda.h"
 #include "longmoe/backend.h"
@@ -52,6 +53,7 @@ typedef struct {
     void *arena;
     size_t arena_bytes;
     cuda_scalars *scalars;       /* device */
+    double *sumsq_parts;         /* device, LM_CUDA_SUMSQ_PARTS: sum_squares' partial sums */
 } cuda_backend;
 
 static cuda_backend *cb_of(lm_backend *be) { return (cuda_backend *)be; }
@@ -657,6 +659,29 @@ static lm_status cuda_find_nonfinite(lm_backend *be, const float *x, size_t n, i
     return LM_OK;
 }
 
+/* ---- the optimizer's pieces (src/cuda/optim) ---- */
+
+static lm_status cuda_sum_squares(lm_backend *be, const float *x, size_t n, double *out) {
+    return lm_cuda_sum_squares(ctx_of(be), x, n, cb_of(be)->sumsq_parts, out);
+}
+static lm_status cuda_scale(lm_backend *be, float *x, size_t n, float s) { return lm_cuda_scale(ctx_of(be), x, n, s); }
+static lm_status cuda_scale_exact(lm_backend *be, float *x, size_t n, double f) {
+    return lm_cuda_scale_exact(ctx_of(be), x, n, f);
+}
+static lm_status cuda_adamw_update(lm_backend *be, float *w, const float *g, float *m, float *v, int64_t n, float lr,
+                                   float beta1, float beta2, float eps, float wd, int64_t t) {
+    return lm_cuda_adamw_update(ctx_of(be), w, g, m, v, n, lr, beta1, beta2, eps, wd, t);
+}
+static size_t cuda_muon_scratch_bytes(lm_backend *be, int64_t rows, int64_t cols, int n_blocks) {
+    (void)be;
+    return lm_cuda_muon_scratch_bytes(rows, cols, n_blocks);
+}
+static lm_status cuda_muon_update(lm_backend *be, float *w, const float *g, float *momentum, int64_t rows,
+                                  int64_t cols, int n_blocks, float lr, float wd, const lm_optim_config *cfg,
+                                  void *scratch, size_t scratch_bytes) {
+    return lm_cuda_muon_update(ctx_of(be), w, g, momentum, rows, cols, n_blocks, lr, wd, cfg, scratch, scratch_bytes);
+}
+
 static lm_ops make_cuda_ops(void) {
     lm_ops o;
     memset(&o, 0, sizeof o);
@@ -703,6 +728,12 @@ static lm_ops make_cuda_ops(void) {
     o.attnres_input_backward = cuda_ar_input_backward;
     o.attnres_embedding_backward = cuda_ar_embedding_backward;
     o.find_nonfinite = cuda_find_nonfinite;
+    o.sum_squares = cuda_sum_squares;
+    o.scale = cuda_scale;
+    o.scale_exact = cuda_scale_exact;
+    o.adamw_update = cuda_adamw_update;
+    o.muon_scratch_bytes = cuda_muon_scratch_bytes;
+    o.muon_update = cuda_muon_update;
     return o;
 }
 
@@ -714,6 +745,7 @@ static void cuda_destroy(lm_backend *be) {
     if (cb->ctx.stream) cudaStreamSynchronize((cudaStream_t)cb->ctx.stream);
     if (cb->arena) cudaFree(cb->arena);
     if (cb->scalars) cudaFree(cb->scalars);
+    if (cb->sumsq_parts) cudaFree(cb->sumsq_parts);
     lm_cuda_context_destroy(&cb->ctx);
     free(cb);
 }
@@ -747,7 +779,8 @@ extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     cb->be.download = cuda_download;
     cb->be.sync = cuda_sync;
     cb->be.destroy = cuda_destroy;
-    if ((st = cuda_alloc(&cb->be, sizeof(cuda_scalars), (void **)&cb->scalars))) {
+    if ((st = cuda_alloc(&cb->be, sizeof(cuda_scalars), (void **)&cb->scalars)) ||
+        (st = cuda_alloc(&cb->be, LM_CUDA_SUMSQ_PARTS * sizeof(double), (void **)&cb->sumsq_parts))) {
         cuda_destroy(&cb->be);
         return st;
     }
