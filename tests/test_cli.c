@@ -196,8 +196,12 @@ static void test_train_device_flag_is_checked(void) {
     CHECK(run_cli(args) == 1 && stderr_has("kda.head_dim is 32") && stderr_has("64 and 128"),
           "tiny on --device cuda");
     CHECK(no_run_in(path_in("run_tiny")), "the refused run wrote a run");
-    CHECK(run_cli("train --help") == 0 && test_file_has(path_in("out.txt"), "--device D"),
-          "train --help names --device");
+    snprintf(args, sizeof args, "train --config %s --out %s --host-optimizer", path_in("h64.json"), path_in("run_tpu"));
+    CHECK(run_cli(args) == 2 && stderr_has("give it with --device cuda"), "--host-optimizer on the CPU");
+    CHECK(access(path_in("run_tpu"), F_OK) != 0, "--host-optimizer on the CPU made the run directory");
+    CHECK(run_cli("train --help") == 0 && test_file_has(path_in("out.txt"), "--device D") &&
+              test_file_has(path_in("out.txt"), "--host-optimizer"),
+          "train --help names --device and --host-optimizer");
 }
 
 static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {

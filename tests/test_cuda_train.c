@@ -51,30 +51,44 @@ static const char staged_config[] =
 static const char *in_root(const char *name) { return test_path(root, name); }
 
 /* Start `longmoe train` on run directory `run` on `device` (fresh from the
- * config, or resuming; stop_after > 0 adds --stop-after); output to run.log. */
-static pid_t start_train(const char *run, const char *device, int resume, int stop_after) {
+ * config, or resuming; stop_after > 0 adds --stop-after; extra, when not NULL,
+ * is one more flag); output to run.log. */
+static pid_t start_train_with(const char *run, const char *device, int resume, int stop_after, const char *extra) {
     char stop[32];
     snprintf(stop, sizeof stop, "%d", stop_after);
+    const char *argv[16];
+    int n = 0;
+    argv[n++] = "longmoe";
+    argv[n++] = "train";
+    if (!resume) {
+        argv[n++] = "--config";
+        argv[n++] = in_root("staged.json");
+    }
+    argv[n++] = "--out";
+    argv[n++] = run;
+    if (resume) argv[n++] = "--resume";
+    argv[n++] = "--device";
+    argv[n++] = device;
+    if (stop_after > 0) {
+        argv[n++] = "--stop-after";
+        argv[n++] = stop;
+    }
+    if (extra) argv[n++] = extra;
+    argv[n] = NULL;
     fflush(stdout); /* the child's freopen would write the parent's buffered lines again */
     fflush(stderr);
     pid_t pid = fork();
     if (pid == 0) {
         FILE *log = freopen(in_root("run.log"), "ab", stdout);
         if (log) dup2(fileno(stdout), 2);
-        if (resume && stop_after > 0)
-            execl(LONGMOE_CLI, "longmoe", "train", "--out", run, "--resume", "--device", device, "--stop-after", stop,
-                  (char *)NULL);
-        else if (resume)
-            execl(LONGMOE_CLI, "longmoe", "train", "--out", run, "--resume", "--device", device, (char *)NULL);
-        else if (stop_after > 0)
-            execl(LONGMOE_CLI, "longmoe", "train", "--config", in_root("staged.json"), "--out", run, "--device",
-                  device, "--stop-after", stop, (char *)NULL);
-        else
-            execl(LONGMOE_CLI, "longmoe", "train", "--config", in_root("staged.json"), "--out", run, "--device",
-                  device, (char *)NULL);
+        execv(LONGMOE_CLI, (char *const *)argv);
         _exit(127);
     }
     return pid;
+}
+
+static pid_t start_train(const char *run, const char *device, int resume, int stop_after) {
+    return start_train_with(run, device, resume, stop_after, NULL);
 }
 
 /* Run to the end; 1 when it exited with 0. */
@@ -174,6 +188,20 @@ static void test_gpu_loss_curve_follows_the_cpu(void) {
     printf("  GPU vs CPU: training loss within %.3g relative (worst step), evaluations within %.3g\n", w, we);
 }
 
+/* The optimizer on the device (the default) against the host optimizer on the
+ * same GPU: the same run within the bf16 tolerance (Muon's Newton-Schulz runs
+ * in TF32 on the device, in fp32 on the host). */
+static void test_device_optimizer_follows_the_host_optimizer(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    int st = 0;
+    waitpid(start_train_with(in_root("gpu_hostopt"), "cuda", 0, 0, "--host-optimizer"), &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "train --host-optimizer failed (see %s)", in_root("run.log"));
+    if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
+    double w = compare_runs(in_root("gpu"), in_root("gpu_hostopt"), "train", "loss", STEPS, 0, LOSS_RTOL);
+    double wg = compare_runs(in_root("gpu"), in_root("gpu_hostopt"), "train", "grad_norm", STEPS, 0, 0.25);
+    printf("  device optimizer vs host optimizer: loss within %.3g relative, gradient norm within %.3g\n", w, wg);
+}
+
 static void test_two_gpu_runs_are_bit_identical(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!train(in_root("gpu2"), "cuda", 0, 0)) return;
@@ -265,6 +293,7 @@ int main(void) {
     }
     RUN(test_gpu_loss_curve_follows_the_cpu);
     RUN(test_two_gpu_runs_are_bit_identical);
+    RUN(test_device_optimizer_follows_the_host_optimizer);
     RUN(test_gpu_run_killed_and_resumed_is_bit_identical);
     RUN(test_gpu_checkpoint_evaluates_on_the_cpu);
     RUN(test_cpu_checkpoint_resumes_on_the_gpu);

@@ -11,7 +11,7 @@
 
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
-    "                     [--steps N] [--seed S] [--device cpu|cuda]\n"
+    "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -34,11 +34,13 @@ static const char *const train_usage =
     "                spans all steps; --resume continues)\n"
     "  --seed S      seed of initialisation and data (overrides train.seed)\n"
     "  --device D    where the model's forward and backward run: cpu (default) or cuda\n"
-    "                (one GPU, bf16 products; the optimizer, checkpoints and evaluation\n"
-    "                scoring stay on the host, so checkpoints move freely between devices\n"
-    "                and --resume may change the device; a resume is bit-identical on the\n"
-    "                device the run had). cuda needs a CUDA build, a GPU and kda.head_dim\n"
-    "                64 or 128 (docs/training.md, \"Devices\")\n"
+    "                (one GPU, bf16 products; the optimizer runs there too: gradient norm,\n"
+    "                clipping, Muon, AdamW, QK-Clip). Checkpoints are the same files on\n"
+    "                either device, so --resume may change the device; a resume is\n"
+    "                bit-identical on the device the run had. cuda needs a CUDA build, a GPU\n"
+    "                and kda.head_dim 64 or 128 (docs/training.md, \"Devices\")\n"
+    "  --host-optimizer  with --device cuda: the optimizer on the host instead (gradients\n"
+    "                down and parameters up every step; slower, for comparison)\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -68,6 +70,7 @@ int cmd_train(int argc, char **argv) {
     long steps = 0, stop_after = 0;
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
+    int host_optimizer = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -89,6 +92,8 @@ int cmd_train(int argc, char **argv) {
                 cli_fail(cmd, "--device must be cpu or cuda, got '%s'", v);
                 return 2;
             }
+        } else if (!strcmp(a, "--host-optimizer")) {
+            host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
             quiet = 1;
         } else if (!strcmp(a, "--steps")) {
@@ -125,7 +130,10 @@ int cmd_train(int argc, char **argv) {
     opt.steps = steps;
     opt.stop_after = stop_after;
     opt.progress = quiet ? NULL : stdout;
+    if (host_optimizer && device != LM_DEVICE_CUDA)
+        return cli_fail(cmd, "--host-optimizer chooses where a device run's optimizer runs: give it with --device cuda") + 1;
     opt.device = device;
+    opt.host_optimizer = host_optimizer;
     lm_config cfg;
     lm_config_defaults(&cfg);
     if (config && lm_config_load(config, &cfg)) return cli_fail(cmd, "%s", lm_last_error());

@@ -65,10 +65,14 @@ typedef struct {
      * the run stops there with a checkpoint and result->interrupted set */
     volatile int *stop_requested;
     /* where the model's forward and backward run (docs/training.md, "Devices"):
-     * LM_DEVICE_CPU (default) or LM_DEVICE_CUDA (one GPU; the parameters, the
-     * optimizer, its state and the checkpoints stay on the host, so a run and
-     * its checkpoints are the same files on either device) */
+     * LM_DEVICE_CPU (default) or LM_DEVICE_CUDA (one GPU; the checkpoints are
+     * the same files on either device, read and written through the host) */
     lm_device device;
+    /* on a device: 0 (default) runs the optimizer there too (optim_device.h:
+     * gradient norm, clipping, Muon, AdamW and QK-Clip on the device's memory,
+     * nothing but the norm crossing to the host in a step); 1 runs it on the
+     * host as on the CPU (gradients down, parameters up every step) */
+    int host_optimizer;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

@@ -16,6 +16,7 @@
 #include "longmoe/data.h"
 #include "longmoe/eval.h"
 #include "longmoe/optim.h"
+#include "longmoe/optim_device.h"
 #include "longmoe/safetensors.h"
 
 typedef struct {
@@ -27,6 +28,14 @@ typedef struct {
     lm_param *all, *muon_p, *adam_p;
     int n_all, n_muon, n_adam;
     lm_optimizer muon, adam;
+    /* the optimizer on the device (--device cuda, unless opt.host_optimizer):
+     * descriptors of the backend's parameters and gradients, the two
+     * optimizers (their state lives on the device; muon_state/adam_state above
+     * are its host copy for checkpoints) and the gradient norm's work area */
+    int dev_opt;
+    lm_param *ball, *bmuon, *badam;
+    lm_device_optimizer *dmuon, *dadam;
+    void *norm_work;
     float *muon_state, *adam_state, *scratch;
     size_t muon_state_n, adam_state_n, scratch_n;
     int32_t *seq, *inp, *tgt;
@@ -66,6 +75,12 @@ static void close_data(trainer *t);
 
 static void trainer_free(trainer *t) {
     close_data(t);
+    lm_device_optimizer_free(t->dmuon);
+    lm_device_optimizer_free(t->dadam);
+    if (t->norm_work) t->be->release(t->be, t->norm_work);
+    free(t->ball);
+    free(t->bmuon);
+    free(t->badam);
     lm_model_free(t->model);
     lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
@@ -97,6 +112,43 @@ static void bind_params(trainer *t) {
         if (lm_param_optimizer(&t->all[i]) == LM_OPT_MUON) t->muon_p[t->n_muon++] = t->all[i];
         else t->adam_p[t->n_adam++] = t->all[i];
     }
+}
+
+/* The same split for the device optimizer: descriptors of the backend's memory. */
+static lm_status bind_backend_params(trainer *t) {
+    if (!t->dev_opt) return LM_OK;
+    lm_model_backend_params(t->model, t->ball, t->cfg.optimizer);
+    int nm = 0, na = 0;
+    for (int i = 0; i < t->n_all; i++) {
+        if (lm_param_optimizer(&t->ball[i]) == LM_OPT_MUON) t->bmuon[nm++] = t->ball[i];
+        else t->badam[na++] = t->ball[i];
+    }
+    if (nm != t->n_muon || na != t->n_adam)
+        return lm_error(LM_ERR_ARG, "the backend's parameters split %d/%d between Muon and AdamW, the host's %d/%d",
+                        nm, na, t->n_muon, t->n_adam);
+    if (t->dmuon) {
+        TRY(lm_device_optimizer_rebind(t->dmuon, t->bmuon, nm));
+        TRY(lm_device_optimizer_rebind(t->dadam, t->badam, na));
+    }
+    return LM_OK;
+}
+
+/* The device optimizer's state to the host copy (checkpoints), or back. */
+static lm_status download_optimizer_state(trainer *t) {
+    if (!t->dev_opt) return LM_OK;
+    TRY(lm_device_optimizer_download_state(t->dmuon, t->muon_state, t->muon_state_n, &t->muon.step));
+    return lm_device_optimizer_download_state(t->dadam, t->adam_state, t->adam_state_n, &t->adam.step);
+}
+
+static lm_status upload_optimizer_state(trainer *t) {
+    if (!t->dev_opt) return LM_OK;
+    TRY(lm_device_optimizer_upload_state(t->dmuon, t->muon_state, t->muon_state_n, t->muon.step));
+    return lm_device_optimizer_upload_state(t->dadam, t->adam_state, t->adam_state_n, t->adam.step);
+}
+
+/* The host parameters as new as the device's (before the host reads them). */
+static lm_status host_params_current(trainer *t) {
+    return lm_model_host_params_stale(t->model) ? lm_model_download_params(t->model) : LM_OK;
 }
 
 double lm_train_flops_per_token(const lm_config *cfg, int T) {
@@ -170,6 +222,17 @@ static lm_status trainer_setup(trainer *t, int stage) {
                           t->scratch_n));
     TRY(lm_optimizer_init(&t->adam, &oc, t->adam_p, t->n_adam, t->adam_state, t->adam_state_n, t->scratch,
                           t->scratch_n));
+    if (t->be && !t->opt.host_optimizer) {
+        t->dev_opt = 1;
+        t->ball = calloc((size_t)t->n_all, sizeof *t->ball);
+        t->bmuon = calloc((size_t)t->n_all, sizeof *t->bmuon);
+        t->badam = calloc((size_t)t->n_all, sizeof *t->badam);
+        if (!t->ball || !t->bmuon || !t->badam) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
+        TRY(bind_backend_params(t));
+        TRY(lm_optimizer_create_on(t->be, &oc, t->bmuon, t->n_muon, &t->dmuon));
+        TRY(lm_optimizer_create_on(t->be, &oc, t->badam, t->n_adam, &t->dadam));
+        TRY(t->be->alloc(t->be, lm_grad_norm_work_bytes(t->n_all), &t->norm_work));
+    }
     return LM_OK;
 }
 
@@ -252,6 +315,7 @@ static lm_status switch_stage(trainer *t, int i) {
     lm_model *next;
     /* on the GPU both stages' models are held for the copy (host parameters
      * and balancing state; the new model uploads them before its first forward) */
+    TRY(host_params_current(t));
     TRY(lm_model_create_on(&t->cfg, B, T, t->be, &next));
     lm_status s = lm_model_copy_state(next, t->model);
     if (s) {
@@ -264,6 +328,7 @@ static lm_status switch_stage(trainer *t, int i) {
     t->T = T;
     t->stage = i;
     bind_params(t);
+    TRY(bind_backend_params(t));
     return open_data(t, i);
 }
 
@@ -368,6 +433,8 @@ static lm_status save_checkpoint(trainer *t) {
      * written: it would replace (and prune) the good ones */
     char what[160];
     snprintf(what, sizeof what, "step %lld", (long long)t->step);
+    TRY(host_params_current(t));
+    TRY(download_optimizer_state(t));
     const float *p = lm_model_params(t->model);
     lm_status bad = LM_OK;
     for (int i = 0; i < lm_model_num_tensors(t->model) && !bad; i++) {
@@ -680,6 +747,7 @@ static void format_eta(char *buf, size_t n, double seconds) {
  * training components; the {"type": "eval"} line goes to the metrics log. */
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
+    TRY(host_params_current(t)); /* the LM head's logits are scored on the host */
     lm_model_timings(t->model, before);
     lm_eval_tally tally;
     lm_status s = lm_eval_loss(t->model, t->val, t->opt.val_batches, lm_eval_options_default().n_buckets, &tally);
@@ -820,6 +888,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         if ((s = load_checkpoint(&t, ckpt))) goto done;
         /* the loaded host parameters to the device (a no-op on the CPU) */
         if ((s = lm_model_upload_params(t.model))) goto done;
+        if ((s = upload_optimizer_state(&t))) goto done;
         int64_t stop_at = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
         if ((s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
         if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
@@ -863,8 +932,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
                 getenv("OMP_WAIT_POLICY") ? getenv("OMP_WAIT_POLICY") : "unset: the runtime's default");
     if (opt->progress && on_gpu)
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s on the GPU (forward "
-                "and backward; optimizer on the host, %d threads)\n", lm_model_num_params(t.model), t.n_all,
-                (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", omp_get_max_threads());
+                "and backward; optimizer on the %s)\n", lm_model_num_params(t.model), t.n_all,
+                (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", t.dev_opt ? "GPU" : "host");
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
@@ -900,10 +969,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
         /* the micro-batches' summed gradients to the host's optimizer (a no-op on the CPU) */
-        if (!bad && (s = lm_model_download_grads(t.model))) goto done;
+        if (!bad && !t.dev_opt && (s = lm_model_download_grads(t.model))) goto done;
         if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
         double gnorm = NAN;
-        if (!bad && isfinite(loss)) bad = lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm) != LM_OK;
+        if (!bad && isfinite(loss))
+            bad = (t.dev_opt ? lm_grad_clip_on(t.be, t.ball, t.n_all, c->grad_clip, t.norm_work, &gnorm)
+                             : lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm)) != LM_OK;
         else bad = 1;
         if (bad) {
             /* skip: no update, b kept, logit maxima dropped, the batch is consumed */
@@ -925,15 +996,31 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         bad_in_row = 0;
         float f = lm_lr_at(&sched, t.step, t.total_steps) * t.stages[t.stage].lr_scale;
         double t_opt = lm_time_seconds();
-        if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f))) goto done;
-        if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
         float max_logit;
         int n_clipped;
-        if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
-        /* the host parameters changed (the update, QK-Clip): the device copy
-         * follows before the next forward or evaluation (a no-op on the CPU);
-         * the balancing biases go with each forward */
-        if ((s = lm_model_upload_params(t.model))) goto done;
+        if (t.dev_opt) {
+            /* the update on the device; its product-format copy follows and the host copy is
+             * marked stale (read back for checkpoints and evaluation); QK-Clip clips there */
+            if ((s = lm_device_optimizer_step(t.dmuon, muon_lr * f)) ||
+                (s = lm_device_optimizer_step(t.dadam, adam_lr * f)) ||
+                (s = lm_model_params_changed_on_backend(t.model)))
+                goto done;
+            if (t.step == opt->inject_nan_param_step) {
+                if ((s = lm_model_download_params(t.model))) goto done;
+                lm_model_params(t.model)[0] = NAN;
+                if ((s = lm_model_upload_params(t.model))) goto done;
+            }
+            if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
+        } else {
+            if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f)))
+                goto done;
+            if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
+            if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
+            /* the host parameters changed (the update, QK-Clip): the device copy
+             * follows before the next forward or evaluation (a no-op on the CPU);
+             * the balancing biases go with each forward */
+            if ((s = lm_model_upload_params(t.model))) goto done;
+        }
         opt_seconds += lm_time_seconds() - t_opt;
         if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
         t.step++;
