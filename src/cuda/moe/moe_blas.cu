@@ -205,8 +205,18 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
     /* cuBLAS groups one type for C: fp32 outputs go per expert, except the
      * weight gradients, which go through the bf16 scratch when there is one */
     const bool via_tmp = weight && g->c && dw_tmp;
-    if (kind == LM_MOE_GEMM_LOOP || (g->c && !via_tmp)) return grouped_loop(ctx, g, acts);
-    if (kind != LM_MOE_GEMM_GROUPED) return lm_error(LM_ERR_ARG, "moe cublas: gemm kind %d", kind);
+    if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP)
+        return lm_error(LM_ERR_ARG, "moe cublas: gemm kind %d", kind);
+    /* The grouped call cannot see the alignment of the pointers it reads from
+     * device memory; they are kept 16-byte aligned: the bases and the per-expert
+     * strides (row starts are multiples of 128 rows, so those always are).
+     * Anything else runs per expert, where cuBLAS sees each pointer. */
+    const int64_t cbytes = g->c && !via_tmp ? 4 : 2;
+    const uintptr_t bases = (uintptr_t)g->a | (uintptr_t)g->b |
+                            (uintptr_t)(via_tmp ? (void *)dw_tmp : g->c ? (void *)g->c : (void *)g->cb);
+    const bool aligned = bases % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
+                         (!weight || (via_tmp ? g->M * g->N * 2 : g->c_group_stride * cbytes) % 16 == 0);
+    if (kind == LM_MOE_GEMM_LOOP || (g->c && !via_tmp) || !aligned) return grouped_loop(ctx, g, acts);
 
     TRY(check_int(g->M, "M"));
     TRY(check_int(g->N, "N"));
