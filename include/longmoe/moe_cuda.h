@@ -23,9 +23,11 @@
  * the device: the grouped products run over a grid sized for rows_max and
  * each tile looks up its expert. With the cuBLAS kinds the forward copies the
  * counts to the host (one synchronisation of the stream) and each expert's
- * product covers its real rows only (experts without rows are skipped; padding
- * rows of the bf16 intermediates are then left unwritten and never read).
- * Dropless at any load (one expert may receive all m*k rows). */
+ * product covers its real rows only (experts without rows are skipped; the
+ * products leave the padding rows of the bf16 intermediates unwritten, the
+ * elementwise kernels may compute on them, and nothing from a padding row
+ * reaches y, dx or a gradient). Dropless at any load (one expert may receive
+ * all m*k rows). */
 #ifndef LONGMOE_MOE_CUDA_H
 #define LONGMOE_MOE_CUDA_H
 
