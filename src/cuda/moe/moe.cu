@@ -301,6 +301,13 @@ static lm_status gemm_grouped(const runner *r, lm_gemm_layout layout, const void
     return lm_moe_blas_grouped(r->ctx, r->kind, &g, r->acts, r->dw_tmp);
 }
 
+/* The router's fp32 products: the own fp32 kernel with WMMA, cuBLAS otherwise. */
+static lm_status gemm_f32(const runner *r, lm_gemm_layout layout, const float *a, int64_t lda, const float *b,
+                          int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N, int64_t K) {
+    if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_f32(r->st, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
+    return lm_moe_blas_f32(r->ctx, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
+}
+
 static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, const lm_moe_params_bf16 *pb) {
     if (!pf || !pb) return lm_error(LM_ERR_ARG, "moe cuda: params_f32 and params_bf16 must not be NULL");
     if (!pf->router) return lm_error(LM_ERR_ARG, "moe cuda: params_f32->router is NULL");
@@ -344,7 +351,7 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
         LM_CUDA_TRY(cudaGetLastError());
     }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
-    TRY(lm_moe_gemm_f32(st, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
+    TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
     TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
     /* the cuBLAS kinds size each expert's product on the host */
     if (kind != LM_MOE_GEMM_WMMA) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
@@ -491,7 +498,7 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r, dW_r += dr^T x */
     TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
-    if (dx) TRY(lm_moe_gemm_f32(st, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
-    if (g->router) TRY(lm_moe_gemm_f32(st, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    if (dx) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     return LM_OK;
 }

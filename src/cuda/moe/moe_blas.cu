@@ -135,6 +135,27 @@ lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args 
     return LM_OK;
 }
 
+/* fp32 product (the router): CUDA_R_32F operands, CUBLAS_COMPUTE_32F (no
+ * TF32), the same mapping of layouts. */
+lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, const float *a, int64_t lda,
+                          const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N,
+                          int64_t K) {
+    if (M <= 0 || N <= 0) return LM_OK;
+    TRY(check_int(M, "M"));
+    TRY(check_int(N, "N"));
+    TRY(check_int(K, "K"));
+    TRY(check_int(lda, "lda"));
+    TRY(check_int(ldb, "ldb"));
+    TRY(check_int(ldc, "ldc"));
+    cublasOperation_t op_b, op_a;
+    ops_of(layout, &op_b, &op_a);
+    float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    BLAS_TRY(cublasGemmEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)N, (int)M, (int)K, &alpha, b, CUDA_R_32F,
+                          (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
+                          CUBLAS_GEMM_DEFAULT));
+    return LM_OK;
+}
+
 /* ---- grouped ---- */
 
 /* The device pointer arrays of one grouped call, one block: for expert j with

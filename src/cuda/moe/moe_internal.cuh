@@ -57,6 +57,10 @@ lm_status lm_moe_gemm_f32(cudaStream_t stream, lm_gemm_layout layout, const floa
 /* cuBLAS products (moe_blas.cu), same arguments and layouts as above.
  * Dense (group_offsets ignored): one cublasGemmEx. */
 lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g);
+/* The router's fp32 product through cuBLAS (fp32 operands and compute, no TF32). */
+lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, const float *a, int64_t lda,
+                          const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N,
+                          int64_t K);
 
 /* Grouped over the experts with rows, from the host counts of acts (filled
  * by lm_moe_blas_fetch_counts): kind LM_MOE_GEMM_GROUPED (one grouped call)
