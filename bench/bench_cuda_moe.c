@@ -154,6 +154,8 @@ int main(int argc, char **argv) {
                res[kind][1], res[kind][3]);
     }
     printf("  fastest forward+backward: %s\n", lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best));
+    long refused = lm_cuda_moe_grouped_refused();
+    if (refused) printf("  note: cuBLAS refused %ld grouped calls; the grouped kind ran them per expert\n", refused);
     if (out_path) {
         FILE *f = fopen(out_path, "w");
         if (!f) {
@@ -165,11 +167,11 @@ int main(int argc, char **argv) {
                 "\"d_ff\": %d, \"d_latent\": %d, \"n_shared\": %d, \"d_ff_shared\": %d, \"act\": \"%s\", "
                 "\"reps\": %d, \"kind\": \"%s\", \"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
                 "\"grouped_gemm_tflops_forward\": %.2f, \"grouped_gemm_tflops_forward_backward\": %.2f, "
-                "\"busiest_expert_rows\": %d, \"kinds\": {",
+                "\"busiest_expert_rows\": %d, \"grouped_calls_refused\": %ld, \"kinds\": {",
                 (long long)m, c.d, c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
                 c.act == LM_EXPERT_SITU_GLU ? "situ_glu" : "swiglu", reps,
                 lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best), res[best][0], res[best][1], res[best][2],
-                res[best][3], maxload);
+                res[best][3], maxload, refused);
         int first = 1;
         for (int kind = 0; kind < 3; kind++) {
             if (!ran[kind]) continue;

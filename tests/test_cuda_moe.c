@@ -465,6 +465,8 @@ int main(void) {
         RUN(test_experts_without_tokens_and_one_crowded_expert);
         RUN(test_runs_are_bit_identical);
     }
+    if (!test_skip_all_reason && lm_cuda_moe_grouped_refused())
+        printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);

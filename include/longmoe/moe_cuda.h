@@ -126,6 +126,9 @@ lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind);
 const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind);
 /* "grouped", "loop", "wmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
+/* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):
+ * each then ran per expert (as LOOP), with one message on stderr. */
+long lm_cuda_moe_grouped_refused(void);
 
 /* Bytes of the one device block holding the activations (resp. the backward
  * scratch) for up to m_max tokens; 0 when cfg or m_max is invalid

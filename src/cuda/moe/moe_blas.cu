@@ -86,6 +86,10 @@ extern "C" lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind) {
     return LM_OK;
 }
 
+static long grouped_refused; /* grouped calls cuBLAS refused (NOT_SUPPORTED), run per expert */
+
+extern "C" long lm_cuda_moe_grouped_refused(void) { return grouped_refused; }
+
 /* ---- row counts on the host ---- */
 
 lm_status lm_moe_blas_fetch_counts(const lm_cuda_context *ctx, lm_cuda_moe_acts *acts, int n) {
@@ -287,10 +291,18 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
                                              c_row, c_group);
     LM_CUDA_TRY(cudaGetLastError());
     /* cuBLAS's A array is our b, its B array our a (see the top of the file) */
-    BLAS_TRY(cublasGemmGroupedBatchedEx((cublasHandle_t)ctx->cublas, ta, tb, mm, nn, kk, alpha,
-                                        (const void *const *)pb, CUDA_R_16BF, la, (const void *const *)pa,
-                                        CUDA_R_16BF, lb, beta, (void *const *)pc, CUDA_R_16BF, lc, q, size,
-                                        CUBLAS_COMPUTE_32F));
+    cublasStatus_t bs = cublasGemmGroupedBatchedEx((cublasHandle_t)ctx->cublas, ta, tb, mm, nn, kk, alpha,
+                                                   (const void *const *)pb, CUDA_R_16BF, la,
+                                                   (const void *const *)pa, CUDA_R_16BF, lb, beta,
+                                                   (void *const *)pc, CUDA_R_16BF, lc, q, size, CUBLAS_COMPUTE_32F);
+    if (bs == CUBLAS_STATUS_NOT_SUPPORTED) {
+        /* this cuBLAS refuses the call: run per expert, counted and said once */
+        if (grouped_refused++ == 0)
+            fprintf(stderr, "moe: cublasGemmGroupedBatchedEx is not supported here (status %d): the grouped "
+                            "kind runs its expert products per expert\n", (int)bs);
+        return grouped_loop(ctx, g, acts);
+    }
+    BLAS_TRY(bs);
     if (via_tmp) {
         int64_t total = (int64_t)n * g->M * g->N;
         add_weight_grads_kernel<<<(unsigned)((total + 255) / 256), 256, 0, st>>>(
