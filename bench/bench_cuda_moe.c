@@ -2,12 +2,16 @@
  * k3-mini MoE layer (d 1024, 128 experts top-8, expert ffn 512, LatentMoE
  * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
  *
- *   bench_cuda_moe [--tokens M] [--reps N] [--out results.json]
+ *   bench_cuda_moe [--tokens M] [--reps N] [--gemm grouped|loop|wmma] [--out results.json]
  *
- * Prints forward and forward+backward milliseconds (median of N) and the
- * grouped products' TFLOP/s: their FLOPs (routed experts only: 6 m k f d_e
- * forward, twice that backward) over the whole layer's time, so a lower
- * bound of the grouped kernels' own rate. Random weights (never zeros); the
+ * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS grouped,
+ * cuBLAS per-expert loop, the wmma kernel; all three unless --gemm names
+ * one) on the same inputs. Prints forward and forward+backward milliseconds
+ * (median of N) and the grouped products' TFLOP/s: their FLOPs (routed
+ * experts only: 6 m k f d_e forward, twice that backward) over the whole
+ * layer's time, so a lower bound of the grouped products' own rate. The
+ * JSON holds each kind under "kinds" and, at the top level, the kind with
+ * the fastest forward+backward ("kind"). Random weights (never zeros); the
  * routing is whatever the random router gives (no balancing bias). */
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,12 +33,20 @@ int main(int argc, char **argv) {
     int64_t m = 32768;
     int reps = 10;
     const char *out_path = NULL;
+    int only = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--tokens") && i + 1 < argc) m = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
-        else {
-            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--out results.json]\n", argv[0]);
+        else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) {
+            only = lm_cuda_moe_gemm_parse(argv[++i]);
+            if (only < 0) {
+                fprintf(stderr, "--gemm %s: expected grouped, loop or wmma\n", argv[i]);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm grouped|loop|wmma] [--out results.json]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -96,24 +108,34 @@ int main(int argc, char **argv) {
     ok(lm_cuda_moe_scratch_carve(&scratch, &c, m, scratch_block, sb), "carve scratch");
 
     double *t_fwd = malloc((size_t)reps * sizeof(double)), *t_all = malloc((size_t)reps * sizeof(double));
-    for (int rep = -2; rep < reps; rep++) {
-        double t0 = lm_time_seconds();
-        ok(lm_cuda_moe_forward(&ctx, y, x, NULL, &c, &pf, &pb, &acts, m), "forward");
-        ok(lm_cuda_context_sync(&ctx), "forward sync");
-        double t1 = lm_time_seconds();
-        ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
-        ok(lm_cuda_context_sync(&ctx), "backward sync");
-        double t2 = lm_time_seconds();
-        if (rep >= 0) {
-            t_fwd[rep] = (t1 - t0) * 1e3;
-            t_all[rep] = (t2 - t0) * 1e3;
-        }
-    }
-    qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
-    qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
-    double fwd_ms = t_fwd[reps / 2], all_ms = t_all[reps / 2];
     double grouped_fwd = 6.0 * (double)m * c.top_k * c.d_ff * c.d_latent;
-    double tf_fwd = grouped_fwd / (fwd_ms * 1e-3) / 1e12, tf_all = 3.0 * grouped_fwd / (all_ms * 1e-3) / 1e12;
+    double res[3][4]; /* per kind: forward ms, forward+backward ms, TFLOP/s of each */
+    int ran[3] = {0, 0, 0}, best = -1;
+    for (int kind = 0; kind < 3; kind++) {
+        if (only >= 0 && kind != only) continue;
+        ok(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)kind), "gemm kind");
+        for (int rep = -2; rep < reps; rep++) {
+            double t0 = lm_time_seconds();
+            ok(lm_cuda_moe_forward(&ctx, y, x, NULL, &c, &pf, &pb, &acts, m), "forward");
+            ok(lm_cuda_context_sync(&ctx), "forward sync");
+            double t1 = lm_time_seconds();
+            ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
+            ok(lm_cuda_context_sync(&ctx), "backward sync");
+            double t2 = lm_time_seconds();
+            if (rep >= 0) {
+                t_fwd[rep] = (t1 - t0) * 1e3;
+                t_all[rep] = (t2 - t0) * 1e3;
+            }
+        }
+        qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
+        qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
+        res[kind][0] = t_fwd[reps / 2];
+        res[kind][1] = t_all[reps / 2];
+        res[kind][2] = grouped_fwd / (res[kind][0] * 1e-3) / 1e12;
+        res[kind][3] = 3.0 * grouped_fwd / (res[kind][1] * 1e-3) / 1e12;
+        ran[kind] = 1;
+        if (best < 0 || res[kind][1] < res[best][1]) best = kind;
+    }
     int32_t *load = calloc((size_t)c.n_experts + 1, sizeof(int32_t));
     ok(lm_cuda_download(load, acts.offsets, (size_t)(c.n_experts + 1) * 4), "download offsets");
     int32_t maxload = 0;
@@ -123,8 +145,17 @@ int main(int argc, char **argv) {
            c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
            c.act == LM_EXPERT_SITU_GLU ? "SiTU-GLU" : "SwiGLU", (long long)m);
     printf("  busiest expert %d rows (mean %lld)\n", maxload, (long long)(m * c.top_k / c.n_experts));
-    printf("  forward          %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", fwd_ms, tf_fwd);
-    printf("  forward+backward %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", all_ms, tf_all);
+    for (int kind = 0; kind < 3; kind++) {
+        if (!ran[kind]) continue;
+        const char *name = lm_cuda_moe_gemm_name((lm_moe_gemm_kind)kind);
+        printf("  %-8s forward          %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", name,
+               res[kind][0], res[kind][2]);
+        printf("  %-8s forward+backward %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", name,
+               res[kind][1], res[kind][3]);
+    }
+    printf("  fastest forward+backward: %s\n", lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best));
+    long refused = lm_cuda_moe_grouped_refused();
+    if (refused) printf("  note: cuBLAS refused %ld grouped calls; the grouped kind ran them per expert\n", refused);
     if (out_path) {
         FILE *f = fopen(out_path, "w");
         if (!f) {
@@ -134,11 +165,24 @@ int main(int argc, char **argv) {
         fprintf(f,
                 "{\"bench\": \"cuda_moe\", \"tokens\": %lld, \"d\": %d, \"experts\": %d, \"top_k\": %d, "
                 "\"d_ff\": %d, \"d_latent\": %d, \"n_shared\": %d, \"d_ff_shared\": %d, \"act\": \"%s\", "
-                "\"reps\": %d, \"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
+                "\"reps\": %d, \"kind\": \"%s\", \"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
                 "\"grouped_gemm_tflops_forward\": %.2f, \"grouped_gemm_tflops_forward_backward\": %.2f, "
-                "\"busiest_expert_rows\": %d}\n",
+                "\"busiest_expert_rows\": %d, \"grouped_calls_refused\": %ld, \"kinds\": {",
                 (long long)m, c.d, c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
-                c.act == LM_EXPERT_SITU_GLU ? "situ_glu" : "swiglu", reps, fwd_ms, all_ms, tf_fwd, tf_all, maxload);
+                c.act == LM_EXPERT_SITU_GLU ? "situ_glu" : "swiglu", reps,
+                lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best), res[best][0], res[best][1], res[best][2],
+                res[best][3], maxload, refused);
+        int first = 1;
+        for (int kind = 0; kind < 3; kind++) {
+            if (!ran[kind]) continue;
+            fprintf(f,
+                    "%s\"%s\": {\"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
+                    "\"grouped_gemm_tflops_forward\": %.2f, \"grouped_gemm_tflops_forward_backward\": %.2f}",
+                    first ? "" : ", ", lm_cuda_moe_gemm_name((lm_moe_gemm_kind)kind), res[kind][0], res[kind][1],
+                    res[kind][2], res[kind][3]);
+            first = 0;
+        }
+        fprintf(f, "}}\n");
         fclose(f);
     }
     free(load), free(t_fwd), free(t_all), free(hp), free(hx);

@@ -14,7 +14,7 @@ forward and backward by autograd, and quantile balancing's histogram update
         the k3-mini MoE layer on the GPU (default 32768 and 65536 tokens), eager
         and torch.compile: medians of forward and forward+backward+balancing (ms,
         CUDA events), the routed products' TFLOP/s, the grouped products alone;
-        --ours takes bench_cuda_moe's --out files and prints the ratios.
+        --ours takes bench_cuda_moe's --out files and prints the ratios (its fastest kind, then each kind).
 
 Precision as in longmoe's GPU layer: the router W_r x, sigmoid, top-k, the
 weights p, the latent RMSNorm (statistics and weight) and the weighted sum in
@@ -513,9 +513,13 @@ def main():
                 continue
             bf = min(r["forward_ms"] for r in mine)
             ba = min(r["forward_backward_ms"] for r in mine)
-            print(f"  {o['tokens']:6d} tokens: forward {bf:.3f} / {o['forward_ms']:.3f} = "
-                  f"{bf / o['forward_ms']:.2f}x   fwd+bwd {ba:.3f} / {o['forward_backward_ms']:.3f} = "
-                  f"{ba / o['forward_backward_ms']:.2f}x")
+            # the top level is bench_cuda_moe's fastest kind ("kind"; older files have one kind, unnamed)
+            print(f"  {o['tokens']:6d} tokens ({o.get('kind', 'longmoe')}): forward {bf:.3f} / "
+                  f"{o['forward_ms']:.3f} = {bf / o['forward_ms']:.2f}x   fwd+bwd {ba:.3f} / "
+                  f"{o['forward_backward_ms']:.3f} = {ba / o['forward_backward_ms']:.2f}x")
+            for name, k in o.get("kinds", {}).items():
+                print(f"      {name:8s} forward {k['forward_ms']:8.3f} ms ({bf / k['forward_ms']:.2f}x)   "
+                      f"fwd+bwd {k['forward_backward_ms']:8.3f} ms ({ba / k['forward_backward_ms']:.2f}x)")
             for r in mine:
                 r["ratio_forward_vs_ours"] = r["forward_ms"] / o["forward_ms"]
                 r["ratio_forward_backward_vs_ours"] = r["forward_backward_ms"] / o["forward_backward_ms"]

@@ -1,7 +1,9 @@
 /* The MoE layer on the GPU against the CPU layer (lm_moe_forward/backward) on
  * the same bf16-representable weights and inputs: routing identical, y, dx
  * and every parameter gradient within bf16 tolerance; run-to-run bit
- * identity; the balance histogram's integer counts equal the CPU's. */
+ * identity; each of it for every kind of expert product (cuBLAS grouped,
+ * cuBLAS per-expert loop, wmma); the balance histogram's integer counts equal
+ * the CPU's. */
 #include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
@@ -10,6 +12,7 @@
 #include "test_cuda.h"
 
 static lm_cuda_context ctx;
+static lm_moe_gemm_kind kind_now; /* the kind of expert product the parity tests run */
 
 #define GPU_OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
 
@@ -62,6 +65,8 @@ static const char *const param_names[10] = {"router", "gate", "up", "down", "lat
 
 /* One comparison: CPU forward + backward (accumulating onto a random base)
  * against the GPU on the same inputs. bias may be NULL. */
+static int case_empty, case_most; /* loads of the last compare_case: experts without rows, largest expert */
+
 static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias, int with_extra, uint64_t seed,
                          const char *what) {
     model md;
@@ -183,8 +188,18 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
         e = rel_err_increment(gp[i], cp[i], bp[i], sizes[i]);
         CHECK(e < 1e-2, "%s: d%s rel err %.3g", what, param_names[i], e);
     }
-    printf("  %-44s y %.2e dx %.2e unclear %lld\n", what, rel_err_increment(y_gpu, y_cpu, NULL, md_),
-           rel_err_increment(dx_gpu, dx_cpu, dx_base, md_), (long long)unclear);
+    /* the loads this case meant to produce: experts without rows, one expert with most */
+    int empty = 0, most = 0;
+    for (int j = 0; j < n; j++) {
+        int rows = offs[j + 1] - offs[j];
+        empty += rows == 0;
+        if (rows > most) most = rows;
+    }
+    case_empty = empty;
+    case_most = most;
+    printf("  %-8s %-52s y %.2e dx %.2e unclear %lld, %d empty experts, largest %d of %lld rows\n",
+           lm_cuda_moe_gemm_name(kind_now), what, rel_err_increment(y_gpu, y_cpu, NULL, md_),
+           rel_err_increment(dx_gpu, dx_cpu, dx_base, md_), (long long)unclear, empty, most, (long long)m * k);
 
     lm_moe_acts_free(&ca);
     free(topk);
@@ -262,6 +277,31 @@ static void test_all_tokens_to_the_same_experts_is_dropless(void) {
     compare_case(&c, 513, bias, 0, 400, "latent+shared all tokens to 4 experts");
     lm_moe_config p = plain_config(LM_EXPERT_SITU_GLU);
     compare_case(&p, 513, bias, 0, 401, "plain all tokens to 4 experts");
+}
+
+static void test_experts_without_tokens_and_one_crowded_expert(void) {
+    /* experts 0..9 pushed down: they receive no token; odd token counts */
+    float bias[16];
+    for (int j = 0; j < 16; j++) bias[j] = j < 10 ? -6.0f : 0.0f;
+    lm_moe_config p = plain_config(LM_EXPERT_SWIGLU);
+    compare_case(&p, 201, bias, 1, 410, "plain 10 of 16 experts without tokens");
+    CHECK(case_empty >= 10, "%d experts without rows, expected at least 10", case_empty);
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    compare_case(&c, 37, bias, 0, 411, "latent+shared 10 of 16 experts without tokens");
+    CHECK(case_empty >= 10, "%d experts without rows, expected at least 10", case_empty);
+    /* expert 6 pulled up: every token takes it, the other 3 slots spread over 15 */
+    for (int j = 0; j < 16; j++) bias[j] = j == 6 ? 6.0f : 0.0f;
+    compare_case(&p, 333, bias, 0, 412, "plain one expert with every token");
+    CHECK(case_most == 333, "the crowded expert has %d rows, expected 333", case_most);
+    compare_case(&c, 255, bias, 1, 413, "latent+shared one expert with every token");
+    CHECK(case_most == 255, "the crowded expert has %d rows, expected 255", case_most);
+    /* a single expert with rows beyond the top-1 one: top_k = 1 and one favoured expert */
+    lm_moe_config one = plain_config(LM_EXPERT_SITU_GLU);
+    one.top_k = 1;
+    /* with top-1 the weight p is route_scale whatever s is, so the router's gradient
+     * through p is zero up to rounding: dscores_extra gives it a real part to compare */
+    compare_case(&one, 129, bias, 1, 414, "plain top-1, all tokens to one expert");
+    CHECK(case_empty == 15 && case_most == 129, "top-1: %d empty experts, largest %d", case_empty, case_most);
 }
 
 static void test_runs_are_bit_identical(void) {
@@ -379,6 +419,20 @@ static void check_histogram(lm_qb_estimator est) {
 static void test_balance_histogram_equals_the_cpu_k3(void) { check_histogram(LM_QB_HISTOGRAM); }
 static void test_balance_histogram_equals_the_cpu_zoom(void) { check_histogram(LM_QB_ZOOM); }
 
+static void test_gemm_selector(void) {
+    CHECK(lm_cuda_moe_gemm_parse("grouped") == LM_MOE_GEMM_GROUPED, "parse grouped");
+    CHECK(lm_cuda_moe_gemm_parse("loop") == LM_MOE_GEMM_LOOP, "parse loop");
+    CHECK(lm_cuda_moe_gemm_parse("wmma") == LM_MOE_GEMM_WMMA, "parse wmma");
+    CHECK(lm_cuda_moe_gemm_parse("cublas") == -1 && lm_cuda_moe_gemm_parse(NULL) == -1, "unknown names refused");
+    CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)7) == LM_ERR_ARG, "kind 7 refused");
+    for (int q = 0; q < 3; q++) {
+        lm_moe_gemm_kind got = (lm_moe_gemm_kind)-1;
+        CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)q) == LM_OK, "set %d", q);
+        CHECK(lm_cuda_moe_gemm(&got) == LM_OK && got == (lm_moe_gemm_kind)q, "kind %d read back as %d", q, (int)got);
+        CHECK(!strcmp(lm_cuda_moe_gemm_name(got), q == 0 ? "grouped" : q == 1 ? "loop" : "wmma"), "name of %d", q);
+    }
+}
+
 static void test_bad_arguments_are_refused(void) {
     lm_moe_config c = plain_config(LM_EXPERT_SWIGLU);
     CHECK(lm_cuda_moe_acts_bytes(&c, 0) == 0, "m_max 0 refused");
@@ -395,11 +449,25 @@ int main(void) {
         fprintf(stderr, "no GPU: %s\n", lm_last_error());
         return 1;
     }
-    RUN(test_forward_backward_match_the_cpu_without_latent);
-    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
-    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
-    RUN(test_all_tokens_to_the_same_experts_is_dropless);
-    RUN(test_runs_are_bit_identical);
+    /* every parity test once per kind of expert product, set through the API */
+    const lm_moe_gemm_kind kinds[3] = {LM_MOE_GEMM_GROUPED, LM_MOE_GEMM_LOOP, LM_MOE_GEMM_WMMA};
+    for (int q = 0; q < 3; q++) {
+        kind_now = kinds[q];
+        if (!test_skip_all_reason && lm_cuda_moe_set_gemm(kind_now) != LM_OK) {
+            fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
+            return 1;
+        }
+        printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
+        RUN(test_forward_backward_match_the_cpu_without_latent);
+        RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+        RUN(test_bias_and_extra_score_gradient_match_the_cpu);
+        RUN(test_all_tokens_to_the_same_experts_is_dropless);
+        RUN(test_experts_without_tokens_and_one_crowded_expert);
+        RUN(test_runs_are_bit_identical);
+    }
+    if (!test_skip_all_reason && lm_cuda_moe_grouped_refused())
+        printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
+    RUN(test_gemm_selector);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);
     RUN(test_bad_arguments_are_refused);

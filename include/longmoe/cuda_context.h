@@ -1,5 +1,5 @@
 /* The state every CUDA operator of the model shares: one stream, one
- * cuBLASLt handle and its workspace (docs/cuda.md). Operators take a
+ * cuBLASLt handle, one cuBLAS handle and their workspaces (docs/cuda.md). Operators take a
  * `const lm_cuda_context *` first and enqueue their kernels on its stream;
  * none of them synchronises or allocates, unless its header says so.
  *
@@ -31,10 +31,16 @@ typedef struct {
     size_t lt_workspace_bytes;
     int device;            /* CUDA device ordinal */
     int sm_count;          /* multiprocessors of that device */
+    void *cublas;          /* cublasHandle_t, bound to stream, with its own workspace */
+    void *blas_workspace;  /* cuBLAS workspace (device) */
+    size_t blas_workspace_bytes;
+    void *host_pinned;     /* small pinned host buffer for counts read back (MoE row counts) */
+    size_t host_pinned_bytes;
 } lm_cuda_context;
 
-/* Create a stream, a cuBLASLt handle and a 32 MiB cuBLASLt workspace on the
- * current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
+/* Create a stream, a cuBLASLt handle and a 32 MiB cuBLASLt workspace, a
+ * cuBLAS handle on that stream with its own 32 MiB workspace, and a 16 KiB
+ * pinned host buffer, on the current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
 lm_status lm_cuda_context_create(lm_cuda_context *ctx);
 void lm_cuda_context_destroy(lm_cuda_context *ctx);
 /* Wait for the context's stream; report an error a kernel left behind. */

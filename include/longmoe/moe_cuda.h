@@ -4,21 +4,30 @@
  *
  * Conventions of lm_cuda_context.h: device pointers only, bf16 tensors are
  * uint16_t bit patterns, backward ACCUMULATES into fp32 gradients, nothing is
- * allocated and nothing synchronises with the host inside these calls.
+ * allocated inside these calls; only the forward with a cuBLAS kind of
+ * expert products synchronises with the host, once (row counts, below).
  *
  * Precision: the router (W_r x, sigmoid, top-k, weights p, its gradient) and
  * the latent RMSNorm (statistics and weight) are fp32 and read the fp32 master
  * parameters; every other product reads the bf16 copy of the parameters and
- * bf16 activations, accumulating in fp32.
+ * bf16 activations, accumulating in fp32. The expert intermediates (a, u, h,
+ * out and their gradients) are stored in bf16; the combination, the latent
+ * sum z, y, dx and the parameter gradients are fp32.
  *
  * Grouped layout: the m*k (token, slot) pairs are sorted by expert (stable:
  * token order within an expert) and each expert's rows are padded to a
  * multiple of LM_MOE_CUDA_ROW_TILE, so a row tile of the grouped products
  * never straddles two experts. padded_offsets[j] .. padded_offsets[j+1]-1 are
  * expert j's rows; the first offsets[j+1]-offsets[j] of them are real, the rest
- * are zero rows (order[row] = -1). Row counts live only on the device: the
- * grouped products run over a grid sized for rows_max and each tile looks up
- * its expert; dropless at any load (one expert may receive all m*k rows). */
+ * are zero rows (order[row] = -1). With the WMMA kind the row counts stay on
+ * the device: the grouped products run over a grid sized for rows_max and
+ * each tile looks up its expert. With the cuBLAS kinds the forward copies the
+ * counts to the host (one synchronisation of the stream) and each expert's
+ * product covers its real rows only (experts without rows are skipped; the
+ * products leave the padding rows of the bf16 intermediates unwritten, the
+ * elementwise kernels may compute on them, and nothing from a padding row
+ * reaches y, dx or a gradient). Dropless at any load (one expert may receive
+ * all m*k rows). */
 #ifndef LONGMOE_MOE_CUDA_H
 #define LONGMOE_MOE_CUDA_H
 
@@ -60,14 +69,22 @@ typedef struct {
     uint16_t *x_bf16;       /* [m, d] bf16 x (input of lat_down and the shared experts) */
     uint16_t *x_lat;        /* [m, d_lat] bf16 W_down_lat x (LatentMoE only) */
     uint16_t *xg;           /* [P, d_e] bf16 expert inputs, grouped */
-    float *ga, *gu;         /* [P, f] fp32 gate / up pre-activations */
+    uint16_t *ga, *gu;      /* [P, f] bf16 gate / up pre-activations */
     uint16_t *gh;           /* [P, f] bf16 hidden act(a, u) */
-    float *gout;            /* [P, d_e] fp32 expert outputs */
+    uint16_t *gout;         /* [P, d_e] bf16 expert outputs */
     float *z;               /* [m, d_e] fp32 sum_t p_it E(x) (LatentMoE only) */
     float *rstd;            /* [m] fp32 1/rms(z) (LatentMoE only) */
     uint16_t *zn;           /* [m, d_lat] bf16 RMSNorm(z) (LatentMoE only) */
     float *sa, *su;         /* [n_shared, m, f_s] fp32 shared experts' a, u */
     uint16_t *sh;           /* [n_shared, m, f_s] bf16 shared experts' h */
+    void **blas_ptrs;       /* [3 n] device operand pointers of the grouped cuBLAS products */
+    /* Set by the forward: the expert-product kind it ran (lm_moe_gemm_kind;
+     * the backward uses the same), and for the cuBLAS kinds a host copy of
+     * offsets and padded_offsets (one device-to-host copy and stream
+     * synchronisation a forward). */
+    int gemm_kind;
+    int32_t host_offsets[LM_MOE_MAX_EXPERTS + 1];
+    int32_t host_padded[LM_MOE_MAX_EXPERTS + 1];
 } lm_cuda_moe_acts;
 
 /* Scratch of the backward (device). */
@@ -78,15 +95,40 @@ typedef struct {
     float *norm_partial;    /* [ceil(m / 256), d_lat] per-block lat_norm gradient partials */
     uint16_t *dgout;        /* [P, d_e] bf16 p dz, grouped */
     float *dp;              /* [m k] dL/dp, then dL/dr of the chosen experts */
-    float *dh;              /* [P, f] */
+    uint16_t *dh;           /* [P, f] bf16 */
     uint16_t *da, *du;      /* [P, f] */
-    float *dxg;             /* [P, d_e] */
+    uint16_t *dxg;          /* [P, d_e] bf16 */
+    uint16_t *dw_bf16;      /* [n, f, d_e] bf16 expert weight gradient of one grouped cuBLAS
+                               product, then added into the fp32 gradient */
     uint16_t *dxe_bf16;     /* [m, d_lat] bf16 latent input gradient (LatentMoE only;
                                without it the slots are summed straight into dx) */
     float *dr;              /* [m, n] router logit gradient */
     float *dsh;             /* [m, f_s] */
     uint16_t *dsa, *dsu;    /* [m, f_s] */
 } lm_cuda_moe_scratch;
+
+/* How the expert products (and, with cuBLAS, the latent and shared-expert
+ * products) run:
+ *   GROUPED: cublasGemmGroupedBatchedEx, one group per expert with rows;
+ *   LOOP:    one cublasGemmEx per expert with rows;
+ *   WMMA:    the project's own grouped kernel (src/cuda/moe/moe_gemm.cu).
+ * Operands bf16, accumulation fp32 in all three. The cuBLAS kinds need the
+ * per-expert row counts on the host: the forward copies them once (one
+ * stream synchronisation) and the backward reuses them. */
+typedef enum { LM_MOE_GEMM_GROUPED = 0, LM_MOE_GEMM_LOOP = 1, LM_MOE_GEMM_WMMA = 2 } lm_moe_gemm_kind;
+
+/* The kind the next forward uses (its backward follows the forward). Until
+ * set, the environment variable LONGMOE_MOE_GEMM=grouped|loop|wmma (read
+ * once), else GROUPED. An unknown value in the environment makes this (and
+ * so every forward) return LM_ERR_ARG naming it, until a kind is set. */
+lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind);
+lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind);
+const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind);
+/* "grouped", "loop", "wmma" -> kind; -1 for anything else */
+int lm_cuda_moe_gemm_parse(const char *name);
+/* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):
+ * each then ran per expert (as LOOP), with one message on stderr. */
+long lm_cuda_moe_grouped_refused(void);
 
 /* Bytes of the one device block holding the activations (resp. the backward
  * scratch) for up to m_max tokens; 0 when cfg or m_max is invalid

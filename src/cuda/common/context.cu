@@ -3,18 +3,21 @@
 #include <string.h>
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include "cuda/cuda_check.h"
 #include "longmoe/cuda_context.h"
 
 #define LT_WORKSPACE_BYTES ((size_t)32 << 20)
+#define BLAS_WORKSPACE_BYTES ((size_t)32 << 20)
+#define HOST_PINNED_BYTES ((size_t)16 << 10)
 
 #define LT_TRY(call)                                                                                      \
     do {                                                                                                  \
         cublasStatus_t s_ = (call);                                                                       \
         if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
-            return lm_error(LM_ERR_IO, "%s:%d: cuBLASLt error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
+            return lm_error(LM_ERR_IO, "%s:%d: cuBLAS error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
     } while (0)
 
 extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
@@ -30,6 +33,15 @@ extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
     ctx->cublaslt = h;
     LM_CUDA_TRY(cudaMalloc(&ctx->lt_workspace, LT_WORKSPACE_BYTES));
     ctx->lt_workspace_bytes = LT_WORKSPACE_BYTES;
+    cublasHandle_t b;
+    LT_TRY(cublasCreate(&b));
+    ctx->cublas = b;
+    LT_TRY(cublasSetStream(b, s));
+    LM_CUDA_TRY(cudaMalloc(&ctx->blas_workspace, BLAS_WORKSPACE_BYTES));
+    ctx->blas_workspace_bytes = BLAS_WORKSPACE_BYTES;
+    LT_TRY(cublasSetWorkspace(b, ctx->blas_workspace, BLAS_WORKSPACE_BYTES));
+    LM_CUDA_TRY(cudaMallocHost(&ctx->host_pinned, HOST_PINNED_BYTES));
+    ctx->host_pinned_bytes = HOST_PINNED_BYTES;
     return LM_OK;
 }
 
@@ -38,6 +50,9 @@ extern "C" void lm_cuda_context_destroy(lm_cuda_context *ctx) {
     if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
     if (ctx->lt_workspace) cudaFree(ctx->lt_workspace);
     if (ctx->cublaslt) cublasLtDestroy((cublasLtHandle_t)ctx->cublaslt);
+    if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);
+    if (ctx->blas_workspace) cudaFree(ctx->blas_workspace);
+    if (ctx->host_pinned) cudaFreeHost(ctx->host_pinned);
     if (ctx->stream) cudaStreamDestroy((cudaStream_t)ctx->stream);
     memset(ctx, 0, sizeof *ctx);
 }

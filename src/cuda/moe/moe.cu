@@ -60,12 +60,12 @@ static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m
         {(void **)&a->padded_offsets, (n + 1) * 4}, {(void **)&a->order, P * 4},
         {(void **)&a->slot_row, mk * 4},      {(void **)&a->block_counts, nblk * n * 4},
         {(void **)&a->x_bf16, (dl || ns) ? m * d * 2 : 0}, {(void **)&a->x_lat, m * dl * 2},
-        {(void **)&a->xg, P * de * 2},        {(void **)&a->ga, P * f * 4},
-        {(void **)&a->gu, P * f * 4},         {(void **)&a->gh, P * f * 2},
-        {(void **)&a->gout, P * de * 4},      {(void **)&a->z, dl ? m * de * 4 : 0},
+        {(void **)&a->xg, P * de * 2},        {(void **)&a->ga, P * f * 2},
+        {(void **)&a->gu, P * f * 2},         {(void **)&a->gh, P * f * 2},
+        {(void **)&a->gout, P * de * 2},      {(void **)&a->z, dl ? m * de * 4 : 0},
         {(void **)&a->rstd, dl ? m * 4 : 0},  {(void **)&a->zn, m * dl * 2},
-        {(void **)&a->sa, ns * m * fs * 4},   {(void **)&a->su, ns * m * fs * 4},
-        {(void **)&a->sh, ns * m * fs * 2},
+        {(void **)&a->sa, ns * m * fs * 2},   {(void **)&a->su, ns * m * fs * 2},
+        {(void **)&a->sh, ns * m * fs * 2},   {(void **)&a->blas_ptrs, 3 * n * sizeof(void *)},
     };
     return layout_buffers(t, sizeof t / sizeof t[0], base);
 }
@@ -80,10 +80,11 @@ static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int
         {(void **)&s->dzn, m * dl * 4},           {(void **)&s->dz, m * dl * 4},
         {(void **)&s->norm_partial, nchunk * dl * 4},
         {(void **)&s->dgout, P * de * 2},         {(void **)&s->dp, mk * 4},
-        {(void **)&s->dh, P * f * 4},             {(void **)&s->da, P * f * 2},
-        {(void **)&s->du, P * f * 2},             {(void **)&s->dxg, P * de * 4},
+        {(void **)&s->dh, P * f * 2},             {(void **)&s->da, P * f * 2},
+        {(void **)&s->du, P * f * 2},             {(void **)&s->dxg, P * de * 2},
+        {(void **)&s->dw_bf16, n * f * de * 2},
         {(void **)&s->dxe_bf16, m * dl * 2},
-        {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 4 : 0},
+        {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 2 : 0},
         {(void **)&s->dsa, ns ? m * fs * 2 : 0},  {(void **)&s->dsu, ns ? m * fs * 2 : 0},
     };
     return layout_buffers(t, sizeof t / sizeof t[0], base);
@@ -169,21 +170,21 @@ __global__ void to_bf16_kernel(bf16 *dst, const float *src, int64_t count) {
 }
 
 /* Rows r < min(rows, *row_limit) (row_limit may be NULL) of width f. */
-__global__ void glu_forward_kernel(bf16 *h, const float *a, const float *u, const int32_t *row_limit, int64_t rows,
+__global__ void glu_forward_kernel(bf16 *h, const bf16 *a, const bf16 *u, const int32_t *row_limit, int64_t rows,
                                    int f, int act) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= rows * f || (row_limit && q / f >= (int64_t)*row_limit)) return;
-    h[q] = __float2bfloat16_rn(act_forward(act, a[q], u[q]));
+    h[q] = __float2bfloat16_rn(act_forward(act, __bfloat162float(a[q]), __bfloat162float(u[q])));
 }
 
-__global__ void glu_backward_kernel(bf16 *da, bf16 *du, const float *dh, const float *a, const float *u,
+__global__ void glu_backward_kernel(bf16 *da, bf16 *du, const bf16 *dh, const bf16 *a, const bf16 *u,
                                     const int32_t *row_limit, int64_t rows, int f, int act) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= rows * f || (row_limit && q / f >= (int64_t)*row_limit)) return;
-    float ga, gu;
-    act_backward(act, a[q], u[q], &ga, &gu);
-    da[q] = __float2bfloat16_rn(dh[q] * ga);
-    du[q] = __float2bfloat16_rn(dh[q] * gu);
+    float ga, gu, g = __bfloat162float(dh[q]);
+    act_backward(act, __bfloat162float(a[q]), __bfloat162float(u[q]), &ga, &gu);
+    da[q] = __float2bfloat16_rn(g * ga);
+    du[q] = __float2bfloat16_rn(g * gu);
 }
 
 /* RMSNorm of the latent sum, one warp a token: rstd = 1/sqrt(mean z^2 + eps),
@@ -238,7 +239,19 @@ __global__ void norm_weight_final_kernel(float *dw, const float *partial, int64_
 
 /* ---- the layer ---- */
 
-static lm_status gemm(cudaStream_t st, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
+/* How one layer call runs its bf16 products: the kind (lm_moe_gemm_kind) and
+ * what the cuBLAS kinds need. */
+typedef struct {
+    const lm_cuda_context *ctx;
+    cudaStream_t st;
+    int kind;
+    const lm_cuda_moe_acts *acts;
+    int n;
+    bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
+} runner;
+
+/* A dense product: fp32 c or bf16 cb (exactly one), += with accumulate. */
+static lm_status gemm(const runner *r, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
                       int64_t ldb, float *c, void *cb, int64_t ldc, int accumulate, int64_t M, int64_t N,
                       int64_t K) {
     lm_gemm_bf16_args g;
@@ -255,15 +268,17 @@ static lm_status gemm(cudaStream_t st, lm_gemm_layout layout, const void *a, int
     g.M = M;
     g.N = N;
     g.K = K;
-    return lm_moe_gemm_bf16(st, &g);
+    if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_bf16(r->st, &g);
+    return lm_moe_blas_dense(r->ctx, &g);
 }
 
-/* The grouped products: rows mode (NT, NN) over rows_max grouped rows with
+/* The grouped products: rows mode (NT, NN) over the grouped rows with
  * expert j's weight at b + j b_stride, or weight mode (TN) with expert j's
- * gradient at c + j c_stride. */
-static lm_status gemm_grouped(cudaStream_t st, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
-                              int64_t ldb, int64_t b_stride, float *c, int64_t ldc, int64_t c_stride, int accumulate,
-                              int64_t M, int64_t N, int64_t K, const lm_cuda_moe_acts *acts, int n) {
+ * gradient at c + j c_stride. WMMA runs over all rows_max rows (padding
+ * included); the cuBLAS kinds over each expert's real rows. */
+static lm_status gemm_grouped(const runner *r, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
+                              int64_t ldb, int64_t b_stride, float *c, void *cb, int64_t ldc, int64_t c_stride,
+                              int accumulate, int64_t M, int64_t N, int64_t K) {
     lm_gemm_bf16_args g;
     memset(&g, 0, sizeof g);
     g.layout = layout;
@@ -273,17 +288,25 @@ static lm_status gemm_grouped(cudaStream_t st, lm_gemm_layout layout, const void
     g.ldb = ldb;
     g.b_group_stride = b_stride;
     g.c = c;
+    g.cb = (bf16 *)cb;
     g.ldc = ldc;
     g.c_group_stride = c_stride;
     g.accumulate = accumulate;
     g.M = M;
     g.N = N;
     g.K = K;
-    g.group_offsets = acts->padded_offsets;
-    g.groups = n;
-    return lm_moe_gemm_bf16(st, &g);
+    g.group_offsets = r->acts->padded_offsets;
+    g.groups = r->n;
+    if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_bf16(r->st, &g);
+    return lm_moe_blas_grouped(r->ctx, r->kind, &g, r->acts, r->dw_tmp);
 }
 
+/* The router's fp32 products: the own fp32 kernel with WMMA, cuBLAS otherwise. */
+static lm_status gemm_f32(const runner *r, lm_gemm_layout layout, const float *a, int64_t lda, const float *b,
+                          int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N, int64_t K) {
+    if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_f32(r->st, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
+    return lm_moe_blas_f32(r->ctx, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
+}
 
 static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, const lm_moe_params_bf16 *pb) {
     if (!pf || !pb) return lm_error(LM_ERR_ARG, "moe cuda: params_f32 and params_bf16 must not be NULL");
@@ -308,9 +331,16 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
         return lm_error(LM_ERR_ARG, "moe cuda forward: m = %lld outside [0, m_max = %lld]", (long long)m,
                         (long long)a->m_max);
     if (m > 0 && (!y || !x)) return lm_error(LM_ERR_ARG, "moe cuda forward: y and x must not be NULL");
+    lm_moe_gemm_kind kind;
+    TRY(lm_cuda_moe_gemm(&kind));
     a->m = m;
+    a->gemm_kind = (int)kind;
     if (m == 0) return LM_OK;
+    if (kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
+        return lm_error(LM_ERR_ARG, "moe cuda forward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
+    runner R = {ctx, st, (int)kind, a, c->n_experts, NULL};
+    const runner *r = &R;
     int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
     int ns = c->n_shared, fs = c->d_ff_shared;
     const int64_t P = a->rows_max;
@@ -321,22 +351,25 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
         LM_CUDA_TRY(cudaGetLastError());
     }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
-    TRY(lm_moe_gemm_f32(st, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
+    TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
     TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
+    /* the cuBLAS kinds size each expert's product on the host */
+    if (kind != LM_MOE_GEMM_WMMA) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
 
     /* expert inputs, grouped: x or (LatentMoE) W_down_lat x */
     if (dl > 0) {
-        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
+        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
         TRY(lm_moe_gather(st, (bf16 *)a->xg, NULL, (const bf16 *)a->x_lat, a, n, k, de));
     } else {
         TRY(lm_moe_gather(st, (bf16 *)a->xg, x, NULL, a, n, k, de));
     }
     /* experts: a = x W_gate^T, u = x W_up^T, h = act(a, u), out = h W_down^T */
-    TRY(gemm_grouped(st, LM_GEMM_NT, a->xg, de, pb->gate, de, (int64_t)f * de, a->ga, f, 0, 0, P, f, de, a, n));
-    TRY(gemm_grouped(st, LM_GEMM_NT, a->xg, de, pb->up, de, (int64_t)f * de, a->gu, f, 0, 0, P, f, de, a, n));
-    glu_forward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)a->gh, a->ga, a->gu, rows_used, P, f, (int)c->act);
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->gate, de, (int64_t)f * de, NULL, a->ga, f, 0, 0, P, f, de));
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->up, de, (int64_t)f * de, NULL, a->gu, f, 0, 0, P, f, de));
+    glu_forward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)a->gh, (const bf16 *)a->ga,
+                                                              (const bf16 *)a->gu, rows_used, P, f, (int)c->act);
     LM_CUDA_TRY(cudaGetLastError());
-    TRY(gemm_grouped(st, LM_GEMM_NT, a->gh, f, pb->down, f, (int64_t)de * f, a->gout, de, 0, 0, P, de, f, a, n));
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->gh, f, pb->down, f, (int64_t)de * f, NULL, a->gout, de, 0, 0, P, de, f));
 
     /* z_i = sum_t p_it E(x_i); y = z, or W_up_lat RMSNorm(z) */
     if (dl > 0) {
@@ -344,7 +377,7 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
         rmsnorm_forward_kernel<<<blocks_for(m, 8), 256, 0, st>>>((bf16 *)a->zn, a->rstd, a->z, pf->lat_norm, m, dl,
                                                                 c->norm_eps);
         LM_CUDA_TRY(cudaGetLastError());
-        TRY(gemm(st, LM_GEMM_NT, a->zn, dl, pb->lat_up, dl, y, NULL, d, 0, m, d, dl));
+        TRY(gemm(r, LM_GEMM_NT, a->zn, dl, pb->lat_up, dl, y, NULL, d, 0, m, d, dl));
     } else {
         TRY(lm_moe_combine(st, y, a, m, k, de));
     }
@@ -352,12 +385,12 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     /* shared experts, added to every token */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->shared_gate + wo, d, a->sa + ao, NULL, fs, 0, m, fs, d));
-        TRY(gemm(st, LM_GEMM_NT, a->x_bf16, d, pb->shared_up + wo, d, a->su + ao, NULL, fs, 0, m, fs, d));
-        glu_forward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)a->sh + ao, a->sa + ao, a->su + ao, NULL, m,
-                                                                   fs, (int)c->act);
+        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->shared_gate + wo, d, NULL, a->sa + ao, fs, 0, m, fs, d));
+        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->shared_up + wo, d, NULL, a->su + ao, fs, 0, m, fs, d));
+        glu_forward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)a->sh + ao, (const bf16 *)a->sa + ao,
+                                                                   (const bf16 *)a->su + ao, NULL, m, fs, (int)c->act);
         LM_CUDA_TRY(cudaGetLastError());
-        TRY(gemm(st, LM_GEMM_NT, a->sh + ao, fs, pb->shared_down + wo, fs, y, NULL, d, 1, m, d, fs));
+        TRY(gemm(r, LM_GEMM_NT, a->sh + ao, fs, pb->shared_down + wo, fs, y, NULL, d, 1, m, d, fs));
     }
     return LM_OK;
 }
@@ -378,7 +411,14 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
                         (long long)s->m_max, (long long)m);
     if (m == 0) return LM_OK;
     if (!dy || !x) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
+    if (a->gemm_kind != LM_MOE_GEMM_WMMA && a->gemm_kind != LM_MOE_GEMM_GROUPED && a->gemm_kind != LM_MOE_GEMM_LOOP)
+        return lm_error(LM_ERR_ARG, "moe cuda backward: acts hold no forward (gemm kind %d)", a->gemm_kind);
+    if (a->gemm_kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
+        return lm_error(LM_ERR_ARG, "moe cuda backward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
+    /* the kind and (cuBLAS) host row counts of the forward */
+    runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16};
+    const runner *r = &R;
     int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
     int ns = c->n_shared, fs = c->d_ff_shared;
     const int64_t P = a->rows_max;
@@ -391,27 +431,28 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     /* shared experts */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        TRY(gemm(st, LM_GEMM_NN, s->dy_bf16, d, pb->shared_down + wo, fs, s->dsh, NULL, fs, 0, m, fs, d));
+        TRY(gemm(r, LM_GEMM_NN, s->dy_bf16, d, pb->shared_down + wo, fs, NULL, s->dsh, fs, 0, m, fs, d));
         if (g->shared_down)
-            TRY(gemm(st, LM_GEMM_TN, s->dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
-        glu_backward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)s->dsa, (bf16 *)s->dsu, s->dsh,
-                                                                    a->sa + ao, a->su + ao, NULL, m, fs, (int)c->act);
+            TRY(gemm(r, LM_GEMM_TN, s->dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
+        glu_backward_kernel<<<blocks_for(m * fs, 256), 256, 0, st>>>((bf16 *)s->dsa, (bf16 *)s->dsu,
+                                                                    (const bf16 *)s->dsh, (const bf16 *)a->sa + ao,
+                                                                    (const bf16 *)a->su + ao, NULL, m, fs, (int)c->act);
         LM_CUDA_TRY(cudaGetLastError());
         if (dx) {
-            TRY(gemm(st, LM_GEMM_NN, s->dsa, fs, pb->shared_gate + wo, d, dx, NULL, d, 1, m, d, fs));
-            TRY(gemm(st, LM_GEMM_NN, s->dsu, fs, pb->shared_up + wo, d, dx, NULL, d, 1, m, d, fs));
+            TRY(gemm(r, LM_GEMM_NN, s->dsa, fs, pb->shared_gate + wo, d, dx, NULL, d, 1, m, d, fs));
+            TRY(gemm(r, LM_GEMM_NN, s->dsu, fs, pb->shared_up + wo, d, dx, NULL, d, 1, m, d, fs));
         }
         if (g->shared_gate)
-            TRY(gemm(st, LM_GEMM_TN, s->dsa, fs, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(r, LM_GEMM_TN, s->dsa, fs, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
         if (g->shared_up)
-            TRY(gemm(st, LM_GEMM_TN, s->dsu, fs, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(r, LM_GEMM_TN, s->dsu, fs, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
     }
 
     /* gradient of z */
     const float *dz = dy;
     if (dl > 0) {
-        TRY(gemm(st, LM_GEMM_NN, s->dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
-        if (g->lat_up) TRY(gemm(st, LM_GEMM_TN, s->dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
+        TRY(gemm(r, LM_GEMM_NN, s->dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
+        if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, s->dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
         rmsnorm_backward_kernel<<<blocks_for(m, 8), 256, 0, st>>>(s->dz, s->dzn, a->z, pf->lat_norm, a->rstd, m, dl);
         LM_CUDA_TRY(cudaGetLastError());
         if (g->lat_norm) {
@@ -429,33 +470,35 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     /* per grouped row: d out = p dz_i, and dp = <dz_i, E(x_i)> */
     TRY(lm_moe_combine_backward(st, (bf16 *)s->dgout, s->dp, dz, a, n, k, de));
     /* experts: dh = dout W_down, dW_down += dout^T h, da/du, dxg = da W_gate + du W_up */
-    TRY(gemm_grouped(st, LM_GEMM_NN, s->dgout, de, pb->down, f, (int64_t)de * f, s->dh, f, 0, 0, P, f, de, a, n));
+    TRY(gemm_grouped(r, LM_GEMM_NN, s->dgout, de, pb->down, f, (int64_t)de * f, NULL, s->dh, f, 0, 0, P, f, de));
     if (g->down)
-        TRY(gemm_grouped(st, LM_GEMM_TN, s->dgout, de, a->gh, f, 0, g->down, f, (int64_t)de * f, 1, de, f, 0, a, n));
-    glu_backward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)s->da, (bf16 *)s->du, s->dh, a->ga, a->gu,
-                                                               rows_used, P, f, (int)c->act);
+        TRY(gemm_grouped(r, LM_GEMM_TN, s->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, 1, de, f, 0));
+    glu_backward_kernel<<<blocks_for(P * f, 256), 256, 0, st>>>((bf16 *)s->da, (bf16 *)s->du, (const bf16 *)s->dh,
+                                                               (const bf16 *)a->ga, (const bf16 *)a->gu, rows_used, P,
+                                                               f, (int)c->act);
     LM_CUDA_TRY(cudaGetLastError());
-    TRY(gemm_grouped(st, LM_GEMM_NN, s->da, f, pb->gate, de, (int64_t)f * de, s->dxg, de, 0, 0, P, de, f, a, n));
-    TRY(gemm_grouped(st, LM_GEMM_NN, s->du, f, pb->up, de, (int64_t)f * de, s->dxg, de, 0, 1, P, de, f, a, n));
+    /* dxg = da W_gate + du W_up: the second product adds onto the bf16 first */
+    TRY(gemm_grouped(r, LM_GEMM_NN, s->da, f, pb->gate, de, (int64_t)f * de, NULL, s->dxg, de, 0, 0, P, de, f));
+    TRY(gemm_grouped(r, LM_GEMM_NN, s->du, f, pb->up, de, (int64_t)f * de, NULL, s->dxg, de, 0, 1, P, de, f));
     if (g->gate)
-        TRY(gemm_grouped(st, LM_GEMM_TN, s->da, f, a->xg, de, 0, g->gate, de, (int64_t)f * de, 1, f, de, 0, a, n));
+        TRY(gemm_grouped(r, LM_GEMM_TN, s->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, 1, f, de, 0));
     if (g->up)
-        TRY(gemm_grouped(st, LM_GEMM_TN, s->du, f, a->xg, de, 0, g->up, de, (int64_t)f * de, 1, f, de, 0, a, n));
+        TRY(gemm_grouped(r, LM_GEMM_TN, s->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, 1, f, de, 0));
 
     /* grouped input gradients back to tokens (slot order: deterministic) */
     if (dl > 0) {
-        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, s->dxg, a, m, k, de));
-        if (dx) TRY(gemm(st, LM_GEMM_NN, s->dxe_bf16, dl, pb->lat_down, d, dx, NULL, d, 1, m, d, dl));
+        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, (const bf16 *)s->dxg, a, m, k, de));
+        if (dx) TRY(gemm(r, LM_GEMM_NN, s->dxe_bf16, dl, pb->lat_down, d, dx, NULL, d, 1, m, d, dl));
         if (g->lat_down)
-            TRY(gemm(st, LM_GEMM_TN, s->dxe_bf16, dl, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
+            TRY(gemm(r, LM_GEMM_TN, s->dxe_bf16, dl, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
     } else if (dx) {
-        TRY(lm_moe_scatter(st, dx, NULL, s->dxg, a, m, k, de));
+        TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de));
     }
 
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r, dW_r += dr^T x */
     TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
-    if (dx) TRY(lm_moe_gemm_f32(st, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
-    if (g->router) TRY(lm_moe_gemm_f32(st, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    if (dx) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     return LM_OK;
 }

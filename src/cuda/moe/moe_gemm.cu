@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(GB_THREADS) gemm_bf16_kernel(lm_gemm_bf16_args
                     float v = stage[sr * 16 + sc + q];
                     int64_t o = r * g.ldc + col + q;
                     if (c) c[o] = g.accumulate ? c[o] + v : v;
-                    else cb[o] = __float2bfloat16_rn(v);
+                    else cb[o] = __float2bfloat16_rn(g.accumulate ? __bfloat162float(cb[o]) + v : v);
                 }
             }
             __syncwarp();

@@ -23,8 +23,8 @@ typedef __nv_bfloat16 bf16;
  *   TN:     one grid layer per expert j: the contraction runs over the rows
  *           group_offsets[j] .. group_offsets[j+1]-1 and C is c + j c_group_stride.
  * Without grouping the contraction of TN runs over 0 .. K-1.
- * Output: fp32 c (accumulate: +=) or bf16 cb (store). Each output element is
- * written by one thread: deterministic. */
+ * Output: fp32 c or bf16 cb (accumulate: +=, the sum rounded to bf16 for cb).
+ * Each output element is written by one thread: deterministic. */
 typedef enum { LM_GEMM_NT = 0, LM_GEMM_NN = 1, LM_GEMM_TN = 2 } lm_gemm_layout;
 
 typedef struct {
@@ -54,6 +54,29 @@ lm_status lm_moe_gemm_f32(cudaStream_t stream, lm_gemm_layout layout, const floa
 
 #include "longmoe/moe_cuda.h"
 
+/* cuBLAS products (moe_blas.cu), same arguments and layouts as above.
+ * Dense (group_offsets ignored): one cublasGemmEx. */
+lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g);
+/* The router's fp32 product through cuBLAS (fp32 operands and compute, no TF32). */
+lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, const float *a, int64_t lda,
+                          const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N,
+                          int64_t K);
+
+/* Grouped over the experts with rows, from the host counts of acts (filled
+ * by lm_moe_blas_fetch_counts): kind LM_MOE_GEMM_GROUPED (one grouped call)
+ * or LM_MOE_GEMM_LOOP (one call per expert). NT, NN: expert j's product has
+ * the real rows of j (M of g is ignored); TN: contraction over those rows (K
+ * of g is ignored). dw_tmp: bf16 [groups, M, N] scratch for a grouped TN
+ * product into fp32 (cuBLAS groups one type for C): the product goes there
+ * and is then added into c. */
+lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gemm_bf16_args *g,
+                              const lm_cuda_moe_acts *acts, bf16 *dw_tmp);
+
+/* Copy offsets and padded_offsets of the last routing to acts' host arrays
+ * (pinned staging in ctx, one stream synchronisation). */
+lm_status lm_moe_blas_fetch_counts(const lm_cuda_context *ctx, lm_cuda_moe_acts *acts, int n);
+
+
 /* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
  * the padded grouped layout (acts: s holds the logits W_r x on entry). */
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
@@ -63,11 +86,11 @@ lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const b
                         const lm_cuda_moe_acts *a, int n, int k, int width);
 /* out[m, width] = sum_t p_it gout[row(i,t)] */
 lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a, int64_t m, int k, int width);
-/* dgout = p dz (bf16, grouped), dp = <dz, gout> */
+/* dgout = p dz (bf16, grouped), dp = <dz, gout> (gout bf16) */
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width);
 /* dx_f32 += or dx_bf16 = sum_t dxg[row(i,t)] */
-lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const float *dxg, const lm_cuda_moe_acts *a,
+lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const lm_cuda_moe_acts *a,
                          int64_t m, int k, int width);
 /* dr[m, n] = extra s (1 - s) (or 0) + the chosen experts' ds s (1 - s) */
 lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const float *extra,

@@ -162,26 +162,27 @@ lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const b
 }
 
 /* z_i = sum_t p_it gout[slot_row(i,t)], in slot order. out[m, width] fp32. */
-__global__ void combine_kernel(float *out, const float *gout, const float *weights, const int32_t *slot_row,
+__global__ void combine_kernel(float *out, const bf16 *gout, const float *weights, const int32_t *slot_row,
                                int64_t m, int k, int width) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= m * width) return;
     int64_t i = q / width;
     int e = (int)(q % width);
     float z = 0.0f;
-    for (int t = 0; t < k; t++) z += weights[i * k + t] * gout[(int64_t)slot_row[i * k + t] * width + e];
+    for (int t = 0; t < k; t++)
+        z += weights[i * k + t] * __bfloat162float(gout[(int64_t)slot_row[i * k + t] * width + e]);
     out[q] = z;
 }
 
 lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a, int64_t m, int k, int width) {
-    combine_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(out, a->gout, a->weights, a->slot_row, m, k, width);
+    combine_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(out, (const bf16 *)a->gout, a->weights, a->slot_row, m, k, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
 
 /* Backward of the combination, one warp a grouped row: dgout = p dz_i (bf16,
  * zero on padding rows), dp_slot = <dz_i, gout_row> (fp32, fixed warp order). */
-__global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz, const float *gout,
+__global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz, const bf16 *gout,
                                         const float *weights, const int32_t *order, const int32_t *padded_offsets,
                                         int64_t rows_max, int n, int k, int width) {
     int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -193,11 +194,12 @@ __global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz,
         for (int e = lane; e < width; e += 32) dst[e] = __float2bfloat16_rn(0.0f);
         return;
     }
-    const float *dzi = dz + (int64_t)(g / k) * width, *go = gout + r * width;
+    const float *dzi = dz + (int64_t)(g / k) * width;
+    const bf16 *go = gout + r * width;
     float w = weights[g], dot = 0.0f;
     for (int e = lane; e < width; e += 32) {
         dst[e] = __float2bfloat16_rn(w * dzi[e]);
-        dot += dzi[e] * go[e];
+        dot += dzi[e] * __bfloat162float(go[e]);
     }
     for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
     if (lane == 0) dp[g] = dot;
@@ -205,7 +207,7 @@ __global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz,
 
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
-    combine_backward_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(dgout, dp, dz, a->gout, a->weights, a->order,
+    combine_backward_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights, a->order,
                                                                        a->padded_offsets, a->rows_max, n, k, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
@@ -213,19 +215,19 @@ lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const
 
 /* Grouped input gradients back to tokens, in slot order: v_i = sum_t dxg[row(i,t)];
  * into dx_f32 (+=) or dx_bf16 (store). */
-__global__ void scatter_kernel(float *dx_f32, bf16 *dx_bf16, const float *dxg, const int32_t *slot_row, int64_t m,
+__global__ void scatter_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const int32_t *slot_row, int64_t m,
                                int k, int width, int64_t ld_f32) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= m * width) return;
     int64_t i = q / width;
     int e = (int)(q % width);
     float v = 0.0f;
-    for (int t = 0; t < k; t++) v += dxg[(int64_t)slot_row[i * k + t] * width + e];
+    for (int t = 0; t < k; t++) v += __bfloat162float(dxg[(int64_t)slot_row[i * k + t] * width + e]);
     if (dx_bf16) dx_bf16[q] = __float2bfloat16_rn(v);
     else dx_f32[i * ld_f32 + e] += v;
 }
 
-lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const float *dxg, const lm_cuda_moe_acts *a,
+lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const lm_cuda_moe_acts *a,
                          int64_t m, int k, int width) {
     scatter_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k, width, width);
     LM_CUDA_TRY(cudaGetLastError());
