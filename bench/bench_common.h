@@ -70,8 +70,8 @@ static inline uint16_t *bench_device_bf16_random(bench_xorshift *r, size_t n, fl
  * `bytes` is the least traffic the kernel can have (every input read once,
  * every output written once), gbs = bytes / time, copy_gbs the bandwidth
  * (2 x size: read + write) of cudaMemcpyAsync device to device of bytes / 2
- * timed in the same run (median of reps after 3 warm-ups), pct = 100 gbs /
- * copy_gbs. */
+ * (at most 1 GiB: the copy's speed is flat beyond) timed in the same run
+ * (median of reps after 3 warm-ups), pct = 100 gbs / copy_gbs. */
 typedef struct {
     const char *name;
     double bytes, ms, gbs, copy_gbs, pct;
@@ -81,6 +81,7 @@ static inline double bench_copy_gbs(double bytes, int reps, cudaStream_t s) {
     size_t half = (size_t)(bytes / 2);
     half = (half + 255) & ~(size_t)255;
     if (half < 256) half = 256;
+    if (half > ((size_t)1 << 30)) half = (size_t)1 << 30;
     void *a = NULL, *b = NULL;
     cudaCheck(cudaMalloc(&a, half));
     cudaCheck(cudaMalloc(&b, half));
