@@ -197,7 +197,7 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
                                                             rows_per_chunk);
     LM_CUDA_TRY(cudaGetLastError());
     const int64_t len = (int64_t)C * W;
-    kl_ordered_partial_sum_kernel<<<kl_blocks(len, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
+    kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
         dw, partial, len, chunks);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
