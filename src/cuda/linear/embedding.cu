@@ -10,11 +10,11 @@
  *  1. a stable radix sort of (token, position) pairs by token
  *     (cub::DeviceRadixSort, only the bits the vocabulary needs): positions
  *     of one token come out ascending;
- *  2. one warp per sorted index; the warp at the start of a run of equal
- *     tokens loads the token's row (up to 1024 columns a step in registers,
- *     float4 per lane), adds the run's gradient rows in position order,
- *     exactly as the CPU loop does (row += g, i ascending), and writes the row
- *     once. Each gradient row is read once, each touched table row read and
+ *  2. one warp per (sorted index, slice of 256 columns); the warps at the
+ *     start of a run of equal tokens load their slice of the token's row
+ *     (float4 per lane), add the run's gradient rows in position order, 4
+ *     rows' loads in flight, exactly as the CPU loop does (row += g, i
+ *     ascending), and write the slice once. Each gradient row is read once, each touched table row read and
  *     written once. The sort's histograms count with integer atomics; counts
  *     do not depend on order. */
 #include <stdint.h>
@@ -26,7 +26,9 @@
 #include "longmoe/linear_cuda.h"
 
 #define EMB_WARPS 8 /* warps per block */
-#define EMB_ITEMS 8 /* items (float4 or float) per lane held at once */
+#define EMB_ITEMS 8 /* forward: items (float4 or float) per lane held at once */
+#define EMB_SLICE_ITEMS 2 /* backward: items per lane of a warp's column slice */
+#define EMB_RUN_ROWS 4    /* backward: gradient rows in flight per warp */
 
 static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
@@ -129,9 +131,12 @@ __global__ void emb_init_kernel(int32_t *keys, int32_t *vals, const int32_t *tok
     }
 }
 
-/* One warp per sorted index b; the warp that starts a run of equal tokens
- * adds the run's gradient rows into the token's row, positions ascending,
- * two rows' loads in flight at a time (added in order). */
+/* Warp (b, slice): b a sorted index, slice a range of EMB_SLICE_ITEMS
+ * items a lane (256 columns with float4). The warps at the start of a run of
+ * equal tokens load their slice of the token's row, add the run's gradient
+ * rows in position order, EMB_RUN_ROWS rows' loads in flight at a time (added
+ * in order), and write the slice once. Slices split a long run's work across
+ * warps; the order of the additions of every column stays the CPU's. */
 template <int W>
 __global__ void emb_accumulate_kernel(float *dtable, const float *dout, const int32_t *keys, const int32_t *vals,
                                       int64_t n, int d, int vocab) {
@@ -140,48 +145,47 @@ __global__ void emb_accumulate_kernel(float *dtable, const float *dout, const in
     if (b >= n) return;
     int32_t tok = keys[b];
     if (tok >= vocab || (b > 0 && keys[b - 1] == tok)) return;
+    const int c0 = blockIdx.y * (32 * W * EMB_SLICE_ITEMS);
     float *row = dtable + (int64_t)tok * d;
-    for (int c0 = 0; c0 < d; c0 += 32 * W * EMB_ITEMS) {
-        float acc[EMB_ITEMS][W];
+    float acc[EMB_SLICE_ITEMS][W];
 #pragma unroll
-        for (int k = 0; k < EMB_ITEMS; k++) {
-            int c = c0 + (k * 32 + lane) * W;
-            if (c < d) emb_load_rw<W>(acc[k], row + c);
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_load_rw<W>(acc[k], row + c);
+    }
+    for (int64_t j = b;; j += EMB_RUN_ROWS) {
+        /* the next EMB_RUN_ROWS positions of the run (a prefix of them) */
+        bool in[EMB_RUN_ROWS];
+        const float *gp[EMB_RUN_ROWS];
+        bool more = true;
+#pragma unroll
+        for (int q = 0; q < EMB_RUN_ROWS; q++) {
+            more = more && (q == 0 || (j + q < n && keys[j + q] == tok));
+            in[q] = more;
+            gp[q] = more ? dout + (int64_t)vals[j + q] * d : dout;
         }
-        int64_t j = b;
-        while (j < n) {
-            /* the next two positions of the run, if they are in it */
-            int in1 = j + 1 < n && keys[j + 1] == tok;
-            const float *g0 = dout + (int64_t)vals[j] * d;
-            const float *g1 = in1 ? dout + (int64_t)vals[j + 1] * d : g0;
-            float v0[EMB_ITEMS][W], v1[EMB_ITEMS][W];
+        float v[EMB_RUN_ROWS][EMB_SLICE_ITEMS][W];
 #pragma unroll
-            for (int k = 0; k < EMB_ITEMS; k++) {
+        for (int q = 0; q < EMB_RUN_ROWS; q++)
+#pragma unroll
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
                 int c = c0 + (k * 32 + lane) * W;
-                if (c < d) {
-                    emb_load<W>(v0[k], g0 + c);
-                    if (in1) emb_load<W>(v1[k], g1 + c);
-                }
+                if (in[q] && c < d) emb_load<W>(v[q][k], gp[q] + c);
             }
 #pragma unroll
-            for (int k = 0; k < EMB_ITEMS; k++)
+        for (int q = 0; q < EMB_RUN_ROWS; q++) {
+            if (!in[q]) break;
 #pragma unroll
-                for (int e = 0; e < W; e++) acc[k][e] += v0[k][e];
-            if (in1) {
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++)
 #pragma unroll
-                for (int k = 0; k < EMB_ITEMS; k++)
-#pragma unroll
-                    for (int e = 0; e < W; e++) acc[k][e] += v1[k][e];
-            }
-            if (!in1) break;
-            j += 2;
-            if (j >= n || keys[j] != tok) break;
+                for (int e = 0; e < W; e++) acc[k][e] += v[q][k][e];
         }
+        if (!in[EMB_RUN_ROWS - 1] || j + EMB_RUN_ROWS >= n || keys[j + EMB_RUN_ROWS] != tok) break;
+    }
 #pragma unroll
-        for (int k = 0; k < EMB_ITEMS; k++) {
-            int c = c0 + (k * 32 + lane) * W;
-            if (c < d) emb_store<W>(row + c, acc[k]);
-        }
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_store<W>(row + c, acc[k]);
     }
 }
 
@@ -226,12 +230,13 @@ extern "C" lm_status lm_cuda_embedding_backward(const lm_cuda_context *ctx, floa
     LM_CUDA_TRY(cudaGetLastError());
     LM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(sc.temp, temp_bytes, (const int32_t *)sc.keys[0], sc.keys[1],
                                                 (const int32_t *)sc.vals[0], sc.vals[1], (int)n, 0, bits, s));
-    if (d % 4 == 0 && aligned16(dtable) && aligned16(dout))
-        emb_accumulate_kernel<4><<<emb_blocks(n), 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n,
-                                                                            d, vocab);
-    else
-        emb_accumulate_kernel<1><<<emb_blocks(n), 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n,
-                                                                            d, vocab);
+    if (d % 4 == 0 && aligned16(dtable) && aligned16(dout)) {
+        dim3 grid(emb_blocks(n), (unsigned)((d + 32 * 4 * EMB_SLICE_ITEMS - 1) / (32 * 4 * EMB_SLICE_ITEMS)));
+        emb_accumulate_kernel<4><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+    } else {
+        dim3 grid(emb_blocks(n), (unsigned)((d + 32 * EMB_SLICE_ITEMS - 1) / (32 * EMB_SLICE_ITEMS)));
+        emb_accumulate_kernel<1><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+    }
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
