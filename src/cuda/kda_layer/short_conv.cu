@@ -131,6 +131,65 @@ __global__ void conv_dw_partial_kernel(float *partial, const float *dc, const fl
     partial[((size_t)chunk * C + ch) * W + i] = acc;
 }
 
+/* din and dw's partials in ONE pass over dc and in: thread = channel, block
+ * row = chunk of tokens [n0, n1), walked in order with the last WT values
+ * of in and of dc in registers (a halo of WT - 1 tokens read past the chunk's
+ * end for din). Per token m: partial[chunk][ch][i] += in[m-(W-1)+i] dc[m]
+ * (taps before the sequence's start skipped; the conv_dw_partial_kernel's
+ * order), and din[t] for t = m - (W-1) = sum_i w[ch,i] dc[t+(W-1)-i] (taps
+ * past the sequence's end skipped; the conv_backward_input_kernel's order):
+ * the same bits as those two kernels, in a third of their traffic. */
+template <int WT>
+__global__ void conv_backward_window_kernel(float *__restrict__ din, float *__restrict__ partial,
+                                            const float *__restrict__ dc, const float *__restrict__ in,
+                                            const float *__restrict__ w, int T, int C, int64_t N,
+                                            int64_t rows_per_chunk) {
+    const int ch = blockIdx.x * DW_THREADS + threadIdx.x;
+    if (ch >= C) return;
+    const int64_t chunk = blockIdx.y, n0 = chunk * rows_per_chunk;
+    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+    float wr[WT], acc[WT], xin[WT], dcw[WT];
+#pragma unroll
+    for (int i = 0; i < WT; i++) {
+        wr[i] = w[(size_t)ch * WT + i];
+        acc[i] = 0.0f;
+        dcw[i] = 0.0f;
+        /* xin[i] = in[n0 - WT + i] for i >= 1: the taps of the first token */
+        const int64_t src = n0 - WT + i;
+        xin[i] = (i >= 1 && src >= 0) ? in[src * C + ch] : 0.0f;
+    }
+    const int64_t m_end = n1 + (WT - 1);
+#pragma unroll 4
+    for (int64_t m = n0; m < m_end; m++) {
+#pragma unroll
+        for (int i = 0; i + 1 < WT; i++) {
+            xin[i] = xin[i + 1];
+            dcw[i] = dcw[i + 1];
+        }
+        const bool in_chunk = m < n1;
+        xin[WT - 1] = in_chunk ? in[m * C + ch] : 0.0f;
+        dcw[WT - 1] = m < N ? dc[m * C + ch] : 0.0f;
+        if (in_chunk) {
+            const int t = (int)(m % T);
+            const float g = dcw[WT - 1];
+#pragma unroll
+            for (int i = 0; i < WT; i++)
+                if (t >= WT - 1 - i) acc[i] += xin[i] * g;
+        }
+        const int64_t tt = m - (WT - 1);
+        if (tt >= n0 && tt < n1) {
+            const int t = (int)(tt % T);
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WT; i++)
+                if (t + (WT - 1) - i < T) a += wr[i] * dcw[WT - 1 - i];
+            din[tt * C + ch] = a;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch) * WT + i] = acc[i];
+}
+
 static int64_t dw_chunks(int64_t N) { return kl_chunks(N, DW_MIN_ROWS, DW_MAX_CHUNKS); }
 
 static lm_status check_shape(const char *fn, int B, int T, int C, int W, int head_dim) {
@@ -189,13 +248,32 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
     silu_l2_backward_kernel<<<kl_blocks(rows, KL_ROW_WARPS), KL_ROW_WARPS * 32, 0, stream>>>(
         dc, dout_bf16, conv_out, rnorm, in, w, T, C, W, head_dim, rows);
     LM_CUDA_TRY(cudaGetLastError());
-    conv_backward_input_kernel<<<kl_blocks(total, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
-        din, dc, w, T, C, W, total);
-    LM_CUDA_TRY(cudaGetLastError());
-    dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks, (unsigned)W);
-    conv_dw_partial_kernel<<<grid, DW_THREADS, 0, stream>>>(partial, dc, in, T, C, W, N,
-                                                            rows_per_chunk);
-    LM_CUDA_TRY(cudaGetLastError());
+    if (W <= 8) {
+        dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks);
+#define CONV_BWD(WT)                                                                               \
+    conv_backward_window_kernel<WT><<<grid, DW_THREADS, 0, stream>>>(din, partial, dc, in, w, T, C, \
+                                                                     N, rows_per_chunk)
+        switch (W) {
+        case 1: CONV_BWD(1); break;
+        case 2: CONV_BWD(2); break;
+        case 3: CONV_BWD(3); break;
+        case 4: CONV_BWD(4); break;
+        case 5: CONV_BWD(5); break;
+        case 6: CONV_BWD(6); break;
+        case 7: CONV_BWD(7); break;
+        default: CONV_BWD(8); break;
+        }
+#undef CONV_BWD
+        LM_CUDA_TRY(cudaGetLastError());
+    } else {
+        conv_backward_input_kernel<<<kl_blocks(total, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
+            din, dc, w, T, C, W, total);
+        LM_CUDA_TRY(cudaGetLastError());
+        dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks, (unsigned)W);
+        conv_dw_partial_kernel<<<grid, DW_THREADS, 0, stream>>>(partial, dc, in, T, C, W, N,
+                                                                rows_per_chunk);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
     const int64_t len = (int64_t)C * W;
     kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
         dw, partial, len, chunks);
