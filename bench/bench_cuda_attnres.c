@@ -14,7 +14,12 @@
  *   begin 2, input(l) N_l + 1 (+1 for the saved partial sum), add_output 2 or
  *   3, final N+2; final_backward 2(N+1) + 1, output_backward 3,
  *   input_backward 3 N_l + 1, embedding_backward 3.
- * A device-to-device copy of 1 GiB gives the reachable bandwidth for scale. */
+ * A device-to-device copy of 1 GiB gives the reachable bandwidth for scale.
+ * Each kind of call is also timed on its own (events around every call,
+ * summed over the pass) and put beside a device-to-device cudaMemcpy moving
+ * as many bytes (at most 2 GiB), timed in the same run (bench_common.h):
+ * MB moved, GB/s, copy GB/s and % of copy, printed and in the JSON's
+ * "memory_bound" list. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -107,31 +112,52 @@ int main(int argc, char **argv) {
     lm_attnres_params prm = {query, key_norm};
     lm_attnres_grads g = {gq, gk};
 
-    cudaEvent_t e0, e1, e2;
-    cudaCheck(cudaEventCreate(&e0));
-    cudaCheck(cudaEventCreate(&e1));
-    cudaCheck(cudaEventCreate(&e2));
+    /* every call timed by events around it; per kind of call the sum over a
+     * pass, median over repetitions */
+    enum { K_BEGIN, K_INPUT, K_ADD, K_FINAL, K_FINAL_BWD, K_OUT_BWD, K_IN_BWD, K_EMB_BWD, K_COUNT };
+    static const char *kind_name[K_COUNT] = {"attnres begin",          "attnres input (all layers)",
+                                             "attnres add_output (all)", "attnres final",
+                                             "attnres final_backward", "attnres output_backward (all)",
+                                             "attnres input_backward (all)", "attnres embedding_backward"};
+    const int calls = 2 * L + 2 + 2 * L + 2;
+    cudaEvent_t *ev = mallocCheck((size_t)(calls + 1) * sizeof(cudaEvent_t));
+    int *call_kind = mallocCheck((size_t)calls * sizeof(int));
+    for (int i = 0; i <= calls; i++) cudaCheck(cudaEventCreate(&ev[i]));
     float *tf = mallocCheck((size_t)reps * 4), *tb = mallocCheck((size_t)reps * 4);
+    float *tk = callocCheck((size_t)reps * K_COUNT, 4);
+    const int fwd_calls = 2 * L + 2;
     for (int rep = -2; rep < reps; rep++) {
-        cudaCheck(cudaEventRecord(e0, stream));
-        MUST(lm_cuda_attnres_begin(&ctx, &st, emb));
+        int c = 0;
+#define TIMED(kind, call)                                                                                         \
+    do {                                                                                                          \
+        call_kind[c] = (kind);                                                                                    \
+        cudaCheck(cudaEventRecord(ev[c], stream));                                                                \
+        MUST(call);                                                                                               \
+        c++;                                                                                                      \
+    } while (0)
+        TIMED(K_BEGIN, lm_cuda_attnres_begin(&ctx, &st, emb));
         for (int l = 0; l < L; l++) {
-            MUST(lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
-            MUST(lm_cuda_attnres_add_output(&ctx, &st, l, y));
+            TIMED(K_INPUT, lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
+            TIMED(K_ADD, lm_cuda_attnres_add_output(&ctx, &st, l, y));
         }
-        MUST(lm_cuda_attnres_final(&ctx, &st, &prm, h));
-        cudaCheck(cudaEventRecord(e1, stream));
-        MUST(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh, &g));
+        TIMED(K_FINAL, lm_cuda_attnres_final(&ctx, &st, &prm, h));
+        TIMED(K_FINAL_BWD, lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh, &g));
         for (int l = L - 1; l >= 0; l--) {
-            MUST(lm_cuda_attnres_output_backward(&ctx, &st, l, dy));
-            MUST(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
+            TIMED(K_OUT_BWD, lm_cuda_attnres_output_backward(&ctx, &st, l, dy));
+            TIMED(K_IN_BWD, lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
         }
-        MUST(lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
-        cudaCheck(cudaEventRecord(e2, stream));
+        TIMED(K_EMB_BWD, lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
+#undef TIMED
+        cudaCheck(cudaEventRecord(ev[c], stream));
         MUST(lm_cuda_context_sync(&ctx));
         if (rep >= 0) {
-            cudaCheck(cudaEventElapsedTime(&tf[rep], e0, e1));
-            cudaCheck(cudaEventElapsedTime(&tb[rep], e1, e2));
+            cudaCheck(cudaEventElapsedTime(&tf[rep], ev[0], ev[fwd_calls]));
+            cudaCheck(cudaEventElapsedTime(&tb[rep], ev[fwd_calls], ev[calls]));
+            for (int k = 0; k < calls; k++) {
+                float ms;
+                cudaCheck(cudaEventElapsedTime(&ms, ev[k], ev[k + 1]));
+                tk[(size_t)call_kind[k] * reps + rep] += ms;
+            }
         }
     }
     const float fwd_ms = bench_median_f(tf, reps), bwd_ms = bench_median_f(tb, reps);
@@ -139,22 +165,24 @@ int main(int argc, char **argv) {
     traffic_rows(&st, &fwd_rows, &bwd_rows);
     const double row_bytes = (double)nd * 4;
     const double fwd_gbs = fwd_rows * row_bytes / (fwd_ms * 1e-3) / 1e9, bwd_gbs = bwd_rows * row_bytes / (bwd_ms * 1e-3) / 1e9;
+    /* compulsory rows per kind of call (as traffic_rows) */
+    double kind_rows[K_COUNT] = {2, 0, 0, (st.n_blocks + 1) + 1, 2.0 * (st.n_blocks + 1) + 1, 0, 0, 3};
+    for (int l = 0; l < L; l++) {
+        const int Ns = lm_cuda_attnres_n_sources(&st, l), pos = l % S;
+        kind_rows[K_INPUT] += Ns + 1 + (pos > 0);
+        kind_rows[K_ADD] += pos == 0 ? 2 : 3;
+        kind_rows[K_OUT_BWD] += 3;
+        kind_rows[K_IN_BWD] += 3.0 * Ns + 1;
+    }
+    bench_bw bw[K_COUNT + 2];
+    for (int k = 0; k < K_COUNT; k++)
+        bw[k] = bench_bw_measure(kind_name[k], kind_rows[k] * row_bytes, bench_median_f(tk + (size_t)k * reps, reps),
+                                 reps, stream);
+    bw[K_COUNT] = bench_bw_measure("attnres forward pass", fwd_rows * row_bytes, fwd_ms, reps, stream);
+    bw[K_COUNT + 1] = bench_bw_measure("attnres backward pass", bwd_rows * row_bytes, bwd_ms, reps, stream);
 
     /* reference: device-to-device copy of 1 GiB (read + write counted) */
-    const size_t copy_bytes = (size_t)1 << 30;
-    void *ca = NULL, *cb = NULL;
-    cudaCheck(cudaMalloc(&ca, copy_bytes));
-    cudaCheck(cudaMalloc(&cb, copy_bytes));
-    cudaCheck(cudaMemsetAsync(ca, 1, copy_bytes, stream));
-    float tc[5];
-    for (int rep = -1; rep < 5; rep++) {
-        cudaCheck(cudaEventRecord(e0, stream));
-        cudaCheck(cudaMemcpyAsync(cb, ca, copy_bytes, cudaMemcpyDeviceToDevice, stream));
-        cudaCheck(cudaEventRecord(e1, stream));
-        cudaCheck(cudaEventSynchronize(e1));
-        if (rep >= 0) cudaCheck(cudaEventElapsedTime(&tc[rep], e0, e1));
-    }
-    const double copy_gbs = 2.0 * (double)copy_bytes / (bench_median_f(tc, 5) * 1e-3) / 1e9;
+    const double copy_gbs = bench_copy_gbs(2.0 * (double)((size_t)1 << 30), 5, stream);
 
     printf("Block AttnRes on the GPU: %d layers (L = %d sublayers), block %d (N = %d), n = %lld, d = %d\n", layers, L,
            S, st.n_blocks, (long long)n, d);
@@ -163,6 +191,8 @@ int main(int argc, char **argv) {
     printf("%-10s %10.3f %12.2f %10.0f\n", "forward", fwd_ms, fwd_rows * row_bytes / 1e9, fwd_gbs);
     printf("%-10s %10.3f %12.2f %10.0f\n", "backward", bwd_ms, bwd_rows * row_bytes / 1e9, bwd_gbs);
     printf("device copy (1 GiB, read + write): %.0f GB/s\n", copy_gbs);
+    bench_bw_header();
+    for (int k = 0; k < K_COUNT + 2; k++) bench_bw_print(&bw[k]);
     if (out) {
         FILE *f = fopenCheck(out, "w");
         fprintf(f,
@@ -171,16 +201,21 @@ int main(int argc, char **argv) {
                 " \"workspace_bytes\": %zu,\n"
                 " \"forward\": {\"ms\": %.4f, \"bytes\": %.0f, \"GBps\": %.1f},\n"
                 " \"backward\": {\"ms\": %.4f, \"bytes\": %.0f, \"GBps\": %.1f},\n"
-                " \"device_copy_GBps\": %.1f}\n",
+                " \"device_copy_GBps\": %.1f,\n \"memory_bound\": [",
                 layers, L, S, st.n_blocks, (long long)n, d, reps, plan.total, fwd_ms, fwd_rows * row_bytes, fwd_gbs,
                 bwd_ms, bwd_rows * row_bytes, bwd_gbs, copy_gbs);
+        for (int k = 0; k < K_COUNT + 2; k++) {
+            fprintf(f, "%s\n  ", k ? "," : "");
+            bench_bw_json(f, &bw[k]);
+        }
+        fprintf(f, "]}\n");
         fclose(f);
     }
+    for (int i = 0; i <= calls; i++) cudaCheck(cudaEventDestroy(ev[i]));
+    free(ev), free(call_kind), free(tk);
     float *bufs[] = {emb, y, dh, dy, demb, query, key_norm, gq, gk, h};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaFree(ws);
-    cudaFree(ca);
-    cudaFree(cb);
     free(tf);
     free(tb);
     lm_cuda_context_destroy(&ctx);

@@ -10,11 +10,15 @@
  * Median of N timed repetitions (CUDA events on the context's stream) after
  * 3 warm-ups, on random data (never zeros). TFLOP/s count 2*N*ic*oc per
  * forward product and 4*N*ic*oc per backward (dinp and dweight). GB/s count
- * each tensor read or written once: RMSNorm forward reads x, writes the fp32
- * and bf16 outputs and rstd; its backward reads dout, x, rstd and dinp and
- * writes dinp (dweight's partials are not counted); the embedding forward
+ * each tensor read or written once: RMSNorm forward reads x and the weight,
+ * writes the fp32 and bf16 outputs and rstd; its backward reads dout, x, rstd,
+ * the weight and dinp and writes dinp and dweight (dweight's partials are not
+ * counted); the embedding forward
  * reads and writes N rows; its backward reads N gradient rows and reads and
- * writes each distinct token's row once. */
+ * writes each distinct token's row once. Each memory-bound kernel is also
+ * put beside a device-to-device cudaMemcpy moving as many bytes, timed in the
+ * same run (bench_common.h: MB moved, GB/s, copy GB/s, % of copy; the JSON's
+ * "memory_bound" list). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -228,22 +232,33 @@ int main(int argc, char **argv) {
     }
     r.tokens = dev_alloc((size_t)N * 4);
     cudaCheck(cudaMemcpy(r.tokens, tok, (size_t)N * 4, cudaMemcpyHostToDevice));
+    /* least traffic: every input read once, every output written once */
     double row_bytes = (double)r.d * 4;
-    double rf_bytes = (double)nx * (4 + 4 + 2) + N * 4.0, rb_bytes = (double)nx * 4 * 4 + N * 4.0;
-    double ef_bytes = 2.0 * N * row_bytes, eb_bytes = N * row_bytes + 2.0 * distinct * row_bytes + N * 4.0;
+    double rf_bytes = (double)nx * (4 + 4 + 2) + N * 4.0 + row_bytes;
+    double rb_bytes = (double)nx * 4 * 4 + N * 4.0 + 3 * row_bytes; /* dout, x, dinp in and out; rstd; w, dw */
+    double ef_bytes = 2.0 * N * row_bytes + N * 4.0;
+    double eb_bytes = N * row_bytes + 2.0 * distinct * row_bytes + N * 4.0;
     float rf = time_ms(rms_forward, &r, reps), rb = time_ms(rms_backward, &r, reps);
     float ef = time_ms(emb_forward, &r, reps), eb = time_ms(emb_backward, &r, reps);
-    printf("%-24s %10s %10s\n", "op (d = 1024)", "ms", "GB/s");
-    printf("%-24s %10.3f %10.1f\n", "rmsnorm forward", rf, rf_bytes / (rf * 1e6));
-    printf("%-24s %10.3f %10.1f\n", "rmsnorm backward", rb, rb_bytes / (rb * 1e6));
-    printf("%-24s %10.3f %10.1f\n", "embedding forward", ef, ef_bytes / (ef * 1e6));
-    printf("%-24s %10.3f %10.1f\n", "embedding backward", eb, eb_bytes / (eb * 1e6));
-    if (js)
+    cudaStream_t st = (cudaStream_t)ctx.stream;
+    bench_bw bw[4] = {bench_bw_measure("rmsnorm forward (d=1024)", rf_bytes, rf, reps, st),
+                      bench_bw_measure("rmsnorm backward (d=1024)", rb_bytes, rb, reps, st),
+                      bench_bw_measure("embedding forward (d=1024)", ef_bytes, ef, reps, st),
+                      bench_bw_measure("embedding backward (d=1024)", eb_bytes, eb, reps, st)};
+    bench_bw_header();
+    for (int i = 0; i < 4; i++) bench_bw_print(&bw[i]);
+    if (js) {
         fprintf(js, "],\n \"rmsnorm\": {\"d\": %d, \"forward_ms\": %.4f, \"forward_gbs\": %.1f, "
                     "\"backward_ms\": %.4f, \"backward_gbs\": %.1f},\n \"embedding\": {\"d\": %d, \"vocab\": %d, "
                     "\"forward_ms\": %.4f, \"forward_gbs\": %.1f, \"backward_ms\": %.4f, \"backward_gbs\": %.1f},\n",
-                r.d, rf, rf_bytes / (rf * 1e6), rb, rb_bytes / (rb * 1e6), r.d, r.vocab, ef, ef_bytes / (ef * 1e6),
-                eb, eb_bytes / (eb * 1e6));
+                r.d, rf, bw[0].gbs, rb, bw[1].gbs, r.d, r.vocab, ef, bw[2].gbs, eb, bw[3].gbs);
+        fprintf(js, " \"memory_bound\": [");
+        for (int i = 0; i < 4; i++) {
+            fprintf(js, "%s\n  ", i ? "," : "");
+            bench_bw_json(js, &bw[i]);
+        }
+        fprintf(js, "],\n");
+    }
     free(tok), free(seen);
     lm_cuda_free(r.x), lm_cuda_free(r.w), lm_cuda_free(r.g), lm_cuda_free(r.y), lm_cuda_free(r.y16);
     lm_cuda_free(r.r), lm_cuda_free(r.dx), lm_cuda_free(r.dw), lm_cuda_free(r.scratch), lm_cuda_free(r.table);

@@ -34,7 +34,7 @@ if has test; then
 fi
 
 if has bench; then
-    for b in ${BENCHES:-bench_cuda_linear bench_cuda_attention bench_cuda_moe bench_cuda_attnres}; do
+    for b in ${BENCHES:-bench_cuda_linear bench_cuda_attention bench_cuda_moe bench_cuda_attnres bench_cuda_kda_layer}; do
         [ -x "$BUILD/$b" ] || continue
         echo "== $b"
         timeout 200 "$BUILD/$b" --out "$OUT/$b.json" 2>&1 | tail -30

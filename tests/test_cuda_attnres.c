@@ -310,9 +310,12 @@ done:
 
 static void run_shapes(lm_attnres_mode mode, int S, uint64_t seed) {
     const int64_t ns[] = {1, 37, 1000};
-    const int ds[] = {64, 1024};
+    /* d = 97: one float a thread (no float4); 64, 97, 1024: the forward keeps a
+     * row's sources in registers; 2056: two float4 steps a thread (the
+     * two-pass forward) */
+    const int ds[] = {64, 1024, 97, 2056};
     for (int a = 0; a < 3; a++)
-        for (int b = 0; b < 2; b++) check_case(mode, S, ns[a], ds[b], seed + 10 * a + b);
+        for (int b = 0; b < 4; b++) check_case(mode, S, ns[a], ds[b], seed + 10 * a + b);
 }
 
 static void test_block_modes_match_cpu_and_repeat_bitwise(void) {

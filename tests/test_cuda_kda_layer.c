@@ -29,9 +29,12 @@
 
 static lm_cuda_context ctx;
 
-/* (B, T, C, W, head_dim): one token; odd T; W = 3; a long sequence of wide rows */
-static const int shapes[][5] = {
-    {1, 1, 64, 4, 32}, {2, 37, 256, 4, 128}, {1, 300, 128, 3, 64}, {1, 1000, 1024, 4, 128}};
+/* (B, T, C, W, head_dim): one token; odd T; W = 3; a long sequence of wide
+ * rows; head sizes of 3 and 8 values a lane (96, 256) with odd T; many
+ * token chunks of an odd number of rows (4097 x 8 heads) */
+static const int shapes[][5] = {{1, 1, 64, 4, 32},      {2, 37, 256, 4, 128}, {1, 300, 128, 3, 64},
+                                {1, 1000, 1024, 4, 128}, {3, 333, 288, 4, 96}, {1, 257, 512, 2, 256},
+                                {1, 4097, 256, 4, 32}};
 #define NSHAPES (int)(sizeof shapes / sizeof shapes[0])
 
 /* The helpers below copy and set memory on the default stream, the kernels
@@ -164,7 +167,20 @@ static void test_short_conv_silu_backward_matches_cpu(void) {
             check_rel(g_din, din, NC, TOL_F32, norm ? "din (q/k, fp32)" : "din (v, fp32)", s);
             check_rel(g_dw, dw, CW, TOL_F32, norm ? "dw += (q/k, fp32)" : "dw += (v, fp32)", s);
 
-            /* run to run: the same dw bits; recompute path: the same gradients */
+            /* run to run with c saved (the one-pass kernel where it applies): the same bits */
+            CHECK(lm_cuda_upload(d_dw, dw0, CW * 4) == LM_OK, "upload: %s", lm_last_error());
+            cudaMemset(d_din, 0xFF, NC * 4);
+            settle();
+            st = lm_cuda_short_conv_silu_backward(&ctx, d_din, d_dw, d_dout, d_conv, rnp, d_in, d_w, B, T, C,
+                                                  W, hd, d_scratch);
+            CHECK(st == LM_OK, "backward again: %s", lm_last_error());
+            CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+            float *g_din1 = host_from(d_din, NC), *g_dw1 = host_from(d_dw, CW);
+            CHECK(memcmp(g_dw, g_dw1, CW * 4) == 0 && memcmp(g_din, g_din1, NC * 4) == 0,
+                  "dw or din is not bit-identical from run to run");
+            free(g_din1), free(g_dw1);
+
+            /* recompute path (c not saved: the two-pass kernels): the same dw bits */
             CHECK(lm_cuda_upload(d_dw, dw0, CW * 4) == LM_OK, "upload: %s", lm_last_error());
             cudaMemset(d_din, 0xFF, NC * 4);
             settle();
@@ -173,7 +189,7 @@ static void test_short_conv_silu_backward_matches_cpu(void) {
             CHECK(st == LM_OK, "backward (recompute): %s", lm_last_error());
             CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
             float *g_din2 = host_from(d_din, NC), *g_dw2 = host_from(d_dw, CW);
-            CHECK(memcmp(g_dw, g_dw2, CW * 4) == 0, "dw is not bit-identical from run to run");
+            CHECK(memcmp(g_dw, g_dw2, CW * 4) == 0, "dw differs between saved and recomputed c");
             check_rel(g_din2, din, NC, TOL_F32, "din, conv recomputed", s);
 
             free(in), free(w), free(dout), free(dw0), free(conv), free(y), free(rn), free(dc);

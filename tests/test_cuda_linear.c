@@ -216,7 +216,12 @@ static void test_all_finite_flags_every_nan_and_inf(void) {
 
 /* --------------------------------------------------------------- rmsnorm */
 
-static const int rms_shapes[][2] = {{1, 32}, {37, 64}, {1000, 1024}, {37, 1000}, {300, 128}, {5, 3}, {2049, 96}};
+/* d % 4 == 0 (float4 path) and not (scalar path), odd n (row pairs with a
+ * tail), items per thread 1..8, d past the register path (2051 scalar, 8200
+ * float4: the warp-per-row fallback), many dweight partials (40001 rows) */
+static const int rms_shapes[][2] = {{1, 32},   {37, 64},    {1000, 1024}, {37, 1000}, {300, 128}, {5, 3},
+                                    {2049, 96}, {65, 1001}, {129, 2048},  {33, 4100}, {7, 2051},  {3, 8200},
+                                    {40001, 8}, {17, 8192}};
 
 static void test_rmsnorm_forward_matches_cpu(void) {
     const float eps = 1e-6f;
@@ -315,8 +320,11 @@ static int32_t *random_tokens(int64_t n, int vocab, int skewed) {
     return t;
 }
 
-static const int emb_shapes[][3] = {{1, 32, 256}, {37, 64, 1000}, {1000, 1000, 256}, {1000, 64, 1000},
-                                    {5000, 32, 1000}, {3000, 96, 32768}};
+/* d % 4 == 0 (float4) and odd d (scalar); d past one register step of
+ * columns (1028 float4, 301 scalar); odd n; a vocabulary of one token */
+static const int emb_shapes[][3] = {{1, 32, 256},    {37, 64, 1000},  {1000, 1000, 256}, {1000, 64, 1000},
+                                    {5000, 32, 1000}, {3000, 96, 32768}, {777, 33, 500},   {301, 1028, 300},
+                                    {101, 301, 50},   {9, 7, 1}};
 
 static void test_embedding_forward_gathers_rows(void) {
     for (size_t s = 0; s < sizeof emb_shapes / sizeof emb_shapes[0]; s++) {

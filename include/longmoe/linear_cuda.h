@@ -79,8 +79,9 @@ lm_status lm_cuda_embedding_forward(const lm_cuda_context *ctx, float *out, cons
 size_t lm_cuda_embedding_scratch_bytes(int64_t n, int vocab);
 /* dtable[tokens[i],:] += dout[i,:], each row's terms added in position order
  * (i ascending), exactly as the CPU loop of lm_model_backward: a stable radix
- * sort of the positions by token on the device, then one block per distinct
- * token. No float atomics. Tokens outside [0, vocab) are skipped. */
+ * sort of the positions by token on the device (cub), then one warp per
+ * distinct token and slice of 256 columns. No float atomics. Tokens outside
+ * [0, vocab) are skipped. */
 lm_status lm_cuda_embedding_backward(const lm_cuda_context *ctx, float *dtable, const float *dout,
                                      const int32_t *tokens, int64_t n, int d, int vocab, void *scratch);
 

@@ -197,6 +197,109 @@ forward_kernel(attnres_sources src, float *P_save, const float *w, const float *
     }
 }
 
+/* The same forward (from_saved = 0) when a row group holds its row in one
+ * step (d <= tpr * VEC) and there are at most MAXS sources: all of a row's
+ * sources are loaded at once into registers (MAXS x VEC floats a thread, every
+ * load in flight together), reduced, and reused for h = sum_i a_i v_i: one
+ * read of each source from DRAM and no second pass. The arithmetic is the
+ * forward_kernel's, in the same order (the same bits). */
+template <int VEC, int MAXS>
+__global__ void __launch_bounds__(THREADS)
+forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
+                    float *h, int64_t n, int d, float eps, int tpr) {
+    extern __shared__ float smem[];
+    const int C = src.C, Ns = C + src.has_partial;
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
+    float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
+    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const int c = lane_g * VEC;
+    const bool active = t < n, mine = active && c < d;
+    const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
+
+    float x[MAXS][VEC], wv[VEC], gv[VEC];
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        if (mine) {
+            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+            vec<VEC>::load(x[i], v + c);
+            if (i == C && P_save) vec<VEC>::store(P_save + row + c, x[i]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
+        }
+    }
+    if (mine) {
+        vec<VEC>::load(wv, w + c);
+        vec<VEC>::load(gv, g + c);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
+    }
+    /* pass 1: u . v_i for every source (u = w (.) g, SPEC §5), and sum P^2 */
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        const bool is_P = i == C;
+        float dot = 0.0f, ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            dot += (wv[j] * gv[j]) * x[i][j];
+            ss += x[i][j] * x[i][j];
+        }
+        dot = warp_sum(dot);
+        if (is_P) ss = warp_sum(ss);
+        if (lane == 0) {
+            red[warp * (Ns + 1) + i] = dot;
+            if (is_P) red[warp * (Ns + 1) + Ns] = ss;
+        }
+    }
+    __syncthreads();
+    if (active && lane_g == 0) {
+        float *lrow = logits + (size_t)t * Ns;
+        const float *r0 = red + (size_t)group * wpg * (Ns + 1);
+        float m = -INFINITY;
+        for (int i = 0; i < Ns; i++) {
+            float dot = 0.0f;
+            for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
+            float r;
+            if (i < C) {
+                r = src.hist_rstd[(size_t)i * n + t];
+            } else {
+                float ss = 0.0f;
+                for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
+                r = 1.0f / sqrtf(ss / (float)d + eps);
+                src.P_rstd[t] = r;
+            }
+            /* s_i = r_i (u . v_i) */
+            const float s = r * dot;
+            lrow[i] = s;
+            coef[i] = s;
+            m = fmaxf(m, s);
+        }
+        /* softmax over the sources, fp32 statistics */
+        float Z = 0.0f;
+        for (int i = 0; i < Ns; i++) Z += expf(coef[i] - m);
+        for (int i = 0; i < Ns; i++) coef[i] = expf(coef[i] - m) / Z;
+        lse[t] = m + logf(Z);
+    }
+    __syncthreads();
+    if (!mine) return;
+    /* pass 2 from the registers: h = sum_i a_i v_i (values are not normalised) */
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        const float a = coef[i];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) acc[j] += a * x[i][j];
+    }
+    vec<VEC>::store(h + row + c, acc);
+}
+
 /* ---- backward of one AttnRes layer ---- */
 
 template <int VEC>
@@ -415,6 +518,26 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
     const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns) * sizeof(float);
     const unsigned grid = grid_of(n, rows);
     lm_status s;
+    if (!from_saved && d <= tpr * VEC && Ns <= 16) {
+#define AR_REGS(V, M)                                                                                                \
+    do {                                                                                                             \
+        if ((s = allow_shared((const void *)forward_regs_kernel<V, M>, shared))) return s;                           \
+        forward_regs_kernel<V, M><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, h, n, d, eps, \
+                                                                     tpr);                                           \
+    } while (0)
+        if (VEC == 4) {
+            if (Ns <= 4) AR_REGS(4, 4);
+            else if (Ns <= 8) AR_REGS(4, 8);
+            else AR_REGS(4, 16);
+        } else {
+            if (Ns <= 4) AR_REGS(1, 4);
+            else if (Ns <= 8) AR_REGS(1, 8);
+            else AR_REGS(1, 16);
+        }
+#undef AR_REGS
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     if (VEC == 4) {
         if ((s = allow_shared((const void *)forward_kernel<4>, shared))) return s;
         forward_kernel<4><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, h, from_saved, n, d,

@@ -11,10 +11,11 @@
 #include "longmoe/kda_layer_cuda.h"
 
 #define ELEM_THREADS 256
-/* do_norm: each block sums at least NORM_MIN_ROWS rows of K values; at most
- * NORM_MAX_CHUNKS partials per channel */
-#define NORM_MIN_ROWS 64
-#define NORM_MAX_CHUNKS 1024
+/* do_norm: each warp of the backward sums at least NORM_MIN_ROWS rows of K
+ * values; at most NORM_MAX_CHUNKS partials per channel (enough warps to keep
+ * the memory busy: 8192 warps are several waves over 132 multiprocessors) */
+#define NORM_MIN_ROWS 16
+#define NORM_MAX_CHUNKS 8192
 
 __global__ void sigmoid_forward_kernel(float *out, const float *in, size_t n) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -67,78 +68,79 @@ __global__ void output_forward_kernel(uint16_t *gated, float *o_rstd, float *gat
     }
 }
 
-/* One warp per row: dgate_logits = d_gated n gate (1 - gate) with
+/* One warp per chunk of rows [c*R, (c+1)*R), in order, two rows' loads in
+ * flight at a time; per row: dgate_logits = d_gated n gate (1 - gate) with
  * n = o rstd o_norm; dn = d_gated gate; the RMSNorm backward
- * d_o = s (dn w) - x s^3/K sum_j (dn_j w_j x_j). */
-__global__ void output_backward_kernel(uint16_t *d_o_bf16, float *d_o_f32, float *dgate_logits,
-                                       const float *d_gated, const uint16_t *o,
+ * d_o = s (dn w) - x s^3/K sum_j (dn_j w_j x_j); and, in the same pass, the
+ * lane's share of do_norm: partial[c][k] = sum over the chunk's rows (in
+ * order) of dn[r,k] o[r,k] rstd[r]. One read of every input, one write of
+ * every output. */
+template <int PER>
+__global__ void __launch_bounds__(KL_ROW_WARPS * 32)
+    output_backward_kernel(uint16_t *d_o_bf16, float *d_o_f32, float *dgate_logits,
+                                       float *partial, const float *d_gated, const uint16_t *o,
                                        const float *o_rstd, const float *gate,
-                                       const float *o_norm, int K, float eps, int64_t rows) {
-    int64_t row = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
-    if (row >= rows) return;
-    const int lane = threadIdx.x & 31, per = K / 32;
-    float x[KL_MAX_PER_LANE], dn[KL_MAX_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < KL_MAX_PER_LANE; j++) {
-        if (j >= per) break;
-        x[j] = kl_bf16_to_f32(o[row * K + j * 32 + lane]);
-    }
-    const float s = o_rstd ? o_rstd[row] : row_rstd(x, per, K, eps);
-    float dot = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KL_MAX_PER_LANE; j++) {
-        if (j >= per) break;
-        const int k = j * 32 + lane;
-        const int64_t e = row * K + k;
-        const float gt = gate[e], dg = d_gated[e], w = o_norm[k];
-        const float n = x[j] * s * w;
-        dgate_logits[e] = dg * n * gt * (1.0f - gt);
-        dn[j] = dg * gt;
-        dot += dn[j] * w * x[j];
-    }
-    dot = kl_warp_sum(dot);
-    const float c = dot * s * s * s / (float)K;
-#pragma unroll
-    for (int j = 0; j < KL_MAX_PER_LANE; j++) {
-        if (j >= per) break;
-        const int k = j * 32 + lane;
-        const int64_t e = row * K + k;
-        const float d = s * dn[j] * o_norm[k] - c * x[j];
-        if (d_o_f32) d_o_f32[e] = d;
-        if (d_o_bf16) d_o_bf16[e] = kl_f32_to_bf16(d);
-    }
-}
-
-/* partial[chunk][k] = sum over the chunk's rows r (in order) of
- * (d_gated gate)[r,k] o[r,k] rstd[r]; one block of K threads per chunk. */
-__global__ void output_dnorm_partial_kernel(float *partial, const float *d_gated,
-                                            const float *gate, const uint16_t *o,
-                                            const float *o_rstd, int K, float eps, int64_t rows,
-                                            int64_t rows_per_chunk) {
-    const int k = threadIdx.x, lane = threadIdx.x & 31, per = K / 32;
-    const int64_t chunk = blockIdx.x, r0 = chunk * rows_per_chunk;
+                                       const float *o_norm, int K, float eps, int64_t rows,
+                                       int64_t rows_per_chunk, int64_t chunks) {
+    const int64_t chunk = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (chunk >= chunks) return; /* whole warps leave together */
+    const int lane = threadIdx.x & 31, per = PER; /* K / 32 */
+    const int64_t r0 = chunk * rows_per_chunk;
     const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    float acc = 0.0f;
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t e = r * K + k;
-        const float x = kl_bf16_to_f32(o[e]);
-        float s;
-        if (o_rstd) {
-            s = o_rstd[r];
-        } else {
-            /* the block's K threads recompute the row's 1/rms: a warp each */
-            __shared__ float warp_ss[LM_KDA_LAYER_CUDA_MAX_HEAD_DIM / 32];
-            float ss = kl_warp_sum(x * x);
-            __syncthreads(); /* the previous row's reads of warp_ss are done */
-            if (lane == 0) warp_ss[k / 32] = ss;
-            __syncthreads();
-            ss = 0.0f;
-            for (int j = 0; j < per; j++) ss += warp_ss[j];
-            s = 1.0f / sqrtf(ss / (float)K + eps);
-        }
-        acc += (d_gated[e] * gate[e]) * x * s;
+    float w[PER], acc[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        acc[j] = 0.0f;
+        w[j] = j < per ? o_norm[j * 32 + lane] : 0.0f;
     }
-    partial[chunk * K + k] = acc;
+    for (int64_t rb = r0; rb < r1; rb += 2) {
+        float x[2][PER], dg[2][PER], gt[2][PER];
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int64_t row = rb + q < r1 ? rb + q : rb;
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                if (j >= per) break;
+                const int64_t e = row * K + j * 32 + lane;
+                x[q][j] = kl_bf16_to_f32(o[e]);
+                dg[q][j] = d_gated[e];
+                gt[q][j] = gate[e];
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int64_t row = rb + q;
+            if (row >= r1) break;
+            const float s = o_rstd ? o_rstd[row] : row_rstd(x[q], per, K, eps);
+            float dn[PER];
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                if (j >= per) break;
+                const int64_t e = row * K + j * 32 + lane;
+                const float n = x[q][j] * s * w[j];
+                dgate_logits[e] = dg[q][j] * n * gt[q][j] * (1.0f - gt[q][j]);
+                dn[j] = dg[q][j] * gt[q][j];
+                dot += dn[j] * w[j] * x[q][j];
+                acc[j] += dn[j] * x[q][j] * s;
+            }
+            dot = kl_warp_sum(dot);
+            const float c = dot * s * s * s / (float)K;
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                if (j >= per) break;
+                const int64_t e = row * K + j * 32 + lane;
+                const float d = s * dn[j] * w[j] - c * x[q][j];
+                if (d_o_f32) d_o_f32[e] = d;
+                if (d_o_bf16) d_o_bf16[e] = kl_f32_to_bf16(d);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        if (j >= per) break;
+        partial[chunk * K + j * 32 + lane] = acc[j];
+    }
 }
 
 static int64_t norm_chunks(int64_t rows) { return kl_chunks(rows, NORM_MIN_ROWS, NORM_MAX_CHUNKS); }
@@ -216,13 +218,24 @@ extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uin
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t rows = N * H, chunks = norm_chunks(rows), rows_per_chunk = (rows + chunks - 1) / chunks;
     float *partial = (float *)scratch;
-    output_backward_kernel<<<kl_blocks(rows, KL_ROW_WARPS), KL_ROW_WARPS * 32, 0, stream>>>(
-        d_o_bf16, d_o_f32, dgate_logits, d_gated, o, o_rstd, gate, o_norm, K, eps, rows);
+    const unsigned grid = kl_blocks(chunks, KL_ROW_WARPS);
+#define OUT_BWD(P)                                                                                   \
+    output_backward_kernel<P><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(                               \
+        d_o_bf16, d_o_f32, dgate_logits, partial, d_gated, o, o_rstd, gate, o_norm, K, eps, rows,   \
+        rows_per_chunk, chunks)
+    switch (K / 32) {
+    case 1: OUT_BWD(1); break;
+    case 2: OUT_BWD(2); break;
+    case 3: OUT_BWD(3); break;
+    case 4: OUT_BWD(4); break;
+    case 5: OUT_BWD(5); break;
+    case 6: OUT_BWD(6); break;
+    case 7: OUT_BWD(7); break;
+    default: OUT_BWD(8); break;
+    }
+#undef OUT_BWD
     LM_CUDA_TRY(cudaGetLastError());
-    output_dnorm_partial_kernel<<<(unsigned)chunks, K, 0, stream>>>(partial, d_gated, gate, o, o_rstd,
-                                                                   K, eps, rows, rows_per_chunk);
-    LM_CUDA_TRY(cudaGetLastError());
-    kl_ordered_partial_sum_kernel<<<kl_blocks(K, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
+    kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(K), kl_partial_sum_block(), 0, stream>>>(
         do_norm, partial, K, chunks);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;

@@ -42,16 +42,36 @@ __device__ __forceinline__ uint16_t kl_f32_to_bf16(float x) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
-/* acc[e] += sum over chunks c = 0, 1, ... (in this order, in double) of
- * partial[c * len + e]: the fixed-order second pass of a token reduction. */
+/* acc[e] += sum over chunks c of partial[c * len + e], in double, in a fixed
+ * order: thread (x, y) of a block adds chunks y, y + KL_SUM_GROUPS, ...
+ * (ascending) of element blockIdx.x * KL_SUM_COLS + x, then thread (x, 0)
+ * adds the KL_SUM_GROUPS group sums in group order. The fixed-order second
+ * pass of a token reduction, parallel over chunks (launch with
+ * kl_partial_sum_grid / kl_partial_sum_block). */
+#define KL_SUM_COLS 32
+#define KL_SUM_GROUPS 16
 static __global__ void kl_ordered_partial_sum_kernel(float *acc, const float *partial, int64_t len,
                                                      int64_t chunks) {
-    int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= len) return;
+    __shared__ double sums[KL_SUM_GROUPS][KL_SUM_COLS];
+    const int x = threadIdx.x, y = threadIdx.y;
+    const int64_t e = (int64_t)blockIdx.x * KL_SUM_COLS + x;
     double s = 0.0;
-    for (int64_t c = 0; c < chunks; c++) s += (double)partial[c * len + e];
-    acc[e] += (float)s;
+    if (e < len)
+        for (int64_t c = y; c < chunks; c += KL_SUM_GROUPS) s += (double)partial[c * len + e];
+    sums[y][x] = s;
+    __syncthreads();
+    if (y == 0 && e < len) {
+        double t = 0.0;
+        for (int g = 0; g < KL_SUM_GROUPS; g++) t += sums[g][x];
+        acc[e] += (float)t;
+    }
 }
+
+static inline unsigned kl_partial_sum_grid(int64_t len) {
+    return (unsigned)((len + KL_SUM_COLS - 1) / KL_SUM_COLS);
+}
+
+static inline dim3 kl_partial_sum_block(void) { return dim3(KL_SUM_COLS, KL_SUM_GROUPS); }
 
 static inline unsigned kl_blocks(int64_t n, int per_block) {
     return (unsigned)((n + per_block - 1) / per_block);

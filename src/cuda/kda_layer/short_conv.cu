@@ -30,6 +30,18 @@ __device__ __forceinline__ float conv_at(const float *in, const float *w, int64_
     return acc;
 }
 
+/* The backward's per-channel pieces, shared by silu_l2_backward_kernel and
+ * the fused kernel so that both give the same bits: y = SiLU(x) s (the
+ * forward's output, recomputed) and dc from y, g and the head's y.g. */
+__device__ __forceinline__ float silu_l2_y(float x, float s) { return x * kl_sigmoid(x) * s; }
+
+__device__ __forceinline__ float silu_l2_dc(float x, float g, float y, float dot, float s, bool norm) {
+    /* y = u s with u = silu(x): du = s (g - y (y.g)) */
+    const float du = norm ? s * (g - y * dot) : g;
+    const float sg = kl_sigmoid(x);
+    return du * sg * (1.0f + x * (1.0f - sg));
+}
+
 /* One warp per (token, head) row: conv, SiLU, optional L2 norm. */
 __global__ void conv_silu_l2_forward_kernel(float *conv_out, uint16_t *out, float *rnorm,
                                             const float *in, const float *w, int T, int C, int W,
@@ -83,7 +95,7 @@ __global__ void silu_l2_backward_kernel(float *dc, const uint16_t *dout, const f
         int ch = h * head_dim + j * 32 + lane;
         x[j] = conv_out ? conv_out[n * C + ch] : conv_at(in, w, n, t, ch, C, W);
         g[j] = kl_bf16_to_f32(dout[n * C + ch]);
-        y[j] = x[j] * kl_sigmoid(x[j]) * s; /* the forward's output, recomputed */
+        y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
         dot += y[j] * g[j];
     }
     if (rnorm) dot = kl_warp_sum(dot);
@@ -91,10 +103,7 @@ __global__ void silu_l2_backward_kernel(float *dc, const uint16_t *dout, const f
     for (int j = 0; j < KL_MAX_PER_LANE; j++) {
         if (j >= per) break;
         int ch = h * head_dim + j * 32 + lane;
-        /* y = u s with u = silu(x): du = s (g - y (y.g)) */
-        float du = rnorm ? s * (g[j] - y[j] * dot) : g[j];
-        float sg = kl_sigmoid(x[j]);
-        dc[n * C + ch] = du * sg * (1.0f + x[j] * (1.0f - sg));
+        dc[n * C + ch] = silu_l2_dc(x[j], g[j], y[j], dot, s, rnorm != NULL);
     }
 }
 
@@ -129,6 +138,180 @@ __global__ void conv_dw_partial_kernel(float *partial, const float *dc, const fl
         acc += in[(n - (W - 1) + i) * C + ch] * dc[n * C + ch];
     }
     partial[((size_t)chunk * C + ch) * W + i] = acc;
+}
+
+/* din and dw's partials in ONE pass over dc and in: thread = channel, block
+ * row = chunk of tokens [n0, n1), walked in order with the last WT values
+ * of in and of dc in registers (a halo of WT - 1 tokens read past the chunk's
+ * end for din). Per token m: partial[chunk][ch][i] += in[m-(W-1)+i] dc[m]
+ * (taps before the sequence's start skipped; the conv_dw_partial_kernel's
+ * order), and din[t] for t = m - (W-1) = sum_i w[ch,i] dc[t+(W-1)-i] (taps
+ * past the sequence's end skipped; the conv_backward_input_kernel's order):
+ * the same bits as those two kernels, in a third of their traffic. */
+template <int WT>
+__global__ void conv_backward_window_kernel(float *__restrict__ din, float *__restrict__ partial,
+                                            const float *__restrict__ dc, const float *__restrict__ in,
+                                            const float *__restrict__ w, int T, int C, int64_t N,
+                                            int64_t rows_per_chunk) {
+    const int ch = blockIdx.x * DW_THREADS + threadIdx.x;
+    if (ch >= C) return;
+    const int64_t chunk = blockIdx.y, n0 = chunk * rows_per_chunk;
+    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+    float wr[WT], acc[WT], xin[WT], dcw[WT];
+#pragma unroll
+    for (int i = 0; i < WT; i++) {
+        wr[i] = w[(size_t)ch * WT + i];
+        acc[i] = 0.0f;
+        dcw[i] = 0.0f;
+        /* xin[i] = in[n0 - WT + i] for i >= 1: the taps of the first token */
+        const int64_t src = n0 - WT + i;
+        xin[i] = (i >= 1 && src >= 0) ? in[src * C + ch] : 0.0f;
+    }
+    const int64_t m_end = n1 + (WT - 1);
+#pragma unroll 4
+    for (int64_t m = n0; m < m_end; m++) {
+#pragma unroll
+        for (int i = 0; i + 1 < WT; i++) {
+            xin[i] = xin[i + 1];
+            dcw[i] = dcw[i + 1];
+        }
+        const bool in_chunk = m < n1;
+        xin[WT - 1] = in_chunk ? in[m * C + ch] : 0.0f;
+        dcw[WT - 1] = m < N ? dc[m * C + ch] : 0.0f;
+        if (in_chunk) {
+            const int t = (int)(m % T);
+            const float g = dcw[WT - 1];
+#pragma unroll
+            for (int i = 0; i < WT; i++)
+                if (t >= WT - 1 - i) acc[i] += xin[i] * g;
+        }
+        const int64_t tt = m - (WT - 1);
+        if (tt >= n0 && tt < n1) {
+            const int t = (int)(tt % T);
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WT; i++)
+                if (t + (WT - 1) - i < T) a += wr[i] * dcw[WT - 1 - i];
+            din[tt * C + ch] = a;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch) * WT + i] = acc[i];
+}
+
+/* The whole backward in ONE pass, when c was saved, W <= 4 and head_dim <=
+ * 128: a warp takes one head and a chunk of tokens [n0, n1) in order (lane l
+ * holds channels l, l + 32, ... of the head, as silu_l2_backward_kernel).
+ * Per token m it forms dc[m] in registers exactly as silu_l2_backward_kernel
+ * does (same bits), adds dw's partial (the conv_dw_partial_kernel's order)
+ * and, with the last WT values of in and dc in registers, writes din[m-(W-1)]
+ * (the conv_backward_input_kernel's order); dc is formed for W - 1 tokens
+ * past the chunk too (the halo din needs), and never goes to memory. The next
+ * token's loads are issued before the current token's arithmetic. The chunks
+ * are dw_chunks', so dw has the two-pass path's bits. */
+template <int PER, int WT>
+__global__ void __launch_bounds__(KL_ROW_WARPS * 32)
+    conv_silu_l2_backward_fused_kernel(float *__restrict__ din, float *__restrict__ partial,
+                                       const uint16_t *__restrict__ dout,
+                                       const float *__restrict__ conv_out,
+                                       const float *__restrict__ rnorm, const float *__restrict__ in,
+                                       const float *__restrict__ w, int T, int C, int head_dim,
+                                       int64_t N, int64_t rows_per_chunk, int64_t chunks) {
+    const int heads = C / head_dim, lane = threadIdx.x & 31;
+    const int64_t gw = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (gw >= chunks * heads) return; /* whole warps leave together */
+    const int h = (int)(gw % heads);
+    const int64_t chunk = gw / heads, n0 = chunk * rows_per_chunk;
+    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+    int ch[PER];
+    float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        ch[j] = h * head_dim + j * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < WT; i++) {
+            wr[j][i] = w[(size_t)ch[j] * WT + i];
+            acc[j][i] = 0.0f;
+            dcw[j][i] = 0.0f;
+            /* xin[j][i] = in[n0 - WT + i] for i >= 1: the taps of the first token */
+            const int64_t src = n0 - WT + i;
+            xin[j][i] = (i >= 1 && src >= 0 && src < N) ? in[src * C + ch[j]] : 0.0f;
+        }
+    }
+    const int64_t m_end = n1 + (WT - 1);
+    /* loads of token m (prefetched one token ahead) */
+    float px[PER], pg[PER], pin[PER], ps = 1.0f;
+    auto load = [&](int64_t m) {
+        const bool ok = m < N && m < m_end;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t e = m * C + ch[j];
+            px[j] = ok ? conv_out[e] : 0.0f;
+            pg[j] = ok ? kl_bf16_to_f32(dout[e]) : 0.0f;
+            pin[j] = ok && m < n1 ? in[e] : 0.0f;
+        }
+        ps = ok && rnorm ? rnorm[m * heads + h] : 1.0f;
+    };
+    load(n0);
+    for (int64_t m = n0; m < m_end; m++) {
+        float x[PER], g[PER], xi[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
+        const float s = ps;
+        load(m + 1);
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+#pragma unroll
+            for (int i = 0; i + 1 < WT; i++) {
+                xin[j][i] = xin[j][i + 1];
+                dcw[j][i] = dcw[j][i + 1];
+            }
+        if (m < N) { /* warp-uniform */
+            float y[PER];
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
+                dot += y[j] * g[j];
+            }
+            if (rnorm) dot = kl_warp_sum(dot);
+#pragma unroll
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, rnorm != NULL);
+        } else {
+#pragma unroll
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) xin[j][WT - 1] = xi[j];
+        if (m < n1) {
+            const int t = (int)(m % T);
+#pragma unroll
+            for (int j = 0; j < PER; j++)
+#pragma unroll
+                for (int i = 0; i < WT; i++)
+                    if (t >= WT - 1 - i) acc[j][i] += xin[j][i] * dcw[j][WT - 1];
+        }
+        const int64_t tt = m - (WT - 1);
+        if (tt >= n0 && tt < n1) {
+            const int t = (int)(tt % T);
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < WT; i++)
+                    if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
+                din[tt * C + ch[j]] = a;
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+#pragma unroll
+        for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch[j]) * WT + i] = acc[j][i];
+}
+
+static int use_fused(const float *conv_out, int W, int head_dim) {
+    return conv_out && W <= 4 && head_dim <= 128;
 }
 
 static int64_t dw_chunks(int64_t N) { return kl_chunks(N, DW_MIN_ROWS, DW_MAX_CHUNKS); }
@@ -184,20 +367,70 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
     if (st) return st;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t N = (int64_t)B * T, rows = N * (C / head_dim), total = N * C;
+    if (use_fused(conv_out, W, head_dim)) {
+        /* dw's chunks as the two-pass path: the same bits, with or without saved c */
+        const int64_t fchunks = dw_chunks(N), frows = (N + fchunks - 1) / fchunks;
+        const int64_t warps = fchunks * (C / head_dim);
+        const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
+        float *partial = (float *)scratch;
+#define CONV_FUSED(P, WT)                                                                          \
+    conv_silu_l2_backward_fused_kernel<P, WT><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(            \
+        din, partial, dout_bf16, conv_out, rnorm, in, w, T, C, head_dim, N, frows, fchunks)
+#define CONV_FUSED_W(P)                                                                            \
+    switch (W) {                                                                                   \
+    case 1: CONV_FUSED(P, 1); break;                                                               \
+    case 2: CONV_FUSED(P, 2); break;                                                               \
+    case 3: CONV_FUSED(P, 3); break;                                                               \
+    default: CONV_FUSED(P, 4); break;                                                              \
+    }
+        switch (head_dim / 32) {
+        case 1: CONV_FUSED_W(1); break;
+        case 2: CONV_FUSED_W(2); break;
+        case 3: CONV_FUSED_W(3); break;
+        default: CONV_FUSED_W(4); break;
+        }
+#undef CONV_FUSED_W
+#undef CONV_FUSED
+        LM_CUDA_TRY(cudaGetLastError());
+        const int64_t len = (int64_t)C * W;
+        kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
+            dw, partial, len, fchunks);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     const int64_t chunks = dw_chunks(N), rows_per_chunk = (N + chunks - 1) / chunks;
     float *dc = (float *)scratch, *partial = dc + total;
     silu_l2_backward_kernel<<<kl_blocks(rows, KL_ROW_WARPS), KL_ROW_WARPS * 32, 0, stream>>>(
         dc, dout_bf16, conv_out, rnorm, in, w, T, C, W, head_dim, rows);
     LM_CUDA_TRY(cudaGetLastError());
-    conv_backward_input_kernel<<<kl_blocks(total, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
-        din, dc, w, T, C, W, total);
-    LM_CUDA_TRY(cudaGetLastError());
-    dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks, (unsigned)W);
-    conv_dw_partial_kernel<<<grid, DW_THREADS, 0, stream>>>(partial, dc, in, T, C, W, N,
-                                                            rows_per_chunk);
-    LM_CUDA_TRY(cudaGetLastError());
+    if (W <= 8) {
+        dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks);
+#define CONV_BWD(WT)                                                                               \
+    conv_backward_window_kernel<WT><<<grid, DW_THREADS, 0, stream>>>(din, partial, dc, in, w, T, C, \
+                                                                     N, rows_per_chunk)
+        switch (W) {
+        case 1: CONV_BWD(1); break;
+        case 2: CONV_BWD(2); break;
+        case 3: CONV_BWD(3); break;
+        case 4: CONV_BWD(4); break;
+        case 5: CONV_BWD(5); break;
+        case 6: CONV_BWD(6); break;
+        case 7: CONV_BWD(7); break;
+        default: CONV_BWD(8); break;
+        }
+#undef CONV_BWD
+        LM_CUDA_TRY(cudaGetLastError());
+    } else {
+        conv_backward_input_kernel<<<kl_blocks(total, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
+            din, dc, w, T, C, W, total);
+        LM_CUDA_TRY(cudaGetLastError());
+        dim3 grid(kl_blocks(C, DW_THREADS), (unsigned)chunks, (unsigned)W);
+        conv_dw_partial_kernel<<<grid, DW_THREADS, 0, stream>>>(partial, dc, in, T, C, W, N,
+                                                                rows_per_chunk);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
     const int64_t len = (int64_t)C * W;
-    kl_ordered_partial_sum_kernel<<<kl_blocks(len, ELEM_THREADS), ELEM_THREADS, 0, stream>>>(
+    kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
         dw, partial, len, chunks);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;

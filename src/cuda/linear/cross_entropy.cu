@@ -5,6 +5,10 @@
  * dlogits = (softmax - onehot) * scale (* row_scale[r]) rounded to bf16 for
  * the two products dhn += dlogits . head and dhead += dlogits^T . hn.
  *
+ * Memory: the log-sum-exp reads each chunk's logits once (a running max and
+ * sum of exponentials, 16-byte loads); dlogits reads them once and writes
+ * bf16 once (16-byte loads, 8-byte stores).
+ *
  * Determinism: each row's max and sum of exponentials are fixed trees over a
  * block; the loss is the sum of per-row losses by one block (a fixed stride
  * over rows, then a fixed tree, in fp64); dhead sums over chunks in order
@@ -59,30 +63,56 @@ static ce_workspace ce_carve(void *base, int64_t n, int vocab, int64_t rows) {
     return w;
 }
 
-/* Reduce v over the block (CE_THREADS) in a fixed tree; every thread gets it. */
-template <bool IsMax>
-__device__ __forceinline__ float ce_block_reduce(float v, float *shared) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = IsMax ? lin_warp_max(v) : lin_warp_sum(v);
-    __syncthreads(); /* shared may still be read from a previous call */
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = lane < CE_THREADS / 32 ? shared[lane] : (IsMax ? -INFINITY : 0.0f);
-    return IsMax ? lin_warp_max(v) : lin_warp_sum(v);
+/* (m, s) of a running log-sum-exp: the max so far and sum exp(z - m) */
+__device__ __forceinline__ void ce_lse_push(float &m, float &s, float z) {
+    if (z > m) {
+        s = s * expf(m - z) + 1.0f;
+        m = z;
+    } else {
+        s += expf(z - m);
+    }
 }
 
-/* One block per row of the chunk: lse[r] and row_loss[r] = lse[r] - z[target]. */
+/* the union of two (m, s); commutative bit for bit, so a butterfly leaves
+ * every lane with the same bits */
+__device__ __forceinline__ void ce_lse_merge(float &m, float &s, float m2, float s2) {
+    float M = fmaxf(m, m2);
+    s = M == -INFINITY ? 0.0f : s * expf(m - M) + s2 * expf(m2 - M);
+    m = M;
+}
+
+/* One block per row of the chunk, ONE pass over the row (a running max and
+ * sum of exponentials per thread, VEC floats a load, merged by a fixed warp
+ * butterfly and then warp by warp in order): lse[r] and row_loss[r] = lse[r]
+ * - z[target]. */
+template <int VEC>
 __global__ void ce_lse_kernel(float *lse, float *row_loss, const float *logits, const int32_t *targets, int vocab) {
-    __shared__ float shared[CE_THREADS / 32];
+    __shared__ float wm[CE_THREADS / 32], ws[CE_THREADS / 32];
     const float *z = logits + (int64_t)blockIdx.x * vocab;
-    float mx = -INFINITY;
-    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) mx = fmaxf(mx, z[v]);
-    mx = ce_block_reduce<true>(mx, shared);
-    float s = 0.0f;
-    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) s += expf(z[v] - mx);
-    s = ce_block_reduce<false>(s, shared);
+    float m = -INFINITY, s = 0.0f;
+#pragma unroll 4
+    for (int v = threadIdx.x * VEC; v < vocab; v += CE_THREADS * VEC) {
+        if constexpr (VEC == 4) {
+            float4 q = __ldg((const float4 *)(z + v));
+            ce_lse_push(m, s, q.x);
+            ce_lse_push(m, s, q.y);
+            ce_lse_push(m, s, q.z);
+            ce_lse_push(m, s, q.w);
+        } else {
+            ce_lse_push(m, s, __ldg(z + v));
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ce_lse_merge(m, s, m2, s2);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) wm[warp] = m, ws[warp] = s;
+    __syncthreads();
     if (threadIdx.x == 0) {
-        float l = mx + logf(s);
+        float M = wm[0], S = ws[0];
+        for (int k = 1; k < CE_THREADS / 32; k++) ce_lse_merge(M, S, wm[k], ws[k]);
+        float l = M + logf(S);
         lse[blockIdx.x] = l;
         row_loss[blockIdx.x] = l - z[targets[blockIdx.x]];
     }
@@ -102,7 +132,9 @@ __global__ void ce_sum_kernel(float *out, const float *x, int64_t n) {
     if (threadIdx.x == 0) *out = (float)part[0];
 }
 
-/* dlogits[r, v] = bf16((exp(z - lse[r]) - [v == target]) * scale * row_scale[r]) */
+/* dlogits[r, v] = bf16((exp(z - lse[r]) - [v == target]) * scale * row_scale[r]);
+ * VEC logits a load (16 bytes), VEC bf16 a store */
+template <int VEC>
 __global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const float *lse, const int32_t *targets,
                                   const float *row_scale, float scale, int vocab) {
     int64_t r = blockIdx.x;
@@ -110,9 +142,22 @@ __global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const 
     uint16_t *g = dlogits + r * vocab;
     float l = lse[r], s = scale * (row_scale ? row_scale[r] : 1.0f);
     int t = targets[r];
-    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) {
-        float p = expf(z[v] - l);
-        g[v] = lin_f32_to_bf16((p - (v == t ? 1.0f : 0.0f)) * s);
+#pragma unroll 4
+    for (int v = threadIdx.x * VEC; v < vocab; v += CE_THREADS * VEC) {
+        if constexpr (VEC == 4) {
+            float4 q = __ldg((const float4 *)(z + v));
+            float e[4] = {q.x, q.y, q.z, q.w};
+            uint16_t b[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) b[k] = lin_f32_to_bf16((expf(e[k] - l) - (v + k == t ? 1.0f : 0.0f)) * s);
+            uint2 u;
+            u.x = (uint32_t)b[0] | ((uint32_t)b[1] << 16);
+            u.y = (uint32_t)b[2] | ((uint32_t)b[3] << 16);
+            *(uint2 *)(g + v) = u;
+        } else {
+            float p = expf(__ldg(z + v) - l);
+            g[v] = lin_f32_to_bf16((p - (v == t ? 1.0f : 0.0f)) * s);
+        }
     }
 }
 
@@ -151,7 +196,12 @@ extern "C" lm_status lm_cuda_cross_entropy_forward(const lm_cuda_context *ctx, f
     for (int64_t r0 = 0; r0 < n; r0 += rows) {
         int64_t R = n - r0 < rows ? n - r0 : rows;
         if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
-        ce_lse_kernel<<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0, vocab);
+        if (vocab % 4 == 0)
+            ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                vocab);
+        else
+            ce_lse_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                vocab);
         LM_CUDA_TRY(cudaGetLastError());
     }
     ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
@@ -173,8 +223,12 @@ extern "C" lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, 
     for (int64_t r0 = 0; r0 < n; r0 += rows) {
         int64_t R = n - r0 < rows ? n - r0 : rows;
         if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
-        ce_dlogits_kernel<<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
-                                                            row_scale ? row_scale + r0 : NULL, scale, vocab);
+        if (vocab % 4 == 0)
+            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
+                                                                    row_scale ? row_scale + r0 : NULL, scale, vocab);
+        else
+            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
+                                                                    row_scale ? row_scale + r0 : NULL, scale, vocab);
         LM_CUDA_TRY(cudaGetLastError());
         if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
                                           vocab)))

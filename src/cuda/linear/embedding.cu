@@ -1,34 +1,48 @@
 /* The token embedding on the GPU (include/longmoe/linear_cuda.h): the gather
  * of lm_model_forward and the scatter-add of lm_model_backward.
  *
+ * Forward: one warp per row (grid-stride), 16-byte loads and stores when d
+ * % 4 == 0 and the pointers allow, up to 8 per lane in flight; one read of
+ * each gathered row, one write of each output row.
+ *
  * The backward adds each position's gradient row into its token's row, in
  * position order, without float atomics:
- *  1. a stable LSD radix sort of the positions by token (8-bit digits, as
- *     many passes as the vocabulary needs): per tile of 1024 positions a
- *     digit histogram, one exclusive scan over (digit, tile), then a stable
- *     scatter by one warp per tile (32 positions a step, ranks among equal
- *     digits by __match_any_sync);
- *  2. one block per run of equal tokens in the sorted order: each thread owns
- *     columns of the token's row and adds the run's gradient rows in
- *     position order, exactly as the CPU loop does (row += g, i ascending).
- * Integer atomics count the histograms; counts do not depend on order. */
+ *  1. a stable radix sort of (token, position) pairs by token
+ *     (cub::DeviceRadixSort, only the bits the vocabulary needs): positions
+ *     of one token come out ascending;
+ *  2. one warp per (sorted index, slice of 256 columns); the warps at the
+ *     start of a run of equal tokens load their slice of the token's row
+ *     (float4 per lane), add the run's gradient rows in position order, 4
+ *     rows' loads in flight, exactly as the CPU loop does (row += g, i
+ *     ascending), and write the slice once. Each gradient row is read once, each touched table row read and
+ *     written once. The sort's histograms count with integer atomics; counts
+ *     do not depend on order. */
 #include <stdint.h>
+
+#include <cub/device/device_radix_sort.cuh>
 
 #include "cuda/cuda_check.h"
 #include "cuda/linear/linear_common.cuh"
 #include "longmoe/linear_cuda.h"
 
-#define EMB_TILE 1024 /* positions per tile of the radix sort */
-#define EMB_RADIX 256 /* 8-bit digits */
-#define EMB_SCAN_THREADS 1024
+#define EMB_WARPS 8 /* warps per block */
+#define EMB_ITEMS 8 /* forward: items (float4 or float) per lane held at once */
+#define EMB_SLICE_ITEMS 2 /* backward: items per lane of a warp's column slice */
+#define EMB_RUN_ROWS 4    /* backward: gradient rows in flight per warp */
 
 static size_t align256(size_t b) { return (b + 255) & ~(size_t)255; }
 
-static int64_t emb_tiles(int64_t n) { return (n + EMB_TILE - 1) / EMB_TILE; }
+/* Bits of the sort keys: tokens run up to vocab (the skip label). */
+static int emb_key_bits(int vocab) {
+    int bits = 1;
+    while (bits < 31 && ((int64_t)vocab >> bits) != 0) bits++;
+    return bits;
+}
 
-/* Scratch layout: keys and values twice (ping-pong), then the counts. */
+/* Scratch layout: keys and values in and out, then cub's temporary storage. */
 typedef struct {
-    int32_t *keys[2], *vals[2], *counts;
+    int32_t *keys[2], *vals[2];
+    void *temp;
 } emb_scratch;
 
 static emb_scratch emb_carve(void *base, int64_t n) {
@@ -39,21 +53,73 @@ static emb_scratch emb_carve(void *base, int64_t n) {
     s.vals[0] = (int32_t *)(p + b);
     s.keys[1] = (int32_t *)(p + 2 * b);
     s.vals[1] = (int32_t *)(p + 3 * b);
-    s.counts = (int32_t *)(p + 4 * b);
+    s.temp = p + 4 * b;
     return s;
 }
 
-extern "C" size_t lm_cuda_embedding_scratch_bytes(int64_t n, int vocab) {
-    if (n <= 0) return 0;
-    return 4 * align256((size_t)n * sizeof(int32_t)) +
-           align256((size_t)EMB_RADIX * (size_t)emb_tiles(n) * sizeof(int32_t));
+/* cub's temporary bytes for n pairs of `bits`-bit keys (no work is done). */
+static cudaError_t emb_sort_temp_bytes(int64_t n, int bits, size_t *bytes) {
+    *bytes = 0;
+    return cub::DeviceRadixSort::SortPairs(NULL, *bytes, (const int32_t *)NULL, (int32_t *)NULL,
+                                           (const int32_t *)NULL, (int32_t *)NULL, (int)n, 0, bits);
 }
 
-__global__ void emb_forward_kernel(float *out, const float *table, const int32_t *tokens, int d) {
-    // out (n,d); table (V,d); one block per row
-    int64_t row = blockIdx.x;
-    const float *src = table + (int64_t)tokens[row] * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) out[row * d + i] = src[i];
+extern "C" size_t lm_cuda_embedding_scratch_bytes(int64_t n, int vocab) {
+    if (n <= 0 || n > INT32_MAX) return 0;
+    size_t temp = 0;
+    if (vocab < 1 || emb_sort_temp_bytes(n, emb_key_bits(vocab), &temp) != cudaSuccess) {
+        (void)cudaGetLastError();
+        /* no device to ask: a generous bound; the backward asks again and fails cleanly */
+        temp = 2 * align256((size_t)n * 8) + ((size_t)1 << 20);
+    }
+    return 4 * align256((size_t)n * sizeof(int32_t)) + align256(temp);
+}
+
+template <int W> __device__ __forceinline__ void emb_load(float (&r)[W], const float *p) {
+    if constexpr (W == 4) {
+        float4 v = __ldg((const float4 *)p);
+        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+    } else {
+        r[0] = __ldg(p);
+    }
+}
+
+template <int W> __device__ __forceinline__ void emb_load_rw(float (&r)[W], const float *p) {
+    if constexpr (W == 4) {
+        float4 v = *(const float4 *)p;
+        r[0] = v.x, r[1] = v.y, r[2] = v.z, r[3] = v.w;
+    } else {
+        r[0] = *p;
+    }
+}
+
+template <int W> __device__ __forceinline__ void emb_store(float *p, const float (&r)[W]) {
+    if constexpr (W == 4) *(float4 *)p = make_float4(r[0], r[1], r[2], r[3]);
+    else *p = r[0];
+}
+
+/* out (n,d) = table[tokens]: one warp per row, grid-stride over rows */
+template <int W> __global__ void emb_forward_kernel(float *out, const float *table, const int32_t *tokens, int64_t n,
+                                                    int d) {
+    int lane = threadIdx.x & 31;
+    int64_t warps = (int64_t)gridDim.x * EMB_WARPS;
+    for (int64_t row = (int64_t)blockIdx.x * EMB_WARPS + (threadIdx.x >> 5); row < n; row += warps) {
+        const float *src = table + (int64_t)__ldg(tokens + row) * d;
+        float *dst = out + row * d;
+        for (int c0 = 0; c0 < d; c0 += 32 * W * EMB_ITEMS) {
+            float v[EMB_ITEMS][W];
+#pragma unroll
+            for (int k = 0; k < EMB_ITEMS; k++) {
+                int c = c0 + (k * 32 + lane) * W;
+                if (c < d) emb_load<W>(v[k], src + c);
+            }
+#pragma unroll
+            for (int k = 0; k < EMB_ITEMS; k++) {
+                int c = c0 + (k * 32 + lane) * W;
+                if (c < d) emb_store<W>(dst + c, v[k]);
+            }
+        }
+    }
 }
 
 /* keys = tokens (outside [0, vocab): vocab, sorted last and skipped), values = positions */
@@ -65,90 +131,67 @@ __global__ void emb_init_kernel(int32_t *keys, int32_t *vals, const int32_t *tok
     }
 }
 
-/* counts[digit * tiles + tile] = occurrences of digit in the tile; one warp a tile */
-__global__ void emb_histogram_kernel(int32_t *counts, const int32_t *keys, int64_t n, int shift, int64_t tiles) {
-    __shared__ int hist[EMB_RADIX];
-    for (int b = threadIdx.x; b < EMB_RADIX; b += 32) hist[b] = 0;
-    __syncwarp();
-    int64_t tile = blockIdx.x, i0 = tile * EMB_TILE, i1 = i0 + EMB_TILE < n ? i0 + EMB_TILE : n;
-    for (int64_t i = i0 + threadIdx.x; i < i1; i += 32) atomicAdd(&hist[(keys[i] >> shift) & (EMB_RADIX - 1)], 1);
-    __syncwarp();
-    for (int b = threadIdx.x; b < EMB_RADIX; b += 32) counts[(int64_t)b * tiles + tile] = hist[b];
-}
-
-/* In-place exclusive prefix sum of counts[0, len) by one block: each thread
- * sums a contiguous slice, the slice sums are scanned in shared memory, then
- * each thread writes its slice's prefixes. */
-__global__ void emb_scan_kernel(int32_t *counts, int64_t len) {
-    __shared__ int32_t sums[EMB_SCAN_THREADS];
-    int t = threadIdx.x;
-    int64_t per = (len + EMB_SCAN_THREADS - 1) / EMB_SCAN_THREADS;
-    int64_t a = t * per, b = a + per < len ? a + per : len;
-    int32_t local = 0;
-    for (int64_t i = a; i < b; i++) local += counts[i];
-    sums[t] = local;
-    __syncthreads();
-    for (int o = 1; o < EMB_SCAN_THREADS; o <<= 1) {
-        int32_t v = t >= o ? sums[t - o] : 0;
-        __syncthreads();
-        sums[t] += v;
-        __syncthreads();
-    }
-    int32_t run = sums[t] - local; /* exclusive prefix of this slice */
-    for (int64_t i = a; i < b; i++) {
-        int32_t c = counts[i];
-        counts[i] = run;
-        run += c;
-    }
-}
-
-/* Stable scatter of one tile by one warp: 32 positions a step, in order. */
-__global__ void emb_scatter_kernel(int32_t *keys_out, int32_t *vals_out, const int32_t *keys_in,
-                                   const int32_t *vals_in, const int32_t *offsets, int64_t n, int shift,
-                                   int64_t tiles) {
-    __shared__ int32_t next[EMB_RADIX];
-    int lane = threadIdx.x;
-    int64_t tile = blockIdx.x, i0 = tile * EMB_TILE, i1 = i0 + EMB_TILE < n ? i0 + EMB_TILE : n;
-    for (int b = lane; b < EMB_RADIX; b += 32) next[b] = offsets[(int64_t)b * tiles + tile];
-    __syncwarp();
-    const unsigned lower = (1u << lane) - 1u;
-    for (int64_t base = i0; base < i1; base += 32) {
-        int64_t i = base + lane;
-        int valid = i < i1;
-        int32_t key = valid ? keys_in[i] : 0, val = valid ? vals_in[i] : 0;
-        int digit = (key >> shift) & (EMB_RADIX - 1);
-        /* lanes past the end get unique labels (256 + lane): they match nobody */
-        unsigned peers = __match_any_sync(0xffffffffu, valid ? digit : EMB_RADIX + lane);
-        int32_t dst = valid ? next[digit] + __popc(peers & lower) : 0;
-        __syncwarp();
-        if (valid && lane == 31 - __clz(peers)) next[digit] += __popc(peers);
-        __syncwarp();
-        if (valid) {
-            keys_out[dst] = key;
-            vals_out[dst] = val;
-        }
-    }
-}
-
-/* One block per sorted index; the block that starts a run of equal tokens
- * adds the run's rows into the token's row, positions ascending. */
+/* Warp (b, slice): b a sorted index, slice a range of EMB_SLICE_ITEMS
+ * items a lane (256 columns with float4). The warps at the start of a run of
+ * equal tokens load their slice of the token's row, add the run's gradient
+ * rows in position order, EMB_RUN_ROWS rows' loads in flight at a time (added
+ * in order), and write the slice once. Slices split a long run's work across
+ * warps; the order of the additions of every column stays the CPU's. */
+template <int W>
 __global__ void emb_accumulate_kernel(float *dtable, const float *dout, const int32_t *keys, const int32_t *vals,
                                       int64_t n, int d, int vocab) {
-    int64_t b = blockIdx.x;
+    int lane = threadIdx.x & 31;
+    int64_t b = (int64_t)blockIdx.x * EMB_WARPS + (threadIdx.x >> 5);
+    if (b >= n) return;
     int32_t tok = keys[b];
     if (tok >= vocab || (b > 0 && keys[b - 1] == tok)) return;
+    const int c0 = blockIdx.y * (32 * W * EMB_SLICE_ITEMS);
     float *row = dtable + (int64_t)tok * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float v = row[i];
-        for (int64_t j = b; j < n && keys[j] == tok; j++) v += dout[(int64_t)vals[j] * d + i];
-        row[i] = v;
+    float acc[EMB_SLICE_ITEMS][W];
+#pragma unroll
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_load_rw<W>(acc[k], row + c);
+    }
+    for (int64_t j = b;; j += EMB_RUN_ROWS) {
+        /* the next EMB_RUN_ROWS positions of the run (a prefix of them) */
+        bool in[EMB_RUN_ROWS];
+        const float *gp[EMB_RUN_ROWS];
+        bool more = true;
+#pragma unroll
+        for (int q = 0; q < EMB_RUN_ROWS; q++) {
+            more = more && (q == 0 || (j + q < n && keys[j + q] == tok));
+            in[q] = more;
+            gp[q] = more ? dout + (int64_t)vals[j + q] * d : dout;
+        }
+        float v[EMB_RUN_ROWS][EMB_SLICE_ITEMS][W];
+#pragma unroll
+        for (int q = 0; q < EMB_RUN_ROWS; q++)
+#pragma unroll
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+                int c = c0 + (k * 32 + lane) * W;
+                if (in[q] && c < d) emb_load<W>(v[q][k], gp[q] + c);
+            }
+#pragma unroll
+        for (int q = 0; q < EMB_RUN_ROWS; q++) {
+            if (!in[q]) break;
+#pragma unroll
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++)
+#pragma unroll
+                for (int e = 0; e < W; e++) acc[k][e] += v[q][k][e];
+        }
+        if (!in[EMB_RUN_ROWS - 1] || j + EMB_RUN_ROWS >= n || keys[j + EMB_RUN_ROWS] != tok) break;
+    }
+#pragma unroll
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_store<W>(row + c, acc[k]);
     }
 }
 
-static int threads_for_columns(int d) {
-    int t = (d + 31) / 32 * 32;
-    return t > 256 ? 256 : t;
-}
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+static unsigned emb_blocks(int64_t rows) { return (unsigned)((rows + EMB_WARPS - 1) / EMB_WARPS); }
 
 extern "C" lm_status lm_cuda_embedding_forward(const lm_cuda_context *ctx, float *out, const float *table,
                                                const int32_t *tokens, int64_t n, int d) {
@@ -158,7 +201,12 @@ extern "C" lm_status lm_cuda_embedding_forward(const lm_cuda_context *ctx, float
     if (d < 1) return lm_error(LM_ERR_ARG, "%s: d = %d must be >= 1", fn, d);
     if (n == 0) return LM_OK;
     if (!out || !table || !tokens) return lm_error(LM_ERR_ARG, "%s: out, table or tokens is NULL", fn);
-    emb_forward_kernel<<<(unsigned)n, threads_for_columns(d), 0, lin_stream(ctx)>>>(out, table, tokens, d);
+    unsigned grid = emb_blocks(n), cap = (unsigned)((ctx->sm_count > 0 ? ctx->sm_count : 132) * 8);
+    if (grid > cap) grid = cap;
+    if (d % 4 == 0 && aligned16(out) && aligned16(table))
+        emb_forward_kernel<4><<<grid, 32 * EMB_WARPS, 0, lin_stream(ctx)>>>(out, table, tokens, n, d);
+    else
+        emb_forward_kernel<1><<<grid, 32 * EMB_WARPS, 0, lin_stream(ctx)>>>(out, table, tokens, n, d);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -175,25 +223,20 @@ extern "C" lm_status lm_cuda_embedding_backward(const lm_cuda_context *ctx, floa
     if (!scratch) return lm_error(LM_ERR_ARG, "%s: scratch is NULL (lm_cuda_embedding_scratch_bytes)", fn);
     cudaStream_t s = lin_stream(ctx);
     emb_scratch sc = emb_carve(scratch, n);
-    int64_t tiles = emb_tiles(n);
-    /* keys run up to vocab (the skip label): digits to cover it */
-    int bits = 1;
-    while (bits < 31 && ((int64_t)vocab >> bits) != 0) bits++;
+    int bits = emb_key_bits(vocab);
+    size_t temp_bytes = 0;
+    LM_CUDA_TRY(emb_sort_temp_bytes(n, bits, &temp_bytes));
     emb_init_kernel<<<lin_grid_for(ctx, (size_t)n, 256), 256, 0, s>>>(sc.keys[0], sc.vals[0], tokens, n, vocab);
     LM_CUDA_TRY(cudaGetLastError());
-    int cur = 0;
-    for (int shift = 0; shift < bits; shift += 8) {
-        emb_histogram_kernel<<<(unsigned)tiles, 32, 0, s>>>(sc.counts, sc.keys[cur], n, shift, tiles);
-        LM_CUDA_TRY(cudaGetLastError());
-        emb_scan_kernel<<<1, EMB_SCAN_THREADS, 0, s>>>(sc.counts, (int64_t)EMB_RADIX * tiles);
-        LM_CUDA_TRY(cudaGetLastError());
-        emb_scatter_kernel<<<(unsigned)tiles, 32, 0, s>>>(sc.keys[cur ^ 1], sc.vals[cur ^ 1], sc.keys[cur],
-                                                          sc.vals[cur], sc.counts, n, shift, tiles);
-        LM_CUDA_TRY(cudaGetLastError());
-        cur ^= 1;
+    LM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(sc.temp, temp_bytes, (const int32_t *)sc.keys[0], sc.keys[1],
+                                                (const int32_t *)sc.vals[0], sc.vals[1], (int)n, 0, bits, s));
+    if (d % 4 == 0 && aligned16(dtable) && aligned16(dout)) {
+        dim3 grid(emb_blocks(n), (unsigned)((d + 32 * 4 * EMB_SLICE_ITEMS - 1) / (32 * 4 * EMB_SLICE_ITEMS)));
+        emb_accumulate_kernel<4><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+    } else {
+        dim3 grid(emb_blocks(n), (unsigned)((d + 32 * EMB_SLICE_ITEMS - 1) / (32 * EMB_SLICE_ITEMS)));
+        emb_accumulate_kernel<1><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
     }
-    emb_accumulate_kernel<<<(unsigned)n, threads_for_columns(d), 0, s>>>(dtable, dout, sc.keys[cur], sc.vals[cur],
-                                                                          n, d, vocab);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
