@@ -121,10 +121,11 @@ static void check_forward(const problem *p, double tol_o, double tol_state, cons
 }
 
 static void test_forward_matches_cpu_chunked_operator(void) {
-    /* odd T (partial chunks and sub-chunks), T = 1, multiples of 64, both D */
+    /* odd T (partial chunks and sub-chunks), T = 1, multiples of 64, every D */
     const int shapes[][4] = {{2, 100, 3, 64}, {1, 130, 2, 128}, {1, 1, 2, 128},
-                             {2, 192, 2, 64}, {1, 77, 1, 128}};
-    for (int s = 0; s < 5; s++)
+                             {2, 192, 2, 64}, {1, 77, 1, 128}, {1, 1, 2, 32},
+                             {3, 193, 2, 32}, {2, 100, 3, 32}, {1, 64, 1, 32}};
+    for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
         for (int gate = 0; gate < 2; gate++) {
             problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
                                      (lm_kda_gate)gate, s % 2 == 0, 0.f, 1000 + 10 * s + gate);
@@ -244,8 +245,9 @@ static void check_backward_gates(const problem *p, double tol, const char *what,
 }
 
 static void test_backward_matches_cpu_chunked_operator(void) {
-    const int shapes[][4] = {{2, 100, 2, 64}, {1, 130, 2, 128}, {1, 1, 1, 64}, {1, 128, 2, 128}};
-    for (int s = 0; s < 4; s++)
+    const int shapes[][4] = {{2, 100, 2, 64}, {1, 130, 2, 128}, {1, 1, 1, 64}, {1, 128, 2, 128},
+                             {2, 100, 2, 32}, {3, 193, 3, 32}, {1, 1, 1, 32}, {1, 128, 2, 32}};
+    for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
         for (int gate = 0; gate < 2; gate++) {
             problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
                                      (lm_kda_gate)gate, 1, 0.f, 2000 + 10 * s + gate);
@@ -262,8 +264,8 @@ static void test_backward_matches_cpu_chunked_operator(void) {
  * backward runs on the same inputs give the same bits (float atomics would
  * not). Many chunks, several sequences, both head sizes and both gates. */
 static void test_gate_param_grads_bit_identical(void) {
-    const int shapes[][4] = {{2, 1000, 2, 64}, {3, 700, 2, 128}};
-    for (int s = 0; s < 2; s++)
+    const int shapes[][4] = {{2, 1000, 2, 64}, {3, 700, 2, 128}, {3, 900, 3, 32}};
+    for (int s = 0; s < 3; s++)
         for (int gate = 0; gate < 2; gate++) {
             const int B = shapes[s][0], T = shapes[s][1], H = shapes[s][2], D = shapes[s][3];
             problem p = make_problem(B, T, H, D, (lm_kda_gate)gate, 0, 0.f, 5000 + 10 * s + gate);
@@ -313,7 +315,7 @@ static void test_gate_param_grads_bit_identical(void) {
 static void test_state_tile_widths(void) {
     const int widths[] = {16, 32, 64, 128};
     for (int w = 0; w < 4; w++)
-        for (int D = 64; D <= 128; D *= 2) {
+        for (int D = 32; D <= 128; D *= 2) {
             if (widths[w] > D) continue;
             char val[8];
             snprintf(val, sizeof val, "%d", widths[w]);
@@ -336,76 +338,82 @@ static void test_state_tile_widths(void) {
 /* The bounded gate's factored (tensor-core) diagonal equals the pairwise
  * fallback on the same inputs. */
 static void test_factored_diagonal_equals_pairwise(void) {
-    problem p = make_problem(1, 150, 2, 128, LM_KDA_GATE_BOUNDED, 0, 0.f, 31);
-    size_t no = (size_t)150 * 2 * 128;
-    float *o_fac = mallocCheck(no * 4), *o_pair = mallocCheck(no * 4);
-    lm_kda_inputs in = inputs_of(&p);
-    CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_fac, NULL) == LM_OK, "%s", lm_last_error());
-    p.cfg.diag = LM_KDA_DIAG_PAIRWISE;
-    CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_pair, NULL) == LM_OK, "%s", lm_last_error());
-    double e = rel_err(o_fac, o_pair, no);
-    printf("    factored vs pairwise: o %.2e\n", e);
-    CHECK(e <= 1e-2, "factored vs pairwise relative error %.3g", e);
-    free(o_fac);
-    free(o_pair);
-    free_problem(&p);
+    for (int D = 32; D <= 128; D *= 4) {
+        problem p = make_problem(1, 150, 2, D, LM_KDA_GATE_BOUNDED, 0, 0.f, 31 + D);
+        size_t no = (size_t)150 * 2 * D;
+        float *o_fac = mallocCheck(no * 4), *o_pair = mallocCheck(no * 4);
+        lm_kda_inputs in = inputs_of(&p);
+        CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_fac, NULL) == LM_OK, "%s", lm_last_error());
+        p.cfg.diag = LM_KDA_DIAG_PAIRWISE;
+        CHECK(lm_kda_cuda_forward_host(&p.cfg, &in, o_pair, NULL) == LM_OK, "%s", lm_last_error());
+        double e = rel_err(o_fac, o_pair, no);
+        printf("    factored vs pairwise D%d: o %.2e\n", D, e);
+        CHECK(e <= 1e-2, "D%d: factored vs pairwise relative error %.3g", D, e);
+        free(o_fac);
+        free(o_pair);
+        free_problem(&p);
+    }
 }
 
 /* Outputs before position t0 are bit-identical when everything from t0 on is
  * replaced, extreme gates included ([FLA #1240]: no anchor in the future). */
 static void test_causality(void) {
-    const int T = 100, H = 2, D = 128, t0s[] = {70, 65, 99, 17};
-    for (int gate = 0; gate < 2; gate++)
-        for (int ti = 0; ti < 4; ti++) {
-            int t0 = t0s[ti];
-            problem a = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 500 + ti);
-            problem b = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 600 + ti);
-            memcpy(b.A_log, a.A_log, H * 4);
-            memcpy(b.dt_bias, a.dt_bias, (size_t)H * D * 4);
-            memcpy(b.h0, a.h0, (size_t)H * D * D * 4);
-            size_t pre = (size_t)t0 * H * D;
-            memcpy(b.q, a.q, pre * 4);
-            memcpy(b.k, a.k, pre * 4);
-            memcpy(b.v, a.v, pre * 4);
-            memcpy(b.z, a.z, pre * 4);
-            memcpy(b.beta, a.beta, (size_t)t0 * H * 4);
-            for (size_t i = pre; i < (size_t)T * H * D; i++) b.z[i] = (i % 2) ? 60.f : -60.f;
-            size_t no = (size_t)T * H * D;
-            float *oa = mallocCheck(no * 4), *ob = mallocCheck(no * 4);
-            lm_kda_inputs ia = inputs_of(&a), ib = inputs_of(&b);
-            CHECK(lm_kda_cuda_forward_host(&a.cfg, &ia, oa, NULL) == LM_OK, "%s", lm_last_error());
-            CHECK(lm_kda_cuda_forward_host(&b.cfg, &ib, ob, NULL) == LM_OK, "%s", lm_last_error());
-            CHECK(memcmp(oa, ob, pre * 4) == 0, "%s gate, t0 %d: an output before t0 changed",
-                  gate ? "softplus" : "bounded", t0);
-            CHECK(memcmp(oa + pre, ob + pre, (no - pre) * 4) != 0,
-                  "the change after t0 must change later outputs (test is live)");
-            free(oa);
-            free(ob);
-            free_problem(&a);
-            free_problem(&b);
-        }
+    const int T = 100, H = 2, t0s[] = {70, 65, 99, 17};
+    for (int D = 32; D <= 128; D *= 4) {
+        for (int gate = 0; gate < 2; gate++)
+            for (int ti = 0; ti < 4; ti++) {
+                int t0 = t0s[ti];
+                problem a = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 500 + ti);
+                problem b = make_problem(1, T, H, D, (lm_kda_gate)gate, 1, 0.f, 600 + ti);
+                memcpy(b.A_log, a.A_log, H * 4);
+                memcpy(b.dt_bias, a.dt_bias, (size_t)H * D * 4);
+                memcpy(b.h0, a.h0, (size_t)H * D * D * 4);
+                size_t pre = (size_t)t0 * H * D;
+                memcpy(b.q, a.q, pre * 4);
+                memcpy(b.k, a.k, pre * 4);
+                memcpy(b.v, a.v, pre * 4);
+                memcpy(b.z, a.z, pre * 4);
+                memcpy(b.beta, a.beta, (size_t)t0 * H * 4);
+                for (size_t i = pre; i < (size_t)T * H * D; i++) b.z[i] = (i % 2) ? 60.f : -60.f;
+                size_t no = (size_t)T * H * D;
+                float *oa = mallocCheck(no * 4), *ob = mallocCheck(no * 4);
+                lm_kda_inputs ia = inputs_of(&a), ib = inputs_of(&b);
+                CHECK(lm_kda_cuda_forward_host(&a.cfg, &ia, oa, NULL) == LM_OK, "%s", lm_last_error());
+                CHECK(lm_kda_cuda_forward_host(&b.cfg, &ib, ob, NULL) == LM_OK, "%s", lm_last_error());
+                CHECK(memcmp(oa, ob, pre * 4) == 0, "D%d %s gate, t0 %d: an output before t0 changed",
+                      D, gate ? "softplus" : "bounded", t0);
+                CHECK(memcmp(oa + pre, ob + pre, (no - pre) * 4) != 0,
+                      "the change after t0 must change later outputs (test is live)");
+                free(oa);
+                free(ob);
+                free_problem(&a);
+                free_problem(&b);
+            }
+    }
 }
 
 /* Gates pinned at the bound (z -> +inf gives g = g_min every step) and
  * near zero, and a steep softplus gate: finite and equal to the CPU. */
 static void test_extreme_gates_no_nan(void) {
     const float shifts[] = {40.f, -40.f, 8.f};
-    for (int s = 0; s < 3; s++)
-        for (int gate = 0; gate < 2; gate++) {
-            problem p = make_problem(1, 150, 2, 128, (lm_kda_gate)gate, 1, shifts[s], 900 + s);
-            char what[96];
-            snprintf(what, sizeof what, "%s z%+g", gate ? "softplus" : "bounded", shifts[s]);
-            check_forward(&p, 1e-2, 1e-4, what);
-            check_backward_gates(&p, 1e-2, what, !(gate == 1 && shifts[s] > 20.f));
-            free_problem(&p);
-        }
+    for (int D = 32; D <= 128; D *= 4) {
+        for (int s = 0; s < 3; s++)
+            for (int gate = 0; gate < 2; gate++) {
+                problem p = make_problem(1, 150, 2, D, (lm_kda_gate)gate, 1, shifts[s], 900 + s + D);
+                char what[96];
+                snprintf(what, sizeof what, "D%d %s z%+g", D, gate ? "softplus" : "bounded", shifts[s]);
+                check_forward(&p, 1e-2, 1e-4, what);
+                check_backward_gates(&p, 1e-2, what, !(gate == 1 && shifts[s] > 20.f));
+                free_problem(&p);
+            }
+    }
 }
 
 /* Decode: T steps of the one-token kernel equal the CPU recurrence (o and
  * the fp32 state). */
 static void test_decode_matches_cpu_recurrence(void) {
     const int B = 2, T = 12, H = 3;
-    for (int D = 64; D <= 128; D *= 2)
+    for (int D = 32; D <= 128; D *= 2)
         for (int gate = 0; gate < 2; gate++) {
             problem p = make_problem(B, T, H, D, (lm_kda_gate)gate, 1, 0.f, 4000 + D + gate);
             size_t ns = (size_t)B * H * D * D, no = (size_t)B * T * H * D;
@@ -515,65 +523,67 @@ static void free_dev_grads(lm_kda_cuda_grads *g) {
  * intermediates (forward_saved = 1) gives the same gradients as the one that
  * recomputes them. */
 static void test_saved_forward_equals_recompute(void) {
-    for (int gate = 0; gate < 2; gate++) {
-        problem p = make_problem(2, 150, 2, 128, (lm_kda_gate)gate, 1, 0.f, 7100 + gate);
-        const lm_kda_config *c = &p.cfg;
-        size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
-        float *d_o_h = mallocCheck(n * 4);
-        lm_rng r;
-        lm_rng_seed(&r, 7200 + gate);
-        for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
-        lm_kda_cuda_inputs in = dev_inputs(&p);
-        uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
-        cudaCheck(cudaMalloc((void **)&o1, n * 2));
-        cudaCheck(cudaMalloc((void **)&o2, n * 2));
-        size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
-        void *ws = NULL;
-        cudaCheck(cudaMalloc(&ws, wsb));
-        lm_kda_cuda_grads g[2];
-        void *host[2][7];
-        for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
-        CHECK(lm_kda_cuda_chunk_forward(c, &in, o1, NULL, ws, lm_kda_cuda_workspace_bytes(c, 0),
-                                        NULL) == LM_OK, "%s", lm_last_error());
-        CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 0, NULL) == LM_OK,
-              "%s", lm_last_error());
-        CHECK(lm_kda_cuda_chunk_forward(c, &in, o2, NULL, ws, wsb, NULL) == LM_OK, "%s",
-              lm_last_error());
-        CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[1], ws, wsb, 1, NULL) == LM_OK,
-              "%s", lm_last_error());
-        cudaCheck(cudaDeviceSynchronize());
-        void *a = dev_copy_back(o1, n * 2), *b = dev_copy_back(o2, n * 2);
-        CHECK(memcmp(a, b, n * 2) == 0, "%s: training forward's o differs from inference o",
-              gate ? "softplus" : "bounded");
-        free(a);
-        free(b);
-        for (int s = 0; s < 2; s++) {
-            host[s][0] = dev_copy_back(g[s].dq, n * 2);
-            host[s][1] = dev_copy_back(g[s].dk, n * 2);
-            host[s][2] = dev_copy_back(g[s].dv, n * 2);
-            host[s][3] = dev_copy_back(g[s].dz, n * 2);
-            host[s][4] = dev_copy_back(g[s].dbeta, nb * 4);
-            host[s][5] = dev_copy_back(g[s].dA_log, (size_t)c->H * 4);
-            host[s][6] = dev_copy_back(g[s].ddt_bias, (size_t)c->H * c->K * 4);
+    for (int D = 32; D <= 128; D *= 4) {
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(2, 150, 2, D, (lm_kda_gate)gate, 1, 0.f, 7100 + gate + D);
+            const lm_kda_config *c = &p.cfg;
+            size_t n = (size_t)c->B * c->T * c->H * c->K, nb = (size_t)c->B * c->T * c->H;
+            float *d_o_h = mallocCheck(n * 4);
+            lm_rng r;
+            lm_rng_seed(&r, 7200 + gate);
+            for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
+            lm_kda_cuda_inputs in = dev_inputs(&p);
+            uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
+            cudaCheck(cudaMalloc((void **)&o1, n * 2));
+            cudaCheck(cudaMalloc((void **)&o2, n * 2));
+            size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
+            void *ws = NULL;
+            cudaCheck(cudaMalloc(&ws, wsb));
+            lm_kda_cuda_grads g[2];
+            void *host[2][7];
+            for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
+            CHECK(lm_kda_cuda_chunk_forward(c, &in, o1, NULL, ws, lm_kda_cuda_workspace_bytes(c, 0),
+                                            NULL) == LM_OK, "%s", lm_last_error());
+            CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 0, NULL) == LM_OK,
+                  "%s", lm_last_error());
+            CHECK(lm_kda_cuda_chunk_forward(c, &in, o2, NULL, ws, wsb, NULL) == LM_OK, "%s",
+                  lm_last_error());
+            CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[1], ws, wsb, 1, NULL) == LM_OK,
+                  "%s", lm_last_error());
+            cudaCheck(cudaDeviceSynchronize());
+            void *a = dev_copy_back(o1, n * 2), *b = dev_copy_back(o2, n * 2);
+            CHECK(memcmp(a, b, n * 2) == 0, "D%d %s: training forward's o differs from inference o",
+                  D, gate ? "softplus" : "bounded");
+            free(a);
+            free(b);
+            for (int s = 0; s < 2; s++) {
+                host[s][0] = dev_copy_back(g[s].dq, n * 2);
+                host[s][1] = dev_copy_back(g[s].dk, n * 2);
+                host[s][2] = dev_copy_back(g[s].dv, n * 2);
+                host[s][3] = dev_copy_back(g[s].dz, n * 2);
+                host[s][4] = dev_copy_back(g[s].dbeta, nb * 4);
+                host[s][5] = dev_copy_back(g[s].dA_log, (size_t)c->H * 4);
+                host[s][6] = dev_copy_back(g[s].ddt_bias, (size_t)c->H * c->K * 4);
+            }
+            /* every gradient is summed in a fixed order (the parameter sums over
+             * chunks too): bit-identical */
+            const char *names[] = {"dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias"};
+            size_t bytes[] = {n * 2, n * 2, n * 2, n * 2, nb * 4, (size_t)c->H * 4, (size_t)c->H * c->K * 4};
+            for (int i = 0; i < 7; i++)
+                CHECK(memcmp(host[0][i], host[1][i], bytes[i]) == 0, "D%d %s: %s differs", D,
+                      gate ? "softplus" : "bounded", names[i]);
+            for (int s = 0; s < 2; s++) {
+                for (int i = 0; i < 7; i++) free(host[s][i]);
+                free_dev_grads(&g[s]);
+            }
+            free_dev_inputs(&in);
+            cudaFree(d_o);
+            cudaFree(o1);
+            cudaFree(o2);
+            cudaFree(ws);
+            free(d_o_h);
+            free_problem(&p);
         }
-        /* every gradient is summed in a fixed order (the parameter sums over
-         * chunks too): bit-identical */
-        const char *names[] = {"dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias"};
-        size_t bytes[] = {n * 2, n * 2, n * 2, n * 2, nb * 4, (size_t)c->H * 4, (size_t)c->H * c->K * 4};
-        for (int i = 0; i < 7; i++)
-            CHECK(memcmp(host[0][i], host[1][i], bytes[i]) == 0, "%s: %s differs",
-                  gate ? "softplus" : "bounded", names[i]);
-        for (int s = 0; s < 2; s++) {
-            for (int i = 0; i < 7; i++) free(host[s][i]);
-            free_dev_grads(&g[s]);
-        }
-        free_dev_inputs(&in);
-        cudaFree(d_o);
-        cudaFree(o1);
-        cudaFree(o2);
-        cudaFree(ws);
-        free(d_o_h);
-        free_problem(&p);
     }
 }
 
@@ -586,92 +596,109 @@ static void test_saved_forward_equals_recompute(void) {
  * rounded from more precise products). */
 static void test_precise_state_training_forward(void) {
     const int widths[] = {16, 64};
-    for (int w = 0; w < 2; w++)
-        for (int gate = 0; gate < 2; gate++) {
-            char val[8], what[64];
-            snprintf(val, sizeof val, "%d", widths[w]);
-            CHECK(setenv("LONGMOE_KDA_STATE_VT", val, 1) == 0, "setenv failed");
-            snprintf(what, sizeof what, "VT%d %s", widths[w], gate ? "softplus" : "bounded");
-            problem p =
-                make_problem(1, 300, 2, 128, (lm_kda_gate)gate, 1, 0.f, 7300 + 10 * w + gate);
-            const lm_kda_config *c = &p.cfg;
-            size_t n = (size_t)c->B * c->T * c->H * c->K, ns = (size_t)c->B * c->H * c->K * c->V;
-            float *d_o_h = mallocCheck(n * 4), *s_cpu = mallocCheck(ns * 4);
-            float *o_cpu = mallocCheck(n * 4);
-            lm_rng r;
-            lm_rng_seed(&r, 7400 + gate);
-            for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
-            lm_kda_inputs hin = inputs_of(&p);
-            CHECK(lm_kda_chunk_forward(c, &hin, o_cpu, s_cpu) == LM_OK, "%s", lm_last_error());
-            lm_kda_cuda_inputs in = dev_inputs(&p);
-            uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o = NULL;
-            float *ht = NULL;
-            cudaCheck(cudaMalloc((void **)&o, n * 2));
-            cudaCheck(cudaMalloc((void **)&ht, ns * 4));
-            size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
-            void *ws = NULL;
-            cudaCheck(cudaMalloc(&ws, wsb));
-            lm_kda_cuda_grads g[2];
-            for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
-            CHECK(lm_kda_cuda_chunk_forward(c, &in, o, ht, ws, wsb, NULL) == LM_OK, "%s",
-                  lm_last_error());
-            CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 1, NULL) == LM_OK,
-                  "%s", lm_last_error());
-            CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[1], ws, wsb, 0, NULL) == LM_OK,
-                  "%s", lm_last_error());
-            cudaCheck(cudaDeviceSynchronize());
-            float *s_gpu = dev_copy_back(ht, ns * 4);
-            uint16_t *o_b = dev_copy_back(o, n * 2);
-            float *o_gpu = mallocCheck(n * 4);
-            for (size_t i = 0; i < n; i++) o_gpu[i] = lm_bf16_to_f32(o_b[i]);
-            double es = rel_err(s_gpu, s_cpu, ns), eo = rel_err(o_gpu, o_cpu, n);
-            printf("    training forward, precise state, %-16s o %.2e  state %.2e\n", what, eo, es);
-            CHECK(eo <= 1e-2, "%s: o relative error %.3g", what, eo);
-            CHECK(es <= 1e-4, "%s: state relative error %.3g", what, es);
-            uint16_t *dx[2][4];
-            for (int s = 0; s < 2; s++) {
-                dx[s][0] = dev_copy_back(g[s].dq, n * 2);
-                dx[s][1] = dev_copy_back(g[s].dk, n * 2);
-                dx[s][2] = dev_copy_back(g[s].dv, n * 2);
-                dx[s][3] = dev_copy_back(g[s].dz, n * 2);
-            }
-            const char *names[] = {"dq", "dk", "dv", "dz"};
-            float *a = mallocCheck(n * 4), *b = mallocCheck(n * 4);
-            for (int i = 0; i < 4; i++) {
-                for (size_t j = 0; j < n; j++) {
-                    a[j] = lm_bf16_to_f32(dx[0][i][j]);
-                    b[j] = lm_bf16_to_f32(dx[1][i][j]);
+    for (int D = 32; D <= 128; D *= 4) {
+        for (int w = 0; w < 2; w++)
+            for (int gate = 0; gate < 2; gate++) {
+                if (widths[w] > D) continue; /* D = 32: the precise path runs VT = 16 only */
+                char val[8], what[64];
+                snprintf(val, sizeof val, "%d", widths[w]);
+                CHECK(setenv("LONGMOE_KDA_STATE_VT", val, 1) == 0, "setenv failed");
+                snprintf(what, sizeof what, "D%d VT%d %s", D, widths[w], gate ? "softplus" : "bounded");
+                problem p = make_problem(D == 32 ? 2 : 1, 300, 2, D, (lm_kda_gate)gate, 1, 0.f,
+                                         7300 + 10 * w + gate + D);
+                const lm_kda_config *c = &p.cfg;
+                size_t n = (size_t)c->B * c->T * c->H * c->K, ns = (size_t)c->B * c->H * c->K * c->V;
+                float *d_o_h = mallocCheck(n * 4), *s_cpu = mallocCheck(ns * 4);
+                float *o_cpu = mallocCheck(n * 4);
+                lm_rng r;
+                lm_rng_seed(&r, 7400 + gate);
+                for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
+                lm_kda_inputs hin = inputs_of(&p);
+                CHECK(lm_kda_chunk_forward(c, &hin, o_cpu, s_cpu) == LM_OK, "%s", lm_last_error());
+                lm_kda_cuda_inputs in = dev_inputs(&p);
+                uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o = NULL;
+                float *ht = NULL;
+                cudaCheck(cudaMalloc((void **)&o, n * 2));
+                cudaCheck(cudaMalloc((void **)&ht, ns * 4));
+                size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
+                void *ws = NULL;
+                cudaCheck(cudaMalloc(&ws, wsb));
+                lm_kda_cuda_grads g[2];
+                for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
+                CHECK(lm_kda_cuda_chunk_forward(c, &in, o, ht, ws, wsb, NULL) == LM_OK, "%s",
+                      lm_last_error());
+                CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 1, NULL) == LM_OK,
+                      "%s", lm_last_error());
+                CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[1], ws, wsb, 0, NULL) == LM_OK,
+                      "%s", lm_last_error());
+                cudaCheck(cudaDeviceSynchronize());
+                float *s_gpu = dev_copy_back(ht, ns * 4);
+                uint16_t *o_b = dev_copy_back(o, n * 2);
+                float *o_gpu = mallocCheck(n * 4);
+                for (size_t i = 0; i < n; i++) o_gpu[i] = lm_bf16_to_f32(o_b[i]);
+                double es = rel_err(s_gpu, s_cpu, ns), eo = rel_err(o_gpu, o_cpu, n);
+                printf("    training forward, precise state, %-16s o %.2e  state %.2e\n", what, eo, es);
+                CHECK(eo <= 1e-2, "%s: o relative error %.3g", what, eo);
+                CHECK(es <= 1e-4, "%s: state relative error %.3g", what, es);
+                uint16_t *dx[2][4];
+                for (int s = 0; s < 2; s++) {
+                    dx[s][0] = dev_copy_back(g[s].dq, n * 2);
+                    dx[s][1] = dev_copy_back(g[s].dk, n * 2);
+                    dx[s][2] = dev_copy_back(g[s].dv, n * 2);
+                    dx[s][3] = dev_copy_back(g[s].dz, n * 2);
                 }
-                double e = rel_err(a, b, n);
-                CHECK(e <= 1e-2, "%s: %s after the precise forward vs recomputed: %.3g", what,
-                      names[i], e);
+                const char *names[] = {"dq", "dk", "dv", "dz"};
+                float *a = mallocCheck(n * 4), *b = mallocCheck(n * 4);
+                for (int i = 0; i < 4; i++) {
+                    for (size_t j = 0; j < n; j++) {
+                        a[j] = lm_bf16_to_f32(dx[0][i][j]);
+                        b[j] = lm_bf16_to_f32(dx[1][i][j]);
+                    }
+                    double e = rel_err(a, b, n);
+                    CHECK(e <= 1e-2, "%s: %s after the precise forward vs recomputed: %.3g", what,
+                          names[i], e);
+                }
+                free(a);
+                free(b);
+                for (int s = 0; s < 2; s++) {
+                    for (int i = 0; i < 4; i++) free(dx[s][i]);
+                    free_dev_grads(&g[s]);
+                }
+                free_dev_inputs(&in);
+                cudaFree(d_o);
+                cudaFree(o);
+                cudaFree(ht);
+                cudaFree(ws);
+                free(s_gpu);
+                free(o_b);
+                free(o_gpu);
+                free(d_o_h);
+                free(s_cpu);
+                free(o_cpu);
+                free_problem(&p);
             }
-            free(a);
-            free(b);
-            for (int s = 0; s < 2; s++) {
-                for (int i = 0; i < 4; i++) free(dx[s][i]);
-                free_dev_grads(&g[s]);
-            }
-            free_dev_inputs(&in);
-            cudaFree(d_o);
-            cudaFree(o);
-            cudaFree(ht);
-            cudaFree(ws);
-            free(s_gpu);
-            free(o_b);
-            free(o_gpu);
-            free(d_o_h);
-            free(s_cpu);
-            free(o_cpu);
-            free_problem(&p);
-        }
+    }
     unsetenv("LONGMOE_KDA_STATE_VT");
 }
 
 /* Bad configurations are refused with a message. */
 static void test_rejects_unsupported_shapes(void) {
     lm_kda_config c = lm_kda_config_default(1, 10, 1, 96, 96);
-    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K = 96 must be refused");
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG && strstr(lm_last_error(), "32, 64 or 128"),
+          "K = 96 must be refused, naming the supported dims: %s", lm_last_error());
+    const int bad_dims[] = {16, 48, 256};
+    for (int i = 0; i < 3; i++) {
+        c = lm_kda_config_default(1, 10, 1, bad_dims[i], bad_dims[i]);
+        CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K = V = %d must be refused", bad_dims[i]);
+    }
+    const int good_dims[] = {32, 64, 128};
+    for (int i = 0; i < 3; i++) {
+        c = lm_kda_config_default(1, 10, 1, good_dims[i], good_dims[i]);
+        CHECK(lm_kda_cuda_check(&c) == LM_OK, "K = V = %d must pass: %s", good_dims[i],
+              lm_last_error());
+    }
+    c = lm_kda_config_default(1, 10, 1, 32, 64);
+    CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K = 32, V = 64 must be refused");
     c = lm_kda_config_default(1, 10, 1, 128, 64);
     CHECK(lm_kda_cuda_check(&c) == LM_ERR_ARG, "K != V must be refused");
     c = lm_kda_config_default(1, 10, 1, 128, 128);

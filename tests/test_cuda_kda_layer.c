@@ -31,10 +31,11 @@ static lm_cuda_context ctx;
 
 /* (B, T, C, W, head_dim): one token; odd T; W = 3; a long sequence of wide
  * rows; head sizes of 3 and 8 values a lane (96, 256) with odd T; many
- * token chunks of an odd number of rows (4097 x 8 heads) */
+ * token chunks of an odd number of rows (4097 x 8 heads); head_dim 32 (the
+ * CPU presets) over several sequences and three heads */
 static const int shapes[][5] = {{1, 1, 64, 4, 32},      {2, 37, 256, 4, 128}, {1, 300, 128, 3, 64},
                                 {1, 1000, 1024, 4, 128}, {3, 333, 288, 4, 96}, {1, 257, 512, 2, 256},
-                                {1, 4097, 256, 4, 32}};
+                                {1, 4097, 256, 4, 32},   {3, 131, 96, 4, 32}};
 #define NSHAPES (int)(sizeof shapes / sizeof shapes[0])
 
 /* The helpers below copy and set memory on the default stream, the kernels

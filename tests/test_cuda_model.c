@@ -14,9 +14,10 @@
  *   - the MoE balancing state that the forwards fed agrees (the biases after
  *     the step's end), with the routing pinned.
  * Configurations: a small hybrid (3 KDA + 1 MLA layers, MoE with a shared
- * expert, Block AttnRes) and a reduced k3-mini (8 layers, LatentMoE, SiTU-GLU,
- * 16 experts top-4). The CUDA KDA kernels take head dims 64 or 128, so the
- * demo preset's 32 is raised to 64 here. Needs a GPU (ctest label cuda). */
+ * expert, Block AttnRes; head dim 64), a reduced k3-mini (8 layers, LatentMoE,
+ * SiTU-GLU, 16 experts top-4; head dim 128) and the presets configs/tiny.json
+ * and configs/small.json as they are (head dim 32; small: 64 experts top-4),
+ * the presets with the routing pinned. Needs a GPU (ctest label cuda). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,6 +169,24 @@ static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
     check_config("k3-mini*", test_reduced_k3_mini_config(), 1, 257, 12, 0);
 }
 
+/* The CPU presets (KDA and MLA head dim 32) on the GPU, as the files give them
+ * (the test runs in the source tree). Routing pinned: with 64 experts top-4
+ * (small) near-tied tokens are many, and free routing is covered above. */
+static void test_presets_match_the_cpu_and_repeat_bitwise(void) {
+    const char *presets[] = {"configs/tiny.json", "configs/small.json"};
+    const int Bs[] = {2, 1}, Ts[] = {100, 130};
+    for (int i = 0; i < 2; i++) {
+        lm_config c;
+        if (lm_config_load(presets[i], &c)) {
+            CHECK(0, "%s: %s", presets[i], lm_last_error());
+            continue;
+        }
+        CHECK(c.kda_head_dim == 32, "%s: the preset's KDA head dim is %d, this test wants 32",
+              presets[i], c.kda_head_dim);
+        check_config(i ? "preset small" : "preset tiny", c, Bs[i], Ts[i], 13 + i, 1);
+    }
+}
+
 static void test_host_parameter_changes_reach_the_gpu(void) {
     /* the optimizer changes host parameters: after lm_model_upload_params the
      * GPU model computes with them (the loss follows the CPU model's) */
@@ -204,6 +223,7 @@ int main(void) {
     }
     RUN(test_small_hybrid_matches_the_cpu_and_repeats_bitwise);
     RUN(test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise);
+    RUN(test_presets_match_the_cpu_and_repeat_bitwise);
     RUN(test_host_parameter_changes_reach_the_gpu);
     lm_backend_free(gpu);
     return test_summary();

@@ -30,7 +30,7 @@ static const char *const kda_usage =
     "  --chunk N                chunk size 16, 32 or 64 (default 64)\n"
     "  --scale X                output scale (default K^-1/2)\n"
     "  --device cpu|cuda        where to run (default cpu); cuda runs the Hopper kernels\n"
-    "                           (bf16 tensors, fp32 state; chunk form, chunk 64, K = V = 64 or 128)\n";
+    "                           (bf16 tensors, fp32 state; chunk form, chunk 64, K = V = 32, 64 or 128)\n";
 
 typedef struct {
     float *q, *k, *v, *z, *beta, *A_log, *dt_bias, *h0, *d_o, *dht;

@@ -11,7 +11,7 @@
  *   q, k, z  [B,T,H,K] bf16     v, o [B,T,H,V] bf16     beta [B,T,H] fp32
  *   A_log    [H] fp32           dt_bias [H*K] fp32
  *   h0, ht   [B,H,K,V] fp32 (optional, NULL: zero initial state / not written)
- * Supported: K = V = 64 or 128, chunk 64 (cfg->chunk 0 or 64), any T >= 1,
+ * Supported: K = V = 32, 64 or 128, chunk 64 (cfg->chunk 0 or 64), any T >= 1,
  * both gates. The diagonal sub-chunk is factored (tensor cores) when the gate
  * is bounded with g_min >= LM_KDA_G_MIN_FAST_LIMIT, pairwise otherwise, as
  * lm_kda_diag_path() decides for the CPU operator.
@@ -49,7 +49,7 @@ typedef struct {
     float *dbeta, *dA_log, *ddt_bias, *dh0;
 } lm_kda_cuda_grads;
 
-/* Validate a config for the CUDA kernels (shape, chunk, K = V in {64,128}). */
+/* Validate a config for the CUDA kernels (shape, chunk, K = V in {32,64,128}). */
 lm_status lm_kda_cuda_check(const lm_kda_config *cfg);
 
 /* Bytes of device workspace the forward (for_backward = 0) or the backward

@@ -66,12 +66,13 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
         pl.dAkk = take(nc * CH * CH * 2);
         pl.dAkkB = take(nc * CH * CH * 2);
         pl.dAqkDiag = take(nc * CH * 4);
-        pl.dbeta_part = take(nc * (1 + D / 64) * CH * 4);
+        pl.dbeta_part = take(nc * (1 + bwd_col_blocks((int)D)) * CH * 4);
         // per-chunk terms of ddt_bias and dA_log (kda_backward.cu, kernel B)
         pl.ddt_part = take(nc * BWD_GATE_ROW_GROUPS * D * 4);
-        pl.dA_part = take(nc * (D / 64) * BWD_GATE_WARPS * 4);
-        // the forward's residues live where only the backward writes later
-        pl.w_lo = pl.dh;
+        pl.dA_part = take(nc * bwd_gate_dA_terms((int)D) * 4);
+        // the forward's residues live where only the backward writes later:
+        // w_lo [c][64][D] in dh [c][D][D] for D >= 64, else in M [c][64][64]
+        pl.w_lo = D >= CH ? pl.dh : pl.M;
         pl.u_lo = pl.dW;
         pl.kd_lo = pl.dvn;
     }
@@ -168,8 +169,8 @@ extern "C" lm_status lm_kda_cuda_check(const lm_kda_config *cfg) {
     if (cfg->B < 1 || cfg->T < 1 || cfg->H < 1)
         return lm_error(LM_ERR_ARG, "kda cuda: B, T, H must be >= 1 (got B=%d T=%d H=%d)", cfg->B,
                         cfg->T, cfg->H);
-    if (cfg->K != cfg->V || (cfg->K != 64 && cfg->K != 128))
-        return lm_error(LM_ERR_ARG, "kda cuda: supports K = V = 64 or 128 (got K=%d V=%d)",
+    if (cfg->K != cfg->V || !kda_dim_supported(cfg->K))
+        return lm_error(LM_ERR_ARG, "kda cuda: supports K = V = 32, 64 or 128 (got K=%d V=%d)",
                         cfg->K, cfg->V);
     if ((long long)cfg->B * cfg->H > 65535)
         return lm_error(LM_ERR_ARG, "kda cuda: B*H = %lld exceeds 65535 (the kernels' grid "

@@ -5,10 +5,9 @@
 
 namespace lmkda {
 
-// Threads of the two intra-chunk gradient kernels (8 warps each, two blocks per SM).
+// Threads of the triangular kernel (8 warps, two blocks per SM); the per-column
+// kernel runs bwd_col_threads(D) (kda_common.cuh): 256, or 128 for D = 32.
 constexpr int BWD_NT = 256;
-// Columns of the per-column kernel's block: D = 128 runs as two column halves.
-constexpr int DC = 64;
 
 // Copy `rows` rows of COLS elements of T from global memory (row stride
 // gstride elements) to shared memory (row stride ld) with cp.async, rows >=
@@ -315,7 +314,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
     }
     __syncthreads();
     if (tid < CH)
-        p.dbeta_part[c * (1 + D / DC) * CH + tid] =
+        p.dbeta_part[c * (1 + bwd_col_blocks(D)) * CH + tid] =
             ((sPart[tid] + sPart[CH + tid]) + sPart[2 * CH + tid]) + sPart[3 * CH + tid];
 
     // X = (I + Akk)^{-1}: dAkk = -X^T dX X^T, strictly lower, tf32 tensor
@@ -357,9 +356,15 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
 }
 
 // ---- kernel B: the per-column gradients ----
-// Rows of the block's threads: thread t owns column t % DC of rows t / DC + RSTEP i.
-constexpr int COL_RSTEP = BWD_NT / DC;
+// Columns of the per-column kernel's block: DC = bwd_col_width(D) (D = 128 runs
+// as two column halves of 64, D = 32 as one block of 32), with 4 threads a
+// column: thread t owns column t % DC of rows t / DC + RSTEP i.
+constexpr int COL_RSTEP = 4;
+static_assert(bwd_col_threads(64) / bwd_col_width(64) == COL_RSTEP &&
+                  bwd_col_threads(32) / bwd_col_width(32) == COL_RSTEP,
+              "kernel B: four row groups");
 template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
+    constexpr int DC = bwd_col_width(D);
     // h and dh rows of the block's columns [DC][D+8] each, then (phase 4) the
     // three sub-chunk operands [64][DC+8] and their low parts [16][DC+8]
     return (size_t)2 * DC * (D + 8) * 2 > (size_t)3 * (CH + SUB) * (DC + 8) * 2
@@ -367,12 +372,14 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
                : (size_t)3 * (CH + SUB) * (DC + 8) * 2;
 }
 template <int D> __host__ __device__ constexpr size_t bwd_col_do_bytes() {
+    constexpr int DC = bwd_col_width(D);
     // V', then dO' [64][D+8]; then M [64][CH+8] and the block's dW columns [64][DC+8]
     return (size_t)CH * (D + 8) * 2 > (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2
                ? (size_t)CH * (D + 8) * 2
                : (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2;
 }
 template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
+    constexpr int DC = bwd_col_width(D);
     return (size_t)CH * DC * 4                // G
            + (size_t)CH * (DC + 4) * 4        // product staging
            + (size_t)2 * CH * (DC + 8) * 2    // q, k
@@ -396,8 +403,8 @@ template <int S, int N> __device__ __forceinline__ void rotate_left(float (&x)[N
 
 // Over the thread's rows r = r0 + RSTEP i (of column d; unrolled, no rotation):
 // x[i] += P[r] e^{G[r]} and dG[i] += P[r] e^{G[r]} op[r], with P the staged
-// product [64][LDS] and op the staged q or k [64][LDC].
-template <int RSTEP, int LDS, int LDC, int RPT>
+// product [64][LDS], G [64][DC] and op the staged q or k [64][LDC].
+template <int RSTEP, int LDS, int LDC, int DC, int RPT>
 __device__ __forceinline__ void add_staged_rows(float (&x)[RPT], float (&dG)[RPT],
                                                 const float *sStage, const float *sG,
                                                 const bf16 *op, int r0, int d) {
@@ -480,11 +487,14 @@ __device__ __forceinline__ void mma_pair_upto4(FragC (&c)[2], const bf16 *A0, co
 // - the sub-chunk gradients through Aqk and Akk (dAqk, dAkk from kernel A);
 // - dg = reverse cumsum of dG (+ dG_C), then the gate: dz, dA_log, ddt_bias.
 template <int D, bool FACTORED>
-__global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
+__global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Params p) {
     // q, k, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn [c][64][D]; dW [c][64][D];
     // M, dAqk, dAkk, dAkkB [c][64][64]; this block: columns cb*DC .. +DC-1
-    constexpr int NT = BWD_NT, LD = D + 8, LDC = DC + 8, LDS = DC + 4, TDC = DC / 16;
+    constexpr int DC = bwd_col_width(D), NT = bwd_col_threads(D);
+    constexpr int LD = D + 8, LDC = DC + 8, LDS = DC + 4, TDC = DC / 16;
     constexpr int RSTEP = COL_RSTEP, RPT = CH / RSTEP, IPB = SUB / RSTEP;
+    static_assert(NT == RSTEP * DC && DC % 32 == 0, "kernel B: four threads a column, whole warps");
+    static_assert(NT >= CH + CH / 4, "kernel B: beta and the diagonal of dAqk, one copy a thread");
     extern __shared__ __align__(128) unsigned char smem[];
     float *sG = reinterpret_cast<float *>(smem);              // [64][DC]
     float *sStage = sG + CH * DC;                             // [64][LDS]
@@ -684,7 +694,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     cp_rows<CH, NT>(sM, CH + 8, Mg, CH, CH, CH);
     cp_rows<DC, NT>(sdW, LDC, dWg, D, CH, CH);
     cp_async_commit();
-    add_staged_rows<RSTEP, LDS, LDC>(dq, dG, sStage, sG, sQ, r0, d);
+    add_staged_rows<RSTEP, LDS, LDC, DC>(dq, dG, sStage, sG, sQ, r0, d);
     cp_async_wait<0>(); // M and dW have landed
     __syncthreads();
     // W = M (k e^G): d(k e^G) = M^T dW; dk += d(k e^G) e^G, dG += d(k e^G) k e^G
@@ -714,7 +724,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
         if (tid % 4 == 0) sdGC[dd] += __expf(sG[(CH - 1) * DC + dd]) * acc;
     }
     __syncthreads(); // h and dh are dead: the region takes the sub-chunk operands
-    add_staged_rows<RSTEP, LDS, LDC>(dk, dG, sStage, sG, sK, r0, d);
+    add_staged_rows<RSTEP, LDS, LDC, DC>(dk, dG, sStage, sG, sK, r0, d);
     __syncthreads();
 
     // ---- phase 4: gradients through Aqk = Lower(q e^G (k e^-G)^T) and
@@ -918,7 +928,7 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     if (tid < CH) {
         float acc = 0.f;
         for (int w = 0; w < DC / 32; w++) acc += sBetaPart[tid * (DC / 32) + w];
-        p.dbeta_part[(c * (1 + D / DC) + 1 + cb) * CH + tid] = acc;
+        p.dbeta_part[(c * (1 + D / DC) + 1 + cb) * CH + tid] = acc; // D / DC: bwd_col_blocks
     }
     // ---- G = cumsum(g): dg_t = dG_C + sum_{i >= t} dG_i; then the gate ----
     // z again, for the gate's derivative: into the (now free) operand region,
@@ -965,9 +975,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_col_kernel(Params p) {
     p.ddt_part[(c * BWD_GATE_ROW_GROUPS + r0) * D + cb * DC + d] = dbias;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) dA += __shfl_xor_sync(0xffffffffu, dA, off);
-    if (lane == 0) p.dA_part[(c * (D / DC) + cb) * BWD_GATE_WARPS + warp] = dA;
+    if (lane == 0) p.dA_part[(c * (D / DC) + cb) * (NT / 32) + warp] = dA;
+    static_assert((D / DC) * (NT / 32) == bwd_gate_dA_terms(D) && D / DC == bwd_col_blocks(D),
+                  "the workspace plan's gate partials (kda_common.cuh) match kernel B");
 }
-static_assert(COL_RSTEP == BWD_GATE_ROW_GROUPS && BWD_NT / 32 == BWD_GATE_WARPS && DC == 64,
+static_assert(COL_RSTEP == BWD_GATE_ROW_GROUPS,
               "the workspace plan's gate partials (kda_common.cuh) match kernel B");
 
 // ddt_bias and dA_log += the sums of kernel B's per-chunk terms, in a fixed
@@ -978,12 +990,12 @@ static_assert(COL_RSTEP == BWD_GATE_ROW_GROUPS && BWD_NT / 32 == BWD_GATE_WARPS 
 // fixed tree.
 constexpr int GATE_SLICES = 32;
 template <int D> __global__ void __launch_bounds__(32 * GATE_SLICES) kda_bwd_gate_param_kernel(Params p) {
-    // ddt_part [B*H*N][4][D]; dA_part [B*H*N][D/64][8]
+    // ddt_part [B*H*N][4][D]; dA_part [B*H*N][bwd_gate_dA_terms(D) = D/8]
     __shared__ double part[GATE_SLICES][32];
     const int h = blockIdx.y, x = threadIdx.x, y = threadIdx.y;
     const bool is_dA = blockIdx.x == D / 32;
     // terms per (b, h): a contiguous run of `run` values (stride `step`) for each b
-    const size_t run = is_dA ? (size_t)p.N * (D / DC) * BWD_GATE_WARPS : (size_t)p.N * BWD_GATE_ROW_GROUPS;
+    const size_t run = is_dA ? (size_t)p.N * bwd_gate_dA_terms(D) : (size_t)p.N * BWD_GATE_ROW_GROUPS;
     const size_t m = (size_t)p.B * run;
     double acc = 0.0;
     if (is_dA) {
@@ -1020,17 +1032,18 @@ template <int D> __global__ void __launch_bounds__(32 * GATE_SLICES) kda_bwd_gat
 // dbeta = the kernel-A term + the kernel-B term of each column block, added
 // in this order (deterministic). One thread per (b, t, h).
 template <int D> __global__ void kda_bwd_dbeta_kernel(Params p) {
-    // dbeta [B,T,H]; dbeta_part [c][1 + D/DC][64]
+    // dbeta [B,T,H]; dbeta_part [c][1 + bwd_col_blocks(D)][64]
     const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (size_t)p.B * p.T * p.H) return;
     const int h = (int)(idx % p.H);
     const size_t bt = idx / p.H;
     const int t = (int)(bt % p.T), b = (int)(bt / p.T);
     const size_t c = ((size_t)b * p.H + h) * p.N + t / CH;
-    const float *part = p.dbeta_part + c * (1 + D / DC) * CH + t % CH;
+    constexpr int NB = bwd_col_blocks(D);
+    const float *part = p.dbeta_part + c * (1 + NB) * CH + t % CH;
     float acc = part[0];
 #pragma unroll
-    for (int k = 1; k <= D / DC; k++) acc += part[k * CH];
+    for (int k = 1; k <= NB; k++) acc += part[k * CH];
     p.dbeta[idx] = acc;
 }
 
@@ -1038,25 +1051,29 @@ template <int D> __global__ void kda_bwd_dbeta_kernel(Params p) {
 static_assert(bwd_tri_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel A: two blocks per SM");
 static_assert(bwd_col_smem<128>() + 1024 <= 228 * 1024 / 2, "kernel B: two blocks per SM");
 static_assert(bwd_col_smem<64>() + 1024 <= 228 * 1024 / 2, "kernel B (D 64): two blocks per SM");
+static_assert(bwd_tri_smem<32>() + 1024 <= 228 * 1024 / 2, "kernel A (D 32): two blocks per SM");
+static_assert(bwd_col_smem<32>() + 1024 <= 228 * 1024 / 2, "kernel B (D 32): two blocks per SM");
 
 // Launch with the largest shared-memory carveout, so that two blocks fit.
 template <typename Kern>
-static cudaError_t launch_two_per_sm(Kern kern, dim3 grid, size_t smem, cudaStream_t s,
-                                     const Params &p) {
+static cudaError_t launch_two_per_sm(Kern kern, dim3 grid, int threads, size_t smem,
+                                     cudaStream_t s, const Params &p) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return e;
-    return launch_with_smem(kern, grid, BWD_NT, smem, s, p);
+    return launch_with_smem(kern, grid, threads, smem, s, p);
 }
 
 template <int D>
 static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream_t s) {
-    cudaError_t e =
-        launch_two_per_sm(kda_bwd_tri_kernel<D>, dim3(p.N, p.B * p.H), bwd_tri_smem<D>(), s, p);
+    cudaError_t e = launch_two_per_sm(kda_bwd_tri_kernel<D>, dim3(p.N, p.B * p.H), BWD_NT,
+                                      bwd_tri_smem<D>(), s, p);
     if (e != cudaSuccess) return e;
-    dim3 grid(p.N * (D / DC), p.B * p.H); // a chunk's column blocks adjacent
-    e = factored ? launch_two_per_sm(kda_bwd_col_kernel<D, true>, grid, bwd_col_smem<D>(), s, p)
-                 : launch_two_per_sm(kda_bwd_col_kernel<D, false>, grid, bwd_col_smem<D>(), s, p);
+    dim3 grid(p.N * bwd_col_blocks(D), p.B * p.H); // a chunk's column blocks adjacent
+    constexpr int NTB = bwd_col_threads(D);
+    e = factored ? launch_two_per_sm(kda_bwd_col_kernel<D, true>, grid, NTB, bwd_col_smem<D>(), s, p)
+                 : launch_two_per_sm(kda_bwd_col_kernel<D, false>, grid, NTB, bwd_col_smem<D>(), s,
+                                     p);
     if (e != cudaSuccess) return e;
     const size_t ntok = (size_t)p.B * p.T * p.H;
     kda_bwd_dbeta_kernel<D><<<(unsigned)((ntok + 255) / 256), 256, 0, s>>>(p);
@@ -1067,8 +1084,10 @@ static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream
 }
 
 cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {
-    return D == 128 ? launch_bwd_intra_d<128>(p, factored, s)
-                    : launch_bwd_intra_d<64>(p, factored, s);
+    if (D == 128) return launch_bwd_intra_d<128>(p, factored, s);
+    if (D == 64) return launch_bwd_intra_d<64>(p, factored, s);
+    if (D == 32) return launch_bwd_intra_d<32>(p, factored, s);
+    return cudaErrorInvalidValue; // lm_kda_cuda_check refuses other head dimensions
 }
 
 } // namespace lmkda

@@ -16,11 +16,24 @@ using namespace nvcuda;
 
 constexpr int CH = 64;  // chunk length
 constexpr int SUB = 16; // sub-chunk length (one tensor-core tile)
-// Backward kernel B's partial sums of the gate parameters per (chunk, column
-// block of 64): ddt_bias one per column and row group (its 256 threads are 4
-// row groups of 64 columns), dA_log one per warp; kda_backward.cu checks these.
+// Head dimensions (K = V = D) the kernels are built for.
+__host__ __device__ constexpr bool kda_dim_supported(int D) {
+    return D == 32 || D == 64 || D == 128;
+}
+// Backward kernel B (the per-column gradients) works on column blocks of
+// bwd_col_width(D) channels: 64 (D = 128 runs as two blocks), or all of D = 32;
+// 4 threads a column (4 row groups), so 256 threads a block at width 64 and
+// 128 at width 32.
+__host__ __device__ constexpr int bwd_col_width(int D) { return D < 64 ? D : 64; }
+__host__ __device__ constexpr int bwd_col_blocks(int D) { return D / bwd_col_width(D); }
+__host__ __device__ constexpr int bwd_col_threads(int D) { return 4 * bwd_col_width(D); }
+// Kernel B's partial sums of the gate parameters per chunk: ddt_bias one per
+// column and row group, dA_log one per warp of each column block (D/8 in all);
+// kda_backward.cu checks these.
 constexpr int BWD_GATE_ROW_GROUPS = 4;
-constexpr int BWD_GATE_WARPS = 8;
+__host__ __device__ constexpr int bwd_gate_dA_terms(int D) {
+    return bwd_col_blocks(D) * (bwd_col_threads(D) / 32);
+}
 // Row strides of the workspace tiles w, qg, kd (D + 8) and aqk (64 + 8): the
 // state kernels' shared-memory layout (rows padded against bank conflicts).
 // Measured on the H200, the forward intra kernel that writes them and the
@@ -58,10 +71,10 @@ struct Params {
     bf16 *Mb, *dAqkb;            // [c][64][64] M = X Diag(beta); dAqk, strictly lower
     bf16 *dAkkb, *dAkkBb;        // [c][64][64] dAkk, Diag(beta) dAkk (strictly lower)
     float *dAqkDiag;             // [c][64]     diagonal of dAqk
-    float *dbeta_part;           // [c][1 + D/64][64] dbeta terms, summed in a fixed order
+    float *dbeta_part;           // [c][1 + bwd_col_blocks(D)][64] dbeta terms, summed in a fixed order
     // the gate parameters' per-chunk terms, summed over chunks in a fixed order
     float *ddt_part;             // [c][4][D]      one per column and row group of kernel B
-    float *dA_part;              // [c][D/64][8]   one per warp of kernel B
+    float *dA_part;              // [c][D/8]       one per warp of kernel B (bwd_gate_dA_terms)
     // backward inputs and outputs
     const bf16 *d_o;
     const float *dht;

@@ -7,7 +7,8 @@
 namespace lmkda {
 
 // Shared memory of the intra-chunk kernel, in bytes: regions reused across
-// phases so that two blocks fit on an SM (108.75 KB for D = 128). q is read
+// phases so that two blocks fit on an SM (108.75 KB for D = 128, 73.75 KB for
+// D = 64, 63.75 KB for D = 32). q is read
 // from global memory (twice: qg, then the query side of its sub-chunk).
 // PREC adds the residues of M and k e^G (one block per SM then).
 template <int D, bool PREC> constexpr size_t fwd_intra_smem() {
@@ -452,17 +453,24 @@ cudaError_t launch_fwd_intra(const Params &p, int D, bool factored, bool save_x,
     }
     if (D == 128) {
         if (factored) LM_INTRA(128, true) else LM_INTRA(128, false)
-    } else {
+    } else if (D == 64) {
         if (factored) LM_INTRA(64, true) else LM_INTRA(64, false)
+    } else if (D == 32) {
+        if (factored) LM_INTRA(32, true) else LM_INTRA(32, false)
     }
 #undef LM_INTRA
+    return cudaErrorInvalidValue; // lm_kda_cuda_check refuses other head dimensions
 }
 
 cudaError_t launch_decode(const Params &p, int D, float *state, cudaStream_t s) {
     if (D == 128)
         kda_decode_kernel<128><<<p.B * p.H, 128, 0, s>>>(p, state);
-    else
+    else if (D == 64)
         kda_decode_kernel<64><<<p.B * p.H, 64, 0, s>>>(p, state);
+    else if (D == 32)
+        kda_decode_kernel<32><<<p.B * p.H, 32, 0, s>>>(p, state);
+    else
+        return cudaErrorInvalidValue; // lm_kda_cuda_check refuses other head dimensions
     return cudaGetLastError();
 }
 

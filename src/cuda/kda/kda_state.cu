@@ -88,7 +88,8 @@ template <int D, int VT, bool PREC = false> struct ColPlan : StageLayout<D, VT, 
 
 // Row kernels (VT = 16 and 32): the block's VT value columns form JG = VT/16
 // groups (the 16 rows of an mma A operand of the transposed state), and DS
-// warps share a group (8 for VT = 16, 4 for VT = 32; at most D/16). For the
+// warps share a group (8 for VT = 16, 4 for VT = 32; at most D/16: 2 for
+// D = 32, which runs the row kernels only). For the
 // products over channels (S^T W^T, S^T Qg^T, dS^T Kd^T) they split the
 // chunk's 64 rows, RW = 64/DS each, and read the group's whole bf16 state from
 // shared memory; for the state update they split the D channels, DW = D/DS
@@ -102,6 +103,9 @@ template <int D, int VT, bool PREC = false> struct RowPlan : StageLayout<D, VT, 
     static constexpr int JG = VT / 16, want = VT == 16 ? 8 : 4;
     static constexpr int DS = want < D / 16 ? want : D / 16; // DW >= 16: pairs of channel tiles
     static constexpr int NW = JG * DS, RW = CH / DS, NRT = RW / 8, DW = D / DS, NDT = DW / 8;
+    // D = 32: DS = 2 warps a group (RW = 32 rows, DW = 16 channels each)
+    static_assert(DS * DW == D && DW % 16 == 0 && DS * RW == CH && RW % 8 == 0,
+                  "row kernels: whole channel tile pairs and row tiles a warp");
     static constexpr size_t total = 2 * L::stage + 2 * L::sv + L::sh +
                                     (PREC ? (size_t)CH * L::LD * 2 + L::sh + L::sv : 0) + L::bars;
 };
@@ -883,7 +887,7 @@ __global__ void __launch_bounds__(RowPlan<D, VT>::NW * 32, 1)
 // shorten each chunk's step on the sequential path when there are few
 // sequences and heads; wide ones read each chunk's operands fewer times.
 // The precise forward (larger stages) runs 16 or 64 only: the narrowest of
-// those that fits one wave, else 64.
+// those that fits one wave, else 64 (16 for D = 32, which has no 64).
 int state_tile_width(int BH, int D, bool precise) {
     int dev = 0, sms = 132;
     if (cudaGetDevice(&dev) == cudaSuccess)
@@ -892,7 +896,8 @@ int state_tile_width(int BH, int D, bool precise) {
         if (precise && vt != 16 && vt != 64) continue;
         if ((long long)BH * (D / vt) <= sms) return vt;
     }
-    return precise ? 64 : D;
+    if (precise) return D >= 64 ? 64 : 16;
+    return D;
 }
 
 // The H200's (and H100's) limit of dynamic shared memory for one block.
@@ -975,9 +980,16 @@ static cudaError_t launch_state_any(const Params &p, int D, bool backward, bool 
         if (vt == 64) return launch_state<128, 64>(p, backward, save, precise, s);
         return launch_state<128, 128>(p, backward, save, precise, s);
     }
-    if (vt == 16) return launch_state<64, 16>(p, backward, save, precise, s);
-    if (vt == 32) return launch_state<64, 32>(p, backward, save, precise, s);
-    return launch_state<64, 64>(p, backward, save, precise, s);
+    if (D == 64) {
+        if (vt == 16) return launch_state<64, 16>(p, backward, save, precise, s);
+        if (vt == 32) return launch_state<64, 32>(p, backward, save, precise, s);
+        return launch_state<64, 64>(p, backward, save, precise, s);
+    }
+    if (D == 32) { // row kernels only: two channel slices of 16 (RowPlan)
+        if (vt == 16) return launch_state<32, 16>(p, backward, save, precise, s);
+        return launch_state<32, 32>(p, backward, save, precise, s);
+    }
+    return cudaErrorInvalidValue; // lm_kda_cuda_check refuses other head dimensions
 }
 
 cudaError_t launch_fwd_state(const Params &p, int D, bool save, bool precise, cudaStream_t s) {
