@@ -10,8 +10,8 @@
 #   STEPS        steps of the timed run (default 100)
 #   PRESET       the config trained (default configs/small.json); its first stage only
 #                (or its train.steps when it has no stages), cut to STEPS steps. A KDA head
-#                dimension the CUDA kernels do not take (small's 32) becomes 64 with half
-#                the heads (the same width), and the script says so
+#                dimension the CUDA kernels do not take (other than 32, 64, 128) becomes 64
+#                with the same width, and the script says so
 #   BATCH_TOKENS tokens per micro-batch (default: the preset's for an unstaged one; for a
 #                staged one its first stage's sequence length, one sequence per step:
 #                k3-mini's own 1M tokens would not fit one GPU's activations). With
@@ -65,9 +65,9 @@ src, dst, steps, log_every, data, batch_tokens = sys.argv[1:7]
 c = json.load(open(src))
 k = c.setdefault("kda", {})
 hd, heads = k.get("head_dim", 32), k.get("heads", 2)
-if hd not in (64, 128):
+if hd not in (32, 64, 128):
     k["head_dim"], k["heads"] = 64, max(1, heads * hd // 64)
-    print("kda: %d heads of %d -> %d heads of 64 (the CUDA KDA kernels take 64 and 128)" % (heads, hd, k["heads"]))
+    print("kda: %d heads of %d -> %d heads of 64 (the CUDA KDA kernels take 32, 64 and 128)" % (heads, hd, k["heads"]))
 t = c.setdefault("train", {})
 stages = t.get("stages")
 if stages:

@@ -190,12 +190,19 @@ static void test_train_device_flag_is_checked(void) {
     CHECK(access(path_in("run_tpu"), F_OK) != 0, "--device tpu made the run directory");
     snprintf(args, sizeof args, "train --config %s --out %s --device", path_in("h64.json"), path_in("run_tpu"));
     CHECK(run_cli(args) == 2, "--device without a value");
-    /* the tiny preset's KDA head dimension (32) is refused on the GPU on every
+    /* a KDA head dimension the CUDA kernels do not run is refused on every
      * machine, before a GPU is looked for */
-    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --device cuda", path_in("run_tiny"));
-    CHECK(run_cli(args) == 1 && stderr_has("kda.head_dim is 32") && stderr_has("64 and 128"),
-          "tiny on --device cuda");
-    CHECK(no_run_in(path_in("run_tiny")), "the refused run wrote a run");
+    FILE *f = fopen(path_in("h48.json"), "w");
+    CHECK(f != NULL, "h48.json");
+    if (f) {
+        fputs("{\"model\": {\"vocab_size\": 256, \"d_model\": 96, \"n_layers\": 2, \"layout\": \"km\"},\n"
+              " \"kda\": {\"heads\": 2, \"head_dim\": 48}}\n", f);
+        fclose(f);
+    }
+    snprintf(args, sizeof args, "train --config %s --out %s --device cuda", path_in("h48.json"), path_in("run_h48"));
+    CHECK(run_cli(args) == 1 && stderr_has("kda.head_dim is 48") && stderr_has("32, 64 and 128"),
+          "head_dim 48 on --device cuda");
+    CHECK(no_run_in(path_in("run_h48")), "the refused run wrote a run");
     snprintf(args, sizeof args, "train --config %s --out %s --host-optimizer", path_in("h64.json"), path_in("run_tpu"));
     CHECK(run_cli(args) == 2 && stderr_has("give it with --device cuda"), "--host-optimizer on the CPU");
     CHECK(access(path_in("run_tpu"), F_OK) != 0, "--host-optimizer on the CPU made the run directory");

@@ -38,7 +38,7 @@ static const char *const train_usage =
     "                clipping, Muon, AdamW, QK-Clip). Checkpoints are the same files on\n"
     "                either device, so --resume may change the device; a resume is\n"
     "                bit-identical on the device the run had. cuda needs a CUDA build, a GPU\n"
-    "                and kda.head_dim 64 or 128 (docs/training.md, \"Devices\")\n"
+    "                and kda.head_dim 32, 64 or 128 (docs/training.md, \"Devices\")\n"
     "  --host-optimizer  with --device cuda: the optimizer on the host instead (gradients\n"
     "                down and parameters up every step; slower, for comparison)\n"
     "  --quiet       no progress lines\n"

@@ -158,7 +158,7 @@ double lm_train_flops_per_token(const lm_config *cfg, int T) {
 }
 
 /* The head dimensions the CUDA KDA operator runs (src/cuda/kda). */
-static int cuda_kda_head_dim_ok(int d) { return d == 64 || d == 128; }
+static int cuda_kda_head_dim_ok(int d) { return d == 32 || d == 64 || d == 128; }
 
 /* The device of opt.device for this config: nothing for the CPU; for CUDA a
  * config the kernels run and a usable GPU, else a clear error before anything
@@ -171,7 +171,7 @@ static lm_status open_device(trainer *t) {
     for (int l = 0; l < c->n_layers; l++) kda |= lm_config_mixer(c, l) == LM_MIXER_KDA;
     if (kda && !cuda_kda_head_dim_ok(c->kda_head_dim))
         return lm_error(LM_ERR_ARG, "--device cuda: kda.head_dim is %d, but the CUDA KDA kernels run head dimensions "
-                        "64 and 128 only; train this config on the CPU (--device cpu) or use kda.head_dim 64 or 128",
+                        "32, 64 and 128 only; train this config on the CPU (--device cpu) or use one of those",
                         c->kda_head_dim);
     lm_status s = lm_backend_cuda_create(&t->be);
     if (s) {
