@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: everything a training step runs,
+# in one call. Builds every target, runs every CUDA test, then the benchmarks of
+# the step's parts at k3-mini shapes (MoE layer with each kind of expert product,
+# the optimizer, the memory-bound kernels, the whole forward+backward) and the
+# torch._grouped_mm peer of the MoE layer. Logs and JSON go to $OUT (default ./out).
+#
+#   bench/step_device.sh [build] [test] [bench] [peer]   (default: all four)
+#   TESTS=regex       only those CUDA tests (default: all, ctest -L cuda)
+#   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres)
+#   MODEL_SHAPES="8,4096 1,32768"   the whole-model shapes (bench_cuda_model)
+#   LIMIT=seconds     per program (default 240)
+set -uo pipefail
+OUT=${OUT:-out}
+BUILD=${BUILD:-build-cuda}
+JOBS=${JOBS:-$(nproc)}
+LIMIT=${LIMIT:-240}
+BENCHES=${BENCHES:-moe optim model kda_layer linear attnres}
+MODEL_SHAPES=${MODEL_SHAPES:-8,4096}
+mkdir -p "$OUT"
+steps=${*:-build test bench peer}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+t_all=$(date +%s)
+stamp() { echo "   ($(( $(date +%s) - t_all )) s since the start)"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 500 cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && { echo "build failed (rc $rc)"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+    stamp
+fi
+
+if has test; then
+    echo "== CUDA tests"
+    (cd "$BUILD" && timeout 400 ctest -L cuda ${TESTS:+-R "$TESTS"} -V) >"$OUT/test.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    grep -E "^[0-9]+: (ok|FAIL|skip|  )|passed, .* failed|tests passed|tests failed|\*\*\*|CUDA ERROR|Test +#" \
+        "$OUT/test.log" | cut -c1-200 | tail -150
+    echo "ctest rc $rc"
+    stamp
+fi
+
+run_bench() { # name, args...
+    local name=$1
+    shift
+    [ -x "$BUILD/$name" ] || { echo "$name: not built"; return; }
+    echo "== $name $*"
+    timeout "$LIMIT" "$BUILD/$name" "$@" 2>&1 | tail -40
+    stamp
+}
+
+if has bench; then
+    for b in $BENCHES; do
+        case $b in
+        moe) run_bench bench_cuda_moe --tokens 32768 --out "$OUT/moe_32768.json" ;;
+        optim) run_bench bench_cuda_optim --config configs/k3-mini.json --reps 5 --host-reps 0 --out "$OUT/optim.json" ;;
+        model)
+            for shape in $MODEL_SHAPES; do
+                run_bench bench_cuda_model --config configs/k3-mini.json --batch "${shape%,*}" --seq "${shape#*,}" \
+                    --reps 5 --out "$OUT/model_${shape/,/x}.json"
+            done
+            ;;
+        *) run_bench "bench_cuda_$b" --out "$OUT/bench_cuda_$b.json" ;;
+        esac
+    done
+fi
+
+if has peer; then
+    echo "== the torch._grouped_mm MoE layer (bench/moe_vs_torch.py)"
+    ours=()
+    for f in "$OUT"/moe_*.json; do [ -f "$f" ] && ours+=(--ours "$f"); done
+    PYTHONUNBUFFERED=1 timeout "$LIMIT" python3 bench/moe_vs_torch.py --tokens 32768 --out "$OUT/moe_torch.json" \
+        "${ours[@]}" 2>&1 | tail -30
+    stamp
+fi
+exit $status
