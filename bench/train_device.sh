@@ -5,7 +5,16 @@
 # STEPS steps and print its progress lines (loss, tokens/s, MFU, ETA, MaxVio) and the mean
 # tokens/s and MFU of its steps from metrics.jsonl.
 #
-#   bench/train_device.sh [build] [test] [train]     (default: all three)
+#   bench/train_device.sh [build] [test] [train] [curve] [text]   (default: build test train)
+#
+#   train        the timed run below (PRESET, STEPS, ...)
+#   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
+#                CPU (in the background, half the cores) and on the GPU: both loss curves,
+#                averaged over windows of 25 steps, side by side ($OUT/curve_{cpu,gpu}.jsonl)
+#   text         configs/text-gpu.json on real text (bench/text_corpus.sh data/text, carried to
+#                the machine) for TEXT_SECONDS (default 240), then SIGINT: the run stops at a step
+#                boundary; its evaluations every 100 steps show the validation loss
+#                ($OUT/text_metrics.jsonl, $OUT/text.log)
 #
 #   STEPS        steps of the timed run (default 100)
 #   PRESET       the config trained (default configs/small.json); its first stage only
@@ -35,6 +44,8 @@ DATA=${DATA-copy}
 LOG_EVERY=${LOG_EVERY:-5}
 mkdir -p "$OUT"
 steps=${*:-build test train}
+CURVE_STEPS=${CURVE_STEPS:-200}
+TEXT_SECONDS=${TEXT_SECONDS:-240}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 
@@ -110,5 +121,56 @@ if rest:
           % (len(rows), toks / secs, 100 * mfu / secs, secs / len(rest), rows[-1]["loss"], rows[0]["loss"]))
 EOF
     rm -rf "$OUT"/run/checkpoint-*
+fi
+
+if has curve; then
+    echo "== tiny, first stage cut to $CURVE_STEPS steps: CPU and GPU"
+    python3 - "$CURVE_STEPS" <<'EOF'
+import json, sys
+c = json.load(open("configs/tiny.json"))
+s = c["train"]["stages"][0]
+s["steps"] = int(sys.argv[1])
+c["train"]["stages"] = [s]
+c["train"]["log_every"] = 50
+json.dump(c, open("/tmp/longmoe-curve.json", "w"), indent=1)
+EOF
+    rm -rf /tmp/longmoe-curve-cpu /tmp/longmoe-curve-gpu
+    OMP_NUM_THREADS=$(( $(nproc) / 2 )) "$BUILD/longmoe" train --config /tmp/longmoe-curve.json \
+        --out /tmp/longmoe-curve-cpu >"$OUT/curve_cpu.log" 2>&1 &
+    cpu_pid=$!
+    timeout 300 "$BUILD/longmoe" train --config /tmp/longmoe-curve.json --out /tmp/longmoe-curve-gpu --device cuda \
+        >"$OUT/curve_gpu.log" 2>&1 || { echo "GPU run failed"; tail -5 "$OUT/curve_gpu.log"; status=1; }
+    wait $cpu_pid || { echo "CPU run failed"; tail -5 "$OUT/curve_cpu.log"; status=1; }
+    cp /tmp/longmoe-curve-cpu/metrics.jsonl "$OUT/curve_cpu.jsonl" 2>/dev/null
+    cp /tmp/longmoe-curve-gpu/metrics.jsonl "$OUT/curve_gpu.jsonl" 2>/dev/null
+    python3 - "$OUT/curve_cpu.jsonl" "$OUT/curve_gpu.jsonl" <<'EOF'
+import json, sys
+def train(p):
+    return [json.loads(l) for l in open(p) if l.startswith('{"type": "train"')]
+cpu, gpu = train(sys.argv[1]), train(sys.argv[2])
+print("steps     CPU loss   GPU loss   GPU/CPU   (means over 25 steps)")
+for a in range(0, min(len(cpu), len(gpu)), 25):
+    mc = sum(r["loss"] for r in cpu[a:a + 25]) / len(cpu[a:a + 25])
+    mg = sum(r["loss"] for r in gpu[a:a + 25]) / len(gpu[a:a + 25])
+    print("%4d-%-4d %9.4f  %9.4f   %7.4f" % (a + 1, a + 25, mc, mg, mg / mc))
+sc = sorted(r["step_seconds"] for r in cpu[1:]) or [0]
+sg = sorted(r["step_seconds"] for r in gpu[1:]) or [0]
+print("median step: CPU %.4f s, GPU %.4f s" % (sc[len(sc) // 2], sg[len(sg) // 2]))
+EOF
+    rm -rf /tmp/longmoe-curve-cpu /tmp/longmoe-curve-gpu
+fi
+
+if has text; then
+    echo "== configs/text-gpu.json on real text for $TEXT_SECONDS s"
+    [ -f data/text/shards/train_000000.bin ] ||
+        { echo "no data/text/shards: run bench/text_corpus.sh data/text and carry data/text/shards"; exit 1; }
+    rm -rf /tmp/longmoe-text
+    timeout -s INT "$TEXT_SECONDS" "$BUILD/longmoe" train --config configs/text-gpu.json --out /tmp/longmoe-text \
+        --device cuda >"$OUT/text.log" 2>&1
+    rc=$?
+    grep -E "^(training|stage|step|eval|interrupted|done)" "$OUT/text.log" | tail -40
+    echo "text run rc $rc (130: stopped by SIGINT at the time limit, with a checkpoint)"
+    cp /tmp/longmoe-text/metrics.jsonl "$OUT/text_metrics.jsonl" 2>/dev/null
+    rm -rf /tmp/longmoe-text
 fi
 exit $status
