@@ -494,7 +494,8 @@ int main(int argc, char **argv) {
                  {"K: split+dA+state", R_KANCHOR | R_SPLIT | R_DA | R_STATE},
                  {"K: split+dA1+state (kernels)", R_KANCHOR | R_SPLIT | R_DA1 | R_STATE},
                  {"K: split+dA1 (state exact)", R_KANCHOR | R_SPLIT | R_DA1},
-                 {"K: split (dA, state exact)", R_KANCHOR | R_SPLIT}};
+                 {"K: split (dA, state exact)", R_KANCHOR | R_SPLIT},
+                 {"K: split+state (dA exact)", R_KANCHOR | R_SPLIT | R_STATE}};
     const int nmodes = (int)(sizeof modes / sizeof modes[0]);
     const size_t n = (size_t)B * T * H * D, nb = (size_t)B * T * H, ns = (size_t)B * H * D * D;
     printf("KDA backward replay: bf16 roundings of the CUDA per-column kernel, B %d T %d H %d D %d\n", B, T, H, D);
