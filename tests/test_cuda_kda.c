@@ -299,6 +299,26 @@ static void test_gate_param_grads_plain_error(void) {
         }
 }
 
+/* LONGMOE_KDA_GATE_SPLIT=0 (low operand parts on the factored diagonal blocks
+ * only, kept for timing) still passes the parity test's bounds (the sums against
+ * their terms' magnitudes; the replay, mode "K: off+dA1+state", predicts at most
+ * 3.8e-3 for these draws, dz 6.1e-3). */
+static void test_gate_split_off_matches_cpu(void) {
+    const int shapes[][5] = {{2, 100, 2, 64, 2000}, {1, 130, 2, 128, 2010}, {3, 193, 3, 32, 2050}};
+    CHECK(setenv("LONGMOE_KDA_GATE_SPLIT", "0", 1) == 0, "setenv failed");
+    for (int s = 0; s < (int)(sizeof shapes / sizeof shapes[0]); s++)
+        for (int gate = 0; gate < 2; gate++) {
+            problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
+                                     (lm_kda_gate)gate, 1, 0.f, (uint64_t)shapes[s][4] + gate);
+            char what[96];
+            snprintf(what, sizeof what, "SPLIT=0 B%d T%d H%d D%d %s", shapes[s][0], shapes[s][1],
+                     shapes[s][2], shapes[s][3], gate ? "softplus" : "bounded");
+            check_backward(&p, 1e-2, what);
+            free_problem(&p);
+        }
+    unsetenv("LONGMOE_KDA_GATE_SPLIT");
+}
+
 /* dA_log and ddt_bias are sums over chunks (and sequences): each chunk's
  * terms go to the workspace and one kernel adds them in a fixed order, so two
  * backward runs on the same inputs give the same bits (float atomics would
@@ -794,6 +814,7 @@ int main(void) {
     RUN(test_backward_matches_cpu_chunked_operator);
     RUN(test_gate_param_grads_plain_error);
     RUN(test_gate_param_grads_bit_identical);
+    RUN(test_gate_split_off_matches_cpu);
     RUN(test_state_tile_widths);
     RUN(test_factored_diagonal_equals_pairwise);
     RUN(test_saved_forward_equals_recompute);
