@@ -373,7 +373,8 @@ __host__ __device__ constexpr size_t bwd_col_tiles_bytes() {
 // ... and, from the end of those blocks on (the rest of dO's place and the
 // region after it), the score operands with their low bf16 parts: the key
 // operand (rows 0 .. n0+15) and the two query-side operands (rows n0 .. 63),
-// hi and lo each, 2 (n0 + 16) + 4 (64 - n0) <= 2 (2 CH + SUB) rows of DC + 8.
+// hi and lo each, by row index: [key | q] hi and lo in 80 rows each (q shifted
+// by 16 rows), beta k hi and lo in 64 rows each: 2 (2 CH + SUB) rows of DC + 8.
 template <int D> __host__ __device__ constexpr size_t bwd_col_ops_bytes() {
     return (size_t)2 * (2 * CH + SUB) * (bwd_col_width(D) + 8) * 2;
 }
