@@ -10,9 +10,16 @@
  * operand, the column side's query-side operands; anchors as the CPU
  * operator's); diag = the diagonal blocks' operands in bf16 (the kernel keeps a
  * second bf16 part there, so this shows what that buys); dA = dAqk rounded
- * once, dAkk rounded apart for the two sides as the kernels do (row side
+ * once, dAkk rounded apart for the two sides as the kernels did (row side
  * bf16(dAkk) times beta, column side bf16(beta dAkk)); dA1 = dAkk rounded once
- * for both sides; state = h, dh, V', dV' and dO' in bf16 in the state terms.
+ * for both sides; state = h, dh, V', dV' and dO' in bf16 in the state terms;
+ * split = every block's score operands as two bf16 parts (hi + lo, what the
+ * kernels do now). Rows "K: ..." replay the kernel's column side as it is
+ * computed (operands anchored at the key block's last row m, beta_i folded into
+ * the k operand where dAkk is rounded once, the diagonal of dAqk in fp32), the
+ * others the CPU operator's anchors: "K: split+dA1+state" is the kernels'
+ * arithmetic, "K: off+dA1+state" the kernels with LONGMOE_KDA_GATE_SPLIT=0,
+ * "K: off+dA+state" the kernels before the split and the single rounding.
  * Prints the plain relative errors of dz, ddt_bias and dA_log and, after the
  * '/', the error of the two sums against the sum of their terms' magnitudes
  * (as tests/test_cuda_kda.c judges them). CPU only; q, k, v, z, d_o drawn as
@@ -28,9 +35,20 @@
 #include "longmoe/kda.h"
 #include "ops/kda/kda_internal.h"
 
-enum { R_OFF = 1, R_DIAG = 2, R_DA = 4, R_STATE = 8, R_DA1 = 16 };
+enum { R_OFF = 1, R_DIAG = 2, R_DA = 4, R_STATE = 8, R_DA1 = 16, R_SPLIT = 32, R_KANCHOR = 64 };
 static int replay_mode;
 static float r16(float x) { return lm_bf16_to_f32(lm_f32_to_bf16(x)); }
+/* x as two bf16 parts, hi + lo (lo = bf16(x - hi)), as the kernels' split operands */
+static float s16(float x) {
+    const float hi = r16(x);
+    return hi + r16(x - hi);
+}
+/* a score operand as the mode rounds it: split (every block), or bf16 on the
+ * off-diagonal or diagonal blocks, or exact */
+static float op_round(float x, int diag) {
+    if (replay_mode & R_SPLIT) return s16(x);
+    return (replay_mode & (diag ? R_DIAG : R_OFF)) ? r16(x) : x;
+}
 /* per-thread operand copies (chunk 64, K <= 128) */
 static float bufKc[64 * 128], bufKr[64 * 128], bufQr[64 * 128], bufBrow[64 * 64], bufBcol[64 * 64],
     bufQ[64 * 64];
@@ -166,9 +184,7 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
         memset(w->dKc, 0, (size_t)jend * K * sizeof(float));
         for (int j = 0; j < jend; j++)
             for (int d = 0; d < K; d++) {
-                float x = w->Kc[(size_t)j * K + d];
-                int rr = j < a0 ? (replay_mode & R_OFF) : (replay_mode & R_DIAG);
-                bufKc[j * K + d] = rr ? r16(x) : x;
+                bufKc[j * K + d] = op_round(w->Kc[(size_t)j * K + d], j >= a0);
             }
         for (int i = a0; i < a1; i++)
             for (int d = 0; d < K; d++) {
@@ -192,8 +208,17 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
             memset(w->dQr, 0, (size_t)K * sizeof(float));
             /* columns with an operand: j < jend, j < i (Akk) and j <= i (Aqk) */
             kda_axpy_rows(w->dKr, 1.0f, dBi, 1, bufKc, K, jend < i ? jend : i, K);
-            kda_axpy_rows(w->dQr, 1.0f, dQi, 1, bufKc, K, jend < i + 1 ? jend : i + 1, K);
+            /* kernel: the diagonal of dAqk (fp32) applied exactly, e^0 = 1, nothing to dG */
+            const int kq = (replay_mode & R_KANCHOR) && factored ? i : i + 1;
+            kda_axpy_rows(w->dQr, 1.0f, dQi, 1, bufKc, K, jend < kq ? jend : kq, K);
             float *dq = w->dq + (size_t)i * K, *dk = w->dk + (size_t)i * K, *dG = w->dG + (size_t)i * K;
+            if (kq == i) {
+                const float dii = w->dAqk[(size_t)i * C + i];
+                for (int d = 0; d < K; d++) {
+                    dq[d] += dii * w->k[(size_t)i * K + d];
+                    dk[d] += dii * w->q[(size_t)i * K + d];
+                }
+            }
             for (int d = 0; d < K; d++) {
                 dk[d] += w->dKr[d] * Er[d];
                 dq[d] += w->dQr[d] * Er[d];
@@ -224,16 +249,48 @@ static void kda_chunk_backward_one(kda_chunk_ws *w, int L, float scale, int fact
         for (int j = 0; j < jend; j++) {
             float *dKcj = w->dKc + (size_t)j * K;
             const int ib = j + 1 > a0 ? j + 1 : a0, iq = j > a0 ? j : a0;
+            if (replay_mode & R_KANCHOR) {
+                /* the kernel's column side: operands anchored at the last row m of
+                 * j's 16-row block (G constant past T), q_i e^{G_i - G_m} and, with
+                 * dAkk rounded once (dA1), beta_i k_i e^{G_i - G_m} times bf16(dAkk)
+                 * (dA: k_i e^{G_i - G_m} times bf16(beta_i dAkk)), then e^{G_m - G_j};
+                 * the diagonal of dAqk applied exactly on the row side above */
+                const int mj = (j / LM_KDA_SUBCHUNK) * LM_KDA_SUBCHUNK + LM_KDA_SUBCHUNK - 1 < L - 1
+                                   ? (j / LM_KDA_SUBCHUNK) * LM_KDA_SUBCHUNK + LM_KDA_SUBCHUNK - 1
+                                   : L - 1;
+                const float *Gm = w->G + (size_t)mj * K, *Gj = w->G + (size_t)j * K;
+                const float *kj = w->k + (size_t)j * K;
+                float *dk = w->dk + (size_t)j * K, *dG = w->dG + (size_t)j * K;
+                float acc[128];
+                for (int d = 0; d < K; d++) acc[d] = 0.f;
+                for (int i = ib; i < a1; i++) {
+                    const float bi = w->beta[i], db = w->dB[(size_t)i * C + j];
+                    const float coef = (replay_mode & R_DA1) ? r16(db / bi) : (replay_mode & R_DA) ? r16(db) : db / bi;
+                    const float bop = (replay_mode & R_DA1) || !(replay_mode & R_DA) ? bi : 1.f;
+                    const float *ki = w->k + (size_t)i * K, *qi = w->q + (size_t)i * K, *Gi = w->G + (size_t)i * K;
+                    const float dq = bufQ[i * 64 + j];
+                    for (int d = 0; d < K; d++) {
+                        const float ex = kda_expf(Gi[d] - Gm[d]);
+                        acc[d] += coef * op_round(ki[d] * ex * bop, j >= a0) + dq * op_round(qi[d] * ex, j >= a0);
+                    }
+                }
+                for (int d = 0; d < K; d++) {
+                    const float c = acc[d] * kda_expf(Gm[d] - Gj[d]);
+                    dk[d] += c;
+                    dG[d] -= c * kj[d];
+                }
+                continue;
+            }
             int rr = j < a0 ? (replay_mode & R_OFF) : (replay_mode & R_DIAG);
             for (int i = ib; i < a1; i++)
                 for (int d = 0; d < K; d++) {
                     float x = w->Kr[(size_t)i * K + d];
-                    dKcj[d] += bufBcol[i * 64 + j] * (rr ? r16(x) : x);
+                    dKcj[d] += bufBcol[i * 64 + j] * ((replay_mode & R_SPLIT) ? s16(x) : rr ? r16(x) : x);
                 }
             for (int i = iq; i < a1; i++)
                 for (int d = 0; d < K; d++) {
                     float x = w->Qr[(size_t)i * K + d];
-                    dKcj[d] += bufQ[i * 64 + j] * (rr ? r16(x) : x);
+                    dKcj[d] += bufQ[i * 64 + j] * ((replay_mode & R_SPLIT) ? s16(x) : rr ? r16(x) : x);
                 }
         }
         for (int j = 0; j < jend; j++) {
@@ -395,6 +452,8 @@ static void free_grads(lm_kda_grads *g) {
 
 int main(int argc, char **argv) {
     int B = 2, T = 100, H = 2, D = 64, seeds = 3;
+    long test_seed = -1; /* >= 0: draw as tests/test_cuda_kda.c does with this seed base */
+    const char *only = NULL; /* a mode's name prefix: run that mode only */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--dim") && i + 1 < argc) {
             D = atoi(argv[++i]);
@@ -402,8 +461,16 @@ int main(int argc, char **argv) {
             if (sscanf(argv[++i], "%d,%d,%d", &B, &T, &H) != 3) dieAt("--shape wants B,T,H (got %s)", argv[i]);
         } else if (!strcmp(argv[i], "--seeds") && i + 1 < argc) {
             seeds = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--test-seed") && i + 1 < argc) {
+            test_seed = atol(argv[++i]);
+            seeds = 1;
+        } else if (!strcmp(argv[i], "--mode") && i + 1 < argc) {
+            only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--dim D] [--shape B,T,H] [--seeds N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--dim D] [--shape B,T,H] [--seeds N] [--test-seed S] [--mode NAME]\n"
+                            "  --test-seed S: one draw per gate, made as tests/test_cuda_kda.c makes it\n"
+                            "    (inputs seeded S + gate, d_o and dht seeded 77 + T)\n"
+                            "  --mode NAME: only the modes whose name starts with NAME\n", argv[0]);
             return 2;
         }
     }
@@ -420,18 +487,26 @@ int main(int argc, char **argv) {
                  {"off+dA+state (the kernels)", R_OFF | R_DA | R_STATE},
                  {"dA1+state (off exact)", R_DA1 | R_STATE},
                  {"dA+state (off exact)", R_DA | R_STATE},
-                 {"off+dA1+state", R_OFF | R_DA1 | R_STATE}};
+                 {"off+dA1+state", R_OFF | R_DA1 | R_STATE},
+                 /* the kernels' own anchors and diagonal of dAqk (R_KANCHOR) */
+                 {"K: off+dA+state (before)", R_KANCHOR | R_OFF | R_DA | R_STATE},
+                 {"K: off+dA1+state (SPLIT=0)", R_KANCHOR | R_OFF | R_DA1 | R_STATE},
+                 {"K: split+dA+state", R_KANCHOR | R_SPLIT | R_DA | R_STATE},
+                 {"K: split+dA1+state (kernels)", R_KANCHOR | R_SPLIT | R_DA1 | R_STATE},
+                 {"K: split+dA1 (state exact)", R_KANCHOR | R_SPLIT | R_DA1},
+                 {"K: split (dA, state exact)", R_KANCHOR | R_SPLIT},
+                 {"K: split+state (dA exact)", R_KANCHOR | R_SPLIT | R_STATE}};
     const int nmodes = (int)(sizeof modes / sizeof modes[0]);
     const size_t n = (size_t)B * T * H * D, nb = (size_t)B * T * H, ns = (size_t)B * H * D * D;
     printf("KDA backward replay: bf16 roundings of the CUDA per-column kernel, B %d T %d H %d D %d\n", B, T, H, D);
     printf("%-28s %-8s %4s  %-9s %-17s %-17s\n", "rounded", "gate", "seed", "dz", "ddt_bias/terms", "dA_log/terms");
     for (int m = 0; m < nmodes; m++)
-        for (int gate = 0; gate < 2; gate++)
+        for (int gate = 0; gate < 2 && (!only || !strncmp(modes[m].name, only, strlen(only))); gate++)
             for (int seed = 0; seed < seeds; seed++) {
                 lm_kda_config cfg = lm_kda_config_default(B, T, H, D, D);
                 cfg.gate = (lm_kda_gate)gate;
                 lm_rng r;
-                lm_rng_seed(&r, 2000 + 10 * seed + gate);
+                lm_rng_seed(&r, test_seed >= 0 ? (uint64_t)test_seed + gate : (uint64_t)(2000 + 10 * seed + gate));
                 float *q = mallocCheck(n * 4), *k = mallocCheck(n * 4), *v = mallocCheck(n * 4);
                 float *z = mallocCheck(n * 4), *beta = mallocCheck(nb * 4), *A = mallocCheck((size_t)H * 4);
                 float *dt = mallocCheck((size_t)H * D * 4), *h0 = mallocCheck(ns * 4);
@@ -455,6 +530,7 @@ int main(int argc, char **argv) {
                 for (int h = 0; h < H; h++) A[h] = (float)(0.5 * lm_rng_normal(&r));
                 for (int i = 0; i < H * D; i++) dt[i] = (float)(0.5 * lm_rng_normal(&r));
                 for (size_t i = 0; i < ns; i++) h0[i] = (float)(0.3 * lm_rng_normal(&r));
+                if (test_seed >= 0) lm_rng_seed(&r, (uint64_t)(77 + T)); /* as check_backward_gates */
                 for (size_t i = 0; i < n; i++) d_o[i] = r16((float)lm_rng_normal(&r));
                 for (size_t i = 0; i < ns; i++) dht[i] = (float)(0.1 * lm_rng_normal(&r));
                 lm_kda_inputs in = {q, k, v, z, beta, A, dt, h0};

@@ -25,7 +25,7 @@ size_t align256(size_t x) { return (x + 255) & ~(size_t)255; }
 // The workspace plan: one block, pointers carved out of it in this order.
 struct Plan {
     size_t w, u, qg, kd, aqk, gexp, w_lo, u_lo, kd_lo, X, h, vn, dh, dvn;
-    size_t dW, M, dAqk, dAkk, dAkkB, dAqkDiag, dbeta_part, ddt_part, dA_part, total;
+    size_t dW, M, dAqk, dAkk, dAqkDiag, dbeta_part, ddt_part, dA_part, total;
 };
 
 Plan make_plan(const lm_kda_config *cfg, int for_backward) {
@@ -46,7 +46,7 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
     pl.aqk = take(nc * CH * ALD * 2);
     pl.gexp = take(nc * D * 4);
     pl.X = pl.h = pl.vn = pl.dh = pl.dvn = 0;
-    pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAkkB = pl.dAqkDiag = pl.dbeta_part = 0;
+    pl.dW = pl.M = pl.dAqk = pl.dAkk = pl.dAqkDiag = pl.dbeta_part = 0;
     pl.ddt_part = pl.dA_part = 0;
     if (!for_backward) {
         // the residues for a precise final state (written only when ht is asked for)
@@ -64,7 +64,6 @@ Plan make_plan(const lm_kda_config *cfg, int for_backward) {
         pl.M = take(nc * CH * CH * 2);
         pl.dAqk = take(nc * CH * CH * 2);
         pl.dAkk = take(nc * CH * CH * 2);
-        pl.dAkkB = take(nc * CH * CH * 2);
         pl.dAqkDiag = take(nc * CH * 4);
         pl.dbeta_part = take(nc * (1 + bwd_col_blocks((int)D)) * CH * 4);
         // per-chunk terms of ddt_bias and dA_log (kda_backward.cu, kernel B)
@@ -124,7 +123,6 @@ void carve(Params *p, const Plan &pl, void *workspace, int for_backward, int pre
         p->Mb = reinterpret_cast<bf16 *>(ws + pl.M);
         p->dAqkb = reinterpret_cast<bf16 *>(ws + pl.dAqk);
         p->dAkkb = reinterpret_cast<bf16 *>(ws + pl.dAkk);
-        p->dAkkBb = reinterpret_cast<bf16 *>(ws + pl.dAkkB);
         p->dAqkDiag = reinterpret_cast<float *>(ws + pl.dAqkDiag);
         p->dbeta_part = reinterpret_cast<float *>(ws + pl.dbeta_part);
         p->ddt_part = reinterpret_cast<float *>(ws + pl.ddt_part);

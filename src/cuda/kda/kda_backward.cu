@@ -1,6 +1,10 @@
 // KDA backward on Hopper: the intra-chunk gradient (dq, dk, dv, dbeta, dz, dA_log, ddt_bias),
 // in three launches so that each kernel fits two blocks per SM (docs/cuda.md).
 // Forward equations in SPEC §2 "Chunked form".
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include "kda_common.cuh"
 
 namespace lmkda {
@@ -71,7 +75,7 @@ template <int D> __host__ __device__ constexpr size_t bwd_tri_smem() {
 // One block per (chunk, sequence*head). From the chunk state h and dV':
 // dW = -dV' S^T, dAqk = Lower(dO' V'^T), dM = dW (k e^G)^T + dV' v^T,
 // dv = M^T dV', the dbeta term of M = X Diag(beta), and dAkk = -StrictLower(X^T dX X^T).
-// Writes dv, and dW, M, dAqk, dAkk, Diag(beta) dAkk, the dbeta term into the
+// Writes dv, and dW, M, dAqk, dAkk, the dbeta term into the
 // workspace for kernel B.
 template <int D>
 __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
@@ -328,11 +332,11 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
         st_s(sT1 + i0 * LDA + j0, acc, LDA);
     }
     __syncthreads();
-    bf16 *dAkkg = p.dAkkb + c * CH * CH, *dAkkBg = p.dAkkBb + c * CH * CH;
+    bf16 *dAkkg = p.dAkkb + c * CH * CH;
     for (int tt = warp; tt < 16; tt += NT / 32) {
         int i0 = (tt / 4) * 16, j0 = (tt % 4) * 16;
         const int i = i0 + lr;
-        float x[8], xb[8];
+        float x[8];
         if (j0 <= i0) {
             FragC8 acc;
             wmma::fill_fragment(acc, 0.f);
@@ -342,16 +346,14 @@ __global__ void __launch_bounds__(BWD_NT, 2) kda_bwd_tri_kernel(Params p) {
             tile_row8(st, x);
             __syncwarp();
 #pragma unroll
-            for (int e = 0; e < 8; e++) {
-                x[e] = j0 + lc + e < i ? -x[e] : 0.f;
-                xb[e] = sBeta[i] * x[e];
-            }
+            for (int e = 0; e < 8; e++) x[e] = j0 + lc + e < i ? -x[e] : 0.f;
         } else {
 #pragma unroll
-            for (int e = 0; e < 8; e++) x[e] = xb[e] = 0.f;
+            for (int e = 0; e < 8; e++) x[e] = 0.f;
         }
+        // one bf16 rounding, read by both sides of kernel B (its column side folds
+        // beta_i into its key operand instead of reading a rounded beta_i dAkk)
         *reinterpret_cast<uint4 *>(dAkkg + i * CH + j0 + lc) = pack_bf16x8(x);
-        *reinterpret_cast<uint4 *>(dAkkBg + i * CH + j0 + lc) = pack_bf16x8(xb);
     }
 }
 
@@ -363,13 +365,18 @@ constexpr int COL_RSTEP = 4;
 static_assert(bwd_col_threads(64) / bwd_col_width(64) == COL_RSTEP &&
                   bwd_col_threads(32) / bwd_col_width(32) == COL_RSTEP,
               "kernel B: four row groups");
-template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
-    constexpr int DC = bwd_col_width(D);
-    // h and dh rows of the block's columns [DC][D+8] each, then (phase 4) the
-    // three sub-chunk operands [64][DC+8] and their low parts [16][DC+8]
-    return (size_t)2 * DC * (D + 8) * 2 > (size_t)3 * (CH + SUB) * (DC + 8) * 2
-               ? (size_t)2 * DC * (D + 8) * 2
-               : (size_t)3 * (CH + SUB) * (DC + 8) * 2;
+// Phase 4 (the sub-chunk loop) keeps in dO's place the sub-chunk's blocks of dAqk
+// and dAkk: row blocks [2][16][CH+8], column blocks [2][64][SUB+8] ...
+__host__ __device__ constexpr size_t bwd_col_tiles_bytes() {
+    return (size_t)2 * SUB * (CH + 8) * 2 + (size_t)2 * CH * (SUB + 8) * 2;
+}
+// ... and, from the end of those blocks on (the rest of dO's place and the
+// region after it), the score operands with their low bf16 parts: the key
+// operand (rows 0 .. n0+15) and the two query-side operands (rows n0 .. 63),
+// hi and lo each, by row index: [key | q] hi and lo in 80 rows each (q shifted
+// by 16 rows), beta k hi and lo in 64 rows each: 2 (2 CH + SUB) rows of DC + 8.
+template <int D> __host__ __device__ constexpr size_t bwd_col_ops_bytes() {
+    return (size_t)2 * (2 * CH + SUB) * (bwd_col_width(D) + 8) * 2;
 }
 template <int D> __host__ __device__ constexpr size_t bwd_col_do_bytes() {
     constexpr int DC = bwd_col_width(D);
@@ -377,6 +384,15 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_do_bytes() {
     return (size_t)CH * (D + 8) * 2 > (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2
                ? (size_t)CH * (D + 8) * 2
                : (size_t)CH * (CH + 8) * 2 + (size_t)CH * (DC + 8) * 2;
+}
+template <int D> __host__ __device__ constexpr size_t bwd_col_state_bytes() {
+    constexpr int DC = bwd_col_width(D);
+    // h and dh rows of the block's columns [DC][D+8] each; then (phase 4) what
+    // the operands need past dO's place
+    return (size_t)2 * DC * (D + 8) * 2 >
+                   bwd_col_tiles_bytes() + bwd_col_ops_bytes<D>() - bwd_col_do_bytes<D>()
+               ? (size_t)2 * DC * (D + 8) * 2
+               : bwd_col_tiles_bytes() + bwd_col_ops_bytes<D>() - bwd_col_do_bytes<D>();
 }
 template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
     constexpr int DC = bwd_col_width(D);
@@ -386,7 +402,7 @@ template <int D> __host__ __device__ constexpr size_t bwd_col_smem() {
            + bwd_col_do_bytes<D>()            // dO'; then M and dW; then dAqk, dAkk blocks
            + bwd_col_state_bytes<D>()         // h, dh -> sub-chunk operands
            + (size_t)(2 * CH + DC + COL_RSTEP * DC + CH * (DC / 32)) * 4 // small
-           + (size_t)3 * (CH / SUB) * SUB * SUB * 2; // diagonal blocks (per-pair loop)
+           + (size_t)2 * (CH / SUB) * SUB * SUB * 2; // diagonal blocks (per-pair loop)
 }
 
 // x <- x shifted left by S entries, the first S moved to the end (registers:
@@ -457,26 +473,35 @@ __device__ __forceinline__ void mma_pair_same_b(FragC (&c)[2], const bf16 *A0, c
     }
 }
 
-// c[0] += A0 B0 and c[1] += A1 B1 (16 x 16 ksteps times 16 ksteps x 16, ksteps <= 4
-// at run time), A of layout LA from shared memory (leading dimension lda), B
-// row-major (ldb); SAME_B: B0 = B1, loaded once. The two products interleaved,
-// each in the k order of mma_tile_upto4.
+// c[0] += A0 (B0 + L0) and c[1] += A1 (B1 + L1) (16 x 16 ksteps times 16 ksteps x 16,
+// ksteps <= 4 at run time), the low parts L taken in k-steps lo_begin .. lo_end - 1
+// only; A of layout LA from shared memory (leading dimension lda), B and L
+// row-major (ldb); SAME_B: B0 = B1 and L0 = L1, loaded once. The two products
+// interleaved; each k-step's A fragments serve its high and its low part.
 template <typename LA, bool SAME_B>
-__device__ __forceinline__ void mma_pair_upto4(FragC (&c)[2], const bf16 *A0, const bf16 *A1,
-                                               int lda, const bf16 *B0, const bf16 *B1, int ldb,
-                                               int ksteps) {
+__device__ __forceinline__ void mma_pair_hilo_upto4(FragC (&c)[2], const bf16 *A0, const bf16 *A1,
+                                                    int lda, const bf16 *B0, const bf16 *B1,
+                                                    const bf16 *L0, const bf16 *L1, int ldb,
+                                                    int ksteps, int lo_begin, int lo_end) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, LA> a0, a1;
     wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, RM> b0, b1;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++)
         if (kk < ksteps) {
             const size_t ao = std::is_same<LA, RM>::value ? 16 * kk : (size_t)16 * kk * lda;
+            const size_t bo = (size_t)16 * kk * ldb;
             ld_s(a0, A0 + ao, lda);
             ld_s(a1, A1 + ao, lda);
-            ld_s(b0, B0 + (size_t)16 * kk * ldb, ldb);
-            if (!SAME_B) ld_s(b1, B1 + (size_t)16 * kk * ldb, ldb);
+            ld_s(b0, B0 + bo, ldb);
+            if (!SAME_B) ld_s(b1, B1 + bo, ldb);
             wmma::mma_sync(c[0], a0, b0, c[0]);
             wmma::mma_sync(c[1], a1, SAME_B ? b0 : b1, c[1]);
+            if (kk >= lo_begin && kk < lo_end) {
+                ld_s(b0, L0 + bo, ldb);
+                if (!SAME_B) ld_s(b1, L1 + bo, ldb);
+                wmma::mma_sync(c[0], a0, b0, c[0]);
+                wmma::mma_sync(c[1], a1, SAME_B ? b0 : b1, c[1]);
+            }
         }
 }
 
@@ -489,7 +514,7 @@ __device__ __forceinline__ void mma_pair_upto4(FragC (&c)[2], const bf16 *A0, co
 template <int D, bool FACTORED>
 __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Params p) {
     // q, k, z, d_o [B,T,H,D]; h, dh [c][D][D]; vn [c][64][D]; dW [c][64][D];
-    // M, dAqk, dAkk, dAkkB [c][64][64]; this block: columns cb*DC .. +DC-1
+    // M, dAqk, dAkk [c][64][64]; this block: columns cb*DC .. +DC-1
     constexpr int DC = bwd_col_width(D), NT = bwd_col_threads(D);
     constexpr int LD = D + 8, LDC = DC + 8, LDS = DC + 4, TDC = DC / 16;
     constexpr int RSTEP = COL_RSTEP, RPT = CH / RSTEP, IPB = SUB / RSTEP;
@@ -503,24 +528,37 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
     bf16 *sdO = sK + CH * LDC;                                // [64][LD] V', then dO'
     bf16 *sVn = sdO;
     // phase 4, in dO's place: the sub-chunk's row blocks of dAqk and dAkk
-    // [16][LAR] and column blocks of dAqk and Diag(beta) dAkk [64][LAC]
+    // [16][LAR] and column blocks of dAqk and dAkk [64][LAC]
     constexpr int LAR = CH + 8, LAC = SUB + 8;
-    static_assert((size_t)2 * SUB * LAR * 2 + (size_t)2 * CH * LAC * 2 <= bwd_col_do_bytes<D>(),
-                  "the blocks of dAqk, dAkk fit dO's place");
+    static_assert((size_t)2 * SUB * LAR * 2 + (size_t)2 * CH * LAC * 2 == bwd_col_tiles_bytes() &&
+                      bwd_col_tiles_bytes() <= bwd_col_do_bytes<D>() &&
+                      bwd_col_tiles_bytes() % 32 == 0,
+                  "the blocks of dAqk, dAkk fit dO's place; the operands after them aligned");
+    static_assert(bwd_col_ops_bytes<D>() ==
+                          (size_t)2 * (2 * CH + SUB) * LDC * 2 &&
+                      bwd_col_tiles_bytes() + bwd_col_ops_bytes<D>() <=
+                          bwd_col_do_bytes<D>() + bwd_col_state_bytes<D>() &&
+                      (size_t)CH * LDC * 2 <= bwd_col_state_bytes<D>(),
+                  "the score operands fit from the blocks' end on; z's reload fits");
     bf16 *sAqR = sdO, *sAkR = sAqR + SUB * LAR, *sAqC = sAkR + SUB * LAR, *sAkC = sAqC + CH * LAC;
     bf16 *sM = sdO, *sdW = sM + CH * (CH + 8); // M [64][CH+8], dW [64][LDC], once dO' is dead
+    // phase 4: the score operands with their low parts, from the dA blocks' end on.
+    // Rows by their index in the chunk: the key operand uses rows 0 .. n0 + 15 (at
+    // most), the query side rows n0 .. 63, so a key array and a query-side array
+    // shifted by 16 rows share 80 rows: [key hi | q hi], [key lo | q lo], then beta k
+    // hi and lo (64 rows each), 288 rows in all
+    bf16 *sKbOp = sAkC + CH * LAC, *sQaOp = sKbOp + SUB * LDC;
+    bf16 *sKbLo = sKbOp + (CH + SUB) * LDC, *sQaLo = sKbLo + SUB * LDC;
+    bf16 *sKaOp = sKbLo + (CH + SUB) * LDC, *sKaLo = sKaOp + CH * LDC;
     unsigned char *RS = reinterpret_cast<unsigned char *>(sdO) + bwd_col_do_bytes<D>();
-    // phase 1: h and dh rows of the block's columns; phase 4: operands
+    // phase 1: h and dh rows of the block's columns
     bf16 *sHs = reinterpret_cast<bf16 *>(RS), *sDh = sHs + DC * LD;
-    bf16 *sKbOp = reinterpret_cast<bf16 *>(RS), *sQaOp = sKbOp + CH * LDC;
-    bf16 *sKaOp = sQaOp + CH * LDC;
-    bf16 *sKbLo = sKaOp + CH * LDC, *sQaLo = sKbLo + SUB * LDC, *sKaLo = sQaLo + SUB * LDC;
     float *sBeta = reinterpret_cast<float *>(RS + bwd_col_state_bytes<D>()); // [64]
     float *sdAqkDiag = sBeta + CH;                            // [64]
     float *sdGC = sdAqkDiag + CH;                             // [DC] gradient of G_C
     float *sGcPart = sdGC + DC;                               // [RSTEP][DC]
     float *sBetaPart = sGcPart + RSTEP * DC;                  // [64][DC/32]
-    // softplus: the 16x16 diagonal blocks of dAqk, dAkk, Diag(beta) dAkk [3][4][16][16],
+    // softplus: the 16x16 diagonal blocks of dAqk, dAkk [2][4][16][16],
     // read element by element by the per-pair loop (the factored path reads none)
     bf16 *sDiag = reinterpret_cast<bf16 *>(sBetaPart + CH * (DC / 32));
 
@@ -537,7 +575,6 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const bf16 *Mg = p.Mb + c * CH * CH, *dWg = p.dWb + c * CH * D + cb * DC;
     const bf16 *dAqkg = p.dAqkb + c * CH * CH, *dAkkg = p.dAkkb + c * CH * CH;
-    const bf16 *dAkkBg = p.dAkkBb + c * CH * CH;
 
     // ---- load (cp.async): h and dh rows of the columns, q, k, z of the
     // columns, V' (all columns; dO replaces it after dKd); beta, the diagonal
@@ -558,7 +595,6 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
         prefetch_l2_bulk(p.dWb + c * CH * D, CH * D * sizeof(bf16));
         prefetch_l2_bulk(dAqkg, CH * CH * sizeof(bf16));
         prefetch_l2_bulk(dAkkg, CH * CH * sizeof(bf16));
-        prefetch_l2_bulk(dAkkBg, CH * CH * sizeof(bf16));
     }
     if (tid < nvalid) prefetch_l2_bulk(p.d_o + base + tid * rs, D * sizeof(bf16));
     cp_rows<D, NT>(sHs, LD, p.h + c * D * D + (size_t)cb * DC * D, D, DC, DC);
@@ -568,9 +604,9 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
     cp_rows<DC, NT>(sZ, LDC, p.z + cbase, rs, CH, nvalid);
     cp_rows<D, NT>(sVn, LD, p.vn + c * CH * D, D, CH, CH);
     if (!FACTORED) {
-        for (int idx = tid; idx < 3 * CH * 2; idx += NT) { // 16-byte halves of block rows
+        for (int idx = tid; idx < 2 * CH * 2; idx += NT) { // 16-byte halves of block rows
             const int mat = idx / (CH * 2), r = (idx / 2) % CH, half = idx % 2, blk = r / SUB;
-            const bf16 *src = mat == 0 ? dAqkg : mat == 1 ? dAkkg : dAkkBg;
+            const bf16 *src = mat == 0 ? dAqkg : dAkkg;
             cp_async16(sDiag + ((mat * (CH / SUB) + blk) * SUB + r % SUB) * SUB + half * 8,
                        src + (size_t)r * CH + blk * SUB + half * 8, true);
         }
@@ -734,7 +770,7 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
     // The loop is not unrolled (the kernel's code size matters: see docs/cuda.md);
     // the rows of sub-chunk pb are the first IPB entries of dq, dk, dG, which
     // rotate by IPB after each sub-chunk (back in place after the last).
-    // the sub-chunk's blocks of dAqk, dAkk, Diag(beta) dAkk (written by the
+    // the sub-chunk's blocks of dAqk, dAkk (written by the
     // triangular kernel) into shared memory, in flight while operands are built
     auto issue_tiles = [&](int pb) {
         const int n0 = pb * SUB;
@@ -754,7 +790,7 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
                 const int mat = idx / (2 * CH), r = (idx / 2) % CH, cc = (idx % 2) * 8;
                 if (r < CH - n0)
                     cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
-                               (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+                               (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
             }
         } else {
             const int nr = SUB * 2 * (pb + 1); // 16-byte pieces of a row block (pb + 1 blocks)
@@ -768,21 +804,31 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
             for (int idx = tid; idx < 2 * ncol; idx += NT) {
                 const int mat = idx / ncol, q = idx % ncol, r = q / 2, cc = (q % 2) * 8;
                 cp_async16((mat ? sAkC : sAqC) + r * LAC + cc,
-                           (mat ? dAkkBg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
+                           (mat ? dAkkg : dAqkg) + (size_t)(n0 + r) * CH + n0 + cc, true);
             }
         }
         cp_async_commit();
     };
+    // Low parts (x = hi + lo, each bf16: about 16 bits). A pair i > j of Aqk or Akk
+    // enters dG_i (row side, through the key operand k_j e^{G_n0 - G_j}) and dG_j
+    // (column side, through q_i or beta_i k_i times e^{G_i - G_m}) with opposite
+    // signs, and the reverse cumsum of dG cancels them for every t <= j; with
+    // the operands in plain bf16 the two sides round apart and the residue stays
+    // in dg (and adds up coherently in dA_log, ddt_bias). With hi + lo both sides
+    // carry the pair to about 2^-16. dA is rounded once (dAqk, dAkk in bf16) and
+    // read by both sides. gate_split = 0 (LONGMOE_KDA_GATE_SPLIT=0) keeps low
+    // parts for the factored diagonal block only, for timing (docs/cuda.md).
+    const bool split = p.gate_split != 0;
     issue_tiles(0);
 #pragma unroll 1
     for (int pb = 0; pb < CH / SUB; pb++) {
         const int n0 = pb * SUB, m = n0 + SUB - 1;
-        const int kb_rows = FACTORED ? n0 + SUB : n0;
-        const int qa_from = FACTORED ? n0 : n0 + SUB;
-        // Diagonal-block rows (factored path) keep a second, low bf16 part
-        // (x = hi + lo): near-diagonal pairs enter dG_i and dG_j with opposite
-        // signs, and the reverse cumsum cancels them; hi + lo makes both sides
-        // round alike to about 2^-16, as the pairwise path does in fp32.
+        const int kb_rows = FACTORED ? n0 + SUB : n0; // key operand: rows 0 .. kb_rows - 1
+        const int qa_from = FACTORED ? n0 : n0 + SUB; // query-side operands: rows qa_from .. 63
+        // the rows with a low part: key operand rows kb_lo .. kb_rows - 1, query-side
+        // rows qa_from .. qa_lo_end - 1 (whole k-steps of the products below)
+        const int kb_lo = split ? 0 : FACTORED ? n0 : kb_rows;
+        const int qa_lo_end = split ? CH : FACTORED ? m + 1 : qa_from;
         // eight consecutive columns a thread, 16-byte accesses
         constexpr int VPR = DC / 8;
         for (int idx = tid; idx < kb_rows * VPR; idx += NT) {
@@ -794,10 +840,10 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
 #pragma unroll
             for (int e = 0; e < 8; e++) x[e] *= __expf(ga[e] - gj[e]);
             st8(sKbOp + j * LDC + dd, x);
-            if (FACTORED && j >= n0) {
+            if (j >= kb_lo) {
 #pragma unroll
                 for (int e = 0; e < 8; e++) x[e] -= __bfloat162float(__float2bfloat16(x[e]));
-                st8(sKbLo + (j - n0) * LDC + dd, x);
+                st8(sKbLo + j * LDC + dd, x);
             }
         }
         for (int idx = qa_from * VPR + tid; idx < CH * VPR; idx += NT) {
@@ -807,31 +853,33 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
             ld8(sK + i * LDC + dd, xk);
             ldf8(sG + i * DC + dd, gi);
             ldf8(sG + m * DC + dd, gm);
+            const float bi = sBeta[i]; // Akk = Diag(beta) ...: beta_i folded into the operand
 #pragma unroll
             for (int e = 0; e < 8; e++) {
                 const float ex = __expf(gi[e] - gm[e]);
                 xq[e] *= ex;
-                xk[e] *= ex;
+                xk[e] = xk[e] * ex * bi;
             }
             st8(sQaOp + i * LDC + dd, xq);
             st8(sKaOp + i * LDC + dd, xk);
-            if (FACTORED && i <= m) {
+            if (i < qa_lo_end) {
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     xq[e] -= __bfloat162float(__float2bfloat16(xq[e]));
                     xk[e] -= __bfloat162float(__float2bfloat16(xk[e]));
                 }
-                st8(sQaLo + (i - n0) * LDC + dd, xq);
-                st8(sKaLo + (i - n0) * LDC + dd, xk);
+                st8(sQaLo + i * LDC + dd, xq);
+                st8(sKaLo + i * LDC + dd, xk);
             }
         }
-        cp_async_wait<0>(); // the sub-chunk's blocks of dAqk, dAkk, Diag(beta) dAkk
+        cp_async_wait<0>(); // the sub-chunk's blocks of dAqk, dAkk
         __syncthreads();
         const int nq = FACTORED ? pb + 1 : pb;      // key blocks t <= p (query side)
         const int s0 = FACTORED ? pb : pb + 1;      // query blocks s >= p (key side)
         // a warp a pair of tiles with the same k-steps: (dAqk, dAkk) rows times the key
-        // operand (one B fragment for both), or (dAqk, Diag(beta) dAkk) columns times the
-        // query-side q and k; the two products interleaved
+        // operand (one B fragment for both), or (dAqk, dAkk) columns times the
+        // query-side q and beta k; the two products interleaved, each k-step's low
+        // part right after its high part (the same A fragments)
         static_assert(NT / 32 == 2 * TDC, "one pair of tiles a warp");
         {
             const int pair = warp / TDC, j0 = (warp % TDC) * 16;
@@ -839,19 +887,13 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
             wmma::fill_fragment(acc[0], 0.f);
             wmma::fill_fragment(acc[1], 0.f);
             if (pair == 0) {
-                mma_pair_upto4<RM, true>(acc, sAqR, sAkR, LAR, sKbOp + j0, sKbOp + j0, LDC, nq);
-                if (FACTORED) { // the diagonal block's low parts
-                    mma_tile<RM, RM>(acc[0], sAqR + n0, LAR, sKbLo + j0, LDC, 1);
-                    mma_tile<RM, RM>(acc[1], sAkR + n0, LAR, sKbLo + j0, LDC, 1);
-                }
+                mma_pair_hilo_upto4<RM, true>(acc, sAqR, sAkR, LAR, sKbOp + j0, sKbOp + j0,
+                                              sKbLo + j0, sKbLo + j0, LDC, nq, kb_lo / SUB, nq);
             } else {
                 const int ao = (s0 - pb) * SUB * LAC, bo = s0 * SUB * LDC + j0;
-                mma_pair_upto4<CM, false>(acc, sAqC + ao, sAkC + ao, LAC, sQaOp + bo, sKaOp + bo,
-                                          LDC, CH / SUB - s0);
-                if (FACTORED) {
-                    mma_tile<CM, RM>(acc[0], sAqC, LAC, sQaLo + j0, LDC, 1);
-                    mma_tile<CM, RM>(acc[1], sAkC, LAC, sKaLo + j0, LDC, 1);
-                }
+                mma_pair_hilo_upto4<CM, false>(acc, sAqC + ao, sAkC + ao, LAC, sQaOp + bo,
+                                               sKaOp + bo, sQaLo + bo, sKaLo + bo, LDC,
+                                               CH / SUB - s0, 0, (qa_lo_end - qa_from) / SUB);
             }
             st_s(sStage + 2 * pair * SUB * LDS + j0, acc[0], LDS);
             st_s(sStage + (2 * pair + 1) * SUB * LDS + j0, acc[1], LDS);
@@ -871,7 +913,6 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
                 // Softplus fallback: the diagonal block per position pair, its
                 // dAqk, dAkk, Diag(beta) dAkk entries from the staged blocks
                 const bf16 *bq = sDiag + pb * SUB * SUB, *bk = bq + CH / SUB * SUB * SUB;
-                const bf16 *bkb = bk + CH / SUB * SUB * SUB;
                 for (int jj = 0; jj < SUB; jj++) {
                     const int j = n0 + jj;
                     if (j < r) {
@@ -884,7 +925,7 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
                         float e = __expf(sG[j * DC + d] - Gr);
                         cq += __bfloat162float(bq[jj * SUB + rl]) *
                               __bfloat162float(sQ[j * LDC + d]) * e;
-                        ck += __bfloat162float(bkb[jj * SUB + rl]) *
+                        ck += __bfloat162float(bk[jj * SUB + rl]) * sBeta[j] *
                               __bfloat162float(sK[j * LDC + d]) * e;
                     }
                 }
@@ -1083,7 +1124,24 @@ static cudaError_t launch_bwd_intra_d(const Params &p, bool factored, cudaStream
     return cudaGetLastError();
 }
 
-cudaError_t launch_bwd_intra(const Params &p, int D, bool factored, cudaStream_t s) {
+// LONGMOE_KDA_GATE_SPLIT=0 gives the per-column kernel's low operand parts to the
+// factored diagonal blocks only (the earlier kernels' extent; dAkk keeps its one
+// rounding): for timing the split against no split in one build. Unset or 1: every
+// block. Any other value is reported once and ignored.
+static int gate_split_setting() {
+    const char *e = getenv("LONGMOE_KDA_GATE_SPLIT");
+    if (!e || !*e || !strcmp(e, "1")) return 1;
+    if (!strcmp(e, "0")) return 0;
+    static bool warned = false;
+    if (!warned)
+        fprintf(stderr, "longmoe: LONGMOE_KDA_GATE_SPLIT=%s ignored: use 0 or 1\n", e);
+    warned = true;
+    return 1;
+}
+
+cudaError_t launch_bwd_intra(const Params &p0, int D, bool factored, cudaStream_t s) {
+    Params p = p0;
+    p.gate_split = gate_split_setting();
     if (D == 128) return launch_bwd_intra_d<128>(p, factored, s);
     if (D == 64) return launch_bwd_intra_d<64>(p, factored, s);
     if (D == 32) return launch_bwd_intra_d<32>(p, factored, s);

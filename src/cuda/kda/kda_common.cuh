@@ -49,6 +49,7 @@ struct Params {
     int bounded;   // 1: bounded gate, 0: softplus
     float g_min;   // bounded gate's lower bound
     float scale;   // output scale
+    int gate_split; // backward: every score block's operands hi + lo (1), or the diagonal's only (0)
     // inputs
     const bf16 *q, *k, *v, *z;
     const float *beta, *A_log, *dt_bias, *h0;
@@ -69,7 +70,7 @@ struct Params {
     // workspace, between the two backward intra-chunk kernels
     bf16 *dWb;                   // [c][64][D]  dW = -dV' S^T
     bf16 *Mb, *dAqkb;            // [c][64][64] M = X Diag(beta); dAqk, strictly lower
-    bf16 *dAkkb, *dAkkBb;        // [c][64][64] dAkk, Diag(beta) dAkk (strictly lower)
+    bf16 *dAkkb;                 // [c][64][64] dAkk (strictly lower)
     float *dAqkDiag;             // [c][64]     diagonal of dAqk
     float *dbeta_part;           // [c][1 + bwd_col_blocks(D)][64] dbeta terms, summed in a fixed order
     // the gate parameters' per-chunk terms, summed over chunks in a fixed order
