@@ -165,11 +165,11 @@ if has text; then
     [ -f data/text/shards/train_000000.bin ] ||
         { echo "no data/text/shards: run bench/text_corpus.sh data/text and carry data/text/shards"; exit 1; }
     rm -rf /tmp/longmoe-text
-    timeout -s INT "$TEXT_SECONDS" "$BUILD/longmoe" train --config configs/text-gpu.json --out /tmp/longmoe-text \
+    timeout --foreground -s INT "$TEXT_SECONDS" "$BUILD/longmoe" train --config configs/text-gpu.json --out /tmp/longmoe-text \
         --device cuda >"$OUT/text.log" 2>&1
     rc=$?
     grep -E "^(training|stage|step|eval|interrupted|done)" "$OUT/text.log" | tail -40
-    echo "text run rc $rc (130: stopped by SIGINT at the time limit, with a checkpoint)"
+    echo "text run rc $rc (124: stopped by SIGINT at the time limit, at a step boundary with a checkpoint)"
     cp /tmp/longmoe-text/metrics.jsonl "$OUT/text_metrics.jsonl" 2>/dev/null
     rm -rf /tmp/longmoe-text
 fi

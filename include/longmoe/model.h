@@ -100,6 +100,9 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp);
  * position's target). ACCUMULATES like lm_model_backward, which is the case
  * dlogp[i] = -loss_scale / (B T); the auxiliary balance loss enters with scale 1. */
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp);
+/* Zero the gradients (on a backend with memory of its own: there, before the
+ * next forward; the host copy, lm_model_grads, is then current only after
+ * lm_model_download_grads). */
 void lm_model_zero_grads(lm_model *m);
 
 /* Logits [B,T,V] of the last forward's positions (for evaluation and tests;
