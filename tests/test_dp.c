@@ -65,6 +65,7 @@ static lm_config dp_config(lm_qb_estimator estimator) {
     c.ckpt_every = 5;
     c.keep_checkpoints = 10;
     c.log_every = 1000;
+    c.qk_clip_tau = 4.0f; /* QK-Clip acts in these steps (largest logits 3 to 5) */
     return c;
 }
 
@@ -296,6 +297,15 @@ static void test_data_parallel_equals_one_process_with_the_same_batch(void) {
         worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
     }
     CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    /* the QK-Clip statistic is the largest logit over the whole batch: the ranks' maximum */
+    na = read_metric("dp", "train", "max_logit", a, 32);
+    nb = read_metric("one", "train", "max_logit", b, 32);
+    CHECK(na == 20 && nb == 20 && b[0] > 0, "max_logit lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "largest attention logit");
+    na = read_metric("one", "train", "qk_clipped_heads", a, 32);
+    double clipped = 0;
+    for (int i = 0; i < na; i++) clipped += a[i];
+    CHECK(clipped > 0, "QK-Clip scaled no head: the test does not see it");
     na = read_metric("dp", "eval", "val_loss", a, 32);
     nb = read_metric("one", "eval", "val_loss", b, 32);
     CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
