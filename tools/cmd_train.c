@@ -192,9 +192,11 @@ int cmd_train(int argc, char **argv) {
     catch_stop_signals();
     opt.stop_requested = &stop_signal;
     if (lm_train(&cfg, &opt, &r)) {
-        cli_fail(cmd, "%s", lm_last_error());
-        /* the other ranks may wait in a collective for this one: end the job */
-        if (comm && lm_comm_size(comm) > 1) {
+        int rank = comm ? lm_comm_rank(comm) : 0;
+        /* a failure every rank returned with: rank 0 and the first failing rank say why */
+        if (!r.failure_agreed || rank == 0 || rank == r.failed_rank) cli_fail(cmd, "%s", lm_last_error());
+        /* else the other ranks may wait in a collective for this one: end the job */
+        if (comm && lm_comm_size(comm) > 1 && !r.failure_agreed) {
             fflush(NULL);
             lm_comm_abort(comm, 1);
         }

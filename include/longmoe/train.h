@@ -105,6 +105,11 @@ typedef struct {
      * optimizer state, and the MoE balancing state (biases, windows, loads);
      * data-parallel ranks hold the same (checked at every checkpoint) */
     uint64_t params_hash, balance_hash;
+    /* data parallel, when lm_train failed: 1 when every rank returned at the
+     * same point with a failure (then all may close the handle; rank
+     * failed_rank, the lowest that failed, has the first cause), 0 when the
+     * other ranks may wait in a collective (then lm_comm_abort) */
+    int failure_agreed, failed_rank;
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);

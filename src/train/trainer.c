@@ -63,6 +63,7 @@ typedef struct {
     lm_comm *comm;
     int rank, ranks;
     int dp_in_setup;     /* between the first agreement and the one before the loop */
+    int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
     int64_t saved_step;  /* the step of the newest checkpoint this run wrote or resumed from (-1: none) */
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
@@ -179,11 +180,14 @@ static lm_status dp_agree(trainer *t, lm_status s) {
     int32_t mine = s ? (int32_t)s : 0, all[LM_DP_MAX_RANKS];
     lm_status cs = lm_comm_all_gather(t->comm, &mine, all, sizeof mine);
     if (cs) return cs;
-    if (s) return s;
     for (int r = 0; r < t->ranks; r++)
-        if (all[r])
+        if (all[r]) {
+            t->failure_agreed = 1;
+            t->failed_rank = r;
+            if (s) return s;
             return lm_error((lm_status)all[r], "data parallel: rank %d of %d failed (its message is on its "
                             "standard error)", r, t->ranks);
+        }
     return LM_OK;
 }
 
@@ -1359,6 +1363,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
 done:
     /* a rank that failed before the loop meets the others' agreement there */
     if (t.dp_in_setup) (void)dp_agree(&t, s);
+    if (s && result) {
+        result->failure_agreed = t.ranks <= 1 || t.failure_agreed;
+        result->failed_rank = t.ranks <= 1 ? 0 : t.failed_rank;
+    }
     trainer_free(&t);
     lm_run_unlock(lock);
     return s;
