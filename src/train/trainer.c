@@ -185,8 +185,8 @@ static lm_status dp_agree(trainer *t, lm_status s) {
             t->failure_agreed = 1;
             t->failed_rank = r;
             if (s) return s;
-            return lm_error((lm_status)all[r], "data parallel: rank %d of %d failed (its message is on its "
-                            "standard error)", r, t->ranks);
+            return lm_error((lm_status)all[r], "data parallel: rank %d of %d failed (that rank returned the "
+                            "cause)", r, t->ranks);
         }
     return LM_OK;
 }
@@ -201,8 +201,6 @@ static int stop_requested(trainer *t) {
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
     if (t->ranks <= 1) return LM_OK;
-    if (t->ranks > LM_DP_MAX_RANKS)
-        return lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t->ranks, LM_DP_MAX_RANKS);
     if (t->opt.device != LM_DEVICE_CPU)
         return lm_error(LM_ERR_ARG, "data parallel training runs on the CPU (--device cpu); %d ranks were given "
                         "with --device %s", t->ranks, lm_device_name(t->opt.device));
@@ -1070,6 +1068,10 @@ static lm_status check_config_round_trip(const lm_config *c) {
 lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_train_result *result) {
     trainer t;
     memset(&t, 0, sizeof t);
+    lm_status s = LM_OK;
+    char path[4200], ckpt[4096] = "";
+    double comp[LM_TIME_COUNT] = {0};
+    int lock = -1;
     /* data parallel: rank 0 alone prints progress and writes the run directory */
     lm_train_options opt_here = *opt_in;
     const lm_train_options *opt = &opt_here;
@@ -1078,12 +1080,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
     if (t.rank > 0) opt_here.progress = NULL;
+    if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
+        s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
+        goto done;
+    }
     t.cfg = *cfg_in;
     t.opt = *opt;
-    lm_status s = LM_OK;
-    char path[4200], ckpt[4096] = "";
-    double comp[LM_TIME_COUNT] = {0};
-    int lock = -1;
     /* one trainer per run directory; a fresh run only into an empty one */
     if (t.rank == 0) {
         s = lm_ensure_dir(opt->out_dir);
