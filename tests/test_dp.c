@@ -363,6 +363,43 @@ static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
     CHECK(read_metric("dp-then-one", "train", "loss", a, 32) == 20, "a train line per step");
 }
 
+/* A forward that fails on one rank only (a NaN in its rows at step 4) skips
+ * the step on every rank and consumes the failing micro-batch, as one
+ * process with the same NaN does; the runs then continue alike. */
+static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_options o = lm_train_options_default(dir("dp-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    o.out_dir = dir("one-fault");
+    o.comm = NULL;
+    o.inject_fault_step = 3;
+    CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
+    CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
+    double a[32], b[32];
+    int na = read_metric("dp-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    double w;
+    CHECK(tensors_close("dp-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    /* the skip changed the run: its last loss is not the unskipped run's */
+    double u[32];
+    CHECK(read_metric("dp", "train", "loss", u, 32) == 20 && fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
+          "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
+}
+
 static void test_a_batch_the_ranks_cannot_share_is_refused(void) {
     lm_config c = dp_config(LM_QB_HISTOGRAM);
     c.batch_size = R + 1;
@@ -419,6 +456,7 @@ int main(int argc, char **argv) {
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_resume_on_the_same_ranks_is_bit_exact);
     RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
+    RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
     RUN(test_a_batch_the_ranks_cannot_share_is_refused);
     if (comm) {
         /* a failure on any rank fails the job's summary */
