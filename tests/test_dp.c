@@ -8,8 +8,9 @@
  * batch (losses, evaluation and parameters within 1e-5 relative after 20
  * steps), every rank holding the same parameters and balancing bias, a
  * bit-exact resume on N ranks, a resume of the N-rank checkpoint on one
- * process, and the refusal of a batch the ranks cannot share. Built without
- * MPI, `--mpi N` reports every case skipped. */
+ * process, a step failing on one rank skipped on all as on one process, and
+ * the refusals (a batch the ranks cannot share, the exact estimator, a GPU).
+ * Built without MPI, `--mpi N` reports every case skipped. */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -400,7 +401,7 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
-static void test_a_batch_the_ranks_cannot_share_is_refused(void) {
+static void test_what_the_ranks_cannot_share_is_refused(void) {
     lm_config c = dp_config(LM_QB_HISTOGRAM);
     c.batch_size = R + 1;
     lm_train_result r;
@@ -409,6 +410,14 @@ static void test_a_batch_the_ranks_cannot_share_is_refused(void) {
     c = dp_config(LM_QB_EXACT);
     s = train(&c, "exact", 1, 0, 0, &r);
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "exact"), "status %d: %s", (int)s, lm_last_error());
+    /* GPU data parallelism needs the NCCL engine: refused before a device is opened */
+    c = dp_config(LM_QB_HISTOGRAM);
+    lm_train_options o = lm_train_options_default(dir("on-gpu"));
+    o.progress = NULL;
+    o.comm = comm;
+    o.device = LM_DEVICE_CUDA;
+    s = lm_train(&c, &o, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "on the CPU"), "status %d: %s", (int)s, lm_last_error());
     lm_comm_barrier(comm);
     if (me == 0) {
         char p[700];
@@ -457,7 +466,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_on_the_same_ranks_is_bit_exact);
     RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
-    RUN(test_a_batch_the_ranks_cannot_share_is_refused);
+    RUN(test_what_the_ranks_cannot_share_is_refused);
     if (comm) {
         /* a failure on any rank fails the job's summary */
         int32_t failed = test_failed_count, total = 0;
