@@ -7,11 +7,13 @@
 
 #include "cli.h"
 #include "longmoe/backend.h"
+#include "longmoe/comm.h"
 #include "longmoe/train.h"
 
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
+    "       mpirun -np N longmoe train --comm mpi --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -41,11 +43,32 @@ static const char *const train_usage =
     "                and kda.head_dim 32, 64 or 128 (docs/training.md, \"Devices\")\n"
     "  --host-optimizer  with --device cuda: the optimizer on the host instead (gradients\n"
     "                down and parameters up every step; slower, for comparison)\n"
+    "  --comm C      self (default: one process) or mpi: data parallel over the processes\n"
+    "                mpirun started (CPU; a build with MPI). Rank r computes sequences\n"
+    "                [r B/N, (r+1) B/N) of every micro-batch of B = train.batch_size\n"
+    "                sequences (B divisible by N), the gradients, losses and MoE balancing\n"
+    "                counts are summed in rank order and every rank takes the same optimizer\n"
+    "                step: the run equals one process's with the same config to float\n"
+    "                rounding (more loosely with the zoom estimator). Rank 0 prints and\n"
+    "                writes DIR; every rank must see DIR (one machine or a shared file\n"
+    "                system). A checkpoint resumes on one process or any number of ranks\n"
+    "                that divides B (docs/scaleout.md, \"Data parallelism\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
     "(DIR/lock). SIGINT, SIGTERM or SIGHUP stop the run at the next step boundary with a\n"
     "checkpoint (exit code 128 + the signal); --resume continues it.\n";
+
+/* The processes of the job a launcher started this one in (Open MPI's and
+ * MPICH's mpirun say so in the environment); 0 when none says. */
+static long launched_ranks(void) {
+    const char *names[2] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"};
+    for (int i = 0; i < 2; i++) {
+        const char *v = getenv(names[i]);
+        if (v && atol(v) > 0) return atol(v);
+    }
+    return 0;
+}
 
 /* SIGINT, SIGTERM, SIGHUP: stop at the next step boundary with a checkpoint.
  * The handler is reset after the first signal, so a second one ends the
@@ -70,7 +93,7 @@ int cmd_train(int argc, char **argv) {
     long steps = 0, stop_after = 0;
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
-    int host_optimizer = 0;
+    int host_optimizer = 0, use_mpi = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -90,6 +113,13 @@ int cmd_train(int argc, char **argv) {
             if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
             if (lm_device_from_name(v, &device)) {
                 cli_fail(cmd, "--device must be cpu or cuda, got '%s'", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--comm")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (!strcmp(v, "mpi")) use_mpi = 1;
+            else if (strcmp(v, "self")) {
+                cli_fail(cmd, "--comm must be mpi (or self: one process), got '%s'", v);
                 return 2;
             }
         } else if (!strcmp(a, "--host-optimizer")) {
@@ -145,10 +175,37 @@ int cmd_train(int argc, char **argv) {
         if (strlen(data) >= sizeof cfg.data) return cli_fail(cmd, "--data: name too long") + 1;
         strcpy(cfg.data, data);
     }
+    /* data parallel: the processes of mpirun's job (docs/scaleout.md) */
+    if (!use_mpi && launched_ranks() > 1)
+        return cli_fail(cmd, "started by mpirun as one of %ld processes without --comm mpi: each would train the "
+                        "whole run alone into the same --out; give --comm mpi for data parallelism", launched_ranks()) + 1;
+    lm_comm *comm = NULL;
+    if (use_mpi) {
+        if (!lm_comm_engine_available(LM_COMM_MPI))
+            return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "
+                            "e.g. Debian's libopenmpi-dev, and configure again with -DLONGMOE_MPI=ON)") + 1;
+        if (device != LM_DEVICE_CPU)
+            return cli_fail(cmd, "--comm mpi: data parallelism runs on the CPU; --device cuda trains on one GPU") + 1;
+        if (lm_comm_open(LM_COMM_MPI, &comm)) return cli_fail(cmd, "--comm mpi: %s", lm_last_error());
+        opt.comm = comm;
+    }
     lm_train_result r;
     memset(&r, 0, sizeof r);
     catch_stop_signals();
     opt.stop_requested = &stop_signal;
-    if (lm_train(&cfg, &opt, &r)) return cli_fail(cmd, "%s", lm_last_error());
+    if (lm_train(&cfg, &opt, &r)) {
+        int rank = comm ? lm_comm_rank(comm) : 0;
+        /* a failure every rank returned with: rank 0 and the first failing rank say why */
+        if (!r.failure_agreed || rank == 0 || rank == r.failed_rank) cli_fail(cmd, "%s", lm_last_error());
+        /* else the other ranks may wait in a collective for this one: end the job */
+        if (comm && lm_comm_size(comm) > 1 && !r.failure_agreed) {
+            fflush(NULL);
+            lm_comm_abort(comm, 1);
+        }
+        lm_comm_close(comm);
+        return 1;
+    }
+    lm_comm_close(comm);
+    if (r.interrupted && !stop_signal) stop_signal = SIGTERM; /* another rank received it */
     return r.interrupted ? 128 + stop_signal : 0; /* the shell's code for death by that signal */
 }

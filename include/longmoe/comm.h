@@ -56,6 +56,11 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out);
 /* Release the handle (NULL is allowed); collective on all ranks. */
 void lm_comm_close(lm_comm *comm);
 
+/* End every process of the job with exit code `code` (a failure on one rank
+ * that the others cannot learn of: they would wait in their next collective).
+ * MPI: MPI_Abort; one rank: exit. Does not return. */
+void lm_comm_abort(lm_comm *comm, int code);
+
 int lm_comm_rank(const lm_comm *comm);
 int lm_comm_size(const lm_comm *comm);
 lm_comm_engine lm_comm_engine_of(const lm_comm *comm);

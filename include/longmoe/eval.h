@@ -98,6 +98,12 @@ double lm_eval_tally_bucket_loss(const lm_eval_tally *t, int i);
 /* Loss by position bucket and answer accuracy on batches 0..n_batches-1 of
  * `src`; *tally is started here (n_buckets buckets over the model's length). */
 lm_status lm_eval_loss(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, lm_eval_tally *tally);
+/* The same over a share of each batch: batches of batch_rows sequences are
+ * drawn and the model (of B rows) scores rows [first_row, first_row + B).
+ * Data-parallel ranks each score their share and sum the tallies, which then
+ * cover the sequences one rank of batch_rows would score. */
+lm_status lm_eval_loss_rows(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, int batch_rows,
+                            int first_row, lm_eval_tally *tally);
 /* Passkey at each depth: accuracy[i] the fraction of rows whose five digits
  * are all right, digit_accuracy[i] the fraction of digits right. */
 lm_status lm_eval_passkey(lm_model *m, const double *depths, int n_depths, int n_batches, uint64_t seed,

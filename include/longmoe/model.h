@@ -133,6 +133,13 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault);
  * measure), then reset. *max_logit receives the largest over all heads (-inf
  * without attention layers), *n_clipped the heads scaled. */
 lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clipped);
+/* The per-head maxima QK-Clip will use (one float per head of each attention
+ * layer, in layer then head order; -inf where nothing was seen): a
+ * data-parallel trainer takes the largest over the ranks before
+ * lm_model_qk_clip, so every replica clips the same heads. */
+int lm_model_qk_max_count(const lm_model *m);
+void lm_model_qk_max_get(const lm_model *m, float *out);
+void lm_model_qk_max_set(lm_model *m, const float *in);
 
 /* Wall time spent by component since the last reset (forward + backward). */
 typedef enum {

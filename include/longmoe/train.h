@@ -28,6 +28,7 @@
 #include <stdio.h>
 
 #include "longmoe/backend.h"
+#include "longmoe/comm.h"
 #include "longmoe/config.h"
 #include "longmoe/data.h"
 #include "longmoe/core.h"
@@ -73,6 +74,16 @@ typedef struct {
      * nothing but the norm crossing to the host in a step); 1 runs it on the
      * host as on the CPU (gradients down, parameters up every step) */
     int host_optimizer;
+    /* data parallelism (docs/scaleout.md, docs/training.md): the handle of the
+     * job's ranks (NULL or one rank: a single-process run). Every rank calls
+     * lm_train with the same config and options; rank r computes the gradients
+     * of sequences [r B/R, (r+1) B/R) of every micro-batch of B = the stage's
+     * batch (B divisible by R), the gradients, losses and balancing counts are
+     * summed in rank order, and every rank takes the same optimizer step.
+     * Rank 0 alone writes the run directory (metrics, checkpoints, progress);
+     * every rank reads the checkpoint it resumes from, so the directory must
+     * be visible to all. CPU only (device LM_DEVICE_CPU). */
+    lm_comm *comm;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
@@ -90,6 +101,15 @@ typedef struct {
     int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
     double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
                               (lm_train_flops_per_token); reported on the GPU */
+    /* 64-bit hashes of this rank's state at the end: the parameters and the
+     * optimizer state, and the MoE balancing state (biases, windows, loads);
+     * data-parallel ranks hold the same (checked at every checkpoint) */
+    uint64_t params_hash, balance_hash;
+    /* data parallel, when lm_train failed: 1 when every rank returned at the
+     * same point with a failure (then all may close the handle; rank
+     * failed_rank, the lowest that failed, has the first cause), 0 when the
+     * other ranks may wait in a collective (then lm_comm_abort) */
+    int failure_agreed, failed_rank;
 } lm_train_result;
 
 lm_status lm_train(const lm_config *cfg, const lm_train_options *opt, lm_train_result *result);

@@ -92,6 +92,13 @@ void lm_comm_close(lm_comm *comm) {
     free(comm);
 }
 
+void lm_comm_abort(lm_comm *comm, int code) {
+#ifdef LONGMOE_HAVE_MPI
+    if (comm && comm->engine == LM_COMM_MPI) lm_comm_mpi_abort(comm, code);
+#endif
+    exit(code);
+}
+
 int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
 int lm_comm_size(const lm_comm *comm) { return comm->size; }
 lm_comm_engine lm_comm_engine_of(const lm_comm *comm) { return comm->engine; }

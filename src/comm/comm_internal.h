@@ -35,5 +35,7 @@ struct lm_comm {
 /* The MPI engine (comm_mpi.c, built with LONGMOE_HAVE_MPI): fills ops, rank,
  * size and engine_state of a zeroed handle. */
 lm_status lm_comm_mpi_attach(lm_comm *c);
+/* End every process of the job with exit code `code` (MPI_Abort). */
+void lm_comm_mpi_abort(lm_comm *c, int code);
 
 #endif

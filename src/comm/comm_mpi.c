@@ -133,6 +133,11 @@ static void mpi_close(lm_comm *c) {
 static const lm_comm_ops mpi_ops = {"mpi", mpi_all_to_allv, mpi_all_gatherv, mpi_broadcast, mpi_barrier,
                                     mpi_close};
 
+void lm_comm_mpi_abort(lm_comm *c, int code) {
+    mpi_state *s = c->engine_state;
+    MPI_Abort(s ? s->comm : MPI_COMM_WORLD, code);
+}
+
 lm_status lm_comm_mpi_attach(lm_comm *c) {
     int initialised = 0, finalised = 0;
     MPI_Initialized(&initialised);

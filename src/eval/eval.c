@@ -212,16 +212,41 @@ static lm_status forward_and_score(lm_model *m, eval_buffers *e, lm_eval_tally *
 }
 
 lm_status lm_eval_loss(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, lm_eval_tally *tally) {
+    int B, T;
+    lm_model_shape(m, &B, &T);
+    return lm_eval_loss_rows(m, src, n_batches, n_buckets, B, 0, tally);
+}
+
+lm_status lm_eval_loss_rows(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, int batch_rows,
+                            int first_row, lm_eval_tally *tally) {
     eval_buffers e;
     TRY(buffers_alloc(&e, m));
     lm_status s = lm_eval_tally_init(tally, e.T, n_buckets);
     if (!s && src->vocab_size > e.V)
         s = lm_error(LM_ERR_ARG, "eval: data '%s' has tokens up to %d but the model's vocabulary is %d", src->name,
                      src->vocab_size, e.V);
+    if (!s && (batch_rows < e.B || first_row < 0 || first_row > batch_rows - e.B))
+        s = lm_error(LM_ERR_ARG, "eval: rows [%d, %d) of batches of %d do not fit (the model takes %d rows)",
+                     first_row, first_row + e.B, batch_rows, e.B);
+    /* the whole batch when the model takes only a part of it */
+    int32_t *seq = e.seq;
+    uint8_t *answer = e.answer;
+    if (!s && batch_rows != e.B) {
+        seq = malloc((size_t)batch_rows * (e.T + 1) * sizeof(int32_t));
+        answer = malloc((size_t)batch_rows * e.T);
+        if (!seq || !answer)
+            s = lm_error(LM_ERR_MEMORY, "out of memory (evaluation batch of %d x %d tokens)", batch_rows, e.T);
+    }
     for (int bi = 0; bi < n_batches && !s; bi++) {
-        s = src->batch(src, bi, e.B, e.T, e.seq, e.answer);
+        s = src->batch(src, bi, batch_rows, e.T, seq, answer);
+        if (!s && seq != e.seq) {
+            memcpy(e.seq, seq + (size_t)first_row * (e.T + 1), (size_t)e.B * (e.T + 1) * sizeof(int32_t));
+            memcpy(e.answer, answer + (size_t)first_row * e.T, (size_t)e.B * e.T);
+        }
         if (!s) s = forward_and_score(m, &e, tally);
     }
+    if (seq != e.seq) free(seq);
+    if (answer != e.answer) free(answer);
     buffers_free(&e);
     return s;
 }

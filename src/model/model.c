@@ -1033,6 +1033,31 @@ lm_status lm_model_qk_clip(lm_model *m, float tau, float *max_logit, int *n_clip
     return LM_OK;
 }
 
+int lm_model_qk_max_count(const lm_model *m) {
+    int n = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++)
+        if (m->layers[l].mixer == LM_MIXER_MLA) n += m->layers[l].mla_cfg.n_heads;
+    return n;
+}
+
+void lm_model_qk_max_get(const lm_model *m, float *out) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        if (ls->mixer != LM_MIXER_MLA) continue;
+        memcpy(out, ls->smax, (size_t)ls->mla_cfg.n_heads * sizeof(float));
+        out += ls->mla_cfg.n_heads;
+    }
+}
+
+void lm_model_qk_max_set(lm_model *m, const float *in) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer != LM_MIXER_MLA) continue;
+        memcpy(ls->smax, in, (size_t)ls->mla_cfg.n_heads * sizeof(float));
+        in += ls->mla_cfg.n_heads;
+    }
+}
+
 void lm_model_shape(const lm_model *m, int *B, int *T) {
     *B = m->B;
     *T = m->T;

@@ -19,6 +19,9 @@
 #include "longmoe/optim_device.h"
 #include "longmoe/safetensors.h"
 
+/* The most data-parallel ranks (small fixed tables of per-rank scalars). */
+#define LM_DP_MAX_RANKS 4096
+
 typedef struct {
     lm_config cfg;
     lm_train_options opt;
@@ -55,6 +58,15 @@ typedef struct {
     char print_spec[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1][64];
     lm_data_file *print_files[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
     int print_n[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
+    /* data parallelism (opt.comm): this rank of `ranks`; the model holds B / ranks
+     * sequences of each micro-batch (t->B stays the whole batch) */
+    lm_comm *comm;
+    int rank, ranks;
+    int dp_in_setup;     /* between the first agreement and the one before the loop */
+    int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
+    int64_t saved_step;  /* the step of the newest checkpoint this run wrote or resumed from (-1: none) */
+    float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
+    double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
 } trainer;
 
 lm_train_options lm_train_options_default(const char *out_dir) {
@@ -94,6 +106,8 @@ static void trainer_free(trainer *t) {
     free(t->tgt);
     free(t->answer);
     free(t->stats);
+    free(t->dp_qk);
+    free(t->dp_f64);
     for (int i = 0; i < t->n_prints; i++) free(t->print_files[i]);
     if (t->metrics) fclose(t->metrics);
 }
@@ -151,6 +165,189 @@ static lm_status host_params_current(trainer *t) {
     return lm_model_host_params_stale(t->model) ? lm_model_download_params(t->model) : LM_OK;
 }
 
+/* ---- data parallelism (docs/scaleout.md) ----
+ * Every rank runs the same loop on its share of each micro-batch; the
+ * collectives below are called by all ranks in the same order. Sums are the
+ * comm layer's rank-order sums, so every rank holds the same bits. */
+
+/* Rows of each micro-batch this rank computes. */
+static int share_B(const trainer *t) { return t->B / t->ranks; }
+
+/* Agree on a status: every rank learns whether any failed. A rank that failed
+ * keeps its own message; the others report the first failing rank. */
+static lm_status dp_agree(trainer *t, lm_status s) {
+    if (t->ranks <= 1) return s;
+    int32_t mine = s ? (int32_t)s : 0, all[LM_DP_MAX_RANKS];
+    lm_status cs = lm_comm_all_gather(t->comm, &mine, all, sizeof mine);
+    if (cs) return cs;
+    for (int r = 0; r < t->ranks; r++)
+        if (all[r]) {
+            t->failure_agreed = 1;
+            t->failed_rank = r;
+            if (s) return s;
+            return lm_error((lm_status)all[r], "data parallel: rank %d of %d failed (that rank returned the "
+                            "cause)", r, t->ranks);
+        }
+    return LM_OK;
+}
+
+/* A stop requested on any rank stops every rank at the same step boundary. */
+static int stop_requested(trainer *t) {
+    int32_t mine = t->opt.stop_requested && *t->opt.stop_requested, any = mine;
+    if (t->ranks > 1 && lm_comm_all_reduce_sum(t->comm, &mine, &any, 1, LM_DTYPE_I32)) any = 1;
+    return any != 0;
+}
+
+/* The refusals of a data-parallel run, before anything is written. */
+static lm_status dp_check(const trainer *t) {
+    if (t->ranks <= 1) return LM_OK;
+    if (t->opt.device != LM_DEVICE_CPU)
+        return lm_error(LM_ERR_ARG, "data parallel training runs on the CPU (--device cpu); %d ranks were given "
+                        "with --device %s", t->ranks, lm_device_name(t->opt.device));
+    if (t->cfg.balance == LM_BALANCE_QUANTILE && t->cfg.balance_estimator == LM_QB_EXACT)
+        return lm_error(LM_ERR_ARG, "data parallel: moe.balance_estimator 'exact' sorts one process's residuals "
+                        "and cannot be summed over ranks; use 'histogram' or 'zoom'");
+    for (int i = 0; i < t->n_stages; i++) {
+        int B = (int)(t->stages[i].batch_tokens / t->stages[i].seq_len);
+        if (B % t->ranks)
+            return lm_error(LM_ERR_ARG, "data parallel over %d ranks: %s%s%s has %d sequences a micro-batch, not "
+                            "divisible by %d (each rank takes an equal share: set train.batch_size to a multiple "
+                            "of %d)", t->ranks, t->n_stages > 1 ? "stage '" : "the batch", t->n_stages > 1 ?
+                            t->stages[i].name : "", t->n_stages > 1 ? "'" : "", B, t->ranks, t->ranks);
+    }
+    return LM_OK;
+}
+
+/* After the micro-batches of a step: the ranks' losses averaged (each is the
+ * mean over its share), a failed forward on any rank fails the step for all,
+ * the data position advanced by the fewest micro-batches any rank consumed
+ * (the global micro-batch that failed is consumed, as on one rank), the
+ * balancing counts summed (always: the loads are state), and on a good step
+ * the gradients summed and the QK-Clip maxima taken over the ranks. */
+static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *aux, int *bad) {
+    if (t->ranks <= 1) return LM_OK;
+    const int R = t->ranks;
+    struct {
+        double loss, aux;
+        int64_t consumed, bad;
+    } mine = {*loss, *aux, t->data_pos - pos0, *bad}, all[LM_DP_MAX_RANKS];
+    TRY(lm_comm_all_gather(t->comm, &mine, all, sizeof mine));
+    float l = (float)all[0].loss, a = (float)all[0].aux;
+    int64_t consumed = all[0].consumed, any_bad = all[0].bad;
+    for (int r = 1; r < R; r++) {
+        l += (float)all[r].loss;
+        a += (float)all[r].aux;
+        consumed = all[r].consumed < consumed ? all[r].consumed : consumed;
+        any_bad |= all[r].bad;
+    }
+    *loss = l / (float)R;
+    *aux = a / (float)R;
+    *bad = any_bad != 0;
+    t->data_pos = pos0 + consumed;
+    /* the balancing counts: histograms and loads (int32, exact), entropy and tokens (monitoring) */
+    for (int i = 0; i < t->n_moe; i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        size_t n;
+        int32_t *buf = lm_balance_reduce_buffer(b, &n);
+        TRY(lm_comm_all_reduce_sum(t->comm, buf, buf, n, LM_DTYPE_I32));
+        t->dp_f64[2 * i] = b->entropy_sum;
+        t->dp_f64[2 * i + 1] = (double)b->tokens;
+    }
+    if (t->n_moe) {
+        TRY(lm_comm_all_reduce_sum(t->comm, t->dp_f64, t->dp_f64, 2 * (size_t)t->n_moe, LM_DTYPE_F64));
+        for (int i = 0; i < t->n_moe; i++) {
+            lm_balance_state *b = lm_model_balance(t->model, i);
+            b->entropy_sum = t->dp_f64[2 * i];
+            b->tokens = (int64_t)t->dp_f64[2 * i + 1];
+        }
+    }
+    if (*bad) return LM_OK;
+    /* the gradients: each rank's share was scaled by 1 / (grad_accum R), so the sum is the batch's mean */
+    TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
+                               lm_model_num_params(t->model), LM_DTYPE_F32));
+    int nq = lm_model_qk_max_count(t->model);
+    if (nq) {
+        lm_model_qk_max_get(t->model, t->dp_qk);
+        TRY(lm_comm_all_gather(t->comm, t->dp_qk, t->dp_qk + nq, (size_t)nq * sizeof(float)));
+        for (int h = 0; h < nq; h++) {
+            float m = t->dp_qk[nq + h];
+            for (int r = 1; r < R; r++) {
+                float x = t->dp_qk[(size_t)(r + 1) * nq + h];
+                if (x > m || isnan(x)) m = x;
+            }
+            t->dp_qk[h] = m;
+        }
+        lm_model_qk_max_set(t->model, t->dp_qk);
+    }
+    return LM_OK;
+}
+
+/* The evaluation tallies of the ranks' shares, added in rank order. */
+static lm_status dp_reduce_tally(trainer *t, lm_eval_tally *tally) {
+    if (t->ranks <= 1) return LM_OK;
+    lm_eval_tally *all = malloc((size_t)t->ranks * sizeof *all);
+    if (!all) return lm_error(LM_ERR_MEMORY, "out of memory (evaluation tallies)");
+    lm_status s = lm_comm_all_gather(t->comm, tally, all, sizeof *tally);
+    if (!s) {
+        *tally = all[0];
+        for (int r = 1; r < t->ranks; r++) {
+            for (int i = 0; i < tally->n_buckets; i++) {
+                tally->loss_sum[i] += all[r].loss_sum[i];
+                tally->loss_count[i] += all[r].loss_count[i];
+            }
+            tally->answers += all[r].answers;
+            tally->answers_right += all[r].answers_right;
+            tally->rows += all[r].rows;
+            tally->rows_right += all[r].rows_right;
+        }
+    }
+    free(all);
+    return s;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+/* Hashes of this rank's replicated state: parameters, optimizer state and
+ * counters; the balancing state of every MoE layer. */
+static void state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    h = fnv(h, lm_model_params(t->model), lm_model_num_params(t->model) * sizeof(float));
+    h = fnv(h, t->muon_state, t->muon_state_n * sizeof(float));
+    h = fnv(h, t->adam_state, t->adam_state_n * sizeof(float));
+    int64_t counters[5] = {t->step, t->data_pos, t->skipped, t->muon.step, t->adam.step};
+    *params = fnv(h, counters, sizeof counters);
+    h = 0xcbf29ce484222325ull;
+    for (int i = 0; i < t->n_moe; i++) {
+        lm_balance_state *b = lm_model_balance(t->model, i);
+        size_t n = (size_t)b->cfg.n_experts;
+        h = fnv(h, b->bias, n * sizeof *b->bias);
+        h = fnv(h, b->halfwidth, n * sizeof *b->halfwidth);
+        h = fnv(h, b->last_load, n * sizeof *b->last_load);
+        h = fnv(h, b->interval_load, n * sizeof *b->interval_load);
+        int64_t c[2] = {b->step, b->interval_steps};
+        h = fnv(h, c, sizeof c);
+    }
+    *balance = h;
+}
+
+/* Every rank holds rank 0's state, bit for bit (before a checkpoint). */
+static lm_status dp_check_replicas(trainer *t) {
+    if (t->ranks <= 1) return LM_OK;
+    uint64_t mine[2], all[2 * LM_DP_MAX_RANKS];
+    state_hashes(t, &mine[0], &mine[1]);
+    TRY(lm_comm_all_gather(t->comm, mine, all, sizeof mine));
+    for (int r = 1; r < t->ranks; r++)
+        if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
+            return lm_error(LM_ERR_NUMERIC, "data parallel: at step %lld rank %d's %s differs from rank 0's (the "
+                            "replicas diverged; no checkpoint written)", (long long)t->step, r,
+                            all[2 * r] != all[0] ? "parameters or optimizer state" : "MoE balancing state");
+    return LM_OK;
+}
+
 double lm_train_flops_per_token(const lm_config *cfg, int T) {
     lm_plan plan;
     lm_config_plan(cfg, T, &plan);
@@ -187,7 +384,7 @@ static lm_status trainer_setup(trainer *t, int stage) {
     t->stage = stage;
     stage_shape(t, stage, &t->B, &t->T);
     TRY(open_device(t));
-    TRY(lm_model_create_on(c, t->B, t->T, t->be, &t->model));
+    TRY(lm_model_create_on(c, share_B(t), t->T, t->be, &t->model));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
@@ -216,6 +413,11 @@ static lm_status trainer_setup(trainer *t, int stage) {
     t->answer = calloc(most, 1);
     t->n_moe = lm_model_num_moe_layers(t->model);
     t->stats = calloc((size_t)(t->n_moe ? t->n_moe : 1), sizeof *t->stats);
+    if (t->ranks > 1) {
+        t->dp_qk = calloc((size_t)(t->ranks + 1) * lm_model_qk_max_count(t->model) + 1, sizeof *t->dp_qk);
+        t->dp_f64 = calloc(2 * (size_t)t->n_moe + 1, sizeof *t->dp_f64);
+        if (!t->dp_qk || !t->dp_f64) return lm_error(LM_ERR_MEMORY, "out of memory (data-parallel buffers)");
+    }
     if (!t->muon_state || !t->adam_state || !t->scratch || !t->seq || !t->inp || !t->tgt || !t->answer || !t->stats)
         return lm_error(LM_ERR_MEMORY, "out of memory (trainer buffers)");
     TRY(lm_optimizer_init(&t->muon, &oc, t->muon_p, t->n_muon, t->muon_state, t->muon_state_n, t->scratch,
@@ -316,7 +518,7 @@ static lm_status switch_stage(trainer *t, int i) {
     /* on the GPU both stages' models are held for the copy (host parameters
      * and balancing state; the new model uploads them before its first forward) */
     TRY(host_params_current(t));
-    TRY(lm_model_create_on(&t->cfg, B, T, t->be, &next));
+    TRY(lm_model_create_on(&t->cfg, B / t->ranks, T, t->be, &next));
     lm_status s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
@@ -428,7 +630,7 @@ static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
 
 /* A checkpoint: files under a temporary name, then committed; a failure leaves
  * no partial directory behind (and the previous checkpoint untouched). */
-static lm_status save_checkpoint(trainer *t) {
+static lm_status write_checkpoint(trainer *t) {
     /* a checkpoint with a non-finite parameter or optimizer moment is never
      * written: it would replace (and prune) the good ones */
     char what[160];
@@ -460,6 +662,16 @@ static lm_status save_checkpoint(trainer *t) {
     if (t->metrics) fflush(t->metrics);
     TRY(lm_checkpoint_commit(t->opt.out_dir, t->step, tmp, t->cfg.keep_checkpoints));
     if (t->metrics) fprintf(t->metrics, "{\"type\": \"checkpoint\", \"step\": %lld}\n", (long long)t->step);
+    return LM_OK;
+}
+
+/* The checkpoint of this step: written by rank 0, after every rank's state
+ * was checked to be rank 0's; the ranks learn whether it was written. */
+static lm_status save_checkpoint(trainer *t) {
+    lm_status s = dp_check_replicas(t);
+    if (!s && t->rank == 0) s = write_checkpoint(t);
+    if ((s = dp_agree(t, s))) return s;
+    t->saved_step = t->step;
     return LM_OK;
 }
 
@@ -750,10 +962,12 @@ static lm_status evaluate(trainer *t, float *loss, float *acc) {
     TRY(host_params_current(t)); /* the LM head's logits are scored on the host */
     lm_model_timings(t->model, before);
     lm_eval_tally tally;
-    lm_status s = lm_eval_loss(t->model, t->val, t->opt.val_batches, lm_eval_options_default().n_buckets, &tally);
+    /* each rank scores its share of every validation batch; the tallies are summed */
+    lm_status s = lm_eval_loss_rows(t->model, t->val, t->opt.val_batches, lm_eval_options_default().n_buckets, t->B,
+                                    t->rank * share_B(t), &tally);
     lm_model_timings(t->model, after);
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
-    if (s) return s;
+    if ((s = dp_agree(t, s)) || (s = dp_reduce_tally(t, &tally))) return s;
     lm_eval_result *r = calloc(1, sizeof *r);
     if (!r) return lm_error(LM_ERR_MEMORY, "out of memory (evaluation result)");
     r->step = t->step;
@@ -781,6 +995,7 @@ static void log_eval(trainer *t, float loss, float acc) {
  * models only. */
 static lm_status stage_evaluation(trainer *t) {
     if (t->cfg.vocab_size != 256 || t->opt.stage_eval_batches <= 0) return LM_OK;
+    if (t->rank > 0) return dp_agree(t, LM_OK); /* rank 0 evaluates the checkpoint it wrote */
     lm_eval_options eo = lm_eval_options_default();
     eo.tasks = LM_EVAL_PASSKEY | LM_EVAL_MQAR;
     eo.n_lengths = 0;
@@ -796,7 +1011,7 @@ static lm_status stage_evaluation(trainer *t) {
     fflush(t->metrics);
     lm_status s = lm_eval_checkpoint(dir, &eo, t->metrics, t->opt.progress);
     fflush(t->metrics);
-    return s;
+    return dp_agree(t, s);
 }
 
 /* Fold the model's component timings (less evaluations) into the run's totals. */
@@ -810,7 +1025,7 @@ static void bank_timings(trainer *t, double *acc) {
 
 static void log_stage(trainer *t) {
     const lm_stage *st = &t->stages[t->stage];
-    fprintf(t->metrics, "{\"type\": \"stage\", \"step\": %lld, \"stage\": %d, \"name\": \"%s\", \"seq_len\": %d, "
+    if (t->metrics) fprintf(t->metrics, "{\"type\": \"stage\", \"step\": %lld, \"stage\": %d, \"name\": \"%s\", \"seq_len\": %d, "
             "\"batch_size\": %d, \"steps\": %lld, \"lr_scale\": %.6g}\n", (long long)t->step, t->stage, st->name,
             st->seq_len, t->B, (long long)st->steps, st->lr_scale);
     if (t->opt.progress)
@@ -850,21 +1065,40 @@ static lm_status check_config_round_trip(const lm_config *c) {
     return s;
 }
 
-lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_train_result *result) {
+lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_train_result *result) {
     trainer t;
     memset(&t, 0, sizeof t);
-    t.cfg = *cfg_in;
-    t.opt = *opt;
-    lm_status s = lm_ensure_dir(opt->out_dir);
-    char path[4200], ckpt[4096];
+    lm_status s = LM_OK;
+    char path[4200], ckpt[4096] = "";
     double comp[LM_TIME_COUNT] = {0};
     int lock = -1;
-    if (s) goto done;
+    /* data parallel: rank 0 alone prints progress and writes the run directory */
+    lm_train_options opt_here = *opt_in;
+    const lm_train_options *opt = &opt_here;
+    t.comm = opt_in->comm;
+    t.rank = t.comm ? lm_comm_rank(t.comm) : 0;
+    t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
+    t.saved_step = -1;
+    if (t.rank > 0) opt_here.progress = NULL;
+    if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
+        s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
+        goto done;
+    }
+    t.cfg = *cfg_in;
+    t.opt = *opt;
     /* one trainer per run directory; a fresh run only into an empty one */
-    if ((s = lm_run_lock(opt->out_dir, &lock))) goto done;
-    if (!opt->resume && (s = lm_run_check_fresh(opt->out_dir))) goto done;
+    if (t.rank == 0) {
+        s = lm_ensure_dir(opt->out_dir);
+        if (!s) s = lm_run_lock(opt->out_dir, &lock);
+        if (!s && !opt->resume) s = lm_run_check_fresh(opt->out_dir);
+        if (!s && opt->resume) s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt);
+    }
+    if ((s = dp_agree(&t, s))) goto done;
+    /* every rank resumes from the checkpoint rank 0 found; a failure on one
+     * rank until the loop starts is agreed on before it (dp_in_setup) */
+    if (t.ranks > 1 && opt->resume && (s = lm_comm_broadcast(t.comm, ckpt, sizeof ckpt, 0))) goto done;
+    t.dp_in_setup = t.ranks > 1;
     if (opt->resume) {
-        if ((s = lm_checkpoint_latest(opt->out_dir, ckpt, sizeof ckpt))) goto done;
         snprintf(path, sizeof path, "%s/config.json", ckpt);
         lm_config saved;
         if ((s = lm_config_load(path, &saved))) goto done;
@@ -880,19 +1114,22 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
     if ((s = check_config_round_trip(&t.cfg))) goto done;
     t.n_stages = lm_config_stages(&t.cfg, t.stages);
     t.total_steps = lm_config_total_steps(&t.cfg);
+    if ((s = dp_check(&t))) goto done;
     if ((s = trainer_setup(&t, 0))) goto done;
-    if ((s = fingerprint_data(&t))) goto done;
+    /* the data's fingerprint goes into checkpoints (rank 0's) and is checked on resume there */
+    if (t.rank == 0 && (s = fingerprint_data(&t))) goto done;
     lm_model_init(t.model, t.cfg.seed);
     snprintf(path, sizeof path, "%s/metrics.jsonl", opt->out_dir);
     if (opt->resume) {
         if ((s = load_checkpoint(&t, ckpt))) goto done;
+        t.saved_step = t.step;
         /* the loaded host parameters to the device (a no-op on the CPU) */
         if ((s = lm_model_upload_params(t.model))) goto done;
         if ((s = upload_optimizer_state(&t))) goto done;
         int64_t stop_at = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
-        if ((s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
+        if (t.rank == 0 && (s = truncate_metrics(path, t.step, t.step >= stop_at))) goto done;
         if (opt->progress) fprintf(opt->progress, "resumed from %s at step %lld\n", ckpt, (long long)t.step);
-    } else {
+    } else if (t.rank == 0) {
         /* a fresh run starts a fresh log and writes its config */
         char *json = lm_config_to_json(&t.cfg);
         char cpath[4200];
@@ -902,14 +1139,16 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         if (s) goto done;
         if ((s = lm_write_text_atomic(path, ""))) goto done;
     }
-    t.metrics = fopen(path, "ab");
-    if (!t.metrics) {
+    t.metrics = t.rank == 0 ? fopen(path, "ab") : NULL;
+    if (t.rank == 0 && !t.metrics) {
         s = lm_error(LM_ERR_IO, "cannot open '%s' for appending", path);
         goto done;
     }
     /* the stage of the (resumed) step, and its data */
     int first = stage_of(&t, t.step);
     if ((s = first ? switch_stage(&t, first) : open_data(&t, 0))) goto done;
+    t.dp_in_setup = 0;
+    if ((s = dp_agree(&t, LM_OK))) goto done;
     const lm_config *c = &t.cfg;
     lm_lr_schedule sched = lm_lr_schedule_default(1.0f);
     sched.kind = c->schedule == LM_SCHEDULE_WSD ? LM_LR_WSD : LM_LR_COSINE;
@@ -934,13 +1173,16 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s on the GPU (forward "
                 "and backward; optimizer on the %s)\n", lm_model_num_params(t.model), t.n_all,
                 (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", t.dev_opt ? "GPU" : "host");
+    if (opt->progress && t.ranks > 1)
+        fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
+                t.ranks, share_B(&t), t.B);
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
     int interrupted = 0;
     while (t.step < stop) {
         /* a step boundary: a requested stop (SIGINT, SIGTERM, SIGHUP in the CLI) ends here, checkpointed */
-        if (opt->stop_requested && *opt->stop_requested) {
+        if (stop_requested(&t)) {
             interrupted = 1;
             break;
         }
@@ -951,9 +1193,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         int bad = 0;
         if (t.step == opt->inject_fault_step && opt->inject_fault != LM_FAULT_LOSS)
             lm_model_inject_fault(t.model, opt->inject_fault);
+        const int64_t pos0 = t.data_pos;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
+            /* the whole micro-batch; this rank takes rows [rank B/R, (rank+1) B/R) */
             if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
-            split_batch(t.seq, t.B, t.T, t.inp, t.tgt);
+            split_batch(t.seq + (size_t)t.rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.inp, t.tgt);
             float l;
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
             if (fs == LM_ERR_NUMERIC) {
@@ -964,10 +1208,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
                 s = fs;
                 goto done;
             }
-            if ((s = lm_model_backward(t.model, 1.0f / (float)c->grad_accum))) goto done;
+            if ((s = lm_model_backward(t.model, 1.0f / (float)((int64_t)c->grad_accum * t.ranks)))) goto done;
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
+        /* data parallel: losses, balancing counts, gradients and QK-Clip maxima over the ranks */
+        if ((s = dp_reduce_step(&t, pos0, &loss, &aux, &bad))) goto done;
         /* the micro-batches' summed gradients to the host's optimizer (a no-op on the CPU) */
         if (!bad && !t.dev_opt && (s = lm_model_download_grads(t.model))) goto done;
         if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
@@ -981,9 +1227,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
             lm_model_balance_step_end(t.model, 0, NULL);
             lm_model_qk_clip(t.model, 0, NULL, NULL);
             t.skipped++;
-            fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
+            if (t.metrics) fprintf(t.metrics, "{\"type\": \"skip\", \"step\": %lld, \"reason\": \"non-finite loss or gradient\"}\n",
                     (long long)t.step);
-            fflush(t.metrics);
+            if (t.metrics) fflush(t.metrics);
             if (opt->progress)
                 fprintf(opt->progress, "step %lld skipped: non-finite loss or gradient\n", (long long)t.step);
             if (++bad_in_row >= opt->max_bad_steps) {
@@ -1033,26 +1279,28 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         ema_step = ema_step > 0 ? 0.9 * ema_step + 0.1 * dt : dt;
         double worst = 0;
         for (int i = 0; i < t.n_moe; i++) worst = t.stats[i].maxvio_batch > worst ? t.stats[i].maxvio_batch : worst;
-        /* metrics: every number of the step */
-        fprintf(t.metrics,
-                "{\"type\": \"train\", \"step\": %lld, \"loss\": %.9g, \"aux_loss\": %.9g, \"lr\": %.9g, "
-                "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, ",
-                (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
-        if (on_gpu) fprintf(t.metrics, "\"mfu\": %.6g, ", step_flops / dt / LM_TRAIN_PEAK_FLOPS);
-        fprintf(t.metrics, "\"max_logit\": %.6g, \"qk_clipped_heads\": %d, \"moe\": [",
-                isfinite(max_logit) ? max_logit : 0.0, n_clipped);
-        for (int i = 0; i < t.n_moe; i++) {
-            const lm_balance_stats *b = &t.stats[i];
+        /* metrics: every number of the step (rank 0 writes the run's log) */
+        if (t.metrics) {
             fprintf(t.metrics,
-                    "%s{\"layer\": %d, \"maxvio_batch\": %.6g, \"maxvio_global\": %.6g, \"cv\": %.6g, \"min\": %d, "
-                    "\"max\": %d, \"dead\": %d, \"entropy\": %.6g, \"bias_min\": %.6g, \"bias_max\": %.6g, \"load\": [",
-                    i ? ", " : "", lm_model_moe_layer_index(t.model, i), b->maxvio_batch, b->maxvio_global, b->cv,
-                    b->min_load, b->max_load, b->dead, b->router_entropy, b->bias_min, b->bias_max);
-            for (int j = 0; j < c->n_routed_experts; j++) fprintf(t.metrics, "%s%d", j ? ", " : "", b->load[j]);
-            fprintf(t.metrics, "]}");
+                    "{\"type\": \"train\", \"step\": %lld, \"loss\": %.9g, \"aux_loss\": %.9g, \"lr\": %.9g, "
+                    "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, ",
+                    (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
+            if (on_gpu) fprintf(t.metrics, "\"mfu\": %.6g, ", step_flops / dt / LM_TRAIN_PEAK_FLOPS);
+            fprintf(t.metrics, "\"max_logit\": %.6g, \"qk_clipped_heads\": %d, \"moe\": [",
+                    isfinite(max_logit) ? max_logit : 0.0, n_clipped);
+            for (int i = 0; i < t.n_moe; i++) {
+                const lm_balance_stats *b = &t.stats[i];
+                fprintf(t.metrics,
+                        "%s{\"layer\": %d, \"maxvio_batch\": %.6g, \"maxvio_global\": %.6g, \"cv\": %.6g, \"min\": %d, "
+                        "\"max\": %d, \"dead\": %d, \"entropy\": %.6g, \"bias_min\": %.6g, \"bias_max\": %.6g, \"load\": [",
+                        i ? ", " : "", lm_model_moe_layer_index(t.model, i), b->maxvio_batch, b->maxvio_global, b->cv,
+                        b->min_load, b->max_load, b->dead, b->router_entropy, b->bias_min, b->bias_max);
+                for (int j = 0; j < c->n_routed_experts; j++) fprintf(t.metrics, "%s%d", j ? ", " : "", b->load[j]);
+                fprintf(t.metrics, "]}");
+            }
+            fprintf(t.metrics, "]}\n");
+            fflush(t.metrics); /* each step's record reaches the file before its progress line */
         }
-        fprintf(t.metrics, "]}\n");
-        fflush(t.metrics); /* each step's record reaches the file before its progress line */
         if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
             format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
@@ -1083,15 +1331,13 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         }
     }
     if (interrupted) {
-        /* the last step's checkpoint, unless it was just written */
-        char done_dir[4200];
-        struct stat sb;
-        snprintf(done_dir, sizeof done_dir, "%s/checkpoint-%08lld", opt->out_dir, (long long)t.step);
-        if (t.step > 0 && stat(done_dir, &sb) != 0 && (s = save_checkpoint(&t))) goto done;
-        fprintf(opt->progress ? opt->progress : stderr,
-                "interrupted at step %lld of %lld: %s; continue with: longmoe train --out %s --resume\n",
-                (long long)t.step, (long long)t.total_steps,
-                t.step > 0 ? "checkpoint written" : "no step done, nothing to resume", opt->out_dir);
+        /* the last step's checkpoint, unless it was just written (or resumed from) */
+        if (t.step > 0 && t.saved_step != t.step && (s = save_checkpoint(&t))) goto done;
+        if (t.rank == 0)
+            fprintf(opt->progress ? opt->progress : stderr,
+                    "interrupted at step %lld of %lld: %s; continue with: longmoe train --out %s --resume\n",
+                    (long long)t.step, (long long)t.total_steps,
+                    t.step > 0 ? "checkpoint written" : "no step done, nothing to resume", opt->out_dir);
     } else {
         if ((s = evaluate(&t, &val_loss, &val_acc))) goto done;
         log_eval(&t, val_loss, val_acc);
@@ -1112,10 +1358,17 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt, lm_trai
         result->tokens = tokens_done;
         result->mfu = step_seconds > 0 ? flops_done / step_seconds / LM_TRAIN_PEAK_FLOPS : 0;
         result->interrupted = interrupted;
+        state_hashes(&t, &result->params_hash, &result->balance_hash);
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
     }
 done:
+    /* a rank that failed before the loop meets the others' agreement there */
+    if (t.dp_in_setup) (void)dp_agree(&t, s);
+    if (s && result) {
+        result->failure_agreed = t.ranks <= 1 || t.failure_agreed;
+        result->failed_rank = t.ranks <= 1 ? 0 : t.failed_rank;
+    }
     trainer_free(&t);
     lm_run_unlock(lock);
     return s;

@@ -1,0 +1,482 @@
+/* Data-parallel training (docs/scaleout.md, "Data parallelism").
+ *
+ * Alone (`test_dp`): the pieces that need no second rank: evaluating shares
+ * of a batch and adding the tallies equals evaluating the batch; the CLI's
+ * refusals of --comm.
+ * Under mpirun (`mpirun -np N test_dp --mpi N`, ctest's test_dp_mpi2 and
+ * test_dp_mpi4): a run over N ranks against one process with the same global
+ * batch (losses, evaluation and parameters within 1e-5 relative after 20
+ * steps), every rank holding the same parameters and balancing bias, a
+ * bit-exact resume on N ranks, a resume of the N-rank checkpoint on one
+ * process, a step failing on one rank skipped on all as on one process, and
+ * the refusals (a batch the ranks cannot share, the exact estimator, a GPU).
+ * Built without MPI, `--mpi N` reports every case skipped. */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/eval.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+#include "test.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0;
+static char root[256];
+
+/* Four layers (KDA, MLA, KDA, MLA), a dense FFN then MoE layers of 8 experts
+ * top-2 with a shared expert and quantile balancing, Block AttnRes; 4
+ * sequences of 32 tokens a micro-batch, 2 micro-batches a step (so 2 or 4
+ * ranks take 2 or 1 sequences each). */
+static lm_config dp_config(lm_qb_estimator estimator) {
+    lm_config c;
+    lm_config_defaults(&c);
+    c.vocab_size = 256;
+    c.d_model = 32;
+    c.n_layers = 4;
+    strcpy(c.layout, "kmkm");
+    c.first_k_dense = 1;
+    c.dense_ffn = 64;
+    c.kda_heads = 2;
+    c.kda_head_dim = 16;
+    c.kda_chunk = 16;
+    c.attn_heads = 2;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 16;
+    c.v_head_dim = 16;
+    c.n_routed_experts = 8;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 16;
+    c.shared_ffn = 32;
+    c.balance = LM_BALANCE_QUANTILE;
+    c.balance_estimator = estimator;
+    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
+    c.attnres_block = 4;
+    c.seq_len = 32;
+    c.batch_size = 4;
+    c.grad_accum = 2;
+    c.steps = 20;
+    c.lr = 0.03f;
+    c.adam_lr = 0.005f;
+    c.eval_every = 10;
+    c.ckpt_every = 5;
+    c.keep_checkpoints = 10;
+    c.log_every = 1000;
+    c.qk_clip_tau = 4.0f; /* QK-Clip acts in these steps (largest logits 3 to 5) */
+    return c;
+}
+
+static const char *dir(const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
+    return buf[slot];
+}
+
+/* One run of lm_train: over the ranks (dp = 1) or in this process alone. */
+static lm_status train(const lm_config *c, const char *run, int dp, int resume, int64_t stop_after,
+                       lm_train_result *r) {
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.resume = resume;
+    o.stop_after = stop_after;
+    o.comm = dp ? comm : NULL;
+    memset(r, 0, sizeof *r);
+    return lm_train(c, &o, r);
+}
+
+/* The numbers of the train (or eval) lines of a run's metrics: key "loss"
+ * (or "val_loss"), in order. */
+static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
+    char path[600], line[65536], want[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    while (fgets(line, sizeof line, f) && n < max) {
+        if (!strstr(line, want)) continue;
+        const char *p = strstr(line, k);
+        if (p) v[n++] = atof(p + strlen(k));
+    }
+    fclose(f);
+    return n;
+}
+
+/* Every tensor of checkpoint file `file` of runs a and b: max |a - b| <=
+ * rtol max |b| per tensor (bit-identical with rtol 0). Prints the worst. */
+static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
+    char pa[700], pb[700];
+    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
+    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
+    lm_safetensors *x = NULL, *y = NULL;
+    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
+        fprintf(stderr, "  %s\n", lm_last_error());
+        lm_safetensors_close(x);
+        return 0;
+    }
+    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
+    *worst = 0;
+    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
+        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype) {
+            fprintf(stderr, "  %s: tensor %s is missing or of another size or type\n", file, t->name);
+            ok = 0;
+            break;
+        }
+        if (rtol == 0) {
+            if (memcmp(t->data, u->data, t->nbytes)) {
+                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
+                ok = 0;
+            }
+            continue;
+        }
+        if (t->dtype != LM_DTYPE_F32) continue; /* counters: compared bit for bit above, where rtol is 0 */
+        const float *p = (const float *)t->data, *q = (const float *)u->data;
+        double diff = 0, scale = 0;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double d = fabs((double)p[e] - q[e]);
+            diff = d > diff || isnan(d) ? d : diff;
+            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
+        }
+        double rel = scale > 0 ? diff / scale : diff;
+        if (!(rel <= rtol)) {
+            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
+            bad = 1;
+        }
+        *worst = rel > *worst ? rel : *worst;
+    }
+    ok &= !bad;
+    lm_safetensors_close(x);
+    lm_safetensors_close(y);
+    return ok;
+}
+
+/* The largest |bias| of the MoE layers in a checkpoint (balancing acted when > 0). */
+static double largest_bias(const char *run, int step) {
+    char p[700];
+    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
+    lm_safetensors *st;
+    if (lm_safetensors_open(p, &st)) return -1;
+    double mx = 0;
+    for (int i = 0; i < lm_safetensors_count(st); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(st, i);
+        if (!strstr(t->name, ".moe.bias")) continue;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double v = fabs(((const float *)t->data)[e]);
+            mx = v > mx ? v : mx;
+        }
+    }
+    lm_safetensors_close(st);
+    return mx;
+}
+
+/* The same 64-bit value on every rank. */
+static int same_on_every_rank(uint64_t v) {
+    uint64_t all[64];
+    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
+    for (int r = 1; r < R; r++)
+        if (all[r] != all[0]) return 0;
+    return 1;
+}
+
+/* ---- alone ---- */
+
+static void test_evaluating_shares_and_adding_the_tallies_equals_the_whole_batch(void) {
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_model *whole = NULL, *half = NULL;
+    CHECK(!lm_model_create(&c, 4, c.seq_len, &whole) && !lm_model_create(&c, 2, c.seq_len, &half), "%s",
+          lm_last_error());
+    if (!whole || !half) goto out;
+    lm_model_init(whole, 11);
+    lm_model_init(half, 11);
+    lm_data_source *src;
+    CHECK(!lm_data_open("copy", 5, &src), "%s", lm_last_error());
+    lm_eval_tally all, a, b;
+    CHECK(!lm_eval_loss(whole, src, 3, 4, &all), "%s", lm_last_error());
+    CHECK(!lm_eval_loss_rows(half, src, 3, 4, 4, 0, &a) && !lm_eval_loss_rows(half, src, 3, 4, 4, 2, &b), "%s",
+          lm_last_error());
+    int64_t n = 0;
+    double sum = 0;
+    for (int i = 0; i < 4; i++) {
+        CHECK(a.loss_count[i] + b.loss_count[i] == all.loss_count[i], "bucket %d counts", i);
+        CHECK_CLOSE(a.loss_sum[i] + b.loss_sum[i], all.loss_sum[i], 0, 1e-6, "bucket loss sum");
+        n += a.loss_count[i];
+        sum += a.loss_sum[i];
+    }
+    CHECK(a.answers + b.answers == all.answers && a.answers_right + b.answers_right == all.answers_right &&
+              a.rows + b.rows == all.rows && all.answers > 0,
+          "answers %lld + %lld vs %lld", (long long)a.answers, (long long)b.answers, (long long)all.answers);
+    /* the halves are different sequences: their losses differ */
+    double other = 0;
+    for (int i = 0; i < 4; i++) other += b.loss_sum[i];
+    CHECK(n == 2 * 3 * c.seq_len && fabs(sum - other) > 1e-3, "share losses %.6f and %.6f", sum, other);
+    /* rows outside the batch are refused */
+    CHECK(lm_eval_loss_rows(half, src, 1, 4, 4, 3, &a) == LM_ERR_ARG, "rows 3..5 of 4 accepted");
+    CHECK(lm_eval_loss_rows(half, src, 1, 4, 1, 0, &a) == LM_ERR_ARG, "a batch smaller than the model accepted");
+    lm_data_close(src);
+out:
+    lm_model_free(whole);
+    lm_model_free(half);
+}
+
+static int run_cli(const char *args, char *out, size_t n) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", LONGMOE_CLI, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {
+    char out[4096], args[900];
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm nccl", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm must be mpi"), "%s", out);
+    /* started by a launcher that says 2 processes, without --comm mpi: refused before anything is written */
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s", dir("cli"));
+    char env[1000];
+    snprintf(env, sizeof env, "env OMPI_COMM_WORLD_SIZE=2 %s", LONGMOE_CLI);
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", env, args);
+    FILE *p = popen(cmd, "r");
+    size_t got = p ? fread(out, 1, sizeof out - 1, p) : 0;
+    out[got] = 0;
+    int st = p ? pclose(p) : -1;
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2 && strstr(out, "--comm mpi"), "%s", out);
+    struct stat sb;
+    CHECK(stat(dir("cli"), &sb) != 0, "the refused run created its directory");
+    CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--comm mpi"), "--help lacks --comm");
+    if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi", dir("cli"));
+        CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "no MPI engine"), "%s", out);
+    }
+}
+
+/* ---- over the ranks ---- */
+
+/* The runs the cases compare, made once: "dp" (N ranks, 20 steps), "one" (one
+ * process, the same config), "dp-zoom" (N ranks, the zoom estimator). */
+static lm_train_result dp_result, zoom_result;
+static int runs_ok;
+
+static void make_runs(void) {
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_status s = train(&c, "dp", 1, 0, 0, &dp_result);
+    CHECK(!s, "dp: %s", lm_last_error());
+    lm_train_result r;
+    if (me == 0) CHECK(!train(&c, "one", 0, 0, 0, &r), "one: %s", lm_last_error());
+    lm_config z = dp_config(LM_QB_ZOOM);
+    CHECK(!train(&z, "dp-zoom", 1, 0, 0, &zoom_result), "dp-zoom: %s", lm_last_error());
+    int32_t bad = test_current_failures, any = 0;
+    lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
+    runs_ok = any == 0;
+}
+
+static void test_data_parallel_equals_one_process_with_the_same_batch(void) {
+    make_runs();
+    if (!runs_ok) return;
+    CHECK(dp_result.step == 20 && dp_result.skipped == 0, "dp: %lld steps, %lld skipped", (long long)dp_result.step,
+          (long long)dp_result.skipped);
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("dp", "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    double worst = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+        worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    /* the QK-Clip statistic is the largest logit over the whole batch: the ranks' maximum */
+    na = read_metric("dp", "train", "max_logit", a, 32);
+    nb = read_metric("one", "train", "max_logit", b, 32);
+    CHECK(na == 20 && nb == 20 && b[0] > 0, "max_logit lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "largest attention logit");
+    na = read_metric("one", "train", "qk_clipped_heads", a, 32);
+    double clipped = 0;
+    for (int i = 0; i < na; i++) clipped += a[i];
+    CHECK(clipped > 0, "QK-Clip scaled no head: the test does not see it");
+    na = read_metric("dp", "eval", "val_loss", a, 32);
+    nb = read_metric("one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
+    double wp, wb;
+    CHECK(tensors_close("dp", "one", 20, "model.safetensors", 1e-5, &wp), "parameters");
+    CHECK(tensors_close("dp", "one", 20, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
+    printf("     %d ranks vs one process after 20 steps: loss %.2e, parameters %.2e, optimizer/balance %.2e "
+           "relative\n", R, worst, wp, wb);
+}
+
+static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    CHECK(same_on_every_rank(dp_result.params_hash), "parameters or optimizer state differ between ranks");
+    CHECK(same_on_every_rank(dp_result.balance_hash), "balancing state differs between ranks (histogram)");
+    CHECK(same_on_every_rank(zoom_result.params_hash), "parameters differ between ranks (zoom)");
+    CHECK(same_on_every_rank(zoom_result.balance_hash), "balancing state differs between ranks (zoom)");
+    /* the hashes see the state: the two runs' differ */
+    CHECK(dp_result.balance_hash != zoom_result.balance_hash, "the balance hash ignores the bias");
+    if (me == 0) {
+        double h = largest_bias("dp", 20), z = largest_bias("dp-zoom", 20);
+        CHECK(h > 1e-3 && z > 1e-3, "the balancing bias moved: largest |b| %.3g (histogram), %.3g (zoom)", h, z);
+    }
+}
+
+static void test_resume_on_the_same_ranks_is_bit_exact(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_train_result r;
+    CHECK(!train(&c, "dp-resumed", 1, 0, 8, &r) && r.step == 8, "first half: %s", lm_last_error());
+    CHECK(!train(&c, "dp-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == dp_result.params_hash && r.balance_hash == dp_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("dp", "dp-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("dp", "dp-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    double a[32], b[32];
+    int na = read_metric("dp", "train", "loss", a, 32), nb = read_metric("dp-resumed", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+}
+
+static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_train_result r;
+    CHECK(!train(&c, "dp-then-one", 1, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    if (me != 0) return;
+    CHECK(!train(&c, "dp-then-one", 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    double w;
+    CHECK(tensors_close("dp-then-one", "one", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("dp-then-one", "dp", 20, "model.safetensors", 1e-5, &w), "parameters");
+    double a[32];
+    CHECK(read_metric("dp-then-one", "train", "loss", a, 32) == 20, "a train line per step");
+}
+
+/* A forward that fails on one rank only (a NaN in its rows at step 4) skips
+ * the step on every rank and consumes the failing micro-batch, as one
+ * process with the same NaN does; the runs then continue alike. */
+static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_options o = lm_train_options_default(dir("dp-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    o.out_dir = dir("one-fault");
+    o.comm = NULL;
+    o.inject_fault_step = 3;
+    CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
+    CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
+    double a[32], b[32];
+    int na = read_metric("dp-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    double w;
+    CHECK(tensors_close("dp-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    /* the skip changed the run: its last loss is not the unskipped run's */
+    double u[32];
+    CHECK(read_metric("dp", "train", "loss", u, 32) == 20 && fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
+          "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
+}
+
+static void test_what_the_ranks_cannot_share_is_refused(void) {
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    c.batch_size = R + 1;
+    lm_train_result r;
+    lm_status s = train(&c, "indivisible", 1, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "divisible"), "status %d: %s", (int)s, lm_last_error());
+    c = dp_config(LM_QB_EXACT);
+    s = train(&c, "exact", 1, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "exact"), "status %d: %s", (int)s, lm_last_error());
+    /* GPU data parallelism needs the NCCL engine: refused before a device is opened */
+    c = dp_config(LM_QB_HISTOGRAM);
+    lm_train_options o = lm_train_options_default(dir("on-gpu"));
+    o.progress = NULL;
+    o.comm = comm;
+    o.device = LM_DEVICE_CUDA;
+    s = lm_train(&c, &o, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "on the CPU"), "status %d: %s", (int)s, lm_last_error());
+    lm_comm_barrier(comm);
+    if (me == 0) {
+        char p[700];
+        struct stat sb;
+        snprintf(p, sizeof p, "%s/config.json", dir("indivisible"));
+        CHECK(stat(p, &sb) != 0, "the refused run wrote its config");
+    }
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        snprintf(root, sizeof root, "/tmp/longmoe_test_dp_%d", (int)getpid());
+        mkdir(root, 0755);
+        RUN(test_evaluating_shares_and_adding_the_tallies_equals_the_whole_batch);
+        RUN(test_cli_refuses_bad_comm_and_mpirun_without_it);
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+        if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        return test_summary();
+    }
+    if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+        /* one directory for the job: rank 0's */
+        if (me == 0) {
+            snprintf(root, sizeof root, "/tmp/longmoe_test_dp%d_%d", R, (int)getpid());
+            mkdir(root, 0755);
+        }
+        lm_comm_broadcast(comm, root, sizeof root, 0);
+    }
+    RUN(test_data_parallel_equals_one_process_with_the_same_batch);
+    RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
+    RUN(test_resume_on_the_same_ranks_is_bit_exact);
+    RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
+    RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
+    RUN(test_what_the_ranks_cannot_share_is_refused);
+    if (comm) {
+        /* a failure on any rank fails the job's summary */
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        if (me == 0 && !total) {
+            char cmd[400];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        }
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
