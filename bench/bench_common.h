@@ -66,6 +66,31 @@ static inline uint16_t *bench_device_bf16_random(bench_xorshift *r, size_t n, fl
     return d;
 }
 
+/* Median milliseconds of `reps` calls of fn(arg) on stream s, after 3
+ * warm-ups (CUDA events around each call; a failing call ends the program). */
+typedef lm_status (*bench_fn)(void *arg);
+
+static inline float bench_time_ms(cudaStream_t s, bench_fn fn, void *arg, int reps) {
+    cudaEvent_t a, b;
+    cudaCheck(cudaEventCreate(&a));
+    cudaCheck(cudaEventCreate(&b));
+    for (int i = 0; i < 3; i++)
+        if (fn(arg)) dieAt("%s", lm_last_error());
+    float *ms = mallocCheck((size_t)(reps > 0 ? reps : 1) * sizeof(float));
+    for (int r = 0; r < reps; r++) {
+        cudaCheck(cudaEventRecord(a, s));
+        if (fn(arg)) dieAt("%s", lm_last_error());
+        cudaCheck(cudaEventRecord(b, s));
+        cudaCheck(cudaEventSynchronize(b));
+        cudaCheck(cudaEventElapsedTime(&ms[r], a, b));
+    }
+    float med = bench_median_f(ms, reps);
+    free(ms);
+    cudaCheck(cudaEventDestroy(a));
+    cudaCheck(cudaEventDestroy(b));
+    return med;
+}
+
 /* Bandwidth of a memory-bound kernel against the copy engine's reference:
  * `bytes` is the least traffic the kernel can have (every input read once,
  * every output written once), gbs = bytes / time, copy_gbs the bandwidth

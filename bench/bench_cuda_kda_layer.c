@@ -59,52 +59,38 @@ typedef struct {
     void *out_scratch;
 } kl_args;
 
-typedef lm_status (*bench_fn)(kl_args *a);
 
-static lm_status conv_fwd(kl_args *a) {
+static lm_status conv_fwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_short_conv_silu_forward(&ctx, a->conv_out, a->y16, a->rnorm, a->in, a->w, a->B, a->T, a->C, a->W,
                                            a->hd);
 }
-static lm_status conv_bwd(kl_args *a) {
+static lm_status conv_bwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_short_conv_silu_backward(&ctx, a->din, a->dw, a->dy16, a->conv_out, a->rnorm, a->in, a->w, a->B,
                                             a->T, a->C, a->W, a->hd, a->conv_scratch);
 }
-static lm_status sig_fwd(kl_args *a) {
+static lm_status sig_fwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_sigmoid_forward(&ctx, a->beta, a->beta_logit, (size_t)a->N * a->H);
 }
-static lm_status sig_bwd(kl_args *a) {
+static lm_status sig_bwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_sigmoid_backward(&ctx, a->dbeta_logit, a->dbeta, a->beta, (size_t)a->N * a->H);
 }
-static lm_status out_fwd(kl_args *a) {
+static lm_status out_fwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_kda_output_forward(&ctx, a->gated16, a->o_rstd, a->gate, a->o16, a->gate_logits, a->o_norm, a->N,
                                       a->H, a->K, 1e-6f);
 }
-static lm_status out_bwd(kl_args *a) {
+static lm_status out_bwd(void *arg) {
+    kl_args *a = arg;
     return lm_cuda_kda_output_backward(&ctx, a->d_o16, NULL, a->dgate_logits, a->do_norm, a->d_gated, a->o16,
                                        a->o_rstd, a->gate, a->o_norm, a->N, a->H, a->K, 1e-6f, a->out_scratch);
 }
 
-/* median milliseconds of `reps` calls after 3 warm-ups */
 static float time_ms(bench_fn fn, kl_args *arg, int reps) {
-    cudaStream_t s = (cudaStream_t)ctx.stream;
-    cudaEvent_t a, b;
-    cudaCheck(cudaEventCreate(&a));
-    cudaCheck(cudaEventCreate(&b));
-    for (int i = 0; i < 3; i++)
-        if (fn(arg)) dieAt("%s", lm_last_error());
-    float *ms = mallocCheck((size_t)reps * sizeof(float));
-    for (int r = 0; r < reps; r++) {
-        cudaCheck(cudaEventRecord(a, s));
-        if (fn(arg)) dieAt("%s", lm_last_error());
-        cudaCheck(cudaEventRecord(b, s));
-        cudaCheck(cudaEventSynchronize(b));
-        cudaCheck(cudaEventElapsedTime(&ms[r], a, b));
-    }
-    float med = bench_median_f(ms, reps);
-    free(ms);
-    cudaCheck(cudaEventDestroy(a));
-    cudaCheck(cudaEventDestroy(b));
-    return med;
+    return bench_time_ms((cudaStream_t)ctx.stream, fn, arg, reps);
 }
 
 int main(int argc, char **argv) {

@@ -58,30 +58,8 @@ static float *dev_f32_random(size_t n, float a) {
     return d;
 }
 
-typedef lm_status (*bench_fn)(void *arg);
-
-/* median milliseconds of `reps` calls after 3 warm-ups */
 static float time_ms(bench_fn fn, void *arg, int reps) {
-    cudaStream_t s = (cudaStream_t)ctx.stream;
-    cudaEvent_t a, b;
-    cudaCheck(cudaEventCreate(&a));
-    cudaCheck(cudaEventCreate(&b));
-    for (int i = 0; i < 3; i++)
-        if (fn(arg)) dieAt("%s", lm_last_error());
-    float *ms = mallocCheck((size_t)reps * sizeof(float));
-    for (int r = 0; r < reps; r++) {
-        cudaCheck(cudaEventRecord(a, s));
-        if (fn(arg)) dieAt("%s", lm_last_error());
-        cudaCheck(cudaEventRecord(b, s));
-        cudaCheck(cudaEventSynchronize(b));
-        cudaCheck(cudaEventElapsedTime(&ms[r], a, b));
-    }
-    qsort(ms, (size_t)reps, sizeof(float), bench_cmp_float);
-    float med = ms[reps / 2];
-    free(ms);
-    cudaCheck(cudaEventDestroy(a));
-    cudaCheck(cudaEventDestroy(b));
-    return med;
+    return bench_time_ms((cudaStream_t)ctx.stream, fn, arg, reps);
 }
 
 typedef struct {

@@ -151,6 +151,18 @@ static inline char *test_slurp(const char *path, size_t *n) {
     return b;
 }
 
+/* The step a run directory's `latest` names (-1: none), without checking the
+ * checkpoint directory itself. */
+static inline long long test_latest_step(const char *run) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/latest", run);
+    char *text = test_slurp(path, NULL);
+    long long step = -1;
+    if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
+    free(text);
+    return step;
+}
+
 /* 1 when both files can be read and hold the same bytes. */
 static inline int test_same_file(const char *a, const char *b) {
     size_t na, nb;

@@ -65,17 +65,6 @@ static int writing_checkpoint(const char *run) {
     return found;
 }
 
-/* The step `latest` names (-1: none), without checking the directory. */
-static long long latest_step(const char *run) {
-    char path[600];
-    snprintf(path, sizeof path, "%s/latest", run);
-    char *text = test_slurp(path, NULL);
-    long long step = -1;
-    if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
-    free(text);
-    return step;
-}
-
 /* The step `latest` names, after checking that its directory is complete:
  * config.json reads as a config, both safetensors files parse, trainer.json
  * parses and holds the same step as the directory name. -1 when there is no
@@ -181,7 +170,7 @@ static void test_sigkill_and_resume_is_bit_identical(void) {
             double t_step = t_run / STEPS, give_up = lm_time_seconds() + 10 * t_run + 5;
             pid_t got;
             while ((got = waitpid(pid, &status, WNOHANG)) == 0 && lm_time_seconds() < give_up &&
-                   !(mode == 0 && latest_step(run) > before) && !(mode == 1 && writing_checkpoint(run)) && mode != 2)
+                   !(mode == 0 && test_latest_step(run) > before) && !(mode == 1 && writing_checkpoint(run)) && mode != 2)
                 sleep_seconds(1e-4);
             if (got == 0) {
                 sleep_seconds(lm_rng_uniform(&r) * (mode == 1 ? t_step / 2 : t_step));

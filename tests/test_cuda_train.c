@@ -100,17 +100,6 @@ static int train(const char *run, const char *device, int resume, int stop_after
     return ok;
 }
 
-/* The step `latest` names (-1: none). */
-static long long latest_step(const char *run) {
-    char path[600];
-    snprintf(path, sizeof path, "%s/latest", run);
-    char *text = test_slurp(path, NULL);
-    long long step = -1;
-    if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
-    free(text);
-    return step;
-}
-
 /* The text of field `key` ("loss", "val_loss") of the lines of `type` in the
  * run's metrics.jsonl, in order; their count (max + 1 when there are more). */
 static int read_field(const char *run, const char *type, const char *key, char vals[][32], int max) {
@@ -224,7 +213,7 @@ static void test_gpu_run_killed_and_resumed_is_bit_identical(void) {
         int status = 0;
         pid_t got;
         double give_up = lm_time_seconds() + 300;
-        while ((got = waitpid(pid, &status, WNOHANG)) == 0 && latest_step(run) < kill_after[k] &&
+        while ((got = waitpid(pid, &status, WNOHANG)) == 0 && test_latest_step(run) < kill_after[k] &&
                lm_time_seconds() < give_up)
             sleep_seconds(1e-4);
         CHECK(got == 0, "kill %d: the run ended before step %d (exit %d)", k + 1, kill_after[k],
@@ -232,7 +221,7 @@ static void test_gpu_run_killed_and_resumed_is_bit_identical(void) {
         if (got != 0) return;
         kill(pid, SIGKILL);
         waitpid(pid, &status, 0);
-        long long at = latest_step(run);
+        long long at = test_latest_step(run);
         CHECK(at >= kill_after[k] && at < STEPS, "kill %d: latest is step %lld", k + 1, at);
         printf("  kill %d at latest step %lld\n", k + 1, at);
     }
