@@ -4,7 +4,7 @@
  * environment bytes get zero gradient through the whole RL objective and the
  * model (changing them as targets changes nothing); a run stopped twice and
  * resumed ends bit-identical to an uninterrupted one, and the report draws
- * its curves. */
+ * its curves; the RL presets load with the settings the docs state. */
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -302,6 +302,39 @@ static void test_resumed_run_is_bit_identical(void) {
     CHECK(system(cmd) == 0, "clean");
 }
 
+/* The RL presets load (both sections) and hold the settings docs/rl.md
+ * states for its demonstrations: the model of configs/tiny.json; rl-small on
+ * the three environments, rl-lookup (the first stage of the lookup-and-grid
+ * run: lookup demonstrations only, no RL) and rl-lookup-grid (7 more
+ * warm-start steps, then 250 RL steps on lookup and grid), the same RL
+ * hyperparameters in all three. */
+static void test_rl_presets_load_with_the_documented_settings(void) {
+    const char *paths[] = {"configs/rl-small.json", "configs/rl-lookup.json", "configs/rl-lookup-grid.json"};
+    const int n_envs[] = {3, 1, 2}, warm[] = {75, 22, 7}, steps[] = {200, 0, 250};
+    lm_config tiny;
+    CHECK(lm_config_load("configs/tiny.json", &tiny) == LM_OK, "%s", lm_last_error());
+    for (int i = 0; i < 3; i++) {
+        lm_config mc;
+        lm_rl_config c;
+        lm_config_defaults(&mc);
+        lm_rl_config_defaults(&c);
+        CHECK(lm_rl_config_load(paths[i], &mc, &c) == LM_OK, "%s", lm_last_error());
+        CHECK(mc.d_model == tiny.d_model && mc.n_layers == tiny.n_layers && mc.vocab_size == 256, "%s: the tiny model",
+              paths[i]);
+        CHECK(c.n_envs == n_envs[i] && c.envs[0] == LM_ENV_LOOKUP && c.warm_steps == warm[i] && c.steps == steps[i],
+              "%s: environments and lengths", paths[i]);
+        CHECK(c.credit == LM_CREDIT_TURN && c.tasks == 4 && c.group == 8 && c.max_len == 96 && c.epochs == 2 &&
+              c.lr == 0.0005f && c.adam_lr == 0.0003f && c.difficulty_min == 1 && c.difficulty_max == 2 &&
+              c.eval_episodes == 64 && c.seed == 1, "%s: the RL hyperparameters", paths[i]);
+    }
+    lm_config mc;
+    lm_rl_config c;
+    lm_config_defaults(&mc);
+    lm_rl_config_defaults(&c);
+    CHECK(lm_rl_config_load("configs/rl-lookup-grid.json", &mc, &c) == LM_OK && c.envs[1] == LM_ENV_GRID,
+          "rl-lookup-grid: lookup and grid");
+}
+
 /* `longmoe rl` end to end on a micro model, and its usage errors. */
 static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
     char root[256];
@@ -340,5 +373,6 @@ int main(void) {
     RUN(test_environment_bytes_get_zero_gradient_through_the_model);
     RUN(test_resumed_run_is_bit_identical);
     RUN(test_cli_runs_resumes_and_refuses_bad_usage);
+    RUN(test_rl_presets_load_with_the_documented_settings);
     return test_summary();
 }
