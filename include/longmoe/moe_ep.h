@@ -45,6 +45,12 @@ int lm_moe_ep_local_experts(const lm_moe_ep *ep);
 /* Rows this rank's experts received in the last forward (all sources). */
 int64_t lm_moe_ep_rows_received(const lm_moe_ep *ep);
 
+/* The ranks agree on a failure (a one-integer sum): returns `mine` when it
+ * is an error, an LM_ERR_NUMERIC error naming another rank when only another
+ * rank failed, else LM_OK. Collective. lm_moe_forward_ep calls it after the
+ * routing, before the exchange. */
+lm_status lm_moe_ep_agree(lm_moe_ep *ep, lm_status mine);
+
 /* The layer of lm_moe_forward / lm_moe_backward with the routed experts
  * spread over the ranks. p->gate, p->up, p->down (and g's) point at this
  * rank's slice [count, ...] of the expert tensors; everything else is whole.

@@ -107,6 +107,15 @@ static int grow(lm_moe_ep *ep, int64_t rows) {
     return 0;
 }
 
+lm_status lm_moe_ep_agree(lm_moe_ep *ep, lm_status mine) {
+    int32_t bad = mine != LM_OK, any = 0;
+    lm_status cs = lm_comm_all_reduce_sum(ep->comm, &bad, &any, 1, LM_DTYPE_I32);
+    if (mine) return mine;
+    if (cs) return cs;
+    if (any) return lm_error(LM_ERR_NUMERIC, "moe ep: the routing failed on another rank");
+    return LM_OK;
+}
+
 lm_status lm_moe_ep_experts_forward(lm_moe_ep *ep, lm_moe_acts *a, const lm_moe_config *c,
                                     const lm_moe_params *p) {
     int R = ep->R, nl = ep->nl, n = ep->n, de = ep->de, f = ep->f;

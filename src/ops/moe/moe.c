@@ -219,6 +219,7 @@ lm_status lm_moe_forward_ep(float *y, const float *x, const float *b, const lm_m
     for (int64_t e = 0; e < mn; e++) a->s[e] = lm_sigmoidf(a->s[e]);
     /* T_i = argtop_k(s_i + b); p = scale * s / sum over T_i (SPEC §4) */
     st = lm_router_select(a->topk, a->weights, a->s, b, m, n, k, c->route_scale);
+    if (ep) st = lm_moe_ep_agree(ep, st); /* a rank that fails stops every rank before the exchange */
     if (st) return st;
     lm_moe_group_by_expert(a->offsets, a->order, a->slot_row, a->topk, m, n, k);
 
