@@ -92,6 +92,21 @@ static lm_status train(const lm_config *c, const char *run, int dp, int resume, 
     return lm_train(c, &o, r);
 }
 
+/* The same over the ranks with expert parallelism (or asking for it alone). */
+static lm_status train_ep(const lm_config *c, const char *run, int dp, int resume, int64_t stop_after,
+                          lm_train_result *r) {
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.resume = resume;
+    o.stop_after = stop_after;
+    o.comm = dp ? comm : NULL;
+    o.expert_parallel = 1;
+    memset(r, 0, sizeof *r);
+    return lm_train(c, &o, r);
+}
+
 /* The numbers of the train (or eval) lines of a run's metrics: key "loss"
  * (or "val_loss"), in order. */
 static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
@@ -257,6 +272,9 @@ static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {
     struct stat sb;
     CHECK(stat(dir("cli"), &sb) != 0, "the refused run created its directory");
     CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--comm mpi"), "--help lacks --comm");
+    CHECK(strstr(out, "--ep "), "--help lacks --ep");
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --ep", dir("cli-ep"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm mpi"), "%s", out);
     if (!lm_comm_engine_available(LM_COMM_MPI)) {
         snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi", dir("cli"));
         CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "no MPI engine"), "%s", out);
@@ -401,6 +419,118 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
+/* ---- expert parallelism (EP = the N ranks: 8 experts, 4 or 2 a rank) ---- */
+
+static lm_train_result ep_result;
+static int ep_ok;
+
+/* The same global batch as "dp" and "one" with the experts split over the
+ * ranks: equal to both to float rounding. */
+static void test_expert_parallel_equals_data_parallel_and_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    CHECK(!train_ep(&c, "ep", 1, 0, 0, &ep_result), "ep: %s", lm_last_error());
+    int32_t bad = test_current_failures, any = 0;
+    lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
+    ep_ok = any == 0;
+    if (!ep_ok) return;
+    CHECK(ep_result.step == 20 && ep_result.skipped == 0, "ep: %lld steps, %lld skipped",
+          (long long)ep_result.step, (long long)ep_result.skipped);
+    if (me != 0) return;
+    double a[32], b[32], d[32];
+    int na = read_metric("ep", "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    int nd = read_metric("dp", "train", "loss", d, 32);
+    CHECK(na == 20 && nb == 20 && nd == 20, "train lines %d, %d and %d", na, nb, nd);
+    double worst = 0;
+    for (int i = 0; i < na && i < nb && i < nd; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss (ep vs one process)");
+        CHECK_CLOSE(a[i], d[i], 0, 1e-5, "loss (ep vs dp)");
+        worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    na = read_metric("ep", "eval", "val_loss", a, 32);
+    nb = read_metric("one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
+    double wp, wd, wb;
+    CHECK(tensors_close("ep", "one", 20, "model.safetensors", 1e-5, &wp), "parameters (ep vs one process)");
+    CHECK(tensors_close("ep", "dp", 20, "model.safetensors", 1e-5, &wd), "parameters (ep vs dp)");
+    CHECK(tensors_close("ep", "one", 20, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
+    /* the experts' rows crossed ranks: the runs are not the data-parallel run's bits */
+    printf("     EP over %d ranks after 20 steps: loss %.2e, parameters %.2e (vs dp %.2e), optimizer/balance "
+           "%.2e relative to one process\n", R, worst, wp, wd, wb);
+}
+
+static void test_expert_parallel_ranks_hold_the_same_state_and_bias(void) {
+    if (!ep_ok) SKIP("the expert-parallel run failed");
+    CHECK(same_on_every_rank(ep_result.params_hash), "parameters or optimizer state differ between ranks");
+    CHECK(same_on_every_rank(ep_result.balance_hash), "balancing state differs between ranks");
+    if (me == 0) {
+        double h = largest_bias("ep", 20);
+        CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
+    }
+}
+
+/* An EP checkpoint is an ordinary one: it resumes with EP bit-exactly, and on
+ * one process (without EP) within rounding of the uninterrupted runs. */
+static void test_expert_parallel_checkpoint_resumes_with_and_without_it(void) {
+    if (!ep_ok) SKIP("the expert-parallel run failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_train_result r;
+    CHECK(!train_ep(&c, "ep-resumed", 1, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
+    CHECK(!train_ep(&c, "ep-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == ep_result.params_hash && r.balance_hash == ep_result.balance_hash,
+          "the resumed EP run's state differs from the uninterrupted run's");
+    CHECK(!train_ep(&c, "ep-then-one", 1, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("ep", "ep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(!train(&c, "ep-then-one", 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    CHECK(tensors_close("ep-then-one", "one", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("ep-then-one", "ep", 20, "model.safetensors", 1e-5, &w), "parameters");
+}
+
+/* A NaN in one rank's rows stops that rank's routing: the ranks agree before
+ * the exchange, skip the step together and go on as one process does. */
+static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
+    if (!ep_ok) SKIP("the expert-parallel run failed");
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_options o = lm_train_options_default(dir("ep-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.expert_parallel = 1;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("ep-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+}
+
+static void test_expert_parallel_refuses_experts_it_cannot_split(void) {
+    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    c.n_routed_experts = 5; /* divisible by neither 2 nor 4 */
+    lm_train_result r;
+    lm_status s = train_ep(&c, "ep-indivisible", 1, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "n_routed_experts = 5 is not divisible"), "status %d: %s",
+          (int)s, lm_last_error());
+    lm_comm_barrier(comm);
+    if (me == 0) {
+        char p[700];
+        struct stat sb;
+        snprintf(p, sizeof p, "%s/config.json", dir("ep-indivisible"));
+        CHECK(stat(p, &sb) != 0, "the refused run wrote its config");
+    }
+}
+
 static void test_what_the_ranks_cannot_share_is_refused(void) {
     lm_config c = dp_config(LM_QB_HISTOGRAM);
     c.batch_size = R + 1;
@@ -467,6 +597,11 @@ int main(int argc, char **argv) {
     RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
     RUN(test_what_the_ranks_cannot_share_is_refused);
+    RUN(test_expert_parallel_equals_data_parallel_and_one_process);
+    RUN(test_expert_parallel_ranks_hold_the_same_state_and_bias);
+    RUN(test_expert_parallel_checkpoint_resumes_with_and_without_it);
+    RUN(test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_rank);
+    RUN(test_expert_parallel_refuses_experts_it_cannot_split);
     if (comm) {
         /* a failure on any rank fails the job's summary */
         int32_t failed = test_failed_count, total = 0;

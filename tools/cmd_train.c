@@ -13,7 +13,7 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep] --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -53,6 +53,13 @@ static const char *const train_usage =
     "                writes DIR; every rank must see DIR (one machine or a shared file\n"
     "                system). A checkpoint resumes on one process or any number of ranks\n"
     "                that divides B (docs/scaleout.md, \"Data parallelism\")\n"
+    "  --ep          with --comm mpi: expert parallelism too (EP = N): rank r computes the\n"
+    "                routed experts [r n/N, (r+1) n/N) of every MoE layer for the tokens of\n"
+    "                all ranks, which reach it by all-to-all (model.n_routed_experts\n"
+    "                divisible by N). The weights and optimizer state stay whole on every\n"
+    "                rank and the expert gradients are summed with the rest, so the\n"
+    "                checkpoints are data parallelism's and resume with or without --ep\n"
+    "                (docs/scaleout.md, \"Expert parallelism\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -93,7 +100,7 @@ int cmd_train(int argc, char **argv) {
     long steps = 0, stop_after = 0;
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
-    int host_optimizer = 0, use_mpi = 0;
+    int host_optimizer = 0, use_mpi = 0, expert_parallel = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -122,6 +129,8 @@ int cmd_train(int argc, char **argv) {
                 cli_fail(cmd, "--comm must be mpi (or self: one process), got '%s'", v);
                 return 2;
             }
+        } else if (!strcmp(a, "--ep")) {
+            expert_parallel = 1;
         } else if (!strcmp(a, "--host-optimizer")) {
             host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -179,7 +188,10 @@ int cmd_train(int argc, char **argv) {
     if (!use_mpi && launched_ranks() > 1)
         return cli_fail(cmd, "started by mpirun as one of %ld processes without --comm mpi: each would train the "
                         "whole run alone into the same --out; give --comm mpi for data parallelism", launched_ranks()) + 1;
+    if (expert_parallel && !use_mpi)
+        return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
     lm_comm *comm = NULL;
+    opt.expert_parallel = expert_parallel;
     if (use_mpi) {
         if (!lm_comm_engine_available(LM_COMM_MPI))
             return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "

@@ -66,6 +66,18 @@ lm_status lm_model_upload_params(lm_model *m);
 lm_status lm_model_download_grads(lm_model *m);
 void lm_model_free(lm_model *m);
 
+/* Expert parallelism over the ranks of comm (docs/scaleout.md; CPU backend
+ * only): rank r computes the routed experts [r n / R, (r+1) n / R) of every
+ * MoE layer for the tokens of all ranks, which reach it by all-to-all in the
+ * training forward and backward (lm_model_forward with training = 1 and
+ * lm_model_backward are then collective over comm). The weights stay whole on
+ * every rank: evaluation forwards run every expert locally. The expert weight
+ * gradients of this rank's backward are complete for its experts and zero for
+ * the others. n_routed_experts not divisible by R is LM_ERR_ARG. comm must
+ * outlive the model. */
+struct lm_comm;
+lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
+
 /* Initialise every parameter from `seed` (reproducible) and reset the balancing. */
 void lm_model_init(lm_model *m, uint64_t seed);
 

@@ -84,6 +84,13 @@ typedef struct {
      * every rank reads the checkpoint it resumes from, so the directory must
      * be visible to all. CPU only (device LM_DEVICE_CPU). */
     lm_comm *comm;
+    /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
+     * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
+     * every MoE layer for the tokens of all ranks (dispatch and combine by
+     * all-to-all). n_routed_experts must be divisible by R. The expert
+     * weights, their gradients (summed with the rest) and optimizer state stay
+     * whole on every rank, so checkpoints are those of data parallelism. */
+    int expert_parallel;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

@@ -493,6 +493,7 @@ fail:
 void lm_model_free(lm_model *m) {
     if (!m) return;
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
+        lm_moe_ep_free(m->layers[l].moe_ep);
         if (m->layers[l].owns_moe_acts) m->be->ops->moe_acts_free(m->be, m->layers[l].moe_acts);
         free(m->layers[l].smax);
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
@@ -756,7 +757,22 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         TRY(dense_ffn_forward(m, ls, xn_lp, y));
     } else {
         const int n = m->cfg.n_routed_experts;
-        TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, N));
+        /* expert parallelism in training (and its recomputation) only: an
+         * evaluation forward may run on some ranks alone and the replicated
+         * expert weights let it run the whole layer */
+        ls->moe_ep_fwd = ls->moe_ep && (training || recompute);
+        if (ls->moe_ep_fwd) {
+            /* did every rank reach this layer? (lm_model_forward) */
+            lm_status st = lm_moe_ep_agree(ls->moe_ep, LM_OK);
+            if (!recompute) m->ep_next = idx + 1;
+            if (!st) st = lm_moe_forward_ep(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts, N,
+                                            ls->moe_ep);
+            if (st) {
+                m->ep_together = 1; /* failures in the layer are agreed on */
+                return st;
+            }
+        } else
+            TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, N));
         float *scores = op->moe_scores(be, ls->moe_acts);
         if (m->fault == LM_FAULT_ROUTER && !recompute) {
             const float nan = NAN;
@@ -766,6 +782,14 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         /* a non-finite score would poison the balancer's statistics: refuse it first */
         int64_t bad;
         TRY(op->find_nonfinite(be, scores, (size_t)N * n, &bad));
+        if (ls->moe_ep_fwd) {
+            /* the ranks agree, so all stop at this layer and none waits in the next exchange */
+            int32_t mine = bad >= 0, any = 0;
+            TRY(lm_comm_all_reduce_sum(m->ep_comm, &mine, &any, 1, LM_DTYPE_I32));
+            if (any) m->ep_together = 1;
+            if (any && !mine)
+                return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d on another rank", idx / 2);
+        }
         if (bad >= 0)
             return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
                             (long long)(bad / n));
@@ -835,8 +859,35 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     return LM_OK;
 }
 
+static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
+                               float *loss);
+
+/* Under expert parallelism a training forward is collective: every MoE layer
+ * starts with an agreement of the ranks. A rank that fails before the last
+ * MoE layer joins the agreement of the next MoE layer it has not reached, so
+ * the other ranks learn of the failure there instead of waiting in the
+ * exchange (and fail too). */
 lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
                            float *loss) {
+    m->ep_next = 0;
+    m->ep_together = 0;
+    lm_status s = model_forward(m, tokens, targets, training, loss);
+    if (s && m->ep_comm && training && !m->ep_together) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", lm_last_error());
+        /* the others stop at that agreement: one is all this rank joins */
+        for (int idx = m->ep_next; idx < m->L2; idx++)
+            if (idx % 2 && m->layers[idx / 2].moe_ep) {
+                (void)lm_moe_ep_agree(m->layers[idx / 2].moe_ep, s);
+                break;
+            }
+        lm_error(s, "%s", why); /* the message of this rank's failure, not of the agreements */
+    }
+    return s;
+}
+
+static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
+                               float *loss) {
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     m->have_targets = 0;
@@ -943,8 +994,12 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
                 }
                 extra = ls->dscores;
             }
-            TRY(op->moe_backward(be, m->dxn, &ls->moe_G, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
-                                 ls->moe_acts));
+            if (ls->moe_ep_fwd)
+                TRY(lm_moe_backward_ep(m->dxn, &ls->moe_Gep, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
+                                       ls->moe_acts, ls->moe_ep));
+            else
+                TRY(op->moe_backward(be, m->dxn, &ls->moe_G, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_P,
+                                     &ls->moe_PL, ls->moe_acts));
         }
         charge(m, sublayer_part(ls, idx), &t0);
         TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
@@ -1089,3 +1144,28 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
 }
 
 void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
+
+lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
+    if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
+    if (m->be->device != LM_DEVICE_CPU)
+        return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (the device engine is not written yet)");
+    int R = lm_comm_size(comm);
+    if (m->cfg.n_routed_experts % R)
+        return lm_error(LM_ERR_ARG,
+                        "expert parallelism: model.n_routed_experts = %d is not divisible by the %d ranks (each "
+                        "rank owns n / R experts)",
+                        m->cfg.n_routed_experts, R);
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (!ls->moe || ls->moe_ep) continue;
+        TRY(lm_moe_ep_create(comm, &ls->moe_cfg, &ls->moe_ep));
+        const lm_moe_config *mc = &ls->moe_cfg;
+        size_t wo = (size_t)lm_moe_ep_first_expert(ls->moe_ep) * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
+        ls->moe_Pep = ls->moe_P;
+        ls->moe_Gep = ls->moe_G;
+        ls->moe_Pep.gate += wo, ls->moe_Pep.up += wo, ls->moe_Pep.down += wo;
+        ls->moe_Gep.gate += wo, ls->moe_Gep.up += wo, ls->moe_Gep.down += wo;
+    }
+    m->ep_comm = comm;
+    return LM_OK;
+}

@@ -10,6 +10,7 @@
 #include "longmoe/mla.h"
 #include "longmoe/model.h"
 #include "longmoe/moe.h"
+#include "longmoe/moe_ep.h"
 
 
 typedef struct {
@@ -36,6 +37,11 @@ typedef struct {
     lm_balance_state bal;
     int bal_ready, owns_moe_acts;
     float *dscores; /* aux loss gradient [N,n] (balance = aux), backend memory */
+    /* expert parallelism (lm_model_set_expert_parallel): the exchange, the
+     * views of this rank's expert slice, and whether the last forward used it */
+    lm_moe_ep *moe_ep;
+    lm_moe_params moe_Pep, moe_Gep;
+    int moe_ep_fwd;
 } layer_state;
 
 struct lm_model {
@@ -76,6 +82,9 @@ struct lm_model {
     /* separate product format only: the model's own lp buffers, host copies */
     void *lp_block, *xn_lp, *hn_lp, *ffn_h_lp, *ffn_da_lp, *ffn_du_lp, *dy_lp;
     float *hn_host, *aux_host;
+    struct lm_comm *ep_comm; /* expert parallelism over these ranks (NULL: off) */
+    int ep_next;     /* the forward's first sublayer whose EP agreement this rank has not joined */
+    int ep_together; /* the forward failed at an agreement: every rank knows */
 };
 
 #endif

@@ -200,6 +200,17 @@ static int stop_requested(trainer *t) {
 
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
+    if (t->opt.expert_parallel) {
+        if (!t->comm)
+            return lm_error(LM_ERR_ARG, "expert parallelism (--ep) runs over the ranks of --comm mpi");
+        if (t->opt.device != LM_DEVICE_CPU)
+            return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (--device cpu), not --device %s",
+                            lm_device_name(t->opt.device));
+        if (t->cfg.n_routed_experts > 0 && t->cfg.n_routed_experts % t->ranks)
+            return lm_error(LM_ERR_ARG, "expert parallelism over %d ranks: model.n_routed_experts = %d is not "
+                            "divisible by %d (each rank owns an equal share of the experts)", t->ranks,
+                            t->cfg.n_routed_experts, t->ranks);
+    }
     if (t->ranks <= 1) return LM_OK;
     if (t->opt.device != LM_DEVICE_CPU)
         return lm_error(LM_ERR_ARG, "data parallel training runs on the CPU (--device cpu); %d ranks were given "
@@ -385,6 +396,7 @@ static lm_status trainer_setup(trainer *t, int stage) {
     stage_shape(t, stage, &t->B, &t->T);
     TRY(open_device(t));
     TRY(lm_model_create_on(c, share_B(t), t->T, t->be, &t->model));
+    if (t->opt.expert_parallel) TRY(lm_model_set_expert_parallel(t->model, t->comm));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);

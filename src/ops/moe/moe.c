@@ -7,6 +7,7 @@
 #include "check.h"
 #include "longmoe/linear.h"
 #include "longmoe/moe.h"
+#include "moe_internal.h"
 
 lm_moe_config lm_moe_config_default(int d, int n_experts, int top_k, int d_ff) {
     lm_moe_config c;
@@ -156,7 +157,7 @@ void lm_expert_act_backward(lm_expert_act act, float a, float u, float *dh_da, f
 }
 
 /* One GLU expert on n rows: a = x Wg^T, u = x Wu^T, h = act(a,u), out = h Wd^T. */
-static void glu_forward(float *out, float *a, float *u, float *h, const float *x, const float *wg,
+void lm_moe_glu_forward(float *out, float *a, float *u, float *h, const float *x, const float *wg,
                         const float *wu, const float *wd, int64_t rows, int din, int f, int dout,
                         lm_expert_act act) {
     // x is (rows,din); a, u, h are (rows,f); out is (rows,dout)
@@ -169,7 +170,7 @@ static void glu_forward(float *out, float *a, float *u, float *h, const float *x
 }
 
 /* Backward of glu_forward. dx (+=), dwg, dwu, dwd (+=, may be NULL); dh, da, du scratch. */
-static void glu_backward(float *dx, float *dwg, float *dwu, float *dwd, float *dh, float *da, float *du,
+void lm_moe_glu_backward(float *dx, float *dwg, float *dwu, float *dwd, float *dh, float *da, float *du,
                          const float *dout, const float *x, const float *a, const float *u,
                          const float *h, const float *wg, const float *wu, const float *wd, int64_t rows,
                          int din, int f, int dim_out, lm_expert_act act) {
@@ -190,6 +191,17 @@ static void glu_backward(float *dx, float *dwg, float *dwu, float *dwd, float *d
 
 lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_config *c,
                          const lm_moe_params *p, lm_moe_acts *a, int64_t m) {
+    return lm_moe_forward_ep(y, x, b, c, p, a, m, NULL);
+}
+
+lm_status lm_moe_backward(float *dx, lm_moe_params *g, const float *dy, const float *x,
+                          const float *dscores_extra, const lm_moe_config *c, const lm_moe_params *p,
+                          lm_moe_acts *a) {
+    return lm_moe_backward_ep(dx, g, dy, x, dscores_extra, c, p, a, NULL);
+}
+
+lm_status lm_moe_forward_ep(float *y, const float *x, const float *b, const lm_moe_config *c,
+                            const lm_moe_params *p, lm_moe_acts *a, int64_t m, lm_moe_ep *ep) {
     // x, y are (m,d); b is (n); everything the backward needs goes to acts
     lm_status st = lm_moe_check(c);
     if (st) return st;
@@ -207,6 +219,7 @@ lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_
     for (int64_t e = 0; e < mn; e++) a->s[e] = lm_sigmoidf(a->s[e]);
     /* T_i = argtop_k(s_i + b); p = scale * s / sum over T_i (SPEC §4) */
     st = lm_router_select(a->topk, a->weights, a->s, b, m, n, k, c->route_scale);
+    if (ep) st = lm_moe_ep_agree(ep, st); /* a rank that fails stops every rank before the exchange */
     if (st) return st;
     lm_moe_group_by_expert(a->offsets, a->order, a->slot_row, a->topk, m, n, k);
 
@@ -221,12 +234,17 @@ lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_
     for (int64_t g = 0; g < mk; g++)
         memcpy(a->xg + g * de, xe + (int64_t)(a->order[g] / k) * de, (size_t)de * sizeof(float));
 
-    /* each expert is one dense product over its contiguous rows */
-    for (int j = 0; j < n; j++) {
+    /* each expert is one dense product over its contiguous rows (under expert
+     * parallelism, on the rank that owns it) */
+    if (ep) {
+        st = lm_moe_ep_experts_forward(ep, a, c, p);
+        if (st) return st;
+    }
+    for (int j = 0; j < (ep ? 0 : n); j++) {
         int64_t o = a->offsets[j], rows = a->offsets[j + 1] - o;
         if (!rows) continue;
         size_t wo = (size_t)j * f * de;
-        glu_forward(a->gout + o * de, a->ga + o * f, a->gu + o * f, a->gh + o * f, a->xg + o * de,
+        lm_moe_glu_forward(a->gout + o * de, a->ga + o * f, a->gu + o * f, a->gh + o * f, a->xg + o * de,
                     p->gate + wo, p->up + wo, p->down + wo, rows, de, f, de, c->act);
     }
 
@@ -253,7 +271,7 @@ lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_
     /* shared experts at full width, added to every token */
     for (int e = 0; e < c->n_shared; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        glu_forward(a->ytmp, a->sa + ao, a->su + ao, a->sh + ao, x, p->shared_gate + wo,
+        lm_moe_glu_forward(a->ytmp, a->sa + ao, a->su + ao, a->sh + ao, x, p->shared_gate + wo,
                     p->shared_up + wo, p->shared_down + wo, m, d, fs, d, c->act);
         int64_t md = m * d;
 #pragma omp parallel for schedule(static)
@@ -262,9 +280,9 @@ lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_
     return LM_OK;
 }
 
-lm_status lm_moe_backward(float *dx, lm_moe_params *g, const float *dy, const float *x,
-                          const float *dscores_extra, const lm_moe_config *c, const lm_moe_params *p,
-                          lm_moe_acts *a) {
+lm_status lm_moe_backward_ep(float *dx, lm_moe_params *g, const float *dy, const float *x,
+                             const float *dscores_extra, const lm_moe_config *c, const lm_moe_params *p,
+                             lm_moe_acts *a, lm_moe_ep *ep) {
     // dy, x, dx are (m,d); dscores_extra is (m,n); gradients have the parameters' shapes
     lm_status st = lm_moe_check(c);
     if (st) return st;
@@ -276,7 +294,7 @@ lm_status lm_moe_backward(float *dx, lm_moe_params *g, const float *dy, const fl
     /* shared experts */
     for (int e = 0; e < c->n_shared; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        glu_backward(dx, g->shared_gate ? g->shared_gate + wo : NULL, g->shared_up ? g->shared_up + wo : NULL,
+        lm_moe_glu_backward(dx, g->shared_gate ? g->shared_gate + wo : NULL, g->shared_up ? g->shared_up + wo : NULL,
                      g->shared_down ? g->shared_down + wo : NULL, a->dsh, a->dsa, a->dsu, dy, x, a->sa + ao,
                      a->su + ao, a->sh + ao, p->shared_gate + wo, p->shared_up + wo, p->shared_down + wo, m, d,
                      fs, d, c->act);
@@ -306,13 +324,17 @@ lm_status lm_moe_backward(float *dx, lm_moe_params *g, const float *dy, const fl
         a->dp[slot] = dot;
     }
 
-    /* experts, one dense backward each */
+    /* experts, one dense backward each (on their owners) */
     memset(a->dxg, 0, (size_t)(mk * de) * sizeof(float));
-    for (int j = 0; j < n; j++) {
+    if (ep) {
+        st = lm_moe_ep_experts_backward(ep, a, c, p, g);
+        if (st) return st;
+    }
+    for (int j = 0; j < (ep ? 0 : n); j++) {
         int64_t o = a->offsets[j], rows = a->offsets[j + 1] - o;
         if (!rows) continue;
         size_t wo = (size_t)j * f * de;
-        glu_backward(a->dxg + o * de, g->gate ? g->gate + wo : NULL, g->up ? g->up + wo : NULL,
+        lm_moe_glu_backward(a->dxg + o * de, g->gate ? g->gate + wo : NULL, g->up ? g->up + wo : NULL,
                      g->down ? g->down + wo : NULL, a->dh + o * f, a->da + o * f, a->du + o * f,
                      a->dgout + o * de, a->xg + o * de, a->ga + o * f, a->gu + o * f, a->gh + o * f,
                      p->gate + wo, p->up + wo, p->down + wo, rows, de, f, de, c->act);

@@ -1,0 +1,253 @@
+/* Expert parallelism of the CPU MoE layer (include/longmoe/moe_ep.h,
+ * docs/scaleout.md): on R ranks, each routing its block of the global tokens
+ * and owning n/R experts, the layer's outputs, input gradients and every
+ * parameter gradient equal the one-process layer on all the tokens.
+ *
+ * `test_moe_ep` alone runs the same cases on the one-rank engine (the
+ * exchange with itself); `mpirun -np N test_moe_ep --mpi N` (ctest's
+ * test_moe_ep_mpi2 and test_moe_ep_mpi4) on N ranks. Built without MPI,
+ * `--mpi N` reports every case skipped. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/moe.h"
+#include "longmoe/moe_ep.h"
+#include "test.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0;
+
+static void fill_normal(float *v, size_t len, double scale, lm_rng *r) {
+    for (size_t i = 0; i < len; i++) v[i] = (float)(scale * lm_rng_normal(r));
+}
+
+/* max |got - want| over max |want| of one tensor */
+static double rel_diff(const float *got, const float *want, size_t len) {
+    double dmax = 0, wmax = 0;
+    for (size_t i = 0; i < len; i++) {
+        double d = fabs((double)got[i] - (double)want[i]);
+        if (!(d <= dmax)) dmax = d; /* NaN propagates */
+        if (fabs((double)want[i]) > wmax) wmax = fabs((double)want[i]);
+    }
+    return wmax > 0 ? dmax / wmax : dmax;
+}
+
+/* The first of the experts that the skewed bias leaves without rows. */
+static int empty_from(int n) { return R > 1 ? n - n / R : n - 1; }
+
+typedef enum { BIAS_RANDOM, BIAS_SKEWED } bias_mode;
+
+/* The layer on M global tokens split over the ranks in consecutive blocks
+ * (rank r: tokens [M r / R, M (r+1) / R)), against the one-process layer
+ * that every rank also computes. */
+static void check_case(const lm_moe_config *cfg, int64_t M, bias_mode mode, int with_extra, uint64_t seed) {
+    int n = cfg->n_experts, d = cfg->d, f = cfg->d_ff, de = cfg->d_latent ? cfg->d_latent : d;
+    size_t np = lm_moe_param_count(cfg);
+    lm_rng rng;
+    lm_rng_seed(&rng, seed); /* the same draws on every rank */
+    float *P = malloc(np * sizeof(float)), *x = malloc((size_t)M * d * sizeof(float));
+    float *dy = malloc((size_t)M * d * sizeof(float)), *b = malloc((size_t)n * sizeof(float));
+    float *ex = malloc((size_t)M * n * sizeof(float));
+    fill_normal(P, np, 0.4 / sqrt((double)d), &rng);
+    fill_normal(x, (size_t)M * d, 1.0, &rng);
+    fill_normal(dy, (size_t)M * d, 1.0, &rng);
+    fill_normal(ex, (size_t)M * n, 0.3, &rng);
+    fill_normal(b, (size_t)n, 0.05, &rng);
+    lm_moe_params p;
+    lm_moe_params_carve(cfg, P, &p);
+    if (cfg->d_latent) for (int e = 0; e < cfg->d_latent; e++) p.lat_norm[e] = 1.0f + 0.1f * p.lat_norm[e];
+    if (mode == BIAS_SKEWED) {
+        /* expert 1 is chosen by every token; the last rank's experts (one
+         * process: the last expert) by none */
+        for (int j = empty_from(n); j < n; j++) b[j] = -20.0f;
+        b[1] = 20.0f;
+    }
+
+    /* one process, all tokens */
+    float *y1 = malloc((size_t)M * d * sizeof(float)), *dx1 = calloc((size_t)M * d, sizeof(float));
+    float *G1 = calloc(np, sizeof(float));
+    lm_moe_params g1;
+    lm_moe_params_carve(cfg, G1, &g1);
+    lm_moe_acts a1;
+    CHECK(lm_moe_acts_alloc(&a1, cfg, M) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_moe_forward(y1, x, b, cfg, &p, &a1, M) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_moe_backward(dx1, &g1, dy, x, with_extra ? ex : NULL, cfg, &p, &a1) == LM_OK, "%s", lm_last_error());
+
+    /* this rank's tokens and experts */
+    int64_t lo = M * me / R, hi = M * (me + 1) / R, m = hi - lo;
+    lm_moe_ep *ep = NULL;
+    CHECK(lm_moe_ep_create(comm, cfg, &ep) == LM_OK, "%s", lm_last_error());
+    if (!ep) return;
+    int first = lm_moe_ep_first_expert(ep), nl = lm_moe_ep_local_experts(ep);
+    CHECK(first == me * n / R && nl == n / R, "rank %d owns [%d, %d)", me, first, first + nl);
+    size_t wo = (size_t)first * f * de;
+    lm_moe_params pl = p;
+    pl.gate = p.gate + wo;
+    pl.up = p.up + wo;
+    pl.down = p.down + wo;
+    float *GR = calloc(np, sizeof(float)), *Gsum = calloc(np, sizeof(float));
+    lm_moe_params gr, gl;
+    lm_moe_params_carve(cfg, GR, &gr);
+    gl = gr;
+    gl.gate = gr.gate + wo;
+    gl.up = gr.up + wo;
+    gl.down = gr.down + wo;
+    float *y = malloc(((size_t)m * d + 1) * sizeof(float)), *dx = calloc((size_t)m * d + 1, sizeof(float));
+    lm_moe_acts a;
+    CHECK(lm_moe_acts_alloc(&a, cfg, m > 0 ? m : 1) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_moe_forward_ep(y, x + lo * d, b, cfg, &pl, &a, m, ep) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_moe_backward_ep(dx, &gl, dy + lo * d, x + lo * d, with_extra ? ex + lo * n : NULL, cfg, &pl, &a, ep) ==
+              LM_OK,
+          "%s", lm_last_error());
+
+    /* outputs and input gradients of this rank's tokens */
+    if (m > 0) {
+        double ry = rel_diff(y, y1 + lo * d, (size_t)m * d), rdx = rel_diff(dx, dx1 + lo * d, (size_t)m * d);
+        CHECK(ry <= 1e-6, "rank %d: y differs by %.3g relative", me, ry);
+        CHECK(rdx <= 1e-6, "rank %d: dx differs by %.3g relative", me, rdx);
+    }
+    /* the owned experts' gradients are complete on their owner */
+    size_t es = (size_t)nl * f * de;
+    double rg = rel_diff(gl.gate, g1.gate + wo, es), ru = rel_diff(gl.up, g1.up + wo, es);
+    double rd = rel_diff(gl.down, g1.down + wo, es);
+    CHECK(rg <= 1e-6 && ru <= 1e-6 && rd <= 1e-6, "rank %d: expert gradients differ: gate %.3g up %.3g down %.3g",
+          me, rg, ru, rd);
+    /* and nothing was written outside them */
+    size_t all = (size_t)n * f * de, nz = 0;
+    for (size_t i = 0; i < all; i++)
+        if ((i < wo || i >= wo + es) && (gr.gate[i] != 0 || gr.up[i] != 0 || gr.down[i] != 0)) nz++;
+    CHECK(nz == 0, "rank %d: %zu gradients of experts it does not own were written", me, nz);
+    /* the replicated parts: this rank's contribution; their sum over ranks is the whole batch's */
+    CHECK(lm_comm_all_reduce_sum(comm, GR, Gsum, np, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
+    lm_moe_params gs;
+    lm_moe_params_carve(cfg, Gsum, &gs);
+    struct { const char *name; const float *got, *want; size_t len; } t[] = {
+        {"router", gs.router, g1.router, (size_t)n * d},
+        {"gate", gs.gate, g1.gate, all},
+        {"up", gs.up, g1.up, all},
+        {"down", gs.down, g1.down, all},
+        {"lat_down", gs.lat_down, g1.lat_down, (size_t)cfg->d_latent * d},
+        {"lat_norm", gs.lat_norm, g1.lat_norm, (size_t)cfg->d_latent},
+        {"lat_up", gs.lat_up, g1.lat_up, (size_t)cfg->d_latent * d},
+        {"shared_gate", gs.shared_gate, g1.shared_gate, (size_t)cfg->n_shared * cfg->d_ff_shared * d},
+        {"shared_up", gs.shared_up, g1.shared_up, (size_t)cfg->n_shared * cfg->d_ff_shared * d},
+        {"shared_down", gs.shared_down, g1.shared_down, (size_t)cfg->n_shared * cfg->d_ff_shared * d},
+    };
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        if (!t[i].len) continue;
+        double r = rel_diff(t[i].got, t[i].want, t[i].len);
+        CHECK(r <= 1e-6, "rank %d: gradient of %s differs by %.3g relative", me, t[i].name, r);
+    }
+    /* the gradients are not all zero (the comparison can fail) */
+    double gmax = 0;
+    for (size_t i = 0; i < np; i++) gmax = fmax(gmax, fabs(G1[i]));
+    CHECK(gmax > 1e-3, "the reference gradients are negligible (%g)", gmax);
+
+    /* the rows the owners received are the one-process expert counts */
+    int64_t got = lm_moe_ep_rows_received(ep), want = a1.offsets[first + nl] - a1.offsets[first];
+    CHECK(got == want, "rank %d received %lld rows, the experts it owns have %lld", me, (long long)got,
+          (long long)want);
+    if (mode == BIAS_SKEWED) {
+        int64_t most = a1.offsets[2] - a1.offsets[1];
+        CHECK(most == M, "expert 1 got %lld of %lld tokens", (long long)most, (long long)M);
+        CHECK(a1.offsets[n] - a1.offsets[empty_from(n)] == 0, "the last rank's experts got rows");
+        if (me == R - 1 && R > 1) CHECK(got == 0, "the last rank received %lld rows", (long long)got);
+    }
+
+    lm_moe_acts_free(&a);
+    lm_moe_acts_free(&a1);
+    lm_moe_ep_free(ep);
+    free(P), free(x), free(dy), free(b), free(ex), free(y1), free(dx1), free(G1), free(GR), free(Gsum), free(y), free(dx);
+}
+
+static lm_moe_config base_config(void) {
+    lm_moe_config c = lm_moe_config_default(16, 8, 2, 12);
+    return c;
+}
+
+static void test_plain_layer_equals_one_process(void) {
+    lm_moe_config c = base_config();
+    check_case(&c, 24, BIAS_RANDOM, 0, 11);
+    c.top_k = 3;
+    c.act = LM_EXPERT_SITU_GLU;
+    c.route_scale = 2.5f;
+    check_case(&c, 40, BIAS_RANDOM, 1, 12);
+}
+
+static void test_latent_and_shared_experts_equal_one_process(void) {
+    lm_moe_config c = base_config();
+    c.d_latent = 8;
+    c.n_shared = 1;
+    c.d_ff_shared = 10;
+    check_case(&c, 32, BIAS_RANDOM, 1, 21);
+    c.n_experts = 16;
+    c.top_k = 4;
+    check_case(&c, 28, BIAS_RANDOM, 0, 22);
+}
+
+static void test_empty_experts_and_one_expert_taking_most_rows(void) {
+    lm_moe_config c = base_config();
+    check_case(&c, 24, BIAS_SKEWED, 0, 31);
+    c.d_latent = 8;
+    c.n_shared = 2;
+    c.d_ff_shared = 6;
+    check_case(&c, 20, BIAS_SKEWED, 1, 32);
+}
+
+static void test_ranks_without_tokens(void) {
+    /* fewer tokens than ranks: some ranks route nothing but still own experts */
+    lm_moe_config c = base_config();
+    check_case(&c, R > 1 ? R - 1 : 1, BIAS_RANDOM, 0, 41);
+    check_case(&c, 5, BIAS_RANDOM, 1, 42);
+}
+
+static void test_indivisible_experts_are_refused(void) {
+    if (R == 1) SKIP("every expert count divides over one rank");
+    lm_moe_config c = base_config();
+    c.n_experts = 5;
+    c.top_k = 2;
+    lm_moe_ep *ep = (lm_moe_ep *)1;
+    lm_status s = lm_moe_ep_create(comm, &c, &ep);
+    CHECK(s == LM_ERR_ARG && ep == NULL && strstr(lm_last_error(), "divisible"), "status %d: %s", (int)s,
+          lm_last_error());
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        if (lm_comm_open(LM_COMM_SELF, &comm)) {
+            fprintf(stderr, "cannot open the one-rank engine: %s\n", lm_last_error());
+            return 1;
+        }
+    } else if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout);
+        if (R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+    }
+    RUN(test_plain_layer_equals_one_process);
+    RUN(test_latent_and_shared_experts_equal_one_process);
+    RUN(test_empty_experts_and_one_expert_taking_most_rows);
+    RUN(test_ranks_without_tokens);
+    RUN(test_indivisible_experts_are_refused);
+    if (comm) {
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
