@@ -348,12 +348,12 @@ static void test_resumed_run_is_bit_identical(void) {
 /* The RL presets load (both sections) and hold the settings docs/rl.md
  * states for its demonstrations: the model of configs/tiny.json; rl-small on
  * the three environments, rl-lookup (the first stage of the lookup-and-grid
- * run: lookup demonstrations only, no RL) and rl-lookup-grid (7 more
+ * run: lookup demonstrations only, no RL) and rl-lookup-grid (3 more
  * warm-start steps, then 250 RL steps on lookup and grid), the same RL
  * hyperparameters in all three. */
 static void test_rl_presets_load_with_the_documented_settings(void) {
     const char *paths[] = {"configs/rl-small.json", "configs/rl-lookup.json", "configs/rl-lookup-grid.json"};
-    const int n_envs[] = {3, 1, 2}, warm[] = {75, 22, 7}, steps[] = {200, 0, 250};
+    const int n_envs[] = {3, 1, 2}, warm[] = {75, 22, 3}, steps[] = {200, 0, 250};
     lm_config tiny;
     CHECK(lm_config_load("configs/tiny.json", &tiny) == LM_OK, "%s", lm_last_error());
     for (int i = 0; i < 3; i++) {
