@@ -404,6 +404,18 @@ static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
     CHECK(test_run_cli(args, out, err) == 0 && test_file_has(out, "selection greedy success"), "--eval-split select");
     snprintf(args, sizeof args, "%s/sel/metrics.jsonl", root);
     CHECK(test_file_has(args, "\"split\": \"select\""), "the evaluation says its split");
+    /* a run that evaluates on the selection split: its report names the split */
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/selrun --steps 1 --eval-split select --quiet", root, root);
+    CHECK(test_run_cli(args, out, err) == 0, "a run on the selection split");
+    snprintf(args, sizeof args, "report %s/selrun", root);
+    CHECK(test_run_cli(args, out, err) == 0, "its report");
+    snprintf(args, sizeof args, "%s/selrun/report.html", root);
+    CHECK(test_file_has(args, "Selection-split success"), "the report names the split");
+    snprintf(args, sizeof args, "report %s/run", root);
+    CHECK(test_run_cli(args, out, err) == 0, "the held-out run's report");
+    snprintf(args, sizeof args, "%s/run/report.html", root);
+    CHECK(test_file_has(args, "Held-out success (greedy)") && !test_file_has(args, "Selection-split success"),
+          "held-out by default");
     snprintf(args, sizeof args, "rl --config %s/c.json --out %s/x --eval-split test", root, root);
     CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "--eval-split must be heldout or select"),
           "bad --eval-split");
