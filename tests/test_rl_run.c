@@ -405,7 +405,8 @@ static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
     snprintf(args, sizeof args, "%s/sel/metrics.jsonl", root);
     CHECK(test_file_has(args, "\"split\": \"select\""), "the evaluation says its split");
     /* a run that evaluates on the selection split: its report names the split */
-    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/selrun --steps 1 --eval-split select --quiet", root, root);
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/selrun --steps 1 --eval-split select --quiet", root,
+             root);
     CHECK(test_run_cli(args, out, err) == 0, "a run on the selection split");
     snprintf(args, sizeof args, "report %s/selrun", root);
     CHECK(test_run_cli(args, out, err) == 0, "its report");

@@ -104,7 +104,8 @@ int cmd_rl(int argc, char **argv) {
     lm_rl_result res;
     if (lm_rl_run(&mc, &rc, &opt, &res)) return cli_fail(cmd, "%s", lm_last_error());
     if (!quiet && !isnan(res.warm_success[0]) && !isnan(res.final_success[0])) {
-        printf("%s greedy success, warm start -> after RL:", eval_split == LM_RL_SPLIT_SELECT ? "selection" : "held-out");
+        printf("%s greedy success, warm start -> after RL:",
+               eval_split == LM_RL_SPLIT_SELECT ? "selection" : "held-out");
         for (int e = 0; e < res.n_envs; e++)
             printf(" %s %.1f%% -> %.1f%%", lm_env_kind_name(res.envs[e]), 100 * res.warm_success[e],
                    100 * res.final_success[e]);

@@ -1399,11 +1399,11 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
         lm_text_puts(b, "<h2>Agentic RL</h2><p class=\"sub\">Per RL step: the mean reward and success of the "
                    "step's rollouts, their length in tokens, the KL to the frozen reference and the k3 estimate of "
                    "KL(\xcf\x80_old \xe2\x80\x96 \xcf\x80_\xce\xb8) after the step's last update, the sampling "
-                   "policy's entropy estimate and the fraction of clipped ratios (docs/rl.md). Held-out (or selection-split) success is "
-                   "greedy, on seeds never trained on.</p><div class=\"row\">\n");
+                   "policy's entropy estimate and the fraction of clipped ratios (docs/rl.md). Held-out (or "
+                   "selection-split) success is greedy, on seeds never trained on.</p><div class=\"row\">\n");
         if (r->rl_eval[0].n || r->rl_eval[1].n || r->rl_eval[2].n) {
-            chart_spec c = chart_default(r->rl_eval_select ? "Selection-split success (greedy)" : "Held-out success (greedy)",
-                                         "success rate", half, 280, x_lo, x_hi, pts);
+            const char *title = r->rl_eval_select ? "Selection-split success (greedy)" : "Held-out success (greedy)";
+            chart_spec c = chart_default(title, "success rate", half, 280, x_lo, x_hi, pts);
             c.y_lo = 0;
             c.y_hi = 1;
             plot_line l[3] = {{"lookup", &r->rl_eval[0], "#1f77b4", 1}, {"calc", &r->rl_eval[1], "#ff7f0e", 1},

@@ -198,7 +198,8 @@ static void train_episode(const rl_run *r, uint64_t stream, int64_t index, lm_en
 }
 
 uint64_t lm_rl_eval_seed(lm_rl_split split, lm_env_kind kind, int j) {
-    uint64_t stream = split == LM_RL_SPLIT_SELECT ? 0x73656c656374ull /* "select" */ : 0x686f6c646f7574ull /* "holdout" */;
+    /* "select" and "holdout" in ASCII */
+    uint64_t stream = split == LM_RL_SPLIT_SELECT ? 0x73656c656374ull : 0x686f6c646f7574ull;
     return lm_mix64(stream ^ ((uint64_t)kind << 40) ^ (uint64_t)j) | 1ull;
 }
 
