@@ -4,7 +4,9 @@
  * environment bytes get zero gradient through the whole RL objective and the
  * model (changing them as targets changes nothing); a run stopped twice and
  * resumed ends bit-identical to an uninterrupted one, and the report draws
- * its curves; the RL presets load with the settings the docs state. */
+ * its curves; the RL presets load with the settings the docs state; the
+ * selection split's seeds meet neither a training nor a held-out seed, and the
+ * held-out seeds are the ones the demonstration's numbers were measured on. */
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -201,6 +203,47 @@ static void test_environment_bytes_get_zero_gradient_through_the_model(void) {
     lm_model_free(m);
 }
 
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Training seeds are even (run.c clears bit 0); both evaluation splits are
+ * odd, and no selection seed equals a held-out seed, of any environment, over
+ * every episode index rl.eval_episodes allows (up to 2^20). The held-out seeds
+ * are still those of the formula the documented numbers were measured with. */
+static void test_selection_seeds_meet_no_training_or_held_out_seed(void) {
+    const int J = 1 << 20; /* rl.eval_episodes' upper bound (src/rl/config.c) */
+    const size_t n = (size_t)LM_ENV_COUNT * J;
+    uint64_t *held = malloc(n * sizeof *held), *sel = malloc(n * sizeof *sel);
+    CHECK(held && sel, "memory");
+    if (!held || !sel) return;
+    int odd = 1, same_as_before = 1, differ_by_split = 1;
+    for (int k = 0; k < LM_ENV_COUNT; k++)
+        for (int j = 0; j < J; j++) {
+            size_t i = (size_t)k * J + j;
+            held[i] = lm_rl_eval_seed(LM_RL_SPLIT_HELDOUT, (lm_env_kind)k, j);
+            sel[i] = lm_rl_eval_seed(LM_RL_SPLIT_SELECT, (lm_env_kind)k, j);
+            odd &= (int)(held[i] & sel[i] & 1);
+            same_as_before &= held[i] == (lm_mix64(0x686f6c646f7574ull ^ ((uint64_t)k << 40) ^ (uint64_t)j) | 1ull);
+            differ_by_split &= held[i] != sel[i];
+        }
+    CHECK(odd, "every evaluation seed is odd, so none is a training seed");
+    CHECK(same_as_before, "the held-out seeds are unchanged");
+    CHECK(differ_by_split, "the two splits differ episode by episode");
+    qsort(held, n, sizeof *held, cmp_u64);
+    qsort(sel, n, sizeof *sel, cmp_u64);
+    size_t a = 0, b = 0, common = 0;
+    while (a < n && b < n) {
+        if (held[a] == sel[b]) common++, a++, b++;
+        else if (held[a] < sel[b]) a++;
+        else b++;
+    }
+    CHECK(common == 0, "%zu selection seeds are also held-out seeds", common);
+    free(held);
+    free(sel);
+}
+
 /* A run whose RL steps carry signal: a warm start long enough that the micro
  * model solves some grid episodes, then RL with a KL to the reference. */
 static lm_rl_config small_rl(void) {
@@ -251,12 +294,12 @@ static void test_resumed_run_is_bit_identical(void) {
     snprintf(a, sizeof a, "%s/a", root);
     snprintf(b, sizeof b, "%s/b", root);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-    lm_rl_options oa = {a, NULL, 0, 0, NULL};
+    lm_rl_options oa = {a, NULL, 0, 0, NULL, LM_RL_SPLIT_HELDOUT};
     lm_rl_result ra;
     CHECK(lm_rl_run(&mc, &rc, &oa, &ra) == LM_OK, "%s", lm_last_error());
     CHECK(ra.step == 124 && !isnan(ra.warm_success[0]) && !isnan(ra.final_success[0]), "the whole run");
     /* the same run stopped inside the warm start, then right after RL began, then finished */
-    lm_rl_options ob = {b, NULL, 0, 60, NULL};
+    lm_rl_options ob = {b, NULL, 0, 60, NULL, LM_RL_SPLIT_HELDOUT};
     lm_rl_result rb;
     CHECK(lm_rl_run(&mc, &rc, &ob, &rb) == LM_OK && rb.step == 60, "%s", lm_last_error());
     ob.resume = 1;
@@ -305,12 +348,12 @@ static void test_resumed_run_is_bit_identical(void) {
 /* The RL presets load (both sections) and hold the settings docs/rl.md
  * states for its demonstrations: the model of configs/tiny.json; rl-small on
  * the three environments, rl-lookup (the first stage of the lookup-and-grid
- * run: lookup demonstrations only, no RL) and rl-lookup-grid (7 more
+ * run: lookup demonstrations only, no RL) and rl-lookup-grid (3 more
  * warm-start steps, then 250 RL steps on lookup and grid), the same RL
  * hyperparameters in all three. */
 static void test_rl_presets_load_with_the_documented_settings(void) {
     const char *paths[] = {"configs/rl-small.json", "configs/rl-lookup.json", "configs/rl-lookup-grid.json"};
-    const int n_envs[] = {3, 1, 2}, warm[] = {75, 22, 7}, steps[] = {200, 0, 250};
+    const int n_envs[] = {3, 1, 2}, warm[] = {75, 22, 3}, steps[] = {200, 0, 250};
     lm_config tiny;
     CHECK(lm_config_load("configs/tiny.json", &tiny) == LM_OK, "%s", lm_last_error());
     for (int i = 0; i < 3; i++) {
@@ -353,6 +396,30 @@ static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
     snprintf(args, sizeof args, "rl --config %s/c.json --out %s/run --steps 1", root, root);
     CHECK(test_run_cli(args, out, err) == 0, "a run");
     CHECK(test_file_has(out, "held-out greedy success, warm start -> after RL"), "the summary line");
+    snprintf(args, sizeof args, "%s/run/metrics.jsonl", root);
+    CHECK(test_file_has(args, "\"rl_eval\"") && !test_file_has(args, "\"split\""), "held-out by default");
+    /* a checkpoint evaluated alone on the selection split, then on held-out as by default */
+    snprintf(args, sizeof args, "rl --config %s/c.json --init %s/run/checkpoint-00000003 --warm-steps 0 --steps 0 "
+             "--out %s/sel --eval-split select", root, root, root);
+    CHECK(test_run_cli(args, out, err) == 0 && test_file_has(out, "selection greedy success"), "--eval-split select");
+    snprintf(args, sizeof args, "%s/sel/metrics.jsonl", root);
+    CHECK(test_file_has(args, "\"split\": \"select\""), "the evaluation says its split");
+    /* a run that evaluates on the selection split: its report names the split */
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/selrun --steps 1 --eval-split select --quiet", root,
+             root);
+    CHECK(test_run_cli(args, out, err) == 0, "a run on the selection split");
+    snprintf(args, sizeof args, "report %s/selrun", root);
+    CHECK(test_run_cli(args, out, err) == 0, "its report");
+    snprintf(args, sizeof args, "%s/selrun/report.html", root);
+    CHECK(test_file_has(args, "Selection-split success"), "the report names the split");
+    snprintf(args, sizeof args, "report %s/run", root);
+    CHECK(test_run_cli(args, out, err) == 0, "the held-out run's report");
+    snprintf(args, sizeof args, "%s/run/report.html", root);
+    CHECK(test_file_has(args, "Held-out success (greedy)") && !test_file_has(args, "Selection-split success"),
+          "held-out by default");
+    snprintf(args, sizeof args, "rl --config %s/c.json --out %s/x --eval-split test", root, root);
+    CHECK(test_run_cli(args, out, err) == 2 && test_file_has(err, "--eval-split must be heldout or select"),
+          "bad --eval-split");
     snprintf(args, sizeof args, "%s/run/checkpoint-00000003/model.safetensors", root);
     CHECK(access(args, F_OK) == 0, "its checkpoint (2 warm + 1 RL steps)");
     snprintf(args, sizeof args, "rl --out %s/run --resume --config %s/c.json", root, root);
@@ -369,6 +436,7 @@ static void test_cli_runs_resumes_and_refuses_bad_usage(void) {
 
 int main(void) {
     RUN(test_rl_config_round_trips_and_rejects_unknown_keys);
+    RUN(test_selection_seeds_meet_no_training_or_held_out_seed);
     RUN(test_advantages_are_normalised_per_group_and_zero_off_model_bytes);
     RUN(test_environment_bytes_get_zero_gradient_through_the_model);
     RUN(test_resumed_run_is_bit_identical);

@@ -11,7 +11,8 @@
 
 static const char *const rl_usage =
     "usage: longmoe rl --config CONFIG.json --out DIR [--init CHECKPOINT] [--resume] [--warm-steps N]\n"
-    "                  [--steps N] [--stop-after N] [--credit outcome|turn] [--seed S] [--quiet]\n"
+    "                  [--steps N] [--stop-after N] [--credit outcome|turn] [--seed S]\n"
+    "                  [--eval-split heldout|select] [--quiet]\n"
     "\n"
     "Post-trains a model on the environments of the config's `rl` section (docs/rl.md,\n"
     "docs/config.md): rl.warm_steps supervised steps on the solvers' demonstrations (the loss\n"
@@ -30,10 +31,13 @@ static const char *const rl_usage =
     "  --stop-after N stop with a checkpoint once N steps (warm start included) are done\n"
     "  --credit C     outcome or turn (overrides rl.credit)\n"
     "  --seed S       overrides rl.seed (tasks and sampling; held-out seeds stay the same)\n"
+    "  --eval-split S heldout (default) or select: the seeds every evaluation of this call uses.\n"
+    "                 select is for choosing checkpoints, so that held-out stays a test set;\n"
+    "                 with --init CKPT --warm-steps 0 --steps 0 it evaluates CKPT alone\n"
     "  --quiet        no progress lines\n";
 
 int cmd_rl(int argc, char **argv) {
-    const char *cmd = "rl", *config = NULL, *out = NULL, *init = NULL, *credit = NULL, *v;
+    const char *cmd = "rl", *config = NULL, *out = NULL, *init = NULL, *credit = NULL, *split = NULL, *v;
     int resume = 0, quiet = 0;
     long warm = -1, steps = -1, stop_after = 0, seed = -1;
     for (int i = 1; i < argc; i++) {
@@ -49,6 +53,8 @@ int cmd_rl(int argc, char **argv) {
             if (!(init = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--credit")) {
             if (!(credit = cli_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(a, "--eval-split")) {
+            if (!(split = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(a, "--resume")) {
             resume = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -88,11 +94,18 @@ int cmd_rl(int argc, char **argv) {
         else if (!strcmp(credit, "turn")) rc.credit = LM_CREDIT_TURN;
         else return cli_fail(cmd, "--credit must be outcome or turn, got '%s'", credit) + 1;
     }
-    lm_rl_options opt = {out, init, resume, stop_after, quiet ? NULL : stdout};
+    lm_rl_split eval_split = LM_RL_SPLIT_HELDOUT;
+    if (split) {
+        if (!strcmp(split, "heldout")) eval_split = LM_RL_SPLIT_HELDOUT;
+        else if (!strcmp(split, "select")) eval_split = LM_RL_SPLIT_SELECT;
+        else return cli_fail(cmd, "--eval-split must be heldout or select, got '%s'", split) + 1;
+    }
+    lm_rl_options opt = {out, init, resume, stop_after, quiet ? NULL : stdout, eval_split};
     lm_rl_result res;
     if (lm_rl_run(&mc, &rc, &opt, &res)) return cli_fail(cmd, "%s", lm_last_error());
     if (!quiet && !isnan(res.warm_success[0]) && !isnan(res.final_success[0])) {
-        printf("held-out greedy success, warm start -> after RL:");
+        printf("%s greedy success, warm start -> after RL:",
+               eval_split == LM_RL_SPLIT_SELECT ? "selection" : "held-out");
         for (int e = 0; e < res.n_envs; e++)
             printf(" %s %.1f%% -> %.1f%%", lm_env_kind_name(res.envs[e]), 100 * res.warm_success[e],
                    100 * res.final_success[e]);

@@ -6,7 +6,8 @@
  * A run directory holds:
  *   config.json              the model config; rl.json beside it: the rl section
  *   metrics.jsonl            {"type": "rl_warm"} per warm-start step, {"type": "rl"} per RL step,
- *                            {"type": "rl_eval"} per evaluation (held-out seeds, greedy),
+ *                            {"type": "rl_eval"} per evaluation (held-out seeds, greedy; or
+ *                            the selection seeds, "split": "select"),
  *                            {"type": "checkpoint"}
  *   checkpoint-<step>/       model.safetensors, config.json (loadable by `longmoe sample`,
  *                            `longmoe eval`), trainer.safetensors (optimizer moments, the MoE
@@ -78,12 +79,24 @@ void lm_rl_targets(const lm_rollout *r, int32_t *tgt, uint8_t *model_mask);
  * the per-turn rewards over all turns of the group (docs/rl.md). */
 lm_status lm_rl_advantages(const lm_rollout *r, int G, lm_rl_credit credit, float gamma, float *adv);
 
+/* The evaluation episodes' seeds (docs/rl.md, "Seeds"). Training draws even
+ * seeds only; both evaluation splits draw odd ones, from two different
+ * streams, so neither meets a training seed; tests/test_rl_run.c checks that
+ * the two splits share no seed over every episode count rl.eval_episodes
+ * allows (j < 2^20 for every environment). */
+typedef enum { LM_RL_SPLIT_HELDOUT = 0, LM_RL_SPLIT_SELECT = 1 } lm_rl_split;
+
+/* The seed of evaluation episode j of environment `kind` in `split`. */
+uint64_t lm_rl_eval_seed(lm_rl_split split, lm_env_kind kind, int j);
+
 typedef struct {
     const char *out_dir;
     const char *init;    /* checkpoint directory to start from (NULL: initialise the model config) */
     int resume;          /* continue from out_dir/latest */
     int64_t stop_after;  /* stop with a checkpoint once this many steps are done (0: at the end) */
     FILE *progress;      /* progress lines (NULL: none) */
+    lm_rl_split eval_split; /* which seeds evaluations use (default held-out); not recorded in
+                             * checkpoints: a resumed run is given it again */
 } lm_rl_options;
 
 typedef struct {

@@ -75,6 +75,7 @@ typedef struct {
     /* agentic RL (docs/rl.md): per step, the warm start's loss, held-out success per environment */
     series rl_reward, rl_success, rl_length, rl_kl_ref, rl_kl_old, rl_entropy, rl_clipped, rl_warm_loss;
     series rl_eval[3];
+    int rl_eval_select; /* the evaluations were on the selection split ("split": "select") */
     int has_max_logit;
     stage_mark *stages;
     int n_stages, cap_stages;
@@ -384,6 +385,8 @@ static int read_record(report *r, const lm_json *o, int max_columns, const char 
         static const char *const envs[3] = {"lookup", "calc", "grid"};
         for (int e = 0; e < 3; e++)
             if (get_number(o, envs[e], &x)) series_add(r, &r->rl_eval[e], (double)step, x);
+        const lm_json *split = lm_json_get(o, "split");
+        if (split && split->kind == LM_JSON_STRING && !strcmp(split->string, "select")) r->rl_eval_select = 1;
         r->sum.rl_records++;
     } else if (!strcmp(t, "stage")) {
         if (!get_step(o, &step)) {
@@ -1396,10 +1399,11 @@ static void render_page(text_buf *b, report *r, const lm_report_options *opt, co
         lm_text_puts(b, "<h2>Agentic RL</h2><p class=\"sub\">Per RL step: the mean reward and success of the "
                    "step's rollouts, their length in tokens, the KL to the frozen reference and the k3 estimate of "
                    "KL(\xcf\x80_old \xe2\x80\x96 \xcf\x80_\xce\xb8) after the step's last update, the sampling "
-                   "policy's entropy estimate and the fraction of clipped ratios (docs/rl.md). Held-out success is "
-                   "greedy, on seeds never trained on.</p><div class=\"row\">\n");
+                   "policy's entropy estimate and the fraction of clipped ratios (docs/rl.md). Held-out (or "
+                   "selection-split) success is greedy, on seeds never trained on.</p><div class=\"row\">\n");
         if (r->rl_eval[0].n || r->rl_eval[1].n || r->rl_eval[2].n) {
-            chart_spec c = chart_default("Held-out success (greedy)", "success rate", half, 280, x_lo, x_hi, pts);
+            const char *title = r->rl_eval_select ? "Selection-split success (greedy)" : "Held-out success (greedy)";
+            chart_spec c = chart_default(title, "success rate", half, 280, x_lo, x_hi, pts);
             c.y_lo = 0;
             c.y_hi = 1;
             plot_line l[3] = {{"lookup", &r->rl_eval[0], "#1f77b4", 1}, {"calc", &r->rl_eval[1], "#ff7f0e", 1},

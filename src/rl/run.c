@@ -185,7 +185,8 @@ static lm_status run_setup(rl_run *r) {
     return LM_OK;
 }
 
-/* ---- episodes: training seeds are even, held-out seeds odd ---- */
+/* ---- episodes: training seeds are even; held-out and selection seeds odd,
+ * from two streams that share no seed over j < 2^20 (tests/test_rl_run.c) ---- */
 
 static void train_episode(const rl_run *r, uint64_t stream, int64_t index, lm_env_config *ec, uint64_t *seed) {
     const lm_rl_config *c = &r->rc;
@@ -196,11 +197,18 @@ static void train_episode(const rl_run *r, uint64_t stream, int64_t index, lm_en
     *seed = lm_mix64(h) & ~1ull;
 }
 
-static void eval_episode(const lm_rl_config *c, lm_env_kind kind, int j, lm_env_config *ec, uint64_t *seed) {
+uint64_t lm_rl_eval_seed(lm_rl_split split, lm_env_kind kind, int j) {
+    /* "select" and "holdout" in ASCII */
+    uint64_t stream = split == LM_RL_SPLIT_SELECT ? 0x73656c656374ull : 0x686f6c646f7574ull;
+    return lm_mix64(stream ^ ((uint64_t)kind << 40) ^ (uint64_t)j) | 1ull;
+}
+
+static void eval_episode(const lm_rl_config *c, lm_rl_split split, lm_env_kind kind, int j, lm_env_config *ec,
+                         uint64_t *seed) {
     ec->kind = kind;
     ec->difficulty = c->difficulty_min + j % (c->difficulty_max - c->difficulty_min + 1);
     ec->max_turns = 0;
-    *seed = lm_mix64(0x686f6c646f7574ull ^ ((uint64_t)kind << 40) ^ (uint64_t)j) | 1ull;
+    *seed = lm_rl_eval_seed(split, kind, j);
 }
 
 /* ---- one update: gradients in the model, clipping, both optimizers ---- */
@@ -331,20 +339,22 @@ static lm_status rl_step(rl_run *r, rl_step_stats *st) {
     return LM_OK;
 }
 
-/* Greedy success on held-out seeds, per environment of rl.envs. */
+/* Greedy success on the evaluation split's seeds, per environment of rl.envs. */
 static lm_status evaluate(rl_run *r, const char *phase, double *success) {
     const lm_rl_config *c = &r->rc;
     const int B = r->B;
     lm_rollout_config greedy = {0.0f, 1.0f};
     double mean = 0;
-    fprintf(r->metrics, "{\"type\": \"rl_eval\", \"step\": %lld, \"phase\": \"%s\"", (long long)r->step, phase);
+    const int sel = r->opt.eval_split == LM_RL_SPLIT_SELECT;
+    fprintf(r->metrics, "{\"type\": \"rl_eval\", \"step\": %lld, \"phase\": \"%s\"%s", (long long)r->step, phase,
+            sel ? ", \"split\": \"select\"" : "");
     for (int e = 0; e < c->n_envs; e++) {
         int solved = 0;
         double length = 0;
         for (int j0 = 0; j0 < c->eval_episodes; j0 += B) {
             for (int b = 0; b < B; b++) {
                 int j = j0 + b < c->eval_episodes ? j0 + b : j0; /* the batch's tail repeats an episode, uncounted */
-                eval_episode(c, c->envs[e], j, &r->envs[b], &r->seeds[b]);
+                eval_episode(c, r->opt.eval_split, c->envs[e], j, &r->envs[b], &r->seeds[b]);
             }
             TRY(lm_rollout_run(r->ro, r->envs, r->seeds, &greedy, 0));
             for (int b = 0; b < B && j0 + b < c->eval_episodes; b++) {
@@ -360,7 +370,8 @@ static lm_status evaluate(rl_run *r, const char *phase, double *success) {
     fprintf(r->metrics, ", \"success\": %.6g}\n", mean);
     fflush(r->metrics);
     if (r->opt.progress) {
-        fprintf(r->opt.progress, "eval  step %lld (%s) | held-out greedy success", (long long)r->step, phase);
+        fprintf(r->opt.progress, "eval  step %lld (%s) | %s greedy success", (long long)r->step, phase,
+                sel ? "selection" : "held-out");
         for (int e = 0; e < c->n_envs; e++)
             fprintf(r->opt.progress, " | %s %.1f%%", lm_env_kind_name(c->envs[e]), 100 * success[e]);
         fprintf(r->opt.progress, "\n");
