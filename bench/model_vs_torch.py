@@ -755,19 +755,6 @@ def cmd_compare(args):
     return 0
 
 
-def shorten_autotuning(warmup_ms, rep_ms):
-    """Triton's autotuner times each candidate with triton.testing.do_bench
-    (looked up when it benchmarks): give it a shorter budget."""
-    import triton.testing
-
-    full = triton.testing.do_bench
-
-    def do_bench(fn, warmup=25, rep=100, *args, **kwargs):
-        return full(fn, warmup_ms, rep_ms, *args, **kwargs)
-
-    triton.testing.do_bench = do_bench
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -809,6 +796,8 @@ def main():
                 raise ValueError
         except ValueError:
             ap.error(f"--autotune-ms wants two positive integers W,R (got {args.autotune_ms!r})")
+        from kda_vs_fla import shorten_autotuning  # the one copy, beside this file
+
         shorten_autotuning(w, r)
     return {"check": cmd_check, "bench": cmd_bench, "compare": cmd_compare}[args.mode](args)
 

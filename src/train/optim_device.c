@@ -171,16 +171,16 @@ lm_status lm_grad_global_norm_on(lm_backend *be, const lm_param *params, int n_p
         lm_status st = be->ops->sum_squares(be, params[i].grad, (size_t)lm_param_numel(&params[i]), sums + i);
         if (st) return st;
     }
-    /* the per-tensor sums come back in one download and are added in order,
-     * as lm_grad_global_norm adds them */
-    double host_small[64], *host = host_small;
-    if (n_params > 64 && !(host = malloc((size_t)n_params * sizeof(double))))
-        return lm_error(LM_ERR_MEMORY, "out of memory (grad norm)");
-    lm_status st = n_params ? be->download(be, host, sums, (size_t)n_params * sizeof(double)) : LM_OK;
-    double s = 0.0;
-    for (int i = 0; i < n_params && !st; i++) s += host[i];
-    if (host != host_small) free(host);
-    if (st) return st;
+    /* the per-tensor sums come back (one download for up to 1024 tensors; no
+     * allocation inside a step) and are added in order, as lm_grad_global_norm
+     * adds them */
+    double host[1024], s = 0.0;
+    for (int i0 = 0; i0 < n_params; i0 += 1024) {
+        int n = n_params - i0 < 1024 ? n_params - i0 : 1024;
+        lm_status st = be->download(be, host, sums + i0, (size_t)n * sizeof(double));
+        if (st) return st;
+        for (int i = 0; i < n; i++) s += host[i];
+    }
     *norm_out = sqrt(s);
     return LM_OK;
 }
