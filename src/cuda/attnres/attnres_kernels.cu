@@ -98,6 +98,37 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
     }
 }
 
+/* One row's source weights, from its row group's partial sums r0 [wpg][Ns+1]
+ * (the dots u . v_i, then the new partial source's sum of squares): the
+ * logits s_i = r_i (u . v_i) (r_i the source's 1/rms; the partial source's is
+ * computed here and saved), their softmax in fp32 into coef, and lse. */
+__device__ __forceinline__ void source_weights(const attnres_sources &src, const float *r0, int wpg, int C, int Ns,
+                                               int64_t t, int64_t n, int d, float eps, float *lrow, float *coef,
+                                               float *lse) {
+    float m = -INFINITY;
+    for (int i = 0; i < Ns; i++) {
+        float dot = 0.0f;
+        for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
+        float r;
+        if (i < C) {
+            r = src.hist_rstd[(size_t)i * n + t];
+        } else {
+            float ss = 0.0f;
+            for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
+            r = 1.0f / sqrtf(ss / (float)d + eps);
+            src.P_rstd[t] = r;
+        }
+        const float s = r * dot;
+        lrow[i] = s;
+        coef[i] = s;
+        m = fmaxf(m, s);
+    }
+    float Z = 0.0f;
+    for (int i = 0; i < Ns; i++) Z += expf(coef[i] - m);
+    for (int i = 0; i < Ns; i++) coef[i] = expf(coef[i] - m) / Z;
+    lse[t] = m + logf(Z);
+}
+
 /* ---- forward of one AttnRes layer ---- */
 
 template <int VEC>
@@ -151,31 +182,7 @@ forward_kernel(attnres_sources src, float *P_save, const float *w, const float *
             const float m = lse[t];
             for (int i = 0; i < Ns; i++) coef[i] = expf(lrow[i] - m);
         } else {
-            const float *r0 = red + (size_t)group * wpg * (Ns + 1);
-            float m = -INFINITY;
-            for (int i = 0; i < Ns; i++) {
-                float dot = 0.0f;
-                for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
-                float r;
-                if (i < C) {
-                    r = src.hist_rstd[(size_t)i * n + t];
-                } else {
-                    float ss = 0.0f;
-                    for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
-                    r = 1.0f / sqrtf(ss / (float)d + eps);
-                    src.P_rstd[t] = r;
-                }
-                /* s_i = r_i (u . v_i) */
-                const float s = r * dot;
-                lrow[i] = s;
-                coef[i] = s;
-                m = fmaxf(m, s);
-            }
-            /* softmax over the sources, fp32 statistics */
-            float Z = 0.0f;
-            for (int i = 0; i < Ns; i++) Z += expf(coef[i] - m);
-            for (int i = 0; i < Ns; i++) coef[i] = expf(coef[i] - m) / Z;
-            lse[t] = m + logf(Z);
+            source_weights(src, red + (size_t)group * wpg * (Ns + 1), wpg, C, Ns, t, n, d, eps, lrow, coef, lse);
         }
     }
     __syncthreads();
@@ -258,31 +265,7 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
     __syncthreads();
     if (active && lane_g == 0) {
         float *lrow = logits + (size_t)t * Ns;
-        const float *r0 = red + (size_t)group * wpg * (Ns + 1);
-        float m = -INFINITY;
-        for (int i = 0; i < Ns; i++) {
-            float dot = 0.0f;
-            for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
-            float r;
-            if (i < C) {
-                r = src.hist_rstd[(size_t)i * n + t];
-            } else {
-                float ss = 0.0f;
-                for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
-                r = 1.0f / sqrtf(ss / (float)d + eps);
-                src.P_rstd[t] = r;
-            }
-            /* s_i = r_i (u . v_i) */
-            const float s = r * dot;
-            lrow[i] = s;
-            coef[i] = s;
-            m = fmaxf(m, s);
-        }
-        /* softmax over the sources, fp32 statistics */
-        float Z = 0.0f;
-        for (int i = 0; i < Ns; i++) Z += expf(coef[i] - m);
-        for (int i = 0; i < Ns; i++) coef[i] = expf(coef[i] - m) / Z;
-        lse[t] = m + logf(Z);
+        source_weights(src, red + (size_t)group * wpg * (Ns + 1), wpg, C, Ns, t, n, d, eps, lrow, coef, lse);
     }
     __syncthreads();
     if (!mine) return;
