@@ -11,6 +11,7 @@
 
 #include "json.h"
 #include "longmoe/eval.h"
+#include "longmoe/linear.h"
 #include "longmoe/shards.h"
 #include "longmoe/tasks.h"
 #include "longmoe/train.h"
@@ -146,6 +147,88 @@ static void test_loss_by_position_bucket_equals_a_float64_reference(void) {
     int empty = 0;
     for (int k = 0; k < 8; k++) empty += isnan(lm_eval_tally_bucket_loss(&t, k));
     CHECK(empty == 5, "%d empty buckets of 8 over 3 positions, want 5", empty);
+}
+
+/* ---- scoring without logits (lm_model_score) ---- */
+
+/* lm_model_score on the CPU gives the nll and argmax of lm_score_row on
+ * lm_model_logits' logits bit for bit, and lm_eval_score_tokens on them the
+ * same tally as lm_eval_score on the logits: a model initialised at random, a
+ * vocabulary of 300 (no multiple of 4 or 32) and 2 x 43 positions (the
+ * chunks of 32 rows end in a partial one), random tokens, targets and answer
+ * mask. */
+static void test_model_scores_equal_the_logits_path_bit_for_bit(void) {
+    lm_config c = test_micro_config();
+    c.vocab_size = 300;
+    enum { B = 2, T = 43, N = B * T };
+    const int V = 300;
+    lm_model *m;
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_rng r;
+    lm_rng_seed(&r, 0x5c0e);
+    lm_model_init(m, lm_rng_u64(&r));
+    static int32_t tok[N], tgt[N], arg[N], arg_ref[N];
+    static uint8_t ans[N];
+    static double nll[N], nll_ref[N];
+    float *logits = malloc((size_t)N * V * sizeof(float));
+    CHECK(logits != NULL, "out of memory");
+    if (!logits) {
+        lm_model_free(m);
+        return;
+    }
+    for (int i = 0; i < N; i++) {
+        tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)V);
+        tgt[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)V);
+        ans[i] = lm_rng_uniform(&r) < 0.3;
+    }
+    CHECK(!lm_model_logits(m, tok, logits), "%s", lm_last_error());
+    for (int i = 0; i < N; i++) lm_score_row(logits + (size_t)i * V, V, tgt[i], &nll_ref[i], &arg_ref[i]);
+    CHECK(!lm_model_score(m, tok, tgt, nll, arg), "%s", lm_last_error());
+    int diff = 0, right = 0;
+    for (int i = 0; i < N; i++) {
+        diff += memcmp(&nll[i], &nll_ref[i], sizeof(double)) != 0 || arg[i] != arg_ref[i];
+        right += arg[i] == tgt[i];
+        /* the reference itself: log-sum-exp of the row, in double */
+        double mx = -INFINITY, s = 0;
+        for (int v = 0; v < V; v++) mx = logits[(size_t)i * V + v] > mx ? logits[(size_t)i * V + v] : mx;
+        for (int v = 0; v < V; v++) s += exp(logits[(size_t)i * V + v] - mx);
+        CHECK_CLOSE(nll[i], mx + log(s) - logits[(size_t)i * V + tgt[i]], 1e-12, 1e-12, "nll");
+        CHECK(logits[(size_t)i * V + arg[i]] == mx, "position %d: argmax %d is not a maximum", i, arg[i]);
+    }
+    CHECK(diff == 0, "%d of %d positions differ from the logits path", diff, N);
+    CHECK(nll[0] > 0 && nll[0] < 20, "nll %g of a random model is not near log V", nll[0]);
+    lm_eval_tally a, b;
+    CHECK(!lm_eval_tally_init(&a, T, 5) && !lm_eval_tally_init(&b, T, 5), "%s", lm_last_error());
+    CHECK(!lm_eval_score(&a, logits, tgt, ans, B, V), "%s", lm_last_error());
+    CHECK(!lm_eval_score_tokens(&b, nll, arg, tgt, ans, B), "%s", lm_last_error());
+    CHECK(!memcmp(&a, &b, sizeof a), "the tallies differ: loss %.17g vs %.17g, answers %lld/%lld vs %lld/%lld",
+          lm_eval_tally_loss(&a), lm_eval_tally_loss(&b), (long long)a.answers_right, (long long)a.answers,
+          (long long)b.answers_right, (long long)b.answers);
+    CHECK(a.answers > 0 && a.loss_count[4] > 0, "the mask and buckets are exercised");
+    /* a second call on other tokens gives that call's scores (nothing kept from the first) */
+    for (int i = 0; i < N; i++) tok[i] = (tok[i] + 1 + i) % V;
+    CHECK(!lm_model_logits(m, tok, logits), "%s", lm_last_error());
+    CHECK(!lm_model_score(m, tok, tgt, nll, arg), "%s", lm_last_error());
+    diff = 0;
+    for (int i = 0; i < N; i++) {
+        lm_score_row(logits + (size_t)i * V, V, tgt[i], &nll_ref[i], &arg_ref[i]);
+        diff += memcmp(&nll[i], &nll_ref[i], sizeof(double)) != 0 || arg[i] != arg_ref[i];
+    }
+    CHECK(diff == 0, "second call: %d of %d positions differ", diff, N);
+    /* bad input: a target outside the vocabulary; a non-finite score */
+    tgt[7] = V;
+    CHECK(lm_model_score(m, tok, tgt, nll, arg) == LM_ERR_ARG && strstr(lm_last_error(), "target 300"),
+          "a target outside the vocabulary must be refused, got: %s", lm_last_error());
+    tgt[7] = 0;
+    nll[N - 1] = NAN;
+    lm_eval_tally t;
+    lm_eval_tally_init(&t, T, 1);
+    CHECK(lm_eval_score_tokens(&t, nll, arg, tgt, ans, B) == LM_ERR_NUMERIC &&
+              strstr(lm_last_error(), "row 1 position 42"),
+          "a non-finite score must be refused naming its place, got: %s", lm_last_error());
+    free(logits);
+    lm_model_free(m);
 }
 
 /* ---- a checkpoint ---- */
@@ -467,6 +550,7 @@ int main(void) {
     if (system(cmd) != 0) return 1;
     RUN(test_scoring_counts_greedy_hits_at_answer_positions_and_whole_rows);
     RUN(test_loss_by_position_bucket_equals_a_float64_reference);
+    RUN(test_model_scores_equal_the_logits_path_bit_for_bit);
     RUN(test_eval_of_a_trained_checkpoint_writes_the_documented_lines);
     RUN(test_validation_follows_the_data_and_length_of_the_checkpoints_stage);
     RUN(test_cli_appends_to_the_run_log_and_prints_a_table);

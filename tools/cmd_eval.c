@@ -4,12 +4,14 @@
 #include <string.h>
 
 #include "cli.h"
+#include "longmoe/backend.h"
 #include "longmoe/eval.h"
 #include "longmoe/tasks.h"
 
 static const char *const eval_usage =
     "usage: longmoe eval --checkpoint DIR [--tasks val,passkey,mqar] [--lengths 256,1024,4096]\n"
     "                    [--depths 0,0.25,0.5,0.75,1] [--queries 2,8,16] [--batches N] [--out FILE.jsonl]\n"
+    "                    [--device cpu|cuda]\n"
     "\n"
     "Evaluates a checkpoint (DIR/model.safetensors; a run directory means its latest\n"
     "checkpoint): validation loss and loss by position bucket on the data the checkpoint\n"
@@ -32,6 +34,8 @@ static const char *const eval_usage =
     "  --val-length T     validation length (default: the sequence length of that stage)\n"
     "  --seed S           seed of the passkey and MQAR rows\n"
     "  --out FILE         JSON lines file to append to\n"
+    "  --device D         where the models run: cpu (default, the exact reference) or cuda\n"
+    "                     (bf16 products: accuracies as the GPU model computes them)\n"
     "  --quiet            no table\n";
 
 /* Split a comma-separated list into at most LM_EVAL_MAX_GRID items. */
@@ -101,6 +105,7 @@ int cmd_eval(int argc, char **argv) {
     const char *cmd = "eval", *checkpoint = NULL, *out = NULL;
     lm_eval_options opt = lm_eval_options_default();
     int quiet = 0;
+    lm_device device = LM_DEVICE_CPU;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         long x;
@@ -144,6 +149,9 @@ int cmd_eval(int argc, char **argv) {
         } else if (!strcmp(a, "--seed")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 0x7fffffffL, &x)) return 2;
             opt.seed = (uint64_t)x;
+        } else if (!strcmp(a, "--device")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (lm_device_from_name(v, &device)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", v);
         } else if (!strcmp(a, "--quiet")) {
             quiet = 1;
         } else {
@@ -164,10 +172,18 @@ int cmd_eval(int argc, char **argv) {
         snprintf(path, sizeof path, "%s/metrics.jsonl", run);
         out = path;
     }
+    lm_backend *be = NULL;
+    if (device == LM_DEVICE_CUDA && lm_backend_cuda_create(&be)) return cli_fail(cmd, "--device cuda: %s", lm_last_error());
+    opt.backend = be;
     /* evaluate first: a failed evaluation leaves the log untouched */
     lm_eval_result *r = malloc(sizeof *r);
-    if (!r) return cli_fail(cmd, "out of memory");
-    if (lm_eval_run(ckpt, &opt, r)) {
+    if (!r) {
+        lm_backend_free(be);
+        return cli_fail(cmd, "out of memory");
+    }
+    lm_status s = lm_eval_run(ckpt, &opt, r);
+    lm_backend_free(be);
+    if (s) {
         free(r);
         return cli_fail(cmd, "%s", lm_last_error());
     }

@@ -103,6 +103,15 @@ typedef struct {
                                         const void *head_lp, const int32_t *targets, const float *lse,
                                         const float *row_scale, float scale, int64_t n, int d, int vocab,
                                         void *work);
+    /* evaluation's scoring through the same chunks (the same `work`): per row
+     * r of z = hn . head^T, nll[r] = max z + log(sum_v exp(z_v - max z)) -
+     * z[target] (double) and argmax[r] (the lowest index among equal maxima),
+     * both written in the backend's memory. On the CPU the logits are those of
+     * matmul_forward and the sum of exponentials is in double in vocabulary
+     * order (lm_eval_score's arithmetic, bit for bit); a non-finite logit
+     * gives a non-finite nll. */
+    lm_status (*score_forward)(lm_backend *be, double *nll, int32_t *argmax, const void *hn_lp,
+                               const void *head_lp, const int32_t *targets, int64_t n, int d, int vocab, void *work);
 
     /* ---- gated attention (src/model/mla.c) ---- */
     /* causal softmax attention (attention.h's shapes): o (lp), lse [B,H,T],

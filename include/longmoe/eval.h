@@ -50,6 +50,7 @@ typedef struct {
     int val_length;                     /* 0: the sequence length of the checkpoint's stage */
     const char *val_data;               /* NULL: the data of the checkpoint's stage (lm_data_open spec) */
     uint64_t seed;                      /* seed of the passkey and MQAR rows */
+    struct lm_backend *backend;         /* where the models run (NULL: the CPU); it must outlive the call */
 } lm_eval_options;
 
 /* Defaults: all three tasks, lengths 256, 1024, 4096, depths 0, 0.25, 0.5,
@@ -86,6 +87,12 @@ int lm_eval_bucket_edge(const lm_eval_tally *t, int i);
  * are an error (LM_ERR_NUMERIC). */
 lm_status lm_eval_score(lm_eval_tally *t, const float *logits, const int32_t *targets, const uint8_t *answer, int B,
                         int V);
+/* The same from each position's scores instead of its logits: nll [B,T]
+ * (-log p of the target) and argmax [B,T] as lm_model_score gives them; with
+ * the nll and argmax of lm_score_row on the same logits the tally is
+ * lm_eval_score's bit for bit. A non-finite nll is an error (LM_ERR_NUMERIC). */
+lm_status lm_eval_score_tokens(lm_eval_tally *t, const double *nll, const int32_t *argmax, const int32_t *targets,
+                               const uint8_t *answer, int B);
 /* Mean loss over all positions; fraction of answer positions right; fraction
  * of rows with every answer right (NaN when there is nothing to average). */
 double lm_eval_tally_loss(const lm_eval_tally *t);

@@ -44,6 +44,13 @@ void lm_silu_l2_forward(float *out, float *rnorm, const float *in, size_t rows, 
 void lm_silu_l2_backward(float *din, const float *dout, const float *in, const float *out, const float *rnorm,
                          size_t rows, int K);
 
+/* One row of logits z[V] scored against target y (evaluation, docs/eval.md):
+ * *nll = max z + log(sum_v exp(z_v - max z)) - z[y], the sum in double in
+ * vocabulary order; *argmax the lowest index among equal maxima. A non-finite
+ * logit gives a non-finite *nll. The one definition of evaluation's
+ * arithmetic: lm_eval_score and the CPU backend's score_forward call it. */
+void lm_score_row(const float *z, int V, int y, double *nll, int32_t *argmax);
+
 static inline float lm_sigmoidf(float x) {
     /* stable for any finite x */
     if (x >= 0) {

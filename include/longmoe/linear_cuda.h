@@ -107,6 +107,14 @@ lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, float *dhn,
                                          const uint16_t *head, const int32_t *targets, const float *lse,
                                          const float *row_scale, float scale, int64_t n, int d, int vocab,
                                          void *workspace, size_t workspace_bytes);
+/* Evaluation's scores through the same chunks (the same workspace): per row
+ * nll[r] = max + log sum_v exp(logits[r,v] - max) - logits[r, targets[r]]
+ * (the exponentials and their sum in double, then a fixed tree) and
+ * argmax[r], the lowest index among equal maxima; both written, device
+ * memory. A non-finite logit gives a non-finite nll. */
+lm_status lm_cuda_score_forward(const lm_cuda_context *ctx, double *nll, int32_t *argmax, const uint16_t *hn,
+                                const uint16_t *head, const int32_t *targets, int64_t n, int d, int vocab,
+                                void *workspace, size_t workspace_bytes);
 
 #ifdef __cplusplus
 }

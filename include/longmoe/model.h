@@ -120,6 +120,14 @@ void lm_model_zero_grads(lm_model *m);
 /* Logits [B,T,V] of the last forward's positions (for evaluation and tests;
  * allocates nothing: `logits` is the caller's). Runs its own forward. */
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits);
+/* Evaluation's scores without logits: a forward over tokens [B,T] (not
+ * training), then the LM head chunk by chunk on the model's backend (the
+ * chunks of the training cross-entropy; no [B,T,V] logits anywhere): per
+ * position nll[i] = -log p(targets[i]) (log-sum-exp around the maximum, in
+ * double) and argmax[i], the lowest index among equal maxima; both [B,T] on
+ * the host. On the CPU these are lm_score_row of lm_model_logits' logits bit
+ * for bit; on a GPU the logits are the bf16 products' (docs/eval.md). */
+lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax);
 
 /* MoE balancing: number of MoE layers, their states (bias, histograms). */
 int lm_model_num_moe_layers(const lm_model *m);

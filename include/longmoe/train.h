@@ -132,6 +132,10 @@ double lm_train_flops_per_token(const lm_config *cfg, int T);
  * inference), into a model created with the config in `dir`/config.json for B
  * sequences of T tokens (<= 0: the config's). *out and *cfg receive them. */
 lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out);
+/* The same on a backend (backend.h; NULL: the CPU): the model is created
+ * there and the loaded parameters go up before its first forward. */
+lm_status lm_checkpoint_load_model_on(const char *dir, int B, int T, struct lm_backend *backend, lm_config *cfg,
+                                      lm_model **out);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,7 @@
 #include "files.h"
 #include "json.h"
 #include "longmoe/config.h"
+#include "longmoe/linear.h"
 #include "longmoe/tasks.h"
 #include "longmoe/train.h"
 #include "train/checkpoint.h"
@@ -103,6 +104,29 @@ lm_status lm_eval_tally_init(lm_eval_tally *t, int T, int n_buckets) {
 
 int lm_eval_bucket_edge(const lm_eval_tally *t, int i) { return (int)((int64_t)i * t->T / t->n_buckets); }
 
+/* One position's loss and argmax against its target into the tally. */
+static lm_status tally_position(lm_eval_tally *t, int b, int pos, double loss, int right, int is_answer, int *bucket,
+                                int *has_answer, int *all_right) {
+    if (!isfinite(loss)) return lm_error(LM_ERR_NUMERIC, "eval: non-finite logits at row %d position %d", b, pos);
+    while (*bucket + 1 < t->n_buckets && pos >= lm_eval_bucket_edge(t, *bucket + 1)) (*bucket)++;
+    t->loss_sum[*bucket] += loss;
+    t->loss_count[*bucket]++;
+    if (is_answer) {
+        *has_answer = 1;
+        t->answers++;
+        t->answers_right += right;
+        *all_right &= right;
+    }
+    return LM_OK;
+}
+
+static void tally_row_end(lm_eval_tally *t, int has_answer, int all_right) {
+    if (has_answer) {
+        t->rows++;
+        t->rows_right += all_right;
+    }
+}
+
 lm_status lm_eval_score(lm_eval_tally *t, const float *logits, const int32_t *targets, const uint8_t *answer, int B,
                         int V) {
     // logits is (B,T,V), targets and answer are (B,T)
@@ -112,37 +136,31 @@ lm_status lm_eval_score(lm_eval_tally *t, const float *logits, const int32_t *ta
         int bucket = 0, has_answer = 0, all_right = 1;
         for (int pos = 0; pos < T; pos++) {
             size_t i = (size_t)b * T + pos;
-            const float *z = logits + i * (size_t)V;
             int y = targets[i];
             if (y < 0 || y >= V)
                 return lm_error(LM_ERR_ARG, "eval: target %d at row %d position %d is outside [0, %d)", y, b, pos, V);
-            float mx = z[0];
-            int arg = 0;
-            for (int v = 1; v < V; v++)
-                if (z[v] > mx) {
-                    mx = z[v];
-                    arg = v;
-                }
-            /* cross-entropy by log-sum-exp around the maximum */
-            double s = 0;
-            for (int v = 0; v < V; v++) s += exp((double)z[v] - mx);
-            double loss = (double)mx + log(s) - z[y];
-            if (!isfinite(loss))
-                return lm_error(LM_ERR_NUMERIC, "eval: non-finite logits at row %d position %d", b, pos);
-            while (bucket + 1 < t->n_buckets && pos >= lm_eval_bucket_edge(t, bucket + 1)) bucket++;
-            t->loss_sum[bucket] += loss;
-            t->loss_count[bucket]++;
-            if (answer && answer[i]) {
-                has_answer = 1;
-                t->answers++;
-                t->answers_right += arg == y;
-                all_right &= arg == y;
-            }
+            double loss;
+            int32_t arg;
+            lm_score_row(logits + i * (size_t)V, V, y, &loss, &arg);
+            TRY(tally_position(t, b, pos, loss, arg == y, answer && answer[i], &bucket, &has_answer, &all_right));
         }
-        if (has_answer) {
-            t->rows++;
-            t->rows_right += all_right;
+        tally_row_end(t, has_answer, all_right);
+    }
+    return LM_OK;
+}
+
+lm_status lm_eval_score_tokens(lm_eval_tally *t, const double *nll, const int32_t *argmax, const int32_t *targets,
+                               const uint8_t *answer, int B) {
+    const int T = t->T;
+    if (B < 1) return lm_error(LM_ERR_ARG, "eval: batch %d must be positive", B);
+    for (int b = 0; b < B; b++) {
+        int bucket = 0, has_answer = 0, all_right = 1;
+        for (int pos = 0; pos < T; pos++) {
+            size_t i = (size_t)b * T + pos;
+            TRY(tally_position(t, b, pos, nll[i], argmax[i] == targets[i], answer && answer[i], &bucket, &has_answer,
+                               &all_right));
         }
+        tally_row_end(t, has_answer, all_right);
     }
     return LM_OK;
 }
@@ -168,20 +186,23 @@ double lm_eval_tally_bucket_loss(const lm_eval_tally *t, int i) {
 
 /* ---- one model ---- */
 
-/* Batch buffers for the model's shape. */
+/* Batch buffers for the model's shape: tokens and each position's scores,
+ * never logits (lm_model_score runs the LM head chunk by chunk where the
+ * model lives). */
 typedef struct {
     int B, T, V;
-    int32_t *seq, *inp, *tgt;
+    int32_t *seq, *inp, *tgt, *argmax;
     uint8_t *answer;
-    float *logits;
+    double *nll;
 } eval_buffers;
 
 static void buffers_free(eval_buffers *e) {
     free(e->seq);
     free(e->inp);
     free(e->tgt);
+    free(e->argmax);
     free(e->answer);
-    free(e->logits);
+    free(e->nll);
 }
 
 static lm_status buffers_alloc(eval_buffers *e, lm_model *m) {
@@ -192,9 +213,10 @@ static lm_status buffers_alloc(eval_buffers *e, lm_model *m) {
     e->seq = malloc((size_t)e->B * (e->T + 1) * sizeof(int32_t));
     e->inp = malloc(N * sizeof(int32_t));
     e->tgt = malloc(N * sizeof(int32_t));
+    e->argmax = malloc(N * sizeof(int32_t));
     e->answer = malloc(N);
-    e->logits = malloc(N * (size_t)e->V * sizeof(float));
-    if (!e->seq || !e->inp || !e->tgt || !e->answer || !e->logits) {
+    e->nll = malloc(N * sizeof(double));
+    if (!e->seq || !e->inp || !e->tgt || !e->argmax || !e->answer || !e->nll) {
         buffers_free(e);
         return lm_error(LM_ERR_MEMORY, "out of memory (evaluation buffers for %d x %d tokens)", e->B, e->T);
     }
@@ -207,8 +229,8 @@ static lm_status forward_and_score(lm_model *m, eval_buffers *e, lm_eval_tally *
         memcpy(e->inp + (size_t)b * e->T, e->seq + (size_t)b * (e->T + 1), (size_t)e->T * sizeof(int32_t));
         memcpy(e->tgt + (size_t)b * e->T, e->seq + (size_t)b * (e->T + 1) + 1, (size_t)e->T * sizeof(int32_t));
     }
-    TRY(lm_model_logits(m, e->inp, e->logits));
-    return lm_eval_score(t, e->logits, e->tgt, e->answer, e->B, e->V);
+    TRY(lm_model_score(m, e->inp, e->tgt, e->nll, e->argmax));
+    return lm_eval_score_tokens(t, e->nll, e->argmax, e->tgt, e->answer, e->B);
 }
 
 lm_status lm_eval_loss(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, lm_eval_tally *tally) {
@@ -362,7 +384,7 @@ static lm_status eval_length(const char *ckpt, const lm_eval_options *opt, int L
                              lm_eval_result *r) {
     lm_config cfg;
     lm_model *m;
-    TRY(lm_checkpoint_load_model(ckpt, opt->batch_size, L, &cfg, &m));
+    TRY(lm_checkpoint_load_model_on(ckpt, opt->batch_size, L, opt->backend, &cfg, &m));
     lm_status s = LM_OK;
     int li = index_of(opt->lengths, opt->n_lengths, L);
     if (val && L == r->val_length) {

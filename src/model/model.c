@@ -285,6 +285,9 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
     size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
                        sizeof(float);
     act += PAD16(ce_floats);                                /* the chunked cross-entropy's logits */
+    /* evaluation's per-position scores (nll double, argmax int32) where they come back from a device */
+    const int score_on_backend = m->be->device != LM_DEVICE_CPU;
+    if (score_on_backend) act += PAD16(2 * (size_t)N) + PAD16((size_t)N);
     /* with recompute, the sublayers of one kind share one activation buffer:
      * the backward recomputes each sublayer's forward from its saved input */
     int shared_kda = 0, shared_mla = 0, shared_ffn = 0;
@@ -390,6 +393,10 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
     CARVE(m->dhn, (size_t)N * d);
     CARVE(m->dhf, (size_t)N * d);
     CARVE(m->logits, ce_floats);
+    if (score_on_backend) {
+        m->score_nll = (double *)p, p += PAD16(2 * (size_t)N);
+        m->score_arg = (int32_t *)p, p += PAD16((size_t)N);
+    }
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
         float *pp = m->params + ls->mixer_off;
@@ -1044,6 +1051,32 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
         hn = m->hn_host;
     }
     lm_matmul_forward(logits, hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
+    return LM_OK;
+}
+
+lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax) {
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    if (!tokens || !targets || !nll || !argmax)
+        return lm_error(LM_ERR_ARG, "lm_model_score: tokens, targets, nll and argmax must not be NULL");
+    for (int64_t i = 0; i < N; i++)
+        if (targets[i] < 0 || targets[i] >= V)
+            return lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
+                            (long long)i, V);
+    TRY(run_layers_forward(m, tokens, 0));
+    m->have_targets = 0; /* nothing here for a backward */
+    lm_backend *be = m->be;
+    double t0 = lm_time_seconds();
+    TRY(be->upload(be, m->targets, targets, (size_t)N * sizeof(int32_t)));
+    const int on_host = be->device == LM_DEVICE_CPU;
+    TRY(be->ops->score_forward(be, on_host ? nll : m->score_nll, on_host ? argmax : m->score_arg,
+                               lp_or(m, m->hn, m->hn_lp), lp_param(m, m->P + m->head_off), m->targets, N, d, V,
+                               m->logits));
+    if (!on_host) {
+        TRY(be->download(be, nll, m->score_nll, (size_t)N * sizeof(double)));
+        TRY(be->download(be, argmax, m->score_arg, (size_t)N * sizeof(int32_t)));
+    }
+    charge(m, LM_TIME_LM_HEAD, &t0);
     return LM_OK;
 }
 

@@ -210,6 +210,23 @@ static lm_status cpu_ce_backward(lm_backend *be, float *dhn, float *dhead, const
     return LM_OK;
 }
 
+/* evaluation's scores: the chunks of the forward above, each row scored by
+ * lm_score_row (the rows of a chunk in parallel: each is its own) */
+static lm_status cpu_score_forward(lm_backend *be, double *nll, int32_t *argmax, const void *hn_lp,
+                                   const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+    (void)be;
+    const float *hn = hn_lp, *W = head_lp;
+    float *logits = work;
+    for (int64_t r0 = 0; r0 < n; r0 += CE_CHUNK) {
+        int rows = (int)(n - r0 < CE_CHUNK ? n - r0 : CE_CHUNK);
+        lm_matmul_forward(logits, hn + r0 * d, W, NULL, rows, d, V);
+#pragma omp parallel for schedule(static)
+        for (int r = 0; r < rows; r++)
+            lm_score_row(logits + (size_t)r * V, V, targets[r0 + r], &nll[r0 + r], &argmax[r0 + r]);
+    }
+    return LM_OK;
+}
+
 /* ---- the KDA token mixer's pieces ---- */
 
 static lm_status cpu_conv_silu_forward(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
@@ -546,6 +563,7 @@ static const lm_ops cpu_ops = {
     .cross_entropy_work_bytes = cpu_ce_work_bytes,
     .cross_entropy_forward = cpu_ce_forward,
     .cross_entropy_backward = cpu_ce_backward,
+    .score_forward = cpu_score_forward,
     .conv_silu_forward = cpu_conv_silu_forward,
     .conv_silu_backward = cpu_conv_silu_backward,
     .kda_forward = cpu_kda_forward,

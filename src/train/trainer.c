@@ -768,14 +768,21 @@ static lm_status load_balance(lm_model *m, const lm_safetensors *st, const char 
 }
 
 lm_status lm_checkpoint_load_model(const char *dir, int B, int T, lm_config *cfg, lm_model **out) {
+    return lm_checkpoint_load_model_on(dir, B, T, NULL, cfg, out);
+}
+
+lm_status lm_checkpoint_load_model_on(const char *dir, int B, int T, lm_backend *backend, lm_config *cfg,
+                                      lm_model **out) {
     char path[4200];
     *out = NULL;
     snprintf(path, sizeof path, "%s/config.json", dir);
     TRY(lm_config_load(path, cfg));
     if (B > 0) cfg->batch_size = B;
     if (T > 0) cfg->seq_len = T;
-    TRY(lm_model_create(cfg, cfg->batch_size, cfg->seq_len, out));
+    TRY(lm_model_create_on(cfg, cfg->batch_size, cfg->seq_len, backend, out));
     lm_status s = load_params(*out, dir);
+    /* the loaded host parameters to the backend (a no-op on the CPU) */
+    if (!s) s = lm_model_upload_params(*out);
     if (!s && lm_model_num_moe_layers(*out)) {
         /* the trained balancing biases route at evaluation and inference (frozen) */
         snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
@@ -971,7 +978,7 @@ static void format_eta(char *buf, size_t n, double seconds) {
  * training components; the {"type": "eval"} line goes to the metrics log. */
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
-    TRY(host_params_current(t)); /* the LM head's logits are scored on the host */
+    /* the device's parameters as they are: the scoring runs there (lm_model_score) */
     lm_model_timings(t->model, before);
     lm_eval_tally tally;
     /* each rank scores its share of every validation batch; the tallies are summed */
@@ -1018,6 +1025,7 @@ static lm_status stage_evaluation(trainer *t) {
     }
     eo.batches = t->opt.stage_eval_batches;
     eo.batch_size = 2;
+    eo.backend = t->be; /* on the training device (NULL: the CPU) */
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/checkpoint-%08lld", t->opt.out_dir, (long long)t->step);
     fflush(t->metrics);

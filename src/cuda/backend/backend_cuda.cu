@@ -247,6 +247,12 @@ static lm_status cuda_ce_backward(lm_backend *be, float *dhn, float *dhead, cons
                                           cuda_ce_work_bytes(be, n, d, V));
 }
 
+static lm_status cuda_score_forward(lm_backend *be, double *nll, int32_t *argmax, const void *hn_lp,
+                                   const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+    return lm_cuda_score_forward(ctx_of(be), nll, argmax, (const uint16_t *)hn_lp, (const uint16_t *)head_lp,
+                                 targets, n, d, V, work, cuda_ce_work_bytes(be, n, d, V));
+}
+
 /* ---- the KDA token mixer's pieces ---- */
 
 static lm_status cuda_conv_silu_forward(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
@@ -699,6 +705,7 @@ static lm_ops make_cuda_ops(void) {
     o.cross_entropy_work_bytes = cuda_ce_work_bytes;
     o.cross_entropy_forward = cuda_ce_forward;
     o.cross_entropy_backward = cuda_ce_backward;
+    o.score_forward = cuda_score_forward;
     o.conv_silu_forward = cuda_conv_silu_forward;
     o.conv_silu_backward = cuda_conv_silu_backward;
     o.kda_forward = cuda_kda_forward;

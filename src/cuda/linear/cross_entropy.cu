@@ -236,3 +236,75 @@ extern "C" lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, 
     }
     return LM_OK;
 }
+
+/* ---- evaluation's scores ---- */
+
+/* (value, index) of the larger; equal values keep the lower index */
+__device__ __forceinline__ void score_arg_merge(float &m, int &i, float m2, int i2) {
+    if (m2 > m || (m2 == m && i2 < i)) m = m2, i = i2;
+}
+
+/* One block per row of the chunk: the maximum and its lowest index (a fixed
+ * warp butterfly, then warp by warp in order), then sum exp(z - max) in
+ * double the same way; nll[r] and argmax[r]. */
+__global__ void score_kernel(double *nll, int32_t *argmax, const float *logits, const int32_t *targets, int vocab) {
+    __shared__ float wm[CE_THREADS / 32];
+    __shared__ int wi[CE_THREADS / 32];
+    __shared__ double ws[CE_THREADS / 32];
+    __shared__ float row_max;
+    const float *z = logits + (int64_t)blockIdx.x * vocab;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    /* a thread's values in ascending index: strict > keeps its lowest index;
+     * a thread with no value holds (-inf, vocab) and loses every merge */
+    float m = -INFINITY;
+    int idx = vocab;
+    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) {
+        float x = z[v];
+        if (idx == vocab || x > m) m = x, idx = v;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        score_arg_merge(m, idx, m2, i2);
+    }
+    if (lane == 0) wm[warp] = m, wi[warp] = idx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = wm[0];
+        int I = wi[0];
+        for (int k = 1; k < CE_THREADS / 32; k++) score_arg_merge(M, I, wm[k], wi[k]);
+        row_max = M;
+        argmax[blockIdx.x] = I;
+    }
+    __syncthreads();
+    const double mx = (double)row_max;
+    double s = 0.0;
+    for (int v = threadIdx.x; v < vocab; v += CE_THREADS) s += exp((double)z[v] - mx);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) ws[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double S = ws[0];
+        for (int k = 1; k < CE_THREADS / 32; k++) S += ws[k];
+        nll[blockIdx.x] = mx + log(S) - (double)z[targets[blockIdx.x]];
+    }
+}
+
+extern "C" lm_status lm_cuda_score_forward(const lm_cuda_context *ctx, double *nll, int32_t *argmax,
+                                           const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                                           int64_t n, int d, int vocab, void *workspace, size_t workspace_bytes) {
+    const char *fn = "lm_cuda_score_forward";
+    int64_t rows = 0;
+    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
+    if (st || n == 0) return st;
+    if (!nll || !argmax) return lm_error(LM_ERR_ARG, "%s: nll or argmax is NULL", fn);
+    cudaStream_t s = lin_stream(ctx);
+    ce_workspace w = ce_carve(workspace, n, vocab, rows);
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+        int64_t R = n - r0 < rows ? n - r0 : rows;
+        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
+        score_kernel<<<(unsigned)R, CE_THREADS, 0, s>>>(nll + r0, argmax + r0, w.logits, targets + r0, vocab);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    return LM_OK;
+}

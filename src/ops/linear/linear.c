@@ -204,3 +204,18 @@ void lm_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const f
         }
     }
 }
+
+void lm_score_row(const float *z, int V, int y, double *nll, int32_t *argmax) {
+    float mx = z[0];
+    int arg = 0;
+    for (int v = 1; v < V; v++)
+        if (z[v] > mx) {
+            mx = z[v];
+            arg = v;
+        }
+    /* cross-entropy by log-sum-exp around the maximum */
+    double s = 0;
+    for (int v = 0; v < V; v++) s += exp((double)z[v] - mx);
+    *nll = (double)mx + log(s) - z[y];
+    *argmax = arg;
+}
