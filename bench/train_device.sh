@@ -5,7 +5,7 @@
 # STEPS steps and print its progress lines (loss, tokens/s, MFU, ETA, MaxVio) and the mean
 # tokens/s and MFU of its steps from metrics.jsonl.
 #
-#   bench/train_device.sh [build] [test] [train] [curve] [text]   (default: build test train)
+#   bench/train_device.sh [build] [test] [train] [curve] [text] [long]   (default: build test train)
 #
 #   train        the timed run below (PRESET, STEPS, ...)
 #   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
@@ -15,6 +15,11 @@
 #                the machine) for TEXT_SECONDS (default 240), then SIGINT: the run stops at a step
 #                boundary; its evaluations every 100 steps show the validation loss
 #                ($OUT/text_metrics.jsonl, $OUT/text.log)
+#   long         configs/long-gpu.json: staged 4K -> 16K -> 64K on passkey, MQAR and copy rows,
+#                each stage's steps times LONG_SCALE (default 1), stopped by SIGINT at
+#                LONG_SECONDS (default 540; a stage cut short has no grids). Prints the steps'
+#                time per stage and the passkey and MQAR grids after each stage at every length so
+#                far ($OUT/long.log, $OUT/long_metrics.jsonl, $OUT/long.json: the config run)
 #
 #   STEPS        steps of the timed run (default 100)
 #   PRESET       the config trained (default configs/small.json); its first stage only
@@ -46,6 +51,8 @@ mkdir -p "$OUT"
 steps=${*:-build test train}
 CURVE_STEPS=${CURVE_STEPS:-200}
 TEXT_SECONDS=${TEXT_SECONDS:-240}
+LONG_SCALE=${LONG_SCALE:-1}
+LONG_SECONDS=${LONG_SECONDS:-540}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 
@@ -172,5 +179,59 @@ if has text; then
     echo "text run rc $rc (124: stopped by SIGINT at the time limit, at a step boundary with a checkpoint)"
     cp /tmp/longmoe-text/metrics.jsonl "$OUT/text_metrics.jsonl" 2>/dev/null
     rm -rf /tmp/longmoe-text
+fi
+if has long; then
+    echo "== configs/long-gpu.json on the GPU: 4K -> 16K -> 64K, steps x $LONG_SCALE, at most $LONG_SECONDS s"
+    python3 - "$LONG_SCALE" "$OUT/long.json" <<'EOF'
+import json, sys
+scale, dst = float(sys.argv[1]), sys.argv[2]
+c = json.load(open("configs/long-gpu.json"))
+for s in c["train"]["stages"]:
+    s["steps"] = max(1, int(round(s["steps"] * scale)))
+c["comment"] = "bench/train_device.sh long: configs/long-gpu.json, steps x %g" % scale
+print("stages: " + ", ".join("%s %d steps of %d x %d" % (s["name"], s["steps"], s["batch_tokens"] // s["seq_len"],
+                                                       s["seq_len"]) for s in c["train"]["stages"]))
+json.dump(c, open(dst, "w"), indent=1)
+EOF
+    [ $? -ne 0 ] && { echo "cannot derive the config from configs/long-gpu.json"; exit 1; }
+    rm -rf /tmp/longmoe-long
+    start=$(date +%s)
+    timeout --foreground -s INT -k 60 "$LONG_SECONDS" "$BUILD/longmoe" train --config "$OUT/long.json" \
+        --out /tmp/longmoe-long --device cuda >"$OUT/long.log" 2>&1
+    rc=$?
+    echo "long run rc $rc in $(( $(date +%s) - start )) s (124 or 130: stopped at the time limit)"
+    [ $rc -ne 0 ] && { status=1; tail -20 "$OUT/long.log"; }
+    cp /tmp/longmoe-long/metrics.jsonl "$OUT/long_metrics.jsonl" 2>/dev/null
+    python3 - "$OUT/long_metrics.jsonl" <<'EOF'
+import json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+except (OSError, ValueError) as e:
+    sys.exit("no metrics: %s" % e)
+stages = [r for r in rows if r["type"] == "stage"]
+train = [r for r in rows if r["type"] == "train"]
+for i, st in enumerate(stages):
+    end = stages[i + 1]["step"] if i + 1 < len(stages) else float("inf")
+    mine = [r for r in train if st["step"] < r["step"] <= end][1:]  # the stage's first step grows scratch
+    if mine:
+        secs = sum(r["step_seconds"] for r in mine)
+        print("stage %-4s seq %6d x %3d: %d steps, %.1f ms/step, %.0f tokens/s, loss %.4f -> %.4f"
+              % (st["name"], st["seq_len"], st["batch_size"], len(mine) + 1, 1000 * secs / len(mine),
+                 sum(r["tokens_per_s"] * r["step_seconds"] for r in mine) / secs, mine[0]["loss"], mine[-1]["loss"]))
+for r in rows:
+    if r["type"] == "eval":
+        print("step %5d  val loss %.4f, answer accuracy %s at length %d" % (r["step"], r["val_loss"],
+              "-" if r["answer_accuracy"] is None else "%.1f%%" % (100 * r["answer_accuracy"]), r["seq_len"]))
+    elif r["type"] == "passkey":
+        print("step %5d  passkey %% all five digits (digits right) by length x depth %s" % (r["step"], r["depths"]))
+        for L, acc, dig in zip(r["lengths"], r["accuracy"], r["digit_accuracy"]):
+            print("      %6d  " % L + "  ".join("%5.1f (%5.1f)" % (100 * a, 100 * d) if a is not None else "    -"
+                                                for a, d in zip(acc, dig)))
+    elif r["type"] == "mqar":
+        print("step %5d  mqar %% value digits by length x queries %s (chance about 10%%)" % (r["step"], r["queries"]))
+        for L, acc in zip(r["lengths"], r["accuracy"]):
+            print("      %6d  " % L + "  ".join("%5.1f" % (100 * a) if a is not None else "    -" for a in acc))
+EOF
+    rm -rf /tmp/longmoe-long
 fi
 exit $status
