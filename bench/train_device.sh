@@ -15,7 +15,7 @@
 #                the machine) for TEXT_SECONDS (default 240), then SIGINT: the run stops at a step
 #                boundary; its evaluations every 100 steps show the validation loss
 #                ($OUT/text_metrics.jsonl, $OUT/text.log)
-#   long         configs/long-gpu.json: staged 4K -> 16K -> 64K on passkey, MQAR and copy rows,
+#   long         configs/long-gpu.json: staged 1K -> 4K -> 16K -> 64K on passkey, MQAR and copy rows,
 #                each stage's steps times LONG_SCALE (default 1), stopped by SIGINT at
 #                LONG_SECONDS (default 540; a stage cut short has no grids). Prints the steps'
 #                time per stage and the passkey and MQAR grids after each stage at every length so
@@ -181,7 +181,7 @@ if has text; then
     rm -rf /tmp/longmoe-text
 fi
 if has long; then
-    echo "== configs/long-gpu.json on the GPU: 4K -> 16K -> 64K, steps x $LONG_SCALE, at most $LONG_SECONDS s"
+    echo "== configs/long-gpu.json on the GPU: 1K -> 4K -> 16K -> 64K, steps x $LONG_SCALE, at most $LONG_SECONDS s"
     python3 - "$LONG_SCALE" "$OUT/long.json" <<'EOF'
 import json, sys
 scale, dst = float(sys.argv[1]), sys.argv[2]
