@@ -10,9 +10,10 @@
  *     non-finite nll, outputs started from garbage (an unwritten one fails),
  *     two runs bit-identical;
  *   - the model (a small hybrid, head dim 64; the LM head scaled so the
- *     logits spread): lm_model_score on the GPU against the CPU, nll to 2e-2
- *     relative, argmax equal where the CPU's margin exceeds 0.1, and
- *     lm_eval_loss's tallies;
+ *     logits spread, about ±8): lm_model_score on the GPU against the CPU,
+ *     nll to 2e-2 relative, argmax equal where the CPU's two largest logits
+ *     differ by more than 0.5 (bf16 activations move a logit by about 0.1),
+ *     and lm_eval_loss's tallies;
  *   - a checkpoint evaluated with lm_eval_run on the GPU (opt.backend) against
  *     the CPU: validation loss to 1e-2 relative; the passkey digits (20 a
  *     cell) and MQAR digits (8 or 16 a cell) of a barely trained model,
@@ -190,10 +191,10 @@ static void test_model_scores_match_the_cpu(void) {
     for (int i = 0; i < N; i++) {
         num += (nll_g[i] - nll_c[i]) * (nll_g[i] - nll_c[i]);
         den += nll_c[i] * nll_c[i];
-        if (top_gap(z + (size_t)i * V, V) > 0.1) compared++, differ += arg_g[i] != arg_c[i];
+        if (top_gap(z + (size_t)i * V, V) > 0.5) compared++, differ += arg_g[i] != arg_c[i];
     }
     double e = sqrt(num / den);
-    printf("    nll rel error %.2e; argmax differs at %d of %d positions with a margin > 0.1 (of %d)\n", e, differ,
+    printf("    nll rel error %.2e; argmax differs at %d of %d positions with a margin > 0.5 (of %d)\n", e, differ,
            compared, N);
     CHECK(e <= 2e-2, "nll rel error %.3g", e);
     CHECK(differ == 0 && compared >= N / 4, "argmax differs at %d of %d compared positions", differ, compared);
