@@ -44,7 +44,7 @@ def main():
             continue
         unit = r.get("Metric Unit", "nsecond")
         v = float(r["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}.get(unit)
+        scale = {"nsecond": 1e-6, "ns": 1e-6, "us": 1e-3, "ms": 1.0, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}.get(unit)
         if scale is None:
             sys.exit(f"unknown unit {unit!r}")
         k = short(r["Kernel Name"], args.full)
