@@ -168,11 +168,16 @@ static lm_status scratch_grow(lm_comm *c, size_t bytes) {
     return LM_OK;
 }
 
-/* Scratch bytes of a sum of n elements: R received copies of the largest
- * chunk plus the chunk's sum (all-reduce), or R copies of n (reduce-scatter). */
+/* Scratch bytes of an all-reduce of n elements: R received copies of the
+ * largest chunk plus the chunk's sum. */
+static size_t all_reduce_scratch_bytes(size_t n, int R, size_t es) {
+    return ((size_t)R + 1) * (n / (size_t)R + 1) * es;
+}
+/* Scratch bytes of a reduce-scatter of n elements: R received copies of n. */
+static size_t reduce_scatter_scratch_bytes(size_t n, int R, size_t es) { return (size_t)R * n * es; }
+/* Either of the two, whichever is larger. */
 static size_t sum_scratch_bytes(size_t n, int R, size_t es) {
-    size_t chunk = n / (size_t)R + 1;
-    size_t ar = ((size_t)R + 1) * chunk * es, rs = (size_t)R * n * es;
+    size_t ar = all_reduce_scratch_bytes(n, R, es), rs = reduce_scatter_scratch_bytes(n, R, es);
     return ar > rs ? ar : rs;
 }
 
@@ -245,7 +250,7 @@ lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, si
     const int R = comm->size;
     const size_t es = lm_dtype_size(dtype);
     if (R == 1) return send != recv ? engine_copy(comm, recv, send, count * es) : LM_OK;
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    TRY(scratch_grow(comm, all_reduce_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
@@ -281,7 +286,7 @@ lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv
     if (s < r + count * es && r < s + (size_t)R * count * es)
         return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
     if (R == 1) return engine_copy(comm, recv, send, count * es);
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    TRY(scratch_grow(comm, reduce_scatter_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
