@@ -38,7 +38,8 @@ typedef struct {
 } nccl_state;
 
 static lm_status nccl_fail(const nccl_state *s, const char *what, ncclResult_t r) {
-    const char *detail = s && s->nccl ? ncclGetLastError(s->nccl) : NULL;
+    /* NCCL's last error message of this process (an init failure has no comm yet) */
+    const char *detail = ncclGetLastError(s ? s->nccl : NULL);
     return lm_error(LM_ERR_IO, "comm nccl: %s failed: %s%s%s", what, ncclGetErrorString(r),
                     detail && *detail ? ": " : "", detail ? detail : "");
 }
