@@ -69,6 +69,13 @@ void lm_comm_close(lm_comm *comm);
  * MPI: MPI_Abort; one rank: exit. Does not return. */
 void lm_comm_abort(lm_comm *comm, int code);
 
+/* A handle on the same ranks, in the same order, for host buffers: `comm`
+ * itself for the host engines; for NCCL the MPI handle its id came over, or a
+ * one-rank handle for a lone process. Owned by `comm` (closed with it). Small
+ * values that live on the host (losses, flags, counts) go over it while the
+ * device engine moves device buffers. */
+lm_comm *lm_comm_host(lm_comm *comm);
+
 int lm_comm_rank(const lm_comm *comm);
 int lm_comm_size(const lm_comm *comm);
 lm_comm_engine lm_comm_engine_of(const lm_comm *comm);

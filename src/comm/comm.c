@@ -132,6 +132,13 @@ void lm_comm_abort(lm_comm *comm, int code) {
     exit(code);
 }
 
+lm_comm *lm_comm_host(lm_comm *comm) {
+#ifdef LONGMOE_HAVE_NCCL
+    if (comm && comm->engine == LM_COMM_NCCL) return lm_comm_nccl_host(comm);
+#endif
+    return comm;
+}
+
 int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
 int lm_comm_size(const lm_comm *comm) { return comm->size; }
 lm_comm_engine lm_comm_engine_of(const lm_comm *comm) { return comm->engine; }

@@ -59,5 +59,7 @@ int lm_comm_mpi_is_initialized(void);
 lm_status lm_comm_nccl_attach(lm_comm *c);
 /* End every process of the job (MPI_Abort through the bootstrap handle, else exit). */
 void lm_comm_nccl_abort(lm_comm *c, int code);
+/* The host handle of the same ranks (lm_comm_host). */
+lm_comm *lm_comm_nccl_host(lm_comm *c);
 
 #endif

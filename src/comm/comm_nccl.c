@@ -32,6 +32,7 @@
 typedef struct {
     ncclComm_t nccl;
     lm_comm *boot;       /* the MPI handle the id came over (NULL: a lone process) */
+    lm_comm *host;       /* lm_comm_host: boot, or a one-rank handle of its own */
     int device;          /* this process's CUDA device */
     int *barrier_word;   /* one device int the barrier sums */
     int64_t *counts_dev; /* 2 * size device int64: the count exchange */
@@ -216,6 +217,7 @@ static void nccl_close(lm_comm *c) {
     c->scratch_bytes = 0;
     if (s->barrier_word) cudaFree(s->barrier_word);
     if (s->counts_dev) cudaFree(s->counts_dev);
+    if (s->host != s->boot) lm_comm_close(s->host);
     lm_comm_close(s->boot);
     free(s);
     c->engine_state = NULL;
@@ -231,6 +233,11 @@ static const lm_comm_ops nccl_ops = {.name = "nccl",
                                      .sum_rows = nccl_sum_rows,
                                      .scratch_resize = nccl_scratch_resize,
                                      .exchange_counts = nccl_exchange_counts};
+
+lm_comm *lm_comm_nccl_host(lm_comm *c) {
+    nccl_state *s = c->engine_state;
+    return s->host;
+}
 
 void lm_comm_nccl_abort(lm_comm *c, int code) {
     nccl_state *s = c ? c->engine_state : NULL;
@@ -322,6 +329,8 @@ static lm_status nccl_setup(lm_comm *c, nccl_state *s) {
     CUDA_TRY("clearing the barrier word", cudaMemset(s->barrier_word, 0, sizeof(int)));
     CUDA_TRY("allocating the count exchange",
              cudaMalloc((void **)&s->counts_dev, 2 * (size_t)size * sizeof(int64_t)));
+    if (s->boot) s->host = s->boot;
+    else TRY(lm_comm_open(LM_COMM_SELF, &s->host));
     c->rank = rank;
     c->size = size;
     return LM_OK;
