@@ -99,6 +99,11 @@ static void trainer_free(trainer *t) {
     free(t->bmuon);
     free(t->badam);
     lm_model_free(t->model);
+    /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
+    if (t->dcomm && t->be) {
+        t->be->sync(t->be);
+        lm_comm_set_stream(t->dcomm, NULL);
+    }
     lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
