@@ -326,7 +326,7 @@ static void test_all_to_allv_delivers_variable_counts_including_zeros(void) {
             rb[p] = (size_t)rc[p];
             ro[p] = nr;
             nr += rb[p] + 1;
-            zero_seen += rb[p] == 0;
+            for (int q = 0; q < R; q++) zero_seen += a2a_count(p, q, trial) == 0; /* any pair of the job */
         }
         unsigned char *send = mallocCheck(ns + 1), *recv = mallocCheck(nr + 1), *want = mallocCheck(3001);
         for (int q = 0; q < R; q++) fill_bytes(send + so[q], sb[q], me, q, trial);
@@ -345,7 +345,7 @@ static void test_all_to_allv_delivers_variable_counts_including_zeros(void) {
         free(recv);
         free(want);
     }
-    CHECK(zero_seen > 0, "no zero count in the trials");
+    CHECK(zero_seen > 0, "no zero count in the trials: the case lost its coverage");
     free(sb);
     free(so);
     free(rb);
@@ -476,7 +476,7 @@ static void test_bad_arguments_are_rejected_with_a_message(void) {
     float *d = dev_alloc(4 * sizeof(float));
     CHECK(lm_comm_all_reduce_sum(comm, d, d, 4, LM_DTYPE_BF16) == LM_ERR_ARG && strstr(lm_last_error(), "dtype"),
           "bf16 sum: %s", lm_last_error());
-    CHECK(lm_comm_reduce_scatter_sum(comm, d, d + 1, 1, LM_DTYPE_F32) == LM_ERR_ARG &&
+    CHECK(lm_comm_reduce_scatter_sum(comm, d, d + 1, 2, LM_DTYPE_F32) == LM_ERR_ARG &&
               strstr(lm_last_error(), "overlap"),
           "overlap: %s", lm_last_error());
     CHECK(lm_comm_broadcast(comm, d, 4, R) == LM_ERR_ARG && strstr(lm_last_error(), "root"), "root: %s",
