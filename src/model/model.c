@@ -549,6 +549,7 @@ const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
 size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
+float *lm_model_backend_grads(lm_model *m) { return m->G; }
 size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
 void lm_model_zero_grads(lm_model *m) {
     /* on a backend with memory of its own the gradients live there (zeroed before
