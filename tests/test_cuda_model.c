@@ -174,7 +174,11 @@ static void test_small_hybrid_matches_the_cpu_and_repeats_bitwise(void) {
 }
 
 static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
-    check_config("reduced k3-mini", test_reduced_k3_mini_config(), 1, 257, 12, 1);
+    /* the KDA gate sums (A_log, dt_bias) held to 0.998 as for the presets: layers.2's A_log cosine
+     * moves with the rounding of the MoE products above it (measured on an H200 with each kind of
+     * expert product: wmma 0.99926, grouped 0.99945, loop 0.99865, batched 0.99891), a per-head sum
+     * whose terms cancel; every other tensor is held to 0.999 */
+    check_config_gate("reduced k3-mini", test_reduced_k3_mini_config(), 1, 257, 12, 1, 0.998);
     check_config("k3-mini*", test_reduced_k3_mini_config(), 1, 257, 12, 0);
 }
 
