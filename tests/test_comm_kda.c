@@ -12,6 +12,7 @@
 #include "test_kda_cp.h"
 
 static lm_comm *comm;
+static double test_worst_cp;
 
 static void run_context_parallel(lm_kda_gate gate, int chunk, uint64_t seed) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
@@ -60,6 +61,121 @@ static void run_context_parallel(lm_kda_gate gate, int chunk, uint64_t seed) {
     cp_problem_free(&p);
 }
 
+/* The operator under context parallelism, forward and backward: a sequence
+ * of odd length cut unevenly (rank r holds 37 r + 5 tokens, more than one
+ * chunk for the later ranks, a partial chunk for every rank); outputs, the
+ * final state and every gradient equal the whole sequence on this rank alone. */
+static void run_cp_operator(lm_kda_gate gate, int chunk, uint64_t seed) {
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    int T = 0, t0 = 0;
+    for (int r = 0; r < R; r++) {
+        if (r == me) t0 = T;
+        T += 37 * r + 5;
+    }
+    const int n = 37 * me + 5, B = 2, H = 2, K = 16, V = 24;
+    const char *gname = gate == LM_KDA_GATE_BOUNDED ? "bounded" : "softplus";
+    cp_problem p;
+    cp_problem_make(&p, B, T, H, K, V, seed);
+    lm_kda_config cfg = lm_kda_config_default(B, T, H, K, V);
+    cfg.gate = gate;
+    cfg.chunk = chunk;
+    const size_t nq = (size_t)B * T * H, ns = (size_t)B * H * K * V;
+    lm_rng rng;
+    lm_rng_seed(&rng, seed + 1000);
+    float *d_o = malloc(nq * V * 4), *dht = malloc(ns * 4);
+    cp_fill_normal(&rng, d_o, nq * V, 1.0);
+    cp_fill_normal(&rng, dht, ns, 1.0);
+    /* the reference: the whole sequence here */
+    lm_kda_inputs whole = {p.q, p.k, p.v, p.z, p.beta, p.A_log, p.dt_bias, p.h0};
+    float *o_ref = malloc(nq * V * 4), *ht_ref = malloc(ns * 4);
+    CHECK(lm_kda_chunk_forward(&cfg, &whole, o_ref, ht_ref) == LM_OK, "%s", lm_last_error());
+    float *gref = calloc(3 * nq * K + nq * V + nq + (size_t)H * (K + 1) + ns, 4);
+    lm_kda_grads G = {gref, gref + nq * K, gref + 2 * nq * K, gref + 2 * nq * K + nq * V,
+                      gref + 3 * nq * K + nq * V, gref + 3 * nq * K + nq * V + nq,
+                      gref + 3 * nq * K + nq * V + nq + H, gref + 3 * nq * K + nq * V + nq + H + (size_t)H * K};
+    CHECK(lm_kda_chunk_backward(&cfg, &whole, d_o, dht, &G) == LM_OK, "%s", lm_last_error());
+    /* this rank's segment */
+    lm_kda_inputs seg = cp_segment(&p, t0, t0 + n);
+    seg.h0 = me == 0 ? p.h0 : NULL; /* only rank 0's h0 is read */
+    lm_kda_config sc = cfg;
+    sc.T = n;
+    const size_t mq = (size_t)B * n * H;
+    float *o = malloc(mq * V * 4), *S_in = malloc(ns * 4), *ht = malloc(ns * 4);
+    CHECK(lm_kda_cp_forward(comm, &sc, &seg, o, S_in, ht) == LM_OK, "%s", lm_last_error());
+    float *o_want = cp_slice(o_ref, B, T, H, V, t0, t0 + n);
+    double eo = cp_max_rel(o, o_want, mq * V), eh = cp_max_rel(ht, ht_ref, ns);
+    CHECK(eo < 1e-5 && eh < 1e-5, "%s chunk %d rank %d: outputs differ by %.3g, final state by %.3g", gname, chunk,
+          me, eo, eh);
+    float *d_o_seg = cp_slice(d_o, B, T, H, V, t0, t0 + n);
+    float *g = calloc(3 * mq * K + mq * V + mq + (size_t)H * (K + 1) + ns, 4);
+    lm_kda_grads S = {g, g + mq * K, g + 2 * mq * K, g + 2 * mq * K + mq * V, g + 3 * mq * K + mq * V,
+                      g + 3 * mq * K + mq * V + mq, g + 3 * mq * K + mq * V + mq + H,
+                      g + 3 * mq * K + mq * V + mq + H + (size_t)H * K};
+    /* with the saved S_in, and once more recomputing it: the same bits */
+    CHECK(lm_kda_cp_backward(comm, &sc, &seg, S_in, d_o_seg, me == 0 ? dht : NULL, &S) == LM_OK, "%s",
+          lm_last_error());
+    const size_t ng = 3 * mq * K + mq * V + mq + (size_t)H * (K + 1) + ns;
+    float *g2 = calloc(ng, 4);
+    lm_kda_grads S2 = {g2, g2 + mq * K, g2 + 2 * mq * K, g2 + 2 * mq * K + mq * V, g2 + 3 * mq * K + mq * V,
+                       g2 + 3 * mq * K + mq * V + mq, g2 + 3 * mq * K + mq * V + mq + H,
+                       g2 + 3 * mq * K + mq * V + mq + H + (size_t)H * K};
+    CHECK(lm_kda_cp_backward(comm, &sc, &seg, NULL, d_o_seg, me == 0 ? dht : NULL, &S2) == LM_OK, "%s",
+          lm_last_error());
+    CHECK(!memcmp(g, g2, ng * 4), "%s rank %d: the backward with S_in recomputed differs", gname, me);
+    /* token gradients: this rank's rows of the whole sequence's */
+    struct { const char *name; const float *got, *whole; int X; } rows[] = {
+        {"dq", S.dq, G.dq, K}, {"dk", S.dk, G.dk, K}, {"dv", S.dv, G.dv, V}, {"dz", S.dz, G.dz, K},
+        {"dbeta", S.dbeta, G.dbeta, 1}};
+    for (int i = 0; i < 5; i++) {
+        float *want = cp_slice(rows[i].whole, B, T, H, rows[i].X, t0, t0 + n);
+        double e = cp_max_rel(rows[i].got, want, mq * rows[i].X);
+        CHECK(e < 1e-5, "%s chunk %d rank %d: %s differs from the whole sequence's by %.3g", gname, chunk, me,
+              rows[i].name, e);
+        if (e > test_worst_cp) test_worst_cp = e;
+        free(want);
+    }
+    /* dh0: the whole value, bit-identical on every rank */
+    double e0 = cp_max_rel(S.dh0, G.dh0, ns);
+    CHECK(e0 < 1e-5, "%s chunk %d rank %d: dh0 differs by %.3g", gname, chunk, me, e0);
+    float *all = malloc(ns * 4 * (size_t)R);
+    CHECK(lm_comm_all_gather(comm, S.dh0, all, ns * 4) == LM_OK, "%s", lm_last_error());
+    for (int r = 1; r < R; r++) CHECK(!memcmp(all, all + (size_t)r * ns, ns * 4), "rank %d's dh0 differs", r);
+    /* the parameters: the ranks' parts sum to the whole sequence's */
+    const size_t npar = (size_t)H * (K + 1);
+    float *sum = malloc(npar * 4);
+    CHECK(lm_comm_all_reduce_sum(comm, S.dA_log, sum, npar, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
+    double ep = cp_max_rel(sum, G.dA_log, npar);
+    CHECK(ep < 1e-5, "%s chunk %d: dA_log and ddt_bias summed over ranks differ by %.3g", gname, chunk, ep);
+    if (ep > test_worst_cp) test_worst_cp = ep;
+    if (e0 > test_worst_cp) test_worst_cp = e0;
+    /* the gradient reaches the earlier ranks through the scan: the segment's
+     * outputs alone do not give its gradient (dht or later outputs matter) */
+    if (me < R - 1) {
+        float *solo = calloc(ng, 4);
+        lm_kda_grads L = {solo, solo + mq * K, solo + 2 * mq * K, solo + 2 * mq * K + mq * V,
+                          solo + 3 * mq * K + mq * V, solo + 3 * mq * K + mq * V + mq,
+                          solo + 3 * mq * K + mq * V + mq + H, NULL};
+        lm_kda_inputs s0 = seg;
+        s0.h0 = S_in;
+        CHECK(lm_kda_chunk_backward(&sc, &s0, d_o_seg, NULL, &L) == LM_OK, "%s", lm_last_error());
+        double ed = cp_max_rel(solo + mq * K, S.dk, mq * K);
+        CHECK(ed > 1e-3, "rank %d: dk without the later segments differs only by %.3g", me, ed);
+        free(solo);
+    }
+    free(sum), free(all), free(g), free(g2), free(d_o_seg), free(o_want), free(o), free(S_in), free(ht);
+    cp_segment_free(&seg);
+    free(gref), free(o_ref), free(ht_ref), free(d_o), free(dht);
+    cp_problem_free(&p);
+}
+
+static void test_cp_operator_forward_and_backward_equal_the_whole_sequence(void) {
+    test_worst_cp = 0;
+    run_cp_operator(LM_KDA_GATE_BOUNDED, 16, 201);
+    run_cp_operator(LM_KDA_GATE_BOUNDED, 64, 202);
+    run_cp_operator(LM_KDA_GATE_SOFTPLUS, 32, 203);
+    printf("  worst gradient difference (relative to the largest): %.3g\n", test_worst_cp);
+}
+
 static void test_context_parallel_bounded_gate_equals_the_whole_sequence(void) {
     run_context_parallel(LM_KDA_GATE_BOUNDED, 64, 101);
     run_context_parallel(LM_KDA_GATE_BOUNDED, 16, 102);
@@ -92,6 +208,7 @@ int main(int argc, char **argv) {
     if (comm && lm_comm_rank(comm)) freopen("/dev/null", "w", stdout);
     RUN(test_context_parallel_bounded_gate_equals_the_whole_sequence);
     RUN(test_context_parallel_softplus_gate_equals_the_whole_sequence);
+    RUN(test_cp_operator_forward_and_backward_equal_the_whole_sequence);
     RUN(test_workspace_too_small_is_rejected);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
