@@ -10,6 +10,7 @@
 #include "check.h"
 #include "longmoe/backend.h"
 #include "longmoe/linear.h"
+#include "mla_internal.h"
 
 lm_mla_config lm_mla_config_mla(int d_model, int n_heads, int head_dim_qk, int head_dim_v,
                                 int q_lora, int kv_lora) {
@@ -253,6 +254,11 @@ static void rope_apply(float *x, int64_t n, int T, int heads, int head_dim, int 
             }
         }
     }
+}
+
+void lm_mla_rope_apply(float *x, int64_t n, int T, int heads, int head_dim, int r, float base, int64_t pos0,
+                       int inverse) {
+    rope_apply(x, n, T, heads, head_dim, r, base, pos0, inverse);
 }
 
 /* ---------------------------------------------------------------- forward */

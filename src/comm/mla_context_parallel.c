@@ -1,0 +1,330 @@
+/* The MLA layer under context parallelism (include/longmoe/mla_context_parallel.h,
+ * docs/scaleout.md; SPEC §9): the latent of the earlier ranks is gathered, the
+ * queries attend by global position, and the latent gradients go back to their
+ * owners. Written with the CPU backend's ops in the order of lm_mla_forward and
+ * lm_mla_backward (src/model/mla.c). */
+#include "longmoe/mla_context_parallel.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "longmoe/attention.h"
+#include "longmoe/backend.h"
+#include "model/mla_internal.h"
+
+typedef struct {
+    size_t ql, qn, q_rstd, kvl, kv_rstd, c_own, kr_own, pack, recv, c, kr, kn, q, k, v, o, lse, gp, gated, total;
+} cp_acts;
+
+typedef struct {
+    size_t dgated, dgp, d_o, dq, dk, dv, dkn, dkr, dc, dc_own, dkr_own, dkvl, dqn, dql, send, recv, total;
+} cp_scratch;
+
+#define PLACE(s, f, n) ((s).f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
+
+static cp_acts acts_of(const lm_mla_config *c, int B, int t0, int n) {
+    const size_t N = (size_t)B * n, M = (size_t)B * (t0 + n), H = c->n_heads, Dk = c->head_dim_qk;
+    const size_t Dv = c->head_dim_v, r = c->rope_dims, kl = c->kv_lora, ql = c->q_lora;
+    cp_acts a;
+    size_t off = 0;
+    PLACE(a, ql, N * ql);
+    PLACE(a, qn, N * ql);
+    PLACE(a, q_rstd, N);
+    PLACE(a, kvl, N * kl);
+    PLACE(a, kv_rstd, N);
+    PLACE(a, c_own, N * kl);
+    PLACE(a, kr_own, N * r);
+    PLACE(a, pack, N * (kl + r)); /* [c ; RoPE(kr)] of the own tokens: what the later ranks receive */
+    PLACE(a, recv, (size_t)B * t0 * (kl + r)); /* the same of the earlier ranks, as received */
+    PLACE(a, c, M * kl);          /* the latent of every position up to the segment's end */
+    PLACE(a, kr, M * r);
+    PLACE(a, kn, r ? M * H * (Dk - r) : 0);
+    PLACE(a, q, N * H * Dk);
+    PLACE(a, k, M * H * Dk);
+    PLACE(a, v, M * H * Dv);
+    PLACE(a, o, N * H * Dv);
+    PLACE(a, lse, N * H);
+    PLACE(a, gp, N * H * Dv);
+    PLACE(a, gated, N * H * Dv);
+    a.total = off;
+    return a;
+}
+
+static cp_scratch scratch_of(const lm_mla_config *c, int R, int B, int t0, int n) {
+    const size_t N = (size_t)B * n, M = (size_t)B * (t0 + n), H = c->n_heads, Dk = c->head_dim_qk;
+    const size_t Dv = c->head_dim_v, r = c->rope_dims, kl = c->kv_lora, ql = c->q_lora;
+    cp_scratch s;
+    size_t off = 0;
+    PLACE(s, dgated, N * H * Dv);
+    PLACE(s, dgp, N * H * Dv);
+    PLACE(s, d_o, N * H * Dv);
+    PLACE(s, dq, N * H * Dk);
+    PLACE(s, dk, M * H * Dk);
+    PLACE(s, dv, M * H * Dv);
+    PLACE(s, dkn, r ? M * H * (Dk - r) : 0);
+    PLACE(s, dkr, M * r);
+    PLACE(s, dc, M * kl);
+    PLACE(s, dc_own, N * kl);
+    PLACE(s, dkr_own, N * r);
+    PLACE(s, dkvl, N * kl);
+    PLACE(s, dqn, N * ql);
+    PLACE(s, dql, N * ql);
+    PLACE(s, send, (size_t)B * t0 * (kl + r));          /* the earlier positions' latent gradients */
+    PLACE(s, recv, (size_t)(R > 1 ? R - 1 : 0) * N * (kl + r)); /* at most one block from each later rank */
+    s.total = off;
+    return s;
+}
+#undef PLACE
+
+static int config_ok(const lm_mla_config *c) {
+    return c && lm_mla_check(c) == LM_OK && c->kind == LM_ATTN_MLA;
+}
+
+size_t lm_mla_cp_acts_floats(const lm_mla_config *c, int B, int t0, int n) {
+    if (!config_ok(c) || B < 1 || t0 < 0 || n < 1) return 0;
+    return acts_of(c, B, t0, n).total;
+}
+
+size_t lm_mla_cp_scratch_floats(const lm_mla_config *c, int comm_size, int B, int t0, int n) {
+    if (!config_ok(c) || comm_size < 1 || B < 1 || t0 < 0 || n < 1) return 0;
+    return scratch_of(c, comm_size, B, t0, n).total;
+}
+
+/* Every rank's (B, t0, n), gathered and checked: segments in rank order
+ * without gaps, the same B. seg receives 3 ints a rank. Collective: every rank
+ * sees the same table and so the same verdict. */
+static lm_status gather_segments(lm_comm *comm, int B, int t0, int n, int32_t *seg, const char *what) {
+    const int R = lm_comm_size(comm);
+    int32_t mine[3] = {B, t0, n};
+    TRY(lm_comm_all_gather(comm, mine, seg, sizeof mine));
+    int64_t next = 0;
+    for (int p = 0; p < R; p++) {
+        const int32_t *s = seg + 3 * p;
+        if (s[0] != seg[0])
+            return lm_error(LM_ERR_ARG, "%s: rank %d has B=%d, rank 0 B=%d (the same sequences on every rank)", what,
+                            p, s[0], seg[0]);
+        if (s[2] < 1 || s[1] != next)
+            return lm_error(LM_ERR_ARG,
+                            "%s: rank %d holds tokens [%d, %d): segments must follow rank order without gaps "
+                            "(expected t0 = %lld and n >= 1)",
+                            what, p, s[1], s[1] + s[2], (long long)next);
+        next += s[2];
+    }
+    if (next > INT32_MAX) return lm_error(LM_ERR_ARG, "%s: %lld tokens do not fit an int", what, (long long)next);
+    return LM_OK;
+}
+
+static lm_status check_args(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, int B, int t0, int n,
+                            const char *what) {
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    TRY(lm_mla_check(c));
+    if (c->kind != LM_ATTN_MLA) return lm_error(LM_ERR_ARG, "%s: the layer kind must be MLA (GQA is not split)", what);
+    if (c->backend && (c->backend->device != LM_DEVICE_CPU || c->backend->lp_bytes != sizeof(float)))
+        return lm_error(LM_ERR_ARG, "%s: runs on the CPU backend only", what);
+    if (!p || !p->W_dq || !p->q_norm || !p->W_uq || !p->W_dkv || !p->kv_norm || !p->W_uk || !p->W_uv || !p->W_g ||
+        !p->W_o || (c->rope_dims && !p->W_kr))
+        return lm_error(LM_ERR_ARG, "%s: a parameter tensor is NULL (use lm_mla_params_map)", what);
+    if (B < 1 || t0 < 0 || n < 1) return lm_error(LM_ERR_ARG, "%s: B=%d, t0=%d, n=%d (need B, n >= 1, t0 >= 0)", what, B, t0, n);
+    return LM_OK;
+}
+
+static lm_attention_config core_of(const lm_mla_config *c, int B, int n) {
+    lm_attention_config a = lm_attention_config_default(B, n, c->n_heads, c->n_heads, c->head_dim_qk, c->head_dim_v);
+    a.scale = c->scale;
+    a.workspace = c->workspace;
+    a.workspace_bytes = c->workspace_bytes;
+    return a;
+}
+
+static lm_status forward_body(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
+                              int t0, int n, float *y, float *acts, const int32_t *seg, size_t *cnt) {
+    lm_backend *be = lm_backend_cpu();
+    const lm_ops *op = be->ops;
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    const int64_t N = (int64_t)B * n, Tk = (int64_t)t0 + n, M = (int64_t)B * Tk;
+    const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v, r = c->rope_dims;
+    const int Dn = Dk - r, kl = c->kv_lora, ql = c->q_lora, w = kl + r;
+    const float eps = c->norm_eps;
+    cp_acts L = acts_of(c, B, t0, n);
+    float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v, *lat = acts + L.c, *kr = acts + L.kr;
+    float *c_own = acts + L.c_own, *kr_own = acts + L.kr_own, *pack = acts + L.pack;
+    /* the token-local part: q = W_uq RMSNorm(W_dq x), c = RMSNorm(W_dkv x), kr = RoPE(W_kr x) */
+    TRY(op->matmul_forward(be, acts + L.ql, x, p->W_dq, N, d, ql));
+    TRY(op->rmsnorm_forward(be, acts + L.qn, NULL, acts + L.q_rstd, acts + L.ql, p->q_norm, N, ql, eps));
+    TRY(op->matmul_forward(be, q, acts + L.qn, p->W_uq, N, ql, H * Dk));
+    TRY(op->matmul_forward(be, acts + L.kvl, x, p->W_dkv, N, d, kl));
+    TRY(op->rmsnorm_forward(be, c_own, NULL, acts + L.kv_rstd, acts + L.kvl, p->kv_norm, N, kl, eps));
+    if (r) {
+        TRY(op->matmul_forward(be, kr_own, x, p->W_kr, N, d, r));
+        lm_mla_rope_apply(kr_own, N, n, 1, r, r, c->rope_base, t0, 0);
+        lm_mla_rope_apply(q, N, n, H, Dk, r, c->rope_base, t0, 0);
+    }
+    for (int64_t i = 0; i < N; i++) {
+        memcpy(pack + i * w, c_own + i * kl, (size_t)kl * sizeof(float));
+        memcpy(pack + i * w + kl, kr_own + i * r, (size_t)r * sizeof(float));
+    }
+    /* the latent of the earlier ranks: rank p's block [B, n_p, w] lands at B t0_p w */
+    size_t *sb = cnt, *so = sb + R, *rb = so + R, *ro = rb + R;
+    for (int s = 0; s < R; s++) {
+        sb[s] = s > me ? (size_t)N * w * sizeof(float) : 0;
+        so[s] = 0;
+        rb[s] = s < me ? (size_t)B * seg[3 * s + 2] * w * sizeof(float) : 0;
+        ro[s] = (size_t)B * seg[3 * s + 1] * w * sizeof(float);
+    }
+    float *recv = acts + L.recv;
+    TRY(lm_comm_all_to_allv(comm, pack, sb, so, recv, rb, ro));
+    for (int s = 0; s <= me; s++) {
+        const int ts = seg[3 * s + 1], ns = seg[3 * s + 2];
+        const float *src = s == me ? pack : recv + (size_t)B * ts * w;
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < ns; i++) {
+                const float *row = src + ((size_t)b * ns + i) * w;
+                const size_t t = (size_t)b * Tk + ts + i;
+                memcpy(lat + t * kl, row, (size_t)kl * sizeof(float));
+                memcpy(kr + t * r, row + kl, (size_t)r * sizeof(float));
+            }
+    }
+    /* k_h = [W_uk,h c ; kr], v_h = W_uv,h c over every position up to the segment's end */
+    if (r == 0) {
+        TRY(op->matmul_forward(be, k, lat, p->W_uk, M, kl, H * Dk));
+    } else {
+        float *kn = acts + L.kn;
+        TRY(op->matmul_forward(be, kn, lat, p->W_uk, M, kl, H * Dn));
+        for (int64_t i = 0; i < M; i++)
+            for (int h = 0; h < H; h++) {
+                float *kh = k + ((size_t)i * H + h) * Dk;
+                memcpy(kh, kn + ((size_t)i * H + h) * Dn, (size_t)Dn * sizeof(float));
+                memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
+            }
+    }
+    TRY(op->matmul_forward(be, v, lat, p->W_uv, M, kl, H * Dv));
+    lm_attention_config ac = core_of(c, B, n);
+    TRY(lm_attention_forward_offset(&ac, t0, q, k, v, acts + L.o, acts + L.lse));
+    /* y = W_o (sigmoid(W_g x) * o) */
+    TRY(op->matmul_forward(be, acts + L.gp, x, p->W_g, N, d, H * Dv));
+    TRY(op->gate_forward(be, acts + L.gated, acts + L.gated, acts + L.gp, acts + L.o, (size_t)N * H * Dv));
+    TRY(op->matmul_forward(be, y, acts + L.gated, p->W_o, N, H * Dv, d));
+    return LM_OK;
+}
+
+lm_status lm_mla_cp_forward(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
+                            int t0, int n, float *y, float *acts) {
+    const char *what = "mla context parallel forward";
+    TRY(check_args(comm, c, p, B, t0, n, what));
+    if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
+    const int R = lm_comm_size(comm);
+    void *buf;
+    LM_TRY_ALLOC(buf, (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8);
+    int32_t *seg = buf;
+    size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
+    lm_status st = gather_segments(comm, B, t0, n, seg, what);
+    if (!st) st = forward_body(comm, c, p, x, B, t0, n, y, acts, seg, cnt);
+    free(buf);
+    return st;
+}
+
+static lm_status backward_body(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, const float *x,
+                               const float *acts, const float *dy, int B, int t0, int n, float *dx,
+                               const lm_mla_params *g, float *scratch, const int32_t *seg, size_t *cnt) {
+    lm_backend *be = lm_backend_cpu();
+    const lm_ops *op = be->ops;
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    const int64_t N = (int64_t)B * n, Tk = (int64_t)t0 + n, M = (int64_t)B * Tk;
+    const int d = c->d_model, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v, r = c->rope_dims;
+    const int Dn = Dk - r, kl = c->kv_lora, ql = c->q_lora, w = kl + r;
+    const float eps = c->norm_eps;
+    cp_acts L = acts_of(c, B, t0, n);
+    cp_scratch S = scratch_of(c, R, B, t0, n);
+    memset(scratch, 0, S.total * sizeof(float));
+    const float *o = acts + L.o, *gp = acts + L.gp, *lat = acts + L.c;
+    float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
+    float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv, *dc = scratch + S.dc;
+    float *dkr = scratch + S.dkr, *dc_own = scratch + S.dc_own, *dkr_own = scratch + S.dkr_own;
+    /* through y = W_o (sigmoid(gp) * o) */
+    TRY(op->matmul_backward(be, dgated, g->W_o, dy, acts + L.gated, p->W_o, N, H * Dv, d));
+    TRY(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
+    TRY(op->matmul_backward(be, dx, g->W_g, dgp, x, p->W_g, N, d, H * Dv));
+    lm_attention_config ac = core_of(c, B, n);
+    TRY(lm_attention_backward_offset(&ac, t0, acts + L.q, acts + L.k, acts + L.v, o, acts + L.lse, d_o, dq, dk,
+                                     dv));
+    /* the latent's gradient at every position up to the segment's end */
+    TRY(op->matmul_backward(be, dc, g->W_uv, dv, lat, p->W_uv, M, kl, H * Dv));
+    if (r == 0) {
+        TRY(op->matmul_backward(be, dc, g->W_uk, dk, lat, p->W_uk, M, kl, H * Dk));
+    } else {
+        float *dkn = scratch + S.dkn;
+        for (int64_t i = 0; i < M; i++)
+            for (int h = 0; h < H; h++) {
+                const float *dkh = dk + ((size_t)i * H + h) * Dk;
+                memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
+                for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
+            }
+        TRY(op->matmul_backward(be, dc, g->W_uk, dkn, lat, p->W_uk, M, kl, H * Dn));
+    }
+    /* back to the owners: the rows of rank s < me, packed [B, n_s, w] at B t0_s w */
+    float *send = scratch + S.send, *recv = scratch + S.recv;
+    for (int s = 0; s < me; s++) {
+        const int ts = seg[3 * s + 1], ns = seg[3 * s + 2];
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < ns; i++) {
+                float *row = send + ((size_t)B * ts + (size_t)b * ns + i) * w;
+                const size_t t = (size_t)b * Tk + ts + i;
+                memcpy(row, dc + t * kl, (size_t)kl * sizeof(float));
+                memcpy(row + kl, dkr + t * r, (size_t)r * sizeof(float));
+            }
+    }
+    size_t *sb = cnt, *so = sb + R, *rb = so + R, *ro = rb + R;
+    for (int s = 0; s < R; s++) {
+        sb[s] = s < me ? (size_t)B * seg[3 * s + 2] * w * sizeof(float) : 0;
+        so[s] = (size_t)B * seg[3 * s + 1] * w * sizeof(float);
+        rb[s] = s > me ? (size_t)N * w * sizeof(float) : 0;
+        ro[s] = s > me ? (size_t)(s - me - 1) * N * w * sizeof(float) : 0;
+    }
+    TRY(lm_comm_all_to_allv(comm, send, sb, so, recv, rb, ro));
+    /* own rows: this rank's part, then each later rank's in rank order */
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < n; i++) {
+            const size_t t = (size_t)b * Tk + t0 + i, u = (size_t)b * n + i;
+            float *dcu = dc_own + u * kl, *dkru = dkr_own + u * r;
+            memcpy(dcu, dc + t * kl, (size_t)kl * sizeof(float));
+            memcpy(dkru, dkr + t * r, (size_t)r * sizeof(float));
+            for (int s = me + 1; s < R; s++) {
+                const float *row = recv + ((size_t)(s - me - 1) * N + u) * w;
+                for (int e = 0; e < kl; e++) dcu[e] += row[e];
+                for (int e = 0; e < r; e++) dkru[e] += row[kl + e];
+            }
+        }
+    if (r) {
+        lm_mla_rope_apply(dkr_own, N, n, 1, r, r, c->rope_base, t0, 1);
+        TRY(op->matmul_backward(be, dx, g->W_kr, dkr_own, x, p->W_kr, N, d, r));
+        lm_mla_rope_apply(dq, N, n, H, Dk, r, c->rope_base, t0, 1);
+    }
+    float *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn, *dql = scratch + S.dql;
+    TRY(op->rmsnorm_backward(be, dkvl, g->kv_norm, dc_own, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N, kl, eps));
+    TRY(op->matmul_backward(be, dx, g->W_dkv, dkvl, x, p->W_dkv, N, d, kl));
+    TRY(op->matmul_backward(be, dqn, g->W_uq, dq, acts + L.qn, p->W_uq, N, ql, H * Dk));
+    TRY(op->rmsnorm_backward(be, dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N, ql, eps));
+    TRY(op->matmul_backward(be, dx, g->W_dq, dql, x, p->W_dq, N, d, ql));
+    return LM_OK;
+}
+
+lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, const float *x,
+                             const float *acts, const float *dy, int B, int t0, int n, float *dx,
+                             const lm_mla_params *g, float *scratch) {
+    const char *what = "mla context parallel backward";
+    TRY(check_args(comm, c, p, B, t0, n, what));
+    if (!x || !acts || !dy || !scratch) return lm_error(LM_ERR_ARG, "%s: x, acts, dy and scratch are required", what);
+    lm_mla_params none;
+    memset(&none, 0, sizeof none);
+    if (!g) g = &none;
+    const int R = lm_comm_size(comm);
+    void *buf;
+    LM_TRY_ALLOC(buf, (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8);
+    int32_t *seg = buf;
+    size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
+    lm_status st = gather_segments(comm, B, t0, n, seg, what);
+    if (!st) st = backward_body(comm, c, p, x, acts, dy, B, t0, n, dx, g, scratch, seg, cnt);
+    free(buf);
+    return st;
+}
