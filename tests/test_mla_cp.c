@@ -69,7 +69,14 @@ static void run_offset_core(int T, int off, int H, int Hkv, uint64_t seed) {
     float *os = malloc((size_t)B * n * H * Dv * 4), *lses = malloc((size_t)B * H * n * 4);
     float *dqs = calloc((size_t)B * n * H * Dk, 4), *dks = calloc((size_t)B * T * Hkv * Dk, 4);
     float *dvs = calloc((size_t)B * T * Hkv * Dv, 4);
-    CHECK(lm_attention_forward_offset(&oc, off, qs, k, v, os, lses) == LM_OK, "%s", lm_last_error());
+    float *rms = malloc((size_t)B * H * n * 4), *rmw = malloc((size_t)B * H * T * 4);
+    CHECK(lm_attention_forward_rowmax(&wc, q, k, v, o, lse, rmw) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_attention_forward_offset(&oc, off, qs, k, v, os, lses, rms) == LM_OK, "%s", lm_last_error());
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            CHECK(!memcmp(rms + ((size_t)b * H + h) * n, rmw + ((size_t)b * H + h) * T + off, (size_t)n * 4),
+                  "T %d offset %d: rowmax differs", T, off);
+    free(rms), free(rmw);
     CHECK(lm_attention_backward_offset(&oc, off, qs, k, v, os, lses, dos, dqs, dks, dvs) == LM_OK, "%s",
           lm_last_error());
     float *ow = slice(o, B, T, (size_t)H * Dv, off, n), *dqw = slice(dq, B, T, (size_t)H * Dk, off, n);
@@ -94,7 +101,7 @@ static void test_attention_offset_queries_equal_the_whole_rows(void) {
     run_offset_core(70, 0, 2, 2, 14);    /* no offset: the plain call */
     lm_attention_config oc = lm_attention_config_default(1, 4, 1, 1, 2, 2);
     float x[64] = {0};
-    CHECK(lm_attention_forward_offset(&oc, -1, x, x, x, x, x) == LM_ERR_ARG && strstr(lm_last_error(), "q_offset"),
+    CHECK(lm_attention_forward_offset(&oc, -1, x, x, x, x, x, NULL) == LM_ERR_ARG && strstr(lm_last_error(), "q_offset"),
           "%s", lm_last_error());
 }
 
@@ -141,6 +148,18 @@ static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
     CHECK(ey < 1e-5, "%s rank %d: y differs from the whole sequence's by %.3g", name, me, ey);
     CHECK(ex < 1e-5, "%s rank %d: dx differs from the whole sequence's by %.3g", name, me, ex);
     note(ey), note(ex);
+    /* the QK-Clip maxima over the whole sequence */
+    float smax_w[16], smax[16], smax_all[64];
+    CHECK(c.n_heads <= 16 && R <= 4, "test sizes");
+    CHECK(lm_mla_max_logits(&c, acts, B, T, smax_w) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_mla_cp_max_logits(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
+    double em = max_rel(smax, smax_w, (size_t)c.n_heads);
+    CHECK(em < 1e-5, "%s: the max logits differ from the whole sequence's by %.3g", name, em);
+    note(em);
+    CHECK(lm_comm_all_gather(comm, smax, smax_all, (size_t)c.n_heads * 4) == LM_OK, "%s", lm_last_error());
+    for (int s = 1; s < R; s++)
+        CHECK(!memcmp(smax_all, smax_all + (size_t)s * c.n_heads, (size_t)c.n_heads * 4),
+              "rank %d's max logits differ", s);
     /* every parameter's gradient, summed over the ranks */
     CHECK(lm_comm_all_reduce_sum(comm, gmem, gsum, np, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
     const struct { const char *n; const float *got, *want; size_t off; } prm[] = {

@@ -77,10 +77,11 @@ lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, 
  * queries sit at positions q_offset .. q_offset+T-1 of sequences whose keys
  * and values are positions 0 .. q_offset+T-1, so k [B,q_offset+T,Hkv,Dk] and
  * v [B,q_offset+T,Hkv,Dv]; query i attends keys j <= q_offset + i. q, o, d_o,
- * dq and lse have the T queries' shapes, dk and dv the keys'. q_offset 0 is
- * lm_attention_forward / _backward, bit for bit. Same workspace sizes. */
+ * dq, lse and rowmax (may be NULL) have the T queries' shapes, dk and dv the
+ * keys'. q_offset 0 is lm_attention_forward_rowmax / _backward, bit for bit.
+ * Same workspace sizes. */
 lm_status lm_attention_forward_offset(const lm_attention_config *cfg, int q_offset, const float *q,
-                                      const float *k, const float *v, float *o, float *lse);
+                                      const float *k, const float *v, float *o, float *lse, float *rowmax);
 lm_status lm_attention_backward_offset(const lm_attention_config *cfg, int q_offset, const float *q,
                                        const float *k, const float *v, const float *o, const float *lse,
                                        const float *d_o, float *dq, float *dk, float *dv);

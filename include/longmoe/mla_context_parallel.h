@@ -48,6 +48,12 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *cfg, const lm_m
                              const float *acts, const float *dy, int B, int t0, int n, float *dx,
                              const lm_mla_params *g, float *scratch);
 
+/* smax [H] = each head's largest scaled pre-softmax logit over the whole
+ * sequence (every rank's queries; for QK-Clip, include/longmoe/optim.h), from
+ * the acts of lm_mla_cp_forward; the same bits on every rank. Collective. */
+lm_status lm_mla_cp_max_logits(lm_comm *comm, const lm_mla_config *cfg, const float *acts, int B, int t0, int n,
+                               float *smax);
+
 #ifdef __cplusplus
 }
 #endif

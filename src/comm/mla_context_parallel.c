@@ -5,6 +5,7 @@
  * lm_mla_backward (src/model/mla.c). */
 #include "longmoe/mla_context_parallel.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -14,7 +15,8 @@
 #include "model/mla_internal.h"
 
 typedef struct {
-    size_t ql, qn, q_rstd, kvl, kv_rstd, c_own, kr_own, pack, recv, c, kr, kn, q, k, v, o, lse, gp, gated, total;
+    size_t ql, qn, q_rstd, kvl, kv_rstd, c_own, kr_own, pack, recv, c, kr, kn, q, k, v, o, lse, rowmax, gp, gated;
+    size_t total;
 } cp_acts;
 
 typedef struct {
@@ -45,6 +47,7 @@ static cp_acts acts_of(const lm_mla_config *c, int B, int t0, int n) {
     PLACE(a, v, M * H * Dv);
     PLACE(a, o, N * H * Dv);
     PLACE(a, lse, N * H);
+    PLACE(a, rowmax, N * H); /* each query's largest scaled logit (QK-Clip) */
     PLACE(a, gp, N * H * Dv);
     PLACE(a, gated, N * H * Dv);
     a.total = off;
@@ -200,7 +203,7 @@ static lm_status forward_body(lm_comm *comm, const lm_mla_config *c, const lm_ml
     }
     TRY(op->matmul_forward(be, v, lat, p->W_uv, M, kl, H * Dv));
     lm_attention_config ac = core_of(c, B, n);
-    TRY(lm_attention_forward_offset(&ac, t0, q, k, v, acts + L.o, acts + L.lse));
+    TRY(lm_attention_forward_offset(&ac, t0, q, k, v, acts + L.o, acts + L.lse, acts + L.rowmax));
     /* y = W_o (sigmoid(W_g x) * o) */
     TRY(op->matmul_forward(be, acts + L.gp, x, p->W_g, N, d, H * Dv));
     TRY(op->gate_forward(be, acts + L.gated, acts + L.gated, acts + L.gp, acts + L.o, (size_t)N * H * Dv));
@@ -215,7 +218,8 @@ lm_status lm_mla_cp_forward(lm_comm *comm, const lm_mla_config *c, const lm_mla_
     if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
     const int R = lm_comm_size(comm);
     void *buf;
-    LM_TRY_ALLOC(buf, (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8);
+    const size_t bytes = (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8;
+    LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
     lm_status st = gather_segments(comm, B, t0, n, seg, what);
@@ -320,11 +324,45 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *c, const lm_mla
     if (!g) g = &none;
     const int R = lm_comm_size(comm);
     void *buf;
-    LM_TRY_ALLOC(buf, (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8);
+    const size_t bytes = (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8;
+    LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
     lm_status st = gather_segments(comm, B, t0, n, seg, what);
     if (!st) st = backward_body(comm, c, p, x, acts, dy, B, t0, n, dx, g, scratch, seg, cnt);
     free(buf);
+    return st;
+}
+
+lm_status lm_mla_cp_max_logits(lm_comm *comm, const lm_mla_config *c, const float *acts, int B, int t0, int n,
+                               float *smax) {
+    const char *what = "mla context parallel max logits";
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    if (!config_ok(c)) return lm_error(LM_ERR_ARG, "%s: needs a valid MLA config", what);
+    if (!acts || !smax || B < 1 || t0 < 0 || n < 1)
+        return lm_error(LM_ERR_ARG, "%s: acts and smax are required, B=%d t0=%d n=%d", what, B, t0, n);
+    const int R = lm_comm_size(comm), H = c->n_heads;
+    const float *rm = acts + acts_of(c, B, t0, n).rowmax; /* [B,H,n] */
+    float *all;
+    const size_t bytes = (size_t)(R + 1) * H * sizeof(float);
+    LM_TRY_ALLOC(all, bytes);
+    float *mine = all + (size_t)R * H;
+    for (int h = 0; h < H; h++) {
+        float mx = -INFINITY;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < n; t++) {
+                const float v = rm[((size_t)b * H + h) * n + t];
+                mx = v > mx ? v : mx;
+            }
+        mine[h] = mx;
+    }
+    lm_status st = lm_comm_all_gather(comm, mine, all, (size_t)H * sizeof(float));
+    if (!st)
+        for (int h = 0; h < H; h++) {
+            float mx = -INFINITY;
+            for (int p = 0; p < R; p++) mx = all[(size_t)p * H + h] > mx ? all[(size_t)p * H + h] : mx;
+            smax[h] = mx;
+        }
+    free(all);
     return st;
 }

@@ -229,8 +229,8 @@ lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const floa
 }
 
 lm_status lm_attention_forward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
-                                      const float *v, float *o, float *lse) {
-    return forward_offset(cfg, q_offset, q, k, v, o, lse, NULL);
+                                      const float *v, float *o, float *lse, float *rowmax) {
+    return forward_offset(cfg, q_offset, q, k, v, o, lse, rowmax);
 }
 
 static lm_status forward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
