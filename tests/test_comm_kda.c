@@ -8,11 +8,24 @@
  * the final state equals the whole sequence's, bit-identical on every rank.
  * Alone: the same with the one-rank engine. Built without MPI, `--mpi N`
  * reports every case skipped. */
+#include "longmoe/kda_layer_context_parallel.h"
 #include "longmoe/kda_state_map.h"
 #include "test_kda_cp.h"
 
 static lm_comm *comm;
 static double test_worst_cp;
+
+/* max |a - b| / max |b|: relative to the largest value (cp_max_rel adds 1 to the denominator) */
+static double rel_to_max(const float *a, const float *b, size_t n) {
+    double m = 0, s = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        double d = fabs((double)a[i] - b[i]);
+        if (d > m) m = d;
+        if (fabs(b[i]) > s) s = fabs(b[i]);
+    }
+    return m / (s > 1e-30 ? s : 1e-30);
+}
 
 static void run_context_parallel(lm_kda_gate gate, int chunk, uint64_t seed) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
@@ -103,7 +116,7 @@ static void run_cp_operator(lm_kda_gate gate, int chunk, uint64_t seed) {
     float *o = malloc(mq * V * 4), *S_in = malloc(ns * 4), *ht = malloc(ns * 4);
     CHECK(lm_kda_cp_forward(comm, &sc, &seg, o, S_in, ht) == LM_OK, "%s", lm_last_error());
     float *o_want = cp_slice(o_ref, B, T, H, V, t0, t0 + n);
-    double eo = cp_max_rel(o, o_want, mq * V), eh = cp_max_rel(ht, ht_ref, ns);
+    double eo = rel_to_max(o, o_want, mq * V), eh = rel_to_max(ht, ht_ref, ns);
     CHECK(eo < 1e-5 && eh < 1e-5, "%s chunk %d rank %d: outputs differ by %.3g, final state by %.3g", gname, chunk,
           me, eo, eh);
     float *d_o_seg = cp_slice(d_o, B, T, H, V, t0, t0 + n);
@@ -128,14 +141,14 @@ static void run_cp_operator(lm_kda_gate gate, int chunk, uint64_t seed) {
         {"dbeta", S.dbeta, G.dbeta, 1}};
     for (int i = 0; i < 5; i++) {
         float *want = cp_slice(rows[i].whole, B, T, H, rows[i].X, t0, t0 + n);
-        double e = cp_max_rel(rows[i].got, want, mq * rows[i].X);
+        double e = rel_to_max(rows[i].got, want, mq * rows[i].X);
         CHECK(e < 1e-5, "%s chunk %d rank %d: %s differs from the whole sequence's by %.3g", gname, chunk, me,
               rows[i].name, e);
         if (e > test_worst_cp) test_worst_cp = e;
         free(want);
     }
     /* dh0: the whole value, bit-identical on every rank */
-    double e0 = cp_max_rel(S.dh0, G.dh0, ns);
+    double e0 = rel_to_max(S.dh0, G.dh0, ns);
     CHECK(e0 < 1e-5, "%s chunk %d rank %d: dh0 differs by %.3g", gname, chunk, me, e0);
     float *all = malloc(ns * 4 * (size_t)R);
     CHECK(lm_comm_all_gather(comm, S.dh0, all, ns * 4) == LM_OK, "%s", lm_last_error());
@@ -144,8 +157,10 @@ static void run_cp_operator(lm_kda_gate gate, int chunk, uint64_t seed) {
     const size_t npar = (size_t)H * (K + 1);
     float *sum = malloc(npar * 4);
     CHECK(lm_comm_all_reduce_sum(comm, S.dA_log, sum, npar, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
-    double ep = cp_max_rel(sum, G.dA_log, npar);
-    CHECK(ep < 1e-5, "%s chunk %d: dA_log and ddt_bias summed over ranks differ by %.3g", gname, chunk, ep);
+    double ea = rel_to_max(sum, G.dA_log, (size_t)H), et = rel_to_max(sum + H, G.ddt_bias, (size_t)H * K);
+    double ep = ea > et ? ea : et;
+    CHECK(ea < 1e-5 && et < 1e-5, "%s chunk %d: summed over ranks, dA_log differs by %.3g, ddt_bias by %.3g", gname,
+          chunk, ea, et);
     if (ep > test_worst_cp) test_worst_cp = ep;
     if (e0 > test_worst_cp) test_worst_cp = e0;
     /* the gradient reaches the earlier ranks through the scan: the segment's
@@ -158,7 +173,7 @@ static void run_cp_operator(lm_kda_gate gate, int chunk, uint64_t seed) {
         lm_kda_inputs s0 = seg;
         s0.h0 = S_in;
         CHECK(lm_kda_chunk_backward(&sc, &s0, d_o_seg, NULL, &L) == LM_OK, "%s", lm_last_error());
-        double ed = cp_max_rel(solo + mq * K, S.dk, mq * K);
+        double ed = rel_to_max(solo + mq * K, S.dk, mq * K);
         CHECK(ed > 1e-3, "rank %d: dk without the later segments differs only by %.3g", me, ed);
         free(solo);
     }
@@ -174,6 +189,80 @@ static void test_cp_operator_forward_and_backward_equal_the_whole_sequence(void)
     run_cp_operator(LM_KDA_GATE_BOUNDED, 64, 202);
     run_cp_operator(LM_KDA_GATE_SOFTPLUS, 32, 203);
     printf("  worst gradient difference (relative to the largest): %.3g\n", test_worst_cp);
+}
+
+/* The layer: rank r holds 23 r + 2 tokens (the first segment shorter than
+ * the convolution's halo, so rank 1's halo spans rank 0 and the sequence
+ * start); y, dx against the whole sequence's rows, every parameter gradient
+ * summed over the ranks against the whole sequence's. */
+static void run_cp_layer(lm_kda_gate gate, uint64_t seed) {
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    int T = 0, t0 = 0;
+    for (int r = 0; r < R; r++) {
+        if (r == me) t0 = T;
+        T += 23 * r + 2;
+    }
+    const int n = 23 * me + 2, B = 2, D = 20;
+    const char *gname = gate == LM_KDA_GATE_BOUNDED ? "bounded" : "softplus";
+    lm_kda_layer_config c = {D, 2, 8, 4, 16, gate, -5.0f, 1e-6f, NULL, 0, NULL};
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    const size_t np = lm_kda_layer_specs(&c, specs);
+    float *params = malloc(np * 4), *gw = calloc(np, 4), *gc = calloc(np, 4), *gsum = malloc(np * 4);
+    lm_rng rng;
+    lm_rng_seed(&rng, seed);
+    size_t off = 0;
+    for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
+        size_t m = (size_t)(specs[s].rows * specs[s].cols);
+        for (size_t i = 0; i < m; i++)
+            params[off + i] = specs[s].init_value +
+                              (specs[s].role == LM_ROLE_MATRIX ? 0.3f : 0.3f) * (float)lm_rng_normal(&rng);
+        off += m;
+    }
+    lm_kda_layer_params p, g, G;
+    lm_kda_layer_params_map(&c, params, &p);
+    lm_kda_layer_params_map(&c, gc, &g);
+    lm_kda_layer_params_map(&c, gw, &G);
+    const size_t nx = (size_t)B * T * D;
+    float *x = malloc(nx * 4), *dy = malloc(nx * 4), *y = malloc(nx * 4), *dx = calloc(nx, 4);
+    cp_fill_normal(&rng, x, nx, 1.0);
+    cp_fill_normal(&rng, dy, nx, 1.0);
+    /* the whole sequence here */
+    float *acts = malloc(lm_kda_layer_act_floats(&c, B, T) * 4), *scr = malloc(lm_kda_layer_scratch_floats(&c, B, T) * 4);
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&c, B, T, acts, &a);
+    CHECK(lm_kda_layer_forward(&c, &p, &a, x, B, T, y) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_kda_layer_backward(&c, &p, &G, &a, x, dy, B, T, dx, scr) == LM_OK, "%s", lm_last_error());
+    /* this rank's segment */
+    float *xs = cp_slice(x, B, T, 1, D, t0, t0 + n), *dys = cp_slice(dy, B, T, 1, D, t0, t0 + n);
+    float *ys = malloc((size_t)B * n * D * 4), *dxs = calloc((size_t)B * n * D, 4);
+    const size_t na = lm_kda_layer_cp_act_floats(&c, R, B, n), ns = lm_kda_layer_cp_scratch_floats(&c, R, B, n);
+    float *cacts = malloc(na * 4), *cscr = malloc(ns * 4);
+    CHECK(lm_kda_layer_cp_forward(comm, &c, &p, xs, B, t0, n, ys, cacts) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_kda_layer_cp_backward(comm, &c, &p, &g, xs, cacts, dys, B, t0, n, dxs, cscr) == LM_OK, "%s",
+          lm_last_error());
+    float *yw = cp_slice(y, B, T, 1, D, t0, t0 + n), *dxw = cp_slice(dx, B, T, 1, D, t0, t0 + n);
+    double ey = rel_to_max(ys, yw, (size_t)B * n * D), ex = rel_to_max(dxs, dxw, (size_t)B * n * D);
+    CHECK(ey < 1e-5 && ex < 1e-5, "%s layer rank %d: y differs by %.3g, dx by %.3g", gname, me, ey, ex);
+    if (ey > test_worst_cp) test_worst_cp = ey;
+    if (ex > test_worst_cp) test_worst_cp = ex;
+    CHECK(lm_comm_all_reduce_sum(comm, gc, gsum, np, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
+    off = 0;
+    for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
+        size_t m = (size_t)(specs[s].rows * specs[s].cols);
+        double e = rel_to_max(gsum + off, gw + off, m);
+        CHECK(e < 1e-5, "%s layer: d%s summed over %d ranks differs by %.3g", gname, specs[s].name, R, e);
+        if (e > test_worst_cp) test_worst_cp = e;
+        off += m;
+    }
+    free(params), free(gw), free(gc), free(gsum), free(x), free(dy), free(y), free(dx), free(acts), free(scr);
+    free(xs), free(dys), free(ys), free(dxs), free(cacts), free(cscr), free(yw), free(dxw);
+}
+
+static void test_cp_layer_equals_the_whole_sequence(void) {
+    test_worst_cp = 0;
+    run_cp_layer(LM_KDA_GATE_BOUNDED, 401);
+    run_cp_layer(LM_KDA_GATE_SOFTPLUS, 402);
+    printf("  worst difference (relative to the largest): %.3g\n", test_worst_cp);
 }
 
 static void test_context_parallel_bounded_gate_equals_the_whole_sequence(void) {
@@ -209,6 +298,7 @@ int main(int argc, char **argv) {
     RUN(test_context_parallel_bounded_gate_equals_the_whole_sequence);
     RUN(test_context_parallel_softplus_gate_equals_the_whole_sequence);
     RUN(test_cp_operator_forward_and_backward_equal_the_whole_sequence);
+    RUN(test_cp_layer_equals_the_whole_sequence);
     RUN(test_workspace_too_small_is_rejected);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;

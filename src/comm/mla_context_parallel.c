@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "cp_internal.h"
 #include "longmoe/attention.h"
 #include "longmoe/backend.h"
 #include "model/mla_internal.h"
@@ -94,10 +95,7 @@ size_t lm_mla_cp_scratch_floats(const lm_mla_config *c, int comm_size, int B, in
     return scratch_of(c, comm_size, B, t0, n).total;
 }
 
-/* Every rank's (B, t0, n), gathered and checked: segments in rank order
- * without gaps, the same B. seg receives 3 ints a rank. Collective: every rank
- * sees the same table and so the same verdict. */
-static lm_status gather_segments(lm_comm *comm, int B, int t0, int n, int32_t *seg, const char *what) {
+lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, int32_t *seg, const char *what) {
     const int R = lm_comm_size(comm);
     int32_t mine[3] = {B, t0, n};
     TRY(lm_comm_all_gather(comm, mine, seg, sizeof mine));
@@ -222,7 +220,7 @@ lm_status lm_mla_cp_forward(lm_comm *comm, const lm_mla_config *c, const lm_mla_
     LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
-    lm_status st = gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
     if (!st) st = forward_body(comm, c, p, x, B, t0, n, y, acts, seg, cnt);
     free(buf);
     return st;
@@ -328,7 +326,7 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *c, const lm_mla
     LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
-    lm_status st = gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
     if (!st) st = backward_body(comm, c, p, x, acts, dy, B, t0, n, dx, g, scratch, seg, cnt);
     free(buf);
     return st;
