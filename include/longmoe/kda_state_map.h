@@ -31,6 +31,14 @@ size_t lm_kda_state_map_workspace_bytes(const lm_kda_config *cfg);
  * P S + Q, to rounding. */
 lm_status lm_kda_state_map(const lm_kda_config *cfg, const lm_kda_inputs *in, float *P, float *Q);
 
+/* D [B,H,K,V]: the gradient of the segment's incoming state given only its
+ * outputs' gradient d_o [B,T,H,V] (the outgoing state's gradient zero). With
+ * the map, the incoming state's gradient for any outgoing one is
+ * dS_in = P^T dS_out + D. Equals lm_kda_chunk_backward's dh0 with dht NULL
+ * (the same steps), independent of in->h0; costs about the map's pass.
+ * Allocates its per-thread scratch. */
+lm_status lm_kda_state_map_dgrad(const lm_kda_config *cfg, const lm_kda_inputs *in, const float *d_o, float *D);
+
 /* The map of `first` followed by `second`: P = P2 P1, Q = P2 Q1 + Q2.
  * The outputs must not overlap the inputs. */
 lm_status lm_kda_state_map_compose(int n_pairs, int K, int V, const float *P1, const float *Q1, const float *P2,

@@ -124,15 +124,12 @@ lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_k
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     const int np = cfg->B * cfg->H, K = cfg->K, V = cfg->V;
     const size_t nk = (size_t)np * K * K, ns = (size_t)np * K * V, nm = nk + ns;
-    const size_t nq = (size_t)cfg->B * cfg->T * cfg->H, wb = lm_kda_cp_workspace_bytes(R, np, K, V);
-    /* map [P | D] own and gathered, Q, S, two gradient states, the first
-     * pass's throw-away gradients (q k z: 3 nq K, v: nq V, beta: nq, A_log H,
-     * dt_bias H K), and the forward scan's workspace */
-    const size_t nthrow = 3 * nq * K + nq * V + nq + (size_t)cfg->H * (1 + (size_t)K);
+    const size_t wb = lm_kda_cp_workspace_bytes(R, np, K, V);
+    /* map [P | D] own and gathered, Q, S, two gradient states, the forward scan's workspace */
     float *buf;
-    LM_TRY_ALLOC(buf, ((size_t)(R + 1) * nm + 4 * ns + nthrow) * sizeof(float) + (S_in ? 0 : wb));
+    LM_TRY_ALLOC(buf, ((size_t)(R + 1) * nm + 4 * ns) * sizeof(float) + (S_in ? 0 : wb));
     float *own = buf, *all = own + nm, *Q = all + (size_t)R * nm, *S = Q + ns, *gA = S + ns, *gB = gA + ns;
-    float *thr = gB + ns, *ws = thr + nthrow;
+    float *ws = gB + ns;
     lm_status st = LM_OK;
     lm_kda_inputs seg = *in;
     seg.h0 = NULL;
@@ -143,16 +140,8 @@ lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_k
     } else {
         st = cp_scan_forward(comm, cfg, in, own, Q, S, NULL, ws, wb);
     }
-    /* D: the incoming state's gradient from this segment's outputs alone (it
-     * does not depend on the incoming state) */
-    if (!st) {
-        memset(thr, 0, nthrow * sizeof(float));
-        memset(own + nk, 0, ns * sizeof(float));
-        float *dq = thr, *dk = dq + nq * K, *dv = dk + nq * K, *dz = dv + nq * V, *dbeta = dz + nq * K;
-        float *dA = dbeta + nq, *ddt = dA + cfg->H;
-        lm_kda_grads first = {dq, dk, dv, dz, dbeta, dA, ddt, own + nk};
-        st = lm_kda_chunk_backward(cfg, &seg, d_o, NULL, &first);
-    }
+    /* D: the incoming state's gradient from this segment's outputs alone */
+    if (!st) st = lm_kda_state_map_dgrad(cfg, &seg, d_o, own + nk);
     if (!st) st = lm_comm_all_gather(comm, own, all, nm * sizeof(float));
     /* dht: rank 0's value (or zero) */
     int32_t has = dht != NULL;
