@@ -81,8 +81,8 @@ lm_status lm_kda_cp_initial_state(lm_comm *comm, int n_pairs, int K, int V, cons
  * dq, dk, dv, dz, dbeta of the segment; dA_log, ddt_bias this rank's part
  * (their sum over the ranks is the whole sequence's gradient); dh0 (may be
  * NULL) the whole gradient of h0, bit-identical on every rank. S_in is the
- * forward's (NULL: recomputed, which costs the forward's scan). Cost: two
- * backward passes of the segment (the first gives D) and the map. */
+ * forward's (NULL: recomputed, which costs the forward's scan). Cost: the
+ * map, D (lm_kda_state_map_dgrad) and one backward of the segment. */
 lm_status lm_kda_cp_forward(lm_comm *comm, const lm_kda_config *cfg, const lm_kda_inputs *in, float *o,
                             float *S_in, float *ht);
 lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_kda_inputs *in, const float *S_in,
