@@ -274,6 +274,38 @@ static void test_context_parallel_softplus_gate_equals_the_whole_sequence(void) 
     run_context_parallel(LM_KDA_GATE_SOFTPLUS, 32, 103);
 }
 
+static void test_bad_arguments_are_rejected(void) {
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    cp_problem p;
+    cp_problem_make(&p, 1, 4, 1, 4, 4, 77);
+    lm_kda_config cfg = lm_kda_config_default(1, 4, 1, 4, 4);
+    cfg.chunk = 16;
+    lm_kda_inputs in = {p.q, p.k, p.v, p.z, p.beta, p.A_log, p.dt_bias, NULL};
+    float o[64], g[64] = {0};
+    lm_kda_grads G = {g, g, g, g, g, g, g, NULL};
+    CHECK(lm_kda_cp_forward(NULL, &cfg, &in, o, NULL, NULL) == LM_ERR_ARG && strstr(lm_last_error(), "comm"), "%s",
+          lm_last_error());
+    CHECK(lm_kda_cp_forward(comm, &cfg, &in, NULL, NULL, NULL) == LM_ERR_ARG && strstr(lm_last_error(), "o is NULL"),
+          "%s", lm_last_error());
+    CHECK(lm_kda_cp_backward(comm, &cfg, &in, NULL, NULL, NULL, &G) == LM_ERR_ARG && strstr(lm_last_error(), "d_o"),
+          "%s", lm_last_error());
+    p.beta[1] = 1.5f; /* out of [0, 1]: the operator's own check, before any collective */
+    CHECK(lm_kda_cp_forward(comm, &cfg, &in, o, NULL, NULL) == LM_ERR_ARG, "beta 1.5 accepted");
+    cp_problem_free(&p);
+    /* the layer: a gap before the first segment, refused on every rank */
+    lm_kda_layer_config c = {8, 1, 4, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, NULL};
+    size_t np = lm_kda_layer_specs(&c, NULL);
+    float *params = calloc(np, 4), x[64] = {0}, y[64];
+    lm_kda_layer_params lp;
+    lm_kda_layer_params_map(&c, params, &lp);
+    float *acts = malloc(lm_kda_layer_cp_act_floats(&c, R, 1, 2) * 4);
+    lm_status st = lm_kda_layer_cp_forward(comm, &c, &lp, x, 1, 2 * me + 1, 2, y, acts);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "rank order"), "%s", lm_last_error());
+    c.conv_width = 0;
+    CHECK(lm_kda_layer_cp_forward(comm, &c, &lp, x, 1, 2 * me, 2, y, acts) == LM_ERR_ARG, "conv_width 0 accepted");
+    free(params), free(acts);
+}
+
 static void test_workspace_too_small_is_rejected(void) {
     float x[8] = {0};
     CHECK(lm_kda_cp_initial_state(comm, 1, 1, 1, x, x, NULL, x + 4, NULL, x, 4) == LM_ERR_ARG &&
@@ -299,6 +331,7 @@ int main(int argc, char **argv) {
     RUN(test_context_parallel_softplus_gate_equals_the_whole_sequence);
     RUN(test_cp_operator_forward_and_backward_equal_the_whole_sequence);
     RUN(test_cp_layer_equals_the_whole_sequence);
+    RUN(test_bad_arguments_are_rejected);
     RUN(test_workspace_too_small_is_rejected);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
