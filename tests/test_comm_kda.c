@@ -291,6 +291,15 @@ static void test_bad_arguments_are_rejected(void) {
           "%s", lm_last_error());
     p.beta[1] = 1.5f; /* out of [0, 1]: the operator's own check, before any collective */
     CHECK(lm_kda_cp_forward(comm, &cfg, &in, o, NULL, NULL) == LM_ERR_ARG, "beta 1.5 accepted");
+    /* one rank refuses: every rank returns, none waits in the scan */
+    p.beta[1] = me == R - 1 ? 1.5f : 0.5f;
+    lm_status st0 = lm_kda_cp_forward(comm, &cfg, &in, o, NULL, NULL);
+    CHECK(st0 == LM_ERR_ARG && (me == R - 1 || strstr(lm_last_error(), "refused")), "rank %d: %s", me,
+          lm_last_error());
+    p.beta[1] = 0.5f;
+    st0 = lm_kda_cp_backward(comm, &cfg, &in, NULL, o, NULL, me == 0 ? NULL : &G);
+    CHECK(st0 == LM_ERR_ARG && (me == 0 || strstr(lm_last_error(), "rank 0 refused")), "rank %d: %s", me,
+          lm_last_error());
     cp_problem_free(&p);
     /* the layer: a gap before the first segment, refused on every rank */
     lm_kda_layer_config c = {8, 1, 4, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, NULL};

@@ -213,6 +213,10 @@ static void test_bad_segments_are_rejected(void) {
     /* a gap before the first segment: every rank holds [2 me + 1, 2 me + 3) */
     lm_status st = lm_mla_cp_forward(comm, &c, &p, x, 1, 2 * me + 1, 2, y, acts);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "rank order"), "%s", lm_last_error());
+    /* one rank refuses (no output): every rank returns */
+    st = lm_mla_cp_forward(comm, &c, &p, x, 1, 2 * me, 2, me == R - 1 ? NULL : y, acts);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), me == R - 1 ? "required" : "refused"), "rank %d: %s", me,
+          lm_last_error());
     lm_mla_config gqa = lm_mla_config_gqa(8, 2, 1, 4, 4);
     st = lm_mla_cp_forward(comm, &gqa, &p, x, 1, 2 * me, 2, y, acts);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "MLA"), "%s", lm_last_error());

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "cp_internal.h"
 #include "longmoe/kda_state_map.h"
 
 /* floats of one rank's packed map [P | Q] */
@@ -79,9 +80,11 @@ static lm_status cp_scan_forward(lm_comm *comm, const lm_kda_config *cfg, const 
 lm_status lm_kda_cp_forward(lm_comm *comm, const lm_kda_config *cfg, const lm_kda_inputs *in, float *o,
                             float *S_in, float *ht) {
     const char *what = "kda context parallel forward";
-    TRY(cp_check(comm, cfg, in, what));
-    if (!o) return lm_error(LM_ERR_ARG, "%s: o is NULL", what);
-    TRY(lm_kda_check(cfg, in));
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = cp_check(comm, cfg, in, what);
+    if (!local && !o) local = lm_error(LM_ERR_ARG, "%s: o is NULL", what);
+    if (!local) local = lm_kda_check(cfg, in);
+    TRY(lm_cp_agree(comm, local, what)); /* every rank refuses together: none waits in the scan */
     const int np = cfg->B * cfg->H, K = cfg->K, V = cfg->V;
     const size_t nk = (size_t)np * K * K, ns = (size_t)np * K * V;
     const size_t wb = lm_kda_cp_workspace_bytes(lm_comm_size(comm), np, K, V);
@@ -118,9 +121,14 @@ static void apply_transposed(int n_pairs, int K, int V, const float *P, const fl
 lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_kda_inputs *in, const float *S_in,
                              const float *d_o, const float *dht, lm_kda_grads *grads) {
     const char *what = "kda context parallel backward";
-    TRY(cp_check(comm, cfg, in, what));
-    if (!d_o || !grads) return lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !d_o ? "d_o" : "grads");
-    TRY(lm_kda_check(cfg, in));
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = cp_check(comm, cfg, in, what);
+    if (!local && (!d_o || !grads)) local = lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !d_o ? "d_o" : "grads");
+    if (!local && (!grads->dq || !grads->dk || !grads->dv || !grads->dz || !grads->dbeta || !grads->dA_log ||
+                   !grads->ddt_bias))
+        local = lm_error(LM_ERR_ARG, "%s: a gradient other than dh0 is NULL", what);
+    if (!local) local = lm_kda_check(cfg, in);
+    TRY(lm_cp_agree(comm, local, what));
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     const int np = cfg->B * cfg->H, K = cfg->K, V = cfg->V;
     const size_t nk = (size_t)np * K * K, ns = (size_t)np * K * V, nm = nk + ns;

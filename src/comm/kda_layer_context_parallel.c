@@ -196,12 +196,13 @@ static lm_status forward_body(lm_comm *comm, const lm_kda_layer_config *c, const
 lm_status lm_kda_layer_cp_forward(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const float *x, int B, int t0, int n, float *y, float *acts) {
     const char *what = "kda layer context parallel forward";
-    TRY(check_args(comm, c, p, B, t0, n, what));
-    if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = check_args(comm, c, p, B, t0, n, what);
+    if (!local && (!x || !y || !acts)) local = lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
     const size_t bytes = (size_t)lm_comm_size(comm) * 3 * sizeof(int32_t);
     int32_t *seg;
     LM_TRY_ALLOC(seg, bytes);
-    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, local, seg, what);
     if (!st) st = forward_body(comm, c, p, x, B, t0, n, y, acts, seg);
     free(seg);
     return st;
@@ -298,16 +299,17 @@ lm_status lm_kda_layer_cp_backward(lm_comm *comm, const lm_kda_layer_config *c, 
                                    const lm_kda_layer_params *g, const float *x, const float *acts, const float *dy,
                                    int B, int t0, int n, float *dx, float *scratch) {
     const char *what = "kda layer context parallel backward";
-    TRY(check_args(comm, c, p, B, t0, n, what));
-    if (!g || !g->A_log || !g->dt_bias || !x || !acts || !dy || !scratch)
-        return lm_error(LM_ERR_ARG, "%s: g, x, acts, dy and scratch are required", what);
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = check_args(comm, c, p, B, t0, n, what);
+    if (!local && (!g || !g->A_log || !g->dt_bias || !x || !acts || !dy || !scratch))
+        local = lm_error(LM_ERR_ARG, "%s: g, x, acts, dy and scratch are required", what);
     const int R = lm_comm_size(comm);
     const size_t bytes = (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8;
     void *buf;
     LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
-    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, local, seg, what);
     if (!st) st = backward_body(comm, c, p, g, x, acts, dy, B, t0, n, dx, scratch, seg, cnt);
     free(buf);
     return st;

@@ -95,7 +95,24 @@ size_t lm_mla_cp_scratch_floats(const lm_mla_config *c, int comm_size, int B, in
     return scratch_of(c, comm_size, B, t0, n).total;
 }
 
-lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, int32_t *seg, const char *what) {
+lm_status lm_cp_agree(lm_comm *comm, lm_status local, const char *what) {
+    const int R = lm_comm_size(comm);
+    int32_t *all = malloc((size_t)R * sizeof(int32_t)), mine = local != LM_OK;
+    if (!all) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
+    lm_status st = lm_comm_all_gather(comm, &mine, all, sizeof mine);
+    int bad = -1;
+    for (int p = 0; !st && p < R && bad < 0; p++)
+        if (all[p]) bad = p;
+    free(all);
+    if (st) return st;
+    if (local) return local;
+    if (bad >= 0) return lm_error(LM_ERR_ARG, "%s: rank %d refused its arguments", what, bad);
+    return LM_OK;
+}
+
+lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, lm_status local, int32_t *seg,
+                                const char *what) {
+    TRY(lm_cp_agree(comm, local, what));
     const int R = lm_comm_size(comm);
     int32_t mine[3] = {B, t0, n};
     TRY(lm_comm_all_gather(comm, mine, seg, sizeof mine));
@@ -212,15 +229,16 @@ static lm_status forward_body(lm_comm *comm, const lm_mla_config *c, const lm_ml
 lm_status lm_mla_cp_forward(lm_comm *comm, const lm_mla_config *c, const lm_mla_params *p, const float *x, int B,
                             int t0, int n, float *y, float *acts) {
     const char *what = "mla context parallel forward";
-    TRY(check_args(comm, c, p, B, t0, n, what));
-    if (!x || !y || !acts) return lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = check_args(comm, c, p, B, t0, n, what);
+    if (!local && (!x || !y || !acts)) local = lm_error(LM_ERR_ARG, "%s: x, y and acts are required", what);
     const int R = lm_comm_size(comm);
     void *buf;
     const size_t bytes = (size_t)R * (3 * sizeof(int32_t) + 4 * sizeof(size_t)) + 8;
     LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
-    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, local, seg, what);
     if (!st) st = forward_body(comm, c, p, x, B, t0, n, y, acts, seg, cnt);
     free(buf);
     return st;
@@ -315,8 +333,10 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *c, const lm_mla
                              const float *acts, const float *dy, int B, int t0, int n, float *dx,
                              const lm_mla_params *g, float *scratch) {
     const char *what = "mla context parallel backward";
-    TRY(check_args(comm, c, p, B, t0, n, what));
-    if (!x || !acts || !dy || !scratch) return lm_error(LM_ERR_ARG, "%s: x, acts, dy and scratch are required", what);
+    if (!comm) return lm_error(LM_ERR_ARG, "%s: comm is NULL", what);
+    lm_status local = check_args(comm, c, p, B, t0, n, what);
+    if (!local && (!x || !acts || !dy || !scratch))
+        local = lm_error(LM_ERR_ARG, "%s: x, acts, dy and scratch are required", what);
     lm_mla_params none;
     memset(&none, 0, sizeof none);
     if (!g) g = &none;
@@ -326,7 +346,7 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *c, const lm_mla
     LM_TRY_ALLOC(buf, bytes);
     int32_t *seg = buf;
     size_t *cnt = (size_t *)(seg + 3 * R + (R & 1)); /* 8-byte aligned */
-    lm_status st = lm_cp_gather_segments(comm, B, t0, n, seg, what);
+    lm_status st = lm_cp_gather_segments(comm, B, t0, n, local, seg, what);
     if (!st) st = backward_body(comm, c, p, x, acts, dy, B, t0, n, dx, g, scratch, seg, cnt);
     free(buf);
     return st;
