@@ -162,17 +162,19 @@ static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
               "rank %d's max logits differ", s);
     /* every parameter's gradient, summed over the ranks */
     CHECK(lm_comm_all_reduce_sum(comm, gmem, gsum, np, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
-    const struct { const char *n; const float *got, *want; size_t off; } prm[] = {
-        {"W_dq", g.W_dq, gw.W_dq, 0}, {"q_norm", g.q_norm, gw.q_norm, 0}, {"W_uq", g.W_uq, gw.W_uq, 0},
-        {"W_dkv", g.W_dkv, gw.W_dkv, 0}, {"kv_norm", g.kv_norm, gw.kv_norm, 0}, {"W_uk", g.W_uk, gw.W_uk, 0},
-        {"W_uv", g.W_uv, gw.W_uv, 0}, {"W_kr", g.W_kr, gw.W_kr, 0}, {"W_g", g.W_g, gw.W_g, 0},
-        {"W_o", g.W_o, gw.W_o, 0}};
-    const float *ends[11];
+    /* in the order lm_mla_params_map lays them out */
+    const struct { const char *n; const float *got, *want; } prm[] = {
+        {"W_dq", g.W_dq, gw.W_dq}, {"q_norm", g.q_norm, gw.q_norm}, {"W_uq", g.W_uq, gw.W_uq},
+        {"W_dkv", g.W_dkv, gw.W_dkv}, {"kv_norm", g.kv_norm, gw.kv_norm}, {"W_uk", g.W_uk, gw.W_uk},
+        {"W_uv", g.W_uv, gw.W_uv}, {"W_kr", g.W_kr, gw.W_kr}, {"W_q", g.W_q, gw.W_q}, {"W_k", g.W_k, gw.W_k},
+        {"W_v", g.W_v, gw.W_v}, {"W_g", g.W_g, gw.W_g}, {"W_o", g.W_o, gw.W_o}};
+    const int NP = (int)(sizeof prm / sizeof prm[0]);
+    const float *ends[16];
     int np_ = 0;
-    for (int i = 0; i < 10; i++)
+    for (int i = 0; i < NP; i++)
         if (prm[i].got) ends[np_++] = prm[i].got;
     ends[np_] = gmem + np;
-    for (int i = 0, j = 0; i < 10; i++) {
+    for (int i = 0, j = 0; i < NP; i++) {
         if (!prm[i].got) continue;
         const size_t o = (size_t)(prm[i].got - gmem), len = (size_t)(ends[j + 1] - prm[i].got);
         double e = max_rel(gsum + o, prm[i].want, len);
@@ -200,6 +202,13 @@ static void test_mla_layer_rope_equals_the_whole_sequence(void) {
     run_layer(c, "MLA RoPE(4) scale 0.4", 302);
 }
 
+static void test_gqa_layer_equals_the_whole_sequence(void) {
+    run_layer(lm_mla_config_gqa(24, 4, 2, 10, 8), "GQA NoPE", 303);
+    lm_mla_config c = lm_mla_config_gqa(20, 3, 1, 12, 6);
+    c.rope_dims = 6;
+    run_layer(c, "GQA RoPE(6)", 304);
+}
+
 static void test_bad_segments_are_rejected(void) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     lm_mla_config c = lm_mla_config_mla(8, 1, 4, 4, 4, 4);
@@ -217,9 +226,10 @@ static void test_bad_segments_are_rejected(void) {
     st = lm_mla_cp_forward(comm, &c, &p, x, 1, 2 * me, 2, me == R - 1 ? NULL : y, acts);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), me == R - 1 ? "required" : "refused"), "rank %d: %s", me,
           lm_last_error());
+    /* GQA parameters missing (an MLA block mapped) */
     lm_mla_config gqa = lm_mla_config_gqa(8, 2, 1, 4, 4);
     st = lm_mla_cp_forward(comm, &gqa, &p, x, 1, 2 * me, 2, y, acts);
-    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "MLA"), "%s", lm_last_error());
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "parameter"), "%s", lm_last_error());
     free(acts), free(pmem);
 }
 
@@ -240,6 +250,7 @@ int main(int argc, char **argv) {
     RUN(test_attention_offset_queries_equal_the_whole_rows);
     RUN(test_mla_layer_nope_equals_the_whole_sequence);
     RUN(test_mla_layer_rope_equals_the_whole_sequence);
+    RUN(test_gqa_layer_equals_the_whole_sequence);
     RUN(test_bad_segments_are_rejected);
     if (comm) {
         printf("  worst difference from the whole sequence (relative to the largest): %.3g\n", worst);

@@ -1,24 +1,27 @@
-/* The MLA layer under context parallelism (docs/scaleout.md "MLA context
- * parallelism"; SPEC §9): one sequence split across ranks.
+/* The gated attention layer (MLA or GQA) under context parallelism
+ * (docs/scaleout.md "MLA context parallelism"; SPEC §9): one sequence split
+ * across ranks.
  *
  * Rank r holds tokens [t0_r, t0_r + n_r) of every sequence (x [B,n_r,d]); the
  * segments follow rank order without gaps (t0_0 = 0, t0_{r+1} = t0_r + n_r,
  * every n_r >= 1, the same B on every rank; checked, collectively). The
- * token-local parts of the layer (the query path, the latent c = RMSNorm(W_dkv
- * x), the rotary key kr, the gate and W_o) run on the rank's own tokens. Each
- * rank receives [c ; RoPE(kr)] (kv_lora + rope_dims floats a token) of the
- * earlier ranks' tokens (one all-to-all-v: a rank sends its latent to the
- * later ranks only), expands k and v over positions 0 .. t0 + n - 1, and
+ * token-local parts of the layer (the query path, the gate and W_o, and what
+ * a token contributes to the keys and values) run on the rank's own tokens:
+ * MLA's latent c = RMSNorm(W_dkv x) and rotary key RoPE(kr), GQA's RoPE(k) and
+ * v, RoPE at the global positions. Each rank receives those of the earlier
+ * ranks' tokens (one all-to-all-v: a rank sends to the later ranks only;
+ * MLA: kv_lora + rope_dims floats a token, GQA: Hkv (Dk + Dv)), forms k and v
+ * over positions 0 .. t0 + n - 1 (MLA expands the latent per head), and
  * attends its queries to them with the causal mask by global position
- * (lm_attention_forward_offset). The backward returns the latent gradients of
- * the earlier positions to their owners (one all-to-all-v), each owner adding
- * them to its own in rank order (deterministic).
+ * (lm_attention_forward_offset). The backward returns those parts' gradients
+ * at the earlier positions to their owners (one all-to-all-v), each owner
+ * adding them to its own in rank order (deterministic).
  *
  * Outputs: y and dx of the rank's segment. The parameter gradients in g
  * ACCUMULATE this rank's part: their sum over the ranks is the whole
- * sequence's gradient (the data-parallel reduction sums it). MLA kind, CPU
- * backend. Memory: acts and scratch hold k and v of the whole prefix
- * (H (Dk + Dv) floats a token of t0 + n), like the whole sequence would. */
+ * sequence's gradient (the data-parallel reduction sums it). CPU backend.
+ * Memory: acts and scratch hold k and v of the whole prefix (MLA: H (Dk + Dv)
+ * floats a token of t0 + n), like the whole sequence would. */
 #ifndef LONGMOE_MLA_CONTEXT_PARALLEL_H
 #define LONGMOE_MLA_CONTEXT_PARALLEL_H
 
