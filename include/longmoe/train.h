@@ -91,6 +91,14 @@ typedef struct {
      * weights, their gradients (summed with the rest) and optimizer state stay
      * whole on every rank, so checkpoints are those of data parallelism. */
     int expert_parallel;
+    /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
+     * replicates the optimizer state on every rank; 1 shards it: the tensors
+     * are cut into one range of consecutive tensors a rank, balanced by state
+     * size, and rank r alone keeps range r's optimizer state, sums its
+     * gradients (reduce-scatter), clips and updates it, then all-gathers the new
+     * parameters. The result equals zero = 0 bit for bit; checkpoints are the
+     * same files (rank 0 gathers the state) and resume on any layout. */
+    int zero;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

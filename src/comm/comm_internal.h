@@ -18,6 +18,9 @@ typedef struct {
                              const size_t *recv_bytes, const size_t *recv_offsets);
     lm_status (*broadcast)(lm_comm *c, void *buf, size_t bytes, int root);
     lm_status (*barrier)(lm_comm *c);
+    /* fill the zeroed handle `out` (ops, rank, size, engine_state) with the
+     * ranks of this color (>= 0), or set *in_group 0 for a negative color */
+    lm_status (*split)(lm_comm *c, int color, lm_comm *out, int *in_group);
     void (*close)(lm_comm *c);
 } lm_comm_ops;
 
