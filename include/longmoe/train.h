@@ -120,6 +120,9 @@ typedef struct {
      * optimizer state, and the MoE balancing state (biases, windows, loads);
      * data-parallel ranks hold the same (checked at every checkpoint) */
     uint64_t params_hash, balance_hash;
+    /* bytes of optimizer state (Muon momenta, AdamW moments) this rank holds:
+     * the whole state, or under ZeRO-1 its range's */
+    size_t optimizer_state_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the
