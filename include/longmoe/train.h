@@ -116,9 +116,12 @@ typedef struct {
     int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
     double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
                               (lm_train_flops_per_token); reported on the GPU */
-    /* 64-bit hashes of this rank's state at the end: the parameters and the
-     * optimizer state, and the MoE balancing state (biases, windows, loads);
-     * data-parallel ranks hold the same (checked at every checkpoint) */
+    /* 64-bit hashes of the state at the end: the parameters, the optimizer
+     * state (from a hash of each tensor's state; under ZeRO-1 the owners'
+     * gathered, so a layout does not change the value) and the counters, and
+     * the MoE balancing state (biases, windows, loads); data-parallel ranks hold
+     * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
+     * them on every rank (collectively) */
     uint64_t params_hash, balance_hash;
     /* bytes of optimizer state (Muon momenta, AdamW moments) this rank holds:
      * the whole state, or under ZeRO-1 its range's */
