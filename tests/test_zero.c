@@ -8,7 +8,8 @@
  * data parallelism on the same ranks (bit for bit: losses, checkpoints, state
  * hashes) and one process (1e-5 relative), every rank holding a share of the
  * optimizer state that adds up to the whole, a bit-exact resume on the same
- * layout, and checkpoints across layouts: the N-rank ZeRO checkpoint resumed
+ * layout, a NaN gradient on one rank skipping the step on all as replicated
+ * does, and checkpoints across layouts: the N-rank ZeRO checkpoint resumed
  * on one process (and, on 4 ranks, on 2 ZeRO ranks of a split handle), and
  * one process's checkpoint resumed on N ZeRO ranks, each ending within 1e-5 of
  * the uninterrupted runs. Built without MPI, `--mpi N` reports every case
@@ -332,6 +333,39 @@ static void test_zero1_resume_on_the_same_layout_is_bit_exact(void) {
     for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
 }
 
+/* A NaN left in a gradient on the last rank only (step 4) reaches one owner's
+ * range through the reduce-scatter: its partial norm, hence the global norm,
+ * is non-finite on every rank, and every rank skips the step, as the
+ * replicated run does; the runs then go on alike. */
+static void test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r[2];
+    for (int zero = 0; zero < 2; zero++) {
+        lm_config c = zero_config();
+        c.eval_every = 0;
+        c.ckpt_every = 0;
+        c.steps = 8;
+        lm_train_options o = lm_train_options_default(dir(zero ? "zero-fault" : "dp-fault"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.zero = zero;
+        o.inject_fault = LM_FAULT_GRADIENT;
+        o.inject_fault_step = me == R - 1 ? 3 : -1;
+        CHECK(!lm_train(&c, &o, &r[zero]), "%s: %s", zero ? "zero" : "dp", lm_last_error());
+        CHECK(r[zero].skipped == 1 && r[zero].step == 8, "%s: %lld skipped of %lld", zero ? "zero" : "dp",
+              (long long)r[zero].skipped, (long long)r[zero].step);
+    }
+    CHECK(r[1].params_hash == r[0].params_hash && r[1].balance_hash == r[0].balance_hash,
+          "the ZeRO-1 run's state differs from the replicated run's");
+    CHECK(same_on_every_rank(r[1].params_hash), "the ranks differ after the skipped step");
+    if (me == 0) {
+        double a[16];
+        CHECK(read_metric("zero-fault", "skip", "step", a, 16) == 1 && a[0] == 3, "the skip line of step 4");
+    }
+}
+
 /* Run `run` ended at step 20 within 1e-5 of the uninterrupted runs (rank 0). */
 static void close_to_uninterrupted(const char *run) {
     double w1, w2;
@@ -422,6 +456,7 @@ int main(int argc, char **argv) {
     RUN(test_zero1_equals_replicated_data_parallel_bit_for_bit);
     RUN(test_every_rank_holds_a_share_of_the_optimizer_state);
     RUN(test_zero1_resume_on_the_same_layout_is_bit_exact);
+    RUN(test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank);
     RUN(test_zero1_checkpoint_resumes_on_one_process);
     RUN(test_one_process_checkpoint_resumes_on_zero1_ranks);
     RUN(test_zero1_checkpoint_resumes_on_another_number_of_ranks);

@@ -266,12 +266,6 @@ static lm_status dp_check(const trainer *t) {
     return LM_OK;
 }
 
-/* After the micro-batches of a step: the ranks' losses averaged (each is the
- * mean over its share), a failed forward on any rank fails the step for all,
- * the data position advanced by the fewest micro-batches any rank consumed
- * (the global micro-batch that failed is consumed, as on one rank), the
- * balancing counts summed (always: the loads are state), and on a good step
- * the gradients summed and the QK-Clip maxima taken over the ranks. */
 /* ---- ZeRO-1 (docs/scaleout.md, "ZeRO-1") ----
  * Rank q owns a range of consecutive tensors, cut so that the ranges' optimizer
  * states are as equal as whole tensors allow. It alone keeps their state, receives
@@ -436,6 +430,13 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
     return LM_OK;
 }
 
+/* After the micro-batches of a step: the ranks' losses averaged (each is the
+ * mean over its share), a failed forward on any rank fails the step for all,
+ * the data position advanced by the fewest micro-batches any rank consumed
+ * (the global micro-batch that failed is consumed, as on one rank), the
+ * balancing counts summed (always: the loads are state), and on a good step
+ * the gradients summed (under ZeRO-1 reduce-scattered) and the QK-Clip maxima
+ * taken over the ranks. */
 static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *aux, int *bad) {
     if (t->ranks <= 1) return LM_OK;
     const int R = t->ranks;
