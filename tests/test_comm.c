@@ -130,7 +130,7 @@ static void test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_seria
             unsigned char *x = malloc(total * es + 1), *y = malloc(m * es + 1), *ref = malloc(m * es + 1),
                           *whole = malloc(total * es + 1);
             fill(x, total, dt, me, trial);
-            serial_sum(ref, m, dt, trial, before);
+            serial_sum(ref, m, dt, R, trial, before);
             CHECK(lm_comm_reduce_scatterv_sum(comm, x, m ? y : NULL, counts, dt) == LM_OK, "%s", lm_last_error());
             CHECK(!memcmp(y, ref, m * es), "%s layout %d: block %d differs from the serial sum", lm_dtype_name(dt),
                   layout, me);
