@@ -201,12 +201,12 @@ static void test_plan_is_the_models_ledger(void) {
             CHECK(!strcmp(x->name, y->name) && x->bytes == y->bytes, "buffer %d: %s %zu vs %s %zu", i, x->name,
                   x->bytes, y->name, y->bytes);
         }
-        /* the activation block: from x0 to the operator workspace */
+        /* the activation block: from hin to the operator workspace */
         size_t act = 0;
         int in = 0;
         for (int i = 0; i < lm_model_num_buffers(m); i++) {
             const lm_model_buffer *b = lm_model_buffer_at(m, i);
-            in |= !strncmp(b->name, "x0:", 3);
+            in |= !strncmp(b->name, "hin:", 4);
             if (in) act += b->bytes;
             if (!strcmp(b->name, "KDA / attention operator workspace")) in = 0;
         }

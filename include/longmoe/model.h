@@ -103,7 +103,7 @@ size_t lm_model_activation_bytes(const lm_model *m);
  * buffers, the residual stream's state, the backend's operator scratch).
  * The model allocates from this very plan. */
 typedef struct {
-    char name[96];
+    char name[160];
     size_t bytes;
 } lm_model_buffer;
 int lm_model_num_buffers(const lm_model *m);

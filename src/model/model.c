@@ -239,7 +239,6 @@ static size_t plan_activations(lm_model *m, float *base) {
         else (void)ledger_add(m, PAD16(n_) * sizeof(float), __VA_ARGS__);        \
         off += PAD16(n_);                                                        \
     } while (0)
-    CARVE(m->x0, (size_t)N * d, "x0: embedding output [N,d]");
     CARVE(m->hin, n_hin * N * d, n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
     CARVE(m->xn, n_xn * N * d,
           n_xn > 1 ? "xn: normalised sublayer inputs [2L,N,d]" : "xn: normalised sublayer input [N,d] (recomputed)");
@@ -250,13 +249,20 @@ static size_t plan_activations(lm_model *m, float *base) {
     CARVE(m->lse_rows, (size_t)N, "lse_rows [N]");
     CARVE(m->target_logit, (size_t)N, "target_logit [N]");
     CARVE(m->row_scale, (size_t)N, "row_scale [N]");
-    CARVE(m->y, (size_t)N * d, "y: sublayer output [N,d]");
-    CARVE(m->dy, (size_t)N * d, "dy [N,d]");
-    CARVE(m->dxn, (size_t)N * d, "dxn [N,d]");
-    CARVE(m->dh, (size_t)N * d, "dh [N,d]");
-    CARVE(m->dx0, (size_t)N * d, "dx0 [N,d]");
-    CARVE(m->dhn, (size_t)N * d, "dhn [N,d]");
-    CARVE(m->dhf, (size_t)N * d, "dhf [N,d]");
+    /* buffers whose lifetimes do not overlap share memory: the embedding
+     * output lives until the residual state copies it, before the first
+     * sublayer output; the final norm's gradients are consumed before the
+     * sublayers' backward starts; the embedding's gradient comes after it */
+    CARVE(m->y, (size_t)N * d, "y: sublayer output, x0: embedding output [N,d]");
+    CARVE(m->dy, (size_t)N * d, "dy, dx0 [N,d]");
+    CARVE(m->dxn, (size_t)N * d, "dxn, dhn [N,d]");
+    CARVE(m->dh, (size_t)N * d, "dh, dhf [N,d]");
+    if (base) {
+        m->x0 = m->y;
+        m->dx0 = m->dy;
+        m->dhn = m->dxn;
+        m->dhf = m->dh;
+    }
     size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
                        sizeof(float);
     CARVE(m->logits, ce_floats, "LM head logits (one chunk of rows)");
@@ -558,6 +564,14 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             ls->moe_acts = first_moe->moe_acts; /* owned by first_moe */
         } else {
             size_t b = m->be->ops->moe_acts_bytes(&ls->moe_cfg, m->chunk);
+            if (!b && m->dry) {
+                /* the plan goes on, so the table shows the rest; creating this model fails here */
+                char why[128];
+                snprintf(why, sizeof why, "%s", lm_last_error());
+                if ((st = ledger_add(m, 0, "MoE activations REFUSED: %s", why))) goto fail;
+                first_moe = ls;
+                continue;
+            }
             if ((st = cfg->recompute
                           ? ledger_add(m, b, "MoE routing and expert activations [%lld tokens] (shared by %d layers)",
                                        (long long)m->chunk, n_moe)

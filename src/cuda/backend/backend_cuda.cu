@@ -421,9 +421,8 @@ static void cuda_moe_acts_free(lm_backend *be, void *p) {
 
 /* device bytes of cuda_moe_acts_create: the activations, the scratch, the bias */
 static size_t cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) {
-    if (lm_moe_check(cfg)) return 0;
-    return lm_cuda_moe_acts_bytes(cfg, m_max) + lm_cuda_moe_scratch_bytes(cfg, m_max) +
-           (size_t)cfg->n_experts * sizeof(float);
+    size_t a = lm_cuda_moe_acts_bytes(cfg, m_max), s = a ? lm_cuda_moe_scratch_bytes(cfg, m_max) : 0;
+    return a && s ? a + s + (size_t)cfg->n_experts * sizeof(float) : 0; /* 0: refused, lm_last_error says why */
 }
 
 static lm_status cuda_moe_acts_create(lm_backend *be, const lm_moe_config *cfg, int64_t m_max, void **out) {
