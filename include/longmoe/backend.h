@@ -186,8 +186,8 @@ typedef struct {
     /* ---- the residual stream over depth (attnres.h): the same calls, a backend state ---- */
     lm_status (*attnres_create)(lm_backend *be, const lm_attnres_config *cfg, void **state);
     void (*attnres_free)(lm_backend *be, void *state);
-    /* bytes of the backend's memory attnres_create takes (no backend needed) */
-    size_t (*attnres_bytes)(const lm_attnres_config *cfg);
+    /* the backend's plan of the memory attnres_create takes, by part (no backend needed) */
+    lm_status (*attnres_memory)(const lm_attnres_config *cfg, lm_attnres_memory_plan *plan);
     /* h = sublayer l's input again, from the state saved by its forward (valid
      * until its input_backward): the softmax of the saved scores over the
      * sources, not the forward's arithmetic, so equal to float rounding;

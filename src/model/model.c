@@ -604,9 +604,25 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     /* the residual stream */
     lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
                             cfg->norm_eps, 1};
-    if ((st = ledger_add(m, m->be->ops->attnres_bytes(&ac), "residual stream state (%s)",
-                         lm_attnres_mode_name((lm_attnres_mode)cfg->residual))))
-        goto fail;
+    {
+        lm_attnres_memory_plan arp;
+        if ((st = m->be->ops->attnres_memory(&ac, &arp))) goto fail;
+        const char *mode = lm_attnres_mode_name((lm_attnres_mode)cfg->residual);
+        const int H = arp.n_history_sources, L2 = m->L2, nb = arp.n_blocks;
+        if ((st = ledger_add(m, arp.history, "residual stream (%s): sources, %d x [N,d]", mode, H)) ||
+            (st = ledger_add(m, arp.history_grad, "residual stream: source gradients, %d x [N,d]", H)) ||
+            (st = ledger_add(m, arp.saved_partials, "residual stream: saved partial block sums, %d x [N,d]",
+                             cfg->residual == LM_RESIDUAL_STANDARD ? 0 : L2 - nb)) ||
+            (st = ledger_add(m, arp.saved_scores, "residual stream: saved scores")) ||
+            (st = ledger_add(m, arp.phase1, "residual stream: two-phase accumulators")) ||
+            (st = ledger_add(m, arp.queries + arp.param_grad, "residual stream: queries, parameter gradient partials")))
+            goto fail;
+        /* whatever the parts leave out (a backend's own rounding) */
+        size_t parts = arp.history + arp.history_grad + arp.saved_partials + arp.saved_scores + arp.phase1 +
+                       arp.queries + arp.param_grad;
+        if (arp.total > parts && (st = ledger_add(m, arp.total - parts, "residual stream: other")))
+            goto fail;
+    }
     if (!m->dry && (st = m->be->ops->attnres_create(m->be, &ac, &m->ar))) goto fail;
     /* the scratch the backend takes for the KDA and attention operators itself (GPU) */
     {

@@ -410,6 +410,7 @@ typedef struct {
     void *workspace;
 } cpu_attnres;
 
+/* every part of the plan is a multiple of 64 bytes, so is its total */
 static size_t cpu_attnres_bytes(const lm_attnres_config *cfg) {
     lm_attnres_memory_plan plan;
     if (lm_attnres_memory(cfg, &plan)) return 0;
@@ -584,7 +585,7 @@ static const lm_ops cpu_ops = {
     .moe_balance_observe = cpu_moe_balance_observe,
     .moe_aux_loss = cpu_moe_aux_loss,
     .attnres_create = cpu_attnres_create,
-    .attnres_bytes = cpu_attnres_bytes,
+    .attnres_memory = lm_attnres_memory,
     .attnres_recompute_input = cpu_ar_recompute_input,
     .op_scratch_bytes = cpu_op_scratch_bytes,
     .attnres_free = cpu_attnres_free,

@@ -591,12 +591,6 @@ typedef struct {
     void *workspace; /* device */
 } cuda_attnres;
 
-static size_t cuda_attnres_bytes(const lm_attnres_config *cfg) {
-    lm_attnres_memory_plan plan;
-    if (lm_cuda_attnres_memory(cfg, &plan)) return 0;
-    return plan.total;
-}
-
 static lm_status cuda_attnres_create(lm_backend *be, const lm_attnres_config *cfg, void **out) {
     *out = NULL;
     lm_attnres_memory_plan plan;
@@ -744,7 +738,7 @@ static lm_ops make_cuda_ops(void) {
     o.moe_balance_observe = cuda_moe_balance_observe;
     o.moe_aux_loss = cuda_moe_aux_loss;
     o.attnres_create = cuda_attnres_create;
-    o.attnres_bytes = cuda_attnres_bytes;
+    o.attnres_memory = lm_cuda_attnres_memory;
     o.attnres_recompute_input = cuda_ar_recompute_input;
     o.op_scratch_bytes = cuda_op_scratch_bytes;
     o.attnres_free = cuda_attnres_free;
