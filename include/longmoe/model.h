@@ -65,6 +65,10 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, struct lm_backe
 struct lm_backend *lm_model_backend(const lm_model *m);
 lm_status lm_model_upload_params(lm_model *m);
 lm_status lm_model_download_grads(lm_model *m);
+/* The gradient block in the backend's memory (n_params floats, the layout of
+ * lm_model_grads; the same pointer on the CPU): what a device engine of the
+ * communication layer sums over ranks. Zeroed before the next forward. */
+float *lm_model_backend_grads(lm_model *m);
 void lm_model_free(lm_model *m);
 
 /* Expert parallelism over the ranks of comm (docs/scaleout.md; CPU backend

@@ -82,7 +82,10 @@ typedef struct {
      * summed in rank order, and every rank takes the same optimizer step.
      * Rank 0 alone writes the run directory (metrics, checkpoints, progress);
      * every rank reads the checkpoint it resumes from, so the directory must
-     * be visible to all. CPU only (device LM_DEVICE_CPU). */
+     * be visible to all. An MPI handle runs CPU ranks (device LM_DEVICE_CPU);
+     * an NCCL handle GPU ranks (LM_DEVICE_CUDA, opened before the trainer
+     * opens the device: it selects this process's GPU), the gradients summed
+     * on the device and the small per-step values over lm_comm_host. */
     lm_comm *comm;
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of

@@ -21,7 +21,25 @@ int lm_comm_engine_available(lm_comm_engine engine) {
 #ifdef LONGMOE_HAVE_MPI
     if (engine == LM_COMM_MPI) return 1;
 #endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (engine == LM_COMM_NCCL) return 1;
+#endif
     return 0;
+}
+
+/* Why this build lacks an engine, for lm_comm_open's message. */
+static const char *missing_engine_hint(lm_comm_engine engine) {
+    if (engine == LM_COMM_MPI) return " (configure with an MPI library and -DLONGMOE_MPI=ON)";
+    if (engine == LM_COMM_NCCL) {
+#ifdef LONGMOE_HAVE_CUDA
+        return " (CMake found no NCCL library, nccl.h and libnccl.so: install it or give -DNCCL_ROOT=DIR "
+               "or NCCL_HOME, then reconfigure with -DLONGMOE_NCCL=ON)";
+#else
+        return " (it needs the CUDA toolkit and the NCCL library, nccl.h and libnccl.so; this build has "
+               "neither CUDA nor NCCL)";
+#endif
+    }
+    return "";
 }
 
 /* ---- the self engine: one rank, every collective a copy ---- */
@@ -44,8 +62,12 @@ static lm_status self_broadcast(lm_comm *c, void *buf, size_t bytes, int root) {
 static lm_status self_barrier(lm_comm *c) { return LM_OK; }
 static void self_close(lm_comm *c) {}
 
-static const lm_comm_ops self_ops = {"self", self_all_to_allv, self_all_gatherv, self_broadcast,
-                                     self_barrier, self_close};
+static const lm_comm_ops self_ops = {.name = "self",
+                                     .all_to_allv = self_all_to_allv,
+                                     .all_gatherv = self_all_gatherv,
+                                     .broadcast = self_broadcast,
+                                     .barrier = self_barrier,
+                                     .close = self_close};
 
 /* ---- the handle ---- */
 
@@ -54,8 +76,7 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
     *out = NULL;
     if (!lm_comm_engine_available(engine))
         return lm_error(LM_ERR_ARG, "comm open: engine '%s' is not in this build%s", lm_comm_engine_name(engine),
-                        engine == LM_COMM_MPI ? " (configure with an MPI library and -DLONGMOE_MPI=ON)"
-                        : engine == LM_COMM_NCCL ? " (the NCCL engine is not written yet)" : "");
+                        missing_engine_hint(engine));
     lm_comm *c = calloc(1, sizeof *c);
     if (!c) return lm_error(LM_ERR_MEMORY, "comm open: out of memory");
     c->engine = engine;
@@ -67,6 +88,15 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
 #ifdef LONGMOE_HAVE_MPI
     if (engine == LM_COMM_MPI) {
         lm_status st = lm_comm_mpi_attach(c);
+        if (st) {
+            free(c);
+            return st;
+        }
+    }
+#endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (engine == LM_COMM_NCCL) {
+        lm_status st = lm_comm_nccl_attach(c);
         if (st) {
             free(c);
             return st;
@@ -87,7 +117,7 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
 void lm_comm_close(lm_comm *comm) {
     if (!comm) return;
     comm->ops->close(comm);
-    free(comm->scratch);
+    if (!comm->ops->scratch_resize) free(comm->scratch); /* a device engine's close freed its own */
     free(comm->tables);
     free(comm);
 }
@@ -96,7 +126,17 @@ void lm_comm_abort(lm_comm *comm, int code) {
 #ifdef LONGMOE_HAVE_MPI
     if (comm && comm->engine == LM_COMM_MPI) lm_comm_mpi_abort(comm, code);
 #endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (comm && comm->engine == LM_COMM_NCCL) lm_comm_nccl_abort(comm, code);
+#endif
     exit(code);
+}
+
+lm_comm *lm_comm_host(lm_comm *comm) {
+#ifdef LONGMOE_HAVE_NCCL
+    if (comm && comm->engine == LM_COMM_NCCL) return lm_comm_nccl_host(comm);
+#endif
+    return comm;
 }
 
 int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
@@ -127,6 +167,7 @@ static size_t chunk_start(size_t n, int r, int R) { return (size_t)((uint64_t)n 
 
 static lm_status scratch_grow(lm_comm *c, size_t bytes) {
     if (bytes <= c->scratch_bytes) return LM_OK;
+    if (c->ops->scratch_resize) return c->ops->scratch_resize(c, bytes);
     unsigned char *p = realloc(c->scratch, bytes);
     if (!p) return lm_error(LM_ERR_MEMORY, "comm: out of memory growing the scratch to %zu bytes", bytes);
     c->scratch = p;
@@ -134,11 +175,16 @@ static lm_status scratch_grow(lm_comm *c, size_t bytes) {
     return LM_OK;
 }
 
-/* Scratch bytes of a sum of n elements: R received copies of the largest
- * chunk plus the chunk's sum (all-reduce), or R copies of n (reduce-scatter). */
+/* Scratch bytes of an all-reduce of n elements: R received copies of the
+ * largest chunk plus the chunk's sum. */
+static size_t all_reduce_scratch_bytes(size_t n, int R, size_t es) {
+    return ((size_t)R + 1) * (n / (size_t)R + 1) * es;
+}
+/* Scratch bytes of a reduce-scatter of n elements: R received copies of n. */
+static size_t reduce_scatter_scratch_bytes(size_t n, int R, size_t es) { return (size_t)R * n * es; }
+/* Either of the two, whichever is larger. */
 static size_t sum_scratch_bytes(size_t n, int R, size_t es) {
-    size_t chunk = n / (size_t)R + 1;
-    size_t ar = ((size_t)R + 1) * chunk * es, rs = (size_t)R * n * es;
+    size_t ar = all_reduce_scratch_bytes(n, R, es), rs = reduce_scatter_scratch_bytes(n, R, es);
     return ar > rs ? ar : rs;
 }
 
@@ -149,8 +195,16 @@ lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype) {
     return scratch_grow(comm, sum_scratch_bytes(count, comm->size, lm_dtype_size(dtype)));
 }
 
+/* memmove on the engine's memory */
+static lm_status engine_copy(lm_comm *c, void *dst, const void *src, size_t bytes) {
+    if (c->ops->copy) return c->ops->copy(c, dst, src, bytes);
+    memmove(dst, src, bytes);
+    return LM_OK;
+}
+
 /* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
- * added in rank order; int32 wraps. */
+ * added in rank order; int32 wraps. A device engine's kernel does the same
+ * additions in the same order (src/cuda/comm/rank_order_sum.cu). */
 static void sum_rows_in_rank_order(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
     if (dtype == LM_DTYPE_F32) {
         float *a = acc;
@@ -188,6 +242,7 @@ static lm_status sum_by_owner(lm_comm *c, const void *send, const size_t *len, c
         ro[q] = (size_t)q * m * es;
     }
     TRY(c->ops->all_to_allv(c, send, sb, so, rows, rb, ro));
+    if (c->ops->sum_rows) return m ? c->ops->sum_rows(c, acc, rows, m, R, dtype) : LM_OK;
     sum_rows_in_rank_order(acc, rows, m, R, dtype);
     return LM_OK;
 }
@@ -201,11 +256,8 @@ lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, si
     if (!count) return LM_OK;
     const int R = comm->size;
     const size_t es = lm_dtype_size(dtype);
-    if (R == 1) {
-        if (send != recv) memmove(recv, send, count * es);
-        return LM_OK;
-    }
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    if (R == 1) return send != recv ? engine_copy(comm, recv, send, count * es) : LM_OK;
+    TRY(scratch_grow(comm, all_reduce_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
@@ -240,11 +292,8 @@ lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv
     const char *s = send, *r = recv;
     if (s < r + count * es && r < s + (size_t)R * count * es)
         return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
-    if (R == 1) {
-        memcpy(recv, send, count * es);
-        return LM_OK;
-    }
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    if (R == 1) return engine_copy(comm, recv, send, count * es);
+    TRY(scratch_grow(comm, reduce_scatter_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
@@ -313,6 +362,7 @@ lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int
     CHECK_PTR(what, send_counts, 1);
     CHECK_PTR(what, recv_counts, 1);
     if (send_counts == recv_counts) return lm_error(LM_ERR_ARG, "%s: send_counts and recv_counts are one array", what);
+    if (comm->ops->exchange_counts) return comm->ops->exchange_counts(comm, send_counts, recv_counts);
     const int R = comm->size;
     size_t *sb = comm->tables, *so = sb + R, *rb = so + R, *ro = rb + R;
     for (int q = 0; q < R; q++) {

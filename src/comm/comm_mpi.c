@@ -130,8 +130,19 @@ static void mpi_close(lm_comm *c) {
     c->engine_state = NULL;
 }
 
-static const lm_comm_ops mpi_ops = {"mpi", mpi_all_to_allv, mpi_all_gatherv, mpi_broadcast, mpi_barrier,
-                                    mpi_close};
+static const lm_comm_ops mpi_ops = {.name = "mpi",
+                                    .all_to_allv = mpi_all_to_allv,
+                                    .all_gatherv = mpi_all_gatherv,
+                                    .broadcast = mpi_broadcast,
+                                    .barrier = mpi_barrier,
+                                    .close = mpi_close};
+
+int lm_comm_mpi_is_initialized(void) {
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    return initialised && !finalised;
+}
 
 void lm_comm_mpi_abort(lm_comm *c, int code) {
     mpi_state *s = c->engine_state;

@@ -716,6 +716,7 @@ const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
 size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
+float *lm_model_backend_grads(lm_model *m) { return m->G; }
 size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
 int lm_model_num_buffers(const lm_model *m) { return m->n_buffers; }
 const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {

@@ -18,6 +18,9 @@
 #include "longmoe/optim.h"
 #include "longmoe/optim_device.h"
 #include "longmoe/safetensors.h"
+#ifdef LONGMOE_HAVE_CUDA
+#include "longmoe/cuda_context.h"
+#endif
 
 /* The most data-parallel ranks (small fixed tables of per-rank scalars). */
 #define LM_DP_MAX_RANKS 4096
@@ -59,8 +62,10 @@ typedef struct {
     lm_data_file *print_files[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
     int print_n[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
     /* data parallelism (opt.comm): this rank of `ranks`; the model holds B / ranks
-     * sequences of each micro-batch (t->B stays the whole batch) */
-    lm_comm *comm;
+     * sequences of each micro-batch (t->B stays the whole batch). comm carries
+     * host values (lm_comm_host of opt.comm); dcomm, with --comm nccl, sums
+     * the gradients in the backend's memory (NULL: they are summed on the host) */
+    lm_comm *comm, *dcomm;
     int rank, ranks;
     int dp_in_setup;     /* between the first agreement and the one before the loop */
     int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
@@ -94,6 +99,11 @@ static void trainer_free(trainer *t) {
     free(t->bmuon);
     free(t->badam);
     lm_model_free(t->model);
+    /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
+    if (t->dcomm && t->be) {
+        t->be->sync(t->be);
+        lm_comm_set_stream(t->dcomm, NULL);
+    }
     lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
@@ -211,10 +221,14 @@ static lm_status dp_check(const trainer *t) {
                             "divisible by %d (each rank owns an equal share of the experts)", t->ranks,
                             t->cfg.n_routed_experts, t->ranks);
     }
+    if (t->dcomm && t->opt.device != LM_DEVICE_CUDA)
+        return lm_error(LM_ERR_ARG, "--comm nccl sums gradients on GPUs: it needs --device cuda (data parallelism "
+                        "on CPU ranks is --comm mpi)");
     if (t->ranks <= 1) return LM_OK;
-    if (t->opt.device != LM_DEVICE_CPU)
-        return lm_error(LM_ERR_ARG, "data parallel training runs on the CPU (--device cpu); %d ranks were given "
-                        "with --device %s", t->ranks, lm_device_name(t->opt.device));
+    if (t->opt.device != LM_DEVICE_CPU && !t->dcomm)
+        return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl; --comm mpi runs CPU ranks "
+                        "(--device cpu); %d ranks were given with --device %s", t->ranks,
+                        lm_device_name(t->opt.device));
     if (t->cfg.balance == LM_BALANCE_QUANTILE && t->cfg.balance_estimator == LM_QB_EXACT)
         return lm_error(LM_ERR_ARG, "data parallel: moe.balance_estimator 'exact' sorts one process's residuals "
                         "and cannot be summed over ranks; use 'histogram' or 'zoom'");
@@ -274,8 +288,17 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
     }
     if (*bad) return LM_OK;
     /* the gradients: each rank's share was scaled by 1 / (grad_accum R), so the sum is the batch's mean */
-    TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
-                               lm_model_num_params(t->model), LM_DTYPE_F32));
+    if (t->dcomm) {
+        /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
+#ifdef LONGMOE_HAVE_CUDA
+        lm_comm_set_stream(t->dcomm, ((const lm_cuda_context *)t->be->ctx)->stream);
+#endif
+        TRY(lm_comm_all_reduce_sum(t->dcomm, lm_model_backend_grads(t->model), lm_model_backend_grads(t->model),
+                                   lm_model_num_params(t->model), LM_DTYPE_F32));
+    } else {
+        TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
+                                   lm_model_num_params(t->model), LM_DTYPE_F32));
+    }
     int nq = lm_model_qk_max_count(t->model);
     if (nq) {
         lm_model_qk_max_get(t->model, t->dp_qk);
@@ -349,6 +372,9 @@ static void state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
 static lm_status dp_check_replicas(trainer *t) {
     if (t->ranks <= 1) return LM_OK;
     uint64_t mine[2], all[2 * LM_DP_MAX_RANKS];
+    /* on a GPU the state is the device's: its host copies first */
+    TRY(host_params_current(t));
+    TRY(download_optimizer_state(t));
     state_hashes(t, &mine[0], &mine[1]);
     TRY(lm_comm_all_gather(t->comm, mine, all, sizeof mine));
     for (int r = 1; r < t->ranks; r++)
@@ -1087,7 +1113,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     /* data parallel: rank 0 alone prints progress and writes the run directory */
     lm_train_options opt_here = *opt_in;
     const lm_train_options *opt = &opt_here;
-    t.comm = opt_in->comm;
+    t.comm = opt_in->comm ? lm_comm_host(opt_in->comm) : NULL;
+    t.dcomm = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_NCCL ? opt_in->comm : NULL;
     t.rank = t.comm ? lm_comm_rank(t.comm) : 0;
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
