@@ -185,8 +185,10 @@ static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
  * state (docs/model.md, "Memory"). Against the CPU's chunked model (the
  * properties above: loss, gradient directions, balancing, bit-identical run to
  * run), and against the GPU's unchunked model with the routing pinned: the
- * loss to 1e-4 relative and every gradient to cosine 0.9999 (bf16 products of
- * chunks of rows may round otherwise than products of all rows). */
+ * loss to 1e-4 relative and every gradient to cosine 0.9995 (bf16 products of
+ * chunks of rows may round otherwise than products of all rows, and the
+ * recomputed sublayer inputs may differ in a last bit, which bf16 copies can
+ * turn into a flipped bf16 ulp; a wrong chunk would fall far below). */
 static void test_chunked_recompute_matches_unchunked_on_the_gpu(void) {
     lm_config c = test_reduced_k3_mini_config();
     c.recompute_chunk = 100; /* divides neither T nor B*T */
@@ -215,7 +217,7 @@ static void test_chunked_recompute_matches_unchunked_on_the_gpu(void) {
     for (int i = 0; i < lm_model_num_tensors(a); i++) {
         const lm_model_tensor *t = lm_model_tensor_at(a, i);
         double na, nb, cs = cosine(lm_model_grads(a) + t->offset, lm_model_grads(b) + t->offset, t->numel, &na, &nb);
-        CHECK(cs >= 0.9999, "%s: gradient cosine unchunked vs chunked %.7f", t->name, cs);
+        CHECK(cs >= 0.9995, "%s: gradient cosine unchunked vs chunked %.7f", t->name, cs);
         if (cs < worst) worst = cs, worst_name = t->name;
     }
     printf("    unchunked vs chunked on the GPU: loss %.7f vs %.7f, worst gradient cosine %.7f (%s); "
