@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "longmoe/backend.h"
+#include "longmoe/kda_layer.h"
 #include "longmoe/model.h"
 #include "test.h"
 #include "test_models.h"
@@ -255,6 +256,46 @@ static void test_chunk_bounds_the_per_token_sublayers(void) {
     lm_model_free(g);
 }
 
+/* The KDA layer's activations on a backend of a separate 2-byte product format
+ * (the GPU's layout, checked without a GPU): every buffer inside the planned
+ * floats, none overlapping the next, the bf16 ones 2 bytes a value and on
+ * 64-byte starts. */
+static void test_kda_bf16_layout_fits_its_plan(void) {
+    lm_backend bf = *lm_backend_cpu();
+    bf.lp_bytes = 2;
+    const int B = 2, T = 37, H = 2, K = 16, HK = H * K;
+    lm_kda_layer_config kc = {32, H, K, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, &bf};
+    size_t n = lm_kda_layer_act_floats(&kc, B, T), N = (size_t)B * T;
+    lm_kda_layer_config cpu = kc;
+    cpu.backend = NULL;
+    CHECK(n < lm_kda_layer_act_floats(&cpu, B, T), "bf16 layout %zu floats, fp32 %zu", n,
+          lm_kda_layer_act_floats(&cpu, B, T));
+    float *base = calloc(n, sizeof(float));
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&kc, B, T, base, &a);
+    struct {
+        const char *name;
+        const void *p;
+        size_t bytes;
+    } bufs[] = {{"qp", a.qp, N * HK * 4},    {"kp", a.kp, N * HK * 4},      {"vp", a.vp, N * HK * 4},
+                {"qc", a.qc, N * HK * 4},    {"kc", a.kc, N * HK * 4},      {"vc", a.vc, N * HK * 4},
+                {"q", a.q, N * HK * 2},      {"k", a.k, N * HK * 2},        {"v", a.v, N * HK * 2},
+                {"z", a.z, N * HK * 4},      {"o", a.o, N * HK * 2},        {"gate", a.gate, N * HK * 4},
+                {"gated", a.gated, N * HK * 2}, {"beta", a.beta, N * H * 4}, {"o_rstd", a.o_rstd, N * H * 4},
+                {"qk_rnorm", a.qk_rnorm, 2 * N * H * 4}, {"z_lp", a.z_lp, N * HK * 2}};
+    const char *lo = (const char *)base, *hi = lo + n * sizeof(float);
+    int nb = (int)(sizeof bufs / sizeof bufs[0]);
+    for (int i = 0; i < nb; i++) {
+        const char *p = bufs[i].p;
+        CHECK(p >= lo && p + bufs[i].bytes <= hi, "%s lies outside the planned floats", bufs[i].name);
+        if (i + 1 < nb) CHECK(p + bufs[i].bytes <= (const char *)bufs[i + 1].p, "%s overlaps %s", bufs[i].name,
+                              bufs[i + 1].name);
+        if (bufs[i].bytes % 4 == 0 && i < 13) CHECK((size_t)(p - lo) % 64 == 0, "%s does not start on 64 bytes",
+                                                    bufs[i].name);
+    }
+    free(base);
+}
+
 static void test_bad_chunk_configs_are_refused(void) {
     lm_config c = chunk_config();
     c.recompute = 0;
@@ -278,6 +319,7 @@ int main(void) {
     RUN(test_recompute_without_chunks_is_bit_identical);
     RUN(test_plan_is_the_models_ledger);
     RUN(test_chunk_bounds_the_per_token_sublayers);
+    RUN(test_kda_bf16_layout_fits_its_plan);
     RUN(test_bad_chunk_configs_are_refused);
     return test_summary();
 }
