@@ -214,6 +214,17 @@ static int print_layout(const char *cmd, const lm_config *c, const lm_layout *la
 
 static double gib(double b) { return b / (1024.0 * 1024 * 1024); }
 
+/* a buffer's name as a JSON string (quotes, backslashes and control characters escaped) */
+static void json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+        else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+        else fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
                         const char *json) {
     lm_device dev;
@@ -277,11 +288,17 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             int first = 1;
             for (int i = 0; i < nb; i++) {
                 const lm_model_buffer *b = lm_model_buffer_at(m, i);
-                fprintf(f, "%s\n  {\"name\": \"%s\", \"bytes\": %zu}", first ? "" : ",", b->name, b->bytes);
+                fprintf(f, "%s\n  {\"name\": ", first ? "" : ",");
+                json_string(f, b->name);
+                fprintf(f, ", \"bytes\": %zu}", b->bytes);
                 first = 0;
             }
             for (int i = 0; i < 3; i++)
-                if (extra[i]) fprintf(f, ",\n  {\"name\": \"%s\", \"bytes\": %zu}", extra_names[i], extra[i]);
+                if (extra[i]) {
+                    fprintf(f, ",\n  {\"name\": ");
+                    json_string(f, extra_names[i]);
+                    fprintf(f, ", \"bytes\": %zu}", extra[i]);
+                }
             fprintf(f, "]}\n");
             if (fclose(f)) rc = cli_fail(cmd, "cannot write %s", json);
         }
