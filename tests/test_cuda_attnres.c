@@ -339,7 +339,7 @@ static void test_memory_plan_matches_cpu_buffers(void) {
     const lm_attnres_mode modes[] = {LM_ATTNRES_STANDARD, LM_ATTNRES_BLOCK, LM_ATTNRES_FULL};
     for (int m = 0; m < 3; m++)
         for (int S = 1; S <= 5; S++) {
-            lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1};
+            lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1, 0};
             lm_attnres_memory_plan a, b;
             CHECK(lm_attnres_memory(&c, &a) == LM_OK && lm_cuda_attnres_memory(&c, &b) == LM_OK, "plans");
             CHECK(a.history == b.history && a.history_grad == b.history_grad &&
@@ -348,14 +348,14 @@ static void test_memory_plan_matches_cpu_buffers(void) {
                   "mode %d S %d: shared buffers differ", (int)modes[m], S);
             CHECK(b.phase1 == 0 && b.queries == 0, "mode %d S %d: two-phase buffers planned", (int)modes[m], S);
         }
-    lm_attnres_config bad = {LM_ATTNRES_BLOCK, 8, 0, 64, 10, 1e-6f, 0};
+    lm_attnres_config bad = {LM_ATTNRES_BLOCK, 8, 0, 64, 10, 1e-6f, 0, 0};
     lm_attnres_memory_plan pl;
     CHECK(lm_cuda_attnres_memory(&bad, &pl) == LM_ERR_ARG, "block_size 0 accepted");
     CHECK(strstr(lm_last_error(), "block_size") != NULL, "message: %s", lm_last_error());
 }
 
 static void test_calls_out_of_order_are_refused(void) {
-    lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0};
+    lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0, 0};
     lm_attnres_memory_plan plan;
     CHECK(lm_cuda_attnres_memory(&c, &plan) == LM_OK, "plan");
     void *ws = NULL, *buf = NULL, *prm = NULL;

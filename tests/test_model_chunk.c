@@ -241,6 +241,10 @@ static void test_chunk_bounds_the_per_token_sublayers(void) {
     CHECK(ledger_bytes(a, "hin:") == (size_t)c.n_layers * 2 * ledger_bytes(b, "hin:"), "hin %zu vs %zu",
           ledger_bytes(a, "hin:"), ledger_bytes(b, "hin:"));
     CHECK(ledger_total(b) < ledger_total(a), "total %zu vs %zu", ledger_total(b), ledger_total(a));
+    /* Block AttnRes keeps one block's partial sums (S - 1 = 2 of them) and replays the blocks */
+    size_t pa = ledger_bytes(a, "partial block sums, 5 x [N,d]"),
+           pb = ledger_bytes(b, "partial block sums, 2 x [N,d] (one block's, replayed)");
+    CHECK(pa > 0 && pb > 0 && pb < pa, "saved partial sums: %zu bytes kept for all, %zu with replay", pa, pb);
     lm_model_free(a);
     lm_model_free(b);
     lm_model_free(b2);

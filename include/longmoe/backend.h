@@ -193,6 +193,9 @@ typedef struct {
      * sources, not the forward's arithmetic, so equal to float rounding;
      * block and full AttnRes only */
     lm_status (*attnres_recompute_input)(lm_backend *be, void *state, int l, float *h);
+    /* with cfg.replay: lm_attnres_replay_block (NULL: the backend keeps every
+     * partial sum, and the model plans replay = 0 for it) */
+    lm_status (*attnres_replay_block)(lm_backend *be, void *state, int k);
     lm_status (*attnres_begin)(lm_backend *be, void *state, const float *embedding);
     lm_status (*attnres_input)(lm_backend *be, void *state, int l, const lm_attnres_params *p, float *h);
     lm_status (*attnres_add_output)(lm_backend *be, void *state, int l, const float *y);

@@ -602,8 +602,12 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     }
 
     /* the residual stream */
+    /* with recompute_chunk, Block AttnRes keeps the partial sums of one block
+     * only and the backward replays each block's forward, where the backend can */
+    m->replay = m->lean_hin && cfg->residual == LM_RESIDUAL_BLOCK_ATTNRES && m->be->ops->attnres_replay_block &&
+                cfg->attnres_block > 1 && cfg->attnres_block < m->L2;
     lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
-                            cfg->norm_eps, 1};
+                            cfg->norm_eps, 1, m->replay};
     {
         lm_attnres_memory_plan arp;
         if ((st = m->be->ops->attnres_memory(&ac, &arp))) goto fail;
@@ -611,8 +615,9 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         const int H = arp.n_history_sources, L2 = m->L2, nb = arp.n_blocks;
         if ((st = ledger_add(m, arp.history, "residual stream (%s): sources, %d x [N,d]", mode, H)) ||
             (st = ledger_add(m, arp.history_grad, "residual stream: source gradients, %d x [N,d]", H)) ||
-            (st = ledger_add(m, arp.saved_partials, "residual stream: saved partial block sums, %d x [N,d]",
-                             cfg->residual == LM_RESIDUAL_STANDARD ? 0 : L2 - nb)) ||
+            (st = ledger_add(m, arp.saved_partials, "residual stream: saved partial block sums, %d x [N,d]%s",
+                             cfg->residual == LM_RESIDUAL_STANDARD ? 0 : m->replay ? cfg->attnres_block - 1 : L2 - nb,
+                             m->replay ? " (one block's, replayed)" : "")) ||
             (st = ledger_add(m, arp.saved_scores, "residual stream: saved scores")) ||
             (st = ledger_add(m, arp.phase1, "residual stream: two-phase accumulators")) ||
             (st = ledger_add(m, arp.queries + arp.param_grad, "residual stream: queries, parameter gradient partials")))
@@ -1162,6 +1167,37 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
     return LM_OK;
 }
 
+/* The forward of Block AttnRes block k again, before its backward (m->replay):
+ * each sublayer's input from the residual state (the forward's own
+ * arithmetic, so the same bits), its norm and its recomputed forward, whose
+ * output rebuilds the block's partial sums in the state. */
+static lm_status replay_block(lm_model *m, int k) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    const int64_t N = m->N;
+    const int d = m->d, S = m->cfg.attnres_block;
+    const int last = (k + 1) * S - 1 < m->L2 - 1 ? (k + 1) * S - 1 : m->L2 - 1;
+    lm_attnres_params arp = attnres_params(m);
+    double t0 = lm_time_seconds();
+    TRY(op->attnres_replay_block(be, m->ar, k));
+    for (int l = k * S; l <= last; l++) {
+        layer_state *ls = &m->layers[l / 2];
+        float *hin = hin_of(m, l), *xn = xn_of(m, l);
+        void *xn_lp = xn_lp_of(m, l);
+        TRY(op->attnres_input(be, m->ar, l, &arp, hin));
+        charge(m, LM_TIME_ATTNRES, &t0);
+        const float *w = m->P + (l % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)l * N, hin, w, N, d,
+                                m->cfg.norm_eps));
+        charge(m, LM_TIME_NORMS, &t0);
+        TRY(sublayer_forward(m, ls, l, xn, xn_lp, m->y, 0, 1));
+        charge(m, sublayer_part(ls, l), &t0);
+        TRY(op->attnres_add_output(be, m->ar, l, m->y));
+        charge(m, LM_TIME_ATTNRES, &t0);
+    }
+    return LM_OK;
+}
+
 /* dlogp NULL: the mean cross-entropy scaled by loss_scale, i.e. dLoss/dlog p
  * = -loss_scale / N at every position; else dlogp[i] per position. loss_scale
  * also scales the auxiliary balance loss. */
@@ -1197,10 +1233,12 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     }
     TRY(op->attnres_final_backward(be, m->ar, &arp, m->dhf, &arg));
     charge(m, LM_TIME_ATTNRES, &t0);
+    const int S = m->cfg.attnres_block;
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
         void *xn_lp = xn_lp_of(m, idx);
+        if (m->replay && (idx % S == S - 1 || idx == m->L2 - 1)) TRY(replay_block(m, idx / S));
         TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
         TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
         charge(m, LM_TIME_ATTNRES, &t0);

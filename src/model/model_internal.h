@@ -92,6 +92,7 @@ struct lm_model {
     struct lm_backend plan_be; /* the plan's backend: its device, product format and ops */
     int64_t chunk;           /* tokens per chunk of the dense FFN and MoE (N: not chunked) */
     int lean_hin;            /* one sublayer input buffer, recomputed from the residual state */
+    int replay;              /* the residual state keeps one block's partial sums: the backward replays each block */
 };
 
 #endif

@@ -457,6 +457,10 @@ static lm_status cpu_ar_recompute_input(lm_backend *be, void *s, int l, float *h
     (void)be;
     return lm_attnres_recompute_input(AR(s), l, h);
 }
+static lm_status cpu_ar_replay_block(lm_backend *be, void *s, int k) {
+    (void)be;
+    return lm_attnres_replay_block(AR(s), k);
+}
 /* the model passes the KDA and attention operators their workspace on the CPU */
 static size_t cpu_op_scratch_bytes(const lm_kda_config *kda, const lm_attention_config *attn) {
     (void)kda;
@@ -587,6 +591,7 @@ static const lm_ops cpu_ops = {
     .attnres_create = cpu_attnres_create,
     .attnres_memory = lm_attnres_memory,
     .attnres_recompute_input = cpu_ar_recompute_input,
+    .attnres_replay_block = cpu_ar_replay_block,
     .op_scratch_bytes = cpu_op_scratch_bytes,
     .attnres_free = cpu_attnres_free,
     .attnres_begin = cpu_ar_begin,

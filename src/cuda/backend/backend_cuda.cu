@@ -625,6 +625,10 @@ static lm_status cuda_ar_input(lm_backend *be, void *s, int l, const lm_attnres_
 static lm_status cuda_ar_recompute_input(lm_backend *be, void *s, int l, float *h) {
     return lm_cuda_attnres_recompute_input(ctx_of(be), AR(s), l, h);
 }
+static lm_status cuda_ar_replay_block(lm_backend *be, void *s, int k) {
+    (void)be;
+    return lm_cuda_attnres_replay_block(AR(s), k);
+}
 /* the arena the KDA operator and the attention backward take (arena_get's rounding) */
 static size_t cuda_op_scratch_bytes(const lm_kda_config *kda, const lm_attention_config *attn) {
     size_t b = 0;
@@ -740,6 +744,7 @@ static lm_ops make_cuda_ops(void) {
     o.attnres_create = cuda_attnres_create;
     o.attnres_memory = lm_cuda_attnres_memory;
     o.attnres_recompute_input = cuda_ar_recompute_input;
+    o.attnres_replay_block = cuda_ar_replay_block;
     o.op_scratch_bytes = cuda_op_scratch_bytes;
     o.attnres_free = cuda_attnres_free;
     o.attnres_begin = cuda_ar_begin;
