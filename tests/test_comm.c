@@ -108,6 +108,68 @@ static void test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum(void
     }
 }
 
+/* Variable blocks (zeros among them): rank r's block is the serial rank-order
+ * sum of every rank's elements at the block's place, the bits an all-reduce of
+ * the whole buffer gives them. */
+static void test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_serial_sum(void) {
+    int trial = 200;
+    size_t *counts = malloc((size_t)R * sizeof *counts);
+    for (int t = 0; t < 3; t++) {
+        lm_dtype dt = sum_types[t];
+        size_t es = lm_dtype_size(dt);
+        for (int layout = 0; layout < 3; layout++, trial++) {
+            size_t total = 0, before = 0;
+            for (int q = 0; q < R; q++) {
+                /* uneven; layout 1 leaves rank 0 nothing, layout 2 gives everything to the last rank */
+                counts[q] = layout == 0 ? (size_t)(37 * q + 5) : layout == 1 ? (size_t)(q ? 1000 + q : 0)
+                          : (size_t)(q == R - 1 ? 4097 : 0);
+                if (q < me) before += counts[q];
+                total += counts[q];
+            }
+            size_t m = counts[me];
+            unsigned char *x = malloc(total * es + 1), *y = malloc(m * es + 1), *ref = malloc(m * es + 1),
+                          *whole = malloc(total * es + 1);
+            fill(x, total, dt, me, trial);
+            serial_sum(ref, m, dt, R, trial, before);
+            CHECK(lm_comm_reduce_scatterv_sum(comm, x, m ? y : NULL, counts, dt) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(y, ref, m * es), "%s layout %d: block %d differs from the serial sum", lm_dtype_name(dt),
+                  layout, me);
+            CHECK(lm_comm_all_reduce_sum(comm, x, whole, total, dt) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(y, whole + before * es, m * es), "%s layout %d: differs from the all-reduce",
+                  lm_dtype_name(dt), layout);
+            free(x);
+            free(y);
+            free(ref);
+            free(whole);
+        }
+    }
+    free(counts);
+}
+
+/* A split handle holds the ranks of one color in their order, and its
+ * collectives reach those ranks only; a negative color gets none. */
+static void test_split_makes_a_handle_of_the_ranks_of_one_color(void) {
+    lm_comm *part = NULL;
+    int color = me == R - 1 ? -1 : me % 2; /* the last rank stays out */
+    CHECK(lm_comm_split(comm, color, &part) == LM_OK, "%s", lm_last_error());
+    CHECK((color < 0) == (part == NULL), "rank %d color %d: handle %p", me, color, (void *)part);
+    if (part) {
+        int size = 0, rank = 0;
+        for (int q = 0; q < R - 1; q++) {
+            size += q % 2 == color;
+            rank += q % 2 == color && q < me;
+        }
+        CHECK(lm_comm_size(part) == size && lm_comm_rank(part) == rank, "rank %d: %d of %d, expected %d of %d", me,
+              lm_comm_rank(part), lm_comm_size(part), rank, size);
+        int32_t mine = me + 1, sum = 0, want = 0;
+        for (int q = 0; q < R - 1; q++) want += q % 2 == color ? q + 1 : 0;
+        CHECK(lm_comm_all_reduce_sum(part, &mine, &sum, 1, LM_DTYPE_I32) == LM_OK && sum == want,
+              "rank %d: sum %d over its part, expected %d", me, sum, want);
+        lm_comm_close(part);
+    }
+    CHECK(lm_comm_barrier(comm) == LM_OK, "%s", lm_last_error());
+}
+
 static void test_all_gather_places_every_rank_in_rank_order(void) {
     const size_t bytes = 777;
     unsigned char *mine = malloc(bytes), *all = malloc(bytes * (size_t)R), *want = malloc(bytes);
@@ -244,6 +306,15 @@ static void test_self_engine_collectives_are_copies(void) {
     CHECK(lm_comm_broadcast(c, a, sizeof a, 0) == LM_OK, "broadcast");
     CHECK(lm_comm_barrier(c) == LM_OK, "barrier");
     CHECK(lm_comm_reserve(c, 1000, LM_DTYPE_F32) == LM_OK, "reserve");
+    float v[5] = {1, 2, 3, 4, 5}, w[5] = {0};
+    size_t five = 5;
+    CHECK(lm_comm_reduce_scatterv_sum(c, v, w, &five, LM_DTYPE_F32) == LM_OK && !memcmp(v, w, sizeof v),
+          "reduce_scatterv");
+    lm_comm *part = NULL;
+    CHECK(lm_comm_split(c, 3, &part) == LM_OK && part && lm_comm_size(part) == 1 && lm_comm_rank(part) == 0,
+          "split: %s", lm_last_error());
+    lm_comm_close(part);
+    CHECK(lm_comm_split(c, -1, &part) == LM_OK && !part, "split with a negative color gave a handle");
     lm_comm_close(c);
 }
 
@@ -305,6 +376,8 @@ int main(int argc, char **argv) {
     RUN(test_all_reduce_equals_the_serial_sum_in_rank_order_bit_for_bit);
     RUN(test_all_reduce_does_not_depend_on_timing);
     RUN(test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum);
+    RUN(test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_serial_sum);
+    RUN(test_split_makes_a_handle_of_the_ranks_of_one_color);
     RUN(test_all_gather_places_every_rank_in_rank_order);
     RUN(test_all_gatherv_with_variable_sizes_including_zero);
     RUN(test_all_to_allv_delivers_variable_counts_including_zeros);

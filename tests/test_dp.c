@@ -255,7 +255,7 @@ static int run_cli(const char *args, char *out, size_t n) {
 }
 
 static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {
-    char out[8192], args[900];
+    char out[16384], args[900];
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm gloo", dir("cli"));
     CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm must be mpi, nccl"), "%s", out);
     /* NCCL sums device gradients: refused on the CPU before anything is opened or written */

@@ -13,7 +13,7 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep] [--zero 1] --config CONFIG.json --out DIR ...\n"
     "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
@@ -61,6 +61,14 @@ static const char *const train_usage =
     "                rank and the expert gradients are summed with the rest, so the\n"
     "                checkpoints are data parallelism's and resume with or without --ep\n"
     "                (docs/scaleout.md, \"Expert parallelism\")\n"
+    "  --zero S      with --comm mpi: 0 (default) keeps the optimizer state on every rank;\n"
+    "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
+    "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
+    "                state, sums its gradients (reduce-scatter), clips and updates it and\n"
+    "                all-gathers the new weights. The same run bit for bit with about 1/N\n"
+    "                of the optimizer memory a rank (the start message says how much);\n"
+    "                checkpoints are the same files and resume on any number of ranks, with\n"
+    "                or without --zero (docs/scaleout.md, \"ZeRO-1\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -102,6 +110,7 @@ int cmd_train(int argc, char **argv) {
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
     int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
+    long zero = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -133,6 +142,8 @@ int cmd_train(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--ep")) {
             expert_parallel = 1;
+        } else if (!strcmp(a, "--zero")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
         } else if (!strcmp(a, "--host-optimizer")) {
             host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -193,6 +204,9 @@ int cmd_train(int argc, char **argv) {
                         "data parallelism", launched_ranks()) + 1;
     if (expert_parallel && !use_mpi)
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
+    if (zero && !use_mpi)
+        return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi") + 1;
+    opt.zero = (int)zero;
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
     if (use_mpi) {

@@ -98,6 +98,15 @@ lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, si
 lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv, size_t count,
                                      lm_dtype dtype);
 
+/* Variable shares: send holds the ranks' blocks one after the other, rank q's
+ * counts[q] elements at element offset counts[0] + ... + counts[q-1] (the
+ * same counts on every rank; zeros allowed); recv [counts[r]] on rank r = the
+ * sum over ranks of their block r, added in rank order as above (so each
+ * element has the bits an all-reduce gives it). send and recv must not
+ * overlap. */
+lm_status lm_comm_reduce_scatterv_sum(lm_comm *comm, const void *send, void *recv, const size_t *counts,
+                                      lm_dtype dtype);
+
 /* send [bytes] on every rank; recv [R][bytes] in rank order. */
 lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes);
 
@@ -121,6 +130,12 @@ lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int
 
 /* Copy `bytes` at buf on rank `root` into buf on every rank. */
 lm_status lm_comm_broadcast(lm_comm *comm, void *buf, size_t bytes, int root);
+
+/* A handle on a subset of the ranks: the ranks that give the same color >= 0
+ * form one group, numbered in their order in `comm`; a rank giving a negative
+ * color gets *out = NULL. Collective on every rank of `comm`. The new handle
+ * is closed with lm_comm_close (before `comm`'s last handle closes MPI). */
+lm_status lm_comm_split(lm_comm *comm, int color, lm_comm **out);
 
 /* Return when every rank has entered (NCCL: and the work enqueued before it
  * on the stream has finished). */

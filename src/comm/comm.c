@@ -61,13 +61,23 @@ static lm_status self_all_gatherv(lm_comm *c, const void *send, size_t send_byte
 static lm_status self_broadcast(lm_comm *c, void *buf, size_t bytes, int root) { return LM_OK; }
 static lm_status self_barrier(lm_comm *c) { return LM_OK; }
 static void self_close(lm_comm *c) {}
+static lm_status self_split(lm_comm *c, int color, lm_comm *out, int *in_group);
 
 static const lm_comm_ops self_ops = {.name = "self",
                                      .all_to_allv = self_all_to_allv,
                                      .all_gatherv = self_all_gatherv,
                                      .broadcast = self_broadcast,
                                      .barrier = self_barrier,
+                                     .split = self_split,
                                      .close = self_close};
+
+static lm_status self_split(lm_comm *c, int color, lm_comm *out, int *in_group) {
+    *in_group = color >= 0;
+    out->ops = &self_ops;
+    out->rank = 0;
+    out->size = 1;
+    return LM_OK;
+}
 
 /* ---- the handle ---- */
 
@@ -109,6 +119,30 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
         c->ops->close(c);
         free(c);
         return lm_error(LM_ERR_MEMORY, "comm open: out of memory for %d ranks' tables", size);
+    }
+    *out = c;
+    return LM_OK;
+}
+
+lm_status lm_comm_split(lm_comm *comm, int color, lm_comm **out) {
+    if (!comm || !out) return lm_error(LM_ERR_ARG, "comm split: comm and out must not be NULL");
+    *out = NULL;
+    lm_comm *c = calloc(1, sizeof *c);
+    if (!c) return lm_error(LM_ERR_MEMORY, "comm split: out of memory");
+    c->engine = comm->engine;
+    int in_group = 0;
+    lm_status st = comm->ops->split ? comm->ops->split(comm, color, c, &in_group)
+                                    : lm_error(LM_ERR_ARG, "comm split: the %s engine cannot split its ranks",
+                                               comm->ops->name);
+    if (st || !in_group) {
+        free(c);
+        return st;
+    }
+    c->tables = calloc(6 * (size_t)c->size, sizeof(size_t));
+    if (!c->tables) {
+        c->ops->close(c);
+        free(c);
+        return lm_error(LM_ERR_MEMORY, "comm split: out of memory");
     }
     *out = c;
     return LM_OK;
@@ -301,6 +335,39 @@ lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv
         off[q] = (size_t)q * count;
     }
     return sum_by_owner(comm, send, len, off, recv, comm->scratch, dtype);
+}
+
+lm_status lm_comm_reduce_scatterv_sum(lm_comm *comm, const void *send, void *recv, const size_t *counts,
+                                      lm_dtype dtype) {
+    const char *what = "comm reduce_scatterv_sum";
+    CHECK_COMM(what);
+    TRY(check_sum_dtype(what, dtype));
+    CHECK_PTR(what, counts, 1);
+    const int R = comm->size;
+    const size_t es = lm_dtype_size(dtype);
+    size_t total = 0;
+    for (int q = 0; q < R; q++) total += counts[q];
+    const size_t m = counts[comm->rank];
+    CHECK_PTR(what, send, total);
+    CHECK_PTR(what, recv, m);
+    if (!total) return LM_OK;
+    const char *s = send, *r = recv;
+    if (m && s < r + m * es && r < s + total * es) return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
+    if (R == 1) {
+        memcpy(recv, send, m * es);
+        return LM_OK;
+    }
+    TRY(scratch_grow(comm, (size_t)R * m * es + 1));
+    /* each rank's block: len/off live past the 4R entries sum_by_owner rewrites */
+    size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
+    size_t at = 0;
+    for (int q = 0; q < R; q++) {
+        len[q] = counts[q];
+        off[q] = at;
+        at += counts[q];
+    }
+    /* a rank with no share still takes part (its sum is of nothing; recv may be NULL) */
+    return sum_by_owner(comm, send, len, off, m ? recv : comm->scratch, comm->scratch, dtype);
 }
 
 lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes) {

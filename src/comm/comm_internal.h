@@ -20,6 +20,10 @@ typedef struct {
                              const size_t *recv_bytes, const size_t *recv_offsets);
     lm_status (*broadcast)(lm_comm *c, void *buf, size_t bytes, int root);
     lm_status (*barrier)(lm_comm *c);
+    /* fill the zeroed handle `out` (ops, rank, size, engine_state) with the
+     * ranks of this color (>= 0), or set *in_group 0 for a negative color;
+     * NULL: the engine cannot split (lm_comm_split says so) */
+    lm_status (*split)(lm_comm *c, int color, lm_comm *out, int *in_group);
     void (*close)(lm_comm *c); /* releases engine_state (and a device scratch) */
 
     /* Device engines only; NULL for host engines (comm.c then uses memmove,
