@@ -90,7 +90,7 @@ int main(int argc, char **argv) {
     lm_cuda_context ctx;
     MUST(lm_cuda_context_create(&ctx));
     cudaStream_t stream = (cudaStream_t)ctx.stream;
-    lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, S, d, n, 1e-6f, 0};
+    lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, S, d, n, 1e-6f, 0, 0};
     lm_attnres_memory_plan plan;
     MUST(lm_cuda_attnres_memory(&cfg, &plan));
     void *ws = NULL;

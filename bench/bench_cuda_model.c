@@ -2,7 +2,7 @@
  * step, tokens/s, MFU and the time by layer kind, for a config and shape.
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N]
- *                    [--no-recompute] [--out FILE.json]
+ *                    [--no-recompute] [--recompute-chunk N] [--optimizer] [--out FILE.json]
  *
  * MFU = tokens/s x training FLOPs per token / 989e12 (H200 dense bf16), with
  * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
@@ -10,7 +10,12 @@
  * context; the KDA chunk products counted there). Time by layer kind comes
  * from lm_model_timings: the model synchronises the device at each part's end
  * when it runs on a GPU, so the parts add up to the step (a little slower
- * than an unsynchronised step). The optimizer is not timed here. */
+ * than an unsynchronised step). With --optimizer each step also runs the
+ * device optimizer (Muon and AdamW, as train --device cuda), timed apart.
+ * Memory: the model's own plan (lm_model_buffer_at) and the device memory in
+ * use after the last step (cudaMemGetInfo: the model, the optimizer, the
+ * backend's arena, the CUDA context and cuBLAS; buffers only grow, so this is
+ * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,20 +26,23 @@
 #include "longmoe/backend.h"
 #include "longmoe/config.h"
 #include "longmoe/model.h"
+#include "longmoe/optim_device.h"
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
-    int B = 1, T = 8192, reps = 5, recompute = -1;
+    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, with_opt = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seq") && i + 1 < argc) T = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-recompute")) recompute = 0;
+        else if (!strcmp(argv[i], "--recompute-chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
-                            "[--out FILE.json]\n");
+                            "[--recompute-chunk N] [--optimizer] [--out FILE.json]\n");
             return 2;
         }
     }
@@ -48,6 +56,10 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (recompute >= 0) c.recompute = recompute;
+    if (chunk >= 0) {
+        c.recompute_chunk = chunk;
+        if (chunk > 0) c.recompute = 1;
+    }
     lm_backend *gpu = NULL;
     lm_model *m = NULL;
     if (lm_backend_cuda_create(&gpu) || lm_model_create_on(&c, B, T, gpu, &m)) {
@@ -55,6 +67,30 @@ int main(int argc, char **argv) {
         return 1;
     }
     lm_model_init(m, 1);
+    double plan_bytes = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) plan_bytes += (double)lm_model_buffer_at(m, i)->bytes;
+    /* the device optimizer, as train --device cuda: Muon for the hidden matrices, AdamW for the rest */
+    lm_device_optimizer *opt_muon = NULL, *opt_adam = NULL;
+    if (with_opt) {
+        int nt = lm_model_num_tensors(m), nm = 0, na = 0;
+        lm_param *all = calloc((size_t)nt, sizeof *all), *mu = calloc((size_t)nt, sizeof *mu),
+                 *ad = calloc((size_t)nt, sizeof *ad);
+        lm_model_backend_params(m, all, c.optimizer);
+        for (int i = 0; i < nt; i++) {
+            if (lm_param_optimizer(&all[i]) == LM_OPT_MUON) mu[nm++] = all[i];
+            else ad[na++] = all[i];
+        }
+        lm_optim_config oc = lm_optim_config_default();
+        oc.weight_decay = c.weight_decay;
+        if (lm_optimizer_create_on(gpu, &oc, mu, nm, &opt_muon) || lm_optimizer_create_on(gpu, &oc, ad, na, &opt_adam)) {
+            fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+            return 1;
+        }
+        free(all);
+        free(mu);
+        free(ad);
+    }
+    double opt_s = 0;
     size_t N = (size_t)B * T;
     int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
     lm_rng r;
@@ -73,6 +109,16 @@ int main(int argc, char **argv) {
             return 1;
         }
         times[i] = lm_time_seconds() - t0;
+        if (with_opt) {
+            /* a small learning rate: the step is timed, the model barely moves */
+            double o0 = lm_time_seconds();
+            if (lm_device_optimizer_step(opt_muon, 1e-6f) || lm_device_optimizer_step(opt_adam, 1e-6f) ||
+                gpu->sync(gpu) || lm_model_params_changed_on_backend(m)) {
+                fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+                return 1;
+            }
+            if (i > 0) opt_s += lm_time_seconds() - o0;
+        }
         if (lm_model_balance_step_end(m, 1, NULL)) {
             fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
             return 1;
@@ -87,11 +133,15 @@ int main(int argc, char **argv) {
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     double used_gib = (double)(total_b - free_b) / (1u << 30);
-    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s\n", cfg_path,
-           plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off");
+    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d\n", cfg_path,
+           plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off", c.recompute_chunk);
     printf("forward+backward: %.1f ms median of %d (first %.1f ms), %.0f tokens/s, MFU %.1f%%, loss %.4f, "
            "device memory in use %.1f GiB\n",
            step * 1e3, reps, times[0] * 1e3, toks, 100 * mfu, loss, used_gib);
+    printf("memory: the model's plan %.2f GiB (%.1f KiB a token), device memory in use after the steps %.2f GiB "
+           "(total %.2f GiB)\n", plan_bytes / (1u << 30), plan_bytes / 1024.0 / (double)N, used_gib,
+           (double)total_b / (1u << 30));
+    if (with_opt) printf("optimizer step (Muon + AdamW on the device): %.1f ms mean of %d\n", opt_s / reps * 1e3, reps);
     double sum = 0;
     for (int p = 0; p < LM_TIME_COUNT; p++) sum += parts[p];
     printf("time by part (forward + backward, per step):\n");
@@ -105,8 +155,10 @@ int main(int argc, char **argv) {
             return 1;
         }
         fprintf(f, "{\"bench\": \"cuda_model\", \"config\": \"%s\", \"B\": %d, \"T\": %d, \"recompute\": %d, "
-                   "\"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"device_gib\": %.2f, \"parts_ms\": {",
-                cfg_path, B, T, c.recompute, step * 1e3, toks, mfu, used_gib);
+                   "\"recompute_chunk\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, "
+                   "\"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
+                cfg_path, B, T, c.recompute, c.recompute_chunk, step * 1e3, toks, mfu, used_gib,
+                plan_bytes / (1u << 30), with_opt ? opt_s / reps * 1e3 : -1.0);
         for (int p = 0; p < LM_TIME_COUNT; p++)
             fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3);
         fprintf(f, "}}\n");
@@ -115,6 +167,8 @@ int main(int argc, char **argv) {
     free(times);
     free(tok);
     free(tgt);
+    lm_device_optimizer_free(opt_muon);
+    lm_device_optimizer_free(opt_adam);
     lm_model_free(m);
     lm_backend_free(gpu);
     return 0;

@@ -2,11 +2,11 @@
  * k3-mini MoE layer (d 1024, 128 experts top-8, expert ffn 512, LatentMoE
  * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
  *
- *   bench_cuda_moe [--tokens M] [--reps N] [--gemm grouped|loop|wmma] [--out results.json]
+ *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma] [--out results.json]
  *
- * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS grouped,
- * cuBLAS per-expert loop, the wmma kernel; all three unless --gemm names
- * one) on the same inputs. Prints forward and forward+backward milliseconds
+ * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS batched by
+ * padded size, cuBLAS grouped, cuBLAS per-expert loop, the wmma kernel; all
+ * four unless --gemm names one) on the same inputs. Prints forward and forward+backward milliseconds
  * (median of N) and the grouped products' TFLOP/s: their FLOPs (routed
  * experts only: 6 m k f d_e forward, twice that backward) over the whole
  * layer's time, so a lower bound of the grouped products' own rate. The
@@ -41,11 +41,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) {
             only = lm_cuda_moe_gemm_parse(argv[++i]);
             if (only < 0) {
-                fprintf(stderr, "--gemm %s: expected grouped, loop or wmma\n", argv[i]);
+                fprintf(stderr, "--gemm %s: expected batched, grouped, loop or wmma\n", argv[i]);
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm grouped|loop|wmma] [--out results.json]\n",
+            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma] [--out results.json]\n",
                     argv[0]);
             return 2;
         }
@@ -109,9 +109,9 @@ int main(int argc, char **argv) {
 
     double *t_fwd = malloc((size_t)reps * sizeof(double)), *t_all = malloc((size_t)reps * sizeof(double));
     double grouped_fwd = 6.0 * (double)m * c.top_k * c.d_ff * c.d_latent;
-    double res[3][4]; /* per kind: forward ms, forward+backward ms, TFLOP/s of each */
-    int ran[3] = {0, 0, 0}, best = -1;
-    for (int kind = 0; kind < 3; kind++) {
+    double res[LM_MOE_GEMM_KINDS][4]; /* per kind: forward ms, forward+backward ms, TFLOP/s of each */
+    int ran[LM_MOE_GEMM_KINDS] = {0}, best = -1;
+    for (int kind = 0; kind < LM_MOE_GEMM_KINDS; kind++) {
         if (only >= 0 && kind != only) continue;
         ok(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)kind), "gemm kind");
         for (int rep = -2; rep < reps; rep++) {
@@ -145,7 +145,7 @@ int main(int argc, char **argv) {
            c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
            c.act == LM_EXPERT_SITU_GLU ? "SiTU-GLU" : "SwiGLU", (long long)m);
     printf("  busiest expert %d rows (mean %lld)\n", maxload, (long long)(m * c.top_k / c.n_experts));
-    for (int kind = 0; kind < 3; kind++) {
+    for (int kind = 0; kind < LM_MOE_GEMM_KINDS; kind++) {
         if (!ran[kind]) continue;
         const char *name = lm_cuda_moe_gemm_name((lm_moe_gemm_kind)kind);
         printf("  %-8s forward          %9.3f ms   grouped GEMM %6.1f TFLOP/s (over the layer's time)\n", name,
@@ -173,7 +173,7 @@ int main(int argc, char **argv) {
                 lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best), res[best][0], res[best][1], res[best][2],
                 res[best][3], maxload, refused);
         int first = 1;
-        for (int kind = 0; kind < 3; kind++) {
+        for (int kind = 0; kind < LM_MOE_GEMM_KINDS; kind++) {
             if (!ran[kind]) continue;
             fprintf(f,
                     "%s\"%s\": {\"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "

@@ -15,7 +15,7 @@ static void fill(lm_rng *r, float *x, size_t n, double scale, double shift) {
 }
 
 static lm_attnres_config make_cfg(lm_attnres_mode mode, int L, int S, int d, int64_t n, int two_phase) {
-    lm_attnres_config c = {mode, L, S, d, n, 1e-6f, two_phase};
+    lm_attnres_config c = {mode, L, S, d, n, 1e-6f, two_phase, 0};
     return c;
 }
 
@@ -714,6 +714,76 @@ static void test_recomputed_input_equals_forward_input(void) {
 
 /* The keys are linear.h's RMSNorm with weight g_l: softmax(w_l . lm_rmsnorm(v_i))
  * computed through lm_rmsnorm_forward gives the weights the module reports. */
+/* replay = 1 keeps one block's partial sums: a backward that replays each
+ * block's forward (the same outputs) before its backward gives the same bits
+ * as the backward of a state that kept them all, in less memory; replaying
+ * elsewhere than before a block's backward is refused. */
+static void test_replayed_blocks_give_the_same_backward(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 955);
+    const int Ls[] = {8, 7, 12}, Ss[] = {3, 4, 5};
+    for (int cse = 0; cse < 3; cse++)
+        for (int tp = 0; tp < 2; tp++) {
+            lm_attnres_config c = make_cfg(LM_ATTNRES_BLOCK, Ls[cse], Ss[cse], 16, 9, tp), cr = c;
+            cr.replay = 1;
+            const int L = c.n_sublayers, S = c.block_size;
+            const size_t nd = (size_t)c.n_tokens * c.d;
+            lm_attnres_memory_plan pa, pb;
+            CHECK(!lm_attnres_memory(&c, &pa) && !lm_attnres_memory(&cr, &pb), "%s", lm_last_error());
+            CHECK(pb.saved_partials < pa.saved_partials, "replay keeps %zu bytes of partial sums, all %zu",
+                  pb.saved_partials, pa.saved_partials);
+            problem pr = make_problem(&r, &c, 1.0);
+            lm_attnres_params p = {pr.w, pr.g};
+            float *h = malloc((L + 1) * nd * 4), *hr = malloc((L + 1) * nd * 4), *dhs = malloc((L + 1) * nd * 4);
+            float *dya = calloc(L * nd, 4), *dyb = calloc(L * nd, 4), *dea = calloc(nd, 4), *deb = calloc(nd, 4);
+            float *gq = calloc(2 * (L + 1) * (size_t)c.d, 4), *gqr = calloc(2 * (L + 1) * (size_t)c.d, 4);
+            fill(&r, dhs, (L + 1) * nd, 1, 0);
+            lm_attnres_grads ga = {gq, gq + (L + 1) * c.d}, gb = {gqr, gqr + (L + 1) * c.d};
+            lm_attnres_state sa, sb;
+            void *wa = make_state(&sa, &c), *wb = make_state(&sb, &cr);
+            module_forward(&sa, pr.emb, pr.ys, &p, h);
+            module_forward(&sb, pr.emb, pr.ys, &p, hr);
+            CHECK(!memcmp(h, hr, (L + 1) * nd * 4), "replay state: forward differs");
+            module_backward(&sa, &p, dhs, dya, dea, &ga);
+            CHECK(lm_attnres_final_backward(&sb, &p, dhs + L * nd, &gb) == LM_OK, "%s", lm_last_error());
+            CHECK(lm_attnres_replay_block(&sb, 0) == LM_ERR_ARG || (L - 1) / S == 0,
+                  "replayed block 0 before the backward reached it");
+            for (int l = L - 1; l >= 0; l--) {
+                if (l % S == S - 1 || l == L - 1) {
+                    const int k = l / S;
+                    CHECK(lm_attnres_replay_block(&sb, k) == LM_OK, "%s", lm_last_error());
+                    for (int j = k * S; j <= l; j++) {
+                        CHECK(lm_attnres_input(&sb, j, &p, hr) == LM_OK, "%s", lm_last_error());
+                        CHECK(!memcmp(hr, h + j * nd, nd * 4), "replayed input %d differs", j);
+                        CHECK(lm_attnres_add_output(&sb, j, pr.ys + j * nd) == LM_OK, "%s", lm_last_error());
+                    }
+                }
+                CHECK(lm_attnres_output_backward(&sb, l, dyb + l * nd) == LM_OK, "%s", lm_last_error());
+                CHECK(lm_attnres_recompute_input(&sb, l, hr) == LM_OK, "%s", lm_last_error());
+                double num = 0, den = 0;
+                for (size_t i = 0; i < nd; i++) {
+                    num += (double)(hr[i] - h[l * nd + i]) * (hr[i] - h[l * nd + i]);
+                    den += (double)h[l * nd + i] * h[l * nd + i];
+                }
+                CHECK(sqrt(num) <= 1e-6 * sqrt(den), "recomputed input %d after a replay", l);
+                CHECK(lm_attnres_input_backward(&sb, l, &p, dhs + l * nd, &gb) == LM_OK, "%s", lm_last_error());
+            }
+            CHECK(lm_attnres_embedding_backward(&sb, deb) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(dya, dyb, L * nd * 4) && !memcmp(dea, deb, nd * 4) &&
+                      !memcmp(gq, gqr, 2 * (L + 1) * (size_t)c.d * 4),
+                  "L=%d S=%d two_phase %d: the replayed backward differs", L, S, tp);
+            lm_attnres_config bad = c;
+            bad.mode = LM_ATTNRES_FULL;
+            bad.replay = 1;
+            lm_attnres_state sf;
+            void *wf = make_state(&sf, &bad);
+            CHECK(lm_attnres_replay_block(&sf, 0) == LM_ERR_ARG, "full attnres replayed a block");
+            free(wf), free(wa), free(wb), free(h), free(hr), free(dhs), free(dya), free(dyb), free(dea), free(deb);
+            free(gq), free(gqr);
+            free_problem(&pr);
+        }
+}
+
 static void test_keys_are_the_rmsnorm_of_linear_h(void) {
     lm_rng r;
     lm_rng_seed(&r, 1001);
@@ -765,6 +835,7 @@ int main(void) {
     RUN(test_zero_queries_give_uniform_average_of_sources);
     RUN(test_keys_are_the_rmsnorm_of_linear_h);
     RUN(test_recomputed_input_equals_forward_input);
+    RUN(test_replayed_blocks_give_the_same_backward);
     RUN(test_standard_mode_is_the_plain_residual_sum);
     RUN(test_full_equals_block_size_one);
     RUN(test_parallel_paths_match_reference_and_thread_count);

@@ -11,6 +11,7 @@
 
 #include "longmoe/comm.h"
 #include "test.h"
+#include "test_comm_data.h"
 
 static lm_comm *comm;
 
@@ -19,66 +20,6 @@ static void sleep_ms(int ms) {
     nanosleep(&ts, NULL);
 }
 static int R = 1, me = 0;
-
-/* ---- data every rank can regenerate: rank p's values of trial `trial` ---- */
-
-static uint64_t stream_seed(int p, int trial, int salt) {
-    return lm_mix64(0x5eed5eedULL ^ ((uint64_t)p << 40) ^ ((uint64_t)trial << 20) ^ (uint64_t)salt);
-}
-
-/* Values of mixed magnitude (2^-12 .. 2^12 times a normal), so a sum's
- * rounding depends on the order of its terms. */
-static void fill_f32(float *x, size_t n, int p, int trial) {
-    lm_rng r;
-    lm_rng_seed(&r, stream_seed(p, trial, 1));
-    for (size_t i = 0; i < n; i++)
-        x[i] = (float)ldexp(lm_rng_normal(&r) + 0.1, (int)(lm_rng_u64(&r) % 25) - 12);
-}
-static void fill_f64(double *x, size_t n, int p, int trial) {
-    lm_rng r;
-    lm_rng_seed(&r, stream_seed(p, trial, 2));
-    for (size_t i = 0; i < n; i++) x[i] = ldexp(lm_rng_normal(&r) + 0.1, (int)(lm_rng_u64(&r) % 81) - 40);
-}
-static void fill_i32(int32_t *x, size_t n, int p, int trial) {
-    lm_rng r;
-    lm_rng_seed(&r, stream_seed(p, trial, 3));
-    for (size_t i = 0; i < n; i++) x[i] = (int32_t)(uint32_t)lm_rng_u64(&r); /* sums wrap */
-}
-static void fill_bytes(unsigned char *x, size_t n, int p, int q, int trial) {
-    lm_rng r;
-    lm_rng_seed(&r, stream_seed(p * 4099 + q, trial, 4));
-    for (size_t i = 0; i < n; i++) x[i] = (unsigned char)lm_rng_u64(&r);
-}
-
-/* rank p's data for a trial, in dtype */
-static void fill(void *x, size_t n, lm_dtype dt, int p, int trial) {
-    if (dt == LM_DTYPE_F32) fill_f32(x, n, p, trial);
-    else if (dt == LM_DTYPE_F64) fill_f64(x, n, p, trial);
-    else fill_i32(x, n, p, trial);
-}
-
-/* The serial reference: acc = x_0; acc += x_1; ... in the element type. */
-static void serial_sum(void *acc, size_t n, lm_dtype dt, int trial, size_t offset_elems) {
-    size_t es = lm_dtype_size(dt), total = offset_elems + n;
-    unsigned char *x = malloc(total * es + 1);
-    for (int p = 0; p < R; p++) {
-        fill(x, total, dt, p, trial);
-        for (size_t i = 0; i < n; i++) {
-            size_t j = offset_elems + i;
-            if (dt == LM_DTYPE_F32) {
-                float *a = acc;
-                a[i] = p ? a[i] + ((float *)x)[j] : ((float *)x)[j];
-            } else if (dt == LM_DTYPE_F64) {
-                double *a = acc;
-                a[i] = p ? a[i] + ((double *)x)[j] : ((double *)x)[j];
-            } else {
-                uint32_t *a = acc;
-                a[i] = p ? a[i] + ((uint32_t *)x)[j] : ((uint32_t *)x)[j];
-            }
-        }
-    }
-    free(x);
-}
 
 /* 1 when `bytes` at buf hold the same bits on every rank (gathered and compared). */
 static int same_on_every_rank(const void *buf, size_t bytes) {
@@ -89,9 +30,6 @@ static int same_on_every_rank(const void *buf, size_t bytes) {
     free(all);
     return ok;
 }
-
-static const lm_dtype sum_types[3] = {LM_DTYPE_F32, LM_DTYPE_F64, LM_DTYPE_I32};
-static const size_t sum_counts[6] = {1, 3, 64, 1000, 4097, 0};
 
 /* ---- MPI cases ---- */
 
@@ -112,7 +50,7 @@ static void test_all_reduce_equals_the_serial_sum_in_rank_order_bit_for_bit(void
             size_t n = sum_counts[c];
             unsigned char *x = malloc(n * es + 1), *y = malloc(n * es + 1), *ref = malloc(n * es + 1);
             fill(x, n, dt, me, trial);
-            serial_sum(ref, n, dt, trial, 0);
+            serial_sum(ref, n, dt, R, trial, 0);
             CHECK(lm_comm_all_reduce_sum(comm, x, y, n, dt) == LM_OK, "%s", lm_last_error());
             CHECK(!memcmp(y, ref, n * es), "%s n=%zu: differs from the serial rank-order sum", lm_dtype_name(dt), n);
             CHECK(same_on_every_rank(y, n * es), "%s n=%zu: ranks disagree", lm_dtype_name(dt), n);
@@ -160,7 +98,7 @@ static void test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum(void
             size_t n = sum_counts[c];
             unsigned char *x = malloc((size_t)R * n * es + 1), *y = malloc(n * es + 1), *ref = malloc(n * es + 1);
             fill(x, (size_t)R * n, dt, me, trial);
-            serial_sum(ref, n, dt, trial, (size_t)me * n);
+            serial_sum(ref, n, dt, R, trial, (size_t)me * n);
             CHECK(lm_comm_reduce_scatter_sum(comm, x, y, n, dt) == LM_OK, "%s", lm_last_error());
             CHECK(!memcmp(y, ref, n * es), "%s n=%zu: block %d differs from the serial sum", lm_dtype_name(dt), n, me);
             free(x);
@@ -168,6 +106,68 @@ static void test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum(void
             free(ref);
         }
     }
+}
+
+/* Variable blocks (zeros among them): rank r's block is the serial rank-order
+ * sum of every rank's elements at the block's place, the bits an all-reduce of
+ * the whole buffer gives them. */
+static void test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_serial_sum(void) {
+    int trial = 200;
+    size_t *counts = malloc((size_t)R * sizeof *counts);
+    for (int t = 0; t < 3; t++) {
+        lm_dtype dt = sum_types[t];
+        size_t es = lm_dtype_size(dt);
+        for (int layout = 0; layout < 3; layout++, trial++) {
+            size_t total = 0, before = 0;
+            for (int q = 0; q < R; q++) {
+                /* uneven; layout 1 leaves rank 0 nothing, layout 2 gives everything to the last rank */
+                counts[q] = layout == 0 ? (size_t)(37 * q + 5) : layout == 1 ? (size_t)(q ? 1000 + q : 0)
+                          : (size_t)(q == R - 1 ? 4097 : 0);
+                if (q < me) before += counts[q];
+                total += counts[q];
+            }
+            size_t m = counts[me];
+            unsigned char *x = malloc(total * es + 1), *y = malloc(m * es + 1), *ref = malloc(m * es + 1),
+                          *whole = malloc(total * es + 1);
+            fill(x, total, dt, me, trial);
+            serial_sum(ref, m, dt, R, trial, before);
+            CHECK(lm_comm_reduce_scatterv_sum(comm, x, m ? y : NULL, counts, dt) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(y, ref, m * es), "%s layout %d: block %d differs from the serial sum", lm_dtype_name(dt),
+                  layout, me);
+            CHECK(lm_comm_all_reduce_sum(comm, x, whole, total, dt) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(y, whole + before * es, m * es), "%s layout %d: differs from the all-reduce",
+                  lm_dtype_name(dt), layout);
+            free(x);
+            free(y);
+            free(ref);
+            free(whole);
+        }
+    }
+    free(counts);
+}
+
+/* A split handle holds the ranks of one color in their order, and its
+ * collectives reach those ranks only; a negative color gets none. */
+static void test_split_makes_a_handle_of_the_ranks_of_one_color(void) {
+    lm_comm *part = NULL;
+    int color = me == R - 1 ? -1 : me % 2; /* the last rank stays out */
+    CHECK(lm_comm_split(comm, color, &part) == LM_OK, "%s", lm_last_error());
+    CHECK((color < 0) == (part == NULL), "rank %d color %d: handle %p", me, color, (void *)part);
+    if (part) {
+        int size = 0, rank = 0;
+        for (int q = 0; q < R - 1; q++) {
+            size += q % 2 == color;
+            rank += q % 2 == color && q < me;
+        }
+        CHECK(lm_comm_size(part) == size && lm_comm_rank(part) == rank, "rank %d: %d of %d, expected %d of %d", me,
+              lm_comm_rank(part), lm_comm_size(part), rank, size);
+        int32_t mine = me + 1, sum = 0, want = 0;
+        for (int q = 0; q < R - 1; q++) want += q % 2 == color ? q + 1 : 0;
+        CHECK(lm_comm_all_reduce_sum(part, &mine, &sum, 1, LM_DTYPE_I32) == LM_OK && sum == want,
+              "rank %d: sum %d over its part, expected %d", me, sum, want);
+        lm_comm_close(part);
+    }
+    CHECK(lm_comm_barrier(comm) == LM_OK, "%s", lm_last_error());
 }
 
 static void test_all_gather_places_every_rank_in_rank_order(void) {
@@ -208,12 +208,6 @@ static void test_all_gatherv_with_variable_sizes_including_zero(void) {
     free(mine);
     free(all);
     free(want);
-}
-
-/* Bytes rank p sends rank q in trial `trial`: random, a third of them zero. */
-static size_t a2a_count(int p, int q, int trial) {
-    uint64_t h = lm_mix64(stream_seed(p, trial, 7) ^ (uint64_t)q * 0x9E3779B97F4A7C15ULL);
-    return h % 3 == 0 ? 0 : (size_t)(h >> 8) % 3000 + 1;
 }
 
 static void test_all_to_allv_delivers_variable_counts_including_zeros(void) {
@@ -312,6 +306,15 @@ static void test_self_engine_collectives_are_copies(void) {
     CHECK(lm_comm_broadcast(c, a, sizeof a, 0) == LM_OK, "broadcast");
     CHECK(lm_comm_barrier(c) == LM_OK, "barrier");
     CHECK(lm_comm_reserve(c, 1000, LM_DTYPE_F32) == LM_OK, "reserve");
+    float v[5] = {1, 2, 3, 4, 5}, w[5] = {0};
+    size_t five = 5;
+    CHECK(lm_comm_reduce_scatterv_sum(c, v, w, &five, LM_DTYPE_F32) == LM_OK && !memcmp(v, w, sizeof v),
+          "reduce_scatterv");
+    lm_comm *part = NULL;
+    CHECK(lm_comm_split(c, 3, &part) == LM_OK && part && lm_comm_size(part) == 1 && lm_comm_rank(part) == 0,
+          "split: %s", lm_last_error());
+    lm_comm_close(part);
+    CHECK(lm_comm_split(c, -1, &part) == LM_OK && !part, "split with a negative color gave a handle");
     lm_comm_close(c);
 }
 
@@ -333,8 +336,15 @@ static void test_bad_arguments_are_rejected_with_a_message(void) {
     CHECK(lm_comm_all_reduce_sum(NULL, x, y, 4, LM_DTYPE_F32) == LM_ERR_ARG, "NULL comm");
     lm_comm_close(c);
     lm_comm *n = NULL;
-    CHECK(lm_comm_open(LM_COMM_NCCL, &n) == LM_ERR_ARG && !n && strstr(lm_last_error(), "nccl"), "nccl: %s",
-          lm_last_error());
+    if (!lm_comm_engine_available(LM_COMM_NCCL)) {
+        CHECK(lm_comm_open(LM_COMM_NCCL, &n) == LM_ERR_ARG && !n && strstr(lm_last_error(), "nccl") &&
+                  strstr(lm_last_error(), "NCCL"),
+              "nccl: %s", lm_last_error());
+    } else if (lm_comm_open(LM_COMM_NCCL, &n) == LM_OK) {
+        lm_comm_close(n); /* a GPU is here: tests/test_cuda_comm.c tests the engine */
+    } else {
+        CHECK(!n && strstr(lm_last_error(), "nccl"), "nccl without a GPU: %s", lm_last_error());
+    }
     if (!lm_comm_engine_available(LM_COMM_MPI))
         CHECK(lm_comm_open(LM_COMM_MPI, &n) == LM_ERR_ARG && strstr(lm_last_error(), "MPI"), "mpi: %s",
               lm_last_error());
@@ -366,6 +376,8 @@ int main(int argc, char **argv) {
     RUN(test_all_reduce_equals_the_serial_sum_in_rank_order_bit_for_bit);
     RUN(test_all_reduce_does_not_depend_on_timing);
     RUN(test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum);
+    RUN(test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_serial_sum);
+    RUN(test_split_makes_a_handle_of_the_ranks_of_one_color);
     RUN(test_all_gather_places_every_rank_in_rank_order);
     RUN(test_all_gatherv_with_variable_sizes_including_zero);
     RUN(test_all_to_allv_delivers_variable_counts_including_zeros);

@@ -192,7 +192,7 @@ static int run_gpu(const problem *p, outputs *o) {
     float *demb = dev_upload(p->demb0, nd), *query = dev_upload(p->query, p->pd);
     float *key_norm = dev_upload(p->key_norm, p->pd), *gq = dev_upload(p->gq0, p->pd), *gk = dev_upload(p->gk0, p->pd);
     float *h = dev_upload(NULL, (size_t)L * nd), *h_final = dev_upload(NULL, nd);
-    float *h_rec = dev_upload(NULL, (size_t)(L + 1) * nd);
+    float *h_rec = dev_upload(NULL, (size_t)(L + 1) * nd), *h_rep = dev_upload(NULL, nd);
     lm_attnres_params prm = {query, key_norm};
     lm_attnres_grads g = {gq, gk};
     /* the uploads ran on the legacy stream; the context's stream does not wait for it */
@@ -205,7 +205,17 @@ static int run_gpu(const problem *p, outputs *o) {
     STEP_OK(lm_cuda_attnres_final(&ctx, &st, &prm, h_final));
     if (attn) STEP_OK(lm_cuda_attnres_recompute_input(&ctx, &st, L, h_rec + (size_t)L * nd));
     STEP_OK(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh_final, &g));
+    const int S = p->cfg.block_size;
     for (int l = L - 1; l >= 0; l--) {
+        if (p->cfg.replay && (l % S == S - 1 || l == L - 1)) {
+            /* one block's partial sums kept: its forward again before its backward */
+            const int k = l / S;
+            STEP_OK(lm_cuda_attnres_replay_block(&st, k));
+            for (int j = k * S; j <= l; j++) {
+                STEP_OK(lm_cuda_attnres_input(&ctx, &st, j, &prm, h_rep));
+                STEP_OK(lm_cuda_attnres_add_output(&ctx, &st, j, y + (size_t)j * nd));
+            }
+        }
         STEP_OK(lm_cuda_attnres_output_backward(&ctx, &st, l, dy + (size_t)l * nd));
         if (attn) STEP_OK(lm_cuda_attnres_recompute_input(&ctx, &st, l, h_rec + (size_t)l * nd));
         STEP_OK(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh + (size_t)l * nd, &g));
@@ -219,7 +229,7 @@ static int run_gpu(const problem *p, outputs *o) {
     dev_download(o->demb, demb, nd);
     dev_download(o->gq, gq, p->pd);
     dev_download(o->gk, gk, p->pd);
-    float *bufs[] = {emb, y, dh, dh_final, dy, demb, query, key_norm, gq, gk, h, h_final, h_rec};
+    float *bufs[] = {emb, y, dh, dh_final, dy, demb, query, key_norm, gq, gk, h, h_final, h_rec, h_rep};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) lm_cuda_free(bufs[i]);
     lm_cuda_free(ws);
     return ok;
@@ -334,12 +344,41 @@ static void test_standard_mode_matches_cpu_and_repeats_bitwise(void) {
     printf("  worst relative error so far %.3g\n", worst_error);
 }
 
+/* replay = 1: one block's partial sums on the device, each block's forward
+ * replayed before its backward: the same bits as the state that keeps them
+ * all (forward, recomputed inputs, every gradient), in less memory. */
+static void test_replayed_blocks_give_the_same_backward(void) {
+    const int Ss[] = {3, 4}, ds[] = {64, 97};
+    for (int i = 0; i < 2; i++) {
+        problem p = make_problem(LM_ATTNRES_BLOCK, Ss[i], 8, 37, ds[i], 8100 + (uint64_t)i);
+        outputs a = make_outputs(&p), b = make_outputs(&p);
+        const size_t nd = p.nd, L = 8;
+        lm_attnres_memory_plan pa, pb;
+        CHECK(!lm_cuda_attnres_memory(&p.cfg, &pa), "%s", lm_last_error());
+        int ok = run_gpu(&p, &a);
+        p.cfg.replay = 1;
+        CHECK(!lm_cuda_attnres_memory(&p.cfg, &pb), "%s", lm_last_error());
+        CHECK(pb.saved_partials < pa.saved_partials, "replay keeps %zu bytes of partial sums, all %zu",
+              pb.saved_partials, pa.saved_partials);
+        ok = run_gpu(&p, &b) && ok;
+        CHECK(ok, "S=%d: a call failed", Ss[i]);
+        CHECK(!memcmp(a.h, b.h, L * nd * 4) && !memcmp(a.h_rec, b.h_rec, (L + 1) * nd * 4), "S=%d: inputs differ",
+              Ss[i]);
+        CHECK(!memcmp(a.dy, b.dy, L * nd * 4) && !memcmp(a.demb, b.demb, nd * 4) && !memcmp(a.gq, b.gq, p.pd * 4) &&
+                  !memcmp(a.gk, b.gk, p.pd * 4),
+              "S=%d: the replayed backward differs", Ss[i]);
+        free_outputs(&a);
+        free_outputs(&b);
+        free_problem(&p);
+    }
+}
+
 static void test_memory_plan_matches_cpu_buffers(void) {
     /* the GPU keeps the CPU's history, gradients, partials and scores; no two-phase buffers */
     const lm_attnres_mode modes[] = {LM_ATTNRES_STANDARD, LM_ATTNRES_BLOCK, LM_ATTNRES_FULL};
     for (int m = 0; m < 3; m++)
         for (int S = 1; S <= 5; S++) {
-            lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1};
+            lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1, 0};
             lm_attnres_memory_plan a, b;
             CHECK(lm_attnres_memory(&c, &a) == LM_OK && lm_cuda_attnres_memory(&c, &b) == LM_OK, "plans");
             CHECK(a.history == b.history && a.history_grad == b.history_grad &&
@@ -348,14 +387,14 @@ static void test_memory_plan_matches_cpu_buffers(void) {
                   "mode %d S %d: shared buffers differ", (int)modes[m], S);
             CHECK(b.phase1 == 0 && b.queries == 0, "mode %d S %d: two-phase buffers planned", (int)modes[m], S);
         }
-    lm_attnres_config bad = {LM_ATTNRES_BLOCK, 8, 0, 64, 10, 1e-6f, 0};
+    lm_attnres_config bad = {LM_ATTNRES_BLOCK, 8, 0, 64, 10, 1e-6f, 0, 0};
     lm_attnres_memory_plan pl;
     CHECK(lm_cuda_attnres_memory(&bad, &pl) == LM_ERR_ARG, "block_size 0 accepted");
     CHECK(strstr(lm_last_error(), "block_size") != NULL, "message: %s", lm_last_error());
 }
 
 static void test_calls_out_of_order_are_refused(void) {
-    lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0};
+    lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0, 0};
     lm_attnres_memory_plan plan;
     CHECK(lm_cuda_attnres_memory(&c, &plan) == LM_OK, "plan");
     void *ws = NULL, *buf = NULL, *prm = NULL;
@@ -393,6 +432,7 @@ int main(void) {
     }
     RUN(test_memory_plan_matches_cpu_buffers);
     RUN(test_calls_out_of_order_are_refused);
+    RUN(test_replayed_blocks_give_the_same_backward);
     RUN(test_block_modes_match_cpu_and_repeat_bitwise);
     RUN(test_full_mode_matches_cpu_and_repeats_bitwise);
     RUN(test_standard_mode_matches_cpu_and_repeats_bitwise);

@@ -669,7 +669,7 @@ static void test_attnres_sequence_matches_the_cpu(void) {
     lm_rng_seed(&r, 12);
     const int L = 4, d = 64;
     const int64_t n = 150;
-    lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, 2, d, n, 1e-6f, 0};
+    lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, 2, d, n, 1e-6f, 0, 0};
     size_t nd = (size_t)n * d, pd = (size_t)(L + 1) * d;
     void *st_c = NULL, *st_g = NULL;
     OK(cpu->ops->attnres_create(cpu, &cfg, &st_c));

@@ -1,8 +1,10 @@
 /* The MoE layer on the GPU against the CPU layer (lm_moe_forward/backward) on
  * the same bf16-representable weights and inputs: routing identical, y, dx
  * and every parameter gradient within bf16 tolerance; run-to-run bit
- * identity; each of it for every kind of expert product (cuBLAS grouped,
- * cuBLAS per-expert loop, wmma); the balance histogram's integer counts equal
+ * identity; each of it for every kind of expert product (cuBLAS batched by
+ * padded size, cuBLAS grouped, cuBLAS per-expert loop, wmma), on activation
+ * buffers that start full of NaN bytes (the batched kind's padding rows
+ * zero after the forward and backward); the balance histogram's integer counts equal
  * the CPU's. */
 #include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
@@ -58,6 +60,47 @@ static void model_free(model *md) {
     lm_cuda_free(md->d_params);
     lm_cuda_free(md->d_params_bf16);
     lm_cuda_free(md->d_grads);
+}
+
+/* Fill a device block with 0xff bytes (NaN in bf16 and fp32): a kernel that
+ * reads what nobody wrote then shows up as NaN in the results. */
+static void poison(void *d, size_t bytes) {
+    unsigned char *h = malloc(bytes);
+    memset(h, 0xff, bytes);
+    GPU_OK(lm_cuda_upload(d, h, bytes));
+    free(h);
+}
+
+/* The batched kind's promise (moe_cuda.h): the padding rows of the grouped
+ * intermediates are zero, whatever the buffers held before. */
+static void check_padding_rows_zero(const lm_cuda_moe_acts *ga, const lm_cuda_moe_scratch *gs,
+                                    const lm_moe_config *cfg, const char *what) {
+    int n = cfg->n_experts, f = cfg->d_ff, de = cfg->d_latent > 0 ? cfg->d_latent : cfg->d;
+    int32_t *padded = malloc((size_t)(n + 1) * 4);
+    GPU_OK(lm_cuda_download(padded, ga->padded_offsets, (size_t)(n + 1) * 4));
+    int64_t P = padded[n];
+    int32_t *order = malloc((size_t)(P > 0 ? P : 1) * 4);
+    GPU_OK(lm_cuda_download(order, ga->order, (size_t)P * 4));
+    const uint16_t *bufs[8] = {ga->xg, ga->ga, ga->gu, ga->gh, ga->gout, gs->dgout, gs->da, gs->du};
+    const char *names[8] = {"xg", "ga", "gu", "gh", "gout", "dgout", "da", "du"};
+    const int widths[8] = {de, f, f, f, de, de, f, f};
+    int64_t padding = 0, nonzero = 0;
+    for (int b = 0; b < 8; b++) {
+        uint16_t *h = malloc((size_t)(P > 0 ? P : 1) * widths[b] * 2);
+        GPU_OK(lm_cuda_download(h, bufs[b], (size_t)P * widths[b] * 2));
+        int64_t bad = 0;
+        for (int64_t r = 0; r < P; r++) {
+            if (order[r] >= 0) continue;
+            padding += b == 0;
+            for (int e = 0; e < widths[b]; e++) bad += h[r * widths[b] + e] != 0 && h[r * widths[b] + e] != 0x8000;
+        }
+        CHECK(bad == 0, "%s: %lld nonzero padding elements in %s", what, (long long)bad, names[b]);
+        nonzero += bad;
+        free(h);
+    }
+    CHECK(padding > 0, "%s: the case has no padding rows to check", what);
+    free(order);
+    free(padded);
 }
 
 static const char *const param_names[10] = {"router", "gate", "up", "down", "lat_down",
@@ -120,10 +163,13 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     lm_cuda_moe_scratch gs;
     GPU_OK(lm_cuda_moe_acts_carve(&ga, cfg, m, ablock, ab));
     GPU_OK(lm_cuda_moe_scratch_carve(&gs, cfg, m, sblock, sb));
+    poison(ablock, ab);
+    poison(sblock, sb);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
     GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
                                 &gs));
     GPU_OK(lm_cuda_context_sync(&ctx));
+    if (kind_now == LM_MOE_GEMM_BATCHED) check_padding_rows_zero(&ga, &gs, cfg, what);
     GPU_OK(lm_cuda_download(y_gpu, yd, md_ * 4));
     GPU_OK(lm_cuda_download(dx_gpu, dxd, md_ * 4));
     GPU_OK(lm_cuda_download(g_gpu, md.d_grads, md.count * 4));
@@ -420,16 +466,18 @@ static void test_balance_histogram_equals_the_cpu_k3(void) { check_histogram(LM_
 static void test_balance_histogram_equals_the_cpu_zoom(void) { check_histogram(LM_QB_ZOOM); }
 
 static void test_gemm_selector(void) {
+    CHECK(lm_cuda_moe_gemm_parse("batched") == LM_MOE_GEMM_BATCHED, "parse batched");
     CHECK(lm_cuda_moe_gemm_parse("grouped") == LM_MOE_GEMM_GROUPED, "parse grouped");
     CHECK(lm_cuda_moe_gemm_parse("loop") == LM_MOE_GEMM_LOOP, "parse loop");
     CHECK(lm_cuda_moe_gemm_parse("wmma") == LM_MOE_GEMM_WMMA, "parse wmma");
     CHECK(lm_cuda_moe_gemm_parse("cublas") == -1 && lm_cuda_moe_gemm_parse(NULL) == -1, "unknown names refused");
     CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)7) == LM_ERR_ARG, "kind 7 refused");
-    for (int q = 0; q < 3; q++) {
+    const char *names[LM_MOE_GEMM_KINDS] = {"grouped", "loop", "wmma", "batched"};
+    for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
         lm_moe_gemm_kind got = (lm_moe_gemm_kind)-1;
         CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)q) == LM_OK, "set %d", q);
         CHECK(lm_cuda_moe_gemm(&got) == LM_OK && got == (lm_moe_gemm_kind)q, "kind %d read back as %d", q, (int)got);
-        CHECK(!strcmp(lm_cuda_moe_gemm_name(got), q == 0 ? "grouped" : q == 1 ? "loop" : "wmma"), "name of %d", q);
+        CHECK(!strcmp(lm_cuda_moe_gemm_name(got), names[q]), "name of %d", q);
     }
 }
 
@@ -450,8 +498,9 @@ int main(void) {
         return 1;
     }
     /* every parity test once per kind of expert product, set through the API */
-    const lm_moe_gemm_kind kinds[3] = {LM_MOE_GEMM_GROUPED, LM_MOE_GEMM_LOOP, LM_MOE_GEMM_WMMA};
-    for (int q = 0; q < 3; q++) {
+    const lm_moe_gemm_kind kinds[LM_MOE_GEMM_KINDS] = {LM_MOE_GEMM_BATCHED, LM_MOE_GEMM_GROUPED, LM_MOE_GEMM_LOOP,
+                                                       LM_MOE_GEMM_WMMA};
+    for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
         kind_now = kinds[q];
         if (!test_skip_all_reason && lm_cuda_moe_set_gemm(kind_now) != LM_OK) {
             fprintf(stderr, "set gemm kind: %s\n", lm_last_error());

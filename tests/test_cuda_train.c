@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "longmoe/comm.h"
 #include "test.h"
 
 enum { STEPS = 20, STAGE1 = 12 };
@@ -51,9 +52,10 @@ static const char staged_config[] =
 static const char *in_root(const char *name) { return test_path(root, name); }
 
 /* Start `longmoe train` on run directory `run` on `device` (fresh from the
- * config, or resuming; stop_after > 0 adds --stop-after; extra, when not NULL,
- * is one more flag); output to run.log. */
-static pid_t start_train_with(const char *run, const char *device, int resume, int stop_after, const char *extra) {
+ * config, or resuming; stop_after > 0 adds --stop-after; extra and extra2,
+ * when not NULL, are more arguments); output to run.log. */
+static pid_t start_train_with(const char *run, const char *device, int resume, int stop_after, const char *extra,
+                              const char *extra2) {
     char stop[32];
     snprintf(stop, sizeof stop, "%d", stop_after);
     const char *argv[16];
@@ -74,6 +76,7 @@ static pid_t start_train_with(const char *run, const char *device, int resume, i
         argv[n++] = stop;
     }
     if (extra) argv[n++] = extra;
+    if (extra2) argv[n++] = extra2;
     argv[n] = NULL;
     fflush(stdout); /* the child's freopen would write the parent's buffered lines again */
     fflush(stderr);
@@ -88,7 +91,7 @@ static pid_t start_train_with(const char *run, const char *device, int resume, i
 }
 
 static pid_t start_train(const char *run, const char *device, int resume, int stop_after) {
-    return start_train_with(run, device, resume, stop_after, NULL);
+    return start_train_with(run, device, resume, stop_after, NULL, NULL);
 }
 
 /* Run to the end; 1 when it exited with 0. */
@@ -183,7 +186,7 @@ static void test_gpu_loss_curve_follows_the_cpu(void) {
 static void test_device_optimizer_follows_the_host_optimizer(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     int st = 0;
-    waitpid(start_train_with(in_root("gpu_hostopt"), "cuda", 0, 0, "--host-optimizer"), &st, 0);
+    waitpid(start_train_with(in_root("gpu_hostopt"), "cuda", 0, 0, "--host-optimizer", NULL), &st, 0);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "train --host-optimizer failed (see %s)", in_root("run.log"));
     if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
     double w = compare_runs(in_root("gpu"), in_root("gpu_hostopt"), "train", "loss", STEPS, 0, LOSS_RTOL);
@@ -197,6 +200,20 @@ static void test_two_gpu_runs_are_bit_identical(void) {
     compare_runs(in_root("gpu2"), in_root("gpu"), "train", "loss", STEPS, 0, -1);
     compare_runs(in_root("gpu2"), in_root("gpu"), "eval", "val_loss", 5, 0, -1);
     same_final_checkpoint(in_root("gpu2"), in_root("gpu"));
+}
+
+/* `--comm nccl` on one GPU (a one-rank NCCL communicator, no mpirun): the
+ * plain GPU run, bit for bit (docs/scaleout.md, "Data parallelism on GPUs"). */
+static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    if (!lm_comm_engine_available(LM_COMM_NCCL)) SKIP("built without NCCL");
+    int st = 0;
+    waitpid(start_train_with(in_root("gpu_nccl"), "cuda", 0, 0, "--comm", "nccl"), &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "train --comm nccl failed (see %s)", in_root("run.log"));
+    if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
+    compare_runs(in_root("gpu_nccl"), in_root("gpu"), "train", "loss", STEPS, 0, -1);
+    compare_runs(in_root("gpu_nccl"), in_root("gpu"), "eval", "val_loss", 5, 0, -1);
+    same_final_checkpoint(in_root("gpu_nccl"), in_root("gpu"));
 }
 
 static void sleep_seconds(double s) {
@@ -282,6 +299,7 @@ int main(void) {
     }
     RUN(test_gpu_loss_curve_follows_the_cpu);
     RUN(test_two_gpu_runs_are_bit_identical);
+    RUN(test_one_nccl_rank_is_the_plain_gpu_run);
     RUN(test_device_optimizer_follows_the_host_optimizer);
     RUN(test_gpu_run_killed_and_resumed_is_bit_identical);
     RUN(test_gpu_checkpoint_evaluates_on_the_cpu);

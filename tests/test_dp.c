@@ -255,9 +255,16 @@ static int run_cli(const char *args, char *out, size_t n) {
 }
 
 static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {
-    char out[4096], args[900];
+    char out[16384], args[900];
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm gloo", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm must be mpi, nccl"), "%s", out);
+    /* NCCL sums device gradients: refused on the CPU before anything is opened or written */
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm nccl", dir("cli"));
-    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm must be mpi"), "%s", out);
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--device cuda"), "%s", out);
+    if (!lm_comm_engine_available(LM_COMM_NCCL)) {
+        snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm nccl --device cuda", dir("cli"));
+        CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "NCCL"), "%s", out);
+    }
     /* started by a launcher that says 2 processes, without --comm mpi: refused before anything is written */
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s", dir("cli"));
     char env[1000];
@@ -540,14 +547,14 @@ static void test_what_the_ranks_cannot_share_is_refused(void) {
     c = dp_config(LM_QB_EXACT);
     s = train(&c, "exact", 1, 0, 0, &r);
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "exact"), "status %d: %s", (int)s, lm_last_error());
-    /* GPU data parallelism needs the NCCL engine: refused before a device is opened */
+    /* GPU data parallelism runs over the NCCL engine, not MPI: refused before a device is opened */
     c = dp_config(LM_QB_HISTOGRAM);
     lm_train_options o = lm_train_options_default(dir("on-gpu"));
     o.progress = NULL;
     o.comm = comm;
     o.device = LM_DEVICE_CUDA;
     s = lm_train(&c, &o, &r);
-    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "on the CPU"), "status %d: %s", (int)s, lm_last_error());
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "--comm nccl"), "status %d: %s", (int)s, lm_last_error());
     lm_comm_barrier(comm);
     if (me == 0) {
         char p[700];

@@ -118,6 +118,58 @@ static void test_the_map_is_affine_in_the_initial_state(void) {
     cp_problem_free(&p);
 }
 
+/* D, the incoming state's gradient from the outputs alone, is the chunked
+ * backward's dh0 with no final-state gradient, whatever the initial state;
+ * and with the map it gives dh0 for any final-state gradient: P^T dht + D. */
+static void check_dgrad(lm_kda_gate gate, int chunk, int T, uint64_t seed) {
+    const int B = 2, H = 2, K = 16, V = 24;
+    cp_problem p;
+    cp_problem_make(&p, B, T, H, K, V, seed);
+    lm_kda_config cfg = lm_kda_config_default(B, T, H, K, V);
+    cfg.gate = gate;
+    cfg.chunk = chunk;
+    const size_t nq = (size_t)B * T * H, ns = (size_t)B * H * K * V, nk = (size_t)B * H * K * K;
+    lm_rng r;
+    lm_rng_seed(&r, seed + 7);
+    float *d_o = malloc(nq * V * 4), *dht = malloc(ns * 4);
+    cp_fill_normal(&r, d_o, nq * V, 1.0);
+    cp_fill_normal(&r, dht, ns, 1.0);
+    lm_kda_inputs in = {p.q, p.k, p.v, p.z, p.beta, p.A_log, p.dt_bias, p.h0};
+    float *g = calloc(3 * nq * K + nq * V + nq + (size_t)H * (K + 1), 4), *dh0 = calloc(ns, 4);
+    lm_kda_grads G = {g, g + nq * K, g + 2 * nq * K, g + 2 * nq * K + nq * V, g + 3 * nq * K + nq * V,
+                      g + 3 * nq * K + nq * V + nq, g + 3 * nq * K + nq * V + nq + H, dh0};
+    CHECK(lm_kda_chunk_backward(&cfg, &in, d_o, NULL, &G) == LM_OK, "%s", lm_last_error());
+    float *D = malloc(ns * 4), *P = malloc(nk * 4), *Q = malloc(ns * 4), *want = calloc(ns, 4);
+    in.h0 = NULL; /* D does not read the initial state */
+    CHECK(lm_kda_state_map_dgrad(&cfg, &in, d_o, D) == LM_OK, "%s", lm_last_error());
+    const char *gn = gate == LM_KDA_GATE_BOUNDED ? "bounded" : "softplus";
+    CHECK(!memcmp(D, dh0, ns * 4), "%s chunk %d T %d: D differs from the backward's dh0 by %.3g", gn, chunk, T,
+          cp_max_rel(D, dh0, ns));
+    /* dh0 with a final-state gradient: P^T dht + D */
+    memset(g, 0, (3 * nq * K + nq * V + nq + (size_t)H * (K + 1)) * 4);
+    memset(dh0, 0, ns * 4);
+    in.h0 = p.h0;
+    CHECK(lm_kda_chunk_backward(&cfg, &in, d_o, dht, &G) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_kda_state_map(&cfg, &in, P, Q) == LM_OK, "%s", lm_last_error());
+    for (int pr = 0; pr < B * H; pr++)
+        for (int i = 0; i < K; i++)
+            for (int j = 0; j < K; j++)
+                for (int c = 0; c < V; c++)
+                    want[((size_t)pr * K + j) * V + c] += P[((size_t)pr * K + i) * K + j] * dht[((size_t)pr * K + i) * V + c];
+    for (size_t i = 0; i < ns; i++) want[i] += D[i];
+    double e = cp_max_rel(want, dh0, ns);
+    CHECK(e < 1e-5, "%s chunk %d T %d: P^T dht + D differs from dh0 by %.3g", gn, chunk, T, e);
+    free(d_o), free(dht), free(g), free(dh0), free(D), free(P), free(Q), free(want);
+    cp_problem_free(&p);
+}
+
+static void test_dgrad_is_the_backward_initial_state_gradient(void) {
+    check_dgrad(LM_KDA_GATE_BOUNDED, 16, 53, 51);
+    check_dgrad(LM_KDA_GATE_BOUNDED, 64, 129, 52);
+    check_dgrad(LM_KDA_GATE_SOFTPLUS, 32, 77, 53);
+    check_dgrad(LM_KDA_GATE_SOFTPLUS, 16, 1, 54);
+}
+
 static void test_bad_arguments_are_rejected(void) {
     float x[16] = {0}, y[16];
     CHECK(lm_kda_state_map_compose(1, 2, 2, x, x, x, x, x, y) == LM_ERR_ARG, "aliased output accepted");
@@ -133,6 +185,7 @@ int main(void) {
     RUN(test_segments_from_scanned_states_equal_the_whole_sequence_bounded_gate);
     RUN(test_segments_from_scanned_states_equal_the_whole_sequence_softplus_gate);
     RUN(test_the_map_is_affine_in_the_initial_state);
+    RUN(test_dgrad_is_the_backward_initial_state_gradient);
     RUN(test_bad_arguments_are_rejected);
     return test_summary();
 }

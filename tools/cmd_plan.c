@@ -1,16 +1,23 @@
 /* `longmoe plan --config C [--context N] [--layout DP,EP,CP,PP[,TP] ...]`:
  * parameters (total and active per token), forward FLOPs per token and memory
  * per token, by component; with --layout, the memory, FLOPs, collective bytes
- * and time per GPU and step of that parallel layout (docs/scaleout.md). */
+ * and time per GPU and step of that parallel layout (docs/scaleout.md); with
+ * --memory, every buffer one training process holds for a shape, by name, from
+ * the model's own memory plan (docs/model.md, "Memory"). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
 #include "longmoe/config.h"
 #include "longmoe/layout_plan.h"
+#include "longmoe/model.h"
+#include "longmoe/optim_device.h"
 
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
+    "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
+    "                    [--recompute-chunk N] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -25,7 +32,18 @@ static const char *const plan_usage =
     "  --nvlink-gbytes X     NVLink bandwidth per GPU in GB/s (default 900)\n"
     "  --ib-gbits X          InfiniBand bandwidth per GPU in Gb/s (default 400)\n"
     "  --peak-tflops X       dense bf16 peak per GPU (default 989)\n"
-    "  --mfu X               fraction of the peak reached (default 0.4)\n";
+    "  --mfu X               fraction of the peak reached (default 0.4)\n"
+    "\n"
+    "With --memory it lists every buffer a training process holds in the device's\n"
+    "memory for one micro-batch of B x T tokens (default train.batch_size x\n"
+    "train.seq_len): parameters, gradients, the optimizer's state (on the device for\n"
+    "cuda, as train --device cuda), each activation and scratch buffer, by name, from\n"
+    "the plan the model allocates with (no GPU needed). --recompute-chunk N overrides\n"
+    "train.recompute_chunk (and turns train.recompute on when N > 0); --json FILE\n"
+    "writes the table.\n";
+
+static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
+                        const char *json);
 
 static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
                         long context, long long global_tokens);
@@ -41,8 +59,9 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 }
 
 int cmd_plan(int argc, char **argv) {
-    const char *cmd = "plan", *path = NULL, *layout_text = NULL;
-    long context = -1, gpn = 8;
+    const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
+    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1;
+    int memory = 0;
     double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
         const char *v;
@@ -54,6 +73,19 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--context")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--context", v, 1, 1L << 30, &context))
                 return 2;
+        } else if (!strcmp(argv[i], "--memory")) {
+            memory = 1;
+        } else if (!strcmp(argv[i], "--batch")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--batch", v, 1, 1L << 16, &batch)) return 2;
+        } else if (!strcmp(argv[i], "--seq")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--seq", v, 1, 1L << 26, &seq)) return 2;
+        } else if (!strcmp(argv[i], "--recompute-chunk")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--recompute-chunk", v, 0, 1L << 26, &chunk))
+                return 2;
+        } else if (!strcmp(argv[i], "--device")) {
+            if (!(device = cli_value(cmd, argc, argv, &i))) return 2;
+        } else if (!strcmp(argv[i], "--json")) {
+            if (!(json = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(argv[i], "--layout")) {
             if (!(layout_text = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(argv[i], "--gpus-per-node")) {
@@ -82,6 +114,10 @@ int cmd_plan(int argc, char **argv) {
     lm_config c;
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
+    if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
+                                    chunk, json);
+    if (batch > 0 || seq > 0 || chunk >= 0 || json || strcmp(device, "cpu"))
+        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk and --json go with --memory (see --help)");
     if (layout_text) {
         lm_layout layout;
         if (lm_layout_parse(layout_text, &layout)) return cli_fail(cmd, "%s", lm_last_error());
@@ -174,4 +210,99 @@ static int print_layout(const char *cmd, const lm_config *c, const lm_layout *la
            "the other collectives added) -> %.0f tokens/s on %d GPUs\n", p.step_s, (double)global_tokens / p.step_s,
            p.n_gpus);
     return 0;
+}
+
+static double gib(double b) { return b / (1024.0 * 1024 * 1024); }
+
+/* a buffer's name as a JSON string (quotes, backslashes and control characters escaped) */
+static void json_string(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') fprintf(f, "\\%c", *s);
+        else if ((unsigned char)*s < 0x20) fprintf(f, "\\u%04x", (unsigned char)*s);
+        else fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
+                        const char *json) {
+    lm_device dev;
+    if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
+    if (chunk >= 0) {
+        c->recompute_chunk = (int)chunk;
+        if (chunk > 0) c->recompute = 1;
+    }
+    if (B * T > (1L << 26)) return cli_fail(cmd, "--batch x --seq = %ld tokens exceeds 2^26", B * T);
+    lm_model *m = NULL;
+    if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
+    /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
+    int nt = lm_model_num_tensors(m);
+    lm_param *ps = calloc((size_t)nt, sizeof *ps);
+    if (!ps) {
+        lm_model_free(m);
+        return cli_fail(cmd, "out of memory");
+    }
+    lm_model_optimizer_params(m, ps, c->optimizer);
+    size_t state = lm_optim_state_floats(ps, nt) * sizeof(float), scratch = 0, norm = 0;
+    if (dev == LM_DEVICE_CUDA) {
+        const lm_ops *ops = lm_backend_cuda_ops();
+        for (int i = 0; i < nt; i++)
+            if (lm_param_optimizer(&ps[i]) == LM_OPT_MUON) {
+                size_t b = ops->muon_scratch_bytes(NULL, ps[i].rows, ps[i].cols, ps[i].n_blocks > 1 ? ps[i].n_blocks : 1);
+                scratch = b > scratch ? b : scratch;
+            }
+        norm = lm_grad_norm_work_bytes(nt);
+    } else {
+        scratch = lm_optim_scratch_floats(ps, nt) * sizeof(float);
+    }
+    free(ps);
+    const char *extra_names[3] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
+                                  "gradient norm work"};
+    size_t extra[3] = {state, scratch, norm};
+    int nb = lm_model_num_buffers(m);
+    double total = 0;
+    for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
+    for (int i = 0; i < 3; i++) total += (double)extra[i];
+    printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d: %zu parameters\n\n", cmd, device,
+           B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, lm_model_num_params(m));
+    printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
+    for (int i = 0; i < nb; i++) {
+        const lm_model_buffer *b = lm_model_buffer_at(m, i);
+        printf("%-82s %12.3f %6.1f%%\n", b->name, gib((double)b->bytes), 100.0 * (double)b->bytes / total);
+    }
+    for (int i = 0; i < 3; i++)
+        if (extra[i]) printf("%-82s %12.3f %6.1f%%\n", extra_names[i], gib((double)extra[i]), 100.0 * extra[i] / total);
+    printf("%-82s %12.3f\n", "total", gib(total));
+    printf("(%.1f KiB a token; the CUDA backend adds small scratch of its own and the allocator's rounding)\n",
+           total / 1024.0 / (double)(B * T));
+    int rc = 0;
+    if (json) {
+        FILE *f = fopen(json, "w");
+        if (!f) {
+            rc = cli_fail(cmd, "cannot write %s", json);
+        } else {
+            fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %d, \"recompute_chunk\": %d, "
+                       "\"total_bytes\": %.0f, \"buffers\": [",
+                    device, B, T, c->recompute, c->recompute_chunk, total);
+            int first = 1;
+            for (int i = 0; i < nb; i++) {
+                const lm_model_buffer *b = lm_model_buffer_at(m, i);
+                fprintf(f, "%s\n  {\"name\": ", first ? "" : ",");
+                json_string(f, b->name);
+                fprintf(f, ", \"bytes\": %zu}", b->bytes);
+                first = 0;
+            }
+            for (int i = 0; i < 3; i++)
+                if (extra[i]) {
+                    fprintf(f, ",\n  {\"name\": ");
+                    json_string(f, extra_names[i]);
+                    fprintf(f, ", \"bytes\": %zu}", extra[i]);
+                }
+            fprintf(f, "]}\n");
+            if (fclose(f)) rc = cli_fail(cmd, "cannot write %s", json);
+        }
+    }
+    lm_model_free(m);
+    return rc;
 }

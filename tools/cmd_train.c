@@ -13,7 +13,8 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep] [--zero 1] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -43,12 +44,12 @@ static const char *const train_usage =
     "                and kda.head_dim 32, 64 or 128 (docs/training.md, \"Devices\")\n"
     "  --host-optimizer  with --device cuda: the optimizer on the host instead (gradients\n"
     "                down and parameters up every step; slower, for comparison)\n"
-    "  --comm C      self (default: one process) or mpi: data parallel over the processes\n"
-    "                mpirun started (CPU; a build with MPI). Rank r computes sequences\n"
-    "                [r B/N, (r+1) B/N) of every micro-batch of B = train.batch_size\n"
-    "                sequences (B divisible by N), the gradients, losses and MoE balancing\n"
-    "                counts are summed in rank order and every rank takes the same optimizer\n"
-    "                step: the run equals one process's with the same config to float\n"
+    "  --comm C      self (default: one process), mpi (CPU ranks) or nccl (--device cuda,\n"
+    "                one GPU a process): data parallel over the processes mpirun started.\n"
+    "                Rank r computes sequences [r B/N, (r+1) B/N) of every micro-batch of\n"
+    "                B = train.batch_size sequences (B divisible by N); gradients, losses\n"
+    "                and MoE balancing counts are summed in rank order and every rank takes\n"
+    "                the same optimizer step: the run equals one process's to float\n"
     "                rounding (more loosely with the zoom estimator). Rank 0 prints and\n"
     "                writes DIR; every rank must see DIR (one machine or a shared file\n"
     "                system). A checkpoint resumes on one process or any number of ranks\n"
@@ -60,6 +61,14 @@ static const char *const train_usage =
     "                rank and the expert gradients are summed with the rest, so the\n"
     "                checkpoints are data parallelism's and resume with or without --ep\n"
     "                (docs/scaleout.md, \"Expert parallelism\")\n"
+    "  --zero S      with --comm mpi: 0 (default) keeps the optimizer state on every rank;\n"
+    "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
+    "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
+    "                state, sums its gradients (reduce-scatter), clips and updates it and\n"
+    "                all-gathers the new weights. The same run bit for bit with about 1/N\n"
+    "                of the optimizer memory a rank (the start message says how much);\n"
+    "                checkpoints are the same files and resume on any number of ranks, with\n"
+    "                or without --zero (docs/scaleout.md, \"ZeRO-1\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -100,7 +109,8 @@ int cmd_train(int argc, char **argv) {
     long steps = 0, stop_after = 0;
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
-    int host_optimizer = 0, use_mpi = 0, expert_parallel = 0;
+    int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
+    long zero = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -124,13 +134,16 @@ int cmd_train(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--comm")) {
             if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
-            if (!strcmp(v, "mpi")) use_mpi = 1;
-            else if (strcmp(v, "self")) {
-                cli_fail(cmd, "--comm must be mpi (or self: one process), got '%s'", v);
+            use_mpi = !strcmp(v, "mpi");
+            use_nccl = !strcmp(v, "nccl");
+            if (!use_mpi && !use_nccl && strcmp(v, "self")) {
+                cli_fail(cmd, "--comm must be mpi, nccl (or self: one process), got '%s'", v);
                 return 2;
             }
         } else if (!strcmp(a, "--ep")) {
             expert_parallel = 1;
+        } else if (!strcmp(a, "--zero")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
         } else if (!strcmp(a, "--host-optimizer")) {
             host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -185,11 +198,15 @@ int cmd_train(int argc, char **argv) {
         strcpy(cfg.data, data);
     }
     /* data parallel: the processes of mpirun's job (docs/scaleout.md) */
-    if (!use_mpi && launched_ranks() > 1)
-        return cli_fail(cmd, "started by mpirun as one of %ld processes without --comm mpi: each would train the "
-                        "whole run alone into the same --out; give --comm mpi for data parallelism", launched_ranks()) + 1;
+    if (!use_mpi && !use_nccl && launched_ranks() > 1)
+        return cli_fail(cmd, "started by mpirun as one of %ld processes without --comm mpi or nccl: each would train "
+                        "the whole run alone into the same --out; give --comm mpi (CPU) or --comm nccl (GPU) for "
+                        "data parallelism", launched_ranks()) + 1;
     if (expert_parallel && !use_mpi)
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
+    if (zero && !use_mpi)
+        return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi") + 1;
+    opt.zero = (int)zero;
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
     if (use_mpi) {
@@ -197,8 +214,20 @@ int cmd_train(int argc, char **argv) {
             return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "
                             "e.g. Debian's libopenmpi-dev, and configure again with -DLONGMOE_MPI=ON)") + 1;
         if (device != LM_DEVICE_CPU)
-            return cli_fail(cmd, "--comm mpi: data parallelism runs on the CPU; --device cuda trains on one GPU") + 1;
+            return cli_fail(cmd, "--comm mpi: data parallelism over MPI runs CPU ranks; GPU ranks are --device cuda --comm nccl") + 1;
         if (lm_comm_open(LM_COMM_MPI, &comm)) return cli_fail(cmd, "--comm mpi: %s", lm_last_error());
+        opt.comm = comm;
+    }
+    if (use_nccl) {
+        if (device != LM_DEVICE_CUDA)
+            return cli_fail(cmd, "--comm nccl: data parallelism on GPUs needs --device cuda (CPU ranks: --comm mpi)") + 1;
+        if (!lm_comm_engine_available(LM_COMM_NCCL)) {
+            lm_comm *none = NULL;
+            lm_comm_open(LM_COMM_NCCL, &none); /* its message names the missing library */
+            return cli_fail(cmd, "--comm nccl: %s", lm_last_error()) + 1;
+        }
+        /* before the model's device is opened: the engine selects this process's GPU */
+        if (lm_comm_open(LM_COMM_NCCL, &comm)) return cli_fail(cmd, "--comm nccl: %s", lm_last_error());
         opt.comm = comm;
     }
     lm_train_result r;

@@ -73,6 +73,19 @@ lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, 
                                 const float *v, const float *o, const float *lse,
                                 const float *d_o, float *dq, float *dk, float *dv);
 
+/* Queries of a later part of the sequences (context parallelism): the T
+ * queries sit at positions q_offset .. q_offset+T-1 of sequences whose keys
+ * and values are positions 0 .. q_offset+T-1, so k [B,q_offset+T,Hkv,Dk] and
+ * v [B,q_offset+T,Hkv,Dv]; query i attends keys j <= q_offset + i. q, o, d_o,
+ * dq, lse and rowmax (may be NULL) have the T queries' shapes, dk and dv the
+ * keys'. q_offset 0 is lm_attention_forward_rowmax / _backward, bit for bit.
+ * Same workspace sizes. */
+lm_status lm_attention_forward_offset(const lm_attention_config *cfg, int q_offset, const float *q,
+                                      const float *k, const float *v, float *o, float *lse, float *rowmax);
+lm_status lm_attention_backward_offset(const lm_attention_config *cfg, int q_offset, const float *q,
+                                       const float *k, const float *v, const float *o, const float *lse,
+                                       const float *d_o, float *dq, float *dk, float *dv);
+
 /* ---- naive O(T^2) reference: for tests and benchmarks only ----
  * Materialises the full [T,T] score matrix per (batch, head) (T*T floats,
  * malloc'd inside), fp32. Same contract as the tiled functions. */

@@ -72,6 +72,9 @@ typedef struct {
     int64_t n_tokens;   /* tokens per call (batch x sequence length) */
     float eps;          /* key RMSNorm: rms = sqrt(mean(v^2) + eps), as in linear.h */
     int two_phase;      /* 1: two-phase computation [AR]; 0: direct softmax per sublayer */
+    int replay;         /* 1 (BLOCK mode): keep the partial sums of one block only (S - 1 of
+                         * them, not L - n_blocks): the backward replays each block's forward
+                         * (lm_attnres_replay_block) before its backward; 0: keep them all */
 } lm_attnres_config;
 
 /* Learned parameters, both [L+1, d] row-major: row l is sublayer l, row L the
@@ -122,6 +125,7 @@ typedef struct {
     float *u;                /* [S, d] w_l (.) g_l for the queries of the open block */
     float *qpart;            /* [ceil(n/64), d] parameter-gradient partial sums */
     int step;                /* position in the call sequence (see attnres.c) */
+    int replaying, replay_last, replay_step; /* a block's replay: its last sublayer, the step to go back to */
 } lm_attnres_state;
 
 /* Carve the buffers out of `workspace` (at least plan.total bytes, aligned to
@@ -151,6 +155,14 @@ lm_status lm_attnres_weights(const lm_attnres_state *st, int l, float *weights);
  * recomputation: the model need not keep h_l). Equal to the forward's h_l up
  * to fp32 rounding (the softmax is evaluated as exp(s - lse)). */
 lm_status lm_attnres_recompute_input(const lm_attnres_state *st, int l, float *h);
+
+/* With cfg.replay: before the backward of block k (when the next call would
+ * be lm_attnres_output_backward of its last sublayer), go back to the block's
+ * forward: the caller runs lm_attnres_input(l) and lm_attnres_add_output(l)
+ * for every sublayer l of block k again, with the same outputs, and the state
+ * holds that block's partial sums (the same bits as in the first forward);
+ * the last add_output returns to the backward where it stopped. */
+lm_status lm_attnres_replay_block(lm_attnres_state *st, int k);
 
 /* ---- backward (after lm_attnres_final, in reverse order) ---- */
 lm_status lm_attnres_final_backward(lm_attnres_state *st, const lm_attnres_params *p,

@@ -68,6 +68,7 @@ typedef struct {
     float *lse;          /* [L+1, n] */
     float *qpart;        /* [ceil(n / TOKEN_BLOCK), d] parameter-gradient partial sums */
     int step;            /* position in the call sequence (as in the CPU state) */
+    int replaying, replay_last, replay_step; /* a block's replay (cfg.replay), as in the CPU state */
 } lm_cuda_attnres_state;
 
 /* Device bytes of every buffer (each rounded up to 64 bytes); phase1 and
@@ -93,6 +94,8 @@ lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_attnres_stat
 /* h [n,d] = the input of layer l (L: final) again from the saved scores,
  * h = sum_i exp(s_i - lse) v_i, for activation recomputation; available from
  * that layer's forward until its backward, not in STANDARD mode. */
+/* lm_attnres_replay_block on the GPU state (cfg.replay: one block's partial sums kept) */
+lm_status lm_cuda_attnres_replay_block(lm_cuda_attnres_state *st, int k);
 lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx, const lm_cuda_attnres_state *st, int l,
                                           float *h);
 

@@ -171,6 +171,9 @@ typedef struct {
     /* the backend's activations for up to m_max tokens (opaque to the model) */
     lm_status (*moe_acts_create)(lm_backend *be, const lm_moe_config *cfg, int64_t m_max, void **acts);
     void (*moe_acts_free)(lm_backend *be, void *acts);
+    /* bytes of the backend's memory moe_acts_create takes for m_max tokens
+     * (the memory plan, lm_model_plan; no backend needed) */
+    size_t (*moe_acts_bytes)(const lm_moe_config *cfg, int64_t m_max);
     /* y[m,d] = MoE(x) (written); bias_host [n] (host, may be NULL) selects, as
      * in moe.h; p (fp32) and p_lp (the same layout in the product format) */
     lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const float *bias_host,
@@ -192,6 +195,16 @@ typedef struct {
     /* ---- the residual stream over depth (attnres.h): the same calls, a backend state ---- */
     lm_status (*attnres_create)(lm_backend *be, const lm_attnres_config *cfg, void **state);
     void (*attnres_free)(lm_backend *be, void *state);
+    /* the backend's plan of the memory attnres_create takes, by part (no backend needed) */
+    lm_status (*attnres_memory)(const lm_attnres_config *cfg, lm_attnres_memory_plan *plan);
+    /* h = sublayer l's input again, from the state saved by its forward (valid
+     * until its input_backward): the softmax of the saved scores over the
+     * sources, not the forward's arithmetic, so equal to float rounding;
+     * block and full AttnRes only */
+    lm_status (*attnres_recompute_input)(lm_backend *be, void *state, int l, float *h);
+    /* with cfg.replay: lm_attnres_replay_block (NULL: the backend keeps every
+     * partial sum, and the model plans replay = 0 for it) */
+    lm_status (*attnres_replay_block)(lm_backend *be, void *state, int k);
     lm_status (*attnres_begin)(lm_backend *be, void *state, const float *embedding);
     lm_status (*attnres_input)(lm_backend *be, void *state, int l, const lm_attnres_params *p, float *h);
     lm_status (*attnres_add_output)(lm_backend *be, void *state, int l, const float *y);
@@ -202,6 +215,11 @@ typedef struct {
     lm_status (*attnres_input_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
                                         const float *dh, lm_attnres_grads *g);
     lm_status (*attnres_embedding_backward)(lm_backend *be, void *state, float *dembedding);
+
+    /* bytes of scratch the backend itself takes for the KDA operator and for
+     * attention at these shapes (either may be NULL): 0 where the model passes
+     * the workspace (the CPU); on the GPU the arena those ops grow */
+    size_t (*op_scratch_bytes)(const lm_kda_config *kda, const lm_attention_config *attn);
 
     /* ---- checks ---- */
     /* *first = the index of the first non-finite value of x[n], or -1 */
@@ -251,6 +269,9 @@ lm_backend *lm_backend_cpu(void);
  * cuBLASLt handle and scratch arena. LM_ERR_ARG in a build without
  * CUDA, LM_ERR_IO when no GPU can be used. Free with lm_backend_free. */
 lm_status lm_backend_cuda_create(lm_backend **out);
+/* The CUDA backend's op table without a GPU (for planning: the *_bytes ops
+ * only); NULL in a build without CUDA. */
+const lm_ops *lm_backend_cuda_ops(void);
 /* Free a backend made by a *_create call (the CPU backend is left alone). */
 void lm_backend_free(lm_backend *be);
 

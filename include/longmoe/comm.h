@@ -7,14 +7,18 @@
  *   LM_COMM_SELF  one rank, no dependency (the default of a build without MPI)
  *   LM_COMM_MPI   CPU ranks started by mpirun (built when CMake finds MPI:
  *                 LONGMOE_MPI=ON, then LONGMOE_HAVE_MPI is defined)
- *   LM_COMM_NCCL  GPU ranks (not built yet; the enum value is reserved and
- *                 lm_comm_open says so)
+ *   LM_COMM_NCCL  GPU ranks, one process a GPU (built when CMake finds CUDA and
+ *                 NCCL: LONGMOE_HAVE_NCCL); started by mpirun (the NCCL id goes
+ *                 over MPI) or alone (one rank)
  *
  * Memory. Buffers live where the engine works: host memory for SELF and MPI,
- * device memory for a device engine, whose calls are ordered on the stream set
- * by lm_comm_set_stream (host engines ignore the stream). Each handle keeps one
- * scratch buffer that the reductions use, grown on first need; call
- * lm_comm_reserve before a step to keep allocation out of it.
+ * device memory for NCCL, whose calls are enqueued on the stream set by
+ * lm_comm_set_stream (NULL: the default stream; host engines ignore it) and
+ * return before the data has moved (read the results after the stream). The
+ * counts of lm_comm_exchange_counts and every count and offset table are host
+ * arrays on every engine. Each handle keeps one scratch buffer (engine memory)
+ * that the reductions use, grown on first need; call lm_comm_reserve before a
+ * step to keep allocation out of it.
  *
  * Determinism. Every sum is computed in a fixed order that depends only on
  * the number of ranks and the count, never on timing or the MPI library's
@@ -51,7 +55,11 @@ int lm_comm_engine_available(lm_comm_engine engine);
 
 /* Open a handle on all ranks of the job. MPI: initialises MPI when nobody has
  * (then lm_comm_close finalises it) and works on a duplicate of
- * MPI_COMM_WORLD. An engine this build lacks is an LM_ERR_ARG error. */
+ * MPI_COMM_WORLD. NCCL: a process started by mpirun (or running MPI already)
+ * opens MPI the same way and gets the NCCL id from rank 0; it selects its GPU
+ * (cudaSetDevice: its rank among the job's processes on this host, modulo the
+ * visible devices); a lone process makes a one-rank communicator. An engine
+ * this build lacks is an LM_ERR_ARG error naming the missing library. */
 lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out);
 /* Release the handle (NULL is allowed); collective on all ranks. */
 void lm_comm_close(lm_comm *comm);
@@ -60,6 +68,13 @@ void lm_comm_close(lm_comm *comm);
  * that the others cannot learn of: they would wait in their next collective).
  * MPI: MPI_Abort; one rank: exit. Does not return. */
 void lm_comm_abort(lm_comm *comm, int code);
+
+/* A handle on the same ranks, in the same order, for host buffers: `comm`
+ * itself for the host engines; for NCCL the MPI handle its id came over, or a
+ * one-rank handle for a lone process. Owned by `comm` (closed with it). Small
+ * values that live on the host (losses, flags, counts) go over it while the
+ * device engine moves device buffers. */
+lm_comm *lm_comm_host(lm_comm *comm);
 
 int lm_comm_rank(const lm_comm *comm);
 int lm_comm_size(const lm_comm *comm);
@@ -70,7 +85,8 @@ lm_comm_engine lm_comm_engine_of(const lm_comm *comm);
 void lm_comm_set_stream(lm_comm *comm, void *stream);
 
 /* Grow the handle's scratch to at least the bytes that a sum of `count`
- * elements of `dtype` needs (all_reduce or reduce_scatter of that count). */
+ * elements of `dtype` needs (all_reduce or reduce_scatter of that count:
+ * the larger, R * count elements). One rank needs none. */
 lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype);
 
 /* Sum over ranks of `count` elements (F32, F64 or I32); send == recv is
@@ -81,6 +97,15 @@ lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, si
  * their send[r] (in rank order). send and recv must not overlap. */
 lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv, size_t count,
                                      lm_dtype dtype);
+
+/* Variable shares: send holds the ranks' blocks one after the other, rank q's
+ * counts[q] elements at element offset counts[0] + ... + counts[q-1] (the
+ * same counts on every rank; zeros allowed); recv [counts[r]] on rank r = the
+ * sum over ranks of their block r, added in rank order as above (so each
+ * element has the bits an all-reduce gives it). send and recv must not
+ * overlap. */
+lm_status lm_comm_reduce_scatterv_sum(lm_comm *comm, const void *send, void *recv, const size_t *counts,
+                                      lm_dtype dtype);
 
 /* send [bytes] on every rank; recv [R][bytes] in rank order. */
 lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes);
@@ -99,13 +124,21 @@ lm_status lm_comm_all_to_allv(lm_comm *comm, const void *send, const size_t *sen
                               const size_t *recv_offsets);
 
 /* recv_counts[p] = the send_counts[r] of rank p, for this rank r: the counts
- * an all_to_allv will deliver (one int64 per peer). */
+ * an all_to_allv will deliver (one int64 per peer). Host arrays on every
+ * engine; NCCL stages them through the device and waits for its stream. */
 lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int64_t *recv_counts);
 
 /* Copy `bytes` at buf on rank `root` into buf on every rank. */
 lm_status lm_comm_broadcast(lm_comm *comm, void *buf, size_t bytes, int root);
 
-/* Return when every rank has entered. */
+/* A handle on a subset of the ranks: the ranks that give the same color >= 0
+ * form one group, numbered in their order in `comm`; a rank giving a negative
+ * color gets *out = NULL. Collective on every rank of `comm`. The new handle
+ * is closed with lm_comm_close (before `comm`'s last handle closes MPI). */
+lm_status lm_comm_split(lm_comm *comm, int color, lm_comm **out);
+
+/* Return when every rank has entered (NCCL: and the work enqueued before it
+ * on the stream has finished). */
 lm_status lm_comm_barrier(lm_comm *comm);
 
 #ifdef __cplusplus

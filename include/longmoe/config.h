@@ -73,6 +73,10 @@ typedef struct {
     lm_schedule_kind schedule;
     uint64_t seed;
     int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;
+    /* with recompute: tokens per chunk of the per-token sublayers (dense FFN, MoE)
+     * in the forward and the recomputing backward, and the sublayer inputs are
+     * recomputed from the residual state; 0 = off (docs/model.md, "Memory") */
+    int recompute_chunk;
     char data[64];          /* default data source: a built-in task or shards:DIR */
     int n_stages;           /* 0: one stage of train.seq_len, train.batch_size, train.steps */
     lm_stage stages[LM_MAX_STAGES];

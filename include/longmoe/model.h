@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/balance.h"
 #include "longmoe/config.h"
 #include "longmoe/core.h"
@@ -64,6 +65,10 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, struct lm_backe
 struct lm_backend *lm_model_backend(const lm_model *m);
 lm_status lm_model_upload_params(lm_model *m);
 lm_status lm_model_download_grads(lm_model *m);
+/* The gradient block in the backend's memory (n_params floats, the layout of
+ * lm_model_grads; the same pointer on the CPU): what a device engine of the
+ * communication layer sums over ranks. Zeroed before the next forward. */
+float *lm_model_backend_grads(lm_model *m);
 void lm_model_free(lm_model *m);
 
 /* Expert parallelism over the ranks of comm (docs/scaleout.md; CPU backend
@@ -95,6 +100,25 @@ size_t lm_model_num_params(const lm_model *m);
 float *lm_model_params(lm_model *m);
 float *lm_model_grads(lm_model *m);
 size_t lm_model_activation_bytes(const lm_model *m);
+
+/* The memory plan: every buffer the model holds in its backend's memory, by
+ * name, in the order it is planned (parameters, gradients, their product-
+ * format copy, each activation and scratch buffer, tokens, the MoE routing
+ * buffers, the residual stream's state, the backend's operator scratch).
+ * The model allocates from this very plan. */
+typedef struct {
+    char name[160];
+    size_t bytes;
+} lm_model_buffer;
+int lm_model_num_buffers(const lm_model *m);
+const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i);
+/* Plan a model for a device without allocating it (no GPU needed, a build
+ * with CUDA for LM_DEVICE_CUDA): the parameter table and the memory plan of
+ * lm_model_create_on at B x T. Only the tables may be read (lm_model_num_*,
+ * lm_model_tensor_at, lm_model_buffer_at, lm_model_activation_bytes,
+ * lm_model_optimizer_params: descriptors with NULL data); free with
+ * lm_model_free. */
+lm_status lm_model_plan(const lm_config *cfg, int B, int T, lm_device device, lm_model **out);
 
 /* Forward over tokens [B,T] (ids < vocab_size). With targets [B,T] it returns
  * the mean cross-entropy in *loss and keeps what the backward needs; in

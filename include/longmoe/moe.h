@@ -105,6 +105,8 @@ size_t lm_moe_param_count(const lm_moe_config *cfg);
 void lm_moe_params_carve(const lm_moe_config *cfg, float *memory, lm_moe_params *out);
 
 lm_status lm_moe_acts_alloc(lm_moe_acts *acts, const lm_moe_config *cfg, int64_t m_max);
+/* Bytes lm_moe_acts_alloc takes for m_max tokens (0 for a bad config). */
+size_t lm_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max);
 void lm_moe_acts_free(lm_moe_acts *acts);
 
 /* Top-k selection: topk[m,k] = argtop_k(s + b) per token (b may be NULL:

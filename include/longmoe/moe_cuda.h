@@ -109,22 +109,35 @@ typedef struct {
 
 /* How the expert products (and, with cuBLAS, the latent and shared-expert
  * products) run:
+ *   BATCHED: cublasGemmBatchedEx, one call per distinct padded row count:
+ *            the experts whose padded rows (multiples of
+ *            LM_MOE_CUDA_ROW_TILE) are equally many run as one batch over
+ *            their padded rows, whose inputs are zero, so the padding rows
+ *            of every intermediate are zero too and the weight gradients'
+ *            contractions may run over them; fp32 weight gradients
+ *            accumulate in place (the default);
  *   GROUPED: cublasGemmGroupedBatchedEx, one group per expert with rows;
  *   LOOP:    one cublasGemmEx per expert with rows;
  *   WMMA:    the project's own grouped kernel (src/cuda/moe/moe_gemm.cu).
- * Operands bf16, accumulation fp32 in all three. The cuBLAS kinds need the
+ * Operands bf16, accumulation fp32 in all four. The cuBLAS kinds need the
  * per-expert row counts on the host: the forward copies them once (one
  * stream synchronisation) and the backward reuses them. */
-typedef enum { LM_MOE_GEMM_GROUPED = 0, LM_MOE_GEMM_LOOP = 1, LM_MOE_GEMM_WMMA = 2 } lm_moe_gemm_kind;
+typedef enum {
+    LM_MOE_GEMM_GROUPED = 0,
+    LM_MOE_GEMM_LOOP = 1,
+    LM_MOE_GEMM_WMMA = 2,
+    LM_MOE_GEMM_BATCHED = 3
+} lm_moe_gemm_kind;
+#define LM_MOE_GEMM_KINDS 4
 
 /* The kind the next forward uses (its backward follows the forward). Until
- * set, the environment variable LONGMOE_MOE_GEMM=grouped|loop|wmma (read
- * once), else GROUPED. An unknown value in the environment makes this (and
+ * set, the environment variable LONGMOE_MOE_GEMM=batched|grouped|loop|wmma
+ * (read once), else BATCHED. An unknown value in the environment makes this (and
  * so every forward) return LM_ERR_ARG naming it, until a kind is set. */
 lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind);
 lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind);
 const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind);
-/* "grouped", "loop", "wmma" -> kind; -1 for anything else */
+/* "batched", "grouped", "loop", "wmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
 /* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):
  * each then ran per expert (as LOOP), with one message on stderr. */

@@ -82,7 +82,10 @@ typedef struct {
      * summed in rank order, and every rank takes the same optimizer step.
      * Rank 0 alone writes the run directory (metrics, checkpoints, progress);
      * every rank reads the checkpoint it resumes from, so the directory must
-     * be visible to all. CPU only (device LM_DEVICE_CPU). */
+     * be visible to all. An MPI handle runs CPU ranks (device LM_DEVICE_CPU);
+     * an NCCL handle GPU ranks (LM_DEVICE_CUDA, opened before the trainer
+     * opens the device: it selects this process's GPU), the gradients summed
+     * on the device and the small per-step values over lm_comm_host. */
     lm_comm *comm;
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
@@ -91,6 +94,14 @@ typedef struct {
      * weights, their gradients (summed with the rest) and optimizer state stay
      * whole on every rank, so checkpoints are those of data parallelism. */
     int expert_parallel;
+    /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
+     * replicates the optimizer state on every rank; 1 shards it: the tensors
+     * are cut into one range of consecutive tensors a rank, balanced by state
+     * size, and rank r alone keeps range r's optimizer state, sums its
+     * gradients (reduce-scatter), clips and updates it, then all-gathers the new
+     * parameters. The result equals zero = 0 bit for bit; checkpoints are the
+     * same files (rank 0 gathers the state) and resume on any layout. */
+    int zero;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);
@@ -108,10 +119,16 @@ typedef struct {
     int interrupted;       /* 1: stopped early by opt->stop_requested (checkpointed) */
     double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
                               (lm_train_flops_per_token); reported on the GPU */
-    /* 64-bit hashes of this rank's state at the end: the parameters and the
-     * optimizer state, and the MoE balancing state (biases, windows, loads);
-     * data-parallel ranks hold the same (checked at every checkpoint) */
+    /* 64-bit hashes of the state at the end: the parameters, the optimizer
+     * state (from a hash of each tensor's state; under ZeRO-1 the owners'
+     * gathered, so a layout does not change the value) and the counters, and
+     * the MoE balancing state (biases, windows, loads); data-parallel ranks hold
+     * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
+     * them on every rank (collectively) */
     uint64_t params_hash, balance_hash;
+    /* bytes of optimizer state (Muon momenta, AdamW moments) this rank holds:
+     * the whole state, or under ZeRO-1 its range's */
+    size_t optimizer_state_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the

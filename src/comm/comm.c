@@ -21,7 +21,25 @@ int lm_comm_engine_available(lm_comm_engine engine) {
 #ifdef LONGMOE_HAVE_MPI
     if (engine == LM_COMM_MPI) return 1;
 #endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (engine == LM_COMM_NCCL) return 1;
+#endif
     return 0;
+}
+
+/* Why this build lacks an engine, for lm_comm_open's message. */
+static const char *missing_engine_hint(lm_comm_engine engine) {
+    if (engine == LM_COMM_MPI) return " (configure with an MPI library and -DLONGMOE_MPI=ON)";
+    if (engine == LM_COMM_NCCL) {
+#ifdef LONGMOE_HAVE_CUDA
+        return " (CMake found no NCCL library, nccl.h and libnccl.so: install it or give -DNCCL_ROOT=DIR "
+               "or NCCL_HOME, then reconfigure with -DLONGMOE_NCCL=ON)";
+#else
+        return " (it needs the CUDA toolkit and the NCCL library, nccl.h and libnccl.so; this build has "
+               "neither CUDA nor NCCL)";
+#endif
+    }
+    return "";
 }
 
 /* ---- the self engine: one rank, every collective a copy ---- */
@@ -43,9 +61,23 @@ static lm_status self_all_gatherv(lm_comm *c, const void *send, size_t send_byte
 static lm_status self_broadcast(lm_comm *c, void *buf, size_t bytes, int root) { return LM_OK; }
 static lm_status self_barrier(lm_comm *c) { return LM_OK; }
 static void self_close(lm_comm *c) {}
+static lm_status self_split(lm_comm *c, int color, lm_comm *out, int *in_group);
 
-static const lm_comm_ops self_ops = {"self", self_all_to_allv, self_all_gatherv, self_broadcast,
-                                     self_barrier, self_close};
+static const lm_comm_ops self_ops = {.name = "self",
+                                     .all_to_allv = self_all_to_allv,
+                                     .all_gatherv = self_all_gatherv,
+                                     .broadcast = self_broadcast,
+                                     .barrier = self_barrier,
+                                     .split = self_split,
+                                     .close = self_close};
+
+static lm_status self_split(lm_comm *c, int color, lm_comm *out, int *in_group) {
+    *in_group = color >= 0;
+    out->ops = &self_ops;
+    out->rank = 0;
+    out->size = 1;
+    return LM_OK;
+}
 
 /* ---- the handle ---- */
 
@@ -54,8 +86,7 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
     *out = NULL;
     if (!lm_comm_engine_available(engine))
         return lm_error(LM_ERR_ARG, "comm open: engine '%s' is not in this build%s", lm_comm_engine_name(engine),
-                        engine == LM_COMM_MPI ? " (configure with an MPI library and -DLONGMOE_MPI=ON)"
-                        : engine == LM_COMM_NCCL ? " (the NCCL engine is not written yet)" : "");
+                        missing_engine_hint(engine));
     lm_comm *c = calloc(1, sizeof *c);
     if (!c) return lm_error(LM_ERR_MEMORY, "comm open: out of memory");
     c->engine = engine;
@@ -73,6 +104,15 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
         }
     }
 #endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (engine == LM_COMM_NCCL) {
+        lm_status st = lm_comm_nccl_attach(c);
+        if (st) {
+            free(c);
+            return st;
+        }
+    }
+#endif
     c->tables = calloc(6 * (size_t)c->size, sizeof(size_t));
     if (!c->tables) {
         int size = c->size;
@@ -84,10 +124,34 @@ lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
     return LM_OK;
 }
 
+lm_status lm_comm_split(lm_comm *comm, int color, lm_comm **out) {
+    if (!comm || !out) return lm_error(LM_ERR_ARG, "comm split: comm and out must not be NULL");
+    *out = NULL;
+    lm_comm *c = calloc(1, sizeof *c);
+    if (!c) return lm_error(LM_ERR_MEMORY, "comm split: out of memory");
+    c->engine = comm->engine;
+    int in_group = 0;
+    lm_status st = comm->ops->split ? comm->ops->split(comm, color, c, &in_group)
+                                    : lm_error(LM_ERR_ARG, "comm split: the %s engine cannot split its ranks",
+                                               comm->ops->name);
+    if (st || !in_group) {
+        free(c);
+        return st;
+    }
+    c->tables = calloc(6 * (size_t)c->size, sizeof(size_t));
+    if (!c->tables) {
+        c->ops->close(c);
+        free(c);
+        return lm_error(LM_ERR_MEMORY, "comm split: out of memory");
+    }
+    *out = c;
+    return LM_OK;
+}
+
 void lm_comm_close(lm_comm *comm) {
     if (!comm) return;
     comm->ops->close(comm);
-    free(comm->scratch);
+    if (!comm->ops->scratch_resize) free(comm->scratch); /* a device engine's close freed its own */
     free(comm->tables);
     free(comm);
 }
@@ -96,7 +160,17 @@ void lm_comm_abort(lm_comm *comm, int code) {
 #ifdef LONGMOE_HAVE_MPI
     if (comm && comm->engine == LM_COMM_MPI) lm_comm_mpi_abort(comm, code);
 #endif
+#ifdef LONGMOE_HAVE_NCCL
+    if (comm && comm->engine == LM_COMM_NCCL) lm_comm_nccl_abort(comm, code);
+#endif
     exit(code);
+}
+
+lm_comm *lm_comm_host(lm_comm *comm) {
+#ifdef LONGMOE_HAVE_NCCL
+    if (comm && comm->engine == LM_COMM_NCCL) return lm_comm_nccl_host(comm);
+#endif
+    return comm;
 }
 
 int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
@@ -127,6 +201,7 @@ static size_t chunk_start(size_t n, int r, int R) { return (size_t)((uint64_t)n 
 
 static lm_status scratch_grow(lm_comm *c, size_t bytes) {
     if (bytes <= c->scratch_bytes) return LM_OK;
+    if (c->ops->scratch_resize) return c->ops->scratch_resize(c, bytes);
     unsigned char *p = realloc(c->scratch, bytes);
     if (!p) return lm_error(LM_ERR_MEMORY, "comm: out of memory growing the scratch to %zu bytes", bytes);
     c->scratch = p;
@@ -134,11 +209,16 @@ static lm_status scratch_grow(lm_comm *c, size_t bytes) {
     return LM_OK;
 }
 
-/* Scratch bytes of a sum of n elements: R received copies of the largest
- * chunk plus the chunk's sum (all-reduce), or R copies of n (reduce-scatter). */
+/* Scratch bytes of an all-reduce of n elements: R received copies of the
+ * largest chunk plus the chunk's sum. */
+static size_t all_reduce_scratch_bytes(size_t n, int R, size_t es) {
+    return ((size_t)R + 1) * (n / (size_t)R + 1) * es;
+}
+/* Scratch bytes of a reduce-scatter of n elements: R received copies of n. */
+static size_t reduce_scatter_scratch_bytes(size_t n, int R, size_t es) { return (size_t)R * n * es; }
+/* Either of the two, whichever is larger. */
 static size_t sum_scratch_bytes(size_t n, int R, size_t es) {
-    size_t chunk = n / (size_t)R + 1;
-    size_t ar = ((size_t)R + 1) * chunk * es, rs = (size_t)R * n * es;
+    size_t ar = all_reduce_scratch_bytes(n, R, es), rs = reduce_scatter_scratch_bytes(n, R, es);
     return ar > rs ? ar : rs;
 }
 
@@ -149,8 +229,16 @@ lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype) {
     return scratch_grow(comm, sum_scratch_bytes(count, comm->size, lm_dtype_size(dtype)));
 }
 
+/* memmove on the engine's memory */
+static lm_status engine_copy(lm_comm *c, void *dst, const void *src, size_t bytes) {
+    if (c->ops->copy) return c->ops->copy(c, dst, src, bytes);
+    memmove(dst, src, bytes);
+    return LM_OK;
+}
+
 /* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
- * added in rank order; int32 wraps. */
+ * added in rank order; int32 wraps. A device engine's kernel does the same
+ * additions in the same order (src/cuda/comm/rank_order_sum.cu). */
 static void sum_rows_in_rank_order(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
     if (dtype == LM_DTYPE_F32) {
         float *a = acc;
@@ -188,6 +276,7 @@ static lm_status sum_by_owner(lm_comm *c, const void *send, const size_t *len, c
         ro[q] = (size_t)q * m * es;
     }
     TRY(c->ops->all_to_allv(c, send, sb, so, rows, rb, ro));
+    if (c->ops->sum_rows) return m ? c->ops->sum_rows(c, acc, rows, m, R, dtype) : LM_OK;
     sum_rows_in_rank_order(acc, rows, m, R, dtype);
     return LM_OK;
 }
@@ -201,11 +290,8 @@ lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, si
     if (!count) return LM_OK;
     const int R = comm->size;
     const size_t es = lm_dtype_size(dtype);
-    if (R == 1) {
-        if (send != recv) memmove(recv, send, count * es);
-        return LM_OK;
-    }
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    if (R == 1) return send != recv ? engine_copy(comm, recv, send, count * es) : LM_OK;
+    TRY(scratch_grow(comm, all_reduce_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
@@ -240,11 +326,8 @@ lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv
     const char *s = send, *r = recv;
     if (s < r + count * es && r < s + (size_t)R * count * es)
         return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
-    if (R == 1) {
-        memcpy(recv, send, count * es);
-        return LM_OK;
-    }
-    TRY(scratch_grow(comm, sum_scratch_bytes(count, R, es)));
+    if (R == 1) return engine_copy(comm, recv, send, count * es);
+    TRY(scratch_grow(comm, reduce_scatter_scratch_bytes(count, R, es)));
     /* each rank's chunk: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
     for (int q = 0; q < R; q++) {
@@ -252,6 +335,39 @@ lm_status lm_comm_reduce_scatter_sum(lm_comm *comm, const void *send, void *recv
         off[q] = (size_t)q * count;
     }
     return sum_by_owner(comm, send, len, off, recv, comm->scratch, dtype);
+}
+
+lm_status lm_comm_reduce_scatterv_sum(lm_comm *comm, const void *send, void *recv, const size_t *counts,
+                                      lm_dtype dtype) {
+    const char *what = "comm reduce_scatterv_sum";
+    CHECK_COMM(what);
+    TRY(check_sum_dtype(what, dtype));
+    CHECK_PTR(what, counts, 1);
+    const int R = comm->size;
+    const size_t es = lm_dtype_size(dtype);
+    size_t total = 0;
+    for (int q = 0; q < R; q++) total += counts[q];
+    const size_t m = counts[comm->rank];
+    CHECK_PTR(what, send, total);
+    CHECK_PTR(what, recv, m);
+    if (!total) return LM_OK;
+    const char *s = send, *r = recv;
+    if (m && s < r + m * es && r < s + total * es) return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
+    if (R == 1) {
+        memcpy(recv, send, m * es);
+        return LM_OK;
+    }
+    TRY(scratch_grow(comm, (size_t)R * m * es + 1));
+    /* each rank's block: len/off live past the 4R entries sum_by_owner rewrites */
+    size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;
+    size_t at = 0;
+    for (int q = 0; q < R; q++) {
+        len[q] = counts[q];
+        off[q] = at;
+        at += counts[q];
+    }
+    /* a rank with no share still takes part (its sum is of nothing; recv may be NULL) */
+    return sum_by_owner(comm, send, len, off, m ? recv : comm->scratch, comm->scratch, dtype);
 }
 
 lm_status lm_comm_all_gather(lm_comm *comm, const void *send, void *recv, size_t bytes) {
@@ -313,6 +429,7 @@ lm_status lm_comm_exchange_counts(lm_comm *comm, const int64_t *send_counts, int
     CHECK_PTR(what, send_counts, 1);
     CHECK_PTR(what, recv_counts, 1);
     if (send_counts == recv_counts) return lm_error(LM_ERR_ARG, "%s: send_counts and recv_counts are one array", what);
+    if (comm->ops->exchange_counts) return comm->ops->exchange_counts(comm, send_counts, recv_counts);
     const int R = comm->size;
     size_t *sb = comm->tables, *so = sb + R, *rb = so + R, *ro = rb + R;
     for (int q = 0; q < R; q++) {

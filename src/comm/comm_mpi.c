@@ -130,8 +130,61 @@ static void mpi_close(lm_comm *c) {
     c->engine_state = NULL;
 }
 
-static const lm_comm_ops mpi_ops = {"mpi", mpi_all_to_allv, mpi_all_gatherv, mpi_broadcast, mpi_barrier,
-                                    mpi_close};
+static lm_status mpi_split(lm_comm *c, int color, lm_comm *out, int *in_group);
+static lm_status attach_comm(lm_comm *c, MPI_Comm mc, int we_init);
+
+static const lm_comm_ops mpi_ops = {.name = "mpi",
+                                    .all_to_allv = mpi_all_to_allv,
+                                    .all_gatherv = mpi_all_gatherv,
+                                    .broadcast = mpi_broadcast,
+                                    .barrier = mpi_barrier,
+                                    .split = mpi_split,
+                                    .close = mpi_close};
+
+/* Fill handle c with communicator `mc` (the handle owns it from here). */
+static lm_status attach_comm(lm_comm *c, MPI_Comm mc, int we_init) {
+    mpi_state *s = calloc(1, sizeof *s);
+    if (!s) {
+        MPI_Comm_free(&mc);
+        return lm_error(LM_ERR_MEMORY, "comm open: out of memory");
+    }
+    s->comm = mc;
+    MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(s->comm, &c->rank);
+    MPI_Comm_size(s->comm, &c->size);
+    s->requests = malloc(2 * (size_t)c->size * sizeof *s->requests);
+    s->tables = malloc(3 * (size_t)c->size * sizeof *s->tables);
+    if (!s->requests || !s->tables) {
+        MPI_Comm_free(&s->comm);
+        free(s->requests);
+        free(s->tables);
+        free(s);
+        return lm_error(LM_ERR_MEMORY, "comm open: out of memory for %d ranks", c->size);
+    }
+    s->finalize = we_init;
+    if (we_init) mpi_handles_we_initialised++;
+    c->engine_state = s;
+    c->ops = &mpi_ops;
+    return LM_OK;
+}
+
+static lm_status mpi_split(lm_comm *c, int color, lm_comm *out, int *in_group) {
+    mpi_state *s = c->engine_state;
+    MPI_Comm mc = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(s->comm, color >= 0 ? color : MPI_UNDEFINED, c->rank, &mc);
+    if (rc != MPI_SUCCESS) return mpi_fail("MPI_Comm_split", rc);
+    *in_group = mc != MPI_COMM_NULL;
+    if (!*in_group) return LM_OK;
+    /* MPI stays up while the part is open when this library started it */
+    return attach_comm(out, mc, s->finalize);
+}
+
+int lm_comm_mpi_is_initialized(void) {
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    return initialised && !finalised;
+}
 
 void lm_comm_mpi_abort(lm_comm *c, int code) {
     mpi_state *s = c->engine_state;
@@ -152,29 +205,9 @@ lm_status lm_comm_mpi_attach(lm_comm *c) {
     } else if (mpi_handles_we_initialised) {
         we_init = 1; /* MPI is ours: keep it up until our last handle closes */
     }
-    mpi_state *s = calloc(1, sizeof *s);
-    if (!s) return lm_error(LM_ERR_MEMORY, "comm open: out of memory");
-    int rc = MPI_Comm_dup(MPI_COMM_WORLD, &s->comm);
-    if (rc != MPI_SUCCESS) {
-        free(s);
-        return mpi_fail("MPI_Comm_dup", rc);
-    }
-    MPI_Comm_set_errhandler(s->comm, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(s->comm, &c->rank);
-    MPI_Comm_size(s->comm, &c->size);
-    s->requests = malloc(2 * (size_t)c->size * sizeof *s->requests);
-    s->tables = malloc(3 * (size_t)c->size * sizeof *s->tables);
-    if (!s->requests || !s->tables) {
-        MPI_Comm_free(&s->comm);
-        free(s->requests);
-        free(s->tables);
-        free(s);
-        return lm_error(LM_ERR_MEMORY, "comm open: out of memory for %d ranks", c->size);
-    }
-    s->finalize = we_init;
-    if (we_init) mpi_handles_we_initialised++;
-    c->engine_state = s;
-    c->ops = &mpi_ops;
-    return LM_OK;
+    MPI_Comm dup;
+    int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+    if (rc != MPI_SUCCESS) return mpi_fail("MPI_Comm_dup", rc);
+    return attach_comm(c, dup, we_init);
 }
 #endif

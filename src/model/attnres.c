@@ -64,6 +64,18 @@ int attnres_n_sources_of(int l, int S, int L) {
     return 1 + l / S + (l % S > 0);
 }
 
+int attnres_partial_slots(const lm_attnres_config *c) {
+    if (c->mode != LM_ATTNRES_BLOCK && c->mode != LM_ATTNRES_FULL) return 0;
+    int S = attnres_effective_block(c), L = c->n_sublayers, N = (L + S - 1) / S;
+    if (c->replay && c->mode == LM_ATTNRES_BLOCK) return (S < L ? S : L) - 1;
+    return L - N;
+}
+
+int attnres_partial_slot(const lm_attnres_config *c, int l) {
+    int S = attnres_effective_block(c), k = l / S, pos = l % S;
+    return c->replay && c->mode == LM_ATTNRES_BLOCK ? pos - 1 : l - k - 1;
+}
+
 size_t attnres_logits_offset(int l, int S, int L, int64_t n) {
     size_t o = 0;
     for (int j = 0; j < l; j++) o += (size_t)attnres_n_sources_of(j, S, L);
@@ -86,6 +98,8 @@ lm_status attnres_check_config(const lm_attnres_config *c, const char *who) {
         return lm_error(LM_ERR_ARG, "%s: eps must be finite and > 0, got %g", who, (double)c->eps);
     if (c->two_phase != 0 && c->two_phase != 1)
         return lm_error(LM_ERR_ARG, "%s: two_phase must be 0 or 1, got %d", who, c->two_phase);
+    if (c->replay != 0 && c->replay != 1)
+        return lm_error(LM_ERR_ARG, "%s: replay must be 0 or 1, got %d", who, c->replay);
     return LM_OK;
 }
 
@@ -111,7 +125,8 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
         plan->n_history_sources = (int)H;
         plan->history = align_up(H * n * d * f) + align_up(H * n * f);
         plan->history_grad = align_up(H * n * d * f);
-        plan->saved_partials = align_up((L - N) * n * d * f) + align_up(L * n * f);
+        const size_t slots = (size_t)attnres_partial_slots(c);
+        plan->saved_partials = align_up(slots * n * d * f) + align_up(L * n * f);
         plan->saved_scores = align_up(attnres_logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) +
                              align_up((L + 1) * n * f);
         plan->phase1 = c->two_phase ? align_up(Sq * n * d * f) + 2 * align_up(Sq * n * f) : 0;
@@ -120,7 +135,7 @@ lm_status lm_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *
         /* per token: every [n, ...] buffer divided by n */
         double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
-        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
+        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
                                                    (double)L + scores +
                                                    (c->two_phase ? (double)Sq * (d + 2) : 0.0) +
                                                    (double)d / TOKEN_BLOCK);
@@ -157,12 +172,12 @@ lm_status lm_attnres_init(lm_attnres_state *st, const lm_attnres_config *c, void
         CARVE(st->hist, n * d * f);
         CARVE(st->dhist, n * d * f);
     } else {
-        size_t H = (size_t)plan.n_history_sources, N = (size_t)plan.n_blocks;
+        size_t H = (size_t)plan.n_history_sources;
         size_t Sq = (size_t)st->S < L ? (size_t)st->S : L;
         CARVE(st->hist, H * n * d * f);
         CARVE(st->hist_rstd, H * n * f);
         CARVE(st->dhist, H * n * d * f);
-        CARVE(st->partials, (L - N) * n * d * f);
+        CARVE(st->partials, (size_t)attnres_partial_slots(c) * n * d * f);
         CARVE(st->partial_rstd, L * n * f);
         CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
         CARVE(st->lse, (L + 1) * n * f);
@@ -257,6 +272,7 @@ lm_status lm_attnres_begin(lm_attnres_state *st, const float *embedding) {
         for (int64_t t = 0; t < n; t++) st->hist_rstd[t] = rstd_row(st->hist + t * d, d, st->cfg.eps);
     }
     st->step = 0;
+    st->replaying = 0;
     return LM_OK;
 }
 
@@ -382,7 +398,8 @@ lm_status lm_attnres_input(lm_attnres_state *st, int l, const lm_attnres_params 
     const float *Pr = NULL;
     if (pos > 0) {
         /* the open block's partial sum is a source: save it and its rms for the backward */
-        float *saved = st->partials + (size_t)(l - k - 1) * n * d, *r = st->partial_rstd + (size_t)l * n;
+        float *saved = st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * n * d,
+              *r = st->partial_rstd + (size_t)l * n;
         const float *open = st->hist + (size_t)(1 + k) * n * d;
         memcpy(saved, open, (size_t)n * d * sizeof(float));
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
@@ -431,7 +448,30 @@ lm_status lm_attnres_add_output(lm_attnres_state *st, int l, const float *y) {
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
         for (int64_t t = 0; t < n; t++) r[t] = rstd_row(open + t * d, d, st->cfg.eps);
     }
+    if (st->replaying && l == st->replay_last) {
+        /* the replayed block is whole again: back to its backward */
+        st->step = st->replay_step;
+        st->replaying = 0;
+        return LM_OK;
+    }
     st->step++;
+    return LM_OK;
+}
+
+lm_status lm_attnres_replay_block(lm_attnres_state *st, int k) {
+    if (!st) return lm_error(LM_ERR_ARG, "attnres: state is NULL");
+    if (!st->cfg.replay || st->cfg.mode != LM_ATTNRES_BLOCK)
+        return lm_error(LM_ERR_ARG, "attnres: lm_attnres_replay_block needs block_attnres with replay = 1");
+    const int L = st->cfg.n_sublayers, S = st->S;
+    if (k < 0 || k * S >= L) return lm_error(LM_ERR_ARG, "attnres: lm_attnres_replay_block: block %d outside [0, %d)", k,
+                                             (L + S - 1) / S);
+    const int last = (k + 1) * S - 1 < L - 1 ? (k + 1) * S - 1 : L - 1;
+    lm_status s = expect(st, 2 * L + 2 + 2 * (L - 1 - last), "lm_attnres_replay_block", k);
+    if (s) return s;
+    st->replay_step = st->step;
+    st->replay_last = last;
+    st->replaying = 1;
+    st->step = 2 * k * S;
     return LM_OK;
 }
 
@@ -499,7 +539,7 @@ lm_status lm_attnres_recompute_input(const lm_attnres_state *st, int l, float *h
     const int64_t n = st->cfg.n_tokens;
     const int C = l == L ? 1 + st->n_blocks : 1 + l / S, has_P = l < L && l % S > 0;
     const int Ns = C + has_P;
-    const float *P = has_P ? st->partials + (size_t)(l - l / S - 1) * n * d : NULL;
+    const float *P = has_P ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * n * d : NULL;
     const float *sc = st->logits + attnres_logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
     /* h_l = sum_i exp(s_i - lse) v_i from the saved scores: no dot products */
 #pragma omp parallel for schedule(static) if (PARALLEL_IF((int64_t)n * d))
@@ -633,7 +673,7 @@ lm_status lm_attnres_input_backward(lm_attnres_state *st, int l, const lm_attnre
         for (size_t i = 0; i < nd; i++) st->dhist[i] += dh[i];
     } else {
         const int S = st->S, k = l / S, pos = l % S;
-        const float *P = pos > 0 ? st->partials + (size_t)(l - k - 1) * nd : NULL;
+        const float *P = pos > 0 ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd : NULL;
         const float *Pr = pos > 0 ? st->partial_rstd + (size_t)l * n : NULL;
         layer_backward(st, p, g, l, 1 + k, P, Pr, st->dhist + (size_t)(1 + k) * nd,
                        st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh);

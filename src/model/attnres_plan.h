@@ -20,6 +20,11 @@ int attnres_effective_block(const lm_attnres_config *c);
 /* sources read by sublayer l (l = L: the final AttnRes) for block size S over L sublayers */
 int attnres_n_sources_of(int l, int S, int L);
 
+/* saved partial sums the state keeps (L - n_blocks, or S - 1 with replay), and
+ * the slot of sublayer l's (l % S > 0) */
+int attnres_partial_slots(const lm_attnres_config *c);
+int attnres_partial_slot(const lm_attnres_config *c, int l);
+
 /* offset (in floats) of sublayer l's logits: sum over j < l of n_sources_j * n */
 size_t attnres_logits_offset(int l, int S, int L, int64_t n);
 

@@ -84,6 +84,7 @@ static const key_spec keys[] = {
     K_("train", "ckpt_every", KEY_INT, ckpt_every, 0, 1 << 30, NULL),
     K_("train", "keep_checkpoints", KEY_INT, keep_checkpoints, 1, 1000, NULL),
     K_("train", "recompute", KEY_BOOL, recompute, 0, 1, NULL),
+    K_("train", "recompute_chunk", KEY_INT, recompute_chunk, 0, 1 << 26, NULL),
     K_("train", "data", KEY_STRING, data, 0, 0, NULL),
     K_("train", "stages", KEY_STAGES, stages, 0, 0, NULL),
 };
@@ -386,6 +387,11 @@ lm_status lm_config_validate(const lm_config *c) {
     if (c->latent_dim > c->d_model)
         return lm_error(LM_ERR_ARG, "moe.latent_dim (%d) must not exceed model.d_model (%d)",
                         c->latent_dim, c->d_model);
+    if (c->recompute_chunk > 0 && !c->recompute)
+        return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) needs train.recompute = true", c->recompute_chunk);
+    if (c->recompute_chunk > 0 && c->balance == LM_BALANCE_AUX)
+        return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) does not run with moe.balance = aux (its loss "
+                        "couples every token of the batch); use 0", c->recompute_chunk);
     lm_stage st[LM_MAX_STAGES];
     int ns = lm_config_stages(c, st);
     for (int i = 0; i < ns; i++)

@@ -41,7 +41,7 @@ struct lm_decoder {
 
 static lm_attnres_config attnres_config(const lm_model *m, int64_t n) {
     lm_attnres_config ac = {(lm_attnres_mode)m->cfg.residual, m->L2, m->cfg.attnres_block, m->d, n,
-                            m->cfg.norm_eps, 1};
+                            m->cfg.norm_eps, 1, 0};
     return ac;
 }
 

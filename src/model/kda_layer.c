@@ -55,22 +55,35 @@ static lm_backend *backend_of(const lm_kda_layer_config *c) { return c->backend 
  * tensor itself (backend.h). */
 static int lp_separate(const lm_kda_layer_config *c) { return backend_of(c)->lp_bytes != sizeof(float); }
 
+/* Floats that hold n values of the product format: n on the CPU (the lp view
+ * is the fp32 tensor), n * lp_bytes / 4 rounded up to 16 floats (64-byte
+ * starts) where the format is separate (bf16 on the GPU). */
+static size_t lp_floats(const lm_kda_layer_config *c, size_t n) {
+    if (!lp_separate(c)) return n;
+    size_t f = (n * backend_of(c)->lp_bytes + sizeof(float) - 1) / sizeof(float);
+    return (f + 15) & ~(size_t)15;
+}
+
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    return 13 * N * HK + N * H /* beta */ + N * H /* o_rstd */ + 2 * N * H /* qk_rnorm */ +
-           (lp_separate(c) ? N * HK : 0) /* z_lp */;
+    /* 8 fp32 [N,HK] (projections, conv outputs, z, gate), 5 in the product format (q, k, v, o, gated) */
+    return 8 * N * HK + 5 * lp_floats(c, N * HK) + N * H /* beta */ + N * H /* o_rstd */ +
+           2 * N * H /* qk_rnorm */ + (lp_separate(c) ? lp_floats(c, N * HK) : 0) /* z_lp */;
 }
 
 void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *base,
                            lm_kda_layer_acts *a) {
-    size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    /* lp buffers are sized in floats: big enough for any product format */
+    size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim, LP = lp_floats(c, N * HK);
     float *q, *k, *v, *o, *gated;
-    float **big[] = {&a->qp, &a->kp, &a->vp, &a->qc, &a->kc, &a->vc, &q, &k,
-                     &v, &a->z, &o, &a->gate, &gated};
+    struct {
+        float **slot;
+        size_t n;
+    } big[] = {{&a->qp, N * HK}, {&a->kp, N * HK}, {&a->vp, N * HK}, {&a->qc, N * HK}, {&a->kc, N * HK},
+               {&a->vc, N * HK}, {&q, LP},         {&k, LP},         {&v, LP},         {&a->z, N * HK},
+               {&o, LP},         {&a->gate, N * HK}, {&gated, LP}};
     for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
-        *big[i] = base;
-        base += N * HK;
+        *big[i].slot = base;
+        base += big[i].n;
     }
     a->q = q;
     a->k = k;
@@ -98,19 +111,19 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T)
     size_t off = 0;
 #define PLACE(f, n) (s.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
     PLACE(d_gated, N * HK);
-    PLACE(d_o, N * HK);
-    PLACE(dq, N * HK);
-    PLACE(dk, N * HK);
-    PLACE(dv, N * HK);
-    PLACE(dz, N * HK);
+    PLACE(d_o, lp_floats(c, N * HK)); /* d_o, dq, dk, dv, dz: the operator's gradients, in the product format */
+    PLACE(dq, lp_floats(c, N * HK));
+    PLACE(dk, lp_floats(c, N * HK));
+    PLACE(dv, lp_floats(c, N * HK));
+    PLACE(dz, lp_floats(c, N * HK));
     PLACE(tmp, N * HK);
     PLACE(dbeta, N * H);
     PLACE(dgate, N * HK);
     PLACE(din, N * HK);
-    PLACE(dy_lp, sep ? N * (size_t)c->d_model : 0);
-    PLACE(dgate_lp, sep ? N * HK : 0);
-    PLACE(din_lp, sep ? N * HK : 0);
-    PLACE(dbeta_lp, sep ? N * H : 0);
+    PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
+    PLACE(dgate_lp, sep ? lp_floats(c, N * HK) : 0);
+    PLACE(din_lp, sep ? lp_floats(c, N * HK) : 0);
+    PLACE(dbeta_lp, sep ? lp_floats(c, N * H) : 0);
 #undef PLACE
     s.total = off;
     return s;

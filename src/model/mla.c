@@ -10,6 +10,7 @@
 #include "check.h"
 #include "longmoe/backend.h"
 #include "longmoe/linear.h"
+#include "mla_internal.h"
 
 lm_mla_config lm_mla_config_mla(int d_model, int n_heads, int head_dim_qk, int head_dim_v,
                                 int q_lora, int kv_lora) {
@@ -147,6 +148,11 @@ static lm_backend *backend_of(const lm_mla_config *c) { return c->backend ? c->b
  * then o and gated hold that format and the lp slots exist. */
 static int lp_separate(const lm_mla_config *c) { return backend_of(c)->lp_bytes != sizeof(float); }
 
+/* Floats that hold n values of the product format (the separate copies only). */
+static size_t lp_floats(const lm_mla_config *c, size_t n) {
+    return (n * backend_of(c)->lp_bytes + sizeof(float) - 1) / sizeof(float);
+}
+
 static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     const size_t N = (size_t)B * T, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
     const size_t Hk = kv_heads(c), r = c->rope_dims;
@@ -171,11 +177,12 @@ static acts_layout layout_acts(const lm_mla_config *c, int B, int T) {
     PLACE(gp, N * H * Dv);
     PLACE(gated, N * H * Dv);
     const size_t sep = lp_separate(c);
-    PLACE(qn_lp, sep && mla ? N * c->q_lora : 0);
-    PLACE(c_lp, sep && mla ? N * c->kv_lora : 0);
-    PLACE(q_lp, sep ? N * H * Dk : 0);
-    PLACE(k_lp, sep ? N * Hk * Dk : 0);
-    PLACE(v_lp, sep ? N * Hk * Dv : 0);
+    /* the separate product-format copies: lp_bytes each, in floats */
+    PLACE(qn_lp, sep && mla ? lp_floats(c, N * c->q_lora) : 0);
+    PLACE(c_lp, sep && mla ? lp_floats(c, N * c->kv_lora) : 0);
+    PLACE(q_lp, sep ? lp_floats(c, N * H * Dk) : 0);
+    PLACE(k_lp, sep ? lp_floats(c, N * Hk * Dk) : 0);
+    PLACE(v_lp, sep ? lp_floats(c, N * Hk * Dv) : 0);
 #undef PLACE
     a.total = off;
     if (!sep) {
@@ -216,10 +223,10 @@ static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     PLACE(dqn, mla ? N * c->q_lora : 0);
     PLACE(dql, mla ? N * c->q_lora : 0);
     const size_t sep = lp_separate(c);
-    PLACE(dy_lp, sep ? N * (size_t)c->d_model : 0);
-    PLACE(dgp_lp, sep ? N * H * Dv : 0);
-    PLACE(dkvl_lp, sep && mla ? N * c->kv_lora : 0);
-    PLACE(dql_lp, sep && mla ? N * c->q_lora : 0);
+    PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
+    PLACE(dgp_lp, sep ? lp_floats(c, N * H * Dv) : 0);
+    PLACE(dkvl_lp, sep && mla ? lp_floats(c, N * c->kv_lora) : 0);
+    PLACE(dql_lp, sep && mla ? lp_floats(c, N * c->q_lora) : 0);
 #undef PLACE
     s.total = off;
     return s;
@@ -253,6 +260,11 @@ static void rope_apply(float *x, int64_t n, int T, int heads, int head_dim, int 
             }
         }
     }
+}
+
+void lm_mla_rope_apply(float *x, int64_t n, int T, int heads, int head_dim, int r, float base, int64_t pos0,
+                       int inverse) {
+    rope_apply(x, n, T, heads, head_dim, r, base, pos0, inverse);
 }
 
 /* ---------------------------------------------------------------- forward */

@@ -3,6 +3,7 @@
 #include "longmoe/model.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -198,11 +199,195 @@ static void map_views(const lm_model *m, const void *src, void *dst, size_t byte
 /* The lp view of an fp32 buffer: the buffer itself when the product format is fp32. */
 static void *lp_or(const lm_model *m, float *f32, void *lp) { return m->sep ? lp : (void *)f32; }
 
+/* Add a named buffer of `bytes` to the model's ledger (lm_model_buffer_at). */
+static lm_status ledger_add(lm_model *m, size_t bytes, const char *fmt, ...) {
+    if (m->n_buffers == m->cap_buffers) {
+        int cap = m->cap_buffers ? 2 * m->cap_buffers : 32;
+        lm_model_buffer *b = realloc(m->buffers, (size_t)cap * sizeof *b);
+        if (!b) return lm_error(LM_ERR_MEMORY, "out of memory planning the model");
+        m->buffers = b;
+        m->cap_buffers = cap;
+    }
+    lm_model_buffer *b = &m->buffers[m->n_buffers++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->name, sizeof b->name, fmt, ap);
+    va_end(ap);
+    b->bytes = bytes;
+    return LM_OK;
+}
+
+/* The activation block, buffer by buffer: with base NULL it names every buffer
+ * in the ledger and returns the floats of the block; with the block it points
+ * the model's buffers into it (the same order, the same sizes). Every buffer
+ * starts on a 64-byte boundary (PAD16 floats): GPU kernels move 16 bytes at a time. */
+static size_t plan_activations(lm_model *m, float *base) {
+    const lm_config *cfg = &m->cfg;
+    const int64_t N = m->N, C = m->chunk;
+    const int64_t d = m->d, V = cfg->vocab_size;
+    const int B = m->B, T = m->T, L2 = m->L2;
+    size_t off = 0;
+    /* with recompute, the sublayers of one kind share one activation buffer:
+     * the backward recomputes each sublayer's forward from its saved input;
+     * the normalised input is recomputed too, and with recompute_chunk the
+     * input itself (from the residual state) */
+    const size_t n_xn = cfg->recompute ? 1 : (size_t)L2, n_hin = m->lean_hin ? 1 : (size_t)L2;
+#define CARVE(ptr, n, ...)                                                       \
+    do {                                                                         \
+        size_t n_ = (n);                                                         \
+        if (base) (ptr) = base + off;                                            \
+        else (void)ledger_add(m, PAD16(n_) * sizeof(float), __VA_ARGS__);        \
+        off += PAD16(n_);                                                        \
+    } while (0)
+    CARVE(m->hin, n_hin * N * d, n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
+    CARVE(m->xn, n_xn * N * d,
+          n_xn > 1 ? "xn: normalised sublayer inputs [2L,N,d]" : "xn: normalised sublayer input [N,d] (recomputed)");
+    CARVE(m->rstd, (size_t)L2 * N, "rstd: sublayer norms' 1/rms [2L,N]");
+    CARVE(m->hf, (size_t)N * d, "hf: final residual [N,d]");
+    CARVE(m->hn, (size_t)N * d, "hn: final norm [N,d]");
+    CARVE(m->rstd_final, (size_t)N, "rstd_final [N]");
+    CARVE(m->lse_rows, (size_t)N, "lse_rows [N]");
+    CARVE(m->target_logit, (size_t)N, "target_logit [N]");
+    CARVE(m->row_scale, (size_t)N, "row_scale [N]");
+    /* buffers whose lifetimes do not overlap share memory: the embedding
+     * output lives until the residual state copies it, before the first
+     * sublayer output; the final norm's gradients are consumed before the
+     * sublayers' backward starts; the embedding's gradient comes after it */
+    CARVE(m->y, (size_t)N * d, "y: sublayer output, x0: embedding output [N,d]");
+    CARVE(m->dy, (size_t)N * d, "dy, dx0 [N,d]");
+    CARVE(m->dxn, (size_t)N * d, "dxn, dhn [N,d]");
+    CARVE(m->dh, (size_t)N * d, "dh, dhf [N,d]");
+    if (base) {
+        m->x0 = m->y;
+        m->dx0 = m->dy;
+        m->dhn = m->dxn;
+        m->dhf = m->dh;
+    }
+    size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
+                       sizeof(float);
+    CARVE(m->logits, ce_floats, "LM head logits (one chunk of rows)");
+    /* evaluation's per-position scores where they come back from a device (lm_model_score) */
+    if (m->be->device != LM_DEVICE_CPU) {
+        float *nll = NULL, *arg = NULL;
+        CARVE(nll, 2 * (size_t)N, "evaluation scores: nll [N] double");
+        CARVE(arg, (size_t)N, "evaluation scores: argmax [N] int32");
+        if (base) m->score_nll = (double *)nll, m->score_arg = (int32_t *)arg;
+    }
+    int n_kda = 0, n_mla = 0, n_ffn = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        n_kda += m->layers[l].mixer == LM_MIXER_KDA;
+        n_mla += m->layers[l].mixer == LM_MIXER_MLA;
+        n_ffn += !m->layers[l].moe;
+    }
+    size_t scratch = 0;
+    layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        const int share = cfg->recompute;
+        if (ls->mixer == LM_MIXER_KDA) {
+            size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
+            scratch = s > scratch ? s : scratch;
+            if (first_kda && share) {
+                ls->kda_a = first_kda->kda_a;
+            } else {
+                size_t n = lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+                if (base) lm_kda_layer_acts_map(&ls->kda_cfg, B, T, base + off, &ls->kda_a);
+                else if (share)
+                    (void)ledger_add(m, PAD16(n) * sizeof(float), "KDA activations (shared by %d layers)", n_kda);
+                else (void)ledger_add(m, PAD16(n) * sizeof(float), "layers.%d KDA activations", l);
+                off += PAD16(n);
+                first_kda = ls;
+            }
+        } else {
+            size_t s = lm_mla_scratch_floats(&ls->mla_cfg, B, T);
+            scratch = s > scratch ? s : scratch;
+            if (first_mla && share) {
+                ls->mla_acts = first_mla->mla_acts;
+            } else {
+                if (share) CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T),
+                                 "attention activations (shared by %d layers)", n_mla);
+                else CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T), "layers.%d attention activations", l);
+                first_mla = ls;
+            }
+        }
+        if (!ls->moe) {
+            /* the dense FFN runs C tokens at a time (C = N without recompute_chunk) */
+            scratch = dense_ffn_scratch(cfg, C) > scratch ? dense_ffn_scratch(cfg, C) : scratch;
+            if (first_ffn && share) {
+                ls->ffn_a = first_ffn->ffn_a;
+                ls->ffn_u = first_ffn->ffn_u;
+                ls->ffn_h = first_ffn->ffn_h;
+            } else {
+                CARVE(ls->ffn_a, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN a [%lld tokens]%s", l, (long long)C,
+                      share && n_ffn > 1 ? " (shared)" : "");
+                CARVE(ls->ffn_u, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN u [%lld tokens]", l, (long long)C);
+                CARVE(ls->ffn_h, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN h [%lld tokens]", l, (long long)C);
+                first_ffn = ls;
+            }
+        } else if (cfg->balance == LM_BALANCE_AUX) {
+            CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts, "layers.%d auxiliary loss dscores [N,n]", l);
+        }
+    }
+    CARVE(m->scratch, scratch, "backward scratch (largest sublayer's)");
+    m->scratch_floats = scratch;
+    /* one scratch for the KDA and attention operators (they run one at a time),
+     * sized for this process's OpenMP thread count (the CPU's; a GPU's are the backend's) */
+    size_t op_bytes = 0;
+    for (int l = 0; l < cfg->n_layers && m->be->device == LM_DEVICE_CPU; l++) {
+        const layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            lm_kda_config kc = lm_kda_config_default(B, T, cfg->kda_heads, cfg->kda_head_dim, cfg->kda_head_dim);
+            kc.chunk = cfg->kda_chunk;
+            size_t b = lm_kda_workspace_bytes(&kc);
+            op_bytes = b > op_bytes ? b : op_bytes;
+        } else {
+            const lm_mla_config *mc = &ls->mla_cfg;
+            lm_attention_config ac = lm_attention_config_default(
+                B, T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
+                mc->head_dim_v);
+            size_t f = lm_attention_forward_workspace_bytes(&ac, 0), b = lm_attention_backward_workspace_bytes(&ac, 0);
+            op_bytes = f > op_bytes ? f : op_bytes;
+            op_bytes = b > op_bytes ? b : op_bytes;
+        }
+    }
+    size_t op_floats = (op_bytes + sizeof(float) - 1) / sizeof(float);
+    float *op_ws = NULL;
+    CARVE(op_ws, op_floats, "KDA / attention operator workspace");
+    if (base)
+        for (int l = 0; l < cfg->n_layers; l++) {
+            m->layers[l].kda_cfg.workspace = m->layers[l].mla_cfg.workspace = op_ws;
+            m->layers[l].kda_cfg.workspace_bytes = m->layers[l].mla_cfg.workspace_bytes = op_floats * sizeof(float);
+        }
+#undef CARVE
+    return off;
+}
+
+static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *backend, const lm_ops *plan_ops,
+                             lm_model **out);
+
 lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     return lm_model_create_on(cfg, B, T, NULL, out);
 }
 
 lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *backend, lm_model **out) {
+    return model_build(cfg, B, T, backend ? backend : lm_backend_cpu(), NULL, out);
+}
+
+lm_status lm_model_plan(const lm_config *cfg, int B, int T, lm_device device, lm_model **out) {
+    *out = NULL;
+    const lm_ops *ops = device == LM_DEVICE_CPU ? lm_backend_cpu()->ops : lm_backend_cuda_ops();
+    if (device != LM_DEVICE_CPU && device != LM_DEVICE_CUDA)
+        return lm_error(LM_ERR_ARG, "model plan: unknown device %d", (int)device);
+    if (!ops)
+        return lm_error(LM_ERR_ARG, "model plan: this build has no CUDA backend (nvcc was not found when it was "
+                                    "configured), so it cannot size the GPU's buffers");
+    return model_build(cfg, B, T, NULL, ops, out);
+}
+
+/* A model on `backend`, or (backend NULL) a plan only on a backend of `plan_ops`:
+ * the tables and the ledger of buffers, no memory (lm_model_plan). */
+static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *backend, const lm_ops *plan_ops,
+                             lm_model **out) {
     *out = NULL;
     TRY(lm_config_validate(cfg));
     if (B < 1 || T < 1 || (int64_t)B * T > (1 << 26))
@@ -211,11 +396,23 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
     if (!m) return lm_error(LM_ERR_MEMORY, "out of memory creating the model");
     lm_status st = LM_OK;
     m->cfg = *cfg;
-    m->be = backend ? backend : lm_backend_cpu();
+    if (backend) {
+        m->be = backend;
+    } else {
+        /* a backend of the device's kind that nothing allocates on: the plan asks its ops for sizes only */
+        m->dry = 1;
+        m->plan_be.device = plan_ops == lm_backend_cpu()->ops ? LM_DEVICE_CPU : LM_DEVICE_CUDA;
+        m->plan_be.lp_bytes = m->plan_be.device == LM_DEVICE_CPU ? sizeof(float) : 2;
+        m->plan_be.ops = plan_ops;
+        m->be = &m->plan_be;
+    }
     m->sep = m->be->lp_bytes != sizeof(float);
     m->B = B;
     m->T = T;
     m->N = (int64_t)B * T;
+    /* per-token sublayers run `chunk` tokens at a time (train.recompute_chunk) */
+    m->chunk = cfg->recompute_chunk > 0 && cfg->recompute_chunk < m->N ? cfg->recompute_chunk : m->N;
+    m->lean_hin = cfg->recompute_chunk > 0 && cfg->residual != LM_RESIDUAL_STANDARD;
     m->d = cfg->d_model;
     m->L2 = 2 * cfg->n_layers;
     const int64_t d = cfg->d_model, V = cfg->vocab_size, N = m->N;
@@ -251,91 +448,41 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
         goto fail;
     if (cfg->tie_embeddings) m->head_off = m->embed_off;
 
-    m->params = calloc(m->n_params, sizeof(float));
-    m->grads = calloc(m->n_params, sizeof(float));
-    if (!m->params || !m->grads) {
-        st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
+    /* the ledger of backend buffers (lm_model_buffer_at) starts with the parameter blocks */
+    if ((st = ledger_add(m, m->n_params * sizeof(float), "parameters (fp32)")) ||
+        (st = ledger_add(m, m->n_params * sizeof(float), "gradients (fp32)")))
         goto fail;
-    }
-    /* what the ops read and write: the host arrays themselves on the CPU; on a
-     * backend of its own memory, fp32 parameters and gradients there and a
-     * product-format copy of the parameters */
-    if (!m->sep && m->be->device == LM_DEVICE_CPU) {
-        m->P = m->params;
-        m->G = m->grads;
-        m->PL = m->params;
-    } else {
-        void *P, *G, *PL;
-        if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &P))) goto fail;
-        m->P = P;
-        if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &G))) goto fail;
-        m->G = G;
-        if ((st = m->be->alloc(m->be, m->n_params * m->be->lp_bytes, &PL))) goto fail;
-        m->PL = PL;
+    if (m->sep && (st = ledger_add(m, m->n_params * m->be->lp_bytes, "parameters (product format copy)"))) goto fail;
+    if (!m->dry) {
+        m->params = calloc(m->n_params, sizeof(float));
+        m->grads = calloc(m->n_params, sizeof(float));
+        if (!m->params || !m->grads) {
+            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
+            goto fail;
+        }
+        /* what the ops read and write: the host arrays themselves on the CPU; on a
+         * backend of its own memory, fp32 parameters and gradients there and a
+         * product-format copy of the parameters */
+        if (!m->sep && m->be->device == LM_DEVICE_CPU) {
+            m->P = m->params;
+            m->G = m->grads;
+            m->PL = m->params;
+        } else {
+            void *P, *G, *PL;
+            if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &P))) goto fail;
+            m->P = P;
+            if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &G))) goto fail;
+            m->G = G;
+            if ((st = m->be->alloc(m->be, m->n_params * m->be->lp_bytes, &PL))) goto fail;
+            m->PL = PL;
+        }
     }
 
-    /* activations and scratch: sizes first, one block after */
-    size_t act = 0, scratch = 0;
-    /* every buffer starts on a 64-byte boundary (PAD16 floats): GPU kernels move 16 bytes at a time */
-    act += PAD16((size_t)N * d);                            /* x0 */
-    act += 2 * PAD16((size_t)m->L2 * N * d);                /* hin, xn per sublayer */
-    act += PAD16((size_t)m->L2 * N);                        /* rstd per sublayer */
-    act += 2 * PAD16((size_t)N * d) + 4 * PAD16((size_t)N); /* hf, hn, rstd_final, lse_rows, target_logit, row_scale */
-    act += 7 * PAD16((size_t)N * d);                        /* y, dy, dxn, dh, dx0, dhn, dhf */
-    size_t ce_floats = (m->be->ops->cross_entropy_work_bytes(m->be, N, (int)d, (int)V) + sizeof(float) - 1) /
-                       sizeof(float);
-    act += PAD16(ce_floats);                                /* the chunked cross-entropy's logits */
-    /* evaluation's per-position scores (nll double, argmax int32) where they come back from a device */
-    const int score_on_backend = m->be->device != LM_DEVICE_CPU;
-    if (score_on_backend) act += PAD16(2 * (size_t)N) + PAD16((size_t)N);
-    /* with recompute, the sublayers of one kind share one activation buffer:
-     * the backward recomputes each sublayer's forward from its saved input */
-    int shared_kda = 0, shared_mla = 0, shared_ffn = 0;
-    for (int l = 0; l < cfg->n_layers; l++) {
-        layer_state *ls = &m->layers[l];
-        int share = cfg->recompute;
-        if (ls->mixer == LM_MIXER_KDA) {
-            if (!(share && shared_kda++)) act += PAD16(lm_kda_layer_act_floats(&ls->kda_cfg, B, T));
-            size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
-            if (s > scratch) scratch = s;
-        } else {
-            if (!(share && shared_mla++)) act += PAD16(lm_mla_acts_floats(&ls->mla_cfg, B, T));
-            size_t s = lm_mla_scratch_floats(&ls->mla_cfg, B, T);
-            if (s > scratch) scratch = s;
-        }
-        if (!ls->moe) {
-            if (!(share && shared_ffn++)) act += 3 * PAD16((size_t)N * cfg->dense_ffn);
-            if (dense_ffn_scratch(cfg, N) > scratch) scratch = dense_ffn_scratch(cfg, N);
-        } else if (cfg->balance == LM_BALANCE_AUX) {
-            act += PAD16((size_t)N * cfg->n_routed_experts);
-        }
-    }
-    act += PAD16(scratch);
-    /* one scratch for the KDA and attention operators (they run one at a time),
-     * sized for this process's OpenMP thread count */
-    size_t op_bytes = 0;
-    for (int l = 0; l < cfg->n_layers && m->be->device == LM_DEVICE_CPU; l++) {
-        const layer_state *ls = &m->layers[l];
-        if (ls->mixer == LM_MIXER_KDA) {
-            lm_kda_config kc = lm_kda_config_default(B, T, cfg->kda_heads, cfg->kda_head_dim, cfg->kda_head_dim);
-            kc.chunk = cfg->kda_chunk;
-            size_t b = lm_kda_workspace_bytes(&kc);
-            op_bytes = b > op_bytes ? b : op_bytes;
-        } else {
-            const lm_mla_config *mc = &ls->mla_cfg;
-            lm_attention_config ac = lm_attention_config_default(
-                B, T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
-                mc->head_dim_v);
-            size_t f = lm_attention_forward_workspace_bytes(&ac, 0), b = lm_attention_backward_workspace_bytes(&ac, 0);
-            op_bytes = f > op_bytes ? f : op_bytes;
-            op_bytes = b > op_bytes ? b : op_bytes;
-        }
-    }
-    size_t op_floats = (op_bytes + sizeof(float) - 1) / sizeof(float);
-    act += PAD16(op_floats);
+    /* activations and scratch: one plan (plan_activations) counts the block, then carves it */
+    size_t act = plan_activations(m, NULL);
     m->act_floats = act;
-    m->scratch_floats = scratch;
-    {
+    if ((st = ledger_add(m, 2 * (size_t)N * sizeof(int32_t), "tokens, targets [N] int32"))) goto fail;
+    if (!m->dry) {
         void *ab = NULL, *tk = NULL, *tg = NULL;
         st = m->be->alloc(m->be, act * sizeof(float), &ab);
         if (!st) st = m->be->alloc(m->be, (size_t)N * sizeof(int32_t), &tk);
@@ -345,62 +492,51 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
         m->targets = tg;
         if (st) {
             st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats; hint: smaller batch or "
-                          "sequence length", act);
+                          "sequence length (or train.recompute_chunk)", act);
             goto fail;
         }
+        plan_activations(m, m->act_block);
     }
     /* the model's own product-format buffers (separate product format only):
-     * every normalised sublayer input, the final norm, the dense FFN's hidden
+     * the normalised sublayer inputs, the final norm, the dense FFN's hidden
      * and its backward's operands */
     if (m->sep) {
-        size_t f = (size_t)cfg->dense_ffn, lpn = (size_t)m->L2 * N * d + (size_t)N * d /* xn, hn */ +
-                                             3 * (size_t)N * f /* ffn h, da, du */ + (size_t)N * d /* dy */;
-        void *lb;
-        if ((st = m->be->alloc(m->be, lpn * m->be->lp_bytes, &lb))) goto fail;
-        m->lp_block = lb;
-        char *q = lb;
-        size_t e = m->be->lp_bytes;
-        m->xn_lp = q, q += (size_t)m->L2 * N * d * e;
-        m->hn_lp = q, q += (size_t)N * d * e;
-        m->ffn_h_lp = q, q += (size_t)N * f * e;
-        m->ffn_da_lp = q, q += (size_t)N * f * e;
-        m->ffn_du_lp = q, q += (size_t)N * f * e;
-        m->dy_lp = q;
-        m->hn_host = malloc((size_t)N * d * sizeof(float));
-        if (!m->hn_host) {
-            st = lm_error(LM_ERR_MEMORY, "out of memory for the host copy of the final hidden states");
+        size_t f = (size_t)cfg->dense_ffn, e = m->be->lp_bytes, C = (size_t)m->chunk;
+        size_t n_xn = (size_t)(m->cfg.recompute ? 1 : m->L2) * N * d;
+        size_t lpn = n_xn + (size_t)N * d /* hn */ + 3 * C * f /* ffn h, da, du */ + (size_t)N * d /* dy */;
+        char name[96];
+        snprintf(name, sizeof name, "xn, product format: normalised sublayer input%s",
+                 m->cfg.recompute ? " (one, recomputed)" : "s [2L]");
+        if ((st = ledger_add(m, n_xn * e, "%s", name)) || (st = ledger_add(m, (size_t)N * d * e, "hn, product format")) ||
+            (st = ledger_add(m, 3 * C * f * e, "dense FFN h, da, du, product format [%zu tokens]", C)) ||
+            (st = ledger_add(m, (size_t)N * d * e, "dy, product format")))
             goto fail;
+        if (!m->dry) {
+            void *lb;
+            if ((st = m->be->alloc(m->be, lpn * e, &lb))) goto fail;
+            m->lp_block = lb;
+            char *q = lb;
+            m->xn_lp = q, q += n_xn * e;
+            m->hn_lp = q, q += (size_t)N * d * e;
+            m->ffn_h_lp = q, q += C * f * e;
+            m->ffn_da_lp = q, q += C * f * e;
+            m->ffn_du_lp = q, q += C * f * e;
+            m->dy_lp = q;
+            m->hn_host = malloc((size_t)N * d * sizeof(float));
+            if (!m->hn_host) {
+                st = lm_error(LM_ERR_MEMORY, "out of memory for the host copy of the final hidden states");
+                goto fail;
+            }
         }
     }
-    float *p = m->act_block;
-    layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL, *first_moe = NULL;
-#define CARVE(ptr, n) (ptr = p, p += PAD16(n))
-    CARVE(m->x0, (size_t)N * d);
-    CARVE(m->hin, (size_t)m->L2 * N * d);
-    CARVE(m->xn, (size_t)m->L2 * N * d);
-    CARVE(m->rstd, (size_t)m->L2 * N);
-    CARVE(m->hf, (size_t)N * d);
-    CARVE(m->hn, (size_t)N * d);
-    CARVE(m->rstd_final, (size_t)N);
-    CARVE(m->lse_rows, (size_t)N);
-    CARVE(m->target_logit, (size_t)N);
-    CARVE(m->row_scale, (size_t)N);
-    CARVE(m->y, (size_t)N * d);
-    CARVE(m->dy, (size_t)N * d);
-    CARVE(m->dxn, (size_t)N * d);
-    CARVE(m->dh, (size_t)N * d);
-    CARVE(m->dx0, (size_t)N * d);
-    CARVE(m->dhn, (size_t)N * d);
-    CARVE(m->dhf, (size_t)N * d);
-    CARVE(m->logits, ce_floats);
-    if (score_on_backend) {
-        m->score_nll = (double *)p, p += PAD16(2 * (size_t)N);
-        m->score_arg = (int32_t *)p, p += PAD16((size_t)N);
-    }
+    /* the layers' parameter views, the backend's MoE activations (one set with
+     * recompute) and the balancing states */
+    layer_state *first_moe = NULL;
+    int n_moe = 0;
+    for (int l = 0; l < cfg->n_layers; l++) n_moe += m->layers[l].moe;
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        float *pp = m->params + ls->mixer_off;
-        if (ls->mixer == LM_MIXER_MLA) {
+        if (ls->mixer == LM_MIXER_MLA && !m->dry) {
             ls->smax = malloc(2 * (size_t)cfg->attn_heads * sizeof(float));
             if (!ls->smax) {
                 st = lm_error(LM_ERR_MEMORY, "out of memory creating the model");
@@ -409,87 +545,121 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *bac
             ls->smax_tmp = ls->smax + cfg->attn_heads;
             for (int h = 0; h < cfg->attn_heads; h++) ls->smax[h] = -INFINITY;
         }
-        if (ls->mixer == LM_MIXER_KDA) {
-            lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
-            lm_kda_layer_params_map(&ls->kda_cfg, m->P + ls->mixer_off, &ls->kda_P);
-            map_views(m, &ls->kda_P, &ls->kda_PL, sizeof ls->kda_P, 0);
-            map_views(m, &ls->kda_P, &ls->kda_G, sizeof ls->kda_P, 1);
-            if (first_kda && cfg->recompute) {
-                ls->kda_a = first_kda->kda_a;
+        if (!m->dry) {
+            float *pp = m->params + ls->mixer_off;
+            if (ls->mixer == LM_MIXER_KDA) {
+                lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
+                lm_kda_layer_params_map(&ls->kda_cfg, m->P + ls->mixer_off, &ls->kda_P);
+                map_views(m, &ls->kda_P, &ls->kda_PL, sizeof ls->kda_P, 0);
+                map_views(m, &ls->kda_P, &ls->kda_G, sizeof ls->kda_P, 1);
             } else {
-                lm_kda_layer_acts_map(&ls->kda_cfg, B, T, p, &ls->kda_a);
-                p += PAD16(lm_kda_layer_act_floats(&ls->kda_cfg, B, T));
-                first_kda = ls;
-            }
-        } else {
-            if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
-                (st = lm_mla_params_map(&ls->mla_cfg, m->P + ls->mixer_off, &ls->mla_P)))
-                goto fail;
-            map_views(m, &ls->mla_P, &ls->mla_PL, sizeof ls->mla_P, 0);
-            map_views(m, &ls->mla_P, &ls->mla_G, sizeof ls->mla_P, 1);
-            if (first_mla && cfg->recompute) {
-                ls->mla_acts = first_mla->mla_acts;
-            } else {
-                CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T));
-                first_mla = ls;
+                if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
+                    (st = lm_mla_params_map(&ls->mla_cfg, m->P + ls->mixer_off, &ls->mla_P)))
+                    goto fail;
+                map_views(m, &ls->mla_P, &ls->mla_PL, sizeof ls->mla_P, 0);
+                map_views(m, &ls->mla_P, &ls->mla_G, sizeof ls->mla_P, 1);
             }
         }
-        if (!ls->moe) {
-            if (first_ffn && cfg->recompute) {
-                ls->ffn_a = first_ffn->ffn_a;
-                ls->ffn_u = first_ffn->ffn_u;
-                ls->ffn_h = first_ffn->ffn_h;
-            } else {
-                CARVE(ls->ffn_a, (size_t)N * cfg->dense_ffn);
-                CARVE(ls->ffn_u, (size_t)N * cfg->dense_ffn);
-                CARVE(ls->ffn_h, (size_t)N * cfg->dense_ffn);
-                first_ffn = ls;
-            }
-        } else {
+        if (!ls->moe) continue;
+        if (!m->dry) {
             lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
             lm_moe_params_carve(&ls->moe_cfg, m->P + ls->ffn_off, &ls->moe_P);
             map_views(m, &ls->moe_P, &ls->moe_PL, sizeof ls->moe_P, 0);
             map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
-            if (first_moe && cfg->recompute) {
-                ls->moe_acts = first_moe->moe_acts; /* owned by first_moe */
-            } else {
-                if ((st = m->be->ops->moe_acts_create(m->be, &ls->moe_cfg, N, &ls->moe_acts))) goto fail;
-                ls->owns_moe_acts = 1;
-                first_moe = ls;
-            }
-            if (cfg->balance == LM_BALANCE_AUX) {
-                CARVE(ls->dscores, (size_t)N * cfg->n_routed_experts);
-                if (m->sep && !m->aux_host &&
-                    !(m->aux_host = malloc((size_t)N * cfg->n_routed_experts * sizeof(float)))) {
-                    st = lm_error(LM_ERR_MEMORY, "out of memory for the auxiliary loss's host scores");
-                    goto fail;
-                }
-            }
-            lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
-            bc.bins = cfg->balance_bins;
-            bc.estimator = cfg->balance_estimator;
-            bc.max_step_tokens = N * cfg->grad_accum; /* the exact estimator keeps a step's residuals */
-            bc.ema = cfg->balance_ema;
-            bc.sign_rate = cfg->sign_rate;
-            bc.aux_alpha = cfg->aux_alpha;
-            if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
-            ls->bal_ready = 1;
         }
+        if (first_moe && cfg->recompute) {
+            ls->moe_acts = first_moe->moe_acts; /* owned by first_moe */
+        } else {
+            size_t b = m->be->ops->moe_acts_bytes(&ls->moe_cfg, m->chunk);
+            if (!b && m->dry) {
+                /* the plan goes on, so the table shows the rest; creating this model fails here */
+                char why[128];
+                snprintf(why, sizeof why, "%s", lm_last_error());
+                if ((st = ledger_add(m, 0, "MoE activations REFUSED: %s", why))) goto fail;
+                first_moe = ls;
+                continue;
+            }
+            if ((st = cfg->recompute
+                          ? ledger_add(m, b, "MoE routing and expert activations [%lld tokens] (shared by %d layers)",
+                                       (long long)m->chunk, n_moe)
+                          : ledger_add(m, b, "layers.%d MoE routing and expert activations [%lld tokens]", l,
+                                       (long long)m->chunk)))
+                goto fail;
+            if (!m->dry) {
+                if ((st = m->be->ops->moe_acts_create(m->be, &ls->moe_cfg, m->chunk, &ls->moe_acts))) goto fail;
+                ls->owns_moe_acts = 1;
+            }
+            first_moe = ls;
+        }
+        if (m->dry) continue;
+        if (cfg->balance == LM_BALANCE_AUX && m->sep && !m->aux_host &&
+            !(m->aux_host = malloc((size_t)N * cfg->n_routed_experts * sizeof(float)))) {
+            st = lm_error(LM_ERR_MEMORY, "out of memory for the auxiliary loss's host scores");
+            goto fail;
+        }
+        lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
+        bc.bins = cfg->balance_bins;
+        bc.estimator = cfg->balance_estimator;
+        bc.max_step_tokens = N * cfg->grad_accum; /* the exact estimator keeps a step's residuals */
+        bc.ema = cfg->balance_ema;
+        bc.sign_rate = cfg->sign_rate;
+        bc.aux_alpha = cfg->aux_alpha;
+        if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
+        ls->bal_ready = 1;
     }
-    CARVE(m->scratch, scratch);
-    float *op_ws;
-    CARVE(op_ws, op_floats);
-    for (int l = 0; l < cfg->n_layers; l++) {
-        m->layers[l].kda_cfg.workspace = m->layers[l].mla_cfg.workspace = op_ws;
-        m->layers[l].kda_cfg.workspace_bytes = m->layers[l].mla_cfg.workspace_bytes = op_floats * sizeof(float);
-
-    }
-#undef CARVE
 
     /* the residual stream */
+    /* with recompute_chunk, Block AttnRes keeps the partial sums of one block
+     * only and the backward replays each block's forward, where the backend can */
+    m->replay = m->lean_hin && cfg->residual == LM_RESIDUAL_BLOCK_ATTNRES && m->be->ops->attnres_replay_block &&
+                cfg->attnres_block > 1 && cfg->attnres_block < m->L2;
     lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
-                            cfg->norm_eps, 1};
-    if ((st = m->be->ops->attnres_create(m->be, &ac, &m->ar))) goto fail;
+                            cfg->norm_eps, 1, m->replay};
+    {
+        lm_attnres_memory_plan arp;
+        if ((st = m->be->ops->attnres_memory(&ac, &arp))) goto fail;
+        const char *mode = lm_attnres_mode_name((lm_attnres_mode)cfg->residual);
+        const int H = arp.n_history_sources, L2 = m->L2, nb = arp.n_blocks;
+        if ((st = ledger_add(m, arp.history, "residual stream (%s): sources, %d x [N,d]", mode, H)) ||
+            (st = ledger_add(m, arp.history_grad, "residual stream: source gradients, %d x [N,d]", H)) ||
+            (st = ledger_add(m, arp.saved_partials, "residual stream: saved partial block sums, %d x [N,d]%s",
+                             cfg->residual == LM_RESIDUAL_STANDARD ? 0 : m->replay ? cfg->attnres_block - 1 : L2 - nb,
+                             m->replay ? " (one block's, replayed)" : "")) ||
+            (st = ledger_add(m, arp.saved_scores, "residual stream: saved scores")) ||
+            (st = ledger_add(m, arp.phase1, "residual stream: two-phase accumulators")) ||
+            (st = ledger_add(m, arp.queries + arp.param_grad, "residual stream: queries, parameter gradient partials")))
+            goto fail;
+        /* whatever the parts leave out (a backend's own rounding) */
+        size_t parts = arp.history + arp.history_grad + arp.saved_partials + arp.saved_scores + arp.phase1 +
+                       arp.queries + arp.param_grad;
+        if (arp.total > parts && (st = ledger_add(m, arp.total - parts, "residual stream: other")))
+            goto fail;
+    }
+    if (!m->dry && (st = m->be->ops->attnres_create(m->be, &ac, &m->ar))) goto fail;
+    /* the scratch the backend takes for the KDA and attention operators itself (GPU) */
+    {
+        size_t ob = 0;
+        for (int l = 0; l < cfg->n_layers; l++) {
+            const layer_state *ls = &m->layers[l];
+            size_t b;
+            if (ls->mixer == LM_MIXER_KDA) {
+                lm_kda_config kc = lm_kda_config_default(B, T, cfg->kda_heads, cfg->kda_head_dim, cfg->kda_head_dim);
+                kc.chunk = cfg->kda_chunk;
+                kc.gate = ls->kda_cfg.gate;
+                kc.g_min = ls->kda_cfg.g_min;
+                b = m->be->ops->op_scratch_bytes(&kc, NULL);
+            } else {
+                const lm_mla_config *mc = &ls->mla_cfg;
+                lm_attention_config atc = lm_attention_config_default(
+                    B, T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
+                    mc->head_dim_v);
+                b = m->be->ops->op_scratch_bytes(NULL, &atc);
+            }
+            ob = b > ob ? b : ob;
+        }
+        if (ob && (st = ledger_add(m, ob, "backend scratch of the KDA / attention operators (grown on first use)")))
+            goto fail;
+    }
     *out = m;
     return LM_OK;
 fail:
@@ -507,6 +677,7 @@ void lm_model_free(lm_model *m) {
     }
     free(m->layers);
     free(m->tensors);
+    free(m->buffers);
     if (m->ar) m->be->ops->attnres_free(m->be, m->ar);
     if (m->P && m->P != m->params) m->be->release(m->be, m->P);
     if (m->G && m->G != m->grads) m->be->release(m->be, m->G);
@@ -523,6 +694,7 @@ void lm_model_free(lm_model *m) {
 }
 
 void lm_model_init(lm_model *m, uint64_t seed) {
+    if (m->dry) return; /* a plan has no parameters */
     lm_rng rng;
     lm_rng_seed(&rng, seed);
     for (int i = 0; i < m->n_tensors; i++) {
@@ -556,7 +728,12 @@ const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
 size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
+float *lm_model_backend_grads(lm_model *m) { return m->G; }
 size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
+int lm_model_num_buffers(const lm_model *m) { return m->n_buffers; }
+const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {
+    return i >= 0 && i < m->n_buffers ? &m->buffers[i] : NULL;
+}
 void lm_model_zero_grads(lm_model *m) {
     /* on a backend with memory of its own the gradients live there (zeroed before
      * the next forward); the host copy is current only after lm_model_download_grads,
@@ -638,7 +815,7 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 static void optimizer_params_in(lm_model *m, float *P, float *G, lm_param *params, lm_train_optimizer which) {
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
-        float *w = P + t->offset, *g = G + t->offset;
+        float *w = P ? P + t->offset : NULL, *g = G ? G + t->offset : NULL; /* NULL: a plan's descriptors */
         lm_param p;
         if (t->ndim >= 2) {
             int64_t rows = t->ndim == 3 ? t->shape[0] * t->shape[1] : t->shape[0];
@@ -685,8 +862,9 @@ static lm_time_part sublayer_part(const layer_state *ls, int idx) {
 
 /* ---- the dense FFN ---- */
 
-static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const void *x, float *y) {
-    // x (N,d) in the product format -> y (N,d)
+/* The dense FFN on n tokens (n <= the model's chunk): x (n,d) in the product
+ * format -> y (n,d); the activations of these n tokens in ls->ffn_a, _u, _h. */
+static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const void *x, float *y, int64_t n) {
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
@@ -694,19 +872,21 @@ static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const voi
                 *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     void *h_lp = lp_or(m, ls->ffn_h, m->ffn_h_lp);
-    TRY(op->matmul_forward(be, ls->ffn_a, x, Wg, m->N, d, f));
-    TRY(op->matmul_forward(be, ls->ffn_u, x, Wu, m->N, d, f));
-    TRY(op->glu_forward(be, act, ls->ffn_h, h_lp, ls->ffn_a, ls->ffn_u, (size_t)m->N * f));
-    TRY(op->matmul_forward(be, y, h_lp, Wd, m->N, f, d));
+    TRY(op->matmul_forward(be, ls->ffn_a, x, Wg, n, d, f));
+    TRY(op->matmul_forward(be, ls->ffn_u, x, Wu, n, d, f));
+    TRY(op->glu_forward(be, act, ls->ffn_h, h_lp, ls->ffn_a, ls->ffn_u, (size_t)n * f));
+    TRY(op->matmul_forward(be, y, h_lp, Wd, n, f, d));
     return LM_OK;
 }
 
-static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy, float *dx) {
-    // x (N,d) in the product format; dy (N,d); dx and the gradients accumulate
+/* Its backward on the same n tokens: x (n,d) in the product format, dy (n,d);
+ * dx and the weight gradients accumulate. */
+static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy, float *dx,
+                                    int64_t n) {
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
-    size_t nf = (size_t)m->N * f;
+    size_t nf = (size_t)n * f;
     const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
                 *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
     float *gWg = m->G + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
@@ -714,16 +894,16 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     void *dy_lp = lp_or(m, (float *)dy, m->dy_lp), *da_lp = lp_or(m, da, m->ffn_da_lp),
          *du_lp = lp_or(m, du, m->ffn_du_lp);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
-    if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)m->N * d));
+    if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
     TRY(be->zero(be, dh, nf * sizeof(float)));
-    TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, m->N, f, d));
+    TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
     TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
     if (m->sep) {
         TRY(op->to_lp(be, da_lp, da, nf));
         TRY(op->to_lp(be, du_lp, du, nf));
     }
-    TRY(op->matmul_backward(be, dx, gWg, da_lp, x, Wg, m->N, d, f));
-    TRY(op->matmul_backward(be, dx, gWu, du_lp, x, Wu, m->N, d, f));
+    TRY(op->matmul_backward(be, dx, gWg, da_lp, x, Wg, n, d, f));
+    TRY(op->matmul_backward(be, dx, gWu, du_lp, x, Wu, n, d, f));
     return LM_OK;
 }
 
@@ -738,13 +918,108 @@ static lm_attnres_params attnres_params(const lm_model *m) {
     return p;
 }
 
+/* Token rows [t0, t0 + n) of an (N, d) buffer, fp32 or in the product format. */
+static float *rows_f32(const lm_model *m, const float *x, int64_t t0) { return (float *)x + (size_t)t0 * m->d; }
+static void *rows_lp(const lm_model *m, const void *x, int64_t t0) {
+    return (char *)x + (size_t)t0 * m->d * m->be->lp_bytes;
+}
+
+/* The channel mixer (dense FFN or MoE) of sublayer idx on the tokens [t0, t0 +
+ * n) of its normalised input, n = min(chunk, N - t0): y's same rows; fills the
+ * activations of these tokens. The balancer observes every chunk, so a step's
+ * statistics are the whole batch's (its counts add up). */
+static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const float *xn_all, const void *xn_lp_all,
+                                 float *y_all, int64_t t0, int training, int recompute) {
+    const int64_t n = m->N - t0 < m->chunk ? m->N - t0 : m->chunk;
+    const float *xn = rows_f32(m, xn_all, t0);
+    const void *xn_lp = rows_lp(m, xn_lp_all, t0);
+    float *y = rows_f32(m, y_all, t0);
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    if (!ls->moe) return dense_ffn_forward(m, ls, xn_lp, y, n);
+    const int nx = m->cfg.n_routed_experts;
+    /* expert parallelism in training (and its recomputation) only: an
+     * evaluation forward may run on some ranks alone and the replicated
+     * expert weights let it run the whole layer */
+    ls->moe_ep_fwd = ls->moe_ep && (training || recompute);
+    if (ls->moe_ep_fwd) {
+        /* did every rank reach this layer? (lm_model_forward); never chunked */
+        lm_status st = lm_moe_ep_agree(ls->moe_ep, LM_OK);
+        if (!recompute) m->ep_next = idx + 1;
+        if (!st) st = lm_moe_forward_ep(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts, n, ls->moe_ep);
+        if (st) {
+            m->ep_together = 1; /* failures in the layer are agreed on */
+            return st;
+        }
+    } else
+        TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, n));
+    float *scores = op->moe_scores(be, ls->moe_acts);
+    if (m->fault == LM_FAULT_ROUTER && !recompute) {
+        const float nan = NAN;
+        TRY(be->upload(be, scores, &nan, sizeof nan));
+        m->fault = LM_FAULT_NONE;
+    }
+    /* a non-finite score would poison the balancer's statistics: refuse it first */
+    int64_t bad;
+    TRY(op->find_nonfinite(be, scores, (size_t)n * nx, &bad));
+    if (ls->moe_ep_fwd) {
+        /* the ranks agree, so all stop at this layer and none waits in the next exchange */
+        int32_t mine = bad >= 0, any = 0;
+        TRY(lm_comm_all_reduce_sum(m->ep_comm, &mine, &any, 1, LM_DTYPE_I32));
+        if (any) m->ep_together = 1;
+        if (any && !mine)
+            return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d on another rank", idx / 2);
+    }
+    if (bad >= 0)
+        return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
+                        (long long)(t0 + bad / nx));
+    if (training && !recompute) TRY(op->moe_balance_observe(be, &ls->bal, ls->moe_acts, n));
+    if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
+        /* never chunked (lm_config_validate) */
+        float aux = 0;
+        TRY(op->moe_aux_loss(be, &aux, ls->dscores, ls->moe_acts, n, nx, m->cfg.top_k, m->cfg.aux_alpha));
+        m->aux_loss += aux;
+    }
+    return LM_OK;
+}
+
+/* The backward of the channel mixer on the tokens [t0, t0 + n) (after
+ * channel_forward of the same tokens): dxn's rows written, weight gradients
+ * accumulated. */
+static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_all, const void *xn_lp_all,
+                                  int64_t t0, float loss_scale) {
+    const int64_t n = m->N - t0 < m->chunk ? m->N - t0 : m->chunk;
+    const float *xn = rows_f32(m, xn_all, t0), *dy = rows_f32(m, m->dy, t0);
+    float *dxn = rows_f32(m, m->dxn, t0);
+    lm_backend *be = m->be;
+    if (!ls->moe) return dense_ffn_backward(m, ls, rows_lp(m, xn_lp_all, t0), dy, dxn, n);
+    /* the MoE's saved routing is that of its last forward: these tokens' */
+    float *extra = NULL;
+    if (m->cfg.balance == LM_BALANCE_AUX) {
+        size_t k = (size_t)n * m->cfg.n_routed_experts;
+        if (be->device == LM_DEVICE_CPU) {
+            for (size_t i = 0; i < k; i++) ls->dscores[i] *= loss_scale;
+        } else {
+            /* the auxiliary loss is a baseline: scaled on the host */
+            TRY(be->download(be, m->aux_host, ls->dscores, k * sizeof(float)));
+            for (size_t i = 0; i < k; i++) m->aux_host[i] *= loss_scale;
+            TRY(be->upload(be, ls->dscores, m->aux_host, k * sizeof(float)));
+        }
+        extra = ls->dscores;
+    }
+    if (ls->moe_ep_fwd)
+        return lm_moe_backward_ep(dxn, &ls->moe_Gep, dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts,
+                                  ls->moe_ep);
+    return be->ops->moe_backward(be, dxn, &ls->moe_G, dy, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+                                 ls->moe_acts);
+}
+
 /* Sublayer idx on its normalised input xn -> y; fills the sublayer's
  * activations. `training` feeds the balancer and the logit maxima;
  * `recompute` marks the backward's second forward, which repeats the
  * activations only (the same routing: b changes only at the step's end). */
 static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const float *xn, const void *xn_lp, float *y,
                                   int training, int recompute) {
-    const int64_t N = m->N;
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
@@ -760,60 +1035,25 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
             for (int h = 0; h < m->cfg.attn_heads; h++)
                 ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
         }
-    } else if (!ls->moe) {
-        TRY(dense_ffn_forward(m, ls, xn_lp, y));
     } else {
-        const int n = m->cfg.n_routed_experts;
-        /* expert parallelism in training (and its recomputation) only: an
-         * evaluation forward may run on some ranks alone and the replicated
-         * expert weights let it run the whole layer */
-        ls->moe_ep_fwd = ls->moe_ep && (training || recompute);
-        if (ls->moe_ep_fwd) {
-            /* did every rank reach this layer? (lm_model_forward) */
-            lm_status st = lm_moe_ep_agree(ls->moe_ep, LM_OK);
-            if (!recompute) m->ep_next = idx + 1;
-            if (!st) st = lm_moe_forward_ep(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts, N,
-                                            ls->moe_ep);
-            if (st) {
-                m->ep_together = 1; /* failures in the layer are agreed on */
-                return st;
-            }
-        } else
-            TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, N));
-        float *scores = op->moe_scores(be, ls->moe_acts);
-        if (m->fault == LM_FAULT_ROUTER && !recompute) {
-            const float nan = NAN;
-            TRY(be->upload(be, scores, &nan, sizeof nan));
-            m->fault = LM_FAULT_NONE;
-        }
-        /* a non-finite score would poison the balancer's statistics: refuse it first */
-        int64_t bad;
-        TRY(op->find_nonfinite(be, scores, (size_t)N * n, &bad));
-        if (ls->moe_ep_fwd) {
-            /* the ranks agree, so all stop at this layer and none waits in the next exchange */
-            int32_t mine = bad >= 0, any = 0;
-            TRY(lm_comm_all_reduce_sum(m->ep_comm, &mine, &any, 1, LM_DTYPE_I32));
-            if (any) m->ep_together = 1;
-            if (any && !mine)
-                return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d on another rank", idx / 2);
-        }
-        if (bad >= 0)
-            return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
-                            (long long)(bad / n));
-        if (training && !recompute) TRY(op->moe_balance_observe(be, &ls->bal, ls->moe_acts, N));
-        if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
-            float aux = 0;
-            TRY(op->moe_aux_loss(be, &aux, ls->dscores, ls->moe_acts, N, n, m->cfg.top_k, m->cfg.aux_alpha));
-            m->aux_loss += aux;
-        }
+        /* the channel mixer: per token, so `chunk` tokens at a time */
+        for (int64_t t0 = 0; t0 < m->N; t0 += m->chunk)
+            TRY(channel_forward(m, ls, idx, xn, xn_lp, y, t0, training, recompute));
     }
     return LM_OK;
 }
 
 /* The lp view of sublayer idx's normalised input. */
 static void *xn_lp_of(const lm_model *m, int idx) {
-    size_t nd = (size_t)m->N * m->d;
-    return m->sep ? (char *)m->xn_lp + (size_t)idx * nd * m->be->lp_bytes : (void *)(m->xn + (size_t)idx * nd);
+    size_t nd = (size_t)m->N * m->d, i = m->cfg.recompute ? 0 : (size_t)idx;
+    return m->sep ? (char *)m->xn_lp + i * nd * m->be->lp_bytes : (void *)(m->xn + i * nd);
+}
+
+/* Sublayer idx's input and normalised input: one buffer each with recompute
+ * (the normalised input) and recompute_chunk (the input), else one per sublayer. */
+static float *hin_of(const lm_model *m, int idx) { return m->hin + (m->lean_hin ? 0 : (size_t)idx * m->N * m->d); }
+static float *xn_of(const lm_model *m, int idx) {
+    return m->xn + (m->cfg.recompute ? 0 : (size_t)idx * m->N * m->d);
 }
 
 static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
@@ -823,6 +1063,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         if (tokens[i] < 0 || tokens[i] >= V)
             return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
                             tokens[i], (long long)i, V);
+    if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
     TRY(sync_before_forward(m));
     double t0 = lm_time_seconds();
     lm_backend *be = m->be;
@@ -840,7 +1081,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     m->aux_loss = 0;
     for (int idx = 0; idx < m->L2; idx++) {
         layer_state *ls = &m->layers[idx / 2];
-        float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
+        float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
         void *xn_lp = xn_lp_of(m, idx);
         TRY(op->attnres_input(be, m->ar, idx, &arp, hin));
         charge(m, LM_TIME_ATTNRES, &t0);
@@ -933,6 +1174,37 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
     return LM_OK;
 }
 
+/* The forward of Block AttnRes block k again, before its backward (m->replay):
+ * each sublayer's input from the residual state (the forward's own
+ * arithmetic, so the same bits), its norm and its recomputed forward, whose
+ * output rebuilds the block's partial sums in the state. */
+static lm_status replay_block(lm_model *m, int k) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    const int64_t N = m->N;
+    const int d = m->d, S = m->cfg.attnres_block;
+    const int last = (k + 1) * S - 1 < m->L2 - 1 ? (k + 1) * S - 1 : m->L2 - 1;
+    lm_attnres_params arp = attnres_params(m);
+    double t0 = lm_time_seconds();
+    TRY(op->attnres_replay_block(be, m->ar, k));
+    for (int l = k * S; l <= last; l++) {
+        layer_state *ls = &m->layers[l / 2];
+        float *hin = hin_of(m, l), *xn = xn_of(m, l);
+        void *xn_lp = xn_lp_of(m, l);
+        TRY(op->attnres_input(be, m->ar, l, &arp, hin));
+        charge(m, LM_TIME_ATTNRES, &t0);
+        const float *w = m->P + (l % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)l * N, hin, w, N, d,
+                                m->cfg.norm_eps));
+        charge(m, LM_TIME_NORMS, &t0);
+        TRY(sublayer_forward(m, ls, l, xn, xn_lp, m->y, 0, 1));
+        charge(m, sublayer_part(ls, l), &t0);
+        TRY(op->attnres_add_output(be, m->ar, l, m->y));
+        charge(m, LM_TIME_ATTNRES, &t0);
+    }
+    return LM_OK;
+}
+
 /* dlogp NULL: the mean cross-entropy scaled by loss_scale, i.e. dLoss/dlog p
  * = -loss_scale / N at every position; else dlogp[i] per position. loss_scale
  * also scales the auxiliary balance loss. */
@@ -968,51 +1240,48 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     }
     TRY(op->attnres_final_backward(be, m->ar, &arp, m->dhf, &arg));
     charge(m, LM_TIME_ATTNRES, &t0);
+    const int S = m->cfg.attnres_block;
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
-        float *hin = m->hin + (size_t)idx * N * d, *xn = m->xn + (size_t)idx * N * d;
+        float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
         void *xn_lp = xn_lp_of(m, idx);
+        if (m->replay && (idx % S == S - 1 || idx == m->L2 - 1)) TRY(replay_block(m, idx / S));
         TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
         TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
         charge(m, LM_TIME_ATTNRES, &t0);
-        if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->dxn, 0, 1));
+        const size_t norm_off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
+        if (m->cfg.recompute) {
+            /* the sublayer's input again (recompute_chunk: from the residual
+             * state), then its normalised input: the forward's own op on it */
+            if (m->lean_hin) {
+                TRY(op->attnres_recompute_input(be, m->ar, idx, hin));
+                charge(m, LM_TIME_ATTNRES, &t0);
+            }
+            TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, m->P + norm_off, N,
+                                    d, eps));
+            charge(m, LM_TIME_NORMS, &t0);
+        }
         TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
+            /* the recomputed output goes to y, unused in the backward */
+            if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
             if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
                                              m->dy, m->B, m->T, m->dxn, m->scratch));
             else
                 TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy, m->B, m->T,
                                        m->dxn, &ls->mla_G, m->scratch));
-        } else if (!ls->moe) {
-            TRY(dense_ffn_backward(m, ls, xn_lp, m->dy, m->dxn));
         } else {
-            /* the MoE's saved routing is that of its last forward: this micro-batch's */
-            float *extra = NULL;
-            if (m->cfg.balance == LM_BALANCE_AUX) {
-                size_t n = (size_t)N * m->cfg.n_routed_experts;
-                if (be->device == LM_DEVICE_CPU) {
-                    for (size_t i = 0; i < n; i++) ls->dscores[i] *= loss_scale;
-                } else {
-                    /* the auxiliary loss is a baseline: scaled on the host */
-                    TRY(be->download(be, m->aux_host, ls->dscores, n * sizeof(float)));
-                    for (size_t i = 0; i < n; i++) m->aux_host[i] *= loss_scale;
-                    TRY(be->upload(be, ls->dscores, m->aux_host, n * sizeof(float)));
-                }
-                extra = ls->dscores;
+            /* the channel mixer chunk by chunk: each chunk's forward again, then its backward */
+            for (int64_t c0 = 0; c0 < N; c0 += m->chunk) {
+                if (m->cfg.recompute) TRY(channel_forward(m, ls, idx, xn, xn_lp, m->y, c0, 0, 1));
+                TRY(channel_backward(m, ls, xn, xn_lp, c0, loss_scale));
             }
-            if (ls->moe_ep_fwd)
-                TRY(lm_moe_backward_ep(m->dxn, &ls->moe_Gep, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
-                                       ls->moe_acts, ls->moe_ep));
-            else
-                TRY(op->moe_backward(be, m->dxn, &ls->moe_G, m->dy, xn, extra, &ls->moe_cfg, &ls->moe_P,
-                                     &ls->moe_PL, ls->moe_acts));
         }
         charge(m, sublayer_part(ls, idx), &t0);
         TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
-        size_t off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
-        TRY(op->rmsnorm_backward(be, m->dh, m->G + off, m->dxn, hin, m->P + off, m->rstd + (size_t)idx * N, N, d,
-                                 eps));
+        TRY(op->rmsnorm_backward(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off, m->rstd + (size_t)idx * N,
+                                 N, d, eps));
         charge(m, LM_TIME_NORMS, &t0);
         TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);
@@ -1180,6 +1449,10 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
+    if (m->chunk < m->N)
+        return lm_error(LM_ERR_ARG, "expert parallelism runs the MoE on the whole micro-batch: set "
+                                    "train.recompute_chunk to 0 (or at least the micro-batch's %lld tokens)",
+                        (long long)m->N);
     if (m->be->device != LM_DEVICE_CPU)
         return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (the device engine is not written yet)");
     int R = lm_comm_size(comm);

@@ -87,6 +87,14 @@ struct lm_model {
     struct lm_comm *ep_comm; /* expert parallelism over these ranks (NULL: off) */
     int ep_next;     /* the forward's first sublayer whose EP agreement this rank has not joined */
     int ep_together; /* the forward failed at an agreement: every rank knows */
+    /* the memory plan: every backend buffer by name (lm_model_buffer_at) */
+    lm_model_buffer *buffers;
+    int n_buffers, cap_buffers;
+    int dry;                 /* a plan only (lm_model_plan): nothing allocated */
+    struct lm_backend plan_be; /* the plan's backend: its device, product format and ops */
+    int64_t chunk;           /* tokens per chunk of the dense FFN and MoE (N: not chunked) */
+    int lean_hin;            /* one sublayer input buffer, recomputed from the residual state */
+    int replay;              /* the residual state keeps one block's partial sums: the backward replays each block */
 };
 
 #endif

@@ -378,6 +378,8 @@ static lm_status cpu_moe_acts_create(lm_backend *be, const lm_moe_config *cfg, i
     return LM_OK;
 }
 
+static size_t cpu_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) { return lm_moe_acts_bytes(cfg, m_max); }
+
 static void cpu_moe_acts_free(lm_backend *be, void *acts) {
     (void)be;
     if (!acts) return;
@@ -425,6 +427,13 @@ typedef struct {
     void *workspace;
 } cpu_attnres;
 
+/* every part of the plan is a multiple of 64 bytes, so is its total */
+static size_t cpu_attnres_bytes(const lm_attnres_config *cfg) {
+    lm_attnres_memory_plan plan;
+    if (lm_attnres_memory(cfg, &plan)) return 0;
+    return (plan.total + 63) / 64 * 64;
+}
+
 static lm_status cpu_attnres_create(lm_backend *be, const lm_attnres_config *cfg, void **out) {
     (void)be;
     *out = NULL;
@@ -432,7 +441,7 @@ static lm_status cpu_attnres_create(lm_backend *be, const lm_attnres_config *cfg
     lm_status st = lm_attnres_memory(cfg, &plan);
     if (st) return st;
     cpu_attnres *a = calloc(1, sizeof *a);
-    size_t bytes = (plan.total + 63) / 64 * 64;
+    size_t bytes = cpu_attnres_bytes(cfg);
     if (a) a->workspace = aligned_alloc(64, bytes ? bytes : 64);
     if (!a || !a->workspace) {
         free(a);
@@ -460,6 +469,20 @@ static lm_status cpu_ar_begin(lm_backend *be, void *s, const float *e) { (void)b
 static lm_status cpu_ar_input(lm_backend *be, void *s, int l, const lm_attnres_params *p, float *h) {
     (void)be;
     return lm_attnres_input(AR(s), l, p, h);
+}
+static lm_status cpu_ar_recompute_input(lm_backend *be, void *s, int l, float *h) {
+    (void)be;
+    return lm_attnres_recompute_input(AR(s), l, h);
+}
+static lm_status cpu_ar_replay_block(lm_backend *be, void *s, int k) {
+    (void)be;
+    return lm_attnres_replay_block(AR(s), k);
+}
+/* the model passes the KDA and attention operators their workspace on the CPU */
+static size_t cpu_op_scratch_bytes(const lm_kda_config *kda, const lm_attention_config *attn) {
+    (void)kda;
+    (void)attn;
+    return 0;
 }
 static lm_status cpu_ar_add_output(lm_backend *be, void *s, int l, const float *y) {
     (void)be;
@@ -576,6 +599,7 @@ static const lm_ops cpu_ops = {
     .gate_backward = cpu_gate_backward,
     .attention_head_max = cpu_attention_head_max,
     .moe_acts_create = cpu_moe_acts_create,
+    .moe_acts_bytes = cpu_moe_acts_bytes,
     .moe_acts_free = cpu_moe_acts_free,
     .moe_forward = cpu_moe_forward,
     .moe_backward = cpu_moe_backward,
@@ -583,6 +607,10 @@ static const lm_ops cpu_ops = {
     .moe_balance_observe = cpu_moe_balance_observe,
     .moe_aux_loss = cpu_moe_aux_loss,
     .attnres_create = cpu_attnres_create,
+    .attnres_memory = lm_attnres_memory,
+    .attnres_recompute_input = cpu_ar_recompute_input,
+    .attnres_replay_block = cpu_ar_replay_block,
+    .op_scratch_bytes = cpu_op_scratch_bytes,
     .attnres_free = cpu_attnres_free,
     .attnres_begin = cpu_ar_begin,
     .attnres_input = cpu_ar_input,
@@ -622,6 +650,8 @@ void lm_backend_free(lm_backend *be) {
 }
 
 #ifndef LONGMOE_HAVE_CUDA
+const lm_ops *lm_backend_cuda_ops(void) { return NULL; }
+
 lm_status lm_backend_cuda_create(lm_backend **out) {
     *out = NULL;
     return lm_error(LM_ERR_ARG, "this build has no CUDA backend (nvcc was not found when it was "

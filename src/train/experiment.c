@@ -218,7 +218,7 @@ lm_status lm_experiment_run(const char *name, const lm_config *base_in, int64_t 
         if ((s = lm_report_write(&ro, NULL))) break;
         /* memory of the residual history per token (the AttnRes block sources) */
         lm_attnres_config ac = {(lm_attnres_mode)v[i].cfg.residual, 2 * v[i].cfg.n_layers, v[i].cfg.attnres_block,
-                                v[i].cfg.d_model, 1, v[i].cfg.norm_eps, 1};
+                                v[i].cfg.d_model, 1, v[i].cfg.norm_eps, 1, 0};
         lm_attnres_memory_plan plan;
         double hist = lm_attnres_memory(&ac, &plan) == LM_OK ? (double)plan.history : NAN;
         double sps = r.step ? r.step_seconds / (double)r.step : NAN;

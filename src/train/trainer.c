@@ -18,6 +18,9 @@
 #include "longmoe/optim.h"
 #include "longmoe/optim_device.h"
 #include "longmoe/safetensors.h"
+#ifdef LONGMOE_HAVE_CUDA
+#include "longmoe/cuda_context.h"
+#endif
 
 /* The most data-parallel ranks (small fixed tables of per-rank scalars). */
 #define LM_DP_MAX_RANKS 4096
@@ -59,14 +62,33 @@ typedef struct {
     lm_data_file *print_files[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
     int print_n[LM_MAX_STAGES * LM_MAX_STAGE_DATA + 1];
     /* data parallelism (opt.comm): this rank of `ranks`; the model holds B / ranks
-     * sequences of each micro-batch (t->B stays the whole batch) */
-    lm_comm *comm;
+     * sequences of each micro-batch (t->B stays the whole batch). comm carries
+     * host values (lm_comm_host of opt.comm); dcomm, with --comm nccl, sums
+     * the gradients in the backend's memory (NULL: they are summed on the host) */
+    lm_comm *comm, *dcomm;
     int rank, ranks;
     int dp_in_setup;     /* between the first agreement and the one before the loop */
     int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
     int64_t saved_step;  /* the step of the newest checkpoint this run wrote or resumed from (-1: none) */
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
+    /* ZeRO-1 (opt.zero; docs/scaleout.md, "ZeRO-1"): the tensors are cut into
+     * Z = ranks consecutive ranges (Z = 1 without ZeRO: this rank holds every
+     * tensor's state); range q's optimizer state lives on rank q alone.
+     * muon_state / adam_state hold this rank's range, muon_state_n /
+     * adam_state_n floats; the whole state (checkpoints) has muon_total_n /
+     * adam_total_n floats. */
+    int zero;
+    int *zfirst;                 /* [Z+1] range q: tensors [zfirst[q], zfirst[q+1]) of `all` */
+    int *zmuon_i, *zadam_i;      /* [Z+1] index in muon_p / adam_p of range q's first tensor of each */
+    size_t *zparam;              /* [Z+1] range q's floats in the parameter block start here */
+    size_t *zmuon, *zadam;       /* [Z+1] range q's state in the whole Muon / AdamW state starts here */
+    size_t *ztab;                /* [3 ranks] counts and offsets of the collectives */
+    size_t muon_total_n, adam_total_n;
+    float *zloc;                 /* [the largest range's floats] this rank's summed gradients */
+    double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
+    uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
+    const float *ck_muon, *ck_adam; /* the whole state a checkpoint writes (rank 0) */
 } trainer;
 
 lm_train_options lm_train_options_default(const char *out_dir) {
@@ -94,6 +116,11 @@ static void trainer_free(trainer *t) {
     free(t->bmuon);
     free(t->badam);
     lm_model_free(t->model);
+    /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
+    if (t->dcomm && t->be) {
+        t->be->sync(t->be);
+        lm_comm_set_stream(t->dcomm, NULL);
+    }
     lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
@@ -108,6 +135,16 @@ static void trainer_free(trainer *t) {
     free(t->stats);
     free(t->dp_qk);
     free(t->dp_f64);
+    free(t->zfirst);
+    free(t->zmuon_i);
+    free(t->zadam_i);
+    free(t->zparam);
+    free(t->zmuon);
+    free(t->zadam);
+    free(t->ztab);
+    free(t->zloc);
+    free(t->znorm);
+    free(t->zhash);
     for (int i = 0; i < t->n_prints; i++) free(t->print_files[i]);
     if (t->metrics) fclose(t->metrics);
 }
@@ -200,6 +237,16 @@ static int stop_requested(trainer *t) {
 
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
+    if (t->opt.zero) {
+        if (t->opt.zero != 1)
+            return lm_error(LM_ERR_ARG, "ZeRO stage %d: stage 1 (the optimizer state sharded over the ranks) is the "
+                            "one there is", t->opt.zero);
+        if (!t->comm)
+            return lm_error(LM_ERR_ARG, "ZeRO-1 (--zero 1) shards the optimizer state over the ranks of --comm mpi");
+        if (t->opt.device != LM_DEVICE_CPU)
+            return lm_error(LM_ERR_ARG, "ZeRO-1 runs on the CPU (--device cpu), not --device %s",
+                            lm_device_name(t->opt.device));
+    }
     if (t->opt.expert_parallel) {
         if (!t->comm)
             return lm_error(LM_ERR_ARG, "expert parallelism (--ep) runs over the ranks of --comm mpi");
@@ -211,10 +258,14 @@ static lm_status dp_check(const trainer *t) {
                             "divisible by %d (each rank owns an equal share of the experts)", t->ranks,
                             t->cfg.n_routed_experts, t->ranks);
     }
+    if (t->dcomm && t->opt.device != LM_DEVICE_CUDA)
+        return lm_error(LM_ERR_ARG, "--comm nccl sums gradients on GPUs: it needs --device cuda (data parallelism "
+                        "on CPU ranks is --comm mpi)");
     if (t->ranks <= 1) return LM_OK;
-    if (t->opt.device != LM_DEVICE_CPU)
-        return lm_error(LM_ERR_ARG, "data parallel training runs on the CPU (--device cpu); %d ranks were given "
-                        "with --device %s", t->ranks, lm_device_name(t->opt.device));
+    if (t->opt.device != LM_DEVICE_CPU && !t->dcomm)
+        return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl; --comm mpi runs CPU ranks "
+                        "(--device cpu); %d ranks were given with --device %s", t->ranks,
+                        lm_device_name(t->opt.device));
     if (t->cfg.balance == LM_BALANCE_QUANTILE && t->cfg.balance_estimator == LM_QB_EXACT)
         return lm_error(LM_ERR_ARG, "data parallel: moe.balance_estimator 'exact' sorts one process's residuals "
                         "and cannot be summed over ranks; use 'histogram' or 'zoom'");
@@ -229,12 +280,177 @@ static lm_status dp_check(const trainer *t) {
     return LM_OK;
 }
 
+/* ---- ZeRO-1 (docs/scaleout.md, "ZeRO-1") ----
+ * Rank q owns a range of consecutive tensors, cut so that the ranges' optimizer
+ * states are as equal as whole tensors allow. It alone keeps their state, receives
+ * their summed gradients (a reduce-scatter of the gradient block), measures their
+ * part of the global norm, clips and updates them with the replicated optimizer's
+ * arithmetic, and gives the new values to every rank (an all-gather). So every
+ * rank holds the parameters of replicated data parallelism, bit for bit. */
+
+/* This rank's range (0 without ZeRO: the one range of everything). */
+static int zero_range(const trainer *t) { return t->zero ? t->rank : 0; }
+
+/* The ranges and their offsets, from the bound parameters (after bind_params). */
+static lm_status zero_setup(trainer *t) {
+    const int Z = t->zero ? t->ranks : 1, n = t->n_all;
+    t->zfirst = calloc((size_t)Z + 1, sizeof *t->zfirst);
+    t->zmuon_i = calloc((size_t)Z + 1, sizeof *t->zmuon_i);
+    t->zadam_i = calloc((size_t)Z + 1, sizeof *t->zadam_i);
+    t->zparam = calloc((size_t)Z + 1, sizeof *t->zparam);
+    t->zmuon = calloc((size_t)Z + 1, sizeof *t->zmuon);
+    t->zadam = calloc((size_t)Z + 1, sizeof *t->zadam);
+    t->ztab = calloc(3 * (size_t)t->ranks, sizeof *t->ztab);
+    t->znorm = calloc((size_t)n + 1, sizeof *t->znorm);
+    t->zhash = calloc((size_t)n + 1, sizeof *t->zhash);
+    size_t *pre = calloc((size_t)n + 1, sizeof *pre);
+    if (!t->zfirst || !t->zmuon_i || !t->zadam_i || !t->zparam || !t->zmuon || !t->zadam || !t->ztab || !t->znorm ||
+        !t->zhash || !pre) {
+        free(pre);
+        return lm_error(LM_ERR_MEMORY, "out of memory (optimizer ranges)");
+    }
+    /* the gradient and parameter blocks hold the tensors one after the other: a range is one piece of each */
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        if (mt->offset != at) {
+            free(pre);
+            return lm_error(LM_ERR_ARG, "ZeRO-1: tensor '%s' starts at %zu of the parameter block, not at %zu "
+                            "(the tensors must lie one after the other)", mt->name, mt->offset, at);
+        }
+        at += mt->numel;
+        pre[i + 1] = pre[i] + lm_param_state_floats(&t->all[i]);
+    }
+    /* cut q lies where the state before it is nearest to q/Z of the whole (the earlier tensor on a tie) */
+    t->zfirst[Z] = n;
+    for (int q = 1; q < Z; q++) {
+        const uint64_t target = (uint64_t)pre[n] * (uint64_t)q / (uint64_t)Z;
+        int i = t->zfirst[q - 1];
+        while (i < n && pre[i] < target) i++;
+        if (i > t->zfirst[q - 1] && target - pre[i - 1] <= pre[i] - target) i--;
+        t->zfirst[q] = i;
+    }
+    int q = 0, nm = 0, na = 0;
+    size_t sm = 0, sa = 0;
+    for (int i = 0; i <= n; i++) {
+        for (; q <= Z && t->zfirst[q] == i; q++) {
+            t->zparam[q] = i < n ? lm_model_tensor_at(t->model, i)->offset : lm_model_num_params(t->model);
+            t->zmuon_i[q] = nm;
+            t->zadam_i[q] = na;
+            t->zmuon[q] = sm;
+            t->zadam[q] = sa;
+        }
+        if (i == n) break;
+        if (lm_param_optimizer(&t->all[i]) == LM_OPT_MUON) {
+            nm++;
+            sm += lm_param_state_floats(&t->all[i]);
+        } else {
+            na++;
+            sa += lm_param_state_floats(&t->all[i]);
+        }
+    }
+    free(pre);
+    if (t->zero && t->ranks > 1) {
+        size_t most = 0;
+        for (int r = 0; r < Z; r++)
+            most = t->zparam[r + 1] - t->zparam[r] > most ? t->zparam[r + 1] - t->zparam[r] : most;
+        t->zloc = calloc(most + 1, sizeof *t->zloc);
+        if (!t->zloc) return lm_error(LM_ERR_MEMORY, "out of memory (ZeRO-1 gradient buffer)");
+    }
+    return LM_OK;
+}
+
+/* Bytes of optimizer state of range q. */
+static size_t zero_state_bytes(const trainer *t, int q) {
+    return (t->zmuon[q + 1] - t->zmuon[q] + t->zadam[q + 1] - t->zadam[q]) * sizeof(float);
+}
+
+/* The summed gradients of this rank's range (a reduce-scatter: each element is
+ * the rank-order sum the all-reduce would give), into the gradient block. */
+static lm_status zero_reduce_grads(trainer *t) {
+    const int R = t->ranks, me = t->rank;
+    size_t *count = t->ztab;
+    for (int q = 0; q < R; q++) count[q] = t->zparam[q + 1] - t->zparam[q];
+    float *g = lm_model_grads(t->model);
+    TRY(lm_comm_reduce_scatterv_sum(t->comm, g, t->zloc, count, LM_DTYPE_F32));
+    if (count[me]) memcpy(g + t->zparam[me], t->zloc, count[me] * sizeof(float));
+    return LM_OK;
+}
+
+/* The global gradient norm from the owners' per-tensor sums of squares, added in
+ * tensor order on every rank (the replicated lm_grad_global_norm's order, so the
+ * same bits), then this rank's range clipped. A non-finite norm, or a non-finite
+ * loss on any rank, sets *bad on every rank. */
+static lm_status zero_grad_clip(trainer *t, float max_norm, int loss_ok, double *norm_out, int *bad) {
+    const int n = t->n_all, zr = zero_range(t), i0 = t->zfirst[zr], i1 = t->zfirst[zr + 1];
+    for (int i = 0; i < n; i++)
+        t->znorm[i] = i >= i0 && i < i1 ? lm_sum_squares(t->all[i].grad, lm_param_numel(&t->all[i])) : 0.0;
+    t->znorm[n] = loss_ok ? 0.0 : 1.0;
+    /* each entry is one rank's value plus zeros: exact */
+    if (t->ranks > 1) TRY(lm_comm_all_reduce_sum(t->comm, t->znorm, t->znorm, (size_t)n + 1, LM_DTYPE_F64));
+    double sum = 0.0;
+    for (int i = 0; i < n; i++) sum += t->znorm[i];
+    const double norm = sqrt(sum);
+    *norm_out = norm;
+    *bad = t->znorm[n] != 0.0 || !isfinite(norm);
+    if (!*bad && max_norm > 0.0f && norm > (double)max_norm)
+        lm_grads_scale(t->all + i0, i1 - i0, (float)(max_norm / norm));
+    return LM_OK;
+}
+
+/* Every rank's updated range to every rank, in place in the parameter block. */
+static lm_status zero_gather_params(trainer *t) {
+    const int R = t->ranks;
+    size_t *bytes = t->ztab, *offs = bytes + R;
+    for (int q = 0; q < R; q++) {
+        bytes[q] = (t->zparam[q + 1] - t->zparam[q]) * sizeof(float);
+        offs[q] = t->zparam[q] * sizeof(float);
+    }
+    float *p = lm_model_params(t->model);
+    return lm_comm_all_gatherv(t->comm, p + t->zparam[t->rank], bytes[t->rank], p, bytes, offs);
+}
+
+/* The whole optimizer state on rank 0 for a checkpoint (t->ck_muon, t->ck_adam;
+ * *whole_muon and *whole_adam are rank 0's buffers to free): each owner sends
+ * its range, which is one piece of the whole state. Collective. */
+static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole_adam) {
+    *whole_muon = *whole_adam = NULL;
+    t->ck_muon = t->muon_state;
+    t->ck_adam = t->adam_state;
+    if (!t->zero || t->ranks <= 1) return LM_OK;
+    lm_status s = LM_OK;
+    if (t->rank == 0) {
+        *whole_muon = malloc((t->muon_total_n + 1) * sizeof(float));
+        *whole_adam = malloc((t->adam_total_n + 1) * sizeof(float));
+        if (!*whole_muon || !*whole_adam)
+            s = lm_error(LM_ERR_MEMORY, "out of memory gathering the optimizer state (%zu floats) for a checkpoint",
+                         t->muon_total_n + t->adam_total_n);
+    }
+    TRY(dp_agree(t, s));
+    const int R = t->ranks;
+    size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
+    for (int part = 0; part < 2; part++) {
+        const size_t *start = part ? t->zadam : t->zmuon;
+        for (int q = 0; q < R; q++) {
+            sb[q] = q == 0 ? (start[t->rank + 1] - start[t->rank]) * sizeof(float) : 0;
+            rb[q] = t->rank == 0 ? (start[q + 1] - start[q]) * sizeof(float) : 0;
+            ro[q] = t->rank == 0 ? start[q] * sizeof(float) : 0;
+        }
+        TRY(lm_comm_all_to_allv(t->comm, part ? t->adam_state : t->muon_state, sb, zero_off,
+                                part ? (void *)*whole_adam : (void *)*whole_muon, rb, ro));
+    }
+    t->ck_muon = *whole_muon;
+    t->ck_adam = *whole_adam;
+    return LM_OK;
+}
+
 /* After the micro-batches of a step: the ranks' losses averaged (each is the
  * mean over its share), a failed forward on any rank fails the step for all,
  * the data position advanced by the fewest micro-batches any rank consumed
  * (the global micro-batch that failed is consumed, as on one rank), the
  * balancing counts summed (always: the loads are state), and on a good step
- * the gradients summed and the QK-Clip maxima taken over the ranks. */
+ * the gradients summed (under ZeRO-1 reduce-scattered) and the QK-Clip maxima
+ * taken over the ranks. */
 static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *aux, int *bad) {
     if (t->ranks <= 1) return LM_OK;
     const int R = t->ranks;
@@ -273,9 +489,21 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
         }
     }
     if (*bad) return LM_OK;
-    /* the gradients: each rank's share was scaled by 1 / (grad_accum R), so the sum is the batch's mean */
-    TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
-                               lm_model_num_params(t->model), LM_DTYPE_F32));
+    /* the gradients: each rank's share was scaled by 1 / (grad_accum R), so the sum is the batch's mean;
+     * under ZeRO-1 each rank receives the sum of its own range only */
+    if (t->dcomm) {
+        /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
+#ifdef LONGMOE_HAVE_CUDA
+        lm_comm_set_stream(t->dcomm, ((const lm_cuda_context *)t->be->ctx)->stream);
+#endif
+        TRY(lm_comm_all_reduce_sum(t->dcomm, lm_model_backend_grads(t->model), lm_model_backend_grads(t->model),
+                                   lm_model_num_params(t->model), LM_DTYPE_F32));
+    } else if (t->zero) {
+        TRY(zero_reduce_grads(t));
+    } else {
+        TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
+                                   lm_model_num_params(t->model), LM_DTYPE_F32));
+    }
     int nq = lm_model_qk_max_count(t->model);
     if (nq) {
         lm_model_qk_max_get(t->model, t->dp_qk);
@@ -322,13 +550,32 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
     return h;
 }
 
-/* Hashes of this rank's replicated state: parameters, optimizer state and
- * counters; the balancing state of every MoE layer. */
-static void state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
+/* Hashes of the run's state: the parameters, the optimizer state (a hash of
+ * each tensor's state, in the order of muon_p then adam_p: this rank's
+ * replicated copy, or under ZeRO-1 the owners' hashes gathered, so the value
+ * does not depend on the layout) and the counters; the balancing state of
+ * every MoE layer. Collective under ZeRO-1. */
+static lm_status state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
+    const int zr = zero_range(t);
+    memset(t->zhash, 0, (size_t)t->n_all * sizeof *t->zhash);
+    size_t off = 0;
+    for (int j = t->zmuon_i[zr]; j < t->zmuon_i[zr + 1]; j++) {
+        size_t n = lm_param_state_floats(&t->muon_p[j]);
+        t->zhash[j] = fnv(0xcbf29ce484222325ull, t->muon_state + off, n * sizeof(float));
+        off += n;
+    }
+    off = 0;
+    for (int j = t->zadam_i[zr]; j < t->zadam_i[zr + 1]; j++) {
+        size_t n = lm_param_state_floats(&t->adam_p[j]);
+        t->zhash[t->n_muon + j] = fnv(0xcbf29ce484222325ull, t->adam_state + off, n * sizeof(float));
+        off += n;
+    }
+    /* one owner's words plus zeros: exact (int32 sums wrap) */
+    if (t->zero && t->ranks > 1)
+        TRY(lm_comm_all_reduce_sum(t->comm, t->zhash, t->zhash, 2 * (size_t)t->n_all, LM_DTYPE_I32));
     uint64_t h = 0xcbf29ce484222325ull;
     h = fnv(h, lm_model_params(t->model), lm_model_num_params(t->model) * sizeof(float));
-    h = fnv(h, t->muon_state, t->muon_state_n * sizeof(float));
-    h = fnv(h, t->adam_state, t->adam_state_n * sizeof(float));
+    h = fnv(h, t->zhash, (size_t)t->n_all * sizeof *t->zhash);
     int64_t counters[5] = {t->step, t->data_pos, t->skipped, t->muon.step, t->adam.step};
     *params = fnv(h, counters, sizeof counters);
     h = 0xcbf29ce484222325ull;
@@ -343,13 +590,19 @@ static void state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
         h = fnv(h, c, sizeof c);
     }
     *balance = h;
+    return LM_OK;
 }
 
-/* Every rank holds rank 0's state, bit for bit (before a checkpoint). */
+/* Every rank holds rank 0's state, bit for bit (before a checkpoint): the
+ * parameters, counters and balancing state, and the optimizer state where it is
+ * replicated (under ZeRO-1 every rank hashes the owners' gathered hashes). */
 static lm_status dp_check_replicas(trainer *t) {
     if (t->ranks <= 1) return LM_OK;
     uint64_t mine[2], all[2 * LM_DP_MAX_RANKS];
-    state_hashes(t, &mine[0], &mine[1]);
+    /* on a GPU the state is the device's: its host copies first */
+    TRY(host_params_current(t));
+    TRY(download_optimizer_state(t));
+    TRY(state_hashes(t, &mine[0], &mine[1]));
     TRY(lm_comm_all_gather(t->comm, mine, all, sizeof mine));
     for (int r = 1; r < t->ranks; r++)
         if (all[2 * r] != all[0] || all[2 * r + 1] != all[1])
@@ -403,11 +656,18 @@ static lm_status trainer_setup(trainer *t, int stage) {
     t->adam_p = calloc((size_t)t->n_all, sizeof *t->adam_p);
     if (!t->all || !t->muon_p || !t->adam_p) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
     bind_params(t);
+    TRY(zero_setup(t));
     lm_optim_config oc = lm_optim_config_default();
     oc.weight_decay = c->weight_decay;
-    t->muon_state_n = lm_optim_state_floats(t->muon_p, t->n_muon);
-    t->adam_state_n = lm_optim_state_floats(t->adam_p, t->n_adam);
-    t->scratch_n = lm_optim_scratch_floats(t->muon_p, t->n_muon);
+    /* this rank's range of the optimizers' tensors (all of them without ZeRO-1) */
+    const int zr = zero_range(t);
+    lm_param *my_muon = t->muon_p + t->zmuon_i[zr], *my_adam = t->adam_p + t->zadam_i[zr];
+    const int my_n_muon = t->zmuon_i[zr + 1] - t->zmuon_i[zr], my_n_adam = t->zadam_i[zr + 1] - t->zadam_i[zr];
+    t->muon_total_n = lm_optim_state_floats(t->muon_p, t->n_muon);
+    t->adam_total_n = lm_optim_state_floats(t->adam_p, t->n_adam);
+    t->muon_state_n = lm_optim_state_floats(my_muon, my_n_muon);
+    t->adam_state_n = lm_optim_state_floats(my_adam, my_n_adam);
+    t->scratch_n = lm_optim_scratch_floats(my_muon, my_n_muon);
     t->muon_state = calloc(t->muon_state_n + 1, sizeof(float));
     t->adam_state = calloc(t->adam_state_n + 1, sizeof(float));
     t->scratch = calloc(t->scratch_n + 1, sizeof(float));
@@ -432,9 +692,9 @@ static lm_status trainer_setup(trainer *t, int stage) {
     }
     if (!t->muon_state || !t->adam_state || !t->scratch || !t->seq || !t->inp || !t->tgt || !t->answer || !t->stats)
         return lm_error(LM_ERR_MEMORY, "out of memory (trainer buffers)");
-    TRY(lm_optimizer_init(&t->muon, &oc, t->muon_p, t->n_muon, t->muon_state, t->muon_state_n, t->scratch,
+    TRY(lm_optimizer_init(&t->muon, &oc, my_muon, my_n_muon, t->muon_state, t->muon_state_n, t->scratch,
                           t->scratch_n));
-    TRY(lm_optimizer_init(&t->adam, &oc, t->adam_p, t->n_adam, t->adam_state, t->adam_state_n, t->scratch,
+    TRY(lm_optimizer_init(&t->adam, &oc, my_adam, my_n_adam, t->adam_state, t->adam_state_n, t->scratch,
                           t->scratch_n));
     if (t->be && !t->opt.host_optimizer) {
         t->dev_opt = 1;
@@ -594,9 +854,9 @@ static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
     if ((s = lm_checkpoint_write_model(t->model, &t->cfg, tmp))) return s;
     /* trainer.safetensors: optimizer moments and balancing state */
     lm_st_writer *w = lm_st_writer_new();
-    int64_t n_m[1] = {(int64_t)t->muon_state_n}, n_a[1] = {(int64_t)t->adam_state_n};
-    s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, t->muon_state);
-    if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, t->adam_state);
+    int64_t n_m[1] = {(int64_t)t->muon_total_n}, n_a[1] = {(int64_t)t->adam_total_n};
+    s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, t->ck_muon);
+    if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, t->ck_adam);
     if (!s) s = lm_checkpoint_add_balance(w, t->model);
     snprintf(path, sizeof path, "%s/trainer.safetensors", tmp);
     if (!s) s = lm_st_writer_save(w, path);
@@ -655,8 +915,8 @@ static lm_status write_checkpoint(trainer *t) {
         const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
         bad = check_floats(what, mt->name, p + mt->offset, mt->numel, 0);
     }
-    if (!bad) bad = check_floats(what, "optim.muon_state", t->muon_state, t->muon_state_n, STATE_BOUND);
-    if (!bad) bad = check_floats(what, "optim.adam_state", t->adam_state, t->adam_state_n, STATE_BOUND);
+    if (!bad) bad = check_floats(what, "optim.muon_state", t->ck_muon, t->muon_total_n, STATE_BOUND);
+    if (!bad) bad = check_floats(what, "optim.adam_state", t->ck_adam, t->adam_total_n, STATE_BOUND);
     if (bad) {
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", lm_last_error());
@@ -678,10 +938,17 @@ static lm_status write_checkpoint(trainer *t) {
 }
 
 /* The checkpoint of this step: written by rank 0, after every rank's state
- * was checked to be rank 0's; the ranks learn whether it was written. */
+ * was checked to be rank 0's (and, under ZeRO-1, the owners' optimizer state
+ * gathered to rank 0: the same files whatever the layout); the ranks learn
+ * whether it was written. */
 static lm_status save_checkpoint(trainer *t) {
+    float *whole_muon = NULL, *whole_adam = NULL;
     lm_status s = dp_check_replicas(t);
+    if (!s) s = zero_gather_state(t, &whole_muon, &whole_adam);
     if (!s && t->rank == 0) s = write_checkpoint(t);
+    free(whole_muon);
+    free(whole_adam);
+    t->ck_muon = t->ck_adam = NULL;
     if ((s = dp_agree(t, s))) return s;
     t->saved_step = t->step;
     return LM_OK;
@@ -867,16 +1134,39 @@ static lm_status check_data(trainer *t, const lm_json *data, const char *path) {
     return LM_OK;
 }
 
+/* Under ZeRO-1: this rank's piece [off, off + n) of the whole optimizer state
+ * `name` (F32 [total], as any layout writes it). */
+static lm_status load_state_range(const lm_safetensors *st, const char *file, const char *name, float *dst,
+                                  size_t total, size_t off, size_t n) {
+    const lm_st_tensor *t = lm_safetensors_find(st, name);
+    if (!t) return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is missing", file, name);
+    if (t->dtype != LM_DTYPE_F32 || (size_t)t->numel != total || t->ndim != 1)
+        return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is %s with %lld elements in %d dimensions, expected F32 "
+                        "with %zu in one", file, name, lm_dtype_name(t->dtype), (long long)t->numel, t->ndim, total);
+    if (n) memcpy(dst, (const float *)t->data + off, n * sizeof(float));
+    return check_floats(file, name, dst, n, STATE_BOUND);
+}
+
 static lm_status load_checkpoint(trainer *t, const char *dir) {
     char path[4200];
     TRY(load_params(t->model, dir));
     snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
     lm_safetensors *st;
     TRY(lm_safetensors_open(path, &st));
-    lm_status s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n, 0, NULL);
-    if (!s) s = check_floats(path, "optim.muon_state", t->muon_state, t->muon_state_n, STATE_BOUND);
-    if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n, 0, NULL);
-    if (!s) s = check_floats(path, "optim.adam_state", t->adam_state, t->adam_state_n, STATE_BOUND);
+    lm_status s;
+    if (t->zero) {
+        /* whatever layout wrote it: each rank takes its range */
+        const int zr = zero_range(t);
+        s = load_state_range(st, path, "optim.muon_state", t->muon_state, t->muon_total_n, t->zmuon[zr],
+                             t->muon_state_n);
+        if (!s) s = load_state_range(st, path, "optim.adam_state", t->adam_state, t->adam_total_n, t->zadam[zr],
+                                     t->adam_state_n);
+    } else {
+        s = load_exact(st, path, "optim.muon_state", LM_DTYPE_F32, t->muon_state, t->muon_state_n, 0, NULL);
+        if (!s) s = check_floats(path, "optim.muon_state", t->muon_state, t->muon_state_n, STATE_BOUND);
+        if (!s) s = load_exact(st, path, "optim.adam_state", LM_DTYPE_F32, t->adam_state, t->adam_state_n, 0, NULL);
+        if (!s) s = check_floats(path, "optim.adam_state", t->adam_state, t->adam_state_n, STATE_BOUND);
+    }
     if (!s) s = load_balance(t->model, st, path);
     lm_safetensors_close(st);
     if (s) return s;
@@ -1095,10 +1385,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     /* data parallel: rank 0 alone prints progress and writes the run directory */
     lm_train_options opt_here = *opt_in;
     const lm_train_options *opt = &opt_here;
-    t.comm = opt_in->comm;
+    t.comm = opt_in->comm ? lm_comm_host(opt_in->comm) : NULL;
+    t.dcomm = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_NCCL ? opt_in->comm : NULL;
     t.rank = t.comm ? lm_comm_rank(t.comm) : 0;
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
+    t.zero = opt_in->zero == 1 && t.comm;
     if (t.rank > 0) opt_here.progress = NULL;
     if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
         s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
@@ -1196,6 +1488,18 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     if (opt->progress && t.ranks > 1)
         fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
                 t.ranks, share_B(&t), t.B);
+    if (opt->progress && t.zero) {
+        /* the optimizer state a rank holds: every range's (rank 0 knows the cut) */
+        size_t lo = zero_state_bytes(&t, 0), hi = lo, whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
+        for (int q = 1; q < t.ranks; q++) {
+            size_t b = zero_state_bytes(&t, q);
+            lo = b < lo ? b : lo;
+            hi = b > hi ? b : hi;
+        }
+        fprintf(opt->progress, "ZeRO-1: optimizer state %.3f to %.3f MiB a rank over %d ranks (rank 0: %.3f MiB) "
+                "instead of %.3f MiB on every rank\n", lo / 1048576.0, hi / 1048576.0, t.ranks,
+                zero_state_bytes(&t, 0) / 1048576.0, whole / 1048576.0);
+    }
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
     int64_t stop = opt->stop_after > 0 && opt->stop_after < t.total_steps ? opt->stop_after : t.total_steps;
@@ -1238,7 +1542,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         if (!bad && !t.dev_opt && (s = lm_model_download_grads(t.model))) goto done;
         if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
         double gnorm = NAN;
-        if (!bad && isfinite(loss))
+        if (t.zero) {
+            /* ZeRO-1: the owners' partial norms; a loss non-finite on any rank skips on every rank */
+            if (!bad && (s = zero_grad_clip(&t, c->grad_clip, isfinite(loss), &gnorm, &bad))) goto done;
+        } else if (!bad && isfinite(loss))
             bad = (t.dev_opt ? lm_grad_clip_on(t.be, t.ball, t.n_all, c->grad_clip, t.norm_work, &gnorm)
                              : lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm)) != LM_OK;
         else bad = 1;
@@ -1280,6 +1587,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         } else {
             if ((s = lm_optimizer_step(&t.muon, muon_lr * f)) || (s = lm_optimizer_step(&t.adam, adam_lr * f)))
                 goto done;
+            /* ZeRO-1: each owner updated its range; every rank receives the others' */
+            if (t.zero && t.ranks > 1 && (s = zero_gather_params(&t))) goto done;
             if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
             if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
             /* the host parameters changed (the update, QK-Clip): the device copy
@@ -1367,6 +1676,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
                     lm_time_seconds() - t_start, opt->out_dir);
     }
+    /* collective under ZeRO-1: every rank computes them */
+    uint64_t params_hash = 0, balance_hash = 0;
+    if ((result || t.zero) && (s = state_hashes(&t, &params_hash, &balance_hash))) goto done;
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -1378,7 +1690,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->tokens = tokens_done;
         result->mfu = step_seconds > 0 ? flops_done / step_seconds / LM_TRAIN_PEAK_FLOPS : 0;
         result->interrupted = interrupted;
-        state_hashes(&t, &result->params_hash, &result->balance_hash);
+        result->params_hash = params_hash;
+        result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
+        result->balance_hash = balance_hash;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
     }

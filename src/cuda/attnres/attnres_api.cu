@@ -6,7 +6,9 @@
  * Sources of sublayer l in block k = l / S, position p = l % S (as on the CPU):
  *   completed: hist[0] = v_0, hist[1..k] = b_1..b_k       (C = 1 + k of them)
  *   partial:   hist[1+k] while block k is open, when p > 0 (copied to the
- *              saved partials, slot l - k - 1, for the backward)
+ *              saved partials, slot l - k - 1, for the backward; with
+ *              cfg.replay slot p - 1 of one block's, which the backward
+ *              refills by replaying the block: attnres_partial_slot)
  *
  * st->step counts the calls exactly as the CPU state does:
  *   -1 nothing yet; 2l, 2l+1 input(l), add_output(l); 2L final; 2L+1 forward
@@ -62,7 +64,8 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->n_history_sources = (int)H;
         plan->history = align_up(H * n * d * f) + align_up(H * n * f);
         plan->history_grad = align_up(H * n * d * f);
-        plan->saved_partials = align_up((L - N) * n * d * f) + align_up(L * n * f);
+        const size_t slots = (size_t)attnres_partial_slots(c);
+        plan->saved_partials = align_up(slots * n * d * f) + align_up(L * n * f);
         plan->saved_scores =
             align_up(attnres_logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) + align_up((L + 1) * n * f);
         plan->phase1 = 0;  /* direct softmax per sublayer: no accumulators */
@@ -70,7 +73,7 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->param_grad = align_up(n_tb * d * f);
         const double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
-        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)(L - N) * d +
+        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
                                                    (double)L + scores + (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores + plan->phase1 +
@@ -105,12 +108,12 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
         CARVE(st->hist, n * d * f);
         CARVE(st->dhist, n * d * f);
     } else {
-        const size_t H = (size_t)plan.n_history_sources, N = (size_t)plan.n_blocks;
+        const size_t H = (size_t)plan.n_history_sources;
         const size_t n_tb = (n + LM_CUDA_ATTNRES_TOKEN_BLOCK - 1) / LM_CUDA_ATTNRES_TOKEN_BLOCK;
         CARVE(st->hist, H * n * d * f);
         CARVE(st->hist_rstd, H * n * f);
         CARVE(st->dhist, H * n * d * f);
-        CARVE(st->partials, (L - N) * n * d * f);
+        CARVE(st->partials, (size_t)attnres_partial_slots(c) * n * d * f);
         CARVE(st->partial_rstd, L * n * f);
         CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
         CARVE(st->lse, (L + 1) * n * f);
@@ -186,7 +189,7 @@ static attnres_sources sources_of(const lm_cuda_attnres_state *st, int l, int sa
     src.C = 1 + k;
     src.has_partial = pos > 0;
     if (pos > 0) {
-        src.P = saved ? st->partials + (size_t)(l - k - 1) * nd : st->hist + (size_t)(1 + k) * nd;
+        src.P = saved ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd : st->hist + (size_t)(1 + k) * nd;
         src.P_rstd = st->partial_rstd + (size_t)l * n;
     }
     return src;
@@ -205,6 +208,7 @@ extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_a
                                             st->cfg.n_tokens, st->cfg.d, st->cfg.eps)))
         return s;
     st->step = 0;
+    st->replaying = 0;
     return LM_OK;
 }
 
@@ -222,9 +226,9 @@ extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_a
         /* h_l = v_0 + sum_{j<l} y_j */
         LM_CUDA_TRY(cudaMemcpyAsync(h, st->hist, nd_of(st) * sizeof(float), cudaMemcpyDeviceToDevice, stream_of(ctx)));
     } else {
-        const int S = st->S, k = l / S, pos = l % S;
+        const int S = st->S, pos = l % S;
         const attnres_sources src = sources_of(st, l, 0);
-        float *P_save = pos > 0 ? st->partials + (size_t)(l - k - 1) * nd_of(st) : NULL;
+        float *P_save = pos > 0 ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd_of(st) : NULL;
         if ((s = attnres_launch_forward(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
                                         p->key_norm + (size_t)l * d, st->logits + attnres_logits_offset(l, S, L, n),
                                         st->lse + (size_t)l * n, h, 0, n, d, st->cfg.eps)))
@@ -253,7 +257,31 @@ extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_c
         if ((s = attnres_launch_accumulate_rows(stream_of(ctx), open, y, rstd, pos == 0, n, d, st->cfg.eps)))
             return s;
     }
+    if (st->replaying && l == st->replay_last) {
+        /* the replayed block is whole again: back to its backward */
+        st->step = st->replay_step;
+        st->replaying = 0;
+        return LM_OK;
+    }
     st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_replay_block(lm_cuda_attnres_state *st, int k) {
+    if (!st) return lm_error(LM_ERR_ARG, "attnres cuda: state is NULL");
+    if (!st->cfg.replay || st->cfg.mode != LM_ATTNRES_BLOCK)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_replay_block needs block_attnres with replay = 1");
+    const int L = st->cfg.n_sublayers, S = st->S;
+    if (k < 0 || k * S >= L)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_replay_block: block %d outside [0, %d)", k,
+                        (L + S - 1) / S);
+    const int last = (k + 1) * S - 1 < L - 1 ? (k + 1) * S - 1 : L - 1;
+    lm_status s = expect(st, 2 * L + 2 + 2 * (L - 1 - last), "lm_cuda_attnres_replay_block", k);
+    if (s) return s;
+    st->replay_step = st->step;
+    st->replay_last = last;
+    st->replaying = 1;
+    st->step = 2 * k * S;
     return LM_OK;
 }
 

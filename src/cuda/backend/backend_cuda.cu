@@ -425,6 +425,12 @@ static void cuda_moe_acts_free(lm_backend *be, void *p) {
     free(a);
 }
 
+/* device bytes of cuda_moe_acts_create: the activations, the scratch, the bias */
+static size_t cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) {
+    size_t a = lm_cuda_moe_acts_bytes(cfg, m_max), s = a ? lm_cuda_moe_scratch_bytes(cfg, m_max) : 0;
+    return a && s ? a + s + (size_t)cfg->n_experts * sizeof(float) : 0; /* 0: refused, lm_last_error says why */
+}
+
 static lm_status cuda_moe_acts_create(lm_backend *be, const lm_moe_config *cfg, int64_t m_max, void **out) {
     *out = NULL;
     lm_status st = lm_moe_check(cfg);
@@ -622,6 +628,23 @@ static lm_status cuda_ar_begin(lm_backend *be, void *s, const float *e) {
 static lm_status cuda_ar_input(lm_backend *be, void *s, int l, const lm_attnres_params *p, float *h) {
     return lm_cuda_attnres_input(ctx_of(be), AR(s), l, p, h);
 }
+static lm_status cuda_ar_recompute_input(lm_backend *be, void *s, int l, float *h) {
+    return lm_cuda_attnres_recompute_input(ctx_of(be), AR(s), l, h);
+}
+static lm_status cuda_ar_replay_block(lm_backend *be, void *s, int k) {
+    (void)be;
+    return lm_cuda_attnres_replay_block(AR(s), k);
+}
+/* the arena the KDA operator and the attention backward take (arena_get's rounding) */
+static size_t cuda_op_scratch_bytes(const lm_kda_config *kda, const lm_attention_config *attn) {
+    size_t b = 0;
+    if (kda) b = lm_kda_cuda_workspace_bytes(kda, 1);
+    if (attn) {
+        size_t a = lm_cuda_attention_backward_workspace_bytes(attn);
+        b = a > b ? a : b;
+    }
+    return (b + ARENA_GRANULE - 1) / ARENA_GRANULE * ARENA_GRANULE;
+}
 static lm_status cuda_ar_add_output(lm_backend *be, void *s, int l, const float *y) {
     return lm_cuda_attnres_add_output(ctx_of(be), AR(s), l, y);
 }
@@ -718,6 +741,7 @@ static lm_ops make_cuda_ops(void) {
     o.gate_forward = cuda_gate_forward;
     o.gate_backward = cuda_gate_backward;
     o.moe_acts_create = cuda_moe_acts_create;
+    o.moe_acts_bytes = cuda_moe_acts_bytes;
     o.moe_acts_free = cuda_moe_acts_free;
     o.moe_forward = cuda_moe_forward;
     o.moe_backward = cuda_moe_backward;
@@ -725,6 +749,10 @@ static lm_ops make_cuda_ops(void) {
     o.moe_balance_observe = cuda_moe_balance_observe;
     o.moe_aux_loss = cuda_moe_aux_loss;
     o.attnres_create = cuda_attnres_create;
+    o.attnres_memory = lm_cuda_attnres_memory;
+    o.attnres_recompute_input = cuda_ar_recompute_input;
+    o.attnres_replay_block = cuda_ar_replay_block;
+    o.op_scratch_bytes = cuda_op_scratch_bytes;
     o.attnres_free = cuda_attnres_free;
     o.attnres_begin = cuda_ar_begin;
     o.attnres_input = cuda_ar_input;
@@ -756,6 +784,8 @@ static void cuda_destroy(lm_backend *be) {
     lm_cuda_context_destroy(&cb->ctx);
     free(cb);
 }
+
+extern "C" const lm_ops *lm_backend_cuda_ops(void) { return &cuda_ops; }
 
 extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     if (!out) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create: out is NULL");

@@ -48,6 +48,7 @@ static char bad_env[64];           /* an unknown LONGMOE_MOE_GEMM value, kept fo
 
 extern "C" int lm_cuda_moe_gemm_parse(const char *name) {
     if (!name) return -1;
+    if (!strcmp(name, "batched")) return LM_MOE_GEMM_BATCHED;
     if (!strcmp(name, "grouped")) return LM_MOE_GEMM_GROUPED;
     if (!strcmp(name, "loop")) return LM_MOE_GEMM_LOOP;
     if (!strcmp(name, "wmma")) return LM_MOE_GEMM_WMMA;
@@ -59,6 +60,7 @@ extern "C" const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind) {
     case LM_MOE_GEMM_GROUPED: return "grouped";
     case LM_MOE_GEMM_LOOP: return "loop";
     case LM_MOE_GEMM_WMMA: return "wmma";
+    case LM_MOE_GEMM_BATCHED: return "batched";
     }
     return "unknown";
 }
@@ -66,7 +68,7 @@ extern "C" const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind) {
 extern "C" lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind) {
     if (selected_kind < 0) {
         const char *env = getenv("LONGMOE_MOE_GEMM");
-        int k = LM_MOE_GEMM_GROUPED;
+        int k = LM_MOE_GEMM_BATCHED;
         if (env && *env) {
             k = lm_cuda_moe_gemm_parse(env);
             if (k < 0) snprintf(bad_env, sizeof bad_env, "%s", env);
@@ -74,14 +76,16 @@ extern "C" lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind) {
         selected_kind = k < 0 ? -2 : k;
     }
     if (selected_kind == -2)
-        return lm_error(LM_ERR_ARG, "LONGMOE_MOE_GEMM=%s: expected grouped, loop or wmma", bad_env);
+        return lm_error(LM_ERR_ARG, "LONGMOE_MOE_GEMM=%s: expected batched, grouped, loop or wmma", bad_env);
     if (kind) *kind = (lm_moe_gemm_kind)selected_kind;
     return LM_OK;
 }
 
 extern "C" lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind) {
-    if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP && kind != LM_MOE_GEMM_WMMA)
-        return lm_error(LM_ERR_ARG, "moe gemm kind %d: expected grouped (0), loop (1) or wmma (2)", (int)kind);
+    if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP && kind != LM_MOE_GEMM_WMMA &&
+        kind != LM_MOE_GEMM_BATCHED)
+        return lm_error(LM_ERR_ARG, "moe gemm kind %d: expected grouped (0), loop (1), wmma (2) or batched (3)",
+                        (int)kind);
     selected_kind = kind;
     return LM_OK;
 }
@@ -194,11 +198,15 @@ __global__ void add_weight_grads_kernel(float *c, const bf16 *tmp, const int32_t
     c[j * c_stride + r * ldc + col] += __bfloat162float(tmp[q]);
 }
 
-static lm_status grouped_loop(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g, const lm_cuda_moe_acts *acts) {
+/* One product per expert with rows: over its real rows, or (padded, the
+ * batched kind's fallback) over its padded rows as the batched calls do. */
+static lm_status grouped_loop(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g, const lm_cuda_moe_acts *acts,
+                              bool padded) {
     const bool weight = g->layout == LM_GEMM_TN;
     for (int j = 0; j < g->groups; j++) {
         int64_t cnt = acts->host_offsets[j + 1] - acts->host_offsets[j], r = acts->host_padded[j];
         if (cnt <= 0) continue;
+        if (padded) cnt = acts->host_padded[j + 1] - r;
         lm_gemm_bf16_args s = *g;
         s.group_offsets = NULL;
         s.a = g->a + r * g->lda;
@@ -218,6 +226,90 @@ static lm_status grouped_loop(const lm_cuda_context *ctx, const lm_gemm_bf16_arg
     return LM_OK;
 }
 
+/* ---- batched by padded size ---- */
+
+/* The experts of one call in batch order, passed by value (no host buffer
+ * that a later call could overwrite before the copy). */
+typedef struct {
+    uint16_t expert[LM_MOE_MAX_EXPERTS];
+} batch_order;
+
+/* Operand pointers of batch entry q (expert j = order.expert[q], first
+ * grouped row r_j = padded[j]): pa = a + r_j a_row, pb = b + r_j b_row +
+ * j b_group, pc = c + r_j c_row + j c_group (bytes). */
+__global__ void batch_pointers_kernel(const void **pa, const void **pb, void **pc, batch_order order, int count,
+                                      const int32_t *padded, const char *a, int64_t a_row, const char *b,
+                                      int64_t b_row, int64_t b_group, char *c, int64_t c_row, int64_t c_group) {
+    for (int q = threadIdx.x; q < count; q += blockDim.x) {
+        int j = order.expert[q];
+        int64_t r = padded[j];
+        pa[q] = a + r * a_row;
+        pb[q] = b + r * b_row + (int64_t)j * b_group;
+        pc[q] = c + r * c_row + (int64_t)j * c_group;
+    }
+}
+
+/* Experts with rows, ordered by padded row count, then index. */
+static int by_padded_rows(const lm_cuda_moe_acts *acts, int n, uint16_t *order, int32_t *rows) {
+    int q = 0;
+    for (int j = 0; j < n; j++) {
+        if (acts->host_offsets[j + 1] - acts->host_offsets[j] <= 0) continue;
+        int32_t p = acts->host_padded[j + 1] - acts->host_padded[j];
+        int at = q++;
+        while (at > 0 && rows[at - 1] > p) { /* insertion: few distinct sizes, nearly sorted */
+            rows[at] = rows[at - 1];
+            order[at] = order[at - 1];
+            at--;
+        }
+        rows[at] = p;
+        order[at] = (uint16_t)j;
+    }
+    return q;
+}
+
+/* One cublasGemmBatchedEx per distinct padded row count. Rows mode (NT, NN):
+ * M = the padded rows; weight mode (TN): the contraction runs over them.
+ * Either way the padding rows of the row operands must be zero, which the
+ * batched kind keeps (see moe_cuda.h). */
+static lm_status batched(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g, const lm_cuda_moe_acts *acts) {
+    const bool weight = g->layout == LM_GEMM_TN;
+    const int n = g->groups;
+    batch_order order;
+    int32_t rows[LM_MOE_MAX_EXPERTS];
+    int count = by_padded_rows(acts, n, order.expert, rows);
+    if (count == 0) return LM_OK;
+    cudaStream_t st = (cudaStream_t)ctx->stream;
+    void **ptrs = acts->blas_ptrs;
+    const void **pa = (const void **)ptrs, **pb = (const void **)(ptrs + n);
+    void **pc = ptrs + 2 * n;
+    const int64_t cs = g->c ? 4 : 2;
+    char *c = g->c ? (char *)g->c : (char *)g->cb;
+    const int64_t a_row = g->lda * 2;
+    const int64_t b_row = weight ? g->ldb * 2 : 0, b_group = weight ? 0 : g->b_group_stride * 2;
+    const int64_t c_row = weight ? 0 : g->ldc * cs, c_group = weight ? g->c_group_stride * cs : 0;
+    batch_pointers_kernel<<<1, 256, 0, st>>>(pa, pb, pc, order, count, acts->padded_offsets, (const char *)g->a,
+                                             a_row, (const char *)g->b, b_row, b_group, c, c_row, c_group);
+    LM_CUDA_TRY(cudaGetLastError());
+    cublasOperation_t op_b, op_a;
+    ops_of(g->layout, &op_b, &op_a);
+    const float alpha = 1.0f, beta = g->accumulate ? 1.0f : 0.0f;
+    const cudaDataType_t ct = g->c ? CUDA_R_32F : CUDA_R_16BF;
+    for (int q0 = 0; q0 < count;) {
+        int q1 = q0 + 1;
+        while (q1 < count && rows[q1] == rows[q0]) q1++;
+        int p = rows[q0];
+        int mm = (int)g->N, nn = weight ? (int)g->M : p, kk = weight ? p : (int)g->K;
+        /* cuBLAS's A array is our b, its B array our a (see the top of the file) */
+        BLAS_TRY(cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, mm, nn, kk, &alpha,
+                                     (const void *const *)(pb + q0), CUDA_R_16BF, (int)g->ldb,
+                                     (const void *const *)(pa + q0), CUDA_R_16BF, (int)g->lda, &beta,
+                                     (void *const *)(pc + q0), ct, (int)g->ldc, q1 - q0, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+        q0 = q1;
+    }
+    return LM_OK;
+}
+
 lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gemm_bf16_args *g,
                               const lm_cuda_moe_acts *acts, bf16 *dw_tmp) {
     const bool weight = g->layout == LM_GEMM_TN;
@@ -230,7 +322,7 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
     /* cuBLAS groups one type for C: fp32 outputs go per expert, except the
      * weight gradients, which go through the bf16 scratch when there is one */
     const bool via_tmp = weight && g->c && dw_tmp;
-    if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP)
+    if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP && kind != LM_MOE_GEMM_BATCHED)
         return lm_error(LM_ERR_ARG, "moe cublas: gemm kind %d", kind);
     /* The grouped call cannot see the alignment of the pointers it reads from
      * device memory; they are kept 16-byte aligned: the bases and the per-expert
@@ -241,7 +333,22 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
                             (uintptr_t)(via_tmp ? (void *)dw_tmp : g->c ? (void *)g->c : (void *)g->cb);
     const bool aligned = bases % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
                          (!weight || (via_tmp ? g->M * g->N * 2 : g->c_group_stride * cbytes) % 16 == 0);
-    if (kind == LM_MOE_GEMM_LOOP || (g->c && !via_tmp) || !aligned) return grouped_loop(ctx, g, acts);
+    if (kind == LM_MOE_GEMM_BATCHED) {
+        /* fp32 C is fine here; the alignment is that of the fp32 or bf16 C itself */
+        const int64_t cb = g->c ? 4 : 2;
+        const uintptr_t base = (uintptr_t)g->a | (uintptr_t)g->b | (uintptr_t)(g->c ? (void *)g->c : (void *)g->cb);
+        const bool ok = base % 16 == 0 && (g->lda * 2) % 16 == 0 && (g->ldb * 2) % 16 == 0 &&
+                        (g->ldc * cb) % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
+                        (!weight || (g->c_group_stride * cb) % 16 == 0);
+        TRY(check_int(g->M, "M"));
+        TRY(check_int(g->N, "N"));
+        TRY(check_int(g->K, "K"));
+        TRY(check_int(g->lda, "lda"));
+        TRY(check_int(g->ldb, "ldb"));
+        TRY(check_int(g->ldc, "ldc"));
+        return ok ? batched(ctx, g, acts) : grouped_loop(ctx, g, acts, true);
+    }
+    if (kind == LM_MOE_GEMM_LOOP || (g->c && !via_tmp) || !aligned) return grouped_loop(ctx, g, acts, false);
 
     TRY(check_int(g->M, "M"));
     TRY(check_int(g->N, "N"));
@@ -300,7 +407,7 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
         if (grouped_refused++ == 0)
             fprintf(stderr, "moe: cublasGemmGroupedBatchedEx is not supported here (status %d): the grouped "
                             "kind runs its expert products per expert\n", (int)bs);
-        return grouped_loop(ctx, g, acts);
+        return grouped_loop(ctx, g, acts, false);
     }
     BLAS_TRY(bs);
     if (via_tmp) {

@@ -150,9 +150,54 @@ __global__ void gather_rows_kernel(bf16 *xg, const T *src, const int32_t *order,
     }
 }
 
+/* The same, 8 elements a lane (width % 8 == 0, 16-byte aligned rows). */
+template <typename T>
+__global__ void gather_rows_vec_kernel(bf16 *xg, const T *src, const int32_t *order, const int32_t *padded_offsets,
+                                       int64_t rows_max, int n, int k, int width) {
+    int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (r >= rows_max || r >= padded_offsets[n]) return;
+    int32_t g = order[r];
+    uint4 *dst = (uint4 *)(xg + r * width);
+    const int w8 = width / 8;
+    if (g < 0) {
+        for (int e = lane; e < w8; e += 32) dst[e] = make_uint4(0, 0, 0, 0);
+        return;
+    }
+    const T *row = src + (int64_t)(g / k) * width;
+    for (int e = lane; e < w8; e += 32) {
+        if constexpr (sizeof(T) == 4) {
+            float4 lo = ((const float4 *)row)[2 * e], hi = ((const float4 *)row)[2 * e + 1];
+            uint4 v;
+            __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
+            vp[0] = __floats2bfloat162_rn(lo.x, lo.y);
+            vp[1] = __floats2bfloat162_rn(lo.z, lo.w);
+            vp[2] = __floats2bfloat162_rn(hi.x, hi.y);
+            vp[3] = __floats2bfloat162_rn(hi.z, hi.w);
+            dst[e] = v;
+        } else {
+            dst[e] = ((const uint4 *)row)[e];
+        }
+    }
+}
+
+static bool vec_ok(int width, const void *p, const void *q) {
+    return width % 8 == 0 && (uintptr_t)p % 16 == 0 && (uintptr_t)q % 16 == 0;
+}
+
 lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
                         const lm_cuda_moe_acts *a, int n, int k, int width) {
     unsigned grid = blocks_for(a->rows_max, 8);
+    if (vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32)) {
+        if (src_bf16)
+            gather_rows_vec_kernel<bf16><<<grid, 256, 0, st>>>(xg, src_bf16, a->order, a->padded_offsets, a->rows_max,
+                                                               n, k, width);
+        else
+            gather_rows_vec_kernel<float><<<grid, 256, 0, st>>>(xg, src_f32, a->order, a->padded_offsets,
+                                                                a->rows_max, n, k, width);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     if (src_bf16)
         gather_rows_kernel<bf16><<<grid, 256, 0, st>>>(xg, src_bf16, a->order, a->padded_offsets, a->rows_max, n, k, width);
     else
@@ -174,7 +219,34 @@ __global__ void combine_kernel(float *out, const bf16 *gout, const float *weight
     out[q] = z;
 }
 
+/* The same, 8 elements a thread, the same order of the sum. */
+__global__ void combine_vec_kernel(float *out, const bf16 *gout, const float *weights, const int32_t *slot_row,
+                                   int64_t m, int k, int width) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int w8 = width / 8;
+    if (q >= m * w8) return;
+    int64_t i = q / w8;
+    int e8 = (int)(q % w8);
+    float z[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int t = 0; t < k; t++) {
+        float w = weights[i * k + t];
+        uint4 v = ((const uint4 *)(gout + (int64_t)slot_row[i * k + t] * width))[e8];
+        const bf16 *vp = (const bf16 *)&v;
+#pragma unroll
+        for (int e = 0; e < 8; e++) z[e] += w * __bfloat162float(vp[e]);
+    }
+    float4 *o = (float4 *)(out + i * width) + 2 * e8;
+    o[0] = make_float4(z[0], z[1], z[2], z[3]);
+    o[1] = make_float4(z[4], z[5], z[6], z[7]);
+}
+
 lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a, int64_t m, int k, int width) {
+    if (vec_ok(width, out, a->gout)) {
+        combine_vec_kernel<<<blocks_for(m * (width / 8), 256), 256, 0, st>>>(out, (const bf16 *)a->gout, a->weights,
+                                                                            a->slot_row, m, k, width);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     combine_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(out, (const bf16 *)a->gout, a->weights, a->slot_row, m, k, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
@@ -205,8 +277,50 @@ __global__ void combine_backward_kernel(bf16 *dgout, float *dp, const float *dz,
     if (lane == 0) dp[g] = dot;
 }
 
+/* The same, 8 elements a lane. */
+__global__ void combine_backward_vec_kernel(bf16 *dgout, float *dp, const float *dz, const bf16 *gout,
+                                            const float *weights, const int32_t *order,
+                                            const int32_t *padded_offsets, int64_t rows_max, int n, int k,
+                                            int width) {
+    int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (r >= rows_max || r >= padded_offsets[n]) return;
+    int32_t g = order[r];
+    uint4 *dst = (uint4 *)(dgout + r * width);
+    const int w8 = width / 8;
+    if (g < 0) {
+        for (int e = lane; e < w8; e += 32) dst[e] = make_uint4(0, 0, 0, 0);
+        return;
+    }
+    const float4 *dzi = (const float4 *)(dz + (int64_t)(g / k) * width);
+    const uint4 *go = (const uint4 *)(gout + r * width);
+    float w = weights[g], dot = 0.0f;
+    for (int e = lane; e < w8; e += 32) {
+        float4 lo = dzi[2 * e], hi = dzi[2 * e + 1];
+        uint4 gv = go[e], v;
+        const bf16 *gp = (const bf16 *)&gv;
+        __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
+        vp[0] = __floats2bfloat162_rn(w * lo.x, w * lo.y);
+        vp[1] = __floats2bfloat162_rn(w * lo.z, w * lo.w);
+        vp[2] = __floats2bfloat162_rn(w * hi.x, w * hi.y);
+        vp[3] = __floats2bfloat162_rn(w * hi.z, w * hi.w);
+        dst[e] = v;
+        dot += lo.x * __bfloat162float(gp[0]) + lo.y * __bfloat162float(gp[1]) + lo.z * __bfloat162float(gp[2]) +
+               lo.w * __bfloat162float(gp[3]) + hi.x * __bfloat162float(gp[4]) + hi.y * __bfloat162float(gp[5]) +
+               hi.z * __bfloat162float(gp[6]) + hi.w * __bfloat162float(gp[7]);
+    }
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    if (lane == 0) dp[g] = dot;
+}
+
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
+    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0) {
+        combine_backward_vec_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(
+            dgout, dp, dz, (const bf16 *)a->gout, a->weights, a->order, a->padded_offsets, a->rows_max, n, k, width);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     combine_backward_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights, a->order,
                                                                        a->padded_offsets, a->rows_max, n, k, width);
     LM_CUDA_TRY(cudaGetLastError());
@@ -227,8 +341,44 @@ __global__ void scatter_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, co
     else dx_f32[i * ld_f32 + e] += v;
 }
 
+/* The same, 8 elements a thread, the same order of the sum. */
+__global__ void scatter_vec_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const int32_t *slot_row,
+                                   int64_t m, int k, int width) {
+    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int w8 = width / 8;
+    if (q >= m * w8) return;
+    int64_t i = q / w8;
+    int e8 = (int)(q % w8);
+    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int t = 0; t < k; t++) {
+        uint4 g = ((const uint4 *)(dxg + (int64_t)slot_row[i * k + t] * width))[e8];
+        const bf16 *gp = (const bf16 *)&g;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[e] += __bfloat162float(gp[e]);
+    }
+    if (dx_bf16) {
+        uint4 o;
+        __nv_bfloat162 *op = (__nv_bfloat162 *)&o;
+        for (int e = 0; e < 4; e++) op[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
+        ((uint4 *)(dx_bf16 + i * width))[e8] = o;
+    } else {
+        float4 *o = (float4 *)(dx_f32 + i * width) + 2 * e8;
+        float4 lo = o[0], hi = o[1];
+        lo.x += v[0], lo.y += v[1], lo.z += v[2], lo.w += v[3];
+        hi.x += v[4], hi.y += v[5], hi.z += v[6], hi.w += v[7];
+        o[0] = lo;
+        o[1] = hi;
+    }
+}
+
 lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const lm_cuda_moe_acts *a,
                          int64_t m, int k, int width) {
+    if (vec_ok(width, dxg, dx_bf16 ? (const void *)dx_bf16 : (const void *)dx_f32)) {
+        scatter_vec_kernel<<<blocks_for(m * (width / 8), 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k,
+                                                                            width);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     scatter_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k, width, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;

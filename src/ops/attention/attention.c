@@ -81,6 +81,7 @@ size_t lm_attention_backward_workspace_bytes(const lm_attention_config *cfg, int
 /* The shared arguments of every tile routine. */
 typedef struct {
     int B, T, H, Hkv, Dk, Dv, group;
+    int off, Tk; /* queries sit at positions off .. off+T-1 of Tk = off+T keys */
     float scale;
     const float *q, *k, *v, *o, *lse, *d_o, *D;
 } attn_args;
@@ -91,6 +92,7 @@ static attn_args make_args(const lm_attention_config *c) {
     a.B = c->B, a.T = c->T, a.H = c->H, a.Hkv = c->Hkv, a.Dk = c->Dk, a.Dv = c->Dv;
     a.group = c->H / c->Hkv;
     a.scale = lm_attention_scale(c);
+    a.off = 0, a.Tk = c->T;
     return a;
 }
 
@@ -98,10 +100,10 @@ static inline const float *q_row(const attn_args *a, int b, int t, int h) {
     return a->q + (((size_t)b * a->T + t) * a->H + h) * a->Dk;
 }
 static inline const float *k_row(const attn_args *a, int b, int t, int hk) {
-    return a->k + (((size_t)b * a->T + t) * a->Hkv + hk) * a->Dk;
+    return a->k + (((size_t)b * a->Tk + t) * a->Hkv + hk) * a->Dk;
 }
 static inline const float *v_row(const attn_args *a, int b, int t, int hk) {
-    return a->v + (((size_t)b * a->T + t) * a->Hkv + hk) * a->Dv;
+    return a->v + (((size_t)b * a->Tk + t) * a->Hkv + hk) * a->Dv;
 }
 static inline size_t o_off(const attn_args *a, int b, int t, int h) {
     return (((size_t)b * a->T + t) * a->H + h) * a->Dv;
@@ -121,7 +123,7 @@ static void load_transposed(const attn_args *a, const float *base, int width, in
                             int j0, int n_j, float *dst) {
     for (int j = 0; j < TK; j++) {
         if (j < n_j) {
-            const float *src = base + (((size_t)b * a->T + j0 + j) * a->Hkv + hk) * width;
+            const float *src = base + (((size_t)b * a->Tk + j0 + j) * a->Hkv + hk) * width;
             for (int d = 0; d < width; d++) dst[(size_t)d * TK + j] = src[d];
         } else {
             for (int d = 0; d < width; d++) dst[(size_t)d * TK + j] = 0.0f;
@@ -163,13 +165,13 @@ static void forward_tile(const attn_args *a, float *o, float *lse, float *rowmax
     load_scaled_queries(a, b, h, i0, n_i, qs);
     for (int i = 0; i < n_i; i++) m[i] = -INFINITY, l[i] = 0.0f;
     memset(acc, 0, (size_t)n_i * Dv * sizeof(float));
-    const int j_end = i0 + n_i;
+    const int j_end = a->off + i0 + n_i;
     for (int j0 = 0; j0 < j_end; j0 += TK) {
         const int n_j = j_end - j0 < TK ? j_end - j0 : TK;
         load_transposed(a, a->k, Dk, b, hk, j0, n_j, kt);
         tile_product(s, qs, Dk, n_i, kt, Dk);
         for (int i = 0; i < n_i; i++) {
-            const int lim = causal_limit(i0 + i, j0, n_j);
+            const int lim = causal_limit(a->off + i0 + i, j0, n_j);
             if (lim == 0) continue;
             float *srow = s + (size_t)i * TK;
             // online softmax: new running max, rescale of the old sum and output
@@ -211,13 +213,35 @@ lm_status lm_attention_forward(const lm_attention_config *cfg, const float *q, c
     return lm_attention_forward_rowmax(cfg, q, k, v, o, lse, NULL);
 }
 
+static lm_status check_offset(const lm_attention_config *cfg, int q_offset, const char *what) {
+    if (q_offset < 0 || (int64_t)q_offset + cfg->T > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "attention %s: q_offset %d must be >= 0 and q_offset + T fit an int", what,
+                        q_offset);
+    return LM_OK;
+}
+
+static lm_status forward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
+                                const float *v, float *o, float *lse, float *rowmax);
+
 lm_status lm_attention_forward_rowmax(const lm_attention_config *cfg, const float *q, const float *k,
                                       const float *v, float *o, float *lse, float *rowmax) {
-    // q (B,T,H,Dk), k (B,T,Hkv,Dk), v (B,T,Hkv,Dv) -> o (B,T,H,Dv), lse, rowmax (B,H,T)
+    return forward_offset(cfg, 0, q, k, v, o, lse, rowmax);
+}
+
+lm_status lm_attention_forward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
+                                      const float *v, float *o, float *lse, float *rowmax) {
+    return forward_offset(cfg, q_offset, q, k, v, o, lse, rowmax);
+}
+
+static lm_status forward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
+                                const float *v, float *o, float *lse, float *rowmax) {
+    // q (B,T,H,Dk), k (B,Tk,Hkv,Dk), v (B,Tk,Hkv,Dv) -> o (B,T,H,Dv), lse, rowmax (B,H,T); Tk = q_offset + T
     lm_status st = lm_attention_check(cfg);
     if (st) return st;
+    TRY(check_offset(cfg, q_offset, "forward"));
     if (!q || !k || !v || !o) return lm_error(LM_ERR_ARG, "attention forward: q, k, v and o are required");
     attn_args a = make_args(cfg);
+    a.off = q_offset, a.Tk = q_offset + cfg->T;
     a.q = q, a.k = k, a.v = v;
     const int nthreads = omp_get_max_threads();
     const size_t per = forward_floats_per_thread(cfg);
@@ -255,7 +279,7 @@ static void backward_dq_tile(const attn_args *a, float *dq, int b, int h, int i0
     const size_t dostride = (size_t)a->H * Dv;
     load_scaled_queries(a, b, h, i0, n_i, qs);
     memset(acc, 0, (size_t)n_i * Dk * sizeof(float));
-    const int j_end = i0 + n_i;
+    const int j_end = a->off + i0 + n_i;
     for (int j0 = 0; j0 < j_end; j0 += TK) {
         const int n_j = j_end - j0 < TK ? j_end - j0 : TK;
         load_transposed(a, a->k, Dk, b, hk, j0, n_j, kt);
@@ -263,7 +287,7 @@ static void backward_dq_tile(const attn_args *a, float *dq, int b, int h, int i0
         tile_product(s, qs, Dk, n_i, kt, Dk);
         tile_product(dp, dorows, dostride, n_i, vt, Dv);
         for (int i = 0; i < n_i; i++) {
-            const int lim = causal_limit(i0 + i, j0, n_j);
+            const int lim = causal_limit(a->off + i0 + i, j0, n_j);
             const float *srow = s + (size_t)i * TK, *dprow = dp + (size_t)i * TK;
             float *arow = acc + (size_t)i * Dk;
             for (int j = 0; j < lim; j++) {
@@ -287,7 +311,7 @@ static void backward_dq_tile(const attn_args *a, float *dq, int b, int h, int i0
 static void backward_dkv_tile(const attn_args *a, float *dk, float *dv, int b, int hk, int j0,
                               float *w) {
     const int Dk = a->Dk, Dv = a->Dv;
-    const int n_j = a->T - j0 < TK ? a->T - j0 : TK;
+    const int n_j = a->Tk - j0 < TK ? a->Tk - j0 : TK;
     float *qs = w, *kt = qs + (size_t)TQ * Dk, *vt = kt + (size_t)Dk * TK;
     float *s = vt + (size_t)Dv * TK, *dp = s + (size_t)TQ * TK, *dkacc = dp + (size_t)TQ * TK;
     float *dvacc = dkacc + (size_t)(TQ > TK ? TQ : TK) * Dk;
@@ -299,14 +323,15 @@ static void backward_dkv_tile(const attn_args *a, float *dk, float *dv, int b, i
     for (int h = hk * a->group; h < (hk + 1) * a->group; h++) {
         const float *lse = a->lse + ((size_t)b * a->H + h) * a->T;
         const float *D = a->D + ((size_t)b * a->H + h) * a->T;
-        for (int i0 = (j0 / TQ) * TQ; i0 < a->T; i0 += TQ) {
+        /* the query tiles at or after the key tile (global position off + i) */
+        for (int i0 = ((j0 > a->off ? j0 - a->off : 0) / TQ) * TQ; i0 < a->T; i0 += TQ) {
             const int n_i = a->T - i0 < TQ ? a->T - i0 : TQ;
             const float *dorows = a->d_o + o_off(a, b, i0, h);
             load_scaled_queries(a, b, h, i0, n_i, qs);
             tile_product(s, qs, Dk, n_i, kt, Dk);
             tile_product(dp, dorows, dostride, n_i, vt, Dv);
             for (int i = 0; i < n_i; i++) {
-                const int lim = causal_limit(i0 + i, j0, n_j);
+                const int lim = causal_limit(a->off + i0 + i, j0, n_j);
                 const float *srow = s + (size_t)i * TK, *dprow = dp + (size_t)i * TK;
                 const float *dorow = dorows + (size_t)i * dostride, *qrow = qs + (size_t)i * Dk;
                 for (int j = 0; j < lim; j++) {
@@ -324,11 +349,11 @@ static void backward_dkv_tile(const attn_args *a, float *dk, float *dv, int b, i
     }
     for (int j = 0; j < n_j; j++) {
         if (dk) {
-            float *dst = dk + (((size_t)b * a->T + j0 + j) * a->Hkv + hk) * Dk;
+            float *dst = dk + (((size_t)b * a->Tk + j0 + j) * a->Hkv + hk) * Dk;
             for (int d = 0; d < Dk; d++) dst[d] += dkacc[(size_t)j * Dk + d];
         }
         if (dv) {
-            float *dst = dv + (((size_t)b * a->T + j0 + j) * a->Hkv + hk) * Dv;
+            float *dst = dv + (((size_t)b * a->Tk + j0 + j) * a->Hkv + hk) * Dv;
             for (int e = 0; e < Dv; e++) dst[e] += dvacc[(size_t)j * Dv + e];
         }
     }
@@ -337,13 +362,21 @@ static void backward_dkv_tile(const attn_args *a, float *dk, float *dv, int b, i
 lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, const float *k,
                                 const float *v, const float *o, const float *lse,
                                 const float *d_o, float *dq, float *dk, float *dv) {
-    // q (B,T,H,Dk), k (B,T,Hkv,Dk), v (B,T,Hkv,Dv), o and d_o (B,T,H,Dv), lse (B,H,T)
+    return lm_attention_backward_offset(cfg, 0, q, k, v, o, lse, d_o, dq, dk, dv);
+}
+
+lm_status lm_attention_backward_offset(const lm_attention_config *cfg, int q_offset, const float *q, const float *k,
+                                       const float *v, const float *o, const float *lse, const float *d_o,
+                                       float *dq, float *dk, float *dv) {
+    // q (B,T,H,Dk), k (B,Tk,Hkv,Dk), v (B,Tk,Hkv,Dv), o and d_o (B,T,H,Dv), lse (B,H,T); Tk = q_offset + T
     lm_status st = lm_attention_check(cfg);
     if (st) return st;
+    TRY(check_offset(cfg, q_offset, "backward"));
     if (!q || !k || !v || !o || !lse || !d_o)
         return lm_error(LM_ERR_ARG, "attention backward: q, k, v, o, lse and d_o are required");
     if (!dq && !dk && !dv) return LM_OK;
     attn_args a = make_args(cfg);
+    a.off = q_offset, a.Tk = q_offset + cfg->T;
     a.q = q, a.k = k, a.v = v, a.o = o, a.lse = lse, a.d_o = d_o;
     const int nthreads = omp_get_max_threads();
     const size_t per = backward_floats_per_thread(cfg);
@@ -364,7 +397,7 @@ lm_status lm_attention_backward(const lm_attention_config *cfg, const float *q, 
         for (int e = 0; e < a.Dv; e++) sum += d_o[off + e] * o[off + e];
         D[r] = sum;
     }
-    const int nq = (a.T + TQ - 1) / TQ, nk = (a.T + TK - 1) / TK;
+    const int nq = (a.T + TQ - 1) / TQ, nk = (a.Tk + TK - 1) / TK;
 #pragma omp parallel num_threads(nthreads)
     {
         float *w = thread_ws + (size_t)omp_get_thread_num() * per;

@@ -141,3 +141,69 @@ lm_status lm_kda_state_map_apply(int n_pairs, int K, int V, const float *P, cons
     }
     return LM_OK;
 }
+
+/* ---- the incoming state's gradient from a segment's outputs ----
+ * Chunks last to first, carrying dS from zero at the segment's end; per chunk
+ * the state-gradient step of the chunked backward (chunk_backward.c):
+ *   dV' = scale Aqk^T dO + Kd dS,   dS <- Diag(e^{G_L}) dS + scale (Q o e^G)^T dO - W^T dV'.
+ * Nothing here reads the state: Aqk, W and Kd come from the chunk alone. */
+static size_t dgrad_thread_floats(const lm_kda_config *cfg) { return kda_ws_floats(cfg->chunk, cfg->K, cfg->V, 1); }
+
+static void dgrad_chunk_update(kda_chunk_ws *w, int L, float scale) {
+    // Kd, W, q, eG are (L,K); dO, dVp are (L,V); dS, dSn are (K,V); Aqk is (L,L) at stride C
+    const int K = w->K, V = w->V, C = w->C;
+    const float *dS = w->dS, *eGL = w->eG + (size_t)(L - 1) * K;
+    for (int j = 0; j < L; j++) {
+        float *dVj = w->dVp + (size_t)j * V;
+        memset(dVj, 0, (size_t)V * sizeof(float));
+        kda_axpy_rows(dVj, 1.0f, w->Kd + (size_t)j * K, 1, dS, V, K, V);
+        kda_axpy_rows(dVj, scale, w->Aqk + (size_t)j * C + j, C, w->dO + (size_t)j * V, V, L - j, V);
+    }
+    for (int d = 0; d < K; d++) {
+        float *dSd = w->dSn + (size_t)d * V;
+        const float *dSo = dS + (size_t)d * V;
+        for (int c = 0; c < V; c++) dSd[c] = eGL[d] * dSo[c];
+        for (int i = 0; i < L; i++) w->tmp[i] = w->q[(size_t)i * K + d] * w->eG[(size_t)i * K + d];
+        kda_axpy_rows(dSd, scale, w->tmp, 1, w->dO, V, L, V);
+        kda_axpy_rows(dSd, -1.0f, w->W + d, K, w->dVp, V, L, V);
+    }
+    float *t = w->dS;
+    w->dS = w->dSn;
+    w->dSn = t;
+}
+
+lm_status lm_kda_state_map_dgrad(const lm_kda_config *cfg, const lm_kda_inputs *in, const float *d_o, float *D) {
+    // q, k, z are (B,T,H,K); v, d_o are (B,T,H,V); D is (B,H,K,V)
+    lm_status st = kda_check_inputs(cfg, in, 1);
+    if (st) return st;
+    if (!d_o || !D) return lm_error(LM_ERR_ARG, "kda state map dgrad: %s is NULL", !d_o ? "d_o" : "D");
+    const int B = cfg->B, T = cfg->T, H = cfg->H, K = cfg->K, V = cfg->V, C = cfg->chunk;
+    const int factored = lm_kda_diag_path(cfg) == LM_KDA_DIAG_FACTORED;
+    const float scale = kda_scale(cfg);
+    const size_t per_thread = dgrad_thread_floats(cfg);
+    const size_t bytes = (size_t)omp_get_max_threads() * per_thread * sizeof(float);
+    float *scratch;
+    LM_TRY_ALLOC(scratch, bytes);
+    const int nchunks = (T + C - 1) / C;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int p = 0; p < B * H; p++) {
+        const int b = p / H, h = p % H;
+        kda_chunk_ws w;
+        kda_ws_carve(&w, scratch + (size_t)omp_get_thread_num() * per_thread, C, K, V, 1);
+        memset(w.dS, 0, (size_t)K * V * sizeof(float));
+        const float eA = kda_expf(in->A_log[h]);
+        for (int c = nchunks - 1; c >= 0; c--) {
+            const int t0 = c * C, L = T - t0 < C ? T - t0 : C;
+            kda_chunk_load(cfg, in, b, h, t0, L, eA, &w);
+            kda_chunk_prepare(&w, L, factored);
+            for (int i = 0; i < L; i++) {
+                const size_t row = ((size_t)b * T + t0 + i) * H + h;
+                memcpy(w.dO + (size_t)i * V, d_o + row * V, (size_t)V * sizeof(float));
+            }
+            dgrad_chunk_update(&w, L, scale);
+        }
+        memcpy(D + (size_t)p * K * V, w.dS, (size_t)K * V * sizeof(float));
+    }
+    free(scratch);
+    return LM_OK;
+}

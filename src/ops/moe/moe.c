@@ -85,18 +85,19 @@ void lm_moe_params_carve(const lm_moe_config *c, float *memory, lm_moe_params *p
     }
 }
 
-lm_status lm_moe_acts_alloc(lm_moe_acts *a, const lm_moe_config *c, int64_t m_max) {
-    memset(a, 0, sizeof *a);
-    lm_status st = lm_moe_check(c);
-    if (st) return st;
-    if (m_max < 1 || m_max * c->top_k > INT32_MAX)
-        return lm_error(LM_ERR_ARG, "moe: token capacity m_max must lie in [1, 2^31 / top_k], got %lld",
-                        (long long)m_max);
+/* The activation table: where each buffer goes and how many bytes it takes
+ * (lm_moe_acts_alloc carves it, lm_moe_acts_bytes sums it). */
+typedef struct {
+    void **ptr;
+    size_t bytes;
+} acts_slot;
+#define ACTS_SLOTS 32
+
+static void acts_table(lm_moe_acts *a, const lm_moe_config *c, int64_t m_max, acts_slot t[ACTS_SLOTS]) {
     size_t m = (size_t)m_max, n = (size_t)c->n_experts, k = (size_t)c->top_k, f = (size_t)c->d_ff;
     size_t d = (size_t)c->d, de = (size_t)expert_width(c), dl = (size_t)c->d_latent;
     size_t ns = (size_t)c->n_shared, fs = (size_t)c->d_ff_shared, mk = m * k;
-    /* the activation table: where each buffer goes and how many bytes it takes */
-    struct { void **ptr; size_t bytes; } t[] = {
+    acts_slot tt[ACTS_SLOTS] = {
         {(void **)&a->s, m * n * 4},        {(void **)&a->topk, mk * 4},
         {(void **)&a->weights, mk * 4},     {(void **)&a->offsets, (n + 1) * 8},
         {(void **)&a->order, mk * 4},       {(void **)&a->slot_row, mk * 4},
@@ -115,12 +116,39 @@ lm_status lm_moe_acts_alloc(lm_moe_acts *a, const lm_moe_config *c, int64_t m_ma
         {(void **)&a->dsh, ns ? m * fs * 4 : 0}, {(void **)&a->dsa, ns ? m * fs * 4 : 0},
         {(void **)&a->dsu, ns ? m * fs * 4 : 0},
     };
-    size_t count = sizeof t / sizeof t[0], total = 0;
-    for (size_t i = 0; i < count; i++) total += (t[i].bytes + 63) / 64 * 64;
+    memcpy(t, tt, sizeof tt);
+}
+
+static lm_status acts_check(const lm_moe_config *c, int64_t m_max) {
+    lm_status st = lm_moe_check(c);
+    if (st) return st;
+    if (m_max < 1 || m_max * c->top_k > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "moe: token capacity m_max must lie in [1, 2^31 / top_k], got %lld",
+                        (long long)m_max);
+    return LM_OK;
+}
+
+size_t lm_moe_acts_bytes(const lm_moe_config *c, int64_t m_max) {
+    if (acts_check(c, m_max)) return 0;
+    lm_moe_acts a;
+    acts_slot t[ACTS_SLOTS];
+    acts_table(&a, c, m_max, t);
+    size_t total = 0;
+    for (int i = 0; i < ACTS_SLOTS; i++) total += (t[i].bytes + 63) / 64 * 64;
+    return total;
+}
+
+lm_status lm_moe_acts_alloc(lm_moe_acts *a, const lm_moe_config *c, int64_t m_max) {
+    memset(a, 0, sizeof *a);
+    lm_status st = acts_check(c, m_max);
+    if (st) return st;
+    acts_slot t[ACTS_SLOTS];
+    acts_table(a, c, m_max, t);
+    size_t total = lm_moe_acts_bytes(c, m_max);
     char *block;
     LM_TRY_ALLOC(block, total);
     size_t off = 0;
-    for (size_t i = 0; i < count; i++) {
+    for (int i = 0; i < ACTS_SLOTS; i++) {
         *t[i].ptr = t[i].bytes ? block + off : NULL;
         off += (t[i].bytes + 63) / 64 * 64;
     }

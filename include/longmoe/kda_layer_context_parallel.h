@@ -1,0 +1,46 @@
+/* The KDA token mixer under context parallelism (docs/scaleout.md "The KDA
+ * layer"; SPEC §9): one sequence split across ranks.
+ *
+ * Rank r holds tokens [t0_r, t0_r + n_r) of every sequence (x [B,n_r,d]); the
+ * segments follow rank order without gaps (checked, collectively). The layer
+ * is include/longmoe/kda_layer.h's: the projections, gates and output are
+ * token-local; the short convolution reads the W-1 projections before the
+ * segment (its halo, all-gathered from the earlier ranks; zero before the
+ * sequence start, so a halo may span several short segments), and its gradient
+ * goes back to their owners, each adding the later ranks' parts in rank order;
+ * the operator runs lm_kda_cp_forward / lm_kda_cp_backward.
+ *
+ * Outputs: y and dx of the segment; the parameter gradients in g ACCUMULATE
+ * this rank's part (their sum over the ranks is the whole sequence's). CPU
+ * backend. acts and scratch are float buffers of the sizes below. */
+#ifndef LONGMOE_KDA_LAYER_CONTEXT_PARALLEL_H
+#define LONGMOE_KDA_LAYER_CONTEXT_PARALLEL_H
+
+#include <stddef.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/kda_layer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Floats of saved activations and of backward scratch for a segment of n
+ * tokens on a job of comm_size ranks (0 for an invalid argument). */
+size_t lm_kda_layer_cp_act_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
+size_t lm_kda_layer_cp_scratch_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
+
+/* y [B,n,d] from x [B,n,d], the rank's segment at t0. Collective. */
+lm_status lm_kda_layer_cp_forward(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                  const float *x, int B, int t0, int n, float *y, float *acts);
+
+/* Given dy [B,n,d]: dx [B,n,d] (may be NULL) and every gradient in g
+ * ACCUMULATE (+=). x and acts those of the forward. Collective. */
+lm_status lm_kda_layer_cp_backward(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *g, const float *x, const float *acts, const float *dy,
+                                   int B, int t0, int n, float *dx, float *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

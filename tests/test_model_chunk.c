@@ -1,0 +1,329 @@
+/* Long-context memory: the memory plan (lm_model_plan, lm_model_buffer_at)
+ * and train.recompute_chunk (the dense FFN and MoE in token chunks, the
+ * sublayer inputs recomputed from the residual state), docs/model.md "Memory". */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "longmoe/backend.h"
+#include "longmoe/kda_layer.h"
+#include "longmoe/model.h"
+#include "test.h"
+#include "test_models.h"
+
+/* MoE (latent, shared expert, quantile balancing) + KDA + MLA + Block AttnRes
+ * of 3 sublayers, a dense first layer; small enough for the CPU */
+static lm_config chunk_config(void) {
+    lm_config c = test_micro_config();
+    c.d_model = 32;
+    c.n_layers = 4;
+    strcpy(c.layout, "kmkm");
+    c.first_k_dense = 1;
+    c.dense_ffn = 40;
+    c.kda_heads = 2;
+    c.kda_head_dim = 16;
+    c.kda_chunk = 16;
+    c.attn_heads = 2;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 16;
+    c.v_head_dim = 16;
+    c.n_routed_experts = 8;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 12;
+    c.shared_ffn = 20;
+    c.latent_dim = 16;
+    c.balance = LM_BALANCE_QUANTILE;
+    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
+    c.attnres_block = 3;
+    c.recompute = 1;
+    return c;
+}
+
+static void random_tokens(lm_rng *r, int32_t *t, int n, int V) {
+    for (int i = 0; i < n; i++) t[i] = (int32_t)(lm_rng_u64(r) % (uint64_t)V);
+}
+
+/* relative L2 error of tensor i between two gradient blocks */
+static double tensor_rel_error(const lm_model *m, const float *a, const float *b, int i) {
+    const lm_model_tensor *t = lm_model_tensor_at(m, i);
+    double num = 0, den = 0;
+    for (size_t j = 0; j < t->numel; j++) {
+        double x = a[t->offset + j], y = b[t->offset + j];
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* Two forward+backward steps (with the balancing update between them) of the
+ * unchunked and the chunked model from the same weights: the losses are the
+ * same bits (the forward computes each token as before), the balancing
+ * biases too (the counts add up over chunks), and every gradient agrees to
+ * float rounding (weight gradients add chunk by chunk; the sublayer inputs are
+ * recomputed from the residual state's saved scores). */
+static void compare_chunked(lm_config c, int B, int T, int chunk, const char *what) {
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create(&c, B, T, &a), "%s", lm_last_error());
+    c.recompute_chunk = chunk;
+    CHECK(!lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+    if (!a || !b) {
+        lm_model_free(a);
+        lm_model_free(b);
+        return;
+    }
+    lm_model_init(a, 71);
+    lm_model_init(b, 71);
+    lm_rng r;
+    lm_rng_seed(&r, 72);
+    int N = B * T;
+    int32_t *tok = malloc((size_t)N * sizeof *tok), *tgt = malloc((size_t)N * sizeof *tgt);
+    double worst = 0;
+    for (int step = 0; step < 2; step++) {
+        random_tokens(&r, tok, N, c.vocab_size);
+        random_tokens(&r, tgt, N, c.vocab_size);
+        lm_model_zero_grads(a);
+        lm_model_zero_grads(b);
+        float la = 0, lb = 0;
+        CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && !lm_model_backward(a, 1.0f), "%s", lm_last_error());
+        CHECK(!lm_model_forward(b, tok, tgt, 1, &lb) && !lm_model_backward(b, 1.0f), "%s", lm_last_error());
+        CHECK(la == lb, "%s step %d: loss %.9g unchunked vs %.9g chunked", what, step, la, lb);
+        const float *ga = lm_model_grads(a), *gb = lm_model_grads(b);
+        for (int i = 0; i < lm_model_num_tensors(a); i++) {
+            double e = tensor_rel_error(a, gb, ga, i);
+            worst = e > worst ? e : worst;
+            CHECK(e < 2e-5, "%s step %d: %s gradient differs by %.3g (relative L2)", what, step,
+                  lm_model_tensor_at(a, i)->name, e);
+        }
+        for (int k = 0; k < lm_model_num_moe_layers(a); k++) {
+            const lm_balance_state *ba = lm_model_balance(a, k), *bb = lm_model_balance(b, k);
+            CHECK(!memcmp(ba->bias, bb->bias, (size_t)ba->cfg.n_experts * sizeof(float)),
+                  "%s step %d: balancing bias of MoE layer %d differs", what, step, k);
+        }
+        CHECK(!lm_model_balance_step_end(a, 1, NULL) && !lm_model_balance_step_end(b, 1, NULL), "%s",
+              lm_last_error());
+        /* one identical optimizer-free update so the second step sees moved weights */
+        float *pa = lm_model_params(a), *pb = lm_model_params(b);
+        for (size_t j = 0; j < lm_model_num_params(a); j++) {
+            pa[j] -= 0.05f * ga[j];
+            pb[j] = pa[j];
+        }
+        CHECK(!lm_model_upload_params(a) && !lm_model_upload_params(b), "%s", lm_last_error());
+    }
+    for (int k = 0; k < lm_model_num_moe_layers(a); k++) {
+        const lm_balance_state *ba = lm_model_balance(a, k), *bb = lm_model_balance(b, k);
+        CHECK(!memcmp(ba->bias, bb->bias, (size_t)ba->cfg.n_experts * sizeof(float)),
+              "%s: balancing bias of MoE layer %d differs after the update", what, k);
+    }
+    printf("    %s: B=%d T=%d chunk %d: worst gradient relative error %.2e, activations %zu -> %zu bytes\n", what, B,
+           T, chunk, worst, lm_model_activation_bytes(a), lm_model_activation_bytes(b));
+    CHECK(lm_model_activation_bytes(b) < lm_model_activation_bytes(a), "%s: chunking did not save memory", what);
+    free(tok);
+    free(tgt);
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
+static void test_chunked_equals_unchunked(void) {
+    /* odd T, a chunk that divides neither T nor B*T, and one larger than a sequence */
+    compare_chunked(chunk_config(), 2, 37, 10, "block attnres");
+    compare_chunked(chunk_config(), 1, 53, 64, "chunk > N");
+    lm_config c = chunk_config();
+    c.residual = LM_RESIDUAL_FULL_ATTNRES;
+    compare_chunked(c, 2, 29, 7, "full attnres");
+    c = chunk_config();
+    c.residual = LM_RESIDUAL_STANDARD; /* the inputs are kept: only the chunks change */
+    compare_chunked(c, 3, 19, 8, "standard residual");
+    c = chunk_config();
+    c.latent_dim = 0;
+    c.n_shared_experts = 0;
+    c.activation = LM_ACT_SITU;
+    compare_chunked(c, 2, 31, 9, "plain MoE, SiTU");
+}
+
+/* Without recompute_chunk the CPU computes what it computed before: with
+ * recompute (one normalised input, recomputed) the gradients are the same
+ * bits as without recompute. */
+static void test_recompute_without_chunks_is_bit_identical(void) {
+    lm_config c = chunk_config();
+    c.recompute = 0;
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create(&c, 2, 23, &a), "%s", lm_last_error());
+    c.recompute = 1;
+    CHECK(!lm_model_create(&c, 2, 23, &b), "%s", lm_last_error());
+    if (!a || !b) return;
+    lm_model_init(a, 5);
+    lm_model_init(b, 5);
+    lm_rng r;
+    lm_rng_seed(&r, 6);
+    int32_t tok[46], tgt[46];
+    random_tokens(&r, tok, 46, c.vocab_size);
+    random_tokens(&r, tgt, 46, c.vocab_size);
+    float la, lb;
+    CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && !lm_model_backward(a, 1.0f), "%s", lm_last_error());
+    CHECK(!lm_model_forward(b, tok, tgt, 1, &lb) && !lm_model_backward(b, 1.0f), "%s", lm_last_error());
+    CHECK(la == lb, "loss %g vs %g", la, lb);
+    CHECK(!memcmp(lm_model_grads(a), lm_model_grads(b), lm_model_num_params(a) * sizeof(float)),
+          "gradients differ with recompute");
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
+static size_t ledger_total(const lm_model *m) {
+    size_t s = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) s += lm_model_buffer_at(m, i)->bytes;
+    return s;
+}
+
+/* bytes of the ledger's entries whose name contains `key` */
+static size_t ledger_bytes(const lm_model *m, const char *key) {
+    size_t s = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++)
+        if (strstr(lm_model_buffer_at(m, i)->name, key)) s += lm_model_buffer_at(m, i)->bytes;
+    return s;
+}
+
+/* The plan without memory is the ledger of the model that allocates: the
+ * same names and bytes; its activation entries add up to the block the model
+ * allocated. */
+static void test_plan_is_the_models_ledger(void) {
+    for (int chunk = 0; chunk <= 16; chunk += 16) {
+        lm_config c = chunk_config();
+        c.recompute_chunk = chunk;
+        lm_model *m = NULL, *p = NULL;
+        CHECK(!lm_model_create(&c, 2, 37, &m), "%s", lm_last_error());
+        CHECK(!lm_model_plan(&c, 2, 37, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+        if (!m || !p) return;
+        CHECK(lm_model_num_buffers(m) == lm_model_num_buffers(p) && lm_model_num_buffers(m) > 10, "%d vs %d buffers",
+              lm_model_num_buffers(m), lm_model_num_buffers(p));
+        for (int i = 0; i < lm_model_num_buffers(m) && i < lm_model_num_buffers(p); i++) {
+            const lm_model_buffer *x = lm_model_buffer_at(m, i), *y = lm_model_buffer_at(p, i);
+            CHECK(!strcmp(x->name, y->name) && x->bytes == y->bytes, "buffer %d: %s %zu vs %s %zu", i, x->name,
+                  x->bytes, y->name, y->bytes);
+        }
+        /* the activation block: from hin to the operator workspace */
+        size_t act = 0;
+        int in = 0;
+        for (int i = 0; i < lm_model_num_buffers(m); i++) {
+            const lm_model_buffer *b = lm_model_buffer_at(m, i);
+            in |= !strncmp(b->name, "hin:", 4);
+            if (in) act += b->bytes;
+            if (!strcmp(b->name, "KDA / attention operator workspace")) in = 0;
+        }
+        CHECK(act == lm_model_activation_bytes(m), "chunk %d: ledger's activations %zu, the model's block %zu", chunk,
+              act, lm_model_activation_bytes(m));
+        CHECK(ledger_bytes(m, "parameters (fp32)") == lm_model_num_params(m) * sizeof(float), "parameters");
+        float loss;
+        int32_t tok[74] = {0};
+        CHECK(lm_model_forward(p, tok, tok, 1, &loss) == LM_ERR_ARG, "a plan ran a forward");
+        lm_model_free(m);
+        lm_model_free(p);
+    }
+}
+
+/* What grows with T: with recompute_chunk the MoE and dense FFN buffers stay
+ * at the chunk's size and the per-sublayer inputs are gone. */
+static void test_chunk_bounds_the_per_token_sublayers(void) {
+    lm_config c = chunk_config();
+    lm_model *a = NULL, *b = NULL, *b2 = NULL;
+    CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CPU, &a), "%s", lm_last_error());
+    c.recompute_chunk = 256;
+    CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CPU, &b), "%s", lm_last_error());
+    CHECK(!lm_model_plan(&c, 1, 8192, LM_DEVICE_CPU, &b2), "%s", lm_last_error());
+    if (!a || !b || !b2) return;
+    CHECK(ledger_bytes(b, "MoE routing") == ledger_bytes(b2, "MoE routing") && ledger_bytes(b, "MoE routing") > 0,
+          "MoE buffers grow with T under recompute_chunk: %zu vs %zu", ledger_bytes(b, "MoE routing"),
+          ledger_bytes(b2, "MoE routing"));
+    CHECK(ledger_bytes(b, "dense FFN") == ledger_bytes(b2, "dense FFN"), "dense FFN buffers grow with T");
+    CHECK(ledger_bytes(a, "MoE routing") > 8 * ledger_bytes(b, "MoE routing"), "MoE %zu vs %zu",
+          ledger_bytes(a, "MoE routing"), ledger_bytes(b, "MoE routing"));
+    CHECK(ledger_bytes(a, "hin:") == (size_t)c.n_layers * 2 * ledger_bytes(b, "hin:"), "hin %zu vs %zu",
+          ledger_bytes(a, "hin:"), ledger_bytes(b, "hin:"));
+    CHECK(ledger_total(b) < ledger_total(a), "total %zu vs %zu", ledger_total(b), ledger_total(a));
+    /* Block AttnRes keeps one block's partial sums (S - 1 = 2 of them) and replays the blocks */
+    size_t pa = ledger_bytes(a, "partial block sums, 5 x [N,d]"),
+           pb = ledger_bytes(b, "partial block sums, 2 x [N,d] (one block's, replayed)");
+    CHECK(pa > 0 && pb > 0 && pb < pa, "saved partial sums: %zu bytes kept for all, %zu with replay", pa, pb);
+    lm_model_free(a);
+    lm_model_free(b);
+    lm_model_free(b2);
+    /* the GPU's plan needs no GPU (a build with CUDA) */
+    lm_model *g = NULL;
+    if (lm_backend_cuda_ops()) {
+        CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CUDA, &g), "%s", lm_last_error());
+        if (g) CHECK(ledger_bytes(g, "product format") > 0, "the GPU plan has no product-format buffers");
+    } else {
+        CHECK(lm_model_plan(&c, 1, 4096, LM_DEVICE_CUDA, &g) == LM_ERR_ARG && strstr(lm_last_error(), "CUDA"),
+              "a build without CUDA planned a GPU model");
+    }
+    lm_model_free(g);
+}
+
+/* The KDA layer's activations on a backend of a separate 2-byte product format
+ * (the GPU's layout, checked without a GPU): every buffer inside the planned
+ * floats, none overlapping the next, the bf16 ones 2 bytes a value and on
+ * 64-byte starts. */
+static void test_kda_bf16_layout_fits_its_plan(void) {
+    lm_backend bf = *lm_backend_cpu();
+    bf.lp_bytes = 2;
+    const int B = 2, T = 37, H = 2, K = 16, HK = H * K;
+    lm_kda_layer_config kc = {32, H, K, 4, 16, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, &bf};
+    size_t n = lm_kda_layer_act_floats(&kc, B, T), N = (size_t)B * T;
+    lm_kda_layer_config cpu = kc;
+    cpu.backend = NULL;
+    CHECK(n < lm_kda_layer_act_floats(&cpu, B, T), "bf16 layout %zu floats, fp32 %zu", n,
+          lm_kda_layer_act_floats(&cpu, B, T));
+    float *base = calloc(n, sizeof(float));
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&kc, B, T, base, &a);
+    struct {
+        const char *name;
+        const void *p;
+        size_t bytes;
+    } bufs[] = {{"qp", a.qp, N * HK * 4},    {"kp", a.kp, N * HK * 4},      {"vp", a.vp, N * HK * 4},
+                {"qc", a.qc, N * HK * 4},    {"kc", a.kc, N * HK * 4},      {"vc", a.vc, N * HK * 4},
+                {"q", a.q, N * HK * 2},      {"k", a.k, N * HK * 2},        {"v", a.v, N * HK * 2},
+                {"z", a.z, N * HK * 4},      {"o", a.o, N * HK * 2},        {"gate", a.gate, N * HK * 4},
+                {"gated", a.gated, N * HK * 2}, {"beta", a.beta, N * H * 4}, {"o_rstd", a.o_rstd, N * H * 4},
+                {"qk_rnorm", a.qk_rnorm, 2 * N * H * 4}, {"z_lp", a.z_lp, N * HK * 2}};
+    const char *lo = (const char *)base, *hi = lo + n * sizeof(float);
+    int nb = (int)(sizeof bufs / sizeof bufs[0]);
+    for (int i = 0; i < nb; i++) {
+        const char *p = bufs[i].p;
+        CHECK(p >= lo && p + bufs[i].bytes <= hi, "%s lies outside the planned floats", bufs[i].name);
+        if (i + 1 < nb) CHECK(p + bufs[i].bytes <= (const char *)bufs[i + 1].p, "%s overlaps %s", bufs[i].name,
+                              bufs[i + 1].name);
+        if (bufs[i].bytes % 4 == 0 && i < 13) CHECK((size_t)(p - lo) % 64 == 0, "%s does not start on 64 bytes",
+                                                    bufs[i].name);
+    }
+    free(base);
+}
+
+static void test_bad_chunk_configs_are_refused(void) {
+    lm_config c = chunk_config();
+    c.recompute = 0;
+    c.recompute_chunk = 64;
+    CHECK(lm_config_validate(&c) == LM_ERR_ARG && strstr(lm_last_error(), "train.recompute"),
+          "recompute_chunk without recompute accepted");
+    c.recompute = 1;
+    c.balance = LM_BALANCE_AUX;
+    CHECK(lm_config_validate(&c) == LM_ERR_ARG && strstr(lm_last_error(), "aux"), "recompute_chunk with aux accepted");
+    c.balance = LM_BALANCE_QUANTILE;
+    CHECK(lm_config_validate(&c) == LM_OK, "%s", lm_last_error());
+    char *json = lm_config_to_json(&c);
+    lm_config back;
+    CHECK(json && !lm_config_parse(json, strlen(json), "round trip", &back) && back.recompute_chunk == 64,
+          "train.recompute_chunk does not survive config.json");
+    free(json);
+}
+
+int main(void) {
+    RUN(test_chunked_equals_unchunked);
+    RUN(test_recompute_without_chunks_is_bit_identical);
+    RUN(test_plan_is_the_models_ledger);
+    RUN(test_chunk_bounds_the_per_token_sublayers);
+    RUN(test_kda_bf16_layout_fits_its_plan);
+    RUN(test_bad_chunk_configs_are_refused);
+    return test_summary();
+}

@@ -1,0 +1,474 @@
+/* ZeRO-1: the optimizer state sharded over data-parallel ranks
+ * (docs/scaleout.md, "ZeRO-1").
+ *
+ * Alone (`test_zero`): the refusals (no ranks, another stage, the CLI's
+ * --zero without --comm mpi, --help).
+ * Under mpirun (`mpirun -np N test_zero --mpi N`, ctest's test_zero_mpi2 and
+ * test_zero_mpi4): a 20-step run with --zero 1 on N ranks against replicated
+ * data parallelism on the same ranks (bit for bit: losses, checkpoints, state
+ * hashes) and one process (1e-5 relative), every rank holding a share of the
+ * optimizer state that adds up to the whole, a bit-exact resume on the same
+ * layout, a NaN gradient on one rank skipping the step on all as replicated
+ * does, and checkpoints across layouts: the N-rank ZeRO checkpoint resumed
+ * on one process (and, on 4 ranks, on 2 ZeRO ranks of a split handle), and
+ * one process's checkpoint resumed on N ZeRO ranks, each ending within 1e-5 of
+ * the uninterrupted runs. Built without MPI, `--mpi N` reports every case
+ * skipped. */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+#include "test.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0;
+static char root[256];
+
+/* test_dp.c's model: KDA and gated MLA layers, MoE of 8 experts with
+ * quantile balancing (histogram estimator), Block AttnRes, QK-Clip acting;
+ * 4 sequences a micro-batch, 2 micro-batches a step. */
+static lm_config zero_config(void) {
+    lm_config c;
+    lm_config_defaults(&c);
+    c.vocab_size = 256;
+    c.d_model = 32;
+    c.n_layers = 4;
+    strcpy(c.layout, "kmkm");
+    c.first_k_dense = 1;
+    c.dense_ffn = 64;
+    c.kda_heads = 2;
+    c.kda_head_dim = 16;
+    c.kda_chunk = 16;
+    c.attn_heads = 2;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 16;
+    c.v_head_dim = 16;
+    c.n_routed_experts = 8;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 16;
+    c.shared_ffn = 32;
+    c.balance = LM_BALANCE_QUANTILE;
+    c.balance_estimator = LM_QB_HISTOGRAM;
+    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
+    c.attnres_block = 4;
+    c.seq_len = 32;
+    c.batch_size = 4;
+    c.grad_accum = 2;
+    c.steps = 20;
+    c.lr = 0.03f;
+    c.adam_lr = 0.005f;
+    c.grad_clip = 1.0f; /* clipping acts (norms 1.0 to 1.4): the scale takes the global norm across ranks */
+    c.eval_every = 10;
+    c.ckpt_every = 5;
+    c.keep_checkpoints = 10;
+    c.log_every = 1000;
+    c.qk_clip_tau = 4.0f;
+    return c;
+}
+
+static const char *dir(const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
+    return buf[slot];
+}
+
+/* One run over handle `on` (NULL: this process alone), ZeRO stage `zero`. */
+static lm_status train(const char *run, lm_comm *on, int zero, int resume, int64_t stop_after, lm_train_result *r) {
+    lm_config c = zero_config();
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.resume = resume;
+    o.stop_after = stop_after;
+    o.comm = on;
+    o.zero = zero;
+    memset(r, 0, sizeof *r);
+    return lm_train(&c, &o, r);
+}
+
+/* The numbers of key `key` of the lines of `type` in a run's metrics. */
+static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
+    char path[600], line[65536], want[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    while (fgets(line, sizeof line, f) && n < max) {
+        if (!strstr(line, want)) continue;
+        const char *p = strstr(line, k);
+        if (p) v[n++] = atof(p + strlen(k));
+    }
+    fclose(f);
+    return n;
+}
+
+/* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
+ * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
+static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
+    char pa[700], pb[700];
+    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
+    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
+    lm_safetensors *x = NULL, *y = NULL;
+    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
+        fprintf(stderr, "  %s\n", lm_last_error());
+        lm_safetensors_close(x);
+        return 0;
+    }
+    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
+    *worst = 0;
+    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
+        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype || u->ndim != t->ndim) {
+            fprintf(stderr, "  %s: tensor %s is missing or of another size, shape or type\n", file, t->name);
+            ok = 0;
+            break;
+        }
+        if (rtol == 0) {
+            if (memcmp(t->data, u->data, t->nbytes)) {
+                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
+                ok = 0;
+            }
+            continue;
+        }
+        if (t->dtype != LM_DTYPE_F32) continue;
+        const float *p = (const float *)t->data, *q = (const float *)u->data;
+        double diff = 0, scale = 0;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double d = fabs((double)p[e] - q[e]);
+            diff = d > diff || isnan(d) ? d : diff;
+            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
+        }
+        double rel = scale > 0 ? diff / scale : diff;
+        if (!(rel <= rtol)) {
+            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
+            bad = 1;
+        }
+        *worst = rel > *worst ? rel : *worst;
+    }
+    ok &= !bad;
+    lm_safetensors_close(x);
+    lm_safetensors_close(y);
+    return ok;
+}
+
+/* Copy run `from` to `to` with `latest` naming its checkpoint of `step`: a
+ * run to resume from that checkpoint (rank 0; the others wait). */
+static void copy_run_at(const char *from, const char *to, int step) {
+    if (me == 0) {
+        char cmd[1600], path[700];
+        snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s && rm -f %s/lock", dir(to), dir(from), dir(to), dir(to));
+        CHECK(system(cmd) == 0, "%s", cmd);
+        snprintf(path, sizeof path, "%s/latest", dir(to));
+        FILE *f = fopen(path, "w");
+        CHECK(f != NULL, "cannot write %s", path);
+        if (f) {
+            fprintf(f, "checkpoint-%08d\n", step);
+            fclose(f);
+        }
+    }
+    if (comm) lm_comm_barrier(comm);
+}
+
+/* The same 64-bit value on every rank. */
+static int same_on_every_rank(uint64_t v) {
+    uint64_t all[64];
+    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
+    for (int r = 1; r < R; r++)
+        if (all[r] != all[0]) return 0;
+    return 1;
+}
+
+/* Every rank passed so far (failures on any rank count). */
+static int all_ok(void) {
+    int32_t bad = test_current_failures, any = 0;
+    if (lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32)) return 0;
+    return any == 0;
+}
+
+/* ---- alone ---- */
+
+static int run_cli(const char *args, char *out, size_t n) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", LONGMOE_CLI, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_zero_without_ranks_or_of_another_stage_is_refused(void) {
+    lm_train_result r;
+    lm_status s = train("alone", NULL, 1, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "--comm mpi"), "status %d: %s", (int)s, lm_last_error());
+    lm_comm *self;
+    CHECK(!lm_comm_open(LM_COMM_SELF, &self), "%s", lm_last_error());
+    s = train("stage2", self, 2, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "stage 2"), "status %d: %s", (int)s, lm_last_error());
+    lm_comm_close(self);
+    CHECK(access(dir("alone/config.json"), F_OK) != 0 && access(dir("stage2/config.json"), F_OK) != 0,
+          "a refused run wrote its config");
+    char out[16384], args[900];
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --zero 1", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm mpi"), "%s", out);
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --zero 3", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--zero"), "%s", out);
+    CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--zero S") && strstr(out, "ZeRO-1"),
+          "--help lacks --zero");
+}
+
+/* On the one-rank engine ZeRO-1 holds the whole state and is the plain run, bit for bit. */
+static void test_zero_on_one_rank_is_the_plain_run(void) {
+    lm_comm *self;
+    CHECK(!lm_comm_open(LM_COMM_SELF, &self), "%s", lm_last_error());
+    lm_train_result a, b;
+    CHECK(!train("self-plain", NULL, 0, 0, 6, &a) && a.step == 6, "plain: %s", lm_last_error());
+    CHECK(!train("self-zero", self, 1, 0, 6, &b) && b.step == 6, "zero: %s", lm_last_error());
+    lm_comm_close(self);
+    CHECK(a.params_hash == b.params_hash && a.balance_hash == b.balance_hash, "the states differ");
+    CHECK(a.optimizer_state_bytes == b.optimizer_state_bytes && a.optimizer_state_bytes > 0,
+          "optimizer bytes %zu and %zu", a.optimizer_state_bytes, b.optimizer_state_bytes);
+    double w;
+    CHECK(tensors_close("self-plain", "self-zero", 6, "trainer.safetensors", 0, &w), "trainer state");
+}
+
+/* ---- over the ranks ---- */
+
+static lm_train_result dp_result, zero_result, one_result;
+static int runs_ok;
+
+/* "dp" (replicated, N ranks), "zero" (ZeRO-1, N ranks), "one" (one process):
+ * the same global batch, 20 steps. */
+static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
+    CHECK(!train("dp", comm, 0, 0, 0, &dp_result), "dp: %s", lm_last_error());
+    CHECK(!train("zero", comm, 1, 0, 0, &zero_result), "zero: %s", lm_last_error());
+    if (me == 0) CHECK(!train("one", NULL, 0, 0, 0, &one_result), "one: %s", lm_last_error());
+    runs_ok = all_ok();
+    if (!runs_ok) return;
+    CHECK(zero_result.step == 20 && zero_result.skipped == 0, "zero: %lld steps, %lld skipped",
+          (long long)zero_result.step, (long long)zero_result.skipped);
+    /* the state hashes cover parameters, every tensor's optimizer state (gathered from the owners) and counters */
+    CHECK(zero_result.params_hash == dp_result.params_hash, "parameters or optimizer state differ from replicated");
+    CHECK(zero_result.balance_hash == dp_result.balance_hash, "balancing state differs from replicated");
+    CHECK(same_on_every_rank(zero_result.params_hash) && same_on_every_rank(zero_result.balance_hash),
+          "the ranks' hashes differ");
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("zero", "train", "loss", a, 32), nb = read_metric("dp", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+    na = read_metric("zero", "train", "grad_norm", a, 32);
+    nb = read_metric("dp", "train", "grad_norm", b, 32);
+    int clipped = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK(a[i] == b[i], "step %d: gradient norm %.9g vs %.9g", i + 1, a[i], b[i]);
+        clipped += b[i] > 1.0;
+    }
+    CHECK(clipped > 0, "clipping acted in none of %d steps: the test does not see it", nb);
+    double w;
+    for (int step = 5; step <= 20; step += 5) {
+        CHECK(tensors_close("zero", "dp", step, "model.safetensors", 0, &w), "parameters at step %d", step);
+        CHECK(tensors_close("zero", "dp", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
+    }
+    double wp, ws, worst = 0;
+    na = read_metric("zero", "train", "loss", a, 32);
+    nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
+        worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    CHECK(tensors_close("zero", "one", 20, "model.safetensors", 1e-5, &wp), "parameters vs one process");
+    CHECK(tensors_close("zero", "one", 20, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
+    printf("     ZeRO-1 on %d ranks = replicated bit for bit; vs one process: loss %.2e, parameters %.2e, "
+           "optimizer/balance %.2e relative\n", R, worst, wp, ws);
+}
+
+/* Each rank holds a share of the optimizer state; the shares add up to the whole. */
+static void test_every_rank_holds_a_share_of_the_optimizer_state(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    uint64_t mine = zero_result.optimizer_state_bytes, all[64];
+    CHECK(R <= 64 && !lm_comm_all_gather(comm, &mine, all, sizeof mine), "%s", lm_last_error());
+    uint64_t sum = 0, most = 0;
+    for (int r = 0; r < R; r++) {
+        sum += all[r];
+        most = all[r] > most ? all[r] : most;
+        CHECK(all[r] > 0, "rank %d holds no optimizer state", r);
+    }
+    CHECK(sum == dp_result.optimizer_state_bytes, "the shares add up to %llu bytes, the whole is %zu",
+          (unsigned long long)sum, dp_result.optimizer_state_bytes);
+    /* balanced to whole tensors: the largest share well under the whole */
+    CHECK(most * (uint64_t)R < 2 * sum, "the largest share %llu of %llu bytes over %d ranks", (unsigned long long)most,
+          (unsigned long long)sum, R);
+    printf("     optimizer state a rank: %llu bytes at most of %zu replicated\n", (unsigned long long)most,
+           dp_result.optimizer_state_bytes);
+}
+
+static void test_zero1_resume_on_the_same_layout_is_bit_exact(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r;
+    CHECK(!train("zero-resumed", comm, 1, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
+    CHECK(!train("zero-resumed", comm, 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == zero_result.params_hash && r.balance_hash == zero_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("zero", "zero-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("zero", "zero-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    double a[32], b[32];
+    int na = read_metric("zero", "train", "loss", a, 32), nb = read_metric("zero-resumed", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+}
+
+/* A NaN left in a gradient on the last rank only (step 4) reaches one owner's
+ * range through the reduce-scatter: its partial norm, hence the global norm,
+ * is non-finite on every rank, and every rank skips the step, as the
+ * replicated run does; the runs then go on alike. */
+static void test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r[2];
+    for (int zero = 0; zero < 2; zero++) {
+        lm_config c = zero_config();
+        c.eval_every = 0;
+        c.ckpt_every = 0;
+        c.steps = 8;
+        lm_train_options o = lm_train_options_default(dir(zero ? "zero-fault" : "dp-fault"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.zero = zero;
+        o.inject_fault = LM_FAULT_GRADIENT;
+        o.inject_fault_step = me == R - 1 ? 3 : -1;
+        CHECK(!lm_train(&c, &o, &r[zero]), "%s: %s", zero ? "zero" : "dp", lm_last_error());
+        CHECK(r[zero].skipped == 1 && r[zero].step == 8, "%s: %lld skipped of %lld", zero ? "zero" : "dp",
+              (long long)r[zero].skipped, (long long)r[zero].step);
+    }
+    CHECK(r[1].params_hash == r[0].params_hash && r[1].balance_hash == r[0].balance_hash,
+          "the ZeRO-1 run's state differs from the replicated run's");
+    CHECK(same_on_every_rank(r[1].params_hash), "the ranks differ after the skipped step");
+    if (me == 0) {
+        double a[16];
+        CHECK(read_metric("zero-fault", "skip", "step", a, 16) == 1 && a[0] == 3, "the skip line of step 4");
+    }
+}
+
+/* Run `run` ended at step 20 within 1e-5 of the uninterrupted runs (rank 0). */
+static void close_to_uninterrupted(const char *run) {
+    double w1, w2;
+    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "zero", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs ZeRO-1", run);
+    double a[32], b[32];
+    int na = read_metric(run, "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "%s: train lines %d and %d", run, na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    printf("     %s: parameters within %.2e (one process), %.2e (ZeRO-1) relative\n", run, w1, w2);
+}
+
+/* The N-rank ZeRO-1 checkpoint of step 10 resumed on one process without ZeRO. */
+static void test_zero1_checkpoint_resumes_on_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    copy_run_at("zero", "zero-then-one", 10);
+    if (me != 0) return;
+    lm_train_result r;
+    CHECK(!train("zero-then-one", NULL, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    close_to_uninterrupted("zero-then-one");
+}
+
+/* One process's checkpoint of step 10 resumed on the N ranks with ZeRO-1. */
+static void test_one_process_checkpoint_resumes_on_zero1_ranks(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    copy_run_at("one", "one-then-zero", 10);
+    lm_train_result r;
+    CHECK(!train("one-then-zero", comm, 1, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash), "the ranks' hashes differ");
+    if (me == 0) close_to_uninterrupted("one-then-zero");
+}
+
+/* On 4 ranks: the 4-rank ZeRO-1 checkpoint resumed on 2 ranks with ZeRO-1
+ * (ranks 0 and 1 of a split handle; another cut of the tensors), and that
+ * 2-rank run's checkpoint resumed on the 4 ranks again. */
+static void test_zero1_checkpoint_resumes_on_another_number_of_ranks(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    if (R < 4) SKIP("needs 4 ranks (2 of them resume)");
+    copy_run_at("zero", "zero-four-then-two", 10);
+    lm_comm *two = NULL;
+    CHECK(!lm_comm_split(comm, me < 2 ? 0 : -1, &two), "%s", lm_last_error());
+    CHECK((me < 2) == (two != NULL), "rank %d: split handle %p", me, (void *)two);
+    lm_train_result r;
+    if (two) {
+        CHECK(lm_comm_size(two) == 2 && lm_comm_rank(two) == me, "split: rank %d of %d", lm_comm_rank(two),
+              lm_comm_size(two));
+        CHECK(!train("zero-four-then-two", two, 1, 1, 15, &r) && r.step == 15, "2 ranks: %s", lm_last_error());
+        lm_comm_close(two);
+    }
+    lm_comm_barrier(comm);
+    CHECK(!train("zero-four-then-two", comm, 1, 1, 0, &r) && r.step == 20, "4 ranks again: %s", lm_last_error());
+    if (me == 0) close_to_uninterrupted("zero-four-then-two");
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        snprintf(root, sizeof root, "/tmp/longmoe_test_zero_%d", (int)getpid());
+        mkdir(root, 0755);
+        RUN(test_zero_without_ranks_or_of_another_stage_is_refused);
+        RUN(test_zero_on_one_rank_is_the_plain_run);
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+        if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        return test_summary();
+    }
+    if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+        if (me == 0) {
+            snprintf(root, sizeof root, "/tmp/longmoe_test_zero%d_%d", R, (int)getpid());
+            mkdir(root, 0755);
+        }
+        lm_comm_broadcast(comm, root, sizeof root, 0);
+    }
+    RUN(test_zero1_equals_replicated_data_parallel_bit_for_bit);
+    RUN(test_every_rank_holds_a_share_of_the_optimizer_state);
+    RUN(test_zero1_resume_on_the_same_layout_is_bit_exact);
+    RUN(test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank);
+    RUN(test_zero1_checkpoint_resumes_on_one_process);
+    RUN(test_one_process_checkpoint_resumes_on_zero1_ranks);
+    RUN(test_zero1_checkpoint_resumes_on_another_number_of_ranks);
+    if (comm) {
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        if (me == 0 && !total) {
+            char cmd[400];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        }
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
