@@ -17,7 +17,7 @@
 #                ($OUT/text_metrics.jsonl, $OUT/text.log)
 #   long         configs/long-gpu.json: staged 1K -> 4K -> 16K -> 64K on passkey, MQAR and copy rows,
 #                each stage's steps times LONG_SCALE (default 1), stopped by SIGINT at
-#                LONG_SECONDS (default 540; a stage cut short has no grids). Prints the steps'
+#                LONG_SECONDS (default 560; a stage cut short has no grids). Prints the steps'
 #                time per stage and the passkey and MQAR grids after each stage at every length so
 #                far ($OUT/long.log, $OUT/long_metrics.jsonl, $OUT/long.json: the config run)
 #
@@ -52,7 +52,7 @@ steps=${*:-build test train}
 CURVE_STEPS=${CURVE_STEPS:-200}
 TEXT_SECONDS=${TEXT_SECONDS:-240}
 LONG_SCALE=${LONG_SCALE:-1}
-LONG_SECONDS=${LONG_SECONDS:-540}
+LONG_SECONDS=${LONG_SECONDS:-560}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 
