@@ -1349,9 +1349,10 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
 lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backward(m, NULL, loss_scale); }
 
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
-    if (!dlogp) return lm_error(LM_ERR_ARG, "dlogp is NULL");
-    for (int64_t i = 0; i < m->N; i++)
-        if (!isfinite(dlogp[i])) return lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    lm_status vs = dlogp ? LM_OK : lm_error(LM_ERR_ARG, "dlogp is NULL");
+    for (int64_t i = 0; !vs && i < m->N; i++)
+        if (!isfinite(dlogp[i])) vs = lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a bad dlogp"));
     return model_backward(m, dlogp, 1.0f);
 }
 
