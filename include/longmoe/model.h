@@ -83,6 +83,20 @@ void lm_model_free(lm_model *m);
 struct lm_comm;
 lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
 
+/* Context parallelism over the ranks of comm (docs/scaleout.md "Context
+ * parallelism in the model"; CPU backend only). The model's B x T is this
+ * rank's segment: rank r holds tokens [t0_r, t0_r + T_r) of each of the B
+ * rows, segments in rank order without gaps (t0_r = T_0 + ... + T_{r-1}),
+ * every rank the same B. The KDA and attention sublayers run
+ * lm_kda_layer_cp_* and lm_mla_cp_* (the QK-Clip maxima lm_mla_cp_max_logits);
+ * everything else is token-local and unchanged. Every forward and backward
+ * is then collective over comm. The loss is the mean over the rank's own
+ * B T tokens; the parameter gradients are the rank's part: with loss_scale
+ * T_r / (T_0 + ... + T_{R-1}) on rank r their sum over the ranks is the whole
+ * sequence's. Call once, after creating the model (collective: the ranks
+ * exchange B and T); not with expert parallelism. comm must outlive the model. */
+lm_status lm_model_set_context_parallel(lm_model *m, struct lm_comm *comm);
+
 /* Initialise every parameter from `seed` (reproducible) and reset the balancing. */
 void lm_model_init(lm_model *m, uint64_t seed);
 

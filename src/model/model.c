@@ -12,8 +12,10 @@
 #include "longmoe/attention.h"
 #include "longmoe/attnres.h"
 #include "longmoe/kda_layer.h"
+#include "longmoe/kda_layer_context_parallel.h"
 #include "longmoe/linear.h"
 #include "longmoe/mla.h"
+#include "longmoe/mla_context_parallel.h"
 #include "longmoe/moe.h"
 #include "longmoe/optim_device.h"
 #include "model_internal.h"
@@ -676,6 +678,7 @@ void lm_model_free(lm_model *m) {
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
     }
     free(m->layers);
+    free(m->cp_block);
     free(m->tensors);
     free(m->buffers);
     if (m->ar) m->be->ops->attnres_free(m->be, m->ar);
@@ -1022,7 +1025,22 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
                                   int training, int recompute) {
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
-    if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
+    if (idx % 2 == 0 && m->cp_comm) {
+        /* context parallelism: the rank's segment of every row (CPU: xn_lp is xn) */
+        if (ls->mixer == LM_MIXER_KDA) {
+            TRY(lm_kda_layer_cp_forward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, xn, m->B, m->cp_t0, m->T, y,
+                                        ls->cp_acts));
+        } else {
+            const lm_mla_config *mc = &ls->mla_cfg;
+            TRY(lm_mla_cp_forward(m->cp_comm, mc, &ls->mla_P, xn, m->B, m->cp_t0, m->T, y, ls->cp_acts));
+            if (training && !recompute) {
+                /* the whole sequence's maxima, the same bits on every rank */
+                TRY(lm_mla_cp_max_logits(m->cp_comm, mc, ls->cp_acts, m->B, m->cp_t0, m->T, ls->smax_tmp));
+                for (int h = 0; h < m->cfg.attn_heads; h++)
+                    ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
+            }
+        }
+    } else if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
         TRY(lm_kda_layer_forward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_a, xn_lp, m->B, m->T, y));
     } else if (idx % 2 == 0) {
         const lm_mla_config *mc = &ls->mla_cfg;
@@ -1056,13 +1074,30 @@ static float *xn_of(const lm_model *m, int idx) {
     return m->xn + (m->cfg.recompute ? 0 : (size_t)idx * m->N * m->d);
 }
 
+/* Under context parallelism every rank must reach the same collectives: the
+ * ranks share their verdicts (a one-integer sum). This rank's failure st is
+ * returned with its own message; a rank that is fine fails with status
+ * `other` when another rank is not, naming `what`. Without it: st. */
+static lm_status cp_agree(lm_model *m, lm_status st, lm_status other, const char *what) {
+    if (!m->cp_comm) return st;
+    char why[1024] = "";
+    if (st) snprintf(why, sizeof why, "%s", lm_last_error());
+    int32_t mine = st != LM_OK, any = 0;
+    TRY(lm_comm_all_reduce_sum(m->cp_comm, &mine, &any, 1, LM_DTYPE_I32));
+    if (st) return lm_error(st, "%s", why);
+    if (any) return lm_error(other, "context parallelism: %s on another rank", what);
+    return LM_OK;
+}
+
 static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
-    for (int64_t i = 0; i < N; i++)
+    lm_status vs = LM_OK;
+    for (int64_t i = 0; i < N && !vs; i++)
         if (tokens[i] < 0 || tokens[i] >= V)
-            return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)",
-                            tokens[i], (long long)i, V);
+            vs = lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)", tokens[i],
+                          (long long)i, V);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a token outside the vocabulary"));
     if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
     TRY(sync_before_forward(m));
     double t0 = lm_time_seconds();
@@ -1089,12 +1124,15 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, w, N, d,
                                 m->cfg.norm_eps));
         charge(m, LM_TIME_NORMS, &t0);
-        TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0));
-        int64_t bad;
-        TRY(op->find_nonfinite(be, m->y, (size_t)N * d, &bad));
-        if (bad >= 0)
-            return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx, idx / 2,
-                            idx % 2 ? "channel mixer" : "token mixer");
+        /* under context parallelism the ranks agree after every sublayer, so a
+         * failing rank leaves none waiting in the next token mixer */
+        lm_status ss = sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0);
+        int64_t bad = -1;
+        if (!ss) ss = op->find_nonfinite(be, m->y, (size_t)N * d, &bad);
+        if (!ss && bad >= 0)
+            ss = lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx, idx / 2,
+                          idx % 2 ? "channel mixer" : "token mixer");
+        TRY(cp_agree(m, ss, LM_ERR_NUMERIC, "a failed sublayer"));
         charge(m, sublayer_part(ls, idx), &t0);
         TRY(op->attnres_add_output(be, m->ar, idx, m->y));
         charge(m, LM_TIME_ATTNRES, &t0);
@@ -1139,11 +1177,12 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     m->have_targets = 0;
-    if (targets)
-        for (int64_t i = 0; i < N; i++)
-            if (targets[i] < 0 || targets[i] >= V)
-                return lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)",
-                                targets[i], (long long)i, V);
+    lm_status vs = LM_OK;
+    for (int64_t i = 0; targets && i < N && !vs; i++)
+        if (targets[i] < 0 || targets[i] >= V)
+            vs = lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
+                          (long long)i, V);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a target outside the vocabulary"));
     TRY(run_layers_forward(m, tokens, training));
     if (!targets) return LM_OK;
     TRY(m->be->upload(m->be, m->targets, targets, (size_t)N * sizeof(int32_t)));
@@ -1265,7 +1304,13 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         if (idx % 2 == 0) {
             /* the recomputed output goes to y, unused in the backward */
             if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
-            if (ls->mixer == LM_MIXER_KDA)
+            if (m->cp_comm && ls->mixer == LM_MIXER_KDA)
+                TRY(lm_kda_layer_cp_backward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_G, xn, ls->cp_acts, m->dy,
+                                             m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
+            else if (m->cp_comm)
+                TRY(lm_mla_cp_backward(m->cp_comm, &ls->mla_cfg, &ls->mla_P, xn, ls->cp_acts, m->dy, m->B, m->cp_t0,
+                                       m->T, m->dxn, &ls->mla_G, m->cp_scratch));
+            else if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
                                              m->dy, m->B, m->T, m->dxn, m->scratch));
             else
@@ -1304,9 +1349,10 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
 lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backward(m, NULL, loss_scale); }
 
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
-    if (!dlogp) return lm_error(LM_ERR_ARG, "dlogp is NULL");
-    for (int64_t i = 0; i < m->N; i++)
-        if (!isfinite(dlogp[i])) return lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    lm_status vs = dlogp ? LM_OK : lm_error(LM_ERR_ARG, "dlogp is NULL");
+    for (int64_t i = 0; !vs && i < m->N; i++)
+        if (!isfinite(dlogp[i])) vs = lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a bad dlogp"));
     return model_backward(m, dlogp, 1.0f);
 }
 
@@ -1326,12 +1372,14 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
 lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax) {
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
+    lm_status vs = LM_OK;
     if (!tokens || !targets || !nll || !argmax)
-        return lm_error(LM_ERR_ARG, "lm_model_score: tokens, targets, nll and argmax must not be NULL");
-    for (int64_t i = 0; i < N; i++)
+        vs = lm_error(LM_ERR_ARG, "lm_model_score: tokens, targets, nll and argmax must not be NULL");
+    for (int64_t i = 0; !vs && i < N; i++)
         if (targets[i] < 0 || targets[i] >= V)
-            return lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
-                            (long long)i, V);
+            vs = lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
+                          (long long)i, V);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a bad argument of lm_model_score"));
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0; /* nothing here for a backward */
     lm_backend *be = m->be;
@@ -1449,6 +1497,8 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
+    if (m->cp_comm)
+        return lm_error(LM_ERR_ARG, "expert parallelism together with context parallelism is not supported yet");
     if (m->chunk < m->N)
         return lm_error(LM_ERR_ARG, "expert parallelism runs the MoE on the whole micro-batch: set "
                                     "train.recompute_chunk to 0 (or at least the micro-batch's %lld tokens)",
@@ -1473,5 +1523,84 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
         ls->moe_Gep.gate += wo, ls->moe_Gep.up += wo, ls->moe_Gep.down += wo;
     }
     m->ep_comm = comm;
+    return LM_OK;
+}
+
+lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
+    if (!comm) return lm_error(LM_ERR_ARG, "context parallelism needs a communicator");
+    if (m->cp_comm) return lm_error(LM_ERR_ARG, "context parallelism is already set on this model");
+    /* every rank's verdict on its own model first, so none waits in the exchange below */
+    lm_status vs = LM_OK;
+    if (m->dry) vs = lm_error(LM_ERR_ARG, "context parallelism: a plan (lm_model_plan) has no memory to run on");
+    else if (m->be->device != LM_DEVICE_CPU || m->sep)
+        vs = lm_error(LM_ERR_ARG, "context parallelism runs on the CPU (the device engine is not written yet)");
+    else if (m->ep_comm)
+        vs = lm_error(LM_ERR_ARG, "context parallelism together with expert parallelism is not supported yet");
+    int32_t mine[2] = {m->B, m->T}, *all = malloc(2 * (size_t)lm_comm_size(comm) * sizeof(int32_t));
+    if (!all) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
+    m->cp_comm = comm; /* for the agreement */
+    lm_status st = cp_agree(m, vs, LM_ERR_ARG, "a model unfit for context parallelism");
+    if (!st) st = lm_comm_all_gather(comm, mine, all, sizeof mine);
+    m->cp_comm = NULL;
+    const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
+    int64_t t0 = 0;
+    for (int r = 0; !st && r < R; r++) {
+        if (all[2 * r] != m->B)
+            st = lm_error(LM_ERR_ARG, "context parallelism: rank %d has %d rows, rank %d has %d (every rank holds "
+                          "a segment of the same rows)", r, all[2 * r], me, m->B);
+        if (r < me) t0 += all[2 * r + 1];
+    }
+    free(all);
+    TRY(st);
+    if (t0 + m->T > (1 << 26)) return lm_error(LM_ERR_ARG, "context parallelism: the sequence is too long");
+    /* the mixers' activations for the segment (the attention's for its prefix)
+     * and one backward scratch; with recompute one set per mixer kind */
+    const int B = m->B, T = m->T;
+    size_t total = 0, scratch = 0, kda_once = 0, mla_once = 0;
+    size_t *need = calloc((size_t)m->cfg.n_layers, sizeof *need);
+    if (!need) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        size_t a, s;
+        if (ls->mixer == LM_MIXER_KDA) {
+            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
+            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
+            if (m->cfg.recompute && kda_once++) a = 0;
+        } else {
+            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, (int)t0, T);
+            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, (int)t0, T);
+            if (m->cfg.recompute && mla_once++) a = 0;
+        }
+        if (!s) {
+            free(need);
+            return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
+        }
+        need[l] = PAD16(a);
+        total += need[l];
+        scratch = s > scratch ? s : scratch;
+    }
+    float *block = malloc((total + scratch + 1) * sizeof(float));
+    if (!block) {
+        free(need);
+        return lm_error(LM_ERR_MEMORY, "out of memory for %zu floats of context-parallel activations", total + scratch);
+    }
+    size_t off = 0;
+    layer_state *first_kda = NULL, *first_mla = NULL;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        layer_state **first = ls->mixer == LM_MIXER_KDA ? &first_kda : &first_mla;
+        if (m->cfg.recompute && *first) {
+            ls->cp_acts = (*first)->cp_acts;
+            continue;
+        }
+        ls->cp_acts = block + off;
+        off += need[l];
+        *first = ls;
+    }
+    free(need);
+    m->cp_block = block;
+    m->cp_scratch = block + total;
+    m->cp_t0 = (int)t0;
+    m->cp_comm = comm;
     return LM_OK;
 }

@@ -42,6 +42,9 @@ typedef struct {
     lm_moe_ep *moe_ep;
     lm_moe_params moe_Pep, moe_Gep;
     int moe_ep_fwd;
+    /* context parallelism (lm_model_set_context_parallel): the token mixer's
+     * activations for the rank's segment (one set per mixer kind with recompute) */
+    float *cp_acts;
 } layer_state;
 
 struct lm_model {
@@ -87,6 +90,11 @@ struct lm_model {
     struct lm_comm *ep_comm; /* expert parallelism over these ranks (NULL: off) */
     int ep_next;     /* the forward's first sublayer whose EP agreement this rank has not joined */
     int ep_together; /* the forward failed at an agreement: every rank knows */
+    /* context parallelism: this rank holds tokens [cp_t0, cp_t0 + T) of every
+     * row; the token mixers' activations and backward scratch for the segment */
+    struct lm_comm *cp_comm;
+    int cp_t0;
+    float *cp_block, *cp_scratch;
     /* the memory plan: every backend buffer by name (lm_model_buffer_at) */
     lm_model_buffer *buffers;
     int n_buffers, cap_buffers;
