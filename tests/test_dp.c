@@ -21,54 +21,12 @@
 #include "longmoe/safetensors.h"
 #include "longmoe/train.h"
 #include "test.h"
+#include "test_models.h"
 
 static lm_comm *comm;
 static int R = 1, me = 0;
 static char root[256];
 
-/* Four layers (KDA, MLA, KDA, MLA), a dense FFN then MoE layers of 8 experts
- * top-2 with a shared expert and quantile balancing, Block AttnRes; 4
- * sequences of 32 tokens a micro-batch, 2 micro-batches a step (so 2 or 4
- * ranks take 2 or 1 sequences each). */
-static lm_config dp_config(lm_qb_estimator estimator) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.vocab_size = 256;
-    c.d_model = 32;
-    c.n_layers = 4;
-    strcpy(c.layout, "kmkm");
-    c.first_k_dense = 1;
-    c.dense_ffn = 64;
-    c.kda_heads = 2;
-    c.kda_head_dim = 16;
-    c.kda_chunk = 16;
-    c.attn_heads = 2;
-    c.q_lora_rank = 16;
-    c.kv_lora_rank = 16;
-    c.qk_head_dim = 16;
-    c.v_head_dim = 16;
-    c.n_routed_experts = 8;
-    c.top_k = 2;
-    c.n_shared_experts = 1;
-    c.expert_ffn = 16;
-    c.shared_ffn = 32;
-    c.balance = LM_BALANCE_QUANTILE;
-    c.balance_estimator = estimator;
-    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
-    c.attnres_block = 4;
-    c.seq_len = 32;
-    c.batch_size = 4;
-    c.grad_accum = 2;
-    c.steps = 20;
-    c.lr = 0.03f;
-    c.adam_lr = 0.005f;
-    c.eval_every = 10;
-    c.ckpt_every = 5;
-    c.keep_checkpoints = 10;
-    c.log_every = 1000;
-    c.qk_clip_tau = 4.0f; /* QK-Clip acts in these steps (largest logits 3 to 5) */
-    return c;
-}
 
 static const char *dir(const char *name) {
     static char buf[8][512];
@@ -206,7 +164,7 @@ static int same_on_every_rank(uint64_t v) {
 /* ---- alone ---- */
 
 static void test_evaluating_shares_and_adding_the_tallies_equals_the_whole_batch(void) {
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_model *whole = NULL, *half = NULL;
     CHECK(!lm_model_create(&c, 4, c.seq_len, &whole) && !lm_model_create(&c, 2, c.seq_len, &half), "%s",
           lm_last_error());
@@ -296,12 +254,12 @@ static lm_train_result dp_result, zoom_result;
 static int runs_ok;
 
 static void make_runs(void) {
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_status s = train(&c, "dp", 1, 0, 0, &dp_result);
     CHECK(!s, "dp: %s", lm_last_error());
     lm_train_result r;
     if (me == 0) CHECK(!train(&c, "one", 0, 0, 0, &r), "one: %s", lm_last_error());
-    lm_config z = dp_config(LM_QB_ZOOM);
+    lm_config z = test_dp_config(LM_QB_ZOOM);
     CHECK(!train(&z, "dp-zoom", 1, 0, 0, &zoom_result), "dp-zoom: %s", lm_last_error());
     int32_t bad = test_current_failures, any = 0;
     lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
@@ -359,7 +317,7 @@ static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
 
 static void test_resume_on_the_same_ranks_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
     CHECK(!train(&c, "dp-resumed", 1, 0, 8, &r) && r.step == 8, "first half: %s", lm_last_error());
     CHECK(!train(&c, "dp-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
@@ -377,7 +335,7 @@ static void test_resume_on_the_same_ranks_is_bit_exact(void) {
 
 static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
     if (!runs_ok) SKIP("the runs failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
     CHECK(!train(&c, "dp-then-one", 1, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
     if (me != 0) return;
@@ -394,7 +352,7 @@ static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
  * process with the same NaN does; the runs then continue alike. */
 static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     if (!runs_ok) SKIP("the runs failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.eval_every = 0;
     c.ckpt_every = 0;
     lm_train_options o = lm_train_options_default(dir("dp-fault"));
@@ -435,7 +393,7 @@ static int ep_ok;
  * ranks: equal to both to float rounding. */
 static void test_expert_parallel_equals_data_parallel_and_one_process(void) {
     if (!runs_ok) SKIP("the runs failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     CHECK(!train_ep(&c, "ep", 1, 0, 0, &ep_result), "ep: %s", lm_last_error());
     int32_t bad = test_current_failures, any = 0;
     lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
@@ -481,7 +439,7 @@ static void test_expert_parallel_ranks_hold_the_same_state_and_bias(void) {
  * one process (without EP) within rounding of the uninterrupted runs. */
 static void test_expert_parallel_checkpoint_resumes_with_and_without_it(void) {
     if (!ep_ok) SKIP("the expert-parallel run failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
     CHECK(!train_ep(&c, "ep-resumed", 1, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
     CHECK(!train_ep(&c, "ep-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
@@ -500,7 +458,7 @@ static void test_expert_parallel_checkpoint_resumes_with_and_without_it(void) {
  * the exchange, skip the step together and go on as one process does. */
 static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     if (!ep_ok) SKIP("the expert-parallel run failed");
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.eval_every = 0;
     c.ckpt_every = 0;
     lm_train_options o = lm_train_options_default(dir("ep-fault"));
@@ -523,7 +481,7 @@ static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_ra
 }
 
 static void test_expert_parallel_refuses_experts_it_cannot_split(void) {
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.n_routed_experts = 5; /* divisible by neither 2 nor 4 */
     lm_train_result r;
     lm_status s = train_ep(&c, "ep-indivisible", 1, 0, 0, &r);
@@ -539,16 +497,16 @@ static void test_expert_parallel_refuses_experts_it_cannot_split(void) {
 }
 
 static void test_what_the_ranks_cannot_share_is_refused(void) {
-    lm_config c = dp_config(LM_QB_HISTOGRAM);
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.batch_size = R + 1;
     lm_train_result r;
     lm_status s = train(&c, "indivisible", 1, 0, 0, &r);
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "divisible"), "status %d: %s", (int)s, lm_last_error());
-    c = dp_config(LM_QB_EXACT);
+    c = test_dp_config(LM_QB_EXACT);
     s = train(&c, "exact", 1, 0, 0, &r);
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "exact"), "status %d: %s", (int)s, lm_last_error());
     /* GPU data parallelism runs over the NCCL engine, not MPI: refused before a device is opened */
-    c = dp_config(LM_QB_HISTOGRAM);
+    c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_options o = lm_train_options_default(dir("on-gpu"));
     o.progress = NULL;
     o.comm = comm;

@@ -97,4 +97,49 @@ static inline lm_config test_reduced_k3_mini_config(void) {
     return c;
 }
 
+/* Four layers (KDA, MLA, KDA, MLA), a dense FFN then MoE layers of 8 experts
+ * top-2 with a shared expert and quantile balancing, Block AttnRes; 4
+ * sequences of 32 tokens a micro-batch, 2 micro-batches a step (so 2 or 4
+ * ranks take 2 or 1 sequences each); QK-Clip acting. The data-parallel tests
+ * (tests/test_dp.c, tests/test_zero.c) train it. */
+static inline lm_config test_dp_config(lm_qb_estimator estimator) {
+    lm_config c;
+    lm_config_defaults(&c);
+    c.vocab_size = 256;
+    c.d_model = 32;
+    c.n_layers = 4;
+    strcpy(c.layout, "kmkm");
+    c.first_k_dense = 1;
+    c.dense_ffn = 64;
+    c.kda_heads = 2;
+    c.kda_head_dim = 16;
+    c.kda_chunk = 16;
+    c.attn_heads = 2;
+    c.q_lora_rank = 16;
+    c.kv_lora_rank = 16;
+    c.qk_head_dim = 16;
+    c.v_head_dim = 16;
+    c.n_routed_experts = 8;
+    c.top_k = 2;
+    c.n_shared_experts = 1;
+    c.expert_ffn = 16;
+    c.shared_ffn = 32;
+    c.balance = LM_BALANCE_QUANTILE;
+    c.balance_estimator = estimator;
+    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
+    c.attnres_block = 4;
+    c.seq_len = 32;
+    c.batch_size = 4;
+    c.grad_accum = 2;
+    c.steps = 20;
+    c.lr = 0.03f;
+    c.adam_lr = 0.005f;
+    c.eval_every = 10;
+    c.ckpt_every = 5;
+    c.keep_checkpoints = 10;
+    c.log_every = 1000;
+    c.qk_clip_tau = 4.0f; /* QK-Clip acts in these steps (largest logits 3 to 5) */
+    return c;
+}
+
 #endif

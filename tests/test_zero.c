@@ -22,52 +22,17 @@
 #include "longmoe/safetensors.h"
 #include "longmoe/train.h"
 #include "test.h"
+#include "test_models.h"
 
 static lm_comm *comm;
 static int R = 1, me = 0;
 static char root[256];
 
-/* test_dp.c's model: KDA and gated MLA layers, MoE of 8 experts with
- * quantile balancing (histogram estimator), Block AttnRes, QK-Clip acting;
- * 4 sequences a micro-batch, 2 micro-batches a step. */
+/* test_dp.c's model (test_models.h) with gradient clipping acting (norms 1.0
+ * to 1.4): the scale takes the global norm across ranks. */
 static lm_config zero_config(void) {
-    lm_config c;
-    lm_config_defaults(&c);
-    c.vocab_size = 256;
-    c.d_model = 32;
-    c.n_layers = 4;
-    strcpy(c.layout, "kmkm");
-    c.first_k_dense = 1;
-    c.dense_ffn = 64;
-    c.kda_heads = 2;
-    c.kda_head_dim = 16;
-    c.kda_chunk = 16;
-    c.attn_heads = 2;
-    c.q_lora_rank = 16;
-    c.kv_lora_rank = 16;
-    c.qk_head_dim = 16;
-    c.v_head_dim = 16;
-    c.n_routed_experts = 8;
-    c.top_k = 2;
-    c.n_shared_experts = 1;
-    c.expert_ffn = 16;
-    c.shared_ffn = 32;
-    c.balance = LM_BALANCE_QUANTILE;
-    c.balance_estimator = LM_QB_HISTOGRAM;
-    c.residual = LM_RESIDUAL_BLOCK_ATTNRES;
-    c.attnres_block = 4;
-    c.seq_len = 32;
-    c.batch_size = 4;
-    c.grad_accum = 2;
-    c.steps = 20;
-    c.lr = 0.03f;
-    c.adam_lr = 0.005f;
-    c.grad_clip = 1.0f; /* clipping acts (norms 1.0 to 1.4): the scale takes the global norm across ranks */
-    c.eval_every = 10;
-    c.ckpt_every = 5;
-    c.keep_checkpoints = 10;
-    c.log_every = 1000;
-    c.qk_clip_tau = 4.0f;
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.grad_clip = 1.0f;
     return c;
 }
 
