@@ -122,15 +122,20 @@ static lm_status check_int(int64_t v, const char *what) {
     return LM_OK;
 }
 
-lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g) {
-    if (g->M <= 0 || g->N <= 0) return LM_OK;
-    if ((g->c == NULL) == (g->cb == NULL)) return lm_error(LM_ERR_ARG, "moe cublas: exactly one of c, cb");
+/* the sizes and leading dimensions cuBLAS takes as int */
+static lm_status check_dims(const lm_gemm_bf16_args *g) {
     TRY(check_int(g->M, "M"));
     TRY(check_int(g->N, "N"));
     TRY(check_int(g->K, "K"));
     TRY(check_int(g->lda, "lda"));
     TRY(check_int(g->ldb, "ldb"));
-    TRY(check_int(g->ldc, "ldc"));
+    return check_int(g->ldc, "ldc");
+}
+
+lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g) {
+    if (g->M <= 0 || g->N <= 0) return LM_OK;
+    if ((g->c == NULL) == (g->cb == NULL)) return lm_error(LM_ERR_ARG, "moe cublas: exactly one of c, cb");
+    TRY(check_dims(g));
     cublasOperation_t op_b, op_a;
     ops_of(g->layout, &op_b, &op_a);
     float alpha = 1.0f, beta = g->accumulate ? 1.0f : 0.0f;
@@ -324,6 +329,16 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
     const bool via_tmp = weight && g->c && dw_tmp;
     if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP && kind != LM_MOE_GEMM_BATCHED)
         return lm_error(LM_ERR_ARG, "moe cublas: gemm kind %d", kind);
+    if (kind == LM_MOE_GEMM_BATCHED) {
+        /* fp32 C is fine here; the alignment is that of the fp32 or bf16 C itself */
+        const int64_t cb = g->c ? 4 : 2;
+        const uintptr_t base = (uintptr_t)g->a | (uintptr_t)g->b | (uintptr_t)(g->c ? (void *)g->c : (void *)g->cb);
+        const bool ok = base % 16 == 0 && (g->lda * 2) % 16 == 0 && (g->ldb * 2) % 16 == 0 &&
+                        (g->ldc * cb) % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
+                        (!weight || (g->c_group_stride * cb) % 16 == 0);
+        TRY(check_dims(g));
+        return ok ? batched(ctx, g, acts) : grouped_loop(ctx, g, acts, true);
+    }
     /* The grouped call cannot see the alignment of the pointers it reads from
      * device memory; they are kept 16-byte aligned: the bases and the per-expert
      * strides (row starts are multiples of 128 rows, so those always are).
@@ -333,29 +348,9 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
                             (uintptr_t)(via_tmp ? (void *)dw_tmp : g->c ? (void *)g->c : (void *)g->cb);
     const bool aligned = bases % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
                          (!weight || (via_tmp ? g->M * g->N * 2 : g->c_group_stride * cbytes) % 16 == 0);
-    if (kind == LM_MOE_GEMM_BATCHED) {
-        /* fp32 C is fine here; the alignment is that of the fp32 or bf16 C itself */
-        const int64_t cb = g->c ? 4 : 2;
-        const uintptr_t base = (uintptr_t)g->a | (uintptr_t)g->b | (uintptr_t)(g->c ? (void *)g->c : (void *)g->cb);
-        const bool ok = base % 16 == 0 && (g->lda * 2) % 16 == 0 && (g->ldb * 2) % 16 == 0 &&
-                        (g->ldc * cb) % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
-                        (!weight || (g->c_group_stride * cb) % 16 == 0);
-        TRY(check_int(g->M, "M"));
-        TRY(check_int(g->N, "N"));
-        TRY(check_int(g->K, "K"));
-        TRY(check_int(g->lda, "lda"));
-        TRY(check_int(g->ldb, "ldb"));
-        TRY(check_int(g->ldc, "ldc"));
-        return ok ? batched(ctx, g, acts) : grouped_loop(ctx, g, acts, true);
-    }
     if (kind == LM_MOE_GEMM_LOOP || (g->c && !via_tmp) || !aligned) return grouped_loop(ctx, g, acts, false);
 
-    TRY(check_int(g->M, "M"));
-    TRY(check_int(g->N, "N"));
-    TRY(check_int(g->K, "K"));
-    TRY(check_int(g->lda, "lda"));
-    TRY(check_int(g->ldb, "ldb"));
-    TRY(check_int(g->ldc, "ldc"));
+    TRY(check_dims(g));
     /* host arrays, one entry a group (cuBLAS reads them during the call) */
     cublasOperation_t ta[LM_MOE_MAX_EXPERTS], tb[LM_MOE_MAX_EXPERTS];
     int mm[LM_MOE_MAX_EXPERTS], nn[LM_MOE_MAX_EXPERTS], kk[LM_MOE_MAX_EXPERTS];
