@@ -1,6 +1,17 @@
-/* Causal flash attention on Hopper (sm_90a): the GPU mirror of the CPU
- * operator in attention.h (same shapes, GQA rule, scale and causal mask;
- * docs/cuda.md, "Attention on the GPU").
+/* Causal attention on Hopper (sm_90a): the GPU mirror of the CPU operator in
+ * attention.h (same shapes, GQA rule, scale and causal mask; docs/cuda.md,
+ * "Attention on the GPU"). Two implementations ("kinds") sit behind one API:
+ *
+ *   flash       our mma.sync flash kernels (src/cuda/attention/attention_*.cu);
+ *   cudnn       cuDNN's fused attention through cudnn-frontend (built when
+ *               cuDNN and the frontend headers are found: LONGMOE_HAVE_CUDNN),
+ *               deterministic backward;
+ *   cudnn-fast  the same forward with cuDNN's faster, NON-deterministic
+ *               backward (dq accumulated by atomics): runs are then no longer
+ *               bit-identical. Opt-in only (LONGMOE_ATTENTION_BWD=cudnn-fast).
+ *
+ * lm_cuda_attention_forward / _backward pick one per call (LONGMOE_ATTENTION,
+ * below); the _kind variants run the one named.
  *
  * Device pointers only. Shapes (row-major):
  *   q    [B,T,H,Dk]    bf16      k   [B,T,Hkv,Dk]  bf16     v [B,T,Hkv,Dv] bf16
@@ -11,9 +22,12 @@
  * statistics (running max, running sum, lse, D_i) stay in fp32. Every
  * bf16 tensor must start on a 16-byte boundary (cudaMalloc gives 256).
  *
- * Both calls only enqueue kernels on ctx's stream (no synchronisation, no
- * allocation). Results are bit-identical from run to run on the same GPU:
- * no float atomics; every sum runs in a fixed order. */
+ * The calls only enqueue work on ctx's stream (no synchronisation, no
+ * allocation), except the first cuDNN call of a shape, which builds and caches
+ * cuDNN's plan and may grow the cuDNN forward scratch (see
+ * lm_cuda_attention_cudnn_scratch_bytes). Results of the flash and cudnn kinds
+ * are bit-identical from run to run on the same GPU; the flash kernels use no
+ * float atomics and sum in a fixed order. */
 #ifndef LONGMOE_ATTENTION_CUDA_H
 #define LONGMOE_ATTENTION_CUDA_H
 
@@ -37,8 +51,12 @@ lm_status lm_cuda_attention_forward(const lm_cuda_context *ctx, const lm_attenti
                                     const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                     uint16_t *o, float *lse, float *head_max_logit);
 
-/* Bytes of device workspace the backward needs: B*H*T floats (D_i =
- * rowsum(dO * O)), rounded up to 256. Never a T x T matrix. */
+/* Bytes of device workspace the backward needs, for the kind it will run
+ * (LONGMOE_ATTENTION): flash, B*H*T floats (D_i = rowsum(dO * O)) rounded up
+ * to 256, never a T x T matrix; cudnn, cuDNN's workspace (its deterministic
+ * backward keeps a dP buffer of about B*H*T*T*2 bytes on Hopper, hence
+ * LONGMOE_CUDNN_WORKSPACE_MB). With less than that the backward runs the
+ * flash kernels when their workspace fits. */
 size_t lm_cuda_attention_backward_workspace_bytes(const lm_attention_config *cfg);
 
 /* Backward given d_o [B,T,H,Dv] (bf16) and the forward's o and lse. WRITES
@@ -51,6 +69,76 @@ lm_status lm_cuda_attention_backward(const lm_cuda_context *ctx, const lm_attent
                                      const uint16_t *o, const uint16_t *d_o, const float *lse,
                                      uint16_t *dq, uint16_t *dk, uint16_t *dv, void *workspace,
                                      size_t workspace_bytes);
+
+/* ---- offsets: queries of a later part of the sequences ----
+ * The CPU meaning of lm_attention_forward_offset (attention.h): the T queries
+ * sit at positions q_offset .. q_offset+T-1 of sequences whose keys and values
+ * are positions 0 .. q_offset+T-1, so k is [B,q_offset+T,Hkv,Dk] and v
+ * [B,q_offset+T,Hkv,Dv]; query i attends keys j <= q_offset + i. q, o, d_o,
+ * dq and lse have the T queries' shapes, dk and dv (written, covering all
+ * q_offset+T key rows) the keys'. q_offset 0 is the calls above, bit for bit. */
+lm_status lm_cuda_attention_forward_offset(const lm_cuda_context *ctx, const lm_attention_config *cfg, int q_offset,
+                                           const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *o,
+                                           float *lse, float *head_max_logit);
+size_t lm_cuda_attention_backward_workspace_bytes_offset(const lm_attention_config *cfg, int q_offset);
+lm_status lm_cuda_attention_backward_offset(const lm_cuda_context *ctx, const lm_attention_config *cfg, int q_offset,
+                                            const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                            const uint16_t *o, const uint16_t *d_o, const float *lse, uint16_t *dq,
+                                            uint16_t *dk, uint16_t *dv, void *workspace, size_t workspace_bytes);
+
+/* ---- implementations ----
+ * Selection (read at every call):
+ *   LONGMOE_ATTENTION=auto|cudnn|flash (default auto) picks the forward and
+ *     the backward; auto takes cuDNN when it is built and supports the shape
+ *     (its forward), and for the backward also when the deterministic
+ *     backward's cuDNN workspace is at most LONGMOE_CUDNN_WORKSPACE_MB MiB
+ *     (default 4096); otherwise the flash kernels.
+ *   LONGMOE_ATTENTION_BWD=auto|cudnn|cudnn-fast|flash (default: as
+ *     LONGMOE_ATTENTION) overrides the backward's choice; cudnn-fast is the
+ *     non-deterministic cuDNN backward.
+ * An unknown value is an error (LM_ERR_ARG) naming the variable. Forward and
+ * backward kinds may differ: both share the lse contract. */
+typedef enum {
+    LM_ATTENTION_AUTO = 0,
+    LM_ATTENTION_FLASH = 1,
+    LM_ATTENTION_CUDNN = 2,      /* deterministic backward */
+    LM_ATTENTION_CUDNN_FAST = 3  /* non-deterministic backward; forward as LM_ATTENTION_CUDNN */
+} lm_attention_kind;
+
+/* "auto", "flash", "cudnn", "cudnn-fast" */
+const char *lm_attention_kind_name(lm_attention_kind kind);
+/* 1 when the cuDNN kinds are built into this library (LONGMOE_HAVE_CUDNN). */
+int lm_cuda_attention_cudnn_built(void);
+/* The kind LONGMOE_ATTENTION / LONGMOE_ATTENTION_BWD ask for (backward != 0:
+ * the backward's), not yet resolved against the shape. */
+lm_status lm_cuda_attention_env_kind(int backward, lm_attention_kind *kind);
+/* What the plain calls run for this shape (never AUTO). Builds and caches the
+ * cuDNN plans it needs (current device). */
+lm_status lm_cuda_attention_resolve(const lm_attention_config *cfg, int q_offset, int backward,
+                                    lm_attention_kind *kind);
+/* 1 when `kind` (not AUTO) can run this shape on the current device; 0 with
+ * the reason in lm_last_error() otherwise. For the backward a cuDNN kind needs
+ * no workspace limit here (the limit is auto's). */
+int lm_cuda_attention_kind_supported(const lm_attention_config *cfg, int q_offset, lm_attention_kind kind,
+                                     int backward);
+
+lm_status lm_cuda_attention_forward_kind(const lm_cuda_context *ctx, const lm_attention_config *cfg,
+                                         lm_attention_kind kind, int q_offset, const uint16_t *q, const uint16_t *k,
+                                         const uint16_t *v, uint16_t *o, float *lse, float *head_max_logit);
+/* Backward workspace of `kind` (AUTO: the env's choice). 0 when the kind
+ * cannot run the shape. */
+size_t lm_cuda_attention_backward_workspace_bytes_kind(const lm_attention_config *cfg, lm_attention_kind kind,
+                                                       int q_offset);
+lm_status lm_cuda_attention_backward_kind(const lm_cuda_context *ctx, const lm_attention_config *cfg,
+                                          lm_attention_kind kind, int q_offset, const uint16_t *q,
+                                          const uint16_t *k, const uint16_t *v, const uint16_t *o,
+                                          const uint16_t *d_o, const float *lse, uint16_t *dq, uint16_t *dk,
+                                          uint16_t *dv, void *workspace, size_t workspace_bytes);
+
+/* Device memory the cuDNN forward holds outside the caller's buffers on the
+ * current device: its Max/Sum_exp rows and cuDNN's forward workspace, grown
+ * once to the largest shape seen and then kept (0 before any cuDNN call). */
+size_t lm_cuda_attention_cudnn_scratch_bytes(void);
 
 #ifdef __cplusplus
 }

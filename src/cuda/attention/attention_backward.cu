@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(DKV_WARPS * 32)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H, Hkv = p.Hkv, group = p.group;
+    const int T = p.T, H = p.H, Hkv = p.Hkv, group = p.group, Tk = p.Tk, qoff = p.qoff;
     const int bkv = blockIdx.x, b = bkv / Hkv, hk = bkv % Hkv;
     const int k0 = (gridDim.y - 1 - blockIdx.y) * BC;  // the longest walks first
     const int kw0 = k0 + warp * WARP_ROWS;               // this warp's first key
@@ -67,11 +67,12 @@ __global__ void __launch_bounds__(DKV_WARPS * 32)
 
     const long long q_stride = (long long)H * DK, o_stride = (long long)H * DV;
     const long long k_stride = (long long)Hkv * DK, v_stride = (long long)Hkv * DV;
-    load_rows_async<DK>(sK, p.k + ((long long)b * T * Hkv + hk) * DK, k_stride, k0, BC, T, tid, NT);
-    load_rows_async<DV>(sV, p.v + ((long long)b * T * Hkv + hk) * DV, v_stride, k0, BC, T, tid, NT);
+    load_rows_async<DK>(sK, p.k + ((long long)b * Tk * Hkv + hk) * DK, k_stride, k0, BC, Tk, tid, NT);
+    load_rows_async<DV>(sV, p.v + ((long long)b * Tk * Hkv + hk) * DV, v_stride, k0, BC, Tk, tid, NT);
 
     const int nq = (T + BR - 1) / BR;
-    const int qt_first = k0 / BR;            // the first query tile reaching key k0
+    // the first query tile reaching key k0 (query t sees keys <= qoff + t)
+    const int qt_first = (k0 > qoff ? k0 - qoff : 0) / BR;
     const int per_head = nq - qt_first;
     const int iters = group * per_head;      // (query head of the group, query tile)
 
@@ -114,8 +115,8 @@ __global__ void __launch_bounds__(DKV_WARPS * 32)
         __syncthreads();
         const uint16_t *tQ = sQ + buf * BR * LDK, *tO = sO + buf * BR * LDV;
         const float *tL = sL + buf * BR, *tD = sD + buf * BR;
-        // a warp whose keys all lie right of this tile's rows (or past T) has nothing here
-        if (kw0 <= q0 + BR - 1 && kw0 < T) {
+        // a warp whose keys all lie right of this tile's rows (or past Tk) has nothing here
+        if (kw0 <= qoff + q0 + BR - 1 && kw0 < Tk) {
             // S^T = K Q^T and dP^T = V dO^T: 16 keys x BR queries
             float s[BR / 8][4], dp[BR / 8][4];
 #pragma unroll
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(DKV_WARPS * 32)
                     const int col = j * 8 + 2 * c + (e & 1);
                     const int query = q0 + col;
                     const int key = e < 2 ? key_lo : key_hi;
-                    const float pr = (query >= key && query < T) ? exp2f(s[j][e] * sl2 - tL[col]) : 0.f;
+                    const float pr = (qoff + query >= key && query < T) ? exp2f(s[j][e] * sl2 - tL[col]) : 0.f;
                     s[j][e] = pr;
                     dp[j][e] = pr * (dp[j][e] - tD[col]);
                 }
@@ -195,21 +196,21 @@ __global__ void __launch_bounds__(DKV_WARPS * 32)
 #pragma unroll
     for (int j = 0; j < DK / 8; j++) {
         const int col = j * 8 + 2 * c;
-        if (key_lo < T)
-            *reinterpret_cast<uint32_t *>(p.dk + (((long long)b * T + key_lo) * Hkv + hk) * DK + col) =
+        if (key_lo < Tk)
+            *reinterpret_cast<uint32_t *>(p.dk + (((long long)b * Tk + key_lo) * Hkv + hk) * DK + col) =
                 pack_bf16(dk[j][0] * scale, dk[j][1] * scale);
-        if (key_hi < T)
-            *reinterpret_cast<uint32_t *>(p.dk + (((long long)b * T + key_hi) * Hkv + hk) * DK + col) =
+        if (key_hi < Tk)
+            *reinterpret_cast<uint32_t *>(p.dk + (((long long)b * Tk + key_hi) * Hkv + hk) * DK + col) =
                 pack_bf16(dk[j][2] * scale, dk[j][3] * scale);
     }
 #pragma unroll
     for (int j = 0; j < DV / 8; j++) {
         const int col = j * 8 + 2 * c;
-        if (key_lo < T)
-            *reinterpret_cast<uint32_t *>(p.dv + (((long long)b * T + key_lo) * Hkv + hk) * DV + col) =
+        if (key_lo < Tk)
+            *reinterpret_cast<uint32_t *>(p.dv + (((long long)b * Tk + key_lo) * Hkv + hk) * DV + col) =
                 pack_bf16(dv[j][0], dv[j][1]);
-        if (key_hi < T)
-            *reinterpret_cast<uint32_t *>(p.dv + (((long long)b * T + key_hi) * Hkv + hk) * DV + col) =
+        if (key_hi < Tk)
+            *reinterpret_cast<uint32_t *>(p.dv + (((long long)b * Tk + key_hi) * Hkv + hk) * DV + col) =
                 pack_bf16(dv[j][2], dv[j][3]);
     }
 }
@@ -228,19 +229,19 @@ __global__ void __launch_bounds__(DQ_WARPS * 32)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H, Hkv = p.Hkv;
+    const int T = p.T, H = p.H, Hkv = p.Hkv, Tk = p.Tk, qoff = p.qoff;
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / p.group;
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;  // the longest walks first
     const int qw0 = q0 + warp * WARP_ROWS;
     const int row_lo = qw0 + g, row_hi = qw0 + g + 8;
 
     const long long k_stride = (long long)Hkv * DK, v_stride = (long long)Hkv * DV;
-    const uint16_t *kg = p.k + ((long long)b * T * Hkv + hk) * DK;
-    const uint16_t *vg = p.v + ((long long)b * T * Hkv + hk) * DV;
+    const uint16_t *kg = p.k + ((long long)b * Tk * Hkv + hk) * DK;
+    const uint16_t *vg = p.v + ((long long)b * Tk * Hkv + hk) * DV;
     load_rows_async<DK>(sQ, p.q + ((long long)b * T * H + h) * DK, (long long)H * DK, q0, BR, T, tid, NT);
     load_rows_async<DV>(sO, p.d_o + ((long long)b * T * H + h) * DV, (long long)H * DV, q0, BR, T, tid, NT);
-    load_rows_async<DK>(sK, kg, k_stride, 0, BC, T, tid, NT);
-    load_rows_async<DV>(sV, vg, v_stride, 0, BC, T, tid, NT);
+    load_rows_async<DK>(sK, kg, k_stride, 0, BC, Tk, tid, NT);
+    load_rows_async<DV>(sV, vg, v_stride, 0, BC, Tk, tid, NT);
     cp_async_commit();
 
     // this thread's two rows: lse in base 2 and D
@@ -254,15 +255,15 @@ __global__ void __launch_bounds__(DQ_WARPS * 32)
 #pragma unroll
     for (int j = 0; j < DK / 8; j++) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
     const float sl2 = p.scale_log2;
-    const int kv_end = min(T, q0 + BR);
+    const int kv_end = min(Tk, qoff + q0 + BR);
     const int ntiles = (kv_end + BC - 1) / BC;
 
     for (int n = 0; n < ntiles; n++) {
         const int k0 = n * BC;
         if (n + 1 < ntiles) {
             const int nb = (n + 1) & 1;
-            load_rows_async<DK>(sK + nb * BC * LDK, kg, k_stride, k0 + BC, BC, T, tid, NT);
-            load_rows_async<DV>(sV + nb * BC * LDV, vg, v_stride, k0 + BC, BC, T, tid, NT);
+            load_rows_async<DK>(sK + nb * BC * LDK, kg, k_stride, k0 + BC, BC, Tk, tid, NT);
+            load_rows_async<DV>(sV + nb * BC * LDV, vg, v_stride, k0 + BC, BC, Tk, tid, NT);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(DQ_WARPS * 32)
         }
         __syncthreads();
         const uint16_t *tK = sK + (n & 1) * BC * LDK, *tV = sV + (n & 1) * BC * LDV;
-        if (k0 <= qw0 + WARP_ROWS - 1 && qw0 < T) {
+        if (k0 <= qoff + qw0 + WARP_ROWS - 1 && qw0 < T) {
             // S = Q K^T and dP = dO V^T: 16 rows x BC keys
             float s[BC / 8][4], dp[BC / 8][4];
 #pragma unroll
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(DQ_WARPS * 32)
                     mma_bf16(dp[2 * np + 1], a, bf[2], bf[3]);
                 }
             }
-            // P (zero where key > row or key >= T) and dS = P (dP - D)
+            // P (zero where key > qoff + row or key >= Tk) and dS = P (dP - D)
 #pragma unroll
             for (int j = 0; j < BC / 8; j++) {
 #pragma unroll
@@ -310,7 +311,7 @@ __global__ void __launch_bounds__(DQ_WARPS * 32)
                     const int key = k0 + j * 8 + 2 * c + (e & 1);
                     const int row = e < 2 ? row_lo : row_hi;
                     const float l2 = e < 2 ? lse_lo : lse_hi, dd = e < 2 ? d_lo : d_hi;
-                    const float pr = (key <= row && key < T) ? exp2f(s[j][e] * sl2 - l2) : 0.f;
+                    const float pr = (key <= qoff + row && key < Tk) ? exp2f(s[j][e] * sl2 - l2) : 0.f;
                     dp[j][e] = pr * (dp[j][e] - dd);
                 }
             }
@@ -376,7 +377,7 @@ cudaError_t launch_backward(const Params &p, cudaStream_t stream) {
                              cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_kv);
     if (e != cudaSuccess) return e;
     const int BC = DKV_WARPS * WARP_ROWS;
-    dim3 grid_kv((unsigned)(p.B * p.Hkv), (unsigned)((p.T + BC - 1) / BC));
+    dim3 grid_kv((unsigned)(p.B * p.Hkv), (unsigned)((p.Tk + BC - 1) / BC));
     attention_dkdv_kernel<DK, DV><<<grid_kv, DKV_WARPS * 32, smem_kv, stream>>>(p);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;

@@ -47,6 +47,8 @@ struct Params {
     float *delta;                          // [B,H,T] D_i = rowsum(dO * O) (backward)
     float *head_max;                       // [H] or NULL (forward)
     int B, T, H, Hkv, group;               // group = H / Hkv
+    int Tk;                                // key/value rows per sequence (qoff + T)
+    int qoff;                              // position of query 0 (query i sees keys <= qoff + i)
     float scale;                           // score scale
     float scale_log2;                      // scale * log2(e): scores in base 2
 };

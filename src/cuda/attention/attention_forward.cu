@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
-    const int T = p.T, H = p.H, Hkv = p.Hkv;
+    const int T = p.T, H = p.H, Hkv = p.Hkv, Tk = p.Tk, qoff = p.qoff;
     const int bh = blockIdx.x, b = bh / H, h = bh % H, hk = h / p.group;
     // the last query tiles (the most key tiles) are scheduled first
     const int q0 = (gridDim.y - 1 - blockIdx.y) * BR;
@@ -36,17 +36,17 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
     const int row_lo = qw0 + g, row_hi = qw0 + g + 8;
 
     const uint16_t *qg = p.q + ((long long)b * T * H + h) * DK;
-    const uint16_t *kg = p.k + ((long long)b * T * Hkv + hk) * DK;
-    const uint16_t *vg = p.v + ((long long)b * T * Hkv + hk) * DV;
+    const uint16_t *kg = p.k + ((long long)b * Tk * Hkv + hk) * DK;
+    const uint16_t *vg = p.v + ((long long)b * Tk * Hkv + hk) * DV;
     const long long q_stride = (long long)H * DK, k_stride = (long long)Hkv * DK,
                     v_stride = (long long)Hkv * DV;
 
-    const int kv_end = min(T, q0 + BR);  // keys this block can see
+    const int kv_end = min(Tk, qoff + q0 + BR);  // keys this block can see
     const int ntiles = (kv_end + BC - 1) / BC;
 
     load_rows_async<DK>(sQ, qg, q_stride, q0, BR, T, tid, NT);
-    load_rows_async<DK>(sK, kg, k_stride, 0, BC, T, tid, NT);
-    load_rows_async<DV>(sV, vg, v_stride, 0, BC, T, tid, NT);
+    load_rows_async<DK>(sK, kg, k_stride, 0, BC, Tk, tid, NT);
+    load_rows_async<DV>(sV, vg, v_stride, 0, BC, Tk, tid, NT);
     cp_async_commit();
 
     uint32_t qf[DK / 16][4];
@@ -61,8 +61,8 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
         const int k0 = n * BC;
         if (n + 1 < ntiles) {
             const int nb = (n + 1) & 1;
-            load_rows_async<DK>(sK + nb * BC * LDK, kg, k_stride, k0 + BC, BC, T, tid, NT);
-            load_rows_async<DV>(sV + nb * BC * LDV, vg, v_stride, k0 + BC, BC, T, tid, NT);
+            load_rows_async<DK>(sK + nb * BC * LDK, kg, k_stride, k0 + BC, BC, Tk, tid, NT);
+            load_rows_async<DV>(sV + nb * BC * LDV, vg, v_stride, k0 + BC, BC, Tk, tid, NT);
             cp_async_commit();
             cp_async_wait<1>();
         } else {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
         const uint16_t *tK = sK + (n & 1) * BC * LDK;
         const uint16_t *tV = sV + (n & 1) * BC * LDV;
         // a warp whose rows all lie left of this tile (or past T) has nothing here
-        if (k0 <= qw0 + WARP_ROWS - 1 && qw0 < T) {
+        if (k0 <= qoff + qw0 + WARP_ROWS - 1 && qw0 < T) {
             float s[BC / 8][4];
 #pragma unroll
             for (int j = 0; j < BC / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
                     mma_bf16(s[2 * np + 1], qf[kk], bf[2], bf[3]);
                 }
             }
-            // scores in base 2; the causal mask (key > row) and keys >= T
-            const bool edge = (k0 + BC - 1 > qw0) || (k0 + BC > T);
+            // scores in base 2; the causal mask (key > qoff + row) and keys >= Tk
+            const bool edge = (k0 + BC - 1 > qoff + qw0) || (k0 + BC > Tk);
             float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
             for (int j = 0; j < BC / 8; j++) {
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(FWD_WARPS * 32)
                     if (edge) {
                         const int key = k0 + j * 8 + 2 * c + (e & 1);
                         const int row = e < 2 ? row_lo : row_hi;
-                        if (key > row || key >= T) x = -INFINITY;
+                        if (key > qoff + row || key >= Tk) x = -INFINITY;
                     }
                     s[j][e] = x;
                 }
