@@ -5,6 +5,13 @@
 #
 #   bench/cuda_ops_device.sh [build] [test] [bench] [torch]   (default: all four)
 #   TESTS=regex: only those CUDA tests; BENCHES="bench_cuda_linear ...": only those
+#
+# The cuDNN attention is built when cuDNN and the cudnn-frontend headers are
+# found (docs/cuda.md): on a machine without network access bring the
+# frontend wheel in .whl/ (pip download --no-deps -d .whl
+# nvidia-cudnn-frontend==1.32.0); the build log's "cuDNN attention" line says
+# which. bench_cuda_attention times every kind (flash, cudnn, cudnn-fast) and
+# the torch step prints them side by side with torch SDPA (cuDNN and flash).
 set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
@@ -20,6 +27,7 @@ if has build; then
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
         timeout 500 cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
     rc=$?
+    grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT/build.log"
     [ $rc -ne 0 ] && { echo "build failed (rc $rc)"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
 fi
 
@@ -37,7 +45,7 @@ if has bench; then
     for b in ${BENCHES:-bench_cuda_linear bench_cuda_attention bench_cuda_moe bench_cuda_attnres bench_cuda_kda_layer}; do
         [ -x "$BUILD/$b" ] || continue
         echo "== $b"
-        timeout 200 "$BUILD/$b" --out "$OUT/$b.json" 2>&1 | tail -30
+        timeout 300 "$BUILD/$b" --out "$OUT/$b.json" 2>&1 | tail -30
     done
 fi
 
@@ -45,6 +53,6 @@ if has torch; then
     echo "== PyTorch peers"
     ours=()
     for f in "$OUT"/bench_cuda_*.json; do [ -f "$f" ] && ours+=(--ours "$f"); done
-    PYTHONUNBUFFERED=1 timeout 240 python3 bench/ops_vs_torch.py --out "$OUT/torch.json" "${ours[@]}" 2>&1 | tail -40
+    PYTHONUNBUFFERED=1 timeout 240 python3 bench/ops_vs_torch.py --out "$OUT/torch.json" "${ours[@]}" 2>&1 | tail -60
 fi
 exit $status

@@ -10,7 +10,10 @@ and shapes as bench/bench_cuda_linear.c and bench/bench_cuda_attention.c:
 
 Before timing, each peer is checked to compute what ours computes (a small
 case against a float64 reference of the same formula). With --ours FILE.json
-(the benches' --out files) the table gains our times and the ratios.
+(the benches' --out files) the output gains our times and, for the attention,
+a side-by-side table: each of our kinds (flash, cudnn, cudnn-fast from
+bench_cuda_attention) next to torch SDPA's cuDNN and flash backends, with the
+speed ratio torch_ms / ours_ms (>= 1.0: ours at least as fast).
 
   python3 bench/ops_vs_torch.py --out peers.json [--ours a.json --ours b.json]
 """
@@ -129,12 +132,65 @@ def main():
     for r in peers["sdpa"]:
         print(f"{r['name']:34s} fwd {r['fwd_ms']:8.3f} ms   fwd+bwd {r['fwdbwd_ms']:8.3f} ms "
               f"({r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f} TFLOP/s)")
+    ours_attention = []
     for path in a.ours:
         try:
             with open(path) as f:
-                print(f"ours ({path}):", json.dumps(json.load(f))[:1500])
-        except OSError as e:
-            print(f"ours: {e}", file=sys.stderr)
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"ours: {path}: {e}", file=sys.stderr)
+            continue
+        rows = doc.get("results", []) if isinstance(doc, dict) else []
+        if rows and all("kind" in r and "T" in r for r in rows):
+            ours_attention += rows
+        else:
+            print(f"ours ({path}):", json.dumps(doc)[:1500])
+    if ours_attention:
+        peers["attention_side_by_side"] = attention_side_by_side(peers["sdpa"], ours_attention)
+        with open(a.out, "w") as f:
+            json.dump(peers, f, indent=1)
+
+
+def attention_side_by_side(sdpa_rows, ours):
+    """Print and return, per shape, torch SDPA (cudnn, flash) and each of our
+    kinds with the ratios torch_ms / ours_ms (>= 1.0: ours at least as fast)."""
+    torch_by = {}
+    for r in sdpa_rows:
+        _, shape, backend = r["name"].split(" ")
+        torch_by[(shape, backend)] = r
+    out = []
+    shapes = []
+    for r in ours:
+        key = f"{r['B']},{r['T']},{r['H']},{r['D']}"
+        if key not in shapes:
+            shapes.append(key)
+    print("\nattention, causal bf16 (B,T,H,D): ms, and speed vs torch SDPA = torch_ms / ours_ms")
+    print(f"{'shape':18s} {'impl':18s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} "
+          f"{'fwd vs cuDNN':>13s} {'f+b vs cuDNN':>13s} {'fwd vs flash':>13s} {'f+b vs flash':>13s}")
+    for key in shapes:
+        tc, tf = torch_by.get((key, "cudnn")), torch_by.get((key, "flash"))
+
+        def ratio(t, field, ms):
+            return t[field] / ms if t and ms > 0 else None
+
+        def fmt(x):
+            return f"{x:13.2f}" if x is not None else f"{'-':>13s}"
+
+        for name, t in (("torch sdpa cudnn", tc), ("torch sdpa flash", tf)):
+            if t:
+                print(f"{key:18s} {name:18s} {t['fwd_ms']:9.3f} {t['fwdbwd_ms']:11.3f}")
+        for r in ours:
+            if f"{r['B']},{r['T']},{r['H']},{r['D']}" != key:
+                continue
+            fwd, fb = r["forward_ms"], r["forward_backward_ms"]
+            row = {"shape": key, "kind": r["kind"], "fwd_ms": fwd, "fwdbwd_ms": fb,
+                   "fwd_vs_torch_cudnn": ratio(tc, "fwd_ms", fwd), "fwdbwd_vs_torch_cudnn": ratio(tc, "fwdbwd_ms", fb),
+                   "fwd_vs_torch_flash": ratio(tf, "fwd_ms", fwd), "fwdbwd_vs_torch_flash": ratio(tf, "fwdbwd_ms", fb)}
+            out.append(row)
+            print(f"{key:18s} {'ours ' + r['kind']:18s} {fwd:9.3f} {fb:11.3f} "
+                  f"{fmt(row['fwd_vs_torch_cudnn'])} {fmt(row['fwdbwd_vs_torch_cudnn'])} "
+                  f"{fmt(row['fwd_vs_torch_flash'])} {fmt(row['fwdbwd_vs_torch_flash'])}")
+    return out
 
 
 if __name__ == "__main__":
