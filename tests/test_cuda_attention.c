@@ -525,14 +525,21 @@ static void test_selection_by_environment(void) {
               "cudnn-fast: backward is %s", lm_attention_kind_name(k));
         unsetenv("LONGMOE_ATTENTION_BWD");
         setenv("LONGMOE_ATTENTION", "auto", 1);
-        CHECK(lm_cuda_attention_resolve(c, 0, 0, &k) == LM_OK && k == LM_ATTENTION_CUDNN, "auto: forward is %s",
-              lm_attention_kind_name(k));
+        /* auto takes cuDNN where it runs the shape (the forward with the head max) */
+        const int fwd_ok = lm_cuda_attention_kind_supported(c, 0, LM_ATTENTION_CUDNN, 0);
+        CHECK(lm_cuda_attention_resolve(c, 0, 0, &k) == LM_OK &&
+                  k == (fwd_ok ? LM_ATTENTION_CUDNN : LM_ATTENTION_FLASH),
+              "auto: forward is %s", lm_attention_kind_name(k));
+        const int bwd_ok = lm_cuda_attention_kind_supported(c, 0, LM_ATTENTION_CUDNN, 1);
         const size_t cudnn_ws = lm_cuda_attention_backward_workspace_bytes_kind(c, LM_ATTENTION_CUDNN, 0);
-        CHECK(lm_cuda_attention_resolve(c, 0, 1, &k) == LM_OK && k == LM_ATTENTION_CUDNN, "auto: backward is %s",
-              lm_attention_kind_name(k));
-        CHECK(lm_cuda_attention_backward_workspace_bytes(c) == cudnn_ws, "auto: workspace %zu, cudnn's %zu",
-              lm_cuda_attention_backward_workspace_bytes(c), cudnn_ws);
-        if (cudnn_ws > 0) {
+        const int bwd_cudnn = bwd_ok && cudnn_ws <= ((size_t)4096 << 20);
+        CHECK(lm_cuda_attention_resolve(c, 0, 1, &k) == LM_OK &&
+                  k == (bwd_cudnn ? LM_ATTENTION_CUDNN : LM_ATTENTION_FLASH),
+              "auto: backward is %s", lm_attention_kind_name(k));
+        if (bwd_cudnn)
+            CHECK(lm_cuda_attention_backward_workspace_bytes(c) == cudnn_ws, "auto: workspace %zu, cudnn's %zu",
+                  lm_cuda_attention_backward_workspace_bytes(c), cudnn_ws);
+        if (bwd_cudnn && cudnn_ws > 0) {
             setenv("LONGMOE_CUDNN_WORKSPACE_MB", "0", 1);
             CHECK(lm_cuda_attention_resolve(c, 0, 1, &k) == LM_OK && k == LM_ATTENTION_FLASH,
                   "auto under a 0 MiB limit: backward is %s", lm_attention_kind_name(k));
