@@ -181,7 +181,7 @@ lm_status parse_kind(const char *var, const char *val, bool allow_fast, lm_atten
 }
 
 // LONGMOE_CUDNN_WORKSPACE_MB (default 4096) in bytes
-lm_status workspace_limit(size_t *bytes) {
+__attribute__((unused)) lm_status workspace_limit(size_t *bytes) {
     const char *val = getenv("LONGMOE_CUDNN_WORKSPACE_MB");
     unsigned long long mb = 4096;
     if (val && *val) {
