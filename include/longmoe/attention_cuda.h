@@ -56,7 +56,9 @@ lm_status lm_cuda_attention_forward(const lm_cuda_context *ctx, const lm_attenti
  * to 256, never a T x T matrix; cudnn, cuDNN's workspace (its deterministic
  * backward keeps a dP buffer of about B*H*T*T*2 bytes on Hopper, hence
  * LONGMOE_CUDNN_WORKSPACE_MB). With less than that the backward runs the
- * flash kernels when their workspace fits. */
+ * flash kernels when their workspace fits. 0 for a bad shape or a bad
+ * LONGMOE_ATTENTION* value (the backward then says which). With cuDNN built
+ * the first call of a shape builds cuDNN's plan on the current device. */
 size_t lm_cuda_attention_backward_workspace_bytes(const lm_attention_config *cfg);
 
 /* Backward given d_o [B,T,H,Dv] (bf16) and the forward's o and lse. WRITES
