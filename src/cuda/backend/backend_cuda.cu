@@ -363,7 +363,10 @@ static lm_status cuda_attention_backward(lm_backend *be, const lm_attention_conf
                                          const void *v, const void *o, const float *lse, const void *d_o, void *dq,
                                          void *dk, void *dv) {
     if (!c) return lm_error(LM_ERR_ARG, "attention_backward: cfg is NULL");
+    /* the bytes of the kind the backward runs: cuDNN's workspace when it is chosen
+     * (LONGMOE_ATTENTION, LONGMOE_CUDNN_WORKSPACE_MB; docs/cuda.md) */
     size_t bytes = lm_cuda_attention_backward_workspace_bytes(c);
+    if (bytes == 0) return lm_error(LM_ERR_ARG, "attention_backward: %s", lm_last_error());
     void *ws;
     lm_status st = arena_get(be, bytes, &ws);
     if (st) return st;
