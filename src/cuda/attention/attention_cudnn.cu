@@ -164,10 +164,11 @@ float scale_of(const Key &k) {
     return s;
 }
 
-// Describe, check and build the plan of e.key (g_mu held).
-void build(Entry &e, cudnnHandle_t h) {
-    const Key &k = e.key;
+// The graph of a key (tensors, the SDPA node, the outputs), not yet built.
+// sm_version > 0 names the target instead of asking the current device.
+std::shared_ptr<fe::graph::Graph> describe(const Key &k, int sm_version = 0) {
     auto g = new_graph();
+    if (sm_version > 0) g->set_sm_version(sm_version);
     auto Q = input(g, "q", U_Q, k.B, k.H, k.T, k.Dk);
     auto K = input(g, "k", U_K, k.B, k.Hkv, k.Tk, k.Dk);
     auto V = input(g, "v", U_V, k.B, k.Hkv, k.Tk, k.Dv);
@@ -209,6 +210,12 @@ void build(Entry &e, cudnnHandle_t h) {
             .set_stride(bshd(k.Hkv, k.Tk, k.Dv))
             .set_uid(U_DV);
     }
+    return g;
+}
+
+// Check and build the plan of e.key (g_mu held).
+void build(Entry &e, cudnnHandle_t h) {
+    auto g = describe(e.key);
     fe::error_t st = g->build(h, {fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK});
     int64_t ws = 0;
     if (st.is_good()) st = g->get_workspace_size(ws);
