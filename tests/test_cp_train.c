@@ -4,7 +4,7 @@
  * Alone (`test_cp_train`): what needs no second rank: the CLI's refusals of
  * --cp (without --comm mpi, with --ep) and its --help; lm_train refusing a
  * context-parallel run without a communicator; the segment evaluation of a
- * one-rank group equals the plain evaluation.
+ * one-rank group equals the plain evaluation; `longmoe plan --memory --cp N`.
  * Under mpirun (`mpirun -np N test_cp_train --mpi N`, ctest's
  * test_cp_train_mpi2 and test_cp_train_mpi4): the model of test_dp_config
  * with sequences of 31 tokens (segments of unequal length: 16 + 15 on 2
@@ -268,6 +268,35 @@ static void test_segment_evaluation_of_the_whole_sequence_is_the_plain_one(void)
     lm_model_free(m);
 }
 
+/* `longmoe plan --memory --cp N`: one rank's segment and the context-parallel
+ * block, for the rank that needs the most; the block grows with the
+ * segment's offset (the attention's prefix). */
+static void test_plan_memory_counts_the_segment_and_the_block(void) {
+    char out[65536];
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1000 --cp 3", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "B=8 x T=333 ") && strstr(out, "holds tokens [667, 1000) of 1000") &&
+              strstr(out, "context parallel: segment activations"),
+          "%s", out);
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1001 --cp 2", out, sizeof out) == 0 &&
+              strstr(out, "T=500 ") && strstr(out, "[501, 1001)"),
+          "%s", out);
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 2 --cp 3", out, sizeof out) == 1 &&
+              strstr(out, "at least one token"),
+          "%s", out);
+    CHECK(run_cli("plan --config configs/tiny.json --cp 3", out, sizeof out) != 0 && strstr(out, "--memory"), "%s", out);
+    lm_config c;
+    CHECK(!lm_config_load("configs/tiny.json", &c), "%s", lm_last_error());
+    lm_model *m = NULL;
+    CHECK(!lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &m), "%s", lm_last_error());
+    if (!m) return;
+    size_t first = 0, last = 0, none = 0;
+    CHECK(!lm_model_context_parallel_bytes(m, 3, 0, &first) && !lm_model_context_parallel_bytes(m, 3, 667, &last),
+          "%s", lm_last_error());
+    CHECK(first > 0 && last > first, "the block: %zu bytes at 0, %zu at 667", first, last);
+    CHECK(lm_model_context_parallel_bytes(m, 0, 0, &none) == LM_ERR_ARG, "0 ranks accepted");
+    lm_model_free(m);
+}
+
 /* ---- over the ranks ---- */
 
 /* The runs the cases compare, made once: "cp" (one group of N ranks), "one"
@@ -452,6 +481,7 @@ int main(int argc, char **argv) {
         mkdir(root, 0755);
         RUN(test_cli_and_trainer_refuse_cp_without_mpi);
         RUN(test_segment_evaluation_of_the_whole_sequence_is_the_plain_one);
+        RUN(test_plan_memory_counts_the_segment_and_the_block);
         char cmd[400];
         snprintf(cmd, sizeof cmd, "rm -rf %s", root);
         if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);

@@ -1526,6 +1526,45 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     return LM_OK;
 }
 
+/* The context-parallel block of a model whose B x T is the segment at t0 of
+ * R ranks: the mixers' activations for the segment (the attention's for its
+ * prefix), one set per mixer kind with recompute (need[l] each layer's,
+ * padded), and one backward scratch, in floats. */
+static lm_status cp_block_plan(const lm_model *m, int R, int t0, size_t *need, size_t *total, size_t *scratch) {
+    const int B = m->B, T = m->T;
+    size_t kda_once = 0, mla_once = 0;
+    *total = *scratch = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        size_t a, s;
+        if (ls->mixer == LM_MIXER_KDA) {
+            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
+            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
+            if (m->cfg.recompute && kda_once++) a = 0;
+        } else {
+            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, t0, T);
+            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, t0, T);
+            if (m->cfg.recompute && mla_once++) a = 0;
+        }
+        if (!s) return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
+        if (need) need[l] = PAD16(a);
+        *total += PAD16(a);
+        *scratch = s > *scratch ? s : *scratch;
+    }
+    return LM_OK;
+}
+
+lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes) {
+    *bytes = 0;
+    if (ranks < 1 || t0 < 0 || (int64_t)t0 + m->T > (1 << 26))
+        return lm_error(LM_ERR_ARG, "context parallelism: %d ranks, a segment at %d of %d tokens: out of range", ranks,
+                        t0, m->T);
+    size_t total, scratch;
+    TRY(cp_block_plan(m, ranks, t0, NULL, &total, &scratch));
+    *bytes = (total + scratch + 1) * sizeof(float);
+    return LM_OK;
+}
+
 lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "context parallelism needs a communicator");
     if (m->cp_comm) return lm_error(LM_ERR_ARG, "context parallelism is already set on this model");
@@ -1553,31 +1592,13 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     free(all);
     TRY(st);
     if (t0 + m->T > (1 << 26)) return lm_error(LM_ERR_ARG, "context parallelism: the sequence is too long");
-    /* the mixers' activations for the segment (the attention's for its prefix)
-     * and one backward scratch; with recompute one set per mixer kind */
-    const int B = m->B, T = m->T;
-    size_t total = 0, scratch = 0, kda_once = 0, mla_once = 0;
+    size_t total = 0, scratch = 0;
     size_t *need = calloc((size_t)m->cfg.n_layers, sizeof *need);
     if (!need) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        const layer_state *ls = &m->layers[l];
-        size_t a, s;
-        if (ls->mixer == LM_MIXER_KDA) {
-            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
-            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
-            if (m->cfg.recompute && kda_once++) a = 0;
-        } else {
-            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, (int)t0, T);
-            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, (int)t0, T);
-            if (m->cfg.recompute && mla_once++) a = 0;
-        }
-        if (!s) {
-            free(need);
-            return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
-        }
-        need[l] = PAD16(a);
-        total += need[l];
-        scratch = s > scratch ? s : scratch;
+    lm_status ps = cp_block_plan(m, R, (int)t0, need, &total, &scratch);
+    if (ps) {
+        free(need);
+        return ps;
     }
     float *block = malloc((total + scratch + 1) * sizeof(float));
     if (!block) {
