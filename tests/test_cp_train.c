@@ -17,7 +17,8 @@
  * process's resumed over the ranks, both within 1e-5 of the uninterrupted
  * run; ZeRO-1 over the whole world bit-identical to the replicated state; a
  * NaN in one rank's segment skipping the step on every rank as one process
- * with the same NaN does; the refusals (--ep with --cp, ranks not a multiple
+ * with the same NaN does; a run of two stages with recompute (the stage
+ * change makes the next stage's context-parallel model); the refusals (--ep with --cp, ranks not a multiple
  * of the group, sequences shorter than the group). Built without MPI,
  * `--mpi N` reports every case skipped. */
 #include <stdint.h>
@@ -199,6 +200,10 @@ static void compare_with_one_process(const char *run, const char *what) {
     double wp, wb, wq[32], oq[32];
     CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
     CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state", what);
+    na = read_metric(run, "train", "grad_norm", wq, 32);
+    nb = read_metric("one", "train", "grad_norm", oq, 32);
+    CHECK(na == 20 && nb == 20, "%s: grad_norm lines %d and %d", what, na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 1e-5, "gradient norm");
     na = read_metric(run, "train", "max_logit", wq, 32);
     nb = read_metric("one", "train", "max_logit", oq, 32);
     CHECK(na == 20 && nb == 20, "%s: max_logit lines %d and %d", what, na, nb);
@@ -435,6 +440,44 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
+/* Two stages (24 then 31 tokens: segments 12 + 12 then 16 + 15 on 2 ranks,
+ * 6 each then 8, 8, 8, 7 on 4) with recompute: the stage change makes the new
+ * stage's context-parallel model, and the run equals one process's. */
+static void test_a_staged_run_with_recompute_equals_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    c.recompute = 1;
+    c.eval_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 31 : 24;
+        st->steps = 5;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    lm_train_result r;
+    CHECK(!train(&c, "staged-cp", R, 0, 0, 0, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks differ");
+    if (me != 0) return;
+    CHECK(!train(&c, "staged-one", 0, 0, 0, 0, &r) && r.step == 10, "one process: %s", lm_last_error());
+    double a[32], b[32];
+    int na = read_metric("staged-cp", "train", "loss", a, 32), nb = read_metric("staged-one", "train", "loss", b, 32);
+    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
+    na = read_metric("staged-cp", "eval", "val_loss", a, 32);
+    nb = read_metric("staged-one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d (the stage end and the run's end)", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
+    double w5, w10;
+    CHECK(tensors_close("staged-cp", "staged-one", 5, "model.safetensors", 1e-5, &w5), "parameters at the stage end");
+    CHECK(tensors_close("staged-cp", "staged-one", 10, "model.safetensors", 1e-5, &w10), "parameters at the end");
+    printf("     two stages with recompute, CP %d vs one process: parameters %.2e (stage end), %.2e (end)\n", R, w5,
+           w10);
+}
+
 /* Refused on every rank before anything is written. */
 static void test_what_the_groups_cannot_run_is_refused(void) {
     lm_config c = cp_config();
@@ -513,6 +556,7 @@ int main(int argc, char **argv) {
     RUN(test_checkpoints_resume_across_layouts);
     RUN(test_zero_over_the_world_is_the_replicated_run);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
+    RUN(test_a_staged_run_with_recompute_equals_one_process);
     RUN(test_what_the_groups_cannot_run_is_refused);
     if (comm) {
         /* a failure on any rank fails the job's summary */
