@@ -415,8 +415,8 @@ static void test_kda_operator_matches_the_cpu(void) {
     void *g_q = up_bf16(q, n), *g_k = up_bf16(k, n), *g_v = up_bf16(v, n), *g_z = up_bf16(z, n);
     void *g_o = dalloc(n * 2);
     float *g_beta = up_f32(beta, nt), *g_A = up_f32(A, H), *g_dt = up_f32(dt, (size_t)H * K);
-    OK(cpu->ops->kda_forward(cpu, &cfg, q, k, v, z, beta, A, dt, o_c));
-    OK(gpu->ops->kda_forward(gpu, &cfg, g_q, g_k, g_v, g_z, g_beta, g_A, g_dt, g_o));
+    OK(cpu->ops->kda_forward(cpu, &cfg, q, k, v, z, beta, A, dt, NULL, o_c, NULL));
+    OK(gpu->ops->kda_forward(gpu, &cfg, g_q, g_k, g_v, g_z, g_beta, g_A, g_dt, NULL, g_o, NULL));
     CMP(down_bf16(g_o, n), o_c, NULL, n, TOL_BF16, "kda_forward o");
 
     float *d_o = rnd(&r, n, 1.0, 0.0, 1);
@@ -427,9 +427,10 @@ static void test_kda_operator_matches_the_cpu(void) {
     void *g_dq = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n), *g_dk = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
     void *g_dv = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n), *g_dz = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
     float *g_dbeta = up_f32(rnd(&r, nt, 1.0, 0.0, 0), nt), *g_dA = up_f32(dA0, H), *g_ddt = up_f32(ddt0, (size_t)H * K);
-    OK(cpu->ops->kda_backward(cpu, &cfg, q, k, v, z, beta, A, dt, d_o, dq_c, dk_c, dv_c, dz_c, dbeta_c, dA_c, ddt_c));
-    OK(gpu->ops->kda_backward(gpu, &cfg, g_q, g_k, g_v, g_z, g_beta, g_A, g_dt, g_do, g_dq, g_dk, g_dv, g_dz, g_dbeta,
-                              g_dA, g_ddt));
+    OK(cpu->ops->kda_backward(cpu, &cfg, q, k, v, z, beta, A, dt, NULL, d_o, NULL, dq_c, dk_c, dv_c, dz_c, dbeta_c, dA_c,
+                              ddt_c, NULL));
+    OK(gpu->ops->kda_backward(gpu, &cfg, g_q, g_k, g_v, g_z, g_beta, g_A, g_dt, NULL, g_do, NULL, g_dq, g_dk, g_dv, g_dz,
+                              g_dbeta, g_dA, g_ddt, NULL));
     CMP(down_bf16(g_dq, n), dq_c, NULL, n, TOL_BF16, "kda_backward dq (written)");
     CMP(down_bf16(g_dk, n), dk_c, NULL, n, TOL_BF16, "kda_backward dk (written)");
     CMP(down_bf16(g_dv, n), dv_c, NULL, n, TOL_BF16, "kda_backward dv (written)");

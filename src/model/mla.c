@@ -310,10 +310,26 @@ static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, co
     return be->ops->to_lp(be, buf, x, n);
 }
 
-lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
-                            int B, int T, float *y, float *acts) {
+/* A pointer `rows` rows of `width` elements of `bytes` each past p. */
+static void *at(const void *p, size_t rows, size_t width, size_t bytes) { return (char *)p + rows * width * bytes; }
+
+void lm_mla_seg_row_elems(const lm_mla_config *c, size_t *k_elems, size_t *v_elems) {
+    *k_elems = (size_t)kv_heads(c) * c->head_dim_qk;
+    *v_elems = (size_t)kv_heads(c) * c->head_dim_v;
+}
+
+static lm_status check_seg(const lm_mla_seg *seg, int n) {
+    if (!seg) return LM_OK;
+    if (seg->t0 < 0 || seg->t0 + n > seg->T_all || !seg->k_store || !seg->v_store)
+        return lm_error(LM_ERR_ARG, "mla segment: t0=%d n=%d T_all=%d or a store is missing", seg->t0, n, seg->T_all);
+    return LM_OK;
+}
+
+static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                             int B, int T, float *y, float *acts, const lm_mla_seg *seg) {
     // x (B,T,d) in the product format -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
+    if (!st) st = check_seg(seg, T);
     if (st) return st;
     if (!x || !y || !acts || !pl) return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
     lm_backend *be = backend_of(c);
@@ -327,6 +343,7 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
     const int sep = lp_separate(c);
+    const int64_t pos0 = seg ? seg->t0 : 0; /* RoPE's position of the first row */
     float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v;
     if (c->kind == LM_ATTN_MLA) {
         float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
@@ -345,8 +362,8 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
             float *kn = acts + L.kn, *kr = acts + L.kr;
             MM_F(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
             MM_F(kr, x, p->W_kr, NULL, N, d, r);
-            rope_apply(kr, N, T, 1, r, r, c->rope_base, 0, 0);
-            rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
+            rope_apply(kr, N, T, 1, r, r, c->rope_base, pos0, 0);
+            rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
 #pragma omp parallel for schedule(static)
             for (int64_t i = 0; i < N; i++)
                 for (int h = 0; h < H; h++) {
@@ -360,8 +377,8 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
         MM_F(q, x, pl->W_q, NULL, N, d, H * Dk);
         MM_F(k, x, pl->W_k, NULL, N, d, Hk * Dk);
         MM_F(v, x, pl->W_v, NULL, N, d, Hk * Dv);
-        rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
-        rope_apply(k, N, T, Hk, Dk, r, c->rope_base, 0, 0);
+        rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
+        rope_apply(k, N, T, Hk, Dk, r, c->rope_base, pos0, 0);
     }
     if (sep) {
         TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
@@ -371,12 +388,57 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
     /* o and gated are in the product format */
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
-                              acts + L.rowmax));
+    if (!seg) {
+        TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
+                                  acts + L.rowmax));
+    } else {
+        /* the segment's keys and values into the stores, then each sequence's queries over its stored prefix */
+        const size_t lpb = be->lp_bytes, KE = (size_t)Hk * Dk, VE = (size_t)Hk * Dv;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row = (size_t)b * seg->T_all + seg->t0;
+            TRY(be->copy(be, at(seg->k_store, row, KE, lpb), at(acts + L.k_lp, (size_t)b * T, KE, lpb),
+                         (size_t)T * KE * lpb));
+            TRY(be->copy(be, at(seg->v_store, row, VE, lpb), at(acts + L.v_lp, (size_t)b * T, VE, lpb),
+                         (size_t)T * VE * lpb));
+        }
+        for (int b = 0; b < B; b++)
+            TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
+                                             at(seg->k_store, (size_t)b * seg->T_all, KE, lpb),
+                                             at(seg->v_store, (size_t)b * seg->T_all, VE, lpb),
+                                             at(o, (size_t)b * T, (size_t)H * Dv, lpb),
+                                             acts + L.lse + (size_t)b * H * T, acts + L.rowmax + (size_t)b * H * T));
+    }
     // y = W_o (sigmoid(W_g x) * o)
     MM_F(gp, x, pl->W_g, NULL, N, d, H * Dv);
     TRY(op->gate_forward(be, sep ? NULL : gated, gated, gp, o, (size_t)N * H * Dv));
     MM_F(y, gated, pl->W_o, NULL, N, H * Dv, d);
+    return LM_OK;
+}
+
+lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                            int B, int T, float *y, float *acts) {
+    return mla_forward(c, p, pl, x, B, T, y, acts, NULL);
+}
+
+lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                             int B, int n, const lm_mla_seg *seg, float *y, float *acts) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment forward: seg is NULL");
+    return mla_forward(c, p, pl, x, B, n, y, acts, seg);
+}
+
+lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max) {
+    lm_backend *be = backend_of(c);
+    const int H = c->n_heads;
+    float one[512];
+    if (H > 512) return lm_error(LM_ERR_ARG, "mla segment head max: %d heads (at most 512)", H);
+    lm_attention_config a1 = core_config(c, 1, n);
+    float *rowmax = acts + layout_acts(c, B, n).rowmax;
+    for (int h = 0; h < H; h++) head_max[h] = -INFINITY;
+    for (int b = 0; b < B; b++) {
+        TRY(be->ops->attention_head_max(be, &a1, rowmax + (size_t)b * H * n, one));
+        for (int h = 0; h < H; h++) head_max[h] = one[h] > head_max[h] ? one[h] : head_max[h];
+    }
     return LM_OK;
 }
 
@@ -388,11 +450,14 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
 
 /* ---------------------------------------------------------------- backward */
 
-lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
-                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
-                             const lm_mla_params *g, float *scratch) {
+static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                              const void *x, const float *acts, const float *dy, int B, int T, float *dx,
+                              const lm_mla_params *g, float *scratch, const lm_mla_seg *seg) {
     // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
     lm_status st = check_run(c, p, B, T);
+    if (!st) st = check_seg(seg, T);
+    if (!st && seg && (!seg->dk_acc || !seg->dv_acc || !seg->dk_tmp || !seg->dv_tmp))
+        st = lm_error(LM_ERR_ARG, "mla segment backward: the accumulators and dk_tmp, dv_tmp are required");
     if (st) return st;
     if (!x || !acts || !dy || !scratch || !pl)
         return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy, scratch and p_lp are required");
@@ -420,8 +485,28 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
     TRY(lp_view(be, dgp, scratch + S.dgp_lp, (size_t)N * H * Dv, &dgp_lp));
     MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq, dk,
-                               dv));
+    const int64_t pos0 = seg ? seg->t0 : 0;
+    if (!seg) {
+        TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq,
+                                   dk, dv));
+    } else {
+        /* per sequence: the gradients of all keys and values it read into the accumulators; its own rows'
+         * (every later segment's part already there) into dk, dv */
+        const size_t lpb = be->lp_bytes, KE = (size_t)Hk * Dk, VE = (size_t)Hk * Dv, P = (size_t)seg->t0 + T;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row0 = (size_t)b * seg->T_all;
+            TRY(op->attention_backward_offset(
+                be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
+                at(seg->k_store, row0, KE, lpb), at(seg->v_store, row0, VE, lpb), at(o, (size_t)b * T, (size_t)H * Dv, lpb),
+                acts + L.lse + (size_t)b * H * T, at(d_o, (size_t)b * T, (size_t)H * Dv, lpb),
+                at(dq, (size_t)b * T, (size_t)H * Dk, lpb), seg->dk_tmp, seg->dv_tmp));
+            TRY(op->accumulate(be, seg->dk_acc + row0 * KE, seg->dk_tmp, P * KE, 1));
+            TRY(op->accumulate(be, seg->dv_acc + row0 * VE, seg->dv_tmp, P * VE, 1));
+            TRY(op->to_lp(be, at(dk, (size_t)b * T, KE, lpb), seg->dk_acc + (row0 + seg->t0) * KE, (size_t)T * KE));
+            TRY(op->to_lp(be, at(dv, (size_t)b * T, VE, lpb), seg->dv_acc + (row0 + seg->t0) * VE, (size_t)T * VE));
+        }
+    }
     if (c->kind == LM_ATTN_MLA) {
         const float *lat = acts + L.c_lp;
         float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,
@@ -441,9 +526,9 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
                     for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
                 }
             MM_B(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
-            rope_apply(dkr, N, T, 1, r, r, c->rope_base, 0, 1);
+            rope_apply(dkr, N, T, 1, r, r, c->rope_base, pos0, 1);
             MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
-            rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
+            rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
         }
         RMS_B(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
                             c->kv_lora, eps);
@@ -455,13 +540,26 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
         TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * c->q_lora, &dql_lp));
         MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
     } else {
-        rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
-        rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, 0, 1);
+        rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+        rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, pos0, 1);
         MM_B(dx, g->W_q, NULL, dq, x, pl->W_q, N, d, H * Dk);
         MM_B(dx, g->W_k, NULL, dk, x, pl->W_k, N, d, Hk * Dk);
         MM_B(dx, g->W_v, NULL, dv, x, pl->W_v, N, d, Hk * Dv);
     }
     return LM_OK;
+}
+
+lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
+                             const lm_mla_params *g, float *scratch) {
+    return mla_backward(c, p, pl, x, acts, dy, B, T, dx, g, scratch, NULL);
+}
+
+lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                              const void *x, const float *acts, const float *dy, int B, int n,
+                              const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment backward: seg is NULL");
+    return mla_backward(c, p, pl, x, acts, dy, B, n, dx, g, scratch, seg);
 }
 
 lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x, const float *acts,
