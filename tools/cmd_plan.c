@@ -17,7 +17,7 @@
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
-    "                    [--recompute-chunk N] [--json FILE]\n"
+    "                    [--recompute-chunk N] [--seq-segment S] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -39,11 +39,12 @@ static const char *const plan_usage =
     "train.seq_len): parameters, gradients, the optimizer's state (on the device for\n"
     "cuda, as train --device cuda), each activation and scratch buffer, by name, from\n"
     "the plan the model allocates with (no GPU needed). --recompute-chunk N overrides\n"
-    "train.recompute_chunk (and turns train.recompute on when N > 0); --json FILE\n"
-    "writes the table.\n";
+    "train.recompute_chunk (and turns train.recompute on when N > 0); --seq-segment S\n"
+    "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
+    "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
-                        const char *json);
+                        long segment, const char *json);
 
 static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
                         long context, long long global_tokens);
@@ -60,7 +61,7 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 
 int cmd_plan(int argc, char **argv) {
     const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
-    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1;
+    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1;
     int memory = 0;
     double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
@@ -81,6 +82,9 @@ int cmd_plan(int argc, char **argv) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--seq", v, 1, 1L << 26, &seq)) return 2;
         } else if (!strcmp(argv[i], "--recompute-chunk")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--recompute-chunk", v, 0, 1L << 26, &chunk))
+                return 2;
+        } else if (!strcmp(argv[i], "--seq-segment")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--seq-segment", v, 0, 1L << 26, &segment))
                 return 2;
         } else if (!strcmp(argv[i], "--device")) {
             if (!(device = cli_value(cmd, argc, argv, &i))) return 2;
@@ -115,9 +119,10 @@ int cmd_plan(int argc, char **argv) {
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
     if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
-                                    chunk, json);
-    if (batch > 0 || seq > 0 || chunk >= 0 || json || strcmp(device, "cpu"))
-        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk and --json go with --memory (see --help)");
+                                    chunk, segment, json);
+    if (batch > 0 || seq > 0 || chunk >= 0 || segment >= 0 || json || strcmp(device, "cpu"))
+        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk, --seq-segment and --json go with --memory "
+                             "(see --help)");
     if (layout_text) {
         lm_layout layout;
         if (lm_layout_parse(layout_text, &layout)) return cli_fail(cmd, "%s", lm_last_error());
@@ -226,13 +231,14 @@ static void json_string(FILE *f, const char *s) {
 }
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
-                        const char *json) {
+                        long segment, const char *json) {
     lm_device dev;
     if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
     if (chunk >= 0) {
         c->recompute_chunk = (int)chunk;
         if (chunk > 0) c->recompute = 1;
     }
+    if (segment >= 0) c->seq_segment = (int)segment;
     if (B * T > (1L << 26)) return cli_fail(cmd, "--batch x --seq = %ld tokens exceeds 2^26", B * T);
     lm_model *m = NULL;
     if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
@@ -264,8 +270,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     double total = 0;
     for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
     for (int i = 0; i < 3; i++) total += (double)extra[i];
-    printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d: %zu parameters\n\n", cmd, device,
-           B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, lm_model_num_params(m));
+    printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n\n",
+           cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
+           lm_model_num_params(m));
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {
         const lm_model_buffer *b = lm_model_buffer_at(m, i);
@@ -283,8 +290,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             rc = cli_fail(cmd, "cannot write %s", json);
         } else {
             fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %d, \"recompute_chunk\": %d, "
-                       "\"total_bytes\": %.0f, \"buffers\": [",
-                    device, B, T, c->recompute, c->recompute_chunk, total);
+                       "\"seq_segment\": %d, \"total_bytes\": %.0f, \"buffers\": [",
+                    device, B, T, c->recompute, c->recompute_chunk, c->seq_segment, total);
             int first = 1;
             for (int i = 0; i < nb; i++) {
                 const lm_model_buffer *b = lm_model_buffer_at(m, i);

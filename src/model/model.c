@@ -422,22 +422,22 @@ static size_t plan_segments(lm_model *m, float *base) {
         const size_t F = sizeof(float);
         if (n_kda) {
             (void)ledger_add(m, n_kda * PAD16(n1 * kst) * F,
-                             "sequence segments: KDA states at %zu segment starts, %d layers x [B,H,K,K] fp32", n1,
+                             "segments: KDA states at %zu segment starts, %d layers x [B,H,K,K] fp32", n1,
                              n_kda);
             (void)ledger_add(m, n_kda * PAD16(n1 * khalo) * F,
-                             "sequence segments: KDA conv histories at %zu segment starts, %d layers x [3,B,W-1,HK]",
+                             "segments: KDA conv histories at %zu segment starts, %d layers x [3,B,W-1,HK]",
                              n1, n_kda);
             (void)ledger_add(m, n_kda * 2 * (kst_f + khalo_f) * F + kst_f * F,
-                             "sequence segments: KDA state and history gradients, %d layers x 2", n_kda);
+                             "segments: KDA state and history gradients, %d layers x 2", n_kda);
         }
         if (n_mla) {
             (void)ledger_add(m, n_mla * (ks_f + vs_f) * F,
-                             "sequence segments: attention keys, values of the whole rows, %d layers x [B,T,Hk,Dk+Dv]",
+                             "segments: attention K, V of the whole rows, %d layers x [B,T,Hk,Dk+Dv]",
                              n_mla);
             (void)ledger_add(m, n_mla * (ka_f + va_f) * F,
-                             "sequence segments: attention key, value gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32",
+                             "segments: attention K, V gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32",
                              n_mla);
-            (void)ledger_add(m, (kt_f + vt_f) * F, "sequence segments: one row's attention key, value gradients");
+            (void)ledger_add(m, (kt_f + vt_f) * F, "segments: one row's attention K, V gradients [T,Hk,Dk+Dv]");
         }
     }
     return off;
