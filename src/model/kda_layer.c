@@ -108,13 +108,14 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
  * rows sit between the sequences). */
 size_t lm_kda_layer_seg_act_floats(const lm_kda_layer_config *c, int B, int n) {
     size_t NHK = (size_t)B * n * c->heads * c->head_dim;
-    return lm_kda_layer_act_floats(c, B, n + c->conv_width - 1) + 3 * ((lp_floats(c, NHK) + 15) & ~(size_t)15);
+    return ((lm_kda_layer_act_floats(c, B, n + c->conv_width - 1) + 15) & ~(size_t)15) +
+           3 * ((lp_floats(c, NHK) + 15) & ~(size_t)15);
 }
 
 void lm_kda_layer_seg_acts_map(const lm_kda_layer_config *c, int B, int n, float *base, lm_kda_layer_acts *a) {
     size_t NHK = (size_t)B * n * c->heads * c->head_dim, lp = (lp_floats(c, NHK) + 15) & ~(size_t)15;
     lm_kda_layer_acts_map(c, B, n + c->conv_width - 1, base, a);
-    base += lm_kda_layer_act_floats(c, B, n + c->conv_width - 1);
+    base += (lm_kda_layer_act_floats(c, B, n + c->conv_width - 1) + 15) & ~(size_t)15; /* 64-byte starts */
     a->q_op = base;
     a->k_op = base + lp;
     a->v_op = base + 2 * lp;
