@@ -231,6 +231,56 @@ static void test_segmented_scores(void) {
     lm_model_free(b);
 }
 
+/* The memory plan (lm_model_plan): with segments of S tokens nothing but the
+ * carries and the attention's whole-row keys, values and their gradient sums
+ * grows with T; the segment's buffers are those of a model of S tokens a row. */
+static size_t ledger(const lm_model *m, const char *prefix, int segments) {
+    size_t n = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) {
+        const lm_model_buffer *b = lm_model_buffer_at(m, i);
+        const int seg = !strncmp(b->name, "segments:", 9);
+        if ((!prefix || strstr(b->name, prefix)) && seg == segments) n += b->bytes;
+    }
+    return n;
+}
+
+static void test_plan_grows_only_by_the_carries(void) {
+    lm_config c = seg_config(LM_ATTN_MLA, 1, 64);
+    lm_model *whole = NULL, *a = NULL, *b = NULL, *one = NULL;
+    CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CPU, &whole), "%s", lm_last_error());
+    CHECK(!lm_model_plan(&c, 1, 256, LM_DEVICE_CPU, &one), "%s", lm_last_error());
+    c.seq_segment = 256;
+    CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CPU, &a), "%s", lm_last_error());
+    CHECK(!lm_model_plan(&c, 1, 8192, LM_DEVICE_CPU, &b), "%s", lm_last_error());
+    if (whole && one && a && b) {
+        /* everything but the segments' lines and the KDA activations (W-1 history rows a row, a copy of
+         * the operator's q, k, v: 23% more here): a model of 256 tokens */
+        const char *same[] = {"hin:", "residual stream", "MoE routing", "attention activations", "dense FFN"};
+        for (int i = 0; i < 5; i++)
+            CHECK(ledger(a, same[i], 0) == ledger(one, same[i], 0) && ledger(b, same[i], 0) == ledger(a, same[i], 0),
+                  "%s: %zu bytes at T = 4096 in segments, %zu at 8192, %zu for a model of 256 tokens", same[i],
+                  ledger(a, same[i], 0), ledger(b, same[i], 0), ledger(one, same[i], 0));
+        CHECK(ledger(a, "KDA activations", 0) > ledger(one, "KDA activations", 0) &&
+                  ledger(a, "KDA activations", 0) < ledger(one, "KDA activations", 0) * 13 / 10,
+              "KDA activations %zu in segments, %zu for 256 tokens (the conv history adds W-1 rows, the "
+              "operator's q, k, v a copy)",
+              ledger(a, "KDA activations", 0), ledger(one, "KDA activations", 0));
+        /* the carries: 2x the tokens, 2x the key/value stores and sums, about 2x the segment starts */
+        CHECK(ledger(b, "attention K, V", 1) == 2 * ledger(a, "attention K, V", 1) && ledger(a, "attention K, V", 1) > 0,
+              "key/value stores %zu at 4096, %zu at 8192", ledger(a, "attention K, V", 1), ledger(b, "attention K, V", 1));
+        CHECK(ledger(a, "KDA states at 15 segment starts", 1) > 0 && ledger(b, "KDA states at 31 segment starts", 1) > 0,
+              "the KDA states at the segment starts are not in the plan");
+        size_t ta = ledger(a, NULL, 0) + ledger(a, NULL, 1), tw = ledger(whole, NULL, 0);
+        CHECK(ta < tw / 2, "segmented plan %zu bytes, whole rows %zu", ta, tw);
+        printf("    T = 4096: whole rows %.1f MiB, segments of 256 %.1f MiB (of which carries %.1f MiB)\n",
+               tw / 1048576.0, ta / 1048576.0, ledger(a, NULL, 1) / 1048576.0);
+    }
+    lm_model_free(whole);
+    lm_model_free(one);
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
 /* Bad settings: a clear error. */
 static void test_bad_settings(void) {
     lm_config c = seg_config(LM_ATTN_MLA, 1, 0);
@@ -255,6 +305,7 @@ int main(void) {
     RUN(test_segments_equal_whole_rows);
     RUN(test_segment_at_least_t_is_off);
     RUN(test_segmented_scores);
+    RUN(test_plan_grows_only_by_the_carries);
     RUN(test_bad_settings);
     return test_summary();
 }
