@@ -1,7 +1,8 @@
 /* Sequence segments (train.seq_segment, docs/model.md "Sequence segments"):
  * the model run S tokens of every row at a time, the KDA layers carrying
  * their state and conv history from segment to segment, the attention layers
- * keeping the keys and values of every earlier token, the backward running
+ * keeping the keys and values of every earlier token (MLA: its smaller
+ * latent, up-projected again for each segment), the backward running
  * the segments in reverse. Against the same model on whole rows:
  *
  * - the loss to 1e-6 relative (the same tokens, each segment's cross-entropy
@@ -265,9 +266,11 @@ static void test_plan_grows_only_by_the_carries(void) {
               "KDA activations %zu in segments, %zu for 256 tokens (the conv history adds W-1 rows, the "
               "operator's q, k, v a copy)",
               ledger(a, "KDA activations", 0), ledger(one, "KDA activations", 0));
-        /* the carries: 2x the tokens, 2x the key/value stores and sums, about 2x the segment starts */
-        CHECK(ledger(b, "attention K, V", 1) == 2 * ledger(a, "attention K, V", 1) && ledger(a, "attention K, V", 1) > 0,
-              "key/value stores %zu at 4096, %zu at 8192", ledger(a, "attention K, V", 1), ledger(b, "attention K, V", 1));
+        /* the carries: 2x the tokens, 2x the MLA latent stores and sums (the latent, 10 + 4 values a token,
+         * is smaller than the keys and values, 4 x (8 + 6)), about 2x the segment starts */
+        CHECK(ledger(b, "MLA latent", 1) == 2 * ledger(a, "MLA latent", 1) && ledger(a, "MLA latent", 1) > 0,
+              "latent stores %zu at 4096, %zu at 8192", ledger(a, "MLA latent", 1), ledger(b, "MLA latent", 1));
+        CHECK(ledger(a, "attention K, V of the whole rows", 1) == 0, "MLA keeps its keys and values, not its latent");
         CHECK(ledger(a, "KDA states at 15 segment starts", 1) > 0 && ledger(b, "KDA states at 31 segment starts", 1) > 0,
               "the KDA states at the segment starts are not in the plan");
         size_t ta = ledger(a, NULL, 0) + ledger(a, NULL, 1), tw = ledger(whole, NULL, 0);
@@ -279,6 +282,14 @@ static void test_plan_grows_only_by_the_carries(void) {
     lm_model_free(one);
     lm_model_free(a);
     lm_model_free(b);
+    /* GQA has no latent: its keys and values */
+    c = seg_config(LM_ATTN_GQA, 1, 64);
+    c.seq_segment = 256;
+    CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CPU, &a), "%s", lm_last_error());
+    if (a)
+        CHECK(ledger(a, "attention K, V of the whole rows", 1) > 0 && ledger(a, "MLA latent", 1) == 0,
+              "GQA's whole-row keys and values are not in the plan");
+    lm_model_free(a);
 }
 
 /* Bad settings: a clear error. */

@@ -132,8 +132,18 @@ typedef struct {
     void *k_store, *v_store; /* [B,T_all,Hk,Dk], [B,T_all,Hk,Dv], product format (Hk: the core's key heads) */
     float *dk_acc, *dv_acc;  /* the same shapes, fp32: the gradients of every key and value, accumulated */
     void *dk_tmp, *dv_tmp;   /* [T_all,Hk,Dk], [T_all,Hk,Dv], product format: one sequence's attention gradient */
+    /* MLA may keep its latent instead (c_store != NULL; k_store, v_store, dk_acc, dv_acc unused): each
+     * sequence's keys and values up-projected from the stored latents into k_work, v_work per segment,
+     * their gradients taken back to the latents' (and the rotary keys') accumulators */
+    void *c_store;           /* [B,T_all,kv_lora], product format: c = RMSNorm(W_dkv x) */
+    float *kr_store;         /* [B,T_all,r] fp32: the rotary key after RoPE (rope_dims > 0) */
+    float *dc_acc, *dkr_acc; /* the same shapes, fp32 */
+    void *k_work, *v_work;   /* [T_all,H,Dk], [T_all,H,Dv], product format: one sequence's keys, values */
 } lm_mla_seg;
 
+/* Bytes a token of the whole rows takes in each form: the keys and values
+ * (stores and accumulators) or, MLA only, the latent and rotary key (0 for GQA). */
+void lm_mla_seg_token_bytes(const lm_mla_config *c, size_t lp_bytes, size_t *kv, size_t *latent);
 /* Elements of one row (token) of the key and value stores: Hk*Dk and Hk*Dv. */
 void lm_mla_seg_row_elems(const lm_mla_config *c, size_t *k_elems, size_t *v_elems);
 lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,

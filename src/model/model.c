@@ -374,28 +374,41 @@ static size_t plan_activations(lm_model *m, float *base) {
 static size_t plan_segments(lm_model *m, float *base) {
     const lm_config *cfg = &m->cfg;
     const size_t B = (size_t)m->B, Tq = (size_t)m->Tq, n1 = (size_t)m->n_seg - 1, lpb = m->be->lp_bytes;
-    int n_kda = 0, n_mla = 0;
-    size_t kst = 0, khalo = 0, KE = 0, VE = 0;
+    int n_kda = 0, n_kv = 0, n_lat = 0;
+    size_t kst = 0, khalo = 0, KE = 0, VE = 0, HK = 0, HV = 0, kl = 0, r = 0;
     for (int l = 0; l < cfg->n_layers; l++) {
-        const layer_state *ls = &m->layers[l];
+        layer_state *ls = &m->layers[l];
         if (ls->mixer == LM_MIXER_KDA) {
             const lm_kda_layer_config *kc = &ls->kda_cfg;
             n_kda++;
             kst = B * kc->heads * kc->head_dim * kc->head_dim;
             khalo = 3 * B * (kc->conv_width - 1) * kc->heads * kc->head_dim;
-        } else {
-            size_t ke, ve;
-            lm_mla_seg_row_elems(&ls->mla_cfg, &ke, &ve);
-            n_mla++;
-            KE = ke > KE ? ke : KE;
-            VE = ve > VE ? ve : VE;
+            continue;
         }
+        /* the attention's whole rows: its keys and values, or (MLA) its latent when that is smaller */
+        const lm_mla_config *mc = &ls->mla_cfg;
+        size_t ke, ve, kvb, latb;
+        lm_mla_seg_row_elems(mc, &ke, &ve);
+        lm_mla_seg_token_bytes(mc, lpb, &kvb, &latb);
+        ls->seg_latent = mc->kind == LM_ATTN_MLA && latb < kvb;
+        if (ls->seg_latent) {
+            n_lat++;
+            kl = (size_t)mc->kv_lora;
+            r = (size_t)mc->rope_dims;
+            HK = (size_t)mc->n_heads * mc->head_dim_qk > HK ? (size_t)mc->n_heads * mc->head_dim_qk : HK;
+            HV = (size_t)mc->n_heads * mc->head_dim_v > HV ? (size_t)mc->n_heads * mc->head_dim_v : HV;
+        } else {
+            n_kv++;
+        }
+        KE = ke > KE ? ke : KE;
+        VE = ve > VE ? ve : VE;
     }
     /* floats of n values in the product format */
+#define LPF(n) PAD16(((size_t)(n) * lpb + sizeof(float) - 1) / sizeof(float))
     const size_t kst_f = PAD16(kst), khalo_f = PAD16(khalo);
-    const size_t ks_f = PAD16((B * Tq * KE * lpb + 3) / 4), vs_f = PAD16((B * Tq * VE * lpb + 3) / 4);
-    const size_t kt_f = PAD16((Tq * KE * lpb + 3) / 4), vt_f = PAD16((Tq * VE * lpb + 3) / 4);
-    const size_t ka_f = PAD16(B * Tq * KE), va_f = PAD16(B * Tq * VE);
+    const size_t ks_f = LPF(B * Tq * KE), vs_f = LPF(B * Tq * VE), ka_f = PAD16(B * Tq * KE), va_f = PAD16(B * Tq * VE);
+    const size_t cs_f = LPF(B * Tq * kl), krs_f = PAD16(B * Tq * r);
+    const size_t kt_f = LPF(Tq * KE), vt_f = LPF(Tq * VE), kw_f = LPF(Tq * HK), vw_f = LPF(Tq * HV);
     size_t off = 0;
 #define TAKE(n) (base && (n) ? (void *)(base + (off += (n)) - (n)) : (off += (n), (void *)NULL))
     for (int l = 0; l < cfg->n_layers; l++) {
@@ -407,6 +420,11 @@ static size_t plan_segments(lm_model *m, float *base) {
                 ls->seg_dh[k] = TAKE(kst_f);
                 ls->seg_dhalo[k] = TAKE(khalo_f);
             }
+        } else if (ls->seg_latent) {
+            ls->seg_c = TAKE(cs_f);
+            ls->seg_dc = TAKE(PAD16(B * Tq * kl));
+            ls->seg_kr = TAKE(r ? krs_f : 0);
+            ls->seg_dkr = TAKE(r ? krs_f : 0);
         } else {
             ls->seg_k = TAKE(ks_f);
             ls->seg_v = TAKE(vs_f);
@@ -415,31 +433,40 @@ static size_t plan_segments(lm_model *m, float *base) {
         }
     }
     m->seg_ht_junk = TAKE(n_kda ? kst_f : 0);
-    m->seg_dk_tmp = TAKE(n_mla ? kt_f : 0);
-    m->seg_dv_tmp = TAKE(n_mla ? vt_f : 0);
+    m->seg_dk_tmp = TAKE(n_kv + n_lat ? kt_f : 0);
+    m->seg_dv_tmp = TAKE(n_kv + n_lat ? vt_f : 0);
+    m->seg_k_work = TAKE(n_lat ? kw_f : 0);
+    m->seg_v_work = TAKE(n_lat ? vw_f : 0);
 #undef TAKE
     if (!base) {
         const size_t F = sizeof(float);
         if (n_kda) {
             (void)ledger_add(m, n_kda * PAD16(n1 * kst) * F,
-                             "segments: KDA states at %zu segment starts, %d layers x [B,H,K,K] fp32", n1,
-                             n_kda);
+                             "segments: KDA states at %zu segment starts, %d layers x [B,H,K,K] fp32", n1, n_kda);
             (void)ledger_add(m, n_kda * PAD16(n1 * khalo) * F,
-                             "segments: KDA conv histories at %zu segment starts, %d layers x [3,B,W-1,HK]",
-                             n1, n_kda);
+                             "segments: KDA conv histories at %zu segment starts, %d layers x [3,B,W-1,HK]", n1, n_kda);
             (void)ledger_add(m, n_kda * 2 * (kst_f + khalo_f) * F + kst_f * F,
                              "segments: KDA state and history gradients, %d layers x 2", n_kda);
         }
-        if (n_mla) {
-            (void)ledger_add(m, n_mla * (ks_f + vs_f) * F,
-                             "segments: attention K, V of the whole rows, %d layers x [B,T,Hk,Dk+Dv]",
-                             n_mla);
-            (void)ledger_add(m, n_mla * (ka_f + va_f) * F,
-                             "segments: attention K, V gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32",
-                             n_mla);
-            (void)ledger_add(m, (kt_f + vt_f) * F, "segments: one row's attention K, V gradients [T,Hk,Dk+Dv]");
+        if (n_lat) {
+            (void)ledger_add(m, n_lat * (cs_f + (r ? krs_f : 0)) * F,
+                             "segments: MLA latents%s of the whole rows, %d layers x [B,T,%zu%s]",
+                             r ? " and rotary keys" : "", n_lat, kl, r ? "+r" : "");
+            (void)ledger_add(m, n_lat * (PAD16(B * Tq * kl) + (r ? krs_f : 0)) * F,
+                             "segments: MLA latent gradient sums, %d layers x [B,T,%zu%s] fp32", n_lat, kl,
+                             r ? "+r" : "");
+            (void)ledger_add(m, (kw_f + vw_f) * F, "segments: one row's keys, values up-projected [T,H,Dk+Dv]");
         }
+        if (n_kv) {
+            (void)ledger_add(m, n_kv * (ks_f + vs_f) * F,
+                             "segments: attention K, V of the whole rows, %d layers x [B,T,Hk,Dk+Dv]", n_kv);
+            (void)ledger_add(m, n_kv * (ka_f + va_f) * F,
+                             "segments: attention K, V gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32", n_kv);
+        }
+        if (n_kv + n_lat)
+            (void)ledger_add(m, (kt_f + vt_f) * F, "segments: one row's attention K, V gradients [T,Hk,Dk+Dv]");
     }
+#undef LPF
     return off;
 }
 
@@ -1177,7 +1204,25 @@ static lm_kda_layer_carry seg_kda_carry(const lm_model *m, const layer_state *ls
 }
 
 static lm_mla_seg seg_mla(const lm_model *m, const layer_state *ls) {
-    lm_mla_seg g = {m->seg_t0, m->Tq, ls->seg_k, ls->seg_v, ls->seg_dk, ls->seg_dv, m->seg_dk_tmp, m->seg_dv_tmp};
+    lm_mla_seg g;
+    memset(&g, 0, sizeof g);
+    g.t0 = m->seg_t0;
+    g.T_all = m->Tq;
+    g.dk_tmp = m->seg_dk_tmp;
+    g.dv_tmp = m->seg_dv_tmp;
+    if (ls->seg_latent) {
+        g.c_store = ls->seg_c;
+        g.kr_store = ls->seg_kr;
+        g.dc_acc = ls->seg_dc;
+        g.dkr_acc = ls->seg_dkr;
+        g.k_work = m->seg_k_work;
+        g.v_work = m->seg_v_work;
+    } else {
+        g.k_store = ls->seg_k;
+        g.v_store = ls->seg_v;
+        g.dk_acc = ls->seg_dk;
+        g.dv_acc = ls->seg_dv;
+    }
     return g;
 }
 
@@ -1422,6 +1467,10 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
             seg_kda_sizes(m, ls, &st, &ha);
             TRY(be->zero(be, ls->seg_dh[0], st * sizeof(float)));
             if (ha) TRY(be->zero(be, ls->seg_dhalo[0], ha * sizeof(float)));
+        } else if (ls->seg_latent) {
+            const size_t kl = (size_t)ls->mla_cfg.kv_lora, r = (size_t)ls->mla_cfg.rope_dims;
+            TRY(be->zero(be, ls->seg_dc, (size_t)m->Nq * kl * sizeof(float)));
+            if (r) TRY(be->zero(be, ls->seg_dkr, (size_t)m->Nq * r * sizeof(float)));
         } else {
             size_t ke, ve;
             lm_mla_seg_row_elems(&ls->mla_cfg, &ke, &ve);

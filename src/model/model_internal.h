@@ -52,6 +52,10 @@ typedef struct {
     float *seg_h, *seg_halo, *seg_dh[2], *seg_dhalo[2];
     void *seg_k, *seg_v;
     float *seg_dk, *seg_dv;
+    /* MLA whose latent is smaller than its keys and values keeps that instead (lm_mla_seg) */
+    int seg_latent;
+    void *seg_c;
+    float *seg_kr, *seg_dc, *seg_dkr;
 } layer_state;
 
 struct lm_model {
@@ -121,6 +125,7 @@ struct lm_model {
     size_t seg_floats;
     float *seg_ht_junk;            /* the last segment's final KDA state (asked for, not kept) */
     void *seg_dk_tmp, *seg_dv_tmp; /* one row's attention gradient of every key and value */
+    void *seg_k_work, *seg_v_work; /* one row's keys and values up-projected from MLA latents */
     int32_t *q_tok, *q_tgt, *seg_tok, *seg_tgt; /* host: the whole rows' tokens, targets; one segment's */
     double *seg_nll;                            /* host: one segment's scores (lm_model_score) */
     int32_t *seg_arg;
