@@ -8,8 +8,9 @@
 #
 #   bench/long_device.sh [build] [test] [long]   (default: build test long)
 #
-#   test         test_cuda_model (the chunked model against the CPU and against itself
-#                unchunked, among the rest) and the CPU's test_model_chunk
+#   test         test_cuda_model (the chunked and the segmented model against the CPU and
+#                against itself whole, among the rest) and the CPU's test_model_chunk and
+#                test_model_seg
 #   long         the lengths in LENGTHS (default "65536 262144 1048576"), REPS timed steps each
 #                after one warm-up step (default 1), CHUNK tokens per chunk (default 16384),
 #                SEGMENT tokens per sequence segment (train.seq_segment; default 0: off);
@@ -43,16 +44,17 @@ if has build; then
     echo "== build ($BUILD)"
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
         timeout 500 cmake --build "$BUILD" -j "$JOBS" --target longmoe bench_cuda_model test_cuda_model \
-            test_model_chunk >>"$OUT/build.log" 2>&1
+            test_model_chunk test_model_seg >>"$OUT/build.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
 fi
 
 if has test; then
-    echo "== test_model_chunk, test_cuda_model"
-    { timeout 300 "$BUILD/test_model_chunk" && timeout 600 "$BUILD/test_cuda_model"; } >"$OUT/test.log" 2>&1
+    echo "== test_model_chunk, test_model_seg, test_cuda_model"
+    { timeout 300 "$BUILD/test_model_chunk" && timeout 300 "$BUILD/test_model_seg" &&
+        timeout 600 "$BUILD/test_cuda_model"; } >"$OUT/test.log" 2>&1
     rc=$?
-    grep -E "^(ok|FAIL|skip)|passed|unchunked|chunked" "$OUT/test.log"
+    grep -E "^(ok|FAIL|skip)|passed|unchunked|chunked|segment" "$OUT/test.log"
     [ $rc -ne 0 ] && { echo "tests failed (rc $rc): see $OUT/test.log"; status=1; }
 fi
 
