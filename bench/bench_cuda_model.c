@@ -2,7 +2,8 @@
  * step, tokens/s, MFU and the time by layer kind, for a config and shape.
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N]
- *                    [--no-recompute] [--recompute-chunk N] [--optimizer] [--out FILE.json]
+ *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
+ *                    [--out FILE.json]
  *
  * MFU = tokens/s x training FLOPs per token / 989e12 (H200 dense bf16), with
  * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
@@ -15,7 +16,10 @@
  * Memory: the model's own plan (lm_model_buffer_at) and the device memory in
  * use after the last step (cudaMemGetInfo: the model, the optimizer, the
  * backend's arena, the CUDA context and cuBLAS; buffers only grow, so this is
- * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute). */
+ * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute);
+ * --seq-segment S sets train.seq_segment (the layers run S tokens of each row
+ * at a time, docs/model.md "Sequence segments"; attention past the first
+ * segment needs the CUDA attention with a query offset). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +34,7 @@
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
-    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, with_opt = 0;
+    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -38,11 +42,21 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-recompute")) recompute = 0;
         else if (!strcmp(argv[i], "--recompute-chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seq-segment") && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 0 || v > (1 << 26)) {
+                fprintf(stderr, "bench_cuda_model: --seq-segment must be an integer in [0, 2^26] (0: off), got '%s'\n",
+                        argv[i]);
+                return 2;
+            }
+            segment = (int)v;
+        }
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
-                            "[--recompute-chunk N] [--optimizer] [--out FILE.json]\n");
+                            "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--out FILE.json]\n");
             return 2;
         }
     }
@@ -59,6 +73,11 @@ int main(int argc, char **argv) {
     if (chunk >= 0) {
         c.recompute_chunk = chunk;
         if (chunk > 0) c.recompute = 1;
+    }
+    if (segment >= 0) c.seq_segment = segment;
+    if (lm_config_validate(&c)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 2;
     }
     lm_backend *gpu = NULL;
     lm_model *m = NULL;
@@ -133,8 +152,9 @@ int main(int argc, char **argv) {
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     double used_gib = (double)(total_b - free_b) / (1u << 30);
-    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d\n", cfg_path,
-           plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off", c.recompute_chunk);
+    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d\n",
+           cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off",
+           c.recompute_chunk, c.seq_segment);
     printf("forward+backward: %.1f ms median of %d (first %.1f ms), %.0f tokens/s, MFU %.1f%%, loss %.4f, "
            "device memory in use %.1f GiB\n",
            step * 1e3, reps, times[0] * 1e3, toks, 100 * mfu, loss, used_gib);
@@ -155,9 +175,9 @@ int main(int argc, char **argv) {
             return 1;
         }
         fprintf(f, "{\"bench\": \"cuda_model\", \"config\": \"%s\", \"B\": %d, \"T\": %d, \"recompute\": %d, "
-                   "\"recompute_chunk\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, "
-                   "\"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
-                cfg_path, B, T, c.recompute, c.recompute_chunk, step * 1e3, toks, mfu, used_gib,
+                   "\"recompute_chunk\": %d, \"seq_segment\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, "
+                   "\"mfu\": %.4f, \"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
+                cfg_path, B, T, c.recompute, c.recompute_chunk, c.seq_segment, step * 1e3, toks, mfu, used_gib,
                 plan_bytes / (1u << 30), with_opt ? opt_s / reps * 1e3 : -1.0);
         for (int p = 0; p < LM_TIME_COUNT; p++)
             fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3);
