@@ -1,7 +1,7 @@
 /* The whole model's forward and backward on the GPU (CUDA backend): time per
  * step, tokens/s, MFU and the time by layer kind, for a config and shape.
  *
- *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N]
+ *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
  *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
  *                    [--out FILE.json]
  *
@@ -60,8 +60,8 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (B < 1 || T < 1 || reps < 1) {
-        fprintf(stderr, "bench_cuda_model: --batch, --seq and --reps must be >= 1\n");
+    if (B < 1 || T < 1 || reps < 0) {
+        fprintf(stderr, "bench_cuda_model: --batch and --seq must be >= 1, --reps >= 0\n");
         return 2;
     }
     lm_config c;
@@ -136,7 +136,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
                 return 1;
             }
-            if (i > 0) opt_s += lm_time_seconds() - o0;
+            if (i > 0 || reps == 0) opt_s += lm_time_seconds() - o0;
         }
         if (lm_model_balance_step_end(m, 1, NULL)) {
             fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
@@ -145,7 +145,9 @@ int main(int argc, char **argv) {
     }
     lm_model_timings(m, parts);
     qsort(times + 1, (size_t)reps, sizeof *times, bench_cmp_double);
-    double step = times[1 + reps / 2], toks = (double)N / step;
+    /* --reps 0: the first step alone (one step of a very long sequence), scratch growth included */
+    const int nrep = reps > 0 ? reps : 1;
+    double step = reps > 0 ? times[1 + reps / 2] : times[0], toks = (double)N / step;
     lm_plan plan;
     lm_config_plan(&c, T, &plan);
     double mfu = toks * 3.0 * plan.total_flops / 989e12;
@@ -161,12 +163,12 @@ int main(int argc, char **argv) {
     printf("memory: the model's plan %.2f GiB (%.1f KiB a token), device memory in use after the steps %.2f GiB "
            "(total %.2f GiB)\n", plan_bytes / (1u << 30), plan_bytes / 1024.0 / (double)N, used_gib,
            (double)total_b / (1u << 30));
-    if (with_opt) printf("optimizer step (Muon + AdamW on the device): %.1f ms mean of %d\n", opt_s / reps * 1e3, reps);
+    if (with_opt) printf("optimizer step (Muon + AdamW on the device): %.1f ms mean of %d\n", opt_s / nrep * 1e3, nrep);
     double sum = 0;
     for (int p = 0; p < LM_TIME_COUNT; p++) sum += parts[p];
     printf("time by part (forward + backward, per step):\n");
     for (int p = 0; p < LM_TIME_COUNT; p++)
-        printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3,
+        printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / nrep * 1e3,
                sum > 0 ? 100 * parts[p] / sum : 0);
     if (out) {
         FILE *f = fopen(out, "w");
@@ -178,9 +180,9 @@ int main(int argc, char **argv) {
                    "\"recompute_chunk\": %d, \"seq_segment\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, "
                    "\"mfu\": %.4f, \"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
                 cfg_path, B, T, c.recompute, c.recompute_chunk, c.seq_segment, step * 1e3, toks, mfu, used_gib,
-                plan_bytes / (1u << 30), with_opt ? opt_s / reps * 1e3 : -1.0);
+                plan_bytes / (1u << 30), with_opt ? opt_s / nrep * 1e3 : -1.0);
         for (int p = 0; p < LM_TIME_COUNT; p++)
-            fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3);
+            fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / nrep * 1e3);
         fprintf(f, "}}\n");
         fclose(f);
     }
