@@ -1,8 +1,9 @@
 /* The whole model's forward and backward on the GPU (CUDA backend): time per
  * step, tokens/s, MFU and the time by layer kind, for a config and shape.
  *
- *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N]
- *                    [--no-recompute] [--recompute-chunk N] [--optimizer] [--out FILE.json]
+ *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
+ *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
+ *                    [--out FILE.json]
  *
  * MFU = tokens/s x training FLOPs per token / 989e12 (H200 dense bf16), with
  * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
@@ -15,7 +16,10 @@
  * Memory: the model's own plan (lm_model_buffer_at) and the device memory in
  * use after the last step (cudaMemGetInfo: the model, the optimizer, the
  * backend's arena, the CUDA context and cuBLAS; buffers only grow, so this is
- * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute). */
+ * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute);
+ * --seq-segment S sets train.seq_segment (the layers run S tokens of each row
+ * at a time, docs/model.md "Sequence segments"; attention past the first
+ * segment needs the CUDA attention with a query offset). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +34,7 @@
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
-    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, with_opt = 0;
+    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -38,16 +42,26 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-recompute")) recompute = 0;
         else if (!strcmp(argv[i], "--recompute-chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seq-segment") && i + 1 < argc) {
+            char *end;
+            long v = strtol(argv[++i], &end, 10);
+            if (*end || v < 0 || v > (1 << 26)) {
+                fprintf(stderr, "bench_cuda_model: --seq-segment must be an integer in [0, 2^26] (0: off), got '%s'\n",
+                        argv[i]);
+                return 2;
+            }
+            segment = (int)v;
+        }
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
-                            "[--recompute-chunk N] [--optimizer] [--out FILE.json]\n");
+                            "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--out FILE.json]\n");
             return 2;
         }
     }
-    if (B < 1 || T < 1 || reps < 1) {
-        fprintf(stderr, "bench_cuda_model: --batch, --seq and --reps must be >= 1\n");
+    if (B < 1 || T < 1 || reps < 0) {
+        fprintf(stderr, "bench_cuda_model: --batch and --seq must be >= 1, --reps >= 0\n");
         return 2;
     }
     lm_config c;
@@ -59,6 +73,11 @@ int main(int argc, char **argv) {
     if (chunk >= 0) {
         c.recompute_chunk = chunk;
         if (chunk > 0) c.recompute = 1;
+    }
+    if (segment >= 0) c.seq_segment = segment;
+    if (lm_config_validate(&c)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 2;
     }
     lm_backend *gpu = NULL;
     lm_model *m = NULL;
@@ -117,7 +136,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
                 return 1;
             }
-            if (i > 0) opt_s += lm_time_seconds() - o0;
+            if (i > 0 || reps == 0) opt_s += lm_time_seconds() - o0;
         }
         if (lm_model_balance_step_end(m, 1, NULL)) {
             fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
@@ -126,27 +145,30 @@ int main(int argc, char **argv) {
     }
     lm_model_timings(m, parts);
     qsort(times + 1, (size_t)reps, sizeof *times, bench_cmp_double);
-    double step = times[1 + reps / 2], toks = (double)N / step;
+    /* --reps 0: the first step alone (one step of a very long sequence), scratch growth included */
+    const int nrep = reps > 0 ? reps : 1;
+    double step = reps > 0 ? times[1 + reps / 2] : times[0], toks = (double)N / step;
     lm_plan plan;
     lm_config_plan(&c, T, &plan);
     double mfu = toks * 3.0 * plan.total_flops / 989e12;
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     double used_gib = (double)(total_b - free_b) / (1u << 30);
-    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d\n", cfg_path,
-           plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off", c.recompute_chunk);
+    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d\n",
+           cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off",
+           c.recompute_chunk, c.seq_segment);
     printf("forward+backward: %.1f ms median of %d (first %.1f ms), %.0f tokens/s, MFU %.1f%%, loss %.4f, "
            "device memory in use %.1f GiB\n",
            step * 1e3, reps, times[0] * 1e3, toks, 100 * mfu, loss, used_gib);
     printf("memory: the model's plan %.2f GiB (%.1f KiB a token), device memory in use after the steps %.2f GiB "
            "(total %.2f GiB)\n", plan_bytes / (1u << 30), plan_bytes / 1024.0 / (double)N, used_gib,
            (double)total_b / (1u << 30));
-    if (with_opt) printf("optimizer step (Muon + AdamW on the device): %.1f ms mean of %d\n", opt_s / reps * 1e3, reps);
+    if (with_opt) printf("optimizer step (Muon + AdamW on the device): %.1f ms mean of %d\n", opt_s / nrep * 1e3, nrep);
     double sum = 0;
     for (int p = 0; p < LM_TIME_COUNT; p++) sum += parts[p];
     printf("time by part (forward + backward, per step):\n");
     for (int p = 0; p < LM_TIME_COUNT; p++)
-        printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3,
+        printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / nrep * 1e3,
                sum > 0 ? 100 * parts[p] / sum : 0);
     if (out) {
         FILE *f = fopen(out, "w");
@@ -155,12 +177,12 @@ int main(int argc, char **argv) {
             return 1;
         }
         fprintf(f, "{\"bench\": \"cuda_model\", \"config\": \"%s\", \"B\": %d, \"T\": %d, \"recompute\": %d, "
-                   "\"recompute_chunk\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, "
-                   "\"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
-                cfg_path, B, T, c.recompute, c.recompute_chunk, step * 1e3, toks, mfu, used_gib,
-                plan_bytes / (1u << 30), with_opt ? opt_s / reps * 1e3 : -1.0);
+                   "\"recompute_chunk\": %d, \"seq_segment\": %d, \"step_ms\": %.3f, \"tokens_per_s\": %.1f, "
+                   "\"mfu\": %.4f, \"device_gib\": %.2f, \"plan_gib\": %.3f, \"optimizer_ms\": %.3f, \"parts_ms\": {",
+                cfg_path, B, T, c.recompute, c.recompute_chunk, c.seq_segment, step * 1e3, toks, mfu, used_gib,
+                plan_bytes / (1u << 30), with_opt ? opt_s / nrep * 1e3 : -1.0);
         for (int p = 0; p < LM_TIME_COUNT; p++)
-            fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / reps * 1e3);
+            fprintf(f, "%s\"%s\": %.3f", p ? ", " : "", lm_time_part_name((lm_time_part)p), parts[p] / nrep * 1e3);
         fprintf(f, "}}\n");
         fclose(f);
     }

@@ -113,9 +113,10 @@ fi
 
 if has fla; then
     echo "== fla-core chunk_kda"
-    if ls .whl/*.whl >/dev/null 2>&1; then
+    wheels=$(ls .whl/*.whl 2>/dev/null | grep -v nvidia_cudnn_frontend) # that one: C++ headers for CMake
+    if [ -n "$wheels" ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
+            --target /tmp/site $wheels >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     ours=()

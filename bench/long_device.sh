@@ -8,10 +8,12 @@
 #
 #   bench/long_device.sh [build] [test] [long]   (default: build test long)
 #
-#   test         test_cuda_model (the chunked model against the CPU and against itself
-#                unchunked, among the rest) and the CPU's test_model_chunk
+#   test         test_cuda_model (the chunked and the segmented model against the CPU and
+#                against itself whole, among the rest) and the CPU's test_model_chunk and
+#                test_model_seg
 #   long         the lengths in LENGTHS (default "65536 262144 1048576"), REPS timed steps each
-#                after one warm-up step (default 1), CHUNK tokens per chunk (default 16384);
+#                after one warm-up step (default 1), CHUNK tokens per chunk (default 16384),
+#                SEGMENT tokens per sequence segment (train.seq_segment; default 0: off);
 #                FORCE=1 runs a length even when its plan exceeds the free memory (to see
 #                where it fails)
 #
@@ -29,6 +31,7 @@ CONFIG=${CONFIG:-configs/k3-mini.json}
 LENGTHS=${LENGTHS:-65536 262144 1048576}
 REPS=${REPS:-1}
 CHUNK=${CHUNK:-16384}
+SEGMENT=${SEGMENT:-0}
 FORCE=${FORCE:-0}
 mkdir -p "$OUT"
 steps=${*:-build test long}
@@ -41,27 +44,28 @@ if has build; then
     echo "== build ($BUILD)"
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
         timeout 500 cmake --build "$BUILD" -j "$JOBS" --target longmoe bench_cuda_model test_cuda_model \
-            test_model_chunk >>"$OUT/build.log" 2>&1
+            test_model_chunk test_model_seg >>"$OUT/build.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
 fi
 
 if has test; then
-    echo "== test_model_chunk, test_cuda_model"
-    { timeout 300 "$BUILD/test_model_chunk" && timeout 600 "$BUILD/test_cuda_model"; } >"$OUT/test.log" 2>&1
+    echo "== test_model_chunk, test_model_seg, test_cuda_model"
+    { timeout 300 "$BUILD/test_model_chunk" && timeout 300 "$BUILD/test_model_seg" &&
+        timeout 600 "$BUILD/test_cuda_model"; } >"$OUT/test.log" 2>&1
     rc=$?
-    grep -E "^(ok|FAIL|skip)|passed|unchunked|chunked" "$OUT/test.log"
+    grep -E "^(ok|FAIL|skip)|passed|unchunked|chunked|segment" "$OUT/test.log"
     [ $rc -ne 0 ] && { echo "tests failed (rc $rc): see $OUT/test.log"; status=1; }
 fi
 
 if has long; then
     # free device memory now, in GiB (the plan must fit it, with 2 GiB for the context and cuBLAS)
     free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{print $1/1024}')
-    echo "== long sequences of $CONFIG, B = 1, recompute_chunk $CHUNK (free device memory ${free_gib} GiB)"
+    echo "== long sequences of $CONFIG, B = 1, recompute_chunk $CHUNK, seq_segment $SEGMENT (free device memory ${free_gib} GiB)"
     records=()
     for T in $LENGTHS; do
         "$BUILD/longmoe" plan --memory --config "$CONFIG" --batch 1 --seq "$T" --device cuda \
-            --recompute-chunk "$CHUNK" --json "$OUT/plan_$T.json" >"$OUT/plan_$T.txt" 2>&1 ||
+            --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --json "$OUT/plan_$T.json" >"$OUT/plan_$T.txt" 2>&1 ||
             { echo "T=$T: plan failed"; cat "$OUT/plan_$T.txt"; status=1; continue; }
         plan_gib=$(awk '/^total /{print $2}' "$OUT/plan_$T.txt")
         echo "-- T=$T: the plan asks ${plan_gib} GiB (largest buffers:)"
@@ -74,7 +78,7 @@ if has long; then
             continue
         fi
         timeout 570 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch 1 --seq "$T" --reps "$REPS" \
-            --recompute-chunk "$CHUNK" --optimizer --out "$OUT/long_$T.json" >"$OUT/long_$T.txt" 2>&1
+            --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --optimizer --out "$OUT/long_$T.json" >"$OUT/long_$T.txt" 2>&1
         rc=$?
         cat "$OUT/long_$T.txt"
         if [ $rc -ne 0 ]; then
@@ -85,7 +89,7 @@ if has long; then
             records+=("{\"T\": $T, \"plan_gib\": $plan_gib, \"run\": true, \"result\": $(cat "$OUT/long_$T.json")}")
         fi
     done
-    { echo "{\"config\": \"$CONFIG\", \"recompute_chunk\": $CHUNK, \"free_gib\": $free_gib, \"lengths\": ["
+    { echo "{\"config\": \"$CONFIG\", \"recompute_chunk\": $CHUNK, \"seq_segment\": $SEGMENT, \"free_gib\": $free_gib, \"lengths\": ["
       (IFS=,; echo "${records[*]}")
       echo "]}"; } >"$OUT/long.json"
     echo "results: $OUT/long.json"

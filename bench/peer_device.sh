@@ -21,9 +21,11 @@ steps=${*:-build check bench table}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
-if ls .whl/*.whl >/dev/null 2>&1; then
+# (the cudnn-frontend wheel there is for its C++ headers only: CMake unpacks them; not installed)
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v nvidia_cudnn_frontend)
+if [ -n "$wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
+        --target /tmp/site $wheels >"$OUT/pip.log" 2>&1 || echo "pip install failed: $OUT/pip.log"
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # fla's Triton autotuning compiles every candidate (about 200 s at k3-mini 8x4096 the first time):

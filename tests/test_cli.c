@@ -234,6 +234,49 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
     CHECK(!no_run_in(path_in("run_gpu")), "the CPU run wrote no run");
 }
 
+/* plan --memory --seq-segment S: the segmented layout; a bad S is refused. A
+ * config with train.seq_segment trains (its loss after the first step equals
+ * the unsegmented run's to float rounding: docs/model.md "Sequence segments"). */
+static void test_sequence_segments_in_plan_and_train(void) {
+    char args[1024];
+    CHECK(run_cli("plan --memory --config configs/tiny.json --batch 2 --seq 1000 --seq-segment 300") == 0 &&
+              test_file_has(path_in("out.txt"), "seq_segment 300") &&
+              test_file_has(path_in("out.txt"), "segments: KDA states at 3 segment starts") &&
+              test_file_has(path_in("out.txt"), "residual stream of the last segment (100 tokens a row)"),
+          "plan --seq-segment 300 does not show the segments' buffers");
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq-segment -3") == 2 && stderr_has("--seq-segment"),
+          "plan --seq-segment -3 accepted");
+    const char *cfgs[2] = {"seg0.json", "seg48.json"};
+    float first[2] = {0, 0};
+    for (int i = 0; i < 2; i++) {
+        FILE *f = fopen(path_in(cfgs[i]), "w");
+        CHECK(f != NULL, "%s", cfgs[i]);
+        if (!f) return;
+        fprintf(f, "{\"model\": {\"vocab_size\": 256, \"d_model\": 32, \"n_layers\": 2, \"layout\": \"km\","
+                   " \"first_k_dense\": 1, \"dense_ffn\": 48},\n"
+                   " \"kda\": {\"heads\": 2, \"head_dim\": 16, \"chunk\": 16},\n"
+                   " \"attention\": {\"heads\": 2, \"q_lora_rank\": 16, \"kv_lora_rank\": 8, \"qk_head_dim\": 16,"
+                   " \"v_head_dim\": 16},\n"
+                   " \"train\": {\"seq_len\": 100, \"batch_size\": 2, \"steps\": 2, \"eval_every\": 0, \"ckpt_every\": 0,"
+                   " \"data\": \"copy\", \"seq_segment\": %d}}\n",
+                i ? 48 : 0);
+        fclose(f);
+        char run[64];
+        snprintf(run, sizeof run, "run_seg%d", i);
+        snprintf(args, sizeof args, "train --config %s --out %s --quiet", path_in(cfgs[i]), path_in(run));
+        CHECK(run_cli(args) == 0, "train with train.seq_segment = %d failed", i ? 48 : 0);
+        char metrics[600];
+        snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", path_in(run));
+        char *text = test_slurp(metrics, NULL);
+        const char *l = text ? strstr(text, "\"loss\": ") : NULL;
+        CHECK(l != NULL, "no loss in %s", metrics);
+        if (l) first[i] = strtof(l + 8, NULL);
+        free(text);
+    }
+    CHECK(first[0] > 0 && fabsf(first[0] - first[1]) <= 1e-5f * first[0], "first loss %.7g whole rows, %.7g in segments",
+          first[0], first[1]);
+}
+
 int main(void) {
     if (test_make_tmpdir(dir, sizeof dir, "cli")) return 1;
     make_inputs();
@@ -241,6 +284,7 @@ int main(void) {
     RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
     RUN(test_train_device_flag_is_checked);
     RUN(test_train_on_cuda_without_a_gpu_fails_clearly);
+    RUN(test_sequence_segments_in_plan_and_train);
     test_remove_tree(dir);
     return test_summary();
 }

@@ -17,7 +17,7 @@
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
-    "                    [--recompute-chunk N] [--json FILE]\n"
+    "                    [--recompute-chunk N] [--seq-segment S] [--cp N] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -39,11 +39,18 @@ static const char *const plan_usage =
     "train.seq_len): parameters, gradients, the optimizer's state (on the device for\n"
     "cuda, as train --device cuda), each activation and scratch buffer, by name, from\n"
     "the plan the model allocates with (no GPU needed). --recompute-chunk N overrides\n"
-    "train.recompute_chunk (and turns train.recompute on when N > 0); --json FILE\n"
-    "writes the table.\n";
+    "train.recompute_chunk (and turns train.recompute on when N > 0); --seq-segment S\n"
+    "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
+    "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n"
+    "--cp N (cpu) sizes one rank of `train --cp N`: its segment of\n"
+    "the T tokens (the first T mod N segments one token longer) and the context-\n"
+    "parallel block of segment activations and backward scratch the model adds,\n"
+    "for the rank that needs the most (the attention's activations grow with the\n"
+    "segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
+    "group's share).\n";
 
-static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
-                        const char *json);
+static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
+                        long cp, const char *json);
 
 static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
                         long context, long long global_tokens);
@@ -60,7 +67,7 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 
 int cmd_plan(int argc, char **argv) {
     const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
-    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1;
+    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1, cp = 1;
     int memory = 0;
     double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
@@ -82,6 +89,11 @@ int cmd_plan(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--recompute-chunk")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--recompute-chunk", v, 0, 1L << 26, &chunk))
                 return 2;
+        } else if (!strcmp(argv[i], "--seq-segment")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--seq-segment", v, 0, 1L << 26, &segment))
+                return 2;
+        } else if (!strcmp(argv[i], "--cp")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--cp", v, 1, 4096, &cp)) return 2;
         } else if (!strcmp(argv[i], "--device")) {
             if (!(device = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(argv[i], "--json")) {
@@ -115,9 +127,10 @@ int cmd_plan(int argc, char **argv) {
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
     if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
-                                    chunk, json);
-    if (batch > 0 || seq > 0 || chunk >= 0 || json || strcmp(device, "cpu"))
-        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk and --json go with --memory (see --help)");
+                                    chunk, segment, cp, json);
+    if (batch > 0 || seq > 0 || chunk >= 0 || segment >= 0 || json || strcmp(device, "cpu") || cp > 1)
+        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk, --seq-segment, --cp and --json go with "
+                             "--memory (see --help)");
     if (layout_text) {
         lm_layout layout;
         if (lm_layout_parse(layout_text, &layout)) return cli_fail(cmd, "%s", lm_last_error());
@@ -225,15 +238,54 @@ static void json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk,
-                        const char *json) {
+/* Bytes of the buffers of a plan of B x T tokens plus its context-parallel
+ * block at t0 of cp ranks (cp > 1). */
+static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, double *bytes,
+                      size_t *cp_bytes) {
+    lm_model *m = NULL;
+    if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return 1;
+    *bytes = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) *bytes += (double)lm_model_buffer_at(m, i)->bytes;
+    *cp_bytes = 0;
+    int bad = cp > 1 && lm_model_context_parallel_bytes(m, (int)cp, (int)t0, cp_bytes);
+    *bytes += (double)*cp_bytes;
+    lm_model_free(m);
+    return bad;
+}
+
+static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
+                        long cp, const char *json) {
     lm_device dev;
     if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
     if (chunk >= 0) {
         c->recompute_chunk = (int)chunk;
         if (chunk > 0) c->recompute = 1;
     }
+    if (segment >= 0) c->seq_segment = (int)segment;
+    if (cp > 1 && c->seq_segment > 0)
+        return cli_fail(cmd, "--cp with sequence segments (seq_segment %d): the model runs one or the other",
+                        c->seq_segment);
     if (B * T > (1L << 26)) return cli_fail(cmd, "--batch x --seq = %ld tokens exceeds 2^26", B * T);
+    /* context parallel: the rank that needs the most, the last of the longer segments or the last rank */
+    const long T_whole = T;
+    long rank = 0, t0 = 0;
+    size_t cp_bytes = 0;
+    if (cp > 1) {
+        if (dev != LM_DEVICE_CPU) return cli_fail(cmd, "--cp: context parallelism runs on CPU ranks (--device cpu)");
+        if (T < cp)
+            return cli_fail(cmd, "--cp %ld: sequences of %ld tokens cannot give each of %ld ranks a segment of at "
+                            "least one token", cp, T, cp);
+        const long q = T / cp, r = T % cp;
+        long cand[2] = {r > 0 ? r - 1 : cp - 1, cp - 1};
+        double best = -1;
+        for (int i = 0; i < 2; i++) {
+            long len = q + (cand[i] < r), start = cand[i] * q + (cand[i] < r ? cand[i] : r);
+            double bytes;
+            size_t cb;
+            if (plan_bytes(c, B, len, dev, cp, start, &bytes, &cb)) return cli_fail(cmd, "%s", lm_last_error());
+            if (bytes > best) best = bytes, rank = cand[i], t0 = start, cp_bytes = cb, T = len;
+        }
+    }
     lm_model *m = NULL;
     if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
@@ -257,21 +309,27 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         scratch = lm_optim_scratch_floats(ps, nt) * sizeof(float);
     }
     free(ps);
-    const char *extra_names[3] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
-                                  "gradient norm work"};
-    size_t extra[3] = {state, scratch, norm};
+    const char *extra_names[4] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
+                                  "gradient norm work",
+                                  "context parallel: segment activations of the token mixers and backward scratch"};
+    size_t extra[4] = {state, scratch, norm, cp_bytes};
     int nb = lm_model_num_buffers(m);
     double total = 0;
     for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
-    for (int i = 0; i < 3; i++) total += (double)extra[i];
-    printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d: %zu parameters\n\n", cmd, device,
-           B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, lm_model_num_params(m));
+    for (int i = 0; i < 4; i++) total += (double)extra[i];
+    printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n",
+           cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
+           lm_model_num_params(m));
+    if (cp > 1)
+        printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
+               "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
+    printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {
         const lm_model_buffer *b = lm_model_buffer_at(m, i);
         printf("%-82s %12.3f %6.1f%%\n", b->name, gib((double)b->bytes), 100.0 * (double)b->bytes / total);
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         if (extra[i]) printf("%-82s %12.3f %6.1f%%\n", extra_names[i], gib((double)extra[i]), 100.0 * extra[i] / total);
     printf("%-82s %12.3f\n", "total", gib(total));
     printf("(%.1f KiB a token; the CUDA backend adds small scratch of its own and the allocator's rounding)\n",
@@ -283,8 +341,12 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             rc = cli_fail(cmd, "cannot write %s", json);
         } else {
             fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %d, \"recompute_chunk\": %d, "
-                       "\"total_bytes\": %.0f, \"buffers\": [",
-                    device, B, T, c->recompute, c->recompute_chunk, total);
+                       "\"seq_segment\": %d, ",
+                    device, B, T, c->recompute, c->recompute_chunk, c->seq_segment);
+            if (cp > 1)
+                fprintf(f, "\"context_parallel\": %ld, \"cp_rank\": %ld, \"segment_start\": %ld, \"seq_whole\": %ld, ",
+                        cp, rank, t0, T_whole);
+            fprintf(f, "\"total_bytes\": %.0f, \"buffers\": [", total);
             int first = 1;
             for (int i = 0; i < nb; i++) {
                 const lm_model_buffer *b = lm_model_buffer_at(m, i);
@@ -293,7 +355,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                 fprintf(f, ", \"bytes\": %zu}", b->bytes);
                 first = 0;
             }
-            for (int i = 0; i < 3; i++)
+            for (int i = 0; i < 4; i++)
                 if (extra[i]) {
                     fprintf(f, ",\n  {\"name\": ");
                     json_string(f, extra_names[i]);

@@ -13,7 +13,7 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep] [--zero 1] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep | --cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
     "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
@@ -69,6 +69,16 @@ static const char *const train_usage =
     "                of the optimizer memory a rank (the start message says how much);\n"
     "                checkpoints are the same files and resume on any number of ranks, with\n"
     "                or without --zero (docs/scaleout.md, \"ZeRO-1\")\n"
+    "  --cp C        with --comm mpi: context parallelism in groups of C consecutive ranks\n"
+    "                (N a multiple of C; 1: off): the N/C groups split the batch as data\n"
+    "                parallelism does (B divisible by N/C) and the C ranks of a group hold\n"
+    "                contiguous segments of every sequence of their rows (as equal as\n"
+    "                possible; train.seq_len >= C), the KDA and attention layers exchanging\n"
+    "                states. Gradients scaled by segment/T are summed over all N ranks, so\n"
+    "                the step is the whole batch's, to float rounding; checkpoints are the\n"
+    "                ordinary ones and resume on any layout. With --zero 1 the state is\n"
+    "                sharded over all N ranks; not with --ep (docs/scaleout.md, \"Context\n"
+    "                parallelism in the trainer\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -110,7 +120,7 @@ int cmd_train(int argc, char **argv) {
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
     int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
-    long zero = 0;
+    long zero = 0, cp = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -144,6 +154,8 @@ int cmd_train(int argc, char **argv) {
             expert_parallel = 1;
         } else if (!strcmp(a, "--zero")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
+        } else if (!strcmp(a, "--cp")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 1, 4096, &cp)) return 2;
         } else if (!strcmp(a, "--host-optimizer")) {
             host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -206,7 +218,13 @@ int cmd_train(int argc, char **argv) {
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
     if (zero && !use_mpi)
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi") + 1;
+    if (cp > 1 && !use_mpi)
+        return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi", cp) + 1;
+    if (cp > 1 && expert_parallel)
+        return cli_fail(cmd, "--ep together with --cp (expert and context parallelism) is not supported: use one of "
+                        "them") + 1;
     opt.zero = (int)zero;
+    opt.context_parallel = (int)cp;
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
     if (use_mpi) {

@@ -122,6 +122,16 @@ typedef struct {
     lm_status (*attention_backward)(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
                                     const void *v, const void *o, const float *lse, const void *d_o, void *dq,
                                     void *dk, void *dv);
+    /* queries at positions q_offset .. q_offset+T-1 over keys 0 .. q_offset+T-1
+     * (attention.h's lm_attention_forward_offset): q, o, lse, rowmax of the T
+     * queries, k and v of the q_offset+T keys; q_offset 0 is attention_forward */
+    lm_status (*attention_forward_offset)(lm_backend *be, const lm_attention_config *cfg, int q_offset,
+                                          const void *q, const void *k, const void *v, void *o, float *lse,
+                                          float *rowmax);
+    /* dq [the T queries], dk, dv [the q_offset+T keys] (lp) WRITTEN */
+    lm_status (*attention_backward_offset)(lm_backend *be, const lm_attention_config *cfg, int q_offset,
+                                           const void *q, const void *k, const void *v, const void *o,
+                                           const float *lse, const void *d_o, void *dq, void *dk, void *dv);
     /* the largest scaled score per head over the batch, head_max [H] on the
      * host, from the `rowmax` buffer that attention_forward filled (its
      * contents are the backend's own: per query on the CPU, the maximum of
@@ -148,14 +158,20 @@ typedef struct {
     lm_status (*conv_silu_backward)(lm_backend *be, float *din, float *dw, const void *dout_lp,
                                     const float *conv_out, const void *out_lp, const float *rnorm, const float *in,
                                     const float *w, int B, int T, int C, int W, int head_dim, float *tmp);
-    /* the operator (SPEC §2): o (lp) from q, k, v, z (lp), beta, A_log, dt_bias (fp32) */
+    /* the operator (SPEC §2): o (lp) from q, k, v, z (lp), beta, A_log, dt_bias
+     * (fp32); h0 [B,H,K,V] the initial state (NULL: zero), ht (NULL: not
+     * written) the final state, both fp32 (sequence segments, docs/model.md) */
     lm_status (*kda_forward)(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k, const void *v,
-                             const void *z, const float *beta, const float *A_log, const float *dt_bias, void *o);
-    /* dq, dk, dv, dz (lp), dbeta WRITTEN; dA_log, ddt_bias ACCUMULATED */
+                             const void *z, const float *beta, const float *A_log, const float *dt_bias,
+                             const float *h0, void *o, float *ht);
+    /* dq, dk, dv, dz (lp), dbeta WRITTEN; dA_log, ddt_bias ACCUMULATED; h0 the
+     * forward's, dht the final state's gradient (NULL: zero), dh0 (NULL: not
+     * wanted) the initial state's, WRITTEN */
     lm_status (*kda_backward)(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
                               const void *v, const void *z, const float *beta, const float *A_log,
-                              const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
-                              float *dbeta, float *dA_log, float *ddt_bias);
+                              const float *dt_bias, const float *h0, const void *d_o, const float *dht, void *dq,
+                              void *dk, void *dv, void *dz, float *dbeta, float *dA_log, float *ddt_bias,
+                              float *dh0);
     /* gate = sigmoid(gate_logits) (in place: gate may equal gate_logits),
      * gated = gate ⊙ RMSNorm_head(o; o_norm) into gated_lp (the input of W_o)
      * and, when gated != NULL, in fp32; o_rstd [N*H] */
@@ -220,6 +236,9 @@ typedef struct {
      * attention at these shapes (either may be NULL): 0 where the model passes
      * the workspace (the CPU); on the GPU the arena those ops grow */
     size_t (*op_scratch_bytes)(const lm_kda_config *kda, const lm_attention_config *attn);
+
+    /* acc[i] += x[i] for i < n: x fp32 (lp = 0) or in the product format (lp = 1) */
+    lm_status (*accumulate)(lm_backend *be, float *acc, const void *x, size_t n, int lp);
 
     /* ---- checks ---- */
     /* *first = the index of the first non-finite value of x[n], or -1 */

@@ -77,6 +77,11 @@ typedef struct {
      * in the forward and the recomputing backward, and the sublayer inputs are
      * recomputed from the residual state; 0 = off (docs/model.md, "Memory") */
     int recompute_chunk;
+    /* tokens per sequence segment: every layer runs on S tokens of each row at
+     * a time, the token mixers carrying their state from segment to segment,
+     * and the backward recomputes each segment's forward in reverse order; 0 =
+     * off (docs/model.md, "Sequence segments") */
+    int seq_segment;
     char data[64];          /* default data source: a built-in task or shards:DIR */
     int n_stages;           /* 0: one stage of train.seq_len, train.batch_size, train.steps */
     lm_stage stages[LM_MAX_STAGES];

@@ -111,6 +111,18 @@ lm_status lm_eval_loss(lm_model *m, lm_data_source *src, int n_batches, int n_bu
  * cover the sequences one rank of batch_rows would score. */
 lm_status lm_eval_loss_rows(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, int batch_rows,
                             int first_row, lm_eval_tally *tally);
+/* The same for a context-parallel model (lm_model_set_context_parallel over
+ * `group`) holding tokens [t0, t0 + T_c) of its B rows: batches of
+ * batch_rows sequences of T tokens are drawn, the model scores positions
+ * [t0, t0 + T_c) of rows [first_row, first_row + B) against the whole
+ * sequence's targets, into buckets over the whole length T. Collective over
+ * group (every rank of it calls with the same arguments but t0). A row's
+ * answers lie on several ranks: their counts are summed over the group and
+ * the rank with t0 = 0 alone counts the row (rows, rows_right), so the
+ * tallies of the group's ranks add up to the whole rows' tally. */
+struct lm_comm;
+lm_status lm_eval_loss_segment(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, int batch_rows,
+                               int first_row, int T, int t0, struct lm_comm *group, lm_eval_tally *tally);
 /* Passkey at each depth: accuracy[i] the fraction of rows whose five digits
  * are all right, digit_accuracy[i] the fraction of digits right. */
 lm_status lm_eval_passkey(lm_model *m, const double *depths, int n_depths, int n_batches, uint64_t seed,

@@ -54,6 +54,7 @@ typedef struct {
     float *gate;           /* sigmoid(W_g x) [N,HK] */
     void *gated;           /* gate ⊙ RMSNorm(o) [N,HK], product format (the input of W_o) */
     float *qk_rnorm;       /* 1/||SiLU(conv)|| for q then k [2*N*H] */
+    void *q_op, *k_op, *v_op; /* the operator's q, k, v: q, k, v themselves, except on a segment (below) */
 } lm_kda_layer_acts;
 
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T);
@@ -83,6 +84,46 @@ lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_la
                                    const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
                                    const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int T,
                                    float *dx, float *scratch);
+
+/* ---- sequence segments (docs/model.md, "Sequence segments") ----
+ * The layer on tokens [t0, t0 + n) of every sequence, x [B,n,d], given what
+ * the earlier tokens left: the operator's state and the short convolution's
+ * history (the q, k, v projections of the W-1 tokens before the segment; zero
+ * before the sequence start). A sequence run segment after segment, each
+ * handing its carry to the next, computes what the whole-sequence layer
+ * computes (to float rounding); the backward runs the segments in reverse,
+ * each handing the gradients of its incoming carry to the one before.
+ * The projections, conv outputs and their norms are kept for W-1+n rows per
+ * sequence (the history first), the operator's q, k, v (q_op, k_op, v_op)
+ * for the n rows. */
+typedef struct {
+    const float *h0;      /* [B,H,K,K] the state before the segment (NULL: zero) */
+    float *ht;            /* [B,H,K,K] the state after it (written; NULL: not kept) */
+    const float *halo;    /* [3,B,W-1,HK] q, k, v projections of the W-1 tokens before it (NULL: zero) */
+    float *halo_out;      /* [3,B,W-1,HK] those of its last W-1 positions (written; may be NULL) */
+} lm_kda_layer_carry;
+
+typedef struct {
+    const float *dht;       /* the gradient of ht (NULL: zero) */
+    float *dh0;             /* the gradient of h0 (written; may be NULL) */
+    const float *dhalo_out; /* the gradient of halo_out (NULL: zero) */
+    float *dhalo;           /* the gradient of halo (written; may be NULL) */
+} lm_kda_layer_carry_grad;
+
+size_t lm_kda_layer_seg_act_floats(const lm_kda_layer_config *c, int B, int n);
+void lm_kda_layer_seg_acts_map(const lm_kda_layer_config *c, int B, int n, float *base, lm_kda_layer_acts *a);
+size_t lm_kda_layer_seg_scratch_floats(const lm_kda_layer_config *c, int B, int n);
+/* x_lp [B,n,d] -> y [B,n,d]; fills `a` (lm_kda_layer_seg_acts_map for at least n). */
+lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
+                                   int n, const lm_kda_layer_carry *carry, float *y);
+/* After lm_kda_layer_forward_seg of the same segment (carry's h0 and halo
+ * read): dx and g ACCUMULATE; cg's dh0 and dhalo are written. */
+lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                    const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                    const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int n,
+                                    const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
+                                    float *scratch);
 
 /* ---- decode (docs/sampling.md) ----
  * The layer's whole memory of the past is a fixed-size state per sequence:

@@ -118,6 +118,42 @@ lm_status lm_mla_max_logits(const lm_mla_config *cfg, const float *acts, int B, 
  * backend's attention_forward leaves there is read by its attention_head_max). */
 float *lm_mla_acts_rowmax(const lm_mla_config *cfg, float *acts, int B, int T);
 
+/* ---- sequence segments (docs/model.md, "Sequence segments") ----
+ * The layer on tokens [t0, t0 + n) of every sequence, x [B,n,d], over the
+ * keys and values of all earlier tokens: the forward writes the segment's
+ * keys and values into stores of the whole sequence (rows t0 .. t0+n-1 of
+ * each) and its queries attend rows 0 .. t0+n-1 there (RoPE at the global
+ * positions). The backward adds the attention's gradient of every key and
+ * value it read into fp32 accumulators of the whole sequence and takes the
+ * segment's own rows from them: run the segments in reverse order (the later
+ * ones' contributions are in the accumulators by then); zero them first. */
+typedef struct {
+    int t0, T_all;          /* the segment's start; the stores' rows per sequence */
+    void *k_store, *v_store; /* [B,T_all,Hk,Dk], [B,T_all,Hk,Dv], product format (Hk: the core's key heads) */
+    float *dk_acc, *dv_acc;  /* the same shapes, fp32: the gradients of every key and value, accumulated */
+    void *dk_tmp, *dv_tmp;   /* [T_all,Hk,Dk], [T_all,Hk,Dv], product format: one sequence's attention gradient */
+    /* MLA may keep its latent instead (c_store != NULL; k_store, v_store, dk_acc, dv_acc unused): each
+     * sequence's keys and values up-projected from the stored latents into k_work, v_work per segment,
+     * their gradients taken back to the latents' (and the rotary keys') accumulators */
+    void *c_store;           /* [B,T_all,kv_lora], product format: c = RMSNorm(W_dkv x) */
+    float *kr_store;         /* [B,T_all,r] fp32: the rotary key after RoPE (rope_dims > 0) */
+    float *dc_acc, *dkr_acc; /* the same shapes, fp32 */
+    void *k_work, *v_work;   /* [T_all,H,Dk], [T_all,H,Dv], product format: one sequence's keys, values */
+} lm_mla_seg;
+
+/* Bytes a token of the whole rows takes in each form: the keys and values
+ * (stores and accumulators) or, MLA only, the latent and rotary key (0 for GQA). */
+void lm_mla_seg_token_bytes(const lm_mla_config *c, size_t lp_bytes, size_t *kv, size_t *latent);
+/* Elements of one row (token) of the key and value stores: Hk*Dk and Hk*Dv. */
+void lm_mla_seg_row_elems(const lm_mla_config *c, size_t *k_elems, size_t *v_elems);
+lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                             const void *x_lp, int B, int n, const lm_mla_seg *seg, float *y, float *acts);
+lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                              const void *x_lp, const float *acts, const float *dy, int B, int n,
+                              const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch);
+/* head_max [H] (host): each head's largest scaled logit in the segment's forward (backend's attention_head_max) */
+lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max);
+
 /* ---- decode ---- */
 typedef struct {
     int B, max_T, len; /* len tokens cached per sequence */

@@ -96,6 +96,12 @@ lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
  * sequence's. Call once, after creating the model (collective: the ranks
  * exchange B and T); not with expert parallelism. comm must outlive the model. */
 lm_status lm_model_set_context_parallel(lm_model *m, struct lm_comm *comm);
+/* Bytes of the block lm_model_set_context_parallel allocates (the mixers'
+ * segment activations and one backward scratch) on the rank of `ranks` whose
+ * segment, the model's B x T, starts at token t0 (the attention's activations
+ * grow with t0: the last rank's are the largest). Works on a plan
+ * (lm_model_plan): `longmoe plan --memory --cp N`. */
+lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes);
 
 /* Initialise every parameter from `seed` (reproducible) and reset the balancing. */
 void lm_model_init(lm_model *m, uint64_t seed);

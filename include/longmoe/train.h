@@ -102,6 +102,21 @@ typedef struct {
      * parameters. The result equals zero = 0 bit for bit; checkpoints are the
      * same files (rank 0 gathers the state) and resume on any layout. */
     int zero;
+    /* context parallelism (docs/scaleout.md, "Context parallelism in the
+     * trainer"; needs comm, CPU only): 0 or 1 (default) off; N > 1 cuts the R
+     * ranks into R / N data-parallel groups of N consecutive ranks (world rank
+     * w: group w / N, CP rank w % N). A group takes the rows of one
+     * data-parallel replica (B divisible by R / N) and CP rank c holds the
+     * contiguous segment c of every sequence (T split as equally as possible,
+     * the first T mod N segments one token longer; T >= N); the model runs
+     * lm_model_set_context_parallel over the group. Each rank's gradients are
+     * scaled by T_c / (T grad_accum R / N) and summed over all R ranks, so
+     * the step is the whole batch's; losses, balancing counts, QK-Clip maxima
+     * and evaluation tallies are whole-batch values on every rank, and
+     * checkpoints are the ordinary ones (they resume on any layout). R must
+     * be divisible by N; not with expert_parallel. With zero = 1 the
+     * optimizer state is sharded over all R ranks. */
+    int context_parallel;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

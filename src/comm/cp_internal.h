@@ -17,7 +17,8 @@ lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, lm_status l
 
 /* Each rank's verdict on its own arguments, shared: LM_OK on every rank when
  * all are LM_OK, else an error on every rank (its own, or one naming the
- * first rank that refused). Collective. */
+ * first rank that refused, with that rank's status: LM_ERR_NUMERIC for a
+ * non-finite input stays LM_ERR_NUMERIC). Collective. */
 lm_status lm_cp_agree(lm_comm *comm, lm_status local, const char *what);
 
 #endif

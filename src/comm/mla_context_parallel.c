@@ -111,16 +111,21 @@ size_t lm_mla_cp_scratch_floats(const lm_mla_config *c, int comm_size, int B, in
 
 lm_status lm_cp_agree(lm_comm *comm, lm_status local, const char *what) {
     const int R = lm_comm_size(comm);
-    int32_t *all = malloc((size_t)R * sizeof(int32_t)), mine = local != LM_OK;
+    int32_t *all = malloc((size_t)R * sizeof(int32_t)), mine = (int32_t)local;
     if (!all) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
     lm_status st = lm_comm_all_gather(comm, &mine, all, sizeof mine);
     int bad = -1;
+    lm_status why = LM_OK;
     for (int p = 0; !st && p < R && bad < 0; p++)
-        if (all[p]) bad = p;
+        if (all[p]) bad = p, why = (lm_status)all[p];
     free(all);
     if (st) return st;
     if (local) return local;
-    if (bad >= 0) return lm_error(LM_ERR_ARG, "%s: rank %d refused its arguments", what, bad);
+    /* the failing rank's status: a non-finite input there (LM_ERR_NUMERIC) is one here too, so a trainer
+     * skips the step on every rank as it does on one */
+    if (bad >= 0 && why == LM_ERR_NUMERIC)
+        return lm_error(LM_ERR_NUMERIC, "%s: rank %d met a non-finite value", what, bad);
+    if (bad >= 0) return lm_error(why, "%s: rank %d refused its arguments", what, bad);
     return LM_OK;
 }
 

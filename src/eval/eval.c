@@ -9,6 +9,7 @@
 #include "check.h"
 #include "files.h"
 #include "json.h"
+#include "longmoe/comm.h"
 #include "longmoe/config.h"
 #include "longmoe/linear.h"
 #include "longmoe/tasks.h"
@@ -269,6 +270,69 @@ lm_status lm_eval_loss_rows(lm_model *m, lm_data_source *src, int n_batches, int
     }
     if (seq != e.seq) free(seq);
     if (answer != e.answer) free(answer);
+    buffers_free(&e);
+    return s;
+}
+
+lm_status lm_eval_loss_segment(lm_model *m, lm_data_source *src, int n_batches, int n_buckets, int batch_rows,
+                               int first_row, int T, int t0, lm_comm *group, lm_eval_tally *tally) {
+    eval_buffers e;
+    TRY(buffers_alloc(&e, m));
+    const int B = e.B, len = e.T; /* the model's rows and segment */
+    lm_status s = lm_eval_tally_init(tally, T, n_buckets);
+    if (!s && src->vocab_size > e.V)
+        s = lm_error(LM_ERR_ARG, "eval: data '%s' has tokens up to %d but the model's vocabulary is %d", src->name,
+                     src->vocab_size, e.V);
+    if (!s && (batch_rows < B || first_row < 0 || first_row > batch_rows - B))
+        s = lm_error(LM_ERR_ARG, "eval: rows [%d, %d) of batches of %d do not fit (the model takes %d rows)",
+                     first_row, first_row + B, batch_rows, B);
+    if (!s && (t0 < 0 || t0 > T - len))
+        s = lm_error(LM_ERR_ARG, "eval: the segment [%d, %d) does not lie in sequences of %d tokens", t0, t0 + len, T);
+    int32_t *seq = NULL, *count = NULL;
+    uint8_t *answer = NULL;
+    if (!s) {
+        seq = malloc((size_t)batch_rows * ((size_t)T + 1) * sizeof(int32_t));
+        answer = malloc((size_t)batch_rows * (size_t)T);
+        count = malloc((2 * (size_t)B + 1) * sizeof(int32_t));
+        if (!seq || !answer || !count)
+            s = lm_error(LM_ERR_MEMORY, "out of memory (evaluation batch of %d x %d tokens)", batch_rows, T);
+    }
+    /* the group's ranks agree before their first collective forward */
+    int32_t any = s != LM_OK;
+    if (group && !lm_comm_all_reduce_sum(group, &any, &any, 1, LM_DTYPE_I32) && any && !s)
+        s = lm_error(LM_ERR_ARG, "eval: another rank of the context-parallel group could not start");
+    for (int bi = 0; bi < n_batches && !s; bi++) {
+        s = src->batch(src, bi, batch_rows, T, seq, answer);
+        for (int b = 0; b < B && !s; b++) {
+            const int32_t *row = seq + (size_t)(first_row + b) * ((size_t)T + 1) + t0;
+            memcpy(e.inp + (size_t)b * len, row, (size_t)len * sizeof(int32_t));
+            memcpy(e.tgt + (size_t)b * len, row + 1, (size_t)len * sizeof(int32_t));
+            memcpy(e.answer + (size_t)b * len, answer + (size_t)(first_row + b) * T + t0, (size_t)len);
+        }
+        if (!s) s = lm_model_score(m, e.inp, e.tgt, e.nll, e.argmax);
+        memset(count, 0, (2 * (size_t)B + 1) * sizeof(int32_t));
+        for (int b = 0; b < B && !s; b++) {
+            int bucket = 0, has_answer = 0, all_right = 1;
+            for (int j = 0; j < len && !s; j++) {
+                size_t i = (size_t)b * len + j;
+                int right = e.argmax[i] == e.tgt[i];
+                s = tally_position(tally, b, t0 + j, e.nll[i], right, e.answer[i], &bucket, &has_answer, &all_right);
+                count[2 * b] += e.answer[i] != 0;
+                count[2 * b + 1] += e.answer[i] && right;
+            }
+        }
+        /* the rows' answers over the group's segments; a failure on any rank stops every rank */
+        count[2 * B] = s != LM_OK;
+        lm_status cs = group ? lm_comm_all_reduce_sum(group, count, count, 2 * (size_t)B + 1, LM_DTYPE_I32) : LM_OK;
+        if (!s && cs) s = cs;
+        if (!s && count[2 * B])
+            s = lm_error(LM_ERR_NUMERIC, "eval: scoring failed on another rank of the context-parallel group");
+        for (int b = 0; b < B && !s && t0 == 0; b++)
+            tally_row_end(tally, count[2 * b] > 0, count[2 * b + 1] == count[2 * b]);
+    }
+    free(seq);
+    free(answer);
+    free(count);
     buffers_free(&e);
     return s;
 }

@@ -85,6 +85,7 @@ static const key_spec keys[] = {
     K_("train", "keep_checkpoints", KEY_INT, keep_checkpoints, 1, 1000, NULL),
     K_("train", "recompute", KEY_BOOL, recompute, 0, 1, NULL),
     K_("train", "recompute_chunk", KEY_INT, recompute_chunk, 0, 1 << 26, NULL),
+    K_("train", "seq_segment", KEY_INT, seq_segment, 0, 1 << 26, NULL),
     K_("train", "data", KEY_STRING, data, 0, 0, NULL),
     K_("train", "stages", KEY_STAGES, stages, 0, 0, NULL),
 };
@@ -392,6 +393,11 @@ lm_status lm_config_validate(const lm_config *c) {
     if (c->recompute_chunk > 0 && c->balance == LM_BALANCE_AUX)
         return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) does not run with moe.balance = aux (its loss "
                         "couples every token of the batch); use 0", c->recompute_chunk);
+    if (c->seq_segment < 0)
+        return lm_error(LM_ERR_ARG, "train.seq_segment (%d) must be >= 0 (0: off)", c->seq_segment);
+    if (c->seq_segment > 0 && c->balance == LM_BALANCE_AUX)
+        return lm_error(LM_ERR_ARG, "train.seq_segment (%d) does not run with moe.balance = aux (its loss "
+                        "couples every token of the batch); use 0", c->seq_segment);
     lm_stage st[LM_MAX_STAGES];
     int ns = lm_config_stages(c, st);
     for (int i = 0; i < ns; i++)

@@ -98,15 +98,38 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
     base += 2 * N * H;
     a->z_lp = a->z;
     if (lp_separate(c)) a->z_lp = base;
+    a->q_op = a->q;
+    a->k_op = a->k;
+    a->v_op = a->v;
+}
+
+/* A segment's acts: the whole-sequence layout for W-1+n rows per sequence,
+ * then the operator's q, k, v of the n rows (separate buffers: the history
+ * rows sit between the sequences). */
+size_t lm_kda_layer_seg_act_floats(const lm_kda_layer_config *c, int B, int n) {
+    size_t NHK = (size_t)B * n * c->heads * c->head_dim;
+    return ((lm_kda_layer_act_floats(c, B, n + c->conv_width - 1) + 15) & ~(size_t)15) +
+           3 * ((lp_floats(c, NHK) + 15) & ~(size_t)15);
+}
+
+void lm_kda_layer_seg_acts_map(const lm_kda_layer_config *c, int B, int n, float *base, lm_kda_layer_acts *a) {
+    size_t NHK = (size_t)B * n * c->heads * c->head_dim, lp = (lp_floats(c, NHK) + 15) & ~(size_t)15;
+    lm_kda_layer_acts_map(c, B, n + c->conv_width - 1, base, a);
+    base += (lm_kda_layer_act_floats(c, B, n + c->conv_width - 1) + 15) & ~(size_t)15; /* 64-byte starts */
+    a->q_op = base;
+    a->k_op = base + lp;
+    a->v_op = base + 2 * lp;
 }
 
 /* Backward scratch: fp32 slots, then (separate product format only) lp slots. */
 typedef struct {
-    size_t d_gated, d_o, dq, dk, dv, dz, tmp, dbeta, dgate, din, dy_lp, dgate_lp, din_lp, dbeta_lp, total;
+    size_t d_gated, d_o, dq, dk, dv, dz, tmp, dbeta, dgate, din, dy_lp, dgate_lp, din_lp, dbeta_lp, dout_ext, total;
 } scratch_layout;
 
-static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T) {
+/* ext: a segment's W-1 history rows per sequence in the convolutions' slots */
+static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T, int ext) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim, sep = lp_separate(c);
+    size_t NE = ext ? (size_t)B * (T + c->conv_width - 1) : N;
     scratch_layout s;
     size_t off = 0;
 #define PLACE(f, n) (s.f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
@@ -116,20 +139,27 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T)
     PLACE(dk, lp_floats(c, N * HK));
     PLACE(dv, lp_floats(c, N * HK));
     PLACE(dz, lp_floats(c, N * HK));
-    PLACE(tmp, N * HK);
+    PLACE(tmp, NE * HK);
     PLACE(dbeta, N * H);
     PLACE(dgate, N * HK);
-    PLACE(din, N * HK);
+    PLACE(din, NE * HK);
     PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
     PLACE(dgate_lp, sep ? lp_floats(c, N * HK) : 0);
-    PLACE(din_lp, sep ? lp_floats(c, N * HK) : 0);
+    PLACE(din_lp, sep ? lp_floats(c, NE * HK) : 0);
     PLACE(dbeta_lp, sep ? lp_floats(c, N * H) : 0);
+    PLACE(dout_ext, ext ? lp_floats(c, NE * HK) : 0);
 #undef PLACE
     s.total = off;
     return s;
 }
 
-size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) { return layout_scratch(c, B, T).total; }
+size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T) {
+    return layout_scratch(c, B, T, 0).total;
+}
+
+size_t lm_kda_layer_seg_scratch_floats(const lm_kda_layer_config *c, int B, int n) {
+    return layout_scratch(c, B, n, 1).total;
+}
 
 static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     lm_kda_config k = lm_kda_config_default(B, T, c->heads, c->head_dim, c->head_dim);
@@ -151,35 +181,62 @@ static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, co
     return be->ops->to_lp(be, buf, x, n);
 }
 
-/* The layer's forward through the backend's ops; ht (may be NULL, CPU only)
- * receives the operator's final state [B,H,K,K]. */
+/* A pointer `rows` rows of `width` elements of `bytes` each past p. */
+static void *at(const void *p, size_t rows, size_t width, size_t bytes) { return (char *)p + rows * width * bytes; }
+
+/* The layer's forward through the backend's ops; ht (may be NULL) receives
+ * the operator's final state [B,H,K,K]. carry != NULL: a segment (its
+ * history and state in, its own out). */
 static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                const lm_kda_layer_params *pl, lm_kda_layer_acts *a, const void *x, int B, int T,
-                               float *y, float *ht) {
+                               float *y, float *ht, const lm_kda_layer_carry *carry) {
     // x is (B,T,d) in the product format, y is (B,T,d)
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
-    size_t N = (size_t)B * T;
-    TRY(op->matmul_forward(be, a->qp, x, pl->W_q, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->kp, x, pl->W_k, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->vp, x, pl->W_v, (int64_t)N, d, HK));
-    /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
-    TRY(op->conv_silu_forward(be, a->qc, a->q, a->qk_rnorm, a->qp, p->conv_q, B, T, HK, W, K));
-    TRY(op->conv_silu_forward(be, a->kc, a->k, a->qk_rnorm + N * H, a->kp, p->conv_k, B, T, HK, W, K));
-    TRY(op->conv_silu_forward(be, a->vc, a->v, NULL, a->vp, p->conv_v, B, T, HK, W, K));
+    size_t N = (size_t)B * T, lpb = be->lp_bytes;
+    const float *Wm[3] = {pl->W_q, pl->W_k, pl->W_v}, *conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
+    float *proj[3] = {a->qp, a->kp, a->vp}, *pre[3] = {a->qc, a->kc, a->vc};
+    void *post[3] = {a->q, a->k, a->v}, *opin[3] = {a->q_op, a->k_op, a->v_op};
+    if (!carry) {
+        /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
+        for (int j = 0; j < 3; j++) TRY(op->matmul_forward(be, proj[j], x, Wm[j], (int64_t)N, d, HK));
+        for (int j = 0; j < 3; j++)
+            TRY(op->conv_silu_forward(be, pre[j], post[j], j < 2 ? a->qk_rnorm + j * N * H : NULL, proj[j],
+                                      conv_w[j], B, T, HK, W, K));
+    } else {
+        /* a segment: W-1 history rows before each sequence's n rows, then the conv over both */
+        const int W1 = W - 1, Tn = T + W1;
+        const size_t NE = (size_t)B * Tn;
+        for (int j = 0; j < 3; j++) {
+            for (int b = 0; b < B; b++) {
+                TRY(op->matmul_forward(be, proj[j] + ((size_t)b * Tn + W1) * HK, at(x, (size_t)b * T, d, lpb), Wm[j],
+                                       T, d, HK));
+                if (!W1) continue;
+                float *hist = proj[j] + (size_t)b * Tn * HK;
+                if (carry->halo)
+                    TRY(be->copy(be, hist, carry->halo + ((size_t)j * B + b) * W1 * HK, (size_t)W1 * HK * sizeof(float)));
+                else
+                    TRY(be->zero(be, hist, (size_t)W1 * HK * sizeof(float)));
+            }
+            TRY(op->conv_silu_forward(be, pre[j], post[j], j < 2 ? a->qk_rnorm + j * NE * H : NULL, proj[j],
+                                      conv_w[j], B, Tn, HK, W, K));
+            for (int b = 0; b < B; b++) {
+                TRY(be->copy(be, at(opin[j], (size_t)b * T, HK, lpb), at(post[j], (size_t)b * Tn + W1, HK, lpb),
+                             N / B * HK * lpb));
+                if (carry->halo_out && W1)
+                    TRY(be->copy(be, carry->halo_out + ((size_t)j * B + b) * W1 * HK,
+                                 proj[j] + ((size_t)b * Tn + T) * HK, (size_t)W1 * HK * sizeof(float)));
+            }
+        }
+    }
     TRY(op->matmul_forward(be, a->z, x, pl->W_z, (int64_t)N, d, HK));
     if (a->z_lp != (void *)a->z) TRY(op->to_lp(be, a->z_lp, a->z, N * HK));
     TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
     TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
     lm_kda_config kc = op_config(c, B, T);
-    if (ht) {
-        if (be->device != LM_DEVICE_CPU) return lm_error(LM_ERR_ARG, "kda layer: the final state is a CPU feature");
-        lm_kda_inputs in = {a->q, a->k, a->v, a->z, a->beta, p->A_log, p->dt_bias, NULL};
-        TRY(lm_kda_chunk_forward(&kc, &in, a->o, ht));
-    } else {
-        TRY(op->kda_forward(be, &kc, a->q, a->k, a->v, a->z_lp, a->beta, p->A_log, p->dt_bias, a->o));
-    }
+    TRY(op->kda_forward(be, &kc, opin[0], opin[1], opin[2], a->z_lp, a->beta, p->A_log, p->dt_bias,
+                        carry ? carry->h0 : NULL, a->o, carry ? carry->ht : ht));
     /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
     TRY(op->matmul_forward(be, a->gate, x, pl->W_g, (int64_t)N, d, HK));
     TRY(op->kda_output_forward(be, lp_separate(c) ? NULL : (float *)a->gated, a->gated, a->o_rstd, a->gate, a->gate,
@@ -191,25 +248,27 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
 lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                lm_kda_layer_acts *a, const float *x, int B, int T, float *y) {
     if (lp_separate(c)) return lm_error(LM_ERR_ARG, "kda layer: this backend needs lm_kda_layer_forward_lp");
-    return layer_forward(c, p, p, a, x, B, T, y, NULL);
+    return layer_forward(c, p, p, a, x, B, T, y, NULL, NULL);
 }
 
 lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
                                   int T, float *y) {
-    return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL);
+    return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL, NULL);
 }
 
-lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                                   const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
-                                   const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T,
-                                   float *dx, float *scratch) {
+/* The backward; carry != NULL: a segment's (cg: its carry's gradients). */
+static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
+                                const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T, float *dx,
+                                float *scratch, const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg) {
     // x is (B,T,d) in the product format; dy is (B,T,d); dx (B,T,d) and g accumulate
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
-    size_t N = (size_t)B * T, NHK = N * HK;
-    scratch_layout S = layout_scratch(c, B, T);
+    const int W1 = carry ? W - 1 : 0, Tn = T + W1;
+    size_t N = (size_t)B * T, NHK = N * HK, NE = (size_t)B * Tn, lpb = be->lp_bytes;
+    scratch_layout S = layout_scratch(c, B, T, carry != NULL);
     float *d_gated = scratch + S.d_gated, *tmp = scratch + S.tmp, *dbeta = scratch + S.dbeta,
           *dgate = scratch + S.dgate, *din = scratch + S.din;
     void *d_o = scratch + S.d_o, *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv,
@@ -225,8 +284,9 @@ lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_la
     TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
     /* the operator */
     lm_kda_config kc = op_config(c, B, T);
-    TRY(op->kda_backward(be, &kc, a->q, a->k, a->v, a->z_lp, a->beta, p->A_log, p->dt_bias, d_o, dq, dk, dv, dz,
-                         dbeta, g->A_log, g->dt_bias));
+    TRY(op->kda_backward(be, &kc, a->q_op, a->k_op, a->v_op, a->z_lp, a->beta, p->A_log, p->dt_bias,
+                         carry ? carry->h0 : NULL, d_o, cg ? cg->dht : NULL, dq, dk, dv, dz, dbeta, g->A_log,
+                         g->dt_bias, cg ? cg->dh0 : NULL));
     TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
     TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
@@ -235,17 +295,65 @@ lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_la
     void *const douts[3] = {dq, dk, dv};
     const float *const pre[3] = {a->qc, a->kc, a->vc}, *const proj[3] = {a->qp, a->kp, a->vp};
     const void *const post[3] = {a->q, a->k, a->v};
-    const float *const rn[3] = {a->qk_rnorm, a->qk_rnorm + N * H, NULL};
+    const float *const rn[3] = {a->qk_rnorm, a->qk_rnorm + NE * H, NULL};
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
     const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     for (int j = 0; j < 3; j++) {
-        TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j], B, T,
-                                   HK, W, K, tmp));
-        TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
-        TRY(op->matmul_backward(be, dx, Wg[j], din_lp, x, Wm[j], (int64_t)N, d, HK));
+        if (!carry) {
+            TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j], B,
+                                       T, HK, W, K, tmp));
+            TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
+            TRY(op->matmul_backward(be, dx, Wg[j], din_lp, x, Wm[j], (int64_t)N, d, HK));
+            continue;
+        }
+        /* a segment: the operator's gradient into the own rows (the history rows' outputs are the earlier
+         * segment's: none), the conv over both, the next segment's gradient of this one's last W-1 rows
+         * added, the history rows' gradient handed back */
+        void *dout = scratch + S.dout_ext;
+        TRY(be->zero(be, dout, NE * HK * lpb));
+        for (int b = 0; b < B; b++)
+            TRY(be->copy(be, at(dout, (size_t)b * Tn + W1, HK, lpb), at(douts[j], (size_t)b * T, HK, lpb),
+                         (size_t)T * HK * lpb));
+        TRY(op->conv_silu_backward(be, din, conv_g[j], dout, pre[j], post[j], rn[j], proj[j], conv_w[j], B, Tn, HK,
+                                   W, K, tmp));
+        for (int b = 0; W1 && b < B; b++) {
+            const size_t hb = ((size_t)j * B + b) * W1 * HK;
+            if (cg && cg->dhalo_out)
+                TRY(op->accumulate(be, din + ((size_t)b * Tn + T) * HK, cg->dhalo_out + hb, (size_t)W1 * HK, 0));
+            if (cg && cg->dhalo)
+                TRY(be->copy(be, cg->dhalo + hb, din + (size_t)b * Tn * HK, (size_t)W1 * HK * sizeof(float)));
+        }
+        TRY(lp_view(be, din, scratch + S.din_lp, NE * HK, &din_lp));
+        for (int b = 0; b < B; b++)
+            TRY(op->matmul_backward(be, (float *)at(dx, (size_t)b * T, d, sizeof(float)), Wg[j],
+                                    at(din_lp, (size_t)b * Tn + W1, HK, lpb), at(x, (size_t)b * T, d, lpb), Wm[j], T,
+                                    d, HK));
     }
     return LM_OK;
+}
+
+lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
+                                   const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T,
+                                   float *dx, float *scratch) {
+    return layer_backward(c, p, pl, g, a, x, dy, B, T, dx, scratch, NULL, NULL);
+}
+
+lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                   const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
+                                   int n, const lm_kda_layer_carry *carry, float *y) {
+    if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment forward: carry is NULL");
+    return layer_forward(c, p, p_lp, a, x_lp, B, n, y, NULL, carry);
+}
+
+lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                    const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                    const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int n,
+                                    const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
+                                    float *scratch) {
+    if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment backward: carry is NULL");
+    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, cg);
 }
 
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -294,7 +402,7 @@ lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_
     if (T < 1) return lm_error(LM_ERR_ARG, "kda layer prefill: T=%d must be >= 1", T);
     const int B = cache->B, HK = c->heads * c->head_dim, W = c->conv_width;
     /* the layer's forward, keeping the operator's final state */
-    lm_status s = layer_forward(c, p, p, a, x, B, T, y, cache->S);
+    lm_status s = layer_forward(c, p, p, a, x, B, T, y, cache->S, NULL);
     if (s) return s;
     /* the conv history: projections of the last W-1 tokens (zero before the start) */
     const float *proj[3] = {a->qp, a->kp, a->vp};

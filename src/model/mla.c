@@ -310,10 +310,73 @@ static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, co
     return be->ops->to_lp(be, buf, x, n);
 }
 
-lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
-                            int B, int T, float *y, float *acts) {
+/* A pointer `rows` rows of `width` elements of `bytes` each past p. */
+static void *at(const void *p, size_t rows, size_t width, size_t bytes) { return (char *)p + rows * width * bytes; }
+
+void lm_mla_seg_row_elems(const lm_mla_config *c, size_t *k_elems, size_t *v_elems) {
+    *k_elems = (size_t)kv_heads(c) * c->head_dim_qk;
+    *v_elems = (size_t)kv_heads(c) * c->head_dim_v;
+}
+
+void lm_mla_seg_token_bytes(const lm_mla_config *c, size_t lp_bytes, size_t *kv, size_t *latent) {
+    size_t ke, ve;
+    lm_mla_seg_row_elems(c, &ke, &ve);
+    *kv = (ke + ve) * (lp_bytes + sizeof(float));
+    *latent = c->kind == LM_ATTN_MLA ? (size_t)c->kv_lora * (lp_bytes + sizeof(float)) +
+                                           (size_t)c->rope_dims * 2 * sizeof(float)
+                                     : 0;
+}
+
+static lm_status check_seg(const lm_mla_config *c, const lm_mla_seg *seg, int n) {
+    if (!seg) return LM_OK;
+    if (seg->t0 < 0 || seg->t0 + n > seg->T_all)
+        return lm_error(LM_ERR_ARG, "mla segment: t0=%d n=%d past T_all=%d", seg->t0, n, seg->T_all);
+    if (seg->c_store) {
+        if (c->kind != LM_ATTN_MLA || !seg->k_work || !seg->v_work || (c->rope_dims && !seg->kr_store))
+            return lm_error(LM_ERR_ARG, "mla segment: a latent store needs MLA, k_work, v_work (and kr_store with RoPE)");
+    } else if (!seg->k_store || !seg->v_store) {
+        return lm_error(LM_ERR_ARG, "mla segment: the key and value stores are missing");
+    }
+    return LM_OK;
+}
+
+/* Latent form: sequence b's keys and values of rows 0 .. P-1 from the stored
+ * latents (and rotary keys) into seg->k_work, v_work, C rows at a time through
+ * the fp32 slots tk [C,H,Dk], tv [C,H,Dv] (and tn [C,H,Dk-r] with RoPE). */
+static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                              const lm_mla_seg *seg, int b, size_t P, float *tk, float *tv, float *tn, size_t C) {
+    lm_backend *be = backend_of(c);
+    const lm_ops *op = be->ops;
+    const size_t lpb = be->lp_bytes, kl = (size_t)c->kv_lora, H = (size_t)c->n_heads, Dk = (size_t)c->head_dim_qk,
+                 Dv = (size_t)c->head_dim_v, r = (size_t)c->rope_dims, Dn = Dk - r;
+    for (size_t j0 = 0; j0 < P; j0 += C) {
+        const size_t n = P - j0 < C ? P - j0 : C, row = (size_t)b * seg->T_all + j0;
+        const void *cb = at(seg->c_store, row, kl, lpb);
+        if (r == 0) {
+            TRY(op->matmul_forward(be, tk, cb, pl->W_uk, (int64_t)n, (int)kl, (int)(H * Dk)));
+        } else {
+            /* the CPU's form (RoPE runs on the CPU only): per head the latent part and the shared rotary key */
+            TRY(op->matmul_forward(be, tn, cb, p->W_uk, (int64_t)n, (int)kl, (int)(H * Dn)));
+            const float *kr = seg->kr_store + row * r;
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < (int64_t)n; i++)
+                for (size_t h = 0; h < H; h++) {
+                    memcpy(tk + ((size_t)i * H + h) * Dk, tn + ((size_t)i * H + h) * Dn, Dn * sizeof(float));
+                    memcpy(tk + ((size_t)i * H + h) * Dk + Dn, kr + (size_t)i * r, r * sizeof(float));
+                }
+        }
+        TRY(op->to_lp(be, at(seg->k_work, j0, H * Dk, lpb), tk, n * H * Dk));
+        TRY(op->matmul_forward(be, tv, cb, pl->W_uv, (int64_t)n, (int)kl, (int)(H * Dv)));
+        TRY(op->to_lp(be, at(seg->v_work, j0, H * Dv, lpb), tv, n * H * Dv));
+    }
+    return LM_OK;
+}
+
+static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                             int B, int T, float *y, float *acts, const lm_mla_seg *seg) {
     // x (B,T,d) in the product format -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
+    if (!st) st = check_seg(c, seg, T);
     if (st) return st;
     if (!x || !y || !acts || !pl) return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
     lm_backend *be = backend_of(c);
@@ -327,6 +390,8 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
     const int sep = lp_separate(c);
+    const int64_t pos0 = seg ? seg->t0 : 0; /* RoPE's position of the first row */
+    const int latent = seg && seg->c_store;  /* the keys and values come from the stored latents */
     float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v;
     if (c->kind == LM_ATTN_MLA) {
         float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
@@ -339,14 +404,22 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
         TRY(op->rmsnorm_forward(be, lat, sep ? acts + L.c_lp : NULL, acts + L.kv_rstd, kvl, p->kv_norm, N,
                                 c->kv_lora, eps));
         // k_h = W_uk,h c (+ the shared rotary key kr), v_h = W_uv,h c
-        if (r == 0) {
+        if (latent) {
+            /* the keys and values are up-projected from the stores below; the rotary key goes there too */
+            if (r) {
+                float *kr = acts + L.kr;
+                MM_F(kr, x, p->W_kr, NULL, N, d, r);
+                rope_apply(kr, N, T, 1, r, r, c->rope_base, pos0, 0);
+                rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
+            }
+        } else if (r == 0) {
             MM_F(k, acts + L.c_lp, pl->W_uk, NULL, N, c->kv_lora, H * Dk);
         } else {
             float *kn = acts + L.kn, *kr = acts + L.kr;
             MM_F(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
             MM_F(kr, x, p->W_kr, NULL, N, d, r);
-            rope_apply(kr, N, T, 1, r, r, c->rope_base, 0, 0);
-            rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
+            rope_apply(kr, N, T, 1, r, r, c->rope_base, pos0, 0);
+            rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
 #pragma omp parallel for schedule(static)
             for (int64_t i = 0; i < N; i++)
                 for (int h = 0; h < H; h++) {
@@ -355,28 +428,92 @@ lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, cons
                     memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
                 }
         }
-        MM_F(v, acts + L.c_lp, pl->W_uv, NULL, N, c->kv_lora, H * Dv);
+        if (!latent) MM_F(v, acts + L.c_lp, pl->W_uv, NULL, N, c->kv_lora, H * Dv);
     } else {
         MM_F(q, x, pl->W_q, NULL, N, d, H * Dk);
         MM_F(k, x, pl->W_k, NULL, N, d, Hk * Dk);
         MM_F(v, x, pl->W_v, NULL, N, d, Hk * Dv);
-        rope_apply(q, N, T, H, Dk, r, c->rope_base, 0, 0);
-        rope_apply(k, N, T, Hk, Dk, r, c->rope_base, 0, 0);
+        rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
+        rope_apply(k, N, T, Hk, Dk, r, c->rope_base, pos0, 0);
     }
-    if (sep) {
-        TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
+    if (sep) TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
+    if (sep && !latent) {
         TRY(op->to_lp(be, acts + L.k_lp, k, (size_t)N * Hk * Dk));
         TRY(op->to_lp(be, acts + L.v_lp, v, (size_t)N * Hk * Dv));
     }
     /* o and gated are in the product format */
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
-                              acts + L.rowmax));
+    if (!seg) {
+        TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
+                                  acts + L.rowmax));
+    } else if (latent) {
+        /* the segment's latents (and rotary keys) into the stores, then per sequence the keys and values of
+         * its prefix up-projected and its queries over them */
+        const size_t lpb = be->lp_bytes, kl = (size_t)c->kv_lora;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row = (size_t)b * seg->T_all + seg->t0;
+            TRY(be->copy(be, at(seg->c_store, row, kl, lpb), at(acts + L.c_lp, (size_t)b * T, kl, lpb),
+                         (size_t)T * kl * lpb));
+            if (r)
+                TRY(be->copy(be, seg->kr_store + row * r, acts + L.kr + (size_t)b * T * r,
+                             (size_t)T * r * sizeof(float)));
+        }
+        for (int b = 0; b < B; b++) {
+            TRY(seg_build_kv(c, p, pl, seg, b, (size_t)seg->t0 + T, k, v, acts + L.kn, (size_t)N));
+            TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
+                                             seg->k_work, seg->v_work, at(o, (size_t)b * T, (size_t)H * Dv, lpb),
+                                             acts + L.lse + (size_t)b * H * T, acts + L.rowmax + (size_t)b * H * T));
+        }
+    } else {
+        /* the segment's keys and values into the stores, then each sequence's queries over its stored prefix */
+        const size_t lpb = be->lp_bytes, KE = (size_t)Hk * Dk, VE = (size_t)Hk * Dv;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row = (size_t)b * seg->T_all + seg->t0;
+            TRY(be->copy(be, at(seg->k_store, row, KE, lpb), at(acts + L.k_lp, (size_t)b * T, KE, lpb),
+                         (size_t)T * KE * lpb));
+            TRY(be->copy(be, at(seg->v_store, row, VE, lpb), at(acts + L.v_lp, (size_t)b * T, VE, lpb),
+                         (size_t)T * VE * lpb));
+        }
+        for (int b = 0; b < B; b++)
+            TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
+                                             at(seg->k_store, (size_t)b * seg->T_all, KE, lpb),
+                                             at(seg->v_store, (size_t)b * seg->T_all, VE, lpb),
+                                             at(o, (size_t)b * T, (size_t)H * Dv, lpb),
+                                             acts + L.lse + (size_t)b * H * T, acts + L.rowmax + (size_t)b * H * T));
+    }
     // y = W_o (sigmoid(W_g x) * o)
     MM_F(gp, x, pl->W_g, NULL, N, d, H * Dv);
     TRY(op->gate_forward(be, sep ? NULL : gated, gated, gp, o, (size_t)N * H * Dv));
     MM_F(y, gated, pl->W_o, NULL, N, H * Dv, d);
+    return LM_OK;
+}
+
+lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                            int B, int T, float *y, float *acts) {
+    return mla_forward(c, p, pl, x, B, T, y, acts, NULL);
+}
+
+lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
+                             int B, int n, const lm_mla_seg *seg, float *y, float *acts) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment forward: seg is NULL");
+    return mla_forward(c, p, pl, x, B, n, y, acts, seg);
+}
+
+lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max) {
+    lm_backend *be = backend_of(c);
+    const int H = c->n_heads;
+    float one[512];
+    if (H > 512) return lm_error(LM_ERR_ARG, "mla segment head max: %d heads (at most 512)", H);
+    lm_attention_config a1 = core_config(c, 1, n);
+    float *rowmax = acts + layout_acts(c, B, n).rowmax;
+    for (int h = 0; h < H; h++) head_max[h] = -INFINITY;
+    for (int b = 0; b < B; b++) {
+        TRY(be->ops->attention_head_max(be, &a1, rowmax + (size_t)b * H * n, one));
+        for (int h = 0; h < H; h++) head_max[h] = one[h] > head_max[h] ? one[h] : head_max[h];
+    }
     return LM_OK;
 }
 
@@ -388,11 +525,16 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
 
 /* ---------------------------------------------------------------- backward */
 
-lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
-                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
-                             const lm_mla_params *g, float *scratch) {
+static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                              const void *x, const float *acts, const float *dy, int B, int T, float *dx,
+                              const lm_mla_params *g, float *scratch, const lm_mla_seg *seg) {
     // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
     lm_status st = check_run(c, p, B, T);
+    if (!st) st = check_seg(c, seg, T);
+    if (!st && seg && !seg->c_store && (!seg->dk_acc || !seg->dv_acc || !seg->dk_tmp || !seg->dv_tmp))
+        st = lm_error(LM_ERR_ARG, "mla segment backward: the accumulators and dk_tmp, dv_tmp are required");
+    if (!st && seg && seg->c_store && (!seg->dc_acc || (c->rope_dims && !seg->dkr_acc) || !seg->dk_tmp || !seg->dv_tmp))
+        st = lm_error(LM_ERR_ARG, "mla segment backward: the latent accumulators and dk_tmp, dv_tmp are required");
     if (st) return st;
     if (!x || !acts || !dy || !scratch || !pl)
         return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy, scratch and p_lp are required");
@@ -420,30 +562,107 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
     TRY(lp_view(be, dgp, scratch + S.dgp_lp, (size_t)N * H * Dv, &dgp_lp));
     MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
-    TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq, dk,
-                               dv));
+    const int64_t pos0 = seg ? seg->t0 : 0;
+    const int latent = seg && seg->c_store;
+    if (!seg) {
+        TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq,
+                                   dk, dv));
+    } else if (latent) {
+        /* per sequence: its prefix's keys and values again, the attention's gradient of them, taken through
+         * the up-projections into the latents' (and rotary keys') accumulators; the weights' gradients add
+         * every row's part. dk, dv, dkn serve as the fp32 slots of the up-projection ([N] rows). */
+        const size_t lpb = be->lp_bytes, kl = (size_t)c->kv_lora, P = (size_t)seg->t0 + T;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row0 = (size_t)b * seg->T_all;
+            const void *cb = at(seg->c_store, row0, kl, lpb);
+            TRY(seg_build_kv(c, p, pl, seg, b, P, dk, dv, scratch + S.dkn, (size_t)N));
+            TRY(op->attention_backward_offset(
+                be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb), seg->k_work, seg->v_work,
+                at(o, (size_t)b * T, (size_t)H * Dv, lpb), acts + L.lse + (size_t)b * H * T,
+                at(d_o, (size_t)b * T, (size_t)H * Dv, lpb), at(dq, (size_t)b * T, (size_t)H * Dk, lpb), seg->dk_tmp,
+                seg->dv_tmp));
+            float *dcb = seg->dc_acc + row0 * kl;
+            MM_B(dcb, g->W_uv, NULL, seg->dv_tmp, cb, pl->W_uv, (int64_t)P, (int)kl, H * Dv);
+            if (r == 0) {
+                MM_B(dcb, g->W_uk, NULL, seg->dk_tmp, cb, pl->W_uk, (int64_t)P, (int)kl, H * Dk);
+            } else {
+                /* per head the latent part; the rotary key's, summed over the heads, into its accumulator */
+                float *dkn = scratch + S.dkn, *dkrb = seg->dkr_acc + row0 * r;
+                const float *dkt = seg->dk_tmp;
+                for (size_t j0 = 0; j0 < P; j0 += (size_t)N) {
+                    const size_t n = P - j0 < (size_t)N ? P - j0 : (size_t)N;
+#pragma omp parallel for schedule(static)
+                    for (int64_t i = 0; i < (int64_t)n; i++)
+                        for (int h = 0; h < H; h++) {
+                            const float *dkh = dkt + ((j0 + (size_t)i) * H + h) * Dk;
+                            memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
+                            for (int j = 0; j < r; j++) dkrb[(j0 + (size_t)i) * r + j] += dkh[Dn + j];
+                        }
+                    MM_B(dcb + j0 * kl, g->W_uk, NULL, dkn, at(cb, j0, kl, lpb), p->W_uk, (int64_t)n, (int)kl,
+                         H * Dn);
+                }
+            }
+        }
+    } else {
+        /* per sequence: the gradients of all keys and values it read into the accumulators; its own rows'
+         * (every later segment's part already there) into dk, dv */
+        const size_t lpb = be->lp_bytes, KE = (size_t)Hk * Dk, VE = (size_t)Hk * Dv, P = (size_t)seg->t0 + T;
+        lm_attention_config a1 = core_config(c, 1, T);
+        for (int b = 0; b < B; b++) {
+            const size_t row0 = (size_t)b * seg->T_all;
+            TRY(op->attention_backward_offset(
+                be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
+                at(seg->k_store, row0, KE, lpb), at(seg->v_store, row0, VE, lpb), at(o, (size_t)b * T, (size_t)H * Dv, lpb),
+                acts + L.lse + (size_t)b * H * T, at(d_o, (size_t)b * T, (size_t)H * Dv, lpb),
+                at(dq, (size_t)b * T, (size_t)H * Dk, lpb), seg->dk_tmp, seg->dv_tmp));
+            TRY(op->accumulate(be, seg->dk_acc + row0 * KE, seg->dk_tmp, P * KE, 1));
+            TRY(op->accumulate(be, seg->dv_acc + row0 * VE, seg->dv_tmp, P * VE, 1));
+            TRY(op->to_lp(be, at(dk, (size_t)b * T, KE, lpb), seg->dk_acc + (row0 + seg->t0) * KE, (size_t)T * KE));
+            TRY(op->to_lp(be, at(dv, (size_t)b * T, VE, lpb), seg->dv_acc + (row0 + seg->t0) * VE, (size_t)T * VE));
+        }
+    }
     if (c->kind == LM_ATTN_MLA) {
         const float *lat = acts + L.c_lp;
         float *dc = scratch + S.dc, *dkvl = scratch + S.dkvl, *dqn = scratch + S.dqn,
               *dql = scratch + S.dql;
         const void *dkvl_lp, *dql_lp;
-        MM_B(dc, g->W_uv, NULL, dv, lat, pl->W_uv, N, c->kv_lora, H * Dv);
-        if (r == 0) {
-            MM_B(dc, g->W_uk, NULL, dk, lat, pl->W_uk, N, c->kv_lora, H * Dk);
+        if (latent) {
+            /* the segment's own rows of the latents' (and rotary keys') gradients: every later segment's part
+             * and this one's are in the accumulators */
+            const size_t kl = (size_t)c->kv_lora;
+            for (int b = 0; b < B; b++) {
+                const size_t row = (size_t)b * seg->T_all + seg->t0;
+                TRY(be->copy(be, dc + (size_t)b * T * kl, seg->dc_acc + row * kl, (size_t)T * kl * sizeof(float)));
+                if (r)
+                    TRY(be->copy(be, scratch + S.dkr + (size_t)b * T * r, seg->dkr_acc + row * r,
+                                 (size_t)T * r * sizeof(float)));
+            }
+            if (r) {
+                float *dkr = scratch + S.dkr;
+                rope_apply(dkr, N, T, 1, r, r, c->rope_base, pos0, 1);
+                MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
+                rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+            }
         } else {
-            float *dkn = scratch + S.dkn, *dkr = scratch + S.dkr;
-            // split dk into the per-head latent part and the shared rotary key (summed over heads)
+            MM_B(dc, g->W_uv, NULL, dv, lat, pl->W_uv, N, c->kv_lora, H * Dv);
+            if (r == 0) {
+                MM_B(dc, g->W_uk, NULL, dk, lat, pl->W_uk, N, c->kv_lora, H * Dk);
+            } else {
+                float *dkn = scratch + S.dkn, *dkr = scratch + S.dkr;
+                // split dk into the per-head latent part and the shared rotary key (summed over heads)
 #pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < N; i++)
-                for (int h = 0; h < H; h++) {
-                    const float *dkh = dk + ((size_t)i * H + h) * Dk;
-                    memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
-                    for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
-                }
-            MM_B(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
-            rope_apply(dkr, N, T, 1, r, r, c->rope_base, 0, 1);
-            MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
-            rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
+                for (int64_t i = 0; i < N; i++)
+                    for (int h = 0; h < H; h++) {
+                        const float *dkh = dk + ((size_t)i * H + h) * Dk;
+                        memcpy(dkn + ((size_t)i * H + h) * Dn, dkh, (size_t)Dn * sizeof(float));
+                        for (int j = 0; j < r; j++) dkr[(size_t)i * r + j] += dkh[Dn + j];
+                    }
+                MM_B(dc, g->W_uk, NULL, dkn, lat, p->W_uk, N, c->kv_lora, H * Dn);
+                rope_apply(dkr, N, T, 1, r, r, c->rope_base, pos0, 1);
+                MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
+                rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+            }
         }
         RMS_B(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
                             c->kv_lora, eps);
@@ -455,13 +674,26 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
         TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * c->q_lora, &dql_lp));
         MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
     } else {
-        rope_apply(dq, N, T, H, Dk, r, c->rope_base, 0, 1);
-        rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, 0, 1);
+        rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+        rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, pos0, 1);
         MM_B(dx, g->W_q, NULL, dq, x, pl->W_q, N, d, H * Dk);
         MM_B(dx, g->W_k, NULL, dk, x, pl->W_k, N, d, Hk * Dk);
         MM_B(dx, g->W_v, NULL, dv, x, pl->W_v, N, d, Hk * Dv);
     }
     return LM_OK;
+}
+
+lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
+                             const lm_mla_params *g, float *scratch) {
+    return mla_backward(c, p, pl, x, acts, dy, B, T, dx, g, scratch, NULL);
+}
+
+lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                              const void *x, const float *acts, const float *dy, int B, int n,
+                              const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment backward: seg is NULL");
+    return mla_backward(c, p, pl, x, acts, dy, B, n, dx, g, scratch, seg);
 }
 
 lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x, const float *acts,

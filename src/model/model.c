@@ -287,13 +287,17 @@ static size_t plan_activations(lm_model *m, float *base) {
         layer_state *ls = &m->layers[l];
         const int share = cfg->recompute;
         if (ls->mixer == LM_MIXER_KDA) {
-            size_t s = lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
+            /* a segment's layer keeps the conv history rows too (lm_kda_layer_seg_acts_map) */
+            size_t s = m->seg_on ? lm_kda_layer_seg_scratch_floats(&ls->kda_cfg, B, T)
+                                 : lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
             scratch = s > scratch ? s : scratch;
             if (first_kda && share) {
                 ls->kda_a = first_kda->kda_a;
             } else {
-                size_t n = lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
-                if (base) lm_kda_layer_acts_map(&ls->kda_cfg, B, T, base + off, &ls->kda_a);
+                size_t n = m->seg_on ? lm_kda_layer_seg_act_floats(&ls->kda_cfg, B, T)
+                                     : lm_kda_layer_act_floats(&ls->kda_cfg, B, T);
+                if (base && m->seg_on) lm_kda_layer_seg_acts_map(&ls->kda_cfg, B, T, base + off, &ls->kda_a);
+                else if (base) lm_kda_layer_acts_map(&ls->kda_cfg, B, T, base + off, &ls->kda_a);
                 else if (share)
                     (void)ledger_add(m, PAD16(n) * sizeof(float), "KDA activations (shared by %d layers)", n_kda);
                 else (void)ledger_add(m, PAD16(n) * sizeof(float), "layers.%d KDA activations", l);
@@ -364,6 +368,108 @@ static size_t plan_activations(lm_model *m, float *base) {
     return off;
 }
 
+/* The sequence segments' memory (m->seg_on), as plan_activations: with base
+ * NULL it names the buffers in the ledger and returns the floats; with the
+ * block it points the layers' carries, stores and accumulators into it. */
+static size_t plan_segments(lm_model *m, float *base) {
+    const lm_config *cfg = &m->cfg;
+    const size_t B = (size_t)m->B, Tq = (size_t)m->Tq, n1 = (size_t)m->n_seg - 1, lpb = m->be->lp_bytes;
+    int n_kda = 0, n_kv = 0, n_lat = 0;
+    size_t kst = 0, khalo = 0, KE = 0, VE = 0, HK = 0, HV = 0, kl = 0, r = 0;
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            const lm_kda_layer_config *kc = &ls->kda_cfg;
+            n_kda++;
+            kst = B * kc->heads * kc->head_dim * kc->head_dim;
+            khalo = 3 * B * (kc->conv_width - 1) * kc->heads * kc->head_dim;
+            continue;
+        }
+        /* the attention's whole rows: its keys and values, or (MLA) its latent when that is smaller */
+        const lm_mla_config *mc = &ls->mla_cfg;
+        size_t ke, ve, kvb, latb;
+        lm_mla_seg_row_elems(mc, &ke, &ve);
+        lm_mla_seg_token_bytes(mc, lpb, &kvb, &latb);
+        ls->seg_latent = mc->kind == LM_ATTN_MLA && latb < kvb;
+        if (ls->seg_latent) {
+            n_lat++;
+            kl = (size_t)mc->kv_lora;
+            r = (size_t)mc->rope_dims;
+            HK = (size_t)mc->n_heads * mc->head_dim_qk > HK ? (size_t)mc->n_heads * mc->head_dim_qk : HK;
+            HV = (size_t)mc->n_heads * mc->head_dim_v > HV ? (size_t)mc->n_heads * mc->head_dim_v : HV;
+        } else {
+            n_kv++;
+        }
+        KE = ke > KE ? ke : KE;
+        VE = ve > VE ? ve : VE;
+    }
+    /* floats of n values in the product format */
+#define LPF(n) PAD16(((size_t)(n) * lpb + sizeof(float) - 1) / sizeof(float))
+    const size_t kst_f = PAD16(kst), khalo_f = PAD16(khalo);
+    const size_t ks_f = LPF(B * Tq * KE), vs_f = LPF(B * Tq * VE), ka_f = PAD16(B * Tq * KE), va_f = PAD16(B * Tq * VE);
+    const size_t cs_f = LPF(B * Tq * kl), krs_f = PAD16(B * Tq * r);
+    const size_t kt_f = LPF(Tq * KE), vt_f = LPF(Tq * VE), kw_f = LPF(Tq * HK), vw_f = LPF(Tq * HV);
+    size_t off = 0;
+#define TAKE(n) (base && (n) ? (void *)(base + (off += (n)) - (n)) : (off += (n), (void *)NULL))
+    for (int l = 0; l < cfg->n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            ls->seg_h = TAKE(PAD16(n1 * kst));
+            ls->seg_halo = TAKE(PAD16(n1 * khalo));
+            for (int k = 0; k < 2; k++) {
+                ls->seg_dh[k] = TAKE(kst_f);
+                ls->seg_dhalo[k] = TAKE(khalo_f);
+            }
+        } else if (ls->seg_latent) {
+            ls->seg_c = TAKE(cs_f);
+            ls->seg_dc = TAKE(PAD16(B * Tq * kl));
+            ls->seg_kr = TAKE(r ? krs_f : 0);
+            ls->seg_dkr = TAKE(r ? krs_f : 0);
+        } else {
+            ls->seg_k = TAKE(ks_f);
+            ls->seg_v = TAKE(vs_f);
+            ls->seg_dk = TAKE(ka_f);
+            ls->seg_dv = TAKE(va_f);
+        }
+    }
+    m->seg_ht_junk = TAKE(n_kda ? kst_f : 0);
+    m->seg_dk_tmp = TAKE(n_kv + n_lat ? kt_f : 0);
+    m->seg_dv_tmp = TAKE(n_kv + n_lat ? vt_f : 0);
+    m->seg_k_work = TAKE(n_lat ? kw_f : 0);
+    m->seg_v_work = TAKE(n_lat ? vw_f : 0);
+#undef TAKE
+    if (!base) {
+        const size_t F = sizeof(float);
+        if (n_kda) {
+            (void)ledger_add(m, n_kda * PAD16(n1 * kst) * F,
+                             "segments: KDA states at %zu segment starts, %d layers x [B,H,K,K] fp32", n1, n_kda);
+            (void)ledger_add(m, n_kda * PAD16(n1 * khalo) * F,
+                             "segments: KDA conv histories at %zu segment starts, %d layers x [3,B,W-1,HK]", n1, n_kda);
+            (void)ledger_add(m, n_kda * 2 * (kst_f + khalo_f) * F + kst_f * F,
+                             "segments: KDA state and history gradients, %d layers x 2", n_kda);
+        }
+        if (n_lat) {
+            (void)ledger_add(m, n_lat * (cs_f + (r ? krs_f : 0)) * F,
+                             "segments: MLA latents%s of the whole rows, %d layers x [B,T,%zu%s]",
+                             r ? " and rotary keys" : "", n_lat, kl, r ? "+r" : "");
+            (void)ledger_add(m, n_lat * (PAD16(B * Tq * kl) + (r ? krs_f : 0)) * F,
+                             "segments: MLA latent gradient sums, %d layers x [B,T,%zu%s] fp32", n_lat, kl,
+                             r ? "+r" : "");
+            (void)ledger_add(m, (kw_f + vw_f) * F, "segments: one row's keys, values up-projected [T,H,Dk+Dv]");
+        }
+        if (n_kv) {
+            (void)ledger_add(m, n_kv * (ks_f + vs_f) * F,
+                             "segments: attention K, V of the whole rows, %d layers x [B,T,Hk,Dk+Dv]", n_kv);
+            (void)ledger_add(m, n_kv * (ka_f + va_f) * F,
+                             "segments: attention K, V gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32", n_kv);
+        }
+        if (n_kv + n_lat)
+            (void)ledger_add(m, (kt_f + vt_f) * F, "segments: one row's attention K, V gradients [T,Hk,Dk+Dv]");
+    }
+#undef LPF
+    return off;
+}
+
 static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *backend, const lm_ops *plan_ops,
                              lm_model **out);
 
@@ -412,12 +518,23 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     m->B = B;
     m->T = T;
     m->N = (int64_t)B * T;
+    m->Tq = T;
+    m->Nq = m->N;
+    /* sequence segments: the buffers hold S tokens of each row (S >= T: off, the whole rows) */
+    if (cfg->seq_segment > 0 && cfg->seq_segment < T) {
+        m->seg_on = 1;
+        m->S = cfg->seq_segment;
+        m->n_seg = (T + m->S - 1) / m->S;
+        m->T = m->S;
+        m->N = (int64_t)B * m->S;
+    }
     /* per-token sublayers run `chunk` tokens at a time (train.recompute_chunk) */
     m->chunk = cfg->recompute_chunk > 0 && cfg->recompute_chunk < m->N ? cfg->recompute_chunk : m->N;
     m->lean_hin = cfg->recompute_chunk > 0 && cfg->residual != LM_RESIDUAL_STANDARD;
     m->d = cfg->d_model;
     m->L2 = 2 * cfg->n_layers;
     const int64_t d = cfg->d_model, V = cfg->vocab_size, N = m->N;
+    T = m->T;
     m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) {
         st = lm_error(LM_ERR_MEMORY, "out of memory creating the model");
@@ -599,10 +716,10 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             st = lm_error(LM_ERR_MEMORY, "out of memory for the auxiliary loss's host scores");
             goto fail;
         }
-        lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, N);
+        lm_balance_config bc = lm_balance_config_default(cfg->balance, cfg->n_routed_experts, cfg->top_k, m->Nq);
         bc.bins = cfg->balance_bins;
         bc.estimator = cfg->balance_estimator;
-        bc.max_step_tokens = N * cfg->grad_accum; /* the exact estimator keeps a step's residuals */
+        bc.max_step_tokens = m->Nq * cfg->grad_accum; /* the exact estimator keeps a step's residuals */
         bc.ema = cfg->balance_ema;
         bc.sign_rate = cfg->sign_rate;
         bc.aux_alpha = cfg->aux_alpha;
@@ -638,6 +755,42 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             goto fail;
     }
     if (!m->dry && (st = m->be->ops->attnres_create(m->be, &ac, &m->ar))) goto fail;
+    m->ar_full = m->ar;
+    if (m->seg_on) {
+        /* the last segment's residual state when S does not divide T, its carries, stores and accumulators */
+        const int tail = m->Tq % m->S;
+        if (tail) {
+            lm_attnres_config at = ac;
+            at.n_tokens = (int64_t)B * tail;
+            lm_attnres_memory_plan atp;
+            if ((st = m->be->ops->attnres_memory(&at, &atp)) ||
+                (st = ledger_add(m, atp.total, "residual stream of the last segment (%d tokens a row)", tail)))
+                goto fail;
+            if (!m->dry && (st = m->be->ops->attnres_create(m->be, &at, &m->ar_tail))) goto fail;
+        }
+        m->seg_floats = plan_segments(m, NULL);
+        if (!m->dry) {
+            void *sb = NULL;
+            if ((st = m->be->alloc(m->be, m->seg_floats * sizeof(float), &sb))) {
+                st = lm_error(LM_ERR_MEMORY, "out of memory for %zu floats of sequence segment carries and stores",
+                              m->seg_floats);
+                goto fail;
+            }
+            m->seg_block = sb;
+            plan_segments(m, m->seg_block);
+            const size_t nq = (size_t)m->Nq, ns = (size_t)m->N;
+            m->q_tok = malloc(nq * sizeof(int32_t));
+            m->q_tgt = malloc(nq * sizeof(int32_t));
+            m->seg_tok = malloc(ns * sizeof(int32_t));
+            m->seg_tgt = malloc(ns * sizeof(int32_t));
+            m->seg_nll = malloc(ns * sizeof(double));
+            m->seg_arg = malloc(ns * sizeof(int32_t));
+            if (!m->q_tok || !m->q_tgt || !m->seg_tok || !m->seg_tgt || !m->seg_nll || !m->seg_arg) {
+                st = lm_error(LM_ERR_MEMORY, "out of memory for the sequence segments' token copies");
+                goto fail;
+            }
+        }
+    }
     /* the scratch the backend takes for the KDA and attention operators itself (GPU) */
     {
         size_t ob = 0;
@@ -681,7 +834,16 @@ void lm_model_free(lm_model *m) {
     free(m->cp_block);
     free(m->tensors);
     free(m->buffers);
-    if (m->ar) m->be->ops->attnres_free(m->be, m->ar);
+    if (m->ar_full) m->be->ops->attnres_free(m->be, m->ar_full);
+    else if (m->ar) m->be->ops->attnres_free(m->be, m->ar);
+    if (m->ar_tail) m->be->ops->attnres_free(m->be, m->ar_tail);
+    if (m->seg_block) m->be->release(m->be, m->seg_block);
+    free(m->q_tok);
+    free(m->q_tgt);
+    free(m->seg_tok);
+    free(m->seg_tgt);
+    free(m->seg_nll);
+    free(m->seg_arg);
     if (m->P && m->P != m->params) m->be->release(m->be, m->P);
     if (m->G && m->G != m->grads) m->be->release(m->be, m->G);
     if (m->PL && m->PL != (void *)m->params) m->be->release(m->be, m->PL);
@@ -1017,6 +1179,53 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
                                  ls->moe_acts);
 }
 
+/* ---- sequence segments: the carries of the current segment ---- */
+
+/* Floats of one KDA state [B,H,K,K] and of one conv history [3,B,W-1,HK]. */
+static void seg_kda_sizes(const lm_model *m, const layer_state *ls, size_t *state, size_t *halo) {
+    const lm_kda_layer_config *kc = &ls->kda_cfg;
+    *state = (size_t)m->B * kc->heads * kc->head_dim * kc->head_dim;
+    *halo = 3 * (size_t)m->B * (kc->conv_width - 1) * kc->heads * kc->head_dim;
+}
+
+/* Segment m->seg's carry of a KDA layer: slot s-1 in (none for the first
+ * segment: zero state, zero history), slot s out (the last segment's state
+ * goes to a spare buffer: asking for it keeps the operator on one path). */
+static lm_kda_layer_carry seg_kda_carry(const lm_model *m, const layer_state *ls) {
+    size_t st, ha;
+    seg_kda_sizes(m, ls, &st, &ha);
+    const int s = m->seg, last = s + 1 == m->n_seg;
+    lm_kda_layer_carry c;
+    c.h0 = s ? ls->seg_h + (size_t)(s - 1) * st : NULL;
+    c.ht = last ? m->seg_ht_junk : ls->seg_h + (size_t)s * st;
+    c.halo = s && ha ? ls->seg_halo + (size_t)(s - 1) * ha : NULL;
+    c.halo_out = !last && ha ? ls->seg_halo + (size_t)s * ha : NULL;
+    return c;
+}
+
+static lm_mla_seg seg_mla(const lm_model *m, const layer_state *ls) {
+    lm_mla_seg g;
+    memset(&g, 0, sizeof g);
+    g.t0 = m->seg_t0;
+    g.T_all = m->Tq;
+    g.dk_tmp = m->seg_dk_tmp;
+    g.dv_tmp = m->seg_dv_tmp;
+    if (ls->seg_latent) {
+        g.c_store = ls->seg_c;
+        g.kr_store = ls->seg_kr;
+        g.dc_acc = ls->seg_dc;
+        g.dkr_acc = ls->seg_dkr;
+        g.k_work = m->seg_k_work;
+        g.v_work = m->seg_v_work;
+    } else {
+        g.k_store = ls->seg_k;
+        g.v_store = ls->seg_v;
+        g.dk_acc = ls->seg_dk;
+        g.dv_acc = ls->seg_dv;
+    }
+    return g;
+}
+
 /* Sublayer idx on its normalised input xn -> y; fills the sublayer's
  * activations. `training` feeds the balancer and the logit maxima;
  * `recompute` marks the backward's second forward, which repeats the
@@ -1039,6 +1248,21 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
                 for (int h = 0; h < m->cfg.attn_heads; h++)
                     ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
             }
+        }
+    } else if (idx % 2 == 0 && m->seg_active && ls->mixer == LM_MIXER_KDA) {
+        /* a sequence segment: the state and conv history of the segment before in, this one's out */
+        lm_kda_layer_carry cr = seg_kda_carry(m, ls);
+        TRY(lm_kda_layer_forward_seg(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_a, xn_lp, m->B, m->T, &cr, y));
+    } else if (idx % 2 == 0 && m->seg_active) {
+        /* a sequence segment: its queries over the stored keys and values of every earlier token */
+        const lm_mla_config *mc = &ls->mla_cfg;
+        lm_mla_seg sg = seg_mla(m, ls);
+        TRY(lm_mla_forward_seg(mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->T, &sg, y, ls->mla_acts));
+        if (training && !recompute) {
+            /* the maxima over the segments: the whole sequence's */
+            TRY(lm_mla_seg_head_max(mc, ls->mla_acts, m->B, m->T, ls->smax_tmp));
+            for (int h = 0; h < m->cfg.attn_heads; h++)
+                ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
         }
     } else if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
         TRY(lm_kda_layer_forward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_a, xn_lp, m->B, m->T, y));
@@ -1148,6 +1372,158 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
 static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
                                float *loss);
 
+/* ---- sequence segments: the loops ---- */
+
+static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scale);
+
+static lm_status seg_check_tokens(const lm_model *m, const int32_t *tokens) {
+    const int V = m->cfg.vocab_size;
+    if (!tokens) return lm_error(LM_ERR_ARG, "model: tokens is NULL");
+    for (int64_t i = 0; i < m->Nq; i++)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            return lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)", tokens[i],
+                            (long long)i, V);
+    return LM_OK;
+}
+
+/* Enter segment s: its sizes, its residual state, its rows of the tokens (and targets). */
+static void seg_enter(lm_model *m, int s, int with_targets) {
+    /* with_targets: q_tgt holds the rows' targets */
+    const int t0 = s * m->S, n = m->Tq - t0 < m->S ? m->Tq - t0 : m->S;
+    m->seg_active = 1;
+    m->seg = s;
+    m->seg_t0 = t0;
+    m->T = n;
+    m->N = (int64_t)m->B * n;
+    m->ar = n == m->S ? m->ar_full : m->ar_tail;
+    for (int b = 0; b < m->B; b++) {
+        memcpy(m->seg_tok + (size_t)b * n, m->q_tok + (size_t)b * m->Tq + t0, (size_t)n * sizeof(int32_t));
+        if (with_targets)
+            memcpy(m->seg_tgt + (size_t)b * n, m->q_tgt + (size_t)b * m->Tq + t0, (size_t)n * sizeof(int32_t));
+    }
+}
+
+/* Back to the sizes of the buffers. */
+static void seg_leave(lm_model *m) {
+    m->seg_active = 0;
+    m->seg = 0;
+    m->seg_t0 = 0;
+    m->T = m->S;
+    m->N = (int64_t)m->B * m->S;
+    m->ar = m->ar_full;
+}
+
+/* Segment s's forward: every layer, then (loss_sum != NULL) the sum of its cross-entropy. */
+static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum) {
+    seg_enter(m, s, 1);
+    TRY(run_layers_forward(m, m->seg_tok, training));
+    if (!loss_sum) return LM_OK;
+    lm_backend *be = m->be;
+    TRY(be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t)));
+    double t0 = lm_time_seconds();
+    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, lp_or(m, m->hn, m->hn_lp),
+                                       lp_param(m, m->P + m->head_off), m->targets, m->N, m->d, m->cfg.vocab_size,
+                                       m->logits));
+    charge(m, LM_TIME_LM_HEAD, &t0);
+    return LM_OK;
+}
+
+/* The forward in segments: the loss is the mean over every token of the rows,
+ * the balancer counts each token once, the logit maxima are the rows'. */
+static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
+                             float *loss) {
+    if (!targets)
+        return lm_error(LM_ERR_ARG, "model: with train.seq_segment a forward needs targets (a segmented forward "
+                                    "gives a loss, not the final hidden states of the whole rows)");
+    TRY(seg_check_tokens(m, tokens));
+    memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
+    memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
+    double total = 0;
+    lm_status st = LM_OK;
+    for (int s = 0; s < m->n_seg && !st; s++) {
+        double part = 0;
+        st = seg_run(m, s, training, &part);
+        total += part;
+    }
+    seg_leave(m);
+    TRY(st);
+    float ce = (float)(total / (double)m->Nq);
+    if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
+    m->have_targets = 1;
+    if (loss) *loss = ce;
+    return LM_OK;
+}
+
+/* The backward in segments, last to first: each segment's forward again from
+ * its saved carries, then its backward, which hands the gradients of its
+ * incoming carry to the segment before and adds its attention's key and value
+ * gradients to the whole rows' accumulators. */
+static lm_status seg_backward(lm_model *m, float loss_scale) {
+    lm_backend *be = m->be;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) {
+            size_t st, ha;
+            seg_kda_sizes(m, ls, &st, &ha);
+            TRY(be->zero(be, ls->seg_dh[0], st * sizeof(float)));
+            if (ha) TRY(be->zero(be, ls->seg_dhalo[0], ha * sizeof(float)));
+        } else if (ls->seg_latent) {
+            const size_t kl = (size_t)ls->mla_cfg.kv_lora, r = (size_t)ls->mla_cfg.rope_dims;
+            TRY(be->zero(be, ls->seg_dc, (size_t)m->Nq * kl * sizeof(float)));
+            if (r) TRY(be->zero(be, ls->seg_dkr, (size_t)m->Nq * r * sizeof(float)));
+        } else {
+            size_t ke, ve;
+            lm_mla_seg_row_elems(&ls->mla_cfg, &ke, &ve);
+            TRY(be->zero(be, ls->seg_dk, (size_t)m->Nq * ke * sizeof(float)));
+            TRY(be->zero(be, ls->seg_dv, (size_t)m->Nq * ve * sizeof(float)));
+        }
+    }
+    m->seg_parity = 0;
+    lm_status st = LM_OK;
+    for (int s = m->n_seg - 1; s >= 0 && !st; s--) {
+        double unused = 0;
+        st = seg_run(m, s, 0, &unused);
+        m->have_targets = 1;
+        if (!st) st = model_backward(m, NULL, loss_scale);
+        m->seg_parity ^= 1;
+    }
+    seg_leave(m);
+    m->have_targets = 0;
+    return st;
+}
+
+/* lm_model_score in segments. */
+static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll,
+                           int32_t *argmax) {
+    TRY(seg_check_tokens(m, tokens));
+    memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
+    memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
+    lm_backend *be = m->be;
+    const int on_host = be->device == LM_DEVICE_CPU;
+    lm_status st = LM_OK;
+    for (int s = 0; s < m->n_seg && !st; s++) {
+        st = seg_run(m, s, 0, NULL);
+        const int64_t N = m->N;
+        const int n = m->T, t0 = m->seg_t0;
+        double t1 = lm_time_seconds();
+        if (!st) st = be->upload(be, m->targets, m->seg_tgt, (size_t)N * sizeof(int32_t));
+        if (!st)
+            st = be->ops->score_forward(be, on_host ? m->seg_nll : m->score_nll, on_host ? m->seg_arg : m->score_arg,
+                                        lp_or(m, m->hn, m->hn_lp), lp_param(m, m->P + m->head_off), m->targets, N,
+                                        m->d, m->cfg.vocab_size, m->logits);
+        if (!st && !on_host) st = be->download(be, m->seg_nll, m->score_nll, (size_t)N * sizeof(double));
+        if (!st && !on_host) st = be->download(be, m->seg_arg, m->score_arg, (size_t)N * sizeof(int32_t));
+        charge(m, LM_TIME_LM_HEAD, &t1);
+        for (int b = 0; !st && b < m->B; b++) {
+            memcpy(nll + (size_t)b * m->Tq + t0, m->seg_nll + (size_t)b * n, (size_t)n * sizeof(double));
+            memcpy(argmax + (size_t)b * m->Tq + t0, m->seg_arg + (size_t)b * n, (size_t)n * sizeof(int32_t));
+        }
+    }
+    seg_leave(m);
+    m->have_targets = 0;
+    return st;
+}
+
 /* Under expert parallelism a training forward is collective: every MoE layer
  * starts with an agreement of the ranks. A rank that fails before the last
  * MoE layer joins the agreement of the next MoE layer it has not reached, so
@@ -1178,11 +1554,12 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
     const int d = m->d, V = m->cfg.vocab_size;
     m->have_targets = 0;
     lm_status vs = LM_OK;
-    for (int64_t i = 0; targets && i < N && !vs; i++)
+    for (int64_t i = 0; targets && i < m->Nq && !vs; i++)
         if (targets[i] < 0 || targets[i] >= V)
             vs = lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
                           (long long)i, V);
     TRY(cp_agree(m, vs, LM_ERR_ARG, "a target outside the vocabulary"));
+    if (m->seg_on) return seg_forward(m, tokens, targets, training, loss);
     TRY(run_layers_forward(m, tokens, training));
     if (!targets) return LM_OK;
     TRY(m->be->upload(m->be, m->targets, targets, (size_t)N * sizeof(int32_t)));
@@ -1202,6 +1579,8 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
 lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "token log-probabilities need a forward with targets first");
     if (!logp) return lm_error(LM_ERR_ARG, "logp is NULL");
+    if (m->seg_on)
+        return lm_error(LM_ERR_ARG, "token log-probabilities do not come out of a forward with train.seq_segment");
     if (m->be->device != LM_DEVICE_CPU) {
         /* both rows come back to the host in one copy each (hn_host holds N*d >= N floats) */
         TRY(m->be->download(m->be, logp, m->target_logit, (size_t)m->N * sizeof(float)));
@@ -1249,6 +1628,11 @@ static lm_status replay_block(lm_model *m, int k) {
  * also scales the auxiliary balance loss. */
 static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scale) {
     if (!m->have_targets) return lm_error(LM_ERR_ARG, "backward needs a forward with targets first");
+    if (m->seg_on && !m->seg_active) {
+        if (dlogp)
+            return lm_error(LM_ERR_ARG, "a backward with per-position weights does not run with train.seq_segment");
+        return seg_backward(m, loss_scale);
+    }
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     const float eps = m->cfg.norm_eps;
@@ -1265,7 +1649,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     }
     TRY(op->cross_entropy_backward(be, m->dhn, m->G + m->head_off, lp_or(m, m->hn, m->hn_lp),
                                    lp_param(m, m->P + m->head_off), m->targets, m->lse_rows, row_scale,
-                                   dlogp ? -1.0f : loss_scale / (float)N, N, d, V, m->logits));
+                                   dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
     TRY(op->rmsnorm_backward(be, m->dhf, m->G + m->final_norm_off, m->dhn, m->hf, m->P + m->final_norm_off,
@@ -1310,7 +1694,18 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             else if (m->cp_comm)
                 TRY(lm_mla_cp_backward(m->cp_comm, &ls->mla_cfg, &ls->mla_P, xn, ls->cp_acts, m->dy, m->B, m->cp_t0,
                                        m->T, m->dxn, &ls->mla_G, m->cp_scratch));
-            else if (ls->mixer == LM_MIXER_KDA)
+            else if (m->seg_active && ls->mixer == LM_MIXER_KDA) {
+                /* the gradients of this segment's outgoing carry in (set seg_parity), of its incoming one out */
+                lm_kda_layer_carry cr = seg_kda_carry(m, ls);
+                const int c0 = m->seg_parity;
+                lm_kda_layer_carry_grad cg = {ls->seg_dh[c0], ls->seg_dh[!c0], ls->seg_dhalo[c0], ls->seg_dhalo[!c0]};
+                TRY(lm_kda_layer_backward_seg(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
+                                              m->dy, m->B, m->T, &cr, &cg, m->dxn, m->scratch));
+            } else if (m->seg_active) {
+                lm_mla_seg sg = seg_mla(m, ls);
+                TRY(lm_mla_backward_seg(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy, m->B, m->T,
+                                        &sg, m->dxn, &ls->mla_G, m->scratch));
+            } else if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
                                              m->dy, m->B, m->T, m->dxn, m->scratch));
             else
@@ -1350,6 +1745,8 @@ lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backwa
 
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
     lm_status vs = dlogp ? LM_OK : lm_error(LM_ERR_ARG, "dlogp is NULL");
+    if (!vs && m->seg_on)
+        vs = lm_error(LM_ERR_ARG, "a backward with per-position weights does not run with train.seq_segment");
     for (int64_t i = 0; !vs && i < m->N; i++)
         if (!isfinite(dlogp[i])) vs = lm_error(LM_ERR_ARG, "dlogp[%lld] is not finite", (long long)i);
     TRY(cp_agree(m, vs, LM_ERR_ARG, "a bad dlogp"));
@@ -1357,6 +1754,8 @@ lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
 }
 
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
+    if (m->seg_on)
+        return lm_error(LM_ERR_ARG, "lm_model_logits does not run with train.seq_segment (use lm_model_score)");
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0;
     const float *hn = m->hn;
@@ -1375,11 +1774,12 @@ lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targ
     lm_status vs = LM_OK;
     if (!tokens || !targets || !nll || !argmax)
         vs = lm_error(LM_ERR_ARG, "lm_model_score: tokens, targets, nll and argmax must not be NULL");
-    for (int64_t i = 0; !vs && i < N; i++)
+    for (int64_t i = 0; !vs && i < m->Nq; i++)
         if (targets[i] < 0 || targets[i] >= V)
             vs = lm_error(LM_ERR_ARG, "target %d at position %lld is outside the vocabulary [0, %d)", targets[i],
                           (long long)i, V);
     TRY(cp_agree(m, vs, LM_ERR_ARG, "a bad argument of lm_model_score"));
+    if (m->seg_on) return seg_score(m, tokens, targets, nll, argmax);
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0; /* nothing here for a backward */
     lm_backend *be = m->be;
@@ -1465,7 +1865,7 @@ void lm_model_qk_max_set(lm_model *m, const float *in) {
 
 void lm_model_shape(const lm_model *m, int *B, int *T) {
     *B = m->B;
-    *T = m->T;
+    *T = m->Tq;
 }
 
 lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
@@ -1497,6 +1897,9 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
+    if (m->seg_on)
+        return lm_error(LM_ERR_ARG, "expert parallelism together with train.seq_segment is not supported (set "
+                                    "train.seq_segment to 0)");
     if (m->cp_comm)
         return lm_error(LM_ERR_ARG, "expert parallelism together with context parallelism is not supported yet");
     if (m->chunk < m->N)
@@ -1526,6 +1929,45 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     return LM_OK;
 }
 
+/* The context-parallel block of a model whose B x T is the segment at t0 of
+ * R ranks: the mixers' activations for the segment (the attention's for its
+ * prefix), one set per mixer kind with recompute (need[l] each layer's,
+ * padded), and one backward scratch, in floats. */
+static lm_status cp_block_plan(const lm_model *m, int R, int t0, size_t *need, size_t *total, size_t *scratch) {
+    const int B = m->B, T = m->T;
+    size_t kda_once = 0, mla_once = 0;
+    *total = *scratch = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        size_t a, s;
+        if (ls->mixer == LM_MIXER_KDA) {
+            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
+            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
+            if (m->cfg.recompute && kda_once++) a = 0;
+        } else {
+            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, t0, T);
+            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, t0, T);
+            if (m->cfg.recompute && mla_once++) a = 0;
+        }
+        if (!s) return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
+        if (need) need[l] = PAD16(a);
+        *total += PAD16(a);
+        *scratch = s > *scratch ? s : *scratch;
+    }
+    return LM_OK;
+}
+
+lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes) {
+    *bytes = 0;
+    if (ranks < 1 || t0 < 0 || (int64_t)t0 + m->T > (1 << 26))
+        return lm_error(LM_ERR_ARG, "context parallelism: %d ranks, a segment at %d of %d tokens: out of range", ranks,
+                        t0, m->T);
+    size_t total, scratch;
+    TRY(cp_block_plan(m, ranks, t0, NULL, &total, &scratch));
+    *bytes = (total + scratch + 1) * sizeof(float);
+    return LM_OK;
+}
+
 lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "context parallelism needs a communicator");
     if (m->cp_comm) return lm_error(LM_ERR_ARG, "context parallelism is already set on this model");
@@ -1536,6 +1978,9 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
         vs = lm_error(LM_ERR_ARG, "context parallelism runs on the CPU (the device engine is not written yet)");
     else if (m->ep_comm)
         vs = lm_error(LM_ERR_ARG, "context parallelism together with expert parallelism is not supported yet");
+    else if (m->seg_on)
+        vs = lm_error(LM_ERR_ARG, "context parallelism together with train.seq_segment is not supported (set "
+                                  "train.seq_segment to 0, or at least the sequence length)");
     int32_t mine[2] = {m->B, m->T}, *all = malloc(2 * (size_t)lm_comm_size(comm) * sizeof(int32_t));
     if (!all) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
     m->cp_comm = comm; /* for the agreement */
@@ -1553,31 +1998,13 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     free(all);
     TRY(st);
     if (t0 + m->T > (1 << 26)) return lm_error(LM_ERR_ARG, "context parallelism: the sequence is too long");
-    /* the mixers' activations for the segment (the attention's for its prefix)
-     * and one backward scratch; with recompute one set per mixer kind */
-    const int B = m->B, T = m->T;
-    size_t total = 0, scratch = 0, kda_once = 0, mla_once = 0;
+    size_t total = 0, scratch = 0;
     size_t *need = calloc((size_t)m->cfg.n_layers, sizeof *need);
     if (!need) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        const layer_state *ls = &m->layers[l];
-        size_t a, s;
-        if (ls->mixer == LM_MIXER_KDA) {
-            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
-            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
-            if (m->cfg.recompute && kda_once++) a = 0;
-        } else {
-            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, (int)t0, T);
-            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, (int)t0, T);
-            if (m->cfg.recompute && mla_once++) a = 0;
-        }
-        if (!s) {
-            free(need);
-            return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
-        }
-        need[l] = PAD16(a);
-        total += need[l];
-        scratch = s > scratch ? s : scratch;
+    lm_status ps = cp_block_plan(m, R, (int)t0, need, &total, &scratch);
+    if (ps) {
+        free(need);
+        return ps;
     }
     float *block = malloc((total + scratch + 1) * sizeof(float));
     if (!block) {

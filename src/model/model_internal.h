@@ -45,6 +45,17 @@ typedef struct {
     /* context parallelism (lm_model_set_context_parallel): the token mixer's
      * activations for the rank's segment (one set per mixer kind with recompute) */
     float *cp_acts;
+    /* sequence segments (train.seq_segment): KDA: the state [B,H,K,K] and the
+     * conv history [3,B,W-1,HK] at the start of segments 1 .. n-1, and two
+     * sets (this segment's, the one before's) of their gradients; attention:
+     * the keys and values of the whole rows and their gradient accumulators */
+    float *seg_h, *seg_halo, *seg_dh[2], *seg_dhalo[2];
+    void *seg_k, *seg_v;
+    float *seg_dk, *seg_dv;
+    /* MLA whose latent is smaller than its keys and values keeps that instead (lm_mla_seg) */
+    int seg_latent;
+    void *seg_c;
+    float *seg_kr, *seg_dc, *seg_dkr;
 } layer_state;
 
 struct lm_model {
@@ -103,6 +114,21 @@ struct lm_model {
     int64_t chunk;           /* tokens per chunk of the dense FFN and MoE (N: not chunked) */
     int lean_hin;            /* one sublayer input buffer, recomputed from the residual state */
     int replay;              /* the residual state keeps one block's partial sums: the backward replays each block */
+    /* sequence segments (train.seq_segment < T): the layers run on tokens
+     * [seg_t0, seg_t0 + T) of every row; B, T, N above are the current
+     * segment's (the buffers are sized for S), Tq and Nq the whole rows' */
+    int seg_on, seg_active; /* segmented; inside the loop over the segments */
+    int S, n_seg, seg, seg_t0, seg_parity, Tq;
+    int64_t Nq;
+    void *ar_full, *ar_tail;       /* residual states of S tokens a row and of the last, shorter segment */
+    float *seg_block;              /* backend memory: the carries, stores and accumulators */
+    size_t seg_floats;
+    float *seg_ht_junk;            /* the last segment's final KDA state (asked for, not kept) */
+    void *seg_dk_tmp, *seg_dv_tmp; /* one row's attention gradient of every key and value */
+    void *seg_k_work, *seg_v_work; /* one row's keys and values up-projected from MLA latents */
+    int32_t *q_tok, *q_tgt, *seg_tok, *seg_tgt; /* host: the whole rows' tokens, targets; one segment's */
+    double *seg_nll;                            /* host: one segment's scores (lm_model_score) */
+    int32_t *seg_arg;
 };
 
 #endif

@@ -249,16 +249,17 @@ static lm_status cpu_conv_silu_backward(lm_backend *be, float *din, float *dw, c
 
 static lm_status cpu_kda_forward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
                                  const void *v, const void *z, const float *beta, const float *A_log,
-                                 const float *dt_bias, void *o) {
+                                 const float *dt_bias, const float *h0, void *o, float *ht) {
     (void)be;
-    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, NULL};
-    return lm_kda_chunk_forward(cfg, &in, o, NULL);
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, h0};
+    return lm_kda_chunk_forward(cfg, &in, o, ht);
 }
 
 static lm_status cpu_kda_backward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
                                   const void *v, const void *z, const float *beta, const float *A_log,
-                                  const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
-                                  float *dbeta, float *dA_log, float *ddt_bias) {
+                                  const float *dt_bias, const float *h0, const void *d_o, const float *dht,
+                                  void *dq, void *dk, void *dv, void *dz, float *dbeta, float *dA_log,
+                                  float *ddt_bias, float *dh0) {
     (void)be;
     size_t n = (size_t)cfg->B * cfg->T * cfg->H;
     memset(dq, 0, n * cfg->K * sizeof(float));
@@ -266,9 +267,10 @@ static lm_status cpu_kda_backward(lm_backend *be, const lm_kda_config *cfg, cons
     memset(dv, 0, n * cfg->V * sizeof(float));
     memset(dz, 0, n * cfg->K * sizeof(float));
     memset(dbeta, 0, n * sizeof(float));
-    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, NULL};
-    lm_kda_grads g = {dq, dk, dv, dz, dbeta, dA_log, ddt_bias, NULL};
-    return lm_kda_chunk_backward(cfg, &in, d_o, NULL, &g);
+    if (dh0) memset(dh0, 0, (size_t)cfg->B * cfg->H * cfg->K * cfg->V * sizeof(float));
+    lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, h0};
+    lm_kda_grads g = {dq, dk, dv, dz, dbeta, dA_log, ddt_bias, dh0};
+    return lm_kda_chunk_backward(cfg, &in, d_o, dht, &g);
 }
 
 static lm_status cpu_kda_output_forward(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
@@ -321,6 +323,34 @@ static lm_status cpu_attention_backward(lm_backend *be, const lm_attention_confi
     memset(dk, 0, nk * c->Dk * sizeof(float));
     memset(dv, 0, nk * c->Dv * sizeof(float));
     return lm_attention_backward(c, q, k, v, o, lse, d_o, dq, dk, dv);
+}
+
+static lm_status cpu_attention_forward_offset(lm_backend *be, const lm_attention_config *cfg, int q_offset,
+                                              const void *q, const void *k, const void *v, void *o, float *lse,
+                                              float *rowmax) {
+    (void)be;
+    return lm_attention_forward_offset(cfg, q_offset, q, k, v, o, lse, rowmax);
+}
+
+static lm_status cpu_attention_backward_offset(lm_backend *be, const lm_attention_config *c, int q_offset,
+                                               const void *q, const void *k, const void *v, const void *o,
+                                               const float *lse, const void *d_o, void *dq, void *dk, void *dv) {
+    (void)be;
+    if (!c || q_offset < 0) return lm_error(LM_ERR_ARG, "attention_backward_offset: cfg is NULL or q_offset < 0");
+    size_t nq = (size_t)c->B * c->T * c->H, nk = (size_t)c->B * ((size_t)q_offset + c->T) * c->Hkv;
+    memset(dq, 0, nq * c->Dk * sizeof(float));
+    memset(dk, 0, nk * c->Dk * sizeof(float));
+    memset(dv, 0, nk * c->Dv * sizeof(float));
+    return lm_attention_backward_offset(c, q_offset, q, k, v, o, lse, d_o, dq, dk, dv);
+}
+
+static lm_status cpu_accumulate(lm_backend *be, float *acc, const void *x, size_t n, int lp) {
+    (void)be;
+    (void)lp; /* the CPU's product format is fp32 */
+    const float *xf = x;
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) acc[i] += xf[i];
+    return LM_OK;
 }
 
 static lm_status cpu_gate_forward(lm_backend *be, float *gated, void *gated_lp, const float *gp, const void *o_lp,
@@ -595,6 +625,9 @@ static const lm_ops cpu_ops = {
     .kda_output_backward = cpu_kda_output_backward,
     .attention_forward = cpu_attention_forward,
     .attention_backward = cpu_attention_backward,
+    .attention_forward_offset = cpu_attention_forward_offset,
+    .attention_backward_offset = cpu_attention_backward_offset,
+    .accumulate = cpu_accumulate,
     .gate_forward = cpu_gate_forward,
     .gate_backward = cpu_gate_backward,
     .attention_head_max = cpu_attention_head_max,

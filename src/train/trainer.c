@@ -70,6 +70,14 @@ typedef struct {
     int dp_in_setup;     /* between the first agreement and the one before the loop */
     int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
     int64_t saved_step;  /* the step of the newest checkpoint this run wrote or resumed from (-1: none) */
+    /* context parallelism (opt.context_parallel; docs/scaleout.md, "Context
+     * parallelism in the trainer"): cp ranks a group (1: off), this rank's place
+     * in its group and the group's place among the dp_groups = ranks / cp
+     * data-parallel groups; cp_comm the group's handle (owned); the model holds
+     * tokens [seg_t0, seg_t0 + seg_T) of each of its rows (0 and T without CP) */
+    int cp, cp_rank, dp_rank, dp_groups;
+    lm_comm *cp_comm;
+    int seg_t0, seg_T;
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
     /* ZeRO-1 (opt.zero; docs/scaleout.md, "ZeRO-1"): the tensors are cut into
@@ -116,6 +124,7 @@ static void trainer_free(trainer *t) {
     free(t->bmuon);
     free(t->badam);
     lm_model_free(t->model);
+    lm_comm_close(t->cp_comm); /* after the model, which uses it */
     /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
     if (t->dcomm && t->be) {
         t->be->sync(t->be);
@@ -207,8 +216,16 @@ static lm_status host_params_current(trainer *t) {
  * collectives below are called by all ranks in the same order. Sums are the
  * comm layer's rank-order sums, so every rank holds the same bits. */
 
-/* Rows of each micro-batch this rank computes. */
-static int share_B(const trainer *t) { return t->B / t->ranks; }
+/* Rows of each micro-batch this rank computes (its data-parallel group's). */
+static int share_B(const trainer *t) { return t->B / t->dp_groups; }
+
+/* Segment c of n of a sequence of T tokens: [*t0, *t0 + *len), the first
+ * T mod n segments one token longer than the others. */
+static void segment_of(int T, int n, int c, int *t0, int *len) {
+    const int q = T / n, r = T % n;
+    *len = q + (c < r);
+    *t0 = c * q + (c < r ? c : r);
+}
 
 /* Agree on a status: every rank learns whether any failed. A rank that failed
  * keeps its own message; the others report the first failing rank. */
@@ -237,6 +254,9 @@ static int stop_requested(trainer *t) {
 
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
+    if (t->opt.context_parallel > 1 && t->opt.expert_parallel)
+        return lm_error(LM_ERR_ARG, "expert parallelism together with context parallelism (--ep with --cp) is "
+                        "not supported: use one of them");
     if (t->opt.zero) {
         if (t->opt.zero != 1)
             return lm_error(LM_ERR_ARG, "ZeRO stage %d: stage 1 (the optimizer state sharded over the ranks) is the "
@@ -261,6 +281,25 @@ static lm_status dp_check(const trainer *t) {
     if (t->dcomm && t->opt.device != LM_DEVICE_CUDA)
         return lm_error(LM_ERR_ARG, "--comm nccl sums gradients on GPUs: it needs --device cuda (data parallelism "
                         "on CPU ranks is --comm mpi)");
+    const int N = t->opt.context_parallel;
+    if (N < 0)
+        return lm_error(LM_ERR_ARG, "context parallelism over %d ranks: give a positive group size (1: off)", N);
+    if (N > 1) {
+        if (!t->comm)
+            return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) runs over the ranks of --comm mpi", N);
+        if (t->opt.device != LM_DEVICE_CPU || t->dcomm)
+            return lm_error(LM_ERR_ARG, "context parallelism runs on CPU ranks (--device cpu --comm mpi), not "
+                            "--device %s", lm_device_name(t->opt.device));
+        if (t->ranks % N)
+            return lm_error(LM_ERR_ARG, "context parallelism in groups of %d ranks: the %d ranks are not a multiple "
+                            "of %d (mpirun -np must be a multiple of --cp)", N, t->ranks, N);
+        for (int i = 0; i < t->n_stages; i++)
+            if (t->stages[i].seq_len < N)
+                return lm_error(LM_ERR_ARG, "context parallelism over %d ranks: %s%s%s has sequences of %d tokens, "
+                                "fewer than %d (each rank of a group holds a segment of at least one token)", N,
+                                t->n_stages > 1 ? "stage '" : "the run", t->n_stages > 1 ? t->stages[i].name : "",
+                                t->n_stages > 1 ? "'" : "", t->stages[i].seq_len, N);
+    }
     if (t->ranks <= 1) return LM_OK;
     if (t->opt.device != LM_DEVICE_CPU && !t->dcomm)
         return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl; --comm mpi runs CPU ranks "
@@ -269,9 +308,15 @@ static lm_status dp_check(const trainer *t) {
     if (t->cfg.balance == LM_BALANCE_QUANTILE && t->cfg.balance_estimator == LM_QB_EXACT)
         return lm_error(LM_ERR_ARG, "data parallel: moe.balance_estimator 'exact' sorts one process's residuals "
                         "and cannot be summed over ranks; use 'histogram' or 'zoom'");
+    const int D = N > 1 ? t->ranks / N : t->ranks;
     for (int i = 0; i < t->n_stages; i++) {
         int B = (int)(t->stages[i].batch_tokens / t->stages[i].seq_len);
-        if (B % t->ranks)
+        if (N > 1 && B % D)
+            return lm_error(LM_ERR_ARG, "data parallel over %d groups of %d context-parallel ranks: %s%s%s has %d "
+                            "sequences a micro-batch, not divisible by %d (each group takes an equal share: set "
+                            "train.batch_size to a multiple of %d)", D, N, t->n_stages > 1 ? "stage '" : "the batch",
+                            t->n_stages > 1 ? t->stages[i].name : "", t->n_stages > 1 ? "'" : "", B, D, D);
+        if (N <= 1 && B % t->ranks)
             return lm_error(LM_ERR_ARG, "data parallel over %d ranks: %s%s%s has %d sequences a micro-batch, not "
                             "divisible by %d (each rank takes an equal share: set train.batch_size to a multiple "
                             "of %d)", t->ranks, t->n_stages > 1 ? "stage '" : "the batch", t->n_stages > 1 ?
@@ -458,6 +503,11 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
         double loss, aux;
         int64_t consumed, bad;
     } mine = {*loss, *aux, t->data_pos - pos0, *bad}, all[LM_DP_MAX_RANKS];
+    /* context parallel: each rank's loss is the mean over its segment; weighted by T_c / T the group's sum is
+     * the mean over the group's rows (without CP the weight is 1, exactly) */
+    const double w = (double)t->seg_T / (double)t->T;
+    mine.loss *= w;
+    mine.aux *= w;
     TRY(lm_comm_all_gather(t->comm, &mine, all, sizeof mine));
     float l = (float)all[0].loss, a = (float)all[0].aux;
     int64_t consumed = all[0].consumed, any_bad = all[0].bad;
@@ -467,8 +517,8 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
         consumed = all[r].consumed < consumed ? all[r].consumed : consumed;
         any_bad |= all[r].bad;
     }
-    *loss = l / (float)R;
-    *aux = a / (float)R;
+    *loss = l / (float)t->dp_groups;
+    *aux = a / (float)t->dp_groups;
     *bad = any_bad != 0;
     t->data_pos = pos0 + consumed;
     /* the balancing counts: histograms and loads (int32, exact), entropy and tokens (monitoring) */
@@ -489,7 +539,8 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
         }
     }
     if (*bad) return LM_OK;
-    /* the gradients: each rank's share was scaled by 1 / (grad_accum R), so the sum is the batch's mean;
+    /* the gradients: each rank's share was scaled by 1 / (grad_accum R) (context parallel: by
+     * T_c / (T grad_accum R / N)), so the sum over all ranks is the batch's mean;
      * under ZeRO-1 each rank receives the sum of its own range only */
     if (t->dcomm) {
         /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
@@ -643,12 +694,39 @@ static lm_status open_device(trainer *t) {
     return LM_OK;
 }
 
+/* The model of this rank for micro-batches of B x T: its group's share of the
+ * rows and, under context parallelism, its segment of the tokens (*t0, *len),
+ * set up over the group once every rank has its model. */
+static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0, int *len) {
+    *out = NULL;
+    *t0 = 0;
+    *len = T;
+    if (t->cp > 1) segment_of(T, t->cp, t->cp_rank, t0, len);
+    lm_status s = lm_model_create_on(&t->cfg, B / t->dp_groups, *len, t->be, out);
+    if (t->cp <= 1) return s;
+    /* every rank, before the group's collective setup */
+    if (!(s = dp_agree(t, s))) s = lm_model_set_context_parallel(*out, t->cp_comm);
+    if (s) {
+        lm_model_free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
 static lm_status trainer_setup(trainer *t, int stage) {
     const lm_config *c = &t->cfg;
     t->stage = stage;
     stage_shape(t, stage, &t->B, &t->T);
     TRY(open_device(t));
-    TRY(lm_model_create_on(c, share_B(t), t->T, t->be, &t->model));
+    if (t->cp > 1) {
+        /* the groups of cp consecutive ranks (every rank, collectively) */
+        lm_status s = lm_comm_split(t->comm, t->dp_rank, &t->cp_comm);
+        if (!s && (!t->cp_comm || lm_comm_size(t->cp_comm) != t->cp || lm_comm_rank(t->cp_comm) != t->cp_rank))
+            s = lm_error(LM_ERR_ARG, "context parallelism: the split gave rank %d a group of %d ranks, expected %d",
+                         t->rank, t->cp_comm ? lm_comm_size(t->cp_comm) : 0, t->cp);
+        TRY(dp_agree(t, s));
+    }
+    TRY(create_model(t, t->B, t->T, &t->model, &t->seg_t0, &t->seg_T));
     if (t->opt.expert_parallel) TRY(lm_model_set_expert_parallel(t->model, t->comm));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
@@ -790,7 +868,8 @@ static lm_status switch_stage(trainer *t, int i) {
     /* on the GPU both stages' models are held for the copy (host parameters
      * and balancing state; the new model uploads them before its first forward) */
     TRY(host_params_current(t));
-    TRY(lm_model_create_on(&t->cfg, B / t->ranks, T, t->be, &next));
+    int t0, len;
+    TRY(create_model(t, B, T, &next, &t0, &len));
     lm_status s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
@@ -800,17 +879,21 @@ static lm_status switch_stage(trainer *t, int i) {
     t->model = next;
     t->B = B;
     t->T = T;
+    t->seg_t0 = t0;
+    t->seg_T = len;
     t->stage = i;
     bind_params(t);
     TRY(bind_backend_params(t));
     return open_data(t, i);
 }
 
-/* Split a [B, T+1] batch into inputs and targets. */
-static void split_batch(const int32_t *seq, int B, int T, int32_t *inp, int32_t *tgt) {
+/* Split B rows of a [., T+1] batch into inputs and targets [B, len] of
+ * positions [t0, t0 + len): the targets are the whole sequence's, the next
+ * token, so a segment's last target is the next segment's first input. */
+static void split_batch(const int32_t *seq, int B, int T, int t0, int len, int32_t *inp, int32_t *tgt) {
     for (int b = 0; b < B; b++) {
-        memcpy(inp + (size_t)b * T, seq + (size_t)b * (T + 1), (size_t)T * sizeof(int32_t));
-        memcpy(tgt + (size_t)b * T, seq + (size_t)b * (T + 1) + 1, (size_t)T * sizeof(int32_t));
+        memcpy(inp + (size_t)b * len, seq + (size_t)b * (T + 1) + t0, (size_t)len * sizeof(int32_t));
+        memcpy(tgt + (size_t)b * len, seq + (size_t)b * (T + 1) + t0 + 1, (size_t)len * sizeof(int32_t));
     }
 }
 
@@ -1272,8 +1355,11 @@ static lm_status evaluate(trainer *t, float *loss, float *acc) {
     lm_model_timings(t->model, before);
     lm_eval_tally tally;
     /* each rank scores its share of every validation batch; the tallies are summed */
-    lm_status s = lm_eval_loss_rows(t->model, t->val, t->opt.val_batches, lm_eval_options_default().n_buckets, t->B,
-                                    t->rank * share_B(t), &tally);
+    const int nb = lm_eval_options_default().n_buckets;
+    lm_status s = t->cp > 1 ? lm_eval_loss_segment(t->model, t->val, t->opt.val_batches, nb, t->B,
+                                                   t->dp_rank * share_B(t), t->T, t->seg_t0, t->cp_comm, &tally)
+                            : lm_eval_loss_rows(t->model, t->val, t->opt.val_batches, nb, t->B,
+                                                t->dp_rank * share_B(t), &tally);
     lm_model_timings(t->model, after);
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
     if ((s = dp_agree(t, s)) || (s = dp_reduce_tally(t, &tally))) return s;
@@ -1427,6 +1513,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     t.n_stages = lm_config_stages(&t.cfg, t.stages);
     t.total_steps = lm_config_total_steps(&t.cfg);
     if ((s = dp_check(&t))) goto done;
+    /* the groups: cp consecutive ranks each (one rank each without context parallelism) */
+    t.cp = opt->context_parallel > 1 ? opt->context_parallel : 1;
+    t.cp_rank = t.rank % t.cp;
+    t.dp_rank = t.rank / t.cp;
+    t.dp_groups = t.ranks / t.cp;
     if ((s = trainer_setup(&t, 0))) goto done;
     /* the data's fingerprint goes into checkpoints (rank 0's) and is checked on resume there */
     if (t.rank == 0 && (s = fingerprint_data(&t))) goto done;
@@ -1485,9 +1576,13 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s on the GPU (forward "
                 "and backward; optimizer on the %s)\n", lm_model_num_params(t.model), t.n_all,
                 (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", t.dev_opt ? "GPU" : "host");
-    if (opt->progress && t.ranks > 1)
+    if (opt->progress && t.ranks > 1 && t.cp == 1)
         fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
                 t.ranks, share_B(&t), t.B);
+    if (opt->progress && t.cp > 1)
+        fprintf(opt->progress, "context parallel: %d group%s of %d ranks; a group takes %d of the %d sequences of a "
+                "micro-batch, each of its ranks a segment of %d to %d of the %d tokens\n", t.dp_groups,
+                t.dp_groups > 1 ? "s" : "", t.cp, share_B(&t), t.B, t.T / t.cp, (t.T + t.cp - 1) / t.cp, t.T);
     if (opt->progress && t.zero) {
         /* the optimizer state a rank holds: every range's (rank 0 knows the cut) */
         size_t lo = zero_state_bytes(&t, 0), hi = lo, whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
@@ -1519,11 +1614,25 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             lm_model_inject_fault(t.model, opt->inject_fault);
         const int64_t pos0 = t.data_pos;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
-            /* the whole micro-batch; this rank takes rows [rank B/R, (rank+1) B/R) */
+            /* the whole micro-batch; this rank takes rows [g B/D, (g+1) B/D) of its group g of D (without
+             * context parallelism the rank's own), tokens [seg_t0, seg_t0 + seg_T) of them (all without) */
             if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
-            split_batch(t.seq + (size_t)t.rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.inp, t.tgt);
+            split_batch(t.seq + (size_t)t.dp_rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.seg_t0, t.seg_T,
+                        t.inp, t.tgt);
             float l;
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
+            if (t.cp > 1) {
+                /* the group's backward is collective: its ranks agree on the forward (the model agrees inside
+                 * it; this adds the loss, computed on each rank's own tokens) */
+                int32_t f[2] = {fs == LM_ERR_NUMERIC, fs && fs != LM_ERR_NUMERIC};
+                if ((s = lm_comm_all_reduce_sum(t.cp_comm, f, f, 2, LM_DTYPE_I32))) goto done;
+                if (f[1]) {
+                    s = fs ? fs : lm_error(LM_ERR_ARG, "context parallel: the forward failed on another rank of "
+                                           "the group");
+                    goto done;
+                }
+                if (f[0] && !fs) fs = LM_ERR_NUMERIC;
+            }
             if (fs == LM_ERR_NUMERIC) {
                 bad = 1;
                 break;
@@ -1532,7 +1641,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 s = fs;
                 goto done;
             }
-            if ((s = lm_model_backward(t.model, 1.0f / (float)((int64_t)c->grad_accum * t.ranks)))) goto done;
+            /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N) */
+            const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
+                                         : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
+            if ((s = lm_model_backward(t.model, scale))) goto done;
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }

@@ -276,7 +276,7 @@ static lm_status cuda_conv_silu_backward(lm_backend *be, float *din, float *dw, 
 }
 
 static lm_kda_cuda_inputs kda_inputs(const void *q, const void *k, const void *v, const void *z, const float *beta,
-                                     const float *A_log, const float *dt_bias) {
+                                     const float *A_log, const float *dt_bias, const float *h0) {
     lm_kda_cuda_inputs in;
     in.q = (const uint16_t *)q;
     in.k = (const uint16_t *)k;
@@ -285,33 +285,34 @@ static lm_kda_cuda_inputs kda_inputs(const void *q, const void *k, const void *v
     in.beta = beta;
     in.A_log = A_log;
     in.dt_bias = dt_bias;
-    in.h0 = NULL;
+    in.h0 = h0;
     return in;
 }
 
 static lm_status cuda_kda_forward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
                                   const void *v, const void *z, const float *beta, const float *A_log,
-                                  const float *dt_bias, void *o) {
+                                  const float *dt_bias, const float *h0, void *o, float *ht) {
     lm_status st = lm_kda_cuda_check(cfg);
     if (st) return st;
     /* a backward-sized workspace: one arena size for both directions */
     size_t bytes = lm_kda_cuda_workspace_bytes(cfg, 1);
     void *ws;
     if ((st = arena_get(be, bytes, &ws))) return st;
-    lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias);
-    return lm_kda_cuda_chunk_forward(cfg, &in, (uint16_t *)o, NULL, ws, bytes, cb_of(be)->ctx.stream);
+    lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias, h0);
+    return lm_kda_cuda_chunk_forward(cfg, &in, (uint16_t *)o, ht, ws, bytes, cb_of(be)->ctx.stream);
 }
 
 static lm_status cuda_kda_backward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
                                    const void *v, const void *z, const float *beta, const float *A_log,
-                                   const float *dt_bias, const void *d_o, void *dq, void *dk, void *dv, void *dz,
-                                   float *dbeta, float *dA_log, float *ddt_bias) {
+                                   const float *dt_bias, const float *h0, const void *d_o, const float *dht,
+                                   void *dq, void *dk, void *dv, void *dz, float *dbeta, float *dA_log,
+                                   float *ddt_bias, float *dh0) {
     lm_status st = lm_kda_cuda_check(cfg);
     if (st) return st;
     size_t bytes = lm_kda_cuda_workspace_bytes(cfg, 1);
     void *ws;
     if ((st = arena_get(be, bytes, &ws))) return st;
-    lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias);
+    lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias, h0);
     lm_kda_cuda_grads g;
     g.dq = (uint16_t *)dq;
     g.dk = (uint16_t *)dk;
@@ -320,9 +321,9 @@ static lm_status cuda_kda_backward(lm_backend *be, const lm_kda_config *cfg, con
     g.dbeta = dbeta;
     g.dA_log = dA_log;
     g.ddt_bias = ddt_bias;
-    g.dh0 = NULL;
+    g.dh0 = dh0;
     /* other ops may have used the arena since the forward: recompute (forward_saved = 0) */
-    return lm_kda_cuda_chunk_backward(cfg, &in, (const uint16_t *)d_o, NULL, &g, ws, bytes, 0,
+    return lm_kda_cuda_chunk_backward(cfg, &in, (const uint16_t *)d_o, dht, &g, ws, bytes, 0,
                                       cb_of(be)->ctx.stream);
 }
 
@@ -373,6 +374,31 @@ static lm_status cuda_attention_backward(lm_backend *be, const lm_attention_conf
     return lm_cuda_attention_backward(ctx_of(be), c, (const uint16_t *)q, (const uint16_t *)k, (const uint16_t *)v,
                                       (const uint16_t *)o, (const uint16_t *)d_o, lse, (uint16_t *)dq,
                                       (uint16_t *)dk, (uint16_t *)dv, ws, bytes);
+}
+
+/* Attention with the queries at an offset (sequence segments): q_offset 0 is
+ * the causal attention above; a later segment's queries need the offset
+ * kernels of the CUDA attention library. */
+static lm_status cuda_attention_forward_offset(lm_backend *be, const lm_attention_config *cfg, int q_offset,
+                                               const void *q, const void *k, const void *v, void *o, float *lse,
+                                               float *rowmax) {
+    if (q_offset == 0) return cuda_attention_forward(be, cfg, q, k, v, o, lse, rowmax);
+    return lm_error(LM_ERR_ARG, "attention with an offset on CUDA needs lm_cuda_attention_forward_offset "
+                                        "(queries at positions %d.. over all earlier keys), which this build lacks",
+                    q_offset);
+}
+
+static lm_status cuda_attention_backward_offset(lm_backend *be, const lm_attention_config *c, int q_offset,
+                                                const void *q, const void *k, const void *v, const void *o,
+                                                const float *lse, const void *d_o, void *dq, void *dk, void *dv) {
+    if (q_offset == 0) return cuda_attention_backward(be, c, q, k, v, o, lse, d_o, dq, dk, dv);
+    return lm_error(LM_ERR_ARG, "attention with an offset on CUDA needs lm_cuda_attention_backward_offset "
+                                        "(queries at positions %d.. over all earlier keys), which this build lacks",
+                    q_offset);
+}
+
+static lm_status cuda_accumulate(lm_backend *be, float *acc, const void *x, size_t n, int lp) {
+    return lm_cuda_backend_accumulate(ctx_of(be), acc, x, n, lp);
 }
 
 static lm_status cuda_attention_head_max(lm_backend *be, const lm_attention_config *c, const float *rowmax,
@@ -740,6 +766,9 @@ static lm_ops make_cuda_ops(void) {
     o.kda_output_backward = cuda_kda_output_backward;
     o.attention_forward = cuda_attention_forward;
     o.attention_backward = cuda_attention_backward;
+    o.attention_forward_offset = cuda_attention_forward_offset;
+    o.attention_backward_offset = cuda_attention_backward_offset;
+    o.accumulate = cuda_accumulate;
     o.attention_head_max = cuda_attention_head_max;
     o.gate_forward = cuda_gate_forward;
     o.gate_backward = cuda_gate_backward;

@@ -39,4 +39,7 @@ lm_status lm_cuda_backend_router_entropy(const lm_cuda_context *ctx, float *ent,
 lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned long long *first_device,
                                           const float *x, size_t n);
 
+/* acc[i] += x[i], i < n: x fp32 (lp = 0) or bf16 (lp = 1). */
+lm_status lm_cuda_backend_accumulate(const lm_cuda_context *ctx, float *acc, const void *x, size_t n, int lp);
+
 #endif

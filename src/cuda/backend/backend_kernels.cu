@@ -199,3 +199,18 @@ lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned l
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
+
+__global__ void bk_accumulate_kernel(float *acc, const float *x, const uint16_t *x_bf16, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        acc[i] += x ? x[i] : lin_bf16_to_f32(x_bf16[i]);
+}
+
+lm_status lm_cuda_backend_accumulate(const lm_cuda_context *ctx, float *acc, const void *x, size_t n, int lp) {
+    lm_status st = bk_check(ctx, "accumulate");
+    if (st || n == 0) return st;
+    if (!acc || !x) return lm_error(LM_ERR_ARG, "accumulate: acc or x is NULL");
+    bk_accumulate_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(
+        acc, lp ? NULL : (const float *)x, lp ? (const uint16_t *)x : NULL, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}

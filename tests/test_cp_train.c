@@ -1,0 +1,573 @@
+/* Context parallelism in the trainer (docs/scaleout.md, "Context parallelism
+ * in the trainer").
+ *
+ * Alone (`test_cp_train`): what needs no second rank: the CLI's refusals of
+ * --cp (without --comm mpi, with --ep) and its --help; lm_train refusing a
+ * context-parallel run without a communicator; the segment evaluation of a
+ * one-rank group equals the plain evaluation; `longmoe plan --memory --cp N`.
+ * Under mpirun (`mpirun -np N test_cp_train --mpi N`, ctest's
+ * test_cp_train_mpi2 and test_cp_train_mpi4): the model of test_dp_config
+ * with sequences of 31 tokens (segments of unequal length: 16 + 15 on 2
+ * ranks, 8 + 8 + 8 + 7 on 4) trained 20 steps with one context-parallel group
+ * of N ranks (and on 4 ranks with 2 groups of 2: CP 2 x DP 2) against one
+ * process with the same global batch: losses, validation losses, parameters,
+ * optimizer and balancing state within 1e-5 relative; every rank holding the
+ * same parameters and balancing bias (which moved); a bit-exact resume on the
+ * same layout; a checkpoint of the ranks resumed on one process and one
+ * process's resumed over the ranks, both within 1e-5 of the uninterrupted
+ * run; ZeRO-1 over the whole world bit-identical to the replicated state; a
+ * NaN in one rank's segment skipping the step on every rank as one process
+ * with the same NaN does; a run of two stages with recompute (the stage
+ * change makes the next stage's context-parallel model); the refusals (--ep with --cp, ranks not a multiple
+ * of the group, sequences shorter than the group). Built without MPI,
+ * `--mpi N` reports every case skipped. */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/eval.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+#include "test.h"
+#include "test_models.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0;
+static char root[256];
+
+static const char *dir(const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
+    return buf[slot];
+}
+
+/* test_dp_config with 31-token sequences: no rank count divides them. */
+static lm_config cp_config(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.seq_len = 31;
+    return c;
+}
+
+/* One run of lm_train: over the ranks in groups of cp (cp = 0: this process
+ * alone), ZeRO stage zero. */
+static lm_status train(const lm_config *c, const char *run, int cp, int zero, int resume, int64_t stop_after,
+                       lm_train_result *r) {
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.resume = resume;
+    o.stop_after = stop_after;
+    o.comm = cp ? comm : NULL;
+    o.context_parallel = cp;
+    o.zero = zero;
+    memset(r, 0, sizeof *r);
+    return lm_train(c, &o, r);
+}
+
+/* The numbers of key `key` of the lines of type `type` of a run's metrics, in order. */
+static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
+    char path[600], line[65536], want[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    while (fgets(line, sizeof line, f) && n < max) {
+        if (!strstr(line, want)) continue;
+        const char *p = strstr(line, k);
+        if (p) v[n++] = atof(p + strlen(k));
+    }
+    fclose(f);
+    return n;
+}
+
+/* Every tensor of checkpoint file `file` of runs a and b: max |a - b| <=
+ * rtol max |b| per tensor (bit-identical with rtol 0); *worst the largest. */
+static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
+    char pa[700], pb[700];
+    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
+    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
+    lm_safetensors *x = NULL, *y = NULL;
+    *worst = 0;
+    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
+        fprintf(stderr, "  %s\n", lm_last_error());
+        lm_safetensors_close(x);
+        return 0;
+    }
+    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
+    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
+        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype) {
+            fprintf(stderr, "  %s: tensor %s is missing or of another size or type\n", file, t->name);
+            ok = 0;
+            break;
+        }
+        if (rtol == 0) {
+            if (memcmp(t->data, u->data, t->nbytes)) {
+                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
+                ok = 0;
+            }
+            continue;
+        }
+        if (t->dtype != LM_DTYPE_F32) continue; /* counters: compared bit for bit where rtol is 0 */
+        const float *p = (const float *)t->data, *q = (const float *)u->data;
+        double diff = 0, scale = 0;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double d = fabs((double)p[e] - q[e]);
+            diff = d > diff || isnan(d) ? d : diff;
+            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
+        }
+        double rel = scale > 0 ? diff / scale : diff;
+        if (!(rel <= rtol)) {
+            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
+            bad = 1;
+        }
+        *worst = rel > *worst ? rel : *worst;
+    }
+    ok &= !bad;
+    lm_safetensors_close(x);
+    lm_safetensors_close(y);
+    return ok;
+}
+
+/* The largest |bias| of the MoE layers in a checkpoint (balancing acted when > 0). */
+static double largest_bias(const char *run, int step) {
+    char p[700];
+    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
+    lm_safetensors *st;
+    if (lm_safetensors_open(p, &st)) return -1;
+    double mx = 0;
+    for (int i = 0; i < lm_safetensors_count(st); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(st, i);
+        if (!strstr(t->name, ".moe.bias")) continue;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double v = fabs(((const float *)t->data)[e]);
+            mx = v > mx ? v : mx;
+        }
+    }
+    lm_safetensors_close(st);
+    return mx;
+}
+
+/* The same 64-bit value on every rank. */
+static int same_on_every_rank(uint64_t v) {
+    uint64_t all[64];
+    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
+    for (int r = 1; r < R; r++)
+        if (all[r] != all[0]) return 0;
+    return 1;
+}
+
+/* Whether every rank passed every check so far. */
+static int all_ranks_ok(void) {
+    int32_t bad = test_current_failures, any = 0;
+    lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
+    return any == 0;
+}
+
+/* Run `run` (on rank 0's files) against "one": the 20 train losses and the
+ * validation losses within 1e-5, the parameters, optimizer and balancing
+ * state within 1e-5 of each tensor's largest value. */
+static void compare_with_one_process(const char *run, const char *what) {
+    double a[32], b[32];
+    int na = read_metric(run, "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "%s: train lines %d and %d", what, na, nb);
+    double worst = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
+        worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    /* the losses moved: the comparison sees training */
+    CHECK(na == 20 && fabs(a[19] - a[0]) > 1e-2 * fabs(a[0]), "%s: the loss did not move (%.6g to %.6g)", what, a[0],
+          a[19]);
+    na = read_metric(run, "eval", "val_loss", a, 32);
+    nb = read_metric("one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "%s: eval lines %d and %d", what, na, nb);
+    double wv = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
+        wv = fmax(wv, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    na = read_metric(run, "eval", "answer_accuracy", a, 32);
+    nb = read_metric("one", "eval", "answer_accuracy", b, 32);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-12, "validation answer accuracy");
+    double wp, wb, wq[32], oq[32];
+    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
+    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state", what);
+    na = read_metric(run, "train", "grad_norm", wq, 32);
+    nb = read_metric("one", "train", "grad_norm", oq, 32);
+    CHECK(na == 20 && nb == 20, "%s: grad_norm lines %d and %d", what, na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 1e-5, "gradient norm");
+    na = read_metric(run, "train", "max_logit", wq, 32);
+    nb = read_metric("one", "train", "max_logit", oq, 32);
+    CHECK(na == 20 && nb == 20, "%s: max_logit lines %d and %d", what, na, nb);
+    /* written with 6 significant digits: one unit of the last is up to 1e-5 of the value */
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 2e-5, "largest attention logit");
+    printf("     %s vs one process after 20 steps: loss %.2e, val loss %.2e, parameters %.2e, optimizer/balance "
+           "%.2e relative\n", what, worst, wv, wp, wb);
+}
+
+/* ---- alone ---- */
+
+static int run_cli(const char *args, char *out, size_t n) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "%s %s 2>&1", LONGMOE_CLI, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_cli_and_trainer_refuse_cp_without_mpi(void) {
+    char out[16384], args[900];
+    CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--cp C"), "--help lacks --cp");
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --cp 2", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm mpi"), "%s", out);
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --cp 2 --ep", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "not supported"), "%s", out);
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --cp 0", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2, "%s", out);
+    struct stat sb;
+    CHECK(stat(dir("cli"), &sb) != 0, "a refused run created its directory");
+    lm_config c = cp_config();
+    lm_train_result r;
+    lm_train_options o = lm_train_options_default(dir("cp-no-comm"));
+    o.progress = NULL;
+    o.context_parallel = 2;
+    lm_status s = lm_train(&c, &o, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "--comm mpi"), "status %d: %s", (int)s, lm_last_error());
+}
+
+/* A one-rank group: the segment evaluation of the whole sequence (t0 = 0,
+ * no group) is the plain evaluation bit for bit; a segment that does not lie
+ * in the sequence is refused. */
+static void test_segment_evaluation_of_the_whole_sequence_is_the_plain_one(void) {
+    lm_config c = cp_config();
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, 2, c.seq_len, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 7);
+    lm_data_source *src;
+    CHECK(!lm_data_open("copy", 5, &src), "%s", lm_last_error());
+    lm_eval_tally a, b;
+    CHECK(!lm_eval_loss_rows(m, src, 2, 4, 4, 2, &a), "%s", lm_last_error());
+    CHECK(!lm_eval_loss_segment(m, src, 2, 4, 4, 2, c.seq_len, 0, NULL, &b), "%s", lm_last_error());
+    CHECK(!memcmp(a.loss_sum, b.loss_sum, sizeof a.loss_sum) && !memcmp(a.loss_count, b.loss_count,
+                                                                        sizeof a.loss_count),
+          "bucket losses differ");
+    CHECK(a.answers == b.answers && a.answers_right == b.answers_right && a.rows == b.rows &&
+              a.rows_right == b.rows_right && a.answers > 0,
+          "answers %lld/%lld rows %lld/%lld", (long long)a.answers, (long long)b.answers, (long long)a.rows,
+          (long long)b.rows);
+    CHECK(lm_eval_loss_segment(m, src, 1, 4, 4, 2, c.seq_len, 1, NULL, &b) == LM_ERR_ARG,
+          "a segment past the sequence's end accepted");
+    lm_data_close(src);
+    lm_model_free(m);
+}
+
+/* `longmoe plan --memory --cp N`: one rank's segment and the context-parallel
+ * block, for the rank that needs the most; the block grows with the
+ * segment's offset (the attention's prefix). */
+static void test_plan_memory_counts_the_segment_and_the_block(void) {
+    char out[65536];
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1000 --cp 3", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "B=8 x T=333 ") && strstr(out, "holds tokens [667, 1000) of 1000") &&
+              strstr(out, "context parallel: segment activations"),
+          "%s", out);
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1001 --cp 2", out, sizeof out) == 0 &&
+              strstr(out, "T=500 ") && strstr(out, "[501, 1001)"),
+          "%s", out);
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 2 --cp 3", out, sizeof out) == 1 &&
+              strstr(out, "at least one token"),
+          "%s", out);
+    CHECK(run_cli("plan --config configs/tiny.json --cp 3", out, sizeof out) != 0 && strstr(out, "--memory"), "%s", out);
+    lm_config c;
+    CHECK(!lm_config_load("configs/tiny.json", &c), "%s", lm_last_error());
+    lm_model *m = NULL;
+    CHECK(!lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &m), "%s", lm_last_error());
+    if (!m) return;
+    size_t first = 0, last = 0, none = 0;
+    CHECK(!lm_model_context_parallel_bytes(m, 3, 0, &first) && !lm_model_context_parallel_bytes(m, 3, 667, &last),
+          "%s", lm_last_error());
+    CHECK(first > 0 && last > first, "the block: %zu bytes at 0, %zu at 667", first, last);
+    CHECK(lm_model_context_parallel_bytes(m, 0, 0, &none) == LM_ERR_ARG, "0 ranks accepted");
+    lm_model_free(m);
+}
+
+/* ---- over the ranks ---- */
+
+/* The runs the cases compare, made once: "cp" (one group of N ranks), "one"
+ * (rank 0 alone, the same config), on 4 ranks "cpdp" (2 groups of 2). */
+static lm_train_result cp_result, cpdp_result;
+static int runs_ok;
+
+static void make_runs(void) {
+    lm_config c = cp_config();
+    CHECK(!train(&c, "cp", R, 0, 0, 0, &cp_result), "cp: %s", lm_last_error());
+    lm_train_result r;
+    if (me == 0) CHECK(!train(&c, "one", 0, 0, 0, 0, &r), "one: %s", lm_last_error());
+    if (R == 4) CHECK(!train(&c, "cpdp", 2, 0, 0, 0, &cpdp_result), "cpdp: %s", lm_last_error());
+    runs_ok = all_ranks_ok();
+}
+
+static void test_context_parallel_equals_one_process_with_the_same_batch(void) {
+    make_runs();
+    if (!runs_ok) return;
+    CHECK(cp_result.step == 20 && cp_result.skipped == 0, "cp: %lld steps, %lld skipped", (long long)cp_result.step,
+          (long long)cp_result.skipped);
+    if (me != 0) return;
+    char what[64];
+    snprintf(what, sizeof what, "CP %d", R);
+    compare_with_one_process("cp", what);
+    if (R == 4) compare_with_one_process("cpdp", "CP 2 x DP 2");
+}
+
+static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    CHECK(same_on_every_rank(cp_result.params_hash), "parameters or optimizer state differ between ranks");
+    CHECK(same_on_every_rank(cp_result.balance_hash), "balancing state differs between ranks");
+    if (R == 4) {
+        CHECK(same_on_every_rank(cpdp_result.params_hash), "CP 2 x DP 2: parameters differ between ranks");
+        CHECK(same_on_every_rank(cpdp_result.balance_hash), "CP 2 x DP 2: balancing state differs between ranks");
+    }
+    if (me == 0) {
+        double h = largest_bias("cp", 20);
+        CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
+    }
+}
+
+static void test_resume_on_the_same_layout_is_bit_exact(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    lm_train_result r;
+    CHECK(!train(&c, "cp-resumed", R, 0, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
+    CHECK(!train(&c, "cp-resumed", R, 0, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == cp_result.params_hash && r.balance_hash == cp_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("cp", "cp-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("cp", "cp-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+}
+
+/* Checkpoints are the ordinary ones: a context-parallel checkpoint resumes on
+ * one process, and one process's resumes context-parallel (on 4 ranks in 2
+ * groups of 2), both ending within 1e-5 of the uninterrupted one process. */
+static void test_checkpoints_resume_across_layouts(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    lm_train_result r;
+    const int cp = R == 4 ? 2 : R;
+    CHECK(!train(&c, "cp-then-one", R, 0, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    if (me == 0) {
+        CHECK(!train(&c, "cp-then-one", 0, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "one-then-cp", 0, 0, 0, 10, &r) && r.step == 10, "one process: %s", lm_last_error());
+    }
+    lm_comm_barrier(comm);
+    CHECK(!train(&c, "one-then-cp", cp, 0, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash), "the resumed ranks differ");
+    if (me != 0) return;
+    double w1, w2;
+    CHECK(tensors_close("cp-then-one", "one", 20, "model.safetensors", 1e-5, &w1), "CP then one: parameters");
+    CHECK(tensors_close("one-then-cp", "one", 20, "model.safetensors", 1e-5, &w2), "one then CP: parameters");
+    double a[32], b[32];
+    int na = read_metric("cp-then-one", "train", "loss", a, 32), nb = read_metric("one-then-cp", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    printf("     CP %d then one process: parameters %.2e; one process then CP %d: %.2e relative\n", R, w1, cp, w2);
+}
+
+/* ZeRO-1 shards the optimizer state over all R ranks: the same bits as the
+ * replicated state of the same layout. */
+static void test_zero_over_the_world_is_the_replicated_run(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    lm_train_result r;
+    const int cp = R == 4 ? 2 : R;
+    CHECK(!train(&c, "cp-zero", cp, 1, 0, 0, &r) && r.step == 20, "zero: %s", lm_last_error());
+    const lm_train_result *want = R == 4 ? &cpdp_result : &cp_result;
+    CHECK(r.params_hash == want->params_hash && r.balance_hash == want->balance_hash,
+          "ZeRO-1 differs from the replicated run");
+    CHECK(r.optimizer_state_bytes < want->optimizer_state_bytes, "ZeRO-1 holds %zu bytes, replicated %zu",
+          r.optimizer_state_bytes, want->optimizer_state_bytes);
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("cp-zero", R == 4 ? "cpdp" : "cp", 20, "trainer.safetensors", 0, &w),
+          "trainer state bit-identical");
+}
+
+/* A NaN in the last rank's segment at step 4 fails the group's forward: the
+ * step is skipped on every rank and the run goes on as one process's with the
+ * same NaN (in its first token, the last rank's NaN in its own first). */
+static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_options o = lm_train_options_default(dir("cp-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.context_parallel = R;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    o.out_dir = dir("one-fault");
+    o.comm = NULL;
+    o.context_parallel = 0;
+    o.inject_fault_step = 3;
+    CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
+    CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
+    double a[32], b[32], u[32];
+    int na = read_metric("cp-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    double w;
+    CHECK(tensors_close("cp-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(read_metric("cp", "train", "loss", u, 32) == 20 && fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
+          "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
+}
+
+/* Two stages (24 then 31 tokens: segments 12 + 12 then 16 + 15 on 2 ranks,
+ * 6 each then 8, 8, 8, 7 on 4) with recompute: the stage change makes the new
+ * stage's context-parallel model, and the run equals one process's. */
+static void test_a_staged_run_with_recompute_equals_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    c.recompute = 1;
+    c.eval_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 31 : 24;
+        st->steps = 5;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    lm_train_result r;
+    CHECK(!train(&c, "staged-cp", R, 0, 0, 0, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks differ");
+    if (me != 0) return;
+    CHECK(!train(&c, "staged-one", 0, 0, 0, 0, &r) && r.step == 10, "one process: %s", lm_last_error());
+    double a[32], b[32];
+    int na = read_metric("staged-cp", "train", "loss", a, 32), nb = read_metric("staged-one", "train", "loss", b, 32);
+    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
+    na = read_metric("staged-cp", "eval", "val_loss", a, 32);
+    nb = read_metric("staged-one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d (the stage end and the run's end)", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
+    double w5, w10;
+    CHECK(tensors_close("staged-cp", "staged-one", 5, "model.safetensors", 1e-5, &w5), "parameters at the stage end");
+    CHECK(tensors_close("staged-cp", "staged-one", 10, "model.safetensors", 1e-5, &w10), "parameters at the end");
+    printf("     two stages with recompute, CP %d vs one process: parameters %.2e (stage end), %.2e (end)\n", R, w5,
+           w10);
+}
+
+/* Refused on every rank before anything is written. */
+static void test_what_the_groups_cannot_run_is_refused(void) {
+    lm_config c = cp_config();
+    lm_train_result r;
+    lm_train_options o = lm_train_options_default(dir("cp-ep"));
+    o.progress = NULL;
+    o.comm = comm;
+    o.context_parallel = R;
+    o.expert_parallel = 1;
+    lm_status s = lm_train(&c, &o, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "not supported"), "--ep with --cp: status %d: %s", (int)s,
+          lm_last_error());
+    s = train(&c, "cp3", 3, 0, 0, 0, &r); /* 3 divides neither 2 nor 4 */
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "multiple of 3"), "groups of 3: status %d: %s", (int)s,
+          lm_last_error());
+    c.seq_len = R - 1; /* fewer tokens than ranks in the group */
+    s = train(&c, "short", R, 0, 0, 0, &r);
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "at least one token"), "short sequences: status %d: %s", (int)s,
+          lm_last_error());
+    c = cp_config();
+    c.batch_size = 3; /* 2 groups of 2 on 4 ranks cannot share 3 rows */
+    if (R == 4) {
+        s = train(&c, "rows", 2, 0, 0, 0, &r);
+        CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "divisible by 2"), "3 rows over 2 groups: status %d: %s",
+              (int)s, lm_last_error());
+    }
+    lm_comm_barrier(comm);
+    if (me == 0) {
+        const char *runs[4] = {"cp-ep", "cp3", "short", "rows"};
+        for (int i = 0; i < 4; i++) {
+            char p[700];
+            struct stat sb;
+            snprintf(p, sizeof p, "%s/config.json", dir(runs[i]));
+            CHECK(stat(p, &sb) != 0, "the refused run %s wrote its config", runs[i]);
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        snprintf(root, sizeof root, "/tmp/longmoe_test_cp_train_%d", (int)getpid());
+        mkdir(root, 0755);
+        RUN(test_cli_and_trainer_refuse_cp_without_mpi);
+        RUN(test_segment_evaluation_of_the_whole_sequence_is_the_plain_one);
+        RUN(test_plan_memory_counts_the_segment_and_the_block);
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+        if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        return test_summary();
+    }
+    if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+        if (me == 0) {
+            snprintf(root, sizeof root, "/tmp/longmoe_test_cp_train%d_%d", R, (int)getpid());
+            mkdir(root, 0755);
+        }
+        lm_comm_broadcast(comm, root, sizeof root, 0);
+    }
+    RUN(test_context_parallel_equals_one_process_with_the_same_batch);
+    RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
+    RUN(test_resume_on_the_same_layout_is_bit_exact);
+    RUN(test_checkpoints_resume_across_layouts);
+    RUN(test_zero_over_the_world_is_the_replicated_run);
+    RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
+    RUN(test_a_staged_run_with_recompute_equals_one_process);
+    RUN(test_what_the_groups_cannot_run_is_refused);
+    if (comm) {
+        /* a failure on any rank fails the job's summary */
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        if (me == 0 && !total) {
+            char cmd[400];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        }
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
