@@ -341,7 +341,7 @@ static void test_attention_and_gate_match_the_cpu(void) {
     CMP(down_bf16(g_dv, nk), dv_c, NULL, nk, TOL_BF16, "attention_backward dv (written)");
 
     /* the queries of a later segment over all earlier keys (sequence segments): offset 0 is the plain call;
-     * a later segment's needs the CUDA attention's offset kernels (this build: refused, naming them) */
+     * a later segment's runs the CUDA attention's offset form (lm_cuda_attention_forward_offset) */
     OK(gpu->ops->attention_forward_offset(gpu, &cfg, 0, g_q, g_k, g_v, g_o, g_lse, g_rm));
     CMP(down_bf16(g_o, nq), o_c, NULL, nq, TOL_BF16, "attention_forward_offset at 0: o");
     OK(gpu->ops->attention_backward_offset(gpu, &cfg, 0, g_q, g_k, g_v, g_o2, g_lse, g_do, g_dq, g_dk, g_dv));
@@ -359,12 +359,22 @@ static void test_attention_and_gate_match_the_cpu(void) {
         float *g_l1 = dalloc((size_t)H * Tq * 4);
         lm_status st = gpu->ops->attention_forward_offset(gpu, &c1, off, (char *)g_q + (size_t)off * H * D * 2, g_k, g_v,
                                                           g_o1, g_l1, NULL);
-        if (st) {
-            CHECK(strstr(lm_last_error(), "offset") != NULL, "attention_forward_offset refused without naming the "
-                  "offset: %s", lm_last_error());
-            printf("    attention_forward_offset > 0 on the GPU: skipped (%s)\n", lm_last_error());
-        } else {
+        CHECK(st == LM_OK, "attention_forward_offset %d: %s", off, lm_last_error());
+        if (!st) {
             CMP(down_bf16(g_o1, nq1), o1, NULL, nq1, TOL_BF16, "attention_forward_offset o");
+            CMP(down_f32(g_l1, (size_t)H * Tq), lse1, NULL, (size_t)H * Tq, 1e-3, "attention_forward_offset lse");
+            /* backward at the offset: dq of the 63 queries, dk and dv of all 100 keys of row 0 */
+            const size_t nk1 = (size_t)T * Hkv * D;
+            float *dq1 = hmalloc(nq1 * 4), *dk1 = hmalloc(nk1 * 4), *dv1 = hmalloc(nk1 * 4);
+            OK(cpu->ops->attention_backward_offset(cpu, &c1, off, q1, k, v, o1, lse1, d_o + (size_t)off * H * D,
+                                                   dq1, dk1, dv1));
+            void *g_dq1 = dalloc(nq1 * 2), *g_dk1 = dalloc(nk1 * 2), *g_dv1 = dalloc(nk1 * 2);
+            OK(gpu->ops->attention_backward_offset(gpu, &c1, off, (char *)g_q + (size_t)off * H * D * 2, g_k, g_v,
+                                                   g_o1, g_l1, (char *)g_do + (size_t)off * H * D * 2, g_dq1,
+                                                   g_dk1, g_dv1));
+            CMP(down_bf16(g_dq1, nq1), dq1, NULL, nq1, TOL_BF16, "attention_backward_offset dq");
+            CMP(down_bf16(g_dk1, nk1), dk1, NULL, nk1, TOL_BF16, "attention_backward_offset dk");
+            CMP(down_bf16(g_dv1, nk1), dv1, NULL, nk1, TOL_BF16, "attention_backward_offset dv");
         }
     }
 

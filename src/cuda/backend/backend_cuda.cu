@@ -377,24 +377,29 @@ static lm_status cuda_attention_backward(lm_backend *be, const lm_attention_conf
 }
 
 /* Attention with the queries at an offset (sequence segments): q_offset 0 is
- * the causal attention above; a later segment's queries need the offset
- * kernels of the CUDA attention library. */
+ * the causal attention above (bit for bit); the backward's arena holds the
+ * chosen kind's workspace at this offset. */
 static lm_status cuda_attention_forward_offset(lm_backend *be, const lm_attention_config *cfg, int q_offset,
                                                const void *q, const void *k, const void *v, void *o, float *lse,
                                                float *rowmax) {
     if (q_offset == 0) return cuda_attention_forward(be, cfg, q, k, v, o, lse, rowmax);
-    return lm_error(LM_ERR_ARG, "attention with an offset on CUDA needs lm_cuda_attention_forward_offset "
-                                        "(queries at positions %d.. over all earlier keys), which this build lacks",
-                    q_offset);
+    return lm_cuda_attention_forward_offset(ctx_of(be), cfg, q_offset, (const uint16_t *)q, (const uint16_t *)k,
+                                            (const uint16_t *)v, (uint16_t *)o, lse, rowmax);
 }
 
 static lm_status cuda_attention_backward_offset(lm_backend *be, const lm_attention_config *c, int q_offset,
                                                 const void *q, const void *k, const void *v, const void *o,
                                                 const float *lse, const void *d_o, void *dq, void *dk, void *dv) {
     if (q_offset == 0) return cuda_attention_backward(be, c, q, k, v, o, lse, d_o, dq, dk, dv);
-    return lm_error(LM_ERR_ARG, "attention with an offset on CUDA needs lm_cuda_attention_backward_offset "
-                                        "(queries at positions %d.. over all earlier keys), which this build lacks",
-                    q_offset);
+    if (!c) return lm_error(LM_ERR_ARG, "attention_backward_offset: cfg is NULL");
+    size_t bytes = lm_cuda_attention_backward_workspace_bytes_offset(c, q_offset);
+    if (bytes == 0) return lm_error(LM_ERR_ARG, "attention_backward_offset: %s", lm_last_error());
+    void *ws;
+    lm_status st = arena_get(be, bytes, &ws);
+    if (st) return st;
+    return lm_cuda_attention_backward_offset(ctx_of(be), c, q_offset, (const uint16_t *)q, (const uint16_t *)k,
+                                             (const uint16_t *)v, (const uint16_t *)o, (const uint16_t *)d_o, lse,
+                                             (uint16_t *)dq, (uint16_t *)dk, (uint16_t *)dv, ws, bytes);
 }
 
 static lm_status cuda_accumulate(lm_backend *be, float *acc, const void *x, size_t n, int lp) {
