@@ -126,6 +126,11 @@ if rest:
     mfu = sum(r.get("mfu", 0) * r["step_seconds"] for r in rest)
     print("steps 2..%d: %.0f tokens/s, MFU %.2f%%, %.3f s per step, last loss %.4f (first %.4f)"
           % (len(rows), toks / secs, 100 * mfu / secs, secs / len(rest), rows[-1]["loss"], rows[0]["loss"]))
+    # where a step's time goes (the trainer's "phases": each ends where the host waits for its result)
+    names = list(rest[0].get("phases", {}))
+    if names:
+        print("per step: " + ", ".join("%s %.1f ms" % (k, 1e3 * sum(r["phases"][k] for r in rest) / len(rest))
+                                       for k in names))
 EOF
     rm -rf "$OUT"/run/checkpoint-*
 fi

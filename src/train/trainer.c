@@ -1613,12 +1613,19 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         if (t.step == opt->inject_fault_step && opt->inject_fault != LM_FAULT_LOSS)
             lm_model_inject_fault(t.model, opt->inject_fault);
         const int64_t pos0 = t.data_pos;
+        /* where the step's time goes (metrics.jsonl "phases"): each phase ends where the host waits for
+         * its result (the loss of a forward, the gradient norm, the optimizer's QK-Clip maxima), so on a
+         * GPU a phase also holds the device work queued before it */
+        double ph_data = 0, ph_fwd = 0, ph_bwd = 0, ph_reduce = 0, ph_clip = 0, ph_opt = 0, ph_end = 0, tp;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
+            tp = lm_time_seconds();
             /* the whole micro-batch; this rank takes rows [g B/D, (g+1) B/D) of its group g of D (without
              * context parallelism the rank's own), tokens [seg_t0, seg_t0 + seg_T) of them (all without) */
             if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
             split_batch(t.seq + (size_t)t.dp_rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.seg_t0, t.seg_T,
                         t.inp, t.tgt);
+            ph_data += lm_time_seconds() - tp;
+            tp = lm_time_seconds();
             float l;
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
             if (t.cp > 1) {
@@ -1644,14 +1651,20 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N) */
             const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
                                          : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
+            ph_fwd += lm_time_seconds() - tp;
+            tp = lm_time_seconds();
             if ((s = lm_model_backward(t.model, scale))) goto done;
+            ph_bwd += lm_time_seconds() - tp;
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
         /* data parallel: losses, balancing counts, gradients and QK-Clip maxima over the ranks */
+        tp = lm_time_seconds();
         if ((s = dp_reduce_step(&t, pos0, &loss, &aux, &bad))) goto done;
         /* the micro-batches' summed gradients to the host's optimizer (a no-op on the CPU) */
         if (!bad && !t.dev_opt && (s = lm_model_download_grads(t.model))) goto done;
+        ph_reduce = lm_time_seconds() - tp;
+        tp = lm_time_seconds();
         if (t.step == opt->inject_fault_step && opt->inject_fault == LM_FAULT_LOSS) loss = NAN;
         double gnorm = NAN;
         if (t.zero) {
@@ -1661,6 +1674,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             bad = (t.dev_opt ? lm_grad_clip_on(t.be, t.ball, t.n_all, c->grad_clip, t.norm_work, &gnorm)
                              : lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm)) != LM_OK;
         else bad = 1;
+        ph_clip = lm_time_seconds() - tp;
         if (bad) {
             /* skip: no update, b kept, logit maxima dropped, the batch is consumed */
             lm_model_balance_step_end(t.model, 0, NULL);
@@ -1708,8 +1722,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
              * the balancing biases go with each forward */
             if ((s = lm_model_upload_params(t.model))) goto done;
         }
-        opt_seconds += lm_time_seconds() - t_opt;
+        ph_opt = lm_time_seconds() - t_opt;
+        opt_seconds += ph_opt;
+        tp = lm_time_seconds();
         if ((s = lm_model_balance_step_end(t.model, 1, t.stats))) goto done;
+        ph_end = lm_time_seconds() - tp;
         t.step++;
         last_loss = loss;
         double dt = lm_time_seconds() - t0;
@@ -1727,6 +1744,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                     "\"grad_norm\": %.9g, \"tokens_per_s\": %.6g, \"step_seconds\": %.6g, ",
                     (long long)t.step, loss, aux, muon_lr * f, gnorm, tokens_per_step / dt, dt);
             if (on_gpu) fprintf(t.metrics, "\"mfu\": %.6g, ", step_flops / dt / LM_TRAIN_PEAK_FLOPS);
+            fprintf(t.metrics,
+                    "\"phases\": {\"data\": %.6g, \"forward\": %.6g, \"backward\": %.6g, \"reduce\": %.6g, "
+                    "\"clip\": %.6g, \"optimizer\": %.6g, \"balance\": %.6g, \"other\": %.6g}, ",
+                    ph_data, ph_fwd, ph_bwd, ph_reduce, ph_clip, ph_opt, ph_end,
+                    dt - (ph_data + ph_fwd + ph_bwd + ph_reduce + ph_clip + ph_opt + ph_end));
             fprintf(t.metrics, "\"max_logit\": %.6g, \"qk_clipped_heads\": %d, \"moe\": [",
                     isfinite(max_logit) ? max_logit : 0.0, n_clipped);
             for (int i = 0; i < t.n_moe; i++) {
