@@ -1,12 +1,12 @@
 /* Timings of the causal attention on the GPU (include/longmoe/attention_cuda.h),
- * each implementation ("kind": flash, cudnn, cudnn-fast; auto = what the plain
+ * each implementation ("kind": flash, cudnn, cudnn-fast, cudnn-blocked; auto = what the plain
  * calls choose): forward, and forward + backward, at (B,T,H,D) with Hkv = H
  * and Dk = Dv = D. Default shapes: (1,8192,8,128), (1,32768,8,128), (8,4096,8,128).
  *
  *   bench_cuda_attention [--out results.json] [--reps N] [--shape B,T,H,D]...
- *                        [--kind flash|cudnn|cudnn-fast|auto|all]   (default all)
+ *                        [--kind flash|cudnn|cudnn-fast|cudnn-blocked|auto|all]   (default all)
  *
- * "all" runs flash, cudnn and cudnn-fast (the cuDNN kinds when built and the
+ * "all" runs flash, cudnn, cudnn-fast and cudnn-blocked (the cuDNN kinds when built and the
  * shape is supported; otherwise the row says why it is skipped). The forward
  * writes o and lse (no head max, as in the backward's peers).
  *
@@ -86,8 +86,9 @@ int main(int argc, char **argv) {
     int reps = 20;
     shape shapes[8];
     int nshape = 0;
-    lm_attention_kind kinds[3] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN, LM_ATTENTION_CUDNN_FAST};
-    int nkind = 3;
+    lm_attention_kind kinds[4] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN, LM_ATTENTION_CUDNN_FAST,
+                                  LM_ATTENTION_CUDNN_BLOCKED};
+    int nkind = 4;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) {
             out_path = argv[++i];
@@ -102,16 +103,17 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--kind") && i + 1 < argc) {
             const char *k = argv[++i];
             nkind = 1;
-            if (!strcmp(k, "all")) nkind = 3;
+            if (!strcmp(k, "all")) nkind = 4;
             else if (!strcmp(k, "flash")) kinds[0] = LM_ATTENTION_FLASH;
             else if (!strcmp(k, "cudnn")) kinds[0] = LM_ATTENTION_CUDNN;
             else if (!strcmp(k, "cudnn-fast")) kinds[0] = LM_ATTENTION_CUDNN_FAST;
+            else if (!strcmp(k, "cudnn-blocked")) kinds[0] = LM_ATTENTION_CUDNN_BLOCKED;
             else if (!strcmp(k, "auto")) kinds[0] = LM_ATTENTION_AUTO;
-            else dieAt("--kind wants flash, cudnn, cudnn-fast, auto or all (got %s)", k);
+            else dieAt("--kind wants flash, cudnn, cudnn-fast, cudnn-blocked, auto or all (got %s)", k);
         } else {
             fprintf(stderr,
                     "usage: %s [--out results.json] [--reps N] [--shape B,T,H,D]... "
-                    "[--kind flash|cudnn|cudnn-fast|auto|all]\n",
+                    "[--kind flash|cudnn|cudnn-fast|cudnn-blocked|auto|all]\n",
                     argv[0]);
             return 2;
         }

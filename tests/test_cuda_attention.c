@@ -1,7 +1,8 @@
 /* Causal attention on the GPU (include/longmoe/attention_cuda.h) against the
  * CPU operator (include/longmoe/attention.h), for every implementation built:
- * flash (our kernels), cudnn and cudnn-fast (cuDNN's fused attention; a kind
- * not built, or a shape cuDNN refuses, prints "skipped"). Offsets (queries at
+ * flash (our kernels), cudnn, cudnn-fast and cudnn-blocked (cuDNN's fused
+ * attention; the blocked backward in blocks of 64 rows here; a kind not built,
+ * or a shape cuDNN refuses, prints "skipped"). Offsets (queries at
  * positions q_offset.. of longer key/value rows) against
  * lm_attention_forward_offset / _backward_offset.
  *
@@ -30,7 +31,8 @@ static lm_cuda_context ctx;
 
 /* the implementation the cases run (each case loops over KINDS) */
 static lm_attention_kind kind = LM_ATTENTION_FLASH;
-static const lm_attention_kind KINDS[] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN, LM_ATTENTION_CUDNN_FAST};
+static const lm_attention_kind KINDS[] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN, LM_ATTENTION_CUDNN_FAST,
+                                          LM_ATTENTION_CUDNN_BLOCKED};
 #define NKINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
 
 /* 1 when `kind` is built; prints "skipped" otherwise */
@@ -435,10 +437,10 @@ static void bit_identity_case(int q_offset) {
     free_problem(&p);
 }
 
-/* The deterministic kinds (flash, cudnn; not cudnn-fast), with and without an offset. */
+/* The deterministic kinds (flash, cudnn, cudnn-blocked; not cudnn-fast), with and without an offset. */
 static void test_runs_are_bit_identical(void) {
-    const lm_attention_kind det[] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN};
-    for (int i = 0; i < 2; i++) {
+    const lm_attention_kind det[] = {LM_ATTENTION_FLASH, LM_ATTENTION_CUDNN, LM_ATTENTION_CUDNN_BLOCKED};
+    for (int i = 0; i < 3; i++) {
         if (!kind_built(det[i], "bit identity")) continue;
         kind = det[i];
         bit_identity_case(0);
@@ -562,6 +564,9 @@ int main(void) {
     unsetenv("LONGMOE_ATTENTION");
     unsetenv("LONGMOE_ATTENTION_BWD");
     unsetenv("LONGMOE_CUDNN_WORKSPACE_MB");
+    /* cudnn-blocked in blocks of 64 rows: the cases' 100-333 queries and offsets up to 301 run as many
+     * blocks (keys before the queries, diagonal and later blocks, short last blocks) */
+    setenv("LONGMOE_CUDNN_BLOCK", "64", 1);
     test_skip_without_cuda();
     if (!test_skip_all_reason && lm_cuda_context_create(&ctx)) {
         fprintf(stderr, "no usable CUDA device: %s\n", lm_last_error());

@@ -95,19 +95,23 @@ lm_status lm_cuda_attention_backward_offset(const lm_cuda_context *ctx, const lm
  *     (its forward), and for the backward also when the deterministic
  *     backward's cuDNN workspace is at most LONGMOE_CUDNN_WORKSPACE_MB MiB
  *     (default 4096); otherwise the flash kernels.
- *   LONGMOE_ATTENTION_BWD=auto|cudnn|cudnn-fast|flash (default: as
- *     LONGMOE_ATTENTION) overrides the backward's choice; cudnn-fast is the
- *     non-deterministic cuDNN backward.
+ *   LONGMOE_ATTENTION_BWD=auto|cudnn|cudnn-fast|cudnn-blocked|flash (default:
+ *     as LONGMOE_ATTENTION) overrides the backward's choice; cudnn-fast is the
+ *     non-deterministic cuDNN backward, cudnn-blocked the deterministic one in
+ *     blocks (long rows; LONGMOE_CUDNN_BLOCK rows a block, a multiple of 64).
  * An unknown value is an error (LM_ERR_ARG) naming the variable. Forward and
  * backward kinds may differ: both share the lse contract. */
 typedef enum {
     LM_ATTENTION_AUTO = 0,
     LM_ATTENTION_FLASH = 1,
     LM_ATTENTION_CUDNN = 2,      /* deterministic backward */
-    LM_ATTENTION_CUDNN_FAST = 3  /* non-deterministic backward; forward as LM_ATTENTION_CUDNN */
+    LM_ATTENTION_CUDNN_FAST = 3, /* non-deterministic backward; forward as LM_ATTENTION_CUDNN */
+    LM_ATTENTION_CUDNN_BLOCKED = 4 /* deterministic backward in blocks of LONGMOE_CUDNN_BLOCK (default 8192)
+                                    * queries and keys: cuDNN's dP buffer B*H*L*L*2 bytes instead of
+                                    * B*H*T*Tk*2; forward as LM_ATTENTION_CUDNN */
 } lm_attention_kind;
 
-/* "auto", "flash", "cudnn", "cudnn-fast" */
+/* "auto", "flash", "cudnn", "cudnn-fast", "cudnn-blocked" */
 const char *lm_attention_kind_name(lm_attention_kind kind);
 /* 1 when the cuDNN kinds are built into this library (LONGMOE_HAVE_CUDNN). */
 int lm_cuda_attention_cudnn_built(void);

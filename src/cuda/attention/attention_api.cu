@@ -173,9 +173,11 @@ lm_status parse_kind(const char *var, const char *val, bool allow_fast, lm_atten
         *out = LM_ATTENTION_CUDNN;
     } else if (allow_fast && !strcmp(val, "cudnn-fast")) {
         *out = LM_ATTENTION_CUDNN_FAST;
+    } else if (allow_fast && !strcmp(val, "cudnn-blocked")) {
+        *out = LM_ATTENTION_CUDNN_BLOCKED;
     } else {
         return lm_error(LM_ERR_ARG, "%s=%s: expected auto, cudnn%s or flash", var, val,
-                        allow_fast ? ", cudnn-fast" : "");
+                        allow_fast ? ", cudnn-fast, cudnn-blocked" : "");
     }
     return LM_OK;
 }
@@ -191,6 +193,20 @@ __attribute__((unused)) lm_status workspace_limit(size_t *bytes) {
             return lm_error(LM_ERR_ARG, "LONGMOE_CUDNN_WORKSPACE_MB=%s: expected a number of MiB", val);
     }
     *bytes = (size_t)mb << 20;
+    return LM_OK;
+}
+
+// LONGMOE_CUDNN_BLOCK (default 8192): rows of a block of the blocked backward
+__attribute__((unused)) lm_status block_rows(int *L) {
+    const char *val = getenv("LONGMOE_CUDNN_BLOCK");
+    long n = 8192;
+    if (val && *val) {
+        char *end = NULL;
+        n = strtol(val, &end, 10);
+        if (!end || *end || n < 64 || n > (1L << 24) || n % 64)
+            return lm_error(LM_ERR_ARG, "LONGMOE_CUDNN_BLOCK=%s: expected a multiple of 64 from 64 to 2^24", val);
+    }
+    *L = (int)n;
     return LM_OK;
 }
 
@@ -234,6 +250,13 @@ lm_status cudnn_backward_ws(const lm_attention_config *cfg, int q_offset, bool d
     if (st) return st;
     return lmcudnn::backward_prepare(device, cudnn_shape(cfg, q_offset), deterministic, bytes);
 }
+
+lm_status cudnn_blocked_ws(const lm_attention_config *cfg, int q_offset, size_t *bytes) {
+    int device, L = 0;
+    lm_status st = device_of(&device);
+    if (st || (st = block_rows(&L))) return st;
+    return lmcudnn::backward_blocked_prepare(device, cudnn_shape(cfg, q_offset), L, bytes);
+}
 #endif
 
 // The forward's kind for `want` (AUTO: the env's, then the shape's).
@@ -242,7 +265,8 @@ lm_status resolve_forward(const lm_attention_config *cfg, int q_offset, lm_atten
                           bool head_max, lm_attention_kind *out) {
     lm_status st;
     if (want == LM_ATTENTION_AUTO && (st = lm_cuda_attention_env_kind(0, &want))) return st;
-    if (want == LM_ATTENTION_CUDNN_FAST) want = LM_ATTENTION_CUDNN;  // one forward for both
+    if (want == LM_ATTENTION_CUDNN_FAST || want == LM_ATTENTION_CUDNN_BLOCKED)
+        want = LM_ATTENTION_CUDNN;  // one forward for the three
     if (want != LM_ATTENTION_AUTO) {
         *out = want;
         return LM_OK;
@@ -278,6 +302,12 @@ lm_status resolve_backward(const lm_attention_config *cfg, int q_offset, lm_atte
         *bytes = ws;
         return LM_OK;
     }
+    if (want == LM_ATTENTION_CUDNN_BLOCKED) {
+        if ((st = cudnn_blocked_ws(cfg, q_offset, &ws))) return st;
+        *out = want;
+        *bytes = ws;
+        return LM_OK;
+    }
     size_t limit = 0;
     if ((st = workspace_limit(&limit))) return st;
     if (aligned16(lse) && cudnn_backward_ws(cfg, q_offset, true, &ws) == LM_OK && ws <= limit && ws <= have) {
@@ -302,6 +332,7 @@ extern "C" const char *lm_attention_kind_name(lm_attention_kind kind) {
     case LM_ATTENTION_FLASH: return "flash";
     case LM_ATTENTION_CUDNN: return "cudnn";
     case LM_ATTENTION_CUDNN_FAST: return "cudnn-fast";
+    case LM_ATTENTION_CUDNN_BLOCKED: return "cudnn-blocked";
     }
     return "unknown";
 }
@@ -337,7 +368,7 @@ extern "C" int lm_cuda_attention_kind_supported(const lm_attention_config *cfg, 
                                                 lm_attention_kind kind, int backward) {
     if (check_shape(cfg, q_offset)) return 0;
     if (kind == LM_ATTENTION_FLASH) return 1;
-    if (kind != LM_ATTENTION_CUDNN && kind != LM_ATTENTION_CUDNN_FAST) {
+    if (kind != LM_ATTENTION_CUDNN && kind != LM_ATTENTION_CUDNN_FAST && kind != LM_ATTENTION_CUDNN_BLOCKED) {
         lm_error(LM_ERR_ARG, "attention (cuda): kind %d is not one implementation", (int)kind);
         return 0;
     }
@@ -346,6 +377,7 @@ extern "C" int lm_cuda_attention_kind_supported(const lm_attention_config *cfg, 
         return cudnn_forward_ok(cfg, q_offset, lmcudnn::FWD_STATS) == LM_OK &&
                cudnn_forward_ok(cfg, q_offset, lmcudnn::FWD_MAX_SUM) == LM_OK;
     size_t ws;
+    if (kind == LM_ATTENTION_CUDNN_BLOCKED) return cudnn_blocked_ws(cfg, q_offset, &ws) == LM_OK;
     return cudnn_backward_ws(cfg, q_offset, kind == LM_ATTENTION_CUDNN, &ws) == LM_OK;
 #else
     (void)backward;
@@ -399,6 +431,12 @@ extern "C" lm_status lm_cuda_attention_backward_kind(const lm_cuda_context *ctx,
                         "attention backward (%s): workspace of %zu bytes at %p, need %zu "
                         "(lm_cuda_attention_backward_workspace_bytes)",
                         lm_attention_kind_name(kind), workspace_bytes, workspace, need);
+    if (kind == LM_ATTENTION_CUDNN_BLOCKED) {
+        int L = 0;
+        if ((st = block_rows(&L))) return st;
+        return lmcudnn::backward_blocked(ctx, cudnn_shape(cfg, q_offset), L, q, k, v, o, d_o, lse, dq, dk, dv,
+                                         workspace, workspace_bytes);
+    }
     return lmcudnn::backward(ctx, cudnn_shape(cfg, q_offset), kind == LM_ATTENTION_CUDNN, q, k, v, o, d_o, lse,
                              dq, dk, dv, workspace, workspace_bytes);
 #else

@@ -66,6 +66,11 @@ enum Plan { PLAN_FWD_O = 0, PLAN_FWD_STATS = 1, PLAN_FWD_MAX_SUM = 2, PLAN_BWD_D
 struct Key {
     int device, plan;
     int B, T, Tk, H, Hkv, Dk, Dv;
+    // rows of the tensors q, o, d_o, lse (qrows) and k, v (krows) that the
+    // T queries and Tk keys are a window of (the batch strides); T and Tk
+    // but in the blocked backward. nomask: no causal mask (a key block that
+    // every query of the block sees)
+    int qrows, krows, nomask;
     uint32_t scale_bits;
     bool operator==(const Key &o) const { return memcmp(this, &o, sizeof *this) == 0; }
 };
@@ -133,13 +138,15 @@ std::shared_ptr<fe::graph::Graph> new_graph() {
     return g;
 }
 
+// s rows of a tensor of `total` rows a sequence
 std::shared_ptr<fe::graph::Tensor_attributes> input(const std::shared_ptr<fe::graph::Graph> &g, const char *name,
-                                                    int64_t uid, int64_t b, int64_t h, int64_t s, int64_t d) {
+                                                    int64_t uid, int64_t b, int64_t h, int64_t s, int64_t d,
+                                                    int64_t total) {
     return g->tensor(fe::graph::Tensor_attributes()
                          .set_name(name)
                          .set_uid(uid)
                          .set_dim(dims4(b, h, s, d))
-                         .set_stride(bshd(h, s, d)));
+                         .set_stride(bshd(h, total, d)));
 }
 
 std::shared_ptr<fe::graph::Tensor_attributes> rows(const std::shared_ptr<fe::graph::Graph> &g, const char *name,
@@ -148,12 +155,13 @@ std::shared_ptr<fe::graph::Tensor_attributes> rows(const std::shared_ptr<fe::gra
                          .set_name(name)
                          .set_uid(uid)
                          .set_dim({k.B, k.H, k.T, 1})
-                         .set_stride(rows_stride(k.H, k.T))
+                         .set_stride(rows_stride(k.H, k.qrows))
                          .set_data_type(fe::DataType_t::FLOAT));
 }
 
 template <class Attr>
 void causal(Attr &a, const Key &k) {
+    if (k.nomask) return;
     a.set_diagonal_alignment(k.Tk == k.T ? fe::DiagonalAlignment_t::TOP_LEFT : fe::DiagonalAlignment_t::BOTTOM_RIGHT)
         .set_diagonal_band_right_bound(0);
 }
@@ -169,9 +177,9 @@ float scale_of(const Key &k) {
 std::shared_ptr<fe::graph::Graph> describe(const Key &k, int sm_version = 0) {
     auto g = new_graph();
     if (sm_version > 0) g->set_sm_version(sm_version);
-    auto Q = input(g, "q", U_Q, k.B, k.H, k.T, k.Dk);
-    auto K = input(g, "k", U_K, k.B, k.Hkv, k.Tk, k.Dk);
-    auto V = input(g, "v", U_V, k.B, k.Hkv, k.Tk, k.Dv);
+    auto Q = input(g, "q", U_Q, k.B, k.H, k.T, k.Dk, k.qrows);
+    auto K = input(g, "k", U_K, k.B, k.Hkv, k.Tk, k.Dk, k.krows);
+    auto V = input(g, "v", U_V, k.B, k.Hkv, k.Tk, k.Dv, k.krows);
     if (k.plan <= PLAN_FWD_MAX_SUM) {
         auto a = fe::graph::SDPA_attributes()
                      .set_name("attention")
@@ -191,8 +199,8 @@ std::shared_ptr<fe::graph::Graph> describe(const Key &k, int sm_version = 0) {
                 .set_stride(rows_stride(k.H, k.T))
                 .set_uid(U_STATS);
     } else {
-        auto O = input(g, "o", U_O, k.B, k.H, k.T, k.Dv);
-        auto dO = input(g, "d_o", U_DO, k.B, k.H, k.T, k.Dv);
+        auto O = input(g, "o", U_O, k.B, k.H, k.T, k.Dv, k.qrows);
+        auto dO = input(g, "d_o", U_DO, k.B, k.H, k.T, k.Dv, k.qrows);
         auto Stats = rows(g, "lse", U_STATS, k);
         auto a = fe::graph::SDPA_backward_attributes()
                      .set_name("attention_backward")
@@ -278,6 +286,9 @@ Key make_key(int device, int plan, const Shape &s) {
     k.Hkv = s.Hkv;
     k.Dk = s.Dk;
     k.Dv = s.Dv;
+    k.qrows = s.T;
+    k.krows = s.Tk;
+    k.nomask = 0;
     memcpy(&k.scale_bits, &s.scale, sizeof k.scale_bits);
     return k;
 }
@@ -292,16 +303,22 @@ const char *plan_name(int plan) {
     }
 }
 
-// The built entry for (device, plan, s), or an error with cuDNN's reason (g_mu held).
-lm_status get_plan(int device, int plan, const Shape &s, cudnnHandle_t *h, Entry **out) {
-    lm_status st = handle_of(device, h);
+// The built entry for `key`, or an error with cuDNN's reason (g_mu held).
+lm_status get_plan_key(const Key &key, cudnnHandle_t *h, Entry **out) {
+    lm_status st = handle_of(key.device, h);
     if (st) return st;
-    Entry &e = lookup(make_key(device, plan, s), *h);
+    Entry &e = lookup(key, *h);
     if (!e.ok)
-        return lm_error(LM_ERR_ARG, "attention (cudnn): no %s plan for B=%d T=%d (keys %d) H=%d Hkv=%d Dk=%d Dv=%d: %s",
-                        plan_name(plan), s.B, s.T, s.Tk, s.H, s.Hkv, s.Dk, s.Dv, e.why.c_str());
+        return lm_error(LM_ERR_ARG, "attention (cudnn): no %s plan for B=%d T=%d (keys %d) H=%d Hkv=%d Dk=%d Dv=%d%s: %s",
+                        plan_name(key.plan), key.B, key.T, key.Tk, key.H, key.Hkv, key.Dk, key.Dv,
+                        key.nomask ? " (no mask)" : "", e.why.c_str());
     *out = &e;
     return LM_OK;
+}
+
+// The built entry for (device, plan, s) (g_mu held).
+lm_status get_plan(int device, int plan, const Shape &s, cudnnHandle_t *h, Entry **out) {
+    return get_plan_key(make_key(device, plan, s), h, out);
 }
 
 lm_status run(const Entry &e, cudnnHandle_t h, cudaStream_t stream, void *const *by_uid, void *workspace) {
@@ -482,6 +499,195 @@ lm_status backward(const lm_cuda_context *ctx, const Shape &s, bool deterministi
     by_uid[U_DK] = dk;
     by_uid[U_DV] = dv;
     return run(*e, h, (cudaStream_t)ctx->stream, by_uid, e->workspace > 0 ? workspace : nullptr);
+}
+
+// ---- the blocked deterministic backward ----
+//
+// cuDNN's deterministic backward keeps a dP buffer of B*H*T*Tk*2 bytes: 16 GiB
+// at one row of 32K, far more for the query segments of a long row. The
+// backward is a sum over key blocks (each key block's dk, dv need only its
+// rows; dq is the sum of every block's part: the softmax statistics lse and
+// D_i = rowsum(dO * O) are the whole row's), so it runs as cuDNN calls on
+// blocks of at most L queries and L keys, each with a dP buffer of B*H*L*L*2
+// bytes:
+//   keys before the queries (q_offset > 0): blocks of L, seen whole by every
+//     query block (no mask);
+//   keys at the queries' positions: block n is query block n's own keys,
+//     causal top-left, and seen whole by every later query block.
+// Key block by key block (in order), its dk, dv add up in fp32 over the query
+// blocks (in order) and are then written in bf16; dq adds up in fp32 over
+// the key blocks and is written at the end: every sum has a fixed order, so
+// the result is bit-identical from run to run. The extra rounding: each
+// block's dq, dk, dv part passes through bf16 (cuDNN's output) before the
+// fp32 sums.
+
+namespace {
+
+__global__ void add_rows_kernel(float *acc, size_t acc_bstride, const uint16_t *x, size_t x_bstride, size_t n) {
+    const size_t b = blockIdx.y;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        acc[b * acc_bstride + i] += __uint_as_float((uint32_t)x[b * x_bstride + i] << 16);
+}
+
+__global__ void store_rows_kernel(uint16_t *out, size_t out_bstride, const float *acc, size_t acc_bstride, size_t n) {
+    const size_t b = blockIdx.y;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float f = acc[b * acc_bstride + i];
+        uint32_t u = __float_as_uint(f);
+        // round to nearest even (a NaN stays a NaN)
+        uint16_t r = (f != f) ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        out[b * out_bstride + i] = r;
+    }
+}
+
+unsigned blocks_for(size_t n) {
+    size_t g = (n + 255) / 256;
+    return (unsigned)(g > 4096 ? 4096 : g < 1 ? 1 : g);
+}
+
+// One cuDNN call of the blocked backward: queries [i0, i0+tq) (of the T), keys
+// [j0, j0+tk) (of the Tk), causal top-left (tq == tk) or no mask.
+struct Piece {
+    int i0, tq, j0, tk, nomask;
+};
+
+// Every piece, key block by key block, each key block's query blocks in order.
+template <class F>
+lm_status for_each_piece(const Shape &s, int L, F fn) {
+    const int qoff = s.Tk - s.T;
+    lm_status st;
+    for (int j0 = 0; j0 < qoff; j0 += L) {  // keys before the queries
+        const int tk = qoff - j0 < L ? qoff - j0 : L;
+        for (int i0 = 0; i0 < s.T; i0 += L)
+            if ((st = fn(Piece{i0, s.T - i0 < L ? s.T - i0 : L, j0, tk, 1}, i0 + L >= s.T))) return st;
+    }
+    for (int n0 = 0; n0 < s.T; n0 += L) {  // keys at the queries' positions
+        const int tk = s.T - n0 < L ? s.T - n0 : L;
+        for (int i0 = n0; i0 < s.T; i0 += L)
+            if ((st = fn(Piece{i0, s.T - i0 < L ? s.T - i0 : L, qoff + n0, tk, i0 != n0}, i0 + L >= s.T))) return st;
+    }
+    return LM_OK;
+}
+
+Key piece_key(int device, const Shape &s, const Piece &p) {
+    Shape w = s;
+    w.T = p.tq;
+    w.Tk = p.tk;
+    Key k = make_key(device, PLAN_BWD_DET, w);
+    k.qrows = s.T;
+    k.krows = s.Tk;
+    k.nomask = p.nomask;
+    return k;
+}
+
+struct BlockedLayout {
+    size_t acc_dq, acc_dk, acc_dv, p_dq, p_dk, p_dv, cudnn, total;
+};
+
+BlockedLayout blocked_layout(const Shape &s, int L, size_t cudnn_ws) {
+    BlockedLayout l;
+    const size_t B = (size_t)s.B, Lr = (size_t)(L < s.Tk ? L : s.Tk);
+    l.acc_dq = round256(B * s.T * s.H * s.Dk * 4);
+    l.acc_dk = round256(B * Lr * s.Hkv * s.Dk * 4);
+    l.acc_dv = round256(B * Lr * s.Hkv * s.Dv * 4);
+    l.p_dq = round256(B * Lr * s.H * s.Dk * 2);
+    l.p_dk = round256(B * Lr * s.Hkv * s.Dk * 2);
+    l.p_dv = round256(B * Lr * s.Hkv * s.Dv * 2);
+    l.cudnn = round256(cudnn_ws);
+    l.total = l.acc_dq + l.acc_dk + l.acc_dv + l.p_dq + l.p_dk + l.p_dv + l.cudnn;
+    return l;
+}
+
+}  // namespace
+
+lm_status backward_blocked_prepare(int device, const Shape &s, int L, size_t *workspace_bytes) {
+    if (L < 64) return lm_error(LM_ERR_ARG, "attention backward (cudnn-blocked): blocks of %d rows (at least 64)", L);
+    std::lock_guard<std::mutex> lock(g_mu);
+    cudnnHandle_t h = nullptr;
+    size_t ws = 0;
+    lm_status st = for_each_piece(s, L, [&](const Piece &p, bool) {
+        Entry *e = nullptr;
+        lm_status r = get_plan_key(piece_key(device, s, p), &h, &e);
+        if (!r && (size_t)e->workspace > ws) ws = (size_t)e->workspace;
+        return r;
+    });
+    if (st) return st;
+    *workspace_bytes = blocked_layout(s, L, ws).total;
+    return LM_OK;
+}
+
+lm_status backward_blocked(const lm_cuda_context *ctx, const Shape &s, int L, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, const uint16_t *o, const uint16_t *d_o, const float *lse, uint16_t *dq,
+                           uint16_t *dk, uint16_t *dv, void *workspace, size_t workspace_bytes) {
+    int device;
+    lm_status st = current_device(&device);
+    if (st) return st;
+    size_t need = 0;
+    if ((st = backward_blocked_prepare(device, s, L, &need))) return st;
+    if (!workspace || workspace_bytes < need)
+        return lm_error(LM_ERR_ARG, "attention backward (cudnn-blocked): workspace of %zu bytes, need %zu",
+                        workspace_bytes, need);
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const BlockedLayout lay = blocked_layout(s, L, 0);
+    char *w = static_cast<char *>(workspace);
+    float *acc_dq = reinterpret_cast<float *>(w);
+    float *acc_dk = reinterpret_cast<float *>(w + lay.acc_dq);
+    float *acc_dv = reinterpret_cast<float *>(w + lay.acc_dq + lay.acc_dk);
+    uint16_t *p_dq = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv);
+    uint16_t *p_dk = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv + lay.p_dq);
+    uint16_t *p_dv = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv + lay.p_dq + lay.p_dk);
+    void *cudnn_ws = w + (lay.total - lay.cudnn);  // lay.cudnn is 0: the rest of the workspace
+    const size_t qw = (size_t)s.H * s.Dk, vw = (size_t)s.H * s.Dv, kw = (size_t)s.Hkv * s.Dk, kvw = (size_t)s.Hkv * s.Dv;
+    const size_t Lr = (size_t)(L < s.Tk ? L : s.Tk);
+    LM_CUDA_TRY(cudaMemsetAsync(acc_dq, 0, (size_t)s.B * s.T * qw * 4, stream));
+    int block_j0 = -1;  // the key block whose dk, dv are being summed
+    std::lock_guard<std::mutex> lock(g_mu);
+    cudnnHandle_t h = nullptr;
+    return for_each_piece(s, L, [&](const Piece &p, bool last_of_block) -> lm_status {
+        lm_status r;
+        if (p.j0 != block_j0) {
+            block_j0 = p.j0;
+            LM_CUDA_TRY(cudaMemsetAsync(acc_dk, 0, (size_t)s.B * Lr * kw * 4, stream));
+            LM_CUDA_TRY(cudaMemsetAsync(acc_dv, 0, (size_t)s.B * Lr * kvw * 4, stream));
+        }
+        Entry *e = nullptr;
+        if ((r = get_plan_key(piece_key(device, s, p), &h, &e))) return r;
+        if (round256((size_t)e->workspace) > workspace_bytes - (lay.total - lay.cudnn))
+            return lm_error(LM_ERR_ARG, "attention backward (cudnn-blocked): workspace too small for a block");
+        void *by_uid[U_DV + 1] = {nullptr};
+        by_uid[U_Q] = const_cast<uint16_t *>(q + (size_t)p.i0 * qw);
+        by_uid[U_K] = const_cast<uint16_t *>(k + (size_t)p.j0 * kw);
+        by_uid[U_V] = const_cast<uint16_t *>(v + (size_t)p.j0 * kvw);
+        by_uid[U_O] = const_cast<uint16_t *>(o + (size_t)p.i0 * vw);
+        by_uid[U_DO] = const_cast<uint16_t *>(d_o + (size_t)p.i0 * vw);
+        by_uid[U_STATS] = const_cast<float *>(lse + p.i0);
+        by_uid[U_DQ] = p_dq;
+        by_uid[U_DK] = p_dk;
+        by_uid[U_DV] = p_dv;
+        if ((r = run(*e, h, stream, by_uid, e->workspace > 0 ? cudnn_ws : nullptr))) return r;
+        const dim3 grid_q(blocks_for((size_t)p.tq * qw), (unsigned)s.B);
+        add_rows_kernel<<<grid_q, 256, 0, stream>>>(acc_dq + (size_t)p.i0 * qw, (size_t)s.T * qw, p_dq,
+                                                    (size_t)p.tq * qw, (size_t)p.tq * qw);
+        const dim3 grid_k(blocks_for((size_t)p.tk * kw), (unsigned)s.B);
+        add_rows_kernel<<<grid_k, 256, 0, stream>>>(acc_dk, Lr * kw, p_dk, (size_t)p.tk * kw, (size_t)p.tk * kw);
+        const dim3 grid_v(blocks_for((size_t)p.tk * kvw), (unsigned)s.B);
+        add_rows_kernel<<<grid_v, 256, 0, stream>>>(acc_dv, Lr * kvw, p_dv, (size_t)p.tk * kvw, (size_t)p.tk * kvw);
+        LM_CUDA_TRY(cudaGetLastError());
+        if (last_of_block) {  // the key block is complete: its rows of dk, dv
+            store_rows_kernel<<<grid_k, 256, 0, stream>>>(dk + (size_t)p.j0 * kw, (size_t)s.Tk * kw, acc_dk, Lr * kw,
+                                                          (size_t)p.tk * kw);
+            store_rows_kernel<<<grid_v, 256, 0, stream>>>(dv + (size_t)p.j0 * kvw, (size_t)s.Tk * kvw, acc_dv,
+                                                          Lr * kvw, (size_t)p.tk * kvw);
+            LM_CUDA_TRY(cudaGetLastError());
+        }
+        if (last_of_block && p.j0 + p.tk == s.Tk) {  // the last key block: dq is complete
+            const dim3 grid_dq(blocks_for((size_t)s.T * qw), (unsigned)s.B);
+            store_rows_kernel<<<grid_dq, 256, 0, stream>>>(dq, (size_t)s.T * qw, acc_dq, (size_t)s.T * qw,
+                                                           (size_t)s.T * qw);
+            LM_CUDA_TRY(cudaGetLastError());
+        }
+        return LM_OK;
+    });
 }
 
 size_t scratch_bytes(int device) {

@@ -36,6 +36,13 @@ lm_status backward(const lm_cuda_context *ctx, const Shape &s, bool deterministi
                    const uint16_t *k, const uint16_t *v, const uint16_t *o, const uint16_t *d_o,
                    const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv, void *workspace,
                    size_t workspace_bytes);
+// The blocked deterministic backward (blocks of at most L >= 64 queries and
+// keys: cuDNN's dP buffer B*H*L*L*2 bytes instead of B*H*T*Tk*2): its whole
+// workspace (cuDNN's and the fp32 sums').
+lm_status backward_blocked_prepare(int device, const Shape &s, int L, size_t *workspace_bytes);
+lm_status backward_blocked(const lm_cuda_context *ctx, const Shape &s, int L, const uint16_t *q, const uint16_t *k,
+                           const uint16_t *v, const uint16_t *o, const uint16_t *d_o, const float *lse, uint16_t *dq,
+                           uint16_t *dk, uint16_t *dv, void *workspace, size_t workspace_bytes);
 size_t scratch_bytes(int device);
 
 }  // namespace lmcudnn
