@@ -131,6 +131,49 @@ static void test_short_conv_silu_forward_matches_cpu(void) {
     }
 }
 
+/* LONGMOE_CONV_FORWARD=window (the register-window kernel) gives the row
+ * kernel's bits: conv output, operator input and 1/||.||, on every shape
+ * (T under and over its 16-token blocks, W 2 to 4, head dims 32 to 128; the
+ * shapes it does not take, W > 4 or head_dim > 128, run the row kernel), and
+ * an unknown value is refused. */
+static void test_short_conv_window_kernel_equals_row_kernel(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 105);
+    for (int si = 0; si < NSHAPES; si++) {
+        const int *s = shapes[si], B = s[0], T = s[1], C = s[2], W = s[3], hd = s[4];
+        const size_t N = (size_t)B * T, NC = N * C, rows = N * (C / hd);
+        float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal((size_t)C * W, 1.0 / sqrt(W), 0, 0, &r);
+        float *d_in = dev_from(in, NC), *d_w = dev_from(w, (size_t)C * W);
+        float *d_conv[2], *d_rn[2];
+        uint16_t *d_out[2];
+        for (int k = 0; k < 2; k++) {
+            setenv("LONGMOE_CONV_FORWARD", k ? "window" : "row", 1);
+            d_conv[k] = dev_poisoned(NC * 4);
+            d_rn[k] = dev_poisoned(rows * 4);
+            d_out[k] = dev_poisoned(NC * 2);
+            CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv[k], d_out[k], d_rn[k], d_in, d_w, B, T, C, W, hd) ==
+                      LM_OK, "forward (%s): %s", k ? "window" : "row", lm_last_error());
+        }
+        CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+        float *c0 = host_from(d_conv[0], NC), *c1 = host_from(d_conv[1], NC);
+        float *r0 = host_from(d_rn[0], rows), *r1 = host_from(d_rn[1], rows);
+        float *o0 = host_from_bf16(d_out[0], NC), *o1 = host_from_bf16(d_out[1], NC);
+        CHECK(memcmp(c0, c1, NC * 4) == 0, "(%d,%d,%d,%d,%d): conv output differs", B, T, C, W, hd);
+        CHECK(memcmp(r0, r1, rows * 4) == 0, "(%d,%d,%d,%d,%d): rnorm differs", B, T, C, W, hd);
+        CHECK(memcmp(o0, o1, NC * 4) == 0, "(%d,%d,%d,%d,%d): output differs", B, T, C, W, hd);
+        free(in), free(w), free(c0), free(c1), free(r0), free(r1), free(o0), free(o1);
+        lm_cuda_free(d_in), lm_cuda_free(d_w);
+        for (int k = 0; k < 2; k++) lm_cuda_free(d_conv[k]), lm_cuda_free(d_rn[k]), lm_cuda_free(d_out[k]);
+    }
+    setenv("LONGMOE_CONV_FORWARD", "diagonal", 1);
+    float *f = dev_poisoned(64 * 4 * 4);
+    uint16_t *b = dev_poisoned(64 * 4 * 2);
+    CHECK(lm_cuda_short_conv_silu_forward(&ctx, f, b, NULL, f, f, 1, 4, 64, 4, 32) == LM_ERR_ARG,
+          "LONGMOE_CONV_FORWARD=diagonal accepted");
+    lm_cuda_free(f), lm_cuda_free(b);
+    unsetenv("LONGMOE_CONV_FORWARD");
+}
+
 /* Backward of conv + SiLU + L2 from a bf16 dout: din (written) and dw (+=)
  * equal the CPU's silu_l2_backward then short_conv_backward; dw is
  * bit-identical on a second run; recomputing the conv output (conv_out NULL)
@@ -394,6 +437,7 @@ int main(void) {
     }
     RUN(test_rejects_bad_arguments);
     RUN(test_short_conv_silu_forward_matches_cpu);
+    RUN(test_short_conv_window_kernel_equals_row_kernel);
     RUN(test_short_conv_silu_backward_matches_cpu);
     RUN(test_sigmoid_matches_cpu);
     RUN(test_output_forward_matches_cpu);

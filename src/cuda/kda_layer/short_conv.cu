@@ -2,6 +2,8 @@
  * KDA layer's q, k, v (include/longmoe/kda_layer_cuda.h; the CPU versions are
  * short_conv_* and silu_l2_* in src/model/kda_layer.c). */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_runtime.h>
 
@@ -73,6 +75,70 @@ __global__ void conv_silu_l2_forward_kernel(float *conv_out, uint16_t *out, floa
         if (j >= per) break;
         int ch = h * head_dim + j * 32 + lane;
         out[n * C + ch] = kl_f32_to_bf16(rnorm ? y[j] * s : y[j]);
+    }
+}
+
+/* The same outputs, bit for bit (the same sums in the same order), with each
+ * input row read once: one warp per (sequence, head, CONV_FWD_TOKENS tokens)
+ * keeps the last WT-1 inputs of its channels in registers as it walks the
+ * tokens, where the kernel above reads W rows for every token. */
+#define CONV_FWD_TOKENS 16
+template <int PER, int WT>
+__global__ void conv_silu_l2_forward_window_kernel(float *conv_out, uint16_t *out, float *rnorm, const float *in,
+                                                   const float *w, int T, int C, int head_dim, int64_t warps) {
+    const int64_t wid = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (wid >= warps) return; /* whole warps leave together */
+    const int lane = threadIdx.x & 31, heads = C / head_dim;
+    const int blocks_per_seq = (T + CONV_FWD_TOKENS - 1) / CONV_FWD_TOKENS;
+    const int h = (int)(wid % heads);
+    const int64_t sb = wid / heads;
+    const int64_t b = sb / blocks_per_seq;
+    const int t0 = (int)(sb % blocks_per_seq) * CONV_FWD_TOKENS;
+    const int t1 = t0 + CONV_FWD_TOKENS < T ? t0 + CONV_FWD_TOKENS : T;
+    float wr[PER][WT], win[PER][WT > 1 ? WT - 1 : 1];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int ch = h * head_dim + j * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < WT; i++) wr[j][i] = w[(size_t)ch * WT + i];
+#pragma unroll
+        for (int i = 0; i < WT - 1; i++) {
+            const int src = t0 - (WT - 1) + i;
+            win[j][i] = src >= 0 ? in[(b * T + src) * C + ch] : 0.0f;
+        }
+    }
+    for (int t = t0; t < t1; t++) {
+        const int64_t n = b * T + t;
+        float y[PER];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int ch = h * head_dim + j * 32 + lane;
+            const float x = in[n * C + ch];
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                if (t - (WT - 1) + i < 0) continue; /* conv_at's order and skips */
+                acc += wr[j][i] * (i < WT - 1 ? win[j][i] : x);
+            }
+#pragma unroll
+            for (int i = 0; i + 1 < WT - 1; i++) win[j][i] = win[j][i + 1];
+            if (WT > 1) win[j][WT - 2] = x;
+            if (conv_out) conv_out[n * C + ch] = acc;
+            y[j] = acc * kl_sigmoid(acc);
+            ss += y[j] * y[j];
+        }
+        float s = 1.0f;
+        if (rnorm) {
+            ss = kl_warp_sum(ss);
+            s = 1.0f / sqrtf(ss + L2_EPS);
+            if (lane == 0) rnorm[n * heads + h] = s;
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int ch = h * head_dim + j * 32 + lane;
+            out[n * C + ch] = kl_f32_to_bf16(rnorm ? y[j] * s : y[j]);
+        }
     }
 }
 
@@ -340,6 +406,35 @@ extern "C" lm_status lm_cuda_short_conv_silu_forward(const lm_cuda_context *ctx,
     if (st) return st;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     int64_t rows = (int64_t)B * T * (C / head_dim);
+    /* LONGMOE_CONV_FORWARD=window: the register-window kernel (the same bits; W <= 4, head_dim <= 128), else the
+     * kernel of one warp a row (the default until the window kernel is timed on a GPU) */
+    const char *kind = getenv("LONGMOE_CONV_FORWARD");
+    if (kind && *kind && strcmp(kind, "window") && strcmp(kind, "row"))
+        return lm_error(LM_ERR_ARG, "%s: LONGMOE_CONV_FORWARD=%s: expected row or window", fn, kind);
+    if (kind && !strcmp(kind, "window") && W <= 4 && head_dim <= 128) {
+        const int64_t warps = (int64_t)B * ((T + CONV_FWD_TOKENS - 1) / CONV_FWD_TOKENS) * (C / head_dim);
+        const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
+#define CONV_WIN(P, WT)                                                                            \
+    conv_silu_l2_forward_window_kernel<P, WT><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(            \
+        conv_out, out_bf16, rnorm, in, w, T, C, head_dim, warps)
+#define CONV_WIN_W(P)                                                                              \
+    switch (W) {                                                                                   \
+    case 1: CONV_WIN(P, 1); break;                                                                 \
+    case 2: CONV_WIN(P, 2); break;                                                                 \
+    case 3: CONV_WIN(P, 3); break;                                                                 \
+    default: CONV_WIN(P, 4); break;                                                                \
+    }
+        switch (head_dim / 32) {
+        case 1: CONV_WIN_W(1); break;
+        case 2: CONV_WIN_W(2); break;
+        case 3: CONV_WIN_W(3); break;
+        default: CONV_WIN_W(4); break;
+        }
+#undef CONV_WIN_W
+#undef CONV_WIN
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     conv_silu_l2_forward_kernel<<<kl_blocks(rows, KL_ROW_WARPS), KL_ROW_WARPS * 32, 0, stream>>>(
         conv_out, out_bf16, rnorm, in, w, T, C, W, head_dim, rows);
     LM_CUDA_TRY(cudaGetLastError());
