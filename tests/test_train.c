@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "longmoe/data.h"
+#include "longmoe/model.h"
 #include "longmoe/safetensors.h"
 #include "longmoe/train.h"
 #include "test.h"
@@ -180,6 +182,79 @@ static void test_non_finite_step_is_skipped_and_never_saved(void) {
     CHECK(lm_train(&c, &o, &r) == LM_ERR_NUMERIC && strstr(lm_last_error(), "consecutive"), "%s", lm_last_error());
 }
 
+/* train.answer_loss_weight W: the first step's loss is sum_i w_i nll_i / sum_i w_i (W at the copy
+ * task's answer positions, 1 elsewhere) of the initial model on the first batch, computed here apart
+ * from the trainer (its data mix and initialisation rebuilt); and a weight of 1 + 2^-20 (the weighted
+ * path with nearly uniform weights) trains like the plain mean, to 1e-5, with gradient accumulation. */
+static void test_answer_loss_weight(void) {
+    lm_config c = micro();
+    c.ckpt_every = 0;
+    c.grad_accum = 1;
+    c.answer_loss_weight = 8.0f;
+    lm_train_options o = lm_train_options_default(dir("weighted"));
+    o.progress = NULL;
+    o.steps = 2;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    char l[4][32];
+    CHECK(read_losses(dir("weighted"), l, 4) == 2, "train lines");
+    const int B = c.batch_size, T = c.seq_len;
+    lm_data_mix mix;
+    memset(&mix, 0, sizeof mix);
+    mix.seed = c.seed ^ 0x6d69787365656421ull;
+    mix.weights[0] = 1.0;
+    mix.n = 1;
+    CHECK(!lm_data_open(c.data, c.seed, &mix.sources[0]), "%s", lm_last_error());
+    int32_t *seq = malloc((size_t)B * (T + 1) * sizeof *seq), *inp = malloc((size_t)B * T * sizeof *inp),
+            *tgt = malloc((size_t)B * T * sizeof *tgt);
+    uint8_t *ans = calloc((size_t)B * T, 1);
+    float *logp = malloc((size_t)B * T * sizeof *logp), loss = 0;
+    CHECK(!lm_data_mix_batch(&mix, 0, B, T, seq, ans), "%s", lm_last_error());
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            inp[b * T + t] = seq[b * (T + 1) + t];
+            tgt[b * T + t] = seq[b * (T + 1) + t + 1];
+        }
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, B, T, &m), "%s", lm_last_error());
+    lm_model_init(m, c.seed);
+    CHECK(!lm_model_forward(m, inp, tgt, 1, &loss) && !lm_model_token_logprobs(m, logp), "%s", lm_last_error());
+    double sw = 0, swn = 0;
+    int answers = 0;
+    for (int i = 0; i < B * T; i++) {
+        const double w = ans[i] ? c.answer_loss_weight : 1.0;
+        answers += ans[i] != 0;
+        sw += w;
+        swn -= w * logp[i];
+    }
+    const double want = swn / sw, got = atof(l[0]);
+    CHECK(answers > 0 && answers < B * T, "%d answer positions of %d", answers, B * T);
+    CHECK(fabs(got - want) <= 1e-6 * fabs(want), "first weighted loss %.9g, computed apart %.9g", got, want);
+    CHECK(fabs(want - loss) > 1e-3 * fabs(loss), "weighted %.6f and plain %.6f losses do not differ", want, loss);
+    lm_model_free(m);
+    lm_data_close(mix.sources[0]);
+    free(seq), free(inp), free(tgt), free(ans), free(logp);
+
+    /* nearly uniform weights through the weighted path = the plain mean */
+    c = micro();
+    c.ckpt_every = 0;
+    lm_train_result ra, rb;
+    o = lm_train_options_default(dir("plain4"));
+    o.progress = NULL;
+    o.steps = 4;
+    CHECK(!lm_train(&c, &o, &ra), "%s", lm_last_error());
+    c.answer_loss_weight = 1.0f + 1.0f / 1048576.0f;
+    o.out_dir = dir("nearly4");
+    CHECK(!lm_train(&c, &o, &rb), "%s", lm_last_error());
+    char a[4][32], b[4][32];
+    CHECK(read_losses(dir("plain4"), a, 4) == 4 && read_losses(dir("nearly4"), b, 4) == 4, "train lines");
+    for (int i = 0; i < 4; i++)
+        CHECK(fabs(atof(a[i]) - atof(b[i])) <= 1e-5 * fabs(atof(a[i])), "step %d: plain %s, weighted %s", i + 1, a[i],
+              b[i]);
+    CHECK(fabs(ra.val_loss - rb.val_loss) <= 1e-5 * fabs(ra.val_loss), "validation: plain %.7f, weighted %.7f",
+          ra.val_loss, rb.val_loss);
+}
+
 static void test_resume_without_checkpoint_fails_clearly(void) {
     lm_config c = micro();
     lm_train_options o = lm_train_options_default(dir("empty"));
@@ -259,6 +334,7 @@ int main(void) {
     RUN(test_loss_falls_on_the_copy_task);
     RUN(test_non_finite_step_is_skipped_and_never_saved);
     RUN(test_resume_without_checkpoint_fails_clearly);
+    RUN(test_answer_loss_weight);
     RUN(test_stages_change_length_checkpoint_and_resume_mid_stage);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0) return 1;

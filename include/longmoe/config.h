@@ -70,6 +70,9 @@ typedef struct {
     int64_t steps;
     lm_train_optimizer optimizer;
     float lr, adam_lr, min_lr_ratio, warmup_frac, decay_frac, weight_decay, grad_clip, qk_clip_tau;
+    /* the training loss's weight of task data's answer positions (tasks.h "answer") against the
+     * other positions' 1: the loss is sum w_i nll_i / sum w_i; 1 (default) is the plain mean */
+    float answer_loss_weight;
     lm_schedule_kind schedule;
     uint64_t seed;
     int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;

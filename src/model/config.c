@@ -78,6 +78,7 @@ static const key_spec keys[] = {
     K_("train", "weight_decay", KEY_FLOAT, weight_decay, 0, 10, NULL),
     K_("train", "grad_clip", KEY_FLOAT, grad_clip, 0, 1e6, NULL),
     K_("train", "qk_clip_tau", KEY_FLOAT, qk_clip_tau, 0, 1e6, NULL),
+    K_("train", "answer_loss_weight", KEY_FLOAT, answer_loss_weight, 1, 1e6, NULL),
     K_("train", "seed", KEY_U64, seed, 0, 1.8e19, NULL),
     K_("train", "log_every", KEY_INT, log_every, 1, 1 << 30, NULL),
     K_("train", "eval_every", KEY_INT, eval_every, 0, 1 << 30, NULL),
@@ -144,6 +145,7 @@ void lm_config_defaults(lm_config *c) {
     c->weight_decay = 0.1f;
     c->grad_clip = 1.0f;
     c->qk_clip_tau = 100.0f;
+    c->answer_loss_weight = 1.0f;
     c->seed = 1234;
     c->log_every = 10;
     c->eval_every = 100;
@@ -395,6 +397,13 @@ lm_status lm_config_validate(const lm_config *c) {
                         "couples every token of the batch); use 0", c->recompute_chunk);
     if (c->seq_segment < 0)
         return lm_error(LM_ERR_ARG, "train.seq_segment (%d) must be >= 0 (0: off)", c->seq_segment);
+    if (c->answer_loss_weight != 1.0f && c->seq_segment > 0)
+        return lm_error(LM_ERR_ARG, "train.answer_loss_weight (%g) does not run with train.seq_segment (%d): the "
+                        "weighted loss needs each position's log-probability; use 1 or seq_segment 0",
+                        (double)c->answer_loss_weight, c->seq_segment);
+    if (c->answer_loss_weight != 1.0f && c->balance == LM_BALANCE_AUX)
+        return lm_error(LM_ERR_ARG, "train.answer_loss_weight (%g) does not run with moe.balance = aux; use 1",
+                        (double)c->answer_loss_weight);
     if (c->seq_segment > 0 && c->balance == LM_BALANCE_AUX)
         return lm_error(LM_ERR_ARG, "train.seq_segment (%d) does not run with moe.balance = aux (its loss "
                         "couples every token of the batch); use 0", c->seq_segment);

@@ -610,8 +610,10 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         m->tokens = tk;
         m->targets = tg;
         if (st) {
-            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats; hint: smaller batch or "
-                          "sequence length (or train.recompute_chunk)", act);
+            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats (%.2f GiB) at B=%d T=%d; "
+                          "`longmoe plan --memory` lists what a shape needs; hint: a smaller batch or sequence, "
+                          "train.recompute, train.recompute_chunk or train.seq_segment (docs/model.md, Memory)",
+                          act, (double)act * sizeof(float) / (1u << 30), B, T);
             goto fail;
         }
         plan_activations(m, m->act_block);

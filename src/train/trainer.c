@@ -46,6 +46,7 @@ typedef struct {
     size_t muon_state_n, adam_state_n, scratch_n;
     int32_t *seq, *inp, *tgt;
     uint8_t *answer;
+    float *logp, *dlogp; /* train.answer_loss_weight != 1: a micro-batch's [B,T] on this rank */
     lm_balance_stats *stats;
     int n_moe;
     int64_t step, data_pos, skipped;
@@ -141,6 +142,8 @@ static void trainer_free(trainer *t) {
     free(t->inp);
     free(t->tgt);
     free(t->answer);
+    free(t->logp);
+    free(t->dlogp);
     free(t->stats);
     free(t->dp_qk);
     free(t->dp_f64);
@@ -270,6 +273,9 @@ static lm_status dp_check(const trainer *t) {
     if (t->opt.expert_parallel) {
         if (!t->comm)
             return lm_error(LM_ERR_ARG, "expert parallelism (--ep) runs over the ranks of --comm mpi");
+        if (t->cfg.answer_loss_weight != 1.0f)
+            return lm_error(LM_ERR_ARG, "expert parallelism (--ep) does not run with train.answer_loss_weight (%g); "
+                            "use 1", (double)t->cfg.answer_loss_weight);
         if (t->opt.device != LM_DEVICE_CPU)
             return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (--device cpu), not --device %s",
                             lm_device_name(t->opt.device));
@@ -287,6 +293,9 @@ static lm_status dp_check(const trainer *t) {
     if (N > 1) {
         if (!t->comm)
             return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) runs over the ranks of --comm mpi", N);
+        if (t->cfg.answer_loss_weight != 1.0f)
+            return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) does not run with train.answer_loss_weight "
+                            "(%g); use 1", N, (double)t->cfg.answer_loss_weight);
         if (t->opt.device != LM_DEVICE_CPU || t->dcomm)
             return lm_error(LM_ERR_ARG, "context parallelism runs on CPU ranks (--device cpu --comm mpi), not "
                             "--device %s", lm_device_name(t->opt.device));
@@ -761,6 +770,11 @@ static lm_status trainer_setup(trainer *t, int stage) {
     t->inp = calloc(most, sizeof(int32_t));
     t->tgt = calloc(most, sizeof(int32_t));
     t->answer = calloc(most, 1);
+    if (t->cfg.answer_loss_weight != 1.0f) {
+        t->logp = calloc(most, sizeof(float));
+        t->dlogp = calloc(most, sizeof(float));
+        if (!t->logp || !t->dlogp) return lm_error(LM_ERR_MEMORY, "out of memory (weighted-loss buffers)");
+    }
     t->n_moe = lm_model_num_moe_layers(t->model);
     t->stats = calloc((size_t)(t->n_moe ? t->n_moe : 1), sizeof *t->stats);
     if (t->ranks > 1) {
@@ -890,6 +904,31 @@ static lm_status switch_stage(trainer *t, int i) {
 /* Split B rows of a [., T+1] batch into inputs and targets [B, len] of
  * positions [t0, t0 + len): the targets are the whole sequence's, the next
  * token, so a segment's last target is the next segment's first input. */
+/* train.answer_loss_weight W: the micro-batch's loss sum_i w_i nll_i / sum_i w_i with w_i = W at the
+ * answer positions of t->answer (the whole micro-batch's [B,T], as lm_data_mix_batch wrote it) and 1
+ * elsewhere, the sums over every rank's rows. Writes t->dlogp (the backward's weights, divided by
+ * grad_accum) and *loss: this rank's share, R sum_mine w nll / W_all, whose mean over the R ranks is the
+ * micro-batch's loss, as the plain path's losses are averaged. */
+static lm_status weighted_loss(trainer *t, float *loss) {
+    const int Bm = share_B(t), T = t->T;
+    const size_t n = (size_t)Bm * T;
+    const uint8_t *ans = t->answer + (size_t)t->dp_rank * Bm * T;
+    TRY(lm_model_token_logprobs(t->model, t->logp));
+    const double W = t->cfg.answer_loss_weight;
+    double sums[2] = {0, 0}; /* sum w, sum w nll */
+    for (size_t i = 0; i < n; i++) {
+        const double w = ans[i] ? W : 1.0;
+        sums[0] += w;
+        sums[1] -= w * t->logp[i];
+    }
+    const double mine = sums[1];
+    if (t->ranks > 1) TRY(lm_comm_all_reduce_sum(t->comm, sums, sums, 2, LM_DTYPE_F64));
+    const double scale = 1.0 / (sums[0] * t->cfg.grad_accum);
+    for (size_t i = 0; i < n; i++) t->dlogp[i] = (float)(-(ans[i] ? W : 1.0) * scale);
+    *loss = (float)(t->ranks * mine / sums[0]);
+    return LM_OK;
+}
+
 static void split_batch(const int32_t *seq, int B, int T, int t0, int len, int32_t *inp, int32_t *tgt) {
     for (int b = 0; b < B; b++) {
         memcpy(inp + (size_t)b * len, seq + (size_t)b * (T + 1) + t0, (size_t)len * sizeof(int32_t));
@@ -1621,7 +1660,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             tp = lm_time_seconds();
             /* the whole micro-batch; this rank takes rows [g B/D, (g+1) B/D) of its group g of D (without
              * context parallelism the rank's own), tokens [seg_t0, seg_t0 + seg_T) of them (all without) */
-            if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, NULL))) goto done;
+            const int weighted = c->answer_loss_weight != 1.0f;
+            if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, weighted ? t.answer : NULL)))
+                goto done;
             split_batch(t.seq + (size_t)t.dp_rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.seg_t0, t.seg_T,
                         t.inp, t.tgt);
             ph_data += lm_time_seconds() - tp;
@@ -1651,9 +1692,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N) */
             const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
                                          : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
+            /* train.answer_loss_weight: sum_i w_i nll_i / sum_i w_i over the micro-batch (every rank's rows) */
+            if (weighted && (s = weighted_loss(&t, &l))) goto done;
             ph_fwd += lm_time_seconds() - tp;
             tp = lm_time_seconds();
-            if ((s = lm_model_backward(t.model, scale))) goto done;
+            if ((s = weighted ? lm_model_backward_weighted(t.model, t.dlogp) : lm_model_backward(t.model, scale)))
+                goto done;
             ph_bwd += lm_time_seconds() - tp;
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
