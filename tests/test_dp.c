@@ -301,6 +301,24 @@ static void test_data_parallel_equals_one_process_with_the_same_batch(void) {
            "relative\n", R, worst, wp, wb);
 }
 
+/* train.answer_loss_weight: the weighted loss's sums run over every rank's rows, so the ranks train
+ * as one process with the same batch (losses and parameters to 1e-5). */
+static void test_weighted_loss_data_parallel_equals_one_process(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.answer_loss_weight = 6.0f;
+    lm_train_result r;
+    CHECK(!train(&c, "dp-weighted", 1, 0, 0, &r), "dp-weighted: %s", lm_last_error());
+    if (me == 0) CHECK(!train(&c, "one-weighted", 0, 0, 0, &r), "one-weighted: %s", lm_last_error());
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("dp-weighted", "train", "loss", a, 32), nb = read_metric("one-weighted", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "weighted loss");
+    double wp;
+    CHECK(tensors_close("dp-weighted", "one-weighted", 20, "model.safetensors", 1e-5, &wp), "parameters");
+    printf("     weighted loss, %d ranks vs one process after 20 steps: parameters %.2e relative\n", R, wp);
+}
+
 static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
     if (!runs_ok) SKIP("the runs failed");
     CHECK(same_on_every_rank(dp_result.params_hash), "parameters or optimizer state differ between ranks");
@@ -558,6 +576,7 @@ int main(int argc, char **argv) {
     }
     RUN(test_data_parallel_equals_one_process_with_the_same_batch);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
+    RUN(test_weighted_loss_data_parallel_equals_one_process);
     RUN(test_resume_on_the_same_ranks_is_bit_exact);
     RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
