@@ -12,8 +12,9 @@
  * on the same layout; checkpoints across layouts (replicated-state EP and
  * ZeRO-1 EP checkpoints resumed with owner-only state bit for bit, the
  * owner-only checkpoint on one process, one process's on the N ranks and, on
- * 4 ranks, the 4-rank checkpoint on 2 ranks of a split handle and back); a
- * NaN in an owner's expert gradient skipping the step on every rank as the
+ * 4 ranks, the 4-rank checkpoint on 2 ranks of a split handle and back);
+ * expert tensors whose norm blocks cross the owners' slices; a NaN in an
+ * owner's expert gradient skipping the step on every rank as the
  * replicated layout does. Alone, or built without MPI, every case is
  * skipped. */
 #include <stdint.h>
@@ -216,6 +217,7 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
           (long long)ep_result.skipped);
     /* parameters, every tensor's optimizer state (gathered from the owners), counters */
     CHECK(ep_result.params_hash == rep_result.params_hash, "parameters or optimizer state differ from replicated");
+    CHECK(ep_result.grad_norm_hash == rep_result.grad_norm_hash, "the global gradient norms differ in their bits");
     CHECK(ep_result.balance_hash == rep_result.balance_hash, "balancing state differs from replicated");
     if (me != 0) return;
     double a[32], b[32];
@@ -363,6 +365,47 @@ static void test_checkpoint_resumes_on_another_number_of_ranks(void) {
     if (me == 0) close_to_uninterrupted("ep-four-then-two");
 }
 
+/* Experts whose tensors' numel (8 x 15 x 9 = 1080, LatentMoE of 9) is not a
+ * multiple of lm_sum_squares's 64 blocks: blocks of 17 elements cross the
+ * owners' slices (540 or 270), so the norm sums such blocks from several
+ * owners' parts; still the replicated layout's bits (clipping acts). */
+static void test_norm_blocks_that_cross_the_owners_slices(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    c.latent_dim = 9;
+    c.expert_ffn = 15;
+    c.steps = 10;
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = lm_train_options_default(dir(rep ? "rep-odd" : "ep-odd"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_replicated_state = rep;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "ep", lm_last_error());
+        CHECK(r[rep].step == 10 && r[rep].skipped == 0, "%s: %lld steps", rep ? "rep" : "ep", (long long)r[rep].step);
+    }
+    CHECK(r[0].grad_norm_hash == r[1].grad_norm_hash, "the global gradient norms differ in their bits");
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].balance_hash == r[1].balance_hash,
+          "the owner-only run's state differs from the replicated run's");
+    CHECK(r[0].optimizer_state_bytes < r[1].optimizer_state_bytes, "no saving: %zu vs %zu bytes",
+          r[0].optimizer_state_bytes, r[1].optimizer_state_bytes);
+    if (me != 0) return;
+    double a[16], b[16];
+    int na = read_metric("ep-odd", "train", "grad_norm", a, 16), nb = read_metric("rep-odd", "train", "grad_norm", b, 16);
+    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
+    int clipped = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK(a[i] == b[i], "step %d: gradient norm %.9g vs %.9g", i + 1, a[i], b[i]);
+        clipped += b[i] > 1.0;
+    }
+    CHECK(clipped > 0, "clipping acted in none of %d steps", nb);
+}
+
 /* The model of the NaN case: wider experts, so that the middle of the
  * parameter block, where LM_FAULT_GRADIENT writes its NaN, is an expert's. */
 static lm_config fault_config(void) {
@@ -449,6 +492,7 @@ int main(int argc, char **argv) {
     RUN(test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit);
     RUN(test_checkpoints_resume_between_one_process_and_the_ranks);
     RUN(test_checkpoint_resumes_on_another_number_of_ranks);
+    RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;

@@ -151,6 +151,10 @@ typedef struct {
      * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
      * them on every rank (collectively), as under expert parallelism */
     uint64_t params_hash, balance_hash;
+    /* a 64-bit hash of the bits of the global gradient norm of every step this
+     * call took (skipped steps left out): equal for layouts that compute the
+     * same norms bit for bit */
+    uint64_t grad_norm_hash;
     /* bytes of optimizer state (Muon momenta, AdamW moments) this rank holds:
      * the whole state, under ZeRO-1 its range's, under expert parallelism the
      * replicated tensors' and its experts' */

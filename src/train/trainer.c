@@ -1896,6 +1896,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     const float muon_lr = c->lr, adam_lr = c->adam_lr;
     double ema_step = 0, t_start = lm_time_seconds();
     int bad_in_row = 0;
+    uint64_t gnorm_hash = 0xcbf29ce484222325ull; /* the global norms of this call's steps, bit for bit */
     double opt_seconds = 0, step_seconds = 0;
     int64_t tokens_done = 0;
     lm_model_reset_timings(t.model);
@@ -2024,6 +2025,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             t.step++;
         } else {
         bad_in_row = 0;
+        gnorm_hash = fnv(gnorm_hash, &gnorm, sizeof gnorm);
         float f = lm_lr_at(&sched, t.step, t.total_steps) * t.stages[t.stage].lr_scale;
         double t_opt = lm_time_seconds();
         float max_logit;
@@ -2150,6 +2152,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->mfu = step_seconds > 0 ? flops_done / step_seconds / LM_TRAIN_PEAK_FLOPS : 0;
         result->interrupted = interrupted;
         result->params_hash = params_hash;
+        result->grad_norm_hash = gnorm_hash;
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);
