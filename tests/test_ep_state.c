@@ -13,7 +13,8 @@
  * ZeRO-1 EP checkpoints resumed with owner-only state bit for bit, the
  * owner-only checkpoint on one process, one process's on the N ranks and, on
  * 4 ranks, the 4-rank checkpoint on 2 ranks of a split handle and back);
- * expert tensors whose norm blocks cross the owners' slices; a NaN in an
+ * expert tensors whose norm blocks cross the owners' slices; a staged run
+ * (the second stage's model under EP too); a NaN in an
  * owner's expert gradient skipping the step on every rank as the
  * replicated layout does. Alone, or built without MPI, every case is
  * skipped. */
@@ -406,6 +407,54 @@ static void test_norm_blocks_that_cross_the_owners_slices(void) {
     CHECK(clipped > 0, "clipping acted in none of %d steps", nb);
 }
 
+/* A staged run (two sequence lengths): the second stage's model runs the
+ * experts over the ranks too, so owner-only state stays the replicated
+ * layout's bits across the switch, and one process's run within 1e-5. */
+static void test_a_staged_run_keeps_expert_parallelism_across_stages(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 48 : 32;
+        st->steps = 4;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = lm_train_options_default(dir(rep ? "rep-staged" : "ep-staged"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_replicated_state = rep;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "ep", lm_last_error());
+        CHECK(r[rep].step == 8 && r[rep].skipped == 0, "%s: %lld steps", rep ? "rep" : "ep", (long long)r[rep].step);
+    }
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].grad_norm_hash == r[1].grad_norm_hash,
+          "the owner-only run differs from the replicated run");
+    if (me != 0) return;
+    lm_train_options o = lm_train_options_default(dir("one-staged"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    lm_train_result one;
+    CHECK(!lm_train(&c, &o, &one) && one.step == 8, "one process: %s", lm_last_error());
+    double a[16], b[16];
+    int na = read_metric("ep-staged", "train", "loss", a, 16), nb = read_metric("one-staged", "train", "loss", b, 16);
+    CHECK(na == 8 && nb == 8, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
+    na = read_metric("ep-staged", "train", "grad_norm", a, 16);
+    nb = read_metric("one-staged", "train", "grad_norm", b, 16);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "gradient norm vs one process");
+}
+
 /* The model of the NaN case: wider experts, so that the middle of the
  * parameter block, where LM_FAULT_GRADIENT writes its NaN, is an expert's. */
 static lm_config fault_config(void) {
@@ -493,6 +542,7 @@ int main(int argc, char **argv) {
     RUN(test_checkpoints_resume_between_one_process_and_the_ranks);
     RUN(test_checkpoint_resumes_on_another_number_of_ranks);
     RUN(test_norm_blocks_that_cross_the_owners_slices);
+    RUN(test_a_staged_run_keeps_expert_parallelism_across_stages);
     RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;

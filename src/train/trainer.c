@@ -1191,7 +1191,10 @@ static lm_status switch_stage(trainer *t, int i) {
     TRY(host_params_current(t));
     int t0, len;
     TRY(create_model(t, B, T, &next, &t0, &len));
-    lm_status s = lm_model_copy_state(next, t->model);
+    /* the new stage's model runs the experts over the ranks too (the owner-only
+     * expert state needs the owners' complete gradients) */
+    lm_status s = t->opt.expert_parallel ? lm_model_set_expert_parallel(next, t->comm) : LM_OK;
+    if (!s) s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
         return s;
