@@ -171,9 +171,15 @@ lm_status lm_newton_schulz(float *out, const float *g, int64_t rows, int64_t col
  * Gradients: global norm, clipping, accumulation
  * ------------------------------------------------------------------------- */
 
-/* sum x[i]^2 in double over 64 fixed blocks, each summed in order, then the
- * block sums in order: the same bits for any thread count. */
+/* sum x[i]^2 in double over LM_SUM_SQUARES_BLOCKS fixed blocks, each summed in
+ * order, then the block sums in order: the same bits for any thread count.
+ * Block b holds elements [b bs, min(n, (b + 1) bs)), bs = ceil(n / blocks). */
+#define LM_SUM_SQUARES_BLOCKS 64
 double lm_sum_squares(const float *x, int64_t n);
+/* One block's running sum: s + x[0]^2 + ... + x[n-1]^2, added in order (a block
+ * split over several holders is summed by continuing from the earlier part's s;
+ * owner-only expert state rebuilds lm_sum_squares bit for bit with it). */
+double lm_sum_squares_run(double s, const float *x, int64_t n);
 
 /* Global L2 norm of all gradients, accumulated in double in a fixed order:
  * sqrt of the sum over parameters, in order, of lm_sum_squares(grad). */

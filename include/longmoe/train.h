@@ -90,10 +90,19 @@ typedef struct {
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
      * every MoE layer for the tokens of all ranks (dispatch and combine by
-     * all-to-all). n_routed_experts must be divisible by R. The expert
-     * weights, their gradients (summed with the rest) and optimizer state stay
-     * whole on every rank, so checkpoints are those of data parallelism. */
+     * all-to-all). n_routed_experts must be divisible by R. The owner alone
+     * keeps its experts' optimizer state and takes their step (their gradients,
+     * complete on the owner, stay out of the gradient all-reduce; the clipping
+     * norm takes the owners' sums of squares, the replicated norm's bits), then
+     * all-gathers the updated experts: the weights stay whole on every rank and
+     * equal to the replicated run's bits, and checkpoints are those of data
+     * parallelism (the state gathered to rank 0, sliced on load). With zero = 1
+     * ZeRO-1's ranges hold every tensor's state instead. */
     int expert_parallel;
+    /* with expert_parallel and zero = 0: 1 keeps the routed experts' gradients
+     * in the all-reduce and their optimizer state on every rank (the layout
+     * before owner-only state, the same bits; for comparisons) */
+    int ep_replicated_state;
     /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
      * replicates the optimizer state on every rank; 1 shards it: the tensors
      * are cut into one range of consecutive tensors a rank, balanced by state
@@ -136,13 +145,19 @@ typedef struct {
                               (lm_train_flops_per_token); reported on the GPU */
     /* 64-bit hashes of the state at the end: the parameters, the optimizer
      * state (from a hash of each tensor's state; under ZeRO-1 the owners'
-     * gathered, so a layout does not change the value) and the counters, and
+     * gathered, so a layout does not change the value; likewise the owners'
+     * expert state under expert parallelism) and the counters, and
      * the MoE balancing state (biases, windows, loads); data-parallel ranks hold
      * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
-     * them on every rank (collectively) */
+     * them on every rank (collectively), as under expert parallelism */
     uint64_t params_hash, balance_hash;
+    /* a 64-bit hash of the bits of the global gradient norm of every step this
+     * call took (skipped steps left out): equal for layouts that compute the
+     * same norms bit for bit */
+    uint64_t grad_norm_hash;
     /* bytes of optimizer state (Muon momenta, AdamW moments) this rank holds:
-     * the whole state, or under ZeRO-1 its range's */
+     * the whole state, under ZeRO-1 its range's, under expert parallelism the
+     * replicated tensors' and its experts' */
     size_t optimizer_state_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank

@@ -18,7 +18,7 @@
 #define LM_NS_C 2.0315f
 
 /* Number of fixed blocks a sum of squares is split into. */
-#define LM_REDUCE_BLOCKS 64
+#define LM_REDUCE_BLOCKS LM_SUM_SQUARES_BLOCKS
 /* Below this many elements, loops run on one thread (OpenMP overhead). */
 #define LM_PARALLEL_MIN 16384
 
@@ -205,15 +205,18 @@ lm_status lm_optim_config_check(const lm_optim_config *c) {
 
 /* sum x[i]^2 in double: LM_REDUCE_BLOCKS fixed blocks, each summed in order,
  * then the block sums in order. Same bits for any thread count. */
+double lm_sum_squares_run(double s, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) s += (double)x[i] * (double)x[i];
+    return s;
+}
+
 static double sum_squares_fixed(const float *x, int64_t n) {
     double part[LM_REDUCE_BLOCKS];
     int64_t bs = (n + LM_REDUCE_BLOCKS - 1) / LM_REDUCE_BLOCKS;
 #pragma omp parallel for schedule(static) if (n >= LM_PARALLEL_MIN)
     for (int b = 0; b < LM_REDUCE_BLOCKS; b++) {
         int64_t lo = (int64_t)b * bs, hi = lo + bs < n ? lo + bs : n;
-        double s = 0.0;
-        for (int64_t i = lo; i < hi; i++) s += (double)x[i] * (double)x[i];
-        part[b] = s;
+        part[b] = lo < hi ? lm_sum_squares_run(0.0, x + lo, hi - lo) : 0.0;
     }
     double s = 0.0;
     for (int b = 0; b < LM_REDUCE_BLOCKS; b++) s += part[b];

@@ -98,6 +98,24 @@ typedef struct {
     double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
     uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
     const float *ck_muon, *ck_adam; /* the whole state a checkpoint writes (rank 0) */
+    /* owner-only expert state (expert parallelism without ZeRO-1 on R > 1 ranks;
+     * docs/scaleout.md, "Expert parallelism"): esplit[i] marks the routed
+     * experts' tensors of `all`, each cut into R slices of whole experts (rank
+     * q's: elements [q numel/R, (q+1) numel/R)); emuon / eadam are this rank's
+     * optimizer descriptors (muon_p / adam_p with those tensors cut to its
+     * slice); epiece[0] / [1] map its Muon / AdamW state onto the whole state */
+    int epo;
+    unsigned char *esplit;       /* [n_all] */
+    int n_split;                 /* routed-expert tensors */
+    lm_param *emuon, *eadam;     /* [n_all] */
+    struct epo_piece {
+        size_t loc, whole, len; /* local state [loc, loc+len) is whole [whole, whole+len) */
+        int split;               /* a slice: rank q's lies at whole + (q - rank) len */
+    } *epiece[2];
+    int n_epiece[2];
+    double *eparts;              /* [n_split blocks] the split tensors' block sums of squares */
+    float *epack, *egath;        /* elements of the blocks that cross slices: this rank's, every rank's */
+    size_t *etab;                /* [2 ranks] their counts and offsets */
 } trainer;
 
 lm_train_options lm_train_options_default(const char *out_dir) {
@@ -157,6 +175,15 @@ static void trainer_free(trainer *t) {
     free(t->zloc);
     free(t->znorm);
     free(t->zhash);
+    free(t->esplit);
+    free(t->emuon);
+    free(t->eadam);
+    free(t->epiece[0]);
+    free(t->epiece[1]);
+    free(t->eparts);
+    free(t->epack);
+    free(t->egath);
+    free(t->etab);
     for (int i = 0; i < t->n_prints; i++) free(t->print_files[i]);
     if (t->metrics) fclose(t->metrics);
 }
@@ -498,6 +525,272 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
     return LM_OK;
 }
 
+/* ---- owner-only expert state under expert parallelism (docs/scaleout.md,
+ * "Expert parallelism (CPU ranks)") ----
+ * The routed experts' tensors (layers.L.moe.gate, .up, .down: [n, ., .] with n
+ * Muon blocks, one an expert) are cut into R slices of n/R whole experts; rank
+ * q owns slice q, the experts it runs. Their gradients are complete on the
+ * owner (the layer's backward), so they stay out of the gradient all-reduce;
+ * the owner alone keeps their optimizer state and takes their step (the same
+ * per-block arithmetic as the replicated optimizer), then every rank receives
+ * the updated slices (an all-gather), so the weights stay whole on every rank
+ * and equal to the replicated run's bits. Everything else is replicated. */
+
+/* The tensors that are cut: routed experts, one Muon block an expert. */
+static int epo_is_expert(const trainer *t, int i) {
+    const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+    const char *d = strstr(mt->name, ".moe.");
+    return d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")) && mt->ndim == 3 &&
+           mt->shape[0] == t->cfg.n_routed_experts && mt->n_blocks == t->cfg.n_routed_experts &&
+           t->cfg.n_routed_experts % t->ranks == 0;
+}
+
+/* This rank's descriptors: the whole replicated tensors, its slice of each
+ * expert tensor (after bind_params; the same arrays every time). */
+static void epo_bind(trainer *t) {
+    if (!t->epo) return;
+    const int R = t->ranks, me = t->rank;
+    int jm = 0, ja = 0;
+    for (int i = 0; i < t->n_all; i++) {
+        lm_param p = t->all[i];
+        const int muon = lm_param_optimizer(&p) == LM_OPT_MUON;
+        if (t->esplit[i]) {
+            const int64_t per = lm_param_numel(&p) / R;
+            p.optimizer = muon ? LM_OPT_MUON : LM_OPT_ADAMW;
+            p.data += (size_t)me * (size_t)per;
+            p.grad += (size_t)me * (size_t)per;
+            p.rows /= R;
+            p.n_blocks = p.n_blocks > 1 ? p.n_blocks / R : 1;
+        }
+        if (muon) t->emuon[jm++] = p;
+        else t->eadam[ja++] = p;
+    }
+}
+
+/* Block b of lm_sum_squares over n elements: [*lo, *hi). */
+static void ss_block(int64_t n, int b, int64_t *lo, int64_t *hi) {
+    const int64_t bs = (n + LM_SUM_SQUARES_BLOCKS - 1) / LM_SUM_SQUARES_BLOCKS;
+    *lo = (int64_t)b * bs < n ? (int64_t)b * bs : n;
+    *hi = *lo + bs < n ? *lo + bs : n;
+}
+
+/* Elements rank q holds of the blocks that cross slices, over every expert tensor. */
+static size_t epo_cross_count(const trainer *t, int q) {
+    const int R = t->ranks;
+    size_t c = 0;
+    for (int i = 0; i < t->n_all; i++) {
+        if (!t->esplit[i]) continue;
+        const int64_t n = lm_param_numel(&t->all[i]), sl = n / R, a = (int64_t)q * sl, z = a + sl;
+        for (int b = 0; b < LM_SUM_SQUARES_BLOCKS; b++) {
+            int64_t lo, hi;
+            ss_block(n, b, &lo, &hi);
+            if (lo >= hi || lo / sl == (hi - 1) / sl) continue;
+            const int64_t x = lo > a ? lo : a, y = hi < z ? hi : z;
+            if (x < y) c += (size_t)(y - x);
+        }
+    }
+    return c;
+}
+
+/* The tables: which tensors are cut, this rank's descriptors, the pieces of
+ * its state in the whole state, the norm's buffers. After bind_params. */
+static lm_status epo_setup(trainer *t) {
+    if (!t->epo) return LM_OK;
+    const int R = t->ranks, n = t->n_all;
+    t->esplit = calloc((size_t)n, 1);
+    t->emuon = calloc((size_t)n, sizeof *t->emuon);
+    t->eadam = calloc((size_t)n, sizeof *t->eadam);
+    t->epiece[0] = calloc(2 * (size_t)n, sizeof *t->epiece[0]);
+    t->epiece[1] = calloc(2 * (size_t)n, sizeof *t->epiece[1]);
+    t->etab = calloc(2 * (size_t)R, sizeof *t->etab);
+    if (!t->esplit || !t->emuon || !t->eadam || !t->epiece[0] || !t->epiece[1] || !t->etab)
+        return lm_error(LM_ERR_MEMORY, "out of memory (expert-parallel optimizer tables)");
+    for (int i = 0; i < n; i++) t->n_split += t->esplit[i] = (unsigned char)epo_is_expert(t, i);
+    epo_bind(t);
+    /* the pieces, in the order of muon_p / adam_p (the whole state's order) */
+    for (int part = 0; part < 2; part++) {
+        const lm_param *whole = part ? t->adam_p : t->muon_p, *mine = part ? t->eadam : t->emuon;
+        const int count = part ? t->n_adam : t->n_muon;
+        size_t W = 0, L = 0;
+        int k = 0;
+        for (int j = 0; j < count; j++) {
+            const size_t N = (size_t)lm_param_numel(&whole[j]), Nl = (size_t)lm_param_numel(&mine[j]);
+            const size_t S = lm_param_state_floats(&whole[j]), parts = S / N;
+            if (Nl == N) {
+                t->epiece[part][k++] = (struct epo_piece){L, W, S, 0};
+            } else {
+                for (size_t c = 0; c < parts; c++)
+                    t->epiece[part][k++] = (struct epo_piece){L + c * Nl, W + c * N + (size_t)t->rank * Nl, Nl, 1};
+            }
+            W += S;
+            L += lm_param_state_floats(&mine[j]);
+        }
+        t->n_epiece[part] = k;
+    }
+    size_t all = 0;
+    for (int q = 0; q < R; q++) {
+        t->etab[q] = epo_cross_count(t, q);
+        t->etab[R + q] = all;
+        all += t->etab[q];
+    }
+    t->eparts = calloc((size_t)t->n_split * LM_SUM_SQUARES_BLOCKS + 1, sizeof *t->eparts);
+    t->epack = calloc(t->etab[t->rank] + 1, sizeof *t->epack);
+    t->egath = calloc(all + 1, sizeof *t->egath);
+    if (!t->eparts || !t->epack || !t->egath)
+        return lm_error(LM_ERR_MEMORY, "out of memory (expert-parallel gradient norm)");
+    return LM_OK;
+}
+
+/* The gradient block summed over the ranks except the experts' tensors (their
+ * owner's gradient is already complete): one all-reduce a run of replicated
+ * tensors, each element the rank-order sum of the whole block's all-reduce. */
+static lm_status epo_reduce_grads(trainer *t) {
+    float *g = lm_model_grads(t->model);
+    size_t run = 0;
+    for (int i = 0; i <= t->n_all; i++) {
+        if (i < t->n_all && !t->esplit[i]) continue;
+        const size_t at = i < t->n_all ? lm_model_tensor_at(t->model, i)->offset : lm_model_num_params(t->model);
+        if (at > run) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, at - run, LM_DTYPE_F32));
+        if (i < t->n_all) run = at + lm_model_tensor_at(t->model, i)->numel;
+    }
+    return LM_OK;
+}
+
+/* The global gradient norm, bit for bit the replicated lm_grad_global_norm:
+ * the replicated tensors' sums of squares on every rank; each expert tensor's
+ * lm_sum_squares rebuilt from its fixed blocks: a block inside one slice summed
+ * by that slice's owner, a block that crosses slices summed in element order
+ * by the owner of its first element from every holder's part (all-gathered),
+ * the block sums summed over the ranks (one value plus zeros: exact) and added
+ * in block order; the tensors added in tensor order. Then clipping. A
+ * non-finite norm sets *bad on every rank. */
+static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int *bad) {
+    const int R = t->ranks, me = t->rank, NB = LM_SUM_SQUARES_BLOCKS;
+    memset(t->eparts, 0, (size_t)t->n_split * NB * sizeof *t->eparts);
+    size_t packed = 0;
+    for (int i = 0, k = 0; i < t->n_all; i++) {
+        if (!t->esplit[i]) continue;
+        const float *g = t->all[i].grad;
+        const int64_t n = lm_param_numel(&t->all[i]), sl = n / R, a = (int64_t)me * sl, z = a + sl;
+        for (int b = 0; b < NB; b++) {
+            int64_t lo, hi;
+            ss_block(n, b, &lo, &hi);
+            if (lo >= hi) continue;
+            if (lo / sl == (hi - 1) / sl) {
+                if (lo / sl == me) t->eparts[(size_t)k * NB + b] = lm_sum_squares_run(0.0, g + lo, hi - lo);
+                continue;
+            }
+            const int64_t x = lo > a ? lo : a, y = hi < z ? hi : z;
+            if (x < y) {
+                memcpy(t->epack + packed, g + x, (size_t)(y - x) * sizeof(float));
+                packed += (size_t)(y - x);
+            }
+        }
+        k++;
+    }
+    size_t *bytes = t->ztab, *offs = bytes + R, cur[LM_DP_MAX_RANKS];
+    for (int q = 0; q < R; q++) {
+        bytes[q] = t->etab[q] * sizeof(float);
+        offs[q] = t->etab[R + q] * sizeof(float);
+        cur[q] = t->etab[R + q];
+    }
+    TRY(lm_comm_all_gatherv(t->comm, t->epack, bytes[me], t->egath, bytes, offs));
+    for (int i = 0, k = 0; i < t->n_all; i++) {
+        if (!t->esplit[i]) continue;
+        const int64_t n = lm_param_numel(&t->all[i]), sl = n / R;
+        for (int b = 0; b < NB; b++) {
+            int64_t lo, hi;
+            ss_block(n, b, &lo, &hi);
+            if (lo >= hi || lo / sl == (hi - 1) / sl) continue;
+            double s = 0.0;
+            for (int q = (int)(lo / sl); q <= (int)((hi - 1) / sl); q++) {
+                const int64_t x = lo > q * sl ? lo : q * sl, y = hi < (q + 1) * sl ? hi : (q + 1) * sl;
+                s = lm_sum_squares_run(s, t->egath + cur[q], y - x);
+                cur[q] += (size_t)(y - x);
+            }
+            if (lo / sl == me) t->eparts[(size_t)k * NB + b] = s;
+        }
+        k++;
+    }
+    TRY(lm_comm_all_reduce_sum(t->comm, t->eparts, t->eparts, (size_t)t->n_split * NB, LM_DTYPE_F64));
+    double sum = 0.0;
+    for (int i = 0, k = 0; i < t->n_all; i++) {
+        if (!t->esplit[i]) {
+            sum += lm_sum_squares(t->all[i].grad, lm_param_numel(&t->all[i]));
+            continue;
+        }
+        double v = 0.0;
+        for (int b = 0; b < NB; b++) v += t->eparts[(size_t)k * NB + b];
+        sum += v;
+        k++;
+    }
+    const double norm = sqrt(sum);
+    *norm_out = norm;
+    *bad = !isfinite(norm);
+    if (!*bad && max_norm > 0.0f && norm > (double)max_norm) {
+        lm_grads_scale(t->emuon, t->n_muon, (float)(max_norm / norm));
+        lm_grads_scale(t->eadam, t->n_adam, (float)(max_norm / norm));
+    }
+    return LM_OK;
+}
+
+/* Every owner's updated experts to every rank, in place (one all-gather a tensor). */
+static lm_status epo_gather_params(trainer *t) {
+    const int R = t->ranks;
+    size_t *bytes = t->ztab, *offs = bytes + R;
+    float *p = lm_model_params(t->model);
+    for (int i = 0; i < t->n_all; i++) {
+        if (!t->esplit[i]) continue;
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        const size_t sl = mt->numel / (size_t)R;
+        for (int q = 0; q < R; q++) {
+            bytes[q] = sl * sizeof(float);
+            offs[q] = (mt->offset + (size_t)q * sl) * sizeof(float);
+        }
+        TRY(lm_comm_all_gatherv(t->comm, p + mt->offset + (size_t)t->rank * sl, bytes[t->rank], p, bytes, offs));
+    }
+    return LM_OK;
+}
+
+/* The whole optimizer state on rank 0 (t->ck_muon, t->ck_adam; *whole_muon and
+ * *whole_adam are rank 0's buffers to free): rank 0 copies its replicated
+ * pieces, each owner sends its experts' slices. Collective. */
+static lm_status epo_gather_state(trainer *t, float **whole_muon, float **whole_adam) {
+    *whole_muon = *whole_adam = NULL;
+    lm_status s = LM_OK;
+    if (t->rank == 0) {
+        *whole_muon = malloc((t->muon_total_n + 1) * sizeof(float));
+        *whole_adam = malloc((t->adam_total_n + 1) * sizeof(float));
+        if (!*whole_muon || !*whole_adam)
+            s = lm_error(LM_ERR_MEMORY, "out of memory gathering the optimizer state (%zu floats) for a checkpoint",
+                         t->muon_total_n + t->adam_total_n);
+    }
+    TRY(dp_agree(t, s));
+    const int R = t->ranks;
+    size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
+    for (int part = 0; part < 2; part++) {
+        const float *local = part ? t->adam_state : t->muon_state;
+        float *whole = part ? *whole_adam : *whole_muon;
+        for (int k = 0; k < t->n_epiece[part]; k++) {
+            const struct epo_piece *pc = &t->epiece[part][k];
+            if (!pc->split) {
+                if (t->rank == 0) memcpy(whole + pc->whole, local + pc->loc, pc->len * sizeof(float));
+                continue;
+            }
+            const size_t first = pc->whole - (size_t)t->rank * pc->len; /* rank 0's slice */
+            for (int q = 0; q < R; q++) {
+                sb[q] = q == 0 ? pc->len * sizeof(float) : 0;
+                rb[q] = t->rank == 0 ? pc->len * sizeof(float) : 0;
+                ro[q] = t->rank == 0 ? (first + (size_t)q * pc->len) * sizeof(float) : 0;
+            }
+            TRY(lm_comm_all_to_allv(t->comm, local + pc->loc, sb, zero_off, whole, rb, ro));
+        }
+    }
+    t->ck_muon = *whole_muon;
+    t->ck_adam = *whole_adam;
+    return LM_OK;
+}
+
 /* After the micro-batches of a step: the ranks' losses averaged (each is the
  * mean over its share), a failed forward on any rank fails the step for all,
  * the data position advanced by the fewest micro-batches any rank consumed
@@ -560,6 +853,8 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
                                    lm_model_num_params(t->model), LM_DTYPE_F32));
     } else if (t->zero) {
         TRY(zero_reduce_grads(t));
+    } else if (t->epo) {
+        TRY(epo_reduce_grads(t));
     } else {
         TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
                                    lm_model_num_params(t->model), LM_DTYPE_F32));
@@ -619,16 +914,40 @@ static lm_status state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
     const int zr = zero_range(t);
     memset(t->zhash, 0, (size_t)t->n_all * sizeof *t->zhash);
     size_t off = 0;
-    for (int j = t->zmuon_i[zr]; j < t->zmuon_i[zr + 1]; j++) {
+    for (int j = t->zmuon_i[zr]; !t->epo && j < t->zmuon_i[zr + 1]; j++) {
         size_t n = lm_param_state_floats(&t->muon_p[j]);
         t->zhash[j] = fnv(0xcbf29ce484222325ull, t->muon_state + off, n * sizeof(float));
         off += n;
     }
     off = 0;
-    for (int j = t->zadam_i[zr]; j < t->zadam_i[zr + 1]; j++) {
+    for (int j = t->zadam_i[zr]; !t->epo && j < t->zadam_i[zr + 1]; j++) {
         size_t n = lm_param_state_floats(&t->adam_p[j]);
         t->zhash[t->n_muon + j] = fnv(0xcbf29ce484222325ull, t->adam_state + off, n * sizeof(float));
         off += n;
+    }
+    if (t->epo) {
+        /* the experts' state is on its owners: every tensor's hash from the whole state on rank 0 */
+        float *wm = NULL, *wa = NULL;
+        lm_status s = epo_gather_state(t, &wm, &wa);
+        if (!s && t->rank == 0) {
+            size_t at = 0;
+            for (int j = 0; j < t->n_muon; j++) {
+                size_t n = lm_param_state_floats(&t->muon_p[j]);
+                t->zhash[j] = fnv(0xcbf29ce484222325ull, wm + at, n * sizeof(float));
+                at += n;
+            }
+            at = 0;
+            for (int j = 0; j < t->n_adam; j++) {
+                size_t n = lm_param_state_floats(&t->adam_p[j]);
+                t->zhash[t->n_muon + j] = fnv(0xcbf29ce484222325ull, wa + at, n * sizeof(float));
+                at += n;
+            }
+        }
+        free(wm);
+        free(wa);
+        t->ck_muon = t->ck_adam = NULL;
+        TRY(s);
+        TRY(lm_comm_broadcast(t->comm, t->zhash, (size_t)t->n_all * sizeof *t->zhash, 0));
     }
     /* one owner's words plus zeros: exact (int32 sums wrap) */
     if (t->zero && t->ranks > 1)
@@ -744,11 +1063,13 @@ static lm_status trainer_setup(trainer *t, int stage) {
     if (!t->all || !t->muon_p || !t->adam_p) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
     bind_params(t);
     TRY(zero_setup(t));
+    TRY(epo_setup(t));
     lm_optim_config oc = lm_optim_config_default();
     oc.weight_decay = c->weight_decay;
     /* this rank's range of the optimizers' tensors (all of them without ZeRO-1) */
     const int zr = zero_range(t);
-    lm_param *my_muon = t->muon_p + t->zmuon_i[zr], *my_adam = t->adam_p + t->zadam_i[zr];
+    lm_param *my_muon = t->epo ? t->emuon : t->muon_p + t->zmuon_i[zr],
+             *my_adam = t->epo ? t->eadam : t->adam_p + t->zadam_i[zr];
     const int my_n_muon = t->zmuon_i[zr + 1] - t->zmuon_i[zr], my_n_adam = t->zadam_i[zr + 1] - t->zadam_i[zr];
     t->muon_total_n = lm_optim_state_floats(t->muon_p, t->n_muon);
     t->adam_total_n = lm_optim_state_floats(t->adam_p, t->n_adam);
@@ -884,7 +1205,10 @@ static lm_status switch_stage(trainer *t, int i) {
     TRY(host_params_current(t));
     int t0, len;
     TRY(create_model(t, B, T, &next, &t0, &len));
-    lm_status s = lm_model_copy_state(next, t->model);
+    /* the new stage's model runs the experts over the ranks too (the owner-only
+     * expert state needs the owners' complete gradients) */
+    lm_status s = t->opt.expert_parallel ? lm_model_set_expert_parallel(next, t->comm) : LM_OK;
+    if (!s) s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
         return s;
@@ -897,6 +1221,7 @@ static lm_status switch_stage(trainer *t, int i) {
     t->seg_T = len;
     t->stage = i;
     bind_params(t);
+    epo_bind(t);
     TRY(bind_backend_params(t));
     return open_data(t, i);
 }
@@ -1066,7 +1391,7 @@ static lm_status write_checkpoint(trainer *t) {
 static lm_status save_checkpoint(trainer *t) {
     float *whole_muon = NULL, *whole_adam = NULL;
     lm_status s = dp_check_replicas(t);
-    if (!s) s = zero_gather_state(t, &whole_muon, &whole_adam);
+    if (!s) s = t->epo ? epo_gather_state(t, &whole_muon, &whole_adam) : zero_gather_state(t, &whole_muon, &whole_adam);
     if (!s && t->rank == 0) s = write_checkpoint(t);
     free(whole_muon);
     free(whole_adam);
@@ -1275,8 +1600,17 @@ static lm_status load_checkpoint(trainer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
     lm_safetensors *st;
     TRY(lm_safetensors_open(path, &st));
-    lm_status s;
-    if (t->zero) {
+    lm_status s = LM_OK;
+    if (t->epo) {
+        /* whatever layout wrote it: each rank takes the replicated tensors' state and its experts' slices */
+        for (int part = 0; part < 2 && !s; part++)
+            for (int k = 0; k < t->n_epiece[part] && !s; k++) {
+                const struct epo_piece *pc = &t->epiece[part][k];
+                s = load_state_range(st, path, part ? "optim.adam_state" : "optim.muon_state",
+                                     (part ? t->adam_state : t->muon_state) + pc->loc,
+                                     part ? t->adam_total_n : t->muon_total_n, pc->whole, pc->len);
+            }
+    } else if (t->zero) {
         /* whatever layout wrote it: each rank takes its range */
         const int zr = zero_range(t);
         s = load_state_range(st, path, "optim.muon_state", t->muon_state, t->muon_total_n, t->zmuon[zr],
@@ -1516,6 +1850,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
     t.zero = opt_in->zero == 1 && t.comm;
+    /* expert parallelism without ZeRO-1: the experts' optimizer state on their owners only
+     * (under ZeRO-1 the ranges already hold every tensor's state once) */
+    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && lm_comm_size(t.comm) > 1;
     if (t.rank > 0) opt_here.progress = NULL;
     if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
         s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
@@ -1601,6 +1938,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     const float muon_lr = c->lr, adam_lr = c->adam_lr;
     double ema_step = 0, t_start = lm_time_seconds();
     int bad_in_row = 0;
+    uint64_t gnorm_hash = 0xcbf29ce484222325ull; /* the global norms of this call's steps, bit for bit */
     double opt_seconds = 0, step_seconds = 0;
     int64_t tokens_done = 0;
     lm_model_reset_timings(t.model);
@@ -1633,6 +1971,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "ZeRO-1: optimizer state %.3f to %.3f MiB a rank over %d ranks (rank 0: %.3f MiB) "
                 "instead of %.3f MiB on every rank\n", lo / 1048576.0, hi / 1048576.0, t.ranks,
                 zero_state_bytes(&t, 0) / 1048576.0, whole / 1048576.0);
+    }
+    if (opt->progress && t.epo) {
+        size_t mine = (t.muon_state_n + t.adam_state_n) * sizeof(float),
+               whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
+        fprintf(opt->progress, "expert parallel: optimizer state %.3f MiB a rank (the routed experts' on their owners "
+                "only) instead of %.3f MiB on every rank\n", mine / 1048576.0, whole / 1048576.0);
     }
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
@@ -1714,6 +2058,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         if (t.zero) {
             /* ZeRO-1: the owners' partial norms; a loss non-finite on any rank skips on every rank */
             if (!bad && (s = zero_grad_clip(&t, c->grad_clip, isfinite(loss), &gnorm, &bad))) goto done;
+        } else if (t.epo) {
+            /* owner-only experts: their owners' block sums (the loss is every rank's, so all take this branch) */
+            if (!bad && isfinite(loss)) {
+                if ((s = epo_grad_clip(&t, c->grad_clip, &gnorm, &bad))) goto done;
+            } else bad = 1;
         } else if (!bad && isfinite(loss))
             bad = (t.dev_opt ? lm_grad_clip_on(t.be, t.ball, t.n_all, c->grad_clip, t.norm_work, &gnorm)
                              : lm_grad_clip(t.all, t.n_all, c->grad_clip, &gnorm)) != LM_OK;
@@ -1737,6 +2086,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             t.step++;
         } else {
         bad_in_row = 0;
+        gnorm_hash = fnv(gnorm_hash, &gnorm, sizeof gnorm);
         float f = lm_lr_at(&sched, t.step, t.total_steps) * t.stages[t.stage].lr_scale;
         double t_opt = lm_time_seconds();
         float max_logit;
@@ -1759,6 +2109,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 goto done;
             /* ZeRO-1: each owner updated its range; every rank receives the others' */
             if (t.zero && t.ranks > 1 && (s = zero_gather_params(&t))) goto done;
+            /* owner-only experts: each owner updated its slices; every rank receives the others' */
+            if (t.epo && (s = epo_gather_params(&t))) goto done;
             if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
             if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
             /* the host parameters changed (the update, QK-Clip): the device copy
@@ -1856,7 +2208,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     }
     /* collective under ZeRO-1: every rank computes them */
     uint64_t params_hash = 0, balance_hash = 0;
-    if ((result || t.zero) && (s = state_hashes(&t, &params_hash, &balance_hash))) goto done;
+    if ((result || t.zero || t.epo) && (s = state_hashes(&t, &params_hash, &balance_hash))) goto done;
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -1869,6 +2221,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->mfu = step_seconds > 0 ? flops_done / step_seconds / LM_TRAIN_PEAK_FLOPS : 0;
         result->interrupted = interrupted;
         result->params_hash = params_hash;
+        result->grad_norm_hash = gnorm_hash;
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);

@@ -1,0 +1,558 @@
+/* Owner-only expert state under expert parallelism (docs/scaleout.md,
+ * "Expert parallelism (CPU ranks)").
+ *
+ * Under mpirun (`mpirun -np N test_ep_state --mpi N`, ctest's
+ * test_ep_state_mpi2 and test_ep_state_mpi4): a 20-step run with --ep on N
+ * ranks, each rank holding only its routed experts' optimizer state, against
+ * the same run with the experts' state replicated (the layout before
+ * owner-only state: bit for bit the losses, gradient norms, checkpoints of
+ * steps 5 to 20 and state hashes) and one process (1e-5 relative); the
+ * bytes of state a rank holds (the replicated tensors' plus 1/N of the
+ * experts'); the balancing state on every rank the same; a bit-exact resume
+ * on the same layout; checkpoints across layouts (replicated-state EP and
+ * ZeRO-1 EP checkpoints resumed with owner-only state bit for bit, the
+ * owner-only checkpoint on one process, one process's on the N ranks and, on
+ * 4 ranks, the 4-rank checkpoint on 2 ranks of a split handle and back);
+ * expert tensors whose norm blocks cross the owners' slices; a staged run
+ * (the second stage's model under EP too); a NaN in an
+ * owner's expert gradient skipping the step on every rank as the
+ * replicated layout does. Alone, or built without MPI, every case is
+ * skipped. */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+#include "test.h"
+#include "test_models.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0;
+static char root[256];
+
+/* test_dp.c's model (test_models.h: MoE of 8 experts, histogram estimator)
+ * with gradient clipping acting, so the global norm matters. */
+static lm_config ep_config(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.grad_clip = 1.0f;
+    return c;
+}
+
+static const char *dir(const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
+    return buf[slot];
+}
+
+enum { ONE, EP, EP_REPLICATED, EP_ZERO };
+
+/* One run over handle `on` (NULL: this process alone, without EP) in layout `how`. */
+static lm_status train(const char *run, lm_comm *on, int how, int resume, int64_t stop_after, lm_train_result *r) {
+    lm_config c = ep_config();
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.resume = resume;
+    o.stop_after = stop_after;
+    o.comm = on;
+    o.expert_parallel = how != ONE;
+    o.ep_replicated_state = how == EP_REPLICATED;
+    o.zero = how == EP_ZERO;
+    memset(r, 0, sizeof *r);
+    return lm_train(&c, &o, r);
+}
+/* The numbers of key `key` of the lines of `type` in a run's metrics. */
+static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
+    char path[600], line[65536], want[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    while (fgets(line, sizeof line, f) && n < max) {
+        if (!strstr(line, want)) continue;
+        const char *p = strstr(line, k);
+        if (p) v[n++] = atof(p + strlen(k));
+    }
+    fclose(f);
+    return n;
+}
+
+/* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
+ * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
+static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
+    char pa[700], pb[700];
+    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
+    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
+    lm_safetensors *x = NULL, *y = NULL;
+    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
+        fprintf(stderr, "  %s\n", lm_last_error());
+        lm_safetensors_close(x);
+        return 0;
+    }
+    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
+    *worst = 0;
+    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
+        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype || u->ndim != t->ndim) {
+            fprintf(stderr, "  %s: tensor %s is missing or of another size, shape or type\n", file, t->name);
+            ok = 0;
+            break;
+        }
+        if (rtol == 0) {
+            if (memcmp(t->data, u->data, t->nbytes)) {
+                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
+                ok = 0;
+            }
+            continue;
+        }
+        if (t->dtype != LM_DTYPE_F32) continue;
+        const float *p = (const float *)t->data, *q = (const float *)u->data;
+        double diff = 0, scale = 0;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double d = fabs((double)p[e] - q[e]);
+            diff = d > diff || isnan(d) ? d : diff;
+            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
+        }
+        double rel = scale > 0 ? diff / scale : diff;
+        if (!(rel <= rtol)) {
+            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
+            bad = 1;
+        }
+        *worst = rel > *worst ? rel : *worst;
+    }
+    ok &= !bad;
+    lm_safetensors_close(x);
+    lm_safetensors_close(y);
+    return ok;
+}
+
+/* Copy run `from` to `to` with `latest` naming its checkpoint of `step`: a
+ * run to resume from that checkpoint (rank 0; the others wait). */
+static void copy_run_at(const char *from, const char *to, int step) {
+    if (me == 0) {
+        char cmd[1600], path[700];
+        snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s && rm -f %s/lock", dir(to), dir(from), dir(to), dir(to));
+        CHECK(system(cmd) == 0, "%s", cmd);
+        snprintf(path, sizeof path, "%s/latest", dir(to));
+        FILE *f = fopen(path, "w");
+        CHECK(f != NULL, "cannot write %s", path);
+        if (f) {
+            fprintf(f, "checkpoint-%08d\n", step);
+            fclose(f);
+        }
+    }
+    if (comm) lm_comm_barrier(comm);
+}
+
+/* The same 64-bit value on every rank. */
+static int same_on_every_rank(uint64_t v) {
+    uint64_t all[64];
+    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
+    for (int r = 1; r < R; r++)
+        if (all[r] != all[0]) return 0;
+    return 1;
+}
+
+/* Every rank passed so far (failures on any rank count). */
+static int all_ok(void) {
+    int32_t bad = test_current_failures, any = 0;
+    if (lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32)) return 0;
+    return any == 0;
+}
+
+/* The largest |b| of the MoE balancing biases in a run's checkpoint (rank 0). */
+static double largest_bias(const char *run, int step) {
+    char p[700];
+    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
+    lm_safetensors *st;
+    if (lm_safetensors_open(p, &st)) return -1;
+    double mx = 0;
+    for (int i = 0; i < lm_safetensors_count(st); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(st, i);
+        if (!strstr(t->name, ".moe.bias")) continue;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double v = fabs(((const float *)t->data)[e]);
+            mx = v > mx ? v : mx;
+        }
+    }
+    lm_safetensors_close(st);
+    return mx;
+}
+
+/* The routed experts' parameters (layers.L.moe.gate, .up, .down) of the model. */
+static size_t expert_floats(void) {
+    lm_config c = ep_config();
+    lm_model *m;
+    if (lm_model_create(&c, 1, c.seq_len, &m)) return 0;
+    size_t n = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        const char *d = strstr(t->name, ".moe.");
+        if (d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"))) n += t->numel;
+    }
+    lm_model_free(m);
+    return n;
+}
+
+static lm_train_result ep_result, rep_result;
+static int runs_ok;
+
+/* "ep" (owner-only), "rep" (replicated expert state), "one" (one process): the
+ * same global batch, 20 steps. */
+static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
+    lm_train_result one;
+    CHECK(!train("ep", comm, EP, 0, 0, &ep_result), "ep: %s", lm_last_error());
+    CHECK(!train("rep", comm, EP_REPLICATED, 0, 0, &rep_result), "rep: %s", lm_last_error());
+    if (me == 0) CHECK(!train("one", NULL, ONE, 0, 0, &one), "one: %s", lm_last_error());
+    runs_ok = all_ok();
+    if (!runs_ok) return;
+    CHECK(ep_result.step == 20 && ep_result.skipped == 0, "ep: %lld steps, %lld skipped", (long long)ep_result.step,
+          (long long)ep_result.skipped);
+    /* parameters, every tensor's optimizer state (gathered from the owners), counters */
+    CHECK(ep_result.params_hash == rep_result.params_hash, "parameters or optimizer state differ from replicated");
+    CHECK(ep_result.grad_norm_hash == rep_result.grad_norm_hash, "the global gradient norms differ in their bits");
+    CHECK(ep_result.balance_hash == rep_result.balance_hash, "balancing state differs from replicated");
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("ep", "train", "loss", a, 32), nb = read_metric("rep", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+    na = read_metric("ep", "train", "grad_norm", a, 32);
+    nb = read_metric("rep", "train", "grad_norm", b, 32);
+    int clipped = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK(a[i] == b[i], "step %d: gradient norm %.9g vs %.9g", i + 1, a[i], b[i]);
+        clipped += b[i] > 1.0;
+    }
+    CHECK(clipped > 0, "clipping acted in none of %d steps: the test does not see it", nb);
+    na = read_metric("ep", "eval", "val_loss", a, 32);
+    nb = read_metric("rep", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "validation loss %.9g vs %.9g", a[i], b[i]);
+    double w;
+    for (int step = 5; step <= 20; step += 5) {
+        CHECK(tensors_close("ep", "rep", step, "model.safetensors", 0, &w), "parameters at step %d", step);
+        CHECK(tensors_close("ep", "rep", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
+    }
+    double wp, ws, worst = 0;
+    na = read_metric("ep", "train", "loss", a, 32);
+    nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
+        worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
+    }
+    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    CHECK(tensors_close("ep", "one", 20, "model.safetensors", 1e-5, &wp), "parameters vs one process");
+    CHECK(tensors_close("ep", "one", 20, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
+    printf("     owner-only EP on %d ranks = replicated-state EP bit for bit; vs one process: loss %.2e, "
+           "parameters %.2e, optimizer/balance %.2e relative\n", R, worst, wp, ws);
+}
+
+/* A rank holds the replicated tensors' state and 1/N of the experts' (Muon: one
+ * float a weight); the same on every rank. */
+static void test_a_rank_holds_only_its_experts_state(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats() * sizeof(float), whole = rep_result.optimizer_state_bytes;
+    CHECK(experts > 0, "no expert tensors");
+    const size_t want = whole - experts + experts / (size_t)R;
+    CHECK(ep_result.optimizer_state_bytes == want, "rank %d holds %zu bytes of optimizer state, expected %zu (%zu "
+          "replicated, experts %zu)", me, ep_result.optimizer_state_bytes, want, whole, experts);
+    CHECK(ep_result.optimizer_state_bytes < whole, "no saving");
+    printf("     optimizer state a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n",
+           ep_result.optimizer_state_bytes, whole, experts, R);
+}
+
+/* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */
+static void test_every_rank_holds_the_same_parameters_and_bias(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    CHECK(same_on_every_rank(ep_result.params_hash), "parameters or optimizer state differ between ranks");
+    CHECK(same_on_every_rank(ep_result.balance_hash), "balancing state differs between ranks");
+    if (me == 0) {
+        double h = largest_bias("ep", 20);
+        CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
+    }
+}
+
+static void test_resume_on_the_same_layout_is_bit_exact(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r;
+    CHECK(!train("ep-resumed", comm, EP, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
+    CHECK(!train("ep-resumed", comm, EP, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == ep_result.params_hash && r.balance_hash == ep_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("ep", "ep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("ep", "ep-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+}
+
+/* Checkpoints of the replicated-state layout and of ZeRO-1 with EP (both the
+ * same bits) resumed with owner-only state, and the owner-only checkpoint
+ * resumed with replicated state: the uninterrupted run's bits. */
+static void test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r, z;
+    CHECK(!train("zero", comm, EP_ZERO, 0, 10, &z) && z.step == 10, "ZeRO-1 EP: %s", lm_last_error());
+    copy_run_at("rep", "rep-then-ep", 10);
+    CHECK(!train("rep-then-ep", comm, EP, 1, 0, &r) && r.step == 20, "rep then ep: %s", lm_last_error());
+    CHECK(r.params_hash == ep_result.params_hash, "replicated-state checkpoint resumed owner-only: state differs");
+    CHECK(!train("zero", comm, EP, 1, 0, &r) && r.step == 20, "zero then ep: %s", lm_last_error());
+    CHECK(r.params_hash == ep_result.params_hash, "ZeRO-1 EP checkpoint resumed owner-only: state differs");
+    copy_run_at("ep", "ep-then-rep", 10);
+    CHECK(!train("ep-then-rep", comm, EP_REPLICATED, 1, 0, &r) && r.step == 20, "ep then rep: %s", lm_last_error());
+    CHECK(r.params_hash == ep_result.params_hash, "owner-only checkpoint resumed replicated: state differs");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("rep-then-ep", "ep", 20, "trainer.safetensors", 0, &w), "rep then ep: trainer state");
+    CHECK(tensors_close("zero", "ep", 20, "trainer.safetensors", 0, &w), "zero then ep: trainer state");
+    CHECK(tensors_close("ep-then-rep", "ep", 20, "model.safetensors", 0, &w), "ep then rep: parameters");
+}
+
+/* Run `run` ended at step 20 within 1e-5 of the uninterrupted runs (rank 0). */
+static void close_to_uninterrupted(const char *run) {
+    double w1, w2;
+    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "ep", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs EP", run);
+    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &w2), "%s: optimizer state vs one process", run);
+    double a[32], b[32];
+    int na = read_metric(run, "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(na == 20 && nb == 20, "%s: train lines %d and %d", run, na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    printf("     %s: parameters within %.2e (one process), %.2e (EP) relative\n", run, w1, w2);
+}
+
+/* The owner-only checkpoint of step 10 on one process without EP, and one
+ * process's checkpoint on the N ranks with owner-only state. */
+static void test_checkpoints_resume_between_one_process_and_the_ranks(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    copy_run_at("ep", "ep-then-one", 10);
+    copy_run_at("one", "one-then-ep", 10);
+    lm_train_result r;
+    CHECK(!train("one-then-ep", comm, EP, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
+    if (me != 0) return;
+    CHECK(!train("ep-then-one", NULL, ONE, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    close_to_uninterrupted("ep-then-one");
+    close_to_uninterrupted("one-then-ep");
+}
+
+/* On 4 ranks: the 4-rank checkpoint resumed on 2 EP ranks (ranks 0 and 1 of a
+ * split handle: 4 experts a rank instead of 2) to step 15, and that on the 4
+ * ranks again. */
+static void test_checkpoint_resumes_on_another_number_of_ranks(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    if (R < 4) SKIP("needs 4 ranks (2 of them resume)");
+    copy_run_at("ep", "ep-four-then-two", 10);
+    lm_comm *two = NULL;
+    CHECK(!lm_comm_split(comm, me < 2 ? 0 : -1, &two), "%s", lm_last_error());
+    lm_train_result r;
+    if (two) {
+        CHECK(!train("ep-four-then-two", two, EP, 1, 15, &r) && r.step == 15, "2 ranks: %s", lm_last_error());
+        CHECK(r.optimizer_state_bytes > ep_result.optimizer_state_bytes, "2 ranks hold more than 4: %zu vs %zu",
+              r.optimizer_state_bytes, ep_result.optimizer_state_bytes);
+        lm_comm_close(two);
+    }
+    lm_comm_barrier(comm);
+    CHECK(!train("ep-four-then-two", comm, EP, 1, 0, &r) && r.step == 20, "4 ranks again: %s", lm_last_error());
+    if (me == 0) close_to_uninterrupted("ep-four-then-two");
+}
+
+/* Experts whose tensors' numel (8 x 15 x 9 = 1080, LatentMoE of 9) is not a
+ * multiple of lm_sum_squares's 64 blocks: blocks of 17 elements cross the
+ * owners' slices (540 or 270), so the norm sums such blocks from several
+ * owners' parts; still the replicated layout's bits (clipping acts). */
+static void test_norm_blocks_that_cross_the_owners_slices(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    c.latent_dim = 9;
+    c.expert_ffn = 15;
+    c.steps = 10;
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = lm_train_options_default(dir(rep ? "rep-odd" : "ep-odd"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_replicated_state = rep;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "ep", lm_last_error());
+        CHECK(r[rep].step == 10 && r[rep].skipped == 0, "%s: %lld steps", rep ? "rep" : "ep", (long long)r[rep].step);
+    }
+    CHECK(r[0].grad_norm_hash == r[1].grad_norm_hash, "the global gradient norms differ in their bits");
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].balance_hash == r[1].balance_hash,
+          "the owner-only run's state differs from the replicated run's");
+    CHECK(r[0].optimizer_state_bytes < r[1].optimizer_state_bytes, "no saving: %zu vs %zu bytes",
+          r[0].optimizer_state_bytes, r[1].optimizer_state_bytes);
+    if (me != 0) return;
+    double a[16], b[16];
+    int na = read_metric("ep-odd", "train", "grad_norm", a, 16), nb = read_metric("rep-odd", "train", "grad_norm", b, 16);
+    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
+    int clipped = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK(a[i] == b[i], "step %d: gradient norm %.9g vs %.9g", i + 1, a[i], b[i]);
+        clipped += b[i] > 1.0;
+    }
+    CHECK(clipped > 0, "clipping acted in none of %d steps", nb);
+}
+
+/* A staged run (two sequence lengths): the second stage's model runs the
+ * experts over the ranks too, so owner-only state stays the replicated
+ * layout's bits across the switch, and one process's run within 1e-5. */
+static void test_a_staged_run_keeps_expert_parallelism_across_stages(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 48 : 32;
+        st->steps = 4;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = lm_train_options_default(dir(rep ? "rep-staged" : "ep-staged"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_replicated_state = rep;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "ep", lm_last_error());
+        CHECK(r[rep].step == 8 && r[rep].skipped == 0, "%s: %lld steps", rep ? "rep" : "ep", (long long)r[rep].step);
+    }
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].grad_norm_hash == r[1].grad_norm_hash,
+          "the owner-only run differs from the replicated run");
+    if (me != 0) return;
+    lm_train_options o = lm_train_options_default(dir("one-staged"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    lm_train_result one;
+    CHECK(!lm_train(&c, &o, &one) && one.step == 8, "one process: %s", lm_last_error());
+    double a[16], b[16];
+    int na = read_metric("ep-staged", "train", "loss", a, 16), nb = read_metric("one-staged", "train", "loss", b, 16);
+    CHECK(na == 8 && nb == 8, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
+    na = read_metric("ep-staged", "train", "grad_norm", a, 16);
+    nb = read_metric("one-staged", "train", "grad_norm", b, 16);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "gradient norm vs one process");
+}
+
+/* The model of the NaN case: wider experts, so that the middle of the
+ * parameter block, where LM_FAULT_GRADIENT writes its NaN, is an expert's. */
+static lm_config fault_config(void) {
+    lm_config c = ep_config();
+    c.expert_ffn = 48;
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    c.steps = 8;
+    return c;
+}
+
+/* A NaN left in the gradient of a routed expert on its owner alone (step 4):
+ * the owner's block sums, hence the global norm, are non-finite on every
+ * rank, and every rank skips the step, as the replicated layout (the NaN
+ * summed into every rank's gradients) does; the runs then go on alike. */
+static void test_a_non_finite_expert_gradient_skips_the_step_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = fault_config();
+    lm_model *m;
+    CHECK(!lm_model_create(&c, 1, c.seq_len, &m), "%s", lm_last_error());
+    if (!m) return;
+    const int64_t elem = (int64_t)lm_model_num_params(m) / 2; /* where LM_FAULT_GRADIENT writes */
+    const lm_model_tensor *t = NULL;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *u = lm_model_tensor_at(m, i);
+        if (elem >= (int64_t)u->offset && elem < (int64_t)(u->offset + u->numel)) t = u;
+    }
+    const char *d = t ? strstr(t->name, ".moe.") : NULL;
+    const int expert = d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"));
+    CHECK(expert, "the NaN lands in %s, not in a routed expert", t ? t->name : "?");
+    const int victim = expert ? (int)((elem - (int64_t)t->offset) / (int64_t)(t->numel / (size_t)R)) : 0;
+    printf("     the NaN lands in %s, owned by rank %d\n", t ? t->name : "?", victim);
+    lm_model_free(m);
+    if (!expert) return;
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = lm_train_options_default(dir(rep ? "rep-fault" : "ep-fault"));
+        o.progress = NULL;
+        o.val_batches = 1;
+        o.stage_eval_batches = 0;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_replicated_state = rep;
+        o.inject_fault = LM_FAULT_GRADIENT;
+        o.inject_fault_step = me == victim ? 3 : -1;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "ep", lm_last_error());
+        CHECK(r[rep].skipped == 1 && r[rep].step == 8, "%s: %lld skipped of %lld", rep ? "rep" : "ep",
+              (long long)r[rep].skipped, (long long)r[rep].step);
+    }
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].balance_hash == r[1].balance_hash,
+          "the owner-only run's state differs from the replicated run's");
+    CHECK(same_on_every_rank(r[0].params_hash), "the ranks differ after the skipped step");
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        test_skip_all("needs ranks: mpirun -np N test_ep_state --mpi N");
+    } else if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+        if (me == 0) {
+            snprintf(root, sizeof root, "/tmp/longmoe_test_ep_state%d_%d", R, (int)getpid());
+            mkdir(root, 0755);
+        }
+        lm_comm_broadcast(comm, root, sizeof root, 0);
+    }
+    RUN(test_owner_only_state_equals_replicated_state_bit_for_bit);
+    RUN(test_a_rank_holds_only_its_experts_state);
+    RUN(test_every_rank_holds_the_same_parameters_and_bias);
+    RUN(test_resume_on_the_same_layout_is_bit_exact);
+    RUN(test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit);
+    RUN(test_checkpoints_resume_between_one_process_and_the_ranks);
+    RUN(test_checkpoint_resumes_on_another_number_of_ranks);
+    RUN(test_norm_blocks_that_cross_the_owners_slices);
+    RUN(test_a_staged_run_keeps_expert_parallelism_across_stages);
+    RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
+    if (comm) {
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        if (me == 0 && !total) {
+            char cmd[400];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        }
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
