@@ -574,8 +574,10 @@ Key piece_key(int device, const Shape &s, const Piece &p) {
     w.T = p.tq;
     w.Tk = p.tk;
     Key k = make_key(device, PLAN_BWD_DET, w);
-    k.qrows = s.T;
-    k.krows = s.Tk;
+    k.qrows = s.T; /* lse's head stride too */
+    /* the key rows only set k's and v's batch stride: with one row the pieces of every prefix
+     * length share their plans (sequence segments: the prefix grows from segment to segment) */
+    k.krows = s.B > 1 ? s.Tk : p.tk;
     k.nomask = p.nomask;
     return k;
 }
