@@ -103,6 +103,14 @@ typedef struct {
      * in the all-reduce and their optimizer state on every rank (the layout
      * before owner-only state, the same bits; for comparisons) */
     int ep_replicated_state;
+    /* with expert_parallel: the EP group size G (0, the default: every rank).
+     * The R ranks form R / G groups of G consecutive ranks; inside a group the
+     * MoE layers exchange tokens and rank r owns experts of position r % G
+     * ([p n / G, (p+1) n / G)); the R / G replicas of an expert sum their
+     * gradients, and the owner-only state is each position's. G must divide R
+     * and n_routed_experts; G = 1 is data parallelism with the experts run
+     * locally (every rank owns every expert; the state replicated). */
+    int ep_group;
     /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
      * replicates the optimizer state on every rank; 1 shards it: the tensors
      * are cut into one range of consecutive tensors a rank, balanced by state
