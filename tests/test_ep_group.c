@@ -10,7 +10,8 @@
  * EP over the whole world (1e-5 relative: losses, parameters, optimizer
  * state); the bytes of state a rank holds; the same parameters and QB bias on
  * every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
- * to one process, one process to G, the whole-world EP to G and back); norm
+ * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
+ * in groups to owner-only bit for bit); norm
  * blocks that cross the owners' slices; a staged run; the refusals (G not
  * dividing the ranks or the experts, G < 1, a group size without --ep).
  * Alone, or built without MPI, every case is skipped. */
@@ -307,6 +308,22 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
     CHECK(tensors_close("g", "g-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
 }
 
+/* ZeRO-1 with EP groups (the expert gradients reduce-scattered over the world
+ * with the rest, the replicas' sum included) to step 10, resumed owner-only in
+ * the groups to 20: the uninterrupted run's bits. */
+static void test_zero1_with_groups_resumes_owner_only_bit_for_bit(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    lm_train_options o = options("gzero", comm, G, 0);
+    o.zero = 1;
+    o.stop_after = 10;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r) && r.step == 10, "ZeRO-1 in groups: %s", lm_last_error());
+    CHECK(!train("gzero", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed owner-only: %s", lm_last_error());
+    CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
+          "ZeRO-1 checkpoint in groups resumed owner-only: state differs from the uninterrupted run");
+}
+
 /* Run `run` ended at step 20 within 1e-5 of one process and of the groups' run (rank 0). */
 static void close_to_uninterrupted(const char *run) {
     double w1, w2, w3;
@@ -450,6 +467,7 @@ int main(int argc, char **argv) {
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_group_sizes_and_one_process);
+    RUN(test_zero1_with_groups_resumes_owner_only_bit_for_bit);
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_the_groups_across_stages);
     RUN(test_bad_group_sizes_are_refused);

@@ -2020,6 +2020,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "instead of %.3f MiB on every rank\n", lo / 1048576.0, hi / 1048576.0, t.ranks,
                 zero_state_bytes(&t, 0) / 1048576.0, whole / 1048576.0);
     }
+    if (opt->progress && t.ep && t.ep < t.ranks)
+        fprintf(opt->progress, "expert parallel in %d groups of %d ranks: each rank owns %d of the %d routed experts "
+                "of a layer, each expert on %d ranks\n", t.ranks / t.ep, t.ep, t.cfg.n_routed_experts / t.ep,
+                t.cfg.n_routed_experts, t.ranks / t.ep);
     if (opt->progress && t.epo) {
         size_t mine = (t.muon_state_n + t.adam_state_n) * sizeof(float),
                whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
