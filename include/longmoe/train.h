@@ -90,7 +90,8 @@ typedef struct {
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
      * every MoE layer for the tokens of all ranks (dispatch and combine by
-     * all-to-all). n_routed_experts must be divisible by R. The owner alone
+     * all-to-all; R: the EP group's size, every rank unless ep_group says
+     * otherwise). n_routed_experts must be divisible by R. The owner alone
      * keeps its experts' optimizer state and takes their step (their gradients,
      * complete on the owner, stay out of the gradient all-reduce; the clipping
      * norm takes the owners' sums of squares, the replicated norm's bits), then

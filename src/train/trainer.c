@@ -106,10 +106,11 @@ typedef struct {
     double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
     uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
     const float *ck_muon, *ck_adam; /* the whole state a checkpoint writes (rank 0) */
-    /* owner-only expert state (expert parallelism without ZeRO-1 on R > 1 ranks;
-     * docs/scaleout.md, "Expert parallelism"): esplit[i] marks the routed
-     * experts' tensors of `all`, each cut into R slices of whole experts (rank
-     * q's: elements [q numel/R, (q+1) numel/R)); emuon / eadam are this rank's
+    /* owner-only expert state (expert parallelism without ZeRO-1 in EP groups of
+     * G = ep > 1 ranks; docs/scaleout.md, "Expert parallelism"): esplit[i]
+     * marks the routed experts' tensors of `all`, each cut into G slices of
+     * whole experts (position p's: elements [p numel/G, (p+1) numel/G), held
+     * by the ranks at position p of every group); emuon / eadam are this rank's
      * optimizer descriptors (muon_p / adam_p with those tensors cut to its
      * slice); epiece[0] / [1] map its Muon / AdamW state onto the whole state */
     int epo;
@@ -549,13 +550,17 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
 /* ---- owner-only expert state under expert parallelism (docs/scaleout.md,
  * "Expert parallelism (CPU ranks)") ----
  * The routed experts' tensors (layers.L.moe.gate, .up, .down: [n, ., .] with n
- * Muon blocks, one an expert) are cut into R slices of n/R whole experts; rank
- * q owns slice q, the experts it runs. Their gradients are complete on the
- * owner (the layer's backward), so they stay out of the gradient all-reduce;
- * the owner alone keeps their optimizer state and takes their step (the same
- * per-block arithmetic as the replicated optimizer), then every rank receives
- * the updated slices (an all-gather), so the weights stay whole on every rank
- * and equal to the replicated run's bits. Everything else is replicated. */
+ * Muon blocks, one an expert) are cut into G slices of n/G whole experts (G:
+ * the EP group's size); the rank at position p of its group owns slice p, the
+ * experts it runs. Their gradients are complete on the owner for its group's
+ * tokens (the layer's backward), so they stay out of the world all-reduce and
+ * are summed over the ranks at the same position of every group (the
+ * replicas; nothing when the group is the world); the owners alone keep their
+ * optimizer state and take their step (the same per-block arithmetic as the
+ * replicated optimizer; the replicas identically), then every rank of a group
+ * receives the updated slices (an all-gather in the group), so the weights
+ * stay whole on every rank and equal to the replicated run's bits. Everything
+ * else is replicated. */
 
 /* The handle of this rank's EP group (the whole world when the group is). */
 static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm : t->comm; }
