@@ -13,10 +13,12 @@
  * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
  * in groups to owner-only bit for bit); norm
  * blocks that cross the owners' slices; a staged run; the refusals (G not
- * dividing the ranks or the experts, G < 1, a group size without --ep).
+ * dividing the ranks or the experts, G < 1, a group size without --ep); the
+ * CLI's `--ep G`.
  * Alone, or built without MPI, every case is skipped. */
 #include <stdint.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "longmoe/comm.h"
@@ -436,6 +438,33 @@ static void test_bad_group_sizes_are_refused(void) {
     refused("experts not divisible by the group", c, g, 1, "is not divisible by");
 }
 
+/* The CLI (rank 0, outside the job's environment): `--ep G` takes the group
+ * size (so `--ep 2` without --comm mpi is refused for the missing --comm, not
+ * for a stray argument), `--ep 0` is refused, --help describes it. */
+static int run_cli(const char *args, char *out, size_t n) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE %s %s 2>&1", LONGMOE_CLI, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_cli_takes_the_group_size(void) {
+    if (me != 0) return;
+    char out[16384], args[900];
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --ep 2", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--ep (expert parallelism) runs over the processes of "
+          "--comm mpi"), "%s", out);
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --ep 0 --comm mpi", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--ep must lie in [1, 4096], got 0"), "%s", out);
+    CHECK(access(dir("cli"), F_OK) != 0, "a refused run created its directory");
+    CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--ep [G]") && strstr(out, "groups of G"),
+          "--help lacks --ep G");
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -471,6 +500,7 @@ int main(int argc, char **argv) {
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_the_groups_across_stages);
     RUN(test_bad_group_sizes_are_refused);
+    RUN(test_cli_takes_the_group_size);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
         if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
