@@ -1,5 +1,6 @@
 /* `longmoe train`: train a model from a config on built-in data. */
 #define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,7 +14,7 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep | --cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep [G] | --cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
     "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
@@ -54,16 +55,18 @@ static const char *const train_usage =
     "                writes DIR; every rank must see DIR (one machine or a shared file\n"
     "                system). A checkpoint resumes on one process or any number of ranks\n"
     "                that divides B (docs/scaleout.md, \"Data parallelism\")\n"
-    "  --ep          with --comm mpi: expert parallelism too (EP = N): rank r computes the\n"
-    "                routed experts [r n/N, (r+1) n/N) of every MoE layer for the tokens of\n"
-    "                all ranks, which reach it by all-to-all (model.n_routed_experts\n"
-    "                divisible by N). Rank r alone keeps its experts' optimizer state and\n"
-    "                updates them (their gradients skip the all-reduce; the clipping norm is\n"
-    "                the replicated run's, bit for bit), then all-gathers them: the weights\n"
-    "                stay whole on every rank, the run is the replicated one bit for bit,\n"
-    "                and checkpoints are data parallelism's and resume with or without --ep\n"
-    "                on any layout. With --zero 1 ZeRO-1's ranges hold all the state\n"
-    "                (docs/scaleout.md, \"Expert parallelism\")\n"
+    "  --ep [G]      with --comm mpi: expert parallelism too, in groups of G consecutive\n"
+    "                ranks (G divides N; default G = N): rank r computes the routed experts\n"
+    "                [p n/G, (p+1) n/G), p = r mod G, of every MoE layer for the tokens of its\n"
+    "                group, which reach it by all-to-all (model.n_routed_experts divisible\n"
+    "                by G); the N/G replicas of an expert (one a group) sum their gradients.\n"
+    "                Rank r keeps only its experts' optimizer state and updates them (their\n"
+    "                gradients skip the world all-reduce; the clipping norm is the\n"
+    "                replicated run's, bit for bit), then all-gathers them in its group: the\n"
+    "                weights stay whole on every rank, the run is the replicated one bit for\n"
+    "                bit, and checkpoints are data parallelism's and resume with or without\n"
+    "                --ep on any layout and G. With --zero 1 ZeRO-1's ranges hold all the\n"
+    "                state (docs/scaleout.md, \"Expert parallelism\")\n"
     "  --zero S      with --comm mpi: 0 (default) keeps the optimizer state on every rank;\n"
     "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
     "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
@@ -123,7 +126,7 @@ int cmd_train(int argc, char **argv) {
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
     int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
-    long zero = 0, cp = 1;
+    long zero = 0, cp = 1, ep_group = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -155,6 +158,12 @@ int cmd_train(int argc, char **argv) {
             }
         } else if (!strcmp(a, "--ep")) {
             expert_parallel = 1;
+            /* an optional group size: --ep G */
+            const char *n = i + 1 < argc ? argv[i + 1] : NULL;
+            if (n && (isdigit((unsigned char)n[0]) || (n[0] == '-' && isdigit((unsigned char)n[1])))) {
+                i++;
+                if (cli_parse_int(cmd, "--ep", n, 1, 4096, &ep_group)) return 2;
+            }
         } else if (!strcmp(a, "--zero")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
         } else if (!strcmp(a, "--cp")) {
@@ -230,6 +239,7 @@ int cmd_train(int argc, char **argv) {
     opt.context_parallel = (int)cp;
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
+    opt.ep_group = (int)ep_group;
     if (use_mpi) {
         if (!lm_comm_engine_available(LM_COMM_MPI))
             return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "

@@ -90,7 +90,8 @@ typedef struct {
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
      * every MoE layer for the tokens of all ranks (dispatch and combine by
-     * all-to-all). n_routed_experts must be divisible by R. The owner alone
+     * all-to-all; R: the EP group's size, every rank unless ep_group says
+     * otherwise). n_routed_experts must be divisible by R. The owner alone
      * keeps its experts' optimizer state and takes their step (their gradients,
      * complete on the owner, stay out of the gradient all-reduce; the clipping
      * norm takes the owners' sums of squares, the replicated norm's bits), then
@@ -103,6 +104,14 @@ typedef struct {
      * in the all-reduce and their optimizer state on every rank (the layout
      * before owner-only state, the same bits; for comparisons) */
     int ep_replicated_state;
+    /* with expert_parallel: the EP group size G (0, the default: every rank).
+     * The R ranks form R / G groups of G consecutive ranks; inside a group the
+     * MoE layers exchange tokens and rank r owns experts of position r % G
+     * ([p n / G, (p+1) n / G)); the R / G replicas of an expert sum their
+     * gradients, and the owner-only state is each position's. G must divide R
+     * and n_routed_experts; G = 1 is data parallelism with the experts run
+     * locally (every rank owns every expert; the state replicated). */
+    int ep_group;
     /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
      * replicates the optimizer state on every rank; 1 shards it: the tensors
      * are cut into one range of consecutive tensors a rank, balanced by state

@@ -78,6 +78,14 @@ typedef struct {
      * tokens [seg_t0, seg_t0 + seg_T) of each of its rows (0 and T without CP) */
     int cp, cp_rank, dp_rank, dp_groups;
     lm_comm *cp_comm;
+    /* expert parallelism (opt.expert_parallel; docs/scaleout.md): ep ranks a
+     * group (opt.ep_group, 0: every rank), the groups of ep consecutive ranks;
+     * ep_pos this rank's place in its group (its experts' position); ep_comm
+     * the group's handle (the MoE exchanges), er_comm the handle of the ranks
+     * at ep_pos in every group (the replicas of its experts); both owned, NULL
+     * when ep is every rank (t->comm serves) */
+    int ep, ep_pos;
+    lm_comm *ep_comm, *er_comm;
     int seg_t0, seg_T;
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
@@ -98,10 +106,11 @@ typedef struct {
     double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
     uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
     const float *ck_muon, *ck_adam; /* the whole state a checkpoint writes (rank 0) */
-    /* owner-only expert state (expert parallelism without ZeRO-1 on R > 1 ranks;
-     * docs/scaleout.md, "Expert parallelism"): esplit[i] marks the routed
-     * experts' tensors of `all`, each cut into R slices of whole experts (rank
-     * q's: elements [q numel/R, (q+1) numel/R)); emuon / eadam are this rank's
+    /* owner-only expert state (expert parallelism without ZeRO-1 in EP groups of
+     * G = ep > 1 ranks; docs/scaleout.md, "Expert parallelism"): esplit[i]
+     * marks the routed experts' tensors of `all`, each cut into G slices of
+     * whole experts (position p's: elements [p numel/G, (p+1) numel/G), held
+     * by the ranks at position p of every group); emuon / eadam are this rank's
      * optimizer descriptors (muon_p / adam_p with those tensors cut to its
      * slice); epiece[0] / [1] map its Muon / AdamW state onto the whole state */
     int epo;
@@ -144,6 +153,8 @@ static void trainer_free(trainer *t) {
     free(t->badam);
     lm_model_free(t->model);
     lm_comm_close(t->cp_comm); /* after the model, which uses it */
+    lm_comm_close(t->ep_comm);
+    lm_comm_close(t->er_comm);
     /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
     if (t->dcomm && t->be) {
         t->be->sync(t->be);
@@ -306,10 +317,21 @@ static lm_status dp_check(const trainer *t) {
         if (t->opt.device != LM_DEVICE_CPU)
             return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (--device cpu), not --device %s",
                             lm_device_name(t->opt.device));
-        if (t->cfg.n_routed_experts > 0 && t->cfg.n_routed_experts % t->ranks)
+        const int G = t->opt.ep_group;
+        if (G < 0)
+            return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d ranks: give a group size of at least 1 "
+                            "(0: all %d ranks)", G, t->ranks);
+        if (G > 0 && t->ranks % G)
+            return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d ranks: the %d ranks are not a multiple "
+                            "of %d (--ep G needs G to divide the number of ranks)", G, t->ranks, G);
+        const int E = G > 0 ? G : t->ranks;
+        if (t->cfg.n_routed_experts > 0 && t->cfg.n_routed_experts % E)
             return lm_error(LM_ERR_ARG, "expert parallelism over %d ranks: model.n_routed_experts = %d is not "
-                            "divisible by %d (each rank owns an equal share of the experts)", t->ranks,
-                            t->cfg.n_routed_experts, t->ranks);
+                            "divisible by %d (each rank owns an equal share of the experts)", E,
+                            t->cfg.n_routed_experts, E);
+    } else if (t->opt.ep_group) {
+        return lm_error(LM_ERR_ARG, "an expert-parallel group size (%d) without expert parallelism (--ep)",
+                        t->opt.ep_group);
     }
     if (t->dcomm && t->opt.device != LM_DEVICE_CUDA)
         return lm_error(LM_ERR_ARG, "--comm nccl sums gradients on GPUs: it needs --device cuda (data parallelism "
@@ -528,13 +550,20 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
 /* ---- owner-only expert state under expert parallelism (docs/scaleout.md,
  * "Expert parallelism (CPU ranks)") ----
  * The routed experts' tensors (layers.L.moe.gate, .up, .down: [n, ., .] with n
- * Muon blocks, one an expert) are cut into R slices of n/R whole experts; rank
- * q owns slice q, the experts it runs. Their gradients are complete on the
- * owner (the layer's backward), so they stay out of the gradient all-reduce;
- * the owner alone keeps their optimizer state and takes their step (the same
- * per-block arithmetic as the replicated optimizer), then every rank receives
- * the updated slices (an all-gather), so the weights stay whole on every rank
- * and equal to the replicated run's bits. Everything else is replicated. */
+ * Muon blocks, one an expert) are cut into G slices of n/G whole experts (G:
+ * the EP group's size); the rank at position p of its group owns slice p, the
+ * experts it runs. Their gradients are complete on the owner for its group's
+ * tokens (the layer's backward), so they stay out of the world all-reduce and
+ * are summed over the ranks at the same position of every group (the
+ * replicas; nothing when the group is the world); the owners alone keep their
+ * optimizer state and take their step (the same per-block arithmetic as the
+ * replicated optimizer; the replicas identically), then every rank of a group
+ * receives the updated slices (an all-gather in the group), so the weights
+ * stay whole on every rank and equal to the replicated run's bits. Everything
+ * else is replicated. */
+
+/* The handle of this rank's EP group (the whole world when the group is). */
+static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm : t->comm; }
 
 /* The tensors that are cut: routed experts, one Muon block an expert. */
 static int epo_is_expert(const trainer *t, int i) {
@@ -542,14 +571,14 @@ static int epo_is_expert(const trainer *t, int i) {
     const char *d = strstr(mt->name, ".moe.");
     return d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")) && mt->ndim == 3 &&
            mt->shape[0] == t->cfg.n_routed_experts && mt->n_blocks == t->cfg.n_routed_experts &&
-           t->cfg.n_routed_experts % t->ranks == 0;
+           t->cfg.n_routed_experts % t->ep == 0;
 }
 
 /* This rank's descriptors: the whole replicated tensors, its slice of each
  * expert tensor (after bind_params; the same arrays every time). */
 static void epo_bind(trainer *t) {
     if (!t->epo) return;
-    const int R = t->ranks, me = t->rank;
+    const int R = t->ep, me = t->ep_pos;
     int jm = 0, ja = 0;
     for (int i = 0; i < t->n_all; i++) {
         lm_param p = t->all[i];
@@ -576,7 +605,7 @@ static void ss_block(int64_t n, int b, int64_t *lo, int64_t *hi) {
 
 /* Elements rank q holds of the blocks that cross slices, over every expert tensor. */
 static size_t epo_cross_count(const trainer *t, int q) {
-    const int R = t->ranks;
+    const int R = t->ep;
     size_t c = 0;
     for (int i = 0; i < t->n_all; i++) {
         if (!t->esplit[i]) continue;
@@ -596,7 +625,7 @@ static size_t epo_cross_count(const trainer *t, int q) {
  * its state in the whole state, the norm's buffers. After bind_params. */
 static lm_status epo_setup(trainer *t) {
     if (!t->epo) return LM_OK;
-    const int R = t->ranks, n = t->n_all;
+    const int R = t->ep, n = t->n_all;
     t->esplit = calloc((size_t)n, 1);
     t->emuon = calloc((size_t)n, sizeof *t->emuon);
     t->eadam = calloc((size_t)n, sizeof *t->eadam);
@@ -620,7 +649,7 @@ static lm_status epo_setup(trainer *t) {
                 t->epiece[part][k++] = (struct epo_piece){L, W, S, 0};
             } else {
                 for (size_t c = 0; c < parts; c++)
-                    t->epiece[part][k++] = (struct epo_piece){L + c * Nl, W + c * N + (size_t)t->rank * Nl, Nl, 1};
+                    t->epiece[part][k++] = (struct epo_piece){L + c * Nl, W + c * N + (size_t)t->ep_pos * Nl, Nl, 1};
             }
             W += S;
             L += lm_param_state_floats(&mine[j]);
@@ -634,7 +663,7 @@ static lm_status epo_setup(trainer *t) {
         all += t->etab[q];
     }
     t->eparts = calloc((size_t)t->n_split * LM_SUM_SQUARES_BLOCKS + 1, sizeof *t->eparts);
-    t->epack = calloc(t->etab[t->rank] + 1, sizeof *t->epack);
+    t->epack = calloc(t->etab[t->ep_pos] + 1, sizeof *t->epack);
     t->egath = calloc(all + 1, sizeof *t->egath);
     if (!t->eparts || !t->epack || !t->egath)
         return lm_error(LM_ERR_MEMORY, "out of memory (expert-parallel gradient norm)");
@@ -651,7 +680,15 @@ static lm_status epo_reduce_grads(trainer *t) {
         if (i < t->n_all && !t->esplit[i]) continue;
         const size_t at = i < t->n_all ? lm_model_tensor_at(t->model, i)->offset : lm_model_num_params(t->model);
         if (at > run) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, at - run, LM_DTYPE_F32));
-        if (i < t->n_all) run = at + lm_model_tensor_at(t->model, i)->numel;
+        if (i == t->n_all) break;
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        run = at + mt->numel;
+        /* the replicas of this rank's experts (its position in every group) sum their slices */
+        if (t->er_comm && lm_comm_size(t->er_comm) > 1) {
+            const size_t sl = mt->numel / (size_t)t->ep;
+            float *mine = g + at + (size_t)t->ep_pos * sl;
+            TRY(lm_comm_all_reduce_sum(t->er_comm, mine, mine, sl, LM_DTYPE_F32));
+        }
     }
     return LM_OK;
 }
@@ -665,7 +702,8 @@ static lm_status epo_reduce_grads(trainer *t) {
  * in block order; the tensors added in tensor order. Then clipping. A
  * non-finite norm sets *bad on every rank. */
 static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int *bad) {
-    const int R = t->ranks, me = t->rank, NB = LM_SUM_SQUARES_BLOCKS;
+    const int R = t->ep, me = t->ep_pos, NB = LM_SUM_SQUARES_BLOCKS;
+    lm_comm *gc = ep_group_comm(t);
     memset(t->eparts, 0, (size_t)t->n_split * NB * sizeof *t->eparts);
     size_t packed = 0;
     for (int i = 0, k = 0; i < t->n_all; i++) {
@@ -694,7 +732,7 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
         offs[q] = t->etab[R + q] * sizeof(float);
         cur[q] = t->etab[R + q];
     }
-    TRY(lm_comm_all_gatherv(t->comm, t->epack, bytes[me], t->egath, bytes, offs));
+    TRY(lm_comm_all_gatherv(gc, t->epack, bytes[me], t->egath, bytes, offs));
     for (int i = 0, k = 0; i < t->n_all; i++) {
         if (!t->esplit[i]) continue;
         const int64_t n = lm_param_numel(&t->all[i]), sl = n / R;
@@ -712,7 +750,8 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
         }
         k++;
     }
-    TRY(lm_comm_all_reduce_sum(t->comm, t->eparts, t->eparts, (size_t)t->n_split * NB, LM_DTYPE_F64));
+    /* over the group: each expert counted once (every group holds the same summed gradients) */
+    TRY(lm_comm_all_reduce_sum(gc, t->eparts, t->eparts, (size_t)t->n_split * NB, LM_DTYPE_F64));
     double sum = 0.0;
     for (int i = 0, k = 0; i < t->n_all; i++) {
         if (!t->esplit[i]) {
@@ -736,7 +775,7 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
 
 /* Every owner's updated experts to every rank, in place (one all-gather a tensor). */
 static lm_status epo_gather_params(trainer *t) {
-    const int R = t->ranks;
+    const int R = t->ep;
     size_t *bytes = t->ztab, *offs = bytes + R;
     float *p = lm_model_params(t->model);
     for (int i = 0; i < t->n_all; i++) {
@@ -747,7 +786,8 @@ static lm_status epo_gather_params(trainer *t) {
             bytes[q] = sl * sizeof(float);
             offs[q] = (mt->offset + (size_t)q * sl) * sizeof(float);
         }
-        TRY(lm_comm_all_gatherv(t->comm, p + mt->offset + (size_t)t->rank * sl, bytes[t->rank], p, bytes, offs));
+        TRY(lm_comm_all_gatherv(ep_group_comm(t), p + mt->offset + (size_t)t->ep_pos * sl, bytes[t->ep_pos], p, bytes,
+                                offs));
     }
     return LM_OK;
 }
@@ -766,9 +806,10 @@ static lm_status epo_gather_state(trainer *t, float **whole_muon, float **whole_
                          t->muon_total_n + t->adam_total_n);
     }
     TRY(dp_agree(t, s));
-    const int R = t->ranks;
+    /* rank 0's group sends (the other groups hold replicas of the same state) */
+    const int R = t->ep;
     size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
-    for (int part = 0; part < 2; part++) {
+    for (int part = 0; part < 2 && t->rank < R; part++) {
         const float *local = part ? t->adam_state : t->muon_state;
         float *whole = part ? *whole_adam : *whole_muon;
         for (int k = 0; k < t->n_epiece[part]; k++) {
@@ -777,13 +818,13 @@ static lm_status epo_gather_state(trainer *t, float **whole_muon, float **whole_
                 if (t->rank == 0) memcpy(whole + pc->whole, local + pc->loc, pc->len * sizeof(float));
                 continue;
             }
-            const size_t first = pc->whole - (size_t)t->rank * pc->len; /* rank 0's slice */
+            const size_t first = pc->whole - (size_t)t->ep_pos * pc->len; /* rank 0's slice */
             for (int q = 0; q < R; q++) {
                 sb[q] = q == 0 ? pc->len * sizeof(float) : 0;
                 rb[q] = t->rank == 0 ? pc->len * sizeof(float) : 0;
                 ro[q] = t->rank == 0 ? (first + (size_t)q * pc->len) * sizeof(float) : 0;
             }
-            TRY(lm_comm_all_to_allv(t->comm, local + pc->loc, sb, zero_off, whole, rb, ro));
+            TRY(lm_comm_all_to_allv(ep_group_comm(t), local + pc->loc, sb, zero_off, whole, rb, ro));
         }
     }
     t->ck_muon = *whole_muon;
@@ -1054,8 +1095,18 @@ static lm_status trainer_setup(trainer *t, int stage) {
                          t->rank, t->cp_comm ? lm_comm_size(t->cp_comm) : 0, t->cp);
         TRY(dp_agree(t, s));
     }
+    if (t->opt.expert_parallel && t->ep < t->ranks && !t->ep_comm) {
+        /* the EP groups of ep consecutive ranks, and the replicas of each position (every rank, collectively) */
+        lm_status s = lm_comm_split(t->comm, t->rank / t->ep, &t->ep_comm);
+        if (!s) s = lm_comm_split(t->comm, t->ep_pos, &t->er_comm);
+        if (!s && (!t->ep_comm || lm_comm_size(t->ep_comm) != t->ep || lm_comm_rank(t->ep_comm) != t->ep_pos ||
+                   !t->er_comm || lm_comm_size(t->er_comm) != t->ranks / t->ep))
+            s = lm_error(LM_ERR_ARG, "expert parallelism: the split gave rank %d a group of %d ranks, expected %d",
+                         t->rank, t->ep_comm ? lm_comm_size(t->ep_comm) : 0, t->ep);
+        TRY(dp_agree(t, s));
+    }
     TRY(create_model(t, t->B, t->T, &t->model, &t->seg_t0, &t->seg_T));
-    if (t->opt.expert_parallel) TRY(lm_model_set_expert_parallel(t->model, t->comm));
+    if (t->opt.expert_parallel) TRY(lm_model_set_expert_parallel(t->model, ep_group_comm(t)));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
@@ -1207,7 +1258,7 @@ static lm_status switch_stage(trainer *t, int i) {
     TRY(create_model(t, B, T, &next, &t0, &len));
     /* the new stage's model runs the experts over the ranks too (the owner-only
      * expert state needs the owners' complete gradients) */
-    lm_status s = t->opt.expert_parallel ? lm_model_set_expert_parallel(next, t->comm) : LM_OK;
+    lm_status s = t->opt.expert_parallel ? lm_model_set_expert_parallel(next, ep_group_comm(t)) : LM_OK;
     if (!s) s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
@@ -1852,7 +1903,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     t.zero = opt_in->zero == 1 && t.comm;
     /* expert parallelism without ZeRO-1: the experts' optimizer state on their owners only
      * (under ZeRO-1 the ranges already hold every tensor's state once) */
-    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && lm_comm_size(t.comm) > 1;
+    t.ep = opt_in->expert_parallel ? (opt_in->ep_group > 0 ? opt_in->ep_group : t.ranks) : 0;
+    t.ep_pos = t.ep > 0 ? t.rank % t.ep : 0;
+    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && t.ep > 1;
     if (t.rank > 0) opt_here.progress = NULL;
     if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
         s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
@@ -1972,6 +2025,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "instead of %.3f MiB on every rank\n", lo / 1048576.0, hi / 1048576.0, t.ranks,
                 zero_state_bytes(&t, 0) / 1048576.0, whole / 1048576.0);
     }
+    if (opt->progress && t.ep && t.ep < t.ranks)
+        fprintf(opt->progress, "expert parallel in %d groups of %d ranks: each rank owns %d of the %d routed experts "
+                "of a layer, each expert on %d ranks\n", t.ranks / t.ep, t.ep, t.cfg.n_routed_experts / t.ep,
+                t.cfg.n_routed_experts, t.ranks / t.ep);
     if (opt->progress && t.epo) {
         size_t mine = (t.muon_state_n + t.adam_state_n) * sizeof(float),
                whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);

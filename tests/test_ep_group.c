@@ -1,0 +1,515 @@
+/* Expert parallelism in groups smaller than the world (docs/scaleout.md,
+ * "Expert parallelism (CPU ranks)", `--ep G`).
+ *
+ * Under mpirun (`mpirun -np N test_ep_group --mpi N`, ctest's
+ * test_ep_group_mpi2 and test_ep_group_mpi4): 20 steps with EP groups of
+ * G = N / 2 ranks (2 groups: on 4 ranks G = 2, on 2 ranks G = 1, every rank
+ * running every expert), the owner-only expert state against the same run
+ * with the experts' state replicated (bit for bit: losses, every step's
+ * gradient norm, checkpoints, state hashes), against one process and against
+ * EP over the whole world (1e-5 relative: losses, parameters, optimizer
+ * state); the bytes of state a rank holds; the same parameters and QB bias on
+ * every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
+ * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
+ * in groups to owner-only bit for bit); norm
+ * blocks that cross the owners' slices; a staged run; the refusals (G not
+ * dividing the ranks or the experts, G < 1, a group size without --ep); the
+ * CLI's `--ep G`.
+ * Alone, or built without MPI, every case is skipped. */
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "longmoe/comm.h"
+#include "longmoe/model.h"
+#include "longmoe/safetensors.h"
+#include "longmoe/train.h"
+#include "test.h"
+#include "test_models.h"
+
+static lm_comm *comm;
+static int R = 1, me = 0, G = 1;
+static char root[256];
+
+/* test_dp.c's model (test_models.h: MoE of 8 experts, histogram estimator)
+ * with gradient clipping acting. */
+static lm_config ep_config(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.grad_clip = 1.0f;
+    return c;
+}
+
+static const char *dir(const char *name) {
+    static char buf[8][512];
+    static int slot;
+    slot = (slot + 1) % 8;
+    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
+    return buf[slot];
+}
+
+static lm_train_options options(const char *run, lm_comm *on, int group, int replicated) {
+    lm_train_options o = lm_train_options_default(dir(run));
+    o.progress = NULL;
+    o.val_batches = 2;
+    o.stage_eval_batches = 0;
+    o.comm = on;
+    o.expert_parallel = on != NULL;
+    o.ep_group = on ? group : 0;
+    o.ep_replicated_state = replicated;
+    return o;
+}
+
+/* One run of the test config over `on` (NULL: this process alone, without EP)
+ * in EP groups of `group` ranks (0: all). */
+static lm_status train(const char *run, lm_comm *on, int group, int replicated, int resume, int64_t stop_after,
+                       lm_train_result *r) {
+    lm_config c = ep_config();
+    lm_train_options o = options(run, on, group, replicated);
+    o.resume = resume;
+    o.stop_after = stop_after;
+    memset(r, 0, sizeof *r);
+    return lm_train(&c, &o, r);
+}
+
+/* The numbers of key `key` of the lines of `type` in a run's metrics. */
+static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
+    char path[600], line[65536], want[64], k[64];
+    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
+    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
+    snprintf(k, sizeof k, "\"%s\": ", key);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int n = 0;
+    while (fgets(line, sizeof line, f) && n < max) {
+        if (!strstr(line, want)) continue;
+        const char *p = strstr(line, k);
+        if (p) v[n++] = atof(p + strlen(k));
+    }
+    fclose(f);
+    return n;
+}
+
+/* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
+ * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
+static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
+    char pa[700], pb[700];
+    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
+    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
+    lm_safetensors *x = NULL, *y = NULL;
+    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
+        fprintf(stderr, "  %s\n", lm_last_error());
+        lm_safetensors_close(x);
+        return 0;
+    }
+    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
+    *worst = 0;
+    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
+        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype || u->ndim != t->ndim) {
+            fprintf(stderr, "  %s: tensor %s is missing or of another size, shape or type\n", file, t->name);
+            ok = 0;
+            break;
+        }
+        if (rtol == 0) {
+            if (memcmp(t->data, u->data, t->nbytes)) {
+                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
+                ok = 0;
+            }
+            continue;
+        }
+        if (t->dtype != LM_DTYPE_F32) continue;
+        const float *p = (const float *)t->data, *q = (const float *)u->data;
+        double diff = 0, scale = 0;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double d = fabs((double)p[e] - q[e]);
+            diff = d > diff || isnan(d) ? d : diff;
+            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
+        }
+        double rel = scale > 0 ? diff / scale : diff;
+        if (!(rel <= rtol)) {
+            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
+            bad = 1;
+        }
+        *worst = rel > *worst ? rel : *worst;
+    }
+    ok &= !bad;
+    lm_safetensors_close(x);
+    lm_safetensors_close(y);
+    return ok;
+}
+
+/* Copy run `from` to `to` with `latest` naming its checkpoint of `step` (rank 0; the others wait). */
+static void copy_run_at(const char *from, const char *to, int step) {
+    if (me == 0) {
+        char cmd[1600], path[700];
+        snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s && rm -f %s/lock", dir(to), dir(from), dir(to), dir(to));
+        CHECK(system(cmd) == 0, "%s", cmd);
+        snprintf(path, sizeof path, "%s/latest", dir(to));
+        FILE *f = fopen(path, "w");
+        CHECK(f != NULL, "cannot write %s", path);
+        if (f) {
+            fprintf(f, "checkpoint-%08d\n", step);
+            fclose(f);
+        }
+    }
+    if (comm) lm_comm_barrier(comm);
+}
+
+/* The same 64-bit value on every rank. */
+static int same_on_every_rank(uint64_t v) {
+    uint64_t all[64];
+    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
+    for (int r = 1; r < R; r++)
+        if (all[r] != all[0]) return 0;
+    return 1;
+}
+
+/* Every rank passed so far (failures on any rank count). */
+static int all_ok(void) {
+    int32_t bad = test_current_failures, any = 0;
+    if (lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32)) return 0;
+    return any == 0;
+}
+
+/* The largest |b| of the MoE balancing biases in a run's checkpoint (rank 0). */
+static double largest_bias(const char *run, int step) {
+    char p[700];
+    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
+    lm_safetensors *st;
+    if (lm_safetensors_open(p, &st)) return -1;
+    double mx = 0;
+    for (int i = 0; i < lm_safetensors_count(st); i++) {
+        const lm_st_tensor *t = lm_safetensors_at(st, i);
+        if (!strstr(t->name, ".moe.bias")) continue;
+        for (int64_t e = 0; e < t->numel; e++) {
+            double v = fabs(((const float *)t->data)[e]);
+            mx = v > mx ? v : mx;
+        }
+    }
+    lm_safetensors_close(st);
+    return mx;
+}
+
+/* The routed experts' parameters (layers.L.moe.gate, .up, .down) of the model. */
+static size_t expert_floats(void) {
+    lm_config c = ep_config();
+    lm_model *m;
+    if (lm_model_create(&c, 1, c.seq_len, &m)) return 0;
+    size_t n = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        const char *d = strstr(t->name, ".moe.");
+        if (d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"))) n += t->numel;
+    }
+    lm_model_free(m);
+    return n;
+}
+
+/* Losses of runs a and b within rtol relative (rtol 0: equal); the worst. */
+static double losses_close(const char *a, const char *b, double rtol) {
+    double x[32], y[32], worst = 0;
+    int na = read_metric(a, "train", "loss", x, 32), nb = read_metric(b, "train", "loss", y, 32);
+    CHECK(na == 20 && nb == 20, "%s, %s: train lines %d and %d", a, b, na, nb);
+    for (int i = 0; i < na && i < nb; i++) {
+        if (rtol == 0) CHECK(x[i] == y[i], "%s vs %s, step %d: loss %.9g vs %.9g", a, b, i + 1, x[i], y[i]);
+        else CHECK_CLOSE(x[i], y[i], 0, rtol, "loss");
+        worst = fmax(worst, fabs(x[i] - y[i]) / fabs(y[i]));
+    }
+    return worst;
+}
+
+static lm_train_result g_result, grep_result;
+static int runs_ok;
+
+/* "g" (groups of G, owner-only state), "grep" (groups of G, replicated
+ * state), "w" (EP over the whole world), "one" (one process): the same global
+ * batch, 20 steps. */
+static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(void) {
+    lm_train_result w, one;
+    CHECK(!train("g", comm, G, 0, 0, 0, &g_result), "g: %s", lm_last_error());
+    CHECK(!train("grep", comm, G, 1, 0, 0, &grep_result), "grep: %s", lm_last_error());
+    CHECK(!train("w", comm, 0, 0, 0, 0, &w), "w: %s", lm_last_error());
+    if (me == 0) CHECK(!train("one", NULL, 0, 0, 0, 0, &one), "one: %s", lm_last_error());
+    runs_ok = all_ok();
+    if (!runs_ok) return;
+    CHECK(g_result.step == 20 && g_result.skipped == 0, "g: %lld steps, %lld skipped", (long long)g_result.step,
+          (long long)g_result.skipped);
+    CHECK(g_result.params_hash == grep_result.params_hash, "parameters or optimizer state differ from replicated");
+    CHECK(g_result.grad_norm_hash == grep_result.grad_norm_hash, "the global gradient norms differ in their bits");
+    CHECK(g_result.balance_hash == grep_result.balance_hash, "balancing state differs from replicated");
+    if (me != 0) return;
+    losses_close("g", "grep", 0);
+    double a[32], b[32];
+    int na = read_metric("g", "train", "grad_norm", a, 32), nb = read_metric("grep", "train", "grad_norm", b, 32);
+    int clipped = 0;
+    for (int i = 0; i < na && i < nb; i++) {
+        CHECK(a[i] == b[i], "step %d: gradient norm %.9g vs %.9g", i + 1, a[i], b[i]);
+        clipped += b[i] > 1.0;
+    }
+    CHECK(clipped > 0, "clipping acted in none of %d steps: the test does not see it", nb);
+    double wd;
+    for (int step = 5; step <= 20; step += 5) {
+        CHECK(tensors_close("g", "grep", step, "model.safetensors", 0, &wd), "parameters at step %d", step);
+        CHECK(tensors_close("g", "grep", step, "trainer.safetensors", 0, &wd), "trainer state at step %d", step);
+    }
+    /* against one process and the whole-world EP: float rounding */
+    const double l1 = losses_close("g", "one", 1e-5), lw = losses_close("g", "w", 1e-5);
+    nb = read_metric("one", "train", "loss", b, 32);
+    CHECK(nb == 20 && b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    na = read_metric("g", "eval", "val_loss", a, 32);
+    nb = read_metric("one", "eval", "val_loss", b, 32);
+    CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss vs one process");
+    na = read_metric("g", "train", "grad_norm", a, 32);
+    nb = read_metric("one", "train", "grad_norm", b, 32);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "gradient norm vs one process");
+    double p1, s1, pw, sw;
+    CHECK(tensors_close("g", "one", 20, "model.safetensors", 1e-5, &p1), "parameters vs one process");
+    CHECK(tensors_close("g", "one", 20, "trainer.safetensors", 1e-5, &s1), "optimizer state vs one process");
+    CHECK(tensors_close("g", "w", 20, "model.safetensors", 1e-5, &pw), "parameters vs whole-world EP");
+    CHECK(tensors_close("g", "w", 20, "trainer.safetensors", 1e-5, &sw), "optimizer state vs whole-world EP");
+    printf("     EP groups of %d on %d ranks = replicated state bit for bit; vs one process: loss %.2e, parameters "
+           "%.2e, state %.2e; vs EP %d: loss %.2e, parameters %.2e, state %.2e relative\n",
+           G, R, l1, p1, s1, R, lw, pw, sw);
+}
+
+/* A rank holds the replicated tensors' state and 1/G of the experts' (G = 1: all of it). */
+static void test_a_rank_holds_its_groups_share_of_the_experts_state(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats() * sizeof(float), whole = grep_result.optimizer_state_bytes;
+    CHECK(experts > 0, "no expert tensors");
+    const size_t want = whole - experts + experts / (size_t)G;
+    CHECK(g_result.optimizer_state_bytes == want, "rank %d holds %zu bytes of optimizer state, expected %zu (%zu "
+          "replicated, experts %zu)", me, g_result.optimizer_state_bytes, want, whole, experts);
+    printf("     optimizer state a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n",
+           g_result.optimizer_state_bytes, whole, experts, G);
+}
+
+/* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */
+static void test_every_rank_holds_the_same_parameters_and_bias(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    CHECK(same_on_every_rank(g_result.params_hash), "parameters or optimizer state differ between ranks");
+    CHECK(same_on_every_rank(g_result.balance_hash), "balancing state (the QB bias) differs between ranks");
+    if (me == 0) {
+        double h = largest_bias("g", 20);
+        CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
+    }
+}
+
+static void test_resume_on_the_same_layout_is_bit_exact(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r;
+    CHECK(!train("g-resumed", comm, G, 0, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
+    CHECK(!train("g-resumed", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("g", "g-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("g", "g-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+}
+
+/* ZeRO-1 with EP groups (the expert gradients reduce-scattered over the world
+ * with the rest, the replicas' sum included) to step 10, resumed owner-only in
+ * the groups to 20: the uninterrupted run's bits. */
+static void test_zero1_with_groups_resumes_owner_only_bit_for_bit(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    lm_train_options o = options("gzero", comm, G, 0);
+    o.zero = 1;
+    o.stop_after = 10;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r) && r.step == 10, "ZeRO-1 in groups: %s", lm_last_error());
+    CHECK(!train("gzero", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed owner-only: %s", lm_last_error());
+    CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
+          "ZeRO-1 checkpoint in groups resumed owner-only: state differs from the uninterrupted run");
+}
+
+/* Run `run` ended at step 20 within 1e-5 of one process and of the groups' run (rank 0). */
+static void close_to_uninterrupted(const char *run) {
+    double w1, w2, w3;
+    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "g", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs groups", run);
+    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &w3), "%s: optimizer state vs one process", run);
+    losses_close(run, "one", 1e-5);
+    printf("     %s: parameters within %.2e (one process), %.2e (groups of %d) relative\n", run, w1, w2, G);
+}
+
+/* Checkpoints of step 10 across layouts: groups of G on one process, one
+ * process's on groups of G, whole-world EP's on groups of G and the groups'
+ * on whole-world EP; each run to 20 within 1e-5 of the uninterrupted runs. */
+static void test_checkpoints_resume_across_group_sizes_and_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    copy_run_at("g", "g-then-one", 10);
+    copy_run_at("one", "one-then-g", 10);
+    copy_run_at("w", "w-then-g", 10);
+    copy_run_at("g", "g-then-w", 10);
+    lm_train_result r;
+    CHECK(!train("one-then-g", comm, G, 0, 1, 0, &r) && r.step == 20, "one then g: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
+    CHECK(!train("w-then-g", comm, G, 0, 1, 0, &r) && r.step == 20, "w then g: %s", lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
+    CHECK(!train("g-then-w", comm, 0, 0, 1, 0, &r) && r.step == 20, "g then w: %s", lm_last_error());
+    if (me != 0) return;
+    CHECK(!train("g-then-one", NULL, 0, 0, 1, 0, &r) && r.step == 20, "g then one: %s", lm_last_error());
+    close_to_uninterrupted("g-then-one");
+    close_to_uninterrupted("one-then-g");
+    close_to_uninterrupted("w-then-g");
+    close_to_uninterrupted("g-then-w");
+}
+
+/* LatentMoE of 9 with experts of 15: expert tensors of 1080 weights, whose
+ * 17-weight norm blocks cross the owners' slices within a group; owner-only
+ * in groups is the replicated layout's bits (norms included). */
+static void test_norm_blocks_that_cross_the_owners_slices(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    if (G < 2) SKIP("groups of one rank own every expert (no slices)");
+    lm_config c = ep_config();
+    c.latent_dim = 9;
+    c.expert_ffn = 15;
+    c.steps = 10;
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = options(rep ? "grep-odd" : "g-odd", comm, G, rep);
+        o.val_batches = 1;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "owner", lm_last_error());
+        CHECK(r[rep].step == 10 && r[rep].skipped == 0, "%lld steps", (long long)r[rep].step);
+    }
+    CHECK(r[0].grad_norm_hash == r[1].grad_norm_hash, "the global gradient norms differ in their bits");
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].balance_hash == r[1].balance_hash,
+          "the owner-only run's state differs from the replicated run's");
+}
+
+/* A staged run (two sequence lengths): the second stage's model runs the
+ * experts in the same groups; owner-only = replicated state bit for bit. */
+static void test_a_staged_run_keeps_the_groups_across_stages(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = ep_config();
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 48 : 32;
+        st->steps = 3;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    lm_train_result r[2];
+    for (int rep = 0; rep < 2; rep++) {
+        lm_train_options o = options(rep ? "grep-staged" : "g-staged", comm, G, rep);
+        o.val_batches = 1;
+        CHECK(!lm_train(&c, &o, &r[rep]), "%s: %s", rep ? "rep" : "owner", lm_last_error());
+        CHECK(r[rep].step == 6 && r[rep].skipped == 0, "%lld steps", (long long)r[rep].step);
+    }
+    CHECK(r[0].params_hash == r[1].params_hash && r[0].grad_norm_hash == r[1].grad_norm_hash,
+          "the owner-only run differs from the replicated run");
+    CHECK(same_on_every_rank(r[0].params_hash), "the ranks differ");
+}
+
+/* Refused before anything is written, with a message naming the sizes. */
+static void refused(const char *what, lm_config c, int group, int ep, const char *needle) {
+    lm_train_options o = options("refused", comm, group, 0);
+    o.expert_parallel = ep;
+    lm_train_result r;
+    lm_status s = lm_train(&c, &o, &r);
+    CHECK(s != LM_OK, "%s: accepted", what);
+    if (s) CHECK(strstr(lm_last_error(), needle) != NULL, "%s: message '%s' lacks '%s'", what, lm_last_error(), needle);
+    if (me == 0) {
+        char p[700];
+        snprintf(p, sizeof p, "%s/metrics.jsonl", dir("refused"));
+        CHECK(access(p, F_OK) != 0, "%s: the run wrote %s", what, p);
+    }
+    printf("     %s: %s\n", what, lm_last_error());
+}
+
+static void test_bad_group_sizes_are_refused(void) {
+    lm_config c = ep_config();
+    refused("a group of 3", c, 3, 1, "not a multiple of 3");
+    refused("a group of -1", c, -1, 1, "at least 1");
+    refused("a group size without --ep", c, G, 0, "without expert parallelism");
+    const int g = G > 1 ? G : R; /* groups of g ranks cannot split 2 g + 1 experts */
+    c.n_routed_experts = 2 * g + 1;
+    refused("experts not divisible by the group", c, g, 1, "is not divisible by");
+}
+
+/* The CLI (rank 0, outside the job's environment): `--ep G` takes the group
+ * size (so `--ep 2` without --comm mpi is refused for the missing --comm, not
+ * for a stray argument), `--ep 0` is refused, --help describes it. */
+static int run_cli(const char *args, char *out, size_t n) {
+    char cmd[1400];
+    snprintf(cmd, sizeof cmd, "env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE %s %s 2>&1", LONGMOE_CLI, args);
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t got = fread(out, 1, n - 1, p);
+    out[got] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_cli_takes_the_group_size(void) {
+    if (me != 0) return;
+    char out[16384], args[900];
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --ep 2", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--ep (expert parallelism) runs over the processes of "
+          "--comm mpi"), "%s", out);
+    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --ep 0 --comm mpi", dir("cli"));
+    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--ep must lie in [1, 4096], got 0"), "%s", out);
+    CHECK(access(dir("cli"), F_OK) != 0, "a refused run created its directory");
+    CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--ep [G]") && strstr(out, "groups of G"),
+          "--help lacks --ep G");
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
+    if (!want_ranks) {
+        test_skip_all("needs ranks: mpirun -np N test_ep_group --mpi N");
+    } else if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    } else {
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        G = R / 2 > 0 ? R / 2 : 1;
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (R != want_ranks || R % 2) {
+            fprintf(stderr, "started on %d ranks, expected %d (an even number)\n", R, want_ranks);
+            lm_comm_close(comm);
+            return 1;
+        }
+        if (me == 0) {
+            snprintf(root, sizeof root, "/tmp/longmoe_test_ep_group%d_%d", R, (int)getpid());
+            mkdir(root, 0755);
+        }
+        lm_comm_broadcast(comm, root, sizeof root, 0);
+    }
+    RUN(test_groups_equal_replicated_state_one_process_and_whole_world_ep);
+    RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
+    RUN(test_every_rank_holds_the_same_parameters_and_bias);
+    RUN(test_resume_on_the_same_layout_is_bit_exact);
+    RUN(test_checkpoints_resume_across_group_sizes_and_one_process);
+    RUN(test_zero1_with_groups_resumes_owner_only_bit_for_bit);
+    RUN(test_norm_blocks_that_cross_the_owners_slices);
+    RUN(test_a_staged_run_keeps_the_groups_across_stages);
+    RUN(test_bad_group_sizes_are_refused);
+    RUN(test_cli_takes_the_group_size);
+    if (comm) {
+        int32_t failed = test_failed_count, total = 0;
+        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+        if (me == 0 && !total) {
+            char cmd[400];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+        }
+        lm_comm_close(comm);
+    }
+    return test_summary();
+}
