@@ -14,8 +14,14 @@
 #   long         the lengths in LENGTHS (default "65536 262144 1048576"), REPS timed steps each
 #                after one warm-up step (default 1), CHUNK tokens per chunk (default 16384),
 #                SEGMENT tokens per sequence segment (train.seq_segment; default 0: off);
+#                RECOMPUTE=0 turns train.recompute off (and CHUNK to 0): with segments the
+#                activations are one segment's, and the forward then runs twice a step, not
+#                three times; REPS=0 times the first step alone;
 #                FORCE=1 runs a length even when its plan exceeds the free memory (to see
-#                where it fails)
+#                where it fails). The attention's backward follows LONGMOE_ATTENTION_BWD
+#                (docs/cuda.md: auto, cudnn, cudnn-fast, cudnn-blocked, flash), e.g.
+#                RECOMPUTE=0 SEGMENT=16384 REPS=0 LENGTHS=1048576 \
+#                LONGMOE_ATTENTION_BWD=cudnn-blocked bench/long_device.sh build long
 #
 # Writes $OUT (default ./out): build.log, test.log, plan_<T>.txt and .json (the tables),
 # long_<T>.json (bench_cuda_model's results) and long.json (one record a length: planned GiB,
@@ -32,6 +38,7 @@ LENGTHS=${LENGTHS:-65536 262144 1048576}
 REPS=${REPS:-1}
 CHUNK=${CHUNK:-16384}
 SEGMENT=${SEGMENT:-0}
+RECOMPUTE=${RECOMPUTE:-1}
 FORCE=${FORCE:-0}
 mkdir -p "$OUT"
 steps=${*:-build test long}
@@ -59,9 +66,23 @@ if has test; then
 fi
 
 if has long; then
+    norec=()
+    if [ "$RECOMPUTE" = 0 ]; then
+        python3 - "$CONFIG" "$OUT/config_norecompute.json" <<'EOF2'
+import json, sys
+c = json.load(open(sys.argv[1]))
+c["train"]["recompute"] = False
+c["train"].pop("recompute_chunk", None)
+json.dump(c, open(sys.argv[2], "w"))
+EOF2
+        CONFIG="$OUT/config_norecompute.json"
+        CHUNK=0
+        norec=(--no-recompute)
+    fi
     # free device memory now, in GiB (the plan must fit it, with 2 GiB for the context and cuBLAS)
     free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{print $1/1024}')
-    echo "== long sequences of $CONFIG, B = 1, recompute_chunk $CHUNK, seq_segment $SEGMENT (free device memory ${free_gib} GiB)"
+    echo "== long sequences of $CONFIG, B = 1, recompute $RECOMPUTE, recompute_chunk $CHUNK, seq_segment $SEGMENT," \
+         "attention backward ${LONGMOE_ATTENTION_BWD:-auto} (free device memory ${free_gib} GiB)"
     records=()
     for T in $LENGTHS; do
         "$BUILD/longmoe" plan --memory --config "$CONFIG" --batch 1 --seq "$T" --device cuda \
@@ -78,7 +99,8 @@ if has long; then
             continue
         fi
         timeout 570 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch 1 --seq "$T" --reps "$REPS" \
-            --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --optimizer --out "$OUT/long_$T.json" >"$OUT/long_$T.txt" 2>&1
+            --recompute-chunk "$CHUNK" "${norec[@]}" --seq-segment "$SEGMENT" --optimizer --out "$OUT/long_$T.json" \
+            >"$OUT/long_$T.txt" 2>&1
         rc=$?
         cat "$OUT/long_$T.txt"
         if [ $rc -ne 0 ]; then
