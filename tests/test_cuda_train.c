@@ -51,6 +51,24 @@ static const char staged_config[] =
 
 static const char *in_root(const char *name) { return test_path(root, name); }
 
+/* the config file a fresh run reads (a variant of staged_config written next to it) */
+static const char *config_file = "staged.json";
+
+/* staged_config with `insert` added at the start of its "train" object, as file `name` */
+static int write_variant(const char *name, const char *insert) {
+    const char *at = strstr(staged_config, "\"train\": {");
+    FILE *f = fopen(in_root(name), "wb");
+    if (!f || !at) {
+        if (f) fclose(f);
+        return 0;
+    }
+    const size_t head = (size_t)(at - staged_config) + strlen("\"train\": {");
+    fwrite(staged_config, 1, head, f);
+    fputs(insert, f);
+    fputs(staged_config + head, f);
+    return fclose(f) == 0;
+}
+
 /* Start `longmoe train` on run directory `run` on `device` (fresh from the
  * config, or resuming; stop_after > 0 adds --stop-after; extra and extra2,
  * when not NULL, are more arguments); output to run.log. */
@@ -64,7 +82,7 @@ static pid_t start_train_with(const char *run, const char *device, int resume, i
     argv[n++] = "train";
     if (!resume) {
         argv[n++] = "--config";
-        argv[n++] = in_root("staged.json");
+        argv[n++] = in_root(config_file);
     }
     argv[n++] = "--out";
     argv[n++] = run;
@@ -216,6 +234,34 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
     same_final_checkpoint(in_root("gpu_nccl"), in_root("gpu"));
 }
 
+/* train.seq_segment on the GPU (segments of 40 tokens: 2 and 4 a row at the stages' 64 and 128, the
+ * last one short): the run follows the whole-row GPU run within the GPU-vs-CPU tolerance. */
+static void test_gpu_run_in_sequence_segments_follows_the_whole_rows(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    CHECK(write_variant("staged_seg.json", "\"seq_segment\": 40, "), "cannot write the config");
+    config_file = "staged_seg.json";
+    int ok = train(in_root("gpu_seg"), "cuda", 0, 0);
+    config_file = "staged.json";
+    if (!ok) return;
+    double w = compare_runs(in_root("gpu_seg"), in_root("gpu"), "train", "loss", STEPS, 0, LOSS_RTOL);
+    double we = compare_runs(in_root("gpu_seg"), in_root("gpu"), "eval", "val_loss", 5, 0, LOSS_RTOL);
+    printf("  segments of 40 vs whole rows on the GPU: loss within %.3g relative, evaluations within %.3g\n", w, we);
+}
+
+/* train.answer_loss_weight on the GPU (the weighted backward: the positions' weights uploaded) follows
+ * the same run on the CPU. */
+static void test_weighted_answer_loss_on_the_gpu_follows_the_cpu(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    CHECK(write_variant("staged_w.json", "\"answer_loss_weight\": 4, "), "cannot write the config");
+    config_file = "staged_w.json";
+    int ok = train(in_root("cpu_w"), "cpu", 0, 0) && train(in_root("gpu_w"), "cuda", 0, 0);
+    config_file = "staged.json";
+    if (!ok) return;
+    double w = compare_runs(in_root("gpu_w"), in_root("cpu_w"), "train", "loss", STEPS, 0, LOSS_RTOL);
+    double we = compare_runs(in_root("gpu_w"), in_root("cpu_w"), "eval", "val_loss", 5, 0, LOSS_RTOL);
+    printf("  weighted answers, GPU vs CPU: loss within %.3g relative, evaluations within %.3g\n", w, we);
+}
+
 static void sleep_seconds(double s) {
     struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
     nanosleep(&ts, NULL);
@@ -304,6 +350,8 @@ int main(void) {
     RUN(test_gpu_run_killed_and_resumed_is_bit_identical);
     RUN(test_gpu_checkpoint_evaluates_on_the_cpu);
     RUN(test_cpu_checkpoint_resumes_on_the_gpu);
+    RUN(test_gpu_run_in_sequence_segments_follows_the_whole_rows);
+    RUN(test_weighted_answer_loss_on_the_gpu_follows_the_cpu);
     int rc = test_summary();
     if (rc == 0 || rc == TEST_SKIP_CODE) test_remove_tree(root);
     else fprintf(stderr, "run directories kept in %s\n", root);
