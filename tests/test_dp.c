@@ -22,19 +22,9 @@
 #include "longmoe/train.h"
 #include "test.h"
 #include "test_models.h"
-
-static lm_comm *comm;
-static int R = 1, me = 0;
-static char root[256];
+#include "test_ranks.h"
 
 
-static const char *dir(const char *name) {
-    static char buf[8][512];
-    static int slot;
-    slot = (slot + 1) % 8;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
-}
 
 /* One run of lm_train: over the ranks (dp = 1) or in this process alone. */
 static lm_status train(const lm_config *c, const char *run, int dp, int resume, int64_t stop_after,
@@ -63,102 +53,6 @@ static lm_status train_ep(const lm_config *c, const char *run, int dp, int resum
     o.expert_parallel = 1;
     memset(r, 0, sizeof *r);
     return lm_train(c, &o, r);
-}
-
-/* The numbers of the train (or eval) lines of a run's metrics: key "loss"
- * (or "val_loss"), in order. */
-static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
-    char path[600], line[65536], want[64], k[64];
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
-    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
-    snprintf(k, sizeof k, "\"%s\": ", key);
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0;
-    while (fgets(line, sizeof line, f) && n < max) {
-        if (!strstr(line, want)) continue;
-        const char *p = strstr(line, k);
-        if (p) v[n++] = atof(p + strlen(k));
-    }
-    fclose(f);
-    return n;
-}
-
-/* Every tensor of checkpoint file `file` of runs a and b: max |a - b| <=
- * rtol max |b| per tensor (bit-identical with rtol 0). Prints the worst. */
-static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
-    char pa[700], pb[700];
-    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
-    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
-    lm_safetensors *x = NULL, *y = NULL;
-    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
-        fprintf(stderr, "  %s\n", lm_last_error());
-        lm_safetensors_close(x);
-        return 0;
-    }
-    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
-    *worst = 0;
-    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
-        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
-        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype) {
-            fprintf(stderr, "  %s: tensor %s is missing or of another size or type\n", file, t->name);
-            ok = 0;
-            break;
-        }
-        if (rtol == 0) {
-            if (memcmp(t->data, u->data, t->nbytes)) {
-                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
-                ok = 0;
-            }
-            continue;
-        }
-        if (t->dtype != LM_DTYPE_F32) continue; /* counters: compared bit for bit above, where rtol is 0 */
-        const float *p = (const float *)t->data, *q = (const float *)u->data;
-        double diff = 0, scale = 0;
-        for (int64_t e = 0; e < t->numel; e++) {
-            double d = fabs((double)p[e] - q[e]);
-            diff = d > diff || isnan(d) ? d : diff;
-            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
-        }
-        double rel = scale > 0 ? diff / scale : diff;
-        if (!(rel <= rtol)) {
-            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
-            bad = 1;
-        }
-        *worst = rel > *worst ? rel : *worst;
-    }
-    ok &= !bad;
-    lm_safetensors_close(x);
-    lm_safetensors_close(y);
-    return ok;
-}
-
-/* The largest |bias| of the MoE layers in a checkpoint (balancing acted when > 0). */
-static double largest_bias(const char *run, int step) {
-    char p[700];
-    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
-    lm_safetensors *st;
-    if (lm_safetensors_open(p, &st)) return -1;
-    double mx = 0;
-    for (int i = 0; i < lm_safetensors_count(st); i++) {
-        const lm_st_tensor *t = lm_safetensors_at(st, i);
-        if (!strstr(t->name, ".moe.bias")) continue;
-        for (int64_t e = 0; e < t->numel; e++) {
-            double v = fabs(((const float *)t->data)[e]);
-            mx = v > mx ? v : mx;
-        }
-    }
-    lm_safetensors_close(st);
-    return mx;
-}
-
-/* The same 64-bit value on every rank. */
-static int same_on_every_rank(uint64_t v) {
-    uint64_t all[64];
-    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
-    for (int r = 1; r < R; r++)
-        if (all[r] != all[0]) return 0;
-    return 1;
 }
 
 /* ---- alone ---- */
@@ -199,17 +93,6 @@ static void test_evaluating_shares_and_adding_the_tallies_equals_the_whole_batch
 out:
     lm_model_free(whole);
     lm_model_free(half);
-}
-
-static int run_cli(const char *args, char *out, size_t n) {
-    char cmd[1400];
-    snprintf(cmd, sizeof cmd, "%s %s 2>&1", LONGMOE_CLI, args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t got = fread(out, 1, n - 1, p);
-    out[got] = 0;
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {

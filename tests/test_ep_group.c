@@ -27,10 +27,9 @@
 #include "longmoe/train.h"
 #include "test.h"
 #include "test_models.h"
+#include "test_ranks.h"
 
-static lm_comm *comm;
-static int R = 1, me = 0, G = 1;
-static char root[256];
+static int G = 1; /* ranks of an EP group */
 
 /* test_dp.c's model (test_models.h: MoE of 8 experts, histogram estimator)
  * with gradient clipping acting. */
@@ -38,14 +37,6 @@ static lm_config ep_config(void) {
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.grad_clip = 1.0f;
     return c;
-}
-
-static const char *dir(const char *name) {
-    static char buf[8][512];
-    static int slot;
-    slot = (slot + 1) % 8;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
 }
 
 static lm_train_options options(const char *run, lm_comm *on, int group, int replicated) {
@@ -70,140 +61,6 @@ static lm_status train(const char *run, lm_comm *on, int group, int replicated, 
     o.stop_after = stop_after;
     memset(r, 0, sizeof *r);
     return lm_train(&c, &o, r);
-}
-
-/* The numbers of key `key` of the lines of `type` in a run's metrics. */
-static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
-    char path[600], line[65536], want[64], k[64];
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
-    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
-    snprintf(k, sizeof k, "\"%s\": ", key);
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0;
-    while (fgets(line, sizeof line, f) && n < max) {
-        if (!strstr(line, want)) continue;
-        const char *p = strstr(line, k);
-        if (p) v[n++] = atof(p + strlen(k));
-    }
-    fclose(f);
-    return n;
-}
-
-/* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
- * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
-static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
-    char pa[700], pb[700];
-    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
-    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
-    lm_safetensors *x = NULL, *y = NULL;
-    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
-        fprintf(stderr, "  %s\n", lm_last_error());
-        lm_safetensors_close(x);
-        return 0;
-    }
-    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
-    *worst = 0;
-    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
-        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
-        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype || u->ndim != t->ndim) {
-            fprintf(stderr, "  %s: tensor %s is missing or of another size, shape or type\n", file, t->name);
-            ok = 0;
-            break;
-        }
-        if (rtol == 0) {
-            if (memcmp(t->data, u->data, t->nbytes)) {
-                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
-                ok = 0;
-            }
-            continue;
-        }
-        if (t->dtype != LM_DTYPE_F32) continue;
-        const float *p = (const float *)t->data, *q = (const float *)u->data;
-        double diff = 0, scale = 0;
-        for (int64_t e = 0; e < t->numel; e++) {
-            double d = fabs((double)p[e] - q[e]);
-            diff = d > diff || isnan(d) ? d : diff;
-            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
-        }
-        double rel = scale > 0 ? diff / scale : diff;
-        if (!(rel <= rtol)) {
-            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
-            bad = 1;
-        }
-        *worst = rel > *worst ? rel : *worst;
-    }
-    ok &= !bad;
-    lm_safetensors_close(x);
-    lm_safetensors_close(y);
-    return ok;
-}
-
-/* Copy run `from` to `to` with `latest` naming its checkpoint of `step` (rank 0; the others wait). */
-static void copy_run_at(const char *from, const char *to, int step) {
-    if (me == 0) {
-        char cmd[1600], path[700];
-        snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s && rm -f %s/lock", dir(to), dir(from), dir(to), dir(to));
-        CHECK(system(cmd) == 0, "%s", cmd);
-        snprintf(path, sizeof path, "%s/latest", dir(to));
-        FILE *f = fopen(path, "w");
-        CHECK(f != NULL, "cannot write %s", path);
-        if (f) {
-            fprintf(f, "checkpoint-%08d\n", step);
-            fclose(f);
-        }
-    }
-    if (comm) lm_comm_barrier(comm);
-}
-
-/* The same 64-bit value on every rank. */
-static int same_on_every_rank(uint64_t v) {
-    uint64_t all[64];
-    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
-    for (int r = 1; r < R; r++)
-        if (all[r] != all[0]) return 0;
-    return 1;
-}
-
-/* Every rank passed so far (failures on any rank count). */
-static int all_ok(void) {
-    int32_t bad = test_current_failures, any = 0;
-    if (lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32)) return 0;
-    return any == 0;
-}
-
-/* The largest |b| of the MoE balancing biases in a run's checkpoint (rank 0). */
-static double largest_bias(const char *run, int step) {
-    char p[700];
-    snprintf(p, sizeof p, "%s/checkpoint-%08d/trainer.safetensors", dir(run), step);
-    lm_safetensors *st;
-    if (lm_safetensors_open(p, &st)) return -1;
-    double mx = 0;
-    for (int i = 0; i < lm_safetensors_count(st); i++) {
-        const lm_st_tensor *t = lm_safetensors_at(st, i);
-        if (!strstr(t->name, ".moe.bias")) continue;
-        for (int64_t e = 0; e < t->numel; e++) {
-            double v = fabs(((const float *)t->data)[e]);
-            mx = v > mx ? v : mx;
-        }
-    }
-    lm_safetensors_close(st);
-    return mx;
-}
-
-/* The routed experts' parameters (layers.L.moe.gate, .up, .down) of the model. */
-static size_t expert_floats(void) {
-    lm_config c = ep_config();
-    lm_model *m;
-    if (lm_model_create(&c, 1, c.seq_len, &m)) return 0;
-    size_t n = 0;
-    for (int i = 0; i < lm_model_num_tensors(m); i++) {
-        const lm_model_tensor *t = lm_model_tensor_at(m, i);
-        const char *d = strstr(t->name, ".moe.");
-        if (d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"))) n += t->numel;
-    }
-    lm_model_free(m);
-    return n;
 }
 
 /* Losses of runs a and b within rtol relative (rtol 0: equal); the worst. */
@@ -277,7 +134,7 @@ static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(vo
 /* A rank holds the replicated tensors' state and 1/G of the experts' (G = 1: all of it). */
 static void test_a_rank_holds_its_groups_share_of_the_experts_state(void) {
     if (!runs_ok) SKIP("the runs failed");
-    const size_t experts = expert_floats() * sizeof(float), whole = grep_result.optimizer_state_bytes;
+    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = grep_result.optimizer_state_bytes;
     CHECK(experts > 0, "no expert tensors");
     const size_t want = whole - experts + experts / (size_t)G;
     CHECK(g_result.optimizer_state_bytes == want, "rank %d holds %zu bytes of optimizer state, expected %zu (%zu "
@@ -438,20 +295,8 @@ static void test_bad_group_sizes_are_refused(void) {
     refused("experts not divisible by the group", c, g, 1, "is not divisible by");
 }
 
-/* The CLI (rank 0, outside the job's environment): `--ep G` takes the group
- * size (so `--ep 2` without --comm mpi is refused for the missing --comm, not
- * for a stray argument), `--ep 0` is refused, --help describes it. */
-static int run_cli(const char *args, char *out, size_t n) {
-    char cmd[1400];
-    snprintf(cmd, sizeof cmd, "env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE %s %s 2>&1", LONGMOE_CLI, args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t got = fread(out, 1, n - 1, p);
-    out[got] = 0;
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
+/* The CLI (rank 0): `--ep G` takes the group size (so `--ep 2` without --comm mpi is refused for the
+ * missing --comm, not for a stray argument), `--ep 0` is refused, --help describes it. */
 static void test_cli_takes_the_group_size(void) {
     if (me != 0) return;
     char out[16384], args[900];

@@ -23,10 +23,8 @@
 #include "longmoe/train.h"
 #include "test.h"
 #include "test_models.h"
+#include "test_ranks.h"
 
-static lm_comm *comm;
-static int R = 1, me = 0;
-static char root[256];
 
 /* test_dp.c's model (test_models.h) with gradient clipping acting (norms 1.0
  * to 1.4): the scale takes the global norm across ranks. */
@@ -34,14 +32,6 @@ static lm_config zero_config(void) {
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.grad_clip = 1.0f;
     return c;
-}
-
-static const char *dir(const char *name) {
-    static char buf[8][512];
-    static int slot;
-    slot = (slot + 1) % 8;
-    snprintf(buf[slot], sizeof buf[slot], "%s/%s", root, name);
-    return buf[slot];
 }
 
 /* One run over handle `on` (NULL: this process alone), ZeRO stage `zero`. */
@@ -59,119 +49,7 @@ static lm_status train(const char *run, lm_comm *on, int zero, int resume, int64
     return lm_train(&c, &o, r);
 }
 
-/* The numbers of key `key` of the lines of `type` in a run's metrics. */
-static int read_metric(const char *run, const char *type, const char *key, double *v, int max) {
-    char path[600], line[65536], want[64], k[64];
-    snprintf(path, sizeof path, "%s/metrics.jsonl", dir(run));
-    snprintf(want, sizeof want, "\"type\": \"%s\"", type);
-    snprintf(k, sizeof k, "\"%s\": ", key);
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0;
-    while (fgets(line, sizeof line, f) && n < max) {
-        if (!strstr(line, want)) continue;
-        const char *p = strstr(line, k);
-        if (p) v[n++] = atof(p + strlen(k));
-    }
-    fclose(f);
-    return n;
-}
-
-/* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
- * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
-static int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
-    char pa[700], pb[700];
-    snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
-    snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
-    lm_safetensors *x = NULL, *y = NULL;
-    if (lm_safetensors_open(pa, &x) || lm_safetensors_open(pb, &y)) {
-        fprintf(stderr, "  %s\n", lm_last_error());
-        lm_safetensors_close(x);
-        return 0;
-    }
-    int ok = lm_safetensors_count(x) == lm_safetensors_count(y), bad = 0;
-    *worst = 0;
-    for (int i = 0; ok && i < lm_safetensors_count(x); i++) {
-        const lm_st_tensor *t = lm_safetensors_at(x, i), *u = lm_safetensors_find(y, t->name);
-        if (!u || u->nbytes != t->nbytes || u->dtype != t->dtype || u->ndim != t->ndim) {
-            fprintf(stderr, "  %s: tensor %s is missing or of another size, shape or type\n", file, t->name);
-            ok = 0;
-            break;
-        }
-        if (rtol == 0) {
-            if (memcmp(t->data, u->data, t->nbytes)) {
-                fprintf(stderr, "  %s: tensor %s differs\n", file, t->name);
-                ok = 0;
-            }
-            continue;
-        }
-        if (t->dtype != LM_DTYPE_F32) continue;
-        const float *p = (const float *)t->data, *q = (const float *)u->data;
-        double diff = 0, scale = 0;
-        for (int64_t e = 0; e < t->numel; e++) {
-            double d = fabs((double)p[e] - q[e]);
-            diff = d > diff || isnan(d) ? d : diff;
-            scale = fabs(q[e]) > scale ? fabs(q[e]) : scale;
-        }
-        double rel = scale > 0 ? diff / scale : diff;
-        if (!(rel <= rtol)) {
-            fprintf(stderr, "  %s: tensor %s differs by %.3g relative (max |x| %.3g)\n", file, t->name, rel, scale);
-            bad = 1;
-        }
-        *worst = rel > *worst ? rel : *worst;
-    }
-    ok &= !bad;
-    lm_safetensors_close(x);
-    lm_safetensors_close(y);
-    return ok;
-}
-
-/* Copy run `from` to `to` with `latest` naming its checkpoint of `step`: a
- * run to resume from that checkpoint (rank 0; the others wait). */
-static void copy_run_at(const char *from, const char *to, int step) {
-    if (me == 0) {
-        char cmd[1600], path[700];
-        snprintf(cmd, sizeof cmd, "rm -rf %s && cp -r %s %s && rm -f %s/lock", dir(to), dir(from), dir(to), dir(to));
-        CHECK(system(cmd) == 0, "%s", cmd);
-        snprintf(path, sizeof path, "%s/latest", dir(to));
-        FILE *f = fopen(path, "w");
-        CHECK(f != NULL, "cannot write %s", path);
-        if (f) {
-            fprintf(f, "checkpoint-%08d\n", step);
-            fclose(f);
-        }
-    }
-    if (comm) lm_comm_barrier(comm);
-}
-
-/* The same 64-bit value on every rank. */
-static int same_on_every_rank(uint64_t v) {
-    uint64_t all[64];
-    if (R > 64 || lm_comm_all_gather(comm, &v, all, sizeof v)) return 0;
-    for (int r = 1; r < R; r++)
-        if (all[r] != all[0]) return 0;
-    return 1;
-}
-
-/* Every rank passed so far (failures on any rank count). */
-static int all_ok(void) {
-    int32_t bad = test_current_failures, any = 0;
-    if (lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32)) return 0;
-    return any == 0;
-}
-
 /* ---- alone ---- */
-
-static int run_cli(const char *args, char *out, size_t n) {
-    char cmd[1400];
-    snprintf(cmd, sizeof cmd, "%s %s 2>&1", LONGMOE_CLI, args);
-    FILE *p = popen(cmd, "r");
-    if (!p) return -1;
-    size_t got = fread(out, 1, n - 1, p);
-    out[got] = 0;
-    int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 static void test_zero_without_ranks_or_of_another_stage_is_refused(void) {
     lm_train_result r;
