@@ -7,6 +7,10 @@
 #include "longmoe/model.h"
 #include "test.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 static lm_config micro_config(lm_residual_kind residual) {
     lm_config c;
     lm_config_defaults(&c);
@@ -198,6 +202,40 @@ static void test_initialisation_is_reproducible_and_seeded(void) {
     lm_model_free(b);
 }
 
+/* lm_model_init draws one stream in table order and transforms it in blocks by all threads:
+ * the weights must equal drawing one normal at a time, with the embedding (1.2M entries) crossing
+ * a block boundary and taking the threaded path. */
+static void test_initialisation_equals_the_serial_stream(void) {
+    lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+    c.vocab_size = 150001;
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, 1, 4, &m), "%s", lm_last_error());
+    if (!m) return;
+#ifdef _OPENMP
+    int threads = omp_get_max_threads();
+    omp_set_num_threads(4);
+#endif
+    lm_model_init(m, 77);
+#ifdef _OPENMP
+    omp_set_num_threads(threads);
+#endif
+    lm_rng r;
+    lm_rng_seed(&r, 77);
+    const float *w = lm_model_params(m);
+    size_t bad = 0, drawn = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        for (size_t j = 0; j < t->numel; j++) {
+            float v = t->init_mean + (t->init_std > 0 ? t->init_std * (float)lm_rng_normal(&r) : 0.0f);
+            drawn += t->init_std > 0;
+            bad += memcmp(&v, &w[t->offset + j], sizeof v) != 0;
+        }
+    }
+    CHECK(drawn > (1u << 20) + 1000, "a tensor crosses a block (%zu draws)", drawn);
+    CHECK(bad == 0, "%zu of %zu weights differ from the serial stream", bad, lm_model_num_params(m));
+    lm_model_free(m);
+}
+
 static void test_parameter_count_agrees_with_the_plan(void) {
     const char *presets[] = {"configs/tiny.json", "configs/small.json"};
     for (int i = 0; i < 2; i++) {
@@ -290,6 +328,7 @@ int main(void) {
     RUN(test_gradients_full_attnres);
     RUN(test_chunked_cross_entropy_equals_full_logits);
     RUN(test_initialisation_is_reproducible_and_seeded);
+    RUN(test_initialisation_equals_the_serial_stream);
     RUN(test_parameter_count_agrees_with_the_plan);
     RUN(test_bad_tokens_are_rejected_by_position);
     RUN(test_qk_clip_bounds_the_largest_logit);

@@ -59,6 +59,10 @@ void lm_rng_seed(lm_rng *r, uint64_t seed);
 uint64_t lm_rng_u64(lm_rng *r);
 double lm_rng_uniform(lm_rng *r);          /* [0, 1) */
 double lm_rng_normal(lm_rng *r);           /* standard normal (Box-Muller) */
+/* The normal that lm_rng_normal makes of its two draws a, b (lm_rng_u64, in that order):
+ * lm_rng_normal(r) == lm_rng_normal_of(lm_rng_u64(r), lm_rng_u64(r)) bit for bit, so a
+ * caller may draw the stream first and transform it in parallel. */
+double lm_rng_normal_of(uint64_t a, uint64_t b);
 uint64_t lm_mix64(uint64_t x);             /* a bijective 64-bit mixer (murmur3 finaliser) */
 
 /* ---- wall clock in seconds (monotonic) ---- */

@@ -158,10 +158,15 @@ uint64_t lm_rng_u64(lm_rng *r) {
 
 double lm_rng_uniform(lm_rng *r) { return (double)(lm_rng_u64(r) >> 11) * 0x1.0p-53; }
 
-double lm_rng_normal(lm_rng *r) {
-    double u1 = lm_rng_uniform(r), u2 = lm_rng_uniform(r);
+double lm_rng_normal_of(uint64_t a, uint64_t b) {
+    double u1 = (double)(a >> 11) * 0x1.0p-53, u2 = (double)(b >> 11) * 0x1.0p-53;
     if (u1 < 1e-300) u1 = 1e-300;
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+double lm_rng_normal(lm_rng *r) {
+    uint64_t a = lm_rng_u64(r);
+    return lm_rng_normal_of(a, lm_rng_u64(r));
 }
 
 uint64_t lm_mix64(uint64_t x) {
