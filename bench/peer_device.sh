@@ -8,6 +8,10 @@
 #   CONFIG=configs/k3-mini.json  SHAPES="8,4096 1,32768"  VARIANTS="eager compile compile-recompute"
 #   PEER_STEPS=10 (timed steps after 3 warm-ups), PEER_TIMEOUT=420 (seconds per peer run)
 #   PEER_OPTIMIZER=none|adamw, FLA_AUTOTUNE_MS=W,R (shorter Triton autotuning for fla)
+#   OURS="recompute no-recompute" (longmoe's variants: train.recompute on / off)
+#   BUILD_BG=1: build in the background while the peers run (their Triton autotuning and
+#   compilation take minutes); longmoe's runs wait for it and come after the peers, so the
+#   two are never timed at once.
 # fla-core (and einops, if the image lacks it) come from wheels in .whl/
 # (pip download --no-deps fla-core==0.6.0 einops), installed with --no-index.
 set -uo pipefail
@@ -33,14 +37,25 @@ fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/longmoe-triton-cache} TRITON_CACHE_AUTOTUNING=1
 python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__version__)" 2>&1 | tee "$OUT/peer_versions.txt"
 
-if has build; then
-    echo "== build ($BUILD)"
+build() {
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
         timeout 500 cmake --build "$BUILD" -j "$(nproc)" --target longmoe bench_checkpoint_loss bench_cuda_model \
-            >>"$OUT/build.log" 2>&1 || { echo "build failed"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+            >>"$OUT/build.log" 2>&1
+}
+build_failed() { echo "build failed"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+build_pid=
+if has build; then
+    echo "== build ($BUILD)${BUILD_BG:+, in the background}"
+    if [ -n "${BUILD_BG:-}" ]; then
+        build & build_pid=$!
+    else
+        build || build_failed
+    fi
 fi
+wait_build() { [ -n "$build_pid" ] && { wait "$build_pid" || build_failed; build_pid=; echo "== build done"; }; }
 
 if has check; then
+    wait_build
     # the same weights in both: a short CPU run of longmoe on the tiny preset (KDA head dim 32,
     # chunk 64: fla accepts it), then the peer's loss with fla's chunk_kda on the GPU (fp32 inputs)
     echo "== check: the peer's loss with fla on the GPU = longmoe's (CPU, fp32)"
@@ -63,9 +78,6 @@ fi
 if has bench; then
     for shape in $SHAPES; do
         B=${shape%,*}; T=${shape#*,}
-        echo "== longmoe $CONFIG ${B}x${T}"
-        timeout 400 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch "$B" --seq "$T" --reps 5 \
-            --out "$OUT/ours_${B}x${T}.json" 2>&1 | tee "$OUT/ours_${B}x${T}.log"
         for v in $VARIANTS; do
             flags=()
             [[ $v == compile* ]] && flags+=(--compile)
@@ -75,6 +87,14 @@ if has bench; then
                 --shape "$shape" --kda fla --experts grouped --optimizer "${PEER_OPTIMIZER:-none}" --steps "${PEER_STEPS:-10}" \
                 ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} \
                 "${flags[@]}" --out "$OUT/peer_${B}x${T}_$v.json" 2>&1 | tail -20 | tee "$OUT/peer_${B}x${T}_$v.log"
+        done
+        wait_build
+        for o in ${OURS:-recompute}; do
+            flags=()
+            [ "$o" = no-recompute ] && flags+=(--no-recompute)
+            echo "== longmoe $CONFIG ${B}x${T} $o"
+            timeout 400 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch "$B" --seq "$T" --reps 5 "${flags[@]}" \
+                --out "$OUT/ours_${B}x${T}_$o.json" 2>&1 | tee "$OUT/ours_${B}x${T}_$o.log"
         done
     done
 fi
