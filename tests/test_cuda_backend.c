@@ -173,6 +173,10 @@ static void test_to_lp_and_matmul_match_the_cpu(void) {
     OK(cpu->ops->matmul_forward(cpu, out_c, inp, w, n, ic, oc));
     OK(gpu->ops->matmul_forward(gpu, g_out, g_inp, g_w, n, ic, oc));
     CMP(down_f32(g_out, n * oc), out_c, NULL, n * oc, TOL_BF16, "matmul_forward out");
+    /* in the product format: the fp32 product rounded once */
+    void *g_out_lp = dalloc(n * oc * 2);
+    OK(gpu->ops->matmul_forward_lp(gpu, g_out_lp, g_inp, g_w, n, ic, oc));
+    CMP(down_bf16(g_out_lp, n * oc), out_c, NULL, n * oc, TOL_BF16, "matmul_forward_lp out");
     /* backward (+=) from random gradients */
     float *dinp0 = rnd(&r, n * ic, 0.5, 0.0, 0), *dw0 = rnd(&r, (size_t)oc * ic, 0.5, 0.0, 0);
     float *dinp_c = copy_of(dinp0, n * ic), *dw_c = copy_of(dw0, (size_t)oc * ic);

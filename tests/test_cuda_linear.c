@@ -184,6 +184,17 @@ static void test_bf16_conversions_round_like_the_host(void) {
     }
     CHECK(bad16 == 0, "%d of %zu bf16 roundings differ from lm_f32_to_bf16", bad16, n);
     CHECK(bad32 == 0, "%d of %zu bf16 -> fp32 conversions are not exact", bad32, n);
+    /* unaligned (the element-wise kernel) and aligned (8 a thread, then a tail) starts */
+    for (size_t off = 1; off <= 8; off += 7) {
+        memset(h16, 0xff, n * sizeof(uint16_t));
+        CHECK(lm_cuda_upload(d16, h16, n * sizeof(uint16_t)) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_cuda_f32_to_bf16(&ctx, d16 + off, dx + off, n - off) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_cuda_download(h16, d16, n * sizeof(uint16_t)) == LM_OK, "%s", lm_last_error());
+        bad16 = 0;
+        for (size_t i = 0; i < n; i++) bad16 += h16[i] != (i < off ? 0xffff : lm_f32_to_bf16(x[i]));
+        CHECK(bad16 == 0, "from element %zu: %d of %zu bf16 roundings wrong", off, bad16, n);
+    }
     free(x), free(h16), free(hb);
     lm_cuda_free(dx), lm_cuda_free(back), lm_cuda_free(d16);
 }
@@ -209,6 +220,9 @@ static void test_all_finite_flags_every_nan_and_inf(void) {
             put_f32(dx, x, n);
             put_f32(dx + where[w], &bad[b], 1);
             CHECK(finite_flag(dx, n) == 0, "%g at %zu not flagged", (double)bad[b], where[w]);
+            /* an unaligned start (the element-wise kernel) */
+            CHECK(finite_flag(dx + 1, n - 1) == (where[w] == 0), "%g at %zu, from element 1", (double)bad[b],
+                  where[w]);
         }
     free(x);
     lm_cuda_free(dx);

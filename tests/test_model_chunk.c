@@ -284,9 +284,9 @@ static void test_kda_bf16_layout_fits_its_plan(void) {
     } bufs[] = {{"qp", a.qp, N * HK * 4},    {"kp", a.kp, N * HK * 4},      {"vp", a.vp, N * HK * 4},
                 {"qc", a.qc, N * HK * 4},    {"kc", a.kc, N * HK * 4},      {"vc", a.vc, N * HK * 4},
                 {"q", a.q, N * HK * 2},      {"k", a.k, N * HK * 2},        {"v", a.v, N * HK * 2},
-                {"z", a.z, N * HK * 4},      {"o", a.o, N * HK * 2},        {"gate", a.gate, N * HK * 4},
+                {"z", a.z_lp, N * HK * 2},   {"o", a.o, N * HK * 2},        {"gate", a.gate, N * HK * 4},
                 {"gated", a.gated, N * HK * 2}, {"beta", a.beta, N * H * 4}, {"o_rstd", a.o_rstd, N * H * 4},
-                {"qk_rnorm", a.qk_rnorm, 2 * N * H * 4}, {"z_lp", a.z_lp, N * HK * 2}};
+                {"qk_rnorm", a.qk_rnorm, 2 * N * H * 4}};
     const char *lo = (const char *)base, *hi = lo + n * sizeof(float);
     int nb = (int)(sizeof bufs / sizeof bufs[0]);
     for (int i = 0; i < nb; i++) {

@@ -60,6 +60,11 @@ typedef struct {
     /* out[n,oc] = inp[n,ic] . w[oc,ic]^T (written) */
     lm_status (*matmul_forward)(lm_backend *be, float *out, const void *inp_lp, const void *w_lp, int64_t n,
                                 int ic, int oc);
+    /* the same product written in the product format (one rounding of the fp32
+     * sums), for outputs that only feed other products or ops taking that
+     * format; on the CPU the product format is fp32 and this is matmul_forward */
+    lm_status (*matmul_forward_lp)(lm_backend *be, void *out_lp, const void *inp_lp, const void *w_lp, int64_t n,
+                                   int ic, int oc);
     /* dinp[n,ic] += dout . w;  dw[oc,ic] += dout^T . inp */
     lm_status (*matmul_backward)(lm_backend *be, float *dinp, float *dw, const void *dout_lp, const void *inp_lp,
                                  const void *w_lp, int64_t n, int ic, int oc);

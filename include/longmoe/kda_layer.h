@@ -46,8 +46,7 @@ typedef struct {
     float *qp, *kp, *vp;   /* projections before the conv [N,HK] */
     float *qc, *kc, *vc;   /* conv outputs before SiLU [N,HK] */
     void *q, *k, *v;       /* operator inputs [N,HK], in the backend's product format */
-    float *z;              /* W_z x [N,HK] */
-    void *z_lp;            /* z in the product format (z itself on the CPU) */
+    void *z_lp;            /* W_z x [N,HK], in the product format (the operator's gate input) */
     float *beta;           /* sigmoid(W_beta x) [N,H] */
     void *o;               /* operator output [N,HK], product format */
     float *o_rstd;         /* head RMSNorm 1/rms [N*H] */

@@ -66,20 +66,20 @@ static size_t lp_floats(const lm_kda_layer_config *c, size_t n) {
 
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    /* 8 fp32 [N,HK] (projections, conv outputs, z, gate), 5 in the product format (q, k, v, o, gated) */
-    return 8 * N * HK + 5 * lp_floats(c, N * HK) + N * H /* beta */ + N * H /* o_rstd */ +
-           2 * N * H /* qk_rnorm */ + (lp_separate(c) ? lp_floats(c, N * HK) : 0) /* z_lp */;
+    /* 7 fp32 [N,HK] (projections, conv outputs, gate), 6 in the product format (q, k, v, z, o, gated) */
+    return 7 * N * HK + 6 * lp_floats(c, N * HK) + N * H /* beta */ + N * H /* o_rstd */ +
+           2 * N * H /* qk_rnorm */;
 }
 
 void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *base,
                            lm_kda_layer_acts *a) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim, LP = lp_floats(c, N * HK);
-    float *q, *k, *v, *o, *gated;
+    float *q, *k, *v, *z, *o, *gated;
     struct {
         float **slot;
         size_t n;
     } big[] = {{&a->qp, N * HK}, {&a->kp, N * HK}, {&a->vp, N * HK}, {&a->qc, N * HK}, {&a->kc, N * HK},
-               {&a->vc, N * HK}, {&q, LP},         {&k, LP},         {&v, LP},         {&a->z, N * HK},
+               {&a->vc, N * HK}, {&q, LP},         {&k, LP},         {&v, LP},         {&z, LP},
                {&o, LP},         {&a->gate, N * HK}, {&gated, LP}};
     for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
         *big[i].slot = base;
@@ -96,8 +96,7 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
     base += N * H;
     a->qk_rnorm = base;
     base += 2 * N * H;
-    a->z_lp = a->z;
-    if (lp_separate(c)) a->z_lp = base;
+    a->z_lp = z;
     a->q_op = a->q;
     a->k_op = a->k;
     a->v_op = a->v;
@@ -230,8 +229,7 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
             }
         }
     }
-    TRY(op->matmul_forward(be, a->z, x, pl->W_z, (int64_t)N, d, HK));
-    if (a->z_lp != (void *)a->z) TRY(op->to_lp(be, a->z_lp, a->z, N * HK));
+    TRY(op->matmul_forward_lp(be, a->z_lp, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
     TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
     lm_kda_config kc = op_config(c, B, T);

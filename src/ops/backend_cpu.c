@@ -72,6 +72,11 @@ static lm_status cpu_matmul_forward(lm_backend *be, float *out, const void *inp,
     return LM_OK;
 }
 
+static lm_status cpu_matmul_forward_lp(lm_backend *be, void *out, const void *inp, const void *w, int64_t n,
+                                       int ic, int oc) {
+    return cpu_matmul_forward(be, (float *)out, inp, w, n, ic, oc);
+}
+
 static lm_status cpu_matmul_backward(lm_backend *be, float *dinp, float *dw, const void *dout, const void *inp,
                                      const void *w, int64_t n, int ic, int oc) {
     (void)be;
@@ -603,6 +608,7 @@ static lm_status cpu_muon_update(lm_backend *be, float *w, const float *g, float
 
 static const lm_ops cpu_ops = {
     .matmul_forward = cpu_matmul_forward,
+    .matmul_forward_lp = cpu_matmul_forward_lp,
     .matmul_backward = cpu_matmul_backward,
     .to_lp = cpu_to_lp,
     .rmsnorm_forward = cpu_rmsnorm_forward,

@@ -66,10 +66,11 @@ enum Plan { PLAN_FWD_O = 0, PLAN_FWD_STATS = 1, PLAN_FWD_MAX_SUM = 2, PLAN_BWD_D
 struct Key {
     int device, plan;
     int B, T, Tk, H, Hkv, Dk, Dv;
-    // rows of the tensors q, o, d_o, lse (qrows) and k, v (krows) that the
-    // T queries and Tk keys are a window of (the batch strides); T and Tk
-    // but in the blocked backward. nomask: no causal mask (a key block that
-    // every query of the block sees)
+    // rows of the tensors q, o, d_o (qrows) and k, v (krows) that the T
+    // queries and Tk keys are a window of (the batch strides); T and Tk but
+    // in the blocked backward. The statistics (lse, max, sum_exp) are always
+    // packed [B,H,T]. nomask: no causal mask (a key block that every query
+    // of the block sees)
     int qrows, krows, nomask;
     uint32_t scale_bits;
     bool operator==(const Key &o) const { return memcmp(this, &o, sizeof *this) == 0; }
@@ -155,7 +156,7 @@ std::shared_ptr<fe::graph::Tensor_attributes> rows(const std::shared_ptr<fe::gra
                          .set_name(name)
                          .set_uid(uid)
                          .set_dim({k.B, k.H, k.T, 1})
-                         .set_stride(rows_stride(k.H, k.qrows))
+                         .set_stride(rows_stride(k.H, k.T))
                          .set_data_type(fe::DataType_t::FLOAT));
 }
 
@@ -517,7 +518,9 @@ lm_status backward(const lm_cuda_context *ctx, const Shape &s, bool deterministi
 // Key block by key block (in order), its dk, dv add up in fp32 over the query
 // blocks (in order) and are then written in bf16; dq adds up in fp32 over
 // the key blocks and is written at the end: every sum has a fixed order, so
-// the result is bit-identical from run to run. The extra rounding: each
+// the result is bit-identical from run to run. Each piece's rows of lse are
+// copied into a packed [B,H,tq] buffer first (cuDNN before 9.26 refuses a
+// strided statistics tensor). The extra rounding: each
 // block's dq, dk, dv part passes through bf16 (cuDNN's output) before the
 // fp32 sums.
 
@@ -574,7 +577,7 @@ Key piece_key(int device, const Shape &s, const Piece &p) {
     w.T = p.tq;
     w.Tk = p.tk;
     Key k = make_key(device, PLAN_BWD_DET, w);
-    k.qrows = s.T; /* lse's head stride too */
+    k.qrows = s.T; /* the statistics are packed per piece (stats_rows_kernel): their head stride is p.tq */
     /* the key rows only set k's and v's batch stride: with one row the pieces of every prefix
      * length share their plans (sequence segments: the prefix grows from segment to segment) */
     k.krows = s.B > 1 ? s.Tk : p.tk;
@@ -583,7 +586,7 @@ Key piece_key(int device, const Shape &s, const Piece &p) {
 }
 
 struct BlockedLayout {
-    size_t acc_dq, acc_dk, acc_dv, p_dq, p_dk, p_dv, cudnn, total;
+    size_t acc_dq, acc_dk, acc_dv, p_dq, p_dk, p_dv, stats, cudnn, total;
 };
 
 BlockedLayout blocked_layout(const Shape &s, int L, size_t cudnn_ws) {
@@ -595,8 +598,9 @@ BlockedLayout blocked_layout(const Shape &s, int L, size_t cudnn_ws) {
     l.p_dq = round256(B * Lr * s.H * s.Dk * 2);
     l.p_dk = round256(B * Lr * s.Hkv * s.Dk * 2);
     l.p_dv = round256(B * Lr * s.Hkv * s.Dv * 2);
+    l.stats = round256(B * s.H * Lr * 4);
     l.cudnn = round256(cudnn_ws);
-    l.total = l.acc_dq + l.acc_dk + l.acc_dv + l.p_dq + l.p_dk + l.p_dv + l.cudnn;
+    l.total = l.acc_dq + l.acc_dk + l.acc_dv + l.p_dq + l.p_dk + l.p_dv + l.stats + l.cudnn;
     return l;
 }
 
@@ -638,6 +642,7 @@ lm_status backward_blocked(const lm_cuda_context *ctx, const Shape &s, int L, co
     uint16_t *p_dq = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv);
     uint16_t *p_dk = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv + lay.p_dq);
     uint16_t *p_dv = reinterpret_cast<uint16_t *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv + lay.p_dq + lay.p_dk);
+    float *p_stats = reinterpret_cast<float *>(w + lay.acc_dq + lay.acc_dk + lay.acc_dv + lay.p_dq + lay.p_dk + lay.p_dv);
     void *cudnn_ws = w + (lay.total - lay.cudnn);  // lay.cudnn is 0: the rest of the workspace
     const size_t qw = (size_t)s.H * s.Dk, vw = (size_t)s.H * s.Dv, kw = (size_t)s.Hkv * s.Dk, kvw = (size_t)s.Hkv * s.Dv;
     const size_t Lr = (size_t)(L < s.Tk ? L : s.Tk);
@@ -662,7 +667,11 @@ lm_status backward_blocked(const lm_cuda_context *ctx, const Shape &s, int L, co
         by_uid[U_V] = const_cast<uint16_t *>(v + (size_t)p.j0 * kvw);
         by_uid[U_O] = const_cast<uint16_t *>(o + (size_t)p.i0 * vw);
         by_uid[U_DO] = const_cast<uint16_t *>(d_o + (size_t)p.i0 * vw);
-        by_uid[U_STATS] = const_cast<float *>(lse + p.i0);
+        /* the piece's rows of the statistics, packed [B,H,tq] (cuDNN before 9.26 takes only a packed
+         * statistics tensor): rows i0 .. i0+tq of each (b, h) row of T */
+        LM_CUDA_TRY(cudaMemcpy2DAsync(p_stats, (size_t)p.tq * 4, lse + p.i0, (size_t)s.T * 4, (size_t)p.tq * 4,
+                                      (size_t)s.B * s.H, cudaMemcpyDeviceToDevice, stream));
+        by_uid[U_STATS] = p_stats;
         by_uid[U_DQ] = p_dq;
         by_uid[U_DK] = p_dk;
         by_uid[U_DV] = p_dv;

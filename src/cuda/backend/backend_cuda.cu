@@ -144,6 +144,12 @@ static lm_status cuda_matmul_forward(lm_backend *be, float *out, const void *inp
     return lm_cuda_matmul_forward(ctx_of(be), out, (const uint16_t *)inp, (const uint16_t *)w, n, ic, oc, 0);
 }
 
+static lm_status cuda_matmul_forward_lp(lm_backend *be, void *out, const void *inp, const void *w, int64_t n,
+                                        int ic, int oc) {
+    return lm_cuda_matmul_forward_bf16(ctx_of(be), (uint16_t *)out, (const uint16_t *)inp, (const uint16_t *)w, n,
+                                       ic, oc);
+}
+
 static lm_status cuda_matmul_backward(lm_backend *be, float *dinp, float *dw, const void *dout, const void *inp,
                                       const void *w, int64_t n, int ic, int oc) {
     return lm_cuda_matmul_backward(ctx_of(be), dinp, dw, (const uint16_t *)dout, (const uint16_t *)inp,
@@ -749,6 +755,7 @@ static lm_ops make_cuda_ops(void) {
     lm_ops o;
     memset(&o, 0, sizeof o);
     o.matmul_forward = cuda_matmul_forward;
+    o.matmul_forward_lp = cuda_matmul_forward_lp;
     o.matmul_backward = cuda_matmul_backward;
     o.to_lp = cuda_to_lp;
     o.rmsnorm_forward = cuda_rmsnorm_forward;
