@@ -15,8 +15,8 @@
 #                the machine) for TEXT_SECONDS (default 240), then SIGINT: the run stops at a step
 #                boundary; its evaluations every 100 steps show the validation loss
 #                ($OUT/text_metrics.jsonl, $OUT/text.log)
-#   long         configs/long-gpu.json: staged 1K -> 4K -> 16K -> 64K on passkey, MQAR and copy rows,
-#                each stage's steps times LONG_SCALE (default 1), stopped by SIGINT at
+#   long         LONG_CONFIG (default configs/long-gpu.json: staged 1K -> 4K -> 16K -> 64K on passkey,
+#                MQAR and copy rows), each stage's steps times LONG_SCALE (default 1), stopped by SIGINT at
 #                LONG_SECONDS (default 560; a stage cut short has no grids). Prints the steps'
 #                time per stage and the passkey and MQAR grids after each stage at every length so
 #                far ($OUT/long.log, $OUT/long_metrics.jsonl, $OUT/long.json: the config run)
@@ -53,6 +53,7 @@ CURVE_STEPS=${CURVE_STEPS:-200}
 TEXT_SECONDS=${TEXT_SECONDS:-240}
 LONG_SCALE=${LONG_SCALE:-1}
 LONG_SECONDS=${LONG_SECONDS:-560}
+LONG_CONFIG=${LONG_CONFIG:-configs/long-gpu.json}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 
@@ -186,27 +187,27 @@ if has text; then
     rm -rf /tmp/longmoe-text
 fi
 if has long; then
-    echo "== configs/long-gpu.json on the GPU: 1K -> 4K -> 16K -> 64K, steps x $LONG_SCALE, at most $LONG_SECONDS s"
-    python3 - "$LONG_SCALE" "$OUT/long.json" <<'EOF'
+    echo "== $LONG_CONFIG on the GPU: its stages, steps x $LONG_SCALE, at most $LONG_SECONDS s"
+    python3 - "$LONG_SCALE" "$OUT/long.json" "$LONG_CONFIG" <<'EOF'
 import json, sys
-scale, dst = float(sys.argv[1]), sys.argv[2]
-c = json.load(open("configs/long-gpu.json"))
+scale, dst, src = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+c = json.load(open(src))
 for s in c["train"]["stages"]:
     s["steps"] = max(1, int(round(s["steps"] * scale)))
-c["comment"] = "bench/train_device.sh long: configs/long-gpu.json, steps x %g" % scale
+c["comment"] = "bench/train_device.sh long: %s, steps x %g" % (src, scale)
 print("stages: " + ", ".join("%s %d steps of %d x %d" % (s["name"], s["steps"], s["batch_tokens"] // s["seq_len"],
                                                        s["seq_len"]) for s in c["train"]["stages"]))
 json.dump(c, open(dst, "w"), indent=1)
 EOF
-    [ $? -ne 0 ] && { echo "cannot derive the config from configs/long-gpu.json"; exit 1; }
-    rm -rf /tmp/longmoe-long
+    [ $? -ne 0 ] && { echo "cannot derive the config from $LONG_CONFIG"; exit 1; }
+    long_dir=$(mktemp -d /tmp/longmoe-long.XXXXXX)
     start=$(date +%s)
     timeout --foreground -s INT -k 60 "$LONG_SECONDS" "$BUILD/longmoe" train --config "$OUT/long.json" \
-        --out /tmp/longmoe-long --device cuda >"$OUT/long.log" 2>&1
+        --out "$long_dir/run" --device cuda >"$OUT/long.log" 2>&1
     rc=$?
     echo "long run rc $rc in $(( $(date +%s) - start )) s (124 or 130: stopped at the time limit)"
     [ $rc -ne 0 ] && { status=1; tail -20 "$OUT/long.log"; }
-    cp /tmp/longmoe-long/metrics.jsonl "$OUT/long_metrics.jsonl" 2>/dev/null
+    cp "$long_dir/run/metrics.jsonl" "$OUT/long_metrics.jsonl" 2>/dev/null
     python3 - "$OUT/long_metrics.jsonl" <<'EOF'
 import json, sys
 try:
@@ -237,6 +238,6 @@ for r in rows:
         for L, acc in zip(r["lengths"], r["accuracy"]):
             print("      %6d  " % L + "  ".join("%5.1f" % (100 * a) if a is not None else "    -" for a in acc))
 EOF
-    rm -rf /tmp/longmoe-long
+    rm -rf "$long_dir"
 fi
 exit $status
