@@ -229,12 +229,14 @@ for r in rows:
         print("step %5d  val loss %.4f, answer accuracy %s at length %d" % (r["step"], r["val_loss"],
               "-" if r["answer_accuracy"] is None else "%.1f%%" % (100 * r["answer_accuracy"]), r["seq_len"]))
     elif r["type"] == "passkey":
-        print("step %5d  passkey %% all five digits (digits right) by length x depth %s" % (r["step"], r["depths"]))
+        print("step %5d  passkey %% all five digits (digits right) by length x depth %s, %s rows a cell"
+              % (r["step"], r["depths"], r.get("rows", "?")))
         for L, acc, dig in zip(r["lengths"], r["accuracy"], r["digit_accuracy"]):
             print("      %6d  " % L + "  ".join("%5.1f (%5.1f)" % (100 * a, 100 * d) if a is not None else "    -"
                                                 for a, d in zip(acc, dig)))
     elif r["type"] == "mqar":
-        print("step %5d  mqar %% value digits by length x queries %s (chance about 10%%)" % (r["step"], r["queries"]))
+        print("step %5d  mqar %% value digits by length x queries %s (chance about 10%%), %s rows a cell"
+              % (r["step"], r["queries"], r.get("rows", "?")))
         for L, acc in zip(r["lengths"], r["accuracy"]):
             print("      %6d  " % L + "  ".join("%5.1f" % (100 * a) if a is not None else "    -" for a in acc))
 EOF

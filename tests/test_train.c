@@ -299,6 +299,7 @@ static void test_stages_change_length_checkpoint_and_resume_mid_stage(void) {
     /* the long-context grids after each stage: lengths 16, then 16 and 32 */
     CHECK(count_lines(dir("staged"), "\"type\": \"passkey\"") == 2, "passkey grids after both stages");
     CHECK(count_lines(dir("staged"), "\"lengths\": [16, 32]") == 2, "the last grids span both lengths");
+    CHECK(count_lines(dir("staged"), "\"rows\": 4}") == 4, "grids of train.grid_rows = 4 rows a cell (the default)");
     char p[600];
     struct stat sb;
     snprintf(p, sizeof p, "%s/checkpoint-00000003/model.safetensors", dir("staged"));
@@ -325,6 +326,28 @@ static void test_stages_change_length_checkpoint_and_resume_mid_stage(void) {
     CHECK(lm_train(&c, &o, &r) == LM_ERR_ARG && strstr(lm_last_error(), "train.stages"), "%s", lm_last_error());
 }
 
+/* train.grid_rows sets the rows a cell of the stage-end grids (rounded up to
+ * pairs of rows); 0 evaluates none. */
+static void test_grid_rows_size_the_stage_end_grids(void) {
+    lm_config c = staged();
+    c.grid_rows = 5;
+    lm_train_options o = lm_train_options_default(dir("grid6"));
+    o.progress = NULL;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    CHECK(count_lines(dir("grid6"), "\"type\": \"passkey\"") == 2 && count_lines(dir("grid6"), "\"rows\": 6}") == 4,
+          "grids of 6 rows a cell after both stages");
+    c.grid_rows = 0;
+    o.out_dir = dir("grid0");
+    CHECK(!lm_train(&c, &o, &r), "%s", lm_last_error());
+    CHECK(count_lines(dir("grid0"), "\"type\": \"passkey\"") == 0 && count_lines(dir("grid0"), "\"type\": \"mqar\"") == 0,
+          "train.grid_rows = 0 still evaluated grids");
+    const char *bad = "{\"train\": {\"grid_rows\": -1}}";
+    lm_config d = staged();
+    CHECK(lm_config_parse(bad, strlen(bad), "bad", &d) == LM_ERR_ARG && strstr(lm_last_error(), "grid_rows"),
+          "train.grid_rows = -1 accepted: %s", lm_last_error());
+}
+
 int main(void) {
     snprintf(root, sizeof root, "/tmp/longmoe-test-train-%ld", (long)getpid());
     char cmd[600];
@@ -336,6 +359,7 @@ int main(void) {
     RUN(test_resume_without_checkpoint_fails_clearly);
     RUN(test_answer_loss_weight);
     RUN(test_stages_change_length_checkpoint_and_resume_mid_stage);
+    RUN(test_grid_rows_size_the_stage_end_grids);
     snprintf(cmd, sizeof cmd, "rm -rf %s", root);
     if (system(cmd) != 0) return 1;
     return test_summary();

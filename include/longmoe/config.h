@@ -73,6 +73,9 @@ typedef struct {
     /* the training loss's weight of task data's answer positions (tasks.h "answer") against the
      * other positions' 1: the loss is sum w_i nll_i / sum w_i; 1 (default) is the plain mean */
     float answer_loss_weight;
+    /* rows per cell of the passkey and MQAR grids evaluated after each stage
+     * (byte-vocabulary models; 0: none) */
+    int grid_rows;
     lm_schedule_kind schedule;
     uint64_t seed;
     int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;

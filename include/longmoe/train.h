@@ -50,8 +50,9 @@ typedef struct {
     int64_t steps;        /* total steps of the run (0: config's train.steps); the schedule spans them */
     int64_t stop_after;   /* stop (with a checkpoint) once this many steps are done (0: at the end) */
     int val_batches;      /* batches of held-out data per evaluation */
-    int stage_eval_batches; /* batches per cell of the passkey and MQAR grids evaluated
-                               after each stage and at the end (0: none) */
+    int stage_eval_batches; /* batches (of 2 rows) per cell of the passkey and MQAR grids
+                               evaluated after each stage and at the end (0: none; -1, the
+                               default: train.grid_rows / 2, rounded up) */
     FILE *progress;       /* progress lines (NULL: none) */
     int max_bad_steps;    /* consecutive skipped steps that stop the run */
     /* fault injection for tests: at step inject_fault_step (-1: off) inject

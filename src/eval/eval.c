@@ -571,7 +571,7 @@ void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FI
         put_grid(f, (const double(*)[LM_EVAL_MAX_GRID])r->passkey_accuracy, opt->n_lengths, opt->n_depths);
         fputs(", \"digit_accuracy\": ", f);
         put_grid(f, (const double(*)[LM_EVAL_MAX_GRID])r->passkey_digit_accuracy, opt->n_lengths, opt->n_depths);
-        fputs("}\n", f);
+        fprintf(f, ", \"rows\": %lld}\n", (long long)opt->batches * opt->batch_size);
     }
     if (opt->tasks & LM_EVAL_MQAR) {
         fprintf(f, "{\"type\": \"mqar\", \"step\": %lld, \"lengths\": [", (long long)r->step);
@@ -580,7 +580,7 @@ void lm_eval_write_jsonl(const lm_eval_result *r, const lm_eval_options *opt, FI
         for (int i = 0; i < opt->n_queries; i++) fprintf(f, "%s%d", i ? ", " : "", opt->queries[i]);
         fputs("], \"accuracy\": ", f);
         put_grid(f, (const double(*)[LM_EVAL_MAX_GRID])r->mqar_accuracy, opt->n_lengths, opt->n_queries);
-        fprintf(f, ", \"pairs\": %d}\n", opt->mqar_pairs);
+        fprintf(f, ", \"pairs\": %d, \"rows\": %lld}\n", opt->mqar_pairs, (long long)opt->batches * opt->batch_size);
     }
     fflush(f);
 }
@@ -605,7 +605,8 @@ void lm_eval_write_table(const lm_eval_result *r, const lm_eval_options *opt, FI
         fputc('\n', f);
     }
     if (opt->tasks & LM_EVAL_PASSKEY) {
-        fputs("passkey accuracy %, all five digits right (digits right), by length and needle depth\n", f);
+        fprintf(f, "passkey accuracy %%, all five digits right (digits right), by length and needle depth (%lld rows "
+                "a cell)\n", (long long)opt->batches * opt->batch_size);
         fprintf(f, "  %8s", "length");
         for (int j = 0; j < opt->n_depths; j++) {
             char label[32];
@@ -625,8 +626,9 @@ void lm_eval_write_table(const lm_eval_result *r, const lm_eval_options *opt, FI
         }
     }
     if (opt->tasks & LM_EVAL_MQAR) {
-        fprintf(f, "mqar accuracy %% of value digits, by length and queries (pairs: %s)\n",
-                opt->mqar_pairs == 0 ? "as many as queries" : opt->mqar_pairs < 0 ? "as many as fit" : "fixed");
+        fprintf(f, "mqar accuracy %% of value digits, by length and queries (pairs: %s; %lld rows a cell)\n",
+                opt->mqar_pairs == 0 ? "as many as queries" : opt->mqar_pairs < 0 ? "as many as fit" : "fixed",
+                (long long)opt->batches * opt->batch_size);
         fprintf(f, "  %8s", "length");
         for (int j = 0; j < opt->n_queries; j++) {
             char label[32];

@@ -79,6 +79,7 @@ static const key_spec keys[] = {
     K_("train", "grad_clip", KEY_FLOAT, grad_clip, 0, 1e6, NULL),
     K_("train", "qk_clip_tau", KEY_FLOAT, qk_clip_tau, 0, 1e6, NULL),
     K_("train", "answer_loss_weight", KEY_FLOAT, answer_loss_weight, 1, 1e6, NULL),
+    K_("train", "grid_rows", KEY_INT, grid_rows, 0, 1 << 16, NULL),
     K_("train", "seed", KEY_U64, seed, 0, 1.8e19, NULL),
     K_("train", "log_every", KEY_INT, log_every, 1, 1 << 30, NULL),
     K_("train", "eval_every", KEY_INT, eval_every, 0, 1 << 30, NULL),
@@ -146,6 +147,7 @@ void lm_config_defaults(lm_config *c) {
     c->grad_clip = 1.0f;
     c->qk_clip_tau = 100.0f;
     c->answer_loss_weight = 1.0f;
+    c->grid_rows = 4;
     c->seed = 1234;
     c->log_every = 10;
     c->eval_every = 100;

@@ -136,7 +136,7 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     o.max_bad_steps = 10;
     o.inject_fault_step = -1;
     o.inject_nan_param_step = -1;
-    o.stage_eval_batches = 2;
+    o.stage_eval_batches = -1;
     o.inject_fault = LM_FAULT_LOSS;
     return o;
 }
@@ -1813,7 +1813,8 @@ static void log_eval(trainer *t, float loss, float acc) {
  * the metrics log (docs/eval.md). Their rows are bytes: byte-vocabulary
  * models only. */
 static lm_status stage_evaluation(trainer *t) {
-    if (t->cfg.vocab_size != 256 || t->opt.stage_eval_batches <= 0) return LM_OK;
+    const int batches = t->opt.stage_eval_batches >= 0 ? t->opt.stage_eval_batches : (t->cfg.grid_rows + 1) / 2;
+    if (t->cfg.vocab_size != 256 || batches <= 0) return LM_OK;
     if (t->rank > 0) return dp_agree(t, LM_OK); /* rank 0 evaluates the checkpoint it wrote */
     lm_eval_options eo = lm_eval_options_default();
     eo.tasks = LM_EVAL_PASSKEY | LM_EVAL_MQAR;
@@ -1823,7 +1824,7 @@ static lm_status stage_evaluation(trainer *t) {
         for (int j = 0; j < eo.n_lengths; j++) seen |= eo.lengths[j] == t->stages[i].seq_len;
         if (!seen) eo.lengths[eo.n_lengths++] = t->stages[i].seq_len;
     }
-    eo.batches = t->opt.stage_eval_batches;
+    eo.batches = batches;
     eo.batch_size = 2;
     eo.backend = t->be; /* on the training device (NULL: the CPU) */
     char dir[4200];
