@@ -10,8 +10,10 @@ static lm_status parse(const char *text, lm_config *c) {
 }
 
 static void test_presets_load_and_validate(void) {
-    const char *presets[] = {"configs/tiny.json", "configs/small.json", "configs/k3-mini.json", "configs/k3.json"};
-    for (int i = 0; i < 4; i++) {
+    const char *presets[] = {"configs/tiny.json",     "configs/small.json",       "configs/k3-mini.json",
+                             "configs/k3.json",       "configs/passkey-cpu.json", "configs/long-gpu.json",
+                             "configs/text-gpu.json"};
+    for (int i = 0; i < (int)(sizeof presets / sizeof presets[0]); i++) {
         lm_config c;
         CHECK(!lm_config_load(presets[i], &c), "%s: %s", presets[i], lm_last_error());
     }
