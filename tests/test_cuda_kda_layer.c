@@ -132,8 +132,8 @@ static void test_short_conv_silu_forward_matches_cpu(void) {
 }
 
 /* The register-window kernel (the default; LONGMOE_CONV_FORWARD=window)
- * gives the row kernel's bits (LONGMOE_CONV_FORWARD=row): conv output, operator input and 1/||.||, on every shape
- * (T under and over its 16-token blocks, W 2 to 4, head dims 32 to 128; the
+ * gives the row kernel's bits (LONGMOE_CONV_FORWARD=row): conv output,
+ * operator input and 1/||.||, on every shape (T under and over its 16-token blocks, W 2 to 4, head dims 32 to 128; the
  * shapes it does not take, W > 4 or head_dim > 128, run the row kernel), and
  * an unknown value is refused. */
 static void test_short_conv_window_kernel_equals_row_kernel(void) {

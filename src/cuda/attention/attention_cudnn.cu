@@ -577,7 +577,7 @@ Key piece_key(int device, const Shape &s, const Piece &p) {
     w.T = p.tq;
     w.Tk = p.tk;
     Key k = make_key(device, PLAN_BWD_DET, w);
-    k.qrows = s.T; /* the statistics are packed per piece (stats_rows_kernel): their head stride is p.tq */
+    k.qrows = s.T; /* the statistics are copied packed per piece (backward_blocked): their head stride is p.tq */
     /* the key rows only set k's and v's batch stride: with one row the pieces of every prefix
      * length share their plans (sequence segments: the prefix grows from segment to segment) */
     k.krows = s.B > 1 ? s.Tk : p.tk;

@@ -9,6 +9,7 @@
 #include "cuda/moe/moe_internal.cuh"
 #include "check.h"
 #include "longmoe/moe.h"
+#include "longmoe/linear_cuda.h"
 #include "longmoe/moe_cuda.h"
 
 #define ALIGN_BYTES 256
@@ -162,41 +163,6 @@ __device__ __forceinline__ void act_backward(int act, float a, float u, float *g
     }
     *ga = u * sg * (1.0f + a * (1.0f - sg));
     *gu = a * sg;
-}
-
-__global__ void to_bf16_kernel(bf16 *dst, const float *src, int64_t count) {
-    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (q < count) dst[q] = __float2bfloat16_rn(src[q]);
-}
-
-/* The same, 8 elements a thread (two 16-byte loads, one 16-byte store). */
-__global__ void to_bf16_vec8_kernel(uint4 *dst, const float4 *src, int64_t count8) {
-    int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (q >= count8) return;
-    const float4 a = src[2 * q], b = src[2 * q + 1];
-    union {
-        __nv_bfloat162 h[4];
-        uint4 u;
-    } r;
-    r.h[0] = __floats2bfloat162_rn(a.x, a.y);
-    r.h[1] = __floats2bfloat162_rn(a.z, a.w);
-    r.h[2] = __floats2bfloat162_rn(b.x, b.y);
-    r.h[3] = __floats2bfloat162_rn(b.z, b.w);
-    dst[q] = r.u;
-}
-
-/* dst = bf16(src), count elements: 8 a thread where both are 16-byte aligned. */
-static lm_status to_bf16(cudaStream_t st, void *dst, const float *src, int64_t count) {
-    int64_t done = 0;
-    if ((((uintptr_t)dst | (uintptr_t)src) & 15) == 0 && count >= 8) {
-        const int64_t c8 = count / 8;
-        to_bf16_vec8_kernel<<<blocks_for(c8, 256), 256, 0, st>>>((uint4 *)dst, (const float4 *)src, c8);
-        done = c8 * 8;
-    }
-    if (done < count)
-        to_bf16_kernel<<<blocks_for(count - done, 256), 256, 0, st>>>((bf16 *)dst + done, src + done, count - done);
-    LM_CUDA_TRY(cudaGetLastError());
-    return LM_OK;
 }
 
 /* Rows r < min(rows, *row_limit) (row_limit may be NULL) of width f. */
@@ -438,7 +404,7 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     const int32_t *rows_used = a->padded_offsets + n;
 
     if (a->x_bf16) {
-        TRY(to_bf16(st, a->x_bf16, x, m * d));
+        TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)a->x_bf16, x, (size_t)(m * d)));
     }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
     TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
@@ -513,7 +479,7 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     const int32_t *rows_used = a->padded_offsets + n;
 
     if (s->dy_bf16) {
-        TRY(to_bf16(st, s->dy_bf16, dy, m * d));
+        TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
     }
     /* shared experts */
     for (int e = 0; e < ns; e++) {
