@@ -2,7 +2,7 @@
  * in the trainer").
  *
  * Alone (`test_cp_train`): what needs no second rank: the CLI's refusals of
- * --cp (without --comm mpi, with --ep) and its --help; lm_train refusing a
+ * --cp (without --comm mpi) and its --help; lm_train refusing a
  * context-parallel run without a communicator; the segment evaluation of a
  * one-rank group equals the plain evaluation; `longmoe plan --memory --cp N`.
  * Under mpirun (`mpirun -np N test_cp_train --mpi N`, ctest's
@@ -18,9 +18,14 @@
  * run; ZeRO-1 over the whole world bit-identical to the replicated state; a
  * NaN in one rank's segment skipping the step on every rank as one process
  * with the same NaN does; a run of two stages with recompute (the stage
- * change makes the next stage's context-parallel model); the refusals (--ep with --cp, ranks not a multiple
- * of the group, sequences shorter than the group). Built without MPI,
- * `--mpi N` reports every case skipped. */
+ * change makes the next stage's context-parallel model). Context and expert
+ * parallelism together (--cp with --ep [G]: CP 2 x EP 2 on 2 ranks; CP 2 x EP 4,
+ * CP 2 with EP groups of 2 and CP 4 with EP groups of 2 on 4 ranks) against one
+ * process within 1e-5, with owner-only expert state, a bit-exact resume, checkpoints
+ * resumed on one process and the other way round, ZeRO-1, a skipped NaN step
+ * and a staged run with recompute. The refusals (ranks not a multiple of the
+ * group or of the EP group, sequences shorter than the group). Built without
+ * MPI, `--mpi N` reports every case skipped. */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -43,9 +48,10 @@ static lm_config cp_config(void) {
 }
 
 /* One run of lm_train: over the ranks in groups of cp (cp = 0: this process
- * alone), ZeRO stage zero. */
-static lm_status train(const lm_config *c, const char *run, int cp, int zero, int resume, int64_t stop_after,
-                       lm_train_result *r) {
+ * alone), ZeRO stage zero, expert parallelism in groups of ep ranks (0: off,
+ * R: over every rank). */
+static lm_status train_ep(const lm_config *c, const char *run, int cp, int ep, int zero, int resume,
+                          int64_t stop_after, lm_train_result *r) {
     lm_train_options o = lm_train_options_default(dir(run));
     o.progress = NULL;
     o.val_batches = 2;
@@ -55,8 +61,15 @@ static lm_status train(const lm_config *c, const char *run, int cp, int zero, in
     o.comm = cp ? comm : NULL;
     o.context_parallel = cp;
     o.zero = zero;
+    o.expert_parallel = ep > 0;
+    o.ep_group = ep == R ? 0 : ep;
     memset(r, 0, sizeof *r);
     return lm_train(c, &o, r);
+}
+
+static lm_status train(const lm_config *c, const char *run, int cp, int zero, int resume, int64_t stop_after,
+                       lm_train_result *r) {
+    return train_ep(c, run, cp, 0, zero, resume, stop_after, r);
 }
 
 /* Whether every rank passed every check so far. */
@@ -92,7 +105,7 @@ static void compare_with_one_process(const char *run, const char *what) {
     na = read_metric(run, "eval", "answer_accuracy", a, 32);
     nb = read_metric("one", "eval", "answer_accuracy", b, 32);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-12, "validation answer accuracy");
-    double wp, wb, wq[32], oq[32];
+    double wp = 0, wb = 0, wq[32], oq[32];
     CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
     CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state", what);
     na = read_metric(run, "train", "grad_norm", wq, 32);
@@ -113,10 +126,9 @@ static void compare_with_one_process(const char *run, const char *what) {
 static void test_cli_and_trainer_refuse_cp_without_mpi(void) {
     char out[16384], args[900];
     CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--cp C"), "--help lacks --cp");
+    CHECK(strstr(out, "[--ep [G]] [--cp C]"), "--help does not say that --ep and --cp combine: %s", out);
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --cp 2", dir("cli"));
     CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm mpi"), "%s", out);
-    snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --cp 2 --ep", dir("cli"));
-    CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "not supported"), "%s", out);
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --cp 0", dir("cli"));
     CHECK(run_cli(args, out, sizeof out) == 2, "%s", out);
     struct stat sb;
@@ -362,17 +374,183 @@ static void test_a_staged_run_with_recompute_equals_one_process(void) {
            w10);
 }
 
+/* ---- context and expert parallelism together ---- */
+
+/* The layouts: on 2 ranks CP 2 x EP 2 (the EP group is the CP group); on 4
+ * CP 2 x EP 4 (one EP group over both CP groups: an owner runs its experts on
+ * both groups' rows), CP 2 with EP groups of 2 (each the CP group; the experts'
+ * replicas in the other group) and CP 4 with EP groups of 2 (two EP groups
+ * inside the CP group, each with half of every row's positions). */
+typedef struct {
+    const char *run, *what;
+    int cp, ep;
+} cpep_layout;
+static const cpep_layout cpep2[] = {{"cpep", "CP 2 x EP 2", 2, 2}};
+static const cpep_layout cpep4[] = {{"cpep", "CP 2 x EP 4", 2, 4},
+                                    {"cpep-g2", "CP 2 x EP groups of 2", 2, 2},
+                                    {"cp4ep-g2", "CP 4 x EP groups of 2", 4, 2}};
+static lm_train_result cpep_result[3];
+static int cpep_ok;
+
+static int cpep_layouts(const cpep_layout **l) {
+    *l = R == 4 ? cpep4 : cpep2;
+    return R == 4 ? 3 : 1;
+}
+
+/* Each layout trains 20 steps and equals one process with the same global
+ * batch within 1e-5 (losses, validation losses, gradient norms, QK-Clip
+ * maxima, parameters, optimizer and balancing state); every rank holds the
+ * same parameters and balancing state; the experts' optimizer state lives
+ * on their owners only (a rank holds the replicated tensors' and 1/G of the
+ * experts'). */
+static void test_context_and_expert_parallel_equal_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    const cpep_layout *l;
+    int n = cpep_layouts(&l);
+    for (int i = 0; i < n; i++)
+        CHECK(!train_ep(&c, l[i].run, l[i].cp, l[i].ep, 0, 0, 0, &cpep_result[i]) && cpep_result[i].step == 20 &&
+                  cpep_result[i].skipped == 0,
+              "%s: %s", l[i].what, lm_last_error());
+    cpep_ok = all_ranks_ok();
+    if (!cpep_ok) return;
+    const size_t experts = expert_floats(c) * sizeof(float), whole = cp_result.optimizer_state_bytes;
+    CHECK(experts > 0, "no expert tensors");
+    for (int i = 0; i < n; i++) {
+        CHECK(same_on_every_rank(cpep_result[i].params_hash), "%s: parameters or optimizer state differ between "
+              "ranks", l[i].what);
+        CHECK(same_on_every_rank(cpep_result[i].balance_hash), "%s: balancing state differs between ranks",
+              l[i].what);
+        const size_t want = whole - experts + experts / (size_t)l[i].ep;
+        CHECK(cpep_result[i].optimizer_state_bytes == want, "%s: rank %d holds %zu bytes of optimizer state, "
+              "expected %zu", l[i].what, me, cpep_result[i].optimizer_state_bytes, want);
+    }
+    if (me != 0) return;
+    for (int i = 0; i < n; i++) compare_with_one_process(l[i].run, l[i].what);
+    CHECK(largest_bias(l[0].run, 20) > 1e-3, "the balancing bias did not move");
+}
+
+/* On the same layout, 8 steps, stop, resume to 20: the uninterrupted run's
+ * bits. A CP x EP checkpoint of step 10 finished on one process, and one
+ * process's finished under CP x EP, both within 1e-5 of one process. ZeRO-1
+ * over the world (the experts' state in its ranges instead of on their owners)
+ * is the owner-only run bit for bit. */
+static void test_context_and_expert_parallel_checkpoints_resume_across_layouts(void) {
+    if (!cpep_ok) SKIP("the context and expert parallel runs failed");
+    lm_config c = cp_config();
+    const cpep_layout *l;
+    cpep_layouts(&l);
+    const int last = R == 4 ? 1 : 0; /* on 4 ranks the EP groups of 2 with CP 2 */
+    lm_train_result r;
+    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 0, 8, &r) && r.step == 8, "first part: %s",
+          lm_last_error());
+    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 1, 0, &r) && r.step == 20, "resumed: %s",
+          lm_last_error());
+    CHECK(r.params_hash == cpep_result[last].params_hash && r.balance_hash == cpep_result[last].balance_hash,
+          "%s: the resumed run's state differs from the uninterrupted run's", l[last].what);
+    CHECK(!train_ep(&c, "cpep-zero", l[0].cp, l[0].ep, 1, 0, 0, &r) && r.step == 20, "zero: %s", lm_last_error());
+    CHECK(r.params_hash == cpep_result[0].params_hash && r.balance_hash == cpep_result[0].balance_hash,
+          "%s with ZeRO-1 differs from the owner-only run", l[0].what);
+    CHECK(!train_ep(&c, "cpep-then-one", l[0].cp, l[0].ep, 0, 0, 10, &r) && r.step == 10, "ranks: %s",
+          lm_last_error());
+    if (me == 0) {
+        CHECK(!train(&c, "cpep-then-one", 0, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "one-then-cpep", 0, 0, 0, 10, &r) && r.step == 10, "one process: %s", lm_last_error());
+    }
+    lm_comm_barrier(comm);
+    CHECK(!train_ep(&c, "one-then-cpep", l[0].cp, l[0].ep, 0, 1, 0, &r) && r.step == 20, "ranks: %s",
+          lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash), "the resumed ranks differ");
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close(l[last].run, "cpep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close(l[last].run, "cpep-resumed", 20, "trainer.safetensors", 0, &w),
+          "trainer state bit-identical");
+    CHECK(tensors_close(l[0].run, "cpep-zero", 20, "trainer.safetensors", 0, &w), "ZeRO-1: trainer state "
+          "bit-identical");
+    double w1, w2;
+    CHECK(tensors_close("cpep-then-one", "one", 20, "model.safetensors", 1e-5, &w1), "CP x EP then one: parameters");
+    CHECK(tensors_close("cpep-then-one", "one", 20, "trainer.safetensors", 1e-5, &w), "CP x EP then one: state");
+    CHECK(tensors_close("one-then-cpep", "one", 20, "model.safetensors", 1e-5, &w2), "one then CP x EP: parameters");
+    CHECK(tensors_close("one-then-cpep", "one", 20, "trainer.safetensors", 1e-5, &w), "one then CP x EP: state");
+    printf("     %s then one process: parameters %.2e; one process then %s: %.2e relative\n", l[0].what, w1,
+           l[0].what, w2);
+}
+
+/* A NaN in the last rank's segment at step 4 under CP x EP: on 4 ranks with
+ * CP 2 x EP 4 only the last CP group's forward fails, and the first group
+ * learns of it in the MoE layers' agreement; the step is skipped on every
+ * rank and the run equals one process's with the same NaN. */
+static void test_context_and_expert_parallel_skip_a_failing_step_on_every_rank(void) {
+    if (!cpep_ok) SKIP("the context and expert parallel runs failed");
+    lm_config c = cp_config();
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    const cpep_layout *l;
+    cpep_layouts(&l);
+    lm_train_options o = lm_train_options_default(dir("cpep-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.context_parallel = l[0].cp;
+    o.expert_parallel = 1;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    /* one-fault: the one process with the same NaN (the context-parallel case above) */
+    double a[32], b[32];
+    int na = read_metric("cpep-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    double w;
+    CHECK(tensors_close("cpep-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+}
+
+/* The staged run with recompute under CP x EP (the recomputed MoE layers
+ * exchange again in the backward; the next stage's model is set up for both)
+ * equals one process's (staged-one, the context-parallel case above). */
+static void test_context_and_expert_parallel_staged_with_recompute(void) {
+    if (!cpep_ok) SKIP("the context and expert parallel runs failed");
+    lm_config c = cp_config();
+    c.recompute = 1;
+    c.eval_every = 0;
+    c.n_stages = 2;
+    memset(c.stages, 0, sizeof c.stages);
+    for (int i = 0; i < 2; i++) {
+        lm_stage *st = &c.stages[i];
+        snprintf(st->name, sizeof st->name, "s%d", i);
+        st->seq_len = i ? 31 : 24;
+        st->steps = 5;
+        st->batch_tokens = 4 * (int64_t)st->seq_len;
+        st->lr_scale = 1;
+    }
+    const cpep_layout *l;
+    cpep_layouts(&l);
+    lm_train_result r;
+    CHECK(!train_ep(&c, "staged-cpep", l[0].cp, l[0].ep, 0, 0, 0, &r) && r.step == 10, "ranks: %s",
+          lm_last_error());
+    CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks differ");
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("staged-cpep", "train", "loss", a, 32), nb = read_metric("staged-one", "train", "loss", b, 32);
+    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
+    double w;
+    CHECK(tensors_close("staged-cpep", "staged-one", 10, "model.safetensors", 1e-5, &w), "parameters at the end");
+    printf("     two stages with recompute, %s vs one process: parameters %.2e\n", l[0].what, w);
+}
+
 /* Refused on every rank before anything is written. */
 static void test_what_the_groups_cannot_run_is_refused(void) {
     lm_config c = cp_config();
     lm_train_result r;
-    lm_train_options o = lm_train_options_default(dir("cp-ep"));
-    o.progress = NULL;
-    o.comm = comm;
-    o.context_parallel = R;
-    o.expert_parallel = 1;
-    lm_status s = lm_train(&c, &o, &r);
-    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "not supported"), "--ep with --cp: status %d: %s", (int)s,
+    lm_status s = train_ep(&c, "cp-ep", R, 3, 0, 0, 0, &r); /* EP groups of 3 divide neither 2 nor 4 ranks */
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "multiple of 3"), "--cp with --ep 3: status %d: %s", (int)s,
           lm_last_error());
     s = train(&c, "cp3", 3, 0, 0, 0, &r); /* 3 divides neither 2 nor 4 */
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "multiple of 3"), "groups of 3: status %d: %s", (int)s,
@@ -441,6 +619,10 @@ int main(int argc, char **argv) {
     RUN(test_zero_over_the_world_is_the_replicated_run);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
     RUN(test_a_staged_run_with_recompute_equals_one_process);
+    RUN(test_context_and_expert_parallel_equal_one_process);
+    RUN(test_context_and_expert_parallel_checkpoints_resume_across_layouts);
+    RUN(test_context_and_expert_parallel_skip_a_failing_step_on_every_rank);
+    RUN(test_context_and_expert_parallel_staged_with_recompute);
     RUN(test_what_the_groups_cannot_run_is_refused);
     if (comm) {
         /* a failure on any rank fails the job's summary */

@@ -14,7 +14,7 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep [G] | --cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep [G]] [--cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
     "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
@@ -83,8 +83,10 @@ static const char *const train_usage =
     "                states. Gradients scaled by segment/T are summed over all N ranks, so\n"
     "                the step is the whole batch's, to float rounding; checkpoints are the\n"
     "                ordinary ones and resume on any layout. With --zero 1 the state is\n"
-    "                sharded over all N ranks; not with --ep (docs/scaleout.md, \"Context\n"
-    "                parallelism in the trainer\")\n"
+    "                sharded over all N ranks. With --ep [G] too, each EP group of G\n"
+    "                consecutive ranks sends its segments' tokens to their experts' owners\n"
+    "                as above (the two groupings need not match)\n"
+    "                (docs/scaleout.md, \"Context parallelism in the trainer\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -232,9 +234,6 @@ int cmd_train(int argc, char **argv) {
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi") + 1;
     if (cp > 1 && !use_mpi)
         return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi", cp) + 1;
-    if (cp > 1 && expert_parallel)
-        return cli_fail(cmd, "--ep together with --cp (expert and context parallelism) is not supported: use one of "
-                        "them") + 1;
     opt.zero = (int)zero;
     opt.context_parallel = (int)cp;
     lm_comm *comm = NULL;

@@ -94,7 +94,10 @@ lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
  * B T tokens; the parameter gradients are the rank's part: with loss_scale
  * T_r / (T_0 + ... + T_{R-1}) on rank r their sum over the ranks is the whole
  * sequence's. Call once, after creating the model (collective: the ranks
- * exchange B and T); not with expert parallelism. comm must outlive the model. */
+ * exchange B and T). With expert parallelism too (lm_model_set_expert_parallel
+ * after this, over its own handle): the MoE layers exchange tokens over the
+ * expert-parallel ranks, which may hold segments of other rows or positions.
+ * comm must outlive the model. */
 lm_status lm_model_set_context_parallel(lm_model *m, struct lm_comm *comm);
 /* Bytes of the block lm_model_set_context_parallel allocates (the mixers'
  * segment activations and one backward scratch) on the rank of `ranks` whose

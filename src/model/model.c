@@ -1552,7 +1552,11 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
  * starts with an agreement of the ranks. A rank that fails before the last
  * MoE layer joins the agreement of the next MoE layer it has not reached, so
  * the other ranks learn of the failure there instead of waiting in the
- * exchange (and fail too). */
+ * exchange (and fail too). With context parallelism as well, the ranks of a
+ * context-parallel group fail together at each sublayer's agreement (cp_agree)
+ * and each then joins that next agreement of its own expert-parallel group,
+ * whatever the two groupings: every rank of an EP group meets the failure at
+ * the same MoE layer, so none waits in an exchange. */
 lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
                            float *loss) {
     m->ep_next = 0;
@@ -1924,8 +1928,6 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (m->seg_on)
         return lm_error(LM_ERR_ARG, "expert parallelism together with train.seq_segment is not supported (set "
                                     "train.seq_segment to 0)");
-    if (m->cp_comm)
-        return lm_error(LM_ERR_ARG, "expert parallelism together with context parallelism is not supported yet");
     if (m->chunk < m->N)
         return lm_error(LM_ERR_ARG, "expert parallelism runs the MoE on the whole micro-batch: set "
                                     "train.recompute_chunk to 0 (or at least the micro-batch's %lld tokens)",
@@ -2000,8 +2002,6 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     if (m->dry) vs = lm_error(LM_ERR_ARG, "context parallelism: a plan (lm_model_plan) has no memory to run on");
     else if (m->be->device != LM_DEVICE_CPU || m->sep)
         vs = lm_error(LM_ERR_ARG, "context parallelism runs on the CPU (the device engine is not written yet)");
-    else if (m->ep_comm)
-        vs = lm_error(LM_ERR_ARG, "context parallelism together with expert parallelism is not supported yet");
     else if (m->seg_on)
         vs = lm_error(LM_ERR_ARG, "context parallelism together with train.seq_segment is not supported (set "
                                   "train.seq_segment to 0, or at least the sequence length)");

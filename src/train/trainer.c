@@ -295,9 +295,6 @@ static int stop_requested(trainer *t) {
 
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
-    if (t->opt.context_parallel > 1 && t->opt.expert_parallel)
-        return lm_error(LM_ERR_ARG, "expert parallelism together with context parallelism (--ep with --cp) is "
-                        "not supported: use one of them");
     if (t->opt.zero) {
         if (t->opt.zero != 1)
             return lm_error(LM_ERR_ARG, "ZeRO stage %d: stage 1 (the optimizer state sharded over the ranks) is the "
@@ -2073,12 +2070,15 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
             if (t.cp > 1) {
                 /* the group's backward is collective: its ranks agree on the forward (the model agrees inside
-                 * it; this adds the loss, computed on each rank's own tokens) */
+                 * it; this adds the loss, computed on each rank's own tokens). With expert parallelism the
+                 * backward's exchanges also join other groups' ranks: then every rank agrees (a step failing
+                 * on one rank is skipped on all in any case) */
+                lm_comm *fc = t.opt.expert_parallel ? t.comm : t.cp_comm;
                 int32_t f[2] = {fs == LM_ERR_NUMERIC, fs && fs != LM_ERR_NUMERIC};
-                if ((s = lm_comm_all_reduce_sum(t.cp_comm, f, f, 2, LM_DTYPE_I32))) goto done;
+                if ((s = lm_comm_all_reduce_sum(fc, f, f, 2, LM_DTYPE_I32))) goto done;
                 if (f[1]) {
                     s = fs ? fs : lm_error(LM_ERR_ARG, "context parallel: the forward failed on another rank of "
-                                           "the group");
+                                           "the %s", fc == t.comm ? "job" : "group");
                     goto done;
                 }
                 if (f[0] && !fs) fs = LM_ERR_NUMERIC;
@@ -2091,7 +2091,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 s = fs;
                 goto done;
             }
-            /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N) */
+            /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N). The
+             * scale enters at the loss (each token's logit gradient scale / (its rank's tokens), 1 / (B T
+             * grad_accum) on every rank), so under expert parallelism the expert-output gradients an owner
+             * receives from other ranks' tokens carry those ranks' scales */
             const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
                                          : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
             /* train.answer_loss_weight: sum_i w_i nll_i / sum_i w_i over the micro-batch (every rank's rows) */
