@@ -2,11 +2,11 @@
  * k3-mini MoE layer (d 1024, 128 experts top-8, expert ffn 512, LatentMoE
  * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
  *
- *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma] [--out results.json]
+ *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--out results.json]
  *
  * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS batched by
- * padded size, cuBLAS grouped, cuBLAS per-expert loop, the wmma kernel; all
- * four unless --gemm names one) on the same inputs. Prints forward and forward+backward milliseconds
+ * padded size, cuBLAS grouped, cuBLAS per-expert loop, the wmma kernel, the
+ * wgmma kernel; all five unless --gemm names one) on the same inputs. Prints forward and forward+backward milliseconds
  * (median of N) and the grouped products' TFLOP/s: their FLOPs (routed
  * experts only: 6 m k f d_e forward, twice that backward) over the whole
  * layer's time, so a lower bound of the grouped products' own rate. The
@@ -45,7 +45,7 @@ int main(int argc, char **argv) {
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma] [--out results.json]\n",
+            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--out results.json]\n",
                     argv[0]);
             return 2;
         }

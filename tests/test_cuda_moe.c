@@ -2,9 +2,9 @@
  * the same bf16-representable weights and inputs: routing identical, y, dx
  * and every parameter gradient within bf16 tolerance; run-to-run bit
  * identity; each of it for every kind of expert product (cuBLAS batched by
- * padded size, cuBLAS grouped, cuBLAS per-expert loop, wmma), on activation
- * buffers that start full of NaN bytes (the batched kind's padding rows
- * zero after the forward and backward); the balance histogram's integer counts equal
+ * padded size, cuBLAS grouped, cuBLAS per-expert loop, wmma, wgmma), on
+ * activation buffers that start full of NaN bytes (the batched and wgmma
+ * kinds' padding rows zero after the forward and backward); the balance histogram's integer counts equal
  * the CPU's. */
 #include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
@@ -168,7 +168,7 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
                                 &gs));
     GPU_OK(lm_cuda_context_sync(&ctx));
-    if (kind_now == LM_MOE_GEMM_BATCHED) check_padding_rows_zero(&ga, &gs, cfg, what);
+    if (kind_now == LM_MOE_GEMM_BATCHED || kind_now == LM_MOE_GEMM_WGMMA) check_padding_rows_zero(&ga, &gs, cfg, what);
     GPU_OK(lm_cuda_download(y_gpu, yd, md_ * 4));
     GPU_OK(lm_cuda_download(dx_gpu, dxd, md_ * 4));
     GPU_OK(lm_cuda_download(g_gpu, md.d_grads, md.count * 4));
@@ -290,6 +290,19 @@ static void test_forward_backward_match_the_cpu_without_latent(void) {
             snprintf(what, sizeof what, "plain %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
             compare_case(&c, ms[i], NULL, 0, 100 + 10 * a + i, what);
         }
+}
+
+/* widths over several tiles of the wgmma kernel: K = 256 and 328 (the
+ * three-stage pipeline refilled, a last block of 8 of 64), N = 328 and 256
+ * (a partial tile), several row tiles an expert */
+static void test_forward_backward_match_the_cpu_wide(void) {
+    char what[96];
+    for (int a = 0; a < 2; a++) {
+        lm_moe_config c = lm_moe_config_default(256, 8, 2, 328);
+        c.act = (lm_expert_act)a;
+        snprintf(what, sizeof what, "wide %s m=700", a ? "situ" : "swiglu");
+        compare_case(&c, 700, NULL, 0, 130 + a, what);
+    }
 }
 
 static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
@@ -469,9 +482,11 @@ static void test_gemm_selector(void) {
     CHECK(lm_cuda_moe_gemm_parse("grouped") == LM_MOE_GEMM_GROUPED, "parse grouped");
     CHECK(lm_cuda_moe_gemm_parse("loop") == LM_MOE_GEMM_LOOP, "parse loop");
     CHECK(lm_cuda_moe_gemm_parse("wmma") == LM_MOE_GEMM_WMMA, "parse wmma");
+    CHECK(lm_cuda_moe_gemm_parse("wgmma") == LM_MOE_GEMM_WGMMA, "parse wgmma");
     CHECK(lm_cuda_moe_gemm_parse("cublas") == -1 && lm_cuda_moe_gemm_parse(NULL) == -1, "unknown names refused");
     CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)7) == LM_ERR_ARG, "kind 7 refused");
-    const char *names[LM_MOE_GEMM_KINDS] = {"grouped", "loop", "wmma", "batched"};
+    CHECK(lm_cuda_moe_set_wgmma_tile(64) == LM_ERR_ARG, "wgmma tile of 64 columns refused");
+    const char *names[LM_MOE_GEMM_KINDS] = {"grouped", "loop", "wmma", "batched", "wgmma"};
     for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
         lm_moe_gemm_kind got = (lm_moe_gemm_kind)-1;
         CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)q) == LM_OK, "set %d", q);
@@ -498,16 +513,21 @@ int main(void) {
     }
     /* every parity test once per kind of expert product, set through the API */
     const lm_moe_gemm_kind kinds[LM_MOE_GEMM_KINDS] = {LM_MOE_GEMM_BATCHED, LM_MOE_GEMM_GROUPED, LM_MOE_GEMM_LOOP,
-                                                       LM_MOE_GEMM_WMMA};
-    for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
-        kind_now = kinds[q];
-        if (!test_skip_all_reason && lm_cuda_moe_set_gemm(kind_now) != LM_OK) {
+                                                       LM_MOE_GEMM_WMMA, LM_MOE_GEMM_WGMMA};
+    /* the wgmma kind twice: its 128 x 256 tiles, then its 128 x 128 tiles */
+    for (int q = 0; q <= LM_MOE_GEMM_KINDS; q++) {
+        kind_now = kinds[q < LM_MOE_GEMM_KINDS ? q : LM_MOE_GEMM_KINDS - 1];
+        const int tile = q == LM_MOE_GEMM_KINDS ? 128 : 256;
+        if (!test_skip_all_reason &&
+            (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_wgmma_tile(tile) != LM_OK)) {
             fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
             return 1;
         }
-        printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
+        if (kind_now == LM_MOE_GEMM_WGMMA) printf("expert products: wgmma, tiles of 128 x %d\n", tile);
+        else printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
         RUN(test_forward_backward_match_the_cpu_without_latent);
         RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+        RUN(test_forward_backward_match_the_cpu_wide);
         RUN(test_bias_and_extra_score_gradient_match_the_cpu);
         RUN(test_all_tokens_to_the_same_experts_is_dropless);
         RUN(test_experts_without_tokens_and_one_crowded_expert);

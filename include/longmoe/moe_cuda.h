@@ -118,7 +118,12 @@ typedef struct {
  *            accumulate in place (the default);
  *   GROUPED: cublasGemmGroupedBatchedEx, one group per expert with rows;
  *   LOOP:    one cublasGemmEx per expert with rows;
- *   WMMA:    the project's own grouped kernel (src/cuda/moe/moe_gemm.cu).
+ *   WMMA:    the project's own grouped kernel (src/cuda/moe/moe_gemm.cu);
+ *   WGMMA:   the project's Hopper kernel (src/cuda/moe/moe_wgmma.cu: TMA and
+ *            wgmma) for the products over the grouped rows (forward, and the
+ *            input gradients through transposed weights), over the padded
+ *            rows as BATCHED (zero padding rows); the weight gradients and
+ *            the dense products as BATCHED.
  * Operands bf16, accumulation fp32 in all four. The cuBLAS kinds need the
  * per-expert row counts on the host: the forward copies them once (one
  * stream synchronisation) and the backward reuses them. */
@@ -126,18 +131,23 @@ typedef enum {
     LM_MOE_GEMM_GROUPED = 0,
     LM_MOE_GEMM_LOOP = 1,
     LM_MOE_GEMM_WMMA = 2,
-    LM_MOE_GEMM_BATCHED = 3
+    LM_MOE_GEMM_BATCHED = 3,
+    LM_MOE_GEMM_WGMMA = 4
 } lm_moe_gemm_kind;
-#define LM_MOE_GEMM_KINDS 4
+#define LM_MOE_GEMM_KINDS 5
 
 /* The kind the next forward uses (its backward follows the forward). Until
- * set, the environment variable LONGMOE_MOE_GEMM=batched|grouped|loop|wmma
+ * set, the environment variable LONGMOE_MOE_GEMM=batched|grouped|loop|wmma|wgmma
  * (read once), else BATCHED. An unknown value in the environment makes this (and
  * so every forward) return LM_ERR_ARG naming it, until a kind is set. */
 lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind);
 lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind);
 const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind);
-/* "batched", "grouped", "loop", "wmma" -> kind; -1 for anything else */
+/* The wgmma kind's tile: 128 x 256 (tile_n 256, the default) or 128 x 128
+ * (128); until set, LONGMOE_MOE_WGMMA_TILE=128x128 selects the second
+ * (read once). Anything else is LM_ERR_ARG. */
+lm_status lm_cuda_moe_set_wgmma_tile(int tile_n);
+/* "batched", "grouped", "loop", "wmma", "wgmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
 /* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):
  * each then ran per expert (as LOOP), with one message on stderr. */

@@ -355,6 +355,12 @@ static lm_status gemm_grouped(const runner *r, lm_gemm_layout layout, const void
     g.group_offsets = r->acts->padded_offsets;
     g.groups = r->n;
     if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_bf16(r->st, &g);
+    if (r->kind == LM_MOE_GEMM_WGMMA) {
+        /* rows mode on the Hopper kernel (NN through W^T in the backward's
+         * scratch); weight gradients and anything it does not take: batched */
+        if (lm_moe_wgmma_takes(&g) && (layout == LM_GEMM_NT || r->dw_tmp)) return lm_moe_wgmma_grouped(r->st, &g, r->dw_tmp);
+        return lm_moe_blas_grouped(r->ctx, LM_MOE_GEMM_BATCHED, &g, r->acts, r->dw_tmp);
+    }
     return lm_moe_blas_grouped(r->ctx, r->kind, &g, r->acts, r->dw_tmp);
 }
 
@@ -465,7 +471,7 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     if (m == 0) return LM_OK;
     if (!dy || !x) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
     if (a->gemm_kind != LM_MOE_GEMM_WMMA && a->gemm_kind != LM_MOE_GEMM_GROUPED && a->gemm_kind != LM_MOE_GEMM_LOOP &&
-        a->gemm_kind != LM_MOE_GEMM_BATCHED)
+        a->gemm_kind != LM_MOE_GEMM_BATCHED && a->gemm_kind != LM_MOE_GEMM_WGMMA)
         return lm_error(LM_ERR_ARG, "moe cuda backward: acts hold no forward (gemm kind %d)", a->gemm_kind);
     if (a->gemm_kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
         return lm_error(LM_ERR_ARG, "moe cuda backward: the context has no cuBLAS handle");

@@ -52,6 +52,7 @@ extern "C" int lm_cuda_moe_gemm_parse(const char *name) {
     if (!strcmp(name, "grouped")) return LM_MOE_GEMM_GROUPED;
     if (!strcmp(name, "loop")) return LM_MOE_GEMM_LOOP;
     if (!strcmp(name, "wmma")) return LM_MOE_GEMM_WMMA;
+    if (!strcmp(name, "wgmma")) return LM_MOE_GEMM_WGMMA;
     return -1;
 }
 
@@ -61,6 +62,7 @@ extern "C" const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind) {
     case LM_MOE_GEMM_LOOP: return "loop";
     case LM_MOE_GEMM_WMMA: return "wmma";
     case LM_MOE_GEMM_BATCHED: return "batched";
+    case LM_MOE_GEMM_WGMMA: return "wgmma";
     }
     return "unknown";
 }
@@ -76,15 +78,16 @@ extern "C" lm_status lm_cuda_moe_gemm(lm_moe_gemm_kind *kind) {
         selected_kind = k < 0 ? -2 : k;
     }
     if (selected_kind == -2)
-        return lm_error(LM_ERR_ARG, "LONGMOE_MOE_GEMM=%s: expected batched, grouped, loop or wmma", bad_env);
+        return lm_error(LM_ERR_ARG, "LONGMOE_MOE_GEMM=%s: expected batched, grouped, loop, wmma or wgmma", bad_env);
     if (kind) *kind = (lm_moe_gemm_kind)selected_kind;
     return LM_OK;
 }
 
 extern "C" lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind) {
     if (kind != LM_MOE_GEMM_GROUPED && kind != LM_MOE_GEMM_LOOP && kind != LM_MOE_GEMM_WMMA &&
-        kind != LM_MOE_GEMM_BATCHED)
-        return lm_error(LM_ERR_ARG, "moe gemm kind %d: expected grouped (0), loop (1), wmma (2) or batched (3)",
+        kind != LM_MOE_GEMM_BATCHED && kind != LM_MOE_GEMM_WGMMA)
+        return lm_error(LM_ERR_ARG,
+                        "moe gemm kind %d: expected grouped (0), loop (1), wmma (2), batched (3) or wgmma (4)",
                         (int)kind);
     selected_kind = kind;
     return LM_OK;

@@ -77,6 +77,18 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
 lm_status lm_moe_blas_fetch_counts(const lm_cuda_context *ctx, lm_cuda_moe_acts *acts, int n);
 
 
+/* The wgmma kind's grouped products (moe_wgmma.cu), rows mode (NT, NN) over
+ * all M = rows_max grouped rows with group_offsets = padded_offsets (the row
+ * counts stay on the device). takes: whether this kernel runs g (layout,
+ * sizes and alignment); the caller sends anything else to cuBLAS. NN writes
+ * the transposed weights into wt_tmp (bf16, groups N K) first. */
+bool lm_moe_wgmma_takes(const lm_gemm_bf16_args *g);
+/* The tile's columns: 256 (128 x 256 tiles, four stages), or 128 with
+ * LONGMOE_MOE_WGMMA_TILE=128x128 (three stages, two blocks a multiprocessor);
+ * the environment is read once. */
+int lm_moe_wgmma_tile_n(void);
+lm_status lm_moe_wgmma_grouped(cudaStream_t stream, const lm_gemm_bf16_args *g, bf16 *wt_tmp);
+
 /* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
  * the padded grouped layout (acts: s holds the logits W_r x on entry). */
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
