@@ -326,16 +326,19 @@ lm_status make_map(CUtensorMap *map, const void *ptr, int rank, const uint64_t *
 
 bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-/* one kernel instance: its shared-memory limit raised once, then launched */
-template <typename Kern>
-lm_status launch(Kern kern, size_t smem, dim3 grid, cudaStream_t st, const CUtensorMap &map_a,
-                 const CUtensorMap &map_b, const tile_args &p) {
+/* one kernel instance: its shared-memory limit raised once (a flag per
+ * instance: the instances share one function type), then launched */
+template <int TILE_N, int STAGES, int MIN_BLOCKS>
+lm_status launch(dim3 grid, cudaStream_t st, const CUtensorMap &map_a, const CUtensorMap &map_b,
+                 const tile_args &p) {
     static bool raised;
+    const size_t smem = shape<TILE_N, STAGES>::smem_bytes;
     if (!raised) {
-        LM_CUDA_TRY(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        LM_CUDA_TRY(cudaFuncSetAttribute(grouped_nt_kernel<TILE_N, STAGES, MIN_BLOCKS>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         raised = true;
     }
-    kern<<<grid, THREADS, smem, st>>>(map_a, map_b, p);
+    grouped_nt_kernel<TILE_N, STAGES, MIN_BLOCKS><<<grid, THREADS, smem, st>>>(map_a, map_b, p);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -413,7 +416,7 @@ lm_status lm_moe_wgmma_grouped(cudaStream_t st, const lm_gemm_bf16_args *g, bf16
     p.padded = g->group_offsets;
     p.groups = g->groups;
     dim3 grid((unsigned)((g->N + tile_n - 1) / tile_n), (unsigned)((g->M + TILE_M - 1) / TILE_M));
-    if (tile_n == 256) TRY(launch(grouped_nt_kernel<256, 4, 1>, shape<256, 4>::smem_bytes, grid, st, map_a, map_b, p));
-    else TRY(launch(grouped_nt_kernel<128, 3, 2>, shape<128, 3>::smem_bytes, grid, st, map_a, map_b, p));
+    if (tile_n == 256) TRY((launch<256, 4, 1>(grid, st, map_a, map_b, p)));
+    else TRY((launch<128, 3, 2>(grid, st, map_a, map_b, p)));
     return LM_OK;
 }
