@@ -336,11 +336,8 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
-/* Two stages (24 then 31 tokens: segments 12 + 12 then 16 + 15 on 2 ranks,
- * 6 each then 8, 8, 8, 7 on 4) with recompute: the stage change makes the new
- * stage's context-parallel model, and the run equals one process's. */
-static void test_a_staged_run_with_recompute_equals_one_process(void) {
-    if (!runs_ok) SKIP("the runs failed");
+/* Two stages of 5 steps (24 then 31 tokens a row, 4 rows) with recompute. */
+static lm_config staged_config(void) {
     lm_config c = cp_config();
     c.recompute = 1;
     c.eval_every = 0;
@@ -354,6 +351,15 @@ static void test_a_staged_run_with_recompute_equals_one_process(void) {
         st->batch_tokens = 4 * (int64_t)st->seq_len;
         st->lr_scale = 1;
     }
+    return c;
+}
+
+/* Two stages (24 then 31 tokens: segments 12 + 12 then 16 + 15 on 2 ranks,
+ * 6 each then 8, 8, 8, 7 on 4) with recompute: the stage change makes the new
+ * stage's context-parallel model, and the run equals one process's. */
+static void test_a_staged_run_with_recompute_equals_one_process(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = staged_config();
     lm_train_result r;
     CHECK(!train(&c, "staged-cp", R, 0, 0, 0, &r) && r.step == 10, "ranks: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks differ");
@@ -516,19 +522,7 @@ static void test_context_and_expert_parallel_skip_a_failing_step_on_every_rank(v
  * equals one process's (staged-one, the context-parallel case above). */
 static void test_context_and_expert_parallel_staged_with_recompute(void) {
     if (!cpep_ok) SKIP("the context and expert parallel runs failed");
-    lm_config c = cp_config();
-    c.recompute = 1;
-    c.eval_every = 0;
-    c.n_stages = 2;
-    memset(c.stages, 0, sizeof c.stages);
-    for (int i = 0; i < 2; i++) {
-        lm_stage *st = &c.stages[i];
-        snprintf(st->name, sizeof st->name, "s%d", i);
-        st->seq_len = i ? 31 : 24;
-        st->steps = 5;
-        st->batch_tokens = 4 * (int64_t)st->seq_len;
-        st->lr_scale = 1;
-    }
+    lm_config c = staged_config();
     const cpep_layout *l;
     cpep_layouts(&l);
     lm_train_result r;
