@@ -41,7 +41,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) {
             only = lm_cuda_moe_gemm_parse(argv[++i]);
             if (only < 0) {
-                fprintf(stderr, "--gemm %s: expected batched, grouped, loop or wmma\n", argv[i]);
+                fprintf(stderr, "--gemm %s: expected batched, grouped, loop, wmma or wgmma\n", argv[i]);
                 return 2;
             }
         } else {

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: where the time of the MoE layer and of
+# the whole k3-mini step goes, kernel by kernel. Builds the benchmarks, then runs each
+# program once under `ncu --clock-control none --metrics gpu__time_duration.sum` and
+# sums the durations by kernel (bench/ncu_kernel_table.py). Logs go to $OUT.
+#
+#   bench/profile_device.sh [build] [moe] [step]   (default: all three)
+#   MOE_KINDS="batched wgmma"   the MoE product kinds profiled (bench_cuda_moe --gemm K)
+#   STEP_ARGS                   bench_cuda_model's arguments (default: k3-mini 8x4096,
+#                               no recompute, one step)
+#   TOP                         kernels listed per table (default 40)
+set -uo pipefail
+OUT=${OUT:-out}
+BUILD=${BUILD:-build-cuda}
+JOBS=${JOBS:-$(nproc)}
+TOP=${TOP:-40}
+MOE_KINDS=${MOE_KINDS:-batched wgmma}
+STEP_ARGS=${STEP_ARGS:---config configs/k3-mini.json --batch 8 --seq 4096 --reps 0 --no-recompute}
+mkdir -p "$OUT"
+steps=${*:-build moe step}
+has() { [[ " $steps " == *" $1 "* ]]; }
+NCU="ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv"
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 500 cmake --build "$BUILD" -j "$JOBS" --target bench_cuda_moe bench_cuda_model >>"$OUT/build.log" 2>&1 ||
+        { echo "build failed"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
+fi
+
+if has moe; then
+    for k in $MOE_KINDS; do
+        echo "== ncu: MoE layer (k3-mini, 32768 tokens), kind $k: one forward and one forward+backward after the warm-up"
+        timeout 240 $NCU "$BUILD/bench_cuda_moe" --gemm "$k" --reps 1 >"$OUT/ncu_moe_$k.csv" 2>&1
+        python3 bench/ncu_kernel_table.py "$OUT/ncu_moe_$k.csv" --top "$TOP"
+    done
+fi
+
+if has step; then
+    echo "== ncu: one training step ($STEP_ARGS)"
+    timeout 300 $NCU "$BUILD/bench_cuda_model" $STEP_ARGS >"$OUT/ncu_step.csv" 2>&1
+    python3 bench/ncu_kernel_table.py "$OUT/ncu_step.csv" --top "$TOP"
+fi
