@@ -316,6 +316,23 @@ static void test_rmsnorm_backward_matches_cpu_and_accumulates(void) {
             }
             CHECK(same_bits(got_dx[0], got_dx[1], nx * 4) && same_bits(got_dw[0], got_dw[1], (size_t)d * 4),
                   "%s: differs between runs", what);
+            {
+                /* the _set form writes dinp: NaN there beforehand must not show; dweight still adds */
+                float *zero = calloc(nx, 4), *want_set = calloc(nx, 4), *nan_fill = mallocCheck(nx * 4);
+                for (size_t i = 0; i < nx; i++) nan_fill[i] = NAN;
+                lm_rmsnorm_backward(want_set, NULL, g, x, wp, variant == 1 ? NULL : r, n, d, eps);
+                put_f32(d_dx, nan_fill, nx);
+                put_f32(d_dw, dw0, (size_t)d);
+                CHECK(lm_cuda_rmsnorm_backward_set(&ctx, d_dx, variant == 2 ? NULL : d_dw, d_g, d_x,
+                                                   variant == 2 ? NULL : d_w, variant == 1 ? NULL : d_r, n, d, eps,
+                                                   scratch) == LM_OK,
+                      "%s", lm_last_error());
+                float *got_set = get_f32(d_dx, nx), *got_set_dw = get_f32(d_dw, (size_t)d);
+                e = rel_err_added(got_set, want_set, zero, nx);
+                CHECK(e <= 1e-5, "%s: _set dinp rel error %.3g", what, e);
+                CHECK(same_bits(got_set_dw, got_dw[0], (size_t)d * 4), "%s: _set dweight differs", what);
+                free(zero), free(want_set), free(nan_fill), free(got_set), free(got_set_dw);
+            }
             free(x), free(w), free(g), free(dx0), free(dw0), free(r), free(tmp), free(want_dx), free(want_dw);
             free(got_dx[0]), free(got_dx[1]), free(got_dw[0]), free(got_dw[1]);
             lm_cuda_free(d_x), lm_cuda_free(d_w), lm_cuda_free(d_g), lm_cuda_free(d_r), lm_cuda_free(d_dx);

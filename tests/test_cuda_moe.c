@@ -27,6 +27,8 @@ typedef struct {
     lm_moe_params_bf16 pb;
 } model;
 
+static int tie_rows; /* model_init: pairs of equal router rows (exact ties in the routing) */
+
 static void model_init(model *md, const lm_moe_config *cfg, uint64_t seed) {
     memset(md, 0, sizeof *md);
     md->cfg = *cfg;
@@ -39,6 +41,10 @@ static void model_init(model *md, const lm_moe_config *cfg, uint64_t seed) {
     for (size_t i = 0; i < md->count; i++) md->params[i] = bf16_round((float)(0.08 * lm_rng_normal(&r)));
     /* router rows spread so that the scores of one token are well apart */
     for (size_t i = 0; i < (size_t)cfg->n_experts * cfg->d; i++) hp.router[i] = bf16_round((float)(0.3 * lm_rng_normal(&r)));
+    /* exact ties: expert 2i + 1's router row equals expert 2i's, so their scores are equal */
+    if (tie_rows)
+        for (int j = 1; j < cfg->n_experts; j += 2)
+            memcpy(hp.router + (size_t)j * cfg->d, hp.router + (size_t)(j - 1) * cfg->d, (size_t)cfg->d * sizeof(float));
     if (hp.lat_norm)
         for (int i = 0; i < cfg->d_latent; i++) hp.lat_norm[i] = bf16_round((float)(1.0 + 0.2 * lm_rng_normal(&r)));
     GPU_OK(lm_cuda_alloc(&md->d_params, md->count * 4));
@@ -179,6 +185,33 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     GPU_OK(lm_cuda_download(s_gpu, ga.s, mn * 4));
     GPU_OK(lm_cuda_download(offs, ga.offsets, (size_t)(n + 1) * 4));
 
+    /* routing on the GPU's own scores: for every token (ties included) the top-k of
+     * s + b equals the CPU's rule (decreasing, ties to the lower index) on those
+     * scores, and the weights its formula within an ulp or two (the division) */
+    {
+        float *w_gpu = malloc((size_t)m * k * 4);
+        GPU_OK(lm_cuda_download(w_gpu, ga.weights, (size_t)m * k * 4));
+        int64_t wrong = 0;
+        double werr = 0.0;
+        for (int64_t i = 0; i < m; i++) {
+            int32_t idx[LM_MOE_MAX_TOPK];
+            float val[LM_MOE_MAX_TOPK], sum = 0.0f;
+            const float *si = s_gpu + (size_t)i * n;
+            lm_topk_row(idx, val, si, bias, n, k);
+            wrong += memcmp(idx, topk + i * k, (size_t)k * 4) != 0;
+            for (int t = 0; t < k; t++) sum += si[idx[t]];
+            for (int t = 0; t < k; t++) {
+                double want = (double)si[idx[t]] * (double)(cfg->route_scale / sum);
+                double e = fabs((double)w_gpu[i * k + t] - want) / (fabs(want) + 1e-30);
+                if (e > werr) werr = e;
+            }
+        }
+        CHECK(wrong == 0, "%s: %lld of %lld tokens' top-k differ from the rule on the GPU's scores", what,
+              (long long)wrong, (long long)m);
+        CHECK(werr < 1e-6, "%s: routing weights rel err %.3g against the GPU's scores", what, werr);
+        free(w_gpu);
+    }
+
     /* routing: identical wherever the CPU's order of s + b is clear */
     int64_t unclear = 0, differ = 0;
     for (int64_t i = 0; i < m; i++) {
@@ -197,7 +230,8 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     CHECK(differ == 0, "%s: %lld of %lld tokens routed differently", what, (long long)differ, (long long)m);
     /* tokens whose top-k order is closer than 1e-5 (the fp32 router products differ in
      * summation order) are not compared; random inputs leave few of them */
-    CHECK(unclear <= 1 + m / 50, "%s: %lld tokens with near-ties (inputs should avoid them)", what, (long long)unclear);
+    CHECK(tie_rows || unclear <= 1 + m / 50, "%s: %lld tokens with near-ties (inputs should avoid them)", what,
+          (long long)unclear);
     for (int j = 0; j <= n; j++)
         CHECK(offs[j] == (int32_t)ca.offsets[j], "%s: offsets[%d] %d vs %lld", what, j, offs[j], (long long)ca.offsets[j]);
     double e;
@@ -314,6 +348,21 @@ static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
             snprintf(what, sizeof what, "latent+shared %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
             compare_case(&c, ms[i], NULL, 0, 200 + 10 * a + i, what);
         }
+}
+
+/* the routing kernels: one warp a token for n <= 128, 256 and 512 experts, one
+ * thread a token beyond; every router row paired with an equal one, so every
+ * token meets exact ties (the CPU rule: the lower index first); top-k up to 16 */
+static void test_routing_with_exact_ties_and_many_experts(void) {
+    const int ns[4] = {128, 200, 400, 600}, ks[4] = {8, 16, 5, 16};
+    char what[96];
+    tie_rows = 1;
+    for (int i = 0; i < 4; i++) {
+        lm_moe_config c = lm_moe_config_default(32, ns[i], ks[i], 16);
+        snprintf(what, sizeof what, "ties n=%d k=%d m=300", ns[i], ks[i]);
+        compare_case(&c, 300, NULL, 0, 400 + i, what);
+    }
+    tie_rows = 0;
 }
 
 static void test_bias_and_extra_score_gradient_match_the_cpu(void) {
@@ -533,6 +582,13 @@ int main(void) {
         RUN(test_experts_without_tokens_and_one_crowded_expert);
         RUN(test_runs_are_bit_identical);
     }
+    /* the routing does not depend on the kind of product: once, with batched */
+    kind_now = LM_MOE_GEMM_BATCHED;
+    if (!test_skip_all_reason && lm_cuda_moe_set_gemm(kind_now) != LM_OK) {
+        fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
+        return 1;
+    }
+    RUN(test_routing_with_exact_ties_and_many_experts);
     if (!test_skip_all_reason && lm_cuda_moe_grouped_refused())
         printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);

@@ -105,6 +105,12 @@ lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, lm_cuda_att
 /* dy [n,d] += dLoss/dy_l, complete once every later sublayer's input backward ran. */
 lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                           float *dy);
+/* The same gradient without a copy: *dy points at the state's accumulator
+ * that holds dLoss/dy_l (n,d); it stays valid and unchanged until the next
+ * call on the state (lm_cuda_attnres_input_backward(l) adds to it). Takes
+ * the place of lm_cuda_attnres_output_backward(l) in the call order. */
+lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                      const float **dy);
 lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                          const lm_attnres_params *p, const float *dh, lm_attnres_grads *g);
 /* dembedding [n,d] += dLoss/dv_0. Ends the backward. */

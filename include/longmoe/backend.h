@@ -78,6 +78,10 @@ typedef struct {
                                  const float *w, int64_t n, int d, float eps);
     lm_status (*rmsnorm_backward)(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                   const float *w, const float *rstd, int64_t n, int d, float eps);
+    /* optional (NULL: the model zeroes dinp and calls rmsnorm_backward): the
+     * same with dinp written instead of added to; dw accumulates */
+    lm_status (*rmsnorm_backward_set)(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                      const float *w, const float *rstd, int64_t n, int d, float eps);
     /* out[n,d] = table[tokens[i]] (=); dtable[tokens[i]] += dout[i] in token order */
     lm_status (*embedding_forward)(lm_backend *be, float *out, const float *table, const int32_t *tokens,
                                    int64_t n, int d);
@@ -233,6 +237,10 @@ typedef struct {
     lm_status (*attnres_final_backward)(lm_backend *be, void *state, const lm_attnres_params *p, const float *dh,
                                         lm_attnres_grads *g);
     lm_status (*attnres_output_backward)(lm_backend *be, void *state, int l, float *dy);
+    /* optional (NULL: the model zeroes a buffer and calls output_backward):
+     * *dy = the state's own accumulator holding dLoss/dy_l, unchanged until
+     * the next call on the state; no copy */
+    lm_status (*attnres_output_grad)(lm_backend *be, void *state, int l, const float **dy);
     lm_status (*attnres_input_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
                                         const float *dh, lm_attnres_grads *g);
     lm_status (*attnres_embedding_backward)(lm_backend *be, void *state, float *dembedding);

@@ -68,6 +68,11 @@ size_t lm_cuda_rmsnorm_scratch_floats(int64_t n, int d);
 lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float *dinp, float *dweight, const float *dout,
                                    const float *inp, const float *weight, const float *rstd, int64_t n, int d,
                                    float eps, float *scratch);
+/* The same with dinp written (dinp = dL/dx) instead of added to: no zeroing
+ * pass before it; dweight still accumulates. */
+lm_status lm_cuda_rmsnorm_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight, const float *dout,
+                                       const float *inp, const float *weight, const float *rstd, int64_t n, int d,
+                                       float eps, float *scratch);
 
 /* ---- embedding ---- */
 

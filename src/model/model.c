@@ -1178,7 +1178,7 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
 static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_all, const void *xn_lp_all,
                                   int64_t t0, float loss_scale) {
     const int64_t n = m->N - t0 < m->chunk ? m->N - t0 : m->chunk;
-    const float *xn = rows_f32(m, xn_all, t0), *dy = rows_f32(m, m->dy, t0);
+    const float *xn = rows_f32(m, xn_all, t0), *dy = m->dy_cur + (size_t)t0 * m->d;
     float *dxn = rows_f32(m, m->dxn, t0);
     lm_backend *be = m->be;
     if (!ls->moe) return dense_ffn_backward(m, ls, rows_lp(m, xn_lp_all, t0), dy, dxn, n);
@@ -1697,8 +1697,14 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
         void *xn_lp = xn_lp_of(m, idx);
         if (m->replay && (idx % S == S - 1 || idx == m->L2 - 1)) TRY(replay_block(m, idx / S));
-        TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
-        TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
+        if (op->attnres_output_grad) {
+            /* a view of the state's accumulator: no zeroing, no copy */
+            TRY(op->attnres_output_grad(be, m->ar, idx, &m->dy_cur));
+        } else {
+            TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
+            TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
+            m->dy_cur = m->dy;
+        }
         charge(m, LM_TIME_ATTNRES, &t0);
         const size_t norm_off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
         if (m->cfg.recompute) {
@@ -1717,10 +1723,10 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             /* the recomputed output goes to y, unused in the backward */
             if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
             if (m->cp_comm && ls->mixer == LM_MIXER_KDA)
-                TRY(lm_kda_layer_cp_backward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_G, xn, ls->cp_acts, m->dy,
+                TRY(lm_kda_layer_cp_backward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_G, xn, ls->cp_acts, m->dy_cur,
                                              m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
             else if (m->cp_comm)
-                TRY(lm_mla_cp_backward(m->cp_comm, &ls->mla_cfg, &ls->mla_P, xn, ls->cp_acts, m->dy, m->B, m->cp_t0,
+                TRY(lm_mla_cp_backward(m->cp_comm, &ls->mla_cfg, &ls->mla_P, xn, ls->cp_acts, m->dy_cur, m->B, m->cp_t0,
                                        m->T, m->dxn, &ls->mla_G, m->cp_scratch));
             else if (m->seg_active && ls->mixer == LM_MIXER_KDA) {
                 /* the gradients of this segment's outgoing carry in (set seg_parity), of its incoming one out */
@@ -1728,16 +1734,16 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
                 const int c0 = m->seg_parity;
                 lm_kda_layer_carry_grad cg = {ls->seg_dh[c0], ls->seg_dh[!c0], ls->seg_dhalo[c0], ls->seg_dhalo[!c0]};
                 TRY(lm_kda_layer_backward_seg(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
-                                              m->dy, m->B, m->T, &cr, &cg, m->dxn, m->scratch));
+                                              m->dy_cur, m->B, m->T, &cr, &cg, m->dxn, m->scratch));
             } else if (m->seg_active) {
                 lm_mla_seg sg = seg_mla(m, ls);
-                TRY(lm_mla_backward_seg(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy, m->B, m->T,
+                TRY(lm_mla_backward_seg(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy_cur, m->B, m->T,
                                         &sg, m->dxn, &ls->mla_G, m->scratch));
             } else if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
-                                             m->dy, m->B, m->T, m->dxn, m->scratch));
+                                             m->dy_cur, m->B, m->T, m->dxn, m->scratch));
             else
-                TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy, m->B, m->T,
+                TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy_cur, m->B, m->T,
                                        m->dxn, &ls->mla_G, m->scratch));
         } else {
             /* the channel mixer chunk by chunk: each chunk's forward again, then its backward */
@@ -1747,9 +1753,14 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             }
         }
         charge(m, sublayer_part(ls, idx), &t0);
-        TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
-        TRY(op->rmsnorm_backward(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off, m->rstd + (size_t)idx * N,
-                                 N, d, eps));
+        if (op->rmsnorm_backward_set) {
+            TRY(op->rmsnorm_backward_set(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off,
+                                         m->rstd + (size_t)idx * N, N, d, eps));
+        } else {
+            TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
+            TRY(op->rmsnorm_backward(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off,
+                                     m->rstd + (size_t)idx * N, N, d, eps));
+        }
         charge(m, LM_TIME_NORMS, &t0);
         TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);

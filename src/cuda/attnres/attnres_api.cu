@@ -389,6 +389,20 @@ extern "C" lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx,
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                 const float **dy) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_output_grad");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L + 2 + 2 * (L - 1 - l), "lm_cuda_attnres_output_grad", l))) return s;
+    if (!dy) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_output_grad(l = %d): dy is NULL", l);
+    /* the accumulator lm_cuda_attnres_output_backward would add to dy */
+    const size_t nd = nd_of(st);
+    *dy = st->cfg.mode == LM_ATTNRES_STANDARD ? st->dhist : st->dhist + (size_t)(1 + l / st->S) * nd;
+    st->step++;
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                                     const lm_attnres_params *p, const float *dh,
                                                     lm_attnres_grads *g) {

@@ -179,6 +179,15 @@ static lm_status cuda_rmsnorm_backward(lm_backend *be, float *dinp, float *dw, c
     return lm_cuda_rmsnorm_backward(ctx_of(be), dinp, dw, dout, inp, w, rstd, n, d, eps, (float *)scratch);
 }
 
+static lm_status cuda_rmsnorm_backward_set(lm_backend *be, float *dinp, float *dw, const float *dout,
+                                           const float *inp, const float *w, const float *rstd, int64_t n, int d,
+                                           float eps) {
+    void *scratch;
+    lm_status st = arena_get(be, lm_cuda_rmsnorm_scratch_floats(n, d) * sizeof(float), &scratch);
+    if (st) return st;
+    return lm_cuda_rmsnorm_backward_set(ctx_of(be), dinp, dw, dout, inp, w, rstd, n, d, eps, (float *)scratch);
+}
+
 static lm_status cuda_embedding_forward(lm_backend *be, float *out, const float *table, const int32_t *tokens,
                                         int64_t n, int d) {
     return lm_cuda_embedding_forward(ctx_of(be), out, table, tokens, n, d);
@@ -698,6 +707,9 @@ static lm_status cuda_ar_final_backward(lm_backend *be, void *s, const lm_attnre
 static lm_status cuda_ar_output_backward(lm_backend *be, void *s, int l, float *dy) {
     return lm_cuda_attnres_output_backward(ctx_of(be), AR(s), l, dy);
 }
+static lm_status cuda_ar_output_grad(lm_backend *be, void *s, int l, const float **dy) {
+    return lm_cuda_attnres_output_grad(ctx_of(be), AR(s), l, dy);
+}
 static lm_status cuda_ar_input_backward(lm_backend *be, void *s, int l, const lm_attnres_params *p, const float *dh,
                                         lm_attnres_grads *g) {
     return lm_cuda_attnres_input_backward(ctx_of(be), AR(s), l, p, dh, g);
@@ -760,6 +772,7 @@ static lm_ops make_cuda_ops(void) {
     o.to_lp = cuda_to_lp;
     o.rmsnorm_forward = cuda_rmsnorm_forward;
     o.rmsnorm_backward = cuda_rmsnorm_backward;
+    o.rmsnorm_backward_set = cuda_rmsnorm_backward_set;
     o.embedding_forward = cuda_embedding_forward;
     o.embedding_backward = cuda_embedding_backward;
     o.glu_forward = cuda_glu_forward;
@@ -804,6 +817,7 @@ static lm_ops make_cuda_ops(void) {
     o.attnres_final = cuda_ar_final;
     o.attnres_final_backward = cuda_ar_final_backward;
     o.attnres_output_backward = cuda_ar_output_backward;
+    o.attnres_output_grad = cuda_ar_output_grad;
     o.attnres_input_backward = cuda_ar_input_backward;
     o.attnres_embedding_backward = cuda_ar_embedding_backward;
     o.find_nonfinite = cuda_find_nonfinite;

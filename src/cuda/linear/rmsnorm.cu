@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(RMS_MAX_THREADS)
 template <int W, int VPT, int ROWS>
 __global__ void __launch_bounds__(RMS_MAX_THREADS)
     rms_backward_fast_kernel(float *dinp, float *partial, const float *dout, const float *inp, const float *weight,
-                             const float *rstd, int64_t n, int d, float eps, int64_t part_rows) {
+                             const float *rstd, int64_t n, int d, float eps, int64_t part_rows, int accumulate) {
     __shared__ float sh[2 * 2 * ROWS * 32];
     const int T = blockDim.x;
     float w[VPT][W], acc[VPT][W];
@@ -200,7 +200,11 @@ __global__ void __launch_bounds__(RMS_MAX_THREADS)
                 if (row < re && c < d) {
                     rms_load<W>(x[q][k], inp + row * d + c);
                     rms_load<W>(g[q][k], dout + row * d + c);
-                    if (dinp) rms_load_rw<W>(dx[q][k], dinp + row * d + c);
+                    if (dinp && accumulate) rms_load_rw<W>(dx[q][k], dinp + row * d + c);
+                    else {
+#pragma unroll
+                        for (int e = 0; e < W; e++) dx[q][k][e] = 0.0f; /* dinp written, not added to */
+                    }
                 } else {
 #pragma unroll
                     for (int e = 0; e < W; e++) x[q][k][e] = g[q][k][e] = dx[q][k][e] = 0.0f;
@@ -284,7 +288,7 @@ __global__ void rms_rstd_kernel(float *rstd, const float *inp, int64_t n, int d,
 
 /* dx_i += s w_i dy_i - x_i s^3 / d * sum_j (w_j dy_j x_j)  (docs/ops, linear.c) */
 __global__ void rms_backward_input_kernel(float *dinp, const float *dout, const float *inp, const float *weight,
-                                          const float *rstd, int64_t n, int d) {
+                                          const float *rstd, int64_t n, int d, int accumulate) {
     int lane = threadIdx.x & 31;
     int64_t row = (int64_t)blockIdx.x * RMS_ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (row >= n) return;
@@ -295,7 +299,10 @@ __global__ void rms_backward_input_kernel(float *dinp, const float *dout, const 
     dot = lin_warp_sum(dot);
     float c = dot * s * s * s / (float)d;
     float *dx = dinp + row * d;
-    for (int i = lane; i < d; i += 32) dx[i] += s * g[i] * (weight ? weight[i] : 1.0f) - c * x[i];
+    for (int i = lane; i < d; i += 32) {
+        const float v = s * g[i] * (weight ? weight[i] : 1.0f) - c * x[i];
+        dx[i] = accumulate ? dx[i] + v : v;
+    }
 }
 
 /* partial[p][i] = sum over rows r of part p (ascending) of dy[r][i] x[r][i] s[r] */
@@ -377,10 +384,10 @@ static void rms_launch_forward(const rms_plan &pl, unsigned grid_cap, cudaStream
 template <int W, int VPT>
 static void rms_launch_backward(const rms_plan &pl, int64_t parts, cudaStream_t s, float *dinp, float *partial,
                                 const float *dout, const float *inp, const float *weight, const float *rstd,
-                                int64_t n, int d, float eps, int64_t part_rows) {
+                                int64_t n, int d, float eps, int64_t part_rows, int accumulate) {
     constexpr int ROWS = VPT <= 2 ? 2 : 1;
     rms_backward_fast_kernel<W, VPT, ROWS>
-        <<<(unsigned)parts, pl.T, 0, s>>>(dinp, partial, dout, inp, weight, rstd, n, d, eps, part_rows);
+        <<<(unsigned)parts, pl.T, 0, s>>>(dinp, partial, dout, inp, weight, rstd, n, d, eps, part_rows, accumulate);
 }
 
 #define RMS_DISPATCH(W, fn, ...)                                                                                     \
@@ -424,10 +431,9 @@ extern "C" size_t lm_cuda_rmsnorm_scratch_floats(int64_t n, int d) {
     return (size_t)rms_parts(n) * (size_t)d + (size_t)n;
 }
 
-extern "C" lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
-                                              const float *dout, const float *inp, const float *weight,
-                                              const float *rstd, int64_t n, int d, float eps, float *scratch) {
-    const char *fn = "lm_cuda_rmsnorm_backward";
+static lm_status rmsnorm_backward(const lm_cuda_context *ctx, float *dinp, float *dweight, const float *dout,
+                                  const float *inp, const float *weight, const float *rstd, int64_t n, int d,
+                                  float eps, float *scratch, int accumulate, const char *fn) {
     lm_status st = check_shape(ctx, n, d, eps, fn);
     if (st || n == 0 || (!dinp && !dweight)) return st;
     if (!dout || !inp) return lm_error(LM_ERR_ARG, "%s: dout or inp is NULL", fn);
@@ -442,10 +448,10 @@ extern "C" lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float 
     if (pl.VPT) {
         if (pl.W == 4) {
             RMS_DISPATCH(4, rms_launch_backward, pl, parts, s, dinp, partial, dout, inp, weight, rstd, n, d, eps,
-                         part_rows);
+                         part_rows, accumulate);
         } else {
             RMS_DISPATCH(1, rms_launch_backward, pl, parts, s, dinp, partial, dout, inp, weight, rstd, n, d, eps,
-                         part_rows);
+                         part_rows, accumulate);
         }
         LM_CUDA_TRY(cudaGetLastError());
     } else {
@@ -457,7 +463,7 @@ extern "C" lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float 
         }
         if (dinp) {
             rms_backward_input_kernel<<<row_blocks(n), 32 * RMS_ROWS_PER_BLOCK, 0, s>>>(dinp, dout, inp, weight,
-                                                                                         rstd, n, d);
+                                                                                         rstd, n, d, accumulate);
             LM_CUDA_TRY(cudaGetLastError());
         }
         if (dweight) {
@@ -474,4 +480,18 @@ extern "C" lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float 
         LM_CUDA_TRY(cudaGetLastError());
     }
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_rmsnorm_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                              const float *dout, const float *inp, const float *weight,
+                                              const float *rstd, int64_t n, int d, float eps, float *scratch) {
+    return rmsnorm_backward(ctx, dinp, dweight, dout, inp, weight, rstd, n, d, eps, scratch, 1,
+                            "lm_cuda_rmsnorm_backward");
+}
+
+extern "C" lm_status lm_cuda_rmsnorm_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                                  const float *dout, const float *inp, const float *weight,
+                                                  const float *rstd, int64_t n, int d, float eps, float *scratch) {
+    return rmsnorm_backward(ctx, dinp, dweight, dout, inp, weight, rstd, n, d, eps, scratch, 0,
+                            "lm_cuda_rmsnorm_backward_set");
 }

@@ -51,6 +51,84 @@ __global__ void router_topk_kernel(float *s, int32_t *topk, float *weights, cons
     }
 }
 
+/* The same selection with one warp a token (n <= 32 EPL): lane l holds experts
+ * l, l + 32, ...; k rounds each take the largest remaining s + b, ties to the
+ * lower index, which is the order the insertion above produces; the sum of the
+ * chosen s runs in that order on lane 0, so the bits equal the thread kernel's
+ * (a NaN ranks below every number here; the thread kernel's NaN order differs,
+ * and such a step fails the non-finite check anyway). */
+template <int EPL>
+__global__ void router_topk_warp_kernel(float *s, int32_t *topk, float *weights, const float *bias, int64_t m, int n,
+                                        int k, float route_scale) {
+    const int lane = threadIdx.x & 31;
+    const int64_t i = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (i >= m) return;
+    float *si = s + i * n;
+    float sv[EPL], v[EPL];
+    unsigned live = 0; /* bit e: expert e * 32 + lane exists and is not chosen yet */
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        const int j = e * 32 + lane;
+        sv[e] = 0.0f;
+        v[e] = 0.0f;
+        if (j < n) {
+            float sj = sigmoid_f32(si[j]);
+            si[j] = sj;
+            sv[e] = sj;
+            float vj = __fadd_rn(sj, bias ? bias[j] : 0.0f);
+            v[e] = vj;
+            live |= 1u << e;
+        }
+    }
+    float chosen_s = 0.0f, sum = 0.0f;
+    int chosen_j = 0;
+    for (int t = 0; t < k; t++) {
+        /* this lane's best: (live, not NaN, larger v, lower j) */
+        int bj = -1, bnan = 1;
+        float bv = 0.0f, bs = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) {
+            if (!(live >> e & 1u)) continue;
+            const int nan = v[e] != v[e];
+            if (bj < 0 || (bnan && !nan) || (!bnan && !nan && v[e] > bv)) {
+                bj = e * 32 + lane;
+                bv = v[e];
+                bs = sv[e];
+                bnan = nan;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const int oj = __shfl_xor_sync(0xffffffffu, bj, off), onan = __shfl_xor_sync(0xffffffffu, bnan, off);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off), os = __shfl_xor_sync(0xffffffffu, bs, off);
+            bool take;
+            if (oj < 0) take = false;
+            else if (bj < 0) take = true;
+            else if (bnan != onan) take = bnan;
+            else if (!bnan && ov != bv) take = ov > bv;
+            else take = oj < bj;
+            if (take) {
+                bj = oj;
+                bv = ov;
+                bs = os;
+                bnan = onan;
+            }
+        }
+        if ((bj & 31) == lane) live &= ~(1u << (bj >> 5));
+        if (lane == t) {
+            chosen_j = bj;
+            chosen_s = bs;
+        }
+        if (lane == 0) sum += bs;
+    }
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+    const float inv = sum > 0.0f ? route_scale / sum : 0.0f;
+    if (lane < k) {
+        topk[i * k + lane] = chosen_j;
+        weights[i * k + lane] = chosen_s * inv;
+    }
+}
+
 /* Counting sort, pass 1: expert counts of each block of SORT_BLOCK slots. */
 __global__ void sort_count_kernel(int32_t *block_counts, const int32_t *topk, int64_t mk, int n) {
     extern __shared__ int32_t hist[];
@@ -63,13 +141,29 @@ __global__ void sort_count_kernel(int32_t *block_counts, const int32_t *topk, in
 }
 
 /* Pass 2 (one block): expert totals, unpadded and padded offsets, and each
- * block's first grouped row per expert (replacing its count). */
+ * block's first grouped row per expert (replacing its count). The threads
+ * form G = blockDim / n groups (at least one); group g sums and then walks
+ * its own range of the count blocks for each expert, so the walk is G times
+ * shorter than one thread per expert. Integer sums: the same values whatever
+ * the grouping. Shared memory: (G + 1) n ints. */
 __global__ void sort_scan_kernel(int32_t *block_counts, int32_t *offsets, int32_t *padded_offsets, int nblocks,
                                  int n) {
-    extern __shared__ int32_t tot[];
+    extern __shared__ int32_t sm[];
+    const int G = (int)blockDim.x >= n ? (int)blockDim.x / n : 1;
+    int32_t *tot = sm, *part = sm + n; /* part[g * n + j] */
+    const int grp = (int)threadIdx.x / n < G ? (int)threadIdx.x / n : -1;
+    const int j0 = G > 1 ? (int)threadIdx.x % n : (int)threadIdx.x, jstep = G > 1 ? n : (int)blockDim.x;
+    const int b0 = grp < 0 ? 0 : (int)((int64_t)nblocks * grp / G), b1 = grp < 0 ? 0 : (int)((int64_t)nblocks * (grp + 1) / G);
+    if (grp >= 0)
+        for (int j = j0; j < n; j += jstep) {
+            int32_t sum = 0;
+            for (int b = b0; b < b1; b++) sum += block_counts[(int64_t)b * n + j];
+            part[grp * n + j] = sum;
+        }
+    __syncthreads();
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
         int32_t sum = 0;
-        for (int b = 0; b < nblocks; b++) sum += block_counts[(int64_t)b * n + j];
+        for (int g = 0; g < G; g++) sum += part[g * n + j];
         tot[j] = sum;
     }
     __syncthreads();
@@ -85,14 +179,16 @@ __global__ void sort_scan_kernel(int32_t *block_counts, int32_t *offsets, int32_
         padded_offsets[n] = po;
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        int32_t row = padded_offsets[j];
-        for (int b = 0; b < nblocks; b++) {
-            int32_t c = block_counts[(int64_t)b * n + j];
-            block_counts[(int64_t)b * n + j] = row;
-            row += c;
+    if (grp >= 0)
+        for (int j = j0; j < n; j += jstep) {
+            int32_t row = padded_offsets[j];
+            for (int g = 0; g < grp; g++) row += part[g * n + j];
+            for (int b = b0; b < b1; b++) {
+                int32_t c = block_counts[(int64_t)b * n + j];
+                block_counts[(int64_t)b * n + j] = row;
+                row += c;
+            }
         }
-    }
 }
 
 /* Pass 3: each slot's row = its block's first row for the expert + the
@@ -114,13 +210,27 @@ __global__ void sort_place_kernel(int32_t *order, int32_t *slot_row, const int32
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
                        float route_scale) {
     int64_t mk = m * k;
-    router_topk_kernel<<<blocks_for(m, 128), 128, 0, st>>>(a->s, a->topk, a->weights, bias, m, n, k, route_scale);
+    /* one warp a token up to 512 experts (k <= 16 < 32 lanes); beyond, one thread a token */
+    const int warps = 8;
+    if (n <= 128)
+        router_topk_warp_kernel<4><<<blocks_for(m, warps), warps * 32, 0, st>>>(a->s, a->topk, a->weights, bias, m, n,
+                                                                               k, route_scale);
+    else if (n <= 256)
+        router_topk_warp_kernel<8><<<blocks_for(m, warps), warps * 32, 0, st>>>(a->s, a->topk, a->weights, bias, m, n,
+                                                                               k, route_scale);
+    else if (n <= 512)
+        router_topk_warp_kernel<16><<<blocks_for(m, warps), warps * 32, 0, st>>>(a->s, a->topk, a->weights, bias, m,
+                                                                                n, k, route_scale);
+    else
+        router_topk_kernel<<<blocks_for(m, 128), 128, 0, st>>>(a->s, a->topk, a->weights, bias, m, n, k, route_scale);
     LM_CUDA_TRY(cudaGetLastError());
     int nblocks = (int)((mk + LM_MOE_SORT_BLOCK - 1) / LM_MOE_SORT_BLOCK);
     size_t hist_bytes = (size_t)n * sizeof(int32_t);
     sort_count_kernel<<<nblocks, LM_MOE_SORT_BLOCK, hist_bytes, st>>>(a->block_counts, a->topk, mk, n);
     LM_CUDA_TRY(cudaGetLastError());
-    sort_scan_kernel<<<1, 1024, hist_bytes, st>>>(a->block_counts, a->offsets, a->padded_offsets, nblocks, n);
+    const int scan_groups = n <= 1024 ? 1024 / n : 1;
+    sort_scan_kernel<<<1, 1024, (size_t)(scan_groups + 1) * hist_bytes, st>>>(a->block_counts, a->offsets,
+                                                                              a->padded_offsets, nblocks, n);
     LM_CUDA_TRY(cudaGetLastError());
     /* padding rows of the grouped layout hold slot -1 */
     LM_CUDA_TRY(cudaMemsetAsync(a->order, 0xff, (size_t)a->rows_max * sizeof(int32_t), st));

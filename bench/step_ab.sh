@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root: the whole training step of this tree
+# against another version of it, side by side in one run. BASE is a directory holding the
+# other version's sources (for example `git archive OLD | tar -x -C DIR`); both are built
+# (Release, their own build directories), then bench_cuda_model runs ROUNDS times
+# alternately, new then base, and the MoE layer bench once each. Logs go to $OUT.
+#
+#   BASE=dir bench/step_ab.sh
+#   ARGS     bench_cuda_model's arguments (default: k3-mini 8x4096, no recompute, 3 reps)
+#   ROUNDS   alternations (default 2)
+set -uo pipefail
+OUT=${OUT:-out}
+BASE=${BASE:?BASE: the directory of the other version}
+ROUNDS=${ROUNDS:-2}
+ARGS=${ARGS:---config configs/k3-mini.json --batch 8 --seq 4096 --reps 3 --no-recompute}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$OUT"
+build() { # src dir, build dir, log
+    (timeout 500 cmake -S "$1" -B "$2" -DCMAKE_BUILD_TYPE=Release >"$3" 2>&1 &&
+        timeout 500 cmake --build "$2" -j "$JOBS" --target bench_cuda_model bench_cuda_moe >>"$3" 2>&1) ||
+        { echo "build of $1 failed"; grep -E "error" "$3" | head -20; return 1; }
+}
+[ -d .whl ] && [ ! -e "$BASE/.whl" ] && cp -r .whl "$BASE/"
+build . build-ab-new "$OUT/build_new.log" || exit 1
+build "$BASE" build-ab-base "$OUT/build_base.log" || exit 1
+grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT/build_new.log" "$OUT/build_base.log"
+for r in $(seq 1 "$ROUNDS"); do
+    for v in new base; do
+        echo "== round $r: $v"
+        (cd "$([ $v = new ] && echo . || echo "$BASE")" &&
+            timeout 300 "$OLDPWD/build-ab-$v/bench_cuda_model" $ARGS) 2>&1 | grep -vE "^ *$" | tail -14
+    done
+done
+for v in new base; do
+    echo "== MoE layer, $v"
+    timeout 200 "build-ab-$v/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 | tail -4
+done
