@@ -15,6 +15,9 @@
  * timed in the same run (bench_common.h):
  *   conv forward:  in, conv_out, out_bf16, rnorm (+ w)
  *   conv backward: dout_bf16, conv_out, rnorm, in, din (+ w, dw)
+ * (the conv lines come as the default call and then once per kernel:
+ * forward row, window, ring; backward fused, ring; the same bytes for each:
+ * neither the halo rows read twice nor dw's partials are counted) 
  *   sigmoid:       forward in, out; backward dout, out, din
  *   output forward:  o bf16, gate_logits, gated bf16, gate, o_rstd (+ o_norm)
  *   output backward: d_gated, o bf16, o_rstd, gate, d_o bf16, dgate_logits
@@ -70,6 +73,25 @@ static lm_status conv_bwd(void *arg) {
     return lm_cuda_short_conv_silu_backward(&ctx, a->din, a->dw, a->dy16, a->conv_out, a->rnorm, a->in, a->w, a->B,
                                             a->T, a->C, a->W, a->hd, a->conv_scratch);
 }
+/* the same calls with each conv kernel chosen (LONGMOE_CONV_FORWARD / _BACKWARD, read at every call):
+ * the old kernels beside the new defaults in one run */
+static lm_status conv_fwd_kind(void *arg, const char *kind) {
+    setenv("LONGMOE_CONV_FORWARD", kind, 1);
+    lm_status st = conv_fwd(arg);
+    unsetenv("LONGMOE_CONV_FORWARD");
+    return st;
+}
+static lm_status conv_fwd_row(void *arg) { return conv_fwd_kind(arg, "row"); }
+static lm_status conv_fwd_window(void *arg) { return conv_fwd_kind(arg, "window"); }
+static lm_status conv_fwd_ring(void *arg) { return conv_fwd_kind(arg, "ring"); }
+static lm_status conv_bwd_kind(void *arg, const char *kind) {
+    setenv("LONGMOE_CONV_BACKWARD", kind, 1);
+    lm_status st = conv_bwd(arg);
+    unsetenv("LONGMOE_CONV_BACKWARD");
+    return st;
+}
+static lm_status conv_bwd_fused(void *arg) { return conv_bwd_kind(arg, "fused"); }
+static lm_status conv_bwd_ring(void *arg) { return conv_bwd_kind(arg, "ring"); }
 static lm_status sig_fwd(void *arg) {
     kl_args *a = arg;
     return lm_cuda_sigmoid_forward(&ctx, a->beta, a->beta_logit, (size_t)a->N * a->H);
@@ -152,14 +174,19 @@ int main(int argc, char **argv) {
         double bytes;
     } cases[] = {
         {"short conv+SiLU+L2 forward", conv_fwd, e * (4 + 4 + 2) + r * 4 + cw},
+        {"  conv forward, row kernel", conv_fwd_row, e * (4 + 4 + 2) + r * 4 + cw},
+        {"  conv forward, window kernel", conv_fwd_window, e * (4 + 4 + 2) + r * 4 + cw},
+        {"  conv forward, ring kernel", conv_fwd_ring, e * (4 + 4 + 2) + r * 4 + cw},
         {"short conv+SiLU+L2 backward", conv_bwd, e * (2 + 4 + 4 + 4) + r * 4 + 3 * cw},
+        {"  conv backward, fused kernel", conv_bwd_fused, e * (2 + 4 + 4 + 4) + r * 4 + 3 * cw},
+        {"  conv backward, ring kernel", conv_bwd_ring, e * (2 + 4 + 4 + 4) + r * 4 + 3 * cw},
         {"sigmoid forward (beta)", sig_fwd, r * 8},
         {"sigmoid backward (beta)", sig_bwd, r * 12},
         {"output gate+RMSNorm forward", out_fwd, e * (2 + 4 + 2 + 4) + r * 4 + a.K * 4.0},
         {"output gate+RMSNorm backward", out_bwd, e * (4 + 2 + 4 + 2 + 4) + r * 4 + a.K * 12.0},
     };
     const int nk = (int)(sizeof cases / sizeof cases[0]);
-    bench_bw bw[6];
+    bench_bw bw[sizeof cases / sizeof cases[0]];
     cudaStream_t st = (cudaStream_t)ctx.stream;
     for (int k = 0; k < nk; k++) bw[k] = bench_bw_measure(cases[k].name, cases[k].bytes, time_ms(cases[k].fn, &a, reps),
                                                           reps, st);

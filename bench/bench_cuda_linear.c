@@ -15,7 +15,9 @@
  * the weight and dinp and writes dinp and dweight (dweight's partials are not
  * counted); the embedding forward
  * reads and writes N rows; its backward reads N gradient rows and reads and
- * writes each distinct token's row once. Each memory-bound kernel is also
+ * writes each distinct token's row once (the backward is also timed with each
+ * accumulation kernel, chain and gather, and on skewed tokens, with that
+ * draw's distinct rows). Each memory-bound kernel is also
  * put beside a device-to-device cudaMemcpy moving as many bytes, timed in the
  * same run (bench_common.h: MB moved, GB/s, copy GB/s, % of copy; the JSON's
  * "memory_bound" list). */
@@ -107,6 +109,15 @@ static lm_status emb_backward(void *p) {
     row_args *a = p;
     return lm_cuda_embedding_backward(&ctx, a->dtable, a->g, a->tokens, a->n, a->d, a->vocab, a->emb_scratch);
 }
+/* the accumulation kernel chosen (LONGMOE_EMBEDDING_BACKWARD, read at every call): old beside new */
+static lm_status emb_backward_kind(void *p, const char *kind) {
+    setenv("LONGMOE_EMBEDDING_BACKWARD", kind, 1);
+    lm_status st = emb_backward(p);
+    unsetenv("LONGMOE_EMBEDDING_BACKWARD");
+    return st;
+}
+static lm_status emb_backward_chain(void *p) { return emb_backward_kind(p, "chain"); }
+static lm_status emb_backward_gather(void *p) { return emb_backward_kind(p, "gather"); }
 
 typedef struct {
     int64_t n;
@@ -210,34 +221,61 @@ int main(int argc, char **argv) {
     }
     r.tokens = dev_alloc((size_t)N * 4);
     cudaCheck(cudaMemcpy(r.tokens, tok, (size_t)N * 4, cudaMemcpyHostToDevice));
+    /* the same with skewed tokens, closer to text than uniform ones: token = floor(vocab^u) - 1, u
+     * uniform (log-uniform, a Zipf-like law: token 0 about 7% of positions): long runs, each added
+     * in position order */
+    row_args rz = r;
+    int32_t *tokz = mallocCheck((size_t)N * 4);
+    memset(seen, 0, (size_t)r.vocab);
+    int64_t distinct_z = 0;
+    for (int64_t i = 0; i < N; i++) {
+        double u = (double)(bench_next_u32(&rng) & 0xffffff) / 16777216.0;
+        int32_t t = (int32_t)floor(pow((double)r.vocab, u)) - 1;
+        tokz[i] = t < 0 ? 0 : (t >= r.vocab ? r.vocab - 1 : t);
+        distinct_z += !seen[tokz[i]];
+        seen[tokz[i]] = 1;
+    }
+    rz.tokens = dev_alloc((size_t)N * 4);
+    cudaCheck(cudaMemcpy(rz.tokens, tokz, (size_t)N * 4, cudaMemcpyHostToDevice));
     /* least traffic: every input read once, every output written once */
     double row_bytes = (double)r.d * 4;
     double rf_bytes = (double)nx * (4 + 4 + 2) + N * 4.0 + row_bytes;
     double rb_bytes = (double)nx * 4 * 4 + N * 4.0 + 3 * row_bytes; /* dout, x, dinp in and out; rstd; w, dw */
     double ef_bytes = 2.0 * N * row_bytes + N * 4.0;
     double eb_bytes = N * row_bytes + 2.0 * distinct * row_bytes + N * 4.0;
+    double ebz_bytes = N * row_bytes + 2.0 * distinct_z * row_bytes + N * 4.0;
     float rf = time_ms(rms_forward, &r, reps), rb = time_ms(rms_backward, &r, reps);
     float ef = time_ms(emb_forward, &r, reps), eb = time_ms(emb_backward, &r, reps);
+    float ebc = time_ms(emb_backward_chain, &r, reps), ebg = time_ms(emb_backward_gather, &r, reps);
+    float ebzc = time_ms(emb_backward_chain, &rz, reps), ebzg = time_ms(emb_backward_gather, &rz, reps);
     cudaStream_t st = (cudaStream_t)ctx.stream;
-    bench_bw bw[4] = {bench_bw_measure("rmsnorm forward (d=1024)", rf_bytes, rf, reps, st),
+    /* the first four as before (the backward: the default kernel); then the backward with each
+     * accumulation kernel, on the uniform tokens and on the skewed ones */
+    bench_bw bw[8] = {bench_bw_measure("rmsnorm forward (d=1024)", rf_bytes, rf, reps, st),
                       bench_bw_measure("rmsnorm backward (d=1024)", rb_bytes, rb, reps, st),
                       bench_bw_measure("embedding forward (d=1024)", ef_bytes, ef, reps, st),
-                      bench_bw_measure("embedding backward (d=1024)", eb_bytes, eb, reps, st)};
+                      bench_bw_measure("embedding backward (d=1024)", eb_bytes, eb, reps, st),
+                      bench_bw_measure("  emb backward, chain kernel", eb_bytes, ebc, reps, st),
+                      bench_bw_measure("  emb backward, gather kernel", eb_bytes, ebg, reps, st),
+                      bench_bw_measure("  emb bwd skewed tok, chain", ebz_bytes, ebzc, reps, st),
+                      bench_bw_measure("  emb bwd skewed tok, gather", ebz_bytes, ebzg, reps, st)};
+    const int nbw = (int)(sizeof bw / sizeof bw[0]);
     bench_bw_header();
-    for (int i = 0; i < 4; i++) bench_bw_print(&bw[i]);
+    for (int i = 0; i < nbw; i++) bench_bw_print(&bw[i]);
     if (js) {
         fprintf(js, "],\n \"rmsnorm\": {\"d\": %d, \"forward_ms\": %.4f, \"forward_gbs\": %.1f, "
                     "\"backward_ms\": %.4f, \"backward_gbs\": %.1f},\n \"embedding\": {\"d\": %d, \"vocab\": %d, "
                     "\"forward_ms\": %.4f, \"forward_gbs\": %.1f, \"backward_ms\": %.4f, \"backward_gbs\": %.1f},\n",
                 r.d, rf, bw[0].gbs, rb, bw[1].gbs, r.d, r.vocab, ef, bw[2].gbs, eb, bw[3].gbs);
         fprintf(js, " \"memory_bound\": [");
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < nbw; i++) {
             fprintf(js, "%s\n  ", i ? "," : "");
             bench_bw_json(js, &bw[i]);
         }
         fprintf(js, "],\n");
     }
-    free(tok), free(seen);
+    free(tok), free(tokz), free(seen);
+    lm_cuda_free(rz.tokens);
     lm_cuda_free(r.x), lm_cuda_free(r.w), lm_cuda_free(r.g), lm_cuda_free(r.y), lm_cuda_free(r.y16);
     lm_cuda_free(r.r), lm_cuda_free(r.dx), lm_cuda_free(r.dw), lm_cuda_free(r.scratch), lm_cuda_free(r.table);
     lm_cuda_free(r.dtable), lm_cuda_free(r.emb_scratch), lm_cuda_free(r.tokens);

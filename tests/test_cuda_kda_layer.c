@@ -131,11 +131,17 @@ static void test_short_conv_silu_forward_matches_cpu(void) {
     }
 }
 
-/* The register-window kernel (the default; LONGMOE_CONV_FORWARD=window)
- * gives the row kernel's bits (LONGMOE_CONV_FORWARD=row): conv output,
- * operator input and 1/||.||, on every shape (T under and over its 16-token blocks, W 2 to 4, head dims 32 to 128; the
- * shapes it does not take, W > 4 or head_dim > 128, run the row kernel), and
- * an unknown value is refused. */
+/* The ring kernel (the default; LONGMOE_CONV_FORWARD=ring) and the
+ * register-window kernel (LONGMOE_CONV_FORWARD=window) give the row kernel's
+ * bits (LONGMOE_CONV_FORWARD=row): conv output, operator input and 1/||.||,
+ * on every shape (T under and over their 16- and 64-token stretches, odd T,
+ * several sequences, W 2 to 4, head dims 32 to 128; the shapes they do not
+ * take, W > 4 or head_dim > 128, run the row kernel); an `in` that is not
+ * 16-byte aligned (ring falls back to window) gives the same bits too; an
+ * unknown value is refused. */
+static const char *const fwd_kinds[] = {"row", "window", "ring"};
+#define NFWD 3
+
 static void test_short_conv_window_kernel_equals_row_kernel(void) {
     lm_rng r;
     lm_rng_seed(&r, 105);
@@ -144,26 +150,37 @@ static void test_short_conv_window_kernel_equals_row_kernel(void) {
         const size_t N = (size_t)B * T, NC = N * C, rows = N * (C / hd);
         float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal((size_t)C * W, 1.0 / sqrt(W), 0, 0, &r);
         float *d_in = dev_from(in, NC), *d_w = dev_from(w, (size_t)C * W);
-        float *d_conv[2], *d_rn[2];
-        uint16_t *d_out[2];
-        for (int k = 0; k < 2; k++) {
-            setenv("LONGMOE_CONV_FORWARD", k ? "window" : "row", 1);
+        /* the same input one float past a 16-byte boundary */
+        float *d_in_odd = dev_poisoned((NC + 1) * sizeof(float));
+        CHECK(lm_cuda_upload(d_in_odd + 1, in, NC * sizeof(float)) == LM_OK, "upload: %s", lm_last_error());
+        settle();
+        float *d_conv[NFWD + 1], *d_rn[NFWD + 1];
+        uint16_t *d_out[NFWD + 1];
+        for (int k = 0; k <= NFWD; k++) {
+            const char *kind = k < NFWD ? fwd_kinds[k] : "ring";
+            setenv("LONGMOE_CONV_FORWARD", kind, 1);
             d_conv[k] = dev_poisoned(NC * 4);
             d_rn[k] = dev_poisoned(rows * 4);
             d_out[k] = dev_poisoned(NC * 2);
-            CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv[k], d_out[k], d_rn[k], d_in, d_w, B, T, C, W, hd) ==
-                      LM_OK, "forward (%s): %s", k ? "window" : "row", lm_last_error());
+            CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv[k], d_out[k], d_rn[k], k < NFWD ? d_in : d_in_odd + 1,
+                                                  d_w, B, T, C, W, hd) == LM_OK,
+                  "forward (%s%s): %s", kind, k < NFWD ? "" : ", unaligned in", lm_last_error());
         }
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
-        float *c0 = host_from(d_conv[0], NC), *c1 = host_from(d_conv[1], NC);
-        float *r0 = host_from(d_rn[0], rows), *r1 = host_from(d_rn[1], rows);
-        float *o0 = host_from_bf16(d_out[0], NC), *o1 = host_from_bf16(d_out[1], NC);
-        CHECK(memcmp(c0, c1, NC * 4) == 0, "(%d,%d,%d,%d,%d): conv output differs", B, T, C, W, hd);
-        CHECK(memcmp(r0, r1, rows * 4) == 0, "(%d,%d,%d,%d,%d): rnorm differs", B, T, C, W, hd);
-        CHECK(memcmp(o0, o1, NC * 4) == 0, "(%d,%d,%d,%d,%d): output differs", B, T, C, W, hd);
-        free(in), free(w), free(c0), free(c1), free(r0), free(r1), free(o0), free(o1);
-        lm_cuda_free(d_in), lm_cuda_free(d_w);
-        for (int k = 0; k < 2; k++) lm_cuda_free(d_conv[k]), lm_cuda_free(d_rn[k]), lm_cuda_free(d_out[k]);
+        float *c0 = host_from(d_conv[0], NC), *r0 = host_from(d_rn[0], rows), *o0 = host_from_bf16(d_out[0], NC);
+        for (int k = 1; k <= NFWD; k++) {
+            const char *kind = k < NFWD ? fwd_kinds[k] : "ring on an unaligned in";
+            float *c1 = host_from(d_conv[k], NC), *r1 = host_from(d_rn[k], rows);
+            float *o1 = host_from_bf16(d_out[k], NC);
+            CHECK(memcmp(c0, c1, NC * 4) == 0, "(%d,%d,%d,%d,%d) %s: conv output differs from row", B, T, C, W, hd,
+                  kind);
+            CHECK(memcmp(r0, r1, rows * 4) == 0, "(%d,%d,%d,%d,%d) %s: rnorm differs from row", B, T, C, W, hd, kind);
+            CHECK(memcmp(o0, o1, NC * 4) == 0, "(%d,%d,%d,%d,%d) %s: output differs from row", B, T, C, W, hd, kind);
+            free(c1), free(r1), free(o1);
+        }
+        free(in), free(w), free(c0), free(r0), free(o0);
+        lm_cuda_free(d_in), lm_cuda_free(d_w), lm_cuda_free(d_in_odd);
+        for (int k = 0; k <= NFWD; k++) lm_cuda_free(d_conv[k]), lm_cuda_free(d_rn[k]), lm_cuda_free(d_out[k]);
     }
     setenv("LONGMOE_CONV_FORWARD", "diagonal", 1);
     float *f = dev_poisoned(64 * 4 * 4);
@@ -172,6 +189,64 @@ static void test_short_conv_window_kernel_equals_row_kernel(void) {
           "LONGMOE_CONV_FORWARD=diagonal accepted");
     lm_cuda_free(f), lm_cuda_free(b);
     unsetenv("LONGMOE_CONV_FORWARD");
+}
+
+/* The ring backward (the default; LONGMOE_CONV_BACKWARD=ring) gives the
+ * one-pass fused kernel's bits (LONGMOE_CONV_BACKWARD=fused): din and dw
+ * (+= onto the same start), with and without the L2 norm, on every shape
+ * (the shapes neither takes run the two-pass path under both values), and
+ * with dout one bf16 past a 16-byte boundary (ring falls back to fused); an
+ * unknown value is refused. */
+static void test_short_conv_backward_ring_equals_fused(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 207);
+    for (int si = 0; si < NSHAPES; si++) {
+        const int *s = shapes[si], B = s[0], T = s[1], C = s[2], W = s[3], hd = s[4];
+        const size_t N = (size_t)B * T, NC = N * C, CW = (size_t)C * W, rows = N * (C / hd);
+        for (int norm = 1; norm >= 0; norm--) {
+            float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal(CW, 1.0 / sqrt(W), 0, 0, &r);
+            float *dout = host_normal(NC, 1.0, 0.0, 1, &r), *dw0 = host_normal(CW, 0.1, 0.0, 0, &r);
+            float *d_in = dev_from(in, NC), *d_w = dev_from(w, CW), *d_conv = dev_poisoned(NC * 4);
+            float *d_rn = dev_poisoned(rows * 4), *rnp = norm ? d_rn : NULL;
+            uint16_t *d_y = dev_poisoned(NC * 2), *d_dout = dev_bf16_from(dout, NC);
+            uint16_t *d_dout_odd = dev_poisoned((NC + 1) * 2);
+            CHECK(lm_cuda_upload_bf16(d_dout_odd + 1, dout, NC) == LM_OK, "upload bf16: %s", lm_last_error());
+            settle();
+            void *d_scratch = dev_poisoned(lm_cuda_short_conv_silu_backward_scratch_bytes(B, T, C, W));
+            CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv, d_y, rnp, d_in, d_w, B, T, C, W, hd) == LM_OK,
+                  "forward: %s", lm_last_error());
+            float *g_din[3], *g_dw[3];
+            const char *what[3] = {"fused", "ring", "ring on an unaligned dout"};
+            for (int k = 0; k < 3; k++) {
+                float *d_din = dev_poisoned(NC * 4), *d_dw = dev_from(dw0, CW);
+                setenv("LONGMOE_CONV_BACKWARD", k ? "ring" : "fused", 1);
+                CHECK(lm_cuda_short_conv_silu_backward(&ctx, d_din, d_dw, k < 2 ? d_dout : d_dout_odd + 1, d_conv, rnp,
+                                                       d_in, d_w, B, T, C, W, hd, d_scratch) == LM_OK,
+                      "backward (%s): %s", what[k], lm_last_error());
+                CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+                g_din[k] = host_from(d_din, NC), g_dw[k] = host_from(d_dw, CW);
+                lm_cuda_free(d_din), lm_cuda_free(d_dw);
+            }
+            for (int k = 1; k < 3; k++) {
+                CHECK(memcmp(g_din[0], g_din[k], NC * 4) == 0, "(%d,%d,%d,%d,%d) norm %d %s: din differs from fused", B,
+                      T, C, W, hd, norm, what[k]);
+                CHECK(memcmp(g_dw[0], g_dw[k], CW * 4) == 0, "(%d,%d,%d,%d,%d) norm %d %s: dw differs from fused", B, T,
+                      C, W, hd, norm, what[k]);
+            }
+            for (int k = 0; k < 3; k++) free(g_din[k]), free(g_dw[k]);
+            free(in), free(w), free(dout), free(dw0);
+            lm_cuda_free(d_in), lm_cuda_free(d_w), lm_cuda_free(d_conv), lm_cuda_free(d_rn), lm_cuda_free(d_y);
+            lm_cuda_free(d_dout), lm_cuda_free(d_dout_odd), lm_cuda_free(d_scratch);
+        }
+    }
+    setenv("LONGMOE_CONV_BACKWARD", "sideways", 1);
+    float *f = dev_poisoned(64 * 4 * 4);
+    uint16_t *b = dev_poisoned(64 * 4 * 2);
+    void *sc = dev_poisoned(lm_cuda_short_conv_silu_backward_scratch_bytes(1, 4, 64, 4));
+    CHECK(lm_cuda_short_conv_silu_backward(&ctx, f, f, b, f, NULL, f, f, 1, 4, 64, 4, 32, sc) == LM_ERR_ARG,
+          "LONGMOE_CONV_BACKWARD=sideways accepted");
+    lm_cuda_free(f), lm_cuda_free(b), lm_cuda_free(sc);
+    unsetenv("LONGMOE_CONV_BACKWARD");
 }
 
 /* Backward of conv + SiLU + L2 from a bf16 dout: din (written) and dw (+=)
@@ -439,6 +514,7 @@ int main(void) {
     RUN(test_short_conv_silu_forward_matches_cpu);
     RUN(test_short_conv_window_kernel_equals_row_kernel);
     RUN(test_short_conv_silu_backward_matches_cpu);
+    RUN(test_short_conv_backward_ring_equals_fused);
     RUN(test_sigmoid_matches_cpu);
     RUN(test_output_forward_matches_cpu);
     RUN(test_output_backward_matches_cpu);

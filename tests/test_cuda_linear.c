@@ -390,19 +390,24 @@ static void test_embedding_backward_adds_in_position_order_like_the_cpu(void) {
             int32_t *d_tok = dev_alloc((size_t)n * 4);
             void *scratch = dev_alloc(lm_cuda_embedding_scratch_bytes(n, V));
             CHECK(lm_cuda_upload(d_tok, tok, (size_t)n * 4) == LM_OK, "%s", lm_last_error());
-            float *got[2];
-            for (int run = 0; run < 2; run++) {
+            /* runs 0 and 1: the default (gather) kernel; run 2: LONGMOE_EMBEDDING_BACKWARD=chain */
+            float *got[3];
+            for (int run = 0; run < 3; run++) {
+                if (run == 2) setenv("LONGMOE_EMBEDDING_BACKWARD", "chain", 1);
                 put_f32(d_t, t0, nt);
                 CHECK(lm_cuda_embedding_backward(&ctx, d_t, d_g, d_tok, n, d, V, scratch) == LM_OK, "%s",
                       lm_last_error());
                 got[run] = get_f32(d_t, nt);
+                unsetenv("LONGMOE_EMBEDDING_BACKWARD");
             }
             size_t bad = 0;
             for (size_t i = 0; i < nt; i++) bad += memcmp(&got[0][i], &want[i], 4) != 0;
             CHECK(bad == 0, "n=%d d=%d V=%d skewed=%d: %zu values differ from the CPU loop (e.g. rel %.3g)", n, d,
                   V, skewed, bad, rel_err_added(got[0], want, t0, nt));
             CHECK(same_bits(got[0], got[1], nt * 4), "n=%d d=%d V=%d: differs between runs", n, d, V);
-            free(t0), free(g), free(tok), free(want), free(got[0]), free(got[1]);
+            CHECK(same_bits(got[0], got[2], nt * 4), "n=%d d=%d V=%d skewed=%d: the chain kernel differs", n, d, V,
+                  skewed);
+            free(t0), free(g), free(tok), free(want), free(got[0]), free(got[1]), free(got[2]);
             lm_cuda_free(d_t), lm_cuda_free(d_g), lm_cuda_free(d_tok), lm_cuda_free(scratch);
         }
 }
@@ -520,6 +525,10 @@ static void test_bad_arguments_are_refused(void) {
           "dweight without scratch accepted");
     CHECK(lm_cuda_embedding_backward(&ctx, f, f, (const int32_t *)f, 4, 8, 0, f) == LM_ERR_ARG,
           "vocab = 0 accepted");
+    setenv("LONGMOE_EMBEDDING_BACKWARD", "sorted", 1);
+    CHECK(lm_cuda_embedding_backward(&ctx, f, f, (const int32_t *)f, 4, 8, 8, f) == LM_ERR_ARG,
+          "LONGMOE_EMBEDDING_BACKWARD=sorted accepted");
+    unsetenv("LONGMOE_EMBEDDING_BACKWARD");
     size_t small = lm_cuda_cross_entropy_workspace_bytes(4, 8, 16, 1) - 1;
     CHECK(lm_cuda_cross_entropy_forward(&ctx, f, f, h, h, (const int32_t *)f, 4, 8, 16, f, small) == LM_ERR_ARG,
           "a workspace below one row accepted");

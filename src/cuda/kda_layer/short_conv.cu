@@ -142,6 +142,111 @@ __global__ void conv_silu_l2_forward_window_kernel(float *conv_out, uint16_t *ou
     }
 }
 
+/* cp.async (global -> shared, no registers held while the copy is in flight). */
+__device__ __forceinline__ void conv_cp_async16(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void conv_cp_async4(void *smem, const void *gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void conv_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void conv_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* The window kernel's sums (the same bits) with the loads in flight in a
+ * per-warp ring of shared memory: a warp takes one head of CONV_RING_TOKENS
+ * consecutive tokens and keeps CONV_RING_DEPTH - 1 tokens' rows of `in` in
+ * flight (16-byte cp.async, 512 bytes a token at head_dim 128) while it
+ * computes the current one; no registers are held by the copies. The window
+ * kernel has one token's loads (512 bytes a warp) in flight at a time and
+ * waits for them before its arithmetic, shuffles and stores, so each SM has
+ * at most ~16 KB outstanding (32 warps at its 56 registers); here ~32 warps x
+ * 7 x 512 B = 112 KB. The halo (WT - 1 rows before a warp's first token) is
+ * 3/64 of the reads instead of 3/16. */
+#define CONV_RING_TOKENS 64
+#define CONV_RING_DEPTH 8 /* a power of 2 */
+template <int PER, int WT>
+__global__ void __launch_bounds__(KL_ROW_WARPS * 32, 4)
+    conv_silu_l2_forward_ring_kernel(float *__restrict__ conv_out, uint16_t *__restrict__ out,
+                                     float *__restrict__ rnorm, const float *__restrict__ in,
+                                     const float *__restrict__ w, int T, int C, int64_t warps) {
+    constexpr int HD = PER * 32, D = CONV_RING_DEPTH;
+    extern __shared__ float4 conv_ring_smem[];
+    const int64_t wid = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (wid >= warps) return; /* whole warps leave together */
+    const int lane = threadIdx.x & 31, heads = C / HD;
+    float *ring = (float *)conv_ring_smem + (threadIdx.x / 32) * (D * HD);
+    const int tiles = (T + CONV_RING_TOKENS - 1) / CONV_RING_TOKENS;
+    const int h = (int)(wid % heads);
+    const int64_t sb = wid / heads;
+    const int64_t b = sb / tiles;
+    const int t0 = (int)(sb % tiles) * CONV_RING_TOKENS;
+    const int t1 = t0 + CONV_RING_TOKENS < T ? t0 + CONV_RING_TOKENS : T;
+    const float *src = in + b * T * C + (int64_t)h * HD; /* row t at src + t * C */
+    float wr[PER][WT], win[PER][WT > 1 ? WT - 1 : 1];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int ch = h * HD + j * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < WT; i++) wr[j][i] = w[(size_t)ch * WT + i];
+#pragma unroll
+        for (int i = 0; i < WT - 1; i++) {
+            const int s = t0 - (WT - 1) + i;
+            win[j][i] = s >= 0 ? src[(int64_t)s * C + j * 32 + lane] : 0.0f;
+        }
+    }
+    /* token t's row goes to slot (t - t0) % D; one commit group per token (empty past t1) */
+    auto issue = [&](int t) {
+        if (t < t1 && lane < HD / 4)
+            conv_cp_async16(ring + ((t - t0) & (D - 1)) * HD + 4 * lane, src + (int64_t)t * C + 4 * lane);
+        conv_cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < D - 1; k++) issue(t0 + k);
+    for (int t = t0; t < t1; t++) {
+        __syncwarp(); /* every lane has read token t - 1's slot, which the next copy refills */
+        issue(t + D - 1);
+        conv_cp_async_wait<D - 1>(); /* this lane's copies of token t landed */
+        __syncwarp();                /* and every lane's */
+        const float *row = ring + ((t - t0) & (D - 1)) * HD;
+        const int64_t n = b * T + t;
+        float y[PER];
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int ch = h * HD + j * 32 + lane;
+            const float x = row[j * 32 + lane];
+            float acc = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WT; i++) {
+                if (t - (WT - 1) + i < 0) continue; /* conv_at's order and skips */
+                acc += wr[j][i] * (i < WT - 1 ? win[j][i] : x);
+            }
+#pragma unroll
+            for (int i = 0; i + 1 < WT - 1; i++) win[j][i] = win[j][i + 1];
+            if (WT > 1) win[j][WT - 2] = x;
+            if (conv_out) conv_out[n * C + ch] = acc;
+            y[j] = acc * kl_sigmoid(acc);
+            ss += y[j] * y[j];
+        }
+        float s = 1.0f;
+        if (rnorm) {
+            ss = kl_warp_sum(ss);
+            s = 1.0f / sqrtf(ss + L2_EPS);
+            if (lane == 0) rnorm[n * heads + h] = s;
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int ch = h * HD + j * 32 + lane;
+            out[n * C + ch] = kl_f32_to_bf16(rnorm ? y[j] * s : y[j]);
+        }
+    }
+    conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
+}
+
 /* One warp per row: dc = dSiLU(c) * (L2 backward of dout), the gradient of
  * the conv output (silu_l2_backward of the CPU). */
 __global__ void silu_l2_backward_kernel(float *dc, const uint16_t *dout, const float *conv_out,
@@ -376,11 +481,169 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
         for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch[j]) * WT + i] = acc[j][i];
 }
 
+/* conv_silu_l2_backward_fused_kernel's work and bits (the same chunks, the
+ * same per-token arithmetic in the same order) with its loads in flight in a
+ * per-warp ring of shared memory instead of one token ahead in registers:
+ * CONV_BWD_RING_DEPTH - 1 tokens' rows (c and in: 16-byte cp.async, dout: 16
+ * bytes a lane over half the lanes, 1/||y||: 4 bytes) are on their way while
+ * the current token is computed. The fused kernel keeps one token (~1.3 KB a
+ * warp at head_dim 128) outstanding; at dw's 256 chunks x 8 heads = 2048
+ * warps (16 a SM) that is ~21 KB a SM, too little to cover the memory's
+ * latency; here ~16 x 7 x 1.3 KB = 145 KB. The prefetch registers go too
+ * (125 -> fewer), so two blocks still fit an SM. */
+#define CONV_BWD_RING_DEPTH 8 /* a power of 2 */
+template <int PER> struct conv_bwd_slot {
+    /* floats of one token's slot: c [32 PER], in [32 PER], dout bf16 [32 PER] (16 PER floats), 1/||y|| (+3 pad) */
+    static constexpr int C_OFF = 0, IN_OFF = 32 * PER, G_OFF = 64 * PER, S_OFF = 80 * PER, FLOATS = 80 * PER + 4;
+};
+
+template <int PER>
+static size_t conv_bwd_ring_smem_bytes(void) {
+    return (size_t)KL_ROW_WARPS * CONV_BWD_RING_DEPTH * conv_bwd_slot<PER>::FLOATS * sizeof(float);
+}
+
+template <int PER, int WT>
+__global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
+    conv_silu_l2_backward_ring_kernel(float *__restrict__ din, float *__restrict__ partial,
+                                      const uint16_t *__restrict__ dout, const float *__restrict__ conv_out,
+                                      const float *__restrict__ rnorm, const float *__restrict__ in,
+                                      const float *__restrict__ w, int T, int C, int64_t N,
+                                      int64_t rows_per_chunk, int64_t chunks) {
+    constexpr int HD = PER * 32, D = CONV_BWD_RING_DEPTH;
+    typedef conv_bwd_slot<PER> SL;
+    extern __shared__ float4 conv_bwd_ring_smem[];
+    const int heads = C / HD, lane = threadIdx.x & 31;
+    const int64_t gw = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (gw >= chunks * heads) return; /* whole warps leave together */
+    float *ring = (float *)conv_bwd_ring_smem + (threadIdx.x / 32) * (D * SL::FLOATS);
+    const int h = (int)(gw % heads);
+    const int64_t chunk = gw / heads, n0 = chunk * rows_per_chunk;
+    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+    int ch[PER];
+    float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        ch[j] = h * HD + j * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < WT; i++) {
+            wr[j][i] = w[(size_t)ch[j] * WT + i];
+            acc[j][i] = 0.0f;
+            dcw[j][i] = 0.0f;
+            /* xin[j][i] = in[n0 - WT + i] for i >= 1: the taps of the first token */
+            const int64_t src = n0 - WT + i;
+            xin[j][i] = (i >= 1 && src >= 0 && src < N) ? in[src * C + ch[j]] : 0.0f;
+        }
+    }
+    const int64_t m_end = n1 + (WT - 1);
+    /* token m's rows go to slot (m - n0) % D; one commit group per token (empty when nothing is due) */
+    auto issue = [&](int64_t m) {
+        float *sl = ring + (int)((m - n0) & (D - 1)) * SL::FLOATS;
+        if (m < N && m < m_end) {
+            const int64_t e = m * C + (int64_t)h * HD;
+            if (lane < HD / 4) conv_cp_async16(sl + SL::C_OFF + 4 * lane, conv_out + e + 4 * lane);
+            if (lane < HD / 8) conv_cp_async16(sl + SL::G_OFF + 4 * lane, dout + e + 8 * lane);
+            if (rnorm && lane == 0) conv_cp_async4(sl + SL::S_OFF, rnorm + m * heads + h);
+            if (m < n1 && lane < HD / 4) conv_cp_async16(sl + SL::IN_OFF + 4 * lane, in + e + 4 * lane);
+        }
+        conv_cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < D - 1; k++) issue(n0 + k);
+    for (int64_t m = n0; m < m_end; m++) {
+        __syncwarp(); /* every lane has read token m - 1's slot, which the next copy refills */
+        issue(m + D - 1);
+        conv_cp_async_wait<D - 1>(); /* this lane's copies of token m landed */
+        __syncwarp();                /* and every lane's */
+        const float *sl = ring + (int)((m - n0) & (D - 1)) * SL::FLOATS;
+        const uint16_t *sg = (const uint16_t *)(sl + SL::G_OFF);
+        const bool ok = m < N, inok = m < n1; /* the fused kernel's loads give 0 (s: 1) otherwise */
+        float x[PER], g[PER], xi[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            x[j] = ok ? sl[SL::C_OFF + j * 32 + lane] : 0.0f;
+            g[j] = ok ? kl_bf16_to_f32(sg[j * 32 + lane]) : 0.0f;
+            xi[j] = inok ? sl[SL::IN_OFF + j * 32 + lane] : 0.0f;
+        }
+        const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
+#pragma unroll
+        for (int j = 0; j < PER; j++)
+#pragma unroll
+            for (int i = 0; i + 1 < WT; i++) {
+                xin[j][i] = xin[j][i + 1];
+                dcw[j][i] = dcw[j][i + 1];
+            }
+        if (m < N) { /* warp-uniform */
+            float y[PER];
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
+                dot += y[j] * g[j];
+            }
+            if (rnorm) dot = kl_warp_sum(dot);
+#pragma unroll
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, rnorm != NULL);
+        } else {
+#pragma unroll
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) xin[j][WT - 1] = xi[j];
+        if (m < n1) {
+            const int t = (int)(m % T);
+#pragma unroll
+            for (int j = 0; j < PER; j++)
+#pragma unroll
+                for (int i = 0; i < WT; i++)
+                    if (t >= WT - 1 - i) acc[j][i] += xin[j][i] * dcw[j][WT - 1];
+        }
+        const int64_t tt = m - (WT - 1);
+        if (tt >= n0 && tt < n1) {
+            const int t = (int)(tt % T);
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int i = 0; i < WT; i++)
+                    if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
+                din[tt * C + ch[j]] = a;
+            }
+        }
+    }
+    conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
+#pragma unroll
+    for (int j = 0; j < PER; j++)
+#pragma unroll
+        for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch[j]) * WT + i] = acc[j][i];
+}
+
+static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
 static int use_fused(const float *conv_out, int W, int head_dim) {
     return conv_out && W <= 4 && head_dim <= 128;
 }
 
 static int64_t dw_chunks(int64_t N) { return kl_chunks(N, DW_MIN_ROWS, DW_MAX_CHUNKS); }
+
+/* One launch of the backward ring kernel; its shared memory (83 KB at head_dim 128) is above the
+ * default 48 KB limit, raised once per instance. */
+template <int PER, int WT>
+static lm_status conv_bwd_ring_launch(unsigned grid, cudaStream_t stream, float *din, float *partial,
+                                      const uint16_t *dout, const float *conv_out, const float *rnorm,
+                                      const float *in, const float *w, int T, int C, int64_t N, int64_t rows,
+                                      int64_t chunks) {
+    static int raised = 0; /* a benign race: two threads set the same value */
+    const size_t smem = conv_bwd_ring_smem_bytes<PER>();
+    if (!raised && smem > 48 * 1024) {
+        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)conv_silu_l2_backward_ring_kernel<PER, WT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        raised = 1;
+    }
+    conv_silu_l2_backward_ring_kernel<PER, WT><<<grid, KL_ROW_WARPS * 32, smem, stream>>>(
+        din, partial, dout, conv_out, rnorm, in, w, T, C, N, rows, chunks);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
 
 static lm_status check_shape(const char *fn, int B, int T, int C, int W, int head_dim) {
     if (B < 1 || T < 1 || C < 1 || W < 1)
@@ -406,12 +669,39 @@ extern "C" lm_status lm_cuda_short_conv_silu_forward(const lm_cuda_context *ctx,
     if (st) return st;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     int64_t rows = (int64_t)B * T * (C / head_dim);
-    /* the register-window kernel where it applies (W <= 4, head_dim <= 128; 1.3x the row kernel on an H200,
-     * the same bits), else, or with LONGMOE_CONV_FORWARD=row, the kernel of one warp a row */
+    /* LONGMOE_CONV_FORWARD: ring (the default), window or row. ring and window need W <= 4 and
+     * head_dim <= 128 (ring also a 16-byte aligned `in`); where a kernel does not apply the next one
+     * down the list runs: ring -> window -> row. All three give the same bits. */
     const char *kind = getenv("LONGMOE_CONV_FORWARD");
-    if (kind && *kind && strcmp(kind, "window") && strcmp(kind, "row"))
-        return lm_error(LM_ERR_ARG, "%s: LONGMOE_CONV_FORWARD=%s: expected row or window", fn, kind);
-    if (!(kind && !strcmp(kind, "row")) && W <= 4 && head_dim <= 128) {
+    if (kind && *kind && strcmp(kind, "ring") && strcmp(kind, "window") && strcmp(kind, "row"))
+        return lm_error(LM_ERR_ARG, "%s: LONGMOE_CONV_FORWARD=%s: expected ring, window or row", fn, kind);
+    const int is_row = kind && !strcmp(kind, "row"), is_window = kind && !strcmp(kind, "window");
+    if (!is_row && !is_window && W <= 4 && head_dim <= 128 && aligned16(in)) {
+        const int64_t warps = (int64_t)B * ((T + CONV_RING_TOKENS - 1) / CONV_RING_TOKENS) * (C / head_dim);
+        const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
+        const size_t smem = (size_t)KL_ROW_WARPS * CONV_RING_DEPTH * head_dim * sizeof(float);
+#define CONV_RING(P, WT)                                                                           \
+    conv_silu_l2_forward_ring_kernel<P, WT><<<grid, KL_ROW_WARPS * 32, smem, stream>>>(          \
+        conv_out, out_bf16, rnorm, in, w, T, C, warps)
+#define CONV_RING_W(P)                                                                             \
+    switch (W) {                                                                                   \
+    case 1: CONV_RING(P, 1); break;                                                                \
+    case 2: CONV_RING(P, 2); break;                                                                \
+    case 3: CONV_RING(P, 3); break;                                                                \
+    default: CONV_RING(P, 4); break;                                                               \
+    }
+        switch (head_dim / 32) {
+        case 1: CONV_RING_W(1); break;
+        case 2: CONV_RING_W(2); break;
+        case 3: CONV_RING_W(3); break;
+        default: CONV_RING_W(4); break;
+        }
+#undef CONV_RING_W
+#undef CONV_RING
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
+    if (!is_row && W <= 4 && head_dim <= 128) {
         const int64_t warps = (int64_t)B * ((T + CONV_FWD_TOKENS - 1) / CONV_FWD_TOKENS) * (C / head_dim);
         const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
 #define CONV_WIN(P, WT)                                                                            \
@@ -462,6 +752,43 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
     if (st) return st;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t N = (int64_t)B * T, rows = N * (C / head_dim), total = N * C;
+    /* LONGMOE_CONV_BACKWARD: ring (the default) or fused; both apply when c was saved, W <= 4 and
+     * head_dim <= 128 (ring also needs 16-byte aligned conv_out, in and dout, else fused runs); they
+     * give the same bits. Otherwise the two-pass path. */
+    const char *kind = getenv("LONGMOE_CONV_BACKWARD");
+    if (kind && *kind && strcmp(kind, "ring") && strcmp(kind, "fused"))
+        return lm_error(LM_ERR_ARG, "%s: LONGMOE_CONV_BACKWARD=%s: expected ring or fused", fn, kind);
+    if (use_fused(conv_out, W, head_dim) && !(kind && !strcmp(kind, "fused")) && aligned16(conv_out) &&
+        aligned16(in) && aligned16(dout_bf16)) {
+        const int64_t fchunks = dw_chunks(N), frows = (N + fchunks - 1) / fchunks;
+        const int64_t warps = fchunks * (C / head_dim);
+        const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
+        float *partial = (float *)scratch;
+        lm_status lst = LM_OK;
+#define CONV_BRING(P, WT) lst = conv_bwd_ring_launch<P, WT>(grid, stream, din, partial, dout_bf16, conv_out, rnorm, \
+                                                           in, w, T, C, N, frows, fchunks)
+#define CONV_BRING_W(P)                                                                            \
+    switch (W) {                                                                                   \
+    case 1: CONV_BRING(P, 1); break;                                                               \
+    case 2: CONV_BRING(P, 2); break;                                                               \
+    case 3: CONV_BRING(P, 3); break;                                                               \
+    default: CONV_BRING(P, 4); break;                                                              \
+    }
+        switch (head_dim / 32) {
+        case 1: CONV_BRING_W(1); break;
+        case 2: CONV_BRING_W(2); break;
+        case 3: CONV_BRING_W(3); break;
+        default: CONV_BRING_W(4); break;
+        }
+#undef CONV_BRING_W
+#undef CONV_BRING
+        if (lst) return lst;
+        const int64_t len = (int64_t)C * W;
+        kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
+            dw, partial, len, fchunks);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     if (use_fused(conv_out, W, head_dim)) {
         /* dw's chunks as the two-pass path: the same bits, with or without saved c */
         const int64_t fchunks = dw_chunks(N), frows = (N + fchunks - 1) / fchunks;

@@ -16,8 +16,13 @@
  *     rows' loads in flight, exactly as the CPU loop does (row += g, i
  *     ascending), and write the slice once. Each gradient row is read once, each touched table row read and
  *     written once. The sort's histograms count with integer atomics; counts
- *     do not depend on order. */
+ *     do not depend on order.
+ * Step 2 has two kernels with the same bits (LONGMOE_EMBEDDING_BACKWARD):
+ * gather (the default: a run's keys and positions in one load, then the
+ * table slice and the rows together) and chain (the first version). */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -189,6 +194,85 @@ __global__ void emb_accumulate_kernel(float *dtable, const float *dout, const in
     }
 }
 
+/* emb_accumulate_kernel's sums, bit for bit (the table slice, then the run's
+ * rows in sorted = position order), with fewer dependent round trips a warp.
+ * emb_accumulate_kernel reads keys[b] and keys[b - 1], then the table slice
+ * and, one key at a time (each comparison decides whether the next key is
+ * read), the run's next keys and positions, then the gradient rows: 3 to 5
+ * dependent trips to memory per warp, and at 72 registers only 24 warps an SM
+ * to overlap them. Here one load instruction gathers keys[j-1 .. j+R] (lanes
+ * 0 .. R+1) and vals[j .. j+R-1] (lanes 8 .. 8+R-1), shared by shuffles;
+ * the table slice and the batch's R gradient rows are then loaded together,
+ * and a longer run's next gather is issued with them: 2 trips for a run of at
+ * most R = EMB_RUN_ROWS rows (99% of runs with uniform tokens at n = vocab),
+ * 1 more per further R rows. At most 64 registers: 32 warps an SM. */
+template <int W>
+__global__ void __launch_bounds__(32 * EMB_WARPS, 4)
+    emb_accumulate_gather_kernel(float *dtable, const float *__restrict__ dout, const int32_t *__restrict__ keys,
+                                 const int32_t *__restrict__ vals, int64_t n, int d, int vocab) {
+    constexpr int R = EMB_RUN_ROWS, VL = 8; /* vals' first lane */
+    static_assert(R + 2 <= VL && VL + R <= 32, "gather lanes");
+    const int lane = threadIdx.x & 31;
+    const int64_t b = (int64_t)blockIdx.x * EMB_WARPS + (threadIdx.x >> 5);
+    if (b >= n) return; /* whole warps leave together */
+    /* lane l <= R + 1: keys[j - 1 + l]; lane VL + q (q < R): vals[j + q]; -1 outside [0, n) */
+    auto gather = [&](int64_t j) -> int32_t {
+        int64_t idx = -1;
+        const int32_t *p = keys;
+        if (lane <= R + 1) idx = j - 1 + lane;
+        else if (lane >= VL && lane < VL + R) idx = j + (lane - VL), p = vals;
+        return idx >= 0 && idx < n ? __ldg(p + idx) : -1;
+    };
+    int32_t gv = gather(b);
+    const int32_t tok = __shfl_sync(0xffffffffu, gv, 1), prev = __shfl_sync(0xffffffffu, gv, 0);
+    if (tok >= vocab || prev == tok) return; /* past the vocabulary, or not the start of a run */
+    const int c0 = blockIdx.y * (32 * W * EMB_SLICE_ITEMS);
+    float *row = dtable + (int64_t)tok * d;
+    float acc[EMB_SLICE_ITEMS][W];
+#pragma unroll
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_load_rw<W>(acc[k], row + c);
+    }
+    for (int64_t j = b;; j += R) {
+        /* this batch: positions j .. j+R-1 of the run (a prefix of them) */
+        bool in[R];
+        const float *gp[R];
+        bool more = true;
+#pragma unroll
+        for (int q = 0; q < R; q++) {
+            const int32_t kq = __shfl_sync(0xffffffffu, gv, 1 + q), vq = __shfl_sync(0xffffffffu, gv, VL + q);
+            more = more && kq == tok;
+            in[q] = more;
+            gp[q] = more ? dout + (int64_t)vq * d : dout;
+        }
+        const bool cont = in[R - 1] && __shfl_sync(0xffffffffu, gv, 1 + R) == tok;
+        if (cont) gv = gather(j + R); /* in flight with this batch's rows */
+        float v[R][EMB_SLICE_ITEMS][W];
+#pragma unroll
+        for (int q = 0; q < R; q++)
+#pragma unroll
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+                int c = c0 + (k * 32 + lane) * W;
+                if (in[q] && c < d) emb_load<W>(v[q][k], gp[q] + c);
+            }
+#pragma unroll
+        for (int q = 0; q < R; q++) {
+            if (!in[q]) break;
+#pragma unroll
+            for (int k = 0; k < EMB_SLICE_ITEMS; k++)
+#pragma unroll
+                for (int e = 0; e < W; e++) acc[k][e] += v[q][k][e];
+        }
+        if (!cont) break;
+    }
+#pragma unroll
+    for (int k = 0; k < EMB_SLICE_ITEMS; k++) {
+        int c = c0 + (k * 32 + lane) * W;
+        if (c < d) emb_store<W>(row + c, acc[k]);
+    }
+}
+
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 static unsigned emb_blocks(int64_t rows) { return (unsigned)((rows + EMB_WARPS - 1) / EMB_WARPS); }
@@ -221,6 +305,9 @@ extern "C" lm_status lm_cuda_embedding_backward(const lm_cuda_context *ctx, floa
     if (n == 0) return LM_OK;
     if (!dtable || !dout || !tokens) return lm_error(LM_ERR_ARG, "%s: dtable, dout or tokens is NULL", fn);
     if (!scratch) return lm_error(LM_ERR_ARG, "%s: scratch is NULL (lm_cuda_embedding_scratch_bytes)", fn);
+    const char *kind = getenv("LONGMOE_EMBEDDING_BACKWARD");
+    if (kind && *kind && strcmp(kind, "gather") && strcmp(kind, "chain"))
+        return lm_error(LM_ERR_ARG, "%s: LONGMOE_EMBEDDING_BACKWARD=%s: expected gather or chain", fn, kind);
     cudaStream_t s = lin_stream(ctx);
     emb_scratch sc = emb_carve(scratch, n);
     int bits = emb_key_bits(vocab);
@@ -230,12 +317,22 @@ extern "C" lm_status lm_cuda_embedding_backward(const lm_cuda_context *ctx, floa
     LM_CUDA_TRY(cudaGetLastError());
     LM_CUDA_TRY(cub::DeviceRadixSort::SortPairs(sc.temp, temp_bytes, (const int32_t *)sc.keys[0], sc.keys[1],
                                                 (const int32_t *)sc.vals[0], sc.vals[1], (int)n, 0, bits, s));
+    /* LONGMOE_EMBEDDING_BACKWARD: gather (the default) or chain (emb_accumulate_kernel); the same bits */
+    const int chain = kind && !strcmp(kind, "chain");
     if (d % 4 == 0 && aligned16(dtable) && aligned16(dout)) {
         dim3 grid(emb_blocks(n), (unsigned)((d + 32 * 4 * EMB_SLICE_ITEMS - 1) / (32 * 4 * EMB_SLICE_ITEMS)));
-        emb_accumulate_kernel<4><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+        if (chain)
+            emb_accumulate_kernel<4><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+        else
+            emb_accumulate_gather_kernel<4>
+                <<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
     } else {
         dim3 grid(emb_blocks(n), (unsigned)((d + 32 * EMB_SLICE_ITEMS - 1) / (32 * EMB_SLICE_ITEMS)));
-        emb_accumulate_kernel<1><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+        if (chain)
+            emb_accumulate_kernel<1><<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
+        else
+            emb_accumulate_gather_kernel<1>
+                <<<grid, 32 * EMB_WARPS, 0, s>>>(dtable, dout, sc.keys[1], sc.vals[1], n, d, vocab);
     }
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
