@@ -233,6 +233,33 @@ static void test_short_conv_backward_ring_equals_fused(void) {
                 CHECK(memcmp(g_dw[0], g_dw[k], CW * 4) == 0, "(%d,%d,%d,%d,%d) norm %d %s: dw differs from fused", B, T,
                       C, W, hd, norm, what[k]);
             }
+            /* din in bf16 (ring, then fused): fused's fp32 din rounded, bit for bit; dw the same bits */
+            for (int k = 0; k < 2; k++) {
+                uint16_t *d_din16 = dev_poisoned(NC * 2);
+                float *d_dw = dev_from(dw0, CW);
+                setenv("LONGMOE_CONV_BACKWARD", k ? "fused" : "ring", 1);
+                lm_status bst = lm_cuda_short_conv_silu_backward_bf16(&ctx, d_din16, d_dw, d_dout, d_conv, rnp, d_in,
+                                                                      d_w, B, T, C, W, hd, d_scratch);
+                if (!lm_cuda_short_conv_silu_backward_bf16_takes(d_conv, W, hd)) {
+                    CHECK(bst == LM_ERR_ARG, "(%d,%d,%d,%d,%d): bf16 din accepted where the one-pass kernels do not run",
+                          B, T, C, W, hd);
+                } else {
+                    CHECK(bst == LM_OK, "backward bf16 (%s): %s", k ? "fused" : "ring", lm_last_error());
+                    CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+                    uint16_t *h16 = mallocCheck(NC * 2);
+                    CHECK(lm_cuda_download(h16, d_din16, NC * 2) == LM_OK, "download: %s", lm_last_error());
+                    float *h_dw = host_from(d_dw, CW);
+                    size_t bad = 0;
+                    for (size_t i = 0; i < NC; i++) bad += h16[i] != lm_f32_to_bf16(g_din[0][i]);
+                    CHECK(bad == 0, "(%d,%d,%d,%d,%d) norm %d bf16 din (%s): %zu values not fused's din rounded", B, T,
+                          C, W, hd, norm, k ? "fused" : "ring", bad);
+                    CHECK(memcmp(h_dw, g_dw[0], CW * 4) == 0, "(%d,%d,%d,%d,%d) norm %d bf16 din (%s): dw differs", B,
+                          T, C, W, hd, norm, k ? "fused" : "ring");
+                    free(h16), free(h_dw);
+                }
+                lm_cuda_free(d_din16), lm_cuda_free(d_dw);
+            }
+            unsetenv("LONGMOE_CONV_BACKWARD");
             for (int k = 0; k < 3; k++) free(g_din[k]), free(g_dw[k]);
             free(in), free(w), free(dout), free(dw0);
             lm_cuda_free(d_in), lm_cuda_free(d_w), lm_cuda_free(d_conv), lm_cuda_free(d_rn), lm_cuda_free(d_y);

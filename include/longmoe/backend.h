@@ -167,6 +167,12 @@ typedef struct {
     lm_status (*conv_silu_backward)(lm_backend *be, float *din, float *dw, const void *dout_lp,
                                     const float *conv_out, const void *out_lp, const float *rnorm, const float *in,
                                     const float *w, int B, int T, int C, int W, int head_dim, float *tmp);
+    /* optional (NULL: conv_silu_backward, then to_lp): the same with din written
+     * in the product format for the product that takes it next */
+    lm_status (*conv_silu_backward_lp)(lm_backend *be, void *din_lp, float *dw, const void *dout_lp,
+                                       const float *conv_out, const void *out_lp, const float *rnorm,
+                                       const float *in, const float *w, int B, int T, int C, int W, int head_dim,
+                                       float *tmp);
     /* the operator (SPEC §2): o (lp) from q, k, v, z (lp), beta, A_log, dt_bias
      * (fp32); h0 [B,H,K,V] the initial state (NULL: zero), ht (NULL: not
      * written) the final state, both fp32 (sequence segments, docs/model.md) */

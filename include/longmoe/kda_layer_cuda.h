@@ -67,6 +67,17 @@ lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx, float *di
                                            int B, int T, int C, int W, int head_dim,
                                            void *scratch);
 
+/* The same with din WRITTEN in bf16 (rounded to nearest even) for the product
+ * that takes it next: no fp32 din and no conversion pass. Only the one-pass
+ * kernels write bf16: conv_out saved, W <= 4, head_dim <= 128
+ * (lm_cuda_short_conv_silu_backward_bf16_takes); otherwise LM_ERR_ARG. dw
+ * has the bits of lm_cuda_short_conv_silu_backward. */
+int lm_cuda_short_conv_silu_backward_bf16_takes(const float *conv_out, int W, int head_dim);
+lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context *ctx, uint16_t *din_bf16, float *dw,
+                                                const uint16_t *dout_bf16, const float *conv_out,
+                                                const float *rnorm, const float *in, const float *w, int B, int T,
+                                                int C, int W, int head_dim, void *scratch);
+
 /* out[i] = 1 / (1 + exp(-in[i])) (beta = sigmoid(W_beta x)); out may be in. */
 lm_status lm_cuda_sigmoid_forward(const lm_cuda_context *ctx, float *out, const float *in,
                                   size_t n);

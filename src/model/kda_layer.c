@@ -299,9 +299,16 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     for (int j = 0; j < 3; j++) {
         if (!carry) {
-            TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j], B,
-                                       T, HK, W, K, tmp));
-            TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
+            if (lp_separate(c) && op->conv_silu_backward_lp) {
+                /* din straight in the product format */
+                TRY(op->conv_silu_backward_lp(be, scratch + S.din_lp, conv_g[j], douts[j], pre[j], post[j], rn[j],
+                                              proj[j], conv_w[j], B, T, HK, W, K, tmp));
+                din_lp = scratch + S.din_lp;
+            } else {
+                TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
+                                           B, T, HK, W, K, tmp));
+                TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
+            }
             TRY(op->matmul_backward(be, dx, Wg[j], din_lp, x, Wm[j], (int64_t)N, d, HK));
             continue;
         }

@@ -290,6 +290,24 @@ static lm_status cuda_conv_silu_backward(lm_backend *be, float *din, float *dw, 
                                             B, T, C, W, head_dim, scratch);
 }
 
+static lm_status cuda_conv_silu_backward_lp(lm_backend *be, void *din_lp, float *dw, const void *dout_lp,
+                                            const float *conv_out, const void *out_lp, const float *rnorm,
+                                            const float *in, const float *w, int B, int T, int C, int W,
+                                            int head_dim, float *tmp) {
+    if (!lm_cuda_short_conv_silu_backward_bf16_takes(conv_out, W, head_dim)) {
+        /* the two-pass path writes fp32: into tmp (B*T*C floats), then rounded */
+        lm_status st = cuda_conv_silu_backward(be, tmp, dw, dout_lp, conv_out, out_lp, rnorm, in, w, B, T, C, W,
+                                               head_dim, NULL);
+        if (st) return st;
+        return lm_cuda_f32_to_bf16(ctx_of(be), (uint16_t *)din_lp, tmp, (size_t)B * T * C);
+    }
+    void *scratch;
+    lm_status st = arena_get(be, lm_cuda_short_conv_silu_backward_scratch_bytes(B, T, C, W), &scratch);
+    if (st) return st;
+    return lm_cuda_short_conv_silu_backward_bf16(ctx_of(be), (uint16_t *)din_lp, dw, (const uint16_t *)dout_lp,
+                                                 conv_out, rnorm, in, w, B, T, C, W, head_dim, scratch);
+}
+
 static lm_kda_cuda_inputs kda_inputs(const void *q, const void *k, const void *v, const void *z, const float *beta,
                                      const float *A_log, const float *dt_bias, const float *h0) {
     lm_kda_cuda_inputs in;
@@ -785,6 +803,7 @@ static lm_ops make_cuda_ops(void) {
     o.score_forward = cuda_score_forward;
     o.conv_silu_forward = cuda_conv_silu_forward;
     o.conv_silu_backward = cuda_conv_silu_backward;
+    o.conv_silu_backward_lp = cuda_conv_silu_backward_lp;
     o.kda_forward = cuda_kda_forward;
     o.kda_backward = cuda_kda_backward;
     o.kda_output_forward = cuda_kda_output_forward;

@@ -380,9 +380,13 @@ __global__ void conv_backward_window_kernel(float *__restrict__ din, float *__re
  * past the chunk too (the halo din needs), and never goes to memory. The next
  * token's loads are issued before the current token's arithmetic. The chunks
  * are dw_chunks', so dw has the two-pass path's bits. */
-template <int PER, int WT>
+/* din stores: fp32, or bf16 for a product that takes it next (round to nearest even) */
+__device__ __forceinline__ void conv_store_din(float *p, float v) { *p = v; }
+__device__ __forceinline__ void conv_store_din(uint16_t *p, float v) { *p = kl_f32_to_bf16(v); }
+
+template <int PER, int WT, typename DT>
 __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
-    conv_silu_l2_backward_fused_kernel(float *__restrict__ din, float *__restrict__ partial,
+    conv_silu_l2_backward_fused_kernel(DT *__restrict__ din, float *__restrict__ partial,
                                        const uint16_t *__restrict__ dout,
                                        const float *__restrict__ conv_out,
                                        const float *__restrict__ rnorm, const float *__restrict__ in,
@@ -471,7 +475,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
 #pragma unroll
                 for (int i = 0; i < WT; i++)
                     if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
-                din[tt * C + ch[j]] = a;
+                conv_store_din(din + tt * C + ch[j], a);
             }
         }
     }
@@ -502,9 +506,9 @@ static size_t conv_bwd_ring_smem_bytes(void) {
     return (size_t)KL_ROW_WARPS * CONV_BWD_RING_DEPTH * conv_bwd_slot<PER>::FLOATS * sizeof(float);
 }
 
-template <int PER, int WT>
+template <int PER, int WT, typename DT>
 __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
-    conv_silu_l2_backward_ring_kernel(float *__restrict__ din, float *__restrict__ partial,
+    conv_silu_l2_backward_ring_kernel(DT *__restrict__ din, float *__restrict__ partial,
                                       const uint16_t *__restrict__ dout, const float *__restrict__ conv_out,
                                       const float *__restrict__ rnorm, const float *__restrict__ in,
                                       const float *__restrict__ w, int T, int C, int64_t N,
@@ -606,7 +610,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
 #pragma unroll
                 for (int i = 0; i < WT; i++)
                     if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
-                din[tt * C + ch[j]] = a;
+                conv_store_din(din + tt * C + ch[j], a);
             }
         }
     }
@@ -627,19 +631,19 @@ static int64_t dw_chunks(int64_t N) { return kl_chunks(N, DW_MIN_ROWS, DW_MAX_CH
 
 /* One launch of the backward ring kernel; its shared memory (83 KB at head_dim 128) is above the
  * default 48 KB limit, raised once per instance. */
-template <int PER, int WT>
-static lm_status conv_bwd_ring_launch(unsigned grid, cudaStream_t stream, float *din, float *partial,
+template <int PER, int WT, typename DT>
+static lm_status conv_bwd_ring_launch(unsigned grid, cudaStream_t stream, DT *din, float *partial,
                                       const uint16_t *dout, const float *conv_out, const float *rnorm,
                                       const float *in, const float *w, int T, int C, int64_t N, int64_t rows,
                                       int64_t chunks) {
     static int raised = 0; /* a benign race: two threads set the same value */
     const size_t smem = conv_bwd_ring_smem_bytes<PER>();
     if (!raised && smem > 48 * 1024) {
-        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)conv_silu_l2_backward_ring_kernel<PER, WT>,
+        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)conv_silu_l2_backward_ring_kernel<PER, WT, DT>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         raised = 1;
     }
-    conv_silu_l2_backward_ring_kernel<PER, WT><<<grid, KL_ROW_WARPS * 32, smem, stream>>>(
+    conv_silu_l2_backward_ring_kernel<PER, WT, DT><<<grid, KL_ROW_WARPS * 32, smem, stream>>>(
         din, partial, dout, conv_out, rnorm, in, w, T, C, N, rows, chunks);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
@@ -737,21 +741,16 @@ extern "C" size_t lm_cuda_short_conv_silu_backward_scratch_bytes(int B, int T, i
     return ((size_t)N * C + (size_t)dw_chunks(N) * C * W) * sizeof(float);
 }
 
-extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx, float *din,
-                                                      float *dw, const uint16_t *dout_bf16,
-                                                      const float *conv_out, const float *rnorm,
-                                                      const float *in, const float *w, int B,
-                                                      int T, int C, int W, int head_dim,
-                                                      void *scratch) {
-    // dout_bf16, din, in, conv_out are (B,T,C); w, dw are (C,W)
-    const char *fn = "short_conv_silu_backward";
-    if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
-    if (!din || !dw || !dout_bf16 || !in || !w || !scratch)
-        return lm_error(LM_ERR_ARG, "%s: din, dw, dout_bf16, in, w and scratch are required", fn);
-    lm_status st = check_shape(fn, B, T, C, W, head_dim);
-    if (st) return st;
+/* The one-pass backward (ring or fused kernel, then the fixed-order sum of dw) with din of
+ * type DT; *done = 0 when it does not apply (no saved c, W > 4 or head_dim > 128). */
+template <typename DT>
+static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, float *dw, const uint16_t *dout_bf16,
+                                        const float *conv_out, const float *rnorm, const float *in, const float *w,
+                                        int B, int T, int C, int W, int head_dim, void *scratch, const char *fn,
+                                        int *done) {
+    *done = 0;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
-    const int64_t N = (int64_t)B * T, rows = N * (C / head_dim), total = N * C;
+    const int64_t N = (int64_t)B * T;
     /* LONGMOE_CONV_BACKWARD: ring (the default) or fused; both apply when c was saved, W <= 4 and
      * head_dim <= 128 (ring also needs 16-byte aligned conv_out, in and dout, else fused runs); they
      * give the same bits. Otherwise the two-pass path. */
@@ -765,7 +764,7 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
         const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
         float *partial = (float *)scratch;
         lm_status lst = LM_OK;
-#define CONV_BRING(P, WT) lst = conv_bwd_ring_launch<P, WT>(grid, stream, din, partial, dout_bf16, conv_out, rnorm, \
+#define CONV_BRING(P, WT) lst = conv_bwd_ring_launch<P, WT, DT>(grid, stream, din, partial, dout_bf16, conv_out, rnorm, \
                                                            in, w, T, C, N, frows, fchunks)
 #define CONV_BRING_W(P)                                                                            \
     switch (W) {                                                                                   \
@@ -787,6 +786,7 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
         kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
             dw, partial, len, fchunks);
         LM_CUDA_TRY(cudaGetLastError());
+        *done = 1;
         return LM_OK;
     }
     if (use_fused(conv_out, W, head_dim)) {
@@ -796,7 +796,7 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
         const unsigned grid = kl_blocks(warps, KL_ROW_WARPS);
         float *partial = (float *)scratch;
 #define CONV_FUSED(P, WT)                                                                          \
-    conv_silu_l2_backward_fused_kernel<P, WT><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(            \
+    conv_silu_l2_backward_fused_kernel<P, WT, DT><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(            \
         din, partial, dout_bf16, conv_out, rnorm, in, w, T, C, head_dim, N, frows, fchunks)
 #define CONV_FUSED_W(P)                                                                            \
     switch (W) {                                                                                   \
@@ -818,8 +818,58 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
         kl_ordered_partial_sum_kernel<<<kl_partial_sum_grid(len), kl_partial_sum_block(), 0, stream>>>(
             dw, partial, len, fchunks);
         LM_CUDA_TRY(cudaGetLastError());
+        *done = 1;
         return LM_OK;
     }
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_short_conv_silu_backward_bf16_takes(const float *conv_out, int W, int head_dim) {
+    return use_fused(conv_out, W, head_dim);
+}
+
+extern "C" lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context *ctx, uint16_t *din_bf16,
+                                                           float *dw, const uint16_t *dout_bf16,
+                                                           const float *conv_out, const float *rnorm,
+                                                           const float *in, const float *w, int B, int T, int C,
+                                                           int W, int head_dim, void *scratch) {
+    const char *fn = "short_conv_silu_backward_bf16";
+    if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
+    if (!din_bf16 || !dw || !dout_bf16 || !in || !w || !scratch)
+        return lm_error(LM_ERR_ARG, "%s: din_bf16, dw, dout_bf16, in, w and scratch are required", fn);
+    lm_status st = check_shape(fn, B, T, C, W, head_dim);
+    if (st) return st;
+    if (!use_fused(conv_out, W, head_dim))
+        return lm_error(LM_ERR_ARG, "%s: needs the one-pass kernels (saved conv_out, W <= 4, head_dim <= 128); "
+                        "got conv_out %s, W=%d, head_dim=%d", fn, conv_out ? "given" : "NULL", W, head_dim);
+    int done = 0;
+    if ((st = conv_backward_one_pass<uint16_t>(ctx, din_bf16, dw, dout_bf16, conv_out, rnorm, in, w, B, T, C, W,
+                                               head_dim, scratch, fn, &done)))
+        return st;
+    if (!done) return lm_error(LM_ERR_ARG, "%s: the one-pass kernels did not run", fn);
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx, float *din,
+                                                      float *dw, const uint16_t *dout_bf16,
+                                                      const float *conv_out, const float *rnorm,
+                                                      const float *in, const float *w, int B,
+                                                      int T, int C, int W, int head_dim,
+                                                      void *scratch) {
+    // dout_bf16, din, in, conv_out are (B,T,C); w, dw are (C,W)
+    const char *fn = "short_conv_silu_backward";
+    if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
+    if (!din || !dw || !dout_bf16 || !in || !w || !scratch)
+        return lm_error(LM_ERR_ARG, "%s: din, dw, dout_bf16, in, w and scratch are required", fn);
+    lm_status st = check_shape(fn, B, T, C, W, head_dim);
+    if (st) return st;
+    cudaStream_t stream = (cudaStream_t)ctx->stream;
+    const int64_t N = (int64_t)B * T, rows = N * (C / head_dim), total = N * C;
+    int done = 0;
+    if ((st = conv_backward_one_pass<float>(ctx, din, dw, dout_bf16, conv_out, rnorm, in, w, B, T, C, W, head_dim,
+                                            scratch, fn, &done)))
+        return st;
+    if (done) return LM_OK;
     const int64_t chunks = dw_chunks(N), rows_per_chunk = (N + chunks - 1) / chunks;
     float *dc = (float *)scratch, *partial = dc + total;
     silu_l2_backward_kernel<<<kl_blocks(rows, KL_ROW_WARPS), KL_ROW_WARPS * 32, 0, stream>>>(
