@@ -234,6 +234,23 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
     CHECK(!no_run_in(path_in("run_gpu")), "the CPU run wrote no run");
 }
 
+/* plan --memory --ep G: one rank's gradients and optimizer state of its n/G
+ * experts (the lines name the share); a G that does not divide the experts,
+ * --ep with --device cuda and --ep without --memory are refused. */
+static void test_plan_memory_of_an_expert_parallel_rank(void) {
+    CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2") == 0 &&
+              test_file_has(path_in("out.txt"), "a rank keeps the gradients and optimizer state of 4 of the 8 routed "
+                                                "experts of a layer") &&
+              test_file_has(path_in("out.txt"), "gradients (fp32; of the routed experts only 4 of 8 a layer"),
+          "plan --memory --ep 2 does not show a rank's share of the experts");
+    CHECK(run_cli("plan --memory --config configs/tiny.json --ep 3") != 0 && stderr_has("8 routed experts") &&
+              stderr_has("3 ranks"),
+          "plan --memory --ep 3 with 8 experts accepted");
+    CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2 --device cuda") != 0 && stderr_has("--ep"),
+          "plan --memory --ep 2 --device cuda accepted");
+    CHECK(run_cli("plan --config configs/tiny.json --ep 2") != 0 && stderr_has("--ep"), "--ep without --memory accepted");
+}
+
 /* plan --memory --seq-segment S: the segmented layout; a bad S is refused. A
  * config with train.seq_segment trains (its loss after the first step equals
  * the unsegmented run's to float rounding: docs/model.md "Sequence segments"). */
@@ -284,6 +301,7 @@ int main(void) {
     RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
     RUN(test_train_device_flag_is_checked);
     RUN(test_train_on_cuda_without_a_gpu_fails_clearly);
+    RUN(test_plan_memory_of_an_expert_parallel_rank);
     RUN(test_sequence_segments_in_plan_and_train);
     test_remove_tree(dir);
     return test_summary();

@@ -8,8 +8,8 @@
  * with the experts' state replicated (bit for bit: losses, every step's
  * gradient norm, checkpoints, state hashes), against one process and against
  * EP over the whole world (1e-5 relative: losses, parameters, optimizer
- * state); the bytes of state a rank holds; the same parameters and QB bias on
- * every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
+ * state); the bytes of state and of gradients a rank holds; the same
+ * parameters and QB bias on every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
  * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
  * in groups to owner-only bit for bit); norm
  * blocks that cross the owners' slices; a staged run; the refusals (G not
@@ -141,6 +141,22 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_state(void) {
           "replicated, experts %zu)", me, g_result.optimizer_state_bytes, want, whole, experts);
     printf("     optimizer state a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n",
            g_result.optimizer_state_bytes, whole, experts, G);
+}
+
+/* A rank's gradient block holds the replicated tensors and its position's
+ * experts only (1/G of the experts'; G = 1: the whole block, as the
+ * replicated layout's). */
+static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(grep_result.gradient_bytes == whole, "the replicated layout holds %zu bytes of gradients, one process %zu",
+          grep_result.gradient_bytes, whole);
+    const size_t want = whole - experts + experts / (size_t)G;
+    CHECK(g_result.gradient_bytes == want, "rank %d holds %zu bytes of gradients, expected %zu (%zu whole, experts "
+          "%zu)", me, g_result.gradient_bytes, want, whole, experts);
+    printf("     gradients a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", g_result.gradient_bytes,
+           whole, experts, G);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */
@@ -338,6 +354,7 @@ int main(int argc, char **argv) {
     }
     RUN(test_groups_equal_replicated_state_one_process_and_whole_world_ep);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
+    RUN(test_a_rank_holds_its_groups_share_of_the_experts_gradients);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_group_sizes_and_one_process);

@@ -7,8 +7,8 @@
  * the same run with the experts' state replicated (the layout before
  * owner-only state: bit for bit the losses, gradient norms, checkpoints of
  * steps 5 to 20 and state hashes) and one process (1e-5 relative); the
- * bytes of state a rank holds (the replicated tensors' plus 1/N of the
- * experts'); the balancing state on every rank the same; a bit-exact resume
+ * bytes of state and of gradients a rank holds (the replicated tensors' plus
+ * 1/N of the experts'); the balancing state on every rank the same; a bit-exact resume
  * on the same layout; checkpoints across layouts (replicated-state EP and
  * ZeRO-1 EP checkpoints resumed with owner-only state bit for bit, the
  * owner-only checkpoint on one process, one process's on the N ranks and, on
@@ -124,6 +124,24 @@ static void test_a_rank_holds_only_its_experts_state(void) {
     CHECK(ep_result.optimizer_state_bytes < whole, "no saving");
     printf("     optimizer state a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n",
            ep_result.optimizer_state_bytes, whole, experts, R);
+}
+
+/* A rank's gradient block holds the replicated tensors and only its own
+ * experts' slices (lm_train_result.gradient_bytes: 1/N of the experts'), while
+ * the run equals the replicated layout bit for bit and one process within
+ * 1e-5 (the case above); the replicated layout, whose expert gradients go
+ * through the all-reduce, keeps one process's whole block. */
+static void test_a_rank_holds_only_its_experts_gradients(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(rep_result.gradient_bytes == whole, "the replicated layout holds %zu bytes of gradients, one process %zu",
+          rep_result.gradient_bytes, whole);
+    const size_t want = whole - experts + experts / (size_t)R;
+    CHECK(ep_result.gradient_bytes == want, "rank %d holds %zu bytes of gradients, expected %zu (%zu whole, experts "
+          "%zu)", me, ep_result.gradient_bytes, want, whole, experts);
+    printf("     gradients a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", ep_result.gradient_bytes,
+           whole, experts, R);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */
@@ -391,6 +409,7 @@ int main(int argc, char **argv) {
     }
     RUN(test_owner_only_state_equals_replicated_state_bit_for_bit);
     RUN(test_a_rank_holds_only_its_experts_state);
+    RUN(test_a_rank_holds_only_its_experts_gradients);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit);

@@ -1,7 +1,11 @@
 /* Expert parallelism of the CPU MoE layer (include/longmoe/moe_ep.h,
  * docs/scaleout.md): on R ranks, each routing its block of the global tokens
  * and owning n/R experts, the layer's outputs, input gradients and every
- * parameter gradient equal the one-process layer on all the tokens.
+ * parameter gradient equal the one-process layer on all the tokens. Then the
+ * whole model with owner-only expert gradients (lm_model_keep_expert_grads):
+ * each rank's gradient block holds the replicated tensors and its own
+ * experts' slices only, and equals one process's gradient there; the memory
+ * plan's gradient bytes of a rank of EP 1, 2 and 4.
  *
  * `test_moe_ep` alone runs the same cases on the one-rank engine (the
  * exchange with itself); `mpirun -np N test_moe_ep --mpi N` (ctest's
@@ -14,9 +18,11 @@
 #include <string.h>
 
 #include "longmoe/comm.h"
+#include "longmoe/model.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_ep.h"
 #include "test.h"
+#include "test_models.h"
 
 static lm_comm *comm;
 static int R = 1, me = 0;
@@ -216,6 +222,140 @@ static void test_indivisible_experts_are_refused(void) {
           lm_last_error());
 }
 
+/* The routed experts' weights of a model (layers.L.moe.gate, .up, .down). */
+static size_t routed_expert_floats(const lm_model *m) {
+    size_t n = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        const char *d = strstr(t->name, ".moe.");
+        if (d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"))) n += t->numel;
+    }
+    return n;
+}
+
+/* The bytes of the memory plan's gradient entry. */
+static size_t plan_gradient_bytes(const lm_model *m) {
+    for (int i = 0; i < lm_model_num_buffers(m); i++)
+        if (!strncmp(lm_model_buffer_at(m, i)->name, "gradients", 9)) return lm_model_buffer_at(m, i)->bytes;
+    return 0;
+}
+
+/* test_dp's model (4 rows of 32 tokens, MoE layers of 8 experts and a shared
+ * one) under expert parallelism on the R ranks, each holding B/R rows of the
+ * global batch and keeping only its experts' gradients: the block is the
+ * replicated tensors plus 1/R of the experts; every owned slice equals one
+ * process's gradient of the whole batch, and the replicated tensors' summed
+ * over the ranks too (1e-5 of each tensor's largest value). A backward after
+ * an evaluation forward (which runs every expert locally) is refused. */
+static void test_model_keeps_only_its_own_experts_gradients(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    const int B = c.batch_size, T = c.seq_len, Bm = B / R;
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    lm_rng rng;
+    lm_rng_seed(&rng, 7);
+    for (int i = 0; tok && tgt && i < B * T; i++) {
+        tok[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+        tgt[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+    }
+    lm_model *one = NULL, *m = NULL;
+    CHECK(tok && tgt, "out of memory");
+    CHECK(!lm_model_create(&c, B, T, &one) && !lm_model_create(&c, Bm, T, &m), "%s", lm_last_error());
+    float loss;
+    if (!one || !m || !tok || !tgt) goto out;
+    lm_model_init(one, 11);
+    lm_model_init(m, 11);
+    CHECK(!lm_model_forward(one, tok, tgt, 1, &loss) && !lm_model_backward(one, 1.0f), "%s", lm_last_error());
+    CHECK(lm_model_keep_expert_grads(m, R, me) == LM_ERR_ARG && strstr(lm_last_error(), "lm_model_set_expert_parallel"),
+          "cutting the gradients without expert parallelism: %s", lm_last_error());
+    CHECK(!lm_model_set_expert_parallel(m, comm) && !lm_model_keep_expert_grads(m, R, me), "%s", lm_last_error());
+    CHECK(lm_model_keep_expert_grads(m, R, me) == LM_ERR_ARG, "cut twice");
+    const size_t np = lm_model_num_params(m), ex = routed_expert_floats(m);
+    CHECK(lm_model_num_grads(m) == np - ex + ex / (size_t)R, "rank %d keeps %zu gradients, expected %zu", me,
+          lm_model_num_grads(m), np - ex + ex / (size_t)R);
+    const size_t off = (size_t)me * Bm * T;
+    lm_status st = lm_model_forward(m, tok + off, tgt + off, 1, &loss);
+    if (!st) st = lm_model_backward(m, 1.0f / (float)R);
+    CHECK(!st, "rank %d: %s", me, lm_last_error());
+    if (st) goto out;
+    const float *gw = lm_model_grads(one);
+    size_t held = 0, cut = 0;
+    double worst = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        size_t first, count;
+        float *g = lm_model_grad_part(m, i, &first, &count);
+        held += count;
+        const char *d = strstr(t->name, ".moe.");
+        const int expert = d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down"));
+        const size_t want_first = expert ? (size_t)me * (t->numel / (size_t)R) : 0,
+                     want_count = expert ? t->numel / (size_t)R : t->numel;
+        CHECK(first == want_first && count == want_count, "%s: rank %d keeps [%zu, %zu), expected [%zu, %zu)", t->name,
+              me, first, first + count, want_first, want_first + want_count);
+        if (first != want_first || count != want_count) continue;
+        cut += expert;
+        float *sum = malloc(count * sizeof *sum);
+        CHECK(sum, "out of memory");
+        if (!sum) break;
+        /* an owner's slice is complete; a replicated tensor's gradient is the ranks' sum */
+        if (expert) memcpy(sum, g, count * sizeof *sum);
+        else CHECK(!lm_comm_all_reduce_sum(comm, g, sum, count, LM_DTYPE_F32), "%s", lm_last_error());
+        const double r = rel_diff(sum, gw + t->offset + first, count);
+        CHECK(r <= 1e-5, "%s: rank %d's gradient differs from one process's by %.3g of its largest value", t->name, me,
+              r);
+        worst = r > worst ? r : worst;
+        free(sum);
+    }
+    CHECK(held == lm_model_num_grads(m), "the parts hold %zu gradients, the block %zu", held, lm_model_num_grads(m));
+    CHECK(cut == 9, "%zu expert tensors cut, expected 9 (3 MoE layers)", cut);
+    /* an evaluation forward runs every expert locally: its backward would need every expert's gradient */
+    CHECK(!lm_model_forward(m, tok + off, tgt + off, 0, &loss), "%s", lm_last_error());
+    CHECK(lm_model_backward(m, 1.0f) == LM_ERR_ARG && strstr(lm_last_error(), "own experts' gradients"),
+          "a backward after an evaluation forward: %s", lm_last_error());
+    printf("     rank %d of %d keeps %zu of %zu gradients (the experts' %zu / %d); within %.2e of one process\n", me, R,
+           lm_model_num_grads(m), np, ex, R, worst);
+out:
+    lm_model_free(one);
+    lm_model_free(m);
+    free(tok);
+    free(tgt);
+}
+
+/* The memory plan of a rank of EP 1, 2 and 4 (lm_model_plan, then
+ * lm_model_keep_expert_grads at each position): its gradient entry is the
+ * whole block less (G - 1) / G of the routed experts'; the parameters stay
+ * whole. Group sizes that do not divide the experts, and positions outside
+ * the group, are refused. */
+static void test_the_memory_plan_of_a_rank_holds_its_experts_gradients(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.expert_ffn = 256; /* wide experts: most of the model */
+    lm_model *p = NULL;
+    CHECK(!lm_model_plan(&c, c.batch_size, c.seq_len, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+    if (!p) return;
+    const size_t np = lm_model_num_params(p), ex = routed_expert_floats(p), whole = plan_gradient_bytes(p);
+    lm_model_free(p);
+    CHECK(whole == np * sizeof(float), "one process's gradients: %zu bytes, expected %zu", whole, np * sizeof(float));
+    for (int G = 1; G <= 4; G *= 2)
+        for (int pos = 0; pos < G; pos++) {
+            CHECK(!lm_model_plan(&c, c.batch_size, c.seq_len, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+            if (!p) return;
+            CHECK(!lm_model_keep_expert_grads(p, G, pos), "G %d, position %d: %s", G, pos, lm_last_error());
+            const size_t want = (np - ex + ex / (size_t)G) * sizeof(float), got = plan_gradient_bytes(p);
+            CHECK(got == want, "G %d, position %d: %zu bytes of gradients, expected %zu", G, pos, got, want);
+            CHECK(lm_model_buffer_at(p, 0)->bytes == np * sizeof(float), "the parameters are not whole");
+            if (pos == 0)
+                printf("     EP %d: gradients %zu bytes a rank instead of %zu (routed experts %zu of them)\n", G, got,
+                       whole, ex * sizeof(float));
+            lm_model_free(p);
+        }
+    CHECK(!lm_model_plan(&c, c.batch_size, c.seq_len, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+    if (!p) return;
+    CHECK(lm_model_keep_expert_grads(p, 3, 0) == LM_ERR_ARG && strstr(lm_last_error(), "8 routed experts"),
+          "3 groups of 8 experts: %s", lm_last_error());
+    CHECK(lm_model_keep_expert_grads(p, 2, 2) == LM_ERR_ARG && strstr(lm_last_error(), "out of range"),
+          "position 2 of 2: %s", lm_last_error());
+    lm_model_free(p);
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -244,6 +384,8 @@ int main(int argc, char **argv) {
     RUN(test_empty_experts_and_one_expert_taking_most_rows);
     RUN(test_ranks_without_tokens);
     RUN(test_indivisible_experts_are_refused);
+    RUN(test_model_keeps_only_its_own_experts_gradients);
+    RUN(test_the_memory_plan_of_a_rank_holds_its_experts_gradients);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
         if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;

@@ -165,6 +165,15 @@ static inline size_t expert_floats(lm_config c) {
     return n;
 }
 
+/* Every parameter of a model of config c (one process's gradient block). */
+static inline size_t param_floats(lm_config c) {
+    lm_model *m;
+    if (lm_model_create(&c, 1, c.seq_len, &m)) return 0;
+    size_t n = lm_model_num_params(m);
+    lm_model_free(m);
+    return n;
+}
+
 /* `longmoe ARGS` outside the job's environment (without the launcher's
  * variables it does not take itself for a rank): its exit status, its output
  * (stdout and stderr) in out. */

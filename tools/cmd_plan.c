@@ -17,7 +17,7 @@
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
-    "                    [--recompute-chunk N] [--seq-segment S] [--cp N] [--json FILE]\n"
+    "                    [--recompute-chunk N] [--seq-segment S] [--cp N] [--ep G] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -47,10 +47,12 @@ static const char *const plan_usage =
     "parallel block of segment activations and backward scratch the model adds,\n"
     "for the rank that needs the most (the attention's activations grow with the\n"
     "segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
-    "group's share).\n";
+    "group's share). --ep G (cpu) sizes one rank of `train --comm mpi --ep G`: its\n"
+    "gradients and optimizer state of the routed experts are those of its n/G\n"
+    "experts only (the weights stay whole).\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
-                        long cp, const char *json);
+                        long cp, long ep, const char *json);
 
 static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
                         long context, long long global_tokens);
@@ -67,7 +69,7 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 
 int cmd_plan(int argc, char **argv) {
     const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
-    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1, cp = 1;
+    long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1, cp = 1, ep = 1;
     int memory = 0;
     double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
@@ -94,6 +96,8 @@ int cmd_plan(int argc, char **argv) {
                 return 2;
         } else if (!strcmp(argv[i], "--cp")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--cp", v, 1, 4096, &cp)) return 2;
+        } else if (!strcmp(argv[i], "--ep")) {
+            if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--ep", v, 1, 4096, &ep)) return 2;
         } else if (!strcmp(argv[i], "--device")) {
             if (!(device = cli_value(cmd, argc, argv, &i))) return 2;
         } else if (!strcmp(argv[i], "--json")) {
@@ -127,10 +131,10 @@ int cmd_plan(int argc, char **argv) {
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
     if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
-                                    chunk, segment, cp, json);
-    if (batch > 0 || seq > 0 || chunk >= 0 || segment >= 0 || json || strcmp(device, "cpu") || cp > 1)
-        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk, --seq-segment, --cp and --json go with "
-                             "--memory (see --help)");
+                                    chunk, segment, cp, ep, json);
+    if (batch > 0 || seq > 0 || chunk >= 0 || segment >= 0 || json || strcmp(device, "cpu") || cp > 1 || ep > 1)
+        return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk, --seq-segment, --cp, --ep and --json go "
+                             "with --memory (see --help)");
     if (layout_text) {
         lm_layout layout;
         if (lm_layout_parse(layout_text, &layout)) return cli_fail(cmd, "%s", lm_last_error());
@@ -254,7 +258,7 @@ static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp
 }
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
-                        long cp, const char *json) {
+                        long cp, long ep, const char *json) {
     lm_device dev;
     if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
     if (chunk >= 0) {
@@ -286,8 +290,14 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             if (bytes > best) best = bytes, rank = cand[i], t0 = start, cp_bytes = cb, T = len;
         }
     }
+    if (ep > 1 && dev != LM_DEVICE_CPU) return cli_fail(cmd, "--ep: expert parallelism runs on CPU ranks (--device cpu)");
     lm_model *m = NULL;
     if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
+    /* expert parallel: a rank keeps its experts' gradients (every position the same size) */
+    if (ep > 1 && lm_model_keep_expert_grads(m, (int)ep, 0)) {
+        lm_model_free(m);
+        return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
+    }
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
     int nt = lm_model_num_tensors(m);
     lm_param *ps = calloc((size_t)nt, sizeof *ps);
@@ -296,7 +306,13 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         return cli_fail(cmd, "out of memory");
     }
     lm_model_optimizer_params(m, ps, c->optimizer);
-    size_t state = lm_optim_state_floats(ps, nt) * sizeof(float), scratch = 0, norm = 0;
+    /* a tensor's state in proportion to the part of it whose gradient a rank keeps (expert parallel: its experts) */
+    size_t state = 0, scratch = 0, norm = 0;
+    for (int i = 0; i < nt; i++) {
+        size_t first, count, numel = (size_t)lm_param_numel(&ps[i]);
+        lm_model_grad_part(m, i, &first, &count);
+        state += lm_param_state_floats(&ps[i]) / numel * count * sizeof(float);
+    }
     if (dev == LM_DEVICE_CUDA) {
         const lm_ops *ops = lm_backend_cuda_ops();
         for (int i = 0; i < nt; i++)
@@ -323,6 +339,10 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     if (cp > 1)
         printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
                "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
+    if (ep > 1)
+        printf("expert parallel in groups of %ld ranks: a rank keeps the gradients and optimizer state of %d of the "
+               "%d routed experts of a layer (the weights whole)\n", ep, c->n_routed_experts / (int)ep,
+               c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {
@@ -346,6 +366,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             if (cp > 1)
                 fprintf(f, "\"context_parallel\": %ld, \"cp_rank\": %ld, \"segment_start\": %ld, \"seq_whole\": %ld, ",
                         cp, rank, t0, T_whole);
+            if (ep > 1) fprintf(f, "\"expert_parallel\": %ld, ", ep);
             fprintf(f, "\"total_bytes\": %.0f, \"buffers\": [", total);
             int first = 1;
             for (int i = 0; i < nb; i++) {

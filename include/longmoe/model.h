@@ -5,10 +5,10 @@
  * RMSNorm and the LM head with a chunked cross-entropy.
  *
  * Memory is planned at creation from the config and the batch shape: one block
- * of parameters, one of gradients (same layout), one of activations and
- * scratch; the only other allocations are made once there too (MoE routing
- * buffers, balancing state), including one scratch that the KDA and attention
- * operators share. The project allocates nothing inside a step (the OpenMP
+ * of parameters, one of gradients (the same layout; lm_model_keep_expert_grads
+ * cuts it under expert parallelism), one of activations and scratch; the only
+ * other allocations are made once there too (MoE routing buffers, balancing
+ * state), including one scratch that the KDA and attention operators share. The project allocates nothing inside a step (the OpenMP
  * runtime keeps its own small per-region bookkeeping).
  *
  * Parameter names (checkpoints, docs/model.md):
@@ -40,7 +40,7 @@ typedef struct {
     char name[96];
     int ndim;
     int64_t shape[3];
-    size_t offset, numel;  /* in floats, within the parameter (and gradient) block */
+    size_t offset, numel;  /* in floats, within the parameter (and, unless cut, gradient) block */
     lm_param_kind kind;    /* decides Muon or AdamW and weight decay */
     int n_blocks;          /* Muon's row blocks (heads, experts) */
     float init_mean, init_std;
@@ -65,9 +65,9 @@ lm_status lm_model_create_on(const lm_config *cfg, int B, int T, struct lm_backe
 struct lm_backend *lm_model_backend(const lm_model *m);
 lm_status lm_model_upload_params(lm_model *m);
 lm_status lm_model_download_grads(lm_model *m);
-/* The gradient block in the backend's memory (n_params floats, the layout of
- * lm_model_grads; the same pointer on the CPU): what a device engine of the
- * communication layer sums over ranks. Zeroed before the next forward. */
+/* The gradient block in the backend's memory (lm_model_num_grads floats, the
+ * layout of lm_model_grads; the same pointer on the CPU): what a device engine
+ * of the communication layer sums over ranks. Zeroed before the next forward. */
 float *lm_model_backend_grads(lm_model *m);
 void lm_model_free(lm_model *m);
 
@@ -78,10 +78,30 @@ void lm_model_free(lm_model *m);
  * lm_model_backward are then collective over comm). The weights stay whole on
  * every rank: evaluation forwards run every expert locally. The expert weight
  * gradients of this rank's backward are complete for its experts and zero for
- * the others. n_routed_experts not divisible by R is LM_ERR_ARG. comm must
- * outlive the model. */
+ * the others (lm_model_keep_expert_grads keeps only its experts'). n_routed_experts
+ * not divisible by R is LM_ERR_ARG. comm must outlive the model. */
 struct lm_comm;
 lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
+/* Owner-only expert gradients (docs/scaleout.md, "Expert parallelism"): the
+ * gradient block keeps, of each routed expert tensor (layers.L.moe.gate, .up,
+ * .down, [n, ., .]), only the slice of experts [pos n / G, (pos+1) n / G),
+ * and every other tensor whole: lm_model_num_grads = lm_model_num_params less
+ * (G - 1) / G of the routed experts' weights. A model that trains needs
+ * expert parallelism over G ranks at position pos first
+ * (lm_model_set_expert_parallel over a handle of G ranks, this rank pos): its
+ * backward writes exactly that slice; a backward after a forward that ran
+ * every expert locally is then refused. The new block starts at zero. On a
+ * plan (lm_model_plan) only the memory plan's gradient entry changes (what a
+ * rank of such a run holds). CPU only; n_routed_experts must be divisible by
+ * G; once per model. */
+lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos);
+/* Floats of the gradient block: lm_model_num_params unless cut above. */
+size_t lm_model_num_grads(const lm_model *m);
+/* Where tensor i's gradient lies in lm_model_grads: its elements [*first,
+ * *first + *count) in order from the returned pointer (the whole tensor, 0 and
+ * numel, unless cut above; NULL on a plan). In lm_model_optimizer_params the
+ * descriptor of a cut tensor has no gradient (grad NULL). */
+float *lm_model_grad_part(lm_model *m, int i, size_t *first, size_t *count);
 
 /* Context parallelism over the ranks of comm (docs/scaleout.md "Context
  * parallelism in the model"; CPU backend only). The model's B x T is this

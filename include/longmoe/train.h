@@ -93,17 +93,18 @@ typedef struct {
      * every MoE layer for the tokens of all ranks (dispatch and combine by
      * all-to-all; R: the EP group's size, every rank unless ep_group says
      * otherwise). n_routed_experts must be divisible by R. The owner alone
-     * keeps its experts' optimizer state and takes their step (their gradients,
-     * complete on the owner, stay out of the gradient all-reduce; the clipping
-     * norm takes the owners' sums of squares, the replicated norm's bits), then
-     * all-gathers the updated experts: the weights stay whole on every rank and
+     * keeps its experts' gradients and optimizer state and takes their step
+     * (their gradients, complete on the owner, stay out of the gradient
+     * all-reduce and out of the other ranks' gradient blocks; the clipping
+     * norm takes the owners' sums of squares, the replicated norm's bits),
+     * then all-gathers the updated experts: the weights stay whole on every rank and
      * equal to the replicated run's bits, and checkpoints are those of data
      * parallelism (the state gathered to rank 0, sliced on load). With zero = 1
      * ZeRO-1's ranges hold every tensor's state instead. */
     int expert_parallel;
     /* with expert_parallel and zero = 0: 1 keeps the routed experts' gradients
-     * in the all-reduce and their optimizer state on every rank (the layout
-     * before owner-only state, the same bits; for comparisons) */
+     * whole and in the all-reduce and their optimizer state on every rank (the
+     * layout before owner-only state, the same bits; for comparisons) */
     int ep_replicated_state;
     /* with expert_parallel: the EP group size G (0, the default: every rank).
      * The R ranks form R / G groups of G consecutive ranks; inside a group the
@@ -169,6 +170,10 @@ typedef struct {
      * the whole state, under ZeRO-1 its range's, under expert parallelism the
      * replicated tensors' and its experts' */
     size_t optimizer_state_bytes;
+    /* bytes of the gradient block this rank holds (lm_model_num_grads): the
+     * whole parameter block's size, under expert parallelism with owner-only
+     * state the replicated tensors' and its own experts' only */
+    size_t gradient_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the

@@ -187,8 +187,36 @@ static float *lp_param(const lm_model *m, const float *p) {
     return p ? (float *)((char *)m->PL + (size_t)(p - m->P) * m->be->lp_bytes) : NULL;
 }
 
+/* The gradient of the parameter at offset `off` of the parameter block in
+ * the gradient block G (m->G or m->grads), whose layout leaves out what the
+ * cuts of lm_model_keep_expert_grads drop: NULL there (another rank's
+ * experts). */
+static float *grad_in(const lm_model *m, float *G, size_t off) {
+    size_t dropped = 0;
+    for (int i = 0; i < m->n_gcuts; i++) {
+        const struct gcut *c = &m->gcuts[i];
+        if (off < c->offset) break;
+        if (off < c->offset + c->numel) {
+            if (off < c->offset + c->first || off >= c->offset + c->first + c->count) return NULL;
+            return G + (off - dropped - c->first);
+        }
+        dropped += c->numel - c->count;
+    }
+    return G + (off - dropped);
+}
+
+/* The same in the gradient block the ops write. */
+static float *grad_at(const lm_model *m, size_t off) { return grad_in(m, m->G, off); }
+
+/* The cut of the tensor at parameter offset `offset` (NULL: kept whole). */
+static const struct gcut *gcut_of(const lm_model *m, size_t offset) {
+    for (int i = 0; i < m->n_gcuts; i++)
+        if (m->gcuts[i].offset == offset) return &m->gcuts[i];
+    return NULL;
+}
+
 /* The gradient view of a parameter view into m->P. */
-static float *grad_param(const lm_model *m, const float *p) { return p ? m->G + (p - m->P) : NULL; }
+static float *grad_param(const lm_model *m, const float *p) { return p ? grad_at(m, (size_t)(p - m->P)) : NULL; }
 
 /* Map every pointer of a params struct (lm_kda_layer_params, lm_mla_params,
  * lm_moe_params: structs of float pointers only) from m->P to m->PL or m->G. */
@@ -568,13 +596,15 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     if (cfg->tie_embeddings) m->head_off = m->embed_off;
 
     /* the ledger of backend buffers (lm_model_buffer_at) starts with the parameter blocks */
+    m->n_grads = m->n_params;
+    m->grads_buffer = m->n_buffers + 1;
     if ((st = ledger_add(m, m->n_params * sizeof(float), "parameters (fp32)")) ||
-        (st = ledger_add(m, m->n_params * sizeof(float), "gradients (fp32)")))
+        (st = ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32)")))
         goto fail;
     if (m->sep && (st = ledger_add(m, m->n_params * m->be->lp_bytes, "parameters (product format copy)"))) goto fail;
     if (!m->dry) {
         m->params = calloc(m->n_params, sizeof(float));
-        m->grads = calloc(m->n_params, sizeof(float));
+        m->grads = calloc(m->n_grads, sizeof(float));
         if (!m->params || !m->grads) {
             st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
             goto fail;
@@ -833,6 +863,7 @@ void lm_model_free(lm_model *m) {
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
     }
     free(m->layers);
+    free(m->gcuts);
     free(m->cp_block);
     free(m->tensors);
     free(m->buffers);
@@ -892,7 +923,7 @@ void lm_model_init(lm_model *m, uint64_t seed) {
         }
     }
     free(draws);
-    memset(m->grads, 0, m->n_params * sizeof(float));
+    memset(m->grads, 0, m->n_grads * sizeof(float));
     m->params_on_host_newer = 1;
     m->params_on_backend_newer = 0;
     m->grads_zero_pending = 1;
@@ -915,6 +946,7 @@ const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
     return NULL;
 }
 size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
+size_t lm_model_num_grads(const lm_model *m) { return m->n_grads; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 float *lm_model_backend_grads(lm_model *m) { return m->G; }
@@ -929,7 +961,7 @@ void lm_model_zero_grads(lm_model *m) {
      * which overwrites all of it: zeroing it here would cost a pass over n_params
      * floats of host memory every step (7 GB for k3-mini) */
     if (m->G != m->grads) m->grads_zero_pending = 1;
-    else memset(m->grads, 0, m->n_params * sizeof(float));
+    else memset(m->grads, 0, m->n_grads * sizeof(float));
 }
 
 lm_backend *lm_model_backend(const lm_model *m) { return m->be; }
@@ -962,14 +994,14 @@ lm_status lm_model_download_params(lm_model *m) {
 int lm_model_host_params_stale(const lm_model *m) { return m->params_on_backend_newer; }
 
 lm_status lm_model_download_grads(lm_model *m) {
-    if (m->G != m->grads) TRY(m->be->download(m->be, m->grads, m->G, m->n_params * sizeof(float)));
+    if (m->G != m->grads) TRY(m->be->download(m->be, m->grads, m->G, m->n_grads * sizeof(float)));
     return LM_OK;
 }
 
 /* Before a forward: the backend sees the host's latest parameters and zeroed gradients. */
 static lm_status sync_before_forward(lm_model *m) {
     if (m->params_on_host_newer) TRY(lm_model_upload_params(m));
-    if (m->grads_zero_pending && m->G != m->grads) TRY(m->be->zero(m->be, m->G, m->n_params * sizeof(float)));
+    if (m->grads_zero_pending && m->G != m->grads) TRY(m->be->zero(m->be, m->G, m->n_grads * sizeof(float)));
     m->grads_zero_pending = 0;
     return LM_OK;
 }
@@ -1004,7 +1036,8 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 static void optimizer_params_in(lm_model *m, float *P, float *G, lm_param *params, lm_train_optimizer which) {
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
-        float *w = P ? P + t->offset : NULL, *g = G ? G + t->offset : NULL; /* NULL: a plan's descriptors */
+        /* NULL: a plan's descriptors; a tensor whose gradient is cut has no whole gradient (lm_model_grad_part) */
+        float *w = P ? P + t->offset : NULL, *g = G && !gcut_of(m, t->offset) ? grad_in(m, G, t->offset) : NULL;
         lm_param p;
         if (t->ndim >= 2) {
             int64_t rows = t->ndim == 3 ? t->shape[0] * t->shape[1] : t->shape[0];
@@ -1078,7 +1111,7 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     size_t nf = (size_t)n * f;
     const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
                 *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
-    float *gWg = m->G + ls->ffn_off, *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
+    float *gWg = grad_at(m, ls->ffn_off), *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
     float *dh = m->scratch, *da = dh + nf, *du = da + nf;
     void *dy_lp = lp_or(m, (float *)dy, m->dy_lp), *da_lp = lp_or(m, da, m->ffn_da_lp),
          *du_lp = lp_or(m, du, m->ffn_du_lp);
@@ -1199,6 +1232,10 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
     if (ls->moe_ep_fwd)
         return lm_moe_backward_ep(dxn, &ls->moe_Gep, dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts,
                                   ls->moe_ep);
+    if (m->n_gcuts)
+        return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' gradients "
+                        "(lm_model_keep_expert_grads): a backward follows a training forward, whose experts "
+                        "run on their owners", (int)(ls - m->layers));
     return be->ops->moe_backward(be, dxn, &ls->moe_G, dy, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
                                  ls->moe_acts);
 }
@@ -1675,19 +1712,19 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         TRY(be->upload(be, m->row_scale, dlogp, (size_t)N * sizeof(float)));
         row_scale = m->row_scale;
     }
-    TRY(op->cross_entropy_backward(be, m->dhn, m->G + m->head_off, lp_or(m, m->hn, m->hn_lp),
+    TRY(op->cross_entropy_backward(be, m->dhn, grad_at(m, m->head_off), lp_or(m, m->hn, m->hn_lp),
                                    lp_param(m, m->P + m->head_off), m->targets, m->lse_rows, row_scale,
                                    dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
-    TRY(op->rmsnorm_backward(be, m->dhf, m->G + m->final_norm_off, m->dhn, m->hf, m->P + m->final_norm_off,
+    TRY(op->rmsnorm_backward(be, m->dhf, grad_at(m, m->final_norm_off), m->dhn, m->hf, m->P + m->final_norm_off,
                              m->rstd_final, N, d, eps));
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
     lm_attnres_grads arg = {NULL, NULL};
     if (m->has_attnres_params) {
-        arg.query = m->G + m->ar_query_off;
-        arg.key_norm = m->G + m->ar_key_off;
+        arg.query = grad_at(m, m->ar_query_off);
+        arg.key_norm = grad_at(m, m->ar_key_off);
     }
     TRY(op->attnres_final_backward(be, m->ar, &arp, m->dhf, &arg));
     charge(m, LM_TIME_ATTNRES, &t0);
@@ -1754,11 +1791,11 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         }
         charge(m, sublayer_part(ls, idx), &t0);
         if (op->rmsnorm_backward_set) {
-            TRY(op->rmsnorm_backward_set(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off,
+            TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, m->P + norm_off,
                                          m->rstd + (size_t)idx * N, N, d, eps));
         } else {
             TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
-            TRY(op->rmsnorm_backward(be, m->dh, m->G + norm_off, m->dxn, hin, m->P + norm_off,
+            TRY(op->rmsnorm_backward(be, m->dh, grad_at(m, norm_off), m->dxn, hin, m->P + norm_off,
                                      m->rstd + (size_t)idx * N, N, d, eps));
         }
         charge(m, LM_TIME_NORMS, &t0);
@@ -1769,10 +1806,12 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     TRY(op->attnres_embedding_backward(be, m->ar, m->dx0));
     charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
-    TRY(op->embedding_backward(be, m->G + m->embed_off, m->dx0, m->tokens, N, d, V));
+    TRY(op->embedding_backward(be, grad_at(m, m->embed_off), m->dx0, m->tokens, N, d, V));
     if (m->fault == LM_FAULT_GRADIENT) {
+        /* the middle element of the parameter block, where this rank keeps its gradient */
         const float nan = NAN;
-        TRY(be->upload(be, m->G + m->n_params / 2, &nan, sizeof nan));
+        float *g = grad_at(m, m->n_params / 2);
+        if (g) TRY(be->upload(be, g, &nan, sizeof nan));
         m->fault = LM_FAULT_NONE;
     }
     charge(m, LM_TIME_NORMS, &t0);
@@ -1936,6 +1975,9 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
+    if (m->n_gcuts)
+        return lm_error(LM_ERR_ARG, "expert parallelism is set before the gradients are cut to the owned experts "
+                                    "(lm_model_keep_expert_grads after lm_model_set_expert_parallel)");
     if (m->seg_on)
         return lm_error(LM_ERR_ARG, "expert parallelism together with train.seq_segment is not supported (set "
                                     "train.seq_segment to 0)");
@@ -1964,6 +2006,85 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     }
     m->ep_comm = comm;
     return LM_OK;
+}
+
+/* Every layer's gradient views again, in the current gradient layout. */
+static void map_grad_views(lm_model *m) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (ls->mixer == LM_MIXER_KDA) map_views(m, &ls->kda_P, &ls->kda_G, sizeof ls->kda_P, 1);
+        else map_views(m, &ls->mla_P, &ls->mla_G, sizeof ls->mla_P, 1);
+        if (!ls->moe) continue;
+        map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
+        if (ls->moe_ep) map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
+        /* a cut expert tensor has no whole gradient, only this rank's slice (moe_Gep) */
+        if (gcut_of(m, (size_t)(ls->moe_P.gate - m->P))) ls->moe_G.gate = ls->moe_G.up = ls->moe_G.down = NULL;
+    }
+}
+
+/* A routed expert tensor of a MoE layer: layers.L.moe.gate, .up or .down, [n, ., .]. */
+static int is_routed_expert_tensor(const lm_model *m, const lm_model_tensor *t) {
+    const char *d = strstr(t->name, ".moe.");
+    return d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")) && t->ndim == 3 &&
+           t->shape[0] == m->cfg.n_routed_experts;
+}
+
+lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
+    const int n = m->cfg.n_routed_experts;
+    if (m->n_gcuts) return lm_error(LM_ERR_ARG, "the model keeps only its own experts' gradients already");
+    if (G < 1 || pos < 0 || pos >= G)
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients: position %d of a group of %d ranks is out of range",
+                        pos, G);
+    if (!lm_model_num_moe_layers(m) || n % G)
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients: %d routed experts cannot be split over %d ranks "
+                        "(model.n_routed_experts must be divisible by the expert-parallel group)", n, G);
+    if (m->be->device != LM_DEVICE_CPU || m->sep)
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients run on the CPU (as expert parallelism does)");
+    if (!m->dry && (!m->ep_comm || lm_comm_size(m->ep_comm) != G || lm_comm_rank(m->ep_comm) != pos))
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients of position %d of %d need the model under expert "
+                        "parallelism over those ranks (lm_model_set_expert_parallel first; its handle has %s)", pos, G,
+                        m->ep_comm ? "another size or rank" : "not been set");
+    int cuts = 0;
+    for (int i = 0; i < m->n_tensors; i++) cuts += is_routed_expert_tensor(m, &m->tensors[i]);
+    struct gcut *gc = calloc((size_t)cuts, sizeof *gc);
+    if (!gc) return lm_error(LM_ERR_MEMORY, "out of memory cutting the expert gradients");
+    size_t kept = m->n_params;
+    for (int i = 0, k = 0; i < m->n_tensors; i++) {
+        const lm_model_tensor *t = &m->tensors[i];
+        if (!is_routed_expert_tensor(m, t)) continue;
+        const size_t slice = t->numel / (size_t)G;
+        gc[k++] = (struct gcut){t->offset, t->numel, (size_t)pos * slice, slice};
+        kept -= t->numel - slice;
+    }
+    if (!m->dry) {
+        float *g = calloc(kept, sizeof(float));
+        if (!g) {
+            free(gc);
+            return lm_error(LM_ERR_MEMORY, "out of memory for %zu gradients (the owned experts' and the rest)", kept);
+        }
+        free(m->grads);
+        m->grads = m->G = g; /* the CPU: the ops write the host block */
+        m->grads_zero_pending = 0;
+    }
+    m->gcuts = gc;
+    m->n_gcuts = cuts;
+    m->n_grads = kept;
+    lm_model_buffer *b = &m->buffers[m->grads_buffer];
+    b->bytes = kept * sizeof(float);
+    snprintf(b->name, sizeof b->name, "gradients (fp32; of the routed experts only %d of %d a layer, position %d of "
+             "%d)", n / G, n, pos, G);
+    if (!m->dry) map_grad_views(m);
+    return LM_OK;
+}
+
+float *lm_model_grad_part(lm_model *m, int i, size_t *first, size_t *count) {
+    const lm_model_tensor *t = lm_model_tensor_at(m, i);
+    *first = *count = 0;
+    if (!t) return NULL;
+    const struct gcut *c = gcut_of(m, t->offset);
+    *first = c ? c->first : 0;
+    *count = c ? c->count : t->numel;
+    return m->grads ? grad_in(m, m->grads, t->offset + *first) : NULL;
 }
 
 /* The context-parallel block of a model whose B x T is the segment at t0 of

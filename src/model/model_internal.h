@@ -69,6 +69,17 @@ struct lm_model {
     int n_tensors, cap_tensors;
     size_t n_params;
     float *params, *grads; /* host: the optimizer's, the checkpoints' */
+    /* the gradient block: n_grads floats, every tensor's gradient in table
+     * order, except that of each tensor in gcuts only the elements [first,
+     * first + count) are kept (owner-only expert gradients,
+     * lm_model_keep_expert_grads; n_gcuts = 0: the whole layout, n_grads =
+     * n_params); gcuts in table order, offsets in the parameter block */
+    size_t n_grads;
+    struct gcut {
+        size_t offset, numel, first, count;
+    } *gcuts;
+    int n_gcuts;
+    int grads_buffer; /* the gradient block's entry in the memory plan */
     /* what the ops use: params, grads themselves on the CPU; else backend memory
      * (fp32 parameters P, gradients G, product-format parameters PL) */
     float *P, *G;

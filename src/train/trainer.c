@@ -550,8 +550,10 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
  * Muon blocks, one an expert) are cut into G slices of n/G whole experts (G:
  * the EP group's size); the rank at position p of its group owns slice p, the
  * experts it runs. Their gradients are complete on the owner for its group's
- * tokens (the layer's backward), so they stay out of the world all-reduce and
- * are summed over the ranks at the same position of every group (the
+ * tokens (the layer's backward), and the model keeps only that slice of them
+ * (lm_model_keep_expert_grads: the gradient block holds the replicated
+ * tensors and this rank's slices), so they stay out of the world all-reduce
+ * and are summed over the ranks at the same position of every group (the
  * replicas; nothing when the group is the world); the owners alone keep their
  * optimizer state and take their step (the same per-block arithmetic as the
  * replicated optimizer; the replicas identically), then every rank of a group
@@ -572,25 +574,34 @@ static int epo_is_expert(const trainer *t, int i) {
 }
 
 /* This rank's descriptors: the whole replicated tensors, its slice of each
- * expert tensor (after bind_params; the same arrays every time). */
-static void epo_bind(trainer *t) {
-    if (!t->epo) return;
+ * expert tensor, whose gradient is all the model keeps of that tensor
+ * (lm_model_keep_expert_grads; after bind_params; the same arrays every time). */
+static lm_status epo_bind(trainer *t) {
+    if (!t->epo) return LM_OK;
     const int R = t->ep, me = t->ep_pos;
     int jm = 0, ja = 0;
     for (int i = 0; i < t->n_all; i++) {
         lm_param p = t->all[i];
         const int muon = lm_param_optimizer(&p) == LM_OPT_MUON;
+        const size_t numel = (size_t)lm_param_numel(&p), per = t->esplit[i] ? numel / (size_t)R : numel,
+                     at = t->esplit[i] ? (size_t)me * per : 0;
+        size_t first, count;
+        float *g = lm_model_grad_part(t->model, i, &first, &count);
+        if (first != at || count != per)
+            return lm_error(LM_ERR_ARG, "expert parallelism: the model keeps the gradient of elements [%zu, %zu) of "
+                            "%s, the optimizer of rank %d updates [%zu, %zu)", first, first + count, p.name, t->rank,
+                            at, at + per);
         if (t->esplit[i]) {
-            const int64_t per = lm_param_numel(&p) / R;
             p.optimizer = muon ? LM_OPT_MUON : LM_OPT_ADAMW;
-            p.data += (size_t)me * (size_t)per;
-            p.grad += (size_t)me * (size_t)per;
+            p.data += at;
+            p.grad = g;
             p.rows /= R;
             p.n_blocks = p.n_blocks > 1 ? p.n_blocks / R : 1;
         }
         if (muon) t->emuon[jm++] = p;
         else t->eadam[ja++] = p;
     }
+    return LM_OK;
 }
 
 /* Block b of lm_sum_squares over n elements: [*lo, *hi). */
@@ -632,7 +643,7 @@ static lm_status epo_setup(trainer *t) {
     if (!t->esplit || !t->emuon || !t->eadam || !t->epiece[0] || !t->epiece[1] || !t->etab)
         return lm_error(LM_ERR_MEMORY, "out of memory (expert-parallel optimizer tables)");
     for (int i = 0; i < n; i++) t->n_split += t->esplit[i] = (unsigned char)epo_is_expert(t, i);
-    epo_bind(t);
+    TRY(epo_bind(t));
     /* the pieces, in the order of muon_p / adam_p (the whole state's order) */
     for (int part = 0; part < 2; part++) {
         const lm_param *whole = part ? t->adam_p : t->muon_p, *mine = part ? t->eadam : t->emuon;
@@ -668,24 +679,24 @@ static lm_status epo_setup(trainer *t) {
 }
 
 /* The gradient block summed over the ranks except the experts' tensors (their
- * owner's gradient is already complete): one all-reduce a run of replicated
- * tensors, each element the rank-order sum of the whole block's all-reduce. */
+ * owner's gradient is already complete; the block holds this rank's slice of
+ * each): one all-reduce a run of replicated tensors, each element the
+ * rank-order sum of the whole block's all-reduce. */
 static lm_status epo_reduce_grads(trainer *t) {
     float *g = lm_model_grads(t->model);
     size_t run = 0;
     for (int i = 0; i <= t->n_all; i++) {
         if (i < t->n_all && !t->esplit[i]) continue;
-        const size_t at = i < t->n_all ? lm_model_tensor_at(t->model, i)->offset : lm_model_num_params(t->model);
+        size_t first = 0, count = 0;
+        float *mine = i < t->n_all ? lm_model_grad_part(t->model, i, &first, &count)
+                                   : g + lm_model_num_grads(t->model);
+        const size_t at = (size_t)(mine - g);
         if (at > run) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, at - run, LM_DTYPE_F32));
         if (i == t->n_all) break;
-        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-        run = at + mt->numel;
+        run = at + count;
         /* the replicas of this rank's experts (its position in every group) sum their slices */
-        if (t->er_comm && lm_comm_size(t->er_comm) > 1) {
-            const size_t sl = mt->numel / (size_t)t->ep;
-            float *mine = g + at + (size_t)t->ep_pos * sl;
-            TRY(lm_comm_all_reduce_sum(t->er_comm, mine, mine, sl, LM_DTYPE_F32));
-        }
+        if (t->er_comm && lm_comm_size(t->er_comm) > 1)
+            TRY(lm_comm_all_reduce_sum(t->er_comm, mine, mine, count, LM_DTYPE_F32));
     }
     return LM_OK;
 }
@@ -705,19 +716,21 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
     size_t packed = 0;
     for (int i = 0, k = 0; i < t->n_all; i++) {
         if (!t->esplit[i]) continue;
-        const float *g = t->all[i].grad;
+        /* the model keeps this rank's slice [a, z) of the tensor's gradient (epo_bind): element x at g[x - a] */
+        size_t first, count;
+        const float *g = lm_model_grad_part(t->model, i, &first, &count);
         const int64_t n = lm_param_numel(&t->all[i]), sl = n / R, a = (int64_t)me * sl, z = a + sl;
         for (int b = 0; b < NB; b++) {
             int64_t lo, hi;
             ss_block(n, b, &lo, &hi);
             if (lo >= hi) continue;
             if (lo / sl == (hi - 1) / sl) {
-                if (lo / sl == me) t->eparts[(size_t)k * NB + b] = lm_sum_squares_run(0.0, g + lo, hi - lo);
+                if (lo / sl == me) t->eparts[(size_t)k * NB + b] = lm_sum_squares_run(0.0, g + (lo - a), hi - lo);
                 continue;
             }
             const int64_t x = lo > a ? lo : a, y = hi < z ? hi : z;
             if (x < y) {
-                memcpy(t->epack + packed, g + x, (size_t)(y - x) * sizeof(float));
+                memcpy(t->epack + packed, g + (x - a), (size_t)(y - x) * sizeof(float));
                 packed += (size_t)(y - x);
             }
         }
@@ -768,6 +781,13 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
         lm_grads_scale(t->eadam, t->n_adam, (float)(max_norm / norm));
     }
     return LM_OK;
+}
+
+/* Expert parallelism on a model of this run: the MoE exchange over the EP
+ * group and, with owner-only state, the gradients of this rank's experts only. */
+static lm_status model_expert_parallel(trainer *t, lm_model *m) {
+    TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
+    return t->epo ? lm_model_keep_expert_grads(m, t->ep, t->ep_pos) : LM_OK;
 }
 
 /* Every owner's updated experts to every rank, in place (one all-gather a tensor). */
@@ -1103,7 +1123,7 @@ static lm_status trainer_setup(trainer *t, int stage) {
         TRY(dp_agree(t, s));
     }
     TRY(create_model(t, t->B, t->T, &t->model, &t->seg_t0, &t->seg_T));
-    if (t->opt.expert_parallel) TRY(lm_model_set_expert_parallel(t->model, ep_group_comm(t)));
+    if (t->opt.expert_parallel) TRY(model_expert_parallel(t, t->model));
     t->n_all = lm_model_num_tensors(t->model);
     t->all = calloc((size_t)t->n_all, sizeof *t->all);
     t->muon_p = calloc((size_t)t->n_all, sizeof *t->muon_p);
@@ -1255,7 +1275,7 @@ static lm_status switch_stage(trainer *t, int i) {
     TRY(create_model(t, B, T, &next, &t0, &len));
     /* the new stage's model runs the experts over the ranks too (the owner-only
      * expert state needs the owners' complete gradients) */
-    lm_status s = t->opt.expert_parallel ? lm_model_set_expert_parallel(next, ep_group_comm(t)) : LM_OK;
+    lm_status s = t->opt.expert_parallel ? model_expert_parallel(t, next) : LM_OK;
     if (!s) s = lm_model_copy_state(next, t->model);
     if (s) {
         lm_model_free(next);
@@ -1269,7 +1289,7 @@ static lm_status switch_stage(trainer *t, int i) {
     t->seg_T = len;
     t->stage = i;
     bind_params(t);
-    epo_bind(t);
+    TRY(epo_bind(t));
     TRY(bind_backend_params(t));
     return open_data(t, i);
 }
@@ -2032,6 +2052,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
         fprintf(opt->progress, "expert parallel: optimizer state %.3f MiB a rank (the routed experts' on their owners "
                 "only) instead of %.3f MiB on every rank\n", mine / 1048576.0, whole / 1048576.0);
+        fprintf(opt->progress, "expert parallel: gradients %.3f MiB a rank (the routed experts' of the owned experts "
+                "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
+                lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
@@ -2284,6 +2307,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->params_hash = params_hash;
         result->grad_norm_hash = gnorm_hash;
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
+        result->gradient_bytes = lm_model_num_grads(t.model) * sizeof(float);
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
