@@ -155,6 +155,22 @@ static void test_matmul_backward_matches_cpu_and_accumulates(void) {
         float *dx3 = get_f32(d_dx, ni);
         CHECK(same_bits(dx1, dx3, ni * 4), "%s: dinp alone differs", what);
 
+        /* _set: dinp written over NaN (beta 0: not read), the increment of the accumulating call;
+         * dweight its bits */
+        {
+            float *nan_fill = mallocCheck(ni * 4), *zero = calloc(ni, 4), *want_set = calloc(ni, 4);
+            for (size_t i = 0; i < ni; i++) nan_fill[i] = NAN;
+            lm_matmul_backward(want_set, NULL, NULL, g, x, w, n, ic, oc);
+            put_f32(d_dx, nan_fill, ni);
+            put_f32(d_dw, dw0, nw);
+            CHECK(lm_cuda_matmul_backward_set(&ctx, d_dx, d_dw, d_g, d_x, d_w, n, ic, oc) == LM_OK, "%s",
+                  lm_last_error());
+            float *dx4 = get_f32(d_dx, ni), *dw4 = get_f32(d_dw, nw);
+            e = rel_err_added(dx4, want_set, zero, ni);
+            CHECK(e <= 1e-2, "%s: _set dinp rel error %.3g", what, e);
+            CHECK(same_bits(dw1, dw4, nw * 4), "%s: _set dweight differs", what);
+            free(nan_fill), free(zero), free(want_set), free(dx4), free(dw4);
+        }
         free(x), free(w), free(g), free(dx0), free(dw0), free(want_dx), free(want_dw);
         free(dx1), free(dw1), free(dx2), free(dw2), free(dw3), free(dx3);
         lm_cuda_free(d_x), lm_cuda_free(d_w), lm_cuda_free(d_g), lm_cuda_free(d_dx), lm_cuda_free(d_dw);

@@ -68,6 +68,10 @@ typedef struct {
     /* dinp[n,ic] += dout . w;  dw[oc,ic] += dout^T . inp */
     lm_status (*matmul_backward)(lm_backend *be, float *dinp, float *dw, const void *dout_lp, const void *inp_lp,
                                  const void *w_lp, int64_t n, int ic, int oc);
+    /* optional (NULL: the caller zeroes dinp and calls matmul_backward): the
+     * same with dinp written instead of added to; dw accumulates */
+    lm_status (*matmul_backward_set)(lm_backend *be, float *dinp, float *dw, const void *dout_lp,
+                                     const void *inp_lp, const void *w_lp, int64_t n, int ic, int oc);
     /* dst (product format) = src; on the CPU dst == src is allowed and free */
     lm_status (*to_lp)(lm_backend *be, void *dst_lp, const float *src, size_t n);
 

@@ -41,6 +41,11 @@ lm_status lm_cuda_matmul_forward_bf16(const lm_cuda_context *ctx, uint16_t *out,
 lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
                                   const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
                                   int64_t n, int ic, int oc);
+/* The same with dinp WRITTEN (= dout . weight; beta 0: what was there is not
+ * read); dweight still accumulates. */
+lm_status lm_cuda_matmul_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                      const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
+                                      int64_t n, int ic, int oc);
 
 /* ---- conversions and checks ---- */
 

@@ -1117,8 +1117,12 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
          *du_lp = lp_or(m, du, m->ffn_du_lp);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
-    TRY(be->zero(be, dh, nf * sizeof(float)));
-    TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
+    if (op->matmul_backward_set) {
+        TRY(op->matmul_backward_set(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
+    } else {
+        TRY(be->zero(be, dh, nf * sizeof(float)));
+        TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
+    }
     TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
     if (m->sep) {
         TRY(op->to_lp(be, da_lp, da, nf));

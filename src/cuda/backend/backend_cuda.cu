@@ -150,6 +150,12 @@ static lm_status cuda_matmul_forward_lp(lm_backend *be, void *out, const void *i
                                        ic, oc);
 }
 
+static lm_status cuda_matmul_backward_set(lm_backend *be, float *dinp, float *dw, const void *dout,
+                                          const void *inp, const void *w, int64_t n, int ic, int oc) {
+    return lm_cuda_matmul_backward_set(ctx_of(be), dinp, dw, (const uint16_t *)dout, (const uint16_t *)inp,
+                                       (const uint16_t *)w, n, ic, oc);
+}
+
 static lm_status cuda_matmul_backward(lm_backend *be, float *dinp, float *dw, const void *dout, const void *inp,
                                       const void *w, int64_t n, int ic, int oc) {
     return lm_cuda_matmul_backward(ctx_of(be), dinp, dw, (const uint16_t *)dout, (const uint16_t *)inp,
@@ -787,6 +793,7 @@ static lm_ops make_cuda_ops(void) {
     o.matmul_forward = cuda_matmul_forward;
     o.matmul_forward_lp = cuda_matmul_forward_lp;
     o.matmul_backward = cuda_matmul_backward;
+    o.matmul_backward_set = cuda_matmul_backward_set;
     o.to_lp = cuda_to_lp;
     o.rmsnorm_forward = cuda_rmsnorm_forward;
     o.rmsnorm_backward = cuda_rmsnorm_backward;

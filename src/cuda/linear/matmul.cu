@@ -140,16 +140,16 @@ extern "C" lm_status lm_cuda_matmul_forward_bf16(const lm_cuda_context *ctx, uin
     return forward(ctx, out, CUDA_R_16BF, inp, weight, n, ic, oc, 0);
 }
 
-extern "C" lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
-                                             const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
-                                             int64_t n, int ic, int oc) {
-    // dout is (n,oc); dinp (n,ic) += dout . weight; dweight (oc,ic) += dout^T . inp
-    lm_status st = check_product(ctx, dout, inp, weight, n, ic, oc, "lm_cuda_matmul_backward");
+static lm_status backward(const lm_cuda_context *ctx, float *dinp, float *dweight, const uint16_t *dout,
+                          const uint16_t *inp, const uint16_t *weight, int64_t n, int ic, int oc, float dinp_beta,
+                          const char *fn) {
+    // dout is (n,oc); dinp (n,ic) = or += dout . weight; dweight (oc,ic) += dout^T . inp
+    lm_status st = check_product(ctx, dout, inp, weight, n, ic, oc, fn);
     if (st || n == 0) return st;
     /* trans_a, trans_b; m, n, k; a, b; lda, ldb; d, ldd; d_type, beta */
     if (dinp) {
         const lt_product p = {CUBLAS_OP_N, CUBLAS_OP_N, (uint64_t)ic, (uint64_t)n, (uint64_t)oc, weight, dout,
-                              ic, oc, dinp, ic, CUDA_R_32F, 1.0f};
+                              ic, oc, dinp, ic, CUDA_R_32F, dinp_beta};
         if ((st = lt_run(ctx, &p))) return st;
     }
     if (dweight) {
@@ -158,4 +158,16 @@ extern "C" lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *
         if ((st = lt_run(ctx, &p))) return st;
     }
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                             const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
+                                             int64_t n, int ic, int oc) {
+    return backward(ctx, dinp, dweight, dout, inp, weight, n, ic, oc, 1.0f, "lm_cuda_matmul_backward");
+}
+
+extern "C" lm_status lm_cuda_matmul_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                                 const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
+                                                 int64_t n, int ic, int oc) {
+    return backward(ctx, dinp, dweight, dout, inp, weight, n, ic, oc, 0.0f, "lm_cuda_matmul_backward_set");
 }
