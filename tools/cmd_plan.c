@@ -293,8 +293,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     if (ep > 1 && dev != LM_DEVICE_CPU) return cli_fail(cmd, "--ep: expert parallelism runs on CPU ranks (--device cpu)");
     lm_model *m = NULL;
     if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
-    /* expert parallel: a rank keeps its experts' gradients (every position the same size) */
-    if (ep > 1 && lm_model_keep_expert_grads(m, (int)ep, 0)) {
+    /* expert parallel: a rank keeps its experts' gradients and weights (every position the same size) */
+    if (ep > 1 && (lm_model_keep_expert_grads(m, (int)ep, 0) || lm_model_keep_expert_weights(m))) {
         lm_model_free(m);
         return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
     }
