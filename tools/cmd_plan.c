@@ -340,9 +340,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
                "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
     if (ep > 1)
-        printf("expert parallel in groups of %ld ranks: a rank keeps the gradients and optimizer state of %d of the "
-               "%d routed experts of a layer (the weights whole)\n", ep, c->n_routed_experts / (int)ep,
-               c->n_routed_experts);
+        printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
+               "%d of the %d routed experts of a layer (the experts whole only while an evaluation or a checkpoint "
+               "gathers them, not counted here)\n", ep, c->n_routed_experts / (int)ep, c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {

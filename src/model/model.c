@@ -2143,13 +2143,18 @@ static size_t xwhole_at(const lm_model *m, size_t offset) {
 }
 
 /* Every MoE layer's whole views of its routed experts (moe_p, moe_P, moe_PL
- * gate, up, down): into m->xwhole, or NULL (cut, not gathered). */
+ * gate, up, down): into m->xwhole, the block (a cut that keeps the whole
+ * tensor: a group of one rank), or NULL (cut, not gathered). */
 static void bind_whole_expert_views(lm_model *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
         if (!ls->moe || !gcut_of(m, ls->moe_xoff[0])) continue;
         float *w[3];
-        for (int k = 0; k < 3; k++) w[k] = m->xwhole ? m->xwhole + xwhole_at(m, ls->moe_xoff[k]) : NULL;
+        for (int k = 0; k < 3; k++) {
+            const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
+            w[k] = m->xwhole ? m->xwhole + xwhole_at(m, ls->moe_xoff[k])
+                 : c->count == c->numel ? lm_model_cut_at(m, m->P, c->offset) : NULL;
+        }
         ls->moe_p.gate = ls->moe_P.gate = ls->moe_PL.gate = w[0];
         ls->moe_p.up = ls->moe_P.up = ls->moe_PL.up = w[1];
         ls->moe_p.down = ls->moe_P.down = ls->moe_PL.down = w[2];
@@ -2265,7 +2270,8 @@ void lm_model_release_experts(lm_model *m) {
 const float *lm_model_tensor_data(const lm_model *m, int i) {
     const lm_model_tensor *t = lm_model_tensor_at(m, i);
     if (!t || !m->params) return NULL;
-    if (m->pcut && gcut_of(m, t->offset)) return m->xwhole ? m->xwhole + xwhole_at(m, t->offset) : NULL;
+    const struct gcut *c = m->pcut ? gcut_of(m, t->offset) : NULL;
+    if (c && c->count < c->numel) return m->xwhole ? m->xwhole + xwhole_at(m, t->offset) : NULL;
     return lm_model_host_param(m, t->offset);
 }
 
