@@ -234,13 +234,14 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
     CHECK(!no_run_in(path_in("run_gpu")), "the CPU run wrote no run");
 }
 
-/* plan --memory --ep G: one rank's gradients and optimizer state of its n/G
- * experts (the lines name the share); a G that does not divide the experts,
- * --ep with --device cuda and --ep without --memory are refused. */
+/* plan --memory --ep G: one rank's weights, gradients and optimizer state of
+ * its n/G experts (the lines name the share); a G that does not divide the
+ * experts, --ep with --device cuda and --ep without --memory are refused. */
 static void test_plan_memory_of_an_expert_parallel_rank(void) {
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2") == 0 &&
-              test_file_has(path_in("out.txt"), "a rank keeps the gradients and optimizer state of 4 of the 8 routed "
-                                                "experts of a layer") &&
+              test_file_has(path_in("out.txt"), "a rank keeps the weights, gradients and optimizer state of 4 of the 8 "
+                                                "routed experts of a layer") &&
+              test_file_has(path_in("out.txt"), "parameters (fp32; of the routed experts only 4 of 8 a layer") &&
               test_file_has(path_in("out.txt"), "gradients (fp32; of the routed experts only 4 of 8 a layer"),
           "plan --memory --ep 2 does not show a rank's share of the experts");
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 3") != 0 && stderr_has("8 routed experts") &&

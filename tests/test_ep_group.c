@@ -159,6 +159,22 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
            whole, experts, G);
 }
 
+/* A rank's parameter block holds the replicated tensors and its position's
+ * experts' weights only (1/G of the experts'; G = 1: every weight, as the
+ * replicated layout's). */
+static void test_a_rank_holds_its_groups_share_of_the_experts_weights(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(grep_result.parameter_bytes == whole, "the replicated layout holds %zu bytes of parameters, one process %zu",
+          grep_result.parameter_bytes, whole);
+    const size_t want = whole - experts + experts / (size_t)G;
+    CHECK(g_result.parameter_bytes == want, "rank %d holds %zu bytes of parameters, expected %zu (%zu whole, experts "
+          "%zu)", me, g_result.parameter_bytes, want, whole, experts);
+    printf("     weights a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", g_result.parameter_bytes,
+           whole, experts, G);
+}
+
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */
 static void test_every_rank_holds_the_same_parameters_and_bias(void) {
     if (!runs_ok) SKIP("the runs failed");
@@ -355,6 +371,7 @@ int main(int argc, char **argv) {
     RUN(test_groups_equal_replicated_state_one_process_and_whole_world_ep);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_gradients);
+    RUN(test_a_rank_holds_its_groups_share_of_the_experts_weights);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_group_sizes_and_one_process);

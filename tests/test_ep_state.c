@@ -144,6 +144,24 @@ static void test_a_rank_holds_only_its_experts_gradients(void) {
            whole, experts, R);
 }
 
+/* A rank's parameter block holds the replicated tensors and only its own
+ * experts' slices of the weights too (lm_train_result.parameter_bytes: 1/N of
+ * the experts'), the run still the replicated layout's bits (above: its
+ * checkpoints, evaluations and hashes gather the experts whole); the
+ * replicated layout keeps every weight. */
+static void test_a_rank_holds_only_its_experts_weights(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(rep_result.parameter_bytes == whole, "the replicated layout holds %zu bytes of parameters, one process %zu",
+          rep_result.parameter_bytes, whole);
+    const size_t want = whole - experts + experts / (size_t)R;
+    CHECK(ep_result.parameter_bytes == want, "rank %d holds %zu bytes of parameters, expected %zu (%zu whole, experts "
+          "%zu)", me, ep_result.parameter_bytes, want, whole, experts);
+    printf("     weights a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", ep_result.parameter_bytes,
+           whole, experts, R);
+}
+
 /* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */
 static void test_every_rank_holds_the_same_parameters_and_bias(void) {
     if (!runs_ok) SKIP("the runs failed");
@@ -410,6 +428,7 @@ int main(int argc, char **argv) {
     RUN(test_owner_only_state_equals_replicated_state_bit_for_bit);
     RUN(test_a_rank_holds_only_its_experts_state);
     RUN(test_a_rank_holds_only_its_experts_gradients);
+    RUN(test_a_rank_holds_only_its_experts_weights);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit);

@@ -320,6 +320,120 @@ out:
     free(tgt);
 }
 
+/* Owner-only expert weights on the same model: a rank that also cuts its
+ * parameter block (lm_model_keep_expert_weights, after the gradients) holds
+ * the replicated tensors and its experts' slices (lm_model_num_kept_params:
+ * 1/R of the experts'); initialised after the cut, every kept weight has one
+ * process's bits; its training forward and backward give the loss and
+ * gradients of a rank whose weights stay whole bit for bit; an evaluation
+ * forward is refused until the experts are gathered (lm_model_gather_experts),
+ * then equals the whole rank's bits, and is refused again after
+ * lm_model_release_experts; the gathered tensors are one process's;
+ * lm_model_copy_state copies a cut model into another and a whole one into a
+ * cut one, not a cut one into a whole one. Misuse is refused. */
+static void test_model_keeps_only_its_own_experts_weights(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    const int B = c.batch_size, T = c.seq_len, Bm = B / R;
+    const size_t off = (size_t)me * Bm * T;
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    lm_rng rng;
+    lm_rng_seed(&rng, 9);
+    for (int i = 0; tok && tgt && i < B * T; i++) {
+        tok[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+        tgt[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+    }
+    lm_model *one = NULL, *w = NULL, *m = NULL, *m2 = NULL;
+    CHECK(tok && tgt, "out of memory");
+    CHECK(!lm_model_create(&c, B, T, &one) && !lm_model_create(&c, Bm, T, &w) && !lm_model_create(&c, Bm, T, &m) &&
+          !lm_model_create(&c, Bm, 2 * T, &m2), "%s", lm_last_error());
+    if (!one || !w || !m || !m2 || !tok || !tgt) goto out;
+    lm_model_init(one, 11);
+    lm_model_init(w, 11);
+    CHECK(!lm_model_set_expert_parallel(w, comm) && !lm_model_keep_expert_grads(w, R, me), "%s", lm_last_error());
+    CHECK(!lm_model_set_expert_parallel(m, comm), "%s", lm_last_error());
+    CHECK(lm_model_keep_expert_weights(m) == LM_ERR_ARG && strstr(lm_last_error(), "lm_model_keep_expert_grads"),
+          "weights cut before the gradients: %s", lm_last_error());
+    CHECK(!lm_model_keep_expert_grads(m, R, me) && !lm_model_keep_expert_weights(m), "%s", lm_last_error());
+    CHECK(lm_model_keep_expert_weights(m) == LM_ERR_ARG, "weights cut twice");
+    lm_model_init(m, 11);
+    const size_t np = lm_model_num_params(m), ex = routed_expert_floats(m), want = np - ex + ex / (size_t)R;
+    CHECK(lm_model_num_kept_params(w) == np, "a rank with whole weights keeps %zu of %zu", lm_model_num_kept_params(w),
+          np);
+    CHECK(lm_model_num_kept_params(m) == want && lm_model_buffer_at(m, 0)->bytes == want * sizeof(float),
+          "rank %d keeps %zu parameters (its plan %zu bytes), expected %zu", me, lm_model_num_kept_params(m),
+          lm_model_buffer_at(m, 0)->bytes, want);
+    /* every kept weight has one process's bits; the cut tensors have no whole data until gathered */
+    const float *ow = lm_model_params(one);
+    size_t held = 0;
+    int cut = 0;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        size_t first, count;
+        const float *p = lm_model_param_part(m, i, &first, &count);
+        held += count;
+        cut += count < t->numel;
+        CHECK(!memcmp(p, ow + t->offset + first, count * sizeof *p), "%s: rank %d's kept weights differ from one "
+              "process's", t->name, me);
+        CHECK((lm_model_tensor_data(m, i) != NULL) == (count == t->numel || R == 1), "%s: whole data of a cut tensor",
+              t->name);
+    }
+    CHECK(held == lm_model_num_kept_params(m), "the parts hold %zu weights, the block %zu", held,
+          lm_model_num_kept_params(m));
+    CHECK(cut == (R > 1 ? 9 : 0), "%d tensors cut", cut);
+    /* training: the same loss and gradient bits as the rank whose weights stay whole */
+    float lw = 0, lm = 0;
+    lm_status st = lm_model_forward(w, tok + off, tgt + off, 1, &lw);
+    if (!st) st = lm_model_backward(w, 1.0f / (float)R);
+    if (!st) st = lm_model_forward(m, tok + off, tgt + off, 1, &lm);
+    if (!st) st = lm_model_backward(m, 1.0f / (float)R);
+    CHECK(!st, "rank %d: %s", me, lm_last_error());
+    if (st) goto out;
+    CHECK(!memcmp(&lw, &lm, sizeof lw), "loss %.9g with cut weights, %.9g whole", lm, lw);
+    CHECK(lm_model_num_grads(m) == lm_model_num_grads(w) &&
+          !memcmp(lm_model_grads(m), lm_model_grads(w), lm_model_num_grads(m) * sizeof(float)),
+          "rank %d's gradients differ from the whole-weight rank's", me);
+    /* evaluation: refused while cut, the whole rank's bits once gathered */
+    if (R > 1)
+        CHECK(lm_model_forward(m, tok + off, tgt + off, 0, &lm) == LM_ERR_ARG &&
+              strstr(lm_last_error(), "lm_model_gather_experts"), "an evaluation forward with cut weights: %s",
+              lm_last_error());
+    CHECK(!lm_model_gather_experts(m) && lm_model_experts_gathered(m), "%s", lm_last_error());
+    CHECK(!lm_model_forward(w, tok + off, tgt + off, 0, &lw) && !lm_model_forward(m, tok + off, tgt + off, 0, &lm),
+          "%s", lm_last_error());
+    CHECK(!memcmp(&lw, &lm, sizeof lw), "evaluation loss %.9g gathered, %.9g whole", lm, lw);
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        const float *d = lm_model_tensor_data(m, i);
+        CHECK(d && !memcmp(d, ow + t->offset, t->numel * sizeof *d), "%s: gathered weights differ from one process's",
+              t->name);
+    }
+    lm_model_release_experts(m);
+    if (R > 1)
+        CHECK(!lm_model_experts_gathered(m) && lm_model_forward(m, tok + off, tgt + off, 0, &lm) == LM_ERR_ARG,
+              "an evaluation forward after the release accepted");
+    /* a new stage's model: from the cut one, and from a whole one; not a cut one into a whole one */
+    CHECK(!lm_model_set_expert_parallel(m2, comm) && !lm_model_keep_expert_grads(m2, R, me) &&
+          !lm_model_keep_expert_weights(m2), "%s", lm_last_error());
+    CHECK(!lm_model_copy_state(m2, m), "%s", lm_last_error());
+    CHECK(!memcmp(lm_model_params(m2), lm_model_params(m), want * sizeof(float)), "the copied weights differ");
+    lm_model_init(m2, 12);
+    CHECK(!lm_model_copy_state(m2, one), "%s", lm_last_error());
+    CHECK(!memcmp(lm_model_params(m2), lm_model_params(m), want * sizeof(float)), "the weights copied from a whole "
+          "model differ");
+    if (R > 1)
+        CHECK(lm_model_copy_state(w, m) == LM_ERR_ARG && strstr(lm_last_error(), "owner-only"),
+              "a cut model copied into a whole one: %s", lm_last_error());
+    printf("     rank %d of %d keeps %zu of %zu weights (the experts' %zu / %d); training bits as with whole weights\n",
+           me, R, lm_model_num_kept_params(m), np, ex, R);
+out:
+    lm_model_free(one);
+    lm_model_free(w);
+    lm_model_free(m);
+    lm_model_free(m2);
+    free(tok);
+    free(tgt);
+}
+
 /* The memory plan of a rank of EP 1, 2 and 4 (lm_model_plan, then
  * lm_model_keep_expert_grads at each position): its gradient entry is the
  * whole block less (G - 1) / G of the routed experts'; the parameters stay
@@ -342,9 +456,15 @@ static void test_the_memory_plan_of_a_rank_holds_its_experts_gradients(void) {
             const size_t want = (np - ex + ex / (size_t)G) * sizeof(float), got = plan_gradient_bytes(p);
             CHECK(got == want, "G %d, position %d: %zu bytes of gradients, expected %zu", G, pos, got, want);
             CHECK(lm_model_buffer_at(p, 0)->bytes == np * sizeof(float), "the parameters are not whole");
+            /* owner-only weights: the parameter entry the same share */
+            CHECK(!lm_model_keep_expert_weights(p), "G %d, position %d: %s", G, pos, lm_last_error());
+            const size_t wb = lm_model_buffer_at(p, 0)->bytes;
+            CHECK(wb == want && lm_model_num_kept_params(p) * sizeof(float) == want,
+                  "G %d, position %d: %zu bytes of parameters, expected %zu", G, pos, wb, want);
+            CHECK(plan_gradient_bytes(p) == want, "the weights' cut changed the gradients");
             if (pos == 0)
-                printf("     EP %d: gradients %zu bytes a rank instead of %zu (routed experts %zu of them)\n", G, got,
-                       whole, ex * sizeof(float));
+                printf("     EP %d: gradients and weights %zu bytes each a rank instead of %zu (routed experts %zu of "
+                       "them)\n", G, got, whole, ex * sizeof(float));
             lm_model_free(p);
         }
     CHECK(!lm_model_plan(&c, c.batch_size, c.seq_len, LM_DEVICE_CPU, &p), "%s", lm_last_error());
@@ -385,6 +505,7 @@ int main(int argc, char **argv) {
     RUN(test_ranks_without_tokens);
     RUN(test_indivisible_experts_are_refused);
     RUN(test_model_keeps_only_its_own_experts_gradients);
+    RUN(test_model_keeps_only_its_own_experts_weights);
     RUN(test_the_memory_plan_of_a_rank_holds_its_experts_gradients);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;

@@ -293,8 +293,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     if (ep > 1 && dev != LM_DEVICE_CPU) return cli_fail(cmd, "--ep: expert parallelism runs on CPU ranks (--device cpu)");
     lm_model *m = NULL;
     if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
-    /* expert parallel: a rank keeps its experts' gradients (every position the same size) */
-    if (ep > 1 && lm_model_keep_expert_grads(m, (int)ep, 0)) {
+    /* expert parallel: a rank keeps its experts' gradients and weights (every position the same size) */
+    if (ep > 1 && (lm_model_keep_expert_grads(m, (int)ep, 0) || lm_model_keep_expert_weights(m))) {
         lm_model_free(m);
         return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
     }
@@ -340,9 +340,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
                "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
     if (ep > 1)
-        printf("expert parallel in groups of %ld ranks: a rank keeps the gradients and optimizer state of %d of the "
-               "%d routed experts of a layer (the weights whole)\n", ep, c->n_routed_experts / (int)ep,
-               c->n_routed_experts);
+        printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
+               "%d of the %d routed experts of a layer (the experts whole only while an evaluation or a checkpoint "
+               "gathers them, not counted here)\n", ep, c->n_routed_experts / (int)ep, c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {

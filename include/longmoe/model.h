@@ -75,8 +75,9 @@ void lm_model_free(lm_model *m);
  * only): rank r computes the routed experts [r n / R, (r+1) n / R) of every
  * MoE layer for the tokens of all ranks, which reach it by all-to-all in the
  * training forward and backward (lm_model_forward with training = 1 and
- * lm_model_backward are then collective over comm). The weights stay whole on
- * every rank: evaluation forwards run every expert locally. The expert weight
+ * lm_model_backward are then collective over comm). The weights stay whole
+ * unless cut (lm_model_keep_expert_weights): evaluation forwards run every
+ * expert locally. The expert weight
  * gradients of this rank's backward are complete for its experts and zero for
  * the others (lm_model_keep_expert_grads keeps only its experts'). n_routed_experts
  * not divisible by R is LM_ERR_ARG. comm must outlive the model. */
@@ -102,6 +103,44 @@ size_t lm_model_num_grads(const lm_model *m);
  * numel, unless cut above; NULL on a plan). In lm_model_optimizer_params the
  * descriptor of a cut tensor has no gradient (grad NULL). */
 float *lm_model_grad_part(lm_model *m, int i, size_t *first, size_t *count);
+/* Owner-only expert weights (docs/scaleout.md, "Expert parallelism"): the
+ * parameter block is cut with the table of lm_model_keep_expert_grads (call
+ * that first): of each routed expert tensor only this rank's slice of experts
+ * is kept, every other tensor whole, in the gradient block's layout
+ * (lm_model_num_kept_params = lm_model_num_grads floats; the training forward
+ * and backward run the owned experts on their slice). Everything the model
+ * reads from the block goes through that layout; the whole tensors' place
+ * (lm_model_tensor.offset) is unchanged. A forward that runs every expert
+ * locally (evaluation, lm_model_logits, lm_model_score) needs the experts
+ * gathered first (lm_model_gather_experts), else it is refused; decoding
+ * and lm_model_params at a tensor offset need the whole layout (use
+ * lm_model_param_part and lm_model_tensor_data). lm_model_init draws the
+ * whole random stream and stores the kept part (every kept weight one
+ * process's bits); lm_model_copy_state copies between models that keep the
+ * same parts (or from a whole source). On a plan only the memory plan's
+ * parameter entry changes (what a rank of such a run holds). Once per model. */
+lm_status lm_model_keep_expert_weights(lm_model *m);
+/* Floats of the parameter block: lm_model_num_params unless cut above. */
+size_t lm_model_num_kept_params(const lm_model *m);
+/* Where tensor i lies in lm_model_params: its elements [*first, *first +
+ * *count) in order from the returned pointer (the whole tensor unless its
+ * weights are cut above; NULL on a plan). */
+float *lm_model_param_part(lm_model *m, int i, size_t *first, size_t *count);
+/* The cut experts' weights whole, for an evaluation or a checkpoint:
+ * collective over the expert-parallel handle (lm_comm_all_gatherv of every
+ * routed expert tensor; the ranks agree on an allocation failure first, so
+ * none waits alone). The model then holds the experts twice (its slice, the
+ * whole tensors) until lm_model_release_experts; the training step writes the
+ * slice only. Nothing to do (LM_OK) when the weights are not cut or already
+ * gathered. */
+lm_status lm_model_gather_experts(lm_model *m);
+void lm_model_release_experts(lm_model *m);
+/* 1 when every tensor is whole on this rank (not cut, or gathered). */
+int lm_model_experts_gathered(const lm_model *m);
+/* Tensor i's numel floats whole (in the parameter block, or gathered), in the
+ * layout of the checkpoints; NULL for a cut expert tensor not gathered (or a
+ * plan). */
+const float *lm_model_tensor_data(const lm_model *m, int i);
 
 /* Context parallelism over the ranks of comm (docs/scaleout.md "Context
  * parallelism in the model"; CPU backend only). The model's B x T is this
@@ -140,6 +179,9 @@ int lm_model_num_tensors(const lm_model *m);
 const lm_model_tensor *lm_model_tensor_at(const lm_model *m, int i);
 const lm_model_tensor *lm_model_find(const lm_model *m, const char *name);
 size_t lm_model_num_params(const lm_model *m);
+/* The parameter block: lm_model_num_kept_params floats (the whole layout,
+ * tensor i at lm_model_tensor_at(m, i)->offset, unless the expert weights are
+ * cut: lm_model_param_part). */
 float *lm_model_params(lm_model *m);
 float *lm_model_grads(lm_model *m);
 size_t lm_model_activation_bytes(const lm_model *m);

@@ -174,6 +174,11 @@ typedef struct {
      * whole parameter block's size, under expert parallelism with owner-only
      * state the replicated tensors' and its own experts' only */
     size_t gradient_bytes;
+    /* bytes of the parameter block this rank holds (lm_model_num_kept_params):
+     * the whole model's, under expert parallelism with owner-only state the
+     * replicated tensors' and its own experts' only (the experts whole only
+     * while an evaluation or a checkpoint has them gathered) */
+    size_t parameter_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the

@@ -48,8 +48,8 @@ static lm_attnres_config attnres_config(const lm_model *m, int64_t n) {
 static lm_attnres_params attnres_params(const lm_model *m) {
     lm_attnres_params p = {NULL, NULL};
     if (m->has_attnres_params) {
-        p.query = m->params + m->ar_query_off;
-        p.key_norm = m->params + m->ar_key_off;
+        p.query = lm_model_host_param(m, m->ar_query_off);
+        p.key_norm = lm_model_host_param(m, m->ar_key_off);
     }
     return p;
 }
@@ -200,7 +200,7 @@ static void dense_ffn(const lm_decoder *dec, const layer_state *ls, const float 
     // x, y are (n,d)
     const lm_model *m = dec->m;
     int d = m->d, f = m->cfg.dense_ffn;
-    const float *Wg = m->params + ls->ffn_off, *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
+    const float *Wg = lm_model_host_param(m, ls->ffn_off), *Wu = Wg + (size_t)f * d, *Wd = Wu + (size_t)f * d;
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     lm_matmul_forward(dec->ffn_a, x, Wg, NULL, n, d, f);
     lm_matmul_forward(dec->ffn_u, x, Wu, NULL, n, d, f);
@@ -230,7 +230,7 @@ static lm_status run_sublayers(lm_decoder *dec, lm_attnres_state *ar, float *x0,
         layer_state *ls = &m->layers[l];
         /* SPEC §5: the sublayer input is attention over the depth sources */
         TRY(lm_attnres_input(ar, idx, &arp, h));
-        lm_rmsnorm_forward(xn, NULL, h, m->params + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off), n, d,
+        lm_rmsnorm_forward(xn, NULL, h, lm_model_host_param(m, idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off), n, d,
                            m->cfg.norm_eps);
         if (idx % 2 == 0 && ls->mixer == LM_MIXER_KDA) {
             if (T) {
@@ -247,12 +247,15 @@ static lm_status run_sublayers(lm_decoder *dec, lm_attnres_state *ar, float *x0,
             dense_ffn(dec, ls, xn, y, n);
         } else {
             /* SPEC §4.6: route with the model's balancing bias, frozen at inference */
+            if (!ls->moe_p.gate)
+                return lm_error(LM_ERR_ARG, "decoding: layer %d's routed experts are cut to this rank's "
+                                "(lm_model_keep_expert_weights): gather them first (lm_model_gather_experts)", l);
             TRY(lm_moe_forward(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_p, &dec->moe_a, n));
         }
         TRY(lm_attnres_add_output(ar, idx, y));
     }
     TRY(lm_attnres_final(ar, &arp, h));
-    lm_rmsnorm_forward(xn, NULL, h, m->params + m->final_norm_off, n, d, m->cfg.norm_eps);
+    lm_rmsnorm_forward(xn, NULL, h, lm_model_host_param(m, m->final_norm_off), n, d, m->cfg.norm_eps);
     return LM_OK;
 }
 
@@ -260,7 +263,7 @@ static lm_status lm_head(const lm_decoder *dec, const float *hn, float *logits) 
     // hn is (B,d), logits (B,V)
     const lm_model *m = dec->m;
     const int V = m->cfg.vocab_size;
-    lm_matmul_forward(logits, hn, m->params + m->head_off, NULL, dec->B, m->d, V);
+    lm_matmul_forward(logits, hn, lm_model_host_param(m, m->head_off), NULL, dec->B, m->d, V);
     for (size_t i = 0; i < (size_t)dec->B * V; i++)
         if (!isfinite(logits[i]))
             return lm_error(LM_ERR_NUMERIC, "decoder: non-finite logit at sequence %zu, token %zu", i / V, i % V);
@@ -277,7 +280,7 @@ lm_status lm_decoder_prefill(lm_decoder *dec, const int32_t *tokens, int T, floa
     const int64_t n = (int64_t)B * T;
     TRY(check_tokens(m, tokens, n));
     lm_decoder_reset(dec);
-    const float *E = m->params + m->embed_off;
+    const float *E = lm_model_host_param(m, m->embed_off);
     for (int64_t i = 0; i < n; i++) memcpy(dec->x0 + i * d, E + (size_t)tokens[i] * d, (size_t)d * sizeof(float));
     lm_attnres_config ac = attnres_config(m, n);
     TRY(lm_attnres_init(&dec->ar_prefill, &ac, dec->ar_prefill_ws, dec->ar_prefill_bytes));
@@ -302,7 +305,7 @@ lm_status lm_decoder_step(lm_decoder *dec, const int32_t *tokens, float *logits)
     lm_model *m = dec->m;
     const int B = dec->B, d = m->d;
     TRY(check_tokens(m, tokens, B));
-    const float *E = m->params + m->embed_off;
+    const float *E = lm_model_host_param(m, m->embed_off);
     for (int b = 0; b < B; b++) memcpy(dec->sx0 + (size_t)b * d, E + (size_t)tokens[b] * d, (size_t)d * sizeof(float));
     lm_status s = run_sublayers(dec, &dec->ar_step, dec->sx0, dec->sh, dec->sxn, dec->sy, B, 0);
     if (s) {

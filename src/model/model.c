@@ -191,19 +191,7 @@ static float *lp_param(const lm_model *m, const float *p) {
  * the gradient block G (m->G or m->grads), whose layout leaves out what the
  * cuts of lm_model_keep_expert_grads drop: NULL there (another rank's
  * experts). */
-static float *grad_in(const lm_model *m, float *G, size_t off) {
-    size_t dropped = 0;
-    for (int i = 0; i < m->n_gcuts; i++) {
-        const struct gcut *c = &m->gcuts[i];
-        if (off < c->offset) break;
-        if (off < c->offset + c->numel) {
-            if (off < c->offset + c->first || off >= c->offset + c->first + c->count) return NULL;
-            return G + (off - dropped - c->first);
-        }
-        dropped += c->numel - c->count;
-    }
-    return G + (off - dropped);
-}
+static float *grad_in(const lm_model *m, float *G, size_t off) { return lm_model_cut_at(m, G, off); }
 
 /* The same in the gradient block the ops write. */
 static float *grad_at(const lm_model *m, size_t off) { return grad_in(m, m->G, off); }
@@ -215,8 +203,16 @@ static const struct gcut *gcut_of(const lm_model *m, size_t offset) {
     return NULL;
 }
 
-/* The gradient view of a parameter view into m->P. */
-static float *grad_param(const lm_model *m, const float *p) { return p ? grad_at(m, (size_t)(p - m->P)) : NULL; }
+/* The parameter at offset `off` of the whole layout in the block the ops read
+ * (m->P; NULL where owner-only expert weights drop it). */
+static float *par_at(const lm_model *m, size_t off) { return m->pcut ? lm_model_cut_at(m, m->P, off) : m->P + off; }
+
+/* The gradient view of a parameter view into m->P (a cut parameter block has
+ * the gradient block's layout: the same place). */
+static float *grad_param(const lm_model *m, const float *p) {
+    if (!p) return NULL;
+    return m->pcut ? m->G + (p - m->P) : grad_at(m, (size_t)(p - m->P));
+}
 
 /* Map every pointer of a params struct (lm_kda_layer_params, lm_mla_params,
  * lm_moe_params: structs of float pointers only) from m->P to m->PL or m->G. */
@@ -597,6 +593,7 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
 
     /* the ledger of backend buffers (lm_model_buffer_at) starts with the parameter blocks */
     m->n_grads = m->n_params;
+    m->params_buffer = m->n_buffers;
     m->grads_buffer = m->n_buffers + 1;
     if ((st = ledger_add(m, m->n_params * sizeof(float), "parameters (fp32)")) ||
         (st = ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32)")))
@@ -715,6 +712,9 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         if (!m->dry) {
             lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
             lm_moe_params_carve(&ls->moe_cfg, m->P + ls->ffn_off, &ls->moe_P);
+            ls->moe_xoff[0] = (size_t)(ls->moe_P.gate - m->P);
+            ls->moe_xoff[1] = (size_t)(ls->moe_P.up - m->P);
+            ls->moe_xoff[2] = (size_t)(ls->moe_P.down - m->P);
             map_views(m, &ls->moe_P, &ls->moe_PL, sizeof ls->moe_P, 0);
             map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
         }
@@ -864,6 +864,7 @@ void lm_model_free(lm_model *m) {
     }
     free(m->layers);
     free(m->gcuts);
+    free(m->xwhole);
     free(m->cp_block);
     free(m->tensors);
     free(m->buffers);
@@ -903,23 +904,36 @@ void lm_model_init(lm_model *m, uint64_t seed) {
     uint64_t *draws = NULL;
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
-        float *w = m->params + t->offset;
+        /* owner-only expert weights keep elements [lo, hi) of a routed expert
+         * tensor (at w[j - lo]), but the whole tensor's draws are taken: every
+         * kept weight has one process's bits, and the stream goes on as there */
+        size_t lo, cnt;
+        float *w = lm_model_param_part(m, i, &lo, &cnt);
+        const size_t hi = lo + cnt;
         const float mean = t->init_mean, std = t->init_std;
         if (!(std > 0)) {
-            for (size_t j = 0; j < t->numel; j++) w[j] = mean + 0.0f;
+            for (size_t j = 0; j < cnt; j++) w[j] = mean + 0.0f;
             continue;
         }
         if (!draws && !(draws = malloc(2 * (size_t)BLOCK * sizeof *draws))) {
             /* no scratch: draw and transform one at a time (same values) */
-            for (size_t j = 0; j < t->numel; j++) w[j] = mean + std * (float)lm_rng_normal(&rng);
+            for (size_t j = 0; j < t->numel; j++) {
+                const float v = mean + std * (float)lm_rng_normal(&rng);
+                if (j >= lo && j < hi) w[j - lo] = v;
+            }
             continue;
         }
         for (size_t j0 = 0; j0 < t->numel; j0 += BLOCK) {
             const long n = (long)(t->numel - j0 < BLOCK ? t->numel - j0 : BLOCK);
             for (long j = 0; j < 2 * n; j++) draws[j] = lm_rng_u64(&rng);
-            float *wb = w + j0;
-#pragma omp parallel for schedule(static) if (n >= 65536)
-            for (long j = 0; j < n; j++) wb[j] = mean + std * (float)lm_rng_normal_of(draws[2 * j], draws[2 * j + 1]);
+            /* the kept elements of this block: [a, z) of it */
+            const long a = (long)(lo > j0 ? (lo - j0 < (size_t)n ? lo - j0 : (size_t)n) : 0);
+            const long z = (long)(hi > j0 ? (hi - j0 < (size_t)n ? hi - j0 : (size_t)n) : 0);
+            if (a >= z) continue;
+            float *wb = w + (j0 + (size_t)a - lo);
+#pragma omp parallel for schedule(static) if (z - a >= 65536)
+            for (long j = a; j < z; j++)
+                wb[j - a] = mean + std * (float)lm_rng_normal_of(draws[2 * j], draws[2 * j + 1]);
         }
     }
     free(draws);
@@ -947,6 +961,7 @@ const lm_model_tensor *lm_model_find(const lm_model *m, const char *name) {
 }
 size_t lm_model_num_params(const lm_model *m) { return m->n_params; }
 size_t lm_model_num_grads(const lm_model *m) { return m->n_grads; }
+size_t lm_model_num_kept_params(const lm_model *m) { return m->pcut ? m->n_grads : m->n_params; }
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 float *lm_model_backend_grads(lm_model *m) { return m->G; }
@@ -1036,8 +1051,11 @@ lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats 
 static void optimizer_params_in(lm_model *m, float *P, float *G, lm_param *params, lm_train_optimizer which) {
     for (int i = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
-        /* NULL: a plan's descriptors; a tensor whose gradient is cut has no whole gradient (lm_model_grad_part) */
-        float *w = P ? P + t->offset : NULL, *g = G && !gcut_of(m, t->offset) ? grad_in(m, G, t->offset) : NULL;
+        /* NULL: a plan's descriptors; a tensor whose gradient is cut has no whole gradient (lm_model_grad_part),
+         * and with owner-only weights no whole data either (lm_model_param_part) */
+        const int cut = gcut_of(m, t->offset) != NULL;
+        float *w = P && !(cut && m->pcut) ? (m->pcut ? lm_model_cut_at(m, P, t->offset) : P + t->offset) : NULL;
+        float *g = G && !cut ? grad_in(m, G, t->offset) : NULL;
         lm_param p;
         if (t->ndim >= 2) {
             int64_t rows = t->ndim == 3 ? t->shape[0] * t->shape[1] : t->shape[0];
@@ -1090,8 +1108,8 @@ static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const voi
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
-    const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
-                *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
+    const float *Wg = lp_param(m, par_at(m, ls->ffn_off)), *Wu = lp_param(m, par_at(m, ls->ffn_off) + (size_t)f * d),
+                *Wd = lp_param(m, par_at(m, ls->ffn_off) + 2 * (size_t)f * d);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     void *h_lp = lp_or(m, ls->ffn_h, m->ffn_h_lp);
     TRY(op->matmul_forward(be, ls->ffn_a, x, Wg, n, d, f));
@@ -1109,8 +1127,8 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
     size_t nf = (size_t)n * f;
-    const float *Wg = lp_param(m, m->P + ls->ffn_off), *Wu = lp_param(m, m->P + ls->ffn_off + (size_t)f * d),
-                *Wd = lp_param(m, m->P + ls->ffn_off + 2 * (size_t)f * d);
+    const float *Wg = lp_param(m, par_at(m, ls->ffn_off)), *Wu = lp_param(m, par_at(m, ls->ffn_off) + (size_t)f * d),
+                *Wd = lp_param(m, par_at(m, ls->ffn_off) + 2 * (size_t)f * d);
     float *gWg = grad_at(m, ls->ffn_off), *gWu = gWg + (size_t)f * d, *gWd = gWu + (size_t)f * d;
     float *dh = m->scratch, *da = dh + nf, *du = da + nf;
     void *dy_lp = lp_or(m, (float *)dy, m->dy_lp), *da_lp = lp_or(m, da, m->ffn_da_lp),
@@ -1138,8 +1156,8 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
 static lm_attnres_params attnres_params(const lm_model *m) {
     lm_attnres_params p = {NULL, NULL};
     if (m->has_attnres_params) {
-        p.query = m->P + m->ar_query_off;
-        p.key_norm = m->P + m->ar_key_off;
+        p.query = par_at(m, m->ar_query_off);
+        p.key_norm = par_at(m, m->ar_key_off);
     }
     return p;
 }
@@ -1177,8 +1195,13 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
             m->ep_together = 1; /* failures in the layer are agreed on */
             return st;
         }
-    } else
+    } else {
+        if (!ls->moe_P.gate)
+            return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' weights "
+                            "(lm_model_keep_expert_weights): a forward that runs every expert locally (evaluation) "
+                            "needs them gathered first (lm_model_gather_experts)", idx / 2);
         TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, n));
+    }
     float *scores = op->moe_scores(be, ls->moe_acts);
     if (m->fault == LM_FAULT_ROUTER && !recompute) {
         const float nan = NAN;
@@ -1393,7 +1416,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     TRY(be->upload(be, m->tokens, tokens, (size_t)N * sizeof(int32_t)));
-    TRY(op->embedding_forward(be, m->x0, m->P + m->embed_off, m->tokens, N, d));
+    TRY(op->embedding_forward(be, m->x0, par_at(m, m->embed_off), m->tokens, N, d));
     if (m->fault == LM_FAULT_BATCH) {
         const float nan = NAN;
         TRY(be->upload(be, m->x0, &nan, sizeof nan));
@@ -1409,7 +1432,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         void *xn_lp = xn_lp_of(m, idx);
         TRY(op->attnres_input(be, m->ar, idx, &arp, hin));
         charge(m, LM_TIME_ATTNRES, &t0);
-        const float *w = m->P + (idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        const float *w = par_at(m, idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
         TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, w, N, d,
                                 m->cfg.norm_eps));
         charge(m, LM_TIME_NORMS, &t0);
@@ -1428,7 +1451,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     }
     TRY(op->attnres_final(be, m->ar, &arp, m->hf));
     charge(m, LM_TIME_ATTNRES, &t0);
-    TRY(op->rmsnorm_forward(be, m->hn, m->sep ? m->hn_lp : NULL, m->rstd_final, m->hf, m->P + m->final_norm_off, N,
+    TRY(op->rmsnorm_forward(be, m->hn, m->sep ? m->hn_lp : NULL, m->rstd_final, m->hf, par_at(m, m->final_norm_off), N,
                             d, m->cfg.norm_eps));
     charge(m, LM_TIME_NORMS, &t0);
     return LM_OK;
@@ -1487,7 +1510,7 @@ static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum) {
     TRY(be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t)));
     double t0 = lm_time_seconds();
     TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, lp_or(m, m->hn, m->hn_lp),
-                                       lp_param(m, m->P + m->head_off), m->targets, m->N, m->d, m->cfg.vocab_size,
+                                       lp_param(m, par_at(m, m->head_off)), m->targets, m->N, m->d, m->cfg.vocab_size,
                                        m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     return LM_OK;
@@ -1574,7 +1597,7 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
         if (!st) st = be->upload(be, m->targets, m->seg_tgt, (size_t)N * sizeof(int32_t));
         if (!st)
             st = be->ops->score_forward(be, on_host ? m->seg_nll : m->score_nll, on_host ? m->seg_arg : m->score_arg,
-                                        lp_or(m, m->hn, m->hn_lp), lp_param(m, m->P + m->head_off), m->targets, N,
+                                        lp_or(m, m->hn, m->hn_lp), lp_param(m, par_at(m, m->head_off)), m->targets, N,
                                         m->d, m->cfg.vocab_size, m->logits);
         if (!st && !on_host) st = be->download(be, m->seg_nll, m->score_nll, (size_t)N * sizeof(double));
         if (!st && !on_host) st = be->download(be, m->seg_arg, m->score_arg, (size_t)N * sizeof(int32_t));
@@ -1636,7 +1659,7 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
     lm_backend *be = m->be;
     double total = 0, t0 = lm_time_seconds();
     TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, lp_or(m, m->hn, m->hn_lp),
-                                       lp_param(m, m->P + m->head_off), m->targets, N, d, V, m->logits));
+                                       lp_param(m, par_at(m, m->head_off)), m->targets, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
@@ -1680,7 +1703,7 @@ static lm_status replay_block(lm_model *m, int k) {
         void *xn_lp = xn_lp_of(m, l);
         TRY(op->attnres_input(be, m->ar, l, &arp, hin));
         charge(m, LM_TIME_ATTNRES, &t0);
-        const float *w = m->P + (l % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+        const float *w = par_at(m, l % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
         TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)l * N, hin, w, N, d,
                                 m->cfg.norm_eps));
         charge(m, LM_TIME_NORMS, &t0);
@@ -1717,11 +1740,11 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         row_scale = m->row_scale;
     }
     TRY(op->cross_entropy_backward(be, m->dhn, grad_at(m, m->head_off), lp_or(m, m->hn, m->hn_lp),
-                                   lp_param(m, m->P + m->head_off), m->targets, m->lse_rows, row_scale,
+                                   lp_param(m, par_at(m, m->head_off)), m->targets, m->lse_rows, row_scale,
                                    dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
-    TRY(op->rmsnorm_backward(be, m->dhf, grad_at(m, m->final_norm_off), m->dhn, m->hf, m->P + m->final_norm_off,
+    TRY(op->rmsnorm_backward(be, m->dhf, grad_at(m, m->final_norm_off), m->dhn, m->hf, par_at(m, m->final_norm_off),
                              m->rstd_final, N, d, eps));
     charge(m, LM_TIME_NORMS, &t0);
     lm_attnres_params arp = attnres_params(m);
@@ -1755,7 +1778,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
                 TRY(op->attnres_recompute_input(be, m->ar, idx, hin));
                 charge(m, LM_TIME_ATTNRES, &t0);
             }
-            TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, m->P + norm_off, N,
+            TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, par_at(m, norm_off), N,
                                     d, eps));
             charge(m, LM_TIME_NORMS, &t0);
         }
@@ -1795,11 +1818,11 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         }
         charge(m, sublayer_part(ls, idx), &t0);
         if (op->rmsnorm_backward_set) {
-            TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, m->P + norm_off,
+            TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
                                          m->rstd + (size_t)idx * N, N, d, eps));
         } else {
             TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
-            TRY(op->rmsnorm_backward(be, m->dh, grad_at(m, norm_off), m->dxn, hin, m->P + norm_off,
+            TRY(op->rmsnorm_backward(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
                                      m->rstd + (size_t)idx * N, N, d, eps));
         }
         charge(m, LM_TIME_NORMS, &t0);
@@ -1846,7 +1869,7 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
         TRY(m->be->download(m->be, m->hn_host, m->hn, (size_t)m->N * m->d * sizeof(float)));
         hn = m->hn_host;
     }
-    lm_matmul_forward(logits, hn, m->params + m->head_off, NULL, m->N, m->d, m->cfg.vocab_size);
+    lm_matmul_forward(logits, hn, lm_model_host_param(m, m->head_off), NULL, m->N, m->d, m->cfg.vocab_size);
     return LM_OK;
 }
 
@@ -1869,7 +1892,7 @@ lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targ
     TRY(be->upload(be, m->targets, targets, (size_t)N * sizeof(int32_t)));
     const int on_host = be->device == LM_DEVICE_CPU;
     TRY(be->ops->score_forward(be, on_host ? nll : m->score_nll, on_host ? argmax : m->score_arg,
-                               lp_or(m, m->hn, m->hn_lp), lp_param(m, m->P + m->head_off), m->targets, N, d, V,
+                               lp_or(m, m->hn, m->hn_lp), lp_param(m, par_at(m, m->head_off)), m->targets, N, d, V,
                                m->logits));
     if (!on_host) {
         TRY(be->download(be, nll, m->score_nll, (size_t)N * sizeof(double)));
@@ -1957,7 +1980,22 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
     if (src->params_on_backend_newer)
         return lm_error(LM_ERR_ARG, "copying model state: the source's newest parameters are on its backend "
                                     "(lm_model_download_params first)");
-    memcpy(dst->params, src->params, src->n_params * sizeof(float));
+    if (!dst->pcut && !src->pcut) {
+        memcpy(dst->params, src->params, src->n_params * sizeof(float));
+    } else {
+        /* owner-only expert weights on either side: each tensor's kept part of
+         * dst from src, which must hold it (the same cut, or src whole) */
+        for (int i = 0; i < dst->n_tensors; i++) {
+            size_t a, n, sa, sn;
+            float *to = lm_model_param_part(dst, i, &a, &n);
+            const float *from = lm_model_param_part((lm_model *)src, i, &sa, &sn);
+            if (a < sa || a + n > sa + sn)
+                return lm_error(LM_ERR_ARG, "copying model state: the destination keeps elements [%zu, %zu) of %s, "
+                                "the source only [%zu, %zu) (owner-only expert weights of another position)", a,
+                                a + n, dst->tensors[i].name, sa, sa + sn);
+            memcpy(to, from + (a - sa), n * sizeof(float));
+        }
+    }
     dst->params_on_host_newer = 1;
     dst->params_on_backend_newer = 0;
     for (int l = 0; l < src->cfg.n_layers; l++) {
@@ -2022,7 +2060,7 @@ static void map_grad_views(lm_model *m) {
         map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
         if (ls->moe_ep) map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
         /* a cut expert tensor has no whole gradient, only this rank's slice (moe_Gep) */
-        if (gcut_of(m, (size_t)(ls->moe_P.gate - m->P))) ls->moe_G.gate = ls->moe_G.up = ls->moe_G.down = NULL;
+        if (gcut_of(m, ls->moe_xoff[0])) ls->moe_G.gate = ls->moe_G.up = ls->moe_G.down = NULL;
     }
 }
 
@@ -2089,6 +2127,156 @@ float *lm_model_grad_part(lm_model *m, int i, size_t *first, size_t *count) {
     *first = c ? c->first : 0;
     *count = c ? c->count : t->numel;
     return m->grads ? grad_in(m, m->grads, t->offset + *first) : NULL;
+}
+
+float *lm_model_param_part(lm_model *m, int i, size_t *first, size_t *count) {
+    const lm_model_tensor *t = lm_model_tensor_at(m, i);
+    *first = *count = 0;
+    if (!t) return NULL;
+    const struct gcut *c = m->pcut ? gcut_of(m, t->offset) : NULL;
+    *first = c ? c->first : 0;
+    *count = c ? c->count : t->numel;
+    return m->params ? lm_model_host_param(m, t->offset + *first) : NULL;
+}
+
+/* The place of routed expert tensor `offset` in m->xwhole (floats). */
+static size_t xwhole_at(const lm_model *m, size_t offset) {
+    size_t at = 0;
+    for (int i = 0; i < m->n_gcuts && m->gcuts[i].offset != offset; i++) at += m->gcuts[i].numel;
+    return at;
+}
+
+/* Every MoE layer's whole views of its routed experts (moe_p, moe_P, moe_PL
+ * gate, up, down): into m->xwhole, the block (a cut that keeps the whole
+ * tensor: a group of one rank), or NULL (cut, not gathered). */
+static void bind_whole_expert_views(lm_model *m) {
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        if (!ls->moe || !gcut_of(m, ls->moe_xoff[0])) continue;
+        float *w[3];
+        for (int k = 0; k < 3; k++) {
+            const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
+            w[k] = m->xwhole ? m->xwhole + xwhole_at(m, ls->moe_xoff[k])
+                 : c->count == c->numel ? lm_model_cut_at(m, m->P, c->offset) : NULL;
+        }
+        ls->moe_p.gate = ls->moe_P.gate = ls->moe_PL.gate = w[0];
+        ls->moe_p.up = ls->moe_P.up = ls->moe_PL.up = w[1];
+        ls->moe_p.down = ls->moe_P.down = ls->moe_PL.down = w[2];
+    }
+}
+
+/* Map every pointer of a params struct (structs of float pointers only) from
+ * the whole block `from` to the cut block `to` of m's cut (NULL where it drops). */
+static void cut_views(const lm_model *m, void *views, size_t bytes, const float *from, float *to) {
+    float **v = views;
+    for (size_t k = 0; k < bytes / sizeof(float *); k++)
+        if (v[k]) v[k] = lm_model_cut_at(m, to, (size_t)(v[k] - from));
+}
+
+lm_status lm_model_keep_expert_weights(lm_model *m) {
+    if (m->pcut) return lm_error(LM_ERR_ARG, "the model keeps only its own experts' weights already");
+    if (!m->n_gcuts)
+        return lm_error(LM_ERR_ARG, "owner-only expert weights are cut with the gradients' table: "
+                        "lm_model_keep_expert_grads first");
+    if (m->params_on_backend_newer || m->P != m->params)
+        return lm_error(LM_ERR_ARG, "owner-only expert weights run on the CPU (as expert parallelism does)");
+    const int n = m->cfg.n_routed_experts, G = (int)(m->gcuts[0].numel / m->gcuts[0].count);
+    const int pos = (int)(m->gcuts[0].first / m->gcuts[0].count);
+    lm_model_buffer *b = &m->buffers[m->params_buffer];
+    if (!m->dry) {
+        float *old = m->params, *p = malloc((m->n_grads ? m->n_grads : 1) * sizeof(float));
+        if (!p)
+            return lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (the owned experts' and the rest)",
+                            m->n_grads);
+        for (int i = 0; i < m->n_tensors; i++) {
+            const lm_model_tensor *t = &m->tensors[i];
+            const struct gcut *c = gcut_of(m, t->offset);
+            const size_t a = c ? c->first : 0, cnt = c ? c->count : t->numel;
+            memcpy(lm_model_cut_at(m, p, t->offset + a), old + t->offset + a, cnt * sizeof(float));
+        }
+        /* every view into the block, to the same element's new place (the CPU: P = PL = params) */
+        for (int l = 0; l < m->cfg.n_layers; l++) {
+            layer_state *ls = &m->layers[l];
+            if (ls->mixer == LM_MIXER_KDA) {
+                cut_views(m, &ls->kda_p, sizeof ls->kda_p, old, p);
+                cut_views(m, &ls->kda_P, sizeof ls->kda_P, old, p);
+                cut_views(m, &ls->kda_PL, sizeof ls->kda_PL, old, p);
+            } else {
+                cut_views(m, &ls->mla_p, sizeof ls->mla_p, old, p);
+                cut_views(m, &ls->mla_P, sizeof ls->mla_P, old, p);
+                cut_views(m, &ls->mla_PL, sizeof ls->mla_PL, old, p);
+            }
+            if (!ls->moe) continue;
+            cut_views(m, &ls->moe_p, sizeof ls->moe_p, old, p);
+            cut_views(m, &ls->moe_P, sizeof ls->moe_P, old, p);
+            cut_views(m, &ls->moe_PL, sizeof ls->moe_PL, old, p);
+            if (ls->moe_ep) cut_views(m, &ls->moe_Pep, sizeof ls->moe_Pep, old, p);
+        }
+        free(old);
+        m->params = m->P = p;
+        m->PL = p;
+    }
+    m->pcut = 1;
+    if (!m->dry) {
+        bind_whole_expert_views(m); /* a cut tensor has no whole view until gathered */
+        map_grad_views(m);
+    }
+    b->bytes = m->n_grads * sizeof(float);
+    snprintf(b->name, sizeof b->name, "parameters (fp32; of the routed experts only %d of %d a layer, position %d of "
+             "%d)", n / G, n, pos, G);
+    return LM_OK;
+}
+
+int lm_model_experts_gathered(const lm_model *m) { return !m->pcut || m->xwhole; }
+
+lm_status lm_model_gather_experts(lm_model *m) {
+    if (!m->pcut || m->xwhole) return LM_OK;
+    if (m->dry) return lm_error(LM_ERR_ARG, "a plan has no expert weights to gather");
+    lm_comm *comm = m->ep_comm;
+    const int G = lm_comm_size(comm), me = lm_comm_rank(comm);
+    size_t total = 0;
+    for (int i = 0; i < m->n_gcuts; i++) total += m->gcuts[i].numel;
+    float *x = malloc((total ? total : 1) * sizeof(float));
+    size_t *tab = malloc(2 * (size_t)G * sizeof *tab);
+    /* every rank of the group gathers or none does: nobody waits alone in a gather */
+    int32_t mine = !x || !tab, any = 0;
+    lm_status st = lm_comm_all_reduce_sum(comm, &mine, &any, 1, LM_DTYPE_I32);
+    if (!st && any)
+        st = lm_error(LM_ERR_MEMORY, mine ? "out of memory gathering the routed experts' weights (%zu floats)"
+                                          : "out of memory gathering the routed experts' weights on another rank "
+                                            "(%zu floats)", total);
+    for (int i = 0, at = 0; i < m->n_gcuts && !st; i++) {
+        const struct gcut *c = &m->gcuts[i];
+        for (int q = 0; q < G; q++) {
+            tab[q] = c->count * sizeof(float);
+            tab[G + q] = ((size_t)at + (size_t)q * c->count) * sizeof(float);
+        }
+        st = lm_comm_all_gatherv(comm, lm_model_cut_at(m, m->params, c->offset + c->first), tab[me], x, tab, tab + G);
+        at += (int)c->numel;
+    }
+    free(tab);
+    if (st) {
+        free(x);
+        return st;
+    }
+    m->xwhole = x;
+    bind_whole_expert_views(m);
+    return LM_OK;
+}
+
+void lm_model_release_experts(lm_model *m) {
+    if (!m->xwhole) return;
+    free(m->xwhole);
+    m->xwhole = NULL;
+    bind_whole_expert_views(m);
+}
+
+const float *lm_model_tensor_data(const lm_model *m, int i) {
+    const lm_model_tensor *t = lm_model_tensor_at(m, i);
+    if (!t || !m->params) return NULL;
+    const struct gcut *c = m->pcut ? gcut_of(m, t->offset) : NULL;
+    if (c && c->count < c->numel) return m->xwhole ? m->xwhole + xwhole_at(m, t->offset) : NULL;
+    return lm_model_host_param(m, t->offset);
 }
 
 /* The context-parallel block of a model whose B x T is the segment at t0 of

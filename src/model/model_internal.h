@@ -42,6 +42,9 @@ typedef struct {
     lm_moe_ep *moe_ep;
     lm_moe_params moe_Pep, moe_Gep;
     int moe_ep_fwd;
+    /* where the routed experts' gate, up and down lie in the whole parameter
+     * layout (lm_model_tensor.offset; set with the views) */
+    size_t moe_xoff[3];
     /* context parallelism (lm_model_set_context_parallel): the token mixer's
      * activations for the rank's segment (one set per mixer kind with recompute) */
     float *cp_acts;
@@ -79,7 +82,14 @@ struct lm_model {
         size_t offset, numel, first, count;
     } *gcuts;
     int n_gcuts;
-    int grads_buffer; /* the gradient block's entry in the memory plan */
+    /* owner-only expert weights (lm_model_keep_expert_weights): the parameter
+     * block is cut with the same table, so it holds n_grads floats in the
+     * gradient block's layout (an element's place is the same in both);
+     * xwhole: the routed experts' tensors whole, gathered for an evaluation or
+     * a checkpoint (lm_model_gather_experts; NULL otherwise), in table order */
+    int pcut;
+    float *xwhole;
+    int params_buffer, grads_buffer; /* the parameter and gradient blocks' entries in the memory plan */
     /* what the ops use: params, grads themselves on the CPU; else backend memory
      * (fp32 parameters P, gradients G, product-format parameters PL) */
     float *P, *G;
@@ -142,5 +152,27 @@ struct lm_model {
     double *seg_nll;                            /* host: one segment's scores (lm_model_score) */
     int32_t *seg_arg;
 };
+
+/* The element at offset `off` of the whole parameter layout in a block of
+ * that layout cut by m->gcuts (the gradient block; the parameter block when
+ * m->pcut): NULL where the cut drops it (another rank's experts). */
+static inline float *lm_model_cut_at(const struct lm_model *m, float *block, size_t off) {
+    size_t dropped = 0;
+    for (int i = 0; i < m->n_gcuts; i++) {
+        const struct gcut *c = &m->gcuts[i];
+        if (off < c->offset) break;
+        if (off < c->offset + c->numel) {
+            if (off < c->offset + c->first || off >= c->offset + c->first + c->count) return NULL;
+            return block + (off - dropped - c->first);
+        }
+        dropped += c->numel - c->count;
+    }
+    return block + (off - dropped);
+}
+
+/* The host parameter at offset `off` of the whole layout (NULL: cut away). */
+static inline float *lm_model_host_param(const struct lm_model *m, size_t off) {
+    return m->pcut ? lm_model_cut_at(m, m->params, off) : m->params + off;
+}
 
 #endif

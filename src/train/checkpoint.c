@@ -235,10 +235,12 @@ lm_status lm_checkpoint_write_model(lm_model *m, const lm_config *cfg, const cha
     lm_status s = LM_OK;
     lm_st_writer *w = lm_st_writer_new();
     if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
-    float *params = lm_model_params(m);
     for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
         const lm_model_tensor *mt = lm_model_tensor_at(m, i);
-        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, params + mt->offset);
+        const float *data = lm_model_tensor_data(m, i);
+        s = data ? lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, data)
+                 : lm_error(LM_ERR_ARG, "checkpoint: %s is cut to this rank's experts (lm_model_gather_experts "
+                            "first)", mt->name);
     }
     if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
     snprintf(path, sizeof path, "%s/model.safetensors", dir);

@@ -556,10 +556,12 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
  * and are summed over the ranks at the same position of every group (the
  * replicas; nothing when the group is the world); the owners alone keep their
  * optimizer state and take their step (the same per-block arithmetic as the
- * replicated optimizer; the replicas identically), then every rank of a group
- * receives the updated slices (an all-gather in the group), so the weights
- * stay whole on every rank and equal to the replicated run's bits. Everything
- * else is replicated. */
+ * replicated optimizer; the replicas identically). The weights are owner-only
+ * too (lm_model_keep_expert_weights: the parameter block cut with the same
+ * table), so the updated slices stay on their owners; the evaluations and
+ * checkpoints gather the experts whole for their duration
+ * (lm_model_gather_experts) and release them after. Everything else is
+ * replicated. */
 
 /* The handle of this rank's EP group (the whole world when the group is). */
 static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm : t->comm; }
@@ -585,15 +587,16 @@ static lm_status epo_bind(trainer *t) {
         const int muon = lm_param_optimizer(&p) == LM_OPT_MUON;
         const size_t numel = (size_t)lm_param_numel(&p), per = t->esplit[i] ? numel / (size_t)R : numel,
                      at = t->esplit[i] ? (size_t)me * per : 0;
-        size_t first, count;
+        size_t first, count, wfirst, wcount;
         float *g = lm_model_grad_part(t->model, i, &first, &count);
-        if (first != at || count != per)
+        float *w = lm_model_param_part(t->model, i, &wfirst, &wcount);
+        if (first != at || count != per || wfirst != at || wcount != per)
             return lm_error(LM_ERR_ARG, "expert parallelism: the model keeps the gradient of elements [%zu, %zu) of "
-                            "%s, the optimizer of rank %d updates [%zu, %zu)", first, first + count, p.name, t->rank,
-                            at, at + per);
+                            "%s and its weights [%zu, %zu), the optimizer of rank %d updates [%zu, %zu)", first,
+                            first + count, p.name, wfirst, wfirst + wcount, t->rank, at, at + per);
         if (t->esplit[i]) {
             p.optimizer = muon ? LM_OPT_MUON : LM_OPT_ADAMW;
-            p.data += at;
+            p.data = w;
             p.grad = g;
             p.rows /= R;
             p.n_blocks = p.n_blocks > 1 ? p.n_blocks / R : 1;
@@ -784,29 +787,20 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
 }
 
 /* Expert parallelism on a model of this run: the MoE exchange over the EP
- * group and, with owner-only state, the gradients of this rank's experts only. */
+ * group and, with owner-only state, the gradients and weights of this rank's
+ * experts only. */
 static lm_status model_expert_parallel(trainer *t, lm_model *m) {
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
-    return t->epo ? lm_model_keep_expert_grads(m, t->ep, t->ep_pos) : LM_OK;
+    if (!t->epo) return LM_OK;
+    TRY(lm_model_keep_expert_grads(m, t->ep, t->ep_pos));
+    return lm_model_keep_expert_weights(m);
 }
 
-/* Every owner's updated experts to every rank, in place (one all-gather a tensor). */
-static lm_status epo_gather_params(trainer *t) {
-    const int R = t->ep;
-    size_t *bytes = t->ztab, *offs = bytes + R;
-    float *p = lm_model_params(t->model);
-    for (int i = 0; i < t->n_all; i++) {
-        if (!t->esplit[i]) continue;
-        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-        const size_t sl = mt->numel / (size_t)R;
-        for (int q = 0; q < R; q++) {
-            bytes[q] = sl * sizeof(float);
-            offs[q] = (mt->offset + (size_t)q * sl) * sizeof(float);
-        }
-        TRY(lm_comm_all_gatherv(ep_group_comm(t), p + mt->offset + (size_t)t->ep_pos * sl, bytes[t->ep_pos], p, bytes,
-                                offs));
-    }
-    return LM_OK;
+/* The routed experts whole on every rank of the group, for an evaluation or a
+ * checkpoint (collective; released by epo_release). */
+static lm_status epo_whole(trainer *t) { return t->epo ? lm_model_gather_experts(t->model) : LM_OK; }
+static void epo_release(trainer *t) {
+    if (t->epo) lm_model_release_experts(t->model);
 }
 
 /* The whole optimizer state on rank 0 (t->ck_muon, t->ck_adam; *whole_muon and
@@ -1011,7 +1005,14 @@ static lm_status state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
     if (t->zero && t->ranks > 1)
         TRY(lm_comm_all_reduce_sum(t->comm, t->zhash, t->zhash, 2 * (size_t)t->n_all, LM_DTYPE_I32));
     uint64_t h = 0xcbf29ce484222325ull;
-    h = fnv(h, lm_model_params(t->model), lm_model_num_params(t->model) * sizeof(float));
+    /* the tensors in table order, one after the other: the whole parameter block's bytes */
+    for (int i = 0; i < t->n_all; i++) {
+        const float *w = lm_model_tensor_data(t->model, i);
+        if (!w)
+            return lm_error(LM_ERR_ARG, "the state's hash needs every tensor whole: %s is cut to this rank's experts "
+                            "(gather them first)", lm_model_tensor_at(t->model, i)->name);
+        h = fnv(h, w, lm_model_tensor_at(t->model, i)->numel * sizeof(float));
+    }
     h = fnv(h, t->zhash, (size_t)t->n_all * sizeof *t->zhash);
     int64_t counters[5] = {t->step, t->data_pos, t->skipped, t->muon.step, t->adam.step};
     *params = fnv(h, counters, sizeof counters);
@@ -1424,11 +1425,13 @@ static lm_status write_checkpoint(trainer *t) {
     snprintf(what, sizeof what, "step %lld", (long long)t->step);
     TRY(host_params_current(t));
     TRY(download_optimizer_state(t));
-    const float *p = lm_model_params(t->model);
     lm_status bad = LM_OK;
     for (int i = 0; i < lm_model_num_tensors(t->model) && !bad; i++) {
         const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-        bad = check_floats(what, mt->name, p + mt->offset, mt->numel, 0);
+        const float *w = lm_model_tensor_data(t->model, i);
+        bad = w ? check_floats(what, mt->name, w, mt->numel, 0)
+                : lm_error(LM_ERR_ARG, "step %lld: %s is cut to this rank's experts (not gathered for the checkpoint)",
+                           (long long)t->step, mt->name);
     }
     if (!bad) bad = check_floats(what, "optim.muon_state", t->ck_muon, t->muon_total_n, STATE_BOUND);
     if (!bad) bad = check_floats(what, "optim.adam_state", t->ck_adam, t->adam_total_n, STATE_BOUND);
@@ -1458,12 +1461,15 @@ static lm_status write_checkpoint(trainer *t) {
  * whether it was written. */
 static lm_status save_checkpoint(trainer *t) {
     float *whole_muon = NULL, *whole_adam = NULL;
-    lm_status s = dp_check_replicas(t);
+    /* owner-only experts: whole on every rank of the group for the hashes and rank 0's files */
+    lm_status s = epo_whole(t);
+    if (!s) s = dp_check_replicas(t);
     if (!s) s = t->epo ? epo_gather_state(t, &whole_muon, &whole_adam) : zero_gather_state(t, &whole_muon, &whole_adam);
     if (!s && t->rank == 0) s = write_checkpoint(t);
     free(whole_muon);
     free(whole_adam);
     t->ck_muon = t->ck_adam = NULL;
+    epo_release(t);
     if ((s = dp_agree(t, s))) return s;
     t->saved_step = t->step;
     return LM_OK;
@@ -1471,8 +1477,18 @@ static lm_status save_checkpoint(trainer *t) {
 
 /* Copy tensor `name` of `st` into dst (numel floats or ints), checking its
  * dtype and shape: [numel] when ndim is 0, else exactly shape[0..ndim). */
+static lm_status load_exact_part(const lm_safetensors *st, const char *file, const char *name, lm_dtype dtype,
+                                 void *dst, size_t numel, int ndim, const int64_t *shape, size_t first,
+                                 size_t count);
 static lm_status load_exact(const lm_safetensors *st, const char *file, const char *name, lm_dtype dtype,
                             void *dst, size_t numel, int ndim, const int64_t *shape) {
+    return load_exact_part(st, file, name, dtype, dst, numel, ndim, shape, 0, numel);
+}
+
+/* The same, copying only elements [first, first + count) of the tensor to dst. */
+static lm_status load_exact_part(const lm_safetensors *st, const char *file, const char *name, lm_dtype dtype,
+                                 void *dst, size_t numel, int ndim, const int64_t *shape, size_t first,
+                                 size_t count) {
     const lm_st_tensor *t = lm_safetensors_find(st, name);
     if (!t) return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' is missing", file, name);
     if (t->dtype != dtype || (size_t)t->numel != numel)
@@ -1493,7 +1509,8 @@ static lm_status load_exact(const lm_safetensors *st, const char *file, const ch
         return lm_error(LM_ERR_FORMAT, "%s: tensor '%s' has shape [%s], expected [%s] (same element count, "
                         "another layout: refused)", file, name, got, want);
     }
-    memcpy(dst, t->data, t->nbytes);
+    const size_t el = numel ? t->nbytes / numel : 0;
+    if (count) memcpy(dst, (const char *)t->data + first * el, count * el);
     return LM_OK;
 }
 
@@ -1503,11 +1520,13 @@ static lm_status load_params(lm_model *m, const char *dir) {
     lm_safetensors *st;
     TRY(lm_safetensors_open(path, &st));
     lm_status s = LM_OK;
-    float *p = lm_model_params(m);
     for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
+        /* each tensor's part this model keeps (with owner-only expert weights, this rank's experts) */
         const lm_model_tensor *mt = lm_model_tensor_at(m, i);
-        s = load_exact(st, path, mt->name, LM_DTYPE_F32, p + mt->offset, mt->numel, mt->ndim, mt->shape);
-        if (!s) s = check_floats(path, mt->name, p + mt->offset, mt->numel, 0);
+        size_t first, count;
+        float *w = lm_model_param_part(m, i, &first, &count);
+        s = load_exact_part(st, path, mt->name, LM_DTYPE_F32, w, mt->numel, mt->ndim, mt->shape, first, count);
+        if (!s) s = check_floats(path, mt->name, w, count, 0);
     }
     if (!s && lm_safetensors_count(st) != lm_model_num_tensors(m))
         s = lm_error(LM_ERR_FORMAT, "%s: holds %d tensors, the model has %d", path, lm_safetensors_count(st),
@@ -1792,6 +1811,8 @@ static void format_eta(char *buf, size_t n, double seconds) {
  * training components; the {"type": "eval"} line goes to the metrics log. */
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
+    /* owner-only experts: the evaluation forward runs every expert (whole for its duration) */
+    TRY(epo_whole(t));
     /* the device's parameters as they are: the scoring runs there (lm_model_score) */
     lm_model_timings(t->model, before);
     lm_eval_tally tally;
@@ -1802,6 +1823,7 @@ static lm_status evaluate(trainer *t, float *loss, float *acc) {
                             : lm_eval_loss_rows(t->model, t->val, t->opt.val_batches, nb, t->B,
                                                 t->dp_rank * share_B(t), &tally);
     lm_model_timings(t->model, after);
+    epo_release(t);
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
     if ((s = dp_agree(t, s)) || (s = dp_reduce_tally(t, &tally))) return s;
     lm_eval_result *r = calloc(1, sizeof *r);
@@ -2055,6 +2077,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "expert parallel: gradients %.3f MiB a rank (the routed experts' of the owned experts "
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
+        fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
+                "only; whole while evaluating or writing a checkpoint) instead of %.3f MiB\n",
+                lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
+                lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
     double flops_done = 0;
     if (!opt->resume) log_stage(&t);
@@ -2184,7 +2210,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 goto done;
             if (t.step == opt->inject_nan_param_step) {
                 if ((s = lm_model_download_params(t.model))) goto done;
-                lm_model_params(t.model)[0] = NAN;
+                lm_model_params(t.model)[0] = NAN; /* embed[0]: whole on every rank */
                 if ((s = lm_model_upload_params(t.model))) goto done;
             }
             if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
@@ -2193,9 +2219,12 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 goto done;
             /* ZeRO-1: each owner updated its range; every rank receives the others' */
             if (t.zero && t.ranks > 1 && (s = zero_gather_params(&t))) goto done;
-            /* owner-only experts: each owner updated its slices; every rank receives the others' */
-            if (t.epo && (s = epo_gather_params(&t))) goto done;
-            if (t.step == opt->inject_nan_param_step) lm_model_params(t.model)[0] = NAN;
+            /* owner-only experts: each owner updated its slices, which stay there (the replicas
+             * at its position in the other groups took the same step) */
+            if (t.step == opt->inject_nan_param_step) {
+                size_t first, count; /* embed[0]: whole on every rank */
+                lm_model_param_part(t.model, 0, &first, &count)[0] = NAN;
+            }
             if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
             /* the host parameters changed (the update, QK-Clip): the device copy
              * follows before the next forward or evaluation (a no-op on the CPU);
@@ -2292,7 +2321,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     }
     /* collective under ZeRO-1: every rank computes them */
     uint64_t params_hash = 0, balance_hash = 0;
-    if ((result || t.zero || t.epo) && (s = state_hashes(&t, &params_hash, &balance_hash))) goto done;
+    if ((result || t.zero || t.epo) && ((s = epo_whole(&t)) || (s = state_hashes(&t, &params_hash, &balance_hash))))
+        goto done;
+    epo_release(&t);
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -2308,6 +2339,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->grad_norm_hash = gnorm_hash;
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
         result->gradient_bytes = lm_model_num_grads(t.model) * sizeof(float);
+        result->parameter_bytes = lm_model_num_kept_params(t.model) * sizeof(float);
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
