@@ -384,25 +384,16 @@ __global__ void conv_backward_window_kernel(float *__restrict__ din, float *__re
 __device__ __forceinline__ void conv_store_din(float *p, float v) { *p = v; }
 __device__ __forceinline__ void conv_store_din(uint16_t *p, float v) { *p = kl_f32_to_bf16(v); }
 
-template <int PER, int WT, typename DT>
-__global__ void __launch_bounds__(KL_ROW_WARPS * 32)
-    conv_silu_l2_backward_fused_kernel(DT *__restrict__ din, float *__restrict__ partial,
-                                       const uint16_t *__restrict__ dout,
-                                       const float *__restrict__ conv_out,
-                                       const float *__restrict__ rnorm, const float *__restrict__ in,
-                                       const float *__restrict__ w, int T, int C, int head_dim,
-                                       int64_t N, int64_t rows_per_chunk, int64_t chunks) {
-    const int heads = C / head_dim, lane = threadIdx.x & 31;
-    const int64_t gw = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
-    if (gw >= chunks * heads) return; /* whole warps leave together */
-    const int h = (int)(gw % heads);
-    const int64_t chunk = gw / heads, n0 = chunk * rows_per_chunk;
-    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
-    int ch[PER];
-    float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
+/* The backward kernels' shared parts (fused and ring: the same arithmetic in the same order).
+ * Begin: channel ch[j] = ch0 + 32 j, its W taps, zero sums, the taps of the chunk's first token. */
+template <int PER, int WT>
+__device__ __forceinline__ void conv_bwd_begin(int (&ch)[PER], float (&wr)[PER][WT], float (&acc)[PER][WT],
+                                               float (&xin)[PER][WT], float (&dcw)[PER][WT],
+                                               const float *__restrict__ w, const float *__restrict__ in, int ch0,
+                                               int64_t n0, int64_t N, int C) {
 #pragma unroll
     for (int j = 0; j < PER; j++) {
-        ch[j] = h * head_dim + j * 32 + lane;
+        ch[j] = ch0 + j * 32;
 #pragma unroll
         for (int i = 0; i < WT; i++) {
             wr[j][i] = w[(size_t)ch[j] * WT + i];
@@ -413,27 +404,17 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
             xin[j][i] = (i >= 1 && src >= 0 && src < N) ? in[src * C + ch[j]] : 0.0f;
         }
     }
-    const int64_t m_end = n1 + (WT - 1);
-    /* loads of token m (prefetched one token ahead) */
-    float px[PER], pg[PER], pin[PER], ps = 1.0f;
-    auto load = [&](int64_t m) {
-        const bool ok = m < N && m < m_end;
-#pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int64_t e = m * C + ch[j];
-            px[j] = ok ? conv_out[e] : 0.0f;
-            pg[j] = ok ? kl_bf16_to_f32(dout[e]) : 0.0f;
-            pin[j] = ok && m < n1 ? in[e] : 0.0f;
-        }
-        ps = ok && rnorm ? rnorm[m * heads + h] : 1.0f;
-    };
-    load(n0);
-    for (int64_t m = n0; m < m_end; m++) {
-        float x[PER], g[PER], xi[PER];
-#pragma unroll
-        for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
-        const float s = ps;
-        load(m + 1);
+}
+
+/* One token m of a chunk [n0, n1): x = c, g = dout, xi = in of token m (0 past the
+ * data), s = 1/||y|| (1 without the norm): dc of m into the window, dw's partial sums,
+ * and din of token m - (W - 1). */
+template <int PER, int WT, typename DT>
+__device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw)[PER][WT], float (&acc)[PER][WT],
+                                              const float (&wr)[PER][WT], const float (&x)[PER],
+                                              const float (&g)[PER], const float (&xi)[PER], float s, bool norm,
+                                              int64_t m, int64_t n0, int64_t n1, int64_t N, int T, int C,
+                                              const int (&ch)[PER], DT *__restrict__ din) {
 #pragma unroll
         for (int j = 0; j < PER; j++)
 #pragma unroll
@@ -449,9 +430,9 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
                 y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
                 dot += y[j] * g[j];
             }
-            if (rnorm) dot = kl_warp_sum(dot);
+            if (norm) dot = kl_warp_sum(dot);
 #pragma unroll
-            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, rnorm != NULL);
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, norm);
         } else {
 #pragma unroll
             for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
@@ -478,6 +459,47 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
                 conv_store_din(din + tt * C + ch[j], a);
             }
         }
+}
+
+template <int PER, int WT, typename DT>
+__global__ void __launch_bounds__(KL_ROW_WARPS * 32)
+    conv_silu_l2_backward_fused_kernel(DT *__restrict__ din, float *__restrict__ partial,
+                                       const uint16_t *__restrict__ dout,
+                                       const float *__restrict__ conv_out,
+                                       const float *__restrict__ rnorm, const float *__restrict__ in,
+                                       const float *__restrict__ w, int T, int C, int head_dim,
+                                       int64_t N, int64_t rows_per_chunk, int64_t chunks) {
+    const int heads = C / head_dim, lane = threadIdx.x & 31;
+    const int64_t gw = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
+    if (gw >= chunks * heads) return; /* whole warps leave together */
+    const int h = (int)(gw % heads);
+    const int64_t chunk = gw / heads, n0 = chunk * rows_per_chunk;
+    const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
+    int ch[PER];
+    float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
+    conv_bwd_begin<PER, WT>(ch, wr, acc, xin, dcw, w, in, h * head_dim + lane, n0, N, C);
+    const int64_t m_end = n1 + (WT - 1);
+    /* loads of token m (prefetched one token ahead) */
+    float px[PER], pg[PER], pin[PER], ps = 1.0f;
+    auto load = [&](int64_t m) {
+        const bool ok = m < N && m < m_end;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int64_t e = m * C + ch[j];
+            px[j] = ok ? conv_out[e] : 0.0f;
+            pg[j] = ok ? kl_bf16_to_f32(dout[e]) : 0.0f;
+            pin[j] = ok && m < n1 ? in[e] : 0.0f;
+        }
+        ps = ok && rnorm ? rnorm[m * heads + h] : 1.0f;
+    };
+    load(n0);
+    for (int64_t m = n0; m < m_end; m++) {
+        float x[PER], g[PER], xi[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
+        const float s = ps;
+        load(m + 1);
+        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, m, n0, n1, N, T, C, ch, din);
     }
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -525,19 +547,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
     const int64_t n1 = n0 + rows_per_chunk < N ? n0 + rows_per_chunk : N;
     int ch[PER];
     float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
-#pragma unroll
-    for (int j = 0; j < PER; j++) {
-        ch[j] = h * HD + j * 32 + lane;
-#pragma unroll
-        for (int i = 0; i < WT; i++) {
-            wr[j][i] = w[(size_t)ch[j] * WT + i];
-            acc[j][i] = 0.0f;
-            dcw[j][i] = 0.0f;
-            /* xin[j][i] = in[n0 - WT + i] for i >= 1: the taps of the first token */
-            const int64_t src = n0 - WT + i;
-            xin[j][i] = (i >= 1 && src >= 0 && src < N) ? in[src * C + ch[j]] : 0.0f;
-        }
-    }
+    conv_bwd_begin<PER, WT>(ch, wr, acc, xin, dcw, w, in, h * HD + lane, n0, N, C);
     const int64_t m_end = n1 + (WT - 1);
     /* token m's rows go to slot (m - n0) % D; one commit group per token (empty when nothing is due) */
     auto issue = [&](int64_t m) {
@@ -569,50 +579,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
             xi[j] = inok ? sl[SL::IN_OFF + j * 32 + lane] : 0.0f;
         }
         const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
-#pragma unroll
-        for (int j = 0; j < PER; j++)
-#pragma unroll
-            for (int i = 0; i + 1 < WT; i++) {
-                xin[j][i] = xin[j][i + 1];
-                dcw[j][i] = dcw[j][i + 1];
-            }
-        if (m < N) { /* warp-uniform */
-            float y[PER];
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < PER; j++) {
-                y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
-                dot += y[j] * g[j];
-            }
-            if (rnorm) dot = kl_warp_sum(dot);
-#pragma unroll
-            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, rnorm != NULL);
-        } else {
-#pragma unroll
-            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < PER; j++) xin[j][WT - 1] = xi[j];
-        if (m < n1) {
-            const int t = (int)(m % T);
-#pragma unroll
-            for (int j = 0; j < PER; j++)
-#pragma unroll
-                for (int i = 0; i < WT; i++)
-                    if (t >= WT - 1 - i) acc[j][i] += xin[j][i] * dcw[j][WT - 1];
-        }
-        const int64_t tt = m - (WT - 1);
-        if (tt >= n0 && tt < n1) {
-            const int t = (int)(tt % T);
-#pragma unroll
-            for (int j = 0; j < PER; j++) {
-                float a = 0.0f;
-#pragma unroll
-                for (int i = 0; i < WT; i++)
-                    if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
-                conv_store_din(din + tt * C + ch[j], a);
-            }
-        }
+        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, m, n0, n1, N, T, C, ch, din);
     }
     conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
 #pragma unroll
