@@ -148,15 +148,8 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_state(void) {
  * replicated layout's). */
 static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
     if (!runs_ok) SKIP("the runs failed");
-    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
-    CHECK(experts > 0 && whole > experts, "no expert tensors");
-    CHECK(grep_result.gradient_bytes == whole, "the replicated layout holds %zu bytes of gradients, one process %zu",
-          grep_result.gradient_bytes, whole);
-    const size_t want = whole - experts + experts / (size_t)G;
-    CHECK(g_result.gradient_bytes == want, "rank %d holds %zu bytes of gradients, expected %zu (%zu whole, experts "
-          "%zu)", me, g_result.gradient_bytes, want, whole, experts);
-    printf("     gradients a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", g_result.gradient_bytes,
-           whole, experts, G);
+    check_expert_share("gradients", grep_result.gradient_bytes, g_result.gradient_bytes, param_floats(ep_config()) * sizeof(float),
+                       expert_floats(ep_config()) * sizeof(float), G);
 }
 
 /* A rank's parameter block holds the replicated tensors and its position's
@@ -164,15 +157,8 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
  * replicated layout's). */
 static void test_a_rank_holds_its_groups_share_of_the_experts_weights(void) {
     if (!runs_ok) SKIP("the runs failed");
-    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
-    CHECK(experts > 0 && whole > experts, "no expert tensors");
-    CHECK(grep_result.parameter_bytes == whole, "the replicated layout holds %zu bytes of parameters, one process %zu",
-          grep_result.parameter_bytes, whole);
-    const size_t want = whole - experts + experts / (size_t)G;
-    CHECK(g_result.parameter_bytes == want, "rank %d holds %zu bytes of parameters, expected %zu (%zu whole, experts "
-          "%zu)", me, g_result.parameter_bytes, want, whole, experts);
-    printf("     weights a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", g_result.parameter_bytes,
-           whole, experts, G);
+    check_expert_share("parameters", grep_result.parameter_bytes, g_result.parameter_bytes, param_floats(ep_config()) * sizeof(float),
+                       expert_floats(ep_config()) * sizeof(float), G);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */

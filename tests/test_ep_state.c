@@ -133,15 +133,8 @@ static void test_a_rank_holds_only_its_experts_state(void) {
  * through the all-reduce, keeps one process's whole block. */
 static void test_a_rank_holds_only_its_experts_gradients(void) {
     if (!runs_ok) SKIP("the runs failed");
-    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
-    CHECK(experts > 0 && whole > experts, "no expert tensors");
-    CHECK(rep_result.gradient_bytes == whole, "the replicated layout holds %zu bytes of gradients, one process %zu",
-          rep_result.gradient_bytes, whole);
-    const size_t want = whole - experts + experts / (size_t)R;
-    CHECK(ep_result.gradient_bytes == want, "rank %d holds %zu bytes of gradients, expected %zu (%zu whole, experts "
-          "%zu)", me, ep_result.gradient_bytes, want, whole, experts);
-    printf("     gradients a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", ep_result.gradient_bytes,
-           whole, experts, R);
+    check_expert_share("gradients", rep_result.gradient_bytes, ep_result.gradient_bytes, param_floats(ep_config()) * sizeof(float),
+                       expert_floats(ep_config()) * sizeof(float), R);
 }
 
 /* A rank's parameter block holds the replicated tensors and only its own
@@ -151,15 +144,8 @@ static void test_a_rank_holds_only_its_experts_gradients(void) {
  * replicated layout keeps every weight. */
 static void test_a_rank_holds_only_its_experts_weights(void) {
     if (!runs_ok) SKIP("the runs failed");
-    const size_t experts = expert_floats(ep_config()) * sizeof(float), whole = param_floats(ep_config()) * sizeof(float);
-    CHECK(experts > 0 && whole > experts, "no expert tensors");
-    CHECK(rep_result.parameter_bytes == whole, "the replicated layout holds %zu bytes of parameters, one process %zu",
-          rep_result.parameter_bytes, whole);
-    const size_t want = whole - experts + experts / (size_t)R;
-    CHECK(ep_result.parameter_bytes == want, "rank %d holds %zu bytes of parameters, expected %zu (%zu whole, experts "
-          "%zu)", me, ep_result.parameter_bytes, want, whole, experts);
-    printf("     weights a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", ep_result.parameter_bytes,
-           whole, experts, R);
+    check_expert_share("parameters", rep_result.parameter_bytes, ep_result.parameter_bytes, param_floats(ep_config()) * sizeof(float),
+                       expert_floats(ep_config()) * sizeof(float), R);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */

@@ -174,6 +174,20 @@ static inline size_t param_floats(lm_config c) {
     return n;
 }
 
+/* A rank's share of a block under expert parallelism (`what`: "gradients" or
+ * "parameters"): the replicated layout keeps one process's `whole` bytes
+ * (`replicated`), an owner-only rank `got` = the replicated tensors plus 1/ways of
+ * the experts' `experts` bytes. */
+static inline void check_expert_share(const char *what, size_t replicated, size_t got, size_t whole, size_t experts,
+                                      int ways) {
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(replicated == whole, "the replicated layout holds %zu bytes of %s, one process %zu", replicated, what, whole);
+    const size_t want = whole - experts + experts / (size_t)ways;
+    CHECK(got == want, "rank %d holds %zu bytes of %s, expected %zu (%zu whole, experts %zu)", me, got, what, want,
+          whole, experts);
+    printf("     %s a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", what, got, whole, experts, ways);
+}
+
 /* `longmoe ARGS` outside the job's environment (without the launcher's
  * variables it does not take itself for a rank): its exit status, its output
  * (stdout and stderr) in out. */
