@@ -2396,14 +2396,17 @@ lm_status lm_model_gather_experts_by_layer(lm_model *m, int on) {
 }
 
 size_t lm_model_expert_layer_bytes(const lm_model *m) {
-    size_t most = 0;
-    for (int l = 0; m->pcut && l < m->cfg.n_layers; l++) {
-        const layer_state *ls = &m->layers[l];
-        const struct gcut *c = ls->moe ? gcut_of(m, ls->moe_xoff[0]) : NULL;
-        if (!c || c->count == c->numel) continue;
-        size_t b = 0;
-        for (int k = 0; k < 3; k++) b += gcut_of(m, ls->moe_xoff[k])->numel * sizeof(float);
-        most = b > most ? b : most;
+    /* by the tensor table (a plan has no layer views): layers.L.moe.gate, .up, .down cut */
+    size_t most = 0, sum = 0;
+    int last = -1;
+    for (int i = 0; m->pcut && i < m->n_tensors; i++) {
+        const lm_model_tensor *t = &m->tensors[i];
+        const struct gcut *c = gcut_of(m, t->offset);
+        int l;
+        if (!c || c->count == c->numel || sscanf(t->name, "layers.%d.", &l) != 1) continue;
+        sum = l == last ? sum + t->numel * sizeof(float) : t->numel * sizeof(float);
+        last = l;
+        most = sum > most ? sum : most;
     }
     return most;
 }
