@@ -559,10 +559,11 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
  * optimizer state and take their step (the same per-block arithmetic as the
  * replicated optimizer; the replicas identically). The weights are owner-only
  * too (lm_model_keep_expert_weights: the parameter block cut with the same
- * table), so the updated slices stay on their owners; the evaluations and
- * checkpoints gather the experts whole for their duration
- * (lm_model_gather_experts) and release them after. Everything else is
- * replicated. */
+ * table), so the updated slices stay on their owners; an evaluation forward
+ * gathers one MoE layer's experts at a time over the group
+ * (lm_model_gather_experts_by_layer), a checkpoint gathers them whole for
+ * its duration (lm_model_gather_experts) and releases them after.
+ * Everything else is replicated. */
 
 /* The handle of this rank's EP group (the whole world when the group is). */
 static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm : t->comm; }
@@ -2084,7 +2085,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
         fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
-                "only; whole while evaluating or writing a checkpoint) instead of %.3f MiB\n",
+                "only; an evaluation gathers one MoE layer's at a time, a checkpoint all of them) instead of %.3f MiB\n",
                 lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
