@@ -235,15 +235,17 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
 }
 
 /* plan --memory --ep G: one rank's weights, gradients and optimizer state of
- * its n/G experts (the lines name the share); a G that does not divide the
+ * its n/G experts (the lines name the share), and the one MoE layer's experts
+ * an evaluation forward gathers; a G that does not divide the
  * experts, --ep with --device cuda and --ep without --memory are refused. */
 static void test_plan_memory_of_an_expert_parallel_rank(void) {
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2") == 0 &&
               test_file_has(path_in("out.txt"), "a rank keeps the weights, gradients and optimizer state of 4 of the 8 "
                                                 "routed experts of a layer") &&
               test_file_has(path_in("out.txt"), "parameters (fp32; of the routed experts only 4 of 8 a layer") &&
-              test_file_has(path_in("out.txt"), "gradients (fp32; of the routed experts only 4 of 8 a layer"),
-          "plan --memory --ep 2 does not show a rank's share of the experts");
+              test_file_has(path_in("out.txt"), "gradients (fp32; of the routed experts only 4 of 8 a layer") &&
+              test_file_has(path_in("out.txt"), "one MoE layer's routed experts, gathered by an evaluation forward"),
+          "plan --memory --ep 2 does not show a rank's share of the experts (and an evaluation's layer)");
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 3") != 0 && stderr_has("8 routed experts") &&
               stderr_has("3 ranks"),
           "plan --memory --ep 3 with 8 experts accepted");

@@ -148,8 +148,9 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_state(void) {
  * replicated layout's). */
 static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
     if (!runs_ok) SKIP("the runs failed");
-    check_expert_share("gradients", grep_result.gradient_bytes, g_result.gradient_bytes, param_floats(ep_config()) * sizeof(float),
-                       expert_floats(ep_config()) * sizeof(float), G);
+    check_expert_share("gradients", grep_result.gradient_bytes, g_result.gradient_bytes,
+                       param_floats(ep_config()) * sizeof(float), expert_floats(ep_config()) * sizeof(float),
+                       G);
 }
 
 /* A rank's parameter block holds the replicated tensors and its position's
@@ -157,8 +158,9 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_gradients(void) {
  * replicated layout's). */
 static void test_a_rank_holds_its_groups_share_of_the_experts_weights(void) {
     if (!runs_ok) SKIP("the runs failed");
-    check_expert_share("parameters", grep_result.parameter_bytes, g_result.parameter_bytes, param_floats(ep_config()) * sizeof(float),
-                       expert_floats(ep_config()) * sizeof(float), G);
+    check_expert_share("parameters", grep_result.parameter_bytes, g_result.parameter_bytes,
+                       param_floats(ep_config()) * sizeof(float), expert_floats(ep_config()) * sizeof(float),
+                       G);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */

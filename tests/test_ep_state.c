@@ -133,19 +133,34 @@ static void test_a_rank_holds_only_its_experts_state(void) {
  * through the all-reduce, keeps one process's whole block. */
 static void test_a_rank_holds_only_its_experts_gradients(void) {
     if (!runs_ok) SKIP("the runs failed");
-    check_expert_share("gradients", rep_result.gradient_bytes, ep_result.gradient_bytes, param_floats(ep_config()) * sizeof(float),
-                       expert_floats(ep_config()) * sizeof(float), R);
+    check_expert_share("gradients", rep_result.gradient_bytes, ep_result.gradient_bytes,
+                       param_floats(ep_config()) * sizeof(float), expert_floats(ep_config()) * sizeof(float),
+                       R);
 }
 
 /* A rank's parameter block holds the replicated tensors and only its own
  * experts' slices of the weights too (lm_train_result.parameter_bytes: 1/N of
  * the experts'), the run still the replicated layout's bits (above: its
- * checkpoints, evaluations and hashes gather the experts whole); the
+ * checkpoints and hashes gather the experts whole, its evaluations one MoE
+ * layer's experts at a time, lm_train_result.eval_gathered_bytes); the
  * replicated layout keeps every weight. */
 static void test_a_rank_holds_only_its_experts_weights(void) {
     if (!runs_ok) SKIP("the runs failed");
-    check_expert_share("parameters", rep_result.parameter_bytes, ep_result.parameter_bytes, param_floats(ep_config()) * sizeof(float),
-                       expert_floats(ep_config()) * sizeof(float), R);
+    const size_t experts = expert_floats(ep_config()) * sizeof(float);
+    check_expert_share("parameters", rep_result.parameter_bytes, ep_result.parameter_bytes,
+                       param_floats(ep_config()) * sizeof(float), experts, R);
+    /* the evaluations gathered one MoE layer's experts at a time; the replicated layout nothing */
+    lm_config c = ep_config();
+    lm_model *p = NULL;
+    CHECK(!lm_model_plan(&c, c.batch_size, c.seq_len, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+    const size_t nmoe = p ? (size_t)lm_model_num_moe_layers(p) : 0;
+    lm_model_free(p);
+    CHECK(rep_result.eval_gathered_bytes == 0, "the replicated layout gathered %zu bytes", rep_result.eval_gathered_bytes);
+    CHECK(nmoe > 1 && ep_result.eval_gathered_bytes == (R > 1 ? experts / nmoe : 0),
+          "rank %d's evaluations held %zu gathered bytes at most, one of %zu MoE layers' experts is %zu", me,
+          ep_result.eval_gathered_bytes, nmoe, nmoe ? experts / nmoe : 0);
+    printf("     an evaluation gathers %zu bytes at most (one of %zu MoE layers' experts; whole %zu)\n",
+           ep_result.eval_gathered_bytes, nmoe, experts);
 }
 
 /* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */

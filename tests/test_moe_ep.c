@@ -434,6 +434,109 @@ out:
     free(tgt);
 }
 
+/* Evaluation layer by layer (lm_model_gather_experts_by_layer) on a model
+ * that keeps only its own experts' weights: lm_model_forward (training 0),
+ * lm_model_score and lm_model_logits give the bits of a rank whose weights
+ * stay whole, the most gathered bytes held at once are one MoE layer's routed
+ * experts (lm_model_expert_layer_bytes; the whole gather holds every layer's),
+ * nothing stays gathered after, a plan reports the same layer bytes, and a
+ * rank that fails before the first MoE layer (a token outside the vocabulary)
+ * makes every rank of the group fail there, none waiting in a gather. */
+static void test_evaluation_gathers_one_layer_at_a_time(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    const int B = c.batch_size, T = c.seq_len, Bm = B / R;
+    const size_t off = (size_t)me * Bm * T, N = (size_t)Bm * T;
+    int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+    int32_t *aw = malloc(N * sizeof *aw), *am = malloc(N * sizeof *am);
+    double *nw = malloc(N * sizeof *nw), *nm = malloc(N * sizeof *nm);
+    float *gw = malloc(N * (size_t)c.vocab_size * sizeof *gw), *gm = malloc(N * (size_t)c.vocab_size * sizeof *gm);
+    lm_rng rng;
+    lm_rng_seed(&rng, 19);
+    for (int i = 0; tok && tgt && i < B * T; i++) {
+        tok[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+        tgt[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+    }
+    lm_model *w = NULL, *m = NULL, *p = NULL;
+    CHECK(tok && tgt && aw && am && nw && nm && gw && gm, "out of memory");
+    CHECK(!lm_model_create(&c, Bm, T, &w) && !lm_model_create(&c, Bm, T, &m), "%s", lm_last_error());
+    if (!w || !m || !tok || !tgt || !aw || !am || !nw || !nm || !gw || !gm) goto out;
+    lm_model_init(w, 21);
+    CHECK(lm_model_gather_experts_by_layer(m, 1) == LM_ERR_ARG && strstr(lm_last_error(), "lm_model_keep_expert"),
+          "layer by layer on a whole model: %s", lm_last_error());
+    CHECK(!lm_model_set_expert_parallel(m, comm) && !lm_model_keep_expert_grads(m, R, me) &&
+          !lm_model_keep_expert_weights(m) && !lm_model_gather_experts_by_layer(m, 1), "%s", lm_last_error());
+    lm_model_init(m, 21);
+    const size_t ex = routed_expert_floats(m), nmoe = (size_t)lm_model_num_moe_layers(m);
+    const size_t layer = R > 1 ? ex / nmoe * sizeof(float) : 0;
+    CHECK(lm_model_expert_layer_bytes(m) == layer, "one layer's experts: %zu bytes, expected %zu",
+          lm_model_expert_layer_bytes(m), layer);
+    CHECK(nmoe > 1, "the test model has %zu MoE layers (one layer's experts would be all of them)", nmoe);
+    (void)lm_model_gathered_peak_bytes(m, 1);
+    float lw = 0, lm = 0;
+    lm_status st = lm_model_forward(w, tok + off, tgt + off, 0, &lw);
+    if (!st) st = lm_model_forward(m, tok + off, tgt + off, 0, &lm);
+    CHECK(!st, "rank %d: %s", me, lm_last_error());
+    CHECK(!memcmp(&lw, &lm, sizeof lw), "evaluation loss %.9g layer by layer, %.9g whole", lm, lw);
+    st = lm_model_score(w, tok + off, tgt + off, nw, aw);
+    if (!st) st = lm_model_score(m, tok + off, tgt + off, nm, am);
+    CHECK(!st, "rank %d: %s", me, lm_last_error());
+    CHECK(!st && !memcmp(nw, nm, N * sizeof *nw) && !memcmp(aw, am, N * sizeof *aw),
+          "rank %d: the scores layer by layer differ from the whole weights'", me);
+    st = lm_model_logits(w, tok + off, gw);
+    if (!st) st = lm_model_logits(m, tok + off, gm);
+    CHECK(!st && !memcmp(gw, gm, N * (size_t)c.vocab_size * sizeof *gw),
+          "rank %d: the logits layer by layer differ from the whole weights': %s", me, st ? lm_last_error() : "");
+    const size_t peak = lm_model_gathered_peak_bytes(m, 1);
+    CHECK(peak == layer, "rank %d held %zu gathered bytes at most, one layer's experts are %zu", me, peak, layer);
+    CHECK(!lm_model_gathered_peak_bytes(m, 0), "gathered bytes left after the evaluation");
+    /* the whole gather (checkpoints) holds every layer's */
+    CHECK(!lm_model_gather_experts(m), "%s", lm_last_error());
+    CHECK(!lm_model_forward(m, tok + off, tgt + off, 0, &lm) && !memcmp(&lw, &lm, sizeof lw), "gathered whole: %s",
+          lm_last_error());
+    lm_model_release_experts(m);
+    CHECK(lm_model_gathered_peak_bytes(m, 1) == ex * sizeof(float), "the whole gather's bytes");
+    /* a rank failing before the first MoE layer: every rank fails, naming the cause where it lies */
+    if (R > 1) {
+        const int32_t keep = tok[off];
+        if (me == R - 1) tok[off] = c.vocab_size;
+        st = lm_model_forward(m, tok + off, tgt + off, 0, &lm);
+        CHECK(st != LM_OK && strstr(lm_last_error(), me == R - 1 ? "outside the vocabulary" : "another rank"),
+              "rank %d: %s", me, st ? lm_last_error() : "the forward passed");
+        st = lm_model_score(m, tok + off, tgt + off, nm, am);
+        CHECK(st != LM_OK && strstr(lm_last_error(), me == R - 1 ? "outside the vocabulary" : "another rank"),
+              "rank %d, score: %s", me, st ? lm_last_error() : "the forward passed");
+        tok[off] = keep;
+        CHECK(!lm_model_forward(m, tok + off, tgt + off, 0, &lm) && !memcmp(&lw, &lm, sizeof lw),
+              "after the failure: %s", lm_last_error());
+        CHECK(!lm_model_gathered_peak_bytes(m, 0) || lm_model_gathered_peak_bytes(m, 1) == layer,
+              "after the failures");
+        CHECK(!lm_model_gather_experts_by_layer(m, 0) && lm_model_forward(m, tok + off, tgt + off, 0, &lm) == LM_ERR_ARG,
+              "an evaluation forward with layer by layer off accepted");
+    }
+    /* the plan of a rank */
+    CHECK(!lm_model_plan(&c, Bm, T, LM_DEVICE_CPU, &p), "%s", lm_last_error());
+    if (p && R > 1) {
+        CHECK(!lm_model_expert_layer_bytes(p), "a whole plan's layer bytes");
+        CHECK(!lm_model_keep_expert_grads(p, R, 0) && !lm_model_keep_expert_weights(p), "%s", lm_last_error());
+        CHECK(lm_model_expert_layer_bytes(p) == layer, "the plan's layer bytes %zu, expected %zu",
+              lm_model_expert_layer_bytes(p), layer);
+    }
+    printf("     rank %d of %d: an evaluation holds %zu gathered bytes at most (one of %zu MoE layers' experts; the "
+           "whole gather %zu)\n", me, R, peak, nmoe, ex * sizeof(float));
+out:
+    lm_model_free(w);
+    lm_model_free(m);
+    lm_model_free(p);
+    free(tok);
+    free(tgt);
+    free(aw);
+    free(am);
+    free(nw);
+    free(nm);
+    free(gw);
+    free(gm);
+}
+
 /* The memory plan of a rank of EP 1, 2 and 4 (lm_model_plan, then
  * lm_model_keep_expert_grads at each position): its gradient entry is the
  * whole block less (G - 1) / G of the routed experts'; the parameters stay
@@ -506,6 +609,7 @@ int main(int argc, char **argv) {
     RUN(test_indivisible_experts_are_refused);
     RUN(test_model_keeps_only_its_own_experts_gradients);
     RUN(test_model_keeps_only_its_own_experts_weights);
+    RUN(test_evaluation_gathers_one_layer_at_a_time);
     RUN(test_the_memory_plan_of_a_rank_holds_its_experts_gradients);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;

@@ -325,14 +325,15 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         scratch = lm_optim_scratch_floats(ps, nt) * sizeof(float);
     }
     free(ps);
-    const char *extra_names[4] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
+    const char *extra_names[5] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
                                   "gradient norm work",
-                                  "context parallel: segment activations of the token mixers and backward scratch"};
-    size_t extra[4] = {state, scratch, norm, cp_bytes};
+                                  "context parallel: segment activations of the token mixers and backward scratch",
+                                  "expert parallel: one MoE layer's routed experts, gathered by an evaluation forward"};
+    size_t extra[5] = {state, scratch, norm, cp_bytes, lm_model_expert_layer_bytes(m)};
     int nb = lm_model_num_buffers(m);
     double total = 0;
     for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
-    for (int i = 0; i < 4; i++) total += (double)extra[i];
+    for (int i = 0; i < 5; i++) total += (double)extra[i];
     printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n",
            cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
            lm_model_num_params(m));
@@ -341,15 +342,15 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
     if (ep > 1)
         printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
-               "%d of the %d routed experts of a layer (the experts whole only while an evaluation or a checkpoint "
-               "gathers them, not counted here)\n", ep, c->n_routed_experts / (int)ep, c->n_routed_experts);
+               "%d of the %d routed experts of a layer (an evaluation gathers one layer's experts at a time, "
+               "counted below; a checkpoint gathers them whole, not counted here)\n", ep, c->n_routed_experts / (int)ep, c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {
         const lm_model_buffer *b = lm_model_buffer_at(m, i);
         printf("%-82s %12.3f %6.1f%%\n", b->name, gib((double)b->bytes), 100.0 * (double)b->bytes / total);
     }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         if (extra[i]) printf("%-82s %12.3f %6.1f%%\n", extra_names[i], gib((double)extra[i]), 100.0 * extra[i] / total);
     printf("%-82s %12.3f\n", "total", gib(total));
     printf("(%.1f KiB a token; the CUDA backend adds small scratch of its own and the allocator's rounding)\n",
@@ -376,7 +377,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                 fprintf(f, ", \"bytes\": %zu}", b->bytes);
                 first = 0;
             }
-            for (int i = 0; i < 4; i++)
+            for (int i = 0; i < 5; i++)
                 if (extra[i]) {
                     fprintf(f, ",\n  {\"name\": ");
                     json_string(f, extra_names[i]);

@@ -135,6 +135,28 @@ float *lm_model_param_part(lm_model *m, int i, size_t *first, size_t *count);
  * gathered. */
 lm_status lm_model_gather_experts(lm_model *m);
 void lm_model_release_experts(lm_model *m);
+/* Evaluation forwards (lm_model_forward with training = 0, lm_model_score,
+ * lm_model_logits) of a model that keeps only its own experts' weights
+ * gather, with on = 1, each MoE layer's routed experts just before that
+ * layer's channel mixer and free them after it, instead of refusing: the
+ * extra memory is one layer's experts (lm_model_expert_layer_bytes), not the
+ * whole model's, and the numbers are those of a forward on the experts
+ * gathered whole (the same local computation). Such a forward is then
+ * collective over the expert-parallel handle, every rank of it running the
+ * same number of forwards: each MoE layer starts with an agreement of the
+ * ranks, which a rank that failed earlier in the forward joins with its
+ * failure, so none waits alone. on = 0 restores the refusal. Nothing changes
+ * while the experts are gathered whole (lm_model_gather_experts). */
+lm_status lm_model_gather_experts_by_layer(lm_model *m, int on);
+/* Bytes of the largest MoE layer's routed experts whole (its gate, up and
+ * down tensors) when the model keeps only its own experts' weights (what an
+ * evaluation forward gathering layer by layer holds at most besides the
+ * model; on a plan too); 0 otherwise. */
+size_t lm_model_expert_layer_bytes(const lm_model *m);
+/* The most bytes of gathered expert weights (lm_model_gather_experts, or a
+ * layer in an evaluation forward) the model held at once since the last
+ * reset (reset = 1 starts a new count at what it holds now). */
+size_t lm_model_gathered_peak_bytes(lm_model *m, int reset);
 /* 1 when every tensor is whole on this rank (not cut, or gathered). */
 int lm_model_experts_gathered(const lm_model *m);
 /* Tensor i's numel floats whole (in the parameter block, or gathered), in the

@@ -177,8 +177,12 @@ typedef struct {
     /* bytes of the parameter block this rank holds (lm_model_num_kept_params):
      * the whole model's, under expert parallelism with owner-only state the
      * replicated tensors' and its own experts' only (the experts whole only
-     * while an evaluation or a checkpoint has them gathered) */
+     * while a checkpoint has them gathered) */
     size_t parameter_bytes;
+    /* the most bytes of gathered expert weights this rank held at once during
+     * the run's evaluations besides its parameter block (owner-only experts:
+     * one MoE layer's routed experts, lm_model_expert_layer_bytes; else 0) */
+    size_t eval_gathered_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the

@@ -865,6 +865,7 @@ void lm_model_free(lm_model *m) {
     free(m->layers);
     free(m->gcuts);
     free(m->xwhole);
+    free(m->xlayer);
     free(m->cp_block);
     free(m->tensors);
     free(m->buffers);
@@ -1199,7 +1200,8 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
         if (!ls->moe_P.gate)
             return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' weights "
                             "(lm_model_keep_expert_weights): a forward that runs every expert locally (evaluation) "
-                            "needs them gathered first (lm_model_gather_experts)", idx / 2);
+                            "needs them gathered first (lm_model_gather_experts, or layer by layer: "
+                            "lm_model_gather_experts_by_layer)", idx / 2);
         TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, n));
     }
     float *scores = op->moe_scores(be, ls->moe_acts);
@@ -1314,6 +1316,12 @@ static lm_mla_seg seg_mla(const lm_model *m, const layer_state *ls) {
     return g;
 }
 
+/* Evaluation forwards of a cut model, one MoE layer's experts at a time (below). */
+static int ep_streams(const lm_model *m);
+static lm_status gather_layer_experts(lm_model *m, layer_state *ls, int idx);
+static void release_layer_experts(lm_model *m, layer_state *ls);
+static lm_status ep_join(lm_model *m, lm_status s);
+
 /* Sublayer idx on its normalised input xn -> y; fills the sublayer's
  * activations. `training` feeds the balancer and the logit maxima;
  * `recompute` marks the backward's second forward, which repeats the
@@ -1366,9 +1374,16 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
                 ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
         }
     } else {
-        /* the channel mixer: per token, so `chunk` tokens at a time */
-        for (int64_t t0 = 0; t0 < m->N; t0 += m->chunk)
-            TRY(channel_forward(m, ls, idx, xn, xn_lp, y, t0, training, recompute));
+        /* the channel mixer: per token, so `chunk` tokens at a time; an
+         * evaluation forward of a cut model gathers this layer's experts for
+         * it (every chunk runs on them) and frees them after */
+        const int gather = ls->moe && !(ls->moe_ep && (training || recompute)) && ep_streams(m);
+        if (gather) TRY(gather_layer_experts(m, ls, idx));
+        lm_status st = LM_OK;
+        for (int64_t t0 = 0; t0 < m->N && !st; t0 += m->chunk)
+            st = channel_forward(m, ls, idx, xn, xn_lp, y, t0, training, recompute);
+        if (gather) release_layer_experts(m, ls);
+        TRY(st);
     }
     return LM_OK;
 }
@@ -1626,18 +1641,7 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
     m->ep_next = 0;
     m->ep_together = 0;
     lm_status s = model_forward(m, tokens, targets, training, loss);
-    if (s && m->ep_comm && training && !m->ep_together) {
-        char why[1024];
-        snprintf(why, sizeof why, "%s", lm_last_error());
-        /* the others stop at that agreement: one is all this rank joins */
-        for (int idx = m->ep_next; idx < m->L2; idx++)
-            if (idx % 2 && m->layers[idx / 2].moe_ep) {
-                (void)lm_moe_ep_agree(m->layers[idx / 2].moe_ep, s);
-                break;
-            }
-        lm_error(s, "%s", why); /* the message of this rank's failure, not of the agreements */
-    }
-    return s;
+    return m->ep_comm && (training || ep_streams(m)) ? ep_join(m, s) : s;
 }
 
 static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
@@ -1858,7 +1862,26 @@ lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
     return model_backward(m, dlogp, 1.0f);
 }
 
+/* lm_model_logits and lm_model_score on a model whose evaluation forwards
+ * gather layer by layer are collective over the expert-parallel group: a
+ * failure joins the group's next agreement (ep_join, as lm_model_forward). */
+static lm_status model_logits(lm_model *m, const int32_t *tokens, float *logits);
+static lm_status model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll,
+                             int32_t *argmax);
 lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
+    m->ep_next = 0;
+    m->ep_together = 0;
+    lm_status s = model_logits(m, tokens, logits);
+    return ep_streams(m) ? ep_join(m, s) : s;
+}
+lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax) {
+    m->ep_next = 0;
+    m->ep_together = 0;
+    lm_status s = model_score(m, tokens, targets, nll, argmax);
+    return ep_streams(m) ? ep_join(m, s) : s;
+}
+
+static lm_status model_logits(lm_model *m, const int32_t *tokens, float *logits) {
     if (m->seg_on)
         return lm_error(LM_ERR_ARG, "lm_model_logits does not run with train.seq_segment (use lm_model_score)");
     TRY(run_layers_forward(m, tokens, 0));
@@ -1873,7 +1896,8 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits) {
     return LM_OK;
 }
 
-lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax) {
+static lm_status model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll,
+                             int32_t *argmax) {
     const int64_t N = m->N;
     const int d = m->d, V = m->cfg.vocab_size;
     lm_status vs = LM_OK;
@@ -2146,23 +2170,110 @@ static size_t xwhole_at(const lm_model *m, size_t offset) {
     return at;
 }
 
-/* Every MoE layer's whole views of its routed experts (moe_p, moe_P, moe_PL
- * gate, up, down): into m->xwhole, the block (a cut that keeps the whole
+/* A MoE layer's whole views of its routed experts (moe_p, moe_P, moe_PL
+ * gate, up, down): into `layer` (the layer's three tensors whole, gathered by
+ * gather_layer_experts), m->xwhole, the block (a cut that keeps the whole
  * tensor: a group of one rank), or NULL (cut, not gathered). */
+static void bind_layer_expert_views(lm_model *m, layer_state *ls, float *layer) {
+    float *w[3];
+    for (int k = 0; k < 3; k++) {
+        const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
+        w[k] = layer ? layer : m->xwhole ? m->xwhole + xwhole_at(m, ls->moe_xoff[k])
+             : c->count == c->numel ? lm_model_cut_at(m, m->P, c->offset) : NULL;
+        if (layer) layer += c->numel;
+    }
+    ls->moe_p.gate = ls->moe_P.gate = ls->moe_PL.gate = w[0];
+    ls->moe_p.up = ls->moe_P.up = ls->moe_PL.up = w[1];
+    ls->moe_p.down = ls->moe_P.down = ls->moe_PL.down = w[2];
+}
+
+/* Every MoE layer's whole views (above), from m->xwhole or the block. */
 static void bind_whole_expert_views(lm_model *m) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        if (!ls->moe || !gcut_of(m, ls->moe_xoff[0])) continue;
-        float *w[3];
-        for (int k = 0; k < 3; k++) {
-            const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
-            w[k] = m->xwhole ? m->xwhole + xwhole_at(m, ls->moe_xoff[k])
-                 : c->count == c->numel ? lm_model_cut_at(m, m->P, c->offset) : NULL;
-        }
-        ls->moe_p.gate = ls->moe_P.gate = ls->moe_PL.gate = w[0];
-        ls->moe_p.up = ls->moe_P.up = ls->moe_PL.up = w[1];
-        ls->moe_p.down = ls->moe_P.down = ls->moe_PL.down = w[2];
+        if (ls->moe && gcut_of(m, ls->moe_xoff[0])) bind_layer_expert_views(m, ls, NULL);
     }
+}
+
+/* The gathered expert bytes held: `bytes` more (add) or fewer, and the peak. */
+static void held_bytes(lm_model *m, size_t bytes, int add) {
+    m->xheld = add ? m->xheld + bytes : m->xheld - bytes;
+    m->xpeak = m->xheld > m->xpeak ? m->xheld : m->xpeak;
+}
+
+/* Do this model's evaluation forwards gather each MoE layer's experts in turn
+ * (lm_model_gather_experts_by_layer, the experts cut over more than one rank
+ * and not gathered whole)? Then such a forward is collective over the group. */
+static int ep_streams(const lm_model *m) {
+    return m->xstream && m->pcut && !m->xwhole && m->ep_comm && m->n_gcuts && m->gcuts[0].count < m->gcuts[0].numel;
+}
+
+/* MoE layer ls's (sublayer idx's) routed experts whole in m->xlayer, for an
+ * evaluation forward: collective over the expert-parallel handle. The ranks
+ * first agree (lm_moe_ep_agree) that each reached the layer and could
+ * allocate: a rank that failed earlier in the forward joins this agreement
+ * with its failure (ep_join), so none waits alone in the gather. Then one
+ * lm_comm_all_gatherv a tensor (the bytes lm_model_gather_experts gives). */
+static lm_status gather_layer_experts(lm_model *m, layer_state *ls, int idx) {
+    lm_comm *comm = m->ep_comm;
+    const int G = lm_comm_size(comm), me = lm_comm_rank(comm);
+    size_t total = 0;
+    for (int k = 0; k < 3; k++) total += gcut_of(m, ls->moe_xoff[k])->numel;
+    float *x = malloc((total ? total : 1) * sizeof(float));
+    size_t *tab = malloc(2 * (size_t)G * sizeof *tab);
+    lm_status mine = x && tab ? LM_OK
+                   : lm_error(LM_ERR_MEMORY, "layer %d: out of memory gathering the layer's routed experts' weights "
+                              "(%zu floats)", idx / 2, total);
+    m->ep_next = idx + 1;
+    lm_status st = lm_moe_ep_agree(ls->moe_ep, mine);
+    if (st && !mine)
+        st = lm_error(st, "layer %d: the evaluation forward failed on another rank of the expert-parallel group "
+                      "(before gathering the layer's experts)", idx / 2);
+    for (int k = 0, at = 0; k < 3 && !st; k++) {
+        const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
+        for (int q = 0; q < G; q++) {
+            tab[q] = c->count * sizeof(float);
+            tab[G + q] = ((size_t)at + (size_t)q * c->count) * sizeof(float);
+        }
+        st = lm_comm_all_gatherv(comm, lm_model_cut_at(m, m->params, c->offset + c->first), tab[me], x, tab, tab + G);
+        at += (int)c->numel;
+    }
+    free(tab);
+    if (st) {
+        m->ep_together = 1; /* every rank of the group stops at this layer */
+        free(x);
+        return st;
+    }
+    m->xlayer = x;
+    held_bytes(m, total * sizeof(float), 1);
+    bind_layer_expert_views(m, ls, x);
+    return LM_OK;
+}
+
+static void release_layer_experts(lm_model *m, layer_state *ls) {
+    size_t total = 0;
+    for (int k = 0; k < 3; k++) total += gcut_of(m, ls->moe_xoff[k])->numel;
+    free(m->xlayer);
+    m->xlayer = NULL;
+    held_bytes(m, total * sizeof(float), 0);
+    bind_layer_expert_views(m, ls, NULL);
+}
+
+/* A forward that failed on this rank (status s) under expert parallelism,
+ * collective over the group (training, or an evaluation gathering layer by
+ * layer): unless the failure was agreed on already, join the agreement of the
+ * next MoE layer this rank has not reached, where the other ranks stop. */
+static lm_status ep_join(lm_model *m, lm_status s) {
+    if (!s || m->ep_together) return s;
+    char why[1024];
+    snprintf(why, sizeof why, "%s", lm_last_error());
+    /* the others stop at that agreement: one is all this rank joins */
+    for (int idx = m->ep_next; idx < m->L2; idx++)
+        if (idx % 2 && m->layers[idx / 2].moe_ep) {
+            (void)lm_moe_ep_agree(m->layers[idx / 2].moe_ep, s);
+            break;
+        }
+    return lm_error(s, "%s", why); /* the message of this rank's failure, not of the agreements */
 }
 
 /* Map every pointer of a params struct (structs of float pointers only) from
@@ -2260,6 +2371,7 @@ lm_status lm_model_gather_experts(lm_model *m) {
         return st;
     }
     m->xwhole = x;
+    held_bytes(m, total * sizeof(float), 1);
     bind_whole_expert_views(m);
     return LM_OK;
 }
@@ -2268,7 +2380,41 @@ void lm_model_release_experts(lm_model *m) {
     if (!m->xwhole) return;
     free(m->xwhole);
     m->xwhole = NULL;
+    size_t total = 0;
+    for (int i = 0; i < m->n_gcuts; i++) total += m->gcuts[i].numel;
+    held_bytes(m, total * sizeof(float), 0);
     bind_whole_expert_views(m);
+}
+
+lm_status lm_model_gather_experts_by_layer(lm_model *m, int on) {
+    if (on && !m->dry && (!m->pcut || !m->ep_comm))
+        return lm_error(LM_ERR_ARG, "gathering the experts layer by layer needs a model under expert parallelism "
+                        "that keeps only its own experts' weights (lm_model_set_expert_parallel, then "
+                        "lm_model_keep_expert_grads and lm_model_keep_expert_weights)");
+    m->xstream = on != 0;
+    return LM_OK;
+}
+
+size_t lm_model_expert_layer_bytes(const lm_model *m) {
+    /* by the tensor table (a plan has no layer views): layers.L.moe.gate, .up, .down cut */
+    size_t most = 0, sum = 0;
+    int last = -1;
+    for (int i = 0; m->pcut && i < m->n_tensors; i++) {
+        const lm_model_tensor *t = &m->tensors[i];
+        const struct gcut *c = gcut_of(m, t->offset);
+        int l;
+        if (!c || c->count == c->numel || sscanf(t->name, "layers.%d.", &l) != 1) continue;
+        sum = l == last ? sum + t->numel * sizeof(float) : t->numel * sizeof(float);
+        last = l;
+        most = sum > most ? sum : most;
+    }
+    return most;
+}
+
+size_t lm_model_gathered_peak_bytes(lm_model *m, int reset) {
+    const size_t peak = m->xpeak;
+    if (reset) m->xpeak = m->xheld;
+    return peak;
 }
 
 const float *lm_model_tensor_data(const lm_model *m, int i) {

@@ -89,6 +89,14 @@ struct lm_model {
      * a checkpoint (lm_model_gather_experts; NULL otherwise), in table order */
     int pcut;
     float *xwhole;
+    /* evaluation forwards of a cut model gather one MoE layer's experts at a
+     * time (lm_model_gather_experts_by_layer): xlayer holds that layer's
+     * three tensors whole during its channel mixer (NULL otherwise); xheld,
+     * xpeak: the bytes of gathered expert weights held now and at most since
+     * lm_model_gathered_peak_bytes last reset it */
+    int xstream;
+    float *xlayer;
+    size_t xheld, xpeak;
     int params_buffer, grads_buffer; /* the parameter and gradient blocks' entries in the memory plan */
     /* what the ops use: params, grads themselves on the CPU; else backend memory
      * (fp32 parameters P, gradients G, product-format parameters PL) */

@@ -114,6 +114,7 @@ typedef struct {
      * optimizer descriptors (muon_p / adam_p with those tensors cut to its
      * slice); epiece[0] / [1] map its Muon / AdamW state onto the whole state */
     int epo;
+    size_t eval_gathered_bytes; /* the most expert bytes an evaluation gathered at once (owner-only experts) */
     unsigned char *esplit;       /* [n_all] */
     int n_split;                 /* routed-expert tensors */
     lm_param *emuon, *eadam;     /* [n_all] */
@@ -558,10 +559,11 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
  * optimizer state and take their step (the same per-block arithmetic as the
  * replicated optimizer; the replicas identically). The weights are owner-only
  * too (lm_model_keep_expert_weights: the parameter block cut with the same
- * table), so the updated slices stay on their owners; the evaluations and
- * checkpoints gather the experts whole for their duration
- * (lm_model_gather_experts) and release them after. Everything else is
- * replicated. */
+ * table), so the updated slices stay on their owners; an evaluation forward
+ * gathers one MoE layer's experts at a time over the group
+ * (lm_model_gather_experts_by_layer), a checkpoint gathers them whole for
+ * its duration (lm_model_gather_experts) and releases them after.
+ * Everything else is replicated. */
 
 /* The handle of this rank's EP group (the whole world when the group is). */
 static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm : t->comm; }
@@ -793,7 +795,9 @@ static lm_status model_expert_parallel(trainer *t, lm_model *m) {
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
     if (!t->epo) return LM_OK;
     TRY(lm_model_keep_expert_grads(m, t->ep, t->ep_pos));
-    return lm_model_keep_expert_weights(m);
+    TRY(lm_model_keep_expert_weights(m));
+    /* evaluation forwards gather one MoE layer's experts at a time */
+    return lm_model_gather_experts_by_layer(m, 1);
 }
 
 /* The routed experts whole on every rank of the group, for an evaluation or a
@@ -1811,10 +1815,12 @@ static void format_eta(char *buf, size_t n, double seconds) {
  * training components; the {"type": "eval"} line goes to the metrics log. */
 static lm_status evaluate(trainer *t, float *loss, float *acc) {
     double before[LM_TIME_COUNT], after[LM_TIME_COUNT];
-    /* owner-only experts: the evaluation forward runs every expert (whole for its duration) */
-    TRY(epo_whole(t));
+    /* owner-only experts: the evaluation forward runs every expert, each MoE
+     * layer's gathered over the group for that layer only
+     * (lm_model_gather_experts_by_layer; every rank runs as many forwards) */
     /* the device's parameters as they are: the scoring runs there (lm_model_score) */
     lm_model_timings(t->model, before);
+    (void)lm_model_gathered_peak_bytes(t->model, 1);
     lm_eval_tally tally;
     /* each rank scores its share of every validation batch; the tallies are summed */
     const int nb = lm_eval_options_default().n_buckets;
@@ -1823,7 +1829,8 @@ static lm_status evaluate(trainer *t, float *loss, float *acc) {
                             : lm_eval_loss_rows(t->model, t->val, t->opt.val_batches, nb, t->B,
                                                 t->dp_rank * share_B(t), &tally);
     lm_model_timings(t->model, after);
-    epo_release(t);
+    const size_t held = lm_model_gathered_peak_bytes(t->model, 0);
+    t->eval_gathered_bytes = held > t->eval_gathered_bytes ? held : t->eval_gathered_bytes;
     for (int i = 0; i < LM_TIME_COUNT; i++) t->eval_seconds[i] += after[i] - before[i];
     if ((s = dp_agree(t, s)) || (s = dp_reduce_tally(t, &tally))) return s;
     lm_eval_result *r = calloc(1, sizeof *r);
@@ -2078,7 +2085,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
         fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
-                "only; whole while evaluating or writing a checkpoint) instead of %.3f MiB\n",
+                "only; an evaluation gathers one MoE layer's at a time, a checkpoint all of them) instead of %.3f MiB\n",
                 lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
@@ -2340,6 +2347,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
         result->gradient_bytes = lm_model_num_grads(t.model) * sizeof(float);
         result->parameter_bytes = lm_model_num_kept_params(t.model) * sizeof(float);
+        result->eval_gathered_bytes = t.eval_gathered_bytes;
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
