@@ -2208,6 +2208,21 @@ static int ep_streams(const lm_model *m) {
     return m->xstream && m->pcut && !m->xwhole && m->ep_comm && m->n_gcuts && m->gcuts[0].count < m->gcuts[0].numel;
 }
 
+/* One cut expert tensor c whole at x + *at (floats) on every rank of the group
+ * (each position's slice from its owners: one lm_comm_all_gatherv); tab holds 2G
+ * size_t of scratch for the counts and offsets; *at advances by the tensor. */
+static lm_status gather_cut(lm_model *m, lm_comm *comm, const struct gcut *c, size_t *tab, float *x, int *at) {
+    const int G = lm_comm_size(comm), me = lm_comm_rank(comm);
+    for (int q = 0; q < G; q++) {
+        tab[q] = c->count * sizeof(float);
+        tab[G + q] = ((size_t)*at + (size_t)q * c->count) * sizeof(float);
+    }
+    lm_status st = lm_comm_all_gatherv(comm, lm_model_cut_at(m, m->params, c->offset + c->first), tab[me], x, tab,
+                                       tab + G);
+    *at += (int)c->numel;
+    return st;
+}
+
 /* MoE layer ls's (sublayer idx's) routed experts whole in m->xlayer, for an
  * evaluation forward: collective over the expert-parallel handle. The ranks
  * first agree (lm_moe_ep_agree) that each reached the layer and could
@@ -2216,7 +2231,7 @@ static int ep_streams(const lm_model *m) {
  * lm_comm_all_gatherv a tensor (the bytes lm_model_gather_experts gives). */
 static lm_status gather_layer_experts(lm_model *m, layer_state *ls, int idx) {
     lm_comm *comm = m->ep_comm;
-    const int G = lm_comm_size(comm), me = lm_comm_rank(comm);
+    const int G = lm_comm_size(comm);
     size_t total = 0;
     for (int k = 0; k < 3; k++) total += gcut_of(m, ls->moe_xoff[k])->numel;
     float *x = malloc((total ? total : 1) * sizeof(float));
@@ -2229,15 +2244,7 @@ static lm_status gather_layer_experts(lm_model *m, layer_state *ls, int idx) {
     if (st && !mine)
         st = lm_error(st, "layer %d: the evaluation forward failed on another rank of the expert-parallel group "
                       "(before gathering the layer's experts)", idx / 2);
-    for (int k = 0, at = 0; k < 3 && !st; k++) {
-        const struct gcut *c = gcut_of(m, ls->moe_xoff[k]);
-        for (int q = 0; q < G; q++) {
-            tab[q] = c->count * sizeof(float);
-            tab[G + q] = ((size_t)at + (size_t)q * c->count) * sizeof(float);
-        }
-        st = lm_comm_all_gatherv(comm, lm_model_cut_at(m, m->params, c->offset + c->first), tab[me], x, tab, tab + G);
-        at += (int)c->numel;
-    }
+    for (int k = 0, at = 0; k < 3 && !st; k++) st = gather_cut(m, comm, gcut_of(m, ls->moe_xoff[k]), tab, x, &at);
     free(tab);
     if (st) {
         m->ep_together = 1; /* every rank of the group stops at this layer */
@@ -2344,7 +2351,7 @@ lm_status lm_model_gather_experts(lm_model *m) {
     if (!m->pcut || m->xwhole) return LM_OK;
     if (m->dry) return lm_error(LM_ERR_ARG, "a plan has no expert weights to gather");
     lm_comm *comm = m->ep_comm;
-    const int G = lm_comm_size(comm), me = lm_comm_rank(comm);
+    const int G = lm_comm_size(comm);
     size_t total = 0;
     for (int i = 0; i < m->n_gcuts; i++) total += m->gcuts[i].numel;
     float *x = malloc((total ? total : 1) * sizeof(float));
@@ -2356,15 +2363,7 @@ lm_status lm_model_gather_experts(lm_model *m) {
         st = lm_error(LM_ERR_MEMORY, mine ? "out of memory gathering the routed experts' weights (%zu floats)"
                                           : "out of memory gathering the routed experts' weights on another rank "
                                             "(%zu floats)", total);
-    for (int i = 0, at = 0; i < m->n_gcuts && !st; i++) {
-        const struct gcut *c = &m->gcuts[i];
-        for (int q = 0; q < G; q++) {
-            tab[q] = c->count * sizeof(float);
-            tab[G + q] = ((size_t)at + (size_t)q * c->count) * sizeof(float);
-        }
-        st = lm_comm_all_gatherv(comm, lm_model_cut_at(m, m->params, c->offset + c->first), tab[me], x, tab, tab + G);
-        at += (int)c->numel;
-    }
+    for (int i = 0, at = 0; i < m->n_gcuts && !st; i++) st = gather_cut(m, comm, &m->gcuts[i], tab, x, &at);
     free(tab);
     if (st) {
         free(x);
