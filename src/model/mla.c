@@ -217,6 +217,7 @@ static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     PLACE(dk, N * Hk * Dk);
     PLACE(dv, N * Hk * Dv);
     PLACE(dkn, mla && r ? N * H * (Dk - r) : 0);
+    /* dkr, dc, dkvl, dqn, dql: consecutive, the backward zeroes them as one range */
     PLACE(dkr, mla ? N * r : 0);
     PLACE(dc, mla ? N * c->kv_lora : 0);
     PLACE(dkvl, mla ? N * c->kv_lora : 0);
@@ -549,7 +550,11 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     const float eps = c->norm_eps;
     acts_layout L = layout_acts(c, B, T);
     scratch_layout S = layout_scratch(c, B, T);
-    TRY(be->zero(be, scratch, S.total * sizeof(float)));
+    /* zero only what is accumulated into (dgated, and dkr ... dql: dkr, dc, dkvl, dqn, dql, consecutive);
+     * every other scratch buffer is written whole before it is read (d_o, dgp, dq, dk, dv, dkn, the lp
+     * copies) */
+    TRY(be->zero(be, scratch + S.dgated, (S.dgp - S.dgated) * sizeof(float)));
+    TRY(be->zero(be, scratch + S.dkr, (S.dy_lp - S.dkr) * sizeof(float)));
     const float *o = acts + L.o, *gp = acts + L.gp;
     /* d_o, dq, dk, dv are in the product format */
     float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
