@@ -509,10 +509,7 @@ static void test_context_and_expert_parallel_skip_a_failing_step_on_every_rank(v
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
     /* one-fault: the one process with the same NaN (the context-parallel case above) */
-    double a[32], b[32];
-    int na = read_metric("cpep-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
-    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    losses_close("cpep-fault", "one-fault", 19, 1e-5);
     double w;
     CHECK(tensors_close("cpep-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
 }
@@ -530,10 +527,7 @@ static void test_context_and_expert_parallel_staged_with_recompute(void) {
           lm_last_error());
     CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks differ");
     if (me != 0) return;
-    double a[32], b[32];
-    int na = read_metric("staged-cpep", "train", "loss", a, 32), nb = read_metric("staged-one", "train", "loss", b, 32);
-    CHECK(na == 10 && nb == 10, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
+    losses_close("staged-cpep", "staged-one", 10, 1e-5);
     double w;
     CHECK(tensors_close("staged-cpep", "staged-one", 10, "model.safetensors", 1e-5, &w), "parameters at the end");
     printf("     two stages with recompute, %s vs one process: parameters %.2e\n", l[0].what, w);

@@ -193,10 +193,7 @@ static void test_weighted_loss_data_parallel_equals_one_process(void) {
     CHECK(!train(&c, "dp-weighted", 1, 0, 0, &r), "dp-weighted: %s", lm_last_error());
     if (me == 0) CHECK(!train(&c, "one-weighted", 0, 0, 0, &r), "one-weighted: %s", lm_last_error());
     if (me != 0) return;
-    double a[32], b[32];
-    int na = read_metric("dp-weighted", "train", "loss", a, 32), nb = read_metric("one-weighted", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "weighted loss");
+    losses_close("dp-weighted", "one-weighted", 20, 1e-5);
     double wp;
     CHECK(tensors_close("dp-weighted", "one-weighted", 20, "model.safetensors", 1e-5, &wp), "parameters");
     printf("     weighted loss, %d ranks vs one process after 20 steps: parameters %.2e relative\n", R, wp);
@@ -228,10 +225,7 @@ static void test_resume_on_the_same_ranks_is_bit_exact(void) {
     double w;
     CHECK(tensors_close("dp", "dp-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
     CHECK(tensors_close("dp", "dp-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
-    double a[32], b[32];
-    int na = read_metric("dp", "train", "loss", a, 32), nb = read_metric("dp-resumed", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+    losses_close("dp", "dp-resumed", 20, 0);
 }
 
 static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
@@ -375,10 +369,7 @@ static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_ra
     CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
-    double a[32], b[32];
-    int na = read_metric("ep-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
-    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    losses_close("ep-fault", "one-fault", 19, 1e-5);
 }
 
 static void test_expert_parallel_refuses_experts_it_cannot_split(void) {

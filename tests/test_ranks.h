@@ -49,6 +49,20 @@ static inline int read_metric(const char *run, const char *type, const char *key
     return n;
 }
 
+/* The training losses of runs a and b: `lines` lines each, within rtol
+ * relative (rtol 0: equal bits); returns the worst relative difference. */
+static inline double losses_close(const char *a, const char *b, int lines, double rtol) {
+    double x[32], y[32], worst = 0;
+    int na = read_metric(a, "train", "loss", x, 32), nb = read_metric(b, "train", "loss", y, 32);
+    CHECK(na == lines && nb == lines, "%s, %s: train lines %d and %d, expected %d", a, b, na, nb, lines);
+    for (int i = 0; i < na && i < nb; i++) {
+        if (rtol == 0) CHECK(x[i] == y[i], "%s vs %s, step %d: loss %.9g vs %.9g", a, b, i + 1, x[i], y[i]);
+        else CHECK_CLOSE(x[i], y[i], 0, rtol, "loss");
+        worst = fmax(worst, fabs(x[i] - y[i]) / fabs(y[i]));
+    }
+    return worst;
+}
+
 /* Every tensor of file `file` of checkpoint `step` of runs a and b: max |a - b|
  * <= rtol max |b| per tensor; rtol 0: the bytes of every tensor equal. */
 static inline int tensors_close(const char *a, const char *b, int step, const char *file, double rtol, double *worst) {
