@@ -68,8 +68,8 @@ typedef struct {
     /* dinp[n,ic] += dout . w;  dw[oc,ic] += dout^T . inp */
     lm_status (*matmul_backward)(lm_backend *be, float *dinp, float *dw, const void *dout_lp, const void *inp_lp,
                                  const void *w_lp, int64_t n, int ic, int oc);
-    /* optional (NULL: the caller zeroes dinp and calls matmul_backward): the
-     * same with dinp written instead of added to; dw accumulates */
+    /* the same with dinp written instead of added to (no zeroing pass on the
+     * GPU); dw accumulates */
     lm_status (*matmul_backward_set)(lm_backend *be, float *dinp, float *dw, const void *dout_lp,
                                      const void *inp_lp, const void *w_lp, int64_t n, int ic, int oc);
     /* dst (product format) = src; on the CPU dst == src is allowed and free */
@@ -82,8 +82,7 @@ typedef struct {
                                  const float *w, int64_t n, int d, float eps);
     lm_status (*rmsnorm_backward)(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                   const float *w, const float *rstd, int64_t n, int d, float eps);
-    /* optional (NULL: the model zeroes dinp and calls rmsnorm_backward): the
-     * same with dinp written instead of added to; dw accumulates */
+    /* the same with dinp written instead of added to; dw accumulates */
     lm_status (*rmsnorm_backward_set)(lm_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                       const float *w, const float *rstd, int64_t n, int d, float eps);
     /* out[n,d] = table[tokens[i]] (=); dtable[tokens[i]] += dout[i] in token order */

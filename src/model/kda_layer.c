@@ -273,12 +273,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
          *dz = scratch + S.dz;
     const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
     TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
-    if (op->matmul_backward_set) {
-        TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
-    } else {
-        TRY(be->zero(be, d_gated, NHK * sizeof(float)));
-        TRY(op->matmul_backward(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
-    }
+    TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
     /* the output gate and head norm: d gate-logits, d_o */
     TRY(op->kda_output_backward(be, d_o, dgate, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
                                 H, K, c->eps, tmp));

@@ -1136,12 +1136,7 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
          *du_lp = lp_or(m, du, m->ffn_du_lp);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
-    if (op->matmul_backward_set) {
-        TRY(op->matmul_backward_set(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
-    } else {
-        TRY(be->zero(be, dh, nf * sizeof(float)));
-        TRY(op->matmul_backward(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
-    }
+    TRY(op->matmul_backward_set(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
     TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
     if (m->sep) {
         TRY(op->to_lp(be, da_lp, da, nf));
@@ -1821,14 +1816,8 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             }
         }
         charge(m, sublayer_part(ls, idx), &t0);
-        if (op->rmsnorm_backward_set) {
-            TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
-                                         m->rstd + (size_t)idx * N, N, d, eps));
-        } else {
-            TRY(be->zero(be, m->dh, (size_t)N * d * sizeof(float)));
-            TRY(op->rmsnorm_backward(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
+        TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
                                      m->rstd + (size_t)idx * N, N, d, eps));
-        }
         charge(m, LM_TIME_NORMS, &t0);
         TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);

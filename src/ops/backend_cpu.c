@@ -84,6 +84,13 @@ static lm_status cpu_matmul_backward(lm_backend *be, float *dinp, float *dw, con
     return LM_OK;
 }
 
+/* dinp written: zeroed, then the accumulating product (the bits of both in turn) */
+static lm_status cpu_matmul_backward_set(lm_backend *be, float *dinp, float *dw, const void *dout, const void *inp,
+                                         const void *w, int64_t n, int ic, int oc) {
+    if (dinp) memset(dinp, 0, (size_t)n * ic * sizeof(float));
+    return cpu_matmul_backward(be, dinp, dw, dout, inp, w, n, ic, oc);
+}
+
 static lm_status cpu_to_lp(lm_backend *be, void *dst, const float *src, size_t n) {
     (void)be;
     if (dst != (const void *)src) memcpy(dst, src, n * sizeof(float));
@@ -105,6 +112,13 @@ static lm_status cpu_rmsnorm_backward(lm_backend *be, float *dinp, float *dw, co
     (void)be;
     lm_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, n, d, eps);
     return LM_OK;
+}
+
+static lm_status cpu_rmsnorm_backward_set(lm_backend *be, float *dinp, float *dw, const float *dout,
+                                          const float *inp, const float *w, const float *rstd, int64_t n, int d,
+                                          float eps) {
+    if (dinp) memset(dinp, 0, (size_t)n * d * sizeof(float));
+    return cpu_rmsnorm_backward(be, dinp, dw, dout, inp, w, rstd, n, d, eps);
 }
 
 static lm_status cpu_embedding_forward(lm_backend *be, float *out, const float *table, const int32_t *tokens,
@@ -610,9 +624,11 @@ static const lm_ops cpu_ops = {
     .matmul_forward = cpu_matmul_forward,
     .matmul_forward_lp = cpu_matmul_forward_lp,
     .matmul_backward = cpu_matmul_backward,
+    .matmul_backward_set = cpu_matmul_backward_set,
     .to_lp = cpu_to_lp,
     .rmsnorm_forward = cpu_rmsnorm_forward,
     .rmsnorm_backward = cpu_rmsnorm_backward,
+    .rmsnorm_backward_set = cpu_rmsnorm_backward_set,
     .embedding_forward = cpu_embedding_forward,
     .embedding_backward = cpu_embedding_backward,
     .glu_forward = cpu_glu_forward,
