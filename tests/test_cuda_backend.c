@@ -636,8 +636,8 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     int n = c->n_experts, k = c->top_k, d = c->d;
     size_t md = (size_t)f.m * d, mn = (size_t)f.m * n;
     float *y_c = hmalloc(md * 4), *g_y = up_f32(rnd(&r, md, 1.0, 0.0, 0), md);
-    OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, c, &f.hp, &f.hp, f.acts_c, f.m));
-    OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+    OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, NULL, c, &f.hp, &f.hp, f.acts_c, f.m));
+    OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
     float *s_c = cpu->ops->moe_scores(cpu, f.acts_c), *s_g = down_f32(gpu->ops->moe_scores(gpu, f.acts_g), mn);
     CMP(s_g, s_c, NULL, mn, TOL_F32, "moe scores (fp32 router)");
     int32_t *t_c = hmalloc((size_t)f.m * k * 4), *t_g = hmalloc((size_t)f.m * k * 4);
@@ -682,6 +682,22 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     OK(gpu->ops->moe_aux_loss(gpu, &loss_g, g_ds, f.acts_g, f.m, n, k, 1e-2f));
     CHECK_CLOSE(loss_g, loss_c, 0.0, TOL_F32, "moe_aux_loss loss");
     CMP(down_f32(g_ds, mn), ds_c, NULL, mn, TOL_F32, "moe_aux_loss dscores (written)");
+
+    /* x_lp given (the model passes its RMSNorm's product-format copy; here to_lp's, the same
+     * rounding): y, dx and every gradient have the bits of the run that converted x itself */
+    float *y1 = down_f32(g_y, md), *dx1 = down_f32(g_dx, md);
+    void *g_xlp = dalloc(md * 2);
+    OK(gpu->ops->to_lp(gpu, g_xlp, f.g_x, md));
+    float *g_y2 = up_f32(rnd(&r, md, 1.0, 0.0, 0), md), *g_dx2 = up_f32(dx0, md), *g_gr2 = up_f32(g0, f.count);
+    lm_moe_params gg2;
+    lm_moe_params_carve(c, g_gr2, &gg2);
+    OK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, g_xlp, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    CHECK(!memcmp(down_f32(g_y2, md), y1, md * 4), "moe_forward with x_lp: y differs from the own conversion's");
+    CHECK(!memcmp(down_f32(g_dx2, md), dx1, md * 4), "moe_backward after x_lp: dx differs");
+    CHECK(!memcmp(down_f32(g_gr2, f.count), gr_g, f.count * 4), "moe_backward after x_lp: gradients differ");
+    CHECK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, f.g_x, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m) == LM_ERR_ARG,
+          "moe_forward accepted x_lp aliasing the fp32 x");
     moe_teardown(&f);
     free_all();
 }
@@ -705,8 +721,8 @@ static void balance_case(lm_balance_mode mode, lm_qb_estimator est, const char *
     float *y_c = hmalloc(md * 4), *g_y = dalloc(md * 4);
     for (int step = 0; step < 2; step++) {
         /* route with each state's b (equal), as the model does */
-        OK(cpu->ops->moe_forward(cpu, y_c, f.x, bal_c.bias, c, &f.hp, &f.hp, f.acts_c, f.m));
-        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, bal_g.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+        OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, bal_c.bias, c, &f.hp, &f.hp, f.acts_c, f.m));
+        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, bal_g.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
         OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), cpu->ops->moe_scores(cpu, f.acts_c), mn * 4));
         OK(cpu->ops->moe_balance_observe(cpu, &bal_c, f.acts_c, f.m));
         OK(gpu->ops->moe_balance_observe(gpu, &bal_g, f.acts_g, f.m));

@@ -209,11 +209,15 @@ typedef struct {
      * (the memory plan, lm_model_plan; no backend needed) */
     size_t (*moe_acts_bytes)(const lm_moe_config *cfg, int64_t m_max);
     /* y[m,d] = MoE(x) (written); bias_host [n] (host, may be NULL) selects, as
-     * in moe.h; p (fp32) and p_lp (the same layout in the product format) */
-    lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const float *bias_host,
+     * in moe.h; p (fp32) and p_lp (the same layout in the product format).
+     * x_lp (may be NULL): x in the product format, which the products that
+     * take x read instead of a copy the backend would make (on the CPU the
+     * view is x itself and this is ignored); moe_backward reads it too, so it
+     * must keep its values until then */
+    lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
                              const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
                              void *acts, int64_t m);
-    /* dx += ..., g += ... for the last forward; dscores_extra [m,n] may be NULL */
+    /* dx += ..., g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL */
     lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
                               const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                               const lm_moe_params *p_lp, void *acts);

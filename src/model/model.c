@@ -1197,7 +1197,9 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
                             "(lm_model_keep_expert_weights): a forward that runs every expert locally (evaluation) "
                             "needs them gathered first (lm_model_gather_experts, or layer by layer: "
                             "lm_model_gather_experts_by_layer)", idx / 2);
-        TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, n));
+        /* the norm's own product-format copy of xn: no conversion in the MoE (kept until its backward) */
+        TRY(op->moe_forward(be, y, xn, m->sep ? xn_lp : NULL, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+                            ls->moe_acts, n));
     }
     float *scores = op->moe_scores(be, ls->moe_acts);
     if (m->fault == LM_FAULT_ROUTER && !recompute) {

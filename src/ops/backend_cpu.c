@@ -436,9 +436,12 @@ static void cpu_moe_acts_free(lm_backend *be, void *acts) {
     free(acts);
 }
 
-static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const float *bias, const lm_moe_config *cfg,
-                                 const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, int64_t m) {
+/* x_lp is x's view (x itself): the operator reads x */
+static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                                 const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                 void *acts, int64_t m) {
     (void)be;
+    (void)x_lp;
     (void)p_lp;
     return lm_moe_forward(y, x, bias, cfg, p, acts, m);
 }

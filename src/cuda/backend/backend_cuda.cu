@@ -553,17 +553,19 @@ static lm_moe_params_bf16 moe_bf16_view(const lm_moe_params *p) {
     return b;
 }
 
-static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, const float *bias_host,
-                                  const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
-                                  void *acts, int64_t m) {
+static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, const void *x_lp,
+                                  const float *bias_host, const lm_moe_config *cfg, const lm_moe_params *p,
+                                  const lm_moe_params *p_lp, void *acts, int64_t m) {
     cuda_moe *a = (cuda_moe *)acts;
     if (!a || !cfg || !p || !p_lp) return lm_error(LM_ERR_ARG, "moe_forward: acts, cfg, p or p_lp is NULL");
+    if (x_lp && x_lp == (const void *)x) return lm_error(LM_ERR_ARG, "moe_forward: x_lp aliases the fp32 x");
     if (cfg->n_experts != a->cfg.n_experts || cfg->top_k != a->cfg.top_k)
         return lm_error(LM_ERR_ARG, "moe_forward: cfg differs from the one the activations were made for");
     lm_status st;
     if (bias_host && (st = cuda_upload(be, a->bias, bias_host, (size_t)cfg->n_experts * sizeof(float)))) return st;
     lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
-    return lm_cuda_moe_forward(ctx_of(be), y, x, bias_host ? a->bias : NULL, cfg, p, &pb, &a->acts, m);
+    return lm_cuda_moe_forward(ctx_of(be), y, x, (const uint16_t *)x_lp, bias_host ? a->bias : NULL, cfg, p, &pb,
+                               &a->acts, m);
 }
 
 static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
