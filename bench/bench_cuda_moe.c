@@ -116,7 +116,7 @@ int main(int argc, char **argv) {
         ok(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)kind), "gemm kind");
         for (int rep = -2; rep < reps; rep++) {
             double t0 = lm_time_seconds();
-            ok(lm_cuda_moe_forward(&ctx, y, x, NULL, &c, &pf, &pb, &acts, m), "forward");
+            ok(lm_cuda_moe_forward(&ctx, y, x, NULL, NULL, &c, &pf, &pb, &acts, m), "forward");
             ok(lm_cuda_context_sync(&ctx), "forward sync");
             double t1 = lm_time_seconds();
             ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");

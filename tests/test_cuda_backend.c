@@ -103,6 +103,16 @@ static float *down_bf16(const void *d, size_t n) {
     return h;
 }
 
+/* Whether the bf16 values at device d are the fp32 host values f rounded to
+ * nearest even (lm_f32_to_bf16: what to_lp gives), bit for bit. */
+static int lp_is_rounded(const void *d, const float *f, size_t n) {
+    uint16_t *b = hmalloc(n * sizeof(uint16_t));
+    OK(gpu->download(gpu, b, d, n * sizeof(uint16_t)));
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != lm_f32_to_bf16(f[i])) return 0;
+    return 1;
+}
+
 #define CMP(got, want, base, n, tol, what)                                                          \
     do {                                                                                            \
         double e_ = rel_err_increment((got), (want), (base), (n));                                 \
@@ -250,12 +260,33 @@ static void test_glu_and_sigmoid_match_the_cpu(void) {
         CMP(down_f32(g_h, n), h_c, NULL, n, TOL_F32, what);
         snprintf(what, sizeof what, "glu_forward %s h_lp", name);
         CMP(down_bf16(g_hlp, n), h_c, NULL, n, TOL_BF16, what);
-        OK(cpu->ops->glu_backward(cpu, act, da_c, du_c, dh, a, u, n));
-        OK(gpu->ops->glu_backward(gpu, act, g_da, g_du, g_dh, g_a, g_u, n));
+        OK(cpu->ops->glu_backward(cpu, act, da_c, du_c, NULL, NULL, dh, a, u, n));
+        OK(gpu->ops->glu_backward(gpu, act, g_da, g_du, NULL, NULL, g_dh, g_a, g_u, n));
         snprintf(what, sizeof what, "glu_backward %s da", name);
-        CMP(down_f32(g_da, n), da_c, NULL, n, TOL_F32, what);
+        float *da_g = down_f32(g_da, n), *du_g = down_f32(g_du, n);
+        CMP(da_g, da_c, NULL, n, TOL_F32, what);
         snprintf(what, sizeof what, "glu_backward %s du", name);
-        CMP(down_f32(g_du, n), du_c, NULL, n, TOL_F32, what);
+        CMP(du_g, du_c, NULL, n, TOL_F32, what);
+        /* da, du in the product format only (the dense FFN's call): the fp32 call's values rounded, bit for
+         * bit; with both outputs, the same fp32 bits and their rounding */
+        void *g_dalp = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n), *g_dulp = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n);
+        OK(gpu->ops->glu_backward(gpu, act, NULL, NULL, g_dalp, g_dulp, g_dh, g_a, g_u, n));
+        CHECK(lp_is_rounded(g_dalp, da_g, n), "glu_backward %s da_lp only: not the fp32 da rounded", name);
+        CHECK(lp_is_rounded(g_dulp, du_g, n), "glu_backward %s du_lp only: not the fp32 du rounded", name);
+        float *g_da2 = up_f32(rnd(&r, n, 1.0, 0.0, 0), n), *g_du2 = up_f32(rnd(&r, n, 1.0, 0.0, 0), n);
+        g_dalp = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n);
+        OK(gpu->ops->glu_backward(gpu, act, g_da2, g_du2, g_dalp, NULL, g_dh, g_a, g_u, n));
+        CHECK(!memcmp(down_f32(g_da2, n), da_g, n * 4), "glu_backward %s da differs beside da_lp", name);
+        CHECK(!memcmp(down_f32(g_du2, n), du_g, n * 4), "glu_backward %s du differs beside da_lp", name);
+        CHECK(lp_is_rounded(g_dalp, da_g, n), "glu_backward %s da_lp beside da: not da rounded", name);
+        CHECK(gpu->ops->glu_backward(gpu, act, NULL, g_du, NULL, NULL, g_dh, g_a, g_u, n) == LM_ERR_ARG,
+              "glu_backward %s without any da output accepted", name);
+        CHECK(gpu->ops->glu_backward(gpu, act, g_da, g_du, g_da, NULL, g_dh, g_a, g_u, n) == LM_ERR_ARG,
+              "glu_backward %s with da_lp == da accepted on the GPU", name);
+        /* the CPU's product format is fp32: da_lp receives da's values */
+        float *da_c2 = hmalloc(n * 4), *du_c2 = hmalloc(n * 4);
+        OK(cpu->ops->glu_backward(cpu, act, NULL, NULL, da_c2, du_c2, dh, a, u, n));
+        CHECK(!memcmp(da_c2, da_c, n * 4) && !memcmp(du_c2, du_c, n * 4), "cpu glu_backward %s lp outputs", name);
     }
     /* sigmoid in place on both backends (out == in), backward in place (dlogit == dout) */
     float *x = rnd(&r, n, 3.0, 0.0, 0), *y_c = copy_of(x, n), *dout = rnd(&r, n, 1.0, 0.0, 0);
@@ -393,10 +424,27 @@ static void test_attention_and_gate_match_the_cpu(void) {
     float *ddo_c = hmalloc(nq * 4), *dgp_c = hmalloc(nq * 4);
     void *g_ddo = up_bf16(rnd(&r, nq, 1.0, 0.0, 1), nq);
     float *g_dgp = up_f32(rnd(&r, nq, 1.0, 0.0, 0), nq);
-    OK(cpu->ops->gate_backward(cpu, ddo_c, dgp_c, dgated, gp, o_g, nq));
-    OK(gpu->ops->gate_backward(gpu, g_ddo, g_dgp, g_dgated, g_gp, g_o2, nq));
+    OK(cpu->ops->gate_backward(cpu, ddo_c, dgp_c, NULL, dgated, gp, o_g, nq));
+    OK(gpu->ops->gate_backward(gpu, g_ddo, g_dgp, NULL, g_dgated, g_gp, g_o2, nq));
     CMP(down_bf16(g_ddo, nq), ddo_c, NULL, nq, TOL_BF16, "gate_backward d_o (written)");
-    CMP(down_f32(g_dgp, nq), dgp_c, NULL, nq, TOL_F32, "gate_backward dgate_logits (written)");
+    float *dgp_g = down_f32(g_dgp, nq);
+    CMP(dgp_g, dgp_c, NULL, nq, TOL_F32, "gate_backward dgate_logits (written)");
+    /* dgate_logits in the product format only (MLA's call): the fp32 call's values rounded, bit for bit;
+     * with both, the same fp32 bits beside their rounding */
+    void *g_dgplp = up_bf16(rnd(&r, nq, 1.0, 0.0, 0), nq);
+    OK(gpu->ops->gate_backward(gpu, g_ddo, NULL, g_dgplp, g_dgated, g_gp, g_o2, nq));
+    CHECK(lp_is_rounded(g_dgplp, dgp_g, nq), "gate_backward dgate_logits_lp only: not the fp32 values rounded");
+    CMP(down_bf16(g_ddo, nq), ddo_c, NULL, nq, TOL_BF16, "gate_backward d_o beside dgate_logits_lp");
+    float *g_dgp2 = up_f32(rnd(&r, nq, 1.0, 0.0, 0), nq);
+    g_dgplp = up_bf16(rnd(&r, nq, 1.0, 0.0, 0), nq);
+    OK(gpu->ops->gate_backward(gpu, g_ddo, g_dgp2, g_dgplp, g_dgated, g_gp, g_o2, nq));
+    CHECK(!memcmp(down_f32(g_dgp2, nq), dgp_g, nq * 4), "gate_backward dgate_logits differ beside the lp copy");
+    CHECK(lp_is_rounded(g_dgplp, dgp_g, nq), "gate_backward dgate_logits_lp beside fp32: not the values rounded");
+    CHECK(gpu->ops->gate_backward(gpu, g_ddo, NULL, NULL, g_dgated, g_gp, g_o2, nq) == LM_ERR_ARG,
+          "gate_backward without a dgate_logits output accepted");
+    float *dgp_c2 = hmalloc(nq * 4);
+    OK(cpu->ops->gate_backward(cpu, ddo_c, NULL, dgp_c2, dgated, gp, o_g, nq));
+    CHECK(!memcmp(dgp_c2, dgp_c, nq * 4), "cpu gate_backward: the lp output differs from the fp32 one");
     free_all();
 }
 
@@ -560,11 +608,34 @@ static void test_kda_output_stage_matches_the_cpu(void) {
     float *g_dg = up_f32(dg, n), *g_dgl = up_f32(rnd(&r, n, 1.0, 0.0, 0), n), *g_dn = up_f32(dn0, K);
     void *g_do = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
     float *g_tmp = dalloc(n * 4);
-    OK(cpu->ops->kda_output_backward(cpu, do_c, dgl_c, dn_c, dg, o, rstd_c, gate_c, onorm, N, H, K, eps, tmp_c));
-    OK(gpu->ops->kda_output_backward(gpu, g_do, g_dgl, g_dn, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K, eps, g_tmp));
+    OK(cpu->ops->kda_output_backward(cpu, do_c, dgl_c, NULL, dn_c, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
+                                     tmp_c));
+    OK(gpu->ops->kda_output_backward(gpu, g_do, g_dgl, NULL, g_dn, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K, eps,
+                                     g_tmp));
     CMP(down_bf16(g_do, n), do_c, NULL, n, TOL_BF16, "kda_output_backward d_o (written)");
-    CMP(down_f32(g_dgl, n), dgl_c, NULL, n, TOL_F32, "kda_output_backward dgate_logits (written)");
-    CMP(down_f32(g_dn, K), dn_c, dn0, K, TOL_F32, "kda_output_backward do_norm +=");
+    float *dgl_g = down_f32(g_dgl, n), *dn_g = down_f32(g_dn, K);
+    CMP(dgl_g, dgl_c, NULL, n, TOL_F32, "kda_output_backward dgate_logits (written)");
+    CMP(dn_g, dn_c, dn0, K, TOL_F32, "kda_output_backward do_norm +=");
+    /* dgate_logits in the product format only (the KDA layer's call): the fp32 call's values rounded, bit
+     * for bit; d_o and the do_norm increment the same bits */
+    void *g_dgllp = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n), *g_do2 = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
+    float *g_dn2 = up_f32(dn0, K);
+    OK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, g_dgllp, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+                                     eps, g_tmp));
+    CHECK(lp_is_rounded(g_dgllp, dgl_g, n), "kda_output_backward dgate_logits_lp only: not the fp32 values rounded");
+    CHECK(!memcmp(down_f32(g_dn2, K), dn_g, (size_t)K * 4), "kda_output_backward do_norm differs beside the lp copy");
+    CHECK(!memcmp(down_bf16(g_do2, n), down_bf16(g_do, n), n * 4),
+          "kda_output_backward d_o differs beside the lp copy");
+    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, NULL, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+                                        eps, g_tmp) == LM_ERR_ARG,
+          "kda_output_backward without a dgate_logits output accepted");
+    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, g_dgl, g_dgl, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+                                        eps, g_tmp) == LM_ERR_ARG,
+          "kda_output_backward with dgate_logits_lp == dgate_logits accepted on the GPU");
+    float *dgl_c2 = hmalloc(n * 4), *do_c2 = hmalloc(n * 4), *dn_c2 = copy_of(dn0, K);
+    OK(cpu->ops->kda_output_backward(cpu, do_c2, NULL, dgl_c2, dn_c2, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
+                                     tmp_c));
+    CHECK(!memcmp(dgl_c2, dgl_c, n * 4), "cpu kda_output_backward: the lp output differs from the fp32 one");
     free_all();
 }
 
@@ -636,8 +707,8 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     int n = c->n_experts, k = c->top_k, d = c->d;
     size_t md = (size_t)f.m * d, mn = (size_t)f.m * n;
     float *y_c = hmalloc(md * 4), *g_y = up_f32(rnd(&r, md, 1.0, 0.0, 0), md);
-    OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, c, &f.hp, &f.hp, f.acts_c, f.m));
-    OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+    OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, NULL, c, &f.hp, &f.hp, f.acts_c, f.m));
+    OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
     float *s_c = cpu->ops->moe_scores(cpu, f.acts_c), *s_g = down_f32(gpu->ops->moe_scores(gpu, f.acts_g), mn);
     CMP(s_g, s_c, NULL, mn, TOL_F32, "moe scores (fp32 router)");
     int32_t *t_c = hmalloc((size_t)f.m * k * 4), *t_g = hmalloc((size_t)f.m * k * 4);
@@ -682,6 +753,22 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     OK(gpu->ops->moe_aux_loss(gpu, &loss_g, g_ds, f.acts_g, f.m, n, k, 1e-2f));
     CHECK_CLOSE(loss_g, loss_c, 0.0, TOL_F32, "moe_aux_loss loss");
     CMP(down_f32(g_ds, mn), ds_c, NULL, mn, TOL_F32, "moe_aux_loss dscores (written)");
+
+    /* x_lp given (the model passes its RMSNorm's product-format copy; here to_lp's, the same
+     * rounding): y, dx and every gradient have the bits of the run that converted x itself */
+    float *y1 = down_f32(g_y, md), *dx1 = down_f32(g_dx, md);
+    void *g_xlp = dalloc(md * 2);
+    OK(gpu->ops->to_lp(gpu, g_xlp, f.g_x, md));
+    float *g_y2 = up_f32(rnd(&r, md, 1.0, 0.0, 0), md), *g_dx2 = up_f32(dx0, md), *g_gr2 = up_f32(g0, f.count);
+    lm_moe_params gg2;
+    lm_moe_params_carve(c, g_gr2, &gg2);
+    OK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, g_xlp, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    CHECK(!memcmp(down_f32(g_y2, md), y1, md * 4), "moe_forward with x_lp: y differs from the own conversion's");
+    CHECK(!memcmp(down_f32(g_dx2, md), dx1, md * 4), "moe_backward after x_lp: dx differs");
+    CHECK(!memcmp(down_f32(g_gr2, f.count), gr_g, f.count * 4), "moe_backward after x_lp: gradients differ");
+    CHECK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, f.g_x, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m) == LM_ERR_ARG,
+          "moe_forward accepted x_lp aliasing the fp32 x");
     moe_teardown(&f);
     free_all();
 }
@@ -705,8 +792,8 @@ static void balance_case(lm_balance_mode mode, lm_qb_estimator est, const char *
     float *y_c = hmalloc(md * 4), *g_y = dalloc(md * 4);
     for (int step = 0; step < 2; step++) {
         /* route with each state's b (equal), as the model does */
-        OK(cpu->ops->moe_forward(cpu, y_c, f.x, bal_c.bias, c, &f.hp, &f.hp, f.acts_c, f.m));
-        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, bal_g.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+        OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, bal_c.bias, c, &f.hp, &f.hp, f.acts_c, f.m));
+        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, bal_g.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
         OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), cpu->ops->moe_scores(cpu, f.acts_c), mn * 4));
         OK(cpu->ops->moe_balance_observe(cpu, &bal_c, f.acts_c, f.m));
         OK(gpu->ops->moe_balance_observe(gpu, &bal_g, f.acts_g, f.m));

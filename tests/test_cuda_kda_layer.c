@@ -457,14 +457,15 @@ static void test_output_backward_matches_cpu(void) {
         float *dv_logits = dev_from(logits, NHK), *dv_onorm = dev_from(o_norm, (size_t)K);
         float *dv_rstd = dev_poisoned(N * H * 4), *dv_gate = dev_poisoned(NHK * 4), *dv_dgd = dev_from(dgd, NHK);
         float *dv_do32 = dev_poisoned(NHK * 4), *dv_dgate = dev_poisoned(NHK * 4);
+        uint16_t *dv_dgate16 = dev_poisoned(NHK * 2);
         float *dv_dnorm = dev_from(dnorm0, (size_t)K);
         size_t sb = lm_cuda_kda_output_backward_scratch_bytes((int64_t)N, H, K);
         void *dv_scratch = dev_poisoned(sb);
         lm_status st = lm_cuda_kda_output_forward(&ctx, dv_gated, dv_rstd, dv_gate, dv_o, dv_logits,
                                                   dv_onorm, (int64_t)N, H, K, OUT_EPS);
         CHECK(st == LM_OK, "forward: %s", lm_last_error());
-        st = lm_cuda_kda_output_backward(&ctx, dv_do16, dv_do32, dv_dgate, dv_dnorm, dv_dgd, dv_o, dv_rstd,
-                                         dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, dv_do32, dv_dgate, dv_dgate16, dv_dnorm, dv_dgd, dv_o,
+                                         dv_rstd, dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward: %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
         float *g_do32 = host_from(dv_do32, NHK), *g_do16 = host_from_bf16(dv_do16, NHK);
@@ -473,12 +474,20 @@ static void test_output_backward_matches_cpu(void) {
         check_rel(g_do16, d_o, NHK, TOL_BF16, "d_o (bf16)", s);
         check_rel(g_dgate, dgate, NHK, TOL_F32, "d gate logits (fp32)", s);
         check_rel(g_dnorm, dnorm, (size_t)K, TOL_F32, "do_norm += (fp32)", s);
+        /* the bf16 d gate logits: the fp32 ones of the same call rounded to nearest even, bit for bit */
+        uint16_t *h16 = mallocCheck(NHK * 2);
+        settle();
+        CHECK(lm_cuda_download(h16, dv_dgate16, NHK * 2) == LM_OK, "download: %s", lm_last_error());
+        size_t bad16 = 0;
+        for (size_t i = 0; i < NHK; i++) bad16 += h16[i] != lm_f32_to_bf16(g_dgate[i]);
+        CHECK(bad16 == 0, "(%d,%d,%d,%d,%d) %zu of %zu bf16 d gate logits are not the fp32 ones rounded", s[0], s[1],
+              s[2], s[3], s[4], bad16, NHK);
 
         /* run to run, and with 1/rms recomputed (bf16 d_o only this time) */
         CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
         cudaMemset(dv_dgate, 0xFF, NHK * 4);
         settle();
-        st = lm_cuda_kda_output_backward(&ctx, NULL, dv_do32, dv_dgate, dv_dnorm, dv_dgd, dv_o, NULL,
+        st = lm_cuda_kda_output_backward(&ctx, NULL, dv_do32, dv_dgate, NULL, dv_dnorm, dv_dgd, dv_o, NULL,
                                          dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward (rstd recomputed): %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
@@ -487,22 +496,41 @@ static void test_output_backward_matches_cpu(void) {
         check_rel(g_do32b, d_o, NHK, TOL_F32, "d_o, rstd recomputed", s);
         check_rel(g_dgate2, dgate, NHK, TOL_F32, "d gate logits, rstd recomputed", s);
         check_rel(g_dnorm2, dnorm, (size_t)K, TOL_F32, "do_norm, rstd recomputed", s);
-        /* run to run with the saved rstd: the same do_norm bits */
+        /* run to run with the saved rstd: the same do_norm bits; the call the layer made before the bf16
+         * d gate logits (bf16 d_o, fp32 d gate logits), then the one it makes now (bf16 d_o and d gate
+         * logits only): the second's bf16 values are the first's fp32 rounded, bit for bit */
         CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
+        cudaMemset(dv_dgate, 0xFF, NHK * 4);
         settle();
-        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, dv_dgate, dv_dnorm, dv_dgd, dv_o, dv_rstd,
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, dv_dgate, NULL, dv_dnorm, dv_dgd, dv_o, dv_rstd,
                                          dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward again: %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
-        float *g_dnorm3 = host_from(dv_dnorm, (size_t)K);
+        float *g_dnorm3 = host_from(dv_dnorm, (size_t)K), *g_dgate3 = host_from(dv_dgate, NHK);
         CHECK(memcmp(g_dnorm, g_dnorm3, (size_t)K * 4) == 0, "do_norm is not bit-identical from run to run");
+        CHECK(memcmp(g_dgate, g_dgate3, NHK * 4) == 0, "d gate logits (fp32) differ with and without the bf16 copy");
+        CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
+        cudaMemset(dv_dgate16, 0xFF, NHK * 2);
+        settle();
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, NULL, dv_dgate16, dv_dnorm, dv_dgd, dv_o, dv_rstd,
+                                         dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
+        CHECK(st == LM_OK, "backward, bf16 d gate logits only: %s", lm_last_error());
+        CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+        float *g_dnorm4 = host_from(dv_dnorm, (size_t)K);
+        CHECK(memcmp(g_dnorm, g_dnorm4, (size_t)K * 4) == 0, "do_norm differs with bf16 d gate logits only");
+        CHECK(lm_cuda_download(h16, dv_dgate16, NHK * 2) == LM_OK, "download: %s", lm_last_error());
+        bad16 = 0;
+        for (size_t i = 0; i < NHK; i++) bad16 += h16[i] != lm_f32_to_bf16(g_dgate3[i]);
+        CHECK(bad16 == 0, "(%d,%d,%d,%d,%d) %zu of %zu bf16-only d gate logits are not the fp32 path's rounded", s[0],
+              s[1], s[2], s[3], s[4], bad16, NHK);
 
         free(o), free(logits), free(o_norm), free(dgd), free(dnorm0), free(gated), free(rstd), free(gate);
         free(d_o), free(dgate), free(dnorm), free(g_do32), free(g_do16), free(g_dgate), free(g_dnorm);
-        free(g_do32b), free(g_dgate2), free(g_dnorm2), free(g_dnorm3);
+        free(g_do32b), free(g_dgate2), free(g_dnorm2), free(g_dnorm3), free(g_dgate3), free(g_dnorm4), free(h16);
         lm_cuda_free(dv_o), lm_cuda_free(dv_gated), lm_cuda_free(dv_do16), lm_cuda_free(dv_logits);
         lm_cuda_free(dv_onorm), lm_cuda_free(dv_rstd), lm_cuda_free(dv_gate), lm_cuda_free(dv_dgd);
         lm_cuda_free(dv_do32), lm_cuda_free(dv_dgate), lm_cuda_free(dv_dnorm), lm_cuda_free(dv_scratch);
+        lm_cuda_free(dv_dgate16);
     }
 }
 
@@ -522,9 +550,12 @@ static void test_rejects_bad_arguments(void) {
     CHECK(lm_cuda_short_conv_silu_backward(&ctx, f, f, b, f, f, f, f, 1, 4, 64, 4, 32, NULL) == LM_ERR_ARG,
           "missing scratch accepted");
     CHECK(lm_cuda_kda_output_forward(&ctx, b, f, f, b, f, f, 4, 2, 40, OUT_EPS) == LM_ERR_ARG, "K 40 accepted");
-    CHECK(lm_cuda_kda_output_backward(&ctx, NULL, NULL, f, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
+    CHECK(lm_cuda_kda_output_backward(&ctx, NULL, NULL, f, NULL, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
               LM_ERR_ARG,
           "no d_o output accepted");
+    CHECK(lm_cuda_kda_output_backward(&ctx, b, NULL, NULL, NULL, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
+              LM_ERR_ARG,
+          "no d gate logits output accepted");
     CHECK(lm_cuda_sigmoid_forward(NULL, f, f, 4) == LM_ERR_ARG, "missing context accepted");
     CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
     lm_cuda_free(f);

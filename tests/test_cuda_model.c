@@ -21,7 +21,10 @@
  * train.recompute_chunk, against the CPU and against itself unchunked; with
  * train.seq_segment (KDA only; with attention once the CUDA attention takes a
  * query offset, else that case says skipped), against the CPU and against
- * itself on whole rows. Needs a GPU (ctest label cuda). */
+ * itself on whole rows. The bf16 copies that producers write themselves
+ * (the MoE's input, the gates' gradients, the dense FFN's da and du) give
+ * the bits of the separate conversions they replaced, over a whole step.
+ * Needs a GPU (ctest label cuda). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -363,6 +366,132 @@ static void test_presets_match_the_cpu_and_repeat_bitwise(void) {
     }
 }
 
+/* ---- the product-format copies written by their producers ---- */
+
+/* The CUDA op table as it ran before the producers wrote the bf16 copies
+ * themselves: the MoE converts its input x on its own (x_lp not passed on),
+ * and the output gates' and the GLU's gradients are written in fp32 and then
+ * converted by to_lp. Wrappers around the backend's own ops. */
+static const lm_ops *cuda_ops_now;
+static lm_ops cuda_ops_before;
+static float *old_f32[2];     /* device fp32 slots of the converting wrappers */
+static size_t old_f32_n;      /* floats each slot holds */
+
+static lm_status old_slots(lm_backend *be, size_t n) {
+    if (n <= old_f32_n) return LM_OK;
+    for (int i = 0; i < 2; i++) {
+        be->release(be, old_f32[i]);
+        old_f32[i] = NULL;
+    }
+    old_f32_n = 0;
+    for (int i = 0; i < 2; i++) {
+        lm_status st = be->alloc(be, n * sizeof(float), (void **)&old_f32[i]);
+        if (st) return st;
+    }
+    old_f32_n = n;
+    return LM_OK;
+}
+
+static lm_status before_moe_forward(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                                    const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                    void *acts, int64_t m) {
+    (void)x_lp;
+    return cuda_ops_now->moe_forward(be, y, x, NULL, bias, cfg, p, p_lp, acts, m);
+}
+
+static lm_status before_gate_backward(lm_backend *be, void *d_o_lp, float *dgl, void *dgl_lp, const float *d_gated,
+                                      const float *gate_logits, const void *o_lp, size_t n) {
+    if (dgl || !dgl_lp) return cuda_ops_now->gate_backward(be, d_o_lp, dgl, dgl_lp, d_gated, gate_logits, o_lp, n);
+    lm_status st = old_slots(be, n);
+    if (!st) st = cuda_ops_now->gate_backward(be, d_o_lp, old_f32[0], NULL, d_gated, gate_logits, o_lp, n);
+    return st ? st : cuda_ops_now->to_lp(be, dgl_lp, old_f32[0], n);
+}
+
+static lm_status before_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgl, void *dgl_lp, float *do_norm,
+                                            const float *d_gated, const void *o_lp, const float *o_rstd,
+                                            const float *gate, const float *o_norm, int64_t N, int H, int K,
+                                            float eps, float *tmp) {
+    if (dgl || !dgl_lp)
+        return cuda_ops_now->kda_output_backward(be, d_o_lp, dgl, dgl_lp, do_norm, d_gated, o_lp, o_rstd, gate,
+                                                 o_norm, N, H, K, eps, tmp);
+    const size_t n = (size_t)N * H * K;
+    lm_status st = old_slots(be, n);
+    if (!st)
+        st = cuda_ops_now->kda_output_backward(be, d_o_lp, old_f32[0], NULL, do_norm, d_gated, o_lp, o_rstd, gate,
+                                               o_norm, N, H, K, eps, tmp);
+    return st ? st : cuda_ops_now->to_lp(be, dgl_lp, old_f32[0], n);
+}
+
+static lm_status before_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, void *da_lp, void *du_lp,
+                                     const float *dh, const float *a, const float *u, size_t n) {
+    if (da || du || !da_lp || !du_lp)
+        return cuda_ops_now->glu_backward(be, act, da, du, da_lp, du_lp, dh, a, u, n);
+    lm_status st = old_slots(be, n);
+    if (!st) st = cuda_ops_now->glu_backward(be, act, old_f32[0], old_f32[1], NULL, NULL, dh, a, u, n);
+    if (!st) st = cuda_ops_now->to_lp(be, da_lp, old_f32[0], n);
+    return st ? st : cuda_ops_now->to_lp(be, du_lp, old_f32[1], n);
+}
+
+/* One training step of each model, the second one through cuda_ops_before. */
+static void compare_with_the_conversions(const char *what, lm_config c, int B, int T, uint64_t seed) {
+    lm_model *now = NULL, *before = NULL;
+    CHECK(!lm_model_create_on(&c, B, T, gpu, &now) && !lm_model_create_on(&c, B, T, gpu, &before), "%s: %s", what,
+          lm_last_error());
+    if (!now || !before) goto done;
+    lm_model_init(now, seed);
+    lm_model_init(before, seed);
+    const size_t N = (size_t)B * T;
+    CHECK(!lm_model_upload_params(now) && !lm_model_upload_params(before), "%s: %s", what, lm_last_error());
+    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
+    lm_rng r;
+    lm_rng_seed(&r, seed ^ 0x1b);
+    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
+    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    float l_now = NAN, l_before = NAN;
+    CHECK(!step(now, tok, tgt, &l_now), "%s: step", what);
+    cuda_ops_now = gpu->ops;
+    cuda_ops_before = *gpu->ops;
+    cuda_ops_before.moe_forward = before_moe_forward;
+    cuda_ops_before.gate_backward = before_gate_backward;
+    cuda_ops_before.kda_output_backward = before_kda_output_backward;
+    cuda_ops_before.glu_backward = before_glu_backward;
+    gpu->ops = &cuda_ops_before;
+    CHECK(!step(before, tok, tgt, &l_before), "%s: step with the conversions", what);
+    gpu->ops = cuda_ops_now;
+    printf("    %-16s loss %.9g, with the conversions %.9g\n", what, l_now, l_before);
+    CHECK(memcmp(&l_now, &l_before, sizeof l_now) == 0, "%s: losses differ: %.9g vs %.9g", what, l_now, l_before);
+    const float *g_now = lm_model_grads(now), *g_before = lm_model_grads(before);
+    for (int i = 0; i < lm_model_num_tensors(now); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(now, i);
+        CHECK(memcmp(g_now + t->offset, g_before + t->offset, t->numel * sizeof(float)) == 0,
+              "%s: %s gradient differs from the run with the conversions", what, t->name);
+    }
+    free(tok);
+    free(tgt);
+done:
+    for (int i = 0; i < 2; i++) {
+        if (old_f32[i]) gpu->release(gpu, old_f32[i]);
+        old_f32[i] = NULL;
+    }
+    old_f32_n = 0;
+    lm_model_free(now);
+    lm_model_free(before);
+}
+
+/* The bf16 copies that their producers write (the RMSNorm's of the MoE's
+ * input, the output gates' d gate-logits in KDA and MLA, the dense FFN's da
+ * and du) give the bits the separate conversions gave: the loss and every
+ * gradient of a training step are bit-identical to the step through the op
+ * table that converts (with recompute: the forwards run twice, and the MoE's
+ * recomputed forward and backward read the norm's copy). */
+static void test_producers_bf16_copies_equal_the_conversions(void) {
+    compare_with_the_conversions("small hybrid", test_small_hybrid_config(), 2, 100, 21);
+    compare_with_the_conversions("reduced k3-mini", test_reduced_k3_mini_config(), 1, 257, 22);
+    lm_config c = test_reduced_k3_mini_config();
+    c.recompute_chunk = 100;
+    compare_with_the_conversions("k3-mini chunked", c, 1, 257, 23);
+}
+
 static void test_host_parameter_changes_reach_the_gpu(void) {
     /* the optimizer changes host parameters: after lm_model_upload_params the
      * GPU model computes with them (the loss follows the CPU model's) */
@@ -404,6 +533,7 @@ int main(void) {
     RUN(test_attention_segments_match_on_the_gpu);
     RUN(test_presets_match_the_cpu_and_repeat_bitwise);
     RUN(test_host_parameter_changes_reach_the_gpu);
+    RUN(test_producers_bf16_copies_equal_the_conversions);
     lm_backend_free(gpu);
     return test_summary();
 }

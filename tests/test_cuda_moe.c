@@ -4,8 +4,9 @@
  * identity; each of it for every kind of expert product (cuBLAS batched by
  * padded size, cuBLAS grouped, cuBLAS per-expert loop, wmma, wgmma), on
  * activation buffers that start full of NaN bytes (the batched and wgmma
- * kinds' padding rows zero after the forward and backward); the balance histogram's integer counts equal
- * the CPU's. */
+ * kinds' padding rows zero after the forward and backward); a caller's bf16
+ * copy of x gives the bits of the layer's own conversion; the balance
+ * histogram's integer counts equal the CPU's. */
 #include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
@@ -170,7 +171,7 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     GPU_OK(lm_cuda_moe_scratch_carve(&gs, cfg, m, sblock, sb));
     poison(ablock, ab);
     poison(sblock, sb);
-    GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
+    GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
     GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
                                 &gs));
     GPU_OK(lm_cuda_context_sync(&ctx));
@@ -411,21 +412,16 @@ static void test_experts_without_tokens_and_one_crowded_expert(void) {
     CHECK(case_empty == 15 && case_most == 129, "top-1: %d empty experts, largest %d", case_empty, case_most);
 }
 
-static void test_runs_are_bit_identical(void) {
-    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
-    int64_t m = 513;
-    model md;
-    model_init(&md, &c, 500);
-    size_t md_ = (size_t)m * c.d;
-    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4);
-    lm_rng r;
-    lm_rng_seed(&r, 501);
-    for (size_t i = 0; i < md_; i++) {
-        x[i] = (float)lm_rng_normal(&r);
-        dy[i] = (float)lm_rng_normal(&r);
-    }
-    size_t ab = lm_cuda_moe_acts_bytes(&c, m), sb = lm_cuda_moe_scratch_bytes(&c, m);
-    void *ablock, *sblock, *xd, *yd, *dyd, *dxd;
+/* One forward and backward of the latent+shared layer (the k3-mini shape
+ * scaled down) on x (m tokens) with gradients from zero: out[0] = y, out[1]
+ * = dx, out[2] = the parameter gradients (host, malloc'd). x_bf16 (host bits,
+ * may be NULL) is given to the forward as its bf16 x; the activation block is
+ * poisoned first, so a forward that read its own x_own instead would give NaN. */
+static void latent_run(const lm_moe_config *c, model *md, const float *x, const float *dy, const uint16_t *x_bf16,
+                       int64_t m, float *out[3]) {
+    size_t md_ = (size_t)m * c->d;
+    size_t ab = lm_cuda_moe_acts_bytes(c, m), sb = lm_cuda_moe_scratch_bytes(c, m);
+    void *ablock, *sblock, *xd, *xbd = NULL, *yd, *dyd, *dxd;
     GPU_OK(lm_cuda_alloc(&ablock, ab));
     GPU_OK(lm_cuda_alloc(&sblock, sb));
     GPU_OK(lm_cuda_alloc(&xd, md_ * 4));
@@ -434,34 +430,79 @@ static void test_runs_are_bit_identical(void) {
     GPU_OK(lm_cuda_alloc(&dxd, md_ * 4));
     GPU_OK(lm_cuda_upload(xd, x, md_ * 4));
     GPU_OK(lm_cuda_upload(dyd, dy, md_ * 4));
+    if (x_bf16) {
+        GPU_OK(lm_cuda_alloc(&xbd, md_ * 2));
+        GPU_OK(lm_cuda_upload(xbd, x_bf16, md_ * 2));
+    }
     lm_cuda_moe_acts ga;
     lm_cuda_moe_scratch gs;
-    GPU_OK(lm_cuda_moe_acts_carve(&ga, &c, m, ablock, ab));
-    GPU_OK(lm_cuda_moe_scratch_carve(&gs, &c, m, sblock, sb));
-    float *out[2][3];
-    for (int run = 0; run < 2; run++) {
-        float *zero = calloc(md.count > md_ ? md.count : md_, 4);
-        GPU_OK(lm_cuda_upload(md.d_grads, zero, md.count * 4));
-        GPU_OK(lm_cuda_upload(dxd, zero, md_ * 4));
-        free(zero);
-        GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, &c, &md.pf, &md.pb, &ga, m));
-        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, NULL, &c, &md.pf, &md.pb, &ga, &gs));
-        GPU_OK(lm_cuda_context_sync(&ctx));
-        out[run][0] = malloc(md_ * 4);
-        out[run][1] = malloc(md_ * 4);
-        out[run][2] = malloc(md.count * 4);
-        GPU_OK(lm_cuda_download(out[run][0], yd, md_ * 4));
-        GPU_OK(lm_cuda_download(out[run][1], dxd, md_ * 4));
-        GPU_OK(lm_cuda_download(out[run][2], md.d_grads, md.count * 4));
-    }
-    CHECK(!memcmp(out[0][0], out[1][0], md_ * 4), "y bit-identical");
-    CHECK(!memcmp(out[0][1], out[1][1], md_ * 4), "dx bit-identical");
-    CHECK(!memcmp(out[0][2], out[1][2], md.count * 4), "parameter gradients bit-identical");
-    for (int run = 0; run < 2; run++)
-        for (int q = 0; q < 3; q++) free(out[run][q]);
-    free(x), free(dy);
+    GPU_OK(lm_cuda_moe_acts_carve(&ga, c, m, ablock, ab));
+    GPU_OK(lm_cuda_moe_scratch_carve(&gs, c, m, sblock, sb));
+    poison(ablock, ab);
+    poison(sblock, sb);
+    float *zero = calloc(md->count > md_ ? md->count : md_, 4);
+    GPU_OK(lm_cuda_upload(md->d_grads, zero, md->count * 4));
+    GPU_OK(lm_cuda_upload(dxd, zero, md_ * 4));
+    free(zero);
+    GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, xbd, NULL, c, &md->pf, &md->pb, &ga, m));
+    CHECK(ga.x_bf16 == (xbd ? (const uint16_t *)xbd : ga.x_own), "the forward records the bf16 x it read");
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, xd, NULL, c, &md->pf, &md->pb, &ga, &gs));
+    GPU_OK(lm_cuda_context_sync(&ctx));
+    out[0] = malloc(md_ * 4);
+    out[1] = malloc(md_ * 4);
+    out[2] = malloc(md->count * 4);
+    GPU_OK(lm_cuda_download(out[0], yd, md_ * 4));
+    GPU_OK(lm_cuda_download(out[1], dxd, md_ * 4));
+    GPU_OK(lm_cuda_download(out[2], md->d_grads, md->count * 4));
     lm_cuda_free(ablock), lm_cuda_free(sblock), lm_cuda_free(xd), lm_cuda_free(yd), lm_cuda_free(dyd),
         lm_cuda_free(dxd);
+    if (xbd) lm_cuda_free(xbd);
+}
+
+/* Two runs give the same bits; a caller's bf16 x (x rounded to nearest even on
+ * the host: what the model's RMSNorm writes beside its fp32 output) gives the
+ * bits of the layer's own conversion in y, dx and every gradient; and the
+ * caller's copy is what the latent and shared products read: a different one
+ * changes y, dx and lat_down's and the shared experts' gradients. */
+static void test_runs_are_bit_identical(void) {
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    int64_t m = 513;
+    model md;
+    model_init(&md, &c, 500);
+    size_t md_ = (size_t)m * c.d;
+    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4);
+    uint16_t *xb = malloc(md_ * 2), *xb_other = malloc(md_ * 2);
+    lm_rng r;
+    lm_rng_seed(&r, 501);
+    for (size_t i = 0; i < md_; i++) {
+        x[i] = (float)lm_rng_normal(&r);
+        dy[i] = (float)lm_rng_normal(&r);
+        xb[i] = lm_f32_to_bf16(x[i]);
+        xb_other[i] = lm_f32_to_bf16(i % 3 ? x[i] : -x[i]);
+    }
+    float *out[4][3];
+    latent_run(&c, &md, x, dy, NULL, m, out[0]);
+    latent_run(&c, &md, x, dy, NULL, m, out[1]);
+    latent_run(&c, &md, x, dy, xb, m, out[2]);
+    latent_run(&c, &md, x, dy, xb_other, m, out[3]);
+    for (int run = 1; run <= 2; run++) {
+        const char *what = run == 1 ? "from run to run" : "with the caller's bf16 x";
+        CHECK(!memcmp(out[0][0], out[run][0], md_ * 4), "y bit-identical %s", what);
+        CHECK(!memcmp(out[0][1], out[run][1], md_ * 4), "dx bit-identical %s", what);
+        CHECK(!memcmp(out[0][2], out[run][2], md.count * 4), "parameter gradients bit-identical %s", what);
+    }
+    lm_moe_params g0, g3;
+    lm_moe_params_carve(&c, out[0][2], &g0);
+    lm_moe_params_carve(&c, out[3][2], &g3);
+    const size_t lat = (size_t)c.d_latent * c.d, sh = (size_t)c.d_ff_shared * c.d;
+    CHECK(memcmp(out[0][0], out[3][0], md_ * 4) != 0, "a different bf16 x leaves y unchanged: not read");
+    CHECK(memcmp(out[0][1], out[3][1], md_ * 4) != 0, "a different bf16 x leaves dx unchanged: not read");
+    CHECK(memcmp(g0.lat_down, g3.lat_down, lat * 4) != 0, "a different bf16 x leaves d lat_down unchanged");
+    CHECK(memcmp(g0.shared_gate, g3.shared_gate, sh * 4) != 0, "a different bf16 x leaves d shared_gate unchanged");
+    CHECK(memcmp(g0.shared_up, g3.shared_up, sh * 4) != 0, "a different bf16 x leaves d shared_up unchanged");
+    for (int run = 0; run < 4; run++)
+        for (int q = 0; q < 3; q++) free(out[run][q]);
+    free(x), free(dy), free(xb), free(xb_other);
     model_free(&md);
 }
 

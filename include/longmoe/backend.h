@@ -93,9 +93,12 @@ typedef struct {
     /* h = act(a, u) elementwise, h also in the product format (h_lp may equal h on the CPU) */
     lm_status (*glu_forward)(lm_backend *be, lm_glu_kind act, float *h, void *h_lp, const float *a, const float *u,
                              size_t n);
-    /* da = dh * dact/da, du = dh * dact/du (written) */
-    lm_status (*glu_backward)(lm_backend *be, lm_glu_kind act, float *da, float *du, const float *dh,
-                              const float *a, const float *u, size_t n);
+    /* da = dh * dact/da, du = dh * dact/du (written) into da, du (fp32) and/or
+     * da_lp, du_lp (the product format, the same values rounded: what to_lp
+     * of da, du gives); each fp32 output may be NULL when its lp one is given,
+     * each lp one NULL (on the CPU it may equal its fp32 output) */
+    lm_status (*glu_backward)(lm_backend *be, lm_glu_kind act, float *da, float *du, void *da_lp, void *du_lp,
+                              const float *dh, const float *a, const float *u, size_t n);
     /* out = sigmoid(in) (in-place allowed) */
     lm_status (*sigmoid_forward)(lm_backend *be, float *out, const float *in, size_t n);
     /* dlogit = dout * y * (1 - y), y = sigmoid output (written; dlogit may equal dout) */
@@ -154,9 +157,11 @@ typedef struct {
     /* gated = sigmoid(gate_logits) ⊙ o (fp32, and gated_lp for W_o) */
     lm_status (*gate_forward)(lm_backend *be, float *gated, void *gated_lp, const float *gate_logits,
                               const void *o_lp, size_t n);
-    /* d_o (lp) and dgate_logits WRITTEN from d_gated */
-    lm_status (*gate_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, const float *d_gated,
-                               const float *gate_logits, const void *o_lp, size_t n);
+    /* d_o (lp) and dgate_logits WRITTEN from d_gated; dgate_logits into fp32
+     * and/or dgate_logits_lp (the product format, the bits to_lp would give):
+     * either may be NULL, not both (on the CPU the lp one may equal the fp32) */
+    lm_status (*gate_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, void *dgate_logits_lp,
+                               const float *d_gated, const float *gate_logits, const void *o_lp, size_t n);
 
     /* ---- the KDA token mixer's pieces (src/model/kda_layer.c) ---- */
     /* conv_out = ShortConv(in) (causal, depthwise, width W, zero history per
@@ -196,10 +201,12 @@ typedef struct {
     lm_status (*kda_output_forward)(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
                                     const float *gate_logits, const void *o_lp, const float *o_norm, int64_t N, int H,
                                     int K, float eps);
-    /* from d_gated: dgate_logits (written), d_o (lp, written), do_norm += */
-    lm_status (*kda_output_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
-                                     const float *d_gated, const void *o_lp, const float *o_rstd, const float *gate,
-                                     const float *o_norm, int64_t N, int H, int K, float eps, float *tmp);
+    /* from d_gated: dgate_logits (written, fp32 and/or dgate_logits_lp in the
+     * product format, as gate_backward), d_o (lp, written), do_norm += */
+    lm_status (*kda_output_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, void *dgate_logits_lp,
+                                     float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
+                                     const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
+                                     float *tmp);
 
     /* ---- the MoE layer (moe.h) and its balancing (balance.h) ---- */
     /* the backend's activations for up to m_max tokens (opaque to the model) */
@@ -209,11 +216,15 @@ typedef struct {
      * (the memory plan, lm_model_plan; no backend needed) */
     size_t (*moe_acts_bytes)(const lm_moe_config *cfg, int64_t m_max);
     /* y[m,d] = MoE(x) (written); bias_host [n] (host, may be NULL) selects, as
-     * in moe.h; p (fp32) and p_lp (the same layout in the product format) */
-    lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const float *bias_host,
+     * in moe.h; p (fp32) and p_lp (the same layout in the product format).
+     * x_lp (may be NULL): x in the product format, which the products that
+     * take x read instead of a copy the backend would make (on the CPU the
+     * view is x itself and this is ignored); moe_backward reads it too, so it
+     * must keep its values until then */
+    lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
                              const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
                              void *acts, int64_t m);
-    /* dx += ..., g += ... for the last forward; dscores_extra [m,n] may be NULL */
+    /* dx += ..., g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL */
     lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
                               const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                               const lm_moe_params *p_lp, void *acts);

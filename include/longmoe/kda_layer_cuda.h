@@ -15,8 +15,9 @@
  * bf16 appears exactly where the KDA operator (longmoe/kda_cuda.h) wants it:
  * the operator's inputs q, k, v, its output o, and the gradients it gives
  * (dq, dk, dv) and takes (d_o). The gated output feeding W_o is bf16 because
- * W_o's product takes bf16 operands. Statistics (1/||.||, 1/rms), the gate
- * and every accumulator are fp32.
+ * W_o's product takes bf16 operands; so, on request, are the gradients that
+ * feed products: the gate logits' (W_g's) and din (W_q, W_k, W_v's).
+ * Statistics (1/||.||, 1/rms), the gate and every accumulator are fp32.
  *
  * Limits: head_dim (and K) a multiple of 32, at most 256; C a multiple of
  * head_dim; W >= 1. Bad arguments return LM_ERR_ARG naming the argument;
@@ -104,13 +105,19 @@ size_t lm_cuda_kda_output_backward_scratch_bytes(int64_t N, int H, int K);
  *   d_o_bf16 [N,H*K] bf16 WRITTEN: the KDA operator's d_o (NULL: not written)
  *   d_o_f32  [N,H*K] fp32 WRITTEN: the same in fp32 (NULL: not written);
  *            at least one of the two is required
- *   dgate_logits [N,H*K] WRITTEN: d_gated n gate (1 - gate), for W_g's backward
+ *   dgate_logits [N,H*K] fp32 WRITTEN: d_gated n gate (1 - gate), for W_g's
+ *            backward (NULL: not written)
+ *   dgate_bf16 [N,H*K] bf16 WRITTEN: the same rounded to nearest even (the
+ *            bits of lm_cuda_f32_to_bf16 on dgate_logits), the operand of
+ *            W_g's backward products (NULL: not written); at least one of
+ *            the two is required
  *   do_norm [K] ACCUMULATED (+=), fixed-order sum over tokens and heads
  *   o, gate: as in (and from) the forward; o_rstd: from the forward, or
  *            NULL: recomputed from o with eps
  *   scratch: lm_cuda_kda_output_backward_scratch_bytes(N,H,K) bytes, 4-byte aligned. */
 lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uint16_t *d_o_bf16,
-                                      float *d_o_f32, float *dgate_logits, float *do_norm,
+                                      float *d_o_f32, float *dgate_logits, uint16_t *dgate_bf16,
+                                      float *do_norm,
                                       const float *d_gated, const uint16_t *o,
                                       const float *o_rstd, const float *gate,
                                       const float *o_norm, int64_t N, int H, int K, float eps,

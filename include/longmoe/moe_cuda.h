@@ -66,7 +66,9 @@ typedef struct {
     int32_t *order;         /* [P] grouped row -> slot i*k + t, -1 on padding rows */
     int32_t *slot_row;      /* [m k] slot -> grouped (padded) row */
     int32_t *block_counts;  /* [ceil(m k / 256), n] per-block expert counts of the sort */
-    uint16_t *x_bf16;       /* [m, d] bf16 x (input of lat_down and the shared experts) */
+    const uint16_t *x_bf16; /* [m, d] bf16 x (input of lat_down and the shared experts) that the
+                               last forward read: the caller's copy, or x_own */
+    uint16_t *x_own;        /* [m, d] x rounded to bf16 by the forward when the caller gave none */
     uint16_t *x_lat;        /* [m, d_lat] bf16 W_down_lat x (LatentMoE only) */
     uint16_t *xg;           /* [P, d_e] bf16 expert inputs, grouped */
     uint16_t *ga, *gu;      /* [P, f] bf16 gate / up pre-activations */
@@ -191,12 +193,18 @@ lm_status lm_cuda_moe_scratch_carve(lm_cuda_moe_scratch *scratch, const lm_moe_c
 /* Forward: y[m,d] fp32 from x[m,d] fp32 with the balancing bias b[n] (device,
  * NULL: zero). Routing, grouping and all the backward needs go to acts
  * (m <= acts->m_max). params_f32: router and lat_norm are read; params_bf16:
- * every other weight. */
-lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x, const float *bias,
-                              const lm_moe_config *cfg, const lm_moe_params *params_f32,
+ * every other weight. x_bf16 [m,d] (may be NULL): x already rounded to bf16
+ * (round to nearest even, as lm_cuda_f32_to_bf16), which the latent
+ * down-projection and the shared experts read instead of a conversion of
+ * their own into acts->x_own; the backward reads it too, so it must hold the
+ * same values until the backward of this forward. Not read without LatentMoE
+ * and shared experts (the routed experts gather x itself). */
+lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x, const uint16_t *x_bf16,
+                              const float *bias, const lm_moe_config *cfg, const lm_moe_params *params_f32,
                               const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m);
 
-/* Backward of the last forward (same x, params, acts). ACCUMULATES (+=) into
+/* Backward of the last forward (same x, params, acts; the bf16 x that forward
+ * read, acts->x_bf16). ACCUMULATES (+=) into
  * dx[m,d] (may be NULL) and every non-NULL pointer of grads (fp32, the
  * lm_moe_params layout). The routing is held fixed; the router gradient flows
  * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward. */

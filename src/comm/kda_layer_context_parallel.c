@@ -225,7 +225,7 @@ static lm_status backward_body(lm_comm *comm, const lm_kda_layer_config *c, cons
     float *dgate = scratch + S.dgate, *din = scratch + S.din, *dz = scratch + S.dz;
     float *dqkv[3] = {scratch + S.dq, scratch + S.dk, scratch + S.dv};
     TRY(op->matmul_backward(be, d_gated, g->W_o, dy, acts + L.gated, p->W_o, N, HK, d));
-    TRY(op->kda_output_backward(be, scratch + S.d_o, dgate, g->o_norm, d_gated, acts + L.o, acts + L.o_rstd,
+    TRY(op->kda_output_backward(be, scratch + S.d_o, dgate, NULL, g->o_norm, d_gated, acts + L.o, acts + L.o_rstd,
                                 acts + L.gate, p->o_norm, N, H, K, c->eps, tmp));
     TRY(op->matmul_backward(be, dx, g->W_g, dgate, x, p->W_g, N, d, HK));
     /* the operator across the ranks */

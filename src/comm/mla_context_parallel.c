@@ -300,7 +300,7 @@ static lm_status backward_body(lm_comm *comm, const lm_mla_config *c, const lm_m
     float *dkr = scratch + S.dkr, *down_a = scratch + S.down_a, *down_b = scratch + S.down_b;
     /* through y = W_o (sigmoid(gp) * o) */
     TRY(op->matmul_backward(be, dgated, g->W_o, dy, acts + L.gated, p->W_o, N, H * Dv, d));
-    TRY(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
+    TRY(op->gate_backward(be, d_o, dgp, NULL, dgated, gp, o, (size_t)N * H * Dv));
     TRY(op->matmul_backward(be, dx, g->W_g, dgp, x, p->W_g, N, d, H * Dv));
     lm_attention_config ac = core_of(c, B, n);
     TRY(lm_attention_backward_offset(&ac, t0, acts + L.q, k, v, o, acts + L.lse, d_o, dq, dk, dv));

@@ -275,9 +275,12 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
     TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
     /* the output gate and head norm: d gate-logits, d_o */
-    TRY(op->kda_output_backward(be, d_o, dgate, g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N,
-                                H, K, c->eps, tmp));
-    TRY(lp_view(be, dgate, scratch + S.dgate_lp, NHK, &dgate_lp));
+    /* dgate straight in the product format where that is a separate copy (no fp32 dgate, no conversion);
+     * on the CPU the lp view is dgate itself */
+    const int sep = lp_separate(c);
+    TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, g->o_norm, d_gated,
+                                a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
+    dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
     TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
     /* the operator */
     lm_kda_config kc = op_config(c, B, T);

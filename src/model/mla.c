@@ -563,8 +563,11 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     TRY(lp_view(be, dy, scratch + S.dy_lp, (size_t)N * d, &dy_lp));
     // through y = W_o (sigmoid(gp) * o)
     MM_B(dgated, g->W_o, NULL, dy_lp, acts + L.gated, pl->W_o, N, H * Dv, d);
-    TRY(op->gate_backward(be, d_o, dgp, dgated, gp, o, (size_t)N * H * Dv));
-    TRY(lp_view(be, dgp, scratch + S.dgp_lp, (size_t)N * H * Dv, &dgp_lp));
+    /* dgp straight in the product format where that is a separate copy (no fp32 dgp, no conversion) */
+    const int sep = lp_separate(c);
+    TRY(op->gate_backward(be, d_o, sep ? NULL : dgp, sep ? scratch + S.dgp_lp : NULL, dgated, gp, o,
+                          (size_t)N * H * Dv));
+    dgp_lp = sep ? (const void *)(scratch + S.dgp_lp) : (const void *)dgp;
     MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
     lm_attention_config ac = core_config(c, B, T);
     const int64_t pos0 = seg ? seg->t0 : 0;

@@ -1137,11 +1137,9 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
     if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
     TRY(op->matmul_backward_set(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
-    TRY(op->glu_backward(be, act, da, du, dh, ls->ffn_a, ls->ffn_u, nf));
-    if (m->sep) {
-        TRY(op->to_lp(be, da_lp, da, nf));
-        TRY(op->to_lp(be, du_lp, du, nf));
-    }
+    /* da, du straight in the product format where that is a separate copy (no fp32 da, du; no conversion) */
+    TRY(op->glu_backward(be, act, m->sep ? NULL : da, m->sep ? NULL : du, m->sep ? da_lp : NULL,
+                         m->sep ? du_lp : NULL, dh, ls->ffn_a, ls->ffn_u, nf));
     TRY(op->matmul_backward(be, dx, gWg, da_lp, x, Wg, n, d, f));
     TRY(op->matmul_backward(be, dx, gWu, du_lp, x, Wu, n, d, f));
     return LM_OK;
@@ -1197,7 +1195,9 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
                             "(lm_model_keep_expert_weights): a forward that runs every expert locally (evaluation) "
                             "needs them gathered first (lm_model_gather_experts, or layer by layer: "
                             "lm_model_gather_experts_by_layer)", idx / 2);
-        TRY(op->moe_forward(be, y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL, ls->moe_acts, n));
+        /* the norm's own product-format copy of xn: no conversion in the MoE (kept until its backward) */
+        TRY(op->moe_forward(be, y, xn, m->sep ? xn_lp : NULL, ls->bal.bias, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+                            ls->moe_acts, n));
     }
     float *scores = op->moe_scores(be, ls->moe_acts);
     if (m->fault == LM_FAULT_ROUTER && !recompute) {

@@ -149,15 +149,27 @@ static lm_status cpu_glu_forward(lm_backend *be, lm_glu_kind act, float *h, void
     return LM_OK;
 }
 
-static lm_status cpu_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, const float *dh,
-                                  const float *a, const float *u, size_t n) {
+/* An fp32 output with an optional copy in the product format (fp32 here):
+ * the op writes into f32_or_lp (the fp32 buffer, or the copy when that is
+ * NULL), then fill_lp copies into the lp buffer when it is another one. */
+static float *f32_or_lp(float *f32, void *lp) { return f32 ? f32 : (float *)lp; }
+static void fill_lp(void *lp, const float *f32, size_t n) {
+    if (lp && lp != (const void *)f32) memcpy(lp, f32, n * sizeof(float));
+}
+
+static lm_status cpu_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, void *da_lp, void *du_lp,
+                                  const float *dh, const float *a, const float *u, size_t n) {
     (void)be;
+    float *ga = f32_or_lp(da, da_lp), *gu = f32_or_lp(du, du_lp);
+    if (!ga || !gu) return lm_error(LM_ERR_ARG, "glu_backward: da or du has neither an fp32 nor an lp output");
     for (size_t i = 0; i < n; i++) {
         float ha, hu;
         lm_expert_act_backward((lm_expert_act)act, a[i], u[i], &ha, &hu);
-        da[i] = dh[i] * ha;
-        du[i] = dh[i] * hu;
+        ga[i] = dh[i] * ha;
+        gu[i] = dh[i] * hu;
     }
+    fill_lp(da_lp, ga, n);
+    fill_lp(du_lp, gu, n);
     return LM_OK;
 }
 
@@ -307,13 +319,15 @@ static lm_status cpu_kda_output_forward(lm_backend *be, float *gated, void *gate
     return LM_OK;
 }
 
-static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
-                                         const float *d_gated, const void *o_lp, const float *o_rstd,
+static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_f32, void *dgate_lp,
+                                         float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
                                          const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
                                          float *tmp) {
     (void)be;
     const float *o = o_lp;
     size_t n = (size_t)N * H * K;
+    float *dgate_logits = f32_or_lp(dgate_f32, dgate_lp);
+    if (!dgate_logits) return lm_error(LM_ERR_ARG, "kda_output_backward: dgate_logits and its lp copy are NULL");
     /* gated = gate ⊙ nrm with nrm = RMSNorm(o): d gate-logit = d_gated nrm gate (1 - gate); d nrm = d_gated gate */
     for (size_t i = 0; i < n; i++) {
         float gt = gate[i], nrm = o[i] * o_rstd[i / K] * o_norm[i % K];
@@ -322,6 +336,7 @@ static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dg
     }
     memset(d_o_lp, 0, n * sizeof(float));
     lm_rmsnorm_backward(d_o_lp, do_norm, tmp, o, o_norm, o_rstd, N * H, K, eps);
+    fill_lp(dgate_lp, dgate_logits, n);
     return LM_OK;
 }
 
@@ -382,17 +397,19 @@ static lm_status cpu_gate_forward(lm_backend *be, float *gated, void *gated_lp, 
     return LM_OK;
 }
 
-static lm_status cpu_gate_backward(lm_backend *be, void *d_o_lp, float *dgp, const float *dgated, const float *gp,
-                                   const void *o_lp, size_t n) {
+static lm_status cpu_gate_backward(lm_backend *be, void *d_o_lp, float *dgp_f32, void *dgp_lp, const float *dgated,
+                                   const float *gp, const void *o_lp, size_t n) {
     (void)be;
     const float *o = o_lp;
-    float *d_o = d_o_lp;
+    float *d_o = d_o_lp, *dgp = f32_or_lp(dgp_f32, dgp_lp);
+    if (!dgp) return lm_error(LM_ERR_ARG, "gate_backward: dgate_logits and its lp copy are NULL");
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < (int64_t)n; i++) {
         const float s = lm_sigmoidf(gp[i]);
         d_o[i] = dgated[i] * s;
         dgp[i] = dgated[i] * o[i] * s * (1.0f - s);
     }
+    fill_lp(dgp_lp, dgp, n);
     return LM_OK;
 }
 
@@ -436,9 +453,12 @@ static void cpu_moe_acts_free(lm_backend *be, void *acts) {
     free(acts);
 }
 
-static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const float *bias, const lm_moe_config *cfg,
-                                 const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, int64_t m) {
+/* x_lp is x's view (x itself): the operator reads x */
+static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                                 const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                 void *acts, int64_t m) {
     (void)be;
+    (void)x_lp;
     (void)p_lp;
     return lm_moe_forward(y, x, bias, cfg, p, acts, m);
 }

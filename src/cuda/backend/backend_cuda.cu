@@ -213,9 +213,11 @@ static lm_status cuda_glu_forward(lm_backend *be, lm_glu_kind act, float *h, voi
     return lm_cuda_backend_glu_forward(ctx_of(be), act, h, (uint16_t *)h_lp, a, u, n);
 }
 
-static lm_status cuda_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, const float *dh,
-                                   const float *a, const float *u, size_t n) {
-    return lm_cuda_backend_glu_backward(ctx_of(be), act, da, du, dh, a, u, n);
+static lm_status cuda_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, void *da_lp, void *du_lp,
+                                   const float *dh, const float *a, const float *u, size_t n) {
+    if ((da_lp && da_lp == (void *)da) || (du_lp && du_lp == (void *)du))
+        return lm_error(LM_ERR_ARG, "glu_backward: da_lp == da or du_lp == du on the GPU");
+    return lm_cuda_backend_glu_backward(ctx_of(be), act, da, du, (uint16_t *)da_lp, (uint16_t *)du_lp, dh, a, u, n);
 }
 
 static lm_status cuda_sigmoid_forward(lm_backend *be, float *out, const float *in, size_t n) {
@@ -378,16 +380,19 @@ static lm_status cuda_kda_output_forward(lm_backend *be, float *gated, void *gat
     return lm_cuda_bf16_to_f32(ctx_of(be), gated, (const uint16_t *)gated_lp, (size_t)N * H * K);
 }
 
-static lm_status cuda_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_logits, float *do_norm,
-                                          const float *d_gated, const void *o_lp, const float *o_rstd,
+static lm_status cuda_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_logits, void *dgate_logits_lp,
+                                          float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
                                           const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
                                           float *tmp) {
     (void)tmp;
+    if (dgate_logits_lp && dgate_logits_lp == (void *)dgate_logits)
+        return lm_error(LM_ERR_ARG, "kda_output_backward: dgate_logits_lp == dgate_logits on the GPU");
     void *scratch;
     lm_status st = arena_get(be, lm_cuda_kda_output_backward_scratch_bytes(N, H, K), &scratch);
     if (st) return st;
-    return lm_cuda_kda_output_backward(ctx_of(be), (uint16_t *)d_o_lp, NULL, dgate_logits, do_norm, d_gated,
-                                       (const uint16_t *)o_lp, o_rstd, gate, o_norm, N, H, K, eps, scratch);
+    return lm_cuda_kda_output_backward(ctx_of(be), (uint16_t *)d_o_lp, NULL, dgate_logits, (uint16_t *)dgate_logits_lp,
+                                       do_norm, d_gated, (const uint16_t *)o_lp, o_rstd, gate, o_norm, N, H, K, eps,
+                                       scratch);
 }
 
 /* ---- gated attention ---- */
@@ -457,9 +462,12 @@ static lm_status cuda_gate_forward(lm_backend *be, float *gated, void *gated_lp,
     return lm_cuda_backend_gate_forward(ctx_of(be), gated, (uint16_t *)gated_lp, gp, (const uint16_t *)o_lp, n);
 }
 
-static lm_status cuda_gate_backward(lm_backend *be, void *d_o_lp, float *dgp, const float *dgated, const float *gp,
-                                    const void *o_lp, size_t n) {
-    return lm_cuda_backend_gate_backward(ctx_of(be), (uint16_t *)d_o_lp, dgp, dgated, gp, (const uint16_t *)o_lp, n);
+static lm_status cuda_gate_backward(lm_backend *be, void *d_o_lp, float *dgp, void *dgp_lp, const float *dgated,
+                                    const float *gp, const void *o_lp, size_t n) {
+    if (dgp_lp && dgp_lp == (void *)dgp)
+        return lm_error(LM_ERR_ARG, "gate_backward: dgate_logits_lp == dgate_logits on the GPU");
+    return lm_cuda_backend_gate_backward(ctx_of(be), (uint16_t *)d_o_lp, dgp, (uint16_t *)dgp_lp, dgated, gp,
+                                         (const uint16_t *)o_lp, n);
 }
 
 /* ---- the MoE layer and its balancing ---- */
@@ -553,17 +561,19 @@ static lm_moe_params_bf16 moe_bf16_view(const lm_moe_params *p) {
     return b;
 }
 
-static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, const float *bias_host,
-                                  const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
-                                  void *acts, int64_t m) {
+static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, const void *x_lp,
+                                  const float *bias_host, const lm_moe_config *cfg, const lm_moe_params *p,
+                                  const lm_moe_params *p_lp, void *acts, int64_t m) {
     cuda_moe *a = (cuda_moe *)acts;
     if (!a || !cfg || !p || !p_lp) return lm_error(LM_ERR_ARG, "moe_forward: acts, cfg, p or p_lp is NULL");
+    if (x_lp && x_lp == (const void *)x) return lm_error(LM_ERR_ARG, "moe_forward: x_lp aliases the fp32 x");
     if (cfg->n_experts != a->cfg.n_experts || cfg->top_k != a->cfg.top_k)
         return lm_error(LM_ERR_ARG, "moe_forward: cfg differs from the one the activations were made for");
     lm_status st;
     if (bias_host && (st = cuda_upload(be, a->bias, bias_host, (size_t)cfg->n_experts * sizeof(float)))) return st;
     lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
-    return lm_cuda_moe_forward(ctx_of(be), y, x, bias_host ? a->bias : NULL, cfg, p, &pb, &a->acts, m);
+    return lm_cuda_moe_forward(ctx_of(be), y, x, (const uint16_t *)x_lp, bias_host ? a->bias : NULL, cfg, p, &pb,
+                               &a->acts, m);
 }
 
 static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,

@@ -16,15 +16,20 @@
  * and h_bf16 (may be NULL). act: LM_EXPERT_SWIGLU or LM_EXPERT_SITU_GLU. */
 lm_status lm_cuda_backend_glu_forward(const lm_cuda_context *ctx, int act, float *h, uint16_t *h_bf16,
                                       const float *a, const float *u, size_t n);
-/* da = dh * dact/da, du = dh * dact/du (WRITTEN; lm_expert_act_backward). */
-lm_status lm_cuda_backend_glu_backward(const lm_cuda_context *ctx, int act, float *da, float *du, const float *dh,
-                                       const float *a, const float *u, size_t n);
+/* da = dh * dact/da, du = dh * dact/du (WRITTEN; lm_expert_act_backward) into
+ * da, du (fp32) and/or da_bf16, du_bf16 (the same values rounded to nearest
+ * even, as lm_cuda_f32_to_bf16): each of the four may be NULL, but not both
+ * outputs of da or of du. */
+lm_status lm_cuda_backend_glu_backward(const lm_cuda_context *ctx, int act, float *da, float *du, uint16_t *da_bf16,
+                                       uint16_t *du_bf16, const float *dh, const float *a, const float *u, size_t n);
 /* gated = sigmoid(gp) * fp32(o) into gated (may be NULL) and gated_bf16 (may be NULL). */
 lm_status lm_cuda_backend_gate_forward(const lm_cuda_context *ctx, float *gated, uint16_t *gated_bf16,
                                        const float *gp, const uint16_t *o, size_t n);
-/* s = sigmoid(gp): d_o = bf16(dgated s), dgp = dgated o s (1 - s) (both WRITTEN). */
-lm_status lm_cuda_backend_gate_backward(const lm_cuda_context *ctx, uint16_t *d_o, float *dgp, const float *dgated,
-                                        const float *gp, const uint16_t *o, size_t n);
+/* s = sigmoid(gp): d_o = bf16(dgated s), dgp = dgated o s (1 - s) (both
+ * WRITTEN); dgp into fp32 (may be NULL) and/or dgp_bf16 (may be NULL: the
+ * same value rounded as lm_cuda_f32_to_bf16 rounds), not neither. */
+lm_status lm_cuda_backend_gate_backward(const lm_cuda_context *ctx, uint16_t *d_o, float *dgp, uint16_t *dgp_bf16,
+                                        const float *dgated, const float *gp, const uint16_t *o, size_t n);
 /* target_logit[r] = hn[r,:] . head[targets[r],:] (bf16 operands, fp32 sum
  * in a fixed warp order), r < n. */
 lm_status lm_cuda_backend_target_logit(const lm_cuda_context *ctx, float *target_logit, const uint16_t *hn,

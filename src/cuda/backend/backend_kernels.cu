@@ -33,8 +33,8 @@ __global__ void bk_glu_forward_kernel(int act, float *h, uint16_t *h_bf16, const
     }
 }
 
-__global__ void bk_glu_backward_kernel(int act, float *da, float *du, const float *dh, const float *a,
-                                       const float *u, size_t n) {
+__global__ void bk_glu_backward_kernel(int act, float *da, float *du, uint16_t *da_bf16, uint16_t *du_bf16,
+                                       const float *dh, const float *a, const float *u, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = a[i], y = u[i], sg = bk_sigmoid(x), ha, hu;
         if (act == LM_EXPERT_SITU_GLU) {
@@ -47,9 +47,11 @@ __global__ void bk_glu_backward_kernel(int act, float *da, float *du, const floa
             ha = y * sg * (1.0f + x * (1.0f - sg));
             hu = x * sg;
         }
-        float g = dh[i];
-        da[i] = g * ha;
-        du[i] = g * hu;
+        float g = dh[i], ga = g * ha, gu = g * hu;
+        if (da) da[i] = ga;
+        if (du) du[i] = gu;
+        if (da_bf16) da_bf16[i] = lin_f32_to_bf16(ga);
+        if (du_bf16) du_bf16[i] = lin_f32_to_bf16(gu);
     }
 }
 
@@ -62,13 +64,15 @@ __global__ void bk_gate_forward_kernel(float *gated, uint16_t *gated_bf16, const
     }
 }
 
-__global__ void bk_gate_backward_kernel(uint16_t *d_o, float *dgp, const float *dgated, const float *gp,
-                                        const uint16_t *o, size_t n) {
+__global__ void bk_gate_backward_kernel(uint16_t *d_o, float *dgp, uint16_t *dgp_bf16, const float *dgated,
+                                        const float *gp, const uint16_t *o, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float s = bk_sigmoid(gp[i]), g = dgated[i];
         float ov = lin_bf16_to_f32(o[i]);
+        float v = g * ov * s * (1.0f - s);
         d_o[i] = lin_f32_to_bf16(g * s);
-        dgp[i] = g * ov * s * (1.0f - s);
+        if (dgp) dgp[i] = v;
+        if (dgp_bf16) dgp_bf16[i] = lin_f32_to_bf16(v);
     }
 }
 
@@ -127,14 +131,16 @@ lm_status lm_cuda_backend_glu_forward(const lm_cuda_context *ctx, int act, float
 }
 
 lm_status lm_cuda_backend_glu_backward(const lm_cuda_context *ctx, int act, float *da, float *du,
-                                                    const float *dh, const float *a, const float *u, size_t n) {
+                                                    uint16_t *da_bf16, uint16_t *du_bf16, const float *dh,
+                                                    const float *a, const float *u, size_t n) {
     lm_status st = bk_check(ctx, "glu_backward");
     if (st || n == 0) return st;
     if (act != LM_EXPERT_SWIGLU && act != LM_EXPERT_SITU_GLU)
         return lm_error(LM_ERR_ARG, "glu_backward: act = %d is not an expert activation", act);
-    if (!da || !du || !dh || !a || !u) return lm_error(LM_ERR_ARG, "glu_backward: a pointer is NULL");
-    bk_glu_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(act, da, du, dh, a,
-                                                                                                  u, n);
+    if ((!da && !da_bf16) || (!du && !du_bf16) || !dh || !a || !u)
+        return lm_error(LM_ERR_ARG, "glu_backward: an input, or both outputs of da or of du, are NULL");
+    bk_glu_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(
+        act, da, du, da_bf16, du_bf16, dh, a, u, n);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -152,13 +158,14 @@ lm_status lm_cuda_backend_gate_forward(const lm_cuda_context *ctx, float *gated,
 }
 
 lm_status lm_cuda_backend_gate_backward(const lm_cuda_context *ctx, uint16_t *d_o, float *dgp,
-                                                     const float *dgated, const float *gp, const uint16_t *o,
-                                                     size_t n) {
+                                                     uint16_t *dgp_bf16, const float *dgated, const float *gp,
+                                                     const uint16_t *o, size_t n) {
     lm_status st = bk_check(ctx, "gate_backward");
     if (st || n == 0) return st;
-    if (!d_o || !dgp || !dgated || !gp || !o) return lm_error(LM_ERR_ARG, "gate_backward: a pointer is NULL");
-    bk_gate_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(d_o, dgp, dgated,
-                                                                                                   gp, o, n);
+    if (!d_o || (!dgp && !dgp_bf16) || !dgated || !gp || !o)
+        return lm_error(LM_ERR_ARG, "gate_backward: an input, d_o, or both outputs of dgp are NULL");
+    bk_gate_backward_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(
+        d_o, dgp, dgp_bf16, dgated, gp, o, n);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }

@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/kda_layer/kda_layer_common.cuh"
+#include "cuda/linear/linear_common.cuh"
 #include "longmoe/kda_layer_cuda.h"
 
 #define ELEM_THREADS 256
@@ -70,7 +71,8 @@ __global__ void output_forward_kernel(uint16_t *gated, float *o_rstd, float *gat
 
 /* One warp per chunk of rows [c*R, (c+1)*R), in order, two rows' loads in
  * flight at a time; per row: dgate_logits = d_gated n gate (1 - gate) with
- * n = o rstd o_norm; dn = d_gated gate; the RMSNorm backward
+ * n = o rstd o_norm (into fp32 and/or bf16, the same value rounded as
+ * lm_cuda_f32_to_bf16 rounds); dn = d_gated gate; the RMSNorm backward
  * d_o = s (dn w) - x s^3/K sum_j (dn_j w_j x_j); and, in the same pass, the
  * lane's share of do_norm: partial[c][k] = sum over the chunk's rows (in
  * order) of dn[r,k] o[r,k] rstd[r]. One read of every input, one write of
@@ -78,7 +80,7 @@ __global__ void output_forward_kernel(uint16_t *gated, float *o_rstd, float *gat
 template <int PER>
 __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
     output_backward_kernel(uint16_t *d_o_bf16, float *d_o_f32, float *dgate_logits,
-                                       float *partial, const float *d_gated, const uint16_t *o,
+                                       uint16_t *dgate_bf16, float *partial, const float *d_gated, const uint16_t *o,
                                        const float *o_rstd, const float *gate,
                                        const float *o_norm, int K, float eps, int64_t rows,
                                        int64_t rows_per_chunk, int64_t chunks) {
@@ -119,7 +121,9 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
                 if (j >= per) break;
                 const int64_t e = row * K + j * 32 + lane;
                 const float n = x[q][j] * s * w[j];
-                dgate_logits[e] = dg[q][j] * n * gt[q][j] * (1.0f - gt[q][j]);
+                const float dgl = dg[q][j] * n * gt[q][j] * (1.0f - gt[q][j]);
+                if (dgate_logits) dgate_logits[e] = dgl;
+                if (dgate_bf16) dgate_bf16[e] = lin_f32_to_bf16(dgl);
                 dn[j] = dg[q][j] * gt[q][j];
                 dot += dn[j] * w[j] * x[q][j];
                 acc[j] += dn[j] * x[q][j] * s;
@@ -202,7 +206,7 @@ extern "C" size_t lm_cuda_kda_output_backward_scratch_bytes(int64_t N, int H, in
 
 extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uint16_t *d_o_bf16,
                                                  float *d_o_f32, float *dgate_logits,
-                                                 float *do_norm, const float *d_gated,
+                                                 uint16_t *dgate_bf16, float *do_norm, const float *d_gated,
                                                  const uint16_t *o, const float *o_rstd,
                                                  const float *gate, const float *o_norm, int64_t N,
                                                  int H, int K, float eps, void *scratch) {
@@ -210,9 +214,9 @@ extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uin
     const char *fn = "kda_output_backward";
     if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
     if (!d_o_bf16 && !d_o_f32) return lm_error(LM_ERR_ARG, "%s: d_o_bf16 or d_o_f32 is required", fn);
-    if (!dgate_logits || !do_norm || !d_gated || !o || !gate || !o_norm || !scratch)
-        return lm_error(LM_ERR_ARG,
-                        "%s: dgate_logits, do_norm, d_gated, o, gate, o_norm and scratch are required", fn);
+    if (!dgate_logits && !dgate_bf16) return lm_error(LM_ERR_ARG, "%s: dgate_logits or dgate_bf16 is required", fn);
+    if (!do_norm || !d_gated || !o || !gate || !o_norm || !scratch)
+        return lm_error(LM_ERR_ARG, "%s: do_norm, d_gated, o, gate, o_norm and scratch are required", fn);
     lm_status st = check_output_shape(fn, N, H, K);
     if (st) return st;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
@@ -221,7 +225,7 @@ extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uin
     const unsigned grid = kl_blocks(chunks, KL_ROW_WARPS);
 #define OUT_BWD(P)                                                                                   \
     output_backward_kernel<P><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(                               \
-        d_o_bf16, d_o_f32, dgate_logits, partial, d_gated, o, o_rstd, gate, o_norm, K, eps, rows,   \
+        d_o_bf16, d_o_f32, dgate_logits, dgate_bf16, partial, d_gated, o, o_rstd, gate, o_norm, K, eps, rows,   \
         rows_per_chunk, chunks)
     switch (K / 32) {
     case 1: OUT_BWD(1); break;

@@ -60,7 +60,7 @@ static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m
         {(void **)&a->weights, mk * 4},       {(void **)&a->offsets, (n + 1) * 4},
         {(void **)&a->padded_offsets, (n + 1) * 4}, {(void **)&a->order, P * 4},
         {(void **)&a->slot_row, mk * 4},      {(void **)&a->block_counts, nblk * n * 4},
-        {(void **)&a->x_bf16, (dl || ns) ? m * d * 2 : 0}, {(void **)&a->x_lat, m * dl * 2},
+        {(void **)&a->x_own, (dl || ns) ? m * d * 2 : 0}, {(void **)&a->x_lat, m * dl * 2},
         {(void **)&a->xg, P * de * 2},        {(void **)&a->ga, P * f * 2},
         {(void **)&a->gu, P * f * 2},         {(void **)&a->gh, P * f * 2},
         {(void **)&a->gout, P * de * 2},      {(void **)&a->z, dl ? m * de * 4 : 0},
@@ -390,8 +390,9 @@ static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, c
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x, const float *bias,
-                                         const lm_moe_config *c, const lm_moe_params *pf,
+extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x,
+                                         const uint16_t *x_bf16, const float *bias, const lm_moe_config *c,
+                                         const lm_moe_params *pf,
                                          const lm_moe_params_bf16 *pb, lm_cuda_moe_acts *a, int64_t m) {
     // x, y are (m,d) fp32; bias (n); everything the backward needs goes to acts
     if (!ctx || !c || !a) return lm_error(LM_ERR_ARG, "moe cuda forward: ctx, cfg and acts must not be NULL");
@@ -416,8 +417,13 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     const int64_t P = a->rows_max;
     const int32_t *rows_used = a->padded_offsets + n;
 
-    if (a->x_bf16) {
-        TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)a->x_bf16, x, (size_t)(m * d)));
+    /* the bf16 x of lat_down and the shared experts: the caller's, else x rounded into x_own */
+    a->x_bf16 = NULL;
+    if (a->x_own && x_bf16) {
+        a->x_bf16 = x_bf16;
+    } else if (a->x_own) {
+        TRY(lm_cuda_f32_to_bf16(ctx, a->x_own, x, (size_t)(m * d)));
+        a->x_bf16 = a->x_own;
     }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
     TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d, NULL, 0));
