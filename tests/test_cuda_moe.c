@@ -564,6 +564,36 @@ static void check_histogram(lm_qb_estimator est) {
     lm_balance_free(&st);
 }
 
+/* Expert loads over many blocks (each counts its slots in shared memory, then
+ * adds them): equal to the host's count of a random routing, accumulated. */
+static void test_expert_load_over_many_blocks(void) {
+    enum { M = 5003, N = 300, K = 8 };
+    static int32_t topk[M * K], load[N], want[N];
+    lm_rng r;
+    lm_rng_seed(&r, 610);
+    for (int j = 0; j < N; j++) want[j] = 7 * (j % 3); /* a start the counts add to */
+    memcpy(load, want, sizeof load);
+    for (int q = 0; q < M * K; q++) {
+        /* a skewed routing: half the slots on the first ten experts */
+        int j = lm_rng_uniform(&r) < 0.5 ? (int)(lm_rng_uniform(&r) * 10) : (int)(lm_rng_uniform(&r) * N);
+        topk[q] = j;
+        want[j]++;
+    }
+    void *td, *ld;
+    GPU_OK(lm_cuda_alloc(&td, sizeof topk));
+    GPU_OK(lm_cuda_alloc(&ld, sizeof load));
+    GPU_OK(lm_cuda_upload(td, topk, sizeof topk));
+    GPU_OK(lm_cuda_upload(ld, load, sizeof load));
+    GPU_OK(lm_cuda_expert_load(&ctx, ld, td, M, N, K));
+    GPU_OK(lm_cuda_context_sync(&ctx));
+    GPU_OK(lm_cuda_download(load, ld, sizeof load));
+    int bad = 0;
+    for (int j = 0; j < N; j++) bad += load[j] != want[j];
+    CHECK(bad == 0, "%d of %d expert loads differ from the host's count", bad, N);
+    CHECK(lm_cuda_expert_load(&ctx, ld, td, M, LM_MOE_MAX_EXPERTS + 1, K) == LM_ERR_ARG, "too many experts refused");
+    lm_cuda_free(td), lm_cuda_free(ld);
+}
+
 static void test_balance_histogram_equals_the_cpu_k3(void) { check_histogram(LM_QB_HISTOGRAM); }
 static void test_balance_histogram_equals_the_cpu_zoom(void) { check_histogram(LM_QB_ZOOM); }
 
@@ -724,6 +754,7 @@ int main(void) {
     RUN(test_gemm_selector);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);
+    RUN(test_expert_load_over_many_blocks);
     RUN(test_bad_arguments_are_refused);
     lm_cuda_context_destroy(&ctx);
     return test_summary();

@@ -74,9 +74,19 @@ extern "C" lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32
     return LM_OK;
 }
 
-__global__ void expert_load_kernel(int32_t *load, const int32_t *topk, int64_t mk) {
-    int64_t g = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (g < mk) atomicAdd(&load[topk[g]], 1);
+/* Each block counts LOAD_SLOTS slots into shared counters, then adds its
+ * non-zero counts to load: one global atomic an expert a block instead of one
+ * a slot (the 128 counters of k3-mini were a point of contention). */
+#define LOAD_SLOTS 4096
+__global__ void expert_load_kernel(int32_t *load, const int32_t *topk, int64_t mk, int n) {
+    __shared__ int32_t part[LM_MOE_MAX_EXPERTS];
+    for (int j = threadIdx.x; j < n; j += blockDim.x) part[j] = 0;
+    __syncthreads();
+    int64_t g0 = (int64_t)blockIdx.x * LOAD_SLOTS, g1 = g0 + LOAD_SLOTS < mk ? g0 + LOAD_SLOTS : mk;
+    for (int64_t g = g0 + threadIdx.x; g < g1; g += blockDim.x) atomicAdd(&part[topk[g]], 1);
+    __syncthreads();
+    for (int j = threadIdx.x; j < n; j += blockDim.x)
+        if (part[j]) atomicAdd(&load[j], part[j]);
 }
 
 extern "C" lm_status lm_cuda_expert_load(const lm_cuda_context *ctx, int32_t *load, const int32_t *topk, int64_t m,
@@ -89,7 +99,10 @@ extern "C" lm_status lm_cuda_expert_load(const lm_cuda_context *ctx, int32_t *lo
                         n, k);
     if (m == 0) return LM_OK;
     int64_t mk = m * k;
-    expert_load_kernel<<<(unsigned)((mk + 255) / 256), 256, 0, (cudaStream_t)ctx->stream>>>(load, topk, mk);
+    if (n > LM_MOE_MAX_EXPERTS)
+        return lm_error(LM_ERR_ARG, "expert load: n = %d exceeds %d experts", n, LM_MOE_MAX_EXPERTS);
+    expert_load_kernel<<<(unsigned)((mk + LOAD_SLOTS - 1) / LOAD_SLOTS), 256, 0, (cudaStream_t)ctx->stream>>>(
+        load, topk, mk, n);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
