@@ -164,9 +164,10 @@ typedef struct {
     double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
                               (lm_train_flops_per_token); reported on the GPU */
     /* 64-bit hashes of the state at the end: the parameters, the optimizer
-     * state (from a hash of each tensor's state; under ZeRO-1 the owners'
-     * gathered, so a layout does not change the value; likewise the owners'
-     * expert state under expert parallelism) and the counters, and
+     * state and the counters (from a hash of each tensor's weights and of its
+     * state, a routed experts' tensor's from its experts' hashes: under ZeRO-1
+     * each tensor's state hash is its owner's, under expert parallelism each
+     * expert's hashes its owner's, so a layout does not change the value), and
      * the MoE balancing state (biases, windows, loads); data-parallel ranks hold
      * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
      * them on every rank (collectively), as under expert parallelism */

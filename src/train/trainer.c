@@ -2218,7 +2218,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
         fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
-                "only; an evaluation gathers one MoE layer's at a time, a checkpoint all of them) instead of %.3f MiB\n",
+                "only; an evaluation gathers one MoE layer's at a time, a checkpoint sends rank 0 one expert tensor at a time) "
+                "instead of %.3f MiB\n",
                 lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
