@@ -8,7 +8,9 @@
  * with the experts' state replicated (bit for bit: losses, every step's
  * gradient norm, checkpoints, state hashes), against one process and against
  * EP over the whole world (1e-5 relative: losses, parameters, optimizer
- * state); the bytes of state and of gradients a rank holds; the same
+ * state); the checkpoints' files the replicated layout's bytes, one expert
+ * tensor at a time crossing to rank 0; a diverged replica of an expert slice
+ * refused before a checkpoint; the bytes of state and of gradients a rank holds; the same
  * parameters and QB bias on every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
  * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
  * in groups to owner-only bit for bit); norm
@@ -96,6 +98,7 @@ static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(vo
     for (int step = 5; step <= 20; step += 5) {
         CHECK(tensors_close("g", "grep", step, "model.safetensors", 0, &wd), "parameters at step %d", step);
         CHECK(tensors_close("g", "grep", step, "trainer.safetensors", 0, &wd), "trainer state at step %d", step);
+        CHECK(same_checkpoint_files("g", "grep", step), "the files of checkpoint %d differ", step);
     }
     /* against one process and the whole-world EP: float rounding */
     const double l1 = losses_close("g", "one", 20, 1e-5), lw = losses_close("g", "w", 20, 1e-5);
@@ -151,6 +154,25 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_weights(void) {
 }
 
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */
+/* A checkpoint reaches rank 0's files one routed experts' tensor at a time
+ * from the owners of its group (G = 1: every rank holds every expert, nothing
+ * crosses). */
+static void test_a_checkpoint_holds_one_expert_tensor_at_a_time(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    check_checkpoint_buffer(&g_result, &grep_result, ep_config(), G);
+}
+
+/* The first rank of the second group holds a replica of rank 0's experts:
+ * its slice of an expert tensor moved by an ulp is refused before the
+ * checkpoint on every rank, naming it (the hash of each rank covers its
+ * group's slices, each taken an expert at a time). */
+static void test_a_diverged_expert_replica_is_refused(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_options o = options("diverged", comm, G, 0);
+    o.val_batches = 1;
+    check_diverged_replica_refused(ep_config(), o, G, "layers.1.moe.up");
+}
+
 static void test_every_rank_holds_the_same_parameters_and_bias(void) {
     if (!runs_ok) SKIP("the runs failed");
     CHECK(same_on_every_rank(g_result.params_hash), "parameters or optimizer state differ between ranks");
@@ -347,6 +369,8 @@ int main(int argc, char **argv) {
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_gradients);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_weights);
+    RUN(test_a_checkpoint_holds_one_expert_tensor_at_a_time);
+    RUN(test_a_diverged_expert_replica_is_refused);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_group_sizes_and_one_process);

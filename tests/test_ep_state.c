@@ -8,7 +8,9 @@
  * owner-only state: bit for bit the losses, gradient norms, checkpoints of
  * steps 5 to 20 and state hashes) and one process (1e-5 relative); the
  * bytes of state and of gradients a rank holds (the replicated tensors' plus
- * 1/N of the experts'); the balancing state on every rank the same; a bit-exact resume
+ * 1/N of the experts'); the checkpoints' files the replicated layout's bytes,
+ * written with one expert tensor at a time crossing to rank 0; a diverged
+ * replica of a replicated tensor refused before a checkpoint; the balancing state on every rank the same; a bit-exact resume
  * on the same layout; checkpoints across layouts (replicated-state EP and
  * ZeRO-1 EP checkpoints resumed with owner-only state bit for bit, the
  * owner-only checkpoint on one process, one process's on the N ranks and, on
@@ -96,6 +98,8 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
     for (int step = 5; step <= 20; step += 5) {
         CHECK(tensors_close("ep", "rep", step, "model.safetensors", 0, &w), "parameters at step %d", step);
         CHECK(tensors_close("ep", "rep", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
+        /* the files themselves, header and checksum included: the owner-only run streams its experts to rank 0 */
+        CHECK(same_checkpoint_files("ep", "rep", step), "the files of checkpoint %d differ", step);
     }
     double wp, ws, worst = 0;
     na = read_metric("ep", "train", "loss", a, 32);
@@ -161,6 +165,29 @@ static void test_a_rank_holds_only_its_experts_weights(void) {
           ep_result.eval_gathered_bytes, nmoe, nmoe ? experts / nmoe : 0);
     printf("     an evaluation gathers %zu bytes at most (one of %zu MoE layers' experts; whole %zu)\n",
            ep_result.eval_gathered_bytes, nmoe, experts);
+}
+
+/* A checkpoint under owner-only experts reaches rank 0's files one routed
+ * experts' tensor at a time (its files are the replicated layout's bytes,
+ * above): rank 0 holds one expert tensor beyond its slices while it writes,
+ * at most one MoE layer's experts, the other ranks nothing more. */
+static void test_a_checkpoint_holds_one_expert_tensor_at_a_time(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    check_checkpoint_buffer(&ep_result, &rep_result, ep_config(), R);
+}
+
+/* A replica that diverged is refused before the checkpoint, on every rank
+ * and naming it: the last rank's copy of a replicated tensor (the experts'
+ * slices are held once here, so there is no copy of them to compare). */
+static void test_a_diverged_replica_is_refused(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_options o = lm_train_options_default(dir("diverged"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.expert_parallel = 1;
+    check_diverged_replica_refused(ep_config(), o, R - 1, "embed");
 }
 
 /* The parameters, optimizer-state hash and QB balancing state (bias, loads) the same on every rank. */
@@ -427,6 +454,8 @@ int main(int argc, char **argv) {
     RUN(test_a_rank_holds_only_its_experts_state);
     RUN(test_a_rank_holds_only_its_experts_gradients);
     RUN(test_a_rank_holds_only_its_experts_weights);
+    RUN(test_a_checkpoint_holds_one_expert_tensor_at_a_time);
+    RUN(test_a_diverged_replica_is_refused);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit);

@@ -12,10 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "longmoe/comm.h"
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
+#include "longmoe/train.h"
 #include "test.h"
 
 static lm_comm *comm;      /* the world (NULL alone) */
@@ -112,6 +114,23 @@ static inline int tensors_close(const char *a, const char *b, int step, const ch
     return ok;
 }
 
+/* Every file of checkpoint `step` of runs a and b holds the same bytes:
+ * model.safetensors, config.json, trainer.safetensors, trainer.json. */
+static inline int same_checkpoint_files(const char *a, const char *b, int step) {
+    static const char *const files[] = {"model.safetensors", "config.json", "trainer.safetensors", "trainer.json"};
+    int ok = 1;
+    for (int i = 0; i < 4; i++) {
+        char pa[700], pb[700];
+        snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, files[i]);
+        snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, files[i]);
+        if (!test_same_file(pa, pb)) {
+            fprintf(stderr, "  %s of step %d: %s and %s differ (or one is missing)\n", files[i], step, a, b);
+            ok = 0;
+        }
+    }
+    return ok;
+}
+
 /* Copy run `from` to `to` with `latest` naming its checkpoint of `step`: a
  * run to resume from that checkpoint (rank 0; the others wait). */
 static inline void copy_run_at(const char *from, const char *to, int step) {
@@ -186,6 +205,76 @@ static inline size_t param_floats(lm_config c) {
     size_t n = lm_model_num_params(m);
     lm_model_free(m);
     return n;
+}
+
+/* The largest routed experts' tensor of a model of config c (*largest) and
+ * the most bytes of one MoE layer's routed experts (*layer). */
+static inline void expert_tensor_bytes(lm_config c, size_t *largest, size_t *layer) {
+    *largest = *layer = 0;
+    lm_model *m;
+    if (lm_model_create(&c, 1, c.seq_len, &m)) return;
+    size_t sum = 0;
+    int last = -1;
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(m, i);
+        const char *d = strstr(t->name, ".moe.");
+        int l;
+        if (!d || (strcmp(d, ".moe.gate") && strcmp(d, ".moe.up") && strcmp(d, ".moe.down")) ||
+            sscanf(t->name, "layers.%d.", &l) != 1)
+            continue;
+        const size_t b = t->numel * sizeof(float);
+        *largest = b > *largest ? b : *largest;
+        sum = l == last ? sum + b : b;
+        last = l;
+        *layer = sum > *layer ? sum : *layer;
+    }
+    lm_model_free(m);
+}
+
+/* What a checkpoint write held beyond a rank's own state
+ * (lm_train_result.ckpt_gathered_bytes) with the experts cut `ways` ways
+ * (owner-only): rank 0 the largest routed experts' tensor, which it receives
+ * from the owners one at a time, no more than one MoE layer's experts; the
+ * other ranks nothing; the replicated layout (`replicated`) nothing. */
+static inline void check_checkpoint_buffer(const lm_train_result *owner_only, const lm_train_result *replicated,
+                                           lm_config c, int ways) {
+    size_t largest, layer;
+    expert_tensor_bytes(c, &largest, &layer);
+    CHECK(largest > 0 && layer > largest, "no MoE layer of several expert tensors");
+    const size_t want = me == 0 && ways > 1 ? largest : 0;
+    CHECK(owner_only->ckpt_gathered_bytes == want, "rank %d held %zu bytes for the checkpoints, expected %zu", me,
+          owner_only->ckpt_gathered_bytes, want);
+    CHECK(owner_only->ckpt_gathered_bytes <= layer, "rank %d held %zu bytes for a checkpoint, one MoE layer's "
+          "experts are %zu", me, owner_only->ckpt_gathered_bytes, layer);
+    CHECK(replicated->ckpt_gathered_bytes == 0, "the replicated layout held %zu bytes for a checkpoint",
+          replicated->ckpt_gathered_bytes);
+    printf("     a checkpoint held %zu bytes at most beyond a rank's own (one expert tensor; a MoE layer's "
+           "experts %zu)\n", owner_only->ckpt_gathered_bytes, layer);
+}
+
+/* A run whose rank `victim` moves one element it holds of tensor `tensor` by
+ * an ulp after step 2's update (lm_train_options.inject_diverge_step): the
+ * hash check before the checkpoint of step 4 refuses it on every rank,
+ * naming the rank, and the checkpoint is not written. `o` is the run's
+ * options (stopping after 4 steps is set here). */
+static inline void check_diverged_replica_refused(lm_config c, lm_train_options o, int victim, const char *tensor) {
+    o.stop_after = 4;
+    o.inject_diverge_step = 1;
+    o.inject_diverge_rank = victim;
+    o.inject_diverge_tensor = tensor;
+    lm_train_result r;
+    memset(&r, 0, sizeof r);
+    char want[160];
+    snprintf(want, sizeof want, "rank %d's parameters or optimizer state differs from rank 0's", victim);
+    const lm_status s = lm_train(&c, &o, &r);
+    CHECK(s == LM_ERR_NUMERIC && strstr(lm_last_error(), want) && strstr(lm_last_error(), "no checkpoint written"),
+          "rank %d moved in %s: lm_train gave %d: %s", victim, tensor, s, s ? lm_last_error() : "no error");
+    if (me == 0) {
+        char p[700];
+        snprintf(p, sizeof p, "%s/checkpoint-00000004", o.out_dir);
+        CHECK(access(p, F_OK) != 0, "the checkpoint of the diverged step was written");
+    }
+    printf("     rank %d's %s moved by an ulp: %s\n", victim, tensor, s ? lm_last_error() : "accepted");
 }
 
 /* A rank's share of a block under expert parallelism (`what`: "gradients" or

@@ -169,6 +169,77 @@ static void test_failed_save_keeps_the_previous_file(void) {
     lm_safetensors_close(st);
 }
 
+/* A file streamed in pieces of any size holds exactly the bytes the format
+ * defines (built here by hand: the header with the data section's checksum,
+ * padded to 8 bytes, then the data) and those lm_st_writer_save writes; too
+ * many or too few bytes are refused, leaving no file behind. */
+static void test_streamed_file_is_the_saved_file_byte_for_byte(void) {
+    float a[3] = {1.0f, -2.5f, 3.25f};
+    int32_t c[5] = {7, -1, 0, 42, 9};
+    int64_t sa[1] = {3}, sc[1] = {5};
+    lm_st_writer *w = lm_st_writer_new();
+    CHECK(!lm_st_writer_add(w, "a", LM_DTYPE_F32, 1, sa, NULL), "%s", lm_last_error());
+    CHECK(!lm_st_writer_add(w, "c", LM_DTYPE_I32, 1, sc, c), "%s", lm_last_error());
+    CHECK(!lm_st_writer_set_metadata(w, "format", "longmoe"), "%s", lm_last_error());
+    /* a tensor added without data cannot be saved whole */
+    CHECK(lm_st_writer_save(w, tmp_path("nodata.safetensors")) == LM_ERR_ARG, "saved a tensor without data");
+    CHECK(strstr(lm_last_error(), "'a'") != NULL, "message names the tensor: %s", lm_last_error());
+    CHECK(access(tmp_path("nodata.safetensors"), F_OK) != 0, "a file was left");
+    lm_st_stream *s = NULL;
+    const char *path = tmp_path("streamed.safetensors");
+    CHECK(!lm_st_writer_begin(w, path, &s), "%s", lm_last_error());
+    if (!s) return;
+    /* the data in pieces that cut the tensors and their words */
+    unsigned char data[32];
+    memcpy(data, a, 12);
+    memcpy(data + 12, c, 20);
+    const size_t cuts[] = {0, 5, 12, 13, 27, 32};
+    for (int i = 0; i + 1 < 6; i++)
+        CHECK(!lm_st_stream_write(s, data + cuts[i], cuts[i + 1] - cuts[i]), "%s", lm_last_error());
+    CHECK(!lm_st_stream_commit(s), "%s", lm_last_error());
+    char header[256];
+    int n = snprintf(header, sizeof header,
+                     "{\"__metadata__\":{\"format\":\"longmoe\",\"longmoe.checksum\":\"%016llx\"},"
+                     "\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]},"
+                     "\"c\":{\"dtype\":\"I32\",\"shape\":[5],\"data_offsets\":[12,32]}}",
+                     (unsigned long long)lm_checksum64(data, sizeof data));
+    while (n % 8) header[n++] = ' ';
+    header[n] = 0;
+    unsigned char want[300];
+    for (int i = 0; i < 8; i++) want[i] = (unsigned char)((uint64_t)n >> (8 * i));
+    memcpy(want + 8, header, (size_t)n);
+    memcpy(want + 8 + n, data, sizeof data);
+    size_t got_n = 0;
+    char *got = test_slurp(path, &got_n);
+    CHECK(got && got_n == 8 + (size_t)n + sizeof data && !memcmp(got, want, got_n),
+          "the streamed file is not the format's bytes (%zu bytes)", got_n);
+    free(got);
+    /* lm_st_writer_save of the same tensors writes the same bytes */
+    lm_st_writer *w2 = lm_st_writer_new();
+    lm_st_writer_add(w2, "a", LM_DTYPE_F32, 1, sa, a);
+    lm_st_writer_add(w2, "c", LM_DTYPE_I32, 1, sc, c);
+    lm_st_writer_set_metadata(w2, "format", "longmoe");
+    CHECK(!lm_st_writer_save(w2, tmp_path("saved.safetensors")), "%s", lm_last_error());
+    lm_st_writer_free(w2);
+    CHECK(test_same_file(path, tmp_path("saved.safetensors")), "streamed and saved files differ");
+    lm_safetensors *st = NULL;
+    CHECK(!lm_safetensors_open(path, &st), "the streamed file does not read back: %s", lm_last_error());
+    lm_safetensors_close(st);
+    /* more bytes than the header names: refused; too few: refused at commit, no file left */
+    CHECK(!lm_st_writer_begin(w, tmp_path("long.safetensors"), &s), "%s", lm_last_error());
+    CHECK(lm_st_stream_write(s, data, 30) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_st_stream_write(s, data, 3) == LM_ERR_ARG, "a write past the data section was accepted");
+    CHECK(strstr(lm_last_error(), "more bytes") != NULL, "message: %s", lm_last_error());
+    lm_st_stream_abort(s);
+    CHECK(access(tmp_path("long.safetensors"), F_OK) != 0, "an aborted stream left a file");
+    CHECK(!lm_st_writer_begin(w, tmp_path("short.safetensors"), &s), "%s", lm_last_error());
+    CHECK(lm_st_stream_write(s, data, 31) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_st_stream_commit(s) == LM_ERR_ARG, "a short data section was committed");
+    CHECK(strstr(lm_last_error(), "31 bytes") != NULL, "message: %s", lm_last_error());
+    CHECK(access(tmp_path("short.safetensors"), F_OK) != 0, "a refused stream left a file");
+    lm_st_writer_free(w);
+}
+
 int main(void) {
     if (test_make_tmpdir(tmp_dir, sizeof tmp_dir, "st")) return 1;
     RUN(test_round_trip_preserves_names_shapes_dtypes_and_bytes);
@@ -177,6 +248,7 @@ int main(void) {
     RUN(test_valid_image_parses);
     RUN(test_missing_file_is_an_io_error);
     RUN(test_failed_save_keeps_the_previous_file);
+    RUN(test_streamed_file_is_the_saved_file_byte_for_byte);
     test_remove_tree(tmp_dir);
     return test_summary();
 }

@@ -106,7 +106,21 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
     CHECK(zero_result.balance_hash == dp_result.balance_hash, "balancing state differs from replicated");
     CHECK(same_on_every_rank(zero_result.params_hash) && same_on_every_rank(zero_result.balance_hash),
           "the ranks' hashes differ");
+    /* the checkpoints' state crossed to rank 0 one piece of an owner's range at a time: rank 0 held no more
+     * than the largest other rank's range, never the whole state; the others, and the replicated run, nothing */
+    size_t shares[64] = {0}, most = 0;
+    CHECK(R <= 64 && !lm_comm_all_gather(comm, &zero_result.optimizer_state_bytes, shares, sizeof(size_t)),
+          "%s", lm_last_error());
+    for (int q = 1; q < R && q < 64; q++) most = shares[q] > most ? shares[q] : most;
+    CHECK(me == 0 ? zero_result.ckpt_gathered_bytes > 0 && zero_result.ckpt_gathered_bytes <= most &&
+                        zero_result.ckpt_gathered_bytes < dp_result.optimizer_state_bytes
+                  : zero_result.ckpt_gathered_bytes == 0,
+          "rank %d held %zu bytes for the checkpoints (the largest other range %zu, the whole state %zu)", me,
+          zero_result.ckpt_gathered_bytes, most, dp_result.optimizer_state_bytes);
+    CHECK(dp_result.ckpt_gathered_bytes == 0, "the replicated run held %zu bytes", dp_result.ckpt_gathered_bytes);
     if (me != 0) return;
+    printf("     a checkpoint held %zu bytes of received state at most (the whole state %zu)\n",
+           zero_result.ckpt_gathered_bytes, dp_result.optimizer_state_bytes);
     double a[32], b[32];
     int na = read_metric("zero", "train", "loss", a, 32), nb = read_metric("dp", "train", "loss", b, 32);
     CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
@@ -123,6 +137,7 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
     for (int step = 5; step <= 20; step += 5) {
         CHECK(tensors_close("zero", "dp", step, "model.safetensors", 0, &w), "parameters at step %d", step);
         CHECK(tensors_close("zero", "dp", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
+        CHECK(same_checkpoint_files("zero", "dp", step), "the files of checkpoint %d differ", step);
     }
     double wp, ws, worst = 0;
     na = read_metric("zero", "train", "loss", a, 32);

@@ -69,7 +69,8 @@ typedef struct lm_st_writer lm_st_writer;
 
 lm_st_writer *lm_st_writer_new(void);
 /* Register a tensor; `data` is not copied and must live until save. Returns
- * LM_ERR_ARG for duplicate or empty names or bad shapes. */
+ * LM_ERR_ARG for duplicate or empty names or bad shapes. `data` may be NULL
+ * for a tensor whose bytes are streamed (lm_st_writer_begin); save refuses it. */
 lm_status lm_st_writer_add(lm_st_writer *w, const char *name, lm_dtype dtype, int ndim,
                            const int64_t *shape, const void *data);
 lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char *value);
@@ -78,6 +79,23 @@ lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char
  * file at `path` is left untouched. */
 lm_status lm_st_writer_save(const lm_st_writer *w, const char *path);
 void lm_st_writer_free(lm_st_writer *w);
+
+/* The same file written piece by piece, for data that is never whole in
+ * memory (a checkpoint whose tensors arrive from other ranks one at a time):
+ * lm_st_writer_begin writes the header of w's tensors (their data is not
+ * read; w may be freed after) to a temporary file beside `path`; then
+ * lm_st_stream_write appends the data section's bytes, the tensors' in their
+ * order, in pieces of any size; lm_st_stream_commit checks that exactly the
+ * header's bytes came, puts the checksum of the data section into the header
+ * (it has a fixed width), then fsync and rename as lm_st_writer_save does:
+ * the same bytes as lm_st_writer_save of the same tensors. A failure of
+ * lm_st_stream_write leaves the stream to lm_st_stream_abort, which removes
+ * the temporary file; commit and abort free the stream. */
+typedef struct lm_st_stream lm_st_stream;
+lm_status lm_st_writer_begin(const lm_st_writer *w, const char *path, lm_st_stream **out);
+lm_status lm_st_stream_write(lm_st_stream *s, const void *bytes, size_t n);
+lm_status lm_st_stream_commit(lm_st_stream *s);
+void lm_st_stream_abort(lm_st_stream *s);
 
 /* Write a whole file atomically (used by every writer of the project). */
 lm_status lm_write_file_atomic(const char *path, const void *const *parts, const size_t *sizes,

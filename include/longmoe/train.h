@@ -63,6 +63,15 @@ typedef struct {
     /* for tests: after the update of step inject_nan_param_step (-1: off) the
      * first parameter becomes NaN (as a broken optimizer state would make it) */
     int64_t inject_nan_param_step;
+    /* for tests: after the update of step inject_diverge_step (-1: off), on
+     * rank inject_diverge_rank only, the first element that rank holds of
+     * tensor inject_diverge_tensor (a name; under owner-only expert
+     * parallelism a routed experts' tensor's first element of its slice) moves
+     * by one ulp: a replica that diverged, which the hash check before the
+     * next checkpoint refuses */
+    int64_t inject_diverge_step;
+    int inject_diverge_rank;
+    const char *inject_diverge_tensor;
     /* when not NULL and non-zero at a step boundary (a signal handler sets it):
      * the run stops there with a checkpoint and result->interrupted set */
     volatile int *stop_requested;
@@ -155,9 +164,10 @@ typedef struct {
     double mfu;            /* model FLOPs utilisation of these steps against 989 TFLOP/s
                               (lm_train_flops_per_token); reported on the GPU */
     /* 64-bit hashes of the state at the end: the parameters, the optimizer
-     * state (from a hash of each tensor's state; under ZeRO-1 the owners'
-     * gathered, so a layout does not change the value; likewise the owners'
-     * expert state under expert parallelism) and the counters, and
+     * state and the counters (from a hash of each tensor's weights and of its
+     * state, a routed experts' tensor's from its experts' hashes: under ZeRO-1
+     * each tensor's state hash is its owner's, under expert parallelism each
+     * expert's hashes its owner's, so a layout does not change the value), and
      * the MoE balancing state (biases, windows, loads); data-parallel ranks hold
      * the same (checked at every checkpoint). Under ZeRO-1 lm_train computes
      * them on every rank (collectively), as under expert parallelism */
@@ -176,13 +186,19 @@ typedef struct {
     size_t gradient_bytes;
     /* bytes of the parameter block this rank holds (lm_model_num_kept_params):
      * the whole model's, under expert parallelism with owner-only state the
-     * replicated tensors' and its own experts' only (the experts whole only
-     * while a checkpoint has them gathered) */
+     * replicated tensors' and its own experts' only */
     size_t parameter_bytes;
     /* the most bytes of gathered expert weights this rank held at once during
      * the run's evaluations besides its parameter block (owner-only experts:
      * one MoE layer's routed experts, lm_model_expert_layer_bytes; else 0) */
     size_t eval_gathered_bytes;
+    /* the most bytes this rank held at once during the run's checkpoint
+     * writes besides its own state: rank 0's buffer of the tensors it receives
+     * from the other ranks as it writes (owner-only experts: the largest routed
+     * experts' tensor, at most one MoE layer's experts; ZeRO-1: the largest
+     * other range, at most 16 MiB a piece); 0 on the other ranks and where
+     * rank 0 holds everything */
+    size_t ckpt_gathered_bytes;
     /* data parallel, when lm_train failed: 1 when every rank returned at the
      * same point with a failure (then all may close the handle; rank
      * failed_rank, the lowest that failed, has the first cause), 0 when the

@@ -406,58 +406,162 @@ lm_status lm_st_writer_set_metadata(lm_st_writer *w, const char *key, const char
     return LM_OK;
 }
 
-lm_status lm_st_writer_save(const lm_st_writer *w, const char *path) {
-    /* the checksum of the data section: the tensors' bytes in order */
-    checksum_state c;
-    checksum_begin(&c);
-    for (int i = 0; i < w->count; i++) checksum_add(&c, w->entries[i].data, w->entries[i].nbytes);
-    char sum[17];
-    snprintf(sum, sizeof sum, "%016llx", (unsigned long long)checksum_end(&c));
-    lm_text h = {0};
-    lm_text_printf(&h, "{\"__metadata__\":{");
+/* The header of w's tensors (their data not read), padded to 8 bytes, with
+ * the checksum's 16 digits left as zeros at h->s + *sum_at. */
+static lm_status writer_header(const lm_st_writer *w, const char *path, lm_text *h, size_t *sum_at) {
+    lm_text_printf(h, "{\"__metadata__\":{");
     for (int i = 0; i < w->meta_count; i++)
         if (strcmp(w->meta_keys[i], LM_ST_CHECKSUM_KEY))
-            lm_text_printf(&h, "\"%s\":\"%s\",", w->meta_keys[i], w->meta_values[i]);
-    lm_text_printf(&h, "\"%s\":\"%s\"}%s", LM_ST_CHECKSUM_KEY, sum, w->count ? "," : "");
+            lm_text_printf(h, "\"%s\":\"%s\",", w->meta_keys[i], w->meta_values[i]);
+    lm_text_printf(h, "\"%s\":\"", LM_ST_CHECKSUM_KEY);
+    *sum_at = h->n;
+    lm_text_printf(h, "0000000000000000\"}%s", w->count ? "," : "");
     size_t offset = 0;
     for (int i = 0; i < w->count; i++) {
         const writer_entry *e = &w->entries[i];
-        lm_text_printf(&h, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "", e->name,
-                  lm_dtype_name(e->dtype));
-        for (int d = 0; d < e->ndim; d++) lm_text_printf(&h, "%s%lld", d ? "," : "", (long long)e->shape[d]);
-        lm_text_printf(&h, "],\"data_offsets\":[%zu,%zu]}", offset, offset + e->nbytes);
+        lm_text_printf(h, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "", e->name,
+                       lm_dtype_name(e->dtype));
+        for (int d = 0; d < e->ndim; d++) lm_text_printf(h, "%s%lld", d ? "," : "", (long long)e->shape[d]);
+        lm_text_printf(h, "],\"data_offsets\":[%zu,%zu]}", offset, offset + e->nbytes);
         offset += e->nbytes;
     }
-    lm_text_printf(&h, "}");
-    while (!h.failed && h.n % 8) lm_text_printf(&h, " ");
-    if (h.failed) {
-        free(h.s);
+    lm_text_printf(h, "}");
+    while (!h->failed && h->n % 8) lm_text_printf(h, " ");
+    if (h->failed) return lm_error(LM_ERR_MEMORY, "out of memory writing '%s'", path);
+    return LM_OK;
+}
+
+struct lm_st_stream {
+    int fd;
+    char *path, *tmp;
+    off_t sum_at;            /* the file offset of the checksum's 16 digits */
+    size_t expected, written; /* bytes of the data section */
+    checksum_state sum;
+};
+
+/* All n bytes at p to fd (tmp names it in errors). */
+static lm_status write_all(int fd, const void *bytes, size_t n, const char *tmp) {
+    const unsigned char *p = bytes;
+    while (n) {
+        ssize_t k = write(fd, p, n > (1u << 30) ? (1u << 30) : n);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0)
+            return lm_error(LM_ERR_IO, "writing '%s' failed: %s", tmp, k < 0 ? strerror(errno) : "no progress (disk full?)");
+        p += k;
+        n -= (size_t)k;
+    }
+    return LM_OK;
+}
+
+void lm_st_stream_abort(lm_st_stream *s) {
+    if (!s) return;
+    if (s->fd >= 0) close(s->fd);
+    if (s->tmp) unlink(s->tmp);
+    free(s->tmp);
+    free(s->path);
+    free(s);
+}
+
+lm_status lm_st_writer_begin(const lm_st_writer *w, const char *path, lm_st_stream **out) {
+    *out = NULL;
+    lm_st_stream *s = calloc(1, sizeof *s);
+    const size_t plen = strlen(path);
+    if (s) {
+        s->fd = -1;
+        s->path = strdup(path);
+        s->tmp = malloc(plen + 32);
+    }
+    if (!s || !s->path || !s->tmp) {
+        lm_st_stream_abort(s);
         return lm_error(LM_ERR_MEMORY, "out of memory writing '%s'", path);
     }
-    int nparts = w->count + 2;
-    const void **parts = malloc((size_t)nparts * sizeof *parts);
-    size_t *sizes = malloc((size_t)nparts * sizeof *sizes);
-    if (!parts || !sizes) {
-        free(parts);
-        free(sizes);
-        free(h.s);
-        return lm_error(LM_ERR_MEMORY, "out of memory writing '%s'", path);
+    snprintf(s->tmp, plen + 32, "%s.tmp.%ld", path, (long)getpid());
+    lm_text h = {0};
+    size_t sum_at = 0;
+    lm_status st = writer_header(w, path, &h, &sum_at);
+    if (!st) {
+        s->fd = open(s->tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (s->fd < 0) {
+            st = lm_error(LM_ERR_IO, "cannot create '%s': %s (is the directory writable?)", s->tmp, strerror(errno));
+            free(s->tmp); /* nothing to remove */
+            s->tmp = NULL;
+        }
     }
     unsigned char len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)h.n >> (8 * i));
-    parts[0] = len8;
-    sizes[0] = 8;
-    parts[1] = h.s;
-    sizes[1] = h.n;
-    for (int i = 0; i < w->count; i++) {
-        parts[2 + i] = w->entries[i].data;
-        sizes[2 + i] = w->entries[i].nbytes;
-    }
-    lm_status s = lm_write_file_atomic(path, parts, sizes, nparts);
-    free(parts);
-    free(sizes);
+    if (!st) st = write_all(s->fd, len8, 8, s->tmp);
+    if (!st) st = write_all(s->fd, h.s, h.n, s->tmp);
     free(h.s);
-    return s;
+    if (st) {
+        lm_st_stream_abort(s);
+        return st;
+    }
+    s->sum_at = (off_t)(8 + sum_at);
+    for (int i = 0; i < w->count; i++) s->expected += w->entries[i].nbytes;
+    checksum_begin(&s->sum);
+    *out = s;
+    return LM_OK;
+}
+
+lm_status lm_st_stream_write(lm_st_stream *s, const void *bytes, size_t n) {
+    if (n > s->expected - s->written)
+        return lm_error(LM_ERR_ARG, "'%s': %zu more bytes of tensor data than the header's %zu", s->path,
+                        s->written + n - s->expected, s->expected);
+    TRY(write_all(s->fd, bytes, n, s->tmp));
+    checksum_add(&s->sum, bytes, n);
+    s->written += n;
+    return LM_OK;
+}
+
+lm_status lm_st_stream_commit(lm_st_stream *s) {
+    lm_status st = LM_OK;
+    if (s->written != s->expected)
+        st = lm_error(LM_ERR_ARG, "'%s': %zu bytes of tensor data written, the header names %zu", s->path, s->written,
+                      s->expected);
+    /* the checksum of the data section into the header's placeholder (its width is fixed) */
+    char sum[17];
+    snprintf(sum, sizeof sum, "%016llx", (unsigned long long)checksum_end(&s->sum));
+    if (!st && pwrite(s->fd, sum, 16, s->sum_at) != 16)
+        st = lm_error(LM_ERR_IO, "writing the checksum of '%s' failed: %s", s->tmp, strerror(errno));
+    if (!st && fsync(s->fd) != 0) st = lm_error(LM_ERR_IO, "fsync of '%s' failed: %s", s->tmp, strerror(errno));
+    const int fd = s->fd;
+    s->fd = -1;
+    if (close(fd) != 0 && !st) st = lm_error(LM_ERR_IO, "closing '%s' failed: %s", s->tmp, strerror(errno));
+    if (!st && rename(s->tmp, s->path) != 0)
+        st = lm_error(LM_ERR_IO, "renaming '%s' to '%s' failed: %s", s->tmp, s->path, strerror(errno));
+    if (st) {
+        lm_st_stream_abort(s);
+        return st;
+    }
+    /* make the rename itself durable */
+    char *dir = s->tmp; /* reused: at least as long as the path */
+    memcpy(dir, s->path, strlen(s->path) + 1);
+    int dfd = open(dirname(dir), O_RDONLY);
+    if (dfd >= 0) {
+        fsync(dfd);
+        close(dfd);
+    }
+    free(s->tmp);
+    s->tmp = NULL;
+    lm_st_stream_abort(s);
+    return LM_OK;
+}
+
+lm_status lm_st_writer_save(const lm_st_writer *w, const char *path) {
+    for (int i = 0; i < w->count; i++)
+        if (!w->entries[i].data && w->entries[i].nbytes)
+            return lm_error(LM_ERR_ARG, "'%s': tensor '%s' was added without data (stream it: lm_st_writer_begin)",
+                            path, w->entries[i].name);
+    lm_st_stream *s;
+    TRY(lm_st_writer_begin(w, path, &s));
+    for (int i = 0; i < w->count; i++) {
+        lm_status st = lm_st_stream_write(s, w->entries[i].data, w->entries[i].nbytes);
+        if (st) {
+            lm_st_stream_abort(s);
+            return st;
+        }
+    }
+    return lm_st_stream_commit(s);
 }
 
 lm_status lm_write_file_atomic(const char *path, const void *const *parts, const size_t *sizes,

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "files.h"
 #include "json.h"
 #include "longmoe/safetensors.h"
@@ -230,46 +231,106 @@ lm_status lm_checkpoint_latest(const char *run_dir, char *dir, size_t n) {
     return LM_OK;
 }
 
-lm_status lm_checkpoint_write_model(lm_model *m, const lm_config *cfg, const char *dir) {
+lm_status lm_checkpoint_model_begin(lm_model *m, const char *dir, lm_st_stream **out) {
+    *out = NULL;
     char path[4300];
     lm_status s = LM_OK;
     lm_st_writer *w = lm_st_writer_new();
     if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
+    /* the header only: the data comes from the caller, tensor by tensor */
     for (int i = 0; i < lm_model_num_tensors(m) && !s; i++) {
         const lm_model_tensor *mt = lm_model_tensor_at(m, i);
-        const float *data = lm_model_tensor_data(m, i);
-        s = data ? lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, data)
-                 : lm_error(LM_ERR_ARG, "checkpoint: %s is cut to this rank's experts (lm_model_gather_experts "
-                            "first)", mt->name);
+        s = lm_st_writer_add(w, mt->name, LM_DTYPE_F32, mt->ndim, mt->shape, NULL);
     }
     if (!s) s = lm_st_writer_set_metadata(w, "format", "longmoe");
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (!s) s = lm_st_writer_save(w, path);
+    if (!s) s = lm_st_writer_begin(w, path, out);
     lm_st_writer_free(w);
-    if (s) return s;
+    return s;
+}
+
+lm_status lm_checkpoint_write_config(const lm_config *cfg, const char *dir) {
+    char path[4300];
     char *json = lm_config_to_json(cfg);
     if (!json) return lm_error(LM_ERR_MEMORY, "out of memory writing the config");
     snprintf(path, sizeof path, "%s/config.json", dir);
-    s = lm_write_text_atomic(path, json);
+    lm_status s = lm_write_text_atomic(path, json);
     free(json);
     return s;
 }
 
+lm_status lm_checkpoint_write_model(lm_model *m, const lm_config *cfg, const char *dir) {
+    for (int i = 0; i < lm_model_num_tensors(m); i++)
+        if (!lm_model_tensor_data(m, i))
+            return lm_error(LM_ERR_ARG, "checkpoint: %s is cut to this rank's experts (lm_model_gather_experts "
+                            "first)", lm_model_tensor_at(m, i)->name);
+    lm_st_stream *st;
+    TRY(lm_checkpoint_model_begin(m, dir, &st));
+    for (int i = 0; i < lm_model_num_tensors(m); i++) {
+        lm_status s = lm_st_stream_write(st, lm_model_tensor_data(m, i),
+                                         (size_t)lm_model_tensor_at(m, i)->numel * sizeof(float));
+        if (s) {
+            lm_st_stream_abort(st);
+            return s;
+        }
+    }
+    TRY(lm_st_stream_commit(st));
+    return lm_checkpoint_write_config(cfg, dir);
+}
+
+/* Tensor k of the balancing state (4 a MoE layer, in file order): its name,
+ * dtype, element count and data. */
+static void balance_tensor(lm_model *m, int k, char name[96], lm_dtype *dtype, int64_t *n, const void **data) {
+    lm_balance_state *b = lm_model_balance(m, k / 4);
+    static const char *const what[4] = {"bias", "halfwidth", "last_load", "interval_load"};
+    static const lm_dtype types[4] = {LM_DTYPE_F32, LM_DTYPE_F32, LM_DTYPE_I32, LM_DTYPE_I64};
+    const void *const ptr[4] = {b->bias, b->halfwidth, b->last_load, b->interval_load};
+    snprintf(name, 96, "layers.%d.moe.%s", lm_model_moe_layer_index(m, k / 4), what[k % 4]);
+    *dtype = types[k % 4];
+    *n = b->cfg.n_experts;
+    *data = ptr[k % 4];
+}
+
 lm_status lm_checkpoint_add_balance(lm_st_writer *w, lm_model *m) {
-    for (int i = 0; i < lm_model_num_moe_layers(m); i++) {
-        lm_balance_state *b = lm_model_balance(m, i);
-        int l = lm_model_moe_layer_index(m, i);
-        int64_t n[1] = {b->cfg.n_experts};
+    for (int k = 0; k < 4 * lm_model_num_moe_layers(m); k++) {
         char name[96];
-        lm_status s;
-        snprintf(name, sizeof name, "layers.%d.moe.bias", l);
-        if ((s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->bias))) return s;
-        snprintf(name, sizeof name, "layers.%d.moe.halfwidth", l);
-        if ((s = lm_st_writer_add(w, name, LM_DTYPE_F32, 1, n, b->halfwidth))) return s;
-        snprintf(name, sizeof name, "layers.%d.moe.last_load", l);
-        if ((s = lm_st_writer_add(w, name, LM_DTYPE_I32, 1, n, b->last_load))) return s;
-        snprintf(name, sizeof name, "layers.%d.moe.interval_load", l);
-        if ((s = lm_st_writer_add(w, name, LM_DTYPE_I64, 1, n, b->interval_load))) return s;
+        lm_dtype dt;
+        int64_t n[1];
+        const void *data;
+        balance_tensor(m, k, name, &dt, n, &data);
+        TRY(lm_st_writer_add(w, name, dt, 1, n, data));
     }
     return LM_OK;
+}
+
+lm_status lm_checkpoint_trainer_begin(lm_model *m, size_t muon_floats, size_t adam_floats, const char *dir,
+                                      lm_st_stream **out) {
+    *out = NULL;
+    char path[4300];
+    lm_st_writer *w = lm_st_writer_new();
+    if (!w) return lm_error(LM_ERR_MEMORY, "out of memory (checkpoint)");
+    int64_t n_m[1] = {(int64_t)muon_floats}, n_a[1] = {(int64_t)adam_floats};
+    lm_status s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, NULL);
+    if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, NULL);
+    if (!s) s = lm_checkpoint_add_balance(w, m);
+    snprintf(path, sizeof path, "%s/trainer.safetensors", dir);
+    if (!s) s = lm_st_writer_begin(w, path, out);
+    lm_st_writer_free(w);
+    return s;
+}
+
+lm_status lm_checkpoint_trainer_finish(lm_st_stream *st, lm_model *m) {
+    for (int k = 0; k < 4 * lm_model_num_moe_layers(m); k++) {
+        char name[96];
+        lm_dtype dt;
+        int64_t n;
+        const void *data;
+        balance_tensor(m, k, name, &dt, &n, &data);
+        lm_status s = lm_st_stream_write(st, data, (size_t)n * lm_dtype_size(dt));
+        if (s) {
+            lm_st_stream_abort(st);
+            return s;
+        }
+    }
+    return lm_st_stream_commit(st);
 }

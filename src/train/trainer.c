@@ -105,7 +105,17 @@ typedef struct {
     float *zloc;                 /* [the largest range's floats] this rank's summed gradients */
     double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
     uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
-    const float *ck_muon, *ck_adam; /* the whole state a checkpoint writes (rank 0) */
+    /* the state's hashes (state_hashes): phash[n_all] each tensor's weights';
+     * ehash[n_ehash] the routed experts' tensors' an expert at a time (per tensor
+     * n words of weights, then n a part of its state), so that they come from
+     * slices of whole experts wherever those are */
+    uint64_t *phash, *ehash;
+    size_t n_ehash;
+    /* checkpoints: rank 0's buffer of the pieces it receives from the other
+     * ranks (one expert tensor, or a chunk of a ZeRO-1 range), allocated for
+     * the write only; the most bytes it held (lm_train_result.ckpt_gathered_bytes) */
+    float *ckbuf;
+    size_t ckpt_gathered_bytes;
     /* owner-only expert state (expert parallelism without ZeRO-1 in EP groups of
      * G = ep > 1 ranks; docs/scaleout.md, "Expert parallelism"): esplit[i]
      * marks the routed experts' tensors of `all`, each cut into G slices of
@@ -137,6 +147,7 @@ lm_train_options lm_train_options_default(const char *out_dir) {
     o.max_bad_steps = 10;
     o.inject_fault_step = -1;
     o.inject_nan_param_step = -1;
+    o.inject_diverge_step = -1;
     o.stage_eval_batches = -1;
     o.inject_fault = LM_FAULT_LOSS;
     return o;
@@ -187,6 +198,9 @@ static void trainer_free(trainer *t) {
     free(t->zloc);
     free(t->znorm);
     free(t->zhash);
+    free(t->phash);
+    free(t->ehash);
+    free(t->ckbuf);
     free(t->esplit);
     free(t->emuon);
     free(t->eadam);
@@ -392,6 +406,17 @@ static lm_status dp_check(const trainer *t) {
 /* This rank's range (0 without ZeRO: the one range of everything). */
 static int zero_range(const trainer *t) { return t->zero ? t->rank : 0; }
 
+/* A routed experts' tensor (layers.L.moe.gate, .up, .down: [n, ., .], one
+ * Muon block an expert), in every layout: what expert parallelism cuts, and
+ * what the state's hash takes an expert at a time. */
+static int routed_experts_tensor(const trainer *t, int i) {
+    const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+    const char *d = strstr(mt->name, ".moe.");
+    const int n = t->cfg.n_routed_experts;
+    return n > 0 && d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")) &&
+           mt->ndim == 3 && mt->shape[0] == n && mt->n_blocks == n;
+}
+
 /* The ranges and their offsets, from the bound parameters (after bind_params). */
 static lm_status zero_setup(trainer *t) {
     const int Z = t->zero ? t->ranks : 1, n = t->n_all;
@@ -404,9 +429,16 @@ static lm_status zero_setup(trainer *t) {
     t->ztab = calloc(3 * (size_t)t->ranks, sizeof *t->ztab);
     t->znorm = calloc((size_t)n + 1, sizeof *t->znorm);
     t->zhash = calloc((size_t)n + 1, sizeof *t->zhash);
+    t->phash = calloc((size_t)n + 1, sizeof *t->phash);
+    t->n_ehash = 0;
+    for (int i = 0; i < n; i++)
+        if (routed_experts_tensor(t, i))
+            t->n_ehash += (size_t)t->cfg.n_routed_experts *
+                          (1 + lm_param_state_floats(&t->all[i]) / (size_t)lm_param_numel(&t->all[i]));
+    t->ehash = calloc(t->n_ehash + 1, sizeof *t->ehash);
     size_t *pre = calloc((size_t)n + 1, sizeof *pre);
     if (!t->zfirst || !t->zmuon_i || !t->zadam_i || !t->zparam || !t->zmuon || !t->zadam || !t->ztab || !t->znorm ||
-        !t->zhash || !pre) {
+        !t->zhash || !t->phash || !t->ehash || !pre) {
         free(pre);
         return lm_error(LM_ERR_MEMORY, "out of memory (optimizer ranges)");
     }
@@ -511,40 +543,6 @@ static lm_status zero_gather_params(trainer *t) {
     return lm_comm_all_gatherv(t->comm, p + t->zparam[t->rank], bytes[t->rank], p, bytes, offs);
 }
 
-/* The whole optimizer state on rank 0 for a checkpoint (t->ck_muon, t->ck_adam;
- * *whole_muon and *whole_adam are rank 0's buffers to free): each owner sends
- * its range, which is one piece of the whole state. Collective. */
-static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole_adam) {
-    *whole_muon = *whole_adam = NULL;
-    t->ck_muon = t->muon_state;
-    t->ck_adam = t->adam_state;
-    if (!t->zero || t->ranks <= 1) return LM_OK;
-    lm_status s = LM_OK;
-    if (t->rank == 0) {
-        *whole_muon = malloc((t->muon_total_n + 1) * sizeof(float));
-        *whole_adam = malloc((t->adam_total_n + 1) * sizeof(float));
-        if (!*whole_muon || !*whole_adam)
-            s = lm_error(LM_ERR_MEMORY, "out of memory gathering the optimizer state (%zu floats) for a checkpoint",
-                         t->muon_total_n + t->adam_total_n);
-    }
-    TRY(dp_agree(t, s));
-    const int R = t->ranks;
-    size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
-    for (int part = 0; part < 2; part++) {
-        const size_t *start = part ? t->zadam : t->zmuon;
-        for (int q = 0; q < R; q++) {
-            sb[q] = q == 0 ? (start[t->rank + 1] - start[t->rank]) * sizeof(float) : 0;
-            rb[q] = t->rank == 0 ? (start[q + 1] - start[q]) * sizeof(float) : 0;
-            ro[q] = t->rank == 0 ? start[q] * sizeof(float) : 0;
-        }
-        TRY(lm_comm_all_to_allv(t->comm, part ? t->adam_state : t->muon_state, sb, zero_off,
-                                part ? (void *)*whole_adam : (void *)*whole_muon, rb, ro));
-    }
-    t->ck_muon = *whole_muon;
-    t->ck_adam = *whole_adam;
-    return LM_OK;
-}
-
 /* ---- owner-only expert state under expert parallelism (docs/scaleout.md,
  * "Expert parallelism (CPU ranks)") ----
  * The routed experts' tensors (layers.L.moe.gate, .up, .down: [n, ., .] with n
@@ -561,8 +559,9 @@ static lm_status zero_gather_state(trainer *t, float **whole_muon, float **whole
  * too (lm_model_keep_expert_weights: the parameter block cut with the same
  * table), so the updated slices stay on their owners; an evaluation forward
  * gathers one MoE layer's experts at a time over the group
- * (lm_model_gather_experts_by_layer), a checkpoint gathers them whole for
- * its duration (lm_model_gather_experts) and releases them after.
+ * (lm_model_gather_experts_by_layer); a checkpoint sends them to rank 0 one
+ * tensor at a time as it writes (ckpt_model_data), and the state's hash is
+ * taken an expert at a time from the slices (state_hashes).
  * Everything else is replicated. */
 
 /* The handle of this rank's EP group (the whole world when the group is). */
@@ -570,11 +569,7 @@ static lm_comm *ep_group_comm(const trainer *t) { return t->ep_comm ? t->ep_comm
 
 /* The tensors that are cut: routed experts, one Muon block an expert. */
 static int epo_is_expert(const trainer *t, int i) {
-    const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-    const char *d = strstr(mt->name, ".moe.");
-    return d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")) && mt->ndim == 3 &&
-           mt->shape[0] == t->cfg.n_routed_experts && mt->n_blocks == t->cfg.n_routed_experts &&
-           t->cfg.n_routed_experts % t->ep == 0;
+    return routed_experts_tensor(t, i) && t->cfg.n_routed_experts % t->ep == 0;
 }
 
 /* This rank's descriptors: the whole replicated tensors, its slice of each
@@ -800,51 +795,17 @@ static lm_status model_expert_parallel(trainer *t, lm_model *m) {
     return lm_model_gather_experts_by_layer(m, 1);
 }
 
-/* The routed experts whole on every rank of the group, for an evaluation or a
- * checkpoint (collective; released by epo_release). */
-static lm_status epo_whole(trainer *t) { return t->epo ? lm_model_gather_experts(t->model) : LM_OK; }
-static void epo_release(trainer *t) {
-    if (t->epo) lm_model_release_experts(t->model);
-}
-
-/* The whole optimizer state on rank 0 (t->ck_muon, t->ck_adam; *whole_muon and
- * *whole_adam are rank 0's buffers to free): rank 0 copies its replicated
- * pieces, each owner sends its experts' slices. Collective. */
-static lm_status epo_gather_state(trainer *t, float **whole_muon, float **whole_adam) {
-    *whole_muon = *whole_adam = NULL;
-    lm_status s = LM_OK;
-    if (t->rank == 0) {
-        *whole_muon = malloc((t->muon_total_n + 1) * sizeof(float));
-        *whole_adam = malloc((t->adam_total_n + 1) * sizeof(float));
-        if (!*whole_muon || !*whole_adam)
-            s = lm_error(LM_ERR_MEMORY, "out of memory gathering the optimizer state (%zu floats) for a checkpoint",
-                         t->muon_total_n + t->adam_total_n);
+/* The fault of lm_train_options.inject_diverge_step on this rank: the first
+ * element it holds of tensor `name` moves by one ulp. */
+static lm_status diverge_replica(trainer *t, const char *name) {
+    for (int i = 0; name && i < t->n_all; i++) {
+        if (strcmp(lm_model_tensor_at(t->model, i)->name, name)) continue;
+        size_t first, count;
+        float *w = lm_model_param_part(t->model, i, &first, &count);
+        if (count) w[0] = nextafterf(w[0], INFINITY);
+        return LM_OK;
     }
-    TRY(dp_agree(t, s));
-    /* rank 0's group sends (the other groups hold replicas of the same state) */
-    const int R = t->ep;
-    size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
-    for (int part = 0; part < 2 && t->rank < R; part++) {
-        const float *local = part ? t->adam_state : t->muon_state;
-        float *whole = part ? *whole_adam : *whole_muon;
-        for (int k = 0; k < t->n_epiece[part]; k++) {
-            const struct epo_piece *pc = &t->epiece[part][k];
-            if (!pc->split) {
-                if (t->rank == 0) memcpy(whole + pc->whole, local + pc->loc, pc->len * sizeof(float));
-                continue;
-            }
-            const size_t first = pc->whole - (size_t)t->ep_pos * pc->len; /* rank 0's slice */
-            for (int q = 0; q < R; q++) {
-                sb[q] = q == 0 ? pc->len * sizeof(float) : 0;
-                rb[q] = t->rank == 0 ? pc->len * sizeof(float) : 0;
-                ro[q] = t->rank == 0 ? (first + (size_t)q * pc->len) * sizeof(float) : 0;
-            }
-            TRY(lm_comm_all_to_allv(ep_group_comm(t), local + pc->loc, sb, zero_off, whole, rb, ro));
-        }
-    }
-    t->ck_muon = *whole_muon;
-    t->ck_adam = *whole_adam;
-    return LM_OK;
+    return lm_error(LM_ERR_ARG, "inject_diverge_tensor: the model has no tensor '%s'", name ? name : "(none)");
 }
 
 /* After the micro-batches of a step: the ranks' losses averaged (each is the
@@ -961,73 +922,90 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
     return h;
 }
 
-/* Hashes of the run's state: the parameters, the optimizer state (a hash of
- * each tensor's state, in the order of muon_p then adam_p: this rank's
- * replicated copy, or under ZeRO-1 the owners' hashes gathered, so the value
- * does not depend on the layout) and the counters; the balancing state of
- * every MoE layer. Collective under ZeRO-1. */
+#define FNV_BASIS 0xcbf29ce484222325ull
+
+/* The hashes of `count` whole experts of `per` floats each at x: h[e], each
+ * from the basis (an expert's bytes alone). */
+static void hash_experts(const float *x, size_t per, size_t count, uint64_t *h) {
+    for (size_t e = 0; e < count; e++) h[e] = fnv(FNV_BASIS, x + e * per, per * sizeof(float));
+}
+
+/* Hashes of the run's state: the parameters, the optimizer state and the
+ * counters; the balancing state of every MoE layer. The parameter hash covers
+ * each tensor's hash in table order, then each tensor's optimizer state hash
+ * (muon_p's, then adam_p's), then the counters. A tensor's hash is the hash
+ * of its bytes, except for a routed experts' tensor: the hash of its n
+ * experts' hashes in expert order (the state's: of its parts' (AdamW: m, v)
+ * experts' hashes, part by part). So each value comes from whole experts, not
+ * whole tensors: the owners of slices (expert parallelism with owner-only
+ * state) hash their experts and the hashes are summed over the EP group (one
+ * owner's words plus zeros: exact), under ZeRO-1 each tensor's state hash is
+ * its owner's, summed over the ranks likewise; no layout gathers a tensor, and
+ * every layout (one process, replicated, ZeRO-1, any EP group) gives the same
+ * value for the same bits. Collective under ZeRO-1 and expert parallelism
+ * with owner-only state. */
 static lm_status state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
-    const int zr = zero_range(t);
+    const int n = t->cfg.n_routed_experts, zr = zero_range(t);
+    /* this rank's optimizer descriptors and the ones it holds state of (ZeRO-1: its range) */
+    const lm_param *mine_m = t->epo ? t->emuon : t->muon_p, *mine_a = t->epo ? t->eadam : t->adam_p;
+    const int m_lo = t->epo ? 0 : t->zmuon_i[zr], m_hi = t->epo ? t->n_muon : t->zmuon_i[zr + 1];
+    const int a_lo = t->epo ? 0 : t->zadam_i[zr], a_hi = t->epo ? t->n_adam : t->zadam_i[zr + 1];
     memset(t->zhash, 0, (size_t)t->n_all * sizeof *t->zhash);
-    size_t off = 0;
-    for (int j = t->zmuon_i[zr]; !t->epo && j < t->zmuon_i[zr + 1]; j++) {
-        size_t n = lm_param_state_floats(&t->muon_p[j]);
-        t->zhash[j] = fnv(0xcbf29ce484222325ull, t->muon_state + off, n * sizeof(float));
-        off += n;
-    }
-    off = 0;
-    for (int j = t->zadam_i[zr]; !t->epo && j < t->zadam_i[zr + 1]; j++) {
-        size_t n = lm_param_state_floats(&t->adam_p[j]);
-        t->zhash[t->n_muon + j] = fnv(0xcbf29ce484222325ull, t->adam_state + off, n * sizeof(float));
-        off += n;
-    }
-    if (t->epo) {
-        /* the experts' state is on its owners: every tensor's hash from the whole state on rank 0 */
-        float *wm = NULL, *wa = NULL;
-        lm_status s = epo_gather_state(t, &wm, &wa);
-        if (!s && t->rank == 0) {
-            size_t at = 0;
-            for (int j = 0; j < t->n_muon; j++) {
-                size_t n = lm_param_state_floats(&t->muon_p[j]);
-                t->zhash[j] = fnv(0xcbf29ce484222325ull, wm + at, n * sizeof(float));
-                at += n;
+    memset(t->ehash, 0, t->n_ehash * sizeof *t->ehash);
+    /* pass 0: the hashes of what this rank holds, the experts' in their slots;
+     * pass 1: the experts' slots complete, each routed tensor's hash from them */
+    for (int pass = 0; pass < 2; pass++) {
+        size_t k = 0, off_m = 0, off_a = 0;
+        int jm = 0, ja = 0;
+        for (int i = 0; i < t->n_all; i++) {
+            const int muon = lm_param_optimizer(&t->all[i]) == LM_OPT_MUON, j = muon ? jm++ : ja++;
+            const int held = muon ? j >= m_lo && j < m_hi : j >= a_lo && j < a_hi;
+            const lm_param *p = muon ? &mine_m[j] : &mine_a[j];
+            const size_t S = held ? lm_param_state_floats(p) : 0, Nl = (size_t)lm_param_numel(p);
+            const float *st = held ? (muon ? t->muon_state + off_m : t->adam_state + off_a) : NULL;
+            if (muon) off_m += S;
+            else off_a += S;
+            uint64_t *zh = &t->zhash[muon ? j : t->n_muon + j];
+            size_t first, count;
+            const float *w = lm_model_param_part(t->model, i, &first, &count);
+            if (!routed_experts_tensor(t, i)) {
+                if (pass) continue;
+                t->phash[i] = fnv(FNV_BASIS, w, count * sizeof(float));
+                if (held) *zh = fnv(FNV_BASIS, st, S * sizeof(float));
+                continue;
             }
-            at = 0;
-            for (int j = 0; j < t->n_adam; j++) {
-                size_t n = lm_param_state_floats(&t->adam_p[j]);
-                t->zhash[t->n_muon + j] = fnv(0xcbf29ce484222325ull, wa + at, n * sizeof(float));
-                at += n;
+            const size_t N = (size_t)lm_param_numel(&t->all[i]), per = N / (size_t)n,
+                         parts = lm_param_state_floats(&t->all[i]) / N, e0 = first / per;
+            if (!pass) {
+                /* the experts this rank holds: [e0, e0 + count / per), its state the same experts' */
+                hash_experts(w, per, count / per, t->ehash + k + e0);
+                for (size_t c = 0; held && c < parts; c++)
+                    hash_experts(st + c * Nl, per, Nl / per, t->ehash + k + (1 + c) * (size_t)n + e0);
+            } else {
+                t->phash[i] = fnv(FNV_BASIS, t->ehash + k, (size_t)n * sizeof *t->ehash);
+                if (held) *zh = fnv(FNV_BASIS, t->ehash + k + n, parts * (size_t)n * sizeof *t->ehash);
             }
+            k += (1 + parts) * (size_t)n;
         }
-        free(wm);
-        free(wa);
-        t->ck_muon = t->ck_adam = NULL;
-        TRY(s);
-        TRY(lm_comm_broadcast(t->comm, t->zhash, (size_t)t->n_all * sizeof *t->zhash, 0));
+        /* owner-only experts: every owner's slots over the group (one owner's words plus zeros; int32 sums wrap) */
+        if (!pass && t->epo && t->n_ehash)
+            TRY(lm_comm_all_reduce_sum(ep_group_comm(t), t->ehash, t->ehash, 2 * t->n_ehash, LM_DTYPE_I32));
     }
-    /* one owner's words plus zeros: exact (int32 sums wrap) */
+    /* ZeRO-1: each tensor's state hash from its owner (one owner's words plus zeros: exact) */
     if (t->zero && t->ranks > 1)
         TRY(lm_comm_all_reduce_sum(t->comm, t->zhash, t->zhash, 2 * (size_t)t->n_all, LM_DTYPE_I32));
-    uint64_t h = 0xcbf29ce484222325ull;
-    /* the tensors in table order, one after the other: the whole parameter block's bytes */
-    for (int i = 0; i < t->n_all; i++) {
-        const float *w = lm_model_tensor_data(t->model, i);
-        if (!w)
-            return lm_error(LM_ERR_ARG, "the state's hash needs every tensor whole: %s is cut to this rank's experts "
-                            "(gather them first)", lm_model_tensor_at(t->model, i)->name);
-        h = fnv(h, w, lm_model_tensor_at(t->model, i)->numel * sizeof(float));
-    }
+    uint64_t h = fnv(FNV_BASIS, t->phash, (size_t)t->n_all * sizeof *t->phash);
     h = fnv(h, t->zhash, (size_t)t->n_all * sizeof *t->zhash);
     int64_t counters[5] = {t->step, t->data_pos, t->skipped, t->muon.step, t->adam.step};
     *params = fnv(h, counters, sizeof counters);
-    h = 0xcbf29ce484222325ull;
+    h = FNV_BASIS;
     for (int i = 0; i < t->n_moe; i++) {
         lm_balance_state *b = lm_model_balance(t->model, i);
-        size_t n = (size_t)b->cfg.n_experts;
-        h = fnv(h, b->bias, n * sizeof *b->bias);
-        h = fnv(h, b->halfwidth, n * sizeof *b->halfwidth);
-        h = fnv(h, b->last_load, n * sizeof *b->last_load);
-        h = fnv(h, b->interval_load, n * sizeof *b->interval_load);
+        size_t nb = (size_t)b->cfg.n_experts;
+        h = fnv(h, b->bias, nb * sizeof *b->bias);
+        h = fnv(h, b->halfwidth, nb * sizeof *b->halfwidth);
+        h = fnv(h, b->last_load, nb * sizeof *b->last_load);
+        h = fnv(h, b->interval_load, nb * sizeof *b->interval_load);
         int64_t c[2] = {b->step, b->interval_steps};
         h = fnv(h, c, sizeof c);
     }
@@ -1037,7 +1015,10 @@ static lm_status state_hashes(trainer *t, uint64_t *params, uint64_t *balance) {
 
 /* Every rank holds rank 0's state, bit for bit (before a checkpoint): the
  * parameters, counters and balancing state, and the optimizer state where it is
- * replicated (under ZeRO-1 every rank hashes the owners' gathered hashes). */
+ * replicated (under ZeRO-1 every rank hashes the owners' gathered hashes).
+ * Owner-only experts: a rank's hash holds its group's expert slices, so the
+ * replicas of a slice in other groups are compared; a slice held once (the
+ * group is the world) has nothing to be compared with. */
 static lm_status dp_check_replicas(trainer *t) {
     if (t->ranks <= 1) return LM_OK;
     uint64_t mine[2], all[2 * LM_DP_MAX_RANKS];
@@ -1341,16 +1322,22 @@ static void split_batch(const int32_t *seq, int B, int T, int t0, int len, int32
  * where an update overflows. */
 #define STATE_BOUND 1e30f
 
-/* LM_OK when x[0..n) is finite and within +-bound (bound 0: finite only). */
-static lm_status check_floats(const char *file, const char *name, const float *x, size_t n, float bound) {
+/* LM_OK when x[0..n), elements [first, first + n) of tensor `name`, are
+ * finite and within +-bound (bound 0: finite only). */
+static lm_status check_floats_at(const char *file, const char *name, const float *x, size_t first, size_t n,
+                                 float bound) {
     for (size_t i = 0; i < n; i++) {
         if (!isfinite(x[i]))
-            return lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value (element %zu)", file, name, i);
+            return lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds a non-finite value (element %zu)", file, name,
+                            first + i);
         if (bound > 0 && fabsf(x[i]) > bound)
             return lm_error(LM_ERR_NUMERIC, "%s: tensor '%s' holds %g at element %zu, outside [-%g, %g]", file, name,
-                            (double)x[i], i, (double)bound, (double)bound);
+                            (double)x[i], first + i, (double)bound, (double)bound);
     }
     return LM_OK;
+}
+static lm_status check_floats(const char *file, const char *name, const float *x, size_t n, float bound) {
+    return check_floats_at(file, name, x, 0, n, bound);
 }
 
 
@@ -1366,23 +1353,9 @@ static void put_json_string(lm_text *t, const char *s) {
     lm_text_puts(t, "\"");
 }
 
-/* The files of a checkpoint into directory `tmp`. */
-static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
+/* trainer.json of a checkpoint into directory `tmp`: counters and the data's fingerprint. */
+static lm_status write_trainer_json(trainer *t, const char *tmp) {
     char path[4200];
-    lm_status s = LM_OK;
-    /* model.safetensors and config.json */
-    if ((s = lm_checkpoint_write_model(t->model, &t->cfg, tmp))) return s;
-    /* trainer.safetensors: optimizer moments and balancing state */
-    lm_st_writer *w = lm_st_writer_new();
-    int64_t n_m[1] = {(int64_t)t->muon_total_n}, n_a[1] = {(int64_t)t->adam_total_n};
-    s = lm_st_writer_add(w, "optim.muon_state", LM_DTYPE_F32, 1, n_m, t->ck_muon);
-    if (!s) s = lm_st_writer_add(w, "optim.adam_state", LM_DTYPE_F32, 1, n_a, t->ck_adam);
-    if (!s) s = lm_checkpoint_add_balance(w, t->model);
-    snprintf(path, sizeof path, "%s/trainer.safetensors", tmp);
-    if (!s) s = lm_st_writer_save(w, path);
-    lm_st_writer_free(w);
-    if (s) return s;
-    /* trainer.json: counters and the data's fingerprint */
     lm_text text = {0};
     lm_text_printf(&text,
                    "{\"step\": %lld, \"data_position\": %lld, \"skipped\": %lld, \"muon_step\": %lld, "
@@ -1414,44 +1387,210 @@ static lm_status write_checkpoint_files(trainer *t, const char *tmp) {
         return lm_error(LM_ERR_MEMORY, "out of memory writing trainer.json");
     }
     snprintf(path, sizeof path, "%s/trainer.json", tmp);
-    s = lm_write_text_atomic(path, text.s);
+    lm_status s = lm_write_text_atomic(path, text.s);
     lm_text_free(&text);
-    if (s) return s;
+    return s;
+}
+
+/* ZeRO-1's ranges cross to rank 0 in chunks of at most this many floats (16 MiB). */
+#define CKPT_CHUNK_FLOATS ((size_t)1 << 22)
+
+/* A checkpoint's data on its way to rank 0's files: rank 0 checks each piece
+ * (every value finite, the optimizer state's within STATE_BOUND) and appends
+ * it to the open file. Its first failure (a non-finite value, a file error)
+ * is kept in `bad` / `msg` and the later pieces are only exchanged, never
+ * written, so a failure on rank 0 leaves no other rank waiting. */
+typedef struct {
+    trainer *t;
+    lm_st_stream *st; /* rank 0: the file being written */
+    lm_status bad;
+    char what[64], msg[1024];
+} ckpt_out;
+
+static void ckpt_fail(ckpt_out *o, lm_status s) {
+    if (o->bad || !s) return;
+    o->bad = s;
+    snprintf(o->msg, sizeof o->msg, "%s", lm_last_error());
+}
+
+/* Rank 0: elements [first, first + n) of tensor `name` into the file. */
+static void ckpt_put(ckpt_out *o, const char *name, size_t first, const float *x, size_t n, float bound) {
+    if (o->bad) return;
+    lm_status s = check_floats_at(o->what, name, x, first, n, bound);
+    if (!s) s = lm_st_stream_write(o->st, x, n * sizeof(float));
+    ckpt_fail(o, s);
+}
+
+/* rank q of comm sends `count` floats at `send` to rank 0 of comm, which
+ * receives them at `recv` (an all-to-all with nothing sent elsewhere). */
+static lm_status send_to_first(trainer *t, lm_comm *c, int q, const float *send, size_t count, float *recv) {
+    const int R = lm_comm_size(c), me = lm_comm_rank(c);
+    size_t *sb = t->ztab, *rb = sb + R, zero_off[LM_DP_MAX_RANKS] = {0};
+    for (int r = 0; r < R; r++) {
+        sb[r] = r == 0 && me == q ? count * sizeof(float) : 0;
+        rb[r] = r == q && me == 0 ? count * sizeof(float) : 0;
+    }
+    return lm_comm_all_to_allv(c, send, sb, zero_off, recv, rb, zero_off);
+}
+
+/* Every rank of comm sends `count` floats to rank 0, which receives them one
+ * after the other in rank order at `recv`. */
+static lm_status gather_to_first(trainer *t, lm_comm *c, const float *send, size_t count, float *recv) {
+    const int R = lm_comm_size(c), me = lm_comm_rank(c);
+    size_t *sb = t->ztab, *rb = sb + R, *ro = rb + R, zero_off[LM_DP_MAX_RANKS] = {0};
+    for (int q = 0; q < R; q++) {
+        sb[q] = q == 0 ? count * sizeof(float) : 0;
+        rb[q] = me == 0 ? count * sizeof(float) : 0;
+        ro[q] = me == 0 ? (size_t)q * count * sizeof(float) : 0;
+    }
+    return lm_comm_all_to_allv(c, send, sb, zero_off, recv, rb, ro);
+}
+
+/* The floats of rank 0's receive buffer for a checkpoint (0 on other ranks,
+ * and where nothing crosses): owner-only experts, the largest routed experts'
+ * tensor (a tensor gathered whole, or one part of its state); ZeRO-1, the
+ * largest other range, at most a chunk. */
+static size_t ckpt_buffer_floats(const trainer *t) {
+    size_t most = 0;
+    if (t->rank != 0) return 0;
+    if (t->epo) {
+        for (int i = 0; i < t->n_all; i++)
+            if (t->esplit[i] && (size_t)lm_param_numel(&t->all[i]) > most) most = (size_t)lm_param_numel(&t->all[i]);
+    } else if (t->zero && t->ranks > 1) {
+        for (int q = 1; q < t->ranks; q++) {
+            const size_t m = t->zmuon[q + 1] - t->zmuon[q], a = t->zadam[q + 1] - t->zadam[q];
+            most = m > most ? m : most;
+            most = a > most ? a : most;
+        }
+        most = most < CKPT_CHUNK_FLOATS ? most : CKPT_CHUNK_FLOATS;
+    }
+    return most;
+}
+
+/* model.safetensors' data in table order: the replicated tensors from rank 0's
+ * block; under owner-only experts each expert tensor gathered from the owners
+ * of rank 0's group (the other groups hold replicas of it) into the buffer,
+ * one tensor at a time. */
+static lm_status ckpt_model_data(trainer *t, ckpt_out *o) {
+    for (int i = 0; i < t->n_all; i++) {
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        if (t->epo && t->esplit[i]) {
+            if (t->rank >= t->ep) continue;
+            size_t first, count;
+            const float *mine = lm_model_param_part(t->model, i, &first, &count);
+            TRY(gather_to_first(t, ep_group_comm(t), mine, count, t->ckbuf));
+            if (t->rank == 0) ckpt_put(o, mt->name, 0, t->ckbuf, mt->numel, 0);
+        } else if (t->rank == 0) {
+            const float *w = lm_model_tensor_data(t->model, i);
+            if (w) ckpt_put(o, mt->name, 0, w, mt->numel, 0);
+            else ckpt_fail(o, lm_error(LM_ERR_ARG, "%s: %s is cut to this rank's experts, and the checkpoint does "
+                                       "not gather it", o->what, mt->name));
+        }
+    }
     return LM_OK;
 }
 
-/* A checkpoint: files under a temporary name, then committed; a failure leaves
- * no partial directory behind (and the previous checkpoint untouched). */
+/* optim.muon_state (part 0) or optim.adam_state (1), the whole state in its
+ * order: rank 0's own; under owner-only experts its replicated pieces and
+ * each expert tensor's state part gathered from the owners of rank 0's group
+ * (one tensor's part at a time); under ZeRO-1 each owner's range in turn, in
+ * chunks. */
+static lm_status ckpt_state_data(trainer *t, ckpt_out *o, int part) {
+    const char *name = part ? "optim.adam_state" : "optim.muon_state";
+    const float *local = part ? t->adam_state : t->muon_state;
+    if (t->epo) {
+        if (t->rank >= t->ep) return LM_OK;
+        for (int k = 0; k < t->n_epiece[part]; k++) {
+            const struct epo_piece *pc = &t->epiece[part][k];
+            if (!pc->split) {
+                if (t->rank == 0) ckpt_put(o, name, pc->whole, local + pc->loc, pc->len, STATE_BOUND);
+                continue;
+            }
+            /* the slices of the owners 0 .. G-1 lie one after the other in the whole state from rank 0's */
+            TRY(gather_to_first(t, ep_group_comm(t), local + pc->loc, pc->len, t->ckbuf));
+            if (t->rank == 0) ckpt_put(o, name, pc->whole, t->ckbuf, (size_t)t->ep * pc->len, STATE_BOUND);
+        }
+    } else if (t->zero && t->ranks > 1) {
+        const size_t *start = part ? t->zadam : t->zmuon;
+        if (t->rank == 0) ckpt_put(o, name, 0, local, start[1] - start[0], STATE_BOUND);
+        for (int q = 1; q < t->ranks; q++) {
+            const size_t n = start[q + 1] - start[q];
+            for (size_t at = 0; at < n; at += CKPT_CHUNK_FLOATS) {
+                const size_t c = n - at < CKPT_CHUNK_FLOATS ? n - at : CKPT_CHUNK_FLOATS;
+                TRY(send_to_first(t, t->comm, q, t->rank == q ? local + at : NULL, c, t->ckbuf));
+                if (t->rank == 0) ckpt_put(o, name, start[q] + at, t->ckbuf, c, STATE_BOUND);
+            }
+        }
+    } else if (t->rank == 0) {
+        ckpt_put(o, name, 0, local, part ? t->adam_total_n : t->muon_total_n, STATE_BOUND);
+    }
+    return LM_OK;
+}
+
+/* The files of a checkpoint into directory `tmp` (rank 0's; NULL elsewhere):
+ * model.safetensors and config.json, trainer.safetensors (optimizer moments
+ * and balancing state), trainer.json. Collective: the tensors cross to rank 0
+ * one at a time (ckpt_model_data, ckpt_state_data); a failure on rank 0 goes
+ * to o, the ranks' exchanges go on to the end. */
+static lm_status write_checkpoint_files(trainer *t, const char *tmp, ckpt_out *o) {
+    if (t->rank == 0 && !o->bad) ckpt_fail(o, lm_checkpoint_model_begin(t->model, tmp, &o->st));
+    TRY(ckpt_model_data(t, o));
+    if (t->rank == 0 && !o->bad) {
+        lm_st_stream *st = o->st;
+        o->st = NULL;
+        ckpt_fail(o, lm_st_stream_commit(st));
+        if (!o->bad) ckpt_fail(o, lm_checkpoint_write_config(&t->cfg, tmp));
+        if (!o->bad)
+            ckpt_fail(o, lm_checkpoint_trainer_begin(t->model, t->muon_total_n, t->adam_total_n, tmp, &o->st));
+    }
+    TRY(ckpt_state_data(t, o, 0));
+    TRY(ckpt_state_data(t, o, 1));
+    if (t->rank == 0 && !o->bad) {
+        lm_st_stream *st = o->st;
+        o->st = NULL;
+        ckpt_fail(o, lm_checkpoint_trainer_finish(st, t->model));
+        if (!o->bad) ckpt_fail(o, write_trainer_json(t, tmp));
+    }
+    return LM_OK;
+}
+
+/* A checkpoint, written by rank 0 (collective: the other ranks send what only
+ * they hold): files under a temporary name, then committed; a failure leaves
+ * no partial directory behind (and the previous checkpoint untouched). A
+ * checkpoint with a non-finite parameter or optimizer moment is never
+ * written: it would replace (and prune) the good ones. */
 static lm_status write_checkpoint(trainer *t) {
-    /* a checkpoint with a non-finite parameter or optimizer moment is never
-     * written: it would replace (and prune) the good ones */
-    char what[160];
-    snprintf(what, sizeof what, "step %lld", (long long)t->step);
     TRY(host_params_current(t));
     TRY(download_optimizer_state(t));
-    lm_status bad = LM_OK;
-    for (int i = 0; i < lm_model_num_tensors(t->model) && !bad; i++) {
-        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
-        const float *w = lm_model_tensor_data(t->model, i);
-        bad = w ? check_floats(what, mt->name, w, mt->numel, 0)
-                : lm_error(LM_ERR_ARG, "step %lld: %s is cut to this rank's experts (not gathered for the checkpoint)",
-                           (long long)t->step, mt->name);
+    ckpt_out o = {.t = t};
+    snprintf(o.what, sizeof o.what, "step %lld", (long long)t->step);
+    /* rank 0's receive buffer, for the write only */
+    const size_t nbuf = ckpt_buffer_floats(t);
+    lm_status s = LM_OK;
+    if (nbuf && !(t->ckbuf = malloc(nbuf * sizeof(float))))
+        s = lm_error(LM_ERR_MEMORY, "out of memory receiving the checkpoint's tensors (%zu bytes)",
+                     nbuf * sizeof(float));
+    if ((s = dp_agree(t, s))) {
+        free(t->ckbuf);
+        t->ckbuf = NULL;
+        return s;
     }
-    if (!bad) bad = check_floats(what, "optim.muon_state", t->ck_muon, t->muon_total_n, STATE_BOUND);
-    if (!bad) bad = check_floats(what, "optim.adam_state", t->ck_adam, t->adam_total_n, STATE_BOUND);
-    if (bad) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", lm_last_error());
-        return lm_error(LM_ERR_NUMERIC, "%s; the checkpoint is not written and the earlier ones are kept", msg);
+    if (nbuf * sizeof(float) > t->ckpt_gathered_bytes) t->ckpt_gathered_bytes = nbuf * sizeof(float);
+    char tmp[4096] = {0};
+    if (t->rank == 0) ckpt_fail(&o, lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
+    s = write_checkpoint_files(t, tmp, &o);
+    free(t->ckbuf);
+    t->ckbuf = NULL;
+    lm_st_stream_abort(o.st);
+    if (t->rank != 0) return s;
+    if (!s && o.bad) {
+        s = o.bad == LM_ERR_NUMERIC
+                ? lm_error(o.bad, "%s; the checkpoint is not written and the earlier ones are kept", o.msg)
+                : lm_error(o.bad, "%s", o.msg);
     }
-    char tmp[4096];
-    TRY(lm_checkpoint_begin(t->opt.out_dir, t->step, tmp, sizeof tmp));
-    lm_status s = write_checkpoint_files(t, tmp);
     if (s) {
-        char msg[1024];
-        snprintf(msg, sizeof msg, "%s", lm_last_error());
-        lm_checkpoint_abort(tmp);
-        return lm_error(s, "%s", msg);
+        if (tmp[0]) lm_checkpoint_abort(tmp);
+        return s;
     }
     if (t->metrics) fflush(t->metrics);
     TRY(lm_checkpoint_commit(t->opt.out_dir, t->step, tmp, t->cfg.keep_checkpoints));
@@ -1460,20 +1599,14 @@ static lm_status write_checkpoint(trainer *t) {
 }
 
 /* The checkpoint of this step: written by rank 0, after every rank's state
- * was checked to be rank 0's (and, under ZeRO-1, the owners' optimizer state
- * gathered to rank 0: the same files whatever the layout); the ranks learn
- * whether it was written. */
+ * was checked to be rank 0's by hash (from slices: nothing is gathered for
+ * it); the tensors only other ranks hold (owner-only experts, ZeRO-1's
+ * optimizer ranges) reach rank 0 one at a time as it writes, so no rank holds
+ * more than one expert tensor (or a chunk) beyond its own state: the same
+ * files whatever the layout. The ranks learn whether it was written. */
 static lm_status save_checkpoint(trainer *t) {
-    float *whole_muon = NULL, *whole_adam = NULL;
-    /* owner-only experts: whole on every rank of the group for the hashes and rank 0's files */
-    lm_status s = epo_whole(t);
-    if (!s) s = dp_check_replicas(t);
-    if (!s) s = t->epo ? epo_gather_state(t, &whole_muon, &whole_adam) : zero_gather_state(t, &whole_muon, &whole_adam);
-    if (!s && t->rank == 0) s = write_checkpoint(t);
-    free(whole_muon);
-    free(whole_adam);
-    t->ck_muon = t->ck_adam = NULL;
-    epo_release(t);
+    lm_status s = dp_check_replicas(t);
+    if (!s) s = write_checkpoint(t);
     if ((s = dp_agree(t, s))) return s;
     t->saved_step = t->step;
     return LM_OK;
@@ -2085,7 +2218,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
         fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
-                "only; an evaluation gathers one MoE layer's at a time, a checkpoint all of them) instead of %.3f MiB\n",
+                "only; an evaluation gathers one MoE layer's at a time, a checkpoint sends rank 0 one expert tensor at a time) "
+                "instead of %.3f MiB\n",
                 lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
@@ -2232,6 +2366,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 size_t first, count; /* embed[0]: whole on every rank */
                 lm_model_param_part(t.model, 0, &first, &count)[0] = NAN;
             }
+            if (t.step == opt->inject_diverge_step && t.rank == opt->inject_diverge_rank &&
+                (s = diverge_replica(&t, opt->inject_diverge_tensor)))
+                goto done;
             if ((s = lm_model_qk_clip(t.model, c->qk_clip_tau, &max_logit, &n_clipped))) goto done;
             /* the host parameters changed (the update, QK-Clip): the device copy
              * follows before the next forward or evaluation (a no-op on the CPU);
@@ -2326,11 +2463,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             fprintf(opt->progress, "done: %lld steps in %.1f s, checkpoint in %s\n", (long long)t.step,
                     lm_time_seconds() - t_start, opt->out_dir);
     }
-    /* collective under ZeRO-1: every rank computes them */
+    /* collective under ZeRO-1 and owner-only experts: every rank computes them */
     uint64_t params_hash = 0, balance_hash = 0;
-    if ((result || t.zero || t.epo) && ((s = epo_whole(&t)) || (s = state_hashes(&t, &params_hash, &balance_hash))))
-        goto done;
-    epo_release(&t);
+    if ((result || t.zero || t.epo) && (s = state_hashes(&t, &params_hash, &balance_hash))) goto done;
     if (result) {
         result->step = t.step;
         result->last_loss = last_loss;
@@ -2348,6 +2483,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->gradient_bytes = lm_model_num_grads(t.model) * sizeof(float);
         result->parameter_bytes = lm_model_num_kept_params(t.model) * sizeof(float);
         result->eval_gathered_bytes = t.eval_gathered_bytes;
+        result->ckpt_gathered_bytes = t.ckpt_gathered_bytes;
         result->balance_hash = balance_hash;
         bank_timings(&t, comp);
         memcpy(result->component_seconds, comp, sizeof comp);
