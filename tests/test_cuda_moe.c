@@ -615,85 +615,6 @@ static void test_gemm_selector(void) {
     }
 }
 
-/* The router's 3xTF32 product against float64 on fresh fp32 inputs (full
- * mantissas: a TF32 operand alone would be off by about 2^-11): every layout,
- * odd shapes and leading dimensions (the scalar loads), accumulate on and off,
- * split-K on and off. The error of each output, relative to sum_k |a_ik b_kj|,
- * must be at most 2e-6 (a product of single TF32 operands is about 5e-4 off),
- * and at most 8 times that of the same sum in plain fp32 on the host
- * (sequential), reported side by side. Two runs give the same bits. */
-static void check_router_product(int layout, int64_t M, int64_t N, int64_t K, int64_t pad, int accumulate,
-                                 int use_ws, uint64_t seed) {
-    lm_rng r;
-    lm_rng_seed(&r, seed);
-    int64_t lda = (layout == 2 ? M : K) + pad, ldb = (layout == 0 ? K : N) + pad, ldc = N + pad;
-    size_t na = (size_t)((layout == 2 ? K : M) * lda), nb = (size_t)((layout == 0 ? N : K) * ldb),
-           nc = (size_t)(M * ldc);
-    float *a = host_normal(na, 1.0, 0.0, 0, &r), *b = host_normal(nb, 0.5, 0.1, 0, &r);
-    float *c0 = host_normal(nc, 2.0, 0.0, 0, &r);
-    float *da = dev_upload_f32(a, na), *db = dev_upload_f32(b, nb), *dc = dev_upload_f32(c0, nc);
-    size_t ws_floats = use_ws ? (size_t)(M * N) * 64 : 0;
-    float *ws = use_ws ? dev_alloc(ws_floats * sizeof(float)) : NULL;
-    int splits = lm_cuda_router_splits(M, N, K, ws_floats);
-    GPU_OK(lm_cuda_router_product(&ctx, layout, da, lda, db, ldb, dc, ldc, accumulate, M, N, K, ws, ws_floats));
-    float *got = host_download_f32(dc, nc);
-    /* run again from the same start: the same bits */
-    GPU_OK(lm_cuda_upload(dc, c0, nc * sizeof(float)));
-    GPU_OK(lm_cuda_router_product(&ctx, layout, da, lda, db, ldb, dc, ldc, accumulate, M, N, K, ws, ws_floats));
-    float *again = host_download_f32(dc, nc);
-    CHECK(!memcmp(got, again, nc * sizeof(float)), "layout %d %lldx%lldx%lld: two runs differ", layout,
-          (long long)M, (long long)N, (long long)K);
-    double worst = 0, worst_f32 = 0;
-    int64_t bad_pad = 0;
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t j = 0; j < ldc; j++) {
-            float g = got[i * ldc + j];
-            if (j >= N) { /* the padding columns are not touched */
-                bad_pad += memcmp(&g, &c0[i * ldc + j], sizeof g) != 0;
-                continue;
-            }
-            double ref = accumulate ? c0[i * ldc + j] : 0.0, mag = 0.0;
-            float f32 = accumulate ? c0[i * ldc + j] : 0.0f, s32 = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                double av = layout == 2 ? a[k * lda + i] : a[i * lda + k];
-                double bv = layout == 0 ? b[j * ldb + k] : b[k * ldb + j];
-                ref += av * bv;
-                mag += fabs(av * bv);
-                s32 = fmaf((float)av, (float)bv, s32);
-            }
-            f32 += s32;
-            double den = mag + (accumulate ? fabs(c0[i * ldc + j]) : 0.0) + 1e-30;
-            double e = fabs((double)g - ref) / den, e32 = fabs((double)f32 - ref) / den;
-            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
-            if (e32 > worst_f32) worst_f32 = e32;
-        }
-    printf("  router product layout %d %lldx%lldx%lld (pad %lld, acc %d, %d splits): 3xTF32 %.2e, fp32 %.2e\n",
-           layout, (long long)M, (long long)N, (long long)K, (long long)pad, accumulate, splits, worst, worst_f32);
-    CHECK(bad_pad == 0, "%lld padding columns written", (long long)bad_pad);
-    CHECK(worst <= 2e-6, "layout %d: 3xTF32 error %.3e above 2e-6", layout, worst);
-    CHECK(worst <= 8 * worst_f32 + 5e-7, "layout %d: 3xTF32 error %.3e against fp32's %.3e", layout, worst, worst_f32);
-    if (use_ws && K >= 1024) CHECK(splits > 1, "a long contraction over few tiles splits (%d)", splits);
-    free(a), free(b), free(c0), free(got), free(again);
-    lm_cuda_free(da), lm_cuda_free(db), lm_cuda_free(dc), lm_cuda_free(ws);
-}
-
-static void test_router_product_3xtf32_is_fp32_accurate(void) {
-    /* the model's three: logits (NT), dx (NN), dW (TN, split-K) at the router's shapes */
-    check_router_product(0, 1000, 128, 1024, 0, 0, 0, 11);
-    check_router_product(1, 700, 1024, 128, 0, 1, 0, 12);
-    check_router_product(2, 128, 1024, 4096, 0, 1, 1, 13);
-    /* odd shapes, odd leading dimensions (scalar loads), tails in every dimension */
-    check_router_product(0, 129, 100, 37, 1, 1, 0, 14);
-    check_router_product(1, 77, 130, 33, 3, 0, 0, 15);
-    check_router_product(2, 100, 70, 1001, 1, 0, 1, 16);
-    check_router_product(2, 100, 70, 1001, 1, 1, 0, 17);
-    check_router_product(0, 5, 3, 1, 0, 1, 1, 18);
-    check_router_product(1, 260, 129, 0, 2, 1, 0, 19); /* empty contraction: c unchanged */
-    CHECK(lm_cuda_router_product(&ctx, 3, NULL, 1, NULL, 1, NULL, 1, 0, 1, 1, 1, NULL, 0) == LM_ERR_ARG,
-          "layout 3 refused");
-    CHECK(lm_cuda_set_router_gemm((lm_router_gemm_kind)2) == LM_ERR_ARG, "router kind 2 refused");
-}
-
 static void test_bad_arguments_are_refused(void) {
     lm_moe_config c = plain_config(LM_EXPERT_SWIGLU);
     CHECK(lm_cuda_moe_acts_bytes(&c, 0) == 0, "m_max 0 refused");
@@ -739,16 +660,6 @@ int main(void) {
         return 1;
     }
     RUN(test_routing_with_exact_ties_and_many_experts);
-    RUN(test_router_product_3xtf32_is_fp32_accurate);
-    /* the router's products on the SIMT units (LONGMOE_ROUTER_GEMM=fp32): the layer once more */
-    if (!test_skip_all_reason && lm_cuda_set_router_gemm(LM_ROUTER_GEMM_FP32) != LM_OK) {
-        fprintf(stderr, "set router gemm: %s\n", lm_last_error());
-        return 1;
-    }
-    printf("router products: fp32 (SIMT)\n");
-    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
-    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
-    if (!test_skip_all_reason) lm_cuda_set_router_gemm(LM_ROUTER_GEMM_3XTF32);
     if (!test_skip_all_reason && lm_cuda_moe_grouped_refused())
         printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);

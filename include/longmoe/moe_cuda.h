@@ -155,29 +155,6 @@ int lm_cuda_moe_gemm_parse(const char *name);
  * each then ran per expert (as LOOP), with one message on stderr. */
 long lm_cuda_moe_grouped_refused(void);
 
-/* The router's three fp32 products (logits W_r x, dx += dr W_r, dW_r += dr^T x):
- *   LM_ROUTER_GEMM_3XTF32 (default): on tensor cores, each fp32 operand split
- *     into two TF32 parts and three of the four part products summed in fp32
- *     (3xTF32): within a small factor of a plain fp32 product's error against
- *     float64 (test_cuda_moe measures both), deterministic;
- *   LM_ROUTER_GEMM_FP32: fp32 on the SIMT units (cuBLAS CUBLAS_COMPUTE_32F,
- *     or the own fp32 kernel under the wmma kind of expert products).
- * Until set, LONGMOE_ROUTER_GEMM=3xtf32|fp32 (read once); anything else makes
- * this (and so every forward) return LM_ERR_ARG naming it. */
-typedef enum { LM_ROUTER_GEMM_3XTF32 = 0, LM_ROUTER_GEMM_FP32 = 1 } lm_router_gemm_kind;
-lm_status lm_cuda_router_gemm(lm_router_gemm_kind *kind);
-lm_status lm_cuda_set_router_gemm(lm_router_gemm_kind kind);
-/* One fp32 product C (+= with accumulate) A B as the router's, with the 3xTF32
- * kernel (tests and benches): layout 0 (NT) A[i][k] = a[i lda + k], B[k][j] =
- * b[j ldb + k]; 1 (NN) B[k][j] = b[k ldb + j]; 2 (TN) A[i][k] = a[k lda + i],
- * B[k][j] = b[k ldb + j]. ws (ws_floats floats, may be NULL) lets an output of
- * few tiles split its contraction (the partials added in a fixed order).
- * lm_cuda_router_splits: the splits that call makes. */
-lm_status lm_cuda_router_product(const lm_cuda_context *ctx, int layout, const float *a, int64_t lda,
-                                 const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M,
-                                 int64_t N, int64_t K, float *ws, size_t ws_floats);
-int lm_cuda_router_splits(int64_t M, int64_t N, int64_t K, size_t ws_floats);
-
 /* Bytes of the one device block holding the activations (resp. the backward
  * scratch) for up to m_max tokens; 0 when cfg or m_max is invalid
  * (m_max in [1, 2^31 / top_k] and the padded rows must fit an int32). */

@@ -364,16 +364,9 @@ static lm_status gemm_grouped(const runner *r, lm_gemm_layout layout, const void
     return lm_moe_blas_grouped(r->ctx, r->kind, &g, r->acts, r->dw_tmp);
 }
 
-/* The router's fp32 products (lm_cuda_router_gemm): 3xTF32 on tensor cores
- * (split-K partials in ws, when given, for an output of few tiles), or fp32
- * on the SIMT units: the own fp32 kernel with WMMA, cuBLAS otherwise. */
+/* The router's fp32 products: the own fp32 kernel with WMMA, cuBLAS otherwise. */
 static lm_status gemm_f32(const runner *r, lm_gemm_layout layout, const float *a, int64_t lda, const float *b,
-                          int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N, int64_t K,
-                          float *ws, size_t ws_floats) {
-    lm_router_gemm_kind rk;
-    TRY(lm_cuda_router_gemm(&rk));
-    if (rk == LM_ROUTER_GEMM_3XTF32)
-        return lm_moe_gemm_3xtf32(r->st, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K, ws, ws_floats);
+                          int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N, int64_t K) {
     if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_f32(r->st, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
     return lm_moe_blas_f32(r->ctx, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
 }
@@ -426,7 +419,7 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
         a->x_bf16 = a->x_own;
     }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
-    TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d, NULL, 0));
+    TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
     TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
     /* the cuBLAS kinds size each expert's product on the host */
     if (kind != LM_MOE_GEMM_WMMA) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
@@ -565,11 +558,7 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r, dW_r += dr^T x */
     TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
-    if (dx) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n, NULL, 0));
-    /* dW_r's output is n x d (few tiles): its split-K partials go to dh, free
-     * after the expert products */
-    if (g->router)
-        TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m, (float *)s->dh,
-                     (size_t)s->rows_max * f * sizeof(bf16) / sizeof(float)));
+    if (dx) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     return LM_OK;
 }

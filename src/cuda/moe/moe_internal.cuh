@@ -49,13 +49,6 @@ lm_status lm_moe_gemm_f32(cudaStream_t stream, lm_gemm_layout layout, const floa
                           const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M,
                           int64_t N, int64_t K);
 
-/* The router's products with 3xTF32 on tensor cores (moe_router_gemm.cu): the
- * layouts of lm_moe_gemm_f32; ws (ws_floats, may be NULL) for split-K partials
- * when the output has few tiles. */
-lm_status lm_moe_gemm_3xtf32(cudaStream_t stream, lm_gemm_layout layout, const float *a, int64_t lda, const float *b,
-                             int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M, int64_t N, int64_t K,
-                             float *ws, size_t ws_floats);
-
 /* Slots a block of the counting sort handles. */
 #define LM_MOE_SORT_BLOCK 256
 
