@@ -680,9 +680,8 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         goto fail;
     if (m->sep && (st = ledger_add(m, m->n_params * m->be->lp_bytes, "parameters (product format copy)"))) goto fail;
     if (!m->dry) {
-        /* (at least one float each: a cut may keep nothing of a tiny model's blocks only in theory) */
-        m->params = calloc(kept ? kept : 1, sizeof(float));
-        m->grads = calloc(m->n_grads ? m->n_grads : 1, sizeof(float));
+        m->params = calloc(kept, sizeof(float));
+        m->grads = calloc(m->n_grads, sizeof(float));
         if (!m->params || !m->grads) {
             st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and %zu gradients)", kept, m->n_grads);
             goto fail;
@@ -2129,8 +2128,8 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
         /* owner-only experts (from creation, or cut): the handle's ranks are the cut's */
         const int G = (int)(m->gcuts[0].numel / m->gcuts[0].count), pos = (int)(m->gcuts[0].first / m->gcuts[0].count);
         if (lm_comm_size(comm) != G || lm_comm_rank(comm) != pos)
-            return lm_error(LM_ERR_ARG, "expert parallelism over rank %d of %d ranks on a model that keeps the "
-                            "experts of position %d of %d (lm_model_create_expert_owned): the handle must be that "
+            return lm_error(LM_ERR_ARG, "expert parallelism over rank %d of %d ranks on a model that keeps only the "
+                            "experts of position %d of %d (its blocks hold that slice): the handle must be that "
                             "group", lm_comm_rank(comm), lm_comm_size(comm), pos, G);
     }
     if (m->seg_on)
@@ -2239,7 +2238,7 @@ lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
     TRY(plan_expert_cuts(m, G, pos));
     const size_t kept = m->n_grads;
     if (!m->dry) {
-        float *g = calloc(kept ? kept : 1, sizeof(float));
+        float *g = calloc(kept, sizeof(float));
         if (!g) {
             free(m->gcuts);
             m->gcuts = NULL;
