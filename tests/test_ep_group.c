@@ -10,7 +10,9 @@
  * EP over the whole world (1e-5 relative: losses, parameters, optimizer
  * state); the checkpoints' files the replicated layout's bytes, one expert
  * tensor at a time crossing to rank 0; a diverged replica of an expert slice
- * refused before a checkpoint; the bytes of state and of gradients a rank holds; the same
+ * refused before a checkpoint; the bytes of state and of gradients a rank holds,
+ * and the parameter and gradient bytes its model ever allocated (its share, from
+ * creation); the same
  * parameters and QB bias on every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
  * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
  * in groups to owner-only bit for bit); norm
@@ -153,6 +155,14 @@ static void test_a_rank_holds_its_groups_share_of_the_experts_weights(void) {
                        G);
 }
 
+/* A rank's model is created with its position's share of the blocks (G = 1:
+ * every expert, the whole blocks, as the replicated layout's): the most
+ * parameter and gradient bytes it ever held are its two kept blocks. */
+static void test_a_rank_never_allocates_more_than_its_share(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    check_created_share(&g_result, &grep_result, ep_config(), G);
+}
+
 /* The parameters, optimizer-state hash and QB balancing state the same on every rank, the bias moved. */
 /* A checkpoint reaches rank 0's files one routed experts' tensor at a time
  * from the owners of its group (G = 1: every rank holds every expert, nothing
@@ -190,6 +200,8 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
     CHECK(!train("g-resumed", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
+    CHECK(r.block_peak_bytes == g_result.block_peak_bytes, "the resumed rank held %zu block bytes, the run %zu",
+          r.block_peak_bytes, g_result.block_peak_bytes);
     if (me != 0) return;
     double w;
     CHECK(tensors_close("g", "g-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
@@ -296,6 +308,7 @@ static void test_a_staged_run_keeps_the_groups_across_stages(void) {
     CHECK(r[0].params_hash == r[1].params_hash && r[0].grad_norm_hash == r[1].grad_norm_hash,
           "the owner-only run differs from the replicated run");
     CHECK(same_on_every_rank(r[0].params_hash), "the ranks differ");
+    check_created_share(&r[0], &r[1], c, G);
 }
 
 /* Refused before anything is written, with a message naming the sizes. */
@@ -369,6 +382,7 @@ int main(int argc, char **argv) {
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_gradients);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_weights);
+    RUN(test_a_rank_never_allocates_more_than_its_share);
     RUN(test_a_checkpoint_holds_one_expert_tensor_at_a_time);
     RUN(test_a_diverged_expert_replica_is_refused);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);

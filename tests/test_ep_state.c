@@ -8,7 +8,9 @@
  * owner-only state: bit for bit the losses, gradient norms, checkpoints of
  * steps 5 to 20 and state hashes) and one process (1e-5 relative); the
  * bytes of state and of gradients a rank holds (the replicated tensors' plus
- * 1/N of the experts'); the checkpoints' files the replicated layout's bytes,
+ * 1/N of the experts'), a rank's model created with that share of the
+ * parameter and gradient blocks (the whole blocks never allocated); the
+ * checkpoints' files the replicated layout's bytes,
  * written with one expert tensor at a time crossing to rank 0; a diverged
  * replica of a replicated tensor refused before a checkpoint; the balancing state on every rank the same; a bit-exact resume
  * on the same layout; checkpoints across layouts (replicated-state EP and
@@ -167,6 +169,16 @@ static void test_a_rank_holds_only_its_experts_weights(void) {
            ep_result.eval_gathered_bytes, nmoe, experts);
 }
 
+/* A rank's model is created with only its share of the blocks
+ * (lm_model_create_expert_owned): the most parameter and gradient bytes it
+ * ever held are its two kept blocks, never the whole model's, while the run
+ * equals the replicated layout bit for bit (above: losses, norms, hashes,
+ * checkpoint files). */
+static void test_a_rank_never_allocates_the_whole_model(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    check_created_share(&ep_result, &rep_result, ep_config(), R);
+}
+
 /* A checkpoint under owner-only experts reaches rank 0's files one routed
  * experts' tensor at a time (its files are the replicated layout's bytes,
  * above): rank 0 holds one expert tensor beyond its slices while it writes,
@@ -208,6 +220,9 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
     CHECK(!train("ep-resumed", comm, EP, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash && r.balance_hash == ep_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
+    /* the resumed model was created with its share and loaded its slices */
+    CHECK(r.block_peak_bytes == ep_result.block_peak_bytes, "the resumed rank held %zu block bytes, the run %zu",
+          r.block_peak_bytes, ep_result.block_peak_bytes);
     if (me != 0) return;
     double w;
     CHECK(tensors_close("ep", "ep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
@@ -355,6 +370,8 @@ static void test_a_staged_run_keeps_expert_parallelism_across_stages(void) {
     }
     CHECK(r[0].params_hash == r[1].params_hash && r[0].grad_norm_hash == r[1].grad_norm_hash,
           "the owner-only run differs from the replicated run");
+    /* both stages' models created with the rank's share */
+    check_created_share(&r[0], &r[1], c, R);
     if (me != 0) return;
     lm_train_options o = lm_train_options_default(dir("one-staged"));
     o.progress = NULL;
@@ -454,6 +471,7 @@ int main(int argc, char **argv) {
     RUN(test_a_rank_holds_only_its_experts_state);
     RUN(test_a_rank_holds_only_its_experts_gradients);
     RUN(test_a_rank_holds_only_its_experts_weights);
+    RUN(test_a_rank_never_allocates_the_whole_model);
     RUN(test_a_checkpoint_holds_one_expert_tensor_at_a_time);
     RUN(test_a_diverged_replica_is_refused);
     RUN(test_every_rank_holds_the_same_parameters_and_bias);

@@ -5,7 +5,9 @@
  * whole model with owner-only expert gradients (lm_model_keep_expert_grads):
  * each rank's gradient block holds the replicated tensors and its own
  * experts' slices only, and equals one process's gradient there; the memory
- * plan's gradient bytes of a rank of EP 1, 2 and 4.
+ * plan's gradient bytes of a rank of EP 1, 2 and 4; a model created in that
+ * layout (lm_model_create_expert_owned) allocating only its share and giving
+ * the cut model's bits.
  *
  * `test_moe_ep` alone runs the same cases on the one-rank engine (the
  * exchange with itself); `mpirun -np N test_moe_ep --mpi N` (ctest's
@@ -579,6 +581,162 @@ static void test_the_memory_plan_of_a_rank_holds_its_experts_gradients(void) {
     lm_model_free(p);
 }
 
+/* The ledgers of two models (or plans) name the same buffers with the same bytes. */
+static int same_ledger(const lm_model *a, const lm_model *b) {
+    if (lm_model_num_buffers(a) != lm_model_num_buffers(b)) return 0;
+    for (int i = 0; i < lm_model_num_buffers(a); i++) {
+        const lm_model_buffer *x = lm_model_buffer_at(a, i), *y = lm_model_buffer_at(b, i);
+        if (x->bytes != y->bytes || strcmp(x->name, y->name)) return 0;
+    }
+    return 1;
+}
+
+/* A model created owner-only (lm_model_create_expert_owned, then
+ * lm_model_set_expert_parallel) allocates the replicated tensors and its own
+ * experts' slices only: its parameter and gradient blocks, their memory plan
+ * entries and the most block bytes it ever held (lm_model_block_peak_bytes)
+ * are those shares, where a rank that creates the model whole and then cuts
+ * it (lm_model_keep_expert_grads, lm_model_keep_expert_weights) held both
+ * whole blocks first. Otherwise it is the cut model bit for bit: initialised
+ * weights (one process's bits), training loss and gradients, evaluation
+ * layer by layer (loss and scores), a plan's ledger
+ * (lm_model_plan_expert_owned), and lm_model_copy_state into a new stage's
+ * owner-only model; with plain experts and with a latent projection (every
+ * part of the MoE's parameters placed through the cut layout). Misuse is
+ * refused. */
+static void test_a_model_created_owner_only_allocates_only_its_share(void) {
+    for (int variant = 0; variant < 2; variant++) {
+        lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+        if (variant) c.latent_dim = 16;
+        const int B = c.batch_size, T = c.seq_len, Bm = B / R;
+        const size_t off = (size_t)me * Bm * T, N = (size_t)Bm * T;
+        int32_t *tok = malloc((size_t)B * T * sizeof *tok), *tgt = malloc((size_t)B * T * sizeof *tgt);
+        int32_t *aw = malloc(N * sizeof *aw), *ao = malloc(N * sizeof *ao);
+        double *nw = malloc(N * sizeof *nw), *no = malloc(N * sizeof *no);
+        lm_rng rng;
+        lm_rng_seed(&rng, 29);
+        for (int i = 0; tok && tgt && i < B * T; i++) {
+            tok[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+            tgt[i] = (int32_t)(lm_rng_u64(&rng) % (uint64_t)c.vocab_size);
+        }
+        lm_model *one = NULL, *w = NULL, *o = NULL, *o2 = NULL, *p = NULL;
+        CHECK(tok && tgt && aw && ao && nw && no, "out of memory");
+        CHECK(!lm_model_create(&c, B, T, &one) && !lm_model_create(&c, Bm, T, &w), "%s", lm_last_error());
+        CHECK(!lm_model_create_expert_owned(&c, Bm, T, NULL, R, me, &o) &&
+              !lm_model_create_expert_owned(&c, Bm, 2 * T, NULL, R, me, &o2), "%s", lm_last_error());
+        if (!one || !w || !o || !o2 || !tok || !tgt || !aw || !ao || !nw || !no) goto out;
+        const size_t np = lm_model_num_params(one), ex = routed_expert_floats(one), want = np - ex + ex / (size_t)R;
+        /* what it allocated: the shares from the start */
+        CHECK(lm_model_num_params(o) == np && lm_model_num_kept_params(o) == want && lm_model_num_grads(o) == want,
+              "variant %d, rank %d: %zu parameters and %zu gradients kept of %zu, expected %zu", variant, me,
+              lm_model_num_kept_params(o), lm_model_num_grads(o), np, want);
+        CHECK(lm_model_buffer_at(o, 0)->bytes == want * sizeof(float) && plan_gradient_bytes(o) == want * sizeof(float),
+              "the ledger's blocks: %zu and %zu bytes, expected %zu", lm_model_buffer_at(o, 0)->bytes,
+              plan_gradient_bytes(o), want * sizeof(float));
+        CHECK(lm_model_block_peak_bytes(o) == 2 * want * sizeof(float), "variant %d, rank %d: %zu block bytes held at "
+              "most, its two blocks are %zu", variant, me, lm_model_block_peak_bytes(o), 2 * want * sizeof(float));
+        CHECK(lm_model_block_peak_bytes(one) == 2 * np * sizeof(float), "one process held %zu block bytes, expected %zu",
+              lm_model_block_peak_bytes(one), 2 * np * sizeof(float));
+        /* the same layout by the cut: the whole blocks were held first */
+        CHECK(!lm_model_set_expert_parallel(w, comm) && !lm_model_keep_expert_grads(w, R, me) &&
+              !lm_model_keep_expert_weights(w), "%s", lm_last_error());
+        CHECK(lm_model_block_peak_bytes(w) >= 2 * np * sizeof(float) &&
+              lm_model_num_kept_params(w) == want && lm_model_num_grads(w) == want,
+              "the cut model held %zu block bytes at most", lm_model_block_peak_bytes(w));
+        if (R > 1) CHECK(lm_model_block_peak_bytes(o) < 2 * np * sizeof(float), "no saving at creation");
+        CHECK(same_ledger(o, w), "variant %d: the owner-only model's ledger differs from the cut model's", variant);
+        CHECK(!lm_model_plan_expert_owned(&c, Bm, T, LM_DEVICE_CPU, R, me, &p), "%s", lm_last_error());
+        CHECK(p && same_ledger(o, p) && !lm_model_block_peak_bytes(p), "variant %d: the plan differs from the model",
+              variant);
+        CHECK(!lm_model_set_expert_parallel(o, comm) && !lm_model_set_expert_parallel(o2, comm), "%s",
+              lm_last_error());
+        /* initialised: one process's bits in every kept weight, and the cut model's block */
+        lm_model_init(one, 11);
+        lm_model_init(w, 11);
+        lm_model_init(o, 11);
+        const float *ow = lm_model_params(one);
+        for (int i = 0; i < lm_model_num_tensors(o); i++) {
+            const lm_model_tensor *t = lm_model_tensor_at(o, i);
+            size_t first, count;
+            const float *x = lm_model_param_part(o, i, &first, &count);
+            CHECK(x && !memcmp(x, ow + t->offset + first, count * sizeof *x),
+                  "%s: rank %d's weights differ from one process's", t->name, me);
+        }
+        CHECK(!memcmp(lm_model_params(o), lm_model_params(w), want * sizeof(float)),
+              "variant %d, rank %d: the initialised block differs from the cut model's", variant, me);
+        /* training: the cut model's loss and gradient bits */
+        float lw = 0, lo = 0;
+        lm_status st = lm_model_forward(w, tok + off, tgt + off, 1, &lw);
+        if (!st) st = lm_model_backward(w, 1.0f / (float)R);
+        if (!st) st = lm_model_forward(o, tok + off, tgt + off, 1, &lo);
+        if (!st) st = lm_model_backward(o, 1.0f / (float)R);
+        CHECK(!st, "rank %d: %s", me, lm_last_error());
+        if (st) goto out;
+        CHECK(!memcmp(&lw, &lo, sizeof lw), "loss %.9g owner-only from creation, %.9g cut", lo, lw);
+        CHECK(!memcmp(lm_model_grads(o), lm_model_grads(w), want * sizeof(float)),
+              "variant %d, rank %d: the gradients differ from the cut model's", variant, me);
+        /* evaluation layer by layer: the cut model's bits */
+        CHECK(!lm_model_gather_experts_by_layer(w, 1) && !lm_model_gather_experts_by_layer(o, 1), "%s",
+              lm_last_error());
+        st = lm_model_forward(w, tok + off, tgt + off, 0, &lw);
+        if (!st) st = lm_model_forward(o, tok + off, tgt + off, 0, &lo);
+        if (!st) st = lm_model_score(w, tok + off, tgt + off, nw, aw);
+        if (!st) st = lm_model_score(o, tok + off, tgt + off, no, ao);
+        CHECK(!st, "rank %d: %s", me, lm_last_error());
+        CHECK(!st && !memcmp(&lw, &lo, sizeof lw) && !memcmp(nw, no, N * sizeof *nw) &&
+              !memcmp(aw, ao, N * sizeof *aw), "variant %d, rank %d: the evaluation differs from the cut model's",
+              variant, me);
+        /* a new stage's owner-only model takes the state */
+        CHECK(!lm_model_copy_state(o2, o) && !memcmp(lm_model_params(o2), lm_model_params(o), want * sizeof(float)),
+              "copying into a new stage's model: %s", lm_last_error());
+        printf("     variant %d, rank %d of %d: %zu block bytes at most from creation (cut after creating whole: "
+               "%zu)\n", variant, me, R, lm_model_block_peak_bytes(o), lm_model_block_peak_bytes(w));
+    out:
+        lm_model_free(one);
+        lm_model_free(w);
+        lm_model_free(o);
+        lm_model_free(o2);
+        lm_model_free(p);
+        free(tok);
+        free(tgt);
+        free(aw);
+        free(ao);
+        free(nw);
+        free(no);
+    }
+}
+
+/* Bad layouts for a model created owner-only are refused, naming the cause. */
+static void test_bad_owner_only_layouts_are_refused(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    const int Bm = c.batch_size / R, T = c.seq_len;
+    lm_model *m = NULL;
+    CHECK(lm_model_create_expert_owned(&c, Bm, T, NULL, 3, 0, &m) == LM_ERR_ARG && !m &&
+          strstr(lm_last_error(), "8 routed experts"), "3 groups of 8 experts: %s", lm_last_error());
+    CHECK(lm_model_create_expert_owned(&c, Bm, T, NULL, 2, 2, &m) == LM_ERR_ARG && !m &&
+          strstr(lm_last_error(), "out of range"), "position 2 of 2: %s", lm_last_error());
+    CHECK(lm_model_create_expert_owned(&c, Bm, T, NULL, 0, 0, &m) == LM_ERR_ARG && !m, "a group of 0 ranks");
+    CHECK(lm_model_plan_expert_owned(&c, Bm, T, LM_DEVICE_CPU, 2, -1, &m) == LM_ERR_ARG && !m,
+          "position -1 of 2 planned");
+    CHECK(lm_model_plan_expert_owned(&c, Bm, T, LM_DEVICE_CUDA, 2, 0, &m) == LM_ERR_ARG && !m,
+          "an owner-only plan on the GPU: %s", lm_last_error());
+    lm_config dense = c;
+    dense.first_k_dense = dense.n_layers;
+    CHECK(lm_model_create_expert_owned(&dense, Bm, T, NULL, 2, 0, &m) == LM_ERR_ARG && !m &&
+          strstr(lm_last_error(), "MoE layers"), "a model without MoE layers: %s", lm_last_error());
+    /* cut already; a handle of another position */
+    CHECK(!lm_model_create_expert_owned(&c, Bm, T, NULL, R, (me + 1) % R, &m), "%s", lm_last_error());
+    if (!m) return;
+    CHECK(lm_model_keep_expert_grads(m, R, (me + 1) % R) == LM_ERR_ARG && strstr(lm_last_error(), "already"),
+          "gradients cut again: %s", lm_last_error());
+    CHECK(lm_model_keep_expert_weights(m) == LM_ERR_ARG && strstr(lm_last_error(), "already"),
+          "weights cut again: %s", lm_last_error());
+    if (R > 1)
+        CHECK(lm_model_set_expert_parallel(m, comm) == LM_ERR_ARG && strstr(lm_last_error(), "position"),
+              "expert parallelism over a handle on which this rank has another position: %s", lm_last_error());
+    lm_model_free(m);
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -611,6 +769,8 @@ int main(int argc, char **argv) {
     RUN(test_model_keeps_only_its_own_experts_weights);
     RUN(test_evaluation_gathers_one_layer_at_a_time);
     RUN(test_the_memory_plan_of_a_rank_holds_its_experts_gradients);
+    RUN(test_a_model_created_owner_only_allocates_only_its_share);
+    RUN(test_bad_owner_only_layouts_are_refused);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
         if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;

@@ -291,6 +291,25 @@ static inline void check_expert_share(const char *what, size_t replicated, size_
     printf("     %s a rank: %zu bytes instead of %zu (experts' %zu split %d ways)\n", what, got, whole, experts, ways);
 }
 
+/* The most bytes of parameter and gradient blocks a rank's model held at once
+ * (lm_train_result.block_peak_bytes): under owner-only expert state (`own`,
+ * experts split `ways` ways) its two kept blocks, the replicated tensors and
+ * its own experts' slices, from the model's creation on; the replicated
+ * layout (`rep`) the whole model's two blocks. */
+static inline void check_created_share(const lm_train_result *own, const lm_train_result *rep, lm_config c, int ways) {
+    const size_t whole = param_floats(c) * sizeof(float), experts = expert_floats(c) * sizeof(float);
+    const size_t share = whole - experts + experts / (size_t)ways;
+    CHECK(experts > 0 && whole > experts, "no expert tensors");
+    CHECK(rep->block_peak_bytes == 2 * whole, "the replicated layout held %zu block bytes at most, the whole "
+          "model's two blocks are %zu", rep->block_peak_bytes, 2 * whole);
+    CHECK(own->block_peak_bytes == 2 * share && own->block_peak_bytes == own->parameter_bytes + own->gradient_bytes,
+          "rank %d held %zu block bytes at most, expected its two blocks, %zu (parameters %zu, gradients %zu; the "
+          "whole model's %zu)", me, own->block_peak_bytes, 2 * share, own->parameter_bytes, own->gradient_bytes,
+          2 * whole);
+    printf("     parameter and gradient blocks a rank ever held: %zu bytes instead of %zu (created so)\n",
+           own->block_peak_bytes, 2 * whole);
+}
+
 /* `longmoe ARGS` outside the job's environment (without the launcher's
  * variables it does not take itself for a rank): its exit status, its output
  * (stdout and stderr) in out. */

@@ -48,8 +48,8 @@ static const char *const plan_usage =
     "for the rank that needs the most (the attention's activations grow with the\n"
     "segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
     "group's share). --ep G (cpu) sizes one rank of `train --comm mpi --ep G`: its\n"
-    "gradients and optimizer state of the routed experts are those of its n/G\n"
-    "experts only (the weights stay whole).\n";
+    "weights, gradients and optimizer state of the routed experts are those of its\n"
+    "n/G experts only, the blocks allocated so from the model's creation.\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
                         long cp, long ep, const char *json);
@@ -292,12 +292,10 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     }
     if (ep > 1 && dev != LM_DEVICE_CPU) return cli_fail(cmd, "--ep: expert parallelism runs on CPU ranks (--device cpu)");
     lm_model *m = NULL;
-    if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
-    /* expert parallel: a rank keeps its experts' gradients and weights (every position the same size) */
-    if (ep > 1 && (lm_model_keep_expert_grads(m, (int)ep, 0) || lm_model_keep_expert_weights(m))) {
-        lm_model_free(m);
+    /* expert parallel: a rank allocates its experts' gradients and weights only (every position the same size) */
+    if (ep > 1 && lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, &m))
         return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
-    }
+    if (ep <= 1 && lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
     int nt = lm_model_num_tensors(m);
     lm_param *ps = calloc((size_t)nt, sizeof *ps);
@@ -343,7 +341,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     if (ep > 1)
         printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
                "%d of the %d routed experts of a layer (an evaluation gathers one layer's experts at a time, "
-               "counted below; a checkpoint gathers them whole, not counted here)\n", ep, c->n_routed_experts / (int)ep, c->n_routed_experts);
+               "counted below; a checkpoint sends rank 0 one expert tensor at a time, not counted here)\n", ep,
+               c->n_routed_experts / (int)ep, c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {

@@ -5,8 +5,9 @@
  * RMSNorm and the LM head with a chunked cross-entropy.
  *
  * Memory is planned at creation from the config and the batch shape: one block
- * of parameters, one of gradients (the same layout; lm_model_keep_expert_grads
- * cuts it under expert parallelism), one of activations and scratch; the only
+ * of parameters, one of gradients (the same layout; under expert parallelism
+ * with owner-only experts both hold only the rank's own experts' slices,
+ * lm_model_create_expert_owned), one of activations and scratch; the only
  * other allocations are made once there too (MoE routing buffers, balancing
  * state), including one scratch that the KDA and attention operators share. The project allocates nothing inside a step (the OpenMP
  * runtime keeps its own small per-region bookkeeping).
@@ -76,8 +77,8 @@ void lm_model_free(lm_model *m);
  * MoE layer for the tokens of all ranks, which reach it by all-to-all in the
  * training forward and backward (lm_model_forward with training = 1 and
  * lm_model_backward are then collective over comm). The weights stay whole
- * unless cut (lm_model_keep_expert_weights): evaluation forwards run every
- * expert locally. The expert weight
+ * unless cut (lm_model_keep_expert_weights, or lm_model_create_expert_owned):
+ * evaluation forwards run every expert locally. The expert weight
  * gradients of this rank's backward are complete for its experts and zero for
  * the others (lm_model_keep_expert_grads keeps only its experts'). n_routed_experts
  * not divisible by R is LM_ERR_ARG. comm must outlive the model. */
@@ -122,6 +123,29 @@ float *lm_model_grad_part(lm_model *m, int i, size_t *first, size_t *count);
 lm_status lm_model_keep_expert_weights(lm_model *m);
 /* Floats of the parameter block: lm_model_num_params unless cut above. */
 size_t lm_model_num_kept_params(const lm_model *m);
+/* A model that keeps only its own experts from the start (docs/scaleout.md,
+ * "Expert parallelism"): the model of lm_model_create_on whose parameter and
+ * gradient blocks are allocated in the layout that lm_model_keep_expert_grads
+ * (G, pos) and then lm_model_keep_expert_weights leave (the replicated
+ * tensors whole, of each routed expert tensor the slice of experts [pos n /
+ * G, (pos+1) n / G)), so the whole blocks are never held: a rank's peak at
+ * creation is its own share (lm_model_block_peak_bytes). The same tensor
+ * table, views and behaviour as the cut model; lm_model_set_expert_parallel
+ * follows, over a handle of G ranks on which this rank is pos (another is
+ * LM_ERR_ARG), before training. CPU backend only; n_routed_experts must be
+ * divisible by G; the model needs MoE layers. */
+lm_status lm_model_create_expert_owned(const lm_config *cfg, int B, int T, struct lm_backend *backend, int G, int pos,
+                                       lm_model **out);
+/* The memory plan of such a model (lm_model_plan's tables and ledger, the
+ * parameter and gradient entries a rank at position pos of G allocates). */
+lm_status lm_model_plan_expert_owned(const lm_config *cfg, int B, int T, lm_device device, int G, int pos,
+                                     lm_model **out);
+/* The most bytes of parameter and gradient blocks (host, and a backend's own
+ * copies) the model held at once since its creation: both whole blocks for a
+ * model created whole (more while lm_model_keep_expert_grads or
+ * lm_model_keep_expert_weights copies into the smaller block), the kept
+ * blocks only for lm_model_create_expert_owned; 0 for a plan. */
+size_t lm_model_block_peak_bytes(const lm_model *m);
 /* Where tensor i lies in lm_model_params: its elements [*first, *first +
  * *count) in order from the returned pointer (the whole tensor unless its
  * weights are cut above; NULL on a plan). */

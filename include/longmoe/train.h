@@ -188,6 +188,13 @@ typedef struct {
      * the whole model's, under expert parallelism with owner-only state the
      * replicated tensors' and its own experts' only */
     size_t parameter_bytes;
+    /* the most bytes of parameter and gradient blocks (host, and a device's
+     * copies) one of this rank's models held at once from its creation on
+     * (lm_model_block_peak_bytes; the largest over the stages' models): with
+     * owner-only expert state parameter_bytes + gradient_bytes, the model
+     * being created in that layout (lm_model_create_expert_owned), never the
+     * whole model's blocks */
+    size_t block_peak_bytes;
     /* the most bytes of gathered expert weights this rank held at once during
      * the run's evaluations besides its parameter block (owner-only experts:
      * one MoE layer's routed experts, lm_model_expert_layer_bytes; else 0) */

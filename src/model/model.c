@@ -495,31 +495,99 @@ static size_t plan_segments(lm_model *m, float *base) {
 }
 
 static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *backend, const lm_ops *plan_ops,
-                             lm_model **out);
+                             int xG, int xpos, lm_model **out);
+static lm_status plan_expert_cuts(lm_model *m, int G, int pos);
+static void bind_whole_expert_views(lm_model *m);
+static void map_grad_views(lm_model *m);
 
 lm_status lm_model_create(const lm_config *cfg, int B, int T, lm_model **out) {
     return lm_model_create_on(cfg, B, T, NULL, out);
 }
 
 lm_status lm_model_create_on(const lm_config *cfg, int B, int T, lm_backend *backend, lm_model **out) {
-    return model_build(cfg, B, T, backend ? backend : lm_backend_cpu(), NULL, out);
+    return model_build(cfg, B, T, backend ? backend : lm_backend_cpu(), NULL, 0, 0, out);
+}
+
+lm_status lm_model_create_expert_owned(const lm_config *cfg, int B, int T, lm_backend *backend, int G, int pos,
+                                       lm_model **out) {
+    *out = NULL;
+    if (G < 1 || pos < 0 || pos >= G)
+        return lm_error(LM_ERR_ARG, "owner-only experts: position %d of a group of %d ranks is out of range", pos, G);
+    return model_build(cfg, B, T, backend ? backend : lm_backend_cpu(), NULL, G, pos, out);
+}
+
+/* The ops a plan of `device` sizes its buffers with (NULL and an error: none). */
+static const lm_ops *plan_ops_of(lm_device device) {
+    if (device != LM_DEVICE_CPU && device != LM_DEVICE_CUDA) {
+        lm_error(LM_ERR_ARG, "model plan: unknown device %d", (int)device);
+        return NULL;
+    }
+    const lm_ops *ops = device == LM_DEVICE_CPU ? lm_backend_cpu()->ops : lm_backend_cuda_ops();
+    if (!ops)
+        lm_error(LM_ERR_ARG, "model plan: this build has no CUDA backend (nvcc was not found when it was "
+                             "configured), so it cannot size the GPU's buffers");
+    return ops;
 }
 
 lm_status lm_model_plan(const lm_config *cfg, int B, int T, lm_device device, lm_model **out) {
     *out = NULL;
-    const lm_ops *ops = device == LM_DEVICE_CPU ? lm_backend_cpu()->ops : lm_backend_cuda_ops();
-    if (device != LM_DEVICE_CPU && device != LM_DEVICE_CUDA)
-        return lm_error(LM_ERR_ARG, "model plan: unknown device %d", (int)device);
-    if (!ops)
-        return lm_error(LM_ERR_ARG, "model plan: this build has no CUDA backend (nvcc was not found when it was "
-                                    "configured), so it cannot size the GPU's buffers");
-    return model_build(cfg, B, T, NULL, ops, out);
+    const lm_ops *ops = plan_ops_of(device);
+    if (!ops) return LM_ERR_ARG;
+    return model_build(cfg, B, T, NULL, ops, 0, 0, out);
+}
+
+lm_status lm_model_plan_expert_owned(const lm_config *cfg, int B, int T, lm_device device, int G, int pos,
+                                     lm_model **out) {
+    *out = NULL;
+    if (G < 1 || pos < 0 || pos >= G)
+        return lm_error(LM_ERR_ARG, "owner-only experts: position %d of a group of %d ranks is out of range", pos, G);
+    const lm_ops *ops = plan_ops_of(device);
+    if (!ops) return LM_ERR_ARG;
+    return model_build(cfg, B, T, NULL, ops, G, pos, out);
+}
+
+/* Parameter and gradient block bytes allocated (add) or freed, and their peak. */
+static void block_bytes(lm_model *m, size_t bytes, int add) {
+    m->block_held = add ? m->block_held + bytes : m->block_held - bytes;
+    m->block_peak = m->block_held > m->block_peak ? m->block_held : m->block_peak;
+}
+
+size_t lm_model_block_peak_bytes(const lm_model *m) { return m->block_peak; }
+
+/* The MoE layer's parameters in lm_moe_params order (lm_moe_params_carve's,
+ * which plan_ffn's table follows): each part's offset in the whole parameter
+ * layout, (size_t)-1 for a part the config leaves out. */
+static void moe_offsets(const lm_model *m, const layer_state *ls, size_t off[10]) {
+    static const char *const part[10] = {"router", "gate", "up", "down", "lat_down", "lat_norm", "lat_up",
+                                         "shared_gate", "shared_up", "shared_down"};
+    int j = 0;
+    while (j < m->n_tensors && m->tensors[j].offset != ls->ffn_off) j++;
+    for (int k = 0; k < 10; k++) {
+        const char *d = j < m->n_tensors ? strstr(m->tensors[j].name, ".moe.") : NULL;
+        off[k] = d && !strcmp(d + 5, part[k]) ? m->tensors[j++].offset : (size_t)-1;
+    }
+}
+
+/* A MoE layer's views into `block`, a block of the parameter layout (whole,
+ * or cut when m->pcut): every part at its element's place, a routed expert
+ * tensor at its first kept element when the cut keeps the tensor's start
+ * (else NULL; bind_whole_expert_views then gives the whole views). */
+static void moe_views_in(const lm_model *m, const layer_state *ls, float *block, lm_moe_params *p) {
+    _Static_assert(sizeof(lm_moe_params) == 10 * sizeof(float *), "lm_moe_params is ten float pointers");
+    size_t off[10];
+    moe_offsets(m, ls, off);
+    float **v = (float **)p;
+    for (int k = 0; k < 10; k++)
+        v[k] = off[k] == (size_t)-1 ? NULL : m->pcut ? lm_model_cut_at(m, block, off[k]) : block + off[k];
 }
 
 /* A model on `backend`, or (backend NULL) a plan only on a backend of `plan_ops`:
- * the tables and the ledger of buffers, no memory (lm_model_plan). */
+ * the tables and the ledger of buffers, no memory (lm_model_plan). xG > 0:
+ * the parameter and gradient blocks hold only the routed experts' slice of
+ * position xpos of xG ranks, and the rest whole, from the start
+ * (lm_model_create_expert_owned). */
 static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *backend, const lm_ops *plan_ops,
-                             lm_model **out) {
+                             int xG, int xpos, lm_model **out) {
     *out = NULL;
     TRY(lm_config_validate(cfg));
     if (B < 1 || T < 1 || (int64_t)B * T > (1 << 26))
@@ -591,21 +659,34 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         goto fail;
     if (cfg->tie_embeddings) m->head_off = m->embed_off;
 
-    /* the ledger of backend buffers (lm_model_buffer_at) starts with the parameter blocks */
+    /* owner-only experts from the start: the cut table of the routed experts
+     * (the gradient block's and, pcut, the parameter block's layout) */
     m->n_grads = m->n_params;
+    if (xG) {
+        if ((st = plan_expert_cuts(m, xG, xpos))) goto fail;
+        m->pcut = 1;
+    }
+    /* the ledger of backend buffers (lm_model_buffer_at) starts with the parameter blocks */
+    const size_t kept = m->pcut ? m->n_grads : m->n_params;
     m->params_buffer = m->n_buffers;
     m->grads_buffer = m->n_buffers + 1;
-    if ((st = ledger_add(m, m->n_params * sizeof(float), "parameters (fp32)")) ||
-        (st = ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32)")))
+    const int nx = cfg->n_routed_experts;
+    if ((st = xG ? ledger_add(m, kept * sizeof(float), "parameters (fp32; of the routed experts only %d of %d a layer, "
+                              "position %d of %d)", nx / xG, nx, xpos, xG)
+                 : ledger_add(m, kept * sizeof(float), "parameters (fp32)")) ||
+        (st = xG ? ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32; of the routed experts only %d of %d a "
+                              "layer, position %d of %d)", nx / xG, nx, xpos, xG)
+                 : ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32)")))
         goto fail;
     if (m->sep && (st = ledger_add(m, m->n_params * m->be->lp_bytes, "parameters (product format copy)"))) goto fail;
     if (!m->dry) {
-        m->params = calloc(m->n_params, sizeof(float));
+        m->params = calloc(kept, sizeof(float));
         m->grads = calloc(m->n_grads, sizeof(float));
         if (!m->params || !m->grads) {
-            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and gradients)", m->n_params);
+            st = lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (and %zu gradients)", kept, m->n_grads);
             goto fail;
         }
+        block_bytes(m, (kept + m->n_grads) * sizeof(float), 1);
         /* what the ops read and write: the host arrays themselves on the CPU; on a
          * backend of its own memory, fp32 parameters and gradients there and a
          * product-format copy of the parameters */
@@ -621,6 +702,7 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             m->G = G;
             if ((st = m->be->alloc(m->be, m->n_params * m->be->lp_bytes, &PL))) goto fail;
             m->PL = PL;
+            block_bytes(m, m->n_params * (2 * sizeof(float) + m->be->lp_bytes), 1);
         }
     }
 
@@ -694,15 +776,16 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             for (int h = 0; h < cfg->attn_heads; h++) ls->smax[h] = -INFINITY;
         }
         if (!m->dry) {
-            float *pp = m->params + ls->mixer_off;
+            /* the token mixer's tensors are never cut: one run of the block whatever the layout */
+            float *pp = lm_model_host_param(m, ls->mixer_off), *pP = par_at(m, ls->mixer_off);
             if (ls->mixer == LM_MIXER_KDA) {
                 lm_kda_layer_params_map(&ls->kda_cfg, pp, &ls->kda_p);
-                lm_kda_layer_params_map(&ls->kda_cfg, m->P + ls->mixer_off, &ls->kda_P);
+                lm_kda_layer_params_map(&ls->kda_cfg, pP, &ls->kda_P);
                 map_views(m, &ls->kda_P, &ls->kda_PL, sizeof ls->kda_P, 0);
                 map_views(m, &ls->kda_P, &ls->kda_G, sizeof ls->kda_P, 1);
             } else {
                 if ((st = lm_mla_params_map(&ls->mla_cfg, pp, &ls->mla_p)) ||
-                    (st = lm_mla_params_map(&ls->mla_cfg, m->P + ls->mixer_off, &ls->mla_P)))
+                    (st = lm_mla_params_map(&ls->mla_cfg, pP, &ls->mla_P)))
                     goto fail;
                 map_views(m, &ls->mla_P, &ls->mla_PL, sizeof ls->mla_P, 0);
                 map_views(m, &ls->mla_P, &ls->mla_G, sizeof ls->mla_P, 1);
@@ -710,11 +793,11 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         }
         if (!ls->moe) continue;
         if (!m->dry) {
-            lm_moe_params_carve(&ls->moe_cfg, m->params + ls->ffn_off, &ls->moe_p);
-            lm_moe_params_carve(&ls->moe_cfg, m->P + ls->ffn_off, &ls->moe_P);
-            ls->moe_xoff[0] = (size_t)(ls->moe_P.gate - m->P);
-            ls->moe_xoff[1] = (size_t)(ls->moe_P.up - m->P);
-            ls->moe_xoff[2] = (size_t)(ls->moe_P.down - m->P);
+            size_t off[10];
+            moe_offsets(m, ls, off);
+            ls->moe_xoff[0] = off[1], ls->moe_xoff[1] = off[2], ls->moe_xoff[2] = off[3];
+            moe_views_in(m, ls, m->params, &ls->moe_p);
+            moe_views_in(m, ls, m->P, &ls->moe_P);
             map_views(m, &ls->moe_P, &ls->moe_PL, sizeof ls->moe_P, 0);
             map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
         }
@@ -757,6 +840,14 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         bc.aux_alpha = cfg->aux_alpha;
         if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
         ls->bal_ready = 1;
+    }
+
+    /* owner-only experts: a cut routed expert tensor has no whole view (until
+     * gathered) and its gradient only this rank's slice (lm_model_set_expert_parallel
+     * binds the views of the slice) */
+    if (m->pcut && !m->dry) {
+        bind_whole_expert_views(m);
+        map_grad_views(m);
     }
 
     /* the residual stream */
@@ -2030,9 +2121,17 @@ void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
-    if (m->n_gcuts)
+    if (m->n_gcuts && !m->pcut)
         return lm_error(LM_ERR_ARG, "expert parallelism is set before the gradients are cut to the owned experts "
                                     "(lm_model_keep_expert_grads after lm_model_set_expert_parallel)");
+    if (m->pcut) {
+        /* owner-only experts (from creation, or cut): the handle's ranks are the cut's */
+        const int G = (int)(m->gcuts[0].numel / m->gcuts[0].count), pos = (int)(m->gcuts[0].first / m->gcuts[0].count);
+        if (lm_comm_size(comm) != G || lm_comm_rank(comm) != pos)
+            return lm_error(LM_ERR_ARG, "expert parallelism over rank %d of %d ranks on a model that keeps only the "
+                            "experts of position %d of %d (its blocks hold that slice): the handle must be that "
+                            "group", lm_comm_rank(comm), lm_comm_size(comm), pos, G);
+    }
     if (m->seg_on)
         return lm_error(LM_ERR_ARG, "expert parallelism together with train.seq_segment is not supported (set "
                                     "train.seq_segment to 0)");
@@ -2056,6 +2155,14 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
         size_t wo = (size_t)lm_moe_ep_first_expert(ls->moe_ep) * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
         ls->moe_Pep = ls->moe_P;
         ls->moe_Gep = ls->moe_G;
+        if (m->pcut) {
+            /* the owned slices: the first kept element of each routed expert tensor */
+            ls->moe_Pep.gate = par_at(m, ls->moe_xoff[0] + wo);
+            ls->moe_Pep.up = par_at(m, ls->moe_xoff[1] + wo);
+            ls->moe_Pep.down = par_at(m, ls->moe_xoff[2] + wo);
+            map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
+            continue;
+        }
         ls->moe_Pep.gate += wo, ls->moe_Pep.up += wo, ls->moe_Pep.down += wo;
         ls->moe_Gep.gate += wo, ls->moe_Gep.up += wo, ls->moe_Gep.down += wo;
     }
@@ -2084,25 +2191,25 @@ static int is_routed_expert_tensor(const lm_model *m, const lm_model_tensor *t) 
            t->shape[0] == m->cfg.n_routed_experts;
 }
 
-lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
+/* The cut table of owner-only experts (m->gcuts, m->n_grads) of position pos
+ * of G ranks: of each routed expert tensor the slice of experts [pos n / G,
+ * (pos+1) n / G), every other tensor whole. The checks of every way to it
+ * (lm_model_keep_expert_grads, lm_model_create_expert_owned); no block
+ * changes here. */
+static lm_status plan_expert_cuts(lm_model *m, int G, int pos) {
     const int n = m->cfg.n_routed_experts;
-    if (m->n_gcuts) return lm_error(LM_ERR_ARG, "the model keeps only its own experts' gradients already");
     if (G < 1 || pos < 0 || pos >= G)
-        return lm_error(LM_ERR_ARG, "owner-only expert gradients: position %d of a group of %d ranks is out of range",
-                        pos, G);
+        return lm_error(LM_ERR_ARG, "owner-only experts: position %d of a group of %d ranks is out of range", pos, G);
     if (!lm_model_num_moe_layers(m) || n % G)
-        return lm_error(LM_ERR_ARG, "owner-only expert gradients: %d routed experts cannot be split over %d ranks "
-                        "(model.n_routed_experts must be divisible by the expert-parallel group)", n, G);
+        return lm_error(LM_ERR_ARG, "owner-only experts: %d routed experts cannot be split over %d ranks "
+                        "(model.n_routed_experts must be divisible by the expert-parallel group%s)", n, G,
+                        lm_model_num_moe_layers(m) ? "" : ", and the model needs MoE layers");
     if (m->be->device != LM_DEVICE_CPU || m->sep)
-        return lm_error(LM_ERR_ARG, "owner-only expert gradients run on the CPU (as expert parallelism does)");
-    if (!m->dry && (!m->ep_comm || lm_comm_size(m->ep_comm) != G || lm_comm_rank(m->ep_comm) != pos))
-        return lm_error(LM_ERR_ARG, "owner-only expert gradients of position %d of %d need the model under expert "
-                        "parallelism over those ranks (lm_model_set_expert_parallel first; its handle has %s)", pos, G,
-                        m->ep_comm ? "another size or rank" : "not been set");
+        return lm_error(LM_ERR_ARG, "owner-only experts run on the CPU (as expert parallelism does)");
     int cuts = 0;
     for (int i = 0; i < m->n_tensors; i++) cuts += is_routed_expert_tensor(m, &m->tensors[i]);
     struct gcut *gc = calloc((size_t)cuts, sizeof *gc);
-    if (!gc) return lm_error(LM_ERR_MEMORY, "out of memory cutting the expert gradients");
+    if (!gc) return lm_error(LM_ERR_MEMORY, "out of memory cutting the expert tensors");
     size_t kept = m->n_params;
     for (int i = 0, k = 0; i < m->n_tensors; i++) {
         const lm_model_tensor *t = &m->tensors[i];
@@ -2111,19 +2218,40 @@ lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
         gc[k++] = (struct gcut){t->offset, t->numel, (size_t)pos * slice, slice};
         kept -= t->numel - slice;
     }
-    if (!m->dry) {
-        float *g = calloc(kept, sizeof(float));
-        if (!g) {
-            free(gc);
-            return lm_error(LM_ERR_MEMORY, "out of memory for %zu gradients (the owned experts' and the rest)", kept);
-        }
-        free(m->grads);
-        m->grads = m->G = g; /* the CPU: the ops write the host block */
-        m->grads_zero_pending = 0;
-    }
     m->gcuts = gc;
     m->n_gcuts = cuts;
     m->n_grads = kept;
+    return LM_OK;
+}
+
+lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
+    const int n = m->cfg.n_routed_experts;
+    if (m->n_gcuts) return lm_error(LM_ERR_ARG, "the model keeps only its own experts' gradients already");
+    if (G < 1 || pos < 0 || pos >= G)
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients: position %d of a group of %d ranks is out of range",
+                        pos, G);
+    if (!m->dry && (!m->ep_comm || lm_comm_size(m->ep_comm) != G || lm_comm_rank(m->ep_comm) != pos))
+        return lm_error(LM_ERR_ARG, "owner-only expert gradients of position %d of %d need the model under expert "
+                        "parallelism over those ranks (lm_model_set_expert_parallel first; its handle has %s)", pos, G,
+                        m->ep_comm ? "another size or rank" : "not been set");
+    /* the table first, the block after: a failure leaves the model whole */
+    TRY(plan_expert_cuts(m, G, pos));
+    const size_t kept = m->n_grads;
+    if (!m->dry) {
+        float *g = calloc(kept, sizeof(float));
+        if (!g) {
+            free(m->gcuts);
+            m->gcuts = NULL;
+            m->n_gcuts = 0;
+            m->n_grads = m->n_params;
+            return lm_error(LM_ERR_MEMORY, "out of memory for %zu gradients (the owned experts' and the rest)", kept);
+        }
+        block_bytes(m, kept * sizeof(float), 1);
+        free(m->grads);
+        block_bytes(m, m->n_params * sizeof(float), 0);
+        m->grads = m->G = g; /* the CPU: the ops write the host block */
+        m->grads_zero_pending = 0;
+    }
     lm_model_buffer *b = &m->buffers[m->grads_buffer];
     b->bytes = kept * sizeof(float);
     snprintf(b->name, sizeof b->name, "gradients (fp32; of the routed experts only %d of %d a layer, position %d of "
@@ -2295,6 +2423,7 @@ lm_status lm_model_keep_expert_weights(lm_model *m) {
         if (!p)
             return lm_error(LM_ERR_MEMORY, "out of memory for %zu parameters (the owned experts' and the rest)",
                             m->n_grads);
+        block_bytes(m, m->n_grads * sizeof(float), 1); /* both blocks held while the kept part is copied */
         for (int i = 0; i < m->n_tensors; i++) {
             const lm_model_tensor *t = &m->tensors[i];
             const struct gcut *c = gcut_of(m, t->offset);
@@ -2320,6 +2449,7 @@ lm_status lm_model_keep_expert_weights(lm_model *m) {
             if (ls->moe_ep) cut_views(m, &ls->moe_Pep, sizeof ls->moe_Pep, old, p);
         }
         free(old);
+        block_bytes(m, m->n_params * sizeof(float), 0);
         m->params = m->P = p;
         m->PL = p;
     }

@@ -75,20 +75,25 @@ struct lm_model {
     /* the gradient block: n_grads floats, every tensor's gradient in table
      * order, except that of each tensor in gcuts only the elements [first,
      * first + count) are kept (owner-only expert gradients,
-     * lm_model_keep_expert_grads; n_gcuts = 0: the whole layout, n_grads =
+     * lm_model_keep_expert_grads or lm_model_create_expert_owned; n_gcuts =
+     * 0: the whole layout, n_grads =
      * n_params); gcuts in table order, offsets in the parameter block */
     size_t n_grads;
     struct gcut {
         size_t offset, numel, first, count;
     } *gcuts;
     int n_gcuts;
-    /* owner-only expert weights (lm_model_keep_expert_weights): the parameter
+    /* owner-only expert weights (lm_model_keep_expert_weights, or from
+     * creation: lm_model_create_expert_owned): the parameter
      * block is cut with the same table, so it holds n_grads floats in the
      * gradient block's layout (an element's place is the same in both);
      * xwhole: the routed experts' tensors whole, gathered for an evaluation or
      * a checkpoint (lm_model_gather_experts; NULL otherwise), in table order */
     int pcut;
     float *xwhole;
+    /* bytes of parameter and gradient blocks (host and backend) held now and
+     * at most since creation (lm_model_block_peak_bytes) */
+    size_t block_held, block_peak;
     /* evaluation forwards of a cut model gather one MoE layer's experts at a
      * time (lm_model_gather_experts_by_layer): xlayer holds that layer's
      * three tensors whole during its channel mixer (NULL otherwise); xheld,

@@ -116,6 +116,9 @@ typedef struct {
      * the write only; the most bytes it held (lm_train_result.ckpt_gathered_bytes) */
     float *ckbuf;
     size_t ckpt_gathered_bytes;
+    /* the most bytes of parameter and gradient blocks one of this rank's
+     * models held at once (lm_train_result.block_peak_bytes) */
+    size_t block_peak_bytes;
     /* owner-only expert state (expert parallelism without ZeRO-1 in EP groups of
      * G = ep > 1 ranks; docs/scaleout.md, "Expert parallelism"): esplit[i]
      * marks the routed experts' tensors of `all`, each cut into G slices of
@@ -550,14 +553,16 @@ static lm_status zero_gather_params(trainer *t) {
  * the EP group's size); the rank at position p of its group owns slice p, the
  * experts it runs. Their gradients are complete on the owner for its group's
  * tokens (the layer's backward), and the model keeps only that slice of them
- * (lm_model_keep_expert_grads: the gradient block holds the replicated
+ * (lm_model_create_expert_owned: the gradient block holds the replicated
  * tensors and this rank's slices), so they stay out of the world all-reduce
  * and are summed over the ranks at the same position of every group (the
  * replicas; nothing when the group is the world); the owners alone keep their
  * optimizer state and take their step (the same per-block arithmetic as the
  * replicated optimizer; the replicas identically). The weights are owner-only
- * too (lm_model_keep_expert_weights: the parameter block cut with the same
- * table), so the updated slices stay on their owners; an evaluation forward
+ * too (the parameter block in the same layout), so the updated slices stay on
+ * their owners. Both blocks are allocated in that layout when the model is
+ * created (lm_model_create_expert_owned, create_model): no rank ever holds
+ * the whole model's blocks. An evaluation forward
  * gathers one MoE layer's experts at a time over the group
  * (lm_model_gather_experts_by_layer); a checkpoint sends them to rank 0 one
  * tensor at a time as it writes (ckpt_model_data), and the state's hash is
@@ -574,7 +579,7 @@ static int epo_is_expert(const trainer *t, int i) {
 
 /* This rank's descriptors: the whole replicated tensors, its slice of each
  * expert tensor, whose gradient is all the model keeps of that tensor
- * (lm_model_keep_expert_grads; after bind_params; the same arrays every time). */
+ * (lm_model_create_expert_owned; after bind_params; the same arrays every time). */
 static lm_status epo_bind(trainer *t) {
     if (!t->epo) return LM_OK;
     const int R = t->ep, me = t->ep_pos;
@@ -784,13 +789,11 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
 }
 
 /* Expert parallelism on a model of this run: the MoE exchange over the EP
- * group and, with owner-only state, the gradients and weights of this rank's
- * experts only. */
+ * group (with owner-only state the model keeps the gradients and weights of
+ * this rank's experts only since its creation, create_model). */
 static lm_status model_expert_parallel(trainer *t, lm_model *m) {
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
     if (!t->epo) return LM_OK;
-    TRY(lm_model_keep_expert_grads(m, t->ep, t->ep_pos));
-    TRY(lm_model_keep_expert_weights(m));
     /* evaluation forwards gather one MoE layer's experts at a time */
     return lm_model_gather_experts_by_layer(m, 1);
 }
@@ -1068,13 +1071,18 @@ static lm_status open_device(trainer *t) {
 
 /* The model of this rank for micro-batches of B x T: its group's share of the
  * rows and, under context parallelism, its segment of the tokens (*t0, *len),
- * set up over the group once every rank has its model. */
+ * set up over the group once every rank has its model; with owner-only
+ * expert state its parameter and gradient blocks hold the replicated tensors
+ * and its own experts' slices only, from the start. */
 static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0, int *len) {
     *out = NULL;
     *t0 = 0;
     *len = T;
     if (t->cp > 1) segment_of(T, t->cp, t->cp_rank, t0, len);
-    lm_status s = lm_model_create_on(&t->cfg, B / t->dp_groups, *len, t->be, out);
+    lm_status s = t->epo ? lm_model_create_expert_owned(&t->cfg, B / t->dp_groups, *len, t->be, t->ep, t->ep_pos, out)
+                         : lm_model_create_on(&t->cfg, B / t->dp_groups, *len, t->be, out);
+    if (!s && lm_model_block_peak_bytes(*out) > t->block_peak_bytes)
+        t->block_peak_bytes = lm_model_block_peak_bytes(*out);
     if (t->cp <= 1) return s;
     /* every rank, before the group's collective setup */
     if (!(s = dp_agree(t, s))) s = lm_model_set_context_parallel(*out, t->cp_comm);
@@ -2482,6 +2490,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         result->optimizer_state_bytes = (t.muon_state_n + t.adam_state_n) * sizeof(float);
         result->gradient_bytes = lm_model_num_grads(t.model) * sizeof(float);
         result->parameter_bytes = lm_model_num_kept_params(t.model) * sizeof(float);
+        result->block_peak_bytes = t.block_peak_bytes;
         result->eval_gathered_bytes = t.eval_gathered_bytes;
         result->ckpt_gathered_bytes = t.ckpt_gathered_bytes;
         result->balance_hash = balance_hash;
