@@ -157,6 +157,9 @@ int main(int argc, char **argv) {
     printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d\n",
            cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off",
            c.recompute_chunk, c.seq_segment);
+    if (c.seq_segment > 0 && c.seq_segment < T)
+        printf("note: rows of %d tokens run in segments of %d, whose backward runs each segment's forward again "
+               "(--seq-segment 0: off)\n", T, c.seq_segment);
     printf("forward+backward: %.1f ms median of %d (first %.1f ms), %.0f tokens/s, MFU %.1f%%, loss %.4f, "
            "device memory in use %.1f GiB\n",
            step * 1e3, reps, times[0] * 1e3, toks, 100 * mfu, loss, used_gib);
