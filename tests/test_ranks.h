@@ -253,13 +253,15 @@ static inline void check_checkpoint_buffer(const lm_train_result *owner_only, co
 }
 
 /* A run whose rank `victim` moves one element it holds of tensor `tensor` by
- * an ulp after step 2's update (lm_train_options.inject_diverge_step): the
- * hash check before the checkpoint of step 4 refuses it on every rank,
- * naming the rank, and the checkpoint is not written. `o` is the run's
- * options (stopping after 4 steps is set here). */
+ * an ulp after step 4's update (lm_train_options.inject_diverge_step), just
+ * before the hash check of step 4's checkpoint (moved earlier, a later update
+ * can round both replicas to the same value again, depending on the build's
+ * floating-point contraction): the check refuses it on every rank, naming the
+ * rank, and the checkpoint is not written. `o` is the run's options (stopping
+ * after 4 steps is set here). */
 static inline void check_diverged_replica_refused(lm_config c, lm_train_options o, int victim, const char *tensor) {
     o.stop_after = 4;
-    o.inject_diverge_step = 1;
+    o.inject_diverge_step = 3; /* 0-based: the fourth step's update */
     o.inject_diverge_rank = victim;
     o.inject_diverge_tensor = tensor;
     lm_train_result r;
