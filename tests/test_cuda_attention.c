@@ -491,7 +491,8 @@ static void test_bad_arguments_are_refused(void) {
 
 /* LONGMOE_ATTENTION / LONGMOE_ATTENTION_BWD / LONGMOE_CUDNN_WORKSPACE_MB:
  * unknown values are refused by the plain calls, known ones choose the kind,
- * and auto keeps the flash backward when cuDNN's workspace is over the limit. */
+ * and auto takes the blocked cuDNN backward when the whole one's workspace is over the limit,
+ * the flash backward when even the blocked one's is. */
 static void test_selection_by_environment(void) {
     problem p = make_problem(1, 90, 4, 2, 64, 64, 701);
     const lm_attention_config *c = &p.cfg;
@@ -551,6 +552,32 @@ static void test_selection_by_environment(void) {
             setenv("LONGMOE_CUDNN_WORKSPACE_MB", "lots", 1);
             CHECK(lm_cuda_attention_resolve(c, 0, 1, &k) == LM_ERR_ARG, "LONGMOE_CUDNN_WORKSPACE_MB=lots accepted");
             unsetenv("LONGMOE_CUDNN_WORKSPACE_MB");
+        }
+        /* a longer row whose whole dP buffer (1*4*4096*4096*2 bytes = 128 MiB) is over the limit:
+         * auto takes the blocked backward (blocks of 64 rows here) while its workspace fits, and
+         * flash when not even that fits */
+        lm_attention_config lc = *c;
+        lc.T = 4096;
+        const size_t whole_ws = lm_cuda_attention_backward_workspace_bytes_kind(&lc, LM_ATTENTION_CUDNN, 0);
+        const size_t block_ws = lm_cuda_attention_backward_workspace_bytes_kind(&lc, LM_ATTENTION_CUDNN_BLOCKED, 0);
+        if (lm_cuda_attention_kind_supported(&lc, 0, LM_ATTENTION_CUDNN, 1) &&
+            lm_cuda_attention_kind_supported(&lc, 0, LM_ATTENTION_CUDNN_BLOCKED, 1)) {
+            CHECK(whole_ws > ((size_t)64 << 20) && block_ws < ((size_t)64 << 20),
+                  "workspaces: whole %zu bytes, blocked %zu: the case needs whole > 64 MiB > blocked", whole_ws,
+                  block_ws);
+            setenv("LONGMOE_CUDNN_WORKSPACE_MB", "64", 1);
+            CHECK(lm_cuda_attention_resolve(&lc, 0, 1, &k) == LM_OK && k == LM_ATTENTION_CUDNN_BLOCKED,
+                  "auto over the limit: backward is %s, not cudnn-blocked", lm_attention_kind_name(k));
+            CHECK(lm_cuda_attention_backward_workspace_bytes(&lc) == block_ws,
+                  "auto over the limit: workspace %zu, cudnn-blocked's %zu",
+                  lm_cuda_attention_backward_workspace_bytes(&lc), block_ws);
+            setenv("LONGMOE_CUDNN_WORKSPACE_MB", "0", 1);
+            CHECK(lm_cuda_attention_resolve(&lc, 0, 1, &k) == LM_OK && k == LM_ATTENTION_FLASH,
+                  "auto under a 0 MiB limit (long row): backward is %s", lm_attention_kind_name(k));
+            unsetenv("LONGMOE_CUDNN_WORKSPACE_MB");
+        } else {
+            printf("    blocked fallback: skipped (cuDNN has no backward plan for (1,4096,4,64): %s)\n",
+                   lm_last_error());
         }
     }
     unsetenv("LONGMOE_ATTENTION");

@@ -310,8 +310,15 @@ lm_status resolve_backward(const lm_attention_config *cfg, int q_offset, lm_atte
     }
     size_t limit = 0;
     if ((st = workspace_limit(&limit))) return st;
-    if (aligned16(lse) && cudnn_backward_ws(cfg, q_offset, true, &ws) == LM_OK && ws <= limit && ws <= have) {
+    if (!aligned16(lse)) return LM_OK;
+    if (cudnn_backward_ws(cfg, q_offset, true, &ws) == LM_OK && ws <= limit && ws <= have) {
         *out = LM_ATTENTION_CUDNN;
+        *bytes = ws;
+        return LM_OK;
+    }
+    /* the whole deterministic backward's dP buffer does not fit: the same backward in blocks */
+    if (cudnn_blocked_ws(cfg, q_offset, &ws) == LM_OK && ws <= limit && ws <= have) {
+        *out = LM_ATTENTION_CUDNN_BLOCKED;
         *bytes = ws;
     }
     return LM_OK;
