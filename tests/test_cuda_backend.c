@@ -9,7 +9,8 @@
  * in another order, as in the operators' own tests). Outputs the CUDA op must
  * WRITE start from random values on the device, so an unwritten element fails.
  * The balancer's bias after lm_balance_step_end is bit-identical between
- * backends (K3, zoom; the exact estimator through the host fallback). Needs a
+ * backends (K3, zoom; the exact estimator through the host fallback), and the
+ * balance set's once-a-step counts equal the per-observation path's bits. Needs a
  * CUDA GPU (ctest label cuda); skips otherwise. */
 #include <math.h>
 #include <stdio.h>
@@ -826,6 +827,122 @@ static void test_balance_observe_gives_the_cpu_bias_sign_fallback(void) {
     balance_case(LM_BALANCE_SIGN, LM_QB_HISTOGRAM, "sign");
 }
 
+/* The balance set (moe_balance_set_*): a step's observations counted on the
+ * device and taken by the host at the flush. Two steps of two observations
+ * each (the second of 120 - 17 tokens, its scores the first's rows reversed),
+ * against the per-observation path (moe_balance_observe, which downloads at
+ * each call) on the same scores: after the flush the counts, loads and tokens
+ * are the same integers and the entropy sum the same bits (each token's
+ * entropy a multiple of 2^-32: the fixed-point sum is exact), and after
+ * lm_balance_step_end b and the stats are the same bits. Balancer 1 of the
+ * set is a sign balancer (the host fallback inside the set), held to its
+ * per-observation twin too. Then a score of 1.5 (outside [0, 1]) at token 7
+ * and a NaN at token 3 of a step's second observation: both observations
+ * return LM_OK, the flush LM_ERR_NUMERIC naming MoE layer 0, observation 1
+ * and token 3; the next step's observation and flush succeed. */
+static void balance_set_case(lm_qb_estimator est, const char *what) {
+    lm_rng r;
+    lm_rng_seed(&r, 31 + (uint64_t)est);
+    moe_fixture f;
+    moe_setup(&f, &r, 120);
+    const lm_moe_config *c = &f.cfg;
+    int n = c->n_experts, k = c->top_k;
+    size_t md = (size_t)f.m * c->d, mn = (size_t)f.m * n;
+    lm_balance_config bq = lm_balance_config_default(LM_BALANCE_QUANTILE, n, k, f.m);
+    bq.estimator = est;
+    bq.bins = 256;
+    lm_balance_config bs = lm_balance_config_default(LM_BALANCE_SIGN, n, k, f.m);
+    lm_balance_state ref, set_q, ref_s, set_s;
+    OK(lm_balance_init(&ref, &bq));
+    OK(lm_balance_init(&set_q, &bq));
+    OK(lm_balance_init(&ref_s, &bs));
+    OK(lm_balance_init(&set_s, &bs));
+    lm_balance_state *members[2] = {&set_q, &set_s};
+    void *set = NULL;
+    OK(gpu->ops->moe_balance_set_create(gpu, members, 2, &set));
+    CHECK(set != NULL, "%s: no set", what);
+    float *y_c = hmalloc(md * 4), *g_y = dalloc(md * 4), *rev = hmalloc(mn * 4);
+    const int64_t m2 = f.m - 17;
+    for (int step = 0; step < 2 && set; step++) {
+        OK(cpu->ops->moe_forward(cpu, y_c, f.x, NULL, ref.bias, c, &f.hp, &f.hp, f.acts_c, f.m));
+        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, ref.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+        const float *sc = cpu->ops->moe_scores(cpu, f.acts_c);
+        for (int64_t i = 0; i < f.m; i++) memcpy(rev + i * n, sc + (f.m - 1 - i) * n, (size_t)n * 4);
+        for (int obs = 0; obs < 2; obs++) {
+            int64_t m = obs ? m2 : f.m;
+            OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), obs ? rev : sc, mn * 4));
+            OK(gpu->ops->moe_balance_observe(gpu, &ref, f.acts_g, m));
+            OK(gpu->ops->moe_balance_observe(gpu, &ref_s, f.acts_g, m));
+            OK(gpu->ops->moe_balance_set_observe(gpu, set, 0, f.acts_g, m));
+            OK(gpu->ops->moe_balance_set_observe(gpu, set, 1, f.acts_g, m));
+            if (!obs)
+                CHECK(set_q.tokens == 0, "%s step %d: the quantile state saw tokens before the flush", what, step);
+        }
+        OK(gpu->ops->moe_balance_set_flush(gpu, set));
+        size_t cnt;
+        int32_t *rb = lm_balance_reduce_buffer(&ref, &cnt);
+        CHECK(!memcmp(rb, lm_balance_reduce_buffer(&set_q, NULL), cnt * 4), "%s step %d: counts or loads differ",
+              what, step);
+        CHECK(ref.tokens == set_q.tokens && ref.tokens == f.m + m2, "%s step %d: tokens %lld / %lld", what, step,
+              (long long)ref.tokens, (long long)set_q.tokens);
+        CHECK(!memcmp(&ref.entropy_sum, &set_q.entropy_sum, sizeof ref.entropy_sum),
+              "%s step %d: entropy sum %.17g per observation, %.17g in the set", what, step, ref.entropy_sum,
+              set_q.entropy_sum);
+        CHECK(!memcmp(ref_s.load, set_s.load, (size_t)n * 4) && ref_s.tokens == set_s.tokens &&
+                  !memcmp(&ref_s.entropy_sum, &set_s.entropy_sum, sizeof ref_s.entropy_sum),
+              "%s step %d: the sign balancer differs", what, step);
+        lm_balance_stats a, b, as, bs2;
+        OK(lm_balance_step_end(&ref, 1, &a));
+        OK(lm_balance_step_end(&set_q, 1, &b));
+        OK(lm_balance_step_end(&ref_s, 1, &as));
+        OK(lm_balance_step_end(&set_s, 1, &bs2));
+        CHECK(a.updated && !memcmp(ref.bias, set_q.bias, (size_t)n * 4), "%s step %d: b differs", what, step);
+        CHECK(!memcmp(ref_s.bias, set_s.bias, (size_t)n * 4), "%s step %d: the sign balancer's b differs", what, step);
+        CHECK(!memcmp(&a.maxvio_batch, &b.maxvio_batch, sizeof a.maxvio_batch) &&
+                  !memcmp(&a.maxvio_global, &b.maxvio_global, sizeof a.maxvio_global) &&
+                  !memcmp(&a.router_entropy, &b.router_entropy, sizeof a.router_entropy) && a.tokens == b.tokens,
+              "%s step %d: stats differ", what, step);
+    }
+    OK(gpu->ops->moe_balance_set_flush(gpu, set)); /* nothing observed: nothing to do */
+
+    /* scores outside [0, 1] or not finite: found at the flush */
+    if (set) {
+        OK(gpu->ops->moe_forward(gpu, g_y, f.g_x, NULL, set_q.bias, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
+        float *bad = hmalloc(mn * 4);
+        memcpy(bad, cpu->ops->moe_scores(cpu, f.acts_c), mn * 4);
+        OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), bad, mn * 4));
+        OK(gpu->ops->moe_balance_set_observe(gpu, set, 0, f.acts_g, f.m));
+        bad[7 * n + 2] = 1.5f;
+        bad[3 * n + 5] = NAN;
+        OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), bad, mn * 4));
+        OK(gpu->ops->moe_balance_set_observe(gpu, set, 0, f.acts_g, f.m));
+        lm_status st = gpu->ops->moe_balance_set_flush(gpu, set);
+        CHECK(st == LM_ERR_NUMERIC && strstr(lm_last_error(), "MoE layer 0") &&
+                  strstr(lm_last_error(), "token 3 ") && strstr(lm_last_error(), "observation 1"),
+              "%s: a bad score: status %d, %s", what, (int)st, lm_last_error());
+        CHECK(set_q.tokens == 0, "%s: the refused layer took %lld tokens", what, (long long)set_q.tokens);
+        OK(lm_balance_step_end(&set_q, 0, NULL));
+        memcpy(bad, cpu->ops->moe_scores(cpu, f.acts_c), mn * 4);
+        OK(gpu->upload(gpu, gpu->ops->moe_scores(gpu, f.acts_g), bad, mn * 4));
+        OK(gpu->ops->moe_balance_set_observe(gpu, set, 0, f.acts_g, f.m));
+        OK(gpu->ops->moe_balance_set_flush(gpu, set));
+        CHECK(set_q.tokens == f.m, "%s: after a refusal the next step took %lld tokens", what,
+              (long long)set_q.tokens);
+        CHECK(gpu->ops->moe_balance_set_observe(gpu, set, 2, f.acts_g, f.m) == LM_ERR_ARG,
+              "%s: balancer 2 of 2 accepted", what);
+    }
+    gpu->ops->moe_balance_set_free(gpu, set);
+    lm_balance_free(&ref);
+    lm_balance_free(&set_q);
+    lm_balance_free(&ref_s);
+    lm_balance_free(&set_s);
+    moe_teardown(&f);
+    free_all();
+}
+
+static void test_balance_set_equals_the_per_observation_path_k3(void) { balance_set_case(LM_QB_HISTOGRAM, "K3 set"); }
+static void test_balance_set_equals_the_per_observation_path_zoom(void) { balance_set_case(LM_QB_ZOOM, "zoom set"); }
+
 /* ---- the residual stream over depth ---- */
 
 static void test_attnres_sequence_matches_the_cpu(void) {
@@ -939,6 +1056,8 @@ int main(void) {
     RUN(test_balance_observe_gives_the_cpu_bias_zoom);
     RUN(test_balance_observe_gives_the_cpu_bias_exact_fallback);
     RUN(test_balance_observe_gives_the_cpu_bias_sign_fallback);
+    RUN(test_balance_set_equals_the_per_observation_path_k3);
+    RUN(test_balance_set_equals_the_per_observation_path_zoom);
     RUN(test_attnres_sequence_matches_the_cpu);
     RUN(test_find_nonfinite_finds_the_first_planted_value);
     if (gpu) lm_backend_free(gpu);

@@ -12,7 +12,8 @@
  *   - the same model on the same GPU gives bit-identical losses and
  *     gradients from run to run, and after a second, identical step;
  *   - the MoE balancing state that the forwards fed agrees (the biases after
- *     the step's end), with the routing pinned.
+ *     the step's end), with the routing pinned; the GPU's counts reach the
+ *     host states at lm_model_balance_sync, not before (balance_sync_case).
  * Configurations: a small hybrid (3 KDA + 1 MLA layers, MoE with a shared
  * expert, Block AttnRes; head dim 64), a reduced k3-mini (8 layers, LatentMoE,
  * SiTU-GLU, 16 experts top-4; head dim 128) and the presets configs/tiny.json
@@ -492,6 +493,107 @@ static void test_producers_bf16_copies_equal_the_conversions(void) {
     compare_with_the_conversions("k3-mini chunked", c, 1, 257, 23);
 }
 
+/* The balancing counts of a step stay on the GPU until lm_model_balance_sync
+ * (one download for every MoE layer): two micro-batches of training forwards
+ * and backwards leave the host states untouched, the sync brings both (tokens
+ * 2N, every expert's histogram row 2N tokens), and with the routing pinned the
+ * loads equal the CPU's exactly and the entropy to 1e-4 relative; the bias
+ * after the step's end agrees as in check_config. A second GPU model from the
+ * same start gives the same bits (counts, loads, entropy, bias). The reduced
+ * k3-mini shares one set of MoE activations among its layers (recompute), and
+ * with train.recompute_chunk each layer observes in token chunks. */
+static void balance_sync_case(const char *what, lm_config c) {
+    const int B = 1, T = 257;
+    const size_t N = (size_t)B * T;
+    lm_model *cpu = NULL, *dev = NULL, *dev2 = NULL;
+    CHECK(!lm_model_create(&c, B, T, &cpu) && !lm_model_create_on(&c, B, T, gpu, &dev) &&
+              !lm_model_create_on(&c, B, T, gpu, &dev2),
+          "%s: models: %s", what, lm_last_error());
+    int32_t *tok = malloc(2 * N * sizeof *tok), *tgt = malloc(2 * N * sizeof *tgt);
+    if (!cpu || !dev || !dev2 || !tok || !tgt) goto done;
+    lm_model *ms[3] = {cpu, dev, dev2};
+    for (int q = 0; q < 3; q++) {
+        lm_model_init(ms[q], 21);
+        round_to_bf16(lm_model_params(ms[q]), lm_model_num_params(ms[q]));
+        pin_routing(ms[q], c.top_k);
+    }
+    lm_rng r;
+    lm_rng_seed(&r, 22);
+    for (size_t i = 0; i < 2 * N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
+    for (size_t i = 0; i < 2 * N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    const int nm = lm_model_num_moe_layers(cpu);
+    for (int q = 0; q < 3; q++) {
+        float l;
+        lm_model_zero_grads(ms[q]);
+        for (int micro = 0; micro < 2; micro++)
+            CHECK(!lm_model_forward(ms[q], tok + micro * N, tgt + micro * N, 1, &l) &&
+                      !lm_model_backward(ms[q], 0.5f),
+                  "%s: model %d micro-batch %d: %s", what, q, micro, lm_last_error());
+        if (q > 0)
+            for (int i = 0; i < nm; i++)
+                CHECK(lm_model_balance(ms[q], i)->tokens == 0,
+                      "%s: MoE layer %d: the host state saw %lld tokens before the sync", what, i,
+                      (long long)lm_model_balance(ms[q], i)->tokens);
+        CHECK(!lm_model_balance_sync(ms[q]), "%s: sync: %s", what, lm_last_error());
+        CHECK(!lm_model_balance_sync(ms[q]), "%s: a second sync (nothing left): %s", what, lm_last_error());
+    }
+    for (int i = 0; i < nm; i++) {
+        const lm_balance_state *a = lm_model_balance(cpu, i), *g = lm_model_balance(dev, i),
+                               *g2 = lm_model_balance(dev2, i);
+        const int n = a->cfg.n_experts, bins = a->cfg.bins;
+        CHECK(a->tokens == (int64_t)(2 * N) && g->tokens == (int64_t)(2 * N), "%s: layer %d tokens cpu %lld gpu %lld",
+              what, i, (long long)a->tokens, (long long)g->tokens);
+        CHECK(!memcmp(a->load, g->load, (size_t)n * sizeof *a->load), "%s: layer %d: loads differ from the CPU's",
+              what, i);
+        for (int j = 0; j < n; j++) {
+            int64_t row = 0;
+            for (int b = 0; b < bins; b++) row += g->counts[(size_t)j * bins + b];
+            CHECK(row == (int64_t)(2 * N), "%s: layer %d expert %d: the histogram holds %lld tokens", what, i, j,
+                  (long long)row);
+        }
+        CHECK(fabs(g->entropy_sum - a->entropy_sum) <= 1e-4 * fabs(a->entropy_sum),
+              "%s: layer %d entropy sum cpu %.9g gpu %.9g", what, i, a->entropy_sum, g->entropy_sum);
+        size_t cnt;
+        int32_t *rg = lm_balance_reduce_buffer((lm_balance_state *)g, &cnt);
+        CHECK(!memcmp(rg, lm_balance_reduce_buffer((lm_balance_state *)g2, NULL), cnt * sizeof *rg) &&
+                  g->tokens == g2->tokens && !memcmp(&g->entropy_sum, &g2->entropy_sum, sizeof g->entropy_sum),
+              "%s: layer %d: the two GPU models' balance counts differ", what, i);
+    }
+    CHECK(!lm_model_balance_step_end(cpu, 1, NULL) && !lm_model_balance_step_end(dev, 1, NULL) &&
+              !lm_model_balance_step_end(dev2, 1, NULL),
+          "%s: step end: %s", what, lm_last_error());
+    for (int i = 0; i < nm; i++) {
+        const lm_balance_state *a = lm_model_balance(cpu, i), *g = lm_model_balance(dev, i),
+                               *g2 = lm_model_balance(dev2, i);
+        double num = 0, den = 0;
+        for (int j = 0; j < a->cfg.n_experts; j++) {
+            num += (a->bias[j] - g->bias[j]) * (double)(a->bias[j] - g->bias[j]);
+            den += (double)a->bias[j] * a->bias[j];
+        }
+        CHECK(sqrt(num) <= 0.05 * sqrt(den) + 1e-3, "%s: MoE layer %d bias differs by %.3e (|b| %.3e)", what, i,
+              sqrt(num), sqrt(den));
+        CHECK(!memcmp(g->bias, g2->bias, (size_t)g->cfg.n_experts * sizeof *g->bias),
+              "%s: MoE layer %d: the two GPU models' biases differ", what, i);
+        CHECK(g->tokens == 0 && g->step == 1, "%s: layer %d: the step's end did not clear", what, i);
+    }
+done:
+    free(tok);
+    free(tgt);
+    lm_model_free(cpu);
+    lm_model_free(dev);
+    lm_model_free(dev2);
+}
+
+static void test_balance_counts_reach_the_host_at_the_sync(void) {
+    balance_sync_case("k3-mini", test_reduced_k3_mini_config());
+    lm_config c = test_reduced_k3_mini_config();
+    c.recompute_chunk = 100;
+    balance_sync_case("k3-mini chunked", c);
+    c = test_small_hybrid_config();
+    c.balance_estimator = LM_QB_ZOOM;
+    balance_sync_case("small hybrid zoom", c);
+}
+
 static void test_host_parameter_changes_reach_the_gpu(void) {
     /* the optimizer changes host parameters: after lm_model_upload_params the
      * GPU model computes with them (the loss follows the CPU model's) */
@@ -533,6 +635,7 @@ int main(void) {
     RUN(test_attention_segments_match_on_the_gpu);
     RUN(test_presets_match_the_cpu_and_repeat_bitwise);
     RUN(test_host_parameter_changes_reach_the_gpu);
+    RUN(test_balance_counts_reach_the_host_at_the_sync);
     RUN(test_producers_bf16_copies_equal_the_conversions);
     lm_backend_free(gpu);
     return test_summary();

@@ -5,8 +5,9 @@
  * padded size, cuBLAS grouped, cuBLAS per-expert loop, wmma, wgmma), on
  * activation buffers that start full of NaN bytes (the batched and wgmma
  * kinds' padding rows zero after the forward and backward); a caller's bf16
- * copy of x gives the bits of the layer's own conversion; the balance
- * histogram's integer counts equal the CPU's. */
+ * copy of x gives the bits of the layer's own conversion; the router's sparse
+ * input gradient (no dscores_extra) equals the dense product to 1e-6; the
+ * balance histogram's integer counts equal the CPU's. */
 #include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
@@ -506,6 +507,77 @@ static void test_runs_are_bit_identical(void) {
     model_free(&md);
 }
 
+/* Without dscores_extra the router's input gradient dx += dr W_r runs over
+ * each token's k chosen rows of W_r only (dr is zero elsewhere); with it, the
+ * dense product over all n. On one forward, a zero dscores_extra (the same dr
+ * to the bit) gives the dense product: the two dx increments agree to 1e-6
+ * relative (fp32, sums in another order), every parameter gradient is the
+ * same bits (dW_r stays dense), and the sparse path repeats bit for bit. */
+static void test_sparse_router_dx_equals_the_dense_product(void) {
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    c.n_experts = 64;
+    c.top_k = 6;
+    int64_t m = 300;
+    model md;
+    model_init(&md, &c, 700);
+    size_t md_ = (size_t)m * c.d, mn = (size_t)m * c.n_experts;
+    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4), *dx0 = malloc(md_ * 4), *zero = calloc(mn, 4);
+    lm_rng r;
+    lm_rng_seed(&r, 701);
+    for (size_t i = 0; i < md_; i++) {
+        x[i] = (float)lm_rng_normal(&r);
+        dy[i] = (float)lm_rng_normal(&r);
+        dx0[i] = (float)lm_rng_normal(&r);
+    }
+    size_t ab = lm_cuda_moe_acts_bytes(&c, m), sb = lm_cuda_moe_scratch_bytes(&c, m);
+    void *ablock, *sblock, *xd, *yd, *dyd, *dxd, *exd;
+    GPU_OK(lm_cuda_alloc(&ablock, ab));
+    GPU_OK(lm_cuda_alloc(&sblock, sb));
+    GPU_OK(lm_cuda_alloc(&xd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&yd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dyd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&dxd, md_ * 4));
+    GPU_OK(lm_cuda_alloc(&exd, mn * 4));
+    GPU_OK(lm_cuda_upload(xd, x, md_ * 4));
+    GPU_OK(lm_cuda_upload(dyd, dy, md_ * 4));
+    GPU_OK(lm_cuda_upload(exd, zero, mn * 4));
+    lm_cuda_moe_acts ga;
+    lm_cuda_moe_scratch gs;
+    GPU_OK(lm_cuda_moe_acts_carve(&ga, &c, m, ablock, ab));
+    GPU_OK(lm_cuda_moe_scratch_carve(&gs, &c, m, sblock, sb));
+    GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, NULL, &c, &md.pf, &md.pb, &ga, m));
+    float *dx[3], *gr[3], *gzero = calloc(md.count, 4);
+    for (int run = 0; run < 3; run++) {
+        /* runs 0 and 2: sparse (no extra); run 1: dense (a zero extra) */
+        GPU_OK(lm_cuda_upload(dxd, dx0, md_ * 4));
+        GPU_OK(lm_cuda_upload(md.d_grads, gzero, md.count * 4));
+        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, run == 1 ? exd : NULL, &c, &md.pf, &md.pb, &ga,
+                                    &gs));
+        GPU_OK(lm_cuda_context_sync(&ctx));
+        dx[run] = malloc(md_ * 4);
+        gr[run] = malloc(md.count * 4);
+        GPU_OK(lm_cuda_download(dx[run], dxd, md_ * 4));
+        GPU_OK(lm_cuda_download(gr[run], md.d_grads, md.count * 4));
+    }
+    double num = 0, den = 0;
+    for (size_t i = 0; i < md_; i++) {
+        double a = (double)dx[0][i] - dx0[i], b = (double)dx[1][i] - dx0[i];
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    printf("    sparse vs dense router dx: relative difference %.3e\n", rel);
+    CHECK(den > 0 && rel <= 1e-6, "sparse router dx differs from the dense product by %.3e relative", rel);
+    CHECK(!memcmp(gr[0], gr[1], md.count * 4), "the parameter gradients differ between the sparse and dense paths");
+    CHECK(!memcmp(dx[0], dx[2], md_ * 4) && !memcmp(gr[0], gr[2], md.count * 4),
+          "the sparse path is not bit-identical from run to run");
+    for (int run = 0; run < 3; run++) free(dx[run]), free(gr[run]);
+    lm_cuda_free(ablock), lm_cuda_free(sblock), lm_cuda_free(xd), lm_cuda_free(yd), lm_cuda_free(dyd),
+        lm_cuda_free(dxd), lm_cuda_free(exd);
+    free(x), free(dy), free(dx0), free(zero), free(gzero);
+    model_free(&md);
+}
+
 /* The GPU histogram and loads of one micro-batch equal lm_balance_observe's
  * after two CPU steps have moved b (and, for zoom, narrowed the windows so
  * that residuals fall outside them and are clamped into the tail bins). */
@@ -652,6 +724,7 @@ int main(void) {
         RUN(test_all_tokens_to_the_same_experts_is_dropless);
         RUN(test_experts_without_tokens_and_one_crowded_expert);
         RUN(test_runs_are_bit_identical);
+        RUN(test_sparse_router_dx_equals_the_dense_product);
     }
     /* the routing does not depend on the kind of product: once, with batched */
     kind_now = LM_MOE_GEMM_BATCHED;

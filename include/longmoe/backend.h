@@ -232,6 +232,22 @@ typedef struct {
     float *(*moe_scores)(lm_backend *be, void *acts);
     /* feed the balancer (a host state) with the last forward's scores */
     lm_status (*moe_balance_observe)(lm_backend *be, lm_balance_state *bal, void *acts, int64_t m);
+    /* optional (NULL: the model calls moe_balance_observe, which adds into
+     * the host state at once; the CPU): a step's observations counted in the
+     * backend's memory for the balancers bal[0..count) (a model's MoE layers,
+     * in order; the set keeps the pointers, not the states' contents).
+     * set_observe is moe_balance_observe of balancer i, without a wait for
+     * the device where the backend counts there (the histogram estimators);
+     * set_flush adds every balancer's counts of the observations since the
+     * last flush into its host state (one wait; nothing to do: none) and
+     * reports a score outside [0, 1] or not finite there as LM_ERR_NUMERIC
+     * (the other balancers still take theirs). Between the first
+     * observation and the flush the states' b and bin geometry must not
+     * change (lm_balance_step_end comes after the flush). */
+    lm_status (*moe_balance_set_create)(lm_backend *be, lm_balance_state *const *bal, int count, void **set);
+    void (*moe_balance_set_free)(lm_backend *be, void *set);
+    lm_status (*moe_balance_set_observe)(lm_backend *be, void *set, int i, void *acts, int64_t m);
+    lm_status (*moe_balance_set_flush)(lm_backend *be, void *set);
     /* the auxiliary balance loss of the last forward (balance = aux): *loss and
      * dscores [m,n] (backend memory, written) */
     lm_status (*moe_aux_loss)(lm_backend *be, float *loss, float *dscores, void *acts, int64_t m, int n, int k,

@@ -120,10 +120,12 @@ lm_status lm_balance_observe(lm_balance_state *state, const float *s, int64_t m,
  * the GPU). lm_balance_bin_geometry gives this step's bins, lo[n] and
  * width[n] (quantile mode with the histogram or zoom estimator; fixed by b
  * for the whole step), exactly as lm_balance_observe bins r.
- * lm_balance_observe_counts then ADDS one micro-batch of m tokens: load [n]
- * (tokens per expert, k per token) and, with training = 1 in those modes,
- * counts [n, B] (NULL otherwise); entropy_sum is the sum over the m tokens of
- * the router entropy (0 when not measured: the stat then reads low). */
+ * lm_balance_observe_counts then ADDS m tokens, of one micro-batch or the sum
+ * of several of the step's (a backend that counts a whole step on the device
+ * adds it at once; m may then exceed max_tokens): load [n] (tokens per expert,
+ * k per token) and, with training = 1 in those modes, counts [n, B] (NULL
+ * otherwise); entropy_sum is the sum over the m tokens of the router entropy
+ * (0 when not measured: the stat then reads low). */
 lm_status lm_balance_bin_geometry(lm_balance_state *state, float *lo, float *width);
 lm_status lm_balance_observe_counts(lm_balance_state *state, const int32_t *counts, const int32_t *load, int64_t m,
                                     int training, double entropy_sum);

@@ -284,11 +284,22 @@ lm_status lm_model_logits(lm_model *m, const int32_t *tokens, float *logits);
  * for bit; on a GPU the logits are the bf16 products' (docs/eval.md). */
 lm_status lm_model_score(lm_model *m, const int32_t *tokens, const int32_t *targets, double *nll, int32_t *argmax);
 
-/* MoE balancing: number of MoE layers, their states (bias, histograms). */
+/* MoE balancing: number of MoE layers, their states (bias, histograms).
+ * A training forward on a backend that counts on the device (CUDA, the
+ * histogram estimators) leaves the step's counts there: a state's counts,
+ * loads, tokens and entropy include them after lm_model_balance_sync (b and
+ * the configuration are always current). */
 int lm_model_num_moe_layers(const lm_model *m);
 int lm_model_moe_layer_index(const lm_model *m, int i); /* model layer of the i-th MoE layer */
 lm_balance_state *lm_model_balance(lm_model *m, int i);
-/* End the training step for every MoE layer (updates b when training = 1);
+/* Add the counts of the training forwards since the last call into the
+ * states (one download for every layer; nothing to do on the CPU). A score
+ * outside [0, 1] or not finite among them: LM_ERR_NUMERIC naming the MoE
+ * layer (the other layers still take theirs). */
+lm_status lm_model_balance_sync(lm_model *m);
+/* End the training step for every MoE layer (updates b when training = 1),
+ * after lm_model_balance_sync (whose error it returns: with training = 1
+ * before ending, b kept; with training = 0 after ending every layer);
  * stats (may be NULL) receives lm_model_num_moe_layers entries. */
 lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats *stats);
 /* Auxiliary balance loss of the last forward (0 unless balance = aux). */

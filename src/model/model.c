@@ -841,6 +841,23 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
         ls->bal_ready = 1;
     }
+    /* the backend counts a step's balance observations where it can, the host takes them once (lm_model_balance_sync) */
+    if (!m->dry && n_moe > 0 && m->be->ops->moe_balance_set_create) {
+        lm_balance_state **bals = malloc((size_t)n_moe * sizeof *bals);
+        if (!bals) {
+            st = lm_error(LM_ERR_MEMORY, "out of memory for the balancers' list");
+            goto fail;
+        }
+        int i = 0;
+        for (int l = 0; l < cfg->n_layers; l++)
+            if (m->layers[l].moe) {
+                m->layers[l].moe_i = i;
+                bals[i++] = &m->layers[l].bal;
+            }
+        st = m->be->ops->moe_balance_set_create(m->be, bals, n_moe, &m->bal_set);
+        free(bals);
+        if (st) goto fail;
+    }
 
     /* owner-only experts: a cut routed expert tensor has no whole view (until
      * gathered) and its gradient only this rank's slice (lm_model_set_expert_parallel
@@ -947,6 +964,7 @@ fail:
 
 void lm_model_free(lm_model *m) {
     if (!m) return;
+    if (m->bal_set) m->be->ops->moe_balance_set_free(m->be, m->bal_set);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         lm_moe_ep_free(m->layers[l].moe_ep);
         if (m->layers[l].owns_moe_acts) m->be->ops->moe_acts_free(m->be, m->layers[l].moe_acts);
@@ -1033,6 +1051,8 @@ void lm_model_init(lm_model *m, uint64_t seed) {
     m->params_on_host_newer = 1;
     m->params_on_backend_newer = 0;
     m->grads_zero_pending = 1;
+    /* counts still on the backend go to the old states, which are then reset */
+    (void)lm_model_balance_sync(m);
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->layers[l].bal_ready) {
             lm_balance_config bc = m->layers[l].bal.cfg;
@@ -1129,14 +1149,21 @@ lm_balance_state *lm_model_balance(lm_model *m, int i) {
     return l < 0 ? NULL : &m->layers[l].bal;
 }
 
+lm_status lm_model_balance_sync(lm_model *m) {
+    return m->bal_set ? m->be->ops->moe_balance_set_flush(m->be, m->bal_set) : LM_OK;
+}
+
 lm_status lm_model_balance_step_end(lm_model *m, int training, lm_balance_stats *stats) {
+    /* the counts still on the backend first; a refused one keeps b (training) or is dropped with the rest */
+    lm_status fs = lm_model_balance_sync(m);
+    if (fs && training) return fs;
     int i = 0;
     for (int l = 0; l < m->cfg.n_layers; l++)
         if (m->layers[l].moe) {
             TRY(lm_balance_step_end(&m->layers[l].bal, training, stats ? &stats[i] : NULL));
             i++;
         }
-    return LM_OK;
+    return fs;
 }
 
 /* The descriptors with data and grad in the blocks P (parameters) and G (gradients). */
@@ -1310,7 +1337,9 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
     if (bad >= 0)
         return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
                         (long long)(t0 + bad / nx));
-    if (training && !recompute) TRY(op->moe_balance_observe(be, &ls->bal, ls->moe_acts, n));
+    if (training && !recompute)
+        TRY(m->bal_set ? op->moe_balance_set_observe(be, m->bal_set, ls->moe_i, ls->moe_acts, n)
+                       : op->moe_balance_observe(be, &ls->bal, ls->moe_acts, n));
     if (m->cfg.balance == LM_BALANCE_AUX && !recompute) {
         /* never chunked (lm_config_validate) */
         float aux = 0;

@@ -36,6 +36,7 @@ typedef struct {
     void *moe_acts; /* the backend's MoE activations */
     lm_balance_state bal;
     int bal_ready, owns_moe_acts;
+    int moe_i; /* this MoE layer's index among the model's (its balancer's in bal_set) */
     float *dscores; /* aux loss gradient [N,n] (balance = aux), backend memory */
     /* expert parallelism (lm_model_set_expert_parallel): the exchange, the
      * views of this rank's expert slice, and whether the last forward used it */
@@ -133,6 +134,9 @@ struct lm_model {
     /* separate product format only: the model's own lp buffers, host copies */
     void *lp_block, *xn_lp, *hn_lp, *ffn_h_lp, *ffn_da_lp, *ffn_du_lp, *dy_lp;
     float *hn_host, *aux_host;
+    /* the backend's deferred balance counts of every MoE layer (moe_balance_set_create; NULL: moe_balance_observe
+     * adds into the host states at once) */
+    void *bal_set;
     struct lm_comm *ep_comm; /* expert parallelism over these ranks (NULL: off) */
     int ep_next;     /* the forward's first sublayer whose EP agreement this rank has not joined */
     int ep_together; /* the forward failed at an agreement: every rank knows */

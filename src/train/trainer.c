@@ -2305,8 +2305,18 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
         }
-        /* data parallel: losses, balancing counts, gradients and QK-Clip maxima over the ranks */
         tp = lm_time_seconds();
+        /* the balancing counts the backend kept for the step (a GPU's: one download for every layer, after
+         * the queued backward); a score outside [0, 1] found there skips the step as a non-finite forward does */
+        if (!bad) {
+            lm_status bs = lm_model_balance_sync(t.model);
+            if (bs == LM_ERR_NUMERIC) bad = 1;
+            else if (bs) {
+                s = bs;
+                goto done;
+            }
+        }
+        /* data parallel: losses, balancing counts, gradients and QK-Clip maxima over the ranks */
         if ((s = dp_reduce_step(&t, pos0, &loss, &aux, &bad))) goto done;
         /* the micro-batches' summed gradients to the host's optimizer (a no-op on the CPU) */
         if (!bad && !t.dev_opt && (s = lm_model_download_grads(t.model))) goto done;

@@ -656,6 +656,197 @@ static lm_status cuda_moe_balance_observe(lm_backend *be, lm_balance_state *bal,
     return lm_balance_observe_counts(bal, counts, load, m, 1, entropy);
 }
 
+/* ---- a step's balance observations counted on the device ----
+ *
+ * The histogram estimators' counts, the loads and the router entropy of every
+ * MoE layer add into one device block during the step's forwards (all its
+ * micro-batches: b and the bins are fixed for the step); the host sees them
+ * once, at the flush. The first observation after a flush uploads every
+ * layer's bin geometry and b (one copy from pinned memory, no wait); the flush
+ * downloads every layer's results (one copy, one wait). Other modes (exact,
+ * sign, none, aux) take moe_balance_observe's host path at each observation.
+ *
+ * geometry (fp32): per counted layer lo [n] | width [n] | b [n];
+ * results: entropy [count] (int64, units of 2^-32 nats) | first bad token
+ * [count] (u64: observation << 32 | token; all ones: none) | per counted
+ * layer counts [n, B] | load [n] (int32). */
+typedef struct {
+    int count;
+    lm_balance_state **bal; /* [count] the model's host states */
+    int *dev;               /* [count] 1: counted on the device */
+    int *obs;               /* [count] observations since the last flush */
+    int64_t *tokens;        /* [count] their tokens */
+    size_t *geo_off;        /* [count] lo's float offset in the geometry */
+    size_t *cnt_off;        /* [count] counts' int32 offset after the two u64 arrays */
+    int pending;            /* observations counted on the device since the last flush */
+    size_t geo_bytes, res_bytes;
+    float *geo_d, *geo_h;   /* device, pinned host */
+    void *res_d, *res_h;    /* device, pinned host */
+} cuda_balance_set;
+
+static void cuda_moe_balance_set_free(lm_backend *be, void *p) {
+    cuda_balance_set *b = (cuda_balance_set *)p;
+    if (!b) return;
+    cudaStreamSynchronize(stream_of(be));
+    if (b->geo_d) cudaFree(b->geo_d);
+    if (b->res_d) cudaFree(b->res_d);
+    if (b->geo_h) cudaFreeHost(b->geo_h);
+    if (b->res_h) cudaFreeHost(b->res_h);
+    free(b->bal);
+    free(b->dev);
+    free(b->obs);
+    free(b->tokens);
+    free(b->geo_off);
+    free(b->cnt_off);
+    free(b);
+}
+
+static lm_status cuda_moe_balance_set_create(lm_backend *be, lm_balance_state *const *bal, int count, void **out) {
+    *out = NULL;
+    if (count < 0 || (count > 0 && !bal)) return lm_error(LM_ERR_ARG, "moe_balance_set_create: bad balancers");
+    cuda_balance_set *b = (cuda_balance_set *)calloc(1, sizeof *b);
+    if (!b) return lm_error(LM_ERR_MEMORY, "out of memory for the balance set");
+    size_t c = count > 0 ? (size_t)count : 1;
+    b->count = count;
+    b->bal = (lm_balance_state **)calloc(c, sizeof *b->bal);
+    b->dev = (int *)calloc(c, sizeof *b->dev);
+    b->obs = (int *)calloc(c, sizeof *b->obs);
+    b->tokens = (int64_t *)calloc(c, sizeof *b->tokens);
+    b->geo_off = (size_t *)calloc(c, sizeof *b->geo_off);
+    b->cnt_off = (size_t *)calloc(c, sizeof *b->cnt_off);
+    if (!b->bal || !b->dev || !b->obs || !b->tokens || !b->geo_off || !b->cnt_off) {
+        cuda_moe_balance_set_free(be, b);
+        return lm_error(LM_ERR_MEMORY, "out of memory for the balance set");
+    }
+    size_t geo = 0, cnt = 0;
+    for (int i = 0; i < count; i++) {
+        if (!bal[i]) {
+            cuda_moe_balance_set_free(be, b);
+            return lm_error(LM_ERR_ARG, "moe_balance_set_create: balancer %d is NULL", i);
+        }
+        const lm_balance_config *bc = &bal[i]->cfg;
+        b->bal[i] = bal[i];
+        b->dev[i] = bc->mode == LM_BALANCE_QUANTILE && bc->estimator != LM_QB_EXACT;
+        if (!b->dev[i]) continue;
+        b->geo_off[i] = geo;
+        b->cnt_off[i] = cnt;
+        geo += 3 * (size_t)bc->n_experts;
+        cnt += (size_t)bc->n_experts * (size_t)bc->bins + (size_t)bc->n_experts;
+    }
+    b->geo_bytes = (geo ? geo : 1) * sizeof(float);
+    b->res_bytes = 2 * c * sizeof(unsigned long long) + cnt * sizeof(int32_t);
+    cudaError_t e = cudaMalloc((void **)&b->geo_d, b->geo_bytes);
+    if (e == cudaSuccess) e = cudaMalloc(&b->res_d, b->res_bytes);
+    if (e == cudaSuccess) e = cudaMallocHost((void **)&b->geo_h, b->geo_bytes);
+    if (e == cudaSuccess) e = cudaMallocHost(&b->res_h, b->res_bytes);
+    if (e != cudaSuccess) {
+        cuda_moe_balance_set_free(be, b);
+        LM_CUDA_TRY(e);
+    }
+    *out = b;
+    return LM_OK;
+}
+
+/* the first observation after a flush: every counted layer's bins and b up,
+ * the results zeroed (the bad tokens to all ones) */
+static lm_status balance_set_begin(lm_backend *be, cuda_balance_set *b) {
+    lm_status st;
+    for (int i = 0; i < b->count; i++) {
+        if (!b->dev[i]) continue;
+        int n = b->bal[i]->cfg.n_experts;
+        float *g = b->geo_h + b->geo_off[i];
+        if ((st = lm_balance_bin_geometry(b->bal[i], g, g + n))) return st;
+        memcpy(g + 2 * n, b->bal[i]->bias, (size_t)n * sizeof(float));
+    }
+    /* pinned: the copy runs in stream order; the host writes geo_h again only
+     * after the flush, which waits for it */
+    size_t c = b->count > 0 ? (size_t)b->count : 1;
+    cudaStream_t s = stream_of(be);
+    LM_CUDA_TRY(cudaMemcpyAsync(b->geo_d, b->geo_h, b->geo_bytes, cudaMemcpyHostToDevice, s));
+    LM_CUDA_TRY(cudaMemsetAsync(b->res_d, 0, b->res_bytes, s));
+    LM_CUDA_TRY(cudaMemsetAsync((unsigned long long *)b->res_d + c, 0xff, c * sizeof(unsigned long long), s));
+    return LM_OK;
+}
+
+static lm_status cuda_moe_balance_set_observe(lm_backend *be, void *p, int i, void *acts, int64_t m) {
+    cuda_balance_set *b = (cuda_balance_set *)p;
+    cuda_moe *a = (cuda_moe *)acts;
+    if (!b || !a) return lm_error(LM_ERR_ARG, "moe_balance_set_observe: set or acts is NULL");
+    if (i < 0 || i >= b->count)
+        return lm_error(LM_ERR_ARG, "moe_balance_set_observe: balancer %d of %d", i, b->count);
+    lm_balance_state *bal = b->bal[i];
+    if (!b->dev[i]) return cuda_moe_balance_observe(be, bal, acts, m);
+    int n = bal->cfg.n_experts, k = bal->cfg.top_k, B = bal->cfg.bins;
+    if (n != a->cfg.n_experts || k != a->cfg.top_k)
+        return lm_error(LM_ERR_ARG, "moe_balance_observe: the balancer has n = %d, k = %d, the layer %d, %d", n, k,
+                        a->cfg.n_experts, a->cfg.top_k);
+    if (m < 0 || m > a->acts.m)
+        return lm_error(LM_ERR_ARG, "moe_balance_observe: m = %lld exceeds the last forward's %lld tokens",
+                        (long long)m, (long long)a->acts.m);
+    if (m > bal->cfg.max_tokens)
+        return lm_error(LM_ERR_ARG, "balance: micro-batch of %lld tokens exceeds max_tokens %lld", (long long)m,
+                        (long long)bal->cfg.max_tokens);
+    if (bal->tokens + b->tokens[i] + m > INT32_MAX / k)
+        return lm_error(LM_ERR_ARG, "balance: %lld tokens in one step overflow the int32 counts",
+                        (long long)(bal->tokens + b->tokens[i] + m));
+    if (m == 0) return LM_OK;
+    if (b->obs[i] == INT32_MAX) return lm_error(LM_ERR_ARG, "moe_balance_set_observe: too many observations");
+    lm_status st;
+    if (!b->pending && (st = balance_set_begin(be, b))) return st;
+    size_t c = b->count > 0 ? (size_t)b->count : 1;
+    unsigned long long *ent = (unsigned long long *)b->res_d, *bad = ent + c;
+    int32_t *counts = (int32_t *)(bad + c) + b->cnt_off[i], *load = counts + (size_t)n * B;
+    const float *lo = b->geo_d + b->geo_off[i], *width = lo + n, *bias = lo + 2 * n;
+    const lm_cuda_context *ctx = ctx_of(be);
+    if ((st = lm_cuda_backend_router_entropy_sum(ctx, ent + i, bad + i, a->acts.s, m, n,
+                                                 (unsigned long long)b->obs[i] << 32)) ||
+        (st = lm_cuda_balance_histogram(ctx, counts, a->acts.s, bias, lo, width, m, n, k, B,
+                                        bal->cfg.estimator == LM_QB_ZOOM)) ||
+        (st = lm_cuda_expert_load(ctx, load, a->acts.topk, m, n, k)))
+        return st;
+    b->obs[i]++;
+    b->tokens[i] += m;
+    b->pending++;
+    return LM_OK;
+}
+
+static lm_status cuda_moe_balance_set_flush(lm_backend *be, void *p) {
+    cuda_balance_set *b = (cuda_balance_set *)p;
+    if (!b) return lm_error(LM_ERR_ARG, "moe_balance_set_flush: set is NULL");
+    if (!b->pending) return LM_OK;
+    b->pending = 0;
+    LM_CUDA_TRY(cudaMemcpyAsync(b->res_h, b->res_d, b->res_bytes, cudaMemcpyDeviceToHost, stream_of(be)));
+    LM_CUDA_TRY(cudaStreamSynchronize(stream_of(be)));
+    size_t c = b->count > 0 ? (size_t)b->count : 1;
+    const unsigned long long *ent = (const unsigned long long *)b->res_h, *bad = ent + c;
+    const int32_t *cnt = (const int32_t *)(bad + c);
+    lm_status first = LM_OK;
+    char why[512] = "";
+    for (int i = 0; i < b->count; i++) {
+        if (!b->dev[i] || !b->obs[i]) continue;
+        int64_t m = b->tokens[i];
+        b->obs[i] = 0;
+        b->tokens[i] = 0;
+        lm_status st;
+        if (bad[i] != ~0ull)
+            /* the same refusal as lm_balance_observe, found at the flush: the layer, the observation, the token */
+            st = lm_error(LM_ERR_NUMERIC, "balance: MoE layer %d: token %lld of the step's observation %llu has a "
+                          "score outside [0, 1] or not finite", i, (long long)(bad[i] & 0xffffffffull), bad[i] >> 32);
+        else {
+            const lm_balance_state *bal = b->bal[i];
+            const int32_t *counts = cnt + b->cnt_off[i], *load = counts + (size_t)bal->cfg.n_experts * bal->cfg.bins;
+            /* units of 2^-32 nats: exact in a double below 2^53 units */
+            double entropy = (double)(long long)ent[i] * 0x1p-32;
+            st = lm_balance_observe_counts(b->bal[i], counts, load, m, 1, entropy);
+        }
+        if (st && !first) {
+            first = st;
+            snprintf(why, sizeof why, "%s", lm_last_error());
+        }
+    }
+    return first ? lm_error(first, "%s", why) : LM_OK;
+}
+
 static lm_status cuda_moe_aux_loss(lm_backend *be, float *loss, float *dscores, void *acts, int64_t m, int n, int k,
                                    float alpha) {
     cuda_moe *a = (cuda_moe *)acts;
@@ -840,6 +1031,10 @@ static lm_ops make_cuda_ops(void) {
     o.moe_backward = cuda_moe_backward;
     o.moe_scores = cuda_moe_scores;
     o.moe_balance_observe = cuda_moe_balance_observe;
+    o.moe_balance_set_create = cuda_moe_balance_set_create;
+    o.moe_balance_set_free = cuda_moe_balance_set_free;
+    o.moe_balance_set_observe = cuda_moe_balance_set_observe;
+    o.moe_balance_set_flush = cuda_moe_balance_set_flush;
     o.moe_aux_loss = cuda_moe_aux_loss;
     o.attnres_create = cuda_attnres_create;
     o.attnres_memory = lm_cuda_attnres_memory;

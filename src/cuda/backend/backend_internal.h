@@ -39,6 +39,15 @@ lm_status lm_cuda_backend_target_logit(const lm_cuda_context *ctx, float *target
  * score of the token is outside [0, 1] or not finite. scores [m, n]. */
 lm_status lm_cuda_backend_router_entropy(const lm_cuda_context *ctx, float *ent, const float *scores, int64_t m,
                                          int n);
+/* The same entropies summed into *sum (ACCUMULATED; int64 in units of 2^-32
+ * nats, two's complement in the unsigned word: each token's entropy rounded
+ * to that unit, then integer adds, so the sum is the same bits whatever the
+ * order). A token i whose scores are not all in [0, 1] adds nothing and sets
+ * *bad = min(*bad, key | i) (key: the caller's tag in the high 32 bits; m <
+ * 2^32). */
+lm_status lm_cuda_backend_router_entropy_sum(const lm_cuda_context *ctx, unsigned long long *sum,
+                                             unsigned long long *bad, const float *scores, int64_t m, int n,
+                                             unsigned long long key);
 /* *first_device (an unsigned long long) = the smallest i < n with x[i] not
  * finite, or n when there is none (integer atomic minimum: order-free). */
 lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned long long *first_device,

@@ -105,6 +105,42 @@ __global__ void bk_router_entropy_kernel(float *ent, const float *scores, int64_
     }
 }
 
+/* The same entropy per token, summed in fixed point: e * 2^32 rounded to an
+ * integer (exact for e a multiple of 2^-32, every e >= 2^-9), added in int64.
+ * Integer sums do not depend on the order of the additions, so the blocks'
+ * atomic adds give the same bits every run. A token with a score outside
+ * [0, 1] or not finite adds nothing and lowers *bad to key | i at most. */
+__global__ void bk_router_entropy_sum_kernel(unsigned long long *sum, unsigned long long *bad, const float *scores,
+                                             int64_t m, int n, unsigned long long key) {
+    __shared__ long long part[BK_THREADS / 32];
+    long long acc = 0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
+        const float *si = scores + i * n;
+        float sum_s = 0.0f, slog = 0.0f;
+        int ok = 1;
+        for (int j = 0; j < n; j++) {
+            float v = si[j];
+            ok &= v >= 0.0f && v <= 1.0f; /* false for NaN too */
+            sum_s += v;
+            slog += v > 0.0f ? v * logf(v) : 0.0f;
+        }
+        if (!ok) {
+            atomicMin(bad, key | (unsigned long long)i);
+            continue;
+        }
+        float e = sum_s > 0.0f ? logf(sum_s) - slog / sum_s : 0.0f;
+        acc += __float2ll_rn(e * 4294967296.0f);
+    }
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        long long t = 0;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) t += part[w];
+        if (t) atomicAdd(sum, (unsigned long long)t); /* two's complement: a negative t subtracts */
+    }
+}
+
 __global__ void bk_fill_u64_kernel(unsigned long long *p, unsigned long long v) { *p = v; }
 
 __global__ void bk_first_nonfinite_kernel(unsigned long long *first, const float *x, size_t n) {
@@ -190,6 +226,18 @@ lm_status lm_cuda_backend_router_entropy(const lm_cuda_context *ctx, float *ent,
     if (st || m <= 0) return st;
     bk_router_entropy_kernel<<<lin_grid_for(ctx, (size_t)m, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(ent, scores,
                                                                                                             m, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_router_entropy_sum(const lm_cuda_context *ctx, unsigned long long *sum,
+                                             unsigned long long *bad, const float *scores, int64_t m, int n,
+                                             unsigned long long key) {
+    lm_status st = bk_check(ctx, "router_entropy_sum");
+    if (st || m <= 0) return st;
+    if (m > (int64_t)UINT32_MAX) return lm_error(LM_ERR_ARG, "router_entropy_sum: m = %lld too large", (long long)m);
+    bk_router_entropy_sum_kernel<<<lin_grid_for(ctx, (size_t)m, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(
+        sum, bad, scores, m, n, key);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }

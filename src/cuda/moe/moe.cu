@@ -556,9 +556,11 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     }
 
     /* router in fp32: dr over all n logits (zero off the chosen set without
-     * dscores_extra), dx += dr W_r, dW_r += dr^T x */
+     * dscores_extra), dx += dr W_r (without dscores_extra over the k chosen
+     * rows of W_r only, not a product over all n), dW_r += dr^T x */
     TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
-    if (dx) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    if (dx && dscores_extra) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
+    else if (dx) TRY(lm_moe_router_dx_sparse(st, dx, s->dr, pf->router, a, m, n, k, d));
     if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     return LM_OK;
 }

@@ -107,5 +107,9 @@ lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf
 /* dr[m, n] = extra s (1 - s) (or 0) + the chosen experts' ds s (1 - s) */
 lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const float *extra,
                              const lm_cuda_moe_acts *a, int64_t m, int n, int k, float route_scale);
+/* dx[m, d] += dr W_r over each token's k chosen experts only (slot order, fp32;
+ * valid when dr is zero off them: lm_moe_router_grad without extra) */
+lm_status lm_moe_router_dx_sparse(cudaStream_t st, float *dx, const float *dr, const float *router,
+                                  const lm_cuda_moe_acts *a, int64_t m, int n, int k, int d);
 
 #endif

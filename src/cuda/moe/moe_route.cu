@@ -530,3 +530,36 @@ lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const 
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
+
+/* dx[i] += sum_t dr[i, e_t] W_r[e_t] over the token's chosen experts e_t in
+ * slot order (dr is zero elsewhere when no dense score gradient was added):
+ * one block a token, each thread its channels, fp32, a fixed order. */
+__global__ void router_dx_sparse_kernel(float *dx, const float *dr, const float *router, const int32_t *topk,
+                                        int64_t m, int n, int k, int d) {
+    __shared__ int32_t e[LM_MOE_MAX_TOPK];
+    __shared__ float g[LM_MOE_MAX_TOPK];
+    const int64_t i = blockIdx.x;
+    if (i >= m) return;
+    if (threadIdx.x < k) {
+        int32_t j = topk[i * k + threadIdx.x];
+        e[threadIdx.x] = j;
+        g[threadIdx.x] = dr[i * n + j];
+    }
+    __syncthreads();
+    float *xi = dx + i * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int t = 0; t < k; t++) acc = fmaf(g[t], router[(int64_t)e[t] * d + c], acc);
+        xi[c] += acc;
+    }
+}
+
+lm_status lm_moe_router_dx_sparse(cudaStream_t st, float *dx, const float *dr, const float *router,
+                                  const lm_cuda_moe_acts *a, int64_t m, int n, int k, int d) {
+    if (m <= 0) return LM_OK;
+    if (m > INT32_MAX) return lm_error(LM_ERR_ARG, "moe router dx: %lld tokens", (long long)m);
+    int threads = d >= 256 ? 256 : ((d + 31) / 32) * 32;
+    router_dx_sparse_kernel<<<(unsigned)m, threads, 0, st>>>(dx, dr, router, a->topk, m, n, k, d);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}

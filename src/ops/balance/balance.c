@@ -267,12 +267,10 @@ lm_status lm_balance_bin_geometry(lm_balance_state *s, float *lo, float *width) 
 
 lm_status lm_balance_observe_counts(lm_balance_state *s, const int32_t *counts, const int32_t *load, int64_t m,
                                     int training, double entropy_sum) {
-    // counts is (n,B) or NULL; load (n)
+    // counts is (n,B) or NULL; load (n); m the tokens of one or more micro-batches
     const lm_balance_config *c = &s->cfg;
     int n = c->n_experts, k = c->top_k;
-    if (m < 0 || m > c->max_tokens)
-        return lm_error(LM_ERR_ARG, "balance: micro-batch of %lld tokens exceeds max_tokens %lld", (long long)m,
-                        (long long)c->max_tokens);
+    if (m < 0) return lm_error(LM_ERR_ARG, "balance: %lld tokens observed", (long long)m);
     if (s->tokens + m > INT32_MAX / k)
         return lm_error(LM_ERR_ARG, "balance: %lld tokens in one step overflow the int32 counts",
                         (long long)(s->tokens + m));
