@@ -221,17 +221,42 @@ static void test_two_gpu_runs_are_bit_identical(void) {
 }
 
 /* `--comm nccl` on one GPU (a one-rank NCCL communicator, no mpirun): the
- * plain GPU run, bit for bit (docs/scaleout.md, "Data parallelism on GPUs"). */
+ * plain GPU run, bit for bit (docs/scaleout.md, "Data parallelism on GPUs").
+ * With the default train.grad_bucket_mb (64: one bucket of this model) and
+ * with buckets of one tensor each and of 0.05 MiB (docs/scaleout.md,
+ * "Gradient buckets": the sums on a stream of their own, ordered by events
+ * against the backward's stream) and with none (0: the one sum after the
+ * backward). On one rank a sum in place enqueues nothing: this checks the
+ * hook, the streams' ordering and that nothing else changes. */
 static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!lm_comm_engine_available(LM_COMM_NCCL)) SKIP("built without NCCL");
-    int st = 0;
-    waitpid(start_train_with(in_root("gpu_nccl"), "cuda", 0, 0, "--comm", "nccl"), &st, 0);
-    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "train --comm nccl failed (see %s)", in_root("run.log"));
-    if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
-    compare_runs(in_root("gpu_nccl"), in_root("gpu"), "train", "loss", STEPS, 0, -1);
-    compare_runs(in_root("gpu_nccl"), in_root("gpu"), "eval", "val_loss", 5, 0, -1);
-    same_final_checkpoint(in_root("gpu_nccl"), in_root("gpu"));
+    static const struct {
+        const char *run, *file, *insert;
+    } v[] = {{"gpu_nccl", "staged.json", NULL},
+             {"gpu_nccl_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, "},
+             {"gpu_nccl_b1", "staged_b1.json", "\"grad_bucket_mb\": 1e-6, "},
+             {"gpu_nccl_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, "}};
+    for (int i = 0; i < 4; i++) {
+        if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
+        config_file = v[i].file;
+        int st = 0;
+        waitpid(start_train_with(in_root(v[i].run), "cuda", 0, 0, "--comm", "nccl"), &st, 0);
+        config_file = "staged.json";
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "train --comm nccl (%s) failed (see %s)", v[i].run,
+              in_root("run.log"));
+        if (!WIFEXITED(st) || WEXITSTATUS(st)) continue;
+        compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, -1);
+        compare_runs(in_root(v[i].run), in_root("gpu"), "eval", "val_loss", 5, 0, -1);
+        /* the configs differ in train.grad_bucket_mb alone: config.json is compared for the default only */
+        char pa[700], pb[700];
+        const char *files[4] = {"model.safetensors", "trainer.safetensors", "trainer.json", "config.json"};
+        for (int k = 0; k < (v[i].insert ? 3 : 4); k++) {
+            snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", in_root(v[i].run), STEPS, files[k]);
+            snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", in_root("gpu"), STEPS, files[k]);
+            CHECK(test_same_file(pa, pb), "%s of %s and the plain GPU run differ", files[k], v[i].run);
+        }
+    }
 }
 
 /* train.seq_segment on the GPU (segments of 40 tokens: 2 and 4 a row at the stages' 64 and 128, the

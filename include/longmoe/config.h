@@ -88,6 +88,9 @@ typedef struct {
      * and the backward recomputes each segment's forward in reverse order; 0 =
      * off (docs/model.md, "Sequence segments") */
     int seq_segment;
+    /* data parallelism: MiB of the gradient buckets summed over the ranks as the
+     * backward finishes them (docs/scaleout.md); 0 = one sum after the backward */
+    float grad_bucket_mb;
     char data[64];          /* default data source: a built-in task or shards:DIR */
     int n_stages;           /* 0: one stage of train.seq_len, train.batch_size, train.steps */
     lm_stage stages[LM_MAX_STAGES];

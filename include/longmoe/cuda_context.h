@@ -46,6 +46,18 @@ void lm_cuda_context_destroy(lm_cuda_context *ctx);
 /* Wait for the context's stream; report an error a kernel left behind. */
 lm_status lm_cuda_context_sync(const lm_cuda_context *ctx);
 
+/* A second stream and the events that order it against a context's stream
+ * (the trainer's gradient sums overlapped with the backward, docs/scaleout.md):
+ * a non-blocking stream; an event without timing; lm_cuda_stream_wait makes
+ * `waiter` wait (on the device, the host returns at once) for the work enqueued
+ * on `stream` so far, by recording `event` there. Destroying a stream waits for
+ * it first. */
+lm_status lm_cuda_stream_create(void **stream);
+void lm_cuda_stream_destroy(void *stream);
+lm_status lm_cuda_event_create(void **event);
+void lm_cuda_event_destroy(void *event);
+lm_status lm_cuda_stream_wait(void *waiter, void *stream, void *event);
+
 /* Host <-> device helpers for tests and tools: they synchronise the whole
  * device before returning, so kernels then enqueued on a context stream see
  * the data (and downloads see every kernel enqueued before). */

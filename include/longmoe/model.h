@@ -267,6 +267,27 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp);
  * position's target). ACCUMULATES like lm_model_backward, which is the case
  * dlogp[i] = -loss_scale / (B T); the auxiliary balance loss enters with scale 1. */
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp);
+/* Told during a backward that a range of the gradient block is final:
+ * [offset, offset + count) in the parameter table's layout (tensor offsets,
+ * lm_model_tensor_at; the gradient block itself unless the model keeps
+ * owner-only expert slices), after the last operation that writes it has been
+ * run (CPU) or enqueued on the backend's stream (GPU: the writes are complete
+ * once that stream reaches this point). Each backward (lm_model_backward,
+ * lm_model_backward_weighted) reports every element of [0, n_params) exactly
+ * once, in whole tensors, in this order: lm_head (when not tied), final_norm;
+ * for each layer from the last to the first, its channel mixer's range
+ * (ffn_norm and the FFN or MoE tensors), then its token mixer's (mixer_norm
+ * and the KDA or attention tensors); the AttnRes queries and key norms (their
+ * rows are written by every sublayer's backward, so after the last layer's);
+ * the embedding last (with a tied LM head, which the cross-entropy writes
+ * first). With train.seq_segment the backward runs every segment's, last to
+ * first: the ranges are reported in the first segment's (the last to write).
+ * A backward ACCUMULATES: with several micro-batches a range is final for the
+ * step only in the last one's backward, so set the hook for that backward alone.
+ * A non-OK status from fn stops the backward and is returned by it. fn NULL:
+ * none. */
+typedef lm_status (*lm_grad_ready_fn)(void *user, size_t offset, size_t count);
+void lm_model_set_grad_ready_hook(lm_model *m, lm_grad_ready_fn fn, void *user);
 /* Zero the gradients (on a backend with memory of its own: there, before the
  * next forward; the host copy, lm_model_grads, is then current only after
  * lm_model_download_grads). */

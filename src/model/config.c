@@ -88,6 +88,7 @@ static const key_spec keys[] = {
     K_("train", "recompute", KEY_BOOL, recompute, 0, 1, NULL),
     K_("train", "recompute_chunk", KEY_INT, recompute_chunk, 0, 1 << 26, NULL),
     K_("train", "seq_segment", KEY_INT, seq_segment, 0, 1 << 26, NULL),
+    K_("train", "grad_bucket_mb", KEY_FLOAT, grad_bucket_mb, 0, 1e6, NULL),
     K_("train", "data", KEY_STRING, data, 0, 0, NULL),
     K_("train", "stages", KEY_STAGES, stages, 0, 0, NULL),
 };
@@ -145,6 +146,7 @@ void lm_config_defaults(lm_config *c) {
     c->schedule = LM_SCHEDULE_COSINE;
     c->weight_decay = 0.1f;
     c->grad_clip = 1.0f;
+    c->grad_bucket_mb = 64.0f;
     c->qk_clip_tau = 100.0f;
     c->answer_loss_weight = 1.0f;
     c->grid_rows = 4;

@@ -1834,6 +1834,39 @@ static lm_status replay_block(lm_model *m, int k) {
     return LM_OK;
 }
 
+void lm_model_set_grad_ready_hook(lm_model *m, lm_grad_ready_fn fn, void *user) {
+    m->grad_ready = fn;
+    m->grad_ready_user = user;
+}
+
+/* The backward has written [off, end) of the gradient block for the last time
+ * (lm_model_set_grad_ready_hook). In segments only the first segment's
+ * backward, the last to run, counts. LM_FAULT_GRADIENT's NaN goes in here,
+ * after the last write to its element, so that a hook summing the range sees it. */
+static lm_status grads_final(lm_model *m, size_t off, size_t end, double *t0) {
+    if (m->seg_active && m->seg != 0) return LM_OK;
+    const size_t mid = m->n_params / 2;
+    if (m->fault == LM_FAULT_GRADIENT && mid >= off && mid < end) {
+        /* the middle element of the parameter block, where this rank keeps its gradient */
+        const float nan = NAN;
+        float *g = grad_at(m, mid);
+        if (g) TRY(m->be->upload(m->be, g, &nan, sizeof nan));
+        m->fault = LM_FAULT_NONE;
+    }
+    if (!m->grad_ready || end <= off) return LM_OK;
+    /* the hook's time (a sum over ranks) is charged to no part of the model */
+    const double h = lm_time_seconds();
+    lm_status st = m->grad_ready(m->grad_ready_user, off, end - off);
+    *t0 += lm_time_seconds() - h;
+    return st;
+}
+
+/* Where layer l's tensors end: the next layer's, the AttnRes tensors' or final_norm's start. */
+static size_t layer_end(const lm_model *m, int l) {
+    if (l + 1 < m->cfg.n_layers) return m->layers[l + 1].mixer_norm_off;
+    return m->has_attnres_params ? m->ar_query_off : m->final_norm_off;
+}
+
 /* dlogp NULL: the mean cross-entropy scaled by loss_scale, i.e. dLoss/dlog p
  * = -loss_scale / N at every position; else dlogp[i] per position. loss_scale
  * also scales the auxiliary balance loss. */
@@ -1862,10 +1895,13 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
                                    lp_param(m, par_at(m, m->head_off)), m->targets, m->lse_rows, row_scale,
                                    dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
+    /* a tied head is the embedding, written again at the end */
+    if (!m->cfg.tie_embeddings) TRY(grads_final(m, m->head_off, m->head_off + (size_t)V * d, &t0));
     TRY(be->zero(be, m->dhf, (size_t)N * d * sizeof(float)));
     TRY(op->rmsnorm_backward(be, m->dhf, grad_at(m, m->final_norm_off), m->dhn, m->hf, par_at(m, m->final_norm_off),
                              m->rstd_final, N, d, eps));
     charge(m, LM_TIME_NORMS, &t0);
+    TRY(grads_final(m, m->final_norm_off, m->final_norm_off + (size_t)d, &t0));
     lm_attnres_params arp = attnres_params(m);
     lm_attnres_grads arg = {NULL, NULL};
     if (m->has_attnres_params) {
@@ -1941,20 +1977,18 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         charge(m, LM_TIME_NORMS, &t0);
         TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
         charge(m, LM_TIME_ATTNRES, &t0);
+        /* the sublayer's norm and tensors are done (the AttnRes rows are not: every sublayer writes its own) */
+        if (idx % 2) TRY(grads_final(m, ls->ffn_norm_off, layer_end(m, idx / 2), &t0));
+        else TRY(grads_final(m, ls->mixer_norm_off, ls->ffn_norm_off, &t0));
     }
+    if (m->has_attnres_params) TRY(grads_final(m, m->ar_query_off, m->final_norm_off, &t0));
     TRY(be->zero(be, m->dx0, (size_t)N * d * sizeof(float)));
     TRY(op->attnres_embedding_backward(be, m->ar, m->dx0));
     charge(m, LM_TIME_ATTNRES, &t0);
     /* scatter into the embedding rows, in token order (deterministic) */
     TRY(op->embedding_backward(be, grad_at(m, m->embed_off), m->dx0, m->tokens, N, d, V));
-    if (m->fault == LM_FAULT_GRADIENT) {
-        /* the middle element of the parameter block, where this rank keeps its gradient */
-        const float nan = NAN;
-        float *g = grad_at(m, m->n_params / 2);
-        if (g) TRY(be->upload(be, g, &nan, sizeof nan));
-        m->fault = LM_FAULT_NONE;
-    }
     charge(m, LM_TIME_NORMS, &t0);
+    TRY(grads_final(m, m->embed_off, m->embed_off + (size_t)V * d, &t0));
     m->have_targets = 0;
     return LM_OK;
 }

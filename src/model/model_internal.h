@@ -129,6 +129,10 @@ struct lm_model {
     float aux_loss;
     double seconds[LM_TIME_COUNT];
     lm_fault fault; /* one-shot fault injection */
+    /* lm_model_set_grad_ready_hook: told of each range of the gradient block
+     * after its last write in a backward (NULL: nobody asks) */
+    lm_grad_ready_fn grad_ready;
+    void *grad_ready_user;
     /* residual stream */
     void *ar; /* the backend's residual-stream state */
     /* separate product format only: the model's own lp buffers, host copies */

@@ -139,6 +139,20 @@ typedef struct {
     double *eparts;              /* [n_split blocks] the split tensors' block sums of squares */
     float *epack, *egath;        /* elements of the blocks that cross slices: this rank's, every rank's */
     size_t *etab;                /* [2 ranks] their counts and offsets */
+    /* gradient buckets (train.grad_bucket_mb; docs/scaleout.md, "Gradient
+     * buckets"): runs of consecutive whole tensors of about that size, cut from
+     * the block's end (the backward's order), each summed over the ranks as soon
+     * as the last micro-batch's backward has written its last element (the
+     * model's grad-ready hook). bucketed: on for this run; bk_armed: the hook is
+     * set for the backward running now; bk_summed: this step's sums are done or
+     * enqueued. On a GPU the sums run on bk_stream, which waits for the
+     * backend's stream at each bucket (bk_event); the backend's stream waits for
+     * bk_stream before the clipping, the optimizer or the download. */
+    int bucketed, bk_armed, bk_summed, n_bk;
+    struct grad_bucket {
+        size_t off, count, left; /* [off, off + count) of the block; elements not yet final */
+    } *bk;
+    void *bk_stream, *bk_event;
 } trainer;
 
 lm_train_options lm_train_options_default(const char *out_dir) {
@@ -160,6 +174,11 @@ static void close_data(trainer *t);
 
 static void trainer_free(trainer *t) {
     close_data(t);
+#ifdef LONGMOE_HAVE_CUDA
+    lm_cuda_stream_destroy(t->bk_stream); /* waits for its sums before the gradients are freed */
+    lm_cuda_event_destroy(t->bk_event);
+#endif
+    free(t->bk);
     lm_device_optimizer_free(t->dmuon);
     lm_device_optimizer_free(t->dadam);
     if (t->norm_work) t->be->release(t->be, t->norm_work);
@@ -811,6 +830,132 @@ static lm_status diverge_replica(trainer *t, const char *name) {
     return lm_error(LM_ERR_ARG, "inject_diverge_tensor: the model has no tensor '%s'", name ? name : "(none)");
 }
 
+/* ---- gradient buckets (docs/scaleout.md, "Gradient buckets") ----
+ * The gradient block's sum over the ranks in pieces, each launched during the
+ * last micro-batch's backward as soon as the model reports its range final.
+ * Each element is the rank-order sum of the one all-reduce of the whole block
+ * (the sums are elementwise), so the bits are the same whatever the buckets. */
+
+/* Whether the run sums its gradients in buckets: replicated data parallelism
+ * (CPU ranks over MPI, or GPU ranks over NCCL, one rank too). ZeRO-1,
+ * owner-only experts, expert and context parallelism keep the one sum after
+ * the backward. */
+static int bucket_wanted(const trainer *t) {
+    return t->cfg.grad_bucket_mb > 0 && !t->zero && !t->epo && !t->opt.expert_parallel && t->cp == 1 &&
+           (t->dcomm || (t->comm && t->ranks > 1));
+}
+
+/* Cut the buckets: whole tensors from the last one back, a bucket closing when
+ * it holds at least train.grad_bucket_mb MiB (a tensor larger than that is a
+ * bucket of its own); on a GPU the side stream, its event and the engine's
+ * scratch for the largest bucket. */
+static lm_status bucket_plan(trainer *t) {
+    if (!t->bucketed || t->bk) return LM_OK;
+    const int n = lm_model_num_tensors(t->model);
+    const double want = (double)t->cfg.grad_bucket_mb * 1048576.0 / sizeof(float);
+    const size_t limit = want < 1 ? 1 : want > (double)lm_model_num_params(t->model) ? lm_model_num_params(t->model)
+                                                                                     : (size_t)want;
+    t->bk = calloc((size_t)n + 1, sizeof *t->bk);
+    if (!t->bk) return lm_error(LM_ERR_MEMORY, "out of memory (gradient buckets)");
+    t->n_bk = 0;
+    size_t next = lm_model_num_params(t->model), largest = 0; /* where the tensor after this one begins */
+    for (int i = n - 1; i >= 0; i--) {
+        const lm_model_tensor *mt = lm_model_tensor_at(t->model, i);
+        struct grad_bucket *b = &t->bk[t->n_bk];
+        if (mt->offset + mt->numel != next)
+            return lm_error(LM_ERR_ARG, "internal: tensor %s does not end where the next begins", mt->name);
+        next = mt->offset;
+        b->off = mt->offset;
+        b->count += mt->numel;
+        if (b->count >= limit || i == 0) {
+            largest = b->count > largest ? b->count : largest;
+            t->n_bk++;
+        }
+    }
+    if (t->bk[t->n_bk - 1].off != 0) return lm_error(LM_ERR_ARG, "internal: the gradient buckets miss the block's start");
+#ifdef LONGMOE_HAVE_CUDA
+    if (t->dcomm) {
+        TRY(lm_cuda_stream_create(&t->bk_stream));
+        TRY(lm_cuda_event_create(&t->bk_event));
+        TRY(lm_comm_reserve(t->dcomm, largest, LM_DTYPE_F32));
+    }
+#else
+    (void)largest;
+#endif
+    return LM_OK;
+}
+
+/* The hook of the last micro-batch's backward: [off, off + count) is final. */
+static lm_status bucket_ready(void *user, size_t off, size_t count) {
+    trainer *t = user;
+    for (int i = 0; i < t->n_bk; i++) {
+        struct grad_bucket *b = &t->bk[i];
+        const size_t lo = off > b->off ? off : b->off;
+        const size_t hi = off + count < b->off + b->count ? off + count : b->off + b->count;
+        if (lo >= hi) continue;
+        if (hi - lo > b->left)
+            return lm_error(LM_ERR_ARG, "internal: gradient elements [%zu, %zu) reported final twice", lo, hi);
+        b->left -= hi - lo;
+        if (b->left) continue;
+        if (t->dcomm) {
+#ifdef LONGMOE_HAVE_CUDA
+            /* on the side stream, after the backend's stream has written the range */
+            TRY(lm_cuda_stream_wait(t->bk_stream, ((const lm_cuda_context *)t->be->ctx)->stream, t->bk_event));
+            lm_comm_set_stream(t->dcomm, t->bk_stream);
+            float *g = lm_model_backend_grads(t->model) + b->off;
+            TRY(lm_comm_all_reduce_sum(t->dcomm, g, g, b->count, LM_DTYPE_F32));
+#endif
+        } else {
+            /* CPU ranks: summed here, before the backward goes on */
+            float *g = lm_model_grads(t->model) + b->off;
+            TRY(lm_comm_all_reduce_sum(t->comm, g, g, b->count, LM_DTYPE_F32));
+        }
+    }
+    return LM_OK;
+}
+
+/* Before the last micro-batch's backward: every bucket waits for all its elements. */
+static void bucket_arm(trainer *t) {
+    for (int i = 0; i < t->n_bk; i++) t->bk[i].left = t->bk[i].count;
+    t->bk_armed = 1;
+    lm_model_set_grad_ready_hook(t->model, bucket_ready, t);
+}
+
+/* After it: every bucket was summed (or enqueued); on a GPU the backend's
+ * stream waits for the side stream's sums before anything reads the gradients
+ * (or the next step's zeroing writes them). */
+static lm_status bucket_finish(trainer *t) {
+    lm_model_set_grad_ready_hook(t->model, NULL, NULL);
+    if (!t->bk_armed) return LM_OK;
+    t->bk_armed = 0;
+    for (int i = 0; i < t->n_bk; i++)
+        if (t->bk[i].left)
+            return lm_error(LM_ERR_ARG, "internal: the backward left %zu elements of the gradient bucket [%zu, %zu) "
+                            "unreported", t->bk[i].left, t->bk[i].off, t->bk[i].off + t->bk[i].count);
+#ifdef LONGMOE_HAVE_CUDA
+    if (t->dcomm) {
+        void *compute = ((const lm_cuda_context *)t->be->ctx)->stream;
+        TRY(lm_cuda_stream_wait(compute, t->bk_stream, t->bk_event));
+        lm_comm_set_stream(t->dcomm, compute);
+    }
+#endif
+    t->bk_summed = 1;
+    return LM_OK;
+}
+
+/* Before the last micro-batch's backward, whose bucket sums every rank must
+ * join: the ranks agree on their forwards, as dp_reduce_step would after the
+ * step. A rank whose forward failed earlier in the step joins here from after
+ * its loop (mine = LM_ERR_NUMERIC). *fs becomes LM_ERR_NUMERIC when any rank's
+ * forward was not finite; another failure on any rank fails every rank. */
+static lm_status bucket_agree(trainer *t, lm_status *fs) {
+    int32_t f[2] = {*fs == LM_ERR_NUMERIC, *fs && *fs != LM_ERR_NUMERIC};
+    TRY(lm_comm_all_reduce_sum(t->comm, f, f, 2, LM_DTYPE_I32));
+    if (f[1]) return *fs ? *fs : lm_error(LM_ERR_ARG, "data parallel: the forward failed on another rank");
+    if (f[0] && !*fs) *fs = LM_ERR_NUMERIC;
+    return LM_OK;
+}
+
 /* After the micro-batches of a step: the ranks' losses averaged (each is the
  * mean over its share), a failed forward on any rank fails the step for all,
  * the data position advanced by the fewest micro-batches any rank consumed
@@ -864,7 +1009,9 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
     /* the gradients: each rank's share was scaled by 1 / (grad_accum R) (context parallel: by
      * T_c / (T grad_accum R / N)), so the sum over all ranks is the batch's mean;
      * under ZeRO-1 each rank receives the sum of its own range only */
-    if (t->dcomm) {
+    if (t->bk_summed) {
+        /* summed bucket by bucket during the last backward (bucket_ready) */
+    } else if (t->dcomm) {
         /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
 #ifdef LONGMOE_HAVE_CUDA
         lm_comm_set_stream(t->dcomm, ((const lm_cuda_context *)t->be->ctx)->stream);
@@ -2167,6 +2314,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     /* the stage of the (resumed) step, and its data */
     int first = stage_of(&t, t.step);
     if ((s = first ? switch_stage(&t, first) : open_data(&t, 0))) goto done;
+    /* gradient buckets: one plan for every stage (the tensors stay) */
+    t.bucketed = bucket_wanted(&t);
+    if ((s = bucket_plan(&t))) goto done;
     t.dp_in_setup = 0;
     if ((s = dp_agree(&t, LM_OK))) goto done;
     const lm_config *c = &t.cfg;
@@ -2197,6 +2347,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     if (opt->progress && t.ranks > 1 && t.cp == 1)
         fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
                 t.ranks, share_B(&t), t.B);
+    if (opt->progress && t.bucketed)
+        fprintf(opt->progress, "gradients summed over the ranks in %d bucket%s of about %g MiB as the last backward of "
+                "a step finishes them%s\n", t.n_bk, t.n_bk > 1 ? "s" : "", (double)c->grad_bucket_mb,
+                t.dcomm ? ", on a stream of their own" : "");
     if (opt->progress && t.cp > 1)
         fprintf(opt->progress, "context parallel: %d group%s of %d ranks; a group takes %d of the %d sequences of a "
                 "micro-batch, each of its ranks a segment of %d to %d of the %d tokens\n", t.dp_groups,
@@ -2253,6 +2407,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
          * its result (the loss of a forward, the gradient norm, the optimizer's QK-Clip maxima), so on a
          * GPU a phase also holds the device work queued before it */
         double ph_data = 0, ph_fwd = 0, ph_bwd = 0, ph_reduce = 0, ph_clip = 0, ph_opt = 0, ph_end = 0, tp;
+        /* gradient buckets: the ranks agree on the forwards before the last backward, which sums them */
+        const int bk_agree = t.bucketed && t.ranks > 1;
+        int agreed = 0;
+        t.bk_summed = 0;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
             tp = lm_time_seconds();
             /* the whole micro-batch; this rank takes rows [g B/D, (g+1) B/D) of its group g of D (without
@@ -2281,6 +2439,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 }
                 if (f[0] && !fs) fs = LM_ERR_NUMERIC;
             }
+            const int last = micro == c->grad_accum - 1;
+            if (bk_agree && last) {
+                agreed = 1;
+                if ((s = bucket_agree(&t, &fs))) goto done;
+            }
             if (fs == LM_ERR_NUMERIC) {
                 bad = 1;
                 break;
@@ -2299,11 +2462,19 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             if (weighted && (s = weighted_loss(&t, &l))) goto done;
             ph_fwd += lm_time_seconds() - tp;
             tp = lm_time_seconds();
+            /* the last micro-batch's backward finishes the gradients: its hook launches the buckets' sums */
+            if (t.bucketed && last) bucket_arm(&t);
             if ((s = weighted ? lm_model_backward_weighted(t.model, t.dlogp) : lm_model_backward(t.model, scale)))
                 goto done;
+            if ((s = bucket_finish(&t))) goto done;
             ph_bwd += lm_time_seconds() - tp;
             loss += l / (float)c->grad_accum;
             aux += lm_model_aux_loss(t.model) / (float)c->grad_accum;
+        }
+        /* a rank whose forward failed before the last micro-batch joins the others' agreement */
+        if (bk_agree && !agreed) {
+            lm_status failed = LM_ERR_NUMERIC;
+            if ((s = bucket_agree(&t, &failed))) goto done;
         }
         tp = lm_time_seconds();
         /* the balancing counts the backend kept for the step (a GPU's: one download for every layer, after

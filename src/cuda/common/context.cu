@@ -63,6 +63,39 @@ extern "C" lm_status lm_cuda_context_sync(const lm_cuda_context *ctx) {
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_stream_create(void **stream) {
+    *stream = NULL;
+    cudaStream_t s;
+    LM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    *stream = s;
+    return LM_OK;
+}
+
+extern "C" void lm_cuda_stream_destroy(void *stream) {
+    if (!stream) return;
+    cudaStreamSynchronize((cudaStream_t)stream);
+    cudaStreamDestroy((cudaStream_t)stream);
+}
+
+extern "C" lm_status lm_cuda_event_create(void **event) {
+    *event = NULL;
+    cudaEvent_t e;
+    LM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    *event = e;
+    return LM_OK;
+}
+
+extern "C" void lm_cuda_event_destroy(void *event) {
+    if (event) cudaEventDestroy((cudaEvent_t)event);
+}
+
+extern "C" lm_status lm_cuda_stream_wait(void *waiter, void *stream, void *event) {
+    /* the wait takes the event's latest record, made just before: one event serves every call */
+    LM_CUDA_TRY(cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream));
+    LM_CUDA_TRY(cudaStreamWaitEvent((cudaStream_t)waiter, (cudaEvent_t)event, 0));
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_alloc(void **ptr, size_t bytes) {
     *ptr = NULL;
     if (bytes == 0) bytes = 16;
