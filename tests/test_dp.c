@@ -8,7 +8,8 @@
  * batch (losses, evaluation and parameters within 1e-5 relative after 20
  * steps), every rank holding the same parameters and balancing bias, a
  * bit-exact resume on N ranks, a resume of the N-rank checkpoint on one
- * process, a step failing on one rank skipped on all as on one process, and
+ * process, a step failing on one rank skipped on all as on one process (also with the weighted
+ * answer loss, whose sum over the ranks the failing rank joins), and
  * the refusals (a batch the ranks cannot share, the exact estimator, a GPU).
  * Built without MPI, `--mpi N` reports every case skipped. */
 #include <stdint.h>
@@ -279,6 +280,40 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
+/* The same with the weighted answer loss, whose per-micro-batch sum over the ranks is a
+ * collective: the failing rank (its first micro-batch of step 4 non-finite) still joins it, so no
+ * rank waits for it; every rank skips the step, as one process with the same NaN does. */
+static void test_a_failing_rank_with_the_weighted_loss_is_skipped_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.answer_loss_weight = 6.0f;
+    c.eval_every = 0;
+    c.ckpt_every = 0;
+    lm_train_options o = lm_train_options_default(dir("dpw-fault"));
+    o.progress = NULL;
+    o.val_batches = 1;
+    o.stage_eval_batches = 0;
+    o.comm = comm;
+    o.inject_fault = LM_FAULT_BATCH;
+    o.inject_fault_step = me == R - 1 ? 3 : -1;
+    lm_train_result r;
+    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
+    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
+    if (me != 0) return;
+    o.out_dir = dir("onew-fault");
+    o.comm = NULL;
+    o.inject_fault_step = 3;
+    CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
+    CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
+    double a[32], b[32];
+    int na = read_metric("dpw-fault", "train", "loss", a, 32), nb = read_metric("onew-fault", "train", "loss", b, 32);
+    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
+    double w;
+    CHECK(tensors_close("dpw-fault", "onew-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+}
+
 /* ---- expert parallelism (EP = the N ranks: 8 experts, 4 or 2 a rank) ---- */
 
 static lm_train_result ep_result;
@@ -454,6 +489,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_on_the_same_ranks_is_bit_exact);
     RUN(test_checkpoint_of_the_ranks_resumes_on_one_process);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
+    RUN(test_a_failing_rank_with_the_weighted_loss_is_skipped_on_every_rank);
     RUN(test_what_the_ranks_cannot_share_is_refused);
     RUN(test_expert_parallel_equals_data_parallel_and_one_process);
     RUN(test_expert_parallel_ranks_hold_the_same_state_and_bias);

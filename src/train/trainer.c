@@ -1443,20 +1443,34 @@ static lm_status switch_stage(trainer *t, int i) {
  * elsewhere, the sums over every rank's rows. Writes t->dlogp (the backward's weights, divided by
  * grad_accum) and *loss: this rank's share, R sum_mine w nll / W_all, whose mean over the R ranks is the
  * micro-batch's loss, as the plain path's losses are averaged. */
-static lm_status weighted_loss(trainer *t, float *loss) {
+/* The weighted loss over the micro-batch's rows of every rank. `*fs` is this rank's forward status
+ * in and the ranks' verdict out: the ranks' sums carry two failure counts with them, so a rank whose
+ * forward failed still joins the sum (and contributes nothing) and every rank leaves with the same
+ * verdict (LM_ERR_NUMERIC when a forward was non-finite anywhere; an error when one failed otherwise),
+ * so none waits in a collective the failed rank skipped. */
+static lm_status weighted_loss(trainer *t, float *loss, lm_status *fs) {
     const int Bm = share_B(t), T = t->T;
     const size_t n = (size_t)Bm * T;
     const uint8_t *ans = t->answer + (size_t)t->dp_rank * Bm * T;
-    TRY(lm_model_token_logprobs(t->model, t->logp));
     const double W = t->cfg.answer_loss_weight;
-    double sums[2] = {0, 0}; /* sum w, sum w nll */
-    for (size_t i = 0; i < n; i++) {
-        const double w = ans[i] ? W : 1.0;
-        sums[0] += w;
-        sums[1] -= w * t->logp[i];
+    double sums[4] = {0, 0, *fs == LM_ERR_NUMERIC, *fs && *fs != LM_ERR_NUMERIC}; /* sum w, sum w nll, failures */
+    if (!*fs) {
+        TRY(lm_model_token_logprobs(t->model, t->logp));
+        for (size_t i = 0; i < n; i++) {
+            const double w = ans[i] ? W : 1.0;
+            sums[0] += w;
+            sums[1] -= w * t->logp[i];
+        }
     }
     const double mine = sums[1];
-    if (t->ranks > 1) TRY(lm_comm_all_reduce_sum(t->comm, sums, sums, 2, LM_DTYPE_F64));
+    if (t->ranks > 1) TRY(lm_comm_all_reduce_sum(t->comm, sums, sums, 4, LM_DTYPE_F64));
+    if (sums[3] > 0)
+        return *fs && *fs != LM_ERR_NUMERIC ? *fs
+                                             : lm_error(LM_ERR_ARG, "the forward failed on another rank of the job");
+    if (sums[2] > 0) {
+        *fs = LM_ERR_NUMERIC;
+        return LM_OK;
+    }
     const double scale = 1.0 / (sums[0] * t->cfg.grad_accum);
     for (size_t i = 0; i < n; i++) t->dlogp[i] = (float)(-(ans[i] ? W : 1.0) * scale);
     *loss = (float)(t->ranks * mine / sums[0]);
@@ -2439,6 +2453,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 }
                 if (f[0] && !fs) fs = LM_ERR_NUMERIC;
             }
+            /* train.answer_loss_weight: sum_i w_i nll_i / sum_i w_i over the micro-batch (every rank's rows);
+             * its sum over the ranks also agrees on the forward, so every rank joins it */
+            if (weighted && (s = weighted_loss(&t, &l, &fs))) goto done;
             const int last = micro == c->grad_accum - 1;
             if (bk_agree && last) {
                 agreed = 1;
@@ -2458,8 +2475,6 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
              * receives from other ranks' tokens carry those ranks' scales */
             const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
                                          : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
-            /* train.answer_loss_weight: sum_i w_i nll_i / sum_i w_i over the micro-batch (every rank's rows) */
-            if (weighted && (s = weighted_loss(&t, &l))) goto done;
             ph_fwd += lm_time_seconds() - tp;
             tp = lm_time_seconds();
             /* the last micro-batch's backward finishes the gradients: its hook launches the buckets' sums */
