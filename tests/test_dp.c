@@ -243,15 +243,19 @@ static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
     CHECK(read_metric("dp-then-one", "train", "loss", a, 32) == 20, "a train line per step");
 }
 
-/* A forward that fails on one rank only (a NaN in its rows at step 4) skips
- * the step on every rank and consumes the failing micro-batch, as one
- * process with the same NaN does; the runs then continue alike. */
-static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
-    if (!runs_ok) SKIP("the runs failed");
+/* A forward that fails on one rank only (a NaN in the rows of its first micro-batch of step 4)
+ * skips the step on every rank and consumes the failing micro-batch, as one process with the same
+ * NaN does; the runs then continue alike. With the weighted answer loss (answer_weight != 1) its
+ * per-micro-batch sum over the ranks is a collective the failing rank still joins, so no rank
+ * waits for it. Runs "<tag>" (the ranks) and "<tag>-one" (one process). */
+static void check_a_failing_rank_is_skipped_on_every_rank(const char *tag, float answer_weight) {
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.answer_loss_weight = answer_weight;
     c.eval_every = 0;
     c.ckpt_every = 0;
-    lm_train_options o = lm_train_options_default(dir("dp-fault"));
+    char one[64];
+    snprintf(one, sizeof one, "%s-one", tag);
+    lm_train_options o = lm_train_options_default(dir(tag));
     o.progress = NULL;
     o.val_batches = 1;
     o.stage_eval_batches = 0;
@@ -263,55 +267,33 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
-    o.out_dir = dir("one-fault");
+    o.out_dir = dir(one);
     o.comm = NULL;
     o.inject_fault_step = 3;
     CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
     CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
     double a[32], b[32];
-    int na = read_metric("dp-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
+    int na = read_metric(tag, "train", "loss", a, 32), nb = read_metric(one, "train", "loss", b, 32);
     CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
     double w;
-    CHECK(tensors_close("dp-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close(tag, one, 20, "model.safetensors", 1e-5, &w), "parameters");
+}
+
+static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    check_a_failing_rank_is_skipped_on_every_rank("dp-fault", 1.0f);
+    if (me != 0) return;
     /* the skip changed the run: its last loss is not the unskipped run's */
-    double u[32];
-    CHECK(read_metric("dp", "train", "loss", u, 32) == 20 && fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
+    double a[32], u[32];
+    CHECK(read_metric("dp-fault", "train", "loss", a, 32) == 19 && read_metric("dp", "train", "loss", u, 32) == 20 &&
+              fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
           "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
 }
 
-/* The same with the weighted answer loss, whose per-micro-batch sum over the ranks is a
- * collective: the failing rank (its first micro-batch of step 4 non-finite) still joins it, so no
- * rank waits for it; every rank skips the step, as one process with the same NaN does. */
 static void test_a_failing_rank_with_the_weighted_loss_is_skipped_on_every_rank(void) {
     if (!runs_ok) SKIP("the runs failed");
-    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
-    c.answer_loss_weight = 6.0f;
-    c.eval_every = 0;
-    c.ckpt_every = 0;
-    lm_train_options o = lm_train_options_default(dir("dpw-fault"));
-    o.progress = NULL;
-    o.val_batches = 1;
-    o.stage_eval_batches = 0;
-    o.comm = comm;
-    o.inject_fault = LM_FAULT_BATCH;
-    o.inject_fault_step = me == R - 1 ? 3 : -1;
-    lm_train_result r;
-    CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
-    CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
-    if (me != 0) return;
-    o.out_dir = dir("onew-fault");
-    o.comm = NULL;
-    o.inject_fault_step = 3;
-    CHECK(!lm_train(&c, &o, &r), "one process: %s", lm_last_error());
-    CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
-    double a[32], b[32];
-    int na = read_metric("dpw-fault", "train", "loss", a, 32), nb = read_metric("onew-fault", "train", "loss", b, 32);
-    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
-    for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
-    double w;
-    CHECK(tensors_close("dpw-fault", "onew-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    check_a_failing_rank_is_skipped_on_every_rank("dpw-fault", 6.0f);
 }
 
 /* ---- expert parallelism (EP = the N ranks: 8 experts, 4 or 2 a rank) ---- */
@@ -404,7 +386,7 @@ static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_ra
     CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
-    losses_close("ep-fault", "one-fault", 19, 1e-5);
+    losses_close("ep-fault", "dp-fault-one", 19, 1e-5);
 }
 
 static void test_expert_parallel_refuses_experts_it_cannot_split(void) {

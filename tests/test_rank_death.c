@@ -84,17 +84,6 @@ static int wait_job(pid_t pid, double seconds) {
     return -1;
 }
 
-/* The step `latest` names; -1 when there is none (yet). */
-static long long latest_step(const char *run) {
-    char path[800];
-    snprintf(path, sizeof path, "%s/latest", run);
-    char *text = test_slurp(path, NULL);
-    long long step = -1;
-    if (text && sscanf(text, "checkpoint-%lld", &step) != 1) step = -1;
-    free(text);
-    return step;
-}
-
 /* 1 when /proc/<pid>/cmdline is longmoe's binary training on run directory `run`; `rank` then holds
  * the process's OMPI_COMM_WORLD_RANK from its environment (-1 if absent). */
 static int is_rank_of(const char *pid, const char *run, int *rank) {
@@ -157,7 +146,7 @@ static void test_a_killed_rank_ends_the_job_and_it_resumes_bit_exact(void) {
     pid_t victim = -1;
     int early = 0;
     for (double t = 0; t < JOB_SECONDS && victim < 0; t += 0.01) {
-        if (latest_step(run) >= KILL_AFTER_STEP) victim = find_rank(run, 1);
+        if (test_latest_step(run) >= KILL_AFTER_STEP) victim = find_rank(run, 1);
         if (victim < 0) {
             if (waitpid(job, &st, WNOHANG) == job) {
                 early = 1;
@@ -172,7 +161,7 @@ static void test_a_killed_rank_ends_the_job_and_it_resumes_bit_exact(void) {
         if (!early) wait_job(job, 0);
         return;
     }
-    long long killed_after = latest_step(run);
+    long long killed_after = test_latest_step(run);
     CHECK(kill(victim, SIGKILL) == 0, "kill(%d) failed", (int)victim);
     st = wait_job(job, JOB_SECONDS);
     char *text = test_slurp(log, NULL);
@@ -191,7 +180,7 @@ static void test_a_killed_rank_ends_the_job_and_it_resumes_bit_exact(void) {
         }
     }
     free(text);
-    long long last = latest_step(run);
+    long long last = test_latest_step(run);
     CHECK(last >= killed_after && last < STEPS, "latest names step %lld (killed after %lld of %d)", last,
           killed_after, STEPS);
     /* resumed on 2 ranks: it ends as the uninterrupted run did, bit for bit */
@@ -201,7 +190,7 @@ static void test_a_killed_rank_ends_the_job_and_it_resumes_bit_exact(void) {
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the resumed job failed (status %d): %s", st,
           text ? text : "(no output)");
     free(text);
-    CHECK(latest_step(run) == STEPS, "the resumed run ended at step %lld", latest_step(run));
+    CHECK(test_latest_step(run) == STEPS, "the resumed run ended at step %lld", test_latest_step(run));
     static const char *files[] = {"model.safetensors", "trainer.safetensors", "trainer.json"};
     for (int i = 0; i < 3; i++) {
         char fa[800], fb[800];
