@@ -16,8 +16,9 @@
  * test_grad_buckets_mpi2 and _mpi4): data-parallel training with buckets of
  * one tensor (smaller than the smallest tensor), of a few KiB, and larger than
  * the whole block gives the unbucketed run's losses and checkpoint bytes bit
- * for bit, with gradient accumulation (2 micro-batches), with sequence
- * segments, with recompute (chunked), with a forward failing on one rank in
+ * for bit with gradient accumulation (2 micro-batches); with buckets of one
+ * tensor, also with sequence segments, with recompute (chunked), with a
+ * forward failing on one rank in
  * the first micro-batch (that rank joins the others' agreement from after its
  * loop) and with a gradient NaN on one rank. Built without MPI, `--mpi N`
  * reports every case skipped. */
@@ -218,16 +219,7 @@ static int same_file(const char *a, const char *b, int step, const char *file) {
     char pa[700], pb[700];
     snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, file);
     snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, file);
-    FILE *x = fopen(pa, "rb"), *y = fopen(pb, "rb");
-    int same = x && y;
-    while (same) {
-        int p = fgetc(x), q = fgetc(y);
-        if (p != q) same = 0;
-        if (p == EOF || q == EOF) break;
-    }
-    if (x) fclose(x);
-    if (y) fclose(y);
-    return same;
+    return test_same_file(pa, pb);
 }
 
 static lm_config small_run(void) {
@@ -238,9 +230,10 @@ static lm_config small_run(void) {
     return c;
 }
 
-/* Run `c` unbucketed, then with each bucket size, and compare. */
-static void bucketed_equals_unbucketed(const char *name, lm_config c, lm_fault fault, int skipped) {
-    static const float sizes[] = {1e-6f, 0.004f, 1000.0f}; /* one tensor a bucket; a few KiB; the whole block */
+/* Run `c` unbucketed, then with the first `nsizes` bucket sizes (one tensor a bucket, the most
+ * reports and sums; a few KiB; the whole block), and compare. */
+static void bucketed_equals_unbucketed(const char *name, lm_config c, lm_fault fault, int skipped, int nsizes) {
+    static const float sizes[] = {1e-6f, 0.004f, 1000.0f};
     const char *tag[] = {"one-tensor", "4KiB", "whole"};
     char base[64], run[96];
     snprintf(base, sizeof base, "%s-plain", name);
@@ -249,7 +242,7 @@ static void bucketed_equals_unbucketed(const char *name, lm_config c, lm_fault f
     CHECK(!train_b(&c, base, fault, R - 1, 2, &plain), "%s: %s", base, lm_last_error());
     CHECK(plain.step == c.steps && plain.skipped == skipped, "%s: %lld steps, %lld skipped", base,
           (long long)plain.step, (long long)plain.skipped);
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < nsizes; k++) {
         snprintf(run, sizeof run, "%s-%s", name, tag[k]);
         c.grad_bucket_mb = sizes[k];
         CHECK(!train_b(&c, run, fault, R - 1, 2, &r), "%s: %s", run, lm_last_error());
@@ -263,33 +256,35 @@ static void bucketed_equals_unbucketed(const char *name, lm_config c, lm_fault f
         CHECK(same_file(run, base, (int)c.steps, "model.safetensors"), "%s: model.safetensors differs", run);
         CHECK(same_file(run, base, (int)c.steps, "trainer.safetensors"), "%s: trainer.safetensors differs", run);
     }
-    if (me == 0) printf("     %s on %d ranks: buckets of 1 tensor, 4 KiB and the whole block equal the one sum\n", name, R);
+    if (me == 0)
+        printf("     %s on %d ranks: buckets of %s equal the one sum\n", name, R,
+               nsizes == 3 ? "1 tensor, 4 KiB and the whole block" : "1 tensor");
 }
 
-static void test_bucketed_sums_equal_the_one_sum(void) { bucketed_equals_unbucketed("accum2", small_run(), LM_FAULT_NONE, 0); }
+static void test_bucketed_sums_equal_the_one_sum(void) { bucketed_equals_unbucketed("accum2", small_run(), LM_FAULT_NONE, 0, 3); }
 
 static void test_bucketed_sums_with_sequence_segments(void) {
     lm_config c = small_run();
     c.seq_segment = 12;
-    bucketed_equals_unbucketed("segments", c, LM_FAULT_NONE, 0);
+    bucketed_equals_unbucketed("segments", c, LM_FAULT_NONE, 0, 1);
 }
 
 static void test_bucketed_sums_with_recompute(void) {
     lm_config c = small_run();
     c.recompute = 1;
     c.recompute_chunk = 24;
-    bucketed_equals_unbucketed("recompute", c, LM_FAULT_NONE, 0);
+    bucketed_equals_unbucketed("recompute", c, LM_FAULT_NONE, 0, 1);
 }
 
 /* A NaN in the last rank's rows in the first micro-batch of a step: that rank leaves its loop early and
  * joins the agreement the others hold before their last backward; every rank skips the step. */
 static void test_a_forward_failing_on_one_rank_skips_the_step(void) {
-    bucketed_equals_unbucketed("batch-fault", small_run(), LM_FAULT_BATCH, 1);
+    bucketed_equals_unbucketed("batch-fault", small_run(), LM_FAULT_BATCH, 1, 1);
 }
 
 /* A NaN in one rank's gradient reaches every rank through its bucket's sum: every rank skips. */
 static void test_a_gradient_nan_on_one_rank_skips_the_step(void) {
-    bucketed_equals_unbucketed("grad-fault", small_run(), LM_FAULT_GRADIENT, 1);
+    bucketed_equals_unbucketed("grad-fault", small_run(), LM_FAULT_GRADIENT, 1, 1);
 }
 
 int main(int argc, char **argv) {
