@@ -444,27 +444,8 @@ int main(int argc, char **argv) {
         if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
         return test_summary();
     }
-    if (!lm_comm_engine_available(LM_COMM_MPI)) {
-        test_skip_all("built without MPI (the MPI engine is not compiled)");
-    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
-        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
-        return 1;
-    } else {
-        R = lm_comm_size(comm);
-        me = lm_comm_rank(comm);
-        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
-        if (R != want_ranks) {
-            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
-            lm_comm_close(comm);
-            return 1;
-        }
-        /* one directory for the job: rank 0's */
-        if (me == 0) {
-            snprintf(root, sizeof root, "/tmp/longmoe_test_dp%d_%d", R, (int)getpid());
-            mkdir(root, 0755);
-        }
-        lm_comm_broadcast(comm, root, sizeof root, 0);
-    }
+    int rc = ranks_open(want_ranks, "dp");
+    if (rc) return rc;
     RUN(test_data_parallel_equals_one_process_with_the_same_batch);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_weighted_loss_data_parallel_equals_one_process);
@@ -478,16 +459,6 @@ int main(int argc, char **argv) {
     RUN(test_expert_parallel_checkpoint_resumes_with_and_without_it);
     RUN(test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_rank);
     RUN(test_expert_parallel_refuses_experts_it_cannot_split);
-    if (comm) {
-        /* a failure on any rank fails the job's summary */
-        int32_t failed = test_failed_count, total = 0;
-        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
-        if (me == 0 && !total) {
-            char cmd[400];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
-        }
-        lm_comm_close(comm);
-    }
+    ranks_close();
     return test_summary();
 }

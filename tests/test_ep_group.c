@@ -357,26 +357,15 @@ int main(int argc, char **argv) {
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
     if (!want_ranks) {
         test_skip_all("needs ranks: mpirun -np N test_ep_group --mpi N");
-    } else if (!lm_comm_engine_available(LM_COMM_MPI)) {
-        test_skip_all("built without MPI (the MPI engine is not compiled)");
-    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
-        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
-        return 1;
     } else {
-        R = lm_comm_size(comm);
-        me = lm_comm_rank(comm);
-        G = R / 2 > 0 ? R / 2 : 1;
-        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
-        if (R != want_ranks || R % 2) {
-            fprintf(stderr, "started on %d ranks, expected %d (an even number)\n", R, want_ranks);
-            lm_comm_close(comm);
+        int rc = ranks_open(want_ranks, "ep_group");
+        if (rc) return rc;
+        if (comm && R % 2) {
+            fprintf(stderr, "started on %d ranks, expected an even number\n", R);
+            ranks_close();
             return 1;
         }
-        if (me == 0) {
-            snprintf(root, sizeof root, "/tmp/longmoe_test_ep_group%d_%d", R, (int)getpid());
-            mkdir(root, 0755);
-        }
-        lm_comm_broadcast(comm, root, sizeof root, 0);
+        G = R / 2 > 0 ? R / 2 : 1;
     }
     RUN(test_groups_equal_replicated_state_one_process_and_whole_world_ep);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);
@@ -393,15 +382,6 @@ int main(int argc, char **argv) {
     RUN(test_a_staged_run_keeps_the_groups_across_stages);
     RUN(test_bad_group_sizes_are_refused);
     RUN(test_cli_takes_the_group_size);
-    if (comm) {
-        int32_t failed = test_failed_count, total = 0;
-        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
-        if (me == 0 && !total) {
-            char cmd[400];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
-        }
-        lm_comm_close(comm);
-    }
+    ranks_close();
     return test_summary();
 }

@@ -447,25 +447,9 @@ int main(int argc, char **argv) {
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
     if (!want_ranks) {
         test_skip_all("needs ranks: mpirun -np N test_ep_state --mpi N");
-    } else if (!lm_comm_engine_available(LM_COMM_MPI)) {
-        test_skip_all("built without MPI (the MPI engine is not compiled)");
-    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
-        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
-        return 1;
     } else {
-        R = lm_comm_size(comm);
-        me = lm_comm_rank(comm);
-        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
-        if (R != want_ranks) {
-            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
-            lm_comm_close(comm);
-            return 1;
-        }
-        if (me == 0) {
-            snprintf(root, sizeof root, "/tmp/longmoe_test_ep_state%d_%d", R, (int)getpid());
-            mkdir(root, 0755);
-        }
-        lm_comm_broadcast(comm, root, sizeof root, 0);
+        int rc = ranks_open(want_ranks, "ep_state");
+        if (rc) return rc;
     }
     RUN(test_owner_only_state_equals_replicated_state_bit_for_bit);
     RUN(test_a_rank_holds_only_its_experts_state);
@@ -482,15 +466,6 @@ int main(int argc, char **argv) {
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_expert_parallelism_across_stages);
     RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
-    if (comm) {
-        int32_t failed = test_failed_count, total = 0;
-        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
-        if (me == 0 && !total) {
-            char cmd[400];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
-        }
-        lm_comm_close(comm);
-    }
+    ranks_close();
     return test_summary();
 }

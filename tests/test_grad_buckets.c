@@ -295,40 +295,13 @@ int main(int argc, char **argv) {
         RUN(test_a_hook_error_stops_the_backward);
         return test_summary();
     }
-    if (!lm_comm_engine_available(LM_COMM_MPI)) {
-        test_skip_all("built without MPI (the MPI engine is not compiled)");
-    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
-        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
-        return 1;
-    } else {
-        R = lm_comm_size(comm);
-        me = lm_comm_rank(comm);
-        if (me) freopen("/dev/null", "w", stdout);
-        if (R != want_ranks) {
-            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
-            lm_comm_close(comm);
-            return 1;
-        }
-        if (me == 0) {
-            snprintf(root, sizeof root, "/tmp/longmoe_test_grad_buckets%d_%d", R, (int)getpid());
-            mkdir(root, 0755);
-        }
-        lm_comm_broadcast(comm, root, sizeof root, 0);
-    }
+    int rc = ranks_open(want_ranks, "grad_buckets");
+    if (rc) return rc;
     RUN(test_bucketed_sums_equal_the_one_sum);
     RUN(test_bucketed_sums_with_sequence_segments);
     RUN(test_bucketed_sums_with_recompute);
     RUN(test_a_forward_failing_on_one_rank_skips_the_step);
     RUN(test_a_gradient_nan_on_one_rank_skips_the_step);
-    if (comm) {
-        int32_t failed = test_failed_count, total = 0;
-        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
-        if (me == 0 && !total) {
-            char cmd[400];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
-        }
-        lm_comm_close(comm);
-    }
+    ranks_close();
     return test_summary();
 }

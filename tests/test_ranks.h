@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +24,51 @@
 static lm_comm *comm;      /* the world (NULL alone) */
 static int R = 1, me = 0;  /* its size and this rank */
 static char root[256];     /* the runs' parent directory */
+
+/* The ranks of `mpirun -np N <test> --mpi N`: opens the MPI engine (built without it every case
+ * is skipped), sets comm, R and me, silences the other ranks' stdout (one rank prints the cases;
+ * every rank prints failures) and makes the job's directory root, rank 0's
+ * /tmp/longmoe_test_<tag><R>_<pid>. 0, or the exit status when the ranks cannot start as asked. */
+static inline int ranks_open(int want_ranks, const char *tag) {
+    if (!lm_comm_engine_available(LM_COMM_MPI)) {
+        test_skip_all("built without MPI (the MPI engine is not compiled)");
+        return 0;
+    }
+    if (lm_comm_open(LM_COMM_MPI, &comm)) {
+        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
+        return 1;
+    }
+    R = lm_comm_size(comm);
+    me = lm_comm_rank(comm);
+    if (me && !freopen("/dev/null", "w", stdout)) fprintf(stderr, "rank %d: cannot silence stdout\n", me);
+    if (R != want_ranks) {
+        fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+        lm_comm_close(comm);
+        comm = NULL;
+        return 1;
+    }
+    if (me == 0) {
+        snprintf(root, sizeof root, "/tmp/longmoe_test_%s%d_%d", tag, R, (int)getpid());
+        mkdir(root, 0755);
+    }
+    lm_comm_broadcast(comm, root, sizeof root, 0);
+    return 0;
+}
+
+/* The job's end: every rank's failures summed into this one's count (a failure on any rank fails
+ * the job's summary), root removed by rank 0 when none failed, the engine closed. */
+static inline void ranks_close(void) {
+    if (!comm) return;
+    int32_t failed = test_failed_count, total = 0;
+    if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
+    if (me == 0 && !total) {
+        char cmd[400];
+        snprintf(cmd, sizeof cmd, "rm -rf %s", root);
+        if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
+    }
+    lm_comm_close(comm);
+    comm = NULL;
+}
 
 /* root/name (eight results may be in use at once) */
 static inline const char *dir(const char *name) {

@@ -285,26 +285,8 @@ int main(int argc, char **argv) {
         if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
         return test_summary();
     }
-    if (!lm_comm_engine_available(LM_COMM_MPI)) {
-        test_skip_all("built without MPI (the MPI engine is not compiled)");
-    } else if (lm_comm_open(LM_COMM_MPI, &comm)) {
-        fprintf(stderr, "cannot open MPI: %s\n", lm_last_error());
-        return 1;
-    } else {
-        R = lm_comm_size(comm);
-        me = lm_comm_rank(comm);
-        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
-        if (R != want_ranks) {
-            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
-            lm_comm_close(comm);
-            return 1;
-        }
-        if (me == 0) {
-            snprintf(root, sizeof root, "/tmp/longmoe_test_zero%d_%d", R, (int)getpid());
-            mkdir(root, 0755);
-        }
-        lm_comm_broadcast(comm, root, sizeof root, 0);
-    }
+    int rc = ranks_open(want_ranks, "zero");
+    if (rc) return rc;
     RUN(test_zero1_equals_replicated_data_parallel_bit_for_bit);
     RUN(test_every_rank_holds_a_share_of_the_optimizer_state);
     RUN(test_zero1_resume_on_the_same_layout_is_bit_exact);
@@ -312,15 +294,6 @@ int main(int argc, char **argv) {
     RUN(test_zero1_checkpoint_resumes_on_one_process);
     RUN(test_one_process_checkpoint_resumes_on_zero1_ranks);
     RUN(test_zero1_checkpoint_resumes_on_another_number_of_ranks);
-    if (comm) {
-        int32_t failed = test_failed_count, total = 0;
-        if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;
-        if (me == 0 && !total) {
-            char cmd[400];
-            snprintf(cmd, sizeof cmd, "rm -rf %s", root);
-            if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
-        }
-        lm_comm_close(comm);
-    }
+    ranks_close();
     return test_summary();
 }
