@@ -943,15 +943,16 @@ static lm_status bucket_finish(trainer *t) {
     return LM_OK;
 }
 
-/* Before the last micro-batch's backward, whose bucket sums every rank must
- * join: the ranks agree on their forwards, as dp_reduce_step would after the
- * step. A rank whose forward failed earlier in the step joins here from after
- * its loop (mine = LM_ERR_NUMERIC). *fs becomes LM_ERR_NUMERIC when any rank's
- * forward was not finite; another failure on any rank fails every rank. */
-static lm_status bucket_agree(trainer *t, lm_status *fs) {
+/* The ranks of `c` agree on a forward: `*fs` is this rank's status in and the verdict out,
+ * LM_ERR_NUMERIC when any rank's forward was not finite; a failure of another kind on any rank
+ * fails every rank (`where` names the ranks in the message of those it did not happen on). Used
+ * before a collective backward (context parallelism) and before the last micro-batch's
+ * backward, whose bucket sums every rank must join (a rank whose forward failed earlier in the
+ * step joins from after its loop, with LM_ERR_NUMERIC). */
+static lm_status agree_forward(lm_comm *c, lm_status *fs, const char *where) {
     int32_t f[2] = {*fs == LM_ERR_NUMERIC, *fs && *fs != LM_ERR_NUMERIC};
-    TRY(lm_comm_all_reduce_sum(t->comm, f, f, 2, LM_DTYPE_I32));
-    if (f[1]) return *fs ? *fs : lm_error(LM_ERR_ARG, "data parallel: the forward failed on another rank");
+    TRY(lm_comm_all_reduce_sum(c, f, f, 2, LM_DTYPE_I32));
+    if (f[1]) return *fs ? *fs : lm_error(LM_ERR_ARG, "the forward failed on another rank of the %s", where);
     if (f[0] && !*fs) *fs = LM_ERR_NUMERIC;
     return LM_OK;
 }
@@ -2443,15 +2444,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                  * it; this adds the loss, computed on each rank's own tokens). With expert parallelism the
                  * backward's exchanges also join other groups' ranks: then every rank agrees (a step failing
                  * on one rank is skipped on all in any case) */
-                lm_comm *fc = t.opt.expert_parallel ? t.comm : t.cp_comm;
-                int32_t f[2] = {fs == LM_ERR_NUMERIC, fs && fs != LM_ERR_NUMERIC};
-                if ((s = lm_comm_all_reduce_sum(fc, f, f, 2, LM_DTYPE_I32))) goto done;
-                if (f[1]) {
-                    s = fs ? fs : lm_error(LM_ERR_ARG, "context parallel: the forward failed on another rank of "
-                                           "the %s", fc == t.comm ? "job" : "group");
+                const int world = t.opt.expert_parallel;
+                if ((s = agree_forward(world ? t.comm : t.cp_comm, &fs, world ? "job" : "context-parallel group")))
                     goto done;
-                }
-                if (f[0] && !fs) fs = LM_ERR_NUMERIC;
             }
             /* train.answer_loss_weight: sum_i w_i nll_i / sum_i w_i over the micro-batch (every rank's rows);
              * its sum over the ranks also agrees on the forward, so every rank joins it */
@@ -2459,7 +2454,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
             const int last = micro == c->grad_accum - 1;
             if (bk_agree && last) {
                 agreed = 1;
-                if ((s = bucket_agree(&t, &fs))) goto done;
+                if ((s = agree_forward(t.comm, &fs, "job"))) goto done;
             }
             if (fs == LM_ERR_NUMERIC) {
                 bad = 1;
@@ -2489,7 +2484,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         /* a rank whose forward failed before the last micro-batch joins the others' agreement */
         if (bk_agree && !agreed) {
             lm_status failed = LM_ERR_NUMERIC;
-            if ((s = bucket_agree(&t, &failed))) goto done;
+            if ((s = agree_forward(t.comm, &failed, "job"))) goto done;
         }
         tp = lm_time_seconds();
         /* the balancing counts the backend kept for the step (a GPU's: one download for every layer, after
