@@ -581,7 +581,9 @@ static void free_dev_grads(lm_kda_cuda_grads *g) {
 /* The device API: a training forward (backward-sized workspace) writes the
  * same o as an inference forward, and the backward that reuses its saved
  * intermediates (forward_saved = 1) gives the same gradients as the one that
- * recomputes them. */
+ * recomputes them. So do the kept calls (the intermediates in a buffer of
+ * their own, the rest in a scratch that is overwritten with NaN bits between
+ * the forward and the backward, as other operators would use it). */
 static void test_saved_forward_equals_recompute(void) {
     for (int D = 32; D <= 128; D *= 4) {
         for (int gate = 0; gate < 2; gate++) {
@@ -593,30 +595,47 @@ static void test_saved_forward_equals_recompute(void) {
             lm_rng_seed(&r, 7200 + gate);
             for (size_t i = 0; i < n; i++) d_o_h[i] = (float)lm_rng_normal(&r);
             lm_kda_cuda_inputs in = dev_inputs(&p);
-            uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o1 = NULL, *o2 = NULL;
-            cudaCheck(cudaMalloc((void **)&o1, n * 2));
-            cudaCheck(cudaMalloc((void **)&o2, n * 2));
-            size_t wsb = lm_kda_cuda_workspace_bytes(c, 1);
-            void *ws = NULL;
+            uint16_t *d_o = dev_upload_bf16(d_o_h, n), *o[3] = {NULL, NULL, NULL};
+            for (int s = 0; s < 3; s++) cudaCheck(cudaMalloc((void **)&o[s], n * 2));
+            size_t wsb = lm_kda_cuda_workspace_bytes(c, 1), kb = lm_kda_cuda_kept_bytes(c);
+            CHECK(kb > 0 && kb < wsb, "D%d: kept bytes %zu of a workspace of %zu", D, kb, wsb);
+            void *ws = NULL, *kept = NULL, *scratch = NULL;
             cudaCheck(cudaMalloc(&ws, wsb));
-            lm_kda_cuda_grads g[2];
-            void *host[2][7];
-            for (int s = 0; s < 2; s++) dev_grads(c, &g[s]);
-            CHECK(lm_kda_cuda_chunk_forward(c, &in, o1, NULL, ws, lm_kda_cuda_workspace_bytes(c, 0),
+            cudaCheck(cudaMalloc(&kept, kb));
+            cudaCheck(cudaMalloc(&scratch, wsb - kb));
+            lm_kda_cuda_grads g[3];
+            void *host[3][7];
+            for (int s = 0; s < 3; s++) dev_grads(c, &g[s]);
+            CHECK(lm_kda_cuda_chunk_forward(c, &in, o[0], NULL, ws, lm_kda_cuda_workspace_bytes(c, 0),
                                             NULL) == LM_OK, "%s", lm_last_error());
             CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[0], ws, wsb, 0, NULL) == LM_OK,
                   "%s", lm_last_error());
-            CHECK(lm_kda_cuda_chunk_forward(c, &in, o2, NULL, ws, wsb, NULL) == LM_OK, "%s",
+            CHECK(lm_kda_cuda_chunk_forward(c, &in, o[1], NULL, ws, wsb, NULL) == LM_OK, "%s",
                   lm_last_error());
             CHECK(lm_kda_cuda_chunk_backward(c, &in, d_o, NULL, &g[1], ws, wsb, 1, NULL) == LM_OK,
                   "%s", lm_last_error());
+            CHECK(lm_kda_cuda_chunk_forward_kept(c, &in, o[2], NULL, kept, kb, scratch, wsb - kb, NULL) == LM_OK,
+                  "%s", lm_last_error());
+            cudaCheck(cudaMemset(scratch, 0xff, wsb - kb));
+            CHECK(lm_kda_cuda_chunk_backward_kept(c, &in, d_o, NULL, &g[2], kept, kb, scratch, wsb - kb, NULL) ==
+                      LM_OK, "%s", lm_last_error());
+            /* too small a kept buffer or scratch is refused, naming it */
+            CHECK(lm_kda_cuda_chunk_backward_kept(c, &in, d_o, NULL, &g[2], kept, kb - 1, scratch, wsb - kb,
+                                                  NULL) == LM_ERR_ARG && strstr(lm_last_error(), "kept"),
+                  "a short kept buffer was taken");
+            CHECK(lm_kda_cuda_chunk_forward_kept(c, &in, o[2], NULL, kept, kb, scratch, wsb - kb - 1, NULL) ==
+                      LM_ERR_ARG && strstr(lm_last_error(), "scratch"),
+                  "a short scratch was taken");
             cudaCheck(cudaDeviceSynchronize());
-            void *a = dev_copy_back(o1, n * 2), *b = dev_copy_back(o2, n * 2);
-            CHECK(memcmp(a, b, n * 2) == 0, "D%d %s: training forward's o differs from inference o",
-                  D, gate ? "softplus" : "bounded");
+            void *a = dev_copy_back(o[0], n * 2);
+            for (int s = 1; s < 3; s++) {
+                void *b = dev_copy_back(o[s], n * 2);
+                CHECK(memcmp(a, b, n * 2) == 0, "D%d %s: the %s forward's o differs from inference o", D,
+                      gate ? "softplus" : "bounded", s == 1 ? "training" : "kept");
+                free(b);
+            }
             free(a);
-            free(b);
-            for (int s = 0; s < 2; s++) {
+            for (int s = 0; s < 3; s++) {
                 host[s][0] = dev_copy_back(g[s].dq, n * 2);
                 host[s][1] = dev_copy_back(g[s].dk, n * 2);
                 host[s][2] = dev_copy_back(g[s].dv, n * 2);
@@ -629,18 +648,20 @@ static void test_saved_forward_equals_recompute(void) {
              * chunks too): bit-identical */
             const char *names[] = {"dq", "dk", "dv", "dz", "dbeta", "dA_log", "ddt_bias"};
             size_t bytes[] = {n * 2, n * 2, n * 2, n * 2, nb * 4, (size_t)c->H * 4, (size_t)c->H * c->K * 4};
-            for (int i = 0; i < 7; i++)
-                CHECK(memcmp(host[0][i], host[1][i], bytes[i]) == 0, "D%d %s: %s differs", D,
-                      gate ? "softplus" : "bounded", names[i]);
-            for (int s = 0; s < 2; s++) {
+            for (int s = 1; s < 3; s++)
+                for (int i = 0; i < 7; i++)
+                    CHECK(memcmp(host[0][i], host[s][i], bytes[i]) == 0, "D%d %s: %s differs (%s)", D,
+                          gate ? "softplus" : "bounded", names[i], s == 1 ? "forward_saved" : "kept");
+            for (int s = 0; s < 3; s++) {
                 for (int i = 0; i < 7; i++) free(host[s][i]);
                 free_dev_grads(&g[s]);
+                cudaFree(o[s]);
             }
             free_dev_inputs(&in);
             cudaFree(d_o);
-            cudaFree(o1);
-            cudaFree(o2);
             cudaFree(ws);
+            cudaFree(kept);
+            cudaFree(scratch);
             free(d_o_h);
             free_problem(&p);
         }

@@ -24,14 +24,16 @@
  * query offset, else that case says skipped), against the CPU and against
  * itself on whole rows. The bf16 copies that producers write themselves
  * (the MoE's input, the gates' gradients, the dense FFN's da and du) give
- * the bits of the separate conversions they replaced, over a whole step.
- * Needs a GPU (ctest label cuda). */
+ * the bits of the separate conversions they replaced, over a whole step, and
+ * so do the KDA operator's kept forward intermediates (no recompute in the
+ * backward) those of the recomputing backward. Needs a GPU (ctest label cuda). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "longmoe/backend.h"
+#include "longmoe/kda_cuda.h"
 #include "longmoe/model.h"
 #include "test.h"
 #include "test_models.h"
@@ -493,6 +495,59 @@ static void test_producers_bf16_copies_equal_the_conversions(void) {
     compare_with_the_conversions("k3-mini chunked", c, 1, 257, 23);
 }
 
+/* The KDA operator's forward intermediates, kept per layer (no recompute) or
+ * in one buffer the layers share (recompute: each layer's second forward
+ * refills it just before its backward), give the bits of the backward that
+ * recomputes them: a model planned through an op table without kda_kept_bytes
+ * recomputes, and a training step of each gives the same loss and gradients
+ * bit for bit; the kept model's plan is larger by n_kept kept buffers. */
+static void compare_kept(const char *what, lm_config c, int B, int T, uint64_t seed, int n_kept) {
+    lm_model *kept = NULL, *plain = NULL;
+    const lm_ops *ops = gpu->ops;
+    lm_ops no_keep = *ops;
+    no_keep.kda_kept_bytes = NULL;
+    CHECK(!lm_model_create_on(&c, B, T, gpu, &kept), "%s: %s", what, lm_last_error());
+    gpu->ops = &no_keep;
+    CHECK(!lm_model_create_on(&c, B, T, gpu, &plain), "%s: %s", what, lm_last_error());
+    gpu->ops = ops;
+    if (!kept || !plain) goto done;
+    lm_kda_config kc = lm_kda_config_default(B, T, c.kda_heads, c.kda_head_dim, c.kda_head_dim);
+    size_t kb = (lm_kda_cuda_kept_bytes(&kc) + 63) / 64 * 64;
+    size_t more = lm_model_activation_bytes(kept) - lm_model_activation_bytes(plain);
+    printf("    %-16s kept intermediates: %zu bytes more activations (%d x %zu)\n", what, more, n_kept, kb);
+    CHECK(more == (size_t)n_kept * kb, "%s: the kept model plans %zu bytes more, expected %d x %zu", what, more,
+          n_kept, kb);
+    lm_model_init(kept, seed);
+    lm_model_init(plain, seed);
+    CHECK(!lm_model_upload_params(kept) && !lm_model_upload_params(plain), "%s: %s", what, lm_last_error());
+    const size_t N = (size_t)B * T;
+    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
+    lm_rng r;
+    lm_rng_seed(&r, seed ^ 0x4b);
+    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
+    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    float lk = NAN, lp = NAN;
+    CHECK(!step(kept, tok, tgt, &lk) && !step(plain, tok, tgt, &lp), "%s: step: %s", what, lm_last_error());
+    printf("    %-16s loss %.9g, recomputing %.9g\n", what, lk, lp);
+    CHECK(memcmp(&lk, &lp, sizeof lk) == 0, "%s: losses differ: %.9g vs %.9g", what, lk, lp);
+    for (int i = 0; i < lm_model_num_tensors(kept); i++) {
+        const lm_model_tensor *t = lm_model_tensor_at(kept, i);
+        CHECK(memcmp(lm_model_grads(kept) + t->offset, lm_model_grads(plain) + t->offset,
+                     t->numel * sizeof(float)) == 0,
+              "%s: %s gradient differs from the recomputing model's", what, t->name);
+    }
+    free(tok);
+    free(tgt);
+done:
+    lm_model_free(kept);
+    lm_model_free(plain);
+}
+
+static void test_kept_kda_intermediates_equal_the_recompute(void) {
+    compare_kept("small hybrid", test_small_hybrid_config(), 2, 100, 31, 3); /* 3 KDA layers, no recompute */
+    compare_kept("reduced k3-mini", test_reduced_k3_mini_config(), 1, 257, 32, 1); /* recompute: one shared */
+}
+
 /* The balancing counts of a step stay on the GPU until lm_model_balance_sync
  * (one download for every MoE layer): two micro-batches of training forwards
  * and backwards leave the host states untouched, the sync brings both (tokens
@@ -637,6 +692,7 @@ int main(void) {
     RUN(test_host_parameter_changes_reach_the_gpu);
     RUN(test_balance_counts_reach_the_host_at_the_sync);
     RUN(test_producers_bf16_copies_equal_the_conversions);
+    RUN(test_kept_kda_intermediates_equal_the_recompute);
     lm_backend_free(gpu);
     return test_summary();
 }

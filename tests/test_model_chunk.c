@@ -253,6 +253,26 @@ static void test_chunk_bounds_the_per_token_sublayers(void) {
     if (lm_backend_cuda_ops()) {
         CHECK(!lm_model_plan(&c, 1, 4096, LM_DEVICE_CUDA, &g), "%s", lm_last_error());
         if (g) CHECK(ledger_bytes(g, "product format") > 0, "the GPU plan has no product-format buffers");
+        /* the KDA operator's intermediates kept for the backward: one buffer a KDA layer (3 in the
+         * small hybrid) without recompute, one the layers share with it, none with segments */
+        lm_config h = test_small_hybrid_config();
+        lm_model *k0 = NULL, *k1 = NULL, *k2 = NULL;
+        CHECK(!lm_model_plan(&h, 2, 256, LM_DEVICE_CUDA, &k0), "%s", lm_last_error());
+        h.recompute = 1;
+        CHECK(!lm_model_plan(&h, 2, 256, LM_DEVICE_CUDA, &k1), "%s", lm_last_error());
+        h.recompute = 0;
+        h.seq_segment = 128;
+        CHECK(!lm_model_plan(&h, 2, 256, LM_DEVICE_CUDA, &k2), "%s", lm_last_error());
+        if (k0 && k1 && k2) {
+            size_t one = ledger_bytes(k1, "KDA operator intermediates for the backward (shared");
+            CHECK(one > 0 && ledger_bytes(k0, "KDA operator intermediates") == 3 * one,
+                  "kept KDA intermediates: %zu bytes without recompute, %zu shared with it",
+                  ledger_bytes(k0, "KDA operator intermediates"), one);
+            CHECK(ledger_bytes(k2, "KDA operator intermediates") == 0, "a segmented plan keeps KDA intermediates");
+        }
+        lm_model_free(k0);
+        lm_model_free(k1);
+        lm_model_free(k2);
     } else {
         CHECK(lm_model_plan(&c, 1, 4096, LM_DEVICE_CUDA, &g) == LM_ERR_ARG && strstr(lm_last_error(), "CUDA"),
               "a build without CUDA planned a GPU model");

@@ -187,6 +187,10 @@ typedef struct {
     lm_status (*kda_forward)(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k, const void *v,
                              const void *z, const float *beta, const float *A_log, const float *dt_bias,
                              const float *h0, void *o, float *ht);
+    /* optional (NULL: none kept): bytes of the training forward's
+     * intermediates that kda_forward keeps in cfg->kept for kda_backward, so
+     * that the backward does not recompute them (lm_kda_config) */
+    size_t (*kda_kept_bytes)(lm_backend *be, const lm_kda_config *cfg);
     /* dq, dk, dv, dz (lp), dbeta WRITTEN; dA_log, ddt_bias ACCUMULATED; h0 the
      * forward's, dht the final state's gradient (NULL: zero), dh0 (NULL: not
      * wanted) the initial state's, WRITTEN */

@@ -62,6 +62,12 @@ typedef struct {
      * the forward too); otherwise the operator allocates. */
     void *workspace;
     size_t workspace_bytes;
+    /* A backend that can keep the training forward's intermediates for the
+     * backward (the GPU's; backend.h kda_kept_bytes): the forward fills this
+     * buffer and the backward on the same inputs reads it instead of
+     * recomputing them (NULL: it recomputes). The CPU operator ignores it. */
+    void *kept;
+    size_t kept_bytes;
 } lm_kda_config;
 
 typedef struct {

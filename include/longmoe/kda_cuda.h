@@ -86,6 +86,27 @@ lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg, const lm_kda_cuda
                                      const lm_kda_cuda_grads *grads, void *workspace,
                                      size_t workspace_bytes, int forward_saved, void *stream);
 
+/* Bytes of the forward's intermediates that a training backward reads (the
+ * chunk operands, the triangular inverse, the chunk states, V'): the leading
+ * part of a backward-sized workspace. */
+size_t lm_kda_cuda_kept_bytes(const lm_kda_config *cfg);
+
+/* The training forward and the backward with the forward's intermediates in a
+ * buffer of their own, `kept` (at least lm_kda_cuda_kept_bytes), and the rest
+ * of a backward-sized workspace in `scratch` (at least
+ * lm_kda_cuda_workspace_bytes(cfg, 1) - lm_kda_cuda_kept_bytes(cfg)): the
+ * forward fills kept, the backward reads it and recomputes nothing; between
+ * the two, scratch may serve other operators (a model keeps one such buffer a
+ * layer). The same bits as the one-workspace calls with forward_saved = 1;
+ * alignment as above. */
+lm_status lm_kda_cuda_chunk_forward_kept(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, uint16_t *o,
+                                         float *ht, void *kept, size_t kept_bytes, void *scratch,
+                                         size_t scratch_bytes, void *stream);
+lm_status lm_kda_cuda_chunk_backward_kept(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
+                                          const uint16_t *d_o, const float *dht, const lm_kda_cuda_grads *grads,
+                                          const void *kept, size_t kept_bytes, void *scratch,
+                                          size_t scratch_bytes, void *stream);
+
 /* One decode token (cfg->T is ignored): q, k, z [B,H,K] bf16, v [B,H,V] bf16,
  * beta [B,H] fp32; state [B,H,K,V] fp32 is read and updated in place by the
  * recurrence of SPEC §2; o [B,H,V] bf16. in->h0 is ignored. */

@@ -54,7 +54,16 @@ typedef struct {
     void *gated;           /* gate ⊙ RMSNorm(o) [N,HK], product format (the input of W_o) */
     float *qk_rnorm;       /* 1/||SiLU(conv)|| for q then k [2*N*H] */
     void *q_op, *k_op, *v_op; /* the operator's q, k, v: q, k, v themselves, except on a segment (below) */
+    /* the operator's forward intermediates kept for its backward (lm_kda_config
+     * kept; NULL, as the maps leave it: the backward recomputes them). A model
+     * that keeps the activations points it at lm_kda_layer_kept_bytes of its own. */
+    void *kept;
+    size_t kept_bytes;
 } lm_kda_layer_acts;
+
+/* Bytes of the operator's intermediates the backend can keep between the
+ * layer's forward and backward on B x T tokens (0: none; the CPU's). */
+size_t lm_kda_layer_kept_bytes(const lm_kda_layer_config *c, int B, int T);
 
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T);
 void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *base,

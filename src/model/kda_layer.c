@@ -100,6 +100,8 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
     a->q_op = a->q;
     a->k_op = a->k;
     a->v_op = a->v;
+    a->kept = NULL;
+    a->kept_bytes = 0;
 }
 
 /* A segment's acts: the whole-sequence layout for W-1+n rows per sequence,
@@ -170,6 +172,21 @@ static lm_kda_config op_config(const lm_kda_layer_config *c, int B, int T) {
     return k;
 }
 
+size_t lm_kda_layer_kept_bytes(const lm_kda_layer_config *c, int B, int T) {
+    lm_backend *be = backend_of(c);
+    if (!be->ops->kda_kept_bytes) return 0;
+    lm_kda_config k = op_config(c, B, T);
+    return be->ops->kda_kept_bytes(be, &k);
+}
+
+/* The operator's config for the layer's whole rows, with the kept intermediates when the acts have them. */
+static lm_kda_config op_config_kept(const lm_kda_layer_config *c, const lm_kda_layer_acts *a, int B, int T) {
+    lm_kda_config k = op_config(c, B, T);
+    k.kept = a->kept;
+    k.kept_bytes = a->kept_bytes;
+    return k;
+}
+
 /* The lp view of fp32 `x`: x itself on the CPU, else `buf` filled by to_lp. */
 static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, const void **out) {
     if (be->lp_bytes == sizeof(float)) {
@@ -232,7 +249,8 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     TRY(op->matmul_forward_lp(be, a->z_lp, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
     TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
-    lm_kda_config kc = op_config(c, B, T);
+    /* a segment recomputes (its acts keep nothing) */
+    lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
     TRY(op->kda_forward(be, &kc, opin[0], opin[1], opin[2], a->z_lp, a->beta, p->A_log, p->dt_bias,
                         carry ? carry->h0 : NULL, a->o, carry ? carry->ht : ht));
     /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
@@ -283,7 +301,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
     TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
     /* the operator */
-    lm_kda_config kc = op_config(c, B, T);
+    lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
     TRY(op->kda_backward(be, &kc, a->q_op, a->k_op, a->v_op, a->z_lp, a->beta, p->A_log, p->dt_bias,
                          carry ? carry->h0 : NULL, d_o, cg ? cg->dht : NULL, dq, dk, dv, dz, dbeta, g->A_log,
                          g->dt_bias, cg ? cg->dh0 : NULL));

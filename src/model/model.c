@@ -326,6 +326,19 @@ static size_t plan_activations(lm_model *m, float *base) {
                     (void)ledger_add(m, PAD16(n) * sizeof(float), "KDA activations (shared by %d layers)", n_kda);
                 else (void)ledger_add(m, PAD16(n) * sizeof(float), "layers.%d KDA activations", l);
                 off += PAD16(n);
+                /* the operator's forward intermediates, kept for its backward where the backend can
+                 * (whole rows only: a segment's backward recomputes them from its carry) */
+                size_t kb = m->seg_on ? 0 : lm_kda_layer_kept_bytes(&ls->kda_cfg, B, T);
+                if (kb) {
+                    float *kept = NULL;
+                    if (share)
+                        CARVE(kept, (kb + sizeof(float) - 1) / sizeof(float),
+                              "KDA operator intermediates for the backward (shared by %d layers)", n_kda);
+                    else
+                        CARVE(kept, (kb + sizeof(float) - 1) / sizeof(float),
+                              "layers.%d KDA operator intermediates for the backward", l);
+                    if (base) ls->kda_a.kept = kept, ls->kda_a.kept_bytes = kb;
+                }
                 first_kda = ls;
             }
         } else {

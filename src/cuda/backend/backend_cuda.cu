@@ -337,10 +337,21 @@ static lm_status cuda_kda_forward(lm_backend *be, const lm_kda_config *cfg, cons
     if (st) return st;
     /* a backward-sized workspace: one arena size for both directions */
     size_t bytes = lm_kda_cuda_workspace_bytes(cfg, 1);
-    void *ws;
-    if ((st = arena_get(be, bytes, &ws))) return st;
     lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias, h0);
+    void *ws;
+    if (cfg->kept) { /* the intermediates in the caller's buffer, the rest in the arena */
+        size_t kb = lm_kda_cuda_kept_bytes(cfg);
+        if ((st = arena_get(be, bytes - kb, &ws))) return st;
+        return lm_kda_cuda_chunk_forward_kept(cfg, &in, (uint16_t *)o, ht, cfg->kept, cfg->kept_bytes, ws,
+                                              bytes - kb, cb_of(be)->ctx.stream);
+    }
+    if ((st = arena_get(be, bytes, &ws))) return st;
     return lm_kda_cuda_chunk_forward(cfg, &in, (uint16_t *)o, ht, ws, bytes, cb_of(be)->ctx.stream);
+}
+
+static size_t cuda_kda_kept_bytes(lm_backend *be, const lm_kda_config *cfg) {
+    (void)be;
+    return lm_kda_cuda_check(cfg) ? 0 : lm_kda_cuda_kept_bytes(cfg);
 }
 
 static lm_status cuda_kda_backward(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k,
@@ -350,7 +361,8 @@ static lm_status cuda_kda_backward(lm_backend *be, const lm_kda_config *cfg, con
                                    float *ddt_bias, float *dh0) {
     lm_status st = lm_kda_cuda_check(cfg);
     if (st) return st;
-    size_t bytes = lm_kda_cuda_workspace_bytes(cfg, 1);
+    /* with the forward's intermediates kept by the caller, the arena holds the rest */
+    size_t kb = cfg->kept ? lm_kda_cuda_kept_bytes(cfg) : 0, bytes = lm_kda_cuda_workspace_bytes(cfg, 1) - kb;
     void *ws;
     if ((st = arena_get(be, bytes, &ws))) return st;
     lm_kda_cuda_inputs in = kda_inputs(q, k, v, z, beta, A_log, dt_bias, h0);
@@ -363,6 +375,9 @@ static lm_status cuda_kda_backward(lm_backend *be, const lm_kda_config *cfg, con
     g.dA_log = dA_log;
     g.ddt_bias = ddt_bias;
     g.dh0 = dh0;
+    if (cfg->kept) /* the forward's intermediates kept in the caller's buffer: no recompute */
+        return lm_kda_cuda_chunk_backward_kept(cfg, &in, (const uint16_t *)d_o, dht, &g, cfg->kept, cfg->kept_bytes,
+                                               ws, bytes, cb_of(be)->ctx.stream);
     /* other ops may have used the arena since the forward: recompute (forward_saved = 0) */
     return lm_kda_cuda_chunk_backward(cfg, &in, (const uint16_t *)d_o, dht, &g, ws, bytes, 0,
                                       cb_of(be)->ctx.stream);
@@ -1014,6 +1029,7 @@ static lm_ops make_cuda_ops(void) {
     o.conv_silu_backward_lp = cuda_conv_silu_backward_lp;
     o.kda_forward = cuda_kda_forward;
     o.kda_backward = cuda_kda_backward;
+    o.kda_kept_bytes = cuda_kda_kept_bytes;
     o.kda_output_forward = cuda_kda_output_forward;
     o.kda_output_backward = cuda_kda_output_backward;
     o.attention_forward = cuda_attention_forward;

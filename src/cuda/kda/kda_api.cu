@@ -100,33 +100,50 @@ Params make_params(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in) {
     return p;
 }
 
-void carve(Params *p, const Plan &pl, void *workspace, int for_backward, int precise) {
-    unsigned char *ws = static_cast<unsigned char *>(workspace);
+// Where the plan's buffers live: those before `split` (the forward's
+// intermediates that the backward reads) in `kept`, the rest in `scratch`. One
+// workspace is kept = workspace, scratch = workspace + split: the same
+// addresses as one block.
+struct Bases {
+    unsigned char *kept, *scratch;
+    size_t split;
+    unsigned char *at(size_t off) const { return off < split ? kept + off : scratch + (off - split); }
+};
+
+Bases one_block(const Plan &pl, void *workspace, int for_backward) {
+    Bases b;
+    b.kept = static_cast<unsigned char *>(workspace);
+    b.split = for_backward ? pl.dh : pl.total;
+    b.scratch = b.kept + b.split;
+    return b;
+}
+
+void carve(Params *p, const Plan &pl, const Bases &ws, int for_backward, int precise) {
     if (precise) {
-        p->w_lo = reinterpret_cast<bf16 *>(ws + pl.w_lo);
-        p->u_lo = reinterpret_cast<bf16 *>(ws + pl.u_lo);
-        p->kd_lo = reinterpret_cast<bf16 *>(ws + pl.kd_lo);
+        p->w_lo = reinterpret_cast<bf16 *>(ws.at(pl.w_lo));
+        p->u_lo = reinterpret_cast<bf16 *>(ws.at(pl.u_lo));
+        p->kd_lo = reinterpret_cast<bf16 *>(ws.at(pl.kd_lo));
     }
-    p->w = reinterpret_cast<bf16 *>(ws + pl.w);
-    p->u = reinterpret_cast<bf16 *>(ws + pl.u);
-    p->qg = reinterpret_cast<bf16 *>(ws + pl.qg);
-    p->kd = reinterpret_cast<bf16 *>(ws + pl.kd);
-    p->aqk = reinterpret_cast<bf16 *>(ws + pl.aqk);
-    p->gexp = reinterpret_cast<float *>(ws + pl.gexp);
+    p->w = reinterpret_cast<bf16 *>(ws.at(pl.w));
+    p->u = reinterpret_cast<bf16 *>(ws.at(pl.u));
+    p->qg = reinterpret_cast<bf16 *>(ws.at(pl.qg));
+    p->kd = reinterpret_cast<bf16 *>(ws.at(pl.kd));
+    p->aqk = reinterpret_cast<bf16 *>(ws.at(pl.aqk));
+    p->gexp = reinterpret_cast<float *>(ws.at(pl.gexp));
     if (for_backward) {
-        p->X = reinterpret_cast<float *>(ws + pl.X);
-        p->h = reinterpret_cast<bf16 *>(ws + pl.h);
-        p->vn = reinterpret_cast<bf16 *>(ws + pl.vn);
-        p->dh = reinterpret_cast<bf16 *>(ws + pl.dh);
-        p->dvn = reinterpret_cast<bf16 *>(ws + pl.dvn);
-        p->dWb = reinterpret_cast<bf16 *>(ws + pl.dW);
-        p->Mb = reinterpret_cast<bf16 *>(ws + pl.M);
-        p->dAqkb = reinterpret_cast<bf16 *>(ws + pl.dAqk);
-        p->dAkkb = reinterpret_cast<bf16 *>(ws + pl.dAkk);
-        p->dAqkDiag = reinterpret_cast<float *>(ws + pl.dAqkDiag);
-        p->dbeta_part = reinterpret_cast<float *>(ws + pl.dbeta_part);
-        p->ddt_part = reinterpret_cast<float *>(ws + pl.ddt_part);
-        p->dA_part = reinterpret_cast<float *>(ws + pl.dA_part);
+        p->X = reinterpret_cast<float *>(ws.at(pl.X));
+        p->h = reinterpret_cast<bf16 *>(ws.at(pl.h));
+        p->vn = reinterpret_cast<bf16 *>(ws.at(pl.vn));
+        p->dh = reinterpret_cast<bf16 *>(ws.at(pl.dh));
+        p->dvn = reinterpret_cast<bf16 *>(ws.at(pl.dvn));
+        p->dWb = reinterpret_cast<bf16 *>(ws.at(pl.dW));
+        p->Mb = reinterpret_cast<bf16 *>(ws.at(pl.M));
+        p->dAqkb = reinterpret_cast<bf16 *>(ws.at(pl.dAqk));
+        p->dAkkb = reinterpret_cast<bf16 *>(ws.at(pl.dAkk));
+        p->dAqkDiag = reinterpret_cast<float *>(ws.at(pl.dAqkDiag));
+        p->dbeta_part = reinterpret_cast<float *>(ws.at(pl.dbeta_part));
+        p->ddt_part = reinterpret_cast<float *>(ws.at(pl.ddt_part));
+        p->dA_part = reinterpret_cast<float *>(ws.at(pl.dA_part));
     }
 }
 
@@ -195,33 +212,21 @@ extern "C" size_t lm_kda_cuda_workspace_bytes(const lm_kda_config *cfg, int for_
     return make_plan(cfg, for_backward).total;
 }
 
-extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
-                                               const lm_kda_cuda_inputs *in, uint16_t *o,
-                                               float *ht, void *workspace,
-                                               size_t workspace_bytes, void *stream) {
-    lm_status st = lm_kda_cuda_check(cfg);
-    if (st) return st;
-    if ((st = check_inputs(cfg, in, 1))) return st;
-    if (!o) return lm_error(LM_ERR_ARG, "kda cuda forward: o is NULL");
-    {
-        const void *ptrs[] = {in->q, in->k, in->v, in->z, o, workspace};
-        const char *names[] = {"q", "k", "v", "z", "o", "the workspace"};
-        if ((st = check_aligned("forward", ptrs, names, 6))) return st;
-    }
-    Plan pl = make_plan(cfg, 0);
-    if (!workspace || workspace_bytes < pl.total)
-        return lm_error(LM_ERR_ARG, "kda cuda forward: workspace of %zu bytes, need %zu",
-                        workspace_bytes, pl.total);
-    // a backward-sized workspace: keep X, h and V' for the backward
-    const int train = workspace_bytes >= make_plan(cfg, 1).total;
-    if (train) pl = make_plan(cfg, 1);
+extern "C" size_t lm_kda_cuda_kept_bytes(const lm_kda_config *cfg) { return make_plan(cfg, 1).dh; }
+
+namespace {
+
+// The forward. train: keep the backward's intermediates (X, h, V' besides the
+// chunk operands) where ws puts them.
+lm_status chunk_forward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, uint16_t *o, float *ht,
+                        const Plan &pl, const Bases &ws, int train, cudaStream_t s) {
     // asking for the final state selects the precise state path (docs/cuda.md Precision)
     const bool precise = ht != NULL;
     Params p = make_params(cfg, in);
-    carve(&p, pl, workspace, train, precise);
+    carve(&p, pl, ws, train, precise);
     p.o = reinterpret_cast<bf16 *>(o);
     p.ht = ht;
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    lm_status st;
     if ((st = launched(launch_fwd_intra(p, cfg->K, use_factored(cfg), train, precise, s),
                        "fwd_intra")))
         return st;
@@ -239,12 +244,19 @@ extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
     return launched(launch_fwd_state(pp, cfg->K, false, true, s), "fwd_state (precise)");
 }
 
-extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
-                                                const lm_kda_cuda_inputs *in,
-                                                const uint16_t *d_o, const float *dht,
-                                                const lm_kda_cuda_grads *grads, void *workspace,
-                                                size_t workspace_bytes, int forward_saved,
-                                                void *stream) {
+lm_status check_forward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, const uint16_t *o,
+                        const void *kept, const void *scratch) {
+    lm_status st = lm_kda_cuda_check(cfg);
+    if (st) return st;
+    if ((st = check_inputs(cfg, in, 1))) return st;
+    if (!o) return lm_error(LM_ERR_ARG, "kda cuda forward: o is NULL");
+    const void *ptrs[] = {in->q, in->k, in->v, in->z, o, kept, scratch};
+    const char *names[] = {"q", "k", "v", "z", "o", "the workspace", "the scratch"};
+    return check_aligned("forward", ptrs, names, 7);
+}
+
+lm_status check_backward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, const uint16_t *d_o,
+                         const lm_kda_cuda_grads *grads, const void *kept, const void *scratch) {
     lm_status st = lm_kda_cuda_check(cfg);
     if (st) return st;
     if ((st = check_inputs(cfg, in, 1))) return st;
@@ -252,18 +264,18 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
         !grads->dbeta || !grads->dA_log || !grads->ddt_bias)
         return lm_error(LM_ERR_ARG, "kda cuda backward: d_o and every gradient except dh0 are "
                                     "required (one is NULL)");
-    {
-        const void *ptrs[] = {in->q,     in->k,     in->v,     in->z,     d_o,
-                              grads->dq, grads->dk, grads->dv, grads->dz, workspace};
-        const char *names[] = {"q", "k", "v", "z", "d_o", "dq", "dk", "dv", "dz", "the workspace"};
-        if ((st = check_aligned("backward", ptrs, names, 10))) return st;
-    }
-    Plan pl = make_plan(cfg, 1);
-    if (!workspace || workspace_bytes < pl.total)
-        return lm_error(LM_ERR_ARG, "kda cuda backward: workspace of %zu bytes, need %zu",
-                        workspace_bytes, pl.total);
+    const void *ptrs[] = {in->q, in->k, in->v, in->z, d_o, grads->dq, grads->dk, grads->dv, grads->dz,
+                          kept, scratch};
+    const char *names[] = {"q", "k", "v", "z", "d_o", "dq", "dk", "dv", "dz", "the workspace", "the scratch"};
+    return check_aligned("backward", ptrs, names, 11);
+}
+
+// The backward; forward_saved = 0: recompute the forward's intermediates first.
+lm_status chunk_backward(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in, const uint16_t *d_o,
+                         const float *dht, const lm_kda_cuda_grads *grads, const Plan &pl, const Bases &ws,
+                         int forward_saved, cudaStream_t s) {
     Params p = make_params(cfg, in);
-    carve(&p, pl, workspace, 1, 0);
+    carve(&p, pl, ws, 1, 0);
     p.d_o = reinterpret_cast<const bf16 *>(d_o);
     p.dht = dht;
     p.dq = reinterpret_cast<bf16 *>(grads->dq);
@@ -274,8 +286,8 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
     p.dA_log = grads->dA_log;
     p.ddt_bias = grads->ddt_bias;
     p.dh0 = grads->dh0;
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
     const bool fac = use_factored(cfg);
+    lm_status st;
     // Recompute the forward intermediates (X, the chunk states h and V')
     // unless the forward kept them, then the reverse state pass, then the
     // per-chunk gradients.
@@ -287,6 +299,84 @@ extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
     }
     if ((st = launched(launch_bwd_state(p, cfg->K, s), "bwd_state"))) return st;
     return launched(launch_bwd_intra(p, cfg->K, fac, s), "bwd_intra");
+}
+
+// The kept variants' buffers: kept holds lm_kda_cuda_kept_bytes, scratch the rest of a
+// backward-sized workspace.
+lm_status kept_bases(const char *what, const lm_kda_config *cfg, void *kept, size_t kept_bytes, void *scratch,
+                     size_t scratch_bytes, Plan *pl, Bases *ws) {
+    *pl = make_plan(cfg, 1);
+    if (!kept || kept_bytes < pl->dh)
+        return lm_error(LM_ERR_ARG, "kda cuda %s: kept buffer of %zu bytes, need %zu", what, kept_bytes,
+                        pl->dh);
+    if (!scratch || scratch_bytes < pl->total - pl->dh)
+        return lm_error(LM_ERR_ARG, "kda cuda %s: scratch of %zu bytes, need %zu", what, scratch_bytes,
+                        pl->total - pl->dh);
+    ws->kept = static_cast<unsigned char *>(kept);
+    ws->scratch = static_cast<unsigned char *>(scratch);
+    ws->split = pl->dh;
+    return LM_OK;
+}
+
+} // namespace
+
+extern "C" lm_status lm_kda_cuda_chunk_forward(const lm_kda_config *cfg,
+                                               const lm_kda_cuda_inputs *in, uint16_t *o,
+                                               float *ht, void *workspace,
+                                               size_t workspace_bytes, void *stream) {
+    lm_status st = check_forward(cfg, in, o, workspace, NULL);
+    if (st) return st;
+    Plan pl = make_plan(cfg, 0);
+    if (!workspace || workspace_bytes < pl.total)
+        return lm_error(LM_ERR_ARG, "kda cuda forward: workspace of %zu bytes, need %zu",
+                        workspace_bytes, pl.total);
+    // a backward-sized workspace: keep X, h and V' for the backward
+    const int train = workspace_bytes >= make_plan(cfg, 1).total;
+    if (train) pl = make_plan(cfg, 1);
+    return chunk_forward(cfg, in, o, ht, pl, one_block(pl, workspace, train), train,
+                         static_cast<cudaStream_t>(stream));
+}
+
+extern "C" lm_status lm_kda_cuda_chunk_forward_kept(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
+                                                    uint16_t *o, float *ht, void *kept, size_t kept_bytes,
+                                                    void *scratch, size_t scratch_bytes, void *stream) {
+    lm_status st = check_forward(cfg, in, o, kept, scratch);
+    if (st) return st;
+    Plan pl;
+    Bases ws;
+    if ((st = kept_bases("forward", cfg, kept, kept_bytes, scratch, scratch_bytes, &pl, &ws))) return st;
+    return chunk_forward(cfg, in, o, ht, pl, ws, 1, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" lm_status lm_kda_cuda_chunk_backward(const lm_kda_config *cfg,
+                                                const lm_kda_cuda_inputs *in,
+                                                const uint16_t *d_o, const float *dht,
+                                                const lm_kda_cuda_grads *grads, void *workspace,
+                                                size_t workspace_bytes, int forward_saved,
+                                                void *stream) {
+    lm_status st = check_backward(cfg, in, d_o, grads, workspace, NULL);
+    if (st) return st;
+    Plan pl = make_plan(cfg, 1);
+    if (!workspace || workspace_bytes < pl.total)
+        return lm_error(LM_ERR_ARG, "kda cuda backward: workspace of %zu bytes, need %zu",
+                        workspace_bytes, pl.total);
+    return chunk_backward(cfg, in, d_o, dht, grads, pl, one_block(pl, workspace, 1), forward_saved,
+                          static_cast<cudaStream_t>(stream));
+}
+
+extern "C" lm_status lm_kda_cuda_chunk_backward_kept(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
+                                                     const uint16_t *d_o, const float *dht,
+                                                     const lm_kda_cuda_grads *grads, const void *kept,
+                                                     size_t kept_bytes, void *scratch, size_t scratch_bytes,
+                                                     void *stream) {
+    lm_status st = check_backward(cfg, in, d_o, grads, kept, scratch);
+    if (st) return st;
+    Plan pl;
+    Bases ws;
+    if ((st = kept_bases("backward", cfg, const_cast<void *>(kept), kept_bytes, scratch, scratch_bytes, &pl,
+                         &ws)))
+        return st;
+    return chunk_backward(cfg, in, d_o, dht, grads, pl, ws, 1, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" lm_status lm_kda_cuda_decode_step(const lm_kda_config *cfg,
