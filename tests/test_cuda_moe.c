@@ -580,20 +580,23 @@ static void test_sparse_router_dx_equals_the_dense_product(void) {
 
 /* The GPU histogram and loads of one micro-batch equal lm_balance_observe's
  * after two CPU steps have moved b (and, for zoom, narrowed the windows so
- * that residuals fall outside them and are clamped into the tail bins). */
-static void check_histogram(lm_qb_estimator est) {
-    enum { M = 1000, N = 32, K = 4, BINS = 64 };
+ * that residuals fall outside them and are clamped into the tail bins), for
+ * expert counts that take each way of finding a token's threshold (one warp a
+ * token with 4, 8 and 16 scores a lane; one thread a token beyond 512). */
+static void check_histogram_n(lm_qb_estimator est, int N, int K, int M) {
+    enum { BINS = 64 };
     lm_balance_config c = lm_balance_config_default(LM_BALANCE_QUANTILE, N, K, M);
     c.estimator = est;
     c.bins = BINS;
     lm_balance_state st;
     CHECK(!lm_balance_init(&st, &c), "%s", lm_last_error());
-    static float s[M * N], lo[N], w[N];
-    static int32_t counts[N * BINS], load[N], topk[M * K];
+    const size_t sb = (size_t)M * N * 4, cb = (size_t)N * BINS * 4, lb = (size_t)N * 4, tb = (size_t)M * K * 4;
+    float *s = malloc(sb), *lo = malloc(lb), *w = malloc(lb);
+    int32_t *counts = malloc(cb), *load = malloc(lb), *topk = malloc(tb);
     lm_rng r;
-    lm_rng_seed(&r, 600 + est);
+    lm_rng_seed(&r, 600 + est + 7 * N);
     for (int step = 0; step < 3; step++) {
-        for (int q = 0; q < M * N; q++) s[q] = (float)lm_rng_uniform(&r) * (float)lm_rng_uniform(&r);
+        for (size_t q = 0; q < (size_t)M * N; q++) s[q] = (float)lm_rng_uniform(&r) * (float)lm_rng_uniform(&r);
         if (step < 2) {
             CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
             CHECK(!lm_balance_step_end(&st, 1, NULL), "%s", lm_last_error());
@@ -602,38 +605,46 @@ static void check_histogram(lm_qb_estimator est) {
     CHECK(!lm_balance_bin_geometry(&st, lo, w), "%s", lm_last_error());
     CHECK(!lm_router_select(topk, NULL, s, st.bias, M, N, K, 1.0f), "%s", lm_last_error());
     void *sd, *bd, *lod, *wd, *cd, *ld, *td;
-    GPU_OK(lm_cuda_alloc(&sd, sizeof s));
-    GPU_OK(lm_cuda_alloc(&bd, N * 4));
-    GPU_OK(lm_cuda_alloc(&lod, N * 4));
-    GPU_OK(lm_cuda_alloc(&wd, N * 4));
-    GPU_OK(lm_cuda_alloc(&cd, sizeof counts));
-    GPU_OK(lm_cuda_alloc(&ld, sizeof load));
-    GPU_OK(lm_cuda_alloc(&td, sizeof topk));
-    GPU_OK(lm_cuda_upload(sd, s, sizeof s));
-    GPU_OK(lm_cuda_upload(bd, st.bias, N * 4));
-    GPU_OK(lm_cuda_upload(lod, lo, N * 4));
-    GPU_OK(lm_cuda_upload(wd, w, N * 4));
-    GPU_OK(lm_cuda_upload(td, topk, sizeof topk));
+    GPU_OK(lm_cuda_alloc(&sd, sb));
+    GPU_OK(lm_cuda_alloc(&bd, lb));
+    GPU_OK(lm_cuda_alloc(&lod, lb));
+    GPU_OK(lm_cuda_alloc(&wd, lb));
+    GPU_OK(lm_cuda_alloc(&cd, cb));
+    GPU_OK(lm_cuda_alloc(&ld, lb));
+    GPU_OK(lm_cuda_alloc(&td, tb));
+    GPU_OK(lm_cuda_upload(sd, s, sb));
+    GPU_OK(lm_cuda_upload(bd, st.bias, lb));
+    GPU_OK(lm_cuda_upload(lod, lo, lb));
+    GPU_OK(lm_cuda_upload(wd, w, lb));
+    GPU_OK(lm_cuda_upload(td, topk, tb));
     /* accumulated: the same batch twice gives twice the counts */
     for (int rep = 0; rep < 2; rep++) {
         GPU_OK(lm_cuda_balance_histogram(&ctx, cd, sd, bd, lod, wd, M, N, K, BINS, est == LM_QB_ZOOM));
         GPU_OK(lm_cuda_expert_load(&ctx, ld, td, M, N, K));
     }
     GPU_OK(lm_cuda_context_sync(&ctx));
-    GPU_OK(lm_cuda_download(counts, cd, sizeof counts));
-    GPU_OK(lm_cuda_download(load, ld, sizeof load));
+    GPU_OK(lm_cuda_download(counts, cd, cb));
+    GPU_OK(lm_cuda_download(load, ld, lb));
     CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
     CHECK(!lm_balance_observe(&st, s, M, 1), "%s", lm_last_error());
     int64_t bad = 0, tails = 0;
     for (int q = 0; q < N * BINS; q++) bad += counts[q] != st.counts[q];
     for (int j = 0; j < N; j++) tails += st.counts[j * BINS] + st.counts[j * BINS + BINS - 1];
-    CHECK(bad == 0, "%s: %lld histogram cells differ from the CPU's", est == LM_QB_ZOOM ? "zoom" : "k3",
-          (long long)bad);
-    CHECK(!memcmp(load, st.load, sizeof load), "expert loads equal the CPU's");
-    if (est == LM_QB_ZOOM) CHECK(tails > 0, "zoom: some residuals clamped into the tail bins");
+    CHECK(bad == 0, "%s, %d experts: %lld histogram cells differ from the CPU's", est == LM_QB_ZOOM ? "zoom" : "k3",
+          N, (long long)bad);
+    CHECK(!memcmp(load, st.load, lb), "%d experts: expert loads equal the CPU's", N);
+    if (est == LM_QB_ZOOM) CHECK(tails > 0, "zoom, %d experts: some residuals clamped into the tail bins", N);
     lm_cuda_free(sd), lm_cuda_free(bd), lm_cuda_free(lod), lm_cuda_free(wd), lm_cuda_free(cd), lm_cuda_free(ld),
         lm_cuda_free(td);
+    free(s), free(lo), free(w), free(counts), free(load), free(topk);
     lm_balance_free(&st);
+}
+
+static void check_histogram(lm_qb_estimator est) {
+    check_histogram_n(est, 32, 4, 1000);
+    check_histogram_n(est, 200, 8, 333);
+    check_histogram_n(est, 300, 16, 257);
+    check_histogram_n(est, 600, 8, 130);
 }
 
 /* Expert loads over many blocks (each counts its slots in shared memory, then

@@ -11,18 +11,67 @@
 
 #define HIST_TOKENS 128
 
-/* One block: HIST_TOKENS tokens. Each thread finds its token's threshold
+/* The (k+1)-th largest s + b of one token's n scores, by one warp (EPL scores
+ * a lane): k+1 rounds of a warp maximum, each taking one instance of the
+ * largest value left. Only the value is used, so ties do not matter. */
+template <int EPL>
+__device__ float kth_value_warp(const float *si, const float *bias, int n, int kk, int lane) {
+    float v[EPL];
+    unsigned live = 0;
+#pragma unroll
+    for (int e = 0; e < EPL; e++) {
+        const int j = e * 32 + lane;
+        v[e] = 0.0f;
+        if (j < n) {
+            v[e] = __fadd_rn(si[j], bias ? bias[j] : 0.0f);
+            live |= 1u << e;
+        }
+    }
+    float best = 0.0f;
+    for (int t = 0; t < kk; t++) {
+        int bj = -1;
+        float bv = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++)
+            if ((live >> e & 1u) && (bj < 0 || v[e] > bv)) {
+                bj = e * 32 + lane;
+                bv = v[e];
+            }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const int oj = __shfl_xor_sync(0xffffffffu, bj, off);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            if (oj >= 0 && (bj < 0 || ov > bv || (ov == bv && oj < bj))) {
+                bj = oj;
+                bv = ov;
+            }
+        }
+        if (bj >= 0 && (bj & 31) == lane) live &= ~(1u << (bj >> 5));
+        best = bv;
+    }
+    return best;
+}
+
+/* One block: HIST_TOKENS tokens, 256 threads. First each token's threshold
  * alpha = the (k+1)-th largest s + b (the value only, so ties do not matter;
- * -inf when k == n), then the block bins every (token, expert) pair. All
- * arithmetic is rounded like the CPU's: x = ((alpha - s) - lo) * (1 / w). */
+ * -inf when k == n): one warp a token for n <= 512 (EPL = ceil(n / 32)), one
+ * thread a token beyond (EPL = 0). Then the block bins every (token, expert)
+ * pair. All arithmetic is rounded like the CPU's: x = ((alpha - s) - lo) * (1 / w). */
+template <int EPL>
 __global__ void balance_histogram_kernel(int32_t *counts, const float *scores, const float *bias, const float *lo,
                                          const float *width, int64_t m, int n, int k, int bins, int zoom) {
     __shared__ float alpha[HIST_TOKENS];
     int64_t i0 = (int64_t)blockIdx.x * HIST_TOKENS;
-    int64_t i = i0 + threadIdx.x;
     int kk = k < n ? k + 1 : k;
-    if (threadIdx.x < HIST_TOKENS && i < m) {
-        const float *si = scores + i * n;
+    if constexpr (EPL > 0) {
+        const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+        for (int t = threadIdx.x >> 5; t < HIST_TOKENS; t += warps) {
+            if (i0 + t >= m) break;
+            float a = kth_value_warp<(EPL > 0 ? EPL : 1)>(scores + (i0 + t) * n, bias, n, kk, lane);
+            if (lane == 0) alpha[t] = kk > k ? a : -INFINITY;
+        }
+    } else if (threadIdx.x < HIST_TOKENS && i0 + threadIdx.x < m) {
+        const float *si = scores + (i0 + threadIdx.x) * n;
         float val[LM_MOE_MAX_TOPK + 1];
         int have = 0;
         for (int j = 0; j < n; j++) {
@@ -68,8 +117,14 @@ extern "C" lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32
     if (bins < 4) return lm_error(LM_ERR_ARG, "balance histogram: bins must be >= 4, got %d", bins);
     if (m == 0) return LM_OK;
     unsigned grid = (unsigned)((m + HIST_TOKENS - 1) / HIST_TOKENS);
-    balance_histogram_kernel<<<grid, 256, 0, (cudaStream_t)ctx->stream>>>(counts, scores, bias, lo, width, m, n, k,
-                                                                         bins, zoom ? 1 : 0);
+    cudaStream_t st = (cudaStream_t)ctx->stream;
+    const int z = zoom ? 1 : 0;
+    if (n <= 128) balance_histogram_kernel<4><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else if (n <= 256)
+        balance_histogram_kernel<8><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else if (n <= 512)
+        balance_histogram_kernel<16><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else balance_histogram_kernel<0><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
