@@ -338,6 +338,98 @@ static void test_bad_chunk_configs_are_refused(void) {
     free(json);
 }
 
+/* A backend's part timer (lm_backend timer_*), here a host clock in a copy of
+ * the CPU backend: the model marks the start of each pass (part -1) and the
+ * end of every part instead of timing them itself, and takes the intervals
+ * when its timings are read. The bits do not change (the same loss and
+ * gradients as the model without a timer); every part the model has gets
+ * time; the parts add up to at most the passes' wall time; a second read
+ * without passes adds nothing; the timer is freed with the model. */
+typedef struct {
+    double last, acc[LM_TIME_COUNT], total;
+    int marks, starts, takes;
+} host_timer;
+static int host_timers_live;
+static host_timer *host_timer_last;
+static lm_status ht_create(lm_backend *be, void **out) {
+    (void)be;
+    *out = calloc(1, sizeof(host_timer));
+    if (*out) host_timers_live++, host_timer_last = *out;
+    return *out ? LM_OK : LM_ERR_MEMORY;
+}
+static lm_status ht_mark(lm_backend *be, void *p, int part) {
+    (void)be;
+    host_timer *t = p;
+    double now = lm_time_seconds();
+    if (part >= 0 && part < LM_TIME_COUNT) t->acc[part] += now - t->last, t->total += now - t->last, t->marks++;
+    else t->starts++;
+    t->last = now;
+    return LM_OK;
+}
+static lm_status ht_take(lm_backend *be, void *p, double *seconds, int n) {
+    (void)be;
+    host_timer *t = p;
+    for (int i = 0; i < n && i < LM_TIME_COUNT; i++) seconds[i] += t->acc[i], t->acc[i] = 0;
+    t->takes++;
+    return LM_OK;
+}
+static void ht_free(lm_backend *be, void *p) {
+    (void)be;
+    host_timers_live--;
+    free(p);
+}
+
+static void test_part_timer_takes_the_parts(void) {
+    lm_config c = chunk_config();
+    const int B = 2, T = 24, N = B * T;
+    lm_backend tb = *lm_backend_cpu();
+    tb.timer_create = ht_create;
+    tb.timer_mark = ht_mark;
+    tb.timer_take = ht_take;
+    tb.timer_free = ht_free;
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create_on(&c, B, T, &tb, &a) && !lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+    CHECK(host_timers_live == 1, "%d part timers live after creating one model with it", host_timers_live);
+    if (!a || !b) goto done;
+    lm_model_init(a, 5);
+    lm_model_init(b, 5);
+    int32_t tok[48], tgt[48];
+    lm_rng r;
+    lm_rng_seed(&r, 6);
+    random_tokens(&r, tok, N, c.vocab_size);
+    random_tokens(&r, tgt, N, c.vocab_size);
+    float la = NAN, lb = NAN;
+    double t0 = lm_time_seconds();
+    CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && !lm_model_backward(a, 1.0f), "%s", lm_last_error());
+    double wall = lm_time_seconds() - t0;
+    CHECK(!lm_model_forward(b, tok, tgt, 1, &lb) && !lm_model_backward(b, 1.0f), "%s", lm_last_error());
+    CHECK(memcmp(&la, &lb, sizeof la) == 0, "loss with the timer %.9g, without %.9g", la, lb);
+    CHECK(!memcmp(lm_model_grads(a), lm_model_grads(b), lm_model_num_params(a) * sizeof(float)),
+          "the gradients differ with the part timer");
+    double s[LM_TIME_COUNT], again[LM_TIME_COUNT], sum = 0;
+    lm_model_timings(a, s);
+    for (int p = 0; p < LM_TIME_COUNT; p++) {
+        CHECK(s[p] > 0, "part %s got no time from the timer", lm_time_part_name((lm_time_part)p));
+        sum += s[p];
+    }
+    CHECK(sum <= wall, "the parts add up to %.6f s, more than the passes' %.6f s", sum, wall);
+    /* the time is the timer's: its marked intervals, one start a pass at least */
+    const host_timer *ht = host_timer_last;
+    CHECK(ht->marks > 0 && ht->starts >= 2 && ht->takes >= 1, "the timer saw %d marks, %d starts, %d takes", ht->marks,
+          ht->starts, ht->takes);
+    CHECK(fabs(sum - ht->total) <= 1e-9 * (1 + ht->total), "the parts add up to %.9f s, the timer marked %.9f s", sum,
+          ht->total);
+    lm_model_timings(a, again);
+    CHECK(!memcmp(s, again, sizeof s), "a second read without passes changed the timings");
+    lm_model_reset_timings(a);
+    lm_model_timings(a, again);
+    for (int p = 0; p < LM_TIME_COUNT; p++) CHECK(again[p] == 0, "part %d after the reset: %g", p, again[p]);
+done:
+    lm_model_free(a);
+    lm_model_free(b);
+    CHECK(host_timers_live == 0, "%d part timers live after freeing the model", host_timers_live);
+}
+
 int main(void) {
     RUN(test_chunked_equals_unchunked);
     RUN(test_recompute_without_chunks_is_bit_identical);
@@ -345,5 +437,6 @@ int main(void) {
     RUN(test_chunk_bounds_the_per_token_sublayers);
     RUN(test_kda_bf16_layout_fits_its_plan);
     RUN(test_bad_chunk_configs_are_refused);
+    RUN(test_part_timer_takes_the_parts);
     return test_summary();
 }

@@ -332,6 +332,16 @@ struct lm_backend {
     lm_status (*download)(lm_backend *be, void *host_dst, const void *src, size_t bytes);/* backend -> host */
     lm_status (*sync)(lm_backend *be);
     void (*destroy)(lm_backend *be); /* NULL for the CPU backend */
+    /* optional (NULL: a model times its parts on the host, waiting for the device
+     * at each part's end): a part timer that does not wait. timer_mark ends an
+     * interval of the work enqueued so far and charges it to `part` (-1: to none,
+     * only starting the next interval); timer_take waits for the marks so far and
+     * adds each interval's device time to seconds[part] (nparts entries). A model
+     * creates one at its creation and frees it with itself. */
+    lm_status (*timer_create)(lm_backend *be, void **timer);
+    lm_status (*timer_mark)(lm_backend *be, void *timer, int part);
+    lm_status (*timer_take)(lm_backend *be, void *timer, double *seconds, int nparts);
+    void (*timer_free)(lm_backend *be, void *timer);
 };
 
 /* The CPU backend (a process-wide constant: stateless, thread-safe). */

@@ -348,13 +348,16 @@ int lm_model_qk_max_count(const lm_model *m);
 void lm_model_qk_max_get(const lm_model *m, float *out);
 void lm_model_qk_max_set(lm_model *m, const float *in);
 
-/* Wall time spent by component since the last reset (forward + backward). */
+/* Wall time spent by component since the last reset (forward + backward). On
+ * a device backend with a part timer (lm_backend timer_*) the parts are the
+ * device's time between marks, taken when read here; without one the model
+ * waits for the device at each part's end. */
 typedef enum {
     LM_TIME_KDA = 0, LM_TIME_ATTENTION, LM_TIME_MOE, LM_TIME_DENSE_FFN, LM_TIME_ATTNRES, LM_TIME_NORMS,
     LM_TIME_LM_HEAD, LM_TIME_COUNT
 } lm_time_part;
 const char *lm_time_part_name(lm_time_part p);
-void lm_model_timings(const lm_model *m, double seconds[LM_TIME_COUNT]);
+void lm_model_timings(lm_model *m, double seconds[LM_TIME_COUNT]);
 void lm_model_reset_timings(lm_model *m);
 
 /* The optimizer's view of the parameters: one lm_param per tensor, pointing

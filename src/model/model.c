@@ -854,6 +854,8 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         if ((st = lm_balance_init(&ls->bal, &bc))) goto fail;
         ls->bal_ready = 1;
     }
+    /* the part timer, where the backend has one (no waits for the time by part) */
+    if (!m->dry && m->be->timer_create && (st = m->be->timer_create(m->be, &m->timer))) goto fail;
     /* the backend counts a step's balance observations where it can, the host takes them once (lm_model_balance_sync) */
     if (!m->dry && n_moe > 0 && m->be->ops->moe_balance_set_create) {
         lm_balance_state **bals = malloc((size_t)n_moe * sizeof *bals);
@@ -978,6 +980,7 @@ fail:
 void lm_model_free(lm_model *m) {
     if (!m) return;
     if (m->bal_set) m->be->ops->moe_balance_set_free(m->be, m->bal_set);
+    if (m->timer) m->be->timer_free(m->be, m->timer);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
         lm_moe_ep_free(m->layers[l].moe_ep);
         if (m->layers[l].owns_moe_acts) m->be->ops->moe_acts_free(m->be, m->layers[l].moe_acts);
@@ -1213,13 +1216,32 @@ void lm_model_backend_params(lm_model *m, lm_param *params, lm_train_optimizer w
 static const char *const time_names[LM_TIME_COUNT] = {"kda", "attention", "moe", "dense ffn", "attnres",
                                                       "embedding + norms", "lm head"};
 const char *lm_time_part_name(lm_time_part p) { return (unsigned)p < LM_TIME_COUNT ? time_names[p] : "?"; }
-void lm_model_timings(const lm_model *m, double seconds[LM_TIME_COUNT]) {
+/* the part timer's intervals so far into m->seconds (a timer that fails leaves them out) */
+static void take_timer(lm_model *m) {
+    if (m->timer) (void)m->be->timer_take(m->be, m->timer, m->seconds, LM_TIME_COUNT);
+}
+void lm_model_timings(lm_model *m, double seconds[LM_TIME_COUNT]) {
+    take_timer(m);
     memcpy(seconds, m->seconds, sizeof m->seconds);
 }
-void lm_model_reset_timings(lm_model *m) { memset(m->seconds, 0, sizeof m->seconds); }
+void lm_model_reset_timings(lm_model *m) {
+    take_timer(m);
+    memset(m->seconds, 0, sizeof m->seconds);
+}
 
-/* Charge the time since *t0 to `part` and restart the clock. */
+/* The start of a timed pass: the clock, and with a part timer a mark charged to none. */
+static double time_start(lm_model *m) {
+    if (m->timer) (void)m->be->timer_mark(m->be, m->timer, -1);
+    return lm_time_seconds();
+}
+
+/* Charge the time since *t0 to `part` and restart the clock; with a part timer, a mark
+ * that charges the work enqueued since the last one (nothing waits). */
 static void charge(lm_model *m, lm_time_part part, double *t0) {
+    if (m->timer) {
+        (void)m->be->timer_mark(m->be, m->timer, (int)part);
+        return;
+    }
     /* on a device, the work enqueued so far must finish to be charged to its part */
     if (m->be->device != LM_DEVICE_CPU) (void)m->be->sync(m->be);
     double t = lm_time_seconds();
@@ -1555,7 +1577,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     TRY(cp_agree(m, vs, LM_ERR_ARG, "a token outside the vocabulary"));
     if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
     TRY(sync_before_forward(m));
-    double t0 = lm_time_seconds();
+    double t0 = time_start(m);
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     TRY(be->upload(be, m->tokens, tokens, (size_t)N * sizeof(int32_t)));
@@ -1651,7 +1673,7 @@ static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum) {
     if (!loss_sum) return LM_OK;
     lm_backend *be = m->be;
     TRY(be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t)));
-    double t0 = lm_time_seconds();
+    double t0 = time_start(m);
     TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, lp_or(m, m->hn, m->hn_lp),
                                        lp_param(m, par_at(m, m->head_off)), m->targets, m->N, m->d, m->cfg.vocab_size,
                                        m->logits));
@@ -1789,7 +1811,7 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
     TRY(m->be->upload(m->be, m->targets, targets, (size_t)N * sizeof(int32_t)));
     /* the LM head and the chunked cross-entropy (log-sum-exp in fp32) */
     lm_backend *be = m->be;
-    double total = 0, t0 = lm_time_seconds();
+    double total = 0, t0 = time_start(m);
     TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, lp_or(m, m->hn, m->hn_lp),
                                        lp_param(m, par_at(m, m->head_off)), m->targets, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
@@ -1827,7 +1849,7 @@ static lm_status replay_block(lm_model *m, int k) {
     const int d = m->d, S = m->cfg.attnres_block;
     const int last = (k + 1) * S - 1 < m->L2 - 1 ? (k + 1) * S - 1 : m->L2 - 1;
     lm_attnres_params arp = attnres_params(m);
-    double t0 = lm_time_seconds();
+    double t0 = time_start(m);
     TRY(op->attnres_replay_block(be, m->ar, k));
     for (int l = k * S; l <= last; l++) {
         layer_state *ls = &m->layers[l / 2];
@@ -1897,7 +1919,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
      * g = -dLoss/dlog p(target) (scale / N for the mean cross-entropy) */
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
-    double t0 = lm_time_seconds();
+    double t0 = time_start(m);
     TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
     const float *row_scale = dlogp;
     if (dlogp && be->device != LM_DEVICE_CPU) {
@@ -2068,7 +2090,7 @@ static lm_status model_score(lm_model *m, const int32_t *tokens, const int32_t *
     TRY(run_layers_forward(m, tokens, 0));
     m->have_targets = 0; /* nothing here for a backward */
     lm_backend *be = m->be;
-    double t0 = lm_time_seconds();
+    double t0 = time_start(m);
     TRY(be->upload(be, m->targets, targets, (size_t)N * sizeof(int32_t)));
     const int on_host = be->device == LM_DEVICE_CPU;
     TRY(be->ops->score_forward(be, on_host ? nll : m->score_nll, on_host ? argmax : m->score_arg,

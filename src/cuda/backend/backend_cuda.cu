@@ -1092,6 +1092,96 @@ static void cuda_destroy(lm_backend *be) {
 
 extern "C" const lm_ops *lm_backend_cuda_ops(void) { return &cuda_ops; }
 
+/* ---- the part timer (lm_backend timer_*): CUDA events on the stream ---- */
+
+#define TIMER_EVENTS 256 /* marks between two takes before one folds the ring (one wait) */
+#define TIMER_PARTS 32
+
+typedef struct {
+    cudaEvent_t ev[TIMER_EVENTS];
+    int part[TIMER_EVENTS]; /* part[i]: what the interval (ev[i-1], ev[i]) is charged to; -1 none */
+    int n;                  /* events recorded; ev[0] starts the chain */
+    double acc[TIMER_PARTS];
+} part_timer;
+
+static void cuda_timer_free(lm_backend *be, void *p) {
+    (void)be;
+    part_timer *t = (part_timer *)p;
+    if (!t) return;
+    for (int i = 0; i < TIMER_EVENTS; i++)
+        if (t->ev[i]) cudaEventDestroy(t->ev[i]);
+    free(t);
+}
+
+static lm_status cuda_timer_create(lm_backend *be, void **out) {
+    *out = NULL;
+    part_timer *t = (part_timer *)calloc(1, sizeof *t);
+    if (!t) return lm_error(LM_ERR_MEMORY, "out of memory for the part timer");
+    for (int i = 0; i < TIMER_EVENTS; i++) {
+        cudaError_t e = cudaEventCreate(&t->ev[i]);
+        if (e != cudaSuccess) {
+            t->ev[i] = NULL;
+            cuda_timer_free(be, t);
+            return lm_error(LM_ERR_IO, "part timer: cudaEventCreate: %s", cudaGetErrorString(e));
+        }
+    }
+    *out = t;
+    return LM_OK;
+}
+
+/* Wait for the last mark, add every interval to its part, keep the last event as the chain's start. */
+static lm_status timer_fold(part_timer *t) {
+    if (t->n <= 1) return LM_OK;
+    LM_CUDA_TRY(cudaEventSynchronize(t->ev[t->n - 1]));
+    for (int i = 1; i < t->n; i++) {
+        if (t->part[i] < 0 || t->part[i] >= TIMER_PARTS) continue;
+        float ms = 0;
+        LM_CUDA_TRY(cudaEventElapsedTime(&ms, t->ev[i - 1], t->ev[i]));
+        t->acc[t->part[i]] += ms * 1e-3;
+    }
+    cudaEvent_t last = t->ev[t->n - 1];
+    t->ev[t->n - 1] = t->ev[0];
+    t->ev[0] = last;
+    t->part[0] = -1;
+    t->n = 1;
+    return LM_OK;
+}
+
+static lm_status cuda_timer_mark(lm_backend *be, void *p, int part) {
+    part_timer *t = (part_timer *)p;
+    if (!t) return lm_error(LM_ERR_ARG, "part timer: NULL");
+    lm_status st;
+    if (t->n == TIMER_EVENTS && (st = timer_fold(t))) return st;
+    LM_CUDA_TRY(cudaEventRecord(t->ev[t->n], stream_of(be)));
+    t->part[t->n] = t->n == 0 ? -1 : part;
+    t->n++;
+    return LM_OK;
+}
+
+static lm_status cuda_timer_take(lm_backend *be, void *p, double *seconds, int nparts) {
+    (void)be;
+    part_timer *t = (part_timer *)p;
+    if (!t) return lm_error(LM_ERR_ARG, "part timer: NULL");
+    lm_status st = timer_fold(t);
+    if (st) return st;
+    for (int i = 0; i < nparts && i < TIMER_PARTS; i++) {
+        seconds[i] += t->acc[i];
+        t->acc[i] = 0;
+    }
+    return LM_OK;
+}
+
+/* LONGMOE_PART_TIMING=events: the part timer (no waits); otherwise a model waits at each part's end */
+static int part_timer_wanted(void) {
+    const char *e = getenv("LONGMOE_PART_TIMING");
+    if (!e || !*e || !strcmp(e, "sync")) return 0;
+    if (!strcmp(e, "events")) return 1;
+    static int warned = 0;
+    if (!warned) fprintf(stderr, "longmoe: LONGMOE_PART_TIMING=%s ignored: use sync or events\n", e);
+    warned = 1;
+    return 0;
+}
+
 extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     if (!out) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create: out is NULL");
     *out = NULL;
@@ -1121,6 +1211,12 @@ extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     cb->be.download = cuda_download;
     cb->be.sync = cuda_sync;
     cb->be.destroy = cuda_destroy;
+    if (part_timer_wanted()) {
+        cb->be.timer_create = cuda_timer_create;
+        cb->be.timer_mark = cuda_timer_mark;
+        cb->be.timer_take = cuda_timer_take;
+        cb->be.timer_free = cuda_timer_free;
+    }
     if ((st = cuda_alloc(&cb->be, sizeof(cuda_scalars), (void **)&cb->scalars)) ||
         (st = cuda_alloc(&cb->be, LM_CUDA_SUMSQ_PARTS * sizeof(double), (void **)&cb->sumsq_parts))) {
         cuda_destroy(&cb->be);
