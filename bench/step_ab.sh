@@ -8,6 +8,8 @@
 #   BASE=dir bench/step_ab.sh
 #   ARGS     bench_cuda_model's arguments (default: k3-mini 8x4096, no recompute, 3 reps)
 #   ROUNDS   alternations (default 2)
+#   NEW_ENV  environment settings for the new side only, e.g. "LONGMOE_PART_TIMING=events";
+#            with BASE=. both sides run this tree's build, so the settings are all that differs
 set -uo pipefail
 OUT=${OUT:-out}
 BASE=${BASE:?BASE: the directory of the other version}
@@ -21,17 +23,27 @@ build() { # src dir, build dir, log
         { echo "build of $1 failed"; grep -E "error" "$3" | head -20; return 1; }
 }
 [ -d .whl ] && [ ! -e "$BASE/.whl" ] && cp -r .whl "$BASE/"
+NEW_ENV=${NEW_ENV:-}
 build . build-ab-new "$OUT/build_new.log" || exit 1
-build "$BASE" build-ab-base "$OUT/build_base.log" || exit 1
-grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT/build_new.log" "$OUT/build_base.log"
+if [ "$BASE" = . ]; then
+    bin_base=build-ab-new
+else
+    build "$BASE" build-ab-base "$OUT/build_base.log" || exit 1
+    bin_base=build-ab-base
+fi
+grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT"/build_*.log
 for r in $(seq 1 "$ROUNDS"); do
     for v in new base; do
-        echo "== round $r: $v"
+        echo "== round $r: $v${NEW_ENV:+$([ $v = new ] && echo " ($NEW_ENV)")}"
         (cd "$([ $v = new ] && echo . || echo "$BASE")" &&
-            timeout 300 "$OLDPWD/build-ab-$v/bench_cuda_model" $ARGS) 2>&1 | grep -vE "^ *$" | tail -14
+            env $([ $v = new ] && echo "$NEW_ENV") timeout 300 \
+                "$OLDPWD/$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_model" $ARGS) 2>&1 |
+            grep -vE "^ *$" | tail -14
     done
 done
 for v in new base; do
     echo "== MoE layer, $v"
-    timeout 200 "build-ab-$v/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 | tail -4
+    env $([ $v = new ] && echo "$NEW_ENV") timeout 200 \
+        "$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 |
+        tail -4
 done

@@ -52,6 +52,9 @@ int lm_device_from_name(const char *name, lm_device *out); /* 0 on success */
 
 typedef struct lm_backend lm_backend;
 
+/* The most slots of a backend's list of deferred non-finite checks (lm_ops nonfinite_note). */
+#define LM_NONFINITE_SLOTS 1024
+
 /* The expert activation of the GLU layers (moe.h's lm_expert_act values). */
 typedef int lm_glu_kind;
 
@@ -296,6 +299,13 @@ typedef struct {
     /* ---- checks ---- */
     /* *first = the index of the first non-finite value of x[n], or -1 */
     lm_status (*find_nonfinite)(lm_backend *be, const float *x, size_t n, int64_t *first);
+    /* optional (NULL: the model checks with find_nonfinite at once): checks
+     * that do not wait. nonfinite_note records base + the index of x's first
+     * non-finite element, if any, in slot `slot` of the backend's list (a slot
+     * keeps the smallest noted); nonfinite_take returns slots 0 .. nslots-1
+     * (-1: nothing noted) and clears them. At most LM_NONFINITE_SLOTS slots. */
+    lm_status (*nonfinite_note)(lm_backend *be, const float *x, size_t n, int64_t base, int slot);
+    lm_status (*nonfinite_take)(lm_backend *be, int64_t *first, int nslots);
 
     /* ---- the optimizer's pieces (optim.h, optim_device.h; docs/optim.md) ---- */
     /* *out (backend memory, one double) = sum of x[i]^2 in double in a fixed

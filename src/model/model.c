@@ -1315,6 +1315,35 @@ static void *rows_lp(const lm_model *m, const void *x, int64_t t0) {
     return (char *)x + (size_t)t0 * m->d * m->be->lp_bytes;
 }
 
+/* Whether the forward notes its non-finite checks (the backend's nonfinite_note) and takes
+ * them once after the layers instead of waiting for each: not under context or expert
+ * parallelism, whose ranks agree on each sublayer's or MoE layer's verdict. Slot 2 idx is
+ * sublayer idx's router scores, 2 idx + 1 its output: execution order. */
+static int defers_checks(const lm_model *m) {
+    return m->be->ops->nonfinite_note && m->be->ops->nonfinite_take && !m->cp_comm && !m->ep_comm &&
+           2 * m->L2 <= LM_NONFINITE_SLOTS;
+}
+
+/* The noted checks: the first failing one in execution order, with the message the check at
+ * once gives (clear: drop them, as after a forward that stopped early). */
+static lm_status take_checks(lm_model *m, int clear) {
+    if (!m->checks_pending) return LM_OK;
+    int64_t first[LM_NONFINITE_SLOTS];
+    const int n = 2 * m->L2;
+    m->checks_pending = 0;
+    TRY(m->be->ops->nonfinite_take(m->be, first, n));
+    for (int s = 0; s < n && !clear; s++) {
+        if (first[s] < 0) continue;
+        const int idx = s / 2;
+        if (s % 2 == 0)
+            return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d (token %lld)", idx / 2,
+                            (long long)(first[s] / m->cfg.n_routed_experts));
+        return lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx, idx / 2,
+                        idx % 2 ? "channel mixer" : "token mixer");
+    }
+    return LM_OK;
+}
+
 /* The channel mixer (dense FFN or MoE) of sublayer idx on the tokens [t0, t0 +
  * n) of its normalised input, n = min(chunk, N - t0): y's same rows; fills the
  * activations of these tokens. The balancer observes every chunk, so a step's
@@ -1358,9 +1387,18 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
         TRY(be->upload(be, scores, &nan, sizeof nan));
         m->fault = LM_FAULT_NONE;
     }
-    /* a non-finite score would poison the balancer's statistics: refuse it first */
-    int64_t bad;
-    TRY(op->find_nonfinite(be, scores, (size_t)n * nx, &bad));
+    /* a non-finite score would poison the balancer's statistics: refuse it first. With the
+     * counts kept on the backend until the step's sync (which refuses such a score itself),
+     * the check may be deferred; the recomputing forward repeats the checked scores */
+    int64_t bad = -1;
+    if (m->bal_set && !ls->moe_ep_fwd && defers_checks(m)) {
+        if (!recompute) {
+            TRY(op->nonfinite_note(be, scores, (size_t)n * nx, t0 * nx, 2 * idx));
+            m->checks_pending = 1;
+        }
+    } else {
+        TRY(op->find_nonfinite(be, scores, (size_t)n * nx, &bad));
+    }
     if (ls->moe_ep_fwd) {
         /* the ranks agree, so all stop at this layer and none waits in the next exchange */
         int32_t mine = bad >= 0, any = 0;
@@ -1566,31 +1604,14 @@ static lm_status cp_agree(lm_model *m, lm_status st, lm_status other, const char
     return LM_OK;
 }
 
-static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
+/* The sublayers of a forward, with the residual state between them (run_layers_forward). */
+static lm_status run_sublayers(lm_model *m, int training, int defer, const lm_attnres_params *ap, double *tp) {
     const int64_t N = m->N;
-    const int d = m->d, V = m->cfg.vocab_size;
-    lm_status vs = LM_OK;
-    for (int64_t i = 0; i < N && !vs; i++)
-        if (tokens[i] < 0 || tokens[i] >= V)
-            vs = lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)", tokens[i],
-                          (long long)i, V);
-    TRY(cp_agree(m, vs, LM_ERR_ARG, "a token outside the vocabulary"));
-    if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
-    TRY(sync_before_forward(m));
-    double t0 = time_start(m);
+    const int d = m->d;
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
-    TRY(be->upload(be, m->tokens, tokens, (size_t)N * sizeof(int32_t)));
-    TRY(op->embedding_forward(be, m->x0, par_at(m, m->embed_off), m->tokens, N, d));
-    if (m->fault == LM_FAULT_BATCH) {
-        const float nan = NAN;
-        TRY(be->upload(be, m->x0, &nan, sizeof nan));
-        m->fault = LM_FAULT_NONE;
-    }
-    charge(m, LM_TIME_NORMS, &t0);
-    lm_attnres_params arp = attnres_params(m);
-    TRY(op->attnres_begin(be, m->ar, m->x0));
-    m->aux_loss = 0;
+    lm_attnres_params arp = *ap;
+    double t0 = *tp;
     for (int idx = 0; idx < m->L2; idx++) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
@@ -1605,7 +1626,12 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
          * failing rank leaves none waiting in the next token mixer */
         lm_status ss = sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0);
         int64_t bad = -1;
-        if (!ss) ss = op->find_nonfinite(be, m->y, (size_t)N * d, &bad);
+        if (!ss && defer) {
+            ss = op->nonfinite_note(be, m->y, (size_t)N * d, 0, 2 * idx + 1);
+            m->checks_pending = 1;
+        } else if (!ss) {
+            ss = op->find_nonfinite(be, m->y, (size_t)N * d, &bad);
+        }
         if (!ss && bad >= 0)
             ss = lm_error(LM_ERR_NUMERIC, "non-finite output of sublayer %d (layer %d, %s)", idx, idx / 2,
                           idx % 2 ? "channel mixer" : "token mixer");
@@ -1614,6 +1640,50 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
         TRY(op->attnres_add_output(be, m->ar, idx, m->y));
         charge(m, LM_TIME_ATTNRES, &t0);
     }
+    *tp = t0;
+    return LM_OK;
+}
+
+static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int training) {
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    lm_status vs = LM_OK;
+    for (int64_t i = 0; i < N && !vs; i++)
+        if (tokens[i] < 0 || tokens[i] >= V)
+            vs = lm_error(LM_ERR_ARG, "token %d at position %lld is outside the vocabulary [0, %d)", tokens[i],
+                          (long long)i, V);
+    TRY(cp_agree(m, vs, LM_ERR_ARG, "a token outside the vocabulary"));
+    if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
+    TRY(sync_before_forward(m));
+    /* checks a forward that stopped early left noted are dropped; this one's are taken after the layers */
+    TRY(take_checks(m, 1));
+    const int defer = defers_checks(m);
+    double t0 = time_start(m);
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    TRY(be->upload(be, m->tokens, tokens, (size_t)N * sizeof(int32_t)));
+    TRY(op->embedding_forward(be, m->x0, par_at(m, m->embed_off), m->tokens, N, d));
+    if (m->fault == LM_FAULT_BATCH) {
+        const float nan = NAN;
+        TRY(be->upload(be, m->x0, &nan, sizeof nan));
+        m->fault = LM_FAULT_NONE;
+    }
+    charge(m, LM_TIME_NORMS, &t0);
+    lm_attnres_params arp = attnres_params(m);
+    TRY(op->attnres_begin(be, m->ar, m->x0));
+    m->aux_loss = 0;
+    lm_status ss = run_sublayers(m, training, defer, &arp, &t0);
+    /* the deferred checks, one wait for every sublayer's: the first failure they noted comes
+     * before a later op's own refusal of the NaN it was handed, and is the one reported */
+    if (m->checks_pending) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", ss ? lm_last_error() : "");
+        lm_status ck = take_checks(m, 0);
+        if (ck == LM_ERR_NUMERIC) return ck;
+        if (ss) return lm_error(ss, "%s", why);
+        TRY(ck);
+    }
+    TRY(ss);
     TRY(op->attnres_final(be, m->ar, &arp, m->hf));
     charge(m, LM_TIME_ATTNRES, &t0);
     TRY(op->rmsnorm_forward(be, m->hn, m->sep ? m->hn_lp : NULL, m->rstd_final, m->hf, par_at(m, m->final_norm_off), N,

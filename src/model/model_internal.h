@@ -129,6 +129,7 @@ struct lm_model {
     float aux_loss;
     double seconds[LM_TIME_COUNT];
     void *timer; /* the backend's part timer (lm_backend timer_create), or NULL */
+    int checks_pending; /* deferred non-finite checks noted and not yet taken (defers_checks) */
     lm_fault fault; /* one-shot fault injection */
     /* lm_model_set_grad_ready_hook: told of each range of the gradient block
      * after its last write in a backward (NULL: nobody asks) */

@@ -54,6 +54,7 @@ typedef struct {
     size_t arena_bytes;
     cuda_scalars *scalars;       /* device */
     double *sumsq_parts;         /* device, LM_CUDA_SUMSQ_PARTS: sum_squares' partial sums */
+    unsigned long long *nonfinite; /* device, LM_NONFINITE_SLOTS: the deferred checks' slots (all ones: none) */
 } cuda_backend;
 
 static cuda_backend *cb_of(lm_backend *be) { return (cuda_backend *)be; }
@@ -980,6 +981,28 @@ static lm_status cuda_find_nonfinite(lm_backend *be, const float *x, size_t n, i
     return LM_OK;
 }
 
+/* the deferred checks: a kernel a note, one download a take (lm_ops nonfinite_note) */
+static lm_status cuda_nonfinite_note(lm_backend *be, const float *x, size_t n, int64_t base, int slot) {
+    if (slot < 0 || slot >= LM_NONFINITE_SLOTS)
+        return lm_error(LM_ERR_ARG, "nonfinite_note: slot %d outside [0, %d)", slot, LM_NONFINITE_SLOTS);
+    if (base < 0) return lm_error(LM_ERR_ARG, "nonfinite_note: base %lld < 0", (long long)base);
+    if (n == 0) return LM_OK;
+    if (!x) return lm_error(LM_ERR_ARG, "nonfinite_note: x is NULL");
+    return lm_cuda_backend_note_nonfinite(ctx_of(be), cb_of(be)->nonfinite + slot, x, n, (unsigned long long)base);
+}
+static lm_status cuda_nonfinite_take(lm_backend *be, int64_t *first, int nslots) {
+    if (nslots < 0 || nslots > LM_NONFINITE_SLOTS || (nslots > 0 && !first))
+        return lm_error(LM_ERR_ARG, "nonfinite_take: %d slots (at most %d) into %p", nslots, LM_NONFINITE_SLOTS,
+                        (void *)first);
+    if (nslots == 0) return LM_OK;
+    unsigned long long got[LM_NONFINITE_SLOTS];
+    lm_status st = cuda_download(be, got, cb_of(be)->nonfinite, (size_t)nslots * sizeof got[0]);
+    if (st) return st;
+    for (int i = 0; i < nslots; i++) first[i] = got[i] == ~0ull ? -1 : (int64_t)got[i];
+    LM_CUDA_TRY(cudaMemsetAsync(cb_of(be)->nonfinite, 0xff, (size_t)nslots * sizeof got[0], stream_of(be)));
+    return LM_OK;
+}
+
 /* ---- the optimizer's pieces (src/cuda/optim) ---- */
 
 static lm_status cuda_sum_squares(lm_backend *be, const float *x, size_t n, double *out) {
@@ -1078,6 +1101,14 @@ static lm_ops make_cuda_ops(void) {
 }
 
 static const lm_ops cuda_ops = make_cuda_ops();
+/* the same with the non-finite checks deferred (LONGMOE_FINITE_CHECKS=deferred) */
+static lm_ops make_cuda_ops_deferred(void) {
+    lm_ops o = make_cuda_ops();
+    o.nonfinite_note = cuda_nonfinite_note;
+    o.nonfinite_take = cuda_nonfinite_take;
+    return o;
+}
+static const lm_ops cuda_ops_deferred = make_cuda_ops_deferred();
 
 static void cuda_destroy(lm_backend *be) {
     cuda_backend *cb = cb_of(be);
@@ -1086,6 +1117,7 @@ static void cuda_destroy(lm_backend *be) {
     if (cb->arena) cudaFree(cb->arena);
     if (cb->scalars) cudaFree(cb->scalars);
     if (cb->sumsq_parts) cudaFree(cb->sumsq_parts);
+    if (cb->nonfinite) cudaFree(cb->nonfinite);
     lm_cuda_context_destroy(&cb->ctx);
     free(cb);
 }
@@ -1171,6 +1203,17 @@ static lm_status cuda_timer_take(lm_backend *be, void *p, double *seconds, int n
     return LM_OK;
 }
 
+/* LONGMOE_FINITE_CHECKS=deferred: a model notes its non-finite checks and takes them once a forward */
+static int deferred_checks_wanted(void) {
+    const char *e = getenv("LONGMOE_FINITE_CHECKS");
+    if (!e || !*e || !strcmp(e, "at-once")) return 0;
+    if (!strcmp(e, "deferred")) return 1;
+    static int warned = 0;
+    if (!warned) fprintf(stderr, "longmoe: LONGMOE_FINITE_CHECKS=%s ignored: use at-once or deferred\n", e);
+    warned = 1;
+    return 0;
+}
+
 /* LONGMOE_PART_TIMING=events: the part timer (no waits); otherwise a model waits at each part's end */
 static int part_timer_wanted(void) {
     const char *e = getenv("LONGMOE_PART_TIMING");
@@ -1201,7 +1244,7 @@ extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     }
     cb->be.device = LM_DEVICE_CUDA;
     cb->be.lp_bytes = 2;
-    cb->be.ops = &cuda_ops;
+    cb->be.ops = deferred_checks_wanted() ? &cuda_ops_deferred : &cuda_ops;
     cb->be.ctx = &cb->ctx;
     cb->be.alloc = cuda_alloc;
     cb->be.release = cuda_release;
@@ -1218,9 +1261,17 @@ extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
         cb->be.timer_free = cuda_timer_free;
     }
     if ((st = cuda_alloc(&cb->be, sizeof(cuda_scalars), (void **)&cb->scalars)) ||
-        (st = cuda_alloc(&cb->be, LM_CUDA_SUMSQ_PARTS * sizeof(double), (void **)&cb->sumsq_parts))) {
+        (st = cuda_alloc(&cb->be, LM_CUDA_SUMSQ_PARTS * sizeof(double), (void **)&cb->sumsq_parts)) ||
+        (st = cuda_alloc(&cb->be, LM_NONFINITE_SLOTS * sizeof(unsigned long long), (void **)&cb->nonfinite))) {
         cuda_destroy(&cb->be);
         return st;
+    }
+    cudaError_t me = cudaMemsetAsync(cb->nonfinite, 0xff, LM_NONFINITE_SLOTS * sizeof(unsigned long long),
+                                     stream_of(&cb->be));
+    if (me == cudaSuccess) me = cudaStreamSynchronize(stream_of(&cb->be));
+    if (me != cudaSuccess) {
+        cuda_destroy(&cb->be);
+        return lm_error(LM_ERR_IO, "CUDA backend: clearing the check slots: %s", cudaGetErrorString(me));
     }
     *out = &cb->be;
     return LM_OK;

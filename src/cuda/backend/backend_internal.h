@@ -52,6 +52,9 @@ lm_status lm_cuda_backend_router_entropy_sum(const lm_cuda_context *ctx, unsigne
  * finite, or n when there is none (integer atomic minimum: order-free). */
 lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned long long *first_device,
                                           const float *x, size_t n);
+/* *slot_device = min(*slot_device, base + x's first non-finite index); enqueued only */
+lm_status lm_cuda_backend_note_nonfinite(const lm_cuda_context *ctx, unsigned long long *slot_device, const float *x,
+                                         size_t n, unsigned long long base);
 
 /* acc[i] += x[i], i < n: x fp32 (lp = 0) or bf16 (lp = 1). */
 lm_status lm_cuda_backend_accumulate(const lm_cuda_context *ctx, float *acc, const void *x, size_t n, int lp);

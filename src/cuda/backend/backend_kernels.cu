@@ -148,6 +148,20 @@ __global__ void bk_first_nonfinite_kernel(unsigned long long *first, const float
         if (!isfinite(x[i])) atomicMin(first, (unsigned long long)i);
 }
 
+/* *slot = min(*slot, base + the first non-finite index of x) (16-byte rows when x is aligned) */
+__global__ void bk_note_nonfinite_kernel(unsigned long long *slot, const float *x, size_t n, unsigned long long base) {
+    const size_t n4 = ((uintptr_t)x & 15) == 0 ? n / 4 : 0, stride = (size_t)gridDim.x * blockDim.x;
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n4; i += stride) {
+        const float4 v = x4[i];
+        if (isfinite(v.x) && isfinite(v.y) && isfinite(v.z) && isfinite(v.w)) continue;
+        const size_t j = 4 * i + (!isfinite(v.x) ? 0 : !isfinite(v.y) ? 1 : !isfinite(v.z) ? 2 : 3);
+        atomicMin(slot, base + (unsigned long long)j);
+    }
+    for (size_t i = 4 * n4 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        if (!isfinite(x[i])) atomicMin(slot, base + (unsigned long long)i);
+}
+
 static lm_status bk_check(const lm_cuda_context *ctx, const char *fn) {
     if (!ctx || !ctx->stream) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
     return LM_OK;
@@ -251,6 +265,16 @@ lm_status lm_cuda_backend_first_nonfinite(const lm_cuda_context *ctx, unsigned l
     LM_CUDA_TRY(cudaGetLastError());
     if (n == 0) return LM_OK;
     bk_first_nonfinite_kernel<<<lin_grid_for(ctx, n, BK_THREADS), BK_THREADS, 0, s>>>(first_device, x, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status lm_cuda_backend_note_nonfinite(const lm_cuda_context *ctx, unsigned long long *slot_device, const float *x,
+                                         size_t n, unsigned long long base) {
+    lm_status st = bk_check(ctx, "note_nonfinite");
+    if (st || n == 0) return st;
+    bk_note_nonfinite_kernel<<<lin_grid_for(ctx, (n + 3) / 4, BK_THREADS), BK_THREADS, 0, lin_stream(ctx)>>>(
+        slot_device, x, n, base);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
