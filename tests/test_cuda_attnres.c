@@ -11,7 +11,8 @@
  * L = 8: S = 3 leaves an incomplete last block), FULL and STANDARD, n = 1, 37,
  * 1000 tokens, d = 64 and 1024. The GPU's recomputed inputs must equal the
  * CPU's forward inputs to the same bound, and two GPU runs must be
- * bit-identical. Needs a CUDA GPU (ctest label cuda). */
+ * bit-identical, and the register forward must give the two-pass forward's
+ * bits. Needs a CUDA GPU (ctest label cuda). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -393,6 +394,40 @@ static void test_replayed_blocks_give_the_same_backward(void) {
     }
 }
 
+/* The register forward (a row's sources held in registers: d <= 1024, at
+ * most 16 sources) gives the same bits as the two-pass forward
+ * (LONGMOE_ATTNRES=generic), and so the backward that follows does too:
+ * BLOCK and FULL, several sources, n not a multiple of the backward's token
+ * block, one float a thread (d = 97) and float4 (64, 1024). */
+static void test_register_forward_equals_generic_bitwise(void) {
+    const struct {
+        lm_attnres_mode mode;
+        int S;
+        int64_t n;
+        int d;
+    } cs[] = {{LM_ATTNRES_BLOCK, 3, 37, 1024}, {LM_ATTNRES_BLOCK, 2, 1000, 97}, {LM_ATTNRES_FULL, 1, 101, 64},
+              {LM_ATTNRES_BLOCK, 4, 70, 64}};
+    for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++) {
+        problem p = make_problem(cs[i].mode, cs[i].S, 8, cs[i].n, cs[i].d, 8300 + (uint64_t)i);
+        outputs a = make_outputs(&p), b = make_outputs(&p);
+        const size_t nd = p.nd, L = 8;
+        int ok = run_gpu(&p, &a);
+        setenv("LONGMOE_ATTNRES", "generic", 1);
+        ok = run_gpu(&p, &b) && ok;
+        unsetenv("LONGMOE_ATTNRES");
+        CHECK(ok, "case %zu: a call failed", i);
+        CHECK(!memcmp(a.h, b.h, L * nd * 4) && !memcmp(a.h_final, b.h_final, nd * 4) &&
+                  !memcmp(a.h_rec, b.h_rec, (L + 1) * nd * 4),
+              "case %zu (n=%lld d=%d): the forward differs", i, (long long)cs[i].n, cs[i].d);
+        CHECK(!memcmp(a.dy, b.dy, L * nd * 4) && !memcmp(a.demb, b.demb, nd * 4) && !memcmp(a.gq, b.gq, p.pd * 4) &&
+                  !memcmp(a.gk, b.gk, p.pd * 4),
+              "case %zu (n=%lld d=%d): the backward differs", i, (long long)cs[i].n, cs[i].d);
+        free_outputs(&a);
+        free_outputs(&b);
+        free_problem(&p);
+    }
+}
+
 static void test_memory_plan_matches_cpu_buffers(void) {
     /* the GPU keeps the CPU's history, gradients, partials and scores; no two-phase buffers */
     const lm_attnres_mode modes[] = {LM_ATTNRES_STANDARD, LM_ATTNRES_BLOCK, LM_ATTNRES_FULL};
@@ -453,6 +488,7 @@ int main(void) {
     RUN(test_memory_plan_matches_cpu_buffers);
     RUN(test_calls_out_of_order_are_refused);
     RUN(test_replayed_blocks_give_the_same_backward);
+    RUN(test_register_forward_equals_generic_bitwise);
     RUN(test_block_modes_match_cpu_and_repeat_bitwise);
     RUN(test_full_mode_matches_cpu_and_repeats_bitwise);
     RUN(test_standard_mode_matches_cpu_and_repeats_bitwise);

@@ -18,6 +18,8 @@
  * second kernel adds the blocks' q in block order (no float atomics). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_runtime.h>
 
@@ -98,12 +100,21 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
     }
 }
 
+/* One row's closed sources' 1/rms hist_rstd[i n + t] (i < C) into rs, loaded by
+ * the row group's threads together before the row's first barrier (so the one
+ * thread that forms the weights does not wait for them one after another). */
+__device__ __forceinline__ void prefetch_rstd(const attnres_sources &src, float *rs, int C, int64_t t, int64_t n,
+                                              int lane_g, int tpr) {
+    for (int i = lane_g; i < C; i += tpr) rs[i] = src.hist_rstd[(size_t)i * n + t];
+}
+
 /* One row's source weights, from its row group's partial sums r0 [wpg][Ns+1]
- * (the dots u . v_i, then the new partial source's sum of squares): the
- * logits s_i = r_i (u . v_i) (r_i the source's 1/rms; the partial source's is
- * computed here and saved), their softmax in fp32 into coef, and lse. */
-__device__ __forceinline__ void source_weights(const attnres_sources &src, const float *r0, int wpg, int C, int Ns,
-                                               int64_t t, int64_t n, int d, float eps, float *lrow, float *coef,
+ * (the dots u . v_i, then the new partial source's sum of squares) and its
+ * closed sources' 1/rms rs [C] (prefetch_rstd): the logits s_i = r_i (u . v_i)
+ * (the partial source's r is computed here and saved), their softmax in fp32
+ * into coef, and lse. */
+__device__ __forceinline__ void source_weights(const attnres_sources &src, const float *r0, const float *rs, int wpg,
+                                               int C, int Ns, int64_t t, int d, float eps, float *lrow, float *coef,
                                                float *lse) {
     float m = -INFINITY;
     for (int i = 0; i < Ns; i++) {
@@ -111,7 +122,7 @@ __device__ __forceinline__ void source_weights(const attnres_sources &src, const
         for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
         float r;
         if (i < C) {
-            r = src.hist_rstd[(size_t)i * n + t];
+            r = rs[i];
         } else {
             float ss = 0.0f;
             for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
@@ -136,17 +147,19 @@ __global__ void __launch_bounds__(THREADS)
 forward_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
                float *h, int from_saved, int64_t n, int d, float eps, int tpr) {
     // sources are (n,d) rows; logits is (n,Ns); lse is (n); h is (n,d)
-    // shared: red [WARPS][Ns+1] (dots, then P's sum of squares), coef [rows][Ns]
+    // shared: red [WARPS][Ns+1] (dots, then P's sum of squares), coef [rows][Ns], rs [rows][Ns]
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
     float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
+    float *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
     const bool active = t < n;
     const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
 
     if (!from_saved) {
+        if (active) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
         /* pass 1: u . v_i for every source (u = w (.) g, SPEC §5), and sum P^2 */
         for (int i = 0; i < Ns; i++) {
             const bool is_P = i == C;
@@ -182,7 +195,7 @@ forward_kernel(attnres_sources src, float *P_save, const float *w, const float *
             const float m = lse[t];
             for (int i = 0; i < Ns; i++) coef[i] = expf(lrow[i] - m);
         } else {
-            source_weights(src, red + (size_t)group * wpg * (Ns + 1), wpg, C, Ns, t, n, d, eps, lrow, coef, lse);
+            source_weights(src, red + (size_t)group * wpg * (Ns + 1), rs, wpg, C, Ns, t, d, eps, lrow, coef, lse);
         }
     }
     __syncthreads();
@@ -219,11 +232,13 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
     float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
+    float *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
     const int c = lane_g * VEC;
     const bool active = t < n, mine = active && c < d;
     const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
 
+    if (active) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
     float x[MAXS][VEC], wv[VEC], gv[VEC];
 #pragma unroll
     for (int i = 0; i < MAXS; i++) {
@@ -265,7 +280,7 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
     __syncthreads();
     if (active && lane_g == 0) {
         float *lrow = logits + (size_t)t * Ns;
-        source_weights(src, red + (size_t)group * wpg * (Ns + 1), wpg, C, Ns, t, n, d, eps, lrow, coef, lse);
+        source_weights(src, red + (size_t)group * wpg * (Ns + 1), rs, wpg, C, Ns, t, d, eps, lrow, coef, lse);
     }
     __syncthreads();
     if (!mine) return;
@@ -285,18 +300,66 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
 
 /* ---- backward of one AttnRes layer ---- */
 
+/* One row's saved logits s_i, the sources' 1/rms r_i and lse into pre
+ * [2 Ns + 1], loaded by the row group's threads together during pass 1 (so the
+ * one thread that forms the coefficients does not wait for them one after
+ * another). */
+__device__ __forceinline__ void prefetch_backward(const attnres_sources &src, const float *logits, const float *lse,
+                                                  float *pre, int C, int Ns, int64_t t, int64_t n, int lane_g,
+                                                  int tpr) {
+    for (int i = lane_g; i < 2 * Ns + 1; i += tpr) {
+        float v;
+        if (i < Ns) {
+            v = logits[(size_t)t * Ns + i];
+        } else if (i < 2 * Ns) {
+            const int k = i - Ns;
+            v = k < C ? src.hist_rstd[(size_t)k * n + t] : src.P_rstd[t];
+        } else {
+            v = lse[t];
+        }
+        pre[i] = v;
+    }
+}
+
+/* Softmax backward of one row from its row group's partial dots r0 [wpg][Ns]
+ * (da_i = dh . v_i) and pre (prefetch_backward): ds_i = a_i (da_i - sum_j a_j
+ * da_j); then the coefficients of dv_i = a_i dh + k1_i u - k2_i v_i
+ * (docs/attnres.md) into coef [Ns][3]. */
+__device__ __forceinline__ void backward_coefficients(const float *r0, const float *pre, int wpg, int Ns, int d,
+                                                      float *coef) {
+    const float *lrow = pre, *rr = pre + Ns;
+    const float l_t = pre[2 * Ns];
+    float c0 = 0.0f;
+    for (int i = 0; i < Ns; i++) {
+        float da = 0.0f;
+        for (int k = 0; k < wpg; k++) da += r0[k * Ns + i];
+        const float a = expf(lrow[i] - l_t);
+        coef[3 * i] = a;
+        coef[3 * i + 1] = da;
+        c0 += a * da;
+    }
+    for (int i = 0; i < Ns; i++) {
+        const float a = coef[3 * i], da = coef[3 * i + 1], s = lrow[i];
+        const float r = rr[i];
+        const float ds = a * (da - c0);
+        coef[3 * i + 1] = ds * r;
+        coef[3 * i + 2] = ds * r * r * s / (float)d;
+    }
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(THREADS)
 backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                 const float *logits, const float *lse, const float *dh, float *qpart, int64_t n, int d, int tpr) {
     // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d)
-    // shared: red [WARPS][Ns], coef [rows][Ns][3], q [rows][d] (when qpart)
+    // shared: red [WARPS][Ns], coef [rows][Ns][3], pre [rows][2Ns+1], q [rows][d] (when qpart)
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
     float *red = smem, *coef = smem + WARPS * Ns + group * Ns * 3;
-    float *q_all = smem + WARPS * Ns + rows * Ns * 3, *q = q_all + (size_t)group * d;
+    float *pre = smem + WARPS * Ns + rows * Ns * 3 + group * (2 * Ns + 1);
+    float *q_all = smem + WARPS * Ns + rows * Ns * 3 + rows * (2 * Ns + 1), *q = q_all + (size_t)group * d;
     const size_t nd = (size_t)n * d;
     const int64_t t0 = (int64_t)blockIdx.x * TOKEN_BLOCK;
     const int64_t t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n;
@@ -308,6 +371,9 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
         const int64_t t = base + group;
         const bool active = t < t1;
         const size_t row = active ? (size_t)t * d : 0;
+        /* pre is read only between this round's barriers, and the last
+         * round's reader passed its second barrier before anyone gets here */
+        if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
         /* pass 1: da_i = dh . v_i */
         for (int i = 0; i < Ns; i++) {
             const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
@@ -325,28 +391,7 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
             if (lane == 0) red[warp * Ns + i] = dot;
         }
         __syncthreads();
-        if (active && lane_g == 0) {
-            /* softmax backward: ds_i = a_i (da_i - sum_j a_j da_j); then the
-             * coefficients of dv_i = a_i dh + k1_i u - k2_i v_i (docs/attnres.md) */
-            const float *lrow = logits + (size_t)t * Ns, *r0 = red + (size_t)group * wpg * Ns;
-            const float l_t = lse[t];
-            float c0 = 0.0f;
-            for (int i = 0; i < Ns; i++) {
-                float da = 0.0f;
-                for (int k = 0; k < wpg; k++) da += r0[k * Ns + i];
-                const float a = expf(lrow[i] - l_t);
-                coef[3 * i] = a;
-                coef[3 * i + 1] = da;
-                c0 += a * da;
-            }
-            for (int i = 0; i < Ns; i++) {
-                const float a = coef[3 * i], da = coef[3 * i + 1], s = lrow[i];
-                const float r = i < C ? src.hist_rstd[(size_t)i * n + t] : src.P_rstd[t];
-                const float ds = a * (da - c0);
-                coef[3 * i + 1] = ds * r;
-                coef[3 * i + 2] = ds * r * r * s / (float)d;
-            }
-        }
+        if (active && lane_g == 0) backward_coefficients(red + (size_t)group * wpg * Ns, pre, wpg, Ns, d, coef);
         __syncthreads();
         /* pass 2 (no barrier needed after it: the next round writes red only
          * after this round's second barrier and coef only after its own first) */
@@ -460,6 +505,13 @@ static lm_status allow_shared(const void *kernel, size_t bytes) {
     return LM_OK;
 }
 
+/* LONGMOE_ATTNRES=generic: the two-pass forward only (the register forward
+ * gives the same bits; tests and benchmarks compare the two) */
+static bool regs_allowed(void) {
+    const char *e = getenv("LONGMOE_ATTNRES");
+    return !(e && !strcmp(e, "generic"));
+}
+
 static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
 
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
@@ -498,10 +550,10 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
     const void *ptrs[6] = {src->hist, src->P, P_save, w, g, h};
     const int VEC = pick_vec(d, ptrs, 6), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
     const int Ns = src->C + src->has_partial;
-    const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns) * sizeof(float);
+    const size_t shared = (size_t)(WARPS * (Ns + 1) + 2 * rows * Ns) * sizeof(float);
     const unsigned grid = grid_of(n, rows);
     lm_status s;
-    if (!from_saved && d <= tpr * VEC && Ns <= 16) {
+    if (!from_saved && d <= tpr * VEC && Ns <= 16 && regs_allowed()) {
 #define AR_REGS(V, M)                                                                                                \
     do {                                                                                                             \
         if ((s = allow_shared((const void *)forward_regs_kernel<V, M>, shared))) return s;                           \
@@ -543,7 +595,8 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
     const int Ns = src->C + src->has_partial;
     const int want_q = dw || dg;
     float *qp = want_q ? qpart : NULL;
-    const size_t shared = (size_t)(WARPS * Ns + rows * Ns * 3 + (want_q ? rows * d : 0)) * sizeof(float);
+    const size_t shared =
+        (size_t)(WARPS * Ns + rows * Ns * 3 + rows * (2 * Ns + 1) + (want_q ? rows * d : 0)) * sizeof(float);
     const int64_t n_tb = (n + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
     lm_status s;
     if (VEC == 4) {
