@@ -9,10 +9,9 @@
  * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
  * the bench's context: 2 per multiply-add, attention averaged over the causal
  * context; the KDA chunk products counted there). Time by layer kind comes
- * from lm_model_timings: the model synchronises the device at each part's end
- * when it runs on a GPU, so the parts add up to the step (a little slower
- * than an unsynchronised step); with LONGMOE_PART_TIMING=events it marks the
- * parts' ends with CUDA events instead and waits for nothing (docs/cuda.md). With --optimizer each step also runs the
+ * from lm_model_timings: on a GPU the model marks each part's end with a CUDA
+ * event and waits for nothing (LONGMOE_PART_TIMING=sync: it waits for the
+ * device at each part's end instead, docs/cuda.md). With --optimizer each step also runs the
  * device optimizer (Muon and AdamW, as train --device cuda), timed apart.
  * Memory: the model's own plan (lm_model_buffer_at) and the device memory in
  * use after the last step (cudaMemGetInfo: the model, the optimizer, the

@@ -1101,7 +1101,7 @@ static lm_ops make_cuda_ops(void) {
 }
 
 static const lm_ops cuda_ops = make_cuda_ops();
-/* the same with the non-finite checks deferred (LONGMOE_FINITE_CHECKS=deferred) */
+/* the same with the non-finite checks deferred (the default; LONGMOE_FINITE_CHECKS=at-once: cuda_ops) */
 static lm_ops make_cuda_ops_deferred(void) {
     lm_ops o = make_cuda_ops();
     o.nonfinite_note = cuda_nonfinite_note;
@@ -1203,26 +1203,28 @@ static lm_status cuda_timer_take(lm_backend *be, void *p, double *seconds, int n
     return LM_OK;
 }
 
-/* LONGMOE_FINITE_CHECKS=deferred: a model notes its non-finite checks and takes them once a forward */
+/* By default a model notes its non-finite checks and takes them once a forward;
+ * LONGMOE_FINITE_CHECKS=at-once waits for each */
 static int deferred_checks_wanted(void) {
     const char *e = getenv("LONGMOE_FINITE_CHECKS");
-    if (!e || !*e || !strcmp(e, "at-once")) return 0;
-    if (!strcmp(e, "deferred")) return 1;
+    if (!e || !*e || !strcmp(e, "deferred")) return 1;
+    if (!strcmp(e, "at-once")) return 0;
     static int warned = 0;
     if (!warned) fprintf(stderr, "longmoe: LONGMOE_FINITE_CHECKS=%s ignored: use at-once or deferred\n", e);
     warned = 1;
-    return 0;
+    return 1;
 }
 
-/* LONGMOE_PART_TIMING=events: the part timer (no waits); otherwise a model waits at each part's end */
+/* By default the part timer (CUDA events, no waits); LONGMOE_PART_TIMING=sync: a model
+ * waits at each part's end */
 static int part_timer_wanted(void) {
     const char *e = getenv("LONGMOE_PART_TIMING");
-    if (!e || !*e || !strcmp(e, "sync")) return 0;
-    if (!strcmp(e, "events")) return 1;
+    if (!e || !*e || !strcmp(e, "events")) return 1;
+    if (!strcmp(e, "sync")) return 0;
     static int warned = 0;
     if (!warned) fprintf(stderr, "longmoe: LONGMOE_PART_TIMING=%s ignored: use sync or events\n", e);
     warned = 1;
-    return 0;
+    return 1;
 }
 
 extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
