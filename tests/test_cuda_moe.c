@@ -689,6 +689,9 @@ static void test_gemm_selector(void) {
     CHECK(lm_cuda_moe_gemm_parse("cublas") == -1 && lm_cuda_moe_gemm_parse(NULL) == -1, "unknown names refused");
     CHECK(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)7) == LM_ERR_ARG, "kind 7 refused");
     CHECK(lm_cuda_moe_set_wgmma_tile(64) == LM_ERR_ARG, "wgmma tile of 64 columns refused");
+    CHECK(lm_cuda_moe_set_batched_tiles(2) == LM_ERR_ARG, "batched entries 2 refused");
+    CHECK(lm_cuda_moe_set_batched_tiles(1) == LM_OK && lm_cuda_moe_batched_tiles() == 1, "batched tiles read back");
+    CHECK(lm_cuda_moe_set_batched_tiles(0) == LM_OK && lm_cuda_moe_batched_tiles() == 0, "batched experts read back");
     const char *names[LM_MOE_GEMM_KINDS] = {"grouped", "loop", "wmma", "batched", "wgmma"};
     for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
         lm_moe_gemm_kind got = (lm_moe_gemm_kind)-1;
@@ -714,19 +717,27 @@ int main(void) {
         fprintf(stderr, "no GPU: %s\n", lm_last_error());
         return 1;
     }
-    /* every parity test once per kind of expert product, set through the API */
-    const lm_moe_gemm_kind kinds[LM_MOE_GEMM_KINDS] = {LM_MOE_GEMM_BATCHED, LM_MOE_GEMM_GROUPED, LM_MOE_GEMM_LOOP,
-                                                       LM_MOE_GEMM_WMMA, LM_MOE_GEMM_WGMMA};
-    /* the wgmma kind twice: its 128 x 256 tiles, then its 128 x 128 tiles */
-    for (int q = 0; q <= LM_MOE_GEMM_KINDS; q++) {
-        kind_now = kinds[q < LM_MOE_GEMM_KINDS ? q : LM_MOE_GEMM_KINDS - 1];
-        const int tile = q == LM_MOE_GEMM_KINDS ? 128 : 256;
+    /* every parity test once per kind of expert product, set through the API;
+     * batched twice (one entry an expert, then one a 128-row tile), wgmma
+     * twice (its 128 x 256 tiles, then its 128 x 128 tiles) */
+    const struct {
+        lm_moe_gemm_kind kind;
+        int wgmma_tile, batched_tiles;
+    } variants[] = {{LM_MOE_GEMM_BATCHED, 256, 0}, {LM_MOE_GEMM_BATCHED, 256, 1}, {LM_MOE_GEMM_GROUPED, 256, 0},
+                    {LM_MOE_GEMM_LOOP, 256, 0},    {LM_MOE_GEMM_WMMA, 256, 0},    {LM_MOE_GEMM_WGMMA, 256, 0},
+                    {LM_MOE_GEMM_WGMMA, 128, 0}};
+    for (size_t q = 0; q < sizeof variants / sizeof variants[0]; q++) {
+        kind_now = variants[q].kind;
+        const int tile = variants[q].wgmma_tile, tiles = variants[q].batched_tiles;
         if (!test_skip_all_reason &&
-            (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_wgmma_tile(tile) != LM_OK)) {
+            (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_wgmma_tile(tile) != LM_OK ||
+             lm_cuda_moe_set_batched_tiles(tiles) != LM_OK)) {
             fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
             return 1;
         }
         if (kind_now == LM_MOE_GEMM_WGMMA) printf("expert products: wgmma, tiles of 128 x %d\n", tile);
+        else if (kind_now == LM_MOE_GEMM_BATCHED)
+            printf("expert products: batched, one entry %s\n", tiles ? "a 128-row tile" : "an expert");
         else printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
         RUN(test_forward_backward_match_the_cpu_without_latent);
         RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
@@ -739,7 +750,7 @@ int main(void) {
     }
     /* the routing does not depend on the kind of product: once, with batched */
     kind_now = LM_MOE_GEMM_BATCHED;
-    if (!test_skip_all_reason && lm_cuda_moe_set_gemm(kind_now) != LM_OK) {
+    if (!test_skip_all_reason && (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_batched_tiles(0))) {
         fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
         return 1;
     }

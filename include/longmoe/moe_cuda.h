@@ -79,7 +79,7 @@ typedef struct {
     uint16_t *zn;           /* [m, d_lat] bf16 RMSNorm(z) (LatentMoE only) */
     float *sa, *su;         /* [n_shared, m, f_s] fp32 shared experts' a, u */
     uint16_t *sh;           /* [n_shared, m, f_s] bf16 shared experts' h */
-    void **blas_ptrs;       /* [3 n] device operand pointers of the grouped cuBLAS products */
+    void **blas_ptrs;       /* [3 max(n, P / 128)] device operand pointers of the grouped cuBLAS products */
     /* Set by the forward: the expert-product kind it ran (lm_moe_gemm_kind;
      * the backward uses the same), and for the cuBLAS kinds a host copy of
      * offsets and padded_offsets (one device-to-host copy and stream
@@ -111,7 +111,9 @@ typedef struct {
 
 /* How the expert products (and, with cuBLAS, the latent and shared-expert
  * products) run:
- *   BATCHED: cublasGemmBatchedEx, one call per distinct padded row count:
+ *   BATCHED: cublasGemmBatchedEx: the products over the grouped rows one
+ *            call with an entry a 128-row tile (lm_cuda_moe_set_batched_tiles),
+ *            the weight gradients one call per distinct padded row count:
  *            the experts whose padded rows (multiples of
  *            LM_MOE_CUDA_ROW_TILE) are equally many run as one batch over
  *            their padded rows, whose inputs are zero, so the padding rows
@@ -149,6 +151,14 @@ const char *lm_cuda_moe_gemm_name(lm_moe_gemm_kind kind);
  * (128); until set, LONGMOE_MOE_WGMMA_TILE=128x128 selects the second
  * (read once). Anything else is LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_wgmma_tile(int tile_n);
+/* The batched kind's entries in the products over the grouped rows (the
+ * forward's and the input gradients'): 1, one a 128-row tile of the grouped
+ * rows, all in one call (the default); 0, one an expert, the experts with
+ * the same padded row count in one call. Until set, LONGMOE_MOE_BATCHED=experts
+ * selects 0 (read once). The weight gradients run per expert either way.
+ * Anything but 0 or 1 is LM_ERR_ARG. */
+lm_status lm_cuda_moe_set_batched_tiles(int tiles);
+int lm_cuda_moe_batched_tiles(void);
 /* "batched", "grouped", "loop", "wmma", "wgmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
 /* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):

@@ -93,6 +93,26 @@ extern "C" lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind) {
     return LM_OK;
 }
 
+/* The batched kind's rows-mode entries: 1 one entry a 128-row tile of the
+ * grouped rows (one call, the default), 0 one entry an expert (grouped by
+ * padded row count); -1: not read yet (LONGMOE_MOE_BATCHED=experts|tiles). */
+static int batched_tiles = -1;
+
+extern "C" lm_status lm_cuda_moe_set_batched_tiles(int tiles) {
+    if (tiles != 0 && tiles != 1)
+        return lm_error(LM_ERR_ARG, "moe batched: entries %d (expected 0: experts or 1: tiles)", tiles);
+    batched_tiles = tiles;
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_moe_batched_tiles(void) {
+    if (batched_tiles < 0) {
+        const char *e = getenv("LONGMOE_MOE_BATCHED");
+        batched_tiles = e && !strcmp(e, "experts") ? 0 : 1;
+    }
+    return batched_tiles;
+}
+
 static long grouped_refused; /* grouped calls cuBLAS refused (NOT_SUPPORTED), run per expert */
 
 extern "C" long lm_cuda_moe_grouped_refused(void) { return grouped_refused; }
@@ -257,6 +277,27 @@ __global__ void batch_pointers_kernel(const void **pa, const void **pb, void **p
     }
 }
 
+/* Operand pointers of the rows-mode batch entry q, the grouped rows
+ * [q T, q T + T) (T = LM_MOE_CUDA_ROW_TILE): its expert j is the last with
+ * padded[j] <= q T (experts without rows own no tile), pa = a + q T a_row,
+ * pb = b + j b_group, pc = c + q T c_row (bytes). */
+__global__ void tile_pointers_kernel(const void **pa, const void **pb, void **pc, int tiles, const int32_t *padded,
+                                     int n, const char *a, int64_t a_row, const char *b, int64_t b_group, char *c,
+                                     int64_t c_row) {
+    for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < tiles; q += gridDim.x * blockDim.x) {
+        const int64_t r = (int64_t)q * LM_MOE_CUDA_ROW_TILE;
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (padded[mid] <= r) lo = mid;
+            else hi = mid - 1;
+        }
+        pa[q] = a + r * a_row;
+        pb[q] = b + (int64_t)lo * b_group;
+        pc[q] = c + r * c_row;
+    }
+}
+
 /* Experts with rows, ordered by padded row count, then index. */
 static int by_padded_rows(const lm_cuda_moe_acts *acts, int n, uint16_t *order, int32_t *rows) {
     int q = 0;
@@ -282,26 +323,42 @@ static int by_padded_rows(const lm_cuda_moe_acts *acts, int n, uint16_t *order, 
 static lm_status batched(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g, const lm_cuda_moe_acts *acts) {
     const bool weight = g->layout == LM_GEMM_TN;
     const int n = g->groups;
-    batch_order order;
-    int32_t rows[LM_MOE_MAX_EXPERTS];
-    int count = by_padded_rows(acts, n, order.expert, rows);
-    if (count == 0) return LM_OK;
     cudaStream_t st = (cudaStream_t)ctx->stream;
     void **ptrs = acts->blas_ptrs;
-    const void **pa = (const void **)ptrs, **pb = (const void **)(ptrs + n);
-    void **pc = ptrs + 2 * n;
+    const int64_t cap = lm_moe_blas_ptr_capacity(n, acts->rows_max);
+    const void **pa = (const void **)ptrs, **pb = (const void **)(ptrs + cap);
+    void **pc = ptrs + 2 * cap;
     const int64_t cs = g->c ? 4 : 2;
     char *c = g->c ? (char *)g->c : (char *)g->cb;
     const int64_t a_row = g->lda * 2;
     const int64_t b_row = weight ? g->ldb * 2 : 0, b_group = weight ? 0 : g->b_group_stride * 2;
     const int64_t c_row = weight ? 0 : g->ldc * cs, c_group = weight ? g->c_group_stride * cs : 0;
-    batch_pointers_kernel<<<1, 256, 0, st>>>(pa, pb, pc, order, count, acts->padded_offsets, (const char *)g->a,
-                                             a_row, (const char *)g->b, b_row, b_group, c, c_row, c_group);
-    LM_CUDA_TRY(cudaGetLastError());
     cublasOperation_t op_b, op_a;
     ops_of(g->layout, &op_b, &op_a);
     const float alpha = 1.0f, beta = g->accumulate ? 1.0f : 0.0f;
     const cudaDataType_t ct = g->c ? CUDA_R_32F : CUDA_R_16BF;
+    if (!weight && lm_cuda_moe_batched_tiles()) {
+        /* every 128-row tile of the grouped rows one entry of one call: the
+         * padding rows are zero, as the per-expert entries cover them too */
+        const int tiles = acts->host_padded[n] / LM_MOE_CUDA_ROW_TILE;
+        if (tiles == 0) return LM_OK;
+        tile_pointers_kernel<<<(tiles + 255) / 256, 256, 0, st>>>(pa, pb, pc, tiles, acts->padded_offsets, n,
+                                                                  (const char *)g->a, a_row, (const char *)g->b,
+                                                                  b_group, c, c_row);
+        LM_CUDA_TRY(cudaGetLastError());
+        BLAS_TRY(cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)g->N, LM_MOE_CUDA_ROW_TILE,
+                                     (int)g->K, &alpha, (const void *const *)pb, CUDA_R_16BF, (int)g->ldb,
+                                     (const void *const *)pa, CUDA_R_16BF, (int)g->lda, &beta, (void *const *)pc, ct,
+                                     (int)g->ldc, tiles, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        return LM_OK;
+    }
+    batch_order order;
+    int32_t rows[LM_MOE_MAX_EXPERTS];
+    int count = by_padded_rows(acts, n, order.expert, rows);
+    if (count == 0) return LM_OK;
+    batch_pointers_kernel<<<1, 256, 0, st>>>(pa, pb, pc, order, count, acts->padded_offsets, (const char *)g->a,
+                                             a_row, (const char *)g->b, b_row, b_group, c, c_row, c_group);
+    LM_CUDA_TRY(cudaGetLastError());
     for (int q0 = 0; q0 < count;) {
         int q1 = q0 + 1;
         while (q1 < count && rows[q1] == rows[q0]) q1++;
@@ -383,8 +440,9 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
 
     cudaStream_t st = (cudaStream_t)ctx->stream;
     void **ptrs = acts->blas_ptrs;
-    const void **pa = (const void **)ptrs, **pb = (const void **)(ptrs + n);
-    void **pc = ptrs + 2 * n;
+    const int64_t cap = lm_moe_blas_ptr_capacity(n, acts->rows_max);
+    const void **pa = (const void **)ptrs, **pb = (const void **)(ptrs + cap);
+    void **pc = ptrs + 2 * cap;
     char *c = via_tmp ? (char *)dw_tmp : g->c ? (char *)g->c : (char *)g->cb;
     const int64_t cs = (g->c && !via_tmp) ? 4 : 2;
     const int64_t a_row = g->lda * 2;

@@ -72,6 +72,14 @@ lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, con
 lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gemm_bf16_args *g,
                               const lm_cuda_moe_acts *acts, bf16 *dw_tmp);
 
+/* Entries of each of the three device pointer arrays in acts.blas_ptrs (a,
+ * b, c): one an expert, or one a 128-row tile of the grouped rows (the
+ * batched kind's tile entries), whichever is more. */
+static inline int64_t lm_moe_blas_ptr_capacity(int64_t n, int64_t rows_max) {
+    const int64_t tiles = rows_max / LM_MOE_CUDA_ROW_TILE;
+    return tiles > n ? tiles : n;
+}
+
 /* Copy offsets and padded_offsets of the last routing to acts' host arrays
  * (pinned staging in ctx, one stream synchronisation). */
 lm_status lm_moe_blas_fetch_counts(const lm_cuda_context *ctx, lm_cuda_moe_acts *acts, int n);
