@@ -51,8 +51,10 @@
 extern "C" {
 #endif
 
-/* Tokens per partial sum of the parameter gradients (one thread block each). */
-#define LM_CUDA_ATTNRES_TOKEN_BLOCK 32
+/* The fewest tokens per partial sum of the parameter gradients (one thread
+ * block of the backward each): qpart has a row for every such block. The
+ * backward's blocks take 8 tokens (LONGMOE_ATTNRES_TOKEN_BLOCK=8|16|32|64). */
+#define LM_CUDA_ATTNRES_TOKEN_BLOCK 8
 
 /* The state of one sequence batch on the device. Fields are private. */
 typedef struct {

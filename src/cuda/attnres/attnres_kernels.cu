@@ -18,6 +18,7 @@
  * second kernel adds the blocks' q in block order (no float atomics). */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,7 +30,6 @@
 
 #define THREADS 256
 #define WARPS (THREADS / 32)
-#define TOKEN_BLOCK LM_CUDA_ATTNRES_TOKEN_BLOCK
 /* opt-in shared memory limit of sm_90 (227 KiB) */
 #define MAX_SHARED_BYTES (227 * 1024)
 
@@ -350,8 +350,9 @@ __device__ __forceinline__ void backward_coefficients(const float *r0, const flo
 template <int VEC>
 __global__ void __launch_bounds__(THREADS)
 backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
-                const float *logits, const float *lse, const float *dh, float *qpart, int64_t n, int d, int tpr) {
-    // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d)
+                const float *logits, const float *lse, const float *dh, float *qpart, int64_t n, int d, int tpr,
+                int tb) {
+    // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d); tb tokens a block
     // shared: red [WARPS][Ns], coef [rows][Ns][3], pre [rows][2Ns+1], q [rows][d] (when qpart)
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
@@ -361,8 +362,8 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
     float *pre = smem + WARPS * Ns + rows * Ns * 3 + group * (2 * Ns + 1);
     float *q_all = smem + WARPS * Ns + rows * Ns * 3 + rows * (2 * Ns + 1), *q = q_all + (size_t)group * d;
     const size_t nd = (size_t)n * d;
-    const int64_t t0 = (int64_t)blockIdx.x * TOKEN_BLOCK;
-    const int64_t t1 = t0 + TOKEN_BLOCK < n ? t0 + TOKEN_BLOCK : n;
+    const int64_t t0 = (int64_t)blockIdx.x * tb;
+    const int64_t t1 = t0 + tb < n ? t0 + tb : n;
     if (qpart)
         for (int c = threadIdx.x; c < rows * d; c += THREADS) q_all[c] = 0.0f;
 
@@ -512,6 +513,21 @@ static bool regs_allowed(void) {
     return !(e && !strcmp(e, "generic"));
 }
 
+/* Tokens a backward block (one partial sum of q each): 8, or
+ * LONGMOE_ATTNRES_TOKEN_BLOCK = 8, 16, 32 or 64 (each at least
+ * LM_CUDA_ATTNRES_TOKEN_BLOCK, which sizes qpart). 32 left the last of about
+ * 1.5 waves half empty at 32768 tokens (bench/RESULTS.md, fourteenth session). */
+static int backward_token_block(void) {
+    const char *e = getenv("LONGMOE_ATTNRES_TOKEN_BLOCK");
+    if (!e || !*e) return 8;
+    const int v = atoi(e);
+    if ((v == 8 || v == 16 || v == 32 || v == 64) && v >= LM_CUDA_ATTNRES_TOKEN_BLOCK) return v;
+    static int warned = 0;
+    if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES_TOKEN_BLOCK=%s ignored: use 8, 16, 32 or 64\n", e);
+    warned = 1;
+    return 8;
+}
+
 static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
 
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
@@ -597,16 +613,17 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
     float *qp = want_q ? qpart : NULL;
     const size_t shared =
         (size_t)(WARPS * Ns + rows * Ns * 3 + rows * (2 * Ns + 1) + (want_q ? rows * d : 0)) * sizeof(float);
-    const int64_t n_tb = (n + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    const int tb = backward_token_block();
+    const int64_t n_tb = (n + tb - 1) / tb;
     lm_status s;
     if (VEC == 4) {
         if ((s = allow_shared((const void *)backward_kernel<4>, shared))) return s;
         backward_kernel<4><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, n, d, tpr);
+                                                                        dh, qp, n, d, tpr, tb);
     } else {
         if ((s = allow_shared((const void *)backward_kernel<1>, shared))) return s;
         backward_kernel<1><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, n, d, tpr);
+                                                                        dh, qp, n, d, tpr, tb);
     }
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {
