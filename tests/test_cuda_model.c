@@ -57,6 +57,18 @@ static void round_to_bf16(float *p, size_t n) {
 }
 
 /* One forward (training) and backward; the gradients on the host. */
+/* A batch of N tokens in rows of T drawn from seed, each target the previous
+ * token (a learnable pattern, so the loss is not flat); the caller frees both. */
+static void random_batch(int vocab, size_t N, int T, uint64_t seed, int32_t **tok, int32_t **tgt) {
+    int32_t *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (size_t i = 0; i < N; i++) x[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)vocab);
+    for (size_t i = 0; i < N; i++) y[i] = i % (size_t)T ? x[i - 1] : x[i];
+    *tok = x;
+    *tgt = y;
+}
+
 static int step(lm_model *m, const int32_t *tok, const int32_t *tgt, float *loss) {
     lm_model_zero_grads(m);
     if (lm_model_forward(m, tok, tgt, 1, loss) || lm_model_backward(m, 1.0f) || lm_model_download_grads(m)) {
@@ -102,13 +114,9 @@ static void check_config_gate(const char *what, lm_config c, int B, int T, uint6
         pin_routing(cpu, c.top_k);
         pin_routing(dev, c.top_k);
     }
-    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, seed ^ 0x5eed, &tok, &tgt);
     float *g1 = malloc(n * sizeof *g1);
-    lm_rng r;
-    lm_rng_seed(&r, seed ^ 0x5eed);
-    /* a learnable pattern: the target is the previous token, so the loss is not flat */
-    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
-    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
 
     float lc = NAN, lg = NAN, lg2 = NAN;
     CHECK(!step(cpu, tok, tgt, &lc), "%s: cpu step", what);
@@ -216,11 +224,8 @@ static void test_chunked_recompute_matches_unchunked_on_the_gpu(void) {
     pin_routing(a, c.top_k);
     pin_routing(b, c.top_k);
     size_t N = (size_t)B * T;
-    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
-    lm_rng r;
-    lm_rng_seed(&r, 16);
-    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
-    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, 16, &tok, &tgt);
     float la = NAN, lb = NAN;
     CHECK(!step(a, tok, tgt, &la) && !step(b, tok, tgt, &lb), "chunked step");
     CHECK(fabs(la - lb) <= 1e-4 * fabs(la), "loss unchunked %.7f chunked %.7f", la, lb);
@@ -270,11 +275,8 @@ static void compare_segmented_on_the_gpu(const char *what, lm_config c, int B, i
     pin_routing(b, c.top_k);
     pin_routing(ref, c.top_k);
     size_t N = (size_t)B * T;
-    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
-    lm_rng r;
-    lm_rng_seed(&r, 19);
-    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
-    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, 19, &tok, &tgt);
     float la = NAN, lb = NAN, lr = NAN;
     CHECK(!step(a, tok, tgt, &la) && !step(b, tok, tgt, &lb) && !step(ref, tok, tgt, &lr), "%s: segmented step",
           what);
@@ -445,11 +447,8 @@ static void compare_with_the_conversions(const char *what, lm_config c, int B, i
     lm_model_init(before, seed);
     const size_t N = (size_t)B * T;
     CHECK(!lm_model_upload_params(now) && !lm_model_upload_params(before), "%s: %s", what, lm_last_error());
-    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
-    lm_rng r;
-    lm_rng_seed(&r, seed ^ 0x1b);
-    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
-    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, seed ^ 0x1b, &tok, &tgt);
     float l_now = NAN, l_before = NAN;
     CHECK(!step(now, tok, tgt, &l_now), "%s: step", what);
     cuda_ops_now = gpu->ops;
@@ -521,11 +520,8 @@ static void compare_kept(const char *what, lm_config c, int B, int T, uint64_t s
     lm_model_init(plain, seed);
     CHECK(!lm_model_upload_params(kept) && !lm_model_upload_params(plain), "%s: %s", what, lm_last_error());
     const size_t N = (size_t)B * T;
-    int32_t *tok = malloc(N * sizeof *tok), *tgt = malloc(N * sizeof *tgt);
-    lm_rng r;
-    lm_rng_seed(&r, seed ^ 0x4b);
-    for (size_t i = 0; i < N; i++) tok[i] = (int32_t)(lm_rng_u64(&r) % (uint64_t)c.vocab_size);
-    for (size_t i = 0; i < N; i++) tgt[i] = i % (size_t)T ? tok[i - 1] : tok[i];
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, seed ^ 0x4b, &tok, &tgt);
     float lk = NAN, lp = NAN;
     CHECK(!step(kept, tok, tgt, &lk) && !step(plain, tok, tgt, &lp), "%s: step: %s", what, lm_last_error());
     printf("    %-16s loss %.9g, recomputing %.9g\n", what, lk, lp);

@@ -1203,29 +1203,23 @@ static lm_status cuda_timer_take(lm_backend *be, void *p, double *seconds, int n
     return LM_OK;
 }
 
-/* By default a model notes its non-finite checks and takes them once a forward;
- * LONGMOE_FINITE_CHECKS=at-once waits for each */
-static int deferred_checks_wanted(void) {
-    const char *e = getenv("LONGMOE_FINITE_CHECKS");
-    if (!e || !*e || !strcmp(e, "deferred")) return 1;
-    if (!strcmp(e, "at-once")) return 0;
-    static int warned = 0;
-    if (!warned) fprintf(stderr, "longmoe: LONGMOE_FINITE_CHECKS=%s ignored: use at-once or deferred\n", e);
-    warned = 1;
+/* An environment switch read when the backend is created: 1 when unset,
+ * empty or `on`, 0 when `off`; anything else is said on stderr and taken as 1. */
+static int env_switch(const char *name, const char *on, const char *off) {
+    const char *e = getenv(name);
+    if (!e || !*e || !strcmp(e, on)) return 1;
+    if (!strcmp(e, off)) return 0;
+    fprintf(stderr, "longmoe: %s=%s ignored: use %s or %s\n", name, e, off, on);
     return 1;
 }
 
+/* By default a model notes its non-finite checks and takes them once a forward;
+ * LONGMOE_FINITE_CHECKS=at-once waits for each */
+static int deferred_checks_wanted(void) { return env_switch("LONGMOE_FINITE_CHECKS", "deferred", "at-once"); }
+
 /* By default the part timer (CUDA events, no waits); LONGMOE_PART_TIMING=sync: a model
  * waits at each part's end */
-static int part_timer_wanted(void) {
-    const char *e = getenv("LONGMOE_PART_TIMING");
-    if (!e || !*e || !strcmp(e, "events")) return 1;
-    if (!strcmp(e, "sync")) return 0;
-    static int warned = 0;
-    if (!warned) fprintf(stderr, "longmoe: LONGMOE_PART_TIMING=%s ignored: use sync or events\n", e);
-    warned = 1;
-    return 1;
-}
+static int part_timer_wanted(void) { return env_switch("LONGMOE_PART_TIMING", "events", "sync"); }
 
 extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     if (!out) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create: out is NULL");
