@@ -510,7 +510,12 @@ static lm_status allow_shared(const void *kernel, size_t bytes) {
  * gives the same bits; tests and benchmarks compare the two) */
 static bool regs_allowed(void) {
     const char *e = getenv("LONGMOE_ATTNRES");
-    return !(e && !strcmp(e, "generic"));
+    if (!e || !*e) return true;
+    if (!strcmp(e, "generic")) return false;
+    static int warned = 0;
+    if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES=%s ignored: use generic (or leave it unset)\n", e);
+    warned = 1;
+    return true;
 }
 
 /* Tokens a backward block (one partial sum of q each): 8, or

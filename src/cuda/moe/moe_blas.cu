@@ -109,6 +109,8 @@ extern "C" int lm_cuda_moe_batched_tiles(void) {
     if (batched_tiles < 0) {
         const char *e = getenv("LONGMOE_MOE_BATCHED");
         batched_tiles = e && !strcmp(e, "experts") ? 0 : 1;
+        if (e && *e && strcmp(e, "experts") && strcmp(e, "tiles"))
+            fprintf(stderr, "longmoe: LONGMOE_MOE_BATCHED=%s ignored: use tiles or experts\n", e);
     }
     return batched_tiles;
 }
