@@ -2,7 +2,8 @@
  * k3-mini MoE layer (d 1024, 128 experts top-8, expert ffn 512, LatentMoE
  * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
  *
- *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--out results.json]
+ *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--no-balance]
+ *                  [--out results.json]
  *
  * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS batched by
  * padded size, cuBLAS grouped, cuBLAS per-expert loop, the wmma kernel, the
@@ -11,13 +12,24 @@
  * experts only: 6 m k f d_e forward, twice that backward) over the whole
  * layer's time, so a lower bound of the grouped products' own rate. The
  * JSON holds each kind under "kinds" and, at the top level, the kind with
- * the fastest forward+backward ("kind"). Random weights (never zeros); the
- * routing is whatever the random router gives (no balancing bias). */
+ * the fastest forward+backward ("kind"). Random weights (never zeros).
+ *
+ * Balancing, as the model and bench/moe_vs_torch.py's step run it (SPEC §4,
+ * the K3 histogram of 1000 bins): the router adds the bias b; after the
+ * forward (outside its time) the histogram and the expert loads are counted
+ * on the device; after the backward the counts come to the host, which
+ * updates b (lm_balance_observe_counts, lm_balance_step_end) and uploads it:
+ * forward+backward is timed with all of that, as the peer's
+ * forward+backward+balance. --no-balance: no bias and no balancing (the
+ * bench before the fourteenth session). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "bench_common.h"
+#include "longmoe/balance.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
@@ -33,11 +45,12 @@ int main(int argc, char **argv) {
     int64_t m = 32768;
     int reps = 10;
     const char *out_path = NULL;
-    int only = -1;
+    int only = -1, balance = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--tokens") && i + 1 < argc) m = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
+        else if (!strcmp(argv[i], "--no-balance")) balance = 0;
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) {
             only = lm_cuda_moe_gemm_parse(argv[++i]);
             if (only < 0) {
@@ -45,7 +58,9 @@ int main(int argc, char **argv) {
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--out results.json]\n",
+            fprintf(stderr,
+                    "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--no-balance] "
+                    "[--out results.json]\n",
                     argv[0]);
             return 2;
         }
@@ -107,6 +122,25 @@ int main(int argc, char **argv) {
     ok(lm_cuda_moe_acts_carve(&acts, &c, m, acts_block, ab), "carve acts");
     ok(lm_cuda_moe_scratch_carve(&scratch, &c, m, scratch_block, sb), "carve scratch");
 
+    /* the balancer: host state, device bias, bin geometry, counts and loads */
+    const int n = c.n_experts, bins = LM_QB_BINS_DEFAULT;
+    lm_balance_config bcfg = lm_balance_config_default(LM_BALANCE_QUANTILE, n, c.top_k, m);
+    lm_balance_state bal;
+    ok(lm_balance_init(&bal, &bcfg), "balance state");
+    void *bias_d, *lo_d, *width_d, *counts_d, *load_d;
+    ok(lm_cuda_alloc(&bias_d, (size_t)n * 4), "alloc bias");
+    ok(lm_cuda_alloc(&lo_d, (size_t)n * 4), "alloc lo");
+    ok(lm_cuda_alloc(&width_d, (size_t)n * 4), "alloc width");
+    ok(lm_cuda_alloc(&counts_d, (size_t)n * bins * 4), "alloc counts");
+    ok(lm_cuda_alloc(&load_d, (size_t)n * 4), "alloc load");
+    float *lo_h = malloc((size_t)n * 4), *width_h = malloc((size_t)n * 4);
+    int32_t *counts_h = malloc((size_t)n * bins * 4), *load_h = malloc((size_t)n * 4);
+    if (!lo_h || !width_h || !counts_h || !load_h) {
+        fprintf(stderr, "out of host memory\n");
+        return 1;
+    }
+    cudaStream_t st = (cudaStream_t)ctx.stream;
+
     double *t_fwd = malloc((size_t)reps * sizeof(double)), *t_all = malloc((size_t)reps * sizeof(double));
     double grouped_fwd = 6.0 * (double)m * c.top_k * c.d_ff * c.d_latent;
     double res[LM_MOE_GEMM_KINDS][4]; /* per kind: forward ms, forward+backward ms, TFLOP/s of each */
@@ -116,10 +150,33 @@ int main(int argc, char **argv) {
         ok(lm_cuda_moe_set_gemm((lm_moe_gemm_kind)kind), "gemm kind");
         for (int rep = -2; rep < reps; rep++) {
             double t0 = lm_time_seconds();
-            ok(lm_cuda_moe_forward(&ctx, y, x, NULL, NULL, &c, &pf, &pb, &acts, m), "forward");
+            ok(lm_cuda_moe_forward(&ctx, y, x, NULL, balance ? (const float *)bias_d : NULL, &c, &pf, &pb, &acts, m),
+               "forward");
             ok(lm_cuda_context_sync(&ctx), "forward sync");
             double t1 = lm_time_seconds();
+            if (balance) {
+                /* this step's bins (fixed by b), the counts of the forward's scores */
+                ok(lm_balance_bin_geometry(&bal, lo_h, width_h), "bin geometry");
+                ok(lm_cuda_upload(lo_d, lo_h, (size_t)n * 4), "upload lo");
+                ok(lm_cuda_upload(width_d, width_h, (size_t)n * 4), "upload width");
+                if (cudaMemsetAsync(counts_d, 0, (size_t)n * bins * 4, st) != cudaSuccess ||
+                    cudaMemsetAsync(load_d, 0, (size_t)n * 4, st) != cudaSuccess)
+                    ok(LM_ERR_IO, "zero the counts");
+                ok(lm_cuda_balance_histogram(&ctx, (int32_t *)counts_d, acts.s, (const float *)bias_d,
+                                             (const float *)lo_d, (const float *)width_d, m, n, c.top_k, bins, 0),
+                   "balance histogram");
+                ok(lm_cuda_expert_load(&ctx, (int32_t *)load_d, acts.topk, m, n, c.top_k), "expert load");
+            }
             ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
+            if (balance) {
+                /* the step's end: the counts to the host, b updated there and uploaded */
+                ok(lm_cuda_context_sync(&ctx), "backward sync");
+                ok(lm_cuda_download(counts_h, counts_d, (size_t)n * bins * 4), "download counts");
+                ok(lm_cuda_download(load_h, load_d, (size_t)n * 4), "download load");
+                ok(lm_balance_observe_counts(&bal, counts_h, load_h, m, 1, 0.0), "observe counts");
+                ok(lm_balance_step_end(&bal, 1, NULL), "balance step");
+                ok(lm_cuda_upload(bias_d, bal.bias, (size_t)n * 4), "upload bias");
+            }
             ok(lm_cuda_context_sync(&ctx), "backward sync");
             double t2 = lm_time_seconds();
             if (rep >= 0) {
@@ -144,7 +201,9 @@ int main(int argc, char **argv) {
     printf("moe layer d %d, %d experts top-%d, ffn %d, latent %d, %d shared ffn %d, %s, %lld tokens\n", c.d,
            c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
            c.act == LM_EXPERT_SITU_GLU ? "SiTU-GLU" : "SwiGLU", (long long)m);
-    printf("  busiest expert %d rows (mean %lld)\n", maxload, (long long)(m * c.top_k / c.n_experts));
+    printf("  busiest expert %d rows (mean %lld)%s\n", maxload, (long long)(m * c.top_k / c.n_experts),
+           balance ? "; forward+backward includes the balancing (histogram, loads, b updated on the host)"
+                   : "; no balancing (--no-balance)");
     for (int kind = 0; kind < LM_MOE_GEMM_KINDS; kind++) {
         if (!ran[kind]) continue;
         const char *name = lm_cuda_moe_gemm_name((lm_moe_gemm_kind)kind);
@@ -167,11 +226,11 @@ int main(int argc, char **argv) {
                 "\"d_ff\": %d, \"d_latent\": %d, \"n_shared\": %d, \"d_ff_shared\": %d, \"act\": \"%s\", "
                 "\"reps\": %d, \"kind\": \"%s\", \"forward_ms\": %.4f, \"forward_backward_ms\": %.4f, "
                 "\"grouped_gemm_tflops_forward\": %.2f, \"grouped_gemm_tflops_forward_backward\": %.2f, "
-                "\"busiest_expert_rows\": %d, \"grouped_calls_refused\": %ld, \"kinds\": {",
+                "\"busiest_expert_rows\": %d, \"grouped_calls_refused\": %ld, \"balance\": %s, \"kinds\": {",
                 (long long)m, c.d, c.n_experts, c.top_k, c.d_ff, c.d_latent, c.n_shared, c.d_ff_shared,
                 c.act == LM_EXPERT_SITU_GLU ? "situ_glu" : "swiglu", reps,
                 lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best), res[best][0], res[best][1], res[best][2],
-                res[best][3], maxload, refused);
+                res[best][3], maxload, refused, balance ? "true" : "false");
         int first = 1;
         for (int kind = 0; kind < LM_MOE_GEMM_KINDS; kind++) {
             if (!ran[kind]) continue;
@@ -186,6 +245,9 @@ int main(int argc, char **argv) {
         fclose(f);
     }
     free(load), free(t_fwd), free(t_all), free(hp), free(hx);
+    free(lo_h), free(width_h), free(counts_h), free(load_h);
+    lm_balance_free(&bal);
+    lm_cuda_free(bias_d), lm_cuda_free(lo_d), lm_cuda_free(width_d), lm_cuda_free(counts_d), lm_cuda_free(load_d);
     lm_cuda_free(pf_block), lm_cuda_free(pb_block), lm_cuda_free(g_block), lm_cuda_free(x), lm_cuda_free(y);
     lm_cuda_free(dy), lm_cuda_free(dx), lm_cuda_free(acts_block), lm_cuda_free(scratch_block);
     lm_cuda_context_destroy(&ctx);
