@@ -160,8 +160,10 @@ int main(int argc, char **argv) {
                 ok(lm_cuda_upload(lo_d, lo_h, (size_t)n * 4), "upload lo");
                 ok(lm_cuda_upload(width_d, width_h, (size_t)n * 4), "upload width");
                 if (cudaMemsetAsync(counts_d, 0, (size_t)n * bins * 4, st) != cudaSuccess ||
-                    cudaMemsetAsync(load_d, 0, (size_t)n * 4, st) != cudaSuccess)
-                    ok(LM_ERR_IO, "zero the counts");
+                    cudaMemsetAsync(load_d, 0, (size_t)n * 4, st) != cudaSuccess) {
+                    fprintf(stderr, "zero the counts: %s\n", cudaGetErrorString(cudaGetLastError()));
+                    return 1;
+                }
                 ok(lm_cuda_balance_histogram(&ctx, (int32_t *)counts_d, acts.s, (const float *)bias_d,
                                              (const float *)lo_d, (const float *)width_d, m, n, c.top_k, bins, 0),
                    "balance histogram");

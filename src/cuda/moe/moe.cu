@@ -66,7 +66,8 @@ static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m
         {(void **)&a->gout, P * de * 2},      {(void **)&a->z, dl ? m * de * 4 : 0},
         {(void **)&a->rstd, dl ? m * 4 : 0},  {(void **)&a->zn, m * dl * 2},
         {(void **)&a->sa, ns * m * fs * 2},   {(void **)&a->su, ns * m * fs * 2},
-        {(void **)&a->sh, ns * m * fs * 2},   {(void **)&a->blas_ptrs, 3 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
+        {(void **)&a->sh, ns * m * fs * 2},
+        {(void **)&a->blas_ptrs, 3 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
     };
     return layout_buffers(t, sizeof t / sizeof t[0], base);
 }

@@ -288,14 +288,8 @@ __global__ void tile_pointers_kernel(const void **pa, const void **pb, void **pc
                                      int64_t c_row) {
     for (int q = blockIdx.x * blockDim.x + threadIdx.x; q < tiles; q += gridDim.x * blockDim.x) {
         const int64_t r = (int64_t)q * LM_MOE_CUDA_ROW_TILE;
-        int lo = 0, hi = n - 1;
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (padded[mid] <= r) lo = mid;
-            else hi = mid - 1;
-        }
         pa[q] = a + r * a_row;
-        pb[q] = b + (int64_t)lo * b_group;
+        pb[q] = b + (int64_t)group_of_row(padded, n, r) * b_group;
         pc[q] = c + r * c_row;
     }
 }

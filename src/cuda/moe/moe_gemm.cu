@@ -60,17 +60,6 @@ struct tile_loader {
     }
 };
 
-/* The expert owning grouped row r: the last j with offsets[j] <= r. */
-__device__ __forceinline__ int group_of_row(const int32_t *offsets, int groups, int64_t r) {
-    int lo = 0, hi = groups - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if ((int64_t)offsets[mid] <= r) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 template <lm_gemm_layout L>
 __global__ void __launch_bounds__(GB_THREADS) gemm_bf16_kernel(lm_gemm_bf16_args g, bool vec_a, bool vec_b) {
     constexpr bool AT = L == LM_GEMM_TN;  /* A stored [K][M] */

@@ -49,6 +49,18 @@ lm_status lm_moe_gemm_f32(cudaStream_t stream, lm_gemm_layout layout, const floa
                           const float *b, int64_t ldb, float *c, int64_t ldc, int accumulate, int64_t M,
                           int64_t N, int64_t K);
 
+/* The expert owning grouped row r: the last j with offsets[j] <= r (experts
+ * without rows own none), from the padded (or unpadded) offsets [groups + 1]. */
+__device__ __forceinline__ int group_of_row(const int32_t *offsets, int groups, int64_t r) {
+    int lo = 0, hi = groups - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if ((int64_t)offsets[mid] <= r) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Slots a block of the counting sort handles. */
 #define LM_MOE_SORT_BLOCK 256
 

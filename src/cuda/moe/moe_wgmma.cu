@@ -181,13 +181,7 @@ grouped_nt_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_consta
     const int total = p.padded[p.groups];
     if (row0 >= total) return;
     /* the expert owning the tile: the largest j with padded[j] <= row0 */
-    int lo = 0, hi = p.groups - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (p.padded[mid] <= row0) lo = mid;
-        else hi = mid - 1;
-    }
-    const int expert = lo, col0 = blockIdx.x * TILE_N;
+    const int expert = group_of_row(p.padded, p.groups, row0), col0 = blockIdx.x * TILE_N;
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char *base = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
