@@ -21,7 +21,9 @@
  * updates b (lm_balance_observe_counts, lm_balance_step_end) and uploads it:
  * forward+backward is timed with all of that, as the peer's
  * forward+backward+balance. --no-balance: no bias and no balancing (the
- * bench before the fourteenth session). */
+ * bench before the fourteenth session). With balancing, the histogram pass
+ * alone is timed too (CUDA events, 20 launches) for each tokens-a-block
+ * setting (lm_cuda_balance_set_hist_tokens). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,6 +217,34 @@ int main(int argc, char **argv) {
                res[kind][1], res[kind][3]);
     }
     printf("  fastest forward+backward: %s\n", lm_cuda_moe_gemm_name((lm_moe_gemm_kind)best));
+    /* the balance histogram alone (the last forward's scores and b), by tokens a block */
+    const int hist_tok[5] = {8, 16, 32, 64, 128};
+    double hist_us[5] = {0};
+    if (balance) {
+        cudaEvent_t e0, e1;
+        if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) {
+            fprintf(stderr, "events: %s\n", cudaGetErrorString(cudaGetLastError()));
+            return 1;
+        }
+        for (int q = 0; q < 5; q++) {
+            ok(lm_cuda_balance_set_hist_tokens(hist_tok[q]), "histogram tokens");
+            const int launches = 20;
+            for (int rep = -2; rep < launches; rep++) {
+                if (rep == 0) cudaEventRecord(e0, st);
+                ok(lm_cuda_balance_histogram(&ctx, (int32_t *)counts_d, acts.s, (const float *)bias_d,
+                                             (const float *)lo_d, (const float *)width_d, m, n, c.top_k, bins, 0),
+                   "balance histogram");
+            }
+            cudaEventRecord(e1, st);
+            ok(lm_cuda_context_sync(&ctx), "histogram sync");
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            hist_us[q] = ms * 1e3 / launches;
+            printf("  balance histogram, %3d tokens a block: %8.1f us a launch\n", hist_tok[q], hist_us[q]);
+        }
+        ok(lm_cuda_balance_set_hist_tokens(16), "histogram tokens");
+        cudaEventDestroy(e0), cudaEventDestroy(e1);
+    }
     long refused = lm_cuda_moe_grouped_refused();
     if (refused) printf("  note: cuBLAS refused %ld grouped calls; the grouped kind ran them per expert\n", refused);
     if (out_path) {
@@ -243,7 +273,11 @@ int main(int argc, char **argv) {
                     res[kind][2], res[kind][3]);
             first = 0;
         }
-        fprintf(f, "}}\n");
+        fprintf(f, "}");
+        if (balance)
+            fprintf(f, ", \"histogram_us\": {\"8\": %.2f, \"16\": %.2f, \"32\": %.2f, \"64\": %.2f, \"128\": %.2f}",
+                    hist_us[0], hist_us[1], hist_us[2], hist_us[3], hist_us[4]);
+        fprintf(f, "}\n");
         fclose(f);
     }
     free(load), free(t_fwd), free(t_all), free(hp), free(hx);

@@ -640,11 +640,17 @@ static void check_histogram_n(lm_qb_estimator est, int N, int K, int M) {
     lm_balance_free(&st);
 }
 
+/* every tokens-a-block setting (the last block partial in most cases), then the default back */
 static void check_histogram(lm_qb_estimator est) {
-    check_histogram_n(est, 32, 4, 1000);
-    check_histogram_n(est, 200, 8, 333);
-    check_histogram_n(est, 300, 16, 257);
-    check_histogram_n(est, 600, 8, 130);
+    const int tok[5] = {8, 32, 64, 128, 16};
+    for (int q = 0; q < 5; q++) {
+        GPU_OK(lm_cuda_balance_set_hist_tokens(tok[q]));
+        check_histogram_n(est, 32, 4, 1000);
+        check_histogram_n(est, 200, 8, 333);
+        check_histogram_n(est, 300, 16, 257);
+        check_histogram_n(est, 600, 8, 130);
+    }
+    CHECK(lm_cuda_balance_set_hist_tokens(48) == LM_ERR_ARG, "48 tokens a block refused");
 }
 
 /* Expert loads over many blocks (each counts its slots in shared memory, then

@@ -213,6 +213,10 @@ lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_m
 lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32_t *counts, const float *scores,
                                     const float *bias, const float *lo, const float *width, int64_t m,
                                     int n, int k, int bins, int zoom);
+/* Tokens a block of that pass: 8, 16 (the default), 32, 64 or 128; the
+ * counts are the same whatever the setting (a tuning knob; anything else
+ * LM_ERR_ARG). */
+lm_status lm_cuda_balance_set_hist_tokens(int tokens);
 
 /* Tokens per expert of a routing topk [m,k]: load[j] += #{(i,t): topk = j}. */
 lm_status lm_cuda_expert_load(const lm_cuda_context *ctx, int32_t *load, const int32_t *topk, int64_t m,

@@ -9,7 +9,19 @@
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
 
-#define HIST_TOKENS 128
+/* Tokens a block of the histogram: 128 made 256 blocks at 32768 tokens, two
+ * a multiprocessor, whose warps each found 16 thresholds one after the other
+ * (a latency-bound chain of warp shuffles). Measured on the H200 at k3-mini's
+ * shape (bench_cuda_moe, bench/RESULTS.md): 128 us a launch with 128 tokens,
+ * 101 with 64, 87 with 32, 77 with 16; the rest is the global atomics. */
+static int hist_tokens = 16;
+
+extern "C" lm_status lm_cuda_balance_set_hist_tokens(int tokens) {
+    if (tokens != 8 && tokens != 16 && tokens != 32 && tokens != 64 && tokens != 128)
+        return lm_error(LM_ERR_ARG, "balance histogram: %d tokens a block (expected 8, 16, 32, 64 or 128)", tokens);
+    hist_tokens = tokens;
+    return LM_OK;
+}
 
 /* The (k+1)-th largest s + b of one token's n scores, by one warp (EPL scores
  * a lane): k+1 rounds of a warp maximum, each taking one instance of the
@@ -52,25 +64,31 @@ __device__ float kth_value_warp(const float *si, const float *bias, int n, int k
     return best;
 }
 
-/* One block: HIST_TOKENS tokens, 256 threads. First each token's threshold
+/* One block: TOK tokens, 256 threads. First each token's threshold
  * alpha = the (k+1)-th largest s + b (the value only, so ties do not matter;
  * -inf when k == n): one warp a token for n <= 512 (EPL = ceil(n / 32)), one
  * thread a token beyond (EPL = 0). Then the block bins every (token, expert)
- * pair. All arithmetic is rounded like the CPU's: x = ((alpha - s) - lo) * (1 / w). */
-template <int EPL>
+ * pair. All arithmetic is rounded like the CPU's: x = ((alpha - s) - lo) * (1 / w);
+ * lo and 1 / w are read once a block into shared memory. */
+template <int EPL, int TOK>
 __global__ void balance_histogram_kernel(int32_t *counts, const float *scores, const float *bias, const float *lo,
                                          const float *width, int64_t m, int n, int k, int bins, int zoom) {
-    __shared__ float alpha[HIST_TOKENS];
-    int64_t i0 = (int64_t)blockIdx.x * HIST_TOKENS;
-    int kk = k < n ? k + 1 : k;
+    __shared__ float alpha[TOK];
+    __shared__ float lo_s[LM_MOE_MAX_EXPERTS], inv_s[LM_MOE_MAX_EXPERTS];
+    const int64_t i0 = (int64_t)blockIdx.x * TOK;
+    const int kk = k < n ? k + 1 : k;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        lo_s[j] = lo[j];
+        inv_s[j] = __fdiv_rn(1.0f, width[j]);
+    }
     if constexpr (EPL > 0) {
         const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-        for (int t = threadIdx.x >> 5; t < HIST_TOKENS; t += warps) {
+        for (int t = threadIdx.x >> 5; t < TOK; t += warps) {
             if (i0 + t >= m) break;
             float a = kth_value_warp<(EPL > 0 ? EPL : 1)>(scores + (i0 + t) * n, bias, n, kk, lane);
             if (lane == 0) alpha[t] = kk > k ? a : -INFINITY;
         }
-    } else if (threadIdx.x < HIST_TOKENS && i0 + threadIdx.x < m) {
+    } else if (threadIdx.x < TOK && i0 + threadIdx.x < m) {
         const float *si = scores + (i0 + threadIdx.x) * n;
         float val[LM_MOE_MAX_TOPK + 1];
         int have = 0;
@@ -88,19 +106,31 @@ __global__ void balance_histogram_kernel(int32_t *counts, const float *scores, c
         alpha[threadIdx.x] = kk > k ? val[k] : -INFINITY;
     }
     __syncthreads();
-    int64_t tokens = m - i0 < HIST_TOKENS ? m - i0 : HIST_TOKENS;
-    int64_t pairs = tokens * n;
+    const int tokens = m - i0 < TOK ? (int)(m - i0) : TOK;
+    const int pairs = tokens * n; /* at most 128 x 1024 */
     const float fb = (float)bins, fb2 = (float)(bins - 2);
-    for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) {
-        int64_t t = q / n;
-        int j = (int)(q % n);
-        float inv = __fdiv_rn(1.0f, width[j]);
-        float x = __fmul_rn(__fsub_rn(__fsub_rn(alpha[t], scores[(i0 + t) * n + j]), lo[j]), inv);
+    const float *sb = scores + i0 * n;
+    for (int q = threadIdx.x; q < pairs; q += blockDim.x) {
+        const int t = q / n, j = q - t * n;
+        float x = __fmul_rn(__fsub_rn(__fsub_rn(alpha[t], sb[q]), lo_s[j]), inv_s[j]);
         int bin;
         if (zoom) bin = x < 0.0f ? 0 : x >= fb2 ? bins - 1 : 1 + (int)x;
         else bin = x < 0.0f ? 0 : x >= fb ? bins - 1 : (int)x;
         atomicAdd(&counts[(int64_t)j * bins + bin], 1);
     }
+}
+
+template <int TOK>
+static void launch_histogram(cudaStream_t st, int32_t *counts, const float *scores, const float *bias,
+                             const float *lo, const float *width, int64_t m, int n, int k, int bins, int z) {
+    const unsigned grid = (unsigned)((m + TOK - 1) / TOK);
+    if (n <= 128)
+        balance_histogram_kernel<4, TOK><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else if (n <= 256)
+        balance_histogram_kernel<8, TOK><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else if (n <= 512)
+        balance_histogram_kernel<16, TOK><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    else balance_histogram_kernel<0, TOK><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
 }
 
 extern "C" lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32_t *counts, const float *scores,
@@ -116,15 +146,15 @@ extern "C" lm_status lm_cuda_balance_histogram(const lm_cuda_context *ctx, int32
         return lm_error(LM_ERR_ARG, "balance histogram: k must lie in [1, min(%d, n)], got %d", LM_MOE_MAX_TOPK, k);
     if (bins < 4) return lm_error(LM_ERR_ARG, "balance histogram: bins must be >= 4, got %d", bins);
     if (m == 0) return LM_OK;
-    unsigned grid = (unsigned)((m + HIST_TOKENS - 1) / HIST_TOKENS);
     cudaStream_t st = (cudaStream_t)ctx->stream;
     const int z = zoom ? 1 : 0;
-    if (n <= 128) balance_histogram_kernel<4><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
-    else if (n <= 256)
-        balance_histogram_kernel<8><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
-    else if (n <= 512)
-        balance_histogram_kernel<16><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
-    else balance_histogram_kernel<0><<<grid, 256, 0, st>>>(counts, scores, bias, lo, width, m, n, k, bins, z);
+    switch (hist_tokens) {
+    case 8: launch_histogram<8>(st, counts, scores, bias, lo, width, m, n, k, bins, z); break;
+    case 16: launch_histogram<16>(st, counts, scores, bias, lo, width, m, n, k, bins, z); break;
+    case 32: launch_histogram<32>(st, counts, scores, bias, lo, width, m, n, k, bins, z); break;
+    case 64: launch_histogram<64>(st, counts, scores, bias, lo, width, m, n, k, bins, z); break;
+    default: launch_histogram<128>(st, counts, scores, bias, lo, width, m, n, k, bins, z); break;
+    }
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
