@@ -3,7 +3,11 @@
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
  *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
- *                    [--out FILE.json]
+ *                    [--head-in-backward] [--out FILE.json]
+ *
+ * As `train` does, the LM head's backward runs inside the forward
+ * (lm_model_set_head_backward: each chunk's logits computed once);
+ * --head-in-backward runs it in the backward instead, computing them again.
  *
  * MFU = tokens/s x training FLOPs per token / 989e12 (H200 dense bf16), with
  * the training FLOPs 3x the forward's of `longmoe plan` (lm_config_plan at
@@ -34,7 +38,7 @@
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
-    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0;
+    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0, head_in_fwd = 1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -53,10 +57,12 @@ int main(int argc, char **argv) {
             segment = (int)v;
         }
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
+        else if (!strcmp(argv[i], "--head-in-backward")) head_in_fwd = 0;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
-                            "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--out FILE.json]\n");
+                            "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--head-in-backward] "
+                            "[--out FILE.json]\n");
             return 2;
         }
     }
@@ -118,6 +124,10 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < N; i++) tgt[i] = tok[(i + 1) % N];
     double *times = malloc((size_t)(reps + 1) * sizeof *times), parts[LM_TIME_COUNT] = {0};
     float loss = 0;
+    if (lm_model_set_head_backward(m, head_in_fwd ? 1.0f : 0.0f)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 1;
+    }
     for (int i = 0; i <= reps; i++) {
         if (i == 1) lm_model_reset_timings(m); /* the first step grows the backend's scratch */
         lm_model_zero_grads(m);
@@ -154,9 +164,10 @@ int main(int argc, char **argv) {
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     double used_gib = (double)(total_b - free_b) / (1u << 30);
-    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d\n",
+    printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d, "
+           "LM head backward in the %s\n",
            cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off",
-           c.recompute_chunk, c.seq_segment);
+           c.recompute_chunk, c.seq_segment, head_in_fwd && !(c.seq_segment > 0 && c.seq_segment < T) ? "forward" : "backward");
     if (c.seq_segment > 0 && c.seq_segment < T)
         printf("note: rows of %d tokens run in segments of %d, whose backward runs each segment's forward again "
                "(--seq-segment 0: off)\n", T, c.seq_segment);

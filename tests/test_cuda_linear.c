@@ -517,6 +517,22 @@ static void test_cross_entropy_matches_float64_reference(void) {
         CHECK(same_bits(lse[0], lse[1], (size_t)n * 4) && same_bits(&loss_got[0], &loss_got[1], 4) &&
                   same_bits(dh[0], dh[1], nh * 4) && same_bits(dw[0], dw[1], nw * 4),
               "%s: differs between runs", what);
+        if (!c.with_row_scale) {
+            /* forward and backward in one pass over the chunks: the two calls' bits */
+            put_f32(d_dh, dh0, nh);
+            put_f32(d_dw, dw0, nw);
+            CHECK(lm_cuda_upload(d_lse, dh0, (size_t)n * 4) == LM_OK, "%s", lm_last_error()); /* not zeros */
+            CHECK(lm_cuda_cross_entropy_forward_backward(&ctx, d_lse, d_loss, d_dh, d_dw, d_hn, d_head, d_tg, scale, n,
+                                                         d, V, ws, wsb) == LM_OK,
+                  "%s", lm_last_error());
+            float *f_lse = get_f32(d_lse, (size_t)n), *f_loss = get_f32(d_loss, 1), *f_dh = get_f32(d_dh, nh),
+                  *f_dw = get_f32(d_dw, nw);
+            CHECK(same_bits(f_lse, lse[0], (size_t)n * 4) && same_bits(f_loss, &loss_got[0], 4),
+                  "%s: the fused pass's lse or loss differ from the forward's", what);
+            CHECK(same_bits(f_dh, dh[0], nh * 4) && same_bits(f_dw, dw[0], nw * 4),
+                  "%s: the fused pass's dhn or dhead differ from the backward's", what);
+            free(f_lse), free(f_loss), free(f_dh), free(f_dw);
+        }
         free(hn), free(head), free(tg), free(rs), free(dh0), free(dw0), free(z), free(want_lse), free(want_dh);
         free(want_dw);
         for (int run = 0; run < 2; run++) free(lse[run]), free(dh[run]), free(dw[run]);

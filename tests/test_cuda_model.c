@@ -161,7 +161,10 @@ static void check_config_gate(const char *what, lm_config c, int B, int T, uint6
     }
 
     /* run to run on the same GPU: bit-identical (the step's end moved b the
-     * same way in both models, so repeat the step on a fresh model) */
+     * same way in both models, so repeat the step on a fresh model); the
+     * second run with the LM head's backward inside the forward
+     * (lm_model_set_head_backward: the backend's fused pass), which gives the
+     * same bits */
     memcpy(g1, gg, n * sizeof *g1);
     lm_model *dev2 = NULL;
     CHECK(!lm_model_create_on(&c, B, T, gpu, &dev2), "%s: second gpu model: %s", what, lm_last_error());
@@ -169,6 +172,7 @@ static void check_config_gate(const char *what, lm_config c, int B, int T, uint6
         lm_model_init(dev2, seed);
         round_to_bf16(lm_model_params(dev2), n);
         if (pinned) pin_routing(dev2, c.top_k);
+        CHECK(!lm_model_set_head_backward(dev2, 1.0f), "%s", lm_last_error());
         CHECK(!step(dev2, tok, tgt, &lg2), "%s: second gpu step", what);
         CHECK(memcmp(&lg, &lg2, sizeof lg) == 0, "%s: losses differ run to run: %.9g vs %.9g", what, lg, lg2);
         CHECK(memcmp(g1, lm_model_grads(dev2), n * sizeof *g1) == 0, "%s: gradients differ run to run", what);

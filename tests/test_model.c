@@ -322,6 +322,60 @@ static void test_recompute_gives_identical_gradients_with_less_memory(void) {
     lm_model_free(b);
 }
 
+/* lm_model_set_head_backward: the head's backward inside the forward gives
+ * the losses and gradient bits of forward then backward, over two
+ * micro-batches (accumulated, the second with another scale) and with a tied
+ * head (the embedding's gradient written by both); a backward that asks
+ * another scale or per-position weights is refused; 0 turns it off. */
+static void test_head_backward_in_the_forward_gives_the_same_bits(void) {
+    for (int tied = 0; tied < 2; tied++) {
+        lm_config c = micro_config(LM_RESIDUAL_BLOCK_ATTNRES);
+        c.balance = LM_BALANCE_AUX;
+        c.tie_embeddings = tied;
+        lm_model *a = NULL, *b = NULL;
+        CHECK(!lm_model_create(&c, B, T, &a) && !lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+        if (!a || !b) return;
+        lm_model_init(a, 41);
+        lm_model_init(b, 41);
+        lm_rng r;
+        lm_rng_seed(&r, 42);
+        int32_t tok[2][B * T], tgt[2][B * T];
+        for (int q = 0; q < 2; q++) {
+            random_tokens(&r, tok[q], B * T, c.vocab_size);
+            random_tokens(&r, tgt[q], B * T, c.vocab_size);
+        }
+        const float scale[2] = {0.5f, 0.25f};
+        for (int q = 0; q < 2; q++) {
+            float la, lb;
+            CHECK(!lm_model_forward(a, tok[q], tgt[q], 1, &la) && !lm_model_backward(a, scale[q]), "%s",
+                  lm_last_error());
+            CHECK(!lm_model_set_head_backward(b, scale[q]), "%s", lm_last_error());
+            CHECK(!lm_model_forward(b, tok[q], tgt[q], 1, &lb) && !lm_model_backward(b, scale[q]), "%s",
+                  lm_last_error());
+            CHECK(la == lb, "tied %d, micro-batch %d: loss %.9g vs %.9g", tied, q, la, lb);
+        }
+        CHECK(!memcmp(lm_model_grads(a), lm_model_grads(b), lm_model_num_params(a) * sizeof(float)),
+              "tied %d: gradients differ with the head's backward in the forward", tied);
+        /* the forward really did the head's work: a backward with another scale is refused */
+        float l, dlogp[B * T];
+        for (int i = 0; i < B * T; i++) dlogp[i] = -0.1f;
+        CHECK(!lm_model_forward(b, tok[0], tgt[0], 1, &l), "%s", lm_last_error());
+        CHECK(lm_model_backward(b, 0.5f) == LM_ERR_ARG && strstr(lm_last_error(), "loss scale 0.25"),
+              "a backward with another scale accepted: %s", lm_last_error());
+        CHECK(!lm_model_forward(b, tok[0], tgt[0], 1, &l), "%s", lm_last_error());
+        CHECK(lm_model_backward_weighted(b, dlogp) == LM_ERR_ARG, "a weighted backward accepted");
+        /* evaluation forwards leave it alone; 0 turns it off; bad scales refused */
+        CHECK(!lm_model_forward(b, tok[0], tgt[0], 0, &l) && !lm_model_backward_weighted(b, dlogp), "%s",
+              lm_last_error());
+        CHECK(!lm_model_set_head_backward(b, 0.0f), "%s", lm_last_error());
+        CHECK(!lm_model_forward(b, tok[0], tgt[0], 1, &l) && !lm_model_backward(b, 0.5f), "%s", lm_last_error());
+        CHECK(lm_model_set_head_backward(b, -1.0f) == LM_ERR_ARG && lm_model_set_head_backward(b, NAN) == LM_ERR_ARG,
+              "negative and NaN scales accepted");
+        lm_model_free(a);
+        lm_model_free(b);
+    }
+}
+
 int main(void) {
     RUN(test_gradients_block_attnres);
     RUN(test_gradients_standard_residual);
@@ -333,5 +387,6 @@ int main(void) {
     RUN(test_bad_tokens_are_rejected_by_position);
     RUN(test_qk_clip_bounds_the_largest_logit);
     RUN(test_recompute_gives_identical_gradients_with_less_memory);
+    RUN(test_head_backward_in_the_forward_gives_the_same_bits);
     return test_summary();
 }

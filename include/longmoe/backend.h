@@ -121,6 +121,15 @@ typedef struct {
                                         const void *head_lp, const int32_t *targets, const float *lse,
                                         const float *row_scale, float scale, int64_t n, int d, int vocab,
                                         void *work);
+    /* Both above in one pass (row_scale NULL), for a training forward whose
+     * loss scale is known in advance (lm_model_set_head_backward): a backend
+     * that computes each chunk's logits once instead of twice; the outputs are
+     * the two calls' bits. NULL where a backend has nothing better than the
+     * two calls, which the model then makes in turn (the CPU). */
+    lm_status (*cross_entropy_forward_backward)(lm_backend *be, float *lse, float *target_logit, double *loss_sum,
+                                                float *dhn, float *dhead, const void *hn_lp, const void *head_lp,
+                                                const int32_t *targets, float scale, int64_t n, int d, int vocab,
+                                                void *work);
     /* evaluation's scoring through the same chunks (the same `work`): per row
      * r of z = hn . head^T, nll[r] = max z + log(sum_v exp(z_v - max z)) -
      * z[target] (double) and argmax[r] (the lowest index among equal maxima),

@@ -117,6 +117,16 @@ lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, float *dhn,
                                          const uint16_t *head, const int32_t *targets, const float *lse,
                                          const float *row_scale, float scale, int64_t n, int d, int vocab,
                                          void *workspace, size_t workspace_bytes);
+/* Both in one pass over the chunks, for a training step whose mean loss
+ * scale is known before its forward (row_scale 1): each chunk's logits are
+ * computed once, reduced to lse and then turned into dlogits at once instead
+ * of being computed again by the backward. The same kernels on the same
+ * inputs as the two calls above, so lse, *loss_sum_device, dhn and dhead are
+ * their bits. */
+lm_status lm_cuda_cross_entropy_forward_backward(const lm_cuda_context *ctx, float *lse, float *loss_sum_device,
+                                                 float *dhn, float *dhead, const uint16_t *hn, const uint16_t *head,
+                                                 const int32_t *targets, float scale, int64_t n, int d, int vocab,
+                                                 void *workspace, size_t workspace_bytes);
 /* Evaluation's scores through the same chunks (the same workspace): per row
  * nll[r] = max + log sum_v exp(logits[r,v] - max) - logits[r, targets[r]]
  * (the exponentials and their sum in double, then a fixed tree) and

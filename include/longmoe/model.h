@@ -259,6 +259,18 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
 /* Backward of the last forward with targets: ACCUMULATES into the gradients,
  * scaled by `loss_scale` (1 / micro-batches for gradient accumulation). */
 lm_status lm_model_backward(lm_model *m, float loss_scale);
+/* For training steps whose loss scale is known before the forward: each
+ * training forward with targets (training = 1) then runs the LM head's
+ * backward with `loss_scale` too, computing each chunk's logits once instead
+ * of again in the backward (on a backend with the fused op; elsewhere the two
+ * in turn). The next lm_model_backward must pass the same scale, and
+ * lm_model_backward_weighted is refused (LM_ERR_ARG), until the next forward.
+ * Gradients and losses are the same bits as without. With train.seq_segment
+ * the forward keeps no segment's head; the segmented backward, which runs
+ * each segment's forward again, always runs that segment's head backward with
+ * it. 0 (the default) turns it off; a negative or non-finite scale is
+ * LM_ERR_ARG. */
+lm_status lm_model_set_head_backward(lm_model *m, float loss_scale);
 /* Log-probabilities of the targets of the last forward with targets (before
  * its backward): logp [B,T], log p(target_i) = z_i[target_i] - logsumexp(z_i). */
 lm_status lm_model_token_logprobs(const lm_model *m, float *logp);

@@ -1737,18 +1737,51 @@ static void seg_leave(lm_model *m) {
 }
 
 /* Segment s's forward: every layer, then (loss_sum != NULL) the sum of its cross-entropy. */
-static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum) {
+/* The LM head and the chunked cross-entropy (log-sum-exp in fp32) on the
+ * final hidden states: *loss_sum and what the backward needs. With
+ * head_scale > 0 its backward too, with the arguments model_backward would
+ * pass (the same bits; the backend's fused pass computes each chunk's logits
+ * once), which model_backward then takes as done. */
+static lm_status head_forward(lm_model *m, float head_scale, double *loss_sum) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    const int64_t N = m->N;
+    const int d = m->d, V = m->cfg.vocab_size;
+    double t0 = time_start(m);
+    const void *hn_lp = lp_or(m, m->hn, m->hn_lp), *head_lp = lp_param(m, par_at(m, m->head_off));
+    m->head_done = 0;
+    if (head_scale > 0.0f) {
+        const float g = head_scale / (float)m->Nq;
+        float *dhead = grad_at(m, m->head_off);
+        TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
+        if (op->cross_entropy_forward_backward) {
+            TRY(op->cross_entropy_forward_backward(be, m->lse_rows, m->target_logit, loss_sum, m->dhn, dhead, hn_lp,
+                                                   head_lp, m->targets, g, N, d, V, m->logits));
+        } else {
+            TRY(op->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, hn_lp, head_lp, m->targets, N,
+                                          d, V, m->logits));
+            TRY(op->cross_entropy_backward(be, m->dhn, dhead, hn_lp, head_lp, m->targets, m->lse_rows, NULL, g, N, d,
+                                           V, m->logits));
+        }
+        m->head_done = 1;
+        m->head_done_scale = head_scale;
+    } else {
+        TRY(op->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, hn_lp, head_lp, m->targets, N, d, V,
+                                      m->logits));
+    }
+    charge(m, LM_TIME_LM_HEAD, &t0);
+    return LM_OK;
+}
+
+/* Segment s's layers; with loss_sum its head too (head_scale > 0: and the
+ * head's backward, for the segmented backward, which knows its scale). */
+static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum, float head_scale) {
     seg_enter(m, s, 1);
     TRY(run_layers_forward(m, m->seg_tok, training));
     if (!loss_sum) return LM_OK;
     lm_backend *be = m->be;
     TRY(be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t)));
-    double t0 = time_start(m);
-    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, loss_sum, lp_or(m, m->hn, m->hn_lp),
-                                       lp_param(m, par_at(m, m->head_off)), m->targets, m->N, m->d, m->cfg.vocab_size,
-                                       m->logits));
-    charge(m, LM_TIME_LM_HEAD, &t0);
-    return LM_OK;
+    return head_forward(m, head_scale, loss_sum);
 }
 
 /* The forward in segments: the loss is the mean over every token of the rows,
@@ -1765,7 +1798,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
         double part = 0;
-        st = seg_run(m, s, training, &part);
+        st = seg_run(m, s, training, &part, 0.0f);
         total += part;
     }
     seg_leave(m);
@@ -1805,7 +1838,8 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
     lm_status st = LM_OK;
     for (int s = m->n_seg - 1; s >= 0 && !st; s--) {
         double unused = 0;
-        st = seg_run(m, s, 0, &unused);
+        /* the segment's forward again, its head's backward with it (each chunk's logits once) */
+        st = seg_run(m, s, 0, &unused, loss_scale);
         m->have_targets = 1;
         if (!st) st = model_backward(m, NULL, loss_scale);
         m->seg_parity ^= 1;
@@ -1825,7 +1859,7 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
     const int on_host = be->device == LM_DEVICE_CPU;
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
-        st = seg_run(m, s, 0, NULL);
+        st = seg_run(m, s, 0, NULL, 0.0f);
         const int64_t N = m->N;
         const int n = m->T, t0 = m->seg_t0;
         double t1 = lm_time_seconds();
@@ -1867,8 +1901,9 @@ lm_status lm_model_forward(lm_model *m, const int32_t *tokens, const int32_t *ta
 static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t *targets, int training,
                                float *loss) {
     const int64_t N = m->N;
-    const int d = m->d, V = m->cfg.vocab_size;
+    const int V = m->cfg.vocab_size;
     m->have_targets = 0;
+    m->head_done = 0;
     lm_status vs = LM_OK;
     for (int64_t i = 0; targets && i < m->Nq && !vs; i++)
         if (targets[i] < 0 || targets[i] >= V)
@@ -1879,12 +1914,9 @@ static lm_status model_forward(lm_model *m, const int32_t *tokens, const int32_t
     TRY(run_layers_forward(m, tokens, training));
     if (!targets) return LM_OK;
     TRY(m->be->upload(m->be, m->targets, targets, (size_t)N * sizeof(int32_t)));
-    /* the LM head and the chunked cross-entropy (log-sum-exp in fp32) */
-    lm_backend *be = m->be;
-    double total = 0, t0 = time_start(m);
-    TRY(be->ops->cross_entropy_forward(be, m->lse_rows, m->target_logit, &total, lp_or(m, m->hn, m->hn_lp),
-                                       lp_param(m, par_at(m, m->head_off)), m->targets, N, d, V, m->logits));
-    charge(m, LM_TIME_LM_HEAD, &t0);
+    /* the head; with a loss scale set for training (lm_model_set_head_backward), its backward too */
+    double total = 0;
+    TRY(head_forward(m, training ? m->head_scale : 0.0f, &total));
     float ce = (float)(total / (double)N);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
     m->have_targets = 1;
@@ -1990,15 +2022,26 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     double t0 = time_start(m);
-    TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
-    const float *row_scale = dlogp;
-    if (dlogp && be->device != LM_DEVICE_CPU) {
-        TRY(be->upload(be, m->row_scale, dlogp, (size_t)N * sizeof(float)));
-        row_scale = m->row_scale;
+    if (m->head_done) {
+        /* the forward ran the head's backward (lm_model_set_head_backward): dhn and dhead are done */
+        if (dlogp || loss_scale != m->head_done_scale)
+            return lm_error(LM_ERR_ARG,
+                            "backward: the forward ran the LM head's backward with loss scale %g "
+                            "(lm_model_set_head_backward); this backward asks %s %g",
+                            (double)m->head_done_scale, dlogp ? "per-position weights, not" : "loss scale",
+                            (double)loss_scale);
+        m->head_done = 0;
+    } else {
+        TRY(be->zero(be, m->dhn, (size_t)N * d * sizeof(float)));
+        const float *row_scale = dlogp;
+        if (dlogp && be->device != LM_DEVICE_CPU) {
+            TRY(be->upload(be, m->row_scale, dlogp, (size_t)N * sizeof(float)));
+            row_scale = m->row_scale;
+        }
+        TRY(op->cross_entropy_backward(be, m->dhn, grad_at(m, m->head_off), lp_or(m, m->hn, m->hn_lp),
+                                       lp_param(m, par_at(m, m->head_off)), m->targets, m->lse_rows, row_scale,
+                                       dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     }
-    TRY(op->cross_entropy_backward(be, m->dhn, grad_at(m, m->head_off), lp_or(m, m->hn, m->hn_lp),
-                                   lp_param(m, par_at(m, m->head_off)), m->targets, m->lse_rows, row_scale,
-                                   dlogp ? -1.0f : loss_scale / (float)m->Nq, N, d, V, m->logits));
     charge(m, LM_TIME_LM_HEAD, &t0);
     /* a tied head is the embedding, written again at the end */
     if (!m->cfg.tie_embeddings) TRY(grads_final(m, m->head_off, m->head_off + (size_t)V * d, &t0));
@@ -2099,6 +2142,15 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
 }
 
 lm_status lm_model_backward(lm_model *m, float loss_scale) { return model_backward(m, NULL, loss_scale); }
+
+lm_status lm_model_set_head_backward(lm_model *m, float loss_scale) {
+    if (!m) return lm_error(LM_ERR_ARG, "set_head_backward: model is NULL");
+    if (!(loss_scale >= 0.0f) || !isfinite(loss_scale))
+        return lm_error(LM_ERR_ARG, "set_head_backward: loss scale %g (expected a finite value >= 0; 0: off)",
+                        (double)loss_scale);
+    m->head_scale = loss_scale;
+    return LM_OK;
+}
 
 lm_status lm_model_backward_weighted(lm_model *m, const float *dlogp) {
     lm_status vs = dlogp ? LM_OK : lm_error(LM_ERR_ARG, "dlogp is NULL");

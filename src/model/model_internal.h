@@ -126,6 +126,12 @@ struct lm_model {
     size_t scratch_floats;
     int32_t *tokens, *targets;
     int have_targets;
+    /* lm_model_set_head_backward: the loss scale a training forward runs the
+     * LM head's backward with (0: none); head_done: the last forward did, with
+     * head_done_scale, so the backward takes dhn and the head's gradient as they are */
+    float head_scale;
+    int head_done;
+    float head_done_scale;
     float aux_loss;
     double seconds[LM_TIME_COUNT];
     void *timer; /* the backend's part timer (lm_backend timer_create), or NULL */

@@ -2437,6 +2437,14 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                         t.inp, t.tgt);
             ph_data += lm_time_seconds() - tp;
             tp = lm_time_seconds();
+            /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N). The
+             * scale enters at the loss (each token's logit gradient scale / (its rank's tokens), 1 / (B T
+             * grad_accum) on every rank), so under expert parallelism the expert-output gradients an owner
+             * receives from other ranks' tokens carry those ranks' scales */
+            const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
+                                         : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
+            /* known before the forward: the LM head's backward runs inside it (each chunk's logits once) */
+            if ((s = lm_model_set_head_backward(t.model, weighted ? 0.0f : scale))) goto done;
             float l;
             lm_status fs = lm_model_forward(t.model, t.inp, t.tgt, 1, &l);
             if (t.cp > 1) {
@@ -2464,12 +2472,6 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 s = fs;
                 goto done;
             }
-            /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N). The
-             * scale enters at the loss (each token's logit gradient scale / (its rank's tokens), 1 / (B T
-             * grad_accum) on every rank), so under expert parallelism the expert-output gradients an owner
-             * receives from other ranks' tokens carry those ranks' scales */
-            const float scale = t.cp > 1 ? (float)((double)t.seg_T / ((double)t.T * c->grad_accum * t.dp_groups))
-                                         : 1.0f / (float)((int64_t)c->grad_accum * t.ranks);
             ph_fwd += lm_time_seconds() - tp;
             tp = lm_time_seconds();
             /* the last micro-batch's backward finishes the gradients: its hook launches the buckets' sums */

@@ -271,6 +271,26 @@ static lm_status cuda_ce_backward(lm_backend *be, float *dhn, float *dhead, cons
                                           cuda_ce_work_bytes(be, n, d, V));
 }
 
+static lm_status cuda_ce_forward_backward(lm_backend *be, float *lse, float *target_logit, double *loss_sum,
+                                         float *dhn, float *dhead, const void *hn_lp, const void *head_lp,
+                                         const int32_t *targets, float scale, int64_t n, int d, int V, void *work) {
+    cuda_backend *cb = cb_of(be);
+    if (!loss_sum) return lm_error(LM_ERR_ARG, "cross_entropy_forward_backward: loss_sum is NULL");
+    *loss_sum = 0.0;
+    lm_status st = lm_cuda_cross_entropy_forward_backward(ctx_of(be), lse, &cb->scalars->loss, dhn, dhead,
+                                                          (const uint16_t *)hn_lp, (const uint16_t *)head_lp, targets,
+                                                          scale, n, d, V, work, cuda_ce_work_bytes(be, n, d, V));
+    if (st) return st;
+    if (target_logit &&
+        (st = lm_cuda_backend_target_logit(ctx_of(be), target_logit, (const uint16_t *)hn_lp,
+                                           (const uint16_t *)head_lp, targets, n, d)))
+        return st;
+    float loss = 0.0f;
+    if ((st = cuda_download(be, &loss, &cb->scalars->loss, sizeof loss))) return st;
+    *loss_sum = (double)loss;
+    return LM_OK;
+}
+
 static lm_status cuda_score_forward(lm_backend *be, double *nll, int32_t *argmax, const void *hn_lp,
                                    const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
     return lm_cuda_score_forward(ctx_of(be), nll, argmax, (const uint16_t *)hn_lp, (const uint16_t *)head_lp,
@@ -1046,6 +1066,7 @@ static lm_ops make_cuda_ops(void) {
     o.cross_entropy_work_bytes = cuda_ce_work_bytes;
     o.cross_entropy_forward = cuda_ce_forward;
     o.cross_entropy_backward = cuda_ce_backward;
+    o.cross_entropy_forward_backward = cuda_ce_forward_backward;
     o.score_forward = cuda_score_forward;
     o.conv_silu_forward = cuda_conv_silu_forward;
     o.conv_silu_backward = cuda_conv_silu_backward;

@@ -237,6 +237,48 @@ extern "C" lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, 
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_cross_entropy_forward_backward(const lm_cuda_context *ctx, float *lse,
+                                                            float *loss_sum_device, float *dhn, float *dhead,
+                                                            const uint16_t *hn, const uint16_t *head,
+                                                            const int32_t *targets, float scale, int64_t n, int d,
+                                                            int vocab, void *workspace, size_t workspace_bytes) {
+    const char *fn = "lm_cuda_cross_entropy_forward_backward";
+    int64_t rows = 0;
+    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
+    if (st) return st;
+    if (!lse || !loss_sum_device) return lm_error(LM_ERR_ARG, "%s: lse or loss_sum_device is NULL", fn);
+    cudaStream_t s = lin_stream(ctx);
+    if (n == 0) {
+        LM_CUDA_TRY(cudaMemsetAsync(loss_sum_device, 0, sizeof(float), s));
+        return LM_OK;
+    }
+    /* each chunk as the forward computes it, then as the backward would after
+     * computing the same logits again: the same kernels on the same inputs */
+    ce_workspace w = ce_carve(workspace, n, vocab, rows);
+    for (int64_t r0 = 0; r0 < n; r0 += rows) {
+        int64_t R = n - r0 < rows ? n - r0 : rows;
+        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
+        if (vocab % 4 == 0) {
+            ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                vocab);
+            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, NULL,
+                                                                    scale, vocab);
+        } else {
+            ce_lse_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                vocab);
+            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, NULL,
+                                                                    scale, vocab);
+        }
+        LM_CUDA_TRY(cudaGetLastError());
+        if ((dhn || dhead) && (st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits,
+                                                            hn + r0 * d, head, R, d, vocab)))
+            return st;
+    }
+    ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
 /* ---- evaluation's scores ---- */
 
 /* (value, index) of the larger; equal values keep the lower index */
