@@ -554,12 +554,79 @@ __global__ void router_dx_sparse_kernel(float *dx, const float *dr, const float 
     }
 }
 
+/* The same sums by tiles of RDX_TOKENS tokens x RDX_COLS columns: a block
+ * first stages those columns of all n rows of W_r, and its tokens' chosen
+ * experts and their dr, in shared memory (every load independent, one
+ * barrier); then a warp takes four tokens at a time, a lane two columns,
+ * with only shared-memory reads between its dx loads and stores. W_r crosses
+ * L2 once a tile instead of k rows of d a token (the one-block-a-token
+ * kernel's 1 GB at k3-mini's 32768 tokens). The sum over the slots runs in
+ * slot order with the same fmaf, so the bits are that kernel's, which stays
+ * for the shapes this one does not take (d not a multiple of 64, more than
+ * 48 KiB of shared memory, unaligned rows). Measured on the H200 at k3-mini's
+ * MoE layer (bench/RESULTS.md, fifteenth session): the layer's
+ * forward+backward 6.48 -> 6.25 ms (one run each). */
+#define RDX_TOKENS 128
+#define RDX_COLS 64
+__global__ void __launch_bounds__(256) router_dx_tiled_kernel(float *__restrict__ dx, const float *__restrict__ dr,
+                                                              const float *__restrict__ router,
+                                                              const int32_t *__restrict__ topk, int64_t m, int n,
+                                                              int k, int d) {
+    extern __shared__ float smem[];
+    float *ws = smem;                                      /* [n][RDX_COLS] */
+    int32_t *es = (int32_t *)(ws + (size_t)n * RDX_COLS); /* [RDX_TOKENS][k] */
+    float *gs = (float *)(es + RDX_TOKENS * k);            /* [RDX_TOKENS][k] */
+    const int c0 = blockIdx.y * RDX_COLS;
+    const int64_t i0 = (int64_t)blockIdx.x * RDX_TOKENS;
+    const int tokens = m - i0 < RDX_TOKENS ? (int)(m - i0) : RDX_TOKENS;
+    for (int q = threadIdx.x; q < n * (RDX_COLS / 4); q += blockDim.x) {
+        const int j = q / (RDX_COLS / 4), c4 = q % (RDX_COLS / 4);
+        ((float4 *)ws)[q] = *(const float4 *)(router + (int64_t)j * d + c0 + 4 * c4);
+    }
+    for (int q = threadIdx.x; q < tokens * k; q += blockDim.x) {
+        const int32_t e = topk[i0 * k + q];
+        es[q] = e;
+        gs[q] = dr[(i0 + q / k) * n + e];
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int t0 = 4 * warp; t0 < tokens; t0 += 4 * warps) {
+        float2 v[4], acc[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            acc[u] = make_float2(0.0f, 0.0f);
+            if (t0 + u < tokens) v[u] = ((const float2 *)(dx + (i0 + t0 + u) * d + c0))[lane];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (t0 + u >= tokens) break;
+            for (int s2 = 0; s2 < k; s2++) {
+                const int q = (t0 + u) * k + s2;
+                const float g = gs[q];
+                const float2 w = ((const float2 *)(ws + es[q] * RDX_COLS))[lane];
+                acc[u].x = fmaf(g, w.x, acc[u].x);
+                acc[u].y = fmaf(g, w.y, acc[u].y);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (t0 + u < tokens)
+                ((float2 *)(dx + (i0 + t0 + u) * d + c0))[lane] = make_float2(v[u].x + acc[u].x, v[u].y + acc[u].y);
+    }
+}
+
 lm_status lm_moe_router_dx_sparse(cudaStream_t st, float *dx, const float *dr, const float *router,
                                   const lm_cuda_moe_acts *a, int64_t m, int n, int k, int d) {
     if (m <= 0) return LM_OK;
     if (m > INT32_MAX) return lm_error(LM_ERR_ARG, "moe router dx: %lld tokens", (long long)m);
-    int threads = d >= 256 ? 256 : ((d + 31) / 32) * 32;
-    router_dx_sparse_kernel<<<(unsigned)m, threads, 0, st>>>(dx, dr, router, a->topk, m, n, k, d);
+    const size_t smem = (size_t)n * RDX_COLS * sizeof(float) + 2 * (size_t)RDX_TOKENS * k * 4;
+    if (d % RDX_COLS == 0 && smem <= 48 * 1024 && (uintptr_t)dx % 16 == 0 && (uintptr_t)router % 16 == 0) {
+        dim3 grid((unsigned)((m + RDX_TOKENS - 1) / RDX_TOKENS), (unsigned)(d / RDX_COLS));
+        router_dx_tiled_kernel<<<grid, 256, smem, st>>>(dx, dr, router, a->topk, m, n, k, d);
+    } else {
+        int threads = d >= 256 ? 256 : ((d + 31) / 32) * 32;
+        router_dx_sparse_kernel<<<(unsigned)m, threads, 0, st>>>(dx, dr, router, a->topk, m, n, k, d);
+    }
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
