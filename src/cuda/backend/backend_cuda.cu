@@ -244,15 +244,11 @@ static size_t cuda_ce_work_bytes(lm_backend *be, int64_t n, int d, int vocab) {
     return lm_cuda_cross_entropy_workspace_bytes(n, d, vocab, ce_rows(n, vocab));
 }
 
-static lm_status cuda_ce_forward(lm_backend *be, float *lse, float *target_logit, double *loss_sum, const void *hn_lp,
-                                 const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+/* The forward's tail: the target logits when asked, the loss sum to the host. */
+static lm_status ce_forward_tail(lm_backend *be, float *target_logit, double *loss_sum, const void *hn_lp,
+                                 const void *head_lp, const int32_t *targets, int64_t n, int d) {
     cuda_backend *cb = cb_of(be);
-    if (!loss_sum) return lm_error(LM_ERR_ARG, "cross_entropy_forward: loss_sum is NULL");
-    *loss_sum = 0.0;
-    lm_status st = lm_cuda_cross_entropy_forward(ctx_of(be), lse, &cb->scalars->loss, (const uint16_t *)hn_lp,
-                                                 (const uint16_t *)head_lp, targets, n, d, V, work,
-                                                 cuda_ce_work_bytes(be, n, d, V));
-    if (st) return st;
+    lm_status st;
     if (target_logit &&
         (st = lm_cuda_backend_target_logit(ctx_of(be), target_logit, (const uint16_t *)hn_lp,
                                            (const uint16_t *)head_lp, targets, n, d)))
@@ -261,6 +257,17 @@ static lm_status cuda_ce_forward(lm_backend *be, float *lse, float *target_logit
     if ((st = cuda_download(be, &loss, &cb->scalars->loss, sizeof loss))) return st;
     *loss_sum = (double)loss;
     return LM_OK;
+}
+
+static lm_status cuda_ce_forward(lm_backend *be, float *lse, float *target_logit, double *loss_sum, const void *hn_lp,
+                                 const void *head_lp, const int32_t *targets, int64_t n, int d, int V, void *work) {
+    cuda_backend *cb = cb_of(be);
+    if (!loss_sum) return lm_error(LM_ERR_ARG, "cross_entropy_forward: loss_sum is NULL");
+    *loss_sum = 0.0;
+    lm_status st = lm_cuda_cross_entropy_forward(ctx_of(be), lse, &cb->scalars->loss, (const uint16_t *)hn_lp,
+                                                 (const uint16_t *)head_lp, targets, n, d, V, work,
+                                                 cuda_ce_work_bytes(be, n, d, V));
+    return st ? st : ce_forward_tail(be, target_logit, loss_sum, hn_lp, head_lp, targets, n, d);
 }
 
 static lm_status cuda_ce_backward(lm_backend *be, float *dhn, float *dhead, const void *hn_lp, const void *head_lp,
@@ -280,15 +287,7 @@ static lm_status cuda_ce_forward_backward(lm_backend *be, float *lse, float *tar
     lm_status st = lm_cuda_cross_entropy_forward_backward(ctx_of(be), lse, &cb->scalars->loss, dhn, dhead,
                                                           (const uint16_t *)hn_lp, (const uint16_t *)head_lp, targets,
                                                           scale, n, d, V, work, cuda_ce_work_bytes(be, n, d, V));
-    if (st) return st;
-    if (target_logit &&
-        (st = lm_cuda_backend_target_logit(ctx_of(be), target_logit, (const uint16_t *)hn_lp,
-                                           (const uint16_t *)head_lp, targets, n, d)))
-        return st;
-    float loss = 0.0f;
-    if ((st = cuda_download(be, &loss, &cb->scalars->loss, sizeof loss))) return st;
-    *loss_sum = (double)loss;
-    return LM_OK;
+    return st ? st : ce_forward_tail(be, target_logit, loss_sum, hn_lp, head_lp, targets, n, d);
 }
 
 static lm_status cuda_score_forward(lm_backend *be, double *nll, int32_t *argmax, const void *hn_lp,

@@ -178,15 +178,22 @@ static lm_status check_args(const lm_cuda_context *ctx, const uint16_t *hn, cons
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_cross_entropy_forward(const lm_cuda_context *ctx, float *lse, float *loss_sum_device,
-                                                   const uint16_t *hn, const uint16_t *head, const int32_t *targets,
-                                                   int64_t n, int d, int vocab, void *workspace,
-                                                   size_t workspace_bytes) {
-    const char *fn = "lm_cuda_cross_entropy_forward";
+/* The chunk loop of the three calls below: each chunk's logits once; with
+ * `fwd` reduced to lse and the row losses (then summed into
+ * *loss_sum_device), with `bwd` turned into dlogits (reading lse, just
+ * written when fwd) and the two products. Forward then backward and both at
+ * once run the same kernels on the same inputs in the same order. */
+static lm_status ce_pass(const lm_cuda_context *ctx, int fwd, int bwd, float *lse, float *loss_sum_device,
+                         float *dhn, float *dhead, const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                         const float *row_scale, float scale, int64_t n, int d, int vocab, void *workspace,
+                         size_t workspace_bytes, const char *fn) {
     int64_t rows = 0;
     lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
     if (st) return st;
-    if (!lse || !loss_sum_device) return lm_error(LM_ERR_ARG, "%s: lse or loss_sum_device is NULL", fn);
+    bwd = bwd && (dhn || dhead);
+    if (!fwd && (n == 0 || !bwd)) return LM_OK; /* a backward with nothing to do */
+    if (!lse || (fwd && !loss_sum_device))
+        return lm_error(LM_ERR_ARG, "%s: lse%s is NULL", fn, fwd ? " or loss_sum_device" : "");
     cudaStream_t s = lin_stream(ctx);
     if (n == 0) {
         LM_CUDA_TRY(cudaMemsetAsync(loss_sum_device, 0, sizeof(float), s));
@@ -196,45 +203,49 @@ extern "C" lm_status lm_cuda_cross_entropy_forward(const lm_cuda_context *ctx, f
     for (int64_t r0 = 0; r0 < n; r0 += rows) {
         int64_t R = n - r0 < rows ? n - r0 : rows;
         if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
+        if (fwd) {
+            if (vocab % 4 == 0)
+                ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                    vocab);
+            else
+                ce_lse_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
+                                                                    vocab);
+            LM_CUDA_TRY(cudaGetLastError());
+        }
+        if (!bwd) continue;
+        const float *rs = row_scale ? row_scale + r0 : NULL;
         if (vocab % 4 == 0)
-            ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
-                                                                vocab);
+            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
+                                                                    scale, vocab);
         else
-            ce_lse_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
-                                                                vocab);
+            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
+                                                                    scale, vocab);
+        LM_CUDA_TRY(cudaGetLastError());
+        if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
+                                          vocab)))
+            return st;
+    }
+    if (fwd) {
+        ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
         LM_CUDA_TRY(cudaGetLastError());
     }
-    ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
-    LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_cross_entropy_forward(const lm_cuda_context *ctx, float *lse, float *loss_sum_device,
+                                                   const uint16_t *hn, const uint16_t *head, const int32_t *targets,
+                                                   int64_t n, int d, int vocab, void *workspace,
+                                                   size_t workspace_bytes) {
+    return ce_pass(ctx, 1, 0, lse, loss_sum_device, NULL, NULL, hn, head, targets, NULL, 0.0f, n, d, vocab, workspace,
+                   workspace_bytes, "lm_cuda_cross_entropy_forward");
 }
 
 extern "C" lm_status lm_cuda_cross_entropy_backward(const lm_cuda_context *ctx, float *dhn, float *dhead,
                                                     const uint16_t *hn, const uint16_t *head, const int32_t *targets,
                                                     const float *lse, const float *row_scale, float scale, int64_t n,
                                                     int d, int vocab, void *workspace, size_t workspace_bytes) {
-    const char *fn = "lm_cuda_cross_entropy_backward";
-    int64_t rows = 0;
-    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
-    if (st || n == 0 || (!dhn && !dhead)) return st;
-    if (!lse) return lm_error(LM_ERR_ARG, "%s: lse is NULL", fn);
-    cudaStream_t s = lin_stream(ctx);
-    ce_workspace w = ce_carve(workspace, n, vocab, rows);
-    for (int64_t r0 = 0; r0 < n; r0 += rows) {
-        int64_t R = n - r0 < rows ? n - r0 : rows;
-        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
-        if (vocab % 4 == 0)
-            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
-                                                                    row_scale ? row_scale + r0 : NULL, scale, vocab);
-        else
-            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
-                                                                    row_scale ? row_scale + r0 : NULL, scale, vocab);
-        LM_CUDA_TRY(cudaGetLastError());
-        if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
-                                          vocab)))
-            return st;
-    }
-    return LM_OK;
+    return ce_pass(ctx, 0, 1, (float *)lse, NULL, dhn, dhead, hn, head, targets, row_scale, scale, n, d, vocab,
+                   workspace, workspace_bytes, "lm_cuda_cross_entropy_backward");
 }
 
 extern "C" lm_status lm_cuda_cross_entropy_forward_backward(const lm_cuda_context *ctx, float *lse,
@@ -242,41 +253,8 @@ extern "C" lm_status lm_cuda_cross_entropy_forward_backward(const lm_cuda_contex
                                                             const uint16_t *hn, const uint16_t *head,
                                                             const int32_t *targets, float scale, int64_t n, int d,
                                                             int vocab, void *workspace, size_t workspace_bytes) {
-    const char *fn = "lm_cuda_cross_entropy_forward_backward";
-    int64_t rows = 0;
-    lm_status st = check_args(ctx, hn, head, targets, n, d, vocab, workspace, workspace_bytes, &rows, fn);
-    if (st) return st;
-    if (!lse || !loss_sum_device) return lm_error(LM_ERR_ARG, "%s: lse or loss_sum_device is NULL", fn);
-    cudaStream_t s = lin_stream(ctx);
-    if (n == 0) {
-        LM_CUDA_TRY(cudaMemsetAsync(loss_sum_device, 0, sizeof(float), s));
-        return LM_OK;
-    }
-    /* each chunk as the forward computes it, then as the backward would after
-     * computing the same logits again: the same kernels on the same inputs */
-    ce_workspace w = ce_carve(workspace, n, vocab, rows);
-    for (int64_t r0 = 0; r0 < n; r0 += rows) {
-        int64_t R = n - r0 < rows ? n - r0 : rows;
-        if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
-        if (vocab % 4 == 0) {
-            ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
-                                                                vocab);
-            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, NULL,
-                                                                    scale, vocab);
-        } else {
-            ce_lse_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
-                                                                vocab);
-            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, NULL,
-                                                                    scale, vocab);
-        }
-        LM_CUDA_TRY(cudaGetLastError());
-        if ((dhn || dhead) && (st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits,
-                                                            hn + r0 * d, head, R, d, vocab)))
-            return st;
-    }
-    ce_sum_kernel<<<1, CE_SUM_THREADS, 0, s>>>(loss_sum_device, w.row_loss, n);
-    LM_CUDA_TRY(cudaGetLastError());
-    return LM_OK;
+    return ce_pass(ctx, 1, 1, lse, loss_sum_device, dhn, dhead, hn, head, targets, NULL, scale, n, d, vocab,
+                   workspace, workspace_bytes, "lm_cuda_cross_entropy_forward_backward");
 }
 
 /* ---- evaluation's scores ---- */
