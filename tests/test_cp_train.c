@@ -25,7 +25,10 @@
  * resumed on one process and the other way round, ZeRO-1, a skipped NaN step
  * and a staged run with recompute. The refusals (ranks not a multiple of the
  * group or of the EP group, sequences shorter than the group). Built without
- * MPI, `--mpi N` reports every case skipped. */
+ * MPI, `--mpi N` reports every case skipped.
+ * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
+ * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
+ * build runs 10 (5, 4 and 7; tests/test_models.h). */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -85,15 +88,15 @@ static int all_ranks_ok(void) {
 static void compare_with_one_process(const char *run, const char *what) {
     double a[32], b[32];
     int na = read_metric(run, "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "%s: train lines %d and %d", what, na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: train lines %d and %d", what, na, nb);
     double worst = 0;
     for (int i = 0; i < na && i < nb; i++) {
         CHECK_CLOSE(a[i], b[i], 0, 1e-5, "train loss");
         worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
     }
     /* the losses moved: the comparison sees training */
-    CHECK(na == 20 && fabs(a[19] - a[0]) > 1e-2 * fabs(a[0]), "%s: the loss did not move (%.6g to %.6g)", what, a[0],
-          a[19]);
+    CHECK(na == DP_STEPS && fabs(a[DP_STEPS - 1] - a[0]) > 1e-2 * fabs(a[0]),
+          "%s: the loss did not move (%.6g to %.6g)", what, a[0], a[DP_STEPS - 1]);
     na = read_metric(run, "eval", "val_loss", a, 32);
     nb = read_metric("one", "eval", "val_loss", b, 32);
     CHECK(na == 2 && nb == 2, "%s: eval lines %d and %d", what, na, nb);
@@ -106,19 +109,20 @@ static void compare_with_one_process(const char *run, const char *what) {
     nb = read_metric("one", "eval", "answer_accuracy", b, 32);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-12, "validation answer accuracy");
     double wp = 0, wb = 0, wq[32], oq[32];
-    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
-    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state", what);
+    CHECK(tensors_close(run, "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
+    CHECK(tensors_close(run, "one", DP_STEPS, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state",
+          what);
     na = read_metric(run, "train", "grad_norm", wq, 32);
     nb = read_metric("one", "train", "grad_norm", oq, 32);
-    CHECK(na == 20 && nb == 20, "%s: grad_norm lines %d and %d", what, na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: grad_norm lines %d and %d", what, na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 1e-5, "gradient norm");
     na = read_metric(run, "train", "max_logit", wq, 32);
     nb = read_metric("one", "train", "max_logit", oq, 32);
-    CHECK(na == 20 && nb == 20, "%s: max_logit lines %d and %d", what, na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: max_logit lines %d and %d", what, na, nb);
     /* written with 6 significant digits: one unit of the last is up to 1e-5 of the value */
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 2e-5, "largest attention logit");
-    printf("     %s vs one process after 20 steps: loss %.2e, val loss %.2e, parameters %.2e, optimizer/balance "
-           "%.2e relative\n", what, worst, wv, wp, wb);
+    printf("     %s vs one process after %d steps: loss %.2e, val loss %.2e, parameters %.2e, optimizer/balance "
+           "%.2e relative\n", what, DP_STEPS, worst, wv, wp, wb);
 }
 
 /* ---- alone ---- */
@@ -217,8 +221,8 @@ static void make_runs(void) {
 static void test_context_parallel_equals_one_process_with_the_same_batch(void) {
     make_runs();
     if (!runs_ok) return;
-    CHECK(cp_result.step == 20 && cp_result.skipped == 0, "cp: %lld steps, %lld skipped", (long long)cp_result.step,
-          (long long)cp_result.skipped);
+    CHECK(cp_result.step == DP_STEPS && cp_result.skipped == 0, "cp: %lld steps, %lld skipped",
+          (long long)cp_result.step, (long long)cp_result.skipped);
     if (me != 0) return;
     char what[64];
     snprintf(what, sizeof what, "CP %d", R);
@@ -235,7 +239,7 @@ static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
         CHECK(same_on_every_rank(cpdp_result.balance_hash), "CP 2 x DP 2: balancing state differs between ranks");
     }
     if (me == 0) {
-        double h = largest_bias("cp", 20);
+        double h = largest_bias("cp", DP_STEPS);
         CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
     }
 }
@@ -244,14 +248,14 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_config c = cp_config();
     lm_train_result r;
-    CHECK(!train(&c, "cp-resumed", R, 0, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
-    CHECK(!train(&c, "cp-resumed", R, 0, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train(&c, "cp-resumed", R, 0, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s", lm_last_error());
+    CHECK(!train(&c, "cp-resumed", R, 0, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == cp_result.params_hash && r.balance_hash == cp_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("cp", "cp-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close("cp", "cp-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    CHECK(tensors_close("cp", "cp-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("cp", "cp-resumed", DP_STEPS, "trainer.safetensors", 0, &w), "trainer state bit-identical");
 }
 
 /* Checkpoints are the ordinary ones: a context-parallel checkpoint resumes on
@@ -262,21 +266,21 @@ static void test_checkpoints_resume_across_layouts(void) {
     lm_config c = cp_config();
     lm_train_result r;
     const int cp = R == 4 ? 2 : R;
-    CHECK(!train(&c, "cp-then-one", R, 0, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    CHECK(!train(&c, "cp-then-one", R, 0, 0, DP_HALF, &r) && r.step == DP_HALF, "ranks: %s", lm_last_error());
     if (me == 0) {
-        CHECK(!train(&c, "cp-then-one", 0, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
-        CHECK(!train(&c, "one-then-cp", 0, 0, 0, 10, &r) && r.step == 10, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "cp-then-one", 0, 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "one-then-cp", 0, 0, 0, DP_HALF, &r) && r.step == DP_HALF, "one process: %s", lm_last_error());
     }
     lm_comm_barrier(comm);
-    CHECK(!train(&c, "one-then-cp", cp, 0, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(!train(&c, "one-then-cp", cp, 0, 1, 0, &r) && r.step == DP_STEPS, "ranks: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash), "the resumed ranks differ");
     if (me != 0) return;
     double w1, w2;
-    CHECK(tensors_close("cp-then-one", "one", 20, "model.safetensors", 1e-5, &w1), "CP then one: parameters");
-    CHECK(tensors_close("one-then-cp", "one", 20, "model.safetensors", 1e-5, &w2), "one then CP: parameters");
+    CHECK(tensors_close("cp-then-one", "one", DP_STEPS, "model.safetensors", 1e-5, &w1), "CP then one: parameters");
+    CHECK(tensors_close("one-then-cp", "one", DP_STEPS, "model.safetensors", 1e-5, &w2), "one then CP: parameters");
     double a[32], b[32];
     int na = read_metric("cp-then-one", "train", "loss", a, 32), nb = read_metric("one-then-cp", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     printf("     CP %d then one process: parameters %.2e; one process then CP %d: %.2e relative\n", R, w1, cp, w2);
 }
 
@@ -287,7 +291,7 @@ static void test_zero_over_the_world_is_the_replicated_run(void) {
     lm_config c = cp_config();
     lm_train_result r;
     const int cp = R == 4 ? 2 : R;
-    CHECK(!train(&c, "cp-zero", cp, 1, 0, 0, &r) && r.step == 20, "zero: %s", lm_last_error());
+    CHECK(!train(&c, "cp-zero", cp, 1, 0, 0, &r) && r.step == DP_STEPS, "zero: %s", lm_last_error());
     const lm_train_result *want = R == 4 ? &cpdp_result : &cp_result;
     CHECK(r.params_hash == want->params_hash && r.balance_hash == want->balance_hash,
           "ZeRO-1 differs from the replicated run");
@@ -295,7 +299,7 @@ static void test_zero_over_the_world_is_the_replicated_run(void) {
           r.optimizer_state_bytes, want->optimizer_state_bytes);
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("cp-zero", R == 4 ? "cpdp" : "cp", 20, "trainer.safetensors", 0, &w),
+    CHECK(tensors_close("cp-zero", R == 4 ? "cpdp" : "cp", DP_STEPS, "trainer.safetensors", 0, &w),
           "trainer state bit-identical");
 }
 
@@ -317,7 +321,7 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     o.inject_fault_step = me == R - 1 ? 3 : -1;
     lm_train_result r;
     CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(r.skipped == 1 && r.step == DP_STEPS, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
     o.out_dir = dir("one-fault");
@@ -328,12 +332,13 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
     double a[32], b[32], u[32];
     int na = read_metric("cp-fault", "train", "loss", a, 32), nb = read_metric("one-fault", "train", "loss", b, 32);
-    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS - 1 && nb == DP_STEPS - 1, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
     double w;
-    CHECK(tensors_close("cp-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
-    CHECK(read_metric("cp", "train", "loss", u, 32) == 20 && fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
-          "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
+    CHECK(tensors_close("cp-fault", "one-fault", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(read_metric("cp", "train", "loss", u, 32) == DP_STEPS &&
+              fabs(u[DP_STEPS - 1] - a[DP_STEPS - 2]) > 1e-4 * fabs(u[DP_STEPS - 1]),
+          "the skip changed nothing: last loss %.9g and %.9g", u[DP_STEPS - 1], a[DP_STEPS - 2]);
 }
 
 /* Two stages of 5 steps (24 then 31 tokens a row, 4 rows) with recompute. */
@@ -415,7 +420,7 @@ static void test_context_and_expert_parallel_equal_one_process(void) {
     const cpep_layout *l;
     int n = cpep_layouts(&l);
     for (int i = 0; i < n; i++)
-        CHECK(!train_ep(&c, l[i].run, l[i].cp, l[i].ep, 0, 0, 0, &cpep_result[i]) && cpep_result[i].step == 20 &&
+        CHECK(!train_ep(&c, l[i].run, l[i].cp, l[i].ep, 0, 0, 0, &cpep_result[i]) && cpep_result[i].step == DP_STEPS &&
                   cpep_result[i].skipped == 0,
               "%s: %s", l[i].what, lm_last_error());
     cpep_ok = all_ranks_ok();
@@ -433,7 +438,7 @@ static void test_context_and_expert_parallel_equal_one_process(void) {
     }
     if (me != 0) return;
     for (int i = 0; i < n; i++) compare_with_one_process(l[i].run, l[i].what);
-    CHECK(largest_bias(l[0].run, 20) > 1e-3, "the balancing bias did not move");
+    CHECK(largest_bias(l[0].run, DP_STEPS) > 1e-3, "the balancing bias did not move");
 }
 
 /* On the same layout, 8 steps, stop, resume to 20: the uninterrupted run's
@@ -448,37 +453,40 @@ static void test_context_and_expert_parallel_checkpoints_resume_across_layouts(v
     cpep_layouts(&l);
     const int last = R == 4 ? 1 : 0; /* on 4 ranks the EP groups of 2 with CP 2 */
     lm_train_result r;
-    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 0, 8, &r) && r.step == 8, "first part: %s",
-          lm_last_error());
-    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 1, 0, &r) && r.step == 20, "resumed: %s",
+    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 0, DP_STOP, &r) && r.step == DP_STOP,
+          "first part: %s", lm_last_error());
+    CHECK(!train_ep(&c, "cpep-resumed", l[last].cp, l[last].ep, 0, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s",
           lm_last_error());
     CHECK(r.params_hash == cpep_result[last].params_hash && r.balance_hash == cpep_result[last].balance_hash,
           "%s: the resumed run's state differs from the uninterrupted run's", l[last].what);
-    CHECK(!train_ep(&c, "cpep-zero", l[0].cp, l[0].ep, 1, 0, 0, &r) && r.step == 20, "zero: %s", lm_last_error());
+    CHECK(!train_ep(&c, "cpep-zero", l[0].cp, l[0].ep, 1, 0, 0, &r) && r.step == DP_STEPS, "zero: %s", lm_last_error());
     CHECK(r.params_hash == cpep_result[0].params_hash && r.balance_hash == cpep_result[0].balance_hash,
           "%s with ZeRO-1 differs from the owner-only run", l[0].what);
-    CHECK(!train_ep(&c, "cpep-then-one", l[0].cp, l[0].ep, 0, 0, 10, &r) && r.step == 10, "ranks: %s",
+    CHECK(!train_ep(&c, "cpep-then-one", l[0].cp, l[0].ep, 0, 0, DP_HALF, &r) && r.step == DP_HALF, "ranks: %s",
           lm_last_error());
     if (me == 0) {
-        CHECK(!train(&c, "cpep-then-one", 0, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
-        CHECK(!train(&c, "one-then-cpep", 0, 0, 0, 10, &r) && r.step == 10, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "cpep-then-one", 0, 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
+        CHECK(!train(&c, "one-then-cpep", 0, 0, 0, DP_HALF, &r) && r.step == DP_HALF, "one process: %s",
+              lm_last_error());
     }
     lm_comm_barrier(comm);
-    CHECK(!train_ep(&c, "one-then-cpep", l[0].cp, l[0].ep, 0, 1, 0, &r) && r.step == 20, "ranks: %s",
+    CHECK(!train_ep(&c, "one-then-cpep", l[0].cp, l[0].ep, 0, 1, 0, &r) && r.step == DP_STEPS, "ranks: %s",
           lm_last_error());
     CHECK(same_on_every_rank(r.params_hash), "the resumed ranks differ");
     if (me != 0) return;
     double w;
-    CHECK(tensors_close(l[last].run, "cpep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close(l[last].run, "cpep-resumed", 20, "trainer.safetensors", 0, &w),
+    CHECK(tensors_close(l[last].run, "cpep-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close(l[last].run, "cpep-resumed", DP_STEPS, "trainer.safetensors", 0, &w),
           "trainer state bit-identical");
-    CHECK(tensors_close(l[0].run, "cpep-zero", 20, "trainer.safetensors", 0, &w), "ZeRO-1: trainer state "
+    CHECK(tensors_close(l[0].run, "cpep-zero", DP_STEPS, "trainer.safetensors", 0, &w), "ZeRO-1: trainer state "
           "bit-identical");
     double w1, w2;
-    CHECK(tensors_close("cpep-then-one", "one", 20, "model.safetensors", 1e-5, &w1), "CP x EP then one: parameters");
-    CHECK(tensors_close("cpep-then-one", "one", 20, "trainer.safetensors", 1e-5, &w), "CP x EP then one: state");
-    CHECK(tensors_close("one-then-cpep", "one", 20, "model.safetensors", 1e-5, &w2), "one then CP x EP: parameters");
-    CHECK(tensors_close("one-then-cpep", "one", 20, "trainer.safetensors", 1e-5, &w), "one then CP x EP: state");
+    CHECK(tensors_close("cpep-then-one", "one", DP_STEPS, "model.safetensors", 1e-5, &w1),
+          "CP x EP then one: parameters");
+    CHECK(tensors_close("cpep-then-one", "one", DP_STEPS, "trainer.safetensors", 1e-5, &w), "CP x EP then one: state");
+    CHECK(tensors_close("one-then-cpep", "one", DP_STEPS, "model.safetensors", 1e-5, &w2),
+          "one then CP x EP: parameters");
+    CHECK(tensors_close("one-then-cpep", "one", DP_STEPS, "trainer.safetensors", 1e-5, &w), "one then CP x EP: state");
     printf("     %s then one process: parameters %.2e; one process then %s: %.2e relative\n", l[0].what, w1,
            l[0].what, w2);
 }
@@ -505,13 +513,13 @@ static void test_context_and_expert_parallel_skip_a_failing_step_on_every_rank(v
     o.inject_fault_step = me == R - 1 ? 3 : -1;
     lm_train_result r;
     CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(r.skipped == 1 && r.step == DP_STEPS, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
     /* one-fault: the one process with the same NaN (the context-parallel case above) */
-    losses_close("cpep-fault", "one-fault", 19, 1e-5);
+    losses_close("cpep-fault", "one-fault", DP_STEPS - 1, 1e-5);
     double w;
-    CHECK(tensors_close("cpep-fault", "one-fault", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("cpep-fault", "one-fault", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
 }
 
 /* The staged run with recompute under CP x EP (the recomputed MoE layers
@@ -582,6 +590,7 @@ int main(int argc, char **argv) {
     }
     int rc = ranks_open(want_ranks, "cp_train");
     if (rc) return rc;
+    test_dp_steps_note();
     RUN(test_context_parallel_equals_one_process_with_the_same_batch);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);

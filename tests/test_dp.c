@@ -11,7 +11,10 @@
  * process, a step failing on one rank skipped on all as on one process (also with the weighted
  * answer loss, whose sum over the ranks the failing rank joins), and
  * the refusals (a batch the ranks cannot share, the exact estimator, a GPU).
- * Built without MPI, `--mpi N` reports every case skipped. */
+ * Built without MPI, `--mpi N` reports every case skipped.
+ * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
+ * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
+ * build runs 10 (5, 4 and 7; tests/test_models.h). */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -153,22 +156,22 @@ static void make_runs(void) {
 static void test_data_parallel_equals_one_process_with_the_same_batch(void) {
     make_runs();
     if (!runs_ok) return;
-    CHECK(dp_result.step == 20 && dp_result.skipped == 0, "dp: %lld steps, %lld skipped", (long long)dp_result.step,
-          (long long)dp_result.skipped);
+    CHECK(dp_result.step == DP_STEPS && dp_result.skipped == 0, "dp: %lld steps, %lld skipped",
+          (long long)dp_result.step, (long long)dp_result.skipped);
     if (me != 0) return;
     double a[32], b[32];
     int na = read_metric("dp", "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     double worst = 0;
     for (int i = 0; i < na && i < nb; i++) {
         CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
         worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
     }
-    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    CHECK(b[DP_STEPS - 1] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[DP_STEPS - 1]);
     /* the QK-Clip statistic is the largest logit over the whole batch: the ranks' maximum */
     na = read_metric("dp", "train", "max_logit", a, 32);
     nb = read_metric("one", "train", "max_logit", b, 32);
-    CHECK(na == 20 && nb == 20 && b[0] > 0, "max_logit lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS && b[0] > 0, "max_logit lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "largest attention logit");
     na = read_metric("one", "train", "qk_clipped_heads", a, 32);
     double clipped = 0;
@@ -179,10 +182,10 @@ static void test_data_parallel_equals_one_process_with_the_same_batch(void) {
     CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
     double wp, wb;
-    CHECK(tensors_close("dp", "one", 20, "model.safetensors", 1e-5, &wp), "parameters");
-    CHECK(tensors_close("dp", "one", 20, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
-    printf("     %d ranks vs one process after 20 steps: loss %.2e, parameters %.2e, optimizer/balance %.2e "
-           "relative\n", R, worst, wp, wb);
+    CHECK(tensors_close("dp", "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "parameters");
+    CHECK(tensors_close("dp", "one", DP_STEPS, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
+    printf("     %d ranks vs one process after %d steps: loss %.2e, parameters %.2e, optimizer/balance %.2e "
+           "relative\n", R, DP_STEPS, worst, wp, wb);
 }
 
 /* train.answer_loss_weight: the weighted loss's sums run over every rank's rows, so the ranks train
@@ -194,10 +197,11 @@ static void test_weighted_loss_data_parallel_equals_one_process(void) {
     CHECK(!train(&c, "dp-weighted", 1, 0, 0, &r), "dp-weighted: %s", lm_last_error());
     if (me == 0) CHECK(!train(&c, "one-weighted", 0, 0, 0, &r), "one-weighted: %s", lm_last_error());
     if (me != 0) return;
-    losses_close("dp-weighted", "one-weighted", 20, 1e-5);
+    losses_close("dp-weighted", "one-weighted", DP_STEPS, 1e-5);
     double wp;
-    CHECK(tensors_close("dp-weighted", "one-weighted", 20, "model.safetensors", 1e-5, &wp), "parameters");
-    printf("     weighted loss, %d ranks vs one process after 20 steps: parameters %.2e relative\n", R, wp);
+    CHECK(tensors_close("dp-weighted", "one-weighted", DP_STEPS, "model.safetensors", 1e-5, &wp), "parameters");
+    printf("     weighted loss, %d ranks vs one process after %d steps: parameters %.2e relative\n", R, DP_STEPS,
+           wp);
 }
 
 static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
@@ -209,7 +213,7 @@ static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
     /* the hashes see the state: the two runs' differ */
     CHECK(dp_result.balance_hash != zoom_result.balance_hash, "the balance hash ignores the bias");
     if (me == 0) {
-        double h = largest_bias("dp", 20), z = largest_bias("dp-zoom", 20);
+        double h = largest_bias("dp", DP_STEPS), z = largest_bias("dp-zoom", DP_STEPS);
         CHECK(h > 1e-3 && z > 1e-3, "the balancing bias moved: largest |b| %.3g (histogram), %.3g (zoom)", h, z);
     }
 }
@@ -218,29 +222,29 @@ static void test_resume_on_the_same_ranks_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
-    CHECK(!train(&c, "dp-resumed", 1, 0, 8, &r) && r.step == 8, "first half: %s", lm_last_error());
-    CHECK(!train(&c, "dp-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train(&c, "dp-resumed", 1, 0, DP_STOP, &r) && r.step == DP_STOP, "first half: %s", lm_last_error());
+    CHECK(!train(&c, "dp-resumed", 1, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == dp_result.params_hash && r.balance_hash == dp_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("dp", "dp-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close("dp", "dp-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
-    losses_close("dp", "dp-resumed", 20, 0);
+    CHECK(tensors_close("dp", "dp-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("dp", "dp-resumed", DP_STEPS, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    losses_close("dp", "dp-resumed", DP_STEPS, 0);
 }
 
 static void test_checkpoint_of_the_ranks_resumes_on_one_process(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
-    CHECK(!train(&c, "dp-then-one", 1, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    CHECK(!train(&c, "dp-then-one", 1, 0, DP_HALF, &r) && r.step == DP_HALF, "ranks: %s", lm_last_error());
     if (me != 0) return;
-    CHECK(!train(&c, "dp-then-one", 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    CHECK(!train(&c, "dp-then-one", 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
     double w;
-    CHECK(tensors_close("dp-then-one", "one", 20, "model.safetensors", 1e-5, &w), "parameters");
-    CHECK(tensors_close("dp-then-one", "dp", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("dp-then-one", "one", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("dp-then-one", "dp", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
     double a[32];
-    CHECK(read_metric("dp-then-one", "train", "loss", a, 32) == 20, "a train line per step");
+    CHECK(read_metric("dp-then-one", "train", "loss", a, 32) == DP_STEPS, "a train line per step");
 }
 
 /* A forward that fails on one rank only (a NaN in the rows of its first micro-batch of step 4)
@@ -264,7 +268,7 @@ static void check_a_failing_rank_is_skipped_on_every_rank(const char *tag, float
     o.inject_fault_step = me == R - 1 ? 3 : -1;
     lm_train_result r;
     CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(r.skipped == 1 && r.step == DP_STEPS, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
     o.out_dir = dir(one);
@@ -274,10 +278,10 @@ static void check_a_failing_rank_is_skipped_on_every_rank(const char *tag, float
     CHECK(r.skipped == 1, "one process: %lld skipped", (long long)r.skipped);
     double a[32], b[32];
     int na = read_metric(tag, "train", "loss", a, 32), nb = read_metric(one, "train", "loss", b, 32);
-    CHECK(na == 19 && nb == 19, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS - 1 && nb == DP_STEPS - 1, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss");
     double w;
-    CHECK(tensors_close(tag, one, 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close(tag, one, DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
 }
 
 static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
@@ -286,9 +290,10 @@ static void test_a_step_failing_on_one_rank_is_skipped_on_every_rank(void) {
     if (me != 0) return;
     /* the skip changed the run: its last loss is not the unskipped run's */
     double a[32], u[32];
-    CHECK(read_metric("dp-fault", "train", "loss", a, 32) == 19 && read_metric("dp", "train", "loss", u, 32) == 20 &&
-              fabs(u[19] - a[18]) > 1e-4 * fabs(u[19]),
-          "the skip changed nothing: last loss %.9g and %.9g", u[19], a[18]);
+    CHECK(read_metric("dp-fault", "train", "loss", a, 32) == DP_STEPS - 1 &&
+              read_metric("dp", "train", "loss", u, 32) == DP_STEPS &&
+              fabs(u[DP_STEPS - 1] - a[DP_STEPS - 2]) > 1e-4 * fabs(u[DP_STEPS - 1]),
+          "the skip changed nothing: last loss %.9g and %.9g", u[DP_STEPS - 1], a[DP_STEPS - 2]);
 }
 
 static void test_a_failing_rank_with_the_weighted_loss_is_skipped_on_every_rank(void) {
@@ -311,13 +316,13 @@ static void test_expert_parallel_equals_data_parallel_and_one_process(void) {
     lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
     ep_ok = any == 0;
     if (!ep_ok) return;
-    CHECK(ep_result.step == 20 && ep_result.skipped == 0, "ep: %lld steps, %lld skipped",
+    CHECK(ep_result.step == DP_STEPS && ep_result.skipped == 0, "ep: %lld steps, %lld skipped",
           (long long)ep_result.step, (long long)ep_result.skipped);
     if (me != 0) return;
     double a[32], b[32], d[32];
     int na = read_metric("ep", "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
     int nd = read_metric("dp", "train", "loss", d, 32);
-    CHECK(na == 20 && nb == 20 && nd == 20, "train lines %d, %d and %d", na, nb, nd);
+    CHECK(na == DP_STEPS && nb == DP_STEPS && nd == DP_STEPS, "train lines %d, %d and %d", na, nb, nd);
     double worst = 0;
     for (int i = 0; i < na && i < nb && i < nd; i++) {
         CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss (ep vs one process)");
@@ -329,12 +334,12 @@ static void test_expert_parallel_equals_data_parallel_and_one_process(void) {
     CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "validation loss");
     double wp, wd, wb;
-    CHECK(tensors_close("ep", "one", 20, "model.safetensors", 1e-5, &wp), "parameters (ep vs one process)");
-    CHECK(tensors_close("ep", "dp", 20, "model.safetensors", 1e-5, &wd), "parameters (ep vs dp)");
-    CHECK(tensors_close("ep", "one", 20, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
+    CHECK(tensors_close("ep", "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "parameters (ep vs one process)");
+    CHECK(tensors_close("ep", "dp", DP_STEPS, "model.safetensors", 1e-5, &wd), "parameters (ep vs dp)");
+    CHECK(tensors_close("ep", "one", DP_STEPS, "trainer.safetensors", 1e-5, &wb), "optimizer and balancing state");
     /* the experts' rows crossed ranks: the runs are not the data-parallel run's bits */
-    printf("     EP over %d ranks after 20 steps: loss %.2e, parameters %.2e (vs dp %.2e), optimizer/balance "
-           "%.2e relative to one process\n", R, worst, wp, wd, wb);
+    printf("     EP over %d ranks after %d steps: loss %.2e, parameters %.2e (vs dp %.2e), optimizer/balance "
+           "%.2e relative to one process\n", R, DP_STEPS, worst, wp, wd, wb);
 }
 
 static void test_expert_parallel_ranks_hold_the_same_state_and_bias(void) {
@@ -342,7 +347,7 @@ static void test_expert_parallel_ranks_hold_the_same_state_and_bias(void) {
     CHECK(same_on_every_rank(ep_result.params_hash), "parameters or optimizer state differ between ranks");
     CHECK(same_on_every_rank(ep_result.balance_hash), "balancing state differs between ranks");
     if (me == 0) {
-        double h = largest_bias("ep", 20);
+        double h = largest_bias("ep", DP_STEPS);
         CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
     }
 }
@@ -353,17 +358,17 @@ static void test_expert_parallel_checkpoint_resumes_with_and_without_it(void) {
     if (!ep_ok) SKIP("the expert-parallel run failed");
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_result r;
-    CHECK(!train_ep(&c, "ep-resumed", 1, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
-    CHECK(!train_ep(&c, "ep-resumed", 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train_ep(&c, "ep-resumed", 1, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s", lm_last_error());
+    CHECK(!train_ep(&c, "ep-resumed", 1, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash && r.balance_hash == ep_result.balance_hash,
           "the resumed EP run's state differs from the uninterrupted run's");
-    CHECK(!train_ep(&c, "ep-then-one", 1, 0, 10, &r) && r.step == 10, "ranks: %s", lm_last_error());
+    CHECK(!train_ep(&c, "ep-then-one", 1, 0, DP_HALF, &r) && r.step == DP_HALF, "ranks: %s", lm_last_error());
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("ep", "ep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(!train(&c, "ep-then-one", 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
-    CHECK(tensors_close("ep-then-one", "one", 20, "model.safetensors", 1e-5, &w), "parameters");
-    CHECK(tensors_close("ep-then-one", "ep", 20, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("ep", "ep-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(!train(&c, "ep-then-one", 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
+    CHECK(tensors_close("ep-then-one", "one", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
+    CHECK(tensors_close("ep-then-one", "ep", DP_STEPS, "model.safetensors", 1e-5, &w), "parameters");
 }
 
 /* A NaN in one rank's rows stops that rank's routing: the ranks agree before
@@ -383,10 +388,10 @@ static void test_expert_parallel_step_failing_on_one_rank_is_skipped_on_every_ra
     o.inject_fault_step = me == R - 1 ? 3 : -1;
     lm_train_result r;
     CHECK(!lm_train(&c, &o, &r), "ranks: %s", lm_last_error());
-    CHECK(r.skipped == 1 && r.step == 20, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
+    CHECK(r.skipped == 1 && r.step == DP_STEPS, "ranks: %lld skipped of %lld", (long long)r.skipped, (long long)r.step);
     CHECK(same_on_every_rank(r.params_hash), "the ranks differ after the skipped step");
     if (me != 0) return;
-    losses_close("ep-fault", "dp-fault-one", 19, 1e-5);
+    losses_close("ep-fault", "dp-fault-one", DP_STEPS - 1, 1e-5);
 }
 
 static void test_expert_parallel_refuses_experts_it_cannot_split(void) {
@@ -446,6 +451,7 @@ int main(int argc, char **argv) {
     }
     int rc = ranks_open(want_ranks, "dp");
     if (rc) return rc;
+    test_dp_steps_note();
     RUN(test_data_parallel_equals_one_process_with_the_same_batch);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_weighted_loss_data_parallel_equals_one_process);

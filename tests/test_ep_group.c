@@ -19,7 +19,10 @@
  * blocks that cross the owners' slices; a staged run; the refusals (G not
  * dividing the ranks or the experts, G < 1, a group size without --ep); the
  * CLI's `--ep G`.
- * Alone, or built without MPI, every case is skipped. */
+ * Alone, or built without MPI, every case is skipped.
+ * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
+ * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
+ * build runs 10 (5, 4 and 7; tests/test_models.h). */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -81,13 +84,13 @@ static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(vo
     if (me == 0) CHECK(!train("one", NULL, 0, 0, 0, 0, &one), "one: %s", lm_last_error());
     runs_ok = all_ok();
     if (!runs_ok) return;
-    CHECK(g_result.step == 20 && g_result.skipped == 0, "g: %lld steps, %lld skipped", (long long)g_result.step,
+    CHECK(g_result.step == DP_STEPS && g_result.skipped == 0, "g: %lld steps, %lld skipped", (long long)g_result.step,
           (long long)g_result.skipped);
     CHECK(g_result.params_hash == grep_result.params_hash, "parameters or optimizer state differ from replicated");
     CHECK(g_result.grad_norm_hash == grep_result.grad_norm_hash, "the global gradient norms differ in their bits");
     CHECK(g_result.balance_hash == grep_result.balance_hash, "balancing state differs from replicated");
     if (me != 0) return;
-    losses_close("g", "grep", 20, 0);
+    losses_close("g", "grep", DP_STEPS, 0);
     double a[32], b[32];
     int na = read_metric("g", "train", "grad_norm", a, 32), nb = read_metric("grep", "train", "grad_norm", b, 32);
     int clipped = 0;
@@ -97,15 +100,15 @@ static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(vo
     }
     CHECK(clipped > 0, "clipping acted in none of %d steps: the test does not see it", nb);
     double wd;
-    for (int step = 5; step <= 20; step += 5) {
+    for (int step = 5; step <= DP_STEPS; step += 5) {
         CHECK(tensors_close("g", "grep", step, "model.safetensors", 0, &wd), "parameters at step %d", step);
         CHECK(tensors_close("g", "grep", step, "trainer.safetensors", 0, &wd), "trainer state at step %d", step);
         CHECK(same_checkpoint_files("g", "grep", step), "the files of checkpoint %d differ", step);
     }
     /* against one process and the whole-world EP: float rounding */
-    const double l1 = losses_close("g", "one", 20, 1e-5), lw = losses_close("g", "w", 20, 1e-5);
+    const double l1 = losses_close("g", "one", DP_STEPS, 1e-5), lw = losses_close("g", "w", DP_STEPS, 1e-5);
     nb = read_metric("one", "train", "loss", b, 32);
-    CHECK(nb == 20 && b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
+    CHECK(nb == DP_STEPS && b[DP_STEPS - 1] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[DP_STEPS - 1]);
     na = read_metric("g", "eval", "val_loss", a, 32);
     nb = read_metric("one", "eval", "val_loss", b, 32);
     CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
@@ -114,10 +117,10 @@ static void test_groups_equal_replicated_state_one_process_and_whole_world_ep(vo
     nb = read_metric("one", "train", "grad_norm", b, 32);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-5, "gradient norm vs one process");
     double p1, s1, pw, sw;
-    CHECK(tensors_close("g", "one", 20, "model.safetensors", 1e-5, &p1), "parameters vs one process");
-    CHECK(tensors_close("g", "one", 20, "trainer.safetensors", 1e-5, &s1), "optimizer state vs one process");
-    CHECK(tensors_close("g", "w", 20, "model.safetensors", 1e-5, &pw), "parameters vs whole-world EP");
-    CHECK(tensors_close("g", "w", 20, "trainer.safetensors", 1e-5, &sw), "optimizer state vs whole-world EP");
+    CHECK(tensors_close("g", "one", DP_STEPS, "model.safetensors", 1e-5, &p1), "parameters vs one process");
+    CHECK(tensors_close("g", "one", DP_STEPS, "trainer.safetensors", 1e-5, &s1), "optimizer state vs one process");
+    CHECK(tensors_close("g", "w", DP_STEPS, "model.safetensors", 1e-5, &pw), "parameters vs whole-world EP");
+    CHECK(tensors_close("g", "w", DP_STEPS, "trainer.safetensors", 1e-5, &sw), "optimizer state vs whole-world EP");
     printf("     EP groups of %d on %d ranks = replicated state bit for bit; vs one process: loss %.2e, parameters "
            "%.2e, state %.2e; vs EP %d: loss %.2e, parameters %.2e, state %.2e relative\n",
            G, R, l1, p1, s1, R, lw, pw, sw);
@@ -188,7 +191,7 @@ static void test_every_rank_holds_the_same_parameters_and_bias(void) {
     CHECK(same_on_every_rank(g_result.params_hash), "parameters or optimizer state differ between ranks");
     CHECK(same_on_every_rank(g_result.balance_hash), "balancing state (the QB bias) differs between ranks");
     if (me == 0) {
-        double h = largest_bias("g", 20);
+        double h = largest_bias("g", DP_STEPS);
         CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
     }
 }
@@ -196,16 +199,16 @@ static void test_every_rank_holds_the_same_parameters_and_bias(void) {
 static void test_resume_on_the_same_layout_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_train_result r;
-    CHECK(!train("g-resumed", comm, G, 0, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
-    CHECK(!train("g-resumed", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train("g-resumed", comm, G, 0, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s", lm_last_error());
+    CHECK(!train("g-resumed", comm, G, 0, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
     CHECK(r.block_peak_bytes == g_result.block_peak_bytes, "the resumed rank held %zu block bytes, the run %zu",
           r.block_peak_bytes, g_result.block_peak_bytes);
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("g", "g-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close("g", "g-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    CHECK(tensors_close("g", "g-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("g", "g-resumed", DP_STEPS, "trainer.safetensors", 0, &w), "trainer state bit-identical");
 }
 
 /* ZeRO-1 with EP groups (the expert gradients reduce-scattered over the world
@@ -216,10 +219,10 @@ static void test_zero1_with_groups_resumes_owner_only_bit_for_bit(void) {
     lm_config c = ep_config();
     lm_train_options o = options("gzero", comm, G, 0);
     o.zero = 1;
-    o.stop_after = 10;
+    o.stop_after = DP_HALF;
     lm_train_result r;
-    CHECK(!lm_train(&c, &o, &r) && r.step == 10, "ZeRO-1 in groups: %s", lm_last_error());
-    CHECK(!train("gzero", comm, G, 0, 1, 0, &r) && r.step == 20, "resumed owner-only: %s", lm_last_error());
+    CHECK(!lm_train(&c, &o, &r) && r.step == DP_HALF, "ZeRO-1 in groups: %s", lm_last_error());
+    CHECK(!train("gzero", comm, G, 0, 1, 0, &r) && r.step == DP_STEPS, "resumed owner-only: %s", lm_last_error());
     CHECK(r.params_hash == g_result.params_hash && r.balance_hash == g_result.balance_hash,
           "ZeRO-1 checkpoint in groups resumed owner-only: state differs from the uninterrupted run");
 }
@@ -227,10 +230,11 @@ static void test_zero1_with_groups_resumes_owner_only_bit_for_bit(void) {
 /* Run `run` ended at step 20 within 1e-5 of one process and of the groups' run (rank 0). */
 static void close_to_uninterrupted(const char *run) {
     double w1, w2, w3;
-    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
-    CHECK(tensors_close(run, "g", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs groups", run);
-    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &w3), "%s: optimizer state vs one process", run);
-    losses_close(run, "one", 20, 1e-5);
+    CHECK(tensors_close(run, "one", DP_STEPS, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "g", DP_STEPS, "model.safetensors", 1e-5, &w2), "%s: parameters vs groups", run);
+    CHECK(tensors_close(run, "one", DP_STEPS, "trainer.safetensors", 1e-5, &w3), "%s: optimizer state vs one process",
+          run);
+    losses_close(run, "one", DP_STEPS, 1e-5);
     printf("     %s: parameters within %.2e (one process), %.2e (groups of %d) relative\n", run, w1, w2, G);
 }
 
@@ -239,18 +243,18 @@ static void close_to_uninterrupted(const char *run) {
  * on whole-world EP; each run to 20 within 1e-5 of the uninterrupted runs. */
 static void test_checkpoints_resume_across_group_sizes_and_one_process(void) {
     if (!runs_ok) SKIP("the runs failed");
-    copy_run_at("g", "g-then-one", 10);
-    copy_run_at("one", "one-then-g", 10);
-    copy_run_at("w", "w-then-g", 10);
-    copy_run_at("g", "g-then-w", 10);
+    copy_run_at("g", "g-then-one", DP_HALF);
+    copy_run_at("one", "one-then-g", DP_HALF);
+    copy_run_at("w", "w-then-g", DP_HALF);
+    copy_run_at("g", "g-then-w", DP_HALF);
     lm_train_result r;
-    CHECK(!train("one-then-g", comm, G, 0, 1, 0, &r) && r.step == 20, "one then g: %s", lm_last_error());
+    CHECK(!train("one-then-g", comm, G, 0, 1, 0, &r) && r.step == DP_STEPS, "one then g: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
-    CHECK(!train("w-then-g", comm, G, 0, 1, 0, &r) && r.step == 20, "w then g: %s", lm_last_error());
+    CHECK(!train("w-then-g", comm, G, 0, 1, 0, &r) && r.step == DP_STEPS, "w then g: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
-    CHECK(!train("g-then-w", comm, 0, 0, 1, 0, &r) && r.step == 20, "g then w: %s", lm_last_error());
+    CHECK(!train("g-then-w", comm, 0, 0, 1, 0, &r) && r.step == DP_STEPS, "g then w: %s", lm_last_error());
     if (me != 0) return;
-    CHECK(!train("g-then-one", NULL, 0, 0, 1, 0, &r) && r.step == 20, "g then one: %s", lm_last_error());
+    CHECK(!train("g-then-one", NULL, 0, 0, 1, 0, &r) && r.step == DP_STEPS, "g then one: %s", lm_last_error());
     close_to_uninterrupted("g-then-one");
     close_to_uninterrupted("one-then-g");
     close_to_uninterrupted("w-then-g");
@@ -366,6 +370,7 @@ int main(int argc, char **argv) {
             return 1;
         }
         G = R / 2 > 0 ? R / 2 : 1;
+        test_dp_steps_note();
     }
     RUN(test_groups_equal_replicated_state_one_process_and_whole_world_ep);
     RUN(test_a_rank_holds_its_groups_share_of_the_experts_state);

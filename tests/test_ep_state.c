@@ -21,7 +21,10 @@
  * (the second stage's model under EP too); a NaN in an
  * owner's expert gradient skipping the step on every rank as the
  * replicated layout does. Alone, or built without MPI, every case is
- * skipped. */
+ * skipped.
+ * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
+ * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
+ * build runs 10 (5, 4 and 7; tests/test_models.h). */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -73,8 +76,8 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
     if (me == 0) CHECK(!train("one", NULL, ONE, 0, 0, &one), "one: %s", lm_last_error());
     runs_ok = all_ok();
     if (!runs_ok) return;
-    CHECK(ep_result.step == 20 && ep_result.skipped == 0, "ep: %lld steps, %lld skipped", (long long)ep_result.step,
-          (long long)ep_result.skipped);
+    CHECK(ep_result.step == DP_STEPS && ep_result.skipped == 0, "ep: %lld steps, %lld skipped",
+          (long long)ep_result.step, (long long)ep_result.skipped);
     /* parameters, every tensor's optimizer state (gathered from the owners), counters */
     CHECK(ep_result.params_hash == rep_result.params_hash, "parameters or optimizer state differ from replicated");
     CHECK(ep_result.grad_norm_hash == rep_result.grad_norm_hash, "the global gradient norms differ in their bits");
@@ -82,7 +85,7 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
     if (me != 0) return;
     double a[32], b[32];
     int na = read_metric("ep", "train", "loss", a, 32), nb = read_metric("rep", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
     na = read_metric("ep", "train", "grad_norm", a, 32);
     nb = read_metric("rep", "train", "grad_norm", b, 32);
@@ -97,7 +100,7 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
     CHECK(na == 2 && nb == 2, "eval lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "validation loss %.9g vs %.9g", a[i], b[i]);
     double w;
-    for (int step = 5; step <= 20; step += 5) {
+    for (int step = 5; step <= DP_STEPS; step += 5) {
         CHECK(tensors_close("ep", "rep", step, "model.safetensors", 0, &w), "parameters at step %d", step);
         CHECK(tensors_close("ep", "rep", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
         /* the files themselves, header and checksum included: the owner-only run streams its experts to rank 0 */
@@ -106,14 +109,14 @@ static void test_owner_only_state_equals_replicated_state_bit_for_bit(void) {
     double wp, ws, worst = 0;
     na = read_metric("ep", "train", "loss", a, 32);
     nb = read_metric("one", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) {
         CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
         worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
     }
-    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
-    CHECK(tensors_close("ep", "one", 20, "model.safetensors", 1e-5, &wp), "parameters vs one process");
-    CHECK(tensors_close("ep", "one", 20, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
+    CHECK(b[DP_STEPS - 1] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[DP_STEPS - 1]);
+    CHECK(tensors_close("ep", "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "parameters vs one process");
+    CHECK(tensors_close("ep", "one", DP_STEPS, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
     printf("     owner-only EP on %d ranks = replicated-state EP bit for bit; vs one process: loss %.2e, "
            "parameters %.2e, optimizer/balance %.2e relative\n", R, worst, wp, ws);
 }
@@ -208,7 +211,7 @@ static void test_every_rank_holds_the_same_parameters_and_bias(void) {
     CHECK(same_on_every_rank(ep_result.params_hash), "parameters or optimizer state differ between ranks");
     CHECK(same_on_every_rank(ep_result.balance_hash), "balancing state differs between ranks");
     if (me == 0) {
-        double h = largest_bias("ep", 20);
+        double h = largest_bias("ep", DP_STEPS);
         CHECK(h > 1e-3, "the balancing bias moved: largest |b| %.3g", h);
     }
 }
@@ -216,8 +219,8 @@ static void test_every_rank_holds_the_same_parameters_and_bias(void) {
 static void test_resume_on_the_same_layout_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_train_result r;
-    CHECK(!train("ep-resumed", comm, EP, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
-    CHECK(!train("ep-resumed", comm, EP, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train("ep-resumed", comm, EP, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s", lm_last_error());
+    CHECK(!train("ep-resumed", comm, EP, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash && r.balance_hash == ep_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
     /* the resumed model was created with its share and loaded its slices */
@@ -225,8 +228,8 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
           r.block_peak_bytes, ep_result.block_peak_bytes);
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("ep", "ep-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close("ep", "ep-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    CHECK(tensors_close("ep", "ep-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("ep", "ep-resumed", DP_STEPS, "trainer.safetensors", 0, &w), "trainer state bit-identical");
 }
 
 /* Checkpoints of the replicated-state layout and of ZeRO-1 with EP (both the
@@ -235,29 +238,31 @@ static void test_resume_on_the_same_layout_is_bit_exact(void) {
 static void test_checkpoints_of_the_other_ep_layouts_resume_bit_for_bit(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_train_result r, z;
-    CHECK(!train("zero", comm, EP_ZERO, 0, 10, &z) && z.step == 10, "ZeRO-1 EP: %s", lm_last_error());
-    copy_run_at("rep", "rep-then-ep", 10);
-    CHECK(!train("rep-then-ep", comm, EP, 1, 0, &r) && r.step == 20, "rep then ep: %s", lm_last_error());
+    CHECK(!train("zero", comm, EP_ZERO, 0, DP_HALF, &z) && z.step == DP_HALF, "ZeRO-1 EP: %s", lm_last_error());
+    copy_run_at("rep", "rep-then-ep", DP_HALF);
+    CHECK(!train("rep-then-ep", comm, EP, 1, 0, &r) && r.step == DP_STEPS, "rep then ep: %s", lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash, "replicated-state checkpoint resumed owner-only: state differs");
-    CHECK(!train("zero", comm, EP, 1, 0, &r) && r.step == 20, "zero then ep: %s", lm_last_error());
+    CHECK(!train("zero", comm, EP, 1, 0, &r) && r.step == DP_STEPS, "zero then ep: %s", lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash, "ZeRO-1 EP checkpoint resumed owner-only: state differs");
-    copy_run_at("ep", "ep-then-rep", 10);
-    CHECK(!train("ep-then-rep", comm, EP_REPLICATED, 1, 0, &r) && r.step == 20, "ep then rep: %s", lm_last_error());
+    copy_run_at("ep", "ep-then-rep", DP_HALF);
+    CHECK(!train("ep-then-rep", comm, EP_REPLICATED, 1, 0, &r) && r.step == DP_STEPS, "ep then rep: %s",
+          lm_last_error());
     CHECK(r.params_hash == ep_result.params_hash, "owner-only checkpoint resumed replicated: state differs");
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("rep-then-ep", "ep", 20, "trainer.safetensors", 0, &w), "rep then ep: trainer state");
-    CHECK(tensors_close("zero", "ep", 20, "trainer.safetensors", 0, &w), "zero then ep: trainer state");
-    CHECK(tensors_close("ep-then-rep", "ep", 20, "model.safetensors", 0, &w), "ep then rep: parameters");
+    CHECK(tensors_close("rep-then-ep", "ep", DP_STEPS, "trainer.safetensors", 0, &w), "rep then ep: trainer state");
+    CHECK(tensors_close("zero", "ep", DP_STEPS, "trainer.safetensors", 0, &w), "zero then ep: trainer state");
+    CHECK(tensors_close("ep-then-rep", "ep", DP_STEPS, "model.safetensors", 0, &w), "ep then rep: parameters");
 }
 
 /* Run `run` ended at step 20 within 1e-5 of the uninterrupted runs (rank 0). */
 static void close_to_uninterrupted(const char *run) {
     double w1, w2;
-    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
-    CHECK(tensors_close(run, "ep", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs EP", run);
-    CHECK(tensors_close(run, "one", 20, "trainer.safetensors", 1e-5, &w2), "%s: optimizer state vs one process", run);
-    losses_close(run, "one", 20, 1e-5);
+    CHECK(tensors_close(run, "one", DP_STEPS, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "ep", DP_STEPS, "model.safetensors", 1e-5, &w2), "%s: parameters vs EP", run);
+    CHECK(tensors_close(run, "one", DP_STEPS, "trainer.safetensors", 1e-5, &w2), "%s: optimizer state vs one process",
+          run);
+    losses_close(run, "one", DP_STEPS, 1e-5);
     printf("     %s: parameters within %.2e (one process), %.2e (EP) relative\n", run, w1, w2);
 }
 
@@ -265,13 +270,13 @@ static void close_to_uninterrupted(const char *run) {
  * process's checkpoint on the N ranks with owner-only state. */
 static void test_checkpoints_resume_between_one_process_and_the_ranks(void) {
     if (!runs_ok) SKIP("the runs failed");
-    copy_run_at("ep", "ep-then-one", 10);
-    copy_run_at("one", "one-then-ep", 10);
+    copy_run_at("ep", "ep-then-one", DP_HALF);
+    copy_run_at("one", "one-then-ep", DP_HALF);
     lm_train_result r;
-    CHECK(!train("one-then-ep", comm, EP, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(!train("one-then-ep", comm, EP, 1, 0, &r) && r.step == DP_STEPS, "ranks: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash) && same_on_every_rank(r.balance_hash), "the ranks' hashes differ");
     if (me != 0) return;
-    CHECK(!train("ep-then-one", NULL, ONE, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    CHECK(!train("ep-then-one", NULL, ONE, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
     close_to_uninterrupted("ep-then-one");
     close_to_uninterrupted("one-then-ep");
 }
@@ -282,18 +287,18 @@ static void test_checkpoints_resume_between_one_process_and_the_ranks(void) {
 static void test_checkpoint_resumes_on_another_number_of_ranks(void) {
     if (!runs_ok) SKIP("the runs failed");
     if (R < 4) SKIP("needs 4 ranks (2 of them resume)");
-    copy_run_at("ep", "ep-four-then-two", 10);
+    copy_run_at("ep", "ep-four-then-two", DP_HALF);
     lm_comm *two = NULL;
     CHECK(!lm_comm_split(comm, me < 2 ? 0 : -1, &two), "%s", lm_last_error());
     lm_train_result r;
     if (two) {
-        CHECK(!train("ep-four-then-two", two, EP, 1, 15, &r) && r.step == 15, "2 ranks: %s", lm_last_error());
+        CHECK(!train("ep-four-then-two", two, EP, 1, DP_LATE, &r) && r.step == DP_LATE, "2 ranks: %s", lm_last_error());
         CHECK(r.optimizer_state_bytes > ep_result.optimizer_state_bytes, "2 ranks hold more than 4: %zu vs %zu",
               r.optimizer_state_bytes, ep_result.optimizer_state_bytes);
         lm_comm_close(two);
     }
     lm_comm_barrier(comm);
-    CHECK(!train("ep-four-then-two", comm, EP, 1, 0, &r) && r.step == 20, "4 ranks again: %s", lm_last_error());
+    CHECK(!train("ep-four-then-two", comm, EP, 1, 0, &r) && r.step == DP_STEPS, "4 ranks again: %s", lm_last_error());
     if (me == 0) close_to_uninterrupted("ep-four-then-two");
 }
 
@@ -450,6 +455,7 @@ int main(int argc, char **argv) {
     } else {
         int rc = ranks_open(want_ranks, "ep_state");
         if (rc) return rc;
+        test_dp_steps_note();
     }
     RUN(test_owner_only_state_equals_replicated_state_bit_for_bit);
     RUN(test_a_rank_holds_only_its_experts_state);

@@ -3,6 +3,7 @@
 #ifndef LONGMOE_TEST_MODELS_H
 #define LONGMOE_TEST_MODELS_H
 
+#include <stdio.h>
 #include <string.h>
 
 #include "longmoe/config.h"
@@ -97,11 +98,44 @@ static inline lm_config test_reduced_k3_mini_config(void) {
     return c;
 }
 
+/* How long the rank tests (test_dp, test_zero, test_ep_state, test_ep_group,
+ * test_cp_train) train test_dp_config: DP_STEPS steps, a checkpoint every 5,
+ * an evaluation at the middle and the end. The Release suite (make test) runs
+ * 20. A sanitizer build (make test-asan: CMake defines LONGMOE_TEST_REDUCED
+ * when LONGMOE_SANITIZE is on) runs 10: a step costs about five Release steps
+ * there, and these programs, each run at 2 and 4 ranks and comparing runs of
+ * every layout with one process, took 270 of the ASan suite's 350 s on 2 cores
+ * (the last 10 steps run the first 10's code again). Every case makes the same
+ * runs and the same comparisons, bit for bit where they were and within the
+ * same tolerances, over the 10 steps: checkpoints 5 and 10 instead of 5 to 20,
+ * resumes from step 4 (DP_STOP, between checkpoints) instead of 8, from 5
+ * (DP_HALF) instead of 10, and a 2-rank leg to 7 (DP_LATE) instead of 15. In 10
+ * steps the loss still falls by more than 0.5, QK-Clip and gradient clipping
+ * still act (steps 5 to 7) and the balancing bias still moves, so the checks
+ * that the runs see training hold as they are. test_dp_steps_note() prints the
+ * reduction. */
+#ifdef LONGMOE_TEST_REDUCED
+#define DP_STEPS 10
+#else
+#define DP_STEPS 20
+#endif
+#define DP_HALF (DP_STEPS / 2)     /* the checkpoint resumed on another layout (10 of 20) */
+#define DP_STOP (DP_STEPS * 2 / 5) /* a stop between checkpoints, resumed on the same layout (8 of 20) */
+#define DP_LATE (DP_STEPS * 3 / 4) /* a leg from DP_HALF on another number of ranks (to 15 of 20) */
+
+/* One line on rank 0's output when the runs are the sanitizer build's shorter ones. */
+static inline void test_dp_steps_note(void) {
+#ifdef LONGMOE_TEST_REDUCED
+    printf("sanitizer build: runs of %d steps, not the Release suite's 20 (DP_STEPS, tests/test_models.h)\n",
+           DP_STEPS);
+#endif
+}
+
 /* Four layers (KDA, MLA, KDA, MLA), a dense FFN then MoE layers of 8 experts
  * top-2 with a shared expert and quantile balancing, Block AttnRes; 4
  * sequences of 32 tokens a micro-batch, 2 micro-batches a step (so 2 or 4
- * ranks take 2 or 1 sequences each); QK-Clip acting. The data-parallel tests
- * (tests/test_dp.c, tests/test_zero.c) train it. */
+ * ranks take 2 or 1 sequences each); QK-Clip acting; DP_STEPS steps (above).
+ * The data-parallel tests (tests/test_dp.c, tests/test_zero.c) train it. */
 static inline lm_config test_dp_config(lm_qb_estimator estimator) {
     lm_config c;
     lm_config_defaults(&c);
@@ -131,10 +165,10 @@ static inline lm_config test_dp_config(lm_qb_estimator estimator) {
     c.seq_len = 32;
     c.batch_size = 4;
     c.grad_accum = 2;
-    c.steps = 20;
+    c.steps = DP_STEPS;
     c.lr = 0.03f;
     c.adam_lr = 0.005f;
-    c.eval_every = 10;
+    c.eval_every = DP_HALF;
     c.ckpt_every = 5;
     c.keep_checkpoints = 10;
     c.log_every = 1000;

@@ -13,7 +13,10 @@
  * on one process (and, on 4 ranks, on 2 ZeRO ranks of a split handle), and
  * one process's checkpoint resumed on N ZeRO ranks, each ending within 1e-5 of
  * the uninterrupted runs. Built without MPI, `--mpi N` reports every case
- * skipped. */
+ * skipped.
+ * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
+ * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
+ * build runs 10 (5, 4 and 7; tests/test_models.h). */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -99,7 +102,7 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
     if (me == 0) CHECK(!train("one", NULL, 0, 0, 0, &one_result), "one: %s", lm_last_error());
     runs_ok = all_ok();
     if (!runs_ok) return;
-    CHECK(zero_result.step == 20 && zero_result.skipped == 0, "zero: %lld steps, %lld skipped",
+    CHECK(zero_result.step == DP_STEPS && zero_result.skipped == 0, "zero: %lld steps, %lld skipped",
           (long long)zero_result.step, (long long)zero_result.skipped);
     /* the state hashes cover parameters, every tensor's optimizer state (gathered from the owners) and counters */
     CHECK(zero_result.params_hash == dp_result.params_hash, "parameters or optimizer state differ from replicated");
@@ -123,7 +126,7 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
            zero_result.ckpt_gathered_bytes, dp_result.optimizer_state_bytes);
     double a[32], b[32];
     int na = read_metric("zero", "train", "loss", a, 32), nb = read_metric("dp", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
     na = read_metric("zero", "train", "grad_norm", a, 32);
     nb = read_metric("dp", "train", "grad_norm", b, 32);
@@ -134,7 +137,7 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
     }
     CHECK(clipped > 0, "clipping acted in none of %d steps: the test does not see it", nb);
     double w;
-    for (int step = 5; step <= 20; step += 5) {
+    for (int step = 5; step <= DP_STEPS; step += 5) {
         CHECK(tensors_close("zero", "dp", step, "model.safetensors", 0, &w), "parameters at step %d", step);
         CHECK(tensors_close("zero", "dp", step, "trainer.safetensors", 0, &w), "trainer state at step %d", step);
         CHECK(same_checkpoint_files("zero", "dp", step), "the files of checkpoint %d differ", step);
@@ -142,14 +145,14 @@ static void test_zero1_equals_replicated_data_parallel_bit_for_bit(void) {
     double wp, ws, worst = 0;
     na = read_metric("zero", "train", "loss", a, 32);
     nb = read_metric("one", "train", "loss", b, 32);
-    CHECK(na == 20 && nb == 20, "train lines %d and %d", na, nb);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
     for (int i = 0; i < na && i < nb; i++) {
         CHECK_CLOSE(a[i], b[i], 0, 1e-5, "loss vs one process");
         worst = fmax(worst, fabs(a[i] - b[i]) / fabs(b[i]));
     }
-    CHECK(b[19] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[19]);
-    CHECK(tensors_close("zero", "one", 20, "model.safetensors", 1e-5, &wp), "parameters vs one process");
-    CHECK(tensors_close("zero", "one", 20, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
+    CHECK(b[DP_STEPS - 1] < b[0] - 0.5, "the run learns: loss %.3f -> %.3f", b[0], b[DP_STEPS - 1]);
+    CHECK(tensors_close("zero", "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "parameters vs one process");
+    CHECK(tensors_close("zero", "one", DP_STEPS, "trainer.safetensors", 1e-5, &ws), "optimizer state vs one process");
     printf("     ZeRO-1 on %d ranks = replicated bit for bit; vs one process: loss %.2e, parameters %.2e, "
            "optimizer/balance %.2e relative\n", R, worst, wp, ws);
 }
@@ -177,15 +180,15 @@ static void test_every_rank_holds_a_share_of_the_optimizer_state(void) {
 static void test_zero1_resume_on_the_same_layout_is_bit_exact(void) {
     if (!runs_ok) SKIP("the runs failed");
     lm_train_result r;
-    CHECK(!train("zero-resumed", comm, 1, 0, 8, &r) && r.step == 8, "first part: %s", lm_last_error());
-    CHECK(!train("zero-resumed", comm, 1, 1, 0, &r) && r.step == 20, "resumed: %s", lm_last_error());
+    CHECK(!train("zero-resumed", comm, 1, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s", lm_last_error());
+    CHECK(!train("zero-resumed", comm, 1, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
     CHECK(r.params_hash == zero_result.params_hash && r.balance_hash == zero_result.balance_hash,
           "the resumed run's state differs from the uninterrupted run's");
     if (me != 0) return;
     double w;
-    CHECK(tensors_close("zero", "zero-resumed", 20, "model.safetensors", 0, &w), "parameters bit-identical");
-    CHECK(tensors_close("zero", "zero-resumed", 20, "trainer.safetensors", 0, &w), "trainer state bit-identical");
-    losses_close("zero", "zero-resumed", 20, 0);
+    CHECK(tensors_close("zero", "zero-resumed", DP_STEPS, "model.safetensors", 0, &w), "parameters bit-identical");
+    CHECK(tensors_close("zero", "zero-resumed", DP_STEPS, "trainer.safetensors", 0, &w), "trainer state bit-identical");
+    losses_close("zero", "zero-resumed", DP_STEPS, 0);
 }
 
 /* A NaN left in a gradient on the last rank only (step 4) reaches one owner's
@@ -224,28 +227,28 @@ static void test_a_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(
 /* Run `run` ended at step 20 within 1e-5 of the uninterrupted runs (rank 0). */
 static void close_to_uninterrupted(const char *run) {
     double w1, w2;
-    CHECK(tensors_close(run, "one", 20, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
-    CHECK(tensors_close(run, "zero", 20, "model.safetensors", 1e-5, &w2), "%s: parameters vs ZeRO-1", run);
-    losses_close(run, "one", 20, 1e-5);
+    CHECK(tensors_close(run, "one", DP_STEPS, "model.safetensors", 1e-5, &w1), "%s: parameters vs one process", run);
+    CHECK(tensors_close(run, "zero", DP_STEPS, "model.safetensors", 1e-5, &w2), "%s: parameters vs ZeRO-1", run);
+    losses_close(run, "one", DP_STEPS, 1e-5);
     printf("     %s: parameters within %.2e (one process), %.2e (ZeRO-1) relative\n", run, w1, w2);
 }
 
 /* The N-rank ZeRO-1 checkpoint of step 10 resumed on one process without ZeRO. */
 static void test_zero1_checkpoint_resumes_on_one_process(void) {
     if (!runs_ok) SKIP("the runs failed");
-    copy_run_at("zero", "zero-then-one", 10);
+    copy_run_at("zero", "zero-then-one", DP_HALF);
     if (me != 0) return;
     lm_train_result r;
-    CHECK(!train("zero-then-one", NULL, 0, 1, 0, &r) && r.step == 20, "one process: %s", lm_last_error());
+    CHECK(!train("zero-then-one", NULL, 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
     close_to_uninterrupted("zero-then-one");
 }
 
 /* One process's checkpoint of step 10 resumed on the N ranks with ZeRO-1. */
 static void test_one_process_checkpoint_resumes_on_zero1_ranks(void) {
     if (!runs_ok) SKIP("the runs failed");
-    copy_run_at("one", "one-then-zero", 10);
+    copy_run_at("one", "one-then-zero", DP_HALF);
     lm_train_result r;
-    CHECK(!train("one-then-zero", comm, 1, 1, 0, &r) && r.step == 20, "ranks: %s", lm_last_error());
+    CHECK(!train("one-then-zero", comm, 1, 1, 0, &r) && r.step == DP_STEPS, "ranks: %s", lm_last_error());
     CHECK(same_on_every_rank(r.params_hash), "the ranks' hashes differ");
     if (me == 0) close_to_uninterrupted("one-then-zero");
 }
@@ -256,7 +259,7 @@ static void test_one_process_checkpoint_resumes_on_zero1_ranks(void) {
 static void test_zero1_checkpoint_resumes_on_another_number_of_ranks(void) {
     if (!runs_ok) SKIP("the runs failed");
     if (R < 4) SKIP("needs 4 ranks (2 of them resume)");
-    copy_run_at("zero", "zero-four-then-two", 10);
+    copy_run_at("zero", "zero-four-then-two", DP_HALF);
     lm_comm *two = NULL;
     CHECK(!lm_comm_split(comm, me < 2 ? 0 : -1, &two), "%s", lm_last_error());
     CHECK((me < 2) == (two != NULL), "rank %d: split handle %p", me, (void *)two);
@@ -264,11 +267,12 @@ static void test_zero1_checkpoint_resumes_on_another_number_of_ranks(void) {
     if (two) {
         CHECK(lm_comm_size(two) == 2 && lm_comm_rank(two) == me, "split: rank %d of %d", lm_comm_rank(two),
               lm_comm_size(two));
-        CHECK(!train("zero-four-then-two", two, 1, 1, 15, &r) && r.step == 15, "2 ranks: %s", lm_last_error());
+        CHECK(!train("zero-four-then-two", two, 1, 1, DP_LATE, &r) && r.step == DP_LATE, "2 ranks: %s",
+              lm_last_error());
         lm_comm_close(two);
     }
     lm_comm_barrier(comm);
-    CHECK(!train("zero-four-then-two", comm, 1, 1, 0, &r) && r.step == 20, "4 ranks again: %s", lm_last_error());
+    CHECK(!train("zero-four-then-two", comm, 1, 1, 0, &r) && r.step == DP_STEPS, "4 ranks again: %s", lm_last_error());
     if (me == 0) close_to_uninterrupted("zero-four-then-two");
 }
 
@@ -287,6 +291,7 @@ int main(int argc, char **argv) {
     }
     int rc = ranks_open(want_ranks, "zero");
     if (rc) return rc;
+    test_dp_steps_note();
     RUN(test_zero1_equals_replicated_data_parallel_bit_for_bit);
     RUN(test_every_rank_holds_a_share_of_the_optimizer_state);
     RUN(test_zero1_resume_on_the_same_layout_is_bit_exact);
