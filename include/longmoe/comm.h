@@ -10,6 +10,11 @@
  *   LM_COMM_NCCL  GPU ranks, one process a GPU (built when CMake finds CUDA and
  *                 NCCL: LONGMOE_HAVE_NCCL); started by mpirun (the NCCL id goes
  *                 over MPI) or alone (one rank)
+ *   LM_COMM_STAGED buffers in a backend's memory, messages over a host handle
+ *                 (lm_comm_open_staged): each collective copies its data to the
+ *                 host, runs the host handle's collective and copies the
+ *                 results back. Always built; GPU ranks without NCCL, and
+ *                 several processes sharing one GPU (NCCL refuses that).
  *
  * Memory. Buffers live where the engine works: host memory for SELF and MPI,
  * device memory for NCCL, whose calls are enqueued on the stream set by
@@ -44,11 +49,13 @@
 extern "C" {
 #endif
 
-typedef enum { LM_COMM_SELF = 0, LM_COMM_MPI = 1, LM_COMM_NCCL = 2 } lm_comm_engine;
+typedef enum { LM_COMM_SELF = 0, LM_COMM_MPI = 1, LM_COMM_NCCL = 2, LM_COMM_STAGED = 3 } lm_comm_engine;
+
+struct lm_backend; /* include/longmoe/backend.h */
 
 typedef struct lm_comm lm_comm;
 
-/* Name of an engine ("self", "mpi", "nccl"). */
+/* Name of an engine ("self", "mpi", "nccl", "staged"). */
 const char *lm_comm_engine_name(lm_comm_engine engine);
 /* 1 when this build has the engine. */
 int lm_comm_engine_available(lm_comm_engine engine);
@@ -61,6 +68,25 @@ int lm_comm_engine_available(lm_comm_engine engine);
  * visible devices); a lone process makes a one-rank communicator. An engine
  * this build lacks is an LM_ERR_ARG error naming the missing library. */
 lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out);
+/* The staged engine: a handle on the ranks of `host` (a SELF or MPI handle,
+ * which stays the caller's and must outlive this one) for buffers in the
+ * memory of backend `be`. Every collective downloads the data it sends to host
+ * staging buffers (kept and grown on need), runs host's collective on them
+ * and uploads what it received; the sums are comm.c's owner-computes
+ * algorithm, the rank-order additions done on the host, so every result has
+ * the bits of the host engines' and the NCCL engine's. Scratch is `be`'s
+ * memory (lm_comm_reserve). The copies go through be's upload and download,
+ * which wait for the work enqueued before them on be's stream: a buffer is
+ * read after everything before the call, and the results are in place when
+ * the call returns (lm_comm_set_stream is ignored). lm_comm_host gives
+ * `host`; lm_comm_split splits it (the part's host handle is the part's own). */
+lm_status lm_comm_open_staged(lm_comm *host, struct lm_backend *be, lm_comm **out);
+
+/* This rank's index among the ranks of `host` that run on the same machine
+ * (host names compared; collective on every rank of a host-memory handle):
+ * the GPU a process takes is this index modulo the visible devices. */
+lm_status lm_comm_local_rank(lm_comm *host, int *local);
+
 /* Release the handle (NULL is allowed); collective on all ranks. */
 void lm_comm_close(lm_comm *comm);
 
@@ -71,7 +97,8 @@ void lm_comm_abort(lm_comm *comm, int code);
 
 /* A handle on the same ranks, in the same order, for host buffers: `comm`
  * itself for the host engines; for NCCL the MPI handle its id came over, or a
- * one-rank handle for a lone process. Owned by `comm` (closed with it). Small
+ * one-rank handle for a lone process (owned by `comm`, closed with it); for
+ * the staged engine its host handle (its opener's; a split part's own). Small
  * values that live on the host (losses, flags, counts) go over it while the
  * device engine moves device buffers. */
 lm_comm *lm_comm_host(lm_comm *comm);

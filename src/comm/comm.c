@@ -1,8 +1,10 @@
 /* The communication layer's engine-independent part (docs/scaleout.md): the
  * handle, argument checks, the deterministic sums built from all-to-all and
  * all-gather, and the one-rank engine "self". */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "comm_internal.h"
@@ -12,12 +14,13 @@ const char *lm_comm_engine_name(lm_comm_engine engine) {
     case LM_COMM_SELF: return "self";
     case LM_COMM_MPI: return "mpi";
     case LM_COMM_NCCL: return "nccl";
+    case LM_COMM_STAGED: return "staged";
     }
     return "?";
 }
 
 int lm_comm_engine_available(lm_comm_engine engine) {
-    if (engine == LM_COMM_SELF) return 1;
+    if (engine == LM_COMM_SELF || engine == LM_COMM_STAGED) return 1;
 #ifdef LONGMOE_HAVE_MPI
     if (engine == LM_COMM_MPI) return 1;
 #endif
@@ -84,6 +87,9 @@ static lm_status self_split(lm_comm *c, int color, lm_comm *out, int *in_group) 
 lm_status lm_comm_open(lm_comm_engine engine, lm_comm **out) {
     if (!out) return lm_error(LM_ERR_ARG, "comm open: out is NULL");
     *out = NULL;
+    if (engine == LM_COMM_STAGED)
+        return lm_error(LM_ERR_ARG, "comm open: the staged engine carries a backend's buffers over a host handle: "
+                        "open it with lm_comm_open_staged(host, backend)");
     if (!lm_comm_engine_available(engine))
         return lm_error(LM_ERR_ARG, "comm open: engine '%s' is not in this build%s", lm_comm_engine_name(engine),
                         missing_engine_hint(engine));
@@ -157,6 +163,7 @@ void lm_comm_close(lm_comm *comm) {
 }
 
 void lm_comm_abort(lm_comm *comm, int code) {
+    if (comm && comm->engine == LM_COMM_STAGED) comm = lm_comm_staged_host(comm); /* a host engine's handle */
 #ifdef LONGMOE_HAVE_MPI
     if (comm && comm->engine == LM_COMM_MPI) lm_comm_mpi_abort(comm, code);
 #endif
@@ -170,7 +177,30 @@ lm_comm *lm_comm_host(lm_comm *comm) {
 #ifdef LONGMOE_HAVE_NCCL
     if (comm && comm->engine == LM_COMM_NCCL) return lm_comm_nccl_host(comm);
 #endif
+    if (comm && comm->engine == LM_COMM_STAGED) return lm_comm_staged_host(comm);
     return comm;
+}
+
+lm_status lm_comm_local_rank(lm_comm *host, int *local) {
+    enum { NAME = 256 };
+    if (!host || !local) return lm_error(LM_ERR_ARG, "comm local_rank: host and local must not be NULL");
+    const int R = lm_comm_size(host), me = lm_comm_rank(host);
+    *local = 0;
+    if (host->ops->sum_rows)
+        return lm_error(LM_ERR_ARG, "comm local_rank: the %s engine's buffers are not host memory; give its "
+                        "lm_comm_host", host->ops->name);
+    if (R == 1) return LM_OK;
+    char mine[NAME];
+    memset(mine, 0, sizeof mine);
+    if (gethostname(mine, NAME - 1)) snprintf(mine, sizeof mine, "unknown");
+    char *all = malloc((size_t)R * NAME);
+    if (!all) return lm_error(LM_ERR_MEMORY, "comm local_rank: out of memory for %d host names", R);
+    lm_status st = lm_comm_all_gather(host, mine, all, NAME);
+    int n = 0;
+    for (int p = 0; p < me && !st; p++) n += !strcmp(all + (size_t)p * NAME, mine);
+    free(all);
+    *local = n;
+    return st;
 }
 
 int lm_comm_rank(const lm_comm *comm) { return comm->rank; }
@@ -239,7 +269,7 @@ static lm_status engine_copy(lm_comm *c, void *dst, const void *src, size_t byte
 /* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
  * added in rank order; int32 wraps. A device engine's kernel does the same
  * additions in the same order (src/cuda/comm/rank_order_sum.cu). */
-static void sum_rows_in_rank_order(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
+void lm_comm_sum_rows_host(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
     if (dtype == LM_DTYPE_F32) {
         float *a = acc;
         const float *x = rows;
@@ -277,7 +307,7 @@ static lm_status sum_by_owner(lm_comm *c, const void *send, const size_t *len, c
     }
     TRY(c->ops->all_to_allv(c, send, sb, so, rows, rb, ro));
     if (c->ops->sum_rows) return m ? c->ops->sum_rows(c, acc, rows, m, R, dtype) : LM_OK;
-    sum_rows_in_rank_order(acc, rows, m, R, dtype);
+    lm_comm_sum_rows_host(acc, rows, m, R, dtype);
     return LM_OK;
 }
 
@@ -353,10 +383,7 @@ lm_status lm_comm_reduce_scatterv_sum(lm_comm *comm, const void *send, void *rec
     if (!total) return LM_OK;
     const char *s = send, *r = recv;
     if (m && s < r + m * es && r < s + total * es) return lm_error(LM_ERR_ARG, "%s: send and recv overlap", what);
-    if (R == 1) {
-        memcpy(recv, send, m * es);
-        return LM_OK;
-    }
+    if (R == 1) return m ? engine_copy(comm, recv, send, m * es) : LM_OK; /* the engine's memory */
     TRY(scratch_grow(comm, (size_t)R * m * es + 1));
     /* each rank's block: len/off live past the 4R entries sum_by_owner rewrites */
     size_t *len = comm->tables + 4 * (size_t)R, *off = len + R;

@@ -49,6 +49,13 @@ struct lm_comm {
     size_t *tables;       /* 6 * size entries: counts and offsets of the collectives */
 };
 
+/* acc[0..m) = rows[0] + ... + rows[R-1] (rows [R][m]) in rank order on the
+ * host: the host engines' sums, and the staged engine's after its download. */
+void lm_comm_sum_rows_host(void *acc, const void *rows, size_t m, int R, lm_dtype dtype);
+
+/* The staged engine (comm_staged.c): the host handle its messages go over. */
+lm_comm *lm_comm_staged_host(lm_comm *c);
+
 /* The MPI engine (comm_mpi.c, built with LONGMOE_HAVE_MPI): fills ops, rank,
  * size and engine_state of a zeroed handle. */
 lm_status lm_comm_mpi_attach(lm_comm *c);

@@ -259,24 +259,6 @@ static long launched_ranks(void) {
 }
 
 #ifdef LONGMOE_HAVE_MPI
-/* This rank's index among the job's ranks on the same host (host names
- * all-gathered over the MPI handle). */
-static lm_status local_rank_of(lm_comm *boot, int *local) {
-    enum { NAME = 256 };
-    const int R = lm_comm_size(boot), me = lm_comm_rank(boot);
-    char mine[NAME];
-    memset(mine, 0, sizeof mine);
-    if (gethostname(mine, NAME - 1)) snprintf(mine, sizeof mine, "unknown");
-    char *all = malloc((size_t)R * NAME);
-    if (!all) return lm_error(LM_ERR_MEMORY, "comm open: out of memory for %d host names", R);
-    lm_status st = lm_comm_all_gather(boot, mine, all, NAME);
-    int n = 0;
-    for (int p = 0; p < me && !st; p++) n += !strcmp(all + (size_t)p * NAME, mine);
-    free(all);
-    *local = n;
-    return st;
-}
-
 /* Rank 0's unique id (or its failure) to every rank over MPI. */
 static lm_status share_unique_id(lm_comm *boot, ncclUniqueId *id) {
     struct {
@@ -309,7 +291,7 @@ static lm_status nccl_setup(lm_comm *c, nccl_state *s) {
         TRY(lm_comm_open(LM_COMM_MPI, &s->boot));
         rank = lm_comm_rank(s->boot);
         size = lm_comm_size(s->boot);
-        TRY(local_rank_of(s->boot, &local));
+        TRY(lm_comm_local_rank(s->boot, &local));
         TRY(share_unique_id(s->boot, &id));
     } else
 #endif
