@@ -8,12 +8,20 @@
  * Under mpirun with N GPUs (`mpirun -np N test_cuda_comm --ranks N`): every
  * collective against a serial reference computed on every rank from the same
  * random data, bit for bit, with variable counts including zeros.
- * Without a GPU, or built without NCCL, every case reports "skip". */
+ * With --staged (`test_cuda_comm --staged`, `mpirun -np N test_cuda_comm
+ * --staged --ranks N`; ctest's test_cuda_comm_staged and _staged_mpi2): the
+ * same cases on the staged engine (lm_comm_open_staged: the device buffers
+ * copied through host memory, over MPI or one rank's self handle) on the CUDA
+ * backend; the processes may share one GPU, so 2 ranks run on a one-GPU
+ * machine, which NCCL refuses.
+ * Without a GPU, or built without NCCL (and not --staged), every case reports
+ * "skip". */
 #include <stdint.h>
 #include <time.h>
 
 #include <cuda_runtime_api.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/comm.h"
 #include "test.h"
 #include "test_comm_data.h"
@@ -25,6 +33,8 @@
 
 static lm_comm *comm;
 static int R = 1, me = 0;
+static lm_comm *staged_host;  /* --staged: the host handle under comm */
+static lm_backend *staged_be; /* --staged: the CUDA backend whose copies it makes */
 static cudaStream_t stream;
 
 #define OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
@@ -85,7 +95,8 @@ static void fill_large_f32(float *x, size_t n, int p) {
 /* ---- cases ---- */
 
 static void test_nccl_job_has_the_ranks_mpirun_started(void) {
-    CHECK(lm_comm_engine_of(comm) == LM_COMM_NCCL, "engine %s", lm_comm_engine_name(lm_comm_engine_of(comm)));
+    const lm_comm_engine want = staged_host ? LM_COMM_STAGED : LM_COMM_NCCL;
+    CHECK(lm_comm_engine_of(comm) == want, "engine %s", lm_comm_engine_name(lm_comm_engine_of(comm)));
     CHECK(me >= 0 && me < R, "rank %d of %d", me, R);
     int32_t one = 1, n = 0;
     int32_t *d = dev_from(&one, sizeof one);
@@ -485,14 +496,40 @@ static void test_bad_arguments_are_rejected_with_a_message(void) {
     lm_cuda_free(d);
 }
 
+/* --staged: the host handle (MPI under --ranks N, else one rank's self), the
+ * CUDA backend on this process's GPU, the staged handle over both */
+static int open_staged(int want_ranks) {
+    if (want_ranks && !lm_comm_engine_available(LM_COMM_MPI)) {
+        fprintf(stderr, "--staged --ranks %d needs the MPI engine, which this build lacks\n", want_ranks);
+        return 1;
+    }
+    int local = 0;
+    if (lm_comm_open(want_ranks ? LM_COMM_MPI : LM_COMM_SELF, &staged_host) ||
+        lm_comm_local_rank(staged_host, &local) || lm_backend_cuda_create_local(local, &staged_be) ||
+        lm_comm_open_staged(staged_host, staged_be, &comm)) {
+        fprintf(stderr, "cannot open the staged engine: %s\n", lm_last_error());
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    int want_ranks = 0;
-    if (argc == 3 && !strcmp(argv[1], "--ranks")) want_ranks = atoi(argv[2]);
+    int want_ranks = 0, staged = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--ranks") && i + 1 < argc) want_ranks = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--staged")) staged = 1;
+        else {
+            fprintf(stderr, "usage: test_cuda_comm [--staged] [--ranks N]\n");
+            return 2;
+        }
+    }
     test_skip_without_cuda();
-    if (!test_skip_all_reason && !lm_comm_engine_available(LM_COMM_NCCL))
+    if (!test_skip_all_reason && !staged && !lm_comm_engine_available(LM_COMM_NCCL))
         test_skip_all("built without NCCL (the NCCL engine is not compiled)");
     if (!test_skip_all_reason) {
-        if (lm_comm_open(LM_COMM_NCCL, &comm)) {
+        if (staged) {
+            if (open_staged(want_ranks)) return 1;
+        } else if (lm_comm_open(LM_COMM_NCCL, &comm)) {
             fprintf(stderr, "cannot open NCCL: %s\n", lm_last_error());
             return 1;
         }
@@ -530,6 +567,8 @@ int main(int argc, char **argv) {
         test_failed_count = failed;
         lm_cuda_free(d);
         lm_comm_close(comm);
+        lm_backend_free(staged_be);
+        lm_comm_close(staged_host);
         cudaStreamDestroy(stream);
     }
     return test_summary();

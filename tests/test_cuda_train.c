@@ -14,7 +14,11 @@
  *   - a GPU checkpoint evaluates on the CPU (`longmoe eval`, the trainer's
  *     batches) to the GPU run's own final validation loss within 1%;
  *   - a CPU run stopped half way resumes on the GPU and finishes: its first
- *     half is the CPU run's, bit for bit, the rest follows the CPU run within 3%.
+ *     half is the CPU run's, bit for bit, the rest follows the CPU run within 3%;
+ *   - two GPU ranks over MPI (`mpirun -np 2 ... --device cuda --comm mpi`, the
+ *     staged engine; both on this GPU when it is the only one) follow the plain
+ *     GPU run within 1%, and are bit-identical with and without gradient
+ *     buckets.
  *
  * Runs go through the real binary (LONGMOE_CLI), as a user starts them. Every
  * case skips (exit 77) when no CUDA device is visible. */
@@ -33,6 +37,12 @@ enum { STEPS = 20, STAGE1 = 12 };
 #define EVAL_RTOL 1e-2 /* the same weights and batches scored on both */
 
 static char root[256];
+
+#ifdef LONGMOE_MPIEXEC
+static const char *mpiexec = LONGMOE_MPIEXEC;
+#else
+static const char *mpiexec = NULL; /* built without MPI: the staged case is skipped */
+#endif
 
 static const char staged_config[] =
     "{\"model\": {\"vocab_size\": 256, \"d_model\": 128, \"n_layers\": 4, \"layout\": \"kkkm\", \"first_k_dense\": 1,\n"
@@ -259,6 +269,66 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
     }
 }
 
+/* `mpirun -np 2 longmoe train --device cuda --comm mpi`: GPU ranks whose
+ * gradient block is summed by the staged engine (copied to the host, summed
+ * over MPI in rank order, copied back; docs/scaleout.md, "The staged
+ * engine"), both processes on this GPU when it is the only one (NCCL would
+ * refuse that). Each rank takes half of every micro-batch: the plain GPU
+ * run's batch over two ranks, so its losses follow that run's within
+ * STAGED_RTOL (the products on half the rows, the loss and the gradients
+ * summed in another order, bf16; a run whose sums were wrong, say each rank
+ * stepping on its own half, drifts further by step 20). With buckets of 0.05
+ * MiB (summed as the last backward finishes them) and with none (one sum
+ * after the backward) the runs are bit-identical to the default's: each
+ * element's sum is the same rank-order sum. */
+#define STAGED_RTOL 1e-2
+static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
+    if (!have_gpu_ref) SKIP("the first GPU run failed");
+    if (!mpiexec) SKIP("built without MPI (no mpirun to start the ranks)");
+    static const struct {
+        const char *run, *file, *insert;
+    } v[] = {{"gpu_mpi2", "staged.json", NULL},
+             {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, "},
+             {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, "}};
+    for (int i = 0; i < 3; i++) {
+        if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
+        fflush(stdout);
+        fflush(stderr);
+        pid_t pid = fork();
+        if (pid == 0) {
+            FILE *log = freopen(in_root("run.log"), "ab", stdout);
+            if (log) dup2(fileno(stdout), 2);
+            setenv("OMP_NUM_THREADS", "1", 1);
+            setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+            execl(mpiexec, mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", LONGMOE_CLI, "train",
+                  "--config", in_root(v[i].file), "--out", in_root(v[i].run), "--device", "cuda", "--comm", "mpi",
+                  (char *)NULL);
+            _exit(127);
+        }
+        int st = 0;
+        waitpid(pid, &st, 0);
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mpirun -np 2 train --device cuda --comm mpi (%s) failed (see %s)",
+              v[i].run, in_root("run.log"));
+        if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
+        if (i == 0) {
+            double worst = compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, STAGED_RTOL);
+            double worst_eval = compare_runs(in_root(v[i].run), in_root("gpu"), "eval", "val_loss", 5, 0, STAGED_RTOL);
+            printf("    2 staged GPU ranks against one GPU: losses within %.3g, evaluations within %.3g relative\n",
+                   worst, worst_eval);
+            continue;
+        }
+        compare_runs(in_root(v[i].run), in_root(v[0].run), "train", "loss", STEPS, 0, -1);
+        compare_runs(in_root(v[i].run), in_root(v[0].run), "eval", "val_loss", 5, 0, -1);
+        char pa[700], pb[700];
+        const char *files[3] = {"model.safetensors", "trainer.safetensors", "trainer.json"};
+        for (int k = 0; k < 3; k++) {
+            snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", in_root(v[i].run), STEPS, files[k]);
+            snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", in_root(v[0].run), STEPS, files[k]);
+            CHECK(test_same_file(pa, pb), "%s of %s and %s differ", files[k], v[i].run, v[0].run);
+        }
+    }
+}
+
 /* train.seq_segment on the GPU (segments of 40 tokens: 2 and 4 a row at the stages' 64 and 128, the
  * last one short): the run follows the whole-row GPU run within the GPU-vs-CPU tolerance. */
 static void test_gpu_run_in_sequence_segments_follows_the_whole_rows(void) {
@@ -371,6 +441,7 @@ int main(void) {
     RUN(test_gpu_loss_curve_follows_the_cpu);
     RUN(test_two_gpu_runs_are_bit_identical);
     RUN(test_one_nccl_rank_is_the_plain_gpu_run);
+    RUN(test_two_staged_gpu_ranks_follow_the_plain_gpu_run);
     RUN(test_device_optimizer_follows_the_host_optimizer);
     RUN(test_gpu_run_killed_and_resumed_is_bit_identical);
     RUN(test_gpu_checkpoint_evaluates_on_the_cpu);

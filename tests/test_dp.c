@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/comm.h"
 #include "longmoe/eval.h"
 #include "longmoe/model.h"
@@ -110,6 +111,19 @@ static void test_cli_refuses_bad_comm_and_mpirun_without_it(void) {
         snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm nccl --device cuda", dir("cli"));
         CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "NCCL"), "%s", out);
     }
+    /* GPU ranks over MPI (the staged engine) are accepted: with no GPU here the run stops at the
+     * device, naming it, before it writes a run */
+    lm_backend *gpu = NULL;
+    if (lm_comm_engine_available(LM_COMM_MPI) && lm_backend_cuda_create(&gpu) != LM_OK) {
+        snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --device cuda",
+                 dir("cli-staged"));
+        CHECK(run_cli(args, out, sizeof out) == 1 && strstr(out, "--device cuda: ") && !strstr(out, "--comm"), "%s",
+              out);
+        char metrics[1200];
+        snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", dir("cli-staged"));
+        CHECK(access(metrics, F_OK) != 0, "the run without a GPU wrote %s", metrics);
+    }
+    lm_backend_free(gpu);
     /* started by a launcher that says 2 processes, without --comm mpi: refused before anything is written */
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s", dir("cli"));
     char env[1000];
@@ -419,14 +433,16 @@ static void test_what_the_ranks_cannot_share_is_refused(void) {
     c = test_dp_config(LM_QB_EXACT);
     s = train(&c, "exact", 1, 0, 0, &r);
     CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "exact"), "status %d: %s", (int)s, lm_last_error());
-    /* GPU data parallelism runs over the NCCL engine, not MPI: refused before a device is opened */
+    /* GPU ranks over MPI are taken (the staged engine): this config's KDA head dimension (16) is
+     * refused at the device, by name, on every rank, with a GPU or without */
     c = test_dp_config(LM_QB_HISTOGRAM);
     lm_train_options o = lm_train_options_default(dir("on-gpu"));
     o.progress = NULL;
     o.comm = comm;
     o.device = LM_DEVICE_CUDA;
     s = lm_train(&c, &o, &r);
-    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "--comm nccl"), "status %d: %s", (int)s, lm_last_error());
+    CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "--device cuda: kda.head_dim is 16"), "status %d: %s", (int)s,
+          lm_last_error());
     lm_comm_barrier(comm);
     if (me == 0) {
         char p[700];

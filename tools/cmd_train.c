@@ -15,7 +15,7 @@ static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
     "       mpirun -np N longmoe train --comm mpi [--ep [G]] [--cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
-    "       mpirun -np N longmoe train --device cuda --comm nccl --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --device cuda --comm nccl|mpi --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
     "object per step and evaluation), checkpoint-<step>/ (model.safetensors, config.json,\n"
@@ -47,6 +47,9 @@ static const char *const train_usage =
     "                down and parameters up every step; slower, for comparison)\n"
     "  --comm C      self (default: one process), mpi (CPU ranks) or nccl (--device cuda,\n"
     "                one GPU a process): data parallel over the processes mpirun started.\n"
+    "                --device cuda --comm mpi: GPU ranks whose gradient sums go through\n"
+    "                host memory over MPI (slow; processes may share a GPU, which NCCL\n"
+    "                refuses: the multi-rank GPU path on a one-GPU machine).\n"
     "                Rank r computes sequences [r B/N, (r+1) B/N) of every micro-batch of\n"
     "                B = train.batch_size sequences (B divisible by N); gradients, losses\n"
     "                and MoE balancing counts are summed in rank order and every rank takes\n"
@@ -243,8 +246,6 @@ int cmd_train(int argc, char **argv) {
         if (!lm_comm_engine_available(LM_COMM_MPI))
             return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "
                             "e.g. Debian's libopenmpi-dev, and configure again with -DLONGMOE_MPI=ON)") + 1;
-        if (device != LM_DEVICE_CPU)
-            return cli_fail(cmd, "--comm mpi: data parallelism over MPI runs CPU ranks; GPU ranks are --device cuda --comm nccl") + 1;
         if (lm_comm_open(LM_COMM_MPI, &comm)) return cli_fail(cmd, "--comm mpi: %s", lm_last_error());
         opt.comm = comm;
     }

@@ -370,6 +370,11 @@ lm_backend *lm_backend_cpu(void);
  * cuBLASLt handle and scratch arena. LM_ERR_ARG in a build without
  * CUDA, LM_ERR_IO when no GPU can be used. Free with lm_backend_free. */
 lm_status lm_backend_cuda_create(lm_backend **out);
+/* The same on GPU number `local` modulo the visible devices (made the
+ * process's current device first): the GPU of a process that is the
+ * local-th on its machine (lm_comm_local_rank); processes share a GPU when
+ * there are more of them than GPUs. */
+lm_status lm_backend_cuda_create_local(int local, lm_backend **out);
 /* The CUDA backend's op table without a GPU (for planning: the *_bytes ops
  * only); NULL in a build without CUDA. */
 const lm_ops *lm_backend_cuda_ops(void);

@@ -732,4 +732,9 @@ lm_status lm_backend_cuda_create(lm_backend **out) {
     return lm_error(LM_ERR_ARG, "this build has no CUDA backend (nvcc was not found when it was "
                                         "configured; see README)");
 }
+
+lm_status lm_backend_cuda_create_local(int local, lm_backend **out) {
+    (void)local;
+    return lm_backend_cuda_create(out);
+}
 #endif

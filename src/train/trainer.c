@@ -65,8 +65,11 @@ typedef struct {
     /* data parallelism (opt.comm): this rank of `ranks`; the model holds B / ranks
      * sequences of each micro-batch (t->B stays the whole batch). comm carries
      * host values (lm_comm_host of opt.comm); dcomm, with --comm nccl, sums
-     * the gradients in the backend's memory (NULL: they are summed on the host) */
+     * the gradients in the backend's memory (NULL: they are summed on the host);
+     * with --device cuda --comm mpi (staged) dcomm is the staged engine over
+     * comm, opened by open_device on the backend and owned here */
     lm_comm *comm, *dcomm;
+    int staged;
     int rank, ranks;
     int dp_in_setup;     /* between the first agreement and the one before the loop */
     int failure_agreed, failed_rank; /* the last dp_agree that failed: every rank knows, the lowest failing */
@@ -194,6 +197,7 @@ static void trainer_free(trainer *t) {
         t->be->sync(t->be);
         lm_comm_set_stream(t->dcomm, NULL);
     }
+    if (t->staged) lm_comm_close(t->dcomm); /* its scratch is the backend's */
     lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
@@ -393,9 +397,9 @@ static lm_status dp_check(const trainer *t) {
                                 t->n_stages > 1 ? "'" : "", t->stages[i].seq_len, N);
     }
     if (t->ranks <= 1) return LM_OK;
-    if (t->opt.device != LM_DEVICE_CPU && !t->dcomm)
-        return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl; --comm mpi runs CPU ranks "
-                        "(--device cpu); %d ranks were given with --device %s", t->ranks,
+    if (t->opt.device != LM_DEVICE_CPU && !t->dcomm && !t->staged)
+        return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl (or --comm mpi, staged "
+                        "through the host); %d ranks were given with --device %s and neither", t->ranks,
                         lm_device_name(t->opt.device));
     if (t->cfg.balance == LM_BALANCE_QUANTILE && t->cfg.balance_estimator == LM_QB_EXACT)
         return lm_error(LM_ERR_ARG, "data parallel: moe.balance_estimator 'exact' sorts one process's residuals "
@@ -1208,12 +1212,17 @@ static lm_status open_device(trainer *t) {
         return lm_error(LM_ERR_ARG, "--device cuda: kda.head_dim is %d, but the CUDA KDA kernels run head dimensions "
                         "32, 64 and 128 only; train this config on the CPU (--device cpu) or use one of those",
                         c->kda_head_dim);
-    lm_status s = lm_backend_cuda_create(&t->be);
+    /* GPU ranks over MPI: each process takes the GPU of its index on its machine
+     * (several share one when there are fewer GPUs), its sums staged through the host */
+    int local = 0;
+    lm_status s = t->staged ? lm_comm_local_rank(t->comm, &local) : LM_OK;
+    if (!s) s = t->staged ? lm_backend_cuda_create_local(local, &t->be) : lm_backend_cuda_create(&t->be);
     if (s) {
         char why[1024];
         snprintf(why, sizeof why, "%s", lm_last_error());
         return lm_error(s, "--device cuda: %s", why);
     }
+    if (t->staged) TRY(lm_comm_open_staged(t->comm, t->be, &t->dcomm));
     return LM_OK;
 }
 
@@ -2247,6 +2256,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     const lm_train_options *opt = &opt_here;
     t.comm = opt_in->comm ? lm_comm_host(opt_in->comm) : NULL;
     t.dcomm = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_NCCL ? opt_in->comm : NULL;
+    t.staged = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_MPI && opt_in->device == LM_DEVICE_CUDA;
     t.rank = t.comm ? lm_comm_rank(t.comm) : 0;
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
@@ -2365,7 +2375,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     if (opt->progress && t.bucketed)
         fprintf(opt->progress, "gradients summed over the ranks in %d bucket%s of about %g MiB as the last backward of "
                 "a step finishes them%s\n", t.n_bk, t.n_bk > 1 ? "s" : "", (double)c->grad_bucket_mb,
-                t.dcomm ? ", on a stream of their own" : "");
+                t.staged ? ", staged through the host" : t.dcomm ? ", on a stream of their own" : "");
     if (opt->progress && t.cp > 1)
         fprintf(opt->progress, "context parallel: %d group%s of %d ranks; a group takes %d of the %d sequences of a "
                 "micro-batch, each of its ranks a segment of %d to %d of the %d tokens\n", t.dp_groups,

@@ -1241,6 +1241,20 @@ static int deferred_checks_wanted(void) { return env_switch("LONGMOE_FINITE_CHEC
  * waits at each part's end */
 static int part_timer_wanted(void) { return env_switch("LONGMOE_PART_TIMING", "events", "sync"); }
 
+extern "C" lm_status lm_backend_cuda_create_local(int local, lm_backend **out) {
+    if (!out) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create_local: out is NULL");
+    *out = NULL;
+    if (local < 0) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create_local: local index %d < 0", local);
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0)
+        return lm_error(LM_ERR_IO, "no GPU can be used: %s", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    e = cudaSetDevice(local % count);
+    if (e != cudaSuccess)
+        return lm_error(LM_ERR_IO, "cannot use GPU %d of %d: %s", local % count, count, cudaGetErrorString(e));
+    return lm_backend_cuda_create(out);
+}
+
 extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     if (!out) return lm_error(LM_ERR_ARG, "lm_backend_cuda_create: out is NULL");
     *out = NULL;
