@@ -18,7 +18,7 @@
  *   - two GPU ranks over MPI (`mpirun -np 2 ... --device cuda --comm mpi`, the
  *     staged engine; both on this GPU when it is the only one) follow the plain
  *     GPU run within 1%, and are bit-identical with and without gradient
- *     buckets.
+ *     buckets and with ZeRO-1 (--zero 1) on the device optimizer.
  *
  * Runs go through the real binary (LONGMOE_CLI), as a user starts them. Every
  * case skips (exit 77) when no CUDA device is visible. */
@@ -280,17 +280,22 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * stepping on its own half, drifts further by step 20). With buckets of 0.05
  * MiB (summed as the last backward finishes them) and with none (one sum
  * after the backward) the runs are bit-identical to the default's: each
- * element's sum is the same rank-order sum. */
+ * element's sum is the same rank-order sum. With ZeRO-1 (--zero 1: each rank
+ * updates its range with the device optimizer, the ranges gathered after the
+ * step; docs/scaleout.md) too: the same sums, the same per-element and
+ * per-tensor updates, the same norm. */
 #define STAGED_RTOL 1e-2
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!mpiexec) SKIP("built without MPI (no mpirun to start the ranks)");
     static const struct {
         const char *run, *file, *insert;
-    } v[] = {{"gpu_mpi2", "staged.json", NULL},
-             {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, "},
-             {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, "}};
-    for (int i = 0; i < 3; i++) {
+        int zero;
+    } v[] = {{"gpu_mpi2", "staged.json", NULL, 0},
+             {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, ", 0},
+             {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 0},
+             {"gpu_mpi2_z1", "staged.json", NULL, 1}};
+    for (int i = 0; i < 4; i++) {
         if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
         fflush(stdout);
         fflush(stderr);
@@ -302,12 +307,13 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
             setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
             execl(mpiexec, mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", LONGMOE_CLI, "train",
                   "--config", in_root(v[i].file), "--out", in_root(v[i].run), "--device", "cuda", "--comm", "mpi",
-                  (char *)NULL);
+                  v[i].zero ? "--zero" : (char *)NULL, "1", (char *)NULL);
             _exit(127);
         }
         int st = 0;
         waitpid(pid, &st, 0);
-        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "mpirun -np 2 train --device cuda --comm mpi (%s) failed (see %s)",
+        CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+              "mpirun -np 2 train --device cuda --comm mpi%s (%s) failed (see %s)", v[i].zero ? " --zero 1" : "",
               v[i].run, in_root("run.log"));
         if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
         if (i == 0) {

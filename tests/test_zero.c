@@ -12,8 +12,14 @@
  * does, and checkpoints across layouts: the N-rank ZeRO checkpoint resumed
  * on one process (and, on 4 ranks, on 2 ZeRO ranks of a split handle), and
  * one process's checkpoint resumed on N ZeRO ranks, each ending within 1e-5 of
- * the uninterrupted runs. Built without MPI, `--mpi N` reports every case
- * skipped.
+ * the uninterrupted runs. The device path (lm_train_options.backend: the
+ * model, the optimizer and the gradient sums in a backend's memory, here the
+ * CPU backend's, summed by the staged engine): replicated it ends with the
+ * host path's bits, and ZeRO-1 on it (the device optimizer over this rank's
+ * range, the reduce-scatter and all-gather on the backend's blocks, the norm
+ * from the device sums) equals it bit for bit, resumes bit-exactly, and its
+ * checkpoint continues on one process's host path. Built without MPI,
+ * `--mpi N` reports every case skipped.
  * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
  * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
  * build runs 10 (5, 4 and 7; tests/test_models.h). */
@@ -21,6 +27,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/comm.h"
 #include "longmoe/safetensors.h"
 #include "longmoe/train.h"
@@ -37,10 +44,30 @@ static lm_config zero_config(void) {
     return c;
 }
 
+/* The backend the runs train on (NULL: the host path; lm_backend_cpu(): the device path on the CPU). */
+static lm_backend *run_backend;
+
+/* zero_config in two stages (32 then 64 tokens a sequence, 4 sequences a micro-batch): the stage
+ * change makes a new model and points the optimizer at it. */
+static int two_stages;
+
 /* One run over handle `on` (NULL: this process alone), ZeRO stage `zero`. */
 static lm_status train(const char *run, lm_comm *on, int zero, int resume, int64_t stop_after, lm_train_result *r) {
     lm_config c = zero_config();
+    if (two_stages) {
+        c.n_stages = 2;
+        for (int i = 0; i < 2; i++) {
+            lm_stage *st = &c.stages[i];
+            memset(st, 0, sizeof *st);
+            snprintf(st->name, sizeof st->name, "%d", 32 << i);
+            st->seq_len = 32 << i;
+            st->steps = i ? DP_STEPS - DP_HALF : DP_HALF;
+            st->batch_tokens = 4 * (int64_t)st->seq_len;
+            st->lr_scale = 1.0f;
+        }
+    }
     lm_train_options o = lm_train_options_default(dir(run));
+    o.backend = run_backend;
     o.progress = NULL;
     o.val_batches = 2;
     o.stage_eval_batches = 0;
@@ -276,6 +303,83 @@ static void test_zero1_checkpoint_resumes_on_another_number_of_ranks(void) {
     if (me == 0) close_to_uninterrupted("zero-four-then-two");
 }
 
+/* ---- the device path, on the CPU backend ---- */
+
+static lm_train_result dev_result, devz_result;
+static int dev_ok;
+
+/* The same runs on the device path (staged gradient sums, the device optimizer, its clipping):
+ * replicated, the host path's bits; ZeRO-1, the replicated device run's bits. */
+static void test_zero1_on_the_device_path_equals_its_replicated_run(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    run_backend = lm_backend_cpu();
+    CHECK(!train("dev", comm, 0, 0, 0, &dev_result), "dev: %s", lm_last_error());
+    CHECK(!train("dev-zero", comm, 1, 0, 0, &devz_result), "dev-zero: %s", lm_last_error());
+    run_backend = NULL;
+    dev_ok = all_ok();
+    if (!dev_ok) return;
+    CHECK(dev_result.step == DP_STEPS && devz_result.step == DP_STEPS && devz_result.skipped == 0,
+          "%lld and %lld steps", (long long)dev_result.step, (long long)devz_result.step);
+    CHECK(dev_result.params_hash == dp_result.params_hash && dev_result.balance_hash == dp_result.balance_hash,
+          "the device path's state differs from the host path's");
+    CHECK(devz_result.params_hash == dev_result.params_hash && devz_result.balance_hash == dev_result.balance_hash,
+          "ZeRO-1 on the device path differs from the replicated device run");
+    CHECK(same_on_every_rank(devz_result.params_hash), "the ranks' hashes differ");
+    CHECK(devz_result.optimizer_state_bytes == zero_result.optimizer_state_bytes,
+          "rank %d holds %zu bytes of state on the device path, %zu on the host path", me,
+          devz_result.optimizer_state_bytes, zero_result.optimizer_state_bytes);
+    if (me != 0) return;
+    losses_close("dev-zero", "dev", DP_STEPS, 0);
+    losses_close("dev", "dp", DP_STEPS, 0);
+    for (int step = 5; step <= DP_STEPS; step += 5) {
+        CHECK(same_checkpoint_files("dev-zero", "dev", step), "the files of checkpoint %d differ (ZeRO-1)", step);
+        CHECK(same_checkpoint_files("dev", "dp", step), "the files of checkpoint %d differ (device path)", step);
+    }
+    printf("     the device path on the CPU backend: replicated = the host path, ZeRO-1 = replicated, bit for bit\n");
+}
+
+/* A ZeRO-1 device-path run stopped between checkpoints resumes on the same layout to the same bits, and
+ * its checkpoint at the half continues on one process's host path. */
+static void test_zero1_on_the_device_path_resumes(void) {
+    if (!dev_ok) SKIP("the device-path runs failed");
+    lm_train_result r;
+    run_backend = lm_backend_cpu();
+    CHECK(!train("dev-zero-resumed", comm, 1, 0, DP_STOP, &r) && r.step == DP_STOP, "first part: %s",
+          lm_last_error());
+    CHECK(!train("dev-zero-resumed", comm, 1, 1, 0, &r) && r.step == DP_STEPS, "resumed: %s", lm_last_error());
+    run_backend = NULL;
+    CHECK(r.params_hash == devz_result.params_hash && r.balance_hash == devz_result.balance_hash,
+          "the resumed run's state differs from the uninterrupted run's");
+    copy_run_at("dev-zero", "dev-zero-then-one", DP_HALF);
+    if (me != 0) return;
+    double w;
+    CHECK(tensors_close("dev-zero", "dev-zero-resumed", DP_STEPS, "trainer.safetensors", 0, &w),
+          "trainer state bit-identical");
+    CHECK(!train("dev-zero-then-one", NULL, 0, 1, 0, &r) && r.step == DP_STEPS, "one process: %s", lm_last_error());
+    close_to_uninterrupted("dev-zero-then-one");
+}
+
+/* Two stages: the device optimizer over this rank's range, pointed at the second stage's model, keeps
+ * ZeRO-1 on the device path equal to the host path's replicated run, bit for bit. */
+static void test_zero1_on_the_device_path_through_a_stage_change(void) {
+    if (!dev_ok) SKIP("the device-path runs failed");
+    lm_train_result host, devz;
+    two_stages = 1;
+    CHECK(!train("staged-dp", comm, 0, 0, 0, &host), "host path: %s", lm_last_error());
+    run_backend = lm_backend_cpu();
+    CHECK(!train("staged-dev-zero", comm, 1, 0, 0, &devz), "device path, ZeRO-1: %s", lm_last_error());
+    run_backend = NULL;
+    two_stages = 0;
+    if (!all_ok()) return;
+    CHECK(host.step == DP_STEPS && devz.step == DP_STEPS, "%lld and %lld steps", (long long)host.step,
+          (long long)devz.step);
+    CHECK(devz.params_hash == host.params_hash && devz.balance_hash == host.balance_hash,
+          "ZeRO-1 on the device path differs from the host path's replicated run after the stage change");
+    if (me != 0) return;
+    losses_close("staged-dev-zero", "staged-dp", DP_STEPS, 0);
+    CHECK(same_checkpoint_files("staged-dev-zero", "staged-dp", DP_STEPS), "the final checkpoints differ");
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -299,6 +403,9 @@ int main(int argc, char **argv) {
     RUN(test_zero1_checkpoint_resumes_on_one_process);
     RUN(test_one_process_checkpoint_resumes_on_zero1_ranks);
     RUN(test_zero1_checkpoint_resumes_on_another_number_of_ranks);
+    RUN(test_zero1_on_the_device_path_equals_its_replicated_run);
+    RUN(test_zero1_on_the_device_path_resumes);
+    RUN(test_zero1_on_the_device_path_through_a_stage_change);
     ranks_close();
     return test_summary();
 }

@@ -70,14 +70,15 @@ static const char *const train_usage =
     "                bit, and checkpoints are data parallelism's and resume with or without\n"
     "                --ep on any layout and G. With --zero 1 ZeRO-1's ranges hold all the\n"
     "                state (docs/scaleout.md, \"Expert parallelism\")\n"
-    "  --zero S      with --comm mpi: 0 (default) keeps the optimizer state on every rank;\n"
+    "  --zero S      with --comm mpi or nccl: 0 (default) keeps the optimizer state on every rank;\n"
     "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
     "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
     "                state, sums its gradients (reduce-scatter), clips and updates it and\n"
     "                all-gathers the new weights. The same run bit for bit with about 1/N\n"
     "                of the optimizer memory a rank (the start message says how much);\n"
     "                checkpoints are the same files and resume on any number of ranks, with\n"
-    "                or without --zero (docs/scaleout.md, \"ZeRO-1\")\n"
+    "                or without --zero. On GPUs the device optimizer's state is sharded\n"
+    "                (not with --host-optimizer) (docs/scaleout.md, \"ZeRO-1\")\n"
     "  --cp C        with --comm mpi: context parallelism in groups of C consecutive ranks\n"
     "                (N a multiple of C; 1: off): the N/C groups split the batch as data\n"
     "                parallelism does (B divisible by N/C) and the C ranks of a group hold\n"
@@ -233,8 +234,8 @@ int cmd_train(int argc, char **argv) {
                         "data parallelism", launched_ranks()) + 1;
     if (expert_parallel && !use_mpi)
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
-    if (zero && !use_mpi)
-        return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi") + 1;
+    if (zero && !use_mpi && !use_nccl)
+        return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi or nccl") + 1;
     if (cp > 1 && !use_mpi)
         return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi", cp) + 1;
     opt.zero = (int)zero;

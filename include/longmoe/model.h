@@ -70,6 +70,11 @@ lm_status lm_model_download_grads(lm_model *m);
  * layout of lm_model_grads; the same pointer on the CPU): what a device engine
  * of the communication layer sums over ranks. Zeroed before the next forward. */
 float *lm_model_backend_grads(lm_model *m);
+/* The fp32 parameter block in the backend's memory (lm_model_num_params
+ * floats, the layout of lm_model_params; the same pointer on the CPU): what
+ * ZeRO-1's all-gather on a device fills. After writing it, call
+ * lm_model_params_changed_on_backend. */
+float *lm_model_backend_param_block(lm_model *m);
 void lm_model_free(lm_model *m);
 
 /* Expert parallelism over the ranks of comm (docs/scaleout.md; CPU backend

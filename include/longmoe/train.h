@@ -84,6 +84,14 @@ typedef struct {
      * nothing but the norm crossing to the host in a step); 1 runs it on the
      * host as on the CPU (gradients down, parameters up every step) */
     int host_optimizer;
+    /* the backend to train on, the caller's (it must outlive the run); NULL
+     * (default): the one `device` names, opened and closed by the trainer.
+     * Given, the run takes the device path on it whatever `device` says: the
+     * model in its memory, the optimizer through its ops (unless
+     * host_optimizer), and with an MPI comm the gradient block summed by the
+     * staged engine over it. lm_backend_cpu() so runs the device path on the
+     * CPU, where tests compare it with the host path. */
+    lm_backend *backend;
     /* data parallelism (docs/scaleout.md, docs/training.md): the handle of the
      * job's ranks (NULL or one rank: a single-process run). Every rank calls
      * lm_train with the same config and options; rank r computes the gradients
@@ -92,10 +100,13 @@ typedef struct {
      * summed in rank order, and every rank takes the same optimizer step.
      * Rank 0 alone writes the run directory (metrics, checkpoints, progress);
      * every rank reads the checkpoint it resumes from, so the directory must
-     * be visible to all. An MPI handle runs CPU ranks (device LM_DEVICE_CPU);
-     * an NCCL handle GPU ranks (LM_DEVICE_CUDA, opened before the trainer
-     * opens the device: it selects this process's GPU), the gradients summed
-     * on the device and the small per-step values over lm_comm_host. */
+     * be visible to all. An MPI handle runs CPU ranks (device LM_DEVICE_CPU),
+     * or GPU ranks (LM_DEVICE_CUDA: the gradient block summed by the staged
+     * engine through host memory; a process takes the GPU of its index on its
+     * machine, several may share one); an NCCL handle GPU ranks
+     * (LM_DEVICE_CUDA, opened before the trainer opens the device: it selects
+     * this process's GPU), the gradients summed on the device. The small
+     * per-step values go over lm_comm_host. */
     lm_comm *comm;
     /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
      * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
@@ -123,7 +134,8 @@ typedef struct {
      * and n_routed_experts; G = 1 is data parallelism with the experts run
      * locally (every rank owns every expert; the state replicated). */
     int ep_group;
-    /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm, CPU only): 0 (default)
+    /* ZeRO stage (docs/scaleout.md, "ZeRO-1"; needs comm; on a device with the
+     * device optimizer, not host_optimizer): 0 (default)
      * replicates the optimizer state on every rank; 1 shards it: the tensors
      * are cut into one range of consecutive tensors a rank, balanced by state
      * size, and rank r alone keeps range r's optimizer state, sums its

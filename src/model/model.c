@@ -1093,6 +1093,7 @@ size_t lm_model_num_kept_params(const lm_model *m) { return m->pcut ? m->n_grads
 float *lm_model_params(lm_model *m) { return m->params; }
 float *lm_model_grads(lm_model *m) { return m->grads; }
 float *lm_model_backend_grads(lm_model *m) { return m->G; }
+float *lm_model_backend_param_block(lm_model *m) { return m->P; }
 size_t lm_model_activation_bytes(const lm_model *m) { return m->act_floats * sizeof(float); }
 int lm_model_num_buffers(const lm_model *m) { return m->n_buffers; }
 const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {

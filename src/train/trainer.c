@@ -28,7 +28,8 @@
 typedef struct {
     lm_config cfg;
     lm_train_options opt;
-    lm_backend *be;     /* where the model runs: NULL on the CPU, else the CUDA backend (owned) */
+    lm_backend *be;     /* where the model runs: NULL on the CPU, else the CUDA backend (owned) or opt.backend */
+    int be_given;       /* be is opt.backend, the caller's */
     lm_model *model;
     int B, T;
     lm_param *all, *muon_p, *adam_p;
@@ -106,6 +107,7 @@ typedef struct {
     size_t *ztab;                /* [3 ranks] counts and offsets of the collectives */
     size_t muon_total_n, adam_total_n;
     float *zloc;                 /* [the largest range's floats] this rank's summed gradients */
+    float *zloc_dev;             /* the same in the backend's memory (ZeRO-1 on the device path) */
     double *znorm;               /* [n_all + 1] squared gradient norms per tensor, and a failure flag */
     uint64_t *zhash;             /* [n_all] hashes of each tensor's optimizer state */
     /* the state's hashes (state_hashes): phash[n_all] each tensor's weights';
@@ -185,6 +187,7 @@ static void trainer_free(trainer *t) {
     lm_device_optimizer_free(t->dmuon);
     lm_device_optimizer_free(t->dadam);
     if (t->norm_work) t->be->release(t->be, t->norm_work);
+    if (t->zloc_dev) t->be->release(t->be, t->zloc_dev);
     free(t->ball);
     free(t->bmuon);
     free(t->badam);
@@ -198,7 +201,7 @@ static void trainer_free(trainer *t) {
         lm_comm_set_stream(t->dcomm, NULL);
     }
     if (t->staged) lm_comm_close(t->dcomm); /* its scratch is the backend's */
-    lm_backend_free(t->be); /* after the model, which lives on it */
+    if (!t->be_given) lm_backend_free(t->be); /* after the model, which lives on it */
     free(t->all);
     free(t->muon_p);
     free(t->adam_p);
@@ -256,6 +259,8 @@ static void bind_params(trainer *t) {
     }
 }
 
+static int zero_range(const trainer *t);
+
 /* The same split for the device optimizer: descriptors of the backend's memory. */
 static lm_status bind_backend_params(trainer *t) {
     if (!t->dev_opt) return LM_OK;
@@ -269,8 +274,10 @@ static lm_status bind_backend_params(trainer *t) {
         return lm_error(LM_ERR_ARG, "the backend's parameters split %d/%d between Muon and AdamW, the host's %d/%d",
                         nm, na, t->n_muon, t->n_adam);
     if (t->dmuon) {
-        TRY(lm_device_optimizer_rebind(t->dmuon, t->bmuon, nm));
-        TRY(lm_device_optimizer_rebind(t->dadam, t->badam, na));
+        /* this rank's range (all of them without ZeRO-1) */
+        const int zr = zero_range(t);
+        TRY(lm_device_optimizer_rebind(t->dmuon, t->bmuon + t->zmuon_i[zr], t->zmuon_i[zr + 1] - t->zmuon_i[zr]));
+        TRY(lm_device_optimizer_rebind(t->dadam, t->badam + t->zadam_i[zr], t->zadam_i[zr + 1] - t->zadam_i[zr]));
     }
     return LM_OK;
 }
@@ -334,6 +341,18 @@ static int stop_requested(trainer *t) {
     return any != 0;
 }
 
+/* The run takes the device path: a GPU, or a backend the caller gave. */
+static int device_path(const trainer *t) { return t->opt.device != LM_DEVICE_CPU || t->opt.backend; }
+
+/* A CUDA backend's stream (NULL for any other backend or none). */
+static void *cuda_stream_of(const trainer *t) {
+#ifdef LONGMOE_HAVE_CUDA
+    if (t->be && t->be->device == LM_DEVICE_CUDA) return ((const lm_cuda_context *)t->be->ctx)->stream;
+#endif
+    (void)t;
+    return NULL;
+}
+
 /* The refusals of a data-parallel run, before anything is written. */
 static lm_status dp_check(const trainer *t) {
     if (t->opt.zero) {
@@ -342,9 +361,9 @@ static lm_status dp_check(const trainer *t) {
                             "one there is", t->opt.zero);
         if (!t->comm)
             return lm_error(LM_ERR_ARG, "ZeRO-1 (--zero 1) shards the optimizer state over the ranks of --comm mpi");
-        if (t->opt.device != LM_DEVICE_CPU)
-            return lm_error(LM_ERR_ARG, "ZeRO-1 runs on the CPU (--device cpu), not --device %s",
-                            lm_device_name(t->opt.device));
+        if (device_path(t) && t->opt.host_optimizer)
+            return lm_error(LM_ERR_ARG, "ZeRO-1 on a device shards the device optimizer's state: it does not run with "
+                            "--host-optimizer");
     }
     if (t->opt.expert_parallel) {
         if (!t->comm)
@@ -352,7 +371,7 @@ static lm_status dp_check(const trainer *t) {
         if (t->cfg.answer_loss_weight != 1.0f)
             return lm_error(LM_ERR_ARG, "expert parallelism (--ep) does not run with train.answer_loss_weight (%g); "
                             "use 1", (double)t->cfg.answer_loss_weight);
-        if (t->opt.device != LM_DEVICE_CPU)
+        if (device_path(t))
             return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (--device cpu), not --device %s",
                             lm_device_name(t->opt.device));
         const int G = t->opt.ep_group;
@@ -383,7 +402,7 @@ static lm_status dp_check(const trainer *t) {
         if (t->cfg.answer_loss_weight != 1.0f)
             return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) does not run with train.answer_loss_weight "
                             "(%g); use 1", N, (double)t->cfg.answer_loss_weight);
-        if (t->opt.device != LM_DEVICE_CPU || t->dcomm)
+        if (device_path(t) || t->dcomm)
             return lm_error(LM_ERR_ARG, "context parallelism runs on CPU ranks (--device cpu --comm mpi), not "
                             "--device %s", lm_device_name(t->opt.device));
         if (t->ranks % N)
@@ -397,7 +416,7 @@ static lm_status dp_check(const trainer *t) {
                                 t->n_stages > 1 ? "'" : "", t->stages[i].seq_len, N);
     }
     if (t->ranks <= 1) return LM_OK;
-    if (t->opt.device != LM_DEVICE_CPU && !t->dcomm && !t->staged)
+    if (device_path(t) && !t->dcomm && !t->staged)
         return lm_error(LM_ERR_ARG, "data parallel training on GPUs runs over --comm nccl (or --comm mpi, staged "
                         "through the host); %d ranks were given with --device %s and neither", t->ranks,
                         lm_device_name(t->opt.device));
@@ -513,8 +532,14 @@ static lm_status zero_setup(trainer *t) {
         size_t most = 0;
         for (int r = 0; r < Z; r++)
             most = t->zparam[r + 1] - t->zparam[r] > most ? t->zparam[r + 1] - t->zparam[r] : most;
-        t->zloc = calloc(most + 1, sizeof *t->zloc);
-        if (!t->zloc) return lm_error(LM_ERR_MEMORY, "out of memory (ZeRO-1 gradient buffer)");
+        if (t->dcomm) {
+            /* on the device path: the buffer and the engine's scratch in the backend's memory, made once */
+            TRY(t->be->alloc(t->be, (most + 1) * sizeof(float), (void **)&t->zloc_dev));
+            TRY(lm_comm_reserve(t->dcomm, most + 1, LM_DTYPE_F32));
+        } else {
+            t->zloc = calloc(most + 1, sizeof *t->zloc);
+            if (!t->zloc) return lm_error(LM_ERR_MEMORY, "out of memory (ZeRO-1 gradient buffer)");
+        }
     }
     return LM_OK;
 }
@@ -530,6 +555,13 @@ static lm_status zero_reduce_grads(trainer *t) {
     const int R = t->ranks, me = t->rank;
     size_t *count = t->ztab;
     for (int q = 0; q < R; q++) count[q] = t->zparam[q + 1] - t->zparam[q];
+    if (t->dcomm) {
+        /* the device path: the backend's gradient block, through the device engine, on the backend's stream */
+        lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
+        float *gd = lm_model_backend_grads(t->model);
+        TRY(lm_comm_reduce_scatterv_sum(t->dcomm, gd, t->zloc_dev, count, LM_DTYPE_F32));
+        return count[me] ? t->be->copy(t->be, gd + t->zparam[me], t->zloc_dev, count[me] * sizeof(float)) : LM_OK;
+    }
     float *g = lm_model_grads(t->model);
     TRY(lm_comm_reduce_scatterv_sum(t->comm, g, t->zloc, count, LM_DTYPE_F32));
     if (count[me]) memcpy(g + t->zparam[me], t->zloc, count[me] * sizeof(float));
@@ -542,8 +574,17 @@ static lm_status zero_reduce_grads(trainer *t) {
  * loss on any rank, sets *bad on every rank. */
 static lm_status zero_grad_clip(trainer *t, float max_norm, int loss_ok, double *norm_out, int *bad) {
     const int n = t->n_all, zr = zero_range(t), i0 = t->zfirst[zr], i1 = t->zfirst[zr + 1];
-    for (int i = 0; i < n; i++)
-        t->znorm[i] = i >= i0 && i < i1 ? lm_sum_squares(t->all[i].grad, lm_param_numel(&t->all[i])) : 0.0;
+    if (t->dev_opt) {
+        /* the device optimizer's sums (lm_grad_global_norm_on's op, so the replicated device run's bits) */
+        double *sums = t->norm_work;
+        for (int i = i0; i < i1; i++)
+            TRY(t->be->ops->sum_squares(t->be, t->ball[i].grad, (size_t)lm_param_numel(&t->ball[i]), sums + i));
+        for (int i = 0; i < n; i++) t->znorm[i] = 0.0;
+        if (i1 > i0) TRY(t->be->download(t->be, t->znorm + i0, sums + i0, (size_t)(i1 - i0) * sizeof(double)));
+    } else {
+        for (int i = 0; i < n; i++)
+            t->znorm[i] = i >= i0 && i < i1 ? lm_sum_squares(t->all[i].grad, lm_param_numel(&t->all[i])) : 0.0;
+    }
     t->znorm[n] = loss_ok ? 0.0 : 1.0;
     /* each entry is one rank's value plus zeros: exact */
     if (t->ranks > 1) TRY(lm_comm_all_reduce_sum(t->comm, t->znorm, t->znorm, (size_t)n + 1, LM_DTYPE_F64));
@@ -552,18 +593,31 @@ static lm_status zero_grad_clip(trainer *t, float max_norm, int loss_ok, double 
     const double norm = sqrt(sum);
     *norm_out = norm;
     *bad = t->znorm[n] != 0.0 || !isfinite(norm);
-    if (!*bad && max_norm > 0.0f && norm > (double)max_norm)
-        lm_grads_scale(t->all + i0, i1 - i0, (float)(max_norm / norm));
+    if (!*bad && max_norm > 0.0f && norm > (double)max_norm) {
+        const float scale = (float)(max_norm / norm);
+        if (t->dev_opt) {
+            for (int i = i0; i < i1; i++)
+                TRY(t->be->ops->scale(t->be, t->ball[i].grad, (size_t)lm_param_numel(&t->ball[i]), scale));
+        } else {
+            lm_grads_scale(t->all + i0, i1 - i0, scale);
+        }
+    }
     return LM_OK;
 }
 
-/* Every rank's updated range to every rank, in place in the parameter block. */
+/* Every rank's updated range to every rank, in place in the parameter block
+ * (the backend's, through the device engine, on the device path). */
 static lm_status zero_gather_params(trainer *t) {
     const int R = t->ranks;
     size_t *bytes = t->ztab, *offs = bytes + R;
     for (int q = 0; q < R; q++) {
         bytes[q] = (t->zparam[q + 1] - t->zparam[q]) * sizeof(float);
         offs[q] = t->zparam[q] * sizeof(float);
+    }
+    if (t->dev_opt) {
+        lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
+        float *pd = lm_model_backend_param_block(t->model);
+        return lm_comm_all_gatherv(t->dcomm, pd + t->zparam[t->rank], bytes[t->rank], pd, bytes, offs);
     }
     float *p = lm_model_params(t->model);
     return lm_comm_all_gatherv(t->comm, p + t->zparam[t->rank], bytes[t->rank], p, bytes, offs);
@@ -877,14 +931,12 @@ static lm_status bucket_plan(trainer *t) {
         }
     }
     if (t->bk[t->n_bk - 1].off != 0) return lm_error(LM_ERR_ARG, "internal: the gradient buckets miss the block's start");
+    if (t->dcomm) TRY(lm_comm_reserve(t->dcomm, largest, LM_DTYPE_F32));
 #ifdef LONGMOE_HAVE_CUDA
-    if (t->dcomm) {
+    if (t->dcomm && cuda_stream_of(t)) {
         TRY(lm_cuda_stream_create(&t->bk_stream));
         TRY(lm_cuda_event_create(&t->bk_event));
-        TRY(lm_comm_reserve(t->dcomm, largest, LM_DTYPE_F32));
     }
-#else
-    (void)largest;
 #endif
     return LM_OK;
 }
@@ -904,11 +956,13 @@ static lm_status bucket_ready(void *user, size_t off, size_t count) {
         if (t->dcomm) {
 #ifdef LONGMOE_HAVE_CUDA
             /* on the side stream, after the backend's stream has written the range */
-            TRY(lm_cuda_stream_wait(t->bk_stream, ((const lm_cuda_context *)t->be->ctx)->stream, t->bk_event));
-            lm_comm_set_stream(t->dcomm, t->bk_stream);
+            if (t->bk_stream) {
+                TRY(lm_cuda_stream_wait(t->bk_stream, cuda_stream_of(t), t->bk_event));
+                lm_comm_set_stream(t->dcomm, t->bk_stream);
+            }
+#endif
             float *g = lm_model_backend_grads(t->model) + b->off;
             TRY(lm_comm_all_reduce_sum(t->dcomm, g, g, b->count, LM_DTYPE_F32));
-#endif
         } else {
             /* CPU ranks: summed here, before the backward goes on */
             float *g = lm_model_grads(t->model) + b->off;
@@ -937,8 +991,8 @@ static lm_status bucket_finish(trainer *t) {
             return lm_error(LM_ERR_ARG, "internal: the backward left %zu elements of the gradient bucket [%zu, %zu) "
                             "unreported", t->bk[i].left, t->bk[i].off, t->bk[i].off + t->bk[i].count);
 #ifdef LONGMOE_HAVE_CUDA
-    if (t->dcomm) {
-        void *compute = ((const lm_cuda_context *)t->be->ctx)->stream;
+    if (t->dcomm && t->bk_stream) {
+        void *compute = cuda_stream_of(t);
         TRY(lm_cuda_stream_wait(compute, t->bk_stream, t->bk_event));
         lm_comm_set_stream(t->dcomm, compute);
     }
@@ -1016,15 +1070,13 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
      * under ZeRO-1 each rank receives the sum of its own range only */
     if (t->bk_summed) {
         /* summed bucket by bucket during the last backward (bucket_ready) */
+    } else if (t->zero) {
+        TRY(zero_reduce_grads(t)); /* on the host or, on the device path, in the backend's memory */
     } else if (t->dcomm) {
         /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
-#ifdef LONGMOE_HAVE_CUDA
-        lm_comm_set_stream(t->dcomm, ((const lm_cuda_context *)t->be->ctx)->stream);
-#endif
+        lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
         TRY(lm_comm_all_reduce_sum(t->dcomm, lm_model_backend_grads(t->model), lm_model_backend_grads(t->model),
                                    lm_model_num_params(t->model), LM_DTYPE_F32));
-    } else if (t->zero) {
-        TRY(zero_reduce_grads(t));
     } else if (t->epo) {
         TRY(epo_reduce_grads(t));
     } else {
@@ -1202,9 +1254,8 @@ static int cuda_kda_head_dim_ok(int d) { return d == 32 || d == 64 || d == 128; 
 /* The device of opt.device for this config: nothing for the CPU; for CUDA a
  * config the kernels run and a usable GPU, else a clear error before anything
  * is written. */
-static lm_status open_device(trainer *t) {
-    if (t->opt.device == LM_DEVICE_CPU) return LM_OK;
-    if (t->opt.device != LM_DEVICE_CUDA) return lm_error(LM_ERR_ARG, "unknown training device %d", (int)t->opt.device);
+/* A config the CUDA kernels run (before anything is written). */
+static lm_status cuda_config_ok(const trainer *t) {
     const lm_config *c = &t->cfg;
     int kda = 0;
     for (int l = 0; l < c->n_layers; l++) kda |= lm_config_mixer(c, l) == LM_MIXER_KDA;
@@ -1212,6 +1263,21 @@ static lm_status open_device(trainer *t) {
         return lm_error(LM_ERR_ARG, "--device cuda: kda.head_dim is %d, but the CUDA KDA kernels run head dimensions "
                         "32, 64 and 128 only; train this config on the CPU (--device cpu) or use one of those",
                         c->kda_head_dim);
+    return LM_OK;
+}
+
+static lm_status open_device(trainer *t) {
+    if (t->opt.backend) {
+        /* the caller's backend: the device path on it */
+        t->be = t->opt.backend;
+        t->be_given = 1;
+        if (t->be->device == LM_DEVICE_CUDA) TRY(cuda_config_ok(t));
+        if (t->staged) TRY(lm_comm_open_staged(t->comm, t->be, &t->dcomm));
+        return LM_OK;
+    }
+    if (t->opt.device == LM_DEVICE_CPU) return LM_OK;
+    if (t->opt.device != LM_DEVICE_CUDA) return lm_error(LM_ERR_ARG, "unknown training device %d", (int)t->opt.device);
+    TRY(cuda_config_ok(t));
     /* GPU ranks over MPI: each process takes the GPU of its index on its machine
      * (several share one when there are fewer GPUs), its sums staged through the host */
     int local = 0;
@@ -1335,8 +1401,9 @@ static lm_status trainer_setup(trainer *t, int stage) {
         t->badam = calloc((size_t)t->n_all, sizeof *t->badam);
         if (!t->ball || !t->bmuon || !t->badam) return lm_error(LM_ERR_MEMORY, "out of memory (trainer)");
         TRY(bind_backend_params(t));
-        TRY(lm_optimizer_create_on(t->be, &oc, t->bmuon, t->n_muon, &t->dmuon));
-        TRY(lm_optimizer_create_on(t->be, &oc, t->badam, t->n_adam, &t->dadam));
+        /* ZeRO-1: over this rank's range, whose state muon_state / adam_state mirror */
+        TRY(lm_optimizer_create_on(t->be, &oc, t->bmuon + t->zmuon_i[zr], my_n_muon, &t->dmuon));
+        TRY(lm_optimizer_create_on(t->be, &oc, t->badam + t->zadam_i[zr], my_n_adam, &t->dadam));
         TRY(t->be->alloc(t->be, lm_grad_norm_work_bytes(t->n_all), &t->norm_work));
     }
     return LM_OK;
@@ -2256,7 +2323,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
     const lm_train_options *opt = &opt_here;
     t.comm = opt_in->comm ? lm_comm_host(opt_in->comm) : NULL;
     t.dcomm = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_NCCL ? opt_in->comm : NULL;
-    t.staged = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_MPI && opt_in->device == LM_DEVICE_CUDA;
+    t.staged = opt_in->comm && lm_comm_engine_of(opt_in->comm) == LM_COMM_MPI &&
+               (opt_in->device == LM_DEVICE_CUDA || opt_in->backend);
     t.rank = t.comm ? lm_comm_rank(t.comm) : 0;
     t.ranks = t.comm ? lm_comm_size(t.comm) : 1;
     t.saved_step = -1;
@@ -2558,6 +2626,8 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
              * marked stale (read back for checkpoints and evaluation); QK-Clip clips there */
             if ((s = lm_device_optimizer_step(t.dmuon, muon_lr * f)) ||
                 (s = lm_device_optimizer_step(t.dadam, adam_lr * f)) ||
+                /* ZeRO-1: each owner updated its range; every rank receives the others' */
+                (t.zero && t.ranks > 1 && (s = zero_gather_params(&t))) ||
                 (s = lm_model_params_changed_on_backend(t.model)))
                 goto done;
             if (t.step == opt->inject_nan_param_step) {
