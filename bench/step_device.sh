@@ -7,6 +7,7 @@
 #
 #   bench/step_device.sh [build] [test] [bench] [peer]   (default: all four)
 #   TESTS=regex       only those CUDA tests (default: all, ctest -L cuda)
+#   TEST_JOBS=n       CUDA test programs at once on the GPU (default 1); TEST_LIMIT=seconds (400)
 #   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres)
 #   MODEL_SHAPES="8,4096 1,32768"   the whole-model shapes (bench_cuda_model)
 #   LIMIT=seconds     per program (default 240)
@@ -35,8 +36,9 @@ if has build; then
 fi
 
 if has test; then
-    echo "== CUDA tests"
-    (cd "$BUILD" && timeout 400 ctest -L cuda ${TESTS:+-R "$TESTS"} -V) >"$OUT/test.log" 2>&1
+    echo "== CUDA tests (mpirun for the staged GPU-rank cases: $(command -v mpirun || echo none))"
+    (cd "$BUILD" && timeout "${TEST_LIMIT:-400}" ctest -L cuda ${TESTS:+-R "$TESTS"} -j "${TEST_JOBS:-1}" -V) \
+        >"$OUT/test.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && status=1
     grep -E "^[0-9]+: (ok|FAIL|skip|  )|passed, .* failed|tests passed|tests failed|\*\*\*|CUDA ERROR|Test +#" \

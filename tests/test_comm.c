@@ -310,6 +310,8 @@ static void test_self_engine_collectives_are_copies(void) {
     size_t five = 5;
     CHECK(lm_comm_reduce_scatterv_sum(c, v, w, &five, LM_DTYPE_F32) == LM_OK && !memcmp(v, w, sizeof v),
           "reduce_scatterv");
+    float u[5] = {0};
+    CHECK(lm_comm_copy(c, u, v, sizeof v) == LM_OK && !memcmp(u, v, sizeof v), "copy");
     lm_comm *part = NULL;
     CHECK(lm_comm_split(c, 3, &part) == LM_OK && part && lm_comm_size(part) == 1 && lm_comm_rank(part) == 0,
           "split: %s", lm_last_error());
@@ -330,6 +332,10 @@ static void test_bad_arguments_are_rejected_with_a_message(void) {
     CHECK(lm_comm_reduce_scatter_sum(c, x, x + 1, 2, LM_DTYPE_F32) == LM_ERR_ARG && strstr(lm_last_error(), "overlap"),
           "overlap: %s", lm_last_error());
     CHECK(lm_comm_broadcast(c, x, 4, 1) == LM_ERR_ARG && strstr(lm_last_error(), "root"), "root: %s", lm_last_error());
+    CHECK(lm_comm_copy(c, x + 1, x, 3 * sizeof(float)) == LM_ERR_ARG && strstr(lm_last_error(), "overlap"),
+          "copy overlap: %s", lm_last_error());
+    CHECK(lm_comm_copy(c, NULL, x, 4) == LM_ERR_ARG && strstr(lm_last_error(), "dst"), "copy to NULL: %s",
+          lm_last_error());
     size_t n3 = 3, n4 = 4, o = 0;
     CHECK(lm_comm_all_gatherv(c, x, 4, y, &n3, &o) == LM_ERR_ARG, "gatherv size mismatch");
     CHECK(lm_comm_all_to_allv(c, x, &n3, &o, y, &n4, &o) == LM_ERR_ARG, "all_to_allv count mismatch");

@@ -364,6 +364,12 @@ static void test_scratch_is_the_backends_and_reused(void) {
     CHECK(fence_alloced == after, "a smaller sum allocated %zu buffers", fence_alloced - after);
     to_host(y, d, n * sizeof *y);
     CHECK(!memcmp(y, ref, n * sizeof *y), "the sum over the reserved scratch differs");
+    /* a copy within the backend's memory: through the backend's copy (fenced pointers) */
+    void *e = dev_from(x, n * sizeof *x);
+    OK(lm_comm_copy(c, e, d, n * sizeof *x));
+    to_host(y, e, n * sizeof *y);
+    CHECK(!memcmp(y, ref, n * sizeof *y), "lm_comm_copy of the sum differs");
+    f_release(&fence_be, e);
     f_release(&fence_be, d);
     lm_comm_close(c);
     CHECK(fence_live == live0, "closing left %zu of the backend's buffers", fence_live - live0);

@@ -282,8 +282,9 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * after the backward) the runs are bit-identical to the default's: each
  * element's sum is the same rank-order sum. With ZeRO-1 (--zero 1: each rank
  * updates its range with the device optimizer, the ranges gathered after the
- * step; docs/scaleout.md) too: the same sums, the same per-element and
- * per-tensor updates, the same norm. */
+ * step; docs/scaleout.md) too, with the default buckets and with buckets of
+ * 0.05 MiB reduce-scattered on the side stream: the same sums, the same
+ * per-element and per-tensor updates, the same norm. */
 #define STAGED_RTOL 1e-2
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
@@ -294,8 +295,9 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     } v[] = {{"gpu_mpi2", "staged.json", NULL, 0},
              {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, ", 0},
              {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 0},
-             {"gpu_mpi2_z1", "staged.json", NULL, 1}};
-    for (int i = 0; i < 4; i++) {
+             {"gpu_mpi2_z1", "staged.json", NULL, 1},
+             {"gpu_mpi2_z1b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 1}};
+    for (int i = 0; i < 5; i++) {
         if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
         fflush(stdout);
         fflush(stderr);

@@ -20,8 +20,11 @@
  * tensor, also with sequence segments, with recompute (chunked), with a
  * forward failing on one rank in
  * the first micro-batch (that rank joins the others' agreement from after its
- * loop) and with a gradient NaN on one rank. Built without MPI, `--mpi N`
- * reports every case skipped. */
+ * loop) and with a gradient NaN on one rank. With ZeRO-1 (each bucket
+ * reduce-scattered to its pieces' owners) the same against ZeRO-1's one
+ * reduce-scatter, on the host path and on the device path through the CPU
+ * backend (with a gradient NaN too). Built without MPI, `--mpi N` reports
+ * every case skipped. */
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -199,6 +202,9 @@ static void test_a_hook_error_stops_the_backward(void) {
 
 /* ---- over the ranks ---- */
 
+static int with_zero;           /* the runs below with ZeRO-1 (--zero 1) */
+static lm_backend *with_backend; /* the device path on this backend (NULL: the host path) */
+
 static lm_status train_b(const lm_config *c, const char *run, lm_fault fault, int fault_rank, int fault_step,
                          lm_train_result *r) {
     lm_train_options o = lm_train_options_default(dir(run));
@@ -206,6 +212,8 @@ static lm_status train_b(const lm_config *c, const char *run, lm_fault fault, in
     o.val_batches = 1;
     o.stage_eval_batches = 0;
     o.comm = comm;
+    o.zero = with_zero;
+    o.backend = with_backend;
     if (fault != LM_FAULT_NONE) {
         o.inject_fault = fault;
         o.inject_fault_step = me == fault_rank ? fault_step : -1;
@@ -276,6 +284,26 @@ static void test_bucketed_sums_with_recompute(void) {
     bucketed_equals_unbucketed("recompute", c, LM_FAULT_NONE, 0, 1);
 }
 
+/* ZeRO-1: each bucket reduce-scattered to the owners of its pieces (a bucket may span several
+ * ranks' ranges, and a range several buckets) gives the one reduce-scatter's bits. */
+static void test_zero1_buckets_equal_the_one_reduce_scatter(void) {
+    with_zero = 1;
+    bucketed_equals_unbucketed("zero1", small_run(), LM_FAULT_NONE, 0, 3);
+    with_zero = 0;
+}
+
+/* The same on the device path (the CPU backend standing in for a GPU: the device engine's
+ * reduce-scatter into the backend's buffer, then its copy), and a gradient NaN on one rank
+ * still skipping the step on every rank (it reaches the other ranks through the norm). */
+static void test_zero1_buckets_on_the_device_path(void) {
+    with_zero = 1;
+    with_backend = lm_backend_cpu();
+    bucketed_equals_unbucketed("zero1-dev", small_run(), LM_FAULT_NONE, 0, 3);
+    bucketed_equals_unbucketed("zero1-dev-nan", small_run(), LM_FAULT_GRADIENT, 1, 1);
+    with_backend = NULL;
+    with_zero = 0;
+}
+
 /* A NaN in the last rank's rows in the first micro-batch of a step: that rank leaves its loop early and
  * joins the agreement the others hold before their last backward; every rank skips the step. */
 static void test_a_forward_failing_on_one_rank_skips_the_step(void) {
@@ -302,6 +330,8 @@ int main(int argc, char **argv) {
     RUN(test_bucketed_sums_with_recompute);
     RUN(test_a_forward_failing_on_one_rank_skips_the_step);
     RUN(test_a_gradient_nan_on_one_rank_skips_the_step);
+    RUN(test_zero1_buckets_equal_the_one_reduce_scatter);
+    RUN(test_zero1_buckets_on_the_device_path);
     ranks_close();
     return test_summary();
 }

@@ -116,6 +116,11 @@ void lm_comm_set_stream(lm_comm *comm, void *stream);
  * the larger, R * count elements). One rank needs none. */
 lm_status lm_comm_reserve(lm_comm *comm, size_t count, lm_dtype dtype);
 
+/* Copy `bytes` within the engine's memory (device buffers for a device
+ * engine), ordered on its stream like its collectives; the regions must not
+ * overlap. Local: no other rank takes part. */
+lm_status lm_comm_copy(lm_comm *comm, void *dst, const void *src, size_t bytes);
+
 /* Sum over ranks of `count` elements (F32, F64 or I32); send == recv is
  * allowed (in place). Every rank receives the same bits. */
 lm_status lm_comm_all_reduce_sum(lm_comm *comm, const void *send, void *recv, size_t count, lm_dtype dtype);

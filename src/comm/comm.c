@@ -266,6 +266,16 @@ static lm_status engine_copy(lm_comm *c, void *dst, const void *src, size_t byte
     return LM_OK;
 }
 
+lm_status lm_comm_copy(lm_comm *comm, void *dst, const void *src, size_t bytes) {
+    CHECK_COMM("comm copy");
+    if (!bytes || dst == src) return LM_OK;
+    CHECK_PTR("comm copy", dst, bytes);
+    CHECK_PTR("comm copy", src, bytes);
+    const char *d = dst, *s = src;
+    if (d < s + bytes && s < d + bytes) return lm_error(LM_ERR_ARG, "comm copy: the regions overlap");
+    return engine_copy(comm, dst, src, bytes);
+}
+
 /* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
  * added in rank order; int32 wraps. A device engine's kernel does the same
  * additions in the same order (src/cuda/comm/rank_order_sum.cu). */

@@ -549,23 +549,37 @@ static size_t zero_state_bytes(const trainer *t, int q) {
     return (t->zmuon[q + 1] - t->zmuon[q] + t->zadam[q + 1] - t->zadam[q]) * sizeof(float);
 }
 
-/* The summed gradients of this rank's range (a reduce-scatter: each element is
- * the rank-order sum the all-reduce would give), into the gradient block. */
-static lm_status zero_reduce_grads(trainer *t) {
+/* The summed gradients of this rank's range within elements [lo, hi) of the
+ * gradient block (a reduce-scatter: each element is the rank-order sum the
+ * all-reduce would give, whatever [lo, hi) is), into the gradient block. The
+ * ranks' ranges cut [lo, hi) into consecutive pieces in rank order, the
+ * layout reduce_scatterv wants. On the device path through the device engine,
+ * on the stream it was given, the copy on that stream too. */
+static lm_status zero_reduce_range(trainer *t, size_t lo, size_t hi) {
     const int R = t->ranks, me = t->rank;
+    if (R <= 1) return LM_OK; /* one rank's sum is its own gradient */
     size_t *count = t->ztab;
-    for (int q = 0; q < R; q++) count[q] = t->zparam[q + 1] - t->zparam[q];
+    for (int q = 0; q < R; q++) {
+        const size_t a = t->zparam[q] > lo ? t->zparam[q] : lo, b = t->zparam[q + 1] < hi ? t->zparam[q + 1] : hi;
+        count[q] = b > a ? b - a : 0;
+    }
+    const size_t mine = (t->zparam[me] > lo ? t->zparam[me] : lo);
     if (t->dcomm) {
-        /* the device path: the backend's gradient block, through the device engine, on the backend's stream */
-        lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
         float *gd = lm_model_backend_grads(t->model);
-        TRY(lm_comm_reduce_scatterv_sum(t->dcomm, gd, t->zloc_dev, count, LM_DTYPE_F32));
-        return count[me] ? t->be->copy(t->be, gd + t->zparam[me], t->zloc_dev, count[me] * sizeof(float)) : LM_OK;
+        TRY(lm_comm_reduce_scatterv_sum(t->dcomm, gd + lo, t->zloc_dev, count, LM_DTYPE_F32));
+        return count[me] ? lm_comm_copy(t->dcomm, gd + mine, t->zloc_dev, count[me] * sizeof(float)) : LM_OK;
     }
     float *g = lm_model_grads(t->model);
-    TRY(lm_comm_reduce_scatterv_sum(t->comm, g, t->zloc, count, LM_DTYPE_F32));
-    if (count[me]) memcpy(g + t->zparam[me], t->zloc, count[me] * sizeof(float));
+    TRY(lm_comm_reduce_scatterv_sum(t->comm, g + lo, t->zloc, count, LM_DTYPE_F32));
+    if (count[me]) memcpy(g + mine, t->zloc, count[me] * sizeof(float));
     return LM_OK;
+}
+
+/* The whole block's reduce-scatter after the backward (no buckets); on the
+ * device path on the backend's stream. */
+static lm_status zero_reduce_grads(trainer *t) {
+    if (t->dcomm) lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
+    return zero_reduce_range(t, 0, lm_model_num_params(t->model));
 }
 
 /* The global gradient norm from the owners' per-tensor sums of squares, added in
@@ -894,12 +908,13 @@ static lm_status diverge_replica(trainer *t, const char *name) {
  * Each element is the rank-order sum of the one all-reduce of the whole block
  * (the sums are elementwise), so the bits are the same whatever the buckets. */
 
-/* Whether the run sums its gradients in buckets: replicated data parallelism
- * (CPU ranks over MPI, or GPU ranks over NCCL, one rank too). ZeRO-1,
- * owner-only experts, expert and context parallelism keep the one sum after
- * the backward. */
+/* Whether the run sums its gradients in buckets: data parallelism, replicated
+ * or ZeRO-1 (each bucket reduce-scattered to the owners of its pieces), on CPU
+ * ranks over MPI or on the device path (GPU ranks over NCCL or the staged
+ * engine, one rank too). Owner-only experts, expert and context parallelism
+ * keep the one sum after the backward. */
 static int bucket_wanted(const trainer *t) {
-    return t->cfg.grad_bucket_mb > 0 && !t->zero && !t->epo && !t->opt.expert_parallel && t->cp == 1 &&
+    return t->cfg.grad_bucket_mb > 0 && !t->epo && !t->opt.expert_parallel && t->cp == 1 &&
            (t->dcomm || (t->comm && t->ranks > 1));
 }
 
@@ -953,14 +968,17 @@ static lm_status bucket_ready(void *user, size_t off, size_t count) {
             return lm_error(LM_ERR_ARG, "internal: gradient elements [%zu, %zu) reported final twice", lo, hi);
         b->left -= hi - lo;
         if (b->left) continue;
-        if (t->dcomm) {
 #ifdef LONGMOE_HAVE_CUDA
+        if (t->dcomm && t->bk_stream) {
             /* on the side stream, after the backend's stream has written the range */
-            if (t->bk_stream) {
-                TRY(lm_cuda_stream_wait(t->bk_stream, cuda_stream_of(t), t->bk_event));
-                lm_comm_set_stream(t->dcomm, t->bk_stream);
-            }
+            TRY(lm_cuda_stream_wait(t->bk_stream, cuda_stream_of(t), t->bk_event));
+            lm_comm_set_stream(t->dcomm, t->bk_stream);
+        }
 #endif
+        if (t->zero) {
+            /* ZeRO-1: each owner receives the sum of its piece of the bucket */
+            TRY(zero_reduce_range(t, b->off, b->off + b->count));
+        } else if (t->dcomm) {
             float *g = lm_model_backend_grads(t->model) + b->off;
             TRY(lm_comm_all_reduce_sum(t->dcomm, g, g, b->count, LM_DTYPE_F32));
         } else {
