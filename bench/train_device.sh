@@ -5,8 +5,13 @@
 # STEPS steps and print its progress lines (loss, tokens/s, MFU, ETA, MaxVio) and the mean
 # tokens/s and MFU of its steps from metrics.jsonl.
 #
-#   bench/train_device.sh [build] [test] [train] [curve] [text] [long]   (default: build test train)
+#   bench/train_device.sh [build] [test] [train] [ranks] [curve] [text] [long]   (default: build test train)
 #
+#   ranks        the same cut config on 2 GPU ranks over MPI sharing this GPU (the staged engine,
+#                `mpirun -np 2 longmoe train --device cuda --comm mpi`), replicated and with
+#                --zero 1: the ZeRO-1 start line (optimizer state a rank), tokens/s of each run,
+#                the staged run's losses against the one-GPU run's, ZeRO-1's against replicated
+#                (bit-identical, else the step fails)
 #   train        the timed run below (PRESET, STEPS, ...)
 #   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
 #                CPU (in the background, half the cores) and on the GPU: both loss curves,
@@ -59,25 +64,7 @@ status=0
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 
-if has build; then
-    echo "== build ($BUILD)"
-    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-        timeout 500 cmake --build "$BUILD" -j "$JOBS" --target longmoe test_cuda_train >>"$OUT/build.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
-fi
-
-if has test; then
-    echo "== test_cuda_train"
-    (cd "$BUILD" && timeout 500 ctest -R '^test_cuda_train$' -V) >"$OUT/test.log" 2>&1
-    rc=$?
-    [ $rc -ne 0 ] && status=1
-    grep -E "^[0-9]+: (ok|FAIL|skip|  )|tests passed|tests failed|\*\*\*" "$OUT/test.log" | cut -c1-200 | tail -40
-    echo "ctest rc $rc"
-fi
-
-if has train; then
-    echo "== train $PRESET on the GPU: $STEPS steps"
+derive_config() { # the preset cut to STEPS steps, as $OUT/train.json
     python3 - "$PRESET" "$OUT/train.json" "$STEPS" "$LOG_EVERY" "$DATA" "$BATCH_TOKENS" <<'EOF'
 import json, sys
 src, dst, steps, log_every, data, batch_tokens = sys.argv[1:7]
@@ -110,6 +97,28 @@ c["comment"] = "bench/train_device.sh: %s cut to %s steps" % (src, steps)
 print("training %s: %s" % (dst, json.dumps(t)))
 json.dump(c, open(dst, "w"), indent=1)
 EOF
+}
+
+if has build; then
+    echo "== build ($BUILD)"
+    timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
+        timeout 500 cmake --build "$BUILD" -j "$JOBS" --target longmoe test_cuda_train >>"$OUT/build.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && { echo "build failed (rc $rc): see $OUT/build.log"; tail -30 "$OUT/build.log"; exit 1; }
+fi
+
+if has test; then
+    echo "== test_cuda_train"
+    (cd "$BUILD" && timeout 500 ctest -R '^test_cuda_train$' -V) >"$OUT/test.log" 2>&1
+    rc=$?
+    [ $rc -ne 0 ] && status=1
+    grep -E "^[0-9]+: (ok|FAIL|skip|  )|tests passed|tests failed|\*\*\*" "$OUT/test.log" | cut -c1-200 | tail -40
+    echo "ctest rc $rc"
+fi
+
+if has train; then
+    echo "== train $PRESET on the GPU: $STEPS steps"
+    derive_config
     [ $? -ne 0 ] && { echo "cannot derive the config from $PRESET"; exit 1; }
     rm -rf "$OUT/run"
     timeout 560 "$BUILD/longmoe" train --config "$OUT/train.json" --out "$OUT/run" --device cuda 2>&1 |
@@ -134,6 +143,66 @@ if rest:
                                        for k in names))
 EOF
     rm -rf "$OUT"/run/checkpoint-*
+fi
+
+if has ranks; then
+    # two GPU ranks over MPI on this GPU (the staged engine), replicated and with ZeRO-1, against
+    # one GPU, on the train step's config with an even number of sequences a micro-batch
+    echo "== $PRESET cut to $STEPS steps: 1 GPU, 2 staged ranks, 2 staged ranks with --zero 1"
+    [ -f "$OUT/train.json" ] || derive_config >/dev/null
+    # an even number of sequences a micro-batch (each rank takes half)
+    python3 - "$OUT/train.json" "$OUT/ranks.json" <<'EOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+t = c["train"]
+for s in t.get("stages") or []:
+    if (s["batch_tokens"] // s["seq_len"]) % 2:
+        s["batch_tokens"] *= 2
+if not t.get("stages") and t.get("batch_size", 1) % 2:
+    t["batch_size"] = 2 * t.get("batch_size", 1)
+json.dump(c, open(sys.argv[2], "w"), indent=1)
+EOF
+    rm -rf "$OUT/run_1"
+    timeout 300 "$BUILD/longmoe" train --config "$OUT/ranks.json" --out "$OUT/run_1" --device cuda \
+        >"$OUT/train_1.log" 2>&1 || { echo "the one-GPU run failed: $OUT/train_1.log"; status=1; }
+    rm -rf "$OUT/run_1"/checkpoint-*
+    for v in mpi2 mpi2_zero1; do
+        extra=()
+        [ "$v" = mpi2_zero1 ] && extra=(--zero 1)
+        rm -rf "$OUT/run_$v"
+        OMP_NUM_THREADS=1 OMPI_MCA_btl_vader_single_copy_mechanism=none timeout 300 \
+            mpirun --allow-run-as-root --oversubscribe -np 2 "$BUILD/longmoe" train --config "$OUT/ranks.json" \
+            --out "$OUT/run_$v" --device cuda --comm mpi "${extra[@]}" >"$OUT/train_$v.log" 2>&1 ||
+            { echo "$v failed: $OUT/train_$v.log"; tail -5 "$OUT/train_$v.log"; status=1; }
+        grep -E "ZeRO-1|optimizer state" "$OUT/train_$v.log" | head -3
+        rm -rf "$OUT/run_$v"/checkpoint-*
+    done
+    python3 - "$OUT" <<'EOF'
+import json, sys, os
+out = sys.argv[1]
+def rows(run):
+    p = os.path.join(out, run, "metrics.jsonl")
+    return [json.loads(l) for l in open(p) if l.startswith('{"type": "train"')] if os.path.exists(p) else []
+one, two, zero = rows("run_1"), rows("run_mpi2"), rows("run_mpi2_zero1")
+def speed(r):
+    rest = r[1:] or r
+    s = sum(x["step_seconds"] for x in rest)
+    return sum(x["tokens_per_s"] * x["step_seconds"] for x in rest) / s if s else 0
+for name, r in (("1 GPU", one), ("2 staged ranks", two), ("2 staged ranks, ZeRO-1", zero)):
+    if r:
+        print("%-24s %3d steps, last loss %.6f, %.0f tokens/s (steps 2..)" % (name, len(r), r[-1]["loss"], speed(r)))
+if one and two:
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(two, one))
+    print("2 staged ranks against 1 GPU: losses within %.3g relative" % worst)
+if two and zero:
+    same = len(two) == len(zero) and all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+                                         for a, b in zip(two, zero))
+    print("ZeRO-1 against replicated, 2 staged ranks: losses and gradient norms %s"
+          % ("bit-identical" if same else "DIFFER"))
+    if not same:
+        sys.exit(1)
+EOF
+    [ $? -ne 0 ] && status=1
 fi
 
 if has curve; then

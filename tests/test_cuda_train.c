@@ -17,7 +17,7 @@
  *     half is the CPU run's, bit for bit, the rest follows the CPU run within 3%;
  *   - two GPU ranks over MPI (`mpirun -np 2 ... --device cuda --comm mpi`, the
  *     staged engine; both on this GPU when it is the only one) follow the plain
- *     GPU run within 1%, and are bit-identical with and without gradient
+ *     GPU run within 0.5%, and are bit-identical with and without gradient
  *     buckets and with ZeRO-1 (--zero 1) on the device optimizer.
  *
  * Runs go through the real binary (LONGMOE_CLI), as a user starts them. Every
@@ -285,7 +285,7 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * step; docs/scaleout.md) too, with the default buckets and with buckets of
  * 0.05 MiB reduce-scattered on the side stream: the same sums, the same
  * per-element and per-tensor updates, the same norm. */
-#define STAGED_RTOL 1e-2
+#define STAGED_RTOL 5e-3 /* measured on an H200: 1.7e-3 (losses), 2.5e-3 (evaluations) */
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!mpiexec) SKIP("built without MPI (no mpirun to start the ranks)");
