@@ -111,6 +111,15 @@ static int same_on_every_rank(const void *buf, size_t bytes) {
     return ok;
 }
 
+/* The end of a case: its two fenced buffers and three host buffers. */
+static void drop_case(void *dx, void *dy, void *x, void *y, void *ref) {
+    f_release(&fence_be, dx);
+    f_release(&fence_be, dy);
+    free(x);
+    free(y);
+    free(ref);
+}
+
 /* ---- cases ---- */
 
 static void test_the_handle_is_staged_over_its_host(void) {
@@ -148,11 +157,7 @@ static void test_all_reduce_equals_the_serial_sum_through_the_backend_only(void)
             OK(lm_comm_all_reduce_sum(comm, dx, dx, n, dt)); /* in place */
             to_host(y, dx, n * es);
             CHECK(!memcmp(y, ref, n * es), "%s n=%zu: in place differs", lm_dtype_name(dt), n);
-            f_release(&fence_be, dx);
-            f_release(&fence_be, dy);
-            free(x);
-            free(y);
-            free(ref);
+            drop_case(dx, dy, x, y, ref);
         }
     }
 }
@@ -172,11 +177,7 @@ static void test_reduce_scatters_give_each_rank_its_block(void) {
         OK(lm_comm_reduce_scatter_sum(comm, dx, dy, n, dt));
         to_host(y, dy, n * es);
         CHECK(!memcmp(y, ref, n * es), "%s: block %d differs from the serial sum", lm_dtype_name(dt), me);
-        f_release(&fence_be, dx);
-        f_release(&fence_be, dy);
-        free(x);
-        free(y);
-        free(ref);
+        drop_case(dx, dy, x, y, ref);
         trial++;
         /* variable blocks, a zero among them (rank 1's when there is one) */
         size_t total = 0, at = 0;
@@ -199,11 +200,7 @@ static void test_reduce_scatters_give_each_rank_its_block(void) {
             CHECK(!memcmp(y, ref, m * es), "%s: variable block %d differs from the serial sum", lm_dtype_name(dt),
                   me);
         }
-        f_release(&fence_be, dx);
-        f_release(&fence_be, dy);
-        free(x);
-        free(y);
-        free(ref);
+        drop_case(dx, dy, x, y, ref);
         trial++;
     }
     free(counts);
