@@ -6,6 +6,7 @@
  * reference computed on every rank from the same random data, bit for bit,
  * with variable counts including zeros. Built without MPI, `--mpi N` reports
  * every case skipped. */
+#include <omp.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -62,6 +63,33 @@ static void test_all_reduce_equals_the_serial_sum_in_rank_order_bit_for_bit(void
             free(ref);
         }
     }
+}
+
+/* Sums large enough that each owner's share is added by several threads (comm.c
+ * splits the elements of a share over the OpenMP team above 2^16 elements):
+ * still the serial rank-order sum, bit for bit, with 3 threads (an uneven
+ * split) as with 1. */
+static void test_threaded_sums_equal_the_serial_sum(void) {
+    const int threads0 = omp_get_max_threads();
+    const size_t n = ((size_t)1 << 16) * (size_t)R + 12345;
+    for (int t = 0; t < 3; t++) {
+        lm_dtype dt = sum_types[t];
+        size_t es = lm_dtype_size(dt);
+        unsigned char *x = malloc(n * es), *y = malloc(n * es), *ref = malloc(n * es);
+        fill(x, n, dt, me, 900 + t);
+        serial_sum(ref, n, dt, R, 900 + t, 0);
+        for (int th = 1; th <= 3; th += 2) {
+            omp_set_num_threads(th);
+            memset(y, 0, n * es);
+            CHECK(lm_comm_all_reduce_sum(comm, x, y, n, dt) == LM_OK, "%s", lm_last_error());
+            CHECK(!memcmp(y, ref, n * es), "%s n=%zu on %d threads: differs from the serial rank-order sum",
+                  lm_dtype_name(dt), n, th);
+        }
+        free(x);
+        free(y);
+        free(ref);
+    }
+    omp_set_num_threads(threads0);
 }
 
 static void test_all_reduce_does_not_depend_on_timing(void) {
@@ -381,6 +409,7 @@ int main(int argc, char **argv) {
     RUN(test_mpi_job_has_the_ranks_mpirun_started);
     RUN(test_all_reduce_equals_the_serial_sum_in_rank_order_bit_for_bit);
     RUN(test_all_reduce_does_not_depend_on_timing);
+    RUN(test_threaded_sums_equal_the_serial_sum);
     RUN(test_reduce_scatter_gives_each_rank_its_block_of_the_serial_sum);
     RUN(test_reduce_scatterv_gives_each_rank_its_variable_block_of_the_serial_sum);
     RUN(test_split_makes_a_handle_of_the_ranks_of_one_color);

@@ -276,29 +276,30 @@ lm_status lm_comm_copy(lm_comm *comm, void *dst, const void *src, size_t bytes) 
     return engine_copy(comm, dst, src, bytes);
 }
 
+/* one element type's loop: each element's rank-order additions on their own,
+ * so the threads' split of the elements changes no bit */
+#define SUM_ROWS(T)                                                                   \
+    do {                                                                              \
+        T *a = acc;                                                                   \
+        const T *x = rows;                                                            \
+        _Pragma("omp parallel for schedule(static) if (m >= SUM_THREADED_MIN)")       \
+        for (size_t i = 0; i < m; i++) {                                              \
+            T v = x[i];                                                               \
+            for (int p = 1; p < R; p++) v += x[(size_t)p * m + i];                    \
+            a[i] = v;                                                                 \
+        }                                                                             \
+    } while (0)
+
+/* below this many elements one thread sums (the team's start costs more) */
+#define SUM_THREADED_MIN ((size_t)1 << 16)
+
 /* acc[0..m) = rows[0] + rows[1] + ... + rows[R-1] (each row m elements),
  * added in rank order; int32 wraps. A device engine's kernel does the same
  * additions in the same order (src/cuda/comm/rank_order_sum.cu). */
 void lm_comm_sum_rows_host(void *acc, const void *rows, size_t m, int R, lm_dtype dtype) {
-    if (dtype == LM_DTYPE_F32) {
-        float *a = acc;
-        const float *x = rows;
-        memcpy(a, x, m * sizeof *a);
-        for (int p = 1; p < R; p++)
-            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
-    } else if (dtype == LM_DTYPE_F64) {
-        double *a = acc;
-        const double *x = rows;
-        memcpy(a, x, m * sizeof *a);
-        for (int p = 1; p < R; p++)
-            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
-    } else {
-        uint32_t *a = acc;
-        const uint32_t *x = rows;
-        memcpy(a, x, m * sizeof *a);
-        for (int p = 1; p < R; p++)
-            for (size_t i = 0; i < m; i++) a[i] += x[(size_t)p * m + i];
-    }
+    if (dtype == LM_DTYPE_F32) SUM_ROWS(float);
+    else if (dtype == LM_DTYPE_F64) SUM_ROWS(double);
+    else SUM_ROWS(uint32_t); /* int32 wraps: added as unsigned */
 }
 
 /* Owner-computes sum. Rank q owns elements [off[q], off[q] + len[q]) of each
