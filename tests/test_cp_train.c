@@ -15,7 +15,9 @@
  * same parameters and balancing bias (which moved); a bit-exact resume on the
  * same layout; a checkpoint of the ranks resumed on one process and one
  * process's resumed over the ranks, both within 1e-5 of the uninterrupted
- * run; ZeRO-1 over the whole world bit-identical to the replicated state; a
+ * run; ZeRO-1 over the whole world bit-identical to the replicated state;
+ * gradient buckets of one tensor and of 4 KiB bit-identical to one sum after
+ * the backward over 6 steps, replicated and (one tensor) with ZeRO-1; a
  * NaN in one rank's segment skipping the step on every rank as one process
  * with the same NaN does; a run of two stages with recompute (the stage
  * change makes the next stage's context-parallel model). Context and expert
@@ -301,6 +303,44 @@ static void test_zero_over_the_world_is_the_replicated_run(void) {
     double w;
     CHECK(tensors_close("cp-zero", R == 4 ? "cpdp" : "cp", DP_STEPS, "trainer.safetensors", 0, &w),
           "trainer state bit-identical");
+}
+
+/* Gradient buckets under context parallelism (the world's sum a bucket at a
+ * time during the last backward, while the KDA and attention layers exchange
+ * their states over the groups' handles): buckets of one tensor and of 4 KiB
+ * give the unbucketed run's bits (train.grad_bucket_mb 0), replicated and with
+ * ZeRO-1 (each bucket reduce-scattered; one-tensor buckets), over 6 steps. The
+ * other cases run with the default (one bucket of this model). */
+static void test_gradient_buckets_give_the_one_sums_bits(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    const int cp = R == 4 ? 2 : R;
+    static const float sizes[] = {1e-6f, 0.004f};
+    enum { STEPS = 6 }; /* short runs: the sums of every step are compared through the final state */
+    for (int zero = 0; zero <= 1; zero++) {
+        lm_config c = cp_config();
+        c.steps = STEPS;
+        c.eval_every = 0;
+        c.ckpt_every = 0; /* one checkpoint, at the end */
+        lm_train_result plain, r;
+        char base[64], run[64];
+        snprintf(base, sizeof base, "cp-b0-z%d", zero);
+        c.grad_bucket_mb = 0;
+        CHECK(!train(&c, base, cp, zero, 0, 0, &plain) && plain.step == STEPS, "%s: %s", base, lm_last_error());
+        for (int k = 0; k < (zero ? 1 : 2); k++) {
+            snprintf(run, sizeof run, "cp-b%d-z%d", k + 1, zero);
+            c.grad_bucket_mb = sizes[k];
+            CHECK(!train(&c, run, cp, zero, 0, 0, &r) && r.step == STEPS, "%s: %s", run, lm_last_error());
+            CHECK(r.params_hash == plain.params_hash && r.balance_hash == plain.balance_hash,
+                  "%s: the state differs from the unbucketed run's", run);
+            if (me != 0) continue;
+            double w;
+            CHECK(tensors_close(run, base, STEPS, "model.safetensors", 0, &w), "%s: parameters", run);
+            CHECK(tensors_close(run, base, STEPS, "trainer.safetensors", 0, &w), "%s: trainer state", run);
+        }
+    }
+    if (me == 0)
+        printf("     CP %d%s: buckets of one tensor and of 4 KiB equal the one sum (ZeRO-1: of one tensor)\n", cp,
+               R == 4 ? " x DP 2" : "");
 }
 
 /* A NaN in the last rank's segment at step 4 fails the group's forward: the
@@ -596,6 +636,7 @@ int main(int argc, char **argv) {
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_layouts);
     RUN(test_zero_over_the_world_is_the_replicated_run);
+    RUN(test_gradient_buckets_give_the_one_sums_bits);
     RUN(test_a_step_failing_on_one_rank_is_skipped_on_every_rank);
     RUN(test_a_staged_run_with_recompute_equals_one_process);
     RUN(test_context_and_expert_parallel_equal_one_process);

@@ -911,10 +911,11 @@ static lm_status diverge_replica(trainer *t, const char *name) {
 /* Whether the run sums its gradients in buckets: data parallelism, replicated
  * or ZeRO-1 (each bucket reduce-scattered to the owners of its pieces), on CPU
  * ranks over MPI or on the device path (GPU ranks over NCCL or the staged
- * engine, one rank too). Owner-only experts, expert and context parallelism
- * keep the one sum after the backward. */
+ * engine, one rank too), and context parallelism's sum over the world.
+ * Owner-only experts and expert parallelism keep the one sum after the
+ * backward. */
 static int bucket_wanted(const trainer *t) {
-    return t->cfg.grad_bucket_mb > 0 && !t->epo && !t->opt.expert_parallel && t->cp == 1 &&
+    return t->cfg.grad_bucket_mb > 0 && !t->epo && !t->opt.expert_parallel &&
            (t->dcomm || (t->comm && t->ranks > 1));
 }
 
