@@ -16,7 +16,8 @@
  * parameters and QB bias on every rank; a bit-exact resume; checkpoints across layouts (G ranks a group
  * to one process, one process to G, the whole-world EP to G and back, ZeRO-1
  * in groups to owner-only bit for bit); norm
- * blocks that cross the owners' slices; a staged run; the refusals (G not
+ * blocks that cross the owners' slices; a staged run; gradient buckets of one
+ * tensor bit-identical to the one pass after the backward; the refusals (G not
  * dividing the ranks or the experts, G < 1, a group size without --ep); the
  * CLI's `--ep G`.
  * Alone, or built without MPI, every case is skipped.
@@ -331,6 +332,34 @@ static void refused(const char *what, lm_config c, int group, int ep, const char
     printf("     %s: %s\n", what, lm_last_error());
 }
 
+/* Gradient buckets with EP groups: each bucket's replicated tensors summed
+ * over the world, this rank's expert slices over their replicas (one a group:
+ * a handle of its own) during the backward; buckets of one tensor give the one
+ * pass's bits after the backward (train.grad_bucket_mb 0), 6 steps. */
+static void test_gradient_buckets_give_the_one_passs_bits(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result r[2];
+    for (int b = 0; b < 2; b++) {
+        lm_config c = ep_config();
+        c.grad_bucket_mb = b ? 1e-6f : 0.0f;
+        c.steps = 6;
+        c.eval_every = 0;
+        c.ckpt_every = 0; /* one checkpoint, at the end */
+        lm_train_options o = options(b ? "g-b1" : "g-b0", comm, G, 0);
+        memset(&r[b], 0, sizeof r[b]);
+        CHECK(!lm_train(&c, &o, &r[b]) && r[b].step == 6, "%s: %s", b ? "g-b1" : "g-b0", lm_last_error());
+    }
+    CHECK(r[1].params_hash == r[0].params_hash && r[1].balance_hash == r[0].balance_hash,
+          "buckets of one tensor: the state differs from the unbucketed run's");
+    static const char *const files[] = {"model.safetensors", "trainer.safetensors", "trainer.json"};
+    for (int k = 0; me == 0 && k < 3; k++) {
+        char pa[700], pb[700];
+        snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir("g-b1"), 6, files[k]);
+        snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir("g-b0"), 6, files[k]);
+        CHECK(test_same_file(pa, pb), "buckets of one tensor: %s differs", files[k]);
+    }
+}
+
 static void test_bad_group_sizes_are_refused(void) {
     lm_config c = ep_config();
     refused("a group of 3", c, 3, 1, "not a multiple of 3");
@@ -385,6 +414,7 @@ int main(int argc, char **argv) {
     RUN(test_zero1_with_groups_resumes_owner_only_bit_for_bit);
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_the_groups_across_stages);
+    RUN(test_gradient_buckets_give_the_one_passs_bits);
     RUN(test_bad_group_sizes_are_refused);
     RUN(test_cli_takes_the_group_size);
     ranks_close();

@@ -20,8 +20,9 @@
  * expert tensors whose norm blocks cross the owners' slices; a staged run
  * (the second stage's model under EP too); a NaN in an
  * owner's expert gradient skipping the step on every rank as the
- * replicated layout does. Alone, or built without MPI, every case is
- * skipped.
+ * replicated layout does; gradient buckets of one tensor and of 4 KiB
+ * bit-identical to the one pass after the backward (6 steps), owner-only and
+ * replicated state. Alone, or built without MPI, every case is skipped.
  * The runs of test_dp_config last DP_STEPS steps: the 20 steps said here (and
  * the steps 10, 8 and 15 within them) are the Release suite's; a sanitizer
  * build runs 10 (5, 4 and 7; tests/test_models.h). */
@@ -48,9 +49,20 @@ static lm_config ep_config(void) {
 
 enum { ONE, EP, EP_REPLICATED, EP_ZERO };
 
+/* When set (>= 0): the runs' train.grad_bucket_mb, and short runs of 6 steps
+ * with one checkpoint, at the end (the bucket cases). */
+static float bucket_mb = -1.0f;
+enum { BUCKET_STEPS = 6 };
+
 /* One run over handle `on` (NULL: this process alone, without EP) in layout `how`. */
 static lm_status train(const char *run, lm_comm *on, int how, int resume, int64_t stop_after, lm_train_result *r) {
     lm_config c = ep_config();
+    if (bucket_mb >= 0) {
+        c.grad_bucket_mb = bucket_mb;
+        c.steps = BUCKET_STEPS;
+        c.eval_every = 0;
+        c.ckpt_every = 0;
+    }
     lm_train_options o = lm_train_options_default(dir(run));
     o.progress = NULL;
     o.val_batches = 2;
@@ -447,6 +459,46 @@ static void test_a_non_finite_expert_gradient_skips_the_step_on_every_rank(void)
     CHECK(same_on_every_rank(r[0].params_hash), "the ranks differ after the skipped step");
 }
 
+/* Gradient buckets under expert parallelism: with owner-only state each
+ * bucket's replicated tensors are summed over the world and this rank's expert
+ * slices over their replicas (none when the group is the world) while the
+ * backward's all-to-alls run on the same handle; buckets of one tensor and of
+ * 4 KiB give the one pass's bits after the backward (train.grad_bucket_mb 0),
+ * and so do one-tensor buckets with the experts' state replicated. */
+static void test_gradient_buckets_give_the_one_passs_bits(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    static const struct {
+        const char *run, *base;
+        int how;
+        float mb;
+    } v[] = {{"ep-b0", NULL, EP, 0},
+             {"ep-b1", "ep-b0", EP, 1e-6f},
+             {"ep-b2", "ep-b0", EP, 0.004f},
+             {"eprep-b0", NULL, EP_REPLICATED, 0},
+             {"eprep-b1", "eprep-b0", EP_REPLICATED, 1e-6f}};
+    lm_train_result base = {0}, r;
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        bucket_mb = v[i].mb;
+        CHECK(!train(v[i].run, comm, v[i].how, 0, 0, &r) && r.step == BUCKET_STEPS, "%s: %s", v[i].run,
+              lm_last_error());
+        bucket_mb = -1.0f;
+        if (!v[i].base) {
+            base = r;
+            continue;
+        }
+        CHECK(r.params_hash == base.params_hash && r.balance_hash == base.balance_hash,
+              "%s: the state differs from the unbucketed run's", v[i].run);
+        /* the files but config.json (which holds train.grad_bucket_mb) */
+        static const char *const files[] = {"model.safetensors", "trainer.safetensors", "trainer.json"};
+        for (int k = 0; me == 0 && k < 3; k++) {
+            char pa[700], pb[700];
+            snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(v[i].run), (int)BUCKET_STEPS, files[k]);
+            snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(v[i].base), (int)BUCKET_STEPS, files[k]);
+            CHECK(test_same_file(pa, pb), "%s: %s differs from %s's", v[i].run, files[k], v[i].base);
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -472,6 +524,7 @@ int main(int argc, char **argv) {
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_expert_parallelism_across_stages);
     RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
+    RUN(test_gradient_buckets_give_the_one_passs_bits);
     ranks_close();
     return test_summary();
 }

@@ -774,28 +774,39 @@ static lm_status epo_setup(trainer *t) {
     return LM_OK;
 }
 
-/* The gradient block summed over the ranks except the experts' tensors (their
- * owner's gradient is already complete; the block holds this rank's slice of
- * each): one all-reduce a run of replicated tensors, each element the
- * rank-order sum of the whole block's all-reduce. */
-static lm_status epo_reduce_grads(trainer *t) {
+/* The gradients of the tensors whose table ranges lie in [lo, hi) summed over
+ * the ranks, except the experts' tensors (their owner's gradient is already
+ * complete; the block holds this rank's slice of each): one all-reduce a run
+ * of replicated tensors (consecutive in the block too), each element the
+ * rank-order sum of the whole block's all-reduce; the slices of this rank's
+ * experts summed over their replicas (its position in every EP group). The
+ * whole table after the backward, or a gradient bucket's tensors during it. */
+static lm_status epo_reduce_range(trainer *t, size_t lo, size_t hi) {
     float *g = lm_model_grads(t->model);
-    size_t run = 0;
+    size_t run = 0, run_n = 0; /* the pending run of replicated gradients: g[run, run + run_n) */
     for (int i = 0; i <= t->n_all; i++) {
-        if (i < t->n_all && !t->esplit[i]) continue;
+        const lm_model_tensor *mt = i < t->n_all ? lm_model_tensor_at(t->model, i) : NULL;
+        if (mt && (mt->offset < lo || mt->offset >= hi)) continue;
         size_t first = 0, count = 0;
-        float *mine = i < t->n_all ? lm_model_grad_part(t->model, i, &first, &count)
-                                   : g + lm_model_num_grads(t->model);
-        const size_t at = (size_t)(mine - g);
-        if (at > run) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, at - run, LM_DTYPE_F32));
-        if (i == t->n_all) break;
-        run = at + count;
-        /* the replicas of this rank's experts (its position in every group) sum their slices */
-        if (t->er_comm && lm_comm_size(t->er_comm) > 1)
+        float *mine = mt ? lm_model_grad_part(t->model, i, &first, &count) : NULL;
+        if (mt && !t->esplit[i] && run_n && g + run + run_n == mine) {
+            run_n += count;
+            continue;
+        }
+        if (run_n) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, run_n, LM_DTYPE_F32));
+        run_n = 0;
+        if (!mt) break;
+        if (!t->esplit[i]) {
+            run = (size_t)(mine - g);
+            run_n = count;
+        } else if (t->er_comm && lm_comm_size(t->er_comm) > 1) {
             TRY(lm_comm_all_reduce_sum(t->er_comm, mine, mine, count, LM_DTYPE_F32));
+        }
     }
     return LM_OK;
 }
+
+static lm_status epo_reduce_grads(trainer *t) { return epo_reduce_range(t, 0, lm_model_num_params(t->model)); }
 
 /* The global gradient norm, bit for bit the replicated lm_grad_global_norm:
  * the replicated tensors' sums of squares on every rank; each expert tensor's
@@ -911,11 +922,11 @@ static lm_status diverge_replica(trainer *t, const char *name) {
 /* Whether the run sums its gradients in buckets: data parallelism, replicated
  * or ZeRO-1 (each bucket reduce-scattered to the owners of its pieces), on CPU
  * ranks over MPI or on the device path (GPU ranks over NCCL or the staged
- * engine, one rank too), and context parallelism's sum over the world.
- * Owner-only experts and expert parallelism keep the one sum after the
- * backward. */
+ * engine, one rank too), context parallelism's sum over the world and expert
+ * parallelism's (owner-only experts: each bucket's replicated tensors over the
+ * world, the owned slices over their replicas). */
 static int bucket_wanted(const trainer *t) {
-    return t->cfg.grad_bucket_mb > 0 && !t->epo && !t->opt.expert_parallel &&
+    return t->cfg.grad_bucket_mb > 0 &&
            (t->dcomm || (t->comm && t->ranks > 1));
 }
 
@@ -979,6 +990,9 @@ static lm_status bucket_ready(void *user, size_t off, size_t count) {
         if (t->zero) {
             /* ZeRO-1: each owner receives the sum of its piece of the bucket */
             TRY(zero_reduce_range(t, b->off, b->off + b->count));
+        } else if (t->epo) {
+            /* owner-only experts: the bucket's replicated tensors and this rank's expert slices */
+            TRY(epo_reduce_range(t, b->off, b->off + b->count));
         } else if (t->dcomm) {
             float *g = lm_model_backend_grads(t->model) + b->off;
             TRY(lm_comm_all_reduce_sum(t->dcomm, g, g, b->count, LM_DTYPE_F32));
