@@ -160,12 +160,14 @@ static inline int tensors_close(const char *a, const char *b, int step, const ch
     return ok;
 }
 
-/* Every file of checkpoint `step` of runs a and b holds the same bytes:
- * model.safetensors, config.json, trainer.safetensors, trainer.json. */
-static inline int same_checkpoint_files(const char *a, const char *b, int step) {
-    static const char *const files[] = {"model.safetensors", "config.json", "trainer.safetensors", "trainer.json"};
+/* The files of checkpoint `step` of runs a and b hold the same bytes:
+ * model.safetensors, trainer.safetensors, trainer.json and, unless
+ * with_config is 0 (runs whose configs differ in a setting that changes no
+ * bit, such as train.grad_bucket_mb), config.json. */
+static inline int same_checkpoint_bytes(const char *a, const char *b, int step, int with_config) {
+    static const char *const files[] = {"model.safetensors", "trainer.safetensors", "trainer.json", "config.json"};
     int ok = 1;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < (with_config ? 4 : 3); i++) {
         char pa[700], pb[700];
         snprintf(pa, sizeof pa, "%s/checkpoint-%08d/%s", dir(a), step, files[i]);
         snprintf(pb, sizeof pb, "%s/checkpoint-%08d/%s", dir(b), step, files[i]);
@@ -175,6 +177,11 @@ static inline int same_checkpoint_files(const char *a, const char *b, int step) 
         }
     }
     return ok;
+}
+
+/* Every file of checkpoint `step` of runs a and b holds the same bytes. */
+static inline int same_checkpoint_files(const char *a, const char *b, int step) {
+    return same_checkpoint_bytes(a, b, step, 1);
 }
 
 /* Copy run `from` to `to` with `latest` naming its checkpoint of `step`: a
