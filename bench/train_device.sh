@@ -170,8 +170,10 @@ EOF
         extra=()
         [ "$v" = mpi2_zero1 ] && extra=(--zero 1)
         rm -rf "$OUT/run_$v"
-        OMP_NUM_THREADS=1 OMPI_MCA_btl_vader_single_copy_mechanism=none timeout 300 \
-            mpirun --allow-run-as-root --oversubscribe -np 2 "$BUILD/longmoe" train --config "$OUT/ranks.json" \
+        # half the machine's cores a rank (mpirun would bind each of 2 processes to one core)
+        OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) OMPI_MCA_btl_vader_single_copy_mechanism=none \
+            timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \
+            "$BUILD/longmoe" train --config "$OUT/ranks.json" \
             --out "$OUT/run_$v" --device cuda --comm mpi "${extra[@]}" >"$OUT/train_$v.log" 2>&1 ||
             { echo "$v failed: $OUT/train_$v.log"; tail -5 "$OUT/train_$v.log"; status=1; }
         grep -E "ZeRO-1|optimizer state" "$OUT/train_$v.log" | head -3
