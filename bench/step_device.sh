@@ -8,7 +8,8 @@
 #   bench/step_device.sh [build] [test] [bench] [peer]   (default: all four)
 #   TESTS=regex       only those CUDA tests (default: all, ctest -L cuda)
 #   TEST_JOBS=n       CUDA test programs at once on the GPU (default 1); TEST_LIMIT=seconds (400)
-#   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres)
+#   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres; also
+#                     attnws: k3-mini 1x32768 under three attention backward workspace settings)
 #   MODEL_SHAPES="8,4096 1,32768"   the whole-model shapes (bench_cuda_model)
 #   LIMIT=seconds     per program (default 240)
 set -uo pipefail
@@ -65,6 +66,22 @@ if has bench; then
             for shape in $MODEL_SHAPES; do
                 run_bench bench_cuda_model --config configs/k3-mini.json --batch "${shape%,*}" --seq "${shape#*,}" \
                     --reps 5 --out "$OUT/model_${shape/,/x}.json"
+            done
+            ;;
+        attnws)
+            # k3-mini 1x32768 (no recompute, no segments) under each attention backward setting:
+            # the default (blocked, blocks of 8192), blocks of 16384 with a 6 GiB limit, the whole
+            # deterministic backward (a 20 GiB limit); LONGMOE_CUDNN_BLOCK:LONGMOE_CUDNN_WORKSPACE_MB
+            for ws in default 16384:6144 8192:20480; do
+                echo "== 1x32768, attention backward setting $ws"
+                if [ "$ws" = default ]; then
+                    run_bench bench_cuda_model --config configs/k3-mini.json --batch 1 --seq 32768 --reps 3 \
+                        --no-recompute --seq-segment 0 --out "$OUT/model_1x32768_ws_default.json"
+                else
+                    LONGMOE_CUDNN_BLOCK=${ws%:*} LONGMOE_CUDNN_WORKSPACE_MB=${ws#*:} run_bench bench_cuda_model \
+                        --config configs/k3-mini.json --batch 1 --seq 32768 --reps 3 --no-recompute \
+                        --seq-segment 0 --out "$OUT/model_1x32768_ws_${ws/:/_}.json"
+                fi
             done
             ;;
         *) run_bench "bench_cuda_$b" --out "$OUT/bench_cuda_$b.json" ;;
