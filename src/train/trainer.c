@@ -563,7 +563,7 @@ static lm_status zero_reduce_range(trainer *t, size_t lo, size_t hi) {
         const size_t a = t->zparam[q] > lo ? t->zparam[q] : lo, b = t->zparam[q + 1] < hi ? t->zparam[q + 1] : hi;
         count[q] = b > a ? b - a : 0;
     }
-    const size_t mine = (t->zparam[me] > lo ? t->zparam[me] : lo);
+    const size_t mine = t->zparam[me] > lo ? t->zparam[me] : lo; /* where this rank's piece starts */
     if (t->dcomm) {
         float *gd = lm_model_backend_grads(t->model);
         TRY(lm_comm_reduce_scatterv_sum(t->dcomm, gd + lo, t->zloc_dev, count, LM_DTYPE_F32));
@@ -628,7 +628,7 @@ static lm_status zero_gather_params(trainer *t) {
         bytes[q] = (t->zparam[q + 1] - t->zparam[q]) * sizeof(float);
         offs[q] = t->zparam[q] * sizeof(float);
     }
-    if (t->dev_opt) {
+    if (t->dcomm) {
         lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
         float *pd = lm_model_backend_param_block(t->model);
         return lm_comm_all_gatherv(t->dcomm, pd + t->zparam[t->rank], bytes[t->rank], pd, bytes, offs);
