@@ -34,6 +34,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "longmoe/comm.h"
 #include "longmoe/core.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
@@ -200,6 +201,64 @@ lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_m
                                const lm_moe_config *cfg, const lm_moe_params *params_f32,
                                const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
                                lm_cuda_moe_scratch *scratch);
+
+/* Expert parallelism on GPU ranks (docs/scaleout.md, "Expert parallelism on
+ * GPU ranks"): the mirror of include/longmoe/moe_ep.h. R ranks of a device
+ * communicator (NCCL, or the staged engine over a CUDA backend: buffers in
+ * device memory, on the context's stream) split the n routed experts: rank r
+ * owns experts [r n / R, (r+1) n / R). Each rank routes and groups its own
+ * tokens as lm_cuda_moe_forward does; the per-expert row counts go to the
+ * owners over the handle's host handle (lm_comm_host); each owner's padded
+ * range of the grouped bf16 rows goes to it by one lm_comm_all_to_allv; the
+ * owner orders what it received by local expert, then source rank, then the
+ * source's order (the global token order of one process when the ranks hold
+ * consecutive token blocks), pads each expert's rows to the row tile and runs
+ * its experts with the layer's own grouped products; the outputs return by
+ * the reverse exchange to the very grouped rows they came from, where the
+ * combination sums each token's slots in slot order. The backward mirrors it;
+ * the owners' expert weight gradients stay on them. Everything else (router,
+ * balancing bias, LatentMoE projections and norm, shared experts) is
+ * replicated and runs on each rank's tokens.
+ *
+ * The handle keeps the owner's rows between a forward and its backward in
+ * device buffers of its own, sized by lm_cuda_moe_ep_reserve or grown when a
+ * forward receives more rows than they hold (cudaMalloc then: the only
+ * allocation in these calls; reserve the dropless worst case, R m k rows, to
+ * keep it out of a step). One handle per MoE layer. */
+typedef struct lm_cuda_moe_ep lm_cuda_moe_ep;
+
+/* A handle over comm's ranks (comm must outlive it) for layers of cfg on
+ * ctx's device. n_experts not divisible by the number of ranks is LM_ERR_ARG. */
+lm_status lm_cuda_moe_ep_create(const lm_cuda_context *ctx, lm_comm *comm, const lm_moe_config *cfg,
+                                lm_cuda_moe_ep **out);
+void lm_cuda_moe_ep_free(lm_cuda_moe_ep *ep);
+/* The experts this rank owns: [first, first + count). */
+int lm_cuda_moe_ep_first_expert(const lm_cuda_moe_ep *ep);
+int lm_cuda_moe_ep_local_experts(const lm_cuda_moe_ep *ep);
+/* Rows (real, not padding) this rank's experts received in the last forward. */
+int64_t lm_cuda_moe_ep_rows_received(const lm_cuda_moe_ep *ep);
+/* Size the owner's buffers for up to `rows` received rows now. */
+lm_status lm_cuda_moe_ep_reserve(lm_cuda_moe_ep *ep, int64_t rows);
+/* Device bytes the handle holds now. */
+size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep);
+
+/* lm_cuda_moe_forward / lm_cuda_moe_backward with the routed experts on
+ * their owners: params_bf16's gate, up, down (and grads') point at this
+ * rank's slice [count, ...] of the expert tensors; everything else is whole.
+ * x, y, dx, dy are this rank's m tokens (m may be 0: the rank still takes
+ * part). The backward's gradients are this rank's contributions (the
+ * replicated parts are summed over the ranks by the caller, as in data
+ * parallelism); the expert gradients are complete for the rows every rank
+ * sent. Collective over ep's ranks, in the same order on each. */
+lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y, const float *x, const uint16_t *x_bf16,
+                                 const float *bias, const lm_moe_config *cfg, const lm_moe_params *params_f32,
+                                 const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m,
+                                 lm_cuda_moe_ep *ep);
+lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *dx, const lm_moe_params *grads,
+                                  const float *dy, const float *x, const float *dscores_extra,
+                                  const lm_moe_config *cfg, const lm_moe_params *params_f32,
+                                  const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
+                                  lm_cuda_moe_scratch *scratch, lm_cuda_moe_ep *ep);
 
 /* Quantile balancing, the per-micro-batch pass of lm_balance_observe on the
  * device: for each token i, alpha_i = the (k+1)-th largest s_i + b (-inf when

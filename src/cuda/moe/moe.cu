@@ -297,16 +297,7 @@ __global__ void norm_weight_final_kernel(float *dw, const float *partial, int64_
 
 /* ---- the layer ---- */
 
-/* How one layer call runs its bf16 products: the kind (lm_moe_gemm_kind) and
- * what the cuBLAS kinds need. */
-typedef struct {
-    const lm_cuda_context *ctx;
-    cudaStream_t st;
-    int kind;
-    const lm_cuda_moe_acts *acts;
-    int n;
-    bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
-} runner;
+typedef lm_moe_runner runner;
 
 /* A dense product: fp32 c or bf16 cb (exactly one), += with accumulate. */
 static lm_status gemm(const runner *r, lm_gemm_layout layout, const void *a, int64_t lda, const void *b,
@@ -372,6 +363,43 @@ static lm_status gemm_f32(const runner *r, lm_gemm_layout layout, const float *a
     return lm_moe_blas_f32(r->ctx, layout, a, lda, b, ldb, c, ldc, accumulate, M, N, K);
 }
 
+/* The routed experts' products over grouped rows (rows a->xg .. a->gout,
+ * r->n experts at a->padded_offsets, P = a->rows_max): a = x W_gate^T,
+ * u = x W_up^T, h = act(a, u), out = h W_down^T. The EP owners run it on
+ * their view of the rows they received (moe_ep.cu). */
+lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                 lm_cuda_moe_acts *a) {
+    const int f = c->d_ff, de = expert_width(c);
+    const int64_t P = a->rows_max;
+    const int32_t *rows_used = a->padded_offsets + r->n;
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->gate, de, (int64_t)f * de, NULL, a->ga, f, 0, 0, P, f, de));
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->up, de, (int64_t)f * de, NULL, a->gu, f, 0, 0, P, f, de));
+    TRY(glu_forward(r->st, a->gh, a->ga, a->gu, rows_used, P, f, (int)c->act));
+    TRY(gemm_grouped(r, LM_GEMM_NT, a->gh, f, pb->down, f, (int64_t)de * f, NULL, a->gout, de, 0, 0, P, de, f));
+    return LM_OK;
+}
+
+/* Their backward from e->dgout: dh = dout W_down, dW_down += dout^T h, da/du,
+ * dxg = da W_gate + du W_up (the second product adds onto the bf16 first),
+ * dW_gate, dW_up. */
+lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                  const lm_moe_params *g, const lm_cuda_moe_acts *a, const lm_moe_expert_grads *e) {
+    const int f = c->d_ff, de = expert_width(c);
+    const int64_t P = a->rows_max;
+    const int32_t *rows_used = a->padded_offsets + r->n;
+    TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
+    if (g->down)
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, 1, de, f, 0));
+    TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act));
+    TRY(gemm_grouped(r, LM_GEMM_NN, e->da, f, pb->gate, de, (int64_t)f * de, NULL, e->dxg, de, 0, 0, P, de, f));
+    TRY(gemm_grouped(r, LM_GEMM_NN, e->du, f, pb->up, de, (int64_t)f * de, NULL, e->dxg, de, 0, 1, P, de, f));
+    if (g->gate)
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, 1, f, de, 0));
+    if (g->up)
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, 1, f, de, 0));
+    return LM_OK;
+}
+
 static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, const lm_moe_params_bf16 *pb) {
     if (!pf || !pb) return lm_error(LM_ERR_ARG, "moe cuda: params_f32 and params_bf16 must not be NULL");
     if (!pf->router) return lm_error(LM_ERR_ARG, "moe cuda: params_f32->router is NULL");
@@ -384,10 +412,11 @@ static lm_status check_params(const lm_moe_config *c, const lm_moe_params *pf, c
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x,
-                                         const uint16_t *x_bf16, const float *bias, const lm_moe_config *c,
-                                         const lm_moe_params *pf,
-                                         const lm_moe_params_bf16 *pb, lm_cuda_moe_acts *a, int64_t m) {
+/* The layer; ep != NULL: the routed experts on their owners (a rank with no
+ * tokens still takes part in the exchanges). */
+static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float *x, const uint16_t *x_bf16,
+                              const float *bias, const lm_moe_config *c, const lm_moe_params *pf,
+                              const lm_moe_params_bf16 *pb, lm_cuda_moe_acts *a, int64_t m, lm_cuda_moe_ep *ep) {
     // x, y are (m,d) fp32; bias (n); everything the backward needs goes to acts
     if (!ctx || !c || !a) return lm_error(LM_ERR_ARG, "moe cuda forward: ctx, cfg and acts must not be NULL");
     TRY(lm_moe_check(c));
@@ -400,16 +429,20 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     TRY(lm_cuda_moe_gemm(&kind));
     a->m = m;
     a->gemm_kind = (int)kind;
-    if (m == 0) return LM_OK;
+    if (m == 0 && !ep) return LM_OK;
     if (kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
         return lm_error(LM_ERR_ARG, "moe cuda forward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
     runner R = {ctx, st, (int)kind, a, c->n_experts, NULL};
+    if (m == 0) {
+        /* no rows to send; the owner's part still runs */
+        memset(a->host_offsets, 0, sizeof a->host_offsets);
+        memset(a->host_padded, 0, sizeof a->host_padded);
+        return lm_moe_ep_experts_forward_cuda(&R, c, pb, a, ep);
+    }
     const runner *r = &R;
-    int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
+    int n = c->n_experts, k = c->top_k, d = c->d, de = expert_width(c), dl = c->d_latent;
     int ns = c->n_shared, fs = c->d_ff_shared;
-    const int64_t P = a->rows_max;
-    const int32_t *rows_used = a->padded_offsets + n;
 
     /* the bf16 x of lat_down and the shared experts: the caller's, else x rounded into x_own */
     a->x_bf16 = NULL;
@@ -422,8 +455,9 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
     TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
     TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
-    /* the cuBLAS kinds size each expert's product on the host */
-    if (kind != LM_MOE_GEMM_WMMA) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
+    /* the cuBLAS kinds size each expert's product on the host, and expert
+     * parallelism each exchange */
+    if (kind != LM_MOE_GEMM_WMMA || ep) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
 
     /* expert inputs, grouped: x or (LatentMoE) W_down_lat x */
     if (dl > 0) {
@@ -432,11 +466,9 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     } else {
         TRY(lm_moe_gather(st, (bf16 *)a->xg, x, NULL, a, n, k, de));
     }
-    /* experts: a = x W_gate^T, u = x W_up^T, h = act(a, u), out = h W_down^T */
-    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->gate, de, (int64_t)f * de, NULL, a->ga, f, 0, 0, P, f, de));
-    TRY(gemm_grouped(r, LM_GEMM_NT, a->xg, de, pb->up, de, (int64_t)f * de, NULL, a->gu, f, 0, 0, P, f, de));
-    TRY(glu_forward(st, a->gh, a->ga, a->gu, rows_used, P, f, (int)c->act));
-    TRY(gemm_grouped(r, LM_GEMM_NT, a->gh, f, pb->down, f, (int64_t)de * f, NULL, a->gout, de, 0, 0, P, de, f));
+    /* the routed experts, here or (expert parallelism) on their owners */
+    if (ep) TRY(lm_moe_ep_experts_forward_cuda(r, c, pb, a, ep));
+    else TRY(lm_moe_experts_forward(r, c, pb, a));
 
     /* z_i = sum_t p_it E(x_i); y = z, or W_up_lat RMSNorm(z) */
     if (dl > 0) {
@@ -461,11 +493,26 @@ extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, c
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
-                                          const float *dy, const float *x, const float *dscores_extra,
-                                          const lm_moe_config *c, const lm_moe_params *pf,
-                                          const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
-                                          lm_cuda_moe_scratch *s) {
+extern "C" lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float *x,
+                                         const uint16_t *x_bf16, const float *bias, const lm_moe_config *c,
+                                         const lm_moe_params *pf, const lm_moe_params_bf16 *pb, lm_cuda_moe_acts *a,
+                                         int64_t m) {
+    return forward_impl(ctx, y, x, x_bf16, bias, c, pf, pb, a, m, NULL);
+}
+
+extern "C" lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y, const float *x,
+                                            const uint16_t *x_bf16, const float *bias, const lm_moe_config *c,
+                                            const lm_moe_params *pf, const lm_moe_params_bf16 *pb,
+                                            lm_cuda_moe_acts *a, int64_t m, lm_cuda_moe_ep *ep) {
+    if (!ep) return lm_error(LM_ERR_ARG, "moe cuda forward_ep: ep is NULL");
+    TRY(lm_moe_ep_check_config(ep, c));
+    return forward_impl(ctx, y, x, x_bf16, bias, c, pf, pb, a, m, ep);
+}
+
+static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g, const float *dy,
+                               const float *x, const float *dscores_extra, const lm_moe_config *c,
+                               const lm_moe_params *pf, const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
+                               lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
     // dy, x, dx are (m,d) fp32; dscores_extra (m,n); grads fp32 with the parameters' shapes
     if (!ctx || !c || !a || !s || !g)
         return lm_error(LM_ERR_ARG, "moe cuda backward: ctx, grads, cfg, acts and scratch must not be NULL");
@@ -475,8 +522,8 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     if (s->m_max < m || s->rows_max < a->rows_max)
         return lm_error(LM_ERR_ARG, "moe cuda backward: scratch planned for %lld tokens, the forward had %lld",
                         (long long)s->m_max, (long long)m);
-    if (m == 0) return LM_OK;
-    if (!dy || !x) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
+    if (m == 0 && !ep) return LM_OK;
+    if (m > 0 && (!dy || !x)) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
     if (a->gemm_kind != LM_MOE_GEMM_WMMA && a->gemm_kind != LM_MOE_GEMM_GROUPED && a->gemm_kind != LM_MOE_GEMM_LOOP &&
         a->gemm_kind != LM_MOE_GEMM_BATCHED && a->gemm_kind != LM_MOE_GEMM_WGMMA)
         return lm_error(LM_ERR_ARG, "moe cuda backward: acts hold no forward (gemm kind %d)", a->gemm_kind);
@@ -485,11 +532,10 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     cudaStream_t st = (cudaStream_t)ctx->stream;
     /* the kind and (cuBLAS) host row counts of the forward */
     runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16};
+    if (m == 0) return lm_moe_ep_experts_backward_cuda(&R, c, pb, g, a, s, ep);
     const runner *r = &R;
-    int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
+    int n = c->n_experts, k = c->top_k, d = c->d, de = expert_width(c), dl = c->d_latent;
     int ns = c->n_shared, fs = c->d_ff_shared;
-    const int64_t P = a->rows_max;
-    const int32_t *rows_used = a->padded_offsets + n;
 
     if (s->dy_bf16) {
         TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
@@ -533,18 +579,13 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
 
     /* per grouped row: d out = p dz_i, and dp = <dz_i, E(x_i)> */
     TRY(lm_moe_combine_backward(st, (bf16 *)s->dgout, s->dp, dz, a, n, k, de));
-    /* experts: dh = dout W_down, dW_down += dout^T h, da/du, dxg = da W_gate + du W_up */
-    TRY(gemm_grouped(r, LM_GEMM_NN, s->dgout, de, pb->down, f, (int64_t)de * f, NULL, s->dh, f, 0, 0, P, f, de));
-    if (g->down)
-        TRY(gemm_grouped(r, LM_GEMM_TN, s->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, 1, de, f, 0));
-    TRY(glu_backward(st, s->da, s->du, s->dh, a->ga, a->gu, rows_used, P, f, (int)c->act));
-    /* dxg = da W_gate + du W_up: the second product adds onto the bf16 first */
-    TRY(gemm_grouped(r, LM_GEMM_NN, s->da, f, pb->gate, de, (int64_t)f * de, NULL, s->dxg, de, 0, 0, P, de, f));
-    TRY(gemm_grouped(r, LM_GEMM_NN, s->du, f, pb->up, de, (int64_t)f * de, NULL, s->dxg, de, 0, 1, P, de, f));
-    if (g->gate)
-        TRY(gemm_grouped(r, LM_GEMM_TN, s->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, 1, f, de, 0));
-    if (g->up)
-        TRY(gemm_grouped(r, LM_GEMM_TN, s->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, 1, f, de, 0));
+    /* the routed experts, here or (expert parallelism) on their owners */
+    if (ep) {
+        TRY(lm_moe_ep_experts_backward_cuda(r, c, pb, g, a, s, ep));
+    } else {
+        lm_moe_expert_grads eg = {(bf16 *)s->dgout, (bf16 *)s->dh, (bf16 *)s->da, (bf16 *)s->du, (bf16 *)s->dxg};
+        TRY(lm_moe_experts_backward(r, c, pb, g, a, &eg));
+    }
 
     /* grouped input gradients back to tokens (slot order: deterministic) */
     if (dl > 0) {
@@ -564,4 +605,22 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
     else if (dx) TRY(lm_moe_router_dx_sparse(st, dx, s->dr, pf->router, a, m, n, k, d));
     if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
+                                          const float *dy, const float *x, const float *dscores_extra,
+                                          const lm_moe_config *c, const lm_moe_params *pf,
+                                          const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
+                                          lm_cuda_moe_scratch *s) {
+    return backward_impl(ctx, dx, g, dy, x, dscores_extra, c, pf, pb, a, s, NULL);
+}
+
+extern "C" lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
+                                             const float *dy, const float *x, const float *dscores_extra,
+                                             const lm_moe_config *c, const lm_moe_params *pf,
+                                             const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
+                                             lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
+    if (!ep) return lm_error(LM_ERR_ARG, "moe cuda backward_ep: ep is NULL");
+    TRY(lm_moe_ep_check_config(ep, c));
+    return backward_impl(ctx, dx, g, dy, x, dscores_extra, c, pf, pb, a, s, ep);
 }

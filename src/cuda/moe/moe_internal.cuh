@@ -109,6 +109,42 @@ bool lm_moe_wgmma_takes(const lm_gemm_bf16_args *g);
 int lm_moe_wgmma_tile_n(void);
 lm_status lm_moe_wgmma_grouped(cudaStream_t stream, const lm_gemm_bf16_args *g, bf16 *wt_tmp);
 
+/* How one layer call runs its bf16 products: the kind (lm_moe_gemm_kind),
+ * the rows' acts (padded offsets on the device; for the cuBLAS kinds the host
+ * counts and the operand pointer arrays) and its n experts. */
+typedef struct {
+    const lm_cuda_context *ctx;
+    cudaStream_t st;
+    int kind;
+    const lm_cuda_moe_acts *acts;
+    int n;
+    bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
+} lm_moe_runner;
+
+/* The backward's grouped buffers of the routed experts: dgout in, the rest out. */
+typedef struct {
+    bf16 *dgout, *dh, *da, *du, *dxg;
+} lm_moe_expert_grads;
+
+/* The routed experts' products over the grouped rows of a (moe.cu): the
+ * forward's from a->xg into a->ga, gu, gh, gout; the backward's from e->dgout,
+ * the weight gradients of g's gate, up, down (each may be NULL) accumulated. */
+lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                 lm_cuda_moe_acts *a);
+lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                  const lm_moe_params *g, const lm_cuda_moe_acts *a, const lm_moe_expert_grads *e);
+
+/* Expert parallelism (moe_ep.cu): the same stage with the grouped rows sent
+ * to their owners, who run their experts (pb's and g's gate, up, down: this
+ * rank's slice) on what they received, and the results sent back into a's
+ * gout (forward) or s's dxg (backward). Collective over ep's ranks. */
+lm_status lm_moe_ep_check_config(const lm_cuda_moe_ep *ep, const lm_moe_config *c);
+lm_status lm_moe_ep_experts_forward_cuda(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                         lm_cuda_moe_acts *a, lm_cuda_moe_ep *ep);
+lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_config *c,
+                                          const lm_moe_params_bf16 *pb, const lm_moe_params *g,
+                                          const lm_cuda_moe_acts *a, lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep);
+
 /* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
  * the padded grouped layout (acts: s holds the logits W_r x on entry). */
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,

@@ -1,0 +1,365 @@
+/* Expert parallelism of the MoE layer on GPU ranks (include/longmoe/moe_cuda.h,
+ * docs/scaleout.md; the CPU mirror is src/comm/moe_ep.c).
+ *
+ * Layouts, with nl = n / R experts a rank and pad(c) = c rounded up to the
+ * row tile (LM_MOE_CUDA_ROW_TILE):
+ *   sender:   the layer's grouped rows (acts->xg, gout; scratch dgout, dxg),
+ *             expert j at padded_offsets[j]; owner q's experts are the one
+ *             range [padded[q nl], padded[(q+1) nl]), sent whole (padding
+ *             rows included: at most nl (tile - 1) rows a peer);
+ *   received: source s's range after source s-1's; in it local expert j's
+ *             pad(cnt[s][j]) rows after expert j-1's (block (s, j) starts at
+ *             recv_blk[s nl + j]), the first cnt[s][j] of them real;
+ *   local:    expert j's rows from every source, source after source
+ *             (cum[j][s] rows before source s's), padded to the tile at
+ *             padded_loc[j]: the layout the layer's grouped products take,
+ *             with zero padding rows as the batched kind wants.
+ * regroup_kernel copies received -> local (zeroing local padding rows),
+ * ungroup_kernel local -> received (zeroing received padding rows). Both are
+ * copies: the owner's expert products see exactly the rows the sender had. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/moe/moe_internal.cuh"
+#include "longmoe/moe_cuda.h"
+
+#define TILE LM_MOE_CUDA_ROW_TILE
+#define ALIGN_BYTES 256
+
+struct lm_cuda_moe_ep {
+    const lm_cuda_context *ctx;
+    lm_comm *comm, *host;
+    int R, r, n, nl, de, f;
+    int64_t *cnt_send;        /* [n] real rows this rank sends to each expert */
+    int64_t *cnt_recv;        /* [R][nl] real rows source s sends to each local expert */
+    size_t *sb, *so, *rb, *ro;/* [R] the dispatch's bytes and offsets (the return swaps them) */
+    int64_t rows;             /* real rows received in the last forward */
+    int64_t recv_rows;        /* received-layout rows (padding included) */
+    int64_t rcap, lcap;       /* row capacities: received layout, local layout */
+    void *block;              /* device: everything below */
+    size_t block_bytes;
+    bf16 *buf, *buf2;         /* [rcap, de] rows as received, rows to send back */
+    lm_cuda_moe_acts loc;     /* the local view: offsets, padded offsets, xg, ga, gu, gh, gout, blas_ptrs */
+    bf16 *dgout, *dh, *da, *du, *dxg; /* [lcap, .] the owner's backward */
+    int32_t *tables;          /* device: padded_loc [nl+1], offsets_loc [nl+1], cum [nl][R+1], recv_blk [R nl + 1] */
+    int32_t *htables;         /* pinned host copy */
+    size_t table_count;
+};
+
+static int64_t pad_rows(int64_t c) { return (c + TILE - 1) / TILE * TILE; }
+static size_t align_up(size_t b) { return (b + ALIGN_BYTES - 1) / ALIGN_BYTES * ALIGN_BYTES; }
+
+/* ---- kernels: one warp a row, 8 bf16 a lane when the width allows ---- */
+
+__device__ __forceinline__ void copy_row(bf16 *dst, const bf16 *src, int width, int lane) {
+    if ((width & 7) == 0 && ((uintptr_t)dst & 15) == 0 && ((uintptr_t)src & 15) == 0) {
+        uint4 *d = (uint4 *)dst;
+        const uint4 *s = (const uint4 *)src;
+        for (int e = lane; e < width / 8; e += 32) d[e] = src ? s[e] : make_uint4(0, 0, 0, 0);
+        return;
+    }
+    for (int e = lane; e < width; e += 32) dst[e] = src ? src[e] : __float2bfloat16_rn(0.0f);
+}
+
+/* local row r <- its received row (or zero on padding) */
+__global__ void regroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
+                               const int32_t *recv_blk, int nl, int R, int64_t rows, int width) {
+    const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (r >= rows) return;
+    const int j = group_of_row(padded_loc, nl, r);
+    const int64_t idx = r - padded_loc[j];
+    const int32_t *cj = cum + (size_t)j * (R + 1);
+    const bf16 *from = NULL;
+    if (idx < cj[R]) {
+        int s = 0;
+        while (s + 1 < R && cj[s + 1] <= idx) s++;
+        from = src + ((int64_t)recv_blk[s * nl + j] + (idx - cj[s])) * width;
+    }
+    copy_row(dst + r * width, from, width, lane);
+}
+
+/* received-layout row q <- its local row (or zero on padding) */
+__global__ void ungroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
+                               const int32_t *recv_blk, int nl, int R, int64_t rows, int width) {
+    const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (q >= rows) return;
+    const int g = group_of_row(recv_blk, R * nl, q);
+    const int s = g / nl, j = g % nl;
+    const int64_t idx = q - recv_blk[g];
+    const int32_t *cj = cum + (size_t)j * (R + 1);
+    const bf16 *from = idx < cj[s + 1] - cj[s] ? src + ((int64_t)padded_loc[j] + cj[s] + idx) * width : NULL;
+    copy_row(dst + q * width, from, width, lane);
+}
+
+/* ---- the handle ---- */
+
+static int32_t *t_padded(lm_cuda_moe_ep *ep, int32_t *t) { (void)ep; return t; }
+static int32_t *t_offsets(lm_cuda_moe_ep *ep, int32_t *t) { return t + ep->nl + 1; }
+static int32_t *t_cum(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl + 1); }
+static int32_t *t_recv(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl + 1) + (size_t)ep->nl * (ep->R + 1); }
+
+static void free_rows(lm_cuda_moe_ep *ep) {
+    if (ep->block) cudaFree(ep->block);
+    ep->block = NULL;
+    ep->block_bytes = 0;
+    ep->rcap = ep->lcap = 0;
+}
+
+/* Buffers for rrows received and lrows local rows (padding included); grows
+ * with a margin, never shrinks. */
+static lm_status ensure_rows(lm_cuda_moe_ep *ep, int64_t rrows, int64_t lrows) {
+    if (rrows <= ep->rcap && lrows <= ep->lcap && ep->block) return LM_OK;
+    int64_t rcap = rrows > ep->rcap ? pad_rows(rrows + rrows / 4) : ep->rcap;
+    int64_t lcap = lrows > ep->lcap ? pad_rows(lrows + lrows / 4) : ep->lcap;
+    if (rcap < TILE) rcap = TILE;
+    if (lcap < TILE) lcap = TILE;
+    if (lcap > INT32_MAX || rcap > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "moe cuda ep: %lld rows received, more than an int32 row index holds",
+                        (long long)(lrows > rrows ? lrows : rrows));
+    const size_t de = (size_t)ep->de * 2, f = (size_t)ep->f * 2;
+    const size_t ptrs = 3 * (size_t)lm_moe_blas_ptr_capacity(ep->nl, lcap) * sizeof(void *);
+    struct { void **p; size_t bytes; } t[] = {
+        {(void **)&ep->buf, rcap * de},      {(void **)&ep->buf2, rcap * de},
+        {(void **)&ep->loc.xg, lcap * de},   {(void **)&ep->loc.gout, lcap * de},
+        {(void **)&ep->loc.ga, lcap * f},    {(void **)&ep->loc.gu, lcap * f},
+        {(void **)&ep->loc.gh, lcap * f},    {(void **)&ep->dgout, lcap * de},
+        {(void **)&ep->dxg, lcap * de},      {(void **)&ep->dh, lcap * f},
+        {(void **)&ep->da, lcap * f},        {(void **)&ep->du, lcap * f},
+        {(void **)&ep->loc.blas_ptrs, ptrs},
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) total += align_up(t[i].bytes);
+    LM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)ep->ctx->stream));
+    free_rows(ep);
+    void *block = NULL;
+    if (cudaMalloc(&block, total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate %.1f MiB for %lld received rows",
+                        (double)total / (1 << 20), (long long)lrows);
+    }
+    char *w = (char *)block;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        *t[i].p = w;
+        w += align_up(t[i].bytes);
+    }
+    ep->block = block;
+    ep->block_bytes = total;
+    ep->rcap = rcap;
+    ep->lcap = lcap;
+    ep->loc.rows_max = lcap;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_moe_ep_create(const lm_cuda_context *ctx, lm_comm *comm, const lm_moe_config *cfg,
+                                           lm_cuda_moe_ep **out) {
+    if (!out) return lm_error(LM_ERR_ARG, "moe cuda ep: out is NULL");
+    *out = NULL;
+    if (!ctx || !comm) return lm_error(LM_ERR_ARG, "moe cuda ep: ctx and comm must not be NULL");
+    TRY(lm_moe_check(cfg));
+    const int R = lm_comm_size(comm);
+    if (R < 1 || cfg->n_experts % R)
+        return lm_error(LM_ERR_ARG,
+                        "moe cuda ep: %d routed experts cannot be split over %d ranks (expert parallelism needs "
+                        "n_routed_experts divisible by the number of ranks)",
+                        cfg->n_experts, R);
+    lm_cuda_moe_ep *ep = (lm_cuda_moe_ep *)calloc(1, sizeof *ep);
+    if (!ep) return lm_error(LM_ERR_MEMORY, "moe cuda ep: out of memory");
+    ep->ctx = ctx;
+    ep->comm = comm;
+    ep->host = lm_comm_host(comm);
+    ep->R = R;
+    ep->r = lm_comm_rank(comm);
+    ep->n = cfg->n_experts;
+    ep->nl = cfg->n_experts / R;
+    ep->de = cfg->d_latent > 0 ? cfg->d_latent : cfg->d;
+    ep->f = cfg->d_ff;
+    ep->cnt_send = (int64_t *)calloc((size_t)ep->n, sizeof(int64_t));
+    ep->cnt_recv = (int64_t *)calloc((size_t)ep->n, sizeof(int64_t)); /* R nl = n */
+    ep->sb = (size_t *)calloc((size_t)R * 4, sizeof(size_t));
+    ep->table_count = 2 * ((size_t)ep->nl + 1) + (size_t)ep->nl * (R + 1) + (size_t)R * ep->nl + 1;
+    lm_status st = LM_OK;
+    if (!ep->cnt_send || !ep->cnt_recv || !ep->sb) st = lm_error(LM_ERR_MEMORY, "moe cuda ep: out of memory");
+    if (!st && cudaMalloc((void **)&ep->tables, ep->table_count * 4) != cudaSuccess)
+        st = lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate the row tables");
+    if (!st && cudaMallocHost((void **)&ep->htables, ep->table_count * 4) != cudaSuccess)
+        st = lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate the pinned row tables");
+    if (st) {
+        (void)cudaGetLastError();
+        lm_cuda_moe_ep_free(ep);
+        return st;
+    }
+    ep->so = ep->sb + R;
+    ep->rb = ep->sb + 2 * R;
+    ep->ro = ep->sb + 3 * R;
+    ep->loc.padded_offsets = t_padded(ep, ep->tables);
+    ep->loc.offsets = t_offsets(ep, ep->tables);
+    if ((st = ensure_rows(ep, TILE, TILE))) {
+        lm_cuda_moe_ep_free(ep);
+        return st;
+    }
+    *out = ep;
+    return LM_OK;
+}
+
+extern "C" void lm_cuda_moe_ep_free(lm_cuda_moe_ep *ep) {
+    if (!ep) return;
+    if (ep->ctx) (void)cudaStreamSynchronize((cudaStream_t)ep->ctx->stream);
+    free_rows(ep);
+    if (ep->tables) cudaFree(ep->tables);
+    if (ep->htables) cudaFreeHost(ep->htables);
+    free(ep->cnt_send);
+    free(ep->cnt_recv);
+    free(ep->sb);
+    free(ep);
+}
+
+extern "C" int lm_cuda_moe_ep_first_expert(const lm_cuda_moe_ep *ep) { return ep->r * ep->nl; }
+extern "C" int lm_cuda_moe_ep_local_experts(const lm_cuda_moe_ep *ep) { return ep->nl; }
+extern "C" int64_t lm_cuda_moe_ep_rows_received(const lm_cuda_moe_ep *ep) { return ep->rows; }
+extern "C" size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep) {
+    return ep->block_bytes + ep->table_count * 4;
+}
+
+extern "C" lm_status lm_cuda_moe_ep_reserve(lm_cuda_moe_ep *ep, int64_t rows) {
+    if (!ep) return lm_error(LM_ERR_ARG, "moe cuda ep reserve: ep is NULL");
+    if (rows < 0) return lm_error(LM_ERR_ARG, "moe cuda ep reserve: rows = %lld", (long long)rows);
+    /* the padding of the worst case: each source's block of each local expert,
+     * and each local expert once */
+    const int64_t slack = (int64_t)(TILE - 1) * ep->nl;
+    return ensure_rows(ep, rows + slack * ep->R, rows + slack);
+}
+
+lm_status lm_moe_ep_check_config(const lm_cuda_moe_ep *ep, const lm_moe_config *c) {
+    const int de = c->d_latent > 0 ? c->d_latent : c->d;
+    if (c->n_experts != ep->n || de != ep->de || c->d_ff != ep->f)
+        return lm_error(LM_ERR_ARG, "moe cuda ep: the handle was made for %d experts of %d -> %d, the layer has %d of "
+                        "%d -> %d", ep->n, ep->de, ep->f, c->n_experts, de, c->d_ff);
+    return LM_OK;
+}
+
+/* ---- the exchanges ---- */
+
+static unsigned rows_grid(int64_t rows) { return (unsigned)((rows + 7) / 8); }
+
+static lm_status launch_regroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src, int width) {
+    const int64_t rows = ep->loc.host_padded[ep->nl];
+    if (rows == 0) return LM_OK;
+    int32_t *t = ep->tables;
+    regroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, t, t_cum((lm_cuda_moe_ep *)ep, t),
+                                                     t_recv((lm_cuda_moe_ep *)ep, t), ep->nl, ep->R, rows, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+static lm_status launch_ungroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src, int width) {
+    const int64_t rows = ep->recv_rows;
+    if (rows == 0) return LM_OK;
+    int32_t *t = ep->tables;
+    ungroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, t, t_cum((lm_cuda_moe_ep *)ep, t),
+                                                     t_recv((lm_cuda_moe_ep *)ep, t), ep->nl, ep->R, rows, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+/* The forward's bookkeeping: counts to the owners, the byte tables of both
+ * exchanges, the local layout and its device tables, the buffers. */
+static lm_status plan_exchange(lm_cuda_moe_ep *ep, const lm_cuda_moe_acts *a, int kind) {
+    const int R = ep->R, nl = ep->nl, n = ep->n;
+    const size_t row = (size_t)ep->de * 2;
+    for (int e = 0; e < n; e++) ep->cnt_send[e] = a->host_offsets[e + 1] - a->host_offsets[e];
+    for (int q = 0; q < R; q++) {
+        ep->sb[q] = ep->rb[q] = (size_t)nl * sizeof(int64_t);
+        ep->so[q] = ep->ro[q] = (size_t)q * nl * sizeof(int64_t);
+    }
+    TRY(lm_comm_all_to_allv(ep->host, ep->cnt_send, ep->sb, ep->so, ep->cnt_recv, ep->rb, ep->ro));
+    /* everything the last upload read has been copied */
+    LM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)ep->ctx->stream));
+    int32_t *h = ep->htables, *hp = t_padded(ep, h), *ho = t_offsets(ep, h), *hc = t_cum(ep, h),
+            *hr = t_recv(ep, h);
+    int64_t recv = 0, real = 0;
+    for (int s = 0; s < R; s++) {
+        const int64_t start = recv;
+        for (int j = 0; j < nl; j++) {
+            hr[s * nl + j] = (int32_t)recv;
+            recv += pad_rows(ep->cnt_recv[(size_t)s * nl + j]);
+        }
+        ep->ro[s] = (size_t)start * row;
+        ep->rb[s] = (size_t)(recv - start) * row;
+        const int64_t first = a->host_padded[s * nl], last = a->host_padded[(s + 1) * nl];
+        ep->so[s] = (size_t)first * row;
+        ep->sb[s] = (size_t)(last - first) * row;
+    }
+    hr[R * nl] = (int32_t)recv;
+    int64_t lrows = 0;
+    for (int j = 0; j < nl; j++) {
+        int32_t *cj = hc + (size_t)j * (R + 1);
+        int64_t c = 0;
+        for (int s = 0; s < R; s++) {
+            cj[s] = (int32_t)c;
+            c += ep->cnt_recv[(size_t)s * nl + j];
+        }
+        cj[R] = (int32_t)c;
+        hp[j] = (int32_t)lrows;
+        ho[j] = (int32_t)real;
+        lrows += pad_rows(c);
+        real += c;
+    }
+    hp[nl] = (int32_t)lrows;
+    ho[nl] = (int32_t)real;
+    if (recv > INT32_MAX || lrows > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "moe cuda ep: %lld rows received, more than an int32 row index holds",
+                        (long long)recv);
+    TRY(ensure_rows(ep, recv, lrows));
+    ep->rows = real;
+    ep->recv_rows = recv;
+    for (int j = 0; j <= nl; j++) {
+        ep->loc.host_padded[j] = hp[j];
+        ep->loc.host_offsets[j] = ho[j];
+    }
+    ep->loc.gemm_kind = kind;
+    ep->loc.m = real;
+    LM_CUDA_TRY(cudaMemcpyAsync(ep->tables, ep->htables, ep->table_count * 4, cudaMemcpyHostToDevice,
+                                (cudaStream_t)ep->ctx->stream));
+    return LM_OK;
+}
+
+/* rows in the sender's layout (a's grouped rows) -> the owners' local rows in `local` */
+static lm_status dispatch(lm_cuda_moe_ep *ep, cudaStream_t st, const void *grouped, bf16 *local) {
+    lm_comm_set_stream(ep->comm, st);
+    TRY(lm_comm_all_to_allv(ep->comm, grouped, ep->sb, ep->so, ep->buf, ep->rb, ep->ro));
+    return launch_regroup(ep, st, local, ep->buf, ep->de);
+}
+
+/* the owners' local rows -> the very grouped rows they came from */
+static lm_status give_back(lm_cuda_moe_ep *ep, cudaStream_t st, const bf16 *local, void *grouped) {
+    TRY(launch_ungroup(ep, st, ep->buf2, local, ep->de));
+    lm_comm_set_stream(ep->comm, st);
+    return lm_comm_all_to_allv(ep->comm, ep->buf2, ep->rb, ep->ro, grouped, ep->sb, ep->so);
+}
+
+lm_status lm_moe_ep_experts_forward_cuda(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
+                                         lm_cuda_moe_acts *a, lm_cuda_moe_ep *ep) {
+    TRY(plan_exchange(ep, a, r->kind));
+    TRY(dispatch(ep, r->st, a->xg, (bf16 *)ep->loc.xg));
+    const lm_moe_runner local = {r->ctx, r->st, r->kind, &ep->loc, ep->nl, NULL};
+    if (ep->loc.host_padded[ep->nl] > 0) TRY(lm_moe_experts_forward(&local, c, pb, &ep->loc));
+    return give_back(ep, r->st, (const bf16 *)ep->loc.gout, a->gout);
+}
+
+lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_config *c,
+                                          const lm_moe_params_bf16 *pb, const lm_moe_params *g,
+                                          const lm_cuda_moe_acts *a, lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
+    (void)a;
+    TRY(dispatch(ep, r->st, s->dgout, ep->dgout));
+    const lm_moe_runner local = {r->ctx, r->st, ep->loc.gemm_kind, &ep->loc, ep->nl, r->dw_tmp};
+    if (ep->loc.host_padded[ep->nl] > 0) {
+        lm_moe_expert_grads e = {ep->dgout, ep->dh, ep->da, ep->du, ep->dxg};
+        TRY(lm_moe_experts_backward(&local, c, pb, g, &ep->loc, &e));
+    }
+    return give_back(ep, r->st, ep->dxg, s->dxg);
+}
