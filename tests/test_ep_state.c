@@ -54,6 +54,9 @@ enum { ONE, EP, EP_REPLICATED, EP_ZERO };
 static float bucket_mb = -1.0f;
 enum { BUCKET_STEPS = 6 };
 
+/* The backend the runs train on (NULL: the host path; lm_backend_cpu(): the device path on the CPU). */
+static lm_backend *run_backend;
+
 /* One run over handle `on` (NULL: this process alone, without EP) in layout `how`. */
 static lm_status train(const char *run, lm_comm *on, int how, int resume, int64_t stop_after, lm_train_result *r) {
     lm_config c = ep_config();
@@ -64,6 +67,7 @@ static lm_status train(const char *run, lm_comm *on, int how, int resume, int64_
         c.ckpt_every = 0;
     }
     lm_train_options o = lm_train_options_default(dir(run));
+    o.backend = run_backend;
     o.progress = NULL;
     o.val_batches = 2;
     o.stage_eval_batches = 0;
@@ -495,6 +499,60 @@ static void test_gradient_buckets_give_the_one_passs_bits(void) {
     }
 }
 
+/* Expert parallelism on the device path (the layer's exchange through the
+ * backend's op table and the device engine, here the staged engine over the
+ * CPU backend): the experts' weights, gradients and state stay whole, so the
+ * run is the host path's replicated-state run bit for bit (losses, gradient
+ * norms, checkpoints, state hashes), with and without ZeRO-1; the start line
+ * says the layout; groups of fewer ranks are refused there. */
+static void test_expert_parallelism_on_the_device_path_equals_replicated_state(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result dev, devz;
+    run_backend = lm_backend_cpu();
+    CHECK(!train("dev-ep", comm, EP, 0, 0, &dev), "device path, --ep: %s", lm_last_error());
+    CHECK(!train("dev-ep-zero", comm, EP_ZERO, 0, 0, &devz), "device path, --ep --zero 1: %s", lm_last_error());
+    run_backend = NULL;
+    if (!all_ok()) return;
+    CHECK(dev.step == DP_STEPS && devz.step == DP_STEPS, "%lld and %lld steps", (long long)dev.step,
+          (long long)devz.step);
+    CHECK(dev.params_hash == rep_result.params_hash && dev.balance_hash == rep_result.balance_hash &&
+              dev.grad_norm_hash == rep_result.grad_norm_hash,
+          "device-path EP differs from the host path's replicated-state run");
+    CHECK(devz.params_hash == rep_result.params_hash && devz.balance_hash == rep_result.balance_hash,
+          "device-path EP with ZeRO-1 differs from the host path's replicated-state run");
+    CHECK(dev.gradient_bytes == rep_result.gradient_bytes && dev.parameter_bytes == rep_result.parameter_bytes,
+          "the device path keeps %zu / %zu bytes of gradients / weights, the replicated layout %zu / %zu",
+          dev.gradient_bytes, dev.parameter_bytes, rep_result.gradient_bytes, rep_result.parameter_bytes);
+    if (me == 0) {
+        double a[32], b[32];
+        int na = read_metric("dev-ep", "train", "loss", a, 32), nb = read_metric("rep", "train", "loss", b, 32);
+        CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
+        for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g vs %.9g", i + 1, a[i], b[i]);
+        for (int step = 5; step <= DP_STEPS; step += 5) {
+            CHECK(same_checkpoint_files("dev-ep", "rep", step), "the files of checkpoint %d differ", step);
+            CHECK(same_checkpoint_files("dev-ep-zero", "rep", step), "the files of checkpoint %d differ (ZeRO-1)",
+                  step);
+        }
+    }
+    if (R >= 4) {
+        /* groups of fewer ranks run on CPU ranks only */
+        lm_train_result r;
+        lm_config c = ep_config();
+        lm_train_options o = lm_train_options_default(dir("dev-ep-groups"));
+        o.backend = lm_backend_cpu();
+        o.progress = NULL;
+        o.comm = comm;
+        o.expert_parallel = 1;
+        o.ep_group = 2;
+        memset(&r, 0, sizeof r);
+        lm_status s = lm_train(&c, &o, &r);
+        CHECK(s == LM_ERR_ARG && strstr(lm_last_error(), "groups of 2"), "groups on the device path: status %d: %s",
+              (int)s, lm_last_error());
+    }
+    printf("     device-path EP (CPU backend, staged engine) = the replicated-state run bit for bit, with and "
+           "without ZeRO-1\n");
+}
+
 int main(int argc, char **argv) {
     int want_ranks = 0;
     if (argc == 3 && !strcmp(argv[1], "--mpi")) want_ranks = atoi(argv[2]);
@@ -521,6 +579,7 @@ int main(int argc, char **argv) {
     RUN(test_a_staged_run_keeps_expert_parallelism_across_stages);
     RUN(test_a_non_finite_expert_gradient_skips_the_step_on_every_rank);
     RUN(test_gradient_buckets_give_the_one_passs_bits);
+    RUN(test_expert_parallelism_on_the_device_path_equals_replicated_state);
     ranks_close();
     return test_summary();
 }

@@ -58,18 +58,23 @@ static const char *const train_usage =
     "                writes DIR; every rank must see DIR (one machine or a shared file\n"
     "                system). A checkpoint resumes on one process or any number of ranks\n"
     "                that divides B (docs/scaleout.md, \"Data parallelism\")\n"
-    "  --ep [G]      with --comm mpi: expert parallelism too, in groups of G consecutive\n"
-    "                ranks (G divides N; default G = N): rank r computes the routed experts\n"
-    "                [p n/G, (p+1) n/G), p = r mod G, of every MoE layer for the tokens of its\n"
-    "                group, which reach it by all-to-all (model.n_routed_experts divisible\n"
-    "                by G); the N/G replicas of an expert (one a group) sum their gradients.\n"
-    "                Rank r keeps only its experts' optimizer state and updates them (their\n"
-    "                gradients skip the world all-reduce; the clipping norm is the\n"
-    "                replicated run's, bit for bit), then all-gathers them in its group: the\n"
-    "                weights stay whole on every rank, the run is the replicated one bit for\n"
-    "                bit, and checkpoints are data parallelism's and resume with or without\n"
-    "                --ep on any layout and G. With --zero 1 ZeRO-1's ranges hold all the\n"
-    "                state (docs/scaleout.md, \"Expert parallelism\")\n"
+    "  --ep [G]      with --comm mpi (or nccl): expert parallelism too, in groups of G\n"
+    "                consecutive ranks (G divides N; default G = N): rank r computes the\n"
+    "                routed experts [p n/G, (p+1) n/G), p = r mod G, of every MoE layer for\n"
+    "                the tokens of its group, which reach it by all-to-all\n"
+    "                (model.n_routed_experts divisible by G); the N/G replicas of an\n"
+    "                expert (one a group) sum their gradients.\n"
+    "                Rank r keeps only its experts' weights, gradients and optimizer state\n"
+    "                (their gradients skip the world all-reduce; the clipping norm is the\n"
+    "                replicated run's; an evaluation gathers one MoE layer's experts, a\n"
+    "                checkpoint sends rank 0 one expert tensor at a time): the run is the\n"
+    "                replicated one bit for bit, and checkpoints are data parallelism's and\n"
+    "                resume with or without --ep on any layout and G. With --zero 1\n"
+    "                ZeRO-1's ranges hold all the state. With --device cuda (--comm mpi or\n"
+    "                nccl) the experts are split over all N ranks (no G), the rows\n"
+    "                exchanged by the device engine, and the experts' weights, gradients\n"
+    "                and state stay whole on every rank\n"
+    "                (docs/scaleout.md, \"Expert parallelism\")\n"
     "  --zero S      with --comm mpi or nccl: 0 (default) keeps the optimizer state on every rank;\n"
     "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
     "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
@@ -233,8 +238,8 @@ int cmd_train(int argc, char **argv) {
         return cli_fail(cmd, "started by mpirun as one of %ld processes without --comm mpi or nccl: each would train "
                         "the whole run alone into the same --out; give --comm mpi (CPU) or --comm nccl (GPU) for "
                         "data parallelism", launched_ranks()) + 1;
-    if (expert_parallel && !use_mpi)
-        return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi") + 1;
+    if (expert_parallel && !use_mpi && !use_nccl)
+        return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi or nccl") + 1;
     if (zero && !use_mpi && !use_nccl)
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi or nccl") + 1;
     if (cp > 1 && !use_mpi)

@@ -51,6 +51,7 @@ const char *lm_device_name(lm_device d);
 int lm_device_from_name(const char *name, lm_device *out); /* 0 on success */
 
 typedef struct lm_backend lm_backend;
+struct lm_comm; /* include/longmoe/comm.h */
 
 /* The most slots of a backend's list of deferred non-finite checks (lm_ops nonfinite_note). */
 #define LM_NONFINITE_SLOTS 1024
@@ -244,6 +245,20 @@ typedef struct {
     lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
                               const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                               const lm_moe_params *p_lp, void *acts);
+    /* Expert parallelism (include/longmoe/moe_ep.h, moe_cuda.h): a handle of
+     * the layer's exchanges over comm's ranks (the CPU: a host engine; CUDA: a
+     * device engine, NCCL or staged), and the layer with the routed experts on
+     * their owners: p's and p_lp's (and g's) gate, up, down point at this
+     * rank's slice of experts [r n / R, (r+1) n / R); the rest as in
+     * moe_forward / moe_backward. Collective over comm's ranks (m may be 0). */
+    lm_status (*moe_ep_create)(lm_backend *be, struct lm_comm *comm, const lm_moe_config *cfg, void **ep);
+    void (*moe_ep_free)(lm_backend *be, void *ep);
+    lm_status (*moe_forward_ep)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
+                                const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                void *acts, int64_t m, void *ep);
+    lm_status (*moe_backward_ep)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
+                                 const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
+                                 const lm_moe_params *p_lp, void *acts, void *ep);
     /* the router scores s [m,n] of the last forward, in the backend's memory */
     float *(*moe_scores)(lm_backend *be, void *acts);
     /* feed the balancer (a host state) with the last forward's scores */

@@ -982,7 +982,7 @@ void lm_model_free(lm_model *m) {
     if (m->bal_set) m->be->ops->moe_balance_set_free(m->be, m->bal_set);
     if (m->timer) m->be->timer_free(m->be, m->timer);
     for (int l = 0; m->layers && l < m->cfg.n_layers; l++) {
-        lm_moe_ep_free(m->layers[l].moe_ep);
+        if (m->layers[l].moe_ep) m->be->ops->moe_ep_free(m->be, m->layers[l].moe_ep);
         if (m->layers[l].owns_moe_acts) m->be->ops->moe_acts_free(m->be, m->layers[l].moe_acts);
         free(m->layers[l].smax);
         if (m->layers[l].bal_ready) lm_balance_free(&m->layers[l].bal);
@@ -1345,6 +1345,18 @@ static lm_status take_checks(lm_model *m, int clear) {
     return LM_OK;
 }
 
+/* The ranks of the expert-parallel handle agree on a failure (a one-integer
+ * sum over its host handle): `mine` when it is an error, an error naming
+ * another rank when only another rank failed, else LM_OK. Collective. */
+static lm_status ep_agree(lm_model *m, lm_status mine) {
+    int32_t bad = mine != LM_OK, any = 0;
+    lm_status cs = lm_comm_all_reduce_sum(lm_comm_host(m->ep_comm), &bad, &any, 1, LM_DTYPE_I32);
+    if (mine) return mine;
+    if (cs) return cs;
+    if (any) return lm_error(LM_ERR_NUMERIC, "moe ep: the routing failed on another rank");
+    return LM_OK;
+}
+
 /* The channel mixer (dense FFN or MoE) of sublayer idx on the tokens [t0, t0 +
  * n) of its normalised input, n = min(chunk, N - t0): y's same rows; fills the
  * activations of these tokens. The balancer observes every chunk, so a step's
@@ -1365,9 +1377,11 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
     ls->moe_ep_fwd = ls->moe_ep && (training || recompute);
     if (ls->moe_ep_fwd) {
         /* did every rank reach this layer? (lm_model_forward); never chunked */
-        lm_status st = lm_moe_ep_agree(ls->moe_ep, LM_OK);
+        lm_status st = ep_agree(m, LM_OK);
         if (!recompute) m->ep_next = idx + 1;
-        if (!st) st = lm_moe_forward_ep(y, xn, ls->bal.bias, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts, n, ls->moe_ep);
+        if (!st)
+            st = op->moe_forward_ep(be, y, xn, m->sep ? xn_lp : NULL, ls->bal.bias, &ls->moe_cfg, &ls->moe_Pep,
+                                    &ls->moe_PLep, ls->moe_acts, n, ls->moe_ep);
         if (st) {
             m->ep_together = 1; /* failures in the layer are agreed on */
             return st;
@@ -1403,7 +1417,7 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
     if (ls->moe_ep_fwd) {
         /* the ranks agree, so all stop at this layer and none waits in the next exchange */
         int32_t mine = bad >= 0, any = 0;
-        TRY(lm_comm_all_reduce_sum(m->ep_comm, &mine, &any, 1, LM_DTYPE_I32));
+        TRY(lm_comm_all_reduce_sum(lm_comm_host(m->ep_comm), &mine, &any, 1, LM_DTYPE_I32));
         if (any) m->ep_together = 1;
         if (any && !mine)
             return lm_error(LM_ERR_NUMERIC, "non-finite router score in layer %d on another rank", idx / 2);
@@ -1448,8 +1462,8 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
         extra = ls->dscores;
     }
     if (ls->moe_ep_fwd)
-        return lm_moe_backward_ep(dxn, &ls->moe_Gep, dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep, ls->moe_acts,
-                                  ls->moe_ep);
+        return be->ops->moe_backward_ep(be, dxn, &ls->moe_Gep, dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
+                                        &ls->moe_PLep, ls->moe_acts, ls->moe_ep);
     if (m->n_gcuts)
         return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' gradients "
                         "(lm_model_keep_expert_grads): a backward follows a training forward, whose experts "
@@ -2360,8 +2374,12 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
         return lm_error(LM_ERR_ARG, "expert parallelism runs the MoE on the whole micro-batch: set "
                                     "train.recompute_chunk to 0 (or at least the micro-batch's %lld tokens)",
                         (long long)m->N);
-    if (m->be->device != LM_DEVICE_CPU)
-        return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (the device engine is not written yet)");
+    if (!m->be->ops->moe_ep_create)
+        return lm_error(LM_ERR_ARG, "expert parallelism: the %s backend has no expert-parallel MoE layer",
+                        lm_device_name(m->be->device));
+    if (m->pcut && m->be->device != LM_DEVICE_CPU)
+        return lm_error(LM_ERR_ARG, "expert parallelism with owner-only expert weights runs on CPU ranks; on a device "
+                        "the experts' weights stay whole on every rank");
     int R = lm_comm_size(comm);
     if (m->cfg.n_routed_experts % R)
         return lm_error(LM_ERR_ARG,
@@ -2371,11 +2389,20 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
         if (!ls->moe || ls->moe_ep) continue;
-        TRY(lm_moe_ep_create(comm, &ls->moe_cfg, &ls->moe_ep));
+        TRY(m->be->ops->moe_ep_create(m->be, comm, &ls->moe_cfg, &ls->moe_ep));
         const lm_moe_config *mc = &ls->moe_cfg;
-        size_t wo = (size_t)lm_moe_ep_first_expert(ls->moe_ep) * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
+        const int first = lm_comm_rank(comm) * (mc->n_experts / R);
+        size_t wo = (size_t)first * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
         ls->moe_Pep = ls->moe_P;
         ls->moe_Gep = ls->moe_G;
+        /* the product-format copy: the same slice, in its element size */
+        ls->moe_PLep = ls->moe_PL;
+        if (ls->moe_PL.gate) {
+            const size_t lb = wo * m->be->lp_bytes;
+            ls->moe_PLep.gate = (float *)(void *)((char *)ls->moe_PL.gate + lb);
+            ls->moe_PLep.up = (float *)(void *)((char *)ls->moe_PL.up + lb);
+            ls->moe_PLep.down = (float *)(void *)((char *)ls->moe_PL.down + lb);
+        }
         if (m->pcut) {
             /* the owned slices: the first kept element of each routed expert tensor */
             ls->moe_Pep.gate = par_at(m, ls->moe_xoff[0] + wo);
@@ -2563,7 +2590,7 @@ static lm_status gather_cut(lm_model *m, lm_comm *comm, const struct gcut *c, si
 
 /* MoE layer ls's (sublayer idx's) routed experts whole in m->xlayer, for an
  * evaluation forward: collective over the expert-parallel handle. The ranks
- * first agree (lm_moe_ep_agree) that each reached the layer and could
+ * first agree (ep_agree) that each reached the layer and could
  * allocate: a rank that failed earlier in the forward joins this agreement
  * with its failure (ep_join), so none waits alone in the gather. Then one
  * lm_comm_all_gatherv a tensor (the bytes lm_model_gather_experts gives). */
@@ -2578,7 +2605,7 @@ static lm_status gather_layer_experts(lm_model *m, layer_state *ls, int idx) {
                    : lm_error(LM_ERR_MEMORY, "layer %d: out of memory gathering the layer's routed experts' weights "
                               "(%zu floats)", idx / 2, total);
     m->ep_next = idx + 1;
-    lm_status st = lm_moe_ep_agree(ls->moe_ep, mine);
+    lm_status st = ep_agree(m, mine);
     if (st && !mine)
         st = lm_error(st, "layer %d: the evaluation forward failed on another rank of the expert-parallel group "
                       "(before gathering the layer's experts)", idx / 2);
@@ -2615,7 +2642,7 @@ static lm_status ep_join(lm_model *m, lm_status s) {
     /* the others stop at that agreement: one is all this rank joins */
     for (int idx = m->ep_next; idx < m->L2; idx++)
         if (idx % 2 && m->layers[idx / 2].moe_ep) {
-            (void)lm_moe_ep_agree(m->layers[idx / 2].moe_ep, s);
+            (void)ep_agree(m, s);
             break;
         }
     return lm_error(s, "%s", why); /* the message of this rank's failure, not of the agreements */

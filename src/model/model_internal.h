@@ -38,10 +38,11 @@ typedef struct {
     int bal_ready, owns_moe_acts;
     int moe_i; /* this MoE layer's index among the model's (its balancer's in bal_set) */
     float *dscores; /* aux loss gradient [N,n] (balance = aux), backend memory */
-    /* expert parallelism (lm_model_set_expert_parallel): the exchange, the
-     * views of this rank's expert slice, and whether the last forward used it */
-    lm_moe_ep *moe_ep;
-    lm_moe_params moe_Pep, moe_Gep;
+    /* expert parallelism (lm_model_set_expert_parallel): the backend's
+     * exchange (ops->moe_ep_create), the views of this rank's expert slice
+     * (fp32, product format, gradients), and whether the last forward used it */
+    void *moe_ep;
+    lm_moe_params moe_Pep, moe_PLep, moe_Gep;
     int moe_ep_fwd;
     /* where the routed experts' gate, up and down lie in the whole parameter
      * layout (lm_model_tensor.offset; set with the views) */

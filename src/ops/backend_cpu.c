@@ -13,6 +13,7 @@
 #include "longmoe/kda.h"
 #include "longmoe/linear.h"
 #include "longmoe/moe.h"
+#include "longmoe/moe_ep.h"
 
 /* rows of logits the chunked cross-entropy holds at once */
 #define CE_CHUNK 32
@@ -471,6 +472,41 @@ static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params
     return lm_moe_backward(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts);
 }
 
+/* expert parallelism: the exchange of src/comm/moe_ep.c over a host engine */
+static lm_status cpu_moe_ep_create(lm_backend *be, lm_comm *comm, const lm_moe_config *cfg, void **out) {
+    (void)be;
+    *out = NULL;
+    if (comm && lm_comm_engine_of(comm) == LM_COMM_NCCL)
+        return lm_error(LM_ERR_ARG, "expert parallelism on the CPU backend exchanges host memory: it needs a host "
+                        "engine (self, MPI, or staged over the CPU backend), not nccl");
+    lm_moe_ep *ep = NULL;
+    lm_status st = lm_moe_ep_create(comm, cfg, &ep);
+    *out = ep;
+    return st;
+}
+
+static void cpu_moe_ep_free(lm_backend *be, void *ep) {
+    (void)be;
+    lm_moe_ep_free(ep);
+}
+
+static lm_status cpu_moe_forward_ep(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                                    const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                    void *acts, int64_t m, void *ep) {
+    (void)be;
+    (void)x_lp;
+    (void)p_lp;
+    return lm_moe_forward_ep(y, x, bias, cfg, p, acts, m, ep);
+}
+
+static lm_status cpu_moe_backward_ep(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                                     const float *x, const float *dscores_extra, const lm_moe_config *cfg,
+                                     const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, void *ep) {
+    (void)be;
+    (void)p_lp;
+    return lm_moe_backward_ep(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts, ep);
+}
+
 static float *cpu_moe_scores(lm_backend *be, void *acts) {
     (void)be;
     return ((lm_moe_acts *)acts)->s;
@@ -678,6 +714,10 @@ static const lm_ops cpu_ops = {
     .moe_acts_free = cpu_moe_acts_free,
     .moe_forward = cpu_moe_forward,
     .moe_backward = cpu_moe_backward,
+    .moe_ep_create = cpu_moe_ep_create,
+    .moe_ep_free = cpu_moe_ep_free,
+    .moe_forward_ep = cpu_moe_forward_ep,
+    .moe_backward_ep = cpu_moe_backward_ep,
     .moe_scores = cpu_moe_scores,
     .moe_balance_observe = cpu_moe_balance_observe,
     .moe_aux_loss = cpu_moe_aux_loss,

@@ -371,10 +371,11 @@ static lm_status dp_check(const trainer *t) {
         if (t->cfg.answer_loss_weight != 1.0f)
             return lm_error(LM_ERR_ARG, "expert parallelism (--ep) does not run with train.answer_loss_weight (%g); "
                             "use 1", (double)t->cfg.answer_loss_weight);
-        if (device_path(t))
-            return lm_error(LM_ERR_ARG, "expert parallelism runs on the CPU (--device cpu), not --device %s",
-                            lm_device_name(t->opt.device));
         const int G = t->opt.ep_group;
+        if (device_path(t) && G > 0 && G < t->ranks)
+            return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d of the %d ranks runs on CPU ranks; on a "
+                            "device the experts are split over all ranks (--ep without a group size)", G, t->ranks);
+
         if (G < 0)
             return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d ranks: give a group size of at least 1 "
                             "(0: all %d ranks)", G, t->ranks);
@@ -894,6 +895,13 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
  * group (with owner-only state the model keeps the gradients and weights of
  * this rank's experts only since its creation, create_model). */
 static lm_status model_expert_parallel(trainer *t, lm_model *m) {
+    if (device_path(t)) {
+        /* the exchanges move the backend's memory: its device engine (NCCL, or staged) */
+        if (!t->dcomm)
+            return lm_error(LM_ERR_ARG, "expert parallelism on a device runs over the device engine of --comm mpi or "
+                            "--comm nccl");
+        return lm_model_set_expert_parallel(m, t->dcomm);
+    }
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
     if (!t->epo) return LM_OK;
     /* evaluation forwards gather one MoE layer's experts at a time */
@@ -2366,7 +2374,9 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
      * (under ZeRO-1 the ranges already hold every tensor's state once) */
     t.ep = opt_in->expert_parallel ? (opt_in->ep_group > 0 ? opt_in->ep_group : t.ranks) : 0;
     t.ep_pos = t.ep > 0 ? t.rank % t.ep : 0;
-    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && t.ep > 1;
+    /* (on a device the experts' weights, gradients and state stay whole on every rank) */
+    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && t.ep > 1 &&
+            opt_in->device == LM_DEVICE_CPU && !opt_in->backend;
     if (t.rank > 0) opt_here.progress = NULL;
     if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
         s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
@@ -2497,6 +2507,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "expert parallel in %d groups of %d ranks: each rank owns %d of the %d routed experts "
                 "of a layer, each expert on %d ranks\n", t.ranks / t.ep, t.ep, t.cfg.n_routed_experts / t.ep,
                 t.cfg.n_routed_experts, t.ranks / t.ep);
+    if (opt->progress && t.ep > 1 && device_path(&t))
+        fprintf(opt->progress, "expert parallel on the device: each rank runs %d of the %d routed experts of a layer "
+                "on every rank's tokens; their weights, gradients and optimizer state stay whole on every rank%s\n",
+                t.cfg.n_routed_experts / t.ep, t.cfg.n_routed_experts,
+                t.zero ? " (the state in ZeRO-1's ranges)" : " (owner-only expert state is CPU ranks' layout)");
     if (opt->progress && t.epo) {
         size_t mine = (t.muon_state_n + t.adam_state_n) * sizeof(float),
                whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);

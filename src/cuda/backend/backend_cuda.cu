@@ -620,6 +620,52 @@ static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_param
     return lm_cuda_moe_backward(ctx_of(be), dx, g, dy, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch);
 }
 
+/* expert parallelism: moe_ep.cu's exchange over a device engine */
+static lm_status cuda_moe_ep_create(lm_backend *be, lm_comm *comm, const lm_moe_config *cfg, void **out) {
+    *out = NULL;
+    if (!comm) return lm_error(LM_ERR_ARG, "moe_ep_create: comm is NULL");
+    const lm_comm_engine e = lm_comm_engine_of(comm);
+    if (e != LM_COMM_NCCL && e != LM_COMM_STAGED)
+        return lm_error(LM_ERR_ARG, "expert parallelism on the CUDA backend exchanges device memory: it needs a device "
+                        "engine (nccl, or staged over this backend), not %s", lm_comm_engine_name(e));
+    lm_cuda_moe_ep *ep = NULL;
+    lm_status st = lm_cuda_moe_ep_create(ctx_of(be), comm, cfg, &ep);
+    *out = ep;
+    return st;
+}
+
+static void cuda_moe_ep_free(lm_backend *be, void *ep) {
+    (void)be;
+    lm_cuda_moe_ep_free((lm_cuda_moe_ep *)ep);
+}
+
+static lm_status cuda_moe_forward_ep(lm_backend *be, float *y, const float *x, const void *x_lp,
+                                     const float *bias_host, const lm_moe_config *cfg, const lm_moe_params *p,
+                                     const lm_moe_params *p_lp, void *acts, int64_t m, void *ep) {
+    cuda_moe *a = (cuda_moe *)acts;
+    if (!a || !cfg || !p || !p_lp || !ep)
+        return lm_error(LM_ERR_ARG, "moe_forward_ep: acts, cfg, p, p_lp or ep is NULL");
+    if (x_lp && x_lp == (const void *)x) return lm_error(LM_ERR_ARG, "moe_forward_ep: x_lp aliases the fp32 x");
+    if (cfg->n_experts != a->cfg.n_experts || cfg->top_k != a->cfg.top_k)
+        return lm_error(LM_ERR_ARG, "moe_forward_ep: cfg differs from the one the activations were made for");
+    lm_status st;
+    if (bias_host && (st = cuda_upload(be, a->bias, bias_host, (size_t)cfg->n_experts * sizeof(float)))) return st;
+    lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
+    return lm_cuda_moe_forward_ep(ctx_of(be), y, x, (const uint16_t *)x_lp, bias_host ? a->bias : NULL, cfg, p, &pb,
+                                  &a->acts, m, (lm_cuda_moe_ep *)ep);
+}
+
+static lm_status cuda_moe_backward_ep(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                                      const float *x, const float *dscores_extra, const lm_moe_config *cfg,
+                                      const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, void *ep) {
+    cuda_moe *a = (cuda_moe *)acts;
+    if (!a || !cfg || !p || !p_lp || !g || !ep)
+        return lm_error(LM_ERR_ARG, "moe_backward_ep: acts, cfg, p, p_lp, g or ep is NULL");
+    lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
+    return lm_cuda_moe_backward_ep(ctx_of(be), dx, g, dy, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch,
+                                   (lm_cuda_moe_ep *)ep);
+}
+
 static float *cuda_moe_scores(lm_backend *be, void *acts) {
     (void)be;
     return acts ? ((cuda_moe *)acts)->acts.s : NULL;
@@ -1088,6 +1134,10 @@ static lm_ops make_cuda_ops(void) {
     o.moe_acts_free = cuda_moe_acts_free;
     o.moe_forward = cuda_moe_forward;
     o.moe_backward = cuda_moe_backward;
+    o.moe_ep_create = cuda_moe_ep_create;
+    o.moe_ep_free = cuda_moe_ep_free;
+    o.moe_forward_ep = cuda_moe_forward_ep;
+    o.moe_backward_ep = cuda_moe_backward_ep;
     o.moe_scores = cuda_moe_scores;
     o.moe_balance_observe = cuda_moe_balance_observe;
     o.moe_balance_set_create = cuda_moe_balance_set_create;
