@@ -388,6 +388,47 @@ static void test_barrier_returns_on_every_rank(void) {
     OK(lm_comm_barrier(comm));
 }
 
+/* A split of the device handle (NCCL: ncclCommSplit beside the host handle's
+ * split; staged: the host handle's split) holds the ranks of one color in
+ * their order, its host handle the same ranks, and its sum is the rank-order
+ * sum over those ranks only; a negative color gets no handle. */
+static void test_split_sums_over_the_ranks_of_one_color(void) {
+    const int color = R > 1 ? me % 2 : 0;
+    lm_comm *part = NULL;
+    OK(lm_comm_split(comm, color, &part));
+    if (!part) return;
+    const int Rp = R > 1 ? (R - color + 1) / 2 : 1;
+    CHECK(lm_comm_size(part) == Rp && lm_comm_rank(part) == (R > 1 ? me / 2 : 0), "rank %d of %d in the part",
+          lm_comm_rank(part), lm_comm_size(part));
+    CHECK(lm_comm_size(lm_comm_host(part)) == Rp && lm_comm_rank(lm_comm_host(part)) == lm_comm_rank(part),
+          "the part's host handle has rank %d of %d", lm_comm_rank(lm_comm_host(part)),
+          lm_comm_size(lm_comm_host(part)));
+    lm_comm_set_stream(part, stream);
+    const size_t n = 1000;
+    float *h = mallocCheck(n * 4), *want = mallocCheck(n * 4);
+    for (size_t i = 0; i < n; i++) h[i] = (float)(me + 1) * 0.37f + (float)i * 1e-3f;
+    for (size_t i = 0; i < n; i++) {
+        float acc = 0.0f;
+        for (int q = color, k = 0; q < R; q += R > 1 ? 2 : 1, k++) {
+            const float v = (float)(q + 1) * 0.37f + (float)i * 1e-3f;
+            acc = k ? acc + v : v;
+        }
+        want[i] = acc;
+    }
+    float *d = dev_from(h, n * 4);
+    OK(lm_comm_all_reduce_sum(part, d, d, n, LM_DTYPE_F32));
+    OK(lm_comm_barrier(part));
+    to_host(h, d, n * 4);
+    CHECK(!memcmp(h, want, n * 4), "the part's sum is not the rank-order sum over its ranks");
+    lm_cuda_free(d);
+    free(h);
+    free(want);
+    lm_comm_close(part);
+    lm_comm *none = NULL;
+    OK(lm_comm_split(comm, -1, &none));
+    CHECK(!none, "a negative color gave a handle");
+}
+
 static void test_scratch_grows_on_need_and_is_reused_after(void) {
     /* lm_comm_reserve sizes the device scratch once; sums no larger reuse it
      * (no allocation in a step); a larger sum grows it and still sums right.
@@ -556,6 +597,7 @@ int main(int argc, char **argv) {
     RUN(test_all_to_allv_delivers_variable_counts_including_zeros);
     RUN(test_broadcast_copies_the_root_buffer_from_every_root);
     RUN(test_barrier_returns_on_every_rank);
+    RUN(test_split_sums_over_the_ranks_of_one_color);
     RUN(test_scratch_grows_on_need_and_is_reused_after);
     RUN(test_large_counts_sum_and_move_bit_for_bit);
     RUN(test_bad_arguments_are_rejected_with_a_message);

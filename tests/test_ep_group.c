@@ -47,8 +47,12 @@ static lm_config ep_config(void) {
     return c;
 }
 
+/* The backend the runs train on (NULL: the host path; lm_backend_cpu(): the device path on the CPU). */
+static lm_backend *run_backend;
+
 static lm_train_options options(const char *run, lm_comm *on, int group, int replicated) {
     lm_train_options o = lm_train_options_default(dir(run));
+    o.backend = run_backend;
     o.progress = NULL;
     o.val_batches = 2;
     o.stage_eval_batches = 0;
@@ -355,6 +359,29 @@ static void test_gradient_buckets_give_the_one_passs_bits(void) {
     if (me == 0) CHECK(same_checkpoint_bytes("g-b1", "g-b0", 6, 0), "buckets of one tensor: the checkpoint differs");
 }
 
+/* EP groups on the device path (the group's part of the device engine: the
+ * staged engine over the CPU backend, split): the experts' state whole on
+ * every rank, each group's owners writing their slices' gradients from the
+ * group's tokens and the world's sum adding the groups', so the run is the
+ * host path's replicated-state run in groups ("grep") bit for bit. */
+static void test_groups_on_the_device_path_equal_replicated_state(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_train_result dev;
+    run_backend = lm_backend_cpu();
+    CHECK(!train("dev-g", comm, G, 0, 0, 0, &dev), "device path in groups of %d: %s", G, lm_last_error());
+    run_backend = NULL;
+    if (!all_ok()) return;
+    CHECK(dev.step == DP_STEPS, "%lld steps", (long long)dev.step);
+    CHECK(dev.params_hash == grep_result.params_hash && dev.balance_hash == grep_result.balance_hash &&
+              dev.grad_norm_hash == grep_result.grad_norm_hash,
+          "device-path EP in groups of %d differs from the host path's replicated-state groups", G);
+    if (me != 0) return;
+    losses_close("dev-g", "grep", DP_STEPS, 0);
+    for (int step = 5; step <= DP_STEPS; step += 5)
+        CHECK(same_checkpoint_files("dev-g", "grep", step), "the files of checkpoint %d differ", step);
+    printf("     device-path EP in groups of %d = the replicated-state groups bit for bit\n", G);
+}
+
 static void test_bad_group_sizes_are_refused(void) {
     lm_config c = ep_config();
     refused("a group of 3", c, 3, 1, "not a multiple of 3");
@@ -410,6 +437,7 @@ int main(int argc, char **argv) {
     RUN(test_norm_blocks_that_cross_the_owners_slices);
     RUN(test_a_staged_run_keeps_the_groups_across_stages);
     RUN(test_gradient_buckets_give_the_one_passs_bits);
+    RUN(test_groups_on_the_device_path_equal_replicated_state);
     RUN(test_bad_group_sizes_are_refused);
     RUN(test_cli_takes_the_group_size);
     ranks_close();

@@ -223,16 +223,59 @@ static void nccl_close(lm_comm *c) {
     c->engine_state = NULL;
 }
 
+static lm_status nccl_split(lm_comm *c, int color, lm_comm *out, int *in_group);
+
 static const lm_comm_ops nccl_ops = {.name = "nccl",
                                      .all_to_allv = nccl_all_to_allv,
                                      .all_gatherv = nccl_all_gatherv,
                                      .broadcast = nccl_broadcast,
                                      .barrier = nccl_barrier,
+                                     .split = nccl_split,
                                      .close = nccl_close,
                                      .copy = nccl_copy,
                                      .sum_rows = nccl_sum_rows,
                                      .scratch_resize = nccl_scratch_resize,
                                      .exchange_counts = nccl_exchange_counts};
+
+/* A part: its host handle is the host handle's part of the same color (its
+ * ranks in the same order, key = the parent rank), its NCCL communicator
+ * ncclCommSplit's; both collective over every rank of c. */
+static lm_status nccl_split(lm_comm *c, int color, lm_comm *out, int *in_group) {
+    nccl_state *s = c->engine_state;
+    lm_comm *host = NULL;
+    TRY(lm_comm_split(s->host, color, &host));
+    ncclComm_t nc = NULL;
+    ncclResult_t r = ncclCommSplit(s->nccl, color >= 0 ? color : NCCL_SPLIT_NOCOLOR, c->rank, &nc, NULL);
+    if (r != ncclSuccess) {
+        lm_comm_close(host);
+        return nccl_fail(s, "ncclCommSplit", r);
+    }
+    *in_group = host != NULL;
+    if (!host) return LM_OK;
+    nccl_state *p = calloc(1, sizeof *p);
+    if (!p) {
+        ncclCommDestroy(nc);
+        lm_comm_close(host);
+        return lm_error(LM_ERR_MEMORY, "comm nccl split: out of memory");
+    }
+    p->nccl = nc;
+    p->host = host; /* owned: closed with the part (boot stays NULL) */
+    p->device = s->device;
+    out->ops = &nccl_ops;
+    out->engine_state = p;
+    out->rank = lm_comm_rank(host);
+    out->size = lm_comm_size(host);
+    out->stream = c->stream;
+    cudaError_t e = cudaMalloc((void **)&p->barrier_word, sizeof(int));
+    if (e == cudaSuccess) e = cudaMemset(p->barrier_word, 0, sizeof(int));
+    if (e == cudaSuccess) e = cudaMalloc((void **)&p->counts_dev, 2 * (size_t)out->size * sizeof(int64_t));
+    if (e != cudaSuccess) {
+        lm_status st = cuda_fail("a split's buffers", e);
+        nccl_close(out);
+        return st;
+    }
+    return LM_OK;
+}
 
 lm_comm *lm_comm_nccl_host(lm_comm *c) {
     nccl_state *s = c->engine_state;
@@ -242,6 +285,7 @@ lm_comm *lm_comm_nccl_host(lm_comm *c) {
 void lm_comm_nccl_abort(lm_comm *c, int code) {
     nccl_state *s = c ? c->engine_state : NULL;
     if (s && s->boot) lm_comm_abort(s->boot, code);
+    if (s && s->host && lm_comm_size(s->host) > 1) lm_comm_abort(s->host, code); /* a split part's */
     exit(code);
 }
 

@@ -87,9 +87,10 @@ typedef struct {
      * ep_pos this rank's place in its group (its experts' position); ep_comm
      * the group's handle (the MoE exchanges), er_comm the handle of the ranks
      * at ep_pos in every group (the replicas of its experts); both owned, NULL
-     * when ep is every rank (t->comm serves) */
+     * when ep is every rank (t->comm serves); on the device path ep_dcomm the
+     * group's part of the device engine (NULL: dcomm serves) */
     int ep, ep_pos;
-    lm_comm *ep_comm, *er_comm;
+    lm_comm *ep_comm, *er_comm, *ep_dcomm;
     int seg_t0, seg_T;
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
@@ -193,6 +194,7 @@ static void trainer_free(trainer *t) {
     free(t->badam);
     lm_model_free(t->model);
     lm_comm_close(t->cp_comm); /* after the model, which uses it */
+    lm_comm_close(t->ep_dcomm);
     lm_comm_close(t->ep_comm);
     lm_comm_close(t->er_comm);
     /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
@@ -372,9 +374,6 @@ static lm_status dp_check(const trainer *t) {
             return lm_error(LM_ERR_ARG, "expert parallelism (--ep) does not run with train.answer_loss_weight (%g); "
                             "use 1", (double)t->cfg.answer_loss_weight);
         const int G = t->opt.ep_group;
-        if (device_path(t) && G > 0 && G < t->ranks)
-            return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d of the %d ranks runs on CPU ranks; on a "
-                            "device the experts are split over all ranks (--ep without a group size)", G, t->ranks);
 
         if (G < 0)
             return lm_error(LM_ERR_ARG, "expert parallelism in groups of %d ranks: give a group size of at least 1 "
@@ -900,7 +899,7 @@ static lm_status model_expert_parallel(trainer *t, lm_model *m) {
         if (!t->dcomm)
             return lm_error(LM_ERR_ARG, "expert parallelism on a device runs over the device engine of --comm mpi or "
                             "--comm nccl");
-        return lm_model_set_expert_parallel(m, t->dcomm);
+        return lm_model_set_expert_parallel(m, t->ep_dcomm ? t->ep_dcomm : t->dcomm);
     }
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
     if (!t->epo) return LM_OK;
@@ -1374,6 +1373,11 @@ static lm_status trainer_setup(trainer *t, int stage) {
         /* the EP groups of ep consecutive ranks, and the replicas of each position (every rank, collectively) */
         lm_status s = lm_comm_split(t->comm, t->rank / t->ep, &t->ep_comm);
         if (!s) s = lm_comm_split(t->comm, t->ep_pos, &t->er_comm);
+        /* on a device the layer's exchanges go over the group's part of the device engine */
+        if (!s && t->dcomm) s = lm_comm_split(t->dcomm, t->rank / t->ep, &t->ep_dcomm);
+        if (!s && t->dcomm && (!t->ep_dcomm || lm_comm_size(t->ep_dcomm) != t->ep))
+            s = lm_error(LM_ERR_ARG, "expert parallelism: the device engine's split gave rank %d a group of %d ranks, "
+                         "expected %d", t->rank, t->ep_dcomm ? lm_comm_size(t->ep_dcomm) : 0, t->ep);
         if (!s && (!t->ep_comm || lm_comm_size(t->ep_comm) != t->ep || lm_comm_rank(t->ep_comm) != t->ep_pos ||
                    !t->er_comm || lm_comm_size(t->er_comm) != t->ranks / t->ep))
             s = lm_error(LM_ERR_ARG, "expert parallelism: the split gave rank %d a group of %d ranks, expected %d",
