@@ -3,7 +3,7 @@
  * 512, one shared expert of ffn 1024, SiTU-GLU) at 32768 tokens by default.
  *
  *   bench_cuda_moe [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--no-balance]
- *                  [--out results.json]
+ *                  [--ep] [--out results.json]
  *
  * Times each kind of expert product (lm_moe_gemm_kind: cuBLAS batched by
  * padded size, cuBLAS grouped, cuBLAS per-expert loop, the wmma kernel, the
@@ -23,7 +23,14 @@
  * forward+backward+balance. --no-balance: no bias and no balancing (the
  * bench before the fourteenth session). With balancing, the histogram pass
  * alone is timed too (CUDA events, 20 launches) for each tokens-a-block
- * setting (lm_cuda_balance_set_hist_tokens). */
+ * setting (lm_cuda_balance_set_hist_tokens).
+ *
+ * --ep: then the batched kind through the expert-parallel layer
+ * (lm_cuda_moe_forward_ep / _backward_ep) on a one-rank NCCL communicator:
+ * the exchange is a copy, so the difference to the batched kind's time (run
+ * with --no-balance --gemm batched to compare like with like: the EP timing
+ * has no balancing) is what the exchange's bookkeeping costs on one GPU: the
+ * count exchange, the regrouping and ungrouping copies of the rows. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +39,7 @@
 
 #include "bench_common.h"
 #include "longmoe/balance.h"
+#include "longmoe/comm.h"
 #include "longmoe/cuda_context.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_cuda.h"
@@ -47,12 +55,13 @@ int main(int argc, char **argv) {
     int64_t m = 32768;
     int reps = 10;
     const char *out_path = NULL;
-    int only = -1, balance = 1;
+    int only = -1, balance = 1, ep_too = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--tokens") && i + 1 < argc) m = atoll(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out_path = argv[++i];
         else if (!strcmp(argv[i], "--no-balance")) balance = 0;
+        else if (!strcmp(argv[i], "--ep")) ep_too = 1;
         else if (!strcmp(argv[i], "--gemm") && i + 1 < argc) {
             only = lm_cuda_moe_gemm_parse(argv[++i]);
             if (only < 0) {
@@ -62,7 +71,7 @@ int main(int argc, char **argv) {
         } else {
             fprintf(stderr,
                     "usage: %s [--tokens M] [--reps N] [--gemm batched|grouped|loop|wmma|wgmma] [--no-balance] "
-                    "[--out results.json]\n",
+                    "[--ep] [--out results.json]\n",
                     argv[0]);
             return 2;
         }
@@ -245,6 +254,39 @@ int main(int argc, char **argv) {
         ok(lm_cuda_balance_set_hist_tokens(16), "histogram tokens");
         cudaEventDestroy(e0), cudaEventDestroy(e1);
     }
+    double ep_ms[2] = {0, 0};
+    if (ep_too) {
+        /* the expert-parallel layer on one NCCL rank, the batched kind, no balancing */
+        lm_comm *comm = NULL;
+        lm_cuda_moe_ep *ep = NULL;
+        if (!lm_comm_engine_available(LM_COMM_NCCL)) ok(LM_ERR_ARG, "--ep needs the NCCL engine (built without it)");
+        ok(lm_comm_open(LM_COMM_NCCL, &comm), "one-rank NCCL communicator");
+        lm_comm_set_stream(comm, ctx.stream);
+        ok(lm_cuda_moe_ep_create(&ctx, comm, &c, &ep), "ep handle");
+        ok(lm_cuda_moe_set_gemm(LM_MOE_GEMM_BATCHED), "gemm kind");
+        for (int rep = -2; rep < reps; rep++) {
+            double t0 = lm_time_seconds();
+            ok(lm_cuda_moe_forward_ep(&ctx, y, x, NULL, NULL, &c, &pf, &pb, &acts, m, ep), "forward ep");
+            ok(lm_cuda_context_sync(&ctx), "forward sync");
+            double t1 = lm_time_seconds();
+            ok(lm_cuda_moe_backward_ep(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch, ep),
+               "backward ep");
+            ok(lm_cuda_context_sync(&ctx), "backward sync");
+            double t2 = lm_time_seconds();
+            if (rep >= 0) {
+                t_fwd[rep] = (t1 - t0) * 1e3;
+                t_all[rep] = (t2 - t0) * 1e3;
+            }
+        }
+        qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
+        qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
+        ep_ms[0] = t_fwd[reps / 2];
+        ep_ms[1] = t_all[reps / 2];
+        printf("  ep (one NCCL rank, batched, no balancing) forward %9.3f ms, forward+backward %9.3f ms; the owner's "
+               "buffers %.1f MiB\n", ep_ms[0], ep_ms[1], lm_cuda_moe_ep_bytes(ep) / 1048576.0);
+        lm_cuda_moe_ep_free(ep);
+        lm_comm_close(comm);
+    }
     long refused = lm_cuda_moe_grouped_refused();
     if (refused) printf("  note: cuBLAS refused %ld grouped calls; the grouped kind ran them per expert\n", refused);
     if (out_path) {
@@ -274,6 +316,7 @@ int main(int argc, char **argv) {
             first = 0;
         }
         fprintf(f, "}");
+        if (ep_too) fprintf(f, ", \"ep_forward_ms\": %.4f, \"ep_forward_backward_ms\": %.4f", ep_ms[0], ep_ms[1]);
         if (balance)
             fprintf(f, ", \"histogram_us\": {\"8\": %.2f, \"16\": %.2f, \"32\": %.2f, \"64\": %.2f, \"128\": %.2f}",
                     hist_us[0], hist_us[1], hist_us[2], hist_us[3], hist_us[4]);
