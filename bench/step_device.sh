@@ -6,10 +6,13 @@
 # torch._grouped_mm peer of the MoE layer. Logs and JSON go to $OUT (default ./out).
 #
 #   bench/step_device.sh [build] [test] [bench] [peer]   (default: all four)
+#   TARGETS="a b"     build only these targets (default: all)
 #   TESTS=regex       only those CUDA tests (default: all, ctest -L cuda)
 #   TEST_JOBS=n       CUDA test programs at once on the GPU (default 1); TEST_LIMIT=seconds (400)
 #   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres; also
-#                     attnws: k3-mini 1x32768 under three attention backward workspace settings)
+#                     attnws: k3-mini 1x32768 under three attention backward workspace settings;
+#                     moeep: the MoE layer, batched, without balancing, and through the
+#                     expert-parallel layer on one NCCL rank)
 #   MODEL_SHAPES="8,4096 1,32768"   the whole-model shapes (bench_cuda_model)
 #   LIMIT=seconds     per program (default 240)
 set -uo pipefail
@@ -30,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 if has build; then
     echo "== build ($BUILD)"
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-        timeout 500 cmake --build "$BUILD" -j "$JOBS" >>"$OUT/build.log" 2>&1
+        timeout 500 cmake --build "$BUILD" -j "$JOBS" ${TARGETS:+--target $TARGETS} >>"$OUT/build.log" 2>&1
     rc=$?
     [ $rc -ne 0 ] && { echo "build failed (rc $rc)"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
     stamp
@@ -84,6 +87,7 @@ if has bench; then
                 fi
             done
             ;;
+        moeep) run_bench bench_cuda_moe --gemm batched --no-balance --reps 10 --ep --out "$OUT/bench_cuda_moe_ep.json" ;;
         *) run_bench "bench_cuda_$b" --out "$OUT/bench_cuda_$b.json" ;;
         esac
     done
