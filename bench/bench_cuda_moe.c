@@ -51,6 +51,14 @@ static void ok(lm_status st, const char *what) {
     }
 }
 
+/* out[0], out[1]: the medians of the reps forward and forward+backward times (sorted in place) */
+static void medians(double *t_fwd, double *t_all, int reps, double *out) {
+    qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
+    qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
+    out[0] = t_fwd[reps / 2];
+    out[1] = t_all[reps / 2];
+}
+
 int main(int argc, char **argv) {
     int64_t m = 32768;
     int reps = 10;
@@ -197,10 +205,7 @@ int main(int argc, char **argv) {
                 t_all[rep] = (t2 - t0) * 1e3;
             }
         }
-        qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
-        qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
-        res[kind][0] = t_fwd[reps / 2];
-        res[kind][1] = t_all[reps / 2];
+        medians(t_fwd, t_all, reps, res[kind]);
         res[kind][2] = grouped_fwd / (res[kind][0] * 1e-3) / 1e12;
         res[kind][3] = 3.0 * grouped_fwd / (res[kind][1] * 1e-3) / 1e12;
         ran[kind] = 1;
@@ -278,10 +283,7 @@ int main(int argc, char **argv) {
                 t_all[rep] = (t2 - t0) * 1e3;
             }
         }
-        qsort(t_fwd, (size_t)reps, sizeof(double), bench_cmp_double);
-        qsort(t_all, (size_t)reps, sizeof(double), bench_cmp_double);
-        ep_ms[0] = t_fwd[reps / 2];
-        ep_ms[1] = t_all[reps / 2];
+        medians(t_fwd, t_all, reps, ep_ms);
         printf("  ep (one NCCL rank, batched, no balancing) forward %9.3f ms, forward+backward %9.3f ms; the owner's "
                "buffers %.1f MiB\n", ep_ms[0], ep_ms[1], lm_cuda_moe_ep_bytes(ep) / 1048576.0);
         lm_cuda_moe_ep_free(ep);
