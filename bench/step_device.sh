@@ -72,6 +72,9 @@ if has bench; then
             done
             ;;
         attnws)
+            # 1x32768 without recompute holds 117-132 GiB: an H200's memory, not an H100's
+            mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+            if [ "${mem:-0}" -lt 120000 ]; then echo "attnws: skipped (${mem} MiB of GPU memory; it needs an H200)"; continue; fi
             # k3-mini 1x32768 (no recompute, no segments) under each attention backward setting:
             # the default (blocked, blocks of 8192), blocks of 16384 with a 6 GiB limit, the whole
             # deterministic backward (a 20 GiB limit); LONGMOE_CUDNN_BLOCK:LONGMOE_CUDNN_WORKSPACE_MB

@@ -16,7 +16,11 @@
  *             with zero padding rows as the batched kind wants.
  * regroup_kernel copies received -> local (zeroing local padding rows),
  * ungroup_kernel local -> received (zeroing received padding rows). Both are
- * copies: the owner's expert products see exactly the rows the sender had. */
+ * copies: the owner's expert products see exactly the rows the sender had.
+ * A rank's rows for its own experts do not travel: the exchanges skip them,
+ * regroup_kernel reads them in place from the sender's layout (self_blk[j]:
+ * local expert j's block within this rank's own range there) and
+ * ungroup_self_kernel writes their results straight back into it. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,7 +48,9 @@ struct lm_cuda_moe_ep {
     bf16 *buf, *buf2;         /* [rcap, de] rows as received, rows to send back */
     lm_cuda_moe_acts loc;     /* the local view: offsets, padded offsets, xg, ga, gu, gh, gout, blas_ptrs */
     bf16 *dgout, *dh, *da, *du, *dxg; /* [lcap, .] the owner's backward */
-    int32_t *tables;          /* device: padded_loc [nl+1], offsets_loc [nl+1], cum [nl][R+1], recv_blk [R nl + 1] */
+    int32_t *tables;          /* device: padded_loc [nl+1], offsets_loc [nl+1], cum [nl][R+1], recv_blk [R nl + 1],
+                                 self_blk [nl + 1] */
+    int64_t self_first;       /* this rank's own range in the sender's layout: its first row */
     int32_t *htables;         /* pinned host copy */
     size_t table_count;
 };
@@ -64,9 +70,11 @@ __device__ __forceinline__ void copy_row(bf16 *dst, const bf16 *src, int width, 
     for (int e = lane; e < width; e += 32) dst[e] = src ? src[e] : __float2bfloat16_rn(0.0f);
 }
 
-/* local row r <- its received row (or zero on padding) */
-__global__ void regroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
-                               const int32_t *recv_blk, int nl, int R, int64_t rows, int width) {
+/* local row r <- its received row (or zero on padding); this rank's own rows
+ * from self_src (its own range of the sender's layout) */
+__global__ void regroup_kernel(bf16 *dst, const bf16 *src, const bf16 *self_src, const int32_t *padded_loc,
+                               const int32_t *cum, const int32_t *recv_blk, const int32_t *self_blk, int me, int nl,
+                               int R, int64_t rows, int width) {
     const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (r >= rows) return;
@@ -77,22 +85,39 @@ __global__ void regroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded
     if (idx < cj[R]) {
         int s = 0;
         while (s + 1 < R && cj[s + 1] <= idx) s++;
-        from = src + ((int64_t)recv_blk[s * nl + j] + (idx - cj[s])) * width;
+        from = s == me ? self_src + ((int64_t)self_blk[j] + (idx - cj[s])) * width
+                       : src + ((int64_t)recv_blk[s * nl + j] + (idx - cj[s])) * width;
     }
     copy_row(dst + r * width, from, width, lane);
 }
 
-/* received-layout row q <- its local row (or zero on padding) */
+/* received-layout row q <- its local row (or zero on padding); this rank's
+ * own block is left alone (ungroup_self_kernel) */
 __global__ void ungroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
-                               const int32_t *recv_blk, int nl, int R, int64_t rows, int width) {
+                               const int32_t *recv_blk, int me, int nl, int R, int64_t rows, int width) {
     const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (q >= rows) return;
     const int g = group_of_row(recv_blk, R * nl, q);
     const int s = g / nl, j = g % nl;
+    if (s == me) return;
     const int64_t idx = q - recv_blk[g];
     const int32_t *cj = cum + (size_t)j * (R + 1);
     const bf16 *from = idx < cj[s + 1] - cj[s] ? src + ((int64_t)padded_loc[j] + cj[s] + idx) * width : NULL;
+    copy_row(dst + q * width, from, width, lane);
+}
+
+/* row q of this rank's own range of the sender's layout <- its local row (or
+ * zero on padding) */
+__global__ void ungroup_self_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
+                                    const int32_t *self_blk, int me, int nl, int R, int64_t rows, int width) {
+    const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (q >= rows) return;
+    const int j = group_of_row(self_blk, nl, q);
+    const int64_t idx = q - self_blk[j];
+    const int32_t *cj = cum + (size_t)j * (R + 1);
+    const bf16 *from = idx < cj[me + 1] - cj[me] ? src + ((int64_t)padded_loc[j] + cj[me] + idx) * width : NULL;
     copy_row(dst + q * width, from, width, lane);
 }
 
@@ -102,6 +127,7 @@ static int32_t *t_padded(lm_cuda_moe_ep *ep, int32_t *t) { (void)ep; return t; }
 static int32_t *t_offsets(lm_cuda_moe_ep *ep, int32_t *t) { return t + ep->nl + 1; }
 static int32_t *t_cum(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl + 1); }
 static int32_t *t_recv(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl + 1) + (size_t)ep->nl * (ep->R + 1); }
+static int32_t *t_self(lm_cuda_moe_ep *ep, int32_t *t) { return t_recv(ep, t) + (size_t)ep->R * ep->nl + 1; }
 
 static void free_rows(lm_cuda_moe_ep *ep) {
     if (ep->block) cudaFree(ep->block);
@@ -181,7 +207,7 @@ extern "C" lm_status lm_cuda_moe_ep_create(const lm_cuda_context *ctx, lm_comm *
     ep->cnt_send = (int64_t *)calloc((size_t)ep->n, sizeof(int64_t));
     ep->cnt_recv = (int64_t *)calloc((size_t)ep->n, sizeof(int64_t)); /* R nl = n */
     ep->sb = (size_t *)calloc((size_t)R * 4, sizeof(size_t));
-    ep->table_count = 2 * ((size_t)ep->nl + 1) + (size_t)ep->nl * (R + 1) + (size_t)R * ep->nl + 1;
+    ep->table_count = 3 * ((size_t)ep->nl + 1) + (size_t)ep->nl * (R + 1) + (size_t)R * ep->nl + 1;
     lm_status st = LM_OK;
     if (!ep->cnt_send || !ep->cnt_recv || !ep->sb) st = lm_error(LM_ERR_MEMORY, "moe cuda ep: out of memory");
     if (!st && cudaMalloc((void **)&ep->tables, ep->table_count * 4) != cudaSuccess)
@@ -246,23 +272,33 @@ lm_status lm_moe_ep_check_config(const lm_cuda_moe_ep *ep, const lm_moe_config *
 
 static unsigned rows_grid(int64_t rows) { return (unsigned)((rows + 7) / 8); }
 
-static lm_status launch_regroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src, int width) {
+static lm_status launch_regroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src,
+                                const bf16 *grouped, int width) {
     const int64_t rows = ep->loc.host_padded[ep->nl];
     if (rows == 0) return LM_OK;
+    lm_cuda_moe_ep *e = (lm_cuda_moe_ep *)ep;
     int32_t *t = ep->tables;
-    regroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, t, t_cum((lm_cuda_moe_ep *)ep, t),
-                                                     t_recv((lm_cuda_moe_ep *)ep, t), ep->nl, ep->R, rows, width);
+    regroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, grouped + ep->self_first * width, t, t_cum(e, t),
+                                                     t_recv(e, t), t_self(e, t), ep->r, ep->nl, ep->R, rows, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
 
-static lm_status launch_ungroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src, int width) {
-    const int64_t rows = ep->recv_rows;
-    if (rows == 0) return LM_OK;
+static lm_status launch_ungroup(const lm_cuda_moe_ep *ep, cudaStream_t st, bf16 *dst, const bf16 *src,
+                                bf16 *grouped, int width) {
+    lm_cuda_moe_ep *e = (lm_cuda_moe_ep *)ep;
     int32_t *t = ep->tables;
-    ungroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, t, t_cum((lm_cuda_moe_ep *)ep, t),
-                                                     t_recv((lm_cuda_moe_ep *)ep, t), ep->nl, ep->R, rows, width);
-    LM_CUDA_TRY(cudaGetLastError());
+    const int64_t rows = ep->recv_rows, own = t_self(e, ep->htables)[ep->nl];
+    if (rows > 0) {
+        ungroup_kernel<<<rows_grid(rows), 256, 0, st>>>(dst, src, t, t_cum(e, t), t_recv(e, t), ep->r, ep->nl, ep->R,
+                                                         rows, width);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    if (own > 0) {
+        ungroup_self_kernel<<<rows_grid(own), 256, 0, st>>>(grouped + ep->self_first * width, src, t, t_cum(e, t),
+                                                             t_self(e, t), ep->r, ep->nl, ep->R, own, width);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
     return LM_OK;
 }
 
@@ -295,6 +331,11 @@ static lm_status plan_exchange(lm_cuda_moe_ep *ep, const lm_cuda_moe_acts *a, in
         ep->sb[s] = (size_t)(last - first) * row;
     }
     hr[R * nl] = (int32_t)recv;
+    /* this rank's own rows stay where they are: no bytes to itself either way */
+    int32_t *hs = t_self(ep, h);
+    ep->self_first = a->host_padded[ep->r * nl];
+    for (int j = 0; j <= nl; j++) hs[j] = (int32_t)(a->host_padded[ep->r * nl + j] - ep->self_first);
+    ep->sb[ep->r] = ep->rb[ep->r] = 0;
     int64_t lrows = 0;
     for (int j = 0; j < nl; j++) {
         int32_t *cj = hc + (size_t)j * (R + 1);
@@ -332,12 +373,12 @@ static lm_status plan_exchange(lm_cuda_moe_ep *ep, const lm_cuda_moe_acts *a, in
 static lm_status dispatch(lm_cuda_moe_ep *ep, cudaStream_t st, const void *grouped, bf16 *local) {
     lm_comm_set_stream(ep->comm, st);
     TRY(lm_comm_all_to_allv(ep->comm, grouped, ep->sb, ep->so, ep->buf, ep->rb, ep->ro));
-    return launch_regroup(ep, st, local, ep->buf, ep->de);
+    return launch_regroup(ep, st, local, ep->buf, (const bf16 *)grouped, ep->de);
 }
 
 /* the owners' local rows -> the very grouped rows they came from */
 static lm_status give_back(lm_cuda_moe_ep *ep, cudaStream_t st, const bf16 *local, void *grouped) {
-    TRY(launch_ungroup(ep, st, ep->buf2, local, ep->de));
+    TRY(launch_ungroup(ep, st, ep->buf2, local, (bf16 *)grouped, ep->de));
     lm_comm_set_stream(ep->comm, st);
     return lm_comm_all_to_allv(ep->comm, ep->buf2, ep->rb, ep->ro, grouped, ep->sb, ep->so);
 }
