@@ -285,7 +285,7 @@ int main(int argc, char **argv) {
         }
         medians(t_fwd, t_all, reps, ep_ms);
         printf("  ep (one NCCL rank, batched, no balancing) forward %9.3f ms, forward+backward %9.3f ms; the owner's "
-               "buffers %.1f MiB\n", ep_ms[0], ep_ms[1], lm_cuda_moe_ep_bytes(ep) / 1048576.0);
+               "buffers %.1f MiB\n", ep_ms[0], ep_ms[1], (lm_cuda_moe_ep_bytes(ep, 0) + lm_cuda_moe_ep_bytes(ep, 1)) / 1048576.0);
         lm_cuda_moe_ep_free(ep);
         lm_comm_close(comm);
     }

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/kda.h"
 #include "longmoe/safetensors.h"
 #include "test.h"
@@ -235,22 +236,29 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
 }
 
 /* plan --memory --ep G: one rank's weights, gradients and optimizer state of
- * its n/G experts (the lines name the share), and the one MoE layer's experts
- * an evaluation forward gathers; a G that does not divide the
- * experts, --ep with --device cuda and --ep without --memory are refused. */
+ * its n/G experts (the lines name the share), the one MoE layer's experts an
+ * evaluation forward gathers and the exchange's buffers; with --device cuda
+ * (a CUDA build) the weights whole and the exchange's buffers (the CUDA
+ * handles', larger: padded rows and bf16 intermediates); a G that does not
+ * divide the experts and --ep without --memory are refused. */
 static void test_plan_memory_of_an_expert_parallel_rank(void) {
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2") == 0 &&
               test_file_has(path_in("out.txt"), "a rank keeps the weights, gradients and optimizer state of 4 of the 8 "
                                                 "routed experts of a layer") &&
               test_file_has(path_in("out.txt"), "parameters (fp32; of the routed experts only 4 of 8 a layer") &&
               test_file_has(path_in("out.txt"), "gradients (fp32; of the routed experts only 4 of 8 a layer") &&
-              test_file_has(path_in("out.txt"), "one MoE layer's routed experts, gathered by an evaluation forward"),
-          "plan --memory --ep 2 does not show a rank's share of the experts (and an evaluation's layer)");
+              test_file_has(path_in("out.txt"), "one MoE layer's routed experts, gathered by an evaluation forward") &&
+              test_file_has(path_in("out.txt"), "the exchange's rows of the MoE layers at a balanced load"),
+          "plan --memory --ep 2 does not show a rank's share of the experts (and an evaluation's layer, the exchange)");
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 3") != 0 && stderr_has("8 routed experts") &&
               stderr_has("3 ranks"),
           "plan --memory --ep 3 with 8 experts accepted");
-    CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2 --device cuda") != 0 && stderr_has("--ep"),
-          "plan --memory --ep 2 --device cuda accepted");
+    if (lm_backend_cuda_ops())
+        CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2 --device cuda") == 0 &&
+                  test_file_has(path_in("out.txt"), "stay whole on every rank") &&
+                  test_file_has(path_in("out.txt"), "the exchange's rows of the MoE layers at a balanced load") &&
+                  !test_file_has(path_in("out.txt"), "gathered by an evaluation forward"),
+              "plan --memory --ep 2 --device cuda does not show the whole experts and the exchange's buffers");
     CHECK(run_cli("plan --config configs/tiny.json --ep 2") != 0 && stderr_has("--ep"), "--ep without --memory accepted");
 }
 

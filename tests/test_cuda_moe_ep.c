@@ -11,7 +11,9 @@
  * and writes no gradient outside its slice. Cases: SwiGLU and SiTU-GLU,
  * LatentMoE with a shared expert, a bias that sends every token to rank 0's
  * experts (the other owners receive nothing), a rank without tokens, every kind
- * of expert product; the reserve (no growth after it) and the refusals.
+ * of expert product; the reserve (no growth after it, the plan's bytes), two
+ * layers sharing their call-time buffers (the separate handles' bits), and
+ * the refusals.
  *
  * Runs on the staged engine over a CUDA backend: alone (one rank) or under
  * mpirun (`mpirun -np 2 test_cuda_moe_ep --ranks 2`; processes may share one
@@ -160,14 +162,21 @@ static void ep_case(const lm_moe_config *cfg, const int64_t *m_of, int bias_mode
     CHECK(lm_cuda_moe_ep_first_expert(ep) == first && lm_cuda_moe_ep_local_experts(ep) == nl, "%s: owned experts",
           what);
     if (reserve) GPU_OK(lm_cuda_moe_ep_reserve(ep, M * k));
-    const size_t held = lm_cuda_moe_ep_bytes(ep);
+    const size_t held = lm_cuda_moe_ep_bytes(ep, 0) + lm_cuda_moe_ep_bytes(ep, 1);
+    if (reserve)
+        CHECK(lm_cuda_moe_ep_bytes(ep, 0) == lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 0) &&
+                  lm_cuda_moe_ep_bytes(ep, 1) == lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 1),
+              "%s: the reserved handle holds %zu + %zu bytes, the plan says %zu + %zu", what, lm_cuda_moe_ep_bytes(ep, 0),
+              lm_cuda_moe_ep_bytes(ep, 1), lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 0),
+              lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 1));
     GPU_OK(lm_cuda_moe_forward_ep(ctx, d_ye, m ? d_x + off * d : NULL, NULL, bias_arg, cfg, &pf, &pb_ep, &ea, m, ep));
     GPU_OK(lm_cuda_moe_backward_ep(ctx, m ? d_dxe : NULL, &g_ep, m ? d_dy + off * d : NULL, m ? d_x + off * d : NULL,
                                    NULL, cfg, &pf, &pb_ep, &ea, &esc, ep));
     GPU_OK(lm_cuda_context_sync(ctx));
     if (reserve)
-        CHECK(lm_cuda_moe_ep_bytes(ep) == held, "%s: the handle grew after reserving the worst case (%zu -> %zu bytes)",
-              what, held, lm_cuda_moe_ep_bytes(ep));
+        CHECK(lm_cuda_moe_ep_bytes(ep, 0) + lm_cuda_moe_ep_bytes(ep, 1) == held,
+              "%s: the handle grew after reserving the worst case (%zu -> %zu bytes)", what, held,
+              lm_cuda_moe_ep_bytes(ep, 0) + lm_cuda_moe_ep_bytes(ep, 1));
 
     {
         /* rows received: this rank's experts' rows in the reference routing */
@@ -305,6 +314,122 @@ static void test_a_rank_without_tokens_still_takes_part(void) {
     ep_case(&c, m_of, 0, 41, 0, "rank 0 without tokens");
 }
 
+/* One MoE layer of the sharing case: weights, activations, scratch, results. */
+typedef struct {
+    size_t count;
+    float *d_params, *d_g, *d_y, *d_dx, *d_bias;
+    uint16_t *d_bf16;
+    lm_moe_params pf, g;
+    lm_moe_params_bf16 pb;
+    void *ablk, *sblk;
+    lm_cuda_moe_acts a;
+    lm_cuda_moe_scratch s;
+    lm_cuda_moe_ep *ep;
+} layer;
+
+static void layer_init(layer *L, const lm_moe_config *cfg, int64_t m, uint64_t seed, int skew) {
+    memset(L, 0, sizeof *L);
+    const int n = cfg->n_experts, nl = n / R, de = cfg->d_latent > 0 ? cfg->d_latent : cfg->d;
+    L->count = lm_moe_param_count(cfg);
+    float *params = malloc(L->count * 4), *bias = calloc((size_t)n, 4);
+    lm_moe_params hp;
+    lm_moe_params_carve(cfg, params, &hp);
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    for (size_t i = 0; i < L->count; i++) params[i] = bf16_round((float)(0.08 * lm_rng_normal(&r)));
+    if (hp.lat_norm)
+        for (int i = 0; i < cfg->d_latent; i++) hp.lat_norm[i] = 1.0f;
+    /* skew: every token to rank 0's experts (it receives every row) */
+    for (int j = 0; skew && j < nl; j++) bias[j] = 8.0f;
+    L->d_params = dev_upload(params, L->count * 4);
+    L->d_bias = dev_upload(bias, (size_t)n * 4);
+    GPU_OK(lm_cuda_alloc((void **)&L->d_bf16, L->count * 2));
+    GPU_OK(lm_cuda_upload_bf16(L->d_bf16, params, L->count));
+    lm_moe_params_carve(cfg, L->d_params, &L->pf);
+    float *const *src = &hp.router;
+    uint16_t **dst = &L->pb.router;
+    for (int i = 0; i < 10; i++) dst[i] = src[i] ? L->d_bf16 + (src[i] - params) : NULL;
+    const size_t per = (size_t)cfg->d_ff * de, first = (size_t)me * nl;
+    L->pb.gate += first * per, L->pb.up += first * per, L->pb.down += first * per;
+    L->d_g = dev_zero(L->count * 4);
+    lm_moe_params_carve(cfg, L->d_g, &L->g);
+    L->g.gate += first * per, L->g.up += first * per, L->g.down += first * per;
+    L->d_y = dev_zero((size_t)m * cfg->d * 4);
+    L->d_dx = dev_zero((size_t)m * cfg->d * 4);
+    size_t ab = lm_cuda_moe_acts_bytes(cfg, m), sb = lm_cuda_moe_scratch_bytes(cfg, m);
+    L->ablk = dev_zero(ab);
+    L->sblk = dev_zero(sb);
+    GPU_OK(lm_cuda_moe_acts_carve(&L->a, cfg, m, L->ablk, ab));
+    GPU_OK(lm_cuda_moe_scratch_carve(&L->s, cfg, m, L->sblk, sb));
+    GPU_OK(lm_cuda_moe_ep_create(ctx, comm, cfg, &L->ep));
+    free(params);
+    free(bias);
+}
+
+static void layer_free(layer *L) {
+    lm_cuda_moe_ep_free(L->ep);
+    void *b[] = {L->d_params, L->d_g, L->d_y, L->d_dx, L->d_bias, L->d_bf16, L->ablk, L->sblk};
+    for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) lm_cuda_free(b[i]);
+}
+
+/* forward A, forward B, backward B, backward A (a model's order) on x; the
+ * results of both layers (y, dx, the gradient blocks) into out [2][...] */
+static void two_layers(const lm_moe_config *cfg, int64_t m, const float *d_x, const float *d_dy, int share,
+                       float **out) {
+    layer L[2];
+    layer_init(&L[0], cfg, m, 51, 0);
+    layer_init(&L[1], cfg, m, 52, 1);
+    if (share) GPU_OK(lm_cuda_moe_ep_share(L[1].ep, L[0].ep));
+    for (int i = 0; i < 2; i++)
+        GPU_OK(lm_cuda_moe_forward_ep(ctx, L[i].d_y, d_x, NULL, L[i].d_bias, cfg, &L[i].pf, &L[i].pb, &L[i].a, m,
+                                      L[i].ep));
+    for (int i = 1; i >= 0; i--)
+        GPU_OK(lm_cuda_moe_backward_ep(ctx, L[i].d_dx, &L[i].g, d_dy, d_x, NULL, cfg, &L[i].pf, &L[i].pb, &L[i].a,
+                                       &L[i].s, L[i].ep));
+    GPU_OK(lm_cuda_context_sync(ctx));
+    if (share)
+        CHECK(lm_cuda_moe_ep_bytes(L[0].ep, 1) == lm_cuda_moe_ep_bytes(L[1].ep, 1),
+              "the sharing handles hold call buffers of %zu and %zu bytes", lm_cuda_moe_ep_bytes(L[0].ep, 1),
+              lm_cuda_moe_ep_bytes(L[1].ep, 1));
+    const size_t md = (size_t)m * cfg->d;
+    for (int i = 0; i < 2; i++) {
+        out[i] = malloc((2 * md + L[i].count) * 4);
+        download(out[i], L[i].d_y, md * 4);
+        download(out[i] + md, L[i].d_dx, md * 4);
+        download(out[i] + 2 * md, L[i].d_g, L[i].count * 4);
+        layer_free(&L[i]);
+    }
+}
+
+/* Two layers' handles sharing one set of call-time buffers (lm_cuda_moe_ep_share,
+ * as a model's layers do), the second layer's skewed load growing them between
+ * the first layer's forward and backward: every result the separate handles'
+ * bits. */
+static void test_layers_sharing_call_buffers_give_their_own_bits(void) {
+    lm_moe_config c = lm_moe_config_default(64, 8, 2, 32);
+    c.d_latent = 32;
+    c.n_shared = 1;
+    c.d_ff_shared = 48;
+    const int64_t m = 300 + 40 * me;
+    lm_rng r;
+    lm_rng_seed(&r, 61 + (uint64_t)me);
+    float *x = host_normal((size_t)m * c.d, 1.0, 0.0, 1, &r), *dy = host_normal((size_t)m * c.d, 1.0, 0.0, 1, &r);
+    float *d_x = dev_upload(x, (size_t)m * c.d * 4), *d_dy = dev_upload(dy, (size_t)m * c.d * 4);
+    float *own[2], *shared[2];
+    two_layers(&c, m, d_x, d_dy, 0, own);
+    two_layers(&c, m, d_x, d_dy, 1, shared);
+    const size_t n = 2 * (size_t)m * c.d + lm_moe_param_count(&c);
+    for (int i = 0; i < 2; i++) {
+        CHECK(!memcmp(own[i], shared[i], n * 4), "layer %d: results differ with shared call buffers", i);
+        free(own[i]);
+        free(shared[i]);
+    }
+    lm_cuda_free(d_x);
+    lm_cuda_free(d_dy);
+    free(x);
+    free(dy);
+}
+
 static void test_refusals(void) {
     lm_moe_config c = lm_moe_config_default(64, 8, 2, 32);
     lm_cuda_moe_ep *ep = NULL;
@@ -317,6 +442,11 @@ static void test_refusals(void) {
               strstr(lm_last_error(), "made for"),
           "a layer of another shape: %s", lm_last_error());
     CHECK(lm_cuda_moe_ep_reserve(ep, -1) == LM_ERR_ARG, "negative reserve");
+    lm_cuda_moe_ep *wide = NULL;
+    GPU_OK(lm_cuda_moe_ep_create(ctx, comm, &other, &wide));
+    CHECK(lm_cuda_moe_ep_share(wide, ep) == LM_ERR_ARG && strstr(lm_last_error(), "cannot use"),
+          "sharing the buffers of other expert shapes: %s", lm_last_error());
+    lm_cuda_moe_ep_free(wide);
     lm_cuda_moe_ep_free(ep);
     if (R > 1) {
         lm_moe_config odd = lm_moe_config_default(64, 2 * R + 1, 2, 32);
@@ -367,6 +497,7 @@ int main(int argc, char **argv) {
     RUN(test_latent_situ_with_a_shared_expert);
     RUN(test_every_token_to_rank_0s_experts);
     RUN(test_a_rank_without_tokens_still_takes_part);
+    RUN(test_layers_sharing_call_buffers_give_their_own_bits);
     RUN(test_refusals);
     if (comm) {
         /* a failure on any rank fails the job's summary */

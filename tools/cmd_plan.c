@@ -47,9 +47,12 @@ static const char *const plan_usage =
     "parallel block of segment activations and backward scratch the model adds,\n"
     "for the rank that needs the most (the attention's activations grow with the\n"
     "segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
-    "group's share). --ep G (cpu) sizes one rank of `train --comm mpi --ep G`: its\n"
+    "group's share). --ep G sizes one rank of `train --comm mpi --ep G`: on cpu its\n"
     "weights, gradients and optimizer state of the routed experts are those of its\n"
-    "n/G experts only, the blocks allocated so from the model's creation.\n";
+    "n/G experts only, the blocks allocated so from the model's creation; on cuda\n"
+    "(`train --device cuda --ep G`) they stay whole. Both add the exchange's buffers\n"
+    "of the MoE layers at a balanced load (each owner receiving the rank's tokens x\n"
+    "top_k rows a layer; an uneven load grows them).\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
                         long cp, long ep, const char *json);
@@ -290,12 +293,16 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             if (bytes > best) best = bytes, rank = cand[i], t0 = start, cp_bytes = cb, T = len;
         }
     }
-    if (ep > 1 && dev != LM_DEVICE_CPU) return cli_fail(cmd, "--ep: expert parallelism runs on CPU ranks (--device cpu)");
+    if (ep > 1 && c->n_routed_experts % ep)
+        return cli_fail(cmd, "--ep %ld: %d routed experts cannot be split over %ld ranks (model.n_routed_experts must "
+                        "be divisible by the group size)", ep, c->n_routed_experts, ep);
     lm_model *m = NULL;
-    /* expert parallel: a rank allocates its experts' gradients and weights only (every position the same size) */
-    if (ep > 1 && lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, &m))
+    /* expert parallel on CPU ranks: a rank allocates its experts' gradients and weights only (every position the
+     * same size); on a device they stay whole */
+    const int owned = ep > 1 && dev == LM_DEVICE_CPU;
+    if (owned && lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, &m))
         return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
-    if (ep <= 1 && lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
+    if (!owned && lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
     int nt = lm_model_num_tensors(m);
     lm_param *ps = calloc((size_t)nt, sizeof *ps);
@@ -323,25 +330,32 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         scratch = lm_optim_scratch_floats(ps, nt) * sizeof(float);
     }
     free(ps);
-    const char *extra_names[5] = {"optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)",
-                                  "gradient norm work",
-                                  "context parallel: segment activations of the token mixers and backward scratch",
-                                  "expert parallel: one MoE layer's routed experts, gathered by an evaluation forward"};
-    size_t extra[5] = {state, scratch, norm, cp_bytes, lm_model_expert_layer_bytes(m)};
+    enum { N_EXTRA = 6 };
+    const char *extra_names[N_EXTRA] = {
+        "optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)", "gradient norm work",
+        "context parallel: segment activations of the token mixers and backward scratch",
+        "expert parallel: one MoE layer's routed experts, gathered by an evaluation forward",
+        "expert parallel: the exchange's rows of the MoE layers at a balanced load"};
+    size_t extra[N_EXTRA] = {state, scratch, norm, cp_bytes, lm_model_expert_layer_bytes(m),
+                             ep > 1 ? lm_model_ep_exchange_bytes(m, (int)ep) : 0};
     int nb = lm_model_num_buffers(m);
     double total = 0;
     for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
-    for (int i = 0; i < 5; i++) total += (double)extra[i];
+    for (int i = 0; i < N_EXTRA; i++) total += (double)extra[i];
     printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n",
            cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
            lm_model_num_params(m));
     if (cp > 1)
         printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
                "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
-    if (ep > 1)
+    if (owned)
         printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
                "%d of the %d routed experts of a layer (an evaluation gathers one layer's experts at a time, "
                "counted below; a checkpoint sends rank 0 one expert tensor at a time, not counted here)\n", ep,
+               c->n_routed_experts / (int)ep, c->n_routed_experts);
+    else if (ep > 1)
+        printf("expert parallel in groups of %ld ranks: a rank runs %d of the %d routed experts of a layer on the "
+               "group's tokens; their weights, gradients and optimizer state stay whole on every rank\n", ep,
                c->n_routed_experts / (int)ep, c->n_routed_experts);
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
@@ -349,7 +363,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         const lm_model_buffer *b = lm_model_buffer_at(m, i);
         printf("%-82s %12.3f %6.1f%%\n", b->name, gib((double)b->bytes), 100.0 * (double)b->bytes / total);
     }
-    for (int i = 0; i < 5; i++)
+    for (int i = 0; i < N_EXTRA; i++)
         if (extra[i]) printf("%-82s %12.3f %6.1f%%\n", extra_names[i], gib((double)extra[i]), 100.0 * extra[i] / total);
     printf("%-82s %12.3f\n", "total", gib(total));
     printf("(%.1f KiB a token; the CUDA backend adds small scratch of its own and the allocator's rounding)\n",
@@ -376,7 +390,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                 fprintf(f, ", \"bytes\": %zu}", b->bytes);
                 first = 0;
             }
-            for (int i = 0; i < 5; i++)
+            for (int i = 0; i < N_EXTRA; i++)
                 if (extra[i]) {
                     fprintf(f, ",\n  {\"name\": ");
                     json_string(f, extra_names[i]);

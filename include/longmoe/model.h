@@ -77,8 +77,10 @@ float *lm_model_backend_grads(lm_model *m);
 float *lm_model_backend_param_block(lm_model *m);
 void lm_model_free(lm_model *m);
 
-/* Expert parallelism over the ranks of comm (docs/scaleout.md; CPU backend
- * only): rank r computes the routed experts [r n / R, (r+1) n / R) of every
+/* Expert parallelism over the ranks of comm (docs/scaleout.md; through the
+ * backend's moe_forward_ep / moe_backward_ep: comm a host engine on the CPU
+ * backend, a device engine (NCCL, staged) on CUDA, where the weights must
+ * stay whole): rank r computes the routed experts [r n / R, (r+1) n / R) of every
  * MoE layer for the tokens of all ranks, which reach it by all-to-all in the
  * training forward and backward (lm_model_forward with training = 1 and
  * lm_model_backward are then collective over comm). The weights stay whole
@@ -182,6 +184,12 @@ lm_status lm_model_gather_experts_by_layer(lm_model *m, int on);
  * evaluation forward gathering layer by layer holds at most besides the
  * model; on a plan too); 0 otherwise. */
 size_t lm_model_expert_layer_bytes(const lm_model *m);
+/* The expert-parallel exchange's memory of every MoE layer of m over R ranks
+ * at a balanced load (each owner receiving the rank's micro-batch chunk x
+ * top_k rows a layer; an uneven load grows it): the backend's handles
+ * (lm_ops moe_ep_bytes) summed; 0 for R < 2 or a model without MoE layers.
+ * `longmoe plan --memory --ep G` shows it. */
+size_t lm_model_ep_exchange_bytes(const lm_model *m, int R);
 /* The most bytes of gathered expert weights (lm_model_gather_experts, or a
  * layer in an evaluation forward) the model held at once since the last
  * reset (reset = 1 starts a new count at what it holds now). */

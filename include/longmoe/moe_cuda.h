@@ -224,7 +224,8 @@ lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_m
  * device buffers of its own, sized by lm_cuda_moe_ep_reserve or grown when a
  * forward receives more rows than they hold (cudaMalloc then: the only
  * allocation in these calls; reserve the dropless worst case, R m k rows, to
- * keep it out of a step). One handle per MoE layer. */
+ * keep it out of a step). One handle per MoE layer. A rank's rows for its own
+ * experts never travel: they are read and written in place. */
 typedef struct lm_cuda_moe_ep lm_cuda_moe_ep;
 
 /* A handle over comm's ranks (comm must outlive it) for layers of cfg on
@@ -239,8 +240,20 @@ int lm_cuda_moe_ep_local_experts(const lm_cuda_moe_ep *ep);
 int64_t lm_cuda_moe_ep_rows_received(const lm_cuda_moe_ep *ep);
 /* Size the owner's buffers for up to `rows` received rows now. */
 lm_status lm_cuda_moe_ep_reserve(lm_cuda_moe_ep *ep, int64_t rows);
-/* Device bytes the handle holds now. */
-size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep);
+/* Its buffers are in two parts: the owner's activations, kept from a forward
+ * to its backward, and the buffers a call uses only while it runs (the rows
+ * as received and as sent back, the owner's backward scratch). Handles whose
+ * calls never overlap (a model's MoE layers, on one stream) may share the
+ * second part: lm_cuda_moe_ep_share makes ep use with's (ep's own is freed;
+ * the same expert shapes and context; each grows it on need). */
+lm_status lm_cuda_moe_ep_share(lm_cuda_moe_ep *ep, lm_cuda_moe_ep *with);
+/* Device bytes the handle holds now: its own part (shared_part 0: the
+ * activations and tables) or the shareable part (1, counted by each sharer). */
+size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep, int shared_part);
+/* The same for a handle of cfg over R ranks after lm_cuda_moe_ep_reserve(rows)
+ * (no GPU needed: the memory plan); 0 when cfg is invalid or n_experts is not
+ * divisible by R. */
+size_t lm_cuda_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows, int shared_part);
 
 /* lm_cuda_moe_forward / lm_cuda_moe_backward with the routed experts on
  * their owners: params_bf16's gate, up, down (and grads') point at this

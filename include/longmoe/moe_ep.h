@@ -45,6 +45,11 @@ int lm_moe_ep_local_experts(const lm_moe_ep *ep);
 /* Rows this rank's experts received in the last forward (all sources). */
 int64_t lm_moe_ep_rows_received(const lm_moe_ep *ep);
 
+/* The bytes of the owner's buffers a handle of cfg over R ranks holds once a
+ * forward received `rows` rows (the memory plan); 0 when cfg is invalid or
+ * n_experts is not divisible by R. */
+size_t lm_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows);
+
 /* The ranks agree on a failure (a one-integer sum): returns `mine` when it
  * is an error, an LM_ERR_NUMERIC error naming another rank when only another
  * rank failed, else LM_OK. Collective. lm_moe_forward_ep calls it after the

@@ -85,10 +85,23 @@ int lm_moe_ep_first_expert(const lm_moe_ep *ep) { return ep->r * ep->nl; }
 int lm_moe_ep_local_experts(const lm_moe_ep *ep) { return ep->nl; }
 int64_t lm_moe_ep_rows_received(const lm_moe_ep *ep) { return ep->rows; }
 
+/* The capacity the owner's buffers grow to for `rows` received rows. */
+static int64_t grown_cap(int64_t rows) { return rows + rows / 4 + 16; }
+
+/* Bytes of the owner's buffers at capacity cap (the table of grow). */
+static size_t rows_bytes(int64_t cap, int de, int f) {
+    return (size_t)cap * ((size_t)de * 5 + (size_t)f * 6) * sizeof(float) + (size_t)cap * sizeof(int64_t);
+}
+
+size_t lm_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows) {
+    if (!cfg || R < 1 || rows < 0 || lm_moe_check(cfg) || cfg->n_experts % R) return 0;
+    return rows_bytes(grown_cap(rows), cfg->d_latent > 0 ? cfg->d_latent : cfg->d, cfg->d_ff);
+}
+
 /* Grow the owner's buffers to `rows` rows; 0 on success. */
 static int grow(lm_moe_ep *ep, int64_t rows) {
     if (rows <= ep->cap) return 0;
-    int64_t cap = rows + rows / 4 + 16;
+    int64_t cap = grown_cap(rows);
     free_rows(ep);
     size_t de = (size_t)cap * ep->de * sizeof(float), f = (size_t)cap * ep->f * sizeof(float);
     struct { float **p; size_t bytes; } t[] = {{&ep->buf, de}, {&ep->xo, de}, {&ep->out, de}, {&ep->ga, f},

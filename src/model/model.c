@@ -2386,10 +2386,14 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
                         "expert parallelism: model.n_routed_experts = %d is not divisible by the %d ranks (each "
                         "rank owns n / R experts)",
                         m->cfg.n_routed_experts, R);
+    void *first_ep = NULL;
     for (int l = 0; l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
         if (!ls->moe || ls->moe_ep) continue;
         TRY(m->be->ops->moe_ep_create(m->be, comm, &ls->moe_cfg, &ls->moe_ep));
+        /* the layers run one after the other: one set of call-time buffers for all */
+        if (first_ep && m->be->ops->moe_ep_share) TRY(m->be->ops->moe_ep_share(m->be, ls->moe_ep, first_ep));
+        if (!first_ep) first_ep = ls->moe_ep;
         const lm_moe_config *mc = &ls->moe_cfg;
         const int first = lm_comm_rank(comm) * (mc->n_experts / R);
         size_t wo = (size_t)first * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
@@ -2759,6 +2763,21 @@ lm_status lm_model_gather_experts_by_layer(lm_model *m, int on) {
                         "lm_model_keep_expert_grads and lm_model_keep_expert_weights)");
     m->xstream = on != 0;
     return LM_OK;
+}
+
+size_t lm_model_ep_exchange_bytes(const lm_model *m, int R) {
+    if (R < 2 || !m->be->ops->moe_ep_bytes) return 0;
+    size_t sum = 0, shared = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        const layer_state *ls = &m->layers[l];
+        if (!ls->moe) continue;
+        const int64_t rows = m->chunk * ls->moe_cfg.top_k;
+        sum += m->be->ops->moe_ep_bytes(&ls->moe_cfg, R, rows, 0);
+        /* the call-time part: one set for all layers (moe_ep_share), the largest layer's */
+        const size_t s = m->be->ops->moe_ep_bytes(&ls->moe_cfg, R, rows, 1);
+        shared = s > shared ? s : shared;
+    }
+    return sum + shared;
 }
 
 size_t lm_model_expert_layer_bytes(const lm_model *m) {

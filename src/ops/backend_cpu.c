@@ -485,6 +485,11 @@ static lm_status cpu_moe_ep_create(lm_backend *be, lm_comm *comm, const lm_moe_c
     return st;
 }
 
+/* nothing of the CPU handle is shared */
+static size_t cpu_moe_ep_bytes(const lm_moe_config *cfg, int R, int64_t rows, int shared_part) {
+    return shared_part ? 0 : lm_moe_ep_plan_bytes(cfg, R, rows);
+}
+
 static void cpu_moe_ep_free(lm_backend *be, void *ep) {
     (void)be;
     lm_moe_ep_free(ep);
@@ -716,6 +721,7 @@ static const lm_ops cpu_ops = {
     .moe_backward = cpu_moe_backward,
     .moe_ep_create = cpu_moe_ep_create,
     .moe_ep_free = cpu_moe_ep_free,
+    .moe_ep_bytes = cpu_moe_ep_bytes,
     .moe_forward_ep = cpu_moe_forward_ep,
     .moe_backward_ep = cpu_moe_backward_ep,
     .moe_scores = cpu_moe_scores,

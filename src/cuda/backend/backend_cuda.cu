@@ -634,6 +634,11 @@ static lm_status cuda_moe_ep_create(lm_backend *be, lm_comm *comm, const lm_moe_
     return st;
 }
 
+static lm_status cuda_moe_ep_share(lm_backend *be, void *ep, void *with) {
+    (void)be;
+    return lm_cuda_moe_ep_share((lm_cuda_moe_ep *)ep, (lm_cuda_moe_ep *)with);
+}
+
 static void cuda_moe_ep_free(lm_backend *be, void *ep) {
     (void)be;
     lm_cuda_moe_ep_free((lm_cuda_moe_ep *)ep);
@@ -1136,6 +1141,8 @@ static lm_ops make_cuda_ops(void) {
     o.moe_backward = cuda_moe_backward;
     o.moe_ep_create = cuda_moe_ep_create;
     o.moe_ep_free = cuda_moe_ep_free;
+    o.moe_ep_bytes = lm_cuda_moe_ep_plan_bytes;
+    o.moe_ep_share = cuda_moe_ep_share;
     o.moe_forward_ep = cuda_moe_forward_ep;
     o.moe_backward_ep = cuda_moe_backward_ep;
     o.moe_scores = cuda_moe_scores;

@@ -33,6 +33,19 @@
 #define TILE LM_MOE_CUDA_ROW_TILE
 #define ALIGN_BYTES 256
 
+/* The buffers an exchange needs only during one call (forward or backward):
+ * a model's handles may share one set (lm_cuda_moe_ep_share), since its MoE
+ * layers run one after the other on one stream. */
+typedef struct {
+    int refs;                 /* handles using it */
+    int de, f;
+    int64_t rcap, lcap;       /* row capacities: received layout, local layout */
+    void *block;              /* device: everything below */
+    size_t bytes;
+    bf16 *buf, *buf2;         /* [rcap, de] rows as received, rows to send back */
+    bf16 *dgout, *dh, *da, *du, *dxg; /* [lcap, .] the owner's backward */
+} ep_transient;
+
 struct lm_cuda_moe_ep {
     const lm_cuda_context *ctx;
     lm_comm *comm, *host;
@@ -42,12 +55,11 @@ struct lm_cuda_moe_ep {
     size_t *sb, *so, *rb, *ro;/* [R] the dispatch's bytes and offsets (the return swaps them) */
     int64_t rows;             /* real rows received in the last forward */
     int64_t recv_rows;        /* received-layout rows (padding included) */
-    int64_t rcap, lcap;       /* row capacities: received layout, local layout */
-    void *block;              /* device: everything below */
+    int64_t lcap;             /* row capacity of the local layout's activations */
+    void *block;              /* device: the activations below (kept from a forward to its backward) */
     size_t block_bytes;
-    bf16 *buf, *buf2;         /* [rcap, de] rows as received, rows to send back */
     lm_cuda_moe_acts loc;     /* the local view: offsets, padded offsets, xg, ga, gu, gh, gout, blas_ptrs */
-    bf16 *dgout, *dh, *da, *du, *dxg; /* [lcap, .] the owner's backward */
+    ep_transient *tr;         /* this handle's, or shared */
     int32_t *tables;          /* device: padded_loc [nl+1], offsets_loc [nl+1], cum [nl][R+1], recv_blk [R nl + 1],
                                  self_blk [nl + 1] */
     int64_t self_first;       /* this rank's own range in the sender's layout: its first row */
@@ -129,55 +141,103 @@ static int32_t *t_cum(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl +
 static int32_t *t_recv(lm_cuda_moe_ep *ep, int32_t *t) { return t + 2 * (ep->nl + 1) + (size_t)ep->nl * (ep->R + 1); }
 static int32_t *t_self(lm_cuda_moe_ep *ep, int32_t *t) { return t_recv(ep, t) + (size_t)ep->R * ep->nl + 1; }
 
-static void free_rows(lm_cuda_moe_ep *ep) {
-    if (ep->block) cudaFree(ep->block);
-    ep->block = NULL;
-    ep->block_bytes = 0;
-    ep->rcap = ep->lcap = 0;
+/* The capacity a need of `rows` grows to (a quarter more, whole tiles, at
+ * least one tile), from the current one. */
+static int64_t grown_cap(int64_t rows, int64_t cap) {
+    if (rows > cap) cap = pad_rows(rows + rows / 4);
+    return cap < TILE ? TILE : cap;
 }
 
-/* Buffers for rrows received and lrows local rows (padding included); grows
- * with a margin, never shrinks. */
-static lm_status ensure_rows(lm_cuda_moe_ep *ep, int64_t rrows, int64_t lrows) {
-    if (rrows <= ep->rcap && lrows <= ep->lcap && ep->block) return LM_OK;
-    int64_t rcap = rrows > ep->rcap ? pad_rows(rrows + rrows / 4) : ep->rcap;
-    int64_t lcap = lrows > ep->lcap ? pad_rows(lrows + lrows / 4) : ep->lcap;
-    if (rcap < TILE) rcap = TILE;
-    if (lcap < TILE) lcap = TILE;
-    if (lcap > INT32_MAX || rcap > INT32_MAX)
-        return lm_error(LM_ERR_ARG, "moe cuda ep: %lld rows received, more than an int32 row index holds",
-                        (long long)(lrows > rrows ? lrows : rrows));
-    const size_t de = (size_t)ep->de * 2, f = (size_t)ep->f * 2;
-    const size_t ptrs = 3 * (size_t)lm_moe_blas_ptr_capacity(ep->nl, lcap) * sizeof(void *);
+/* The persistent activations of lcap local rows in one block: their bytes,
+ * and (base not NULL) ep's pointers into it. One table for the layout and the plan. */
+static size_t kept_layout(lm_cuda_moe_ep *ep, int nl, int de_, int f_, int64_t lcap, char *base) {
+    lm_cuda_moe_acts dummy;
+    lm_cuda_moe_acts *a = base ? &ep->loc : &dummy;
+    const size_t de = (size_t)de_ * 2, f = (size_t)f_ * 2;
+    const size_t ptrs = 3 * (size_t)lm_moe_blas_ptr_capacity(nl, lcap) * sizeof(void *);
     struct { void **p; size_t bytes; } t[] = {
-        {(void **)&ep->buf, rcap * de},      {(void **)&ep->buf2, rcap * de},
-        {(void **)&ep->loc.xg, lcap * de},   {(void **)&ep->loc.gout, lcap * de},
-        {(void **)&ep->loc.ga, lcap * f},    {(void **)&ep->loc.gu, lcap * f},
-        {(void **)&ep->loc.gh, lcap * f},    {(void **)&ep->dgout, lcap * de},
-        {(void **)&ep->dxg, lcap * de},      {(void **)&ep->dh, lcap * f},
-        {(void **)&ep->da, lcap * f},        {(void **)&ep->du, lcap * f},
-        {(void **)&ep->loc.blas_ptrs, ptrs},
+        {(void **)&a->xg, lcap * de}, {(void **)&a->gout, lcap * de}, {(void **)&a->ga, lcap * f},
+        {(void **)&a->gu, lcap * f},  {(void **)&a->gh, lcap * f},    {(void **)&a->blas_ptrs, ptrs},
     };
     size_t total = 0;
-    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) total += align_up(t[i].bytes);
-    LM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)ep->ctx->stream));
-    free_rows(ep);
-    void *block = NULL;
-    if (cudaMalloc(&block, total) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate %.1f MiB for %lld received rows",
-                        (double)total / (1 << 20), (long long)lrows);
-    }
-    char *w = (char *)block;
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
-        *t[i].p = w;
-        w += align_up(t[i].bytes);
+        if (base) *t[i].p = base + total;
+        total += align_up(t[i].bytes);
     }
-    ep->block = block;
-    ep->block_bytes = total;
-    ep->rcap = rcap;
-    ep->lcap = lcap;
-    ep->loc.rows_max = lcap;
+    return total;
+}
+
+/* The transient buffers of capacities rcap, lcap likewise. */
+static size_t transient_layout(ep_transient *tr, int de_, int f_, int64_t rcap, int64_t lcap, char *base) {
+    ep_transient dummy;
+    ep_transient *e = base ? tr : &dummy;
+    const size_t de = (size_t)de_ * 2, f = (size_t)f_ * 2;
+    struct { void **p; size_t bytes; } t[] = {
+        {(void **)&e->buf, rcap * de}, {(void **)&e->buf2, rcap * de}, {(void **)&e->dgout, lcap * de},
+        {(void **)&e->dxg, lcap * de}, {(void **)&e->dh, lcap * f},    {(void **)&e->da, lcap * f},
+        {(void **)&e->du, lcap * f},
+    };
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        if (base) *t[i].p = base + total;
+        total += align_up(t[i].bytes);
+    }
+    return total;
+}
+
+static lm_status device_block(size_t bytes, int64_t rows, void **out) {
+    if (cudaMalloc(out, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        *out = NULL;
+        return lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate %.1f MiB for %lld received rows",
+                        (double)bytes / (1 << 20), (long long)rows);
+    }
+    return LM_OK;
+}
+
+static void transient_release(ep_transient *tr) {
+    if (!tr || --tr->refs > 0) return;
+    if (tr->block) cudaFree(tr->block);
+    free(tr);
+}
+
+/* Buffers for rrows received and lrows local rows (padding included); each
+ * part grows with a margin, never shrinks (waiting for the stream first: a
+ * shared part may be in use by another handle's enqueued work). */
+static lm_status ensure_rows(lm_cuda_moe_ep *ep, int64_t rrows, int64_t lrows) {
+    if (lrows > INT32_MAX || rrows > INT32_MAX)
+        return lm_error(LM_ERR_ARG, "moe cuda ep: %lld rows received, more than an int32 row index holds",
+                        (long long)(lrows > rrows ? lrows : rrows));
+    cudaStream_t st = (cudaStream_t)ep->ctx->stream;
+    if (lrows > ep->lcap || !ep->block) {
+        const int64_t lcap = grown_cap(lrows, ep->lcap);
+        const size_t total = kept_layout(ep, ep->nl, ep->de, ep->f, lcap, NULL);
+        LM_CUDA_TRY(cudaStreamSynchronize(st));
+        if (ep->block) cudaFree(ep->block);
+        ep->block = NULL;
+        ep->block_bytes = 0;
+        ep->lcap = 0;
+        TRY(device_block(total, lrows, &ep->block));
+        kept_layout(ep, ep->nl, ep->de, ep->f, lcap, (char *)ep->block);
+        ep->block_bytes = total;
+        ep->lcap = lcap;
+        ep->loc.rows_max = lcap;
+    }
+    ep_transient *tr = ep->tr;
+    if (rrows > tr->rcap || lrows > tr->lcap || !tr->block) {
+        const int64_t rcap = grown_cap(rrows, tr->rcap), lcap = grown_cap(lrows, tr->lcap);
+        const size_t total = transient_layout(tr, tr->de, tr->f, rcap, lcap, NULL);
+        LM_CUDA_TRY(cudaStreamSynchronize(st));
+        if (tr->block) cudaFree(tr->block);
+        tr->block = NULL;
+        tr->bytes = 0;
+        tr->rcap = tr->lcap = 0;
+        TRY(device_block(total, lrows, &tr->block));
+        transient_layout(tr, tr->de, tr->f, rcap, lcap, (char *)tr->block);
+        tr->bytes = total;
+        tr->rcap = rcap;
+        tr->lcap = lcap;
+    }
     return LM_OK;
 }
 
@@ -209,7 +269,14 @@ extern "C" lm_status lm_cuda_moe_ep_create(const lm_cuda_context *ctx, lm_comm *
     ep->sb = (size_t *)calloc((size_t)R * 4, sizeof(size_t));
     ep->table_count = 3 * ((size_t)ep->nl + 1) + (size_t)ep->nl * (R + 1) + (size_t)R * ep->nl + 1;
     lm_status st = LM_OK;
-    if (!ep->cnt_send || !ep->cnt_recv || !ep->sb) st = lm_error(LM_ERR_MEMORY, "moe cuda ep: out of memory");
+    ep->tr = (ep_transient *)calloc(1, sizeof *ep->tr);
+    if (ep->tr) {
+        ep->tr->refs = 1;
+        ep->tr->de = ep->de;
+        ep->tr->f = ep->f;
+    }
+    if (!ep->cnt_send || !ep->cnt_recv || !ep->sb || !ep->tr)
+        st = lm_error(LM_ERR_MEMORY, "moe cuda ep: out of memory");
     if (!st && cudaMalloc((void **)&ep->tables, ep->table_count * 4) != cudaSuccess)
         st = lm_error(LM_ERR_MEMORY, "moe cuda ep: cannot allocate the row tables");
     if (!st && cudaMallocHost((void **)&ep->htables, ep->table_count * 4) != cudaSuccess)
@@ -235,7 +302,8 @@ extern "C" lm_status lm_cuda_moe_ep_create(const lm_cuda_context *ctx, lm_comm *
 extern "C" void lm_cuda_moe_ep_free(lm_cuda_moe_ep *ep) {
     if (!ep) return;
     if (ep->ctx) (void)cudaStreamSynchronize((cudaStream_t)ep->ctx->stream);
-    free_rows(ep);
+    if (ep->block) cudaFree(ep->block);
+    transient_release(ep->tr);
     if (ep->tables) cudaFree(ep->tables);
     if (ep->htables) cudaFreeHost(ep->htables);
     free(ep->cnt_send);
@@ -247,17 +315,50 @@ extern "C" void lm_cuda_moe_ep_free(lm_cuda_moe_ep *ep) {
 extern "C" int lm_cuda_moe_ep_first_expert(const lm_cuda_moe_ep *ep) { return ep->r * ep->nl; }
 extern "C" int lm_cuda_moe_ep_local_experts(const lm_cuda_moe_ep *ep) { return ep->nl; }
 extern "C" int64_t lm_cuda_moe_ep_rows_received(const lm_cuda_moe_ep *ep) { return ep->rows; }
-extern "C" size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep) {
-    return ep->block_bytes + ep->table_count * 4;
+extern "C" size_t lm_cuda_moe_ep_bytes(const lm_cuda_moe_ep *ep, int shared_part) {
+    return shared_part ? ep->tr->bytes : ep->block_bytes + ep->table_count * 4;
+}
+
+extern "C" lm_status lm_cuda_moe_ep_share(lm_cuda_moe_ep *ep, lm_cuda_moe_ep *with) {
+    if (!ep || !with) return lm_error(LM_ERR_ARG, "moe cuda ep share: ep and with must not be NULL");
+    if (ep->tr == with->tr) return LM_OK;
+    if (ep->de != with->de || ep->f != with->f)
+        return lm_error(LM_ERR_ARG, "moe cuda ep share: experts of %d -> %d cannot use the buffers of %d -> %d", ep->de,
+                        ep->f, with->de, with->f);
+    if (ep->ctx != with->ctx) return lm_error(LM_ERR_ARG, "moe cuda ep share: the handles are on other contexts");
+    LM_CUDA_TRY(cudaStreamSynchronize((cudaStream_t)ep->ctx->stream));
+    transient_release(ep->tr);
+    ep->tr = with->tr;
+    ep->tr->refs++;
+    return LM_OK;
+}
+
+/* the padding of the worst case: each source's block of each local expert,
+ * and each local expert once */
+static void reserve_rows(int64_t rows, int nl, int R, int64_t *rrows, int64_t *lrows) {
+    const int64_t slack = (int64_t)(TILE - 1) * nl;
+    *rrows = rows + slack * R;
+    *lrows = rows + slack;
 }
 
 extern "C" lm_status lm_cuda_moe_ep_reserve(lm_cuda_moe_ep *ep, int64_t rows) {
     if (!ep) return lm_error(LM_ERR_ARG, "moe cuda ep reserve: ep is NULL");
     if (rows < 0) return lm_error(LM_ERR_ARG, "moe cuda ep reserve: rows = %lld", (long long)rows);
-    /* the padding of the worst case: each source's block of each local expert,
-     * and each local expert once */
-    const int64_t slack = (int64_t)(TILE - 1) * ep->nl;
-    return ensure_rows(ep, rows + slack * ep->R, rows + slack);
+    int64_t rr, lr;
+    reserve_rows(rows, ep->nl, ep->R, &rr, &lr);
+    return ensure_rows(ep, rr, lr);
+}
+
+extern "C" size_t lm_cuda_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows, int shared_part) {
+    if (!cfg || R < 1 || rows < 0 || lm_moe_check(cfg) || cfg->n_experts % R) return 0;
+    const int nl = cfg->n_experts / R, de = cfg->d_latent > 0 ? cfg->d_latent : cfg->d;
+    int64_t rr, lr;
+    reserve_rows(rows, nl, R, &rr, &lr);
+    /* a handle's first buffers (a tile), then what the reserve grows them to */
+    const int64_t lcap = grown_cap(lr, grown_cap(TILE, 0)), rcap = grown_cap(rr, grown_cap(TILE, 0));
+    if (shared_part) return transient_layout(NULL, de, cfg->d_ff, rcap, lcap, NULL);
+    const size_t tables = 3 * ((size_t)nl + 1) + (size_t)nl * (R + 1) + (size_t)R * nl + 1;
+    return kept_layout(NULL, nl, de, cfg->d_ff, lcap, NULL) + tables * 4;
 }
 
 lm_status lm_moe_ep_check_config(const lm_cuda_moe_ep *ep, const lm_moe_config *c) {
@@ -372,15 +473,15 @@ static lm_status plan_exchange(lm_cuda_moe_ep *ep, const lm_cuda_moe_acts *a, in
 /* rows in the sender's layout (a's grouped rows) -> the owners' local rows in `local` */
 static lm_status dispatch(lm_cuda_moe_ep *ep, cudaStream_t st, const void *grouped, bf16 *local) {
     lm_comm_set_stream(ep->comm, st);
-    TRY(lm_comm_all_to_allv(ep->comm, grouped, ep->sb, ep->so, ep->buf, ep->rb, ep->ro));
-    return launch_regroup(ep, st, local, ep->buf, (const bf16 *)grouped, ep->de);
+    TRY(lm_comm_all_to_allv(ep->comm, grouped, ep->sb, ep->so, ep->tr->buf, ep->rb, ep->ro));
+    return launch_regroup(ep, st, local, ep->tr->buf, (const bf16 *)grouped, ep->de);
 }
 
 /* the owners' local rows -> the very grouped rows they came from */
 static lm_status give_back(lm_cuda_moe_ep *ep, cudaStream_t st, const bf16 *local, void *grouped) {
-    TRY(launch_ungroup(ep, st, ep->buf2, local, (bf16 *)grouped, ep->de));
+    TRY(launch_ungroup(ep, st, ep->tr->buf2, local, (bf16 *)grouped, ep->de));
     lm_comm_set_stream(ep->comm, st);
-    return lm_comm_all_to_allv(ep->comm, ep->buf2, ep->rb, ep->ro, grouped, ep->sb, ep->so);
+    return lm_comm_all_to_allv(ep->comm, ep->tr->buf2, ep->rb, ep->ro, grouped, ep->sb, ep->so);
 }
 
 lm_status lm_moe_ep_experts_forward_cuda(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
@@ -396,11 +497,15 @@ lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_c
                                           const lm_moe_params_bf16 *pb, const lm_moe_params *g,
                                           const lm_cuda_moe_acts *a, lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
     (void)a;
-    TRY(dispatch(ep, r->st, s->dgout, ep->dgout));
+    /* the transient buffers may have been another layer's since the forward: size them again */
+    int64_t rr = ep->recv_rows, lr = ep->loc.host_padded[ep->nl];
+    TRY(ensure_rows(ep, rr, lr));
+    ep_transient *tr = ep->tr;
+    TRY(dispatch(ep, r->st, s->dgout, tr->dgout));
     const lm_moe_runner local = {r->ctx, r->st, ep->loc.gemm_kind, &ep->loc, ep->nl, r->dw_tmp};
-    if (ep->loc.host_padded[ep->nl] > 0) {
-        lm_moe_expert_grads e = {ep->dgout, ep->dh, ep->da, ep->du, ep->dxg};
+    if (lr > 0) {
+        lm_moe_expert_grads e = {tr->dgout, tr->dh, tr->da, tr->du, tr->dxg};
         TRY(lm_moe_experts_backward(&local, c, pb, g, &ep->loc, &e));
     }
-    return give_back(ep, r->st, ep->dxg, s->dxg);
+    return give_back(ep, r->st, tr->dxg, s->dxg);
 }
