@@ -148,6 +148,22 @@ static int64_t grown_cap(int64_t rows, int64_t cap) {
     return cap < TILE ? TILE : cap;
 }
 
+/* A block's buffers, one after the other, each aligned: their total bytes,
+ * and (base not NULL) each pointer set into base. */
+typedef struct {
+    void **p;
+    size_t bytes;
+} slot;
+
+static size_t carve(const slot *t, size_t count, char *base) {
+    size_t total = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (base) *t[i].p = base + total;
+        total += align_up(t[i].bytes);
+    }
+    return total;
+}
+
 /* The persistent activations of lcap local rows in one block: their bytes,
  * and (base not NULL) ep's pointers into it. One table for the layout and the plan. */
 static size_t kept_layout(lm_cuda_moe_ep *ep, int nl, int de_, int f_, int64_t lcap, char *base) {
@@ -155,16 +171,11 @@ static size_t kept_layout(lm_cuda_moe_ep *ep, int nl, int de_, int f_, int64_t l
     lm_cuda_moe_acts *a = base ? &ep->loc : &dummy;
     const size_t de = (size_t)de_ * 2, f = (size_t)f_ * 2;
     const size_t ptrs = 3 * (size_t)lm_moe_blas_ptr_capacity(nl, lcap) * sizeof(void *);
-    struct { void **p; size_t bytes; } t[] = {
+    const slot t[] = {
         {(void **)&a->xg, lcap * de}, {(void **)&a->gout, lcap * de}, {(void **)&a->ga, lcap * f},
         {(void **)&a->gu, lcap * f},  {(void **)&a->gh, lcap * f},    {(void **)&a->blas_ptrs, ptrs},
     };
-    size_t total = 0;
-    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
-        if (base) *t[i].p = base + total;
-        total += align_up(t[i].bytes);
-    }
-    return total;
+    return carve(t, sizeof t / sizeof t[0], base);
 }
 
 /* The transient buffers of capacities rcap, lcap likewise. */
@@ -172,17 +183,12 @@ static size_t transient_layout(ep_transient *tr, int de_, int f_, int64_t rcap, 
     ep_transient dummy;
     ep_transient *e = base ? tr : &dummy;
     const size_t de = (size_t)de_ * 2, f = (size_t)f_ * 2;
-    struct { void **p; size_t bytes; } t[] = {
+    const slot t[] = {
         {(void **)&e->buf, rcap * de}, {(void **)&e->buf2, rcap * de}, {(void **)&e->dgout, lcap * de},
         {(void **)&e->dxg, lcap * de}, {(void **)&e->dh, lcap * f},    {(void **)&e->da, lcap * f},
         {(void **)&e->du, lcap * f},
     };
-    size_t total = 0;
-    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
-        if (base) *t[i].p = base + total;
-        total += align_up(t[i].bytes);
-    }
-    return total;
+    return carve(t, sizeof t / sizeof t[0], base);
 }
 
 static lm_status device_block(size_t bytes, int64_t rows, void **out) {
