@@ -55,6 +55,8 @@ size_t lm_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows);
  * rank failed, else LM_OK. Collective. lm_moe_forward_ep calls it after the
  * routing, before the exchange. */
 lm_status lm_moe_ep_agree(lm_moe_ep *ep, lm_status mine);
+/* The same over any host-memory handle (a device engine's lm_comm_host). */
+lm_status lm_moe_ep_agree_on(lm_comm *comm, lm_status mine);
 
 /* The layer of lm_moe_forward / lm_moe_backward with the routed experts
  * spread over the ranks. p->gate, p->up, p->down (and g's) point at this

@@ -120,9 +120,11 @@ static int grow(lm_moe_ep *ep, int64_t rows) {
     return 0;
 }
 
-lm_status lm_moe_ep_agree(lm_moe_ep *ep, lm_status mine) {
+lm_status lm_moe_ep_agree(lm_moe_ep *ep, lm_status mine) { return lm_moe_ep_agree_on(ep->comm, mine); }
+
+lm_status lm_moe_ep_agree_on(lm_comm *comm, lm_status mine) {
     int32_t bad = mine != LM_OK, any = 0;
-    lm_status cs = lm_comm_all_reduce_sum(ep->comm, &bad, &any, 1, LM_DTYPE_I32);
+    lm_status cs = lm_comm_all_reduce_sum(comm, &bad, &any, 1, LM_DTYPE_I32);
     if (mine) return mine;
     if (cs) return cs;
     if (any) return lm_error(LM_ERR_NUMERIC, "moe ep: the routing failed on another rank");

@@ -1345,16 +1345,10 @@ static lm_status take_checks(lm_model *m, int clear) {
     return LM_OK;
 }
 
-/* The ranks of the expert-parallel handle agree on a failure (a one-integer
- * sum over its host handle): `mine` when it is an error, an error naming
- * another rank when only another rank failed, else LM_OK. Collective. */
+/* The ranks of the expert-parallel handle agree on a failure, over its host
+ * handle (moe_ep.h; the handle's exchanges may move device memory). */
 static lm_status ep_agree(lm_model *m, lm_status mine) {
-    int32_t bad = mine != LM_OK, any = 0;
-    lm_status cs = lm_comm_all_reduce_sum(lm_comm_host(m->ep_comm), &bad, &any, 1, LM_DTYPE_I32);
-    if (mine) return mine;
-    if (cs) return cs;
-    if (any) return lm_error(LM_ERR_NUMERIC, "moe ep: the routing failed on another rank");
-    return LM_OK;
+    return lm_moe_ep_agree_on(lm_comm_host(m->ep_comm), mine);
 }
 
 /* The channel mixer (dense FFN or MoE) of sublayer idx on the tokens [t0, t0 +
