@@ -212,6 +212,12 @@ typedef struct {
                               const float *dt_bias, const float *h0, const void *d_o, const float *dht, void *dq,
                               void *dk, void *dv, void *dz, float *dbeta, float *dA_log, float *ddt_bias,
                               float *dh0);
+    /* The KDA state map's step across context-parallel segments
+     * (include/longmoe/kda_state_map.h), n_pairs maps of P [K,K] with Q, S,
+     * out [K,V], fp32: out = P S + Q, or (transposed) out = P^T S + Q. S NULL:
+     * zero. out must not overlap S. */
+    lm_status (*kda_state_apply)(lm_backend *be, int n_pairs, int K, int V, const float *P, const float *Q,
+                                 const float *S, float *out, int transposed);
     /* gate = sigmoid(gate_logits) (in place: gate may equal gate_logits),
      * gated = gate ⊙ RMSNorm_head(o; o_norm) into gated_lp (the input of W_o)
      * and, when gated != NULL, in fp32; o_rstd [N*H] */

@@ -113,6 +113,15 @@ lm_status lm_kda_cuda_chunk_backward_kept(const lm_kda_config *cfg, const lm_kda
 lm_status lm_kda_cuda_decode_step(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in,
                                   float *state, uint16_t *o, void *stream);
 
+/* The state map's step across context-parallel segments (the mirror of
+ * lm_kda_state_map_apply / _apply_transposed, longmoe/kda_state_map.h), device
+ * fp32 arrays: per pair out = P S + Q, or P^T S + Q (transposed), with P
+ * [K,K] and Q, S, out [K,V]; S NULL: zero. out must not overlap S. Each
+ * element is one fixed-order dot product: the result depends only on the
+ * inputs. n_pairs at most 65535. */
+lm_status lm_kda_cuda_state_apply(int n_pairs, int K, int V, const float *P, const float *Q, const float *S,
+                                  float *out, int transposed, void *stream);
+
 /* ---- host convenience wrappers (fp32 host arrays, as longmoe/kda.h) ----
  * They round q, k, v, z and d_o to bf16, allocate device memory, run the
  * kernels on the default stream, copy back and free. For tests and

@@ -133,6 +133,17 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
                                     const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
                                     float *scratch);
 
+/* The operator's state map over the segment after lm_kda_layer_forward_seg
+ * (its q, k, gates and betas in `a`): P [B,H,K,K] such that the segment maps
+ * an incoming state S to P S + Q (Q: the outgoing state from a zero state,
+ * the forward's ht with h0 NULL). Runs the operator once with zero values
+ * (v_zero_lp [B,n,H*K] in the product format, zero) from the identity
+ * (ident [B,H,K,K] fp32) and writes its final state to P; its outputs go to
+ * o_lp [B,n,H*K] (the product format; scratch). `a` is not changed. */
+lm_status lm_kda_layer_seg_state_map(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                     const lm_kda_layer_acts *a, int B, int n, const void *v_zero_lp,
+                                     const float *ident, void *o_lp, float *P);
+
 /* ---- decode (docs/sampling.md) ----
  * The layer's whole memory of the past is a fixed-size state per sequence:
  * the last W-1 projections of q, k, v before the short convolution (its

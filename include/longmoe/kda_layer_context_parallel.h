@@ -40,6 +40,37 @@ lm_status lm_kda_layer_cp_backward(lm_comm *comm, const lm_kda_layer_config *c, 
                                    const lm_kda_layer_params *g, const float *x, const float *acts, const float *dy,
                                    int B, int t0, int n, float *dx, float *scratch);
 
+/* ---- any backend: the segment form ----
+ * The same layer on the backend of c (CPU or CUDA; c->backend NULL: the
+ * CPU), through its own segment functions (lm_kda_layer_forward_seg /
+ * _backward_seg, include/longmoe/kda_layer.h): x_lp in the product format,
+ * p_lp the parameters in it, every buffer (y, dy, dx, g, acts, scratch) in
+ * the backend's memory, and `comm` an engine working on that memory (MPI for
+ * the CPU; NCCL or the staged engine for a GPU, its stream the backend's).
+ * Forward: each rank's last W-1 projections are all-gathered for the later
+ * ranks' halos; each rank but the last runs its segment from a zero state
+ * (the outputs of rank 0; the map's Q of the others) and the operator once
+ * more from the identity with zero values (the map's P); the maps are
+ * all-gathered and applied in rank order; ranks after the first run the
+ * segment again from their incoming state. Backward: the segment's outputs'
+ * part (its dh0 is the map's D), the maps [P | D] all-gathered and scanned
+ * last first for the gradient of the outgoing state, the part through it (the
+ * backward is linear in dy and dht), and the halo's gradient all-gathered,
+ * each owner adding the later ranks' parts of its last rows in rank order and
+ * taking them through the q, k, v projections. Costs against the one-rank
+ * layer: up to two forwards and two backwards of the segment. Outputs: y and
+ * dx (required) of the segment; g ACCUMULATES this rank's part. acts and
+ * scratch hold the floats below; scratch is free between the calls. */
+size_t lm_kda_layer_cp_lp_act_floats(const lm_kda_layer_config *c, int B, int n);
+size_t lm_kda_layer_cp_lp_scratch_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
+lm_status lm_kda_layer_cp_forward_lp(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                     const lm_kda_layer_params *p_lp, const void *x_lp, int B, int t0, int n, float *y,
+                                     float *acts, float *scratch);
+lm_status lm_kda_layer_cp_backward_lp(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g, const void *x_lp,
+                                      const float *acts, const float *dy, int B, int t0, int n, float *dx,
+                                      float *scratch);
+
 #ifdef __cplusplus
 }
 #endif

@@ -48,6 +48,12 @@ lm_status lm_kda_state_map_compose(int n_pairs, int K, int V, const float *P1, c
 lm_status lm_kda_state_map_apply(int n_pairs, int K, int V, const float *P, const float *Q, const float *S_in,
                                  float *S_out);
 
+/* The backward's step: dS_in = P^T dS_out + D (dS_out NULL: zero, so dS_in =
+ * D), with P [K,K] and D, dS_out, dS_in [K,V] per pair. dS_in must not
+ * overlap dS_out. */
+lm_status lm_kda_state_map_apply_transposed(int n_pairs, int K, int V, const float *P, const float *D,
+                                            const float *dS_out, float *dS_in);
+
 /* ---- across ranks: rank r holds segment r of every sequence ----
  * Given this rank's segment map (P, Q), gathers every rank's map and applies
  * them in rank order to h0 (the whole sequence's initial state; NULL: zero;

@@ -102,22 +102,6 @@ lm_status lm_kda_cp_forward(lm_comm *comm, const lm_kda_config *cfg, const lm_kd
     return st;
 }
 
-/* dS_out = P^T dS for each pair: P [K,K], dS [K,V] -> out [K,V] (written). */
-static void apply_transposed(int n_pairs, int K, int V, const float *P, const float *dS, const float *D, float *out) {
-    for (int p = 0; p < n_pairs; p++) {
-        const float *Pp = P + (size_t)p * K * K, *dSp = dS + (size_t)p * K * V;
-        float *op = out + (size_t)p * K * V;
-        memcpy(op, D + (size_t)p * K * V, (size_t)K * V * sizeof(float));
-        for (int i = 0; i < K; i++) /* out[j,:] += P[i,j] dS[i,:] */
-            for (int j = 0; j < K; j++) {
-                const float a = Pp[(size_t)i * K + j];
-                const float *src = dSp + (size_t)i * V;
-                float *dst = op + (size_t)j * V;
-                for (int c = 0; c < V; c++) dst[c] += a * src[c];
-            }
-    }
-}
-
 lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_kda_inputs *in, const float *S_in,
                              const float *d_o, const float *dht, lm_kda_grads *grads) {
     const char *what = "kda context parallel backward";
@@ -168,12 +152,13 @@ lm_status lm_kda_cp_backward(lm_comm *comm, const lm_kda_config *cfg, const lm_k
         for (int p = R - 1; p >= 0; p--) {
             const float *mp = all + (size_t)p * nm;
             if (p == me) memcpy(Q, g, ns * sizeof(float));
-            apply_transposed(np, K, V, mp, g, mp + nk, h);
+            st = lm_kda_state_map_apply_transposed(np, K, V, mp, mp + nk, g, h);
+            if (st) break;
             float *t = g;
             g = h;
             h = t;
         }
-        if (grads->dh0)
+        if (!st && grads->dh0)
             for (size_t i = 0; i < ns; i++) grads->dh0[i] += g[i];
     }
     /* the segment's backward from its true state and outgoing-state gradient */

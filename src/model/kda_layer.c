@@ -381,6 +381,16 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
     return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, cg);
 }
 
+lm_status lm_kda_layer_seg_state_map(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                     const lm_kda_layer_acts *a, int B, int n, const void *v_zero_lp,
+                                     const float *ident, void *o_lp, float *P) {
+    if (!a || !v_zero_lp || !ident || !o_lp || !P) return lm_error(LM_ERR_ARG, "kda layer state map: a buffer is NULL");
+    lm_backend *be = backend_of(c);
+    lm_kda_config kc = op_config(c, B, n);
+    return be->ops->kda_forward(be, &kc, a->q_op, a->k_op, v_zero_lp, a->z_lp, a->beta, p->A_log, p->dt_bias, ident,
+                                o_lp, P);
+}
+
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *g, const lm_kda_layer_acts *a,
                                 const float *x, const float *dy, int B, int T, float *dx,

@@ -11,6 +11,7 @@
 #include "longmoe/balance.h"
 #include "longmoe/backend.h"
 #include "longmoe/kda.h"
+#include "longmoe/kda_state_map.h"
 #include "longmoe/linear.h"
 #include "longmoe/moe.h"
 #include "longmoe/moe_ep.h"
@@ -303,6 +304,13 @@ static lm_status cpu_kda_backward(lm_backend *be, const lm_kda_config *cfg, cons
     lm_kda_inputs in = {q, k, v, z, beta, A_log, dt_bias, h0};
     lm_kda_grads g = {dq, dk, dv, dz, dbeta, dA_log, ddt_bias, dh0};
     return lm_kda_chunk_backward(cfg, &in, d_o, dht, &g);
+}
+
+static lm_status cpu_kda_state_apply(lm_backend *be, int n_pairs, int K, int V, const float *P, const float *Q,
+                                     const float *S, float *out, int transposed) {
+    (void)be;
+    return transposed ? lm_kda_state_map_apply_transposed(n_pairs, K, V, P, Q, S, out)
+                      : lm_kda_state_map_apply(n_pairs, K, V, P, Q, S, out);
 }
 
 static lm_status cpu_kda_output_forward(lm_backend *be, float *gated, void *gated_lp, float *o_rstd, float *gate,
@@ -704,6 +712,7 @@ static const lm_ops cpu_ops = {
     .conv_silu_backward = cpu_conv_silu_backward,
     .kda_forward = cpu_kda_forward,
     .kda_backward = cpu_kda_backward,
+    .kda_state_apply = cpu_kda_state_apply,
     .kda_output_forward = cpu_kda_output_forward,
     .kda_output_backward = cpu_kda_output_backward,
     .attention_forward = cpu_attention_forward,

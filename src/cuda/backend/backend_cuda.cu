@@ -369,6 +369,11 @@ static lm_status cuda_kda_forward(lm_backend *be, const lm_kda_config *cfg, cons
     return lm_kda_cuda_chunk_forward(cfg, &in, (uint16_t *)o, ht, ws, bytes, cb_of(be)->ctx.stream);
 }
 
+static lm_status cuda_kda_state_apply(lm_backend *be, int n_pairs, int K, int V, const float *P, const float *Q,
+                                      const float *S, float *out, int transposed) {
+    return lm_kda_cuda_state_apply(n_pairs, K, V, P, Q, S, out, transposed, cb_of(be)->ctx.stream);
+}
+
 static size_t cuda_kda_kept_bytes(lm_backend *be, const lm_kda_config *cfg) {
     (void)be;
     return lm_kda_cuda_check(cfg) ? 0 : lm_kda_cuda_kept_bytes(cfg);
@@ -1123,6 +1128,7 @@ static lm_ops make_cuda_ops(void) {
     o.conv_silu_backward_lp = cuda_conv_silu_backward_lp;
     o.kda_forward = cuda_kda_forward;
     o.kda_backward = cuda_kda_backward;
+    o.kda_state_apply = cuda_kda_state_apply;
     o.kda_kept_bytes = cuda_kda_kept_bytes;
     o.kda_output_forward = cuda_kda_output_forward;
     o.kda_output_backward = cuda_kda_output_backward;

@@ -142,6 +142,26 @@ lm_status lm_kda_state_map_apply(int n_pairs, int K, int V, const float *P, cons
     return LM_OK;
 }
 
+lm_status lm_kda_state_map_apply_transposed(int n_pairs, int K, int V, const float *P, const float *D,
+                                            const float *dS_out, float *dS_in) {
+    const char *what = "kda state map apply (transposed)";
+    TRY(check_map_dims(what, n_pairs, K, V));
+    if (!P || !D || !dS_in) return lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !P ? "P" : !D ? "D" : "dS_in");
+    const size_t nv = (size_t)n_pairs * K * V;
+    if (overlaps(dS_in, nv, dS_out, nv)) return lm_error(LM_ERR_ARG, "%s: dS_in overlaps dS_out", what);
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < n_pairs; p++) {
+        // per pair: P is (K,K); D, dS_out, dS_in are (K,V); dS_in[j,:] = D[j,:] + sum_i P[i,j] dS_out[i,:]
+        const float *pp = P + (size_t)p * K * K;
+        float *out = dS_in + (size_t)p * K * V;
+        memcpy(out, D + (size_t)p * K * V, (size_t)K * V * sizeof(float));
+        if (!dS_out) continue;
+        const float *g = dS_out + (size_t)p * K * V;
+        for (int j = 0; j < K; j++) kda_axpy_rows(out + (size_t)j * V, 1.0f, pp + j, (size_t)K, g, V, K, V);
+    }
+    return LM_OK;
+}
+
 /* ---- the incoming state's gradient from a segment's outputs ----
  * Chunks last to first, carrying dS from zero at the segment's end; per chunk
  * the state-gradient step of the chunked backward (chunk_backward.c):
