@@ -1,0 +1,288 @@
+/* Context parallelism of the KDA layer on GPU ranks: the segment form
+ * (lm_kda_layer_cp_forward_lp / _backward_lp on the CUDA backend) against the
+ * one-process GPU layer on the whole sequence. Every rank draws the same
+ * weights and the whole rows, runs the whole layer on them (the reference) and
+ * then its own segment with context parallelism: y and dx of its tokens, and
+ * every parameter gradient summed over the ranks, against the reference's
+ * within 1e-2 of the largest value (bf16 products on both sides, rounded at
+ * other places). Segments: not multiples of the 64-token chunk, and a first
+ * segment shorter than the convolution's halo (the second rank's halo spans
+ * it and the sequence start); both gates. Also the state map's step
+ * (lm_kda_cuda_state_apply, both directions) against the CPU's
+ * (lm_kda_state_map_apply / _apply_transposed) within 1e-5, and its bits
+ * from run to run.
+ *
+ * Runs on the staged engine over a CUDA backend: alone (one rank) or under
+ * mpirun (`mpirun -np 2 test_cuda_kda_cp --ranks 2`; processes may share one
+ * GPU). Without a GPU every case reports skipped. */
+#include <math.h>
+#include <string.h>
+
+#include "longmoe/backend.h"
+#include "longmoe/comm.h"
+#include "longmoe/cuda_context.h"
+#include "longmoe/kda_cuda.h"
+#include "longmoe/kda_layer.h"
+#include "longmoe/kda_layer_context_parallel.h"
+#include "longmoe/kda_state_map.h"
+#include "longmoe/tensor_spec.h"
+#include "test.h"
+#include "test_cuda.h"
+
+static lm_comm *comm, *host;
+static lm_backend *be;
+static int R = 1, me = 0;
+
+#define CP_RTOL 1e-2
+
+#define GPU_OK(call) CHECK((call) == LM_OK, "%s: %s", #call, lm_last_error())
+
+static void *be_alloc(size_t bytes) {
+    void *d = NULL;
+    if (be->alloc(be, bytes ? bytes : 4, &d)) {
+        fprintf(stderr, "device buffer of %zu bytes: %s\n", bytes, lm_last_error());
+        exit(1);
+    }
+    return d;
+}
+
+static void *dev_from(const void *h, size_t bytes) {
+    void *d = be_alloc(bytes);
+    if (bytes && be->upload(be, d, h, bytes)) {
+        fprintf(stderr, "upload of %zu bytes: %s\n", bytes, lm_last_error());
+        exit(1);
+    }
+    return d;
+}
+
+static float *host_of(const void *d, size_t n) {
+    float *h = mallocCheck((n ? n : 1) * sizeof(float));
+    if (n && be->download(be, h, d, n * sizeof(float))) {
+        fprintf(stderr, "download of %zu floats: %s\n", n, lm_last_error());
+        exit(1);
+    }
+    return h;
+}
+
+/* max |a - b| / max |b| */
+static double rel_to_max(const float *a, const float *b, size_t n) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(a[i])) return INFINITY;
+        double d = fabs((double)a[i] - b[i]);
+        if (d > num) num = d;
+        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
+    }
+    return den > 0 ? num / den : num;
+}
+
+static void test_state_apply_matches_the_cpu(void) {
+    if (test_skip_all_reason) return;
+    const int dims[][3] = {{3, 64, 64}, {2, 40, 72}, {16, 128, 128}};
+    lm_rng rng;
+    lm_rng_seed(&rng, 9101);
+    for (int c = 0; c < 3; c++) {
+        const int np = dims[c][0], K = dims[c][1], V = dims[c][2];
+        const size_t nk = (size_t)np * K * K, nv = (size_t)np * K * V;
+        float *P = host_normal(nk, 0.3, 0.0, 0, &rng), *Q = host_normal(nv, 1.0, 0.0, 0, &rng);
+        float *Sh = host_normal(nv, 1.0, 0.0, 0, &rng), *want = mallocCheck(nv * 4);
+        float *dP = dev_from(P, nk * 4), *dQ = dev_from(Q, nv * 4), *dS = dev_from(Sh, nv * 4);
+        float *dout = be_alloc(nv * 4);
+        for (int t = 0; t < 2; t++)
+            for (int zero_s = 0; zero_s < 2; zero_s++) {
+                const float *S = zero_s ? NULL : Sh;
+                if (t) GPU_OK(lm_kda_state_map_apply_transposed(np, K, V, P, Q, S, want));
+                else GPU_OK(lm_kda_state_map_apply(np, K, V, P, Q, S, want));
+                GPU_OK(be->ops->kda_state_apply(be, np, K, V, dP, dQ, zero_s ? NULL : dS, dout, t));
+                float *got = host_of(dout, nv);
+                GPU_OK(be->ops->kda_state_apply(be, np, K, V, dP, dQ, zero_s ? NULL : dS, dout, t));
+                float *again = host_of(dout, nv);
+                double e = rel_to_max(got, want, nv);
+                printf("  pairs %d, K %d, V %d, %s%s: %.3g\n", np, K, V, t ? "P^T S + D" : "P S + Q",
+                       zero_s ? " (S zero)" : "", e);
+                CHECK(e < 1e-5, "state apply (%d, %d, %d, transposed %d) differs from the CPU by %.3g", np, K, V, t, e);
+                CHECK(!memcmp(got, again, nv * 4), "state apply (%d, %d, %d): two runs differ", np, K, V);
+                free(got), free(again);
+            }
+        CHECK(be->ops->kda_state_apply(be, np, K, V, dP, dQ, dS, dS, 0) == LM_ERR_ARG &&
+                  strstr(lm_last_error(), "overlaps"),
+              "out over S accepted: %s", lm_last_error());
+        free(P), free(Q), free(Sh), free(want);
+        be->release(be, dP), be->release(be, dQ), be->release(be, dS), be->release(be, dout);
+    }
+}
+
+/* The lp view of fp32 parameters: the same offsets in a bf16 copy. */
+static void lp_view(const lm_kda_layer_params *p, const float *base, void *lp, lm_kda_layer_params *pl) {
+    float *const *from = (float *const *)p;
+    float **to = (float **)pl;
+    for (size_t i = 0; i < sizeof *p / sizeof(float *); i++)
+        to[i] = from[i] ? (float *)((char *)lp + (size_t)(from[i] - base) * be->lp_bytes) : NULL;
+}
+
+static double worst;
+
+/* Segments of lens[r] tokens on rank r (the first R entries), B rows. */
+static void run_layer(lm_kda_gate gate, const int *lens, int B, uint64_t seed) {
+    int T = 0, t0 = 0, n = 0;
+    for (int r = 0; r < R; r++) {
+        if (r == me) t0 = T, n = lens[r];
+        T += lens[r];
+    }
+    const int D = 96, H = 2, K = 64;
+    lm_kda_layer_config c = {D, H, K, 4, 64, gate, -5.0f, 1e-6f, NULL, 0, be};
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    const size_t np = lm_kda_layer_specs(&c, specs);
+    float *params = mallocCheck(np * 4);
+    lm_rng rng;
+    lm_rng_seed(&rng, seed);
+    size_t off = 0;
+    for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
+        size_t m = (size_t)(specs[s].rows * specs[s].cols);
+        const double sc = specs[s].role == LM_ROLE_MATRIX ? 1.0 / sqrt((double)specs[s].cols) : 0.3;
+        for (size_t i = 0; i < m; i++) params[off + i] = specs[s].init_value + (float)(sc * lm_rng_normal(&rng));
+        off += m;
+    }
+    float *dpar = dev_from(params, np * 4), *gw = be_alloc(np * 4), *gc = be_alloc(np * 4);
+    GPU_OK(be->zero(be, gw, np * 4));
+    GPU_OK(be->zero(be, gc, np * 4));
+    void *plp = be_alloc(np * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, plp, dpar, np));
+    lm_kda_layer_params p, pl, G, g;
+    lm_kda_layer_params_map(&c, dpar, &p);
+    lp_view(&p, dpar, plp, &pl);
+    lm_kda_layer_params_map(&c, gw, &G);
+    lm_kda_layer_params_map(&c, gc, &g);
+    const size_t nx = (size_t)B * T * D, ns = (size_t)B * n * D;
+    float *x = host_normal(nx, 1.0, 0.0, 1, &rng), *dy = host_normal(nx, 1.0, 0.0, 0, &rng);
+    /* the whole rows on this GPU */
+    float *dx_f = dev_from(x, nx * 4), *ddy = dev_from(dy, nx * 4), *dyw = be_alloc(nx * 4), *ddx = be_alloc(nx * 4);
+    void *xlp = be_alloc(nx * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, xlp, dx_f, nx));
+    GPU_OK(be->zero(be, ddx, nx * 4));
+    float *acts = be_alloc(lm_kda_layer_act_floats(&c, B, T) * 4), *scr = be_alloc(lm_kda_layer_scratch_floats(&c, B, T) * 4);
+    lm_kda_layer_acts a;
+    lm_kda_layer_acts_map(&c, B, T, acts, &a);
+    GPU_OK(lm_kda_layer_forward_lp(&c, &p, &pl, &a, xlp, B, T, dyw));
+    GPU_OK(lm_kda_layer_backward_lp(&c, &p, &pl, &G, &a, xlp, ddy, B, T, ddx, scr));
+    float *yw = host_of(dyw, nx), *dxw = host_of(ddx, nx), *gwh = host_of(gw, np);
+    /* this rank's segment: rows [t0, t0 + n) of every sequence */
+    float *xs = mallocCheck(ns * 4), *dys = mallocCheck(ns * 4);
+    for (int b = 0; b < B; b++) {
+        memcpy(xs + (size_t)b * n * D, x + ((size_t)b * T + t0) * D, (size_t)n * D * 4);
+        memcpy(dys + (size_t)b * n * D, dy + ((size_t)b * T + t0) * D, (size_t)n * D * 4);
+    }
+    float *sx = dev_from(xs, ns * 4), *sdy = dev_from(dys, ns * 4), *sy = be_alloc(ns * 4), *sdx = be_alloc(ns * 4);
+    void *sxlp = be_alloc(ns * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, sxlp, sx, ns));
+    GPU_OK(be->zero(be, sdx, ns * 4));
+    float *cacts = be_alloc(lm_kda_layer_cp_lp_act_floats(&c, B, n) * 4);
+    float *cscr = be_alloc(lm_kda_layer_cp_lp_scratch_floats(&c, R, B, n) * 4);
+    GPU_OK(lm_kda_layer_cp_forward_lp(comm, &c, &p, &pl, sxlp, B, t0, n, sy, cacts, cscr));
+    GPU_OK(lm_kda_layer_cp_backward_lp(comm, &c, &p, &pl, &g, sxlp, cacts, sdy, B, t0, n, sdx, cscr));
+    float *ys = host_of(sy, ns), *dxs = host_of(sdx, ns), *gch = host_of(gc, np), *gsum = mallocCheck(np * 4);
+    float *yr = mallocCheck(ns * 4), *dxr = mallocCheck(ns * 4);
+    for (int b = 0; b < B; b++) {
+        memcpy(yr + (size_t)b * n * D, yw + ((size_t)b * T + t0) * D, (size_t)n * D * 4);
+        memcpy(dxr + (size_t)b * n * D, dxw + ((size_t)b * T + t0) * D, (size_t)n * D * 4);
+    }
+    const char *gname = gate == LM_KDA_GATE_BOUNDED ? "bounded" : "softplus";
+    double ey = rel_to_max(ys, yr, ns), ex = rel_to_max(dxs, dxr, ns);
+    CHECK(ey < CP_RTOL && ex < CP_RTOL, "%s, rank %d of %d (%d tokens at %d): y differs by %.3g, dx by %.3g", gname, me,
+          R, n, t0, ey, ex);
+    double eg = 0;
+    GPU_OK(lm_comm_all_reduce_sum(host, gch, gsum, np, LM_DTYPE_F32));
+    off = 0;
+    for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
+        size_t m = (size_t)(specs[s].rows * specs[s].cols);
+        double e = rel_to_max(gsum + off, gwh + off, m);
+        CHECK(e < CP_RTOL, "%s: d%s summed over %d ranks differs by %.3g", gname, specs[s].name, R, e);
+        if (e > eg) eg = e;
+        off += m;
+    }
+    printf("  %s, %d ranks, B %d, T %d: y %.3g, dx %.3g, parameter gradients %.3g (rank 0)\n", gname, R, B, T, ey, ex,
+           eg);
+    if (ey > worst) worst = ey;
+    if (ex > worst) worst = ex;
+    if (eg > worst) worst = eg;
+    free(params), free(x), free(dy), free(yw), free(dxw), free(gwh), free(xs), free(dys), free(ys), free(dxs);
+    free(gch), free(gsum), free(yr), free(dxr);
+    void *dev[] = {dpar, gw, gc, plp, dx_f, ddy, dyw, ddx, xlp, acts, scr, sx, sdy, sy, sdx, sxlp, cacts, cscr};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->release(be, dev[i]);
+}
+
+static void test_layer_equals_the_whole_sequence(void) {
+    if (test_skip_all_reason) return;
+    worst = 0;
+    const int spans[] = {131, 70, 97, 64}, shorter[] = {2, 150, 3, 77};
+    run_layer(LM_KDA_GATE_BOUNDED, spans, 2, 4401);
+    run_layer(LM_KDA_GATE_SOFTPLUS, spans, 1, 4402);
+    run_layer(LM_KDA_GATE_BOUNDED, shorter, 2, 4403);
+    printf("  worst difference (relative to the largest): %.3g\n", worst);
+}
+
+static void test_refusals(void) {
+    if (test_skip_all_reason) return;
+    lm_kda_layer_config c = {64, 1, 64, 4, 64, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, be};
+    const size_t np = lm_kda_layer_specs(&c, NULL);
+    float *par = be_alloc(np * 4), *buf = be_alloc(4096 * 4);
+    lm_kda_layer_params p;
+    lm_kda_layer_params_map(&c, par, &p);
+    /* a gap between the segments: refused on every rank */
+    lm_status st = lm_kda_layer_cp_forward_lp(comm, &c, &p, &p, buf, 1, 2 * me + 1, 2, buf, buf, buf);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "rank order"), "a gap: %s", lm_last_error());
+    /* one rank without its outputs: every rank returns */
+    st = lm_kda_layer_cp_backward_lp(comm, &c, &p, &p, &p, buf, buf, buf, 1, 2 * me, 2, me == R - 1 ? NULL : buf, buf);
+    CHECK(st == LM_ERR_ARG && (me == R - 1 ? strstr(lm_last_error(), "dx is NULL") != NULL
+                                           : strstr(lm_last_error(), "refused") != NULL),
+          "rank %d: %s", me, lm_last_error());
+    be->release(be, par), be->release(be, buf);
+}
+
+int main(int argc, char **argv) {
+    int want_ranks = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--ranks") && i + 1 < argc) want_ranks = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: test_cuda_kda_cp [--ranks N]\n");
+            return 2;
+        }
+    }
+    test_skip_without_cuda();
+    if (!test_skip_all_reason && want_ranks && !lm_comm_engine_available(LM_COMM_MPI)) {
+        fprintf(stderr, "--ranks %d needs the MPI engine, which this build lacks\n", want_ranks);
+        return 1;
+    }
+    if (!test_skip_all_reason) {
+        int local = 0;
+        if (lm_comm_open(want_ranks ? LM_COMM_MPI : LM_COMM_SELF, &host) || lm_comm_local_rank(host, &local) ||
+            lm_backend_cuda_create_local(local, &be) || lm_comm_open_staged(host, be, &comm)) {
+            fprintf(stderr, "cannot open the staged engine: %s\n", lm_last_error());
+            return 1;
+        }
+        R = lm_comm_size(comm);
+        me = lm_comm_rank(comm);
+        if (me) freopen("/dev/null", "w", stdout); /* one rank prints the cases; every rank prints failures */
+        if (want_ranks && R != want_ranks) {
+            fprintf(stderr, "started on %d ranks, expected %d\n", R, want_ranks);
+            return 1;
+        }
+        if (R > 4) {
+            fprintf(stderr, "at most 4 ranks (the cases' segments)\n");
+            return 1;
+        }
+    } else {
+        fprintf(stderr, "test_cuda_kda_cp: %s: every case skips\n", test_skip_all_reason);
+    }
+    RUN(test_state_apply_matches_the_cpu);
+    RUN(test_layer_equals_the_whole_sequence);
+    RUN(test_refusals);
+    if (comm) {
+        int32_t failed = test_failed_count;
+        if (lm_comm_all_reduce_sum(host, &failed, &failed, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = failed;
+        lm_comm_close(comm);
+        lm_backend_free(be);
+        lm_comm_close(host);
+    }
+    return test_summary();
+}
