@@ -107,7 +107,8 @@ static void test_attention_offset_queries_equal_the_whole_rows(void) {
 
 /* ---- the MLA layer over the ranks ---- */
 
-static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
+/* segment_form: lm_mla_cp_forward_lp / _backward_lp (any backend; here the CPU) */
+static void run_layer_form(lm_mla_config c, const char *name, uint64_t seed, int segment_form) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     /* rank r holds 29 r + 37 tokens: odd totals, later ranks crossing attention tiles */
     int T = 0, t0 = 0;
@@ -136,13 +137,21 @@ static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
     /* this rank's segment */
     float *xs = slice(x, B, T, d, t0, n), *dys = slice(dy, B, T, d, t0, n);
     float *ys = malloc((size_t)B * n * d * 4), *dxs = calloc((size_t)B * n * d, 4);
-    const size_t na = lm_mla_cp_acts_floats(&c, B, t0, n), ns = lm_mla_cp_scratch_floats(&c, R, B, t0, n);
+    const size_t na = segment_form ? lm_mla_cp_lp_acts_floats(&c, B, t0, n) : lm_mla_cp_acts_floats(&c, B, t0, n);
+    const size_t ns = segment_form ? lm_mla_cp_lp_scratch_floats(&c, R, B, t0, n)
+                                   : lm_mla_cp_scratch_floats(&c, R, B, t0, n);
     CHECK(na && ns, "%s: zero sizes", name);
     float *cacts = malloc(na * 4), *cscr = malloc(ns * 4), *gmem = calloc(np, 4), *gsum = malloc(np * 4);
     CHECK(lm_mla_params_map(&c, gmem, &g) == LM_OK, "%s", lm_last_error());
-    CHECK(lm_mla_cp_forward(comm, &c, &p, xs, B, t0, n, ys, cacts) == LM_OK, "%s", lm_last_error());
-    CHECK(lm_mla_cp_backward(comm, &c, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
-          lm_last_error());
+    if (segment_form) {
+        CHECK(lm_mla_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_mla_cp_backward_lp(comm, &c, &p, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
+              lm_last_error());
+    } else {
+        CHECK(lm_mla_cp_forward(comm, &c, &p, xs, B, t0, n, ys, cacts) == LM_OK, "%s", lm_last_error());
+        CHECK(lm_mla_cp_backward(comm, &c, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
+              lm_last_error());
+    }
     float *yw = slice(y, B, T, d, t0, n), *dxw = slice(dx, B, T, d, t0, n);
     double ey = max_rel(ys, yw, (size_t)B * n * d), ex = max_rel(dxs, dxw, (size_t)B * n * d);
     CHECK(ey < 1e-5, "%s rank %d: y differs from the whole sequence's by %.3g", name, me, ey);
@@ -152,7 +161,10 @@ static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
     float smax_w[16], smax[16], smax_all[64];
     CHECK(c.n_heads <= 16 && R <= 4, "test sizes");
     CHECK(lm_mla_max_logits(&c, acts, B, T, smax_w) == LM_OK, "%s", lm_last_error());
-    CHECK(lm_mla_cp_max_logits(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
+    if (segment_form)
+        CHECK(lm_mla_cp_head_max_lp(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
+    else
+        CHECK(lm_mla_cp_max_logits(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
     double em = max_rel(smax, smax_w, (size_t)c.n_heads);
     CHECK(em < 1e-5, "%s: the max logits differ from the whole sequence's by %.3g", name, em);
     note(em);
@@ -189,6 +201,13 @@ static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
     for (int s = 1; s < R; s++) CHECK(!memcmp(all, all + (size_t)s * np, np * 4), "rank %d's sum differs", s);
     free(all), free(yw), free(dxw), free(cacts), free(cscr), free(gmem), free(gsum), free(xs), free(dys), free(ys);
     free(dxs), free(y), free(acts), free(scr), free(dx), free(gwmem), free(x), free(dy), free(pmem);
+}
+
+static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
+    run_layer_form(c, name, seed, 0);
+    char seg_name[96];
+    snprintf(seg_name, sizeof seg_name, "%s, segment form", name);
+    run_layer_form(c, seg_name, seed + 1000, 1);
 }
 
 static void test_mla_layer_nope_equals_the_whole_sequence(void) {

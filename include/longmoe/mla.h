@@ -151,6 +151,21 @@ lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, con
 lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
                               const void *x_lp, const float *acts, const float *dy, int B, int n,
                               const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch);
+/* Only the segment's rows of the stores (the forward's first part: its
+ * latents and rotary keys, or keys and values, into the stores at seg->t0),
+ * no attention and no output; acts serve as the forward's temporaries.
+ * lm_mla_forward_seg then computes the same rows again (the same bits). */
+lm_status lm_mla_seg_store_rows(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                                const void *x_lp, int B, int n, const lm_mla_seg *seg, float *acts);
+/* Only the key/value side of the backward: the segment's own rows of the
+ * accumulators (dc_acc and dkr_acc, or dk_acc and dv_acc) taken through the
+ * token-local maps that made the stored rows, into dx and g (ACCUMULATE);
+ * no attention, no query side, no output. The backward is linear in these
+ * rows, so a gradient that reaches them after lm_mla_backward_seg (another
+ * rank's part, under context parallelism) is added this way. */
+lm_status lm_mla_seg_stores_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                                     const void *x_lp, const float *acts, int B, int n, const lm_mla_seg *seg,
+                                     float *dx, const lm_mla_params *g, float *scratch);
 /* head_max [H] (host): each head's largest scaled logit in the segment's forward (backend's attention_head_max) */
 lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max);
 

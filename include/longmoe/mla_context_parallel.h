@@ -57,6 +57,40 @@ lm_status lm_mla_cp_backward(lm_comm *comm, const lm_mla_config *cfg, const lm_m
 lm_status lm_mla_cp_max_logits(lm_comm *comm, const lm_mla_config *cfg, const float *acts, int B, int t0, int n,
                                float *smax);
 
+/* ---- any backend: the segment form ----
+ * The same layer on the backend of cfg (CPU or CUDA; cfg->backend NULL: the
+ * CPU) through its own segment functions (lm_mla_forward_seg, _backward_seg,
+ * _seg_store_rows, _seg_stores_backward; include/longmoe/mla.h): x_lp in the
+ * product format, p_lp the parameters in it, every buffer in the backend's
+ * memory and `comm` an engine working on that memory (MPI for the CPU; NCCL
+ * or the staged engine for a GPU, its stream the backend's). Forward: every
+ * rank but the last computes its rows of the stores (MLA: the latent c and,
+ * with RoPE, the rotary key; GQA: the keys and values) and sends them by one
+ * all-to-all-v to the later ranks; each rank puts the earlier rows in its
+ * stores of t0 + n rows a sequence and runs the segment over them (MLA: the
+ * prefix's keys and values up-projected per sequence). Backward: the
+ * segment's backward adds the attention's gradient of every stored row it
+ * read into accumulators; one all-to-all-v returns the earlier rows' parts to
+ * their owners, which add them in rank order and take them through the
+ * key/value side alone (the backward is linear in them). Outputs: y and dx
+ * (required) of the segment; g ACCUMULATES this rank's part. acts and scratch
+ * hold the floats below (they grow with t0: the prefix's stores, and its keys
+ * and values of one sequence for MLA); scratch is free between the calls. */
+size_t lm_mla_cp_lp_acts_floats(const lm_mla_config *cfg, int B, int t0, int n);
+size_t lm_mla_cp_lp_scratch_floats(const lm_mla_config *cfg, int comm_size, int B, int t0, int n);
+lm_status lm_mla_cp_forward_lp(lm_comm *comm, const lm_mla_config *cfg, const lm_mla_params *p,
+                               const lm_mla_params *p_lp, const void *x_lp, int B, int t0, int n, float *y,
+                               float *acts, float *scratch);
+lm_status lm_mla_cp_backward_lp(lm_comm *comm, const lm_mla_config *cfg, const lm_mla_params *p,
+                                const lm_mla_params *p_lp, const void *x_lp, const float *acts, const float *dy, int B,
+                                int t0, int n, float *dx, const lm_mla_params *g, float *scratch);
+/* head_max [H] (host) = each head's largest scaled logit over the whole
+ * sequence after lm_mla_cp_forward_lp (each rank's segment maxima,
+ * all-gathered over lm_comm_host(comm) and reduced in rank order: the same
+ * bits on every rank). Collective. */
+lm_status lm_mla_cp_head_max_lp(lm_comm *comm, const lm_mla_config *cfg, float *acts, int B, int t0, int n,
+                                float *head_max);
+
 #ifdef __cplusplus
 }
 #endif

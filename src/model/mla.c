@@ -373,13 +373,15 @@ static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, co
     return LM_OK;
 }
 
+/* store_only (a segment): only the segment's rows of the stores (no attention, no output) */
 static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
-                             int B, int T, float *y, float *acts, const lm_mla_seg *seg) {
+                             int B, int T, float *y, float *acts, const lm_mla_seg *seg, int store_only) {
     // x (B,T,d) in the product format -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
     if (!st) st = check_seg(c, seg, T);
     if (st) return st;
-    if (!x || !y || !acts || !pl) return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
+    if (!x || (!y && !store_only) || !acts || !pl)
+        return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     if (c->rope_dims && be->device != LM_DEVICE_CPU)
@@ -461,6 +463,7 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
                 TRY(be->copy(be, seg->kr_store + row * r, acts + L.kr + (size_t)b * T * r,
                              (size_t)T * r * sizeof(float)));
         }
+        if (store_only) return LM_OK;
         for (int b = 0; b < B; b++) {
             TRY(seg_build_kv(c, p, pl, seg, b, (size_t)seg->t0 + T, k, v, acts + L.kn, (size_t)N));
             TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
@@ -478,6 +481,7 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
             TRY(be->copy(be, at(seg->v_store, row, VE, lpb), at(acts + L.v_lp, (size_t)b * T, VE, lpb),
                          (size_t)T * VE * lpb));
         }
+        if (store_only) return LM_OK;
         for (int b = 0; b < B; b++)
             TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
                                              at(seg->k_store, (size_t)b * seg->T_all, KE, lpb),
@@ -494,13 +498,19 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
 
 lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
                             int B, int T, float *y, float *acts) {
-    return mla_forward(c, p, pl, x, B, T, y, acts, NULL);
+    return mla_forward(c, p, pl, x, B, T, y, acts, NULL, 0);
 }
 
 lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
                              int B, int n, const lm_mla_seg *seg, float *y, float *acts) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment forward: seg is NULL");
-    return mla_forward(c, p, pl, x, B, n, y, acts, seg);
+    return mla_forward(c, p, pl, x, B, n, y, acts, seg, 0);
+}
+
+lm_status lm_mla_seg_store_rows(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                                const void *x, int B, int n, const lm_mla_seg *seg, float *acts) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment store rows: seg is NULL");
+    return mla_forward(c, p, pl, x, B, n, NULL, acts, seg, 1);
 }
 
 lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max) {
@@ -526,9 +536,10 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
 
 /* ---------------------------------------------------------------- backward */
 
+/* stores_only (a segment): only the key/value side, from the accumulators' rows of the segment */
 static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                               const void *x, const float *acts, const float *dy, int B, int T, float *dx,
-                              const lm_mla_params *g, float *scratch, const lm_mla_seg *seg) {
+                              const lm_mla_params *g, float *scratch, const lm_mla_seg *seg, int stores_only) {
     // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
     lm_status st = check_run(c, p, B, T);
     if (!st) st = check_seg(c, seg, T);
@@ -537,7 +548,7 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     if (!st && seg && seg->c_store && (!seg->dc_acc || (c->rope_dims && !seg->dkr_acc) || !seg->dk_tmp || !seg->dv_tmp))
         st = lm_error(LM_ERR_ARG, "mla segment backward: the latent accumulators and dk_tmp, dv_tmp are required");
     if (st) return st;
-    if (!x || !acts || !dy || !scratch || !pl)
+    if (!x || !acts || (!dy && !stores_only) || !scratch || !pl)
         return lm_error(LM_ERR_ARG, "mla backward: x, acts, dy, scratch and p_lp are required");
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
@@ -560,18 +571,19 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     float *dgated = scratch + S.dgated, *dgp = scratch + S.dgp, *d_o = scratch + S.d_o;
     float *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv;
     const void *dy_lp, *dgp_lp;
+    const int sep = lp_separate(c);
+    lm_attention_config ac = core_config(c, B, T);
+    const int64_t pos0 = seg ? seg->t0 : 0;
+    const int latent = seg && seg->c_store;
+    if (stores_only) goto stores;
     TRY(lp_view(be, dy, scratch + S.dy_lp, (size_t)N * d, &dy_lp));
     // through y = W_o (sigmoid(gp) * o)
     MM_B(dgated, g->W_o, NULL, dy_lp, acts + L.gated, pl->W_o, N, H * Dv, d);
     /* dgp straight in the product format where that is a separate copy (no fp32 dgp, no conversion) */
-    const int sep = lp_separate(c);
     TRY(op->gate_backward(be, d_o, sep ? NULL : dgp, sep ? scratch + S.dgp_lp : NULL, dgated, gp, o,
                           (size_t)N * H * Dv));
     dgp_lp = sep ? (const void *)(scratch + S.dgp_lp) : (const void *)dgp;
     MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
-    lm_attention_config ac = core_config(c, B, T);
-    const int64_t pos0 = seg ? seg->t0 : 0;
-    const int latent = seg && seg->c_store;
     if (!seg) {
         TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq,
                                    dk, dv));
@@ -626,6 +638,14 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
                 at(dq, (size_t)b * T, (size_t)H * Dk, lpb), seg->dk_tmp, seg->dv_tmp));
             TRY(op->accumulate(be, seg->dk_acc + row0 * KE, seg->dk_tmp, P * KE, 1));
             TRY(op->accumulate(be, seg->dv_acc + row0 * VE, seg->dv_tmp, P * VE, 1));
+        }
+    }
+stores:
+    if (seg && !latent) {
+        /* the segment's own rows of the keys' and values' gradients (every later segment's part in them) */
+        const size_t lpb = be->lp_bytes, KE = (size_t)Hk * Dk, VE = (size_t)Hk * Dv;
+        for (int b = 0; b < B; b++) {
+            const size_t row0 = (size_t)b * seg->T_all;
             TRY(op->to_lp(be, at(dk, (size_t)b * T, KE, lpb), seg->dk_acc + (row0 + seg->t0) * KE, (size_t)T * KE));
             TRY(op->to_lp(be, at(dv, (size_t)b * T, VE, lpb), seg->dv_acc + (row0 + seg->t0) * VE, (size_t)T * VE));
         }
@@ -650,7 +670,7 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
                 float *dkr = scratch + S.dkr;
                 rope_apply(dkr, N, T, 1, r, r, c->rope_base, pos0, 1);
                 MM_B(dx, g->W_kr, NULL, dkr, x, p->W_kr, N, d, r);
-                rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+                if (!stores_only) rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
             }
         } else {
             MM_B(dc, g->W_uv, NULL, dv, lat, pl->W_uv, N, c->kv_lora, H * Dv);
@@ -676,15 +696,16 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
                             c->kv_lora, eps);
         TRY(lp_view(be, dkvl, scratch + S.dkvl_lp, (size_t)N * c->kv_lora, &dkvl_lp));
         MM_B(dx, g->W_dkv, NULL, dkvl_lp, x, pl->W_dkv, N, d, c->kv_lora);
+        if (stores_only) return LM_OK;
         MM_B(dqn, g->W_uq, NULL, dq, acts + L.qn_lp, pl->W_uq, N, c->q_lora, H * Dk);
         RMS_B(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
                             c->q_lora, eps);
         TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * c->q_lora, &dql_lp));
         MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
     } else {
-        rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
+        if (!stores_only) rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
         rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, pos0, 1);
-        MM_B(dx, g->W_q, NULL, dq, x, pl->W_q, N, d, H * Dk);
+        if (!stores_only) MM_B(dx, g->W_q, NULL, dq, x, pl->W_q, N, d, H * Dk);
         MM_B(dx, g->W_k, NULL, dk, x, pl->W_k, N, d, Hk * Dk);
         MM_B(dx, g->W_v, NULL, dv, x, pl->W_v, N, d, Hk * Dv);
     }
@@ -694,14 +715,21 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
 lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                              const void *x, const float *acts, const float *dy, int B, int T, float *dx,
                              const lm_mla_params *g, float *scratch) {
-    return mla_backward(c, p, pl, x, acts, dy, B, T, dx, g, scratch, NULL);
+    return mla_backward(c, p, pl, x, acts, dy, B, T, dx, g, scratch, NULL, 0);
 }
 
 lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                               const void *x, const float *acts, const float *dy, int B, int n,
                               const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment backward: seg is NULL");
-    return mla_backward(c, p, pl, x, acts, dy, B, n, dx, g, scratch, seg);
+    return mla_backward(c, p, pl, x, acts, dy, B, n, dx, g, scratch, seg, 0);
+}
+
+lm_status lm_mla_seg_stores_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                                     const void *x, const float *acts, int B, int n, const lm_mla_seg *seg, float *dx,
+                                     const lm_mla_params *g, float *scratch) {
+    if (!seg) return lm_error(LM_ERR_ARG, "mla segment stores backward: seg is NULL");
+    return mla_backward(c, p, pl, x, acts, NULL, B, n, dx, g, scratch, seg, 1);
 }
 
 lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x, const float *acts,
