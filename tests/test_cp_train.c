@@ -177,15 +177,16 @@ static void test_segment_evaluation_of_the_whole_sequence_is_the_plain_one(void)
 
 /* `longmoe plan --memory --cp N`: one rank's segment and the context-parallel
  * block, for the rank that needs the most; the block grows with the
- * segment's offset (the attention's prefix). */
+ * segment's offset (the attention's prefix), and a longer segment needs more
+ * than a later one a token shorter (the KDA layers' part). */
 static void test_plan_memory_counts_the_segment_and_the_block(void) {
     char out[65536];
-    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1000 --cp 3", out, sizeof out) == 0, "%s", out);
-    CHECK(strstr(out, "B=8 x T=333 ") && strstr(out, "holds tokens [667, 1000) of 1000") &&
+    CHECK(run_cli("plan --memory --config configs/tiny.json --seq 999 --cp 3", out, sizeof out) == 0, "%s", out);
+    CHECK(strstr(out, "B=8 x T=333 ") && strstr(out, "holds tokens [666, 999) of 999") &&
               strstr(out, "context parallel: segment activations"),
           "%s", out);
     CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1001 --cp 2", out, sizeof out) == 0 &&
-              strstr(out, "T=500 ") && strstr(out, "[501, 1001)"),
+              strstr(out, "T=501 ") && strstr(out, "[0, 501)"), /* the longer segment: the KDA layers' part outweighs */
           "%s", out);
     CHECK(run_cli("plan --memory --config configs/tiny.json --seq 2 --cp 3", out, sizeof out) == 1 &&
               strstr(out, "at least one token"),

@@ -991,7 +991,7 @@ void lm_model_free(lm_model *m) {
     free(m->gcuts);
     free(m->xwhole);
     free(m->xlayer);
-    free(m->cp_block);
+    if (m->cp_block) m->be->release(m->be, m->cp_block);
     free(m->tensors);
     free(m->buffers);
     if (m->ar_full) m->be->ops->attnres_free(m->be, m->ar_full);
@@ -1528,16 +1528,17 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     if (idx % 2 == 0 && m->cp_comm) {
-        /* context parallelism: the rank's segment of every row (CPU: xn_lp is xn) */
+        /* context parallelism: the rank's segment of every row, in the segment form (any backend) */
         if (ls->mixer == LM_MIXER_KDA) {
-            TRY(lm_kda_layer_cp_forward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, xn, m->B, m->cp_t0, m->T, y,
-                                        ls->cp_acts));
+            TRY(lm_kda_layer_cp_forward_lp(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_PL, xn_lp, m->B, m->cp_t0,
+                                           m->T, y, ls->cp_acts, m->cp_scratch));
         } else {
             const lm_mla_config *mc = &ls->mla_cfg;
-            TRY(lm_mla_cp_forward(m->cp_comm, mc, &ls->mla_P, xn, m->B, m->cp_t0, m->T, y, ls->cp_acts));
+            TRY(lm_mla_cp_forward_lp(m->cp_comm, mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->cp_t0, m->T, y,
+                                     ls->cp_acts, m->cp_scratch));
             if (training && !recompute) {
                 /* the whole sequence's maxima, the same bits on every rank */
-                TRY(lm_mla_cp_max_logits(m->cp_comm, mc, ls->cp_acts, m->B, m->cp_t0, m->T, ls->smax_tmp));
+                TRY(lm_mla_cp_head_max_lp(m->cp_comm, mc, ls->cp_acts, m->B, m->cp_t0, m->T, ls->smax_tmp));
                 for (int h = 0; h < m->cfg.attn_heads; h++)
                     ls->smax[h] = ls->smax_tmp[h] > ls->smax[h] ? ls->smax_tmp[h] : ls->smax[h];
             }
@@ -1607,7 +1608,7 @@ static lm_status cp_agree(lm_model *m, lm_status st, lm_status other, const char
     char why[1024] = "";
     if (st) snprintf(why, sizeof why, "%s", lm_last_error());
     int32_t mine = st != LM_OK, any = 0;
-    TRY(lm_comm_all_reduce_sum(m->cp_comm, &mine, &any, 1, LM_DTYPE_I32));
+    TRY(lm_comm_all_reduce_sum(lm_comm_host(m->cp_comm), &mine, &any, 1, LM_DTYPE_I32));
     if (st) return lm_error(st, "%s", why);
     if (any) return lm_error(other, "context parallelism: %s on another rank", what);
     return LM_OK;
@@ -2099,11 +2100,11 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             /* the recomputed output goes to y, unused in the backward */
             if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
             if (m->cp_comm && ls->mixer == LM_MIXER_KDA)
-                TRY(lm_kda_layer_cp_backward(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_G, xn, ls->cp_acts, m->dy_cur,
-                                             m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
+                TRY(lm_kda_layer_cp_backward_lp(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, xn_lp,
+                                                ls->cp_acts, m->dy_cur, m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
             else if (m->cp_comm)
-                TRY(lm_mla_cp_backward(m->cp_comm, &ls->mla_cfg, &ls->mla_P, xn, ls->cp_acts, m->dy_cur, m->B, m->cp_t0,
-                                       m->T, m->dxn, &ls->mla_G, m->cp_scratch));
+                TRY(lm_mla_cp_backward_lp(m->cp_comm, &ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->cp_acts,
+                                          m->dy_cur, m->B, m->cp_t0, m->T, m->dxn, &ls->mla_G, m->cp_scratch));
             else if (m->seg_active && ls->mixer == LM_MIXER_KDA) {
                 /* the gradients of this segment's outgoing carry in (set seg_parity), of its incoming one out */
                 lm_kda_layer_carry cr = seg_kda_carry(m, ls);
@@ -2816,12 +2817,12 @@ static lm_status cp_block_plan(const lm_model *m, int R, int t0, size_t *need, s
         const layer_state *ls = &m->layers[l];
         size_t a, s;
         if (ls->mixer == LM_MIXER_KDA) {
-            a = lm_kda_layer_cp_act_floats(&ls->kda_cfg, R, B, T);
-            s = lm_kda_layer_cp_scratch_floats(&ls->kda_cfg, R, B, T);
+            a = lm_kda_layer_cp_lp_act_floats(&ls->kda_cfg, B, T);
+            s = lm_kda_layer_cp_lp_scratch_floats(&ls->kda_cfg, R, B, T);
             if (m->cfg.recompute && kda_once++) a = 0;
         } else {
-            a = lm_mla_cp_acts_floats(&ls->mla_cfg, B, t0, T);
-            s = lm_mla_cp_scratch_floats(&ls->mla_cfg, R, B, t0, T);
+            a = lm_mla_cp_lp_acts_floats(&ls->mla_cfg, B, t0, T);
+            s = lm_mla_cp_lp_scratch_floats(&ls->mla_cfg, R, B, t0, T);
             if (m->cfg.recompute && mla_once++) a = 0;
         }
         if (!s) return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
@@ -2849,8 +2850,6 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     /* every rank's verdict on its own model first, so none waits in the exchange below */
     lm_status vs = LM_OK;
     if (m->dry) vs = lm_error(LM_ERR_ARG, "context parallelism: a plan (lm_model_plan) has no memory to run on");
-    else if (m->be->device != LM_DEVICE_CPU || m->sep)
-        vs = lm_error(LM_ERR_ARG, "context parallelism runs on the CPU (the device engine is not written yet)");
     else if (m->seg_on)
         vs = lm_error(LM_ERR_ARG, "context parallelism together with train.seq_segment is not supported (set "
                                   "train.seq_segment to 0, or at least the sequence length)");
@@ -2858,7 +2857,7 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     if (!all) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
     m->cp_comm = comm; /* for the agreement */
     lm_status st = cp_agree(m, vs, LM_ERR_ARG, "a model unfit for context parallelism");
-    if (!st) st = lm_comm_all_gather(comm, mine, all, sizeof mine);
+    if (!st) st = lm_comm_all_gather(lm_comm_host(comm), mine, all, sizeof mine);
     m->cp_comm = NULL;
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     int64_t t0 = 0;
@@ -2879,8 +2878,8 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
         free(need);
         return ps;
     }
-    float *block = malloc((total + scratch + 1) * sizeof(float));
-    if (!block) {
+    float *block = NULL;
+    if (m->be->alloc(m->be, (total + scratch + 1) * sizeof(float), (void **)&block)) {
         free(need);
         return lm_error(LM_ERR_MEMORY, "out of memory for %zu floats of context-parallel activations", total + scratch);
     }
