@@ -35,6 +35,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/comm.h"
 #include "longmoe/eval.h"
 #include "longmoe/model.h"
@@ -55,9 +56,13 @@ static lm_config cp_config(void) {
 /* One run of lm_train: over the ranks in groups of cp (cp = 0: this process
  * alone), ZeRO stage zero, expert parallelism in groups of ep ranks (0: off,
  * R: over every rank). */
+/* The backend of the runs (NULL: the host path; lm_backend_cpu(): the device path on the CPU). */
+static lm_backend *run_backend;
+
 static lm_status train_ep(const lm_config *c, const char *run, int cp, int ep, int zero, int resume,
                           int64_t stop_after, lm_train_result *r) {
     lm_train_options o = lm_train_options_default(dir(run));
+    o.backend = run_backend;
     o.progress = NULL;
     o.val_batches = 2;
     o.stage_eval_batches = 0;
@@ -231,6 +236,30 @@ static void test_context_parallel_equals_one_process_with_the_same_batch(void) {
     snprintf(what, sizeof what, "CP %d", R);
     compare_with_one_process("cp", what);
     if (R == 4) compare_with_one_process("cpdp", "CP 2 x DP 2");
+}
+
+/* The device path (the model's buffers in a backend's memory, the layers'
+ * exchanges and the gradient sums over the staged engine; here the CPU
+ * backend, as GPU ranks run it): the host path's run ("cp") bit for bit. */
+static void test_the_device_path_is_the_host_paths_run(void) {
+    if (!runs_ok) SKIP("the runs failed");
+    lm_config c = cp_config();
+    lm_train_result r;
+    run_backend = lm_backend_cpu();
+    lm_status s = train(&c, "dev-cp", R, 0, 0, 0, &r);
+    run_backend = NULL;
+    CHECK(!s && r.step == DP_STEPS, "device path, CP %d: %s", R, lm_last_error());
+    if (s) return;
+    CHECK(r.params_hash == cp_result.params_hash && r.balance_hash == cp_result.balance_hash,
+          "the device path's parameters or balancing state differ from the host path's");
+    if (me != 0) return;
+    double a[32], b[32];
+    int na = read_metric("dev-cp", "train", "loss", a, 32), nb = read_metric("cp", "train", "loss", b, 32);
+    CHECK(na == DP_STEPS && nb == DP_STEPS, "train lines %d and %d", na, nb);
+    for (int i = 0; i < na && i < nb; i++) CHECK(a[i] == b[i], "step %d: loss %.9g on the device path, %.9g", i, a[i], b[i]);
+    char what[64];
+    snprintf(what, sizeof what, "device path, CP %d", R);
+    compare_with_one_process("dev-cp", what);
 }
 
 static void test_every_rank_holds_the_same_parameters_and_balancing_bias(void) {
@@ -633,6 +662,7 @@ int main(int argc, char **argv) {
     if (rc) return rc;
     test_dp_steps_note();
     RUN(test_context_parallel_equals_one_process_with_the_same_batch);
+    RUN(test_the_device_path_is_the_host_paths_run);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_layouts);

@@ -289,22 +289,25 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * running half of the routed experts on both ranks' rows, the rows exchanged
  * by the staged engine; docs/scaleout.md, "Expert parallelism on GPU ranks")
  * the run follows the one-GPU run within STAGED_RTOL too, and with --ep
- * --zero 1 it is the --ep run bit for bit. */
+ * --zero 1 it is the --ep run bit for bit. With --cp 2 (one sequence over
+ * both ranks: docs/scaleout.md, "Context parallelism on GPU ranks") it follows
+ * the one-GPU run within STAGED_RTOL as well. */
 #define STAGED_RTOL 5e-3 /* measured on an H200: 1.7e-3 (losses), 2.5e-3 (evaluations) */
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!mpiexec) SKIP("built without MPI (no mpirun to start the ranks)");
     static const struct {
         const char *run, *file, *insert;
-        int zero, ep;
-    } v[] = {{"gpu_mpi2", "staged.json", NULL, 0, 0},
-             {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, ", 0, 0},
-             {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 0, 0},
-             {"gpu_mpi2_z1", "staged.json", NULL, 1, 0},
-             {"gpu_mpi2_z1b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 1, 0},
-             {"gpu_mpi2_ep", "staged.json", NULL, 0, 1},
-             {"gpu_mpi2_ep_z1", "staged.json", NULL, 1, 1}};
-    for (int i = 0; i < 7; i++) {
+        int zero, ep, cp;
+    } v[] = {{"gpu_mpi2", "staged.json", NULL, 0, 0, 0},
+             {"gpu_mpi2_b0", "staged_b0.json", "\"grad_bucket_mb\": 0, ", 0, 0, 0},
+             {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 0, 0, 0},
+             {"gpu_mpi2_z1", "staged.json", NULL, 1, 0, 0},
+             {"gpu_mpi2_z1b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 1, 0, 0},
+             {"gpu_mpi2_ep", "staged.json", NULL, 0, 1, 0},
+             {"gpu_mpi2_ep_z1", "staged.json", NULL, 1, 1, 0},
+             {"gpu_mpi2_cp", "staged.json", NULL, 0, 0, 1}};
+    for (int i = 0; i < 8; i++) {
         if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
         fflush(stdout);
         fflush(stderr);
@@ -317,6 +320,7 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
             const char *extra[4] = {NULL, NULL, NULL, NULL};
             int ne = 0;
             if (v[i].ep) extra[ne++] = "--ep";
+            if (v[i].cp) extra[ne++] = "--cp", extra[ne++] = "2";
             if (v[i].zero) extra[ne++] = "--zero", extra[ne++] = "1";
             execl(mpiexec, mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", LONGMOE_CLI, "train",
                   "--config", in_root(v[i].file), "--out", in_root(v[i].run), "--device", "cuda", "--comm", "mpi",
@@ -326,9 +330,18 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
         int st = 0;
         waitpid(pid, &st, 0);
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0,
-              "mpirun -np 2 train --device cuda --comm mpi%s%s (%s) failed (see %s)", v[i].ep ? " --ep" : "",
-              v[i].zero ? " --zero 1" : "", v[i].run, in_root("run.log"));
+              "mpirun -np 2 train --device cuda --comm mpi%s%s%s (%s) failed (see %s)", v[i].ep ? " --ep" : "",
+              v[i].zero ? " --zero 1" : "", v[i].cp ? " --cp 2" : "", v[i].run, in_root("run.log"));
         if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
+        if (v[i].cp) {
+            /* context parallelism: each rank holds half of every row (the KDA state and the attention's
+             * latents exchanged on the device), the batch's gradient summed over both */
+            double worst = compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, STAGED_RTOL);
+            double worst_eval = compare_runs(in_root(v[i].run), in_root("gpu"), "eval", "val_loss", 5, 0, STAGED_RTOL);
+            printf("    2 staged GPU ranks with --cp 2 against one GPU: losses within %.3g, evaluations within %.3g "
+                   "relative\n", worst, worst_eval);
+            continue;
+        }
         if (v[i].ep && !v[i].zero) {
             /* expert parallelism: each rank runs 4 of the 8 experts on both ranks' rows (other
              * products, the same sums), so it follows the one-GPU run as the data-parallel ranks do */

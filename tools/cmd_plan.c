@@ -42,7 +42,7 @@ static const char *const plan_usage =
     "train.recompute_chunk (and turns train.recompute on when N > 0); --seq-segment S\n"
     "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
     "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n"
-    "--cp N (cpu) sizes one rank of `train --cp N`: its segment of\n"
+    "--cp N sizes one rank of `train --cp N` (cpu or cuda): its segment of\n"
     "the T tokens (the first T mod N segments one token longer) and the context-\n"
     "parallel block of segment activations and backward scratch the model adds,\n"
     "for the rank that needs the most (the attention's activations grow with the\n"
@@ -278,7 +278,6 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     long rank = 0, t0 = 0;
     size_t cp_bytes = 0;
     if (cp > 1) {
-        if (dev != LM_DEVICE_CPU) return cli_fail(cmd, "--cp: context parallelism runs on CPU ranks (--device cpu)");
         if (T < cp)
             return cli_fail(cmd, "--cp %ld: sequences of %ld tokens cannot give each of %ld ranks a segment of at "
                             "least one token", cp, T, cp);

@@ -85,7 +85,7 @@ static const char *const train_usage =
     "                checkpoints are the same files and resume on any number of ranks, with\n"
     "                or without --zero. On GPUs the device optimizer's state is sharded\n"
     "                (not with --host-optimizer) (docs/scaleout.md, \"ZeRO-1\")\n"
-    "  --cp C        with --comm mpi: context parallelism in groups of C consecutive ranks\n"
+    "  --cp C        with --comm mpi or nccl: context parallelism in groups of C consecutive ranks\n"
     "                (N a multiple of C; 1: off): the N/C groups split the batch as data\n"
     "                parallelism does (B divisible by N/C) and the C ranks of a group hold\n"
     "                contiguous segments of every sequence of their rows (as equal as\n"
@@ -95,8 +95,9 @@ static const char *const train_usage =
     "                ordinary ones and resume on any layout. With --zero 1 the state is\n"
     "                sharded over all N ranks. With --ep [G] too, each EP group of G\n"
     "                consecutive ranks sends its segments' tokens to their experts' owners\n"
-    "                as above (the two groupings need not match)\n"
-    "                (docs/scaleout.md, \"Context parallelism in the trainer\")\n"
+    "                as above (the two groupings need not match). On GPUs (--device cuda\n"
+    "                --comm nccl, or --comm mpi staged) the layers' exchanges go over the\n"
+    "                device engine (docs/scaleout.md, \"Context parallelism in the trainer\")\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -242,8 +243,8 @@ int cmd_train(int argc, char **argv) {
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi or nccl") + 1;
     if (zero && !use_mpi && !use_nccl)
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi or nccl") + 1;
-    if (cp > 1 && !use_mpi)
-        return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi", cp) + 1;
+    if (cp > 1 && !use_mpi && !use_nccl)
+        return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi or nccl", cp) + 1;
     opt.zero = (int)zero;
     opt.context_parallel = (int)cp;
     lm_comm *comm = NULL;

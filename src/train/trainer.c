@@ -82,6 +82,7 @@ typedef struct {
      * tokens [seg_t0, seg_t0 + seg_T) of each of its rows (0 and T without CP) */
     int cp, cp_rank, dp_rank, dp_groups;
     lm_comm *cp_comm;
+    lm_comm *cp_dcomm; /* on the device path, the group's part of the device engine (the model's) */
     /* expert parallelism (opt.expert_parallel; docs/scaleout.md): ep ranks a
      * group (opt.ep_group, 0: every rank), the groups of ep consecutive ranks;
      * ep_pos this rank's place in its group (its experts' position); ep_comm
@@ -193,7 +194,8 @@ static void trainer_free(trainer *t) {
     free(t->bmuon);
     free(t->badam);
     lm_model_free(t->model);
-    lm_comm_close(t->cp_comm); /* after the model, which uses it */
+    lm_comm_close(t->cp_dcomm); /* after the model, which uses it */
+    lm_comm_close(t->cp_comm);
     lm_comm_close(t->ep_dcomm);
     lm_comm_close(t->ep_comm);
     lm_comm_close(t->er_comm);
@@ -402,9 +404,9 @@ static lm_status dp_check(const trainer *t) {
         if (t->cfg.answer_loss_weight != 1.0f)
             return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) does not run with train.answer_loss_weight "
                             "(%g); use 1", N, (double)t->cfg.answer_loss_weight);
-        if (device_path(t) || t->dcomm)
-            return lm_error(LM_ERR_ARG, "context parallelism runs on CPU ranks (--device cpu --comm mpi), not "
-                            "--device %s", lm_device_name(t->opt.device));
+        if (device_path(t) && !t->dcomm && !t->staged)
+            return lm_error(LM_ERR_ARG, "context parallelism on GPUs runs over --comm nccl (or --comm mpi, staged "
+                            "through the host)");
         if (t->ranks % N)
             return lm_error(LM_ERR_ARG, "context parallelism in groups of %d ranks: the %d ranks are not a multiple "
                             "of %d (mpirun -np must be a multiple of --cp)", N, t->ranks, N);
@@ -1348,7 +1350,7 @@ static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0,
         t->block_peak_bytes = lm_model_block_peak_bytes(*out);
     if (t->cp <= 1) return s;
     /* every rank, before the group's collective setup */
-    if (!(s = dp_agree(t, s))) s = lm_model_set_context_parallel(*out, t->cp_comm);
+    if (!(s = dp_agree(t, s))) s = lm_model_set_context_parallel(*out, t->cp_dcomm ? t->cp_dcomm : t->cp_comm);
     if (s) {
         lm_model_free(*out);
         *out = NULL;
@@ -1367,6 +1369,15 @@ static lm_status trainer_setup(trainer *t, int stage) {
         if (!s && (!t->cp_comm || lm_comm_size(t->cp_comm) != t->cp || lm_comm_rank(t->cp_comm) != t->cp_rank))
             s = lm_error(LM_ERR_ARG, "context parallelism: the split gave rank %d a group of %d ranks, expected %d",
                          t->rank, t->cp_comm ? lm_comm_size(t->cp_comm) : 0, t->cp);
+        /* on a device the layers' exchanges go over the group's part of the device engine, on the
+         * compute stream */
+        if (!s && t->dcomm && !t->cp_dcomm) {
+            s = lm_comm_split(t->dcomm, t->dp_rank, &t->cp_dcomm);
+            if (!s && (!t->cp_dcomm || lm_comm_size(t->cp_dcomm) != t->cp))
+                s = lm_error(LM_ERR_ARG, "context parallelism: the device engine's split gave rank %d a group of %d "
+                             "ranks, expected %d", t->rank, t->cp_dcomm ? lm_comm_size(t->cp_dcomm) : 0, t->cp);
+            if (!s) lm_comm_set_stream(t->cp_dcomm, cuda_stream_of(t));
+        }
         TRY(dp_agree(t, s));
     }
     if (t->opt.expert_parallel && t->ep < t->ranks && !t->ep_comm) {
