@@ -12,7 +12,8 @@
 #                --zero 1: the ZeRO-1 start line (optimizer state a rank), tokens/s of each run,
 #                the staged run's losses against the one-GPU run's, ZeRO-1's against replicated
 #                (bit-identical, else the step fails); RANK_VARIANTS="mpi2 mpi2_zero1 mpi2_ep" adds
-#                --ep (expert parallelism on the 2 ranks; its losses against the one-GPU run's)
+#                --ep (expert parallelism on the 2 ranks; its losses against the one-GPU run's);
+#                mpi2_cp: --cp 2 (one sequence over the 2 ranks; its losses against the one-GPU run's)
 #   train        the timed run below (PRESET, STEPS, ...)
 #   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
 #                CPU (in the background, half the cores) and on the GPU: both loss curves,
@@ -171,6 +172,7 @@ EOF
         extra=()
         [ "$v" = mpi2_zero1 ] && extra=(--zero 1)
         [ "$v" = mpi2_ep ] && extra=(--ep)
+        [ "$v" = mpi2_cp ] && extra=(--cp 2)
         rm -rf "$OUT/run_$v"
         # half the machine's cores a rank (mpirun would bind each of 2 processes to one core)
         OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) OMPI_MCA_btl_vader_single_copy_mechanism=none \
@@ -178,7 +180,7 @@ EOF
             "$BUILD/longmoe" train --config "$OUT/ranks.json" \
             --out "$OUT/run_$v" --device cuda --comm mpi "${extra[@]}" >"$OUT/train_$v.log" 2>&1 ||
             { echo "$v failed: $OUT/train_$v.log"; tail -5 "$OUT/train_$v.log"; status=1; }
-        grep -E "ZeRO-1|optimizer state|expert parallel" "$OUT/train_$v.log" | head -3
+        grep -E "ZeRO-1|optimizer state|expert parallel|context parallel" "$OUT/train_$v.log" | head -3
         rm -rf "$OUT/run_$v"/checkpoint-*
     done
     python3 - "$OUT" <<'EOF'
@@ -188,11 +190,13 @@ def rows(run):
     p = os.path.join(out, run, "metrics.jsonl")
     return [json.loads(l) for l in open(p) if l.startswith('{"type": "train"')] if os.path.exists(p) else []
 one, two, zero, ep = rows("run_1"), rows("run_mpi2"), rows("run_mpi2_zero1"), rows("run_mpi2_ep")
+cp = rows("run_mpi2_cp")
 def speed(r):
     rest = r[1:] or r
     s = sum(x["step_seconds"] for x in rest)
     return sum(x["tokens_per_s"] * x["step_seconds"] for x in rest) / s if s else 0
-for name, r in (("1 GPU", one), ("2 staged ranks", two), ("2 staged ranks, ZeRO-1", zero), ("2 staged ranks, --ep", ep)):
+for name, r in (("1 GPU", one), ("2 staged ranks", two), ("2 staged ranks, ZeRO-1", zero), ("2 staged ranks, --ep", ep),
+                ("2 staged ranks, --cp 2", cp)):
     if r:
         print("%-24s %3d steps, last loss %.6f, %.0f tokens/s (steps 2..)" % (name, len(r), r[-1]["loss"], speed(r)))
 if one and two:
@@ -201,6 +205,9 @@ if one and two:
 if one and ep:
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ep, one))
     print("2 staged ranks with --ep against 1 GPU: losses within %.3g relative" % worst)
+if one and cp:
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(cp, one))
+    print("2 staged ranks with --cp 2 against 1 GPU: losses within %.3g relative" % worst)
 if two and zero:
     same = len(two) == len(zero) and all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
                                          for a, b in zip(two, zero))
