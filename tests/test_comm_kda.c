@@ -195,8 +195,8 @@ static void test_cp_operator_forward_and_backward_equal_the_whole_sequence(void)
  * the convolution's halo, so rank 1's halo spans rank 0 and the sequence
  * start); y, dx against the whole sequence's rows, every parameter gradient
  * summed over the ranks against the whole sequence's. */
-/* segment_form: lm_kda_layer_cp_forward_lp / _backward_lp (any backend; here the CPU) */
-static void run_cp_layer(lm_kda_gate gate, uint64_t seed, int segment_form) {
+/* lm_kda_layer_cp_forward_lp / _backward_lp on the CPU backend */
+static void run_cp_layer(lm_kda_gate gate, uint64_t seed) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     int T = 0, t0 = 0;
     for (int r = 0; r < R; r++) {
@@ -236,24 +236,14 @@ static void run_cp_layer(lm_kda_gate gate, uint64_t seed, int segment_form) {
     /* this rank's segment */
     float *xs = cp_slice(x, B, T, 1, D, t0, t0 + n), *dys = cp_slice(dy, B, T, 1, D, t0, t0 + n);
     float *ys = malloc((size_t)B * n * D * 4), *dxs = calloc((size_t)B * n * D, 4);
-    const size_t na = segment_form ? lm_kda_layer_cp_lp_act_floats(&c, B, n) : lm_kda_layer_cp_act_floats(&c, R, B, n);
-    const size_t ns = segment_form ? lm_kda_layer_cp_lp_scratch_floats(&c, R, B, n)
-                                   : lm_kda_layer_cp_scratch_floats(&c, R, B, n);
+    const size_t na = lm_kda_layer_cp_lp_act_floats(&c, B, n), ns = lm_kda_layer_cp_lp_scratch_floats(&c, R, B, n);
     float *cacts = malloc(na * 4), *cscr = malloc(ns * 4);
-    if (segment_form) {
-        CHECK(lm_kda_layer_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s",
-              lm_last_error());
-        CHECK(lm_kda_layer_cp_backward_lp(comm, &c, &p, &p, &g, xs, cacts, dys, B, t0, n, dxs, cscr) == LM_OK, "%s",
-              lm_last_error());
-    } else {
-        CHECK(lm_kda_layer_cp_forward(comm, &c, &p, xs, B, t0, n, ys, cacts) == LM_OK, "%s", lm_last_error());
-        CHECK(lm_kda_layer_cp_backward(comm, &c, &p, &g, xs, cacts, dys, B, t0, n, dxs, cscr) == LM_OK, "%s",
-              lm_last_error());
-    }
+    CHECK(lm_kda_layer_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_kda_layer_cp_backward_lp(comm, &c, &p, &p, &g, xs, cacts, dys, B, t0, n, dxs, cscr) == LM_OK, "%s",
+          lm_last_error());
     float *yw = cp_slice(y, B, T, 1, D, t0, t0 + n), *dxw = cp_slice(dx, B, T, 1, D, t0, t0 + n);
     double ey = rel_to_max(ys, yw, (size_t)B * n * D), ex = rel_to_max(dxs, dxw, (size_t)B * n * D);
-    const char *form = segment_form ? "segment form" : "layer";
-    CHECK(ey < 1e-5 && ex < 1e-5, "%s %s rank %d: y differs by %.3g, dx by %.3g", gname, form, me, ey, ex);
+    CHECK(ey < 1e-5 && ex < 1e-5, "%s layer rank %d: y differs by %.3g, dx by %.3g", gname, me, ey, ex);
     if (ey > test_worst_cp) test_worst_cp = ey;
     if (ex > test_worst_cp) test_worst_cp = ex;
     CHECK(lm_comm_all_reduce_sum(comm, gc, gsum, np, LM_DTYPE_F32) == LM_OK, "%s", lm_last_error());
@@ -261,7 +251,7 @@ static void run_cp_layer(lm_kda_gate gate, uint64_t seed, int segment_form) {
     for (int s = 0; s < LM_KDA_LAYER_NPARAMS; s++) {
         size_t m = (size_t)(specs[s].rows * specs[s].cols);
         double e = rel_to_max(gsum + off, gw + off, m);
-        CHECK(e < 1e-5, "%s %s: d%s summed over %d ranks differs by %.3g", gname, form, specs[s].name, R, e);
+        CHECK(e < 1e-5, "%s layer: d%s summed over %d ranks differs by %.3g", gname, specs[s].name, R, e);
         if (e > test_worst_cp) test_worst_cp = e;
         off += m;
     }
@@ -271,15 +261,8 @@ static void run_cp_layer(lm_kda_gate gate, uint64_t seed, int segment_form) {
 
 static void test_cp_layer_equals_the_whole_sequence(void) {
     test_worst_cp = 0;
-    run_cp_layer(LM_KDA_GATE_BOUNDED, 401, 0);
-    run_cp_layer(LM_KDA_GATE_SOFTPLUS, 402, 0);
-    printf("  worst difference (relative to the largest): %.3g\n", test_worst_cp);
-}
-
-static void test_cp_layer_segment_form_equals_the_whole_sequence(void) {
-    test_worst_cp = 0;
-    run_cp_layer(LM_KDA_GATE_BOUNDED, 403, 1);
-    run_cp_layer(LM_KDA_GATE_SOFTPLUS, 404, 1);
+    run_cp_layer(LM_KDA_GATE_BOUNDED, 401);
+    run_cp_layer(LM_KDA_GATE_SOFTPLUS, 402);
     printf("  worst difference (relative to the largest): %.3g\n", test_worst_cp);
 }
 
@@ -325,12 +308,18 @@ static void test_bad_arguments_are_rejected(void) {
     float *params = calloc(np, 4), x[64] = {0}, y[64];
     lm_kda_layer_params lp;
     lm_kda_layer_params_map(&c, params, &lp);
-    float *acts = malloc(lm_kda_layer_cp_act_floats(&c, R, 1, 2) * 4);
-    lm_status st = lm_kda_layer_cp_forward(comm, &c, &lp, x, 1, 2 * me + 1, 2, y, acts);
+    float *acts = malloc(lm_kda_layer_cp_lp_act_floats(&c, 1, 2) * 4);
+    float *scr = malloc(lm_kda_layer_cp_lp_scratch_floats(&c, R, 1, 2) * 4);
+    lm_status st = lm_kda_layer_cp_forward_lp(comm, &c, &lp, &lp, x, 1, 2 * me + 1, 2, y, acts, scr);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "rank order"), "%s", lm_last_error());
+    /* one rank without its outputs: every rank returns */
+    st = lm_kda_layer_cp_forward_lp(comm, &c, &lp, &lp, x, 1, 2 * me, 2, me == R - 1 ? NULL : y, acts, scr);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), me == R - 1 ? "y is NULL" : "refused"), "rank %d: %s", me,
+          lm_last_error());
     c.conv_width = 0;
-    CHECK(lm_kda_layer_cp_forward(comm, &c, &lp, x, 1, 2 * me, 2, y, acts) == LM_ERR_ARG, "conv_width 0 accepted");
-    free(params), free(acts);
+    CHECK(lm_kda_layer_cp_forward_lp(comm, &c, &lp, &lp, x, 1, 2 * me, 2, y, acts, scr) == LM_ERR_ARG,
+          "conv_width 0 accepted");
+    free(params), free(acts), free(scr);
 }
 
 static void test_workspace_too_small_is_rejected(void) {
@@ -358,7 +347,6 @@ int main(int argc, char **argv) {
     RUN(test_context_parallel_softplus_gate_equals_the_whole_sequence);
     RUN(test_cp_operator_forward_and_backward_equal_the_whole_sequence);
     RUN(test_cp_layer_equals_the_whole_sequence);
-    RUN(test_cp_layer_segment_form_equals_the_whole_sequence);
     RUN(test_bad_arguments_are_rejected);
     RUN(test_workspace_too_small_is_rejected);
     if (comm) {

@@ -107,8 +107,8 @@ static void test_attention_offset_queries_equal_the_whole_rows(void) {
 
 /* ---- the MLA layer over the ranks ---- */
 
-/* segment_form: lm_mla_cp_forward_lp / _backward_lp (any backend; here the CPU) */
-static void run_layer_form(lm_mla_config c, const char *name, uint64_t seed, int segment_form) {
+/* lm_mla_cp_forward_lp / _backward_lp on the CPU backend */
+static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
     const int R = lm_comm_size(comm), me = lm_comm_rank(comm);
     /* rank r holds 29 r + 37 tokens: odd totals, later ranks crossing attention tiles */
     int T = 0, t0 = 0;
@@ -137,21 +137,13 @@ static void run_layer_form(lm_mla_config c, const char *name, uint64_t seed, int
     /* this rank's segment */
     float *xs = slice(x, B, T, d, t0, n), *dys = slice(dy, B, T, d, t0, n);
     float *ys = malloc((size_t)B * n * d * 4), *dxs = calloc((size_t)B * n * d, 4);
-    const size_t na = segment_form ? lm_mla_cp_lp_acts_floats(&c, B, t0, n) : lm_mla_cp_acts_floats(&c, B, t0, n);
-    const size_t ns = segment_form ? lm_mla_cp_lp_scratch_floats(&c, R, B, t0, n)
-                                   : lm_mla_cp_scratch_floats(&c, R, B, t0, n);
+    const size_t na = lm_mla_cp_lp_acts_floats(&c, B, t0, n), ns = lm_mla_cp_lp_scratch_floats(&c, R, B, t0, n);
     CHECK(na && ns, "%s: zero sizes", name);
     float *cacts = malloc(na * 4), *cscr = malloc(ns * 4), *gmem = calloc(np, 4), *gsum = malloc(np * 4);
     CHECK(lm_mla_params_map(&c, gmem, &g) == LM_OK, "%s", lm_last_error());
-    if (segment_form) {
-        CHECK(lm_mla_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s", lm_last_error());
-        CHECK(lm_mla_cp_backward_lp(comm, &c, &p, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
-              lm_last_error());
-    } else {
-        CHECK(lm_mla_cp_forward(comm, &c, &p, xs, B, t0, n, ys, cacts) == LM_OK, "%s", lm_last_error());
-        CHECK(lm_mla_cp_backward(comm, &c, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
-              lm_last_error());
-    }
+    CHECK(lm_mla_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_mla_cp_backward_lp(comm, &c, &p, &p, xs, cacts, dys, B, t0, n, dxs, &g, cscr) == LM_OK, "%s",
+          lm_last_error());
     float *yw = slice(y, B, T, d, t0, n), *dxw = slice(dx, B, T, d, t0, n);
     double ey = max_rel(ys, yw, (size_t)B * n * d), ex = max_rel(dxs, dxw, (size_t)B * n * d);
     CHECK(ey < 1e-5, "%s rank %d: y differs from the whole sequence's by %.3g", name, me, ey);
@@ -161,10 +153,7 @@ static void run_layer_form(lm_mla_config c, const char *name, uint64_t seed, int
     float smax_w[16], smax[16], smax_all[64];
     CHECK(c.n_heads <= 16 && R <= 4, "test sizes");
     CHECK(lm_mla_max_logits(&c, acts, B, T, smax_w) == LM_OK, "%s", lm_last_error());
-    if (segment_form)
-        CHECK(lm_mla_cp_head_max_lp(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
-    else
-        CHECK(lm_mla_cp_max_logits(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
+    CHECK(lm_mla_cp_head_max_lp(comm, &c, cacts, B, t0, n, smax) == LM_OK, "%s", lm_last_error());
     double em = max_rel(smax, smax_w, (size_t)c.n_heads);
     CHECK(em < 1e-5, "%s: the max logits differ from the whole sequence's by %.3g", name, em);
     note(em);
@@ -203,13 +192,6 @@ static void run_layer_form(lm_mla_config c, const char *name, uint64_t seed, int
     free(dxs), free(y), free(acts), free(scr), free(dx), free(gwmem), free(x), free(dy), free(pmem);
 }
 
-static void run_layer(lm_mla_config c, const char *name, uint64_t seed) {
-    run_layer_form(c, name, seed, 0);
-    char seg_name[96];
-    snprintf(seg_name, sizeof seg_name, "%s, segment form", name);
-    run_layer_form(c, seg_name, seed + 1000, 1);
-}
-
 static void test_mla_layer_nope_equals_the_whole_sequence(void) {
     run_layer(lm_mla_config_mla(24, 3, 16, 12, 20, 14), "MLA NoPE", 301);
 }
@@ -236,19 +218,20 @@ static void test_bad_segments_are_rejected(void) {
     lm_mla_params p;
     CHECK(lm_mla_params_map(&c, pmem, &p) == LM_OK, "%s", lm_last_error());
     float x[64] = {0}, y[64];
-    const size_t na = lm_mla_cp_acts_floats(&c, 1, 2 * R, 2);
-    float *acts = malloc(na * 4);
+    const size_t na = lm_mla_cp_lp_acts_floats(&c, 1, 2 * R, 2), ns = lm_mla_cp_lp_scratch_floats(&c, R, 1, 2 * R, 2);
+    float *acts = malloc(na * 4), *scr = malloc(ns * 4);
     /* a gap before the first segment: every rank holds [2 me + 1, 2 me + 3) */
-    lm_status st = lm_mla_cp_forward(comm, &c, &p, x, 1, 2 * me + 1, 2, y, acts);
+    lm_status st = lm_mla_cp_forward_lp(comm, &c, &p, &p, x, 1, 2 * me + 1, 2, y, acts, scr);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "rank order"), "%s", lm_last_error());
     /* one rank refuses (no output): every rank returns */
-    st = lm_mla_cp_forward(comm, &c, &p, x, 1, 2 * me, 2, me == R - 1 ? NULL : y, acts);
-    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), me == R - 1 ? "required" : "refused"), "rank %d: %s", me,
+    st = lm_mla_cp_forward_lp(comm, &c, &p, &p, x, 1, 2 * me, 2, me == R - 1 ? NULL : y, acts, scr);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), me == R - 1 ? "y is NULL" : "refused"), "rank %d: %s", me,
           lm_last_error());
     /* GQA parameters missing (an MLA block mapped) */
     lm_mla_config gqa = lm_mla_config_gqa(8, 2, 1, 4, 4);
-    st = lm_mla_cp_forward(comm, &gqa, &p, x, 1, 2 * me, 2, y, acts);
+    st = lm_mla_cp_forward_lp(comm, &gqa, &p, &p, x, 1, 2 * me, 2, y, acts, scr);
     CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "parameter"), "%s", lm_last_error());
+    free(scr);
     free(acts), free(pmem);
 }
 

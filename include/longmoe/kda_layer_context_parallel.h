@@ -8,11 +8,11 @@
  * segment (its halo, all-gathered from the earlier ranks; zero before the
  * sequence start, so a halo may span several short segments), and its gradient
  * goes back to their owners, each adding the later ranks' parts in rank order;
- * the operator runs lm_kda_cp_forward / lm_kda_cp_backward.
+ * the operator's state crosses the ranks as the segments' affine maps (the
+ * algorithm of lm_kda_cp_forward / lm_kda_cp_backward, kda_state_map.h).
  *
  * Outputs: y and dx of the segment; the parameter gradients in g ACCUMULATE
- * this rank's part (their sum over the ranks is the whole sequence's). CPU
- * backend. acts and scratch are float buffers of the sizes below. */
+ * this rank's part (their sum over the ranks is the whole sequence's). */
 #ifndef LONGMOE_KDA_LAYER_CONTEXT_PARALLEL_H
 #define LONGMOE_KDA_LAYER_CONTEXT_PARALLEL_H
 
@@ -25,24 +25,8 @@
 extern "C" {
 #endif
 
-/* Floats of saved activations and of backward scratch for a segment of n
- * tokens on a job of comm_size ranks (0 for an invalid argument). */
-size_t lm_kda_layer_cp_act_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
-size_t lm_kda_layer_cp_scratch_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
-
-/* y [B,n,d] from x [B,n,d], the rank's segment at t0. Collective. */
-lm_status lm_kda_layer_cp_forward(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                                  const float *x, int B, int t0, int n, float *y, float *acts);
-
-/* Given dy [B,n,d]: dx [B,n,d] (may be NULL) and every gradient in g
- * ACCUMULATE (+=). x and acts those of the forward. Collective. */
-lm_status lm_kda_layer_cp_backward(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                                   const lm_kda_layer_params *g, const float *x, const float *acts, const float *dy,
-                                   int B, int t0, int n, float *dx, float *scratch);
-
-/* ---- any backend: the segment form ----
- * The same layer on the backend of c (CPU or CUDA; c->backend NULL: the
- * CPU), through its own segment functions (lm_kda_layer_forward_seg /
+/* The layer on the backend of c (CPU or CUDA; c->backend NULL: the CPU),
+ * through its own segment functions (lm_kda_layer_forward_seg /
  * _backward_seg, include/longmoe/kda_layer.h): x_lp in the product format,
  * p_lp the parameters in it, every buffer (y, dy, dx, g, acts, scratch) in
  * the backend's memory, and `comm` an engine working on that memory (MPI for

@@ -202,11 +202,14 @@ int lm_model_experts_gathered(const lm_model *m);
 const float *lm_model_tensor_data(const lm_model *m, int i);
 
 /* Context parallelism over the ranks of comm (docs/scaleout.md "Context
- * parallelism in the model"; CPU backend only). The model's B x T is this
+ * parallelism in the model"), on the model's backend: comm's engine works on
+ * its memory (MPI for the CPU; NCCL or the staged engine for a GPU, on the
+ * backend's stream). The model's B x T is this
  * rank's segment: rank r holds tokens [t0_r, t0_r + T_r) of each of the B
  * rows, segments in rank order without gaps (t0_r = T_0 + ... + T_{r-1}),
  * every rank the same B. The KDA and attention sublayers run
- * lm_kda_layer_cp_* and lm_mla_cp_* (the QK-Clip maxima lm_mla_cp_max_logits);
+ * lm_kda_layer_cp_*_lp and lm_mla_cp_*_lp (the QK-Clip maxima
+ * lm_mla_cp_head_max_lp);
  * everything else is token-local and unchanged. Every forward and backward
  * is then collective over comm. The loss is the mean over the rank's own
  * B T tokens; the parameter gradients are the rank's part: with loss_scale
@@ -219,8 +222,8 @@ const float *lm_model_tensor_data(const lm_model *m, int i);
 lm_status lm_model_set_context_parallel(lm_model *m, struct lm_comm *comm);
 /* Bytes of the block lm_model_set_context_parallel allocates (the mixers'
  * segment activations and one backward scratch) on the rank of `ranks` whose
- * segment, the model's B x T, starts at token t0 (the attention's activations
- * grow with t0: the last rank's are the largest). Works on a plan
+ * segment, the model's B x T, starts at token t0 (the attention's stores grow
+ * with t0, the KDA layers' part with T). Works on a plan
  * (lm_model_plan): `longmoe plan --memory --cp N`. */
 lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes);
 
