@@ -1,6 +1,8 @@
-/* Context parallelism of the KDA layer on GPU ranks: the segment form
- * (lm_kda_layer_cp_forward_lp / _backward_lp on the CUDA backend) against the
- * one-process GPU layer on the whole sequence. Every rank draws the same
+/* Context parallelism of the token mixers on GPU ranks: the KDA layer
+ * (lm_kda_layer_cp_forward_lp / _backward_lp) and the attention layer, MLA
+ * and GQA (lm_mla_cp_forward_lp / _backward_lp, the QK-Clip maxima
+ * lm_mla_cp_head_max_lp), on the CUDA backend, against the one-process GPU
+ * layer on the whole sequence. Every rank draws the same
  * weights and the whole rows, runs the whole layer on them (the reference) and
  * then its own segment with context parallelism: y and dx of its tokens, and
  * every parameter gradient summed over the ranks, against the reference's
@@ -14,8 +16,12 @@
  * (lm_kda_state_map_apply / _apply_transposed) within 1e-5, and its bits
  * from run to run.
  *
+ * The attention cases (MLA with a latent of 32 and GQA of 4 heads over 2,
+ * head dimensions 64; segments as above and a first one of 5 tokens) compare
+ * y, dx, the QK-Clip maxima and every summed gradient the same way.
+ *
  * Runs on the staged engine over a CUDA backend: alone (one rank) or under
- * mpirun (`mpirun -np 2 test_cuda_kda_cp --ranks 2`; processes may share one
+ * mpirun (`mpirun -np 2 test_cuda_cp --ranks 2`; processes may share one
  * GPU). Without a GPU every case reports skipped. */
 #include <math.h>
 #include <string.h>
@@ -27,6 +33,8 @@
 #include "longmoe/kda_layer.h"
 #include "longmoe/kda_layer_context_parallel.h"
 #include "longmoe/kda_state_map.h"
+#include "longmoe/mla.h"
+#include "longmoe/mla_context_parallel.h"
 #include "longmoe/tensor_spec.h"
 #include "test.h"
 #include "test_cuda.h"
@@ -114,11 +122,12 @@ static void test_state_apply_matches_the_cpu(void) {
     }
 }
 
-/* The lp view of fp32 parameters: the same offsets in a bf16 copy. */
-static void lp_view(const lm_kda_layer_params *p, const float *base, void *lp, lm_kda_layer_params *pl) {
+/* The lp view of fp32 parameters (a struct of `bytes` of tensor pointers into
+ * base): the same offsets in a bf16 copy. */
+static void lp_view(const void *p, const float *base, void *lp, void *pl, size_t bytes) {
     float *const *from = (float *const *)p;
     float **to = (float **)pl;
-    for (size_t i = 0; i < sizeof *p / sizeof(float *); i++)
+    for (size_t i = 0; i < bytes / sizeof(float *); i++)
         to[i] = from[i] ? (float *)((char *)lp + (size_t)(from[i] - base) * be->lp_bytes) : NULL;
 }
 
@@ -152,7 +161,7 @@ static void run_layer(lm_kda_gate gate, const int *lens, int B, uint64_t seed) {
     GPU_OK(be->ops->to_lp(be, plp, dpar, np));
     lm_kda_layer_params p, pl, G, g;
     lm_kda_layer_params_map(&c, dpar, &p);
-    lp_view(&p, dpar, plp, &pl);
+    lp_view(&p, dpar, plp, &pl, sizeof p);
     lm_kda_layer_params_map(&c, gw, &G);
     lm_kda_layer_params_map(&c, gc, &g);
     const size_t nx = (size_t)B * T * D, ns = (size_t)B * n * D;
@@ -225,6 +234,104 @@ static void test_layer_equals_the_whole_sequence(void) {
     printf("  worst difference (relative to the largest): %.3g\n", worst);
 }
 
+/* The attention layer: segments of lens[r] tokens on rank r, B rows. */
+static void run_attention(lm_mla_config c, const char *name, const int *lens, int B, uint64_t seed) {
+    int T = 0, t0 = 0, n = 0;
+    for (int r = 0; r < R; r++) {
+        if (r == me) t0 = T, n = lens[r];
+        T += lens[r];
+    }
+    c.backend = be;
+    const int D = c.d_model, H = c.n_heads;
+    const size_t np = lm_mla_param_count(&c);
+    float *params = mallocCheck(np * 4);
+    lm_mla_params hp, p, pl, G, g;
+    GPU_OK(lm_mla_params_map(&c, params, &hp));
+    lm_rng rng;
+    lm_rng_seed(&rng, seed);
+    lm_mla_params_init(&c, &hp, &rng);
+    if (hp.q_norm)
+        for (int i = 0; i < c.q_lora; i++) hp.q_norm[i] = (float)(1 + 0.3 * lm_rng_normal(&rng));
+    if (hp.kv_norm)
+        for (int i = 0; i < c.kv_lora; i++) hp.kv_norm[i] = (float)(1 + 0.3 * lm_rng_normal(&rng));
+    float *dpar = dev_from(params, np * 4), *gw = be_alloc(np * 4), *gc = be_alloc(np * 4);
+    GPU_OK(be->zero(be, gw, np * 4));
+    GPU_OK(be->zero(be, gc, np * 4));
+    void *plp = be_alloc(np * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, plp, dpar, np));
+    GPU_OK(lm_mla_params_map(&c, dpar, &p));
+    lp_view(&p, dpar, plp, &pl, sizeof p);
+    GPU_OK(lm_mla_params_map(&c, gw, &G));
+    GPU_OK(lm_mla_params_map(&c, gc, &g));
+    const size_t nx = (size_t)B * T * D, ns = (size_t)B * n * D;
+    float *x = host_normal(nx, 1.0, 0.0, 1, &rng), *dy = host_normal(nx, 1.0, 0.0, 0, &rng);
+    float *dxf = dev_from(x, nx * 4), *ddy = dev_from(dy, nx * 4), *dyw = be_alloc(nx * 4), *ddx = be_alloc(nx * 4);
+    void *xlp = be_alloc(nx * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, xlp, dxf, nx));
+    GPU_OK(be->zero(be, ddx, nx * 4));
+    float *acts = be_alloc(lm_mla_acts_floats(&c, B, T) * 4), *scr = be_alloc(lm_mla_scratch_floats(&c, B, T) * 4);
+    GPU_OK(lm_mla_forward_lp(&c, &p, &pl, xlp, B, T, dyw, acts));
+    float hm_w[64], hm[64];
+    CHECK(H <= 64, "heads");
+    GPU_OK(lm_mla_seg_head_max(&c, acts, B, T, hm_w));
+    GPU_OK(lm_mla_backward_lp(&c, &p, &pl, xlp, acts, ddy, B, T, ddx, &G, scr));
+    float *yw = host_of(dyw, nx), *dxw = host_of(ddx, nx), *gwh = host_of(gw, np);
+    float *xs = mallocCheck(ns * 4), *dys = mallocCheck(ns * 4), *yr = mallocCheck(ns * 4), *dxr = mallocCheck(ns * 4);
+    for (int b = 0; b < B; b++) {
+        const size_t o = (size_t)b * n * D, w = ((size_t)b * T + t0) * D, k = (size_t)n * D * 4;
+        memcpy(xs + o, x + w, k), memcpy(dys + o, dy + w, k), memcpy(yr + o, yw + w, k), memcpy(dxr + o, dxw + w, k);
+    }
+    float *sx = dev_from(xs, ns * 4), *sdy = dev_from(dys, ns * 4), *sy = be_alloc(ns * 4), *sdx = be_alloc(ns * 4);
+    void *sxlp = be_alloc(ns * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, sxlp, sx, ns));
+    GPU_OK(be->zero(be, sdx, ns * 4));
+    float *cacts = be_alloc(lm_mla_cp_lp_acts_floats(&c, B, t0, n) * 4);
+    float *cscr = be_alloc(lm_mla_cp_lp_scratch_floats(&c, R, B, t0, n) * 4);
+    GPU_OK(lm_mla_cp_forward_lp(comm, &c, &p, &pl, sxlp, B, t0, n, sy, cacts, cscr));
+    GPU_OK(lm_mla_cp_head_max_lp(comm, &c, cacts, B, t0, n, hm));
+    GPU_OK(lm_mla_cp_backward_lp(comm, &c, &p, &pl, sxlp, cacts, sdy, B, t0, n, sdx, &g, cscr));
+    float *ys = host_of(sy, ns), *dxs = host_of(sdx, ns), *gch = host_of(gc, np), *gsum = mallocCheck(np * 4);
+    double ey = rel_err(ys, yr, ns), ex = rel_err(dxs, dxr, ns), em = rel_err(hm, hm_w, (size_t)H);
+    CHECK(ey < CP_RTOL && ex < CP_RTOL && em < CP_RTOL,
+          "%s, rank %d of %d (%d tokens at %d): y differs by %.3g, dx by %.3g, the max logits by %.3g", name, me, R, n,
+          t0, ey, ex, em);
+    GPU_OK(lm_comm_all_reduce_sum(host, gch, gsum, np, LM_DTYPE_F32));
+    /* each tensor: from its offset to the next one's (lm_mla_params_map's order) */
+    float *const *f = (float *const *)&g;
+    const size_t nf = sizeof g / sizeof(float *);
+    double eg = 0;
+    for (size_t i = 0; i < nf; i++) {
+        if (!f[i]) continue;
+        const size_t o = (size_t)(f[i] - gc);
+        size_t end = np;
+        for (size_t j = 0; j < nf; j++)
+            if (f[j] && f[j] > f[i] && (size_t)(f[j] - gc) < end) end = (size_t)(f[j] - gc);
+        double e = rel_err(gsum + o, gwh + o, end - o);
+        CHECK(e < CP_RTOL, "%s: gradient tensor %zu (floats %zu..%zu) summed over %d ranks differs by %.3g", name, i, o,
+              end, R, e);
+        if (e > eg) eg = e;
+    }
+    printf("  %s, %d ranks, B %d, T %d: y %.3g, dx %.3g, max logits %.3g, parameter gradients %.3g (rank 0)\n", name,
+           R, B, T, ey, ex, em, eg);
+    if (ey > worst) worst = ey;
+    if (ex > worst) worst = ex;
+    if (eg > worst) worst = eg;
+    free(params), free(x), free(dy), free(yw), free(dxw), free(gwh), free(xs), free(dys), free(yr), free(dxr);
+    free(ys), free(dxs), free(gch), free(gsum);
+    void *dev[] = {dpar, gw, gc, plp, dxf, ddy, dyw, ddx, xlp, acts, scr, sx, sdy, sy, sdx, sxlp, cacts, cscr};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->release(be, dev[i]);
+}
+
+static void test_attention_equals_the_whole_sequence(void) {
+    if (test_skip_all_reason) return;
+    worst = 0;
+    const int spans[] = {131, 70, 97, 64}, shorter[] = {5, 150, 3, 77};
+    run_attention(lm_mla_config_mla(96, 2, 64, 64, 64, 32), "MLA", spans, 2, 4501);
+    run_attention(lm_mla_config_mla(96, 2, 64, 64, 64, 32), "MLA, a short first segment", shorter, 1, 4502);
+    run_attention(lm_mla_config_gqa(96, 4, 2, 64, 64), "GQA", spans, 2, 4503);
+    printf("  worst difference (relative): %.3g\n", worst);
+}
+
 static void test_refusals(void) {
     if (test_skip_all_reason) return;
     lm_kda_layer_config c = {64, 1, 64, 4, 64, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, be};
@@ -248,7 +355,7 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--ranks") && i + 1 < argc) want_ranks = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: test_cuda_kda_cp [--ranks N]\n");
+            fprintf(stderr, "usage: test_cuda_cp [--ranks N]\n");
             return 2;
         }
     }
@@ -276,10 +383,11 @@ int main(int argc, char **argv) {
             return 1;
         }
     } else {
-        fprintf(stderr, "test_cuda_kda_cp: %s: every case skips\n", test_skip_all_reason);
+        fprintf(stderr, "test_cuda_cp: %s: every case skips\n", test_skip_all_reason);
     }
     RUN(test_state_apply_matches_the_cpu);
     RUN(test_layer_equals_the_whole_sequence);
+    RUN(test_attention_equals_the_whole_sequence);
     RUN(test_refusals);
     if (comm) {
         int32_t failed = test_failed_count;
