@@ -238,6 +238,7 @@ static void run_cp_layer(lm_kda_gate gate, uint64_t seed) {
     float *ys = malloc((size_t)B * n * D * 4), *dxs = calloc((size_t)B * n * D, 4);
     const size_t na = lm_kda_layer_cp_lp_act_floats(&c, B, n), ns = lm_kda_layer_cp_lp_scratch_floats(&c, R, B, n);
     float *cacts = malloc(na * 4), *cscr = malloc(ns * 4);
+    CHECK(lm_kda_layer_cp_lp_acts_init(&c, B, n, cacts) == LM_OK, "%s", lm_last_error());
     CHECK(lm_kda_layer_cp_forward_lp(comm, &c, &p, &p, xs, B, t0, n, ys, cacts, cscr) == LM_OK, "%s", lm_last_error());
     CHECK(lm_kda_layer_cp_backward_lp(comm, &c, &p, &p, &g, xs, cacts, dys, B, t0, n, dxs, cscr) == LM_OK, "%s",
           lm_last_error());

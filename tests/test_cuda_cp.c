@@ -189,6 +189,7 @@ static void run_layer(lm_kda_gate gate, const int *lens, int B, uint64_t seed) {
     GPU_OK(be->zero(be, sdx, ns * 4));
     float *cacts = be_alloc(lm_kda_layer_cp_lp_act_floats(&c, B, n) * 4);
     float *cscr = be_alloc(lm_kda_layer_cp_lp_scratch_floats(&c, R, B, n) * 4);
+    GPU_OK(lm_kda_layer_cp_lp_acts_init(&c, B, n, cacts));
     GPU_OK(lm_kda_layer_cp_forward_lp(comm, &c, &p, &pl, sxlp, B, t0, n, sy, cacts, cscr));
     GPU_OK(lm_kda_layer_cp_backward_lp(comm, &c, &p, &pl, &g, sxlp, cacts, sdy, B, t0, n, sdx, cscr));
     float *ys = host_of(sy, ns), *dxs = host_of(sdx, ns), *gch = host_of(gc, np), *gsum = mallocCheck(np * 4);

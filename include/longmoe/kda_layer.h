@@ -133,6 +133,19 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
                                     const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
                                     float *scratch);
 
+/* The gradient of the segment's incoming state from its own outputs alone
+ * (dy; the outgoing state's gradient zero), after lm_kda_layer_forward_seg of
+ * the same segment and carry: the backward only as far as the operator's.
+ * dh0 [B,H,K,K] is written; no input or parameter gradient is (what the
+ * output's and the operator's backward add to W_o, o_norm, A_log and dt_bias
+ * goes to `junk`, lm_kda_layer_seg_state_grad_junk_floats floats of the
+ * backend's memory). scratch as lm_kda_layer_backward_seg's. */
+size_t lm_kda_layer_seg_state_grad_junk_floats(const lm_kda_layer_config *c);
+lm_status lm_kda_layer_seg_state_grad(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_acts *a, const void *x_lp,
+                                      const float *dy, int B, int n, const lm_kda_layer_carry *carry, float *dh0,
+                                      float *junk, float *scratch);
+
 /* The operator's state map over the segment after lm_kda_layer_forward_seg
  * (its q, k, gates and betas in `a`): P [B,H,K,K] such that the segment maps
  * an incoming state S to P S + Q (Q: the outgoing state from a zero state,

@@ -36,16 +36,22 @@ extern "C" {
  * (the outputs of rank 0; the map's Q of the others) and the operator once
  * more from the identity with zero values (the map's P); the maps are
  * all-gathered and applied in rank order; ranks after the first run the
- * segment again from their incoming state. Backward: the segment's outputs'
- * part (its dh0 is the map's D), the maps [P | D] all-gathered and scanned
- * last first for the gradient of the outgoing state, the part through it (the
- * backward is linear in dy and dht), and the halo's gradient all-gathered,
+ * segment again from their incoming state. Backward: each rank after the
+ * first takes its dy back as far as the operator for D, the gradient of its
+ * incoming state from its own outputs; the maps [P | D] are all-gathered and
+ * scanned last first for the gradient of the outgoing state; one backward of
+ * the segment with dy and that gradient; the halo's gradient all-gathered,
  * each owner adding the later ranks' parts of its last rows in rank order and
  * taking them through the q, k, v projections. Costs against the one-rank
- * layer: up to two forwards and two backwards of the segment. Outputs: y and
- * dx (required) of the segment; g ACCUMULATES this rank's part. acts and
- * scratch hold the floats below; scratch is free between the calls. */
+ * layer: up to two forwards of the segment, one backward and a partial one
+ * (the output's and the operator's). Outputs: y and dx (required) of the
+ * segment; g ACCUMULATES this rank's part. acts and scratch hold the floats
+ * below (acts initialised once by lm_kda_layer_cp_lp_acts_init); scratch is
+ * free between the calls. */
 size_t lm_kda_layer_cp_lp_act_floats(const lm_kda_layer_config *c, int B, int n);
+/* Writes the constant part of acts (the identity the map's run starts from):
+ * once, before the first forward on these acts (not collective). */
+lm_status lm_kda_layer_cp_lp_acts_init(const lm_kda_layer_config *c, int B, int n, float *acts);
 size_t lm_kda_layer_cp_lp_scratch_floats(const lm_kda_layer_config *c, int comm_size, int B, int n);
 lm_status lm_kda_layer_cp_forward_lp(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                      const lm_kda_layer_params *p_lp, const void *x_lp, int B, int t0, int n, float *y,

@@ -29,11 +29,11 @@ static size_t lp_f(const lm_kda_layer_config *c, size_t n) {
 }
 
 typedef struct {
-    size_t seg, S_in, P, halo, total;
+    size_t seg, S_in, P, halo, ident, total;
 } lp_acts;
 
 typedef struct {
-    size_t seg, pk, all, s0, s1, ident, vzero, otmp, dy0, tail, tails, dhalo2, dtail, dtail_lp, total;
+    size_t seg, pk, all, s0, s1, vzero, otmp, junk, tail, tails, dtail, dtail_lp, total;
 } lp_scratch;
 
 #define PLACE(s, f, n) ((s).f = off, off += ((size_t)(n) + 15) & ~(size_t)15) /* 64-byte starts */
@@ -49,6 +49,7 @@ static lp_acts lp_acts_of(const lm_kda_layer_config *c, int B, int n) {
     PLACE(a, S_in, states_of(c, B));
     PLACE(a, P, states_of(c, B));
     PLACE(a, halo, blk_of(c, B));
+    PLACE(a, ident, states_of(c, B)); /* constant: the identity the map's run starts from */
     a.total = off;
     return a;
 }
@@ -62,13 +63,11 @@ static lp_scratch lp_scratch_of(const lm_kda_layer_config *c, int R, int B, int 
     PLACE(s, all, (size_t)R * 2 * ns);
     PLACE(s, s0, ns);
     PLACE(s, s1, ns);
-    PLACE(s, ident, ns);
     PLACE(s, vzero, lp_f(c, N * HK));
     PLACE(s, otmp, lp_f(c, N * HK)); /* the map run's outputs */
-    PLACE(s, dy0, N * (size_t)c->d_model);
+    PLACE(s, junk, lm_kda_layer_seg_state_grad_junk_floats(c));
     PLACE(s, tail, blk);             /* the own tail's projections, or the halo's gradient */
     PLACE(s, tails, (size_t)R * blk); /* every rank's */
-    PLACE(s, dhalo2, blk);
     PLACE(s, dtail, blk);
     PLACE(s, dtail_lp, lp_f(c, blk));
     s.total = off;
@@ -79,6 +78,20 @@ static lp_scratch lp_scratch_of(const lm_kda_layer_config *c, int R, int B, int 
 size_t lm_kda_layer_cp_lp_act_floats(const lm_kda_layer_config *c, int B, int n) {
     if (!config_ok(c) || B < 1 || n < 1) return 0;
     return lp_acts_of(c, B, n).total;
+}
+
+lm_status lm_kda_layer_cp_lp_acts_init(const lm_kda_layer_config *c, int B, int n, float *acts) {
+    if (!config_ok(c) || B < 1 || n < 1 || !acts)
+        return lm_error(LM_ERR_ARG, "kda layer context parallel: acts init needs a valid config, B, n and acts");
+    lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
+    const size_t ns = states_of(c, B), K = (size_t)c->head_dim;
+    float *id = calloc(ns, sizeof(float));
+    if (!id) return lm_error(LM_ERR_MEMORY, "kda layer context parallel: out of memory");
+    for (size_t q = 0; q < (size_t)B * c->heads; q++)
+        for (size_t i = 0; i < K; i++) id[(q * K + i) * K + i] = 1.0f;
+    lm_status st = be->upload(be, acts + lp_acts_of(c, B, n).ident, id, ns * sizeof(float));
+    free(id);
+    return st;
 }
 
 size_t lm_kda_layer_cp_lp_scratch_floats(const lm_kda_layer_config *c, int comm_size, int B, int n) {
@@ -159,16 +172,8 @@ static lm_status lp_forward_body(lm_comm *comm, const lm_kda_layer_config *c, co
         lm_kda_layer_carry c0 = {NULL, pk + ns, halo_in, NULL};
         TRY(lm_kda_layer_forward_seg(c, p, pl, &a, x, B, n, &c0, y));
         /* the map's P: the operator from the identity with zero values */
-        float *id = malloc(ns * sizeof(float));
-        if (!id) return lm_error(LM_ERR_MEMORY, "kda layer context parallel: out of memory");
-        memset(id, 0, ns * sizeof(float));
-        for (size_t q = 0; q < (size_t)B * H; q++)
-            for (int i = 0; i < K; i++) id[(q * K + i) * K + i] = 1.0f;
-        lm_status st = be->upload(be, scratch + S.ident, id, ns * sizeof(float));
-        free(id);
-        TRY(st);
         TRY(be->zero(be, scratch + S.vzero, (size_t)B * n * HK * lpb));
-        TRY(lm_kda_layer_seg_state_map(c, p, &a, B, n, scratch + S.vzero, scratch + S.ident, scratch + S.otmp, pk));
+        TRY(lm_kda_layer_seg_state_map(c, p, &a, B, n, scratch + S.vzero, acts + A.ident, scratch + S.otmp, pk));
     } else {
         /* the last segment's map is never applied */
         TRY(be->zero(be, pk, 2 * ns * sizeof(float)));
@@ -206,9 +211,9 @@ lm_status lm_kda_layer_cp_forward_lp(lm_comm *comm, const lm_kda_layer_config *c
     return st;
 }
 
-/* Backward: this segment's outputs' part (and D, the gradient of its incoming state from them), the
- * reverse scan for the gradient of its outgoing state and that part, then the halo's gradient to its
- * owners. Both parts run lm_kda_layer_backward_seg, which is linear in (dy, dht). */
+/* Backward: D, the gradient of the incoming state from the segment's own outputs (ranks after the
+ * first), the maps [P | D] gathered and scanned last first for the gradient of the outgoing state,
+ * then the segment's one backward with both; the halo's gradient to its owners. */
 static lm_status lp_backward_body(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const lm_kda_layer_params *pl, const lm_kda_layer_params *g, const void *x,
                                   const float *acts, const float *dy, int B, int t0, int n, float *dx, float *scratch,
@@ -224,28 +229,30 @@ static lm_status lp_backward_body(lm_comm *comm, const lm_kda_layer_config *c, c
     lm_kda_layer_seg_acts_map(c, B, n, (float *)acts + A.seg, &a);
     float *pk = scratch + S.pk, *dhalo = scratch + S.tail, *tails = scratch + S.tails;
     lm_kda_layer_carry cr = {me > 0 ? acts + A.S_in : NULL, NULL, W1 > 0 ? acts + A.halo : NULL, NULL};
-    /* the outputs' part; D (rank 0's is never used: zero) */
-    lm_kda_layer_carry_grad cg1 = {NULL, R > 1 && me > 0 ? pk + ns : NULL, NULL, W1 > 0 ? dhalo : NULL};
-    TRY(lm_kda_layer_backward_seg(c, p, pl, g, &a, x, dy, B, n, &cr, &cg1, dx, scratch + S.seg));
-    if (R == 1) return LM_OK;
-    if (me == 0) TRY(be->zero(be, pk + ns, ns * sizeof(float)));
-    TRY(be->copy(be, pk, acts + A.P, ns * sizeof(float)));
-    TRY(lm_comm_all_gather(comm, pk, scratch + S.all, 2 * ns * sizeof(float)));
-    /* the outgoing state's gradient: the later segments' maps, last first, from zero */
-    float *cur = NULL, *nxt = scratch + S.s0;
-    for (int q = R - 1; q > me; q--) {
-        const float *mq = scratch + S.all + (size_t)q * 2 * ns;
-        TRY(op->kda_state_apply(be, B * H, K, K, mq, mq + ns, cur, nxt, 1));
-        cur = nxt;
-        nxt = nxt == scratch + S.s0 ? scratch + S.s1 : scratch + S.s0;
+    const float *dS_out = NULL;
+    if (R > 1) {
+        /* D (rank 0's is never applied: zero) */
+        if (me > 0)
+            TRY(lm_kda_layer_seg_state_grad(c, p, pl, &a, x, dy, B, n, &cr, pk + ns, scratch + S.junk,
+                                            scratch + S.seg));
+        else
+            TRY(be->zero(be, pk + ns, ns * sizeof(float)));
+        TRY(be->copy(be, pk, acts + A.P, ns * sizeof(float)));
+        TRY(lm_comm_all_gather(comm, pk, scratch + S.all, 2 * ns * sizeof(float)));
+        /* the outgoing state's gradient: the later segments' maps, last first, from zero */
+        float *cur = NULL, *nxt = scratch + S.s0;
+        for (int q = R - 1; q > me; q--) {
+            const float *mq = scratch + S.all + (size_t)q * 2 * ns;
+            TRY(op->kda_state_apply(be, B * H, K, K, mq, mq + ns, cur, nxt, 1));
+            cur = nxt;
+            nxt = nxt == scratch + S.s0 ? scratch + S.s1 : scratch + S.s0;
+        }
+        dS_out = cur;
     }
-    if (cur) { /* the later outputs' part, through the outgoing state */
-        lm_kda_layer_carry_grad cg2 = {cur, NULL, NULL, W1 > 0 ? scratch + S.dhalo2 : NULL};
-        TRY(be->zero(be, scratch + S.dy0, (size_t)B * n * d * sizeof(float)));
-        TRY(lm_kda_layer_backward_seg(c, p, pl, g, &a, x, scratch + S.dy0, B, n, &cr, &cg2, dx, scratch + S.seg));
-        if (W1 > 0) TRY(op->accumulate(be, dhalo, scratch + S.dhalo2, blk, 0));
-    }
-    if (W1 == 0) return LM_OK;
+    /* the segment's backward: its own outputs and, through the outgoing state, the later ones */
+    lm_kda_layer_carry_grad cg = {dS_out, NULL, NULL, W1 > 0 ? dhalo : NULL};
+    TRY(lm_kda_layer_backward_seg(c, p, pl, g, &a, x, dy, B, n, &cr, &cg, dx, scratch + S.seg));
+    if (R == 1 || W1 == 0) return LM_OK;
     /* the halo's gradient to its owners: each adds the later ranks' parts of its last rows in rank order */
     TRY(lm_comm_all_gather(comm, dhalo, tails, blk * sizeof(float)));
     float *dtail = scratch + S.dtail;

@@ -2895,6 +2895,14 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
         ls->cp_acts = block + off;
         off += need[l];
         *first = ls;
+        lm_status is = ls->mixer == LM_MIXER_KDA ? lm_kda_layer_cp_lp_acts_init(&ls->kda_cfg, m->B, m->T, ls->cp_acts)
+                                                 : LM_OK;
+        if (is) {
+            free(need);
+            m->be->release(m->be, block);
+            for (int k = 0; k <= l; k++) m->layers[k].cp_acts = NULL;
+            return is;
+        }
     }
     free(need);
     m->cp_block = block;
