@@ -15,6 +15,10 @@
 lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, lm_status local, int32_t *seg,
                                 const char *what);
 
+/* lm_cp_gather_segments over lm_comm_host(comm) into a new table *seg (3
+ * ints a rank; the caller frees it; NULL after an error). Collective. */
+lm_status lm_cp_segment_table(lm_comm *comm, int B, int t0, int n, lm_status local, const char *what, int32_t **seg);
+
 /* Each rank's verdict on its own arguments, shared: LM_OK on every rank when
  * all are LM_OK, else an error on every rank (its own, or one naming the
  * first rank that refused, with that rank's status: LM_ERR_NUMERIC for a

@@ -202,10 +202,8 @@ lm_status lm_kda_layer_cp_forward_lp(lm_comm *comm, const lm_kda_layer_config *c
     lm_status local = lp_check_args(comm, c, p, p_lp, x_lp, B, t0, n, what);
     if (!local && (!y || !acts || !scratch))
         local = lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !y ? "y" : !acts ? "acts" : "scratch");
-    const int R = lm_comm_size(comm);
-    int32_t *seg = malloc(3 * (size_t)R * sizeof(int32_t));
-    if (!seg) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
-    lm_status st = lm_cp_gather_segments(lm_comm_host(comm), B, t0, n, local, seg, what);
+    int32_t *seg = NULL;
+    lm_status st = lm_cp_segment_table(comm, B, t0, n, local, what, &seg);
     if (!st) st = lp_forward_body(comm, c, p, p_lp, x_lp, B, t0, n, y, acts, scratch, seg);
     free(seg);
     return st;
@@ -300,10 +298,8 @@ lm_status lm_kda_layer_cp_backward_lp(lm_comm *comm, const lm_kda_layer_config *
     if (!local && (!g || !acts || !dy || !dx || !scratch))
         local = lm_error(LM_ERR_ARG, "%s: %s is NULL", what,
                          !g ? "g" : !acts ? "acts" : !dy ? "dy" : !dx ? "dx" : "scratch");
-    const int R = lm_comm_size(comm);
-    int32_t *seg = malloc(3 * (size_t)R * sizeof(int32_t));
-    if (!seg) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
-    lm_status st = lm_cp_gather_segments(lm_comm_host(comm), B, t0, n, local, seg, what);
+    int32_t *seg = NULL;
+    lm_status st = lm_cp_segment_table(comm, B, t0, n, local, what, &seg);
     if (!st) st = lp_backward_body(comm, c, p, p_lp, g, x_lp, acts, dy, B, t0, n, dx, scratch, seg);
     free(seg);
     return st;

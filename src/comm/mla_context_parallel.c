@@ -59,6 +59,17 @@ lm_status lm_cp_gather_segments(lm_comm *comm, int B, int t0, int n, lm_status l
     return LM_OK;
 }
 
+lm_status lm_cp_segment_table(lm_comm *comm, int B, int t0, int n, lm_status local, const char *what, int32_t **seg) {
+    *seg = malloc(3 * (size_t)lm_comm_size(comm) * sizeof(int32_t));
+    if (!*seg) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
+    lm_status st = lm_cp_gather_segments(lm_comm_host(comm), B, t0, n, local, *seg, what);
+    if (st) {
+        free(*seg);
+        *seg = NULL;
+    }
+    return st;
+}
+
 /* ---------------------------------------------------------------- the layer
  * lm_mla_forward_seg, _backward_seg, _seg_store_rows and _seg_stores_backward
  * through the backend's ops, every buffer in the backend's memory and every
@@ -228,10 +239,8 @@ lm_status lm_mla_cp_forward_lp(lm_comm *comm, const lm_mla_config *c, const lm_m
     lm_status local = lp_cp_check(comm, c, p, p_lp, x_lp, B, t0, n, what);
     if (!local && (!y || !acts || !scratch))
         local = lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !y ? "y" : !acts ? "acts" : "scratch");
-    const int R = lm_comm_size(comm);
-    int32_t *seg = malloc(3 * (size_t)R * sizeof(int32_t));
-    if (!seg) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
-    lm_status st = lm_cp_gather_segments(lm_comm_host(comm), B, t0, n, local, seg, what);
+    int32_t *seg = NULL;
+    lm_status st = lm_cp_segment_table(comm, B, t0, n, local, what, &seg);
     if (!st) st = lp_forward_body(comm, c, p, p_lp, x_lp, B, t0, n, y, acts, scratch, seg);
     free(seg);
     return st;
@@ -296,10 +305,8 @@ lm_status lm_mla_cp_backward_lp(lm_comm *comm, const lm_mla_config *c, const lm_
     lm_status local = lp_cp_check(comm, c, p, p_lp, x_lp, B, t0, n, what);
     if (!local && (!acts || !dy || !dx || !scratch))
         local = lm_error(LM_ERR_ARG, "%s: %s is NULL", what, !acts ? "acts" : !dy ? "dy" : !dx ? "dx" : "scratch");
-    const int R = lm_comm_size(comm);
-    int32_t *seg = malloc(3 * (size_t)R * sizeof(int32_t));
-    if (!seg) return lm_error(LM_ERR_MEMORY, "%s: out of memory", what);
-    lm_status st = lm_cp_gather_segments(lm_comm_host(comm), B, t0, n, local, seg, what);
+    int32_t *seg = NULL;
+    lm_status st = lm_cp_segment_table(comm, B, t0, n, local, what, &seg);
     if (!st) st = lp_backward_body(comm, c, p, p_lp, x_lp, acts, dy, B, t0, n, dx, g, scratch, seg);
     free(seg);
     return st;
