@@ -22,7 +22,7 @@ static int config_ok(const lm_kda_layer_config *c) {
     return c && c->d_model >= 1 && c->heads >= 1 && c->head_dim >= 1 && c->conv_width >= 1 && c->conv_width <= 64;
 }
 
-/* Floats of n elements in the backend's product format . */
+/* Floats of n elements in the backend's product format. */
 static size_t lp_f(const lm_kda_layer_config *c, size_t n) {
     const lm_backend *be = c->backend ? c->backend : lm_backend_cpu();
     return (n * be->lp_bytes + sizeof(float) - 1) / sizeof(float);
