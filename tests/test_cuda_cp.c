@@ -21,8 +21,9 @@
  * y, dx, the QK-Clip maxima and every summed gradient the same way.
  *
  * Runs on the staged engine over a CUDA backend: alone (one rank) or under
- * mpirun (`mpirun -np 2 test_cuda_cp --ranks 2`; processes may share one
- * GPU). Without a GPU every case reports skipped. */
+ * mpirun (`mpirun -np 2 test_cuda_cp --ranks 2`, and 3 for a middle rank,
+ * whose KDA forward runs in two calls; processes may share one GPU). Without
+ * a GPU every case reports skipped. */
 #include <math.h>
 #include <string.h>
 

@@ -1,5 +1,7 @@
 /* The KDA token mixer: gradients of every parameter and of the input against
- * central finite differences; causality of the whole layer. */
+ * central finite differences; causality of the whole layer; a segment's
+ * forward in two calls (the final state alone, then the rest from another
+ * incoming state) equal to the one-call forward bit for bit. */
 #include "longmoe/kda_layer.h"
 #include "test.h"
 
@@ -108,9 +110,60 @@ static void test_layer_is_causal(void) {
     free(params); free(acts);
 }
 
+/* lm_kda_layer_seg_final_state then lm_kda_layer_forward_seg_prepared from an
+ * incoming state S give the one-call segment forward's y and acts from S, and
+ * the first call's ht is the one-call forward's from a zero state. */
+static void test_segment_forward_in_two_calls(void) {
+    for (int gate = 0; gate < 2; gate++) {
+        lm_kda_layer_config c = config((lm_kda_gate)gate);
+        lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+        size_t np = lm_kda_layer_specs(&c, specs);
+        float *params = malloc(np * 4);
+        lm_rng rng;
+        lm_rng_seed(&rng, 91 + gate);
+        for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
+        lm_kda_layer_params p;
+        lm_kda_layer_params_map(&c, params, &p);
+        const size_t ns = (size_t)B * H * KD * KD, nh = (size_t)3 * B * (W - 1) * H * KD, na = lm_kda_layer_seg_act_floats(&c, B, T);
+        float x[B * T * D], y1[B * T * D], y2[B * T * D];
+        float *S = malloc(ns * 4), *q1 = malloc(ns * 4), *q2 = malloc(ns * 4), *halo = malloc(nh * 4);
+        float *h1 = malloc(nh * 4), *h2 = malloc(nh * 4), *acts1 = calloc(na, 4), *acts2 = calloc(na, 4);
+        for (int i = 0; i < B * T * D; i++) x[i] = (float)lm_rng_normal(&rng);
+        for (size_t i = 0; i < ns; i++) S[i] = 0.5f * (float)lm_rng_normal(&rng);
+        for (size_t i = 0; i < nh; i++) halo[i] = (float)lm_rng_normal(&rng);
+        lm_kda_layer_acts a1, a2;
+        lm_kda_layer_seg_acts_map(&c, B, T, acts1, &a1);
+        lm_kda_layer_seg_acts_map(&c, B, T, acts2, &a2);
+        /* one call from zero (for ht), then one call from S */
+        lm_kda_layer_carry z1 = {NULL, q1, halo, h1}, s1 = {S, NULL, halo, NULL};
+        CHECK(!lm_kda_layer_forward_seg(&c, &p, &p, &a1, x, B, T, &z1, y1), "%s", lm_last_error());
+        CHECK(!lm_kda_layer_forward_seg(&c, &p, &p, &a1, x, B, T, &s1, y1), "%s", lm_last_error());
+        /* two calls */
+        lm_kda_layer_carry z2 = {NULL, q2, halo, h2}, s2 = {S, NULL, halo, NULL};
+        for (int i = 0; i < B * T * D; i++) y2[i] = NAN;
+        CHECK(!lm_kda_layer_seg_final_state(&c, &p, &p, &a2, x, B, T, &z2), "%s", lm_last_error());
+        int untouched = 1;
+        for (int i = 0; i < B * T * D; i++) untouched &= isnan(y2[i]);
+        CHECK(untouched, "gate %d: the final state's call wrote outputs", gate);
+        CHECK(!lm_kda_layer_forward_seg_prepared(&c, &p, &p, &a2, x, B, T, &s2, y2), "%s", lm_last_error());
+        CHECK(!memcmp(q1, q2, ns * 4), "gate %d: the final state from zero differs from the one-call forward's", gate);
+        CHECK(!memcmp(h1, h2, nh * 4), "gate %d: the outgoing halo differs", gate);
+        CHECK(!memcmp(y1, y2, sizeof y1), "gate %d: y differs from the one-call forward's", gate);
+        CHECK(!memcmp(acts1, acts2, na * 4), "gate %d: the activations differ from the one-call forward's", gate);
+        /* and the incoming state mattered: from zero, y is another */
+        float y0[B * T * D];
+        CHECK(!lm_kda_layer_forward_seg_prepared(&c, &p, &p, &a2, x, B, T, &z2, y0), "%s", lm_last_error());
+        CHECK(memcmp(y0, y2, sizeof y0), "gate %d: the incoming state did not change y", gate);
+        lm_kda_layer_carry bad = {NULL, NULL, halo, NULL};
+        CHECK(lm_kda_layer_seg_final_state(&c, &p, &p, &a2, x, B, T, &bad) == LM_ERR_ARG, "no ht accepted");
+        free(params); free(S); free(q1); free(q2); free(halo); free(h1); free(h2); free(acts1); free(acts2);
+    }
+}
+
 int main(void) {
     RUN(test_layer_gradients_match_finite_differences_bounded);
     RUN(test_layer_gradients_match_finite_differences_softplus);
     RUN(test_layer_is_causal);
+    RUN(test_segment_forward_in_two_calls);
     return test_summary();
 }

@@ -125,6 +125,22 @@ size_t lm_kda_layer_seg_scratch_floats(const lm_kda_layer_config *c, int B, int 
 lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                    const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
                                    int n, const lm_kda_layer_carry *carry, float *y);
+/* The forward in two calls, for a segment run twice from different incoming
+ * states (context parallelism's middle ranks): lm_kda_layer_seg_final_state
+ * computes the operator's inputs (projections, convolution, norms, gates,
+ * betas, kept in `a`; carry->halo read, halo_out written) and runs the
+ * operator from carry->h0 to carry->ht (required) without the output path (y
+ * is not computed); lm_kda_layer_forward_seg_prepared then runs the operator
+ * from its own carry's h0 over the inputs kept in `a` (x and the halo as
+ * before; they are not recomputed) and the output path to y. The pair leaves
+ * `a` and y as lm_kda_layer_forward_seg with the second carry would, bit for
+ * bit. */
+lm_status lm_kda_layer_seg_final_state(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                       const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp,
+                                       int B, int n, const lm_kda_layer_carry *carry);
+lm_status lm_kda_layer_forward_seg_prepared(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                            const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp,
+                                            int B, int n, const lm_kda_layer_carry *carry, float *y);
 /* After lm_kda_layer_forward_seg of the same segment (carry's h0 and halo
  * read): dx and g ACCUMULATE; cg's dh0 and dhalo are written. */
 lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -147,7 +163,7 @@ lm_status lm_kda_layer_seg_state_grad(const lm_kda_layer_config *c, const lm_kda
                                       float *junk, float *scratch);
 
 /* The operator's state map over the segment after lm_kda_layer_forward_seg
- * (its q, k, gates and betas in `a`): P [B,H,K,K] such that the segment maps
+ * or lm_kda_layer_seg_final_state (its q, k, gates and betas in `a`): P [B,H,K,K] such that the segment maps
  * an incoming state S to P S + Q (Q: the outgoing state from a zero state,
  * the forward's ht with h0 NULL). Runs the operator once with zero values
  * (v_zero_lp [B,n,H*K] in the product format, zero) from the identity

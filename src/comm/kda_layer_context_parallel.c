@@ -167,10 +167,17 @@ static lm_status lp_forward_body(lm_comm *comm, const lm_kda_layer_config *c, co
         TRY(be->zero(be, acts + A.S_in, ns * sizeof(float)));
         return lm_kda_layer_forward_seg(c, p, pl, &a, x, B, n, &cr, y);
     }
-    if (me < R - 1) {
-        /* from a zero state: the outputs of rank 0, the map's Q of the others */
+    if (me == 0) {
+        /* from a zero state: the outputs, and the map's Q */
         lm_kda_layer_carry c0 = {NULL, pk + ns, halo_in, NULL};
         TRY(lm_kda_layer_forward_seg(c, p, pl, &a, x, B, n, &c0, y));
+    } else if (me < R - 1) {
+        /* a middle rank: the operator's inputs and, from a zero state, the map's Q alone (no outputs:
+         * the segment runs again from its incoming state below, over the same inputs) */
+        lm_kda_layer_carry c0 = {NULL, pk + ns, halo_in, NULL};
+        TRY(lm_kda_layer_seg_final_state(c, p, pl, &a, x, B, n, &c0));
+    }
+    if (me < R - 1) {
         /* the map's P: the operator from the identity with zero values */
         TRY(be->zero(be, scratch + S.vzero, (size_t)B * n * HK * lpb));
         TRY(lm_kda_layer_seg_state_map(c, p, &a, B, n, scratch + S.vzero, acts + A.ident, scratch + S.otmp, pk));
@@ -191,6 +198,7 @@ static lm_status lp_forward_body(lm_comm *comm, const lm_kda_layer_config *c, co
     if (!cur) return be->zero(be, acts + A.S_in, ns * sizeof(float)); /* rank 0: y is final */
     TRY(be->copy(be, acts + A.S_in, cur, ns * sizeof(float)));
     lm_kda_layer_carry c1 = {acts + A.S_in, NULL, halo_in, NULL};
+    if (me < R - 1) return lm_kda_layer_forward_seg_prepared(c, p, pl, &a, x, B, n, &c1, y);
     return lm_kda_layer_forward_seg(c, p, pl, &a, x, B, n, &c1, y);
 }
 

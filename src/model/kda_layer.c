@@ -200,12 +200,17 @@ static lm_status lp_view(lm_backend *be, const float *x, void *buf, size_t n, co
 /* A pointer `rows` rows of `width` elements of `bytes` each past p. */
 static void *at(const void *p, size_t rows, size_t width, size_t bytes) { return (char *)p + rows * width * bytes; }
 
+/* Which parts of a segment's forward run: all of it; the operator's inputs
+ * and the operator alone (its final state, no output path); or the operator
+ * and the output path over inputs an earlier FWD_STATE left in the acts. */
+enum { FWD_ALL, FWD_STATE, FWD_PREPARED };
+
 /* The layer's forward through the backend's ops; ht (may be NULL) receives
  * the operator's final state [B,H,K,K]. carry != NULL: a segment (its
- * history and state in, its own out). */
+ * history and state in, its own out), of which `part` runs. */
 static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                const lm_kda_layer_params *pl, lm_kda_layer_acts *a, const void *x, int B, int T,
-                               float *y, float *ht, const lm_kda_layer_carry *carry) {
+                               float *y, float *ht, const lm_kda_layer_carry *carry, int part) {
     // x is (B,T,d) in the product format, y is (B,T,d)
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
@@ -214,7 +219,9 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     const float *Wm[3] = {pl->W_q, pl->W_k, pl->W_v}, *conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
     float *proj[3] = {a->qp, a->kp, a->vp}, *pre[3] = {a->qc, a->kc, a->vc};
     void *post[3] = {a->q, a->k, a->v}, *opin[3] = {a->q_op, a->k_op, a->v_op};
-    if (!carry) {
+    if (part == FWD_PREPARED) {
+        /* q_op, k_op, v_op, z and beta are the acts' already (they do not depend on the state) */
+    } else if (!carry) {
         /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
         for (int j = 0; j < 3; j++) TRY(op->matmul_forward(be, proj[j], x, Wm[j], (int64_t)N, d, HK));
         for (int j = 0; j < 3; j++)
@@ -246,13 +253,16 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
             }
         }
     }
-    TRY(op->matmul_forward_lp(be, a->z_lp, x, pl->W_z, (int64_t)N, d, HK));
-    TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
-    TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
+    if (part != FWD_PREPARED) {
+        TRY(op->matmul_forward_lp(be, a->z_lp, x, pl->W_z, (int64_t)N, d, HK));
+        TRY(op->matmul_forward(be, a->beta, x, pl->W_beta, (int64_t)N, d, H));
+        TRY(op->sigmoid_forward(be, a->beta, a->beta, N * H));
+    }
     /* a segment recomputes (its acts keep nothing) */
     lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
     TRY(op->kda_forward(be, &kc, opin[0], opin[1], opin[2], a->z_lp, a->beta, p->A_log, p->dt_bias,
                         carry ? carry->h0 : NULL, a->o, carry ? carry->ht : ht));
+    if (part == FWD_STATE) return LM_OK;
     /* y = W_o( sigmoid(W_g x) ⊙ RMSNorm_head(o) ) */
     TRY(op->matmul_forward(be, a->gate, x, pl->W_g, (int64_t)N, d, HK));
     TRY(op->kda_output_forward(be, lp_separate(c) ? NULL : (float *)a->gated, a->gated, a->o_rstd, a->gate, a->gate,
@@ -264,13 +274,13 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
 lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                lm_kda_layer_acts *a, const float *x, int B, int T, float *y) {
     if (lp_separate(c)) return lm_error(LM_ERR_ARG, "kda layer: this backend needs lm_kda_layer_forward_lp");
-    return layer_forward(c, p, p, a, x, B, T, y, NULL, NULL);
+    return layer_forward(c, p, p, a, x, B, T, y, NULL, NULL, FWD_ALL);
 }
 
 lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
                                   int T, float *y) {
-    return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL, NULL);
+    return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL, NULL, FWD_ALL);
 }
 
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients). */
@@ -373,7 +383,21 @@ lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_la
                                    const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
                                    int n, const lm_kda_layer_carry *carry, float *y) {
     if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment forward: carry is NULL");
-    return layer_forward(c, p, p_lp, a, x_lp, B, n, y, NULL, carry);
+    return layer_forward(c, p, p_lp, a, x_lp, B, n, y, NULL, carry, FWD_ALL);
+}
+
+lm_status lm_kda_layer_seg_final_state(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                       const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp,
+                                       int B, int n, const lm_kda_layer_carry *carry) {
+    if (!carry || !carry->ht) return lm_error(LM_ERR_ARG, "kda layer segment final state: carry or its ht is NULL");
+    return layer_forward(c, p, p_lp, a, x_lp, B, n, NULL, NULL, carry, FWD_STATE);
+}
+
+lm_status lm_kda_layer_forward_seg_prepared(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                            const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp,
+                                            int B, int n, const lm_kda_layer_carry *carry, float *y) {
+    if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment forward: carry is NULL");
+    return layer_forward(c, p, p_lp, a, x_lp, B, n, y, NULL, carry, FWD_PREPARED);
 }
 
 lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -464,7 +488,7 @@ lm_status lm_kda_layer_prefill(const lm_kda_layer_config *c, const lm_kda_layer_
     if (T < 1) return lm_error(LM_ERR_ARG, "kda layer prefill: T=%d must be >= 1", T);
     const int B = cache->B, HK = c->heads * c->head_dim, W = c->conv_width;
     /* the layer's forward, keeping the operator's final state */
-    lm_status s = layer_forward(c, p, p, a, x, B, T, y, cache->S, NULL);
+    lm_status s = layer_forward(c, p, p, a, x, B, T, y, cache->S, NULL, FWD_ALL);
     if (s) return s;
     /* the conv history: projections of the last W-1 tokens (zero before the start) */
     const float *proj[3] = {a->qp, a->kp, a->vp};
