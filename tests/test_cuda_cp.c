@@ -14,7 +14,8 @@
  * it and the sequence start); both gates. Also the state map's step
  * (lm_kda_cuda_state_apply, both directions) against the CPU's
  * (lm_kda_state_map_apply / _apply_transposed) within 1e-5, and its bits
- * from run to run.
+ * from run to run; and a segment's forward in two calls (a middle rank's)
+ * against the one-call forward, bit for bit.
  *
  * The attention cases (MLA with a latent of 32 and GQA of 4 heads over 2,
  * head dimensions 64; segments as above and a first one of 5 tokens) compare
@@ -236,6 +237,55 @@ static void test_layer_equals_the_whole_sequence(void) {
     printf("  worst difference (relative to the largest): %.3g\n", worst);
 }
 
+/* A segment's forward in two calls on the GPU (what a middle rank runs):
+ * lm_kda_layer_seg_final_state from zero, then lm_kda_layer_forward_seg_prepared
+ * from a random state S, against the one-call lm_kda_layer_forward_seg from
+ * zero (ht) and from S (y, the activations): bit for bit. */
+static void test_segment_forward_in_two_calls(void) {
+    if (test_skip_all_reason) return;
+    const int D = 96, H = 2, K = 64, B = 2, n = 150, W1 = 3;
+    lm_kda_layer_config c = {D, H, K, 4, 64, LM_KDA_GATE_BOUNDED, -5.0f, 1e-6f, NULL, 0, be};
+    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+    const size_t np = lm_kda_layer_specs(&c, specs), ns = (size_t)B * H * K * K, nh = (size_t)3 * B * W1 * H * K,
+                 nx = (size_t)B * n * D, na = lm_kda_layer_seg_act_floats(&c, B, n);
+    lm_rng rng;
+    lm_rng_seed(&rng, 4601);
+    float *params = host_normal(np, 0.1, 0.0, 0, &rng), *S = host_normal(ns, 0.5, 0.0, 0, &rng);
+    float *halo = host_normal(nh, 1.0, 0.0, 0, &rng), *x = host_normal(nx, 1.0, 0.0, 0, &rng);
+    float *dpar = dev_from(params, np * 4), *dS = dev_from(S, ns * 4), *dhalo = dev_from(halo, nh * 4);
+    float *dx = dev_from(x, nx * 4), *y1 = be_alloc(nx * 4), *y2 = be_alloc(nx * 4);
+    float *q1 = be_alloc(ns * 4), *q2 = be_alloc(ns * 4), *a1 = be_alloc(na * 4), *a2 = be_alloc(na * 4);
+    void *plp = be_alloc(np * be->lp_bytes), *xlp = be_alloc(nx * be->lp_bytes);
+    GPU_OK(be->ops->to_lp(be, plp, dpar, np));
+    GPU_OK(be->ops->to_lp(be, xlp, dx, nx));
+    GPU_OK(be->zero(be, a1, na * 4));
+    GPU_OK(be->zero(be, a2, na * 4));
+    lm_kda_layer_params p, pl;
+    lm_kda_layer_params_map(&c, dpar, &p);
+    lp_view(&p, dpar, plp, &pl, sizeof p);
+    lm_kda_layer_acts A1, A2;
+    lm_kda_layer_seg_acts_map(&c, B, n, a1, &A1);
+    lm_kda_layer_seg_acts_map(&c, B, n, a2, &A2);
+    lm_kda_layer_carry z1 = {NULL, q1, dhalo, NULL}, s1 = {dS, NULL, dhalo, NULL};
+    lm_kda_layer_carry z2 = {NULL, q2, dhalo, NULL}, s2 = {dS, NULL, dhalo, NULL};
+    GPU_OK(lm_kda_layer_forward_seg(&c, &p, &pl, &A1, xlp, B, n, &z1, y1));
+    GPU_OK(lm_kda_layer_forward_seg(&c, &p, &pl, &A1, xlp, B, n, &s1, y1));
+    GPU_OK(lm_kda_layer_seg_final_state(&c, &p, &pl, &A2, xlp, B, n, &z2));
+    GPU_OK(lm_kda_layer_forward_seg_prepared(&c, &p, &pl, &A2, xlp, B, n, &s2, y2));
+    float *hq1 = host_of(q1, ns), *hq2 = host_of(q2, ns), *hy1 = host_of(y1, nx), *hy2 = host_of(y2, nx);
+    float *ha1 = host_of(a1, na), *ha2 = host_of(a2, na);
+    CHECK(!memcmp(hq1, hq2, ns * 4), "the final state from zero differs from the one-call forward's");
+    CHECK(!memcmp(hy1, hy2, nx * 4), "y differs from the one-call forward's (largest %.3g)", rel_to_max(hy2, hy1, nx));
+    CHECK(!memcmp(ha1, ha2, na * 4), "the activations differ from the one-call forward's");
+    double ys = 0;
+    for (size_t i = 0; i < nx; i++) ys += fabs(hy1[i]);
+    CHECK(ys > 0 && isfinite(ys), "y is zero or not finite");
+    printf("  B %d, %d tokens: the final state, y and %zu floats of activations the one-call forward's bits\n", B, n, na);
+    free(params), free(S), free(halo), free(x), free(hq1), free(hq2), free(hy1), free(hy2), free(ha1), free(ha2);
+    void *dev[] = {dpar, dS, dhalo, dx, y1, y2, q1, q2, a1, a2, plp, xlp};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->release(be, dev[i]);
+}
+
 /* The attention layer: segments of lens[r] tokens on rank r, B rows. */
 static void run_attention(lm_mla_config c, const char *name, const int *lens, int B, uint64_t seed) {
     int T = 0, t0 = 0, n = 0;
@@ -389,6 +439,7 @@ int main(int argc, char **argv) {
     }
     RUN(test_state_apply_matches_the_cpu);
     RUN(test_layer_equals_the_whole_sequence);
+    RUN(test_segment_forward_in_two_calls);
     RUN(test_attention_equals_the_whole_sequence);
     RUN(test_refusals);
     if (comm) {
