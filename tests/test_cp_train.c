@@ -184,11 +184,11 @@ static void test_segment_evaluation_of_the_whole_sequence_is_the_plain_one(void)
  * block, for the rank that needs the most; the block grows with the
  * segment's offset (the attention's prefix), and a longer segment needs more
  * than a later one a token shorter (the KDA layers' part). */
-static void test_plan_memory_counts_the_segment_and_the_block(void) {
+static void test_plan_memory_counts_the_segment_activations(void) {
     char out[65536];
     CHECK(run_cli("plan --memory --config configs/tiny.json --seq 999 --cp 3", out, sizeof out) == 0, "%s", out);
     CHECK(strstr(out, "B=8 x T=333 ") && strstr(out, "holds tokens [666, 999) of 999") &&
-              strstr(out, "context parallel: segment activations"),
+              strstr(out, "segment activations, context parallel") && !strstr(out, "KDA activations"),
           "%s", out);
     CHECK(run_cli("plan --memory --config configs/tiny.json --seq 1001 --cp 2", out, sizeof out) == 0 &&
               strstr(out, "T=501 ") && strstr(out, "[0, 501)"), /* the longer segment: the KDA layers' part outweighs */
@@ -199,15 +199,42 @@ static void test_plan_memory_counts_the_segment_and_the_block(void) {
     CHECK(run_cli("plan --config configs/tiny.json --cp 3", out, sizeof out) != 0 && strstr(out, "--memory"), "%s", out);
     lm_config c;
     CHECK(!lm_config_load("configs/tiny.json", &c), "%s", lm_last_error());
-    lm_model *m = NULL;
-    CHECK(!lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &m), "%s", lm_last_error());
-    if (!m) return;
-    size_t first = 0, last = 0, none = 0;
-    CHECK(!lm_model_context_parallel_bytes(m, 3, 0, &first) && !lm_model_context_parallel_bytes(m, 3, 667, &last),
+    /* the plan of a rank: the mixers' segment activations in place of the one-rank ones */
+    lm_model *one = NULL, *at0 = NULL, *at667 = NULL;
+    CHECK(!lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &one) && !lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &at0) &&
+              !lm_model_plan(&c, 8, 333, LM_DEVICE_CPU, &at667),
           "%s", lm_last_error());
-    CHECK(first > 0 && last > first, "the block: %zu bytes at 0, %zu at 667", first, last);
-    CHECK(lm_model_context_parallel_bytes(m, 0, 0, &none) == LM_ERR_ARG, "0 ranks accepted");
-    lm_model_free(m);
+    if (!one || !at0 || !at667) return;
+    CHECK(lm_model_plan_context_parallel(at0, 1, 0) == LM_ERR_ARG, "one rank accepted");
+    CHECK(!lm_model_plan_context_parallel(at0, 3, 0) && !lm_model_plan_context_parallel(at667, 3, 667), "%s",
+          lm_last_error());
+    CHECK(lm_model_plan_context_parallel(at0, 3, 0) == LM_ERR_ARG, "planned twice");
+    double b_one = 0, b0 = 0, b667 = 0;
+    int one_rank_acts = 0, seg_acts = 0, n0 = lm_model_num_buffers(at0);
+    for (int i = 0; i < lm_model_num_buffers(one); i++) {
+        b_one += (double)lm_model_buffer_at(one, i)->bytes;
+        one_rank_acts += strstr(lm_model_buffer_at(one, i)->name, "KDA activations") != NULL;
+    }
+    for (int i = 0; i < n0; i++) {
+        const lm_model_buffer *b = lm_model_buffer_at(at0, i);
+        b0 += (double)b->bytes;
+        seg_acts += strstr(b->name, "segment activations, context parallel") != NULL;
+        CHECK(!strstr(b->name, "KDA activations") && !strstr(b->name, "attention activations"),
+              "a one-rank mixer's buffer in the context-parallel plan: %s", b->name);
+    }
+    for (int i = 0; i < lm_model_num_buffers(at667); i++) b667 += (double)lm_model_buffer_at(at667, i)->bytes;
+    CHECK(one_rank_acts > 0 && seg_acts > 0, "buffers: %d one-rank KDA, %d segment", one_rank_acts, seg_acts);
+    CHECK(b667 > b0, "the plan at 667 (%.0f bytes) is not larger than at 0 (%.0f)", b667, b0);
+    /* the same buffers before and after the activations (the tokens, the residual stream) */
+    CHECK(!strcmp(lm_model_buffer_at(at0, n0 - 1)->name,
+                  lm_model_buffer_at(one, lm_model_num_buffers(one) - 1)->name) &&
+              !strcmp(lm_model_buffer_at(at0, 0)->name, lm_model_buffer_at(one, 0)->name),
+          "the plan's other entries moved");
+    printf("  tiny, 8 x 333 tokens: one rank %.3f MiB, the first of 3 context-parallel ranks %.3f MiB, the last "
+           "%.3f MiB\n", b_one / 1048576.0, b0 / 1048576.0, b667 / 1048576.0);
+    lm_model_free(one);
+    lm_model_free(at0);
+    lm_model_free(at667);
 }
 
 /* ---- over the ranks ---- */
@@ -652,7 +679,7 @@ int main(int argc, char **argv) {
         mkdir(root, 0755);
         RUN(test_cli_and_trainer_refuse_cp_without_mpi);
         RUN(test_segment_evaluation_of_the_whole_sequence_is_the_plain_one);
-        RUN(test_plan_memory_counts_the_segment_and_the_block);
+        RUN(test_plan_memory_counts_the_segment_activations);
         char cmd[400];
         snprintf(cmd, sizeof cmd, "rm -rf %s", root);
         if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);

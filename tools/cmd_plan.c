@@ -43,10 +43,9 @@ static const char *const plan_usage =
     "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
     "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n"
     "--cp N sizes one rank of `train --cp N` (cpu or cuda): its segment of\n"
-    "the T tokens (the first T mod N segments one token longer) and the context-\n"
-    "parallel block of segment activations and backward scratch the model adds,\n"
-    "for the rank that needs the most (the attention's activations grow with the\n"
-    "segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
+    "the T tokens (the first T mod N segments one token longer), its token mixers'\n"
+    "segment activations in place of their one-rank ones, for the rank that needs\n"
+    "the most (the attention's activations grow with the segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
     "group's share). --ep G sizes one rank of `train --comm mpi --ep G`: on cpu its\n"
     "weights, gradients and optimizer state of the routed experts are those of its\n"
     "n/G experts only, the blocks allocated so from the model's creation; on cuda\n"
@@ -245,19 +244,30 @@ static void json_string(FILE *f, const char *s) {
     fputc('"', f);
 }
 
-/* Bytes of the buffers of a plan of B x T tokens plus its context-parallel
- * block at t0 of cp ranks (cp > 1). */
-static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, double *bytes,
-                      size_t *cp_bytes) {
+/* The plan of B x T tokens, as the rank whose segment starts at t0 of cp
+ * ranks (cp > 1) holds it (ep > 1 on the CPU: the owner-only experts' plan). */
+static int plan_of(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, long ep, lm_model **out) {
+    *out = NULL;
+    const int owned = ep > 1 && dev == LM_DEVICE_CPU;
+    if (owned ? lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, out)
+              : lm_model_plan(c, (int)B, (int)T, dev, out))
+        return 1;
+    if (cp > 1 && lm_model_plan_context_parallel(*out, (int)cp, (int)t0)) {
+        lm_model_free(*out);
+        *out = NULL;
+        return 1;
+    }
+    return 0;
+}
+
+/* Bytes of the buffers of that plan. */
+static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, long ep, double *bytes) {
     lm_model *m = NULL;
-    if (lm_model_plan(c, (int)B, (int)T, dev, &m)) return 1;
+    if (plan_of(c, B, T, dev, cp, t0, ep, &m)) return 1;
     *bytes = 0;
     for (int i = 0; i < lm_model_num_buffers(m); i++) *bytes += (double)lm_model_buffer_at(m, i)->bytes;
-    *cp_bytes = 0;
-    int bad = cp > 1 && lm_model_context_parallel_bytes(m, (int)cp, (int)t0, cp_bytes);
-    *bytes += (double)*cp_bytes;
     lm_model_free(m);
-    return bad;
+    return 0;
 }
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
@@ -276,7 +286,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     /* context parallel: the rank that needs the most, the last of the longer segments or the last rank */
     const long T_whole = T;
     long rank = 0, t0 = 0;
-    size_t cp_bytes = 0;
+    if (ep > 1 && c->n_routed_experts % ep)
+        return cli_fail(cmd, "--ep %ld: %d routed experts cannot be split over %ld ranks (model.n_routed_experts must "
+                        "be divisible by the group size)", ep, c->n_routed_experts, ep);
     if (cp > 1) {
         if (T < cp)
             return cli_fail(cmd, "--cp %ld: sequences of %ld tokens cannot give each of %ld ranks a segment of at "
@@ -287,21 +299,15 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         for (int i = 0; i < 2; i++) {
             long len = q + (cand[i] < r), start = cand[i] * q + (cand[i] < r ? cand[i] : r);
             double bytes;
-            size_t cb;
-            if (plan_bytes(c, B, len, dev, cp, start, &bytes, &cb)) return cli_fail(cmd, "%s", lm_last_error());
-            if (bytes > best) best = bytes, rank = cand[i], t0 = start, cp_bytes = cb, T = len;
+            if (plan_bytes(c, B, len, dev, cp, start, ep, &bytes)) return cli_fail(cmd, "%s", lm_last_error());
+            if (bytes > best) best = bytes, rank = cand[i], t0 = start, T = len;
         }
     }
-    if (ep > 1 && c->n_routed_experts % ep)
-        return cli_fail(cmd, "--ep %ld: %d routed experts cannot be split over %ld ranks (model.n_routed_experts must "
-                        "be divisible by the group size)", ep, c->n_routed_experts, ep);
     lm_model *m = NULL;
     /* expert parallel on CPU ranks: a rank allocates its experts' gradients and weights only (every position the
      * same size); on a device they stay whole */
     const int owned = ep > 1 && dev == LM_DEVICE_CPU;
-    if (owned && lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, &m))
-        return cli_fail(cmd, "--ep %ld: %s", ep, lm_last_error());
-    if (!owned && lm_model_plan(c, (int)B, (int)T, dev, &m)) return cli_fail(cmd, "%s", lm_last_error());
+    if (plan_of(c, B, T, dev, cp, t0, ep, &m)) return cli_fail(cmd, "%s%s", owned ? "--ep: " : "", lm_last_error());
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
     int nt = lm_model_num_tensors(m);
     lm_param *ps = calloc((size_t)nt, sizeof *ps);
@@ -329,13 +335,12 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         scratch = lm_optim_scratch_floats(ps, nt) * sizeof(float);
     }
     free(ps);
-    enum { N_EXTRA = 6 };
+    enum { N_EXTRA = 5 };
     const char *extra_names[N_EXTRA] = {
         "optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)", "gradient norm work",
-        "context parallel: segment activations of the token mixers and backward scratch",
         "expert parallel: one MoE layer's routed experts, gathered by an evaluation forward",
         "expert parallel: the exchange's rows of the MoE layers at a balanced load"};
-    size_t extra[N_EXTRA] = {state, scratch, norm, cp_bytes, lm_model_expert_layer_bytes(m),
+    size_t extra[N_EXTRA] = {state, scratch, norm, lm_model_expert_layer_bytes(m),
                              ep > 1 ? lm_model_ep_exchange_bytes(m, (int)ep) : 0};
     int nb = lm_model_num_buffers(m);
     double total = 0;

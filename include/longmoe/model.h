@@ -215,17 +215,20 @@ const float *lm_model_tensor_data(const lm_model *m, int i);
  * B T tokens; the parameter gradients are the rank's part: with loss_scale
  * T_r / (T_0 + ... + T_{R-1}) on rank r their sum over the ranks is the whole
  * sequence's. Call once, after creating the model (collective: the ranks
- * exchange B and T). With expert parallelism too (lm_model_set_expert_parallel
- * after this, over its own handle): the MoE layers exchange tokens over the
- * expert-parallel ranks, which may hold segments of other rows or positions.
- * comm must outlive the model. */
+ * exchange B and T). The activation block is planned anew: the token
+ * mixers' segment activations (the attention's for its prefix too) take the
+ * place of their one-rank activations, which a context-parallel model never
+ * uses, and their backward scratch is the model's (the old block is released
+ * before the new one is allocated). With expert parallelism too
+ * (lm_model_set_expert_parallel after this, over its own handle): the MoE
+ * layers exchange tokens over the expert-parallel ranks, which may hold
+ * segments of other rows or positions. comm must outlive the model. */
 lm_status lm_model_set_context_parallel(lm_model *m, struct lm_comm *comm);
-/* Bytes of the block lm_model_set_context_parallel allocates (the mixers'
- * segment activations and one backward scratch) on the rank of `ranks` whose
- * segment, the model's B x T, starts at token t0 (the attention's stores grow
- * with t0, the KDA layers' part with T). Works on a plan
- * (lm_model_plan): `longmoe plan --memory --cp N`. */
-lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes);
+/* The same memory plan on a plan (lm_model_plan) for the rank of `ranks`
+ * (>= 2) whose segment, the plan's B x T, starts at token t0 (the attention's
+ * stores grow with t0, the KDA layers' part with T): its activation entries
+ * replaced by the context-parallel layout. `longmoe plan --memory --cp N`. */
+lm_status lm_model_plan_context_parallel(lm_model *m, int ranks, int t0);
 
 /* Initialise every parameter from `seed` (reproducible) and reset the balancing. */
 void lm_model_init(lm_model *m, uint64_t seed);

@@ -310,7 +310,29 @@ static size_t plan_activations(lm_model *m, float *base) {
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
         const int share = cfg->recompute;
-        if (ls->mixer == LM_MIXER_KDA) {
+        if (m->cp_ranks > 0) {
+            /* context parallelism: the token mixer's segment activations only (the attention's
+             * for its prefix too), one set per mixer kind with recompute */
+            const int kda = ls->mixer == LM_MIXER_KDA;
+            size_t a = kda ? lm_kda_layer_cp_lp_act_floats(&ls->kda_cfg, B, T)
+                           : lm_mla_cp_lp_acts_floats(&ls->mla_cfg, B, m->cp_t0, T);
+            size_t s = kda ? lm_kda_layer_cp_lp_scratch_floats(&ls->kda_cfg, m->cp_ranks, B, T)
+                           : lm_mla_cp_lp_scratch_floats(&ls->mla_cfg, m->cp_ranks, B, m->cp_t0, T);
+            scratch = s > scratch ? s : scratch;
+            layer_state **first = kda ? &first_kda : &first_mla;
+            if (*first && share) {
+                ls->cp_acts = (*first)->cp_acts;
+            } else {
+                const int n_kind = kda ? n_kda : n_mla;
+                if (share && n_kind > 1)
+                    CARVE(ls->cp_acts, a, "%s segment activations, context parallel (shared by %d layers)",
+                          kda ? "KDA" : "attention", n_kind);
+                else
+                    CARVE(ls->cp_acts, a, "layers.%d %s segment activations, context parallel", l,
+                          kda ? "KDA" : "attention");
+                *first = ls;
+            }
+        } else if (ls->mixer == LM_MIXER_KDA) {
             /* a segment's layer keeps the conv history rows too (lm_kda_layer_seg_acts_map) */
             size_t s = m->seg_on ? lm_kda_layer_seg_scratch_floats(&ls->kda_cfg, B, T)
                                  : lm_kda_layer_scratch_floats(&ls->kda_cfg, B, T);
@@ -373,6 +395,7 @@ static size_t plan_activations(lm_model *m, float *base) {
     }
     CARVE(m->scratch, scratch, "backward scratch (largest sublayer's)");
     m->scratch_floats = scratch;
+    if (base) m->cp_scratch = m->cp_ranks > 0 ? m->scratch : NULL;
     /* one scratch for the KDA and attention operators (they run one at a time),
      * sized for this process's OpenMP thread count (the CPU's; a GPU's are the backend's) */
     size_t op_bytes = 0;
@@ -720,7 +743,9 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     }
 
     /* activations and scratch: one plan (plan_activations) counts the block, then carves it */
+    m->act_ledger_first = m->n_buffers;
     size_t act = plan_activations(m, NULL);
+    m->act_ledger_n = m->n_buffers - m->act_ledger_first;
     m->act_floats = act;
     if ((st = ledger_add(m, 2 * (size_t)N * sizeof(int32_t), "tokens, targets [N] int32"))) goto fail;
     if (!m->dry) {
@@ -991,7 +1016,6 @@ void lm_model_free(lm_model *m) {
     free(m->gcuts);
     free(m->xwhole);
     free(m->xlayer);
-    if (m->cp_block) m->be->release(m->be, m->cp_block);
     free(m->tensors);
     free(m->buffers);
     if (m->ar_full) m->be->ops->attnres_free(m->be, m->ar_full);
@@ -2805,43 +2829,69 @@ const float *lm_model_tensor_data(const lm_model *m, int i) {
     return lm_model_host_param(m, t->offset);
 }
 
-/* The context-parallel block of a model whose B x T is the segment at t0 of
- * R ranks: the mixers' activations for the segment (the attention's for its
- * prefix), one set per mixer kind with recompute (need[l] each layer's,
- * padded), and one backward scratch, in floats. */
-static lm_status cp_block_plan(const lm_model *m, int R, int t0, size_t *need, size_t *total, size_t *scratch) {
-    const int B = m->B, T = m->T;
-    size_t kda_once = 0, mla_once = 0;
-    *total = *scratch = 0;
+/* Whether every token mixer of the model can run on a segment (R ranks, this
+ * one's segment, the model's B x T, at t0). */
+static lm_status cp_check_mixers(const lm_model *m, int R, int t0) {
     for (int l = 0; l < m->cfg.n_layers; l++) {
         const layer_state *ls = &m->layers[l];
-        size_t a, s;
-        if (ls->mixer == LM_MIXER_KDA) {
-            a = lm_kda_layer_cp_lp_act_floats(&ls->kda_cfg, B, T);
-            s = lm_kda_layer_cp_lp_scratch_floats(&ls->kda_cfg, R, B, T);
-            if (m->cfg.recompute && kda_once++) a = 0;
-        } else {
-            a = lm_mla_cp_lp_acts_floats(&ls->mla_cfg, B, t0, T);
-            s = lm_mla_cp_lp_scratch_floats(&ls->mla_cfg, R, B, t0, T);
-            if (m->cfg.recompute && mla_once++) a = 0;
-        }
+        size_t s = ls->mixer == LM_MIXER_KDA ? lm_kda_layer_cp_lp_scratch_floats(&ls->kda_cfg, R, m->B, m->T)
+                                             : lm_mla_cp_lp_scratch_floats(&ls->mla_cfg, R, m->B, t0, m->T);
         if (!s) return lm_error(LM_ERR_ARG, "context parallelism: layer %d's token mixer cannot run on a segment", l);
-        if (need) need[l] = PAD16(a);
-        *total += PAD16(a);
-        *scratch = s > *scratch ? s : *scratch;
     }
     return LM_OK;
 }
 
-lm_status lm_model_context_parallel_bytes(const lm_model *m, int ranks, int t0, size_t *bytes) {
-    *bytes = 0;
-    if (ranks < 1 || t0 < 0 || (int64_t)t0 + m->T > (1 << 26))
+/* The activation block planned anew for context parallelism over R ranks with
+ * this rank's segment at t0 (R = 0: the one-rank layout): the memory plan's
+ * activation entries replaced in place; on a model (not a plan) the block
+ * released, allocated at its new size and carved, and the KDA layers'
+ * segment activations given their constant identity. */
+static lm_status replan_activations(lm_model *m, int R, int t0) {
+    const int first = m->act_ledger_first, n_old = m->act_ledger_n, end0 = m->n_buffers;
+    m->cp_ranks = R;
+    m->cp_t0 = t0;
+    size_t act = plan_activations(m, NULL);
+    const int n_new = m->n_buffers - end0;
+    lm_model_buffer *tmp = malloc((size_t)(n_new > 0 ? n_new : 1) * sizeof *tmp);
+    if (!tmp) return lm_error(LM_ERR_MEMORY, "out of memory planning the model");
+    memcpy(tmp, m->buffers + end0, (size_t)n_new * sizeof *tmp);
+    memmove(m->buffers + first + n_new, m->buffers + first + n_old, (size_t)(end0 - first - n_old) * sizeof *tmp);
+    memcpy(m->buffers + first, tmp, (size_t)n_new * sizeof *tmp);
+    free(tmp);
+    m->n_buffers = end0 - n_old + n_new;
+    m->act_ledger_n = n_new;
+    m->act_floats = act;
+    if (m->dry) return LM_OK;
+    /* the old block goes first: the two are never held together */
+    m->be->release(m->be, m->act_block);
+    m->act_block = NULL;
+    void *ab = NULL;
+    if (m->be->alloc(m->be, act * sizeof(float), &ab))
+        return lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats (%.2f GiB) %s", act,
+                        (double)act * sizeof(float) / (1u << 30),
+                        R ? "with context parallelism" : "of the one-rank layout");
+    m->act_block = ab;
+    plan_activations(m, m->act_block);
+    for (int l = 0; R && l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        int shared = 0; /* with recompute a later KDA layer uses the first's, initialised once */
+        for (int k = 0; k < l; k++) shared |= m->layers[k].cp_acts == ls->cp_acts;
+        if (ls->mixer == LM_MIXER_KDA && !shared)
+            TRY(lm_kda_layer_cp_lp_acts_init(&ls->kda_cfg, m->B, m->T, ls->cp_acts));
+    }
+    return LM_OK;
+}
+
+lm_status lm_model_plan_context_parallel(lm_model *m, int ranks, int t0) {
+    if (!m || !m->dry) return lm_error(LM_ERR_ARG, "lm_model_plan_context_parallel takes a plan (lm_model_plan)");
+    if (ranks < 2 || t0 < 0 || (int64_t)t0 + m->T > (1 << 26))
         return lm_error(LM_ERR_ARG, "context parallelism: %d ranks, a segment at %d of %d tokens: out of range", ranks,
                         t0, m->T);
-    size_t total, scratch;
-    TRY(cp_block_plan(m, ranks, t0, NULL, &total, &scratch));
-    *bytes = (total + scratch + 1) * sizeof(float);
-    return LM_OK;
+    if (m->cp_ranks) return lm_error(LM_ERR_ARG, "context parallelism is already planned on this model");
+    if (m->seg_on)
+        return lm_error(LM_ERR_ARG, "context parallelism together with train.seq_segment is not supported");
+    TRY(cp_check_mixers(m, ranks, t0));
+    return replan_activations(m, ranks, t0);
 }
 
 lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
@@ -2870,44 +2920,16 @@ lm_status lm_model_set_context_parallel(lm_model *m, lm_comm *comm) {
     free(all);
     TRY(st);
     if (t0 + m->T > (1 << 26)) return lm_error(LM_ERR_ARG, "context parallelism: the sequence is too long");
-    size_t total = 0, scratch = 0;
-    size_t *need = calloc((size_t)m->cfg.n_layers, sizeof *need);
-    if (!need) return lm_error(LM_ERR_MEMORY, "out of memory setting context parallelism");
-    lm_status ps = cp_block_plan(m, R, (int)t0, need, &total, &scratch);
+    TRY(cp_check_mixers(m, R, (int)t0));
+    /* the activation block with the segment activations in place of the one-rank mixers' */
+    lm_status ps = replan_activations(m, R, (int)t0);
     if (ps) {
-        free(need);
-        return ps;
+        /* back to the one-rank layout where memory allows; the error stands either way */
+        char why[512];
+        snprintf(why, sizeof why, "%s", lm_last_error());
+        (void)replan_activations(m, 0, 0);
+        return lm_error(ps, "%s", why);
     }
-    float *block = NULL;
-    if (m->be->alloc(m->be, (total + scratch + 1) * sizeof(float), (void **)&block)) {
-        free(need);
-        return lm_error(LM_ERR_MEMORY, "out of memory for %zu floats of context-parallel activations", total + scratch);
-    }
-    size_t off = 0;
-    layer_state *first_kda = NULL, *first_mla = NULL;
-    for (int l = 0; l < m->cfg.n_layers; l++) {
-        layer_state *ls = &m->layers[l];
-        layer_state **first = ls->mixer == LM_MIXER_KDA ? &first_kda : &first_mla;
-        if (m->cfg.recompute && *first) {
-            ls->cp_acts = (*first)->cp_acts;
-            continue;
-        }
-        ls->cp_acts = block + off;
-        off += need[l];
-        *first = ls;
-        lm_status is = ls->mixer == LM_MIXER_KDA ? lm_kda_layer_cp_lp_acts_init(&ls->kda_cfg, m->B, m->T, ls->cp_acts)
-                                                 : LM_OK;
-        if (is) {
-            free(need);
-            m->be->release(m->be, block);
-            for (int k = 0; k <= l; k++) m->layers[k].cp_acts = NULL;
-            return is;
-        }
-    }
-    free(need);
-    m->cp_block = block;
-    m->cp_scratch = block + total;
-    m->cp_t0 = (int)t0;
     m->cp_comm = comm;
     return LM_OK;
 }

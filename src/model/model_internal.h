@@ -154,10 +154,15 @@ struct lm_model {
     int ep_next;     /* the forward's first sublayer whose EP agreement this rank has not joined */
     int ep_together; /* the forward failed at an agreement: every rank knows */
     /* context parallelism: this rank holds tokens [cp_t0, cp_t0 + T) of every
-     * row; the token mixers' activations and backward scratch for the segment */
+     * row of a sequence split over cp_ranks (0: not planned so); the
+     * activation block then holds the token mixers' segment activations
+     * (ls->cp_acts) in place of the one-rank ones, and their backward scratch
+     * is the model's (cp_scratch = scratch) */
     struct lm_comm *cp_comm;
-    int cp_t0;
-    float *cp_block, *cp_scratch;
+    int cp_t0, cp_ranks;
+    float *cp_scratch;
+    /* the activation block's entries in the memory plan: [act_ledger_first, + act_ledger_n) */
+    int act_ledger_first, act_ledger_n;
     /* the memory plan: every backend buffer by name (lm_model_buffer_at) */
     lm_model_buffer *buffers;
     int n_buffers, cap_buffers;
