@@ -161,14 +161,22 @@ static void ep_case(const lm_moe_config *cfg, const int64_t *m_of, int bias_mode
     if (!ep) goto out;
     CHECK(lm_cuda_moe_ep_first_expert(ep) == first && lm_cuda_moe_ep_local_experts(ep) == nl, "%s: owned experts",
           what);
-    if (reserve) GPU_OK(lm_cuda_moe_ep_reserve(ep, M * k));
+    /* the worst case: every token of every rank to this rank's experts, (M - m) k rows from the
+     * other ranks and m k of its own; the reserve counts rows from every source with its own share
+     * 1/R (rounded down), so ask for rows_w, the fewest whose other ranks' part covers theirs */
+    int64_t rows_w = M * k;
+    if (R > 1) {
+        const int64_t others = (M - m) * k, w = (others * R + R - 2) / (R - 1);
+        rows_w = w > rows_w ? w : rows_w;
+    }
+    if (reserve) GPU_OK(lm_cuda_moe_ep_reserve(ep, rows_w));
     const size_t held = lm_cuda_moe_ep_bytes(ep, 0) + lm_cuda_moe_ep_bytes(ep, 1);
     if (reserve)
-        CHECK(lm_cuda_moe_ep_bytes(ep, 0) == lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 0) &&
-                  lm_cuda_moe_ep_bytes(ep, 1) == lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 1),
+        CHECK(lm_cuda_moe_ep_bytes(ep, 0) == lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 0) &&
+                  lm_cuda_moe_ep_bytes(ep, 1) == lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 1),
               "%s: the reserved handle holds %zu + %zu bytes, the plan says %zu + %zu", what, lm_cuda_moe_ep_bytes(ep, 0),
-              lm_cuda_moe_ep_bytes(ep, 1), lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 0),
-              lm_cuda_moe_ep_plan_bytes(cfg, R, M * k, 1));
+              lm_cuda_moe_ep_bytes(ep, 1), lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 0),
+              lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 1));
     GPU_OK(lm_cuda_moe_forward_ep(ctx, d_ye, m ? d_x + off * d : NULL, NULL, bias_arg, cfg, &pf, &pb_ep, &ea, m, ep));
     GPU_OK(lm_cuda_moe_backward_ep(ctx, m ? d_dxe : NULL, &g_ep, m ? d_dy + off * d : NULL, m ? d_x + off * d : NULL,
                                    NULL, cfg, &pf, &pb_ep, &ea, &esc, ep));

@@ -258,7 +258,7 @@ typedef struct {
      * rank's slice of experts [r n / R, (r+1) n / R); the rest as in
      * moe_forward / moe_backward. Collective over comm's ranks (m may be 0). */
     lm_status (*moe_ep_create)(lm_backend *be, struct lm_comm *comm, const lm_moe_config *cfg, void **ep);
-    /* the handle's memory once a forward received `rows` rows (the memory plan; no backend
+    /* the handle's memory once a forward received `rows` rows, 1/R of them its own (the memory plan; no backend
      * needed): its own part, or (shared_part 1) the part handles may share (moe_ep_share) */
     size_t (*moe_ep_bytes)(const lm_moe_config *cfg, int R, int64_t rows, int shared_part);
     /* optional (NULL: nothing shared): ep uses the call-time buffers of `with`, a handle whose

@@ -238,7 +238,10 @@ int lm_cuda_moe_ep_first_expert(const lm_cuda_moe_ep *ep);
 int lm_cuda_moe_ep_local_experts(const lm_cuda_moe_ep *ep);
 /* Rows (real, not padding) this rank's experts received in the last forward. */
 int64_t lm_cuda_moe_ep_rows_received(const lm_cuda_moe_ep *ep);
-/* Size the owner's buffers for up to `rows` received rows now. */
+/* Size the owner's buffers now for `rows` rows received by its experts from
+ * every source together, 1/R of them (rounded down) its own: its own rows
+ * never enter the received layout, which is sized for the rest (every
+ * other source's blocks padded to the tile); the local layout for all. */
 lm_status lm_cuda_moe_ep_reserve(lm_cuda_moe_ep *ep, int64_t rows);
 /* Its buffers are in two parts: the owner's activations, kept from a forward
  * to its backward, and the buffers a call uses only while it runs (the rows

@@ -9,7 +9,8 @@
  *             rows included: at most nl (tile - 1) rows a peer);
  *   received: source s's range after source s-1's; in it local expert j's
  *             pad(cnt[s][j]) rows after expert j-1's (block (s, j) starts at
- *             recv_blk[s nl + j]), the first cnt[s][j] of them real;
+ *             recv_blk[s nl + j]), the first cnt[s][j] of them real; this
+ *             rank's own blocks are empty (no rows set aside for them);
  *   local:    expert j's rows from every source, source after source
  *             (cum[j][s] rows before source s's), padded to the tile at
  *             padded_loc[j]: the layout the layer's grouped products take,
@@ -103,8 +104,8 @@ __global__ void regroup_kernel(bf16 *dst, const bf16 *src, const bf16 *self_src,
     copy_row(dst + r * width, from, width, lane);
 }
 
-/* received-layout row q <- its local row (or zero on padding); this rank's
- * own block is left alone (ungroup_self_kernel) */
+/* received-layout row q <- its local row (or zero on padding); the layout
+ * has no rows of this rank's own (ungroup_self_kernel writes those) */
 __global__ void ungroup_kernel(bf16 *dst, const bf16 *src, const int32_t *padded_loc, const int32_t *cum,
                                const int32_t *recv_blk, int me, int nl, int R, int64_t rows, int width) {
     const int64_t q = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -339,11 +340,15 @@ extern "C" lm_status lm_cuda_moe_ep_share(lm_cuda_moe_ep *ep, lm_cuda_moe_ep *wi
     return LM_OK;
 }
 
-/* the padding of the worst case: each source's block of each local expert,
- * and each local expert once */
+/* rows received by the owner's experts from every source together, its own
+ * share 1/R of them (a balanced load; also the dropless worst case R m k, where
+ * its own m k are at most that share): the received layout holds the other
+ * sources' (this rank's own rows never leave the sender's layout), with the
+ * padding of the worst case: each other source's block of each local expert;
+ * the local layout all of them, each local expert padded once */
 static void reserve_rows(int64_t rows, int nl, int R, int64_t *rrows, int64_t *lrows) {
     const int64_t slack = (int64_t)(TILE - 1) * nl;
-    *rrows = rows + slack * R;
+    *rrows = rows - rows / R + slack * (R - 1);
     *lrows = rows + slack;
 }
 
@@ -427,9 +432,9 @@ static lm_status plan_exchange(lm_cuda_moe_ep *ep, const lm_cuda_moe_acts *a, in
     int64_t recv = 0, real = 0;
     for (int s = 0; s < R; s++) {
         const int64_t start = recv;
-        for (int j = 0; j < nl; j++) {
+        for (int j = 0; j < nl; j++) { /* this rank's own blocks are empty: its rows stay in the sender's layout */
             hr[s * nl + j] = (int32_t)recv;
-            recv += pad_rows(ep->cnt_recv[(size_t)s * nl + j]);
+            if (s != ep->r) recv += pad_rows(ep->cnt_recv[(size_t)s * nl + j]);
         }
         ep->ro[s] = (size_t)start * row;
         ep->rb[s] = (size_t)(recv - start) * row;
