@@ -14,8 +14,8 @@
  * it and the sequence start); both gates. Also the state map's step
  * (lm_kda_cuda_state_apply, both directions) against the CPU's
  * (lm_kda_state_map_apply / _apply_transposed) within 1e-5, and its bits
- * from run to run; and a segment's forward in two calls (a middle rank's)
- * against the one-call forward, bit for bit.
+ * from run to run; and a segment's forward and backward in two calls (what
+ * the ranks after the first run) against the one-call forms, bit for bit.
  *
  * The attention cases (MLA with a latent of 32 and GQA of 4 heads over 2,
  * head dimensions 64; segments as above and a first one of 5 tokens) compare
@@ -240,7 +240,8 @@ static void test_layer_equals_the_whole_sequence(void) {
 /* A segment's forward in two calls on the GPU (what a middle rank runs):
  * lm_kda_layer_seg_final_state from zero, then lm_kda_layer_forward_seg_prepared
  * from a random state S, against the one-call lm_kda_layer_forward_seg from
- * zero (ht) and from S (y, the activations): bit for bit. */
+ * zero (ht) and from S (y, the activations): bit for bit. Then the backward
+ * in two calls (what the ranks after the first run) against the one call. */
 static void test_segment_forward_in_two_calls(void) {
     if (test_skip_all_reason) return;
     const int D = 96, H = 2, K = 64, B = 2, n = 150, W1 = 3;
@@ -281,6 +282,36 @@ static void test_segment_forward_in_two_calls(void) {
     for (size_t i = 0; i < nx; i++) ys += fabs(hy1[i]);
     CHECK(ys > 0 && isfinite(ys), "y is zero or not finite");
     printf("  B %d, %d tokens: the final state, y and %zu floats of activations the one-call forward's bits\n", B, n, na);
+    /* the backward in two calls (lm_kda_layer_seg_state_grad, then _after_state) against the one call */
+    const size_t nsc = lm_kda_layer_seg_scratch_floats(&c, B, n), nj = lm_kda_layer_seg_state_grad_junk_floats(&c);
+    float *dyh = host_normal(nx, 1.0, 0.0, 0, &rng), *dSh = host_normal(ns, 1.0, 0.0, 0, &rng);
+    float *dho = host_normal(nh, 1.0, 0.0, 0, &rng);
+    float *ddy = dev_from(dyh, nx * 4), *ddS = dev_from(dSh, ns * 4), *ddho = dev_from(dho, nh * 4);
+    float *gg1 = be_alloc(np * 4), *gg2 = be_alloc(np * 4), *dx1 = be_alloc(nx * 4), *dx2 = be_alloc(nx * 4);
+    float *dl1 = be_alloc(nh * 4), *dl2 = be_alloc(nh * 4), *dD = be_alloc(ns * 4), *scr = be_alloc(nsc * 4),
+          *junk = be_alloc(nj * 4);
+    GPU_OK(be->zero(be, gg1, np * 4));
+    GPU_OK(be->zero(be, gg2, np * 4));
+    GPU_OK(be->zero(be, dx1, nx * 4));
+    GPU_OK(be->zero(be, dx2, nx * 4));
+    lm_kda_layer_params G1, G2;
+    lm_kda_layer_params_map(&c, gg1, &G1);
+    lm_kda_layer_params_map(&c, gg2, &G2);
+    lm_kda_layer_carry_grad cb1 = {ddS, NULL, ddho, dl1}, cb2 = {ddS, NULL, ddho, dl2};
+    GPU_OK(lm_kda_layer_backward_seg(&c, &p, &pl, &G1, &A1, xlp, ddy, B, n, &s1, &cb1, dx1, scr));
+    GPU_OK(lm_kda_layer_seg_state_grad(&c, &p, &pl, &G2, &A2, xlp, ddy, B, n, &s2, dx2, dD, junk, scr));
+    GPU_OK(lm_kda_layer_backward_seg_after_state(&c, &p, &pl, &G2, &A2, xlp, B, n, &s2, &cb2, dx2, scr));
+    float *hg1 = host_of(gg1, np), *hg2 = host_of(gg2, np), *hdx1 = host_of(dx1, nx), *hdx2 = host_of(dx2, nx);
+    float *hl1 = host_of(dl1, nh), *hl2 = host_of(dl2, nh);
+    CHECK(!memcmp(hdx1, hdx2, nx * 4), "dx of the two-call backward differs from the one call's (largest %.3g)",
+          rel_to_max(hdx2, hdx1, nx));
+    CHECK(!memcmp(hg1, hg2, np * 4), "the parameter gradients of the two-call backward differ (largest %.3g)",
+          rel_to_max(hg2, hg1, np));
+    CHECK(!memcmp(hl1, hl2, nh * 4), "the halo's gradient of the two-call backward differs");
+    printf("  the backward in two calls: dx, the halo's and %zu parameter gradients the one call's bits\n", np);
+    free(dyh), free(dSh), free(dho), free(hg1), free(hg2), free(hdx1), free(hdx2), free(hl1), free(hl2);
+    void *bdev[] = {ddy, ddS, ddho, gg1, gg2, dx1, dx2, dl1, dl2, dD, scr, junk};
+    for (size_t i = 0; i < sizeof bdev / sizeof bdev[0]; i++) be->release(be, bdev[i]);
     free(params), free(S), free(halo), free(x), free(hq1), free(hq2), free(hy1), free(hy2), free(ha1), free(ha2);
     void *dev[] = {dpar, dS, dhalo, dx, y1, y2, q1, q2, a1, a2, plp, xlp};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) be->release(be, dev[i]);

@@ -1,7 +1,9 @@
 /* The KDA token mixer: gradients of every parameter and of the input against
  * central finite differences; causality of the whole layer; a segment's
  * forward in two calls (the final state alone, then the rest from another
- * incoming state) equal to the one-call forward bit for bit. */
+ * incoming state) equal to the one-call forward bit for bit, and its backward
+ * in two calls (the incoming state's gradient from the outputs first) equal
+ * to the one-call backward. */
 #include "longmoe/kda_layer.h"
 #include "test.h"
 
@@ -160,10 +162,80 @@ static void test_segment_forward_in_two_calls(void) {
     }
 }
 
+/* lm_kda_layer_seg_state_grad then lm_kda_layer_backward_seg_after_state add
+ * to dx and the gradients what lm_kda_layer_backward_seg adds, bit for bit
+ * (dh0 and the halo's gradient too), and the first call's dh0 is the one-call
+ * backward's with no outgoing state gradient. */
+static void test_segment_backward_in_two_calls(void) {
+    for (int gate = 0; gate < 2; gate++) {
+        lm_kda_layer_config c = config((lm_kda_gate)gate);
+        lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
+        size_t np = lm_kda_layer_specs(&c, specs);
+        float *params = malloc(np * 4);
+        lm_rng rng;
+        lm_rng_seed(&rng, 95 + gate);
+        for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
+        lm_kda_layer_params p;
+        lm_kda_layer_params_map(&c, params, &p);
+        const size_t ns = (size_t)B * H * KD * KD, nh = (size_t)3 * B * (W - 1) * H * KD,
+                     na = lm_kda_layer_seg_act_floats(&c, B, T), nsc = lm_kda_layer_seg_scratch_floats(&c, B, T);
+        float x[B * T * D], y[B * T * D], dy[B * T * D];
+        float *S = malloc(ns * 4), *dS = malloc(ns * 4), *halo = malloc(nh * 4), *dhalo_out = malloc(nh * 4);
+        float *acts = calloc(na, 4), *scr = calloc(nsc, 4), *junk = calloc(lm_kda_layer_seg_state_grad_junk_floats(&c), 4);
+        float *g1 = calloc(np, 4), *g2 = calloc(np, 4), *g0 = calloc(np, 4), *dx1 = calloc(B * T * D, 4),
+              *dx2 = calloc(B * T * D, 4), *dx0 = calloc(B * T * D, 4);
+        float *dh1 = malloc(ns * 4), *dh2 = malloc(ns * 4), *D1 = malloc(ns * 4), *D0 = malloc(ns * 4);
+        float *dhl1 = malloc(nh * 4), *dhl2 = malloc(nh * 4);
+        for (int i = 0; i < B * T * D; i++) x[i] = (float)lm_rng_normal(&rng), dy[i] = (float)lm_rng_normal(&rng);
+        for (size_t i = 0; i < ns; i++) S[i] = 0.5f * (float)lm_rng_normal(&rng), dS[i] = (float)lm_rng_normal(&rng);
+        for (size_t i = 0; i < nh; i++) halo[i] = (float)lm_rng_normal(&rng), dhalo_out[i] = (float)lm_rng_normal(&rng);
+        /* the gradients start non-zero: both forms accumulate */
+        for (size_t i = 0; i < np; i++) g1[i] = g2[i] = 0.01f * (float)lm_rng_normal(&rng);
+        lm_kda_layer_acts a;
+        lm_kda_layer_seg_acts_map(&c, B, T, acts, &a);
+        lm_kda_layer_params G1, G2, G0;
+        lm_kda_layer_params_map(&c, g1, &G1);
+        lm_kda_layer_params_map(&c, g2, &G2);
+        lm_kda_layer_params_map(&c, g0, &G0);
+        lm_kda_layer_carry cr = {S, NULL, halo, NULL};
+        CHECK(!lm_kda_layer_forward_seg(&c, &p, &p, &a, x, B, T, &cr, y), "%s", lm_last_error());
+        lm_kda_layer_carry_grad cg1 = {dS, dh1, dhalo_out, dhl1}, cg0 = {NULL, D0, NULL, NULL};
+        CHECK(!lm_kda_layer_backward_seg(&c, &p, &p, &G1, &a, x, dy, B, T, &cr, &cg1, dx1, scr), "%s", lm_last_error());
+        CHECK(!lm_kda_layer_backward_seg(&c, &p, &p, &G0, &a, x, dy, B, T, &cr, &cg0, dx0, scr), "%s", lm_last_error());
+        lm_kda_layer_carry_grad cg2 = {dS, dh2, dhalo_out, dhl2};
+        CHECK(!lm_kda_layer_seg_state_grad(&c, &p, &p, &G2, &a, x, dy, B, T, &cr, dx2, D1, junk, scr), "%s",
+              lm_last_error());
+        CHECK(!memcmp(D1, D0, ns * 4), "gate %d: the incoming state's gradient from the outputs alone differs", gate);
+        CHECK(!lm_kda_layer_backward_seg_after_state(&c, &p, &p, &G2, &a, x, B, T, &cr, &cg2, dx2, scr), "%s",
+              lm_last_error());
+        CHECK(!memcmp(dx1, dx2, (size_t)B * T * D * 4), "gate %d: dx differs from the one-call backward's", gate);
+        CHECK(!memcmp(dh1, dh2, ns * 4), "gate %d: dh0 differs", gate);
+        CHECK(!memcmp(dhl1, dhl2, nh * 4), "gate %d: the halo's gradient differs", gate);
+        size_t off = 0;
+        for (int t = 0; t < LM_KDA_LAYER_NPARAMS; t++) {
+            size_t m = (size_t)(specs[t].rows * specs[t].cols);
+            CHECK(!memcmp(g1 + off, g2 + off, m * 4), "gate %d: d%s differs from the one-call backward's", gate,
+                  specs[t].name);
+            off += m;
+        }
+        /* and the outgoing state's gradient mattered (to dx: over 21 tokens of these gates the map P
+         * underflows, so dh0 is D's bits) */
+        float *dx3 = calloc(B * T * D, 4);
+        lm_kda_layer_carry_grad cg3 = {NULL, NULL, dhalo_out, NULL};
+        CHECK(!lm_kda_layer_backward_seg(&c, &p, &p, &G0, &a, x, dy, B, T, &cr, &cg3, dx3, scr), "%s", lm_last_error());
+        CHECK(memcmp(dx1, dx3, (size_t)B * T * D * 4), "gate %d: dht did not change dx", gate);
+        free(dx3);
+        free(params); free(S); free(dS); free(halo); free(dhalo_out); free(acts); free(scr); free(junk);
+        free(g1); free(g2); free(g0); free(dx1); free(dx2); free(dx0); free(dh1); free(dh2); free(D1); free(D0);
+        free(dhl1); free(dhl2);
+    }
+}
+
 int main(void) {
     RUN(test_layer_gradients_match_finite_differences_bounded);
     RUN(test_layer_gradients_match_finite_differences_softplus);
     RUN(test_layer_is_causal);
     RUN(test_segment_forward_in_two_calls);
+    RUN(test_segment_backward_in_two_calls);
     return test_summary();
 }

@@ -149,18 +149,30 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
                                     const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
                                     float *scratch);
 
-/* The gradient of the segment's incoming state from its own outputs alone
- * (dy; the outgoing state's gradient zero), after lm_kda_layer_forward_seg of
- * the same segment and carry: the backward only as far as the operator's.
- * dh0 [B,H,K,K] is written; no input or parameter gradient is (what the
- * output's and the operator's backward add to W_o, o_norm, A_log and dt_bias
- * goes to `junk`, lm_kda_layer_seg_state_grad_junk_floats floats of the
- * backend's memory). scratch as lm_kda_layer_backward_seg's. */
+/* lm_kda_layer_backward_seg in two calls, for a segment whose outgoing
+ * state's gradient is known only after the gradient of its incoming state
+ * from its own outputs (context parallelism's ranks after the first).
+ * lm_kda_layer_seg_state_grad, after lm_kda_layer_forward_seg of the same
+ * segment and carry, runs the output path's backward (W_o, o_norm and W_g's
+ * gradients into g, W_g's part of dx into dx: both accumulate) and the
+ * operator's from it alone (the outgoing state's gradient zero): dh0
+ * [B,H,K,K] is written; what that operator backward adds to A_log and dt_bias
+ * goes to `junk` (lm_kda_layer_seg_state_grad_junk_floats floats of the
+ * backend's memory). lm_kda_layer_backward_seg_after_state then finishes with
+ * cg (the scratch as the first call left it; dy is not read again): the
+ * operator's backward with cg->dht and the rest. The pair adds to g and dx
+ * what lm_kda_layer_backward_seg adds, bit for bit. */
 size_t lm_kda_layer_seg_state_grad_junk_floats(const lm_kda_layer_config *c);
 lm_status lm_kda_layer_seg_state_grad(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_acts *a, const void *x_lp,
-                                      const float *dy, int B, int n, const lm_kda_layer_carry *carry, float *dh0,
-                                      float *junk, float *scratch);
+                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                      const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int n,
+                                      const lm_kda_layer_carry *carry, float *dx, float *dh0, float *junk,
+                                      float *scratch);
+lm_status lm_kda_layer_backward_seg_after_state(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                                const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                                const lm_kda_layer_acts *a, const void *x_lp, int B, int n,
+                                                const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg,
+                                                float *dx, float *scratch);
 
 /* The operator's state map over the segment after lm_kda_layer_forward_seg
  * or lm_kda_layer_seg_final_state (its q, k, gates and betas in `a`): P [B,H,K,K] such that the segment maps

@@ -218,8 +218,9 @@ lm_status lm_kda_layer_cp_forward_lp(lm_comm *comm, const lm_kda_layer_config *c
 }
 
 /* Backward: D, the gradient of the incoming state from the segment's own outputs (ranks after the
- * first), the maps [P | D] gathered and scanned last first for the gradient of the outgoing state,
- * then the segment's one backward with both; the halo's gradient to its owners. */
+ * first: the output path's backward and the operator's from it), the maps [P | D] gathered and
+ * scanned last first for the gradient of the outgoing state, then the rest of the segment's
+ * backward with it; the halo's gradient to its owners. */
 static lm_status lp_backward_body(lm_comm *comm, const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const lm_kda_layer_params *pl, const lm_kda_layer_params *g, const void *x,
                                   const float *acts, const float *dy, int B, int t0, int n, float *dx, float *scratch,
@@ -237,9 +238,9 @@ static lm_status lp_backward_body(lm_comm *comm, const lm_kda_layer_config *c, c
     lm_kda_layer_carry cr = {me > 0 ? acts + A.S_in : NULL, NULL, W1 > 0 ? acts + A.halo : NULL, NULL};
     const float *dS_out = NULL;
     if (R > 1) {
-        /* D (rank 0's is never applied: zero) */
+        /* D (rank 0's is never applied: zero), with the output path's backward, which is not run again */
         if (me > 0)
-            TRY(lm_kda_layer_seg_state_grad(c, p, pl, &a, x, dy, B, n, &cr, pk + ns, scratch + S.junk,
+            TRY(lm_kda_layer_seg_state_grad(c, p, pl, g, &a, x, dy, B, n, &cr, dx, pk + ns, scratch + S.junk,
                                             scratch + S.seg));
         else
             TRY(be->zero(be, pk + ns, ns * sizeof(float)));
@@ -257,7 +258,10 @@ static lm_status lp_backward_body(lm_comm *comm, const lm_kda_layer_config *c, c
     }
     /* the segment's backward: its own outputs and, through the outgoing state, the later ones */
     lm_kda_layer_carry_grad cg = {dS_out, NULL, NULL, W1 > 0 ? dhalo : NULL};
-    TRY(lm_kda_layer_backward_seg(c, p, pl, g, &a, x, dy, B, n, &cr, &cg, dx, scratch + S.seg));
+    if (R > 1 && me > 0)
+        TRY(lm_kda_layer_backward_seg_after_state(c, p, pl, g, &a, x, B, n, &cr, &cg, dx, scratch + S.seg));
+    else
+        TRY(lm_kda_layer_backward_seg(c, p, pl, g, &a, x, dy, B, n, &cr, &cg, dx, scratch + S.seg));
     if (R == 1 || W1 == 0) return LM_OK;
     /* the halo's gradient to its owners: each adds the later ranks' parts of its last rows in rank order */
     TRY(lm_comm_all_gather(comm, dhalo, tails, blk * sizeof(float)));

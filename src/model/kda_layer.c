@@ -283,14 +283,19 @@ lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_lay
     return layer_forward(c, p, p_lp, a, x_lp, B, T, y, NULL, NULL, FWD_ALL);
 }
 
-/* The backward; carry != NULL: a segment's (cg: its carry's gradients). */
-/* state_only (a segment): only as far as the operator's backward, for cg->dh0 (the other
- * gradients it reaches, W_o, o_norm, A_log and dt_bias, go to g: the caller's scratch) */
+/* Which parts of a segment's backward run: all of it; the output path's
+ * backward (d_o kept in the scratch) and the operator's from it alone, for
+ * cg->dh0 (the operator's A_log and dt_bias gradients to `jg`); or the rest
+ * after that: the operator's backward with cg's gradients and everything
+ * before it, the output path's not again. */
+enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
+
+/* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
 static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
                                 const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T, float *dx,
                                 float *scratch, const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg,
-                                int state_only) {
+                                int part, const lm_kda_layer_params *jg) {
     // x is (B,T,d) in the product format; dy is (B,T,d); dx (B,T,d) and g accumulate
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
@@ -303,22 +308,25 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     void *d_o = scratch + S.d_o, *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv,
          *dz = scratch + S.dz;
     const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
-    TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
-    TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
-    /* the output gate and head norm: d gate-logits, d_o */
-    /* dgate straight in the product format where that is a separate copy (no fp32 dgate, no conversion);
-     * on the CPU the lp view is dgate itself */
-    const int sep = lp_separate(c);
-    TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, g->o_norm, d_gated,
-                                a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
-    dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
-    if (!state_only) TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
-    /* the operator */
+    if (part != BWD_AFTER_STATE) {
+        TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
+        TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
+        /* the output gate and head norm: d gate-logits, d_o */
+        /* dgate straight in the product format where that is a separate copy (no fp32 dgate, no conversion);
+         * on the CPU the lp view is dgate itself */
+        const int sep = lp_separate(c);
+        TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, g->o_norm,
+                                    d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
+        dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
+        TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+    }
+    /* the operator (BWD_STATE: from d_o alone, for dh0; its parameter gradients to jg) */
     lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
+    const lm_kda_layer_params *go = part == BWD_STATE ? jg : g;
     TRY(op->kda_backward(be, &kc, a->q_op, a->k_op, a->v_op, a->z_lp, a->beta, p->A_log, p->dt_bias,
-                         carry ? carry->h0 : NULL, d_o, cg ? cg->dht : NULL, dq, dk, dv, dz, dbeta, g->A_log,
-                         g->dt_bias, cg ? cg->dh0 : NULL));
-    if (state_only) return LM_OK;
+                         carry ? carry->h0 : NULL, d_o, cg && part != BWD_STATE ? cg->dht : NULL, dq, dk, dv, dz,
+                         dbeta, go->A_log, go->dt_bias, cg ? cg->dh0 : NULL));
+    if (part == BWD_STATE) return LM_OK;
     TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
     TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
@@ -376,7 +384,7 @@ lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_la
                                    const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
                                    const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T,
                                    float *dx, float *scratch) {
-    return layer_backward(c, p, pl, g, a, x, dy, B, T, dx, scratch, NULL, NULL, 0);
+    return layer_backward(c, p, pl, g, a, x, dy, B, T, dx, scratch, NULL, NULL, BWD_ALL, NULL);
 }
 
 lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -406,30 +414,35 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
                                     const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
                                     float *scratch) {
     if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment backward: carry is NULL");
-    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, cg, 0);
+    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, cg, BWD_ALL, NULL);
 }
 
 size_t lm_kda_layer_seg_state_grad_junk_floats(const lm_kda_layer_config *c) {
-    const size_t HK = (size_t)c->heads * c->head_dim;
-    return HK * c->d_model + c->head_dim + c->heads + HK + 64;
+    return 2 * (((size_t)c->heads + 15) & ~(size_t)15);
 }
 
 lm_status lm_kda_layer_seg_state_grad(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
-                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_acts *a, const void *x_lp,
-                                      const float *dy, int B, int n, const lm_kda_layer_carry *carry, float *dh0,
-                                      float *junk, float *scratch) {
-    if (!carry || !dh0 || !junk) return lm_error(LM_ERR_ARG, "kda layer state gradient: carry, dh0 or junk is NULL");
-    lm_backend *be = backend_of(c);
-    const size_t HK = (size_t)c->heads * c->head_dim, pad = 16;
+                                      const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                      const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int n,
+                                      const lm_kda_layer_carry *carry, float *dx, float *dh0, float *junk,
+                                      float *scratch) {
+    if (!carry || !g || !dx || !dh0 || !junk)
+        return lm_error(LM_ERR_ARG, "kda layer state gradient: carry, g, dx, dh0 or junk is NULL");
     lm_kda_layer_params j;
     memset(&j, 0, sizeof j);
-    j.W_o = junk;
-    j.o_norm = j.W_o + ((HK * c->d_model + pad - 1) & ~(pad - 1));
-    j.A_log = j.o_norm + ((c->head_dim + pad - 1) & ~(pad - 1));
-    j.dt_bias = j.A_log + ((c->heads + pad - 1) & ~(pad - 1));
-    TRY(be->zero(be, junk, lm_kda_layer_seg_state_grad_junk_floats(c) * sizeof(float)));
+    j.A_log = junk;
+    j.dt_bias = junk + lm_kda_layer_seg_state_grad_junk_floats(c) / 2;
     lm_kda_layer_carry_grad cg = {NULL, dh0, NULL, NULL};
-    return layer_backward(c, p, p_lp, &j, a, x_lp, dy, B, n, NULL, scratch, carry, &cg, 1);
+    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, &cg, BWD_STATE, &j);
+}
+
+lm_status lm_kda_layer_backward_seg_after_state(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
+                                                const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
+                                                const lm_kda_layer_acts *a, const void *x_lp, int B, int n,
+                                                const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg,
+                                                float *dx, float *scratch) {
+    if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment backward: carry is NULL");
+    return layer_backward(c, p, p_lp, g, a, x_lp, NULL, B, n, dx, scratch, carry, cg, BWD_AFTER_STATE, NULL);
 }
 
 lm_status lm_kda_layer_seg_state_map(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
