@@ -14,6 +14,16 @@ static lm_kda_layer_config config(lm_kda_gate gate) {
     return c;
 }
 
+/* Parameters of N(0, 0.3^2) from `seed` (rng goes on from there), mapped into p. */
+static float *random_params(const lm_kda_layer_config *c, uint64_t seed, lm_rng *rng, lm_kda_layer_params *p) {
+    size_t np = lm_kda_layer_specs(c, NULL);
+    float *params = malloc(np * 4);
+    lm_rng_seed(rng, seed);
+    for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(rng);
+    lm_kda_layer_params_map(c, params, p);
+    return params;
+}
+
 static double loss(const lm_kda_layer_config *c, const lm_kda_layer_params *p, float *acts,
                    const float *x, const float *r, float *y) {
     lm_kda_layer_acts a;
@@ -86,14 +96,9 @@ static void test_layer_gradients_match_finite_differences_softplus(void) { check
 
 static void test_layer_is_causal(void) {
     lm_kda_layer_config c = config(LM_KDA_GATE_BOUNDED);
-    lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
-    size_t np = lm_kda_layer_specs(&c, specs);
-    float *params = malloc(np * 4);
     lm_rng rng;
-    lm_rng_seed(&rng, 77);
-    for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
     lm_kda_layer_params p;
-    lm_kda_layer_params_map(&c, params, &p);
+    float *params = random_params(&c, 77, &rng, &p);
     float x[B * T * D], y1[B * T * D], y2[B * T * D];
     for (int i = 0; i < B * T * D; i++) x[i] = (float)lm_rng_normal(&rng);
     float *acts = malloc(lm_kda_layer_act_floats(&c, B, T) * 4);
@@ -118,14 +123,9 @@ static void test_layer_is_causal(void) {
 static void test_segment_forward_in_two_calls(void) {
     for (int gate = 0; gate < 2; gate++) {
         lm_kda_layer_config c = config((lm_kda_gate)gate);
-        lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
-        size_t np = lm_kda_layer_specs(&c, specs);
-        float *params = malloc(np * 4);
         lm_rng rng;
-        lm_rng_seed(&rng, 91 + gate);
-        for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
         lm_kda_layer_params p;
-        lm_kda_layer_params_map(&c, params, &p);
+        float *params = random_params(&c, 91 + gate, &rng, &p);
         const size_t ns = (size_t)B * H * KD * KD, nh = (size_t)3 * B * (W - 1) * H * KD, na = lm_kda_layer_seg_act_floats(&c, B, T);
         float x[B * T * D], y1[B * T * D], y2[B * T * D];
         float *S = malloc(ns * 4), *q1 = malloc(ns * 4), *q2 = malloc(ns * 4), *halo = malloc(nh * 4);
@@ -171,12 +171,9 @@ static void test_segment_backward_in_two_calls(void) {
         lm_kda_layer_config c = config((lm_kda_gate)gate);
         lm_tensor_spec specs[LM_KDA_LAYER_NPARAMS];
         size_t np = lm_kda_layer_specs(&c, specs);
-        float *params = malloc(np * 4);
         lm_rng rng;
-        lm_rng_seed(&rng, 95 + gate);
-        for (size_t i = 0; i < np; i++) params[i] = 0.3f * (float)lm_rng_normal(&rng);
         lm_kda_layer_params p;
-        lm_kda_layer_params_map(&c, params, &p);
+        float *params = random_params(&c, 95 + gate, &rng, &p);
         const size_t ns = (size_t)B * H * KD * KD, nh = (size_t)3 * B * (W - 1) * H * KD,
                      na = lm_kda_layer_seg_act_floats(&c, B, T), nsc = lm_kda_layer_seg_scratch_floats(&c, B, T);
         float x[B * T * D], y[B * T * D], dy[B * T * D];
