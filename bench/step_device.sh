@@ -12,7 +12,8 @@
 #   BENCHES="..."     which benchmarks (default: moe optim model kda_layer linear attnres; also
 #                     attnws: k3-mini 1x32768 under three attention backward workspace settings;
 #                     moeep: the MoE layer, batched, without balancing, and through the
-#                     expert-parallel layer on one NCCL rank)
+#                     expert-parallel layer on one NCCL rank; kdacp: what the KDA layer's
+#                     context parallelism runs on a rank after the first, both forms)
 #   MODEL_SHAPES="8,4096 1,32768"   the whole-model shapes (bench_cuda_model)
 #   LIMIT=seconds     per program (default 240)
 set -uo pipefail
@@ -64,6 +65,7 @@ if has bench; then
     for b in $BENCHES; do
         case $b in
         moe) run_bench bench_cuda_moe --tokens 32768 --out "$OUT/moe_32768.json" ;;
+        kdacp) run_bench bench_cuda_kda_cp --tokens 32768 --reps 10 --out "$OUT/kda_cp.json" ;;
         optim) run_bench bench_cuda_optim --config configs/k3-mini.json --reps 5 --host-reps 0 --out "$OUT/optim.json" ;;
         model)
             for shape in $MODEL_SHAPES; do
