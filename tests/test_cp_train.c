@@ -46,18 +46,29 @@
 #include "test_ranks.h"
 
 
-/* test_dp_config with 31-token sequences: no rank count divides them. */
-static lm_config cp_config(void) {
+/* test_dp_config with 31-token sequences: no rank count divides them; with
+ * heavy = 1 heavier attention (three MLA layers of 8 heads of 64), enough that
+ * the balanced split of the 31 tokens is not the even one (17 + 14 on 2 ranks,
+ * 9 + 8 + 7 + 7 on 4). */
+static lm_config cp_config_of(int heavy) {
     lm_config c = test_dp_config(LM_QB_HISTOGRAM);
     c.seq_len = 31;
+    if (heavy) {
+        c.attn_heads = 8;
+        c.qk_head_dim = c.v_head_dim = 64;
+        strcpy(c.layout, "kmmm");
+    }
     return c;
 }
+static lm_config cp_config(void) { return cp_config_of(0); }
 
 /* One run of lm_train: over the ranks in groups of cp (cp = 0: this process
  * alone), ZeRO stage zero, expert parallelism in groups of ep ranks (0: off,
  * R: over every rank). */
 /* The backend of the runs (NULL: the host path; lm_backend_cpu(): the device path on the CPU). */
 static lm_backend *run_backend;
+/* How the runs cut the sequences (lm_train_options.cp_split). */
+static lm_cp_split run_split = LM_CP_SPLIT_EVEN;
 
 static lm_status train_ep(const lm_config *c, const char *run, int cp, int ep, int zero, int resume,
                           int64_t stop_after, lm_train_result *r) {
@@ -70,6 +81,7 @@ static lm_status train_ep(const lm_config *c, const char *run, int cp, int ep, i
     o.stop_after = stop_after;
     o.comm = cp ? comm : NULL;
     o.context_parallel = cp;
+    o.cp_split = run_split;
     o.zero = zero;
     o.expert_parallel = ep > 0;
     o.ep_group = ep == R ? 0 : ep;
@@ -89,12 +101,13 @@ static int all_ranks_ok(void) {
     return any == 0;
 }
 
-/* Run `run` (on rank 0's files) against "one": the 20 train losses and the
- * validation losses within 1e-5, the parameters, optimizer and balancing
- * state within 1e-5 of each tensor's largest value. */
-static void compare_with_one_process(const char *run, const char *what) {
+/* Run `run` (on rank 0's files) against `one`, the same config on one
+ * process: the 20 train losses and the validation losses within 1e-5, the
+ * parameters within prtol and the optimizer and balancing state within 1e-5
+ * of each tensor's largest value. */
+static void compare_with(const char *run, const char *one, const char *what, double prtol) {
     double a[32], b[32];
-    int na = read_metric(run, "train", "loss", a, 32), nb = read_metric("one", "train", "loss", b, 32);
+    int na = read_metric(run, "train", "loss", a, 32), nb = read_metric(one, "train", "loss", b, 32);
     CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: train lines %d and %d", what, na, nb);
     double worst = 0;
     for (int i = 0; i < na && i < nb; i++) {
@@ -105,7 +118,7 @@ static void compare_with_one_process(const char *run, const char *what) {
     CHECK(na == DP_STEPS && fabs(a[DP_STEPS - 1] - a[0]) > 1e-2 * fabs(a[0]),
           "%s: the loss did not move (%.6g to %.6g)", what, a[0], a[DP_STEPS - 1]);
     na = read_metric(run, "eval", "val_loss", a, 32);
-    nb = read_metric("one", "eval", "val_loss", b, 32);
+    nb = read_metric(one, "eval", "val_loss", b, 32);
     CHECK(na == 2 && nb == 2, "%s: eval lines %d and %d", what, na, nb);
     double wv = 0;
     for (int i = 0; i < na && i < nb; i++) {
@@ -113,18 +126,18 @@ static void compare_with_one_process(const char *run, const char *what) {
         wv = fmax(wv, fabs(a[i] - b[i]) / fabs(b[i]));
     }
     na = read_metric(run, "eval", "answer_accuracy", a, 32);
-    nb = read_metric("one", "eval", "answer_accuracy", b, 32);
+    nb = read_metric(one, "eval", "answer_accuracy", b, 32);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(a[i], b[i], 0, 1e-12, "validation answer accuracy");
     double wp = 0, wb = 0, wq[32], oq[32];
-    CHECK(tensors_close(run, "one", DP_STEPS, "model.safetensors", 1e-5, &wp), "%s: parameters", what);
-    CHECK(tensors_close(run, "one", DP_STEPS, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state",
+    CHECK(tensors_close(run, one, DP_STEPS, "model.safetensors", prtol, &wp), "%s: parameters", what);
+    CHECK(tensors_close(run, one, DP_STEPS, "trainer.safetensors", 1e-5, &wb), "%s: optimizer and balancing state",
           what);
     na = read_metric(run, "train", "grad_norm", wq, 32);
-    nb = read_metric("one", "train", "grad_norm", oq, 32);
+    nb = read_metric(one, "train", "grad_norm", oq, 32);
     CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: grad_norm lines %d and %d", what, na, nb);
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 1e-5, "gradient norm");
     na = read_metric(run, "train", "max_logit", wq, 32);
-    nb = read_metric("one", "train", "max_logit", oq, 32);
+    nb = read_metric(one, "train", "max_logit", oq, 32);
     CHECK(na == DP_STEPS && nb == DP_STEPS, "%s: max_logit lines %d and %d", what, na, nb);
     /* written with 6 significant digits: one unit of the last is up to 1e-5 of the value */
     for (int i = 0; i < na && i < nb; i++) CHECK_CLOSE(wq[i], oq[i], 0, 2e-5, "largest attention logit");
@@ -132,12 +145,15 @@ static void compare_with_one_process(const char *run, const char *what) {
            "%.2e relative\n", what, DP_STEPS, worst, wv, wp, wb);
 }
 
+static void compare_with_one_process(const char *run, const char *what) { compare_with(run, "one", what, 1e-5); }
+
 /* ---- alone ---- */
 
 static void test_cli_and_trainer_refuse_cp_without_mpi(void) {
     char out[16384], args[900];
     CHECK(run_cli("train --help", out, sizeof out) == 0 && strstr(out, "--cp C"), "--help lacks --cp");
-    CHECK(strstr(out, "[--ep [G]] [--cp C]"), "--help does not say that --ep and --cp combine: %s", out);
+    CHECK(strstr(out, "[--ep [G]] [--cp C [--cp-split even|balanced]]"), "--help does not say that --ep and --cp combine: %s",
+          out);
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --cp 2", dir("cli"));
     CHECK(run_cli(args, out, sizeof out) == 2 && strstr(out, "--comm mpi"), "%s", out);
     snprintf(args, sizeof args, "train --config configs/tiny.json --out %s --comm mpi --cp 0", dir("cli"));
@@ -237,6 +253,86 @@ static void test_plan_memory_counts_the_segment_activations(void) {
     lm_model_free(at667);
 }
 
+/* The cost of token t (0-based): lm_config_plan's FLOPs at a mean context of t + 1 keys. */
+static double token_cost(const lm_config *c, int64_t t) {
+    lm_plan p;
+    lm_config_plan(c, 2 * t + 1, &p);
+    return p.total_flops;
+}
+
+/* lm_config_cp_split: the even split as before; the balanced one with every
+ * rank's FLOPs (summed token by token from lm_config_plan) within one token's
+ * cost of its share, earlier segments no shorter (but for a token of
+ * rounding); the even one where nothing
+ * attends; refusals. */
+static void test_the_sequence_split(void) {
+    lm_config c = cp_config_of(1);
+    int64_t st[9];
+    const int64_t Ts[] = {31, 999, 4096};
+    for (int ti = 0; ti < 3; ti++)
+        for (int Rr = 1; Rr <= 8; Rr++) {
+            const int64_t T = Ts[ti];
+            CHECK(!lm_config_cp_split(&c, T, Rr, LM_CP_SPLIT_EVEN, st), "%s", lm_last_error());
+            for (int r = 0; r <= Rr; r++)
+                CHECK(st[r] == (int64_t)r * (T / Rr) + (r < T % Rr ? r : T % Rr), "even, T %lld, %d ranks: start %d "
+                      "%lld", (long long)T, Rr, r, (long long)st[r]);
+            CHECK(!lm_config_cp_split(&c, T, Rr, LM_CP_SPLIT_BALANCED, st), "%s", lm_last_error());
+            CHECK(st[0] == 0 && st[Rr] == T, "balanced, T %lld: [%lld, %lld]", (long long)T, (long long)st[0],
+                  (long long)st[Rr]);
+            double total = 0, most = 0;
+            for (int64_t t = 0; t < T; t++) {
+                const double x = token_cost(&c, t);
+                total += x;
+                most = x > most ? x : most;
+            }
+            for (int r = 0; r < Rr; r++) {
+                CHECK(st[r + 1] > st[r], "balanced, T %lld, %d ranks: segment %d empty", (long long)T, Rr, r);
+                if (r > 0) /* each boundary rounded to the nearest token: one token of slack */
+                    CHECK(st[r + 1] - st[r] <= st[r] - st[r - 1] + 1, "balanced, T %lld, %d ranks: segment %d longer "
+                          "than %d by more than a token", (long long)T, Rr, r, r - 1);
+                double cost = 0;
+                for (int64_t t = st[r]; t < st[r + 1]; t++) cost += token_cost(&c, t);
+                /* a boundary is off its ideal place by at most half a token on each side */
+                CHECK(fabs(cost - total / Rr) <= most * 1.0001, "balanced, T %lld, %d ranks: rank %d's %.6g FLOPs, "
+                      "the share %.6g (a token at most %.6g)", (long long)T, Rr, r, cost, total / Rr, most);
+            }
+        }
+    /* attention-heavy enough that 31 tokens are cut unevenly (the ranks' runs below rely on it) */
+    CHECK(!lm_config_cp_split(&c, 31, 2, LM_CP_SPLIT_BALANCED, st) && st[1] == 17, "31 over 2: %lld", (long long)st[1]);
+    /* 4096 tokens over 4: the first segment the longest by far */
+    CHECK(!lm_config_cp_split(&c, 4096, 4, LM_CP_SPLIT_BALANCED, st) && st[1] > 1400, "4096 over 4: first %lld",
+          (long long)st[1]);
+    printf("  4096 tokens over 4 ranks, balanced: %lld, %lld, %lld, %lld\n", (long long)st[1],
+           (long long)(st[2] - st[1]), (long long)(st[3] - st[2]), (long long)(st[4] - st[3]));
+    /* no attention layer: every token costs the same, the even split */
+    lm_config k = c;
+    strcpy(k.layout, "kkkk");
+    k.last_layer_mla = 0;
+    int64_t ev[5];
+    CHECK(!lm_config_cp_split(&k, 4096, 4, LM_CP_SPLIT_BALANCED, st) &&
+              !lm_config_cp_split(&k, 4096, 4, LM_CP_SPLIT_EVEN, ev) && !memcmp(st, ev, sizeof ev),
+          "no attention: the balanced split is not the even one (%lld)", (long long)st[1]);
+    CHECK(lm_config_cp_split(&c, 3, 4, LM_CP_SPLIT_BALANCED, st) == LM_ERR_ARG && strstr(lm_last_error(), "at least "
+          "one token"), "3 tokens over 4 ranks: %s", lm_last_error());
+    CHECK(lm_config_cp_split(&c, 8, 4, (lm_cp_split)7, st) == LM_ERR_ARG, "an unknown kind accepted");
+    lm_cp_split kind;
+    CHECK(lm_cp_split_from_name("zigzag", &kind) == LM_ERR_ARG && strstr(lm_last_error(), "even or balanced"),
+          "%s", lm_last_error());
+    CHECK(!lm_cp_split_from_name("balanced", &kind) && kind == LM_CP_SPLIT_BALANCED, "balanced");
+    /* the CLI: the option's refusals and the plan's split */
+    char out[65536];
+    CHECK(run_cli("train --config configs/tiny.json --out /nonexistent --cp-split zigzag", out, sizeof out) == 2 &&
+              strstr(out, "even or balanced"),
+          "%s", out);
+    CHECK(run_cli("train --config configs/tiny.json --out /nonexistent --cp-split balanced", out, sizeof out) == 2 &&
+              strstr(out, "--cp C"),
+          "%s", out);
+    CHECK(run_cli("plan --memory --config configs/k3-mini.json --device cuda --batch 1 --seq 32768 --seq-segment 0 "
+                  "--cp 4 --cp-split balanced", out, sizeof out) == 0 &&
+              strstr(out, "(balanced split): rank 0 ") && strstr(out, "holds tokens [0, "),
+          "%s", out);
+}
+
 /* ---- over the ranks ---- */
 
 /* The runs the cases compare, made once: "cp" (one group of N ranks), "one"
@@ -251,6 +347,28 @@ static void make_runs(void) {
     if (me == 0) CHECK(!train(&c, "one", 0, 0, 0, 0, &r), "one: %s", lm_last_error());
     if (R == 4) CHECK(!train(&c, "cpdp", 2, 0, 0, 0, &cpdp_result), "cpdp: %s", lm_last_error());
     runs_ok = all_ranks_ok();
+}
+
+/* The balanced split (17 + 14 tokens on 2 ranks, 9 + 8 + 7 + 7 on 4) trains
+ * the same run as one process, of the attention-heavy config. */
+static void test_a_balanced_split_equals_one_process(void) {
+    lm_config c = cp_config_of(1);
+    int64_t st[5];
+    CHECK(!lm_config_cp_split(&c, c.seq_len, R, LM_CP_SPLIT_BALANCED, st), "%s", lm_last_error());
+    CHECK(st[1] != (c.seq_len + R - 1) / R, "the balanced split is the even one (%lld)", (long long)st[1]);
+    run_split = LM_CP_SPLIT_BALANCED;
+    lm_train_result r;
+    CHECK(!train(&c, "bal", R, 0, 0, 0, &r), "bal: %s", lm_last_error());
+    run_split = LM_CP_SPLIT_EVEN;
+    if (me == 0) CHECK(!train(&c, "one-heavy", 0, 0, 0, 0, &r), "one-heavy: %s", lm_last_error());
+    if (!all_ranks_ok() || me != 0) return;
+    char what[64];
+    snprintf(what, sizeof what, "CP %d, balanced split", R);
+    /* the parameters within 3e-5: the LM head's, updated by AdamW, whose step normalises away the size of
+     * its smallest gradient elements, so the summation order's rounding of those moves them by up to 1.5e-5
+     * of the tensor's largest value in 20 steps here (7.6e-6 on 2 ranks; the even split of this config
+     * 6.3e-6 on 4), the losses within 2e-7 */
+    compare_with("bal", "one-heavy", what, 3e-5);
 }
 
 static void test_context_parallel_equals_one_process_with_the_same_batch(void) {
@@ -680,6 +798,7 @@ int main(int argc, char **argv) {
         RUN(test_cli_and_trainer_refuse_cp_without_mpi);
         RUN(test_segment_evaluation_of_the_whole_sequence_is_the_plain_one);
         RUN(test_plan_memory_counts_the_segment_activations);
+        RUN(test_the_sequence_split);
         char cmd[400];
         snprintf(cmd, sizeof cmd, "rm -rf %s", root);
         if (system(cmd)) fprintf(stderr, "could not remove %s\n", root);
@@ -690,6 +809,7 @@ int main(int argc, char **argv) {
     test_dp_steps_note();
     RUN(test_context_parallel_equals_one_process_with_the_same_batch);
     RUN(test_the_device_path_is_the_host_paths_run);
+    RUN(test_a_balanced_split_equals_one_process);
     RUN(test_every_rank_holds_the_same_parameters_and_balancing_bias);
     RUN(test_resume_on_the_same_layout_is_bit_exact);
     RUN(test_checkpoints_resume_across_layouts);

@@ -17,7 +17,7 @@
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
-    "                    [--recompute-chunk N] [--seq-segment S] [--cp N] [--ep G] [--json FILE]\n"
+    "                    [--recompute-chunk N] [--seq-segment S] [--cp N [--cp-split K]] [--ep G] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -43,9 +43,11 @@ static const char *const plan_usage =
     "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
     "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n"
     "--cp N sizes one rank of `train --cp N` (cpu or cuda): its segment of\n"
-    "the T tokens (the first T mod N segments one token longer), its token mixers'\n"
-    "segment activations in place of their one-rank ones, for the rank that needs\n"
-    "the most (the attention's activations grow with the segment's offset); --batch is then the rows a rank holds (its data-parallel\n"
+    "the T tokens (--cp-split even, the default: the first T mod N segments one\n"
+    "token longer; balanced: equal FLOPs a rank, the earlier segments longer), its\n"
+    "token mixers' segment activations in place of their one-rank ones, for the\n"
+    "rank that needs the most (the attention's activations grow with the segment's\n"
+    "offset); --batch is then the rows a rank holds (its data-parallel\n"
     "group's share). --ep G sizes one rank of `train --comm mpi --ep G`: on cpu its\n"
     "weights, gradients and optimizer state of the routed experts are those of its\n"
     "n/G experts only, the blocks allocated so from the model's creation; on cuda\n"
@@ -54,7 +56,7 @@ static const char *const plan_usage =
     "top_k rows a layer; an uneven load grows them).\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
-                        long cp, long ep, const char *json);
+                        long cp, lm_cp_split split, long ep, const char *json);
 
 static int print_layout(const char *cmd, const lm_config *c, const lm_layout *layout, const lm_cluster *k,
                         long context, long long global_tokens);
@@ -72,6 +74,8 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 int cmd_plan(int argc, char **argv) {
     const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
     long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1, cp = 1, ep = 1;
+    lm_cp_split cp_split = LM_CP_SPLIT_EVEN;
+    int cp_split_given = 0;
     int memory = 0;
     double global_tokens = -1, nvlink = 900, ib = 400, tflops = 989, mfu = 0.4;
     for (int i = 1; i < argc; i++) {
@@ -98,6 +102,13 @@ int cmd_plan(int argc, char **argv) {
                 return 2;
         } else if (!strcmp(argv[i], "--cp")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--cp", v, 1, 4096, &cp)) return 2;
+        } else if (!strcmp(argv[i], "--cp-split")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (lm_cp_split_from_name(v, &cp_split)) {
+                cli_fail(cmd, "--cp-split: %s", lm_last_error());
+                return 2;
+            }
+            cp_split_given = 1;
         } else if (!strcmp(argv[i], "--ep")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--ep", v, 1, 4096, &ep)) return 2;
         } else if (!strcmp(argv[i], "--device")) {
@@ -132,8 +143,9 @@ int cmd_plan(int argc, char **argv) {
     lm_config c;
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
     if (context < 0) context = c.seq_len;
+    if (cp_split_given && cp <= 1) return cli_fail(cmd, "--cp-split cuts the sequences of --cp N (N > 1)");
     if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
-                                    chunk, segment, cp, ep, json);
+                                    chunk, segment, cp, cp_split, ep, json);
     if (batch > 0 || seq > 0 || chunk >= 0 || segment >= 0 || json || strcmp(device, "cpu") || cp > 1 || ep > 1)
         return cli_fail(cmd, "--batch, --seq, --device, --recompute-chunk, --seq-segment, --cp, --ep and --json go "
                              "with --memory (see --help)");
@@ -271,7 +283,7 @@ static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp
 }
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
-                        long cp, long ep, const char *json) {
+                        long cp, lm_cp_split split, long ep, const char *json) {
     lm_device dev;
     if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
     if (chunk >= 0) {
@@ -293,15 +305,28 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         if (T < cp)
             return cli_fail(cmd, "--cp %ld: sequences of %ld tokens cannot give each of %ld ranks a segment of at "
                             "least one token", cp, T, cp);
-        const long q = T / cp, r = T % cp;
-        long cand[2] = {r > 0 ? r - 1 : cp - 1, cp - 1};
-        double best = -1;
-        for (int i = 0; i < 2; i++) {
-            long len = q + (cand[i] < r), start = cand[i] * q + (cand[i] < r ? cand[i] : r);
-            double bytes;
-            if (plan_bytes(c, B, len, dev, cp, start, ep, &bytes)) return cli_fail(cmd, "%s", lm_last_error());
-            if (bytes > best) best = bytes, rank = cand[i], t0 = start, T = len;
+        int64_t *start = malloc((size_t)(cp + 1) * sizeof *start);
+        if (!start) return cli_fail(cmd, "out of memory");
+        if (lm_config_cp_split(c, T, (int)cp, split, start)) {
+            free(start);
+            return cli_fail(cmd, "%s", lm_last_error());
         }
+        /* the even split's candidates: the last of the longer segments and the last rank; the balanced split's:
+         * every rank (the first holds the most tokens, the last the longest prefix) */
+        const long r = T % cp;
+        double best = -1;
+        long len_best = T;
+        for (long q = 0; q < cp; q++) {
+            if (split == LM_CP_SPLIT_EVEN && q != (r > 0 ? r - 1 : cp - 1) && q != cp - 1) continue;
+            double bytes;
+            if (plan_bytes(c, B, (long)(start[q + 1] - start[q]), dev, cp, (long)start[q], ep, &bytes)) {
+                free(start);
+                return cli_fail(cmd, "%s", lm_last_error());
+            }
+            if (bytes > best) best = bytes, rank = q, t0 = (long)start[q], len_best = (long)(start[q + 1] - start[q]);
+        }
+        free(start);
+        T = len_best;
     }
     lm_model *m = NULL;
     /* expert parallel on CPU ranks: a rank allocates its experts' gradients and weights only (every position the
@@ -350,8 +375,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
            cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
            lm_model_num_params(m));
     if (cp > 1)
-        printf("context parallel over %ld ranks: rank %ld of a group (the one that needs the most) holds tokens "
-               "[%ld, %ld) of %ld\n", cp, rank, t0, t0 + T, T_whole);
+        printf("context parallel over %ld ranks (%s split): rank %ld of a group (the one that needs the most) holds "
+               "tokens [%ld, %ld) of %ld\n", cp, lm_cp_split_name(split), rank, t0, t0 + T, T_whole);
     if (owned)
         printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
                "%d of the %d routed experts of a layer (an evaluation gathers one layer's experts at a time, "
@@ -382,8 +407,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                        "\"seq_segment\": %d, ",
                     device, B, T, c->recompute, c->recompute_chunk, c->seq_segment);
             if (cp > 1)
-                fprintf(f, "\"context_parallel\": %ld, \"cp_rank\": %ld, \"segment_start\": %ld, \"seq_whole\": %ld, ",
-                        cp, rank, t0, T_whole);
+                fprintf(f, "\"context_parallel\": %ld, \"cp_split\": \"%s\", \"cp_rank\": %ld, \"segment_start\": %ld, "
+                        "\"seq_whole\": %ld, ", cp, lm_cp_split_name(split), rank, t0, T_whole);
             if (ep > 1) fprintf(f, "\"expert_parallel\": %ld, ", ep);
             fprintf(f, "\"total_bytes\": %.0f, \"buffers\": [", total);
             int first = 1;

@@ -14,7 +14,8 @@
 static const char *const train_usage =
     "usage: longmoe train --config CONFIG.json --out DIR [--data TASK] [--resume [--accept-data-change]]\n"
     "                     [--steps N] [--seed S] [--device cpu|cuda] [--host-optimizer]\n"
-    "       mpirun -np N longmoe train --comm mpi [--ep [G]] [--cp C] [--zero 1] --config CONFIG.json --out DIR ...\n"
+    "       mpirun -np N longmoe train --comm mpi [--ep [G]] [--cp C [--cp-split even|balanced]] [--zero 1]\n"
+    "                     --config CONFIG.json --out DIR ...\n"
     "       mpirun -np N longmoe train --device cuda --comm nccl|mpi --config CONFIG.json --out DIR ...\n"
     "\n"
     "Trains the model of CONFIG (docs/config.md) and writes to DIR: metrics.jsonl (one JSON\n"
@@ -98,6 +99,10 @@ static const char *const train_usage =
     "                as above (the two groupings need not match). On GPUs (--device cuda\n"
     "                --comm nccl, or --comm mpi staged) the layers' exchanges go over the\n"
     "                device engine (docs/scaleout.md, \"Context parallelism in the trainer\")\n"
+    "  --cp-split K  how --cp cuts a sequence: even (default; segments as equal as possible) or\n"
+    "                balanced (equal FLOPs a rank: the later ranks' attention sees longer\n"
+    "                prefixes, so the earlier segments are longer; the same run to float\n"
+    "                rounding; `longmoe plan --memory --cp C --cp-split balanced` sizes it)\n"
     "  --quiet       no progress lines\n"
     "\n"
     "A fresh run needs an --out without a run in it (else: --resume). One trainer per DIR\n"
@@ -140,6 +145,8 @@ int cmd_train(int argc, char **argv) {
     lm_device device = LM_DEVICE_CPU;
     int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
     long zero = 0, cp = 1, ep_group = 0;
+    lm_cp_split cp_split = LM_CP_SPLIT_EVEN;
+    int cp_split_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -181,6 +188,13 @@ int cmd_train(int argc, char **argv) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
         } else if (!strcmp(a, "--cp")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 1, 4096, &cp)) return 2;
+        } else if (!strcmp(a, "--cp-split")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if (lm_cp_split_from_name(v, &cp_split)) {
+                cli_fail(cmd, "--cp-split: %s", lm_last_error());
+                return 2;
+            }
+            cp_split_given = 1;
         } else if (!strcmp(a, "--host-optimizer")) {
             host_optimizer = 1;
         } else if (!strcmp(a, "--quiet")) {
@@ -245,8 +259,13 @@ int cmd_train(int argc, char **argv) {
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi or nccl") + 1;
     if (cp > 1 && !use_mpi && !use_nccl)
         return cli_fail(cmd, "--cp %ld (context parallelism) runs over the processes of --comm mpi or nccl", cp) + 1;
+    if (cp_split_given && cp <= 1) {
+        cli_fail(cmd, "--cp-split cuts the sequences of --cp C (C > 1)");
+        return 2;
+    }
     opt.zero = (int)zero;
     opt.context_parallel = (int)cp;
+    opt.cp_split = cp_split;
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
     opt.ep_group = (int)ep_group;

@@ -136,6 +136,23 @@ typedef struct {
  * context of `context` tokens. Training is about 3x the forward. */
 void lm_config_plan(const lm_config *c, int64_t context, lm_plan *p);
 
+/* How context parallelism cuts a sequence of T tokens over R ranks
+ * (docs/scaleout.md, "Context parallelism in the trainer"): rank r holds
+ * tokens [start[r], start[r+1]) (start[0] = 0, start[R] = T, every segment at
+ * least one token; T >= R >= 1).
+ *   LM_CP_SPLIT_EVEN: as equal as possible, the first T mod R segments one
+ *     token longer;
+ *   LM_CP_SPLIT_BALANCED: equal work by lm_config_plan's FLOPs: token t
+ *     costs the token-local layers' FLOPs plus the attention's over its t + 1
+ *     keys, so earlier segments (short prefixes) are longer; each boundary is
+ *     the token where the cumulative cost is nearest its share. Equal to the
+ *     even split when the model has no attention layer. */
+typedef enum { LM_CP_SPLIT_EVEN = 0, LM_CP_SPLIT_BALANCED } lm_cp_split;
+lm_status lm_config_cp_split(const lm_config *c, int64_t T, int R, lm_cp_split kind, int64_t *start);
+/* "even" or "balanced" -> kind (LM_ERR_ARG naming the choices otherwise). */
+lm_status lm_cp_split_from_name(const char *name, lm_cp_split *kind);
+const char *lm_cp_split_name(lm_cp_split kind);
+
 #ifdef __cplusplus
 }
 #endif

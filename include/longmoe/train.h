@@ -148,16 +148,20 @@ typedef struct {
      * ranks into R / N data-parallel groups of N consecutive ranks (world rank
      * w: group w / N, CP rank w % N). A group takes the rows of one
      * data-parallel replica (B divisible by R / N) and CP rank c holds the
-     * contiguous segment c of every sequence (T split as equally as possible,
-     * the first T mod N segments one token longer; T >= N); the model runs
+     * contiguous segment c of every sequence (T split by cp_split: as equally as
+     * possible by default, the first T mod N segments one token longer; T >= N); the model runs
      * lm_model_set_context_parallel over the group. Each rank's gradients are
      * scaled by T_c / (T grad_accum R / N) and summed over all R ranks, so
      * the step is the whole batch's; losses, balancing counts, QK-Clip maxima
      * and evaluation tallies are whole-batch values on every rank, and
      * checkpoints are the ordinary ones (they resume on any layout). R must
-     * be divisible by N; not with expert_parallel. With zero = 1 the
+     * be divisible by N; with expert_parallel too (EP groups cut apart). With zero = 1 the
      * optimizer state is sharded over all R ranks. */
     int context_parallel;
+    /* how the T tokens are cut over the N ranks of a group (lm_config_cp_split):
+     * LM_CP_SPLIT_EVEN (default) or LM_CP_SPLIT_BALANCED (equal FLOPs: earlier
+     * segments longer, as the later ranks' attention sees longer prefixes) */
+    lm_cp_split cp_split;
 } lm_train_options;
 
 lm_train_options lm_train_options_default(const char *out_dir);

@@ -577,6 +577,51 @@ void lm_config_plan(const lm_config *c, int64_t context, lm_plan *p) {
     }
 }
 
+lm_status lm_config_cp_split(const lm_config *c, int64_t T, int R, lm_cp_split kind, int64_t *start) {
+    if (!c || !start) return lm_error(LM_ERR_ARG, "context-parallel split: config or start is NULL");
+    if (R < 1 || T < R)
+        return lm_error(LM_ERR_ARG, "context parallelism: %lld tokens cannot give each of %d ranks a segment of at "
+                        "least one token", (long long)T, R);
+    if (kind != LM_CP_SPLIT_EVEN && kind != LM_CP_SPLIT_BALANCED)
+        return lm_error(LM_ERR_ARG, "context-parallel split: unknown kind %d", (int)kind);
+    const int64_t q = T / R, rem = T % R;
+    for (int r = 0; r <= R; r++) start[r] = (int64_t)r * q + (r < rem ? r : rem);
+    if (kind == LM_CP_SPLIT_EVEN) return LM_OK;
+    /* the cost of tokens [0, b): b a + w b (b + 1) / 2, with a the FLOPs of a token without its
+     * attention and w those of one query-key pair (lm_config_plan is linear in the mean context) */
+    lm_plan p1, p2;
+    lm_config_plan(c, 1, &p1);
+    lm_config_plan(c, 3, &p2);
+    const double w = (p2.total_flops - p1.total_flops) / 1.0, a = p1.total_flops - w;
+    if (!(w > 0) || !(a >= 0)) return LM_OK; /* no attention: every token costs the same */
+    const double total = (double)T * a + w * (double)T * (double)(T + 1) / 2.0;
+    for (int r = 1; r < R; r++) {
+        /* the b whose cumulative cost is nearest r / R of the whole: the positive root, then its neighbours */
+        const double C = total * r / R, A = w / 2.0, Bq = a + w / 2.0;
+        double bx = (-Bq + sqrt(Bq * Bq + 4.0 * A * C)) / (2.0 * A);
+        int64_t b = (int64_t)floor(bx);
+        double best = -1;
+        int64_t pick = b;
+        for (int64_t cand = b - 1; cand <= b + 2; cand++) {
+            const double cost = (double)cand * a + w * (double)cand * (double)(cand + 1) / 2.0, dev = fabs(cost - C);
+            if (best < 0 || dev < best) best = dev, pick = cand;
+        }
+        /* at least one token a segment, before and after */
+        const int64_t lo = start[r - 1] + 1, hi = T - (R - r);
+        start[r] = pick < lo ? lo : pick > hi ? hi : pick;
+    }
+    return LM_OK;
+}
+
+lm_status lm_cp_split_from_name(const char *name, lm_cp_split *kind) {
+    if (name && !strcmp(name, "even")) *kind = LM_CP_SPLIT_EVEN;
+    else if (name && !strcmp(name, "balanced")) *kind = LM_CP_SPLIT_BALANCED;
+    else return lm_error(LM_ERR_ARG, "context-parallel split '%s': use even or balanced", name ? name : "(null)");
+    return LM_OK;
+}
+
+const char *lm_cp_split_name(lm_cp_split kind) { return kind == LM_CP_SPLIT_BALANCED ? "balanced" : "even"; }
+
 int lm_config_stages(const lm_config *c, lm_stage *out) {
     int64_t default_tokens = (int64_t)c->batch_size * c->seq_len;
     if (!c->n_stages) {

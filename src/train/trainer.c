@@ -314,10 +314,13 @@ static int share_B(const trainer *t) { return t->B / t->dp_groups; }
 
 /* Segment c of n of a sequence of T tokens: [*t0, *t0 + *len), the first
  * T mod n segments one token longer than the others. */
-static void segment_of(int T, int n, int c, int *t0, int *len) {
-    const int q = T / n, r = T % n;
-    *len = q + (c < r);
-    *t0 = c * q + (c < r ? c : r);
+/* CP rank c's segment of T tokens over n ranks (opt.cp_split; T >= n checked before). */
+static lm_status segment_of(const trainer *t, int T, int n, int c, int *t0, int *len) {
+    int64_t start[LM_DP_MAX_RANKS + 1];
+    TRY(lm_config_cp_split(&t->cfg, T, n, t->opt.cp_split, start));
+    *t0 = (int)start[c];
+    *len = (int)(start[c + 1] - start[c]);
+    return LM_OK;
 }
 
 /* Agree on a status: every rank learns whether any failed. A rank that failed
@@ -398,6 +401,9 @@ static lm_status dp_check(const trainer *t) {
     const int N = t->opt.context_parallel;
     if (N < 0)
         return lm_error(LM_ERR_ARG, "context parallelism over %d ranks: give a positive group size (1: off)", N);
+    if (t->opt.cp_split != LM_CP_SPLIT_EVEN && t->opt.cp_split != LM_CP_SPLIT_BALANCED)
+        return lm_error(LM_ERR_ARG, "context-parallel split %d: use LM_CP_SPLIT_EVEN or LM_CP_SPLIT_BALANCED",
+                        (int)t->opt.cp_split);
     if (N > 1) {
         if (!t->comm)
             return lm_error(LM_ERR_ARG, "context parallelism (--cp %d) runs over the ranks of --comm mpi", N);
@@ -1343,7 +1349,7 @@ static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0,
     *out = NULL;
     *t0 = 0;
     *len = T;
-    if (t->cp > 1) segment_of(T, t->cp, t->cp_rank, t0, len);
+    if (t->cp > 1) TRY(segment_of(t, T, t->cp, t->cp_rank, t0, len));
     lm_status s = t->epo ? lm_model_create_expert_owned(&t->cfg, B / t->dp_groups, *len, t->be, t->ep, t->ep_pos, out)
                          : lm_model_create_on(&t->cfg, B / t->dp_groups, *len, t->be, out);
     if (!s && lm_model_block_peak_bytes(*out) > t->block_peak_bytes)
@@ -2502,10 +2508,25 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "gradients summed over the ranks in %d bucket%s of about %g MiB as the last backward of "
                 "a step finishes them%s\n", t.n_bk, t.n_bk > 1 ? "s" : "", (double)c->grad_bucket_mb,
                 t.staged ? ", staged through the host" : t.dcomm ? ", on a stream of their own" : "");
-    if (opt->progress && t.cp > 1)
-        fprintf(opt->progress, "context parallel: %d group%s of %d ranks; a group takes %d of the %d sequences of a "
-                "micro-batch, each of its ranks a segment of %d to %d of the %d tokens\n", t.dp_groups,
-                t.dp_groups > 1 ? "s" : "", t.cp, share_B(&t), t.B, t.T / t.cp, (t.T + t.cp - 1) / t.cp, t.T);
+    if (opt->progress && t.cp > 1) {
+        int64_t start[LM_DP_MAX_RANKS + 1];
+        if (!lm_config_cp_split(&t.cfg, t.T, t.cp, opt->cp_split, start)) {
+            int64_t lo = t.T, hi = 0;
+            for (int r = 0; r < t.cp; r++) {
+                const int64_t n = start[r + 1] - start[r];
+                lo = n < lo ? n : lo;
+                hi = n > hi ? n : hi;
+            }
+            fprintf(opt->progress, "context parallel: %d group%s of %d ranks; a group takes %d of the %d sequences "
+                    "of a micro-batch, each of its ranks a segment of %lld to %lld of the %d tokens (%s split",
+                    t.dp_groups, t.dp_groups > 1 ? "s" : "", t.cp, share_B(&t), t.B, (long long)lo, (long long)hi,
+                    t.T, lm_cp_split_name(opt->cp_split));
+            if (opt->cp_split == LM_CP_SPLIT_BALANCED)
+                for (int r = 0; r < t.cp; r++)
+                    fprintf(opt->progress, "%s%lld", r ? ", " : ": ", (long long)(start[r + 1] - start[r]));
+            fprintf(opt->progress, ")\n");
+        }
+    }
     if (opt->progress && t.zero) {
         /* the optimizer state a rank holds: every range's (rank 0 knows the cut) */
         size_t lo = zero_state_bytes(&t, 0), hi = lo, whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
