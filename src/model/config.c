@@ -592,7 +592,7 @@ lm_status lm_config_cp_split(const lm_config *c, int64_t T, int R, lm_cp_split k
     lm_plan p1, p2;
     lm_config_plan(c, 1, &p1);
     lm_config_plan(c, 3, &p2);
-    const double w = (p2.total_flops - p1.total_flops) / 1.0, a = p1.total_flops - w;
+    const double w = p2.total_flops - p1.total_flops, a = p1.total_flops - w; /* mean contexts 1 and 2 */
     if (!(w > 0) || !(a >= 0)) return LM_OK; /* no attention: every token costs the same */
     const double total = (double)T * a + w * (double)T * (double)(T + 1) / 2.0;
     for (int r = 1; r < R; r++) {

@@ -2872,11 +2872,10 @@ static lm_status replan_activations(lm_model *m, int R, int t0) {
                         R ? "with context parallelism" : "of the one-rank layout");
     m->act_block = ab;
     plan_activations(m, m->act_block);
-    for (int l = 0; R && l < m->cfg.n_layers; l++) {
+    /* with recompute the KDA layers share the first one's set: initialised once */
+    for (int l = 0, kda_seen = 0; R && l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        int shared = 0; /* with recompute a later KDA layer uses the first's, initialised once */
-        for (int k = 0; k < l; k++) shared |= m->layers[k].cp_acts == ls->cp_acts;
-        if (ls->mixer == LM_MIXER_KDA && !shared)
+        if (ls->mixer == LM_MIXER_KDA && !(m->cfg.recompute && kda_seen++))
             TRY(lm_kda_layer_cp_lp_acts_init(&ls->kda_cfg, m->B, m->T, ls->cp_acts));
     }
     return LM_OK;

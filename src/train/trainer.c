@@ -312,9 +312,7 @@ static lm_status host_params_current(trainer *t) {
 /* Rows of each micro-batch this rank computes (its data-parallel group's). */
 static int share_B(const trainer *t) { return t->B / t->dp_groups; }
 
-/* Segment c of n of a sequence of T tokens: [*t0, *t0 + *len), the first
- * T mod n segments one token longer than the others. */
-/* CP rank c's segment of T tokens over n ranks (opt.cp_split; T >= n checked before). */
+/* CP rank c's segment [*t0, *t0 + *len) of T tokens over n ranks (opt.cp_split; T >= n checked before). */
 static lm_status segment_of(const trainer *t, int T, int n, int c, int *t0, int *len) {
     int64_t start[LM_DP_MAX_RANKS + 1];
     TRY(lm_config_cp_split(&t->cfg, T, n, t->opt.cp_split, start));
