@@ -12,7 +12,8 @@
 #                --zero 1: the ZeRO-1 start line (optimizer state a rank), tokens/s of each run,
 #                the staged run's losses against the one-GPU run's, ZeRO-1's against replicated
 #                (bit-identical, else the step fails); RANK_VARIANTS="mpi2 mpi2_zero1 mpi2_ep" adds
-#                --ep (expert parallelism on the 2 ranks; its losses against the one-GPU run's);
+#                --ep (expert parallelism on the 2 ranks, owner-only expert state; its losses against
+#                the one-GPU run's); mpi2_eprep: --ep --ep-replicated-state (against --ep's);
 #                mpi2_cp: --cp 2 (one sequence over the 2 ranks; its losses against the one-GPU run's)
 #   train        the timed run below (PRESET, STEPS, ...)
 #   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
@@ -172,6 +173,7 @@ EOF
         extra=()
         [ "$v" = mpi2_zero1 ] && extra=(--zero 1)
         [ "$v" = mpi2_ep ] && extra=(--ep)
+        [ "$v" = mpi2_eprep ] && extra=(--ep --ep-replicated-state)
         [ "$v" = mpi2_cp ] && extra=(--cp 2)
         rm -rf "$OUT/run_$v"
         # half the machine's cores a rank (mpirun would bind each of 2 processes to one core)
@@ -180,7 +182,7 @@ EOF
             "$BUILD/longmoe" train --config "$OUT/ranks.json" \
             --out "$OUT/run_$v" --device cuda --comm mpi "${extra[@]}" >"$OUT/train_$v.log" 2>&1 ||
             { echo "$v failed: $OUT/train_$v.log"; tail -5 "$OUT/train_$v.log"; status=1; }
-        grep -E "ZeRO-1|optimizer state|expert parallel|context parallel" "$OUT/train_$v.log" | head -3
+        grep -E "ZeRO-1|optimizer state|expert parallel|context parallel" "$OUT/train_$v.log" | head -5
         rm -rf "$OUT/run_$v"/checkpoint-*
     done
     python3 - "$OUT" <<'EOF'
@@ -190,13 +192,13 @@ def rows(run):
     p = os.path.join(out, run, "metrics.jsonl")
     return [json.loads(l) for l in open(p) if l.startswith('{"type": "train"')] if os.path.exists(p) else []
 one, two, zero, ep = rows("run_1"), rows("run_mpi2"), rows("run_mpi2_zero1"), rows("run_mpi2_ep")
-cp = rows("run_mpi2_cp")
+cp, eprep = rows("run_mpi2_cp"), rows("run_mpi2_eprep")
 def speed(r):
     rest = r[1:] or r
     s = sum(x["step_seconds"] for x in rest)
     return sum(x["tokens_per_s"] * x["step_seconds"] for x in rest) / s if s else 0
 for name, r in (("1 GPU", one), ("2 staged ranks", two), ("2 staged ranks, ZeRO-1", zero), ("2 staged ranks, --ep", ep),
-                ("2 staged ranks, --cp 2", cp)):
+                ("2 staged ranks, --ep, replicated", eprep), ("2 staged ranks, --cp 2", cp)):
     if r:
         print("%-24s %3d steps, last loss %.6f, %.0f tokens/s (steps 2..)" % (name, len(r), r[-1]["loss"], speed(r)))
 if one and two:
@@ -205,6 +207,9 @@ if one and two:
 if one and ep:
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ep, one))
     print("2 staged ranks with --ep against 1 GPU: losses within %.3g relative" % worst)
+if ep and eprep:
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(ep, eprep))
+    print("--ep owner-only against replicated expert state: losses within %.3g relative" % worst)
 if one and cp:
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(cp, one))
     print("2 staged ranks with --cp 2 against 1 GPU: losses within %.3g relative" % worst)

@@ -238,8 +238,9 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
 /* plan --memory --ep G: one rank's weights, gradients and optimizer state of
  * its n/G experts (the lines name the share), the one MoE layer's experts an
  * evaluation forward gathers and the exchange's buffers; with --device cuda
- * (a CUDA build) the weights whole and the exchange's buffers (the CUDA
- * handles', larger: padded rows and bf16 intermediates); a G that does not
+ * (a CUDA build) the same share, the bf16 copy too, nothing gathered (the
+ * evaluation runs the exchange) and the CUDA handles' exchange buffers
+ * (larger: padded rows and bf16 intermediates); a G that does not
  * divide the experts and --ep without --memory are refused. */
 static void test_plan_memory_of_an_expert_parallel_rank(void) {
     CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2") == 0 &&
@@ -255,10 +256,14 @@ static void test_plan_memory_of_an_expert_parallel_rank(void) {
           "plan --memory --ep 3 with 8 experts accepted");
     if (lm_backend_cuda_ops())
         CHECK(run_cli("plan --memory --config configs/tiny.json --ep 2 --device cuda") == 0 &&
-                  test_file_has(path_in("out.txt"), "stay whole on every rank") &&
+                  test_file_has(path_in("out.txt"), "of 4 of the 8 routed experts of a layer (an evaluation runs them "
+                                                    "through the exchange") &&
+                  test_file_has(path_in("out.txt"), "parameters (fp32; of the routed experts only 4 of 8 a layer") &&
+                  test_file_has(path_in("out.txt"), "parameters (product format copy; the kept part)") &&
                   test_file_has(path_in("out.txt"), "the exchange's rows of the MoE layers at a balanced load") &&
                   !test_file_has(path_in("out.txt"), "gathered by an evaluation forward"),
-              "plan --memory --ep 2 --device cuda does not show the whole experts and the exchange's buffers");
+              "plan --memory --ep 2 --device cuda does not show a rank's share of the experts (bf16 copy included) "
+              "and the exchange's buffers");
     CHECK(run_cli("plan --config configs/tiny.json --ep 2") != 0 && stderr_has("--ep"), "--ep without --memory accepted");
 }
 

@@ -19,7 +19,9 @@
  *     staged engine; both on this GPU when it is the only one) follow the plain
  *     GPU run within 0.5%, and are bit-identical with and without gradient
  *     buckets and with ZeRO-1 (--zero 1) on the device optimizer; with expert
- *     parallelism (--ep) they follow it as closely, --ep --zero 1 being --ep's bits.
+ *     parallelism (--ep) they follow it as closely, with owner-only expert state
+ *     (the default) and with it replicated, the two within 1e-4 of each other,
+ *     --ep --zero 1 being the replicated --ep run's bits.
  *
  * Runs go through the real binary (LONGMOE_CLI), as a user starts them. Every
  * case skips (exit 77) when no CUDA device is visible. */
@@ -288,11 +290,17 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * per-element and per-tensor updates, the same norm. With --ep (each rank
  * running half of the routed experts on both ranks' rows, the rows exchanged
  * by the staged engine; docs/scaleout.md, "Expert parallelism on GPU ranks")
- * the run follows the one-GPU run within STAGED_RTOL too, and with --ep
- * --zero 1 it is the --ep run bit for bit. With --cp 2 (one sequence over
+ * the run follows the one-GPU run within STAGED_RTOL too: with owner-only
+ * expert state (the default: each rank keeps its experts' weights,
+ * gradients and state in device memory, evaluations run the exchange) and
+ * with the state replicated (--ep-replicated-state), the two within
+ * EPO_RTOL of each other (the same products; the owner-only norm sums the
+ * owners' slice sums, the same norm to double rounding); --ep --zero 1 is
+ * the replicated --ep run bit for bit. With --cp 2 (one sequence over
  * both ranks: docs/scaleout.md, "Context parallelism on GPU ranks") it follows
  * the one-GPU run within STAGED_RTOL as well. */
 #define STAGED_RTOL 5e-3 /* measured on an H200: 1.7e-3 (losses), 2.5e-3 (evaluations) */
+#define EPO_RTOL 1e-4    /* owner-only against replicated expert state, training losses */
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
     if (!mpiexec) SKIP("built without MPI (no mpirun to start the ranks)");
@@ -304,10 +312,11 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
              {"gpu_mpi2_b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 0, 0, 0},
              {"gpu_mpi2_z1", "staged.json", NULL, 1, 0, 0},
              {"gpu_mpi2_z1b2", "staged_b2.json", "\"grad_bucket_mb\": 0.05, ", 1, 0, 0},
-             {"gpu_mpi2_ep", "staged.json", NULL, 0, 1, 0},
-             {"gpu_mpi2_ep_z1", "staged.json", NULL, 1, 1, 0},
+             {"gpu_mpi2_ep", "staged.json", NULL, 0, 1, 0},     /* owner-only expert state */
+             {"gpu_mpi2_ep_rep", "staged.json", NULL, 0, 2, 0}, /* --ep-replicated-state */
+             {"gpu_mpi2_ep_z1", "staged.json", NULL, 1, 2, 0},
              {"gpu_mpi2_cp", "staged.json", NULL, 0, 0, 1}};
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         if (v[i].insert) CHECK(write_variant(v[i].file, v[i].insert), "cannot write the config");
         fflush(stdout);
         fflush(stderr);
@@ -317,20 +326,22 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
             if (log) dup2(fileno(stdout), 2);
             setenv("OMP_NUM_THREADS", "1", 1);
             setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
-            const char *extra[4] = {NULL, NULL, NULL, NULL};
+            const char *extra[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
             int ne = 0;
             if (v[i].ep) extra[ne++] = "--ep";
+            if (v[i].ep == 2 && !v[i].zero) extra[ne++] = "--ep-replicated-state";
             if (v[i].cp) extra[ne++] = "--cp", extra[ne++] = "2";
             if (v[i].zero) extra[ne++] = "--zero", extra[ne++] = "1";
             execl(mpiexec, mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", LONGMOE_CLI, "train",
                   "--config", in_root(v[i].file), "--out", in_root(v[i].run), "--device", "cuda", "--comm", "mpi",
-                  extra[0], extra[1], extra[2], (char *)NULL);
+                  extra[0], extra[1], extra[2], extra[3], (char *)NULL);
             _exit(127);
         }
         int st = 0;
         waitpid(pid, &st, 0);
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0,
-              "mpirun -np 2 train --device cuda --comm mpi%s%s%s (%s) failed (see %s)", v[i].ep ? " --ep" : "",
+              "mpirun -np 2 train --device cuda --comm mpi%s%s%s%s (%s) failed (see %s)", v[i].ep ? " --ep" : "",
+              v[i].ep == 2 && !v[i].zero ? " --ep-replicated-state" : "",
               v[i].zero ? " --zero 1" : "", v[i].cp ? " --cp 2" : "", v[i].run, in_root("run.log"));
         if (!WIFEXITED(st) || WEXITSTATUS(st)) return;
         if (v[i].cp) {
@@ -347,8 +358,14 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
              * products, the same sums), so it follows the one-GPU run as the data-parallel ranks do */
             double worst = compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, STAGED_RTOL);
             double worst_eval = compare_runs(in_root(v[i].run), in_root("gpu"), "eval", "val_loss", 5, 0, STAGED_RTOL);
-            printf("    2 staged GPU ranks with --ep against one GPU: losses within %.3g, evaluations within %.3g "
-                   "relative\n", worst, worst_eval);
+            printf("    2 staged GPU ranks with --ep%s against one GPU: losses within %.3g, evaluations within "
+                   "%.3g relative\n", v[i].ep == 2 ? " --ep-replicated-state" : " (owner-only state)", worst,
+                   worst_eval);
+            if (v[i].ep == 2) {
+                /* the owner-only run (index 5) against the replicated one: the same training */
+                double wr = compare_runs(in_root(v[5].run), in_root(v[i].run), "train", "loss", STEPS, 0, EPO_RTOL);
+                printf("    owner-only against replicated expert state on the GPU ranks: losses within %.3g\n", wr);
+            }
             continue;
         }
         if (i == 0) {
@@ -359,7 +376,7 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
             continue;
         }
         /* the same layout's run without ZeRO-1 or buckets: its bits */
-        const int base = v[i].ep ? 5 : 0;
+        const int base = v[i].ep ? 6 : 0;
         compare_runs(in_root(v[i].run), in_root(v[base].run), "train", "loss", STEPS, 0, -1);
         compare_runs(in_root(v[i].run), in_root(v[base].run), "eval", "val_loss", 5, 0, -1);
         char pa[700], pb[700];

@@ -490,6 +490,40 @@ static void test_evaluation_gathers_one_layer_at_a_time(void) {
           "rank %d: the logits layer by layer differ from the whole weights': %s", me, st ? lm_last_error() : "");
     const size_t peak = lm_model_gathered_peak_bytes(m, 1);
     CHECK(peak == layer, "rank %d held %zu gathered bytes at most, one layer's experts are %zu", me, peak, layer);
+    /* through the exchange instead (lm_model_evaluate_by_exchange, a GPU's way): a model created cut, no
+     * weights gathered, the whole weights' numbers to the exchange's rounding */
+    {
+        lm_model *x = NULL;
+        CHECK(!lm_model_create_expert_owned(&c, Bm, T, NULL, R, me, &x), "%s", lm_last_error());
+        if (x) {
+            CHECK(lm_model_evaluate_by_exchange(x, 1) == LM_ERR_ARG && strstr(lm_last_error(), "expert parallelism"),
+                  "through the exchange before lm_model_set_expert_parallel: %s", lm_last_error());
+            CHECK(!lm_model_set_expert_parallel(x, comm) && !lm_model_evaluate_by_exchange(x, 1), "%s",
+                  lm_last_error());
+            lm_model_init(x, 21);
+            float lx = 0;
+            double worst = 0;
+            st = lm_model_forward(x, tok + off, tgt + off, 0, &lx);
+            CHECK(!st, "rank %d, through the exchange: %s", me, st ? lm_last_error() : "");
+            CHECK_CLOSE(lx, lw, 0, 1e-6, "evaluation loss through the exchange");
+            st = lm_model_score(x, tok + off, tgt + off, nm, am);
+            CHECK(!st, "rank %d, score through the exchange: %s", me, st ? lm_last_error() : "");
+            for (size_t i = 0; !st && i < N; i++) worst = fmax(worst, fabs(nm[i] - nw[i]) / fmax(fabs(nw[i]), 1e-3));
+            CHECK(!st && worst <= 1e-5, "rank %d: the scores through the exchange within %.2e of the whole weights'",
+                  me, worst);
+            st = lm_model_logits(x, tok + off, gm);
+            worst = 0;
+            for (size_t i = 0; !st && i < N * (size_t)c.vocab_size; i++)
+                worst = fmax(worst, fabs((double)gm[i] - gw[i]));
+            CHECK(!st && worst <= 1e-4, "rank %d: the logits through the exchange within %.2e: %s", me, worst,
+                  st ? lm_last_error() : "");
+            CHECK(!lm_model_gathered_peak_bytes(x, 0), "rank %d gathered expert weights through the exchange", me);
+            if (me == 0)
+                printf("     evaluation through the exchange: loss %.9g (whole weights %.9g), nothing gathered\n",
+                       (double)lx, (double)lw);
+            lm_model_free(x);
+        }
+    }
     CHECK(!lm_model_gathered_peak_bytes(m, 0), "gathered bytes left after the evaluation");
     /* the whole gather (checkpoints) holds every layer's */
     CHECK(!lm_model_gather_experts(m), "%s", lm_last_error());
@@ -718,8 +752,6 @@ static void test_bad_owner_only_layouts_are_refused(void) {
     CHECK(lm_model_create_expert_owned(&c, Bm, T, NULL, 0, 0, &m) == LM_ERR_ARG && !m, "a group of 0 ranks");
     CHECK(lm_model_plan_expert_owned(&c, Bm, T, LM_DEVICE_CPU, 2, -1, &m) == LM_ERR_ARG && !m,
           "position -1 of 2 planned");
-    CHECK(lm_model_plan_expert_owned(&c, Bm, T, LM_DEVICE_CUDA, 2, 0, &m) == LM_ERR_ARG && !m,
-          "an owner-only plan on the GPU: %s", lm_last_error());
     lm_config dense = c;
     dense.first_k_dense = dense.n_layers;
     CHECK(lm_model_create_expert_owned(&dense, Bm, T, NULL, 2, 0, &m) == LM_ERR_ARG && !m &&
@@ -735,6 +767,51 @@ static void test_bad_owner_only_layouts_are_refused(void) {
         CHECK(lm_model_set_expert_parallel(m, comm) == LM_ERR_ARG && strstr(lm_last_error(), "position"),
               "expert parallelism over a handle on which this rank has another position: %s", lm_last_error());
     lm_model_free(m);
+}
+
+/* Bytes of the plan entry whose name starts with `name` (0: none). */
+static size_t entry_bytes(const lm_model *m, const char *name) {
+    for (int i = 0; i < lm_model_num_buffers(m); i++)
+        if (!strncmp(lm_model_buffer_at(m, i)->name, name, strlen(name))) return lm_model_buffer_at(m, i)->bytes;
+    return 0;
+}
+
+/* An owner-only plan on the GPU (a build with the CUDA backend): the fp32
+ * parameters and gradients and the bf16 product-format copy all at the kept
+ * size (the replicated tensors and the position's experts), the activations
+ * the whole plan's; a build without CUDA refuses the GPU plan, naming it. */
+static void test_an_owner_only_gpu_plan_keeps_the_slices_in_every_block(void) {
+    lm_config c = test_dp_config(LM_QB_HISTOGRAM);
+    c.kda_head_dim = c.qk_head_dim = c.v_head_dim = 32; /* head dimensions the CUDA kernels run */
+    lm_model *whole = NULL, *own = NULL;
+    if (!lm_backend_cuda_ops()) {
+        CHECK(lm_model_plan_expert_owned(&c, 2, 32, LM_DEVICE_CUDA, 2, 0, &own) == LM_ERR_ARG && !own &&
+              strstr(lm_last_error(), "CUDA"), "a build without CUDA planned a GPU model: %s", lm_last_error());
+        SKIP("this build has no CUDA backend (the plan is refused, as checked)");
+    }
+    CHECK(!lm_model_plan(&c, 2, 32, LM_DEVICE_CUDA, &whole), "%s", lm_last_error());
+    CHECK(!lm_model_plan_expert_owned(&c, 2, 32, LM_DEVICE_CUDA, 4, 1, &own), "%s", lm_last_error());
+    if (!whole || !own) goto out;
+    const size_t n = lm_model_num_params(own), kept = lm_model_num_kept_params(own);
+    size_t experts = 0;
+    for (int i = 0; i < lm_model_num_tensors(own); i++) {
+        const char *d = strstr(lm_model_tensor_at(own, i)->name, ".moe.");
+        if (d && (!strcmp(d, ".moe.gate") || !strcmp(d, ".moe.up") || !strcmp(d, ".moe.down")))
+            experts += lm_model_tensor_at(own, i)->numel;
+    }
+    CHECK(experts > 0 && kept == n - experts + experts / 4, "kept %zu of %zu floats, experts %zu", kept, n, experts);
+    CHECK(entry_bytes(own, "parameters (fp32") == kept * 4 && entry_bytes(own, "gradients (fp32") == kept * 4,
+          "fp32 blocks %zu and %zu bytes, kept %zu floats", entry_bytes(own, "parameters (fp32"),
+          entry_bytes(own, "gradients (fp32"), kept);
+    CHECK(entry_bytes(own, "parameters (product format") == kept * 2 &&
+              entry_bytes(whole, "parameters (product format") == n * 2,
+          "bf16 copies %zu and %zu bytes, kept %zu of %zu", entry_bytes(own, "parameters (product format"),
+          entry_bytes(whole, "parameters (product format"), kept, n);
+    CHECK(lm_model_activation_bytes(own) == lm_model_activation_bytes(whole), "activations %zu vs %zu",
+          lm_model_activation_bytes(own), lm_model_activation_bytes(whole));
+out:
+    lm_model_free(whole);
+    lm_model_free(own);
 }
 
 int main(int argc, char **argv) {
@@ -771,6 +848,7 @@ int main(int argc, char **argv) {
     RUN(test_the_memory_plan_of_a_rank_holds_its_experts_gradients);
     RUN(test_a_model_created_owner_only_allocates_only_its_share);
     RUN(test_bad_owner_only_layouts_are_refused);
+    RUN(test_an_owner_only_gpu_plan_keeps_the_slices_in_every_block);
     if (comm) {
         int32_t failed = test_failed_count, total = 0;
         if (lm_comm_all_reduce_sum(comm, &failed, &total, 1, LM_DTYPE_I32) == LM_OK) test_failed_count = total;

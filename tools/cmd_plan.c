@@ -48,12 +48,13 @@ static const char *const plan_usage =
     "token mixers' segment activations in place of their one-rank ones, for the\n"
     "rank that needs the most (the attention's activations grow with the segment's\n"
     "offset); --batch is then the rows a rank holds (its data-parallel\n"
-    "group's share). --ep G sizes one rank of `train --comm mpi --ep G`: on cpu its\n"
+    "group's share). --ep G sizes one rank of `train --comm mpi|nccl --ep G`: its\n"
     "weights, gradients and optimizer state of the routed experts are those of its\n"
-    "n/G experts only, the blocks allocated so from the model's creation; on cuda\n"
-    "(`train --device cuda --ep G`) they stay whole. Both add the exchange's buffers\n"
-    "of the MoE layers at a balanced load (each owner receiving the rank's tokens x\n"
-    "top_k rows a layer; an uneven load grows them).\n";
+    "n/G experts only, the blocks allocated so from the model's creation (on cuda\n"
+    "the fp32 blocks and the bf16 copy alike), plus the exchange's buffers of the\n"
+    "MoE layers at a balanced load (each owner receiving the rank's tokens x top_k\n"
+    "rows a layer; an uneven load grows them) and, on cpu, one layer's experts that\n"
+    "an evaluation gathers.\n";
 
 static int print_memory(const char *cmd, lm_config *c, long B, long T, const char *device, long chunk, long segment,
                         long cp, lm_cp_split split, long ep, const char *json);
@@ -257,10 +258,10 @@ static void json_string(FILE *f, const char *s) {
 }
 
 /* The plan of B x T tokens, as the rank whose segment starts at t0 of cp
- * ranks (cp > 1) holds it (ep > 1 on the CPU: the owner-only experts' plan). */
+ * ranks (cp > 1) holds it (ep > 1: the owner-only experts' plan). */
 static int plan_of(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, long ep, lm_model **out) {
     *out = NULL;
-    const int owned = ep > 1 && dev == LM_DEVICE_CPU;
+    const int owned = ep > 1;
     if (owned ? lm_model_plan_expert_owned(c, (int)B, (int)T, dev, (int)ep, 0, out)
               : lm_model_plan(c, (int)B, (int)T, dev, out))
         return 1;
@@ -329,9 +330,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         T = len_best;
     }
     lm_model *m = NULL;
-    /* expert parallel on CPU ranks: a rank allocates its experts' gradients and weights only (every position the
-     * same size); on a device they stay whole */
-    const int owned = ep > 1 && dev == LM_DEVICE_CPU;
+    /* expert parallel: a rank allocates its experts' gradients and weights only (every position the same size),
+     * on the CPU and on a device */
+    const int owned = ep > 1;
     if (plan_of(c, B, T, dev, cp, t0, ep, &m)) return cli_fail(cmd, "%s%s", owned ? "--ep: " : "", lm_last_error());
     /* the optimizer's state and scratch: the device optimizer's for cuda, the host optimizer's for cpu */
     int nt = lm_model_num_tensors(m);
@@ -365,7 +366,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         "optimizer state (Muon momentum, AdamW moments)", "optimizer scratch (Newton-Schulz)", "gradient norm work",
         "expert parallel: one MoE layer's routed experts, gathered by an evaluation forward",
         "expert parallel: the exchange's rows of the MoE layers at a balanced load"};
-    size_t extra[N_EXTRA] = {state, scratch, norm, lm_model_expert_layer_bytes(m),
+    /* an evaluation on a device runs the experts through the exchange (nothing gathered) */
+    size_t extra[N_EXTRA] = {state, scratch, norm, dev == LM_DEVICE_CPU ? lm_model_expert_layer_bytes(m) : 0,
                              ep > 1 ? lm_model_ep_exchange_bytes(m, (int)ep) : 0};
     int nb = lm_model_num_buffers(m);
     double total = 0;
@@ -379,13 +381,11 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
                "tokens [%ld, %ld) of %ld\n", cp, lm_cp_split_name(split), rank, t0, t0 + T, T_whole);
     if (owned)
         printf("expert parallel in groups of %ld ranks: a rank keeps the weights, gradients and optimizer state of "
-               "%d of the %d routed experts of a layer (an evaluation gathers one layer's experts at a time, "
-               "counted below; a checkpoint sends rank 0 one expert tensor at a time, not counted here)\n", ep,
-               c->n_routed_experts / (int)ep, c->n_routed_experts);
-    else if (ep > 1)
-        printf("expert parallel in groups of %ld ranks: a rank runs %d of the %d routed experts of a layer on the "
-               "group's tokens; their weights, gradients and optimizer state stay whole on every rank\n", ep,
-               c->n_routed_experts / (int)ep, c->n_routed_experts);
+               "%d of the %d routed experts of a layer (%s; a checkpoint sends rank 0 one expert tensor at a time, "
+               "not counted here; with --ep-replicated-state or --zero 1 they stay whole)\n", ep,
+               c->n_routed_experts / (int)ep, c->n_routed_experts,
+               dev == LM_DEVICE_CPU ? "an evaluation gathers one layer's experts at a time, counted below"
+                                    : "an evaluation runs them through the exchange");
     printf("\n");
     printf("%-82s %12s %7s\n", "buffer", "GiB", "share");
     for (int i = 0; i < nb; i++) {

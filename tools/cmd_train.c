@@ -73,9 +73,13 @@ static const char *const train_usage =
     "                resume with or without --ep on any layout and G. With --zero 1\n"
     "                ZeRO-1's ranges hold all the state. With --device cuda (--comm mpi or\n"
     "                nccl) the rows are exchanged by the device engine (a group's part of\n"
-    "                it), and the experts' weights, gradients and state stay whole on\n"
-    "                every rank\n"
+    "                it), the slices stay on their owners in device memory, an evaluation\n"
+    "                runs the experts through the exchange, and the clipping norm equals\n"
+    "                the replicated run's to double rounding (not bit for bit)\n"
     "                (docs/scaleout.md, \"Expert parallelism\")\n"
+    "  --ep-replicated-state  with --ep: every rank keeps every expert's weights,\n"
+    "                gradients and optimizer state whole (the layout without owner-only\n"
+    "                state)\n"
     "  --zero S      with --comm mpi or nccl: 0 (default) keeps the optimizer state on every rank;\n"
     "                1 (ZeRO-1) shards it: the tensors are cut into N ranges of consecutive\n"
     "                tensors balanced by state size, rank r keeps range r's Muon and AdamW\n"
@@ -143,7 +147,7 @@ int cmd_train(int argc, char **argv) {
     long steps = 0, stop_after = 0;
     double seed = 0;
     lm_device device = LM_DEVICE_CPU;
-    int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0;
+    int host_optimizer = 0, use_mpi = 0, use_nccl = 0, expert_parallel = 0, ep_replicated = 0;
     long zero = 0, cp = 1, ep_group = 0;
     lm_cp_split cp_split = LM_CP_SPLIT_EVEN;
     int cp_split_given = 0;
@@ -184,6 +188,8 @@ int cmd_train(int argc, char **argv) {
                 i++;
                 if (cli_parse_int(cmd, "--ep", n, 1, 4096, &ep_group)) return 2;
             }
+        } else if (!strcmp(a, "--ep-replicated-state")) {
+            ep_replicated = 1;
         } else if (!strcmp(a, "--zero")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, a, v, 0, 1, &zero)) return 2;
         } else if (!strcmp(a, "--cp")) {
@@ -255,6 +261,10 @@ int cmd_train(int argc, char **argv) {
                         "data parallelism", launched_ranks()) + 1;
     if (expert_parallel && !use_mpi && !use_nccl)
         return cli_fail(cmd, "--ep (expert parallelism) runs over the processes of --comm mpi or nccl") + 1;
+    if (ep_replicated && !expert_parallel) {
+        cli_fail(cmd, "--ep-replicated-state keeps the experts' state of --ep whole on every rank: give --ep too");
+        return 2;
+    }
     if (zero && !use_mpi && !use_nccl)
         return cli_fail(cmd, "--zero 1 shards the optimizer state over the processes of --comm mpi or nccl") + 1;
     if (cp > 1 && !use_mpi && !use_nccl)
@@ -269,6 +279,7 @@ int cmd_train(int argc, char **argv) {
     lm_comm *comm = NULL;
     opt.expert_parallel = expert_parallel;
     opt.ep_group = (int)ep_group;
+    opt.ep_replicated_state = ep_replicated;
     if (use_mpi) {
         if (!lm_comm_engine_available(LM_COMM_MPI))
             return cli_fail(cmd, "--comm mpi: this build has no MPI engine (CMake found no MPI library; install one, "

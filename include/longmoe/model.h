@@ -70,7 +70,7 @@ lm_status lm_model_download_grads(lm_model *m);
  * layout of lm_model_grads; the same pointer on the CPU): what a device engine
  * of the communication layer sums over ranks. Zeroed before the next forward. */
 float *lm_model_backend_grads(lm_model *m);
-/* The fp32 parameter block in the backend's memory (lm_model_num_params
+/* The fp32 parameter block in the backend's memory (lm_model_num_kept_params
  * floats, the layout of lm_model_params; the same pointer on the CPU): what
  * ZeRO-1's all-gather on a device fills. After writing it, call
  * lm_model_params_changed_on_backend. */
@@ -79,9 +79,8 @@ void lm_model_free(lm_model *m);
 
 /* Expert parallelism over the ranks of comm (docs/scaleout.md; through the
  * backend's moe_forward_ep / moe_backward_ep: comm a host engine on the CPU
- * backend, a device engine (NCCL, staged) on CUDA, where the weights must
- * stay whole): rank r computes the routed experts [r n / R, (r+1) n / R) of every
- * MoE layer for the tokens of all ranks, which reach it by all-to-all in the
+ * backend, a device engine (NCCL, staged) on CUDA): rank r computes the
+ * routed experts [r n / R, (r+1) n / R) of every MoE layer for the tokens of all ranks, which reach it by all-to-all in the
  * training forward and backward (lm_model_forward with training = 1 and
  * lm_model_backward are then collective over comm). The weights stay whole
  * unless cut (lm_model_keep_expert_weights, or lm_model_create_expert_owned):
@@ -101,7 +100,8 @@ lm_status lm_model_set_expert_parallel(lm_model *m, struct lm_comm *comm);
  * backward writes exactly that slice; a backward after a forward that ran
  * every expert locally is then refused. The new block starts at zero. On a
  * plan (lm_model_plan) only the memory plan's gradient entry changes (what a
- * rank of such a run holds). CPU only; n_routed_experts must be divisible by
+ * rank of such a run holds). CPU backend only (on a device the model is
+ * created cut: lm_model_create_expert_owned); n_routed_experts must be divisible by
  * G; once per model. */
 lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos);
 /* Floats of the gradient block: lm_model_num_params unless cut above. */
@@ -139,7 +139,9 @@ size_t lm_model_num_kept_params(const lm_model *m);
  * creation is its own share (lm_model_block_peak_bytes). The same tensor
  * table, views and behaviour as the cut model; lm_model_set_expert_parallel
  * follows, over a handle of G ranks on which this rank is pos (another is
- * LM_ERR_ARG), before training. CPU backend only; n_routed_experts must be
+ * LM_ERR_ARG), before training. On any backend (on a device its own
+ * blocks are the kept size too; evaluation there goes through
+ * lm_model_evaluate_by_exchange); n_routed_experts must be
  * divisible by G; the model needs MoE layers. */
 lm_status lm_model_create_expert_owned(const lm_config *cfg, int B, int T, struct lm_backend *backend, int G, int pos,
                                        lm_model **out);
@@ -157,6 +159,11 @@ size_t lm_model_block_peak_bytes(const lm_model *m);
  * *count) in order from the returned pointer (the whole tensor unless its
  * weights are cut above; NULL on a plan). */
 float *lm_model_param_part(lm_model *m, int i, size_t *first, size_t *count);
+/* The same parts in the backend's blocks (lm_model_backend_param_block,
+ * lm_model_backend_grads: the same layouts; the host pointers on the CPU):
+ * what a device optimizer over this rank's slices updates. */
+float *lm_model_backend_param_part(lm_model *m, int i, size_t *first, size_t *count);
+float *lm_model_backend_grad_part(lm_model *m, int i, size_t *first, size_t *count);
 /* The cut experts' weights whole, for an evaluation or a checkpoint:
  * collective over the expert-parallel handle (lm_comm_all_gatherv of every
  * routed expert tensor; the ranks agree on an allocation failure first, so
@@ -179,6 +186,16 @@ void lm_model_release_experts(lm_model *m);
  * failure, so none waits alone. on = 0 restores the refusal. Nothing changes
  * while the experts are gathered whole (lm_model_gather_experts). */
 lm_status lm_model_gather_experts_by_layer(lm_model *m, int on);
+/* Evaluation forwards of such a model run, with on = 1, each MoE layer
+ * through the expert-parallel exchange (the training forward's path: each
+ * owner computes its experts for every rank's tokens) instead of gathering
+ * the layer's experts: no expert weights beyond the model's slice, the same
+ * collective agreement per layer and the same requirement that every rank of
+ * the group runs the same number of forwards. The numbers are the exchange's
+ * (on a GPU equal to the local layer's to the products' rounding). What a
+ * model in a backend's own memory (a GPU) uses, where the gather above would
+ * need host copies; on = 0 restores the gather or the refusal. */
+lm_status lm_model_evaluate_by_exchange(lm_model *m, int on);
 /* Bytes of the largest MoE layer's routed experts whole (its gate, up and
  * down tensors) when the model keeps only its own experts' weights (what an
  * evaluation forward gathering layer by layer holds at most besides the

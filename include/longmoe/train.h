@@ -108,19 +108,23 @@ typedef struct {
      * this process's GPU), the gradients summed on the device. The small
      * per-step values go over lm_comm_host. */
     lm_comm *comm;
-    /* expert parallelism over the same ranks (docs/scaleout.md; needs comm,
-     * CPU only): rank r computes the routed experts [r n / R, (r+1) n / R) of
-     * every MoE layer for the tokens of all ranks (dispatch and combine by
-     * all-to-all; R: the EP group's size, every rank unless ep_group says
-     * otherwise). n_routed_experts must be divisible by R. The owner alone
-     * keeps its experts' gradients and optimizer state and takes their step
-     * (their gradients, complete on the owner, stay out of the gradient
-     * all-reduce and out of the other ranks' gradient blocks; the clipping
-     * norm takes the owners' sums of squares, the replicated norm's bits),
-     * then all-gathers the updated experts: the weights stay whole on every rank and
-     * equal to the replicated run's bits, and checkpoints are those of data
-     * parallelism (the state gathered to rank 0, sliced on load). With zero = 1
-     * ZeRO-1's ranges hold every tensor's state instead. */
+    /* expert parallelism over the same ranks (docs/scaleout.md; needs comm):
+     * rank r computes the routed experts [p n / G, (p+1) n / G), p = r mod G,
+     * of every MoE layer for the tokens of its EP group (dispatch and combine
+     * by all-to-all; G: the group's size, every rank unless ep_group says
+     * otherwise). n_routed_experts must be divisible by G. The owner alone
+     * keeps its experts' weights, gradients and optimizer state and takes
+     * their step (their gradients, complete on the owner, stay out of the
+     * world all-reduce and are summed over the replicas of the position; the
+     * model keeps only its slice from its creation). On the host path the
+     * clipping norm takes the owners' block sums, the replicated norm's bits;
+     * on the device path (a GPU, or lm_train_options.backend) each owner's
+     * slice sums, summed over the group: the replicated norm to double
+     * rounding. An evaluation gathers one MoE layer's experts at a time on the
+     * host path and runs the exchange on the device path; checkpoints are
+     * those of data parallelism (the experts gathered to rank 0 a tensor at a
+     * time, sliced on load). With zero = 1 ZeRO-1's ranges hold every
+     * tensor's state instead and the weights stay whole. */
     int expert_parallel;
     /* with expert_parallel and zero = 0: 1 keeps the routed experts' gradients
      * whole and in the all-reduce and their optimizer state on every rank (the

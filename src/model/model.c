@@ -714,7 +714,9 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
                               "layer, position %d of %d)", nx / xG, nx, xpos, xG)
                  : ledger_add(m, m->n_grads * sizeof(float), "gradients (fp32)")))
         goto fail;
-    if (m->sep && (st = ledger_add(m, m->n_params * m->be->lp_bytes, "parameters (product format copy)"))) goto fail;
+    if (m->sep && (st = ledger_add(m, kept * m->be->lp_bytes, "parameters (product format copy%s)",
+                                   xG ? "; the kept part" : "")))
+        goto fail;
     if (!m->dry) {
         m->params = calloc(kept, sizeof(float));
         m->grads = calloc(m->n_grads, sizeof(float));
@@ -731,14 +733,15 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             m->G = m->grads;
             m->PL = m->params;
         } else {
+            /* in the layout of the host blocks (owner-only experts: the kept part) */
             void *P, *G, *PL;
-            if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &P))) goto fail;
+            if ((st = m->be->alloc(m->be, kept * sizeof(float), &P))) goto fail;
             m->P = P;
-            if ((st = m->be->alloc(m->be, m->n_params * sizeof(float), &G))) goto fail;
+            if ((st = m->be->alloc(m->be, m->n_grads * sizeof(float), &G))) goto fail;
             m->G = G;
-            if ((st = m->be->alloc(m->be, m->n_params * m->be->lp_bytes, &PL))) goto fail;
+            if ((st = m->be->alloc(m->be, kept * m->be->lp_bytes, &PL))) goto fail;
             m->PL = PL;
-            block_bytes(m, m->n_params * (2 * sizeof(float) + m->be->lp_bytes), 1);
+            block_bytes(m, kept * (sizeof(float) + m->be->lp_bytes) + m->n_grads * sizeof(float), 1);
         }
     }
 
@@ -1136,8 +1139,9 @@ lm_backend *lm_model_backend(const lm_model *m) { return m->be; }
 
 lm_status lm_model_upload_params(lm_model *m) {
     if (m->P != m->params) {
-        TRY(m->be->upload(m->be, m->P, m->params, m->n_params * sizeof(float)));
-        if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, m->n_params));
+        const size_t kept = lm_model_num_kept_params(m);
+        TRY(m->be->upload(m->be, m->P, m->params, kept * sizeof(float)));
+        if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, kept));
     }
     m->params_on_host_newer = 0;
     m->params_on_backend_newer = 0;
@@ -1146,7 +1150,7 @@ lm_status lm_model_upload_params(lm_model *m) {
 
 lm_status lm_model_params_changed_on_backend(lm_model *m) {
     if (m->P == m->params) return LM_OK;
-    if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, m->n_params));
+    if (m->PL != (void *)m->P) TRY(m->be->ops->to_lp(m->be, m->PL, m->P, lm_model_num_kept_params(m)));
     m->params_on_host_newer = 0;
     m->params_on_backend_newer = 1;
     return LM_OK;
@@ -1154,7 +1158,7 @@ lm_status lm_model_params_changed_on_backend(lm_model *m) {
 
 lm_status lm_model_download_params(lm_model *m) {
     if (m->P != m->params && m->params_on_backend_newer)
-        TRY(m->be->download(m->be, m->params, m->P, m->n_params * sizeof(float)));
+        TRY(m->be->download(m->be, m->params, m->P, lm_model_num_kept_params(m) * sizeof(float)));
     m->params_on_backend_newer = 0;
     return LM_OK;
 }
@@ -1375,6 +1379,8 @@ static lm_status ep_agree(lm_model *m, lm_status mine) {
     return lm_moe_ep_agree_on(lm_comm_host(m->ep_comm), mine);
 }
 
+static int ep_eval_exchange(const lm_model *m);
+
 /* The channel mixer (dense FFN or MoE) of sublayer idx on the tokens [t0, t0 +
  * n) of its normalised input, n = min(chunk, N - t0): y's same rows; fills the
  * activations of these tokens. The balancer observes every chunk, so a step's
@@ -1389,10 +1395,11 @@ static lm_status channel_forward(lm_model *m, layer_state *ls, int idx, const fl
     const lm_ops *op = be->ops;
     if (!ls->moe) return dense_ffn_forward(m, ls, xn_lp, y, n);
     const int nx = m->cfg.n_routed_experts;
-    /* expert parallelism in training (and its recomputation) only: an
-     * evaluation forward may run on some ranks alone and the replicated
-     * expert weights let it run the whole layer */
-    ls->moe_ep_fwd = ls->moe_ep && (training || recompute);
+    /* expert parallelism in training (and its recomputation): an evaluation
+     * forward may run on some ranks alone and the replicated expert weights
+     * let it run the whole layer; a cut model's evaluation forward runs it
+     * too where asked (lm_model_evaluate_by_exchange: collective then) */
+    ls->moe_ep_fwd = ls->moe_ep && (training || recompute || ep_eval_exchange(m));
     if (ls->moe_ep_fwd) {
         /* did every rank reach this layer? (lm_model_forward); never chunked */
         lm_status st = ep_agree(m, LM_OK);
@@ -1599,7 +1606,8 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         /* the channel mixer: per token, so `chunk` tokens at a time; an
          * evaluation forward of a cut model gathers this layer's experts for
          * it (every chunk runs on them) and frees them after */
-        const int gather = ls->moe && !(ls->moe_ep && (training || recompute)) && ep_streams(m);
+        const int gather = ls->moe && !(ls->moe_ep && (training || recompute)) && ep_streams(m) &&
+                           !ep_eval_exchange(m);
         if (gather) TRY(gather_layer_experts(m, ls, idx));
         lm_status st = LM_OK;
         for (int64_t t0 = 0; t0 < m->N && !st; t0 += m->chunk)
@@ -2396,9 +2404,6 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
     if (!m->be->ops->moe_ep_create)
         return lm_error(LM_ERR_ARG, "expert parallelism: the %s backend has no expert-parallel MoE layer",
                         lm_device_name(m->be->device));
-    if (m->pcut && m->be->device != LM_DEVICE_CPU)
-        return lm_error(LM_ERR_ARG, "expert parallelism with owner-only expert weights runs on CPU ranks; on a device "
-                        "the experts' weights stay whole on every rank");
     int R = lm_comm_size(comm);
     if (m->cfg.n_routed_experts % R)
         return lm_error(LM_ERR_ARG,
@@ -2432,6 +2437,7 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
             ls->moe_Pep.up = par_at(m, ls->moe_xoff[1] + wo);
             ls->moe_Pep.down = par_at(m, ls->moe_xoff[2] + wo);
             map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
+            map_views(m, &ls->moe_Pep, &ls->moe_PLep, sizeof ls->moe_Pep, 0);
             continue;
         }
         ls->moe_Pep.gate += wo, ls->moe_Pep.up += wo, ls->moe_Pep.down += wo;
@@ -2475,8 +2481,6 @@ static lm_status plan_expert_cuts(lm_model *m, int G, int pos) {
         return lm_error(LM_ERR_ARG, "owner-only experts: %d routed experts cannot be split over %d ranks "
                         "(model.n_routed_experts must be divisible by the expert-parallel group%s)", n, G,
                         lm_model_num_moe_layers(m) ? "" : ", and the model needs MoE layers");
-    if (m->be->device != LM_DEVICE_CPU || m->sep)
-        return lm_error(LM_ERR_ARG, "owner-only experts run on the CPU (as expert parallelism does)");
     int cuts = 0;
     for (int i = 0; i < m->n_tensors; i++) cuts += is_routed_expert_tensor(m, &m->tensors[i]);
     struct gcut *gc = calloc((size_t)cuts, sizeof *gc);
@@ -2505,6 +2509,9 @@ lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
         return lm_error(LM_ERR_ARG, "owner-only expert gradients of position %d of %d need the model under expert "
                         "parallelism over those ranks (lm_model_set_expert_parallel first; its handle has %s)", pos, G,
                         m->ep_comm ? "another size or rank" : "not been set");
+    if (m->be->device != LM_DEVICE_CPU || m->sep)
+        return lm_error(LM_ERR_ARG, "cutting the gradients of a model after its creation runs on the CPU backend; on "
+                        "a %s create the model cut (lm_model_create_expert_owned)", lm_device_name(m->be->device));
     /* the table first, the block after: a failure leaves the model whole */
     TRY(plan_expert_cuts(m, G, pos));
     const size_t kept = m->n_grads;
@@ -2551,6 +2558,16 @@ float *lm_model_param_part(lm_model *m, int i, size_t *first, size_t *count) {
     return m->params ? lm_model_host_param(m, t->offset + *first) : NULL;
 }
 
+float *lm_model_backend_param_part(lm_model *m, int i, size_t *first, size_t *count) {
+    float *host = lm_model_param_part(m, i, first, count);
+    return host && m->P ? m->P + (host - m->params) : NULL;
+}
+
+float *lm_model_backend_grad_part(lm_model *m, int i, size_t *first, size_t *count) {
+    float *host = lm_model_grad_part(m, i, first, count);
+    return host && m->G ? m->G + (host - m->grads) : NULL;
+}
+
 /* The place of routed expert tensor `offset` in m->xwhole (floats). */
 static size_t xwhole_at(const lm_model *m, size_t offset) {
     size_t at = 0;
@@ -2593,8 +2610,14 @@ static void held_bytes(lm_model *m, size_t bytes, int add) {
  * (lm_model_gather_experts_by_layer, the experts cut over more than one rank
  * and not gathered whole)? Then such a forward is collective over the group. */
 static int ep_streams(const lm_model *m) {
-    return m->xstream && m->pcut && !m->xwhole && m->ep_comm && m->n_gcuts && m->gcuts[0].count < m->gcuts[0].numel;
+    return (m->xstream || m->xexchange) && m->pcut && !m->xwhole && m->ep_comm && m->n_gcuts &&
+           m->gcuts[0].count < m->gcuts[0].numel;
 }
+
+/* Does an evaluation forward of this model run its MoE layers through the
+ * expert-parallel exchange (lm_model_evaluate_by_exchange) instead of
+ * gathering each layer's experts? */
+static int ep_eval_exchange(const lm_model *m) { return m->xexchange && ep_streams(m); }
 
 /* One cut expert tensor c whole at x + *at (floats) on every rank of the group
  * (each position's slice from its owners: one lm_comm_all_gatherv); tab holds 2G
@@ -2717,7 +2740,10 @@ lm_status lm_model_keep_expert_weights(lm_model *m) {
             cut_views(m, &ls->moe_p, sizeof ls->moe_p, old, p);
             cut_views(m, &ls->moe_P, sizeof ls->moe_P, old, p);
             cut_views(m, &ls->moe_PL, sizeof ls->moe_PL, old, p);
-            if (ls->moe_ep) cut_views(m, &ls->moe_Pep, sizeof ls->moe_Pep, old, p);
+            if (ls->moe_ep) {
+                cut_views(m, &ls->moe_Pep, sizeof ls->moe_Pep, old, p);
+                cut_views(m, &ls->moe_PLep, sizeof ls->moe_PLep, old, p);
+            }
         }
         free(old);
         block_bytes(m, m->n_params * sizeof(float), 0);
@@ -2781,6 +2807,15 @@ lm_status lm_model_gather_experts_by_layer(lm_model *m, int on) {
                         "that keeps only its own experts' weights (lm_model_set_expert_parallel, then "
                         "lm_model_keep_expert_grads and lm_model_keep_expert_weights)");
     m->xstream = on != 0;
+    return LM_OK;
+}
+
+lm_status lm_model_evaluate_by_exchange(lm_model *m, int on) {
+    if (on && !m->dry && (!m->pcut || !m->ep_comm))
+        return lm_error(LM_ERR_ARG, "evaluating through the expert-parallel exchange needs a model under expert "
+                        "parallelism that keeps only its own experts' weights (lm_model_create_expert_owned, then "
+                        "lm_model_set_expert_parallel)");
+    m->xexchange = on != 0;
     return LM_OK;
 }
 

@@ -102,6 +102,10 @@ struct lm_model {
      * xpeak: the bytes of gathered expert weights held now and at most since
      * lm_model_gathered_peak_bytes last reset it */
     int xstream;
+    /* evaluation forwards of a cut model run the MoE layers through the
+     * expert-parallel exchange instead (lm_model_evaluate_by_exchange): no
+     * gathered weights, the same collective agreement per layer */
+    int xexchange;
     float *xlayer;
     size_t xheld, xpeak;
     int params_buffer, grads_buffer; /* the parameter and gradient blocks' entries in the memory plan */

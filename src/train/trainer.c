@@ -89,9 +89,10 @@ typedef struct {
      * the group's handle (the MoE exchanges), er_comm the handle of the ranks
      * at ep_pos in every group (the replicas of its experts); both owned, NULL
      * when ep is every rank (t->comm serves); on the device path ep_dcomm the
-     * group's part of the device engine (NULL: dcomm serves) */
+     * group's part of the device engine (NULL: dcomm serves) and er_dcomm the
+     * replicas' part (NULL when ep is every rank) */
     int ep, ep_pos;
-    lm_comm *ep_comm, *er_comm, *ep_dcomm;
+    lm_comm *ep_comm, *er_comm, *ep_dcomm, *er_dcomm;
     int seg_t0, seg_T;
     float *dp_qk;        /* [2 qk heads] / [ranks x qk heads]: QK-Clip maxima gathered */
     double *dp_f64;      /* [2 n_moe] entropy sums and tokens of the MoE layers */
@@ -197,6 +198,7 @@ static void trainer_free(trainer *t) {
     lm_comm_close(t->cp_dcomm); /* after the model, which uses it */
     lm_comm_close(t->cp_comm);
     lm_comm_close(t->ep_dcomm);
+    lm_comm_close(t->er_dcomm);
     lm_comm_close(t->ep_comm);
     lm_comm_close(t->er_comm);
     /* the NCCL handle outlives the trainer: it must not keep the backend's stream */
@@ -264,11 +266,21 @@ static void bind_params(trainer *t) {
 }
 
 static int zero_range(const trainer *t);
+static lm_status epo_slice(const trainer *t, int i, float *w, float *g, size_t first, size_t count, size_t wfirst,
+                           size_t wcount, lm_param *out);
 
 /* The same split for the device optimizer: descriptors of the backend's memory. */
 static lm_status bind_backend_params(trainer *t) {
     if (!t->dev_opt) return LM_OK;
     lm_model_backend_params(t->model, t->ball, t->cfg.optimizer);
+    /* owner-only experts: this rank's slices in the backend's blocks (epo_slice) */
+    for (int i = 0; t->epo && i < t->n_all; i++) {
+        if (!t->esplit[i]) continue;
+        size_t first, count, wfirst, wcount;
+        float *g = lm_model_backend_grad_part(t->model, i, &first, &count);
+        float *w = lm_model_backend_param_part(t->model, i, &wfirst, &wcount);
+        TRY(epo_slice(t, i, w, g, first, count, wfirst, wcount, &t->ball[i]));
+    }
     int nm = 0, na = 0;
     for (int i = 0; i < t->n_all; i++) {
         if (lm_param_optimizer(&t->ball[i]) == LM_OPT_MUON) t->bmuon[nm++] = t->ball[i];
@@ -677,30 +689,40 @@ static int epo_is_expert(const trainer *t, int i) {
 /* This rank's descriptors: the whole replicated tensors, its slice of each
  * expert tensor, whose gradient is all the model keeps of that tensor
  * (lm_model_create_expert_owned; after bind_params; the same arrays every time). */
+/* Tensor i's descriptor for this rank (t->all[i]'s; a cut tensor's slice with
+ * data w and gradient g, which the model keeps at [wfirst, +wcount) and
+ * [first, +count) of the tensor: checked against the optimizer's slice). */
+static lm_status epo_slice(const trainer *t, int i, float *w, float *g, size_t first, size_t count, size_t wfirst,
+                           size_t wcount, lm_param *out) {
+    const int R = t->ep, me = t->ep_pos;
+    lm_param p = t->all[i];
+    const size_t numel = (size_t)lm_param_numel(&p), per = t->esplit[i] ? numel / (size_t)R : numel,
+                 at = t->esplit[i] ? (size_t)me * per : 0;
+    if (first != at || count != per || wfirst != at || wcount != per)
+        return lm_error(LM_ERR_ARG, "expert parallelism: the model keeps the gradient of elements [%zu, %zu) of "
+                        "%s and its weights [%zu, %zu), the optimizer of rank %d updates [%zu, %zu)", first,
+                        first + count, p.name, wfirst, wfirst + wcount, t->rank, at, at + per);
+    if (t->esplit[i]) {
+        p.optimizer = lm_param_optimizer(&t->all[i]); /* the whole tensor's, whatever the slice's shape */
+        p.data = w;
+        p.grad = g;
+        p.rows /= R;
+        p.n_blocks = p.n_blocks > 1 ? p.n_blocks / R : 1;
+    }
+    *out = p;
+    return LM_OK;
+}
+
 static lm_status epo_bind(trainer *t) {
     if (!t->epo) return LM_OK;
-    const int R = t->ep, me = t->ep_pos;
     int jm = 0, ja = 0;
     for (int i = 0; i < t->n_all; i++) {
-        lm_param p = t->all[i];
-        const int muon = lm_param_optimizer(&p) == LM_OPT_MUON;
-        const size_t numel = (size_t)lm_param_numel(&p), per = t->esplit[i] ? numel / (size_t)R : numel,
-                     at = t->esplit[i] ? (size_t)me * per : 0;
         size_t first, count, wfirst, wcount;
         float *g = lm_model_grad_part(t->model, i, &first, &count);
         float *w = lm_model_param_part(t->model, i, &wfirst, &wcount);
-        if (first != at || count != per || wfirst != at || wcount != per)
-            return lm_error(LM_ERR_ARG, "expert parallelism: the model keeps the gradient of elements [%zu, %zu) of "
-                            "%s and its weights [%zu, %zu), the optimizer of rank %d updates [%zu, %zu)", first,
-                            first + count, p.name, wfirst, wfirst + wcount, t->rank, at, at + per);
-        if (t->esplit[i]) {
-            p.optimizer = muon ? LM_OPT_MUON : LM_OPT_ADAMW;
-            p.data = w;
-            p.grad = g;
-            p.rows /= R;
-            p.n_blocks = p.n_blocks > 1 ? p.n_blocks / R : 1;
-        }
-        if (muon) t->emuon[jm++] = p;
+        lm_param p;
+        TRY(epo_slice(t, i, w, g, first, count, wfirst, wcount, &p));
+        if (lm_param_optimizer(&p) == LM_OPT_MUON) t->emuon[jm++] = p;
         else t->eadam[ja++] = p;
     }
     return LM_OK;
@@ -788,31 +810,45 @@ static lm_status epo_setup(trainer *t) {
  * experts summed over their replicas (its position in every EP group). The
  * whole table after the backward, or a gradient bucket's tensors during it. */
 static lm_status epo_reduce_range(trainer *t, size_t lo, size_t hi) {
-    float *g = lm_model_grads(t->model);
+    /* the device path: the backend's gradient block over the device engine and its replicas' part */
+    const int dev = t->dcomm != NULL;
+    float *g = dev ? lm_model_backend_grads(t->model) : lm_model_grads(t->model);
+    lm_comm *world = dev ? t->dcomm : t->comm, *rep = dev ? t->er_dcomm : t->er_comm;
     size_t run = 0, run_n = 0; /* the pending run of replicated gradients: g[run, run + run_n) */
     for (int i = 0; i <= t->n_all; i++) {
         const lm_model_tensor *mt = i < t->n_all ? lm_model_tensor_at(t->model, i) : NULL;
         if (mt && (mt->offset < lo || mt->offset >= hi)) continue;
         size_t first = 0, count = 0;
-        float *mine = mt ? lm_model_grad_part(t->model, i, &first, &count) : NULL;
+        float *mine = !mt ? NULL
+                    : dev ? lm_model_backend_grad_part(t->model, i, &first, &count)
+                          : lm_model_grad_part(t->model, i, &first, &count);
         if (mt && !t->esplit[i] && run_n && g + run + run_n == mine) {
             run_n += count;
             continue;
         }
-        if (run_n) TRY(lm_comm_all_reduce_sum(t->comm, g + run, g + run, run_n, LM_DTYPE_F32));
+        if (run_n) TRY(lm_comm_all_reduce_sum(world, g + run, g + run, run_n, LM_DTYPE_F32));
         run_n = 0;
         if (!mt) break;
         if (!t->esplit[i]) {
             run = (size_t)(mine - g);
             run_n = count;
-        } else if (t->er_comm && lm_comm_size(t->er_comm) > 1) {
-            TRY(lm_comm_all_reduce_sum(t->er_comm, mine, mine, count, LM_DTYPE_F32));
+        } else if (rep && lm_comm_size(rep) > 1) {
+            TRY(lm_comm_all_reduce_sum(rep, mine, mine, count, LM_DTYPE_F32));
         }
     }
     return LM_OK;
 }
 
-static lm_status epo_reduce_grads(trainer *t) { return epo_reduce_range(t, 0, lm_model_num_params(t->model)); }
+/* The device engines' stream for the gradient sums (the world's and the replicas'). */
+static void epo_set_stream(trainer *t, void *stream) {
+    if (t->dcomm) lm_comm_set_stream(t->dcomm, stream);
+    if (t->er_dcomm) lm_comm_set_stream(t->er_dcomm, stream);
+}
+
+static lm_status epo_reduce_grads(trainer *t) {
+    epo_set_stream(t, cuda_stream_of(t));
+    return epo_reduce_range(t, 0, lm_model_num_params(t->model));
+}
 
 /* The global gradient norm, bit for bit the replicated lm_grad_global_norm:
  * the replicated tensors' sums of squares on every rank; each expert tensor's
@@ -822,7 +858,10 @@ static lm_status epo_reduce_grads(trainer *t) { return epo_reduce_range(t, 0, lm
  * the block sums summed over the ranks (one value plus zeros: exact) and added
  * in block order; the tensors added in tensor order. Then clipping. A
  * non-finite norm sets *bad on every rank. */
+static lm_status epo_grad_clip_device(trainer *t, float max_norm, double *norm_out, int *bad);
+
 static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int *bad) {
+    if (t->dev_opt) return epo_grad_clip_device(t, max_norm, norm_out, bad);
     const int R = t->ep, me = t->ep_pos, NB = LM_SUM_SQUARES_BLOCKS;
     lm_comm *gc = ep_group_comm(t);
     memset(t->eparts, 0, (size_t)t->n_split * NB * sizeof *t->eparts);
@@ -896,6 +935,38 @@ static lm_status epo_grad_clip(trainer *t, float max_norm, double *norm_out, int
     return LM_OK;
 }
 
+/* The same on the device path: each tensor's sum of squares by the backend's
+ * op over what this rank holds of it (lm_grad_global_norm_on's sums: a
+ * replicated tensor whole, the same on every rank; a cut tensor this rank's
+ * slice), the slices' sums summed over the EP group in rank order, then the
+ * tensors added in tensor order on every rank. A deterministic norm equal to
+ * the replicated device run's up to double rounding (the slices group the
+ * squares otherwise), not bit for bit as on the host path. Then this rank's
+ * parts clipped. A non-finite norm sets *bad on every rank. */
+static lm_status epo_grad_clip_device(trainer *t, float max_norm, double *norm_out, int *bad) {
+    double *sums = t->norm_work;
+    for (int i = 0; i < t->n_all; i++)
+        TRY(t->be->ops->sum_squares(t->be, t->ball[i].grad, (size_t)lm_param_numel(&t->ball[i]), sums + i));
+    TRY(t->be->download(t->be, t->znorm, sums, (size_t)t->n_all * sizeof(double)));
+    int k = 0;
+    for (int i = 0; i < t->n_all; i++)
+        if (t->esplit[i]) t->eparts[k++] = t->znorm[i];
+    /* each cut tensor's slices over the group (every group holds the same summed gradients) */
+    if (k) TRY(lm_comm_all_reduce_sum(ep_group_comm(t), t->eparts, t->eparts, (size_t)k, LM_DTYPE_F64));
+    double sum = 0.0;
+    k = 0;
+    for (int i = 0; i < t->n_all; i++) sum += t->esplit[i] ? t->eparts[k++] : t->znorm[i];
+    const double norm = sqrt(sum);
+    *norm_out = norm;
+    *bad = !isfinite(norm);
+    if (!*bad && max_norm > 0.0f && norm > (double)max_norm) {
+        const float scale = (float)(max_norm / norm);
+        for (int i = 0; i < t->n_all; i++)
+            TRY(t->be->ops->scale(t->be, t->ball[i].grad, (size_t)lm_param_numel(&t->ball[i]), scale));
+    }
+    return LM_OK;
+}
+
 /* Expert parallelism on a model of this run: the MoE exchange over the EP
  * group (with owner-only state the model keeps the gradients and weights of
  * this rank's experts only since its creation, create_model). */
@@ -905,7 +976,10 @@ static lm_status model_expert_parallel(trainer *t, lm_model *m) {
         if (!t->dcomm)
             return lm_error(LM_ERR_ARG, "expert parallelism on a device runs over the device engine of --comm mpi or "
                             "--comm nccl");
-        return lm_model_set_expert_parallel(m, t->ep_dcomm ? t->ep_dcomm : t->dcomm);
+        TRY(lm_model_set_expert_parallel(m, t->ep_dcomm ? t->ep_dcomm : t->dcomm));
+        /* owner-only experts: evaluation forwards run the MoE layers through the exchange (no gathered weights
+         * in device memory) */
+        return t->epo ? lm_model_evaluate_by_exchange(m, 1) : LM_OK;
     }
     TRY(lm_model_set_expert_parallel(m, ep_group_comm(t)));
     if (!t->epo) return LM_OK;
@@ -997,7 +1071,7 @@ static lm_status bucket_ready(void *user, size_t off, size_t count) {
         if (t->dcomm && t->bk_stream) {
             /* on the side stream, after the backend's stream has written the range */
             TRY(lm_cuda_stream_wait(t->bk_stream, cuda_stream_of(t), t->bk_event));
-            lm_comm_set_stream(t->dcomm, t->bk_stream);
+            epo_set_stream(t, t->bk_stream);
         }
 #endif
         if (t->zero) {
@@ -1040,7 +1114,7 @@ static lm_status bucket_finish(trainer *t) {
     if (t->dcomm && t->bk_stream) {
         void *compute = cuda_stream_of(t);
         TRY(lm_cuda_stream_wait(compute, t->bk_stream, t->bk_event));
-        lm_comm_set_stream(t->dcomm, compute);
+        epo_set_stream(t, compute);
     }
 #endif
     t->bk_summed = 1;
@@ -1118,13 +1192,13 @@ static lm_status dp_reduce_step(trainer *t, int64_t pos0, float *loss, float *au
         /* summed bucket by bucket during the last backward (bucket_ready) */
     } else if (t->zero) {
         TRY(zero_reduce_grads(t)); /* on the host or, on the device path, in the backend's memory */
+    } else if (t->epo) {
+        TRY(epo_reduce_grads(t)); /* on the device path in the backend's memory, on its stream */
     } else if (t->dcomm) {
         /* in the backend's memory, on its stream: after the backward, before the optimizer or the download */
         lm_comm_set_stream(t->dcomm, cuda_stream_of(t));
         TRY(lm_comm_all_reduce_sum(t->dcomm, lm_model_backend_grads(t->model), lm_model_backend_grads(t->model),
                                    lm_model_num_params(t->model), LM_DTYPE_F32));
-    } else if (t->epo) {
-        TRY(epo_reduce_grads(t));
     } else {
         TRY(lm_comm_all_reduce_sum(t->comm, lm_model_grads(t->model), lm_model_grads(t->model),
                                    lm_model_num_params(t->model), LM_DTYPE_F32));
@@ -1390,6 +1464,7 @@ static lm_status trainer_setup(trainer *t, int stage) {
         if (!s) s = lm_comm_split(t->comm, t->ep_pos, &t->er_comm);
         /* on a device the layer's exchanges go over the group's part of the device engine */
         if (!s && t->dcomm) s = lm_comm_split(t->dcomm, t->rank / t->ep, &t->ep_dcomm);
+        if (!s && t->dcomm) s = lm_comm_split(t->dcomm, t->ep_pos, &t->er_dcomm);
         if (!s && t->dcomm && (!t->ep_dcomm || lm_comm_size(t->ep_dcomm) != t->ep))
             s = lm_error(LM_ERR_ARG, "expert parallelism: the device engine's split gave rank %d a group of %d ranks, "
                          "expected %d", t->rank, t->ep_dcomm ? lm_comm_size(t->ep_dcomm) : 0, t->ep);
@@ -2393,9 +2468,7 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
      * (under ZeRO-1 the ranges already hold every tensor's state once) */
     t.ep = opt_in->expert_parallel ? (opt_in->ep_group > 0 ? opt_in->ep_group : t.ranks) : 0;
     t.ep_pos = t.ep > 0 ? t.rank % t.ep : 0;
-    /* (on a device the experts' weights, gradients and state stay whole on every rank) */
-    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && t.ep > 1 &&
-            opt_in->device == LM_DEVICE_CPU && !opt_in->backend;
+    t.epo = opt_in->expert_parallel && !opt_in->ep_replicated_state && !t.zero && t.comm && t.ep > 1;
     if (t.rank > 0) opt_here.progress = NULL;
     if (t.ranks > LM_DP_MAX_RANKS) { /* every rank, before any collective */
         s = lm_error(LM_ERR_ARG, "data parallel: %d ranks, at most %d", t.ranks, LM_DP_MAX_RANKS);
@@ -2543,9 +2616,11 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 t.cfg.n_routed_experts, t.ranks / t.ep);
     if (opt->progress && t.ep > 1 && device_path(&t))
         fprintf(opt->progress, "expert parallel on the device: each rank runs %d of the %d routed experts of a layer "
-                "on every rank's tokens; their weights, gradients and optimizer state stay whole on every rank%s\n",
-                t.cfg.n_routed_experts / t.ep, t.cfg.n_routed_experts,
-                t.zero ? " (the state in ZeRO-1's ranges)" : " (owner-only expert state is CPU ranks' layout)");
+                "on every rank's tokens; %s\n", t.cfg.n_routed_experts / t.ep, t.cfg.n_routed_experts,
+                t.epo ? "their weights, gradients and optimizer state on their owners only (evaluations go through "
+                        "the exchange too)"
+                : t.zero ? "their weights and gradients whole on every rank, the optimizer state in ZeRO-1's ranges"
+                         : "their weights, gradients and optimizer state whole on every rank (--ep-replicated-state)");
     if (opt->progress && t.epo) {
         size_t mine = (t.muon_state_n + t.adam_state_n) * sizeof(float),
                whole = (t.muon_total_n + t.adam_total_n) * sizeof(float);
@@ -2555,9 +2630,10 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 "only) instead of %.3f MiB\n", lm_model_num_grads(t.model) * sizeof(float) / 1048576.0,
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
         fprintf(opt->progress, "expert parallel: weights %.3f MiB a rank (the routed experts' of the owned experts "
-                "only; an evaluation gathers one MoE layer's at a time, a checkpoint sends rank 0 one expert tensor at a time) "
-                "instead of %.3f MiB\n",
+                "only; %s, a checkpoint sends rank 0 one expert tensor at a time) instead of %.3f MiB\n",
                 lm_model_num_kept_params(t.model) * sizeof(float) / 1048576.0,
+                device_path(&t) ? "an evaluation runs the experts through the exchange"
+                                : "an evaluation gathers one MoE layer's at a time",
                 lm_model_num_params(t.model) * sizeof(float) / 1048576.0);
     }
     double flops_done = 0;
