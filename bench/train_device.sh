@@ -14,7 +14,8 @@
 #                (bit-identical, else the step fails); RANK_VARIANTS="mpi2 mpi2_zero1 mpi2_ep" adds
 #                --ep (expert parallelism on the 2 ranks, owner-only expert state; its losses against
 #                the one-GPU run's); mpi2_eprep: --ep --ep-replicated-state (against --ep's);
-#                mpi2_cp: --cp 2 (one sequence over the 2 ranks; its losses against the one-GPU run's)
+#                mpi2_cp: --cp 2 (one sequence over the 2 ranks; its losses against the one-GPU run's).
+#                Each run's largest device memory a process (nvidia-smi, sampled every 0.5 s) is printed
 #   train        the timed run below (PRESET, STEPS, ...)
 #   curve        configs/tiny.json's first stage cut to CURVE_STEPS (default 200) steps, on the
 #                CPU (in the background, half the cores) and on the GPU: both loss curves,
@@ -166,8 +167,19 @@ if not t.get("stages") and t.get("batch_size", 1) % 2:
 json.dump(c, open(sys.argv[2], "w"), indent=1)
 EOF
     rm -rf "$OUT/run_1"
+    # the largest memory of each process on the GPU while a run lasts (nvidia-smi's per-process numbers)
+    mem_start() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 500 \
+                      >"$OUT/mem_$1.csv" 2>/dev/null & MEMPID=$!; }
+    mem_stop() {
+        kill "$MEMPID" 2>/dev/null; wait "$MEMPID" 2>/dev/null
+        awk -F', *' -v run="$1" '$2 + 0 > m[$1] { m[$1] = $2 + 0 }
+            END { s = ""; for (p in m) s = s sprintf(" %.2f GiB", m[p] / 1024); print "device memory a process, " run ":" s }' \
+            "$OUT/mem_$1.csv"
+    }
+    mem_start 1
     timeout 300 "$BUILD/longmoe" train --config "$OUT/ranks.json" --out "$OUT/run_1" --device cuda \
         >"$OUT/train_1.log" 2>&1 || { echo "the one-GPU run failed: $OUT/train_1.log"; status=1; }
+    mem_stop 1
     rm -rf "$OUT/run_1"/checkpoint-*
     for v in ${RANK_VARIANTS:-mpi2 mpi2_zero1}; do
         extra=()
@@ -176,12 +188,14 @@ EOF
         [ "$v" = mpi2_eprep ] && extra=(--ep --ep-replicated-state)
         [ "$v" = mpi2_cp ] && extra=(--cp 2)
         rm -rf "$OUT/run_$v"
+        mem_start "$v"
         # half the machine's cores a rank (mpirun would bind each of 2 processes to one core)
         OMP_NUM_THREADS=$(( $(nproc) / 2 > 0 ? $(nproc) / 2 : 1 )) OMPI_MCA_btl_vader_single_copy_mechanism=none \
             timeout 300 mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \
             "$BUILD/longmoe" train --config "$OUT/ranks.json" \
             --out "$OUT/run_$v" --device cuda --comm mpi "${extra[@]}" >"$OUT/train_$v.log" 2>&1 ||
             { echo "$v failed: $OUT/train_$v.log"; tail -5 "$OUT/train_$v.log"; status=1; }
+        mem_stop "$v"
         grep -E "ZeRO-1|optimizer state|expert parallel|context parallel" "$OUT/train_$v.log" | head -5
         rm -rf "$OUT/run_$v"/checkpoint-*
     done
