@@ -686,9 +686,6 @@ static int epo_is_expert(const trainer *t, int i) {
     return routed_experts_tensor(t, i) && t->cfg.n_routed_experts % t->ep == 0;
 }
 
-/* This rank's descriptors: the whole replicated tensors, its slice of each
- * expert tensor, whose gradient is all the model keeps of that tensor
- * (lm_model_create_expert_owned; after bind_params; the same arrays every time). */
 /* Tensor i's descriptor for this rank (t->all[i]'s; a cut tensor's slice with
  * data w and gradient g, which the model keeps at [wfirst, +wcount) and
  * [first, +count) of the tensor: checked against the optimizer's slice). */
@@ -713,6 +710,10 @@ static lm_status epo_slice(const trainer *t, int i, float *w, float *g, size_t f
     return LM_OK;
 }
 
+/* This rank's host descriptors: the whole replicated tensors, its slice of each
+ * expert tensor, whose gradient is all the model keeps of that tensor
+ * (lm_model_create_expert_owned; after bind_params; the same arrays every time;
+ * the device optimizer's: bind_backend_params). */
 static lm_status epo_bind(trainer *t) {
     if (!t->epo) return LM_OK;
     int jm = 0, ja = 0;
