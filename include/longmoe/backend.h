@@ -388,6 +388,9 @@ struct lm_backend {
     lm_status (*timer_mark)(lm_backend *be, void *timer, int part);
     lm_status (*timer_take)(lm_backend *be, void *timer, double *seconds, int nparts);
     void (*timer_free)(lm_backend *be, void *timer);
+    /* optional (NULL: none to tell): the device's memory in use (by every
+     * process on it) and its size, in bytes, as the driver counts them */
+    lm_status (*memory)(lm_backend *be, size_t *used, size_t *total);
 };
 
 /* The CPU backend (a process-wide constant: stateless, thread-safe). */

@@ -2860,10 +2860,15 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         if (opt->progress && (t.step % c->log_every == 0 || t.step == 1 || t.step == t.total_steps)) {
             char eta[32];
             format_eta(eta, sizeof eta, ema_step * (double)(t.total_steps - t.step));
+            /* the device's memory in use (every process on it: GPU ranks sharing one count together) */
+            size_t mem_used = 0, mem_total = 0;
+            char mem[48] = "";
+            if (on_gpu && t.be && t.be->memory && !t.be->memory(t.be, &mem_used, &mem_total))
+                snprintf(mem, sizeof mem, " | GPU mem %.1f GiB", (double)mem_used / 1073741824.0);
             if (on_gpu)
                 fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | MFU %.1f%% | "
-                        "ETA %s | maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f,
-                        gnorm, tokens_per_step / dt, 100.0 * step_flops / dt / LM_TRAIN_PEAK_FLOPS, eta, worst);
+                        "ETA %s | maxvio %.3f%s\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f,
+                        gnorm, tokens_per_step / dt, 100.0 * step_flops / dt / LM_TRAIN_PEAK_FLOPS, eta, worst, mem);
             else
                 fprintf(opt->progress, "step %5lld/%lld | loss %.4f | lr %.2e | grad %.3f | %.0f tok/s | ETA %s | "
                         "maxvio %.3f\n", (long long)t.step, (long long)t.total_steps, loss, muon_lr * f, gnorm,

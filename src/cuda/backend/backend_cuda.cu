@@ -104,6 +104,15 @@ static void cuda_release(lm_backend *be, void *ptr) {
     cudaFree(ptr);
 }
 
+static lm_status cuda_memory(lm_backend *be, size_t *used, size_t *total) {
+    (void)be;
+    size_t free_b = 0, total_b = 0;
+    LM_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+    *used = total_b - free_b;
+    *total = total_b;
+    return LM_OK;
+}
+
 static lm_status cuda_zero(lm_backend *be, void *ptr, size_t bytes) {
     if (!bytes) return LM_OK;
     if (!ptr) return lm_error(LM_ERR_ARG, "cuda zero: ptr is NULL");
@@ -1347,6 +1356,7 @@ extern "C" lm_status lm_backend_cuda_create(lm_backend **out) {
     cb->be.download = cuda_download;
     cb->be.sync = cuda_sync;
     cb->be.destroy = cuda_destroy;
+    cb->be.memory = cuda_memory;
     if (part_timer_wanted()) {
         cb->be.timer_create = cuda_timer_create;
         cb->be.timer_mark = cuda_timer_mark;
