@@ -1606,8 +1606,7 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         /* the channel mixer: per token, so `chunk` tokens at a time; an
          * evaluation forward of a cut model gathers this layer's experts for
          * it (every chunk runs on them) and frees them after */
-        const int gather = ls->moe && !(ls->moe_ep && (training || recompute)) && ep_streams(m) &&
-                           !ep_eval_exchange(m);
+        const int gather = ls->moe && !(ls->moe_ep && (training || recompute)) && ep_streams(m) && !m->xexchange;
         if (gather) TRY(gather_layer_experts(m, ls, idx));
         lm_status st = LM_OK;
         for (int64_t t0 = 0; t0 < m->N && !st; t0 += m->chunk)
@@ -2422,26 +2421,17 @@ lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
         const int first = lm_comm_rank(comm) * (mc->n_experts / R);
         size_t wo = (size_t)first * mc->d_ff * (mc->d_latent ? mc->d_latent : mc->d);
         ls->moe_Pep = ls->moe_P;
-        ls->moe_Gep = ls->moe_G;
-        /* the product-format copy: the same slice, in its element size */
-        ls->moe_PLep = ls->moe_PL;
-        if (ls->moe_PL.gate) {
-            const size_t lb = wo * m->be->lp_bytes;
-            ls->moe_PLep.gate = (float *)(void *)((char *)ls->moe_PL.gate + lb);
-            ls->moe_PLep.up = (float *)(void *)((char *)ls->moe_PL.up + lb);
-            ls->moe_PLep.down = (float *)(void *)((char *)ls->moe_PL.down + lb);
-        }
         if (m->pcut) {
             /* the owned slices: the first kept element of each routed expert tensor */
             ls->moe_Pep.gate = par_at(m, ls->moe_xoff[0] + wo);
             ls->moe_Pep.up = par_at(m, ls->moe_xoff[1] + wo);
             ls->moe_Pep.down = par_at(m, ls->moe_xoff[2] + wo);
-            map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
-            map_views(m, &ls->moe_Pep, &ls->moe_PLep, sizeof ls->moe_Pep, 0);
-            continue;
+        } else {
+            ls->moe_Pep.gate += wo, ls->moe_Pep.up += wo, ls->moe_Pep.down += wo;
         }
-        ls->moe_Pep.gate += wo, ls->moe_Pep.up += wo, ls->moe_Pep.down += wo;
-        ls->moe_Gep.gate += wo, ls->moe_Gep.up += wo, ls->moe_Gep.down += wo;
+        /* the gradients and the product-format copy: the same elements */
+        map_views(m, &ls->moe_Pep, &ls->moe_Gep, sizeof ls->moe_Pep, 1);
+        map_views(m, &ls->moe_Pep, &ls->moe_PLep, sizeof ls->moe_Pep, 0);
     }
     m->ep_comm = comm;
     return LM_OK;
