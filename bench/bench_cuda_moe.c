@@ -188,7 +188,7 @@ int main(int argc, char **argv) {
                    "balance histogram");
                 ok(lm_cuda_expert_load(&ctx, (int32_t *)load_d, acts.topk, m, n, c.top_k), "expert load");
             }
-            ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
+            ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, NULL, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
             if (balance) {
                 /* the step's end: the counts to the host, b updated there and uploaded */
                 ok(lm_cuda_context_sync(&ctx), "backward sync");
@@ -274,7 +274,7 @@ int main(int argc, char **argv) {
             ok(lm_cuda_moe_forward_ep(&ctx, y, x, NULL, NULL, &c, &pf, &pb, &acts, m, ep), "forward ep");
             ok(lm_cuda_context_sync(&ctx), "forward sync");
             double t1 = lm_time_seconds();
-            ok(lm_cuda_moe_backward_ep(&ctx, dx, &grads, dy, x, NULL, &c, &pf, &pb, &acts, &scratch, ep),
+            ok(lm_cuda_moe_backward_ep(&ctx, dx, &grads, dy, NULL, x, NULL, &c, &pf, &pb, &acts, &scratch, ep),
                "backward ep");
             ok(lm_cuda_context_sync(&ctx), "backward sync");
             double t2 = lm_time_seconds();

@@ -172,8 +172,10 @@ static void dev_download(float *x, const float *d, size_t count) {
 
 /* the same sequence on the GPU; recomputes every input after its output backward.
  * gpu_view: dy through lm_cuda_attnres_output_grad (the state's accumulator read
- * back and added on the host, the add the copying call does on the device) */
-static int gpu_view;
+ * back and added on the host, the add the copying call does on the device),
+ * and its bf16 copy: view_lp_bad counts the sublayers whose copy is missing,
+ * present in standard mode, or not the bits lm_f32_to_bf16 gives */
+static int gpu_view, view_lp_bad, view_lp_seen;
 
 static int run_gpu(const problem *p, outputs *o) {
     int ok = 1;
@@ -223,12 +225,26 @@ static int run_gpu(const problem *p, outputs *o) {
         }
         if (gpu_view) {
             const float *G = NULL;
-            STEP_OK(lm_cuda_attnres_output_grad(&ctx, &st, l, &G));
+            const void *G_lp = NULL;
+            STEP_OK(lm_cuda_attnres_output_grad(&ctx, &st, l, &G, &G_lp));
             if (!ok || !G) return 0;
             STEP_OK(lm_cuda_context_sync(&ctx));
             float *gh = mallocCheck(nd * 4);
             dev_download(gh, G, nd);
             for (size_t i = 0; i < nd; i++) o->dy[(size_t)l * nd + i] = p->dy0[(size_t)l * nd + i] + gh[i];
+            if (!attn) {
+                view_lp_bad += G_lp != NULL;
+            } else if (!G_lp) {
+                view_lp_bad++;
+            } else {
+                uint16_t *lp = mallocCheck(nd * 2);
+                if (lm_cuda_download(lp, G_lp, nd * 2) != LM_OK) dieAt("download: %s", lm_last_error());
+                size_t wrong = 0;
+                for (size_t i = 0; i < nd; i++) wrong += lp[i] != lm_f32_to_bf16(gh[i]);
+                view_lp_bad += wrong > 0;
+                view_lp_seen++;
+                free(lp);
+            }
             free(gh);
         } else
             STEP_OK(lm_cuda_attnres_output_backward(&ctx, &st, l, dy + (size_t)l * nd));
@@ -282,8 +298,14 @@ static void check_case(lm_attnres_mode mode, int S, int64_t n, int d, uint64_t s
     /* the second run takes dy as a view of the state (lm_cuda_attnres_output_grad):
      * every output bit-identical to the copying run */
     gpu_view = 1;
+    view_lp_bad = view_lp_seen = 0;
     ran = ran && run_gpu(&p, &again);
     gpu_view = 0;
+    /* the bf16 copy of every sublayer's output gradient (block and full), the bits of lm_f32_to_bf16 */
+    CHECK(view_lp_bad == 0, "%s: %d sublayers' bf16 output gradient missing or not the rounded fp32 one", name,
+          view_lp_bad);
+    CHECK(view_lp_seen == (mode == LM_ATTNRES_STANDARD ? 0 : L), "%s: %d bf16 output gradients checked of %d", name,
+          view_lp_seen, mode == LM_ATTNRES_STANDARD ? 0 : L);
     if (!ran) {
         CHECK(0, "%s: a call failed", name);
         goto done;

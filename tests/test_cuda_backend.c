@@ -728,8 +728,8 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     lm_moe_params hg, gg;
     lm_moe_params_carve(c, gr_c, &hg);
     lm_moe_params_carve(c, g_gr, &gg);
-    OK(cpu->ops->moe_backward(cpu, dx_c, &hg, dy, f.x, extra, c, &f.hp, &f.hp, f.acts_c));
-    OK(gpu->ops->moe_backward(gpu, g_dx, &gg, g_dy, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    OK(cpu->ops->moe_backward(cpu, dx_c, &hg, dy, NULL, f.x, extra, c, &f.hp, &f.hp, f.acts_c));
+    OK(gpu->ops->moe_backward(gpu, g_dx, &gg, g_dy, NULL, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
     CMP(down_f32(g_dx, md), dx_c, dx0, md, TOL_BF16, "moe_backward dx +=");
     float *gr_g = down_f32(g_gr, f.count);
     /* each parameter's gradient on its own: [offset of field i, offset of the next field) */
@@ -756,18 +756,20 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     CMP(down_f32(g_ds, mn), ds_c, NULL, mn, TOL_F32, "moe_aux_loss dscores (written)");
 
     /* x_lp given (the model passes its RMSNorm's product-format copy; here to_lp's, the same
-     * rounding): y, dx and every gradient have the bits of the run that converted x itself */
+     * rounding), and dy_lp to the backward (the model passes the AttnRes state's copy): y, dx
+     * and every gradient have the bits of the run that converted x and dy itself */
     float *y1 = down_f32(g_y, md), *dx1 = down_f32(g_dx, md);
-    void *g_xlp = dalloc(md * 2);
+    void *g_xlp = dalloc(md * 2), *g_dylp = dalloc(md * 2);
     OK(gpu->ops->to_lp(gpu, g_xlp, f.g_x, md));
+    OK(gpu->ops->to_lp(gpu, g_dylp, g_dy, md));
     float *g_y2 = up_f32(rnd(&r, md, 1.0, 0.0, 0), md), *g_dx2 = up_f32(dx0, md), *g_gr2 = up_f32(g0, f.count);
     lm_moe_params gg2;
     lm_moe_params_carve(c, g_gr2, &gg2);
     OK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, g_xlp, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
-    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, g_dylp, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
     CHECK(!memcmp(down_f32(g_y2, md), y1, md * 4), "moe_forward with x_lp: y differs from the own conversion's");
-    CHECK(!memcmp(down_f32(g_dx2, md), dx1, md * 4), "moe_backward after x_lp: dx differs");
-    CHECK(!memcmp(down_f32(g_gr2, f.count), gr_g, f.count * 4), "moe_backward after x_lp: gradients differ");
+    CHECK(!memcmp(down_f32(g_dx2, md), dx1, md * 4), "moe_backward after x_lp, with dy_lp: dx differs");
+    CHECK(!memcmp(down_f32(g_gr2, f.count), gr_g, f.count * 4), "moe_backward after x_lp, with dy_lp: gradients differ");
     CHECK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, f.g_x, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m) == LM_ERR_ARG,
           "moe_forward accepted x_lp aliasing the fp32 x");
     moe_teardown(&f);

@@ -184,8 +184,27 @@ static void run_layer(lm_kda_gate gate, const int *lens, int B, uint64_t seed) {
     lm_kda_layer_acts a;
     lm_kda_layer_acts_map(&c, B, T, acts, &a);
     GPU_OK(lm_kda_layer_forward_lp(&c, &p, &pl, &a, xlp, B, T, dyw));
-    GPU_OK(lm_kda_layer_backward_lp(&c, &p, &pl, &G, &a, xlp, ddy, B, T, ddx, scr));
+    GPU_OK(lm_kda_layer_backward_lp(&c, &p, &pl, &G, &a, xlp, ddy, NULL, B, T, ddx, scr));
     float *yw = host_of(dyw, nx), *dxw = host_of(ddx, nx), *gwh = host_of(gw, np);
+    {
+        /* dy handed in the product format (as the model's AttnRes state writes it): the same bits */
+        float *gw2 = be_alloc(np * 4), *ddx2 = be_alloc(nx * 4);
+        void *dylp = be_alloc(nx * be->lp_bytes);
+        lm_kda_layer_params G2;
+        lm_kda_layer_params_map(&c, gw2, &G2);
+        GPU_OK(be->zero(be, gw2, np * 4));
+        GPU_OK(be->zero(be, ddx2, nx * 4));
+        GPU_OK(be->ops->to_lp(be, dylp, ddy, nx));
+        GPU_OK(lm_kda_layer_backward_lp(&c, &p, &pl, &G2, &a, xlp, ddy, dylp, B, T, ddx2, scr));
+        float *dx2 = host_of(ddx2, nx), *g2 = host_of(gw2, np);
+        CHECK(!memcmp(dx2, dxw, nx * 4) && !memcmp(g2, gwh, np * 4),
+              "the layer's backward with dy in the product format differs from its own conversion");
+        free(dx2);
+        free(g2);
+        be->release(be, gw2);
+        be->release(be, ddx2);
+        be->release(be, dylp);
+    }
     /* this rank's segment: rows [t0, t0 + n) of every sequence */
     float *xs = mallocCheck(ns * 4), *dys = mallocCheck(ns * 4);
     for (int b = 0; b < B; b++) {
@@ -367,8 +386,27 @@ static void run_attention(lm_mla_config c, const char *name, const int *lens, in
     float hm_w[64], hm[64];
     CHECK(H <= 64, "heads");
     GPU_OK(lm_mla_seg_head_max(&c, acts, B, T, hm_w));
-    GPU_OK(lm_mla_backward_lp(&c, &p, &pl, xlp, acts, ddy, B, T, ddx, &G, scr));
+    GPU_OK(lm_mla_backward_lp(&c, &p, &pl, xlp, acts, ddy, NULL, B, T, ddx, &G, scr));
     float *yw = host_of(dyw, nx), *dxw = host_of(ddx, nx), *gwh = host_of(gw, np);
+    {
+        /* dy handed in the product format (as the model's AttnRes state writes it): the same bits */
+        float *gw2 = be_alloc(np * 4), *ddx2 = be_alloc(nx * 4);
+        void *dylp = be_alloc(nx * be->lp_bytes);
+        lm_mla_params G2;
+        GPU_OK(lm_mla_params_map(&c, gw2, &G2));
+        GPU_OK(be->zero(be, gw2, np * 4));
+        GPU_OK(be->zero(be, ddx2, nx * 4));
+        GPU_OK(be->ops->to_lp(be, dylp, ddy, nx));
+        GPU_OK(lm_mla_backward_lp(&c, &p, &pl, xlp, acts, ddy, dylp, B, T, ddx2, &G2, scr));
+        float *dx2 = host_of(ddx2, nx), *g2 = host_of(gw2, np);
+        CHECK(!memcmp(dx2, dxw, nx * 4) && !memcmp(g2, gwh, np * 4),
+              "%s: the layer's backward with dy in the product format differs from its own conversion", name);
+        free(dx2);
+        free(g2);
+        be->release(be, gw2);
+        be->release(be, ddx2);
+        be->release(be, dylp);
+    }
     float *xs = mallocCheck(ns * 4), *dys = mallocCheck(ns * 4), *yr = mallocCheck(ns * 4), *dxr = mallocCheck(ns * 4);
     for (int b = 0; b < B; b++) {
         const size_t o = (size_t)b * n * D, w = ((size_t)b * T + t0) * D, k = (size_t)n * D * 4;

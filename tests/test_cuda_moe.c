@@ -173,7 +173,7 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     poison(ablock, ab);
     poison(sblock, sb);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
-    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, NULL, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
                                 &gs));
     GPU_OK(lm_cuda_context_sync(&ctx));
     if (kind_now == LM_MOE_GEMM_BATCHED || kind_now == LM_MOE_GEMM_WGMMA) check_padding_rows_zero(&ga, &gs, cfg, what);
@@ -447,7 +447,7 @@ static void latent_run(const lm_moe_config *c, model *md, const float *x, const 
     free(zero);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, xbd, NULL, c, &md->pf, &md->pb, &ga, m));
     CHECK(ga.x_bf16 == (xbd ? (const uint16_t *)xbd : ga.x_own), "the forward records the bf16 x it read");
-    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, xd, NULL, c, &md->pf, &md->pb, &ga, &gs));
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, NULL, xd, NULL, c, &md->pf, &md->pb, &ga, &gs));
     GPU_OK(lm_cuda_context_sync(&ctx));
     out[0] = malloc(md_ * 4);
     out[1] = malloc(md_ * 4);
@@ -551,7 +551,7 @@ static void test_sparse_router_dx_equals_the_dense_product(void) {
         /* runs 0 and 2: sparse (no extra); run 1: dense (a zero extra) */
         GPU_OK(lm_cuda_upload(dxd, dx0, md_ * 4));
         GPU_OK(lm_cuda_upload(md.d_grads, gzero, md.count * 4));
-        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, xd, run == 1 ? exd : NULL, &c, &md.pf, &md.pb, &ga,
+        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, NULL, xd, run == 1 ? exd : NULL, &c, &md.pf, &md.pb, &ga,
                                     &gs));
         GPU_OK(lm_cuda_context_sync(&ctx));
         dx[run] = malloc(md_ * 4);

@@ -139,7 +139,7 @@ static void ep_case(const lm_moe_config *cfg, const int64_t *m_of, int bias_mode
     GPU_OK(lm_cuda_moe_acts_carve(&ra, cfg, M, ablk, ab));
     GPU_OK(lm_cuda_moe_scratch_carve(&rs, cfg, M, sblk, sbb));
     GPU_OK(lm_cuda_moe_forward(ctx, d_y, d_x, NULL, bias_arg, cfg, &pf, &pb, &ra, M));
-    GPU_OK(lm_cuda_moe_backward(ctx, d_dx, &g_ref, d_dy, d_x, NULL, cfg, &pf, &pb, &ra, &rs));
+    GPU_OK(lm_cuda_moe_backward(ctx, d_dx, &g_ref, d_dy, NULL, d_x, NULL, cfg, &pf, &pb, &ra, &rs));
 
     /* this rank's tokens with expert parallelism */
     const int64_t mcap = m > 0 ? m : 1;
@@ -178,7 +178,7 @@ static void ep_case(const lm_moe_config *cfg, const int64_t *m_of, int bias_mode
               lm_cuda_moe_ep_bytes(ep, 1), lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 0),
               lm_cuda_moe_ep_plan_bytes(cfg, R, rows_w, 1));
     GPU_OK(lm_cuda_moe_forward_ep(ctx, d_ye, m ? d_x + off * d : NULL, NULL, bias_arg, cfg, &pf, &pb_ep, &ea, m, ep));
-    GPU_OK(lm_cuda_moe_backward_ep(ctx, m ? d_dxe : NULL, &g_ep, m ? d_dy + off * d : NULL, m ? d_x + off * d : NULL,
+    GPU_OK(lm_cuda_moe_backward_ep(ctx, m ? d_dxe : NULL, &g_ep, m ? d_dy + off * d : NULL, NULL, m ? d_x + off * d : NULL,
                                    NULL, cfg, &pf, &pb_ep, &ea, &esc, ep));
     GPU_OK(lm_cuda_context_sync(ctx));
     if (reserve)
@@ -392,7 +392,7 @@ static void two_layers(const lm_moe_config *cfg, int64_t m, const float *d_x, co
         GPU_OK(lm_cuda_moe_forward_ep(ctx, L[i].d_y, d_x, NULL, L[i].d_bias, cfg, &L[i].pf, &L[i].pb, &L[i].a, m,
                                       L[i].ep));
     for (int i = 1; i >= 0; i--)
-        GPU_OK(lm_cuda_moe_backward_ep(ctx, L[i].d_dx, &L[i].g, d_dy, d_x, NULL, cfg, &L[i].pf, &L[i].pb, &L[i].a,
+        GPU_OK(lm_cuda_moe_backward_ep(ctx, L[i].d_dx, &L[i].g, d_dy, NULL, d_x, NULL, cfg, &L[i].pf, &L[i].pb, &L[i].a,
                                        &L[i].s, L[i].ep));
     GPU_OK(lm_cuda_context_sync(ctx));
     if (share)

@@ -69,6 +69,8 @@ typedef struct {
     float *logits;       /* sum over layers of [n, n_sources_l] */
     float *lse;          /* [L+1, n] */
     float *qpart;        /* [ceil(n / TOKEN_BLOCK), d] parameter-gradient partial sums */
+    uint16_t *dy_lp;     /* [n, d] bf16: the next output gradient in the product format (block and full) */
+    int dy_lp_for;       /* the sublayer whose dLoss/dy dy_lp holds; -1: none */
     int step;            /* position in the call sequence (as in the CPU state) */
     int replaying, replay_last, replay_step; /* a block's replay (cfg.replay), as in the CPU state */
 } lm_cuda_attnres_state;
@@ -110,9 +112,13 @@ lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx, lm_cuda_at
 /* The same gradient without a copy: *dy points at the state's accumulator
  * that holds dLoss/dy_l (n,d); it stays valid and unchanged until the next
  * call on the state (lm_cuda_attnres_input_backward(l) adds to it). Takes
- * the place of lm_cuda_attnres_output_backward(l) in the call order. */
+ * the place of lm_cuda_attnres_output_backward(l) in the call order.
+ * dy_lp (may be NULL): *dy_lp = the same gradient in bf16 (the bits
+ * lm_cuda_f32_to_bf16 gives), which the backward kernel that completed it
+ * wrote (block and full AttnRes; l < L - 1 after input_backward(l + 1), l =
+ * L - 1 after the final's), else NULL; valid as long as *dy. */
 lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
-                                      const float **dy);
+                                      const float **dy, const void **dy_lp);
 lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                          const lm_attnres_params *p, const float *dh, lm_attnres_grads *g);
 /* dembedding [n,d] += dLoss/dv_0. Ends the backward. */

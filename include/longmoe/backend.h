@@ -247,8 +247,11 @@ typedef struct {
     lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
                              const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
                              void *acts, int64_t m);
-    /* dx += ..., g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL */
-    lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
+    /* dx += ..., g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL;
+     * dy_lp (may be NULL): dy in the product format (what to_lp gives), read instead of a copy the
+     * backend would make (on the CPU ignored) */
+    lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                              const void *dy_lp, const float *x,
                               const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                               const lm_moe_params *p_lp, void *acts);
     /* Expert parallelism (include/longmoe/moe_ep.h, moe_cuda.h): a handle of
@@ -268,7 +271,8 @@ typedef struct {
     lm_status (*moe_forward_ep)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
                                 const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
                                 void *acts, int64_t m, void *ep);
-    lm_status (*moe_backward_ep)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
+    lm_status (*moe_backward_ep)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                                 const void *dy_lp, const float *x,
                                  const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                                  const lm_moe_params *p_lp, void *acts, void *ep);
     /* the router scores s [m,n] of the last forward, in the backend's memory */
@@ -318,8 +322,10 @@ typedef struct {
     lm_status (*attnres_output_backward)(lm_backend *be, void *state, int l, float *dy);
     /* optional (NULL: the model zeroes a buffer and calls output_backward):
      * *dy = the state's own accumulator holding dLoss/dy_l, unchanged until
-     * the next call on the state; no copy */
-    lm_status (*attnres_output_grad)(lm_backend *be, void *state, int l, const float **dy);
+     * the next call on the state; no copy. dy_lp (may be NULL): *dy_lp = the
+     * same gradient in the product format (what to_lp would give) where the
+     * state wrote one along with it, else NULL */
+    lm_status (*attnres_output_grad)(lm_backend *be, void *state, int l, const float **dy, const void **dy_lp);
     lm_status (*attnres_input_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
                                         const float *dh, lm_attnres_grads *g);
     lm_status (*attnres_embedding_backward)(lm_backend *be, void *state, float *dembedding);

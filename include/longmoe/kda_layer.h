@@ -84,14 +84,16 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
 
 /* The same on any backend: p_lp holds the parameters in the backend's product
  * format (on the CPU: p), x_lp the input (on the CPU: x). The backward reads
- * only x_lp of the input. */
+ * only x_lp of the input; dy_lp (may be NULL) is dy in the product format
+ * where the caller has it (the bits the backend's to_lp gives), which it
+ * then reads instead of converting dy (ignored where the format is fp32). */
 lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                   const lm_kda_layer_params *p_lp, lm_kda_layer_acts *a, const void *x_lp, int B,
                                   int T, float *y);
 lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                    const lm_kda_layer_params *p_lp, const lm_kda_layer_params *g,
-                                   const lm_kda_layer_acts *a, const void *x_lp, const float *dy, int B, int T,
-                                   float *dx, float *scratch);
+                                   const lm_kda_layer_acts *a, const void *x_lp, const float *dy, const void *dy_lp,
+                                   int B, int T, float *dx, float *scratch);
 
 /* ---- sequence segments (docs/model.md, "Sequence segments") ----
  * The layer on tokens [t0, t0 + n) of every sequence, x [B,n,d], given what

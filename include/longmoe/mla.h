@@ -106,9 +106,11 @@ lm_status lm_mla_backward(const lm_mla_config *cfg, const lm_mla_params *p, cons
  * (on the CPU: x); the backward reads only x_lp of the input. */
 lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
                             const void *x_lp, int B, int T, float *y, float *acts);
+/* dy_lp (may be NULL): dy in the product format where the caller has it (the
+ * bits the backend's to_lp gives), read instead of converting dy. */
 lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
-                             const void *x_lp, const float *acts, const float *dy, int B, int T, float *dx,
-                             const lm_mla_params *g, float *scratch);
+                             const void *x_lp, const float *acts, const float *dy, const void *dy_lp, int B, int T,
+                             float *dx, const lm_mla_params *g, float *scratch);
 
 /* smax [H] = each head's largest scaled pre-softmax logit in the forward that
  * filled `acts` (for QK-Clip, include/longmoe/optim.h); CPU layers only (any

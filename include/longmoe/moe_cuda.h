@@ -195,9 +195,11 @@ lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float 
  * read, acts->x_bf16). ACCUMULATES (+=) into
  * dx[m,d] (may be NULL) and every non-NULL pointer of grads (fp32, the
  * lm_moe_params layout). The routing is held fixed; the router gradient flows
- * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward. */
+ * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward.
+ * dy_bf16 (may be NULL): dy in bf16 (the bits lm_cuda_f32_to_bf16 gives),
+ * read by the products instead of a copy the backward would make. */
 lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *grads,
-                               const float *dy, const float *x, const float *dscores_extra,
+                               const float *dy, const uint16_t *dy_bf16, const float *x, const float *dscores_extra,
                                const lm_moe_config *cfg, const lm_moe_params *params_f32,
                                const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
                                lm_cuda_moe_scratch *scratch);
@@ -271,7 +273,8 @@ lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y, const flo
                                  const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m,
                                  lm_cuda_moe_ep *ep);
 lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *dx, const lm_moe_params *grads,
-                                  const float *dy, const float *x, const float *dscores_extra,
+                                  const float *dy, const uint16_t *dy_bf16, const float *x,
+                                  const float *dscores_extra,
                                   const lm_moe_config *cfg, const lm_moe_params *params_f32,
                                   const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
                                   lm_cuda_moe_scratch *scratch, lm_cuda_moe_ep *ep);

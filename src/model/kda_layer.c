@@ -293,9 +293,9 @@ enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
 static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
-                                const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T, float *dx,
-                                float *scratch, const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg,
-                                int part, const lm_kda_layer_params *jg) {
+                                const lm_kda_layer_acts *a, const void *x, const float *dy, const void *dy_given,
+                                int B, int T, float *dx, float *scratch, const lm_kda_layer_carry *carry,
+                                const lm_kda_layer_carry_grad *cg, int part, const lm_kda_layer_params *jg) {
     // x is (B,T,d) in the product format; dy is (B,T,d); dx (B,T,d) and g accumulate
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
@@ -309,7 +309,8 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
          *dz = scratch + S.dz;
     const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
     if (part != BWD_AFTER_STATE) {
-        TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
+        if (dy_given && lp_separate(c)) dy_lp = dy_given;
+        else TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
         TRY(op->matmul_backward_set(be, d_gated, g->W_o, dy_lp, a->gated, pl->W_o, (int64_t)N, HK, d));
         /* the output gate and head norm: d gate-logits, d_o */
         /* dgate straight in the product format where that is a separate copy (no fp32 dgate, no conversion);
@@ -382,9 +383,9 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
 
 lm_status lm_kda_layer_backward_lp(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                    const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
-                                   const lm_kda_layer_acts *a, const void *x, const float *dy, int B, int T,
-                                   float *dx, float *scratch) {
-    return layer_backward(c, p, pl, g, a, x, dy, B, T, dx, scratch, NULL, NULL, BWD_ALL, NULL);
+                                   const lm_kda_layer_acts *a, const void *x, const float *dy, const void *dy_lp,
+                                   int B, int T, float *dx, float *scratch) {
+    return layer_backward(c, p, pl, g, a, x, dy, dy_lp, B, T, dx, scratch, NULL, NULL, BWD_ALL, NULL);
 }
 
 lm_status lm_kda_layer_forward_seg(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -414,7 +415,7 @@ lm_status lm_kda_layer_backward_seg(const lm_kda_layer_config *c, const lm_kda_l
                                     const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg, float *dx,
                                     float *scratch) {
     if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment backward: carry is NULL");
-    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, cg, BWD_ALL, NULL);
+    return layer_backward(c, p, p_lp, g, a, x_lp, dy, NULL, B, n, dx, scratch, carry, cg, BWD_ALL, NULL);
 }
 
 size_t lm_kda_layer_seg_state_grad_junk_floats(const lm_kda_layer_config *c) {
@@ -433,7 +434,7 @@ lm_status lm_kda_layer_seg_state_grad(const lm_kda_layer_config *c, const lm_kda
     j.A_log = junk;
     j.dt_bias = junk + lm_kda_layer_seg_state_grad_junk_floats(c) / 2;
     lm_kda_layer_carry_grad cg = {NULL, dh0, NULL, NULL};
-    return layer_backward(c, p, p_lp, g, a, x_lp, dy, B, n, dx, scratch, carry, &cg, BWD_STATE, &j);
+    return layer_backward(c, p, p_lp, g, a, x_lp, dy, NULL, B, n, dx, scratch, carry, &cg, BWD_STATE, &j);
 }
 
 lm_status lm_kda_layer_backward_seg_after_state(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -442,7 +443,7 @@ lm_status lm_kda_layer_backward_seg_after_state(const lm_kda_layer_config *c, co
                                                 const lm_kda_layer_carry *carry, const lm_kda_layer_carry_grad *cg,
                                                 float *dx, float *scratch) {
     if (!carry) return lm_error(LM_ERR_ARG, "kda layer segment backward: carry is NULL");
-    return layer_backward(c, p, p_lp, g, a, x_lp, NULL, B, n, dx, scratch, carry, cg, BWD_AFTER_STATE, NULL);
+    return layer_backward(c, p, p_lp, g, a, x_lp, NULL, NULL, B, n, dx, scratch, carry, cg, BWD_AFTER_STATE, NULL);
 }
 
 lm_status lm_kda_layer_seg_state_map(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
@@ -460,7 +461,7 @@ lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                                 const float *x, const float *dy, int B, int T, float *dx,
                                 float *scratch) {
     if (lp_separate(c)) return lm_error(LM_ERR_ARG, "kda layer: this backend needs lm_kda_layer_backward_lp");
-    return lm_kda_layer_backward_lp(c, p, p, g, a, x, dy, B, T, dx, scratch);
+    return lm_kda_layer_backward_lp(c, p, p, g, a, x, dy, NULL, B, T, dx, scratch);
 }
 
 /* ---- decode ---- */

@@ -538,8 +538,9 @@ lm_status lm_mla_forward(const lm_mla_config *c, const lm_mla_params *p, const f
 
 /* stores_only (a segment): only the key/value side, from the accumulators' rows of the segment */
 static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
-                              const void *x, const float *acts, const float *dy, int B, int T, float *dx,
-                              const lm_mla_params *g, float *scratch, const lm_mla_seg *seg, int stores_only) {
+                              const void *x, const float *acts, const float *dy, const void *dy_given, int B,
+                              int T, float *dx, const lm_mla_params *g, float *scratch, const lm_mla_seg *seg,
+                              int stores_only) {
     // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
     lm_status st = check_run(c, p, B, T);
     if (!st) st = check_seg(c, seg, T);
@@ -576,7 +577,8 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     const int64_t pos0 = seg ? seg->t0 : 0;
     const int latent = seg && seg->c_store;
     if (stores_only) goto stores;
-    TRY(lp_view(be, dy, scratch + S.dy_lp, (size_t)N * d, &dy_lp));
+    if (dy_given && sep) dy_lp = dy_given;
+    else TRY(lp_view(be, dy, scratch + S.dy_lp, (size_t)N * d, &dy_lp));
     // through y = W_o (sigmoid(gp) * o)
     MM_B(dgated, g->W_o, NULL, dy_lp, acts + L.gated, pl->W_o, N, H * Dv, d);
     /* dgp straight in the product format where that is a separate copy (no fp32 dgp, no conversion) */
@@ -713,29 +715,29 @@ stores:
 }
 
 lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
-                             const void *x, const float *acts, const float *dy, int B, int T, float *dx,
-                             const lm_mla_params *g, float *scratch) {
-    return mla_backward(c, p, pl, x, acts, dy, B, T, dx, g, scratch, NULL, 0);
+                             const void *x, const float *acts, const float *dy, const void *dy_lp, int B, int T,
+                             float *dx, const lm_mla_params *g, float *scratch) {
+    return mla_backward(c, p, pl, x, acts, dy, dy_lp, B, T, dx, g, scratch, NULL, 0);
 }
 
 lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                               const void *x, const float *acts, const float *dy, int B, int n,
                               const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment backward: seg is NULL");
-    return mla_backward(c, p, pl, x, acts, dy, B, n, dx, g, scratch, seg, 0);
+    return mla_backward(c, p, pl, x, acts, dy, NULL, B, n, dx, g, scratch, seg, 0);
 }
 
 lm_status lm_mla_seg_stores_backward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                                      const void *x, const float *acts, int B, int n, const lm_mla_seg *seg, float *dx,
                                      const lm_mla_params *g, float *scratch) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment stores backward: seg is NULL");
-    return mla_backward(c, p, pl, x, acts, NULL, B, n, dx, g, scratch, seg, 1);
+    return mla_backward(c, p, pl, x, acts, NULL, NULL, B, n, dx, g, scratch, seg, 1);
 }
 
 lm_status lm_mla_backward(const lm_mla_config *c, const lm_mla_params *p, const float *x, const float *acts,
                           const float *dy, int B, int T, float *dx, const lm_mla_params *g, float *scratch) {
     if (lp_separate(c)) return lm_error(LM_ERR_ARG, "mla backward: this backend needs lm_mla_backward_lp");
-    return lm_mla_backward_lp(c, p, p, x, acts, dy, B, T, dx, g, scratch);
+    return lm_mla_backward_lp(c, p, p, x, acts, dy, NULL, B, T, dx, g, scratch);
 }
 
 #undef MM_F

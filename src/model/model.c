@@ -1304,8 +1304,8 @@ static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const voi
 
 /* Its backward on the same n tokens: x (n,d) in the product format, dy (n,d);
  * dx and the weight gradients accumulate. */
-static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy, float *dx,
-                                    int64_t n) {
+static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy,
+                                    const void *dy_given, float *dx, int64_t n) {
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
     int d = m->d, f = m->cfg.dense_ffn;
@@ -1317,7 +1317,9 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     void *dy_lp = lp_or(m, (float *)dy, m->dy_lp), *da_lp = lp_or(m, da, m->ffn_da_lp),
          *du_lp = lp_or(m, du, m->ffn_du_lp);
     lm_expert_act act = m->cfg.activation == LM_ACT_SITU ? LM_EXPERT_SITU_GLU : LM_EXPERT_SWIGLU;
-    if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
+    /* dy in the product format: the AttnRes state's copy where it wrote one, else converted here */
+    if (m->sep && dy_given) dy_lp = (void *)dy_given;
+    else if (m->sep) TRY(op->to_lp(be, dy_lp, dy, (size_t)n * d));
     TRY(op->matmul_backward_set(be, dh, gWd, dy_lp, lp_or(m, ls->ffn_h, m->ffn_h_lp), Wd, n, f, d));
     /* da, du straight in the product format where that is a separate copy (no fp32 da, du; no conversion) */
     TRY(op->glu_backward(be, act, m->sep ? NULL : da, m->sep ? NULL : du, m->sep ? da_lp : NULL,
@@ -1469,9 +1471,10 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
                                   int64_t t0, float loss_scale) {
     const int64_t n = m->N - t0 < m->chunk ? m->N - t0 : m->chunk;
     const float *xn = rows_f32(m, xn_all, t0), *dy = m->dy_cur + (size_t)t0 * m->d;
+    const void *dy_lp = m->dy_lp_cur ? rows_lp(m, m->dy_lp_cur, t0) : NULL;
     float *dxn = rows_f32(m, m->dxn, t0);
     lm_backend *be = m->be;
-    if (!ls->moe) return dense_ffn_backward(m, ls, rows_lp(m, xn_lp_all, t0), dy, dxn, n);
+    if (!ls->moe) return dense_ffn_backward(m, ls, rows_lp(m, xn_lp_all, t0), dy, dy_lp, dxn, n);
     /* the MoE's saved routing is that of its last forward: these tokens' */
     float *extra = NULL;
     if (m->cfg.balance == LM_BALANCE_AUX) {
@@ -1487,13 +1490,13 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
         extra = ls->dscores;
     }
     if (ls->moe_ep_fwd)
-        return be->ops->moe_backward_ep(be, dxn, &ls->moe_Gep, dy, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
+        return be->ops->moe_backward_ep(be, dxn, &ls->moe_Gep, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
                                         &ls->moe_PLep, ls->moe_acts, ls->moe_ep);
     if (m->n_gcuts)
         return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' gradients "
                         "(lm_model_keep_expert_grads): a backward follows a training forward, whose experts "
                         "run on their owners", (int)(ls - m->layers));
-    return be->ops->moe_backward(be, dxn, &ls->moe_G, dy, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+    return be->ops->moe_backward(be, dxn, &ls->moe_G, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
                                  ls->moe_acts);
 }
 
@@ -2107,11 +2110,12 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         if (m->replay && (idx % S == S - 1 || idx == m->L2 - 1)) TRY(replay_block(m, idx / S));
         if (op->attnres_output_grad) {
             /* a view of the state's accumulator: no zeroing, no copy */
-            TRY(op->attnres_output_grad(be, m->ar, idx, &m->dy_cur));
+            TRY(op->attnres_output_grad(be, m->ar, idx, &m->dy_cur, &m->dy_lp_cur));
         } else {
             TRY(be->zero(be, m->dy, (size_t)N * d * sizeof(float)));
             TRY(op->attnres_output_backward(be, m->ar, idx, m->dy));
             m->dy_cur = m->dy;
+            m->dy_lp_cur = NULL;
         }
         charge(m, LM_TIME_ATTNRES, &t0);
         const size_t norm_off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
@@ -2149,10 +2153,10 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
                                         &sg, m->dxn, &ls->mla_G, m->scratch));
             } else if (ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_backward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, &ls->kda_a, xn_lp,
-                                             m->dy_cur, m->B, m->T, m->dxn, m->scratch));
+                                             m->dy_cur, m->dy_lp_cur, m->B, m->T, m->dxn, m->scratch));
             else
-                TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy_cur, m->B, m->T,
-                                       m->dxn, &ls->mla_G, m->scratch));
+                TRY(lm_mla_backward_lp(&ls->mla_cfg, &ls->mla_P, &ls->mla_PL, xn_lp, ls->mla_acts, m->dy_cur,
+                                       m->dy_lp_cur, m->B, m->T, m->dxn, &ls->mla_G, m->scratch));
         } else {
             /* the channel mixer chunk by chunk: each chunk's forward again, then its backward */
             for (int64_t c0 = 0; c0 < N; c0 += m->chunk) {

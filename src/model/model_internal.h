@@ -126,6 +126,7 @@ struct lm_model {
     float *x0, *hin, *xn, *rstd, *hf, *hn, *rstd_final, *lse_rows, *target_logit, *row_scale;
     float *y, *dy, *dxn, *dh, *dx0, *dhn, *dhf, *logits, *scratch;
     const float *dy_cur; /* the backward's dLoss/dy_l: dy, or the AttnRes state's own accumulator */
+    const void *dy_lp_cur; /* dy_cur in the product format where the AttnRes state wrote it, else NULL */
     double *score_nll;   /* [N] evaluation's scores on a backend with memory of its own (else NULL) */
     int32_t *score_arg;  /* [N] */
     size_t scratch_floats;

@@ -472,10 +472,12 @@ static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const
     return lm_moe_forward(y, x, bias, cfg, p, acts, m);
 }
 
-static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
-                                  const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
-                                  const lm_moe_params *p_lp, void *acts) {
+static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                                  const void *dy_lp, const float *x, const float *dscores_extra,
+                                  const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                  void *acts) {
     (void)be;
+    (void)dy_lp;
     (void)p_lp;
     return lm_moe_backward(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts);
 }
@@ -513,9 +515,11 @@ static lm_status cpu_moe_forward_ep(lm_backend *be, float *y, const float *x, co
 }
 
 static lm_status cpu_moe_backward_ep(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
-                                     const float *x, const float *dscores_extra, const lm_moe_config *cfg,
-                                     const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, void *ep) {
+                                     const void *dy_lp, const float *x, const float *dscores_extra,
+                                     const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
+                                     void *acts, void *ep) {
     (void)be;
+    (void)dy_lp;
     (void)p_lp;
     return lm_moe_backward_ep(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts, ep);
 }

@@ -63,7 +63,8 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->n_blocks = (int)N;
         plan->n_history_sources = (int)H;
         plan->history = align_up(H * n * d * f) + align_up(H * n * f);
-        plan->history_grad = align_up(H * n * d * f);
+        /* the accumulators and the bf16 copy of the one that is the next output gradient */
+        plan->history_grad = align_up(H * n * d * f) + align_up(n * d * sizeof(uint16_t));
         const size_t slots = (size_t)attnres_partial_slots(c);
         plan->saved_partials = align_up(slots * n * d * f) + align_up(L * n * f);
         plan->saved_scores =
@@ -73,7 +74,8 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->param_grad = align_up(n_tb * d * f);
         const double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
-        plan->total_bytes_per_token = (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
+        plan->total_bytes_per_token = (double)(d * sizeof(uint16_t)) +
+                                      (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
                                                    (double)L + scores + (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores + plan->phase1 +
@@ -113,6 +115,8 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
         CARVE(st->hist, H * n * d * f);
         CARVE(st->hist_rstd, H * n * f);
         CARVE(st->dhist, H * n * d * f);
+        st->dy_lp = (uint16_t *)(void *)w;
+        w += align_up(n * d * sizeof(uint16_t));
         CARVE(st->partials, (size_t)attnres_partial_slots(c) * n * d * f);
         CARVE(st->partial_rstd, L * n * f);
         CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
@@ -121,6 +125,7 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
     }
 #undef CARVE
     st->step = -1;
+    st->dy_lp_for = -1;
     return LM_OK;
 }
 
@@ -209,6 +214,7 @@ extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_a
         return s;
     st->step = 0;
     st->replaying = 0;
+    st->dy_lp_for = -1;
     return LM_OK;
 }
 
@@ -361,13 +367,16 @@ extern "C" lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, 
     } else {
         /* the final reads every source: its dv initialise G_0..G_N (assign) */
         const attnres_sources src = sources_of(st, L, 1);
+        /* G_{1 + (L-1)/S}, the last block's, is complete: dLoss/dy_{L-1}, also in bf16 */
         if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, NULL, 1, p->query + (size_t)L * d,
                                          p->key_norm + (size_t)L * d,
                                          st->logits + attnres_logits_offset(L, st->S, L, n),
                                          st->lse + (size_t)L * n, dh, st->qpart,
                                          g && g->query ? g->query + (size_t)L * d : NULL,
-                                         g && g->key_norm ? g->key_norm + (size_t)L * d : NULL, n, d)))
+                                         g && g->key_norm ? g->key_norm + (size_t)L * d : NULL, st->dy_lp,
+                                         1 + (L - 1) / st->S, n, d)))
             return s;
+        st->dy_lp_for = L - 1;
     }
     st->step++;
     return LM_OK;
@@ -390,7 +399,7 @@ extern "C" lm_status lm_cuda_attnres_output_backward(const lm_cuda_context *ctx,
 }
 
 extern "C" lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
-                                                 const float **dy) {
+                                                 const float **dy, const void **dy_lp) {
     lm_status s = check_common(ctx, st, "lm_cuda_attnres_output_grad");
     if (s) return s;
     const int L = st->cfg.n_sublayers;
@@ -399,6 +408,7 @@ extern "C" lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_
     /* the accumulator lm_cuda_attnres_output_backward would add to dy */
     const size_t nd = nd_of(st);
     *dy = st->cfg.mode == LM_ATTNRES_STANDARD ? st->dhist : st->dhist + (size_t)(1 + l / st->S) * nd;
+    if (dy_lp) *dy_lp = st->cfg.mode != LM_ATTNRES_STANDARD && st->dy_lp_for == l ? st->dy_lp : NULL;
     st->step++;
     return LM_OK;
 }
@@ -421,13 +431,19 @@ extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, 
     } else {
         const int S = st->S, k = l / S;
         const attnres_sources src = sources_of(st, l, 1);
-        /* dP goes to G_{k+1}, the accumulator of the open block */
+        /* dP goes to G_{k+1}, the accumulator of the open block. This call
+         * completes dLoss/dy_{l-1} = G_{1 + (l-1)/S}: the partial's (source C
+         * = 1 + k) inside a block, at a block's first sublayer the last closed
+         * source's (k = C - 1); its bf16 copy comes with it */
+        const int next = l > 0 ? 1 + (l - 1) / S : -1;
         if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd, 0,
                                          p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
                                          st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh,
                                          st->qpart, g && g->query ? g->query + (size_t)l * d : NULL,
-                                         g && g->key_norm ? g->key_norm + (size_t)l * d : NULL, n, d)))
+                                         g && g->key_norm ? g->key_norm + (size_t)l * d : NULL,
+                                         next >= 0 ? st->dy_lp : NULL, next, n, d)))
             return s;
+        st->dy_lp_for = l - 1;
     }
     st->step++;
     return LM_OK;

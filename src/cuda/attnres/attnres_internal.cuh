@@ -43,10 +43,13 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
  * (the final layer, which reads every source, initialises the accumulators).
  * Parameter gradients: dw += g (.) q, dg += w (.) q with q = sum over tokens
  * and sources of ds_i r_i v_i, reduced through qpart [ceil(n/TOKEN_BLOCK), d];
- * dw, dg may be NULL. */
+ * dw, dg may be NULL. lp_out (may be NULL): [n,d] bf16, source lp_src's
+ * updated dv (dhist[lp_src], or dP when lp_src == C) rounded as the model's
+ * to_lp rounds: the next sublayer's output gradient in the product format,
+ * written while the row is in registers. */
 lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
                                   int assign, const float *w, const float *g, const float *logits,
                                   const float *lse, const float *dh, float *qpart, float *dw, float *dg,
-                                  int64_t n, int d);
+                                  uint16_t *lp_out, int lp_src, int64_t n, int d);
 
 #endif

@@ -26,6 +26,7 @@
 
 #include "cuda/attnres/attnres_internal.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/linear/linear_common.cuh"
 #include "longmoe/attnres_cuda.h"
 
 #define THREADS 256
@@ -43,8 +44,16 @@ template <int VEC> struct vec;
 template <> struct vec<1> {
     static __device__ __forceinline__ void load(float (&x)[1], const float *p) { x[0] = *p; }
     static __device__ __forceinline__ void store(float *p, const float (&x)[1]) { *p = x[0]; }
+    static __device__ __forceinline__ void store_bf16(uint16_t *p, const float (&x)[1]) { *p = lin_f32_to_bf16(x[0]); }
 };
 template <> struct vec<4> {
+    /* 4 bf16 (lin_f32_to_bf16: the bits of the model's to_lp) in one 8-byte store */
+    static __device__ __forceinline__ void store_bf16(uint16_t *p, const float (&x)[4]) {
+        uint2 r;
+        r.x = (uint32_t)lin_f32_to_bf16(x[0]) | ((uint32_t)lin_f32_to_bf16(x[1]) << 16);
+        r.y = (uint32_t)lin_f32_to_bf16(x[2]) | ((uint32_t)lin_f32_to_bf16(x[3]) << 16);
+        *reinterpret_cast<uint2 *>(p) = r;
+    }
     static __device__ __forceinline__ void load(float (&x)[4], const float *p) {
         const float4 t = *reinterpret_cast<const float4 *>(p);
         x[0] = t.x;
@@ -350,9 +359,10 @@ __device__ __forceinline__ void backward_coefficients(const float *r0, const flo
 template <int VEC>
 __global__ void __launch_bounds__(THREADS)
 backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
-                const float *logits, const float *lse, const float *dh, float *qpart, int64_t n, int d, int tpr,
-                int tb) {
+                const float *logits, const float *lse, const float *dh, float *qpart, uint16_t *lp_out, int lp_src,
+                int64_t n, int d, int tpr, int tb) {
     // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d); tb tokens a block
+    // lp_out (n,d) bf16: source lp_src's updated dv rounded (may be NULL)
     // shared: red [WARPS][Ns], coef [rows][Ns][3], pre [rows][2Ns+1], q [rows][d] (when qpart)
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
@@ -420,6 +430,7 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
 #pragma unroll
                     for (int j = 0; j < VEC; j++) o[j] += a * y[j] + k1 * u[j] - k2 * x[j];
                     vec<VEC>::store(dv + c, o);
+                    if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
                     /* q += ds_i xhat_i = k1_i v_i, while the row is loaded */
                     if (qpart) {
 #pragma unroll
@@ -610,9 +621,13 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
 lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
                                   int assign, const float *w, const float *g, const float *logits,
                                   const float *lse, const float *dh, float *qpart, float *dw, float *dg,
-                                  int64_t n, int d) {
-    const void *ptrs[7] = {src->hist, src->P, dhist, dP, w, g, dh};
-    const int VEC = pick_vec(d, ptrs, 7), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
+                                  uint16_t *lp_out, int lp_src, int64_t n, int d) {
+    const void *ptrs[8] = {src->hist, src->P, dhist, dP, w, g, dh, lp_out};
+    const int Ns_all = src->C + src->has_partial;
+    if (lp_out && (lp_src < 0 || lp_src >= Ns_all))
+        return lm_error(LM_ERR_ARG, "attnres cuda backward: bf16 copy of source %d of %d", lp_src, Ns_all);
+    /* 8-byte bf16 stores of 4 floats: lp_out 16-byte aligned keeps every row's start aligned (d % 4 == 0) */
+    const int VEC = pick_vec(d, ptrs, 8), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
     const int Ns = src->C + src->has_partial;
     const int want_q = dw || dg;
     float *qp = want_q ? qpart : NULL;
@@ -624,11 +639,11 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
     if (VEC == 4) {
         if ((s = allow_shared((const void *)backward_kernel<4>, shared))) return s;
         backward_kernel<4><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, n, d, tpr, tb);
+                                                                        dh, qp, lp_out, lp_src, n, d, tpr, tb);
     } else {
         if ((s = allow_shared((const void *)backward_kernel<1>, shared))) return s;
         backward_kernel<1><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, n, d, tpr, tb);
+                                                                        dh, qp, lp_out, lp_src, n, d, tpr, tb);
     }
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {

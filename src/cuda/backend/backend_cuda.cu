@@ -625,13 +625,13 @@ static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, cons
                                &a->acts, m);
 }
 
-static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy, const float *x,
-                                   const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
+static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
+                                   const void *dy_lp, const float *x, const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
                                    const lm_moe_params *p_lp, void *acts) {
     cuda_moe *a = (cuda_moe *)acts;
     if (!a || !cfg || !p || !p_lp || !g) return lm_error(LM_ERR_ARG, "moe_backward: acts, cfg, p, p_lp or g is NULL");
     lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
-    return lm_cuda_moe_backward(ctx_of(be), dx, g, dy, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch);
+    return lm_cuda_moe_backward(ctx_of(be), dx, g, dy, (const uint16_t *)dy_lp, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch);
 }
 
 /* expert parallelism: moe_ep.cu's exchange over a device engine */
@@ -675,13 +675,13 @@ static lm_status cuda_moe_forward_ep(lm_backend *be, float *y, const float *x, c
 }
 
 static lm_status cuda_moe_backward_ep(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
-                                      const float *x, const float *dscores_extra, const lm_moe_config *cfg,
+                                      const void *dy_lp, const float *x, const float *dscores_extra, const lm_moe_config *cfg,
                                       const lm_moe_params *p, const lm_moe_params *p_lp, void *acts, void *ep) {
     cuda_moe *a = (cuda_moe *)acts;
     if (!a || !cfg || !p || !p_lp || !g || !ep)
         return lm_error(LM_ERR_ARG, "moe_backward_ep: acts, cfg, p, p_lp, g or ep is NULL");
     lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
-    return lm_cuda_moe_backward_ep(ctx_of(be), dx, g, dy, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch,
+    return lm_cuda_moe_backward_ep(ctx_of(be), dx, g, dy, (const uint16_t *)dy_lp, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch,
                                    (lm_cuda_moe_ep *)ep);
 }
 
@@ -1032,8 +1032,8 @@ static lm_status cuda_ar_final_backward(lm_backend *be, void *s, const lm_attnre
 static lm_status cuda_ar_output_backward(lm_backend *be, void *s, int l, float *dy) {
     return lm_cuda_attnres_output_backward(ctx_of(be), AR(s), l, dy);
 }
-static lm_status cuda_ar_output_grad(lm_backend *be, void *s, int l, const float **dy) {
-    return lm_cuda_attnres_output_grad(ctx_of(be), AR(s), l, dy);
+static lm_status cuda_ar_output_grad(lm_backend *be, void *s, int l, const float **dy, const void **dy_lp) {
+    return lm_cuda_attnres_output_grad(ctx_of(be), AR(s), l, dy, dy_lp);
 }
 static lm_status cuda_ar_input_backward(lm_backend *be, void *s, int l, const lm_attnres_params *p, const float *dh,
                                         lm_attnres_grads *g) {

@@ -510,7 +510,7 @@ extern "C" lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y
 }
 
 static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g, const float *dy,
-                               const float *x, const float *dscores_extra, const lm_moe_config *c,
+                               const uint16_t *dy_given, const float *x, const float *dscores_extra, const lm_moe_config *c,
                                const lm_moe_params *pf, const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
                                lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
     // dy, x, dx are (m,d) fp32; dscores_extra (m,n); grads fp32 with the parameters' shapes
@@ -537,15 +537,16 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     int n = c->n_experts, k = c->top_k, d = c->d, de = expert_width(c), dl = c->d_latent;
     int ns = c->n_shared, fs = c->d_ff_shared;
 
-    if (s->dy_bf16) {
-        TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
-    }
+    /* dy in bf16 for the products: the caller's copy, else converted into the scratch */
+    const void *dy_bf16 = s->dy_bf16;
+    if (dy_bf16 && dy_given) dy_bf16 = dy_given;
+    else if (dy_bf16) TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
     /* shared experts */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        TRY(gemm(r, LM_GEMM_NN, s->dy_bf16, d, pb->shared_down + wo, fs, NULL, s->dsh, fs, 0, m, fs, d));
+        TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->shared_down + wo, fs, NULL, s->dsh, fs, 0, m, fs, d));
         if (g->shared_down)
-            TRY(gemm(r, LM_GEMM_TN, s->dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
+            TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
         TRY(glu_backward(st, s->dsa, s->dsu, s->dsh, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m,
                          fs, (int)c->act));
         if (dx) {
@@ -561,8 +562,8 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     /* gradient of z */
     const float *dz = dy;
     if (dl > 0) {
-        TRY(gemm(r, LM_GEMM_NN, s->dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
-        if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, s->dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
+        TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
+        if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
         rmsnorm_backward_kernel<<<blocks_for(m, 8), 256, 0, st>>>(s->dz, s->dzn, a->z, pf->lat_norm, a->rstd, m, dl);
         LM_CUDA_TRY(cudaGetLastError());
         if (g->lat_norm) {
@@ -608,19 +609,19 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
 }
 
 extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
-                                          const float *dy, const float *x, const float *dscores_extra,
+                                          const float *dy, const uint16_t *dy_bf16, const float *x, const float *dscores_extra,
                                           const lm_moe_config *c, const lm_moe_params *pf,
                                           const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
                                           lm_cuda_moe_scratch *s) {
-    return backward_impl(ctx, dx, g, dy, x, dscores_extra, c, pf, pb, a, s, NULL);
+    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, NULL);
 }
 
 extern "C" lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
-                                             const float *dy, const float *x, const float *dscores_extra,
+                                             const float *dy, const uint16_t *dy_bf16, const float *x, const float *dscores_extra,
                                              const lm_moe_config *c, const lm_moe_params *pf,
                                              const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
                                              lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
     if (!ep) return lm_error(LM_ERR_ARG, "moe cuda backward_ep: ep is NULL");
     TRY(lm_moe_ep_check_config(ep, c));
-    return backward_impl(ctx, dx, g, dy, x, dscores_extra, c, pf, pb, a, s, ep);
+    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, ep);
 }
