@@ -247,6 +247,21 @@ static lm_status ledger_add(lm_model *m, size_t bytes, const char *fmt, ...) {
  * in the ledger and returns the floats of the block; with the block it points
  * the model's buffers into it (the same order, the same sizes). Every buffer
  * starts on a 64-byte boundary (PAD16 floats): GPU kernels move 16 bytes at a time. */
+/* Whether sublayer idx reads its normalised input in fp32: where the product
+ * format is a separate copy (bf16 on the GPU) only the MoE does (its fp32
+ * router); the mixers and the dense FFN read the copy alone. */
+static int xn_f32_needed(const lm_model *m, int idx) {
+    return !m->sep || (idx % 2 == 1 && lm_config_is_moe(&m->cfg, idx / 2));
+}
+
+/* The fp32 normalised inputs kept without recompute: one per sublayer that
+ * reads them (xn_f32_needed), of the first `upto` sublayers. */
+static int xn_slots(const lm_model *m, int upto) {
+    int k = 0;
+    for (int i = 0; i < upto; i++) k += xn_f32_needed(m, i);
+    return k;
+}
+
 static size_t plan_activations(lm_model *m, float *base) {
     const lm_config *cfg = &m->cfg;
     const int64_t N = m->N, C = m->chunk;
@@ -257,7 +272,7 @@ static size_t plan_activations(lm_model *m, float *base) {
      * the backward recomputes each sublayer's forward from its saved input;
      * the normalised input is recomputed too, and with recompute_chunk the
      * input itself (from the residual state) */
-    const size_t n_xn = cfg->recompute ? 1 : (size_t)L2, n_hin = m->lean_hin ? 1 : (size_t)L2;
+    const size_t n_xn = cfg->recompute ? 1 : (size_t)xn_slots(m, L2), n_hin = m->lean_hin ? 1 : (size_t)L2;
 #define CARVE(ptr, n, ...)                                                       \
     do {                                                                         \
         size_t n_ = (n);                                                         \
@@ -267,7 +282,9 @@ static size_t plan_activations(lm_model *m, float *base) {
     } while (0)
     CARVE(m->hin, n_hin * N * d, n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
     CARVE(m->xn, n_xn * N * d,
-          n_xn > 1 ? "xn: normalised sublayer inputs [2L,N,d]" : "xn: normalised sublayer input [N,d] (recomputed)");
+          cfg->recompute ? "xn: normalised sublayer input [N,d] (recomputed)"
+          : m->sep       ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
+                         : "xn: normalised sublayer inputs [2L,N,d]");
     CARVE(m->rstd, (size_t)L2 * N, "rstd: sublayer norms' 1/rms [2L,N]");
     CARVE(m->hf, (size_t)N * d, "hf: final residual [N,d]");
     CARVE(m->hn, (size_t)N * d, "hn: final norm [N,d]");
@@ -1341,7 +1358,9 @@ static lm_attnres_params attnres_params(const lm_model *m) {
 }
 
 /* Token rows [t0, t0 + n) of an (N, d) buffer, fp32 or in the product format. */
-static float *rows_f32(const lm_model *m, const float *x, int64_t t0) { return (float *)x + (size_t)t0 * m->d; }
+static float *rows_f32(const lm_model *m, const float *x, int64_t t0) {
+    return x ? (float *)x + (size_t)t0 * m->d : NULL;
+}
 static void *rows_lp(const lm_model *m, const void *x, int64_t t0) {
     return (char *)x + (size_t)t0 * m->d * m->be->lp_bytes;
 }
@@ -1630,7 +1649,8 @@ static void *xn_lp_of(const lm_model *m, int idx) {
  * (the normalised input) and recompute_chunk (the input), else one per sublayer. */
 static float *hin_of(const lm_model *m, int idx) { return m->hin + (m->lean_hin ? 0 : (size_t)idx * m->N * m->d); }
 static float *xn_of(const lm_model *m, int idx) {
-    return m->xn + (m->cfg.recompute ? 0 : (size_t)idx * m->N * m->d);
+    if (!xn_f32_needed(m, idx)) return NULL;
+    return m->xn + (m->cfg.recompute ? 0 : (size_t)xn_slots(m, idx) * m->N * m->d);
 }
 
 /* Under context parallelism every rank must reach the same collectives: the
