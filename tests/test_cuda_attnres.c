@@ -25,6 +25,7 @@
 #include "longmoe/attnres.h"
 #include "longmoe/attnres_cuda.h"
 #include "longmoe/cuda_context.h"
+#include "longmoe/linear.h"
 #include "test.h"
 #include "test_cuda.h"
 
@@ -450,6 +451,181 @@ static void test_register_forward_equals_generic_bitwise(void) {
     }
 }
 
+/* The sublayer input with its RMSNorm in one pass each way (lm_cuda_attnres_input_norm,
+ * _recompute_input_norm, _input_norm_backward) against the CPU's AttnRes followed by the
+ * CPU's RMSNorm (linear.h), forward and backward, from random norm weights and random norm
+ * output gradients: xn (fp32 and bf16), 1/rms, every output gradient, the embedding's, the
+ * query's, key norm's and norm weights' gradients; and bit-identical on a second run. */
+static void norm_case(lm_attnres_mode mode, int S, int L, int64_t n, int d, uint64_t seed) {
+    problem p = make_problem(mode, S, L, n, d, seed);
+    char name[96];
+    case_name(&p.cfg, name, sizeof name);
+    CHECK(lm_cuda_attnres_norm_fusable(&p.cfg), "%s: not fusable", name);
+    const size_t nd = p.nd, ld = (size_t)L * d;
+    lm_rng r;
+    lm_rng_seed(&r, seed + 99);
+    float *nw = mallocCheck(ld * 4), *dxn = mallocCheck((size_t)L * nd * 4), *dnw0 = mallocCheck(ld * 4);
+    for (size_t i = 0; i < ld; i++) nw[i] = (float)(1.0 + 0.3 * lm_rng_normal(&r));
+    fill_normal(dxn, (size_t)L * nd, &r, 1.0, 0.0, 0);
+    fill_normal(dnw0, ld, &r, 0.01, 0.0, 0);
+    /* the CPU: input, norm; norm backward into dh, input backward */
+    float *xn_c = mallocCheck((size_t)L * nd * 4), *rs_c = mallocCheck((size_t)L * n * 4);
+    float *dnw_c = mallocCheck(ld * 4), *dy_c = mallocCheck((size_t)L * nd * 4), *dh = mallocCheck(nd * 4);
+    float *hs = mallocCheck((size_t)L * nd * 4), *hf = mallocCheck(nd * 4);
+    float *gq_c = mallocCheck(p.pd * 4), *gk_c = mallocCheck(p.pd * 4), *demb_c = mallocCheck(nd * 4);
+    memcpy(dnw_c, dnw0, ld * 4);
+    memcpy(gq_c, p.gq0, p.pd * 4);
+    memcpy(gk_c, p.gk0, p.pd * 4);
+    memcpy(demb_c, p.demb0, nd * 4);
+    memset(dy_c, 0, (size_t)L * nd * 4);
+    int ok = 1;
+    {
+        lm_attnres_memory_plan plan;
+        STEP_OK(lm_attnres_memory(&p.cfg, &plan));
+        void *ws = aligned_alloc(64, (plan.total + 63) / 64 * 64);
+        lm_attnres_state st;
+        STEP_OK(lm_attnres_init(&st, &p.cfg, ws, plan.total));
+        lm_attnres_params prm = {p.query, p.key_norm};
+        lm_attnres_grads g = {gq_c, gk_c};
+        STEP_OK(lm_attnres_begin(&st, p.emb));
+        for (int l = 0; l < L; l++) {
+            STEP_OK(lm_attnres_input(&st, l, &prm, hs + (size_t)l * nd));
+            lm_rmsnorm_forward(xn_c + (size_t)l * nd, rs_c + (size_t)l * n, hs + (size_t)l * nd, nw + (size_t)l * d, n,
+                               d, 1e-5f);
+            STEP_OK(lm_attnres_add_output(&st, l, p.y + (size_t)l * nd));
+        }
+        STEP_OK(lm_attnres_final(&st, &prm, hf));
+        STEP_OK(lm_attnres_final_backward(&st, &prm, p.dh_final, &g));
+        for (int l = L - 1; l >= 0; l--) {
+            STEP_OK(lm_attnres_output_backward(&st, l, dy_c + (size_t)l * nd));
+            memset(dh, 0, nd * 4);
+            lm_rmsnorm_backward(dh, dnw_c + (size_t)l * d, dxn + (size_t)l * nd, hs + (size_t)l * nd,
+                                nw + (size_t)l * d, rs_c + (size_t)l * n, n, d, 1e-5f);
+            STEP_OK(lm_attnres_input_backward(&st, l, &prm, dh, &g));
+        }
+        STEP_OK(lm_attnres_embedding_backward(&st, demb_c));
+        free(ws);
+    }
+    /* the GPU, twice */
+    float *xn_g[2] = {0}, *rs_g[2] = {0}, *rec_g[2] = {0}, *dnw_g[2] = {0}, *dy_g[2] = {0}, *gq_g[2] = {0};
+    float *gk_g[2] = {0}, *demb_g[2] = {0};
+    uint16_t *xb_g[2] = {0};
+    for (int run = 0; run < 2 && ok; run++) {
+        lm_attnres_memory_plan plan;
+        STEP_OK(lm_cuda_attnres_memory(&p.cfg, &plan));
+        void *ws = NULL;
+        STEP_OK(lm_cuda_alloc(&ws, plan.total));
+        lm_cuda_attnres_state st;
+        STEP_OK(lm_cuda_attnres_init(&st, &p.cfg, ws, plan.total));
+        float *emb = dev_upload(p.emb, nd), *y = dev_upload(p.y, (size_t)L * nd), *dhf = dev_upload(p.dh_final, nd);
+        float *q = dev_upload(p.query, p.pd), *k = dev_upload(p.key_norm, p.pd), *gq = dev_upload(p.gq0, p.pd);
+        float *gk = dev_upload(p.gk0, p.pd), *dnw = dev_upload(dnw0, ld), *nwd = dev_upload(nw, ld);
+        float *dxd = dev_upload(dxn, (size_t)L * nd), *demb = dev_upload(p.demb0, nd), *hfd = dev_upload(NULL, nd);
+        float *xn = dev_upload(NULL, (size_t)L * nd), *rs = dev_upload(NULL, (size_t)L * n);
+        float *rec = dev_upload(NULL, (size_t)L * nd), *rrs = dev_upload(NULL, n);
+        uint16_t *xb = (uint16_t *)dev_alloc((size_t)L * nd * 2);
+        lm_attnres_params prm = {q, k};
+        lm_attnres_grads g = {gq, gk};
+        CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
+        STEP_OK(lm_cuda_attnres_begin(&ctx, &st, emb));
+        for (int l = 0; l < L; l++) {
+            lm_cuda_attnres_norm nm = {nwd + (size_t)l * d, 1e-5f, xn + (size_t)l * nd, xb + (size_t)l * nd,
+                                       rs + (size_t)l * n};
+            STEP_OK(lm_cuda_attnres_input_norm(&ctx, &st, l, &prm, &nm));
+            STEP_OK(lm_cuda_attnres_add_output(&ctx, &st, l, y + (size_t)l * nd));
+        }
+        STEP_OK(lm_cuda_attnres_final(&ctx, &st, &prm, hfd));
+        STEP_OK(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dhf, &g));
+        dy_g[run] = mallocCheck((size_t)L * nd * 4);
+        for (int l = L - 1; l >= 0 && ok; l--) {
+            const float *G = NULL;
+            STEP_OK(lm_cuda_attnres_output_grad(&ctx, &st, l, &G, NULL));
+            STEP_OK(lm_cuda_context_sync(&ctx));
+            if (!ok) break;
+            dev_download(dy_g[run] + (size_t)l * nd, G, nd);
+            /* the backward's recomputation of the normalised input (fp32 only) */
+            lm_cuda_attnres_norm rn = {nwd + (size_t)l * d, 1e-5f, rec + (size_t)l * nd, NULL, rrs};
+            STEP_OK(lm_cuda_attnres_recompute_input_norm(&ctx, &st, l, &rn));
+            lm_cuda_attnres_norm_grad ng = {nwd + (size_t)l * d, rs + (size_t)l * n, dxd + (size_t)l * nd,
+                                            dnw + (size_t)l * d};
+            STEP_OK(lm_cuda_attnres_input_norm_backward(&ctx, &st, l, &prm, &ng, &g));
+        }
+        STEP_OK(lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
+        STEP_OK(lm_cuda_context_sync(&ctx));
+        xn_g[run] = mallocCheck((size_t)L * nd * 4);
+        rs_g[run] = mallocCheck((size_t)L * n * 4);
+        rec_g[run] = mallocCheck((size_t)L * nd * 4);
+        dnw_g[run] = mallocCheck(ld * 4);
+        gq_g[run] = mallocCheck(p.pd * 4);
+        gk_g[run] = mallocCheck(p.pd * 4);
+        demb_g[run] = mallocCheck(nd * 4);
+        xb_g[run] = mallocCheck((size_t)L * nd * 2);
+        dev_download(xn_g[run], xn, (size_t)L * nd);
+        dev_download(rs_g[run], rs, (size_t)L * n);
+        dev_download(rec_g[run], rec, (size_t)L * nd);
+        dev_download(dnw_g[run], dnw, ld);
+        dev_download(gq_g[run], gq, p.pd);
+        dev_download(gk_g[run], gk, p.pd);
+        dev_download(demb_g[run], demb, nd);
+        if (lm_cuda_download(xb_g[run], xb, (size_t)L * nd * 2) != LM_OK) dieAt("download: %s", lm_last_error());
+        float *bufs[] = {emb, y, dhf, q, k, gq, gk, dnw, nwd, dxd, demb, hfd, xn, rs, rec, rrs, (float *)xb};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) lm_cuda_free(bufs[i]);
+        lm_cuda_free(ws);
+    }
+    if (ok) {
+        const double tol = 2e-5;
+        double e, worst = 0;
+        const double es[] = {increment_error(xn_g[0], xn_c, NULL, (size_t)L * nd),
+                             increment_error(rs_g[0], rs_c, NULL, (size_t)L * n),
+                             increment_error(rec_g[0], xn_c, NULL, (size_t)L * nd),
+                             increment_error(dy_g[0], dy_c, NULL, (size_t)L * nd),
+                             increment_error(demb_g[0], demb_c, p.demb0, nd),
+                             increment_error(gq_g[0], gq_c, p.gq0, p.pd),
+                             increment_error(gk_g[0], gk_c, p.gk0, p.pd),
+                             increment_error(dnw_g[0], dnw_c, dnw0, ld)};
+        static const char *const what[] = {"xn", "1/rms", "recomputed xn", "output gradients", "d embedding",
+                                           "d query", "d key_norm", "d norm weight"};
+        for (int i = 0; i < 8; i++) {
+            e = es[i];
+            CHECK(e <= tol, "%s: %s relative error %.3g (bound %.0e)", name, what[i], e, tol);
+            worst = fmax(worst, e);
+        }
+        size_t bad = 0;
+        for (size_t i = 0; i < (size_t)L * nd; i++) bad += xb_g[0][i] != lm_f32_to_bf16(xn_g[0][i]);
+        CHECK(bad == 0, "%s: %zu bf16 xn values are not the fp32 xn rounded", name, bad);
+        CHECK(increment_error(dnw_c, dnw0, NULL, ld) > 0, "%s: the norm weights' gradient did not change", name);
+        CHECK(!memcmp(xn_g[0], xn_g[1], (size_t)L * nd * 4) && !memcmp(rs_g[0], rs_g[1], (size_t)L * n * 4) &&
+                  !memcmp(dy_g[0], dy_g[1], (size_t)L * nd * 4) && !memcmp(dnw_g[0], dnw_g[1], ld * 4) &&
+                  !memcmp(gq_g[0], gq_g[1], p.pd * 4) && !memcmp(gk_g[0], gk_g[1], p.pd * 4) &&
+                  !memcmp(demb_g[0], demb_g[1], nd * 4),
+              "%s: the input with its norm differs between two runs", name);
+        printf("  %s, input with its norm: worst relative error %.3g\n", name, worst);
+    } else {
+        CHECK(0, "%s: a call failed", name);
+    }
+    for (int run = 0; run < 2; run++) {
+        free(xn_g[run]), free(rs_g[run]), free(rec_g[run]), free(dnw_g[run]), free(dy_g[run]);
+        free(gq_g[run]), free(gk_g[run]), free(demb_g[run]), free(xb_g[run]);
+    }
+    free(nw), free(dxn), free(dnw0), free(xn_c), free(rs_c), free(dnw_c), free(dy_c), free(dh), free(hs);
+    free(hf), free(gq_c), free(gk_c), free(demb_c);
+    free_problem(&p);
+}
+
+static void test_input_with_its_norm_matches_the_cpu(void) {
+    norm_case(LM_ATTNRES_BLOCK, 3, 8, 37, 96, 41);
+    norm_case(LM_ATTNRES_BLOCK, 4, 10, 70, 1024, 42);
+    norm_case(LM_ATTNRES_FULL, 1, 6, 29, 100, 43);
+    norm_case(LM_ATTNRES_BLOCK, 8, 12, 50, 256, 44);
+    /* what cannot take it is said so */
+    lm_attnres_config wide = {LM_ATTNRES_BLOCK, 8, 4, 2048, 10, 1e-6f, 0, 0};
+    lm_attnres_config many = {LM_ATTNRES_FULL, 12, 1, 64, 10, 1e-6f, 0, 0};
+    lm_attnres_config standard = {LM_ATTNRES_STANDARD, 8, 4, 64, 10, 1e-6f, 0, 0};
+    CHECK(!lm_cuda_attnres_norm_fusable(&wide) && !lm_cuda_attnres_norm_fusable(&many) &&
+              !lm_cuda_attnres_norm_fusable(&standard),
+          "a width over 1024, more than 8 sources or the standard residual taken as fusable");
+}
+
 static void test_memory_plan_matches_cpu_buffers(void) {
     /* the GPU keeps the CPU's history, gradients, partials and scores; no two-phase buffers */
     const lm_attnres_mode modes[] = {LM_ATTNRES_STANDARD, LM_ATTNRES_BLOCK, LM_ATTNRES_FULL};
@@ -458,7 +634,9 @@ static void test_memory_plan_matches_cpu_buffers(void) {
             lm_attnres_config c = {modes[m], 12, S, 96, 333, 1e-6f, 1, 0};
             lm_attnres_memory_plan a, b;
             CHECK(lm_attnres_memory(&c, &a) == LM_OK && lm_cuda_attnres_memory(&c, &b) == LM_OK, "plans");
-            CHECK(a.history == b.history && a.history_grad == b.history_grad &&
+            /* the GPU's gradient part also holds the bf16 copy of the next output gradient [n,d] */
+            const size_t lp = modes[m] == LM_ATTNRES_STANDARD ? 0 : ((size_t)333 * 96 * 2 + 63) / 64 * 64;
+            CHECK(a.history == b.history && a.history_grad + lp == b.history_grad &&
                       a.saved_partials == b.saved_partials && a.saved_scores == b.saved_scores &&
                       a.n_blocks == b.n_blocks && a.n_history_sources == b.n_history_sources,
                   "mode %d S %d: shared buffers differ", (int)modes[m], S);
@@ -514,6 +692,7 @@ int main(void) {
     RUN(test_block_modes_match_cpu_and_repeat_bitwise);
     RUN(test_full_mode_matches_cpu_and_repeats_bitwise);
     RUN(test_standard_mode_matches_cpu_and_repeats_bitwise);
+    RUN(test_input_with_its_norm_matches_the_cpu);
     printf("worst relative error over all cases: %.3g (bound %.0e)\n", worst_error, TOL);
     lm_cuda_context_destroy(&ctx);
     return test_summary();

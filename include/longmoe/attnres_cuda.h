@@ -69,6 +69,7 @@ typedef struct {
     float *logits;       /* sum over layers of [n, n_sources_l] */
     float *lse;          /* [L+1, n] */
     float *qpart;        /* [ceil(n / TOKEN_BLOCK), d] parameter-gradient partial sums */
+    float *npart;        /* [ceil(n / TOKEN_BLOCK), d] the fused norm weight's gradient partial sums */
     uint16_t *dy_lp;     /* [n, d] bf16: the next output gradient in the product format (block and full) */
     int dy_lp_for;       /* the sublayer whose dLoss/dy dy_lp holds; -1: none */
     int step;            /* position in the call sequence (as in the CPU state) */
@@ -102,6 +103,44 @@ lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_attnres_stat
 lm_status lm_cuda_attnres_replay_block(lm_cuda_attnres_state *st, int k);
 lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx, const lm_cuda_attnres_state *st, int l,
                                           float *h);
+
+/* ---- a sublayer's input and its RMSNorm in one pass (docs/attnres.md) ----
+ * Whether cfg's sublayers can take them (block or full AttnRes, d % 4 == 0,
+ * d <= 1024, at most 8 sources a sublayer; LONGMOE_ATTNRES_NORM=separate: no). */
+int lm_cuda_attnres_norm_fusable(const lm_attnres_config *cfg);
+
+/* The norm after the input: out = h / rms(h) (.) weight (weight may be NULL:
+ * 1), rms = sqrt(mean h^2 + eps), into out [n,d] and/or out_bf16 [n,d] (either
+ * may be NULL, not both), 1/rms into rstd [n]. */
+typedef struct {
+    const float *weight;
+    float eps;
+    float *out;
+    uint16_t *out_bf16;
+    float *rstd;
+} lm_cuda_attnres_norm;
+
+/* lm_cuda_attnres_input(l) followed by the norm, h itself not written (the
+ * same place in the call order). */
+lm_status lm_cuda_attnres_input_norm(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                     const lm_attnres_params *p, const lm_cuda_attnres_norm *norm);
+/* lm_cuda_attnres_recompute_input(l) followed by the norm (l < L). */
+lm_status lm_cuda_attnres_recompute_input_norm(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                               const lm_cuda_attnres_norm *norm);
+
+/* The backward of that pair from dout, the norm's output gradient [n,d]: the
+ * norm's backward on h formed again from the saved scores, with the forward's
+ * rstd, then lm_cuda_attnres_input_backward(l) (its place in the call order);
+ * dweight (may be NULL) [d] += the norm weight's gradient. */
+typedef struct {
+    const float *weight;
+    const float *rstd;
+    const float *dout;
+    float *dweight;
+} lm_cuda_attnres_norm_grad;
+lm_status lm_cuda_attnres_input_norm_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                              const lm_attnres_params *p, const lm_cuda_attnres_norm_grad *ng,
+                                              lm_attnres_grads *g);
 
 /* ---- backward (after lm_cuda_attnres_final, in reverse order) ---- */
 lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,

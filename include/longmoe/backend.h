@@ -329,6 +329,23 @@ typedef struct {
     lm_status (*attnres_input_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
                                         const float *dh, lm_attnres_grads *g);
     lm_status (*attnres_embedding_backward)(lm_backend *be, void *state, float *dembedding);
+    /* optional, all three or none (NULL: the model runs attnres_input or
+     * attnres_recompute_input, then rmsnorm_forward; rmsnorm_backward_set,
+     * then attnres_input_backward): sublayer l's input and its RMSNorm in
+     * one pass each way, h never stored. norm_fusable: whether cfg's
+     * sublayers can take them (asked once, for the memory plan). input_norm:
+     * xn = h / rms(h) (.) norm_w (xn may be NULL), xn_lp the same in the
+     * product format, rstd [n] = 1/rms(h); recompute = 1: h again from the
+     * saved scores (attnres_recompute_input's place; p unused).
+     * input_norm_backward: from dxn, the norm's output gradient, with the
+     * forward's rstd; dnorm_w [d] accumulates; attnres_input_backward's place */
+    int (*attnres_norm_fusable)(const lm_attnres_config *cfg);
+    lm_status (*attnres_input_norm)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
+                                    const float *norm_w, float eps, float *xn, void *xn_lp, float *rstd,
+                                    int recompute);
+    lm_status (*attnres_input_norm_backward)(lm_backend *be, void *state, int l, const lm_attnres_params *p,
+                                             const float *dxn, const float *norm_w, const float *rstd,
+                                             float *dnorm_w, lm_attnres_grads *g);
 
     /* bytes of scratch the backend itself takes for the KDA operator and for
      * attention at these shapes (either may be NULL): 0 where the model passes

@@ -272,7 +272,8 @@ static size_t plan_activations(lm_model *m, float *base) {
      * the backward recomputes each sublayer's forward from its saved input;
      * the normalised input is recomputed too, and with recompute_chunk the
      * input itself (from the residual state) */
-    const size_t n_xn = cfg->recompute ? 1 : (size_t)xn_slots(m, L2), n_hin = m->lean_hin ? 1 : (size_t)L2;
+    const size_t n_xn = cfg->recompute ? 1 : (size_t)xn_slots(m, L2),
+                 n_hin = m->fuse_norm ? 0 : m->lean_hin ? 1 : (size_t)L2;
 #define CARVE(ptr, n, ...)                                                       \
     do {                                                                         \
         size_t n_ = (n);                                                         \
@@ -280,7 +281,9 @@ static size_t plan_activations(lm_model *m, float *base) {
         else (void)ledger_add(m, PAD16(n_) * sizeof(float), __VA_ARGS__);        \
         off += PAD16(n_);                                                        \
     } while (0)
-    CARVE(m->hin, n_hin * N * d, n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
+    if (n_hin)
+        CARVE(m->hin, n_hin * N * d,
+              n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
     CARVE(m->xn, n_xn * N * d,
           cfg->recompute ? "xn: normalised sublayer input [N,d] (recomputed)"
           : m->sep       ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
@@ -680,6 +683,14 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     m->L2 = 2 * cfg->n_layers;
     const int64_t d = cfg->d_model, V = cfg->vocab_size, N = m->N;
     T = m->T;
+    /* each sublayer's AttnRes input with its RMSNorm in one pass where the backend offers it:
+     * then no sublayer input is stored (docs/attnres.md, "The input with its norm") */
+    if (cfg->residual != LM_RESIDUAL_STANDARD && m->be->ops->attnres_norm_fusable &&
+        m->be->ops->attnres_input_norm && m->be->ops->attnres_input_norm_backward) {
+        lm_attnres_config fc = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N, cfg->norm_eps, 1,
+                                0};
+        m->fuse_norm = m->be->ops->attnres_norm_fusable(&fc);
+    }
     m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers);
     if (!m->layers) {
         st = lm_error(LM_ERR_MEMORY, "out of memory creating the model");
@@ -1647,7 +1658,10 @@ static void *xn_lp_of(const lm_model *m, int idx) {
 
 /* Sublayer idx's input and normalised input: one buffer each with recompute
  * (the normalised input) and recompute_chunk (the input), else one per sublayer. */
-static float *hin_of(const lm_model *m, int idx) { return m->hin + (m->lean_hin ? 0 : (size_t)idx * m->N * m->d); }
+static float *hin_of(const lm_model *m, int idx) {
+    if (m->fuse_norm) return NULL;
+    return m->hin + (m->lean_hin ? 0 : (size_t)idx * m->N * m->d);
+}
 static float *xn_of(const lm_model *m, int idx) {
     if (!xn_f32_needed(m, idx)) return NULL;
     return m->xn + (m->cfg.recompute ? 0 : (size_t)xn_slots(m, idx) * m->N * m->d);
@@ -1668,6 +1682,32 @@ static lm_status cp_agree(lm_model *m, lm_status st, lm_status other, const char
     return LM_OK;
 }
 
+/* Sublayer idx's input from the residual state and its RMSNorm: xn (fp32,
+ * NULL where no op reads it: xn_of), xn_lp, the norm's 1/rms; hin receives
+ * the input unless the backend runs both in one pass (m->fuse_norm).
+ * recompute = 1: in the backward, from the saved scores (hin: recompute_chunk's
+ * one buffer, else the forward's stored input). */
+static lm_status sublayer_input(lm_model *m, int idx, const lm_attnres_params *arp, float *hin, float *xn,
+                                void *xn_lp, int recompute, double *t0) {
+    lm_backend *be = m->be;
+    const lm_ops *op = be->ops;
+    const layer_state *ls = &m->layers[idx / 2];
+    const float *w = par_at(m, idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
+    float *rstd = m->rstd + (size_t)idx * m->N;
+    if (m->fuse_norm) {
+        TRY(op->attnres_input_norm(be, m->ar, idx, arp, w, m->cfg.norm_eps, xn, m->sep ? xn_lp : NULL, rstd,
+                                   recompute));
+        charge(m, LM_TIME_ATTNRES, t0);
+        return LM_OK;
+    }
+    if (!recompute) TRY(op->attnres_input(be, m->ar, idx, arp, hin));
+    else if (m->lean_hin) TRY(op->attnres_recompute_input(be, m->ar, idx, hin));
+    charge(m, LM_TIME_ATTNRES, t0);
+    TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, rstd, hin, w, m->N, m->d, m->cfg.norm_eps));
+    charge(m, LM_TIME_NORMS, t0);
+    return LM_OK;
+}
+
 /* The sublayers of a forward, with the residual state between them (run_layers_forward). */
 static lm_status run_sublayers(lm_model *m, int training, int defer, const lm_attnres_params *ap, double *tp) {
     const int64_t N = m->N;
@@ -1680,12 +1720,7 @@ static lm_status run_sublayers(lm_model *m, int training, int defer, const lm_at
         layer_state *ls = &m->layers[idx / 2];
         float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
         void *xn_lp = xn_lp_of(m, idx);
-        TRY(op->attnres_input(be, m->ar, idx, &arp, hin));
-        charge(m, LM_TIME_ATTNRES, &t0);
-        const float *w = par_at(m, idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
-        TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, w, N, d,
-                                m->cfg.norm_eps));
-        charge(m, LM_TIME_NORMS, &t0);
+        TRY(sublayer_input(m, idx, &arp, hin, xn, xn_lp, 0, &t0));
         /* under context parallelism the ranks agree after every sublayer, so a
          * failing rank leaves none waiting in the next token mixer */
         lm_status ss = sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0);
@@ -2011,8 +2046,7 @@ lm_status lm_model_token_logprobs(const lm_model *m, float *logp) {
 static lm_status replay_block(lm_model *m, int k) {
     lm_backend *be = m->be;
     const lm_ops *op = be->ops;
-    const int64_t N = m->N;
-    const int d = m->d, S = m->cfg.attnres_block;
+    const int S = m->cfg.attnres_block;
     const int last = (k + 1) * S - 1 < m->L2 - 1 ? (k + 1) * S - 1 : m->L2 - 1;
     lm_attnres_params arp = attnres_params(m);
     double t0 = time_start(m);
@@ -2021,12 +2055,7 @@ static lm_status replay_block(lm_model *m, int k) {
         layer_state *ls = &m->layers[l / 2];
         float *hin = hin_of(m, l), *xn = xn_of(m, l);
         void *xn_lp = xn_lp_of(m, l);
-        TRY(op->attnres_input(be, m->ar, l, &arp, hin));
-        charge(m, LM_TIME_ATTNRES, &t0);
-        const float *w = par_at(m, l % 2 ? ls->ffn_norm_off : ls->mixer_norm_off);
-        TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)l * N, hin, w, N, d,
-                                m->cfg.norm_eps));
-        charge(m, LM_TIME_NORMS, &t0);
+        TRY(sublayer_input(m, l, &arp, hin, xn, xn_lp, 0, &t0));
         TRY(sublayer_forward(m, ls, l, xn, xn_lp, m->y, 0, 1));
         charge(m, sublayer_part(ls, l), &t0);
         TRY(op->attnres_add_output(be, m->ar, l, m->y));
@@ -2140,15 +2169,9 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         charge(m, LM_TIME_ATTNRES, &t0);
         const size_t norm_off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
         if (m->cfg.recompute) {
-            /* the sublayer's input again (recompute_chunk: from the residual
+            /* the sublayer's input again (recompute_chunk, or with its norm: from the residual
              * state), then its normalised input: the forward's own op on it */
-            if (m->lean_hin) {
-                TRY(op->attnres_recompute_input(be, m->ar, idx, hin));
-                charge(m, LM_TIME_ATTNRES, &t0);
-            }
-            TRY(op->rmsnorm_forward(be, xn, m->sep ? xn_lp : NULL, m->rstd + (size_t)idx * N, hin, par_at(m, norm_off), N,
-                                    d, eps));
-            charge(m, LM_TIME_NORMS, &t0);
+            TRY(sublayer_input(m, idx, &arp, hin, xn, xn_lp, 1, &t0));
         }
         TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
@@ -2185,10 +2208,15 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             }
         }
         charge(m, sublayer_part(ls, idx), &t0);
-        TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
-                                     m->rstd + (size_t)idx * N, N, d, eps));
-        charge(m, LM_TIME_NORMS, &t0);
-        TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
+        if (m->fuse_norm) {
+            TRY(op->attnres_input_norm_backward(be, m->ar, idx, &arp, m->dxn, par_at(m, norm_off),
+                                                m->rstd + (size_t)idx * N, grad_at(m, norm_off), &arg));
+        } else {
+            TRY(op->rmsnorm_backward_set(be, m->dh, grad_at(m, norm_off), m->dxn, hin, par_at(m, norm_off),
+                                         m->rstd + (size_t)idx * N, N, d, eps));
+            charge(m, LM_TIME_NORMS, &t0);
+            TRY(op->attnres_input_backward(be, m->ar, idx, &arp, m->dh, &arg));
+        }
         charge(m, LM_TIME_ATTNRES, &t0);
         /* the sublayer's norm and tensors are done (the AttnRes rows are not: every sublayer writes its own) */
         if (idx % 2) TRY(grads_final(m, ls->ffn_norm_off, layer_end(m, idx / 2), &t0));

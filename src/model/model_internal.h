@@ -175,6 +175,7 @@ struct lm_model {
     struct lm_backend plan_be; /* the plan's backend: its device, product format and ops */
     int64_t chunk;           /* tokens per chunk of the dense FFN and MoE (N: not chunked) */
     int lean_hin;            /* one sublayer input buffer, recomputed from the residual state */
+    int fuse_norm;           /* the backend runs each sublayer's AttnRes input with its RMSNorm (no input buffer) */
     int replay;              /* the residual state keeps one block's partial sums: the backward replays each block */
     /* sequence segments (train.seq_segment < T): the layers run on tokens
      * [seg_t0, seg_t0 + T) of every row; B, T, N above are the current

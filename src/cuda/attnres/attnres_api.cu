@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cuda_runtime.h>
@@ -71,12 +72,13 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
             align_up(attnres_logits_offset((int)L + 1, S, (int)L, (int64_t)n) * f) + align_up((L + 1) * n * f);
         plan->phase1 = 0;  /* direct softmax per sublayer: no accumulators */
         plan->queries = 0; /* u = w (.) g is formed inside the kernels */
-        plan->param_grad = align_up(n_tb * d * f);
+        /* the query's and key norm's partial sums, and the fused norm's weight gradient's */
+        plan->param_grad = 2 * align_up(n_tb * d * f);
         const double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
         plan->total_bytes_per_token = (double)(d * sizeof(uint16_t)) +
                                       (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
-                                                   (double)L + scores + (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
+                                                   (double)L + scores + 2.0 * (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores + plan->phase1 +
                   plan->queries + plan->param_grad;
@@ -122,6 +124,7 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
         CARVE(st->logits, attnres_logits_offset((int)L + 1, st->S, (int)L, (int64_t)n) * f);
         CARVE(st->lse, (L + 1) * n * f);
         CARVE(st->qpart, n_tb * d * f);
+        CARVE(st->npart, n_tb * d * f);
     }
 #undef CARVE
     st->step = -1;
@@ -244,6 +247,48 @@ extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_a
     return LM_OK;
 }
 
+extern "C" int lm_cuda_attnres_norm_fusable(const lm_attnres_config *c) {
+    if (!c || check_config(c) != LM_OK || c->mode == LM_ATTNRES_STANDARD) return 0;
+    const char *e = getenv("LONGMOE_ATTNRES_NORM");
+    if (e && !strcmp(e, "separate")) return 0;
+    if (e && *e && strcmp(e, "fused")) {
+        static int warned = 0;
+        if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES_NORM=%s ignored: use fused or separate\n", e);
+        warned = 1;
+    }
+    const int S = attnres_effective_block(c), L = c->n_sublayers;
+    int most = 0;
+    for (int l = 0; l < L; l++) {
+        const int ns = attnres_n_sources_of(l, S, L);
+        most = ns > most ? ns : most;
+    }
+    return attnres_norm_fusable(c->d, most);
+}
+
+extern "C" lm_status lm_cuda_attnres_input_norm(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                const lm_attnres_params *p, const lm_cuda_attnres_norm *norm) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_norm");
+    if (s) return s;
+    if ((s = expect(st, 2 * l, "lm_cuda_attnres_input_norm", l))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_input_norm"))) return s;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm: standard residual mode has no scores");
+    if (!norm || !norm->rstd || (!norm->out && !norm->out_bf16))
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm(l = %d): rstd and an output are "
+                        "required", l);
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d, L = st->cfg.n_sublayers, S = st->S, pos = l % S;
+    const attnres_sources src = sources_of(st, l, 0);
+    float *P_save = pos > 0 ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd_of(st) : NULL;
+    if ((s = attnres_launch_forward_norm(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
+                                         p->key_norm + (size_t)l * d, st->logits + attnres_logits_offset(l, S, L, n),
+                                         st->lse + (size_t)l * n, 0, norm->weight, norm->out, norm->out_bf16,
+                                         norm->rstd, n, d, st->cfg.eps, norm->eps)))
+        return s;
+    st->step++;
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                                 const float *y) {
     lm_status s = check_common(ctx, st, "lm_cuda_attnres_add_output");
@@ -347,6 +392,31 @@ extern "C" lm_status lm_cuda_attnres_recompute_input(const lm_cuda_context *ctx,
                                   st->cfg.d, st->cfg.eps);
 }
 
+extern "C" lm_status lm_cuda_attnres_recompute_input_norm(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                                          int l, const lm_cuda_attnres_norm *norm) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_recompute_input_norm");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input_norm: standard residual mode "
+                        "keeps no per-sublayer state");
+    if (l < 0 || l >= L)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input_norm: layer %d outside [0, L = %d)",
+                        l, L);
+    if (!scores_intact(st, l))
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input_norm(l = %d) is available from "
+                        "that layer's forward until its backward", l);
+    if (!norm || !norm->rstd || (!norm->out && !norm->out_bf16))
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_recompute_input_norm(l = %d): rstd and an output "
+                        "are required", l);
+    const int64_t n = st->cfg.n_tokens;
+    const attnres_sources src = sources_of(st, l, 1);
+    return attnres_launch_forward_norm(stream_of(ctx), &src, NULL, NULL, NULL,
+                                       st->logits + attnres_logits_offset(l, st->S, L, n), st->lse + (size_t)l * n, 1,
+                                       norm->weight, norm->out, norm->out_bf16, norm->rstd, n, st->cfg.d,
+                                       st->cfg.eps, norm->eps);
+}
+
 /* ---- backward ---- */
 
 extern "C" lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
@@ -445,6 +515,39 @@ extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, 
             return s;
         st->dy_lp_for = l - 1;
     }
+    st->step++;
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_input_norm_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
+                                                         int l, const lm_attnres_params *p,
+                                                         const lm_cuda_attnres_norm_grad *ng, lm_attnres_grads *g) {
+    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_norm_backward");
+    if (s) return s;
+    const int L = st->cfg.n_sublayers;
+    if ((s = expect(st, 2 * L + 3 + 2 * (L - 1 - l), "lm_cuda_attnres_input_norm_backward", l))) return s;
+    if ((s = check_params(st, p, "lm_cuda_attnres_input_norm_backward"))) return s;
+    if (st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm_backward: standard residual mode has no "
+                        "scores");
+    if (!ng || !ng->dout || !ng->rstd)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm_backward(l = %d): dout and rstd are "
+                        "required", l);
+    const int64_t n = st->cfg.n_tokens;
+    const int d = st->cfg.d, S = st->S, k = l / S;
+    const size_t nd = nd_of(st);
+    const attnres_sources src = sources_of(st, l, 1);
+    /* as lm_cuda_attnres_input_backward: dP into G_{k+1}; dLoss/dy_{l-1} completed, with its bf16 copy */
+    const int next = l > 0 ? 1 + (l - 1) / S : -1;
+    if ((s = attnres_launch_backward_norm(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd,
+                                          p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
+                                          st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n,
+                                          ng->dout, ng->weight, ng->rstd, st->qpart, st->npart,
+                                          g && g->query ? g->query + (size_t)l * d : NULL,
+                                          g && g->key_norm ? g->key_norm + (size_t)l * d : NULL, ng->dweight,
+                                          next >= 0 ? st->dy_lp : NULL, next, n, d)))
+        return s;
+    st->dy_lp_for = l - 1;
     st->step++;
     return LM_OK;
 }

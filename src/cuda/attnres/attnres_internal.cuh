@@ -52,4 +52,28 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
                                   const float *lse, const float *dh, float *qpart, float *dw, float *dg,
                                   uint16_t *lp_out, int lp_src, int64_t n, int d);
 
+/* Whether a sublayer's input and its RMSNorm run as one kernel each way
+ * (forward_norm_kernel, backward_norm_kernel): d % 4 == 0, d <= 1024, at
+ * most max_sources <= 8 sources a sublayer (the rows are held in registers). */
+int attnres_norm_fusable(int d, int max_sources);
+
+/* The forward of one AttnRes layer (attnres_launch_forward's arguments but h)
+ * with the RMSNorm of its h: xn = h / rms(h) (.) nw (nw may be NULL: 1) into
+ * xn [n,d] (may be NULL) and xn_bf16 [n,d] (may be NULL), 1/rms(h) into
+ * nrstd [n]; h is not written. */
+lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources *src, float *P_save, const float *w,
+                                      const float *g, float *logits, float *lse, int from_saved, const float *nw,
+                                      float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d, float eps,
+                                      float neps);
+
+/* The backward of that pair (attnres_launch_backward's arguments, assign 0)
+ * from dxn [n,d], the norm's output gradient, its weight nw and the forward's
+ * nrstd; h is formed again from the saved scores. dnw (may be NULL) [d] +=
+ * the norm weight's gradient, reduced through npart [ceil(n/TOKEN_BLOCK), d]. */
+lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
+                                       const float *w, const float *g, const float *logits, const float *lse,
+                                       const float *dxn, const float *nw, const float *nrstd, float *qpart,
+                                       float *npart, float *dw, float *dg, float *dnw, uint16_t *lp_out, int lp_src,
+                                       int64_t n, int d);
+
 #endif

@@ -307,6 +307,131 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
     vec<VEC>::store(h + row + c, acc);
 }
 
+/* d floats of a parameter row at p + c, 16-byte loads where p allows them
+ * (p + c has p's alignment: c is a multiple of 4); else one at a time. */
+template <int VEC>
+__device__ __forceinline__ void load_param(float (&x)[VEC], const float *p, int c) {
+    if (VEC == 4 && ((uintptr_t)p & 15) == 0) {
+        vec<VEC>::load(x, p + c);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) x[j] = p[c + j];
+    }
+}
+
+/* ---- the sublayer's input and its RMSNorm in one pass (docs/attnres.md) ----
+ * The forward_regs_kernel's rows (or, from_saved, the weights exp(s_i - lse)
+ * of the saved scores), then h's 1/rms and the normalised row
+ * xn = (h r) (.) nw into xn (fp32, may be NULL) and xn_bf16 (may be NULL),
+ * r into nrstd; h itself is not written. */
+template <int VEC, int MAXS>
+__global__ void __launch_bounds__(THREADS)
+forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
+                    int from_saved, const float *nw, float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d,
+                    float eps, float neps, int tpr) {
+    // shared: red [WARPS][Ns+1], coef [rows][Ns], rs [rows][Ns], red2 [WARPS]
+    extern __shared__ float smem[];
+    const int C = src.C, Ns = C + src.has_partial;
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
+    float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
+    float *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
+    float *red2 = smem + WARPS * (Ns + 1) + 2 * rows * Ns;
+    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const int c = lane_g * VEC;
+    const bool active = t < n, mine = active && c < d;
+    const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
+
+    if (active && !from_saved) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
+    float x[MAXS][VEC];
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        if (mine) {
+            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+            vec<VEC>::load(x[i], v + c);
+            if (i == C && P_save && !from_saved) vec<VEC>::store(P_save + row + c, x[i]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
+        }
+    }
+    if (!from_saved) {
+        float wv[VEC], gv[VEC];
+        if (mine) {
+            load_param<VEC>(wv, w, c);
+            load_param<VEC>(gv, g, c);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
+        }
+        /* pass 1 as forward_regs_kernel's */
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const bool is_P = i == C;
+            float dot = 0.0f, ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                dot += (wv[j] * gv[j]) * x[i][j];
+                ss += x[i][j] * x[i][j];
+            }
+            dot = warp_sum(dot);
+            if (is_P) ss = warp_sum(ss);
+            if (lane == 0) {
+                red[warp * (Ns + 1) + i] = dot;
+                if (is_P) red[warp * (Ns + 1) + Ns] = ss;
+            }
+        }
+        __syncthreads();
+    }
+    if (active && lane_g == 0) {
+        float *lrow = logits + (size_t)t * Ns;
+        if (from_saved) {
+            const float m = lse[t];
+            for (int i = 0; i < Ns; i++) coef[i] = expf(lrow[i] - m);
+        } else {
+            source_weights(src, red + (size_t)group * wpg * (Ns + 1), rs, wpg, C, Ns, t, d, eps, lrow, coef, lse);
+        }
+    }
+    __syncthreads();
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+    if (mine) {
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const float a = coef[i];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) acc[j] += a * x[i][j];
+        }
+    }
+    /* the norm: 1/rms of h over the row group's warps, in order */
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; j++) ss += acc[j] * acc[j];
+    ss = warp_sum(ss);
+    if (lane == 0) red2[warp] = ss;
+    __syncthreads();
+    if (!mine) return;
+    float tot = 0.0f;
+    for (int k = 0; k < wpg; k++) tot += red2[group * wpg + k];
+    const float r = 1.0f / sqrtf(tot / (float)d + neps);
+    if (lane_g == 0) nrstd[t] = r;
+    float wn[VEC];
+    if (nw) {
+        load_param<VEC>(wn, nw, c);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; j++) acc[j] = acc[j] * r * wn[j];
+    if (xn) vec<VEC>::store(xn + row + c, acc);
+    if (xn_bf16) vec<VEC>::store_bf16(xn_bf16 + row + c, acc);
+}
+
 /* ---- backward of one AttnRes layer ---- */
 
 /* One row's saved logits s_i, the sources' 1/rms r_i and lse into pre
@@ -447,6 +572,213 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
         float s = 0.0f;
         for (int k = 0; k < rows; k++) s += q_all[(size_t)k * d + c];
         qpart[(size_t)blockIdx.x * d + c] = s;
+    }
+}
+
+/* The backward of the sublayer's input and its RMSNorm in one kernel, from
+ * dxn, the norm's output gradient, with h = sum_i a_i v_i formed again from
+ * the saved scores (a_i = exp(s_i - lse), the coefficients' own a_i) in
+ * registers: with g = nw (.) dxn, D = g . h and r the saved 1/rms,
+ *   dh = r g - (r^3 D / d) h,   da_i = dh . v_i = r (g . v_i) - (r^3 D / d) (h . v_i),
+ * so one pass reduces g . v_i, h . v_i and D together; the second forms dh
+ * and updates every dv_i as backward_kernel does. The norm weight's gradient
+ * sum_t dxn (.) h r goes, like q, through per-block partials npart. Rows held
+ * in registers: d <= tpr * VEC, Ns <= MAXS. */
+template <int VEC, int MAXS>
+__global__ void __launch_bounds__(THREADS, MAXS <= 4 ? 3 : 2)
+backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
+                     const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
+                     float *qpart, float *npart, uint16_t *lp_out, int lp_src, int64_t n, int d, int tpr, int tb) {
+    // shared: red [WARPS][2Ns+1], coef [rows][Ns][3], pre [rows][2Ns+1], nrm [rows][2], q [rows][d], nq [rows][d]
+    extern __shared__ float smem[];
+    const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
+    const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
+    float *red = smem, *coef = smem + WARPS * R + group * Ns * 3;
+    float *pre = smem + WARPS * R + rows * Ns * 3 + group * R;
+    float *nrm = smem + WARPS * R + rows * Ns * 3 + rows * R + group * 2;
+    float *q_all = smem + WARPS * R + rows * Ns * 3 + rows * R + rows * 2, *nq_all = q_all + (size_t)rows * d;
+    const size_t nd = (size_t)n * d;
+    const int c = lane_g * VEC;
+    const int64_t t0 = (int64_t)blockIdx.x * tb;
+    const int64_t t1 = t0 + tb < n ? t0 + tb : n;
+    float u[VEC], wn[VEC], qacc[VEC], nacc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) u[j] = wn[j] = qacc[j] = nacc[j] = 0.0f;
+    if (c < d) {
+        float wv[VEC], gv[VEC];
+        load_param<VEC>(wv, w, c);
+        load_param<VEC>(gv, g, c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) u[j] = wv[j] * gv[j];
+        if (nw) {
+            load_param<VEC>(wn, nw, c);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
+        }
+    }
+
+    for (int64_t base = t0; base < t1; base += rows) {
+        const int64_t t = base + group;
+        const bool active = t < t1, mine = active && c < d;
+        const size_t row = active ? (size_t)t * d : 0;
+        if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
+        float x[MAXS][VEC], a[MAXS], h[VEC], gq[VEC], dx[VEC];
+        const float lt = active ? lse[t] : 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            a[i] = active ? expf(logits[(size_t)t * Ns + i] - lt) : 0.0f;
+            if (mine) {
+                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+                vec<VEC>::load(x[i], v + c);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
+            }
+        }
+        if (mine) {
+            vec<VEC>::load(dx, dxn + row + c);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) dx[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            h[j] = 0.0f;
+            gq[j] = wn[j] * dx[j];
+        }
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+#pragma unroll
+            for (int j = 0; j < VEC; j++) h[j] += a[i] * x[i][j];
+        }
+        /* pass 1: g . v_i, h . v_i and D = g . h */
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            float pg = 0.0f, ph = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                pg += gq[j] * x[i][j];
+                ph += h[j] * x[i][j];
+            }
+            pg = warp_sum(pg);
+            ph = warp_sum(ph);
+            if (lane == 0) {
+                red[warp * R + i] = pg;
+                red[warp * R + Ns + i] = ph;
+            }
+        }
+        {
+            float pd = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VEC; j++) pd += gq[j] * h[j];
+            pd = warp_sum(pd);
+            if (lane == 0) red[warp * R + 2 * Ns] = pd;
+        }
+        __syncthreads();
+        if (active && lane_g == 0) {
+            /* da_i from the sums, then backward_coefficients' arithmetic on them */
+            const float *r0 = red + (size_t)group * wpg * R;
+            const float r = nrstd[t];
+            float D = 0.0f;
+            for (int k = 0; k < wpg; k++) D += r0[k * R + 2 * Ns];
+            const float c2 = r * r * r * D / (float)d;
+            const float *lrow = pre, *rr = pre + Ns;
+            const float l_t = pre[2 * Ns];
+            float c0 = 0.0f;
+            for (int i = 0; i < Ns; i++) {
+                float pg = 0.0f, ph = 0.0f;
+                for (int k = 0; k < wpg; k++) {
+                    pg += r0[k * R + i];
+                    ph += r0[k * R + Ns + i];
+                }
+                const float da = r * pg - c2 * ph;
+                const float ai = expf(lrow[i] - l_t);
+                coef[3 * i] = ai;
+                coef[3 * i + 1] = da;
+                c0 += ai * da;
+            }
+            for (int i = 0; i < Ns; i++) {
+                const float ai = coef[3 * i], da = coef[3 * i + 1], sc = lrow[i];
+                const float rs = rr[i];
+                const float ds = ai * (da - c0);
+                coef[3 * i + 1] = ds * rs;
+                coef[3 * i + 2] = ds * rs * rs * sc / (float)d;
+            }
+            nrm[0] = r;
+            nrm[1] = c2;
+        }
+        __syncthreads();
+        if (mine) {
+            const float r = nrm[0], c2 = nrm[1];
+            float y[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) {
+                y[j] = r * gq[j] - c2 * h[j];
+                nacc[j] += dx[j] * (h[j] * r);
+            }
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                const bool is_P = i == C;
+                float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
+                const float ai = coef[3 * i], k1 = coef[3 * i + 1], k2 = coef[3 * i + 2];
+                float o[VEC];
+                if (assign && !is_P) {
+#pragma unroll
+                    for (int j = 0; j < VEC; j++) o[j] = 0.0f;
+                } else {
+                    vec<VEC>::load(o, dv + c);
+                }
+#pragma unroll
+                for (int j = 0; j < VEC; j++) o[j] += ai * y[j] + k1 * u[j] - k2 * x[i][j];
+                vec<VEC>::store(dv + c, o);
+                if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
+#pragma unroll
+                for (int j = 0; j < VEC; j++) qacc[j] += k1 * x[i][j];
+            }
+        }
+        /* no barrier needed after pass 2: the next round writes red and pre before its first barrier,
+         * which this round's readers of them passed (the second), and coef and nrm after it */
+    }
+    /* this block's partial sums of q and of the norm weight's gradient: its row groups in order */
+    if (c < d) {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            q_all[(size_t)group * d + c + j] = qacc[j];
+            nq_all[(size_t)group * d + c + j] = nacc[j];
+        }
+    }
+    __syncthreads();
+    for (int cc = threadIdx.x; cc < d; cc += THREADS) {
+        float sq = 0.0f, sn = 0.0f;
+        for (int k = 0; k < rows; k++) {
+            sq += q_all[(size_t)k * d + cc];
+            sn += nq_all[(size_t)k * d + cc];
+        }
+        if (qpart) qpart[(size_t)blockIdx.x * d + cc] = sq;
+        npart[(size_t)blockIdx.x * d + cc] = sn;
+    }
+}
+
+/* out[c] += sum over blocks b of part[b][c], in param_grad_kernel's order. */
+__global__ void __launch_bounds__(THREADS) column_sum_add_kernel(const float *part, int64_t n_tb, int d, float *out) {
+    __shared__ float sums[WARPS][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    const int c = blockIdx.x * 32 + tx;
+    float s = 0.0f;
+    if (c < d)
+        for (int64_t b = ty; b < n_tb; b += WARPS) s += part[(size_t)b * d + c];
+    sums[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && c < d) {
+        float q = 0.0f;
+        for (int k = 0; k < WARPS; k++) q += sums[k][tx];
+        out[c] += q;
     }
 }
 
@@ -648,6 +980,78 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {
         param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(qpart, n_tb, d, w, g, dw, dg);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    return LM_OK;
+}
+
+int attnres_norm_fusable(int d, int max_sources) { return d > 0 && d % 4 == 0 && d <= THREADS * 4 && max_sources <= 8; }
+
+lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources *src, float *P_save, const float *w,
+                                      const float *g, float *logits, float *lse, int from_saved, const float *nw,
+                                      float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d, float eps,
+                                      float neps) {
+    const int Ns = src->C + src->has_partial;
+    if (!attnres_norm_fusable(d, Ns))
+        return lm_error(LM_ERR_ARG, "attnres cuda: the input with its norm needs d %% 4 == 0, d <= %d and at most 8 "
+                        "sources (d %d, %d sources)", THREADS * 4, d, Ns);
+    const void *ptrs[4] = {src->hist, src->P, P_save, xn};
+    if (pick_vec(d, ptrs, 4) != 4 || ((uintptr_t)xn_bf16 & 7))
+        return lm_error(LM_ERR_ARG, "attnres cuda: the input with its norm needs 16-byte aligned rows");
+    const int tpr = threads_per_row(d, 4), rows = THREADS / tpr;
+    const size_t shared = (size_t)(WARPS * (Ns + 1) + 2 * rows * Ns + WARPS) * sizeof(float);
+    const unsigned grid = grid_of(n, rows);
+    lm_status s;
+#define AR_NORM(M)                                                                                                \
+    do {                                                                                                          \
+        if ((s = allow_shared((const void *)forward_norm_kernel<4, M>, shared))) return s;                        \
+        forward_norm_kernel<4, M><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, from_saved, \
+                                                                    nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr); \
+    } while (0)
+    if (Ns <= 4) AR_NORM(4);
+    else AR_NORM(8);
+#undef AR_NORM
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
+                                       const float *w, const float *g, const float *logits, const float *lse,
+                                       const float *dxn, const float *nw, const float *nrstd, float *qpart,
+                                       float *npart, float *dw, float *dg, float *dnw, uint16_t *lp_out, int lp_src,
+                                       int64_t n, int d) {
+    const int Ns = src->C + src->has_partial;
+    if (!attnres_norm_fusable(d, Ns))
+        return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs d %% 4 == 0, d <= %d and "
+                        "at most 8 sources (d %d, %d sources)", THREADS * 4, d, Ns);
+    if (lp_out && (lp_src < 0 || lp_src >= Ns))
+        return lm_error(LM_ERR_ARG, "attnres cuda backward: bf16 copy of source %d of %d", lp_src, Ns);
+    const void *ptrs[5] = {src->hist, src->P, dhist, dP, dxn};
+    if (pick_vec(d, ptrs, 5) != 4 || ((uintptr_t)lp_out & 7))
+        return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs 16-byte aligned rows");
+    const int tpr = threads_per_row(d, 4), rows = THREADS / tpr, R = 2 * Ns + 1;
+    const size_t shared = (size_t)(WARPS * R + rows * Ns * 3 + rows * R + rows * 2 + 2 * rows * d) * sizeof(float);
+    const int tb = backward_token_block();
+    const int64_t n_tb = (n + tb - 1) / tb;
+    const int want_q = dw || dg;
+    lm_status s;
+#define AR_NORM_B(M)                                                                                              \
+    do {                                                                                                          \
+        if ((s = allow_shared((const void *)backward_norm_kernel<4, M>, shared))) return s;                       \
+        backward_norm_kernel<4, M><<<(unsigned)n_tb, THREADS, shared, stream>>>(                                  \
+            *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
+            n, d, tpr, tb);                                                                                       \
+    } while (0)
+    if (Ns <= 4) AR_NORM_B(4);
+    else AR_NORM_B(8);
+#undef AR_NORM_B
+    LM_CUDA_TRY(cudaGetLastError());
+    if (want_q) {
+        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(qpart, n_tb, d, w, g, dw, dg);
+        LM_CUDA_TRY(cudaGetLastError());
+    }
+    if (dnw) {
+        column_sum_add_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(npart, n_tb, d, dnw);
         LM_CUDA_TRY(cudaGetLastError());
     }
     return LM_OK;

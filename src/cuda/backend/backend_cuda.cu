@@ -1042,6 +1042,18 @@ static lm_status cuda_ar_input_backward(lm_backend *be, void *s, int l, const lm
 static lm_status cuda_ar_embedding_backward(lm_backend *be, void *s, float *de) {
     return lm_cuda_attnres_embedding_backward(ctx_of(be), AR(s), de);
 }
+static lm_status cuda_ar_input_norm(lm_backend *be, void *s, int l, const lm_attnres_params *p, const float *norm_w,
+                                    float eps, float *xn, void *xn_lp, float *rstd, int recompute) {
+    lm_cuda_attnres_norm nm = {norm_w, eps, xn, (uint16_t *)xn_lp, rstd};
+    if (recompute) return lm_cuda_attnres_recompute_input_norm(ctx_of(be), AR(s), l, &nm);
+    return lm_cuda_attnres_input_norm(ctx_of(be), AR(s), l, p, &nm);
+}
+static lm_status cuda_ar_input_norm_backward(lm_backend *be, void *s, int l, const lm_attnres_params *p,
+                                             const float *dxn, const float *norm_w, const float *rstd, float *dnorm_w,
+                                             lm_attnres_grads *g) {
+    lm_cuda_attnres_norm_grad ng = {norm_w, rstd, dxn, dnorm_w};
+    return lm_cuda_attnres_input_norm_backward(ctx_of(be), AR(s), l, p, &ng, g);
+}
 #undef AR
 
 /* ---- checks ---- */
@@ -1182,6 +1194,9 @@ static lm_ops make_cuda_ops(void) {
     o.attnres_output_grad = cuda_ar_output_grad;
     o.attnres_input_backward = cuda_ar_input_backward;
     o.attnres_embedding_backward = cuda_ar_embedding_backward;
+    o.attnres_norm_fusable = lm_cuda_attnres_norm_fusable;
+    o.attnres_input_norm = cuda_ar_input_norm;
+    o.attnres_input_norm_backward = cuda_ar_input_norm_backward;
     o.find_nonfinite = cuda_find_nonfinite;
     o.sum_squares = cuda_sum_squares;
     o.scale = cuda_scale;
