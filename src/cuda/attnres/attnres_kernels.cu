@@ -329,13 +329,12 @@ __global__ void __launch_bounds__(THREADS)
 forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
                     int from_saved, const float *nw, float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d,
                     float eps, float neps, int tpr) {
-    // shared: red [WARPS][Ns+1], coef [rows][Ns], rs [rows][Ns], red2 [WARPS]
+    // shared: red [WARPS][Ns+1], (unused) [rows][Ns], rs [rows][Ns], red2 [WARPS]
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red = smem, *coef = smem + WARPS * (Ns + 1) + group * Ns;
-    float *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
+    float *red = smem, *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
     float *red2 = smem + WARPS * (Ns + 1) + 2 * rows * Ns;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
     const int c = lane_g * VEC;
@@ -385,16 +384,55 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
         }
         __syncthreads();
     }
-    if (active && lane_g == 0) {
+    /* every thread of the row forms the weights itself (source_weights' arithmetic, so the logits and
+     * lse its first thread writes are the ones every thread used): no barrier before h */
+    float wt[MAXS];
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
+    if (active) {
         float *lrow = logits + (size_t)t * Ns;
         if (from_saved) {
             const float m = lse[t];
-            for (int i = 0; i < Ns; i++) coef[i] = expf(lrow[i] - m);
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                wt[i] = expf(lrow[i] - m);
+            }
         } else {
-            source_weights(src, red + (size_t)group * wpg * (Ns + 1), rs, wpg, C, Ns, t, d, eps, lrow, coef, lse);
+            const float *r0 = red + (size_t)group * wpg * (Ns + 1);
+            float m = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                float dot = 0.0f;
+                for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
+                float r;
+                if (i < C) {
+                    r = rs[i];
+                } else {
+                    float ss = 0.0f;
+                    for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
+                    r = 1.0f / sqrtf(ss / (float)d + eps);
+                    if (lane_g == 0) src.P_rstd[t] = r;
+                }
+                wt[i] = r * dot;
+                if (lane_g == 0) lrow[i] = wt[i];
+                m = fmaxf(m, wt[i]);
+            }
+            float Z = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                Z += expf(wt[i] - m);
+            }
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                wt[i] = expf(wt[i] - m) / Z;
+            }
+            if (lane_g == 0) lse[t] = m + logf(Z);
         }
     }
-    __syncthreads();
     float acc[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
@@ -402,9 +440,8 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             if (i >= Ns) break;
-            const float a = coef[i];
 #pragma unroll
-            for (int j = 0; j < VEC; j++) acc[j] += a * x[i][j];
+            for (int j = 0; j < VEC; j++) acc[j] += wt[i] * x[i][j];
         }
     }
     /* the norm: 1/rms of h over the row group's warps, in order */
@@ -589,15 +626,12 @@ __global__ void __launch_bounds__(THREADS, MAXS <= 4 ? 3 : 2)
 backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                      const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
                      float *qpart, float *npart, uint16_t *lp_out, int lp_src, int64_t n, int d, int tpr, int tb) {
-    // shared: red [WARPS][2Ns+1], coef [rows][Ns][3], pre [rows][2Ns+1], nrm [rows][2], q [rows][d], nq [rows][d]
+    // shared: red [2][WARPS][2Ns+1], pre [2][rows][2Ns+1] (by round parity), q [rows][d], nq [rows][d]
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red = smem, *coef = smem + WARPS * R + group * Ns * 3;
-    float *pre = smem + WARPS * R + rows * Ns * 3 + group * R;
-    float *nrm = smem + WARPS * R + rows * Ns * 3 + rows * R + group * 2;
-    float *q_all = smem + WARPS * R + rows * Ns * 3 + rows * R + rows * 2, *nq_all = q_all + (size_t)rows * d;
+    float *q_all = smem + 2 * WARPS * R + 2 * rows * R, *nq_all = q_all + (size_t)rows * d;
     const size_t nd = (size_t)n * d;
     const int c = lane_g * VEC;
     const int64_t t0 = (int64_t)blockIdx.x * tb;
@@ -619,16 +653,22 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         }
     }
 
-    for (int64_t base = t0; base < t1; base += rows) {
+    int parity = 0;
+    for (int64_t base = t0; base < t1; base += rows, parity ^= 1) {
+        /* red and pre alternate between rounds: a thread a round ahead writes the other copy, and
+         * one two rounds ahead has passed the round between's barrier, which every reader of this
+         * round's copy reached only after reading it */
+        float *red = smem + parity * WARPS * R, *pre = smem + 2 * WARPS * R + (parity * rows + group) * R;
         const int64_t t = base + group;
         const bool active = t < t1, mine = active && c < d;
         const size_t row = active ? (size_t)t * d : 0;
         if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
         float x[MAXS][VEC], a[MAXS], h[VEC], gq[VEC], dx[VEC];
-        const float lt = active ? lse[t] : 0.0f;
+        const float lt = active ? lse[t] : 0.0f, r = active ? nrstd[t] : 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
-            if (i >= Ns) break;
+            a[i] = 0.0f;
+            if (i >= Ns) continue;
             a[i] = active ? expf(logits[(size_t)t * Ns + i] - lt) : 0.0f;
             if (mine) {
                 const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
@@ -680,70 +720,58 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             if (lane == 0) red[warp * R + 2 * Ns] = pd;
         }
         __syncthreads();
-        if (active && lane_g == 0) {
-            /* da_i from the sums, then backward_coefficients' arithmetic on them */
-            const float *r0 = red + (size_t)group * wpg * R;
-            const float r = nrstd[t];
-            float D = 0.0f;
-            for (int k = 0; k < wpg; k++) D += r0[k * R + 2 * Ns];
-            const float c2 = r * r * r * D / (float)d;
-            const float *lrow = pre, *rr = pre + Ns;
-            const float l_t = pre[2 * Ns];
-            float c0 = 0.0f;
-            for (int i = 0; i < Ns; i++) {
-                float pg = 0.0f, ph = 0.0f;
-                for (int k = 0; k < wpg; k++) {
-                    pg += r0[k * R + i];
-                    ph += r0[k * R + Ns + i];
-                }
-                const float da = r * pg - c2 * ph;
-                const float ai = expf(lrow[i] - l_t);
-                coef[3 * i] = ai;
-                coef[3 * i + 1] = da;
-                c0 += ai * da;
+        if (!mine) continue;
+        /* every thread forms the row's coefficients itself (backward_coefficients' arithmetic on
+         * da_i): no second barrier */
+        const float *r0 = red + (size_t)group * wpg * R, *lrow = pre, *rr = pre + Ns;
+        float D = 0.0f;
+        for (int k = 0; k < wpg; k++) D += r0[k * R + 2 * Ns];
+        const float c2 = r * r * r * D / (float)d;
+        float k1[MAXS], k2[MAXS], c0 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            k1[i] = k2[i] = 0.0f;
+            if (i >= Ns) continue;
+            float pg = 0.0f, ph = 0.0f;
+            for (int k = 0; k < wpg; k++) {
+                pg += r0[k * R + i];
+                ph += r0[k * R + Ns + i];
             }
-            for (int i = 0; i < Ns; i++) {
-                const float ai = coef[3 * i], da = coef[3 * i + 1], sc = lrow[i];
-                const float rs = rr[i];
-                const float ds = ai * (da - c0);
-                coef[3 * i + 1] = ds * rs;
-                coef[3 * i + 2] = ds * rs * rs * sc / (float)d;
-            }
-            nrm[0] = r;
-            nrm[1] = c2;
+            k1[i] = r * pg - c2 * ph; /* da_i */
+            c0 += a[i] * k1[i];
         }
-        __syncthreads();
-        if (mine) {
-            const float r = nrm[0], c2 = nrm[1];
-            float y[VEC];
 #pragma unroll
-            for (int j = 0; j < VEC; j++) {
-                y[j] = r * gq[j] - c2 * h[j];
-                nacc[j] += dx[j] * (h[j] * r);
-            }
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                const bool is_P = i == C;
-                float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
-                const float ai = coef[3 * i], k1 = coef[3 * i + 1], k2 = coef[3 * i + 2];
-                float o[VEC];
-                if (assign && !is_P) {
-#pragma unroll
-                    for (int j = 0; j < VEC; j++) o[j] = 0.0f;
-                } else {
-                    vec<VEC>::load(o, dv + c);
-                }
-#pragma unroll
-                for (int j = 0; j < VEC; j++) o[j] += ai * y[j] + k1 * u[j] - k2 * x[i][j];
-                vec<VEC>::store(dv + c, o);
-                if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
-#pragma unroll
-                for (int j = 0; j < VEC; j++) qacc[j] += k1 * x[i][j];
-            }
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const float ds = a[i] * (k1[i] - c0), rs = rr[i];
+            k1[i] = ds * rs;
+            k2[i] = ds * rs * rs * lrow[i] / (float)d;
         }
-        /* no barrier needed after pass 2: the next round writes red and pre before its first barrier,
-         * which this round's readers of them passed (the second), and coef and nrm after it */
+        float y[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            y[j] = r * gq[j] - c2 * h[j];
+            nacc[j] += dx[j] * (h[j] * r);
+        }
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const bool is_P = i == C;
+            float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
+            float o[VEC];
+            if (assign && !is_P) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) o[j] = 0.0f;
+            } else {
+                vec<VEC>::load(o, dv + c);
+            }
+#pragma unroll
+            for (int j = 0; j < VEC; j++) o[j] += a[i] * y[j] + k1[i] * u[j] - k2[i] * x[i][j];
+            vec<VEC>::store(dv + c, o);
+            if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) qacc[j] += k1[i] * x[i][j];
+        }
     }
     /* this block's partial sums of q and of the norm weight's gradient: its row groups in order */
     if (c < d) {
@@ -1030,7 +1058,7 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     if (pick_vec(d, ptrs, 5) != 4 || ((uintptr_t)lp_out & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs 16-byte aligned rows");
     const int tpr = threads_per_row(d, 4), rows = THREADS / tpr, R = 2 * Ns + 1;
-    const size_t shared = (size_t)(WARPS * R + rows * Ns * 3 + rows * R + rows * 2 + 2 * rows * d) * sizeof(float);
+    const size_t shared = (size_t)(2 * WARPS * R + 2 * rows * R + 2 * rows * d) * sizeof(float);
     const int tb = backward_token_block();
     const int64_t n_tb = (n + tb - 1) / tb;
     const int want_q = dw || dg;
