@@ -284,10 +284,11 @@ static size_t plan_activations(lm_model *m, float *base) {
     if (n_hin)
         CARVE(m->hin, n_hin * N * d,
               n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
-    CARVE(m->xn, n_xn * N * d,
-          cfg->recompute ? "xn: normalised sublayer input [N,d] (recomputed)"
-          : m->sep       ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
-                         : "xn: normalised sublayer inputs [2L,N,d]");
+    if (n_xn)
+        CARVE(m->xn, n_xn * N * d,
+              cfg->recompute ? "xn: normalised sublayer input [N,d] (recomputed)"
+              : m->sep       ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
+                             : "xn: normalised sublayer inputs [2L,N,d]");
     CARVE(m->rstd, (size_t)L2 * N, "rstd: sublayer norms' 1/rms [2L,N]");
     CARVE(m->hf, (size_t)N * d, "hf: final residual [N,d]");
     CARVE(m->hn, (size_t)N * d, "hn: final norm [N,d]");

@@ -117,6 +117,25 @@ __device__ __forceinline__ void prefetch_rstd(const attnres_sources &src, float 
     for (int i = lane_g; i < C; i += tpr) rs[i] = src.hist_rstd[(size_t)i * n + t];
 }
 
+/* Source i's logit s_i = r_i (u . v_i) from the row group's partial sums r0
+ * [wpg][Ns+1] and the closed sources' 1/rms rs; for the partial source (i >=
+ * C) r is formed here from its sum of squares and returned in *r_part. */
+__device__ __forceinline__ float source_logit(const float *r0, const float *rs, int wpg, int C, int Ns, int i, int d,
+                                              float eps, float *r_part) {
+    float dot = 0.0f;
+    for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
+    float r;
+    if (i < C) {
+        r = rs[i];
+    } else {
+        float ss = 0.0f;
+        for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
+        r = 1.0f / sqrtf(ss / (float)d + eps);
+        *r_part = r;
+    }
+    return r * dot;
+}
+
 /* One row's source weights, from its row group's partial sums r0 [wpg][Ns+1]
  * (the dots u . v_i, then the new partial source's sum of squares) and its
  * closed sources' 1/rms rs [C] (prefetch_rstd): the logits s_i = r_i (u . v_i)
@@ -127,18 +146,9 @@ __device__ __forceinline__ void source_weights(const attnres_sources &src, const
                                                float *lse) {
     float m = -INFINITY;
     for (int i = 0; i < Ns; i++) {
-        float dot = 0.0f;
-        for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
-        float r;
-        if (i < C) {
-            r = rs[i];
-        } else {
-            float ss = 0.0f;
-            for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
-            r = 1.0f / sqrtf(ss / (float)d + eps);
-            src.P_rstd[t] = r;
-        }
-        const float s = r * dot;
+        float r_part;
+        const float s = source_logit(r0, rs, wpg, C, Ns, i, d, eps, &r_part);
+        if (i >= C) src.P_rstd[t] = r_part;
         lrow[i] = s;
         coef[i] = s;
         m = fmaxf(m, s);
@@ -226,6 +236,51 @@ forward_kernel(attnres_sources src, float *P_save, const float *w, const float *
     }
 }
 
+/* A row's Ns sources, VEC floats at column c, into registers (zeros where the
+ * thread has no columns: !mine); the partial sum's also copied to P_save
+ * (may be NULL) in the same pass. */
+template <int VEC, int MAXS>
+__device__ __forceinline__ void load_sources(float (&x)[MAXS][VEC], const attnres_sources &src, float *P_save,
+                                             int C, int Ns, size_t nd, size_t row, int c, bool mine) {
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        if (mine) {
+            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+            vec<VEC>::load(x[i], v + c);
+            if (i == C && P_save) vec<VEC>::store(P_save + row + c, x[i]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
+        }
+    }
+}
+
+/* Pass 1 of a row held in registers: u . v_i for every source (u = w (.) g,
+ * SPEC §5) and, for the partial sum, sum P^2, reduced over the warp into
+ * red [WARPS][Ns+1]. */
+template <int VEC, int MAXS>
+__device__ __forceinline__ void source_dots(const float (&x)[MAXS][VEC], const float (&wv)[VEC],
+                                            const float (&gv)[VEC], int C, int Ns, float *red, int warp, int lane) {
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        const bool is_P = i == C;
+        float dot = 0.0f, ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            dot += (wv[j] * gv[j]) * x[i][j];
+            ss += x[i][j] * x[i][j];
+        }
+        dot = warp_sum(dot);
+        if (is_P) ss = warp_sum(ss);
+        if (lane == 0) {
+            red[warp * (Ns + 1) + i] = dot;
+            if (is_P) red[warp * (Ns + 1) + Ns] = ss;
+        }
+    }
+}
+
 /* The same forward (from_saved = 0) when a row group holds its row in one
  * step (d <= tpr * VEC) and there are at most MAXS sources: all of a row's
  * sources are loaded at once into registers (MAXS x VEC floats a thread, every
@@ -249,18 +304,7 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
 
     if (active) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
     float x[MAXS][VEC], wv[VEC], gv[VEC];
-#pragma unroll
-    for (int i = 0; i < MAXS; i++) {
-        if (i >= Ns) break;
-        if (mine) {
-            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
-            vec<VEC>::load(x[i], v + c);
-            if (i == C && P_save) vec<VEC>::store(P_save + row + c, x[i]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
-        }
-    }
+    load_sources<VEC, MAXS>(x, src, P_save, C, Ns, nd, row, c, mine);
     if (mine) {
         vec<VEC>::load(wv, w + c);
         vec<VEC>::load(gv, g + c);
@@ -268,24 +312,7 @@ forward_regs_kernel(attnres_sources src, float *P_save, const float *w, const fl
 #pragma unroll
         for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
     }
-    /* pass 1: u . v_i for every source (u = w (.) g, SPEC §5), and sum P^2 */
-#pragma unroll
-    for (int i = 0; i < MAXS; i++) {
-        if (i >= Ns) break;
-        const bool is_P = i == C;
-        float dot = 0.0f, ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < VEC; j++) {
-            dot += (wv[j] * gv[j]) * x[i][j];
-            ss += x[i][j] * x[i][j];
-        }
-        dot = warp_sum(dot);
-        if (is_P) ss = warp_sum(ss);
-        if (lane == 0) {
-            red[warp * (Ns + 1) + i] = dot;
-            if (is_P) red[warp * (Ns + 1) + Ns] = ss;
-        }
-    }
+    source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
     __syncthreads();
     if (active && lane_g == 0) {
         float *lrow = logits + (size_t)t * Ns;
@@ -343,18 +370,7 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
 
     if (active && !from_saved) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
     float x[MAXS][VEC];
-#pragma unroll
-    for (int i = 0; i < MAXS; i++) {
-        if (i >= Ns) break;
-        if (mine) {
-            const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
-            vec<VEC>::load(x[i], v + c);
-            if (i == C && P_save && !from_saved) vec<VEC>::store(P_save + row + c, x[i]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
-        }
-    }
+    load_sources<VEC, MAXS>(x, src, from_saved ? NULL : P_save, C, Ns, nd, row, c, mine);
     if (!from_saved) {
         float wv[VEC], gv[VEC];
         if (mine) {
@@ -364,24 +380,7 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
 #pragma unroll
             for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
         }
-        /* pass 1 as forward_regs_kernel's */
-#pragma unroll
-        for (int i = 0; i < MAXS; i++) {
-            if (i >= Ns) break;
-            const bool is_P = i == C;
-            float dot = 0.0f, ss = 0.0f;
-#pragma unroll
-            for (int j = 0; j < VEC; j++) {
-                dot += (wv[j] * gv[j]) * x[i][j];
-                ss += x[i][j] * x[i][j];
-            }
-            dot = warp_sum(dot);
-            if (is_P) ss = warp_sum(ss);
-            if (lane == 0) {
-                red[warp * (Ns + 1) + i] = dot;
-                if (is_P) red[warp * (Ns + 1) + Ns] = ss;
-            }
-        }
+        source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
         __syncthreads();
     }
     /* every thread of the row forms the weights itself (source_weights' arithmetic, so the logits and
@@ -404,18 +403,9 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
 #pragma unroll
             for (int i = 0; i < MAXS; i++) {
                 if (i >= Ns) break;
-                float dot = 0.0f;
-                for (int k = 0; k < wpg; k++) dot += r0[k * (Ns + 1) + i];
-                float r;
-                if (i < C) {
-                    r = rs[i];
-                } else {
-                    float ss = 0.0f;
-                    for (int k = 0; k < wpg; k++) ss += r0[k * (Ns + 1) + Ns];
-                    r = 1.0f / sqrtf(ss / (float)d + eps);
-                    if (lane_g == 0) src.P_rstd[t] = r;
-                }
-                wt[i] = r * dot;
+                float r_part;
+                wt[i] = source_logit(r0, rs, wpg, C, Ns, i, d, eps, &r_part);
+                if (i >= C && lane_g == 0) src.P_rstd[t] = r_part;
                 if (lane_g == 0) lrow[i] = wt[i];
                 m = fmaxf(m, wt[i]);
             }
@@ -619,7 +609,7 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
  *   dh = r g - (r^3 D / d) h,   da_i = dh . v_i = r (g . v_i) - (r^3 D / d) (h . v_i),
  * so one pass reduces g . v_i, h . v_i and D together; the second forms dh
  * and updates every dv_i as backward_kernel does. The norm weight's gradient
- * sum_t dxn (.) h r goes, like q, through per-block partials npart. Rows held
+ * sum_t dxn (.) h r goes, like q, through per-block partials npart (param_grad_kernel). Rows held
  * in registers: d <= tpr * VEC, Ns <= MAXS. */
 template <int VEC, int MAXS>
 __global__ void __launch_bounds__(THREADS, MAXS <= 4 ? 3 : 2)
@@ -793,25 +783,9 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
     }
 }
 
-/* out[c] += sum over blocks b of part[b][c], in param_grad_kernel's order. */
-__global__ void __launch_bounds__(THREADS) column_sum_add_kernel(const float *part, int64_t n_tb, int d, float *out) {
-    __shared__ float sums[WARPS][33];
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
-    const int c = blockIdx.x * 32 + tx;
-    float s = 0.0f;
-    if (c < d)
-        for (int64_t b = ty; b < n_tb; b += WARPS) s += part[(size_t)b * d + c];
-    sums[ty][tx] = s;
-    __syncthreads();
-    if (ty == 0 && c < d) {
-        float q = 0.0f;
-        for (int k = 0; k < WARPS; k++) q += sums[k][tx];
-        out[c] += q;
-    }
-}
-
 /* q[c] = sum over blocks b (fixed order: b = ty mod 8, then the 8 in order)
- * of qpart[b][c]; dw += g (.) q, dg += w (.) q. 32 channels a block. */
+ * of qpart[b][c]; dw += g (.) q (g NULL: dw += q), dg += w (.) q. 32 channels
+ * a block. */
 __global__ void __launch_bounds__(THREADS)
 param_grad_kernel(const float *qpart, int64_t n_tb, int d, const float *w, const float *g, float *dw, float *dg) {
     __shared__ float part[WARPS][33];
@@ -825,7 +799,7 @@ param_grad_kernel(const float *qpart, int64_t n_tb, int d, const float *w, const
     if (ty == 0 && c < d) {
         float q = 0.0f;
         for (int k = 0; k < WARPS; k++) q += part[k][tx];
-        if (dw) dw[c] += g[c] * q;
+        if (dw) dw[c] += g ? g[c] * q : q;
         if (dg) dg[c] += w[c] * q;
     }
 }
@@ -1079,7 +1053,7 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
         LM_CUDA_TRY(cudaGetLastError());
     }
     if (dnw) {
-        column_sum_add_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(npart, n_tb, d, dnw);
+        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(npart, n_tb, d, NULL, NULL, dnw, NULL);
         LM_CUDA_TRY(cudaGetLastError());
     }
     return LM_OK;
