@@ -267,6 +267,33 @@ static void test_plan_memory_of_an_expert_parallel_rank(void) {
     CHECK(run_cli("plan --config configs/tiny.json --ep 2") != 0 && stderr_has("--ep"), "--ep without --memory accepted");
 }
 
+/* plan --memory on the GPU (a CUDA build; no GPU needed): the AttnRes input
+ * and its norm run as one kernel each way, so no sublayer inputs are planned,
+ * and the fp32 normalised inputs only for the MoE sublayers (their router);
+ * with LONGMOE_ATTNRES_NORM=separate the inputs again; the CPU plans both
+ * whole (docs/attnres.md, "The input with its norm"). */
+static void test_plan_memory_on_the_gpu_keeps_no_sublayer_inputs(void) {
+    const char *xn_moe = "xn: normalised MoE sublayer inputs, fp32 for the router";
+    CHECK(run_cli("plan --memory --config configs/tiny.json --batch 2 --seq 256") == 0 &&
+              test_file_has(path_in("out.txt"), "hin: sublayer inputs [2L,N,d]") &&
+              test_file_has(path_in("out.txt"), "xn: normalised sublayer inputs [2L,N,d]"),
+          "the CPU plan lacks the sublayer inputs or the normalised ones");
+    if (!lm_backend_cuda_ops()) {
+        printf("  skipped: the GPU plan (this build has no CUDA kernels)\n");
+        return;
+    }
+    CHECK(run_cli("plan --memory --config configs/tiny.json --batch 2 --seq 256 --device cuda") == 0 &&
+              !test_file_has(path_in("out.txt"), "hin: sublayer inputs") &&
+              test_file_has(path_in("out.txt"), xn_moe),
+          "the GPU plan keeps sublayer inputs, or fp32 normalised inputs of every sublayer");
+    setenv("LONGMOE_ATTNRES_NORM", "separate", 1);
+    CHECK(run_cli("plan --memory --config configs/tiny.json --batch 2 --seq 256 --device cuda") == 0 &&
+              test_file_has(path_in("out.txt"), "hin: sublayer inputs [2L,N,d]") &&
+              test_file_has(path_in("out.txt"), xn_moe),
+          "LONGMOE_ATTNRES_NORM=separate: the GPU plan lacks the sublayer inputs");
+    unsetenv("LONGMOE_ATTNRES_NORM");
+}
+
 /* plan --memory --seq-segment S: the segmented layout; a bad S is refused. A
  * config with train.seq_segment trains (its loss after the first step equals
  * the unsegmented run's to float rounding: docs/model.md "Sequence segments"). */
@@ -318,6 +345,7 @@ int main(void) {
     RUN(test_train_device_flag_is_checked);
     RUN(test_train_on_cuda_without_a_gpu_fails_clearly);
     RUN(test_plan_memory_of_an_expert_parallel_rank);
+    RUN(test_plan_memory_on_the_gpu_keeps_no_sublayer_inputs);
     RUN(test_sequence_segments_in_plan_and_train);
     test_remove_tree(dir);
     return test_summary();
