@@ -221,13 +221,19 @@ extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_a
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
-                                           const lm_attnres_params *p, float *h) {
-    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input");
+/* input(l) into h, or (norm) with the norm after it and h not written;
+ * `call` names the public function in messages. */
+static lm_status input_impl(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l, const lm_attnres_params *p,
+                            float *h, const lm_cuda_attnres_norm *norm, const char *call) {
+    lm_status s = check_common(ctx, st, call);
     if (s) return s;
-    if ((s = expect(st, 2 * l, "lm_cuda_attnres_input", l))) return s;
-    if ((s = check_params(st, p, "lm_cuda_attnres_input"))) return s;
-    if (!h) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input(l = %d): h is NULL", l);
+    if ((s = expect(st, 2 * l, call, l))) return s;
+    if ((s = check_params(st, p, call))) return s;
+    if (norm && st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s: standard residual mode has no scores", call);
+    if (norm && (!norm->rstd || (!norm->out && !norm->out_bf16)))
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d): rstd and an output are required", call, l);
+    if (!norm && !h) return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d): h is NULL", call, l);
     // h is (n,d)
     const int64_t n = st->cfg.n_tokens;
     const int d = st->cfg.d, L = st->cfg.n_sublayers;
@@ -238,13 +244,22 @@ extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_a
         const int S = st->S, pos = l % S;
         const attnres_sources src = sources_of(st, l, 0);
         float *P_save = pos > 0 ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd_of(st) : NULL;
-        if ((s = attnres_launch_forward(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
-                                        p->key_norm + (size_t)l * d, st->logits + attnres_logits_offset(l, S, L, n),
-                                        st->lse + (size_t)l * n, h, 0, n, d, st->cfg.eps)))
-            return s;
+        const float *w = p->query + (size_t)l * d, *g = p->key_norm + (size_t)l * d;
+        float *logits = st->logits + attnres_logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
+        if (norm)
+            s = attnres_launch_forward_norm(stream_of(ctx), &src, P_save, w, g, logits, lse, 0, norm->weight,
+                                            norm->out, norm->out_bf16, norm->rstd, n, d, st->cfg.eps, norm->eps);
+        else
+            s = attnres_launch_forward(stream_of(ctx), &src, P_save, w, g, logits, lse, h, 0, n, d, st->cfg.eps);
+        if (s) return s;
     }
     st->step++;
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                           const lm_attnres_params *p, float *h) {
+    return input_impl(ctx, st, l, p, h, NULL, "lm_cuda_attnres_input");
 }
 
 extern "C" int lm_cuda_attnres_norm_fusable(const lm_attnres_config *c) {
@@ -267,26 +282,8 @@ extern "C" int lm_cuda_attnres_norm_fusable(const lm_attnres_config *c) {
 
 extern "C" lm_status lm_cuda_attnres_input_norm(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                                 const lm_attnres_params *p, const lm_cuda_attnres_norm *norm) {
-    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_norm");
-    if (s) return s;
-    if ((s = expect(st, 2 * l, "lm_cuda_attnres_input_norm", l))) return s;
-    if ((s = check_params(st, p, "lm_cuda_attnres_input_norm"))) return s;
-    if (st->cfg.mode == LM_ATTNRES_STANDARD)
-        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm: standard residual mode has no scores");
-    if (!norm || !norm->rstd || (!norm->out && !norm->out_bf16))
-        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm(l = %d): rstd and an output are "
-                        "required", l);
-    const int64_t n = st->cfg.n_tokens;
-    const int d = st->cfg.d, L = st->cfg.n_sublayers, S = st->S, pos = l % S;
-    const attnres_sources src = sources_of(st, l, 0);
-    float *P_save = pos > 0 ? st->partials + (size_t)attnres_partial_slot(&st->cfg, l) * nd_of(st) : NULL;
-    if ((s = attnres_launch_forward_norm(stream_of(ctx), &src, P_save, p->query + (size_t)l * d,
-                                         p->key_norm + (size_t)l * d, st->logits + attnres_logits_offset(l, S, L, n),
-                                         st->lse + (size_t)l * n, 0, norm->weight, norm->out, norm->out_bf16,
-                                         norm->rstd, n, d, st->cfg.eps, norm->eps)))
-        return s;
-    st->step++;
-    return LM_OK;
+    if (!norm) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm(l = %d): norm is NULL", l);
+    return input_impl(ctx, st, l, p, NULL, norm, "lm_cuda_attnres_input_norm");
 }
 
 extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
@@ -483,15 +480,21 @@ extern "C" lm_status lm_cuda_attnres_output_grad(const lm_cuda_context *ctx, lm_
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
-                                                    const lm_attnres_params *p, const float *dh,
-                                                    lm_attnres_grads *g) {
-    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_backward");
+/* input_backward(l), from dh or (ng: the input with its norm) from the norm's
+ * output gradient; `call` names the public function in messages. */
+static lm_status input_backward_impl(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                     const lm_attnres_params *p, const float *dh, const lm_cuda_attnres_norm_grad *ng,
+                                     lm_attnres_grads *g, const char *call) {
+    lm_status s = check_common(ctx, st, call);
     if (s) return s;
     const int L = st->cfg.n_sublayers;
-    if ((s = expect(st, 2 * L + 3 + 2 * (L - 1 - l), "lm_cuda_attnres_input_backward", l))) return s;
-    if ((s = check_params(st, p, "lm_cuda_attnres_input_backward"))) return s;
-    if (!dh) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_backward(l = %d): dh is NULL", l);
+    if ((s = expect(st, 2 * L + 3 + 2 * (L - 1 - l), call, l))) return s;
+    if ((s = check_params(st, p, call))) return s;
+    if (ng && st->cfg.mode == LM_ATTNRES_STANDARD)
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s: standard residual mode has no scores", call);
+    if (ng && (!ng->dout || !ng->rstd))
+        return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d): dout and rstd are required", call, l);
+    if (!ng && !dh) return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d): dh is NULL", call, l);
     // dh is (n,d)
     const int64_t n = st->cfg.n_tokens;
     const int d = st->cfg.d;
@@ -506,50 +509,38 @@ extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, 
          * = 1 + k) inside a block, at a block's first sublayer the last closed
          * source's (k = C - 1); its bf16 copy comes with it */
         const int next = l > 0 ? 1 + (l - 1) / S : -1;
-        if ((s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd, 0,
-                                         p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
-                                         st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n, dh,
-                                         st->qpart, g && g->query ? g->query + (size_t)l * d : NULL,
-                                         g && g->key_norm ? g->key_norm + (size_t)l * d : NULL,
-                                         next >= 0 ? st->dy_lp : NULL, next, n, d)))
-            return s;
+        const float *w = p->query + (size_t)l * d, *gk = p->key_norm + (size_t)l * d;
+        const float *logits = st->logits + attnres_logits_offset(l, S, L, n), *lse = st->lse + (size_t)l * n;
+        float *dw = g && g->query ? g->query + (size_t)l * d : NULL;
+        float *dg = g && g->key_norm ? g->key_norm + (size_t)l * d : NULL;
+        uint16_t *lp = next >= 0 ? st->dy_lp : NULL;
+        float *dP = st->dhist + (size_t)(1 + k) * nd;
+        if (ng)
+            s = attnres_launch_backward_norm(stream_of(ctx), &src, st->dhist, dP, w, gk, logits, lse, ng->dout,
+                                             ng->weight, ng->rstd, st->qpart, st->npart, dw, dg, ng->dweight, lp, next,
+                                             n, d);
+        else
+            s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, dP, 0, w, gk, logits, lse, dh, st->qpart, dw,
+                                        dg, lp, next, n, d);
+        if (s) return s;
         st->dy_lp_for = l - 1;
     }
     st->step++;
     return LM_OK;
 }
 
+extern "C" lm_status lm_cuda_attnres_input_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                    const lm_attnres_params *p, const float *dh,
+                                                    lm_attnres_grads *g) {
+    return input_backward_impl(ctx, st, l, p, dh, NULL, g, "lm_cuda_attnres_input_backward");
+}
+
 extern "C" lm_status lm_cuda_attnres_input_norm_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
                                                          int l, const lm_attnres_params *p,
                                                          const lm_cuda_attnres_norm_grad *ng, lm_attnres_grads *g) {
-    lm_status s = check_common(ctx, st, "lm_cuda_attnres_input_norm_backward");
-    if (s) return s;
-    const int L = st->cfg.n_sublayers;
-    if ((s = expect(st, 2 * L + 3 + 2 * (L - 1 - l), "lm_cuda_attnres_input_norm_backward", l))) return s;
-    if ((s = check_params(st, p, "lm_cuda_attnres_input_norm_backward"))) return s;
-    if (st->cfg.mode == LM_ATTNRES_STANDARD)
-        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm_backward: standard residual mode has no "
-                        "scores");
-    if (!ng || !ng->dout || !ng->rstd)
-        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm_backward(l = %d): dout and rstd are "
-                        "required", l);
-    const int64_t n = st->cfg.n_tokens;
-    const int d = st->cfg.d, S = st->S, k = l / S;
-    const size_t nd = nd_of(st);
-    const attnres_sources src = sources_of(st, l, 1);
-    /* as lm_cuda_attnres_input_backward: dP into G_{k+1}; dLoss/dy_{l-1} completed, with its bf16 copy */
-    const int next = l > 0 ? 1 + (l - 1) / S : -1;
-    if ((s = attnres_launch_backward_norm(stream_of(ctx), &src, st->dhist, st->dhist + (size_t)(1 + k) * nd,
-                                          p->query + (size_t)l * d, p->key_norm + (size_t)l * d,
-                                          st->logits + attnres_logits_offset(l, S, L, n), st->lse + (size_t)l * n,
-                                          ng->dout, ng->weight, ng->rstd, st->qpart, st->npart,
-                                          g && g->query ? g->query + (size_t)l * d : NULL,
-                                          g && g->key_norm ? g->key_norm + (size_t)l * d : NULL, ng->dweight,
-                                          next >= 0 ? st->dy_lp : NULL, next, n, d)))
-        return s;
-    st->dy_lp_for = l - 1;
-    st->step++;
-    return LM_OK;
+    if (!ng)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_input_norm_backward(l = %d): ng is NULL", l);
+    return input_backward_impl(ctx, st, l, p, NULL, ng, g, "lm_cuda_attnres_input_norm_backward");
 }
 
 extern "C" lm_status lm_cuda_attnres_embedding_backward(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,

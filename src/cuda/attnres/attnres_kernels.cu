@@ -356,13 +356,13 @@ __global__ void __launch_bounds__(THREADS)
 forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
                     int from_saved, const float *nw, float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d,
                     float eps, float neps, int tpr) {
-    // shared: red [WARPS][Ns+1], (unused) [rows][Ns], rs [rows][Ns], red2 [WARPS]
+    // shared: red [WARPS][Ns+1], rs [rows][Ns], red2 [WARPS]
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red = smem, *rs = smem + WARPS * (Ns + 1) + rows * Ns + group * Ns;
-    float *red2 = smem + WARPS * (Ns + 1) + 2 * rows * Ns;
+    float *red = smem, *rs = smem + WARPS * (Ns + 1) + group * Ns;
+    float *red2 = smem + WARPS * (Ns + 1) + rows * Ns;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
     const int c = lane_g * VEC;
     const bool active = t < n, mine = active && c < d;
@@ -1001,7 +1001,7 @@ lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources
     if (pick_vec(d, ptrs, 4) != 4 || ((uintptr_t)xn_bf16 & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input with its norm needs 16-byte aligned rows");
     const int tpr = threads_per_row(d, 4), rows = THREADS / tpr;
-    const size_t shared = (size_t)(WARPS * (Ns + 1) + 2 * rows * Ns + WARPS) * sizeof(float);
+    const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns + WARPS) * sizeof(float);
     const unsigned grid = grid_of(n, rows);
     lm_status s;
 #define AR_NORM(M)                                                                                                \
