@@ -7,9 +7,10 @@ Input: the output of
 kernels one at a time, so the durations add up to more than a pipelined run's wall time
 but each kernel's own time is its real one.
 
-Prints, for each kernel name (template arguments cut unless --full), its launches, total
-time, share of the total and mean time, largest first; --skip N drops each name's first N
-launches (warm-up), --top N prints only the N largest.
+Prints, for each kernel name (template arguments cut unless --full; with --by-grid each
+name, grid and block apart), its launches, total time, share of the total and mean time,
+largest first; where the run also read dram__bytes_read.sum and dram__bytes_write.sum,
+the DRAM traffic and its rate too. --top N prints only the N largest.
 """
 import argparse
 import collections
@@ -30,6 +31,7 @@ def main():
     ap.add_argument("csv", help="ncu's CSV output (with the program's own lines before it)")
     ap.add_argument("--full", action="store_true", help="keep template arguments")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--by-grid", action="store_true", help="one line a kernel name, grid and block")
     args = ap.parse_args()
     with open(args.csv, newline="", errors="replace") as f:
         lines = f.readlines()
@@ -37,26 +39,53 @@ def main():
     if start is None:
         sys.exit(f"{args.csv}: no ncu CSV header (\"ID\",...) found")
     rows = csv.DictReader(lines[start:])
+    # one launch a kernel ID: its name, grid and block, duration (ms) and DRAM bytes when read
+    launches = collections.OrderedDict()
+    for r in rows:
+        metric = r.get("Metric Name")
+        if metric not in ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum"):
+            continue
+        unit = r.get("Metric Unit", "")
+        v = float(r["Metric Value"].replace(",", ""))
+        l = launches.setdefault(r["ID"], {"name": r["Kernel Name"], "grid": r.get("Grid Size", ""),
+                                          "block": r.get("Block Size", ""), "ms": 0.0, "bytes": None})
+        if metric == "gpu__time_duration.sum":
+            scale = TIME_UNITS.get(unit)
+            if scale is None:
+                sys.exit(f"unknown unit {unit!r}")
+            l["ms"] = v * scale
+        else:
+            scale = BYTE_UNITS.get(unit)
+            if scale is None:
+                sys.exit(f"unknown unit {unit!r}")
+            l["bytes"] = (l["bytes"] or 0.0) + v * scale
+    if not launches:
+        sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
     total = collections.Counter()
     count = collections.Counter()
-    for r in rows:
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        unit = r.get("Metric Unit", "nsecond")
-        v = float(r["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-6, "ns": 1e-6, "us": 1e-3, "ms": 1.0, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}.get(unit)
-        if scale is None:
-            sys.exit(f"unknown unit {unit!r}")
-        k = short(r["Kernel Name"], args.full)
-        total[k] += v * scale
+    nbytes = collections.Counter()
+    has_bytes = any(l["bytes"] is not None for l in launches.values())
+    for l in launches.values():
+        k = short(l["name"], args.full)
+        if args.by_grid:
+            k = f"{k} grid{l['grid']} block{l['block']}"
+        total[k] += l["ms"]
         count[k] += 1
-    if not total:
-        sys.exit(f"{args.csv}: no gpu__time_duration.sum rows")
+        nbytes[k] += l["bytes"] or 0.0
     all_ms = sum(total.values())
-    print(f"{sum(count.values())} launches, {all_ms:.3f} ms of kernel time")
-    print(f"{'ms':>9} {'share':>6} {'launches':>8} {'mean us':>9}  kernel")
+    print(f"{sum(count.values())} launches, {all_ms:.3f} ms of kernel time"
+          + (f", {sum(nbytes.values()) / 1e9:.1f} GB of DRAM traffic" if has_bytes else ""))
+    print(f"{'ms':>9} {'share':>6} {'launches':>8} {'mean us':>9}" + (f" {'GB':>7} {'GB/s':>6}" if has_bytes else "")
+          + "  kernel")
     for k, v in total.most_common(args.top):
-        print(f"{v:9.3f} {100 * v / all_ms:5.1f}% {count[k]:8d} {1e3 * v / count[k]:9.1f}  {k}")
+        extra = ""
+        if has_bytes:
+            extra = f" {nbytes[k] / 1e9:7.2f} {nbytes[k] / 1e6 / v if v else 0:6.0f}"
+        print(f"{v:9.3f} {100 * v / all_ms:5.1f}% {count[k]:8d} {1e3 * v / count[k]:9.1f}{extra}  {k}")
+
+
+TIME_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "second": 1e3}
+BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
 if __name__ == "__main__":

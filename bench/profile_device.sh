@@ -9,6 +9,8 @@
 #   STEP_ARGS                   bench_cuda_model's arguments (default: k3-mini 8x4096,
 #                               no recompute, one step)
 #   TOP                         kernels listed per table (default 40)
+#   BYTES=1                     also read each kernel's DRAM bytes (dram__bytes_read.sum and
+#                               dram__bytes_write.sum; slower): the tables then give GB/s
 set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
@@ -19,7 +21,9 @@ STEP_ARGS=${STEP_ARGS:---config configs/k3-mini.json --batch 8 --seq 4096 --reps
 mkdir -p "$OUT"
 steps=${*:-build moe step}
 has() { [[ " $steps " == *" $1 "* ]]; }
-NCU="ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv"
+METRICS=gpu__time_duration.sum
+[ "${BYTES:-0}" = 1 ] && METRICS=$METRICS,dram__bytes_read.sum,dram__bytes_write.sum
+NCU="ncu --clock-control none --cache-control none --metrics $METRICS --csv"
 
 if has build; then
     echo "== build ($BUILD)"
