@@ -5,7 +5,13 @@
  * (L = 2 x layers sublayers), block size S sublayers.
  *
  *   bench_cuda_attnres [--out FILE.json] [--reps N] [--n TOKENS] [--d WIDTH]
- *                      [--layers N] [--block S]
+ *                      [--layers N] [--block S] [--norm]
+ *
+ * --norm: each sublayer's input with its RMSNorm, as the model runs it on the
+ * GPU (lm_cuda_attnres_input_norm writing the bf16 xn and 1/rms, and
+ * lm_cuda_attnres_input_norm_backward from a random dxn) in place of input
+ * and input_backward; their rows: input N_l (+1 for the saved partial sum)
+ * + 1/2 (the bf16 xn), input_backward 3 N_l + 1 (dxn).
  *
  * Default: the k3-mini shape, 16 layers (32 sublayers), block 8, n = 32768,
  * d = 1024. Median of N repetitions (CUDA events) after 2 warm-ups, random
@@ -49,13 +55,13 @@ static float *device_random(size_t count, double mean, double scale, lm_rng *r) 
     return d;
 }
 
-/* compulsory [n,d] row traffic of the forward and the backward, in rows */
-static void traffic_rows(const lm_cuda_attnres_state *st, double *fwd, double *bwd) {
+/* compulsory [n,d] row traffic of the forward and the backward, in rows (norm: --norm's calls) */
+static void traffic_rows(const lm_cuda_attnres_state *st, int norm, double *fwd, double *bwd) {
     const int L = st->cfg.n_sublayers, S = st->S, N = st->n_blocks;
     double f = 2, b = 0;
     for (int l = 0; l < L; l++) {
         const int Ns = lm_cuda_attnres_n_sources(st, l), pos = l % S;
-        f += Ns + 1 + (pos > 0);
+        f += Ns + (norm ? 0.5 : 1) + (pos > 0);
         f += pos == 0 ? 2 : 3;
         b += 3 + 3.0 * Ns + 1;
     }
@@ -67,7 +73,7 @@ static void traffic_rows(const lm_cuda_attnres_state *st, double *fwd, double *b
 
 int main(int argc, char **argv) {
     const char *out = NULL;
-    int reps = 10, layers = 16, S = 8, d = 1024;
+    int reps = 10, layers = 16, S = 8, d = 1024, norm = 0;
     int64_t n = 32768;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
@@ -76,8 +82,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--d") && i + 1 < argc) d = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--layers") && i + 1 < argc) layers = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--block") && i + 1 < argc) S = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--norm")) norm = 1;
         else {
-            fprintf(stderr, "usage: %s [--out FILE.json] [--reps N] [--n TOKENS] [--d WIDTH] [--layers N] [--block S]\n",
+            fprintf(stderr, "usage: %s [--out FILE.json] [--reps N] [--n TOKENS] [--d WIDTH] [--layers N] [--block S] [--norm]\n",
                     argv[0]);
             return 2;
         }
@@ -105,8 +112,13 @@ int main(int argc, char **argv) {
     float *dy = device_random(nd, 0, 0.01, &r), *demb = device_random(nd, 0, 0.01, &r);
     float *query = device_random(pd, 0, 1.0 / sqrt((double)d), &r), *key_norm = device_random(pd, 1, 0.3, &r);
     float *gq = device_random(pd, 0, 0.01, &r), *gk = device_random(pd, 0, 0.01, &r);
-    float *h = NULL;
+    float *h = NULL, *nw = device_random(pd, 1, 0.3, &r), *dnw = device_random(pd, 0, 0.01, &r);
+    float *dxn = device_random(nd, 0, 1, &r), *nrstd = NULL;
+    uint16_t *xb = NULL;
     cudaCheck(cudaMalloc((void **)&h, nd * 4));
+    cudaCheck(cudaMalloc((void **)&nrstd, (size_t)L * n * 4));
+    cudaCheck(cudaMalloc((void **)&xb, nd * 2));
+    if (norm && !lm_cuda_attnres_norm_fusable(&cfg)) dieAt("--norm: this shape does not take the input with its norm");
     /* the uploads ran on the legacy stream; the context's stream does not wait for it */
     cudaCheck(cudaDeviceSynchronize());
     lm_attnres_params prm = {query, key_norm};
@@ -137,14 +149,18 @@ int main(int argc, char **argv) {
     } while (0)
         TIMED(K_BEGIN, lm_cuda_attnres_begin(&ctx, &st, emb));
         for (int l = 0; l < L; l++) {
-            TIMED(K_INPUT, lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
+            lm_cuda_attnres_norm nm = {nw + (size_t)l * d, 1e-5f, NULL, xb, nrstd + (size_t)l * n};
+            if (norm) TIMED(K_INPUT, lm_cuda_attnres_input_norm(&ctx, &st, l, &prm, &nm));
+            else TIMED(K_INPUT, lm_cuda_attnres_input(&ctx, &st, l, &prm, h));
             TIMED(K_ADD, lm_cuda_attnres_add_output(&ctx, &st, l, y));
         }
         TIMED(K_FINAL, lm_cuda_attnres_final(&ctx, &st, &prm, h));
         TIMED(K_FINAL_BWD, lm_cuda_attnres_final_backward(&ctx, &st, &prm, dh, &g));
         for (int l = L - 1; l >= 0; l--) {
             TIMED(K_OUT_BWD, lm_cuda_attnres_output_backward(&ctx, &st, l, dy));
-            TIMED(K_IN_BWD, lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
+            lm_cuda_attnres_norm_grad ng = {nw + (size_t)l * d, nrstd + (size_t)l * n, dxn, dnw + (size_t)l * d};
+            if (norm) TIMED(K_IN_BWD, lm_cuda_attnres_input_norm_backward(&ctx, &st, l, &prm, &ng, &g));
+            else TIMED(K_IN_BWD, lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dh, &g));
         }
         TIMED(K_EMB_BWD, lm_cuda_attnres_embedding_backward(&ctx, &st, demb));
 #undef TIMED
@@ -162,14 +178,14 @@ int main(int argc, char **argv) {
     }
     const float fwd_ms = bench_median_f(tf, reps), bwd_ms = bench_median_f(tb, reps);
     double fwd_rows, bwd_rows;
-    traffic_rows(&st, &fwd_rows, &bwd_rows);
+    traffic_rows(&st, norm, &fwd_rows, &bwd_rows);
     const double row_bytes = (double)nd * 4;
     const double fwd_gbs = fwd_rows * row_bytes / (fwd_ms * 1e-3) / 1e9, bwd_gbs = bwd_rows * row_bytes / (bwd_ms * 1e-3) / 1e9;
     /* compulsory rows per kind of call (as traffic_rows) */
     double kind_rows[K_COUNT] = {2, 0, 0, (st.n_blocks + 1) + 1, 2.0 * (st.n_blocks + 1) + 1, 0, 0, 3};
     for (int l = 0; l < L; l++) {
         const int Ns = lm_cuda_attnres_n_sources(&st, l), pos = l % S;
-        kind_rows[K_INPUT] += Ns + 1 + (pos > 0);
+        kind_rows[K_INPUT] += Ns + (norm ? 0.5 : 1) + (pos > 0);
         kind_rows[K_ADD] += pos == 0 ? 2 : 3;
         kind_rows[K_OUT_BWD] += 3;
         kind_rows[K_IN_BWD] += 3.0 * Ns + 1;
@@ -184,8 +200,8 @@ int main(int argc, char **argv) {
     /* reference: device-to-device copy of 1 GiB (read + write counted) */
     const double copy_gbs = bench_copy_gbs(2.0 * (double)((size_t)1 << 30), 5, stream);
 
-    printf("Block AttnRes on the GPU: %d layers (L = %d sublayers), block %d (N = %d), n = %lld, d = %d\n", layers, L,
-           S, st.n_blocks, (long long)n, d);
+    printf("Block AttnRes on the GPU: %d layers (L = %d sublayers), block %d (N = %d), n = %lld, d = %d%s\n", layers,
+           L, S, st.n_blocks, (long long)n, d, norm ? ", each input with its norm" : "");
     printf("workspace %.2f GB (%.0f bytes per token)\n", (double)plan.total / 1e9, plan.total_bytes_per_token);
     printf("%-10s %10s %12s %10s\n", "pass", "ms", "GB moved", "GB/s");
     printf("%-10s %10.3f %12.2f %10.0f\n", "forward", fwd_ms, fwd_rows * row_bytes / 1e9, fwd_gbs);
@@ -196,13 +212,13 @@ int main(int argc, char **argv) {
     if (out) {
         FILE *f = fopenCheck(out, "w");
         fprintf(f,
-                "{\"op\": \"attnres_cuda\", \"mode\": \"block_attnres\", \"layers\": %d, \"sublayers\": %d, "
+                "{\"op\": \"attnres_cuda\", \"mode\": \"block_attnres\", \"input_with_norm\": %d, \"layers\": %d, \"sublayers\": %d, "
                 "\"block_size\": %d, \"n_blocks\": %d, \"n_tokens\": %lld, \"d\": %d, \"reps\": %d,\n"
                 " \"workspace_bytes\": %zu,\n"
                 " \"forward\": {\"ms\": %.4f, \"bytes\": %.0f, \"GBps\": %.1f},\n"
                 " \"backward\": {\"ms\": %.4f, \"bytes\": %.0f, \"GBps\": %.1f},\n"
                 " \"device_copy_GBps\": %.1f,\n \"memory_bound\": [",
-                layers, L, S, st.n_blocks, (long long)n, d, reps, plan.total, fwd_ms, fwd_rows * row_bytes, fwd_gbs,
+                norm, layers, L, S, st.n_blocks, (long long)n, d, reps, plan.total, fwd_ms, fwd_rows * row_bytes, fwd_gbs,
                 bwd_ms, bwd_rows * row_bytes, bwd_gbs, copy_gbs);
         for (int k = 0; k < K_COUNT + 2; k++) {
             fprintf(f, "%s\n  ", k ? "," : "");
@@ -213,7 +229,7 @@ int main(int argc, char **argv) {
     }
     for (int i = 0; i <= calls; i++) cudaCheck(cudaEventDestroy(ev[i]));
     free(ev), free(call_kind), free(tk);
-    float *bufs[] = {emb, y, dh, dy, demb, query, key_norm, gq, gk, h};
+    float *bufs[] = {emb, y, dh, dy, demb, query, key_norm, gq, gk, h, nw, dnw, dxn, nrstd, (float *)xb};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) cudaFree(bufs[i]);
     cudaFree(ws);
     free(tf);
