@@ -10,6 +10,7 @@
 #   ROUNDS   alternations (default 2)
 #   NEW_ENV  environment settings for the new side only, e.g. "LONGMOE_PART_TIMING=events";
 #            with BASE=. both sides run this tree's build, so the settings are all that differs
+#   NEW      the directory of the new version's sources (default: this tree)
 set -uo pipefail
 OUT=${OUT:-out}
 BASE=${BASE:?BASE: the directory of the other version}
@@ -24,7 +25,9 @@ build() { # src dir, build dir, log
 }
 [ -d .whl ] && [ ! -e "$BASE/.whl" ] && cp -r .whl "$BASE/"
 NEW_ENV=${NEW_ENV:-}
-build . build-ab-new "$OUT/build_new.log" || exit 1
+NEW=${NEW:-.}
+[ -d .whl ] && [ ! -e "$NEW/.whl" ] && cp -r .whl "$NEW/"
+build "$NEW" build-ab-new "$OUT/build_new.log" || exit 1
 if [ "$BASE" = . ]; then
     bin_base=build-ab-new
 else
@@ -35,7 +38,7 @@ grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT"/build_*.log
 for r in $(seq 1 "$ROUNDS"); do
     for v in new base; do
         echo "== round $r: $v${NEW_ENV:+$([ $v = new ] && echo " ($NEW_ENV)")}"
-        (cd "$([ $v = new ] && echo . || echo "$BASE")" &&
+        (cd "$([ $v = new ] && echo "$NEW" || echo "$BASE")" &&
             env $([ $v = new ] && echo "$NEW_ENV") timeout 300 \
                 "$OLDPWD/$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_model" $ARGS) 2>&1 |
             grep -vE "^ *$" | tail -14
