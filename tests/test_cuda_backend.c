@@ -477,6 +477,62 @@ static void test_conv_silu_matches_the_cpu(void) {
     free_all();
 }
 
+/* conv_out NULL (the KDA layer's call: the forward does not write it, the
+ * backward recomputes it): the same operator input and 1/||.||, and din (fp32
+ * from conv_silu_backward, lp from conv_silu_backward_lp) and dw (+=) of the
+ * stored conv output, bit for bit, with and without the norm; on the one-pass
+ * kernels' shapes (W <= 4, head_dim <= 128) and the two-pass path's (W 6,
+ * head_dim 256: conv_silu_backward_lp through tmp); the lp din is the fp32 din
+ * rounded. */
+static void test_conv_silu_without_the_conv_output_equals_the_stored_one(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 17);
+    static const int shapes[][5] = {{3, 37, 128, 4, 64}, {1, 513, 256, 2, 128}, {2, 21, 96, 1, 32},
+                                    {2, 45, 512, 6, 256}}; /* (B, T, C, W, head_dim) */
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int B = shapes[si][0], T = shapes[si][1], C = shapes[si][2], W = shapes[si][3], hd = shapes[si][4];
+        const size_t n = (size_t)B * T * C, rows = n / hd, cw = (size_t)C * W;
+        for (int norm = 1; norm >= 0; norm--) {
+            float *in = rnd(&r, n, 1.0, 0.0, 0), *w = rnd(&r, cw, 0.5, 0.0, 0);
+            float *dout = rnd(&r, n, 1.0, 0.0, 1), *dw0 = rnd(&r, cw, 0.5, 0.0, 0);
+            float *g_in = up_f32(in, n), *g_w = up_f32(w, cw), *g_conv = dalloc(n * 4);
+            float *g_rn = norm ? dalloc(rows * 4) : NULL, *g_rn2 = norm ? dalloc(rows * 4) : NULL;
+            void *g_out = dalloc(n * 2), *g_out2 = dalloc(n * 2), *g_dout = up_bf16(dout, n);
+            OK(gpu->ops->conv_silu_forward(gpu, g_conv, g_out, g_rn, g_in, g_w, B, T, C, W, hd));
+            OK(gpu->ops->conv_silu_forward(gpu, NULL, g_out2, g_rn2, g_in, g_w, B, T, C, W, hd));
+            CHECK(!memcmp(down_bf16(g_out, n), down_bf16(g_out2, n), n * 4),
+                  "(%d,%d,%d,%d,%d) norm %d: conv_silu_forward out_lp differs without conv_out", B, T, C, W, hd, norm);
+            if (norm)
+                CHECK(!memcmp(down_f32(g_rn, rows), down_f32(g_rn2, rows), rows * 4),
+                      "(%d,%d,%d,%d,%d): conv_silu_forward rnorm differs without conv_out", B, T, C, W, hd);
+            float *din[2], *dw[2], *dwl[2];
+            void *dinl[2];
+            for (int rc = 0; rc < 2; rc++) {
+                const float *conv = rc ? NULL : g_conv;
+                float *g_din = up_f32(rnd(&r, n, 1.0, 0.0, 0), n), *g_dw = up_f32(dw0, cw), *g_tmp = dalloc(n * 4);
+                OK(gpu->ops->conv_silu_backward(gpu, g_din, g_dw, g_dout, conv, g_out, g_rn, g_in, g_w, B, T, C, W,
+                                                hd, g_tmp));
+                din[rc] = down_f32(g_din, n), dw[rc] = down_f32(g_dw, cw);
+                void *g_dinl = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n);
+                float *g_dwl = up_f32(dw0, cw);
+                OK(gpu->ops->conv_silu_backward_lp(gpu, g_dinl, g_dwl, g_dout, conv, g_out, g_rn, g_in, g_w, B, T, C,
+                                                   W, hd, g_tmp));
+                dinl[rc] = g_dinl, dwl[rc] = down_f32(g_dwl, cw);
+            }
+            CHECK(!memcmp(din[0], din[1], n * 4), "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward din differs with the "
+                  "conv recomputed", B, T, C, W, hd, norm);
+            CHECK(!memcmp(dw[0], dw[1], cw * 4), "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward dw differs with the "
+                  "conv recomputed", B, T, C, W, hd, norm);
+            CHECK(!memcmp(dwl[0], dw[0], cw * 4) && !memcmp(dwl[1], dw[0], cw * 4),
+                  "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward_lp dw differs", B, T, C, W, hd, norm);
+            CHECK(lp_is_rounded(dinl[0], din[0], n) && lp_is_rounded(dinl[1], din[0], n),
+                  "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward_lp din is not the fp32 din rounded", B, T, C, W, hd,
+                  norm);
+            free_all();
+        }
+    }
+}
+
 static void test_kda_operator_matches_the_cpu(void) {
     lm_rng r;
     lm_rng_seed(&r, 8);
@@ -1050,6 +1106,7 @@ int main(void) {
     RUN(test_cross_entropy_matches_the_cpu);
     RUN(test_attention_and_gate_match_the_cpu);
     RUN(test_conv_silu_matches_the_cpu);
+    RUN(test_conv_silu_without_the_conv_output_equals_the_stored_one);
     RUN(test_kda_operator_matches_the_cpu);
     RUN(test_accumulate_matches_the_cpu);
     RUN(test_kda_output_stage_matches_the_cpu);

@@ -240,7 +240,7 @@ static void test_short_conv_backward_ring_equals_fused(void) {
                 setenv("LONGMOE_CONV_BACKWARD", k ? "fused" : "ring", 1);
                 lm_status bst = lm_cuda_short_conv_silu_backward_bf16(&ctx, d_din16, d_dw, d_dout, d_conv, rnp, d_in,
                                                                       d_w, B, T, C, W, hd, d_scratch);
-                if (!lm_cuda_short_conv_silu_backward_bf16_takes(d_conv, W, hd)) {
+                if (!lm_cuda_short_conv_silu_backward_bf16_takes(W, hd)) {
                     CHECK(bst == LM_ERR_ARG, "(%d,%d,%d,%d,%d): bf16 din accepted where the one-pass kernels do not run",
                           B, T, C, W, hd);
                 } else {
@@ -279,7 +279,7 @@ static void test_short_conv_backward_ring_equals_fused(void) {
 /* Backward of conv + SiLU + L2 from a bf16 dout: din (written) and dw (+=)
  * equal the CPU's silu_l2_backward then short_conv_backward; dw is
  * bit-identical on a second run; recomputing the conv output (conv_out NULL)
- * gives the same gradients. */
+ * gives the same gradients, bit for bit. */
 static void test_short_conv_silu_backward_matches_cpu(void) {
     lm_rng r;
     lm_rng_seed(&r, 202);
@@ -326,7 +326,8 @@ static void test_short_conv_silu_backward_matches_cpu(void) {
                   "dw or din is not bit-identical from run to run");
             free(g_din1), free(g_dw1);
 
-            /* recompute path (c not saved: the two-pass kernels): the same dw bits */
+            /* c not saved (recomputed from in and w, in the one-pass kernels where they apply, else in
+             * the two-pass path): the same din and dw bits */
             CHECK(lm_cuda_upload(d_dw, dw0, CW * 4) == LM_OK, "upload: %s", lm_last_error());
             cudaMemset(d_din, 0xFF, NC * 4);
             settle();
@@ -336,6 +337,7 @@ static void test_short_conv_silu_backward_matches_cpu(void) {
             CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
             float *g_din2 = host_from(d_din, NC), *g_dw2 = host_from(d_dw, CW);
             CHECK(memcmp(g_dw, g_dw2, CW * 4) == 0, "dw differs between saved and recomputed c");
+            CHECK(memcmp(g_din, g_din2, NC * 4) == 0, "din differs between saved and recomputed c");
             check_rel(g_din2, din, NC, TOL_F32, "din, conv recomputed", s);
 
             free(in), free(w), free(dout), free(dw0), free(conv), free(y), free(rn), free(dc);
@@ -345,6 +347,94 @@ static void test_short_conv_silu_backward_matches_cpu(void) {
             lm_cuda_free(d_scratch);
         }
     }
+}
+
+/* The backward with the conv output recomputed (conv_out NULL: c formed from
+ * in and w inside the one-pass kernels, with the forward's sum) gives the bits
+ * of the backward from the saved conv output: din in fp32 and in bf16, and dw
+ * (+= onto the same start), under both one-pass kernels (ring, fused), with
+ * and without the L2 norm, on fresh inputs for every W in 1..4 and head_dim
+ * 32, 64, 128, over one long sequence (chunks of dw that end inside it, so
+ * their W-1 halo tokens need c too), several sequences of odd T (chunk ends
+ * inside a sequence and next to its start) and T shorter than W; and in the
+ * two-pass path (head_dim 256, W 6). */
+static void test_short_conv_backward_recompute_equals_saved(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 211);
+    static const int bt[][2] = {{1, 1031}, {3, 37}, {4, 129}, {2, 3}}; /* (B, T) */
+    static const int wide[][2] = {{4, 256}, {6, 64}};                  /* (W, head_dim) of the two-pass path */
+    const int nbt = (int)(sizeof bt / sizeof bt[0]), nfast = 4 * 3;
+    const char *const kinds[2] = {"ring", "fused"};
+    for (int ci = 0; ci < nfast + 2; ci++)
+        for (int bi = 0; bi < nbt; bi++) {
+            const int W = ci < nfast ? 1 + ci % 4 : wide[ci - nfast][0];
+            const int hd = ci < nfast ? 32 << (ci / 4) : wide[ci - nfast][1];
+            const int B = bt[bi][0], T = bt[bi][1], C = (bi % 2 ? 3 : 2) * hd;
+            const size_t N = (size_t)B * T, NC = N * C, CW = (size_t)C * W, rows = N * (C / hd);
+            const int fast = lm_cuda_short_conv_silu_backward_bf16_takes(W, hd);
+            CHECK(fast == (ci < nfast), "W=%d head_dim=%d: one-pass kernels %s", W, hd, fast ? "taken" : "not taken");
+            for (int norm = 1; norm >= 0; norm--) {
+                float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal(CW, 1.0 / sqrt(W), 0, 0, &r);
+                float *dout = host_normal(NC, 1.0, 0.0, 1, &r), *dw0 = host_normal(CW, 0.1, 0.0, 0, &r);
+                float *d_in = dev_from(in, NC), *d_w = dev_from(w, CW), *d_conv = dev_poisoned(NC * 4);
+                float *d_rn = dev_poisoned(rows * 4), *rnp = norm ? d_rn : NULL;
+                uint16_t *d_y = dev_poisoned(NC * 2), *d_dout = dev_bf16_from(dout, NC);
+                void *d_scratch = dev_poisoned(lm_cuda_short_conv_silu_backward_scratch_bytes(B, T, C, W));
+                CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv, d_y, rnp, d_in, d_w, B, T, C, W, hd) == LM_OK,
+                      "forward: %s", lm_last_error());
+                for (int k = 0; k < (fast ? 2 : 1); k++) {
+                    setenv("LONGMOE_CONV_BACKWARD", kinds[k], 1);
+                    /* [0]: conv_out saved, [1]: recomputed; fp32 din, then (one-pass) bf16 din */
+                    float *g_din[2], *g_dw[2], *g_dw16[2];
+                    uint16_t *g_din16[2];
+                    for (int rc = 0; rc < 2; rc++) {
+                        const float *conv = rc ? NULL : d_conv;
+                        float *d_din = dev_poisoned(NC * 4), *d_dw = dev_from(dw0, CW);
+                        CHECK(lm_cuda_short_conv_silu_backward(&ctx, d_din, d_dw, d_dout, conv, rnp, d_in, d_w, B, T,
+                                                               C, W, hd, d_scratch) == LM_OK,
+                              "backward (%s, conv %s): %s", kinds[k], rc ? "recomputed" : "saved", lm_last_error());
+                        CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+                        g_din[rc] = host_from(d_din, NC), g_dw[rc] = host_from(d_dw, CW);
+                        lm_cuda_free(d_din), lm_cuda_free(d_dw);
+                        g_din16[rc] = NULL, g_dw16[rc] = NULL;
+                        if (!fast) continue;
+                        uint16_t *d_din16 = dev_poisoned(NC * 2);
+                        d_dw = dev_from(dw0, CW);
+                        CHECK(lm_cuda_short_conv_silu_backward_bf16(&ctx, d_din16, d_dw, d_dout, conv, rnp, d_in, d_w,
+                                                                    B, T, C, W, hd, d_scratch) == LM_OK,
+                              "backward bf16 (%s, conv %s): %s", kinds[k], rc ? "recomputed" : "saved",
+                              lm_last_error());
+                        CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
+                        g_din16[rc] = mallocCheck(NC * 2);
+                        CHECK(lm_cuda_download(g_din16[rc], d_din16, NC * 2) == LM_OK, "download: %s",
+                              lm_last_error());
+                        g_dw16[rc] = host_from(d_dw, CW);
+                        lm_cuda_free(d_din16), lm_cuda_free(d_dw);
+                    }
+                    CHECK(memcmp(g_din[0], g_din[1], NC * 4) == 0,
+                          "(%d,%d,%d,%d,%d) norm %d %s: din differs with c recomputed", B, T, C, W, hd, norm, kinds[k]);
+                    CHECK(memcmp(g_dw[0], g_dw[1], CW * 4) == 0,
+                          "(%d,%d,%d,%d,%d) norm %d %s: dw differs with c recomputed", B, T, C, W, hd, norm, kinds[k]);
+                    CHECK(memcmp(g_dw[0], dw0, CW * 4) != 0, "(%d,%d,%d,%d,%d) norm %d %s: dw did not change", B, T,
+                          C, W, hd, norm, kinds[k]);
+                    if (fast) {
+                        CHECK(memcmp(g_din16[0], g_din16[1], NC * 2) == 0,
+                              "(%d,%d,%d,%d,%d) norm %d %s: bf16 din differs with c recomputed", B, T, C, W, hd, norm,
+                              kinds[k]);
+                        CHECK(memcmp(g_dw16[1], g_dw[0], CW * 4) == 0,
+                              "(%d,%d,%d,%d,%d) norm %d %s: dw beside bf16 din differs with c recomputed", B, T, C, W,
+                              hd, norm, kinds[k]);
+                    }
+                    for (int rc = 0; rc < 2; rc++) free(g_din[rc]), free(g_dw[rc]), free(g_din16[rc]), free(g_dw16[rc]);
+                }
+                unsetenv("LONGMOE_CONV_BACKWARD");
+                free(in), free(w), free(dout), free(dw0);
+                lm_cuda_free(d_in), lm_cuda_free(d_w), lm_cuda_free(d_conv), lm_cuda_free(d_rn), lm_cuda_free(d_y);
+                lm_cuda_free(d_dout), lm_cuda_free(d_scratch);
+            }
+        }
+    printf("    %d (W, head_dim) x %d (B, T) x 2 norms: din (fp32, bf16) and dw equal with c recomputed\n",
+           nfast + 2, nbt);
 }
 
 /* beta = sigmoid(logit) and dlogit = dbeta beta (1 - beta), as the CPU layer. */
@@ -573,6 +663,7 @@ int main(void) {
     RUN(test_short_conv_window_kernel_equals_row_kernel);
     RUN(test_short_conv_silu_backward_matches_cpu);
     RUN(test_short_conv_backward_ring_equals_fused);
+    RUN(test_short_conv_backward_recompute_equals_saved);
     RUN(test_sigmoid_matches_cpu);
     RUN(test_output_forward_matches_cpu);
     RUN(test_output_backward_matches_cpu);

@@ -3,7 +3,10 @@
  * forward in two calls (the final state alone, then the rest from another
  * incoming state) equal to the one-call forward bit for bit, and its backward
  * in two calls (the incoming state's gradient from the outputs first) equal
- * to the one-call backward. */
+ * to the one-call backward; the short convolution's backward with its output
+ * recomputed (conv_out NULL, as the layer runs it) equal to the one with it
+ * stored, bit for bit. */
+#include "longmoe/backend.h"
 #include "longmoe/kda_layer.h"
 #include "test.h"
 
@@ -228,11 +231,64 @@ static void test_segment_backward_in_two_calls(void) {
     }
 }
 
+/* The CPU backend's conv_silu ops without the conv output (conv_out NULL: not
+ * written by the forward, recomputed by the backward) give the operator input,
+ * 1/||.||, din and dw (+= onto the same start) of the stored conv output, bit
+ * for bit, with and without the norm: several sequences, odd T (one shorter
+ * than the kernel), W 1 to 4. */
+static void test_conv_backward_recomputing_the_conv_equals_the_stored_one(void) {
+    /* (B, T, C, W, head_dim) */
+    static const int shapes[][5] = {{2, 37, 64, 4, 32}, {3, 21, 96, 3, 32}, {1, 9, 32, 1, 16}, {3, 3, 48, 4, 16},
+                                    {2, 15, 32, 2, 8}};
+    lm_backend *be = lm_backend_cpu();
+    lm_rng rng;
+    lm_rng_seed(&rng, 123);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int *s = shapes[si], nb = s[0], nt = s[1], nc = s[2], nw = s[3], hd = s[4];
+        const size_t n = (size_t)nb * nt * nc, cw = (size_t)nc * nw, rows = n / (size_t)hd;
+        for (int norm = 1; norm >= 0; norm--) {
+            float *in = malloc(n * 4), *w = malloc(cw * 4), *dout = malloc(n * 4), *dw0 = malloc(cw * 4);
+            for (size_t i = 0; i < n; i++) in[i] = (float)lm_rng_normal(&rng), dout[i] = (float)lm_rng_normal(&rng);
+            for (size_t i = 0; i < cw; i++)
+                w[i] = (float)(lm_rng_normal(&rng) / sqrt(nw)), dw0[i] = 0.1f * (float)lm_rng_normal(&rng);
+            float *conv = malloc(n * 4), *out1 = malloc(n * 4), *out2 = malloc(n * 4), *rn1 = malloc(rows * 4),
+                  *rn2 = malloc(rows * 4), *tmp = malloc(n * 4), *din1 = malloc(n * 4), *din2 = malloc(n * 4);
+            float *dw1 = malloc(cw * 4), *dw2 = malloc(cw * 4);
+            memset(din2, 0xFF, n * 4); /* NaN: every value must be written */
+            memcpy(dw1, dw0, cw * 4);
+            memcpy(dw2, dw0, cw * 4);
+            CHECK(!be->ops->conv_silu_forward(be, conv, out1, norm ? rn1 : NULL, in, w, nb, nt, nc, nw, hd), "%s",
+                  lm_last_error());
+            CHECK(!be->ops->conv_silu_forward(be, NULL, out2, norm ? rn2 : NULL, in, w, nb, nt, nc, nw, hd), "%s",
+                  lm_last_error());
+            CHECK(!memcmp(out1, out2, n * 4), "(%d,%d,%d,%d,%d) norm %d: the output differs without conv_out", nb, nt,
+                  nc, nw, hd, norm);
+            if (norm)
+                CHECK(!memcmp(rn1, rn2, rows * 4), "(%d,%d,%d,%d,%d): rnorm differs without conv_out", nb, nt, nc, nw,
+                      hd);
+            CHECK(!be->ops->conv_silu_backward(be, din1, dw1, dout, conv, out1, norm ? rn1 : NULL, in, w, nb, nt, nc,
+                                               nw, hd, tmp),
+                  "%s", lm_last_error());
+            CHECK(!be->ops->conv_silu_backward(be, din2, dw2, dout, NULL, out1, norm ? rn1 : NULL, in, w, nb, nt, nc,
+                                               nw, hd, tmp),
+                  "%s", lm_last_error());
+            CHECK(!memcmp(din1, din2, n * 4), "(%d,%d,%d,%d,%d) norm %d: din differs with the conv recomputed", nb, nt,
+                  nc, nw, hd, norm);
+            CHECK(!memcmp(dw1, dw2, cw * 4), "(%d,%d,%d,%d,%d) norm %d: dw differs with the conv recomputed", nb, nt,
+                  nc, nw, hd, norm);
+            CHECK(memcmp(dw1, dw0, cw * 4), "(%d,%d,%d,%d,%d) norm %d: dw did not change", nb, nt, nc, nw, hd, norm);
+            free(in); free(w); free(dout); free(dw0); free(conv); free(out1); free(out2); free(rn1); free(rn2);
+            free(tmp); free(din1); free(din2); free(dw1); free(dw2);
+        }
+    }
+}
+
 int main(void) {
     RUN(test_layer_gradients_match_finite_differences_bounded);
     RUN(test_layer_gradients_match_finite_differences_softplus);
     RUN(test_layer_is_causal);
     RUN(test_segment_forward_in_two_calls);
     RUN(test_segment_backward_in_two_calls);
+    RUN(test_conv_backward_recomputing_the_conv_equals_the_stored_one);
     return test_summary();
 }

@@ -180,11 +180,14 @@ typedef struct {
     /* conv_out = ShortConv(in) (causal, depthwise, width W, zero history per
      * sequence), out = SiLU(conv_out), L2-normalised per head of head_dim
      * channels when rnorm != NULL (rnorm[rows] = 1/||SiLU(conv)||). in [B,T,C];
-     * out in the KDA operator's input format (lp). */
+     * out in the KDA operator's input format (lp); conv_out [B,T,C] fp32, or
+     * NULL: not written (the backward recomputes it) */
     lm_status (*conv_silu_forward)(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
                                    const float *w, int B, int T, int C, int W, int head_dim);
     /* din (written) and dw += from dout (the operator's gradient, lp); out is
-     * the forward's output; tmp holds B*T*C floats of scratch */
+     * the forward's output; conv_out the forward's, or NULL: recomputed from
+     * in and w with the forward's arithmetic (the same bits, so the same din
+     * and dw); tmp holds B*T*C floats of scratch */
     lm_status (*conv_silu_backward)(lm_backend *be, float *din, float *dw, const void *dout_lp,
                                     const float *conv_out, const void *out_lp, const float *rnorm, const float *in,
                                     const float *w, int B, int T, int C, int W, int head_dim, float *tmp);

@@ -43,8 +43,8 @@ void lm_kda_layer_params_map(const lm_kda_layer_config *c, float *base, lm_kda_l
 
 /* Activations the backward needs, for N = B*T tokens. */
 typedef struct {
-    float *qp, *kp, *vp;   /* projections before the conv [N,HK] */
-    float *qc, *kc, *vc;   /* conv outputs before SiLU [N,HK] */
+    float *qp, *kp, *vp;   /* projections before the conv [N,HK]; the conv's output is not kept (the
+                            * backward recomputes it from these) */
     void *q, *k, *v;       /* operator inputs [N,HK], in the backend's product format */
     void *z_lp;            /* W_z x [N,HK], in the product format (the operator's gate input) */
     float *beta;           /* sigmoid(W_beta x) [N,H] */

@@ -57,7 +57,8 @@ size_t lm_cuda_short_conv_silu_backward_scratch_bytes(int B, int T, int C, int W
  * KDA operator's dq, dk or dv):
  *   din [B,T,C] WRITTEN: the projection's gradient
  *   dw [C,W] ACCUMULATED (+=), fixed-order sum over tokens
- *   conv_out: as saved by the forward, or NULL: recomputed from in and w
+ *   conv_out: as saved by the forward, or NULL: recomputed from in and w with
+ *             the forward's sum (the same bits, so the same gradients)
  *   rnorm: as saved by the forward (q, k), or NULL for the unnormalised v;
  *          SiLU(c) * rnorm is recomputed here, as the forward computed it
  *   scratch: lm_cuda_short_conv_silu_backward_scratch_bytes(B,T,C,W) bytes,
@@ -70,10 +71,10 @@ lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx, float *di
 
 /* The same with din WRITTEN in bf16 (rounded to nearest even) for the product
  * that takes it next: no fp32 din and no conversion pass. Only the one-pass
- * kernels write bf16: conv_out saved, W <= 4, head_dim <= 128
+ * kernels write bf16: W <= 4, head_dim <= 128, conv_out saved or NULL
  * (lm_cuda_short_conv_silu_backward_bf16_takes); otherwise LM_ERR_ARG. dw
  * has the bits of lm_cuda_short_conv_silu_backward. */
-int lm_cuda_short_conv_silu_backward_bf16_takes(const float *conv_out, int W, int head_dim);
+int lm_cuda_short_conv_silu_backward_bf16_takes(int W, int head_dim);
 lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context *ctx, uint16_t *din_bf16, float *dw,
                                                 const uint16_t *dout_bf16, const float *conv_out,
                                                 const float *rnorm, const float *in, const float *w, int B, int T,

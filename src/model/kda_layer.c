@@ -66,8 +66,9 @@ static size_t lp_floats(const lm_kda_layer_config *c, size_t n) {
 
 size_t lm_kda_layer_act_floats(const lm_kda_layer_config *c, int B, int T) {
     size_t N = (size_t)B * T, H = (size_t)c->heads, HK = H * (size_t)c->head_dim;
-    /* 7 fp32 [N,HK] (projections, conv outputs, gate), 6 in the product format (q, k, v, z, o, gated) */
-    return 7 * N * HK + 6 * lp_floats(c, N * HK) + N * H /* beta */ + N * H /* o_rstd */ +
+    /* 4 fp32 [N,HK] (projections, gate; the conv outputs are not kept: the backward recomputes them from the
+     * projections), 6 in the product format (q, k, v, z, o, gated) */
+    return 4 * N * HK + 6 * lp_floats(c, N * HK) + N * H /* beta */ + N * H /* o_rstd */ +
            2 * N * H /* qk_rnorm */;
 }
 
@@ -78,9 +79,8 @@ void lm_kda_layer_acts_map(const lm_kda_layer_config *c, int B, int T, float *ba
     struct {
         float **slot;
         size_t n;
-    } big[] = {{&a->qp, N * HK}, {&a->kp, N * HK}, {&a->vp, N * HK}, {&a->qc, N * HK}, {&a->kc, N * HK},
-               {&a->vc, N * HK}, {&q, LP},         {&k, LP},         {&v, LP},         {&z, LP},
-               {&o, LP},         {&a->gate, N * HK}, {&gated, LP}};
+    } big[] = {{&a->qp, N * HK}, {&a->kp, N * HK}, {&a->vp, N * HK}, {&q, LP}, {&k, LP},
+               {&v, LP},         {&z, LP},         {&o, LP},         {&a->gate, N * HK}, {&gated, LP}};
     for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
         *big[i].slot = base;
         base += big[i].n;
@@ -217,15 +217,16 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
     size_t N = (size_t)B * T, lpb = be->lp_bytes;
     const float *Wm[3] = {pl->W_q, pl->W_k, pl->W_v}, *conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
-    float *proj[3] = {a->qp, a->kp, a->vp}, *pre[3] = {a->qc, a->kc, a->vc};
+    float *proj[3] = {a->qp, a->kp, a->vp};
     void *post[3] = {a->q, a->k, a->v}, *opin[3] = {a->q_op, a->k_op, a->v_op};
     if (part == FWD_PREPARED) {
         /* q_op, k_op, v_op, z and beta are the acts' already (they do not depend on the state) */
     } else if (!carry) {
-        /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer) */
+        /* q, k = L2Norm(SiLU(ShortConv(.))), v = SiLU(ShortConv(.))   (SPEC §2, layer); the conv's output
+         * is not kept (NULL): the backward recomputes it from the projection */
         for (int j = 0; j < 3; j++) TRY(op->matmul_forward(be, proj[j], x, Wm[j], (int64_t)N, d, HK));
         for (int j = 0; j < 3; j++)
-            TRY(op->conv_silu_forward(be, pre[j], post[j], j < 2 ? a->qk_rnorm + j * N * H : NULL, proj[j],
+            TRY(op->conv_silu_forward(be, NULL, post[j], j < 2 ? a->qk_rnorm + j * N * H : NULL, proj[j],
                                       conv_w[j], B, T, HK, W, K));
     } else {
         /* a segment: W-1 history rows before each sequence's n rows, then the conv over both */
@@ -242,7 +243,7 @@ static lm_status layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_
                 else
                     TRY(be->zero(be, hist, (size_t)W1 * HK * sizeof(float)));
             }
-            TRY(op->conv_silu_forward(be, pre[j], post[j], j < 2 ? a->qk_rnorm + j * NE * H : NULL, proj[j],
+            TRY(op->conv_silu_forward(be, NULL, post[j], j < 2 ? a->qk_rnorm + j * NE * H : NULL, proj[j],
                                       conv_w[j], B, Tn, HK, W, K));
             for (int b = 0; b < B; b++) {
                 TRY(be->copy(be, at(opin[j], (size_t)b * T, HK, lpb), at(post[j], (size_t)b * Tn + W1, HK, lpb),
@@ -332,9 +333,10 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
     TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
     TRY(op->matmul_backward(be, dx, g->W_beta, dbeta_lp, x, pl->W_beta, (int64_t)N, d, H));
-    /* q, k, v: normalisation and SiLU, the short convolution, the projections */
+    /* q, k, v: normalisation and SiLU, the short convolution (its output recomputed from the projection:
+     * conv_out NULL), the projections */
     void *const douts[3] = {dq, dk, dv};
-    const float *const pre[3] = {a->qc, a->kc, a->vc}, *const proj[3] = {a->qp, a->kp, a->vp};
+    const float *const proj[3] = {a->qp, a->kp, a->vp};
     const void *const post[3] = {a->q, a->k, a->v};
     const float *const rn[3] = {a->qk_rnorm, a->qk_rnorm + NE * H, NULL};
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
@@ -344,11 +346,11 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         if (!carry) {
             if (lp_separate(c) && op->conv_silu_backward_lp) {
                 /* din straight in the product format */
-                TRY(op->conv_silu_backward_lp(be, scratch + S.din_lp, conv_g[j], douts[j], pre[j], post[j], rn[j],
+                TRY(op->conv_silu_backward_lp(be, scratch + S.din_lp, conv_g[j], douts[j], NULL, post[j], rn[j],
                                               proj[j], conv_w[j], B, T, HK, W, K, tmp));
                 din_lp = scratch + S.din_lp;
             } else {
-                TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], pre[j], post[j], rn[j], proj[j], conv_w[j],
+                TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], NULL, post[j], rn[j], proj[j], conv_w[j],
                                            B, T, HK, W, K, tmp));
                 TRY(lp_view(be, din, scratch + S.din_lp, NHK, &din_lp));
             }
@@ -363,7 +365,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         for (int b = 0; b < B; b++)
             TRY(be->copy(be, at(dout, (size_t)b * Tn + W1, HK, lpb), at(douts[j], (size_t)b * T, HK, lpb),
                          (size_t)T * HK * lpb));
-        TRY(op->conv_silu_backward(be, din, conv_g[j], dout, pre[j], post[j], rn[j], proj[j], conv_w[j], B, Tn, HK,
+        TRY(op->conv_silu_backward(be, din, conv_g[j], dout, NULL, post[j], rn[j], proj[j], conv_w[j], B, Tn, HK,
                                    W, K, tmp));
         for (int b = 0; W1 && b < B; b++) {
             const size_t hb = ((size_t)j * B + b) * W1 * HK;

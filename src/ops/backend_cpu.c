@@ -262,11 +262,13 @@ static lm_status cpu_score_forward(lm_backend *be, double *nll, int32_t *argmax,
 
 /* ---- the KDA token mixer's pieces ---- */
 
+/* conv_out NULL: the convolution goes into out (fp32 here), SiLU and the norm then run in place */
 static lm_status cpu_conv_silu_forward(lm_backend *be, float *conv_out, void *out_lp, float *rnorm, const float *in,
                                        const float *w, int B, int T, int C, int W, int head_dim) {
     (void)be;
-    lm_short_conv_forward(conv_out, in, w, B, T, C, W);
-    lm_silu_l2_forward(out_lp, rnorm, conv_out, (size_t)B * T * C / (size_t)head_dim, head_dim);
+    float *c = conv_out ? conv_out : out_lp;
+    lm_short_conv_forward(c, in, w, B, T, C, W);
+    lm_silu_l2_forward(out_lp, rnorm, c, (size_t)B * T * C / (size_t)head_dim, head_dim);
     return LM_OK;
 }
 
@@ -275,6 +277,11 @@ static lm_status cpu_conv_silu_backward(lm_backend *be, float *din, float *dw, c
                                         const float *in, const float *w, int B, int T, int C, int W, int head_dim,
                                         float *tmp) {
     (void)be;
+    /* conv_out NULL: recomputed by the forward's function into din, which is written only after it is read */
+    if (!conv_out) {
+        lm_short_conv_forward(din, in, w, B, T, C, W);
+        conv_out = din;
+    }
     lm_silu_l2_backward(tmp, dout_lp, conv_out, out_lp, rnorm, (size_t)B * T * C / (size_t)head_dim, head_dim);
     lm_short_conv_backward(din, dw, tmp, in, w, B, T, C, W);
     return LM_OK;

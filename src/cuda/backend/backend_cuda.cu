@@ -317,7 +317,8 @@ static lm_status cuda_conv_silu_backward(lm_backend *be, float *din, float *dw, 
                                          const float *conv_out, const void *out_lp, const float *rnorm,
                                          const float *in, const float *w, int B, int T, int C, int W, int head_dim,
                                          float *tmp) {
-    /* the GPU recomputes SiLU(c) * rnorm from conv_out: out_lp and tmp are not read */
+    /* the GPU recomputes SiLU(c) * rnorm from conv_out (c itself from in and w when conv_out is NULL):
+     * out_lp and tmp are not read */
     (void)out_lp;
     (void)tmp;
     void *scratch;
@@ -331,7 +332,7 @@ static lm_status cuda_conv_silu_backward_lp(lm_backend *be, void *din_lp, float 
                                             const float *conv_out, const void *out_lp, const float *rnorm,
                                             const float *in, const float *w, int B, int T, int C, int W,
                                             int head_dim, float *tmp) {
-    if (!lm_cuda_short_conv_silu_backward_bf16_takes(conv_out, W, head_dim)) {
+    if (!lm_cuda_short_conv_silu_backward_bf16_takes(W, head_dim)) {
         /* the two-pass path writes fp32: into tmp (B*T*C floats), then rounded */
         lm_status st = cuda_conv_silu_backward(be, tmp, dw, dout_lp, conv_out, out_lp, rnorm, in, w, B, T, C, W,
                                                head_dim, NULL);

@@ -1,6 +1,6 @@
 /* Short causal depthwise convolution, SiLU and the per-head L2 norm of the
  * KDA layer's q, k, v (include/longmoe/kda_layer_cuda.h; the CPU versions are
- * short_conv_* and silu_l2_* in src/model/kda_layer.c). */
+ * lm_short_conv_* and lm_silu_l2_* in src/ops/linear/short_conv.c). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -370,16 +370,19 @@ __global__ void conv_backward_window_kernel(float *__restrict__ din, float *__re
     for (int i = 0; i < WT; i++) partial[((size_t)chunk * C + ch) * WT + i] = acc[i];
 }
 
-/* The whole backward in ONE pass, when c was saved, W <= 4 and head_dim <=
- * 128: a warp takes one head and a chunk of tokens [n0, n1) in order (lane l
- * holds channels l, l + 32, ... of the head, as silu_l2_backward_kernel).
- * Per token m it forms dc[m] in registers exactly as silu_l2_backward_kernel
- * does (same bits), adds dw's partial (the conv_dw_partial_kernel's order)
- * and, with the last WT values of in and dc in registers, writes din[m-(W-1)]
- * (the conv_backward_input_kernel's order); dc is formed for W - 1 tokens
- * past the chunk too (the halo din needs), and never goes to memory. The next
- * token's loads are issued before the current token's arithmetic. The chunks
- * are dw_chunks', so dw has the two-pass path's bits. */
+/* The whole backward in ONE pass, when W <= 4 and head_dim <= 128: a warp
+ * takes one head and a chunk of tokens [n0, n1) in order (lane l holds
+ * channels l, l + 32, ... of the head, as silu_l2_backward_kernel). Per token
+ * m it forms dc[m] in registers exactly as silu_l2_backward_kernel does (same
+ * bits), adds dw's partial (the conv_dw_partial_kernel's order) and, with the
+ * last WT values of in and dc in registers, writes din[m-(W-1)] (the
+ * conv_backward_input_kernel's order); dc is formed for W - 1 tokens past the
+ * chunk too (the halo din needs), and never goes to memory. c is the saved
+ * conv_out or, when conv_out is NULL, recomputed from the last WT values of
+ * in (read for the halo tokens too, which add nothing to dw) with the
+ * forward's sum: the same bits. The next token's loads are issued before the
+ * current token's arithmetic. The chunks are dw_chunks', so dw has the
+ * two-pass path's bits. */
 /* din stores: fp32, or bf16 for a product that takes it next (round to nearest even) */
 __device__ __forceinline__ void conv_store_din(float *p, float v) { *p = v; }
 __device__ __forceinline__ void conv_store_din(uint16_t *p, float v) { *p = kl_f32_to_bf16(v); }
@@ -406,41 +409,52 @@ __device__ __forceinline__ void conv_bwd_begin(int (&ch)[PER], float (&wr)[PER][
     }
 }
 
-/* One token m of a chunk [n0, n1): x = c, g = dout, xi = in of token m (0 past the
- * data), s = 1/||y|| (1 without the norm): dc of m into the window, dw's partial sums,
- * and din of token m - (W - 1). */
+/* One token m of a chunk [n0, n1): x = c (not read when recompute: then c is formed
+ * from the window of in), g = dout, xi = in of token m (0 past the data, and past the
+ * chunk unless recompute), s = 1/||y|| (1 without the norm): dc of m into the window,
+ * dw's partial sums, and din of token m - (W - 1). */
 template <int PER, int WT, typename DT>
 __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw)[PER][WT], float (&acc)[PER][WT],
                                               const float (&wr)[PER][WT], const float (&x)[PER],
                                               const float (&g)[PER], const float (&xi)[PER], float s, bool norm,
-                                              int64_t m, int64_t n0, int64_t n1, int64_t N, int T, int C,
-                                              const int (&ch)[PER], DT *__restrict__ din) {
+                                              bool recompute, int64_t m, int64_t n0, int64_t n1, int64_t N, int T,
+                                              int C, const int (&ch)[PER], DT *__restrict__ din) {
 #pragma unroll
-        for (int j = 0; j < PER; j++)
+        for (int j = 0; j < PER; j++) {
 #pragma unroll
             for (int i = 0; i + 1 < WT; i++) {
                 xin[j][i] = xin[j][i + 1];
                 dcw[j][i] = dcw[j][i + 1];
             }
+            xin[j][WT - 1] = xi[j];
+        }
+        const int t = (int)(m % T);
         if (m < N) { /* warp-uniform */
-            float y[PER];
+            float c[PER], y[PER];
             float dot = 0.0f;
 #pragma unroll
             for (int j = 0; j < PER; j++) {
-                y[j] = silu_l2_y(x[j], s); /* the forward's output, recomputed */
+                c[j] = x[j];
+                if (recompute) { /* the forward kernels' sum (conv_at's order and skips): their bits */
+                    float a = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < WT; i++) {
+                        if (t - (WT - 1) + i < 0) continue;
+                        a += wr[j][i] * xin[j][i];
+                    }
+                    c[j] = a;
+                }
+                y[j] = silu_l2_y(c[j], s); /* the forward's output, recomputed */
                 dot += y[j] * g[j];
             }
             if (norm) dot = kl_warp_sum(dot);
 #pragma unroll
-            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(x[j], g[j], y[j], dot, s, norm);
+            for (int j = 0; j < PER; j++) dcw[j][WT - 1] = silu_l2_dc(c[j], g[j], y[j], dot, s, norm);
         } else {
 #pragma unroll
             for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
         }
-#pragma unroll
-        for (int j = 0; j < PER; j++) xin[j][WT - 1] = xi[j];
         if (m < n1) {
-            const int t = (int)(m % T);
 #pragma unroll
             for (int j = 0; j < PER; j++)
 #pragma unroll
@@ -479,6 +493,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
     float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
     conv_bwd_begin<PER, WT>(ch, wr, acc, xin, dcw, w, in, h * head_dim + lane, n0, N, C);
     const int64_t m_end = n1 + (WT - 1);
+    const bool recompute = conv_out == NULL; /* c from in: in of the halo tokens too */
     /* loads of token m (prefetched one token ahead) */
     float px[PER], pg[PER], pin[PER], ps = 1.0f;
     auto load = [&](int64_t m) {
@@ -486,9 +501,9 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < PER; j++) {
             const int64_t e = m * C + ch[j];
-            px[j] = ok ? conv_out[e] : 0.0f;
+            px[j] = ok && !recompute ? conv_out[e] : 0.0f;
             pg[j] = ok ? kl_bf16_to_f32(dout[e]) : 0.0f;
-            pin[j] = ok && m < n1 ? in[e] : 0.0f;
+            pin[j] = ok && (m < n1 || recompute) ? in[e] : 0.0f;
         }
         ps = ok && rnorm ? rnorm[m * heads + h] : 1.0f;
     };
@@ -499,7 +514,8 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
         for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
         const float s = ps;
         load(m + 1);
-        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, m, n0, n1, N, T, C, ch, din);
+        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
+                               din);
     }
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -510,9 +526,9 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
 /* conv_silu_l2_backward_fused_kernel's work and bits (the same chunks, the
  * same per-token arithmetic in the same order) with its loads in flight in a
  * per-warp ring of shared memory instead of one token ahead in registers:
- * CONV_BWD_RING_DEPTH - 1 tokens' rows (c and in: 16-byte cp.async, dout: 16
- * bytes a lane over half the lanes, 1/||y||: 4 bytes) are on their way while
- * the current token is computed. The fused kernel keeps one token (~1.3 KB a
+ * CONV_BWD_RING_DEPTH - 1 tokens' rows (c unless recomputed, and in: 16-byte
+ * cp.async, dout: 16 bytes a lane over half the lanes, 1/||y||: 4 bytes) are
+ * on their way while the current token is computed. The fused kernel keeps one token (~1.3 KB a
  * warp at head_dim 128) outstanding; at dw's 256 chunks x 8 heads = 2048
  * warps (16 a SM) that is ~21 KB a SM, too little to cover the memory's
  * latency; here ~16 x 7 x 1.3 KB = 145 KB. The prefetch registers go too
@@ -549,15 +565,17 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
     float wr[PER][WT], acc[PER][WT], xin[PER][WT], dcw[PER][WT];
     conv_bwd_begin<PER, WT>(ch, wr, acc, xin, dcw, w, in, h * HD + lane, n0, N, C);
     const int64_t m_end = n1 + (WT - 1);
+    const bool recompute = conv_out == NULL; /* c from in: in of the halo tokens too, no c rows */
     /* token m's rows go to slot (m - n0) % D; one commit group per token (empty when nothing is due) */
     auto issue = [&](int64_t m) {
         float *sl = ring + (int)((m - n0) & (D - 1)) * SL::FLOATS;
         if (m < N && m < m_end) {
             const int64_t e = m * C + (int64_t)h * HD;
-            if (lane < HD / 4) conv_cp_async16(sl + SL::C_OFF + 4 * lane, conv_out + e + 4 * lane);
+            if (!recompute && lane < HD / 4) conv_cp_async16(sl + SL::C_OFF + 4 * lane, conv_out + e + 4 * lane);
             if (lane < HD / 8) conv_cp_async16(sl + SL::G_OFF + 4 * lane, dout + e + 8 * lane);
             if (rnorm && lane == 0) conv_cp_async4(sl + SL::S_OFF, rnorm + m * heads + h);
-            if (m < n1 && lane < HD / 4) conv_cp_async16(sl + SL::IN_OFF + 4 * lane, in + e + 4 * lane);
+            if ((m < n1 || recompute) && lane < HD / 4)
+                conv_cp_async16(sl + SL::IN_OFF + 4 * lane, in + e + 4 * lane);
         }
         conv_cp_async_commit();
     };
@@ -570,16 +588,18 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
         __syncwarp();                /* and every lane's */
         const float *sl = ring + (int)((m - n0) & (D - 1)) * SL::FLOATS;
         const uint16_t *sg = (const uint16_t *)(sl + SL::G_OFF);
-        const bool ok = m < N, inok = m < n1; /* the fused kernel's loads give 0 (s: 1) otherwise */
+        /* the fused kernel's loads give 0 (s: 1) otherwise */
+        const bool ok = m < N, inok = ok && (m < n1 || recompute);
         float x[PER], g[PER], xi[PER];
 #pragma unroll
         for (int j = 0; j < PER; j++) {
-            x[j] = ok ? sl[SL::C_OFF + j * 32 + lane] : 0.0f;
+            x[j] = ok && !recompute ? sl[SL::C_OFF + j * 32 + lane] : 0.0f;
             g[j] = ok ? kl_bf16_to_f32(sg[j * 32 + lane]) : 0.0f;
             xi[j] = inok ? sl[SL::IN_OFF + j * 32 + lane] : 0.0f;
         }
         const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
-        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, m, n0, n1, N, T, C, ch, din);
+        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
+                               din);
     }
     conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
 #pragma unroll
@@ -590,9 +610,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
 
 static int aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
-static int use_fused(const float *conv_out, int W, int head_dim) {
-    return conv_out && W <= 4 && head_dim <= 128;
-}
+static int use_fused(int W, int head_dim) { return W <= 4 && head_dim <= 128; }
 
 static int64_t dw_chunks(int64_t N) { return kl_chunks(N, DW_MIN_ROWS, DW_MAX_CHUNKS); }
 
@@ -709,7 +727,8 @@ extern "C" size_t lm_cuda_short_conv_silu_backward_scratch_bytes(int B, int T, i
 }
 
 /* The one-pass backward (ring or fused kernel, then the fixed-order sum of dw) with din of
- * type DT; *done = 0 when it does not apply (no saved c, W > 4 or head_dim > 128). */
+ * type DT, c saved (conv_out) or recomputed (conv_out NULL); *done = 0 when it does not apply
+ * (W > 4 or head_dim > 128). */
 template <typename DT>
 static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, float *dw, const uint16_t *dout_bf16,
                                         const float *conv_out, const float *rnorm, const float *in, const float *w,
@@ -718,13 +737,13 @@ static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, flo
     *done = 0;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t N = (int64_t)B * T;
-    /* LONGMOE_CONV_BACKWARD: ring (the default) or fused; both apply when c was saved, W <= 4 and
-     * head_dim <= 128 (ring also needs 16-byte aligned conv_out, in and dout, else fused runs); they
-     * give the same bits. Otherwise the two-pass path. */
+    /* LONGMOE_CONV_BACKWARD: ring (the default) or fused; both apply when W <= 4 and head_dim <= 128
+     * (ring also needs 16-byte aligned conv_out (when given), in and dout, else fused runs); they give
+     * the same bits, with c saved or recomputed alike. Otherwise the two-pass path. */
     const char *kind = getenv("LONGMOE_CONV_BACKWARD");
     if (kind && *kind && strcmp(kind, "ring") && strcmp(kind, "fused"))
         return lm_error(LM_ERR_ARG, "%s: LONGMOE_CONV_BACKWARD=%s: expected ring or fused", fn, kind);
-    if (use_fused(conv_out, W, head_dim) && !(kind && !strcmp(kind, "fused")) && aligned16(conv_out) &&
+    if (use_fused(W, head_dim) && !(kind && !strcmp(kind, "fused")) && aligned16(conv_out) &&
         aligned16(in) && aligned16(dout_bf16)) {
         const int64_t fchunks = dw_chunks(N), frows = (N + fchunks - 1) / fchunks;
         const int64_t warps = fchunks * (C / head_dim);
@@ -756,7 +775,7 @@ static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, flo
         *done = 1;
         return LM_OK;
     }
-    if (use_fused(conv_out, W, head_dim)) {
+    if (use_fused(W, head_dim)) {
         /* dw's chunks as the two-pass path: the same bits, with or without saved c */
         const int64_t fchunks = dw_chunks(N), frows = (N + fchunks - 1) / fchunks;
         const int64_t warps = fchunks * (C / head_dim);
@@ -791,9 +810,7 @@ static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, flo
     return LM_OK;
 }
 
-extern "C" int lm_cuda_short_conv_silu_backward_bf16_takes(const float *conv_out, int W, int head_dim) {
-    return use_fused(conv_out, W, head_dim);
-}
+extern "C" int lm_cuda_short_conv_silu_backward_bf16_takes(int W, int head_dim) { return use_fused(W, head_dim); }
 
 extern "C" lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context *ctx, uint16_t *din_bf16,
                                                            float *dw, const uint16_t *dout_bf16,
@@ -806,9 +823,9 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context
         return lm_error(LM_ERR_ARG, "%s: din_bf16, dw, dout_bf16, in, w and scratch are required", fn);
     lm_status st = check_shape(fn, B, T, C, W, head_dim);
     if (st) return st;
-    if (!use_fused(conv_out, W, head_dim))
-        return lm_error(LM_ERR_ARG, "%s: needs the one-pass kernels (saved conv_out, W <= 4, head_dim <= 128); "
-                        "got conv_out %s, W=%d, head_dim=%d", fn, conv_out ? "given" : "NULL", W, head_dim);
+    if (!use_fused(W, head_dim))
+        return lm_error(LM_ERR_ARG, "%s: needs the one-pass kernels (W <= 4, head_dim <= 128); got W=%d, head_dim=%d",
+                        fn, W, head_dim);
     int done = 0;
     if ((st = conv_backward_one_pass<uint16_t>(ctx, din_bf16, dw, dout_bf16, conv_out, rnorm, in, w, B, T, C, W,
                                                head_dim, scratch, fn, &done)))
