@@ -346,206 +346,117 @@ __device__ __forceinline__ void load_param(float (&x)[VEC], const float *p, int 
     }
 }
 
-/* 16-byte asynchronous copies global -> shared (through L2 only) and their groups */
-__device__ __forceinline__ void ar_cp_async16(void *smem, const void *gmem) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void ar_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> __device__ __forceinline__ void ar_cp_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-/* The rows of a pipelined kernel's block: it takes the token blocks (tb
- * tokens each) blockIdx.x, blockIdx.x + gridDim.x, ... one after another, a
- * round being `rows` tokens (one a row group); round k's token for this row
- * group, and whether it is one (past the token block's end or n it is not). */
-struct ar_rounds {
-    int64_t n, tb, count; /* tokens, tokens a token block, this block's rounds */
-    int per_tb, rows, group;
-    __device__ ar_rounds(int64_t n_, int tb_, int rows_, int group_) : n(n_), tb(tb_), rows(rows_), group(group_) {
-        const int64_t n_tb = (n + tb - 1) / tb;
-        per_tb = (tb_ + rows - 1) / rows;
-        count = (int64_t)blockIdx.x < n_tb ? ((n_tb - 1 - blockIdx.x) / gridDim.x + 1) * per_tb : 0;
-    }
-    __device__ int64_t token_block(int64_t k) const { return blockIdx.x + (k / per_tb) * gridDim.x; }
-    __device__ bool token(int64_t k, int64_t *t) const {
-        if (k >= count) return false;
-        const int64_t t0 = token_block(k) * tb, t1 = t0 + tb < n ? t0 + tb : n;
-        *t = t0 + (k % per_tb) * rows + group;
-        return *t < t1;
-    }
-};
-
 /* ---- the sublayer's input and its RMSNorm in one pass (docs/attnres.md) ----
  * The forward_regs_kernel's rows (or, from_saved, the weights exp(s_i - lse)
  * of the saved scores), then h's 1/rms and the normalised row
  * xn = (h r) (.) nw into xn (fp32, may be NULL) and xn_bf16 (may be NULL),
- * r into nrstd; h itself is not written. Pipelined as backward_norm_kernel
- * (below): a block takes several token blocks of tb tokens, each thread
- * copies its 16 bytes of round k + DEPTH - 1's sources into a ring of DEPTH
- * stages while it computes round k, and loads round k + 1's closed sources'
- * 1/rms (or, from_saved, its scores and lse) into registers. */
-template <int MAXS, int DEPTH>
+ * r into nrstd; h itself is not written. */
+template <int VEC, int MAXS>
 __global__ void __launch_bounds__(THREADS)
 forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
                     int from_saved, const float *nw, float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d,
-                    float eps, float neps, int tpr, int tb) {
-    // shared: ring [DEPTH][Ns][THREADS] float4, red [2][WARPS][Ns+1], red2 [2][WARPS] (by round parity)
-    extern __shared__ float4 ring[];
+                    float eps, float neps, int tpr) {
+    // shared: red [WARPS][Ns+1], rs [rows][Ns], red2 [WARPS]
+    extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red_all = (float *)(ring + (size_t)DEPTH * Ns * THREADS), *red2_all = red_all + 2 * WARPS * (Ns + 1);
-    const size_t nd = (size_t)n * d;
-    const int c = lane_g * 4;
-    const ar_rounds rd(n, tb, rows, group);
-    float wv[4], gv[4], wn[4];
+    float *red = smem, *rs = smem + WARPS * (Ns + 1) + group * Ns;
+    float *red2 = smem + WARPS * (Ns + 1) + rows * Ns;
+    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const int c = lane_g * VEC;
+    const bool active = t < n, mine = active && c < d;
+    const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
+
+    if (active && !from_saved) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
+    float x[MAXS][VEC];
+    load_sources<VEC, MAXS>(x, src, from_saved ? NULL : P_save, C, Ns, nd, row, c, mine);
+    if (!from_saved) {
+        float wv[VEC], gv[VEC];
+        if (mine) {
+            load_param<VEC>(wv, w, c);
+            load_param<VEC>(gv, g, c);
+        } else {
 #pragma unroll
-    for (int j = 0; j < 4; j++) wv[j] = gv[j] = 0.0f, wn[j] = 1.0f;
-    if (c < d) {
-        if (!from_saved) {
-            load_param<4>(wv, w, c);
-            load_param<4>(gv, g, c);
+            for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
         }
-        if (nw) load_param<4>(wn, nw, c);
+        source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
+        __syncthreads();
     }
-    auto issue = [&](int64_t k) {
-        int64_t t;
-        if (c < d && rd.token(k, &t)) {
-            float4 *sl = ring + (size_t)(k % DEPTH) * Ns * THREADS + threadIdx.x;
-            const size_t e = (size_t)t * d + c;
+    /* every thread of the row forms the weights itself (source_weights' arithmetic, so the logits and
+     * lse its first thread writes are the ones every thread used): no barrier before h */
+    float wt[MAXS];
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
+    if (active) {
+        float *lrow = logits + (size_t)t * Ns;
+        if (from_saved) {
+            const float m = lse[t];
 #pragma unroll
             for (int i = 0; i < MAXS; i++) {
                 if (i >= Ns) break;
-                ar_cp_async16(sl + (size_t)i * THREADS, i == C ? src.P + e : src.hist + (size_t)i * nd + e);
+                wt[i] = expf(lrow[i] - m);
             }
-        }
-        ar_cp_commit();
-    };
-    /* round k's per-row values: the closed sources' 1/rms, or (from_saved) the scores and lse */
-    struct row_values {
-        float v[MAXS], lt;
-    };
-    auto values = [&](int64_t k, row_values &rv) {
-        int64_t t;
-        const bool act = rd.token(k, &t);
-        rv.lt = act && from_saved ? lse[t] : 0.0f;
+        } else {
+            const float *r0 = red + (size_t)group * wpg * (Ns + 1);
+            float m = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < MAXS; i++) {
-            rv.v[i] = 0.0f;
-            if (i >= Ns || !act) continue;
-            if (from_saved) rv.v[i] = logits[(size_t)t * Ns + i];
-            else if (i < C) rv.v[i] = src.hist_rstd[(size_t)i * n + t];
-        }
-    };
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                float r_part;
+                wt[i] = source_logit(r0, rs, wpg, C, Ns, i, d, eps, &r_part);
+                if (i >= C && lane_g == 0) src.P_rstd[t] = r_part;
+                if (lane_g == 0) lrow[i] = wt[i];
+                m = fmaxf(m, wt[i]);
+            }
+            float Z = 0.0f;
 #pragma unroll
-    for (int k = 0; k < DEPTH - 1; k++) issue(k);
-    row_values cur;
-    values(0, cur);
-    int parity = 0;
-    for (int64_t k = 0; k < rd.count; k++, parity ^= 1) {
-        issue(k + DEPTH - 1);
-        row_values nxt;
-        values(k + 1, nxt);
-        ar_cp_wait<DEPTH - 1>(); /* this thread's copies of round k landed */
-        /* red and red2 alternate between rounds (backward_norm_kernel's argument) */
-        float *red = red_all + parity * WARPS * (Ns + 1), *red2 = red2_all + parity * WARPS;
-        int64_t t;
-        const bool active = rd.token(k, &t), mine = active && c < d;
-        const size_t row = active ? (size_t)t * d : 0;
-        const float4 *sl = ring + (size_t)(k % DEPTH) * Ns * THREADS + threadIdx.x;
-        float x[MAXS][4];
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                Z += expf(wt[i] - m);
+            }
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                wt[i] = expf(wt[i] - m) / Z;
+            }
+            if (lane_g == 0) lse[t] = m + logf(Z);
+        }
+    }
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+    if (mine) {
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             if (i >= Ns) break;
-            const float4 v = mine ? sl[(size_t)i * THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            x[i][0] = v.x, x[i][1] = v.y, x[i][2] = v.z, x[i][3] = v.w;
-            if (i == C && mine && P_save && !from_saved) vec<4>::store(P_save + row + c, x[i]);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) acc[j] += wt[i] * x[i][j];
         }
-        if (!from_saved) {
-            source_dots<4, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
-            __syncthreads();
-        }
-        /* every thread of the row forms the weights itself (source_weights' arithmetic, so the logits
-         * and lse its first thread writes are the ones every thread used): no barrier before h */
-        float wt[MAXS];
-#pragma unroll
-        for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
-        if (active) {
-            float *lrow = logits + (size_t)t * Ns;
-            if (from_saved) {
-#pragma unroll
-                for (int i = 0; i < MAXS; i++) {
-                    if (i >= Ns) break;
-                    wt[i] = expf(cur.v[i] - cur.lt);
-                }
-            } else {
-                const float *r0 = red + (size_t)group * wpg * (Ns + 1);
-                float m = -INFINITY;
-#pragma unroll
-                for (int i = 0; i < MAXS; i++) {
-                    if (i >= Ns) break;
-                    /* source_logit's arithmetic with the closed sources' 1/rms from registers */
-                    float dot = 0.0f;
-                    for (int kk = 0; kk < wpg; kk++) dot += r0[kk * (Ns + 1) + i];
-                    float rr;
-                    if (i < C) {
-                        rr = cur.v[i];
-                    } else {
-                        float ss = 0.0f;
-                        for (int kk = 0; kk < wpg; kk++) ss += r0[kk * (Ns + 1) + Ns];
-                        rr = 1.0f / sqrtf(ss / (float)d + eps);
-                        if (lane_g == 0) src.P_rstd[t] = rr;
-                    }
-                    wt[i] = rr * dot;
-                    if (lane_g == 0) lrow[i] = wt[i];
-                    m = fmaxf(m, wt[i]);
-                }
-                float Z = 0.0f;
-#pragma unroll
-                for (int i = 0; i < MAXS; i++) {
-                    if (i >= Ns) break;
-                    Z += expf(wt[i] - m);
-                }
-#pragma unroll
-                for (int i = 0; i < MAXS; i++) {
-                    if (i >= Ns) break;
-                    wt[i] = expf(wt[i] - m) / Z;
-                }
-                if (lane_g == 0) lse[t] = m + logf(Z);
-            }
-        }
-        cur = nxt;
-        float acc[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) acc[j] = 0.0f;
-        if (mine) {
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-#pragma unroll
-                for (int j = 0; j < 4; j++) acc[j] += wt[i] * x[i][j];
-            }
-        }
-        /* the norm: 1/rms of h over the row group's warps, in order */
-        float ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) ss += acc[j] * acc[j];
-        ss = warp_sum(ss);
-        if (lane == 0) red2[warp] = ss;
-        __syncthreads();
-        if (!mine) continue;
-        float tot = 0.0f;
-        for (int kk = 0; kk < wpg; kk++) tot += red2[group * wpg + kk];
-        const float r = 1.0f / sqrtf(tot / (float)d + neps);
-        if (lane_g == 0) nrstd[t] = r;
-#pragma unroll
-        for (int j = 0; j < 4; j++) acc[j] = acc[j] * r * wn[j];
-        if (xn) vec<4>::store(xn + row + c, acc);
-        if (xn_bf16) vec<4>::store_bf16(xn_bf16 + row + c, acc);
     }
-    ar_cp_wait<0>(); /* no copy outlives the block (the last groups are empty) */
+    /* the norm: 1/rms of h over the row group's warps, in order */
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VEC; j++) ss += acc[j] * acc[j];
+    ss = warp_sum(ss);
+    if (lane == 0) red2[warp] = ss;
+    __syncthreads();
+    if (!mine) return;
+    float tot = 0.0f;
+    for (int k = 0; k < wpg; k++) tot += red2[group * wpg + k];
+    const float r = 1.0f / sqrtf(tot / (float)d + neps);
+    if (lane_g == 0) nrstd[t] = r;
+    float wn[VEC];
+    if (nw) {
+        load_param<VEC>(wn, nw, c);
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC; j++) acc[j] = acc[j] * r * wn[j];
+    if (xn) vec<VEC>::store(xn + row + c, acc);
+    if (xn_bf16) vec<VEC>::store_bf16(xn_bf16 + row + c, acc);
 }
 
 /* ---- backward of one AttnRes layer ---- */
@@ -698,116 +609,73 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
  *   dh = r g - (r^3 D / d) h,   da_i = dh . v_i = r (g . v_i) - (r^3 D / d) (h . v_i),
  * so one pass reduces g . v_i, h . v_i and D together; the second forms dh
  * and updates every dv_i as backward_kernel does. The norm weight's gradient
- * sum_t dxn (.) h r goes, like q, through per-token-block partials npart
- * (param_grad_kernel). Rows held in registers: d <= tpr * 4, Ns <= MAXS.
- *
- * Pipelined: a block takes several token blocks (ar_rounds) and each thread
- * copies its own 16 bytes of round k + DEPTH - 1's rows (the Ns sources, their
- * Ns gradient rows and dxn) into a ring of DEPTH stages in shared memory
- * (cp.async) while it computes round k, and loads round k + 1's scores,
- * lse, 1/rms and the sources' 1/rms into registers: a round waits for no
- * memory of its own (the one-row-a-round form waited for two trips to DRAM a
- * row, which left it at about 60% of the bandwidth). A thread reads only the
- * slots it filled, so the copies need no barrier. Each token block's
- * partials are the one-row-a-round form's sums in the same order. */
-template <int MAXS, int DEPTH>
-__global__ void __launch_bounds__(THREADS, 1)
-backward_norm_kernel(attnres_sources src, float *dhist, float *dP, const float *w, const float *g,
+ * sum_t dxn (.) h r goes, like q, through per-block partials npart (param_grad_kernel). Rows held
+ * in registers: d <= tpr * VEC, Ns <= MAXS. */
+template <int VEC, int MAXS>
+__global__ void __launch_bounds__(THREADS, MAXS <= 4 ? 3 : 2)
+backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                      const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
                      float *qpart, float *npart, uint16_t *lp_out, int lp_src, int64_t n, int d, int tpr, int tb) {
-    // shared: ring [DEPTH][2Ns+1][THREADS] float4, red [2][WARPS][2Ns+1] (by round parity), q [rows][d], nq [rows][d]
-    extern __shared__ float4 ring[];
+    // shared: red [2][WARPS][2Ns+1], pre [2][rows][2Ns+1] (by round parity), q [rows][d], nq [rows][d]
+    extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red_all = (float *)(ring + (size_t)DEPTH * R * THREADS);
-    float *q_all = red_all + 2 * WARPS * R, *nq_all = q_all + (size_t)rows * d;
+    float *q_all = smem + 2 * WARPS * R + 2 * rows * R, *nq_all = q_all + (size_t)rows * d;
     const size_t nd = (size_t)n * d;
-    const int c = lane_g * 4;
-    const ar_rounds rd(n, tb, rows, group);
-    float u[4], wn[4], qacc[4], nacc[4];
+    const int c = lane_g * VEC;
+    const int64_t t0 = (int64_t)blockIdx.x * tb;
+    const int64_t t1 = t0 + tb < n ? t0 + tb : n;
+    float u[VEC], wn[VEC], qacc[VEC], nacc[VEC];
 #pragma unroll
-    for (int j = 0; j < 4; j++) u[j] = wn[j] = qacc[j] = nacc[j] = 0.0f;
+    for (int j = 0; j < VEC; j++) u[j] = wn[j] = qacc[j] = nacc[j] = 0.0f;
     if (c < d) {
-        float wv[4], gv[4];
-        load_param<4>(wv, w, c);
-        load_param<4>(gv, g, c);
+        float wv[VEC], gv[VEC];
+        load_param<VEC>(wv, w, c);
+        load_param<VEC>(gv, g, c);
 #pragma unroll
-        for (int j = 0; j < 4; j++) u[j] = wv[j] * gv[j];
+        for (int j = 0; j < VEC; j++) u[j] = wv[j] * gv[j];
         if (nw) {
-            load_param<4>(wn, nw, c);
+            load_param<VEC>(wn, nw, c);
         } else {
 #pragma unroll
-            for (int j = 0; j < 4; j++) wn[j] = 1.0f;
+            for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
         }
     }
-    /* round k's rows into stage k % DEPTH: slot i < Ns source i, Ns + i its gradient, 2 Ns dxn */
-    auto issue = [&](int64_t k) {
-        int64_t t;
-        if (c < d && rd.token(k, &t)) {
-            float4 *sl = ring + (size_t)(k % DEPTH) * R * THREADS + threadIdx.x;
-            const size_t e = (size_t)t * d + c;
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                ar_cp_async16(sl + (size_t)i * THREADS, i == C ? src.P + e : src.hist + (size_t)i * nd + e);
-                ar_cp_async16(sl + (size_t)(Ns + i) * THREADS, i == C ? dP + e : dhist + (size_t)i * nd + e);
-            }
-            ar_cp_async16(sl + (size_t)(2 * Ns) * THREADS, dxn + e);
-        }
-        ar_cp_commit();
-    };
-    /* round k's per-row values: lse, 1/rms of h, the scores s_i and the sources' 1/rms r_i */
-    struct row_values {
-        float lt, r, s[MAXS], rr[MAXS];
-    };
-    auto values = [&](int64_t k, row_values &v) {
-        int64_t t;
-        const bool act = rd.token(k, &t);
-        v.lt = act ? lse[t] : 0.0f;
-        v.r = act ? nrstd[t] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < MAXS; i++) {
-            v.s[i] = v.rr[i] = 0.0f;
-            if (i >= Ns || !act) continue;
-            v.s[i] = logits[(size_t)t * Ns + i];
-            v.rr[i] = i < C ? src.hist_rstd[(size_t)i * n + t] : src.P_rstd[t];
-        }
-    };
-#pragma unroll
-    for (int k = 0; k < DEPTH - 1; k++) issue(k);
-    row_values cur;
-    values(0, cur);
+
     int parity = 0;
-    for (int64_t k = 0; k < rd.count; k++, parity ^= 1) {
-        issue(k + DEPTH - 1);
-        row_values nxt;
-        values(k + 1, nxt);
-        ar_cp_wait<DEPTH - 1>(); /* this thread's copies of round k landed */
-        /* red alternates between rounds: a thread a round ahead writes the other copy, and one two
-         * rounds ahead has passed the round between's barrier, which every reader of this round's
-         * copy reached only after reading it */
-        float *red = red_all + parity * WARPS * R;
-        int64_t t;
-        const bool active = rd.token(k, &t), mine = active && c < d;
+    for (int64_t base = t0; base < t1; base += rows, parity ^= 1) {
+        /* red and pre alternate between rounds: a thread a round ahead writes the other copy, and
+         * one two rounds ahead has passed the round between's barrier, which every reader of this
+         * round's copy reached only after reading it */
+        float *red = smem + parity * WARPS * R, *pre = smem + 2 * WARPS * R + (parity * rows + group) * R;
+        const int64_t t = base + group;
+        const bool active = t < t1, mine = active && c < d;
         const size_t row = active ? (size_t)t * d : 0;
-        const float4 *sl = ring + (size_t)(k % DEPTH) * R * THREADS + threadIdx.x;
-        float x[MAXS][4], a[MAXS], h[4], gq[4], dx[4];
-        const float r = cur.r;
+        if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
+        float x[MAXS][VEC], a[MAXS], h[VEC], gq[VEC], dx[VEC];
+        const float lt = active ? lse[t] : 0.0f, r = active ? nrstd[t] : 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             a[i] = 0.0f;
             if (i >= Ns) continue;
-            a[i] = active ? expf(cur.s[i] - cur.lt) : 0.0f;
-            const float4 v = mine ? sl[(size_t)i * THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            x[i][0] = v.x, x[i][1] = v.y, x[i][2] = v.z, x[i][3] = v.w;
+            a[i] = active ? expf(logits[(size_t)t * Ns + i] - lt) : 0.0f;
+            if (mine) {
+                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+                vec<VEC>::load(x[i], v + c);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
+            }
         }
-        {
-            const float4 v = mine ? sl[(size_t)(2 * Ns) * THREADS] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            dx[0] = v.x, dx[1] = v.y, dx[2] = v.z, dx[3] = v.w;
+        if (mine) {
+            vec<VEC>::load(dx, dxn + row + c);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VEC; j++) dx[j] = 0.0f;
         }
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < VEC; j++) {
             h[j] = 0.0f;
             gq[j] = wn[j] * dx[j];
         }
@@ -815,7 +683,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, const float *
         for (int i = 0; i < MAXS; i++) {
             if (i >= Ns) break;
 #pragma unroll
-            for (int j = 0; j < 4; j++) h[j] += a[i] * x[i][j];
+            for (int j = 0; j < VEC; j++) h[j] += a[i] * x[i][j];
         }
         /* pass 1: g . v_i, h . v_i and D = g . h */
 #pragma unroll
@@ -823,7 +691,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, const float *
             if (i >= Ns) break;
             float pg = 0.0f, ph = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < VEC; j++) {
                 pg += gq[j] * x[i][j];
                 ph += h[j] * x[i][j];
             }
@@ -837,84 +705,82 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, const float *
         {
             float pd = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 4; j++) pd += gq[j] * h[j];
+            for (int j = 0; j < VEC; j++) pd += gq[j] * h[j];
             pd = warp_sum(pd);
             if (lane == 0) red[warp * R + 2 * Ns] = pd;
         }
         __syncthreads();
-        if (mine) {
-            /* every thread forms the row's coefficients itself (backward_coefficients' arithmetic on
-             * da_i): no second barrier */
-            const float *r0 = red + (size_t)group * wpg * R;
-            float D = 0.0f;
-            for (int kk = 0; kk < wpg; kk++) D += r0[kk * R + 2 * Ns];
-            const float c2 = r * r * r * D / (float)d;
-            float k1[MAXS], k2[MAXS], c0 = 0.0f;
+        if (!mine) continue;
+        /* every thread forms the row's coefficients itself (backward_coefficients' arithmetic on
+         * da_i): no second barrier */
+        const float *r0 = red + (size_t)group * wpg * R, *lrow = pre, *rr = pre + Ns;
+        float D = 0.0f;
+        for (int k = 0; k < wpg; k++) D += r0[k * R + 2 * Ns];
+        const float c2 = r * r * r * D / (float)d;
+        float k1[MAXS], k2[MAXS], c0 = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                k1[i] = k2[i] = 0.0f;
-                if (i >= Ns) continue;
-                float pg = 0.0f, ph = 0.0f;
-                for (int kk = 0; kk < wpg; kk++) {
-                    pg += r0[kk * R + i];
-                    ph += r0[kk * R + Ns + i];
-                }
-                k1[i] = r * pg - c2 * ph; /* da_i */
-                c0 += a[i] * k1[i];
+        for (int i = 0; i < MAXS; i++) {
+            k1[i] = k2[i] = 0.0f;
+            if (i >= Ns) continue;
+            float pg = 0.0f, ph = 0.0f;
+            for (int k = 0; k < wpg; k++) {
+                pg += r0[k * R + i];
+                ph += r0[k * R + Ns + i];
             }
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                const float ds = a[i] * (k1[i] - c0), rs = cur.rr[i];
-                k1[i] = ds * rs;
-                k2[i] = ds * rs * rs * cur.s[i] / (float)d;
-            }
-            float y[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                y[j] = r * gq[j] - c2 * h[j];
-                nacc[j] += dx[j] * (h[j] * r);
-            }
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                float *dv = i == C ? dP + row : dhist + (size_t)i * nd + row;
-                const float4 ov = sl[(size_t)(Ns + i) * THREADS];
-                float o[4] = {ov.x, ov.y, ov.z, ov.w};
-#pragma unroll
-                for (int j = 0; j < 4; j++) o[j] += a[i] * y[j] + k1[i] * u[j] - k2[i] * x[i][j];
-                vec<4>::store(dv + c, o);
-                if (lp_out && i == lp_src) vec<4>::store_bf16(lp_out + row + c, o);
-#pragma unroll
-                for (int j = 0; j < 4; j++) qacc[j] += k1[i] * x[i][j];
-            }
+            k1[i] = r * pg - c2 * ph; /* da_i */
+            c0 += a[i] * k1[i];
         }
-        cur = nxt;
-        if (k % rd.per_tb == rd.per_tb - 1) {
-            /* the token block's partial sums of q and of the norm weight's gradient: its row groups in order */
-            if (c < d) {
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    q_all[(size_t)group * d + c + j] = qacc[j];
-                    nq_all[(size_t)group * d + c + j] = nacc[j];
-                    qacc[j] = nacc[j] = 0.0f;
-                }
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const float ds = a[i] * (k1[i] - c0), rs = rr[i];
+            k1[i] = ds * rs;
+            k2[i] = ds * rs * rs * lrow[i] / (float)d;
+        }
+        float y[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            y[j] = r * gq[j] - c2 * h[j];
+            nacc[j] += dx[j] * (h[j] * r);
+        }
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            const bool is_P = i == C;
+            float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
+            float o[VEC];
+            if (assign && !is_P) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) o[j] = 0.0f;
+            } else {
+                vec<VEC>::load(o, dv + c);
             }
-            __syncthreads();
-            const int64_t tbk = rd.token_block(k);
-            for (int cc = threadIdx.x; cc < d; cc += THREADS) {
-                float sq = 0.0f, sn = 0.0f;
-                for (int kk = 0; kk < rows; kk++) {
-                    sq += q_all[(size_t)kk * d + cc];
-                    sn += nq_all[(size_t)kk * d + cc];
-                }
-                if (qpart) qpart[(size_t)tbk * d + cc] = sq;
-                npart[(size_t)tbk * d + cc] = sn;
-            }
-            __syncthreads(); /* q_all is read before the next token block writes it */
+#pragma unroll
+            for (int j = 0; j < VEC; j++) o[j] += a[i] * y[j] + k1[i] * u[j] - k2[i] * x[i][j];
+            vec<VEC>::store(dv + c, o);
+            if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
+#pragma unroll
+            for (int j = 0; j < VEC; j++) qacc[j] += k1[i] * x[i][j];
         }
     }
-    ar_cp_wait<0>(); /* no copy outlives the block (the last groups are empty) */
+    /* this block's partial sums of q and of the norm weight's gradient: its row groups in order */
+    if (c < d) {
+#pragma unroll
+        for (int j = 0; j < VEC; j++) {
+            q_all[(size_t)group * d + c + j] = qacc[j];
+            nq_all[(size_t)group * d + c + j] = nacc[j];
+        }
+    }
+    __syncthreads();
+    for (int cc = threadIdx.x; cc < d; cc += THREADS) {
+        float sq = 0.0f, sn = 0.0f;
+        for (int k = 0; k < rows; k++) {
+            sq += q_all[(size_t)k * d + cc];
+            sn += nq_all[(size_t)k * d + cc];
+        }
+        if (qpart) qpart[(size_t)blockIdx.x * d + cc] = sq;
+        npart[(size_t)blockIdx.x * d + cc] = sn;
+    }
 }
 
 /* q[c] = sum over blocks b (fixed order: b = ty mod 8, then the 8 in order)
@@ -1013,32 +879,6 @@ static int backward_token_block(void) {
 }
 
 static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
-
-/* Stages of the pipelined kernels' rings (rounds of rows in flight, the current one included): 3, or
- * LONGMOE_ATTNRES_DEPTH = 2, 3 or 4 */
-static int pipeline_depth(void) {
-    const char *e = getenv("LONGMOE_ATTNRES_DEPTH");
-    if (!e || !*e) return 3;
-    const int v = atoi(e);
-    if (v >= 2 && v <= 4) return v;
-    static int warned = 0;
-    if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES_DEPTH=%s ignored: use 2, 3 or 4\n", e);
-    warned = 1;
-    return 3;
-}
-
-/* A pipelined kernel's grid: as many blocks as are resident on the device at once (each takes
- * several token blocks, ar_rounds), at most `items` */
-static lm_status resident_grid(const void *kernel, size_t shared, int64_t items, unsigned *grid) {
-    int dev = 0, sms = 0, per_sm = 0;
-    LM_CUDA_TRY(cudaGetDevice(&dev));
-    LM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    LM_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, shared));
-    if (per_sm < 1) return lm_error(LM_ERR_ARG, "attnres cuda: a block of %zu bytes of shared memory does not fit", shared);
-    const int64_t g = (int64_t)sms * per_sm;
-    *grid = (unsigned)(items < g ? (items > 0 ? items : 1) : g);
-    return LM_OK;
-}
 
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
                                          int assign, int64_t n, int d, float eps) {
@@ -1160,35 +1000,18 @@ lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources
     const void *ptrs[4] = {src->hist, src->P, P_save, xn};
     if (pick_vec(d, ptrs, 4) != 4 || ((uintptr_t)xn_bf16 & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input with its norm needs 16-byte aligned rows");
-    const int tpr = threads_per_row(d, 4);
-    const size_t fixed = (size_t)(2 * WARPS * (Ns + 1) + 2 * WARPS) * sizeof(float);
-    const size_t stage = (size_t)Ns * THREADS * sizeof(float4);
-    int depth = pipeline_depth();
-    while (depth > 2 && fixed + depth * stage > MAX_SHARED_BYTES) depth--;
-    const size_t shared = fixed + depth * stage;
-    const int tb = LM_CUDA_ATTNRES_TOKEN_BLOCK; /* any: the forward keeps no partial sums */
-    const int64_t n_tb = (n + tb - 1) / tb;
+    const int tpr = threads_per_row(d, 4), rows = THREADS / tpr;
+    const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns + WARPS) * sizeof(float);
+    const unsigned grid = grid_of(n, rows);
     lm_status s;
-#define AR_NORM(M, D)                                                                                             \
+#define AR_NORM(M)                                                                                                \
     do {                                                                                                          \
-        const void *k_ = (const void *)forward_norm_kernel<M, D>;                                                 \
-        if ((s = allow_shared(k_, shared))) return s;                                                             \
-        unsigned grid_;                                                                                           \
-        if ((s = resident_grid(k_, shared, n_tb, &grid_))) return s;                                              \
-        forward_norm_kernel<M, D><<<grid_, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, from_saved, \
-                                                                      nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr, \
-                                                                      tb);                                        \
+        if ((s = allow_shared((const void *)forward_norm_kernel<4, M>, shared))) return s;                        \
+        forward_norm_kernel<4, M><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, from_saved, \
+                                                                    nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr); \
     } while (0)
-    if (depth == 2) {
-        if (Ns <= 4) AR_NORM(4, 2);
-        else AR_NORM(8, 2);
-    } else if (depth == 3) {
-        if (Ns <= 4) AR_NORM(4, 3);
-        else AR_NORM(8, 3);
-    } else {
-        if (Ns <= 4) AR_NORM(4, 4);
-        else AR_NORM(8, 4);
-    }
+    if (Ns <= 4) AR_NORM(4);
+    else AR_NORM(8);
 #undef AR_NORM
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
@@ -1209,36 +1032,20 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     if (pick_vec(d, ptrs, 5) != 4 || ((uintptr_t)lp_out & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs 16-byte aligned rows");
     const int tpr = threads_per_row(d, 4), rows = THREADS / tpr, R = 2 * Ns + 1;
-    /* fewer stages where the ring of many sources would not fit (8 sources: 4 stages do not) */
-    const size_t fixed = (size_t)(2 * WARPS * R + 2 * rows * d) * sizeof(float);
-    const size_t stage = (size_t)R * THREADS * sizeof(float4);
-    int depth = pipeline_depth();
-    while (depth > 2 && fixed + depth * stage > MAX_SHARED_BYTES) depth--;
-    const size_t shared = fixed + depth * stage;
+    const size_t shared = (size_t)(2 * WARPS * R + 2 * rows * R + 2 * rows * d) * sizeof(float);
     const int tb = backward_token_block();
     const int64_t n_tb = (n + tb - 1) / tb;
     const int want_q = dw || dg;
     lm_status s;
-#define AR_NORM_B(M, D)                                                                                          \
-    do {                                                                                                         \
-        const void *k_ = (const void *)backward_norm_kernel<M, D>;                                               \
-        if ((s = allow_shared(k_, shared))) return s;                                                            \
-        unsigned grid_;                                                                                          \
-        if ((s = resident_grid(k_, shared, n_tb, &grid_))) return s;                                             \
-        backward_norm_kernel<M, D><<<grid_, THREADS, shared, stream>>>(*src, dhist, dP, w, g, logits, lse, dxn, \
-                                                                       nw, nrstd, want_q ? qpart : NULL, npart, \
-                                                                       lp_out, lp_src, n, d, tpr, tb);          \
+#define AR_NORM_B(M)                                                                                              \
+    do {                                                                                                          \
+        if ((s = allow_shared((const void *)backward_norm_kernel<4, M>, shared))) return s;                       \
+        backward_norm_kernel<4, M><<<(unsigned)n_tb, THREADS, shared, stream>>>(                                  \
+            *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
+            n, d, tpr, tb);                                                                                       \
     } while (0)
-    if (depth == 2) {
-        if (Ns <= 4) AR_NORM_B(4, 2);
-        else AR_NORM_B(8, 2);
-    } else if (depth == 3) {
-        if (Ns <= 4) AR_NORM_B(4, 3);
-        else AR_NORM_B(8, 3);
-    } else {
-        if (Ns <= 4) AR_NORM_B(4, 4);
-        else AR_NORM_B(8, 4);
-    }
+    if (Ns <= 4) AR_NORM_B(4);
+    else AR_NORM_B(8);
 #undef AR_NORM_B
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {
