@@ -383,44 +383,46 @@ forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const fl
         source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
         __syncthreads();
     }
-    /* every thread of the row forms the weights itself (source_weights' arithmetic, so the logits and
-     * lse its first thread writes are the ones every thread used): no barrier before h */
+    /* each warp of the row forms the weights with its lanes in parallel, lane i < Ns source i's
+     * (source_weights' arithmetic for it: the same partial sums in the same order, so the logits
+     * and lse its row group's first warp writes are the ones every warp used), then hands them to
+     * every lane: no barrier before h, and one source's sums a lane instead of all of them in
+     * every thread. active is uniform over a row group's whole warps. */
     float wt[MAXS];
 #pragma unroll
     for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
     if (active) {
         float *lrow = logits + (size_t)t * Ns;
+        float own = 0.0f; /* lane i < Ns: source i's weight */
         if (from_saved) {
-            const float m = lse[t];
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                wt[i] = expf(lrow[i] - m);
-            }
+            if (lane < Ns) own = expf(lrow[lane] - lse[t]);
         } else {
             const float *r0 = red + (size_t)group * wpg * (Ns + 1);
-            float m = -INFINITY;
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
+            float s = -INFINITY;
+            if (lane < Ns) {
                 float r_part;
-                wt[i] = source_logit(r0, rs, wpg, C, Ns, i, d, eps, &r_part);
-                if (i >= C && lane_g == 0) src.P_rstd[t] = r_part;
-                if (lane_g == 0) lrow[i] = wt[i];
-                m = fmaxf(m, wt[i]);
+                s = source_logit(r0, rs, wpg, C, Ns, lane, d, eps, &r_part);
+                if (lane_g == lane) { /* the row group's first warp */
+                    if (lane >= C) src.P_rstd[t] = r_part;
+                    lrow[lane] = s;
+                }
             }
-            float Z = 0.0f;
+            float m = s; /* max over the lanes: exact in any order */
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const float e = lane < Ns ? expf(s - m) : 0.0f;
+            float Z = 0.0f; /* in source order, as source_weights */
 #pragma unroll
             for (int i = 0; i < MAXS; i++) {
                 if (i >= Ns) break;
-                Z += expf(wt[i] - m);
+                Z += __shfl_sync(0xffffffffu, e, i);
             }
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                wt[i] = expf(wt[i] - m) / Z;
-            }
+            own = e / Z;
             if (lane_g == 0) lse[t] = m + logf(Z);
+        }
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            wt[i] = __shfl_sync(0xffffffffu, own, i);
         }
     }
     float acc[VEC];
@@ -655,11 +657,14 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
         float x[MAXS][VEC], a[MAXS], h[VEC], gq[VEC], dx[VEC];
         const float lt = active ? lse[t] : 0.0f, r = active ? nrstd[t] : 0.0f;
+        /* a_i = exp(s_i - lse): lane i < Ns forms source i's, every lane gets them all (active is
+         * uniform over a row group's whole warps) */
+        const float a_own = active && lane < Ns ? expf(logits[(size_t)t * Ns + lane] - lt) : 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             a[i] = 0.0f;
             if (i >= Ns) continue;
-            a[i] = active ? expf(logits[(size_t)t * Ns + i] - lt) : 0.0f;
+            a[i] = __shfl_sync(0xffffffffu, a_own, i);
             if (mine) {
                 const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
                 vec<VEC>::load(x[i], v + c);
@@ -710,26 +715,28 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             if (lane == 0) red[warp * R + 2 * Ns] = pd;
         }
         __syncthreads();
-        if (!mine) continue;
-        /* every thread forms the row's coefficients itself (backward_coefficients' arithmetic on
-         * da_i): no second barrier */
+        if (!active) continue; /* uniform over the row group's warps */
+        /* the row's coefficients (backward_coefficients' arithmetic on da_i), formed in every warp:
+         * lane l < 2 Ns + 1 sums the row group's partials of sum l over its warps in order (the
+         * sums every thread formed one after another before), da_i on lane i, then every lane
+         * takes them: no second barrier */
         const float *r0 = red + (size_t)group * wpg * R, *lrow = pre, *rr = pre + Ns;
-        float D = 0.0f;
-        for (int k = 0; k < wpg; k++) D += r0[k * R + 2 * Ns];
+        float part = 0.0f;
+        if (lane < R)
+            for (int k = 0; k < wpg; k++) part += r0[k * R + lane];
+        const float D = __shfl_sync(0xffffffffu, part, 2 * Ns);
         const float c2 = r * r * r * D / (float)d;
+        const float ph_own = __shfl_sync(0xffffffffu, part, (lane + Ns) & 31); /* h . v_i on lane i < Ns */
+        const float da_own = r * part - c2 * ph_own;
         float k1[MAXS], k2[MAXS], c0 = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             k1[i] = k2[i] = 0.0f;
             if (i >= Ns) continue;
-            float pg = 0.0f, ph = 0.0f;
-            for (int k = 0; k < wpg; k++) {
-                pg += r0[k * R + i];
-                ph += r0[k * R + Ns + i];
-            }
-            k1[i] = r * pg - c2 * ph; /* da_i */
+            k1[i] = __shfl_sync(0xffffffffu, da_own, i); /* da_i */
             c0 += a[i] * k1[i];
         }
+        if (!mine) continue;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             if (i >= Ns) break;
