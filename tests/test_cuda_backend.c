@@ -516,8 +516,32 @@ static void test_conv_silu_without_the_conv_output_equals_the_stored_one(void) {
                 void *g_dinl = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n);
                 float *g_dwl = up_f32(dw0, cw);
                 OK(gpu->ops->conv_silu_backward_lp(gpu, g_dinl, g_dwl, g_dout, conv, g_out, g_rn, g_in, g_w, B, T, C,
-                                                   W, hd, g_tmp));
+                                                   W, hd, C, g_tmp));
                 dinl[rc] = g_dinl, dwl[rc] = down_f32(g_dwl, cw);
+            }
+            {
+                /* din as the middle column block of a [B T, 3 C] operand (the KDA layer's q, k, v side by
+                 * side): the dense din's bits there, the other columns untouched */
+                const size_t rows_t = (size_t)B * T, w3 = 3 * (size_t)C;
+                float *poison = rnd(&r, rows_t * w3, 1.0, 0.0, 1);
+                void *g_wide = up_bf16(poison, rows_t * w3);
+                float *g_dww = up_f32(dw0, cw), *g_tmp = dalloc(n * 4);
+                OK(gpu->ops->conv_silu_backward_lp(gpu, (uint16_t *)g_wide + C, g_dww, g_dout, NULL, g_out, g_rn, g_in,
+                                                   g_w, B, T, C, W, hd, (int)w3, g_tmp));
+                float *wide = down_bf16(g_wide, rows_t * w3), *dense = down_bf16(dinl[1], n);
+                size_t bad = 0, touched = 0;
+                for (size_t t = 0; t < rows_t; t++)
+                    for (size_t c = 0; c < w3; c++) {
+                        const float got = wide[t * w3 + c];
+                        if (c >= (size_t)C && c < 2 * (size_t)C)
+                            bad += memcmp(&got, &dense[t * C + c - C], 4) != 0;
+                        else
+                            touched += memcmp(&got, &poison[t * w3 + c], 4) != 0;
+                    }
+                CHECK(bad == 0 && touched == 0 && !memcmp(down_f32(g_dww, cw), dw[0], cw * 4),
+                      "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward_lp at row stride 3C: %zu values not the dense "
+                      "din's, %zu values outside its columns written, or dw differs", B, T, C, W, hd, norm, bad,
+                      touched);
             }
             CHECK(!memcmp(din[0], din[1], n * 4), "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward din differs with the "
                   "conv recomputed", B, T, C, W, hd, norm);

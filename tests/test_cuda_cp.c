@@ -179,7 +179,9 @@ static void run_layer(lm_kda_gate gate, const int *lens, int B, uint64_t seed) {
     float *dx_f = dev_from(x, nx * 4), *ddy = dev_from(dy, nx * 4), *dyw = be_alloc(nx * 4), *ddx = be_alloc(nx * 4);
     void *xlp = be_alloc(nx * be->lp_bytes);
     GPU_OK(be->ops->to_lp(be, xlp, dx_f, nx));
-    GPU_OK(be->zero(be, ddx, nx * 4));
+    /* the whole rows' backward writes dx: what it held before (dy's values here) must not show (ddx2
+     * below starts at zero and must come out the same bits) */
+    GPU_OK(be->upload(be, ddx, dy, nx * 4));
     float *acts = be_alloc(lm_kda_layer_act_floats(&c, B, T) * 4), *scr = be_alloc(lm_kda_layer_scratch_floats(&c, B, T) * 4);
     lm_kda_layer_acts a;
     lm_kda_layer_acts_map(&c, B, T, acts, &a);
@@ -380,7 +382,9 @@ static void run_attention(lm_mla_config c, const char *name, const int *lens, in
     float *dxf = dev_from(x, nx * 4), *ddy = dev_from(dy, nx * 4), *dyw = be_alloc(nx * 4), *ddx = be_alloc(nx * 4);
     void *xlp = be_alloc(nx * be->lp_bytes);
     GPU_OK(be->ops->to_lp(be, xlp, dxf, nx));
-    GPU_OK(be->zero(be, ddx, nx * 4));
+    /* the whole rows' backward writes dx: what it held before (dy's values here) must not show (ddx2
+     * below starts at zero and must come out the same bits) */
+    GPU_OK(be->upload(be, ddx, dy, nx * 4));
     float *acts = be_alloc(lm_mla_acts_floats(&c, B, T) * 4), *scr = be_alloc(lm_mla_scratch_floats(&c, B, T) * 4);
     GPU_OK(lm_mla_forward_lp(&c, &p, &pl, xlp, B, T, dyw, acts));
     float hm_w[64], hm[64];

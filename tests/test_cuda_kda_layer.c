@@ -239,7 +239,7 @@ static void test_short_conv_backward_ring_equals_fused(void) {
                 float *d_dw = dev_from(dw0, CW);
                 setenv("LONGMOE_CONV_BACKWARD", k ? "fused" : "ring", 1);
                 lm_status bst = lm_cuda_short_conv_silu_backward_bf16(&ctx, d_din16, d_dw, d_dout, d_conv, rnp, d_in,
-                                                                      d_w, B, T, C, W, hd, d_scratch);
+                                                                      d_w, B, T, C, W, hd, C, d_scratch);
                 if (!lm_cuda_short_conv_silu_backward_bf16_takes(W, hd)) {
                     CHECK(bst == LM_ERR_ARG, "(%d,%d,%d,%d,%d): bf16 din accepted where the one-pass kernels do not run",
                           B, T, C, W, hd);
@@ -401,7 +401,7 @@ static void test_short_conv_backward_recompute_equals_saved(void) {
                         uint16_t *d_din16 = dev_poisoned(NC * 2);
                         d_dw = dev_from(dw0, CW);
                         CHECK(lm_cuda_short_conv_silu_backward_bf16(&ctx, d_din16, d_dw, d_dout, conv, rnp, d_in, d_w,
-                                                                    B, T, C, W, hd, d_scratch) == LM_OK,
+                                                                    B, T, C, W, hd, C, d_scratch) == LM_OK,
                               "backward bf16 (%s, conv %s): %s", kinds[k], rc ? "recomputed" : "saved",
                               lm_last_error());
                         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());

@@ -56,11 +56,13 @@ static void check_gate(lm_kda_gate gate) {
     lm_kda_layer_params p, g;
     lm_kda_layer_params_map(&c, params, &p);
     lm_kda_layer_params_map(&c, grads, &g);
-    float x[B * T * D], r[B * T * D], y[B * T * D], dx[B * T * D] = {0};
+    float x[B * T * D], r[B * T * D], y[B * T * D], dx[B * T * D];
     for (int i = 0; i < B * T * D; i++) {
         x[i] = (float)lm_rng_normal(&rng);
         r[i] = (float)lm_rng_normal(&rng);
     }
+    /* the backward writes dx: what it held before must not show */
+    for (int i = 0; i < B * T * D; i++) dx[i] = 100.0f + (float)lm_rng_normal(&rng);
     float *acts = malloc(lm_kda_layer_act_floats(&c, B, T) * 4);
     float *scratch = malloc(lm_kda_layer_scratch_floats(&c, B, T) * 4);
     lm_kda_layer_acts a;

@@ -192,11 +192,13 @@ typedef struct {
                                     const float *conv_out, const void *out_lp, const float *rnorm, const float *in,
                                     const float *w, int B, int T, int C, int W, int head_dim, float *tmp);
     /* optional (NULL: conv_silu_backward, then to_lp): the same with din written
-     * in the product format for the product that takes it next */
+     * in the product format for the product that takes it next, its rows
+     * ld_din >= C elements apart (more than C: a column block of a wider
+     * operand, whose other columns are not written) */
     lm_status (*conv_silu_backward_lp)(lm_backend *be, void *din_lp, float *dw, const void *dout_lp,
                                        const float *conv_out, const void *out_lp, const float *rnorm,
                                        const float *in, const float *w, int B, int T, int C, int W, int head_dim,
-                                       float *tmp);
+                                       int ld_din, float *tmp);
     /* the operator (SPEC §2): o (lp) from q, k, v, z (lp), beta, A_log, dt_bias
      * (fp32); h0 [B,H,K,V] the initial state (NULL: zero), ht (NULL: not
      * written) the final state, both fp32 (sequence segments, docs/model.md) */

@@ -76,7 +76,8 @@ size_t lm_kda_layer_scratch_floats(const lm_kda_layer_config *c, int B, int T);
 lm_status lm_kda_layer_forward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                lm_kda_layer_acts *a, const float *x, int B, int T, float *y);
 /* Given dy [B,T,d], ACCUMULATES into the gradients `g` (same layout as the
- * params) and dx [B,T,d]. `scratch` holds lm_kda_layer_scratch_floats floats. */
+ * params) and WRITES dx [B,T,d] (its first product sets it: no zeroing pass).
+ * `scratch` holds lm_kda_layer_scratch_floats floats. */
 lm_status lm_kda_layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *g, const lm_kda_layer_acts *a,
                                 const float *x, const float *dy, int B, int T, float *dx,

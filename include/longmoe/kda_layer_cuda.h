@@ -70,7 +70,10 @@ lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx, float *di
                                            void *scratch);
 
 /* The same with din WRITTEN in bf16 (rounded to nearest even) for the product
- * that takes it next: no fp32 din and no conversion pass. Only the one-pass
+ * that takes it next: no fp32 din and no conversion pass. din's rows are
+ * ld_din >= C elements apart (C: dense; more: din is a column block of a
+ * wider operand, as the KDA layer's q, k, v gradients side by side; the
+ * columns past C are not written). Only the one-pass
  * kernels write bf16: W <= 4, head_dim <= 128, conv_out saved or NULL
  * (lm_cuda_short_conv_silu_backward_bf16_takes); otherwise LM_ERR_ARG. dw
  * has the bits of lm_cuda_short_conv_silu_backward. */
@@ -78,7 +81,7 @@ int lm_cuda_short_conv_silu_backward_bf16_takes(int W, int head_dim);
 lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context *ctx, uint16_t *din_bf16, float *dw,
                                                 const uint16_t *dout_bf16, const float *conv_out,
                                                 const float *rnorm, const float *in, const float *w, int B, int T,
-                                                int C, int W, int head_dim, void *scratch);
+                                                int C, int W, int head_dim, int ld_din, void *scratch);
 
 /* out[i] = 1 / (1 + exp(-in[i])) (beta = sigmoid(W_beta x)); out may be in. */
 lm_status lm_cuda_sigmoid_forward(const lm_cuda_context *ctx, float *out, const float *in,

@@ -51,6 +51,10 @@ lm_status lm_cuda_matmul_backward_set(const lm_cuda_context *ctx, float *dinp, f
 
 /* dst = bf16(src), round to nearest even (NaN stays NaN), as lm_f32_to_bf16. */
 lm_status lm_cuda_f32_to_bf16(const lm_cuda_context *ctx, uint16_t *dst, const float *src, size_t n);
+/* The same for rows x cols values whose rows are ld_dst (>= cols) elements
+ * apart in dst (a column block of a wider bf16 matrix) and dense in src. */
+lm_status lm_cuda_f32_to_bf16_rows(const lm_cuda_context *ctx, uint16_t *dst, int64_t ld_dst, const float *src,
+                                   int64_t rows, int64_t cols);
 /* dst = fp32(src), exact. */
 lm_status lm_cuda_bf16_to_f32(const lm_cuda_context *ctx, float *dst, const uint16_t *src, size_t n);
 /* *flag_device (a device int) = 1 when every x[i] is finite, else 0. No host

@@ -94,8 +94,9 @@ size_t lm_mla_scratch_floats(const lm_mla_config *cfg, int B, int T);
 lm_status lm_mla_forward(const lm_mla_config *cfg, const lm_mla_params *p, const float *x, int B,
                          int T, float *y, float *acts);
 
-/* Given dy [B,T,d], ACCUMULATE (+=) into dx [B,T,d] (may be NULL) and every
- * gradient in g (pointers from lm_mla_params_map over a gradient block).
+/* Given dy [B,T,d], WRITE dx [B,T,d] (may be NULL; its first product sets
+ * it: no zeroing pass) and ACCUMULATE (+=) into every gradient in g (pointers
+ * from lm_mla_params_map over a gradient block).
  * x and acts must be those of the forward; scratch is overwritten. */
 lm_status lm_mla_backward(const lm_mla_config *cfg, const lm_mla_params *p, const float *x,
                           const float *acts, const float *dy, int B, int T, float *dx,
@@ -150,6 +151,7 @@ void lm_mla_seg_token_bytes(const lm_mla_config *c, size_t lp_bytes, size_t *kv,
 void lm_mla_seg_row_elems(const lm_mla_config *c, size_t *k_elems, size_t *v_elems);
 lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
                              const void *x_lp, int B, int n, const lm_mla_seg *seg, float *y, float *acts);
+/* The segment's backward ACCUMULATES into dx (unlike the whole rows' backward) and g. */
 lm_status lm_mla_backward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
                               const void *x_lp, const float *acts, const float *dy, int B, int n,
                               const lm_mla_seg *seg, float *dx, const lm_mla_params *g, float *scratch);

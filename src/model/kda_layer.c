@@ -143,10 +143,13 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T,
     PLACE(tmp, NE * HK);
     PLACE(dbeta, N * H);
     PLACE(dgate, N * HK);
+    /* din, then din_lp right after it: with a separate product format and no history rows, the two
+     * together (at least 1.5 N HK floats) hold q, k and v's input gradients side by side in the product
+     * format, [N, 3 HK] (din_cat; the fp32 din is not used then) */
     PLACE(din, NE * HK);
+    PLACE(din_lp, sep ? lp_floats(c, NE * HK) : 0);
     PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
     PLACE(dgate_lp, sep ? lp_floats(c, N * HK) : 0);
-    PLACE(din_lp, sep ? lp_floats(c, NE * HK) : 0);
     PLACE(dbeta_lp, sep ? lp_floats(c, N * H) : 0);
     PLACE(dout_ext, ext ? lp_floats(c, NE * HK) : 0);
 #undef PLACE
@@ -291,13 +294,30 @@ lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_lay
  * before it, the output path's not again. */
 enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
 
+/* Whether the backward takes q, k and v's input gradients as one [N, 3 HK] operand: a backend with a
+ * separate product format that writes the conv's input gradient in it at a row stride, the whole rows
+ * (no history rows), W_q, W_k, W_v consecutive in the product-format copy and in the gradients (as the
+ * parameter table lays them out), and din + din_lp large enough (layout_scratch). */
+static int cat_qkv(const lm_kda_layer_config *c, const lm_kda_layer_params *pl, const lm_kda_layer_params *g, int B,
+                   int T, int ext) {
+    lm_backend *be = backend_of(c);
+    if (ext || !lp_separate(c) || !be->ops->conv_silu_backward_lp) return 0;
+    const size_t HK = (size_t)c->heads * c->head_dim, blk = HK * (size_t)c->d_model, lpb = be->lp_bytes;
+    const char *q = (const char *)pl->W_q;
+    if ((const char *)pl->W_k != q + blk * lpb || (const char *)pl->W_v != q + 2 * blk * lpb) return 0;
+    if (g->W_k != g->W_q + blk || g->W_v != g->W_q + 2 * blk) return 0;
+    scratch_layout S = layout_scratch(c, B, T, 0);
+    return (S.din_lp - S.din + lp_floats(c, (size_t)B * T * HK)) * sizeof(float) >= 3 * (size_t)B * T * HK * lpb;
+}
+
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
 static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer_params *p,
                                 const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
                                 const lm_kda_layer_acts *a, const void *x, const float *dy, const void *dy_given,
                                 int B, int T, float *dx, float *scratch, const lm_kda_layer_carry *carry,
                                 const lm_kda_layer_carry_grad *cg, int part, const lm_kda_layer_params *jg) {
-    // x is (B,T,d) in the product format; dy is (B,T,d); dx (B,T,d) and g accumulate
+    // x is (B,T,d) in the product format; dy is (B,T,d); g accumulates; dx (B,T,d) is written by the
+    // whole rows' backward (carry NULL: its first product sets it) and accumulated by a segment's
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     int d = c->d_model, H = c->heads, K = c->head_dim, HK = H * K, W = c->conv_width;
@@ -320,7 +340,8 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, g->o_norm,
                                     d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
         dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
-        TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+        if (carry) TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+        else TRY(op->matmul_backward_set(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
     }
     /* the operator (BWD_STATE: from d_o alone, for dh0; its parameter gradients to jg) */
     lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
@@ -342,12 +363,22 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
     const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
+    if (cat_qkv(c, pl, g, B, T, carry != NULL)) {
+        /* q, k and v's input gradients side by side, [N, 3 HK] in the product format: dx takes one product
+         * with K = 3 HK (and the three weight gradients one) instead of three that each read and write
+         * dx's fp32 rows */
+        char *dcat = (char *)(scratch + S.din);
+        for (int j = 0; j < 3; j++)
+            TRY(op->conv_silu_backward_lp(be, dcat + (size_t)j * HK * lpb, conv_g[j], douts[j], NULL, post[j], rn[j],
+                                          proj[j], conv_w[j], B, T, HK, W, K, 3 * HK, tmp));
+        return op->matmul_backward(be, dx, g->W_q, dcat, x, pl->W_q, (int64_t)N, d, 3 * HK);
+    }
     for (int j = 0; j < 3; j++) {
         if (!carry) {
             if (lp_separate(c) && op->conv_silu_backward_lp) {
                 /* din straight in the product format */
                 TRY(op->conv_silu_backward_lp(be, scratch + S.din_lp, conv_g[j], douts[j], NULL, post[j], rn[j],
-                                              proj[j], conv_w[j], B, T, HK, W, K, tmp));
+                                              proj[j], conv_w[j], B, T, HK, W, K, HK, tmp));
                 din_lp = scratch + S.din_lp;
             } else {
                 TRY(op->conv_silu_backward(be, din, conv_g[j], douts[j], NULL, post[j], rn[j], proj[j], conv_w[j],

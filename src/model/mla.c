@@ -541,7 +541,8 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
                               const void *x, const float *acts, const float *dy, const void *dy_given, int B,
                               int T, float *dx, const lm_mla_params *g, float *scratch, const lm_mla_seg *seg,
                               int stores_only) {
-    // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=)
+    // x (B,T,d) in the product format; dy, dx (B,T,d); acts from the forward; gradients accumulate (+=),
+    // dx too in a segment's backward (seg), and the whole rows' backward writes dx
     lm_status st = check_run(c, p, B, T);
     if (!st) st = check_seg(c, seg, T);
     if (!st && seg && !seg->c_store && (!seg->dk_acc || !seg->dv_acc || !seg->dk_tmp || !seg->dv_tmp))
@@ -585,7 +586,9 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
     TRY(op->gate_backward(be, d_o, sep ? NULL : dgp, sep ? scratch + S.dgp_lp : NULL, dgated, gp, o,
                           (size_t)N * H * Dv));
     dgp_lp = sep ? (const void *)(scratch + S.dgp_lp) : (const void *)dgp;
-    MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
+    /* the whole rows' backward writes dx (this first product sets it); a segment's adds to it */
+    if (seg) MM_B(dx, g->W_g, NULL, dgp_lp, x, pl->W_g, N, d, H * Dv);
+    else TRY(op->matmul_backward_set(be, dx, g->W_g, dgp_lp, x, pl->W_g, N, d, H * Dv));
     if (!seg) {
         TRY(op->attention_backward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse, d_o, dq,
                                    dk, dv));

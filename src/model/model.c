@@ -2174,7 +2174,9 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
              * state), then its normalised input: the forward's own op on it */
             TRY(sublayer_input(m, idx, &arp, hin, xn, xn_lp, 1, &t0));
         }
-        TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
+        /* the whole rows' KDA and MLA backwards write dxn (their first product sets it); the segments',
+         * context parallelism's and the channel mixers' add to it */
+        if (idx % 2 || m->cp_comm || m->seg_active) TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
             /* the recomputed output goes to y, unused in the backward */
             if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));

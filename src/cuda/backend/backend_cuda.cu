@@ -331,19 +331,19 @@ static lm_status cuda_conv_silu_backward(lm_backend *be, float *din, float *dw, 
 static lm_status cuda_conv_silu_backward_lp(lm_backend *be, void *din_lp, float *dw, const void *dout_lp,
                                             const float *conv_out, const void *out_lp, const float *rnorm,
                                             const float *in, const float *w, int B, int T, int C, int W,
-                                            int head_dim, float *tmp) {
+                                            int head_dim, int ld_din, float *tmp) {
     if (!lm_cuda_short_conv_silu_backward_bf16_takes(W, head_dim)) {
-        /* the two-pass path writes fp32: into tmp (B*T*C floats), then rounded */
+        /* the two-pass path writes fp32: into tmp (B*T*C floats), then rounded into din's rows */
         lm_status st = cuda_conv_silu_backward(be, tmp, dw, dout_lp, conv_out, out_lp, rnorm, in, w, B, T, C, W,
                                                head_dim, NULL);
         if (st) return st;
-        return lm_cuda_f32_to_bf16(ctx_of(be), (uint16_t *)din_lp, tmp, (size_t)B * T * C);
+        return lm_cuda_f32_to_bf16_rows(ctx_of(be), (uint16_t *)din_lp, ld_din, tmp, (int64_t)B * T, C);
     }
     void *scratch;
     lm_status st = arena_get(be, lm_cuda_short_conv_silu_backward_scratch_bytes(B, T, C, W), &scratch);
     if (st) return st;
     return lm_cuda_short_conv_silu_backward_bf16(ctx_of(be), (uint16_t *)din_lp, dw, (const uint16_t *)dout_lp,
-                                                 conv_out, rnorm, in, w, B, T, C, W, head_dim, scratch);
+                                                 conv_out, rnorm, in, w, B, T, C, W, head_dim, ld_din, scratch);
 }
 
 static lm_kda_cuda_inputs kda_inputs(const void *q, const void *k, const void *v, const void *z, const float *beta,

@@ -418,7 +418,7 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
                                               const float (&wr)[PER][WT], const float (&x)[PER],
                                               const float (&g)[PER], const float (&xi)[PER], float s, bool norm,
                                               bool recompute, int64_t m, int64_t n0, int64_t n1, int64_t N, int T,
-                                              int C, const int (&ch)[PER], DT *__restrict__ din) {
+                                              int C, const int (&ch)[PER], DT *__restrict__ din, int64_t ldo) {
 #pragma unroll
         for (int j = 0; j < PER; j++) {
 #pragma unroll
@@ -470,7 +470,7 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
 #pragma unroll
                 for (int i = 0; i < WT; i++)
                     if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
-                conv_store_din(din + tt * C + ch[j], a);
+                conv_store_din(din + tt * ldo + ch[j], a);
             }
         }
 }
@@ -482,7 +482,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
                                        const float *__restrict__ conv_out,
                                        const float *__restrict__ rnorm, const float *__restrict__ in,
                                        const float *__restrict__ w, int T, int C, int head_dim,
-                                       int64_t N, int64_t rows_per_chunk, int64_t chunks) {
+                                       int64_t N, int64_t rows_per_chunk, int64_t chunks, int64_t ldo) {
     const int heads = C / head_dim, lane = threadIdx.x & 31;
     const int64_t gw = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
     if (gw >= chunks * heads) return; /* whole warps leave together */
@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
         const float s = ps;
         load(m + 1);
         conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
-                               din);
+                               din, ldo);
     }
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -550,7 +550,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
                                       const uint16_t *__restrict__ dout, const float *__restrict__ conv_out,
                                       const float *__restrict__ rnorm, const float *__restrict__ in,
                                       const float *__restrict__ w, int T, int C, int64_t N,
-                                      int64_t rows_per_chunk, int64_t chunks) {
+                                      int64_t rows_per_chunk, int64_t chunks, int64_t ldo) {
     constexpr int HD = PER * 32, D = CONV_BWD_RING_DEPTH;
     typedef conv_bwd_slot<PER> SL;
     extern __shared__ float4 conv_bwd_ring_smem[];
@@ -599,7 +599,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
         }
         const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
         conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
-                               din);
+                               din, ldo);
     }
     conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
 #pragma unroll
@@ -620,7 +620,7 @@ template <int PER, int WT, typename DT>
 static lm_status conv_bwd_ring_launch(unsigned grid, cudaStream_t stream, DT *din, float *partial,
                                       const uint16_t *dout, const float *conv_out, const float *rnorm,
                                       const float *in, const float *w, int T, int C, int64_t N, int64_t rows,
-                                      int64_t chunks) {
+                                      int64_t chunks, int64_t ldo) {
     static int raised = 0; /* a benign race: two threads set the same value */
     const size_t smem = conv_bwd_ring_smem_bytes<PER>();
     if (!raised && smem > 48 * 1024) {
@@ -629,7 +629,7 @@ static lm_status conv_bwd_ring_launch(unsigned grid, cudaStream_t stream, DT *di
         raised = 1;
     }
     conv_silu_l2_backward_ring_kernel<PER, WT, DT><<<grid, KL_ROW_WARPS * 32, smem, stream>>>(
-        din, partial, dout, conv_out, rnorm, in, w, T, C, N, rows, chunks);
+        din, partial, dout, conv_out, rnorm, in, w, T, C, N, rows, chunks, ldo);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -732,8 +732,8 @@ extern "C" size_t lm_cuda_short_conv_silu_backward_scratch_bytes(int B, int T, i
 template <typename DT>
 static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, float *dw, const uint16_t *dout_bf16,
                                         const float *conv_out, const float *rnorm, const float *in, const float *w,
-                                        int B, int T, int C, int W, int head_dim, void *scratch, const char *fn,
-                                        int *done) {
+                                        int B, int T, int C, int W, int head_dim, int64_t ldo, void *scratch,
+                                        const char *fn, int *done) {
     *done = 0;
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t N = (int64_t)B * T;
@@ -751,7 +751,7 @@ static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, flo
         float *partial = (float *)scratch;
         lm_status lst = LM_OK;
 #define CONV_BRING(P, WT) lst = conv_bwd_ring_launch<P, WT, DT>(grid, stream, din, partial, dout_bf16, conv_out, rnorm, \
-                                                           in, w, T, C, N, frows, fchunks)
+                                                           in, w, T, C, N, frows, fchunks, ldo)
 #define CONV_BRING_W(P)                                                                            \
     switch (W) {                                                                                   \
     case 1: CONV_BRING(P, 1); break;                                                               \
@@ -783,7 +783,7 @@ static lm_status conv_backward_one_pass(const lm_cuda_context *ctx, DT *din, flo
         float *partial = (float *)scratch;
 #define CONV_FUSED(P, WT)                                                                          \
     conv_silu_l2_backward_fused_kernel<P, WT, DT><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(            \
-        din, partial, dout_bf16, conv_out, rnorm, in, w, T, C, head_dim, N, frows, fchunks)
+        din, partial, dout_bf16, conv_out, rnorm, in, w, T, C, head_dim, N, frows, fchunks, ldo)
 #define CONV_FUSED_W(P)                                                                            \
     switch (W) {                                                                                   \
     case 1: CONV_FUSED(P, 1); break;                                                               \
@@ -816,19 +816,20 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward_bf16(const lm_cuda_context
                                                            float *dw, const uint16_t *dout_bf16,
                                                            const float *conv_out, const float *rnorm,
                                                            const float *in, const float *w, int B, int T, int C,
-                                                           int W, int head_dim, void *scratch) {
+                                                           int W, int head_dim, int ld_din, void *scratch) {
     const char *fn = "short_conv_silu_backward_bf16";
     if (!ctx) return lm_error(LM_ERR_ARG, "%s: ctx is NULL", fn);
     if (!din_bf16 || !dw || !dout_bf16 || !in || !w || !scratch)
         return lm_error(LM_ERR_ARG, "%s: din_bf16, dw, dout_bf16, in, w and scratch are required", fn);
     lm_status st = check_shape(fn, B, T, C, W, head_dim);
     if (st) return st;
+    if (ld_din < C) return lm_error(LM_ERR_ARG, "%s: ld_din = %d is below C = %d", fn, ld_din, C);
     if (!use_fused(W, head_dim))
         return lm_error(LM_ERR_ARG, "%s: needs the one-pass kernels (W <= 4, head_dim <= 128); got W=%d, head_dim=%d",
                         fn, W, head_dim);
     int done = 0;
     if ((st = conv_backward_one_pass<uint16_t>(ctx, din_bf16, dw, dout_bf16, conv_out, rnorm, in, w, B, T, C, W,
-                                               head_dim, scratch, fn, &done)))
+                                               head_dim, ld_din, scratch, fn, &done)))
         return st;
     if (!done) return lm_error(LM_ERR_ARG, "%s: the one-pass kernels did not run", fn);
     return LM_OK;
@@ -851,7 +852,7 @@ extern "C" lm_status lm_cuda_short_conv_silu_backward(const lm_cuda_context *ctx
     const int64_t N = (int64_t)B * T, rows = N * (C / head_dim), total = N * C;
     int done = 0;
     if ((st = conv_backward_one_pass<float>(ctx, din, dw, dout_bf16, conv_out, rnorm, in, w, B, T, C, W, head_dim,
-                                            scratch, fn, &done)))
+                                            C, scratch, fn, &done)))
         return st;
     if (done) return LM_OK;
     const int64_t chunks = dw_chunks(N), rows_per_chunk = (N + chunks - 1) / chunks;

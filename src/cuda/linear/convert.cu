@@ -24,6 +24,14 @@ __global__ void lin_f32_to_bf16_vec8_kernel(uint4 *dst, const float4 *src, size_
     }
 }
 
+/* dst[r * ld + c] = bf16(src[r * cols + c]) */
+__global__ void lin_f32_to_bf16_rows_kernel(uint16_t *dst, int64_t ld, const float *src, int64_t cols, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const int64_t r = (int64_t)(i / (size_t)cols), c = (int64_t)(i % (size_t)cols);
+        dst[r * ld + c] = lin_f32_to_bf16(src[i]);
+    }
+}
+
 __global__ void lin_bf16_to_f32_kernel(float *dst, const uint16_t *src, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dst[i] = lin_bf16_to_f32(src[i]);
@@ -72,6 +80,21 @@ extern "C" lm_status lm_cuda_f32_to_bf16(const lm_cuda_context *ctx, uint16_t *d
     if (done < n)
         lin_f32_to_bf16_kernel<<<lin_grid_for(ctx, n - done, 256), 256, 0, lin_stream(ctx)>>>(dst + done, src + done,
                                                                                             n - done);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_f32_to_bf16_rows(const lm_cuda_context *ctx, uint16_t *dst, int64_t ld_dst,
+                                              const float *src, int64_t rows, int64_t cols) {
+    const char *fn = "lm_cuda_f32_to_bf16_rows";
+    if (rows < 0 || cols < 1 || ld_dst < cols)
+        return lm_error(LM_ERR_ARG, "%s: rows = %lld, cols = %lld, ld_dst = %lld (expected rows >= 0, cols >= 1, "
+                        "ld_dst >= cols)", fn, (long long)rows, (long long)cols, (long long)ld_dst);
+    const size_t n = (size_t)rows * (size_t)cols;
+    lm_status st = check_ctx(ctx, dst, src, n, fn);
+    if (st || n == 0) return st;
+    if (ld_dst == cols) return lm_cuda_f32_to_bf16(ctx, dst, src, n);
+    lin_f32_to_bf16_rows_kernel<<<lin_grid_for(ctx, n, 256), 256, 0, lin_stream(ctx)>>>(dst, ld_dst, src, cols, n);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
