@@ -352,6 +352,22 @@ static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
         }
 }
 
+/* two shared experts without LatentMoE: dx takes the shared experts' four input gradients (side by
+ * side, at a width not a multiple of 8: the scalar GLU backward at a row stride) in one product, and
+ * the experts' slots straight into its fp32 rows */
+static void test_forward_backward_match_the_cpu_with_two_shared_experts(void) {
+    const int64_t ms[2] = {37, 513};
+    char what[96];
+    for (int a = 0; a < 2; a++)
+        for (int i = 0; i < 2; i++) {
+            lm_moe_config c = plain_config((lm_expert_act)a);
+            c.n_shared = 2;
+            c.d_ff_shared = 36;
+            snprintf(what, sizeof what, "2 shared %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
+            compare_case(&c, ms[i], NULL, 0, 230 + 10 * a + i, what);
+        }
+}
+
 /* the routing kernels: one warp a token for n <= 128, 256 and 512 experts, one
  * thread a token beyond; every router row paired with an equal one, so every
  * token meets exact ties (the CPU rule: the lower index first); top-k up to 16 */
@@ -747,6 +763,7 @@ int main(void) {
         else printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
         RUN(test_forward_backward_match_the_cpu_without_latent);
         RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+        RUN(test_forward_backward_match_the_cpu_with_two_shared_experts);
         RUN(test_forward_backward_match_the_cpu_wide);
         RUN(test_bias_and_extra_score_gradient_match_the_cpu);
         RUN(test_all_tokens_to_the_same_experts_is_dropless);

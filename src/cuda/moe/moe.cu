@@ -77,6 +77,7 @@ static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int
     size_t d = (size_t)c->d, de = (size_t)expert_width(c), dl = (size_t)c->d_latent;
     size_t ns = (size_t)c->n_shared, fs = (size_t)c->d_ff_shared, mk = m * k;
     size_t P = (size_t)rows_capacity(c, m_max), nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
+    const size_t kc = 2 * ns * fs + dl; /* dcat's columns */
     buffer_entry t[] = {
         {(void **)&s->dy_bf16, (dl || ns) ? m * d * 2 : 0},
         {(void **)&s->dzn, m * dl * 4},           {(void **)&s->dz, m * dl * 4},
@@ -85,11 +86,16 @@ static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int
         {(void **)&s->dh, P * f * 2},             {(void **)&s->da, P * f * 2},
         {(void **)&s->du, P * f * 2},             {(void **)&s->dxg, P * de * 2},
         {(void **)&s->dw_bf16, n * f * de * 2},
-        {(void **)&s->dxe_bf16, m * dl * 2},
+        {(void **)&s->dcat, m * kc * 2},          {(void **)&s->wcat, kc * d * 2},
         {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 2 : 0},
-        {(void **)&s->dsa, ns ? m * fs * 2 : 0},  {(void **)&s->dsu, ns ? m * fs * 2 : 0},
     };
-    return layout_buffers(t, sizeof t / sizeof t[0], base);
+    const size_t bytes = layout_buffers(t, sizeof t / sizeof t[0], base);
+    if (base) {
+        /* the latent columns of dcat */
+        s->k_cat = (int64_t)kc;
+        s->dxe_bf16 = dl ? s->dcat + 2 * ns * fs : NULL;
+    }
+    return bytes;
 }
 
 extern "C" size_t lm_cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) {
@@ -174,14 +180,16 @@ __global__ void glu_forward_kernel(bf16 *h, const bf16 *a, const bf16 *u, const 
     h[q] = __float2bfloat16_rn(act_forward(act, __bfloat162float(a[q]), __bfloat162float(u[q])));
 }
 
+/* da, du: rows ldo elements apart (f: dense) */
 __global__ void glu_backward_kernel(bf16 *da, bf16 *du, const bf16 *dh, const bf16 *a, const bf16 *u,
-                                    const int32_t *row_limit, int64_t rows, int f, int act) {
+                                    const int32_t *row_limit, int64_t rows, int f, int act, int64_t ldo) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= rows * f || (row_limit && q / f >= (int64_t)*row_limit)) return;
     float ga, gu, g = __bfloat162float(dh[q]);
     act_backward(act, __bfloat162float(a[q]), __bfloat162float(u[q]), &ga, &gu);
-    da[q] = __float2bfloat16_rn(g * ga);
-    du[q] = __float2bfloat16_rn(g * gu);
+    const int64_t o = q / f * ldo + q % f;
+    da[o] = __float2bfloat16_rn(g * ga);
+    du[o] = __float2bfloat16_rn(g * gu);
 }
 
 /* The same, 8 elements (16 bytes) a thread: f % 8 == 0, 16-byte aligned rows. */
@@ -199,7 +207,7 @@ __global__ void glu_forward_vec_kernel(uint4 *h, const uint4 *a, const uint4 *u,
 }
 
 __global__ void glu_backward_vec_kernel(uint4 *da, uint4 *du, const uint4 *dh, const uint4 *a, const uint4 *u,
-                                        const int32_t *row_limit, int64_t rows, int f8, int act) {
+                                        const int32_t *row_limit, int64_t rows, int f8, int act, int64_t ldo8) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= rows * f8 || (row_limit && q / f8 >= (int64_t)*row_limit)) return;
     uint4 av = a[q], uv = u[q], gv = dh[q], dav, duv;
@@ -212,8 +220,9 @@ __global__ void glu_backward_vec_kernel(uint4 *da, uint4 *du, const uint4 *dh, c
         dap[e] = __float2bfloat16_rn(g * ga);
         dup[e] = __float2bfloat16_rn(g * gu);
     }
-    da[q] = dav;
-    du[q] = duv;
+    const int64_t o = q / f8 * ldo8 + q % f8;
+    da[o] = dav;
+    du[o] = duv;
 }
 
 static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
@@ -231,16 +240,18 @@ static lm_status glu_forward(cudaStream_t st, void *h, const void *a, const void
     return LM_OK;
 }
 
+/* da, du written with rows ldo (>= f) elements apart: f dense, more for column blocks of dcat */
 static lm_status glu_backward(cudaStream_t st, void *da, void *du, const void *dh, const void *a, const void *u,
-                              const int32_t *row_limit, int64_t rows, int f, int act) {
-    if (f % 8 == 0 && aligned16(da) && aligned16(du) && aligned16(dh) && aligned16(a) && aligned16(u))
+                              const int32_t *row_limit, int64_t rows, int f, int act, int64_t ldo) {
+    if (f % 8 == 0 && ldo % 8 == 0 && aligned16(da) && aligned16(du) && aligned16(dh) && aligned16(a) &&
+        aligned16(u))
         glu_backward_vec_kernel<<<blocks_for(rows * (f / 8), 256), 256, 0, st>>>(
             (uint4 *)da, (uint4 *)du, (const uint4 *)dh, (const uint4 *)a, (const uint4 *)u, row_limit, rows, f / 8,
-            act);
+            act, ldo / 8);
     else
         glu_backward_kernel<<<blocks_for(rows * f, 256), 256, 0, st>>>((bf16 *)da, (bf16 *)du, (const bf16 *)dh,
                                                                       (const bf16 *)a, (const bf16 *)u, row_limit,
-                                                                      rows, f, act);
+                                                                      rows, f, act, ldo);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -390,7 +401,7 @@ lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c
     TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
     if (g->down)
         TRY(gemm_grouped(r, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, 1, de, f, 0));
-    TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act));
+    TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act, f));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->da, f, pb->gate, de, (int64_t)f * de, NULL, e->dxg, de, 0, 0, P, de, f));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->du, f, pb->up, de, (int64_t)f * de, NULL, e->dxg, de, 0, 1, P, de, f));
     if (g->gate)
@@ -541,22 +552,32 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     const void *dy_bf16 = s->dy_bf16;
     if (dy_bf16 && dy_given) dy_bf16 = dy_given;
     else if (dy_bf16) TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
+    /* The input gradients of the products that take x (the shared experts' gate and up, the latent
+     * down-projection) go side by side into dcat [m, k_cat], their weights into wcat [k_cat, d], and dx
+     * takes one product with K = k_cat below instead of one per weight, each of which would read and
+     * write dx's fp32 rows. */
+    const int64_t kc = s->k_cat;
+    bf16 *wcat = (bf16 *)s->wcat;
     /* shared experts */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
+        bf16 *dsa = (bf16 *)s->dcat + (size_t)e * 2 * fs, *dsu = dsa + fs;
         TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->shared_down + wo, fs, NULL, s->dsh, fs, 0, m, fs, d));
         if (g->shared_down)
             TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
-        TRY(glu_backward(st, s->dsa, s->dsu, s->dsh, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m,
-                         fs, (int)c->act));
+        TRY(glu_backward(st, dsa, dsu, s->dsh, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m, fs,
+                         (int)c->act, kc));
         if (dx) {
-            TRY(gemm(r, LM_GEMM_NN, s->dsa, fs, pb->shared_gate + wo, d, dx, NULL, d, 1, m, d, fs));
-            TRY(gemm(r, LM_GEMM_NN, s->dsu, fs, pb->shared_up + wo, d, dx, NULL, d, 1, m, d, fs));
+            const size_t wb = (size_t)fs * d * sizeof(bf16);
+            LM_CUDA_TRY(cudaMemcpyAsync(wcat + (size_t)e * 2 * fs * d, pb->shared_gate + wo, wb,
+                                        cudaMemcpyDeviceToDevice, st));
+            LM_CUDA_TRY(cudaMemcpyAsync(wcat + ((size_t)e * 2 + 1) * fs * d, pb->shared_up + wo, wb,
+                                        cudaMemcpyDeviceToDevice, st));
         }
         if (g->shared_gate)
-            TRY(gemm(r, LM_GEMM_TN, s->dsa, fs, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(r, LM_GEMM_TN, dsa, kc, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
         if (g->shared_up)
-            TRY(gemm(r, LM_GEMM_TN, s->dsu, fs, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(r, LM_GEMM_TN, dsu, kc, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
     }
 
     /* gradient of z */
@@ -590,13 +611,16 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
 
     /* grouped input gradients back to tokens (slot order: deterministic) */
     if (dl > 0) {
-        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, (const bf16 *)s->dxg, a, m, k, de));
-        if (dx) TRY(gemm(r, LM_GEMM_NN, s->dxe_bf16, dl, pb->lat_down, d, dx, NULL, d, 1, m, d, dl));
+        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, (const bf16 *)s->dxg, a, m, k, de, kc));
+        if (dx)
+            LM_CUDA_TRY(cudaMemcpyAsync(wcat + (size_t)2 * ns * fs * d, pb->lat_down, (size_t)dl * d * sizeof(bf16),
+                                        cudaMemcpyDeviceToDevice, st));
         if (g->lat_down)
-            TRY(gemm(r, LM_GEMM_TN, s->dxe_bf16, dl, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
+            TRY(gemm(r, LM_GEMM_TN, s->dxe_bf16, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
     } else if (dx) {
-        TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de));
+        TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de, de));
     }
+    if (dx && kc > 0) TRY(gemm(r, LM_GEMM_NN, s->dcat, kc, wcat, d, dx, NULL, d, 1, m, d, kc));
 
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r (without dscores_extra over the k chosen

@@ -157,9 +157,9 @@ lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a,
 /* dgout = p dz (bf16, grouped), dp = <dz, gout> (gout bf16) */
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width);
-/* dx_f32 += or dx_bf16 = sum_t dxg[row(i,t)] */
+/* dx_f32 += or dx_bf16 = sum_t dxg[row(i,t)], rows of dx ld (>= width) elements apart */
 lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const lm_cuda_moe_acts *a,
-                         int64_t m, int k, int width);
+                         int64_t m, int k, int width, int64_t ld);
 /* dr[m, n] = extra s (1 - s) (or 0) + the chosen experts' ds s (1 - s) */
 lm_status lm_moe_router_grad(cudaStream_t st, float *dr, const float *dp, const float *extra,
                              const lm_cuda_moe_acts *a, int64_t m, int n, int k, float route_scale);

@@ -438,22 +438,22 @@ lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const
 }
 
 /* Grouped input gradients back to tokens, in slot order: v_i = sum_t dxg[row(i,t)];
- * into dx_f32 (+=) or dx_bf16 (store). */
+ * into dx_f32 (+=) or dx_bf16 (store), rows ld elements apart. */
 __global__ void scatter_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const int32_t *slot_row, int64_t m,
-                               int k, int width, int64_t ld_f32) {
+                               int k, int width, int64_t ld) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (q >= m * width) return;
     int64_t i = q / width;
     int e = (int)(q % width);
     float v = 0.0f;
     for (int t = 0; t < k; t++) v += __bfloat162float(dxg[(int64_t)slot_row[i * k + t] * width + e]);
-    if (dx_bf16) dx_bf16[q] = __float2bfloat16_rn(v);
-    else dx_f32[i * ld_f32 + e] += v;
+    if (dx_bf16) dx_bf16[i * ld + e] = __float2bfloat16_rn(v);
+    else dx_f32[i * ld + e] += v;
 }
 
 /* The same, 8 elements a thread, the same order of the sum. */
 __global__ void scatter_vec_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const int32_t *slot_row,
-                                   int64_t m, int k, int width) {
+                                   int64_t m, int k, int width, int64_t ld) {
     int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int w8 = width / 8;
     if (q >= m * w8) return;
@@ -470,9 +470,9 @@ __global__ void scatter_vec_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg
         uint4 o;
         __nv_bfloat162 *op = (__nv_bfloat162 *)&o;
         for (int e = 0; e < 4; e++) op[e] = __floats2bfloat162_rn(v[2 * e], v[2 * e + 1]);
-        ((uint4 *)(dx_bf16 + i * width))[e8] = o;
+        ((uint4 *)(dx_bf16 + i * ld))[e8] = o;
     } else {
-        float4 *o = (float4 *)(dx_f32 + i * width) + 2 * e8;
+        float4 *o = (float4 *)(dx_f32 + i * ld) + 2 * e8;
         float4 lo = o[0], hi = o[1];
         lo.x += v[0], lo.y += v[1], lo.z += v[2], lo.w += v[3];
         hi.x += v[4], hi.y += v[5], hi.z += v[6], hi.w += v[7];
@@ -482,14 +482,14 @@ __global__ void scatter_vec_kernel(float *dx_f32, bf16 *dx_bf16, const bf16 *dxg
 }
 
 lm_status lm_moe_scatter(cudaStream_t st, float *dx_f32, bf16 *dx_bf16, const bf16 *dxg, const lm_cuda_moe_acts *a,
-                         int64_t m, int k, int width) {
-    if (vec_ok(width, dxg, dx_bf16 ? (const void *)dx_bf16 : (const void *)dx_f32)) {
+                         int64_t m, int k, int width, int64_t ld) {
+    if (ld % 8 == 0 && vec_ok(width, dxg, dx_bf16 ? (const void *)dx_bf16 : (const void *)dx_f32)) {
         scatter_vec_kernel<<<blocks_for(m * (width / 8), 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k,
-                                                                            width);
+                                                                            width, ld);
         LM_CUDA_TRY(cudaGetLastError());
         return LM_OK;
     }
-    scatter_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k, width, width);
+    scatter_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(dx_f32, dx_bf16, dxg, a->slot_row, m, k, width, ld);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
