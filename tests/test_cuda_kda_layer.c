@@ -191,6 +191,19 @@ static void test_short_conv_window_kernel_equals_row_kernel(void) {
     unsetenv("LONGMOE_CONV_FORWARD");
 }
 
+/* The conv backward tests' inputs: on the host in, w, dout (bf16-representable) and dw's start,
+ * drawn in that order; on the device in, w, dout (bf16), and the forward's outputs (conv, 1/||y||,
+ * y) poisoned until it writes them. */
+static void conv_backward_inputs(lm_rng *r, size_t NC, size_t CW, size_t rows, int W, float **in, float **w,
+                                 float **dout, float **dw0, float **d_in, float **d_w, float **d_conv, float **d_rn,
+                                 uint16_t **d_y, uint16_t **d_dout) {
+    *in = host_normal(NC, 1.0, 0.0, 0, r), *w = host_normal(CW, 1.0 / sqrt(W), 0, 0, r);
+    *dout = host_normal(NC, 1.0, 0.0, 1, r), *dw0 = host_normal(CW, 0.1, 0.0, 0, r);
+    *d_in = dev_from(*in, NC), *d_w = dev_from(*w, CW), *d_conv = dev_poisoned(NC * 4);
+    *d_rn = dev_poisoned(rows * 4);
+    *d_y = dev_poisoned(NC * 2), *d_dout = dev_bf16_from(*dout, NC);
+}
+
 /* The ring backward (the default; LONGMOE_CONV_BACKWARD=ring) gives the
  * one-pass fused kernel's bits (LONGMOE_CONV_BACKWARD=fused): din and dw
  * (+= onto the same start), with and without the L2 norm, on every shape
@@ -204,11 +217,10 @@ static void test_short_conv_backward_ring_equals_fused(void) {
         const int *s = shapes[si], B = s[0], T = s[1], C = s[2], W = s[3], hd = s[4];
         const size_t N = (size_t)B * T, NC = N * C, CW = (size_t)C * W, rows = N * (C / hd);
         for (int norm = 1; norm >= 0; norm--) {
-            float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal(CW, 1.0 / sqrt(W), 0, 0, &r);
-            float *dout = host_normal(NC, 1.0, 0.0, 1, &r), *dw0 = host_normal(CW, 0.1, 0.0, 0, &r);
-            float *d_in = dev_from(in, NC), *d_w = dev_from(w, CW), *d_conv = dev_poisoned(NC * 4);
-            float *d_rn = dev_poisoned(rows * 4), *rnp = norm ? d_rn : NULL;
-            uint16_t *d_y = dev_poisoned(NC * 2), *d_dout = dev_bf16_from(dout, NC);
+            float *in, *w, *dout, *dw0, *d_in, *d_w, *d_conv, *d_rn;
+            uint16_t *d_y, *d_dout;
+            conv_backward_inputs(&r, NC, CW, rows, W, &in, &w, &dout, &dw0, &d_in, &d_w, &d_conv, &d_rn, &d_y, &d_dout);
+            float *rnp = norm ? d_rn : NULL;
             uint16_t *d_dout_odd = dev_poisoned((NC + 1) * 2);
             CHECK(lm_cuda_upload_bf16(d_dout_odd + 1, dout, NC) == LM_OK, "upload bf16: %s", lm_last_error());
             settle();
@@ -374,11 +386,11 @@ static void test_short_conv_backward_recompute_equals_saved(void) {
             const int fast = lm_cuda_short_conv_silu_backward_bf16_takes(W, hd);
             CHECK(fast == (ci < nfast), "W=%d head_dim=%d: one-pass kernels %s", W, hd, fast ? "taken" : "not taken");
             for (int norm = 1; norm >= 0; norm--) {
-                float *in = host_normal(NC, 1.0, 0.0, 0, &r), *w = host_normal(CW, 1.0 / sqrt(W), 0, 0, &r);
-                float *dout = host_normal(NC, 1.0, 0.0, 1, &r), *dw0 = host_normal(CW, 0.1, 0.0, 0, &r);
-                float *d_in = dev_from(in, NC), *d_w = dev_from(w, CW), *d_conv = dev_poisoned(NC * 4);
-                float *d_rn = dev_poisoned(rows * 4), *rnp = norm ? d_rn : NULL;
-                uint16_t *d_y = dev_poisoned(NC * 2), *d_dout = dev_bf16_from(dout, NC);
+                float *in, *w, *dout, *dw0, *d_in, *d_w, *d_conv, *d_rn;
+                uint16_t *d_y, *d_dout;
+                conv_backward_inputs(&r, NC, CW, rows, W, &in, &w, &dout, &dw0, &d_in, &d_w, &d_conv, &d_rn, &d_y,
+                                     &d_dout);
+                float *rnp = norm ? d_rn : NULL;
                 void *d_scratch = dev_poisoned(lm_cuda_short_conv_silu_backward_scratch_bytes(B, T, C, W));
                 CHECK(lm_cuda_short_conv_silu_forward(&ctx, d_conv, d_y, rnp, d_in, d_w, B, T, C, W, hd) == LM_OK,
                       "forward: %s", lm_last_error());
