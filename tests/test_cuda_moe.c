@@ -352,19 +352,24 @@ static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
         }
 }
 
-/* two shared experts without LatentMoE: dx takes the shared experts' four input gradients (side by
- * side, at a width not a multiple of 8: the scalar GLU backward at a row stride) in one product, and
- * the experts' slots straight into its fp32 rows */
-static void test_forward_backward_match_the_cpu_with_two_shared_experts(void) {
-    const int64_t ms[2] = {37, 513};
+/* one or two shared experts, with and without LatentMoE, of widths 40 and 36 (not a multiple of 8:
+ * the scalar GLU kernels, the backward's at a row stride of the side-by-side input gradients that dx
+ * takes in one product); without LatentMoE the experts' slots go straight into dx's fp32 rows. Two
+ * shared experts found the forward's second expert written at the wrong offset (its bf16
+ * pre-activations typed fp32 in the acts). */
+static void test_forward_backward_match_the_cpu_with_shared_experts(void) {
+    /* (n_shared, d_ff_shared, d_latent) */
+    static const int v[6][3] = {{1, 40, 0}, {1, 36, 0}, {2, 40, 0}, {2, 36, 0}, {2, 40, 64}, {1, 36, 64}};
     char what[96];
-    for (int a = 0; a < 2; a++)
-        for (int i = 0; i < 2; i++) {
+    for (int q = 0; q < 6; q++)
+        for (int a = 0; a < 2; a++) {
             lm_moe_config c = plain_config((lm_expert_act)a);
-            c.n_shared = 2;
-            c.d_ff_shared = 36;
-            snprintf(what, sizeof what, "2 shared %s m=%lld", a ? "situ" : "swiglu", (long long)ms[i]);
-            compare_case(&c, ms[i], NULL, 0, 230 + 10 * a + i, what);
+            c.n_shared = v[q][0];
+            c.d_ff_shared = v[q][1];
+            c.d_latent = v[q][2];
+            snprintf(what, sizeof what, "%d shared f %d lat %d %s m=37", v[q][0], v[q][1], v[q][2],
+                     a ? "situ" : "swiglu");
+            compare_case(&c, 37, NULL, 0, 230 + 10 * a + q, what);
         }
 }
 
@@ -763,7 +768,7 @@ int main(void) {
         else printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
         RUN(test_forward_backward_match_the_cpu_without_latent);
         RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
-        RUN(test_forward_backward_match_the_cpu_with_two_shared_experts);
+        RUN(test_forward_backward_match_the_cpu_with_shared_experts);
         RUN(test_forward_backward_match_the_cpu_wide);
         RUN(test_bias_and_extra_score_gradient_match_the_cpu);
         RUN(test_all_tokens_to_the_same_experts_is_dropless);

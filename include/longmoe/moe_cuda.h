@@ -78,7 +78,7 @@ typedef struct {
     float *z;               /* [m, d_e] fp32 sum_t p_it E(x) (LatentMoE only) */
     float *rstd;            /* [m] fp32 1/rms(z) (LatentMoE only) */
     uint16_t *zn;           /* [m, d_lat] bf16 RMSNorm(z) (LatentMoE only) */
-    float *sa, *su;         /* [n_shared, m, f_s] fp32 shared experts' a, u */
+    uint16_t *sa, *su;      /* [n_shared, m, f_s] bf16 shared experts' a, u */
     uint16_t *sh;           /* [n_shared, m, f_s] bf16 shared experts' h */
     void **blas_ptrs;       /* [3 max(n, P / 128)] device operand pointers of the grouped cuBLAS products */
     /* Set by the forward: the expert-product kind it ran (lm_moe_gemm_kind;
@@ -113,7 +113,7 @@ typedef struct {
     int64_t k_cat;
     uint16_t *dxe_bf16;     /* view into dcat */
     float *dr;              /* [m, n] router logit gradient */
-    float *dsh;             /* [m, f_s] */
+    uint16_t *dsh;          /* [m, f_s] bf16 */
 } lm_cuda_moe_scratch;
 
 /* How the expert products (and, with cuBLAS, the latent and shared-expert
