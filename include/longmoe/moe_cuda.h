@@ -103,15 +103,12 @@ typedef struct {
     uint16_t *dxg;          /* [P, d_e] bf16 */
     uint16_t *dw_bf16;      /* [n, f, d_e] bf16 expert weight gradient of one grouped cuBLAS
                                product, then added into the fp32 gradient */
-    /* dcat [m, k_cat] bf16, k_cat = 2 n_s f_s + d_lat: the input gradients of the products that take
-     * x (or its latent), side by side, so that dx takes one product: per shared expert its gate's and
-     * up's, then the latent one (dxe_bf16: LatentMoE
-     * only; without it the slots are summed straight into dx). wcat [k_cat, d] bf16: the matching
-     * weights stacked (shared gate, up per expert, then lat_down), copied from the bf16 parameters in
-     * each backward. */
+    /* dcat [m, 2 n_s f_s + d_lat] bf16: the input gradients of the products that take x (or its
+     * latent), side by side, so that dx takes one product: per shared expert its gate's and up's, then
+     * the latent one (LatentMoE only; without it the slots are summed straight into dx). wcat
+     * [2 n_s f_s + d_lat, d] bf16: the matching weights stacked (shared gate, up per expert, then
+     * lat_down), copied from the bf16 parameters in each backward. */
     uint16_t *dcat, *wcat;
-    int64_t k_cat;
-    uint16_t *dxe_bf16;     /* view into dcat */
     float *dr;              /* [m, n] router logit gradient */
     uint16_t *dsh;          /* [m, f_s] bf16 */
 } lm_cuda_moe_scratch;

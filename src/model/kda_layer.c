@@ -298,16 +298,15 @@ enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
  * separate product format that writes the conv's input gradient in it at a row stride, the whole rows
  * (no history rows), W_q, W_k, W_v consecutive in the product-format copy and in the gradients (as the
  * parameter table lays them out), and din + din_lp large enough (layout_scratch). */
-static int cat_qkv(const lm_kda_layer_config *c, const lm_kda_layer_params *pl, const lm_kda_layer_params *g, int B,
-                   int T, int ext) {
+static int cat_qkv(const lm_kda_layer_config *c, const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
+                   const scratch_layout *S, size_t N, int ext) {
     lm_backend *be = backend_of(c);
     if (ext || !lp_separate(c) || !be->ops->conv_silu_backward_lp) return 0;
     const size_t HK = (size_t)c->heads * c->head_dim, blk = HK * (size_t)c->d_model, lpb = be->lp_bytes;
     const char *q = (const char *)pl->W_q;
     if ((const char *)pl->W_k != q + blk * lpb || (const char *)pl->W_v != q + 2 * blk * lpb) return 0;
     if (g->W_k != g->W_q + blk || g->W_v != g->W_q + 2 * blk) return 0;
-    scratch_layout S = layout_scratch(c, B, T, 0);
-    return (S.din_lp - S.din + lp_floats(c, (size_t)B * T * HK)) * sizeof(float) >= 3 * (size_t)B * T * HK * lpb;
+    return (S->din_lp - S->din + lp_floats(c, N * HK)) * sizeof(float) >= 3 * N * HK * lpb;
 }
 
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
@@ -363,7 +362,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
     const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
-    if (cat_qkv(c, pl, g, B, T, carry != NULL)) {
+    if (cat_qkv(c, pl, g, &S, N, carry != NULL)) {
         /* q, k and v's input gradients side by side, [N, 3 HK] in the product format: dx takes one product
          * with K = 3 HK (and the three weight gradients one) instead of three that each read and write
          * dx's fp32 rows */

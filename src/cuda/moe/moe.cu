@@ -89,13 +89,7 @@ static size_t scratch_layout(lm_cuda_moe_scratch *s, const lm_moe_config *c, int
         {(void **)&s->dcat, m * kc * 2},          {(void **)&s->wcat, kc * d * 2},
         {(void **)&s->dr, m * n * 4},             {(void **)&s->dsh, ns ? m * fs * 2 : 0},
     };
-    const size_t bytes = layout_buffers(t, sizeof t / sizeof t[0], base);
-    if (base) {
-        /* the latent columns of dcat */
-        s->k_cat = (int64_t)kc;
-        s->dxe_bf16 = dl ? s->dcat + 2 * ns * fs : NULL;
-    }
-    return bytes;
+    return layout_buffers(t, sizeof t / sizeof t[0], base);
 }
 
 extern "C" size_t lm_cuda_moe_acts_bytes(const lm_moe_config *cfg, int64_t m_max) {
@@ -553,11 +547,11 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     if (dy_bf16 && dy_given) dy_bf16 = dy_given;
     else if (dy_bf16) TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
     /* The input gradients of the products that take x (the shared experts' gate and up, the latent
-     * down-projection) go side by side into dcat [m, k_cat], their weights into wcat [k_cat, d], and dx
-     * takes one product with K = k_cat below instead of one per weight, each of which would read and
+     * down-projection) go side by side into dcat [m, kc], their weights into wcat [kc, d], and dx
+     * takes one product with K = kc below instead of one per weight, each of which would read and
      * write dx's fp32 rows. */
-    const int64_t kc = s->k_cat;
-    bf16 *wcat = (bf16 *)s->wcat;
+    const int64_t kc = 2 * (int64_t)ns * fs + dl;
+    bf16 *wcat = (bf16 *)s->wcat, *dxe = (bf16 *)s->dcat + 2 * (size_t)ns * fs; /* dxe: the latent columns */
     /* shared experts */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
@@ -611,12 +605,12 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
 
     /* grouped input gradients back to tokens (slot order: deterministic) */
     if (dl > 0) {
-        TRY(lm_moe_scatter(st, NULL, (bf16 *)s->dxe_bf16, (const bf16 *)s->dxg, a, m, k, de, kc));
+        TRY(lm_moe_scatter(st, NULL, dxe, (const bf16 *)s->dxg, a, m, k, de, kc));
         if (dx)
             LM_CUDA_TRY(cudaMemcpyAsync(wcat + (size_t)2 * ns * fs * d, pb->lat_down, (size_t)dl * d * sizeof(bf16),
                                         cudaMemcpyDeviceToDevice, st));
         if (g->lat_down)
-            TRY(gemm(r, LM_GEMM_TN, s->dxe_bf16, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
+            TRY(gemm(r, LM_GEMM_TN, dxe, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
     } else if (dx) {
         TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de, de));
     }
