@@ -76,7 +76,8 @@ static void check_case(const lm_moe_config *cfg, int64_t M, bias_mode mode, int 
     }
 
     /* one process, all tokens */
-    float *y1 = malloc((size_t)M * d * sizeof(float)), *dx1 = calloc((size_t)M * d, sizeof(float));
+    float *y1 = malloc((size_t)M * d * sizeof(float)), *dx1 = malloc((size_t)M * d * sizeof(float));
+    fill_normal(dx1, (size_t)M * d, 5.0, &rng); /* dx is written: what it held must not matter */
     float *G1 = calloc(np, sizeof(float));
     lm_moe_params g1;
     lm_moe_params_carve(cfg, G1, &g1);
@@ -104,7 +105,8 @@ static void check_case(const lm_moe_config *cfg, int64_t M, bias_mode mode, int 
     gl.gate = gr.gate + wo;
     gl.up = gr.up + wo;
     gl.down = gr.down + wo;
-    float *y = malloc(((size_t)m * d + 1) * sizeof(float)), *dx = calloc((size_t)m * d + 1, sizeof(float));
+    float *y = malloc(((size_t)m * d + 1) * sizeof(float)), *dx = malloc(((size_t)m * d + 1) * sizeof(float));
+    fill_normal(dx, (size_t)m * d + 1, 3.0, &rng);
     lm_moe_acts a;
     CHECK(lm_moe_acts_alloc(&a, cfg, m > 0 ? m : 1) == LM_OK, "%s", lm_last_error());
     CHECK(lm_moe_forward_ep(y, x + lo * d, b, cfg, &pl, &a, m, ep) == LM_OK, "%s", lm_last_error());

@@ -252,7 +252,7 @@ typedef struct {
     lm_status (*moe_forward)(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias_host,
                              const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
                              void *acts, int64_t m);
-    /* dx += ..., g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL;
+    /* dx = ... (written), g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL;
      * dy_lp (may be NULL): dy in the product format (what to_lp gives), read instead of a copy the
      * backend would make (on the CPU ignored) */
     lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,

@@ -134,8 +134,9 @@ void lm_expert_act_backward(lm_expert_act act, float a, float u, float *dh_da, f
 lm_status lm_moe_forward(float *y, const float *x, const float *b, const lm_moe_config *cfg,
                          const lm_moe_params *params, lm_moe_acts *acts, int64_t m);
 
-/* Backward of the last forward (same x, params, acts). ACCUMULATES (+=) into
- * dx[m,d] (may be NULL) and every non-NULL pointer of grads. The routing is
+/* Backward of the last forward (same x, params, acts). WRITES dx[m,d] (may be
+ * NULL; its old values are not read) and ACCUMULATES (+=) into every non-NULL
+ * pointer of grads. The routing is
  * held fixed (top-k is piecewise constant). dscores_extra (may be NULL) is an
  * additional gradient [m,n] with respect to the scores s, e.g. of an
  * auxiliary balance loss (lm_balance_aux_loss); without it the router

@@ -195,8 +195,8 @@ lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float 
                               const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m);
 
 /* Backward of the last forward (same x, params, acts; the bf16 x that forward
- * read, acts->x_bf16). ACCUMULATES (+=) into
- * dx[m,d] (may be NULL) and every non-NULL pointer of grads (fp32, the
+ * read, acts->x_bf16). WRITES dx[m,d] (may be NULL; its old values are not
+ * read) and ACCUMULATES (+=) into every non-NULL pointer of grads (fp32, the
  * lm_moe_params layout). The routing is held fixed; the router gradient flows
  * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward.
  * dy_bf16 (may be NULL): dy in bf16 (the bits lm_cuda_f32_to_bf16 gives),

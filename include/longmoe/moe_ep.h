@@ -64,7 +64,8 @@ lm_status lm_moe_ep_agree_on(lm_comm *comm, lm_status mine);
  * x, y, dx, dy are this rank's m tokens. The backward's gradients are this
  * rank's contributions (the replicated parts are summed over ranks by the
  * caller, as in data parallelism); the expert gradients are complete for the
- * rows all ranks sent. ep == NULL is the one-process layer. */
+ * rows all ranks sent. dx is written, as in lm_moe_backward. ep == NULL is
+ * the one-process layer. */
 lm_status lm_moe_forward_ep(float *y, const float *x, const float *b, const lm_moe_config *cfg,
                             const lm_moe_params *p, lm_moe_acts *acts, int64_t m, lm_moe_ep *ep);
 lm_status lm_moe_backward_ep(float *dx, lm_moe_params *g, const float *dy, const float *x,

@@ -1332,7 +1332,7 @@ static lm_status dense_ffn_forward(const lm_model *m, layer_state *ls, const voi
 }
 
 /* Its backward on the same n tokens: x (n,d) in the product format, dy (n,d);
- * dx and the weight gradients accumulate. */
+ * dx written (W_gate's product sets it), the weight gradients accumulate. */
 static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x, const float *dy,
                                     const void *dy_given, float *dx, int64_t n) {
     lm_backend *be = m->be;
@@ -1353,7 +1353,7 @@ static lm_status dense_ffn_backward(lm_model *m, layer_state *ls, const void *x,
     /* da, du straight in the product format where that is a separate copy (no fp32 da, du; no conversion) */
     TRY(op->glu_backward(be, act, m->sep ? NULL : da, m->sep ? NULL : du, m->sep ? da_lp : NULL,
                          m->sep ? du_lp : NULL, dh, ls->ffn_a, ls->ffn_u, nf));
-    TRY(op->matmul_backward(be, dx, gWg, da_lp, x, Wg, n, d, f));
+    TRY(op->matmul_backward_set(be, dx, gWg, da_lp, x, Wg, n, d, f));
     TRY(op->matmul_backward(be, dx, gWu, du_lp, x, Wu, n, d, f));
     return LM_OK;
 }
@@ -2174,9 +2174,11 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
              * state), then its normalised input: the forward's own op on it */
             TRY(sublayer_input(m, idx, &arp, hin, xn, xn_lp, 1, &t0));
         }
-        /* the whole rows' KDA and MLA backwards write dxn (their first product sets it); the segments',
-         * context parallelism's and the channel mixers' add to it */
-        if (idx % 2 || m->cp_comm || m->seg_active) TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
+        /* dxn is written by the whole rows' KDA and MLA backwards (their first product sets it) and by the
+         * channel mixers (each chunk's rows: the dense FFN's first product sets them, the MoE writes them);
+         * the segments' and context parallelism's token mixers add to it */
+        if (idx % 2 == 0 && (m->cp_comm || m->seg_active))
+            TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
             /* the recomputed output goes to y, unused in the backward */
             if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));

@@ -611,10 +611,11 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
                                         cudaMemcpyDeviceToDevice, st));
         if (g->lat_down)
             TRY(gemm(r, LM_GEMM_TN, dxe, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
-    } else if (dx) {
-        TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de, de));
     }
-    if (dx && kc > 0) TRY(gemm(r, LM_GEMM_NN, s->dcat, kc, wcat, d, dx, NULL, d, 1, m, d, kc));
+    /* dx is written: the first of its terms sets it (no zeroing pass, no read of its old rows) */
+    if (dx && kc > 0) TRY(gemm(r, LM_GEMM_NN, s->dcat, kc, wcat, d, dx, NULL, d, 0, m, d, kc));
+    else if (dx) LM_CUDA_TRY(cudaMemsetAsync(dx, 0, (size_t)m * d * sizeof(float), st));
+    if (dl == 0 && dx) TRY(lm_moe_scatter(st, dx, NULL, (const bf16 *)s->dxg, a, m, k, de, de));
 
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r (without dscores_extra over the k chosen

@@ -318,6 +318,8 @@ lm_status lm_moe_backward_ep(float *dx, lm_moe_params *g, const float *dy, const
     int n = c->n_experts, k = c->top_k, d = c->d, f = c->d_ff, de = expert_width(c), dl = c->d_latent;
     int fs = c->d_ff_shared;
     int64_t mk = m * k;
+    /* dx is written: its contributions below add to zero */
+    if (dx && m > 0) memset(dx, 0, (size_t)(m * d) * sizeof *dx);
 
     /* shared experts */
     for (int e = 0; e < c->n_shared; e++) {
