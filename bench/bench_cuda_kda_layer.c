@@ -107,7 +107,7 @@ static lm_status out_fwd(void *arg) {
 }
 static lm_status out_bwd(void *arg) {
     kl_args *a = arg;
-    return lm_cuda_kda_output_backward(&ctx, a->d_o16, NULL, a->dgate_logits, NULL, a->do_norm, a->d_gated, a->o16,
+    return lm_cuda_kda_output_backward(&ctx, a->d_o16, NULL, a->dgate_logits, NULL, 0, a->do_norm, a->d_gated, a->o16,
                                        a->o_rstd, a->gate, a->o_norm, a->N, a->H, a->K, 1e-6f, a->out_scratch);
 }
 

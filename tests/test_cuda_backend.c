@@ -196,6 +196,45 @@ static void test_to_lp_and_matmul_match_the_cpu(void) {
     OK(gpu->ops->matmul_backward(gpu, g_dinp, g_dw, g_dout, g_inp, g_w, n, ic, oc));
     CMP(down_f32(g_dinp, n * ic), dinp_c, dinp0, n * ic, TOL_BF16, "matmul_backward dinp +=");
     CMP(down_f32(g_dw, (size_t)oc * ic), dw_c, dw0, (size_t)oc * ic, TOL_BF16, "matmul_backward dw +=");
+
+    /* dout as a column block of a wider operand (rows L apart, from column 16): matmul_backward_ld with
+     * dinp written (set 1) and added to (set 0), dw added to, against the CPU's product on the block */
+    const int64_t L = oc + 24, c0 = 16;
+    float *wide = rnd(&r, n * L, 1.0, 0.0, 1);
+    float *blk = hmalloc(n * oc * 4);
+    for (int64_t i = 0; i < n; i++) memcpy(blk + i * oc, wide + i * L + c0, (size_t)oc * 4);
+    void *g_wide = up_bf16(wide, n * L);
+    const void *g_blk = (const char *)g_wide + c0 * 2;
+    for (int set = 0; set < 2; set++) {
+        float *di_c = copy_of(dinp0, n * ic), *dw2_c = copy_of(dw0, (size_t)oc * ic);
+        float *g_di = up_f32(dinp0, n * ic), *g_dw2 = up_f32(dw0, (size_t)oc * ic);
+        if (set) OK(cpu->ops->matmul_backward_set(cpu, di_c, dw2_c, blk, inp, w, n, ic, oc));
+        else OK(cpu->ops->matmul_backward(cpu, di_c, dw2_c, blk, inp, w, n, ic, oc));
+        OK(gpu->ops->matmul_backward_ld(gpu, g_di, g_dw2, g_blk, L, g_inp, g_w, n, ic, oc, set));
+        CMP(down_f32(g_di, n * ic), di_c, set ? NULL : dinp0, n * ic, TOL_BF16,
+            set ? "matmul_backward_ld dinp (written)" : "matmul_backward_ld dinp +=");
+        CMP(down_f32(g_dw2, (size_t)oc * ic), dw2_c, dw0, (size_t)oc * ic, TOL_BF16, "matmul_backward_ld dw +=");
+    }
+    CHECK(gpu->ops->matmul_backward_ld(gpu, g_dinp, NULL, g_blk, L - 4, g_inp, g_w, n, ic, oc, 1) == LM_ERR_ARG,
+          "matmul_backward_ld with ld_dout not a multiple of 8 accepted");
+    CHECK(gpu->ops->matmul_backward_ld(gpu, g_dinp, NULL, g_blk, oc - 8, g_inp, g_w, n, ic, oc, 1) == LM_ERR_ARG,
+          "matmul_backward_ld with ld_dout < oc accepted");
+    /* to_lp_rows: the block's bits are to_lp's, every other column untouched */
+    float *src = rnd(&r, n * oc, 1.0, 0.0, 0);
+    uint16_t *before = hmalloc(n * L * 2), *after = hmalloc(n * L * 2);
+    OK(gpu->download(gpu, before, g_wide, n * L * 2));
+    OK(gpu->ops->to_lp_rows(gpu, (char *)g_wide + c0 * 2, L, up_f32(src, n * oc), n, oc));
+    OK(gpu->download(gpu, after, g_wide, n * L * 2));
+    int64_t bad_in = 0, bad_out = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < L; j++) {
+            if (j >= c0 && j < c0 + oc) bad_in += after[i * L + j] != lm_f32_to_bf16(src[i * oc + j - c0]);
+            else bad_out += after[i * L + j] != before[i * L + j];
+        }
+    CHECK(bad_in == 0 && bad_out == 0, "to_lp_rows: %lld values not to_lp's, %lld outside the block changed",
+          (long long)bad_in, (long long)bad_out);
+    CHECK(!cpu->ops->matmul_backward_ld && !cpu->ops->to_lp_rows,
+          "the CPU offers the strided ops (its product format is the fp32 tensor itself)");
     free_all();
 }
 
@@ -689,9 +728,9 @@ static void test_kda_output_stage_matches_the_cpu(void) {
     float *g_dg = up_f32(dg, n), *g_dgl = up_f32(rnd(&r, n, 1.0, 0.0, 0), n), *g_dn = up_f32(dn0, K);
     void *g_do = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
     float *g_tmp = dalloc(n * 4);
-    OK(cpu->ops->kda_output_backward(cpu, do_c, dgl_c, NULL, dn_c, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
+    OK(cpu->ops->kda_output_backward(cpu, do_c, dgl_c, NULL, 0, dn_c, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
                                      tmp_c));
-    OK(gpu->ops->kda_output_backward(gpu, g_do, g_dgl, NULL, g_dn, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K, eps,
+    OK(gpu->ops->kda_output_backward(gpu, g_do, g_dgl, NULL, 0, g_dn, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K, eps,
                                      g_tmp));
     CMP(down_bf16(g_do, n), do_c, NULL, n, TOL_BF16, "kda_output_backward d_o (written)");
     float *dgl_g = down_f32(g_dgl, n), *dn_g = down_f32(g_dn, K);
@@ -701,20 +740,20 @@ static void test_kda_output_stage_matches_the_cpu(void) {
      * for bit; d_o and the do_norm increment the same bits */
     void *g_dgllp = up_bf16(rnd(&r, n, 1.0, 0.0, 0), n), *g_do2 = up_bf16(rnd(&r, n, 1.0, 0.0, 1), n);
     float *g_dn2 = up_f32(dn0, K);
-    OK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, g_dgllp, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+    OK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, g_dgllp, 0, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
                                      eps, g_tmp));
     CHECK(lp_is_rounded(g_dgllp, dgl_g, n), "kda_output_backward dgate_logits_lp only: not the fp32 values rounded");
     CHECK(!memcmp(down_f32(g_dn2, K), dn_g, (size_t)K * 4), "kda_output_backward do_norm differs beside the lp copy");
     CHECK(!memcmp(down_bf16(g_do2, n), down_bf16(g_do, n), n * 4),
           "kda_output_backward d_o differs beside the lp copy");
-    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, NULL, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, NULL, NULL, 0, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
                                         eps, g_tmp) == LM_ERR_ARG,
           "kda_output_backward without a dgate_logits output accepted");
-    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, g_dgl, g_dgl, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
+    CHECK(gpu->ops->kda_output_backward(gpu, g_do2, g_dgl, g_dgl, 0, g_dn2, g_dg, g_o, g_rstd, g_gate, g_onorm, N, H, K,
                                         eps, g_tmp) == LM_ERR_ARG,
           "kda_output_backward with dgate_logits_lp == dgate_logits accepted on the GPU");
     float *dgl_c2 = hmalloc(n * 4), *do_c2 = hmalloc(n * 4), *dn_c2 = copy_of(dn0, K);
-    OK(cpu->ops->kda_output_backward(cpu, do_c2, NULL, dgl_c2, dn_c2, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
+    OK(cpu->ops->kda_output_backward(cpu, do_c2, NULL, dgl_c2, 0, dn_c2, dg, o, rstd_c, gate_c, onorm, N, H, K, eps,
                                      tmp_c));
     CHECK(!memcmp(dgl_c2, dgl_c, n * 4), "cpu kda_output_backward: the lp output differs from the fp32 one");
     free_all();

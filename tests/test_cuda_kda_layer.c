@@ -566,7 +566,7 @@ static void test_output_backward_matches_cpu(void) {
         lm_status st = lm_cuda_kda_output_forward(&ctx, dv_gated, dv_rstd, dv_gate, dv_o, dv_logits,
                                                   dv_onorm, (int64_t)N, H, K, OUT_EPS);
         CHECK(st == LM_OK, "forward: %s", lm_last_error());
-        st = lm_cuda_kda_output_backward(&ctx, dv_do16, dv_do32, dv_dgate, dv_dgate16, dv_dnorm, dv_dgd, dv_o,
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, dv_do32, dv_dgate, dv_dgate16, 0, dv_dnorm, dv_dgd, dv_o,
                                          dv_rstd, dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward: %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
@@ -589,7 +589,7 @@ static void test_output_backward_matches_cpu(void) {
         CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
         cudaMemset(dv_dgate, 0xFF, NHK * 4);
         settle();
-        st = lm_cuda_kda_output_backward(&ctx, NULL, dv_do32, dv_dgate, NULL, dv_dnorm, dv_dgd, dv_o, NULL,
+        st = lm_cuda_kda_output_backward(&ctx, NULL, dv_do32, dv_dgate, NULL, 0, dv_dnorm, dv_dgd, dv_o, NULL,
                                          dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward (rstd recomputed): %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
@@ -604,7 +604,7 @@ static void test_output_backward_matches_cpu(void) {
         CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
         cudaMemset(dv_dgate, 0xFF, NHK * 4);
         settle();
-        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, dv_dgate, NULL, dv_dnorm, dv_dgd, dv_o, dv_rstd,
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, dv_dgate, NULL, 0, dv_dnorm, dv_dgd, dv_o, dv_rstd,
                                          dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward again: %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
@@ -614,7 +614,7 @@ static void test_output_backward_matches_cpu(void) {
         CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
         cudaMemset(dv_dgate16, 0xFF, NHK * 2);
         settle();
-        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, NULL, dv_dgate16, dv_dnorm, dv_dgd, dv_o, dv_rstd,
+        st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, NULL, dv_dgate16, 0, dv_dnorm, dv_dgd, dv_o, dv_rstd,
                                          dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
         CHECK(st == LM_OK, "backward, bf16 d gate logits only: %s", lm_last_error());
         CHECK(lm_cuda_context_sync(&ctx) == LM_OK, "sync: %s", lm_last_error());
@@ -625,6 +625,35 @@ static void test_output_backward_matches_cpu(void) {
         for (size_t i = 0; i < NHK; i++) bad16 += h16[i] != lm_f32_to_bf16(g_dgate3[i]);
         CHECK(bad16 == 0, "(%d,%d,%d,%d,%d) %zu of %zu bf16-only d gate logits are not the fp32 path's rounded", s[0],
               s[1], s[2], s[3], s[4], bad16, NHK);
+        /* the bf16 d gate logits as a column block of a wider operand (the layer's side-by-side input
+         * gradients): rows ld apart from column 8 on, the same bits there, every other column untouched */
+        {
+            const size_t HK = (size_t)H * K, ld = HK + 24, wide = (size_t)N * ld;
+            uint16_t *dv_wide = NULL, *hw = malloc(wide * 2);
+            CHECK(lm_cuda_alloc((void **)&dv_wide, wide * 2) == LM_OK, "alloc: %s", lm_last_error());
+            cudaMemset(dv_wide, 0xFF, wide * 2);
+            CHECK(lm_cuda_upload(dv_dnorm, dnorm0, (size_t)K * 4) == LM_OK, "upload: %s", lm_last_error());
+            st = lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, NULL, dv_wide + 8, (int64_t)ld, dv_dnorm, dv_dgd,
+                                             dv_o, dv_rstd, dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS, dv_scratch);
+            CHECK(st == LM_OK, "backward, strided bf16 d gate logits: %s", lm_last_error());
+            CHECK(lm_cuda_download(hw, dv_wide, wide * 2) == LM_OK, "download: %s", lm_last_error());
+            size_t bad_in = 0, bad_out = 0;
+            for (size_t t = 0; t < (size_t)N; t++)
+                for (size_t c = 0; c < ld; c++) {
+                    const uint16_t v = hw[t * ld + c];
+                    if (c >= 8 && c < 8 + HK) bad_in += v != h16[t * HK + c - 8];
+                    else bad_out += v != 0xFFFF;
+                }
+            CHECK(bad_in == 0 && bad_out == 0,
+                  "(%d,%d,%d,%d,%d) strided d gate logits: %zu values differ from the dense call's, %zu columns "
+                  "outside the block written", s[0], s[1], s[2], s[3], s[4], bad_in, bad_out);
+            CHECK(lm_cuda_kda_output_backward(&ctx, dv_do16, NULL, NULL, dv_wide, (int64_t)HK - 1, dv_dnorm, dv_dgd,
+                                              dv_o, dv_rstd, dv_gate, dv_onorm, (int64_t)N, H, K, OUT_EPS,
+                                              dv_scratch) == LM_ERR_ARG,
+                  "an ld_dgate_bf16 below H*K accepted");
+            lm_cuda_free(dv_wide);
+            free(hw);
+        }
 
         free(o), free(logits), free(o_norm), free(dgd), free(dnorm0), free(gated), free(rstd), free(gate);
         free(d_o), free(dgate), free(dnorm), free(g_do32), free(g_do16), free(g_dgate), free(g_dnorm);
@@ -652,10 +681,10 @@ static void test_rejects_bad_arguments(void) {
     CHECK(lm_cuda_short_conv_silu_backward(&ctx, f, f, b, f, f, f, f, 1, 4, 64, 4, 32, NULL) == LM_ERR_ARG,
           "missing scratch accepted");
     CHECK(lm_cuda_kda_output_forward(&ctx, b, f, f, b, f, f, 4, 2, 40, OUT_EPS) == LM_ERR_ARG, "K 40 accepted");
-    CHECK(lm_cuda_kda_output_backward(&ctx, NULL, NULL, f, NULL, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
+    CHECK(lm_cuda_kda_output_backward(&ctx, NULL, NULL, f, NULL, 0, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
               LM_ERR_ARG,
           "no d_o output accepted");
-    CHECK(lm_cuda_kda_output_backward(&ctx, b, NULL, NULL, NULL, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
+    CHECK(lm_cuda_kda_output_backward(&ctx, b, NULL, NULL, NULL, 0, f, f, b, f, f, f, 4, 2, 64, OUT_EPS, f) ==
               LM_ERR_ARG,
           "no d gate logits output accepted");
     CHECK(lm_cuda_sigmoid_forward(NULL, f, f, 4) == LM_ERR_ARG, "missing context accepted");

@@ -423,19 +423,22 @@ static lm_status before_gate_backward(lm_backend *be, void *d_o_lp, float *dgl, 
     return st ? st : cuda_ops_now->to_lp(be, dgl_lp, old_f32[0], n);
 }
 
-static lm_status before_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgl, void *dgl_lp, float *do_norm,
+static lm_status before_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgl, void *dgl_lp, int64_t ld,
+                                            float *do_norm,
                                             const float *d_gated, const void *o_lp, const float *o_rstd,
                                             const float *gate, const float *o_norm, int64_t N, int H, int K,
                                             float eps, float *tmp) {
     if (dgl || !dgl_lp)
-        return cuda_ops_now->kda_output_backward(be, d_o_lp, dgl, dgl_lp, do_norm, d_gated, o_lp, o_rstd, gate,
+        return cuda_ops_now->kda_output_backward(be, d_o_lp, dgl, dgl_lp, ld, do_norm, d_gated, o_lp, o_rstd, gate,
                                                  o_norm, N, H, K, eps, tmp);
     const size_t n = (size_t)N * H * K;
     lm_status st = old_slots(be, n);
     if (!st)
-        st = cuda_ops_now->kda_output_backward(be, d_o_lp, old_f32[0], NULL, do_norm, d_gated, o_lp, o_rstd, gate,
+        st = cuda_ops_now->kda_output_backward(be, d_o_lp, old_f32[0], NULL, 0, do_norm, d_gated, o_lp, o_rstd, gate,
                                                o_norm, N, H, K, eps, tmp);
-    return st ? st : cuda_ops_now->to_lp(be, dgl_lp, old_f32[0], n);
+    if (st) return st;
+    if (ld && ld != (int64_t)H * K) return cuda_ops_now->to_lp_rows(be, dgl_lp, ld, old_f32[0], N, (int64_t)H * K);
+    return cuda_ops_now->to_lp(be, dgl_lp, old_f32[0], n);
 }
 
 static lm_status before_glu_backward(lm_backend *be, lm_glu_kind act, float *da, float *du, void *da_lp, void *du_lp,

@@ -78,6 +78,16 @@ typedef struct {
                                      const void *inp_lp, const void *w_lp, int64_t n, int ic, int oc);
     /* dst (product format) = src; on the CPU dst == src is allowed and free */
     lm_status (*to_lp)(lm_backend *be, void *dst_lp, const float *src, size_t n);
+    /* Optional (NULL: not offered, as on the CPU, whose product format is the
+     * fp32 tensor itself). Side-by-side operands in the product format:
+     * matmul_backward (set 0) or matmul_backward_set (set 1) with dout's rows
+     * ld_dout elements apart (>= oc; the GPU's: a multiple of 8), a column
+     * block of a wider matrix; and to_lp of rows x cols values (dense in src)
+     * into rows ld_dst (>= cols) elements apart in dst. */
+    lm_status (*matmul_backward_ld)(lm_backend *be, float *dinp, float *dw, const void *dout_lp, int64_t ld_dout,
+                                    const void *inp_lp, const void *w_lp, int64_t n, int ic, int oc, int set);
+    lm_status (*to_lp_rows)(lm_backend *be, void *dst_lp, int64_t ld_dst, const float *src, int64_t rows,
+                            int64_t cols);
 
     /* ---- norms, embedding, activations ---- */
     /* out = inp / rms(inp) * w (w may be NULL), rstd[n] = 1/rms; out_lp (may be
@@ -230,9 +240,11 @@ typedef struct {
                                     const float *gate_logits, const void *o_lp, const float *o_norm, int64_t N, int H,
                                     int K, float eps);
     /* from d_gated: dgate_logits (written, fp32 and/or dgate_logits_lp in the
-     * product format, as gate_backward), d_o (lp, written), do_norm += */
+     * product format, as gate_backward; dgate_logits_lp's rows ld_dgate_lp
+     * elements apart, 0: H*K, more only where the backend offers
+     * matmul_backward_ld), d_o (lp, written), do_norm += */
     lm_status (*kda_output_backward)(lm_backend *be, void *d_o_lp, float *dgate_logits, void *dgate_logits_lp,
-                                     float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
+                                     int64_t ld_dgate_lp, float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
                                      const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
                                      float *tmp);
 

@@ -114,14 +114,16 @@ size_t lm_cuda_kda_output_backward_scratch_bytes(int64_t N, int H, int K);
  *   dgate_bf16 [N,H*K] bf16 WRITTEN: the same rounded to nearest even (the
  *            bits of lm_cuda_f32_to_bf16 on dgate_logits), the operand of
  *            W_g's backward products (NULL: not written); at least one of
- *            the two is required
+ *            the two is required; its rows ld_dgate_bf16 (>= H*K; 0: H*K)
+ *            elements apart (a column block of a wider operand: its other
+ *            columns are not written)
  *   do_norm [K] ACCUMULATED (+=), fixed-order sum over tokens and heads
  *   o, gate: as in (and from) the forward; o_rstd: from the forward, or
  *            NULL: recomputed from o with eps
  *   scratch: lm_cuda_kda_output_backward_scratch_bytes(N,H,K) bytes, 4-byte aligned. */
 lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uint16_t *d_o_bf16,
                                       float *d_o_f32, float *dgate_logits, uint16_t *dgate_bf16,
-                                      float *do_norm,
+                                      int64_t ld_dgate_bf16, float *do_norm,
                                       const float *d_gated, const uint16_t *o,
                                       const float *o_rstd, const float *gate,
                                       const float *o_norm, int64_t N, int H, int K, float eps,

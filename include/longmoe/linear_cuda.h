@@ -46,6 +46,13 @@ lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *dinp, float
 lm_status lm_cuda_matmul_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight,
                                       const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
                                       int64_t n, int ic, int oc);
+/* Either of the two (set 1: dinp written, 0: added to) with dout's rows
+ * ld_dout (>= oc, a multiple of 8) elements apart: a column block of a wider
+ * bf16 matrix, e.g. several products' output gradients side by side, whose
+ * input gradient then takes one product against their weights stacked. */
+lm_status lm_cuda_matmul_backward_ld(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                     const uint16_t *dout, int64_t ld_dout, const uint16_t *inp,
+                                     const uint16_t *weight, int64_t n, int ic, int oc, int set);
 
 /* ---- conversions and checks ---- */
 

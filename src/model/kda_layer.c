@@ -124,8 +124,15 @@ void lm_kda_layer_seg_acts_map(const lm_kda_layer_config *c, int B, int n, float
 
 /* Backward scratch: fp32 slots, then (separate product format only) lp slots. */
 typedef struct {
-    size_t d_gated, d_o, dq, dk, dv, dz, tmp, dbeta, dgate, din, dy_lp, dgate_lp, din_lp, dbeta_lp, dout_ext, total;
+    size_t d_gated, d_o, dq, dk, dv, dz, tmp, dbeta, dgate, din, dy_lp, dgate_lp, din_lp, dbeta_lp, dout_ext, wcat,
+        total;
 } scratch_layout;
+
+/* The side-by-side input gradients of the whole rows' backward where the product format is separate
+ * (cat_inputs): [q | k | v | gate | beta] of widths HK, HK, HK, HK, H, in the product format, rows
+ * cat_ld(c) elements apart (a multiple of 8, as the products want) */
+static size_t cat_width(const lm_kda_layer_config *c) { return 4 * (size_t)c->heads * c->head_dim + c->heads; }
+static size_t cat_ld(const lm_kda_layer_config *c) { return (cat_width(c) + 7) & ~(size_t)7; }
 
 /* ext: a segment's W-1 history rows per sequence in the convolutions' slots */
 static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T, int ext) {
@@ -144,10 +151,13 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T,
     PLACE(dbeta, N * H);
     PLACE(dgate, N * HK);
     /* din, then din_lp right after it: with a separate product format and no history rows, the two
-     * together (at least 1.5 N HK floats) hold q, k and v's input gradients side by side in the product
-     * format, [N, 3 HK] (din_cat; the fp32 din is not used then) */
+     * together hold the side-by-side input gradients [N, cat_ld] in the product format (cat_inputs; the
+     * fp32 din is not used then), and wcat their weights stacked [cat_width, d] */
     PLACE(din, NE * HK);
-    PLACE(din_lp, sep ? lp_floats(c, NE * HK) : 0);
+    size_t din_lp = sep ? lp_floats(c, NE * HK) : 0, cat = lp_floats(c, N * cat_ld(c));
+    if (sep && !ext && cat > ((NE * HK + 15) & ~(size_t)15) + din_lp) din_lp = cat - ((NE * HK + 15) & ~(size_t)15);
+    PLACE(din_lp, din_lp);
+    PLACE(wcat, sep && !ext ? lp_floats(c, cat_width(c) * (size_t)c->d_model) : 0);
     PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
     PLACE(dgate_lp, sep ? lp_floats(c, N * HK) : 0);
     PLACE(dbeta_lp, sep ? lp_floats(c, N * H) : 0);
@@ -294,19 +304,22 @@ lm_status lm_kda_layer_forward_lp(const lm_kda_layer_config *c, const lm_kda_lay
  * before it, the output path's not again. */
 enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
 
-/* Whether the backward takes q, k and v's input gradients as one [N, 3 HK] operand: a backend with a
- * separate product format that writes the conv's input gradient in it at a row stride, the whole rows
- * (no history rows), W_q, W_k, W_v consecutive in the product-format copy and in the gradients (as the
- * parameter table lays them out), and din + din_lp large enough (layout_scratch). */
-static int cat_qkv(const lm_kda_layer_config *c, const lm_kda_layer_params *pl, const lm_kda_layer_params *g,
-                   const scratch_layout *S, size_t N, int ext) {
+/* Whether the whole rows' backward takes its input gradients on the x side as one operand [N,
+ * cat_width] (rows cat_ld apart, in the product format): q's, k's and v's (the conv's input gradients
+ * written there at that stride), the output gate's (likewise) and beta's. Then dx takes two products
+ * (W_z's sets it, this one adds) instead of five that each read and write its fp32 rows, against the
+ * five weights' product-format copies stacked in wcat (a device copy each backward), and W_q, W_k, W_v's
+ * gradients one product. Needs a backend with a separate product format that offers those strided
+ * writes and matmul_backward_ld, the whole rows (no history rows), W_q, W_k, W_v consecutive in the
+ * gradients (as the parameter table lays them out) and the scratch that layout_scratch plans. */
+static int cat_inputs(const lm_kda_layer_config *c, const lm_kda_layer_params *g, const scratch_layout *S,
+                      size_t N, int ext) {
     lm_backend *be = backend_of(c);
-    if (ext || !lp_separate(c) || !be->ops->conv_silu_backward_lp) return 0;
-    const size_t HK = (size_t)c->heads * c->head_dim, blk = HK * (size_t)c->d_model, lpb = be->lp_bytes;
-    const char *q = (const char *)pl->W_q;
-    if ((const char *)pl->W_k != q + blk * lpb || (const char *)pl->W_v != q + 2 * blk * lpb) return 0;
+    const lm_ops *op = be->ops;
+    if (ext || !lp_separate(c) || !op->conv_silu_backward_lp || !op->matmul_backward_ld || !op->to_lp_rows) return 0;
+    const size_t blk = (size_t)c->heads * c->head_dim * (size_t)c->d_model;
     if (g->W_k != g->W_q + blk || g->W_v != g->W_q + 2 * blk) return 0;
-    return (S->din_lp - S->din + lp_floats(c, N * HK)) * sizeof(float) >= 3 * N * HK * lpb;
+    return (S->wcat - S->din) * sizeof(float) >= N * cat_ld(c) * be->lp_bytes;
 }
 
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
@@ -328,6 +341,10 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     void *d_o = scratch + S.d_o, *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv,
          *dz = scratch + S.dz;
     const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
+    /* cat: the input gradients on the x side side by side (cat_inputs): q, k, v, gate, beta */
+    const int cat = cat_inputs(c, g, &S, N, carry != NULL);
+    const size_t ld = cat_ld(c);
+    char *dcat = (char *)(scratch + S.din);
     if (part != BWD_AFTER_STATE) {
         if (dy_given && lp_separate(c)) dy_lp = dy_given;
         else TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
@@ -336,11 +353,18 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
         /* dgate straight in the product format where that is a separate copy (no fp32 dgate, no conversion);
          * on the CPU the lp view is dgate itself */
         const int sep = lp_separate(c);
-        TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, g->o_norm,
-                                    d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
-        dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
-        if (carry) TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
-        else TRY(op->matmul_backward_set(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+        if (cat) {
+            /* into its columns of the side-by-side operand; its products come with the others' below */
+            TRY(op->kda_output_backward(be, d_o, NULL, dcat + 3 * (size_t)HK * lpb, (int64_t)ld, g->o_norm, d_gated,
+                                        a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K, c->eps, tmp));
+        } else {
+            TRY(op->kda_output_backward(be, d_o, sep ? NULL : dgate, sep ? scratch + S.dgate_lp : NULL, 0,
+                                        g->o_norm, d_gated, a->o, a->o_rstd, a->gate, p->o_norm, (int64_t)N, H, K,
+                                        c->eps, tmp));
+            dgate_lp = sep ? (const void *)(scratch + S.dgate_lp) : (const void *)dgate;
+            if (carry) TRY(op->matmul_backward(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+            else TRY(op->matmul_backward_set(be, dx, g->W_g, dgate_lp, x, pl->W_g, (int64_t)N, d, HK));
+        }
     }
     /* the operator (BWD_STATE: from d_o alone, for dh0; its parameter gradients to jg) */
     lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
@@ -349,10 +373,15 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
                          carry ? carry->h0 : NULL, d_o, cg && part != BWD_STATE ? cg->dht : NULL, dq, dk, dv, dz,
                          dbeta, go->A_log, go->dt_bias, cg ? cg->dh0 : NULL));
     if (part == BWD_STATE) return LM_OK;
-    TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
+    if (cat) TRY(op->matmul_backward_set(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
+    else TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
-    TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
-    TRY(op->matmul_backward(be, dx, g->W_beta, dbeta_lp, x, pl->W_beta, (int64_t)N, d, H));
+    if (cat) {
+        TRY(op->to_lp_rows(be, dcat + 4 * (size_t)HK * lpb, (int64_t)ld, dbeta, (int64_t)N, H));
+    } else {
+        TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
+        TRY(op->matmul_backward(be, dx, g->W_beta, dbeta_lp, x, pl->W_beta, (int64_t)N, d, H));
+    }
     /* q, k, v: normalisation and SiLU, the short convolution (its output recomputed from the projection:
      * conv_out NULL), the projections */
     void *const douts[3] = {dq, dk, dv};
@@ -362,15 +391,23 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const conv_w[3] = {p->conv_q, p->conv_k, p->conv_v};
     const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
-    if (cat_qkv(c, pl, g, &S, N, carry != NULL)) {
-        /* q, k and v's input gradients side by side, [N, 3 HK] in the product format: dx takes one product
-         * with K = 3 HK (and the three weight gradients one) instead of three that each read and write
-         * dx's fp32 rows */
-        char *dcat = (char *)(scratch + S.din);
+    if (cat) {
+        /* q, k and v's input gradients into their columns, the five weights stacked in wcat in the columns'
+         * order; dx += [q k v gate beta] wcat, one product with K = cat_width; the weight gradients from
+         * the columns: W_q, W_k, W_v's one product (consecutive in g), W_g's and W_beta's one each */
         for (int j = 0; j < 3; j++)
             TRY(op->conv_silu_backward_lp(be, dcat + (size_t)j * HK * lpb, conv_g[j], douts[j], NULL, post[j], rn[j],
-                                          proj[j], conv_w[j], B, T, HK, W, K, 3 * HK, tmp));
-        return op->matmul_backward(be, dx, g->W_q, dcat, x, pl->W_q, (int64_t)N, d, 3 * HK);
+                                          proj[j], conv_w[j], B, T, HK, W, K, (int)ld, tmp));
+        char *wcat = (char *)(scratch + S.wcat);
+        const size_t blk = (size_t)HK * d * lpb;
+        const void *const wsrc[5] = {pl->W_q, pl->W_k, pl->W_v, pl->W_g, pl->W_beta};
+        for (int j = 0; j < 5; j++) TRY(be->copy(be, wcat + (size_t)j * blk, wsrc[j], j < 4 ? blk : (size_t)H * d * lpb));
+        TRY(op->matmul_backward_ld(be, dx, NULL, dcat, (int64_t)ld, x, wcat, (int64_t)N, d, (int)cat_width(c), 0));
+        TRY(op->matmul_backward_ld(be, NULL, g->W_q, dcat, (int64_t)ld, x, pl->W_q, (int64_t)N, d, 3 * HK, 0));
+        TRY(op->matmul_backward_ld(be, NULL, g->W_g, dcat + 3 * (size_t)HK * lpb, (int64_t)ld, x, pl->W_g,
+                                   (int64_t)N, d, HK, 0));
+        return op->matmul_backward_ld(be, NULL, g->W_beta, dcat + 4 * (size_t)HK * lpb, (int64_t)ld, x, pl->W_beta,
+                                      (int64_t)N, d, H, 0);
     }
     for (int j = 0; j < 3; j++) {
         if (!carry) {

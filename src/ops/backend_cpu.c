@@ -336,7 +336,7 @@ static lm_status cpu_kda_output_forward(lm_backend *be, float *gated, void *gate
 }
 
 static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_f32, void *dgate_lp,
-                                         float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
+                                         int64_t ld_dgate_lp, float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
                                          const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
                                          float *tmp) {
     (void)be;
@@ -344,6 +344,9 @@ static lm_status cpu_kda_output_backward(lm_backend *be, void *d_o_lp, float *dg
     size_t n = (size_t)N * H * K;
     float *dgate_logits = f32_or_lp(dgate_f32, dgate_lp);
     if (!dgate_logits) return lm_error(LM_ERR_ARG, "kda_output_backward: dgate_logits and its lp copy are NULL");
+    if (ld_dgate_lp != 0 && ld_dgate_lp != (int64_t)H * K)
+        return lm_error(LM_ERR_ARG, "kda_output_backward: ld_dgate_lp = %lld; the CPU writes dense rows (0 or H*K)",
+                        (long long)ld_dgate_lp);
     /* gated = gate ⊙ nrm with nrm = RMSNorm(o): d gate-logit = d_gated nrm gate (1 - gate); d nrm = d_gated gate */
     for (size_t i = 0; i < n; i++) {
         float gt = gate[i], nrm = o[i] * o_rstd[i / K] * o_norm[i % K];

@@ -172,6 +172,17 @@ static lm_status cuda_matmul_backward(lm_backend *be, float *dinp, float *dw, co
                                    (const uint16_t *)w, n, ic, oc);
 }
 
+static lm_status cuda_matmul_backward_ld(lm_backend *be, float *dinp, float *dw, const void *dout, int64_t ld_dout,
+                                         const void *inp, const void *w, int64_t n, int ic, int oc, int set) {
+    return lm_cuda_matmul_backward_ld(ctx_of(be), dinp, dw, (const uint16_t *)dout, ld_dout, (const uint16_t *)inp,
+                                      (const uint16_t *)w, n, ic, oc, set);
+}
+
+static lm_status cuda_to_lp_rows(lm_backend *be, void *dst, int64_t ld_dst, const float *src, int64_t rows,
+                                 int64_t cols) {
+    return lm_cuda_f32_to_bf16_rows(ctx_of(be), (uint16_t *)dst, ld_dst, src, rows, cols);
+}
+
 static lm_status cuda_to_lp(lm_backend *be, void *dst, const float *src, size_t n) {
     /* a bf16 element i overlaps the fp32 element i/2 another thread reads */
     if (n && dst == (const void *)src)
@@ -431,7 +442,7 @@ static lm_status cuda_kda_output_forward(lm_backend *be, float *gated, void *gat
 }
 
 static lm_status cuda_kda_output_backward(lm_backend *be, void *d_o_lp, float *dgate_logits, void *dgate_logits_lp,
-                                          float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
+                                          int64_t ld_dgate_lp, float *do_norm, const float *d_gated, const void *o_lp, const float *o_rstd,
                                           const float *gate, const float *o_norm, int64_t N, int H, int K, float eps,
                                           float *tmp) {
     (void)tmp;
@@ -441,7 +452,7 @@ static lm_status cuda_kda_output_backward(lm_backend *be, void *d_o_lp, float *d
     lm_status st = arena_get(be, lm_cuda_kda_output_backward_scratch_bytes(N, H, K), &scratch);
     if (st) return st;
     return lm_cuda_kda_output_backward(ctx_of(be), (uint16_t *)d_o_lp, NULL, dgate_logits, (uint16_t *)dgate_logits_lp,
-                                       do_norm, d_gated, (const uint16_t *)o_lp, o_rstd, gate, o_norm, N, H, K, eps,
+                                       ld_dgate_lp, do_norm, d_gated, (const uint16_t *)o_lp, o_rstd, gate, o_norm, N, H, K, eps,
                                        scratch);
 }
 
@@ -1131,6 +1142,8 @@ static lm_ops make_cuda_ops(void) {
     o.matmul_backward = cuda_matmul_backward;
     o.matmul_backward_set = cuda_matmul_backward_set;
     o.to_lp = cuda_to_lp;
+    o.matmul_backward_ld = cuda_matmul_backward_ld;
+    o.to_lp_rows = cuda_to_lp_rows;
     o.rmsnorm_forward = cuda_rmsnorm_forward;
     o.rmsnorm_backward = cuda_rmsnorm_backward;
     o.rmsnorm_backward_set = cuda_rmsnorm_backward_set;

@@ -80,9 +80,9 @@ __global__ void output_forward_kernel(uint16_t *gated, float *o_rstd, float *gat
 template <int PER>
 __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
     output_backward_kernel(uint16_t *d_o_bf16, float *d_o_f32, float *dgate_logits,
-                                       uint16_t *dgate_bf16, float *partial, const float *d_gated, const uint16_t *o,
-                                       const float *o_rstd, const float *gate,
-                                       const float *o_norm, int K, float eps, int64_t rows,
+                                       uint16_t *dgate_bf16, int64_t ld_dg, float *partial, const float *d_gated,
+                                       const uint16_t *o, const float *o_rstd, const float *gate,
+                                       const float *o_norm, int H, int K, float eps, int64_t rows,
                                        int64_t rows_per_chunk, int64_t chunks) {
     const int64_t chunk = (int64_t)blockIdx.x * KL_ROW_WARPS + threadIdx.x / 32;
     if (chunk >= chunks) return; /* whole warps leave together */
@@ -114,6 +114,8 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
             const int64_t row = rb + q;
             if (row >= r1) break;
             const float s = o_rstd ? o_rstd[row] : row_rstd(x[q], per, K, eps);
+            /* dgate_bf16's rows (tokens) are ld_dg elements apart: head h of token t at t ld_dg + h K */
+            const int64_t gbase = (row / H) * ld_dg + (row % H) * K;
             float dn[PER];
             float dot = 0.0f;
 #pragma unroll
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
                 const float n = x[q][j] * s * w[j];
                 const float dgl = dg[q][j] * n * gt[q][j] * (1.0f - gt[q][j]);
                 if (dgate_logits) dgate_logits[e] = dgl;
-                if (dgate_bf16) dgate_bf16[e] = lin_f32_to_bf16(dgl);
+                if (dgate_bf16) dgate_bf16[gbase + j * 32 + lane] = lin_f32_to_bf16(dgl);
                 dn[j] = dg[q][j] * gt[q][j];
                 dot += dn[j] * w[j] * x[q][j];
                 acc[j] += dn[j] * x[q][j] * s;
@@ -206,7 +208,8 @@ extern "C" size_t lm_cuda_kda_output_backward_scratch_bytes(int64_t N, int H, in
 
 extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uint16_t *d_o_bf16,
                                                  float *d_o_f32, float *dgate_logits,
-                                                 uint16_t *dgate_bf16, float *do_norm, const float *d_gated,
+                                                 uint16_t *dgate_bf16, int64_t ld_dgate_bf16, float *do_norm,
+                                                 const float *d_gated,
                                                  const uint16_t *o, const float *o_rstd,
                                                  const float *gate, const float *o_norm, int64_t N,
                                                  int H, int K, float eps, void *scratch) {
@@ -219,14 +222,18 @@ extern "C" lm_status lm_cuda_kda_output_backward(const lm_cuda_context *ctx, uin
         return lm_error(LM_ERR_ARG, "%s: do_norm, d_gated, o, gate, o_norm and scratch are required", fn);
     lm_status st = check_output_shape(fn, N, H, K);
     if (st) return st;
+    if (ld_dgate_bf16 == 0) ld_dgate_bf16 = (int64_t)H * K;
+    if (ld_dgate_bf16 < (int64_t)H * K)
+        return lm_error(LM_ERR_ARG, "%s: ld_dgate_bf16 = %lld is below H*K = %lld", fn, (long long)ld_dgate_bf16,
+                        (long long)H * K);
     cudaStream_t stream = (cudaStream_t)ctx->stream;
     const int64_t rows = N * H, chunks = norm_chunks(rows), rows_per_chunk = (rows + chunks - 1) / chunks;
     float *partial = (float *)scratch;
     const unsigned grid = kl_blocks(chunks, KL_ROW_WARPS);
 #define OUT_BWD(P)                                                                                   \
     output_backward_kernel<P><<<grid, KL_ROW_WARPS * 32, 0, stream>>>(                               \
-        d_o_bf16, d_o_f32, dgate_logits, dgate_bf16, partial, d_gated, o, o_rstd, gate, o_norm, K, eps, rows,   \
-        rows_per_chunk, chunks)
+        d_o_bf16, d_o_f32, dgate_logits, dgate_bf16, ld_dgate_bf16, partial, d_gated, o, o_rstd, gate, o_norm, H, \
+        K, eps, rows, rows_per_chunk, chunks)
     switch (K / 32) {
     case 1: OUT_BWD(1); break;
     case 2: OUT_BWD(2); break;

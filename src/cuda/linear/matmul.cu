@@ -141,20 +141,20 @@ extern "C" lm_status lm_cuda_matmul_forward_bf16(const lm_cuda_context *ctx, uin
 }
 
 static lm_status backward(const lm_cuda_context *ctx, float *dinp, float *dweight, const uint16_t *dout,
-                          const uint16_t *inp, const uint16_t *weight, int64_t n, int ic, int oc, float dinp_beta,
-                          const char *fn) {
-    // dout is (n,oc); dinp (n,ic) = or += dout . weight; dweight (oc,ic) += dout^T . inp
+                          int64_t ld_dout, const uint16_t *inp, const uint16_t *weight, int64_t n, int ic, int oc,
+                          float dinp_beta, const char *fn) {
+    // dout is (n,oc) with rows ld_dout apart; dinp (n,ic) = or += dout . weight; dweight (oc,ic) += dout^T . inp
     lm_status st = check_product(ctx, dout, inp, weight, n, ic, oc, fn);
     if (st || n == 0) return st;
     /* trans_a, trans_b; m, n, k; a, b; lda, ldb; d, ldd; d_type, beta */
     if (dinp) {
         const lt_product p = {CUBLAS_OP_N, CUBLAS_OP_N, (uint64_t)ic, (uint64_t)n, (uint64_t)oc, weight, dout,
-                              ic, oc, dinp, ic, CUDA_R_32F, dinp_beta};
+                              ic, ld_dout, dinp, ic, CUDA_R_32F, dinp_beta};
         if ((st = lt_run(ctx, &p))) return st;
     }
     if (dweight) {
         const lt_product p = {CUBLAS_OP_N, CUBLAS_OP_T, (uint64_t)ic, (uint64_t)oc, (uint64_t)n, inp, dout,
-                              ic, oc, dweight, ic, CUDA_R_32F, 1.0f};
+                              ic, ld_dout, dweight, ic, CUDA_R_32F, 1.0f};
         if ((st = lt_run(ctx, &p))) return st;
     }
     return LM_OK;
@@ -163,11 +163,21 @@ static lm_status backward(const lm_cuda_context *ctx, float *dinp, float *dweigh
 extern "C" lm_status lm_cuda_matmul_backward(const lm_cuda_context *ctx, float *dinp, float *dweight,
                                              const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
                                              int64_t n, int ic, int oc) {
-    return backward(ctx, dinp, dweight, dout, inp, weight, n, ic, oc, 1.0f, "lm_cuda_matmul_backward");
+    return backward(ctx, dinp, dweight, dout, oc, inp, weight, n, ic, oc, 1.0f, "lm_cuda_matmul_backward");
 }
 
 extern "C" lm_status lm_cuda_matmul_backward_set(const lm_cuda_context *ctx, float *dinp, float *dweight,
                                                  const uint16_t *dout, const uint16_t *inp, const uint16_t *weight,
                                                  int64_t n, int ic, int oc) {
-    return backward(ctx, dinp, dweight, dout, inp, weight, n, ic, oc, 0.0f, "lm_cuda_matmul_backward_set");
+    return backward(ctx, dinp, dweight, dout, oc, inp, weight, n, ic, oc, 0.0f, "lm_cuda_matmul_backward_set");
+}
+
+extern "C" lm_status lm_cuda_matmul_backward_ld(const lm_cuda_context *ctx, float *dinp, float *dweight,
+                                                const uint16_t *dout, int64_t ld_dout, const uint16_t *inp,
+                                                const uint16_t *weight, int64_t n, int ic, int oc, int set) {
+    const char *fn = "lm_cuda_matmul_backward_ld";
+    if (ld_dout < oc || ld_dout % 8)
+        return lm_error(LM_ERR_ARG, "%s: ld_dout = %lld must be >= oc = %d and a multiple of 8", fn,
+                        (long long)ld_dout, oc);
+    return backward(ctx, dinp, dweight, dout, ld_dout, inp, weight, n, ic, oc, set ? 0.0f : 1.0f, fn);
 }
