@@ -199,9 +199,13 @@ size_t lm_mla_acts_floats(const lm_mla_config *c, int B, int T) { return layout_
 
 typedef struct {
     size_t dgated, dgp, d_o, dq, dk, dv, dkn, dkr, dc, dkvl, dqn, dql;
-    size_t dy_lp, dgp_lp, dkvl_lp, dql_lp; /* separate product format only */
+    size_t dy_lp, dgp_lp, dkvl_lp, dql_lp, wcat; /* separate product format only */
     size_t total;
 } scratch_layout;
+
+/* The whole rows' low-rank input gradients side by side (cat_lora): [dkvl | dql], kv_lora + q_lora
+ * wide in the product format, rows cat_ld elements apart (a multiple of 8) */
+static size_t cat_ld(const lm_mla_config *c) { return ((size_t)c->kv_lora + c->q_lora + 7) & ~(size_t)7; }
 
 static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     const size_t N = (size_t)B * T, H = c->n_heads, Dk = c->head_dim_qk, Dv = c->head_dim_v;
@@ -226,8 +230,13 @@ static scratch_layout layout_scratch(const lm_mla_config *c, int B, int T) {
     const size_t sep = lp_separate(c);
     PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
     PLACE(dgp_lp, sep ? lp_floats(c, N * H * Dv) : 0);
-    PLACE(dkvl_lp, sep && mla ? lp_floats(c, N * c->kv_lora) : 0);
-    PLACE(dql_lp, sep && mla ? lp_floats(c, N * c->q_lora) : 0);
+    /* dkvl_lp and dql_lp consecutive: together (at least N cat_ld elements) they hold the side-by-side
+     * operand of cat_lora; wcat its two weights stacked */
+    const size_t lat = lp_floats(c, N * c->kv_lora), qlat = lp_floats(c, N * c->q_lora);
+    const size_t cat = lp_floats(c, N * cat_ld(c)), room = ((lat + 15) & ~(size_t)15) + qlat;
+    PLACE(dkvl_lp, sep && mla ? lat : 0);
+    PLACE(dql_lp, sep && mla ? (cat > room ? qlat + cat - room : qlat) : 0);
+    PLACE(wcat, sep && mla ? lp_floats(c, ((size_t)c->kv_lora + c->q_lora) * (size_t)c->d_model) : 0);
 #undef PLACE
     s.total = off;
     return s;
@@ -699,14 +708,35 @@ stores:
         }
         RMS_B(dkvl, g->kv_norm, dc, acts + L.kvl, p->kv_norm, acts + L.kv_rstd, N,
                             c->kv_lora, eps);
-        TRY(lp_view(be, dkvl, scratch + S.dkvl_lp, (size_t)N * c->kv_lora, &dkvl_lp));
-        MM_B(dx, g->W_dkv, NULL, dkvl_lp, x, pl->W_dkv, N, d, c->kv_lora);
+        /* the whole rows on a backend with a separate product format and strided writes: the two low-rank
+         * input gradients side by side, [dkvl | dql], and dx takes one product against W_dkv and W_dq
+         * stacked (a device copy) instead of two that each read and write its fp32 rows */
+        const int cat = !seg && sep && op->matmul_backward_ld && op->to_lp_rows;
+        const size_t ld = cat_ld(c), lpb = be->lp_bytes, kl = (size_t)c->kv_lora, ql = (size_t)c->q_lora;
+        char *dcat = (char *)(scratch + S.dkvl_lp);
+        if (cat) {
+            TRY(op->to_lp_rows(be, dcat, (int64_t)ld, dkvl, N, (int64_t)kl));
+        } else {
+            TRY(lp_view(be, dkvl, scratch + S.dkvl_lp, (size_t)N * kl, &dkvl_lp));
+            MM_B(dx, g->W_dkv, NULL, dkvl_lp, x, pl->W_dkv, N, d, c->kv_lora);
+        }
         if (stores_only) return LM_OK;
         MM_B(dqn, g->W_uq, NULL, dq, acts + L.qn_lp, pl->W_uq, N, c->q_lora, H * Dk);
         RMS_B(dql, g->q_norm, dqn, acts + L.ql, p->q_norm, acts + L.q_rstd, N,
                             c->q_lora, eps);
-        TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * c->q_lora, &dql_lp));
-        MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
+        if (cat) {
+            TRY(op->to_lp_rows(be, dcat + kl * lpb, (int64_t)ld, dql, N, (int64_t)ql));
+            char *wcat = (char *)(scratch + S.wcat);
+            TRY(be->copy(be, wcat, pl->W_dkv, kl * d * lpb));
+            TRY(be->copy(be, wcat + kl * d * lpb, pl->W_dq, ql * d * lpb));
+            TRY(op->matmul_backward_ld(be, dx, NULL, dcat, (int64_t)ld, x, wcat, N, d, (int)(kl + ql), 0));
+            TRY(op->matmul_backward_ld(be, NULL, g->W_dkv, dcat, (int64_t)ld, x, pl->W_dkv, N, d, (int)kl, 0));
+            TRY(op->matmul_backward_ld(be, NULL, g->W_dq, dcat + kl * lpb, (int64_t)ld, x, pl->W_dq, N, d, (int)ql,
+                                       0));
+        } else {
+            TRY(lp_view(be, dql, scratch + S.dql_lp, (size_t)N * ql, &dql_lp));
+            MM_B(dx, g->W_dq, NULL, dql_lp, x, pl->W_dq, N, d, c->q_lora);
+        }
     } else {
         if (!stores_only) rope_apply(dq, N, T, H, Dk, r, c->rope_base, pos0, 1);
         rope_apply(dk, N, T, Hk, Dk, r, c->rope_base, pos0, 1);
