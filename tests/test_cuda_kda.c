@@ -652,6 +652,37 @@ static void test_saved_forward_equals_recompute(void) {
                 for (int i = 0; i < 7; i++)
                     CHECK(memcmp(host[0][i], host[s][i], bytes[i]) == 0, "D%d %s: %s differs (%s)", D,
                           gate ? "softplus" : "bounded", names[i], s == 1 ? "forward_saved" : "kept");
+            /* dz at a row stride (dz_ld: a column block of a wider operand, from column 8): the dense
+             * call's bits in its columns, nothing written outside them; a stride below H*K refused */
+            {
+                lm_kda_config cw = *c;
+                const size_t HK = (size_t)c->H * c->K, ld = HK + 24, rows = (size_t)c->B * c->T;
+                cw.dz_ld = (int64_t)ld;
+                uint16_t *wide = NULL;
+                cudaCheck(cudaMalloc((void **)&wide, rows * ld * 2));
+                cudaCheck(cudaMemset(wide, 0xff, rows * ld * 2));
+                lm_kda_cuda_grads gw = g[1];
+                gw.dz = wide + 8;
+                CHECK(lm_kda_cuda_chunk_backward(&cw, &in, d_o, NULL, &gw, ws, wsb, 0, NULL) == LM_OK, "%s",
+                      lm_last_error());
+                cudaCheck(cudaDeviceSynchronize());
+                uint16_t *hw = dev_copy_back(wide, rows * ld * 2);
+                const uint16_t *dense = host[0][3];
+                size_t bad_in = 0, bad_out = 0;
+                for (size_t t = 0; t < rows; t++)
+                    for (size_t j = 0; j < ld; j++) {
+                        if (j >= 8 && j < 8 + HK) bad_in += hw[t * ld + j] != dense[t * HK + j - 8];
+                        else bad_out += hw[t * ld + j] != 0xffff;
+                    }
+                CHECK(bad_in == 0 && bad_out == 0,
+                      "D%d %s: dz at a row stride: %zu values differ from the dense call's, %zu outside written", D,
+                      gate ? "softplus" : "bounded", bad_in, bad_out);
+                cw.dz_ld = (int64_t)HK - 1;
+                CHECK(lm_kda_cuda_chunk_backward(&cw, &in, d_o, NULL, &gw, ws, wsb, 0, NULL) == LM_ERR_ARG,
+                      "D%d: a dz_ld below H*K accepted", D);
+                free(hw);
+                cudaFree(wide);
+            }
             for (int s = 0; s < 3; s++) {
                 for (int i = 0; i < 7; i++) free(host[s][i]);
                 free_dev_grads(&g[s]);

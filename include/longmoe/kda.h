@@ -68,6 +68,10 @@ typedef struct {
      * recomputing them (NULL: it recomputes). The CPU operator ignores it. */
     void *kept;
     size_t kept_bytes;
+    /* Where the GPU's backward writes dz: its rows (tokens) dz_ld elements
+     * apart (>= H*K), a column block of a wider operand whose other columns
+     * are not written; 0: dense (H*K). The CPU operator takes 0 or H*K only. */
+    int64_t dz_ld;
 } lm_kda_config;
 
 typedef struct {

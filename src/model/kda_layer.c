@@ -129,9 +129,9 @@ typedef struct {
 } scratch_layout;
 
 /* The side-by-side input gradients of the whole rows' backward where the product format is separate
- * (cat_inputs): [q | k | v | gate | beta] of widths HK, HK, HK, HK, H, in the product format, rows
- * cat_ld(c) elements apart (a multiple of 8, as the products want) */
-static size_t cat_width(const lm_kda_layer_config *c) { return 4 * (size_t)c->heads * c->head_dim + c->heads; }
+ * (cat_inputs): [q | k | v | gate | z | beta] of widths HK, HK, HK, HK, HK, H, in the product format,
+ * rows cat_ld(c) elements apart (a multiple of 8, as the products want) */
+static size_t cat_width(const lm_kda_layer_config *c) { return 5 * (size_t)c->heads * c->head_dim + c->heads; }
 static size_t cat_ld(const lm_kda_layer_config *c) { return (cat_width(c) + 7) & ~(size_t)7; }
 
 /* ext: a segment's W-1 history rows per sequence in the convolutions' slots */
@@ -306,12 +306,13 @@ enum { BWD_ALL, BWD_STATE, BWD_AFTER_STATE };
 
 /* Whether the whole rows' backward takes its input gradients on the x side as one operand [N,
  * cat_width] (rows cat_ld apart, in the product format): q's, k's and v's (the conv's input gradients
- * written there at that stride), the output gate's (likewise) and beta's. Then dx takes two products
- * (W_z's sets it, this one adds) instead of five that each read and write its fp32 rows, against the
- * five weights' product-format copies stacked in wcat (a device copy each backward), and W_q, W_k, W_v's
- * gradients one product. Needs a backend with a separate product format that offers those strided
- * writes and matmul_backward_ld, the whole rows (no history rows), W_q, W_k, W_v consecutive in the
- * gradients (as the parameter table lays them out) and the scratch that layout_scratch plans. */
+ * written there at that stride), the output gate's and z's (the output stage's and the operator's
+ * backward write them there) and beta's. Then dx takes one product, which writes it, instead of six
+ * that each write or read and write its fp32 rows, against the six weights' product-format copies
+ * stacked in wcat (a device copy each backward), and W_q, W_k, W_v's gradients one product. Needs a
+ * backend with a separate product format that offers those strided writes and matmul_backward_ld, the
+ * whole rows (no history rows), W_q, W_k, W_v consecutive in the gradients (as the parameter table
+ * lays them out) and the scratch that layout_scratch plans. */
 static int cat_inputs(const lm_kda_layer_config *c, const lm_kda_layer_params *g, const scratch_layout *S,
                       size_t N, int ext) {
     lm_backend *be = backend_of(c);
@@ -341,7 +342,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     void *d_o = scratch + S.d_o, *dq = scratch + S.dq, *dk = scratch + S.dk, *dv = scratch + S.dv,
          *dz = scratch + S.dz;
     const void *dy_lp, *dgate_lp, *dbeta_lp, *din_lp;
-    /* cat: the input gradients on the x side side by side (cat_inputs): q, k, v, gate, beta */
+    /* cat: the input gradients on the x side side by side (cat_inputs): q, k, v, gate, z, beta */
     const int cat = cat_inputs(c, g, &S, N, carry != NULL);
     const size_t ld = cat_ld(c);
     char *dcat = (char *)(scratch + S.din);
@@ -368,16 +369,19 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     }
     /* the operator (BWD_STATE: from d_o alone, for dh0; its parameter gradients to jg) */
     lm_kda_config kc = carry ? op_config(c, B, T) : op_config_kept(c, a, B, T);
+    if (cat) { /* dz into its columns */
+        dz = dcat + 4 * (size_t)HK * lpb;
+        kc.dz_ld = (int64_t)ld;
+    }
     const lm_kda_layer_params *go = part == BWD_STATE ? jg : g;
     TRY(op->kda_backward(be, &kc, a->q_op, a->k_op, a->v_op, a->z_lp, a->beta, p->A_log, p->dt_bias,
                          carry ? carry->h0 : NULL, d_o, cg && part != BWD_STATE ? cg->dht : NULL, dq, dk, dv, dz,
                          dbeta, go->A_log, go->dt_bias, cg ? cg->dh0 : NULL));
     if (part == BWD_STATE) return LM_OK;
-    if (cat) TRY(op->matmul_backward_set(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
-    else TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
+    if (!cat) TRY(op->matmul_backward(be, dx, g->W_z, dz, x, pl->W_z, (int64_t)N, d, HK));
     TRY(op->sigmoid_backward(be, dbeta, dbeta, a->beta, N * H));
     if (cat) {
-        TRY(op->to_lp_rows(be, dcat + 4 * (size_t)HK * lpb, (int64_t)ld, dbeta, (int64_t)N, H));
+        TRY(op->to_lp_rows(be, dcat + 5 * (size_t)HK * lpb, (int64_t)ld, dbeta, (int64_t)N, H));
     } else {
         TRY(lp_view(be, dbeta, scratch + S.dbeta_lp, N * H, &dbeta_lp));
         TRY(op->matmul_backward(be, dx, g->W_beta, dbeta_lp, x, pl->W_beta, (int64_t)N, d, H));
@@ -392,22 +396,24 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     const float *const Wm[3] = {pl->W_q, pl->W_k, pl->W_v};
     float *const conv_g[3] = {g->conv_q, g->conv_k, g->conv_v}, *const Wg[3] = {g->W_q, g->W_k, g->W_v};
     if (cat) {
-        /* q, k and v's input gradients into their columns, the five weights stacked in wcat in the columns'
-         * order; dx += [q k v gate beta] wcat, one product with K = cat_width; the weight gradients from
-         * the columns: W_q, W_k, W_v's one product (consecutive in g), W_g's and W_beta's one each */
+        /* q, k and v's input gradients into their columns, the six weights stacked in wcat in the columns'
+         * order; dx = [q k v gate z beta] wcat, one product with K = cat_width that writes it; the weight
+         * gradients from the columns: W_q, W_k, W_v's one product (consecutive in g), the others' one each */
         for (int j = 0; j < 3; j++)
             TRY(op->conv_silu_backward_lp(be, dcat + (size_t)j * HK * lpb, conv_g[j], douts[j], NULL, post[j], rn[j],
                                           proj[j], conv_w[j], B, T, HK, W, K, (int)ld, tmp));
         char *wcat = (char *)(scratch + S.wcat);
         const size_t blk = (size_t)HK * d * lpb;
-        const void *const wsrc[5] = {pl->W_q, pl->W_k, pl->W_v, pl->W_g, pl->W_beta};
-        for (int j = 0; j < 5; j++) TRY(be->copy(be, wcat + (size_t)j * blk, wsrc[j], j < 4 ? blk : (size_t)H * d * lpb));
-        TRY(op->matmul_backward_ld(be, dx, NULL, dcat, (int64_t)ld, x, wcat, (int64_t)N, d, (int)cat_width(c), 0));
+        const void *const wsrc[6] = {pl->W_q, pl->W_k, pl->W_v, pl->W_g, pl->W_z, pl->W_beta};
+        for (int j = 0; j < 6; j++) TRY(be->copy(be, wcat + (size_t)j * blk, wsrc[j], j < 5 ? blk : (size_t)H * d * lpb));
+        TRY(op->matmul_backward_ld(be, dx, NULL, dcat, (int64_t)ld, x, wcat, (int64_t)N, d, (int)cat_width(c), 1));
         TRY(op->matmul_backward_ld(be, NULL, g->W_q, dcat, (int64_t)ld, x, pl->W_q, (int64_t)N, d, 3 * HK, 0));
-        TRY(op->matmul_backward_ld(be, NULL, g->W_g, dcat + 3 * (size_t)HK * lpb, (int64_t)ld, x, pl->W_g,
-                                   (int64_t)N, d, HK, 0));
-        return op->matmul_backward_ld(be, NULL, g->W_beta, dcat + 4 * (size_t)HK * lpb, (int64_t)ld, x, pl->W_beta,
-                                      (int64_t)N, d, H, 0);
+        float *const wg[3] = {g->W_g, g->W_z, g->W_beta};
+        const void *const wl[3] = {pl->W_g, pl->W_z, pl->W_beta};
+        for (int j = 0; j < 3; j++)
+            TRY(op->matmul_backward_ld(be, NULL, wg[j], dcat + (3 + (size_t)j) * HK * lpb, (int64_t)ld, x, wl[j],
+                                       (int64_t)N, d, j < 2 ? HK : H, 0));
+        return LM_OK;
     }
     for (int j = 0; j < 3; j++) {
         if (!carry) {

@@ -301,6 +301,9 @@ static lm_status cpu_kda_backward(lm_backend *be, const lm_kda_config *cfg, cons
                                   void *dq, void *dk, void *dv, void *dz, float *dbeta, float *dA_log,
                                   float *ddt_bias, float *dh0) {
     (void)be;
+    if (cfg->dz_ld != 0 && cfg->dz_ld != (int64_t)cfg->H * cfg->K)
+        return lm_error(LM_ERR_ARG, "kda_backward: dz_ld = %lld; the CPU writes dense rows (0 or H*K)",
+                        (long long)cfg->dz_ld);
     size_t n = (size_t)cfg->B * cfg->T * cfg->H;
     memset(dq, 0, n * cfg->K * sizeof(float));
     memset(dk, 0, n * cfg->K * sizeof(float));

@@ -97,6 +97,7 @@ Params make_params(const lm_kda_config *cfg, const lm_kda_cuda_inputs *in) {
     p.A_log = in->A_log;
     p.dt_bias = in->dt_bias;
     p.h0 = in->h0;
+    p.dz_ld = cfg->dz_ld ? (size_t)cfg->dz_ld : (size_t)cfg->H * cfg->K;
     return p;
 }
 
@@ -205,6 +206,9 @@ extern "C" lm_status lm_kda_cuda_check(const lm_kda_config *cfg) {
         return lm_error(LM_ERR_ARG, "kda cuda: the factored diagonal needs the bounded gate with "
                                     "g_min >= %g (got gate %d, g_min %g)",
                         (double)LM_KDA_G_MIN_FAST_LIMIT, (int)cfg->gate, (double)cfg->g_min);
+    if (cfg->dz_ld != 0 && cfg->dz_ld < (int64_t)cfg->H * cfg->K)
+        return lm_error(LM_ERR_ARG, "kda cuda: dz_ld = %lld is below H*K = %lld", (long long)cfg->dz_ld,
+                        (long long)cfg->H * cfg->K);
     return LM_OK;
 }
 
@@ -536,6 +540,9 @@ extern "C" lm_status lm_kda_cuda_backward_host(const lm_kda_config *cfg, const l
         !grads->dA_log || !grads->ddt_bias)
         return lm_error(LM_ERR_ARG, "kda cuda backward: d_o and every gradient except dh0 are "
                                     "required (one is NULL)");
+    if (cfg->dz_ld != 0 && cfg->dz_ld != (int64_t)cfg->H * cfg->K)
+        return lm_error(LM_ERR_ARG, "kda cuda backward (host memory): dz_ld = %lld; host gradients are dense",
+                        (long long)cfg->dz_ld);
     DevInputs d;
     lm_kda_cuda_inputs di;
     if ((st = upload_inputs(cfg, in, cfg->T, &d, &di))) return st;

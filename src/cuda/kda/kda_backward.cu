@@ -572,6 +572,7 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
     const size_t rs = (size_t)p.H * D;
     const size_t base = ((size_t)b * p.T + t0) * rs + (size_t)h * D;
     const size_t cbase = base + (size_t)cb * DC; // the block's first column
+    const size_t zbase = ((size_t)b * p.T + t0) * p.dz_ld + (size_t)h * D + (size_t)cb * DC; // dz's (its stride)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const bf16 *Mg = p.Mb + c * CH * CH, *dWg = p.dWb + c * CH * D + cb * DC;
     const bf16 *dAqkg = p.dAqkb + c * CH * CH, *dAkkg = p.dAkkb + c * CH * CH;
@@ -1007,7 +1008,7 @@ __global__ void __launch_bounds__(bwd_col_threads(D), 2) kda_bwd_col_kernel(Para
             kda_gate_grad(__bfloat162float(sZ2[r * LDC + d]), a_exp, bias, p.bounded, p.g_min,
                           &gz, &gA);
             float dzv = dg * gz;
-            p.dz[cbase + r * rs + d] = __float2bfloat16(dzv);
+            p.dz[zbase + r * p.dz_ld + d] = __float2bfloat16(dzv);
             dbias += dzv;
             dA += dg * gA;
         }

@@ -80,6 +80,7 @@ struct Params {
     const bf16 *d_o;
     const float *dht;
     bf16 *dq, *dk, *dv, *dz;
+    size_t dz_ld;                // dz's row (token) stride in elements: H D, or the caller's (lm_kda_config)
     float *dbeta, *dA_log, *ddt_bias, *dh0;
 };
 
