@@ -149,13 +149,15 @@ static scratch_layout layout_scratch(const lm_kda_layer_config *c, int B, int T,
     PLACE(dz, lp_floats(c, N * HK));
     PLACE(tmp, NE * HK);
     PLACE(dbeta, N * H);
+    /* dgate, din, then din_lp right after them: with a separate product format and no history rows, the
+     * three together hold the side-by-side input gradients [N, cat_ld] in the product format (cat_inputs;
+     * the fp32 dgate and din are not used then; at least 2.5 N HK floats, about what the operand needs),
+     * and wcat their weights stacked [cat_width, d] */
     PLACE(dgate, N * HK);
-    /* din, then din_lp right after it: with a separate product format and no history rows, the two
-     * together hold the side-by-side input gradients [N, cat_ld] in the product format (cat_inputs; the
-     * fp32 din is not used then), and wcat their weights stacked [cat_width, d] */
     PLACE(din, NE * HK);
+    const size_t two = ((N * HK + 15) & ~(size_t)15) + ((NE * HK + 15) & ~(size_t)15);
     size_t din_lp = sep ? lp_floats(c, NE * HK) : 0, cat = lp_floats(c, N * cat_ld(c));
-    if (sep && !ext && cat > ((NE * HK + 15) & ~(size_t)15) + din_lp) din_lp = cat - ((NE * HK + 15) & ~(size_t)15);
+    if (sep && !ext && cat > two + din_lp) din_lp = cat - two;
     PLACE(din_lp, din_lp);
     PLACE(wcat, sep && !ext ? lp_floats(c, cat_width(c) * (size_t)c->d_model) : 0);
     PLACE(dy_lp, sep ? lp_floats(c, N * (size_t)c->d_model) : 0);
@@ -320,7 +322,7 @@ static int cat_inputs(const lm_kda_layer_config *c, const lm_kda_layer_params *g
     if (ext || !lp_separate(c) || !op->conv_silu_backward_lp || !op->matmul_backward_ld || !op->to_lp_rows) return 0;
     const size_t blk = (size_t)c->heads * c->head_dim * (size_t)c->d_model;
     if (g->W_k != g->W_q + blk || g->W_v != g->W_q + 2 * blk) return 0;
-    return (S->wcat - S->din) * sizeof(float) >= N * cat_ld(c) * be->lp_bytes;
+    return (S->wcat - S->dgate) * sizeof(float) >= N * cat_ld(c) * be->lp_bytes;
 }
 
 /* The backward; carry != NULL: a segment's (cg: its carry's gradients), of which `part` runs. */
@@ -345,7 +347,7 @@ static lm_status layer_backward(const lm_kda_layer_config *c, const lm_kda_layer
     /* cat: the input gradients on the x side side by side (cat_inputs): q, k, v, gate, z, beta */
     const int cat = cat_inputs(c, g, &S, N, carry != NULL);
     const size_t ld = cat_ld(c);
-    char *dcat = (char *)(scratch + S.din);
+    char *dcat = (char *)(scratch + S.dgate);
     if (part != BWD_AFTER_STATE) {
         if (dy_given && lp_separate(c)) dy_lp = dy_given;
         else TRY(lp_view(be, dy, scratch + S.dy_lp, N * d, &dy_lp));
