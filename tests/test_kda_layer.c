@@ -5,7 +5,7 @@
  * in two calls (the incoming state's gradient from the outputs first) equal
  * to the one-call backward; the short convolution's backward with its output
  * recomputed (conv_out NULL, as the layer runs it) equal to the one with it
- * stored, bit for bit. */
+ * stored, bit for bit; the CPU refusing gradient row strides it cannot write. */
 #include "longmoe/backend.h"
 #include "longmoe/kda_layer.h"
 #include "test.h"
@@ -285,6 +285,25 @@ static void test_conv_backward_recomputing_the_conv_equals_the_stored_one(void) 
     }
 }
 
+/* The CPU writes the gradients that feed products as dense fp32 rows (its product format is the fp32
+ * tensor itself): a row stride it cannot honour is refused by name, and it offers no strided product
+ * or conversion, so the layer takes one product a weight there. */
+static void test_cpu_refuses_strided_gradient_rows(void) {
+    lm_backend *be = lm_backend_cpu();
+    float buf[64] = {0};
+    lm_status st = be->ops->kda_output_backward(be, buf, NULL, buf, 2 * 4 + 8, buf, buf, buf, buf, buf, buf, 1, 2, 4,
+                                                1e-6f, buf);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "ld_dgate_lp"), "kda_output_backward took a row stride: %s",
+          lm_last_error());
+    lm_kda_config kc = lm_kda_config_default(1, 1, 2, 4, 4);
+    kc.dz_ld = 2 * 4 + 8;
+    st = be->ops->kda_backward(be, &kc, buf, buf, buf, buf, buf, buf, buf, NULL, buf, NULL, buf, buf, buf, buf, buf,
+                               buf, buf, NULL);
+    CHECK(st == LM_ERR_ARG && strstr(lm_last_error(), "dz_ld"), "kda_backward took a dz row stride: %s",
+          lm_last_error());
+    CHECK(!be->ops->matmul_backward_ld && !be->ops->to_lp_rows, "the CPU offers strided products or conversions");
+}
+
 int main(void) {
     RUN(test_layer_gradients_match_finite_differences_bounded);
     RUN(test_layer_gradients_match_finite_differences_softplus);
@@ -292,5 +311,6 @@ int main(void) {
     RUN(test_segment_forward_in_two_calls);
     RUN(test_segment_backward_in_two_calls);
     RUN(test_conv_backward_recomputing_the_conv_equals_the_stored_one);
+    RUN(test_cpu_refuses_strided_gradient_rows);
     return test_summary();
 }
