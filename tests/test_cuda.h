@@ -87,6 +87,19 @@ static inline float *host_download_f32(const void *d, size_t n) {
     return h;
 }
 
+/* A column block [c0, c0 + cols) of a [rows, ld] bf16 operand that a strided call wrote (host copies,
+ * bit patterns): *bad counts the block's values that differ from `dense` ([rows, cols]), *touched the
+ * values outside the block that differ from `before` ([rows, ld]). */
+static inline void block_diffs(const uint16_t *wide, const uint16_t *before, const uint16_t *dense, size_t rows,
+                               size_t ld, size_t c0, size_t cols, size_t *bad, size_t *touched) {
+    *bad = *touched = 0;
+    for (size_t t = 0; t < rows; t++)
+        for (size_t j = 0; j < ld; j++) {
+            if (j >= c0 && j < c0 + cols) *bad += wide[t * ld + j] != dense[t * cols + j - c0];
+            else *touched += wide[t * ld + j] != before[t * ld + j];
+        }
+}
+
 /* a new host array holding the n bf16 values of the device array d, widened to float */
 static inline float *host_download_bf16(const uint16_t *d, size_t n) {
     float *h = mallocCheck((n ? n : 1) * sizeof(float));

@@ -221,18 +221,15 @@ static void test_to_lp_and_matmul_match_the_cpu(void) {
           "matmul_backward_ld with ld_dout < oc accepted");
     /* to_lp_rows: the block's bits are to_lp's, every other column untouched */
     float *src = rnd(&r, n * oc, 1.0, 0.0, 0);
-    uint16_t *before = hmalloc(n * L * 2), *after = hmalloc(n * L * 2);
+    uint16_t *before = hmalloc(n * L * 2), *after = hmalloc(n * L * 2), *want = hmalloc(n * oc * 2);
+    for (int64_t i = 0; i < n * oc; i++) want[i] = lm_f32_to_bf16(src[i]);
     OK(gpu->download(gpu, before, g_wide, n * L * 2));
     OK(gpu->ops->to_lp_rows(gpu, (char *)g_wide + c0 * 2, L, up_f32(src, n * oc), n, oc));
     OK(gpu->download(gpu, after, g_wide, n * L * 2));
-    int64_t bad_in = 0, bad_out = 0;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < L; j++) {
-            if (j >= c0 && j < c0 + oc) bad_in += after[i * L + j] != lm_f32_to_bf16(src[i * oc + j - c0]);
-            else bad_out += after[i * L + j] != before[i * L + j];
-        }
-    CHECK(bad_in == 0 && bad_out == 0, "to_lp_rows: %lld values not to_lp's, %lld outside the block changed",
-          (long long)bad_in, (long long)bad_out);
+    size_t bad_in, bad_out;
+    block_diffs(after, before, want, (size_t)n, (size_t)L, (size_t)c0, (size_t)oc, &bad_in, &bad_out);
+    CHECK(bad_in == 0 && bad_out == 0, "to_lp_rows: %zu values not to_lp's, %zu outside the block changed", bad_in,
+          bad_out);
     CHECK(!cpu->ops->matmul_backward_ld && !cpu->ops->to_lp_rows,
           "the CPU offers the strided ops (its product format is the fp32 tensor itself)");
     free_all();
@@ -567,16 +564,12 @@ static void test_conv_silu_without_the_conv_output_equals_the_stored_one(void) {
                 float *g_dww = up_f32(dw0, cw), *g_tmp = dalloc(n * 4);
                 OK(gpu->ops->conv_silu_backward_lp(gpu, (uint16_t *)g_wide + C, g_dww, g_dout, NULL, g_out, g_rn, g_in,
                                                    g_w, B, T, C, W, hd, (int)w3, g_tmp));
-                float *wide = down_bf16(g_wide, rows_t * w3), *dense = down_bf16(dinl[1], n);
-                size_t bad = 0, touched = 0;
-                for (size_t t = 0; t < rows_t; t++)
-                    for (size_t c = 0; c < w3; c++) {
-                        const float got = wide[t * w3 + c];
-                        if (c >= (size_t)C && c < 2 * (size_t)C)
-                            bad += memcmp(&got, &dense[t * C + c - C], 4) != 0;
-                        else
-                            touched += memcmp(&got, &poison[t * w3 + c], 4) != 0;
-                    }
+                uint16_t *wide = hmalloc(rows_t * w3 * 2), *dense = hmalloc(n * 2), *before = hmalloc(rows_t * w3 * 2);
+                OK(gpu->download(gpu, wide, g_wide, rows_t * w3 * 2));
+                OK(gpu->download(gpu, dense, dinl[1], n * 2));
+                for (size_t i = 0; i < rows_t * w3; i++) before[i] = lm_f32_to_bf16(poison[i]);
+                size_t bad, touched;
+                block_diffs(wide, before, dense, rows_t, w3, (size_t)C, (size_t)C, &bad, &touched);
                 CHECK(bad == 0 && touched == 0 && !memcmp(down_f32(g_dww, cw), dw[0], cw * 4),
                       "(%d,%d,%d,%d,%d) norm %d: conv_silu_backward_lp at row stride 3C: %zu values not the dense "
                       "din's, %zu values outside its columns written, or dw differs", B, T, C, W, hd, norm, bad,
