@@ -357,12 +357,15 @@ static void test_forward_backward_match_the_cpu_with_latent_and_shared(void) {
  * the scalar GLU kernels, the backward's at a row stride of the side-by-side input gradients that dx
  * takes in one product); without LatentMoE the experts' slots go straight into dx's fp32 rows. Two
  * shared experts found the forward's second expert written at the wrong offset (its bf16
- * pre-activations typed fp32 in the acts). */
+ * pre-activations typed fp32 in the acts). Latent widths 60 (not a multiple of 8: the separate latent
+ * sum, norm and norm-gradient kernels) and 264 (33 chunks of 8: the fused ones with one lane holding
+ * two chunks and the rest one) beside 64 (the fused ones, a chunk on 8 lanes). */
 static void test_forward_backward_match_the_cpu_with_shared_experts(void) {
     /* (n_shared, d_ff_shared, d_latent) */
-    static const int v[6][3] = {{1, 40, 0}, {1, 36, 0}, {2, 40, 0}, {2, 36, 0}, {2, 40, 64}, {1, 36, 64}};
+    static const int v[8][3] = {{1, 40, 0}, {1, 36, 0}, {2, 40, 0}, {2, 36, 0},
+                                {2, 40, 64}, {1, 36, 64}, {1, 40, 60}, {1, 40, 264}};
     char what[96];
-    for (int q = 0; q < 6; q++)
+    for (int q = 0; q < 8; q++)
         for (int a = 0; a < 2; a++) {
             lm_moe_config c = plain_config((lm_expert_act)a);
             c.n_shared = v[q][0];

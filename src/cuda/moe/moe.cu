@@ -14,7 +14,10 @@
 
 #define ALIGN_BYTES 256
 /* tokens per block of the lat_norm gradient's partial sums */
-#define NORM_CHUNK 256
+/* tokens a block of the latent norm's weight-gradient partials */
+#define NORM_CHUNK 64
+/* the fused latent-norm kernels hold up to 4 chunks of 8 a lane: d_lat <= 1024 */
+#define NORM_MAXC 4
 
 static unsigned blocks_for(int64_t count, int threads) { return (unsigned)((count + threads - 1) / threads); }
 
@@ -221,6 +224,15 @@ __global__ void glu_backward_vec_kernel(uint4 *da, uint4 *du, const uint4 *dh, c
 
 static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
+/* The fused latent-norm kernels' chunks of 8 a lane (1, 2 or 4) for d_lat,
+ * or 0 where they do not apply (d_lat not a multiple of 8 or over 1024, a
+ * pointer not 16-byte aligned): the separate kernels then run. */
+static int norm_chunks(int dl, const void *p, const void *q, const void *r, const void *w) {
+    if (dl % 8 != 0 || !aligned16(p) || !aligned16(q) || !aligned16(r) || !aligned16(w)) return 0;
+    const int per_lane = (dl / 8 + 31) / 32;
+    return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= NORM_MAXC ? NORM_MAXC : 0;
+}
+
 /* h = act(a, u) on rows [0, min(rows, *row_limit)) of width f */
 static lm_status glu_forward(cudaStream_t st, void *h, const void *a, const void *u, const int32_t *row_limit,
                              int64_t rows, int f, int act) {
@@ -289,6 +301,136 @@ __global__ void norm_weight_partial_kernel(float *partial, const float *g, const
     float acc = 0.0f;
     for (int64_t i = i0; i < i1; i++) acc += g[i * dl + e] * z[i * dl + e] * rstd[i];
     partial[(int64_t)blockIdx.y * dl + e] = acc;
+}
+
+/* The latent sum and its RMSNorm in one pass (LatentMoE, d_lat % 8 == 0 and
+ * d_lat <= 32 * 8 * MAXC), one warp a token: z_i = sum_t p_it gout[slot_row(i,t)]
+ * (combine_vec_kernel's sum, element by element in the same order: the same z),
+ * written for the backward, then rstd = 1/sqrt(mean z^2 + eps) and zn = z rstd w
+ * from the registers: z is not read back. Lane l holds the 8-element chunks
+ * l, l + 32, ... of the row. */
+template <int MAXC>
+__global__ void __launch_bounds__(256) combine_norm_kernel(float *z, bf16 *zn, float *rstd, const bf16 *gout,
+                                                           const float *weights, const int32_t *slot_row,
+                                                           const float *w, int64_t m, int k, int dl, float eps) {
+    const int64_t i = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, w8 = dl / 8;
+    if (i >= m) return;
+    float v[MAXC][8];
+    float ss = 0.0f;
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e8 = lane + 32 * c;
+#pragma unroll
+        for (int e = 0; e < 8; e++) v[c][e] = 0.0f;
+        if (e8 >= w8) continue;
+        for (int t = 0; t < k; t++) {
+            const float p = weights[i * k + t];
+            const uint4 g = ((const uint4 *)(gout + (int64_t)slot_row[i * k + t] * dl))[e8];
+            const bf16 *gp = (const bf16 *)&g;
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[c][e] += p * __bfloat162float(gp[e]);
+        }
+        float4 *o = (float4 *)(z + i * dl) + 2 * e8;
+        o[0] = make_float4(v[c][0], v[c][1], v[c][2], v[c][3]);
+        o[1] = make_float4(v[c][4], v[c][5], v[c][6], v[c][7]);
+#pragma unroll
+        for (int e = 0; e < 8; e++) ss += v[c][e] * v[c][e];
+    }
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float s = 1.0f / sqrtf(ss / (float)dl + eps);
+    if (lane == 0) rstd[i] = s;
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e8 = lane + 32 * c;
+        if (e8 >= w8) continue;
+        const float4 wl = ((const float4 *)w)[2 * e8], wh = ((const float4 *)w)[2 * e8 + 1];
+        const float wv[8] = {wl.x, wl.y, wl.z, wl.w, wh.x, wh.y, wh.z, wh.w};
+        uint4 out;
+        __nv_bfloat162 *op = (__nv_bfloat162 *)&out;
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            op[e] = __floats2bfloat162_rn(v[c][2 * e] * s * wv[2 * e], v[c][2 * e + 1] * s * wv[2 * e + 1]);
+        ((uint4 *)(zn + i * dl))[e8] = out;
+    }
+}
+
+/* The RMSNorm's backward and its weight's gradient partials in one pass (the
+ * same conditions): a block takes NORM_CHUNK consecutive tokens, its warp w the
+ * tokens w, w + 8, ...; per token dz = s w g - z s^3 / d sum_j w_j g_j z_j
+ * (rmsnorm_backward_kernel's formula), and every lane adds g z s of its columns
+ * over its tokens; the block sums its warps in order into partial[block]
+ * (norm_weight_final_kernel then sums the blocks in order: no atomics). g and z
+ * are read once, where the separate kernels read them twice. */
+template <int MAXC>
+__global__ void __launch_bounds__(256) norm_backward_fused_kernel(float *dz, float *partial, const float *g,
+                                                                  const float *z, const float *w, const float *rstd,
+                                                                  int64_t m, int dl) {
+    __shared__ float red[8][32 * 8 * MAXC];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, w8 = dl / 8;
+    const int64_t i0 = (int64_t)blockIdx.x * NORM_CHUNK;
+    float wv[MAXC][8], acc[MAXC][8];
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e8 = lane + 32 * c;
+#pragma unroll
+        for (int e = 0; e < 8; e++) wv[c][e] = acc[c][e] = 0.0f;
+        if (e8 < w8) {
+            const float4 wl = ((const float4 *)w)[2 * e8], wh = ((const float4 *)w)[2 * e8 + 1];
+            wv[c][0] = wl.x, wv[c][1] = wl.y, wv[c][2] = wl.z, wv[c][3] = wl.w;
+            wv[c][4] = wh.x, wv[c][5] = wh.y, wv[c][6] = wh.z, wv[c][7] = wh.w;
+        }
+    }
+    for (int j = warp; j < NORM_CHUNK; j += 8) {
+        const int64_t i = i0 + j;
+        if (i >= m) break;
+        float gv[MAXC][8], zv[MAXC][8];
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            const int e8 = lane + 32 * c;
+#pragma unroll
+            for (int e = 0; e < 8; e++) gv[c][e] = zv[c][e] = 0.0f;
+            if (e8 >= w8) continue;
+            const float4 *gp = (const float4 *)(g + i * dl) + 2 * e8, *zp = (const float4 *)(z + i * dl) + 2 * e8;
+            const float4 g0 = gp[0], g1 = gp[1], z0 = zp[0], z1 = zp[1];
+            gv[c][0] = g0.x, gv[c][1] = g0.y, gv[c][2] = g0.z, gv[c][3] = g0.w;
+            gv[c][4] = g1.x, gv[c][5] = g1.y, gv[c][6] = g1.z, gv[c][7] = g1.w;
+            zv[c][0] = z0.x, zv[c][1] = z0.y, zv[c][2] = z0.z, zv[c][3] = z0.w;
+            zv[c][4] = z1.x, zv[c][5] = z1.y, zv[c][6] = z1.z, zv[c][7] = z1.w;
+#pragma unroll
+            for (int e = 0; e < 8; e++) dot += gv[c][e] * wv[c][e] * zv[c][e];
+        }
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        const float s = rstd[i], cc = dot * s * s * s / (float)dl;
+#pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            const int e8 = lane + 32 * c;
+            if (e8 >= w8) continue;
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                o[e] = s * gv[c][e] * wv[c][e] - cc * zv[c][e];
+                acc[c][e] += gv[c][e] * zv[c][e] * s;
+            }
+            float4 *op = (float4 *)(dz + i * dl) + 2 * e8;
+            op[0] = make_float4(o[0], o[1], o[2], o[3]);
+            op[1] = make_float4(o[4], o[5], o[6], o[7]);
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e8 = lane + 32 * c;
+        if (e8 >= w8) continue;
+#pragma unroll
+        for (int e = 0; e < 8; e++) red[warp][8 * e8 + e] = acc[c][e];
+    }
+    __syncthreads();
+    for (int col = threadIdx.x; col < dl; col += 256) {
+        float t = 0.0f;
+        for (int q = 0; q < 8; q++) t += red[q][col];
+        partial[(int64_t)blockIdx.x * dl + col] = t;
+    }
 }
 
 /* ... then summed in chunk order */
@@ -477,9 +619,24 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
 
     /* z_i = sum_t p_it E(x_i); y = z, or W_up_lat RMSNorm(z) */
     if (dl > 0) {
-        TRY(lm_moe_combine(st, a->z, a, m, k, de));
-        rmsnorm_forward_kernel<<<blocks_for(m, 8), 256, 0, st>>>((bf16 *)a->zn, a->rstd, a->z, pf->lat_norm, m, dl,
-                                                                c->norm_eps);
+        const int mc = norm_chunks(dl, a->z, a->zn, a->gout, pf->lat_norm);
+        if (mc == 1)
+            combine_norm_kernel<1><<<blocks_for(m, 8), 256, 0, st>>>(a->z, (bf16 *)a->zn, a->rstd, (const bf16 *)a->gout,
+                                                                   a->weights, a->slot_row, pf->lat_norm, m, k, dl,
+                                                                   c->norm_eps);
+        else if (mc == 2)
+            combine_norm_kernel<2><<<blocks_for(m, 8), 256, 0, st>>>(a->z, (bf16 *)a->zn, a->rstd, (const bf16 *)a->gout,
+                                                                   a->weights, a->slot_row, pf->lat_norm, m, k, dl,
+                                                                   c->norm_eps);
+        else if (mc == 4)
+            combine_norm_kernel<4><<<blocks_for(m, 8), 256, 0, st>>>(a->z, (bf16 *)a->zn, a->rstd, (const bf16 *)a->gout,
+                                                                   a->weights, a->slot_row, pf->lat_norm, m, k, dl,
+                                                                   c->norm_eps);
+        if (mc == 0) {
+            TRY(lm_moe_combine(st, a->z, a, m, k, de));
+            rmsnorm_forward_kernel<<<blocks_for(m, 8), 256, 0, st>>>((bf16 *)a->zn, a->rstd, a->z, pf->lat_norm, m, dl,
+                                                                    c->norm_eps);
+        }
         LM_CUDA_TRY(cudaGetLastError());
         TRY(gemm(r, LM_GEMM_NT, a->zn, dl, pb->lat_up, dl, y, NULL, d, 0, m, d, dl));
     } else {
@@ -579,14 +736,28 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     if (dl > 0) {
         TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
         if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
-        rmsnorm_backward_kernel<<<blocks_for(m, 8), 256, 0, st>>>(s->dz, s->dzn, a->z, pf->lat_norm, a->rstd, m, dl);
+        const int64_t nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
+        const int mc = norm_chunks(dl, s->dz, s->dzn, a->z, pf->lat_norm);
+        if (mc == 1)
+            norm_backward_fused_kernel<1><<<(unsigned)nchunk, 256, 0, st>>>(s->dz, s->norm_partial, s->dzn, a->z,
+                                                                           pf->lat_norm, a->rstd, m, dl);
+        else if (mc == 2)
+            norm_backward_fused_kernel<2><<<(unsigned)nchunk, 256, 0, st>>>(s->dz, s->norm_partial, s->dzn, a->z,
+                                                                           pf->lat_norm, a->rstd, m, dl);
+        else if (mc == 4)
+            norm_backward_fused_kernel<4><<<(unsigned)nchunk, 256, 0, st>>>(s->dz, s->norm_partial, s->dzn, a->z,
+                                                                           pf->lat_norm, a->rstd, m, dl);
+        if (mc == 0) {
+            rmsnorm_backward_kernel<<<blocks_for(m, 8), 256, 0, st>>>(s->dz, s->dzn, a->z, pf->lat_norm, a->rstd, m, dl);
+            LM_CUDA_TRY(cudaGetLastError());
+            if (g->lat_norm) {
+                if (nchunk > 65535) return lm_error(LM_ERR_ARG, "moe cuda backward: %lld tokens", (long long)m);
+                dim3 grid(blocks_for(dl, 128), (unsigned)nchunk);
+                norm_weight_partial_kernel<<<grid, 128, 0, st>>>(s->norm_partial, s->dzn, a->z, a->rstd, m, dl);
+            }
+        }
         LM_CUDA_TRY(cudaGetLastError());
         if (g->lat_norm) {
-            int64_t nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
-            if (nchunk > 65535) return lm_error(LM_ERR_ARG, "moe cuda backward: %lld tokens", (long long)m);
-            dim3 grid(blocks_for(dl, 128), (unsigned)nchunk);
-            norm_weight_partial_kernel<<<grid, 128, 0, st>>>(s->norm_partial, s->dzn, a->z, a->rstd, m, dl);
-            LM_CUDA_TRY(cudaGetLastError());
             norm_weight_final_kernel<<<blocks_for(dl, 128), 128, 0, st>>>(g->lat_norm, s->norm_partial, nchunk, dl);
             LM_CUDA_TRY(cudaGetLastError());
         }
