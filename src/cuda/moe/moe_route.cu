@@ -423,8 +423,91 @@ __global__ void combine_backward_vec_kernel(bf16 *dgout, float *dp, const float 
     if (lane == 0) dp[g] = dot;
 }
 
+/* The same by token, one warp a token (width % 8 == 0, width <= 32 * 8 * MAXC):
+ * the token's dz row is read once into registers (lane l: chunks l, l + 32,
+ * ...), then each of its k slots' rows is written and its dot formed as
+ * combine_backward_vec_kernel does (the same chunks, order and expression), so
+ * dz is not fetched again for every slot. The padding rows are
+ * zero_padding_rows_kernel's. */
+template <int MAXC>
+__global__ void __launch_bounds__(256)
+    combine_backward_token_kernel(bf16 *__restrict__ dgout, float *__restrict__ dp, const float *__restrict__ dz,
+                                  const bf16 *__restrict__ gout, const float *__restrict__ weights,
+                                  const int32_t *__restrict__ slot_row, int64_t m, int k, int width) {
+    const int64_t i = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, w8 = width / 8;
+    if (i >= m) return;
+    float4 lo[MAXC], hi[MAXC];
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e8 = lane + 32 * c;
+        lo[c] = hi[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (e8 < w8) {
+            const float4 *dzi = (const float4 *)(dz + i * width);
+            lo[c] = dzi[2 * e8];
+            hi[c] = dzi[2 * e8 + 1];
+        }
+    }
+    for (int t = 0; t < k; t++) {
+        const int64_t slot = i * k + t;
+        const int64_t r = slot_row[slot];
+        const float w = weights[slot];
+        const uint4 *go = (const uint4 *)(gout + r * width);
+        uint4 *dst = (uint4 *)(dgout + r * width);
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            const int e8 = lane + 32 * c;
+            if (e8 >= w8) continue;
+            const uint4 gv = go[e8];
+            const bf16 *gp = (const bf16 *)&gv;
+            uint4 v;
+            __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
+            vp[0] = __floats2bfloat162_rn(w * lo[c].x, w * lo[c].y);
+            vp[1] = __floats2bfloat162_rn(w * lo[c].z, w * lo[c].w);
+            vp[2] = __floats2bfloat162_rn(w * hi[c].x, w * hi[c].y);
+            vp[3] = __floats2bfloat162_rn(w * hi[c].z, w * hi[c].w);
+            dst[e8] = v;
+            dot += lo[c].x * __bfloat162float(gp[0]) + lo[c].y * __bfloat162float(gp[1]) +
+                   lo[c].z * __bfloat162float(gp[2]) + lo[c].w * __bfloat162float(gp[3]) +
+                   hi[c].x * __bfloat162float(gp[4]) + hi[c].y * __bfloat162float(gp[5]) +
+                   hi[c].z * __bfloat162float(gp[6]) + hi[c].w * __bfloat162float(gp[7]);
+        }
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        if (lane == 0) dp[slot] = dot;
+    }
+}
+
+/* The padding rows of the grouped layout (expert j's rows past its real ones,
+ * up to its padded end) set to zero, w16 16-byte units a row: one block an
+ * expert. */
+__global__ void zero_padding_rows_kernel(uint4 *rows, const int32_t *offsets, const int32_t *padded_offsets,
+                                         int w16) {
+    const int j = blockIdx.x;
+    const int64_t r0 = padded_offsets[j] + (offsets[j + 1] - offsets[j]), r1 = padded_offsets[j + 1];
+    const int64_t count = (r1 - r0) * w16;
+    for (int64_t q = threadIdx.x; q < count; q += blockDim.x) rows[r0 * w16 + q] = make_uint4(0, 0, 0, 0);
+}
+
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
+    const int per_lane = (width / 8 + 31) / 32;
+    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane <= 4 && a->m > 0) {
+        const unsigned grid = blocks_for(a->m, 8);
+        if (per_lane <= 1)
+            combine_backward_token_kernel<1><<<grid, 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights,
+                                                                  a->slot_row, a->m, k, width);
+        else if (per_lane <= 2)
+            combine_backward_token_kernel<2><<<grid, 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights,
+                                                                  a->slot_row, a->m, k, width);
+        else
+            combine_backward_token_kernel<4><<<grid, 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights,
+                                                                  a->slot_row, a->m, k, width);
+        LM_CUDA_TRY(cudaGetLastError());
+        zero_padding_rows_kernel<<<n, 256, 0, st>>>((uint4 *)dgout, a->offsets, a->padded_offsets, width / 8);
+        LM_CUDA_TRY(cudaGetLastError());
+        return LM_OK;
+    }
     if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0) {
         combine_backward_vec_kernel<<<blocks_for(a->rows_max, 8), 256, 0, st>>>(
             dgout, dp, dz, (const bf16 *)a->gout, a->weights, a->order, a->padded_offsets, a->rows_max, n, k, width);
