@@ -20,7 +20,7 @@ __device__ __forceinline__ float bk_sigmoid(float x) {
 
 /* h = act(a, u): SwiGLU silu(a) u, or SiTU-GLU 4 tanh(a/4) sigmoid(a) 25 tanh(u/25) */
 __device__ __forceinline__ float bk_act(int act, float a, float u) {
-    if (act == LM_EXPERT_SITU_GLU) return 4.0f * tanhf(0.25f * a) * bk_sigmoid(a) * 25.0f * tanhf(u / 25.0f);
+    if (act == LM_EXPERT_SITU_GLU) return 4.0f * tanhf(0.25f * a) * bk_sigmoid(a) * 25.0f * tanhf(u * 0.04f);
     return a * bk_sigmoid(a) * u;
 }
 
@@ -38,7 +38,7 @@ __global__ void bk_glu_backward_kernel(int act, float *da, float *du, uint16_t *
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float x = a[i], y = u[i], sg = bk_sigmoid(x), ha, hu;
         if (act == LM_EXPERT_SITU_GLU) {
-            float ta = tanhf(0.25f * x), tu = tanhf(y / 25.0f);
+            float ta = tanhf(0.25f * x), tu = tanhf(y * 0.04f);
             float fa = 4.0f * ta * sg, gu = 25.0f * tu;
             /* d/da [4 tanh(a/4) sigma(a)] = (1 - tanh^2) sigma + 4 tanh sigma (1 - sigma) */
             ha = ((1.0f - ta * ta) * sg + fa * (1.0f - sg)) * gu;
