@@ -291,12 +291,86 @@ __global__ void gather_rows_vec_kernel(bf16 *xg, const T *src, const int32_t *or
     }
 }
 
+/* The same by token, one warp a token (width % 8 == 0, width <= 32 * 8 * MAXC,
+ * 16-byte aligned rows): the token's row is read once into registers (lane l:
+ * chunks l, l + 32, ...) and written to each of its k slots' rows; the padding
+ * rows are zero_padding_rows_kernel's. The same bits as by row (a copy, or the
+ * same rounding to bf16). */
+template <typename T, int MAXC>
+__global__ void __launch_bounds__(256) gather_token_kernel(bf16 *__restrict__ xg, const T *__restrict__ src,
+                                                           const int32_t *__restrict__ slot_row, int64_t m, int k,
+                                                           int width) {
+    const int64_t i = (int64_t)blockIdx.x * 8 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32, w8 = width / 8;
+    if (i >= m) return;
+    uint4 v[MAXC];
+    const T *row = src + i * width;
+#pragma unroll
+    for (int c = 0; c < MAXC; c++) {
+        const int e = lane + 32 * c;
+        v[c] = make_uint4(0, 0, 0, 0);
+        if (e >= w8) continue;
+        if constexpr (sizeof(T) == 4) {
+            const float4 lo = ((const float4 *)row)[2 * e], hi = ((const float4 *)row)[2 * e + 1];
+            __nv_bfloat162 *vp = (__nv_bfloat162 *)&v[c];
+            vp[0] = __floats2bfloat162_rn(lo.x, lo.y);
+            vp[1] = __floats2bfloat162_rn(lo.z, lo.w);
+            vp[2] = __floats2bfloat162_rn(hi.x, hi.y);
+            vp[3] = __floats2bfloat162_rn(hi.z, hi.w);
+        } else {
+            v[c] = ((const uint4 *)row)[e];
+        }
+    }
+    for (int t = 0; t < k; t++) {
+        uint4 *dst = (uint4 *)(xg + (int64_t)slot_row[i * k + t] * width);
+#pragma unroll
+        for (int c = 0; c < MAXC; c++) {
+            const int e = lane + 32 * c;
+            if (e < w8) dst[e] = v[c];
+        }
+    }
+}
+
+/* The padding rows of the grouped layout (expert j's rows past its real ones,
+ * up to its padded end) set to zero, w16 16-byte units a row: one block an
+ * expert. */
+__global__ void zero_padding_rows_kernel(uint4 *rows, const int32_t *offsets, const int32_t *padded_offsets,
+                                         int w16) {
+    const int j = blockIdx.x;
+    const int64_t r0 = padded_offsets[j] + (offsets[j + 1] - offsets[j]), r1 = padded_offsets[j + 1];
+    const int64_t count = (r1 - r0) * w16;
+    for (int64_t q = threadIdx.x; q < count; q += blockDim.x) rows[r0 * w16 + q] = make_uint4(0, 0, 0, 0);
+}
+
 static bool vec_ok(int width, const void *p, const void *q) {
     return width % 8 == 0 && (uintptr_t)p % 16 == 0 && (uintptr_t)q % 16 == 0;
 }
 
+/* chunks of 8 a lane for the by-token kernels (1, 2 or 4), 0 beyond 1024 */
+static int token_chunks(int width) {
+    const int per_lane = (width / 8 + 31) / 32;
+    return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 0;
+}
+
+template <typename T>
+static lm_status gather_by_token(cudaStream_t st, bf16 *xg, const T *src, const lm_cuda_moe_acts *a, int n, int k,
+                                 int width, int chunks) {
+    const unsigned grid = blocks_for(a->m, 8);
+    if (chunks == 1) gather_token_kernel<T, 1><<<grid, 256, 0, st>>>(xg, src, a->slot_row, a->m, k, width);
+    else if (chunks == 2) gather_token_kernel<T, 2><<<grid, 256, 0, st>>>(xg, src, a->slot_row, a->m, k, width);
+    else gather_token_kernel<T, 4><<<grid, 256, 0, st>>>(xg, src, a->slot_row, a->m, k, width);
+    LM_CUDA_TRY(cudaGetLastError());
+    zero_padding_rows_kernel<<<n, 256, 0, st>>>((uint4 *)xg, a->offsets, a->padded_offsets, width / 8);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
+
 lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
                         const lm_cuda_moe_acts *a, int n, int k, int width) {
+    const int chunks = token_chunks(width);
+    if (chunks && a->m > 0 && vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32))
+        return src_bf16 ? gather_by_token(st, xg, src_bf16, a, n, k, width, chunks)
+                        : gather_by_token(st, xg, src_f32, a, n, k, width, chunks);
     unsigned grid = blocks_for(a->rows_max, 8);
     if (vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32)) {
         if (src_bf16)
@@ -478,21 +552,10 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-/* The padding rows of the grouped layout (expert j's rows past its real ones,
- * up to its padded end) set to zero, w16 16-byte units a row: one block an
- * expert. */
-__global__ void zero_padding_rows_kernel(uint4 *rows, const int32_t *offsets, const int32_t *padded_offsets,
-                                         int w16) {
-    const int j = blockIdx.x;
-    const int64_t r0 = padded_offsets[j] + (offsets[j + 1] - offsets[j]), r1 = padded_offsets[j + 1];
-    const int64_t count = (r1 - r0) * w16;
-    for (int64_t q = threadIdx.x; q < count; q += blockDim.x) rows[r0 * w16 + q] = make_uint4(0, 0, 0, 0);
-}
-
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
-    const int per_lane = (width / 8 + 31) / 32;
-    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane <= 4 && a->m > 0) {
+    const int per_lane = token_chunks(width);
+    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane > 0 && a->m > 0) {
         const unsigned grid = blocks_for(a->m, 8);
         if (per_lane <= 1)
             combine_backward_token_kernel<1><<<grid, 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights,
