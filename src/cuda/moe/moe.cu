@@ -230,7 +230,7 @@ static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
  * or 0 where they do not apply (d_lat not a multiple of 8 or over 1024, a
  * pointer not 16-byte aligned): the separate kernels then run. */
 static int norm_chunks(int dl, const void *p, const void *q, const void *r, const void *w) {
-    if (dl % 8 != 0 || !aligned16(p) || !aligned16(q) || !aligned16(r) || !aligned16(w)) return 0;
+    if (!lm_cuda_moe_by_token() || dl % 8 != 0 || !aligned16(p) || !aligned16(q) || !aligned16(r) || !aligned16(w)) return 0;
     const int per_lane = (dl / 8 + 31) / 32;
     return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= NORM_MAXC ? NORM_MAXC : 0;
 }

@@ -115,6 +115,21 @@ extern "C" int lm_cuda_moe_batched_tiles(void) {
     return batched_tiles;
 }
 
+static int by_token = -1;
+
+/* LONGMOE_MOE_ROWS=by-row: the gather, the combination with the latent norm and
+ * their backwards as the separate kernels by grouped row (for comparison);
+ * by-token (default): the by-token and fused kernels where they apply. */
+extern "C" int lm_cuda_moe_by_token(void) {
+    if (by_token < 0) {
+        const char *e = getenv("LONGMOE_MOE_ROWS");
+        by_token = e && !strcmp(e, "by-row") ? 0 : 1;
+        if (e && *e && strcmp(e, "by-row") && strcmp(e, "by-token"))
+            fprintf(stderr, "longmoe: LONGMOE_MOE_ROWS=%s ignored: use by-token or by-row\n", e);
+    }
+    return by_token;
+}
+
 static long grouped_refused; /* grouped calls cuBLAS refused (NOT_SUPPORTED), run per expert */
 
 extern "C" long lm_cuda_moe_grouped_refused(void) { return grouped_refused; }

@@ -368,7 +368,7 @@ static lm_status gather_by_token(cudaStream_t st, bf16 *xg, const T *src, const 
 lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
                         const lm_cuda_moe_acts *a, int n, int k, int width) {
     const int chunks = token_chunks(width);
-    if (chunks && a->m > 0 && vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32))
+    if (chunks && a->m > 0 && lm_cuda_moe_by_token() && vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32))
         return src_bf16 ? gather_by_token(st, xg, src_bf16, a, n, k, width, chunks)
                         : gather_by_token(st, xg, src_f32, a, n, k, width, chunks);
     unsigned grid = blocks_for(a->rows_max, 8);
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(256)
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
     const int per_lane = token_chunks(width);
-    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane > 0 && a->m > 0) {
+    if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane > 0 && a->m > 0 && lm_cuda_moe_by_token()) {
         const unsigned grid = blocks_for(a->m, 8);
         if (per_lane <= 1)
             combine_backward_token_kernel<1><<<grid, 256, 0, st>>>(dgout, dp, dz, (const bf16 *)a->gout, a->weights,
