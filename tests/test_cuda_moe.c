@@ -723,6 +723,9 @@ static void test_gemm_selector(void) {
     CHECK(lm_cuda_moe_set_batched_tiles(2) == LM_ERR_ARG, "batched entries 2 refused");
     CHECK(lm_cuda_moe_set_batched_tiles(1) == LM_OK && lm_cuda_moe_batched_tiles() == 1, "batched tiles read back");
     CHECK(lm_cuda_moe_set_batched_tiles(0) == LM_OK && lm_cuda_moe_batched_tiles() == 0, "batched experts read back");
+    CHECK(lm_cuda_moe_set_by_token(2) == LM_ERR_ARG, "rows setting 2 refused");
+    CHECK(lm_cuda_moe_set_by_token(1) == LM_OK && lm_cuda_moe_by_token() == 1, "rows by token read back");
+    CHECK(lm_cuda_moe_set_by_token(0) == LM_OK && lm_cuda_moe_by_token() == 0, "rows by row read back");
     const char *names[LM_MOE_GEMM_KINDS] = {"grouped", "loop", "wmma", "batched", "wgmma"};
     for (int q = 0; q < LM_MOE_GEMM_KINDS; q++) {
         lm_moe_gemm_kind got = (lm_moe_gemm_kind)-1;
@@ -780,6 +783,25 @@ int main(void) {
         RUN(test_runs_are_bit_identical);
         RUN(test_sparse_router_dx_equals_the_dense_product);
     }
+    /* the rows moved by token (the gather, the combination with the latent norm and their
+     * backwards: lm_cuda_moe_set_by_token), with the default kind, batched in 128-row tiles;
+     * the passes above ran them by grouped row */
+    kind_now = LM_MOE_GEMM_BATCHED;
+    if (!test_skip_all_reason && (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_batched_tiles(1) ||
+                                  lm_cuda_moe_set_by_token(1))) {
+        fprintf(stderr, "set rows by token: %s\n", lm_last_error());
+        return 1;
+    }
+    printf("rows by token: expert products batched, one entry a 128-row tile\n");
+    RUN(test_forward_backward_match_the_cpu_without_latent);
+    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+    RUN(test_forward_backward_match_the_cpu_with_shared_experts);
+    RUN(test_forward_backward_match_the_cpu_wide);
+    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
+    RUN(test_all_tokens_to_the_same_experts_is_dropless);
+    RUN(test_experts_without_tokens_and_one_crowded_expert);
+    RUN(test_runs_are_bit_identical);
+    if (!test_skip_all_reason && lm_cuda_moe_set_by_token(0)) return 1;
     /* the routing does not depend on the kind of product: once, with batched */
     kind_now = LM_MOE_GEMM_BATCHED;
     if (!test_skip_all_reason && (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_batched_tiles(0))) {

@@ -14,8 +14,10 @@
 
 #define ALIGN_BYTES 256
 /* tokens per block of the lat_norm gradient's partial sums */
-/* tokens a block of the latent norm's weight-gradient partials */
+/* tokens a block of the latent norm's weight-gradient partials: the fused
+ * kernel's (NORM_CHUNK) and the separate one's (NORM_CHUNK_ROW) */
 #define NORM_CHUNK 64
+#define NORM_CHUNK_ROW 256
 /* the fused latent-norm kernels hold up to 4 chunks of 8 a lane: d_lat <= 1024 */
 #define NORM_MAXC 4
 
@@ -299,7 +301,7 @@ __global__ void norm_weight_partial_kernel(float *partial, const float *g, const
                                            int64_t m, int dl) {
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= dl) return;
-    int64_t i0 = (int64_t)blockIdx.y * NORM_CHUNK, i1 = i0 + NORM_CHUNK < m ? i0 + NORM_CHUNK : m;
+    int64_t i0 = (int64_t)blockIdx.y * NORM_CHUNK_ROW, i1 = i0 + NORM_CHUNK_ROW < m ? i0 + NORM_CHUNK_ROW : m;
     float acc = 0.0f;
     for (int64_t i = i0; i < i1; i++) acc += g[i * dl + e] * z[i * dl + e] * rstd[i];
     partial[(int64_t)blockIdx.y * dl + e] = acc;
@@ -738,8 +740,8 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     if (dl > 0) {
         TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
         if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
-        const int64_t nchunk = (m + NORM_CHUNK - 1) / NORM_CHUNK;
         const int mc = norm_chunks(dl, s->dz, s->dzn, a->z, pf->lat_norm);
+        const int64_t chunk = mc ? NORM_CHUNK : NORM_CHUNK_ROW, nchunk = (m + chunk - 1) / chunk;
         if (mc == 1)
             norm_backward_fused_kernel<1><<<(unsigned)nchunk, 256, 0, st>>>(s->dz, s->norm_partial, s->dzn, a->z,
                                                                            pf->lat_norm, a->rstd, m, dl);

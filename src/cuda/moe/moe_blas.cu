@@ -117,15 +117,18 @@ extern "C" int lm_cuda_moe_batched_tiles(void) {
 
 static int by_token = -1;
 
-/* LONGMOE_MOE_ROWS=by-row: the gather, the combination with the latent norm and
- * their backwards as the separate kernels by grouped row (for comparison);
- * by-token (default): the by-token and fused kernels where they apply. */
+extern "C" lm_status lm_cuda_moe_set_by_token(int v) {
+    if (v != 0 && v != 1) return lm_error(LM_ERR_ARG, "moe rows: %d (expected 0: by row or 1: by token)", v);
+    by_token = v;
+    return LM_OK;
+}
+
 extern "C" int lm_cuda_moe_by_token(void) {
     if (by_token < 0) {
         const char *e = getenv("LONGMOE_MOE_ROWS");
-        by_token = e && !strcmp(e, "by-row") ? 0 : 1;
+        by_token = e && !strcmp(e, "by-token") ? 1 : 0;
         if (e && *e && strcmp(e, "by-row") && strcmp(e, "by-token"))
-            fprintf(stderr, "longmoe: LONGMOE_MOE_ROWS=%s ignored: use by-token or by-row\n", e);
+            fprintf(stderr, "longmoe: LONGMOE_MOE_ROWS=%s ignored: use by-row or by-token\n", e);
     }
     return by_token;
 }

@@ -145,10 +145,6 @@ lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_c
                                           const lm_moe_params_bf16 *pb, const lm_moe_params *g,
                                           const lm_cuda_moe_acts *a, lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep);
 
-/* 1: the by-token gather and combination backward and the fused latent-norm
- * kernels where they apply; 0 (LONGMOE_MOE_ROWS=by-row): the by-row ones. */
-extern "C" int lm_cuda_moe_by_token(void);
-
 /* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
  * the padded grouped layout (acts: s holds the logits W_r x on entry). */
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,
