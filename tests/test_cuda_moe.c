@@ -745,6 +745,18 @@ static void test_bad_arguments_are_refused(void) {
     CHECK(lm_cuda_moe_acts_bytes(&c, 10) == 0, "bad config refused");
 }
 
+/* the layer against the CPU and against itself, under the current settings */
+static void run_parity_tests(void) {
+    RUN(test_forward_backward_match_the_cpu_without_latent);
+    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
+    RUN(test_forward_backward_match_the_cpu_with_shared_experts);
+    RUN(test_forward_backward_match_the_cpu_wide);
+    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
+    RUN(test_all_tokens_to_the_same_experts_is_dropless);
+    RUN(test_experts_without_tokens_and_one_crowded_expert);
+    RUN(test_runs_are_bit_identical);
+}
+
 int main(void) {
     test_skip_without_cuda();
     if (!test_skip_all_reason && lm_cuda_context_create(&ctx)) {
@@ -773,14 +785,7 @@ int main(void) {
         else if (kind_now == LM_MOE_GEMM_BATCHED)
             printf("expert products: batched, one entry %s\n", tiles ? "a 128-row tile" : "an expert");
         else printf("expert products: %s\n", lm_cuda_moe_gemm_name(kind_now));
-        RUN(test_forward_backward_match_the_cpu_without_latent);
-        RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
-        RUN(test_forward_backward_match_the_cpu_with_shared_experts);
-        RUN(test_forward_backward_match_the_cpu_wide);
-        RUN(test_bias_and_extra_score_gradient_match_the_cpu);
-        RUN(test_all_tokens_to_the_same_experts_is_dropless);
-        RUN(test_experts_without_tokens_and_one_crowded_expert);
-        RUN(test_runs_are_bit_identical);
+        run_parity_tests();
         RUN(test_sparse_router_dx_equals_the_dense_product);
     }
     /* the rows moved by token (the gather, the combination with the latent norm and their
@@ -793,14 +798,7 @@ int main(void) {
         return 1;
     }
     printf("rows by token: expert products batched, one entry a 128-row tile\n");
-    RUN(test_forward_backward_match_the_cpu_without_latent);
-    RUN(test_forward_backward_match_the_cpu_with_latent_and_shared);
-    RUN(test_forward_backward_match_the_cpu_with_shared_experts);
-    RUN(test_forward_backward_match_the_cpu_wide);
-    RUN(test_bias_and_extra_score_gradient_match_the_cpu);
-    RUN(test_all_tokens_to_the_same_experts_is_dropless);
-    RUN(test_experts_without_tokens_and_one_crowded_expert);
-    RUN(test_runs_are_bit_identical);
+    run_parity_tests();
     if (!test_skip_all_reason && lm_cuda_moe_set_by_token(0)) return 1;
     /* the routing does not depend on the kind of product: once, with batched */
     kind_now = LM_MOE_GEMM_BATCHED;
