@@ -18,8 +18,6 @@
  * kernel's (NORM_CHUNK) and the separate one's (NORM_CHUNK_ROW) */
 #define NORM_CHUNK 64
 #define NORM_CHUNK_ROW 256
-/* the fused latent-norm kernels hold up to 4 chunks of 8 a lane: d_lat <= 1024 */
-#define NORM_MAXC 4
 
 static unsigned blocks_for(int64_t count, int threads) { return (unsigned)((count + threads - 1) / threads); }
 
@@ -228,13 +226,12 @@ __global__ void glu_backward_vec_kernel(uint4 *da, uint4 *du, const uint4 *dh, c
 
 static bool aligned16(const void *p) { return (uintptr_t)p % 16 == 0; }
 
-/* The fused latent-norm kernels' chunks of 8 a lane (1, 2 or 4) for d_lat,
- * or 0 where they do not apply (d_lat not a multiple of 8 or over 1024, a
- * pointer not 16-byte aligned): the separate kernels then run. */
+/* The fused latent-norm kernels' chunks of 8 a lane for d_lat
+ * (lm_moe_token_chunks), or 0 where they do not run (rows by grouped row, or
+ * a pointer not 16-byte aligned): the separate kernels then run. */
 static int norm_chunks(int dl, const void *p, const void *q, const void *r, const void *w) {
-    if (!lm_cuda_moe_by_token() || dl % 8 != 0 || !aligned16(p) || !aligned16(q) || !aligned16(r) || !aligned16(w)) return 0;
-    const int per_lane = (dl / 8 + 31) / 32;
-    return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= NORM_MAXC ? NORM_MAXC : 0;
+    if (!lm_cuda_moe_by_token() || !aligned16(p) || !aligned16(q) || !aligned16(r) || !aligned16(w)) return 0;
+    return lm_moe_token_chunks(dl);
 }
 
 /* h = act(a, u) on rows [0, min(rows, *row_limit)) of width f */
@@ -309,7 +306,7 @@ __global__ void norm_weight_partial_kernel(float *partial, const float *g, const
 
 /* The latent sum and its RMSNorm in one pass (LatentMoE, d_lat % 8 == 0 and
  * d_lat <= 32 * 8 * MAXC), one warp a token: z_i = sum_t p_it gout[slot_row(i,t)]
- * (combine_vec_kernel's sum, element by element in the same order: the same z),
+ * (lm_moe_combine_chunk, as the by-row combination: the same z),
  * written for the backward, then rstd = 1/sqrt(mean z^2 + eps) and zn = z rstd w
  * from the registers: z is not read back. Lane l holds the 8-element chunks
  * l, l + 32, ... of the row. */
@@ -325,16 +322,8 @@ __global__ void __launch_bounds__(256) combine_norm_kernel(float *z, bf16 *zn, f
 #pragma unroll
     for (int c = 0; c < MAXC; c++) {
         const int e8 = lane + 32 * c;
-#pragma unroll
-        for (int e = 0; e < 8; e++) v[c][e] = 0.0f;
         if (e8 >= w8) continue;
-        for (int t = 0; t < k; t++) {
-            const float p = weights[i * k + t];
-            const uint4 g = ((const uint4 *)(gout + (int64_t)slot_row[i * k + t] * dl))[e8];
-            const bf16 *gp = (const bf16 *)&g;
-#pragma unroll
-            for (int e = 0; e < 8; e++) v[c][e] += p * __bfloat162float(gp[e]);
-        }
+        lm_moe_combine_chunk(v[c], gout, weights, slot_row, i, k, dl, e8);
         float4 *o = (float4 *)(z + i * dl) + 2 * e8;
         o[0] = make_float4(v[c][0], v[c][1], v[c][2], v[c][3]);
         o[1] = make_float4(v[c][4], v[c][5], v[c][6], v[c][7]);

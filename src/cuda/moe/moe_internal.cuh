@@ -145,6 +145,31 @@ lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_c
                                           const lm_moe_params_bf16 *pb, const lm_moe_params *g,
                                           const lm_cuda_moe_acts *a, lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep);
 
+/* The by-token kernels' chunks of 8 elements a lane for rows of `width`
+ * (one warp a row): 1, 2 or 4; 0 where they do not apply (width not a
+ * multiple of 8, or over 1024). */
+static inline int lm_moe_token_chunks(int width) {
+    if (width % 8 != 0) return 0;
+    const int per_lane = (width / 8 + 31) / 32;
+    return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 0;
+}
+
+/* z = sum_t p_it gout[slot_row(i,t)] over the 8 elements of chunk e8 of
+ * token i's row, in slot order (fp32): the by-row combination's and the
+ * fused combination-with-norm's arithmetic. */
+__device__ __forceinline__ void lm_moe_combine_chunk(float (&z)[8], const __nv_bfloat16 *gout, const float *weights,
+                                                     const int32_t *slot_row, int64_t i, int k, int width, int e8) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) z[e] = 0.0f;
+    for (int t = 0; t < k; t++) {
+        const float w = weights[i * k + t];
+        const uint4 v = ((const uint4 *)(gout + (int64_t)slot_row[i * k + t] * width))[e8];
+        const __nv_bfloat16 *vp = (const __nv_bfloat16 *)&v;
+#pragma unroll
+        for (int e = 0; e < 8; e++) z[e] += w * __bfloat162float(vp[e]);
+    }
+}
+
 /* Routing (moe_route.cu): top-k of s + b, weights, stable counting sort into
  * the padded grouped layout (acts: s holds the logits W_r x on entry). */
 lm_status lm_moe_route(cudaStream_t st, lm_cuda_moe_acts *a, const float *bias, int64_t m, int n, int k,

@@ -346,12 +346,6 @@ static bool vec_ok(int width, const void *p, const void *q) {
     return width % 8 == 0 && (uintptr_t)p % 16 == 0 && (uintptr_t)q % 16 == 0;
 }
 
-/* chunks of 8 a lane for the by-token kernels (1, 2 or 4), 0 beyond 1024 */
-static int token_chunks(int width) {
-    const int per_lane = (width / 8 + 31) / 32;
-    return per_lane <= 1 ? 1 : per_lane <= 2 ? 2 : per_lane <= 4 ? 4 : 0;
-}
-
 template <typename T>
 static lm_status gather_by_token(cudaStream_t st, bf16 *xg, const T *src, const lm_cuda_moe_acts *a, int n, int k,
                                  int width, int chunks) {
@@ -367,7 +361,7 @@ static lm_status gather_by_token(cudaStream_t st, bf16 *xg, const T *src, const 
 
 lm_status lm_moe_gather(cudaStream_t st, bf16 *xg, const float *src_f32, const bf16 *src_bf16,
                         const lm_cuda_moe_acts *a, int n, int k, int width) {
-    const int chunks = token_chunks(width);
+    const int chunks = lm_moe_token_chunks(width);
     if (chunks && a->m > 0 && lm_cuda_moe_by_token() && vec_ok(width, xg, src_bf16 ? (const void *)src_bf16 : (const void *)src_f32))
         return src_bf16 ? gather_by_token(st, xg, src_bf16, a, n, k, width, chunks)
                         : gather_by_token(st, xg, src_f32, a, n, k, width, chunks);
@@ -411,14 +405,8 @@ __global__ void combine_vec_kernel(float *out, const bf16 *gout, const float *we
     if (q >= m * w8) return;
     int64_t i = q / w8;
     int e8 = (int)(q % w8);
-    float z[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int t = 0; t < k; t++) {
-        float w = weights[i * k + t];
-        uint4 v = ((const uint4 *)(gout + (int64_t)slot_row[i * k + t] * width))[e8];
-        const bf16 *vp = (const bf16 *)&v;
-#pragma unroll
-        for (int e = 0; e < 8; e++) z[e] += w * __bfloat162float(vp[e]);
-    }
+    float z[8];
+    lm_moe_combine_chunk(z, gout, weights, slot_row, i, k, width, e8);
     float4 *o = (float4 *)(out + i * width) + 2 * e8;
     o[0] = make_float4(z[0], z[1], z[2], z[3]);
     o[1] = make_float4(z[4], z[5], z[6], z[7]);
@@ -434,6 +422,23 @@ lm_status lm_moe_combine(cudaStream_t st, float *out, const lm_cuda_moe_acts *a,
     combine_kernel<<<blocks_for(m * width, 256), 256, 0, st>>>(out, (const bf16 *)a->gout, a->weights, a->slot_row, m, k, width);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
+}
+
+/* One 8-element chunk of a slot's combination backward: dst = p dz (bf16),
+ * and dz . gout of the chunk returned (in one fixed expression). */
+__device__ __forceinline__ float slot_backward_chunk(uint4 *dst, const uint4 gv, const float4 lo, const float4 hi,
+                                                     const float w) {
+    const bf16 *gp = (const bf16 *)&gv;
+    uint4 v;
+    __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
+    vp[0] = __floats2bfloat162_rn(w * lo.x, w * lo.y);
+    vp[1] = __floats2bfloat162_rn(w * lo.z, w * lo.w);
+    vp[2] = __floats2bfloat162_rn(w * hi.x, w * hi.y);
+    vp[3] = __floats2bfloat162_rn(w * hi.z, w * hi.w);
+    *dst = v;
+    return lo.x * __bfloat162float(gp[0]) + lo.y * __bfloat162float(gp[1]) + lo.z * __bfloat162float(gp[2]) +
+           lo.w * __bfloat162float(gp[3]) + hi.x * __bfloat162float(gp[4]) + hi.y * __bfloat162float(gp[5]) +
+           hi.z * __bfloat162float(gp[6]) + hi.w * __bfloat162float(gp[7]);
 }
 
 /* Backward of the combination, one warp a grouped row: dgout = p dz_i (bf16,
@@ -479,20 +484,7 @@ __global__ void combine_backward_vec_kernel(bf16 *dgout, float *dp, const float 
     const float4 *dzi = (const float4 *)(dz + (int64_t)(g / k) * width);
     const uint4 *go = (const uint4 *)(gout + r * width);
     float w = weights[g], dot = 0.0f;
-    for (int e = lane; e < w8; e += 32) {
-        float4 lo = dzi[2 * e], hi = dzi[2 * e + 1];
-        uint4 gv = go[e], v;
-        const bf16 *gp = (const bf16 *)&gv;
-        __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
-        vp[0] = __floats2bfloat162_rn(w * lo.x, w * lo.y);
-        vp[1] = __floats2bfloat162_rn(w * lo.z, w * lo.w);
-        vp[2] = __floats2bfloat162_rn(w * hi.x, w * hi.y);
-        vp[3] = __floats2bfloat162_rn(w * hi.z, w * hi.w);
-        dst[e] = v;
-        dot += lo.x * __bfloat162float(gp[0]) + lo.y * __bfloat162float(gp[1]) + lo.z * __bfloat162float(gp[2]) +
-               lo.w * __bfloat162float(gp[3]) + hi.x * __bfloat162float(gp[4]) + hi.y * __bfloat162float(gp[5]) +
-               hi.z * __bfloat162float(gp[6]) + hi.w * __bfloat162float(gp[7]);
-    }
+    for (int e = lane; e < w8; e += 32) dot += slot_backward_chunk(dst + e, go[e], dzi[2 * e], dzi[2 * e + 1], w);
     for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
     if (lane == 0) dp[g] = dot;
 }
@@ -533,19 +525,7 @@ __global__ void __launch_bounds__(256)
         for (int c = 0; c < MAXC; c++) {
             const int e8 = lane + 32 * c;
             if (e8 >= w8) continue;
-            const uint4 gv = go[e8];
-            const bf16 *gp = (const bf16 *)&gv;
-            uint4 v;
-            __nv_bfloat162 *vp = (__nv_bfloat162 *)&v;
-            vp[0] = __floats2bfloat162_rn(w * lo[c].x, w * lo[c].y);
-            vp[1] = __floats2bfloat162_rn(w * lo[c].z, w * lo[c].w);
-            vp[2] = __floats2bfloat162_rn(w * hi[c].x, w * hi[c].y);
-            vp[3] = __floats2bfloat162_rn(w * hi[c].z, w * hi[c].w);
-            dst[e8] = v;
-            dot += lo[c].x * __bfloat162float(gp[0]) + lo[c].y * __bfloat162float(gp[1]) +
-                   lo[c].z * __bfloat162float(gp[2]) + lo[c].w * __bfloat162float(gp[3]) +
-                   hi[c].x * __bfloat162float(gp[4]) + hi[c].y * __bfloat162float(gp[5]) +
-                   hi[c].z * __bfloat162float(gp[6]) + hi[c].w * __bfloat162float(gp[7]);
+            dot += slot_backward_chunk(dst + e8, go[e8], lo[c], hi[c], w);
         }
         for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
         if (lane == 0) dp[slot] = dot;
@@ -554,7 +534,7 @@ __global__ void __launch_bounds__(256)
 
 lm_status lm_moe_combine_backward(cudaStream_t st, bf16 *dgout, float *dp, const float *dz,
                                   const lm_cuda_moe_acts *a, int n, int k, int width) {
-    const int per_lane = token_chunks(width);
+    const int per_lane = lm_moe_token_chunks(width);
     if (vec_ok(width, dgout, dz) && (uintptr_t)a->gout % 16 == 0 && per_lane > 0 && a->m > 0 && lm_cuda_moe_by_token()) {
         const unsigned grid = blocks_for(a->m, 8);
         if (per_lane <= 1)
