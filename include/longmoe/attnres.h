@@ -98,6 +98,7 @@ typedef struct {
     size_t phase1;         /* two-phase: per-query running (max, sum, value accumulator) of a block */
     size_t queries;        /* S effective query vectors w (.) g, d floats each */
     size_t param_grad;     /* partial sums of the query/key-norm gradients, d per 64 tokens */
+    size_t deferred;       /* GPU, when on: one block's deferred backward terms (0 on the CPU) */
     size_t total;
     double history_bytes_per_token; /* the same without the 64-byte rounding, per token */
     double total_bytes_per_token;   /* (for planners; excludes the n-independent queries) */

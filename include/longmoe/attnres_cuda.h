@@ -74,10 +74,28 @@ typedef struct {
     int dy_lp_for;       /* the sublayer whose dLoss/dy dy_lp holds; -1: none */
     int step;            /* position in the call sequence (as in the CPU state) */
     int replaying, replay_last, replay_step; /* a block's replay (cfg.replay), as in the CPU state */
+    float *defer_dh;     /* [S-1, n, d] the deferred backward's dh rows; NULL: off (docs/attnres.md) */
+    float *defer_coef;   /* [S-1, n, 3 N] their closed sources' coefficients */
+    uint64_t defer_mask; /* bit p-1: position p of the block in the backward has deferred its terms */
 } lm_cuda_attnres_state;
 
+/* The closed sources' gradients of a block, deferred (docs/attnres.md): each
+ * mid-block sublayer's backward keeps its dh row and three numbers a source,
+ * and the block's first sublayer adds them all to the closed sources'
+ * gradients in one pass (the same terms in the same order: the same bits),
+ * instead of every sublayer reading and writing every closed source's
+ * gradient. Costs (S-1) [n, d] fp32 rows (plan.deferred). On: 1, off: 0;
+ * the default is LONGMOE_ATTNRES_BWD (deferred or direct; unset: direct).
+ * It applies where the sublayers take the input with its norm
+ * (lm_cuda_attnres_norm_fusable), Block AttnRes with 2 <= S <= 65 and more
+ * than one block; the memory plan and lm_cuda_attnres_init read it, so set it
+ * before both. */
+lm_status lm_cuda_attnres_set_deferred(int on);
+int lm_cuda_attnres_deferred(void);
+
 /* Device bytes of every buffer (each rounded up to 64 bytes); phase1 and
- * queries are 0. LM_ERR_ARG for a bad config (the same checks as the CPU). */
+ * queries are 0, deferred 0 unless the deferred backward applies. LM_ERR_ARG
+ * for a bad config (the same checks as the CPU). */
 lm_status lm_cuda_attnres_memory(const lm_attnres_config *cfg, lm_attnres_memory_plan *plan);
 
 /* Carve the buffers out of `device_workspace` (at least plan.total bytes,

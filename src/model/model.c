@@ -958,11 +958,13 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
                              m->replay ? " (one block's, replayed)" : "")) ||
             (st = ledger_add(m, arp.saved_scores, "residual stream: saved scores")) ||
             (st = ledger_add(m, arp.phase1, "residual stream: two-phase accumulators")) ||
-            (st = ledger_add(m, arp.queries + arp.param_grad, "residual stream: queries, parameter gradient partials")))
+            (st = ledger_add(m, arp.queries + arp.param_grad, "residual stream: queries, parameter gradient partials")) ||
+            (arp.deferred && (st = ledger_add(m, arp.deferred, "residual stream: deferred backward terms, %d x [N,d]",
+                                              cfg->attnres_block - 1))))
             goto fail;
         /* whatever the parts leave out (a backend's own rounding) */
         size_t parts = arp.history + arp.history_grad + arp.saved_partials + arp.saved_scores + arp.phase1 +
-                       arp.queries + arp.param_grad;
+                       arp.queries + arp.param_grad + arp.deferred;
         if (arp.total > parts && (st = ledger_add(m, arp.total - parts, "residual stream: other")))
             goto fail;
     }

@@ -43,6 +43,35 @@ static lm_status check_config(const lm_attnres_config *c) {
     return LM_OK;
 }
 
+/* the deferred backward's setting: -1 until set or read (LONGMOE_ATTNRES_BWD) */
+static int defer_setting = -1;
+
+extern "C" lm_status lm_cuda_attnres_set_deferred(int on) {
+    if (on != 0 && on != 1)
+        return lm_error(LM_ERR_ARG, "attnres cuda: deferred backward %d (expected 0: direct or 1: deferred)", on);
+    defer_setting = on;
+    return LM_OK;
+}
+
+extern "C" int lm_cuda_attnres_deferred(void) {
+    if (defer_setting < 0) {
+        const char *e = getenv("LONGMOE_ATTNRES_BWD");
+        defer_setting = e && !strcmp(e, "deferred") ? 1 : 0;
+        if (e && *e && strcmp(e, "deferred") && strcmp(e, "direct"))
+            fprintf(stderr, "longmoe: LONGMOE_ATTNRES_BWD=%s ignored: use deferred or direct\n", e);
+    }
+    return defer_setting;
+}
+
+/* whether cfg's backward defers (lm_cuda_attnres_set_deferred): block mode,
+ * 2 <= S <= 65 (a position a bit of the mask), more than one block (the
+ * first has one closed source, which gains nothing) and the fused norm */
+static int defers(const lm_attnres_config *c) {
+    if (!lm_cuda_attnres_deferred() || c->mode != LM_ATTNRES_BLOCK) return 0;
+    const int S = attnres_effective_block(c), L = c->n_sublayers;
+    return S >= 2 && S <= 65 && (L + S - 1) / S >= 2 && lm_cuda_attnres_norm_fusable(c);
+}
+
 extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *plan) {
     lm_status s = check_config(c);
     if (s) return s;
@@ -74,14 +103,18 @@ extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnr
         plan->queries = 0; /* u = w (.) g is formed inside the kernels */
         /* the query's and key norm's partial sums, and the fused norm's weight gradient's */
         plan->param_grad = 2 * align_up(n_tb * d * f);
+        /* the deferred backward: S - 1 dh rows and 3 N coefficients a token each */
+        const size_t defer_rows = defers(c) ? (size_t)S - 1 : 0;
+        plan->deferred = defer_rows ? align_up(defer_rows * n * d * f) + align_up(defer_rows * n * 3 * N * f) : 0;
         const double scores = (double)attnres_logits_offset((int)L + 1, S, (int)L, 1) + (double)(L + 1);
         plan->history_bytes_per_token = (double)(H * (d + 1) * f);
         plan->total_bytes_per_token = (double)(d * sizeof(uint16_t)) +
                                       (double)f * ((double)H * (d + 1) + (double)H * d + (double)slots * d +
-                                                   (double)L + scores + 2.0 * (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK);
+                                                   (double)L + scores + 2.0 * (double)d / LM_CUDA_ATTNRES_TOKEN_BLOCK +
+                                                   (double)defer_rows * (double)(d + 3 * N));
     }
     plan->total = plan->history + plan->history_grad + plan->saved_partials + plan->saved_scores + plan->phase1 +
-                  plan->queries + plan->param_grad;
+                  plan->queries + plan->param_grad + plan->deferred;
     return LM_OK;
 }
 
@@ -125,6 +158,11 @@ extern "C" lm_status lm_cuda_attnres_init(lm_cuda_attnres_state *st, const lm_at
         CARVE(st->lse, (L + 1) * n * f);
         CARVE(st->qpart, n_tb * d * f);
         CARVE(st->npart, n_tb * d * f);
+        if (plan.deferred) {
+            const size_t rows = (size_t)st->S - 1;
+            CARVE(st->defer_dh, rows * n * d * f);
+            CARVE(st->defer_coef, rows * n * 3 * (size_t)plan.n_blocks * f);
+        }
     }
 #undef CARVE
     st->step = -1;
@@ -218,6 +256,7 @@ extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_a
     st->step = 0;
     st->replaying = 0;
     st->dy_lp_for = -1;
+    st->defer_mask = 0;
     return LM_OK;
 }
 
@@ -441,7 +480,7 @@ extern "C" lm_status lm_cuda_attnres_final_backward(const lm_cuda_context *ctx, 
                                          st->lse + (size_t)L * n, dh, st->qpart,
                                          g && g->query ? g->query + (size_t)L * d : NULL,
                                          g && g->key_norm ? g->key_norm + (size_t)L * d : NULL, st->dy_lp,
-                                         1 + (L - 1) / st->S, n, d)))
+                                         1 + (L - 1) / st->S, NULL, n, d)))
             return s;
         st->dy_lp_for = L - 1;
     }
@@ -515,14 +554,29 @@ static lm_status input_backward_impl(const lm_cuda_context *ctx, lm_cuda_attnres
         float *dg = g && g->key_norm ? g->key_norm + (size_t)l * d : NULL;
         uint16_t *lp = next >= 0 ? st->dy_lp : NULL;
         float *dP = st->dhist + (size_t)(1 + k) * nd;
+        /* the deferred backward: a mid-block sublayer with more than one closed source keeps
+         * its closed sources' terms (slot pos - 1); the block's first adds them all */
+        const int pos = l % S;
+        attnres_deferred df;
+        memset(&df, 0, sizeof df);
+        df.slot = -1;
+        df.dh = st->defer_dh;
+        df.coef = st->defer_coef;
+        df.cmax = st->n_blocks;
+        df.w = p->query + (size_t)(l - pos) * d;
+        df.g = p->key_norm + (size_t)(l - pos) * d;
+        if (st->defer_dh && ng && pos > 0 && src.C >= 2) df.slot = pos - 1;
+        if (pos == 0) df.apply = st->defer_mask;
         if (ng)
             s = attnres_launch_backward_norm(stream_of(ctx), &src, st->dhist, dP, w, gk, logits, lse, ng->dout,
                                              ng->weight, ng->rstd, st->qpart, st->npart, dw, dg, ng->dweight, lp, next,
-                                             n, d);
+                                             &df, n, d);
         else
             s = attnres_launch_backward(stream_of(ctx), &src, st->dhist, dP, 0, w, gk, logits, lse, dh, st->qpart, dw,
-                                        dg, lp, next, n, d);
+                                        dg, lp, next, &df, n, d);
         if (s) return s;
+        if (df.slot >= 0) st->defer_mask |= 1ull << df.slot;
+        if (pos == 0) st->defer_mask = 0;
         st->dy_lp_for = l - 1;
     }
     st->step++;

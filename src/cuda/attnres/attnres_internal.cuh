@@ -22,6 +22,25 @@ struct attnres_sources {
     float *P_rstd;          /* [n] 1/rms of P (written by the forward, read otherwise) */
 };
 
+/* The deferred backward of a block's closed sources (docs/attnres.md, "The
+ * closed sources' gradients, deferred"). A mid-block sublayer at position p
+ * (slot = p - 1 >= 0) writes its dh row into dh + slot n d and, for each
+ * closed source i < C, the coefficients a_i, k1_i, k2_i of its term
+ * a_i dh + k1_i u - k2_i v_i into coef[(slot n + t) 3 cmax + 3 i ...],
+ * instead of adding the term into dhist[i]. The block's first sublayer
+ * (slot = -1) adds the terms of every position p whose bit p - 1 is set in
+ * apply (highest position first: the order the sublayers would have added
+ * them) before its own, then writes dhist[i] once. w, g: the queries and key
+ * norms of the block's sublayers, position p's at + p d. */
+struct attnres_deferred {
+    float *dh;          /* [S-1, n, d] */
+    float *coef;        /* [S-1, n, 3 cmax] */
+    int cmax;           /* the most closed sources a sublayer reads */
+    int slot;           /* >= 0: this call defers into that slot */
+    uint64_t apply;     /* bit p-1: add position p's deferred terms (slot -1 only) */
+    const float *w, *g; /* [S, d] from the block's first sublayer */
+};
+
 /* rows [n,d]: dst = src (assign) or dst += src; rstd [n] (may be NULL) = 1/rms of the new rows. */
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
                                          int assign, int64_t n, int d, float eps);
@@ -46,11 +65,12 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
  * dw, dg may be NULL. lp_out (may be NULL): [n,d] bf16, source lp_src's
  * updated dv (dhist[lp_src], or dP when lp_src == C) rounded as the model's
  * to_lp rounds: the next sublayer's output gradient in the product format,
- * written while the row is in registers. */
+ * written while the row is in registers. df (may be NULL): the deferred
+ * terms to add (df->apply; this kernel does not defer its own). */
 lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
                                   int assign, const float *w, const float *g, const float *logits,
                                   const float *lse, const float *dh, float *qpart, float *dw, float *dg,
-                                  uint16_t *lp_out, int lp_src, int64_t n, int d);
+                                  uint16_t *lp_out, int lp_src, const attnres_deferred *df, int64_t n, int d);
 
 /* Whether a sublayer's input and its RMSNorm run as one kernel each way
  * (forward_norm_kernel, backward_norm_kernel): d % 4 == 0, d <= 1024, at
@@ -69,11 +89,13 @@ lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources
 /* The backward of that pair (attnres_launch_backward's arguments, assign 0)
  * from dxn [n,d], the norm's output gradient, its weight nw and the forward's
  * nrstd; h is formed again from the saved scores. dnw (may be NULL) [d] +=
- * the norm weight's gradient, reduced through npart [ceil(n/TOKEN_BLOCK), d]. */
+ * the norm weight's gradient, reduced through npart [ceil(n/TOKEN_BLOCK), d].
+ * df (may be NULL): defer this sublayer's closed sources' terms (df->slot >=
+ * 0) or add the deferred ones (df->apply). */
 lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
                                        const float *w, const float *g, const float *logits, const float *lse,
                                        const float *dxn, const float *nw, const float *nrstd, float *qpart,
                                        float *npart, float *dw, float *dg, float *dnw, uint16_t *lp_out, int lp_src,
-                                       int64_t n, int d);
+                                       const attnres_deferred *df, int64_t n, int d);
 
 #endif

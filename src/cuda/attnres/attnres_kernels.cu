@@ -346,6 +346,37 @@ __device__ __forceinline__ void load_param(float (&x)[VEC], const float *p, int 
     }
 }
 
+/* One source's dv term added to o: o + (a y + k1 u - k2 x), rounded in this
+ * fixed order on every path, so a term added later (the deferred backward)
+ * gives the bits of the same term added at once. */
+__device__ __forceinline__ float dv_term(float o, float a, float y, float k1, float u, float k2, float x) {
+    float t = __fmul_rn(k1, u);
+    t = __fmaf_rn(a, y, t);
+    t = __fmaf_rn(-k2, x, t);
+    return __fadd_rn(o, t);
+}
+
+/* The deferred terms of closed source i for token t (VEC channels at c of
+ * its row, values x), added to o: the positions of df.apply, highest first
+ * (the order in which their sublayers would have added them). */
+template <int VEC>
+__device__ __forceinline__ void add_deferred(float (&o)[VEC], const attnres_deferred &df, const float (&x)[VEC],
+                                             int i, int64_t t, size_t row, int c, int64_t n, int d) {
+    const size_t nd = (size_t)n * d;
+    for (uint64_t m = df.apply; m;) {
+        const int b = 63 - __clzll((long long)m); /* position b + 1, slot b */
+        m &= ~(1ull << b);
+        const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax + 3 * i;
+        const float a = cf[0], k1 = cf[1], k2 = cf[2];
+        float y[VEC], wv[VEC], gv[VEC];
+        vec<VEC>::load(y, df.dh + (size_t)b * nd + row + c);
+        load_param<VEC>(wv, df.w + (size_t)(b + 1) * d, c);
+        load_param<VEC>(gv, df.g + (size_t)(b + 1) * d, c);
+#pragma unroll
+        for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a, y[j], k1, wv[j] * gv[j], k2, x[j]);
+    }
+}
+
 /* ---- the sublayer's input and its RMSNorm in one pass (docs/attnres.md) ----
  * The forward_regs_kernel's rows (or, from_saved, the weights exp(s_i - lse)
  * of the saved scores), then h's 1/rms and the normalised row
@@ -514,7 +545,7 @@ template <int VEC>
 __global__ void __launch_bounds__(THREADS)
 backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                 const float *logits, const float *lse, const float *dh, float *qpart, uint16_t *lp_out, int lp_src,
-                int64_t n, int d, int tpr, int tb) {
+                attnres_deferred df, int64_t n, int d, int tpr, int tb) {
     // sources, dhist rows, dP, dh are (n,d); logits is (n,Ns); lse is (n); qpart is (gridDim.x, d); tb tokens a block
     // lp_out (n,d) bf16: source lp_src's updated dv rounded (may be NULL)
     // shared: red [WARPS][Ns], coef [rows][Ns][3], pre [rows][2Ns+1], q [rows][d] (when qpart)
@@ -581,8 +612,9 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
                     } else {
                         vec<VEC>::load(o, dv + c);
                     }
+                    if (!is_P && df.apply) add_deferred<VEC>(o, df, x, i, t, row, c, n, d);
 #pragma unroll
-                    for (int j = 0; j < VEC; j++) o[j] += a * y[j] + k1 * u[j] - k2 * x[j];
+                    for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a, y[j], k1, u[j], k2, x[j]);
                     vec<VEC>::store(dv + c, o);
                     if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
                     /* q += ds_i xhat_i = k1_i v_i, while the row is loaded */
@@ -613,11 +645,12 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
  * and updates every dv_i as backward_kernel does. The norm weight's gradient
  * sum_t dxn (.) h r goes, like q, through per-block partials npart (param_grad_kernel). Rows held
  * in registers: d <= tpr * VEC, Ns <= MAXS. */
-template <int VEC, int MAXS>
-__global__ void __launch_bounds__(THREADS, MAXS <= 4 ? 3 : 2)
+template <int VEC, int MAXS, int DEFER>
+__global__ void __launch_bounds__(THREADS, MAXS <= 4 && !DEFER ? 3 : 2)
 backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                      const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
-                     float *qpart, float *npart, uint16_t *lp_out, int lp_src, int64_t n, int d, int tpr, int tb) {
+                     float *qpart, float *npart, uint16_t *lp_out, int lp_src, attnres_deferred df, int64_t n, int d,
+                     int tpr, int tb) {
     // shared: red [2][WARPS][2Ns+1], pre [2][rows][2Ns+1] (by round parity), q [rows][d], nq [rows][d]
     extern __shared__ float smem[];
     const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
@@ -750,10 +783,31 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             y[j] = r * gq[j] - c2 * h[j];
             nacc[j] += dx[j] * (h[j] * r);
         }
+        /* deferred: the closed sources' terms stay as dh and their coefficients, which the
+         * block's first sublayer adds (add_deferred); only the partial sum's dv is written */
+        const bool defer = DEFER && df.slot >= 0;
+        if (defer) {
+            vec<VEC>::store(df.dh + (size_t)df.slot * nd + row + c, y);
+            if (lane_g == 0) {
+                float *cf = df.coef + ((size_t)df.slot * n + t) * 3 * df.cmax;
+#pragma unroll
+                for (int i = 0; i < MAXS; i++) {
+                    if (i >= C) break;
+                    cf[3 * i] = a[i];
+                    cf[3 * i + 1] = k1[i];
+                    cf[3 * i + 2] = k2[i];
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             if (i >= Ns) break;
             const bool is_P = i == C;
+            if (defer && !is_P) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) qacc[j] += k1[i] * x[i][j];
+                continue;
+            }
             float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
             float o[VEC];
             if (assign && !is_P) {
@@ -762,8 +816,9 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             } else {
                 vec<VEC>::load(o, dv + c);
             }
+            if (DEFER && !is_P && df.apply) add_deferred<VEC>(o, df, x[i], i, t, row, c, n, d);
 #pragma unroll
-            for (int j = 0; j < VEC; j++) o[j] += a[i] * y[j] + k1[i] * u[j] - k2[i] * x[i][j];
+            for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a[i], y[j], k1[i], u[j], k2[i], x[i][j]);
             vec<VEC>::store(dv + c, o);
             if (lp_out && i == lp_src) vec<VEC>::store_bf16(lp_out + row + c, o);
 #pragma unroll
@@ -832,6 +887,15 @@ __global__ void add4_kernel(float4 *dst, const float4 *src, size_t count4) {
 /* ---- launchers ---- */
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+/* *df, or none: no slot, nothing to add */
+static attnres_deferred deferred_or_none(const attnres_deferred *df) {
+    if (df) return *df;
+    attnres_deferred none;
+    memset(&none, 0, sizeof none);
+    none.slot = -1;
+    return none;
+}
 
 /* VEC = 4 when d allows it and every row pointer is 16-byte aligned */
 static int pick_vec(int d, const void *const *ptrs, int count) {
@@ -962,13 +1026,16 @@ lm_status attnres_launch_forward(cudaStream_t stream, const attnres_sources *src
 lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *src, float *dhist, float *dP,
                                   int assign, const float *w, const float *g, const float *logits,
                                   const float *lse, const float *dh, float *qpart, float *dw, float *dg,
-                                  uint16_t *lp_out, int lp_src, int64_t n, int d) {
-    const void *ptrs[8] = {src->hist, src->P, dhist, dP, w, g, dh, lp_out};
+                                  uint16_t *lp_out, int lp_src, const attnres_deferred *df, int64_t n, int d) {
+    if (df && df->slot >= 0)
+        return lm_error(LM_ERR_ARG, "attnres cuda backward: only the input's backward with its norm defers");
+    const attnres_deferred dfv = deferred_or_none(df);
+    const void *ptrs[9] = {src->hist, src->P, dhist, dP, w, g, dh, lp_out, dfv.dh};
     const int Ns_all = src->C + src->has_partial;
     if (lp_out && (lp_src < 0 || lp_src >= Ns_all))
         return lm_error(LM_ERR_ARG, "attnres cuda backward: bf16 copy of source %d of %d", lp_src, Ns_all);
     /* 8-byte bf16 stores of 4 floats: lp_out 16-byte aligned keeps every row's start aligned (d % 4 == 0) */
-    const int VEC = pick_vec(d, ptrs, 8), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
+    const int VEC = pick_vec(d, ptrs, 9), tpr = threads_per_row(d, VEC), rows = THREADS / tpr;
     const int Ns = src->C + src->has_partial;
     const int want_q = dw || dg;
     float *qp = want_q ? qpart : NULL;
@@ -980,11 +1047,11 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
     if (VEC == 4) {
         if ((s = allow_shared((const void *)backward_kernel<4>, shared))) return s;
         backward_kernel<4><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, lp_out, lp_src, n, d, tpr, tb);
+                                                                        dh, qp, lp_out, lp_src, dfv, n, d, tpr, tb);
     } else {
         if ((s = allow_shared((const void *)backward_kernel<1>, shared))) return s;
         backward_kernel<1><<<(unsigned)n_tb, THREADS, shared, stream>>>(*src, dhist, dP, assign, w, g, logits, lse,
-                                                                        dh, qp, lp_out, lp_src, n, d, tpr, tb);
+                                                                        dh, qp, lp_out, lp_src, dfv, n, d, tpr, tb);
     }
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {
@@ -1028,15 +1095,20 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
                                        const float *w, const float *g, const float *logits, const float *lse,
                                        const float *dxn, const float *nw, const float *nrstd, float *qpart,
                                        float *npart, float *dw, float *dg, float *dnw, uint16_t *lp_out, int lp_src,
-                                       int64_t n, int d) {
+                                       const attnres_deferred *df, int64_t n, int d) {
     const int Ns = src->C + src->has_partial;
     if (!attnres_norm_fusable(d, Ns))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs d %% 4 == 0, d <= %d and "
                         "at most 8 sources (d %d, %d sources)", THREADS * 4, d, Ns);
     if (lp_out && (lp_src < 0 || lp_src >= Ns))
         return lm_error(LM_ERR_ARG, "attnres cuda backward: bf16 copy of source %d of %d", lp_src, Ns);
-    const void *ptrs[5] = {src->hist, src->P, dhist, dP, dxn};
-    if (pick_vec(d, ptrs, 5) != 4 || ((uintptr_t)lp_out & 7))
+    const attnres_deferred dfv = deferred_or_none(df);
+    if (dfv.slot >= 0 && dfv.apply)
+        return lm_error(LM_ERR_ARG, "attnres cuda backward: a sublayer either defers its terms or adds the deferred ones");
+    if (dfv.slot >= 0 && lp_out && lp_src < src->C)
+        return lm_error(LM_ERR_ARG, "attnres cuda backward: the bf16 copy of a deferred source (%d)", lp_src);
+    const void *ptrs[6] = {src->hist, src->P, dhist, dP, dxn, dfv.dh};
+    if (pick_vec(d, ptrs, 6) != 4 || ((uintptr_t)lp_out & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs 16-byte aligned rows");
     const int tpr = threads_per_row(d, 4), rows = THREADS / tpr, R = 2 * Ns + 1;
     const size_t shared = (size_t)(2 * WARPS * R + 2 * rows * R + 2 * rows * d) * sizeof(float);
@@ -1044,15 +1116,22 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     const int64_t n_tb = (n + tb - 1) / tb;
     const int want_q = dw || dg;
     lm_status s;
-#define AR_NORM_B(M)                                                                                              \
+#define AR_NORM_B(M, D)                                                                                           \
     do {                                                                                                          \
-        if ((s = allow_shared((const void *)backward_norm_kernel<4, M>, shared))) return s;                       \
-        backward_norm_kernel<4, M><<<(unsigned)n_tb, THREADS, shared, stream>>>(                                  \
+        if ((s = allow_shared((const void *)backward_norm_kernel<4, M, D>, shared))) return s;                    \
+        backward_norm_kernel<4, M, D><<<(unsigned)n_tb, THREADS, shared, stream>>>(                               \
             *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
-            n, d, tpr, tb);                                                                                       \
+            dfv, n, d, tpr, tb);                                                                                  \
     } while (0)
-    if (Ns <= 4) AR_NORM_B(4);
-    else AR_NORM_B(8);
+    /* the deferred backward's kernels apart: the direct one keeps its registers */
+    const bool deferred = dfv.slot >= 0 || dfv.apply;
+    if (Ns <= 4) {
+        if (deferred) AR_NORM_B(4, 1);
+        else AR_NORM_B(4, 0);
+    } else {
+        if (deferred) AR_NORM_B(8, 1);
+        else AR_NORM_B(8, 0);
+    }
 #undef AR_NORM_B
     LM_CUDA_TRY(cudaGetLastError());
     if (want_q) {
