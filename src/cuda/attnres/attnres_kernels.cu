@@ -760,7 +760,8 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         const float D = __shfl_sync(0xffffffffu, part, 2 * Ns);
         const float c2 = r * r * r * D / (float)d;
         const float ph_own = __shfl_sync(0xffffffffu, part, (lane + Ns) & 31); /* h . v_i on lane i < Ns */
-        const float da_own = r * part - c2 * ph_own;
+        /* a b - c d rounded in one order (the deferring instantiation forms the same bits) */
+        const float da_own = __fmaf_rn(r, part, -__fmul_rn(c2, ph_own));
         float k1[MAXS], k2[MAXS], c0 = 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
@@ -780,7 +781,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         float y[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; j++) {
-            y[j] = r * gq[j] - c2 * h[j];
+            y[j] = __fmaf_rn(r, gq[j], -__fmul_rn(c2, h[j]));
             nacc[j] += dx[j] * (h[j] * r);
         }
         /* deferred: the closed sources' terms stay as dh and their coefficients, which the
