@@ -457,10 +457,11 @@ static void test_register_forward_equals_generic_bitwise(void) {
  * output gradients: xn (fp32 and bf16), 1/rms, every output gradient, the embedding's, the
  * query's, key norm's and norm weights' gradients; and bit-identical on a second run. */
 /* variant 0: two runs, the direct backward; 1: the second run defers the closed sources' terms
- * (lm_cuda_attnres_set_deferred) and must give the first's bits; 2: as 1, with each block's first
- * sublayer through the input's backward without the norm (dh: the CPU's), which adds the deferred
- * terms in the generic kernel; the CPU comparison is left out there (its norm weight's gradient
- * lacks those sublayers) */
+ * (lm_cuda_attnres_set_deferred) and must give the first's bits, the bf16 output gradients too;
+ * 2: as 1, with each block's first sublayer and (S >= 3) its position S - 2 through the input's
+ * backward without the norm (dh: the CPU's), which defers nothing and adds what waits in the
+ * generic kernel; the CPU comparison is left out there (its norm weight's gradient lacks those
+ * sublayers) */
 static void norm_case_variant(lm_attnres_mode mode, int S, int L, int64_t n, int d, uint64_t seed, int variant) {
     problem p = make_problem(mode, S, L, n, d, seed);
     char name[112];
@@ -517,7 +518,7 @@ static void norm_case_variant(lm_attnres_mode mode, int S, int L, int64_t n, int
     /* the GPU, twice */
     float *xn_g[2] = {0}, *rs_g[2] = {0}, *rec_g[2] = {0}, *dnw_g[2] = {0}, *dy_g[2] = {0}, *gq_g[2] = {0};
     float *gk_g[2] = {0}, *demb_g[2] = {0};
-    uint16_t *xb_g[2] = {0};
+    uint16_t *xb_g[2] = {0}, *lp_g[2] = {0};
     for (int run = 0; run < 2 && ok; run++) {
         const int defer = variant && run == 1;
         STEP_OK(lm_cuda_attnres_set_deferred(defer));
@@ -552,23 +553,33 @@ static void norm_case_variant(lm_attnres_mode mode, int S, int L, int64_t n, int
         STEP_OK(lm_cuda_attnres_final(&ctx, &st, &prm, hfd));
         STEP_OK(lm_cuda_attnres_final_backward(&ctx, &st, &prm, dhf, &g));
         dy_g[run] = mallocCheck((size_t)L * nd * 4);
+        lp_g[run] = mallocCheck((size_t)L * nd * 2);
+        memset(lp_g[run], 0, (size_t)L * nd * 2);
+        int expect_mask = 0;
         for (int l = L - 1; l >= 0 && ok; l--) {
             const float *G = NULL;
-            STEP_OK(lm_cuda_attnres_output_grad(&ctx, &st, l, &G, NULL));
+            const void *G_lp = NULL;
+            STEP_OK(lm_cuda_attnres_output_grad(&ctx, &st, l, &G, &G_lp));
             STEP_OK(lm_cuda_context_sync(&ctx));
             if (!ok) break;
             dev_download(dy_g[run] + (size_t)l * nd, G, nd);
+            CHECK(G_lp != NULL, "%s: no bf16 output gradient for sublayer %d", name, l);
+            if (G_lp && lm_cuda_download(lp_g[run] + (size_t)l * nd, G_lp, nd * 2) != LM_OK)
+                dieAt("download: %s", lm_last_error());
             /* the backward's recomputation of the normalised input (fp32 only) */
             lm_cuda_attnres_norm rn = {nwd + (size_t)l * d, 1e-5f, rec + (size_t)l * nd, NULL, rrs};
             STEP_OK(lm_cuda_attnres_recompute_input_norm(&ctx, &st, l, &rn));
             lm_cuda_attnres_norm_grad ng = {nwd + (size_t)l * d, rs + (size_t)l * n, dxd + (size_t)l * nd,
                                             dnw + (size_t)l * d};
-            if (variant == 2 && l % S == 0)
+            const int plain = variant == 2 && (l % S == 0 || (S >= 3 && l % S == S - 2));
+            if (plain)
                 STEP_OK(lm_cuda_attnres_input_backward(&ctx, &st, l, &prm, dhd + (size_t)l * nd, &g));
             else
                 STEP_OK(lm_cuda_attnres_input_norm_backward(&ctx, &st, l, &prm, &ng, &g));
-            /* a mid-block sublayer of a block after the first keeps its terms, the first of the block adds them */
-            const int expect_mask = defer && l % S > 0 && l / S > 0;
+            /* a mid-block sublayer of a block after the first keeps its terms (with the norm); a
+             * call that does not defer adds what waits */
+            if (plain || l % S == 0) expect_mask = 0;
+            else if (defer && l / S > 0) expect_mask = 1;
             CHECK((st.defer_mask != 0) == expect_mask, "%s: sublayer %d leaves the deferred mask %#llx", name, l,
                   (unsigned long long)st.defer_mask);
         }
@@ -619,7 +630,7 @@ static void norm_case_variant(lm_attnres_mode mode, int S, int L, int64_t n, int
         CHECK(!memcmp(xn_g[0], xn_g[1], (size_t)L * nd * 4) && !memcmp(rs_g[0], rs_g[1], (size_t)L * n * 4) &&
                   !memcmp(dy_g[0], dy_g[1], (size_t)L * nd * 4) && !memcmp(dnw_g[0], dnw_g[1], ld * 4) &&
                   !memcmp(gq_g[0], gq_g[1], p.pd * 4) && !memcmp(gk_g[0], gk_g[1], p.pd * 4) &&
-                  !memcmp(demb_g[0], demb_g[1], nd * 4),
+                  !memcmp(demb_g[0], demb_g[1], nd * 4) && !memcmp(lp_g[0], lp_g[1], (size_t)L * nd * 2),
               "%s: the input with its norm differs between two runs", name);
         if (variant == 2)
             printf("  %s, input with its norm: the direct run's bits\n", name);
@@ -631,7 +642,7 @@ static void norm_case_variant(lm_attnres_mode mode, int S, int L, int64_t n, int
     }
     for (int run = 0; run < 2; run++) {
         free(xn_g[run]), free(rs_g[run]), free(rec_g[run]), free(dnw_g[run]), free(dy_g[run]);
-        free(gq_g[run]), free(gk_g[run]), free(demb_g[run]), free(xb_g[run]);
+        free(gq_g[run]), free(gk_g[run]), free(demb_g[run]), free(xb_g[run]), free(lp_g[run]);
     }
     free(nw), free(dxn), free(dnw0), free(xn_c), free(rs_c), free(dnw_c), free(dy_c), free(dh), free(hs);
     free(hf), free(gq_c), free(gk_c), free(demb_c), free(dh_all);
@@ -651,15 +662,20 @@ static void test_deferred_backward_gives_the_direct_bits(void) {
     norm_case_variant(LM_ATTNRES_BLOCK, 8, 32, 45, 1024, 53, 1);
     norm_case_variant(LM_ATTNRES_BLOCK, 2, 5, 2051, 1024, 54, 1);
     norm_case_variant(LM_ATTNRES_BLOCK, 3, 7, 4099, 256, 55, 1);
+    /* six blocks: a block's first sublayer adds the terms of 5 and 6 closed sources */
+    norm_case_variant(LM_ATTNRES_BLOCK, 2, 11, 37, 64, 58, 1);
+    norm_case_variant(LM_ATTNRES_BLOCK, 3, 16, 21, 1024, 59, 1);
     /* the block's first sublayer without the norm: the generic kernel adds the deferred terms */
     norm_case_variant(LM_ATTNRES_BLOCK, 4, 10, 70, 128, 56, 2);
     norm_case_variant(LM_ATTNRES_BLOCK, 3, 8, 37, 100, 57, 2);
-    /* where it does not apply, nothing is planned: one block, Full AttnRes, a block of one */
+    /* where it does not apply, nothing is planned: one block, a second block of one sublayer,
+     * Full AttnRes, a block of one */
     const lm_attnres_config none[] = {{LM_ATTNRES_BLOCK, 8, 8, 64, 10, 1e-6f, 0, 0},
+                                      {LM_ATTNRES_BLOCK, 9, 8, 64, 10, 1e-6f, 0, 0},
                                       {LM_ATTNRES_FULL, 6, 1, 64, 10, 1e-6f, 0, 0},
                                       {LM_ATTNRES_BLOCK, 6, 1, 64, 10, 1e-6f, 0, 0}};
     CHECK(lm_cuda_attnres_set_deferred(1) == LM_OK, "set");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 4; i++) {
         lm_attnres_memory_plan pl;
         CHECK(lm_cuda_attnres_memory(&none[i], &pl) == LM_OK && pl.deferred == 0,
               "case %d: deferred terms planned where they do not apply", i);

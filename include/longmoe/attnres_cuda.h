@@ -87,9 +87,10 @@ typedef struct {
  * gradient. Costs (S-1) [n, d] fp32 rows (plan.deferred). On: 1, off: 0;
  * the default is LONGMOE_ATTNRES_BWD (deferred or direct; unset: direct).
  * It applies where the sublayers take the input with its norm
- * (lm_cuda_attnres_norm_fusable), Block AttnRes with 2 <= S <= 65 and more
- * than one block; the memory plan and lm_cuda_attnres_init read it, so set it
- * before both. */
+ * (lm_cuda_attnres_norm_fusable), Block AttnRes with 2 <= S <= 65 and
+ * L >= S + 2 (a mid-block sublayer after the first block); the memory plan and
+ * lm_cuda_attnres_init read it, so set it before both. A call without the norm
+ * defers nothing and adds what waits before its own terms. */
 lm_status lm_cuda_attnres_set_deferred(int on);
 int lm_cuda_attnres_deferred(void);
 

@@ -64,12 +64,13 @@ extern "C" int lm_cuda_attnres_deferred(void) {
 }
 
 /* whether cfg's backward defers (lm_cuda_attnres_set_deferred): block mode,
- * 2 <= S <= 65 (a position a bit of the mask), more than one block (the
- * first has one closed source, which gains nothing) and the fused norm */
+ * 2 <= S <= 65 (a position a bit of the mask), a mid-block sublayer after the
+ * first block (L >= S + 2: the first block's sublayers have one closed
+ * source, which gains nothing) and the fused norm */
 static int defers(const lm_attnres_config *c) {
     if (!lm_cuda_attnres_deferred() || c->mode != LM_ATTNRES_BLOCK) return 0;
     const int S = attnres_effective_block(c), L = c->n_sublayers;
-    return S >= 2 && S <= 65 && (L + S - 1) / S >= 2 && lm_cuda_attnres_norm_fusable(c);
+    return S >= 2 && S <= 65 && L >= S + 2 && lm_cuda_attnres_norm_fusable(c);
 }
 
 extern "C" lm_status lm_cuda_attnres_memory(const lm_attnres_config *c, lm_attnres_memory_plan *plan) {
@@ -566,7 +567,10 @@ static lm_status input_backward_impl(const lm_cuda_context *ctx, lm_cuda_attnres
         df.w = p->query + (size_t)(l - pos) * d;
         df.g = p->key_norm + (size_t)(l - pos) * d;
         if (st->defer_dh && ng && pos > 0 && src.C >= 2) df.slot = pos - 1;
-        if (pos == 0) df.apply = st->defer_mask;
+        /* a call that does not defer adds what waits first (a block's first sublayer, or a
+         * mid-block one through the call without the norm): each gradient takes its terms in
+         * the direct backward's order */
+        if (df.slot < 0) df.apply = st->defer_mask;
         if (ng)
             s = attnres_launch_backward_norm(stream_of(ctx), &src, st->dhist, dP, w, gk, logits, lse, ng->dout,
                                              ng->weight, ng->rstd, st->qpart, st->npart, dw, dg, ng->dweight, lp, next,
@@ -576,7 +580,7 @@ static lm_status input_backward_impl(const lm_cuda_context *ctx, lm_cuda_attnres
                                         dg, lp, next, &df, n, d);
         if (s) return s;
         if (df.slot >= 0) st->defer_mask |= 1ull << df.slot;
-        if (pos == 0) st->defer_mask = 0;
+        else st->defer_mask = 0;
         st->dy_lp_for = l - 1;
     }
     st->step++;

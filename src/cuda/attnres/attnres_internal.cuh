@@ -27,10 +27,11 @@ struct attnres_sources {
  * (slot = p - 1 >= 0) writes its dh row into dh + slot n d and, for each
  * closed source i < C, the coefficients a_i, k1_i, k2_i of its term
  * a_i dh + k1_i u - k2_i v_i into coef[(slot n + t) 3 cmax + 3 i ...],
- * instead of adding the term into dhist[i]. The block's first sublayer
- * (slot = -1) adds the terms of every position p whose bit p - 1 is set in
- * apply (highest position first: the order the sublayers would have added
- * them) before its own, then writes dhist[i] once. w, g: the queries and key
+ * instead of adding the term into dhist[i]. A call that does not defer
+ * (slot = -1: the block's first sublayer, or one without the norm) adds the
+ * terms of every position p whose bit p - 1 is set in apply (highest position
+ * first: the order the sublayers would have added them) before its own, then
+ * writes dhist[i] once. w, g: the queries and key
  * norms of the block's sublayers, position p's at + p d. */
 struct attnres_deferred {
     float *dh;          /* [S-1, n, d] */

@@ -786,7 +786,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         }
         /* deferred: the closed sources' terms stay as dh and their coefficients, which the
          * block's first sublayer adds (add_deferred); only the partial sum's dv is written */
-        const bool defer = DEFER && df.slot >= 0;
+        const bool defer = DEFER == 1 && df.slot >= 0;
         if (defer) {
             vec<VEC>::store(df.dh + (size_t)df.slot * nd + row + c, y);
             if (lane_g == 0) {
@@ -797,6 +797,33 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
                     cf[3 * i] = a[i];
                     cf[3 * i + 1] = k1[i];
                     cf[3 * i + 2] = k2[i];
+                }
+            }
+        }
+        /* the deferred terms, position by position (each dh row read once), into every closed
+         * source's row in registers: each source still takes them highest position first */
+        float od[DEFER == 2 ? MAXS : 1][VEC];
+        if (DEFER == 2 && df.apply) {
+#pragma unroll
+            for (int i = 0; i < (DEFER == 2 ? MAXS : 1); i++) {
+                if (i >= C) break;
+                vec<VEC>::load(od[i], dhist + (size_t)i * nd + row + c);
+            }
+            for (uint64_t m = df.apply; m;) {
+                const int b = 63 - __clzll((long long)m);
+                m &= ~(1ull << b);
+                const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax;
+                float yb[VEC], wv[VEC], gv[VEC];
+                vec<VEC>::load(yb, df.dh + (size_t)b * nd + row + c);
+                load_param<VEC>(wv, df.w + (size_t)(b + 1) * d, c);
+                load_param<VEC>(gv, df.g + (size_t)(b + 1) * d, c);
+#pragma unroll
+                for (int i = 0; i < (DEFER == 2 ? MAXS : 1); i++) {
+                    if (i >= C) break;
+                    const float ca = cf[3 * i], c1 = cf[3 * i + 1], c2b = cf[3 * i + 2];
+#pragma unroll
+                    for (int j = 0; j < VEC; j++)
+                        od[i][j] = dv_term(od[i][j], ca, yb[j], c1, wv[j] * gv[j], c2b, x[i][j]);
                 }
             }
         }
@@ -811,13 +838,15 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             }
             float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
             float o[VEC];
-            if (assign && !is_P) {
+            if (DEFER == 2 && !is_P && df.apply) {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) o[j] = od[DEFER == 2 ? i : 0][j];
+            } else if (assign && !is_P) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) o[j] = 0.0f;
             } else {
                 vec<VEC>::load(o, dv + c);
             }
-            if (DEFER && !is_P && df.apply) add_deferred<VEC>(o, df, x[i], i, t, row, c, n, d);
 #pragma unroll
             for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a[i], y[j], k1[i], u[j], k2[i], x[i][j]);
             vec<VEC>::store(dv + c, o);
@@ -1124,13 +1153,16 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
             *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
             dfv, n, d, tpr, tb);                                                                                  \
     } while (0)
-    /* the deferred backward's kernels apart: the direct one keeps its registers */
-    const bool deferred = dfv.slot >= 0 || dfv.apply;
+    /* the deferred backward's kernels apart (1: defers, 2: adds the deferred terms): the
+     * direct one keeps its registers */
+    const int mode = dfv.slot >= 0 ? 1 : dfv.apply ? 2 : 0;
     if (Ns <= 4) {
-        if (deferred) AR_NORM_B(4, 1);
+        if (mode == 1) AR_NORM_B(4, 1);
+        else if (mode == 2) AR_NORM_B(4, 2);
         else AR_NORM_B(4, 0);
     } else {
-        if (deferred) AR_NORM_B(8, 1);
+        if (mode == 1) AR_NORM_B(8, 1);
+        else if (mode == 2) AR_NORM_B(8, 2);
         else AR_NORM_B(8, 0);
     }
 #undef AR_NORM_B
