@@ -532,6 +532,44 @@ static void test_runs_are_bit_identical(void) {
     model_free(&md);
 }
 
+/* Without LatentMoE the kernels by token only copy or round what the kernels by row do (the
+ * gather of x's bf16 rows into the grouped rows; the combination's backward: dy's rows into the
+ * slots' rows and their dots), so y, dx and every gradient are the same bits either way; widths
+ * 128 and 1024 (one and four 8-float chunks a lane). */
+static void test_by_token_gives_the_by_row_bits_without_latent(void) {
+    const int widths[2] = {128, 1024};
+    const int was = lm_cuda_moe_by_token();
+    for (int w = 0; w < 2; w++) {
+        lm_moe_config c = lm_moe_config_default(widths[w], 8, 2, 64);
+        c.act = LM_EXPERT_SITU_GLU;
+        const int64_t m = 300;
+        model md;
+        model_init(&md, &c, 600 + (uint64_t)w);
+        const size_t md_ = (size_t)m * c.d;
+        float *x = malloc(md_ * 4), *dy = malloc(md_ * 4);
+        lm_rng r;
+        lm_rng_seed(&r, 610 + (uint64_t)w);
+        for (size_t i = 0; i < md_; i++) {
+            x[i] = (float)lm_rng_normal(&r);
+            dy[i] = (float)lm_rng_normal(&r);
+        }
+        float *out[2][3];
+        for (int bt = 0; bt < 2; bt++) {
+            CHECK(lm_cuda_moe_set_by_token(bt) == LM_OK, "rows setting %d", bt);
+            latent_run(&c, &md, x, dy, NULL, m, out[bt]);
+        }
+        CHECK(!memcmp(out[0][0], out[1][0], md_ * 4), "d %d: y by token differs from y by row", widths[w]);
+        CHECK(!memcmp(out[0][1], out[1][1], md_ * 4), "d %d: dx by token differs from dx by row", widths[w]);
+        CHECK(!memcmp(out[0][2], out[1][2], md.count * 4), "d %d: the gradients by token differ from by row",
+              widths[w]);
+        for (int bt = 0; bt < 2; bt++)
+            for (int q = 0; q < 3; q++) free(out[bt][q]);
+        free(x), free(dy);
+        model_free(&md);
+    }
+    lm_cuda_moe_set_by_token(was);
+}
+
 /* Without dscores_extra the router's input gradient dx += dr W_r runs over
  * each token's k chosen rows of W_r only (dr is zero elsewhere); with it, the
  * dense product over all n. On one forward, a zero dscores_extra (the same dr
@@ -810,6 +848,7 @@ int main(void) {
     if (!test_skip_all_reason && lm_cuda_moe_grouped_refused())
         printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);
+    RUN(test_by_token_gives_the_by_row_bits_without_latent);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);
     RUN(test_expert_load_over_many_blocks);
