@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "longmoe/attnres_cuda.h"
 #include "longmoe/backend.h"
 #include "longmoe/kda_cuda.h"
 #include "longmoe/model.h"
@@ -163,10 +164,14 @@ static void check_config_gate(const char *what, lm_config c, int B, int T, uint6
     /* run to run on the same GPU: bit-identical (the step's end moved b the
      * same way in both models, so repeat the step on a fresh model); the
      * second run with the LM head's backward inside the forward
-     * (lm_model_set_head_backward: the backend's fused pass), which gives the
-     * same bits */
+     * (lm_model_set_head_backward: the backend's fused pass) and the AttnRes
+     * backward deferring its closed sources' gradients
+     * (lm_cuda_attnres_set_deferred: each block after the first has mid-block
+     * sublayers in both configs), which give the same bits */
     memcpy(g1, gg, n * sizeof *g1);
     lm_model *dev2 = NULL;
+    const int defer_was = lm_cuda_attnres_deferred();
+    CHECK(!lm_cuda_attnres_set_deferred(1), "%s", lm_last_error());
     CHECK(!lm_model_create_on(&c, B, T, gpu, &dev2), "%s: second gpu model: %s", what, lm_last_error());
     if (dev2) {
         lm_model_init(dev2, seed);
@@ -178,6 +183,7 @@ static void check_config_gate(const char *what, lm_config c, int B, int T, uint6
         CHECK(memcmp(g1, lm_model_grads(dev2), n * sizeof *g1) == 0, "%s: gradients differ run to run", what);
         lm_model_free(dev2);
     }
+    lm_cuda_attnres_set_deferred(defer_was);
     free(tok);
     free(tgt);
     free(g1);
