@@ -680,6 +680,20 @@ static void test_deferred_backward_gives_the_direct_bits(void) {
         CHECK(lm_cuda_attnres_memory(&none[i], &pl) == LM_OK && pl.deferred == 0,
               "case %d: deferred terms planned where they do not apply", i);
     }
+    /* the plan: S - 1 rows of [n, d] and of 3N coefficients, each rounded up to 64 bytes, and nothing else */
+    {
+        const lm_attnres_config c = {LM_ATTNRES_BLOCK, 12, 4, 96, 333, 1e-6f, 0, 0};
+        lm_attnres_memory_plan on, off;
+        CHECK(lm_cuda_attnres_memory(&c, &on) == LM_OK, "plan");
+        CHECK(lm_cuda_attnres_set_deferred(0) == LM_OK && lm_cuda_attnres_memory(&c, &off) == LM_OK, "plan");
+        const size_t want = (3 * 333 * 96 * 4 + 63) / 64 * 64 + (3 * 333 * 3 * 3 * 4 + 63) / 64 * 64;
+        CHECK(on.deferred == want && off.deferred == 0 && on.total == off.total + want,
+              "deferred terms planned %zu bytes (want %zu), totals %zu and %zu", on.deferred, want, on.total,
+              off.total);
+        CHECK(on.total_bytes_per_token - off.total_bytes_per_token == 3.0 * (96 + 3 * 3) * 4,
+              "per token: %.1f bytes more", on.total_bytes_per_token - off.total_bytes_per_token);
+        CHECK(lm_cuda_attnres_set_deferred(1) == LM_OK, "set");
+    }
     CHECK(lm_cuda_attnres_set_deferred(2) == LM_ERR_ARG && lm_cuda_attnres_deferred() == 1, "2 accepted");
     CHECK(strstr(lm_last_error(), "deferred") != NULL, "message: %s", lm_last_error());
     lm_cuda_attnres_set_deferred(0);
