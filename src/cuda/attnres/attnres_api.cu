@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/attnres/attnres_internal.cuh"
+#include "cuda/common/switch_setting.cuh"
 #include "cuda/cuda_check.h"
 #include "longmoe/attnres_cuda.h"
 #include "model/attnres_plan.h"
@@ -43,25 +44,12 @@ static lm_status check_config(const lm_attnres_config *c) {
     return LM_OK;
 }
 
-/* the deferred backward's setting: -1 until set or read (LONGMOE_ATTNRES_BWD) */
-static int defer_setting = -1;
+/* the deferred backward's setting (LONGMOE_ATTNRES_BWD) */
+static switch_setting defer_setting = {-1, "LONGMOE_ATTNRES_BWD", "attnres cuda deferred backward",
+                                       {"direct", "deferred"}, 0};
 
-extern "C" lm_status lm_cuda_attnres_set_deferred(int on) {
-    if (on != 0 && on != 1)
-        return lm_error(LM_ERR_ARG, "attnres cuda: deferred backward %d (expected 0: direct or 1: deferred)", on);
-    defer_setting = on;
-    return LM_OK;
-}
-
-extern "C" int lm_cuda_attnres_deferred(void) {
-    if (defer_setting < 0) {
-        const char *e = getenv("LONGMOE_ATTNRES_BWD");
-        defer_setting = e && !strcmp(e, "deferred") ? 1 : 0;
-        if (e && *e && strcmp(e, "deferred") && strcmp(e, "direct"))
-            fprintf(stderr, "longmoe: LONGMOE_ATTNRES_BWD=%s ignored: use deferred or direct\n", e);
-    }
-    return defer_setting;
-}
+extern "C" lm_status lm_cuda_attnres_set_deferred(int on) { return switch_set(&defer_setting, on); }
+extern "C" int lm_cuda_attnres_deferred(void) { return switch_get(&defer_setting); }
 
 /* whether cfg's backward defers (lm_cuda_attnres_set_deferred): block mode,
  * 2 <= S <= 65 (a position a bit of the mask), a mid-block sublayer after the

@@ -356,24 +356,30 @@ __device__ __forceinline__ float dv_term(float o, float a, float y, float k1, fl
     return __fadd_rn(o, t);
 }
 
-/* The deferred terms of closed source i for token t (VEC channels at c of
- * its row, values x), added to o: the positions of df.apply, highest first
+/* The deferred terms of closed sources i0 .. i0 + count - 1 (count <= NS) for
+ * token t (VEC channels at c of their rows, values x), added to o: position by
+ * position, each dh row read once, the positions of df.apply highest first
  * (the order in which their sublayers would have added them). */
-template <int VEC>
-__device__ __forceinline__ void add_deferred(float (&o)[VEC], const attnres_deferred &df, const float (&x)[VEC],
-                                             int i, int64_t t, size_t row, int c, int64_t n, int d) {
+template <int VEC, int NS>
+__device__ __forceinline__ void add_deferred(float (&o)[NS][VEC], const attnres_deferred &df,
+                                             const float (&x)[NS][VEC], int i0, int count, int64_t t, size_t row,
+                                             int c, int64_t n, int d) {
     const size_t nd = (size_t)n * d;
     for (uint64_t m = df.apply; m;) {
         const int b = 63 - __clzll((long long)m); /* position b + 1, slot b */
         m &= ~(1ull << b);
-        const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax + 3 * i;
-        const float a = cf[0], k1 = cf[1], k2 = cf[2];
+        const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax + 3 * i0;
         float y[VEC], wv[VEC], gv[VEC];
         vec<VEC>::load(y, df.dh + (size_t)b * nd + row + c);
         load_param<VEC>(wv, df.w + (size_t)(b + 1) * d, c);
         load_param<VEC>(gv, df.g + (size_t)(b + 1) * d, c);
 #pragma unroll
-        for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a, y[j], k1, wv[j] * gv[j], k2, x[j]);
+        for (int i = 0; i < NS; i++) {
+            if (i >= count) break;
+#pragma unroll
+            for (int j = 0; j < VEC; j++)
+                o[i][j] = dv_term(o[i][j], cf[3 * i], y[j], cf[3 * i + 1], wv[j] * gv[j], cf[3 * i + 2], x[i][j]);
+        }
     }
 }
 
@@ -612,7 +618,9 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
                     } else {
                         vec<VEC>::load(o, dv + c);
                     }
-                    if (!is_P && df.apply) add_deferred<VEC>(o, df, x, i, t, row, c, n, d);
+                    if (!is_P && df.apply)
+                        add_deferred<VEC, 1>(reinterpret_cast<float(&)[1][VEC]>(o), df,
+                                             reinterpret_cast<const float(&)[1][VEC]>(x), i, 1, t, row, c, n, d);
 #pragma unroll
                     for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a, y[j], k1, u[j], k2, x[j]);
                     vec<VEC>::store(dv + c, o);
@@ -800,31 +808,17 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
                 }
             }
         }
-        /* the deferred terms, position by position (each dh row read once), into every closed
-         * source's row in registers: each source still takes them highest position first */
-        float od[DEFER == 2 ? MAXS : 1][VEC];
-        if (DEFER == 2 && df.apply) {
+        /* the deferred terms into every closed source's row, held in registers (add_deferred) */
+        constexpr int NOD = DEFER == 2 ? MAXS : 1;
+        float od[NOD][VEC];
+        if constexpr (DEFER == 2) {
+            if (df.apply) {
 #pragma unroll
-            for (int i = 0; i < (DEFER == 2 ? MAXS : 1); i++) {
-                if (i >= C) break;
-                vec<VEC>::load(od[i], dhist + (size_t)i * nd + row + c);
-            }
-            for (uint64_t m = df.apply; m;) {
-                const int b = 63 - __clzll((long long)m);
-                m &= ~(1ull << b);
-                const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax;
-                float yb[VEC], wv[VEC], gv[VEC];
-                vec<VEC>::load(yb, df.dh + (size_t)b * nd + row + c);
-                load_param<VEC>(wv, df.w + (size_t)(b + 1) * d, c);
-                load_param<VEC>(gv, df.g + (size_t)(b + 1) * d, c);
-#pragma unroll
-                for (int i = 0; i < (DEFER == 2 ? MAXS : 1); i++) {
+                for (int i = 0; i < MAXS; i++) {
                     if (i >= C) break;
-                    const float ca = cf[3 * i], c1 = cf[3 * i + 1], c2b = cf[3 * i + 2];
-#pragma unroll
-                    for (int j = 0; j < VEC; j++)
-                        od[i][j] = dv_term(od[i][j], ca, yb[j], c1, wv[j] * gv[j], c2b, x[i][j]);
+                    vec<VEC>::load(od[i], dhist + (size_t)i * nd + row + c);
                 }
+                add_deferred<VEC, MAXS>(od, df, x, 0, C, t, row, c, n, d);
             }
         }
 #pragma unroll
@@ -840,7 +834,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             float o[VEC];
             if (DEFER == 2 && !is_P && df.apply) {
 #pragma unroll
-                for (int j = 0; j < VEC; j++) o[j] = od[DEFER == 2 ? i : 0][j];
+                for (int j = 0; j < VEC; j++) o[j] = od[NOD > 1 ? i : 0][j];
             } else if (assign && !is_P) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) o[j] = 0.0f;

@@ -29,6 +29,7 @@
 
 #include <cublas_v2.h>
 
+#include "cuda/common/switch_setting.cuh"
 #include "cuda/cuda_check.h"
 #include "check.h"
 #include "cuda/moe/moe_internal.cuh"
@@ -93,43 +94,17 @@ extern "C" lm_status lm_cuda_moe_set_gemm(lm_moe_gemm_kind kind) {
     return LM_OK;
 }
 
-/* A two-way setting: 0 or 1 once set (lm_error naming `what` otherwise), else
- * read once from the environment variable `env`: `names[1]` gives 1, `names[0]`
- * 0, unset gives `dflt`, anything else `dflt` with a message. */
-typedef struct {
-    int value; /* -1: not read yet */
-    const char *env, *what, *names[2];
-    int dflt;
-} switch_setting;
-
-static lm_status switch_set(switch_setting *s, int v) {
-    if (v != 0 && v != 1)
-        return lm_error(LM_ERR_ARG, "moe %s: %d (expected 0: %s or 1: %s)", s->what, v, s->names[0], s->names[1]);
-    s->value = v;
-    return LM_OK;
-}
-
-static int switch_get(switch_setting *s) {
-    if (s->value < 0) {
-        const char *e = getenv(s->env);
-        s->value = e && !strcmp(e, s->names[1]) ? 1 : e && !strcmp(e, s->names[0]) ? 0 : s->dflt;
-        if (e && *e && strcmp(e, s->names[0]) && strcmp(e, s->names[1]))
-            fprintf(stderr, "longmoe: %s=%s ignored: use %s or %s\n", s->env, e, s->names[0], s->names[1]);
-    }
-    return s->value;
-}
-
 /* The batched kind's rows-mode entries: 1 one entry a 128-row tile of the
  * grouped rows (one call, the default), 0 one entry an expert (grouped by
  * padded row count) (LONGMOE_MOE_BATCHED=experts|tiles). */
-static switch_setting batched_tiles = {-1, "LONGMOE_MOE_BATCHED", "batched entries", {"experts", "tiles"}, 1};
+static switch_setting batched_tiles = {-1, "LONGMOE_MOE_BATCHED", "moe batched entries", {"experts", "tiles"}, 1};
 
 extern "C" lm_status lm_cuda_moe_set_batched_tiles(int tiles) { return switch_set(&batched_tiles, tiles); }
 extern "C" int lm_cuda_moe_batched_tiles(void) { return switch_get(&batched_tiles); }
 
 /* How rows move between tokens and the grouped layout: 0 by grouped row (the
  * default), 1 by token (LONGMOE_MOE_ROWS=by-row|by-token). */
-static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "rows", {"by-row", "by-token"}, 0};
+static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "moe rows", {"by-row", "by-token"}, 0};
 
 extern "C" lm_status lm_cuda_moe_set_by_token(int v) { return switch_set(&by_token, v); }
 extern "C" int lm_cuda_moe_by_token(void) { return switch_get(&by_token); }
