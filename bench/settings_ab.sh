@@ -6,7 +6,7 @@
 # Stops starting runs once GUARD seconds have passed since the script began (a device call
 # has a time limit; what ran is in the log). Logs go to $OUT/settings_ab.log.
 #
-#   SETTINGS="default: by-token:LONGMOE_MOE_ROWS=by-token deferred:LONGMOE_ATTNRES_BWD=deferred" \
+#   SETTINGS="default: by-row:LONGMOE_MOE_ROWS=by-row direct:LONGMOE_ATTNRES_BWD=direct" \
 #       bench/settings_ab.sh
 #   SETTINGS  space-separated name:VAR=value[,VAR=value...] (an empty list after the colon:
 #             no setting); default: the line above
@@ -20,7 +20,7 @@ BUILD=${BUILD:-build-ab-new}
 ROUNDS=${ROUNDS:-2}
 GUARD=${GUARD:-400}
 JOBS=${JOBS:-$(nproc)}
-SETTINGS=${SETTINGS:-default: by-token:LONGMOE_MOE_ROWS=by-token deferred:LONGMOE_ATTNRES_BWD=deferred}
+SETTINGS=${SETTINGS:-default: by-row:LONGMOE_MOE_ROWS=by-row direct:LONGMOE_ATTNRES_BWD=direct}
 mkdir -p "$OUT"
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }

@@ -801,8 +801,8 @@ int main(void) {
         fprintf(stderr, "no GPU: %s\n", lm_last_error());
         return 1;
     }
-    /* every parity test once per kind of expert product, set through the API;
-     * batched twice (one entry an expert, then one a 128-row tile), wgmma
+    /* every parity test once per kind of expert product, set through the API,
+     * the rows moved by grouped row (by token comes after); batched twice (one entry an expert, then one a 128-row tile), wgmma
      * twice (its 128 x 256 tiles, then its 128 x 128 tiles) */
     const struct {
         lm_moe_gemm_kind kind;
@@ -815,7 +815,7 @@ int main(void) {
         const int tile = variants[q].wgmma_tile, tiles = variants[q].batched_tiles;
         if (!test_skip_all_reason &&
             (lm_cuda_moe_set_gemm(kind_now) != LM_OK || lm_cuda_moe_set_wgmma_tile(tile) != LM_OK ||
-             lm_cuda_moe_set_batched_tiles(tiles) != LM_OK)) {
+             lm_cuda_moe_set_batched_tiles(tiles) != LM_OK || lm_cuda_moe_set_by_token(0) != LM_OK)) {
             fprintf(stderr, "set gemm kind: %s\n", lm_last_error());
             return 1;
         }

@@ -85,7 +85,7 @@ typedef struct {
  * gradients in one pass (the same terms in the same order: the same bits),
  * instead of every sublayer reading and writing every closed source's
  * gradient. Costs (S-1) [n, d] fp32 rows (plan.deferred). On: 1, off: 0;
- * the default is LONGMOE_ATTNRES_BWD (deferred or direct; unset: direct).
+ * the default is LONGMOE_ATTNRES_BWD (deferred or direct; unset: deferred).
  * It applies where the sublayers take the input with its norm
  * (lm_cuda_attnres_norm_fusable), Block AttnRes with 2 <= S <= 65 and
  * L >= S + 2 (a mid-block sublayer after the first block); the memory plan and

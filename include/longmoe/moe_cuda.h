@@ -165,10 +165,10 @@ lm_status lm_cuda_moe_set_batched_tiles(int tiles);
 int lm_cuda_moe_batched_tiles(void);
 /* How the rows move between tokens and the grouped layout: 0, by grouped row
  * (the gather, the weighted combination, the LatentMoE RMSNorm and their
- * backwards as separate kernels; the default); 1, by token where the width is
- * a multiple of 8 up to 1024 (a token's row read once for its k slots; the
- * combination with the norm, and the norm's backward with its weight-gradient
- * partials, one kernel each). Until set, LONGMOE_MOE_ROWS=by-token selects 1
+ * backwards as separate kernels); 1, by token where the width is a multiple
+ * of 8 up to 1024 (a token's row read once for its k slots; the combination
+ * with the norm, and the norm's backward with its weight-gradient partials,
+ * one kernel each; the default). Until set, LONGMOE_MOE_ROWS=by-row selects 0
  * (read once). Anything but 0 or 1 is LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_by_token(int by_token);
 int lm_cuda_moe_by_token(void);

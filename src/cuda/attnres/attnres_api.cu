@@ -44,9 +44,9 @@ static lm_status check_config(const lm_attnres_config *c) {
     return LM_OK;
 }
 
-/* the deferred backward's setting (LONGMOE_ATTNRES_BWD) */
+/* the deferred backward's setting (LONGMOE_ATTNRES_BWD; deferred by default) */
 static switch_setting defer_setting = {-1, "LONGMOE_ATTNRES_BWD", "attnres cuda deferred backward",
-                                       {"direct", "deferred"}, 0};
+                                       {"direct", "deferred"}, 1};
 
 extern "C" lm_status lm_cuda_attnres_set_deferred(int on) { return switch_set(&defer_setting, on); }
 extern "C" int lm_cuda_attnres_deferred(void) { return switch_get(&defer_setting); }

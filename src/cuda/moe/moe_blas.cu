@@ -102,9 +102,9 @@ static switch_setting batched_tiles = {-1, "LONGMOE_MOE_BATCHED", "moe batched e
 extern "C" lm_status lm_cuda_moe_set_batched_tiles(int tiles) { return switch_set(&batched_tiles, tiles); }
 extern "C" int lm_cuda_moe_batched_tiles(void) { return switch_get(&batched_tiles); }
 
-/* How rows move between tokens and the grouped layout: 0 by grouped row (the
- * default), 1 by token (LONGMOE_MOE_ROWS=by-row|by-token). */
-static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "moe rows", {"by-row", "by-token"}, 0};
+/* How rows move between tokens and the grouped layout: 0 by grouped row, 1 by
+ * token (the default) (LONGMOE_MOE_ROWS=by-row|by-token). */
+static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "moe rows", {"by-row", "by-token"}, 1};
 
 extern "C" lm_status lm_cuda_moe_set_by_token(int v) { return switch_set(&by_token, v); }
 extern "C" int lm_cuda_moe_by_token(void) { return switch_get(&by_token); }
