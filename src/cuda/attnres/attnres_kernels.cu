@@ -70,8 +70,11 @@ template <> struct vec<4> {
 
 template <int VEC>
 __global__ void __launch_bounds__(THREADS, 4)
-accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, int64_t n, int d, float eps, int tpr) {
-    // dst, src are (n,d); rstd is (n); shared: one float per warp
+accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, int64_t n, int d, float eps, int tpr,
+                       unsigned long long *first_nonfinite) {
+    // dst, src are (n,d); rstd is (n); shared: one float per warp. first_nonfinite (may be
+    // NULL) = min(itself, the flat index of src's first non-finite element): each thread
+    // offers the first it meets (its columns in order), the exponent bits tested
     __shared__ float red[WARPS];
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
@@ -80,9 +83,16 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
     if (active) {
         float *dr = dst + (size_t)t * d;
         const float *sr = src + (size_t)t * d;
+        unsigned long long bad = ~0ull;
         for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
             float x[VEC], y[VEC];
             vec<VEC>::load(y, sr + c);
+            if (first_nonfinite && bad == ~0ull) {
+#pragma unroll
+                for (int j = VEC - 1; j >= 0; j--)
+                    if ((__float_as_uint(y[j]) & 0x7f800000u) == 0x7f800000u)
+                        bad = (unsigned long long)t * (unsigned long long)d + (unsigned long long)(c + j);
+            }
             if (assign) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) x[j] = y[j];
@@ -95,6 +105,7 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
             for (int j = 0; j < VEC; j++) ss += x[j] * x[j];
             vec<VEC>::store(dr + c, x);
         }
+        if (bad != ~0ull) atomicMin(first_nonfinite, bad);
     }
     if (!rstd) return; /* uniform over the grid */
     ss = warp_sum(ss);
@@ -976,14 +987,16 @@ static int backward_token_block(void) {
 static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
 
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
-                                         int assign, int64_t n, int d, float eps) {
+                                         int assign, int64_t n, int d, float eps, unsigned long long *first_nonfinite) {
     const void *ptrs[2] = {dst, src};
     const int VEC = pick_vec(d, ptrs, 2), tpr = threads_per_row(d, VEC);
     const unsigned grid = grid_of(n, THREADS / tpr);
     if (VEC == 4)
-        accumulate_rows_kernel<4><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+        accumulate_rows_kernel<4><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr,
+                                                                first_nonfinite);
     else
-        accumulate_rows_kernel<1><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+        accumulate_rows_kernel<1><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr,
+                                                                first_nonfinite);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
