@@ -762,12 +762,13 @@ static void test_memory_plan_matches_cpu_buffers(void) {
 
 /* lm_cuda_attnres_add_output_note finds the first non-finite value of each
  * output: NaN, +Inf and -Inf planted at random places (several in one output,
- * the first at the start, in the middle, at the last element), in the block's
+ * two in one group of four, at the start, in the middle, the last element
+ * alone), in the block's
  * first sublayer (the open sum assigned) and later ones (added), float4 rows
  * and one float a thread (d = 98), block and standard residuals; nothing noted
  * for a finite output, the slot's smaller value kept, and a NULL slot refused. */
 static void note_case(lm_attnres_mode mode, int d, int64_t n, uint64_t seed) {
-    const int L = 5;
+    const int L = 7;
     lm_attnres_config c = {mode, L, 2, d, n, 1e-6f, 0, 0};
     lm_attnres_memory_plan plan;
     CHECK(lm_cuda_attnres_memory(&c, &plan) == LM_OK, "plan: %s", lm_last_error());
@@ -795,15 +796,22 @@ static void note_case(lm_attnres_mode mode, int d, int64_t n, uint64_t seed) {
     for (int l = 0; l < L; l++) {
         CHECK(lm_cuda_attnres_input(&ctx, &st, l, &p, h) == LM_OK, "input %d: %s", l, lm_last_error());
         fill_normal(hy, nd, &r, 1.0, 0.0, 0);
-        /* l = 0: finite; 1: one at element 0; 2: three at random places; 3: the last element and a
-         * random one; 4: one in the middle, with the slot already holding a smaller value */
+        /* l = 0: finite; 1: one at element 0; 2: three at random places; 3: the last element
+         * alone; 4: one in the middle, the slot holding a larger value; 5: the same, the slot
+         * holding a smaller one (kept); 6: two in one group of four, at 4q + 3 and 4q + 1 (the
+         * lower one wins inside a thread's float4 too) */
         unsigned long long want = ~0ull, start = ~0ull;
         size_t at[3];
-        int k = l == 0 ? 0 : l == 2 ? 3 : l == 3 ? 2 : 1;
+        const int k = l == 0 ? 0 : l == 2 ? 3 : l == 6 ? 2 : 1;
         for (int i = 0; i < k; i++) at[i] = (size_t)(lm_rng_u64(&r) % nd);
         if (l == 1) at[0] = 0;
         if (l == 3) at[0] = nd - 1;
-        if (l == 4) at[0] = nd / 2, start = nd / 3;
+        if (l == 4) at[0] = nd / 2, start = nd / 2 + 1;
+        if (l == 5) at[0] = nd / 2, start = nd / 3;
+        if (l == 6) {
+            const size_t q = (size_t)(lm_rng_u64(&r) % (nd / 4));
+            at[0] = 4 * q + 3, at[1] = 4 * q + 1;
+        }
         for (int i = 0; i < k; i++) {
             hy[at[i]] = bad[(l + i) % 3];
             if (at[i] < want) want = at[i];
