@@ -11,6 +11,9 @@
 #   TOP                         kernels listed per table (default 40)
 #   BYTES=1                     also read each kernel's DRAM bytes (dram__bytes_read.sum and
 #                               dram__bytes_write.sum; slower): the tables then give GB/s
+#   OCC=1                       also read each kernel's achieved occupancy and registers a thread
+#                               (sm__warps_active.avg.pct_of_peak_sustained_active,
+#                               launch__registers_per_thread): the tables then give both
 set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
@@ -23,6 +26,7 @@ steps=${*:-build moe step}
 has() { [[ " $steps " == *" $1 "* ]]; }
 METRICS=gpu__time_duration.sum
 [ "${BYTES:-0}" = 1 ] && METRICS=$METRICS,dram__bytes_read.sum,dram__bytes_write.sum
+[ "${OCC:-0}" = 1 ] && METRICS=$METRICS,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread
 NCU="ncu --clock-control none --cache-control none --metrics $METRICS --csv"
 
 if has build; then
