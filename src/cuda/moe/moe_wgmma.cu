@@ -26,6 +26,7 @@
  * output rounded once to bf16 (or stored fp32), with accumulate the fp32
  * sum of the old value and the product. Padding rows (zero in A) give zero
  * rows in C, as the batched kind's do. */
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -352,6 +353,8 @@ int lm_moe_wgmma_tile_n(void) {
     if (!tile_env) {
         const char *e = getenv("LONGMOE_MOE_WGMMA_TILE");
         tile_env = e && !strcmp(e, "128x128") ? 128 : 256;
+        if (e && *e && strcmp(e, "128x128") && strcmp(e, "128x256"))
+            fprintf(stderr, "longmoe: LONGMOE_MOE_WGMMA_TILE=%s ignored: use 128x256 or 128x128\n", e);
     }
     return tile_env;
 }
