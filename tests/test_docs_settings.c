@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "files.h"
 #include "test.h"
 
 #define MAX_NAMES 128
@@ -37,23 +38,10 @@ static void add_name(name_set *s, const char *p, size_t len) {
 
 static int name_char(char c) { return (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
 
+/* the whole file (lm_read_file), or NULL */
 static char *read_all(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, len = 0;
-    char *buf = malloc(cap);
-    size_t got;
-    while (buf && (got = fread(buf + len, 1, cap - len - 1, f)) > 0) {
-        len += got;
-        if (len + 1 == cap) {
-            char *nb = realloc(buf, cap *= 2);
-            if (!nb) free(buf);
-            buf = nb;
-        }
-    }
-    fclose(f);
-    if (buf) buf[len] = 0;
-    return buf;
+    char *text = NULL;
+    return lm_read_file(path, 0, &text, NULL) == LM_OK ? text : NULL;
 }
 
 /* every "LONGMOE_[A-Z0-9_]+" string literal of text (the whole literal: the name and nothing else) */

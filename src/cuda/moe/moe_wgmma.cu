@@ -26,7 +26,6 @@
  * output rounded once to bf16 (or stored fp32), with accumulate the fp32
  * sum of the old value and the product. Padding rows (zero in A) give zero
  * rows in C, as the batched kind's do. */
-#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +34,7 @@
 #include <cudaTypedefs.h>
 
 #include "check.h"
+#include "cuda/common/switch_setting.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/moe/moe_internal.cuh"
 #include "longmoe/moe_cuda.h"
@@ -338,26 +338,18 @@ lm_status launch(dim3 grid, cudaStream_t st, const CUtensorMap &map_a, const CUt
     return LM_OK;
 }
 
-int tile_env = 0; /* 0: not read yet */
+/* the output tile's columns: 0 for 256 (the default), 1 for 128 (LONGMOE_MOE_WGMMA_TILE) */
+switch_setting tile_128 = {-1, "LONGMOE_MOE_WGMMA_TILE", "moe wgmma tile", {"128x256", "128x128"}, 0};
 
 } // namespace
 
 extern "C" lm_status lm_cuda_moe_set_wgmma_tile(int tile_n) {
     if (tile_n != 128 && tile_n != 256)
         return lm_error(LM_ERR_ARG, "moe wgmma: tile of %d columns (expected 128 or 256)", tile_n);
-    tile_env = tile_n;
-    return LM_OK;
+    return switch_set(&tile_128, tile_n == 128);
 }
 
-int lm_moe_wgmma_tile_n(void) {
-    if (!tile_env) {
-        const char *e = getenv("LONGMOE_MOE_WGMMA_TILE");
-        tile_env = e && !strcmp(e, "128x128") ? 128 : 256;
-        if (e && *e && strcmp(e, "128x128") && strcmp(e, "128x256"))
-            fprintf(stderr, "longmoe: LONGMOE_MOE_WGMMA_TILE=%s ignored: use 128x256 or 128x128\n", e);
-    }
-    return tile_env;
-}
+int lm_moe_wgmma_tile_n(void) { return switch_get(&tile_128) ? 128 : 256; }
 
 bool lm_moe_wgmma_takes(const lm_gemm_bf16_args *g) {
     if (g->layout == LM_GEMM_TN || !g->group_offsets) return false;
