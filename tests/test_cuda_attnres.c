@@ -177,6 +177,11 @@ static void dev_download(float *x, const float *d, size_t count) {
  * and its bf16 copy: view_lp_bad counts the sublayers whose copy is missing,
  * present in standard mode, or not the bits lm_f32_to_bf16 gives */
 static int gpu_view, view_lp_bad, view_lp_seen;
+/* gpu_note: the forward's adds through lm_cuda_attnres_add_output_note (the
+ * deferred non-finite check in the same pass); note_noted = what it noted
+ * (~0: nothing, as it must be for finite outputs) */
+static int gpu_note;
+static unsigned long long note_noted;
 
 static int run_gpu(const problem *p, outputs *o) {
     int ok = 1;
@@ -205,10 +210,17 @@ static int run_gpu(const problem *p, outputs *o) {
     lm_attnres_grads g = {gq, gk};
     /* the uploads ran on the legacy stream; the context's stream does not wait for it */
     CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
+    unsigned long long *note_slot = NULL, none = ~0ull;
+    if (gpu_note) {
+        STEP_OK(lm_cuda_alloc((void **)&note_slot, sizeof none));
+        STEP_OK(lm_cuda_upload(note_slot, &none, sizeof none));
+    }
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "note slot");
     STEP_OK(lm_cuda_attnres_begin(&ctx, &st, emb));
     for (int l = 0; l < L; l++) {
         STEP_OK(lm_cuda_attnres_input(&ctx, &st, l, &prm, h + (size_t)l * nd));
-        STEP_OK(lm_cuda_attnres_add_output(&ctx, &st, l, y + (size_t)l * nd));
+        if (gpu_note) STEP_OK(lm_cuda_attnres_add_output_note(&ctx, &st, l, y + (size_t)l * nd, note_slot));
+        else STEP_OK(lm_cuda_attnres_add_output(&ctx, &st, l, y + (size_t)l * nd));
     }
     STEP_OK(lm_cuda_attnres_final(&ctx, &st, &prm, h_final));
     if (attn) STEP_OK(lm_cuda_attnres_recompute_input(&ctx, &st, L, h_rec + (size_t)L * nd));
@@ -261,6 +273,10 @@ static int run_gpu(const problem *p, outputs *o) {
     dev_download(o->demb, demb, nd);
     dev_download(o->gq, gq, p->pd);
     dev_download(o->gk, gk, p->pd);
+    if (note_slot) {
+        STEP_OK(lm_cuda_download(&note_noted, note_slot, sizeof note_noted));
+        lm_cuda_free(note_slot);
+    }
     float *bufs[] = {emb, y, dh, dh_final, dy, demb, query, key_norm, gq, gk, h, h_final, h_rec, h_rep};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) lm_cuda_free(bufs[i]);
     lm_cuda_free(ws);
@@ -297,11 +313,16 @@ static void check_case(lm_attnres_mode mode, int S, int64_t n, int d, uint64_t s
     const size_t nd = p.nd;
     int ran = run_cpu(&p, &cpu) && run_gpu(&p, &gpu);
     /* the second run takes dy as a view of the state (lm_cuda_attnres_output_grad):
-     * every output bit-identical to the copying run */
+     * every output bit-identical to the copying run; its forward adds the
+     * outputs with the non-finite check in the same pass, which notes nothing */
     gpu_view = 1;
+    gpu_note = 1;
+    note_noted = 0;
     view_lp_bad = view_lp_seen = 0;
     ran = ran && run_gpu(&p, &again);
     gpu_view = 0;
+    gpu_note = 0;
+    CHECK(!ran || note_noted == ~0ull, "%s: finite outputs noted as non-finite at %llu", name, note_noted);
     /* the bf16 copy of every sublayer's output gradient (block and full), the bits of lm_f32_to_bf16 */
     CHECK(view_lp_bad == 0, "%s: %d sublayers' bf16 output gradient missing or not the rounded fp32 one", name,
           view_lp_bad);
@@ -739,6 +760,91 @@ static void test_memory_plan_matches_cpu_buffers(void) {
     CHECK(strstr(lm_last_error(), "block_size") != NULL, "message: %s", lm_last_error());
 }
 
+/* lm_cuda_attnres_add_output_note finds the first non-finite value of each
+ * output: NaN, +Inf and -Inf planted at random places (several in one output,
+ * two in one group of four, at the start, in the middle, the last element
+ * alone), in the block's
+ * first sublayer (the open sum assigned) and later ones (added), float4 rows
+ * and one float a thread (d = 98), block and standard residuals; nothing noted
+ * for a finite output, the slot's smaller value kept, and a NULL slot refused. */
+static void note_case(lm_attnres_mode mode, int d, int64_t n, uint64_t seed) {
+    const int L = 7;
+    lm_attnres_config c = {mode, L, 2, d, n, 1e-6f, 0, 0};
+    lm_attnres_memory_plan plan;
+    CHECK(lm_cuda_attnres_memory(&c, &plan) == LM_OK, "plan: %s", lm_last_error());
+    const size_t nd = (size_t)n * d, pd = (size_t)(L + 1) * d;
+    void *ws = NULL;
+    float *y = NULL, *h = NULL, *prm = NULL;
+    unsigned long long *slot = NULL;
+    CHECK(lm_cuda_alloc(&ws, plan.total) == LM_OK && lm_cuda_alloc((void **)&y, nd * 4) == LM_OK &&
+              lm_cuda_alloc((void **)&h, nd * 4) == LM_OK && lm_cuda_alloc((void **)&prm, 2 * pd * 4) == LM_OK &&
+              lm_cuda_alloc((void **)&slot, 8) == LM_OK,
+          "alloc");
+    lm_cuda_attnres_state st;
+    CHECK(lm_cuda_attnres_init(&st, &c, ws, plan.total) == LM_OK, "init: %s", lm_last_error());
+    lm_rng r;
+    lm_rng_seed(&r, seed);
+    float *hy = mallocCheck(nd * 4), *hp = mallocCheck(2 * pd * 4);
+    fill_normal(hp, 2 * pd, &r, 0.1, 1.0, 0);
+    fill_normal(hy, nd, &r, 1.0, 0.0, 0);
+    lm_attnres_params p = {prm, prm + pd};
+    CHECK(lm_cuda_upload(prm, hp, 2 * pd * 4) == LM_OK && lm_cuda_upload(y, hy, nd * 4) == LM_OK, "upload");
+    CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
+    CHECK(lm_cuda_attnres_begin(&ctx, &st, y) == LM_OK && lm_cuda_context_sync(&ctx) == LM_OK, "begin: %s",
+          lm_last_error());
+    const float bad[3] = {NAN, INFINITY, -INFINITY};
+    for (int l = 0; l < L; l++) {
+        CHECK(lm_cuda_attnres_input(&ctx, &st, l, &p, h) == LM_OK, "input %d: %s", l, lm_last_error());
+        fill_normal(hy, nd, &r, 1.0, 0.0, 0);
+        /* l = 0: finite; 1: one at element 0; 2: three at random places; 3: the last element
+         * alone; 4: one in the middle, the slot holding a larger value; 5: the same, the slot
+         * holding a smaller one (kept); 6: two in one group of four, at 4q + 3 and 4q + 1 (the
+         * lower one wins inside a thread's float4 too) */
+        unsigned long long want = ~0ull, start = ~0ull;
+        size_t at[3];
+        const int k = l == 0 ? 0 : l == 2 ? 3 : l == 6 ? 2 : 1;
+        for (int i = 0; i < k; i++) at[i] = (size_t)(lm_rng_u64(&r) % nd);
+        if (l == 1) at[0] = 0;
+        if (l == 3) at[0] = nd - 1;
+        if (l == 4) at[0] = nd / 2, start = nd / 2 + 1;
+        if (l == 5) at[0] = nd / 2, start = nd / 3;
+        if (l == 6) {
+            const size_t q = (size_t)(lm_rng_u64(&r) % (nd / 4));
+            at[0] = 4 * q + 3, at[1] = 4 * q + 1;
+        }
+        for (int i = 0; i < k; i++) {
+            hy[at[i]] = bad[(l + i) % 3];
+            if (at[i] < want) want = at[i];
+        }
+        if (start < want) want = start;
+        CHECK(lm_cuda_upload(y, hy, nd * 4) == LM_OK && lm_cuda_upload(slot, &start, 8) == LM_OK, "upload");
+        CHECK(cudaDeviceSynchronize() == cudaSuccess, "uploads");
+        if (l == 0) {
+            CHECK(lm_cuda_attnres_add_output_note(&ctx, &st, 0, y, NULL) == LM_ERR_ARG, "NULL slot accepted");
+            CHECK(strstr(lm_last_error(), "first_nonfinite") != NULL, "message: %s", lm_last_error());
+        }
+        CHECK(lm_cuda_attnres_add_output_note(&ctx, &st, l, y, slot) == LM_OK, "add %d: %s", l, lm_last_error());
+        unsigned long long got = 0;
+        CHECK(lm_cuda_context_sync(&ctx) == LM_OK && lm_cuda_download(&got, slot, 8) == LM_OK, "download");
+        CHECK(got == want, "%s d=%d n=%lld output %d: noted %llu, want %llu", lm_attnres_mode_name(mode), d,
+              (long long)n, l, got, want);
+    }
+    free(hy);
+    free(hp);
+    lm_cuda_free(ws);
+    lm_cuda_free(y);
+    lm_cuda_free(h);
+    lm_cuda_free(prm);
+    lm_cuda_free(slot);
+}
+
+static void test_add_output_note_finds_the_first_nonfinite_value(void) {
+    note_case(LM_ATTNRES_BLOCK, 64, 37, 8800);
+    note_case(LM_ATTNRES_BLOCK, 1024, 300, 8801);
+    note_case(LM_ATTNRES_BLOCK, 98, 41, 8802);
+    note_case(LM_ATTNRES_STANDARD, 256, 53, 8803);
+}
+
 static void test_calls_out_of_order_are_refused(void) {
     lm_attnres_config c = {LM_ATTNRES_BLOCK, 4, 2, 64, 5, 1e-6f, 0, 0};
     lm_attnres_memory_plan plan;
@@ -785,6 +891,7 @@ int main(void) {
     RUN(test_standard_mode_matches_cpu_and_repeats_bitwise);
     RUN(test_input_with_its_norm_matches_the_cpu);
     RUN(test_deferred_backward_gives_the_direct_bits);
+    RUN(test_add_output_note_finds_the_first_nonfinite_value);
     printf("worst relative error over all cases: %.3g (bound %.0e)\n", worst_error, TOL);
     lm_cuda_context_destroy(&ctx);
     return test_summary();

@@ -1121,6 +1121,50 @@ static void test_attnres_sequence_matches_the_cpu(void) {
     free_all();
 }
 
+/* The residual add with the deferred non-finite check in its pass (attnres_add_output_note):
+ * what it notes reaches the backend's slots that nonfinite_take reads (slot 2 l + 1 for
+ * sublayer l, as the model uses them): the first of two planted values in one output, nothing
+ * for the finite ones; the take clears them; a slot out of range is refused. */
+static void test_attnres_add_output_note_reaches_the_backend_slots(void) {
+    lm_rng r;
+    lm_rng_seed(&r, 15);
+    const int L = 4, d = 64;
+    const int64_t n = 150;
+    lm_attnres_config cfg = {LM_ATTNRES_BLOCK, L, 2, d, n, 1e-6f, 0, 0};
+    const size_t nd = (size_t)n * d, pd = (size_t)(L + 1) * d;
+    if (!gpu->ops->nonfinite_take) SKIP("the checks at once (LONGMOE_FINITE_CHECKS=at-once): no slots");
+    CHECK(gpu->ops->attnres_add_output_note != NULL, "the GPU backend's deferred checks lack attnres_add_output_note");
+    if (!gpu->ops->attnres_add_output_note) return;
+    void *st_g = NULL;
+    OK(gpu->ops->attnres_create(gpu, &cfg, &st_g));
+    if (!st_g) {
+        free_all();
+        return;
+    }
+    float *query = rnd(&r, pd, 0.5, 0.0, 0), *knorm = rnd(&r, pd, 0.2, 1.0, 0), *emb = rnd(&r, nd, 1.0, 0.0, 0);
+    lm_attnres_params pg = {up_f32(query, pd), up_f32(knorm, pd)};
+    float *g_h = dalloc(nd * 4);
+    int64_t first[2 * 4];
+    OK(gpu->ops->nonfinite_take(gpu, first, 2 * L)); /* whatever earlier tests left */
+    OK(gpu->ops->attnres_begin(gpu, st_g, up_f32(emb, nd)));
+    for (int l = 0; l < L; l++) {
+        OK(gpu->ops->attnres_input(gpu, st_g, l, &pg, g_h));
+        float *y = rnd(&r, nd, 1.0, 0.0, 0);
+        if (l == 2) y[5000] = INFINITY, y[777] = NAN;
+        if (l == 0)
+            CHECK(gpu->ops->attnres_add_output_note(gpu, st_g, l, up_f32(y, nd), LM_NONFINITE_SLOTS) == LM_ERR_ARG,
+                  "slot %d accepted", LM_NONFINITE_SLOTS);
+        OK(gpu->ops->attnres_add_output_note(gpu, st_g, l, up_f32(y, nd), 2 * l + 1));
+    }
+    OK(gpu->ops->nonfinite_take(gpu, first, 2 * L));
+    for (int s = 0; s < 2 * L; s++)
+        CHECK(first[s] == (s == 5 ? 777 : -1), "slot %d: %lld, want %d", s, (long long)first[s], s == 5 ? 777 : -1);
+    OK(gpu->ops->nonfinite_take(gpu, first, 2 * L));
+    for (int s = 0; s < 2 * L; s++) CHECK(first[s] == -1, "slot %d after the take: %lld", s, (long long)first[s]);
+    gpu->ops->attnres_free(gpu, st_g);
+    free_all();
+}
+
 /* ---- checks ---- */
 
 static void test_find_nonfinite_finds_the_first_planted_value(void) {
@@ -1174,6 +1218,7 @@ int main(void) {
     RUN(test_balance_set_equals_the_per_observation_path_k3);
     RUN(test_balance_set_equals_the_per_observation_path_zoom);
     RUN(test_attnres_sequence_matches_the_cpu);
+    RUN(test_attnres_add_output_note_reaches_the_backend_slots);
     RUN(test_find_nonfinite_finds_the_first_planted_value);
     if (gpu) lm_backend_free(gpu);
     return test_summary();

@@ -458,13 +458,26 @@ static lm_status hs_take(lm_backend *be, int64_t *first, int n) {
     return LM_OK;
 }
 
-static void test_deferred_checks_name_the_first_failing_sublayer(void) {
+/* the residual stream's add with the check in it (lm_ops attnres_add_output_note), as the
+ * GPU backend has it: here the CPU's add, then the host note of y */
+static int host_add_notes;
+static size_t host_nd; /* y's n d */
+static lm_status hs_add_output_note(lm_backend *be, void *state, int l, const float *y, int slot) {
+    lm_status st = lm_backend_cpu()->ops->attnres_add_output(be, state, l, y);
+    if (st) return st;
+    host_add_notes++;
+    return hs_note(be, y, host_nd, 0, slot);
+}
+
+static void deferred_checks_case(int in_add) {
     for (int i = 0; i < LM_NONFINITE_SLOTS; i++) host_slots[i] = -1;
     lm_config c = chunk_config();
     const int B = 2, T = 24, N = B * T;
     lm_ops ops = *lm_backend_cpu()->ops;
     ops.nonfinite_note = hs_note;
     ops.nonfinite_take = hs_take;
+    if (in_add) ops.attnres_add_output_note = hs_add_output_note;
+    const int add_notes0 = host_add_notes;
     lm_backend db = *lm_backend_cpu();
     db.ops = &ops;
     lm_model *a = NULL, *b = NULL;
@@ -493,7 +506,8 @@ static void test_deferred_checks_name_the_first_failing_sublayer(void) {
             }
         }
         float la = NAN, lb = NAN;
-        int notes0 = host_notes, takes0 = host_takes;
+        int notes0 = host_notes, takes0 = host_takes, add_notes_r = host_add_notes;
+        host_nd = (size_t)N * (size_t)c.d_model;
         lm_status sa = lm_model_forward(a, tok, tgt, 1, &la);
         char msg_a[512];
         snprintf(msg_a, sizeof msg_a, "%s", sa ? lm_last_error() : "");
@@ -504,6 +518,9 @@ static void test_deferred_checks_name_the_first_failing_sublayer(void) {
         CHECK((round > 0 || host_notes - notes0 == 2 * c.n_layers) && host_takes - takes0 == (host_notes > notes0),
               "round %d: %d notes and %d takes in a forward (a clean one: %d and 1)", round, host_notes - notes0,
               host_takes - takes0, 2 * c.n_layers);
+        /* with the note in the residual add, every note of a clean forward comes from it */
+        CHECK(round > 0 || host_add_notes - add_notes_r == (in_add ? 2 * c.n_layers : 0),
+              "round %d: %d notes in the residual add", round, host_add_notes - add_notes_r);
         if (round == 0) {
             CHECK(!sa && !sb && memcmp(&la, &lb, sizeof la) == 0, "clean: loss %.9g (%d) vs %.9g (%d)", la, (int)sa,
                   lb, (int)sb);
@@ -526,10 +543,17 @@ static void test_deferred_checks_name_the_first_failing_sublayer(void) {
     float la = NAN;
     CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && isfinite(la), "a clean forward after a failed one: %s",
           lm_last_error());
+    CHECK(in_add ? host_add_notes > add_notes0 : host_add_notes == add_notes0, "%d notes in the residual add",
+          host_add_notes - add_notes0);
 done:
     lm_model_free(a);
     lm_model_free(b);
 }
+
+static void test_deferred_checks_name_the_first_failing_sublayer(void) { deferred_checks_case(0); }
+
+/* the same with the check in the residual stream's add (lm_ops attnres_add_output_note) */
+static void test_deferred_checks_in_the_residual_add_name_the_same_sublayer(void) { deferred_checks_case(1); }
 
 int main(void) {
     RUN(test_chunked_equals_unchunked);
@@ -540,5 +564,6 @@ int main(void) {
     RUN(test_bad_chunk_configs_are_refused);
     RUN(test_part_timer_takes_the_parts);
     RUN(test_deferred_checks_name_the_first_failing_sublayer);
+    RUN(test_deferred_checks_in_the_residual_add_name_the_same_sublayer);
     return test_summary();
 }

@@ -113,6 +113,12 @@ lm_status lm_cuda_attnres_input(const lm_cuda_context *ctx, lm_cuda_attnres_stat
                                 const lm_attnres_params *p, float *h);
 lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
                                      const float *y);
+/* lm_cuda_attnres_add_output, and in the same pass over y the backend's
+ * deferred non-finite check of it: *first_nonfinite (device memory) = min(
+ * itself, the flat index of y's first non-finite value), untouched when y is
+ * all finite. The same state and bits as lm_cuda_attnres_add_output. */
+lm_status lm_cuda_attnres_add_output_note(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                          const float *y, unsigned long long *first_nonfinite);
 lm_status lm_cuda_attnres_final(const lm_cuda_context *ctx, lm_cuda_attnres_state *st,
                                 const lm_attnres_params *p, float *h);
 /* h [n,d] = the input of layer l (L: final) again from the saved scores,

@@ -333,6 +333,10 @@ typedef struct {
     lm_status (*attnres_begin)(lm_backend *be, void *state, const float *embedding);
     lm_status (*attnres_input)(lm_backend *be, void *state, int l, const lm_attnres_params *p, float *h);
     lm_status (*attnres_add_output)(lm_backend *be, void *state, int l, const float *y);
+    /* optional (NULL: the model calls nonfinite_note and attnres_add_output):
+     * both in one pass, attnres_add_output(l, y) and nonfinite_note(y, n d, 0,
+     * slot), for a backend that has nonfinite_note */
+    lm_status (*attnres_add_output_note)(lm_backend *be, void *state, int l, const float *y, int slot);
     lm_status (*attnres_final)(lm_backend *be, void *state, const lm_attnres_params *p, float *h);
     lm_status (*attnres_final_backward)(lm_backend *be, void *state, const lm_attnres_params *p, const float *dh,
                                         lm_attnres_grads *g);

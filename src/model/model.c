@@ -1728,7 +1728,11 @@ static lm_status run_sublayers(lm_model *m, int training, int defer, const lm_at
          * failing rank leaves none waiting in the next token mixer */
         lm_status ss = sublayer_forward(m, ls, idx, xn, xn_lp, m->y, training, 0);
         int64_t bad = -1;
-        if (!ss && defer) {
+        /* a deferred check in the residual stream's own pass over y where the backend has one */
+        const int note_in_add = defer && op->attnres_add_output_note;
+        if (!ss && note_in_add) {
+            /* noted below */
+        } else if (!ss && defer) {
             ss = op->nonfinite_note(be, m->y, (size_t)N * d, 0, 2 * idx + 1);
             m->checks_pending = 1;
         } else if (!ss) {
@@ -1739,7 +1743,12 @@ static lm_status run_sublayers(lm_model *m, int training, int defer, const lm_at
                           idx % 2 ? "channel mixer" : "token mixer");
         TRY(cp_agree(m, ss, LM_ERR_NUMERIC, "a failed sublayer"));
         charge(m, sublayer_part(ls, idx), &t0);
-        TRY(op->attnres_add_output(be, m->ar, idx, m->y));
+        if (note_in_add) {
+            TRY(op->attnres_add_output_note(be, m->ar, idx, m->y, 2 * idx + 1));
+            m->checks_pending = 1;
+        } else {
+            TRY(op->attnres_add_output(be, m->ar, idx, m->y));
+        }
         charge(m, LM_TIME_ATTNRES, &t0);
     }
     *tp = t0;

@@ -240,7 +240,7 @@ extern "C" lm_status lm_cuda_attnres_begin(const lm_cuda_context *ctx, lm_cuda_a
     // embedding is (n,d): v_0 = embedding and its 1/rms in one pass
     const int standard = st->cfg.mode == LM_ATTNRES_STANDARD;
     if ((s = attnres_launch_accumulate_rows(stream_of(ctx), st->hist, embedding, standard ? NULL : st->hist_rstd, 1,
-                                            st->cfg.n_tokens, st->cfg.d, st->cfg.eps)))
+                                            st->cfg.n_tokens, st->cfg.d, st->cfg.eps, NULL)))
         return s;
     st->step = 0;
     st->replaying = 0;
@@ -314,23 +314,25 @@ extern "C" lm_status lm_cuda_attnres_input_norm(const lm_cuda_context *ctx, lm_c
     return input_impl(ctx, st, l, p, NULL, norm, "lm_cuda_attnres_input_norm");
 }
 
-extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
-                                                const float *y) {
-    lm_status s = check_common(ctx, st, "lm_cuda_attnres_add_output");
+static lm_status add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l, const float *y,
+                            unsigned long long *first_nonfinite, const char *call) {
+    lm_status s = check_common(ctx, st, call);
     if (s) return s;
-    if ((s = expect(st, 2 * l + 1, "lm_cuda_attnres_add_output", l))) return s;
-    if (!y) return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_add_output(l = %d): y is NULL", l);
+    if ((s = expect(st, 2 * l + 1, call, l))) return s;
+    if (!y) return lm_error(LM_ERR_ARG, "attnres cuda: %s(l = %d): y is NULL", call, l);
     // y is (n,d)
     const int64_t n = st->cfg.n_tokens;
     const int d = st->cfg.d, L = st->cfg.n_sublayers;
     if (st->cfg.mode == LM_ATTNRES_STANDARD) {
-        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), st->hist, y, NULL, 0, n, d, st->cfg.eps))) return s;
+        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), st->hist, y, NULL, 0, n, d, st->cfg.eps,
+                                                    first_nonfinite))) return s;
     } else {
         const int S = st->S, k = l / S, pos = l % S;
         float *open = st->hist + (size_t)(1 + k) * nd_of(st);
         /* the block closes at its last sublayer (or the model's): b_{k+1}'s 1/rms, same pass */
         float *rstd = (pos == S - 1 || l == L - 1) ? st->hist_rstd + (size_t)(1 + k) * n : NULL;
-        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), open, y, rstd, pos == 0, n, d, st->cfg.eps)))
+        if ((s = attnres_launch_accumulate_rows(stream_of(ctx), open, y, rstd, pos == 0, n, d, st->cfg.eps,
+                                                  first_nonfinite)))
             return s;
     }
     if (st->replaying && l == st->replay_last) {
@@ -341,6 +343,18 @@ extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_c
     }
     st->step++;
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_attnres_add_output(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                const float *y) {
+    return add_output(ctx, st, l, y, NULL, "lm_cuda_attnres_add_output");
+}
+
+extern "C" lm_status lm_cuda_attnres_add_output_note(const lm_cuda_context *ctx, lm_cuda_attnres_state *st, int l,
+                                                     const float *y, unsigned long long *first_nonfinite) {
+    if (!first_nonfinite)
+        return lm_error(LM_ERR_ARG, "attnres cuda: lm_cuda_attnres_add_output_note(l = %d): first_nonfinite is NULL", l);
+    return add_output(ctx, st, l, y, first_nonfinite, "lm_cuda_attnres_add_output_note");
 }
 
 extern "C" lm_status lm_cuda_attnres_replay_block(lm_cuda_attnres_state *st, int k) {

@@ -42,9 +42,10 @@ struct attnres_deferred {
     const float *w, *g; /* [S, d] from the block's first sublayer */
 };
 
-/* rows [n,d]: dst = src (assign) or dst += src; rstd [n] (may be NULL) = 1/rms of the new rows. */
+/* rows [n,d]: dst = src (assign) or dst += src; rstd [n] (may be NULL) = 1/rms of the new rows;
+ * first_nonfinite (may be NULL) = min(itself, the flat index of src's first non-finite value). */
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
-                                         int assign, int64_t n, int d, float eps);
+                                         int assign, int64_t n, int d, float eps, unsigned long long *first_nonfinite);
 
 /* dst[i] += src[i] for i < count. */
 lm_status attnres_launch_add(cudaStream_t stream, float *dst, const float *src, size_t count);

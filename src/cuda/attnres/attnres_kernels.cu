@@ -70,8 +70,11 @@ template <> struct vec<4> {
 
 template <int VEC>
 __global__ void __launch_bounds__(THREADS, 4)
-accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, int64_t n, int d, float eps, int tpr) {
-    // dst, src are (n,d); rstd is (n); shared: one float per warp
+accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, int64_t n, int d, float eps, int tpr,
+                       unsigned long long *first_nonfinite) {
+    // dst, src are (n,d); rstd is (n); shared: one float per warp. first_nonfinite (may be
+    // NULL) = min(itself, the flat index of src's first non-finite element): each thread
+    // offers the first it meets (its columns in order), the exponent bits tested
     __shared__ float red[WARPS];
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int64_t t = (int64_t)blockIdx.x * rows + group;
@@ -80,9 +83,16 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
     if (active) {
         float *dr = dst + (size_t)t * d;
         const float *sr = src + (size_t)t * d;
+        unsigned long long bad = ~0ull;
         for (int c = lane_g * VEC; c < d; c += tpr * VEC) {
             float x[VEC], y[VEC];
             vec<VEC>::load(y, sr + c);
+            if (first_nonfinite && bad == ~0ull) {
+#pragma unroll
+                for (int j = VEC - 1; j >= 0; j--)
+                    if ((__float_as_uint(y[j]) & 0x7f800000u) == 0x7f800000u)
+                        bad = (unsigned long long)t * (unsigned long long)d + (unsigned long long)(c + j);
+            }
             if (assign) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) x[j] = y[j];
@@ -95,6 +105,7 @@ accumulate_rows_kernel(float *dst, const float *src, float *rstd, int assign, in
             for (int j = 0; j < VEC; j++) ss += x[j] * x[j];
             vec<VEC>::store(dr + c, x);
         }
+        if (bad != ~0ull) atomicMin(first_nonfinite, bad);
     }
     if (!rstd) return; /* uniform over the grid */
     ss = warp_sum(ss);
@@ -651,7 +662,7 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
  *   dh = r g - (r^3 D / d) h,   da_i = dh . v_i = r (g . v_i) - (r^3 D / d) (h . v_i),
  * so one pass reduces g . v_i, h . v_i and D together; the second forms dh
  * and updates every dv_i as backward_kernel does. The norm weight's gradient
- * sum_t dxn (.) h r goes, like q, through per-block partials npart (param_grad_kernel). Rows held
+ * sum_t dxn (.) h r goes, like q, through per-block partials npart (launch_param_grads). Rows held
  * in registers: d <= tpr * VEC, Ns <= MAXS. */
 template <int VEC, int MAXS, int DEFER>
 __global__ void __launch_bounds__(THREADS, MAXS <= 4 && !DEFER ? 3 : 2)
@@ -869,24 +880,51 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
     }
 }
 
-/* q[c] = sum over blocks b (fixed order: b = ty mod 8, then the 8 in order)
- * of qpart[b][c]; dw += g (.) q (g NULL: dw += q), dg += w (.) q. 32 channels
- * a block. */
+/* The parameter gradients from the backward blocks' partials (part [n_tb, d]:
+ * one row a backward block), in two kernels and a fixed order: q[c] = the
+ * sum over segments of `seg` rows, in order, of each segment's sum, which is
+ * the sum of 8 strided chains (row ty, ty + 8, ... of the segment: warp ty),
+ * then the 8 in order. Many blocks read the partials at once (the sums of one
+ * block a 32-channel strip took a few warps a multiprocessor: latency-bound). */
+
+/* Stage 1: block (x, y) sums segment y of part (blockIdx.z: part0 or part1)
+ * for channels 32 x .. 32 x + 31 and writes the sum over the segment's first
+ * row: each segment's rows of those channels are the block's alone. */
 __global__ void __launch_bounds__(THREADS)
-param_grad_kernel(const float *qpart, int64_t n_tb, int d, const float *w, const float *g, float *dw, float *dg) {
-    __shared__ float part[WARPS][33];
+param_grad_segments_kernel(float *part0, float *part1, int64_t n_tb, int64_t seg, int d) {
+    float *part = blockIdx.z ? part1 : part0;
+    __shared__ float red[WARPS][33];
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
     const int c = blockIdx.x * 32 + tx;
+    const int64_t b0 = (int64_t)blockIdx.y * seg, b1 = b0 + seg < n_tb ? b0 + seg : n_tb;
     float s = 0.0f;
     if (c < d)
-        for (int64_t b = ty; b < n_tb; b += WARPS) s += qpart[(size_t)b * d + c];
-    part[ty][tx] = s;
+        for (int64_t b = b0 + ty; b < b1; b += WARPS) s += part[(size_t)b * d + c];
+    red[ty][tx] = s;
     __syncthreads();
     if (ty == 0 && c < d) {
         float q = 0.0f;
-        for (int k = 0; k < WARPS; k++) q += part[k][tx];
+        for (int k = 0; k < WARPS; k++) q += red[k][tx];
+        part[(size_t)b0 * d + c] = q;
+    }
+}
+
+/* Stage 2: q = the segments' sums in order; from part0 dw += g (.) q (g NULL:
+ * dw += q) and dg += w (.) q; from part1 (may be NULL) dw1 += its q. */
+__global__ void param_grad_apply_kernel(const float *part0, const float *part1, int64_t n_seg, int64_t seg, int d,
+                                        const float *w, const float *g, float *dw, float *dg, float *dw1) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    if (part0) {
+        float q = 0.0f;
+        for (int64_t k = 0; k < n_seg; k++) q += part0[(size_t)(k * seg) * d + c];
         if (dw) dw[c] += g ? g[c] * q : q;
         if (dg) dg[c] += w[c] * q;
+    }
+    if (part1) {
+        float q = 0.0f;
+        for (int64_t k = 0; k < n_seg; k++) q += part1[(size_t)(k * seg) * d + c];
+        dw1[c] += q;
     }
 }
 
@@ -911,6 +949,27 @@ __global__ void add4_kernel(float4 *dst, const float4 *src, size_t count4) {
 /* ---- launchers ---- */
 
 static bool aligned16(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
+
+/* The parameter gradients from the partials (param_grad_segments_kernel, then
+ * param_grad_apply_kernel): qpart (may be NULL) into dw, dg with w, g; npart
+ * (may be NULL) into dnw. Segments of 128 rows (16 a warp), more where the
+ * grid's y would pass 65535. The partials are overwritten. */
+static lm_status launch_param_grads(cudaStream_t stream, float *qpart, const float *w, const float *g, float *dw,
+                                    float *dg, float *npart, float *dnw, int64_t n_tb, int d) {
+    if (!qpart && !npart) return LM_OK;
+    int64_t seg = 16 * WARPS;
+    while ((n_tb + seg - 1) / seg > 65535) seg *= 2;
+    const int64_t n_seg = (n_tb + seg - 1) / seg;
+    float *p0 = qpart ? qpart : npart, *p1 = qpart ? npart : NULL;
+    const dim3 grid(grid_of(d, 32), (unsigned)n_seg, p1 ? 2u : 1u);
+    param_grad_segments_kernel<<<grid, THREADS, 0, stream>>>(p0, p1, n_tb, seg, d);
+    LM_CUDA_TRY(cudaGetLastError());
+    param_grad_apply_kernel<<<grid_of(d, 128), 128, 0, stream>>>(qpart, npart, n_seg, seg, d, w, g, dw, dg, dnw);
+    LM_CUDA_TRY(cudaGetLastError());
+    return LM_OK;
+}
 
 /* *df, or none: no slot, nothing to add */
 static attnres_deferred deferred_or_none(const attnres_deferred *df) {
@@ -973,17 +1032,17 @@ static int backward_token_block(void) {
     return 8;
 }
 
-static unsigned grid_of(int64_t items, int per_block) { return (unsigned)((items + per_block - 1) / per_block); }
-
 lm_status attnres_launch_accumulate_rows(cudaStream_t stream, float *dst, const float *src, float *rstd,
-                                         int assign, int64_t n, int d, float eps) {
+                                         int assign, int64_t n, int d, float eps, unsigned long long *first_nonfinite) {
     const void *ptrs[2] = {dst, src};
     const int VEC = pick_vec(d, ptrs, 2), tpr = threads_per_row(d, VEC);
     const unsigned grid = grid_of(n, THREADS / tpr);
     if (VEC == 4)
-        accumulate_rows_kernel<4><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+        accumulate_rows_kernel<4><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr,
+                                                                first_nonfinite);
     else
-        accumulate_rows_kernel<1><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr);
+        accumulate_rows_kernel<1><<<grid, THREADS, 0, stream>>>(dst, src, rstd, assign, n, d, eps, tpr,
+                                                                first_nonfinite);
     LM_CUDA_TRY(cudaGetLastError());
     return LM_OK;
 }
@@ -1078,11 +1137,7 @@ lm_status attnres_launch_backward(cudaStream_t stream, const attnres_sources *sr
                                                                         dh, qp, lp_out, lp_src, dfv, n, d, tpr, tb);
     }
     LM_CUDA_TRY(cudaGetLastError());
-    if (want_q) {
-        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(qpart, n_tb, d, w, g, dw, dg);
-        LM_CUDA_TRY(cudaGetLastError());
-    }
-    return LM_OK;
+    return want_q ? launch_param_grads(stream, qpart, w, g, dw, dg, NULL, NULL, n_tb, d) : LM_OK;
 }
 
 int attnres_norm_fusable(int d, int max_sources) { return d > 0 && d % 4 == 0 && d <= THREADS * 4 && max_sources <= 8; }
@@ -1161,13 +1216,5 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     }
 #undef AR_NORM_B
     LM_CUDA_TRY(cudaGetLastError());
-    if (want_q) {
-        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(qpart, n_tb, d, w, g, dw, dg);
-        LM_CUDA_TRY(cudaGetLastError());
-    }
-    if (dnw) {
-        param_grad_kernel<<<grid_of(d, 32), THREADS, 0, stream>>>(npart, n_tb, d, NULL, NULL, dnw, NULL);
-        LM_CUDA_TRY(cudaGetLastError());
-    }
-    return LM_OK;
+    return launch_param_grads(stream, want_q ? qpart : NULL, w, g, dw, dg, dnw ? npart : NULL, dnw, n_tb, d);
 }

@@ -1034,6 +1034,11 @@ static size_t cuda_op_scratch_bytes(const lm_kda_config *kda, const lm_attention
 static lm_status cuda_ar_add_output(lm_backend *be, void *s, int l, const float *y) {
     return lm_cuda_attnres_add_output(ctx_of(be), AR(s), l, y);
 }
+static lm_status cuda_ar_add_output_note(lm_backend *be, void *s, int l, const float *y, int slot) {
+    if (slot < 0 || slot >= LM_NONFINITE_SLOTS)
+        return lm_error(LM_ERR_ARG, "attnres_add_output_note: slot %d outside [0, %d)", slot, LM_NONFINITE_SLOTS);
+    return lm_cuda_attnres_add_output_note(ctx_of(be), AR(s), l, y, cb_of(be)->nonfinite + slot);
+}
 static lm_status cuda_ar_final(lm_backend *be, void *s, const lm_attnres_params *p, float *h) {
     return lm_cuda_attnres_final(ctx_of(be), AR(s), p, h);
 }
@@ -1227,6 +1232,7 @@ static lm_ops make_cuda_ops_deferred(void) {
     lm_ops o = make_cuda_ops();
     o.nonfinite_note = cuda_nonfinite_note;
     o.nonfinite_take = cuda_nonfinite_take;
+    o.attnres_add_output_note = cuda_ar_add_output_note;
     return o;
 }
 static const lm_ops cuda_ops_deferred = make_cuda_ops_deferred();

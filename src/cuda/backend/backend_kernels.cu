@@ -109,21 +109,41 @@ __global__ void bk_router_entropy_kernel(float *ent, const float *scores, int64_
  * integer (exact for e a multiple of 2^-32, every e >= 2^-9), added in int64.
  * Integer sums do not depend on the order of the additions, so the blocks'
  * atomic adds give the same bits every run. A token with a score outside
- * [0, 1] or not finite adds nothing and lowers *bad to key | i at most. */
-__global__ void bk_router_entropy_sum_kernel(unsigned long long *sum, unsigned long long *bad, const float *scores,
-                                             int64_t m, int n, unsigned long long key) {
+ * [0, 1] or not finite adds nothing and lowers *bad to key | i at most.
+ * Thread t of a block takes token base + t; its scores come through shared
+ * memory ENT_COLS columns at a time, read by the block row after row (each
+ * row's columns by neighbouring threads: coalesced; one thread a row read
+ * rows n floats apart), and each token's arithmetic is the same sequence as
+ * bk_router_entropy_kernel's. */
+#define ENT_COLS 32
+__global__ void __launch_bounds__(BK_THREADS)
+bk_router_entropy_sum_kernel(unsigned long long *sum, unsigned long long *bad, const float *scores, int64_t m, int n,
+                             unsigned long long key) {
+    __shared__ float tile[BK_THREADS][ENT_COLS + 1];
     __shared__ long long part[BK_THREADS / 32];
     long long acc = 0;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += (int64_t)gridDim.x * blockDim.x) {
-        const float *si = scores + i * n;
+    for (int64_t base = (int64_t)blockIdx.x * BK_THREADS; base < m; base += (int64_t)gridDim.x * BK_THREADS) {
+        const int64_t i = base + threadIdx.x;
+        const int rows = m - base < BK_THREADS ? (int)(m - base) : BK_THREADS;
         float sum_s = 0.0f, slog = 0.0f;
         int ok = 1;
-        for (int j = 0; j < n; j++) {
-            float v = si[j];
-            ok &= v >= 0.0f && v <= 1.0f; /* false for NaN too */
-            sum_s += v;
-            slog += v > 0.0f ? v * logf(v) : 0.0f;
+        for (int j0 = 0; j0 < n; j0 += ENT_COLS) {
+            const int cols = n - j0 < ENT_COLS ? n - j0 : ENT_COLS;
+            __syncthreads(); /* the last columns' reads are done */
+            for (int q = threadIdx.x; q < rows * cols; q += BK_THREADS) {
+                const int r = q / cols, c = q - r * cols;
+                tile[r][c] = scores[(base + r) * n + j0 + c];
+            }
+            __syncthreads();
+            if (i < m)
+                for (int c = 0; c < cols; c++) {
+                    const float v = tile[threadIdx.x][c];
+                    ok &= v >= 0.0f && v <= 1.0f; /* false for NaN too */
+                    sum_s += v;
+                    slog += v > 0.0f ? v * logf(v) : 0.0f;
+                }
         }
+        if (i >= m) continue;
         if (!ok) {
             atomicMin(bad, key | (unsigned long long)i);
             continue;
