@@ -3,7 +3,7 @@
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
  *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
- *                    [--head-in-backward] [--out FILE.json]
+ *                    [--head-in-backward] [--digest] [--out FILE.json]
  *
  * As `train` does, the LM head's backward runs inside the forward
  * (lm_model_set_head_backward: each chunk's logits computed once);
@@ -23,7 +23,11 @@
  * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute);
  * --seq-segment S sets train.seq_segment (the layers run S tokens of each row
  * at a time, docs/model.md "Sequence segments"; attention past the first
- * segment needs the CUDA attention with a query offset). */
+ * segment needs the CUDA attention with a query offset). --digest prints the
+ * last step's loss bits and an FNV-1a hash of its gradients' bits: two builds
+ * that should compute the same bits (a kernel rewritten for speed) are
+ * compared by it, on the same GPU. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +42,8 @@
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
-    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0, head_in_fwd = 1;
+    int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0, head_in_fwd = 1,
+        digest = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -58,11 +63,12 @@ int main(int argc, char **argv) {
         }
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--head-in-backward")) head_in_fwd = 0;
+        else if (!strcmp(argv[i], "--digest")) digest = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
                             "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--head-in-backward] "
-                            "[--out FILE.json]\n");
+                            "[--digest] [--out FILE.json]\n");
             return 2;
         }
     }
@@ -184,6 +190,20 @@ int main(int argc, char **argv) {
     for (int p = 0; p < LM_TIME_COUNT; p++)
         printf("  %-18s %9.2f ms  %5.1f%%\n", lm_time_part_name((lm_time_part)p), parts[p] / nrep * 1e3,
                sum > 0 ? 100 * parts[p] / sum : 0);
+    if (digest) {
+        if (lm_model_download_grads(m)) {
+            fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+            return 1;
+        }
+        const unsigned char *gb = (const unsigned char *)lm_model_grads(m);
+        const size_t nb = lm_model_num_grads(m) * sizeof(float);
+        uint64_t hsh = 14695981039346656037ull; /* FNV-1a, 64 bits */
+        for (size_t i = 0; i < nb; i++) hsh = (hsh ^ gb[i]) * 1099511628211ull;
+        uint32_t lb;
+        memcpy(&lb, &loss, sizeof lb);
+        printf("digest: loss %.9g (bits 0x%08x), gradients (%zu floats) fnv1a64 0x%016llx\n", loss, (unsigned)lb,
+               nb / sizeof(float), (unsigned long long)hsh);
+    }
     if (out) {
         FILE *f = fopen(out, "w");
         if (!f) {

@@ -58,6 +58,7 @@ static pid_t start_job(const char *out, int resume, const char *log) {
         /* MPI's own start-up allocations outlive the program (sanitizer builds) */
         setenv("ASAN_OPTIONS", "detect_leaks=0", 1);
         setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
+        if (!mpiexec) _exit(127);
         if (resume)
             execl(mpiexec, mpiexec, "--allow-run-as-root", "--oversubscribe", "-np", "2", LONGMOE_CLI, "train",
                   "--comm", "mpi", "--out", out, "--resume", "--quiet", (char *)NULL);

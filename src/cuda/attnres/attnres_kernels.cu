@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/attnres/attnres_internal.cuh"
+#include "cuda/common/cp_async.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/linear/linear_common.cuh"
 #include "longmoe/attnres_cuda.h"
@@ -663,19 +664,63 @@ backward_kernel(attnres_sources src, float *dhist, float *dP, int assign, const 
  * so one pass reduces g . v_i, h . v_i and D together; the second forms dh
  * and updates every dv_i as backward_kernel does. The norm weight's gradient
  * sum_t dxn (.) h r goes, like q, through per-block partials npart (launch_param_grads). Rows held
- * in registers: d <= tpr * VEC, Ns <= MAXS. */
+ * in registers: d <= tpr * VEC, Ns <= MAXS.
+ *
+ * The block walks its tokens `rows` at a time, and the loads of a round are in
+ * flight before it needs them (cp.async into shared memory; each thread copies
+ * and reads only its own VEC columns, so no barrier guards them): the next
+ * round's source rows, dxn and saved scalars (pre) while this round computes,
+ * and this round's gradient rows to update (o) while its first pass reduces.
+ * The arithmetic is the same as with the rows loaded directly (the same bits). */
+template <int VEC, int MAXS>
+__device__ __forceinline__ void backward_norm_issue(const attnres_sources &src, const float *dxn, const float *logits,
+                                                    const float *lse, float *sx, float *pre, int C, int Ns,
+                                                    int64_t t, int64_t t1, int64_t n, int d, int c, int lane_g,
+                                                    int tpr) {
+    static_assert(VEC == 4, "16-byte copies");
+    if (t < t1) {
+        const size_t nd = (size_t)n * d, row = (size_t)t * d;
+        if (c < d) {
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+                lm_cp_async16(sx + (size_t)i * THREADS * VEC, v + c);
+            }
+            lm_cp_async16(sx + (size_t)Ns * THREADS * VEC, dxn + row + c);
+        }
+        /* prefetch_backward's values, asynchronously */
+        for (int i = lane_g; i < 2 * Ns + 1; i += tpr) {
+            const float *p;
+            if (i < Ns) p = logits + (size_t)t * Ns + i;
+            else if (i < 2 * Ns) p = i - Ns < C ? src.hist_rstd + (size_t)(i - Ns) * n + t : src.P_rstd + t;
+            else p = lse + t;
+            lm_cp_async4(pre + i, p);
+        }
+    }
+    lm_cp_async_commit();
+}
+
 template <int VEC, int MAXS, int DEFER>
 __global__ void __launch_bounds__(THREADS, MAXS <= 4 && !DEFER ? 3 : 2)
 backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                      const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
                      float *qpart, float *npart, uint16_t *lp_out, int lp_src, attnres_deferred df, int64_t n, int d,
                      int tpr, int tb) {
-    // shared: red [2][WARPS][2Ns+1], pre [2][rows][2Ns+1] (by round parity), q [rows][d], nq [rows][d]
-    extern __shared__ float smem[];
+    // shared (attnres_backward_norm_shared): sx [2][Ns+1][THREADS VEC] (by round parity: the
+    // sources' rows, then dxn's), so [n_o][THREADS VEC] (the rows updated in place), red
+    // [2][WARPS][2Ns+1] (by round parity), pre [3][rows][2Ns+1] (by round mod 3), q [rows][d],
+    // nq [rows][d]
+    extern __shared__ __align__(16) float smem[];
     const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *q_all = smem + 2 * WARPS * R + 2 * rows * R, *nq_all = q_all + (size_t)rows * d;
+    /* the rows updated in place: the partial sum's when deferring, else every source's */
+    const int n_o = assign ? src.has_partial : DEFER == 1 ? src.has_partial : Ns, o0 = n_o == Ns ? 0 : C;
+    const size_t TV = (size_t)THREADS * VEC;
+    float *sx_all = smem, *so = sx_all + 2 * (size_t)(Ns + 1) * TV + threadIdx.x * VEC;
+    float *red_all = sx_all + (2 * (size_t)(Ns + 1) + n_o) * TV, *pre_all = red_all + 2 * WARPS * R;
+    float *q_all = pre_all + 3 * rows * R, *nq_all = q_all + (size_t)rows * d;
     const size_t nd = (size_t)n * d;
     const int c = lane_g * VEC;
     const int64_t t0 = (int64_t)blockIdx.x * tb;
@@ -683,6 +728,9 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
     float u[VEC], wn[VEC], qacc[VEC], nacc[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; j++) u[j] = wn[j] = qacc[j] = nacc[j] = 0.0f;
+    /* the first round's inputs */
+    backward_norm_issue<VEC, MAXS>(src, dxn, logits, lse, sx_all + threadIdx.x * VEC, pre_all + group * R, C, Ns,
+                                   t0 + group, t1, n, d, c, lane_g, tpr);
     if (c < d) {
         float wv[VEC], gv[VEC];
         load_param<VEC>(wv, w, c);
@@ -696,37 +744,68 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
         }
     }
+    /* the round's saved scalars, loaded a round ahead into registers */
+    float lt_next = 0.0f, r_next = 0.0f, s_next = 0.0f;
+    if (t0 + group < t1) {
+        const int64_t t = t0 + group;
+        lt_next = lse[t];
+        r_next = nrstd[t];
+        if (lane < Ns) s_next = logits[(size_t)t * Ns + lane];
+    }
 
-    int parity = 0;
-    for (int64_t base = t0; base < t1; base += rows, parity ^= 1) {
-        /* red and pre alternate between rounds: a thread a round ahead writes the other copy, and
-         * one two rounds ahead has passed the round between's barrier, which every reader of this
-         * round's copy reached only after reading it */
-        float *red = smem + parity * WARPS * R, *pre = smem + 2 * WARPS * R + (parity * rows + group) * R;
+    int parity = 0, slot = 0;
+    for (int64_t base = t0; base < t1; base += rows, parity ^= 1, slot = slot == 2 ? 0 : slot + 1) {
+        /* red alternates between rounds: a thread a round ahead writes the other copy, and one two
+         * rounds ahead has passed the round between's barrier, which every reader of this round's
+         * copy reached only after reading it. pre has three copies: a thread copies the next
+         * round's at the start of this one, after the last barrier, which every reader of that
+         * copy's last round (two rounds back) had passed after reading it. */
+        float *red = red_all + parity * WARPS * R, *pre = pre_all + (slot * rows + group) * R;
+        const float *sx = sx_all + (size_t)parity * (Ns + 1) * TV + threadIdx.x * VEC;
         const int64_t t = base + group;
         const bool active = t < t1, mine = active && c < d;
         const size_t row = active ? (size_t)t * d : 0;
-        if (active) prefetch_backward(src, logits, lse, pre, C, Ns, t, n, lane_g, tpr);
+        /* this round's rows to update (their last round's reads of so were this thread's own) */
+        if (mine)
+            for (int k = 0; k < n_o; k++) {
+                const int i = o0 + k;
+                lm_cp_async16(so + (size_t)k * TV, (i == C ? dP : dhist + (size_t)i * nd) + row + c);
+            }
+        lm_cp_async_commit();
+        /* the next round's inputs, into the other copy of sx (read by this thread last round) */
+        {
+            const int nslot = slot == 2 ? 0 : slot + 1;
+            backward_norm_issue<VEC, MAXS>(src, dxn, logits, lse, sx_all + (size_t)(parity ^ 1) * (Ns + 1) * TV +
+                                               threadIdx.x * VEC,
+                                           pre_all + (nslot * rows + group) * R, C, Ns, base + rows + group, t1, n,
+                                           d, c, lane_g, tpr);
+        }
+        const float lt = lt_next, r = r_next, s_own = s_next;
+        if (base + rows + group < t1) {
+            const int64_t tn = base + rows + group;
+            lt_next = lse[tn];
+            r_next = nrstd[tn];
+            if (lane < Ns) s_next = logits[(size_t)tn * Ns + lane];
+        }
+        lm_cp_async_wait<2>(); /* this round's inputs (the group before the two just issued) */
         float x[MAXS][VEC], a[MAXS], h[VEC], gq[VEC], dx[VEC];
-        const float lt = active ? lse[t] : 0.0f, r = active ? nrstd[t] : 0.0f;
         /* a_i = exp(s_i - lse): lane i < Ns forms source i's, every lane gets them all (active is
          * uniform over a row group's whole warps) */
-        const float a_own = active && lane < Ns ? expf(logits[(size_t)t * Ns + lane] - lt) : 0.0f;
+        const float a_own = active && lane < Ns ? expf(s_own - lt) : 0.0f;
 #pragma unroll
         for (int i = 0; i < MAXS; i++) {
             a[i] = 0.0f;
             if (i >= Ns) continue;
             a[i] = __shfl_sync(0xffffffffu, a_own, i);
             if (mine) {
-                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
-                vec<VEC>::load(x[i], v + c);
+                vec<VEC>::load(x[i], sx + (size_t)i * TV);
             } else {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
             }
         }
         if (mine) {
-            vec<VEC>::load(dx, dxn + row + c);
+            vec<VEC>::load(dx, sx + (size_t)Ns * TV);
         } else {
 #pragma unroll
             for (int j = 0; j < VEC; j++) dx[j] = 0.0f;
@@ -766,7 +845,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             pd = warp_sum(pd);
             if (lane == 0) red[warp * R + 2 * Ns] = pd;
         }
-        __syncthreads();
+        __syncthreads(); /* also publishes this round's pre, waited for above by the threads that copied it */
         if (!active) continue; /* uniform over the row group's warps */
         /* the row's coefficients (backward_coefficients' arithmetic on da_i), formed in every warp:
          * lane l < 2 Ns + 1 sums the row group's partials of sum l over its warps in order (the
@@ -819,15 +898,16 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
                 }
             }
         }
+        lm_cp_async_wait<1>(); /* this round's rows to update (the next round's inputs may still fly) */
         /* the deferred terms into every closed source's row, held in registers (add_deferred) */
         constexpr int NOD = DEFER == 2 ? MAXS : 1;
         float od[NOD][VEC];
         if constexpr (DEFER == 2) {
-            if (df.apply) {
+            if (df.apply && !assign) {
 #pragma unroll
                 for (int i = 0; i < MAXS; i++) {
                     if (i >= C) break;
-                    vec<VEC>::load(od[i], dhist + (size_t)i * nd + row + c);
+                    vec<VEC>::load(od[i], so + (size_t)i * TV);
                 }
                 add_deferred<VEC, MAXS>(od, df, x, 0, C, t, row, c, n, d);
             }
@@ -843,14 +923,14 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             }
             float *dv = is_P ? dP + row : dhist + (size_t)i * nd + row;
             float o[VEC];
-            if (DEFER == 2 && !is_P && df.apply) {
+            if (DEFER == 2 && !is_P && df.apply && !assign) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) o[j] = od[NOD > 1 ? i : 0][j];
             } else if (assign && !is_P) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) o[j] = 0.0f;
             } else {
-                vec<VEC>::load(o, dv + c);
+                vec<VEC>::load(o, so + (size_t)(i - o0) * TV);
             }
 #pragma unroll
             for (int j = 0; j < VEC; j++) o[j] = dv_term(o[j], a[i], y[j], k1[i], u[j], k2[i], x[i][j]);
@@ -860,6 +940,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
             for (int j = 0; j < VEC; j++) qacc[j] += k1[i] * x[i][j];
         }
     }
+    lm_cp_async_wait<0>();
     /* this block's partial sums of q and of the norm weight's gradient: its row groups in order */
     if (c < d) {
 #pragma unroll
@@ -878,6 +959,14 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
         if (qpart) qpart[(size_t)blockIdx.x * d + cc] = sq;
         npart[(size_t)blockIdx.x * d + cc] = sn;
     }
+}
+
+/* The backward_norm_kernel's shared memory in bytes (its layout above). */
+static size_t attnres_backward_norm_shared(int C, int has_partial, int assign, int defer_mode, int rows, int d) {
+    const int Ns = C + has_partial, R = 2 * Ns + 1;
+    const int n_o = assign || defer_mode == 1 ? has_partial : Ns;
+    return ((2 * (size_t)(Ns + 1) + n_o) * THREADS * 4 + 2 * WARPS * R + 3 * rows * R + 2 * (size_t)rows * d) *
+           sizeof(float);
 }
 
 /* The parameter gradients from the backward blocks' partials (part [n_tb, d]:
@@ -1189,8 +1278,11 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     const void *ptrs[6] = {src->hist, src->P, dhist, dP, dxn, dfv.dh};
     if (pick_vec(d, ptrs, 6) != 4 || ((uintptr_t)lp_out & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input's backward with its norm needs 16-byte aligned rows");
-    const int tpr = threads_per_row(d, 4), rows = THREADS / tpr, R = 2 * Ns + 1;
-    const size_t shared = (size_t)(2 * WARPS * R + 2 * rows * R + 2 * rows * d) * sizeof(float);
+    const int tpr = threads_per_row(d, 4), rows = THREADS / tpr;
+    /* the deferred backward's kernels apart (1: defers, 2: adds the deferred terms): the
+     * direct one keeps its registers */
+    const int mode = dfv.slot >= 0 ? 1 : dfv.apply ? 2 : 0;
+    const size_t shared = attnres_backward_norm_shared(src->C, src->has_partial, 0, mode, rows, d);
     const int tb = backward_token_block();
     const int64_t n_tb = (n + tb - 1) / tb;
     const int want_q = dw || dg;
@@ -1198,13 +1290,14 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
 #define AR_NORM_B(M, D)                                                                                           \
     do {                                                                                                          \
         if ((s = allow_shared((const void *)backward_norm_kernel<4, M, D>, shared))) return s;                    \
+        /* its rows staged in shared memory: the carveout that holds the most blocks */                          \
+        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)backward_norm_kernel<4, M, D>,                             \
+                                         cudaFuncAttributePreferredSharedMemoryCarveout,                          \
+                                         (int)cudaSharedmemCarveoutMaxShared));                                   \
         backward_norm_kernel<4, M, D><<<(unsigned)n_tb, THREADS, shared, stream>>>(                               \
             *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
             dfv, n, d, tpr, tb);                                                                                  \
     } while (0)
-    /* the deferred backward's kernels apart (1: defers, 2: adds the deferred terms): the
-     * direct one keeps its registers */
-    const int mode = dfv.slot >= 0 ? 1 : dfv.apply ? 2 : 0;
     if (Ns <= 4) {
         if (mode == 1) AR_NORM_B(4, 1);
         else if (mode == 2) AR_NORM_B(4, 2);
