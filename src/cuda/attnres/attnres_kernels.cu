@@ -34,6 +34,8 @@
 #define WARPS (THREADS / 32)
 /* opt-in shared memory limit of sm_90 (227 KiB) */
 #define MAX_SHARED_BYTES (227 * 1024)
+/* tokens a block of forward_norm_kernel walks: a multiple of its rows a round (THREADS / tpr <= 8) */
+#define FORWARD_TOKEN_BLOCK 8
 
 __device__ __forceinline__ float warp_sum(float x) {
     /* butterfly: every lane ends with the same sum, in a fixed order */
@@ -399,115 +401,180 @@ __device__ __forceinline__ void add_deferred(float (&o)[NS][VEC], const attnres_
  * The forward_regs_kernel's rows (or, from_saved, the weights exp(s_i - lse)
  * of the saved scores), then h's 1/rms and the normalised row
  * xn = (h r) (.) nw into xn (fp32, may be NULL) and xn_bf16 (may be NULL),
- * r into nrstd; h itself is not written. */
+ * r into nrstd; h itself is not written.
+ *
+ * A block walks tb tokens, `rows` at a time, and a round's loads are in flight
+ * before it needs them: at the start of a round each thread copies the next
+ * round's source rows (its own VEC columns: no barrier guards them) and the
+ * closed sources' 1/rms with cp.async into the other copy of shared memory, and
+ * the saved scores come a round ahead in registers. The arithmetic is the same
+ * as with the rows loaded directly (the same bits). */
+template <int VEC, int MAXS>
+__device__ __forceinline__ void forward_norm_issue(const attnres_sources &src, float *sx, float *rs, int from_saved,
+                                                   int C, int Ns, int64_t t, int64_t t1, int64_t n, int d, int c,
+                                                   int lane_g, int tpr) {
+    static_assert(VEC == 4, "16-byte copies");
+    if (t < t1) {
+        const size_t nd = (size_t)n * d, row = (size_t)t * d;
+        if (c < d) {
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+                lm_cp_async16(sx + (size_t)i * THREADS * VEC, v + c);
+            }
+        }
+        if (!from_saved)
+            for (int i = lane_g; i < C; i += tpr) lm_cp_async4(rs + i, src.hist_rstd + (size_t)i * n + t);
+    }
+    lm_cp_async_commit();
+}
+
 template <int VEC, int MAXS>
 __global__ void __launch_bounds__(THREADS)
 forward_norm_kernel(attnres_sources src, float *P_save, const float *w, const float *g, float *logits, float *lse,
                     int from_saved, const float *nw, float *xn, uint16_t *xn_bf16, float *nrstd, int64_t n, int d,
-                    float eps, float neps, int tpr) {
-    // shared: red [WARPS][Ns+1], rs [rows][Ns], red2 [WARPS]
-    extern __shared__ float smem[];
+                    float eps, float neps, int tpr, int tb) {
+    // shared (attnres_forward_norm_shared): sx [2][Ns][THREADS VEC] (by round parity), red
+    // [WARPS][Ns+1], rs [2][rows][Ns] (by round parity), red2 [2][WARPS] (by round parity)
+    extern __shared__ __align__(16) float smem[];
     const int C = src.C, Ns = C + src.has_partial;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
-    float *red = smem, *rs = smem + WARPS * (Ns + 1) + group * Ns;
-    float *red2 = smem + WARPS * (Ns + 1) + rows * Ns;
-    const int64_t t = (int64_t)blockIdx.x * rows + group;
+    const size_t TV = (size_t)THREADS * VEC;
+    float *sx_all = smem + threadIdx.x * VEC, *red = smem + 2 * (size_t)Ns * TV;
+    float *rs_all = red + WARPS * (Ns + 1), *red2_all = rs_all + 2 * rows * Ns;
     const int c = lane_g * VEC;
-    const bool active = t < n, mine = active && c < d;
-    const size_t nd = (size_t)n * d, row = active ? (size_t)t * d : 0;
+    const int64_t t0 = (int64_t)blockIdx.x * tb, t1 = t0 + tb < n ? t0 + tb : n;
 
-    if (active && !from_saved) prefetch_rstd(src, rs, C, t, n, lane_g, tpr);
-    float x[MAXS][VEC];
-    load_sources<VEC, MAXS>(x, src, from_saved ? NULL : P_save, C, Ns, nd, row, c, mine);
-    if (!from_saved) {
-        float wv[VEC], gv[VEC];
-        if (mine) {
+    forward_norm_issue<VEC, MAXS>(src, sx_all, rs_all + group * Ns, from_saved, C, Ns, t0 + group, t1, n, d, c,
+                                  lane_g, tpr);
+    float wv[VEC], gv[VEC], wn[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f, wn[j] = 1.0f;
+    if (c < d) {
+        if (!from_saved) {
             load_param<VEC>(wv, w, c);
             load_param<VEC>(gv, g, c);
-        } else {
-#pragma unroll
-            for (int j = 0; j < VEC; j++) wv[j] = gv[j] = 0.0f;
         }
-        source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
-        __syncthreads();
+        if (nw) load_param<VEC>(wn, nw, c);
     }
-    /* each warp of the row forms the weights with its lanes in parallel, lane i < Ns source i's
-     * (source_weights' arithmetic for it: the same partial sums in the same order, so the logits
-     * and lse its row group's first warp writes are the ones every warp used), then hands them to
-     * every lane: no barrier before h, and one source's sums a lane instead of all of them in
-     * every thread. active is uniform over a row group's whole warps. */
-    float wt[MAXS];
+    /* from_saved: the round's saved scores, a round ahead in registers */
+    float lt_next = 0.0f, s_next = 0.0f;
+    if (from_saved && t0 + group < t1) {
+        lt_next = lse[t0 + group];
+        if (lane < Ns) s_next = logits[(size_t)(t0 + group) * Ns + lane];
+    }
+
+    int parity = 0;
+    for (int64_t base = t0; base < t1; base += rows, parity ^= 1) {
+        /* red is read between the round's two barriers, so a thread a round ahead writes it only
+         * after every reader is done; rs, red2 and sx alternate by round (rs is read before the
+         * round's second barrier, which a thread issuing the next round's copy has passed; red2
+         * after it, and a writer two rounds ahead has passed the next round's second barrier) */
+        const int64_t t = base + group;
+        const bool active = t < t1, mine = active && c < d;
+        const size_t row = active ? (size_t)t * d : 0;
+        const float *sx = sx_all + (size_t)parity * Ns * TV;
+        const float *rs = rs_all + (parity * rows + group) * Ns;
+        float *red2 = red2_all + parity * WARPS;
+        forward_norm_issue<VEC, MAXS>(src, sx_all + (size_t)(parity ^ 1) * Ns * TV,
+                                      rs_all + ((parity ^ 1) * rows + group) * Ns, from_saved, C, Ns,
+                                      base + rows + group, t1, n, d, c, lane_g, tpr);
+        const float lt = lt_next, s_saved = s_next;
+        if (from_saved && base + rows + group < t1) {
+            const int64_t tn = base + rows + group;
+            lt_next = lse[tn];
+            if (lane < Ns) s_next = logits[(size_t)tn * Ns + lane];
+        }
+        lm_cp_async_wait<1>(); /* this round's inputs (the next round's may still fly) */
+        float x[MAXS][VEC];
 #pragma unroll
-    for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
-    if (active) {
-        float *lrow = logits + (size_t)t * Ns;
-        float own = 0.0f; /* lane i < Ns: source i's weight */
-        if (from_saved) {
-            if (lane < Ns) own = expf(lrow[lane] - lse[t]);
-        } else {
-            const float *r0 = red + (size_t)group * wpg * (Ns + 1);
-            float s = -INFINITY;
-            if (lane < Ns) {
-                float r_part;
-                s = source_logit(r0, rs, wpg, C, Ns, lane, d, eps, &r_part);
-                if (lane_g == lane) { /* the row group's first warp */
-                    if (lane >= C) src.P_rstd[t] = r_part;
-                    lrow[lane] = s;
-                }
+        for (int i = 0; i < MAXS; i++) {
+            if (i >= Ns) break;
+            if (mine) {
+                vec<VEC>::load(x[i], sx + (size_t)i * TV);
+                if (i == C && P_save && !from_saved) vec<VEC>::store(P_save + row + c, x[i]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; j++) x[i][j] = 0.0f;
             }
-            float m = s; /* max over the lanes: exact in any order */
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float e = lane < Ns ? expf(s - m) : 0.0f;
-            float Z = 0.0f; /* in source order, as source_weights */
+        }
+        if (!from_saved) {
+            source_dots<VEC, MAXS>(x, wv, gv, C, Ns, red, warp, lane);
+            __syncthreads(); /* also publishes this round's rs, waited for above by the threads that copied it */
+        }
+        /* each warp of the row forms the weights with its lanes in parallel, lane i < Ns source i's
+         * (source_weights' arithmetic for it: the same partial sums in the same order, so the
+         * logits and lse its row group's first warp writes are the ones every warp used), then
+         * hands them to every lane: no barrier before h, and one source's sums a lane instead of
+         * all of them in every thread. active is uniform over a row group's whole warps. */
+        float wt[MAXS];
+#pragma unroll
+        for (int i = 0; i < MAXS; i++) wt[i] = 0.0f;
+        if (active) {
+            float *lrow = logits + (size_t)t * Ns;
+            float own = 0.0f; /* lane i < Ns: source i's weight */
+            if (from_saved) {
+                if (lane < Ns) own = expf(s_saved - lt);
+            } else {
+                const float *r0 = red + (size_t)group * wpg * (Ns + 1);
+                float s = -INFINITY;
+                if (lane < Ns) {
+                    float r_part;
+                    s = source_logit(r0, rs, wpg, C, Ns, lane, d, eps, &r_part);
+                    if (lane_g == lane) { /* the row group's first warp */
+                        if (lane >= C) src.P_rstd[t] = r_part;
+                        lrow[lane] = s;
+                    }
+                }
+                float m = s; /* max over the lanes: exact in any order */
+                for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                const float e = lane < Ns ? expf(s - m) : 0.0f;
+                float Z = 0.0f; /* in source order, as source_weights */
+#pragma unroll
+                for (int i = 0; i < MAXS; i++) {
+                    if (i >= Ns) break;
+                    Z += __shfl_sync(0xffffffffu, e, i);
+                }
+                own = e / Z;
+                if (lane_g == 0) lse[t] = m + logf(Z);
+            }
 #pragma unroll
             for (int i = 0; i < MAXS; i++) {
                 if (i >= Ns) break;
-                Z += __shfl_sync(0xffffffffu, e, i);
+                wt[i] = __shfl_sync(0xffffffffu, own, i);
             }
-            own = e / Z;
-            if (lane_g == 0) lse[t] = m + logf(Z);
         }
+        float acc[VEC];
 #pragma unroll
-        for (int i = 0; i < MAXS; i++) {
-            if (i >= Ns) break;
-            wt[i] = __shfl_sync(0xffffffffu, own, i);
+        for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+        if (mine) {
+#pragma unroll
+            for (int i = 0; i < MAXS; i++) {
+                if (i >= Ns) break;
+#pragma unroll
+                for (int j = 0; j < VEC; j++) acc[j] += wt[i] * x[i][j];
+            }
         }
+        /* the norm: 1/rms of h over the row group's warps, in order */
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) ss += acc[j] * acc[j];
+        ss = warp_sum(ss);
+        if (lane == 0) red2[warp] = ss;
+        __syncthreads();
+        if (!mine) continue;
+        float tot = 0.0f;
+        for (int k = 0; k < wpg; k++) tot += red2[group * wpg + k];
+        const float r = 1.0f / sqrtf(tot / (float)d + neps);
+        if (lane_g == 0) nrstd[t] = r;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) acc[j] = acc[j] * r * wn[j];
+        if (xn) vec<VEC>::store(xn + row + c, acc);
+        if (xn_bf16) vec<VEC>::store_bf16(xn_bf16 + row + c, acc);
     }
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
-    if (mine) {
-#pragma unroll
-        for (int i = 0; i < MAXS; i++) {
-            if (i >= Ns) break;
-#pragma unroll
-            for (int j = 0; j < VEC; j++) acc[j] += wt[i] * x[i][j];
-        }
-    }
-    /* the norm: 1/rms of h over the row group's warps, in order */
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < VEC; j++) ss += acc[j] * acc[j];
-    ss = warp_sum(ss);
-    if (lane == 0) red2[warp] = ss;
-    __syncthreads();
-    if (!mine) return;
-    float tot = 0.0f;
-    for (int k = 0; k < wpg; k++) tot += red2[group * wpg + k];
-    const float r = 1.0f / sqrtf(tot / (float)d + neps);
-    if (lane_g == 0) nrstd[t] = r;
-    float wn[VEC];
-    if (nw) {
-        load_param<VEC>(wn, nw, c);
-    } else {
-#pragma unroll
-        for (int j = 0; j < VEC; j++) wn[j] = 1.0f;
-    }
-#pragma unroll
-    for (int j = 0; j < VEC; j++) acc[j] = acc[j] * r * wn[j];
-    if (xn) vec<VEC>::store(xn + row + c, acc);
-    if (xn_bf16) vec<VEC>::store_bf16(xn_bf16 + row + c, acc);
+    lm_cp_async_wait<0>();
 }
 
 /* ---- backward of one AttnRes layer ---- */
@@ -1243,14 +1310,20 @@ lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources
     if (pick_vec(d, ptrs, 4) != 4 || ((uintptr_t)xn_bf16 & 7))
         return lm_error(LM_ERR_ARG, "attnres cuda: the input with its norm needs 16-byte aligned rows");
     const int tpr = threads_per_row(d, 4), rows = THREADS / tpr;
-    const size_t shared = (size_t)(WARPS * (Ns + 1) + rows * Ns + WARPS) * sizeof(float);
-    const unsigned grid = grid_of(n, rows);
+    /* the kernel's shared memory (its layout there) */
+    const size_t shared = (2 * (size_t)Ns * THREADS * 4 + WARPS * (Ns + 1) + 2 * rows * Ns + 2 * WARPS) * sizeof(float);
+    const unsigned grid = grid_of(n, FORWARD_TOKEN_BLOCK);
     lm_status s;
 #define AR_NORM(M)                                                                                                \
     do {                                                                                                          \
         if ((s = allow_shared((const void *)forward_norm_kernel<4, M>, shared))) return s;                        \
+        /* its rows staged in shared memory: the carveout that holds the most blocks */                          \
+        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)forward_norm_kernel<4, M>,                                 \
+                                         cudaFuncAttributePreferredSharedMemoryCarveout,                          \
+                                         (int)cudaSharedmemCarveoutMaxShared));                                   \
         forward_norm_kernel<4, M><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, from_saved, \
-                                                                    nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr); \
+                                                                    nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr, \
+                                                                    FORWARD_TOKEN_BLOCK);                         \
     } while (0)
     if (Ns <= 4) AR_NORM(4);
     else AR_NORM(8);
