@@ -12,7 +12,8 @@
 #   segments, or neither: --no-recompute --seq-segment 0)
 #   BUILD_BG=1: build in the background while the peers run (their Triton autotuning and
 #   compilation take minutes); longmoe's runs wait for it and come after the peers, so the
-#   two are never timed at once.
+#   two are never timed at once. JOBS=n: its parallel jobs (default: every core; fewer leave
+#   cores to the peers' compilation). A peer run stopped by PEER_TIMEOUT says so in its log.
 # fla-core (and einops, if the image lacks it) come from wheels in .whl/
 # (pip download --no-deps fla-core==0.6.0 einops), installed with --no-index.
 set -uo pipefail
@@ -40,7 +41,7 @@ python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__ve
 
 build() {
     timeout 500 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 &&
-        timeout 500 cmake --build "$BUILD" -j "$(nproc)" --target longmoe bench_checkpoint_loss bench_cuda_model \
+        timeout 500 cmake --build "$BUILD" -j "${JOBS:-$(nproc)}" --target longmoe bench_checkpoint_loss bench_cuda_model \
             >>"$OUT/build.log" 2>&1
 }
 build_failed() { echo "build failed"; grep -E "error" "$OUT/build.log" | head -30; exit 1; }
@@ -88,6 +89,11 @@ if has bench; then
                 --shape "$shape" --kda fla --experts grouped --optimizer "${PEER_OPTIMIZER:-none}" --steps "${PEER_STEPS:-10}" \
                 ${FLA_AUTOTUNE_MS:+--autotune-ms "$FLA_AUTOTUNE_MS"} \
                 "${flags[@]}" --out "$OUT/peer_${B}x${T}_$v.json" 2>&1 | tail -20 | tee "$OUT/peer_${B}x${T}_$v.log"
+            rc=${PIPESTATUS[0]}
+            # a run stopped by its time limit says so (the table then lacks its row)
+            [ "$rc" -eq 124 ] && echo "peer $v ${B}x${T}: stopped after PEER_TIMEOUT=${PEER_TIMEOUT:-420} s" |
+                tee -a "$OUT/peer_${B}x${T}_$v.log"
+            [ "$rc" -ne 0 ] && status=1
         done
         wait_build
         for o in ${OURS:-recompute}; do
