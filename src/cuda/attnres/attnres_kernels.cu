@@ -409,21 +409,26 @@ __device__ __forceinline__ void add_deferred(float (&o)[NS][VEC], const attnres_
  * closed sources' 1/rms with cp.async into the other copy of shared memory, and
  * the saved scores come a round ahead in registers. The arithmetic is the same
  * as with the rows loaded directly (the same bits). */
+/* A row's sources (this thread's own VEC columns of each) into sx [Ns][THREADS VEC], by cp.async. */
+template <int VEC, int MAXS>
+__device__ __forceinline__ void copy_source_rows(const attnres_sources &src, float *sx, int C, int Ns, size_t nd,
+                                                 size_t row, int c) {
+    static_assert(VEC == 4, "16-byte copies");
+#pragma unroll
+    for (int i = 0; i < MAXS; i++) {
+        if (i >= Ns) break;
+        const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
+        lm_cp_async16(sx + (size_t)i * THREADS * VEC, v + c);
+    }
+}
+
 template <int VEC, int MAXS>
 __device__ __forceinline__ void forward_norm_issue(const attnres_sources &src, float *sx, float *rs, int from_saved,
                                                    int C, int Ns, int64_t t, int64_t t1, int64_t n, int d, int c,
                                                    int lane_g, int tpr) {
-    static_assert(VEC == 4, "16-byte copies");
     if (t < t1) {
         const size_t nd = (size_t)n * d, row = (size_t)t * d;
-        if (c < d) {
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
-                lm_cp_async16(sx + (size_t)i * THREADS * VEC, v + c);
-            }
-        }
+        if (c < d) copy_source_rows<VEC, MAXS>(src, sx, C, Ns, nd, row, c);
         if (!from_saved)
             for (int i = lane_g; i < C; i += tpr) lm_cp_async4(rs + i, src.hist_rstd + (size_t)i * n + t);
     }
@@ -744,16 +749,10 @@ __device__ __forceinline__ void backward_norm_issue(const attnres_sources &src, 
                                                     const float *lse, float *sx, float *pre, int C, int Ns,
                                                     int64_t t, int64_t t1, int64_t n, int d, int c, int lane_g,
                                                     int tpr) {
-    static_assert(VEC == 4, "16-byte copies");
     if (t < t1) {
         const size_t nd = (size_t)n * d, row = (size_t)t * d;
         if (c < d) {
-#pragma unroll
-            for (int i = 0; i < MAXS; i++) {
-                if (i >= Ns) break;
-                const float *v = i == C ? src.P + row : src.hist + (size_t)i * nd + row;
-                lm_cp_async16(sx + (size_t)i * THREADS * VEC, v + c);
-            }
+            copy_source_rows<VEC, MAXS>(src, sx, C, Ns, nd, row, c);
             lm_cp_async16(sx + (size_t)Ns * THREADS * VEC, dxn + row + c);
         }
         /* prefetch_backward's values, asynchronously */
