@@ -11,11 +11,15 @@
 #   NEW_ENV  environment settings for the new side only, e.g. "LONGMOE_PART_TIMING=events";
 #            with BASE=. both sides run this tree's build, so the settings are all that differs
 #   NEW      the directory of the new version's sources (default: this tree)
+#   DIGEST=1 both sides print the last step's loss bits and a hash of every gradient's bits
+#            (bench_cuda_model --digest, which the base must know), and the script says
+#            whether every run gave the same (a change meant to keep the bits)
 set -uo pipefail
 OUT=${OUT:-out}
 BASE=${BASE:?BASE: the directory of the other version}
 ROUNDS=${ROUNDS:-2}
 ARGS=${ARGS:---config configs/k3-mini.json --batch 8 --seq 4096 --reps 3 --no-recompute}
+[ "${DIGEST:-0}" = 1 ] && ARGS="$ARGS --digest"
 JOBS=${JOBS:-$(nproc)}
 mkdir -p "$OUT"
 build() { # src dir, build dir, log
@@ -41,9 +45,16 @@ for r in $(seq 1 "$ROUNDS"); do
         (cd "$([ $v = new ] && echo "$NEW" || echo "$BASE")" &&
             env $([ $v = new ] && echo "$NEW_ENV") timeout 300 \
                 "$OLDPWD/$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_model" $ARGS) 2>&1 |
-            grep -vE "^ *$" | tail -14
+            grep -vE "^ *$" | tail -15 | tee "$OUT/ab_${r}_$v.log"
     done
 done
+if [ "${DIGEST:-0}" = 1 ]; then
+    n=$(cat "$OUT"/ab_*_*.log | grep -c "^digest:")
+    u=$(cat "$OUT"/ab_*_*.log | grep "^digest:" | sort -u | wc -l)
+    if [ "$n" -ne $((2 * ROUNDS)) ]; then echo "digest: $n of $((2 * ROUNDS)) runs printed one"
+    elif [ "$u" -eq 1 ]; then echo "digest: the same loss and gradient bits in all $n runs"
+    else echo "digest: the runs differ ($u different digests)"; fi
+fi
 for v in new base; do
     echo "== MoE layer, $v"
     env $([ $v = new ] && echo "$NEW_ENV") timeout 200 \
