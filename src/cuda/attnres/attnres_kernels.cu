@@ -1160,6 +1160,16 @@ static lm_status allow_shared(const void *kernel, size_t bytes) {
     return LM_OK;
 }
 
+/* allow_shared for a kernel that stages its rows in shared memory: also the carveout that holds
+ * the most blocks */
+static lm_status allow_staged_shared(const void *kernel, size_t bytes) {
+    lm_status s = allow_shared(kernel, bytes);
+    if (s) return s;
+    LM_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     (int)cudaSharedmemCarveoutMaxShared));
+    return LM_OK;
+}
+
 /* LONGMOE_ATTNRES=generic: the two-pass forward only (the register forward
  * gives the same bits; tests and benchmarks compare the two) */
 static bool regs_allowed(void) {
@@ -1315,11 +1325,7 @@ lm_status attnres_launch_forward_norm(cudaStream_t stream, const attnres_sources
     lm_status s;
 #define AR_NORM(M)                                                                                                \
     do {                                                                                                          \
-        if ((s = allow_shared((const void *)forward_norm_kernel<4, M>, shared))) return s;                        \
-        /* its rows staged in shared memory: the carveout that holds the most blocks */                          \
-        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)forward_norm_kernel<4, M>,                                 \
-                                         cudaFuncAttributePreferredSharedMemoryCarveout,                          \
-                                         (int)cudaSharedmemCarveoutMaxShared));                                   \
+        if ((s = allow_staged_shared((const void *)forward_norm_kernel<4, M>, shared))) return s;                 \
         forward_norm_kernel<4, M><<<grid, THREADS, shared, stream>>>(*src, P_save, w, g, logits, lse, from_saved, \
                                                                     nw, xn, xn_bf16, nrstd, n, d, eps, neps, tpr, \
                                                                     FORWARD_TOKEN_BLOCK);                         \
@@ -1361,11 +1367,7 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     lm_status s;
 #define AR_NORM_B(M, D)                                                                                           \
     do {                                                                                                          \
-        if ((s = allow_shared((const void *)backward_norm_kernel<4, M, D>, shared))) return s;                    \
-        /* its rows staged in shared memory: the carveout that holds the most blocks */                          \
-        LM_CUDA_TRY(cudaFuncSetAttribute((const void *)backward_norm_kernel<4, M, D>,                             \
-                                         cudaFuncAttributePreferredSharedMemoryCarveout,                          \
-                                         (int)cudaSharedmemCarveoutMaxShared));                                   \
+        if ((s = allow_staged_shared((const void *)backward_norm_kernel<4, M, D>, shared))) return s;             \
         backward_norm_kernel<4, M, D><<<(unsigned)n_tb, THREADS, shared, stream>>>(                               \
             *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
             dfv, n, d, tpr, tb);                                                                                  \
