@@ -686,6 +686,14 @@ static void test_deferred_backward_gives_the_direct_bits(void) {
     /* six blocks: a block's first sublayer adds the terms of 5 and 6 closed sources */
     norm_case_variant(LM_ATTNRES_BLOCK, 2, 11, 37, 64, 58, 1);
     norm_case_variant(LM_ATTNRES_BLOCK, 3, 16, 21, 1024, 59, 1);
+    /* the block's first sublayer stages the deferred dh rows in shared memory: at most two (the
+     * rest read directly: both paths in one sum) and none give the same bits */
+    setenv("LONGMOE_ATTNRES_DEFER_STAGE", "2", 1);
+    norm_case_variant(LM_ATTNRES_BLOCK, 4, 10, 70, 1024, 60, 1);
+    norm_case_variant(LM_ATTNRES_BLOCK, 8, 24, 45, 256, 61, 1);
+    setenv("LONGMOE_ATTNRES_DEFER_STAGE", "0", 1);
+    norm_case_variant(LM_ATTNRES_BLOCK, 4, 10, 70, 1024, 62, 1);
+    unsetenv("LONGMOE_ATTNRES_DEFER_STAGE");
     /* the block's first sublayer without the norm: the generic kernel adds the deferred terms */
     norm_case_variant(LM_ATTNRES_BLOCK, 4, 10, 70, 128, 56, 2);
     norm_case_variant(LM_ATTNRES_BLOCK, 3, 8, 37, 100, 57, 2);

@@ -370,21 +370,37 @@ __device__ __forceinline__ float dv_term(float o, float a, float y, float k1, fl
     return __fadd_rn(o, t);
 }
 
+/* Slot b of the k-th position of df.apply, highest first (the order of
+ * add_deferred); k < popcount(apply). */
+__device__ __forceinline__ int deferred_slot(uint64_t apply, int k) {
+    for (;; k--) {
+        const int b = 63 - __clzll((long long)apply);
+        if (k == 0) return b;
+        apply &= ~(1ull << b);
+    }
+}
+
 /* The deferred terms of closed sources i0 .. i0 + count - 1 (count <= NS) for
  * token t (VEC channels at c of their rows, values x), added to o: position by
  * position, each dh row read once, the positions of df.apply highest first
- * (the order in which their sublayers would have added them). */
+ * (the order in which their sublayers would have added them). The first
+ * n_stage positions' dh rows (this thread's VEC columns) and coefficients may
+ * come staged in shared memory, dd [n_stage][THREADS VEC] and cc
+ * [n_stage][cc_stride] (from source 0): the same terms, the same bits. */
 template <int VEC, int NS>
 __device__ __forceinline__ void add_deferred(float (&o)[NS][VEC], const attnres_deferred &df,
                                              const float (&x)[NS][VEC], int i0, int count, int64_t t, size_t row,
-                                             int c, int64_t n, int d) {
-    const size_t nd = (size_t)n * d;
-    for (uint64_t m = df.apply; m;) {
+                                             int c, int64_t n, int d, const float *dd = nullptr,
+                                             const float *cc = nullptr, int cc_stride = 0, int n_stage = 0) {
+    const size_t nd = (size_t)n * d, TV = (size_t)THREADS * VEC;
+    int k = 0;
+    for (uint64_t m = df.apply; m; k++) {
         const int b = 63 - __clzll((long long)m); /* position b + 1, slot b */
         m &= ~(1ull << b);
-        const float *cf = df.coef + ((size_t)b * n + t) * 3 * df.cmax + 3 * i0;
+        const bool staged = k < n_stage;
+        const float *cf = (staged ? cc + (size_t)k * cc_stride : df.coef + ((size_t)b * n + t) * 3 * df.cmax) + 3 * i0;
         float y[VEC], wv[VEC], gv[VEC];
-        vec<VEC>::load(y, df.dh + (size_t)b * nd + row + c);
+        vec<VEC>::load(y, staged ? dd + (size_t)k * TV : df.dh + (size_t)b * nd + row + c);
         load_param<VEC>(wv, df.w + (size_t)(b + 1) * d, c);
         load_param<VEC>(gv, df.g + (size_t)(b + 1) * d, c);
 #pragma unroll
@@ -748,7 +764,7 @@ template <int VEC, int MAXS>
 __device__ __forceinline__ void backward_norm_issue(const attnres_sources &src, const float *dxn, const float *logits,
                                                     const float *lse, float *sx, float *pre, int C, int Ns,
                                                     int64_t t, int64_t t1, int64_t n, int d, int c, int lane_g,
-                                                    int tpr) {
+                                                    int tpr, const attnres_deferred &df, int n_stage) {
     if (t < t1) {
         const size_t nd = (size_t)n * d, row = (size_t)t * d;
         if (c < d) {
@@ -763,6 +779,12 @@ __device__ __forceinline__ void backward_norm_issue(const attnres_sources &src, 
             else p = lse + t;
             lm_cp_async4(pre + i, p);
         }
+        /* the staged deferred positions' coefficients after them (add_deferred's cc) */
+        const int R = 2 * Ns + 1, nc = 3 * C;
+        for (int i = lane_g; i < n_stage * nc; i += tpr) {
+            const int k = i / nc, b = deferred_slot(df.apply, k);
+            lm_cp_async4(pre + R + i, df.coef + ((size_t)b * n + t) * 3 * df.cmax + (i - k * nc));
+        }
     }
     lm_cp_async_commit();
 }
@@ -772,21 +794,24 @@ __global__ void __launch_bounds__(THREADS, MAXS <= 4 && !DEFER ? 3 : 2)
 backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, const float *w, const float *g,
                      const float *logits, const float *lse, const float *dxn, const float *nw, const float *nrstd,
                      float *qpart, float *npart, uint16_t *lp_out, int lp_src, attnres_deferred df, int64_t n, int d,
-                     int tpr, int tb) {
+                     int tpr, int tb, int n_stage) {
     // shared (attnres_backward_norm_shared): sx [2][Ns+1][THREADS VEC] (by round parity: the
-    // sources' rows, then dxn's), so [n_o][THREADS VEC] (the rows updated in place), red
-    // [2][WARPS][2Ns+1] (by round parity), pre [3][rows][2Ns+1] (by round mod 3), q [rows][d],
-    // nq [rows][d]
+    // sources' rows, then dxn's), so [n_o][THREADS VEC] (the rows updated in place), dd
+    // [n_stage][THREADS VEC] (DEFER 2: the first n_stage deferred positions' dh rows), red
+    // [2][WARPS][2Ns+1] (by round parity), pre [3][rows][2Ns+1 + 3 C n_stage] (by round mod 3:
+    // the saved scalars, then the staged positions' coefficients), q [rows][d], nq [rows][d]
     extern __shared__ __align__(16) float smem[];
-    const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1;
+    if (DEFER != 2) n_stage = 0;
+    const int C = src.C, Ns = C + src.has_partial, R = 2 * Ns + 1, PR = R + 3 * C * n_stage;
     const int rows = THREADS / tpr, group = threadIdx.x / tpr, lane_g = threadIdx.x % tpr;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wpg = tpr >> 5;
     /* the rows updated in place: the partial sum's when deferring, else every source's */
     const int n_o = assign ? src.has_partial : DEFER == 1 ? src.has_partial : Ns, o0 = n_o == Ns ? 0 : C;
     const size_t TV = (size_t)THREADS * VEC;
     float *sx_all = smem, *so = sx_all + 2 * (size_t)(Ns + 1) * TV + threadIdx.x * VEC;
-    float *red_all = sx_all + (2 * (size_t)(Ns + 1) + n_o) * TV, *pre_all = red_all + 2 * WARPS * R;
-    float *q_all = pre_all + 3 * rows * R, *nq_all = q_all + (size_t)rows * d;
+    float *dd = sx_all + (2 * (size_t)(Ns + 1) + n_o) * TV + threadIdx.x * VEC;
+    float *red_all = sx_all + (2 * (size_t)(Ns + 1) + n_o + n_stage) * TV, *pre_all = red_all + 2 * WARPS * R;
+    float *q_all = pre_all + 3 * rows * PR, *nq_all = q_all + (size_t)rows * d;
     const size_t nd = (size_t)n * d;
     const int c = lane_g * VEC;
     const int64_t t0 = (int64_t)blockIdx.x * tb;
@@ -795,8 +820,8 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
 #pragma unroll
     for (int j = 0; j < VEC; j++) u[j] = wn[j] = qacc[j] = nacc[j] = 0.0f;
     /* the first round's inputs */
-    backward_norm_issue<VEC, MAXS>(src, dxn, logits, lse, sx_all + threadIdx.x * VEC, pre_all + group * R, C, Ns,
-                                   t0 + group, t1, n, d, c, lane_g, tpr);
+    backward_norm_issue<VEC, MAXS>(src, dxn, logits, lse, sx_all + threadIdx.x * VEC, pre_all + group * PR, C, Ns,
+                                   t0 + group, t1, n, d, c, lane_g, tpr, df, n_stage);
     if (c < d) {
         float wv[VEC], gv[VEC];
         load_param<VEC>(wv, w, c);
@@ -826,25 +851,33 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
          * copy reached only after reading it. pre has three copies: a thread copies the next
          * round's at the start of this one, after the last barrier, which every reader of that
          * copy's last round (two rounds back) had passed after reading it. */
-        float *red = red_all + parity * WARPS * R, *pre = pre_all + (slot * rows + group) * R;
+        float *red = red_all + parity * WARPS * R, *pre = pre_all + (slot * rows + group) * PR;
         const float *sx = sx_all + (size_t)parity * (Ns + 1) * TV + threadIdx.x * VEC;
         const int64_t t = base + group;
         const bool active = t < t1, mine = active && c < d;
         const size_t row = active ? (size_t)t * d : 0;
         /* this round's rows to update (their last round's reads of so were this thread's own) */
-        if (mine)
+        if (mine) {
             for (int k = 0; k < n_o; k++) {
                 const int i = o0 + k;
                 lm_cp_async16(so + (size_t)k * TV, (i == C ? dP : dhist + (size_t)i * nd) + row + c);
             }
+            /* and the staged deferred positions' dh rows (this thread's own, read by it last round) */
+            uint64_t m = df.apply;
+            for (int k = 0; k < n_stage; k++) {
+                const int b = 63 - __clzll((long long)m);
+                m &= ~(1ull << b);
+                lm_cp_async16(dd + (size_t)k * TV, df.dh + (size_t)b * nd + row + c);
+            }
+        }
         lm_cp_async_commit();
         /* the next round's inputs, into the other copy of sx (read by this thread last round) */
         {
             const int nslot = slot == 2 ? 0 : slot + 1;
             backward_norm_issue<VEC, MAXS>(src, dxn, logits, lse, sx_all + (size_t)(parity ^ 1) * (Ns + 1) * TV +
                                                threadIdx.x * VEC,
-                                           pre_all + (nslot * rows + group) * R, C, Ns, base + rows + group, t1, n,
-                                           d, c, lane_g, tpr);
+                                           pre_all + (nslot * rows + group) * PR, C, Ns, base + rows + group, t1,
+                                           n, d, c, lane_g, tpr, df, n_stage);
         }
         const float lt = lt_next, r = r_next, s_own = s_next;
         if (base + rows + group < t1) {
@@ -975,7 +1008,7 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
                     if (i >= C) break;
                     vec<VEC>::load(od[i], so + (size_t)i * TV);
                 }
-                add_deferred<VEC, MAXS>(od, df, x, 0, C, t, row, c, n, d);
+                add_deferred<VEC, MAXS>(od, df, x, 0, C, t, row, c, n, d, dd, pre + R, 3 * C, n_stage);
             }
         }
 #pragma unroll
@@ -1028,10 +1061,12 @@ backward_norm_kernel(attnres_sources src, float *dhist, float *dP, int assign, c
 }
 
 /* The backward_norm_kernel's shared memory in bytes (its layout above). */
-static size_t attnres_backward_norm_shared(int C, int has_partial, int assign, int defer_mode, int rows, int d) {
-    const int Ns = C + has_partial, R = 2 * Ns + 1;
+static size_t attnres_backward_norm_shared(int C, int has_partial, int assign, int defer_mode, int rows, int d,
+                                           int n_stage) {
+    const int Ns = C + has_partial, R = 2 * Ns + 1, PR = R + 3 * C * n_stage;
     const int n_o = assign || defer_mode == 1 ? has_partial : Ns;
-    return ((2 * (size_t)(Ns + 1) + n_o) * THREADS * 4 + 2 * WARPS * R + 3 * rows * R + 2 * (size_t)rows * d) *
+    return ((2 * (size_t)(Ns + 1) + n_o + n_stage) * THREADS * 4 + 2 * WARPS * R + 3 * rows * PR +
+            2 * (size_t)rows * d) *
            sizeof(float);
 }
 
@@ -1180,6 +1215,22 @@ static bool regs_allowed(void) {
     if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES=%s ignored: use generic (or leave it unset)\n", e);
     warned = 1;
     return true;
+}
+
+/* The most deferred positions whose dh rows the block's first sublayer
+ * stages in shared memory (the rest it reads directly): all of them, or
+ * LONGMOE_ATTNRES_DEFER_STAGE = 0 .. 64 (the same bits either way; tests
+ * and benchmarks compare). */
+static int deferred_stage_cap(void) {
+    const char *e = getenv("LONGMOE_ATTNRES_DEFER_STAGE");
+    if (!e || !*e) return 64;
+    char *end;
+    const long v = strtol(e, &end, 10);
+    if (!*end && v >= 0 && v <= 64) return (int)v;
+    static int warned = 0;
+    if (!warned) fprintf(stderr, "longmoe: LONGMOE_ATTNRES_DEFER_STAGE=%s ignored: use 0 to 64\n", e);
+    warned = 1;
+    return 64;
 }
 
 /* Tokens a backward block (one partial sum of q each): 8, or
@@ -1360,7 +1411,13 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
     /* the deferred backward's kernels apart (1: defers, 2: adds the deferred terms): the
      * direct one keeps its registers */
     const int mode = dfv.slot >= 0 ? 1 : dfv.apply ? 2 : 0;
-    const size_t shared = attnres_backward_norm_shared(src->C, src->has_partial, 0, mode, rows, d);
+    /* the block's first sublayer stages as many deferred positions' dh rows as shared memory holds */
+    int n_stage = mode == 2 ? __builtin_popcountll(dfv.apply) : 0;
+    if (n_stage > deferred_stage_cap()) n_stage = deferred_stage_cap();
+    while (n_stage > 0 && attnres_backward_norm_shared(src->C, src->has_partial, 0, mode, rows, d, n_stage) >
+                              (size_t)MAX_SHARED_BYTES)
+        n_stage--;
+    const size_t shared = attnres_backward_norm_shared(src->C, src->has_partial, 0, mode, rows, d, n_stage);
     const int tb = backward_token_block();
     const int64_t n_tb = (n + tb - 1) / tb;
     const int want_q = dw || dg;
@@ -1370,7 +1427,7 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
         if ((s = allow_staged_shared((const void *)backward_norm_kernel<4, M, D>, shared))) return s;             \
         backward_norm_kernel<4, M, D><<<(unsigned)n_tb, THREADS, shared, stream>>>(                               \
             *src, dhist, dP, 0, w, g, logits, lse, dxn, nw, nrstd, want_q ? qpart : NULL, npart, lp_out, lp_src, \
-            dfv, n, d, tpr, tb);                                                                                  \
+            dfv, n, d, tpr, tb, n_stage);                                                                         \
     } while (0)
     if (Ns <= 4) {
         if (mode == 1) AR_NORM_B(4, 1);
