@@ -298,8 +298,14 @@ static void test_one_nccl_rank_is_the_plain_gpu_run(void) {
  * owners' slice sums, the same norm to double rounding); --ep --zero 1 is
  * the replicated --ep run bit for bit. With --cp 2 (one sequence over
  * both ranks: docs/scaleout.md, "Context parallelism on GPU ranks") it follows
- * the one-GPU run within STAGED_RTOL as well. */
+ * the one-GPU run within CP_RTOL, its evaluations within STAGED_RTOL. */
 #define STAGED_RTOL 5e-3 /* measured on an H200: 1.7e-3 (losses), 2.5e-3 (evaluations) */
+/* --cp 2's training losses: each rank's KDA runs on half of every sequence (state carried
+ * across the ranks), about 4e-3 from the one-rank layer in bf16 (test_cuda_cp), so its run drifts
+ * further from the one-GPU run than the data-parallel layouts: measured 3.2e-3, 4.0e-3 and later
+ * 5.9e-3 at step 15 (bench/RESULTS.md, thirty-third session, an H100); its evaluations stay
+ * within STAGED_RTOL (5.7e-4 in that run) */
+#define CP_RTOL 1e-2
 #define EPO_RTOL 1e-4    /* owner-only against replicated expert state, training losses */
 static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
     if (!have_gpu_ref) SKIP("the first GPU run failed");
@@ -347,7 +353,7 @@ static void test_two_staged_gpu_ranks_follow_the_plain_gpu_run(void) {
         if (v[i].cp) {
             /* context parallelism: each rank holds half of every row (the KDA state and the attention's
              * latents exchanged on the device), the batch's gradient summed over both */
-            double worst = compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, STAGED_RTOL);
+            double worst = compare_runs(in_root(v[i].run), in_root("gpu"), "train", "loss", STEPS, 0, CP_RTOL);
             double worst_eval = compare_runs(in_root(v[i].run), in_root("gpu"), "eval", "val_loss", 5, 0, STAGED_RTOL);
             printf("    2 staged GPU ranks with --cp 2 against one GPU: losses within %.3g, evaluations within %.3g "
                    "relative\n", worst, worst_eval);
