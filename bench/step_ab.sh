@@ -14,6 +14,11 @@
 #   DIGEST=1 both sides print the last step's loss bits and a hash of every gradient's bits
 #            (bench_cuda_model --digest, which the base must know), and the script says
 #            whether every run gave the same (a change meant to keep the bits)
+#   PREBUILT=1 build nothing: build-ab-new (and build-ab-base unless BASE=.) already hold
+#            bench_cuda_model (and bench_cuda_moe, else the MoE layer bench is left out), built
+#            beforehand with the same toolkit (a Release build of this tree: `cmake -S . -B
+#            build-ab-new -DCMAKE_BUILD_TYPE=Release && cmake --build build-ab-new --target
+#            bench_cuda_model`), so a machine without the build's time runs the comparison at once
 set -uo pipefail
 OUT=${OUT:-out}
 BASE=${BASE:?BASE: the directory of the other version}
@@ -31,14 +36,17 @@ build() { # src dir, build dir, log
 NEW_ENV=${NEW_ENV:-}
 NEW=${NEW:-.}
 [ -d .whl ] && [ ! -e "$NEW/.whl" ] && cp -r .whl "$NEW/"
-build "$NEW" build-ab-new "$OUT/build_new.log" || exit 1
-if [ "$BASE" = . ]; then
-    bin_base=build-ab-new
+bin_base=build-ab-base
+[ "$BASE" = . ] && bin_base=build-ab-new
+if [ "${PREBUILT:-0}" = 1 ]; then
+    for d in build-ab-new "$bin_base"; do
+        [ -x "$d/bench_cuda_model" ] || { echo "PREBUILT=1: $d/bench_cuda_model is missing"; exit 1; }
+    done
 else
-    build "$BASE" build-ab-base "$OUT/build_base.log" || exit 1
-    bin_base=build-ab-base
+    build "$NEW" build-ab-new "$OUT/build_new.log" || exit 1
+    [ "$BASE" = . ] || build "$BASE" build-ab-base "$OUT/build_base.log" || exit 1
+    grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT"/build_*.log
 fi
-grep -E "longmoe: (CUDA kernels|cuDNN attention)" "$OUT"/build_*.log
 for r in $(seq 1 "$ROUNDS"); do
     for v in new base; do
         echo "== round $r: $v${NEW_ENV:+$([ $v = new ] && echo " ($NEW_ENV)")}"
@@ -56,6 +64,7 @@ if [ "${DIGEST:-0}" = 1 ]; then
     else echo "digest: the runs differ ($u different digests)"; fi
 fi
 for v in new base; do
+    [ -x "$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_moe" ] || continue
     echo "== MoE layer, $v"
     env $([ $v = new ] && echo "$NEW_ENV") timeout 200 \
         "$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 |
