@@ -24,7 +24,7 @@
  * --seq-segment S sets train.seq_segment (the layers run S tokens of each row
  * at a time, docs/model.md "Sequence segments"; attention past the first
  * segment needs the CUDA attention with a query offset). --digest prints the
- * last step's loss bits and an FNV-1a hash of its gradients' bits: two builds
+ * last step's loss bits and lm_checksum64 of its gradients' bits: two builds
  * that should compute the same bits (a kernel rewritten for speed) are
  * compared by it, on the same GPU. */
 #include <stdint.h>
@@ -39,6 +39,7 @@
 #include "longmoe/config.h"
 #include "longmoe/model.h"
 #include "longmoe/optim_device.h"
+#include "longmoe/safetensors.h"
 
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
@@ -195,14 +196,12 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
             return 1;
         }
-        const unsigned char *gb = (const unsigned char *)lm_model_grads(m);
-        const size_t nb = lm_model_num_grads(m) * sizeof(float);
-        uint64_t hsh = 14695981039346656037ull; /* FNV-1a, 64 bits */
-        for (size_t i = 0; i < nb; i++) hsh = (hsh ^ gb[i]) * 1099511628211ull;
+        const size_t ng = lm_model_num_grads(m);
+        const uint64_t hsh = lm_checksum64(lm_model_grads(m), ng * sizeof(float));
         uint32_t lb;
         memcpy(&lb, &loss, sizeof lb);
-        printf("digest: loss %.9g (bits 0x%08x), gradients (%zu floats) fnv1a64 0x%016llx\n", loss, (unsigned)lb,
-               nb / sizeof(float), (unsigned long long)hsh);
+        printf("digest: loss %.9g (bits 0x%08x), gradients (%zu floats) checksum64 0x%016llx\n", loss, (unsigned)lb,
+               ng, (unsigned long long)hsh);
     }
     if (out) {
         FILE *f = fopen(out, "w");

@@ -12,7 +12,8 @@
 #            with BASE=. both sides run this tree's build, so the settings are all that differs
 #   NEW      the directory of the new version's sources (default: this tree)
 #   DIGEST=1 both sides print the last step's loss bits and a hash of every gradient's bits
-#            (bench_cuda_model --digest, which the base must know), and the script says
+#            (bench_cuda_model --digest, which the base must know in the same form: lm_checksum64
+#            since the thirty-third session, an FNV-1a over bytes before), and the script says
 #            whether every run gave the same (a change meant to keep the bits)
 #   PREBUILT=1 build nothing: build-ab-new (and build-ab-base unless BASE=.) already hold
 #            bench_cuda_model (and bench_cuda_moe, else the MoE layer bench is left out), built
@@ -38,6 +39,7 @@ NEW=${NEW:-.}
 [ -d .whl ] && [ ! -e "$NEW/.whl" ] && cp -r .whl "$NEW/"
 bin_base=build-ab-base
 [ "$BASE" = . ] && bin_base=build-ab-new
+bin_of() { [ "$1" = new ] && echo build-ab-new || echo "$bin_base"; } # new | base
 if [ "${PREBUILT:-0}" = 1 ]; then
     for d in build-ab-new "$bin_base"; do
         [ -x "$d/bench_cuda_model" ] || { echo "PREBUILT=1: $d/bench_cuda_model is missing"; exit 1; }
@@ -52,7 +54,7 @@ for r in $(seq 1 "$ROUNDS"); do
         echo "== round $r: $v${NEW_ENV:+$([ $v = new ] && echo " ($NEW_ENV)")}"
         (cd "$([ $v = new ] && echo "$NEW" || echo "$BASE")" &&
             env $([ $v = new ] && echo "$NEW_ENV") timeout 300 \
-                "$OLDPWD/$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_model" $ARGS) 2>&1 |
+                "$OLDPWD/$(bin_of $v)/bench_cuda_model" $ARGS) 2>&1 |
             grep -vE "^ *$" | tail -15 | tee "$OUT/ab_${r}_$v.log"
     done
 done
@@ -64,9 +66,9 @@ if [ "${DIGEST:-0}" = 1 ]; then
     else echo "digest: the runs differ ($u different digests)"; fi
 fi
 for v in new base; do
-    [ -x "$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_moe" ] || continue
+    [ -x "$(bin_of $v)/bench_cuda_moe" ] || continue
     echo "== MoE layer, $v"
     env $([ $v = new ] && echo "$NEW_ENV") timeout 200 \
-        "$([ $v = new ] && echo build-ab-new || echo "$bin_base")/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 |
+        "$(bin_of $v)/bench_cuda_moe" --tokens 32768 --gemm batched 2>&1 |
         tail -4
 done
