@@ -4,7 +4,7 @@
 # program once under `ncu --clock-control none --metrics gpu__time_duration.sum` and
 # sums the durations by kernel (bench/ncu_kernel_table.py). Logs go to $OUT.
 #
-#   bench/profile_device.sh [build] [moe] [step]   (default: all three)
+#   bench/profile_device.sh [build] [moe] [step] [sections]   (default: build moe step)
 #   MOE_KINDS="batched wgmma"   the MoE product kinds profiled (bench_cuda_moe --gemm K)
 #   STEP_ARGS                   bench_cuda_model's arguments (default: k3-mini 8x4096,
 #                               no recompute, one step)
@@ -14,6 +14,14 @@
 #   OCC=1                       also read each kernel's achieved occupancy and registers a thread
 #                               (sm__warps_active.avg.pct_of_peak_sustained_active,
 #                               launch__registers_per_thread): the tables then give both
+#   KERNELS="conv_silu_l2_backward_ring kda_bwd_col"   (sections) the kernels whose bound is
+#                               wanted: one ncu run of the step (STEP_ARGS) per name pattern (a
+#                               regex), each profiling that kernel's first LAUNCHES launches
+#                               (default 1) with the SpeedOfLight, Occupancy, SchedulerStats,
+#                               WarpStateStats and LaunchStats sections; one run for all of them
+#                               with --launch-count would spend its launches on whichever kernel
+#                               runs first. Prints DRAM and SM throughput, occupancy and how often
+#                               a warp issues; the whole report goes to $OUT/ncu_sections_<i>.txt.
 set -uo pipefail
 OUT=${OUT:-out}
 BUILD=${BUILD:-build-cuda}
@@ -23,6 +31,7 @@ MOE_KINDS=${MOE_KINDS:-batched wgmma}
 STEP_ARGS=${STEP_ARGS:---config configs/k3-mini.json --batch 8 --seq 4096 --reps 0 --no-recompute}
 mkdir -p "$OUT"
 steps=${*:-build moe step}
+KERNELS=${KERNELS:-conv_silu_l2_backward_ring kda_bwd_col}
 has() { [[ " $steps " == *" $1 "* ]]; }
 METRICS=gpu__time_duration.sum
 [ "${BYTES:-0}" = 1 ] && METRICS=$METRICS,dram__bytes_read.sum,dram__bytes_write.sum
@@ -48,4 +57,17 @@ if has step; then
     echo "== ncu: one training step ($STEP_ARGS)"
     timeout 300 $NCU "$BUILD/bench_cuda_model" $STEP_ARGS >"$OUT/ncu_step.csv" 2>&1
     python3 bench/ncu_kernel_table.py "$OUT/ncu_step.csv" --top "$TOP"
+fi
+
+if has sections; then
+    i=0
+    for k in $KERNELS; do
+        i=$((i + 1))
+        echo "== ncu sections: the first ${LAUNCHES:-1} launch(es) of /$k/ in one step ($STEP_ARGS)"
+        timeout 300 ncu --clock-control none -k "regex:$k" --launch-count "${LAUNCHES:-1}" --section SpeedOfLight \
+            --section Occupancy --section SchedulerStats --section WarpStateStats --section LaunchStats \
+            "$BUILD/bench_cuda_model" $STEP_ARGS >"$OUT/ncu_sections_$i.txt" 2>&1 || echo "ncu failed: $OUT/ncu_sections_$i.txt"
+        grep -E '^  [A-Za-z_].*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Issued Warp Per Scheduler|No Eligible|Eligible Warps Per Scheduler|Theoretical Occupancy|Achieved Occupancy|Registers Per Thread|Block Limit (Registers|Shared Mem)' \
+            "$OUT/ncu_sections_$i.txt" | cut -c1-160
+    done
 fi
