@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "longmoe/backend.h"
+#include "longmoe/config.h"
 #include "longmoe/kda.h"
 #include "longmoe/safetensors.h"
 #include "test.h"
@@ -235,6 +236,31 @@ static void test_train_on_cuda_without_a_gpu_fails_clearly(void) {
     CHECK(!no_run_in(path_in("run_gpu")), "the CPU run wrote no run");
 }
 
+/* plan's ceiling: at --peak-tflops X, X / (3 x the forward FLOPs a token of
+ * lm_config_plan) tokens/s, printed to the token; a longer context (more
+ * attention FLOPs a token) lowers it, and a non-positive peak is refused. */
+static void test_plan_prints_the_tokens_per_second_ceiling(void) {
+    lm_config c;
+    CHECK(lm_config_load("configs/k3-mini.json", &c) == LM_OK, "%s", lm_last_error());
+    const long ctx[2] = {8192, 1048576};
+    for (int i = 0; i < 2; i++) {
+        lm_plan p;
+        lm_config_plan(&c, ctx[i], &p);
+        char args[160], want[160];
+        snprintf(args, sizeof args, "plan --config configs/k3-mini.json --context %ld --peak-tflops 500", ctx[i]);
+        snprintf(want, sizeof want, "at 500 TFLOP/s (--peak-tflops) that allows at most %.0f tokens/s a GPU",
+                 500e12 / (3 * p.total_flops));
+        CHECK(run_cli(args) == 0 && test_file_has(path_in("out.txt"), want), "'%s' does not print '%s'", args, want);
+    }
+    lm_plan a, b;
+    lm_config_plan(&c, ctx[0], &a);
+    lm_config_plan(&c, ctx[1], &b);
+    CHECK(b.total_flops > 5 * a.total_flops, "the 1M context's FLOPs a token (%.3g) not well above 8K's (%.3g)",
+          b.total_flops, a.total_flops);
+    CHECK(run_cli("plan --config configs/k3-mini.json --peak-tflops 0") != 0 && stderr_has("--peak-tflops"),
+          "--peak-tflops 0 accepted");
+}
+
 /* plan --memory --ep G: one rank's weights, gradients and optimizer state of
  * its n/G experts (the lines name the share), the one MoE layer's experts an
  * evaluation forward gathers and the exchange's buffers; with --device cuda
@@ -344,6 +370,7 @@ int main(void) {
     RUN(test_bad_inputs_and_flags_fail_clearly_and_write_nothing);
     RUN(test_train_device_flag_is_checked);
     RUN(test_train_on_cuda_without_a_gpu_fails_clearly);
+    RUN(test_plan_prints_the_tokens_per_second_ceiling);
     RUN(test_plan_memory_of_an_expert_parallel_rank);
     RUN(test_plan_memory_on_the_gpu_keeps_no_sublayer_inputs);
     RUN(test_sequence_segments_in_plan_and_train);

@@ -15,13 +15,15 @@
 #include "longmoe/optim_device.h"
 
 static const char *const plan_usage =
-    "usage: longmoe plan --config CONFIG.json [--context N]\n"
+    "usage: longmoe plan --config CONFIG.json [--context N] [--peak-tflops X]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
     "                    [--recompute-chunk N] [--seq-segment S] [--cp N [--cp-split K]] [--ep G] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
-    "inference cache per token of context (bf16). Training costs about 3x the forward.\n"
+    "inference cache per token of context (bf16). Training costs about 3x the forward;\n"
+    "at a dense bf16 peak of --peak-tflops X per GPU (default 989, an H100 or H200)\n"
+    "that allows at most X / (3 x forward FLOPs) tokens/s: a ceiling, not an estimate.\n"
     "\n"
     "With --layout DP,EP,CP,PP[,TP] it sizes that layout on DP*CP*PP*TP GPUs (EP divides\n"
     "DP*CP): memory per GPU, FLOPs, the bytes one GPU sends per step in every collective\n"
@@ -198,6 +200,8 @@ int cmd_plan(int argc, char **argv) {
     printf("training memory for weights (bf16) + fp32 master, grads and one optimizer moment: %s\n", m);
     human(f, sizeof f, 3 * p.total_flops, "");
     printf("training FLOPs per token (about 3x forward): %s\n", f);
+    printf("at %g TFLOP/s (--peak-tflops) that allows at most %.0f tokens/s a GPU (every FLOP at the peak)\n",
+           tflops, tflops * 1e12 / (3 * p.total_flops));
     return 0;
 }
 
