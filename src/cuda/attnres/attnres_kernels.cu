@@ -1412,8 +1412,9 @@ lm_status attnres_launch_backward_norm(cudaStream_t stream, const attnres_source
      * direct one keeps its registers */
     const int mode = dfv.slot >= 0 ? 1 : dfv.apply ? 2 : 0;
     /* the block's first sublayer stages as many deferred positions' dh rows as shared memory holds */
+    const int stage_cap = deferred_stage_cap();
     int n_stage = mode == 2 ? __builtin_popcountll(dfv.apply) : 0;
-    if (n_stage > deferred_stage_cap()) n_stage = deferred_stage_cap();
+    if (n_stage > stage_cap) n_stage = stage_cap;
     while (n_stage > 0 && attnres_backward_norm_shared(src->C, src->has_partial, 0, mode, rows, d, n_stage) >
                               (size_t)MAX_SHARED_BYTES)
         n_stage--;
