@@ -3,7 +3,7 @@
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
  *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
- *                    [--head-in-backward] [--digest] [--out FILE.json]
+ *                    [--head-in-backward] [--digest] [--products] [--out FILE.json]
  *
  * As `train` does, the LM head's backward runs inside the forward
  * (lm_model_set_head_backward: each chunk's logits computed once);
@@ -26,7 +26,10 @@
  * segment needs the CUDA attention with a query offset). --digest prints the
  * last step's loss bits and lm_checksum64 of its gradients' bits: two builds
  * that should compute the same bits (a kernel rewritten for speed) are
- * compared by it, on the same GPU. */
+ * compared by it, on the same GPU. --products times each cuBLAS product of the
+ * last step with CUDA events (lm_cuda_matmul_profile) and prints them by
+ * shape with their TFLOP/s; the events may lengthen that step a little, not
+ * the median of the others (with --reps 0, the one step). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,6 +40,7 @@
 #include "bench_common.h"
 #include "longmoe/backend.h"
 #include "longmoe/config.h"
+#include "longmoe/linear_cuda.h"
 #include "longmoe/model.h"
 #include "longmoe/optim_device.h"
 #include "longmoe/safetensors.h"
@@ -44,7 +48,7 @@
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
     int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0, head_in_fwd = 1,
-        digest = 0;
+        digest = 0, products = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -65,11 +69,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--head-in-backward")) head_in_fwd = 0;
         else if (!strcmp(argv[i], "--digest")) digest = 1;
+        else if (!strcmp(argv[i], "--products")) products = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
                             "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--head-in-backward] "
-                            "[--digest] [--out FILE.json]\n");
+                            "[--digest] [--products] [--out FILE.json]\n");
             return 2;
         }
     }
@@ -138,6 +143,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i <= reps; i++) {
         if (i == 1) lm_model_reset_timings(m); /* the first step grows the backend's scratch */
         lm_model_zero_grads(m);
+        if (products && i == reps) lm_cuda_matmul_profile(1);
         double t0 = lm_time_seconds();
         if (lm_model_forward(m, tok, tgt, 1, &loss) || lm_model_backward(m, 1.0f) ||
             gpu->sync(gpu)) {
@@ -145,6 +151,13 @@ int main(int argc, char **argv) {
             return 1;
         }
         times[i] = lm_time_seconds() - t0;
+        if (products && i == reps) {
+            lm_cuda_matmul_profile(0);
+            if (lm_cuda_matmul_profile_print(stdout, 1)) {
+                fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+                return 1;
+            }
+        }
         if (with_opt) {
             /* a small learning rate: the step is timed, the model barely moves */
             double o0 = lm_time_seconds();

@@ -541,6 +541,52 @@ static void test_cross_entropy_matches_float64_reference(void) {
     }
 }
 
+/* ------------------------------------------------------------ the products' profile */
+
+/* While on, each product is noted by shape (cuBLAS's m n k: the forward's oc, n, ic) with its
+ * calls; off, nothing is noted; print empties the records. */
+static void test_matmul_profile_counts_products_by_shape(void) {
+    const int n = 96, ic = 64, oc = 48;
+    float *x = host_random((size_t)n * ic, 1.0f, 0), *w = host_random((size_t)oc * ic, 1.0f, 0);
+    uint16_t *dx = dev_upload_bf16(x, (size_t)n * ic), *dw = dev_upload_bf16(w, (size_t)oc * ic);
+    float *dy = dev_alloc((size_t)n * oc * 4);
+    CHECK(lm_cuda_matmul_forward(&ctx, dy, dx, dw, n, ic, oc, 0) == LM_OK, "%s", lm_last_error()); /* off */
+    lm_cuda_matmul_profile(1);
+    for (int i = 0; i < 3; i++)
+        CHECK(lm_cuda_matmul_forward(&ctx, dy, dx, dw, n, ic, oc, i > 0) == LM_OK, "%s", lm_last_error());
+    lm_cuda_matmul_profile(0);
+    CHECK(lm_cuda_matmul_forward(&ctx, dy, dx, dw, n, ic, oc, 1) == LM_OK, "%s", lm_last_error()); /* off */
+    for (int round = 0; round < 2; round++) {
+        FILE *f = tmpfile();
+        CHECK(f != NULL, "tmpfile");
+        if (!f) break;
+        CHECK(lm_cuda_matmul_profile_print(f, 1) == LM_OK, "print: %s", lm_last_error());
+        rewind(f);
+        char line[512];
+        int rows = 0, set = 0, acc = 0;
+        while (fgets(line, sizeof line, f)) {
+            char kind[16], op[8], d[8];
+            unsigned long long m, nn, k;
+            double beta, calls;
+            if (sscanf(line, " %15s %llu %llu %llu %7s %lf %7s %lf", kind, &m, &nn, &k, op, &beta, d, &calls) != 8)
+                continue;
+            rows++;
+            CHECK(!strcmp(kind, "lt") && m == (unsigned long long)oc && nn == (unsigned long long)n &&
+                      k == (unsigned long long)ic && !strcmp(op, "TN") && !strcmp(d, "fp32"),
+                  "round %d: unexpected row: %s", round, line);
+            if (beta == 0) set += (int)calls;
+            if (beta == 1) acc += (int)calls;
+        }
+        fclose(f);
+        if (round == 0) CHECK(rows == 2 && set == 1 && acc == 2, "%d rows, %d and %d calls (want 2 rows, 1 and 2)",
+                              rows, set, acc);
+        else CHECK(rows == 0, "the records outlived print: %d rows", rows);
+    }
+    CHECK(lm_cuda_matmul_profile_print(NULL, 1) == LM_ERR_ARG, "a NULL file accepted");
+    free(x), free(w);
+    lm_cuda_free(dx), lm_cuda_free(dw), lm_cuda_free(dy);
+}
+
 /* ------------------------------------------------------------ arguments */
 
 static void test_bad_arguments_are_refused(void) {
@@ -585,6 +631,7 @@ int main(void) {
     RUN(test_embedding_forward_gathers_rows);
     RUN(test_embedding_backward_adds_in_position_order_like_the_cpu);
     RUN(test_cross_entropy_matches_float64_reference);
+    RUN(test_matmul_profile_counts_products_by_shape);
     RUN(test_bad_arguments_are_refused);
     lm_cuda_context_destroy(&ctx);
     return test_summary();

@@ -54,6 +54,16 @@ lm_status lm_cuda_matmul_backward_ld(const lm_cuda_context *ctx, float *dinp, fl
                                      const uint16_t *dout, int64_t ld_dout, const uint16_t *inp,
                                      const uint16_t *weight, int64_t n, int ic, int oc, int set);
 
+/* The products' profile (a benchmark's tool, not for training): while on, every cuBLAS product
+ * (the calls above, and the MoE's dense, fp32 router and batched expert products; not the grouped
+ * kind's call nor the hand-written wmma and wgmma kernels) is bracketed by two CUDA events on its
+ * stream, and its shape noted. print (file: a FILE *) waits for the device, then writes one line a
+ * shape (the kind of call, m n k in cuBLAS's column-major terms, the operations, beta and D's type):
+ * calls and milliseconds a step over `steps` and TFLOP/s, the slowest first, and frees the records.
+ * Returns LM_ERR_IO if an event could not be made or read. */
+void lm_cuda_matmul_profile(int on);
+lm_status lm_cuda_matmul_profile_print(void *file, int steps);
+
 /* ---- conversions and checks ---- */
 
 /* dst = bf16(src), round to nearest even (NaN stays NaN), as lm_f32_to_bf16. */

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/cuda_check.h"
+#include "cuda/linear/matmul_profile.h"
 #include "longmoe/linear_cuda.h"
 
 /* The largest power of two (up to 256) that divides the address: cuBLASLt
@@ -60,6 +61,7 @@ static lm_status lt_run(const lm_cuda_context *ctx, const lt_product *p) {
     uint32_t al_a = address_alignment(p->a), al_b = address_alignment(p->b), al_d = address_alignment(p->d);
     cublasLtMatmulHeuristicResult_t best;
     int found = 0;
+    cudaEvent_t e0 = NULL; /* the profile's first event, while it is on */
 
 #define LT_STEP(call, what)                       \
     do {                                          \
@@ -94,11 +96,19 @@ static lm_status lt_run(const lm_cuda_context *ctx, const lt_product *p) {
                       (unsigned long long)p->m, (unsigned long long)p->n, (unsigned long long)p->k);
         goto done;
     }
+    e0 = lm_cuda_prof_begin((cudaStream_t)ctx->stream);
     LT_STEP(cublasLtMatmul(h, op, &alpha, p->a, la, p->b, lb, &beta, p->d, ld, p->d, ld, &best.algo,
                            ctx->lt_workspace, ctx->lt_workspace_bytes, (cudaStream_t)ctx->stream),
             "Matmul");
+    if (e0) {
+        const lm_cuda_prof_shape shape = {"lt", p->m, p->n, p->k, 1, p->trans_a == CUBLAS_OP_T,
+                                          p->trans_b == CUBLAS_OP_T, p->d_type == CUDA_R_16BF, p->beta};
+        lm_cuda_prof_end((cudaStream_t)ctx->stream, e0, &shape); /* it keeps or frees e0 */
+        e0 = NULL;
+    }
 #undef LT_STEP
 done:
+    if (e0) cudaEventDestroy(e0); /* the product failed */
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (ld) cublasLtMatrixLayoutDestroy(ld);
     if (lb) cublasLtMatrixLayoutDestroy(lb);

@@ -31,6 +31,7 @@
 
 #include "cuda/common/switch_setting.cuh"
 #include "cuda/cuda_check.h"
+#include "cuda/linear/matmul_profile.h"
 #include "check.h"
 #include "cuda/moe/moe_internal.cuh"
 #include "longmoe/moe_cuda.h"
@@ -40,6 +41,24 @@
         cublasStatus_t s_ = (call);                                                                       \
         if (s_ != CUBLAS_STATUS_SUCCESS)                                                                  \
             return lm_error(LM_ERR_IO, "%s:%d: cuBLAS error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
+    } while (0)
+
+/* BLAS_TRY with the product timed while the products' profile is on (matmul_profile.h): cuBLAS's
+ * m n k and operations, `count` products of one call */
+#define BLAS_PROF(kind, opa, opb, m, n, k, count, d_bf16, beta, call)                                    \
+    do {                                                                                                  \
+        cudaEvent_t e0_ = lm_cuda_prof_begin((cudaStream_t)ctx->stream);                                 \
+        cublasStatus_t s_ = (call);                                                                       \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                \
+            if (e0_) cudaEventDestroy(e0_);                                                               \
+            return lm_error(LM_ERR_IO, "%s:%d: cuBLAS error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
+        }                                                                                                 \
+        if (e0_) {                                                                                        \
+            const lm_cuda_prof_shape sh_ = {kind, (uint64_t)(m), (uint64_t)(n), (uint64_t)(k),            \
+                                            (uint64_t)(count), (opa) == CUBLAS_OP_T, (opb) == CUBLAS_OP_T, \
+                                            (d_bf16), (beta)};                                            \
+            lm_cuda_prof_end((cudaStream_t)ctx->stream, e0_, &sh_);                                      \
+        }                                                                                                 \
     } while (0)
 
 /* ---- the selector ---- */
@@ -161,9 +180,10 @@ lm_status lm_moe_blas_dense(const lm_cuda_context *ctx, const lm_gemm_bf16_args 
     void *c = g->c ? (void *)g->c : (void *)g->cb;
     cudaDataType_t ct = g->c ? CUDA_R_32F : CUDA_R_16BF;
     /* k = 0 (an expert's empty contraction) gives C = beta C in cuBLAS */
-    BLAS_TRY(cublasGemmEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)g->N, (int)g->M, (int)g->K, &alpha, g->b,
-                          CUDA_R_16BF, (int)g->ldb, g->a, CUDA_R_16BF, (int)g->lda, &beta, c, ct, (int)g->ldc,
-                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    BLAS_PROF("dense", op_b, op_a, g->N, g->M, g->K, 1, ct == CUDA_R_16BF, beta,
+              cublasGemmEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)g->N, (int)g->M, (int)g->K, &alpha, g->b,
+                           CUDA_R_16BF, (int)g->ldb, g->a, CUDA_R_16BF, (int)g->lda, &beta, c, ct, (int)g->ldc,
+                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return LM_OK;
 }
 
@@ -182,9 +202,10 @@ lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, con
     cublasOperation_t op_b, op_a;
     ops_of(layout, &op_b, &op_a);
     float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
-    BLAS_TRY(cublasGemmEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)N, (int)M, (int)K, &alpha, b, CUDA_R_32F,
-                          (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
-                          CUBLAS_GEMM_DEFAULT));
+    BLAS_PROF("f32", op_b, op_a, N, M, K, 1, 0, beta,
+              cublasGemmEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)N, (int)M, (int)K, &alpha, b, CUDA_R_32F,
+                           (int)ldb, a, CUDA_R_32F, (int)lda, &beta, c, CUDA_R_32F, (int)ldc, CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT));
     return LM_OK;
 }
 
@@ -336,10 +357,11 @@ static lm_status batched(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g,
                                                                   (const char *)g->a, a_row, (const char *)g->b,
                                                                   b_group, c, c_row);
         LM_CUDA_TRY(cudaGetLastError());
-        BLAS_TRY(cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)g->N, LM_MOE_CUDA_ROW_TILE,
-                                     (int)g->K, &alpha, (const void *const *)pb, CUDA_R_16BF, (int)g->ldb,
-                                     (const void *const *)pa, CUDA_R_16BF, (int)g->lda, &beta, (void *const *)pc, ct,
-                                     (int)g->ldc, tiles, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        BLAS_PROF("batched", op_b, op_a, g->N, LM_MOE_CUDA_ROW_TILE, g->K, tiles, ct == CUDA_R_16BF, beta,
+                  cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, (int)g->N, LM_MOE_CUDA_ROW_TILE,
+                                      (int)g->K, &alpha, (const void *const *)pb, CUDA_R_16BF, (int)g->ldb,
+                                      (const void *const *)pa, CUDA_R_16BF, (int)g->lda, &beta, (void *const *)pc,
+                                      ct, (int)g->ldc, tiles, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         return LM_OK;
     }
     batch_order order;
@@ -355,11 +377,12 @@ static lm_status batched(const lm_cuda_context *ctx, const lm_gemm_bf16_args *g,
         int p = rows[q0];
         int mm = (int)g->N, nn = weight ? (int)g->M : p, kk = weight ? p : (int)g->K;
         /* cuBLAS's A array is our b, its B array our a (see the top of the file) */
-        BLAS_TRY(cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, mm, nn, kk, &alpha,
-                                     (const void *const *)(pb + q0), CUDA_R_16BF, (int)g->ldb,
-                                     (const void *const *)(pa + q0), CUDA_R_16BF, (int)g->lda, &beta,
-                                     (void *const *)(pc + q0), ct, (int)g->ldc, q1 - q0, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
+        BLAS_PROF("batched", op_b, op_a, mm, nn, kk, q1 - q0, ct == CUDA_R_16BF, beta,
+                  cublasGemmBatchedEx((cublasHandle_t)ctx->cublas, op_b, op_a, mm, nn, kk, &alpha,
+                                      (const void *const *)(pb + q0), CUDA_R_16BF, (int)g->ldb,
+                                      (const void *const *)(pa + q0), CUDA_R_16BF, (int)g->lda, &beta,
+                                      (void *const *)(pc + q0), ct, (int)g->ldc, q1 - q0, CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT));
         q0 = q1;
     }
     return LM_OK;
