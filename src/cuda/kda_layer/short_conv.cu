@@ -387,6 +387,12 @@ __global__ void conv_backward_window_kernel(float *__restrict__ din, float *__re
 __device__ __forceinline__ void conv_store_din(float *p, float v) { *p = v; }
 __device__ __forceinline__ void conv_store_din(uint16_t *p, float v) { *p = kl_f32_to_bf16(v); }
 
+/* x mod T in [0, T) for any x (a token index, negative before the data) */
+__device__ __forceinline__ int conv_pos(int64_t x, int T) {
+    const int64_t r = x % T;
+    return (int)(r < 0 ? r + T : r);
+}
+
 /* The backward kernels' shared parts (fused and ring: the same arithmetic in the same order).
  * Begin: channel ch[j] = ch0 + 32 j, its W taps, zero sums, the taps of the chunk's first token. */
 template <int PER, int WT>
@@ -412,13 +418,19 @@ __device__ __forceinline__ void conv_bwd_begin(int (&ch)[PER], float (&wr)[PER][
 /* One token m of a chunk [n0, n1): x = c (not read when recompute: then c is formed
  * from the window of in), g = dout, xi = in of token m (0 past the data, and past the
  * chunk unless recompute), s = 1/||y|| (1 without the norm): dc of m into the window,
- * dw's partial sums, and din of token m - (W - 1). */
-template <int PER, int WT, typename DT>
+ * dw's partial sums, and din of token m - (W - 1). tm and ttm are m % T and (m - (W - 1)) mod T,
+ * kept by the caller as running positions (a 64-bit remainder a token cost more than the rest
+ * of the step's integer work). INTERIOR: the caller has checked that every condition below holds
+ * (m >= n0 + W - 1, m < n1 and tm >= W - 1: the token, its window and token m - (W - 1) inside
+ * the chunk and the sequence), so they are left out: the same operations in the same order, without
+ * the per-element tests that made most of the step's instructions. */
+template <int PER, int WT, typename DT, bool INTERIOR>
 __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw)[PER][WT], float (&acc)[PER][WT],
                                               const float (&wr)[PER][WT], const float (&x)[PER],
                                               const float (&g)[PER], const float (&xi)[PER], float s, bool norm,
                                               bool recompute, int64_t m, int64_t n0, int64_t n1, int64_t N, int T,
-                                              int C, const int (&ch)[PER], DT *__restrict__ din, int64_t ldo) {
+                                              int C, const int (&ch)[PER], DT *__restrict__ din, int64_t ldo,
+                                              int tm, int ttm) {
 #pragma unroll
         for (int j = 0; j < PER; j++) {
 #pragma unroll
@@ -428,8 +440,8 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
             }
             xin[j][WT - 1] = xi[j];
         }
-        const int t = (int)(m % T);
-        if (m < N) { /* warp-uniform */
+        const int t = tm;
+        if (INTERIOR || m < N) { /* warp-uniform */
             float c[PER], y[PER];
             float dot = 0.0f;
 #pragma unroll
@@ -439,7 +451,7 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
                     float a = 0.0f;
 #pragma unroll
                     for (int i = 0; i < WT; i++) {
-                        if (t - (WT - 1) + i < 0) continue;
+                        if (!INTERIOR && t - (WT - 1) + i < 0) continue;
                         a += wr[j][i] * xin[j][i];
                     }
                     c[j] = a;
@@ -454,22 +466,22 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
 #pragma unroll
             for (int j = 0; j < PER; j++) dcw[j][WT - 1] = 0.0f;
         }
-        if (m < n1) {
+        if (INTERIOR || m < n1) {
 #pragma unroll
             for (int j = 0; j < PER; j++)
 #pragma unroll
                 for (int i = 0; i < WT; i++)
-                    if (t >= WT - 1 - i) acc[j][i] += xin[j][i] * dcw[j][WT - 1];
+                    if (INTERIOR || t >= WT - 1 - i) acc[j][i] += xin[j][i] * dcw[j][WT - 1];
         }
         const int64_t tt = m - (WT - 1);
-        if (tt >= n0 && tt < n1) {
-            const int t = (int)(tt % T);
+        if (INTERIOR || (tt >= n0 && tt < n1)) {
+            const int t = ttm;
 #pragma unroll
             for (int j = 0; j < PER; j++) {
                 float a = 0.0f;
 #pragma unroll
                 for (int i = 0; i < WT; i++)
-                    if (t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
+                    if (INTERIOR || t + (WT - 1) - i < T) a += wr[j][i] * dcw[j][WT - 1 - i];
                 conv_store_din(din + tt * ldo + ch[j], a);
             }
         }
@@ -508,14 +520,21 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
         ps = ok && rnorm ? rnorm[m * heads + h] : 1.0f;
     };
     load(n0);
+    int tm = (int)(n0 % T), ttm = conv_pos(n0 - (WT - 1), T);
     for (int64_t m = n0; m < m_end; m++) {
         float x[PER], g[PER], xi[PER];
 #pragma unroll
         for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
         const float s = ps;
         load(m + 1);
-        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
-                               din, ldo);
+        if (m >= n0 + (WT - 1) && m < n1 && tm >= WT - 1) /* conv_bwd_step's every condition holds */
+            conv_bwd_step<PER, WT, DT, true>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
+                                             T, C, ch, din, ldo, tm, ttm);
+        else
+            conv_bwd_step<PER, WT, DT, false>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
+                                              T, C, ch, din, ldo, tm, ttm);
+        if (++tm == T) tm = 0;
+        if (++ttm == T) ttm = 0;
     }
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -581,6 +600,7 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
     };
 #pragma unroll
     for (int k = 0; k < D - 1; k++) issue(n0 + k);
+    int tm = (int)(n0 % T), ttm = conv_pos(n0 - (WT - 1), T);
     for (int64_t m = n0; m < m_end; m++) {
         __syncwarp(); /* every lane has read token m - 1's slot, which the next copy refills */
         issue(m + D - 1);
@@ -598,8 +618,14 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
             xi[j] = inok ? sl[SL::IN_OFF + j * 32 + lane] : 0.0f;
         }
         const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
-        conv_bwd_step<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
-                               din, ldo);
+        if (m >= n0 + (WT - 1) && m < n1 && tm >= WT - 1) /* conv_bwd_step's every condition holds */
+            conv_bwd_step<PER, WT, DT, true>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
+                                             T, C, ch, din, ldo, tm, ttm);
+        else
+            conv_bwd_step<PER, WT, DT, false>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
+                                              T, C, ch, din, ldo, tm, ttm);
+        if (++tm == T) tm = 0;
+        if (++ttm == T) ttm = 0;
     }
     conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
 #pragma unroll
