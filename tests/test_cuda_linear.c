@@ -435,7 +435,10 @@ typedef struct {
 } ce_shape;
 
 static const ce_shape ce_shapes[] = {{1, 32, 1000, 1, 0},      {37, 64, 256, 7, 1},     {1000, 96, 1000, 1000, 0},
-                                     {1000, 96, 1000, 300, 1}, {37, 1024, 256, 16, 0}, {200, 32, 1000, 64, 1}};
+                                     {1000, 96, 1000, 300, 1}, {37, 1024, 256, 16, 0}, {200, 32, 1000, 64, 1},
+                                     /* a row in 128 KB of shared memory (the fused pass above 48 KB), and one
+                                      * above a block's shared memory (the separate kernels run) */
+                                     {37, 64, 32768, 16, 0},   {9, 32, 65536, 4, 0}};
 
 static void test_cross_entropy_matches_float64_reference(void) {
     for (size_t s = 0; s < sizeof ce_shapes / sizeof ce_shapes[0]; s++) {

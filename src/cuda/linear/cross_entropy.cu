@@ -7,7 +7,10 @@
  *
  * Memory: the log-sum-exp reads each chunk's logits once (a running max and
  * sum of exponentials, 16-byte loads); dlogits reads them once and writes
- * bf16 once (16-byte loads, 8-byte stores).
+ * bf16 once (16-byte loads, 8-byte stores). Forward and backward in one call
+ * (the training step) read each row once: ce_fused_kernel copies the row into
+ * shared memory (cp.async) and works from there (vocab a multiple of 4 and a row within a
+ * block's shared memory: up to about 56K on sm_90), with the same bits.
  *
  * Determinism: each row's max and sum of exponentials are fixed trees over a
  * block; the loss is the sum of per-row losses by one block (a fixed stride
@@ -15,6 +18,7 @@
  * (cuBLASLt with beta = 1, one chunk after another). */
 #include <stdint.h>
 
+#include "cuda/common/cp_async.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/linear/linear_common.cuh"
 #include "longmoe/linear_cuda.h"
@@ -161,6 +165,115 @@ __global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const 
     }
 }
 
+/* Forward and backward of one row in one read of its logits: ce_lse_kernel<4>'s
+ * pass (the same elements a thread in the same order, the same merges: its lse
+ * and row loss bit for bit) over a copy of the row in shared memory, and
+ * ce_dlogits_kernel<4>'s arithmetic then from there (its bits). The separate
+ * kernels read each row from DRAM twice (the chunk is far larger than L2). A row
+ * takes vocab * 4 bytes of shared memory (128 KB at 32768: one block an SM), so
+ * each thread puts the whole row's copies in flight at once (cp.async, its own
+ * 16-byte pieces, in CE_FUSED_GROUPS commit groups) and works through a group as
+ * soon as it has landed; a thread reads only the pieces it copied itself. */
+#define CE_FUSED_GROUPS 4
+__device__ __forceinline__ void ce_fused_wait(int g) { /* until group g of the CE_FUSED_GROUPS landed */
+    switch (g) {
+    case 0: lm_cp_async_wait<CE_FUSED_GROUPS - 1>(); break;
+    case 1: lm_cp_async_wait<CE_FUSED_GROUPS - 2>(); break;
+    case 2: lm_cp_async_wait<CE_FUSED_GROUPS - 3>(); break;
+    default: lm_cp_async_wait<0>(); break;
+    }
+}
+
+__global__ void __launch_bounds__(CE_THREADS) ce_fused_kernel(uint16_t *dlogits, float *lse, float *row_loss,
+                                                              const float *logits, const int32_t *targets,
+                                                              float scale, int vocab) {
+    extern __shared__ float4 ce_row[]; /* [vocab / 4] */
+    __shared__ float wm[CE_THREADS / 32], ws[CE_THREADS / 32], row_lse;
+    const int64_t r = blockIdx.x;
+    const float *z = logits + r * vocab;
+    /* thread t's pieces: v = 4 t + 4 CE_THREADS k, k < nk; group g: k in [g per, (g + 1) per) */
+    const int nk = (vocab / 4 + CE_THREADS - 1) / CE_THREADS, per = (nk + CE_FUSED_GROUPS - 1) / CE_FUSED_GROUPS;
+    for (int g = 0; g < CE_FUSED_GROUPS; g++) {
+        for (int k = g * per; k < (g + 1) * per && k < nk; k++) {
+            const int v = threadIdx.x * 4 + k * CE_THREADS * 4;
+            if (v < vocab) lm_cp_async16(&ce_row[v / 4], z + v);
+        }
+        lm_cp_async_commit();
+    }
+    float m = -INFINITY, s = 0.0f;
+    for (int g = 0; g < CE_FUSED_GROUPS; g++) {
+        ce_fused_wait(g);
+        for (int k = g * per; k < (g + 1) * per && k < nk; k++) {
+            const int v = threadIdx.x * 4 + k * CE_THREADS * 4;
+            if (v >= vocab) break;
+            const float4 q = ce_row[v / 4];
+            ce_lse_push(m, s, q.x);
+            ce_lse_push(m, s, q.y);
+            ce_lse_push(m, s, q.z);
+            ce_lse_push(m, s, q.w);
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ce_lse_merge(m, s, m2, s2);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) wm[warp] = m, ws[warp] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float M = wm[0], S = ws[0];
+        for (int k = 1; k < CE_THREADS / 32; k++) ce_lse_merge(M, S, wm[k], ws[k]);
+        float l = M + logf(S);
+        lse[r] = l;
+        row_loss[r] = l - z[targets[r]];
+        row_lse = l;
+    }
+    __syncthreads();
+    const float l = row_lse;
+    const int t = targets[r];
+    uint16_t *g = dlogits + r * vocab;
+#pragma unroll 4
+    for (int v = threadIdx.x * 4; v < vocab; v += CE_THREADS * 4) {
+        float4 q = ce_row[v / 4];
+        float e[4] = {q.x, q.y, q.z, q.w};
+        uint16_t b[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) b[k] = lin_f32_to_bf16((expf(e[k] - l) - (v + k == t ? 1.0f : 0.0f)) * scale);
+        uint2 u;
+        u.x = (uint32_t)b[0] | ((uint32_t)b[1] << 16);
+        u.y = (uint32_t)b[2] | ((uint32_t)b[3] << 16);
+        *(uint2 *)(g + v) = u;
+    }
+}
+
+/* The shared memory ce_fused_kernel needs for a row, or 0 where it does not run (vocab not a
+ * multiple of 4, or a row above what a block may take); the limit is raised once per size. */
+static size_t ce_fused_smem(int vocab) {
+    static int optin = -1; /* a benign race: every thread reads the same value */
+    static size_t raised = 48 * 1024;
+    if (vocab % 4) return 0;
+    if (optin < 0) {
+        int dev = 0, v = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not left for the next launch's check */
+            v = 48 * 1024;
+        }
+        optin = v;
+    }
+    const size_t bytes = (size_t)vocab * sizeof(float), statics = (2 * (CE_THREADS / 32) + 1) * sizeof(float);
+    if (bytes + statics > (size_t)optin) return 0;
+    if (bytes > raised) {
+        if (cudaFuncSetAttribute((const void *)ce_fused_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)bytes) != cudaSuccess) {
+            (void)cudaGetLastError(); /* the separate kernels run instead */
+            return 0;
+        }
+        raised = bytes;
+    }
+    return bytes;
+}
+
 static lm_status check_args(const lm_cuda_context *ctx, const uint16_t *hn, const uint16_t *head,
                             const int32_t *targets, int64_t n, int d, int vocab, void *workspace,
                             size_t workspace_bytes, int64_t *rows, const char *fn) {
@@ -203,7 +316,13 @@ static lm_status ce_pass(const lm_cuda_context *ctx, int fwd, int bwd, float *ls
     for (int64_t r0 = 0; r0 < n; r0 += rows) {
         int64_t R = n - r0 < rows ? n - r0 : rows;
         if ((st = lm_cuda_matmul_forward(ctx, w.logits, hn + r0 * d, head, R, d, vocab, 0))) return st;
-        if (fwd) {
+        const size_t fused = fwd && bwd && !row_scale ? ce_fused_smem(vocab) : 0;
+        if (fused) {
+            ce_fused_kernel<<<(unsigned)R, CE_THREADS, fused, s>>>(w.dlogits, lse + r0, w.row_loss + r0, w.logits,
+                                                                  targets + r0, scale, vocab);
+            LM_CUDA_TRY(cudaGetLastError());
+        }
+        if (fwd && !fused) {
             if (vocab % 4 == 0)
                 ce_lse_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(lse + r0, w.row_loss + r0, w.logits, targets + r0,
                                                                     vocab);
@@ -214,12 +333,15 @@ static lm_status ce_pass(const lm_cuda_context *ctx, int fwd, int bwd, float *ls
         }
         if (!bwd) continue;
         const float *rs = row_scale ? row_scale + r0 : NULL;
-        if (vocab % 4 == 0)
+        if (fused) {
+            /* dlogits written by the fused kernel above */
+        } else if (vocab % 4 == 0) {
             ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
                                                                     scale, vocab);
-        else
+        } else {
             ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
                                                                     scale, vocab);
+        }
         LM_CUDA_TRY(cudaGetLastError());
         if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
                                           vocab)))
