@@ -487,6 +487,25 @@ __device__ __forceinline__ void conv_bwd_step(float (&xin)[PER][WT], float (&dcw
         }
 }
 
+/* conv_bwd_step for token m in its interior form where every condition holds, else the general
+ * one; then tm and ttm move on to token m + 1 */
+template <int PER, int WT, typename DT>
+__device__ __forceinline__ void conv_bwd_token(float (&xin)[PER][WT], float (&dcw)[PER][WT], float (&acc)[PER][WT],
+                                               const float (&wr)[PER][WT], const float (&x)[PER],
+                                               const float (&g)[PER], const float (&xi)[PER], float s, bool norm,
+                                               bool recompute, int64_t m, int64_t n0, int64_t n1, int64_t N, int T,
+                                               int C, const int (&ch)[PER], DT *__restrict__ din, int64_t ldo,
+                                               int &tm, int &ttm) {
+    if (m >= n0 + (WT - 1) && m < n1 && tm >= WT - 1)
+        conv_bwd_step<PER, WT, DT, true>(xin, dcw, acc, wr, x, g, xi, s, norm, recompute, m, n0, n1, N, T, C, ch, din,
+                                         ldo, tm, ttm);
+    else
+        conv_bwd_step<PER, WT, DT, false>(xin, dcw, acc, wr, x, g, xi, s, norm, recompute, m, n0, n1, N, T, C, ch,
+                                          din, ldo, tm, ttm);
+    if (++tm == T) tm = 0;
+    if (++ttm == T) ttm = 0;
+}
+
 template <int PER, int WT, typename DT>
 __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
     conv_silu_l2_backward_fused_kernel(DT *__restrict__ din, float *__restrict__ partial,
@@ -527,14 +546,8 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32)
         for (int j = 0; j < PER; j++) x[j] = px[j], g[j] = pg[j], xi[j] = pin[j];
         const float s = ps;
         load(m + 1);
-        if (m >= n0 + (WT - 1) && m < n1 && tm >= WT - 1) /* conv_bwd_step's every condition holds */
-            conv_bwd_step<PER, WT, DT, true>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
-                                             T, C, ch, din, ldo, tm, ttm);
-        else
-            conv_bwd_step<PER, WT, DT, false>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
-                                              T, C, ch, din, ldo, tm, ttm);
-        if (++tm == T) tm = 0;
-        if (++ttm == T) ttm = 0;
+        conv_bwd_token<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
+                                din, ldo, tm, ttm);
     }
 #pragma unroll
     for (int j = 0; j < PER; j++)
@@ -618,14 +631,8 @@ __global__ void __launch_bounds__(KL_ROW_WARPS * 32, 2)
             xi[j] = inok ? sl[SL::IN_OFF + j * 32 + lane] : 0.0f;
         }
         const float s = ok && rnorm ? sl[SL::S_OFF] : 1.0f;
-        if (m >= n0 + (WT - 1) && m < n1 && tm >= WT - 1) /* conv_bwd_step's every condition holds */
-            conv_bwd_step<PER, WT, DT, true>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
-                                             T, C, ch, din, ldo, tm, ttm);
-        else
-            conv_bwd_step<PER, WT, DT, false>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N,
-                                              T, C, ch, din, ldo, tm, ttm);
-        if (++tm == T) tm = 0;
-        if (++ttm == T) ttm = 0;
+        conv_bwd_token<PER, WT>(xin, dcw, acc, wr, x, g, xi, s, rnorm != NULL, recompute, m, n0, n1, N, T, C, ch,
+                                din, ldo, tm, ttm);
     }
     conv_cp_async_wait<0>(); /* no copy outlives the warp (the last groups are empty) */
 #pragma unroll

@@ -85,6 +85,24 @@ __device__ __forceinline__ void ce_lse_merge(float &m, float &s, float m2, float
     m = M;
 }
 
+/* The row's lse from every thread's (m, s): a fixed warp butterfly, then warp by
+ * warp in order (wm, ws: CE_THREADS / 32 floats of shared memory each); the
+ * value is thread 0's (the others return 0). Both row kernels reduce through it,
+ * so their lse agree bit for bit. */
+__device__ __forceinline__ float ce_block_lse(float m, float s, float *wm, float *ws) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+        ce_lse_merge(m, s, m2, s2);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) wm[warp] = m, ws[warp] = s;
+    __syncthreads();
+    if (threadIdx.x != 0) return 0.0f;
+    float M = wm[0], S = ws[0];
+    for (int k = 1; k < CE_THREADS / 32; k++) ce_lse_merge(M, S, wm[k], ws[k]);
+    return M + logf(S);
+}
+
 /* One block per row of the chunk, ONE pass over the row (a running max and
  * sum of exponentials per thread, VEC floats a load, merged by a fixed warp
  * butterfly and then warp by warp in order): lse[r] and row_loss[r] = lse[r]
@@ -106,17 +124,8 @@ __global__ void ce_lse_kernel(float *lse, float *row_loss, const float *logits, 
             ce_lse_push(m, s, __ldg(z + v));
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        ce_lse_merge(m, s, m2, s2);
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) wm[warp] = m, ws[warp] = s;
-    __syncthreads();
+    const float l = ce_block_lse(m, s, wm, ws);
     if (threadIdx.x == 0) {
-        float M = wm[0], S = ws[0];
-        for (int k = 1; k < CE_THREADS / 32; k++) ce_lse_merge(M, S, wm[k], ws[k]);
-        float l = M + logf(S);
         lse[blockIdx.x] = l;
         row_loss[blockIdx.x] = l - z[targets[blockIdx.x]];
     }
@@ -136,6 +145,19 @@ __global__ void ce_sum_kernel(float *out, const float *x, int64_t n) {
     if (threadIdx.x == 0) *out = (float)part[0];
 }
 
+/* Four dlogits from four logits q (at columns v .. v + 3, tk = target - v), one 8-byte store of
+ * their bf16: bf16((exp(z - l) - [column == target]) * s). Both dlogits kernels write through it. */
+__device__ __forceinline__ void ce_dlogits4(uint16_t *g, float4 q, float l, int tk, float s) {
+    const float e[4] = {q.x, q.y, q.z, q.w};
+    uint16_t b[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) b[k] = lin_f32_to_bf16((expf(e[k] - l) - (k == tk ? 1.0f : 0.0f)) * s);
+    uint2 u;
+    u.x = (uint32_t)b[0] | ((uint32_t)b[1] << 16);
+    u.y = (uint32_t)b[2] | ((uint32_t)b[3] << 16);
+    *(uint2 *)g = u;
+}
+
 /* dlogits[r, v] = bf16((exp(z - lse[r]) - [v == target]) * scale * row_scale[r]);
  * VEC logits a load (16 bytes), VEC bf16 a store */
 template <int VEC>
@@ -149,15 +171,7 @@ __global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const 
 #pragma unroll 4
     for (int v = threadIdx.x * VEC; v < vocab; v += CE_THREADS * VEC) {
         if constexpr (VEC == 4) {
-            float4 q = __ldg((const float4 *)(z + v));
-            float e[4] = {q.x, q.y, q.z, q.w};
-            uint16_t b[4];
-#pragma unroll
-            for (int k = 0; k < 4; k++) b[k] = lin_f32_to_bf16((expf(e[k] - l) - (v + k == t ? 1.0f : 0.0f)) * s);
-            uint2 u;
-            u.x = (uint32_t)b[0] | ((uint32_t)b[1] << 16);
-            u.y = (uint32_t)b[2] | ((uint32_t)b[3] << 16);
-            *(uint2 *)(g + v) = u;
+            ce_dlogits4(g + v, __ldg((const float4 *)(z + v)), l, t - v, s);
         } else {
             float p = expf(__ldg(z + v) - l);
             g[v] = lin_f32_to_bf16((p - (v == t ? 1.0f : 0.0f)) * s);
@@ -213,20 +227,11 @@ __global__ void __launch_bounds__(CE_THREADS) ce_fused_kernel(uint16_t *dlogits,
             ce_lse_push(m, s, q.w);
         }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-        ce_lse_merge(m, s, m2, s2);
-    }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) wm[warp] = m, ws[warp] = s;
-    __syncthreads();
+    const float l0 = ce_block_lse(m, s, wm, ws);
     if (threadIdx.x == 0) {
-        float M = wm[0], S = ws[0];
-        for (int k = 1; k < CE_THREADS / 32; k++) ce_lse_merge(M, S, wm[k], ws[k]);
-        float l = M + logf(S);
-        lse[r] = l;
-        row_loss[r] = l - z[targets[r]];
-        row_lse = l;
+        lse[r] = l0;
+        row_loss[r] = l0 - z[targets[r]];
+        row_lse = l0;
     }
     __syncthreads();
     const float l = row_lse;
@@ -234,15 +239,7 @@ __global__ void __launch_bounds__(CE_THREADS) ce_fused_kernel(uint16_t *dlogits,
     uint16_t *g = dlogits + r * vocab;
 #pragma unroll 4
     for (int v = threadIdx.x * 4; v < vocab; v += CE_THREADS * 4) {
-        float4 q = ce_row[v / 4];
-        float e[4] = {q.x, q.y, q.z, q.w};
-        uint16_t b[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) b[k] = lin_f32_to_bf16((expf(e[k] - l) - (v + k == t ? 1.0f : 0.0f)) * scale);
-        uint2 u;
-        u.x = (uint32_t)b[0] | ((uint32_t)b[1] << 16);
-        u.y = (uint32_t)b[2] | ((uint32_t)b[3] << 16);
-        *(uint2 *)(g + v) = u;
+        ce_dlogits4(g + v, ce_row[v / 4], l, t - v, scale);
     }
 }
 
