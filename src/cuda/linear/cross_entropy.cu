@@ -189,6 +189,7 @@ __global__ void ce_dlogits_kernel(uint16_t *dlogits, const float *logits, const 
  * 16-byte pieces, in CE_FUSED_GROUPS commit groups) and works through a group as
  * soon as it has landed; a thread reads only the pieces it copied itself. */
 #define CE_FUSED_GROUPS 4
+static_assert(CE_FUSED_GROUPS == 4, "ce_fused_wait names each group's wait");
 __device__ __forceinline__ void ce_fused_wait(int g) { /* until group g of the CE_FUSED_GROUPS landed */
     switch (g) {
     case 0: lm_cp_async_wait<CE_FUSED_GROUPS - 1>(); break;
@@ -238,9 +239,7 @@ __global__ void __launch_bounds__(CE_THREADS) ce_fused_kernel(uint16_t *dlogits,
     const int t = targets[r];
     uint16_t *g = dlogits + r * vocab;
 #pragma unroll 4
-    for (int v = threadIdx.x * 4; v < vocab; v += CE_THREADS * 4) {
-        ce_dlogits4(g + v, ce_row[v / 4], l, t - v, scale);
-    }
+    for (int v = threadIdx.x * 4; v < vocab; v += CE_THREADS * 4) ce_dlogits4(g + v, ce_row[v / 4], l, t - v, scale);
 }
 
 /* The shared memory ce_fused_kernel needs for a row, or 0 where it does not run (vocab not a
@@ -329,17 +328,16 @@ static lm_status ce_pass(const lm_cuda_context *ctx, int fwd, int bwd, float *ls
             LM_CUDA_TRY(cudaGetLastError());
         }
         if (!bwd) continue;
-        const float *rs = row_scale ? row_scale + r0 : NULL;
-        if (fused) {
-            /* dlogits written by the fused kernel above */
-        } else if (vocab % 4 == 0) {
-            ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
-                                                                    scale, vocab);
-        } else {
-            ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0, rs,
-                                                                    scale, vocab);
+        if (!fused) { /* else the fused kernel above wrote dlogits */
+            const float *rs = row_scale ? row_scale + r0 : NULL;
+            if (vocab % 4 == 0)
+                ce_dlogits_kernel<4><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
+                                                                        rs, scale, vocab);
+            else
+                ce_dlogits_kernel<1><<<(unsigned)R, CE_THREADS, 0, s>>>(w.dlogits, w.logits, lse + r0, targets + r0,
+                                                                        rs, scale, vocab);
+            LM_CUDA_TRY(cudaGetLastError());
         }
-        LM_CUDA_TRY(cudaGetLastError());
         if ((st = lm_cuda_matmul_backward(ctx, dhn ? dhn + r0 * d : NULL, dhead, w.dlogits, hn + r0 * d, head, R, d,
                                           vocab)))
             return st;
