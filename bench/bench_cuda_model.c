@@ -3,7 +3,8 @@
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
  *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
- *                    [--head-in-backward] [--digest] [--products] [--out FILE.json]
+ *                    [--head-in-backward] [--zero-expert-grads] [--digest] [--products]
+ *                    [--out FILE.json]
  *
  * As `train` does, the LM head's backward runs inside the forward
  * (lm_model_set_head_backward: each chunk's logits computed once);
@@ -29,7 +30,10 @@
  * compared by it, on the same GPU. --products times each cuBLAS product of the
  * last step with CUDA events (lm_cuda_matmul_profile) and prints them by
  * shape with their TFLOP/s; the events may lengthen that step a little, not
- * the median of the others (with --reps 0, the one step). */
+ * the median of the others (with --reps 0, the one step). --zero-expert-grads
+ * zeroes the routed experts' weight gradients with the rest before each step
+ * (lm_model_set_expert_grads_written 0) instead of letting the backward write
+ * them: the form before, for an A/B in one binary. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,7 +52,7 @@
 int main(int argc, char **argv) {
     const char *cfg_path = "configs/k3-mini.json", *out = NULL;
     int B = 1, T = 8192, reps = 5, recompute = -1, chunk = -1, segment = -1, with_opt = 0, head_in_fwd = 1,
-        digest = 0, products = 0;
+        digest = 0, products = 0, zero_expert = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--config") && i + 1 < argc) cfg_path = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc) B = atoi(argv[++i]);
@@ -68,13 +72,14 @@ int main(int argc, char **argv) {
         }
         else if (!strcmp(argv[i], "--optimizer")) with_opt = 1;
         else if (!strcmp(argv[i], "--head-in-backward")) head_in_fwd = 0;
+        else if (!strcmp(argv[i], "--zero-expert-grads")) zero_expert = 1;
         else if (!strcmp(argv[i], "--digest")) digest = 1;
         else if (!strcmp(argv[i], "--products")) products = 1;
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
                             "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--head-in-backward] "
-                            "[--digest] [--products] [--out FILE.json]\n");
+                            "[--zero-expert-grads] [--digest] [--products] [--out FILE.json]\n");
             return 2;
         }
     }
@@ -136,6 +141,10 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < N; i++) tgt[i] = tok[(i + 1) % N];
     double *times = malloc((size_t)(reps + 1) * sizeof *times), parts[LM_TIME_COUNT] = {0};
     float loss = 0;
+    if (zero_expert && lm_model_set_expert_grads_written(m, 0)) {
+        fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
+        return 1;
+    }
     if (lm_model_set_head_backward(m, head_in_fwd ? 1.0f : 0.0f)) {
         fprintf(stderr, "bench_cuda_model: %s\n", lm_last_error());
         return 1;

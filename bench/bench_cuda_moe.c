@@ -188,7 +188,7 @@ int main(int argc, char **argv) {
                    "balance histogram");
                 ok(lm_cuda_expert_load(&ctx, (int32_t *)load_d, acts.topk, m, n, c.top_k), "expert load");
             }
-            ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, NULL, x, NULL, &c, &pf, &pb, &acts, &scratch), "backward");
+            ok(lm_cuda_moe_backward(&ctx, dx, &grads, dy, NULL, x, NULL, &c, &pf, &pb, &acts, &scratch, 0), "backward");
             if (balance) {
                 /* the step's end: the counts to the host, b updated there and uploaded */
                 ok(lm_cuda_context_sync(&ctx), "backward sync");

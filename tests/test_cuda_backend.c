@@ -840,8 +840,8 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     lm_moe_params hg, gg;
     lm_moe_params_carve(c, gr_c, &hg);
     lm_moe_params_carve(c, g_gr, &gg);
-    OK(cpu->ops->moe_backward(cpu, dx_c, &hg, dy, NULL, f.x, extra, c, &f.hp, &f.hp, f.acts_c));
-    OK(gpu->ops->moe_backward(gpu, g_dx, &gg, g_dy, NULL, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    OK(cpu->ops->moe_backward(cpu, dx_c, &hg, dy, NULL, f.x, extra, c, &f.hp, &f.hp, f.acts_c, 0));
+    OK(gpu->ops->moe_backward(gpu, g_dx, &gg, g_dy, NULL, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g, 0));
     CMP(down_f32(g_dx, md), dx_c, NULL, md, TOL_BF16, "moe_backward dx (written over dx0)");
     float *gr_g = down_f32(g_gr, f.count);
     /* each parameter's gradient on its own: [offset of field i, offset of the next field) */
@@ -857,6 +857,37 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
         char what[64];
         snprintf(what, sizeof what, "moe_backward d%s +=", names[i]);
         CMP(gr_g + off, gr_c + off, g0 + off, end - off, TOL_BF16, what);
+    }
+    {
+        /* expert_grads_set on both backends: gate, up, down (NaN before) written, the rest added to g0 */
+        const size_t e0 = (size_t)(fields[1] - gr_c), per = (size_t)(fields[2] - fields[1]);
+        const size_t e1 = e0 + 3 * per; /* gate, up, down: consecutive, of one size (the carve) */
+        CHECK(fields[3] - fields[2] == (ptrdiff_t)per && e1 <= f.count, "moe: the expert gradients' layout");
+        float *gs_c = copy_of(g0, f.count), *g_gs = up_f32(g0, f.count), *nan_h = hmalloc(per * 3 * 4);
+        for (size_t q = 0; q < 3 * per; q++) nan_h[q] = NAN;
+        memcpy(gs_c + e0, nan_h, 3 * per * 4);
+        OK(lm_cuda_upload(g_gs + e0, nan_h, 3 * per * 4));
+        lm_moe_params hs, gs;
+        lm_moe_params_carve(c, gs_c, &hs);
+        lm_moe_params_carve(c, g_gs, &gs);
+        OK(cpu->ops->moe_backward(cpu, dx_c, &hs, dy, NULL, f.x, extra, c, &f.hp, &f.hp, f.acts_c, 1));
+        OK(gpu->ops->moe_backward(gpu, g_dx, &gs, g_dy, NULL, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g, 1));
+        float *gs_g = down_f32(g_gs, f.count);
+        /* the CPU: zeroed, then added: the accumulating call's increments (to g0's rounding); the rest its bits */
+        int64_t bad = 0;
+        for (size_t q = 0; q < f.count; q++) {
+            if (q < e0 || q >= e1) bad += gs_c[q] != gr_c[q];
+            else bad += !(fabsf(gs_c[q] - (gr_c[q] - g0[q])) <= 1e-6f * (fabsf(gr_c[q]) + 1e-3f));
+        }
+        CHECK(bad == 0, "moe_backward expert_grads_set on the CPU: %lld gradients not as zeroed and added", (long long)bad);
+        for (int i = 1; i <= 3; i++) {
+            char what[64];
+            snprintf(what, sizeof what, "moe_backward d%s written (expert_grads_set)", names[i]);
+            CMP(gs_g + e0 + (size_t)(i - 1) * per, gs_c + e0 + (size_t)(i - 1) * per, NULL, per, TOL_BF16, what);
+        }
+        /* the GPU's other gradients: the accumulating call's bits */
+        CHECK(!memcmp(gs_g, gr_g, e0 * 4) && !memcmp(gs_g + e1, gr_g + e1, (f.count - e1) * 4),
+              "moe_backward expert_grads_set: a gradient other than the experts' differs from the accumulating call's");
     }
 
     /* the auxiliary loss on each backend's scores (fp32: equal to 1e-5) */
@@ -878,7 +909,7 @@ static void test_moe_forward_backward_and_aux_loss_match_the_cpu(void) {
     lm_moe_params gg2;
     lm_moe_params_carve(c, g_gr2, &gg2);
     OK(gpu->ops->moe_forward(gpu, g_y2, f.g_x, g_xlp, NULL, c, &f.gp, &f.gp_lp, f.acts_g, f.m));
-    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, g_dylp, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g));
+    OK(gpu->ops->moe_backward(gpu, g_dx2, &gg2, g_dy, g_dylp, f.g_x, g_extra, c, &f.gp, &f.gp_lp, f.acts_g, 0));
     CHECK(!memcmp(down_f32(g_y2, md), y1, md * 4), "moe_forward with x_lp: y differs from the own conversion's");
     CHECK(!memcmp(down_f32(g_dx2, md), dx1, md * 4), "moe_backward after x_lp, with dy_lp: dx differs");
     CHECK(!memcmp(down_f32(g_gr2, f.count), gr_g, f.count * 4), "moe_backward after x_lp, with dy_lp: gradients differ");

@@ -174,7 +174,7 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
     poison(sblock, sb);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, NULL, bias ? bd : NULL, cfg, &md.pf, &md.pb, &ga, m));
     GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, NULL, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb, &ga,
-                                &gs));
+                                &gs, 0));
     GPU_OK(lm_cuda_context_sync(&ctx));
     if (kind_now == LM_MOE_GEMM_BATCHED || kind_now == LM_MOE_GEMM_WGMMA) check_padding_rows_zero(&ga, &gs, cfg, what);
     GPU_OK(lm_cuda_download(y_gpu, yd, md_ * 4));
@@ -269,6 +269,45 @@ static void compare_case(const lm_moe_config *cfg, int64_t m, const float *bias,
         if (!cp[i]) continue;
         e = rel_err_increment(gp[i], cp[i], bp[i], sizes[i]);
         CHECK(e < 1e-2, "%s: d%s rel err %.3g", what, param_names[i], e);
+    }
+    {
+        /* the same backward again with expert_grads_set: the routed experts' gradients (gate, up,
+         * down; NaN before the call) are written, the CPU's increments, zero for experts without
+         * rows; everything else the first call's bits (the same products, added to the same base) */
+        float *g_set = malloc(md.count * 4), *dx_set = malloc(md_ * 4);
+        GPU_OK(lm_cuda_upload(md.d_grads, g_base, md.count * 4));
+        float *const *dp = &md.grads.router;
+        for (int i = 1; i <= 3; i++) poison(dp[i], sizes[i] * 4);
+        GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, NULL, xd, with_extra ? ed : NULL, cfg, &md.pf, &md.pb,
+                                    &ga, &gs, 1));
+        GPU_OK(lm_cuda_context_sync(&ctx));
+        GPU_OK(lm_cuda_download(g_set, md.d_grads, md.count * 4));
+        GPU_OK(lm_cuda_download(dx_set, dxd, md_ * 4));
+        CHECK(!memcmp(dx_set, dx_gpu, md_ * 4), "%s: dx of the expert_grads_set call differs", what);
+        lm_moe_params ps;
+        lm_moe_params_carve(cfg, g_set, &ps);
+        float *const *sp = &ps.router;
+        for (int i = 0; i < 10; i++) {
+            if (!cp[i]) continue;
+            if (i < 1 || i > 3) {
+                CHECK(!memcmp(sp[i], gp[i], sizes[i] * 4), "%s: d%s of the expert_grads_set call differs", what,
+                      param_names[i]);
+                continue;
+            }
+            float *inc = malloc(sizes[i] * 4);
+            for (size_t q = 0; q < sizes[i]; q++) inc[q] = cp[i][q] - bp[i][q];
+            e = rel_err_increment(sp[i], inc, NULL, sizes[i]);
+            CHECK(e < 1e-2, "%s: d%s written (expert_grads_set) rel err %.3g", what, param_names[i], e);
+            const size_t per = sizes[i] / (size_t)n;
+            int64_t nonzero = 0;
+            for (int j = 0; j < n; j++)
+                for (size_t q = 0; offs[j + 1] == offs[j] && q < per; q++) nonzero += sp[i][(size_t)j * per + q] != 0.0f;
+            CHECK(nonzero == 0, "%s: d%s written: %lld values of experts without rows are not zero", what,
+                  param_names[i], (long long)nonzero);
+            free(inc);
+        }
+        free(g_set);
+        free(dx_set);
     }
     /* the loads this case meant to produce: experts without rows, one expert with most */
     int empty = 0, most = 0;
@@ -472,7 +511,7 @@ static void latent_run(const lm_moe_config *c, model *md, const float *x, const 
     free(zero);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, xbd, NULL, c, &md->pf, &md->pb, &ga, m));
     CHECK(ga.x_bf16 == (xbd ? (const uint16_t *)xbd : ga.x_own), "the forward records the bf16 x it read");
-    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, NULL, xd, NULL, c, &md->pf, &md->pb, &ga, &gs));
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, NULL, xd, NULL, c, &md->pf, &md->pb, &ga, &gs, 0));
     GPU_OK(lm_cuda_context_sync(&ctx));
     out[0] = malloc(md_ * 4);
     out[1] = malloc(md_ * 4);
@@ -615,7 +654,7 @@ static void test_sparse_router_dx_equals_the_dense_product(void) {
         GPU_OK(lm_cuda_upload(dxd, dx0, md_ * 4));
         GPU_OK(lm_cuda_upload(md.d_grads, gzero, md.count * 4));
         GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md.grads, dyd, NULL, xd, run == 1 ? exd : NULL, &c, &md.pf, &md.pb, &ga,
-                                    &gs));
+                                    &gs, 0));
         GPU_OK(lm_cuda_context_sync(&ctx));
         dx[run] = malloc(md_ * 4);
         gr[run] = malloc(md.count * 4);

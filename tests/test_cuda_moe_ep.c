@@ -139,7 +139,7 @@ static void ep_case(const lm_moe_config *cfg, const int64_t *m_of, int bias_mode
     GPU_OK(lm_cuda_moe_acts_carve(&ra, cfg, M, ablk, ab));
     GPU_OK(lm_cuda_moe_scratch_carve(&rs, cfg, M, sblk, sbb));
     GPU_OK(lm_cuda_moe_forward(ctx, d_y, d_x, NULL, bias_arg, cfg, &pf, &pb, &ra, M));
-    GPU_OK(lm_cuda_moe_backward(ctx, d_dx, &g_ref, d_dy, NULL, d_x, NULL, cfg, &pf, &pb, &ra, &rs));
+    GPU_OK(lm_cuda_moe_backward(ctx, d_dx, &g_ref, d_dy, NULL, d_x, NULL, cfg, &pf, &pb, &ra, &rs, 0));
 
     /* this rank's tokens with expert parallelism */
     const int64_t mcap = m > 0 ? m : 1;

@@ -170,6 +170,89 @@ static void test_recompute_without_chunks_is_bit_identical(void) {
     lm_model_free(b);
 }
 
+/* lm_model_set_expert_grads_written (on by default on a GPU, here turned on for the CPU): the
+ * zeroing leaves the routed experts' weight gradients out, the first backward writes them. With NaN
+ * there after the zeroing, over token chunks (several MoE backward calls a layer), sequence
+ * segments and two micro-batches (the second adds), with an evaluation forward between the zeroing
+ * and the step, the gradients are the bits of the model that zeroes them. */
+static void expert_grads_case(lm_config c, int B, int T, const char *what) {
+    lm_model *a = NULL, *b = NULL;
+    CHECK(!lm_model_create(&c, B, T, &a) && !lm_model_create(&c, B, T, &b), "%s", lm_last_error());
+    if (!a || !b) {
+        lm_model_free(a);
+        lm_model_free(b);
+        return;
+    }
+    CHECK(!lm_model_expert_grads_written(a), "%s: on by default on the CPU", what);
+    CHECK(!lm_model_set_expert_grads_written(b, 1) && lm_model_expert_grads_written(b), "%s", lm_last_error());
+    lm_model_init(a, 31);
+    lm_model_init(b, 31);
+    lm_rng r;
+    lm_rng_seed(&r, 32);
+    const int N = B * T;
+    int32_t *tok = malloc((size_t)N * sizeof *tok), *tgt = malloc((size_t)N * sizeof *tgt);
+    size_t poisoned = 0;
+    for (int step = 0; step < 2; step++) {
+        lm_model_zero_grads(a);
+        lm_model_zero_grads(b);
+        /* what a zeroing left out holds anything: NaN */
+        for (int i = 0; i < lm_model_num_tensors(b); i++) {
+            const lm_model_tensor *t = lm_model_tensor_at(b, i);
+            const char *dot = strstr(t->name, ".moe.");
+            if (!dot || (strcmp(dot, ".moe.gate") && strcmp(dot, ".moe.up") && strcmp(dot, ".moe.down"))) continue;
+            for (size_t j = 0; j < t->numel; j++) lm_model_grads(b)[t->offset + j] = NAN;
+            poisoned += t->numel;
+        }
+        if (step == 1 && !c.seq_segment) {
+            /* an evaluation forward between the zeroing and the step */
+            random_tokens(&r, tok, N, c.vocab_size);
+            float e = 0;
+            CHECK(!lm_model_forward(a, tok, tok, 0, &e) && !lm_model_forward(b, tok, tok, 0, &e), "%s",
+                  lm_last_error());
+        }
+        for (int micro = 0; micro < 2; micro++) {
+            random_tokens(&r, tok, N, c.vocab_size);
+            random_tokens(&r, tgt, N, c.vocab_size);
+            float la = 0, lb = 0;
+            CHECK(!lm_model_forward(a, tok, tgt, 1, &la) && !lm_model_backward(a, 0.5f), "%s", lm_last_error());
+            CHECK(!lm_model_forward(b, tok, tgt, 1, &lb) && !lm_model_backward(b, 0.5f), "%s", lm_last_error());
+            CHECK(la == lb, "%s step %d: loss %.9g vs %.9g", what, step, la, lb);
+        }
+        CHECK(!memcmp(lm_model_grads(a), lm_model_grads(b), lm_model_num_grads(a) * sizeof(float)),
+              "%s step %d: the gradients differ from the zeroing model's", what, step);
+        CHECK(!lm_model_balance_step_end(a, 1, NULL) && !lm_model_balance_step_end(b, 1, NULL), "%s",
+              lm_last_error());
+        float *pa = lm_model_params(a), *pb = lm_model_params(b);
+        for (size_t j = 0; j < lm_model_num_params(a); j++) pa[j] = pb[j] -= 0.05f * lm_model_grads(b)[j];
+        CHECK(!lm_model_upload_params(a) && !lm_model_upload_params(b), "%s", lm_last_error());
+    }
+    CHECK(poisoned > 0, "%s: no routed expert gradients found", what);
+    /* off again: what is still left out is zeroed at once */
+    lm_model_zero_grads(b);
+    CHECK(!lm_model_set_expert_grads_written(b, 0), "%s", lm_last_error());
+    size_t nonzero = 0;
+    for (size_t j = 0; j < lm_model_num_grads(b); j++) nonzero += lm_model_grads(b)[j] != 0.0f;
+    CHECK(nonzero == 0, "%s: %zu gradients not zero after the zeroing and turning it off", what, nonzero);
+    free(tok);
+    free(tgt);
+    lm_model_free(a);
+    lm_model_free(b);
+}
+
+static void test_expert_grads_written_by_the_backward_are_the_same_bits(void) {
+    lm_config c = chunk_config();
+    c.recompute_chunk = 9; /* several MoE backward calls a layer */
+    expert_grads_case(c, 2, 23, "chunks");
+    c = chunk_config();
+    c.recompute = 0;
+    c.latent_dim = 0;
+    c.n_shared_experts = 0;
+    expert_grads_case(c, 1, 31, "plain MoE");
+    c = chunk_config();
+    c.seq_segment = 16; /* every segment's backward, last to first */
+    expert_grads_case(c, 1, 40, "segments");
+}
+
 static size_t ledger_total(const lm_model *m) {
     size_t s = 0;
     for (int i = 0; i < lm_model_num_buffers(m); i++) s += lm_model_buffer_at(m, i)->bytes;
@@ -558,6 +641,7 @@ static void test_deferred_checks_in_the_residual_add_name_the_same_sublayer(void
 int main(void) {
     RUN(test_chunked_equals_unchunked);
     RUN(test_recompute_without_chunks_is_bit_identical);
+    RUN(test_expert_grads_written_by_the_backward_are_the_same_bits);
     RUN(test_plan_is_the_models_ledger);
     RUN(test_chunk_bounds_the_per_token_sublayers);
     RUN(test_kda_bf16_layout_fits_its_plan);

@@ -266,11 +266,13 @@ typedef struct {
                              void *acts, int64_t m);
     /* dx = ... (written), g += ... for the last forward (its x and x_lp); dscores_extra [m,n] may be NULL;
      * dy_lp (may be NULL): dy in the product format (what to_lp gives), read instead of a copy the
-     * backend would make (on the CPU ignored) */
+     * backend would make (on the CPU ignored). expert_grads_set 1: g's routed expert gradients (gate,
+     * up, down) are written, not added to (their old values are not read; the same values as zeroing
+     * them first), so the first backward after a zeroing of the gradients need not zero them */
     lm_status (*moe_backward)(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
                               const void *dy_lp, const float *x,
                               const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
-                              const lm_moe_params *p_lp, void *acts);
+                              const lm_moe_params *p_lp, void *acts, int expert_grads_set);
     /* Expert parallelism (include/longmoe/moe_ep.h, moe_cuda.h): a handle of
      * the layer's exchanges over comm's ranks (the CPU: a host engine; CUDA: a
      * device engine, NCCL or staged), and the layer with the routed experts on

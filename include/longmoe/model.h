@@ -340,6 +340,16 @@ void lm_model_set_grad_ready_hook(lm_model *m, lm_grad_ready_fn fn, void *user);
  * next forward; the host copy, lm_model_grads, is then current only after
  * lm_model_download_grads). */
 void lm_model_zero_grads(lm_model *m);
+/* on (the default on a backend with memory of its own, where the zeroing is a
+ * pass over the device's memory): a zeroing of the gradients leaves out the
+ * routed experts' weight gradients of the MoE layers that run here whole (no
+ * expert parallelism, all experts' gradients kept), and the layer's first
+ * backward after it writes them instead of adding to zeros. The gradients a
+ * backward gives are the same either way (the ops' expert_grads_set); what a
+ * backward did not reach is zeroed by its end and before
+ * lm_model_download_grads. 0: zeroed with the rest (the CPU's default). */
+lm_status lm_model_set_expert_grads_written(lm_model *m, int on);
+int lm_model_expert_grads_written(const lm_model *m);
 
 /* Logits [B,T,V] of the last forward's positions (for evaluation and tests;
  * allocates nothing: `logits` is the caller's). Runs its own forward. */

@@ -209,12 +209,16 @@ lm_status lm_cuda_moe_forward(const lm_cuda_context *ctx, float *y, const float 
  * lm_moe_params layout). The routing is held fixed; the router gradient flows
  * through p and dscores_extra [m,n] (may be NULL), as in lm_moe_backward.
  * dy_bf16 (may be NULL): dy in bf16 (the bits lm_cuda_f32_to_bf16 gives),
- * read by the products instead of a copy the backward would make. */
+ * read by the products instead of a copy the backward would make.
+ * expert_grads_set 1: the routed experts' weight gradients (grads' gate, up,
+ * down) are WRITTEN instead (their old values, whatever they hold, are not
+ * read; experts without rows get zeros): the first backward after a zeroing
+ * need not zero them nor read them (lm_model does so). */
 lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx, const lm_moe_params *grads,
                                const float *dy, const uint16_t *dy_bf16, const float *x, const float *dscores_extra,
                                const lm_moe_config *cfg, const lm_moe_params *params_f32,
                                const lm_moe_params_bf16 *params_bf16, const lm_cuda_moe_acts *acts,
-                               lm_cuda_moe_scratch *scratch);
+                               lm_cuda_moe_scratch *scratch, int expert_grads_set);
 
 /* Expert parallelism on GPU ranks (docs/scaleout.md, "Expert parallelism on
  * GPU ranks"): the mirror of include/longmoe/moe_ep.h. R ranks of a device
@@ -279,7 +283,8 @@ size_t lm_cuda_moe_ep_plan_bytes(const lm_moe_config *cfg, int R, int64_t rows, 
  * part). The backward's gradients are this rank's contributions (the
  * replicated parts are summed over the ranks by the caller, as in data
  * parallelism); the expert gradients are complete for the rows every rank
- * sent. Collective over ep's ranks, in the same order on each. */
+ * sent; every gradient is added to (there is no expert_grads_set here).
+ * Collective over ep's ranks, in the same order on each. */
 lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y, const float *x, const uint16_t *x_bf16,
                                  const float *bias, const lm_moe_config *cfg, const lm_moe_params *params_f32,
                                  const lm_moe_params_bf16 *params_bf16, lm_cuda_moe_acts *acts, int64_t m,

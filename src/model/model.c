@@ -771,6 +771,7 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             if ((st = m->be->alloc(m->be, kept * m->be->lp_bytes, &PL))) goto fail;
             m->PL = PL;
             block_bytes(m, kept * (sizeof(float) + m->be->lp_bytes) + m->n_grads * sizeof(float), 1);
+            m->dw_set = 1; /* the zeroing is a pass over the backend's memory: it leaves the expert gradients out */
         }
     }
 
@@ -1157,13 +1158,103 @@ int lm_model_num_buffers(const lm_model *m) { return m->n_buffers; }
 const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {
     return i >= 0 && i < m->n_buffers ? &m->buffers[i] : NULL;
 }
+/* ---- the routed experts' weight gradients, written by the first backward after a zeroing ----
+ * With dw_set (lm_model_set_expert_grads_written; on by default on a backend with memory of its
+ * own) a zeroing of the gradients leaves out the routed experts' gate, up and down gradients of the
+ * MoE layers that run here whole (no expert parallelism, every expert's gradient kept) and marks
+ * them fresh; the layer's first MoE backward after it writes them (the op's expert_grads_set)
+ * instead of adding to zeros, and clears the mark. For k3-mini they are 1.61B of the 1.75B
+ * gradients: the zeroing's pass over them and the products' reads of them go. Whatever a backward
+ * left fresh (a layer it did not reach) is zeroed when the layer's gradients are final and at its
+ * end, before anyone reads them. */
+static int dw_layer(const lm_model *m, const layer_state *ls) {
+    return m->dw_set && ls->moe && !ls->moe_ep && !m->n_gcuts;
+}
+
+typedef struct {
+    size_t off, n;
+} grad_range;
+
+/* Layer ls's expert gradients as ranges of G: up to three. */
+static int dw_ranges(const lm_model *m, const layer_state *ls, grad_range *r) {
+    const lm_moe_config *c = &ls->moe_cfg;
+    const size_t n = (size_t)c->n_experts * c->d_ff * (c->d_latent > 0 ? c->d_latent : c->d);
+    float *w[3] = {ls->moe_G.gate, ls->moe_G.up, ls->moe_G.down};
+    int k = 0;
+    for (int i = 0; i < 3; i++)
+        if (w[i]) r[k++] = (grad_range){(size_t)(w[i] - m->G), n};
+    return k;
+}
+
+static int range_order(const void *a, const void *b) {
+    const size_t x = ((const grad_range *)a)->off, y = ((const grad_range *)b)->off;
+    return (x > y) - (x < y);
+}
+
+static lm_status zero_g(lm_model *m, size_t off, size_t n) {
+    if (n == 0) return LM_OK;
+    if (m->G == m->grads) {
+        memset(m->G + off, 0, n * sizeof(float));
+        return LM_OK;
+    }
+    return m->be->zero(m->be, m->G + off, n * sizeof(float));
+}
+
+/* Zero G, but for the expert gradients of the dw layers, which become fresh. */
+static lm_status zero_grads_now(lm_model *m) {
+    grad_range r[3 * LM_MAX_LAYERS];
+    int k = 0;
+    for (int l = 0; l < m->cfg.n_layers; l++) {
+        layer_state *ls = &m->layers[l];
+        ls->dw_fresh = dw_layer(m, ls);
+        if (ls->dw_fresh) k += dw_ranges(m, ls, r + k);
+    }
+    qsort(r, (size_t)k, sizeof *r, range_order);
+    size_t at = 0;
+    for (int i = 0; i < k; i++) {
+        if (r[i].off < at || r[i].off + r[i].n > m->n_grads) {
+            for (int l = 0; l < m->cfg.n_layers; l++) m->layers[l].dw_fresh = 0;
+            return lm_error(LM_ERR_ARG, "the expert gradients' ranges overlap or pass the gradient block's end "
+                            "(%zu floats at %zu)", r[i].n, r[i].off);
+        }
+        TRY(zero_g(m, at, r[i].off - at));
+        at = r[i].off + r[i].n;
+    }
+    return zero_g(m, at, m->n_grads - at);
+}
+
+/* Zero layer ls's expert gradients if no backward has written them since the zeroing. */
+static lm_status dw_settle(lm_model *m, layer_state *ls) {
+    if (!ls->dw_fresh) return LM_OK;
+    grad_range r[3];
+    const int k = dw_ranges(m, ls, r);
+    for (int i = 0; i < k; i++) TRY(zero_g(m, r[i].off, r[i].n));
+    ls->dw_fresh = 0;
+    return LM_OK;
+}
+
+static lm_status dw_settle_all(lm_model *m) {
+    for (int l = 0; m->layers && l < m->cfg.n_layers; l++) TRY(dw_settle(m, &m->layers[l]));
+    return LM_OK;
+}
+
+lm_status lm_model_set_expert_grads_written(lm_model *m, int on) {
+    if (!m) return lm_error(LM_ERR_ARG, "set_expert_grads_written: model is NULL");
+    TRY(dw_settle_all(m)); /* the gradients as a whole zeroing would have left them */
+    m->dw_set = on != 0 && !m->dry;
+    return LM_OK;
+}
+
+int lm_model_expert_grads_written(const lm_model *m) { return m->dw_set; }
+
 void lm_model_zero_grads(lm_model *m) {
     /* on a backend with memory of its own the gradients live there (zeroed before
      * the next forward); the host copy is current only after lm_model_download_grads,
      * which overwrites all of it: zeroing it here would cost a pass over n_params
      * floats of host memory every step (7 GB for k3-mini) */
     if (m->G != m->grads) m->grads_zero_pending = 1;
-    else memset(m->grads, 0, m->n_grads * sizeof(float));
+    else if (!m->dw_set) memset(m->grads, 0, m->n_grads * sizeof(float));
+    else if (zero_grads_now(m)) memset(m->grads, 0, m->n_grads * sizeof(float)); /* (only a bad range fails) */
 }
 
 lm_backend *lm_model_backend(const lm_model *m) { return m->be; }
@@ -1197,6 +1288,7 @@ lm_status lm_model_download_params(lm_model *m) {
 int lm_model_host_params_stale(const lm_model *m) { return m->params_on_backend_newer; }
 
 lm_status lm_model_download_grads(lm_model *m) {
+    TRY(dw_settle_all(m));
     if (m->G != m->grads) TRY(m->be->download(m->be, m->grads, m->G, m->n_grads * sizeof(float)));
     return LM_OK;
 }
@@ -1204,7 +1296,7 @@ lm_status lm_model_download_grads(lm_model *m) {
 /* Before a forward: the backend sees the host's latest parameters and zeroed gradients. */
 static lm_status sync_before_forward(lm_model *m) {
     if (m->params_on_host_newer) TRY(lm_model_upload_params(m));
-    if (m->grads_zero_pending && m->G != m->grads) TRY(m->be->zero(m->be, m->G, m->n_grads * sizeof(float)));
+    if (m->grads_zero_pending && m->G != m->grads) TRY(zero_grads_now(m));
     m->grads_zero_pending = 0;
     return LM_OK;
 }
@@ -1522,15 +1614,20 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
         }
         extra = ls->dscores;
     }
-    if (ls->moe_ep_fwd)
+    if (ls->moe_ep_fwd) {
+        TRY(dw_settle(m, ls)); /* (not a dw layer: the EP backward adds) */
         return be->ops->moe_backward_ep(be, dxn, &ls->moe_Gep, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
                                         &ls->moe_PLep, ls->moe_acts, ls->moe_ep);
+    }
     if (m->n_gcuts)
         return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' gradients "
                         "(lm_model_keep_expert_grads): a backward follows a training forward, whose experts "
                         "run on their owners", (int)(ls - m->layers));
-    return be->ops->moe_backward(be, dxn, &ls->moe_G, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
-                                 ls->moe_acts);
+    /* the first call after a zeroing writes the expert gradients (dw_layer) */
+    TRY(be->ops->moe_backward(be, dxn, &ls->moe_G, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_P, &ls->moe_PL,
+                              ls->moe_acts, ls->dw_fresh));
+    ls->dw_fresh = 0;
+    return LM_OK;
 }
 
 /* ---- sequence segments: the carries of the current segment ---- */
@@ -2235,6 +2332,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         }
         charge(m, LM_TIME_ATTNRES, &t0);
         /* the sublayer's norm and tensors are done (the AttnRes rows are not: every sublayer writes its own) */
+        if (idx % 2) TRY(dw_settle(m, ls));
         if (idx % 2) TRY(grads_final(m, ls->ffn_norm_off, layer_end(m, idx / 2), &t0));
         else TRY(grads_final(m, ls->mixer_norm_off, ls->ffn_norm_off, &t0));
     }
@@ -2246,6 +2344,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     TRY(op->embedding_backward(be, grad_at(m, m->embed_off), m->dx0, m->tokens, N, d, V));
     charge(m, LM_TIME_NORMS, &t0);
     TRY(grads_final(m, m->embed_off, m->embed_off + (size_t)V * d, &t0));
+    TRY(dw_settle_all(m));
     m->have_targets = 0;
     return LM_OK;
 }
@@ -2449,6 +2548,7 @@ lm_status lm_model_copy_state(lm_model *dst, const lm_model *src) {
 void lm_model_inject_fault(lm_model *m, lm_fault fault) { m->fault = fault; }
 
 lm_status lm_model_set_expert_parallel(lm_model *m, lm_comm *comm) {
+    TRY(dw_settle_all(m)); /* the layers' gradient views may change */
     if (!comm) return lm_error(LM_ERR_ARG, "expert parallelism needs a communicator");
     if (m->n_gcuts && !m->pcut)
         return lm_error(LM_ERR_ARG, "expert parallelism is set before the gradients are cut to the owned experts "
@@ -2558,6 +2658,7 @@ static lm_status plan_expert_cuts(lm_model *m, int G, int pos) {
 }
 
 lm_status lm_model_keep_expert_grads(lm_model *m, int G, int pos) {
+    TRY(dw_settle_all(m)); /* the gradient block changes */
     const int n = m->cfg.n_routed_experts;
     if (m->n_gcuts) return lm_error(LM_ERR_ARG, "the model keeps only its own experts' gradients already");
     if (G < 1 || pos < 0 || pos >= G)

@@ -44,6 +44,9 @@ typedef struct {
     void *moe_ep;
     lm_moe_params moe_Pep, moe_PLep, moe_Gep;
     int moe_ep_fwd;
+    /* the routed experts' weight gradients were left out of the last zeroing:
+     * the layer's next MoE backward writes them (model.c, dw_layer) */
+    int dw_fresh;
     /* where the routed experts' gate, up and down lie in the whole parameter
      * layout (lm_model_tensor.offset; set with the views) */
     size_t moe_xoff[3];
@@ -116,6 +119,7 @@ struct lm_model {
     int params_on_host_newer; /* upload before the next forward */
     int params_on_backend_newer; /* an optimizer on the backend changed P: the host copy is stale */
     int grads_zero_pending;   /* zero G before the next forward */
+    int dw_set;               /* lm_model_set_expert_grads_written */
     layer_state *layers;
     /* named parameters outside the layers */
     size_t embed_off, head_off, final_norm_off, ar_query_off, ar_key_off;

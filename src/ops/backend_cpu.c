@@ -488,10 +488,17 @@ static lm_status cpu_moe_forward(lm_backend *be, float *y, const float *x, const
 static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
                                   const void *dy_lp, const float *x, const float *dscores_extra,
                                   const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp,
-                                  void *acts) {
+                                  void *acts, int expert_grads_set) {
     (void)be;
     (void)dy_lp;
     (void)p_lp;
+    if (expert_grads_set && cfg) {
+        /* zeroed, then added to: the bits of the accumulating call after a zeroing */
+        const size_t n = (size_t)cfg->n_experts * cfg->d_ff * (cfg->d_latent > 0 ? cfg->d_latent : cfg->d);
+        float *dw[3] = {g->gate, g->up, g->down};
+        for (int i = 0; i < 3; i++)
+            if (dw[i]) memset(dw[i], 0, n * sizeof(float));
+    }
     return lm_moe_backward(dx, (lm_moe_params *)g, dy, x, dscores_extra, cfg, p, acts);
 }
 

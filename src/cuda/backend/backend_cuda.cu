@@ -639,11 +639,12 @@ static lm_status cuda_moe_forward(lm_backend *be, float *y, const float *x, cons
 
 static lm_status cuda_moe_backward(lm_backend *be, float *dx, const lm_moe_params *g, const float *dy,
                                    const void *dy_lp, const float *x, const float *dscores_extra, const lm_moe_config *cfg, const lm_moe_params *p,
-                                   const lm_moe_params *p_lp, void *acts) {
+                                   const lm_moe_params *p_lp, void *acts, int expert_grads_set) {
     cuda_moe *a = (cuda_moe *)acts;
     if (!a || !cfg || !p || !p_lp || !g) return lm_error(LM_ERR_ARG, "moe_backward: acts, cfg, p, p_lp or g is NULL");
     lm_moe_params_bf16 pb = moe_bf16_view(p_lp);
-    return lm_cuda_moe_backward(ctx_of(be), dx, g, dy, (const uint16_t *)dy_lp, x, dscores_extra, cfg, p, &pb, &a->acts, &a->scratch);
+    return lm_cuda_moe_backward(ctx_of(be), dx, g, dy, (const uint16_t *)dy_lp, x, dscores_extra, cfg, p, &pb, &a->acts,
+                                &a->scratch, expert_grads_set);
 }
 
 /* expert parallelism: moe_ep.cu's exchange over a device engine */

@@ -486,6 +486,11 @@ static lm_status gemm_grouped(const runner *r, lm_gemm_layout layout, const void
     g.K = K;
     g.group_offsets = r->acts->padded_offsets;
     g.groups = r->n;
+    if (r->kind == LM_MOE_GEMM_WMMA && layout == LM_GEMM_TN && !accumulate) {
+        /* set: zeroed, then added to (experts without rows included) */
+        TRY(lm_moe_zero_weight_groups(r->st, &g, NULL));
+        g.accumulate = 1;
+    }
     if (r->kind == LM_MOE_GEMM_WMMA) return lm_moe_gemm_bf16(r->st, &g);
     if (r->kind == LM_MOE_GEMM_WGMMA) {
         /* rows mode on the Hopper kernel (NN through W^T in the backward's
@@ -521,22 +526,23 @@ lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c,
 
 /* Their backward from e->dgout: dh = dout W_down, dW_down += dout^T h, da/du,
  * dxg = da W_gate + du W_up (the second product adds onto the bf16 first),
- * dW_gate, dW_up. */
+ * dW_gate, dW_up (with r->dw_set the three weight gradients = instead of +=). */
 lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
                                   const lm_moe_params *g, const lm_cuda_moe_acts *a, const lm_moe_expert_grads *e) {
     const int f = c->d_ff, de = expert_width(c);
     const int64_t P = a->rows_max;
     const int32_t *rows_used = a->padded_offsets + r->n;
+    const int add = !r->dw_set;
     TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
     if (g->down)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, 1, de, f, 0));
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, add, de, f, 0));
     TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act, f));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->da, f, pb->gate, de, (int64_t)f * de, NULL, e->dxg, de, 0, 0, P, de, f));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->du, f, pb->up, de, (int64_t)f * de, NULL, e->dxg, de, 0, 1, P, de, f));
     if (g->gate)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, 1, f, de, 0));
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, add, f, de, 0));
     if (g->up)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, 1, f, de, 0));
+        TRY(gemm_grouped(r, LM_GEMM_TN, e->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, add, f, de, 0));
     return LM_OK;
 }
 
@@ -573,7 +579,7 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
     if (kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
         return lm_error(LM_ERR_ARG, "moe cuda forward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
-    runner R = {ctx, st, (int)kind, a, c->n_experts, NULL};
+    runner R = {ctx, st, (int)kind, a, c->n_experts, NULL, 0};
     if (m == 0) {
         /* no rows to send; the owner's part still runs */
         memset(a->host_offsets, 0, sizeof a->host_offsets);
@@ -667,7 +673,7 @@ extern "C" lm_status lm_cuda_moe_forward_ep(const lm_cuda_context *ctx, float *y
 static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g, const float *dy,
                                const uint16_t *dy_given, const float *x, const float *dscores_extra, const lm_moe_config *c,
                                const lm_moe_params *pf, const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
-                               lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
+                               lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep, int dw_set) {
     // dy, x, dx are (m,d) fp32; dscores_extra (m,n); grads fp32 with the parameters' shapes
     if (!ctx || !c || !a || !s || !g)
         return lm_error(LM_ERR_ARG, "moe cuda backward: ctx, grads, cfg, acts and scratch must not be NULL");
@@ -677,7 +683,14 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     if (s->m_max < m || s->rows_max < a->rows_max)
         return lm_error(LM_ERR_ARG, "moe cuda backward: scratch planned for %lld tokens, the forward had %lld",
                         (long long)s->m_max, (long long)m);
-    if (m == 0 && !ep) return LM_OK;
+    if (m == 0 && !ep) {
+        /* no rows: set expert gradients are zero */
+        const size_t bytes = (size_t)c->n_experts * c->d_ff * expert_width(c) * sizeof(float);
+        float *dw[3] = {g->gate, g->up, g->down};
+        for (int i = 0; i < 3 && dw_set; i++)
+            if (dw[i]) LM_CUDA_TRY(cudaMemsetAsync(dw[i], 0, bytes, (cudaStream_t)ctx->stream));
+        return LM_OK;
+    }
     if (m > 0 && (!dy || !x)) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
     if (a->gemm_kind != LM_MOE_GEMM_WMMA && a->gemm_kind != LM_MOE_GEMM_GROUPED && a->gemm_kind != LM_MOE_GEMM_LOOP &&
         a->gemm_kind != LM_MOE_GEMM_BATCHED && a->gemm_kind != LM_MOE_GEMM_WGMMA)
@@ -686,7 +699,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
         return lm_error(LM_ERR_ARG, "moe cuda backward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
     /* the kind and (cuBLAS) host row counts of the forward */
-    runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16};
+    runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set};
     if (m == 0) return lm_moe_ep_experts_backward_cuda(&R, c, pb, g, a, s, ep);
     const runner *r = &R;
     int n = c->n_experts, k = c->top_k, d = c->d, de = expert_width(c), dl = c->d_latent;
@@ -795,8 +808,8 @@ extern "C" lm_status lm_cuda_moe_backward(const lm_cuda_context *ctx, float *dx,
                                           const float *dy, const uint16_t *dy_bf16, const float *x, const float *dscores_extra,
                                           const lm_moe_config *c, const lm_moe_params *pf,
                                           const lm_moe_params_bf16 *pb, const lm_cuda_moe_acts *a,
-                                          lm_cuda_moe_scratch *s) {
-    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, NULL);
+                                          lm_cuda_moe_scratch *s, int expert_grads_set) {
+    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, NULL, expert_grads_set);
 }
 
 extern "C" lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *dx, const lm_moe_params *g,
@@ -806,5 +819,5 @@ extern "C" lm_status lm_cuda_moe_backward_ep(const lm_cuda_context *ctx, float *
                                              lm_cuda_moe_scratch *s, lm_cuda_moe_ep *ep) {
     if (!ep) return lm_error(LM_ERR_ARG, "moe cuda backward_ep: ep is NULL");
     TRY(lm_moe_ep_check_config(ep, c));
-    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, ep);
+    return backward_impl(ctx, dx, g, dy, dy_bf16, x, dscores_extra, c, pf, pb, a, s, ep, 0);
 }

@@ -271,6 +271,20 @@ static lm_status grouped_loop(const lm_cuda_context *ctx, const lm_gemm_bf16_arg
     return LM_OK;
 }
 
+lm_status lm_moe_zero_weight_groups(cudaStream_t st, const lm_gemm_bf16_args *g, const int32_t *host_offsets) {
+    const int64_t cs = g->c ? 4 : 2;
+    char *c = g->c ? (char *)g->c : (char *)g->cb;
+    if (!host_offsets && g->ldc == g->N && g->c_group_stride == g->M * g->N) {
+        LM_CUDA_TRY(cudaMemsetAsync(c, 0, (size_t)(g->groups * g->M * g->N * cs), st));
+        return LM_OK;
+    }
+    for (int j = 0; j < g->groups; j++)
+        if (!host_offsets || host_offsets[j + 1] == host_offsets[j])
+            LM_CUDA_TRY(cudaMemset2DAsync(c + j * g->c_group_stride * cs, (size_t)(g->ldc * cs), 0,
+                                          (size_t)(g->N * cs), (size_t)g->M, st));
+    return LM_OK;
+}
+
 /* ---- batched by padded size ---- */
 
 /* The experts of one call in batch order, passed by value (no host buffer
@@ -394,9 +408,16 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
     const int n = g->groups;
     if ((g->c == NULL) == (g->cb == NULL)) return lm_error(LM_ERR_ARG, "moe cublas: exactly one of c, cb");
     if (n < 1 || n > LM_MOE_MAX_EXPERTS) return lm_error(LM_ERR_ARG, "moe cublas: %d groups", n);
-    if (weight && !g->accumulate)
-        return lm_error(LM_ERR_ARG, "moe cublas: grouped weight products must accumulate (experts without rows)");
     if ((weight ? g->M : g->K) <= 0 || g->N <= 0) return LM_OK;
+    /* weight gradients set, not added to: the batched kind writes the experts with rows with beta 0
+     * and zeroes the others after; the other kinds zero them all first and add */
+    const bool set = weight && !g->accumulate;
+    if (set && kind != LM_MOE_GEMM_BATCHED) {
+        TRY(lm_moe_zero_weight_groups((cudaStream_t)ctx->stream, g, NULL));
+        lm_gemm_bf16_args add = *g;
+        add.accumulate = 1;
+        return lm_moe_blas_grouped(ctx, kind, &add, acts, dw_tmp);
+    }
     /* cuBLAS groups one type for C: fp32 outputs go per expert, except the
      * weight gradients, which go through the bf16 scratch when there is one */
     const bool via_tmp = weight && g->c && dw_tmp;
@@ -410,7 +431,8 @@ lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gem
                         (g->ldc * cb) % 16 == 0 && (weight || (g->b_group_stride * 2) % 16 == 0) &&
                         (!weight || (g->c_group_stride * cb) % 16 == 0);
         TRY(check_dims(g));
-        return ok ? batched(ctx, g, acts) : grouped_loop(ctx, g, acts, true);
+        TRY(ok ? batched(ctx, g, acts) : grouped_loop(ctx, g, acts, true));
+        return set ? lm_moe_zero_weight_groups((cudaStream_t)ctx->stream, g, acts->host_offsets) : LM_OK;
     }
     /* The grouped call cannot see the alignment of the pointers it reads from
      * device memory; they are kept 16-byte aligned: the bases and the per-expert

@@ -80,9 +80,15 @@ lm_status lm_moe_blas_f32(const lm_cuda_context *ctx, lm_gemm_layout layout, con
  * the real rows of j (M of g is ignored); TN: contraction over those rows (K
  * of g is ignored). dw_tmp: bf16 [groups, M, N] scratch for a grouped TN
  * product into fp32 (cuBLAS groups one type for C): the product goes there
- * and is then added into c. */
+ * and is then added into c. A TN product without accumulate sets the
+ * gradients of every group, the experts without rows to zero. */
 lm_status lm_moe_blas_grouped(const lm_cuda_context *ctx, int kind, const lm_gemm_bf16_args *g,
                               const lm_cuda_moe_acts *acts, bf16 *dw_tmp);
+
+/* Zero the TN outputs of g's groups: group j's [M, N] at c (or cb) + j
+ * c_group_stride, rows ldc apart; all groups, or with host_offsets [groups +
+ * 1] only those without rows. */
+lm_status lm_moe_zero_weight_groups(cudaStream_t st, const lm_gemm_bf16_args *g, const int32_t *host_offsets);
 
 /* Entries of each of the three device pointer arrays in acts.blas_ptrs (a,
  * b, c): one an expert, or one a 128-row tile of the grouped rows (the
@@ -119,6 +125,7 @@ typedef struct {
     const lm_cuda_moe_acts *acts;
     int n;
     bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
+    int dw_set;   /* backward only: the routed experts' weight gradients are set, not added to */
 } lm_moe_runner;
 
 /* The backward's grouped buffers of the routed experts: dgout in, the rest out. */
@@ -128,7 +135,8 @@ typedef struct {
 
 /* The routed experts' products over the grouped rows of a (moe.cu): the
  * forward's from a->xg into a->ga, gu, gh, gout; the backward's from e->dgout,
- * the weight gradients of g's gate, up, down (each may be NULL) accumulated. */
+ * the weight gradients of g's gate, up, down (each may be NULL) accumulated,
+ * or with r->dw_set written (every expert's, zero for those without rows). */
 lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
                                  lm_cuda_moe_acts *a);
 lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
