@@ -102,6 +102,10 @@ lm_status lm_moe_check(const lm_moe_config *cfg);
 /* Number of floats of all parameters, and carving them out of one buffer of
  * that many floats (llm.c style). Unused parts get NULL. */
 size_t lm_moe_param_count(const lm_moe_config *cfg);
+/* Floats of each routed-expert tensor (gate, up, down): n f d_e, d_e = d_lat or d. */
+static inline size_t lm_moe_expert_tensor_floats(const lm_moe_config *c) {
+    return (size_t)c->n_experts * (size_t)c->d_ff * (size_t)(c->d_latent > 0 ? c->d_latent : c->d);
+}
 void lm_moe_params_carve(const lm_moe_config *cfg, float *memory, lm_moe_params *out);
 
 lm_status lm_moe_acts_alloc(lm_moe_acts *acts, const lm_moe_config *cfg, int64_t m_max);

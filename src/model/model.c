@@ -1164,9 +1164,10 @@ const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {
  * MoE layers that run here whole (no expert parallelism, every expert's gradient kept) and marks
  * them fresh; the layer's first MoE backward after it writes them (the op's expert_grads_set)
  * instead of adding to zeros, and clears the mark. For k3-mini they are 1.61B of the 1.75B
- * gradients: the zeroing's pass over them and the products' reads of them go. Whatever a backward
- * left fresh (a layer it did not reach) is zeroed when the layer's gradients are final and at its
- * end, before anyone reads them. */
+ * gradients: the zeroing's pass over them and the products' reads of them go. Whatever is still
+ * fresh when the backward reports the layer's gradients final (a layer without an MoE backward call)
+ * is zeroed then, and before lm_model_download_grads and any change of the gradient views. */
+/* (an EP layer's backward adds: lm_model_set_expert_parallel settles every layer before it sets one) */
 static int dw_layer(const lm_model *m, const layer_state *ls) {
     return m->dw_set && ls->moe && !ls->moe_ep && !m->n_gcuts;
 }
@@ -1177,8 +1178,7 @@ typedef struct {
 
 /* Layer ls's expert gradients as ranges of G: up to three. */
 static int dw_ranges(const lm_model *m, const layer_state *ls, grad_range *r) {
-    const lm_moe_config *c = &ls->moe_cfg;
-    const size_t n = (size_t)c->n_experts * c->d_ff * (c->d_latent > 0 ? c->d_latent : c->d);
+    const size_t n = lm_moe_expert_tensor_floats(&ls->moe_cfg);
     float *w[3] = {ls->moe_G.gate, ls->moe_G.up, ls->moe_G.down};
     int k = 0;
     for (int i = 0; i < 3; i++)
@@ -1192,12 +1192,7 @@ static int range_order(const void *a, const void *b) {
 }
 
 static lm_status zero_g(lm_model *m, size_t off, size_t n) {
-    if (n == 0) return LM_OK;
-    if (m->G == m->grads) {
-        memset(m->G + off, 0, n * sizeof(float));
-        return LM_OK;
-    }
-    return m->be->zero(m->be, m->G + off, n * sizeof(float));
+    return n ? m->be->zero(m->be, m->G + off, n * sizeof(float)) : LM_OK;
 }
 
 /* Zero G, but for the expert gradients of the dw layers, which become fresh. */
@@ -1614,11 +1609,9 @@ static lm_status channel_backward(lm_model *m, layer_state *ls, const float *xn_
         }
         extra = ls->dscores;
     }
-    if (ls->moe_ep_fwd) {
-        TRY(dw_settle(m, ls)); /* (not a dw layer: the EP backward adds) */
+    if (ls->moe_ep_fwd)
         return be->ops->moe_backward_ep(be, dxn, &ls->moe_Gep, dy, dy_lp, xn, extra, &ls->moe_cfg, &ls->moe_Pep,
                                         &ls->moe_PLep, ls->moe_acts, ls->moe_ep);
-    }
     if (m->n_gcuts)
         return lm_error(LM_ERR_ARG, "layer %d: this rank keeps only its own experts' gradients "
                         "(lm_model_keep_expert_grads): a backward follows a training forward, whose experts "
@@ -2344,7 +2337,6 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     TRY(op->embedding_backward(be, grad_at(m, m->embed_off), m->dx0, m->tokens, N, d, V));
     charge(m, LM_TIME_NORMS, &t0);
     TRY(grads_final(m, m->embed_off, m->embed_off + (size_t)V * d, &t0));
-    TRY(dw_settle_all(m));
     m->have_targets = 0;
     return LM_OK;
 }

@@ -494,7 +494,7 @@ static lm_status cpu_moe_backward(lm_backend *be, float *dx, const lm_moe_params
     (void)p_lp;
     if (expert_grads_set && cfg) {
         /* zeroed, then added to: the bits of the accumulating call after a zeroing */
-        const size_t n = (size_t)cfg->n_experts * cfg->d_ff * (cfg->d_latent > 0 ? cfg->d_latent : cfg->d);
+        const size_t n = lm_moe_expert_tensor_floats(cfg);
         float *dw[3] = {g->gate, g->up, g->down};
         for (int i = 0; i < 3; i++)
             if (dw[i]) memset(dw[i], 0, n * sizeof(float));

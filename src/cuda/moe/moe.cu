@@ -685,10 +685,11 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
                         (long long)s->m_max, (long long)m);
     if (m == 0 && !ep) {
         /* no rows: set expert gradients are zero */
-        const size_t bytes = (size_t)c->n_experts * c->d_ff * expert_width(c) * sizeof(float);
         float *dw[3] = {g->gate, g->up, g->down};
-        for (int i = 0; i < 3 && dw_set; i++)
-            if (dw[i]) LM_CUDA_TRY(cudaMemsetAsync(dw[i], 0, bytes, (cudaStream_t)ctx->stream));
+        for (int i = 0; i < 3; i++)
+            if (dw_set && dw[i])
+                LM_CUDA_TRY(cudaMemsetAsync(dw[i], 0, lm_moe_expert_tensor_floats(c) * sizeof(float),
+                                            (cudaStream_t)ctx->stream));
         return LM_OK;
     }
     if (m > 0 && (!dy || !x)) return lm_error(LM_ERR_ARG, "moe cuda backward: dy and x must not be NULL");
