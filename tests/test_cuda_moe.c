@@ -482,6 +482,7 @@ static void test_experts_without_tokens_and_one_crowded_expert(void) {
  * = dx, out[2] = the parameter gradients (host, malloc'd). x_bf16 (host bits,
  * may be NULL) is given to the forward as its bf16 x; the activation block is
  * poisoned first, so a forward that read its own x_own instead would give NaN. */
+static int latent_run_set; /* latent_run's backward: expert_grads_set */
 static void latent_run(const lm_moe_config *c, model *md, const float *x, const float *dy, const uint16_t *x_bf16,
                        int64_t m, float *out[3]) {
     size_t md_ = (size_t)m * c->d;
@@ -511,7 +512,8 @@ static void latent_run(const lm_moe_config *c, model *md, const float *x, const 
     free(zero);
     GPU_OK(lm_cuda_moe_forward(&ctx, yd, xd, xbd, NULL, c, &md->pf, &md->pb, &ga, m));
     CHECK(ga.x_bf16 == (xbd ? (const uint16_t *)xbd : ga.x_own), "the forward records the bf16 x it read");
-    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, NULL, xd, NULL, c, &md->pf, &md->pb, &ga, &gs, 0));
+    GPU_OK(lm_cuda_moe_backward(&ctx, dxd, &md->grads, dyd, NULL, xd, NULL, c, &md->pf, &md->pb, &ga, &gs,
+                                latent_run_set));
     GPU_OK(lm_cuda_context_sync(&ctx));
     out[0] = malloc(md_ * 4);
     out[1] = malloc(md_ * 4);
@@ -607,6 +609,71 @@ static void test_by_token_gives_the_by_row_bits_without_latent(void) {
         model_free(&md);
     }
     lm_cuda_moe_set_by_token(was);
+}
+
+/* The routed experts' weight gradients on the context's side stream (the default) and on its
+ * stream (lm_cuda_moe_set_wgrad_side(0)) give the same bits: y, dx and every gradient, added to
+ * and written (expert_grads_set), over 2048 tokens of the latent+shared layer (products large
+ * enough to run beside each other). The scratch is NaN before each run, so a weight gradient that
+ * ran before the side stream waited for its input (dgout, or da and du) would show. The layer's
+ * stream alone is synchronised before the download: it waits for the side stream itself. */
+static void test_side_stream_weight_gradients_give_the_inline_bits(void) {
+    CHECK(ctx.side_stream && ctx.side_cublas && ctx.side_fork && ctx.side_join, "the context has a side stream");
+    lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
+    c.n_experts = 32;
+    const int64_t m = 2048;
+    model md;
+    model_init(&md, &c, 700);
+    const size_t md_ = (size_t)m * c.d;
+    float *x = malloc(md_ * 4), *dy = malloc(md_ * 4);
+    lm_rng r;
+    lm_rng_seed(&r, 701);
+    for (size_t i = 0; i < md_; i++) {
+        x[i] = (float)lm_rng_normal(&r);
+        dy[i] = (float)lm_rng_normal(&r);
+    }
+    const int was = lm_cuda_moe_wgrad_side(), was_tiles = lm_cuda_moe_batched_tiles(),
+              was_by_token = lm_cuda_moe_by_token();
+    lm_moe_gemm_kind was_kind = LM_MOE_GEMM_BATCHED;
+    CHECK(lm_cuda_moe_gemm(&was_kind) == LM_OK, "the gemm kind");
+    /* the defaults: batched in 128-row tiles, rows by token */
+    CHECK(lm_cuda_moe_set_gemm(LM_MOE_GEMM_BATCHED) == LM_OK && lm_cuda_moe_set_batched_tiles(1) == LM_OK &&
+              lm_cuda_moe_set_by_token(1) == LM_OK,
+          "the default settings");
+    for (int set = 0; set < 2; set++) {
+        float *out[3][3];
+        latent_run_set = set;
+        for (int run = 0; run < 3; run++) { /* side, inline, side */
+            CHECK(lm_cuda_moe_set_wgrad_side(run != 1) == LM_OK, "weight gradients setting %d", run != 1);
+            latent_run(&c, &md, x, dy, NULL, m, out[run]);
+        }
+        for (int run = 1; run < 3; run++) {
+            const char *what = run == 1 ? "on the stream" : "on the side stream again";
+            CHECK(!memcmp(out[0][0], out[run][0], md_ * 4), "set %d: y %s differs", set, what);
+            CHECK(!memcmp(out[0][1], out[run][1], md_ * 4), "set %d: dx %s differs", set, what);
+            CHECK(!memcmp(out[0][2], out[run][2], md.count * 4), "set %d: the gradients %s differ", set, what);
+        }
+        lm_moe_params g0;
+        lm_moe_params_carve(&c, out[0][2], &g0);
+        size_t nonzero = 0, nonfinite = 0;
+        for (size_t i = 0; i < lm_moe_expert_tensor_floats(&c); i++) {
+            nonzero += g0.gate[i] != 0.0f && g0.up[i] != 0.0f && g0.down[i] != 0.0f;
+            nonfinite += !isfinite(g0.gate[i]) || !isfinite(g0.up[i]) || !isfinite(g0.down[i]);
+        }
+        CHECK(nonfinite == 0, "set %d: %zu non-finite expert weight gradients", set, nonfinite);
+        CHECK(nonzero > lm_moe_expert_tensor_floats(&c) / 2, "set %d: only %zu nonzero expert weight gradients", set,
+              nonzero);
+        for (int run = 0; run < 3; run++)
+            for (int q = 0; q < 3; q++) free(out[run][q]);
+    }
+    latent_run_set = 0;
+    lm_cuda_moe_set_wgrad_side(was);
+    lm_cuda_moe_set_gemm(was_kind);
+    lm_cuda_moe_set_batched_tiles(was_tiles);
+    lm_cuda_moe_set_by_token(was_by_token);
+    CHECK(lm_cuda_moe_set_wgrad_side(2) == LM_ERR_ARG, "weight gradients setting 2 refused");
+    free(x), free(dy);
+    model_free(&md);
 }
 
 /* Without dscores_extra the router's input gradient dx += dr W_r runs over
@@ -888,6 +955,7 @@ int main(void) {
         printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);
     RUN(test_by_token_gives_the_by_row_bits_without_latent);
+    RUN(test_side_stream_weight_gradients_give_the_inline_bits);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);
     RUN(test_expert_load_over_many_blocks);

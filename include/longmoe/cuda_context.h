@@ -36,11 +36,20 @@ typedef struct {
     size_t blas_workspace_bytes;
     void *host_pinned;     /* small pinned host buffer for counts read back (MoE row counts) */
     size_t host_pinned_bytes;
+    /* A second stream for products that may run beside the stream's other work (the routed
+     * experts' weight gradients, docs/moe.md), with its own cuBLAS handle and workspace and two
+     * events (fork: the side waits for the stream; join: the stream waits for the side). NULL
+     * where not created: the operators then run everything on `stream`. */
+    void *side_stream;     /* cudaStream_t */
+    void *side_cublas;     /* cublasHandle_t, bound to side_stream */
+    void *side_blas_workspace;
+    void *side_fork, *side_join; /* cudaEvent_t, without timing */
 } lm_cuda_context;
 
 /* Create a stream, a cuBLASLt handle and a 32 MiB cuBLASLt workspace, a
- * cuBLAS handle on that stream with its own 32 MiB workspace, and a 16 KiB
- * pinned host buffer, on the current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
+ * cuBLAS handle on that stream with its own 32 MiB workspace, a 16 KiB
+ * pinned host buffer, and the side stream with its cuBLAS handle, 32 MiB
+ * workspace and events, on the current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
 lm_status lm_cuda_context_create(lm_cuda_context *ctx);
 void lm_cuda_context_destroy(lm_cuda_context *ctx);
 /* Wait for the context's stream; report an error a kernel left behind. */

@@ -80,7 +80,8 @@ typedef struct {
     uint16_t *zn;           /* [m, d_lat] bf16 RMSNorm(z) (LatentMoE only) */
     uint16_t *sa, *su;      /* [n_shared, m, f_s] bf16 shared experts' a, u */
     uint16_t *sh;           /* [n_shared, m, f_s] bf16 shared experts' h */
-    void **blas_ptrs;       /* [3 max(n, P / 128)] device operand pointers of the grouped cuBLAS products */
+    void **blas_ptrs;       /* [2][3 max(n, P / 128)] device operand pointers of the grouped cuBLAS
+                               products: the stream's set, then the side stream's */
     /* Set by the forward: the expert-product kind it ran (lm_moe_gemm_kind;
      * the backward uses the same), and for the cuBLAS kinds a host copy of
      * offsets and padded_offsets (one device-to-host copy and stream
@@ -172,6 +173,16 @@ int lm_cuda_moe_batched_tiles(void);
  * (read once). Anything but 0 or 1 is LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_by_token(int by_token);
 int lm_cuda_moe_by_token(void);
+/* Where the routed experts' weight gradients run in the backward (the batched
+ * kind, without expert parallelism, on a context with a side stream): 1, on
+ * the context's side stream, beside the input gradients' products and the
+ * rest of the layer's backward, which waits for them at its end (the
+ * default); 0, on the context's stream after the products they follow. The
+ * same products on the same inputs either way: the same bits. Until set,
+ * LONGMOE_MOE_WGRAD=inline selects 0 (read once). Anything but 0 or 1 is
+ * LM_ERR_ARG. */
+lm_status lm_cuda_moe_set_wgrad_side(int side);
+int lm_cuda_moe_wgrad_side(void);
 /* "batched", "grouped", "loop", "wmma", "wgmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
 /* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):

@@ -42,12 +42,32 @@ extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
     LT_TRY(cublasSetWorkspace(b, ctx->blas_workspace, BLAS_WORKSPACE_BYTES));
     LM_CUDA_TRY(cudaMallocHost(&ctx->host_pinned, HOST_PINNED_BYTES));
     ctx->host_pinned_bytes = HOST_PINNED_BYTES;
+    cudaStream_t side;
+    LM_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    ctx->side_stream = side;
+    cublasHandle_t sb;
+    LT_TRY(cublasCreate(&sb));
+    ctx->side_cublas = sb;
+    LT_TRY(cublasSetStream(sb, side));
+    LM_CUDA_TRY(cudaMalloc(&ctx->side_blas_workspace, BLAS_WORKSPACE_BYTES));
+    LT_TRY(cublasSetWorkspace(sb, ctx->side_blas_workspace, BLAS_WORKSPACE_BYTES));
+    cudaEvent_t e;
+    LM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ctx->side_fork = e;
+    LM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ctx->side_join = e;
     return LM_OK;
 }
 
 extern "C" void lm_cuda_context_destroy(lm_cuda_context *ctx) {
     if (!ctx) return;
     if (ctx->stream) cudaStreamSynchronize((cudaStream_t)ctx->stream);
+    if (ctx->side_stream) cudaStreamSynchronize((cudaStream_t)ctx->side_stream);
+    if (ctx->side_cublas) cublasDestroy((cublasHandle_t)ctx->side_cublas);
+    if (ctx->side_blas_workspace) cudaFree(ctx->side_blas_workspace);
+    if (ctx->side_fork) cudaEventDestroy((cudaEvent_t)ctx->side_fork);
+    if (ctx->side_join) cudaEventDestroy((cudaEvent_t)ctx->side_join);
+    if (ctx->side_stream) cudaStreamDestroy((cudaStream_t)ctx->side_stream);
     if (ctx->lt_workspace) cudaFree(ctx->lt_workspace);
     if (ctx->cublaslt) cublasLtDestroy((cublasLtHandle_t)ctx->cublaslt);
     if (ctx->cublas) cublasDestroy((cublasHandle_t)ctx->cublas);

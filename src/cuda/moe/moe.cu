@@ -70,7 +70,7 @@ static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m
         {(void **)&a->rstd, dl ? m * 4 : 0},  {(void **)&a->zn, m * dl * 2},
         {(void **)&a->sa, ns * m * fs * 2},   {(void **)&a->su, ns * m * fs * 2},
         {(void **)&a->sh, ns * m * fs * 2},
-        {(void **)&a->blas_ptrs, 3 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
+        {(void **)&a->blas_ptrs, 6 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
     };
     return layout_buffers(t, sizeof t / sizeof t[0], base);
 }
@@ -526,23 +526,47 @@ lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c,
 
 /* Their backward from e->dgout: dh = dout W_down, dW_down += dout^T h, da/du,
  * dxg = da W_gate + du W_up (the second product adds onto the bf16 first),
- * dW_gate, dW_up (with r->dw_set the three weight gradients = instead of +=). */
+ * dW_gate, dW_up (with r->dw_set the three weight gradients = instead of +=).
+ * With r->wgrad_side the three weight gradients run on the context's side
+ * stream, each after the side waits for what it reads (dgout, then da and du);
+ * they write nothing else, so the stream goes on with the input gradients and
+ * the rest of the layer's backward, and the caller joins them. */
 lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c, const lm_moe_params_bf16 *pb,
                                   const lm_moe_params *g, const lm_cuda_moe_acts *a, const lm_moe_expert_grads *e) {
     const int f = c->d_ff, de = expert_width(c);
     const int64_t P = a->rows_max;
     const int32_t *rows_used = a->padded_offsets + r->n;
     const int add = !r->dw_set;
-    TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
+    /* w runs the weight gradients: r itself, or the side stream's runner with its cuBLAS handle and
+     * the acts' second set of pointer arrays (the stream's own set is in use at the same time) */
+    lm_moe_runner side = *r;
+    lm_cuda_context sctx;
+    lm_cuda_moe_acts sacts;
+    const lm_moe_runner *w = r;
+    if (r->wgrad_side) {
+        sctx = *r->ctx;
+        sctx.stream = r->ctx->side_stream;
+        sctx.cublas = r->ctx->side_cublas;
+        sctx.blas_workspace = r->ctx->side_blas_workspace;
+        sacts = *a;
+        sacts.blas_ptrs = a->blas_ptrs + 3 * lm_moe_blas_ptr_capacity(r->n, a->rows_max);
+        side.ctx = &sctx;
+        side.st = (cudaStream_t)sctx.stream;
+        side.acts = &sacts;
+        w = &side;
+        TRY(lm_cuda_stream_wait(sctx.stream, r->ctx->stream, r->ctx->side_fork));
+    }
     if (g->down)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, add, de, f, 0));
+        TRY(gemm_grouped(w, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, add, de, f, 0));
+    TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
     TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act, f));
+    if (r->wgrad_side) TRY(lm_cuda_stream_wait(sctx.stream, r->ctx->stream, r->ctx->side_fork));
+    if (g->gate)
+        TRY(gemm_grouped(w, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, add, f, de, 0));
+    if (g->up)
+        TRY(gemm_grouped(w, LM_GEMM_TN, e->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, add, f, de, 0));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->da, f, pb->gate, de, (int64_t)f * de, NULL, e->dxg, de, 0, 0, P, de, f));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->du, f, pb->up, de, (int64_t)f * de, NULL, e->dxg, de, 0, 1, P, de, f));
-    if (g->gate)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, add, f, de, 0));
-    if (g->up)
-        TRY(gemm_grouped(r, LM_GEMM_TN, e->du, f, a->xg, de, 0, g->up, NULL, de, (int64_t)f * de, add, f, de, 0));
     return LM_OK;
 }
 
@@ -579,7 +603,7 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
     if (kind != LM_MOE_GEMM_WMMA && !ctx->cublas)
         return lm_error(LM_ERR_ARG, "moe cuda forward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
-    runner R = {ctx, st, (int)kind, a, c->n_experts, NULL, 0};
+    runner R = {ctx, st, (int)kind, a, c->n_experts, NULL, 0, 0};
     if (m == 0) {
         /* no rows to send; the owner's part still runs */
         memset(a->host_offsets, 0, sizeof a->host_offsets);
@@ -700,7 +724,10 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
         return lm_error(LM_ERR_ARG, "moe cuda backward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
     /* the kind and (cuBLAS) host row counts of the forward */
-    runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set};
+    /* the routed experts' weight gradients on the side stream (batched kind, no EP): joined below */
+    const int wside = !ep && m > 0 && a->gemm_kind == LM_MOE_GEMM_BATCHED && ctx->side_stream &&
+                      lm_cuda_moe_wgrad_side();
+    runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set, wside};
     if (m == 0) return lm_moe_ep_experts_backward_cuda(&R, c, pb, g, a, s, ep);
     const runner *r = &R;
     int n = c->n_experts, k = c->top_k, d = c->d, de = expert_width(c), dl = c->d_latent;
@@ -802,6 +829,8 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     if (dx && dscores_extra) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
     else if (dx) TRY(lm_moe_router_dx_sparse(st, dx, s->dr, pf->router, a, m, n, k, d));
     if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    /* the stream waits for the expert weight gradients of the side stream */
+    if (wside) TRY(lm_cuda_stream_wait(ctx->stream, ctx->side_stream, ctx->side_join));
     return LM_OK;
 }
 

@@ -128,6 +128,13 @@ static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "moe rows", {"by-row",
 extern "C" lm_status lm_cuda_moe_set_by_token(int v) { return switch_set(&by_token, v); }
 extern "C" int lm_cuda_moe_by_token(void) { return switch_get(&by_token); }
 
+/* Where the routed experts' weight gradients run: 0 on the stream, 1 on the
+ * side stream (the default) (LONGMOE_MOE_WGRAD=inline|side). */
+static switch_setting wgrad_side = {-1, "LONGMOE_MOE_WGRAD", "moe weight gradients", {"inline", "side"}, 1};
+
+extern "C" lm_status lm_cuda_moe_set_wgrad_side(int v) { return switch_set(&wgrad_side, v); }
+extern "C" int lm_cuda_moe_wgrad_side(void) { return switch_get(&wgrad_side); }
+
 static long grouped_refused; /* grouped calls cuBLAS refused (NOT_SUPPORTED), run per expert */
 
 extern "C" long lm_cuda_moe_grouped_refused(void) { return grouped_refused; }

@@ -499,7 +499,7 @@ lm_status lm_moe_ep_experts_forward_cuda(const lm_moe_runner *r, const lm_moe_co
                                          lm_cuda_moe_acts *a, lm_cuda_moe_ep *ep) {
     TRY(plan_exchange(ep, a, r->kind));
     TRY(dispatch(ep, r->st, a->xg, (bf16 *)ep->loc.xg));
-    const lm_moe_runner local = {r->ctx, r->st, r->kind, &ep->loc, ep->nl, NULL, 0};
+    const lm_moe_runner local = {r->ctx, r->st, r->kind, &ep->loc, ep->nl, NULL, 0, 0};
     if (ep->loc.host_padded[ep->nl] > 0) TRY(lm_moe_experts_forward(&local, c, pb, &ep->loc));
     return give_back(ep, r->st, (const bf16 *)ep->loc.gout, a->gout);
 }
@@ -513,7 +513,7 @@ lm_status lm_moe_ep_experts_backward_cuda(const lm_moe_runner *r, const lm_moe_c
     TRY(ensure_rows(ep, rr, lr));
     ep_transient *tr = ep->tr;
     TRY(dispatch(ep, r->st, s->dgout, tr->dgout));
-    const lm_moe_runner local = {r->ctx, r->st, ep->loc.gemm_kind, &ep->loc, ep->nl, r->dw_tmp, r->dw_set};
+    const lm_moe_runner local = {r->ctx, r->st, ep->loc.gemm_kind, &ep->loc, ep->nl, r->dw_tmp, r->dw_set, 0};
     if (lr > 0) {
         lm_moe_expert_grads e = {tr->dgout, tr->dh, tr->da, tr->du, tr->dxg};
         TRY(lm_moe_experts_backward(&local, c, pb, g, &ep->loc, &e));
