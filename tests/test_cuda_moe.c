@@ -611,7 +611,7 @@ static void test_by_token_gives_the_by_row_bits_without_latent(void) {
     lm_cuda_moe_set_by_token(was);
 }
 
-/* The routed experts' weight gradients on the context's side stream (the default) and on its
+/* The layer's weight gradients on the context's side stream (the default) and on its
  * stream (lm_cuda_moe_set_wgrad_side(0)) give the same bits: y, dx and every gradient, added to
  * and written (expert_grads_set), over 2048 tokens of the latent+shared layer (products large
  * enough to run beside each other). The scratch is NaN before each run, so a weight gradient that

@@ -173,12 +173,13 @@ int lm_cuda_moe_batched_tiles(void);
  * (read once). Anything but 0 or 1 is LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_by_token(int by_token);
 int lm_cuda_moe_by_token(void);
-/* Where the routed experts' weight gradients run in the backward (the batched
- * kind, without expert parallelism, on a context with a side stream): 1, on
- * the context's side stream, beside the input gradients' products and the
- * rest of the layer's backward, which waits for them at its end (the
- * default); 0, on the context's stream after the products they follow. The
- * same products on the same inputs either way: the same bits. Until set,
+/* Where the layer's weight gradients (routed and shared experts, latent
+ * projections, router) run in the backward (the batched kind, without expert
+ * parallelism, on a context with a side stream): 1, on the context's side
+ * stream, beside the input gradients' products and the rest of the layer's
+ * backward, which waits for them at its end (the default); 0, on the
+ * context's stream. The same products on the same inputs either way: the
+ * same bits. Until set,
  * LONGMOE_MOE_WGRAD=inline selects 0 (read once). Anything but 0 or 1 is
  * LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_wgrad_side(int side);

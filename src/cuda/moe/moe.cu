@@ -524,6 +524,34 @@ lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c,
     return LM_OK;
 }
 
+/* With r->wgrad_side, the side stream waits for the work enqueued on the stream so far. */
+static lm_status side_wait(const lm_moe_runner *r) {
+    if (!r->wgrad_side) return LM_OK;
+    return lm_cuda_stream_wait(r->ctx->side_stream, r->ctx->stream, r->ctx->side_fork);
+}
+
+/* The runner of the weight gradients on the context's side stream: its cuBLAS handle and
+ * workspace, and the acts' second set of pointer arrays (the stream's own set is in use at the same
+ * time); side, sctx and sacts are filled, and the side stream waits for the work enqueued on the
+ * stream so far. Without r->wgrad_side: r itself, nothing waits. */
+static const lm_moe_runner *side_runner(const lm_moe_runner *r, lm_moe_runner *side, lm_cuda_context *sctx,
+                                        lm_cuda_moe_acts *sacts, lm_status *st) {
+    *st = LM_OK;
+    if (!r->wgrad_side) return r;
+    *sctx = *r->ctx;
+    sctx->stream = r->ctx->side_stream;
+    sctx->cublas = r->ctx->side_cublas;
+    sctx->blas_workspace = r->ctx->side_blas_workspace;
+    *sacts = *r->acts;
+    sacts->blas_ptrs = r->acts->blas_ptrs + 3 * lm_moe_blas_ptr_capacity(r->n, r->acts->rows_max);
+    *side = *r;
+    side->ctx = sctx;
+    side->st = (cudaStream_t)sctx->stream;
+    side->acts = sacts;
+    *st = side_wait(r);
+    return side;
+}
+
 /* Their backward from e->dgout: dh = dout W_down, dW_down += dout^T h, da/du,
  * dxg = da W_gate + du W_up (the second product adds onto the bf16 first),
  * dW_gate, dW_up (with r->dw_set the three weight gradients = instead of +=).
@@ -537,30 +565,18 @@ lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c
     const int64_t P = a->rows_max;
     const int32_t *rows_used = a->padded_offsets + r->n;
     const int add = !r->dw_set;
-    /* w runs the weight gradients: r itself, or the side stream's runner with its cuBLAS handle and
-     * the acts' second set of pointer arrays (the stream's own set is in use at the same time) */
-    lm_moe_runner side = *r;
+    /* w runs the weight gradients: r itself, or on the side stream (after dgout) */
+    lm_moe_runner side;
     lm_cuda_context sctx;
     lm_cuda_moe_acts sacts;
-    const lm_moe_runner *w = r;
-    if (r->wgrad_side) {
-        sctx = *r->ctx;
-        sctx.stream = r->ctx->side_stream;
-        sctx.cublas = r->ctx->side_cublas;
-        sctx.blas_workspace = r->ctx->side_blas_workspace;
-        sacts = *a;
-        sacts.blas_ptrs = a->blas_ptrs + 3 * lm_moe_blas_ptr_capacity(r->n, a->rows_max);
-        side.ctx = &sctx;
-        side.st = (cudaStream_t)sctx.stream;
-        side.acts = &sacts;
-        w = &side;
-        TRY(lm_cuda_stream_wait(sctx.stream, r->ctx->stream, r->ctx->side_fork));
-    }
+    lm_status ws;
+    const lm_moe_runner *w = side_runner(r, &side, &sctx, &sacts, &ws);
+    TRY(ws);
     if (g->down)
         TRY(gemm_grouped(w, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, add, de, f, 0));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
     TRY(glu_backward(r->st, e->da, e->du, e->dh, a->ga, a->gu, rows_used, P, f, (int)c->act, f));
-    if (r->wgrad_side) TRY(lm_cuda_stream_wait(sctx.stream, r->ctx->stream, r->ctx->side_fork));
+    TRY(side_wait(r)); /* da, du */
     if (g->gate)
         TRY(gemm_grouped(w, LM_GEMM_TN, e->da, f, a->xg, de, 0, g->gate, NULL, de, (int64_t)f * de, add, f, de, 0));
     if (g->up)
@@ -724,7 +740,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
         return lm_error(LM_ERR_ARG, "moe cuda backward: the context has no cuBLAS handle");
     cudaStream_t st = (cudaStream_t)ctx->stream;
     /* the kind and (cuBLAS) host row counts of the forward */
-    /* the routed experts' weight gradients on the side stream (batched kind, no EP): joined below */
+    /* the weight gradients on the side stream (batched kind, no EP): joined at the end */
     const int wside = !ep && m > 0 && a->gemm_kind == LM_MOE_GEMM_BATCHED && ctx->side_stream &&
                       lm_cuda_moe_wgrad_side();
     runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set, wside};
@@ -737,6 +753,14 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     const void *dy_bf16 = s->dy_bf16;
     if (dy_bf16 && dy_given) dy_bf16 = dy_given;
     else if (dy_bf16) TRY(lm_cuda_f32_to_bf16(ctx, (uint16_t *)s->dy_bf16, dy, (size_t)(m * d)));
+    /* w runs the layer's weight gradients: r, or with wside the side stream, which waits for the
+     * stream at each point where they need what the stream wrote (here: dy's bf16 copy) */
+    lm_moe_runner side;
+    lm_cuda_context sctx;
+    lm_cuda_moe_acts sacts;
+    lm_status ws;
+    const runner *w = side_runner(r, &side, &sctx, &sacts, &ws);
+    TRY(ws);
     /* The input gradients of the products that take x (the shared experts' gate and up, the latent
      * down-projection) go side by side into dcat [m, kc], their weights into wcat [kc, d], and dx
      * takes one product with K = kc below instead of one per weight, each of which would read and
@@ -749,7 +773,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
         bf16 *dsa = (bf16 *)s->dcat + (size_t)e * 2 * fs, *dsu = dsa + fs;
         TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->shared_down + wo, fs, NULL, s->dsh, fs, 0, m, fs, d));
         if (g->shared_down)
-            TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
+            TRY(gemm(w, LM_GEMM_TN, dy_bf16, d, a->sh + ao, fs, g->shared_down + wo, NULL, fs, 1, d, fs, m));
         TRY(glu_backward(st, dsa, dsu, s->dsh, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m, fs,
                          (int)c->act, kc));
         if (dx) {
@@ -759,17 +783,18 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
             LM_CUDA_TRY(cudaMemcpyAsync(wcat + ((size_t)e * 2 + 1) * fs * d, pb->shared_up + wo, wb,
                                         cudaMemcpyDeviceToDevice, st));
         }
+        TRY(side_wait(r)); /* dsa, dsu */
         if (g->shared_gate)
-            TRY(gemm(r, LM_GEMM_TN, dsa, kc, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(w, LM_GEMM_TN, dsa, kc, a->x_bf16, d, g->shared_gate + wo, NULL, d, 1, fs, d, m));
         if (g->shared_up)
-            TRY(gemm(r, LM_GEMM_TN, dsu, kc, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
+            TRY(gemm(w, LM_GEMM_TN, dsu, kc, a->x_bf16, d, g->shared_up + wo, NULL, d, 1, fs, d, m));
     }
 
     /* gradient of z */
     const float *dz = dy;
     if (dl > 0) {
         TRY(gemm(r, LM_GEMM_NN, dy_bf16, d, pb->lat_up, dl, s->dzn, NULL, dl, 0, m, dl, d));
-        if (g->lat_up) TRY(gemm(r, LM_GEMM_TN, dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
+        if (g->lat_up) TRY(gemm(w, LM_GEMM_TN, dy_bf16, d, a->zn, dl, g->lat_up, NULL, dl, 1, d, dl, m));
         const int mc = norm_chunks(dl, s->dz, s->dzn, a->z, pf->lat_norm);
         const int64_t chunk = mc ? NORM_CHUNK : NORM_CHUNK_ROW, nchunk = (m + chunk - 1) / chunk;
         if (mc == 1)
@@ -800,6 +825,13 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
 
     /* per grouped row: d out = p dz_i, and dp = <dz_i, E(x_i)> */
     TRY(lm_moe_combine_backward(st, (bf16 *)s->dgout, s->dp, dz, a, n, k, de));
+    /* on the side stream the router's weight gradient runs here, beside the experts: its dr needs
+     * only dp (the same kernels as below, earlier: the same bits) */
+    if (wside) {
+        TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
+        TRY(side_wait(r));
+        if (g->router) TRY(gemm_f32(w, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    }
     /* the routed experts, here or (expert parallelism) on their owners */
     if (ep) {
         TRY(lm_moe_ep_experts_backward_cuda(r, c, pb, g, a, s, ep));
@@ -814,8 +846,9 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
         if (dx)
             LM_CUDA_TRY(cudaMemcpyAsync(wcat + (size_t)2 * ns * fs * d, pb->lat_down, (size_t)dl * d * sizeof(bf16),
                                         cudaMemcpyDeviceToDevice, st));
+        TRY(side_wait(r)); /* dxe */
         if (g->lat_down)
-            TRY(gemm(r, LM_GEMM_TN, dxe, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
+            TRY(gemm(w, LM_GEMM_TN, dxe, kc, a->x_bf16, d, g->lat_down, NULL, d, 1, dl, d, m));
     }
     /* dx is written: the first of its terms sets it (no zeroing pass, no read of its old rows) */
     if (dx && kc > 0) TRY(gemm(r, LM_GEMM_NN, s->dcat, kc, wcat, d, dx, NULL, d, 0, m, d, kc));
@@ -825,11 +858,11 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     /* router in fp32: dr over all n logits (zero off the chosen set without
      * dscores_extra), dx += dr W_r (without dscores_extra over the k chosen
      * rows of W_r only, not a product over all n), dW_r += dr^T x */
-    TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
+    if (!wside) TRY(lm_moe_router_grad(st, s->dr, s->dp, dscores_extra, a, m, n, k, c->route_scale));
     if (dx && dscores_extra) TRY(gemm_f32(r, LM_GEMM_NN, s->dr, n, pf->router, d, dx, d, 1, m, d, n));
     else if (dx) TRY(lm_moe_router_dx_sparse(st, dx, s->dr, pf->router, a, m, n, k, d));
-    if (g->router) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
-    /* the stream waits for the expert weight gradients of the side stream */
+    if (g->router && !wside) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
+    /* the stream waits for the weight gradients of the side stream */
     if (wside) TRY(lm_cuda_stream_wait(ctx->stream, ctx->side_stream, ctx->side_join));
     return LM_OK;
 }
