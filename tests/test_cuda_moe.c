@@ -611,13 +611,15 @@ static void test_by_token_gives_the_by_row_bits_without_latent(void) {
     lm_cuda_moe_set_by_token(was);
 }
 
-/* The layer's weight gradients on the context's side stream (the default) and on its
- * stream (lm_cuda_moe_set_wgrad_side(0)) give the same bits: y, dx and every gradient, added to
- * and written (expert_grads_set), over 2048 tokens of the latent+shared layer (products large
- * enough to run beside each other). The scratch is NaN before each run, so a weight gradient that
- * ran before the side stream waited for its input (dgout, or da and du) would show. The layer's
- * stream alone is synchronised before the download: it waits for the side stream itself. */
-static void test_side_stream_weight_gradients_give_the_inline_bits(void) {
+/* The layer on the context's side stream (the default: in the forward the latent and shared
+ * experts' products beside the router and routing, in the backward the weight gradients beside
+ * the input gradients) and on its stream alone (lm_cuda_moe_set_side_stream(0)) give the same
+ * bits: y, dx and every gradient, added to and written (expert_grads_set), over 2048 tokens of
+ * the latent+shared layer (products large enough to run beside each other). The activations and
+ * scratch are NaN before each run, so a product that ran before the other stream had written its
+ * input would show. Only the layer's stream is synchronised before the download: it waits for the
+ * side stream itself. */
+static void test_side_stream_gives_the_inline_bits(void) {
     CHECK(ctx.side_stream && ctx.side_cublas && ctx.side_fork && ctx.side_join, "the context has a side stream");
     lm_moe_config c = latent_config(LM_EXPERT_SITU_GLU);
     c.n_experts = 32;
@@ -632,7 +634,7 @@ static void test_side_stream_weight_gradients_give_the_inline_bits(void) {
         x[i] = (float)lm_rng_normal(&r);
         dy[i] = (float)lm_rng_normal(&r);
     }
-    const int was = lm_cuda_moe_wgrad_side(), was_tiles = lm_cuda_moe_batched_tiles(),
+    const int was = lm_cuda_moe_side_stream(), was_tiles = lm_cuda_moe_batched_tiles(),
               was_by_token = lm_cuda_moe_by_token();
     lm_moe_gemm_kind was_kind = LM_MOE_GEMM_BATCHED;
     CHECK(lm_cuda_moe_gemm(&was_kind) == LM_OK, "the gemm kind");
@@ -644,7 +646,7 @@ static void test_side_stream_weight_gradients_give_the_inline_bits(void) {
         float *out[3][3];
         latent_run_set = set;
         for (int run = 0; run < 3; run++) { /* side, inline, side */
-            CHECK(lm_cuda_moe_set_wgrad_side(run != 1) == LM_OK, "weight gradients setting %d", run != 1);
+            CHECK(lm_cuda_moe_set_side_stream(run != 1) == LM_OK, "side stream setting %d", run != 1);
             latent_run(&c, &md, x, dy, NULL, m, out[run]);
         }
         for (int run = 1; run < 3; run++) {
@@ -667,11 +669,11 @@ static void test_side_stream_weight_gradients_give_the_inline_bits(void) {
             for (int q = 0; q < 3; q++) free(out[run][q]);
     }
     latent_run_set = 0;
-    lm_cuda_moe_set_wgrad_side(was);
+    lm_cuda_moe_set_side_stream(was);
     lm_cuda_moe_set_gemm(was_kind);
     lm_cuda_moe_set_batched_tiles(was_tiles);
     lm_cuda_moe_set_by_token(was_by_token);
-    CHECK(lm_cuda_moe_set_wgrad_side(2) == LM_ERR_ARG, "weight gradients setting 2 refused");
+    CHECK(lm_cuda_moe_set_side_stream(2) == LM_ERR_ARG, "side stream setting 2 refused");
     free(x), free(dy);
     model_free(&md);
 }
@@ -955,7 +957,7 @@ int main(void) {
         printf("note: cuBLAS refused %ld grouped calls (run per expert instead)\n", lm_cuda_moe_grouped_refused());
     RUN(test_gemm_selector);
     RUN(test_by_token_gives_the_by_row_bits_without_latent);
-    RUN(test_side_stream_weight_gradients_give_the_inline_bits);
+    RUN(test_side_stream_gives_the_inline_bits);
     RUN(test_balance_histogram_equals_the_cpu_k3);
     RUN(test_balance_histogram_equals_the_cpu_zoom);
     RUN(test_expert_load_over_many_blocks);

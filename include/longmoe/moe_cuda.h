@@ -173,17 +173,19 @@ int lm_cuda_moe_batched_tiles(void);
  * (read once). Anything but 0 or 1 is LM_ERR_ARG. */
 lm_status lm_cuda_moe_set_by_token(int by_token);
 int lm_cuda_moe_by_token(void);
-/* Where the layer's weight gradients (routed and shared experts, latent
- * projections, router) run in the backward (the batched kind, without expert
- * parallelism, on a context with a side stream): 1, on the context's side
- * stream, beside the input gradients' products and the rest of the layer's
- * backward, which waits for them at its end (the default); 0, on the
- * context's stream. The same products on the same inputs either way: the
- * same bits. Until set,
- * LONGMOE_MOE_WGRAD=inline selects 0 (read once). Anything but 0 or 1 is
+/* Whether the layer uses the context's side stream (the batched kind, without
+ * expert parallelism, on a context with one): 1 (the default), the forward
+ * runs the products that need x's bf16 copy alone (latent down-projection,
+ * the shared experts' gate and up) there beside the router and the routing,
+ * and the backward its weight gradients (routed and shared experts, latent
+ * projections, router) beside the input gradients and the rest of the
+ * layer's backward; the stream waits for the side before the gather and at
+ * the backward's end. 0, everything on the context's stream. The same
+ * products on the same inputs either way: the same bits. Until set,
+ * LONGMOE_MOE_SIDE=inline selects 0 (read once). Anything but 0 or 1 is
  * LM_ERR_ARG. */
-lm_status lm_cuda_moe_set_wgrad_side(int side);
-int lm_cuda_moe_wgrad_side(void);
+lm_status lm_cuda_moe_set_side_stream(int side);
+int lm_cuda_moe_side_stream(void);
 /* "batched", "grouped", "loop", "wmma", "wgmma" -> kind; -1 for anything else */
 int lm_cuda_moe_gemm_parse(const char *name);
 /* Grouped calls this process's cuBLAS refused (CUBLAS_STATUS_NOT_SUPPORTED):

@@ -524,20 +524,20 @@ lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c,
     return LM_OK;
 }
 
-/* With r->wgrad_side, the side stream waits for the work enqueued on the stream so far. */
+/* With r->side, the side stream waits for the work enqueued on the stream so far. */
 static lm_status side_wait(const lm_moe_runner *r) {
-    if (!r->wgrad_side) return LM_OK;
+    if (!r->side) return LM_OK;
     return lm_cuda_stream_wait(r->ctx->side_stream, r->ctx->stream, r->ctx->side_fork);
 }
 
 /* The runner of the weight gradients on the context's side stream: its cuBLAS handle and
  * workspace, and the acts' second set of pointer arrays (the stream's own set is in use at the same
  * time); side, sctx and sacts are filled, and the side stream waits for the work enqueued on the
- * stream so far. Without r->wgrad_side: r itself, nothing waits. */
+ * stream so far. Without r->side: r itself, nothing waits. */
 static const lm_moe_runner *side_runner(const lm_moe_runner *r, lm_moe_runner *side, lm_cuda_context *sctx,
                                         lm_cuda_moe_acts *sacts, lm_status *st) {
     *st = LM_OK;
-    if (!r->wgrad_side) return r;
+    if (!r->side) return r;
     *sctx = *r->ctx;
     sctx->stream = r->ctx->side_stream;
     sctx->cublas = r->ctx->side_cublas;
@@ -555,7 +555,7 @@ static const lm_moe_runner *side_runner(const lm_moe_runner *r, lm_moe_runner *s
 /* Their backward from e->dgout: dh = dout W_down, dW_down += dout^T h, da/du,
  * dxg = da W_gate + du W_up (the second product adds onto the bf16 first),
  * dW_gate, dW_up (with r->dw_set the three weight gradients = instead of +=).
- * With r->wgrad_side the three weight gradients run on the context's side
+ * With r->side the three weight gradients run on the context's side
  * stream, each after the side waits for what it reads (dgout, then da and du);
  * they write nothing else, so the stream goes on with the input gradients and
  * the rest of the layer's backward, and the caller joins them. */
@@ -638,16 +638,35 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
         TRY(lm_cuda_f32_to_bf16(ctx, a->x_own, x, (size_t)(m * d)));
         a->x_bf16 = a->x_own;
     }
+    /* With the side stream (batched kind, no EP), the products that need x's bf16 copy alone (the
+     * latent down-projection; the shared experts' gate and up with their GLU) run there while the
+     * stream forms the router's fp32 logits, the routing and the host's row counts (the host then
+     * waits for the stream alone); the stream waits for them before the gather. */
+    R.side = !ep && kind == LM_MOE_GEMM_BATCHED && ctx->side_stream && a->x_bf16 && lm_cuda_moe_side_stream();
+    lm_moe_runner side;
+    lm_cuda_context sctx;
+    lm_cuda_moe_acts sacts;
+    lm_status ws;
+    const runner *w = side_runner(r, &side, &sctx, &sacts, &ws); /* r itself without the side stream */
+    TRY(ws);
+    if (dl > 0) TRY(gemm(w, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
+    for (int e = 0; e < ns; e++) {
+        size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
+        TRY(gemm(w, LM_GEMM_NT, a->x_bf16, d, pb->shared_gate + wo, d, NULL, a->sa + ao, fs, 0, m, fs, d));
+        TRY(gemm(w, LM_GEMM_NT, a->x_bf16, d, pb->shared_up + wo, d, NULL, a->su + ao, fs, 0, m, fs, d));
+        TRY(glu_forward(w->st, (bf16 *)a->sh + ao, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m, fs,
+                        (int)c->act));
+    }
     /* router in fp32: logits W_r x into s, then sigmoid, top-k, p and the grouping */
     TRY(gemm_f32(r, LM_GEMM_NT, x, d, pf->router, d, a->s, n, 0, m, n, d));
     TRY(lm_moe_route(st, a, bias, m, n, k, c->route_scale));
     /* the cuBLAS kinds size each expert's product on the host, and expert
      * parallelism each exchange */
     if (kind != LM_MOE_GEMM_WMMA || ep) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
+    if (R.side) TRY(lm_cuda_stream_wait(ctx->stream, ctx->side_stream, ctx->side_join));
 
     /* expert inputs, grouped: x or (LatentMoE) W_down_lat x */
     if (dl > 0) {
-        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
         TRY(lm_moe_gather(st, (bf16 *)a->xg, NULL, (const bf16 *)a->x_lat, a, n, k, de));
     } else {
         TRY(lm_moe_gather(st, (bf16 *)a->xg, x, NULL, a, n, k, de));
@@ -682,13 +701,9 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
         TRY(lm_moe_combine(st, y, a, m, k, de));
     }
 
-    /* shared experts, added to every token */
+    /* the shared experts' outputs, added to every token (their GLU ran above) */
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
-        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->shared_gate + wo, d, NULL, a->sa + ao, fs, 0, m, fs, d));
-        TRY(gemm(r, LM_GEMM_NT, a->x_bf16, d, pb->shared_up + wo, d, NULL, a->su + ao, fs, 0, m, fs, d));
-        TRY(glu_forward(st, (bf16 *)a->sh + ao, (const bf16 *)a->sa + ao, (const bf16 *)a->su + ao, NULL, m, fs,
-                        (int)c->act));
         TRY(gemm(r, LM_GEMM_NT, a->sh + ao, fs, pb->shared_down + wo, fs, y, NULL, d, 1, m, d, fs));
     }
     return LM_OK;
@@ -742,7 +757,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     /* the kind and (cuBLAS) host row counts of the forward */
     /* the weight gradients on the side stream (batched kind, no EP): joined at the end */
     const int wside = !ep && m > 0 && a->gemm_kind == LM_MOE_GEMM_BATCHED && ctx->side_stream &&
-                      lm_cuda_moe_wgrad_side();
+                      lm_cuda_moe_side_stream();
     runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set, wside};
     if (m == 0) return lm_moe_ep_experts_backward_cuda(&R, c, pb, g, a, s, ep);
     const runner *r = &R;

@@ -129,11 +129,11 @@ extern "C" lm_status lm_cuda_moe_set_by_token(int v) { return switch_set(&by_tok
 extern "C" int lm_cuda_moe_by_token(void) { return switch_get(&by_token); }
 
 /* Where the routed experts' weight gradients run: 0 on the stream, 1 on the
- * side stream (the default) (LONGMOE_MOE_WGRAD=inline|side). */
-static switch_setting wgrad_side = {-1, "LONGMOE_MOE_WGRAD", "moe weight gradients", {"inline", "side"}, 1};
+ * side stream (the default) (LONGMOE_MOE_SIDE=inline|side). */
+static switch_setting side_stream = {-1, "LONGMOE_MOE_SIDE", "moe side stream", {"inline", "side"}, 1};
 
-extern "C" lm_status lm_cuda_moe_set_wgrad_side(int v) { return switch_set(&wgrad_side, v); }
-extern "C" int lm_cuda_moe_wgrad_side(void) { return switch_get(&wgrad_side); }
+extern "C" lm_status lm_cuda_moe_set_side_stream(int v) { return switch_set(&side_stream, v); }
+extern "C" int lm_cuda_moe_side_stream(void) { return switch_get(&side_stream); }
 
 static long grouped_refused; /* grouped calls cuBLAS refused (NOT_SUPPORTED), run per expert */
 

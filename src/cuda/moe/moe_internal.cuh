@@ -128,7 +128,7 @@ typedef struct {
     int n;
     bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
     int dw_set;   /* backward only: the routed experts' weight gradients are set, not added to */
-    int wgrad_side; /* backward only: lm_moe_experts_backward runs the weight gradients on the
+    int side;     /* backward only: lm_moe_experts_backward runs the weight gradients on the
                        context's side stream (acts hold the second pointer set); the caller makes
                        the stream wait for them (ctx->side_join) */
 } lm_moe_runner;
