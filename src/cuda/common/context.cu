@@ -6,6 +6,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "check.h"
 #include "cuda/cuda_check.h"
 #include "longmoe/cuda_context.h"
 
@@ -20,42 +21,37 @@
             return lm_error(LM_ERR_IO, "%s:%d: cuBLAS error %d (%s)", __FILE__, __LINE__, (int)s_, #call); \
     } while (0)
 
+/* A non-blocking stream with a cuBLAS handle bound to it and the handle's own workspace. */
+static lm_status blas_stream(void **stream, void **cublas, void **workspace) {
+    cudaStream_t s;
+    LM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    *stream = s;
+    cublasHandle_t b;
+    LT_TRY(cublasCreate(&b));
+    *cublas = b;
+    LT_TRY(cublasSetStream(b, s));
+    LM_CUDA_TRY(cudaMalloc(workspace, BLAS_WORKSPACE_BYTES));
+    LT_TRY(cublasSetWorkspace(b, *workspace, BLAS_WORKSPACE_BYTES));
+    return LM_OK;
+}
+
 extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
     if (!ctx) return lm_error(LM_ERR_ARG, "cuda context: NULL");
     memset(ctx, 0, sizeof *ctx);
     LM_CUDA_TRY(cudaGetDevice(&ctx->device));
     LM_CUDA_TRY(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, ctx->device));
-    cudaStream_t s;
-    LM_CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    ctx->stream = s;
+    TRY(blas_stream(&ctx->stream, &ctx->cublas, &ctx->blas_workspace));
+    ctx->blas_workspace_bytes = BLAS_WORKSPACE_BYTES;
     cublasLtHandle_t h;
     LT_TRY(cublasLtCreate(&h));
     ctx->cublaslt = h;
     LM_CUDA_TRY(cudaMalloc(&ctx->lt_workspace, LT_WORKSPACE_BYTES));
     ctx->lt_workspace_bytes = LT_WORKSPACE_BYTES;
-    cublasHandle_t b;
-    LT_TRY(cublasCreate(&b));
-    ctx->cublas = b;
-    LT_TRY(cublasSetStream(b, s));
-    LM_CUDA_TRY(cudaMalloc(&ctx->blas_workspace, BLAS_WORKSPACE_BYTES));
-    ctx->blas_workspace_bytes = BLAS_WORKSPACE_BYTES;
-    LT_TRY(cublasSetWorkspace(b, ctx->blas_workspace, BLAS_WORKSPACE_BYTES));
     LM_CUDA_TRY(cudaMallocHost(&ctx->host_pinned, HOST_PINNED_BYTES));
     ctx->host_pinned_bytes = HOST_PINNED_BYTES;
-    cudaStream_t side;
-    LM_CUDA_TRY(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-    ctx->side_stream = side;
-    cublasHandle_t sb;
-    LT_TRY(cublasCreate(&sb));
-    ctx->side_cublas = sb;
-    LT_TRY(cublasSetStream(sb, side));
-    LM_CUDA_TRY(cudaMalloc(&ctx->side_blas_workspace, BLAS_WORKSPACE_BYTES));
-    LT_TRY(cublasSetWorkspace(sb, ctx->side_blas_workspace, BLAS_WORKSPACE_BYTES));
-    cudaEvent_t e;
-    LM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ctx->side_fork = e;
-    LM_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    ctx->side_join = e;
+    TRY(blas_stream(&ctx->side_stream, &ctx->side_cublas, &ctx->side_blas_workspace));
+    TRY(lm_cuda_event_create(&ctx->side_fork));
+    TRY(lm_cuda_event_create(&ctx->side_join));
     return LM_OK;
 }
 
