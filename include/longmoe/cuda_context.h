@@ -49,7 +49,8 @@ typedef struct {
 /* Create a stream, a cuBLASLt handle and a 32 MiB cuBLASLt workspace, a
  * cuBLAS handle on that stream with its own 32 MiB workspace, a 16 KiB
  * pinned host buffer, and the side stream with its cuBLAS handle, 32 MiB
- * workspace and events, on the current device. LM_ERR_IO (with the CUDA error) when no GPU can be used. */
+ * workspace and events, on the current device. LM_ERR_IO (with the CUDA error) when no GPU can be used;
+ * whatever was made before the failure is freed again. */
 lm_status lm_cuda_context_create(lm_cuda_context *ctx);
 void lm_cuda_context_destroy(lm_cuda_context *ctx);
 /* Wait for the context's stream; report an error a kernel left behind. */

@@ -35,9 +35,7 @@ static lm_status blas_stream(void **stream, void **cublas, void **workspace) {
     return LM_OK;
 }
 
-extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
-    if (!ctx) return lm_error(LM_ERR_ARG, "cuda context: NULL");
-    memset(ctx, 0, sizeof *ctx);
+static lm_status context_create(lm_cuda_context *ctx) {
     LM_CUDA_TRY(cudaGetDevice(&ctx->device));
     LM_CUDA_TRY(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, ctx->device));
     TRY(blas_stream(&ctx->stream, &ctx->cublas, &ctx->blas_workspace));
@@ -53,6 +51,14 @@ extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
     TRY(lm_cuda_event_create(&ctx->side_fork));
     TRY(lm_cuda_event_create(&ctx->side_join));
     return LM_OK;
+}
+
+extern "C" lm_status lm_cuda_context_create(lm_cuda_context *ctx) {
+    if (!ctx) return lm_error(LM_ERR_ARG, "cuda context: NULL");
+    memset(ctx, 0, sizeof *ctx);
+    lm_status st = context_create(ctx);
+    if (st != LM_OK) lm_cuda_context_destroy(ctx); /* what was made is freed; the error stays the last one */
+    return st;
 }
 
 extern "C" void lm_cuda_context_destroy(lm_cuda_context *ctx) {
