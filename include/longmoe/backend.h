@@ -23,7 +23,8 @@
  * NULL to skip them.
  *
  * Token ids (int32) live in the backend's memory too. Ops enqueue their work
- * in order (a GPU backend on one stream); results that come back to the host
+ * in order (a GPU backend on one stream: an op that also uses a second one
+ * waits for it there before returning); results that come back to the host
  * (a loss sum, a head maximum, a non-finite index) synchronise. Scratch that
  * an op needs beyond its arguments is the backend's own (planned once per
  * size: the CUDA backend grows one arena on first use and keeps it). */

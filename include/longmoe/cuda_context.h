@@ -1,7 +1,9 @@
 /* The state every CUDA operator of the model shares: one stream, one
- * cuBLASLt handle, one cuBLAS handle and their workspaces (docs/cuda.md). Operators take a
- * `const lm_cuda_context *` first and enqueue their kernels on its stream;
- * none of them synchronises or allocates, unless its header says so.
+ * cuBLASLt handle, one cuBLAS handle and their workspaces (docs/cuda.md), and
+ * a side stream. Operators take a `const lm_cuda_context *` first and enqueue
+ * their kernels on its stream (one that also uses the side stream makes the
+ * stream wait for it before returning, so the stream orders every operator's
+ * work); none of them synchronises or allocates, unless its header says so.
  *
  * Conventions of the CUDA operators (src/cuda/<op>, headers <op>_cuda.h):
  * - device pointers only; bf16 tensors are uint16_t bit patterns (as in
