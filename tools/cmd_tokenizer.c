@@ -45,7 +45,7 @@ static int tokenizer_train(int argc, char **argv) {
             goto done;
         }
     }
-    if (!n_inputs || !vocab || !out) {
+    if (n_inputs <= 0 || !vocab || !out) {
         cli_fail(cmd, "--input FILE..., --vocab N and --out TOK.json are required");
         goto done;
     }
