@@ -38,10 +38,11 @@ typedef struct {
     size_t blas_workspace_bytes;
     void *host_pinned;     /* small pinned host buffer for counts read back (MoE row counts) */
     size_t host_pinned_bytes;
-    /* A second stream for products that may run beside the stream's other work (the routed
-     * experts' weight gradients, docs/moe.md), with its own cuBLAS handle and workspace and two
-     * events (fork: the side waits for the stream; join: the stream waits for the side). NULL
-     * where not created: the operators then run everything on `stream`. */
+    /* A second stream for products that may run beside the stream's other work (the MoE
+     * layer's weight gradients and some forward products, docs/moe.md), with its own cuBLAS
+     * handle and workspace and two events (fork: the side waits for the stream; join: the
+     * stream waits for the side). NULL where not created: the operators then run everything on
+     * `stream`. */
     void *side_stream;     /* cudaStream_t */
     void *side_cublas;     /* cublasHandle_t, bound to side_stream */
     void *side_blas_workspace;

@@ -1166,8 +1166,8 @@ const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {
  * instead of adding to zeros, and clears the mark. For k3-mini they are 1.61B of the 1.75B
  * gradients: the zeroing's pass over them and the products' reads of them go. Whatever is still
  * fresh when the backward reports the layer's gradients final (a layer without an MoE backward call)
- * is zeroed then, and before lm_model_download_grads and any change of the gradient views. */
-/* (an EP layer's backward adds: lm_model_set_expert_parallel settles every layer before it sets one) */
+ * is zeroed then, and before lm_model_download_grads and any change of the gradient views (an EP
+ * layer's backward adds: lm_model_set_expert_parallel settles every layer before it sets one). */
 static int dw_layer(const lm_model *m, const layer_state *ls) {
     return m->dw_set && ls->moe && !ls->moe_ep && !m->n_gcuts;
 }

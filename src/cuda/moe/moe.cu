@@ -70,7 +70,8 @@ static size_t acts_layout(lm_cuda_moe_acts *a, const lm_moe_config *c, int64_t m
         {(void **)&a->rstd, dl ? m * 4 : 0},  {(void **)&a->zn, m * dl * 2},
         {(void **)&a->sa, ns * m * fs * 2},   {(void **)&a->su, ns * m * fs * 2},
         {(void **)&a->sh, ns * m * fs * 2},
-        {(void **)&a->blas_ptrs, 6 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
+        /* two sets of three arrays: the stream's and the side stream's */
+        {(void **)&a->blas_ptrs, 2 * 3 * (size_t)lm_moe_blas_ptr_capacity((int64_t)n, (int64_t)P) * sizeof(void *)},
     };
     return layout_buffers(t, sizeof t / sizeof t[0], base);
 }
@@ -524,19 +525,25 @@ lm_status lm_moe_experts_forward(const lm_moe_runner *r, const lm_moe_config *c,
     return LM_OK;
 }
 
-/* With r->side, the side stream waits for the work enqueued on the stream so far. */
-static lm_status side_wait(const lm_moe_runner *r) {
-    if (!r->side) return LM_OK;
-    return lm_cuda_stream_wait(r->ctx->side_stream, r->ctx->stream, r->ctx->side_fork);
+/* Whether a layer call runs part of its work on the context's side stream (lm_cuda_moe_side_stream). */
+static int side_usable(const lm_cuda_context *ctx, int kind, const lm_cuda_moe_ep *ep) {
+    return !ep && kind == LM_MOE_GEMM_BATCHED && ctx->side_stream && lm_cuda_moe_side_stream();
 }
 
-/* The runner of the weight gradients on the context's side stream: its cuBLAS handle and
- * workspace, and the acts' second set of pointer arrays (the stream's own set is in use at the same
- * time); side, sctx and sacts are filled, and the side stream waits for the work enqueued on the
- * stream so far. Without r->side: r itself, nothing waits. */
+/* With r->side, the side stream waits for the work enqueued on the stream so far (fork), or the
+ * stream for the side stream's (join). */
+static lm_status side_wait(const lm_moe_runner *r) {
+    return r->side ? lm_cuda_stream_wait(r->ctx->side_stream, r->ctx->stream, r->ctx->side_fork) : LM_OK;
+}
+static lm_status side_join(const lm_moe_runner *r) {
+    return r->side ? lm_cuda_stream_wait(r->ctx->stream, r->ctx->side_stream, r->ctx->side_join) : LM_OK;
+}
+
+/* The runner on the context's side stream: its cuBLAS handle and workspace, and the acts' second
+ * set of pointer arrays (the stream's own set is in use at the same time); side, sctx and sacts are
+ * filled. Without r->side: r itself. Work on it waits for the stream only after a side_wait. */
 static const lm_moe_runner *side_runner(const lm_moe_runner *r, lm_moe_runner *side, lm_cuda_context *sctx,
-                                        lm_cuda_moe_acts *sacts, lm_status *st) {
-    *st = LM_OK;
+                                        lm_cuda_moe_acts *sacts) {
     if (!r->side) return r;
     *sctx = *r->ctx;
     sctx->stream = r->ctx->side_stream;
@@ -548,7 +555,6 @@ static const lm_moe_runner *side_runner(const lm_moe_runner *r, lm_moe_runner *s
     side->ctx = sctx;
     side->st = (cudaStream_t)sctx->stream;
     side->acts = sacts;
-    *st = side_wait(r);
     return side;
 }
 
@@ -569,9 +575,8 @@ lm_status lm_moe_experts_backward(const lm_moe_runner *r, const lm_moe_config *c
     lm_moe_runner side;
     lm_cuda_context sctx;
     lm_cuda_moe_acts sacts;
-    lm_status ws;
-    const lm_moe_runner *w = side_runner(r, &side, &sctx, &sacts, &ws);
-    TRY(ws);
+    const lm_moe_runner *w = side_runner(r, &side, &sctx, &sacts);
+    TRY(side_wait(r)); /* dgout */
     if (g->down)
         TRY(gemm_grouped(w, LM_GEMM_TN, e->dgout, de, a->gh, f, 0, g->down, NULL, f, (int64_t)de * f, add, de, f, 0));
     TRY(gemm_grouped(r, LM_GEMM_NN, e->dgout, de, pb->down, f, (int64_t)de * f, NULL, e->dh, f, 0, 0, P, f, de));
@@ -642,13 +647,12 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
      * latent down-projection; the shared experts' gate and up with their GLU) run there while the
      * stream forms the router's fp32 logits, the routing and the host's row counts (the host then
      * waits for the stream alone); the stream waits for them before the gather. */
-    R.side = !ep && kind == LM_MOE_GEMM_BATCHED && ctx->side_stream && a->x_bf16 && lm_cuda_moe_side_stream();
+    R.side = a->x_bf16 && side_usable(ctx, kind, ep);
     lm_moe_runner side;
     lm_cuda_context sctx;
     lm_cuda_moe_acts sacts;
-    lm_status ws;
-    const runner *w = side_runner(r, &side, &sctx, &sacts, &ws); /* r itself without the side stream */
-    TRY(ws);
+    const runner *w = side_runner(r, &side, &sctx, &sacts); /* r itself without the side stream */
+    TRY(side_wait(r)); /* x's bf16 copy */
     if (dl > 0) TRY(gemm(w, LM_GEMM_NT, a->x_bf16, d, pb->lat_down, d, NULL, a->x_lat, dl, 0, m, dl, d));
     for (int e = 0; e < ns; e++) {
         size_t wo = (size_t)e * fs * d, ao = (size_t)e * m * fs;
@@ -663,7 +667,7 @@ static lm_status forward_impl(const lm_cuda_context *ctx, float *y, const float 
     /* the cuBLAS kinds size each expert's product on the host, and expert
      * parallelism each exchange */
     if (kind != LM_MOE_GEMM_WMMA || ep) TRY(lm_moe_blas_fetch_counts(ctx, a, n));
-    if (R.side) TRY(lm_cuda_stream_wait(ctx->stream, ctx->side_stream, ctx->side_join));
+    TRY(side_join(r));
 
     /* expert inputs, grouped: x or (LatentMoE) W_down_lat x */
     if (dl > 0) {
@@ -756,8 +760,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     cudaStream_t st = (cudaStream_t)ctx->stream;
     /* the kind and (cuBLAS) host row counts of the forward */
     /* the weight gradients on the side stream (batched kind, no EP): joined at the end */
-    const int wside = !ep && m > 0 && a->gemm_kind == LM_MOE_GEMM_BATCHED && ctx->side_stream &&
-                      lm_cuda_moe_side_stream();
+    const int wside = m > 0 && side_usable(ctx, a->gemm_kind, ep);
     runner R = {ctx, st, a->gemm_kind, a, c->n_experts, (bf16 *)s->dw_bf16, dw_set, wside};
     if (m == 0) return lm_moe_ep_experts_backward_cuda(&R, c, pb, g, a, s, ep);
     const runner *r = &R;
@@ -773,9 +776,8 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     lm_moe_runner side;
     lm_cuda_context sctx;
     lm_cuda_moe_acts sacts;
-    lm_status ws;
-    const runner *w = side_runner(r, &side, &sctx, &sacts, &ws);
-    TRY(ws);
+    const runner *w = side_runner(r, &side, &sctx, &sacts);
+    TRY(side_wait(r)); /* dy's bf16 copy */
     /* The input gradients of the products that take x (the shared experts' gate and up, the latent
      * down-projection) go side by side into dcat [m, kc], their weights into wcat [kc, d], and dx
      * takes one product with K = kc below instead of one per weight, each of which would read and
@@ -878,7 +880,7 @@ static lm_status backward_impl(const lm_cuda_context *ctx, float *dx, const lm_m
     else if (dx) TRY(lm_moe_router_dx_sparse(st, dx, s->dr, pf->router, a, m, n, k, d));
     if (g->router && !wside) TRY(gemm_f32(r, LM_GEMM_TN, s->dr, n, x, d, g->router, d, 1, n, d, m));
     /* the stream waits for the weight gradients of the side stream */
-    if (wside) TRY(lm_cuda_stream_wait(ctx->stream, ctx->side_stream, ctx->side_join));
+    TRY(side_join(r));
     return LM_OK;
 }
 

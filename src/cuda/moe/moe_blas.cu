@@ -128,8 +128,9 @@ static switch_setting by_token = {-1, "LONGMOE_MOE_ROWS", "moe rows", {"by-row",
 extern "C" lm_status lm_cuda_moe_set_by_token(int v) { return switch_set(&by_token, v); }
 extern "C" int lm_cuda_moe_by_token(void) { return switch_get(&by_token); }
 
-/* Where the routed experts' weight gradients run: 0 on the stream, 1 on the
- * side stream (the default) (LONGMOE_MOE_SIDE=inline|side). */
+/* Whether the layer runs part of its work (weight gradients, the forward's
+ * products of x alone) on the context's side stream: 0 no, 1 yes (the
+ * default) (LONGMOE_MOE_SIDE=inline|side). */
 static switch_setting side_stream = {-1, "LONGMOE_MOE_SIDE", "moe side stream", {"inline", "side"}, 1};
 
 extern "C" lm_status lm_cuda_moe_set_side_stream(int v) { return switch_set(&side_stream, v); }

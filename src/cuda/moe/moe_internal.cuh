@@ -93,8 +93,8 @@ lm_status lm_moe_zero_weight_groups(cudaStream_t st, const lm_gemm_bf16_args *g,
 /* Entries of each of the three device pointer arrays in acts.blas_ptrs (a,
  * b, c): one an expert, or one a 128-row tile of the grouped rows (the
  * batched kind's tile entries), whichever is more. The layer's acts hold two
- * such sets (the stream's, then the side stream's: lm_moe_experts_backward's
- * weight gradients), an expert-parallel owner's one. */
+ * such sets (the stream's, then the side stream's), an expert-parallel
+ * owner's one. */
 static inline int64_t lm_moe_blas_ptr_capacity(int64_t n, int64_t rows_max) {
     const int64_t tiles = rows_max / LM_MOE_CUDA_ROW_TILE;
     return tiles > n ? tiles : n;
@@ -128,9 +128,9 @@ typedef struct {
     int n;
     bf16 *dw_tmp; /* backward only: bf16 [n, f, d_e] for the grouped weight gradients */
     int dw_set;   /* backward only: the routed experts' weight gradients are set, not added to */
-    int side;     /* backward only: lm_moe_experts_backward runs the weight gradients on the
-                       context's side stream (acts hold the second pointer set); the caller makes
-                       the stream wait for them (ctx->side_join) */
+    int side;     /* part of the call runs on the context's side stream (acts hold the second
+                     pointer set): the forward's products of x alone, the backward's weight
+                     gradients; the layer call makes the stream wait for it (ctx->side_join) */
 } lm_moe_runner;
 
 /* The backward's grouped buffers of the routed experts: dgout in, the rest out. */
