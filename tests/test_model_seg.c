@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/model.h"
 #include "test.h"
 
@@ -292,6 +293,63 @@ static void test_plan_grows_only_by_the_carries(void) {
     lm_model_free(a);
 }
 
+/* The attention runs once a step: the forward keeps its output and
+ * log-sum-exp (lm_mla_keep), and the backward's forwards (the segment's again,
+ * and with recompute each layer's recomputation) reuse them. Counted through
+ * a CPU backend whose attention forwards count their calls. (That the reused
+ * rows are the right ones, test_segments_equal_whole_rows and, with recompute
+ * on whole rows, test_model_chunk's bit-identical recompute show.) */
+static int attn_calls;
+static lm_status count_fwd(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
+                           const void *v, void *o, float *lse, float *rowmax) {
+    attn_calls++;
+    return lm_backend_cpu()->ops->attention_forward(be, cfg, q, k, v, o, lse, rowmax);
+}
+static lm_status count_fwd_offset(lm_backend *be, const lm_attention_config *cfg, int q_offset, const void *q,
+                                  const void *k, const void *v, void *o, float *lse, float *rowmax) {
+    attn_calls++;
+    return lm_backend_cpu()->ops->attention_forward_offset(be, cfg, q_offset, q, k, v, o, lse, rowmax);
+}
+
+static void kept_case(lm_attn_kind attn, int recompute, int S) {
+    lm_config c = seg_config(attn, recompute, 0);
+    c.seq_segment = S;
+    const int B = 2, T = 37, N = B * T, n_attn = 2, n_seg = S > 0 && S < T ? (T + S - 1) / S : 1;
+    lm_ops ops = *lm_backend_cpu()->ops;
+    ops.attention_forward = count_fwd;
+    ops.attention_forward_offset = count_fwd_offset;
+    lm_backend cb = *lm_backend_cpu();
+    cb.ops = &ops;
+    lm_model *m = NULL;
+    CHECK(!lm_model_create_on(&c, B, T, &cb, &m), "%s", lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 17);
+    lm_rng r;
+    lm_rng_seed(&r, 18);
+    int32_t tok[74], tgt[74];
+    random_tokens(&r, tok, N, c.vocab_size);
+    random_tokens(&r, tgt, N, c.vocab_size);
+    float l1 = 0;
+    /* a segment's queries attend per row: B calls a layer and segment (whole rows: one a layer) */
+    const int per_forward = n_attn * (n_seg > 1 ? n_seg * B : 1);
+    lm_model_zero_grads(m);
+    attn_calls = 0;
+    CHECK(!lm_model_forward(m, tok, tgt, 1, &l1), "%s", lm_last_error());
+    const int fwd = attn_calls;
+    CHECK(!lm_model_backward(m, 1.0f), "%s", lm_last_error());
+    CHECK(fwd == per_forward && attn_calls == fwd, "S=%d recompute %d: %d attention calls in the forward, %d in the "
+          "backward (want %d and none)", S, recompute, fwd, attn_calls - fwd, per_forward);
+    lm_model_free(m);
+}
+
+static void test_attention_runs_once_a_step(void) {
+    kept_case(LM_ATTN_MLA, 1, 8);  /* latent stores, recompute: three forwards a segment, one attention */
+    kept_case(LM_ATTN_MLA, 0, 16);
+    kept_case(LM_ATTN_GQA, 1, 8);  /* key and value stores */
+    kept_case(LM_ATTN_MLA, 1, 0);  /* whole rows with recompute: the recomputation reuses it */
+    kept_case(LM_ATTN_GQA, 0, 0);  /* whole rows without recompute: one forward, nothing kept */
+}
+
 /* Bad settings: a clear error. */
 static void test_bad_settings(void) {
     lm_config c = seg_config(LM_ATTN_MLA, 1, 0);
@@ -316,6 +374,7 @@ int main(void) {
     RUN(test_segments_equal_whole_rows);
     RUN(test_segment_at_least_t_is_off);
     RUN(test_segmented_scores);
+    RUN(test_attention_runs_once_a_step);
     RUN(test_plan_grows_only_by_the_carries);
     RUN(test_bad_settings);
     return test_summary();

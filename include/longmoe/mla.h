@@ -113,6 +113,25 @@ lm_status lm_mla_backward_lp(const lm_mla_config *c, const lm_mla_params *p, con
                              const void *x_lp, const float *acts, const float *dy, const void *dy_lp, int B, int T,
                              float *dx, const lm_mla_params *g, float *scratch);
 
+/* The attention's output and log-sum-exp kept outside the layer's activations,
+ * so that a second forward of the same input and weights (the backward's
+ * recomputation) takes them from there instead of running the attention
+ * again. The attention forward is deterministic: where the second forward's
+ * input has the first one's bits, the backward reads the same bits either
+ * way. Rows are those of the whole sequences (T_all a sequence: lm_mla_seg's
+ * T_all in a segment, else T). */
+typedef struct {
+    void *o;    /* [B,T_all,H,Dv] product format: the attention output before its gate */
+    float *lse; /* [B,T_all,H] fp32: each sequence's [H,n] block of the rows t0 .. t0+n-1 at (b*T_all + t0)*H */
+    int reuse;  /* 0: the forward runs the attention and writes o, lse here; 1: it reads them from here */
+} lm_mla_keep;
+/* Floats (rounded up to whole floats) of keep.o and keep.lse for B sequences of T_all tokens. */
+size_t lm_mla_keep_o_floats(const lm_mla_config *c, size_t lp_bytes, int B, int T_all);
+size_t lm_mla_keep_lse_floats(const lm_mla_config *c, int B, int T_all);
+/* lm_mla_forward_lp with the attention's output kept (keep != NULL) or reused (keep->reuse). */
+lm_status lm_mla_forward_lp_keep(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *p_lp,
+                                 const void *x_lp, int B, int T, float *y, float *acts, const lm_mla_keep *keep);
+
 /* smax [H] = each head's largest scaled pre-softmax logit in the forward that
  * filled `acts` (for QK-Clip, include/longmoe/optim.h); CPU layers only (any
  * backend: the backend's attention_head_max). */
@@ -142,6 +161,10 @@ typedef struct {
     float *kr_store;         /* [B,T_all,r] fp32: the rotary key after RoPE (rope_dims > 0) */
     float *dc_acc, *dkr_acc; /* the same shapes, fp32 */
     void *k_work, *v_work;   /* [T_all,H,Dk], [T_all,H,Dv], product format: one sequence's keys, values */
+    /* the attention's output of the whole rows, kept or reused (NULL: neither; lm_mla_keep). With
+     * keep->reuse the forward writes the segment's rows of the stores as always but builds no keys and
+     * values and runs no attention */
+    const lm_mla_keep *keep;
 } lm_mla_seg;
 
 /* Bytes a token of the whole rows takes in each form: the keys and values

@@ -337,6 +337,28 @@ void lm_mla_seg_token_bytes(const lm_mla_config *c, size_t lp_bytes, size_t *kv,
                                      : 0;
 }
 
+size_t lm_mla_keep_o_floats(const lm_mla_config *c, size_t lp_bytes, int B, int T_all) {
+    return ((size_t)B * T_all * c->n_heads * c->head_dim_v * lp_bytes + sizeof(float) - 1) / sizeof(float);
+}
+
+size_t lm_mla_keep_lse_floats(const lm_mla_config *c, int B, int T_all) {
+    return (size_t)B * T_all * c->n_heads;
+}
+
+/* The attention's output o [B*T,H*Dv] and lse (each sequence's [H,T]) of the
+ * activations to the kept rows t0 .. t0+T-1 of every sequence (to_keep), or back. */
+static lm_status keep_copy(lm_backend *be, const lm_mla_config *c, const lm_mla_keep *kp, int B, int T, int T_all,
+                           int t0, void *o, float *lse, int to_keep) {
+    const size_t lpb = be->lp_bytes, H = (size_t)c->n_heads, OE = H * c->head_dim_v;
+    for (int b = 0; b < B; b++) {
+        void *ko = at(kp->o, (size_t)b * T_all + t0, OE, lpb), *ao = at(o, (size_t)b * T, OE, lpb);
+        float *kl = kp->lse + ((size_t)b * T_all + t0) * H, *al = lse + (size_t)b * H * T;
+        TRY(be->copy(be, to_keep ? ko : ao, to_keep ? ao : ko, (size_t)T * OE * lpb));
+        TRY(be->copy(be, to_keep ? kl : al, to_keep ? al : kl, (size_t)T * H * sizeof(float)));
+    }
+    return LM_OK;
+}
+
 static lm_status check_seg(const lm_mla_config *c, const lm_mla_seg *seg, int n) {
     if (!seg) return LM_OK;
     if (seg->t0 < 0 || seg->t0 + n > seg->T_all)
@@ -384,13 +406,15 @@ static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, co
 
 /* store_only (a segment): only the segment's rows of the stores (no attention, no output) */
 static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
-                             int B, int T, float *y, float *acts, const lm_mla_seg *seg, int store_only) {
+                             int B, int T, float *y, float *acts, const lm_mla_seg *seg, int store_only,
+                             const lm_mla_keep *kp) {
     // x (B,T,d) in the product format -> y (B,T,d); acts (lm_mla_acts_floats)
     lm_status st = check_run(c, p, B, T);
     if (!st) st = check_seg(c, seg, T);
     if (st) return st;
     if (!x || (!y && !store_only) || !acts || !pl)
         return lm_error(LM_ERR_ARG, "mla forward: x, y, acts and p_lp are required");
+    if (kp && (!kp->o || !kp->lse)) return lm_error(LM_ERR_ARG, "mla forward: a kept output needs o and lse");
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     if (c->rope_dims && be->device != LM_DEVICE_CPU)
@@ -456,9 +480,12 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
     /* o and gated are in the product format */
     float *o = acts + L.o, *gp = acts + L.gp, *gated = acts + L.gated;
     lm_attention_config ac = core_config(c, B, T);
+    /* a kept output reused: the attention's inputs as always (the stores' rows included), not the attention */
+    const int reuse = kp && kp->reuse;
     if (!seg) {
-        TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
-                                  acts + L.rowmax));
+        if (!reuse)
+            TRY(op->attention_forward(be, &ac, acts + L.q_lp, acts + L.k_lp, acts + L.v_lp, o, acts + L.lse,
+                                      acts + L.rowmax));
     } else if (latent) {
         /* the segment's latents (and rotary keys) into the stores, then per sequence the keys and values of
          * its prefix up-projected and its queries over them */
@@ -473,7 +500,7 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
                              (size_t)T * r * sizeof(float)));
         }
         if (store_only) return LM_OK;
-        for (int b = 0; b < B; b++) {
+        for (int b = 0; b < B && !reuse; b++) {
             TRY(seg_build_kv(c, p, pl, seg, b, (size_t)seg->t0 + T, k, v, acts + L.kn, (size_t)N));
             TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
                                              seg->k_work, seg->v_work, at(o, (size_t)b * T, (size_t)H * Dv, lpb),
@@ -491,13 +518,15 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
                          (size_t)T * VE * lpb));
         }
         if (store_only) return LM_OK;
-        for (int b = 0; b < B; b++)
+        for (int b = 0; b < B && !reuse; b++)
             TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
                                              at(seg->k_store, (size_t)b * seg->T_all, KE, lpb),
                                              at(seg->v_store, (size_t)b * seg->T_all, VE, lpb),
                                              at(o, (size_t)b * T, (size_t)H * Dv, lpb),
                                              acts + L.lse + (size_t)b * H * T, acts + L.rowmax + (size_t)b * H * T));
     }
+    if (kp)
+        TRY(keep_copy(be, c, kp, B, T, seg ? seg->T_all : T, seg ? seg->t0 : 0, o, acts + L.lse, !reuse));
     // y = W_o (sigmoid(W_g x) * o)
     MM_F(gp, x, pl->W_g, NULL, N, d, H * Dv);
     TRY(op->gate_forward(be, sep ? NULL : gated, gated, gp, o, (size_t)N * H * Dv));
@@ -507,19 +536,24 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
 
 lm_status lm_mla_forward_lp(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
                             int B, int T, float *y, float *acts) {
-    return mla_forward(c, p, pl, x, B, T, y, acts, NULL, 0);
+    return mla_forward(c, p, pl, x, B, T, y, acts, NULL, 0, NULL);
+}
+
+lm_status lm_mla_forward_lp_keep(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
+                                 const void *x, int B, int T, float *y, float *acts, const lm_mla_keep *keep) {
+    return mla_forward(c, p, pl, x, B, T, y, acts, NULL, 0, keep);
 }
 
 lm_status lm_mla_forward_seg(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl, const void *x,
                              int B, int n, const lm_mla_seg *seg, float *y, float *acts) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment forward: seg is NULL");
-    return mla_forward(c, p, pl, x, B, n, y, acts, seg, 0);
+    return mla_forward(c, p, pl, x, B, n, y, acts, seg, 0, seg->keep);
 }
 
 lm_status lm_mla_seg_store_rows(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
                                 const void *x, int B, int n, const lm_mla_seg *seg, float *acts) {
     if (!seg) return lm_error(LM_ERR_ARG, "mla segment store rows: seg is NULL");
-    return mla_forward(c, p, pl, x, B, n, NULL, acts, seg, 1);
+    return mla_forward(c, p, pl, x, B, n, NULL, acts, seg, 1, NULL);
 }
 
 lm_status lm_mla_seg_head_max(const lm_mla_config *c, float *acts, int B, int n, float *head_max) {

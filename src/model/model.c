@@ -331,6 +331,7 @@ static size_t plan_activations(lm_model *m, float *base) {
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
         const int share = cfg->recompute;
+        if (base && !m->seg_on) ls->keep_o = NULL, ls->keep_lse = NULL;
         if (m->cp_ranks > 0) {
             /* context parallelism: the token mixer's segment activations only (the attention's
              * for its prefix too), one set per mixer kind with recompute */
@@ -394,6 +395,13 @@ static size_t plan_activations(lm_model *m, float *base) {
                                  "attention activations (shared by %d layers)", n_mla);
                 else CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T), "layers.%d attention activations", l);
                 first_mla = ls;
+            }
+            if (share && !m->seg_on) {
+                /* each layer's attention output for the recomputation (segments: plan_segments) */
+                CARVE(ls->keep_o, lm_mla_keep_o_floats(&ls->mla_cfg, m->be->lp_bytes, B, T),
+                      "layers.%d attention output kept for the recomputation [N,H,Dv]", l);
+                CARVE(ls->keep_lse, lm_mla_keep_lse_floats(&ls->mla_cfg, B, T),
+                      "layers.%d attention log-sum-exp kept for the recomputation [N,H]", l);
             }
         }
         if (!ls->moe) {
@@ -501,7 +509,12 @@ static size_t plan_segments(lm_model *m, float *base) {
                 ls->seg_dh[k] = TAKE(kst_f);
                 ls->seg_dhalo[k] = TAKE(khalo_f);
             }
-        } else if (ls->seg_latent) {
+            continue;
+        }
+        /* the attention's output and log-sum-exp of the whole rows, for the backward's forwards */
+        ls->keep_o = TAKE(PAD16(lm_mla_keep_o_floats(&ls->mla_cfg, lpb, (int)B, (int)Tq)));
+        ls->keep_lse = TAKE(PAD16(lm_mla_keep_lse_floats(&ls->mla_cfg, (int)B, (int)Tq)));
+        if (ls->seg_latent) {
             ls->seg_c = TAKE(cs_f);
             ls->seg_dc = TAKE(PAD16(B * Tq * kl));
             ls->seg_kr = TAKE(r ? krs_f : 0);
@@ -544,8 +557,18 @@ static size_t plan_segments(lm_model *m, float *base) {
             (void)ledger_add(m, n_kv * (ka_f + va_f) * F,
                              "segments: attention K, V gradient sums, %d layers x [B,T,Hk,Dk+Dv] fp32", n_kv);
         }
-        if (n_kv + n_lat)
+        if (n_kv + n_lat) {
             (void)ledger_add(m, (kt_f + vt_f) * F, "segments: one row's attention K, V gradients [T,Hk,Dk+Dv]");
+            size_t keep_f = 0;
+            for (int l = 0; l < cfg->n_layers; l++)
+                if (m->layers[l].mixer != LM_MIXER_KDA)
+                    keep_f += PAD16(lm_mla_keep_o_floats(&m->layers[l].mla_cfg, lpb, (int)B, (int)Tq)) +
+                              PAD16(lm_mla_keep_lse_floats(&m->layers[l].mla_cfg, (int)B, (int)Tq));
+            (void)ledger_add(m, keep_f * F,
+                             "segments: attention outputs and log-sum-exp of the whole rows, kept for the "
+                             "backward, %d layers x [B,T,H,Dv+1]",
+                             n_kv + n_lat);
+        }
     }
 #undef LPF
     return off;
@@ -1708,6 +1731,9 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         /* a sequence segment: its queries over the stored keys and values of every earlier token */
         const lm_mla_config *mc = &ls->mla_cfg;
         lm_mla_seg sg = seg_mla(m, ls);
+        /* the backward's forwards reuse the attention output the segment's first forward kept */
+        const lm_mla_keep kp = {ls->keep_o, ls->keep_lse, recompute || m->seg_reuse};
+        sg.keep = &kp;
         TRY(lm_mla_forward_seg(mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->T, &sg, y, ls->mla_acts));
         if (training && !recompute) {
             /* the maxima over the segments: the whole sequence's */
@@ -1719,7 +1745,10 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
         TRY(lm_kda_layer_forward_lp(&ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_a, xn_lp, m->B, m->T, y));
     } else if (idx % 2 == 0) {
         const lm_mla_config *mc = &ls->mla_cfg;
-        TRY(lm_mla_forward_lp(mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->T, y, ls->mla_acts));
+        /* with recompute, the recomputation reuses the attention output the forward kept */
+        const lm_mla_keep kp = {ls->keep_o, ls->keep_lse, recompute};
+        TRY(lm_mla_forward_lp_keep(mc, &ls->mla_P, &ls->mla_PL, xn_lp, m->B, m->T, y, ls->mla_acts,
+                                   ls->keep_o ? &kp : NULL));
         if (training && !recompute) {
             lm_attention_config ac = lm_attention_config_default(
                 m->B, m->T, mc->n_heads, mc->kind == LM_ATTN_MLA ? mc->n_heads : mc->n_kv_heads, mc->head_dim_qk,
@@ -1995,6 +2024,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     TRY(seg_check_tokens(m, tokens));
     memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
     memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
+    m->seg_kept = 0;
     double total = 0;
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
@@ -2004,6 +2034,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     }
     seg_leave(m);
     TRY(st);
+    m->seg_kept = 1; /* every segment's attention output, for the backward */
     float ce = (float)(total / (double)m->Nq);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
     m->have_targets = 1;
@@ -2036,6 +2067,8 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
         }
     }
     m->seg_parity = 0;
+    /* the forward's kept attention outputs serve every segment's forward again */
+    m->seg_reuse = m->seg_kept;
     lm_status st = LM_OK;
     for (int s = m->n_seg - 1; s >= 0 && !st; s--) {
         double unused = 0;
@@ -2046,6 +2079,7 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
         m->seg_parity ^= 1;
     }
     seg_leave(m);
+    m->seg_reuse = 0;
     m->have_targets = 0;
     return st;
 }
@@ -2056,6 +2090,7 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
     TRY(seg_check_tokens(m, tokens));
     memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
     memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
+    m->seg_kept = 0; /* its forwards overwrite the kept attention outputs */
     lm_backend *be = m->be;
     const int on_host = be->device == LM_DEVICE_CPU;
     lm_status st = LM_OK;

@@ -64,6 +64,12 @@ typedef struct {
     int seg_latent;
     void *seg_c;
     float *seg_kr, *seg_dc, *seg_dkr;
+    /* attention: its output and log-sum-exp of the whole rows, kept by the
+     * forward for the backward's recomputation, which reuses them instead of
+     * running the attention again (lm_mla_keep; with train.seq_segment, or
+     * train.recompute on one rank; else NULL) */
+    void *keep_o;
+    float *keep_lse;
 } layer_state;
 
 struct lm_model {
@@ -187,6 +193,10 @@ struct lm_model {
     int seg_on, seg_active; /* segmented; inside the loop over the segments */
     int S, n_seg, seg, seg_t0, seg_parity, Tq;
     int64_t Nq;
+    /* the kept attention outputs (layer_state.keep_o) hold every segment's of
+     * the last segmented forward (seg_kept); the segmented backward's
+     * forwards reuse them (seg_reuse) */
+    int seg_kept, seg_reuse;
     void *ar_full, *ar_tail;       /* residual states of S tokens a row and of the last, shorter segment */
     float *seg_block;              /* backend memory: the carries, stores and accumulators */
     size_t seg_floats;
