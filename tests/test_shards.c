@@ -313,6 +313,84 @@ static void test_ranks_read_disjoint_windows(void) {
     free(owner);
 }
 
+/* lm_data_rows: a data-parallel rank's rows of a batch alone are those rows of the whole batch,
+ * for the shards, every built-in task (with their answer positions), a mix, and a source without
+ * the rows method (the whole batch, copied); a range outside the batch is refused by name. */
+static lm_status whole_only_batch(lm_data_source *self, int64_t index, int B, int T, int32_t *seq, uint8_t *answer) {
+    (void)self;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t <= T; t++) seq[(size_t)b * (T + 1) + t] = (int32_t)(index * 1000003 + b * 1009 + t);
+    if (answer)
+        for (int i = 0; i < B * T; i++) answer[i] = (uint8_t)(i % 3 == 0);
+    return LM_OK;
+}
+
+static void check_rows(lm_data_source *src, const lm_data_mix *mix, int64_t index, int B, int T, const char *what) {
+    int32_t *all = malloc((size_t)B * (T + 1) * sizeof *all), *part = malloc((size_t)B * (T + 1) * sizeof *part);
+    uint8_t *ans = malloc((size_t)B * T), *pans = malloc((size_t)B * T);
+    lm_status st = mix ? lm_data_mix_batch(mix, index, B, T, all, ans) : src->batch(src, index, B, T, all, ans);
+    CHECK(st == LM_OK, "%s: %s", what, lm_last_error());
+    int bad = 0, nonzero = 0;
+    for (int r0 = 0; r0 < B && !st; r0++)
+        for (int n = 1; r0 + n <= B; n++) {
+            memset(part, 0x5a, (size_t)B * (T + 1) * sizeof *part);
+            memset(pans, 0x5a, (size_t)B * T);
+            st = mix ? lm_data_mix_rows(mix, index, B, T, r0, n, part, pans)
+                     : lm_data_rows(src, index, B, T, r0, n, part, pans);
+            CHECK(st == LM_OK, "%s rows [%d, %d): %s", what, r0, r0 + n, lm_last_error());
+            bad += memcmp(part, all + (size_t)r0 * (T + 1), (size_t)n * (T + 1) * sizeof *part) != 0;
+            bad += memcmp(pans, ans + (size_t)r0 * T, (size_t)n * T) != 0;
+        }
+    for (int i = 0; i < B * T; i++) nonzero += ans[i] != 0;
+    CHECK(!bad, "%s: %d row ranges differ from the whole batch's rows", what, bad);
+    printf("    %s: batch %lld of %d x %d, every row range equal (%d answer positions)\n", what, (long long)index, B,
+           T, nonzero);
+    free(all);
+    free(part);
+    free(ans);
+    free(pans);
+}
+
+static void test_a_ranks_rows_are_those_of_the_whole_batch(void) {
+    int64_t sizes[3] = {1000, 357, 2048};
+    const char *dir = make_position_dir("rows", sizes);
+    lm_data_source *sh = NULL;
+    CHECK(lm_data_open_shards(dir, "train", 0, 7, 1, 3, &sh) == LM_OK, "%s", lm_last_error());
+    if (sh) check_rows(sh, NULL, 5, 6, 31, "shards (rank 1 of 3)");
+    const char *tasks[] = {"copy", "mqar", "passkey"};
+    lm_data_source *tk[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        CHECK(lm_data_open(tasks[i], 11, &tk[i]) == LM_OK, "%s: %s", tasks[i], lm_last_error());
+        if (tk[i]) check_rows(tk[i], NULL, 3, 5, 64, tasks[i]);
+    }
+    /* a mix: each batch's source by its index, its rows as that source's */
+    lm_data_mix mix;
+    memset(&mix, 0, sizeof mix);
+    mix.n = 2;
+    mix.sources[0] = tk[0];
+    mix.sources[1] = tk[1];
+    mix.weights[0] = 1;
+    mix.weights[1] = 2;
+    mix.seed = 5;
+    if (tk[0] && tk[1])
+        for (int64_t i = 0; i < 4; i++) check_rows(NULL, &mix, i, 4, 48, "mix of copy and mqar");
+    /* a source without the rows method: the whole batch, copied */
+    lm_data_source whole;
+    memset(&whole, 0, sizeof whole);
+    snprintf(whole.name, sizeof whole.name, "whole-only");
+    whole.vocab_size = 1 << 30;
+    whole.batch = whole_only_batch;
+    check_rows(&whole, NULL, 2, 5, 9, "a source without rows");
+    /* ranges outside the batch */
+    int32_t seq[64];
+    const int r0s[4] = {-1, 3, 0, 2}, ns[4] = {1, 2, 0, 1}, Bs[4] = {4, 4, 4, 2};
+    for (int k = 0; k < 4 && sh; k++)
+        CHECK(lm_data_rows(sh, 0, Bs[k], 3, r0s[k], ns[k], seq, NULL) == LM_ERR_ARG && strstr(lm_last_error(), "rows ["),
+              "rows [%d, %d) of %d accepted: %s", r0s[k], r0s[k] + ns[k], Bs[k], lm_last_error());
+    lm_data_close(sh);
+    for (int i = 0; i < 3; i++) lm_data_close(tk[i]);
+}
+
 static void test_directory_errors_are_clear(void) {
     lm_data_source *src = NULL;
     CHECK(lm_data_open_shards(tmp_path("nowhere"), "train", 0, 1, 0, 1, &src) == LM_ERR_IO &&
@@ -442,6 +520,7 @@ int main(void) {
     RUN(test_batches_are_pure_functions_of_the_index);
     RUN(test_an_epoch_reads_every_window_once);
     RUN(test_ranks_read_disjoint_windows);
+    RUN(test_a_ranks_rows_are_those_of_the_whole_batch);
     RUN(test_directory_errors_are_clear);
     RUN(test_prepare_writes_what_the_tokenizer_encodes);
     test_remove_tree(tmpdir);

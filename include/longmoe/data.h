@@ -26,6 +26,12 @@ struct lm_data_source {
     lm_status (*batch)(lm_data_source *self, int64_t index, int B, int T, int32_t *seq, uint8_t *answer);
     void (*destroy)(lm_data_source *self);
     void *state;
+    /* Optional (NULL: lm_data_rows fills the whole batch and copies): rows
+     * r0 .. r0+n-1 of batch `index` of B rows alone, seq [n, T+1], answer [n, T]
+     * (may be NULL), the same values as those rows of batch(), generating or
+     * reading nothing else. */
+    lm_status (*rows)(lm_data_source *self, int64_t index, int B, int T, int r0, int n, int32_t *seq,
+                      uint8_t *answer);
 };
 
 /* Open a source by its spec: a built-in task name ("copy", ...; see
@@ -35,6 +41,15 @@ struct lm_data_source {
  * validation streams. */
 lm_status lm_data_open(const char *spec, uint64_t seed, lm_data_source **out);
 void lm_data_close(lm_data_source *src);
+
+/* Rows r0 .. r0+n-1 of batch `index` of B rows (0 <= r0, 1 <= n, r0 + n <= B):
+ * seq [n, T+1] and answer [n, T] (may be NULL) hold exactly what those rows of
+ * the whole batch hold. A data-parallel rank reads its own rows this way, not
+ * the whole micro-batch: the built-in tasks and the shards make or read those
+ * rows alone (the rows method); another source fills the whole batch into a
+ * temporary and copies. */
+lm_status lm_data_rows(lm_data_source *src, int64_t index, int B, int T, int r0, int n, int32_t *seq,
+                       uint8_t *answer);
 
 /* The fingerprint of one file of a data source: its name within the data's
  * directory, its size and lm_checksum64 (include/longmoe/safetensors.h) of
@@ -65,6 +80,9 @@ typedef struct {
 } lm_data_mix;
 
 lm_status lm_data_mix_batch(const lm_data_mix *mix, int64_t index, int B, int T, int32_t *seq, uint8_t *answer);
+/* Rows r0 .. r0+n-1 of lm_data_mix_batch's batch (the same source, lm_data_rows). */
+lm_status lm_data_mix_rows(const lm_data_mix *mix, int64_t index, int B, int T, int r0, int n, int32_t *seq,
+                           uint8_t *answer);
 
 #ifdef __cplusplus
 }

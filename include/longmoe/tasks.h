@@ -54,6 +54,10 @@ typedef enum {
  *   vcopy:   gap uniform in [0, max(0, T/2 - 20)]. */
 void lm_task_batch(lm_task_kind kind, uint64_t seed, int64_t batch_index, int B, int T, int32_t *seq,
                    uint8_t *answer);
+/* Rows r0 .. r0+n-1 of that batch alone (any B > r0 + n - 1 gives the same
+ * rows): seq [n, T+1], answer [n, T] (may be NULL). */
+void lm_task_rows(lm_task_kind kind, uint64_t seed, int64_t batch_index, int r0, int n, int T, int32_t *seq,
+                  uint8_t *answer);
 
 /* Largest number of MQAR pairs of one block (keys must stay distinct). */
 #define LM_MQAR_MAX_PAIRS 8192

@@ -204,23 +204,29 @@ static lm_status locate(const shard_state *st, const char *name, int64_t sample,
     return lm_error(LM_ERR_ARG, "%s: window out of range (internal error)", name);
 }
 
-static lm_status shards_batch(lm_data_source *self, int64_t index, int B, int T, int32_t *seq, uint8_t *answer) {
-    /* seq is (B, T+1), answer (B, T) */
+/* Rows r0 .. r0+n-1 of batch `index` of B rows: seq (n, T+1), answer (n, T) */
+static lm_status shards_rows(lm_data_source *self, int64_t index, int B, int T, int r0, int n, int32_t *seq,
+                             uint8_t *answer) {
     const shard_state *st = self->state;
     if (B < 1 || T < 1 || index < 0)
         return lm_error(LM_ERR_ARG, "%s: batch %lld of B=%d, T=%d: need index >= 0, B >= 1, T >= 1", self->name,
                         (long long)index, B, T);
-    for (int j = 0; j < B; j++) {
-        int64_t sample = (index * st->n_ranks + st->rank) * B + j, start;
+    for (int i = 0; i < n; i++) {
+        int64_t sample = (index * st->n_ranks + st->rank) * B + r0 + i, start;
         int shard;
         lm_status s = locate(st, self->name, sample, T, &shard, &start);
         if (s) return s;
         const lm_shard *sh = &st->shards[shard];
-        int32_t *dst = seq + (size_t)j * (size_t)(T + 1);
+        int32_t *dst = seq + (size_t)i * (size_t)(T + 1);
         for (int t = 0; t <= T; t++) dst[t] = lm_shard_token(sh, start + t);
     }
-    if (answer) memset(answer, 0, (size_t)B * (size_t)T);
+    if (answer) memset(answer, 0, (size_t)n * (size_t)T);
     return LM_OK;
+}
+
+static lm_status shards_batch(lm_data_source *self, int64_t index, int B, int T, int32_t *seq, uint8_t *answer) {
+    /* seq is (B, T+1), answer (B, T) */
+    return shards_rows(self, index, B, T, 0, B, seq, answer);
 }
 
 static void shards_destroy(lm_data_source *self) {
@@ -341,6 +347,7 @@ lm_status lm_data_open_shards(const char *dir, const char *split, int vocab_size
     st->n_ranks = n_ranks;
     src->state = st;
     src->batch = shards_batch;
+    src->rows = shards_rows;
     src->destroy = shards_destroy;
     snprintf(src->name, sizeof src->name, "shards:%s", dir);
     int header_vocab = 0, max_token = -1, first_with_vocab = -1;

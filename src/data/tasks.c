@@ -221,11 +221,16 @@ static void task_row(lm_task_kind kind, uint64_t seed, int64_t batch_index, int 
     }
 }
 
+void lm_task_rows(lm_task_kind kind, uint64_t seed, int64_t batch_index, int r0, int n, int T, int32_t *seq,
+                  uint8_t *answer) {
+    if (answer) memset(answer, 0, (size_t)n * T);
+    for (int i = 0; i < n; i++)
+        task_row(kind, seed, batch_index, r0 + i, T, seq + (size_t)i * (T + 1), answer ? answer + (size_t)i * T : NULL);
+}
+
 void lm_task_batch(lm_task_kind kind, uint64_t seed, int64_t batch_index, int B, int T, int32_t *seq,
                    uint8_t *answer) {
-    if (answer) memset(answer, 0, (size_t)B * T);
-    for (int b = 0; b < B; b++)
-        task_row(kind, seed, batch_index, b, T, seq + (size_t)b * (T + 1), answer ? answer + (size_t)b * T : NULL);
+    lm_task_rows(kind, seed, batch_index, 0, B, T, seq, answer);
 }
 
 lm_status lm_task_mqar_batch(uint64_t seed, int64_t batch_index, int B, int T, int n_pairs, int n_queries,

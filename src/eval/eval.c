@@ -251,25 +251,11 @@ lm_status lm_eval_loss_rows(lm_model *m, lm_data_source *src, int n_batches, int
     if (!s && (batch_rows < e.B || first_row < 0 || first_row > batch_rows - e.B))
         s = lm_error(LM_ERR_ARG, "eval: rows [%d, %d) of batches of %d do not fit (the model takes %d rows)",
                      first_row, first_row + e.B, batch_rows, e.B);
-    /* the whole batch when the model takes only a part of it */
-    int32_t *seq = e.seq;
-    uint8_t *answer = e.answer;
-    if (!s && batch_rows != e.B) {
-        seq = malloc((size_t)batch_rows * (e.T + 1) * sizeof(int32_t));
-        answer = malloc((size_t)batch_rows * e.T);
-        if (!seq || !answer)
-            s = lm_error(LM_ERR_MEMORY, "out of memory (evaluation batch of %d x %d tokens)", batch_rows, e.T);
-    }
+    /* the model's rows of each batch alone */
     for (int bi = 0; bi < n_batches && !s; bi++) {
-        s = src->batch(src, bi, batch_rows, e.T, seq, answer);
-        if (!s && seq != e.seq) {
-            memcpy(e.seq, seq + (size_t)first_row * (e.T + 1), (size_t)e.B * (e.T + 1) * sizeof(int32_t));
-            memcpy(e.answer, answer + (size_t)first_row * e.T, (size_t)e.B * e.T);
-        }
+        s = lm_data_rows(src, bi, batch_rows, e.T, first_row, e.B, e.seq, e.answer);
         if (!s) s = forward_and_score(m, &e, tally);
     }
-    if (seq != e.seq) free(seq);
-    if (answer != e.answer) free(answer);
     buffers_free(&e);
     return s;
 }
@@ -291,8 +277,9 @@ lm_status lm_eval_loss_segment(lm_model *m, lm_data_source *src, int n_batches, 
     int32_t *seq = NULL, *count = NULL;
     uint8_t *answer = NULL;
     if (!s) {
-        seq = malloc((size_t)batch_rows * ((size_t)T + 1) * sizeof(int32_t));
-        answer = malloc((size_t)batch_rows * (size_t)T);
+        /* the model's rows of each batch alone, whole */
+        seq = malloc((size_t)B * ((size_t)T + 1) * sizeof(int32_t));
+        answer = malloc((size_t)B * (size_t)T);
         count = malloc((2 * (size_t)B + 1) * sizeof(int32_t));
         if (!seq || !answer || !count)
             s = lm_error(LM_ERR_MEMORY, "out of memory (evaluation batch of %d x %d tokens)", batch_rows, T);
@@ -302,12 +289,12 @@ lm_status lm_eval_loss_segment(lm_model *m, lm_data_source *src, int n_batches, 
     if (group && !lm_comm_all_reduce_sum(group, &any, &any, 1, LM_DTYPE_I32) && any && !s)
         s = lm_error(LM_ERR_ARG, "eval: another rank of the context-parallel group could not start");
     for (int bi = 0; bi < n_batches && !s; bi++) {
-        s = src->batch(src, bi, batch_rows, T, seq, answer);
+        s = lm_data_rows(src, bi, batch_rows, T, first_row, B, seq, answer);
         for (int b = 0; b < B && !s; b++) {
-            const int32_t *row = seq + (size_t)(first_row + b) * ((size_t)T + 1) + t0;
+            const int32_t *row = seq + (size_t)b * ((size_t)T + 1) + t0;
             memcpy(e.inp + (size_t)b * len, row, (size_t)len * sizeof(int32_t));
             memcpy(e.tgt + (size_t)b * len, row + 1, (size_t)len * sizeof(int32_t));
-            memcpy(e.answer + (size_t)b * len, answer + (size_t)(first_row + b) * T + t0, (size_t)len);
+            memcpy(e.answer + (size_t)b * len, answer + (size_t)b * T + t0, (size_t)len);
         }
         if (!s) s = lm_model_score(m, e.inp, e.tgt, e.nll, e.argmax);
         memset(count, 0, (2 * (size_t)B + 1) * sizeof(int32_t));

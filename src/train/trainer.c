@@ -1500,12 +1500,12 @@ static lm_status trainer_setup(trainer *t, int stage) {
     t->muon_state = calloc(t->muon_state_n + 1, sizeof(float));
     t->adam_state = calloc(t->adam_state_n + 1, sizeof(float));
     t->scratch = calloc(t->scratch_n + 1, sizeof(float));
-    /* batch buffers for the largest stage */
+    /* batch buffers for the largest stage: this rank's rows of a micro-batch (lm_data_mix_rows) */
     size_t most = 0;
     for (int i = 0; i < t->n_stages; i++) {
         int B, T;
         stage_shape(t, i, &B, &T);
-        size_t n = (size_t)B * (T + 1);
+        size_t n = (size_t)(B / t->dp_groups) * (T + 1);
         most = n > most ? n : most;
     }
     t->seq = calloc(most, sizeof(int32_t));
@@ -1652,7 +1652,7 @@ static lm_status switch_stage(trainer *t, int i) {
  * positions [t0, t0 + len): the targets are the whole sequence's, the next
  * token, so a segment's last target is the next segment's first input. */
 /* train.answer_loss_weight W: the micro-batch's loss sum_i w_i nll_i / sum_i w_i with w_i = W at the
- * answer positions of t->answer (the whole micro-batch's [B,T], as lm_data_mix_batch wrote it) and 1
+ * answer positions of t->answer (this rank's rows of the micro-batch, as lm_data_mix_rows wrote them) and 1
  * elsewhere, the sums over every rank's rows. Writes t->dlogp (the backward's weights, divided by
  * grad_accum) and *loss: this rank's share, R sum_mine w nll / W_all, whose mean over the R ranks is the
  * micro-batch's loss, as the plain path's losses are averaged. */
@@ -1664,7 +1664,7 @@ static lm_status switch_stage(trainer *t, int i) {
 static lm_status weighted_loss(trainer *t, float *loss, lm_status *fs) {
     const int Bm = share_B(t), T = t->T;
     const size_t n = (size_t)Bm * T;
-    const uint8_t *ans = t->answer + (size_t)t->dp_rank * Bm * T;
+    const uint8_t *ans = t->answer;
     const double W = t->cfg.answer_loss_weight;
     double sums[4] = {0, 0, *fs == LM_ERR_NUMERIC, *fs && *fs != LM_ERR_NUMERIC}; /* sum w, sum w nll, failures */
     if (!*fs) {
@@ -2665,13 +2665,14 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         t.bk_summed = 0;
         for (int micro = 0; micro < c->grad_accum && !bad; micro++) {
             tp = lm_time_seconds();
-            /* the whole micro-batch; this rank takes rows [g B/D, (g+1) B/D) of its group g of D (without
-             * context parallelism the rank's own), tokens [seg_t0, seg_t0 + seg_T) of them (all without) */
+            /* of the micro-batch's B rows this rank reads rows [g B/D, (g+1) B/D) of its group g of D (without
+             * context parallelism the rank's own) alone, and takes tokens [seg_t0, seg_t0 + seg_T) of them
+             * (all without) */
             const int weighted = c->answer_loss_weight != 1.0f;
-            if ((s = lm_data_mix_batch(&t.mix, t.data_pos++, t.B, t.T, t.seq, weighted ? t.answer : NULL)))
+            if ((s = lm_data_mix_rows(&t.mix, t.data_pos++, t.B, t.T, t.dp_rank * share_B(&t), share_B(&t), t.seq,
+                                      weighted ? t.answer : NULL)))
                 goto done;
-            split_batch(t.seq + (size_t)t.dp_rank * share_B(&t) * (t.T + 1), share_B(&t), t.T, t.seg_t0, t.seg_T,
-                        t.inp, t.tgt);
+            split_batch(t.seq, share_B(&t), t.T, t.seg_t0, t.seg_T, t.inp, t.tgt);
             ph_data += lm_time_seconds() - tp;
             tp = lm_time_seconds();
             /* the batch's mean: 1 / (grad_accum R) a rank; context parallel T_c / (T grad_accum R / N). The
