@@ -2,7 +2,8 @@
  * step, tokens/s, MFU and the time by layer kind, for a config and shape.
  *
  *   bench_cuda_model [--config configs/k3-mini.json] [--batch B] [--seq T] [--reps N (0: the first step alone)]
- *                    [--no-recompute] [--recompute-chunk N] [--seq-segment S] [--optimizer]
+ *                    [--no-recompute | --recompute all|none|channel|token] [--recompute-chunk N]
+ *                    [--seq-segment S] [--optimizer]
  *                    [--head-in-backward] [--zero-expert-grads] [--digest] [--products]
  *                    [--out FILE.json]
  *
@@ -21,7 +22,10 @@
  * Memory: the model's own plan (lm_model_buffer_at) and the device memory in
  * use after the last step (cudaMemGetInfo: the model, the optimizer, the
  * backend's arena, the CUDA context and cuBLAS; buffers only grow, so this is
- * the peak). --recompute-chunk N sets train.recompute_chunk (and recompute);
+ * the peak). --recompute sets train.recompute (channel: the MoE and dense FFN
+ * only, token: the KDA and attention only; the JSON's "recompute" is 0 none,
+ * 1 all, 2 channel, 3 token); --recompute-chunk N sets train.recompute_chunk
+ * (and recompute, where the channel mixers are not recomputed);
  * --seq-segment S sets train.seq_segment (the layers run S tokens of each row
  * at a time, docs/model.md "Sequence segments"; attention past the first
  * segment needs the CUDA attention with a query offset). --digest prints the
@@ -59,6 +63,13 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--seq") && i + 1 < argc) T = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--no-recompute")) recompute = 0;
+        else if (!strcmp(argv[i], "--recompute") && i + 1 < argc) {
+            if ((recompute = lm_recompute_from_name(argv[++i])) < 0) {
+                fprintf(stderr, "bench_cuda_model: --recompute must be true, all, false, none, channel or token, got "
+                                "'%s'\n", argv[i]);
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--recompute-chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--seq-segment") && i + 1 < argc) {
             char *end;
@@ -78,6 +89,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--out") && i + 1 < argc) out = argv[++i];
         else {
             fprintf(stderr, "usage: bench_cuda_model [--config C] [--batch B] [--seq T] [--reps N] [--no-recompute] "
+                            "[--recompute all|none|channel|token] "
                             "[--recompute-chunk N] [--seq-segment S] [--optimizer] [--head-in-backward] "
                             "[--zero-expert-grads] [--digest] [--products] [--out FILE.json]\n");
             return 2;
@@ -95,7 +107,7 @@ int main(int argc, char **argv) {
     if (recompute >= 0) c.recompute = recompute;
     if (chunk >= 0) {
         c.recompute_chunk = chunk;
-        if (chunk > 0) c.recompute = 1;
+        if (chunk > 0 && !lm_recompute_sublayer(c.recompute, 1)) c.recompute = LM_RECOMPUTE_ALL;
     }
     if (segment >= 0) c.seq_segment = segment;
     if (lm_config_validate(&c)) {
@@ -195,7 +207,8 @@ int main(int argc, char **argv) {
     double used_gib = (double)(total_b - free_b) / (1u << 30);
     printf("model %s: %.3fB parameters (%.3fB active), B=%d T=%d, recompute %s, recompute_chunk %d, seq_segment %d, "
            "LM head backward in the %s\n",
-           cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T, c.recompute ? "on" : "off",
+           cfg_path, plan.total_params / 1e9, plan.total_active / 1e9, B, T,
+           c.recompute == LM_RECOMPUTE_ALL ? "on" : c.recompute ? lm_recompute_name(c.recompute) : "off",
            c.recompute_chunk, c.seq_segment, head_in_fwd && !(c.seq_segment > 0 && c.seq_segment < T) ? "forward" : "backward");
     if (c.seq_segment > 0 && c.seq_segment < T)
         printf("note: rows of %d tokens run in segments of %d, whose backward runs each segment's forward again "

@@ -742,7 +742,8 @@ def cmd_compare(args):
         same = [p for p in peers if (p["B"], p["T"]) == (o["B"], o["T"])]
         fpt = same[0]["flops_per_token"] if same else None
         mfu = f"{100 * o['tokens_per_s'] * fpt / H200_BF16_FLOPS:.1f}%" if fpt else "-"
-        print(f"| {o['B']}x{o['T']} | longmoe | recompute {o['recompute']} | {o['tokens_per_s']:.0f} | {mfu} | "
+        rc = {0: "off", 1: "on", 2: "channel", 3: "token"}.get(o["recompute"], o["recompute"])
+        print(f"| {o['B']}x{o['T']} | longmoe | recompute {rc} | {o['tokens_per_s']:.0f} | {mfu} | "
               f"{o['device_gib']:.1f} (in use) | 1 |")
         for p in same:
             var = (f"kda {p['kda']}, {'compiled' if p['compile'] else 'eager'}, "

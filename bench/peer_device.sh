@@ -8,8 +8,9 @@
 #   CONFIG=configs/k3-mini.json  SHAPES="8,4096 1,32768"  VARIANTS="eager compile compile-recompute"
 #   PEER_STEPS=10 (timed steps after 3 warm-ups), PEER_TIMEOUT=420 (seconds per peer run)
 #   PEER_OPTIMIZER=none|adamw, FLA_AUTOTUNE_MS=W,R (shorter Triton autotuning for fla)
-#   OURS="recompute no-recompute" (longmoe's variants: the config's recompute and sequence
-#   segments, or neither: --no-recompute --seq-segment 0)
+#   OURS="recompute no-recompute recompute-channel" (longmoe's variants: the config's recompute
+#   and sequence segments, or neither: --no-recompute --seq-segment 0, or the MoE and dense FFN
+#   alone recomputed, no segments: --recompute channel --seq-segment 0)
 #   BUILD_BG=1: build in the background while the peers run (their Triton autotuning and
 #   compilation take minutes); longmoe's runs wait for it and come after the peers, so the
 #   two are never timed at once. JOBS=n: its parallel jobs (default: every core; fewer leave
@@ -101,6 +102,7 @@ if has bench; then
             # no checkpointing of any kind, as the peer without it: no recompute and no sequence
             # segments (a segmented backward runs each segment's forward again; docs/model.md)
             [ "$o" = no-recompute ] && flags+=(--no-recompute --seq-segment 0)
+            [ "$o" = recompute-channel ] && flags+=(--recompute channel --seq-segment 0)
             echo "== longmoe $CONFIG ${B}x${T} $o"
             timeout 400 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch "$B" --seq "$T" --reps 5 "${flags[@]}" \
                 --out "$OUT/ours_${B}x${T}_$o.json" 2>&1 | tee "$OUT/ours_${B}x${T}_$o.log"

@@ -360,6 +360,57 @@ static void test_sequence_segments_in_plan_and_train(void) {
           first[0], first[1]);
 }
 
+/* train.recompute = "channel" (the MoE and dense FFN recomputed, the token mixers kept):
+ * plan --recompute shows it, a bad mode is refused, and a run trains with the first loss of the
+ * run without recompute (the same bits: docs/model.md "Recomputation") and writes the mode back
+ * into its checkpoint's config.json. */
+static void test_selective_recompute_in_plan_and_train(void) {
+    CHECK(run_cli("plan --memory --config configs/tiny.json --recompute channel") == 0 &&
+              test_file_has(path_in("out.txt"), "recompute channel") &&
+              test_file_has(path_in("out.txt"), "MoE routing and expert activations") &&
+              test_file_has(path_in("out.txt"), "(shared by"),
+          "plan --recompute channel does not share the MoE activations");
+    CHECK(run_cli("plan --memory --config configs/tiny.json --recompute moe") == 2 && stderr_has("--recompute"),
+          "plan --recompute moe accepted");
+    const char *modes[2] = {"false", "\"channel\""};
+    char text_first[2][32] = {"", ""};
+    for (int i = 0; i < 2; i++) {
+        char cfg[64], run[64], args[1024];
+        snprintf(cfg, sizeof cfg, "rc%d.json", i);
+        snprintf(run, sizeof run, "run_rc%d", i);
+        FILE *f = fopen(path_in(cfg), "w");
+        CHECK(f != NULL, "%s", cfg);
+        if (!f) return;
+        fprintf(f, "{\"model\": {\"vocab_size\": 256, \"d_model\": 32, \"n_layers\": 2, \"layout\": \"km\","
+                   " \"first_k_dense\": 0},\n"
+                   " \"kda\": {\"heads\": 2, \"head_dim\": 16, \"chunk\": 16},\n"
+                   " \"moe\": {\"routed_experts\": 4, \"top_k\": 2, \"expert_ffn\": 16},\n"
+                   " \"attention\": {\"heads\": 2, \"q_lora_rank\": 16, \"kv_lora_rank\": 8, \"qk_head_dim\": 16,"
+                   " \"v_head_dim\": 16},\n"
+                   " \"train\": {\"seq_len\": 64, \"batch_size\": 2, \"steps\": 2, \"eval_every\": 0, \"ckpt_every\": 2,"
+                   " \"data\": \"copy\", \"recompute\": %s}}\n",
+                modes[i]);
+        fclose(f);
+        snprintf(args, sizeof args, "train --config %s --out %s --quiet", path_in(cfg), path_in(run));
+        CHECK(run_cli(args) == 0, "train with train.recompute = %s failed", modes[i]);
+        char metrics[600];
+        snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", path_in(run));
+        char *text = test_slurp(metrics, NULL);
+        const char *l = text ? strstr(text, "\"loss\": ") : NULL;
+        CHECK(l != NULL, "no loss in %s", metrics);
+        if (l) snprintf(text_first[i], sizeof text_first[i], "%.12s", l + 8);
+        free(text);
+        if (i == 1) {
+            char saved[600];
+            snprintf(saved, sizeof saved, "%s/checkpoint-00000002/config.json", path_in(run));
+            CHECK(test_file_has(saved, "\"recompute\": \"channel\""), "%s does not keep train.recompute = \"channel\"",
+                  saved);
+        }
+    }
+    CHECK(text_first[0][0] && !strcmp(text_first[0], text_first[1]), "first loss %s without recompute, %s with "
+          "recompute \"channel\"", text_first[0], text_first[1]);
+}
+
 int main(void) {
     if (test_make_tmpdir(dir, sizeof dir, "cli")) return 1;
     make_inputs();
@@ -371,6 +422,7 @@ int main(void) {
     RUN(test_plan_memory_of_an_expert_parallel_rank);
     RUN(test_plan_memory_on_the_gpu_keeps_no_sublayer_inputs);
     RUN(test_sequence_segments_in_plan_and_train);
+    RUN(test_selective_recompute_in_plan_and_train);
     test_remove_tree(dir);
     return test_summary();
 }

@@ -170,6 +170,212 @@ static void test_recompute_without_chunks_is_bit_identical(void) {
     lm_model_free(b);
 }
 
+/* train.recompute = "channel" or "token": only the MoE and dense FFN, or only the KDA and
+ * attention sublayers, are recomputed. Counted through a CPU backend whose MoE, KDA and attention
+ * forwards count their calls: a step runs each kind's forward once, the recomputed kind's twice;
+ * the loss and every gradient are the bits of the run without recompute (and of the full
+ * recompute) over two steps with the balancing update between them; the plan shares the
+ * recomputed kind's activations (one set) and keeps the other's per layer; with recompute_chunk
+ * the channel mode equals the full recompute with chunks to the same bits. */
+static int calls_moe, calls_kda, calls_attn;
+static lm_status cnt_moe(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                         const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp, void *acts,
+                         int64_t n) {
+    calls_moe++;
+    return lm_backend_cpu()->ops->moe_forward(be, y, x, x_lp, bias, cfg, p, p_lp, acts, n);
+}
+static lm_status cnt_attn(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k, const void *v,
+                          void *o, float *lse, float *rowmax) {
+    calls_attn++;
+    return lm_backend_cpu()->ops->attention_forward(be, cfg, q, k, v, o, lse, rowmax);
+}
+static lm_status cnt_kda(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k, const void *v,
+                         const void *z, const float *beta, const float *A_log, const float *dt_bias, const float *h0,
+                         void *o, float *ht) {
+    calls_kda++;
+    return lm_backend_cpu()->ops->kda_forward(be, cfg, q, k, v, z, beta, A_log, dt_bias, h0, o, ht);
+}
+
+static void selective_steps(int recompute, int chunk, float *loss, float *grads, int counts[3]) {
+    lm_config c = chunk_config();
+    c.recompute = recompute;
+    c.recompute_chunk = chunk;
+    lm_ops ops = *lm_backend_cpu()->ops;
+    ops.moe_forward = cnt_moe;
+    ops.attention_forward = cnt_attn;
+    ops.kda_forward = cnt_kda;
+    lm_backend cb = *lm_backend_cpu();
+    cb.ops = &ops;
+    lm_model *m = NULL;
+    CHECK(!lm_model_create_on(&c, 2, 23, &cb, &m), "recompute %s: %s", lm_recompute_name(recompute), lm_last_error());
+    if (!m) return;
+    lm_model_init(m, 5);
+    lm_rng r;
+    lm_rng_seed(&r, 6);
+    int32_t tok[46], tgt[46];
+    const size_t P = lm_model_num_params(m);
+    for (int step = 0; step < 2; step++) {
+        random_tokens(&r, tok, 46, c.vocab_size);
+        random_tokens(&r, tgt, 46, c.vocab_size);
+        lm_model_zero_grads(m);
+        calls_moe = calls_kda = calls_attn = 0;
+        CHECK(!lm_model_forward(m, tok, tgt, 1, &loss[step]) && !lm_model_backward(m, 1.0f), "%s", lm_last_error());
+        if (step == 0) counts[0] = calls_moe, counts[1] = calls_kda, counts[2] = calls_attn;
+        memcpy(grads + step * P, lm_model_grads(m), P * sizeof(float));
+        CHECK(!lm_model_balance_step_end(m, 1, NULL), "%s", lm_last_error());
+        float *p = lm_model_params(m);
+        for (size_t j = 0; j < P; j++) p[j] -= 0.05f * grads[step * P + j];
+        CHECK(!lm_model_upload_params(m), "%s", lm_last_error());
+    }
+    lm_model_free(m);
+}
+
+static void test_selective_recompute_repeats_one_kind_with_the_same_bits(void) {
+    lm_config c = chunk_config();
+    lm_model *probe = NULL;
+    CHECK(!lm_model_create(&c, 2, 23, &probe), "%s", lm_last_error());
+    if (!probe) return;
+    const size_t P = lm_model_num_params(probe);
+    lm_model_free(probe);
+    /* 4 layers "kmkm", the first dense: 3 MoE sublayers, 2 KDA layers (the operator's forward each), 2 MLA */
+    const int n_moe = 3, n_kda = 2, n_attn = 2;
+    const int modes[4] = {LM_RECOMPUTE_NONE, LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
+    float loss[4][2], *g[4];
+    int counts[4][3];
+    for (int i = 0; i < 4; i++) {
+        g[i] = calloc(2 * P, sizeof(float));
+        selective_steps(modes[i], 0, loss[i], g[i], counts[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const int ch = lm_recompute_sublayer(modes[i], 1), tk = lm_recompute_sublayer(modes[i], 0);
+        /* the KDA operator also runs its forward inside the layer's backward (intermediates it does not keep on
+         * the CPU): the token mode adds the recomputation's, the others do not */
+        const int want_moe = n_moe * (1 + ch), want_attn = n_attn * (1 + 0 * tk);
+        CHECK(counts[i][0] == want_moe, "recompute %s: %d MoE forwards a step, want %d", lm_recompute_name(modes[i]),
+              counts[i][0], want_moe);
+        CHECK(counts[i][2] == want_attn, "recompute %s: %d attention forwards a step, want %d (kept output)",
+              lm_recompute_name(modes[i]), counts[i][2], want_attn);
+        CHECK(counts[i][1] == counts[0][1] + (tk ? n_kda : 0), "recompute %s: %d KDA operator forwards, without "
+              "recompute %d, want %d more", lm_recompute_name(modes[i]), counts[i][1], counts[0][1], tk ? n_kda : 0);
+        CHECK(!memcmp(loss[i], loss[0], sizeof loss[0]) && !memcmp(g[i], g[0], 2 * P * sizeof(float)),
+              "recompute %s: the losses or gradients differ from the run without recompute",
+              lm_recompute_name(modes[i]));
+        printf("    recompute %-7s: MoE %d, KDA operator %d, attention %d forwards a step; the same bits\n",
+               lm_recompute_name(modes[i]), counts[i][0], counts[i][1], counts[i][2]);
+    }
+    /* with recompute_chunk (Block AttnRes replays each block: every sublayer of it runs again, the attention
+     * from its kept output): channel and all both agree with the unchunked run to float rounding */
+    float lc[2][2], *gc[2];
+    int cc[2][3];
+    lm_model *tm = NULL;
+    CHECK(!lm_model_create(&c, 2, 23, &tm), "%s", lm_last_error());
+    for (int i = 0; i < 2; i++) {
+        gc[i] = calloc(2 * P, sizeof(float));
+        selective_steps(i ? LM_RECOMPUTE_CHANNEL : LM_RECOMPUTE_ALL, 7, lc[i], gc[i], cc[i]);
+        double worst = 0;
+        for (int step = 0; step < 2 && tm; step++)
+            for (int t = 0; t < lm_model_num_tensors(tm); t++) {
+                double e = tensor_rel_error(tm, gc[i] + step * P, g[0] + step * P, t);
+                worst = e > worst ? e : worst;
+            }
+        CHECK(!memcmp(lc[i], loss[0], sizeof lc[i]), "chunks, recompute %s: losses %g, %g vs %g, %g",
+              i ? "channel" : "true", lc[i][0], lc[i][1], loss[0][0], loss[0][1]);
+        CHECK(worst < 2e-5, "chunks, recompute %s: a gradient off the unchunked run's by %.3g (relative L2)",
+              i ? "channel" : "true", worst);
+        CHECK(cc[i][2] == n_attn, "chunks, recompute %s: %d attention forwards a step", i ? "channel" : "true",
+              cc[i][2]);
+        printf("    recompute_chunk 7, recompute %-7s: MoE %d, KDA operator %d, attention %d forwards a step; "
+               "gradients within %.2e of the unchunked run\n", i ? "channel" : "true", cc[i][0], cc[i][1], cc[i][2],
+               worst);
+    }
+    lm_model_free(tm);
+    for (int i = 0; i < 4; i++) free(g[i]);
+    for (int i = 0; i < 2; i++) free(gc[i]);
+}
+
+/* The plans of the four modes on a GPU (lm_model_plan, no GPU needed), at a shape where the MoE
+ * dominates: the recomputed kind's activations are one set, the other kind's one per layer; the
+ * normalised inputs one shared slot plus one per sublayer not recomputed (the product-format copies
+ * for every sublayer, the fp32 ones for the MoE's router only); channel < none, token < none, all
+ * the least. */
+static size_t plan_bytes(const lm_model *m, const char *has) {
+    size_t n = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) {
+        const lm_model_buffer *b = lm_model_buffer_at(m, i);
+        if (!has || strstr(b->name, has)) n += b->bytes;
+    }
+    return n;
+}
+
+static void test_selective_recompute_plans(void) {
+    lm_config c = chunk_config();
+    c.n_layers = 6;
+    strcpy(c.layout, "kkmkkm");
+    const int B = 2, T = 256, N = B * T, d = c.d_model;
+    size_t total[4], moe_sets[4], kda[4], xn_lp[4], xn32[4];
+    const int modes[4] = {LM_RECOMPUTE_NONE, LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
+    for (int i = 0; i < 4; i++) {
+        c.recompute = modes[i];
+        lm_model *m = NULL;
+        CHECK(!lm_model_plan(&c, B, T, LM_DEVICE_CUDA, &m), "%s", lm_last_error());
+        if (!m) return;
+        total[i] = plan_bytes(m, NULL);
+        moe_sets[i] = 0;
+        for (int k = 0; k < lm_model_num_buffers(m); k++)
+            moe_sets[i] += strstr(lm_model_buffer_at(m, k)->name, "MoE routing and expert activations") != NULL;
+        kda[i] = plan_bytes(m, "KDA activations");
+        xn_lp[i] = plan_bytes(m, "xn, product format");
+        xn32[i] = plan_bytes(m, "xn: ");
+        lm_model_free(m);
+    }
+    /* 6 layers, the first dense: 5 MoE layers; 4 KDA layers */
+    CHECK(moe_sets[0] == 5 && moe_sets[1] == 1 && moe_sets[2] == 1 && moe_sets[3] == 5, "MoE activation sets: %zu %zu "
+          "%zu %zu (none, all, channel, token)", moe_sets[0], moe_sets[1], moe_sets[2], moe_sets[3]);
+    CHECK(kda[2] == kda[0] && kda[3] == kda[1] && kda[3] * 4 == kda[0], "KDA activations %zu %zu %zu %zu", kda[0],
+          kda[1], kda[2], kda[3]);
+    /* product-format inputs (bf16, 2 bytes): 12 sublayers without, 1 with all, 1 + 6 kept with either mode */
+    const size_t row = (size_t)N * d * 2;
+    CHECK(xn_lp[0] == 12 * row && xn_lp[1] == row && xn_lp[2] == 7 * row && xn_lp[3] == 7 * row,
+          "product-format xn: %zu %zu %zu %zu bytes, rows of %zu", xn_lp[0], xn_lp[1], xn_lp[2], xn_lp[3], row);
+    /* fp32 inputs, the MoE router's: 5 without, 1 shared with all and channel, 5 own with token */
+    const size_t row32 = (size_t)N * d * 4;
+    CHECK(xn32[0] >= 5 * row32 && xn32[0] < 6 * row32 && xn32[1] < 2 * row32 && xn32[2] < 2 * row32 &&
+              xn32[3] == xn32[0],
+          "fp32 xn: %zu %zu %zu %zu bytes, rows of %zu", xn32[0], xn32[1], xn32[2], xn32[3], row32);
+    CHECK(total[1] < total[2] && total[2] < total[0] && total[3] < total[0], "plans %zu %zu %zu %zu bytes (none, all, "
+          "channel, token)", total[0], total[1], total[2], total[3]);
+    printf("    plans on cuda, %d x %d: none %.2f, all %.2f, channel %.2f, token %.2f MiB\n", B, T, total[0] / 1048576.0,
+           total[1] / 1048576.0, total[2] / 1048576.0, total[3] / 1048576.0);
+    /* the config: the names read and write back; recompute_chunk needs the channel mixers recomputed */
+    const char *names[4] = {"false", "true", "\"channel\"", "\"token\""};
+    for (int i = 0; i < 4; i++) {
+        char json[96];
+        snprintf(json, sizeof json, "{\"train\": {\"recompute\": %s}}", names[i]);
+        lm_config e;
+        lm_config_defaults(&e);
+        CHECK(!lm_config_parse(json, strlen(json), "test", &e) && e.recompute == modes[i], "%s: %s", json,
+              lm_last_error());
+        char *back = lm_config_to_json(&e);
+        lm_config f;
+        CHECK(back && !lm_config_parse(back, strlen(back), "round trip", &f) && f.recompute == modes[i],
+              "recompute %s does not survive config.json", names[i]);
+        free(back);
+    }
+    const char *bad = "{\"train\": {\"recompute\": \"moe\"}}";
+    lm_config e;
+    lm_config_defaults(&e);
+    CHECK(lm_config_parse(bad, strlen(bad), "test", &e) == LM_ERR_ARG && strstr(lm_last_error(), "train.recompute") &&
+              strstr(lm_last_error(), "channel"),
+          "recompute \"moe\": %s", lm_last_error());
+    c = chunk_config();
+    c.recompute = LM_RECOMPUTE_TOKEN;
+    c.recompute_chunk = 16;
+    CHECK(lm_config_validate(&c) == LM_ERR_ARG && strstr(lm_last_error(), "channel"),
+          "recompute_chunk with the token mixers alone recomputed: %s", lm_last_error());
+    c.recompute = LM_RECOMPUTE_CHANNEL;
+    CHECK(lm_config_validate(&c) == LM_OK, "recompute_chunk with channel: %s", lm_last_error());
+}
+
 /* lm_model_set_expert_grads_written (on by default on a GPU, here turned on for the CPU): the
  * zeroing leaves the routed experts' weight gradients out, the first backward writes them. With NaN
  * there after the zeroing, over token chunks (several MoE backward calls a layer), sequence
@@ -641,6 +847,8 @@ static void test_deferred_checks_in_the_residual_add_name_the_same_sublayer(void
 int main(void) {
     RUN(test_chunked_equals_unchunked);
     RUN(test_recompute_without_chunks_is_bit_identical);
+    RUN(test_selective_recompute_repeats_one_kind_with_the_same_bits);
+    RUN(test_selective_recompute_plans);
     RUN(test_expert_grads_written_by_the_backward_are_the_same_bits);
     RUN(test_plan_is_the_models_ledger);
     RUN(test_chunk_bounds_the_per_token_sublayers);

@@ -17,7 +17,8 @@
 static const char *const plan_usage =
     "usage: longmoe plan --config CONFIG.json [--context N] [--peak-tflops X]\n"
     "       longmoe plan --memory --config CONFIG.json [--batch B] [--seq T] [--device cpu|cuda]\n"
-    "                    [--recompute-chunk N] [--seq-segment S] [--cp N [--cp-split K]] [--ep G] [--json FILE]\n"
+    "                    [--recompute MODE] [--recompute-chunk N] [--seq-segment S] [--cp N [--cp-split K]]\n"
+    "                    [--ep G] [--json FILE]\n"
     "\n"
     "Prints, by component, the parameters stored and active per token, the forward\n"
     "FLOPs per token at a causal context of N tokens (default: train.seq_len), and the\n"
@@ -35,13 +36,17 @@ static const char *const plan_usage =
     "  --ib-gbits X          InfiniBand bandwidth per GPU in Gb/s (default 400)\n"
     "  --peak-tflops X       dense bf16 peak per GPU (default 989)\n"
     "  --mfu X               fraction of the peak reached (default 0.4)\n"
+    "  --recompute MODE      overrides train.recompute (below) for the activations\n"
     "\n"
     "With --memory it lists every buffer a training process holds in the device's\n"
     "memory for one micro-batch of B x T tokens (default train.batch_size x\n"
     "train.seq_len): parameters, gradients, the optimizer's state (on the device for\n"
     "cuda, as train --device cuda), each activation and scratch buffer, by name, from\n"
-    "the plan the model allocates with (no GPU needed). --recompute-chunk N overrides\n"
-    "train.recompute_chunk (and turns train.recompute on when N > 0); --seq-segment S\n"
+    "the plan the model allocates with (no GPU needed). --recompute MODE overrides\n"
+    "train.recompute (true or all, false or none, channel: the MoE and dense FFN,\n"
+    "token: the KDA and attention; docs/model.md \"Recomputation\"); --recompute-chunk N\n"
+    "overrides train.recompute_chunk (and turns train.recompute on when N > 0 and\n"
+    "the channel mixers are not recomputed); --seq-segment S\n"
     "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
     "docs/model.md \"Sequence segments\"; 0: off); --json FILE writes the table.\n"
     "--cp N sizes one rank of `train --cp N` (cpu or cuda): its segment of\n"
@@ -77,6 +82,7 @@ static void human(char *buf, size_t n, double x, const char *unit) {
 int cmd_plan(int argc, char **argv) {
     const char *cmd = "plan", *path = NULL, *layout_text = NULL, *device = "cpu", *json = NULL;
     long context = -1, gpn = 8, batch = -1, seq = -1, chunk = -1, segment = -1, cp = 1, ep = 1;
+    int recompute = -1;
     lm_cp_split cp_split = LM_CP_SPLIT_EVEN;
     int cp_split_given = 0;
     int memory = 0;
@@ -97,6 +103,12 @@ int cmd_plan(int argc, char **argv) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--batch", v, 1, 1L << 16, &batch)) return 2;
         } else if (!strcmp(argv[i], "--seq")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--seq", v, 1, 1L << 26, &seq)) return 2;
+        } else if (!strcmp(argv[i], "--recompute")) {
+            if (!(v = cli_value(cmd, argc, argv, &i))) return 2;
+            if ((recompute = lm_recompute_from_name(v)) < 0) {
+                cli_fail(cmd, "--recompute must be true, all, false, none, channel or token, got '%s'", v);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--recompute-chunk")) {
             if (!(v = cli_value(cmd, argc, argv, &i)) || cli_parse_int(cmd, "--recompute-chunk", v, 0, 1L << 26, &chunk))
                 return 2;
@@ -145,6 +157,7 @@ int cmd_plan(int argc, char **argv) {
     }
     lm_config c;
     if (lm_config_load(path, &c)) return cli_fail(cmd, "%s", lm_last_error());
+    if (recompute >= 0) c.recompute = recompute; /* --memory's plan and --layout's activations */
     if (context < 0) context = c.seq_len;
     if (cp_split_given && cp <= 1) return cli_fail(cmd, "--cp-split cuts the sequences of --cp N (N > 1)");
     if (memory) return print_memory(cmd, &c, batch > 0 ? batch : c.batch_size, seq > 0 ? seq : c.seq_len, device,
@@ -293,7 +306,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     if (lm_device_from_name(device, &dev)) return cli_fail(cmd, "--device must be cpu or cuda, got '%s'", device);
     if (chunk >= 0) {
         c->recompute_chunk = (int)chunk;
-        if (chunk > 0) c->recompute = 1;
+        if (chunk > 0 && !lm_recompute_sublayer(c->recompute, 1)) c->recompute = LM_RECOMPUTE_ALL;
     }
     if (segment >= 0) c->seq_segment = (int)segment;
     if (cp > 1 && c->seq_segment > 0)
@@ -378,7 +391,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
     for (int i = 0; i < N_EXTRA; i++) total += (double)extra[i];
     printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n",
-           cmd, device, B, T, B * T, c->recompute ? "on" : "off", c->recompute_chunk, c->seq_segment,
+           cmd, device, B, T, B * T, c->recompute == LM_RECOMPUTE_ALL ? "on" : c->recompute ? lm_recompute_name(c->recompute) : "off",
+           c->recompute_chunk, c->seq_segment,
            lm_model_num_params(m));
     if (cp > 1)
         printf("context parallel over %ld ranks (%s split): rank %ld of a group (the one that needs the most) holds "
@@ -407,9 +421,12 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         if (!f) {
             rc = cli_fail(cmd, "cannot write %s", json);
         } else {
-            fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %d, \"recompute_chunk\": %d, "
+            const char *rn = lm_recompute_name(c->recompute);
+            const char *q = c->recompute == LM_RECOMPUTE_NONE || c->recompute == LM_RECOMPUTE_ALL ? "" : "\"";
+            fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %s%s%s, \"recompute_chunk\": %d, "
                        "\"seq_segment\": %d, ",
-                    device, B, T, c->recompute, c->recompute_chunk, c->seq_segment);
+                    device, B, T, q, rn, q,
+                    c->recompute_chunk, c->seq_segment);
             if (cp > 1)
                 fprintf(f, "\"context_parallel\": %ld, \"cp_split\": \"%s\", \"cp_rank\": %ld, \"segment_start\": %ld, "
                         "\"seq_whole\": %ld, ", cp, lm_cp_split_name(split), rank, t0, T_whole);

@@ -17,6 +17,26 @@ extern "C" {
 
 #define LM_MAX_LAYERS 256
 
+/* train.recompute: false (none), true (all), "channel" (the MoE and dense
+ * FFN sublayers), "token" (the KDA and attention sublayers). Any value but
+ * none keeps one normalised sublayer input for the recomputed sublayers. */
+typedef enum {
+    LM_RECOMPUTE_NONE = 0,
+    LM_RECOMPUTE_ALL = 1,
+    LM_RECOMPUTE_CHANNEL = 2,
+    LM_RECOMPUTE_TOKEN = 3
+} lm_recompute_kind;
+/* Whether the backward repeats sublayer idx's forward (even idx: the layer's
+ * token mixer, odd: its channel mixer). */
+static inline int lm_recompute_sublayer(int recompute, int idx) {
+    return recompute == LM_RECOMPUTE_ALL || (recompute == LM_RECOMPUTE_TOKEN && idx % 2 == 0) ||
+           (recompute == LM_RECOMPUTE_CHANNEL && idx % 2 == 1);
+}
+/* The name config.json writes for a recompute value ("false", "true", "channel", "token"). */
+const char *lm_recompute_name(int recompute);
+/* A command line's recompute value: false or none, true or all, channel, token; -1 for anything else. */
+int lm_recompute_from_name(const char *name);
+
 typedef enum { LM_MIXER_KDA = 0, LM_MIXER_MLA = 1 } lm_mixer_kind;
 typedef enum { LM_RESIDUAL_STANDARD = 0, LM_RESIDUAL_BLOCK_ATTNRES, LM_RESIDUAL_FULL_ATTNRES } lm_residual_kind;
 typedef enum { LM_ACT_SWIGLU = 0, LM_ACT_SITU } lm_activation_kind;
@@ -78,7 +98,10 @@ typedef struct {
     int grid_rows;
     lm_schedule_kind schedule;
     uint64_t seed;
-    int log_every, eval_every, ckpt_every, keep_checkpoints, recompute;
+    int log_every, eval_every, ckpt_every, keep_checkpoints;
+    /* which sublayers' forwards the backward repeats instead of keeping their
+     * activations (lm_recompute_kind; docs/model.md, "Recomputation") */
+    int recompute;
     /* with recompute: tokens per chunk of the per-token sublayers (dense FFN, MoE)
      * in the forward and the recomputing backward, and the sublayer inputs are
      * recomputed from the residual state; 0 = off (docs/model.md, "Memory") */

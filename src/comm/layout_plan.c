@@ -118,7 +118,12 @@ lm_status lm_layout_plan_compute(const lm_config *c, const lm_layout *L, const l
     const int n_blocks_all = c->residual == LM_RESIDUAL_BLOCK_ATTNRES ? (2 * c->n_layers + c->attnres_block - 1) / c->attnres_block
                              : c->residual == LM_RESIDUAL_FULL_ATTNRES ? 2 * c->n_layers : 0;
     /* live activations of one layer, bf16 per token (docs/scaleout.md) */
-    const double layer_work = 2 * (10 * d + c->top_k * (din + 3.0 * c->expert_ffn));
+    const double tok_work = 2 * (10.0 * d), ch_work = 2 * (c->top_k * (din + 3.0 * c->expert_ffn));
+    const double layer_work = tok_work + ch_work;
+    /* with train.recompute a layer keeps its inputs and what is not recomputed; the recomputed part of one
+     * layer is live in the backward */
+    const int rc_tok = lm_recompute_sublayer(c->recompute, 0), rc_ch = lm_recompute_sublayer(c->recompute, 1);
+    const double kept = (rc_tok ? 0 : tok_work) + (rc_ch ? 0 : ch_work), redo = layer_work - kept;
 
     double best_total = -1;
     for (int s = 0; s < pp; s++) {
@@ -145,9 +150,9 @@ lm_status lm_layout_plan_compute(const lm_config *c, const lm_layout *L, const l
         const double wb = 2 * (dense_g + expert_g), gb = 4 * (dense_g + expert_g);
         const double ob = (4.0 + 4.0 * moments) * (dense_g / g_dense + expert_g / g_expert);
         const int in_flight = m < pp - s ? m : pp - s; /* 1F1B: stage s holds up to pp - s micro-batches */
-        const double stored = c->recompute ? (l1 - l0) * 2 * (2 * d) : (l1 - l0) * layer_work;
+        const double stored = c->recompute ? (l1 - l0) * (2 * (2 * d) + kept) : (l1 - l0) * layer_work;
         const double history = (1 + n_blocks_all) * d * 2;
-        const double ab = ntok * (in_flight * (stored + history) + (c->recompute ? layer_work : 0));
+        const double ab = ntok * (in_flight * (stored + history) + redo);
         const double total = wb + gb + ob + ab;
         if (total > best_total) {
             best_total = total;

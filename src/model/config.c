@@ -12,7 +12,10 @@
 #include "files.h"
 #include "json.h"
 
-typedef enum { KEY_INT, KEY_INT64, KEY_U64, KEY_FLOAT, KEY_BOOL, KEY_ENUM, KEY_LAYOUT, KEY_STRING, KEY_STAGES } key_type;
+/* KEY_RECOMPUTE: true, false or one of the names "channel", "token" (lm_recompute_kind) */
+typedef enum {
+    KEY_INT, KEY_INT64, KEY_U64, KEY_FLOAT, KEY_BOOL, KEY_ENUM, KEY_LAYOUT, KEY_STRING, KEY_STAGES, KEY_RECOMPUTE
+} key_type;
 
 typedef struct {
     const char *section, *name;
@@ -85,7 +88,7 @@ static const key_spec keys[] = {
     K_("train", "eval_every", KEY_INT, eval_every, 0, 1 << 30, NULL),
     K_("train", "ckpt_every", KEY_INT, ckpt_every, 0, 1 << 30, NULL),
     K_("train", "keep_checkpoints", KEY_INT, keep_checkpoints, 1, 1000, NULL),
-    K_("train", "recompute", KEY_BOOL, recompute, 0, 1, NULL),
+    K_("train", "recompute", KEY_RECOMPUTE, recompute, 0, 3, NULL),
     K_("train", "recompute_chunk", KEY_INT, recompute_chunk, 0, 1 << 26, NULL),
     K_("train", "seq_segment", KEY_INT, seq_segment, 0, 1 << 26, NULL),
     K_("train", "grad_bucket_mb", KEY_FLOAT, grad_bucket_mb, 0, 1e6, NULL),
@@ -156,6 +159,25 @@ void lm_config_defaults(lm_config *c) {
     c->ckpt_every = 0;
     c->keep_checkpoints = 3;
     strcpy(c->data, "copy");
+}
+
+const char *lm_recompute_name(int recompute) {
+    switch (recompute) {
+    case LM_RECOMPUTE_NONE: return "false";
+    case LM_RECOMPUTE_ALL: return "true";
+    case LM_RECOMPUTE_CHANNEL: return "channel";
+    case LM_RECOMPUTE_TOKEN: return "token";
+    default: return "invalid";
+    }
+}
+
+int lm_recompute_from_name(const char *name) {
+    if (!name) return -1;
+    if (!strcmp(name, "false") || !strcmp(name, "none")) return LM_RECOMPUTE_NONE;
+    if (!strcmp(name, "true") || !strcmp(name, "all")) return LM_RECOMPUTE_ALL;
+    if (!strcmp(name, "channel")) return LM_RECOMPUTE_CHANNEL;
+    if (!strcmp(name, "token")) return LM_RECOMPUTE_TOKEN;
+    return -1;
 }
 
 static int enum_index(const char *names, const char *value) {
@@ -273,6 +295,17 @@ static lm_status set_key(lm_config *c, const key_spec *k, const lm_json *v, cons
         return LM_OK;
     }
     if (k->type == KEY_STAGES) return parse_stages(c, v, what);
+    if (k->type == KEY_RECOMPUTE) {
+        int x = -1;
+        if (v->kind == LM_JSON_BOOL) x = v->boolean ? LM_RECOMPUTE_ALL : LM_RECOMPUTE_NONE;
+        else if (v->kind == LM_JSON_STRING && !strcmp(v->string, "channel")) x = LM_RECOMPUTE_CHANNEL;
+        else if (v->kind == LM_JSON_STRING && !strcmp(v->string, "token")) x = LM_RECOMPUTE_TOKEN;
+        if (x < 0)
+            return lm_error(LM_ERR_ARG, "%s: %s.%s must be true (every sublayer), false (none), \"channel\" (the MoE "
+                            "and dense FFN) or \"token\" (the KDA and attention)", what, k->section, k->name);
+        memcpy(field, &x, sizeof x);
+        return LM_OK;
+    }
     if (k->type == KEY_BOOL) {
         if (v->kind != LM_JSON_BOOL)
             return lm_error(LM_ERR_ARG, "%s: %s.%s must be true or false", what, k->section, k->name);
@@ -394,8 +427,12 @@ lm_status lm_config_validate(const lm_config *c) {
     if (c->latent_dim > c->d_model)
         return lm_error(LM_ERR_ARG, "moe.latent_dim (%d) must not exceed model.d_model (%d)",
                         c->latent_dim, c->d_model);
-    if (c->recompute_chunk > 0 && !c->recompute)
-        return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) needs train.recompute = true", c->recompute_chunk);
+    if (c->recompute < LM_RECOMPUTE_NONE || c->recompute > LM_RECOMPUTE_TOKEN)
+        return lm_error(LM_ERR_ARG, "train.recompute (%d) must be one of none 0, all 1, channel 2, token 3",
+                        c->recompute);
+    if (c->recompute_chunk > 0 && !lm_recompute_sublayer(c->recompute, 1))
+        return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) needs train.recompute = true or \"channel\" (the "
+                        "chunked MoE and dense FFN are recomputed chunk by chunk)", c->recompute_chunk);
     if (c->recompute_chunk > 0 && c->balance == LM_BALANCE_AUX)
         return lm_error(LM_ERR_ARG, "train.recompute_chunk (%d) does not run with moe.balance = aux (its loss "
                         "couples every token of the batch); use 0", c->recompute_chunk);
@@ -442,6 +479,14 @@ char *lm_config_to_json(const lm_config *c) {
             case KEY_U64: { uint64_t x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%llu", (unsigned long long)x); break; }
             case KEY_FLOAT: { float x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%.9g", (double)x); break; }
             case KEY_BOOL: { int x; memcpy(&x, field, sizeof x); n += (size_t)snprintf(out + n, cap - n, "%s", x ? "true" : "false"); break; }
+            case KEY_RECOMPUTE: {
+                int x;
+                memcpy(&x, field, sizeof x);
+                const char *name = lm_recompute_name(x);
+                const int bare = x == LM_RECOMPUTE_NONE || x == LM_RECOMPUTE_ALL; /* false, true */
+                n += (size_t)snprintf(out + n, cap - n, bare ? "%s" : "\"%s\"", name);
+                break;
+            }
             case KEY_LAYOUT:
             case KEY_STRING: n += (size_t)snprintf(out + n, cap - n, "\"%s\"", field); break;
             case KEY_STAGES: {

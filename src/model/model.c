@@ -254,12 +254,20 @@ static int xn_f32_needed(const lm_model *m, int idx) {
     return !m->sep || (idx % 2 == 1 && lm_config_is_moe(&m->cfg, idx / 2));
 }
 
-/* The fp32 normalised inputs kept without recompute: one per sublayer that
- * reads them (xn_f32_needed), of the first `upto` sublayers. */
-static int xn_slots(const lm_model *m, int upto) {
-    int k = 0;
-    for (int i = 0; i < upto; i++) k += xn_f32_needed(m, i);
-    return k;
+/* Whether the backward repeats sublayer idx's forward (train.recompute: all, the channel or the token mixers). */
+static int rc_sub(const lm_model *m, int idx) { return lm_recompute_sublayer(m->cfg.recompute, idx); }
+
+/* The kept normalised sublayer inputs, the product-format copies (f32 = 0)
+ * or the fp32 ones (f32 = 1: only where xn_f32_needed): the recomputed
+ * sublayers share slot 0 (the backward forms each one's input again before
+ * its own backward), every other sublayer has a slot of its own. The slot of
+ * sublayer idx; idx = L2 gives the number of slots. */
+static int xn_slot(const lm_model *m, int idx, int f32) {
+    int shared = 0, k = 0;
+    for (int i = 0; i < m->L2; i++) shared |= rc_sub(m, i) && (!f32 || xn_f32_needed(m, i));
+    if (idx < m->L2 && rc_sub(m, idx)) return 0;
+    for (int i = 0; i < idx; i++) k += !rc_sub(m, i) && (!f32 || xn_f32_needed(m, i));
+    return shared + k;
 }
 
 static size_t plan_activations(lm_model *m, float *base) {
@@ -272,8 +280,7 @@ static size_t plan_activations(lm_model *m, float *base) {
      * the backward recomputes each sublayer's forward from its saved input;
      * the normalised input is recomputed too, and with recompute_chunk the
      * input itself (from the residual state) */
-    const size_t n_xn = cfg->recompute ? 1 : (size_t)xn_slots(m, L2),
-                 n_hin = m->fuse_norm ? 0 : m->lean_hin ? 1 : (size_t)L2;
+    const size_t n_xn = (size_t)xn_slot(m, L2, 1), n_hin = m->fuse_norm ? 0 : m->lean_hin ? 1 : (size_t)L2;
 #define CARVE(ptr, n, ...)                                                       \
     do {                                                                         \
         size_t n_ = (n);                                                         \
@@ -286,9 +293,12 @@ static size_t plan_activations(lm_model *m, float *base) {
               n_hin > 1 ? "hin: sublayer inputs [2L,N,d]" : "hin: sublayer input [N,d] (recomputed)");
     if (n_xn)
         CARVE(m->xn, n_xn * N * d,
-              cfg->recompute ? "xn: normalised sublayer input [N,d] (recomputed)"
-              : m->sep       ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
-                             : "xn: normalised sublayer inputs [2L,N,d]");
+              cfg->recompute == LM_RECOMPUTE_ALL ? "xn: normalised sublayer input [N,d] (recomputed)"
+              : cfg->recompute                   ? "xn: normalised sublayer inputs, one shared by the recomputed "
+                                                   "sublayers, one each kept [%zu,N,d]"
+              : m->sep ? "xn: normalised MoE sublayer inputs, fp32 for the router [MoE layers,N,d]"
+                       : "xn: normalised sublayer inputs [2L,N,d]",
+              n_xn);
     CARVE(m->rstd, (size_t)L2 * N, "rstd: sublayer norms' 1/rms [2L,N]");
     CARVE(m->hf, (size_t)N * d, "hf: final residual [N,d]");
     CARVE(m->hn, (size_t)N * d, "hn: final norm [N,d]");
@@ -330,7 +340,8 @@ static size_t plan_activations(lm_model *m, float *base) {
     layer_state *first_kda = NULL, *first_mla = NULL, *first_ffn = NULL;
     for (int l = 0; l < cfg->n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        const int share = cfg->recompute;
+        /* the recomputed kind's layers share one set (the token mixers: even sublayers, the channel mixers: odd) */
+        const int share = rc_sub(m, 2 * l), share_ch = rc_sub(m, 2 * l + 1);
         if (base && !m->seg_on) ls->keep_o = NULL, ls->keep_lse = NULL;
         if (m->cp_ranks > 0) {
             /* context parallelism: the token mixer's segment activations only (the attention's
@@ -396,8 +407,9 @@ static size_t plan_activations(lm_model *m, float *base) {
                 else CARVE(ls->mla_acts, lm_mla_acts_floats(&ls->mla_cfg, B, T), "layers.%d attention activations", l);
                 first_mla = ls;
             }
-            if (share && !m->seg_on) {
-                /* each layer's attention output for the recomputation (segments: plan_segments) */
+            if ((share || m->replay) && !m->seg_on) {
+                /* each layer's attention output for the recomputation and the Block AttnRes replay, which
+                 * runs every sublayer of a block again (segments: plan_segments) */
                 CARVE(ls->keep_o, lm_mla_keep_o_floats(&ls->mla_cfg, m->be->lp_bytes, B, T),
                       "layers.%d attention output kept for the recomputation [N,H,Dv]", l);
                 CARVE(ls->keep_lse, lm_mla_keep_lse_floats(&ls->mla_cfg, B, T),
@@ -407,13 +419,13 @@ static size_t plan_activations(lm_model *m, float *base) {
         if (!ls->moe) {
             /* the dense FFN runs C tokens at a time (C = N without recompute_chunk) */
             scratch = dense_ffn_scratch(cfg, C) > scratch ? dense_ffn_scratch(cfg, C) : scratch;
-            if (first_ffn && share) {
+            if (first_ffn && share_ch) {
                 ls->ffn_a = first_ffn->ffn_a;
                 ls->ffn_u = first_ffn->ffn_u;
                 ls->ffn_h = first_ffn->ffn_h;
             } else {
                 CARVE(ls->ffn_a, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN a [%lld tokens]%s", l, (long long)C,
-                      share && n_ffn > 1 ? " (shared)" : "");
+                      share_ch && n_ffn > 1 ? " (shared)" : "");
                 CARVE(ls->ffn_u, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN u [%lld tokens]", l, (long long)C);
                 CARVE(ls->ffn_h, (size_t)C * cfg->dense_ffn, "layers.%d dense FFN h [%lld tokens]", l, (long long)C);
                 first_ffn = ls;
@@ -705,6 +717,10 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     m->lean_hin = cfg->recompute_chunk > 0 && cfg->residual != LM_RESIDUAL_STANDARD;
     m->d = cfg->d_model;
     m->L2 = 2 * cfg->n_layers;
+    /* with recompute_chunk, Block AttnRes keeps the partial sums of one block
+     * only and the backward replays each block's forward, where the backend can */
+    m->replay = m->lean_hin && cfg->residual == LM_RESIDUAL_BLOCK_ATTNRES && m->be->ops->attnres_replay_block &&
+                cfg->attnres_block > 1 && cfg->attnres_block < m->L2;
     const int64_t d = cfg->d_model, V = cfg->vocab_size, N = m->N;
     T = m->T;
     /* each sublayer's AttnRes input with its RMSNorm in one pass where the backend offers it:
@@ -826,11 +842,17 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
      * and its backward's operands */
     if (m->sep) {
         size_t f = (size_t)cfg->dense_ffn, e = m->be->lp_bytes, C = (size_t)m->chunk;
-        size_t n_xn = (size_t)(m->cfg.recompute ? 1 : m->L2) * N * d;
+        const int n_lp = xn_slot(m, m->L2, 0);
+        size_t n_xn = (size_t)n_lp * N * d;
         size_t lpn = n_xn + (size_t)N * d /* hn */ + 3 * C * f /* ffn h, da, du */ + (size_t)N * d /* dy */;
-        char name[96];
-        snprintf(name, sizeof name, "xn, product format: normalised sublayer input%s",
-                 m->cfg.recompute ? " (one, recomputed)" : "s [2L]");
+        char name[128];
+        if (m->cfg.recompute == LM_RECOMPUTE_ALL)
+            snprintf(name, sizeof name, "xn, product format: normalised sublayer input (one, recomputed)");
+        else if (m->cfg.recompute)
+            snprintf(name, sizeof name, "xn, product format: normalised sublayer inputs, one shared by the "
+                     "recomputed sublayers, one each kept [%d]", n_lp);
+        else
+            snprintf(name, sizeof name, "xn, product format: normalised sublayer inputs [2L]");
         if ((st = ledger_add(m, n_xn * e, "%s", name)) || (st = ledger_add(m, (size_t)N * d * e, "hn, product format")) ||
             (st = ledger_add(m, 3 * C * f * e, "dense FFN h, da, du, product format [%zu tokens]", C)) ||
             (st = ledger_add(m, (size_t)N * d * e, "dy, product format")))
@@ -895,7 +917,8 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
             map_views(m, &ls->moe_P, &ls->moe_PL, sizeof ls->moe_P, 0);
             map_views(m, &ls->moe_P, &ls->moe_G, sizeof ls->moe_P, 1);
         }
-        if (first_moe && cfg->recompute) {
+        const int share_moe = rc_sub(m, 2 * l + 1); /* the channel mixers are recomputed */
+        if (first_moe && share_moe) {
             ls->moe_acts = first_moe->moe_acts; /* owned by first_moe */
         } else {
             size_t b = m->be->ops->moe_acts_bytes(&ls->moe_cfg, m->chunk);
@@ -907,7 +930,7 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
                 first_moe = ls;
                 continue;
             }
-            if ((st = cfg->recompute
+            if ((st = share_moe
                           ? ledger_add(m, b, "MoE routing and expert activations [%lld tokens] (shared by %d layers)",
                                        (long long)m->chunk, n_moe)
                           : ledger_add(m, b, "layers.%d MoE routing and expert activations [%lld tokens]", l,
@@ -964,10 +987,6 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
     }
 
     /* the residual stream */
-    /* with recompute_chunk, Block AttnRes keeps the partial sums of one block
-     * only and the backward replays each block's forward, where the backend can */
-    m->replay = m->lean_hin && cfg->residual == LM_RESIDUAL_BLOCK_ATTNRES && m->be->ops->attnres_replay_block &&
-                cfg->attnres_block > 1 && cfg->attnres_block < m->L2;
     lm_attnres_config ac = {(lm_attnres_mode)cfg->residual, m->L2, cfg->attnres_block, (int)d, N,
                             cfg->norm_eps, 1, m->replay};
     {
@@ -1774,8 +1793,9 @@ static lm_status sublayer_forward(lm_model *m, layer_state *ls, int idx, const f
 
 /* The lp view of sublayer idx's normalised input. */
 static void *xn_lp_of(const lm_model *m, int idx) {
-    size_t nd = (size_t)m->N * m->d, i = m->cfg.recompute ? 0 : (size_t)idx;
-    return m->sep ? (char *)m->xn_lp + i * nd * m->be->lp_bytes : (void *)(m->xn + i * nd);
+    size_t nd = (size_t)m->N * m->d;
+    return m->sep ? (char *)m->xn_lp + (size_t)xn_slot(m, idx, 0) * nd * m->be->lp_bytes
+                  : (void *)(m->xn + (size_t)xn_slot(m, idx, 1) * nd);
 }
 
 /* Sublayer idx's input and normalised input: one buffer each with recompute
@@ -1786,7 +1806,7 @@ static float *hin_of(const lm_model *m, int idx) {
 }
 static float *xn_of(const lm_model *m, int idx) {
     if (!xn_f32_needed(m, idx)) return NULL;
-    return m->xn + (m->cfg.recompute ? 0 : (size_t)xn_slots(m, idx) * m->N * m->d);
+    return m->xn + (size_t)xn_slot(m, idx, 1) * m->N * m->d;
 }
 
 /* Under context parallelism every rank must reach the same collectives: the
@@ -2305,10 +2325,15 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         }
         charge(m, LM_TIME_ATTNRES, &t0);
         const size_t norm_off = idx % 2 ? ls->ffn_norm_off : ls->mixer_norm_off;
-        if (m->cfg.recompute) {
+        if (rc_sub(m, idx)) {
             /* the sublayer's input again (recompute_chunk, or with its norm: from the residual
              * state), then its normalised input: the forward's own op on it */
             TRY(sublayer_input(m, idx, &arp, hin, xn, xn_lp, 1, &t0));
+        } else if (m->lean_hin && !m->fuse_norm) {
+            /* a sublayer not recomputed keeps its normalised input; its norm's backward reads the input,
+             * of which recompute_chunk keeps one buffer */
+            TRY(op->attnres_recompute_input(be, m->ar, idx, hin));
+            charge(m, LM_TIME_ATTNRES, &t0);
         }
         /* dxn is written by the whole rows' KDA and MLA backwards (their first product sets it) and by the
          * channel mixers (each chunk's rows: the dense FFN's first product sets them, the MoE writes them);
@@ -2317,7 +2342,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
             TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
         if (idx % 2 == 0) {
             /* the recomputed output goes to y, unused in the backward */
-            if (m->cfg.recompute) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
+            if (rc_sub(m, idx)) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
             if (m->cp_comm && ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_cp_backward_lp(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, xn_lp,
                                                 ls->cp_acts, m->dy_cur, m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
@@ -2344,7 +2369,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         } else {
             /* the channel mixer chunk by chunk: each chunk's forward again, then its backward */
             for (int64_t c0 = 0; c0 < N; c0 += m->chunk) {
-                if (m->cfg.recompute) TRY(channel_forward(m, ls, idx, xn, xn_lp, m->y, c0, 0, 1));
+                if (rc_sub(m, idx)) TRY(channel_forward(m, ls, idx, xn, xn_lp, m->y, c0, 0, 1));
                 TRY(channel_backward(m, ls, xn, xn_lp, c0, loss_scale));
             }
         }
@@ -3093,10 +3118,10 @@ static lm_status replan_activations(lm_model *m, int R, int t0) {
                         R ? "with context parallelism" : "of the one-rank layout");
     m->act_block = ab;
     plan_activations(m, m->act_block);
-    /* with recompute the KDA layers share the first one's set: initialised once */
+    /* with the token mixers recomputed the KDA layers share the first one's set: initialised once */
     for (int l = 0, kda_seen = 0; R && l < m->cfg.n_layers; l++) {
         layer_state *ls = &m->layers[l];
-        if (ls->mixer == LM_MIXER_KDA && !(m->cfg.recompute && kda_seen++))
+        if (ls->mixer == LM_MIXER_KDA && !(rc_sub(m, 2 * l) && kda_seen++))
             TRY(lm_kda_layer_cp_lp_acts_init(&ls->kda_cfg, m->B, m->T, ls->cp_acts));
     }
     return LM_OK;
