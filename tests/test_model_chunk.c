@@ -307,17 +307,17 @@ static size_t plan_bytes(const lm_model *m, const char *has) {
     return n;
 }
 
-static void test_selective_recompute_plans(void) {
+static void selective_plans(lm_device dev) {
     lm_config c = chunk_config();
     c.n_layers = 6;
     strcpy(c.layout, "kkmkkm");
-    const int B = 2, T = 256, N = B * T, d = c.d_model;
+    const int B = 2, T = 256, N = B * T, d = c.d_model, gpu = dev == LM_DEVICE_CUDA;
     size_t total[4], moe_sets[4], kda[4], xn_lp[4], xn32[4];
     const int modes[4] = {LM_RECOMPUTE_NONE, LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
     for (int i = 0; i < 4; i++) {
         c.recompute = modes[i];
         lm_model *m = NULL;
-        CHECK(!lm_model_plan(&c, B, T, LM_DEVICE_CUDA, &m), "%s", lm_last_error());
+        CHECK(!lm_model_plan(&c, B, T, dev, &m), "%s", lm_last_error());
         if (!m) return;
         total[i] = plan_bytes(m, NULL);
         moe_sets[i] = 0;
@@ -328,24 +328,40 @@ static void test_selective_recompute_plans(void) {
         xn32[i] = plan_bytes(m, "xn: ");
         lm_model_free(m);
     }
+    const char *on = gpu ? "cuda" : "cpu";
     /* 6 layers, the first dense: 5 MoE layers; 4 KDA layers */
-    CHECK(moe_sets[0] == 5 && moe_sets[1] == 1 && moe_sets[2] == 1 && moe_sets[3] == 5, "MoE activation sets: %zu %zu "
-          "%zu %zu (none, all, channel, token)", moe_sets[0], moe_sets[1], moe_sets[2], moe_sets[3]);
-    CHECK(kda[2] == kda[0] && kda[3] == kda[1] && kda[3] * 4 == kda[0], "KDA activations %zu %zu %zu %zu", kda[0],
-          kda[1], kda[2], kda[3]);
-    /* product-format inputs (bf16, 2 bytes): 12 sublayers without, 1 with all, 1 + 6 kept with either mode */
-    const size_t row = (size_t)N * d * 2;
-    CHECK(xn_lp[0] == 12 * row && xn_lp[1] == row && xn_lp[2] == 7 * row && xn_lp[3] == 7 * row,
-          "product-format xn: %zu %zu %zu %zu bytes, rows of %zu", xn_lp[0], xn_lp[1], xn_lp[2], xn_lp[3], row);
-    /* fp32 inputs, the MoE router's: 5 without, 1 shared with all and channel, 5 own with token */
-    const size_t row32 = (size_t)N * d * 4;
-    CHECK(xn32[0] >= 5 * row32 && xn32[0] < 6 * row32 && xn32[1] < 2 * row32 && xn32[2] < 2 * row32 &&
-              xn32[3] == xn32[0],
-          "fp32 xn: %zu %zu %zu %zu bytes, rows of %zu", xn32[0], xn32[1], xn32[2], xn32[3], row32);
-    CHECK(total[1] < total[2] && total[2] < total[0] && total[3] < total[0], "plans %zu %zu %zu %zu bytes (none, all, "
-          "channel, token)", total[0], total[1], total[2], total[3]);
-    printf("    plans on cuda, %d x %d: none %.2f, all %.2f, channel %.2f, token %.2f MiB\n", B, T, total[0] / 1048576.0,
-           total[1] / 1048576.0, total[2] / 1048576.0, total[3] / 1048576.0);
+    CHECK(moe_sets[0] == 5 && moe_sets[1] == 1 && moe_sets[2] == 1 && moe_sets[3] == 5, "%s: MoE activation sets: %zu "
+          "%zu %zu %zu (none, all, channel, token)", on, moe_sets[0], moe_sets[1], moe_sets[2], moe_sets[3]);
+    CHECK(kda[2] == kda[0] && kda[3] == kda[1] && kda[3] * 4 == kda[0], "%s: KDA activations %zu %zu %zu %zu", on,
+          kda[0], kda[1], kda[2], kda[3]);
+    const size_t row = (size_t)N * d * 2, row32 = (size_t)N * d * 4;
+    if (gpu) {
+        /* product-format inputs (bf16): 12 sublayers without, 1 with all, 1 + 6 kept with either mode */
+        CHECK(xn_lp[0] == 12 * row && xn_lp[1] == row && xn_lp[2] == 7 * row && xn_lp[3] == 7 * row,
+              "cuda: product-format xn: %zu %zu %zu %zu bytes, rows of %zu", xn_lp[0], xn_lp[1], xn_lp[2], xn_lp[3],
+              row);
+        /* fp32 inputs, the MoE router's: 5 without, 1 shared with all and channel, 5 own with token */
+        CHECK(xn32[0] >= 5 * row32 && xn32[0] < 6 * row32 && xn32[1] < 2 * row32 && xn32[2] < 2 * row32 &&
+                  xn32[3] == xn32[0],
+              "cuda: fp32 xn: %zu %zu %zu %zu bytes, rows of %zu", xn32[0], xn32[1], xn32[2], xn32[3], row32);
+    } else {
+        /* the CPU's product format is the fp32 input itself: 12, 1, 1 + 6, 1 + 6 rows */
+        CHECK(xn_lp[0] == 0 && xn32[0] == 12 * row32 && xn32[1] == row32 && xn32[2] == 7 * row32 &&
+                  xn32[3] == 7 * row32,
+              "cpu: xn: %zu %zu %zu %zu bytes, rows of %zu", xn32[0], xn32[1], xn32[2], xn32[3], row32);
+    }
+    CHECK(total[1] < total[2] && total[2] < total[0] && total[3] < total[0], "%s: plans %zu %zu %zu %zu bytes (none, "
+          "all, channel, token)", on, total[0], total[1], total[2], total[3]);
+    printf("    plans on %s, %d x %d: none %.2f, all %.2f, channel %.2f, token %.2f MiB\n", on, B, T,
+           total[0] / 1048576.0, total[1] / 1048576.0, total[2] / 1048576.0, total[3] / 1048576.0);
+}
+
+static void test_selective_recompute_plans(void) {
+    selective_plans(LM_DEVICE_CPU);
+    if (lm_backend_cuda_ops()) selective_plans(LM_DEVICE_CUDA);
+    else printf("  skipped: the GPU plans (this build has no CUDA kernels)\n");
+    lm_config c;
+    const int modes[4] = {LM_RECOMPUTE_NONE, LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
     /* the config: the names read and write back; recompute_chunk needs the channel mixers recomputed */
     const char *names[4] = {"false", "true", "\"channel\"", "\"token\""};
     for (int i = 0; i < 4; i++) {
