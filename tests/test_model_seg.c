@@ -178,6 +178,10 @@ static void test_segments_equal_whole_rows(void) {
         snprintf(what, sizeof what, "GQA, recompute %d, chunk %d", rc[i][0], rc[i][1]);
         compare(seg_config(LM_ATTN_GQA, rc[i][0], rc[i][1]), 2, 37, 8, what);
     }
+    /* NoPE, the recipe's (and the GPU's) MLA: the keys up-projected straight into the product format */
+    lm_config np = seg_config(LM_ATTN_MLA, 1, 0);
+    np.rope_dims = 0;
+    compare(np, 2, 37, 8, "MLA NoPE, recompute 1");
     /* one token a segment: shorter than the convolution's history */
     compare(seg_config(LM_ATTN_MLA, 1, 0), 2, 11, 1, "MLA, S = 1");
     compare(seg_config(LM_ATTN_GQA, 0, 0), 1, 9, 1, "GQA, S = 1");

@@ -373,10 +373,10 @@ static lm_status check_seg(const lm_mla_config *c, const lm_mla_seg *seg, int n)
 }
 
 /* Latent form: sequence b's keys and values of rows 0 .. P-1 from the stored
- * latents (and rotary keys) into seg->k_work, v_work, C rows at a time through
- * the fp32 slots tk [C,H,Dk], tv [C,H,Dv] (and tn [C,H,Dk-r] with RoPE). */
+ * latents (and rotary keys) into seg->k_work, v_work, C rows at a time (with
+ * RoPE the keys through the fp32 slots tk [C,H,Dk] and tn [C,H,Dk-r]). */
 static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, const lm_mla_params *pl,
-                              const lm_mla_seg *seg, int b, size_t P, float *tk, float *tv, float *tn, size_t C) {
+                              const lm_mla_seg *seg, int b, size_t P, float *tk, float *tn, size_t C) {
     lm_backend *be = backend_of(c);
     const lm_ops *op = be->ops;
     const size_t lpb = be->lp_bytes, kl = (size_t)c->kv_lora, H = (size_t)c->n_heads, Dk = (size_t)c->head_dim_qk,
@@ -385,7 +385,9 @@ static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, co
         const size_t n = P - j0 < C ? P - j0 : C, row = (size_t)b * seg->T_all + j0;
         const void *cb = at(seg->c_store, row, kl, lpb);
         if (r == 0) {
-            TRY(op->matmul_forward(be, tk, cb, pl->W_uk, (int64_t)n, (int)kl, (int)(H * Dk)));
+            /* straight in the product format (as matmul_forward then to_lp, one rounding) */
+            TRY(op->matmul_forward_lp(be, at(seg->k_work, j0, H * Dk, lpb), cb, pl->W_uk, (int64_t)n, (int)kl,
+                                      (int)(H * Dk)));
         } else {
             /* the CPU's form (RoPE runs on the CPU only): per head the latent part and the shared rotary key */
             TRY(op->matmul_forward(be, tn, cb, p->W_uk, (int64_t)n, (int)kl, (int)(H * Dn)));
@@ -396,10 +398,10 @@ static lm_status seg_build_kv(const lm_mla_config *c, const lm_mla_params *p, co
                     memcpy(tk + ((size_t)i * H + h) * Dk, tn + ((size_t)i * H + h) * Dn, Dn * sizeof(float));
                     memcpy(tk + ((size_t)i * H + h) * Dk + Dn, kr + (size_t)i * r, r * sizeof(float));
                 }
+            TRY(op->to_lp(be, at(seg->k_work, j0, H * Dk, lpb), tk, n * H * Dk));
         }
-        TRY(op->to_lp(be, at(seg->k_work, j0, H * Dk, lpb), tk, n * H * Dk));
-        TRY(op->matmul_forward(be, tv, cb, pl->W_uv, (int64_t)n, (int)kl, (int)(H * Dv)));
-        TRY(op->to_lp(be, at(seg->v_work, j0, H * Dv, lpb), tv, n * H * Dv));
+        TRY(op->matmul_forward_lp(be, at(seg->v_work, j0, H * Dv, lpb), cb, pl->W_uv, (int64_t)n, (int)kl,
+                                  (int)(H * Dv)));
     }
     return LM_OK;
 }
@@ -429,13 +431,19 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
     const int64_t pos0 = seg ? seg->t0 : 0; /* RoPE's position of the first row */
     const int latent = seg && seg->c_store;  /* the keys and values come from the stored latents */
     float *q = acts + L.q, *k = acts + L.k, *v = acts + L.v;
+    /* without RoPE (the recipe's NoPE, and always on a GPU) q, k and v feed the attention alone: their
+     * products write the product format straight (one rounding of the fp32 sums; on the CPU the fp32
+     * buffers themselves), with RoPE they are formed in fp32 first and converted */
+    const int direct = r == 0;
+#define MM_LP(out_lp, inp, w, n, ic, oc) TRY(op->matmul_forward_lp(be, out_lp, inp, w, n, ic, oc))
     if (c->kind == LM_ATTN_MLA) {
         float *ql = acts + L.ql, *qn = acts + L.qn, *kvl = acts + L.kvl, *lat = acts + L.c;
         // q = W_uq RMSNorm(W_dq x); c = RMSNorm(W_dkv x)   (SPEC §3)
         MM_F(ql, x, pl->W_dq, NULL, N, d, c->q_lora);
         TRY(op->rmsnorm_forward(be, qn, sep ? acts + L.qn_lp : NULL, acts + L.q_rstd, ql, p->q_norm, N, c->q_lora,
                                 eps));
-        MM_F(q, acts + L.qn_lp, pl->W_uq, NULL, N, c->q_lora, H * Dk);
+        if (direct) MM_LP(acts + L.q_lp, acts + L.qn_lp, pl->W_uq, N, c->q_lora, H * Dk);
+        else MM_F(q, acts + L.qn_lp, pl->W_uq, NULL, N, c->q_lora, H * Dk);
         MM_F(kvl, x, pl->W_dkv, NULL, N, d, c->kv_lora);
         TRY(op->rmsnorm_forward(be, lat, sep ? acts + L.c_lp : NULL, acts + L.kv_rstd, kvl, p->kv_norm, N,
                                 c->kv_lora, eps));
@@ -448,8 +456,9 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
                 rope_apply(kr, N, T, 1, r, r, c->rope_base, pos0, 0);
                 rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
             }
-        } else if (r == 0) {
-            MM_F(k, acts + L.c_lp, pl->W_uk, NULL, N, c->kv_lora, H * Dk);
+        } else if (direct) {
+            MM_LP(acts + L.k_lp, acts + L.c_lp, pl->W_uk, N, c->kv_lora, H * Dk);
+            MM_LP(acts + L.v_lp, acts + L.c_lp, pl->W_uv, N, c->kv_lora, H * Dv);
         } else {
             float *kn = acts + L.kn, *kr = acts + L.kr;
             MM_F(kn, lat, p->W_uk, NULL, N, c->kv_lora, H * Dn);
@@ -463,8 +472,12 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
                     memcpy(kh, kn + ((size_t)i * H + h) * Dn, (size_t)Dn * sizeof(float));
                     memcpy(kh + Dn, kr + (size_t)i * r, (size_t)r * sizeof(float));
                 }
+            MM_F(v, acts + L.c_lp, pl->W_uv, NULL, N, c->kv_lora, H * Dv);
         }
-        if (!latent) MM_F(v, acts + L.c_lp, pl->W_uv, NULL, N, c->kv_lora, H * Dv);
+    } else if (direct) {
+        MM_LP(acts + L.q_lp, x, pl->W_q, N, d, H * Dk);
+        MM_LP(acts + L.k_lp, x, pl->W_k, N, d, Hk * Dk);
+        MM_LP(acts + L.v_lp, x, pl->W_v, N, d, Hk * Dv);
     } else {
         MM_F(q, x, pl->W_q, NULL, N, d, H * Dk);
         MM_F(k, x, pl->W_k, NULL, N, d, Hk * Dk);
@@ -472,8 +485,9 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
         rope_apply(q, N, T, H, Dk, r, c->rope_base, pos0, 0);
         rope_apply(k, N, T, Hk, Dk, r, c->rope_base, pos0, 0);
     }
-    if (sep) TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
-    if (sep && !latent) {
+#undef MM_LP
+    if (sep && !direct) TRY(op->to_lp(be, acts + L.q_lp, q, (size_t)N * H * Dk));
+    if (sep && !direct && !latent) {
         TRY(op->to_lp(be, acts + L.k_lp, k, (size_t)N * Hk * Dk));
         TRY(op->to_lp(be, acts + L.v_lp, v, (size_t)N * Hk * Dv));
     }
@@ -501,7 +515,7 @@ static lm_status mla_forward(const lm_mla_config *c, const lm_mla_params *p, con
         }
         if (store_only) return LM_OK;
         for (int b = 0; b < B && !reuse; b++) {
-            TRY(seg_build_kv(c, p, pl, seg, b, (size_t)seg->t0 + T, k, v, acts + L.kn, (size_t)N));
+            TRY(seg_build_kv(c, p, pl, seg, b, (size_t)seg->t0 + T, k, acts + L.kn, (size_t)N));
             TRY(op->attention_forward_offset(be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb),
                                              seg->k_work, seg->v_work, at(o, (size_t)b * T, (size_t)H * Dv, lpb),
                                              acts + L.lse + (size_t)b * H * T, acts + L.rowmax + (size_t)b * H * T));
@@ -644,7 +658,7 @@ static lm_status mla_backward(const lm_mla_config *c, const lm_mla_params *p, co
         for (int b = 0; b < B; b++) {
             const size_t row0 = (size_t)b * seg->T_all;
             const void *cb = at(seg->c_store, row0, kl, lpb);
-            TRY(seg_build_kv(c, p, pl, seg, b, P, dk, dv, scratch + S.dkn, (size_t)N));
+            TRY(seg_build_kv(c, p, pl, seg, b, P, dk, scratch + S.dkn, (size_t)N));
             TRY(op->attention_backward_offset(
                 be, &a1, seg->t0, at(acts + L.q_lp, (size_t)b * T, (size_t)H * Dk, lpb), seg->k_work, seg->v_work,
                 at(o, (size_t)b * T, (size_t)H * Dv, lpb), acts + L.lse + (size_t)b * H * T,
