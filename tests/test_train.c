@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "longmoe/backend.h"
 #include "longmoe/data.h"
 #include "longmoe/model.h"
 #include "longmoe/safetensors.h"
@@ -265,6 +266,56 @@ static void test_resume_without_checkpoint_fails_clearly(void) {
     CHECK(lm_train(&c, &o, &r) == LM_ERR_IO && strstr(lm_last_error(), "no checkpoint"), "%s", lm_last_error());
 }
 
+/* A model that does not fit its backend's memory: the run fails with LM_ERR_MEMORY, naming what
+ * the settings plan and what train.recompute "channel" and true would plan instead (smaller), and
+ * the command that lists every buffer (the model's own hint). The backend is the CPU's with every allocation above a
+ * limit refused (the activation block's size less one byte). */
+static size_t alloc_limit;
+static lm_status limited_alloc(lm_backend *be, size_t bytes, void **out) {
+    if (bytes > alloc_limit) {
+        *out = NULL;
+        return lm_error(LM_ERR_MEMORY, "test backend: %zu bytes refused (limit %zu)", bytes, alloc_limit);
+    }
+    return lm_backend_cpu()->alloc(be, bytes, out);
+}
+
+static void test_a_model_too_large_names_the_recompute_settings_that_plan_less(void) {
+    lm_config c = micro();
+    c.n_layers = 4;
+    strcpy(c.layout, "kmkm");
+    lm_model *m = NULL;
+    CHECK(!lm_model_create(&c, c.batch_size, c.seq_len, &m), "%s", lm_last_error());
+    if (!m) return;
+    alloc_limit = lm_model_activation_bytes(m) - 1;
+    lm_model_free(m);
+    lm_backend lb = *lm_backend_cpu();
+    lb.alloc = limited_alloc;
+    lm_train_options o = lm_train_options_default(dir("too-large"));
+    o.progress = NULL;
+    o.backend = &lb;
+    lm_train_result r;
+    const lm_status st = lm_train(&c, &o, &r);
+    const char *e = lm_last_error();
+    printf("    %s\n", e);
+    CHECK(st == LM_ERR_MEMORY && strstr(e, "the model's plan on cpu at 2 x 40 tokens: ") &&
+              strstr(e, "with these settings, with train.recompute = \"channel\" ") &&
+              strstr(e, ", with train.recompute = true ") && strstr(e, "longmoe plan --memory"),
+          "status %d: %s", (int)st, e);
+    /* with every sublayer recomputed there is nothing smaller to name */
+    c.recompute = LM_RECOMPUTE_ALL;
+    lm_model *a = NULL;
+    CHECK(!lm_model_create(&c, c.batch_size, c.seq_len, &a), "%s", lm_last_error());
+    if (!a) return;
+    alloc_limit = lm_model_activation_bytes(a) - 1;
+    lm_model_free(a);
+    o = lm_train_options_default(dir("too-large-all"));
+    o.progress = NULL;
+    o.backend = &lb;
+    CHECK(lm_train(&c, &o, &r) == LM_ERR_MEMORY && strstr(lm_last_error(), "with these settings") &&
+              !strstr(lm_last_error(), "with train.recompute ="),
+          "recompute true: %s", lm_last_error());
+}
+
 static int count_lines(const char *run, const char *needle) {
     char path[600], line[65536];
     snprintf(path, sizeof path, "%s/metrics.jsonl", run);
@@ -357,6 +408,7 @@ int main(void) {
     RUN(test_loss_falls_on_the_copy_task);
     RUN(test_non_finite_step_is_skipped_and_never_saved);
     RUN(test_resume_without_checkpoint_fails_clearly);
+    RUN(test_a_model_too_large_names_the_recompute_settings_that_plan_less);
     RUN(test_answer_loss_weight);
     RUN(test_stages_change_length_checkpoint_and_resume_mid_stage);
     RUN(test_grid_rows_size_the_stage_end_grids);

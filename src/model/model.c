@@ -831,7 +831,8 @@ static lm_status model_build(const lm_config *cfg, int B, int T, lm_backend *bac
         if (st) {
             st = lm_error(LM_ERR_MEMORY, "out of memory for %zu activation floats (%.2f GiB) at B=%d T=%d; "
                           "`longmoe plan --memory` lists what a shape needs; hint: a smaller batch or sequence, "
-                          "train.recompute, train.recompute_chunk or train.seq_segment (docs/model.md, Memory)",
+                          "train.recompute (true, or \"channel\": the MoE and dense FFN alone), train.recompute_chunk or "
+                          "train.seq_segment (docs/model.md, Memory)",
                           act, (double)act * sizeof(float) / (1u << 30), B, T);
             goto fail;
         }

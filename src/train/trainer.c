@@ -1418,6 +1418,47 @@ static lm_status open_device(trainer *t) {
  * set up over the group once every rank has its model; with owner-only
  * expert state its parameter and gradient blocks hold the replicated tensors
  * and its own experts' slices only, from the start. */
+/* The model's planned bytes (lm_model_plan) of B x T tokens under cfg on `dev`; 0 when it cannot plan. */
+static double planned_bytes(const lm_config *cfg, int B, int T, lm_device dev) {
+    lm_model *m = NULL;
+    if (lm_model_plan(cfg, B, T, dev, &m)) return 0;
+    double b = 0;
+    for (int i = 0; i < lm_model_num_buffers(m); i++) b += (double)lm_model_buffer_at(m, i)->bytes;
+    lm_model_free(m);
+    return b;
+}
+
+/* bytes as "12.3 GiB" or "456.7 MiB" */
+static const char *size_text(double b, char *buf, size_t n) {
+    const double g = 1024.0 * 1024 * 1024;
+    if (b >= g) snprintf(buf, n, "%.1f GiB", b / g);
+    else snprintf(buf, n, "%.1f MiB", b / (1024.0 * 1024));
+    return buf;
+}
+
+/* A model that did not fit: the message adds what these settings plan and what the recompute
+ * settings that keep less would (docs/model.md, "Recomputation"). */
+static lm_status memory_hint(const trainer *t, int B, int T) {
+    char why[1024], a[32], alt[256] = "";
+    snprintf(why, sizeof why, "%s", lm_last_error());
+    const lm_device dev = t->be ? t->be->device : LM_DEVICE_CPU;
+    const double now = planned_bytes(&t->cfg, B, T, dev);
+    if (now <= 0) return lm_error(LM_ERR_MEMORY, "%s", why);
+    size_t n = 0;
+    const int modes[2] = {LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_ALL};
+    for (int i = 0; i < 2; i++) {
+        if (t->cfg.recompute == LM_RECOMPUTE_ALL || t->cfg.recompute == modes[i]) continue;
+        lm_config c = t->cfg;
+        c.recompute = modes[i];
+        const double b = planned_bytes(&c, B, T, dev);
+        if (b > 0 && b < now)
+            n += (size_t)snprintf(alt + n, sizeof alt - n, ", with train.recompute = %s%s%s %s", i ? "" : "\"",
+                                  lm_recompute_name(modes[i]), i ? "" : "\"", size_text(b, a, sizeof a));
+    }
+    return lm_error(LM_ERR_MEMORY, "%s; the model's plan on %s at %d x %d tokens: %s with these settings%s", why,
+                    lm_device_name(dev), B, T, size_text(now, a, sizeof a), alt);
+}
+
 static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0, int *len) {
     *out = NULL;
     *t0 = 0;
@@ -1425,6 +1466,7 @@ static lm_status create_model(trainer *t, int B, int T, lm_model **out, int *t0,
     if (t->cp > 1) TRY(segment_of(t, T, t->cp, t->cp_rank, t0, len));
     lm_status s = t->epo ? lm_model_create_expert_owned(&t->cfg, B / t->dp_groups, *len, t->be, t->ep, t->ep_pos, out)
                          : lm_model_create_on(&t->cfg, B / t->dp_groups, *len, t->be, out);
+    if (s == LM_ERR_MEMORY && !t->epo && t->cp <= 1) s = memory_hint(t, B / t->dp_groups, *len);
     if (!s && lm_model_block_peak_bytes(*out) > t->block_peak_bytes)
         t->block_peak_bytes = lm_model_block_peak_bytes(*out);
     if (t->cp <= 1) return s;
