@@ -299,7 +299,9 @@ static void test_plan_grows_only_by_the_carries(void) {
 
 /* The attention runs once a step: the forward keeps its output and
  * log-sum-exp (lm_mla_keep), and the backward's forwards (the segment's again,
- * and with recompute each layer's recomputation) reuse them. Counted through
+ * and with recompute each layer's recomputation) reuse them. The backward
+ * starts at the last segment without its forward again (the forward left its
+ * activations in the buffers): the MoE forwards counted too. Counted through
  * a CPU backend whose attention forwards count their calls. (That the reused
  * rows are the right ones, test_segments_equal_whole_rows and, with recompute
  * on whole rows, test_model_chunk's bit-identical recompute show.) */
@@ -315,6 +317,14 @@ static lm_status count_fwd_offset(lm_backend *be, const lm_attention_config *cfg
     return lm_backend_cpu()->ops->attention_forward_offset(be, cfg, q_offset, q, k, v, o, lse, rowmax);
 }
 
+static int moe_calls;
+static lm_status count_moe(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
+                           const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp, void *acts,
+                           int64_t n) {
+    moe_calls++;
+    return lm_backend_cpu()->ops->moe_forward(be, y, x, x_lp, bias, cfg, p, p_lp, acts, n);
+}
+
 static void kept_case(lm_attn_kind attn, int recompute, int S) {
     lm_config c = seg_config(attn, recompute, 0);
     c.seq_segment = S;
@@ -322,6 +332,7 @@ static void kept_case(lm_attn_kind attn, int recompute, int S) {
     lm_ops ops = *lm_backend_cpu()->ops;
     ops.attention_forward = count_fwd;
     ops.attention_forward_offset = count_fwd_offset;
+    ops.moe_forward = count_moe;
     lm_backend cb = *lm_backend_cpu();
     cb.ops = &ops;
     lm_model *m = NULL;
@@ -337,12 +348,20 @@ static void kept_case(lm_attn_kind attn, int recompute, int S) {
     /* a segment's queries attend per row: B calls a layer and segment (whole rows: one a layer) */
     const int per_forward = n_attn * (n_seg > 1 ? n_seg * B : 1);
     lm_model_zero_grads(m);
-    attn_calls = 0;
+    attn_calls = moe_calls = 0;
     CHECK(!lm_model_forward(m, tok, tgt, 1, &l1), "%s", lm_last_error());
-    const int fwd = attn_calls;
+    const int fwd = attn_calls, moe_fwd = moe_calls;
     CHECK(!lm_model_backward(m, 1.0f), "%s", lm_last_error());
     CHECK(fwd == per_forward && attn_calls == fwd, "S=%d recompute %d: %d attention calls in the forward, %d in the "
           "backward (want %d and none)", S, recompute, fwd, attn_calls - fwd, per_forward);
+    /* the MoE layers (1, 2 and 3; layer 0 is dense): the backward runs every segment's forward again but the last's, which
+     * the forward left in the buffers, and with recompute each segment's layers once more */
+    const int n_moe = 3, moe_bwd = n_moe * ((n_seg > 1 ? n_seg - 1 : 0) + (recompute ? n_seg : 0));
+    CHECK(moe_fwd == n_moe * n_seg && moe_calls - moe_fwd == moe_bwd, "S=%d recompute %d: %d MoE forwards in the "
+          "forward, %d in the backward (want %d and %d)", S, recompute, moe_fwd, moe_calls - moe_fwd, n_moe * n_seg,
+          moe_bwd);
+    printf("    S=%d recompute %d: %d segments, attention %d calls, MoE forwards %d + %d in the backward\n", S,
+           recompute, n_seg, fwd, moe_fwd, moe_calls - moe_fwd);
     lm_model_free(m);
 }
 

@@ -303,7 +303,8 @@ lm_status lm_model_backward(lm_model *m, float loss_scale);
  * lm_model_backward_weighted is refused (LM_ERR_ARG), until the next forward.
  * Gradients and losses are the same bits as without. With train.seq_segment
  * the forward keeps no segment's head; the segmented backward, which runs
- * each segment's forward again, always runs that segment's head backward with
+ * each segment's forward again (but the last's, left in the buffers by the
+ * forward: its head alone), always runs that segment's head backward with
  * it. 0 (the default) turns it off; a negative or non-finite scale is
  * LM_ERR_ARG. */
 lm_status lm_model_set_head_backward(lm_model *m, float loss_scale);

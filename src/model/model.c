@@ -2045,7 +2045,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     TRY(seg_check_tokens(m, tokens));
     memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
     memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
-    m->seg_kept = 0;
+    m->seg_kept = m->seg_live = 0;
     double total = 0;
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
@@ -2056,6 +2056,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     seg_leave(m);
     TRY(st);
     m->seg_kept = 1; /* every segment's attention output, for the backward */
+    m->seg_live = 1; /* and the last segment's activations */
     float ce = (float)(total / (double)m->Nq);
     if (!isfinite(ce)) return lm_error(LM_ERR_NUMERIC, "non-finite loss");
     m->have_targets = 1;
@@ -2090,11 +2091,20 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
     m->seg_parity = 0;
     /* the forward's kept attention outputs serve every segment's forward again */
     m->seg_reuse = m->seg_kept;
+    const int live = m->seg_live;
+    m->seg_live = 0;
     lm_status st = LM_OK;
     for (int s = m->n_seg - 1; s >= 0 && !st; s--) {
         double unused = 0;
-        /* the segment's forward again, its head's backward with it (each chunk's logits once) */
-        st = seg_run(m, s, 0, &unused, loss_scale);
+        if (s == m->n_seg - 1 && live) {
+            /* the forward's last segment is still in the buffers: its head's forward and backward alone */
+            seg_enter(m, s, 1);
+            st = be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t));
+            if (!st) st = head_forward(m, loss_scale, &unused);
+        } else {
+            /* the segment's forward again, its head's backward with it (each chunk's logits once) */
+            st = seg_run(m, s, 0, &unused, loss_scale);
+        }
         m->have_targets = 1;
         if (!st) st = model_backward(m, NULL, loss_scale);
         m->seg_parity ^= 1;
@@ -2111,7 +2121,7 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
     TRY(seg_check_tokens(m, tokens));
     memcpy(m->q_tok, tokens, (size_t)m->Nq * sizeof(int32_t));
     memcpy(m->q_tgt, targets, (size_t)m->Nq * sizeof(int32_t));
-    m->seg_kept = 0; /* its forwards overwrite the kept attention outputs */
+    m->seg_kept = m->seg_live = 0; /* its forwards overwrite the kept attention outputs and activations */
     lm_backend *be = m->be;
     const int on_host = be->device == LM_DEVICE_CPU;
     lm_status st = LM_OK;

@@ -197,6 +197,9 @@ struct lm_model {
      * the last segmented forward (seg_kept); the segmented backward's
      * forwards reuse them (seg_reuse) */
     int seg_kept, seg_reuse;
+    /* the buffers still hold the last segment's activations from the last
+     * segmented forward: the backward starts there without its forward again */
+    int seg_live;
     void *ar_full, *ar_tail;       /* residual states of S tokens a row and of the last, shorter segment */
     float *seg_block;              /* backend memory: the carries, stores and accumulators */
     size_t seg_floats;
