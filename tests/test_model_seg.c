@@ -355,8 +355,9 @@ static void kept_case(lm_attn_kind attn, int recompute, int S) {
     CHECK(fwd == per_forward && attn_calls == fwd, "S=%d recompute %d: %d attention calls in the forward, %d in the "
           "backward (want %d and none)", S, recompute, fwd, attn_calls - fwd, per_forward);
     /* the MoE layers (1, 2 and 3; layer 0 is dense): the backward runs every segment's forward again but the last's, which
-     * the forward left in the buffers, and with recompute each segment's layers once more */
-    const int n_moe = 3, moe_bwd = n_moe * ((n_seg > 1 ? n_seg - 1 : 0) + (recompute ? n_seg : 0));
+     * the forward left in the buffers, and with recompute each segment's layers once more but the last MoE layer
+     * (the shared set still holds its activations) */
+    const int n_moe = 3, moe_bwd = n_moe * (n_seg > 1 ? n_seg - 1 : 0) + (recompute ? n_seg * (n_moe - 1) : 0);
     CHECK(moe_fwd == n_moe * n_seg && moe_calls - moe_fwd == moe_bwd, "S=%d recompute %d: %d MoE forwards in the "
           "forward, %d in the backward (want %d and %d)", S, recompute, moe_fwd, moe_calls - moe_fwd, n_moe * n_seg,
           moe_bwd);

@@ -1905,6 +1905,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
                           (long long)i, V);
     TRY(cp_agree(m, vs, LM_ERR_ARG, "a token outside the vocabulary"));
     if (m->dry) return lm_error(LM_ERR_ARG, "model: a plan (lm_model_plan) has no memory to run on");
+    m->fwd_live = 0;
     TRY(sync_before_forward(m));
     /* checks a forward that stopped early left noted are dropped; this one's are taken after the layers */
     TRY(take_checks(m, 1));
@@ -1940,6 +1941,7 @@ static lm_status run_layers_forward(lm_model *m, const int32_t *tokens, int trai
     TRY(op->rmsnorm_forward(be, m->hn, m->sep ? m->hn_lp : NULL, m->rstd_final, m->hf, par_at(m, m->final_norm_off), N,
                             d, m->cfg.norm_eps));
     charge(m, LM_TIME_NORMS, &t0);
+    m->fwd_live = 1;
     return LM_OK;
 }
 
@@ -2320,6 +2322,12 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
     TRY(op->attnres_final_backward(be, m->ar, &arp, m->dhf, &arg));
     charge(m, LM_TIME_ATTNRES, &t0);
     const int S = m->cfg.attnres_block;
+    /* recompute: each shared activation set (KDA, attention, dense FFN, MoE) still holds the forward's last
+     * layer of its kind, the first this backward meets, which then skips its forward again (not under
+     * context or expert parallelism, whose forwards exchange, nor for chunked channel mixers: the set
+     * holds the last chunk only) */
+    unsigned live = m->fwd_live && !m->cp_comm && !m->ep_comm ? 0xfu : 0u;
+    m->fwd_live = 0;
     for (int idx = m->L2 - 1; idx >= 0; idx--) {
         layer_state *ls = &m->layers[idx / 2];
         float *hin = hin_of(m, idx), *xn = xn_of(m, idx);
@@ -2351,9 +2359,13 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
          * the segments' and context parallelism's token mixers add to it */
         if (idx % 2 == 0 && (m->cp_comm || m->seg_active))
             TRY(be->zero(be, m->dxn, (size_t)N * d * sizeof(float)));
+        /* the shared set of this sublayer's kind: 1 KDA, 2 attention, 4 dense FFN, 8 MoE */
+        const unsigned set = idx % 2 == 0 ? (ls->mixer == LM_MIXER_KDA ? 1u : 2u) : (ls->moe ? 8u : 4u);
+        const int again = rc_sub(m, idx) && !((live & set) && (idx % 2 == 0 || m->chunk >= N));
+        live &= ~set;
         if (idx % 2 == 0) {
             /* the recomputed output goes to y, unused in the backward */
-            if (rc_sub(m, idx)) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
+            if (again) TRY(sublayer_forward(m, ls, idx, xn, xn_lp, m->y, 0, 1));
             if (m->cp_comm && ls->mixer == LM_MIXER_KDA)
                 TRY(lm_kda_layer_cp_backward_lp(m->cp_comm, &ls->kda_cfg, &ls->kda_P, &ls->kda_PL, &ls->kda_G, xn_lp,
                                                 ls->cp_acts, m->dy_cur, m->B, m->cp_t0, m->T, m->dxn, m->cp_scratch));
@@ -2380,7 +2392,7 @@ static lm_status model_backward(lm_model *m, const float *dlogp, float loss_scal
         } else {
             /* the channel mixer chunk by chunk: each chunk's forward again, then its backward */
             for (int64_t c0 = 0; c0 < N; c0 += m->chunk) {
-                if (rc_sub(m, idx)) TRY(channel_forward(m, ls, idx, xn, xn_lp, m->y, c0, 0, 1));
+                if (again) TRY(channel_forward(m, ls, idx, xn, xn_lp, m->y, c0, 0, 1));
                 TRY(channel_backward(m, ls, xn, xn_lp, c0, loss_scale));
             }
         }

@@ -200,6 +200,10 @@ struct lm_model {
     /* the buffers still hold the last segment's activations from the last
      * segmented forward: the backward starts there without its forward again */
     int seg_live;
+    /* the last run of the layers finished: the shared activation buffers of
+     * the recomputed kinds hold their last layer's (model_backward starts
+     * each kind there without its forward again) */
+    int fwd_live;
     void *ar_full, *ar_tail;       /* residual states of S tokens a row and of the last, shorter segment */
     float *seg_block;              /* backend memory: the carries, stores and accumulators */
     size_t seg_floats;
