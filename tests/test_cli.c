@@ -391,8 +391,12 @@ static void test_selective_recompute_in_plan_and_train(void) {
                    " \"data\": \"copy\", \"recompute\": %s}}\n",
                 modes[i]);
         fclose(f);
-        snprintf(args, sizeof args, "train --config %s --out %s --quiet", path_in(cfg), path_in(run));
+        snprintf(args, sizeof args, "train --config %s --out %s%s", path_in(cfg), path_in(run), i ? "" : " --quiet");
         CHECK(run_cli(args) == 0, "train with train.recompute = %s failed", modes[i]);
+        /* the header names the setting and the model's plan */
+        CHECK(!i || test_file_has(path_in("out.txt"), "memory: train.recompute = \"channel\", recompute_chunk 0, "
+                                                       "seq_segment 0; the model's plan "),
+              "the progress header does not name train.recompute = \"channel\"");
         char metrics[600];
         snprintf(metrics, sizeof metrics, "%s/metrics.jsonl", path_in(run));
         char *text = test_slurp(metrics, NULL);

@@ -2615,6 +2615,20 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
         fprintf(opt->progress, "training %zu parameters (%d tensors), %lld steps in %d stage%s on the GPU (forward "
                 "and backward; optimizer on the %s)\n", lm_model_num_params(t.model), t.n_all,
                 (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", t.dev_opt ? "GPU" : "host");
+    if (opt->progress && !opt->resume) {
+        /* what the activations keep, and the model's memory plan at the first stage's shape */
+        double b = 0;
+        for (int i = 0; i < lm_model_num_buffers(t.model); i++) b += (double)lm_model_buffer_at(t.model, i)->bytes;
+        char sz[32];
+        int mB = 0, mT = 0;
+        lm_model_shape(t.model, &mB, &mT);
+        fprintf(opt->progress, "memory: train.recompute = %s%s%s, recompute_chunk %d, seq_segment %d; the model's "
+                "plan %s at %d x %d tokens (longmoe plan --memory lists every buffer)\n",
+                c->recompute == LM_RECOMPUTE_CHANNEL || c->recompute == LM_RECOMPUTE_TOKEN ? "\"" : "",
+                lm_recompute_name(c->recompute),
+                c->recompute == LM_RECOMPUTE_CHANNEL || c->recompute == LM_RECOMPUTE_TOKEN ? "\"" : "",
+                c->recompute_chunk, c->seq_segment, size_text(b, sz, sizeof sz), mB, mT);
+    }
     if (opt->progress && t.ranks > 1 && t.cp == 1)
         fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
                 t.ranks, share_B(&t), t.B);
