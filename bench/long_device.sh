@@ -16,7 +16,9 @@
 #                SEGMENT tokens per sequence segment (train.seq_segment; default 0: off);
 #                RECOMPUTE=0 turns train.recompute off (and CHUNK to 0): with segments the
 #                activations are one segment's, and the forward then runs twice a step, not
-#                three times; REPS=0 times the first step alone;
+#                three times; RECOMPUTE=channel recomputes the MoE and dense FFN alone,
+#                RECOMPUTE=token the KDA and attention alone (CHUNK 0); REPS=0 times the
+#                first step alone;
 #                FORCE=1 runs a length even when its plan exceeds the free memory (to see
 #                where it fails). The attention's backward follows LONGMOE_ATTENTION_BWD
 #                (docs/cuda.md: auto, cudnn, cudnn-fast, cudnn-blocked, flash), e.g.
@@ -66,27 +68,24 @@ if has test; then
 fi
 
 if has long; then
-    norec=()
-    if [ "$RECOMPUTE" = 0 ]; then
-        python3 - "$CONFIG" "$OUT/config_norecompute.json" <<'EOF2'
-import json, sys
-c = json.load(open(sys.argv[1]))
-c["train"]["recompute"] = False
-c["train"].pop("recompute_chunk", None)
-json.dump(c, open(sys.argv[2], "w"))
-EOF2
-        CONFIG="$OUT/config_norecompute.json"
-        CHUNK=0
-        norec=(--no-recompute)
-    fi
+    # train.recompute of the runs (plan and bench alike): 0/false, 1/true, channel or token; the chunk needs
+    # the channel mixers recomputed
+    case "$RECOMPUTE" in
+    0 | false | none) rmode=false CHUNK=0 ;;
+    1 | true | all) rmode=true ;;
+    channel) rmode=channel ;;
+    token) rmode=token CHUNK=0 ;;
+    *) echo "RECOMPUTE must be 0, 1, channel or token, got '$RECOMPUTE'" >&2; exit 2 ;;
+    esac
     # free device memory now, in GiB (the plan must fit it, with 2 GiB for the context and cuBLAS)
     free_gib=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1 | awk '{print $1/1024}')
-    echo "== long sequences of $CONFIG, B = 1, recompute $RECOMPUTE, recompute_chunk $CHUNK, seq_segment $SEGMENT," \
+    echo "== long sequences of $CONFIG, B = 1, recompute $rmode, recompute_chunk $CHUNK, seq_segment $SEGMENT," \
          "attention backward ${LONGMOE_ATTENTION_BWD:-auto} (free device memory ${free_gib} GiB)"
     records=()
     for T in $LENGTHS; do
         "$BUILD/longmoe" plan --memory --config "$CONFIG" --batch 1 --seq "$T" --device cuda \
-            --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --json "$OUT/plan_$T.json" >"$OUT/plan_$T.txt" 2>&1 ||
+            --recompute "$rmode" --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --json "$OUT/plan_$T.json" \
+            >"$OUT/plan_$T.txt" 2>&1 ||
             { echo "T=$T: plan failed"; cat "$OUT/plan_$T.txt"; status=1; continue; }
         plan_gib=$(awk '/^total /{print $2}' "$OUT/plan_$T.txt")
         echo "-- T=$T: the plan asks ${plan_gib} GiB (largest buffers:)"
@@ -99,7 +98,7 @@ EOF2
             continue
         fi
         timeout 570 "$BUILD/bench_cuda_model" --config "$CONFIG" --batch 1 --seq "$T" --reps "$REPS" \
-            --recompute-chunk "$CHUNK" "${norec[@]}" --seq-segment "$SEGMENT" --optimizer --out "$OUT/long_$T.json" \
+            --recompute "$rmode" --recompute-chunk "$CHUNK" --seq-segment "$SEGMENT" --optimizer --out "$OUT/long_$T.json" \
             >"$OUT/long_$T.txt" 2>&1
         rc=$?
         cat "$OUT/long_$T.txt"
