@@ -63,6 +63,22 @@ static void test_layout_arithmetic_matches_hand_computed_numbers(void) {
      * 64 x 2 x (3840 + 384) */
     CHECK_CLOSE(p.activation_bytes, 540672, 0, 0, "activations");
     CHECK_CLOSE(p.total_bytes, p.weight_bytes + p.grad_bytes + p.optimizer_bytes + p.activation_bytes, 0, 1e-12, "total");
+    /* train.recompute: a layer keeps its two inputs (2 x 2 x 64 = 256 B a token) and what is not
+     * recomputed of its token part 2 x 10 x 64 = 1280 and channel part 2 x 2 (64 + 3 x 32) = 640; one
+     * layer's recomputed part is live besides. channel: 64 x (2 (2 x 1536 + 384) + 640); token: 64 x
+     * (2 (2 x 896 + 384) + 1280); all: stage 1 is then the busiest (its two MoE layers' experts weigh more
+     * than stage 0's activations), one micro-batch in flight: 64 x (2 x 256 + 384 + 1920) */
+    const int modes[3] = {LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
+    const double want[3] = {180224, 483328, 360448};
+    for (int i = 0; i < 3; i++) {
+        lm_config r = c;
+        r.recompute = modes[i];
+        lm_layout_plan q;
+        CHECK(lm_layout_plan_compute(&r, &L, &k, 128, 1536, &q) == LM_OK, "%s", lm_last_error());
+        CHECK_CLOSE(q.activation_bytes, want[i], 0, 0, lm_recompute_name(modes[i]));
+        CHECK(q.busiest_stage == (i == 0), "recompute %s: busiest stage %d", lm_recompute_name(modes[i]),
+              q.busiest_stage);
+    }
     /* collectives: the largest stage's. Gradients (stage 1): ring reduce-scatter over 8 dense
      * replicas (7/8) and 4 expert replicas (3/4), fp32; the weights back in bf16 */
     CHECK_CLOSE(p.coll_bytes[LM_COLL_GRAD_REDUCE_SCATTER], 4 * (7.0 / 8 * 83826 + 3.0 / 4 * 49152), 0, 1e-12,
