@@ -372,6 +372,11 @@ static void test_selective_recompute_in_plan_and_train(void) {
           "plan --recompute channel does not share the MoE activations");
     CHECK(run_cli("plan --memory --config configs/tiny.json --recompute moe") == 2 && stderr_has("--recompute"),
           "plan --recompute moe accepted");
+    /* without recompute the plan names the settings that keep less */
+    CHECK(run_cli("plan --memory --config configs/tiny.json --recompute false") == 0 &&
+              test_file_has(path_in("out.txt"), "with train.recompute = \"channel\": ") &&
+              test_file_has(path_in("out.txt"), ", train.recompute = true: "),
+          "plan --recompute false does not name the settings that keep less");
     const char *modes[2] = {"false", "\"channel\""};
     char text_first[2][32] = {"", ""};
     for (int i = 0; i < 2; i++) {

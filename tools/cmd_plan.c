@@ -44,7 +44,8 @@ static const char *const plan_usage =
     "cuda, as train --device cuda), each activation and scratch buffer, by name, from\n"
     "the plan the model allocates with (no GPU needed). --recompute MODE overrides\n"
     "train.recompute (true or all, false or none, channel: the MoE and dense FFN,\n"
-    "token: the KDA and attention; docs/model.md \"Recomputation\"); --recompute-chunk N\n"
+    "token: the KDA and attention; docs/model.md \"Recomputation\"; under the table the\n"
+    "settings that keep less, with their totals); --recompute-chunk N\n"
     "overrides train.recompute_chunk (and turns train.recompute on when N > 0 and\n"
     "the channel mixers are not recomputed); --seq-segment S\n"
     "overrides train.seq_segment (the layers run S tokens of each row at a time,\n"
@@ -415,6 +416,24 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     printf("%-82s %12.3f\n", "total", gib(total));
     printf("(%.1f KiB a token; the CUDA backend adds small scratch of its own and the allocator's rounding)\n",
            total / 1024.0 / (double)(B * T));
+    {
+        /* the recompute settings that keep less, at this shape (the optimizer's part does not change) */
+        double model_now = 0;
+        for (int i = 0; i < nb; i++) model_now += (double)lm_model_buffer_at(m, i)->bytes;
+        const int modes[2] = {LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_ALL};
+        int shown = 0;
+        for (int i = 0; i < 2; i++) {
+            if (c->recompute == LM_RECOMPUTE_ALL || c->recompute == modes[i]) continue;
+            lm_config a = *c;
+            a.recompute = modes[i];
+            double b = 0;
+            if (plan_bytes(&a, B, T, dev, cp, t0, ep, &b) || b >= model_now) continue;
+            printf("%s train.recompute = %s%s%s: %.3f GiB", shown ? "," : "with", i ? "" : "\"", lm_recompute_name(modes[i]),
+                   i ? "" : "\"", gib(total - model_now + b));
+            shown = 1;
+        }
+        if (shown) printf(" (--recompute MODE; docs/model.md \"Recomputation\")\n");
+    }
     int rc = 0;
     if (json) {
         FILE *f = fopen(json, "w");
