@@ -19,7 +19,8 @@
  * SiTU-GLU, 16 experts top-4; head dim 128) and the presets configs/tiny.json
  * and configs/small.json as they are (head dim 32; small: 64 experts top-4),
  * the presets with the routing pinned; the reduced k3-mini with
- * train.recompute_chunk, against the CPU and against itself unchunked; with
+ * train.recompute_chunk, against the CPU and against itself unchunked; every
+ * train.recompute mode against none; with
  * train.seq_segment (KDA only; with attention once the CUDA attention takes a
  * query offset, else that case says skipped), against the CPU and against
  * itself on whole rows. The bf16 copies that producers write themselves
@@ -260,6 +261,64 @@ static void test_chunked_recompute_matches_unchunked_on_the_gpu(void) {
 done:
     lm_model_free(a);
     lm_model_free(b);
+}
+
+/* train.recompute on the GPU in every mode (docs/model.md, "Recomputation"):
+ * true, "channel" and "token" against the run without recompute, the reduced
+ * k3-mini with the routing pinned, one step: the loss to 1e-4 relative and
+ * every gradient to cosine 0.9995 (the recomputed forwards are the forward's
+ * own kernels on the same inputs; what they keep or reuse, the attention's
+ * output and the last layer of each kind, comes from the forward), and each
+ * mode twice gives the same bits. The bf16 plan's slots: the shared input slot
+ * and one per kept sublayer, test_model_chunk. */
+static void test_selective_recompute_on_the_gpu(void) {
+    const int modes[4] = {LM_RECOMPUTE_NONE, LM_RECOMPUTE_ALL, LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_TOKEN};
+    const int B = 2, T = 257;
+    const size_t N = (size_t)B * T;
+    lm_config c = test_reduced_k3_mini_config();
+    int32_t *tok, *tgt;
+    random_batch(c.vocab_size, N, T, 31, &tok, &tgt);
+    float *g0 = NULL, l0 = NAN;
+    size_t P = 0;
+    for (int i = 0; i < 4; i++) {
+        c.recompute = modes[i];
+        lm_model *m = NULL;
+        CHECK(!lm_model_create_on(&c, B, T, gpu, &m), "recompute %s: %s", lm_recompute_name(modes[i]), lm_last_error());
+        if (!m) break;
+        P = lm_model_num_params(m);
+        float *g = malloc(P * sizeof *g), la = NAN, lb = NAN;
+        lm_model_init(m, 32);
+        pin_routing(m, c.top_k);
+        CHECK(!step(m, tok, tgt, &la), "recompute %s: first step", lm_recompute_name(modes[i]));
+        memcpy(g, lm_model_grads(m), P * sizeof *g);
+        CHECK(!step(m, tok, tgt, &lb), "recompute %s: second step", lm_recompute_name(modes[i]));
+        CHECK(la == lb && !memcmp(g, lm_model_grads(m), P * sizeof *g), "recompute %s: two runs differ",
+              lm_recompute_name(modes[i]));
+        if (i == 0) {
+            g0 = g, l0 = la;
+        } else {
+            double worst = 1;
+            const char *worst_name = "";
+            for (int t = 0; t < lm_model_num_tensors(m); t++) {
+                const lm_model_tensor *mt = lm_model_tensor_at(m, t);
+                double na, nb, cs = cosine(g0 + mt->offset, g + mt->offset, mt->numel, &na, &nb);
+                CHECK(cs >= 0.9995, "recompute %s: %s gradient cosine %.7f against no recompute",
+                      lm_recompute_name(modes[i]), mt->name, cs);
+                if (cs < worst) worst = cs, worst_name = mt->name;
+            }
+            CHECK(fabs(la - l0) <= 1e-4 * fabs(l0), "recompute %s: loss %.7f, without %.7f", lm_recompute_name(modes[i]),
+                  la, l0);
+            printf("    recompute %-7s: loss %.7f (without %.7f), worst gradient cosine %.7f (%s), %s same bits "
+                   "%s, activations %zu bytes\n", lm_recompute_name(modes[i]), la, l0, worst, worst_name,
+                   la == l0 && !memcmp(g, g0, P * sizeof *g) ? "the" : "not the", "as without recompute",
+                   lm_model_activation_bytes(m));
+            free(g);
+        }
+        lm_model_free(m);
+    }
+    free(g0);
+    free(tok);
+    free(tgt);
 }
 
 /* train.seq_segment on the GPU (docs/model.md, "Sequence segments"): the
@@ -702,6 +761,7 @@ int main(void) {
     RUN(test_small_hybrid_matches_the_cpu_and_repeats_bitwise);
     RUN(test_reduced_k3_mini_matches_the_cpu_and_repeats_bitwise);
     RUN(test_chunked_recompute_matches_unchunked_on_the_gpu);
+    RUN(test_selective_recompute_on_the_gpu);
     RUN(test_kda_segments_match_on_the_gpu);
     RUN(test_attention_segments_match_on_the_gpu);
     RUN(test_presets_match_the_cpu_and_repeat_bitwise);
