@@ -9,6 +9,7 @@
 #include "longmoe/kda_layer.h"
 #include "longmoe/model.h"
 #include "test.h"
+#include "test_counting.h"
 #include "test_models.h"
 
 /* MoE (latent, shared expert, quantile balancing) + KDA + MLA + Block AttnRes
@@ -178,35 +179,13 @@ static void test_recompute_without_chunks_is_bit_identical(void) {
  * recompute) over two steps with the balancing update between them; the plan shares the
  * recomputed kind's activations (one set) and keeps the other's per layer; with recompute_chunk
  * the channel mode equals the full recompute with chunks to the same bits. */
-static int calls_moe, calls_kda, calls_attn;
-static lm_status cnt_moe(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
-                         const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp, void *acts,
-                         int64_t n) {
-    calls_moe++;
-    return lm_backend_cpu()->ops->moe_forward(be, y, x, x_lp, bias, cfg, p, p_lp, acts, n);
-}
-static lm_status cnt_attn(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k, const void *v,
-                          void *o, float *lse, float *rowmax) {
-    calls_attn++;
-    return lm_backend_cpu()->ops->attention_forward(be, cfg, q, k, v, o, lse, rowmax);
-}
-static lm_status cnt_kda(lm_backend *be, const lm_kda_config *cfg, const void *q, const void *k, const void *v,
-                         const void *z, const float *beta, const float *A_log, const float *dt_bias, const float *h0,
-                         void *o, float *ht) {
-    calls_kda++;
-    return lm_backend_cpu()->ops->kda_forward(be, cfg, q, k, v, z, beta, A_log, dt_bias, h0, o, ht);
-}
-
 static void selective_steps(int recompute, int chunk, float *loss, float *grads, int counts[3]) {
     lm_config c = chunk_config();
     c.recompute = recompute;
     c.recompute_chunk = chunk;
-    lm_ops ops = *lm_backend_cpu()->ops;
-    ops.moe_forward = cnt_moe;
-    ops.attention_forward = cnt_attn;
-    ops.kda_forward = cnt_kda;
-    lm_backend cb = *lm_backend_cpu();
-    cb.ops = &ops;
+    lm_ops ops;
+    lm_backend cb;
+    test_counting_backend(&cb, &ops);
     lm_model *m = NULL;
     CHECK(!lm_model_create_on(&c, 2, 23, &cb, &m), "recompute %s: %s", lm_recompute_name(recompute), lm_last_error());
     if (!m) return;
@@ -219,9 +198,9 @@ static void selective_steps(int recompute, int chunk, float *loss, float *grads,
         random_tokens(&r, tok, 46, c.vocab_size);
         random_tokens(&r, tgt, 46, c.vocab_size);
         lm_model_zero_grads(m);
-        calls_moe = calls_kda = calls_attn = 0;
+        memset(&test_counts, 0, sizeof test_counts);
         CHECK(!lm_model_forward(m, tok, tgt, 1, &loss[step]) && !lm_model_backward(m, 1.0f), "%s", lm_last_error());
-        if (step == 0) counts[0] = calls_moe, counts[1] = calls_kda, counts[2] = calls_attn;
+        if (step == 0) counts[0] = test_counts.moe, counts[1] = test_counts.kda, counts[2] = test_counts.attention;
         memcpy(grads + step * P, lm_model_grads(m), P * sizeof(float));
         CHECK(!lm_model_balance_step_end(m, 1, NULL), "%s", lm_last_error());
         float *p = lm_model_params(m);

@@ -28,6 +28,7 @@
 #include "longmoe/backend.h"
 #include "longmoe/model.h"
 #include "test.h"
+#include "test_counting.h"
 
 static lm_config seg_config(lm_attn_kind attn, int recompute, int chunk) {
     lm_config c;
@@ -305,36 +306,13 @@ static void test_plan_grows_only_by_the_carries(void) {
  * a CPU backend whose attention forwards count their calls. (That the reused
  * rows are the right ones, test_segments_equal_whole_rows and, with recompute
  * on whole rows, test_model_chunk's bit-identical recompute show.) */
-static int attn_calls;
-static lm_status count_fwd(lm_backend *be, const lm_attention_config *cfg, const void *q, const void *k,
-                           const void *v, void *o, float *lse, float *rowmax) {
-    attn_calls++;
-    return lm_backend_cpu()->ops->attention_forward(be, cfg, q, k, v, o, lse, rowmax);
-}
-static lm_status count_fwd_offset(lm_backend *be, const lm_attention_config *cfg, int q_offset, const void *q,
-                                  const void *k, const void *v, void *o, float *lse, float *rowmax) {
-    attn_calls++;
-    return lm_backend_cpu()->ops->attention_forward_offset(be, cfg, q_offset, q, k, v, o, lse, rowmax);
-}
-
-static int moe_calls;
-static lm_status count_moe(lm_backend *be, float *y, const float *x, const void *x_lp, const float *bias,
-                           const lm_moe_config *cfg, const lm_moe_params *p, const lm_moe_params *p_lp, void *acts,
-                           int64_t n) {
-    moe_calls++;
-    return lm_backend_cpu()->ops->moe_forward(be, y, x, x_lp, bias, cfg, p, p_lp, acts, n);
-}
-
 static void kept_case(lm_attn_kind attn, int recompute, int S) {
     lm_config c = seg_config(attn, recompute, 0);
     c.seq_segment = S;
     const int B = 2, T = 37, N = B * T, n_attn = 2, n_seg = S > 0 && S < T ? (T + S - 1) / S : 1;
-    lm_ops ops = *lm_backend_cpu()->ops;
-    ops.attention_forward = count_fwd;
-    ops.attention_forward_offset = count_fwd_offset;
-    ops.moe_forward = count_moe;
-    lm_backend cb = *lm_backend_cpu();
-    cb.ops = &ops;
+    lm_ops ops;
+    lm_backend cb;
+    test_counting_backend(&cb, &ops);
     lm_model *m = NULL;
     CHECK(!lm_model_create_on(&c, B, T, &cb, &m), "%s", lm_last_error());
     if (!m) return;
@@ -348,21 +326,21 @@ static void kept_case(lm_attn_kind attn, int recompute, int S) {
     /* a segment's queries attend per row: B calls a layer and segment (whole rows: one a layer) */
     const int per_forward = n_attn * (n_seg > 1 ? n_seg * B : 1);
     lm_model_zero_grads(m);
-    attn_calls = moe_calls = 0;
+    memset(&test_counts, 0, sizeof test_counts);
     CHECK(!lm_model_forward(m, tok, tgt, 1, &l1), "%s", lm_last_error());
-    const int fwd = attn_calls, moe_fwd = moe_calls;
+    const int fwd = test_counts.attention, moe_fwd = test_counts.moe;
     CHECK(!lm_model_backward(m, 1.0f), "%s", lm_last_error());
-    CHECK(fwd == per_forward && attn_calls == fwd, "S=%d recompute %d: %d attention calls in the forward, %d in the "
-          "backward (want %d and none)", S, recompute, fwd, attn_calls - fwd, per_forward);
+    CHECK(fwd == per_forward && test_counts.attention == fwd, "S=%d recompute %d: %d attention calls in the forward, %d in the "
+          "backward (want %d and none)", S, recompute, fwd, test_counts.attention - fwd, per_forward);
     /* the MoE layers (1, 2 and 3; layer 0 is dense): the backward runs every segment's forward again but the last's, which
      * the forward left in the buffers, and with recompute each segment's layers once more but the last MoE layer
      * (the shared set still holds its activations) */
     const int n_moe = 3, moe_bwd = n_moe * (n_seg > 1 ? n_seg - 1 : 0) + (recompute ? n_seg * (n_moe - 1) : 0);
-    CHECK(moe_fwd == n_moe * n_seg && moe_calls - moe_fwd == moe_bwd, "S=%d recompute %d: %d MoE forwards in the "
-          "forward, %d in the backward (want %d and %d)", S, recompute, moe_fwd, moe_calls - moe_fwd, n_moe * n_seg,
+    CHECK(moe_fwd == n_moe * n_seg && test_counts.moe - moe_fwd == moe_bwd, "S=%d recompute %d: %d MoE forwards in "
+          "the forward, %d in the backward (want %d and %d)", S, recompute, moe_fwd, test_counts.moe - moe_fwd, n_moe * n_seg,
           moe_bwd);
     printf("    S=%d recompute %d: %d segments, attention %d calls, MoE forwards %d + %d in the backward\n", S,
-           recompute, n_seg, fwd, moe_fwd, moe_calls - moe_fwd);
+           recompute, n_seg, fwd, moe_fwd, test_counts.moe - moe_fwd);
     lm_model_free(m);
 }
 
