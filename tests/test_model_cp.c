@@ -202,8 +202,9 @@ static void check_model(lm_attn_kind attn, int recompute) {
             dq = fabs((double)qs[h] - qw[h]) > dq ? fabs((double)qs[h] - qw[h]) : dq;
             sq = fabs(qw[h]) > sq ? fabs(qw[h]) : sq;
         }
-        printf("    %s%s, %d ranks: loss %.3g, gradients %.3g (worst %s), QK maxima %.3g relative\n",
-               attn == LM_ATTN_MLA ? "MLA" : "GQA", recompute ? ", recompute" : "", R, dl, dg, name, dq / sq);
+        printf("    %s%s%s, %d ranks: loss %.3g, gradients %.3g (worst %s), QK maxima %.3g relative\n",
+               attn == LM_ATTN_MLA ? "MLA" : "GQA", recompute ? ", recompute " : "",
+               recompute ? lm_recompute_name(recompute) : "", R, dl, dg, name, dq / sq);
         CHECK(dl <= 1e-5, "loss summed over the ranks %.9g, whole %.9g", loss_sum, want);
         check_tensors(whole, gs, gw, R);
         CHECK(dq <= 1e-5 * sq, "QK-Clip maxima off by %.3g", dq);
@@ -250,6 +251,11 @@ static void check_model(lm_attn_kind attn, int recompute) {
 static void test_mla_model_equals_the_whole_sequence(void) { check_model(LM_ATTN_MLA, 0); }
 static void test_mla_model_with_recompute_equals_the_whole_sequence(void) { check_model(LM_ATTN_MLA, 1); }
 static void test_gqa_model_equals_the_whole_sequence(void) { check_model(LM_ATTN_GQA, 0); }
+/* one kind recomputed: the token mixers' segment activations one shared set, the MoE's per layer, and back */
+static void test_selective_recompute_equals_the_whole_sequence(void) {
+    check_model(LM_ATTN_GQA, LM_RECOMPUTE_TOKEN);
+    check_model(LM_ATTN_MLA, LM_RECOMPUTE_CHANNEL);
+}
 
 static void test_unfit_models_are_refused(void) {
     /* different row counts on the ranks: refused on every rank (alone: one model, nothing to disagree) */
@@ -289,6 +295,7 @@ int main(int argc, char **argv) {
     RUN(test_mla_model_equals_the_whole_sequence);
     RUN(test_mla_model_with_recompute_equals_the_whole_sequence);
     RUN(test_gqa_model_equals_the_whole_sequence);
+    RUN(test_selective_recompute_equals_the_whole_sequence);
     RUN(test_unfit_models_are_refused);
     if (comm) {
         printf("  worst difference from the whole sequence (relative to the largest): %.3g\n", worst);

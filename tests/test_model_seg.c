@@ -179,6 +179,11 @@ static void test_segments_equal_whole_rows(void) {
         snprintf(what, sizeof what, "GQA, recompute %d, chunk %d", rc[i][0], rc[i][1]);
         compare(seg_config(LM_ATTN_GQA, rc[i][0], rc[i][1]), 2, 37, 8, what);
     }
+    /* one kind recomputed (train.recompute "channel" with chunks, "token") */
+    lm_config ch = seg_config(LM_ATTN_MLA, LM_RECOMPUTE_CHANNEL, 5);
+    compare(ch, 2, 37, 8, "MLA, recompute channel, chunk 5");
+    lm_config tk = seg_config(LM_ATTN_GQA, LM_RECOMPUTE_TOKEN, 0);
+    compare(tk, 2, 37, 16, "GQA, recompute token");
     /* NoPE, the recipe's (and the GPU's) MLA: the keys up-projected straight into the product format */
     lm_config np = seg_config(LM_ATTN_MLA, 1, 0);
     np.rope_dims = 0;
