@@ -121,8 +121,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     lm_model_init(m, 1);
-    double plan_bytes = 0;
-    for (int i = 0; i < lm_model_num_buffers(m); i++) plan_bytes += (double)lm_model_buffer_at(m, i)->bytes;
+    const double plan_bytes = (double)lm_model_plan_bytes(m);
     /* the device optimizer, as train --device cuda: Muon for the hidden matrices, AdamW for the rest */
     lm_device_optimizer *opt_muon = NULL, *opt_adam = NULL;
     if (with_opt) {

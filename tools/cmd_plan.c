@@ -295,8 +295,7 @@ static int plan_of(const lm_config *c, long B, long T, lm_device dev, long cp, l
 static int plan_bytes(const lm_config *c, long B, long T, lm_device dev, long cp, long t0, long ep, double *bytes) {
     lm_model *m = NULL;
     if (plan_of(c, B, T, dev, cp, t0, ep, &m)) return 1;
-    *bytes = 0;
-    for (int i = 0; i < lm_model_num_buffers(m); i++) *bytes += (double)lm_model_buffer_at(m, i)->bytes;
+    *bytes = (double)lm_model_plan_bytes(m);
     lm_model_free(m);
     return 0;
 }
@@ -388,8 +387,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
     size_t extra[N_EXTRA] = {state, scratch, norm, dev == LM_DEVICE_CPU ? lm_model_expert_layer_bytes(m) : 0,
                              ep > 1 ? lm_model_ep_exchange_bytes(m, (int)ep) : 0};
     int nb = lm_model_num_buffers(m);
-    double total = 0;
-    for (int i = 0; i < nb; i++) total += (double)lm_model_buffer_at(m, i)->bytes;
+    double total = (double)lm_model_plan_bytes(m);
     for (int i = 0; i < N_EXTRA; i++) total += (double)extra[i];
     printf("%s on %s, B=%ld x T=%ld (%ld tokens), recompute %s, recompute_chunk %d, seq_segment %d: %zu parameters\n",
            cmd, device, B, T, B * T, c->recompute == LM_RECOMPUTE_ALL ? "on" : c->recompute ? lm_recompute_name(c->recompute) : "off",
@@ -418,8 +416,7 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
            total / 1024.0 / (double)(B * T));
     {
         /* the recompute settings that keep less, at this shape (the optimizer's part does not change) */
-        double model_now = 0;
-        for (int i = 0; i < nb; i++) model_now += (double)lm_model_buffer_at(m, i)->bytes;
+        const double model_now = (double)lm_model_plan_bytes(m);
         const int modes[2] = {LM_RECOMPUTE_CHANNEL, LM_RECOMPUTE_ALL};
         int shown = 0;
         for (int i = 0; i < 2; i++) {
@@ -428,8 +425,8 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
             a.recompute = modes[i];
             double b = 0;
             if (plan_bytes(&a, B, T, dev, cp, t0, ep, &b) || b >= model_now) continue;
-            printf("%s train.recompute = %s%s%s: %.3f GiB", shown ? "," : "with", i ? "" : "\"", lm_recompute_name(modes[i]),
-                   i ? "" : "\"", gib(total - model_now + b));
+            printf("%s train.recompute = %s: %.3f GiB", shown ? "," : "with", lm_recompute_json(modes[i]),
+                   gib(total - model_now + b));
             shown = 1;
         }
         if (shown) printf(" (--recompute MODE; docs/model.md \"Recomputation\")\n");
@@ -440,11 +437,9 @@ static int print_memory(const char *cmd, lm_config *c, long B, long T, const cha
         if (!f) {
             rc = cli_fail(cmd, "cannot write %s", json);
         } else {
-            const char *rn = lm_recompute_name(c->recompute);
-            const char *q = c->recompute == LM_RECOMPUTE_NONE || c->recompute == LM_RECOMPUTE_ALL ? "" : "\"";
-            fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %s%s%s, \"recompute_chunk\": %d, "
+            fprintf(f, "{\"device\": \"%s\", \"batch\": %ld, \"seq\": %ld, \"recompute\": %s, \"recompute_chunk\": %d, "
                        "\"seq_segment\": %d, ",
-                    device, B, T, q, rn, q,
+                    device, B, T, lm_recompute_json(c->recompute),
                     c->recompute_chunk, c->seq_segment);
             if (cp > 1)
                 fprintf(f, "\"context_parallel\": %ld, \"cp_split\": \"%s\", \"cp_rank\": %ld, \"segment_start\": %ld, "

@@ -32,8 +32,10 @@ static inline int lm_recompute_sublayer(int recompute, int idx) {
     return recompute == LM_RECOMPUTE_ALL || (recompute == LM_RECOMPUTE_TOKEN && idx % 2 == 0) ||
            (recompute == LM_RECOMPUTE_CHANNEL && idx % 2 == 1);
 }
-/* The name config.json writes for a recompute value ("false", "true", "channel", "token"). */
+/* A recompute value's name ("false", "true", "channel", "token"), and as
+ * config.json writes it (the names quoted: false, true, "channel", "token"). */
 const char *lm_recompute_name(int recompute);
+const char *lm_recompute_json(int recompute);
 /* A command line's recompute value: false or none, true or all, channel, token; -1 for anything else. */
 int lm_recompute_from_name(const char *name);
 

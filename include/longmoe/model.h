@@ -279,6 +279,8 @@ typedef struct {
 } lm_model_buffer;
 int lm_model_num_buffers(const lm_model *m);
 const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i);
+/* The plan's total: the bytes of every buffer above. */
+size_t lm_model_plan_bytes(const lm_model *m);
 /* Plan a model for a device without allocating it (no GPU needed, a build
  * with CUDA for LM_DEVICE_CUDA): the parameter table and the memory plan of
  * lm_model_create_on at B x T. Only the tables may be read (lm_model_num_*,

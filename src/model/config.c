@@ -171,6 +171,14 @@ const char *lm_recompute_name(int recompute) {
     }
 }
 
+const char *lm_recompute_json(int recompute) {
+    switch (recompute) {
+    case LM_RECOMPUTE_CHANNEL: return "\"channel\"";
+    case LM_RECOMPUTE_TOKEN: return "\"token\"";
+    default: return lm_recompute_name(recompute);
+    }
+}
+
 int lm_recompute_from_name(const char *name) {
     if (!name) return -1;
     if (!strcmp(name, "false") || !strcmp(name, "none")) return LM_RECOMPUTE_NONE;
@@ -482,9 +490,7 @@ char *lm_config_to_json(const lm_config *c) {
             case KEY_RECOMPUTE: {
                 int x;
                 memcpy(&x, field, sizeof x);
-                const char *name = lm_recompute_name(x);
-                const int bare = x == LM_RECOMPUTE_NONE || x == LM_RECOMPUTE_ALL; /* false, true */
-                n += (size_t)snprintf(out + n, cap - n, bare ? "%s" : "\"%s\"", name);
+                n += (size_t)snprintf(out + n, cap - n, "%s", lm_recompute_json(x));
                 break;
             }
             case KEY_LAYOUT:

@@ -1201,6 +1201,11 @@ int lm_model_num_buffers(const lm_model *m) { return m->n_buffers; }
 const lm_model_buffer *lm_model_buffer_at(const lm_model *m, int i) {
     return i >= 0 && i < m->n_buffers ? &m->buffers[i] : NULL;
 }
+size_t lm_model_plan_bytes(const lm_model *m) {
+    size_t b = 0;
+    for (int i = 0; i < m->n_buffers; i++) b += m->buffers[i].bytes;
+    return b;
+}
 /* ---- the routed experts' weight gradients, written by the first backward after a zeroing ----
  * With dw_set (lm_model_set_expert_grads_written; on by default on a backend with memory of its
  * own) a zeroing of the gradients leaves out the routed experts' gate, up and down gradients of the
@@ -2026,11 +2031,12 @@ static lm_status head_forward(lm_model *m, float head_scale, double *loss_sum) {
     return LM_OK;
 }
 
-/* Segment s's layers; with loss_sum its head too (head_scale > 0: and the
- * head's backward, for the segmented backward, which knows its scale). */
-static lm_status seg_run(lm_model *m, int s, int training, double *loss_sum, float head_scale) {
+/* Segment s's layers (not with layers = 0: the buffers still hold them); with
+ * loss_sum its head too (head_scale > 0: and the head's backward, for the
+ * segmented backward, which knows its scale). */
+static lm_status seg_run(lm_model *m, int s, int layers, int training, double *loss_sum, float head_scale) {
     seg_enter(m, s, 1);
-    TRY(run_layers_forward(m, m->seg_tok, training));
+    if (layers) TRY(run_layers_forward(m, m->seg_tok, training));
     if (!loss_sum) return LM_OK;
     lm_backend *be = m->be;
     TRY(be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t)));
@@ -2052,7 +2058,7 @@ static lm_status seg_forward(lm_model *m, const int32_t *tokens, const int32_t *
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
         double part = 0;
-        st = seg_run(m, s, training, &part, 0.0f);
+        st = seg_run(m, s, 1, training, &part, 0.0f);
         total += part;
     }
     seg_leave(m);
@@ -2098,15 +2104,9 @@ static lm_status seg_backward(lm_model *m, float loss_scale) {
     lm_status st = LM_OK;
     for (int s = m->n_seg - 1; s >= 0 && !st; s--) {
         double unused = 0;
-        if (s == m->n_seg - 1 && live) {
-            /* the forward's last segment is still in the buffers: its head's forward and backward alone */
-            seg_enter(m, s, 1);
-            st = be->upload(be, m->targets, m->seg_tgt, (size_t)m->N * sizeof(int32_t));
-            if (!st) st = head_forward(m, loss_scale, &unused);
-        } else {
-            /* the segment's forward again, its head's backward with it (each chunk's logits once) */
-            st = seg_run(m, s, 0, &unused, loss_scale);
-        }
+        /* the segment's forward again (but the forward's last segment, still in the buffers), its head's
+         * backward with it (each chunk's logits once) */
+        st = seg_run(m, s, !(s == m->n_seg - 1 && live), 0, &unused, loss_scale);
         m->have_targets = 1;
         if (!st) st = model_backward(m, NULL, loss_scale);
         m->seg_parity ^= 1;
@@ -2128,7 +2128,7 @@ static lm_status seg_score(lm_model *m, const int32_t *tokens, const int32_t *ta
     const int on_host = be->device == LM_DEVICE_CPU;
     lm_status st = LM_OK;
     for (int s = 0; s < m->n_seg && !st; s++) {
-        st = seg_run(m, s, 0, NULL, 0.0f);
+        st = seg_run(m, s, 1, 0, NULL, 0.0f);
         const int64_t N = m->N;
         const int n = m->T, t0 = m->seg_t0;
         double t1 = lm_time_seconds();

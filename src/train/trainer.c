@@ -1422,8 +1422,7 @@ static lm_status open_device(trainer *t) {
 static double planned_bytes(const lm_config *cfg, int B, int T, lm_device dev) {
     lm_model *m = NULL;
     if (lm_model_plan(cfg, B, T, dev, &m)) return 0;
-    double b = 0;
-    for (int i = 0; i < lm_model_num_buffers(m); i++) b += (double)lm_model_buffer_at(m, i)->bytes;
+    const double b = (double)lm_model_plan_bytes(m);
     lm_model_free(m);
     return b;
 }
@@ -1452,8 +1451,8 @@ static lm_status memory_hint(const trainer *t, int B, int T) {
         c.recompute = modes[i];
         const double b = planned_bytes(&c, B, T, dev);
         if (b > 0 && b < now)
-            n += (size_t)snprintf(alt + n, sizeof alt - n, ", with train.recompute = %s%s%s %s", i ? "" : "\"",
-                                  lm_recompute_name(modes[i]), i ? "" : "\"", size_text(b, a, sizeof a));
+            n += (size_t)snprintf(alt + n, sizeof alt - n, ", with train.recompute = %s %s", lm_recompute_json(modes[i]),
+                                  size_text(b, a, sizeof a));
     }
     return lm_error(LM_ERR_MEMORY, "%s; the model's plan on %s at %d x %d tokens: %s with these settings%s", why,
                     lm_device_name(dev), B, T, size_text(now, a, sizeof a), alt);
@@ -2617,17 +2616,13 @@ lm_status lm_train(const lm_config *cfg_in, const lm_train_options *opt_in, lm_t
                 (long long)t.total_steps, t.n_stages, t.n_stages > 1 ? "s" : "", t.dev_opt ? "GPU" : "host");
     if (opt->progress && !opt->resume) {
         /* what the activations keep, and the model's memory plan at the first stage's shape */
-        double b = 0;
-        for (int i = 0; i < lm_model_num_buffers(t.model); i++) b += (double)lm_model_buffer_at(t.model, i)->bytes;
         char sz[32];
         int mB = 0, mT = 0;
         lm_model_shape(t.model, &mB, &mT);
-        fprintf(opt->progress, "memory: train.recompute = %s%s%s, recompute_chunk %d, seq_segment %d; the model's "
-                "plan %s at %d x %d tokens (longmoe plan --memory lists every buffer)\n",
-                c->recompute == LM_RECOMPUTE_CHANNEL || c->recompute == LM_RECOMPUTE_TOKEN ? "\"" : "",
-                lm_recompute_name(c->recompute),
-                c->recompute == LM_RECOMPUTE_CHANNEL || c->recompute == LM_RECOMPUTE_TOKEN ? "\"" : "",
-                c->recompute_chunk, c->seq_segment, size_text(b, sz, sizeof sz), mB, mT);
+        fprintf(opt->progress, "memory: train.recompute = %s, recompute_chunk %d, seq_segment %d; the model's plan %s "
+                "at %d x %d tokens (longmoe plan --memory lists every buffer)\n", lm_recompute_json(c->recompute),
+                c->recompute_chunk, c->seq_segment, size_text((double)lm_model_plan_bytes(t.model), sz, sizeof sz), mB,
+                mT);
     }
     if (opt->progress && t.ranks > 1 && t.cp == 1)
         fprintf(opt->progress, "data parallel over %d ranks: each takes %d of the %d sequences of a micro-batch\n",
